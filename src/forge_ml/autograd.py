@@ -1,0 +1,275 @@
+"""Tape-based reverse-mode autograd, after the Rust original's ``Tape``.
+
+Define-by-run: the forward records one node per op on the ``Tape``; ``Tape.backward``
+sweeps the nodes in reverse, each backward rule written with ``ops`` only (so one rule
+serves every backend). Recording order is a topological order: no sort is needed.
+
+>>> import numpy as np, forge_ml as fm
+>>> tape = fm.Tape()
+>>> x = tape.leaf(fm.tensor(np.array([[1.0, -2.0]], np.float32)))
+>>> w = tape.leaf(fm.tensor(np.array([[3.0], [4.0]], np.float32)))
+>>> y = tape.matmul(x, w)                          # (1, 1) = [[-5]]
+>>> grads = tape.backward(y, fm.tensor(np.ones((1, 1), np.float32)))
+>>> grads[w.id].numpy().ravel().tolist()           # dy/dw = x^T
+[1.0, -2.0]
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+from . import ops
+from .errors import ShapeError, TapeError
+from .tensor import Tensor, ones_like, zeros
+
+
+class TVar:
+    """A tensor tracked on a tape: ``id`` is its node, ``t`` its value."""
+
+    __slots__ = ("id", "t")
+
+    def __init__(self, id: int, t: Tensor):
+        self.id = id
+        self.t = t
+
+    @property
+    def shape(self):
+        return self.t.shape
+
+    def __repr__(self):
+        return f"TVar(id={self.id}, shape={self.t.shape}, dtype={self.t.dtype.name})"
+
+
+class _Saved:
+    """A tensor kept for backward, with its version to catch in-place edits in between."""
+
+    __slots__ = ("t", "version", "what")
+
+    def __init__(self, t: Tensor, what: str):
+        self.t, self.version, self.what = t, t.version, what
+
+    def get(self) -> Tensor:
+        if self.t.version != self.version:
+            raise TapeError(f"backward: a tensor saved by {self.what} was modified in place "
+                            "after the forward; backward would use the new values")
+        return self.t
+
+
+BackwardFn = Callable[[Tensor], list]
+
+
+class Tape:
+    """Records ops for one forward; ``backward`` returns the gradients.
+
+    Each op method computes through ``ops`` and records a closure mapping ``dL/dout`` to
+    ``[(parent_id, grad), …]``.
+    """
+
+    def __init__(self):
+        self._nodes: list[Optional[BackwardFn]] = []
+        self._swept = False
+        self.grads: list[Optional[Tensor]] = []
+
+    def __len__(self):
+        return len(self._nodes)
+
+    def leaf(self, t: Tensor) -> TVar:
+        """Register a leaf (parameter or input); ``backward`` keeps its gradient."""
+        if not isinstance(t, Tensor):
+            raise TapeError(f"leaf: expected a Tensor, got {type(t).__name__}")
+        self._nodes.append(None)
+        return TVar(len(self._nodes) - 1, t)
+
+    def _record(self, t: Tensor, f: BackwardFn) -> TVar:
+        self._nodes.append(f)
+        return TVar(len(self._nodes) - 1, t)
+
+    def _check(self, *vs):
+        for v in vs:
+            if v is not None and not (isinstance(v, TVar) and v.id < len(self._nodes)):
+                raise TapeError(f"expected a TVar of this tape, got {v!r}")
+
+    # -- ops -------------------------------------------------------------------------------
+    def add(self, a: TVar, b: TVar) -> TVar:
+        """``a + b`` (same shape); the gradient flows to both unchanged."""
+        self._check(a, b)
+        out = ops.add(a.t, b.t)
+        ia, ib = a.id, b.id
+        return self._record(out, lambda dy: [(ia, dy), (ib, dy)])
+
+    def matmul(self, a: TVar, b: TVar, bias: Optional[TVar] = None, *, trans_b=False,
+               alpha=1.0) -> TVar:
+        """``alpha * a @ op(b) + bias`` for equal-rank operands (2-D, or batched rank >= 3).
+
+        ``trans_a`` and ``b_rows`` are backward-only specs and are not taken here.
+        """
+        self._check(a, b, bias)
+        if a.t.ndim != b.t.ndim:
+            raise ShapeError(f"tape.matmul: a is {a.shape} but b is {b.shape}; the tape needs "
+                             "equal-rank operands (reshape to 2-D first)")
+        out = ops.matmul(a.t, b.t, None if bias is None else bias.t, trans_b=trans_b, alpha=alpha)
+        ia, ib = a.id, b.id
+        ibias = None if bias is None else bias.id
+        sa, sb = _Saved(a.t, "matmul"), _Saved(b.t, "matmul")
+
+        def backward(dy):
+            at, bt = sa.get(), sb.get()
+            if not trans_b:
+                da = ops.matmul(dy, bt, trans_b=True, alpha=alpha)   # Y = aAB:  dA = a dY B^T
+                db = ops.matmul(at, dy, trans_a=True, alpha=alpha)   #           dB = a A^T dY
+            else:
+                da = ops.matmul(dy, bt, alpha=alpha)                 # Y = aAB^T: dA = a dY B
+                db = ops.matmul(dy, at, trans_a=True, alpha=alpha)   #            dB = a dY^T A
+            grads = [(ia, da), (ib, db)]
+            if ibias is not None:
+                grads.append((ibias, ops.sum_rows(dy)))
+            return grads
+
+        return self._record(out, backward)
+
+    def gelu(self, x: TVar) -> TVar:
+        """GPT-2's tanh GELU."""
+        self._check(x)
+        out = ops.gelu(x.t)
+        ix, sx = x.id, _Saved(x.t, "gelu")
+        return self._record(out, lambda dy: [(ix, ops.gelu_bwd(sx.get(), dy))])
+
+    def layernorm(self, x: TVar, gamma: TVar, beta: TVar, eps: float = 1e-5) -> TVar:
+        """Layer norm over the last axis."""
+        self._check(x, gamma, beta)
+        out = ops.layernorm(x.t, gamma.t, beta.t, eps)
+        ix, ig, ib = x.id, gamma.id, beta.id
+        sx, sg = _Saved(x.t, "layernorm"), _Saved(gamma.t, "layernorm")
+
+        def backward(dy):
+            dx, dgamma, dbeta = ops.layernorm_bwd(sx.get(), sg.get(), dy, eps)
+            return [(ix, dx), (ig, dgamma), (ib, dbeta)]
+
+        return self._record(out, backward)
+
+    def softmax(self, x: TVar, causal: bool = False, off: int = 0) -> TVar:
+        """Softmax over the last axis, optionally causal. Saves the output: masked outputs
+        are exact zeros, so the backward needs no mask."""
+        self._check(x)
+        out = ops.softmax(x.t, causal, off)
+        ix, sy = x.id, _Saved(out, "softmax")
+        return self._record(out, lambda dy: [(ix, ops.softmax_bwd(sy.get(), dy))])
+
+    def split_heads(self, qkv: TVar, n_head: int):
+        """``(…, T, 3C) -> q, k, v`` of ``(…, H, T, hs)``: three nodes, as in the original."""
+        self._check(qkv)
+        q, k, v = ops.split_heads(qkv.t, n_head)
+        iq = qkv.id
+
+        def mk(which):
+            return lambda dy: [(iq, ops.unsplit_head(dy, which))]
+
+        return self._record(q, mk(0)), self._record(k, mk(1)), self._record(v, mk(2))
+
+    def merge_heads(self, x: TVar) -> TVar:
+        """``(…, H, T, hs) -> (…, T, C)``."""
+        self._check(x)
+        h = x.t.shape[-3]
+        out = ops.merge_heads(x.t)
+        ix = x.id
+        return self._record(out, lambda dy: [(ix, ops.unmerge_heads(dy, h))])
+
+    def reshape(self, x: TVar, *shape) -> TVar:
+        """A view with another shape; the gradient is reshaped back."""
+        self._check(x)
+        out = x.t.reshape(*shape)
+        ix, old = x.id, x.t.shape
+        return self._record(out, lambda dy: [(ix, dy.reshape(old))])
+
+    def attention(self, q: TVar, k: TVar, v: TVar, scale: Optional[float] = None) -> TVar:
+        """Fused causal self-attention over ``(…, H, T, hs)``; saves q, k, v, out and the
+        per-row log-sum-exp, never the T x T probabilities."""
+        self._check(q, k, v)
+        scale = 1.0 / math.sqrt(q.t.shape[-1]) if scale is None else float(scale)
+        out, lse = ops.attention(q.t, k.t, v.t, scale)
+        iq, ik, iv = q.id, k.id, v.id
+        saved = [_Saved(t, "attention") for t in (q.t, k.t, v.t, out, lse)]
+
+        def backward(dy):
+            qt, kt, vt, ot, lt = (s.get() for s in saved)
+            dq, dk, dv = ops.attention_bwd(qt, kt, vt, ot, lt, dy, scale)
+            return [(iq, dq), (ik, dk), (iv, dv)]
+
+        return self._record(out, backward)
+
+    def embedding(self, ids: Tensor, wte: TVar, wpe: TVar, pos: int = 0) -> TVar:
+        """Token + position embedding. ``dwte`` is a scatter-add over the ids; ``dwpe`` the
+        upstream gradient (summed over the batch) placed at rows ``pos…``."""
+        self._check(wte, wpe)
+        out = ops.embedding(ids, wte.t, wpe.t, pos)
+        iw, ip = wte.id, wpe.id
+        wte_shape, (n_ctx, c) = wte.t.shape, wpe.t.shape
+        t = ids.shape[-1]
+        dev, dt = wte.t.device, wte.t.dtype
+
+        def backward(dy):
+            dwte = zeros(wte_shape, dt, dev)
+            ops.scatter_add_rows(dwte, ids, dy)
+            rows = dy.reshape(-1, t * c)                               # (B, T*C)
+            rows = ops.sum_rows(rows) if rows.shape[0] > 1 else rows    # (T*C,) summed over B
+            dwpe3 = zeros((1, n_ctx, c), dt, dev)
+            ops.kv_append(dwpe3, rows.reshape(1, t, c), pos)
+            return [(iw, dwte), (ip, dwpe3.reshape(n_ctx, c))]
+
+        return self._record(out, backward)
+
+    def dropout(self, x: TVar, p: float, seed: int) -> TVar:
+        """Inverted dropout; backward regenerates the mask from ``seed``, nothing is saved."""
+        self._check(x)
+        if p == 0.0:
+            return x
+        out = ops.dropout(x.t, p, seed)
+        ix = x.id
+        return self._record(out, lambda dy: [(ix, ops.dropout(dy, p, seed))])
+
+    def cross_entropy(self, logits: TVar, targets: Tensor, vocab_size: Optional[int] = None) -> TVar:
+        """Mean token cross-entropy (a 0-d float32 node); fused softmax + NLL backward."""
+        self._check(logits)
+        out = ops.cross_entropy(logits.t, targets, vocab_size)
+        il, sl = logits.id, _Saved(logits.t, "cross_entropy")
+        return self._record(
+            out, lambda dy: [(il, ops.cross_entropy_bwd(sl.get(), targets, dy, vocab_size))])
+
+    # -- the reverse sweep -----------------------------------------------------------------
+    def backward(self, root: TVar, seed_grad: Optional[Tensor] = None) -> list:
+        """Sweep from ``root`` down, seeded with ``seed_grad`` (``dL/droot``; ones by default).
+
+        Fan-in is accumulated with ``ops.add``; each interior gradient is freed as soon as its
+        node has consumed it. Returns the per-node gradient list (also ``self.grads``): leaves
+        reached keep theirs, every other entry is None. A tape is swept once.
+        """
+        self._check(root)
+        if self._swept:
+            raise TapeError("backward: this tape was already swept; record a new forward")
+        if seed_grad is None:
+            seed_grad = ones_like(root.t)
+        if seed_grad.shape != root.t.shape:
+            raise ShapeError(f"backward: seed_grad is {seed_grad.shape} but root is {root.t.shape}")
+        self._swept = True
+        grads: list[Optional[Tensor]] = [None] * len(self._nodes)
+        grads[root.id] = seed_grad
+        for i in range(root.id, -1, -1):
+            if grads[i] is None:
+                continue
+            f = self._nodes[i]
+            if f is None:
+                continue  # a leaf: keep its gradient
+            self._nodes[i] = None
+            dy, grads[i] = grads[i], None
+            for pid, g in f(dy):
+                acc = grads[pid]
+                grads[pid] = g if acc is None else ops.add(acc, g)
+        # nodes above root were never reached; drop their closures too
+        for i in range(root.id + 1, len(self._nodes)):
+            self._nodes[i] = None
+        self.grads = grads
+        return grads
+
+    def grad(self, v: TVar) -> Optional[Tensor]:
+        """The gradient ``backward`` left for ``v`` (a leaf), or None if it was not reached."""
+        return self.grads[v.id] if v.id < len(self.grads) else None

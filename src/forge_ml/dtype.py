@@ -1,0 +1,62 @@
+"""Data types of forge-ml tensors.
+
+float32 and float64 compute on every device; int32 and int64 hold token ids; bfloat16 is
+the GPU's storage type for mixed-precision training (float32 accumulation in every kernel).
+
+>>> from forge_ml import dtype
+>>> dtype.get("float32").itemsize
+4
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import DTypeError
+
+
+@dataclass(frozen=True)
+class DType:
+    """A named element type; ``np`` is the NumPy dtype name used on the CPU."""
+
+    name: str
+    itemsize: int
+    is_float: bool
+
+    def __repr__(self) -> str:
+        return f"forge_ml.{self.name}"
+
+
+float32 = DType("float32", 4, True)
+float64 = DType("float64", 8, True)
+bfloat16 = DType("bfloat16", 2, True)
+int32 = DType("int32", 4, False)
+int64 = DType("int64", 8, False)
+
+ALL = {d.name: d for d in (float32, float64, bfloat16, int32, int64)}
+FLOATS = (float32, float64, bfloat16)
+INTS = (int32, int64)
+
+
+def get(d) -> DType:
+    """Turn a DType, a name ("float32", "bf16") or a NumPy dtype into a DType.
+
+    >>> get("bf16").name
+    'bfloat16'
+    """
+    if isinstance(d, DType):
+        return d
+    if isinstance(d, str):
+        name = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32",
+                "fp64": "float64", "f64": "float64"}.get(d, d)
+        if name in ALL:
+            return ALL[name]
+        raise DTypeError(f"unknown dtype {d!r}; expected one of {sorted(ALL)}")
+    try:
+        name = np.dtype(d).name
+    except TypeError:
+        name = str(d)
+    if name in ALL:
+        return ALL[name]
+    raise DTypeError(f"unsupported dtype {d!r}; expected one of {sorted(ALL)}")

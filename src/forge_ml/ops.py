@@ -1,0 +1,436 @@
+"""The op set: one public function per op. Each checks shapes, dtypes and devices, says
+what it expected and what it got, then dispatches to the backend of its inputs' device.
+
+Semantics are DESIGN.md's op contract; ``forge_ml.backends`` lists the kernel behind each
+op. Shapes: ``T`` tokens, ``C`` channels, ``H`` heads, ``hs = C / H``, optional leading
+batch dims.
+
+>>> import numpy as np, forge_ml as fm
+>>> a = fm.tensor(np.ones((2, 3), np.float32)); b = fm.tensor(np.ones((3, 4), np.float32))
+>>> fm.ops.matmul(a, b).numpy()[0].tolist()
+[3.0, 3.0, 3.0, 3.0]
+"""
+from __future__ import annotations
+
+import math
+
+from . import dtype as _dt
+from .errors import DeviceError, DTypeError, ShapeError
+from .tensor import Tensor, backend_of
+
+# -- boundary checks -------------------------------------------------------------------
+
+
+def _tensor(op, name, x):
+    if not isinstance(x, Tensor):
+        raise DTypeError(f"{op}: {name} must be a forge_ml Tensor, got {type(x).__name__}")
+    return x
+
+
+def _float(op, name, x):
+    _tensor(op, name, x)
+    if not x.dtype.is_float:
+        raise DTypeError(f"{op}: {name} must be a float tensor, got {x.dtype.name}")
+    return x
+
+
+def _int(op, name, x):
+    _tensor(op, name, x)
+    if x.dtype not in _dt.INTS:
+        raise DTypeError(f"{op}: {name} must hold int32 or int64 token ids, got {x.dtype.name}")
+    return x
+
+
+def _same(op, **named):
+    """All tensors on one device and (floats) of one dtype; returns the backend."""
+    items = [(k, v) for k, v in named.items() if v is not None]
+    k0, t0 = items[0]
+    for k, t in items[1:]:
+        if t.device != t0.device:
+            raise DeviceError(f"{op}: {k0} is on {t0.device} but {k} is on {t.device}; "
+                              "move them to one device with .to()")
+        if t.dtype.is_float and t0.dtype.is_float and t.dtype != t0.dtype:
+            raise DTypeError(f"{op}: {k0} is {t0.dtype.name} but {k} is {t.dtype.name}; "
+                             "dtypes must agree")
+    return backend_of(t0.device)
+
+
+def _rank(op, name, x, lo, hi=None):
+    if x.ndim < lo or (hi is not None and x.ndim > hi):
+        want = f"rank {lo}" if hi == lo else (f"rank >= {lo}" if hi is None else f"rank {lo}..{hi}")
+        raise ShapeError(f"{op}: {name} must have {want}, got shape {x.shape}")
+
+
+def _shape_eq(op, na, a, nb, b):
+    if a.shape != b.shape:
+        raise ShapeError(f"{op}: {na} is {a.shape} but {nb} is {b.shape}; shapes must be equal")
+
+
+def _wrap(x, arr):
+    return Tensor(arr, x.device)
+
+
+# -- matmul ------------------------------------------------------------------------------
+
+
+def matmul(a, b, bias=None, *, trans_a=False, trans_b=False, alpha=1.0, b_rows=None) -> Tensor:
+    """``alpha * op(a) @ op(b) + bias``: 2-D x 2-D, or batched (both rank >= 3, equal leading
+    dims). ``b_rows`` uses only the first ``b_rows`` rows of ``b`` as stored (a KV cache).
+
+    >>> import numpy as np, forge_ml as fm
+    >>> x = fm.tensor(np.eye(2, dtype=np.float32))
+    >>> fm.ops.matmul(x, x, alpha=2.0).numpy().tolist()
+    [[2.0, 0.0], [0.0, 2.0]]
+    """
+    _float("matmul", "a", a), _float("matmul", "b", b)
+    if bias is not None:
+        _float("matmul", "bias", bias)
+    bk = _same("matmul", a=a, b=b, bias=bias)
+    if a.ndim < 2 or b.ndim < 2:
+        raise ShapeError(f"matmul: operands must be at least 2-D, got a {a.shape} and b {b.shape}")
+    if not (a.ndim == b.ndim == 2 or (a.ndim == b.ndim and a.shape[:-2] == b.shape[:-2])):
+        raise ShapeError(f"matmul: a is {a.shape} but b is {b.shape}; expected 2-D x 2-D or "
+                         "equal-rank batched operands with equal leading dims")
+    rows_b = b.shape[-2]
+    if b_rows is not None:
+        if not (isinstance(b_rows, int) and 0 < b_rows <= rows_b):
+            raise ShapeError(f"matmul: b_rows must be in 1..{rows_b} (b is {b.shape}), got {b_rows}")
+        rows_b = b_rows
+    m, k = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
+    kb, n = (b.shape[-1], rows_b) if trans_b else (rows_b, b.shape[-1])
+    if k != kb:
+        eff_b = b.shape[:-2] + ((rows_b, b.shape[-1]) if not trans_b else (b.shape[-1], rows_b))
+        raise ShapeError(f"matmul: op(a) is {a.shape[:-2] + (m, k)} but op(b) is {eff_b}; "
+                         f"inner dims must agree (a {a.shape}, b {b.shape}, "
+                         f"trans_a={trans_a}, trans_b={trans_b})")
+    if bias is not None and bias.shape != (n,):
+        raise ShapeError(f"matmul: bias must be ({n},) for an output of {n} columns, got {bias.shape}")
+    out = bk.matmul(a.data, b.data, None if bias is None else bias.data,
+                    bool(trans_a), bool(trans_b), float(alpha), b_rows)
+    return _wrap(a, out)
+
+
+# -- elementwise and reductions --------------------------------------------------------
+
+
+def add(a, b) -> Tensor:
+    """Elementwise ``a + b`` of two tensors of one shape."""
+    _float("add", "a", a), _float("add", "b", b)
+    bk = _same("add", a=a, b=b)
+    _shape_eq("add", "a", a, "b", b)
+    return _wrap(a, bk.add(a.data, b.data))
+
+
+def sum_rows(x) -> Tensor:
+    """Sum over every axis but the last: ``(…, C) -> (C,)`` (the bias gradient)."""
+    _float("sum_rows", "x", x)
+    _rank("sum_rows", "x", x, 1)
+    return _wrap(x, backend_of(x.device).sum_rows(x.data))
+
+
+def sumsq(x) -> Tensor:
+    """Sum of squares of every element, a 0-d float32 tensor (float64 for float64 input)."""
+    _float("sumsq", "x", x)
+    return _wrap(x, backend_of(x.device).sumsq(x.data))
+
+
+def gelu(x) -> Tensor:
+    """GPT-2's GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+    _float("gelu", "x", x)
+    return _wrap(x, backend_of(x.device).gelu(x.data))
+
+
+def gelu_bwd(x, dy) -> Tensor:
+    """``dL/dx`` of ``gelu`` given ``x`` and ``dL/dy``."""
+    _float("gelu_bwd", "x", x), _float("gelu_bwd", "dy", dy)
+    bk = _same("gelu_bwd", x=x, dy=dy)
+    _shape_eq("gelu_bwd", "x", x, "dy", dy)
+    return _wrap(x, bk.gelu_bwd(x.data, dy.data))
+
+
+# -- layernorm -------------------------------------------------------------------------
+
+
+def _ln_check(op, x, gamma, beta=None):
+    _float(op, "x", x), _float(op, "gamma", gamma)
+    if beta is not None:
+        _float(op, "beta", beta)
+    _rank(op, "x", x, 1)
+    c = x.shape[-1]
+    for name, p in (("gamma", gamma), ("beta", beta)):
+        if p is not None and p.shape != (c,):
+            raise ShapeError(f"{op}: {name} must be ({c},) to match x {x.shape}, got {p.shape}")
+
+
+def layernorm(x, gamma, beta, eps=1e-5) -> Tensor:
+    """Layer norm over the last axis (biased variance): ``(x - mean) / sqrt(var + eps) * gamma + beta``."""
+    _ln_check("layernorm", x, gamma, beta)
+    bk = _same("layernorm", x=x, gamma=gamma, beta=beta)
+    return _wrap(x, bk.layernorm(x.data, gamma.data, beta.data, float(eps)))
+
+
+def layernorm_bwd(x, gamma, dy, eps=1e-5):
+    """Gradients of ``layernorm``: ``(dx, dgamma, dbeta)``."""
+    _ln_check("layernorm_bwd", x, gamma)
+    _float("layernorm_bwd", "dy", dy)
+    bk = _same("layernorm_bwd", x=x, gamma=gamma, dy=dy)
+    _shape_eq("layernorm_bwd", "x", x, "dy", dy)
+    dx, dg, db = bk.layernorm_bwd(x.data, gamma.data, dy.data, float(eps))
+    return _wrap(x, dx), _wrap(x, dg), _wrap(x, db)
+
+
+# -- softmax ---------------------------------------------------------------------------
+
+
+def softmax(x, causal=False, off=0) -> Tensor:
+    """Softmax over the last axis. With ``causal``, column ``j`` of row ``i`` (``i`` along the
+    second-to-last axis) is masked when ``j > i + off``; masked outputs are exact zeros.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> fm.ops.softmax(fm.tensor(np.zeros((2, 2), np.float32)), causal=True).numpy().tolist()
+    [[1.0, 0.0], [0.5, 0.5]]
+    """
+    _float("softmax", "x", x)
+    _rank("softmax", "x", x, 2 if causal else 1)
+    if not isinstance(off, int) or off < 0:
+        raise ShapeError(f"softmax: off must be a non-negative int, got {off!r}")
+    if causal and x.shape[-2] + off > x.shape[-1] and x.shape[-1] < 1:
+        raise ShapeError(f"softmax: causal rows need at least one column, got {x.shape}")
+    return _wrap(x, backend_of(x.device).softmax(x.data, bool(causal), int(off)))
+
+
+def softmax_bwd(y, dy) -> Tensor:
+    """``dL/dx`` of ``softmax`` from its output ``y``: ``y * (dy - sum(y * dy))``."""
+    _float("softmax_bwd", "y", y), _float("softmax_bwd", "dy", dy)
+    bk = _same("softmax_bwd", y=y, dy=dy)
+    _shape_eq("softmax_bwd", "y", y, "dy", dy)
+    return _wrap(y, bk.softmax_bwd(y.data, dy.data))
+
+
+# -- heads -----------------------------------------------------------------------------
+
+
+def split_heads(qkv, n_head):
+    """``(…, T, 3C) -> q, k, v`` each ``(…, H, T, hs)``."""
+    _float("split_heads", "qkv", qkv)
+    _rank("split_heads", "qkv", qkv, 2)
+    if not isinstance(n_head, int) or n_head <= 0:
+        raise ShapeError(f"split_heads: n_head must be a positive int, got {n_head!r}")
+    c3 = qkv.shape[-1]
+    if c3 % (3 * n_head):
+        raise ShapeError(f"split_heads: last dim {c3} of qkv {qkv.shape} must be 3 * C with C "
+                         f"divisible by n_head={n_head}")
+    q, k, v = backend_of(qkv.device).split_heads(qkv.data, n_head)
+    return _wrap(qkv, q), _wrap(qkv, k), _wrap(qkv, v)
+
+
+def unsplit_head(dy, which) -> Tensor:
+    """Gradient of one ``split_heads`` output: ``(…, H, T, hs) -> (…, T, 3C)``, zeros outside
+    the ``which`` (0 = q, 1 = k, 2 = v) third."""
+    _float("unsplit_head", "dy", dy)
+    _rank("unsplit_head", "dy", dy, 3)
+    if which not in (0, 1, 2):
+        raise ShapeError(f"unsplit_head: which must be 0, 1 or 2, got {which!r}")
+    return _wrap(dy, backend_of(dy.device).unsplit_head(dy.data, which))
+
+
+def merge_heads(x) -> Tensor:
+    """``(…, H, T, hs) -> (…, T, H * hs)``."""
+    _float("merge_heads", "x", x)
+    _rank("merge_heads", "x", x, 3)
+    return _wrap(x, backend_of(x.device).merge_heads(x.data))
+
+
+def unmerge_heads(dy, h) -> Tensor:
+    """``(…, T, C) -> (…, H, T, C / H)``: the gradient of ``merge_heads``."""
+    _float("unmerge_heads", "dy", dy)
+    _rank("unmerge_heads", "dy", dy, 2)
+    if not isinstance(h, int) or h <= 0 or dy.shape[-1] % h:
+        raise ShapeError(f"unmerge_heads: C={dy.shape[-1]} of {dy.shape} must be divisible by h={h!r}")
+    return _wrap(dy, backend_of(dy.device).unmerge_heads(dy.data, h))
+
+
+# -- fused causal attention --------------------------------------------------------------
+
+
+def _attn_check(op, q, k, v):
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        _float(op, n, t)
+        _rank(op, n, t, 3)
+    _shape_eq(op, "q", q, "k", k)
+    _shape_eq(op, "q", q, "v", v)
+
+
+def attention(q, k, v, scale=None):
+    """Causal self-attention ``softmax(mask(q k^T * scale)) v`` over ``(…, H, T, hs)``.
+
+    Returns ``(out, lse)``: ``lse`` ``(…, H, T)`` float32 is the log-sum-exp of each query
+    row's scaled, masked scores, which ``attention_bwd`` uses to rebuild the probabilities.
+    ``scale`` defaults to ``1 / sqrt(hs)``.
+    """
+    _attn_check("attention", q, k, v)
+    bk = _same("attention", q=q, k=k, v=v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = bk.attention(q.data, k.data, v.data, scale)
+    return _wrap(q, out), _wrap(q, lse)
+
+
+def attention_bwd(q, k, v, out, lse, dout, scale=None):
+    """Gradients ``(dq, dk, dv)`` of ``attention`` given its output, ``lse`` and ``dL/dout``."""
+    _attn_check("attention_bwd", q, k, v)
+    _float("attention_bwd", "out", out), _float("attention_bwd", "dout", dout)
+    bk = _same("attention_bwd", q=q, k=k, v=v, out=out, dout=dout)
+    _shape_eq("attention_bwd", "q", q, "out", out)
+    _shape_eq("attention_bwd", "q", q, "dout", dout)
+    if lse.shape != q.shape[:-1]:
+        raise ShapeError(f"attention_bwd: lse must be {q.shape[:-1]}, got {lse.shape}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dq, dk, dv = bk.attention_bwd(q.data, k.data, v.data, out.data, lse.data, dout.data, scale)
+    return _wrap(q, dq), _wrap(q, dk), _wrap(q, dv)
+
+
+# -- embeddings and in-place row writes ------------------------------------------------
+
+
+def embedding(ids, wte, wpe, pos=0) -> Tensor:
+    """Token + position embedding: ``wte[ids] + wpe[pos + t]``; ``ids (…, T) -> (…, T, C)``."""
+    _int("embedding", "ids", ids)
+    _float("embedding", "wte", wte), _float("embedding", "wpe", wpe)
+    bk = _same("embedding", wte=wte, wpe=wpe, ids=ids)
+    _rank("embedding", "ids", ids, 1)
+    _rank("embedding", "wte", wte, 2, 2), _rank("embedding", "wpe", wpe, 2, 2)
+    if wte.shape[1] != wpe.shape[1]:
+        raise ShapeError(f"embedding: wte is {wte.shape} but wpe is {wpe.shape}; channels must agree")
+    t = ids.shape[-1]
+    if not isinstance(pos, int) or pos < 0 or pos + t > wpe.shape[0]:
+        raise ShapeError(f"embedding: positions {pos}..{pos + t - 1} do not fit the "
+                         f"{wpe.shape[0]} rows of wpe (context length {wpe.shape[0]})")
+    _check_ids("embedding", ids, wte.shape[0])
+    return _wrap(wte, bk.embedding(ids.data, wte.data, wpe.data, pos))
+
+
+def _check_ids(op, ids, n_rows):
+    if ids.numel == 0:
+        return
+    # min/max work on NumPy and CuPy arrays alike (on the GPU this is one small sync).
+    lo, hi = int(ids.data.min()), int(ids.data.max())
+    if lo < 0 or hi >= n_rows:
+        bad = hi if hi >= n_rows else lo
+        raise ShapeError(f"{op}: token id {bad} is out of range; ids must be in 0..{n_rows - 1}")
+
+
+def scatter_add_rows(dst, ids, src) -> None:
+    """In place: ``dst[ids[i]] += src[i]`` for every row ``i`` (repeated ids add up).
+
+    ``dst (V, C)``, ``ids (…,)``, ``src (…, C)``. Copy-on-write: views of ``dst`` taken before
+    the call keep their values.
+    """
+    _float("scatter_add_rows", "dst", dst), _int("scatter_add_rows", "ids", ids)
+    _float("scatter_add_rows", "src", src)
+    bk = _same("scatter_add_rows", dst=dst, src=src, ids=ids)
+    _rank("scatter_add_rows", "dst", dst, 2, 2)
+    if src.shape != ids.shape + (dst.shape[1],):
+        raise ShapeError(f"scatter_add_rows: src must be ids.shape + (C,) = "
+                         f"{ids.shape + (dst.shape[1],)}, got {src.shape}")
+    _check_ids("scatter_add_rows", ids, dst.shape[0])
+    bk.scatter_add_rows(dst._prepare_write(), ids.data, src.data)
+
+
+def kv_append(cache, new, pos) -> None:
+    """In place: write ``new (…, Tn, hs)`` into ``cache (…, Tmax, hs)`` at rows ``pos…``.
+
+    Copy-on-write: views of ``cache`` taken before the call keep their values.
+    """
+    _float("kv_append", "cache", cache), _float("kv_append", "new", new)
+    bk = _same("kv_append", cache=cache, new=new)
+    _rank("kv_append", "cache", cache, 2)
+    if cache.ndim != new.ndim or cache.shape[:-2] != new.shape[:-2] or cache.shape[-1] != new.shape[-1]:
+        raise ShapeError(f"kv_append: new {new.shape} does not match cache {cache.shape} "
+                         "outside the row axis")
+    tn, tmax = new.shape[-2], cache.shape[-2]
+    if not isinstance(pos, int) or pos < 0 or pos + tn > tmax:
+        raise ShapeError(f"kv_append: rows {pos}..{pos + tn - 1} do not fit a cache of {tmax} rows")
+    bk.kv_append(cache._prepare_write(), new.data, pos)
+
+
+# -- dropout ---------------------------------------------------------------------------
+
+
+def dropout(x, p, seed) -> Tensor:
+    """Inverted dropout: zero each element with probability ``p``, scale the rest by
+    ``1/(1-p)``. The mask is a pure function of ``(seed, element index)`` (``forge_ml.rng``),
+    identical on every backend.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> fm.ops.dropout(fm.tensor(np.ones(4, np.float32)), 0.5, seed=7).numpy().tolist()
+    [2.0, 2.0, 0.0, 0.0]
+    """
+    _float("dropout", "x", x)
+    if not (0.0 <= float(p) < 1.0):
+        raise ShapeError(f"dropout: p must be in [0, 1), got {p}")
+    if not isinstance(seed, int) or not (0 <= seed < 1 << 64):
+        raise ShapeError(f"dropout: seed must be an int in [0, 2**64), got {seed!r}")
+    return _wrap(x, backend_of(x.device).dropout(x.data, float(p), seed))
+
+
+# -- cross entropy ---------------------------------------------------------------------
+
+
+def _ce_check(op, logits, targets, vocab_size):
+    _float(op, "logits", logits), _int(op, "targets", targets)
+    _same(op, logits=logits, targets=targets)
+    _rank(op, "logits", logits, 2, 2)
+    n, vp = logits.shape
+    if targets.shape != (n,):
+        raise ShapeError(f"{op}: targets must be ({n},) for logits {logits.shape}, got {targets.shape}")
+    v = vp if vocab_size is None else vocab_size
+    if not isinstance(v, int) or not (0 < v <= vp):
+        raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
+    _check_ids(op, targets, v)
+    return v
+
+
+def cross_entropy(logits, targets, vocab_size=None) -> Tensor:
+    """Mean over rows of ``-log softmax(logits[:, :V])[target]``; a 0-d float32 tensor.
+
+    ``logits (N, Vp)``, ``targets (N,)``; columns ``>= vocab_size`` (padding) are ignored.
+    """
+    v = _ce_check("cross_entropy", logits, targets, vocab_size)
+    return _wrap(logits, backend_of(logits.device).cross_entropy(logits.data, targets.data, v))
+
+
+def cross_entropy_bwd(logits, targets, dloss=1.0, vocab_size=None) -> Tensor:
+    """``dL/dlogits = dloss * (softmax(logits[:, :V]) - onehot(targets)) / N``; zero past ``V``."""
+    v = _ce_check("cross_entropy_bwd", logits, targets, vocab_size)
+    if isinstance(dloss, Tensor):
+        dloss = dloss.item()
+    return _wrap(logits, backend_of(logits.device).cross_entropy_bwd(
+        logits.data, targets.data, float(dloss), v))
+
+
+# -- optimizer step --------------------------------------------------------------------
+
+
+def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0,
+                 p_lowp=None) -> None:
+    """One fused AdamW step in place on float32 ``p``, ``m``, ``v`` (torch.optim.AdamW's math):
+    ``g *= grad_scale``; moments; bias correction with ``step`` (1-based); decoupled weight
+    decay. ``p_lowp`` (bf16, GPU) receives the updated weights rounded to bf16.
+    """
+    for n, t in (("p", p), ("m", m), ("v", v)):
+        _float("adamw_update", n, t)
+        if t.dtype != _dt.float32 and t.dtype != _dt.float64:
+            raise DTypeError(f"adamw_update: {n} must be float32 (master weights and moments), "
+                             f"got {t.dtype.name}")
+    _float("adamw_update", "g", g)
+    bk = _same("adamw_update", p=p, m=m, v=v)
+    if g.device != p.device:
+        raise DeviceError(f"adamw_update: p is on {p.device} but g is on {g.device}")
+    for n, t in (("g", g), ("m", m), ("v", v)) + ((("p_lowp", p_lowp),) if p_lowp is not None else ()):
+        if t.shape != p.shape:
+            raise ShapeError(f"adamw_update: {n} is {t.shape} but p is {p.shape}; shapes must be equal")
+    if not isinstance(step, int) or step < 1:
+        raise ShapeError(f"adamw_update: step must be an int >= 1, got {step!r}")
+    bk.adamw_update(p._prepare_write(), g.data, m._prepare_write(), v._prepare_write(),
+                    float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                    step, float(grad_scale), None if p_lowp is None else p_lowp._prepare_write())

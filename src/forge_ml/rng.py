@@ -1,0 +1,81 @@
+"""Counter-based random numbers: Philox4x32-10 (Salmon et al., "Parallel random numbers:
+as easy as 1, 2, 3", SC'11; the Random123 library).
+
+A counter RNG is a pure function ``(key, counter) -> 4 x uint32``, so a random number is a
+pure function of ``(seed, element index)``: dropout's backward regenerates the forward mask
+instead of storing it, and the CPU and the GPU draw the same bits.
+
+The dropout stream (every backend implements exactly this):
+    key     = (seed & 0xffffffff, (seed >> 32) & 0xffffffff)
+    counter = (i // 4 & 0xffffffff, i // 4 >> 32, 0, 0)       for element index i
+    word    = philox4x32_10(counter, key)[i % 4]
+    u       = (word >> 8) * 2**-24                            float32 in [0, 1), exact
+    keep    = u >= p
+
+>>> philox4x32_10([0, 0, 0, 0], [0, 0])[:, 0].tolist()
+[1713891541, 3781805453, 3159862348, 2600524760]
+>>> dropout_keep(seed=7, n=8, p=0.5).tolist()
+[True, True, False, False, False, True, False, True]
+"""
+from __future__ import annotations
+
+import numpy as np
+
+PHILOX_M0 = np.uint64(0xD2511F53)
+PHILOX_M1 = np.uint64(0xCD9E8D57)
+PHILOX_W0 = 0x9E3779B9
+PHILOX_W1 = 0xBB67AE85
+MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(counter, key) -> np.ndarray:
+    """Philox4x32 with 10 rounds, vectorized over counters.
+
+    ``counter``: 4 words, each a scalar or an array (broadcast together); ``key``: 2 words
+    (Python ints). Returns a (4, N) uint32 array (N = 1 for scalar counters).
+    """
+    c = [np.atleast_1d(np.asarray(w, dtype=np.uint64)) & MASK32 for w in counter]
+    c = list(np.broadcast_arrays(*c))
+    c = [x.astype(np.uint64).ravel() for x in c]
+    k0, k1 = int(key[0]) & 0xFFFFFFFF, int(key[1]) & 0xFFFFFFFF
+    for r in range(10):
+        if r:
+            k0 = (k0 + PHILOX_W0) & 0xFFFFFFFF
+            k1 = (k1 + PHILOX_W1) & 0xFFFFFFFF
+        p0 = PHILOX_M0 * c[0]  # 64-bit products of two 32-bit words: exact in uint64
+        p1 = PHILOX_M1 * c[2]
+        hi0, lo0 = p0 >> np.uint64(32), p0 & MASK32
+        hi1, lo1 = p1 >> np.uint64(32), p1 & MASK32
+        c = [hi1 ^ c[1] ^ np.uint64(k0), lo1, hi0 ^ c[3] ^ np.uint64(k1), lo0]
+    return np.stack(c).astype(np.uint32)
+
+
+def seed_key(seed: int) -> tuple[int, int]:
+    """The Philox key of a (up to 64-bit, non-negative) seed."""
+    seed = int(seed)
+    if seed < 0 or seed >= 1 << 64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    return seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+
+
+def uniform(seed: int, n: int, offset: int = 0) -> np.ndarray:
+    """float32 uniforms in [0, 1) for element indices ``offset … offset+n-1`` of stream ``seed``."""
+    idx = np.arange(offset, offset + n, dtype=np.uint64)
+    block = idx >> np.uint64(2)
+    first = int(block[0]) if n else 0
+    nblocks = (int(block[-1]) - first + 1) if n else 0
+    blocks = np.arange(first, first + nblocks, dtype=np.uint64)
+    words = philox4x32_10([blocks & MASK32, blocks >> np.uint64(32), 0, 0], seed_key(seed))
+    words = words.T.ravel()  # word j of block b sits at 4*(b-first) + j
+    w = words[(idx - np.uint64(4 * first)).astype(np.int64)]
+    return ((w >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)).astype(np.float32)
+
+
+def dropout_keep(seed: int, n: int, p: float) -> np.ndarray:
+    """Boolean keep-mask of ``n`` elements for dropout rate ``p`` (True = kept)."""
+    return uniform(seed, n) >= np.float32(p)
+
+
+def dropout_scale(p: float) -> np.float32:
+    """The inverted-dropout scale 1/(1-p), rounded once to float32 (the same on every backend)."""
+    return np.float32(1.0 / (1.0 - p))

@@ -1,0 +1,239 @@
+"""Tensor: an array on a device, with a dtype and a shape.
+
+A Tensor wraps a C-contiguous NumPy array (``cpu``) or CuPy array (``cuda``). ``reshape``
+returns a view that shares memory; in-place ops (``kv_append``, ``scatter_add_rows``) write
+copy-on-write, so a view taken before the write keeps the old values and no tensor is ever
+changed through a hidden alias.
+
+>>> import forge_ml as fm
+>>> t = fm.tensor([[1.0, 2.0], [3.0, 4.0]])
+>>> t.shape, t.dtype, t.device
+((2, 2), forge_ml.float32, Device('cpu'))
+>>> t.reshape(4).numpy().tolist()
+[1.0, 2.0, 3.0, 4.0]
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import numpy as np
+
+from . import dtype as _dt
+from .backends import get as _backend
+from .device import CPU, Device
+from .errors import DeviceError, DTypeError, ShapeError
+
+_BACKENDS: dict = {}
+
+
+def backend_of(device: Device):
+    """The (cached) backend module of a device."""
+    b = _BACKENDS.get(device)
+    if b is None:
+        b = _BACKENDS[device] = _backend(device)
+    elif device.type == "cuda":
+        b.use_device(device.index)
+    return b
+
+
+class Tensor:
+    """An n-d array on a device. Build one with ``tensor``, ``from_numpy`` or ``zeros``."""
+
+    __slots__ = ("_data", "_device", "_dtype", "_views", "_version", "__weakref__")
+
+    def __init__(self, data, device: Device, _views=None):
+        self._data = data
+        self._device = device
+        self._dtype = _dt.get(data.dtype)
+        self._version = 0
+        # Every live tensor sharing this memory (the tensor and its reshape views).
+        self._views = _views if _views is not None else weakref.WeakSet()
+        self._views.add(self)
+
+    # -- properties -------------------------------------------------------------------
+    @property
+    def data(self):
+        """The raw NumPy/CuPy array. Read it; write only through ops (copy-on-write)."""
+        return self._data
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self._data.shape)
+
+    @property
+    def dtype(self) -> _dt.DType:
+        return self._dtype
+
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def ndim(self) -> int:
+        return self._data.ndim
+
+    @property
+    def numel(self) -> int:
+        return int(self._data.size)
+
+    @property
+    def version(self) -> int:
+        """How many in-place writes this tensor has had (the tape checks it)."""
+        return self._version
+
+    # -- views and copies ---------------------------------------------------------------
+    def reshape(self, *shape) -> "Tensor":
+        """A view with a new shape (one dim may be -1); shares memory copy-on-write.
+
+        >>> zeros((2, 3)).reshape(3, -1).shape
+        (3, 2)
+        """
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        shape = tuple(int(s) for s in shape)
+        n = self.numel
+        if shape.count(-1) > 1 or any(s < -1 for s in shape):
+            raise ShapeError(f"reshape: bad shape {shape} for a tensor of shape {self.shape}")
+        if -1 in shape:
+            rest = math.prod(s for s in shape if s != -1)
+            if rest == 0 or n % rest:
+                raise ShapeError(f"reshape: cannot reshape {self.shape} ({n} elements) to {shape}")
+            shape = tuple(n // rest if s == -1 else s for s in shape)
+        if math.prod(shape) != n:
+            raise ShapeError(f"reshape: cannot reshape {self.shape} ({n} elements) to {shape}")
+        return Tensor(self._data.reshape(shape), self._device, _views=self._views)
+
+    def clone(self) -> "Tensor":
+        """A copy with its own memory."""
+        return Tensor(backend_of(self._device).copy(self._data), self._device)
+
+    def to(self, target) -> "Tensor":
+        """A copy on another device ("cpu", "cuda:0") or of another dtype ("bfloat16").
+
+        >>> tensor([1.5]).to("float64").dtype
+        forge_ml.float64
+        """
+        if isinstance(target, str) and target.split(":")[0] not in ("cpu", "cuda"):
+            if target not in _dt.ALL and target not in ("bf16", "fp32", "f32", "fp64", "f64"):
+                raise DeviceError(f"to: expected a device ('cpu', 'cuda', 'cuda:N') or a dtype "
+                                  f"({', '.join(sorted(_dt.ALL))}), got {target!r}")
+        if isinstance(target, _dt.DType) or (isinstance(target, str)
+                                             and target.split(":")[0] not in ("cpu", "cuda")):
+            dt = _dt.get(target)
+            if dt == self._dtype:
+                return self
+            return Tensor(backend_of(self._device).cast(self._data, dt.name), self._device)
+        dev = Device.parse(target)
+        if dev == self._device:
+            return self
+        host = self.numpy()
+        return Tensor(backend_of(dev).from_host(host, self._dtype.name), dev)
+
+    def numpy(self) -> np.ndarray:
+        """A host copy as a NumPy array (bfloat16 comes back as float32)."""
+        return backend_of(self._device).to_host(self._data)
+
+    def item(self) -> float:
+        """The value of a one-element tensor as a Python number."""
+        if self.numel != 1:
+            raise ShapeError(f"item: expected a tensor with one element, got shape {self.shape}")
+        v = self.numpy().reshape(-1)[0]
+        return v.item()
+
+    # -- in-place writes go through here (ops only) ---------------------------------------
+    def _prepare_write(self):
+        """Copy-on-write: detach from views before an in-place op writes this tensor."""
+        if len(self._views) > 1:
+            self._views.discard(self)
+            self._data = backend_of(self._device).copy(self._data)
+            self._views = weakref.WeakSet()
+            self._views.add(self)
+        self._version += 1
+        return self._data
+
+    def __repr__(self) -> str:
+        return f"Tensor(shape={self.shape}, dtype={self._dtype.name}, device='{self._device}')"
+
+    def __len__(self) -> int:
+        if self.ndim == 0:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+
+def _default_dtype(a: np.ndarray, given) -> _dt.DType:
+    if given is not None:
+        return _dt.get(given)
+    if a.dtype.kind == "f":
+        return _dt.float64 if a.dtype == np.float64 else _dt.float32
+    if a.dtype.kind in "iub":
+        return _dt.int64 if a.dtype.itemsize > 4 else _dt.int32
+    raise DTypeError(f"tensor: cannot make a tensor from data of dtype {a.dtype}")
+
+
+def tensor(data, dtype=None, device="cpu") -> Tensor:
+    """A new tensor holding a copy of ``data`` (a list, a number or an array).
+
+    Python floats become float32, Python ints int64; NumPy arrays keep their dtype
+    unless ``dtype`` is given.
+
+    >>> tensor([1, 2, 3]).dtype
+    forge_ml.int64
+    """
+    if isinstance(data, Tensor):
+        data = data.numpy()
+    if isinstance(data, np.ndarray):
+        a = data
+        dt = _default_dtype(a, dtype)
+    else:
+        a = np.asarray(data)
+        if dtype is None and a.dtype.kind == "f":
+            dt = _dt.float32
+        elif dtype is None and a.dtype.kind in "iub":
+            dt = _dt.int64
+        else:
+            dt = _default_dtype(a, dtype)
+    dev = Device.parse(device)
+    return Tensor(backend_of(dev).from_host(np.asarray(a, order="C"), dt.name), dev)
+
+
+def from_numpy(a: np.ndarray, device="cpu") -> Tensor:
+    """A tensor holding a copy of a NumPy array, same dtype.
+
+    >>> from_numpy(np.zeros((2, 3), np.float32)).shape
+    (2, 3)
+    """
+    if not isinstance(a, np.ndarray):
+        raise DTypeError(f"from_numpy: expected a numpy.ndarray, got {type(a).__name__}")
+    return tensor(a, dtype=_default_dtype(a, None), device=device)
+
+
+def zeros(shape, dtype="float32", device="cpu") -> Tensor:
+    """A tensor of zeros.
+
+    >>> zeros((2, 3)).numpy().sum()
+    0.0
+    """
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ShapeError(f"zeros: negative dimension in shape {shape}")
+    dev = Device.parse(device)
+    return Tensor(backend_of(dev).zeros(shape, _dt.get(dtype).name), dev)
+
+
+def full(shape, value, dtype="float32", device="cpu") -> Tensor:
+    """A tensor filled with ``value``.
+
+    >>> full((2,), 3.0).numpy().tolist()
+    [3.0, 3.0]
+    """
+    dt = _dt.get(dtype)
+    host = np.full(tuple(shape), value, dtype=np.float32 if dt.name == "bfloat16" else dt.name)
+    return tensor(host, dtype=dt, device=device)
+
+
+def ones_like(t: Tensor) -> Tensor:
+    """A tensor of ones with the shape, dtype and device of ``t``."""
+    return full(t.shape, 1.0, t.dtype, t.device)

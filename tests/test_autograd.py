@@ -1,0 +1,253 @@
+"""The tape: its semantics (after the Rust original), every tape method against central finite
+differences in float64 through a random cotangent, and a two-layer GPT block against PyTorch
+autograd."""
+import math
+
+import numpy as np
+import pytest
+
+import forge_ml as fm
+from forge_ml import Tape, ops
+
+torch = pytest.importorskip("torch")
+
+
+def T(a):
+    return fm.tensor(np.asarray(a))
+
+
+def rnd(rs, *shape, dtype=np.float64):
+    return rs.standard_normal(shape).astype(dtype)
+
+
+# -- tape semantics -------------------------------------------------------------------------
+
+
+def test_fan_out_accumulates():
+    rs = np.random.default_rng(0)
+    tape = Tape()
+    x = tape.leaf(T(rnd(rs, 3, 4)))
+    y = tape.add(x, x)
+    z = tape.add(y, x)                                  # z = 3x
+    r = rnd(rs, 3, 4)
+    grads = tape.backward(z, T(r))
+    np.testing.assert_allclose(grads[x.id].numpy(), 3 * r, rtol=0, atol=0)
+
+
+def test_interior_grads_freed_leaves_kept():
+    rs = np.random.default_rng(1)
+    tape = Tape()
+    x = tape.leaf(T(rnd(rs, 2, 3)))
+    w = tape.leaf(T(rnd(rs, 3, 5)))
+    h = tape.matmul(x, w)
+    g = tape.gelu(h)
+    out = tape.add(g, g)
+    grads = tape.backward(out, T(rnd(rs, 2, 5)))
+    assert grads[x.id] is not None and grads[w.id] is not None
+    for node in (h, g, out):
+        assert grads[node.id] is None
+    assert tape.grad(w) is grads[w.id]
+
+
+def test_backward_from_an_interior_node_and_only_once():
+    rs = np.random.default_rng(2)
+    tape = Tape()
+    x = tape.leaf(T(rnd(rs, 4)))
+    h = tape.gelu(x)
+    tape.gelu(h)                                         # recorded after h; never reached
+    r = rnd(rs, 4)
+    grads = tape.backward(h, T(r))
+    want = ops.gelu_bwd(T(x.t.numpy()), T(r)).numpy()
+    np.testing.assert_allclose(grads[x.id].numpy(), want, rtol=1e-14)
+    with pytest.raises(fm.TapeError):
+        tape.backward(h, T(r))
+
+
+def test_dropout_backward_regenerates_the_forward_mask():
+    rs = np.random.default_rng(3)
+    x = rs.standard_normal((64, 32)) + 3.0               # no exact zeros
+    tape = Tape()
+    xv = tape.leaf(T(x))
+    y = tape.dropout(xv, 0.25, seed=1234)
+    kept = y.t.numpy() != 0
+    assert 0.6 < kept.mean() < 0.9
+    r = rnd(rs, 64, 32)
+    g = tape.backward(y, T(r))[xv.id].numpy()
+    np.testing.assert_array_equal(g != 0, kept)
+    np.testing.assert_allclose(g[kept], r[kept] * float(fm.rng.dropout_scale(0.25)), rtol=1e-15)
+    assert tape.dropout(xv, 0.0, seed=5) is xv          # p = 0 records nothing
+
+
+def test_in_place_edit_of_a_saved_tensor_is_caught():
+    rs = np.random.default_rng(4)
+    tape = Tape()
+    cache = fm.tensor(rnd(rs, 1, 4, 3))
+    c = tape.leaf(cache)
+    y = tape.gelu(c)
+    ops.kv_append(cache, fm.tensor(rnd(rs, 1, 1, 3)), 0)
+    with pytest.raises(fm.TapeError, match="modified in place"):
+        tape.backward(y, T(rnd(rs, 1, 4, 3)))
+
+
+def test_foreign_values_are_rejected():
+    tape = Tape()
+    with pytest.raises(fm.TapeError):
+        tape.leaf(np.zeros(3))
+    with pytest.raises(fm.TapeError):
+        tape.gelu(fm.tensor([1.0]))
+
+
+# -- every tape method against central finite differences (float64) --------------------------
+
+
+def fd_check(build, inputs, rs, eps=1e-6, n_probe=12, rtol=1e-6):
+    """``build(tape, leaves) -> TVar``; checks d/dinput of sum(out * r) at random coordinates."""
+    tape = Tape()
+    leaves = [tape.leaf(T(a)) for a in inputs]
+    out = build(tape, leaves)
+    r = rnd(rs, *out.t.shape)
+    grads = tape.backward(out, T(r))
+
+    def f(arrs):
+        t2 = Tape()
+        lv = [t2.leaf(T(a)) for a in arrs]
+        return float((build(t2, lv).t.numpy() * r).sum())
+
+    for i, a in enumerate(inputs):
+        g = grads[leaves[i].id].numpy()
+        flat = a.reshape(-1)
+        for j in rs.choice(flat.size, size=min(n_probe, flat.size), replace=False):
+            plus = [x.copy() for x in inputs]
+            minus = [x.copy() for x in inputs]
+            plus[i].reshape(-1)[j] += eps
+            minus[i].reshape(-1)[j] -= eps
+            num = (f(plus) - f(minus)) / (2 * eps)
+            ana = g.reshape(-1)[j]
+            assert abs(num - ana) <= rtol * max(1.0, abs(num)) + 1e-8, (i, j, num, ana)
+
+
+CASES = {
+    "add": (lambda t, v: t.add(v[0], v[1]), [(3, 4), (3, 4)]),
+    "matmul": (lambda t, v: t.matmul(v[0], v[1], v[2], alpha=0.7), [(3, 4), (4, 5), (5,)]),
+    "matmul_trans_b": (lambda t, v: t.matmul(v[0], v[1], trans_b=True), [(3, 4), (6, 4)]),
+    "matmul_batched": (lambda t, v: t.matmul(v[0], v[1], trans_b=True, alpha=0.5),
+                       [(2, 3, 5, 4), (2, 3, 6, 4)]),
+    "gelu": (lambda t, v: t.gelu(v[0]), [(4, 6)]),
+    "layernorm": (lambda t, v: t.layernorm(v[0], v[1], v[2], 1e-5), [(2, 3, 8), (8,), (8,)]),
+    "softmax": (lambda t, v: t.softmax(v[0]), [(3, 7)]),
+    "softmax_causal": (lambda t, v: t.softmax(v[0], causal=True, off=2), [(2, 4, 6)]),
+    "split_merge": (lambda t, v: t.merge_heads(t.split_heads(v[0], 2)[1]), [(2, 3, 12)]),
+    "split_all": (lambda t, v: t.add(t.add(*t.split_heads(v[0], 2)[:2]), t.split_heads(v[0], 2)[2]),
+                  [(3, 12)]),
+    "reshape": (lambda t, v: t.gelu(t.reshape(v[0], 6, 2)), [(3, 4)]),
+    "attention": (lambda t, v: t.attention(v[0], v[1], v[2]), [(2, 2, 5, 4)] * 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_tape_method_vs_finite_differences(name):
+    build, shapes = CASES[name]
+    rs = np.random.default_rng(abs(hash(name)) % 2**32)
+    fd_check(build, [rnd(rs, *s) for s in shapes], rs)
+
+
+def test_tape_embedding_vs_finite_differences():
+    rs = np.random.default_rng(11)
+    ids = fm.tensor(np.array([[1, 3, 1], [0, 3, 2]], np.int64))
+    fd_check(lambda t, v: t.embedding(ids, v[0], v[1], pos=2),
+             [rnd(rs, 5, 4), rnd(rs, 8, 4)], rs)
+
+
+def test_tape_cross_entropy_vs_finite_differences():
+    rs = np.random.default_rng(12)
+    tg = fm.tensor(np.array([0, 4, 2, 2], np.int64))
+    fd_check(lambda t, v: t.cross_entropy(v[0], tg, vocab_size=5), [rnd(rs, 4, 7)], rs)
+
+
+def test_tape_dropout_vs_finite_differences():
+    rs = np.random.default_rng(13)
+    fd_check(lambda t, v: t.dropout(t.gelu(v[0]), 0.4, seed=99), [rnd(rs, 6, 5)], rs)
+
+
+# -- a two-layer GPT block on the tape against PyTorch autograd --------------------------------
+
+
+def block_params(rs, C, dtype):
+    def w(*s, std=0.2):
+        return (rs.standard_normal(s) * std).astype(dtype)
+    p = {}
+    for l in range(2):
+        p.update({
+            f"{l}.ln1.g": 1 + w(C), f"{l}.ln1.b": w(C), f"{l}.attn.w": w(C, 3 * C),
+            f"{l}.attn.b": w(3 * C), f"{l}.proj.w": w(C, C), f"{l}.proj.b": w(C),
+            f"{l}.ln2.g": 1 + w(C), f"{l}.ln2.b": w(C), f"{l}.fc.w": w(C, 4 * C),
+            f"{l}.fc.b": w(4 * C), f"{l}.fc2.w": w(4 * C, C), f"{l}.fc2.b": w(C),
+        })
+    return p
+
+
+def forge_block(tape, x, P, B, Tn, C, H, fused):
+    hs = C // H
+    for l in range(2):
+        h = tape.layernorm(x, P[f"{l}.ln1.g"], P[f"{l}.ln1.b"], 1e-5)
+        qkv = tape.reshape(tape.matmul(h, P[f"{l}.attn.w"], P[f"{l}.attn.b"]), B, Tn, 3 * C)
+        q, k, v = tape.split_heads(qkv, H)
+        if fused:
+            y = tape.attention(q, k, v)
+        else:
+            att = tape.softmax(tape.matmul(q, k, trans_b=True, alpha=1 / math.sqrt(hs)), causal=True)
+            att = tape.dropout(att, 0.0, seed=0)
+            y = tape.matmul(att, v)
+        y = tape.reshape(tape.merge_heads(y), B * Tn, C)
+        x = tape.add(x, tape.matmul(y, P[f"{l}.proj.w"], P[f"{l}.proj.b"]))
+        h = tape.layernorm(x, P[f"{l}.ln2.g"], P[f"{l}.ln2.b"], 1e-5)
+        h = tape.gelu(tape.matmul(h, P[f"{l}.fc.w"], P[f"{l}.fc.b"]))
+        x = tape.add(x, tape.matmul(h, P[f"{l}.fc2.w"], P[f"{l}.fc2.b"]))
+    return x
+
+
+def torch_block(x, P, B, Tn, C, H):
+    F = torch.nn.functional
+    hs = C // H
+    mask = torch.ones(Tn, Tn, dtype=torch.bool).tril()
+    for l in range(2):
+        h = F.layer_norm(x, (C,), P[f"{l}.ln1.g"], P[f"{l}.ln1.b"], 1e-5)
+        qkv = (h @ P[f"{l}.attn.w"] + P[f"{l}.attn.b"]).view(B, Tn, 3, H, hs)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))   # (B, H, T, hs)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(hs)
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B * Tn, C)
+        x = x + y @ P[f"{l}.proj.w"] + P[f"{l}.proj.b"]
+        h = F.layer_norm(x, (C,), P[f"{l}.ln2.g"], P[f"{l}.ln2.b"], 1e-5)
+        h = F.gelu(h @ P[f"{l}.fc.w"] + P[f"{l}.fc.b"], approximate="tanh")
+        x = x + h @ P[f"{l}.fc2.w"] + P[f"{l}.fc2.b"]
+    return x
+
+
+@pytest.mark.parametrize("dtype,tol", [(np.float64, 1e-10), (np.float32, 1e-4)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_two_layer_gpt_block_matches_torch(dtype, tol, fused):
+    rs = np.random.default_rng(7)
+    B, Tn, C, H = 2, 6, 16, 4
+    params = block_params(rs, C, dtype)
+    x0 = rnd(rs, B * Tn, C, dtype=dtype)
+    r = rnd(rs, B * Tn, C, dtype=dtype)
+
+    tape = Tape()
+    P = {k: tape.leaf(T(v)) for k, v in params.items()}
+    xv = tape.leaf(T(x0))
+    out = forge_block(tape, xv, P, B, Tn, C, H, fused)
+    grads = tape.backward(out, T(r))
+
+    tp = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    tx = torch.tensor(x0, requires_grad=True)
+    tout = torch_block(tx, tp, B, Tn, C, H)
+    (tout * torch.tensor(r)).sum().backward()
+
+    def rel(a, b):
+        return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+
+    assert rel(out.t.numpy(), tout.detach().numpy()) < tol
+    assert rel(grads[xv.id].numpy(), tx.grad.numpy()) < tol
+    for k in params:
+        assert rel(grads[P[k].id].numpy(), tp[k].grad.numpy()) < tol, k

@@ -1,0 +1,104 @@
+"""Tensor basics: constructors, views, device moves, and copy-on-write for in-place ops."""
+import numpy as np
+import pytest
+
+import forge_ml as fm
+from forge_ml import ops
+
+
+def test_constructors_and_dtypes():
+    assert fm.tensor([1.0, 2.0]).dtype == fm.float32
+    assert fm.tensor([1, 2]).dtype == fm.int64
+    assert fm.tensor(np.zeros(3, np.float64)).dtype == fm.float64
+    assert fm.tensor(np.zeros(3, np.int32)).dtype == fm.int32
+    t = fm.zeros((2, 3), "float64")
+    assert t.shape == (2, 3) and t.dtype == fm.float64 and str(t.device) == "cpu"
+    assert fm.full((2,), 4.0).numpy().tolist() == [4.0, 4.0]
+
+
+def test_from_numpy_copies():
+    a = np.arange(6, dtype=np.float32)
+    t = fm.from_numpy(a)
+    a[0] = 100.0
+    assert t.numpy()[0] == 0.0
+    h = t.numpy()
+    h[1] = 50.0
+    assert t.numpy()[1] == 1.0
+
+
+def test_reshape_is_a_view_and_checks_sizes():
+    t = fm.tensor(np.arange(12, dtype=np.float32))
+    v = t.reshape(3, 4)
+    assert v.shape == (3, 4) and np.shares_memory(v.data, t.data)
+    assert t.reshape(-1, 6).shape == (2, 6)
+    with pytest.raises(fm.ShapeError):
+        t.reshape(5, 3)
+    with pytest.raises(fm.ShapeError):
+        t.reshape(-1, -1)
+
+
+def test_kv_append_copy_on_write_protects_views():
+    cache = fm.zeros((1, 2, 4, 3))
+    before = cache.reshape(2, 12)            # a view taken before the write
+    new = fm.tensor(np.ones((1, 2, 1, 3), np.float32))
+    ops.kv_append(cache, new, 2)
+    assert before.numpy().sum() == 0.0       # the view kept the old values
+    assert cache.numpy()[0, :, 2].sum() == 6.0
+    # with no other view alive the write is in place (no copy)
+    buf = cache.data
+    ops.kv_append(cache, new, 3)
+    del before
+    ops.kv_append(cache, new, 0)
+    assert cache.numpy()[0, :, :, 0].sum() == 6.0
+    assert cache.version == 3
+    del buf
+
+
+def test_scatter_add_rows_copy_on_write_protects_views():
+    dst = fm.zeros((5, 2))
+    alias = dst.reshape(10)
+    ops.scatter_add_rows(dst, fm.tensor([1, 1, 4]), fm.tensor(np.ones((3, 2), np.float32)))
+    assert alias.numpy().sum() == 0.0
+    assert dst.numpy()[:, 0].tolist() == [0.0, 2.0, 0.0, 0.0, 1.0]
+
+
+def test_in_place_write_without_views_does_not_copy():
+    cache = fm.zeros((2, 4, 3))
+    data_before = cache.data
+    ops.kv_append(cache, fm.tensor(np.ones((2, 1, 3), np.float32)), 1)
+    assert cache.data is data_before
+
+
+def test_to_device_and_dtype():
+    t = fm.tensor([1.5, 2.5])
+    assert t.to("cpu") is t
+    assert t.to("float64").dtype == fm.float64
+    assert t.to(fm.float64).numpy().tolist() == [1.5, 2.5]
+    with pytest.raises(fm.DeviceError):
+        t.to("tpu")
+
+
+def test_bfloat16_on_cpu_is_a_clear_error():
+    with pytest.raises(fm.DTypeError):
+        fm.zeros((2,), "bfloat16")
+
+
+def test_cuda_without_gpu_is_a_device_error():
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("cupy present: covered by tests/test_cuda.py")
+    except Exception:
+        pass
+    with pytest.raises(fm.DeviceError) as e:
+        fm.zeros((2,), device="cuda")
+    assert "cuda" in str(e.value).lower()
+
+
+def test_item_and_errors():
+    assert fm.tensor([3.0]).item() == 3.0
+    with pytest.raises(fm.ShapeError):
+        fm.tensor([1.0, 2.0]).item()
+    with pytest.raises(fm.DeviceError):
+        fm.Device.parse("cuda:x")
+    with pytest.raises(fm.DTypeError):
+        fm.tensor(np.array(["a"]))
