@@ -1,0 +1,394 @@
+"""Token data: llm.c token shards, corpus preparation and the batch loader.
+
+Shard layout (llm.c's ``.bin``, version 1): a header of 256 little-endian int32, of which
+``[0]`` is the magic 20240520, ``[1]`` the version 1 and ``[2]`` the token count N; then N
+little-endian uint16 tokens. Nothing else follows.
+
+``prepare`` turns a text file into ``train.bin``, ``val.bin`` and ``tokenizer.json``.
+``DataLoader`` memory-maps shards and draws random windows from a seeded PCG64 generator whose
+state goes into checkpoints, so a resumed run sees exactly the batches it would have seen.
+
+>>> import tempfile, os
+>>> d = tempfile.mkdtemp()
+>>> write_shard(os.path.join(d, "a.bin"), [5, 6, 7])
+>>> read_shard(os.path.join(d, "a.bin")).tolist()
+[5, 6, 7]
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .device import Device
+from .errors import DataError
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+_TOKEN_DTYPE = np.dtype("<u2")
+
+
+def _atomic_write_bytes(path: Path, chunks) -> None:
+    """Write ``chunks`` (bytes-like objects) to a temporary file next to ``path``, fsync it and
+    rename it over ``path``: readers see the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards
+
+
+def write_shard(path, tokens) -> None:
+    """Write ``tokens`` (ints in [0, 65536)) as an llm.c shard, atomically.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "t.bin")
+    >>> write_shard(p, [1, 2, 3]); os.path.getsize(p)
+    1030
+    """
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise DataError(f"write_shard: tokens must be 1-D, got shape {arr.shape} for {path}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise DataError(f"write_shard: tokens must be integers, got dtype {arr.dtype} for {path}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= 65536:
+            bad = lo if lo < 0 else hi
+            where = int(np.argmax(arr == bad))
+            raise DataError(
+                f"write_shard: token {bad} at position {where} does not fit the shard's uint16; "
+                f"expected 0 <= token < 65536 (a vocabulary this large needs another format) for {path}"
+            )
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, arr.size
+    _atomic_write_bytes(Path(path), [header.tobytes(), arr.astype(_TOKEN_DTYPE).tobytes()])
+
+
+def read_shard(path) -> np.ndarray:
+    """Memory-map the tokens of an llm.c shard (read-only uint16), after checking its header.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "t.bin"); write_shard(p, [9, 8])
+    >>> read_shard(p).dtype, len(read_shard(p))
+    (dtype('uint16'), 2)
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"token shard not found: {path}")
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise DataError(
+            f"token shard {path} is {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
+            f"the file is truncated or not a shard"
+        )
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    magic, version, n = int(header[0]), int(header[1]), int(header[2])
+    if magic != SHARD_MAGIC:
+        raise DataError(f"expected magic {SHARD_MAGIC}, got {magic} in file {path}")
+    if version != SHARD_VERSION:
+        raise DataError(
+            f"expected shard version {SHARD_VERSION} (uint16 tokens), got {version} in file {path}"
+        )
+    body = size - HEADER_BYTES
+    if n < 0 or body != 2 * n:
+        held = f"{body // 2} tokens" + (" and a stray byte" if body % 2 else "")
+        raise DataError(f"header says {n} tokens but file holds {held}: {path}")
+    if n == 0:
+        return np.zeros(0, dtype=np.uint16)
+    return np.memmap(path, dtype=_TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Text
+
+
+def load_text(path) -> str:
+    """The UTF-8 text of a file, with a DataError that says what went wrong.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.txt"); _ = open(p, "w").write("hi")
+    >>> load_text(p)
+    'hi'
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"text file not found: {path}")
+    if not path.is_file():
+        raise DataError(f"expected a text file, but {path} is a directory or special file")
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{path} is not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} ({e.reason}); "
+            f"convert it first, e.g. iconv -f latin1 -t utf-8"
+        ) from None
+
+
+def default_corpus(max_bytes: int = 3_000_000) -> str:
+    """A corpus every machine has without a download: the standard library's own ``*.py``
+    files, in sorted order, concatenated until ``max_bytes`` of source have been taken.
+
+    The text depends only on the Python installation, so it is reproducible on one machine.
+
+    >>> len(default_corpus(10_000)) > 1000
+    True
+    """
+    stdlib = os.path.dirname(os.__file__)
+    files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
+    parts: list[str] = []
+    total = 0
+    for f in files:
+        try:
+            src = Path(f).read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        parts.append(f"# ---- {os.path.basename(f)} ----\n{src}\n")
+        total += len(parts[-1])
+        if total >= max_bytes:
+            break
+    if not parts:
+        raise DataError(
+            f"default_corpus: no readable *.py files in the standard library folder {stdlib}; "
+            f"give a text file instead"
+        )
+    return "".join(parts)
+
+
+def prepare(text_path, out_dir, tokenizer="char", val_fraction: float = 0.1) -> dict:
+    """Tokenize a text file into ``train.bin``, ``val.bin`` (the last ``val_fraction`` of the
+    tokens) and ``tokenizer.json`` in ``out_dir``; returns the counts.
+
+    ``tokenizer`` is "char", "gpt2" or a tokenizer object.
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp(); p = os.path.join(d, "t.txt"); _ = open(p, "w").write("abcd" * 5)
+    >>> prepare(p, d)["train_tokens"]
+    18
+    """
+    from .tokenizer import load_tokenizer
+
+    if not (0.0 < val_fraction < 1.0):
+        raise DataError(f"prepare: val_fraction must be in (0, 1), got {val_fraction}")
+    text = load_text(text_path)
+    if not text:
+        raise DataError(f"prepare: {text_path} is empty")
+    tok = load_tokenizer(tokenizer, text=text)
+    if tok.vocab_size > 65536:
+        raise DataError(
+            f"prepare: the tokenizer has {tok.vocab_size} ids but shards hold uint16 (at most 65536)"
+        )
+    ids = np.asarray(tok.encode(text), dtype=np.int64)
+    n = ids.size
+    n_val = int(n * val_fraction)
+    n_train = n - n_val
+    if n_val < 1 or n_train < 1:
+        raise DataError(
+            f"prepare: {text_path} gives {n} tokens; with val_fraction={val_fraction} that leaves "
+            f"{n_train} for train and {n_val} for val; expected at least 1 each"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_shard(out / "train.bin", ids[:n_train])
+    write_shard(out / "val.bin", ids[n_train:])
+    _atomic_write_bytes(out / "tokenizer.json", [json.dumps(tok.to_dict(), indent=1).encode("utf-8")])
+    return {
+        "train_tokens": int(n_train),
+        "val_tokens": int(n_val),
+        "vocab_size": int(tok.vocab_size),
+        "tokenizer": tok.to_dict()["kind"],
+        "train_path": str(out / "train.bin"),
+        "val_path": str(out / "val.bin"),
+        "tokenizer_path": str(out / "tokenizer.json"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Loader
+
+
+def _expand_paths(path_or_paths) -> list[Path]:
+    if isinstance(path_or_paths, (str, os.PathLike)):
+        s = os.fspath(path_or_paths)
+        if any(ch in s for ch in "*?["):
+            found = sorted(glob.glob(s))
+            if not found:
+                raise DataError(f"no token shards match the pattern {s}")
+            return [Path(p) for p in found]
+        return [Path(s)]
+    paths = [Path(p) for p in path_or_paths]
+    if not paths:
+        raise DataError("DataLoader: expected at least one shard path, got an empty list")
+    return paths
+
+
+def _state_to_json(state):
+    """PCG64's state holds 128-bit ints; JSON readers often keep only 53 bits, so store every
+    int as a decimal string."""
+    if isinstance(state, dict):
+        return {k: _state_to_json(v) for k, v in state.items()}
+    if isinstance(state, (int, np.integer)) and not isinstance(state, bool):
+        return str(int(state))
+    return state
+
+
+def _state_from_json(state):
+    if isinstance(state, dict):
+        return {k: _state_from_json(v) for k, v in state.items()}
+    if isinstance(state, str) and state.lstrip("-").isdigit():
+        return int(state)
+    return state
+
+
+class DataLoader:
+    """Random (B, T) windows over one or more memory-mapped shards.
+
+    Each batch draws B start offsets uniformly from ``[0, N - T - 1]`` of the concatenated
+    shards (N tokens in all; a window may run across a shard boundary) with a
+    ``np.random.Generator(np.random.PCG64(seed))``, and returns ``(x, y)``: int64 NumPy arrays
+    of shape (B, T) where ``y[b, t]`` is the token that follows ``x[b, t]``. ``device`` is kept
+    for the caller, who turns the arrays into Tensors there.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "s.bin"); write_shard(p, range(100))
+    >>> dl = DataLoader(p, batch_size=2, block_size=4, seed=0)
+    >>> x, y = dl.next_batch(); x.shape, bool((y[:, :-1] == x[:, 1:]).all())
+    ((2, 4), True)
+    >>> s = dl.state_dict(); a = dl.next_batch()[0]; dl.load_state_dict(s)
+    >>> bool((dl.next_batch()[0] == a).all())
+    True
+    """
+
+    def __init__(self, path_or_paths, batch_size: int, block_size: int, seed: int = 0, device="cpu"):
+        if int(batch_size) < 1 or int(block_size) < 1:
+            raise DataError(
+                f"DataLoader: batch_size and block_size must be >= 1, got {batch_size} and {block_size}"
+            )
+        self.B = int(batch_size)
+        self.T = int(block_size)
+        self.seed = int(seed)
+        self.device = Device.parse(device)
+        self.paths = _expand_paths(path_or_paths)
+        self.shards = []
+        for p in self.paths:
+            s = read_shard(p)
+            if len(s) < self.T + 1:
+                raise DataError(
+                    f"token shard {p} holds {len(s)} tokens; block_size={self.T} needs at least "
+                    f"{self.T + 1} (one window plus its next-token target)"
+                )
+            self.shards.append(s)
+        lengths = np.array([len(s) for s in self.shards], dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(lengths)])  # shard i covers [starts[i], starts[i+1])
+        self.n_tokens = int(self._starts[-1])
+        self.batches_drawn = 0
+        self._rng = np.random.Generator(np.random.PCG64(self.seed))
+
+    def _window(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the concatenation, as int64."""
+        out = np.empty(length, dtype=np.int64)
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        filled = 0
+        while filled < length:
+            s = self.shards[i]
+            lo = start + filled - int(self._starts[i])
+            take = min(length - filled, len(s) - lo)
+            out[filled:filled + take] = s[lo:lo + take]
+            filled += take
+            i += 1
+        return out
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next random batch ``(x, y)``, each int64 of shape (B, T)."""
+        B, T = self.B, self.T
+        offsets = self._rng.integers(0, self.n_tokens - T, size=B)  # start + T + 1 <= N
+        buf = np.stack([self._window(int(o), T + 1) for o in offsets])  # (B, T+1)
+        self.batches_drawn += 1
+        return buf[:, :-1].copy(), buf[:, 1:].copy()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.next_batch()
+
+    def eval_batches(self, n: int | None = None):
+        """Yield ``n`` fixed batches of sequential, non-overlapping windows, the same on every
+        call and independent of the random stream. Window ``k`` covers tokens ``[kT, kT + T]``.
+        ``n=None`` yields every complete batch; a larger ``n`` than fits wraps to the start.
+
+        >>> import tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "s.bin"); write_shard(p, range(50))
+        >>> [int(x[0, 0]) for x, y in DataLoader(p, 2, 4).eval_batches(2)]
+        [0, 8]
+        """
+        B, T = self.B, self.T
+        n_windows = (self.n_tokens - 1) // T
+        if n is None:
+            n = n_windows // B
+            if n == 0:
+                raise DataError(
+                    f"eval_batches: {self.n_tokens} tokens give {n_windows} windows of {T}; "
+                    f"one batch needs {B}"
+                )
+        for k in range(int(n)):
+            wins = [((k * B + b) % n_windows) * T for b in range(B)]
+            buf = np.stack([self._window(w, T + 1) for w in wins])  # (B, T+1)
+            yield buf[:, :-1].copy(), buf[:, 1:].copy()
+
+    def state_dict(self) -> dict:
+        """JSON-able position of the random stream (big ints stored as decimal strings)."""
+        return {
+            "kind": "random_windows",
+            "seed": self.seed,
+            "batch_size": self.B,
+            "block_size": self.T,
+            "n_tokens": self.n_tokens,
+            "batches_drawn": self.batches_drawn,
+            "bit_generator": _state_to_json(self._rng.bit_generator.state),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict()``: the following batches equal those the saved loader drew."""
+        if not isinstance(state, dict) or "bit_generator" not in state:
+            raise DataError(f"DataLoader.load_state_dict: expected a dict from state_dict(), got {state!r:.200}")
+        for key, mine in (("batch_size", self.B), ("block_size", self.T), ("n_tokens", self.n_tokens)):
+            theirs = state.get(key)
+            if theirs is not None and int(theirs) != mine:
+                raise DataError(
+                    f"DataLoader.load_state_dict: the saved loader had {key}={theirs}, this one has "
+                    f"{mine}; the batches after a resume would differ from the original run"
+                )
+        bg = _state_from_json(state["bit_generator"])
+        if bg.get("bit_generator") != "PCG64":
+            raise DataError(f"DataLoader.load_state_dict: expected a PCG64 state, got {bg.get('bit_generator')!r}")
+        rng = np.random.Generator(np.random.PCG64())
+        try:
+            rng.bit_generator.state = bg
+        except (TypeError, ValueError, KeyError) as e:
+            raise DataError(f"DataLoader.load_state_dict: bad generator state: {e}") from None
+        self._rng = rng
+        self.seed = int(state.get("seed", self.seed))
+        self.batches_drawn = int(state.get("batches_drawn", 0))

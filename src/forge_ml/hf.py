@@ -1,0 +1,332 @@
+"""Hugging Face GPT-2 interchange: ``config.json`` + ``model.safetensors``, both ways.
+
+Pure NumPy, json and safetensors: importing this module never imports torch or transformers.
+
+Names: forge-ml's parameter names are HF's ``GPT2LMHeadModel`` names without the
+``transformer.`` prefix (notes/API.md). HF's ``Conv1D`` (transformers/pytorch_utils.py) keeps
+its weight as ``(nx, nf)`` = (in, out) and computes ``addmm(bias, x, weight)``, i.e.
+``x @ W + b``, which is exactly forge-ml's Linear layout, so c_attn, c_proj and c_fc weights
+cross over without a transpose.
+
+Vocabulary padding: forge-ml pads ``wte`` (and an untied ``lm_head``) to ``padded_vocab_size``
+rows, the extra rows zero; HF files hold exactly ``vocab_size`` rows.
+
+>>> import tempfile, os, numpy as np
+>>> cfg = {"vocab_size": 10, "block_size": 8, "n_layer": 1, "n_head": 2, "n_embd": 4}
+>>> params = {k: np.random.rand(*s).astype(np.float32) for k, s in gpt2_param_shapes(cfg).items()}
+>>> d = os.path.join(tempfile.mkdtemp(), "hf")
+>>> save_hf_gpt2(d, cfg, params)
+>>> cfg2, params2 = load_hf_gpt2(d, padded_vocab=16)
+>>> cfg2["padded_vocab_size"], params2["wte.weight"].shape
+(16, (16, 4))
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import atomic_directory, check_architecture
+from .errors import CheckpointError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+HF_PREFIX = "transformer."
+
+# Non-parameter buffers that older GPT-2 checkpoints carry: the causal mask and its fill value.
+_BUFFER_RE = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
+
+# Activations that are GPT-2's tanh-approximated GELU under another name in transformers.
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+def default_padded_vocab(vocab_size: int) -> int:
+    """The padding rule of ``models.gpt2.GPT2Config``: a large vocabulary rounds up to a
+    multiple of 128 (aligned rows for the GPU's matmuls, as llm.c does), a small one stays.
+
+    >>> default_padded_vocab(50257), default_padded_vocab(65)
+    (50304, 65)
+    """
+    v = int(vocab_size)
+    return v if v < 1024 else (v + 127) // 128 * 128
+
+
+def gpt2_param_shapes(config: dict) -> dict:
+    """forge-ml's GPT-2 parameter names and shapes for a config dict (forge-ml field names;
+    ``padded_vocab_size`` defaults to ``vocab_size``, ``tied_head`` to True), in model order.
+
+    >>> s = gpt2_param_shapes({"vocab_size": 50257, "padded_vocab_size": 50304, "block_size": 1024,
+    ...                        "n_layer": 12, "n_head": 12, "n_embd": 768})
+    >>> s["wte.weight"], s["h.0.attn.c_attn.weight"], len(s)
+    ((50304, 768), (768, 2304), 148)
+    """
+    C = int(config["n_embd"])
+    Vp = int(config.get("padded_vocab_size") or config["vocab_size"])
+    shapes = {"wte.weight": (Vp, C), "wpe.weight": (int(config["block_size"]), C)}
+    for i in range(int(config["n_layer"])):
+        p = f"h.{i}."
+        shapes[p + "ln_1.weight"] = (C,)
+        shapes[p + "ln_1.bias"] = (C,)
+        shapes[p + "attn.c_attn.weight"] = (C, 3 * C)
+        shapes[p + "attn.c_attn.bias"] = (3 * C,)
+        shapes[p + "attn.c_proj.weight"] = (C, C)
+        shapes[p + "attn.c_proj.bias"] = (C,)
+        shapes[p + "ln_2.weight"] = (C,)
+        shapes[p + "ln_2.bias"] = (C,)
+        shapes[p + "mlp.c_fc.weight"] = (C, 4 * C)
+        shapes[p + "mlp.c_fc.bias"] = (4 * C,)
+        shapes[p + "mlp.c_proj.weight"] = (4 * C, C)
+        shapes[p + "mlp.c_proj.bias"] = (C,)
+    shapes["ln_f.weight"] = (C,)
+    shapes["ln_f.bias"] = (C,)
+    if not config.get("tied_head", True):
+        shapes["lm_head.weight"] = (Vp, C)
+    return shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing; a Hugging Face GPT-2 directory needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: bad JSON ({e}); the file is truncated or corrupted") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    return d
+
+
+def _bf16_tensor(path: Path, name: str) -> np.ndarray:
+    """Read one BF16 tensor by hand (NumPy has no bfloat16): safetensors is an 8-byte
+    little-endian header length, a JSON header with each tensor's byte range, then the data.
+    bfloat16 is the top half of a float32, so shifting its bits up 16 gives the exact value."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        begin, end = header[name]["data_offsets"]
+        f.seek(8 + n + begin)
+        raw = np.frombuffer(f.read(end - begin), dtype="<u2")
+    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(header[name]["shape"])
+
+
+def _read_weights(files: list[Path]) -> dict:
+    """All tensors of the given safetensors files as float32 NumPy arrays, under HF's names
+    minus the ``transformer.`` prefix, buffers skipped."""
+    from safetensors import safe_open
+
+    out: dict[str, np.ndarray] = {}
+    for path in files:
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing")
+        try:
+            with safe_open(str(path), framework="np") as f:
+                for key in f.keys():
+                    name = key[len(HF_PREFIX):] if key.startswith(HF_PREFIX) else key
+                    if _BUFFER_RE.match(name):
+                        continue
+                    dtype = f.get_slice(key).get_dtype()
+                    if dtype == "BF16":
+                        a = _bf16_tensor(path, key)
+                    elif dtype in ("F32", "F16", "F64"):
+                        a = f.get_tensor(key)
+                    else:
+                        raise CheckpointError(f"{path}: tensor {key} has dtype {dtype}; expected F32, F16, BF16 or F64")
+                    if name in out:
+                        raise CheckpointError(f"{path}: parameter {name} appears twice (with and without the prefix?)")
+                    out[name] = np.ascontiguousarray(a, dtype=np.float32)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors' SafetensorError, OSError, a bad header, ...
+            raise CheckpointError(f"{path}: cannot read safetensors: {e}") from None
+    return out
+
+
+def _weight_files(d: Path) -> list[Path]:
+    single = d / WEIGHTS_FILE
+    if single.is_file():
+        return [single]
+    index = d / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: missing key 'weight_map'")
+        return [d / f for f in sorted(set(weight_map.values()))]
+    hint = ""
+    if (d / "pytorch_model.bin").is_file():
+        hint = (" (found pytorch_model.bin: re-save it with transformers' "
+                "save_pretrained(dir, safe_serialization=True))")
+    raise CheckpointError(f"{single} is missing; expected {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{hint}")
+
+
+def _forge_config(hf: dict, path: Path, padded_vocab: int | None) -> dict:
+    """forge-ml GPT2Config fields from an HF config, refusing features forge-ml lacks."""
+    model_type = hf.get("model_type")
+    if model_type != "gpt2":
+        raise CheckpointError(
+            f"{path}: unknown architecture: model_type is {model_type!r} (architectures "
+            f"{hf.get('architectures')}); expected 'gpt2'"
+        )
+    for key in ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size"):
+        if not isinstance(hf.get(key), int) or hf[key] < 1:
+            raise CheckpointError(f"{path}: expected a positive integer {key!r}, got {hf.get(key)!r}")
+    C, H = hf["n_embd"], hf["n_head"]
+    if C % H:
+        raise CheckpointError(f"{path}: n_embd={C} is not divisible by n_head={H}")
+    unsupported = []
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GELU_TANH:
+        unsupported.append(f"activation_function={act!r} (forge-ml has GPT-2's tanh GELU, 'gelu_new')")
+    if hf.get("n_inner") not in (None, 4 * C):
+        unsupported.append(f"n_inner={hf['n_inner']} (forge-ml's MLP is 4 * n_embd = {4 * C})")
+    if not hf.get("scale_attn_weights", True):
+        unsupported.append("scale_attn_weights=false")
+    if hf.get("scale_attn_by_inverse_layer_idx", False):
+        unsupported.append("scale_attn_by_inverse_layer_idx=true")
+    if hf.get("add_cross_attention", False):
+        unsupported.append("add_cross_attention=true")
+    if unsupported:
+        raise CheckpointError(f"{path}: GPT-2 variant forge-ml cannot run: " + "; ".join(unsupported))
+    V = hf["vocab_size"]
+    Vp = default_padded_vocab(V) if padded_vocab is None else int(padded_vocab)
+    if Vp < V:
+        raise CheckpointError(f"padded_vocab={Vp} is smaller than the checkpoint's vocab_size={V}")
+    return {
+        "vocab_size": V,
+        "padded_vocab_size": Vp,
+        "block_size": hf["n_positions"],
+        "n_layer": hf["n_layer"],
+        "n_head": H,
+        "n_embd": C,
+        "dropout": 0.0,
+        "tied_head": bool(hf.get("tie_word_embeddings", True)),
+        "layernorm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
+    }
+
+
+def load_hf_gpt2(dir, padded_vocab: int | None = None) -> tuple[dict, dict]:
+    """Read a Hugging Face GPT-2 directory; returns ``(config, params)`` in forge-ml's names
+    (float32 arrays, ``wte`` zero-padded to ``padded_vocab`` rows, by default
+    ``default_padded_vocab(vocab_size)``, e.g. 50257 -> 50304).
+
+    With tied embeddings HF uses ``wte`` as the head and ignores any stored ``lm_head.weight``;
+    so does this loader.
+
+    >>> import tempfile, os, numpy as np
+    >>> cfg = {"vocab_size": 5, "block_size": 4, "n_layer": 1, "n_head": 1, "n_embd": 2}
+    >>> d = os.path.join(tempfile.mkdtemp(), "hf")
+    >>> save_hf_gpt2(d, cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
+    >>> load_hf_gpt2(d)[0]["padded_vocab_size"], load_hf_gpt2(d, padded_vocab=64)[0]["padded_vocab_size"]
+    (5, 64)
+    """
+    d = Path(dir)
+    if not d.is_dir():
+        raise CheckpointError(f"Hugging Face model directory not found: {d}")
+    cfg_path = d / CONFIG_FILE
+    config = _forge_config(_read_json(cfg_path), cfg_path, padded_vocab)
+    raw = _read_weights(_weight_files(d))
+
+    if config["tied_head"]:
+        raw.pop("lm_head.weight", None)
+    unpadded = dict(config, padded_vocab_size=config["vocab_size"])
+    try:
+        check_architecture(gpt2_param_shapes(unpadded), raw, ignore_prefixes=())
+    except CheckpointError as e:
+        raise CheckpointError(f"{d}: weights do not match {CONFIG_FILE}: {e}") from None
+
+    V, Vp = config["vocab_size"], config["padded_vocab_size"]
+    params = {}
+    for name in gpt2_param_shapes(config):
+        a = raw[name]
+        if name in ("wte.weight", "lm_head.weight") and Vp > V:
+            a = np.concatenate([a, np.zeros((Vp - V, a.shape[1]), np.float32)])  # (Vp, C)
+        params[name] = a
+    return config, params
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def save_hf_gpt2(dir, config, params: dict) -> None:
+    """Write ``params`` (forge-ml names, NumPy arrays) as a directory that transformers'
+    ``GPT2LMHeadModel.from_pretrained`` loads: ``config.json`` and ``model.safetensors`` with
+    the ``transformer.`` prefix, as transformers' own ``save_pretrained`` writes it, and the
+    vocabulary padding removed. The directory is replaced atomically as a whole.
+
+    ``config`` is a dict or dataclass with forge-ml's GPT2Config fields (``vocab_size``,
+    ``block_size``, ``n_layer``, ``n_head``, ``n_embd``; optional ``padded_vocab_size``,
+    ``tied_head``, ``layernorm_eps``, ``dropout``); other fields are ignored.
+
+    >>> import tempfile, os, numpy as np
+    >>> cfg = {"vocab_size": 5, "block_size": 4, "n_layer": 1, "n_head": 1, "n_embd": 2}
+    >>> d = os.path.join(tempfile.mkdtemp(), "hf")
+    >>> save_hf_gpt2(d, cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
+    >>> sorted(os.listdir(d))
+    ['config.json', 'model.safetensors']
+    """
+    from safetensors.numpy import save_file
+
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"save_hf_gpt2: config must be a dict or a dataclass, got {type(config).__name__}")
+    missing = [k for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd") if k not in config]
+    if missing:
+        raise CheckpointError(f"save_hf_gpt2: config lacks {missing}")
+    V = int(config["vocab_size"])
+    Vp = int(config.get("padded_vocab_size") or V)
+    tied = bool(config.get("tied_head", True))
+    if Vp < V:
+        raise CheckpointError(f"save_hf_gpt2: padded_vocab_size={Vp} is smaller than vocab_size={V}")
+    shapes = gpt2_param_shapes(dict(config, padded_vocab_size=Vp, tied_head=tied))
+    for name, a in params.items():
+        if not isinstance(a, np.ndarray):
+            raise CheckpointError(f"save_hf_gpt2: {name} is a {type(a).__name__}; expected a NumPy array")
+    check_architecture(shapes, params, ignore_prefixes=())
+
+    tensors = {}
+    for name in shapes:
+        a = params[name]
+        if name in ("wte.weight", "lm_head.weight"):
+            a = a[:V]  # (V, C): HF holds no padding rows
+        key = name if name == "lm_head.weight" else HF_PREFIX + name
+        tensors[key] = np.ascontiguousarray(a, dtype=np.float32)
+
+    dropout = float(config.get("dropout", 0.0))
+    hf_config = {
+        "activation_function": "gelu_new",
+        "architectures": ["GPT2LMHeadModel"],
+        "attn_pdrop": dropout,
+        "bos_token_id": 50256 if V > 50256 else None,
+        "embd_pdrop": dropout,
+        "eos_token_id": 50256 if V > 50256 else None,
+        "initializer_range": 0.02,
+        "layer_norm_epsilon": float(config.get("layernorm_eps", 1e-5)),
+        "model_type": "gpt2",
+        "n_embd": int(config["n_embd"]),
+        "n_head": int(config["n_head"]),
+        "n_inner": None,
+        "n_layer": int(config["n_layer"]),
+        "n_positions": int(config["block_size"]),
+        "reorder_and_upcast_attn": False,
+        "resid_pdrop": dropout,
+        "scale_attn_by_inverse_layer_idx": False,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": tied,
+        "dtype": "float32",
+        "use_cache": True,
+        "vocab_size": V,
+    }
+    with atomic_directory(dir) as tmp:
+        # The metadata save_pretrained writes; transformers 4.x refuses a file whose "format"
+        # names no framework it knows.
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")

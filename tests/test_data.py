@@ -1,0 +1,303 @@
+"""Token shards (llm.c layout), text loading, prepare, and the loader's determinism/resume."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from forge_ml import data
+from forge_ml.data import DataLoader, default_corpus, load_text, prepare, read_shard, write_shard
+from forge_ml.errors import DataError
+from forge_ml.tokenizer import CharTokenizer, tokenizer_from_dict
+
+
+def shard(tmp_path, tokens, name="s.bin"):
+    p = tmp_path / name
+    write_shard(p, tokens)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards
+
+
+def test_shard_layout_is_llmc(tmp_path):
+    toks = np.array([0, 1, 65535, 50256, 7], dtype=np.int64)
+    p = shard(tmp_path, toks)
+    raw = p.read_bytes()
+    assert len(raw) == 1024 + 2 * len(toks)
+    header = np.frombuffer(raw[:1024], dtype="<i4")
+    assert header[0] == 20240520 and header[1] == 1 and header[2] == len(toks)
+    assert not header[3:].any()
+    assert np.frombuffer(raw[1024:], dtype="<u2").tolist() == toks.tolist()
+
+
+def test_shard_round_trip(tmp_path):
+    toks = np.random.default_rng(0).integers(0, 65536, size=10_000)
+    got = read_shard(shard(tmp_path, toks))
+    assert isinstance(got, np.memmap) and got.dtype == np.uint16
+    np.testing.assert_array_equal(got, toks)
+
+
+def test_shard_empty(tmp_path):
+    assert len(read_shard(shard(tmp_path, []))) == 0
+
+
+@pytest.mark.parametrize("bad", [65536, -1, 100_000])
+def test_write_shard_rejects_out_of_range(tmp_path, bad):
+    with pytest.raises(DataError, match=str(bad)):
+        write_shard(tmp_path / "x.bin", [1, 2, bad])
+    assert not (tmp_path / "x.bin").exists()
+
+
+def test_write_shard_rejects_floats_and_2d(tmp_path):
+    with pytest.raises(DataError, match="integers"):
+        write_shard(tmp_path / "x.bin", [1.5, 2.0])
+    with pytest.raises(DataError, match="1-D"):
+        write_shard(tmp_path / "x.bin", [[1, 2]])
+
+
+def test_write_shard_is_atomic(tmp_path, monkeypatch):
+    p = shard(tmp_path, [1, 2, 3])
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(data.os, "replace", boom)
+    with pytest.raises(OSError):
+        write_shard(p, [9, 9, 9, 9])
+    monkeypatch.undo()
+    assert read_shard(p).tolist() == [1, 2, 3]
+    assert sorted(os.listdir(tmp_path)) == ["s.bin"]  # no temp file left
+
+
+def test_read_shard_bad_magic(tmp_path):
+    p = shard(tmp_path, [1, 2, 3])
+    raw = bytearray(p.read_bytes())
+    raw[0:4] = np.int32(12345).tobytes()
+    p.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=f"expected magic 20240520, got 12345 in file {p}"):
+        read_shard(p)
+
+
+def test_read_shard_bad_version(tmp_path):
+    p = shard(tmp_path, [1, 2, 3])
+    raw = bytearray(p.read_bytes())
+    raw[4:8] = np.int32(2).tobytes()
+    p.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match="version 1.*got 2"):
+        read_shard(p)
+
+
+def test_read_shard_size_mismatch(tmp_path):
+    p = shard(tmp_path, list(range(10)))
+    p.write_bytes(p.read_bytes()[:-4])  # lose 2 tokens
+    with pytest.raises(DataError, match="header says 10 tokens but file holds 8 tokens"):
+        read_shard(p)
+    p.write_bytes(p.read_bytes() + b"\x00\x00\x00\x00\x00")
+    with pytest.raises(DataError, match="header says 10 tokens but file holds 10 tokens and a stray byte"):
+        read_shard(p)
+
+
+def test_read_shard_short_or_missing(tmp_path):
+    p = tmp_path / "short.bin"
+    p.write_bytes(b"\x00" * 100)
+    with pytest.raises(DataError, match="shorter than the 1024-byte header"):
+        read_shard(p)
+    with pytest.raises(DataError, match="not found"):
+        read_shard(tmp_path / "nope.bin")
+
+
+# ---------------------------------------------------------------------------------------------
+# Text
+
+
+def test_load_text_errors(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        load_text(tmp_path / "missing.txt")
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café".encode("latin-1"))
+    with pytest.raises(DataError, match=r"not UTF-8: byte 0xe9 at offset 3"):
+        load_text(bad)
+    with pytest.raises(DataError, match="directory"):
+        load_text(tmp_path)
+    good = tmp_path / "ok.txt"
+    good.write_text("naïve 🎉", encoding="utf-8")
+    assert load_text(good) == "naïve 🎉"
+
+
+def test_default_corpus_is_deterministic_and_sized():
+    a = default_corpus()
+    assert a == default_corpus()
+    assert 2_000_000 <= len(a) <= 4_000_000
+    assert "def " in a and "import " in a
+    small = default_corpus(max_bytes=50_000)
+    assert a.startswith(small)
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare
+
+
+def test_prepare_char_end_to_end(tmp_path):
+    text = "To be, or not to be, that is the question.\n" * 50
+    src = tmp_path / "in.txt"
+    src.write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    info = prepare(src, out, tokenizer="char", val_fraction=0.1)
+    n = len(text)
+    assert info["train_tokens"] + info["val_tokens"] == n
+    assert info["val_tokens"] == int(n * 0.1)
+    assert sorted(os.listdir(out)) == ["tokenizer.json", "train.bin", "val.bin"]
+    tok = tokenizer_from_dict(json.loads((out / "tokenizer.json").read_text()))
+    assert isinstance(tok, CharTokenizer) and tok.vocab_size == info["vocab_size"]
+    train, val = read_shard(out / "train.bin"), read_shard(out / "val.bin")
+    assert tok.decode(train) + tok.decode(val) == text  # val is the tail
+    x, y = DataLoader(out / "train.bin", 4, 16, seed=1).next_batch()
+    assert x.shape == (4, 16)
+
+
+def test_prepare_gpt2(tmp_path):
+    text = "Hello world! Ünïcödé and 日本語.\n" * 20
+    src = tmp_path / "in.txt"
+    src.write_text(text, encoding="utf-8")
+    info = prepare(src, tmp_path / "o", tokenizer="gpt2", val_fraction=0.25)
+    assert info["vocab_size"] == 50257 and info["tokenizer"] == "gpt2"
+    assert json.loads((tmp_path / "o" / "tokenizer.json").read_text()) == {"kind": "gpt2"}
+    tok = tokenizer_from_dict({"kind": "gpt2"})
+    ids = np.concatenate([read_shard(tmp_path / "o" / "train.bin"), read_shard(tmp_path / "o" / "val.bin")])
+    assert tok.decode(ids) == text
+
+
+def test_prepare_errors(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("ab", encoding="utf-8")
+    with pytest.raises(DataError, match="val_fraction"):
+        prepare(src, tmp_path / "o", val_fraction=1.0)
+    with pytest.raises(DataError, match="at least 1 each"):
+        prepare(src, tmp_path / "o", val_fraction=0.1)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match="empty"):
+        prepare(tmp_path / "empty.txt", tmp_path / "o")
+
+
+# ---------------------------------------------------------------------------------------------
+# DataLoader
+
+
+def test_loader_batches_are_shifted_windows(tmp_path):
+    toks = np.arange(1000) % 60000
+    p = shard(tmp_path, toks)
+    dl = DataLoader(p, batch_size=8, block_size=32, seed=3)
+    for _ in range(5):
+        x, y = dl.next_batch()
+        assert x.dtype == np.int64 and y.dtype == np.int64 and x.shape == y.shape == (8, 32)
+        # arange data: each row is consecutive, y = x + 1
+        np.testing.assert_array_equal(x[:, 1:] - x[:, :-1], 1)
+        np.testing.assert_array_equal(y, x + 1)
+        assert x.min() >= 0 and y.max() <= 999
+
+
+def test_loader_offsets_are_seeded_pcg64(tmp_path):
+    p = shard(tmp_path, np.arange(500))
+    B, T = 4, 10
+    x, _ = DataLoader(p, B, T, seed=42).next_batch()
+    want = np.random.Generator(np.random.PCG64(42)).integers(0, 500 - T, size=B)
+    np.testing.assert_array_equal(x[:, 0], want)
+
+
+def test_loader_covers_the_last_token(tmp_path):
+    n, T = 40, 8
+    dl = DataLoader(shard(tmp_path, np.arange(n)), 64, T, seed=0)
+    seen_last = any((dl.next_batch()[1] == n - 1).any() for _ in range(20))
+    assert seen_last
+
+
+def test_loader_determinism(tmp_path):
+    p = shard(tmp_path, np.random.default_rng(0).integers(0, 50257, size=5000))
+    a = DataLoader(p, 4, 64, seed=7)
+    b = DataLoader(p, 4, 64, seed=7)
+    c = DataLoader(p, 4, 64, seed=8)
+    for _ in range(3):
+        (xa, ya), (xb, yb), (xc, _) = a.next_batch(), b.next_batch(), c.next_batch()
+        np.testing.assert_array_equal(xa, xb)
+        np.testing.assert_array_equal(ya, yb)
+    assert not np.array_equal(xa, xc)
+
+
+def test_loader_state_round_trip_through_json(tmp_path):
+    p = shard(tmp_path, np.random.default_rng(1).integers(0, 50257, size=5000))
+    dl = DataLoader(p, 4, 32, seed=11)
+    for _ in range(5):
+        dl.next_batch()
+    state = json.loads(json.dumps(dl.state_dict()))  # must survive JSON unchanged
+    want = [dl.next_batch() for _ in range(4)]
+
+    fresh = DataLoader(p, 4, 32, seed=999)
+    fresh.load_state_dict(state)
+    assert fresh.batches_drawn == 5
+    for wx, wy in want:
+        x, y = fresh.next_batch()
+        np.testing.assert_array_equal(x, wx)
+        np.testing.assert_array_equal(y, wy)
+    assert fresh.state_dict() == dl.state_dict()
+
+
+def test_loader_state_mismatch_is_an_error(tmp_path):
+    p = shard(tmp_path, np.arange(5000))
+    state = DataLoader(p, 4, 32, seed=0).state_dict()
+    with pytest.raises(DataError, match="block_size=32"):
+        DataLoader(p, 4, 16, seed=0).load_state_dict(state)
+    with pytest.raises(DataError, match="PCG64"):
+        DataLoader(p, 4, 32).load_state_dict(dict(state, bit_generator={"bit_generator": "MT19937"}))
+    with pytest.raises(DataError):
+        DataLoader(p, 4, 32).load_state_dict({"nope": 1})
+
+
+def test_loader_multiple_shards_span_boundaries(tmp_path):
+    a = shard(tmp_path, np.arange(0, 30), "a.bin")
+    b = shard(tmp_path, np.arange(30, 70), "b.bin")
+    c = shard(tmp_path, np.arange(70, 100), "c.bin")
+    dl = DataLoader([a, b, c], batch_size=64, block_size=12, seed=0)
+    assert dl.n_tokens == 100
+    for _ in range(10):
+        x, y = dl.next_batch()
+        np.testing.assert_array_equal(x[:, 1:] - x[:, :-1], 1)  # windows glue shards seamlessly
+        np.testing.assert_array_equal(y, x + 1)
+    # a glob pattern finds the same shards, sorted
+    dl2 = DataLoader(str(tmp_path / "*.bin"), batch_size=64, block_size=12, seed=0)
+    assert dl2.paths == [a, b, c]
+
+
+def test_loader_small_shard_names_file(tmp_path):
+    p = shard(tmp_path, np.arange(16), "tiny.bin")
+    with pytest.raises(DataError, match="tiny.bin holds 16 tokens; block_size=16 needs at least 17"):
+        DataLoader(p, 2, 16)
+    DataLoader(p, 2, 15)  # exactly T + 1 is enough
+    with pytest.raises(DataError, match="no token shards match"):
+        DataLoader(str(tmp_path / "*.nope"), 2, 4)
+
+
+def test_eval_batches_sequential_and_fixed(tmp_path):
+    p = shard(tmp_path, np.arange(1000))
+    dl = DataLoader(p, batch_size=3, block_size=10, seed=0)
+    before = dl.state_dict()
+    batches = list(dl.eval_batches(4))
+    assert len(batches) == 4
+    starts = np.concatenate([x[:, 0] for x, _ in batches])
+    np.testing.assert_array_equal(starts, np.arange(12) * 10)  # non-overlapping, in order
+    for x, y in batches:
+        np.testing.assert_array_equal(y, x + 1)
+    again = list(dl.eval_batches(4))
+    for (x1, _), (x2, _) in zip(batches, again):
+        np.testing.assert_array_equal(x1, x2)
+    assert dl.state_dict() == before  # eval does not touch the random stream
+    full = list(dl.eval_batches())
+    assert len(full) == (999 // 10) // 3
+
+
+def test_eval_batches_wrap_when_asked_for_more(tmp_path):
+    p = shard(tmp_path, np.arange(41))  # 4 windows of 10
+    dl = DataLoader(p, batch_size=3, block_size=10)
+    starts = np.concatenate([x[:, 0] for x, _ in dl.eval_batches(2)])
+    np.testing.assert_array_equal(starts, [0, 10, 20, 30, 0, 10])

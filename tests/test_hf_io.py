@@ -1,0 +1,266 @@
+"""Hugging Face GPT-2 interchange against transformers' own save_pretrained / from_pretrained."""
+import json
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from forge_ml.checkpoint import load_checkpoint, save_checkpoint
+from forge_ml.errors import CheckpointError
+from forge_ml.hf import default_padded_vocab, gpt2_param_shapes, load_hf_gpt2, save_hf_gpt2
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+SMALL = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=64)
+
+
+def hf_model(tie=True, seed=0, **over):
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(**dict(SMALL, tie_word_embeddings=tie, **over))
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():  # non-trivial LayerNorm parameters and biases, not just ones/zeros
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def hf_state(model) -> dict:
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf") / "tied"
+    model = hf_model()
+    model.save_pretrained(d, safe_serialization=True)
+    return d, model
+
+
+def test_module_does_not_import_torch():
+    code = "import sys, forge_ml.hf; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_load_matches_state_dict_exactly(saved):
+    d, model = saved
+    config, params = load_hf_gpt2(d, padded_vocab=128)
+    assert config == {
+        "vocab_size": 100, "padded_vocab_size": 128, "block_size": 64, "n_layer": 2, "n_head": 2,
+        "n_embd": 32, "dropout": 0.0, "tied_head": True, "layernorm_eps": 1e-5,
+    }
+    want = hf_state(model)
+    assert set(params) == {k.removeprefix("transformer.") for k in want} - {"lm_head.weight"}
+    for k, a in params.items():
+        assert a.dtype == np.float32
+        ref = want["transformer." + k]
+        if k == "wte.weight":
+            assert a.shape == (128, 32)
+            np.testing.assert_array_equal(a[:100], ref)
+            assert not a[100:].any()  # padded rows are zero
+        else:
+            assert a.shape == ref.shape, k
+            np.testing.assert_array_equal(a, ref)
+    assert list(params) == list(gpt2_param_shapes(config))
+
+
+def test_default_padding_follows_gpt2config(saved):
+    assert default_padded_vocab(50257) == 50304
+    assert default_padded_vocab(100) == 100
+    config, params = load_hf_gpt2(saved[0])
+    assert config["padded_vocab_size"] == 100 and params["wte.weight"].shape == (100, 32)
+    try:
+        from forge_ml.models.gpt2 import GPT2Config
+    except ImportError:
+        pass
+    else:
+        for v in (65, 100, 1023, 1024, 50257):
+            assert GPT2Config(vocab_size=v).padded_vocab_size == default_padded_vocab(v)
+    with pytest.raises(CheckpointError, match="padded_vocab=64 is smaller"):
+        load_hf_gpt2(saved[0], padded_vocab=64)
+
+
+def test_save_reloads_in_transformers_exactly(saved, tmp_path):
+    d, model = saved
+    config, params = load_hf_gpt2(d, padded_vocab=128)
+    out = tmp_path / "export"
+    save_hf_gpt2(out, config, params)
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    want, got = hf_state(model), hf_state(reloaded)
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_round_trip_load_save_load_exact(saved, tmp_path):
+    config, params = load_hf_gpt2(saved[0], padded_vocab=128)
+    save_hf_gpt2(tmp_path / "a", config, params)
+    config2, params2 = load_hf_gpt2(tmp_path / "a", padded_vocab=128)
+    assert config2 == config
+    assert list(params2) == list(params)
+    for k in params:
+        np.testing.assert_array_equal(params2[k], params[k])
+    # and through a forge-ml checkpoint
+    save_checkpoint(tmp_path / "ck", params, {"config": config})
+    tensors, meta = load_checkpoint(tmp_path / "ck")
+    save_hf_gpt2(tmp_path / "b", meta["config"], tensors)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_written_files_look_like_save_pretrained(saved, tmp_path):
+    d, _ = saved
+    config, params = load_hf_gpt2(d)
+    save_hf_gpt2(tmp_path / "x", config, params)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "x" / "model.safetensors"), "np") as f, \
+            safe_open(str(d / "model.safetensors"), "np") as g:
+        assert sorted(f.keys()) == sorted(g.keys())
+        assert f.metadata() == {"format": "pt"}
+    ours = json.loads((tmp_path / "x" / "config.json").read_text())
+    theirs = json.loads((d / "config.json").read_text())
+    for key in ("model_type", "architectures", "activation_function", "n_embd", "n_head", "n_layer",
+                "n_positions", "vocab_size", "layer_norm_epsilon", "tie_word_embeddings"):
+        assert ours[key] == theirs[key], key
+
+
+def test_untied_head(tmp_path):
+    model = hf_model(tie=False, seed=1)
+    d = tmp_path / "untied"
+    model.save_pretrained(d, safe_serialization=True)
+    config, params = load_hf_gpt2(d, padded_vocab=128)
+    assert config["tied_head"] is False
+    want = hf_state(model)
+    np.testing.assert_array_equal(params["lm_head.weight"][:100], want["lm_head.weight"])
+    assert not params["lm_head.weight"][100:].any()
+    assert not np.array_equal(params["lm_head.weight"][:100], params["wte.weight"][:100])
+    save_hf_gpt2(tmp_path / "out", config, params)
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out")
+    got = hf_state(reloaded)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_old_style_keys_without_prefix_and_buffers(saved, tmp_path):
+    """Checkpoints like the original openai-community/gpt2 upload: no "transformer." prefix,
+    attn.bias / attn.masked_bias buffers, lm_head stored though tied, float16 weights."""
+    from safetensors.numpy import save_file
+
+    d, model = saved
+    want = hf_state(model)
+    tensors = {k.removeprefix("transformer."): v.astype(np.float16) for k, v in want.items()}
+    for i in range(2):
+        tensors[f"h.{i}.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.float32))
+        tensors[f"h.{i}.attn.masked_bias"] = np.array(-1e4, np.float32)
+    out = tmp_path / "old"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text((d / "config.json").read_text())
+    _, params = load_hf_gpt2(out, padded_vocab=100)
+    for k, a in params.items():
+        np.testing.assert_array_equal(a, want["transformer." + k].astype(np.float16).astype(np.float32))
+
+
+def test_bfloat16_weights(saved, tmp_path):
+    from safetensors.torch import save_file
+
+    d, model = saved
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    out = tmp_path / "bf16"
+    out.mkdir()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text((d / "config.json").read_text())
+    _, params = load_hf_gpt2(out, padded_vocab=100)
+    for k, a in params.items():
+        np.testing.assert_array_equal(a, sd["transformer." + k].float().numpy())
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_other_architecture_is_an_error(saved, tmp_path):
+    d, _ = saved
+    bad = tmp_path / "llama"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    cfg = json.loads((d / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, model_type="llama", architectures=["LlamaForCausalLM"])))
+    with pytest.raises(CheckpointError, match="unknown architecture: model_type is 'llama'"):
+        load_hf_gpt2(bad)
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"activation_function": "relu"}, "activation_function='relu'"),
+    ({"n_inner": 64}, "n_inner=64"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+])
+def test_unsupported_gpt2_variants(saved, tmp_path, over, match):
+    d, _ = saved
+    bad = tmp_path / "variant"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    cfg = json.loads((d / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, **over)))
+    with pytest.raises(CheckpointError, match=match):
+        load_hf_gpt2(bad)
+
+
+def test_shape_mismatch_and_missing_files(saved, tmp_path):
+    d, _ = saved
+    bad = tmp_path / "mismatch"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    cfg = json.loads((d / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, n_layer=3)))
+    with pytest.raises(CheckpointError, match=r"12 missing: h\.2\.ln_1\.weight"):
+        load_hf_gpt2(bad)
+    (bad / "config.json").write_text(json.dumps(dict(cfg, n_positions=128)))
+    with pytest.raises(CheckpointError, match=r"wpe\.weight: checkpoint has \(64, 32\), model expects \(128, 32\)"):
+        load_hf_gpt2(bad)
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="bad JSON"):
+        load_hf_gpt2(bad)
+    (bad / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"config\.json is missing"):
+        load_hf_gpt2(bad)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc")
+    with pytest.raises(CheckpointError, match="cannot read safetensors"):
+        load_hf_gpt2(bad)
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is missing"):
+        load_hf_gpt2(bad)
+    with pytest.raises(CheckpointError, match="not found"):
+        load_hf_gpt2(tmp_path / "nope")
+
+
+def test_save_rejects_wrong_params(saved, tmp_path):
+    config, params = load_hf_gpt2(saved[0], padded_vocab=128)
+    broken = dict(params)
+    broken["h.1.mlp.c_fc.weight"] = np.zeros((128, 32), np.float32)
+    del broken["ln_f.bias"]
+    with pytest.raises(CheckpointError, match=r"ln_f\.bias.*h\.1\.mlp\.c_fc\.weight: checkpoint has \(128, 32\)"):
+        save_hf_gpt2(tmp_path / "x", config, broken)
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(CheckpointError, match="lacks"):
+        save_hf_gpt2(tmp_path / "x", {"vocab_size": 100}, params)
+
+
+def test_save_accepts_gpt2config_dataclass(saved, tmp_path):
+    gpt2 = pytest.importorskip("forge_ml.models.gpt2")
+    config, params = load_hf_gpt2(saved[0])
+    cfg = gpt2.GPT2Config.from_dict(config)
+    save_hf_gpt2(tmp_path / "x", cfg, params)
+    config2, params2 = load_hf_gpt2(tmp_path / "x")
+    assert config2 == config
+    for k in params:
+        np.testing.assert_array_equal(params2[k], params[k])

