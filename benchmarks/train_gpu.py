@@ -1,0 +1,145 @@
+"""GPT-2 124M training throughput on one GPU: forge-ml (bf16 mixed precision) against
+PyTorch eager (bf16 autocast, SDPA flash attention, fused AdamW) in the same run, optionally
+torch.compile too. Random init, T=1024; tokens/s = B*T / median step time.
+
+    python benchmarks/train_gpu.py --batch 32 --steps 20 [--compile] [--layers 12]
+
+A step is forward + backward + AdamW on every parameter, no grad accumulation. Inputs are
+random token ids (fresh each step; what is timed is compute, not data loading).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+def forge_steps(cfg, B, T, steps, warmup):
+    import cupy as cp
+    import forge_ml as fm
+    from forge_ml import Tape, ops
+    from forge_ml.models import GPT2
+
+    model = GPT2.init(cfg, seed=0, device="cuda")
+    master = model.params
+    lowp = {k: v.to("bfloat16") for k, v in master.items()}
+    m = {k: fm.zeros(v.shape, "float32", "cuda") for k, v in master.items()}
+    v_ = {k: fm.zeros(v.shape, "float32", "cuda") for k, v in master.items()}
+    rs = np.random.default_rng(0)
+    times, losses = [], []
+    for step in range(1, warmup + steps + 1):
+        ids_np = rs.integers(0, cfg.vocab_size, (B, T + 1))
+        ids = fm.tensor(ids_np[:, :-1], device="cuda")
+        tg = fm.tensor(ids_np[:, 1:], device="cuda")
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        tape = Tape()
+        _, loss, leaves = model.forward(tape, ids, tg, params=lowp)
+        tape.backward(loss)
+        for k, leaf in leaves.items():
+            g = tape.grad(leaf)
+            ops.adamw_update(master[k], g, m[k], v_[k], lr=3e-4, beta1=0.9, beta2=0.95,
+                             eps=1e-8, weight_decay=0.1 if master[k].ndim >= 2 else 0.0,
+                             step=step, p_lowp=lowp[k])
+        cp.cuda.Device().synchronize()
+        dt = time.perf_counter() - t0
+        if step > warmup:
+            times.append(dt)
+            losses.append(loss.t.item())
+    return statistics.median(times), losses
+
+
+def torch_steps(cfg, B, T, steps, warmup, compile_):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(s, C, H):
+            super().__init__()
+            s.H = H
+            s.ln_1, s.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+            s.c_attn, s.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+            s.c_fc, s.c_proj2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+        def forward(s, x):
+            B_, T_, C = x.shape
+            q, k, v = s.c_attn(s.ln_1(x)).split(C, dim=2)
+            q, k, v = (t.view(B_, T_, s.H, C // s.H).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + s.c_proj(y.transpose(1, 2).reshape(B_, T_, C))
+            return x + s.c_proj2(F.gelu(s.c_fc(s.ln_2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(s):
+            super().__init__()
+            s.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
+            s.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+            s.h = nn.ModuleList(Block(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer))
+            s.ln_f = nn.LayerNorm(cfg.n_embd)
+
+        def forward(s, idx, tg):
+            x = s.wte(idx) + s.wpe(torch.arange(idx.shape[1], device=idx.device))
+            for blk in s.h:
+                x = blk(x)
+            logits = s.ln_f(x) @ s.wte.weight.t()
+            return F.cross_entropy(logits[..., :cfg.vocab_size].float().view(-1, cfg.vocab_size),
+                                   tg.view(-1))
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = GPT().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), fused=True)
+    fwd = torch.compile(model) if compile_ else model
+    times = []
+    for step in range(warmup + steps):
+        idx = torch.randint(0, cfg.vocab_size, (B, T + 1), device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fwd(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile")
+    ap.add_argument("--skip-torch", action="store_true")
+    a = ap.parse_args(argv)
+    from forge_ml.models import GPT2Config
+    cfg = GPT2Config(n_layer=a.layers, block_size=max(1024, a.seq))
+    B, T = a.batch, a.seq
+    toks = B * T
+    rows = []
+    t_f, losses = forge_steps(cfg, B, T, a.steps, a.warmup)
+    rows.append(("forge-ml bf16", t_f))
+    print(f"forge-ml losses (first, last): {losses[0]:.4f} {losses[-1]:.4f}  (ln V = {math.log(cfg.vocab_size):.4f})")
+    if not a.skip_torch:
+        rows.append(("torch eager bf16 + SDPA", torch_steps(cfg, B, T, a.steps, a.warmup, False)))
+        if a.compile:
+            rows.append(("torch.compile bf16 + SDPA", torch_steps(cfg, B, T, a.steps, a.warmup, True)))
+    print(f"\nGPT-2 {a.layers}-layer training step, B={B}, T={T}")
+    print(f"{'impl':28s} {'ms/step':>9s} {'tok/s':>10s} {'forge/peer speed':>17s}")
+    for name, t in rows:
+        print(f"{name:28s} {t * 1e3:9.1f} {toks / t:10.0f} {t / t_f:17.3f}")
+
+
+if __name__ == "__main__":
+    main()

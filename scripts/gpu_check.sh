@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One command for the GPU machine: the whole GPU test suite, then the GPU benchmarks.
+# Logs go to $OUT (or /tmp/forge_gpu_check when OUT is unset); a summary is printed last.
+#   bash scripts/gpu_check.sh            (from anywhere; the package need not be installed)
+# Environment: TEST_TIMEOUT / BENCH_TIMEOUT (seconds, defaults 240 / 150), TEST_WORKERS (pytest-xdist
+# processes sharing the GPU, default 4), BENCH_ARGS (e.g. "--only gelu --reps 50").
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+LOG="${OUT:-/tmp/forge_gpu_check}"
+mkdir -p "$LOG"
+PY="${PYTHON:-python3}"
+
+echo "== environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv 2>&1 | tee "$LOG/gpu.txt"
+"$PY" - <<'PYEOF' 2>&1 | tee -a "$LOG/gpu.txt"
+import sys, numpy
+print("python", sys.version.split()[0], "numpy", numpy.__version__)
+try:
+    import cupy
+    print("cupy", cupy.__version__, "devices", cupy.cuda.runtime.getDeviceCount(),
+          "nvrtc", cupy.cuda.nvrtc.getVersion())
+    try:
+        print("bfloat16 dtype:", cupy.dtype("bfloat16"))
+    except Exception as e:
+        import ml_dtypes
+        print("bfloat16 via ml_dtypes", ml_dtypes.__version__, cupy.dtype(ml_dtypes.bfloat16), f"({e})")
+except Exception as e:
+    print("cupy not usable:", e)
+try:
+    import torch
+    print("torch", torch.__version__, "cuda", torch.version.cuda)
+except Exception as e:
+    print("torch not usable:", e)
+PYEOF
+
+echo "== tests (python3 -m pytest -m cuda tests; pyproject addopts already give -q)"
+timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m cuda tests -rfEs -p no:cacheprovider -n "${TEST_WORKERS:-4}" \
+    --durations=8 --junitxml="$LOG/tests.xml" 2>&1 | tee "$LOG/tests.log"
+test_rc=${PIPESTATUS[0]}
+
+echo "== benchmarks (benchmarks/ops_cuda.py)"
+timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/ops_cuda.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench_ops.log"
+bench_rc=${PIPESTATUS[0]}
+
+echo
+echo "================ gpu_check summary ================"
+echo "gpu:        $(sed -n 2p "$LOG/gpu.txt")"
+echo "tests:      exit $test_rc ($( [ "$test_rc" = 0 ] && echo PASS || { [ "$test_rc" = 124 ] && echo TIMEOUT || echo FAIL; } )): $(grep -E '(passed|failed|error|skipped)' "$LOG/tests.log" | tail -n 1)"
+grep -E '^(FAILED|ERROR) ' "$LOG/tests.log" | head -n 40
+echo "benchmarks: exit $bench_rc ($( [ "$bench_rc" = 0 ] && echo OK || { [ "$bench_rc" = 124 ] && echo TIMEOUT || echo 'SOME OPS FAILED'; } )): $(grep -E '^geometric mean' "$LOG/bench_ops.log" | tail -n 1)"
+echo "logs in $LOG"
+[ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]

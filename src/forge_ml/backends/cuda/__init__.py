@@ -1,0 +1,953 @@
+"""The CUDA backend: CuPy arrays, forge-ml's own kernels (``kernels/*.cu``, compiled by NVRTC on
+first use and cached by CuPy, in memory and on disk), and cuBLAS for every matrix product.
+
+Dtypes: float32, float64 and bfloat16 (stored as 2-byte words, ``ml_dtypes.bfloat16`` on the
+CuPy side; every kernel accumulates bf16 in float32). Each kernel file holds one layer's
+forward and backward side by side; ``kernels/common.cuh`` is pasted into each before NVRTC
+sees it. Errors: no CuPy or no GPU -> DeviceError at import; an unknown device index ->
+DeviceError from ``use_device``; NVRTC failures -> CompileError with the compiler's log; an
+allocation the GPU cannot hold -> OutOfMemoryError (the process can go on).
+
+The contract is in ``forge_ml/backends/__init__.py``; this module only computes (``ops`` has
+checked shapes, dtypes and devices already), but it keeps a few cheap checks of its own so that
+a direct call with bad shapes fails with a ShapeError rather than a wild kernel.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import CompileError, DeviceError, DTypeError, OutOfMemoryError, ShapeError
+from ... import rng as _rng
+
+try:
+    import cupy
+except ImportError as e:  # forge_ml.backends.get turns this into a DeviceError too
+    raise DeviceError(
+        f"the CUDA backend needs CuPy, which does not import here ({e}); install it with "
+        "pip install 'forge-ml[cuda]' (cupy-cuda13x) on a machine with an NVIDIA GPU") from e
+
+
+def _device_count() -> int:
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise DeviceError(
+            f"CuPy {cupy.__version__} is installed but no CUDA device can be used: {e}") from e
+
+
+if _device_count() == 0:
+    raise DeviceError(f"CuPy {cupy.__version__} is installed but this machine has no CUDA device")
+
+
+def _bf16_dtype():
+    """bfloat16 as CuPy sees it: its own type when it has one, else ml_dtypes' (CuPy 14)."""
+    own = getattr(cupy, "bfloat16", None)
+    if own is not None:
+        return np.dtype(own)
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+F32 = np.dtype(np.float32)
+F64 = np.dtype(np.float64)
+BF16 = _bf16_dtype()
+_FLOATS = tuple(d for d in (F32, F64, BF16) if d is not None)
+_DTYPES = {"float32": F32, "float64": F64, "int32": np.dtype(np.int32),
+           "int64": np.dtype(np.int64)}
+if BF16 is not None:
+    _DTYPES["bfloat16"] = BF16
+
+# kernel-name suffixes
+_SFX = {F32: "f32", F64: "f64", np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
+if BF16 is not None:
+    _SFX[BF16] = "bf16"
+_WORD = {2: "b16", 4: "b32", 8: "b64"}  # bit-copy kernels by element size
+
+_KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+_INCLUDE = '#include "common.cuh"'
+_THREADS = 256
+
+
+# ----------------------------------------------------------------------------------------------
+# Device, errors, compilation
+# ----------------------------------------------------------------------------------------------
+
+def use_device(index: int) -> None:
+    """Make GPU ``index`` current for this thread; DeviceError if the machine has no such GPU."""
+    n = _device_count()
+    if not isinstance(index, (int, np.integer)) or not 0 <= int(index) < n:
+        raise DeviceError(
+            f"cuda:{index} was asked for but this machine has {n} CUDA device(s): "
+            f"cuda:0 to cuda:{n - 1}")
+    cupy.cuda.Device(int(index)).use()
+
+
+def device_name() -> str:
+    """The current GPU's name, e.g. 'NVIDIA H200'."""
+    dev = cupy.cuda.Device()
+    return cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+
+
+def synchronize() -> None:
+    """Wait for all work queued on the current GPU."""
+    cupy.cuda.Device().synchronize()
+
+
+def _oom_error(e: BaseException) -> OutOfMemoryError:
+    requested = getattr(e, "_size", None)
+    if requested is None:
+        found = re.search(r"allocating ([\d,]+) bytes", str(e))
+        requested = int(found.group(1).replace(",", "")) if found else None
+    try:
+        free, total = cupy.cuda.runtime.memGetInfo()
+    except Exception:  # the context may be unusable; say what we know
+        free = total = None
+    pool = cupy.get_default_memory_pool()
+    asked = f"{requested:,} bytes" if requested is not None else "an allocation"
+    if free is None:
+        room = "the free amount is unknown"
+    else:
+        room = (f"{free:,} bytes are free on the device out of {total:,} "
+                f"(plus {pool.free_bytes():,} cached free in CuPy's pool)")
+    return OutOfMemoryError(
+        f"out of GPU memory on cuda:{cupy.cuda.Device().id}: asked for {asked} but {room}. "
+        "Use a smaller batch or sequence length, or bfloat16")
+
+
+def _guarded(fn):
+    """Turn CuPy/cuBLAS out-of-memory failures into forge_ml's OutOfMemoryError."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except cupy.cuda.memory.OutOfMemoryError as e:
+            raise _oom_error(e) from e
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            if "memory" in str(e).lower() and "out of" in str(e).lower():
+                raise _oom_error(e) from e
+            raise DeviceError(f"{fn.__name__}: CUDA failed: {e}") from e
+    return wrapper
+
+
+_lock = threading.Lock()
+_modules: dict = {}
+_functions: dict = {}
+
+
+def compile_source(source: str, label: str = "<source>", options=("--std=c++17",)):
+    """Compile CUDA C++ ``source`` with NVRTC into a loaded ``cupy.RawModule``.
+
+    CuPy adds ``-arch=sm_XY`` for the current GPU (so the module holds native code for it,
+    sm_90 on Hopper) and caches the result on disk. A compile failure raises CompileError
+    carrying NVRTC's log.
+    """
+    module = cupy.RawModule(code=source, options=tuple(options))
+    try:
+        module.compile()
+    except cupy.cuda.compiler.CompileException as e:
+        log = e.get_message() if hasattr(e, "get_message") else str(e)
+        raise CompileError(f"NVRTC could not compile {label}:\n{log}") from None
+    return module
+
+
+def kernel_source(stem: str) -> str:
+    """kernels/<stem>.cu with kernels/common.cuh pasted in place of its include line."""
+    path = _KERNEL_DIR / f"{stem}.cu"
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise CompileError(f"kernel source {path} cannot be read: {e}") from e
+    return text.replace(_INCLUDE, (_KERNEL_DIR / "common.cuh").read_text(), 1)
+
+
+def _function(stem: str, name: str):
+    key = (cupy.cuda.Device().id, stem, name)
+    fn = _functions.get(key)
+    if fn is None:
+        with _lock:
+            mkey = key[:2]
+            module = _modules.get(mkey)
+            if module is None:
+                module = compile_source(kernel_source(stem), f"kernels/{stem}.cu")
+                _modules[mkey] = module
+            fn = module.get_function(name)
+            _functions[key] = fn
+    return fn
+
+
+def _launch(stem: str, name: str, grid, block, args, shared: int = 0) -> None:
+    grid = grid if isinstance(grid, tuple) else (int(grid),)
+    block = block if isinstance(block, tuple) else (int(block),)
+    _function(stem, name)(grid, block, args, shared_mem=shared)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(dev: int) -> int:
+    return int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
+
+
+def _grid(n: int, threads: int = _THREADS, per_sm: int = 32) -> int:
+    """Blocks for a grid-stride loop over n items: enough to fill the GPU, at least one."""
+    cap = _sm_count(cupy.cuda.Device().id) * per_sm
+    return max(1, min(cap, -(-n // threads)))
+
+
+def _i32(v):
+    return np.int32(v)
+
+
+def _i64(v):
+    return np.int64(v)
+
+
+def _acc_dtype(dt):
+    return F64 if dt == F64 else F32
+
+
+def _acc(dt, v):
+    """A kernel scalar of the accumulation type of dtype ``dt``."""
+    return np.float64(v) if dt == F64 else np.float32(v)
+
+
+def _sfx(dt) -> str:
+    try:
+        return _SFX[np.dtype(dt)]
+    except KeyError:
+        raise DTypeError(f"the CUDA backend has no kernels for dtype {dt}") from None
+
+
+def _float_sfx(x) -> str:
+    if x.dtype not in _FLOATS:
+        raise DTypeError(f"expected a float32, float64 or bfloat16 array, got {x.dtype}")
+    return _SFX[x.dtype]
+
+
+def _dtype(name):
+    name = getattr(name, "name", name)  # a forge_ml DType or a NumPy dtype works too
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        if name == "bfloat16":
+            raise DTypeError("bfloat16 on the GPU needs CuPy with ml_dtypes installed "
+                             "(pip install ml_dtypes)") from None
+        raise DTypeError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def _c(x):
+    """The contract promises C-contiguous arrays; copy if a caller broke that promise."""
+    return x if x.flags.c_contiguous else copy(x)
+
+
+def _empty(shape, dt):
+    return cupy.empty(tuple(int(s) for s in shape), dtype=dt)
+
+
+def _like(x, dt):
+    """``x`` in dtype ``dt`` (itself when it already is)."""
+    return x if x.dtype == dt else cast(x, dt.name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------------
+
+@_guarded
+def zeros(shape, dtype_name):
+    return cupy.zeros(tuple(int(s) for s in shape), dtype=_dtype(dtype_name))
+
+
+@_guarded
+def from_host(np_array, dtype_name):
+    dt = _dtype(dtype_name)
+    a = np.asarray(np_array)
+    if dt == BF16:
+        # round on the device (to nearest even), the same code path as every other cast
+        return cast(cupy.asarray(np.asarray(a, dtype=np.float32, order="C")), "bfloat16")
+    return cupy.asarray(np.asarray(a, dtype=dt, order="C"))  # keeps 0-d arrays 0-d
+
+
+@_guarded
+def to_host(array) -> np.ndarray:
+    if array.dtype == BF16:
+        array = cast(array, "float32")
+    return cupy.asnumpy(array)
+
+
+@_guarded
+def cast(array, dtype_name):
+    dt = _dtype(dtype_name)
+    x = _c(array)
+    if x.dtype == dt:
+        return copy(x)
+    if BF16 is not None and BF16 in (x.dtype, dt):
+        if x.dtype in _FLOATS and dt in _FLOATS:
+            out = _empty(x.shape, dt)
+            if x.size:
+                _launch("elementwise", f"cast_{_SFX[x.dtype]}_{_SFX[dt]}", _grid(x.size),
+                        _THREADS, (x, out, _i64(x.size)))
+            return out
+        # integers <-> bf16 go through float32
+        mid = x.astype(F32) if x.dtype != BF16 else cast(x, "float32")
+        return cast(mid, dt.name) if dt == BF16 else mid.astype(dt)
+    return x.astype(dt)
+
+
+@_guarded
+def copy(array):
+    out = cupy.empty(array.shape, dtype=array.dtype)
+    if array.size:
+        if array.flags.c_contiguous:
+            out.data.copy_from_device_async(array.data, array.nbytes)
+        elif array.dtype != BF16:
+            out[...] = array
+        else:  # strided bf16: copy the raw 2-byte words
+            out.view(np.uint16)[...] = array.view(np.uint16)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# matmul: cuBLAS
+# ----------------------------------------------------------------------------------------------
+
+_CUDA_R_32F, _CUDA_R_64F, _CUDA_R_16BF = 0, 1, 14
+_CUBLAS_COMPUTE_32F, _CUBLAS_COMPUTE_64F = 68, 70
+_CUBLAS_DEFAULT_MATH = 0  # no TF32: float32 products are true float32
+_CUBLAS_GEMM_DEFAULT = -1
+_CUBLAS_POINTER_MODE_HOST = 0
+_handles: dict = {}
+
+
+def _cublas():
+    try:
+        from cupy_backends.cuda.libs import cublas
+    except ImportError as e:
+        raise DeviceError(f"cuBLAS cannot be loaded through CuPy: {e}") from e
+    return cublas
+
+
+def _cublas_handle():
+    """forge-ml's own cuBLAS handle for the current device (its math mode is ours to set)."""
+    cublas = _cublas()
+    dev = cupy.cuda.Device().id
+    h = _handles.get(dev)
+    if h is None:
+        h = cublas.create()
+        cublas.setMathMode(h, _CUBLAS_DEFAULT_MATH)
+        cublas.setPointerMode(h, _CUBLAS_POINTER_MODE_HOST)
+        _handles[dev] = h
+    cublas.setStream(h, cupy.cuda.get_current_stream().ptr)
+    return h
+
+
+def _cuda_type(dt) -> int:
+    if dt == F32:
+        return _CUDA_R_32F
+    if dt == F64:
+        return _CUDA_R_64F
+    if dt == BF16:
+        return _CUDA_R_16BF
+    raise DTypeError(f"matmul: no cuBLAS type for {dt}")
+
+
+def _gemm(a, b, out, M, N, K, trans_a, trans_b, batch, stride_a, stride_b, alpha, beta):
+    """out (row-major, batch x M x N) = alpha * op(a) @ op(b) + beta * out.
+
+    cuBLAS is column-major, and a row-major matrix is its transpose seen column-major, so we
+    ask for out^T = op(b)^T op(a)^T: cuBLAS's A is our b, its B is our a, m = N, n = M.
+    The leading dimension of each operand is its stored row length (b_rows changes only N or
+    K, never the storage).
+    """
+    cublas = _cublas()
+    h = _cublas_handle()
+    if a.dtype == F64:
+        compute, scalar = _CUBLAS_COMPUTE_64F, np.float64
+    else:
+        compute, scalar = _CUBLAS_COMPUTE_32F, np.float32
+    al = np.array(alpha, dtype=scalar)
+    be = np.array(beta, dtype=scalar)
+    op_b = 1 if trans_b else 0
+    op_a = 1 if trans_a else 0
+    ta, tb, tc = _cuda_type(a.dtype), _cuda_type(b.dtype), _cuda_type(out.dtype)
+    lda, ldb = a.shape[-1], b.shape[-1]
+    try:
+        if batch == 1:
+            cublas.gemmEx(h, op_b, op_a, N, M, K, al.ctypes.data, b.data.ptr, tb, ldb,
+                          a.data.ptr, ta, lda, be.ctypes.data, out.data.ptr, tc, N, compute,
+                          _CUBLAS_GEMM_DEFAULT)
+        else:
+            cublas.gemmStridedBatchedEx(
+                h, op_b, op_a, N, M, K, al.ctypes.data, b.data.ptr, tb, ldb, stride_b,
+                a.data.ptr, ta, lda, stride_a, be.ctypes.data, out.data.ptr, tc, N, M * N,
+                batch, compute, _CUBLAS_GEMM_DEFAULT)
+    except cublas.CUBLASError as e:
+        if "ALLOC_FAILED" in str(e):
+            raise _oom_error(e) from e
+        raise DeviceError(f"matmul: cuBLAS failed for ({M} x {K}) @ ({K} x {N}), batch {batch}, "
+                          f"{a.dtype}: {e}") from e
+
+
+def _matmul_into(a, b, out, trans_a, trans_b, alpha, b_rows, beta=0.0):
+    """Shapes of op(a) @ op(b) into a preallocated ``out`` (which may differ in dtype)."""
+    batched = a.ndim >= 3
+    batch = math.prod(a.shape[:-2]) if batched else 1
+    ar, ac = a.shape[-2:]
+    br_stored, bc = b.shape[-2:]
+    br = br_stored if b_rows is None else int(b_rows)
+    M, K = (ac, ar) if trans_a else (ar, ac)
+    Kb, N = (bc, br) if trans_b else (br, bc)
+    if out.size == 0:
+        return out
+    if K == 0:
+        if beta == 0.0:
+            out.data.memset_async(0, out.nbytes)
+        return out
+    _gemm(a, b, out, M, N, K, trans_a, trans_b, batch, ar * ac, br_stored * bc, alpha, beta)
+    return out
+
+
+@_guarded
+def matmul(a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows=None):
+    a, b = _c(a), _c(b)
+    if a.dtype != b.dtype:
+        raise DTypeError(f"matmul: a is {a.dtype} but b is {b.dtype}")
+    if a.ndim >= 3 and b.ndim == 2 and not trans_a:
+        # (..., M, K) @ (K, N): one big 2-D product over all leading rows
+        out = matmul(a.reshape(-1, a.shape[-1]), b, bias, False, trans_b, alpha, b_rows)
+        return out.reshape(a.shape[:-1] + (out.shape[-1],))
+    if not ((a.ndim == 2 and b.ndim == 2)
+            or (a.ndim >= 3 and b.ndim == a.ndim and a.shape[:-2] == b.shape[:-2])):
+        raise ShapeError(f"matmul: a is {a.shape} and b is {b.shape}; expected 2-D x 2-D or "
+                         "batched with equal leading dims")
+    lead = a.shape[:-2]
+    ar, ac = a.shape[-2:]
+    br_stored, bc = b.shape[-2:]
+    br = br_stored if b_rows is None else int(b_rows)
+    if not 0 <= br <= br_stored:
+        raise ShapeError(f"matmul: b_rows={b_rows} but b has {br_stored} rows")
+    M, K = (ac, ar) if trans_a else (ar, ac)
+    Kb, N = (bc, br) if trans_b else (br, bc)
+    if K != Kb:
+        raise ShapeError(f"matmul: op(a) is ({M}, {K}) but op(b) is ({Kb}, {N}); "
+                         "inner dims must agree")
+    out = _empty(lead + (M, N), a.dtype)
+    beta = 0.0
+    if bias is not None:
+        bias = _like(_c(bias), a.dtype)
+        if bias.size != N:
+            raise ShapeError(f"matmul: bias has {bias.size} elements but the output has {N} "
+                             "columns")
+        if out.size:
+            _launch("elementwise", f"bias_fill_{_float_sfx(out)}", _grid(out.size), _THREADS,
+                    (bias, out, _i64(out.size), _i32(N)))
+        beta = 1.0
+    return _matmul_into(a, b, out, trans_a, trans_b, alpha, b_rows, beta)
+
+
+# ----------------------------------------------------------------------------------------------
+# Elementwise: add, gelu, dropout
+# ----------------------------------------------------------------------------------------------
+
+@_guarded
+def add(a, b):
+    a, b = _c(a), _like(_c(b), a.dtype)
+    if a.shape != b.shape:
+        raise ShapeError(f"add: a is {a.shape} but b is {b.shape}; shapes must agree")
+    out = _empty(a.shape, a.dtype)
+    if a.size:
+        _launch("elementwise", f"add_{_float_sfx(a)}", _grid(a.size), _THREADS,
+                (a, b, out, _i64(a.size)))
+    return out
+
+
+@_guarded
+def gelu(x):
+    x = _c(x)
+    y = _empty(x.shape, x.dtype)
+    if x.size:
+        _launch("gelu", f"gelu_fwd_{_float_sfx(x)}", _grid(x.size), _THREADS,
+                (x, y, _i64(x.size)))
+    return y
+
+
+@_guarded
+def gelu_bwd(x, dy):
+    x, dy = _c(x), _like(_c(dy), x.dtype)
+    dx = _empty(x.shape, x.dtype)
+    if x.size:
+        _launch("gelu", f"gelu_bwd_{_float_sfx(x)}", _grid(x.size), _THREADS,
+                (x, dy, dx, _i64(x.size)))
+    return dx
+
+
+@_guarded
+def dropout(x, p, seed):
+    x = _c(x)
+    p = float(p)
+    if p >= 1.0:
+        return zeros(x.shape, x.dtype.name)
+    y = _empty(x.shape, x.dtype)
+    n = x.size
+    if n:
+        k0, k1 = _rng.seed_key(seed)
+        scale = _rng.dropout_scale(p)  # rounded once to float32, as on the CPU
+        _launch("dropout", f"dropout_{_float_sfx(x)}", _grid((n + 3) // 4), _THREADS,
+                (x, y, _i64(n), np.uint32(k0), np.uint32(k1), np.float32(p),
+                 _acc(x.dtype, float(scale))))
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# Reductions: sum_rows, sumsq
+# ----------------------------------------------------------------------------------------------
+
+def _chunks(R: int) -> tuple[int, int]:
+    """(rows per chunk, number of chunks) for the column-sum kernels."""
+    chunk = max(64, -(-R // 1024))
+    return chunk, max(1, -(-R // chunk))
+
+
+def _colsum_finish(part, out, S, C):
+    _launch("reduce", f"colsum_finish_{_float_sfx(out)}", (-(-C // _THREADS),), _THREADS,
+            (part, out, _i32(S), _i32(C)))
+
+
+@_guarded
+def sum_rows(x):
+    x = _c(x)
+    C = x.shape[-1] if x.ndim else 1
+    R = x.size // C if C else 0
+    out = _empty((C,), x.dtype)
+    if C == 0:
+        return out
+    if R == 0:
+        out.data.memset_async(0, out.nbytes)
+        return out
+    chunk, S = _chunks(R)
+    part = _empty((S, C), _acc_dtype(x.dtype))
+    _launch("reduce", f"sum_rows_partial_{_float_sfx(x)}", (-(-C // 32), S), (32, 8),
+            (x, part, _i64(R), _i32(C), _i64(chunk)))
+    _colsum_finish(part, out, S, C)
+    return out
+
+
+def _sum_finish(part, out, n, scale):
+    _launch("reduce", f"sum_finish_{_SFX[out.dtype]}", (1,), (1024,),
+            (part, out, _i64(n), _acc(out.dtype, scale)))
+
+
+@_guarded
+def sumsq(x):
+    x = _c(x)
+    acc = _acc_dtype(x.dtype)
+    out = _empty((), acc)
+    n = x.size
+    if n == 0:
+        out.data.memset_async(0, out.nbytes)
+        return out
+    blocks = max(1, min(1024, -(-n // (_THREADS * 8))))
+    part = _empty((blocks,), acc)
+    _launch("reduce", f"sumsq_partial_{_float_sfx(x)}", (blocks,), _THREADS,
+            (x, part, _i64(n)))
+    _sum_finish(part, out, blocks, 1.0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# LayerNorm
+# ----------------------------------------------------------------------------------------------
+
+_ROWS_PER_BLOCK = 8  # warp-per-row kernels: 8 warps, 256 threads
+
+
+@_guarded
+def layernorm(x, gamma, beta, eps=1e-5):
+    x = _c(x)
+    gamma, beta = _like(_c(gamma), x.dtype), _like(_c(beta), x.dtype)
+    C = x.shape[-1]
+    R = x.size // C if C else 0
+    y = _empty(x.shape, x.dtype)
+    if R:
+        _launch("layernorm", f"layernorm_fwd_{_float_sfx(x)}", (-(-R // _ROWS_PER_BLOCK),),
+                32 * _ROWS_PER_BLOCK, (x, gamma, beta, y, _i64(R), _i32(C), _acc(x.dtype, eps)))
+    return y
+
+
+@_guarded
+def layernorm_bwd(x, gamma, dy, eps=1e-5):
+    x = _c(x)
+    gamma, dy = _like(_c(gamma), x.dtype), _like(_c(dy), x.dtype)
+    C = x.shape[-1]
+    R = x.size // C if C else 0
+    sfx = _float_sfx(x)
+    acc = _acc_dtype(x.dtype)
+    dx = _empty(x.shape, x.dtype)
+    dgamma = _empty((C,), x.dtype)
+    dbeta = _empty((C,), x.dtype)
+    if C == 0:
+        return dx, dgamma, dbeta
+    if R == 0:
+        dgamma.data.memset_async(0, dgamma.nbytes)
+        dbeta.data.memset_async(0, dbeta.nbytes)
+        return dx, dgamma, dbeta
+    mean = _empty((R,), acc)
+    rstd = _empty((R,), acc)
+    _launch("layernorm", f"layernorm_bwd_{sfx}", (-(-R // _ROWS_PER_BLOCK),),
+            32 * _ROWS_PER_BLOCK,
+            (x, gamma, dy, dx, mean, rstd, _i64(R), _i32(C), _acc(x.dtype, eps)))
+    chunk, S = _chunks(R)
+    part_g = _empty((S, C), acc)
+    part_b = _empty((S, C), acc)
+    _launch("layernorm", f"layernorm_bwd_params_{sfx}", (-(-C // 32), S), (32, 8),
+            (x, dy, mean, rstd, part_g, part_b, _i64(R), _i32(C), _i64(chunk)))
+    _colsum_finish(part_g, dgamma, S, C)
+    _colsum_finish(part_b, dbeta, S, C)
+    return dx, dgamma, dbeta
+
+
+# ----------------------------------------------------------------------------------------------
+# Softmax
+# ----------------------------------------------------------------------------------------------
+
+def _softmax_into(x, y, lse, causal, off):
+    L = x.shape[-1]
+    rows = x.size // L if L else 0
+    if rows == 0:
+        return
+    R = x.shape[-2] if x.ndim >= 2 else 1
+    want = lse is not None
+    lse_arg = lse if want else y  # never written when want_lse is 0
+    # rows up to 1024 long are held in registers (one read); longer rows take the online pass
+    variant = "r8_" if L <= 256 else ("r32_" if L <= 1024 else "")
+    _launch("softmax", f"softmax_fwd_{variant}{_float_sfx(x)}_{_float_sfx(y)}",
+            (-(-rows // _ROWS_PER_BLOCK),), 32 * _ROWS_PER_BLOCK,
+            (x, y, lse_arg, _i32(int(want)), _i64(rows), _i32(L), _i32(R), _i32(int(causal)),
+             _i32(off)))
+
+
+@_guarded
+def softmax(x, causal=False, off=0):
+    x = _c(x)
+    y = _empty(x.shape, x.dtype)
+    _softmax_into(x, y, None, bool(causal), int(off))
+    return y
+
+
+def _softmax_bwd_into(y, dy, dx):
+    L = y.shape[-1]
+    rows = y.size // L if L else 0
+    if rows == 0:
+        return
+    _launch("softmax", f"softmax_bwd_{_float_sfx(y)}_{_float_sfx(dy)}",
+            (-(-rows // _ROWS_PER_BLOCK),), 32 * _ROWS_PER_BLOCK,
+            (y, dy, dx, _i64(rows), _i32(L)))
+
+
+@_guarded
+def softmax_bwd(y, dy):
+    y, dy = _c(y), _like(_c(dy), y.dtype)
+    dx = _empty(y.shape, y.dtype)
+    _softmax_bwd_into(y, dy, dx)
+    return dx
+
+
+# ----------------------------------------------------------------------------------------------
+# Heads
+# ----------------------------------------------------------------------------------------------
+
+def _word(x) -> str:
+    return _WORD[x.dtype.itemsize]
+
+
+@_guarded
+def split_heads(qkv, n_head):
+    qkv = _c(qkv)
+    H = int(n_head)
+    *lead, T, C3 = qkv.shape
+    if C3 % 3 or (C3 // 3) % H:
+        raise ShapeError(f"split_heads: last dim {C3} is not 3 * n_head ({H}) * head size")
+    C = C3 // 3
+    hs = C // H
+    shape = tuple(lead) + (H, T, hs)
+    q, k, v = (_empty(shape, qkv.dtype) for _ in range(3))
+    if qkv.size:
+        _launch("heads", f"split_heads_{_word(qkv)}", _grid(qkv.size), _THREADS,
+                (qkv, q, k, v, _i64(qkv.size), _i32(T), _i32(H), _i32(hs)))
+    return q, k, v
+
+
+_WHICH = {"q": 0, "k": 1, "v": 2}
+
+
+@_guarded
+def unsplit_head(dy, which):
+    dy = _c(dy)
+    w = _WHICH.get(which, which) if isinstance(which, str) else int(which)
+    if w not in (0, 1, 2):
+        raise ShapeError(f"unsplit_head: which must be 0, 1, 2 (or 'q', 'k', 'v'), got {which!r}")
+    *lead, H, T, hs = dy.shape
+    out = _empty(tuple(lead) + (T, 3 * H * hs), dy.dtype)
+    if out.size:
+        _launch("heads", f"unsplit_head_{_word(dy)}", _grid(out.size), _THREADS,
+                (dy, out, _i64(out.size), _i32(T), _i32(H), _i32(hs), _i32(w)))
+    return out
+
+
+@_guarded
+def merge_heads(x):
+    x = _c(x)
+    *lead, H, T, hs = x.shape
+    out = _empty(tuple(lead) + (T, H * hs), x.dtype)
+    if out.size:
+        _launch("heads", f"merge_heads_{_word(x)}", _grid(out.size), _THREADS,
+                (x, out, _i64(out.size), _i32(T), _i32(H), _i32(hs)))
+    return out
+
+
+@_guarded
+def unmerge_heads(dy, h):
+    dy = _c(dy)
+    H = int(h)
+    *lead, T, C = dy.shape
+    if C % H:
+        raise ShapeError(f"unmerge_heads: {C} channels do not split into {H} heads")
+    hs = C // H
+    out = _empty(tuple(lead) + (H, T, hs), dy.dtype)
+    if out.size:
+        _launch("heads", f"unmerge_heads_{_word(dy)}", _grid(out.size), _THREADS,
+                (dy, out, _i64(out.size), _i32(T), _i32(H), _i32(hs)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention (v1: cuBLAS batched products around the softmax kernels; the T x T scores of each
+# head are materialized in float32)
+# ----------------------------------------------------------------------------------------------
+
+def _attn_shapes(q, k, v):
+    if q.ndim < 2 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2] \
+            or q.shape[-1] != k.shape[-1]:
+        raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} do not agree")
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    if Tq > Tk:
+        raise ShapeError(f"attention: {Tq} queries but only {Tk} keys")
+    return Tq, Tk
+
+
+def _as_batched(x):
+    """(..., T, hs) as a batch of matrices for cuBLAS: at least 3-D."""
+    return x if x.ndim >= 3 else x.reshape((1,) + x.shape)
+
+
+@_guarded
+def attention(q, k, v, scale=None):
+    q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
+    Tq, Tk = _attn_shapes(q, k, v)
+    hs = q.shape[-1]
+    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    lead = q.shape[:-2]
+    sdt = _acc_dtype(q.dtype)  # scores, lse: float32 (float64 for float64)
+    qb, kb, vb = _as_batched(q), _as_batched(k), _as_batched(v)
+    S = _empty(qb.shape[:-2] + (Tq, Tk), sdt)
+    _matmul_into(qb, kb, S, False, True, scale, None)  # (BH, Tq, Tk) scaled scores
+    P = _empty(S.shape, q.dtype)
+    lse = _empty(S.shape[:-1], sdt)
+    _softmax_into(S, P, lse, True, Tk - Tq)
+    del S
+    out = _empty(qb.shape, q.dtype)
+    _matmul_into(P, vb, out, False, False, 1.0, None)  # (BH, Tq, hs)
+    return out.reshape(q.shape), lse.reshape(lead + (Tq,))
+
+
+@_guarded
+def attention_bwd(q, k, v, out, lse, dout, scale=None):
+    q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
+    dout = _like(_c(dout), q.dtype)
+    Tq, Tk = _attn_shapes(q, k, v)
+    hs = q.shape[-1]
+    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    sdt = _acc_dtype(q.dtype)
+    lse = _like(_c(lse), sdt)
+    qb, kb, vb, dob = _as_batched(q), _as_batched(k), _as_batched(v), _as_batched(dout)
+    S = _empty(qb.shape[:-2] + (Tq, Tk), sdt)
+    _matmul_into(qb, kb, S, False, True, scale, None)
+    P = _empty(S.shape, q.dtype)
+    _launch("attention", f"attn_probs_{_SFX[sdt]}_{_float_sfx(P)}", _grid(S.size), _THREADS,
+            (S, lse, P, _i64(S.size), _i32(Tq), _i32(Tk), _i32(Tk - Tq)))
+    dv = _empty(kb.shape, q.dtype)
+    _matmul_into(P, dob, dv, True, False, 1.0, None)  # P^T dout: (BH, Tk, hs)
+    dP = S  # reuse the scores' memory: (BH, Tq, Tk) in sdt
+    _matmul_into(dob, vb, dP, False, True, 1.0, None)  # dout v^T
+    dS = _empty(S.shape, q.dtype)
+    _softmax_bwd_into(P, dP, dS)  # P * (dP - rowsum(P * dP)); masked entries stay 0
+    del P, dP, S
+    dq = _empty(qb.shape, q.dtype)
+    _matmul_into(dS, kb, dq, False, False, scale, None)  # (BH, Tq, hs)
+    dk = _empty(kb.shape, q.dtype)
+    _matmul_into(dS, qb, dk, True, False, scale, None)  # (BH, Tk, hs)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+@_guarded
+def kv_append(cache, new, pos):
+    new = _like(_c(new), cache.dtype)
+    if not cache.flags.c_contiguous:
+        raise ShapeError("kv_append: the cache must be C-contiguous (it is written in place)")
+    *lead_c, Tmax, hs = cache.shape
+    *lead_n, Tn, hs_n = new.shape
+    pos = int(pos)
+    if math.prod(lead_c) != math.prod(lead_n) or hs != hs_n or not 0 <= pos <= Tmax - Tn:
+        raise ShapeError(f"kv_append: cannot write new {new.shape} into cache {cache.shape} "
+                         f"at position {pos}")
+    if new.size:
+        _launch("attention", f"kv_append_{_word(cache)}", _grid(new.size), _THREADS,
+                (cache, new, _i64(new.size), _i32(Tn), _i32(Tmax), _i32(hs), _i32(pos)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Embedding
+# ----------------------------------------------------------------------------------------------
+
+def _ids(ids):
+    ids = _c(ids)
+    if ids.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+        ids = ids.astype(np.int64)
+    return ids
+
+
+@_guarded
+def embedding(ids, wte, wpe, pos=0):
+    ids = _ids(ids)
+    wte = _c(wte)
+    wpe = _like(_c(wpe), wte.dtype)
+    C = wte.shape[-1]
+    T = ids.shape[-1] if ids.ndim else 1
+    out = _empty(ids.shape + (C,), wte.dtype)
+    if out.size:
+        _launch("embedding", f"embedding_fwd_{_float_sfx(wte)}_{_sfx(ids.dtype)}",
+                _grid(out.size), _THREADS,
+                (ids, wte, wpe, out, _i64(out.size), _i32(T), _i32(C), _i32(int(pos))))
+    return out
+
+
+@_guarded
+def scatter_add_rows(dst, ids, src):
+    if not dst.flags.c_contiguous:
+        raise ShapeError("scatter_add_rows: dst must be C-contiguous (it is updated in place)")
+    ids = _ids(ids).reshape(-1)
+    C = dst.shape[-1]
+    src = _like(_c(src), dst.dtype).reshape(-1, C) if C else _c(src)
+    N = ids.size
+    if src.shape[0] != N:
+        raise ShapeError(f"scatter_add_rows: {N} ids but src has {src.shape[0]} rows")
+    if N == 0 or C == 0:
+        return None
+    # Sort the ids so that each dst row is owned by one block: no atomics, deterministic.
+    order = cupy.argsort(ids).astype(np.int64, copy=False)
+    sorted_ids = ids[order].astype(np.int64, copy=False)
+    threads = 256 if C >= 256 else 32 * max(1, -(-C // 32))
+    _launch("embedding", f"scatter_add_sorted_{_float_sfx(dst)}", (N,), threads,
+            (dst, src, sorted_ids, order, _i64(N), _i32(C)))
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross entropy
+# ----------------------------------------------------------------------------------------------
+
+_CE_THREADS = 512
+
+
+def _ce_args(logits, targets, vocab_size):
+    logits = _c(logits)
+    targets = _ids(targets).reshape(-1)
+    Vp = logits.shape[-1]
+    V = Vp if vocab_size is None else int(vocab_size)
+    N = logits.size // Vp if Vp else 0
+    if not 0 < V <= Vp:
+        raise ShapeError(f"cross_entropy: vocab_size {vocab_size} but logits have {Vp} columns")
+    if targets.size != N:
+        raise ShapeError(f"cross_entropy: {N} rows of logits but {targets.size} targets")
+    return logits, targets, N, Vp, V
+
+
+@_guarded
+def cross_entropy(logits, targets, vocab_size=None):
+    logits, targets, N, Vp, V = _ce_args(logits, targets, vocab_size)
+    acc = _acc_dtype(logits.dtype)
+    out = _empty((), acc)
+    if N == 0:
+        out.fill(float("nan"))
+        return out
+    losses = _empty((N,), acc)
+    _launch("cross_entropy", f"cross_entropy_fwd_{_float_sfx(logits)}_{_sfx(targets.dtype)}",
+            (N,), _CE_THREADS, (logits, targets, losses, _i32(Vp), _i32(V)))
+    _sum_finish(losses, out, N, 1.0 / N)
+    return out
+
+
+@_guarded
+def cross_entropy_bwd(logits, targets, dloss=1.0, vocab_size=None):
+    logits, targets, N, Vp, V = _ce_args(logits, targets, vocab_size)
+    acc = _acc_dtype(logits.dtype)
+    dl = _empty(logits.shape, logits.dtype)
+    if N == 0:
+        return dl
+    if isinstance(dloss, cupy.ndarray):
+        g = dloss.reshape(-1)[:1]
+        g = g if g.dtype == acc else cast(g, acc.name)
+    else:
+        g = cupy.full((1,), float(np.asarray(dloss).reshape(-1)[0]), dtype=acc)
+    _launch("cross_entropy", f"cross_entropy_bwd_{_float_sfx(logits)}_{_sfx(targets.dtype)}",
+            (N,), _CE_THREADS, (logits, targets, dl, _c(g), _i32(Vp), _i32(V), _acc(acc, 1.0 / N)))
+    return dl
+
+
+# ----------------------------------------------------------------------------------------------
+# AdamW
+# ----------------------------------------------------------------------------------------------
+
+@_guarded
+def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0,
+                 p_lowp=None):
+    for name, arr in (("p", p), ("m", m), ("v", v)):
+        if not arr.flags.c_contiguous:
+            raise ShapeError(f"adamw_update: {name} must be C-contiguous (updated in place)")
+        if arr.dtype != p.dtype or arr.shape != p.shape:
+            raise ShapeError(f"adamw_update: {name} is {arr.shape} {arr.dtype} but p is "
+                             f"{p.shape} {p.dtype}")
+    if p.dtype not in (F32, F64):
+        raise DTypeError(f"adamw_update: master weights must be float32 (or float64), got {p.dtype}")
+    g = _c(g)
+    if g.size != p.size:
+        raise ShapeError(f"adamw_update: g has {g.size} elements but p has {p.size}")
+    if p.dtype == F64:
+        g = _like(g, F64)
+    elif g.dtype not in (F32, BF16):
+        g = _like(g, F32)
+    step = int(step)
+    if step < 1:
+        raise ValueError(f"adamw_update: step is 1-based, got {step}")
+    has_lowp = p_lowp is not None
+    if has_lowp and (p_lowp.dtype != BF16 or p_lowp.size != p.size
+                     or not p_lowp.flags.c_contiguous):
+        raise ShapeError(f"adamw_update: p_lowp must be a contiguous bfloat16 array of "
+                         f"{p.size} elements, got {p_lowp.shape} {p_lowp.dtype}")
+    if p.size == 0:
+        return None
+    bc1 = 1.0 - float(beta1) ** step
+    bc2 = 1.0 - float(beta2) ** step
+    s = (lambda x: np.float64(x)) if p.dtype == F64 else (lambda x: np.float32(x))
+    _launch("adamw", f"adamw_update_{_SFX[p.dtype]}_{_SFX[g.dtype]}", _grid(p.size), _THREADS,
+            (p, g, m, v, p_lowp if has_lowp else p, _i32(int(has_lowp)), _i64(p.size),
+             s(lr), s(beta1), s(beta2), s(eps), s(weight_decay), s(bc1), s(bc2),
+             s(grad_scale)))
+    return None

@@ -1,0 +1,723 @@
+"""GPU tests: every function of the CUDA backend against float64 NumPy formulas (the spec) and,
+where the CPU backend has the function, against the CPU backend, at GPT-2 124M shapes
+(T=1024, C=768, H=12, V=50257) on fresh random inputs.
+
+Every test marked ``cuda`` skips where CuPy or a GPU is missing. Before each test the CuPy
+memory pool is emptied and refilled with NaN bytes, so an output element that a kernel forgets
+to write shows up as NaN; every output is then checked to be finite and to match.
+
+Tolerances (‖got - ref‖ / ‖ref‖): float32 1e-5 (products through cuBLAS 1e-4), bfloat16 1e-2
+(reference computed from the bf16-rounded inputs), float64 1e-12. Dropout masks must match
+``forge_ml.rng`` bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from forge_ml import rng
+from forge_ml.device import Device
+from forge_ml.errors import CompileError, DeviceError, OutOfMemoryError
+
+cuda = pytest.mark.cuda
+
+T, C, H, V, VP = 1024, 768, 12, 50257, 50304
+HS = C // H
+FLOATS = ["float32", "bfloat16", "float64"]
+TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float64": 1e-12}
+TOL_MM = {"float32": 1e-4, "bfloat16": 1e-2, "float64": 1e-12}
+POISON_BYTES = 1 << 30
+K0, K1 = math.sqrt(2.0 / math.pi), 0.044715
+
+
+def _gpu_count() -> int:
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    cupy = pytest.importorskip("cupy")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CuPy without a driver or a GPU
+        pytest.skip(f"no usable CUDA device: {e}")
+    if n == 0:
+        pytest.skip("no CUDA device")
+    from forge_ml.backends import get
+    return get(Device("cuda", 0))
+
+
+def _poison():
+    """Empty CuPy's pool, then hand it one NaN-filled block that later allocations split."""
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    buf = cupy.empty(POISON_BYTES, dtype=cupy.uint8)
+    buf.fill(0xFF)  # 0xff.. is NaN in bf16, float32 and float64
+    del buf
+
+
+@pytest.fixture
+def be(gpu):
+    _poison()
+    return gpu
+
+
+@pytest.fixture
+def rs():
+    seed = int(np.random.SeedSequence().entropy % (1 << 63))
+    print(f"random seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def _cpu(name):
+    try:
+        from forge_ml.backends import cpu
+    except Exception:
+        return None
+    return getattr(cpu, name, None)
+
+
+def round_bf16(a):
+    """Round float32 values to the nearest bf16 (ties to even), returned as float32."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    try:
+        import ml_dtypes
+        return a.astype(ml_dtypes.bfloat16).astype(np.float32)
+    except ImportError:
+        u = a.view(np.uint32).astype(np.uint64)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16
+        return u.astype(np.uint32).view(np.float32)
+
+
+def values(rs, shape, dtype, scale=1.0):
+    """Random host values exactly representable in ``dtype`` (float64 copy for references)."""
+    a = rs.standard_normal(shape) * scale
+    if dtype == "float32":
+        a = a.astype(np.float32)
+    elif dtype == "bfloat16":
+        a = round_bf16(a)
+    return a.astype(np.float64)
+
+
+def dev(be, a, dtype):
+    return be.from_host(np.asarray(a), dtype)
+
+
+def host(be, x):
+    return np.asarray(be.to_host(x), dtype=np.float64)
+
+
+def check(name, got, ref, tol):
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
+    bad = ~np.isfinite(got)
+    assert not bad.any(), (f"{name}: {int(bad.sum())} of {got.size} elements are not finite "
+                           f"(first at {np.argwhere(bad)[0].tolist()})")
+    denom = np.linalg.norm(ref)
+    err = np.linalg.norm(got - ref) / (denom if denom > 0 else 1.0)
+    worst = np.unravel_index(np.argmax(np.abs(got - ref)), got.shape) if got.size else ()
+    assert err <= tol, (f"{name}: relative error {err:.3e} > {tol:.0e}; worst at {list(worst)}: "
+                        f"got {got[worst] if got.size else None}, want {ref[worst] if got.size else None}")
+
+
+def cpu_check(name, args, got, tol, pick=None):
+    """Compare with the CPU backend when it has ``name`` (prepare ``args`` with cpu_args64)."""
+    fn = _cpu(name)
+    if fn is None:
+        return
+    try:
+        out = fn(*args)
+    except NotImplementedError:
+        return
+    if pick is not None:
+        out = pick(out)
+    check(f"{name} vs CPU backend", got, np.asarray(out, dtype=np.float64), tol)
+
+
+def cpu_args64(args, dtype):
+    """Inputs for the CPU backend: float64 when testing float64, else float32 (bf16 values
+    are exact in float32)."""
+    if dtype == "float64":
+        return list(args)
+    return [a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype.kind == "f" else a
+            for a in args]
+
+
+# ----------------------------------------------------------------------------------------------
+# float64 references
+# ----------------------------------------------------------------------------------------------
+
+def ref_gelu(x):
+    return 0.5 * x * (1.0 + np.tanh(K0 * (x + K1 * x ** 3)))
+
+
+def ref_gelu_bwd(x, dy):
+    t = np.tanh(K0 * (x + K1 * x ** 3))
+    return dy * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * K0 * (1 + 3 * K1 * x * x))
+
+
+def ref_layernorm(x, g, b, eps):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * g + b
+
+
+def ref_layernorm_bwd(x, g, dy, eps):
+    mu = x.mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps)
+    xhat = (x - mu) * rstd
+    gdy = g * dy
+    dx = rstd * (gdy - gdy.mean(-1, keepdims=True) - xhat * (gdy * xhat).mean(-1, keepdims=True))
+    c = x.shape[-1]
+    return dx, (dy * xhat).reshape(-1, c).sum(0), dy.reshape(-1, c).sum(0)
+
+
+def causal_mask(rows, cols, off):
+    i = np.arange(rows)[:, None]
+    j = np.arange(cols)[None, :]
+    return j > i + off
+
+
+def ref_softmax(x, causal, off):
+    x = x.copy()
+    if causal:
+        mask = causal_mask(x.shape[-2], x.shape[-1], off)
+        x = np.where(mask, -np.inf, x)
+    m = x.max(-1, keepdims=True)
+    e = np.exp(x - m)
+    return e / e.sum(-1, keepdims=True)
+
+
+def ref_softmax_bwd(y, dy):
+    return y * (dy - (y * dy).sum(-1, keepdims=True))
+
+
+def ref_attention(q, k, v, scale):
+    s = scale * q @ np.swapaxes(k, -1, -2)
+    mask = causal_mask(q.shape[-2], k.shape[-2], k.shape[-2] - q.shape[-2])
+    s = np.where(mask, -np.inf, s)
+    m = s.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))
+    p = np.exp(s - lse)
+    return p @ v, lse[..., 0], p
+
+
+def ref_attention_bwd(q, k, v, dout, scale):
+    _, _, p = ref_attention(q, k, v, scale)
+    dv = np.swapaxes(p, -1, -2) @ dout
+    dp = dout @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    return scale * ds @ k, scale * np.swapaxes(ds, -1, -2) @ q, dv
+
+
+def ref_ce(logits, targets, vocab):
+    l2 = logits.reshape(-1, logits.shape[-1])[:, :vocab]
+    m = l2.max(-1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(l2 - m).sum(-1))
+    t = targets.reshape(-1)
+    return float(np.mean(lse - l2[np.arange(len(t)), t]))
+
+
+def ref_ce_bwd(logits, targets, dloss, vocab):
+    shape = logits.shape
+    l2 = logits.reshape(-1, shape[-1])
+    n = l2.shape[0]
+    p = ref_softmax(l2[:, :vocab], False, 0)
+    p[np.arange(n), targets.reshape(-1)] -= 1.0
+    out = np.zeros_like(l2)
+    out[:, :vocab] = dloss * p / n
+    return out.reshape(shape)
+
+
+def ref_adamw(p, g, m, v, lr, b1, b2, eps, wd, step, gscale):
+    g = g * gscale
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    p = p - lr * wd * p
+    p = p - lr * (m / (1 - b1 ** step)) / (np.sqrt(v / (1 - b2 ** step)) + eps)
+    return p, m, v
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_memory_roundtrip(be, rs, dtype):
+    a = values(rs, (3, 1000), dtype)
+    x = dev(be, a, dtype)
+    assert str(x.dtype) == dtype
+    check("to_host(from_host)", host(be, x), a, 0.0)
+    z = be.zeros((5, 7), dtype)
+    assert (host(be, z) == 0).all()
+    y = be.copy(x)
+    check("copy", host(be, y), a, 0.0)
+    for other in FLOATS:
+        c = be.cast(x, other)
+        assert str(c.dtype) == other
+        want = round_bf16(a) if other == "bfloat16" else a.astype(np.float32 if other == "float32" else np.float64)
+        check(f"cast {dtype}->{other}", host(be, c), want, 0.0)
+    i = be.cast(dev(be, np.arange(10), "int64"), dtype)
+    check("cast int64->float", host(be, i), np.arange(10), 0.0)
+
+
+@cuda
+def test_from_host_rounds_to_nearest_even(be):
+    a = np.array([1.0, 1.00390625, 1.0078125, 1.005859375, -2.71828, 3.3e38], np.float32)
+    got = host(be, be.from_host(a, "bfloat16"))
+    check("bf16 rounding", got, round_bf16(a), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# matmul
+# ----------------------------------------------------------------------------------------------
+
+MATMUL_CASES = {
+    # name: (a shape, b shape, trans_a, trans_b, bias?, alpha, b_rows)
+    "qkv_bias": ((2 * T, C), (C, 3 * C), False, False, True, 1.0, None),
+    "mlp_3d_at_2d": ((2, T, C), (C, 4 * C), False, False, True, 1.0, None),
+    "dW_trans_a": ((2 * T, C), (2 * T, 4 * C), True, False, False, 1.0, None),
+    "dx_trans_b": ((2 * T, 4 * C), (C, 4 * C), False, True, False, 1.0, None),
+    "lm_head": ((128, C), (VP, C), False, True, False, 1.0, None),
+    "scores_batched": ((2, H, T, HS), (2, H, T, HS), False, True, False, 0.125, None),
+    "pv_batched": ((2, H, T, T), (2, H, T, HS), False, False, False, 1.0, None),
+    "kv_scores_b_rows": ((2, H, 1, HS), (2, H, T, HS), False, True, False, 0.125, 300),
+    "kv_values_b_rows": ((2, H, 1, 300), (2, H, T, HS), False, False, False, 1.0, 300),
+}
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("case", sorted(MATMUL_CASES))
+def test_matmul(be, rs, dtype, case):
+    ashape, bshape, ta, tb, has_bias, alpha, b_rows = MATMUL_CASES[case]
+    a = values(rs, ashape, dtype)
+    b = values(rs, bshape, dtype)
+    n_out = (bshape[-2] if b_rows is None else b_rows) if tb else bshape[-1]
+    bias = values(rs, (n_out,), dtype) if has_bias else None
+    got = be.matmul(dev(be, a, dtype), dev(be, b, dtype),
+                    dev(be, bias, dtype) if has_bias else None, ta, tb, alpha, b_rows)
+    bb = b if b_rows is None else b[..., :b_rows, :]
+    opa = np.swapaxes(a, -1, -2) if ta else a
+    opb = np.swapaxes(bb, -1, -2) if tb else bb
+    ref = alpha * (opa @ opb) + (bias if has_bias else 0.0)
+    check(f"matmul {case}", host(be, got), ref, TOL_MM[dtype])
+    if dtype != "bfloat16" and case in ("qkv_bias", "scores_batched", "kv_scores_b_rows"):
+        cpu_check("matmul", cpu_args64([a, b, bias], dtype) + [ta, tb, alpha, b_rows],
+                  host(be, got), TOL_MM[dtype])
+
+
+# ----------------------------------------------------------------------------------------------
+# Elementwise and reductions
+# ----------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_add(be, rs, dtype):
+    a, b = values(rs, (2, T, C), dtype), values(rs, (2, T, C), dtype)
+    got = host(be, be.add(dev(be, a, dtype), dev(be, b, dtype)))
+    check("add", got, a + b, TOL[dtype])
+    cpu_check("add", cpu_args64([a, b], dtype), got, TOL[dtype])
+    # views one element in: unaligned for vector loads, and a length that is not a multiple of 4
+    a, b = values(rs, (4003,), dtype), values(rs, (4003,), dtype)
+    got = host(be, be.add(dev(be, a, dtype)[1:], dev(be, b, dtype)[1:]))
+    check("add unaligned", got, a[1:] + b[1:], TOL[dtype])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_sum_rows(be, rs, dtype):
+    x = values(rs, (2, T, 3 * C), dtype)
+    got = host(be, be.sum_rows(dev(be, x, dtype)))
+    ref = x.reshape(-1, 3 * C).sum(0)
+    check("sum_rows", got, ref, TOL[dtype])
+    cpu_check("sum_rows", cpu_args64([x], dtype), got, TOL[dtype])
+    odd = values(rs, (77, 33), dtype)  # partial tiles in both directions
+    check("sum_rows odd", host(be, be.sum_rows(dev(be, odd, dtype))), odd.sum(0), TOL[dtype])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_sumsq(be, rs, dtype):
+    x = values(rs, (C, 4 * C + 3), dtype)
+    out = be.sumsq(dev(be, x, dtype))
+    assert out.shape == ()
+    assert str(out.dtype) == ("float64" if dtype == "float64" else "float32")
+    got = float(be.to_host(out))
+    check("sumsq", got, float((x * x).sum()), TOL[dtype] if dtype != "bfloat16" else 1e-5)
+    cpu_check("sumsq", cpu_args64([x], dtype), got, TOL[dtype] if dtype != "bfloat16" else 1e-5)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_gelu(be, rs, dtype):
+    x = values(rs, (2, T, 4 * C), dtype, scale=2.0)
+    dy = values(rs, (2, T, 4 * C), dtype)
+    y = host(be, be.gelu(dev(be, x, dtype)))
+    check("gelu", y, ref_gelu(x), TOL[dtype])
+    dx = host(be, be.gelu_bwd(dev(be, x, dtype), dev(be, dy, dtype)))
+    check("gelu_bwd", dx, ref_gelu_bwd(x, dy), TOL[dtype])
+    cpu_check("gelu", cpu_args64([x], dtype), y, TOL[dtype])
+    cpu_check("gelu_bwd", cpu_args64([x, dy], dtype), dx, TOL[dtype])
+    x, dy = values(rs, (4002,), dtype), values(rs, (4002,), dtype)  # unaligned views, odd tail
+    xv, dyv = dev(be, x, dtype)[1:], dev(be, dy, dtype)[1:]
+    check("gelu unaligned", host(be, be.gelu(xv)), ref_gelu(x[1:]), TOL[dtype])
+    check("gelu_bwd unaligned", host(be, be.gelu_bwd(xv, dyv)), ref_gelu_bwd(x[1:], dy[1:]),
+          TOL[dtype])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_dropout_matches_rng_bit_for_bit(be, rs, dtype):
+    n = 2 * T * C + 3  # not a multiple of 4
+    x = values(rs, (n,), dtype)
+    seed = (1 << 40) + int(rs.integers(0, 1 << 31))  # both key words in use
+    p = 0.1
+    y = host(be, be.dropout(dev(be, x, dtype), p, seed))
+    keep = rng.dropout_keep(seed, n, p)
+    gpu_keep = y != 0
+    nz = x != 0
+    assert np.array_equal(gpu_keep[nz], keep[nz]), (
+        f"dropout mask differs from forge_ml.rng at {int((gpu_keep[nz] != keep[nz]).sum())} places")
+    scale = rng.dropout_scale(p)
+    if dtype == "float32":
+        want = (x.astype(np.float32) * keep * scale).astype(np.float32)
+        assert np.array_equal(y.astype(np.float32), want), "float32 dropout is not bit-exact"
+    else:
+        check("dropout", y, x * keep * np.float64(scale), TOL[dtype])
+    # backward regenerates the same mask
+    y2 = host(be, be.dropout(dev(be, x, dtype), p, seed))
+    assert np.array_equal(y, y2)
+    # an unaligned view draws the mask of its own element indices
+    y3 = host(be, be.dropout(dev(be, x, dtype)[1:], p, seed))
+    assert np.array_equal(y3 != 0, rng.dropout_keep(seed, n - 1, p) & (x[1:] != 0))
+    cpu = _cpu("dropout")
+    if cpu is not None and dtype == "float32":
+        assert np.array_equal(np.asarray(cpu(x.astype(np.float32), p, seed), np.float32),
+                              y.astype(np.float32)), "dropout differs from the CPU backend"
+
+
+@cuda
+def test_dropout_small_and_edge(be, rs):
+    x = (values(rs, (8,), "float32") + 10.0).astype(np.float32).astype(np.float64)
+    y = host(be, be.dropout(dev(be, x, "float32"), 0.5, 7))
+    assert ((y != 0) == rng.dropout_keep(7, 8, 0.5)).all()
+    y0 = host(be, be.dropout(dev(be, x, "float32"), 0.0, 7))
+    assert np.array_equal(y0, x)
+
+
+# ----------------------------------------------------------------------------------------------
+# LayerNorm and softmax
+# ----------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_layernorm(be, rs, dtype):
+    eps = 1e-5
+    x = values(rs, (2, T, C), dtype, scale=3.0) + 0.5
+    g = values(rs, (C,), dtype) + 1.0
+    b = values(rs, (C,), dtype)
+    dy = values(rs, (2, T, C), dtype)
+    y = host(be, be.layernorm(dev(be, x, dtype), dev(be, g, dtype), dev(be, b, dtype), eps))
+    check("layernorm", y, ref_layernorm(x, g, b, eps), TOL[dtype])
+    dx, dg, db = be.layernorm_bwd(dev(be, x, dtype), dev(be, g, dtype), dev(be, dy, dtype), eps)
+    rdx, rdg, rdb = ref_layernorm_bwd(x, g, dy, eps)
+    check("layernorm_bwd dx", host(be, dx), rdx, TOL[dtype])
+    check("layernorm_bwd dgamma", host(be, dg), rdg, TOL[dtype])
+    check("layernorm_bwd dbeta", host(be, db), rdb, TOL[dtype])
+    cpu_check("layernorm", cpu_args64([x, g, b], dtype) + [eps], y, TOL[dtype])
+    for i, name in enumerate(("dx", "dgamma", "dbeta")):
+        cpu_check("layernorm_bwd", cpu_args64([x, g, dy], dtype) + [eps],
+                  host(be, (dx, dg, db)[i]), TOL[dtype], pick=lambda o, i=i: o[i])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("mode", ["causal", "causal_off", "plain", "causal_long", "short"])
+def test_softmax(be, rs, dtype, mode):
+    causal = not mode.startswith(("plain", "short"))
+    # rows <= 256 and <= 1024 long sit in registers; longer rows take the online pass
+    shape, off = {"causal": ((1, H, T, T), 0), "causal_off": ((2, 3, 40, 300), 260),
+                  "plain": ((2, 3, 40, 1000), 0), "causal_long": ((3, 50, 1500), 1470),
+                  "short": ((2, 7, 33, 200), 0)}[mode]
+    x = values(rs, shape, dtype, scale=3.0)
+    dy = values(rs, shape, dtype)
+    y = host(be, be.softmax(dev(be, x, dtype), causal, off))
+    ref = ref_softmax(x, causal, off)
+    check(f"softmax {mode}", y, ref, TOL[dtype])
+    if causal:
+        mask = np.broadcast_to(causal_mask(shape[-2], shape[-1], off), shape)
+        assert (y[mask] == 0).all(), "masked softmax outputs must be exact zeros"
+    yd = dev(be, y if dtype != "float64" else ref, dtype)
+    yh = host(be, yd)
+    dx = host(be, be.softmax_bwd(yd, dev(be, dy, dtype)))
+    check(f"softmax_bwd {mode}", dx, ref_softmax_bwd(yh, dy), TOL[dtype])
+    cpu_check("softmax", cpu_args64([x], dtype) + [causal, off], y, TOL[dtype])
+    cpu_check("softmax_bwd", cpu_args64([yh, dy], dtype), dx, TOL[dtype])
+
+
+# ----------------------------------------------------------------------------------------------
+# Heads, attention, KV cache
+# ----------------------------------------------------------------------------------------------
+
+def ref_split(qkv, h):
+    *lead, t, c3 = qkv.shape
+    c = c3 // 3
+    x = qkv.reshape(*lead, t, 3, h, c // h)
+    x = np.moveaxis(x, -3, 0)  # (3, ..., T, H, hs)
+    x = np.swapaxes(x, -3, -2)  # (3, ..., H, T, hs)
+    return x[0], x[1], x[2]
+
+
+def ref_merge(x):
+    x = np.swapaxes(x, -3, -2)  # (..., T, H, hs)
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_heads(be, rs, dtype):
+    qkv = values(rs, (2, T, 3 * C), dtype)
+    q, k, v = be.split_heads(dev(be, qkv, dtype), H)
+    rq, rk, rv = ref_split(qkv, H)
+    for name, got, ref in (("q", q, rq), ("k", k, rk), ("v", v, rv)):
+        assert got.shape == (2, H, T, HS)
+        check(f"split_heads {name}", host(be, got), ref, 0.0)
+    for which, ref in enumerate((rq, rk, rv)):
+        dy = values(rs, (2, H, T, HS), dtype)
+        got = host(be, be.unsplit_head(dev(be, dy, dtype), which))
+        want = np.zeros((2, T, 3 * C))
+        want[..., which * C:(which + 1) * C] = ref_merge(dy)
+        check(f"unsplit_head {which}", got, want, 0.0)
+    x = values(rs, (2, H, T, HS), dtype)
+    merged = host(be, be.merge_heads(dev(be, x, dtype)))
+    check("merge_heads", merged, ref_merge(x), 0.0)
+    back = host(be, be.unmerge_heads(dev(be, merged, dtype), H))
+    check("unmerge_heads", back, x, 0.0)
+    cpu_check("merge_heads", cpu_args64([x], dtype), merged, 0.0)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", ["gpt2", "decode"])
+def test_attention(be, rs, dtype, shape):
+    if shape == "gpt2":
+        qs, ks = (1, H, T, HS), (1, H, T, HS)
+    else:  # queries are the last 16 of 100 positions (a KV cache ahead of them)
+        qs, ks = (2, 3, 16, HS), (2, 3, 100, HS)
+    scale = 1.0 / math.sqrt(HS)
+    q, k, v = values(rs, qs, dtype), values(rs, ks, dtype), values(rs, ks, dtype)
+    dout = values(rs, qs, dtype)
+    out, lse = be.attention(dev(be, q, dtype), dev(be, k, dtype), dev(be, v, dtype), scale)
+    rout, rlse, _ = ref_attention(q, k, v, scale)
+    tol = TOL_MM[dtype]
+    check("attention out", host(be, out), rout, tol)
+    check("attention lse", host(be, lse), rlse, 1e-5 if dtype != "float64" else 1e-12)
+    dq, dk, dv = be.attention_bwd(dev(be, q, dtype), dev(be, k, dtype), dev(be, v, dtype), out,
+                                  lse, dev(be, dout, dtype), scale)
+    rdq, rdk, rdv = ref_attention_bwd(q, k, v, dout, scale)
+    bwd_tol = tol if dtype != "bfloat16" else 2e-2
+    check("attention_bwd dq", host(be, dq), rdq, bwd_tol)
+    check("attention_bwd dk", host(be, dk), rdk, bwd_tol)
+    check("attention_bwd dv", host(be, dv), rdv, bwd_tol)
+    if dtype != "bfloat16" and shape == "gpt2":
+        cpu_check("attention", cpu_args64([q, k, v], dtype) + [scale], host(be, out), tol,
+                  pick=lambda o: o[0])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_kv_append(be, rs, dtype):
+    cache0 = values(rs, (2, H, T, HS), dtype)
+    new = values(rs, (2, H, 5, HS), dtype)
+    cache = dev(be, cache0, dtype)
+    be.kv_append(cache, dev(be, new, dtype), 300)
+    want = cache0.copy()
+    want[:, :, 300:305] = new
+    check("kv_append", host(be, cache), want, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Embedding
+# ----------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("id_dtype", ["int32", "int64"])
+def test_embedding(be, rs, dtype, id_dtype):
+    wte = values(rs, (VP, C), dtype)
+    wpe = values(rs, (T, C), dtype)
+    ids = rs.integers(0, V, size=(2, 200))
+    pos = 17
+    got = host(be, be.embedding(dev(be, ids, id_dtype), dev(be, wte, dtype), dev(be, wpe, dtype),
+                                pos))
+    ref = wte[ids] + wpe[pos:pos + 200][None]
+    check("embedding", got, ref, TOL[dtype])
+    cpu_check("embedding", [ids] + cpu_args64([wte, wpe], dtype) + [pos], got, TOL[dtype])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_scatter_add_rows(be, rs, dtype):
+    rows = 2000
+    dst0 = values(rs, (rows, C), dtype)
+    ids = rs.integers(0, 50, size=(2, T))  # many repeats
+    ids[0, :300] = 7  # one long run
+    src = values(rs, (2, T, C), dtype)
+    dst = dev(be, dst0, dtype)
+    be.scatter_add_rows(dst, dev(be, ids, "int64"), dev(be, src, dtype))
+    want = dst0.copy()
+    np.add.at(want, ids.reshape(-1), src.reshape(-1, C))
+    got = host(be, dst)
+    check("scatter_add_rows", got, want, TOL[dtype])
+    dst2 = dev(be, dst0, dtype)
+    be.scatter_add_rows(dst2, dev(be, ids, "int32"), dev(be, src, dtype))
+    assert np.array_equal(host(be, dst2), got), "scatter_add_rows is not deterministic"
+    fn = _cpu("scatter_add_rows")
+    if fn is not None and dtype != "bfloat16":
+        d = cpu_args64([dst0], dtype)[0].copy()
+        try:
+            fn(d, ids, cpu_args64([src], dtype)[0])
+        except NotImplementedError:
+            return
+        check("scatter_add_rows vs CPU backend", got, d, TOL[dtype])
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross entropy
+# ----------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_cross_entropy(be, rs, dtype, padded):
+    n = 300
+    cols = VP if padded else V
+    logits = values(rs, (3, n // 3, cols), dtype, scale=2.0)
+    targets = rs.integers(0, V, size=(3, n // 3))
+    vocab = V
+    x = dev(be, logits, dtype)
+    loss = be.cross_entropy(x, dev(be, targets, "int64"), vocab)
+    assert loss.shape == ()
+    assert str(loss.dtype) == ("float64" if dtype == "float64" else "float32")
+    ref = ref_ce(logits, targets, vocab)
+    check("cross_entropy", float(be.to_host(loss)), ref, 1e-6 if dtype != "float64" else 1e-12)
+    dl = be.cross_entropy_bwd(x, dev(be, targets, "int32"), 1.0, vocab)
+    got = host(be, dl)
+    check("cross_entropy_bwd", got, ref_ce_bwd(logits, targets, 1.0, vocab), TOL[dtype])
+    if padded:
+        assert (got[..., V:] == 0).all(), "columns >= vocab_size must get zero gradient"
+    # the upstream gradient as a device scalar
+    g = be.from_host(np.array(0.37), "float64" if dtype == "float64" else "float32")
+    assert g.shape == ()
+    got2 = host(be, be.cross_entropy_bwd(x, dev(be, targets, "int64"), g, vocab))
+    check("cross_entropy_bwd dloss", got2, ref_ce_bwd(logits, targets, 0.37, vocab), TOL[dtype])
+    if dtype != "bfloat16":
+        l2, t1 = logits.reshape(-1, cols), targets.reshape(-1)  # the CPU backend takes 2-D
+        cpu_check("cross_entropy", cpu_args64([l2], dtype) + [t1, vocab],
+                  float(be.to_host(loss)), 1e-5 if dtype == "float32" else 1e-12)
+        cpu_check("cross_entropy_bwd", cpu_args64([l2], dtype) + [t1, 1.0, vocab], got,
+                  TOL[dtype], pick=lambda o: np.asarray(o).reshape(got.shape))
+
+
+# ----------------------------------------------------------------------------------------------
+# AdamW
+# ----------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("gdtype", ["float32", "bfloat16", "float64"])
+def test_adamw_update(be, rs, gdtype):
+    pdtype = "float64" if gdtype == "float64" else "float32"
+    n = C * 4 * C + 5
+    p0 = values(rs, (n,), pdtype)
+    g = values(rs, (n,), gdtype, scale=0.1)
+    m0 = values(rs, (n,), pdtype, scale=0.01)
+    v0 = np.abs(values(rs, (n,), pdtype, scale=0.001))
+    hp = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=7, grad_scale=0.5)
+    p, m, v = dev(be, p0, pdtype), dev(be, m0, pdtype), dev(be, v0, pdtype)
+    lowp = be.zeros((n,), "bfloat16") if gdtype == "bfloat16" else None
+    be.adamw_update(p, dev(be, g, gdtype), m, v, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"],
+                    hp["weight_decay"], hp["step"], hp["grad_scale"], lowp)
+    rp, rm, rv = ref_adamw(p0, g, m0, v0, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"],
+                           hp["weight_decay"], hp["step"], hp["grad_scale"])
+    tol = TOL[pdtype]
+    check("adamw p", host(be, p), rp, tol)
+    check("adamw m", host(be, m), rm, tol)
+    check("adamw v", host(be, v), rv, tol)
+    if lowp is not None:
+        check("adamw p_lowp", host(be, lowp), round_bf16(host(be, p)), 0.0)
+    fn = _cpu("adamw_update")
+    if fn is not None and gdtype != "bfloat16":
+        cp, cm, cv = (a.astype(np.float32 if pdtype == "float32" else np.float64)
+                      for a in (p0, m0, v0))
+        cg = g.astype(cp.dtype)
+        try:
+            fn(cp, cg, cm, cv, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"],
+               hp["weight_decay"], hp["step"], hp["grad_scale"], None)
+        except NotImplementedError:
+            return
+        check("adamw p vs CPU backend", host(be, p), cp, tol)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors: out of memory, compile errors, devices
+# ----------------------------------------------------------------------------------------------
+
+@cuda
+def test_out_of_memory_is_reported_and_recoverable(be, rs):
+    with pytest.raises(OutOfMemoryError) as info:
+        be.zeros((1 << 42,), "float32")  # 16 TiB
+    msg = str(info.value)
+    assert "bytes" in msg and "free" in msg, msg
+    assert f"{(1 << 42) * 4:,}" in msg, msg
+    # the process goes on: allocate and compute
+    a = values(rs, (T, C), "float32")
+    got = host(be, be.add(dev(be, a, "float32"), dev(be, a, "float32")))
+    check("add after OOM", got, 2 * a, 1e-6)
+
+
+@cuda
+def test_compile_error_carries_the_log(be):
+    src = 'extern "C" __global__ void broken(float* x) { x[0] = not_declared_anywhere; }'
+    with pytest.raises(CompileError) as info:
+        be.compile_source(src, "broken.cu")
+    assert "not_declared_anywhere" in str(info.value)
+    assert "broken.cu" in str(info.value)
+
+
+@cuda
+def test_all_kernel_files_compile(be):
+    from pathlib import Path
+    kdir = Path(be.__file__).parent / "kernels"
+    stems = sorted(p.stem for p in kdir.glob("*.cu"))
+    assert stems
+    for stem in stems:
+        be.compile_source(be.kernel_source(stem), f"kernels/{stem}.cu")
+
+
+@cuda
+def test_unknown_device_index(be):
+    from forge_ml.backends import get
+    with pytest.raises(DeviceError, match="cuda:99"):
+        get(Device("cuda", 99))
+    with pytest.raises(DeviceError):
+        be.use_device(-1)
+    be.use_device(0)
+
+
+@pytest.mark.skipif(_gpu_count() > 0, reason="a GPU is present")
+def test_no_gpu_gives_device_error():
+    """Without CuPy, or with CuPy but no GPU, asking for cuda is a clear DeviceError."""
+    from forge_ml.backends import get
+    with pytest.raises(DeviceError):
+        get(Device("cuda", 0))
