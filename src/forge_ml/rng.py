@@ -60,15 +60,16 @@ def seed_key(seed: int) -> tuple[int, int]:
 
 def uniform(seed: int, n: int, offset: int = 0) -> np.ndarray:
     """float32 uniforms in [0, 1) for element indices ``offset … offset+n-1`` of stream ``seed``."""
-    idx = np.arange(offset, offset + n, dtype=np.uint64)
-    block = idx >> np.uint64(2)
-    first = int(block[0]) if n else 0
-    nblocks = (int(block[-1]) - first + 1) if n else 0
-    blocks = np.arange(first, first + nblocks, dtype=np.uint64)
+    if n <= 0:
+        return np.zeros(0, np.float32)
+    first, last = offset // 4, (offset + n - 1) // 4
+    blocks = np.arange(first, last + 1, dtype=np.uint64)
     words = philox4x32_10([blocks & MASK32, blocks >> np.uint64(32), 0, 0], seed_key(seed))
-    words = words.T.ravel()  # word j of block b sits at 4*(b-first) + j
-    w = words[(idx - np.uint64(4 * first)).astype(np.int64)]
-    return ((w >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)).astype(np.float32)
+    # word j of block b is element 4*b + j: the stream is the (blocks, 4) transpose, flattened
+    w = words.T.ravel()[offset - 4 * first: offset - 4 * first + n]
+    out = (w >> np.uint32(8)).astype(np.float32)
+    out *= np.float32(2.0 ** -24)
+    return out
 
 
 def dropout_keep(seed: int, n: int, p: float) -> np.ndarray:

@@ -1,0 +1,538 @@
+"""The CPU backend: NumPy kernels for every op of the backend contract (see ``backends``).
+
+Arrays in, arrays out. Each op computes in its input's dtype (float32, or float64 for
+gradient checks); reductions that feed a loss or a norm (cross-entropy, sum of squares,
+layernorm statistics) are written to stay accurate in float32. bfloat16 is a GPU storage
+type only: asking this backend for it is a DTypeError.
+
+Speed notes. NumPy runs one C loop per ufunc call, so the kernels below chain in-place
+ufuncs (``out=``) instead of building expression temporaries, hand every product to BLAS
+through ``np.matmul``, and take row and column sums as products with a ones vector (BLAS
+gemv beats NumPy's reductions on short rows). Long chains of elementwise passes (gelu,
+cross-entropy) walk big arrays in ~1 MB blocks that stay in cache. Causal attention walks
+the queries in a few row chunks, so that it skips most of the masked upper triangle.
+
+>>> import numpy as np
+>>> from forge_ml.backends import cpu
+>>> cpu.softmax(np.zeros((2, 2), np.float32), True, 0).tolist()
+[[1.0, 0.0], [0.5, 0.5]]
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from .. import dtype as _dtype
+from .. import rng
+from ..errors import DTypeError
+
+BF16_MESSAGE = "bfloat16 is a GPU storage type; the cpu backend computes in float32/float64"
+
+# Multi-pass elementwise kernels (gelu, cross-entropy) walk big arrays in blocks of this many
+# elements (1 MB of float32), so that pass after pass reads from cache, not memory.
+_BLOCK_ELEMS = 1 << 18
+
+
+def _np_dtype(dtype_name) -> np.dtype:
+    """The NumPy dtype for a forge-ml dtype name; bfloat16 is refused."""
+    name = _dtype.get(dtype_name).name
+    if name == "bfloat16":
+        raise DTypeError(BF16_MESSAGE)
+    return np.dtype(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+
+def zeros(shape, dtype_name):
+    """A new zero-filled array."""
+    return np.zeros(shape, dtype=_np_dtype(dtype_name))
+
+
+def from_host(np_array, dtype_name):
+    """A C-contiguous copy of a NumPy array, cast to ``dtype_name``."""
+    return np.array(np_array, dtype=_np_dtype(dtype_name), order="C", copy=True)
+
+
+def to_host(array) -> np.ndarray:
+    """A host copy (on the CPU, just a copy)."""
+    return np.array(array, order="C", copy=True)
+
+
+def cast(array, dtype_name):
+    """A new array of ``dtype_name``."""
+    return array.astype(_np_dtype(dtype_name), order="C", copy=True)
+
+
+def copy(array):
+    """A new C-contiguous array with the same contents."""
+    return np.array(array, order="C", copy=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# matmul (its backward is matmul again, with trans_a / trans_b)
+# ---------------------------------------------------------------------------------------------
+
+def matmul(a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows=None):
+    """``alpha * op(a) @ op(b) + bias``; 2-D x 2-D or batched (equal leading dims).
+
+    ``b_rows`` keeps the first rows of ``b`` as stored (a KV cache filled that far);
+    ``bias`` (N,) is added after scaling. Transposes are views: BLAS reads them as they lie.
+    """
+    if b_rows is not None:
+        b = b[..., :b_rows, :]  # (..., b_rows, cols)
+    if trans_b:
+        b = b.swapaxes(-1, -2)
+    if b.ndim == 2 and a.ndim > 2 and not trans_a:
+        # (..., M, K) @ (K, N): one GEMM over all rows rather than one per leading index.
+        out = np.matmul(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
+    else:
+        out = np.matmul(a.swapaxes(-1, -2) if trans_a else a, b)  # (..., M, N)
+    if alpha != 1.0:
+        out *= out.dtype.type(alpha)
+    if bias is not None:
+        out += bias
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Sums along an axis. NumPy's own reductions pay a per-row price on short rows (C = 64..768);
+# a product with a ones vector is one BLAS gemv, two to four times faster at these shapes.
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=64)
+def _ones(n: int, dtype_str: str) -> np.ndarray:
+    ones = np.ones(n, dtype=np.dtype(dtype_str))
+    ones.flags.writeable = False
+    return ones
+
+
+def _row_sums(x):
+    """Sums over the last axis: (..., n) -> (...)."""
+    rows = x.reshape(-1, x.shape[-1])                         # (R, n)
+    return np.matmul(rows, _ones(x.shape[-1], x.dtype.str)).reshape(x.shape[:-1])
+
+
+def add(a, b):
+    """Elementwise sum of two arrays of the same shape."""
+    return np.add(a, b)
+
+
+def sum_rows(x):
+    """Sum over every axis but the last: (..., C) -> (C,), the bias gradient."""
+    rows = x.reshape(-1, x.shape[-1])                         # (R, C)
+    return np.matmul(_ones(rows.shape[0], x.dtype.str), rows)
+
+
+_SUMSQ_ROW = 512
+
+
+def sumsq(x):
+    """Sum of squares as a 0-d array of x's dtype (for global-norm clipping).
+
+    Rows of 512 elements are summed in x's dtype (np.vecdot), the row sums in float64: for
+    GPT-2's 38M-element wte this stays within ~1e-10 relative, where one float32 dot product
+    over the whole array is off by ~1e-4.
+    """
+    flat = x.reshape(-1)
+    whole = flat.size - flat.size % _SUMSQ_ROW
+    rows = flat[:whole].reshape(-1, _SUMSQ_ROW)               # (n // 512, 512)
+    tail = flat[whole:].astype(np.float64)
+    total = np.vecdot(rows, rows).sum(dtype=np.float64) + np.dot(tail, tail)
+    return np.asarray(total, dtype=x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# gelu: GPT-2's tanh approximation (Hendrycks & Gimpel 2016, section 2)
+#   gelu(x) = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+# Both kernels chain 8-15 ufunc passes; on blocks of _BLOCK_ELEMS elements those passes hit
+# cache instead of memory (1.6x faster on GPT-2's (1024, 3072) MLP activations).
+# ---------------------------------------------------------------------------------------------
+
+_GELU_K = math.sqrt(2.0 / math.pi)
+_GELU_C = 0.044715
+
+
+def _gelu_block(x, y):
+    """y = gelu(x) as x * sigmoid(2u) = x / (1 + exp(-2u)): the same function, since
+    0.5 (1 + tanh u) = sigmoid(2u), one pass shorter, and no 1 + tanh cancellation for x < 0."""
+    f = x.dtype.type
+    np.multiply(x, x, out=y)           # x^2
+    y *= f(-2.0 * _GELU_K * _GELU_C)
+    y -= f(2.0 * _GELU_K)
+    y *= x                             # -2u
+    with np.errstate(over="ignore"):   # exp -> inf far left, where y = x / inf = -0.0 is right
+        np.exp(y, out=y)
+    y += f(1.0)
+    np.divide(x, y, out=y)
+
+
+def _gelu_bwd_block(x, dy, dx):
+    """dx = dy * gelu'(x), the exact derivative of the tanh form:
+    gelu'(x) = 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 c x^2),  t = tanh(u)."""
+    f = x.dtype.type
+    x2 = np.multiply(x, x)             # x^2
+    t = np.multiply(x2, f(_GELU_K * _GELU_C))
+    t += f(_GELU_K)
+    t *= x
+    np.tanh(t, out=t)                  # t = tanh(u)
+    x2 *= f(3.0 * _GELU_K * _GELU_C)
+    x2 += f(_GELU_K)                   # du/dx = k (1 + 3 c x^2)
+    x2 *= x
+    np.multiply(t, t, out=dx)
+    np.subtract(f(1.0), dx, out=dx)    # 1 - t^2
+    dx *= x2                           # x (1 - t^2) du/dx
+    dx += t
+    dx += f(1.0)
+    dx *= f(0.5)
+    dx *= dy
+
+
+def gelu(x):
+    """GPT-2 gelu, elementwise."""
+    y = np.empty_like(x)
+    xs, ys = x.reshape(-1), y.reshape(-1)
+    for i in range(0, xs.size, _BLOCK_ELEMS):
+        _gelu_block(xs[i:i + _BLOCK_ELEMS], ys[i:i + _BLOCK_ELEMS])
+    return y
+
+
+def gelu_bwd(x, dy):
+    """dx = dy * gelu'(x)."""
+    dx = np.empty_like(x)
+    xs, dys, dxs = x.reshape(-1), dy.reshape(-1), dx.reshape(-1)
+    for i in range(0, xs.size, _BLOCK_ELEMS):
+        block = slice(i, i + _BLOCK_ELEMS)
+        _gelu_bwd_block(xs[block], dys[block], dxs[block])
+    return dx
+
+
+# ---------------------------------------------------------------------------------------------
+# layernorm over the last axis, biased variance (as torch.nn.LayerNorm)
+# ---------------------------------------------------------------------------------------------
+
+def _layernorm_stats(x, eps):
+    """xhat = (x - mean) * rstd (a new array) and rstd (..., 1); two passes, for accuracy."""
+    c = x.shape[-1]
+    mean = _row_sums(x)[..., None]                            # (..., 1)
+    mean /= x.dtype.type(c)
+    xhat = np.subtract(x, mean)                               # (..., C)
+    var = np.vecdot(xhat, xhat)[..., None]                    # (..., 1)
+    var /= x.dtype.type(c)
+    var += x.dtype.type(eps)
+    rstd = np.sqrt(var, out=var)
+    np.reciprocal(rstd, out=rstd)
+    xhat *= rstd
+    return xhat, rstd
+
+
+def layernorm(x, gamma, beta, eps):
+    """y = (x - mean) / sqrt(var + eps) * gamma + beta."""
+    y, _ = _layernorm_stats(x, eps)
+    y *= gamma
+    y += beta
+    return y
+
+
+def layernorm_bwd(x, gamma, dy, eps):
+    """(dx, dgamma, dbeta); with g = dy * gamma the textbook form is
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat))."""
+    xhat, rstd = _layernorm_stats(x, eps)
+    f = x.dtype.type
+    c = x.shape[-1]
+    dbeta = sum_rows(dy)
+    g = np.multiply(dy, xhat)
+    dgamma = sum_rows(g)
+    g = np.multiply(dy, gamma, out=g)                         # g = dy * gamma
+    mean_g = _row_sums(g)[..., None]                          # (..., 1)
+    mean_g /= f(c)
+    mean_gx = np.vecdot(g, xhat)[..., None]                   # (..., 1)
+    mean_gx /= f(c)
+    xhat *= mean_gx
+    g -= mean_g
+    g -= xhat
+    g *= rstd
+    return g, dgamma, dbeta
+
+
+# ---------------------------------------------------------------------------------------------
+# softmax over the last axis, optionally causal
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=32)
+def _causal_mask(rows: int, cols: int, off: int) -> np.ndarray:
+    """(rows, cols) bool, True where column j is masked for row i: j > i + off. Read-only."""
+    mask = np.triu(np.ones((rows, cols), dtype=bool), k=off + 1)
+    mask.flags.writeable = False
+    return mask
+
+
+def softmax(x, causal, off):
+    """Softmax over the last axis; causal masks column j of row i when j > i + off."""
+    if causal:
+        mask = _causal_mask(x.shape[-2], x.shape[-1], int(off))
+        y = np.where(mask, x.dtype.type(-np.inf), x)  # exp(-inf) gives exact zeros
+        y -= y.max(axis=-1, keepdims=True)
+    else:
+        y = np.subtract(x, x.max(axis=-1, keepdims=True))
+    np.exp(y, out=y)
+    s = _row_sums(y)[..., None]                        # (..., 1)
+    y *= np.reciprocal(s, out=s)
+    return y
+
+
+def softmax_bwd(y, dy):
+    """dx = y * (dy - sum(y * dy)) along the last axis."""
+    s = np.vecdot(y, dy)[..., None]                    # (..., 1)
+    dx = np.subtract(dy, s)
+    dx *= y
+    return dx
+
+
+# ---------------------------------------------------------------------------------------------
+# heads: (..., T, 3C) <-> 3 x (..., H, T, hs), and (..., H, T, hs) <-> (..., T, C)
+# ---------------------------------------------------------------------------------------------
+
+def split_heads(qkv, n_head):
+    """(..., T, 3C) -> q, k, v, each a contiguous (..., H, T, hs)."""
+    *lead, t, c3 = qkv.shape
+    hs = c3 // (3 * n_head)
+    x = qkv.reshape(*lead, t, 3, n_head, hs)  # (..., T, 3, H, hs)
+    return tuple(np.ascontiguousarray(x[..., which, :, :].swapaxes(-3, -2))  # (..., H, T, hs)
+                 for which in range(3))
+
+
+def unsplit_head(dy, which):
+    """(..., H, T, hs) -> (..., T, 3C), zero outside the ``which`` third (0=q, 1=k, 2=v)."""
+    *lead, h, t, hs = dy.shape
+    out = np.zeros((*lead, t, 3 * h * hs), dtype=dy.dtype)
+    out.reshape(*lead, t, 3, h, hs)[..., which, :, :] = dy.swapaxes(-3, -2)  # (..., T, H, hs)
+    return out
+
+
+def merge_heads(x):
+    """(..., H, T, hs) -> (..., T, H*hs)."""
+    *lead, h, t, hs = x.shape
+    return np.ascontiguousarray(x.swapaxes(-3, -2)).reshape(*lead, t, h * hs)
+
+
+def unmerge_heads(dy, h):
+    """(..., T, C) -> (..., H, T, hs)."""
+    *lead, t, c = dy.shape
+    return np.ascontiguousarray(dy.reshape(*lead, t, h, c // h).swapaxes(-3, -2))
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: causal softmax(q k^T * scale) v, keeping only the log-sum-exp per query row.
+# Queries are taken in row chunks; chunk [r0, r1) sees keys [0, r1) only (the rest is masked),
+# which skips most of the masked triangle. The backward is FlashAttention's (Dao et al. 2022,
+# alg. 4): P = exp(S - lse), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O), dS = P (dP - D).
+# ---------------------------------------------------------------------------------------------
+
+_ATTN_CHUNK_ROWS = 256  # short sequences run as one chunk
+
+
+def _attention_chunks(t):
+    """Row ranges [r0, r1) covering 0..t: one when t is short, else at most 8."""
+    if t <= _ATTN_CHUNK_ROWS:
+        return [(0, t)]
+    step = max(_ATTN_CHUNK_ROWS // 2, -(-t // 8))
+    return [(r0, min(r0 + step, t)) for r0 in range(0, t, step)]
+
+
+def _attention_scores(q, k, scale, r0, r1):
+    """Scaled causal scores of query rows [r0, r1) against keys [0, r1): (..., r1-r0, r1)."""
+    s = np.matmul(q[..., r0:r1, :] * q.dtype.type(scale), k[..., :r1, :].swapaxes(-1, -2))
+    np.copyto(s, q.dtype.type(-np.inf), where=_causal_mask(r1 - r0, r1, r0))
+    return s
+
+
+def attention(q, k, v, scale):
+    """Causal self-attention of (..., H, T, hs): (out (..., H, T, hs), lse (..., H, T))."""
+    t = q.shape[-2]
+    out = np.empty_like(q)
+    lse = np.empty(q.shape[:-1], dtype=q.dtype)  # (..., H, T)
+    for r0, r1 in _attention_chunks(t):
+        s = _attention_scores(q, k, scale, r0, r1)   # (..., H, r, r1)
+        m = s.max(axis=-1, keepdims=True)            # (..., H, r, 1)
+        s -= m
+        np.exp(s, out=s)
+        l = _row_sums(s)[..., None]                  # (..., H, r, 1)
+        o = np.matmul(s, v[..., :r1, :])             # (..., H, r, hs), not yet normalized
+        np.multiply(o, np.reciprocal(l), out=out[..., r0:r1, :])
+        np.log(l, out=l)
+        l += m
+        lse[..., r0:r1] = l[..., 0]
+    return out, lse
+
+
+def attention_bwd(q, k, v, out, lse, dout, scale):
+    """(dq, dk, dv) of causal attention, recomputing the probabilities from ``lse``."""
+    t = q.shape[-2]
+    f = q.dtype.type
+    dq = np.empty_like(q)
+    dk = np.zeros_like(k)
+    dv = np.zeros_like(v)
+    d = np.vecdot(dout, out)[..., None]                    # (..., H, T, 1) = rowsum(dO * O)
+    for r0, r1 in _attention_chunks(t):
+        p = _attention_scores(q, k, scale, r0, r1)         # (..., H, r, r1)
+        p -= lse[..., r0:r1, None]
+        np.exp(p, out=p)                                   # P; masked entries exp(-inf) = 0
+        do = dout[..., r0:r1, :]                           # (..., H, r, hs)
+        dv[..., :r1, :] += np.matmul(p.swapaxes(-1, -2), do)
+        ds = np.matmul(do, v[..., :r1, :].swapaxes(-1, -2))  # dP (..., H, r, r1)
+        ds -= d[..., r0:r1, :]
+        ds *= p                                            # dS = P (dP - D), unscaled
+        dq_rows = dq[..., r0:r1, :]
+        np.matmul(ds, k[..., :r1, :], out=dq_rows)
+        dq_rows *= f(scale)                                # scale the (r, hs) side, not (r, r1)
+        dk[..., :r1, :] += np.matmul(ds.swapaxes(-1, -2), q[..., r0:r1, :] * f(scale))
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# embedding and its backward (scatter_add_rows), kv_append
+# ---------------------------------------------------------------------------------------------
+
+def embedding(ids, wte, wpe, pos):
+    """wte[ids] + wpe[pos:pos+T]: (..., T) ids -> (..., T, C)."""
+    t = ids.shape[-1]
+    out = np.take(wte, ids, axis=0)  # (..., T, C)
+    out += wpe[pos:pos + t]
+    return out
+
+
+def scatter_add_rows(dst, ids, src):
+    """dst[ids[i]] += src[i] in place, repeated ids adding up (np.add.at semantics).
+
+    Sorting groups equal ids. Ids seen once take one fancy-index add (their rows are
+    distinct); the rows of each repeated id are summed first with np.add.reduceat, so every
+    row of ``dst`` is written once. (np.add.at does the same job one row at a time.)
+    """
+    flat_ids = ids.reshape(-1)                                      # (N,)
+    if flat_ids.size == 0:
+        return
+    rows = src.reshape(-1, src.shape[-1])                           # (N, C)
+    order = np.argsort(flat_ids, kind="stable")
+    sorted_ids = flat_ids[order]
+    bounds = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1], True])  # (U+1,)
+    starts, lengths = bounds[:-1], np.diff(bounds)                  # (U,) each
+    once = lengths == 1
+    dst[sorted_ids[starts[once]]] += rows[order[starts[once]]]
+    if once.all():
+        return
+    many = ~once
+    group_rows = order[np.repeat(many, lengths)]                    # rows of repeated ids, grouped
+    group_starts = np.cumsum(lengths[many]) - lengths[many]
+    dst[sorted_ids[starts[many]]] += np.add.reduceat(rows[group_rows], group_starts, axis=0)
+
+
+def kv_append(cache, new, pos):
+    """cache[..., pos:pos+Tn, :] = new, in place."""
+    cache[..., pos:pos + new.shape[-2], :] = new
+
+
+# ---------------------------------------------------------------------------------------------
+# dropout: the mask is regenerated from (seed, element index), so backward is dropout again
+# ---------------------------------------------------------------------------------------------
+
+def dropout(x, p, seed):
+    """Inverted dropout with the Philox keep-mask of ``forge_ml.rng``; p == 0 copies."""
+    if p == 0:
+        return np.array(x, copy=True)
+    keep = rng.dropout_keep(seed, x.size, p).reshape(x.shape)
+    y = np.zeros_like(x)
+    np.multiply(x, x.dtype.type(rng.dropout_scale(p)), out=y, where=keep)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# cross-entropy over the first V columns (the padded vocab columns are ignored).
+# GPT-2's (N, V) logits are 200 MB: rows go in blocks of about _BLOCK_ELEMS elements, so that
+# the exp pass reads what the max/subtract pass left in cache (2-3x faster at V = 50257 than
+# whole-array passes). A short vocabulary's rows fit in one block.
+# ---------------------------------------------------------------------------------------------
+
+def _row_blocks(n_rows, row_len):
+    """[r0, r1) row ranges of about _BLOCK_ELEMS elements each (at least one row)."""
+    step = max(1, _BLOCK_ELEMS // max(row_len, 1))
+    return [(r0, min(r0 + step, n_rows)) for r0 in range(0, n_rows, step)]
+
+
+def _shifted_exp(logits, vocab_size, out):
+    """exp(l - rowmax) over l = logits[:, :V], written into ``out``, and the row max (n, 1)."""
+    l = logits[:, :vocab_size]            # (n, V)
+    m = l.max(axis=1, keepdims=True)      # (n, 1)
+    e = np.subtract(l, m, out=out)
+    np.exp(e, out=e)
+    return e, m
+
+
+def cross_entropy(logits, targets, vocab_size):
+    """Mean over rows of logsumexp(l[:V]) - l[target], a 0-d array of the logits' dtype."""
+    n, vp = logits.shape
+    v = vp if vocab_size is None else vocab_size
+    log_sums = np.empty(n, dtype=logits.dtype)     # log sum exp(l - m), per row
+    row_max = np.empty(n, dtype=logits.dtype)
+    blocks = _row_blocks(n, v)
+    scratch = np.empty((blocks[0][1] - blocks[0][0], v), dtype=logits.dtype)
+    for r0, r1 in blocks:
+        e, m = _shifted_exp(logits[r0:r1], v, out=scratch[:r1 - r0])
+        np.log(_row_sums(e), out=log_sums[r0:r1])
+        row_max[r0:r1] = m[:, 0]
+    # log(sum exp(l - m)) - (l[t] - m): the max cancels before it can cost precision
+    log_sums -= logits[np.arange(n), targets] - row_max
+    loss = np.sum(log_sums, dtype=np.float64) / n
+    return np.asarray(loss, dtype=logits.dtype)
+
+
+def cross_entropy_bwd(logits, targets, dloss, vocab_size):
+    """dlogits = dloss * (softmax(l[:V]) - onehot(target)) / N, zero in columns >= V."""
+    n, vp = logits.shape
+    v = vp if vocab_size is None else vocab_size
+    scale = logits.dtype.type(float(dloss) / n)
+    dl = np.empty_like(logits)
+    for r0, r1 in _row_blocks(n, v):
+        e, _ = _shifted_exp(logits[r0:r1], v, out=dl[r0:r1, :v])  # (rows, V) view of dl
+        row_scale = _row_sums(e)[:, None]                            # (rows, 1)
+        np.divide(scale, row_scale, out=row_scale)
+        e *= row_scale
+    dl[:, v:] = 0
+    dl[np.arange(n), targets] -= scale
+    return dl
+
+
+# ---------------------------------------------------------------------------------------------
+# AdamW (Loshchilov & Hutter 2019, algorithm 2), with torch.optim.AdamW's conventions:
+#   p *= 1 - lr wd;  m, v updated;  p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)
+# ---------------------------------------------------------------------------------------------
+
+def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+                 p_lowp=None):
+    """One AdamW step on p, m, v in place; g is multiplied by grad_scale first."""
+    if p_lowp is not None:
+        raise DTypeError(f"adamw_update: p_lowp is a bfloat16 copy for the GPU; "
+                         f"the cpu backend has none (got {p_lowp.dtype})")
+    f = p.dtype.type
+    bc1 = 1.0 - beta1 ** step
+    bc2 = 1.0 - beta2 ** step
+    scratch = np.multiply(g, f((1.0 - beta1) * grad_scale), dtype=p.dtype)
+    m *= f(beta1)
+    m += scratch                                   # m = b1 m + (1 - b1) g'
+    np.multiply(g, g, out=scratch, dtype=p.dtype)
+    scratch *= f((1.0 - beta2) * grad_scale * grad_scale)
+    v *= f(beta2)
+    v += scratch                                   # v = b2 v + (1 - b2) g'^2
+    if lr == 0.0:                                  # e.g. step 0 of a warmup: p stays put
+        return
+    # lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps) = m / (sqrt(v) * a + b), folding lr/bc1 in
+    np.sqrt(v, out=scratch)
+    scratch *= f(bc1 / (lr * math.sqrt(bc2)))
+    scratch += f(eps * bc1 / lr)
+    np.divide(m, scratch, out=scratch)
+    if weight_decay != 0.0:
+        p *= f(1.0 - lr * weight_decay)
+    p -= scratch
