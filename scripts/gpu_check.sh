@@ -43,6 +43,7 @@ test_rc=${PIPESTATUS[0]}
 echo "== benchmarks (benchmarks/ops_cuda.py)"
 timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/ops_cuda.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench_ops.log"
 bench_rc=${PIPESTATUS[0]}
+timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/attention_cuda.py 2>&1 | tee "$LOG/bench_attention.log"  # flash vs v1 vs torch SDPA
 
 echo
 echo "================ gpu_check summary ================"

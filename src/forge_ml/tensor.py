@@ -211,7 +211,7 @@ def from_numpy(a: np.ndarray, device="cpu") -> Tensor:
 def zeros(shape, dtype="float32", device="cpu") -> Tensor:
     """A tensor of zeros.
 
-    >>> zeros((2, 3)).numpy().sum()
+    >>> float(zeros((2, 3)).numpy().sum())
     0.0
     """
     if isinstance(shape, int):

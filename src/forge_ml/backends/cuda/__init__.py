@@ -728,8 +728,10 @@ def unmerge_heads(dy, h):
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention (v1: cuBLAS batched products around the softmax kernels; the T x T scores of each
-# head are materialized in float32)
+# Attention. flash (kernels/flash_attention.cu): fused, no T x T matrix in memory, bfloat16 at
+# head size 64 on the tensor cores. v1: cuBLAS batched products around the softmax kernels, the
+# T x T scores of each head materialized in float32; it serves every other dtype and head size,
+# and everything when FORGE_ATTENTION=v1.
 # ----------------------------------------------------------------------------------------------
 
 def _attn_shapes(q, k, v):
@@ -747,8 +749,52 @@ def _as_batched(x):
     return x if x.ndim >= 3 else x.reshape((1,) + x.shape)
 
 
+_FLASH_HS = 64       # the one head size flash_attention.cu is written for (FA_D)
+_FLASH_BLOCK = 64    # query rows / keys per block (FA_BLK)
+_FLASH_THREADS = 128
+
+
+def _flash_wanted(q, k, *others) -> bool:
+    """Whether the fused kernels take this call: bfloat16, head size 64, something to do, at
+    most 65535 blocks of rows (grid y), every array 16-byte aligned (cp.async), and
+    FORGE_ATTENTION is not 'v1' (read at every call, so a run can switch it)."""
+    import os
+    if os.environ.get("FORGE_ATTENTION", "").strip().lower() == "v1":
+        return False
+    if BF16 is None or q.dtype != BF16 or q.shape[-1] != _FLASH_HS or q.size == 0:
+        return False
+    if -(-k.shape[-2] // _FLASH_BLOCK) > 65535:
+        return False
+    return all(x.data.ptr % 16 == 0 for x in (q, k) + others)
+
+
+def _flash_grid(bh: int, rows: int):
+    """(bh, blocks of _FLASH_BLOCK rows): the kernels read blockIdx.x as bh."""
+    return (bh, -(-rows // _FLASH_BLOCK))
+
+
 @_guarded
 def attention(q, k, v, scale=None):
+    q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
+    Tq, Tk = _attn_shapes(q, k, v)
+    if _flash_wanted(q, k, v):
+        hs = q.shape[-1]
+        scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+        return _attention_flash(q, k, v, scale, Tq, Tk)
+    return _attention_v1(q, k, v, scale)
+
+
+def _attention_flash(q, k, v, scale, Tq, Tk):
+    bh = math.prod(q.shape[:-2])
+    out = _empty(q.shape, q.dtype)  # (..., H, Tq, 64)
+    lse = _empty(q.shape[:-1], F32)  # (..., H, Tq)
+    _launch("flash_attention", "flash_fwd_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
+            (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale)))
+    return out, lse
+
+
+@_guarded
+def _attention_v1(q, k, v, scale=None):
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
     hs = q.shape[-1]
@@ -769,6 +815,35 @@ def attention(q, k, v, scale=None):
 
 @_guarded
 def attention_bwd(q, k, v, out, lse, dout, scale=None):
+    q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
+    out, dout = _like(_c(out), q.dtype), _like(_c(dout), q.dtype)
+    Tq, Tk = _attn_shapes(q, k, v)
+    if out.shape != q.shape or dout.shape != q.shape or lse.shape != q.shape[:-1]:
+        raise ShapeError(f"attention_bwd: q {q.shape} needs out and dout of that shape and lse "
+                         f"of {q.shape[:-1]}; got out {out.shape}, dout {dout.shape}, "
+                         f"lse {lse.shape}")
+    if _flash_wanted(q, k, v, out, dout):
+        hs = q.shape[-1]
+        scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+        return _attention_bwd_flash(q, k, v, out, _like(_c(lse), F32), dout, scale, Tq, Tk)
+    return _attention_bwd_v1(q, k, v, out, lse, dout, scale)
+
+
+def _attention_bwd_flash(q, k, v, out, lse, dout, scale, Tq, Tk):
+    bh = math.prod(q.shape[:-2])
+    D = _empty(lse.shape, F32)  # rowsum(dout * out): written by the dq kernel, read by dk/dv
+    dq = _empty(q.shape, q.dtype)
+    _launch("flash_attention", "flash_bwd_dq_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
+            (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale)))
+    dk = _empty(k.shape, q.dtype)
+    dv = _empty(v.shape, q.dtype)
+    _launch("flash_attention", "flash_bwd_dkdv_bf16_h64", _flash_grid(bh, Tk), _FLASH_THREADS,
+            (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale)))
+    return dq, dk, dv
+
+
+@_guarded
+def _attention_bwd_v1(q, k, v, out, lse, dout, scale=None):
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     dout = _like(_c(dout), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)

@@ -1,0 +1,176 @@
+"""Causal attention on the GPU in bfloat16: forge-ml's fused (flash) kernels against its v1 path
+(cuBLAS + softmax kernels, T x T scores in memory) and against PyTorch's
+``F.scaled_dot_product_attention(is_causal=True)`` pinned to its flash backend, measured in the
+same run on the same inputs.
+
+GPT-2 124M attention shapes: H=12, T=1024, hs=64, B in --batch (default 8,16,32). Two passes:
+``fwd`` (out and lse) and ``fwd+bwd`` (then dq, dk, dv for a random dout). Timing: CUDA events
+around one call, ``--warmup`` untimed calls first, median of ``--reps`` timed calls.
+
+    PYTHONPATH=src python3 benchmarks/attention_cuda.py [--batch 8,16,32] [--reps 20]
+
+Prints one row per batch and pass: milliseconds for each, TFLOP/s of the flash kernels and of
+torch (causal FLOPs: 2 products of B H T^2 hs / 2 multiply-adds forward, 5 in the backward),
+and the ratios flash/torch, v1/torch and v1/flash (above 1: flash is faster than v1).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import traceback
+
+H, T, HS = 12, 1024, 64
+
+
+def time_cupy(cupy, fn, reps, warmup):
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def time_torch(torch, fn, reps, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def causal_flops(B, passes):
+    """Multiply-adds x 2 of the matrix products, counting only the unmasked half."""
+    return passes * 2.0 * B * H * T * T * HS / 2
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", default="8,16,32")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    import cupy
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from forge_ml.backends import get
+    from forge_ml.device import Device
+
+    be = get(Device("cuda", 0))
+    scale = 1.0 / math.sqrt(HS)
+    # torch's flash backend; should this build lack it, its default choice, and say so
+    backends = [SDPBackend.FLASH_ATTENTION]
+    try:
+        x = torch.randn(1, 1, 64, HS, device="cuda", dtype=torch.bfloat16)
+        with sdpa_kernel(backends):
+            F.scaled_dot_product_attention(x, x, x, is_causal=True)
+    except RuntimeError as e:
+        print(f"note: torch's flash backend is not usable here ({e}); torch picks its own")
+        backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    print(f"device: {be.device_name()}; cupy {cupy.__version__}; torch {torch.__version__}; "
+          f"bfloat16, H={H} T={T} hs={HS}, causal; median of {args.reps} after {args.warmup} "
+          "warm-ups")
+    rows = []
+    failures = 0
+    for B in (int(b) for b in args.batch.split(",") if b):
+        shape = (B, H, T, HS)
+        try:
+            # the same bf16 values for both frameworks: rounded once on the device, then copied
+            host = [be.to_host(be.cast(cupy.random.standard_normal(shape, dtype=cupy.float32),
+                                       "bfloat16")) for _ in range(4)]
+            q, k, v, dout = (be.from_host(a, "bfloat16") for a in host)
+            tq, tk, tv, tdo = (torch.from_numpy(a).cuda().to(torch.bfloat16) for a in host)
+            tq.requires_grad_(True)
+            tk.requires_grad_(True)
+            tv.requires_grad_(True)
+            if not be._flash_wanted(q, k, v):
+                raise RuntimeError("the flash path is not taken (FORGE_ATTENTION=v1 set?)")
+
+            def flash_fwd():
+                return be.attention(q, k, v, scale)
+
+            def flash_both():
+                out, lse = be.attention(q, k, v, scale)
+                return be.attention_bwd(q, k, v, out, lse, dout, scale)
+
+            def v1_fwd():
+                return be._attention_v1(q, k, v, scale)
+
+            def v1_both():
+                out, lse = be._attention_v1(q, k, v, scale)
+                return be._attention_bwd_v1(q, k, v, out, lse, dout, scale)
+
+            def torch_fwd():
+                with torch.no_grad(), sdpa_kernel(backends):
+                    return F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=scale)
+
+            def torch_both():
+                with sdpa_kernel(backends):
+                    out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=scale)
+                return torch.autograd.grad(out, (tq, tk, tv), tdo)
+
+            # agreement first, so a fast wrong kernel cannot pass unnoticed
+            out_f = np.asarray(be.to_host(flash_fwd()[0]), dtype=np.float64)
+            out_t = torch_fwd().float().cpu().numpy().astype(np.float64)
+            grads_f = [np.asarray(be.to_host(g), dtype=np.float64) for g in flash_both()]
+            grads_t = [g.float().cpu().numpy().astype(np.float64) for g in torch_both()]
+            agree = [np.linalg.norm(a - b) / np.linalg.norm(b)
+                     for a, b in zip([out_f] + grads_f, [out_t] + grads_t)]
+            print(f"  B={B:3d} flash vs torch, relative error: out {agree[0]:.2e}  "
+                  f"dq {agree[1]:.2e}  dk {agree[2]:.2e}  dv {agree[3]:.2e}", flush=True)
+            del out_f, out_t, grads_f, grads_t
+
+            for name, passes, ff, fv, ft in (("fwd", 2, flash_fwd, v1_fwd, torch_fwd),
+                                             ("fwd+bwd", 7, flash_both, v1_both, torch_both)):
+                f_ms = time_cupy(cupy, ff, args.reps, args.warmup)
+                v_ms = time_cupy(cupy, fv, args.reps, args.warmup)
+                t_ms = time_torch(torch, ft, args.reps, args.warmup)
+                flops = causal_flops(B, passes)
+                rows.append((B, name, f_ms, v_ms, t_ms, flops / f_ms / 1e9, flops / t_ms / 1e9))
+                print(f"  B={B:3d} {name:8s} flash {f_ms:8.3f} ms  v1 {v_ms:8.3f} ms  "
+                      f"torch {t_ms:8.3f} ms  flash/torch {f_ms / t_ms:5.2f}  "
+                      f"v1/flash {v_ms / f_ms:5.2f}", flush=True)
+        except Exception as e:  # keep measuring the other sizes
+            failures += 1
+            print(f"  B={B:3d} ERROR {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc(limit=4)
+        finally:
+            cupy.get_default_memory_pool().free_all_blocks()
+            torch.cuda.empty_cache()
+
+    print()
+    print(f"{'B':>3s} {'pass':8s} {'flash ms':>9s} {'v1 ms':>9s} {'torch ms':>9s} "
+          f"{'flash TF/s':>10s} {'torch TF/s':>10s} {'flash/torch':>11s} {'v1/torch':>9s} "
+          f"{'v1/flash':>8s}")
+    for B, name, f_ms, v_ms, t_ms, f_tf, t_tf in rows:
+        print(f"{B:3d} {name:8s} {f_ms:9.3f} {v_ms:9.3f} {t_ms:9.3f} {f_tf:10.1f} {t_tf:10.1f} "
+              f"{f_ms / t_ms:11.2f} {v_ms / t_ms:9.2f} {v_ms / f_ms:8.2f}")
+    if rows:
+        geo = math.exp(statistics.fmean(math.log(r[2] / r[4]) for r in rows))
+        print(f"geometric mean of flash/torch over {len(rows)} rows: {geo:.2f}; "
+              f"{failures} size(s) failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""GPU tests of the fused causal attention (kernels/flash_attention.cu: bfloat16, head size 64,
+forward and backward on the tensor cores) against float64 NumPy formulas (the spec) and against
+the v1 path (cuBLAS products around the softmax kernels) of the same backend.
+
+Every test skips where CuPy or a GPU is missing. Before each test the CuPy memory pool is
+emptied and refilled with NaN bytes, so an output element a kernel forgets to write shows up as
+NaN; every output is checked to be finite.
+
+Tolerances (‖got - ref‖ / ‖ref‖): 2e-2 for out, dq, dk, dv, against the reference computed in
+float64 from the bf16-rounded inputs and against v1 (P is rounded to bf16 for the tensor cores
+and the results are bf16); lse within 1e-3 absolute (it stays float32 throughout).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from forge_ml.device import Device
+
+pytestmark = pytest.mark.cuda
+
+HS = 64
+TOL = 2e-2
+LSE_TOL = 1e-3
+POISON_BYTES = 1 << 30
+
+# (q shape, k/v shape): GPT-2 124M at T=1024; a ragged T (77: one full block and a partial
+# one); a KV-cache offset (16 queries after 84 cached keys); single rows and columns; exactly
+# one block; one past a block; 2-D inputs (no lead dims); Tq = 64 after 14 cached keys, where
+# a warp's keys cross the diagonal inside a whole query block.
+SHAPES = {
+    "gpt2": ((2, 12, 1024, HS), (2, 12, 1024, HS)),
+    "ragged77": ((1, 2, 77, HS), (1, 2, 77, HS)),
+    "decode": ((2, 3, 16, HS), (2, 3, 100, HS)),
+    "t1": ((1, 1, 1, HS), (1, 1, 1, HS)),
+    "q1_k65": ((1, 3, 1, HS), (1, 3, 65, HS)),
+    "t64": ((1, 2, 64, HS), (1, 2, 64, HS)),
+    "t65": ((3, 65, HS), (3, 65, HS)),
+    "2d": ((130, HS), (130, HS)),
+    "off14": ((1, 1, 64, HS), (1, 1, 78, HS)),
+}
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    cupy = pytest.importorskip("cupy")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CuPy without a driver or a GPU
+        pytest.skip(f"no usable CUDA device: {e}")
+    if n == 0:
+        pytest.skip("no CUDA device")
+    from forge_ml.backends import get
+    be = get(Device("cuda", 0))
+    if be.BF16 is None:
+        pytest.skip("this CuPy has no bfloat16 (install ml_dtypes)")
+    return be
+
+
+def _poison():
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    buf = cupy.empty(POISON_BYTES, dtype=cupy.uint8)
+    buf.fill(0xFF)  # NaN in bf16 and float32
+    del buf
+
+
+@pytest.fixture
+def be(gpu, monkeypatch):
+    monkeypatch.delenv("FORGE_ATTENTION", raising=False)
+    _poison()
+    return gpu
+
+
+@pytest.fixture
+def rs():
+    seed = int(np.random.SeedSequence().entropy % (1 << 63))
+    print(f"random seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def bf16_values(rs, shape, scale=1.0):
+    """Random values exactly representable in bf16 (rounded to nearest even), as float64."""
+    a = np.ascontiguousarray(rs.standard_normal(shape) * scale, dtype=np.float32)
+    u = a.view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def dev(be, a):
+    return be.from_host(np.asarray(a), "bfloat16")
+
+
+def host(be, x):
+    return np.asarray(be.to_host(x), dtype=np.float64)
+
+
+def check(name, got, ref, tol):
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
+    bad = ~np.isfinite(got)
+    assert not bad.any(), (f"{name}: {int(bad.sum())} of {got.size} elements are not finite "
+                           f"(first at {np.argwhere(bad)[0].tolist()})")
+    denom = np.linalg.norm(ref)
+    err = np.linalg.norm(got - ref) / (denom if denom > 0 else 1.0)
+    worst = np.unravel_index(np.argmax(np.abs(got - ref)), got.shape)
+    assert err <= tol, (f"{name}: relative error {err:.3e} > {tol:.0e}; worst at {list(worst)}: "
+                        f"got {got[worst]}, want {ref[worst]}")
+
+
+def check_abs(name, got, ref, tol):
+    got = np.asarray(got, dtype=np.float64)
+    assert np.all(np.isfinite(got)), f"{name}: not all finite"
+    err = np.max(np.abs(got - ref)) if got.size else 0.0
+    assert err <= tol, f"{name}: max abs error {err:.3e} > {tol:.0e}"
+
+
+def ref_attention(q, k, v, dout, scale):
+    """float64: out, lse, dq, dk, dv of causal attention with query i seeing keys j <= i + off,
+    off = Tk - Tq (Dao 2023's backward: dS = P * (dP - rowsum(P * dP)))."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    s = scale * q @ np.swapaxes(k, -1, -2)
+    masked = np.arange(tk)[None, :] > np.arange(tq)[:, None] + (tk - tq)
+    s = np.where(masked, -np.inf, s)
+    m = s.max(-1, keepdims=True)
+    lse = m + np.log(np.exp(s - m).sum(-1, keepdims=True))
+    p = np.exp(s - lse)
+    out = p @ v
+    dv = np.swapaxes(p, -1, -2) @ dout
+    dp = dout @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    return out, lse[..., 0], scale * ds @ k, scale * np.swapaxes(ds, -1, -2) @ q, dv
+
+
+def inputs(rs, qs, ks, qscale=1.0):
+    return (bf16_values(rs, qs, qscale), bf16_values(rs, ks), bf16_values(rs, ks),
+            bf16_values(rs, qs))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_flash_attention_vs_reference_and_v1(be, rs, shape):
+    qs, ks = SHAPES[shape]
+    scale = 1.0 / math.sqrt(HS)
+    q, k, v, dout = inputs(rs, qs, ks)
+    dq_, dk_, dv_, ddo = dev(be, q), dev(be, k), dev(be, v), dev(be, dout)
+    assert be._flash_wanted(dq_, dk_, dv_), "bf16 at head size 64 should take the flash path"
+    rout, rlse, rdq, rdk, rdv = ref_attention(q, k, v, dout, scale)
+
+    out, lse = be.attention(dq_, dk_, dv_, scale)
+    assert str(out.dtype) == "bfloat16" and str(lse.dtype) == "float32"
+    assert lse.shape == qs[:-1]
+    check("flash out", host(be, out), rout, TOL)
+    check_abs("flash lse", host(be, lse), rlse, LSE_TOL)
+    out1, lse1 = be._attention_v1(dq_, dk_, dv_, scale)
+    check("flash out vs v1", host(be, out), host(be, out1), TOL)
+    check_abs("flash lse vs v1", host(be, lse), host(be, lse1), LSE_TOL)
+
+    grads = be.attention_bwd(dq_, dk_, dv_, out, lse, ddo, scale)
+    grads1 = be._attention_bwd_v1(dq_, dk_, dv_, out1, lse1, ddo, scale)
+    for name, got, ref, v1 in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv), grads1):
+        assert got.shape == ref.shape and str(got.dtype) == "bfloat16"
+        check(f"flash {name}", host(be, got), ref, TOL)
+        check(f"flash {name} vs v1", host(be, got), host(be, v1), TOL)
+
+
+def test_flash_peaked_softmax(be, rs):
+    """Large scores (q x 8): the running max moves by tens between key blocks, so the online
+    rescaling of the output and the sum must be right, not just harmless."""
+    qs = ks = (1, 2, 300, HS)
+    scale = 1.0 / math.sqrt(HS)
+    q, k, v, dout = inputs(rs, qs, ks, qscale=8.0)
+    rout, rlse, rdq, rdk, rdv = ref_attention(q, k, v, dout, scale)
+    dq_, dk_, dv_ = dev(be, q), dev(be, k), dev(be, v)
+    out, lse = be.attention(dq_, dk_, dv_, scale)
+    check("flash out", host(be, out), rout, TOL)
+    check_abs("flash lse", host(be, lse), rlse, LSE_TOL)
+    grads = be.attention_bwd(dq_, dk_, dv_, out, lse, dev(be, dout), scale)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
+        check(f"flash {name}", host(be, got), ref, TOL)
+
+
+def test_flash_default_scale_and_v1_lse(be, rs):
+    """scale=None means 1/sqrt(64); a backward fed v1's lse agrees with one fed flash's."""
+    qs = ks = (2, 4, 200, HS)
+    q, k, v, dout = inputs(rs, qs, ks)
+    dq_, dk_, dv_, ddo = dev(be, q), dev(be, k), dev(be, v), dev(be, dout)
+    out, lse = be.attention(dq_, dk_, dv_, None)
+    rout, _, rdq, rdk, rdv = ref_attention(q, k, v, dout, 1.0 / math.sqrt(HS))
+    check("flash out (scale None)", host(be, out), rout, TOL)
+    _, lse1 = be._attention_v1(dq_, dk_, dv_, None)
+    grads = be.attention_bwd(dq_, dk_, dv_, out, lse1, ddo, None)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
+        check(f"flash {name} from v1 lse", host(be, got), ref, TOL)
+
+
+def test_flash_is_deterministic(be, rs):
+    """No atomics: two runs give the same bits, forward and backward."""
+    qs = ks = (2, 3, 333, HS)
+    q, k, v, dout = (dev(be, a) for a in inputs(rs, qs, ks))
+    runs = []
+    for _ in range(2):
+        out, lse = be.attention(q, k, v, 0.125)
+        grads = be.attention_bwd(q, k, v, out, lse, dout, 0.125)
+        runs.append([host(be, x) for x in (out, lse) + tuple(grads)])
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)
+
+
+def test_flash_selection(be, rs, monkeypatch):
+    """flash for bf16 at head size 64 unless FORGE_ATTENTION=v1; v1 for everything else."""
+    qs = ks = (1, 2, 100, HS)
+    q, k, v, dout = inputs(rs, qs, ks)
+    dq_, dk_, dv_, ddo = dev(be, q), dev(be, k), dev(be, v), dev(be, dout)
+    assert be._flash_wanted(dq_, dk_, dv_)
+    monkeypatch.setenv("FORGE_ATTENTION", "v1")
+    assert not be._flash_wanted(dq_, dk_, dv_)
+    out, lse = be.attention(dq_, dk_, dv_, 0.125)
+    out1, lse1 = be._attention_v1(dq_, dk_, dv_, 0.125)
+    assert np.array_equal(host(be, out), host(be, out1))
+    assert np.array_equal(host(be, lse), host(be, lse1))
+    got = be.attention_bwd(dq_, dk_, dv_, out, lse, ddo, 0.125)
+    want = be._attention_bwd_v1(dq_, dk_, dv_, out, lse, ddo, 0.125)
+    for a, b in zip(got, want):
+        assert np.array_equal(host(be, a), host(be, b))
+    monkeypatch.delenv("FORGE_ATTENTION")
+    f32 = be.from_host(q.astype(np.float32), "float32")
+    assert not be._flash_wanted(f32, f32, f32)
+    h32 = dev(be, bf16_values(rs, (1, 2, 100, 32)))
+    assert not be._flash_wanted(h32, h32, h32)
+    empty = dev(be, np.zeros((1, 2, 0, HS)))
+    assert not be._flash_wanted(empty, empty, empty)
