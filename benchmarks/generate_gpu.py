@@ -54,7 +54,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as d:
         hf.save_hf_gpt2(d, cfg, cpu_model.state_dict())
         tdtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-        hm = transformers.GPT2LMHeadModel.from_pretrained(d, torch_dtype=tdtype).cuda().eval()
+        hm = transformers.GPT2LMHeadModel.from_pretrained(d, dtype=tdtype).cuda().eval()
     ids = torch.tensor([prompt], device="cuda")
 
     def run_hf():

@@ -41,9 +41,18 @@ timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m cuda tests -rfEs -p no:cachepr
 test_rc=${PIPESTATUS[0]}
 
 echo "== benchmarks (benchmarks/ops_cuda.py)"
-timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/ops_cuda.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench_ops.log"
-bench_rc=${PIPESTATUS[0]}
+if [ -z "${SKIP_OPS_BENCH:-}" ]; then
+  timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/ops_cuda.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench_ops.log"
+  bench_rc=${PIPESTATUS[0]}
+else
+  echo "(skipped: SKIP_OPS_BENCH is set)" | tee "$LOG/bench_ops.log"; bench_rc=0
+fi
 timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/attention_cuda.py 2>&1 | tee "$LOG/bench_attention.log"  # flash vs v1 vs torch SDPA
+
+echo "== model benchmarks (training throughput, generation)"
+timeout "${TRAIN_TIMEOUT:-200}" "$PY" benchmarks/train_gpu.py --batch "${TRAIN_BATCH:-32}" --steps "${TRAIN_STEPS:-10}" ${TRAIN_ARGS:-} 2>&1 | tee "$LOG/bench_train.log"
+timeout "${GEN_TIMEOUT:-120}" "$PY" benchmarks/generate_gpu.py --new-tokens 200 2>&1 | tee "$LOG/bench_generate.log"
+timeout "${GEN_TIMEOUT:-120}" "$PY" benchmarks/generate_gpu.py --new-tokens 200 --dtype bf16 2>&1 | tee -a "$LOG/bench_generate.log"
 
 echo
 echo "================ gpu_check summary ================"
@@ -51,5 +60,8 @@ echo "gpu:        $(sed -n 2p "$LOG/gpu.txt")"
 echo "tests:      exit $test_rc ($( [ "$test_rc" = 0 ] && echo PASS || { [ "$test_rc" = 124 ] && echo TIMEOUT || echo FAIL; } )): $(grep -E '(passed|failed|error|skipped)' "$LOG/tests.log" | tail -n 1)"
 grep -E '^(FAILED|ERROR) ' "$LOG/tests.log" | head -n 40
 echo "benchmarks: exit $bench_rc ($( [ "$bench_rc" = 0 ] && echo OK || { [ "$bench_rc" = 124 ] && echo TIMEOUT || echo 'SOME OPS FAILED'; } )): $(grep -E '^geometric mean' "$LOG/bench_ops.log" | tail -n 1)"
+echo "attention:  $(grep -iE 'ratio|flash' "$LOG/bench_attention.log" | tail -n 4 | tr '\n' ' ')"
+echo "training:"; grep -E '^(forge|torch)' "$LOG/bench_train.log"
+echo "generation:"; grep -E '^(forge|transformers|ratio)' "$LOG/bench_generate.log"
 echo "logs in $LOG"
 [ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]
