@@ -36,7 +36,7 @@ except Exception as e:
 PYEOF
 
 echo "== tests (python3 -m pytest -m cuda tests; pyproject addopts already give -q)"
-timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m cuda tests -rfEs -p no:cacheprovider -n "${TEST_WORKERS:-4}" \
+timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m cuda tests/test_cuda*.py -rfEs -p no:cacheprovider -n "${TEST_WORKERS:-4}" \
     --durations=8 --junitxml="$LOG/tests.xml" 2>&1 | tee "$LOG/tests.log"
 test_rc=${PIPESTATUS[0]}
 

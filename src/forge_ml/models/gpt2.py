@@ -8,7 +8,7 @@ LM-head matmul tiles well); padded rows start at zero and the loss ignores their
 >>> cfg = GPT2Config(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=8)
 >>> model = GPT2.init(cfg, seed=0)
 >>> model.num_params()
-1512
+1536
 """
 from __future__ import annotations
 
@@ -211,7 +211,9 @@ class GPT2:
         copies for mixed precision). Returns ``(logits, loss, leaves)``: logits ``(B*T, Vp)``,
         the mean loss (None without ``targets``), and name -> leaf TVar of every parameter.
         ``fused_attention`` (default: on unless dropout > 0) picks the flash-style attention op
-        over matmul + causal softmax + matmul; both compute the same function.
+        over matmul + causal softmax + matmul; without dropout both compute the same function.
+        The fused op has no dropout on the attention probabilities, so with dropout > 0 and
+        ``fused_attention=True`` only the embedding and residual dropouts apply.
         """
         cfg = self.config
         P = self.params if params is None else params
@@ -260,6 +262,8 @@ class GPT2:
         logits = tape.matmul(x, head, trans_b=True)                            # (B*T, Vp)
         loss = None
         if targets is not None:
+            if targets.ndim == 1 and B == 1:
+                targets = targets.reshape(1, -1)
             if targets.shape != (B, T):
                 raise ShapeError(f"GPT2.forward: targets must be {(B, T)} like ids, got {targets.shape}")
             loss = tape.cross_entropy(logits, targets.reshape(B * T), cfg.vocab_size)
@@ -293,13 +297,29 @@ class GPT2:
         mk = lambda: [zeros(shape, ref.dtype, ref.device) for _ in range(cfg.n_layer)]  # noqa: E731
         return KVCache(mk(), mk(), 0)
 
-    def forward_cached(self, ids: Tensor, cache: KVCache, params: Optional[dict] = None) -> Tensor:
+    def forward_cached(self, ids: Tensor, cache: KVCache, params: Optional[dict] = None, *,
+                       last_only: bool = False) -> Tensor:
         """Logits ``(B, Tn, Vp)`` for ``ids (B, Tn)`` at positions ``cache.pos…``; appends the
         new keys and values to ``cache`` and advances ``cache.pos``. Equal to the full forward's
-        logits at the same positions."""
+        logits at the same positions. ``last_only`` returns ``(B, 1, Vp)``, the last
+        position's logits only (a prefill then skips the LM head of every other row).
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+        >>> model = GPT2.init(cfg)
+        >>> cache = model.new_cache(1, 8)
+        >>> model.forward_cached(tensor([[1, 2, 3]]), cache).shape, cache.pos
+        ((1, 3, 10), 3)
+        """
         cfg = self.config
         P = self.params if params is None else params
+        if ids.ndim == 1:
+            ids = ids.reshape(1, -1)
+        if ids.ndim != 2:
+            raise ShapeError(f"forward_cached: ids must be (B, Tn), got {ids.shape}")
         B, Tn = ids.shape
+        if B != cache.k[0].shape[0]:
+            raise ShapeError(f"forward_cached: ids have {B} rows but the cache was made for "
+                             f"{cache.k[0].shape[0]}")
         pos = cache.pos
         if pos + Tn > cache.capacity:
             raise ShapeError(f"forward_cached: {pos} cached + {Tn} new tokens exceed the cache's "
@@ -322,6 +342,9 @@ class GPT2:
             h = ops.layernorm(x, P[p + "ln_2.weight"], P[p + "ln_2.bias"], eps)
             h = ops.gelu(ops.matmul(h, P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"]))
             x = ops.add(x, ops.matmul(h, P[p + "mlp.c_proj.weight"], P[p + "mlp.c_proj.bias"]))
+        if last_only and Tn > 1:
+            x = Tensor(x.data.reshape(B, Tn, C)[:, -1].copy(), x.device)      # (B, C)
+            Tn = 1
         x = ops.layernorm(x, P["ln_f.weight"], P["ln_f.bias"], eps)
         head = P["wte.weight"] if cfg.tied_head else P["lm_head.weight"]
         logits = ops.matmul(x, head, trans_b=True)                            # (B*Tn, Vp)
