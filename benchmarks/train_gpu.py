@@ -91,7 +91,7 @@ def torch_steps(cfg, B, T, steps, warmup, compile_):
                 x = blk(x)
             logits = s.ln_f(x) @ s.wte.weight.t()
             return F.cross_entropy(logits[..., :cfg.vocab_size].float().view(-1, cfg.vocab_size),
-                                   tg.view(-1))
+                                   tg.reshape(-1))
 
     torch.backends.cuda.matmul.allow_tf32 = True
     model = GPT().cuda()

@@ -1,0 +1,176 @@
+"""One training step (forward + backward + clip + AdamW) of nanoGPT's CPU model in forge-ml vs
+the same model in PyTorch eager, measured in the same run.
+
+Model: nanoGPT's ``shakespeare_char`` on a laptop: 4 layers, 4 heads, 128 channels, context
+64, batch 12, vocabulary 65, dropout 0, tied head, tanh GELU. Both frameworks start from the
+same weights (forge-ml's init copied into torch) and see the same batches; torch gets
+``torch.set_num_threads`` = the cores this process may run on. Steps run in alternating rounds (forge-ml then
+torch, ``--rounds`` times) so that a load change on a shared machine hits both alike; the
+figure is the median step time over all rounds after the warm-up.
+
+    python benchmarks/train_cpu.py              # ~30 timed steps each
+    python benchmarks/train_cpu.py --profile    # + where forge-ml's step time goes, per op
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import math
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import forge_ml as fm  # noqa: E402
+from forge_ml.models.gpt2 import GPT2, GPT2Config  # noqa: E402
+from forge_ml.optim import AdamW, clip_grad_norm  # noqa: E402
+
+B, T, V = 12, 64, 65
+N_LAYER, N_HEAD, N_EMBD = 4, 4, 128
+LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.99), 0.1, 1.0
+
+
+# -- PyTorch eager: a minimal GPT-2 with the same shapes and layout ---------------------------
+
+
+def torch_gpt(torch, init: dict):
+    """A torch GPT-2 whose parameters are copies of forge-ml's ``init`` (same names and
+    ``(in, out)`` linear layout); returns ``(params, loss_fn)``."""
+    import torch.nn.functional as F
+
+    P = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in init.items()}
+    hs = N_EMBD // N_HEAD
+
+    def loss_fn(idx, tgt):
+        x = P["wte.weight"][idx] + P["wpe.weight"][: idx.shape[1]]               # (B, T, C)
+        for i in range(N_LAYER):
+            p = f"h.{i}."
+            h = F.layer_norm(x, (N_EMBD,), P[p + "ln_1.weight"], P[p + "ln_1.bias"], 1e-5)
+            qkv = torch.addmm(P[p + "attn.c_attn.bias"], h.view(-1, N_EMBD), P[p + "attn.c_attn.weight"])
+            q, k, v = qkv.view(B, T, 3, N_HEAD, hs).permute(2, 0, 3, 1, 4)         # 3 x (B, H, T, hs)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)           # (B, H, T, hs)
+            y = y.transpose(1, 2).reshape(-1, N_EMBD)                              # (B*T, C)
+            x = x + torch.addmm(P[p + "attn.c_proj.bias"], y, P[p + "attn.c_proj.weight"]).view(B, T, N_EMBD)
+            h = F.layer_norm(x, (N_EMBD,), P[p + "ln_2.weight"], P[p + "ln_2.bias"], 1e-5)
+            h = F.gelu(torch.addmm(P[p + "mlp.c_fc.bias"], h.view(-1, N_EMBD), P[p + "mlp.c_fc.weight"]),
+                       approximate="tanh")
+            x = x + torch.addmm(P[p + "mlp.c_proj.bias"], h, P[p + "mlp.c_proj.weight"]).view(B, T, N_EMBD)
+        x = F.layer_norm(x, (N_EMBD,), P["ln_f.weight"], P["ln_f.bias"], 1e-5)
+        logits = x.view(-1, N_EMBD) @ P["wte.weight"].t()                          # (B*T, V)
+        return F.cross_entropy(logits, tgt.view(-1))
+
+    return P, loss_fn
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    ap.add_argument("--profile", action="store_true", help="profile forge-ml's step by op")
+    args = ap.parse_args()
+
+    import torch
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(cores)
+
+    cfg = GPT2Config(vocab_size=V, block_size=T, n_layer=N_LAYER, n_head=N_HEAD, n_embd=N_EMBD)
+    model = GPT2.init(cfg, seed=0)
+    init = model.state_dict()
+    opt = AdamW(model.params, lr=LR, betas=BETAS, weight_decay=WD)
+
+    tp, tloss = torch_gpt(torch, init)
+    topt = torch.optim.AdamW([{"params": [p for p in tp.values() if p.ndim >= 2], "weight_decay": WD},
+                              {"params": [p for p in tp.values() if p.ndim < 2], "weight_decay": 0.0}],
+                             lr=LR, betas=BETAS)
+
+    rng = np.random.default_rng(0)
+    n_batches = args.warmup + args.rounds * args.steps
+    batches = [(rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))) for _ in range(n_batches)]
+
+    def forge_step(x, y):
+        loss, grads = model.loss_and_grads(fm.tensor(x), fm.tensor(y))
+        _, scale = clip_grad_norm(grads, CLIP)
+        opt.step(grads, grad_scale=scale)
+        return loss
+
+    def torch_step(x, y):
+        loss = tloss(torch.from_numpy(x), torch.from_numpy(y))
+        topt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(tp.values(), CLIP)
+        topt.step()
+        return loss.item()
+
+    losses = {"forge-ml": [], "torch": []}
+    times = {"forge-ml": [], "torch": []}
+    steps = {"forge-ml": forge_step, "torch": torch_step}
+
+    def run(name, idx, timed):
+        x, y = batches[idx]
+        t0 = time.perf_counter()
+        loss = steps[name](x, y)
+        dt = time.perf_counter() - t0
+        losses[name].append(loss)
+        if timed:
+            times[name].append(dt)
+
+    for name in steps:                                  # warm-up: same batches for both
+        for i in range(args.warmup):
+            run(name, i, False)
+    for r in range(args.rounds):
+        for name in steps:
+            for i in range(args.steps):
+                run(name, args.warmup + r * args.steps + i, True)
+
+    f_ms = 1e3 * float(np.median(times["forge-ml"]))
+    t_ms = 1e3 * float(np.median(times["torch"]))
+    print(f"nanoGPT CPU model: {N_LAYER} layers, {N_HEAD} heads, {N_EMBD} channels, batch {B} x {T}, "
+          f"vocab {V}; {model.num_params():,} parameters; {cores} cores "
+          f"(torch threads {torch.get_num_threads()}), torch {torch.__version__}, numpy {np.__version__}")
+    print(f"first-step loss: forge-ml {losses['forge-ml'][0]:.5f}  torch {losses['torch'][0]:.5f}  "
+          f"(ln V = {math.log(V):.5f}); after {len(losses['torch'])} steps: "
+          f"forge-ml {losses['forge-ml'][-1]:.4f}  torch {losses['torch'][-1]:.4f}")
+    print(f"forge-ml : median {f_ms:8.2f} ms/step  ({B * T / f_ms * 1e3:,.0f} tokens/s)  over {len(times['forge-ml'])} steps")
+    print(f"torch    : median {t_ms:8.2f} ms/step  ({B * T / t_ms * 1e3:,.0f} tokens/s)  over {len(times['torch'])} steps")
+    print(f"ratio forge-ml / torch = {f_ms / t_ms:.3f}  ({'forge-ml faster or equal' if f_ms <= t_ms else 'forge-ml slower'})")
+
+    if args.profile:
+        profile(forge_step, batches[:args.steps])
+
+
+def profile(step, batches):
+    """cProfile of forge-ml steps, summarised per backend kernel and per layer above it."""
+    pr = cProfile.Profile()
+    pr.enable()
+    t0 = time.perf_counter()
+    for x, y in batches:
+        step(x, y)
+    wall = time.perf_counter() - t0
+    pr.disable()
+    st = pstats.Stats(pr)
+    rows = []
+    for (file, line, fn), (cc, nc, tt, ct, callers) in st.stats.items():
+        rows.append((file, fn, nc, tt, ct))
+    n = len(batches)
+    print(f"\nprofile of {n} forge-ml steps: {1e3 * wall / n:.1f} ms/step under the profiler")
+    print("backend kernels (backends/cpu.py), cumulative time per step:")
+    kern = sorted((r for r in rows if r[0].endswith(os.path.join("backends", "cpu.py")) and not r[1].startswith("_")),
+                  key=lambda r: -r[4])
+    for file, fn, nc, tt, ct in kern[:15]:
+        print(f"  {fn:<22} {1e3 * ct / n:7.2f} ms  {nc / n:6.1f} calls/step  {1e6 * ct / nc:8.1f} us/call")
+    kern_total = sum(r[4] for r in kern)
+    print(f"  {'all kernels':<22} {1e3 * kern_total / n:7.2f} ms  of {1e3 * wall / n:.2f} ms/step; the rest is "
+          f"Python (ops checks, Tensor wrappers, the tape, the optimizer loop)")
+    print("top self-time functions:")
+    for file, fn, nc, tt, ct in sorted(rows, key=lambda r: -r[3])[:12]:
+        print(f"  {Path(file).name}:{fn:<28} {1e3 * tt / n:7.2f} ms/step  {nc / n:7.1f} calls/step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,473 @@
+"""The ``forge-ml`` command: train | sample | eval | prepare | convert | bench.
+
+``forge-ml train`` with no argument trains a small character-level GPT for a few minutes on
+the CPU, on the Python standard library's own source, printing samples as it learns and
+checkpointing to ``./runs/default``. Every subcommand has ``--help`` with an example.
+
+Bad input (a missing file, an unknown key, a prompt longer than the context, characters
+outside a character vocabulary, a checkpoint of another architecture, ...) prints one line on
+stderr and exits with status 2; no traceback.
+
+>>> main(["prepare", "--help"])  # doctest: +ELLIPSIS
+usage: forge-ml prepare ...
+0
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import dataclasses
+import json
+import math
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+from .errors import ConfigError, DataError, ForgeError, TrainingError
+
+PROG = "forge-ml"
+
+# Flags whose name differs from the TrainConfig key they set.
+_TRAIN_ALIASES = {"out_dir": "--out"}
+_TRAIN_HELP = {
+    "data": "text file to train on (prepared into OUT/data), or a folder from `forge-ml prepare`; "
+            "default: the Python standard library's source",
+    "tokenizer": "tokenizer for a text file: char or gpt2",
+    "model": "a preset: nano-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl",
+    "n_layer": "transformer blocks (default: the preset's, else 4)",
+    "n_head": "attention heads (default: the preset's, else 4)",
+    "n_embd": "channels (default: the preset's, else 128)", "block_size": "context length in tokens",
+    "val_fraction": "share of a text file's tokens kept for validation",
+    "corpus_bytes": "size of the default corpus", "dropout": "dropout probability",
+    "batch_size": "sequences per micro-batch", "weight_decay": "AdamW weight decay (2-D weights only)",
+    "beta1": "AdamW beta1", "beta2": "AdamW beta2", "eval_iters": "val batches per evaluation",
+    "sample_tokens": "tokens per sample", "sample_prompt": "text each sample starts from",
+    "sample_temperature": "sampling temperature", "log_interval": "steps between log lines",
+    "progress": "show a progress bar on a terminal", "seed": "seed of init, data order and dropout",
+    "device": "cpu, cuda or cuda:N", "dtype": "float32, or bf16 (GPU mixed precision)",
+    "max_steps": "optimizer steps to train for", "grad_accum": "micro-batches per step",
+    "lr": "peak learning rate", "min_lr": "final learning rate of the cosine",
+    "warmup": "linear warmup steps", "lr_decay_steps": "step where the cosine ends (0: max-steps)",
+    "grad_clip": "max global gradient norm (0: off)", "eval_interval": "steps between val evals (0: off)",
+    "sample_interval": "steps between samples (0: off)", "checkpoint_interval": "steps between checkpoints",
+    "out_dir": "run folder for checkpoints, log.jsonl and loss.png",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Fills descriptions to the width; keeps an epilog of examples as written."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("example"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def _fmt():
+    return lambda prog: _Formatter(prog, max_help_position=34, width=100)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``forge-ml`` (all subcommands).
+
+    >>> build_parser().parse_args(["sample", "--ckpt", "runs/default"]).max_new_tokens
+    200
+    """
+    from .train import TrainConfig
+
+    p = _Parser(prog=PROG, formatter_class=_fmt(),
+                description="forge-ml: train and run GPT-2 class models on the CPU and NVIDIA GPUs.",
+                epilog="examples:\n  forge-ml train                 # a small char GPT on the stdlib source\n"
+                       "  forge-ml sample --ckpt runs/default --prompt 'def '\n"
+                       "  forge-ml SUBCOMMAND --help")
+    from . import __version__
+    p.add_argument("--version", action="version", version=f"forge-ml {__version__}")
+    sub = p.add_subparsers(dest="cmd", metavar="SUBCOMMAND", parser_class=_Parser)
+
+    # -- train ----------------------------------------------------------------------------------
+    t = sub.add_parser(
+        "train", help="train a GPT (default: a small char model on the stdlib source)",
+        formatter_class=_fmt(),
+        description="Train a GPT-2 class model. With no argument: a small character-level GPT on the "
+                    "Python standard library's own source, a few minutes on a CPU, samples printed as it "
+                    "learns, checkpoints in ./runs/default. Every TrainConfig key is a flag.",
+        epilog="examples:\n"
+               "  forge-ml train\n"
+               "  forge-ml train --data shakespeare.txt --out runs/shakespeare --max-steps 2000\n"
+               "  forge-ml train --out runs/shakespeare --resume --max-steps 4000\n"
+               "  forge-ml train --data book.txt --tokenizer gpt2 --model gpt2 --block-size 256 "
+               "--device cuda --dtype bf16")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in OUT from its checkpoint (exactly where it stopped)")
+    t.add_argument("--config", metavar="JSON", help="a JSON file of TrainConfig keys (flags override it)")
+    for f in dataclasses.fields(TrainConfig):
+        flag = _TRAIN_ALIASES.get(f.name, "--" + f.name.replace("_", "-"))
+        ftype = f.type if isinstance(f.type, str) else f.type.__name__
+        hlp = _TRAIN_HELP.get(f.name, "")
+        if "default" not in hlp:
+            hlp += f" (default: {f.default!r})"
+        if ftype == "bool":
+            t.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=hlp)
+        else:
+            t.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper() if ftype == "str" else ftype.upper(),
+                           type={"int": int, "float": float, "str": str}[ftype], help=hlp)
+
+    # -- sample ---------------------------------------------------------------------------------
+    s = sub.add_parser(
+        "sample", help="generate text from a checkpoint (streams tokens as they come)",
+        formatter_class=_fmt(),
+        description="Generate text from a forge-ml checkpoint, a run folder, or a Hugging Face GPT-2 "
+                    "folder (config.json + model.safetensors). Past the context length, generation goes "
+                    "on from the last half context.",
+        epilog="examples:\n"
+               "  forge-ml sample --ckpt runs/default --prompt 'def main(' --max-new-tokens 300\n"
+               "  forge-ml sample --ckpt ~/gpt2 --prompt 'Hello, I am' --top-k 40 --seed 1")
+    s.add_argument("--ckpt", required=True, help="checkpoint folder, run folder or HF GPT-2 folder")
+    s.add_argument("--prompt", default="", help="text to continue (default: a newline / end-of-text)")
+    s.add_argument("--max-new-tokens", type=int, metavar="N", default=200, help="tokens to generate (default 200)")
+    s.add_argument("--temperature", type=float, metavar="T", default=0.8, help="0 is greedy (default 0.8)")
+    s.add_argument("--top-k", type=int, metavar="K", default=None, help="sample among the k most likely tokens")
+    s.add_argument("--top-p", type=float, metavar="P", default=None, help="nucleus sampling probability")
+    s.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
+    s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+
+    # -- eval -----------------------------------------------------------------------------------
+    e = sub.add_parser(
+        "eval", help="loss and perplexity of a checkpoint on a token shard or a text file",
+        formatter_class=_fmt(),
+        description="Mean next-token loss and perplexity over consecutive, non-overlapping windows of "
+                    "one context length. DATA is an llm.c .bin shard or a text file (tokenized with the "
+                    "checkpoint's tokenizer).",
+        epilog="example:\n  forge-ml eval --ckpt runs/default --data runs/default/data/val.bin")
+    e.add_argument("--ckpt", required=True, help="checkpoint folder, run folder or HF GPT-2 folder")
+    e.add_argument("--data", required=True, help="a .bin token shard or a text file")
+    e.add_argument("--batch-size", type=int, default=8, metavar="N", help="windows per batch (default 8)")
+    e.add_argument("--max-batches", type=int, metavar="N", default=None, help="stop after this many batches")
+    e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+
+    # -- prepare --------------------------------------------------------------------------------
+    pr = sub.add_parser(
+        "prepare", help="tokenize a text file into train.bin / val.bin / tokenizer.json",
+        formatter_class=_fmt(),
+        description="Tokenize TEXT into llm.c shards: OUT/train.bin, OUT/val.bin (the last "
+                    "val-fraction of the tokens) and OUT/tokenizer.json.",
+        epilog="example:\n  forge-ml prepare shakespeare.txt --out data/shakespeare --tokenizer char")
+    pr.add_argument("text", help="a UTF-8 text file")
+    pr.add_argument("--out", required=True, help="output folder")
+    pr.add_argument("--tokenizer", default="char", choices=["char", "gpt2"], help="char (default) or gpt2")
+    pr.add_argument("--val-fraction", type=float, metavar="F", default=0.1, help="share of tokens for val (default 0.1)")
+
+    # -- convert --------------------------------------------------------------------------------
+    c = sub.add_parser(
+        "convert", help="Hugging Face GPT-2 <-> forge-ml checkpoint",
+        formatter_class=_fmt(),
+        description="Convert a Hugging Face GPT-2 folder (config.json + model.safetensors) into a "
+                    "forge-ml checkpoint, or a forge-ml checkpoint into a folder that "
+                    "transformers' GPT2LMHeadModel.from_pretrained loads.",
+        epilog="examples:\n  forge-ml convert --from-hf ~/gpt2 --out ckpt/gpt2\n"
+               "  forge-ml convert --to-hf runs/default --out hf/default")
+    g = c.add_mutually_exclusive_group(required=True)
+    g.add_argument("--from-hf", metavar="HF_DIR", help="Hugging Face GPT-2 folder to import")
+    g.add_argument("--to-hf", metavar="CKPT", help="forge-ml checkpoint (or run folder) to export")
+    c.add_argument("--out", required=True, help="the folder to write")
+
+    # -- bench ----------------------------------------------------------------------------------
+    b = sub.add_parser(
+        "bench", help="run a benchmark from benchmarks/ or a built-in training-step timing",
+        formatter_class=_fmt(),
+        description="Without NAME: time forge-ml training steps of nanoGPT's CPU model (4 layers, "
+                    "128 channels, context 64, batch 12). With NAME: run benchmarks/NAME.py.",
+        epilog="examples:\n  forge-ml bench\n  forge-ml bench train_cpu\n  forge-ml bench --list")
+    b.add_argument("name", nargs="?", help="a benchmark in benchmarks/ (e.g. train_cpu)")
+    b.add_argument("--list", action="store_true", help="list the benchmarks found")
+    b.add_argument("--steps", type=int, metavar="N", default=20, help="timed steps of the built-in timing (default 20)")
+    b.add_argument("--device", default="cpu", help="device of the built-in timing")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# Subcommands
+
+
+def _cmd_train(args) -> int:
+    from .train import CKPT_NAME, TrainConfig, Trainer
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    explicit = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    values: dict = {}
+    out_dir = explicit.get("out_dir", TrainConfig.out_dir)
+    if args.resume:
+        from .checkpoint import load_checkpoint
+        ckpt = Path(out_dir) / CKPT_NAME
+        if not ckpt.exists() and not ckpt.with_name(CKPT_NAME + ".old").is_dir():
+            raise ConfigError(f"cannot resume: no checkpoint in {ckpt}; train without --resume first "
+                              f"(or point --out at the run to resume)")
+        _, meta = load_checkpoint(ckpt)
+        values.update(meta.get("train_config", {}))
+    if args.config:
+        values.update(_read_json_config(args.config))
+    values.update(explicit)
+    cfg = TrainConfig.from_dict(values)
+    trainer = Trainer(cfg, resume=args.resume)
+    try:
+        trainer.train()
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted at step {trainer.step}; resume with: {PROG} train --out {cfg.out_dir} --resume",
+              file=sys.stderr)
+        return 130
+    return 0
+
+
+def _read_json_config(path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{p}: expected a JSON object of TrainConfig keys, got {type(d).__name__}")
+    return d
+
+
+def _prompt_ids(tok, prompt: str) -> list:
+    """Token ids of ``prompt``; an empty prompt starts from a newline (char) or end-of-text (gpt2)."""
+    if prompt:
+        return tok.encode(prompt)
+    if tok.kind == "gpt2":
+        return [tok.eot_token]
+    return tok.encode("\n") if "\n" in tok.chars else [0]
+
+
+class _Detok:
+    """Turns a stream of ids into text pieces; GPT-2 bytes go through an incremental UTF-8
+    decoder so a character split across tokens prints whole."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if tok.kind == "gpt2" else None
+
+    def __call__(self, t: int) -> str:
+        if self.utf8 is None:
+            return self.tok.decode([t])
+        return self.utf8.decode(self.tok.decode_bytes([t]))
+
+    def flush(self) -> str:
+        return self.utf8.decode(b"", final=True) if self.utf8 is not None else ""
+
+
+def _cmd_sample(args) -> int:
+    from .errors import ShapeError
+    from .train import load_model, stream_tokens
+
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    model, tok, _ = load_model(args.ckpt, device=args.device)
+    ids = _prompt_ids(tok, args.prompt)
+    block = model.config.block_size
+    if len(ids) > block:
+        raise ShapeError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block} tokens")
+    stop = (tok.eot_token,) if tok.kind == "gpt2" else ()
+    out = sys.stdout
+    out.write(args.prompt)
+    out.flush()
+    detok = _Detok(tok)
+    for t in stream_tokens(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, seed=args.seed, stop_tokens=stop):
+        if t in stop:
+            break
+        out.write(detok(t))
+        out.flush()
+    out.write(detok.flush() + "\n")
+    out.flush()
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    import numpy as np
+
+    from .autograd import Tape
+    from .data import DataLoader, load_text, read_shard, write_shard
+    from .tensor import tensor
+    from .train import load_model
+
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    model, tok, _ = load_model(args.ckpt, device=args.device)
+    cfg = model.config
+    path = Path(args.data)
+    tmp = None
+    if path.suffix != ".bin":  # a text file: tokenize it with the checkpoint's tokenizer
+        import tempfile
+        ids = tok.encode(load_text(path))
+        tmp = tempfile.TemporaryDirectory()
+        path = Path(tmp.name) / "eval.bin"
+        write_shard(path, ids)
+    try:
+        n_tokens = len(read_shard(path))
+        if n_tokens < 2:
+            raise DataError(f"{args.data} holds {n_tokens} tokens; evaluation needs at least 2")
+        hi = int(np.max(read_shard(path)))
+        if hi >= cfg.vocab_size:
+            raise DataError(f"{args.data} holds token {hi} but the model's vocabulary has {cfg.vocab_size} "
+                            f"tokens; the shard was made with another tokenizer")
+        T = min(cfg.block_size, n_tokens - 1)
+        B = max(1, min(args.batch_size, (n_tokens - 1) // T))
+        loader = DataLoader(path, B, T)
+        n = (n_tokens - 1) // T // B
+        if args.max_batches is not None:
+            n = max(1, min(n, args.max_batches))
+        total, t0 = 0.0, time.perf_counter()
+        for x, y in loader.eval_batches(n):
+            _, loss, _ = model.forward(Tape(), tensor(x, device=args.device), tensor(y, device=args.device))
+            total += loss.t.item()
+        loss = total / n
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    print(f"loss {loss:.4f}  perplexity {math.exp(min(loss, 700)):.3f}  "
+          f"({n * B * T:,} tokens: {n} batches of {B} x {T}, {time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+def _cmd_prepare(args) -> int:
+    from .data import prepare
+
+    info = prepare(args.text, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction)
+    print(f"{info['train_tokens']:,} train tokens -> {info['train_path']}")
+    print(f"{info['val_tokens']:,} val tokens -> {info['val_path']}")
+    print(f"{info['tokenizer']} tokenizer, vocabulary {info['vocab_size']:,} -> {info['tokenizer_path']}")
+    return 0
+
+
+def _cmd_convert(args) -> int:
+    from .checkpoint import save_checkpoint
+    from .hf import load_hf_gpt2, save_hf_gpt2
+    from .train import HF_TOKENIZER_FILE, hf_tokenizer_dict, load_model
+
+    if args.from_hf:
+        config, params = load_hf_gpt2(args.from_hf)
+        meta = {"kind": "forge-ml-model", "config": config, "tokenizer": hf_tokenizer_dict(args.from_hf),
+                "source": str(Path(args.from_hf).resolve())}
+        save_checkpoint(args.out, params, meta)
+        print(f"imported {len(params)} tensors ({config['n_layer']} layers, {config['n_embd']} channels) "
+              f"from {args.from_hf} -> {args.out}")
+        return 0
+    model, tok, _ = load_model(args.to_hf)
+    save_hf_gpt2(args.out, model.config.to_dict(), model.state_dict())
+    if tok.kind != "gpt2":  # transformers ignores this file; forge-ml reads it back
+        (Path(args.out) / HF_TOKENIZER_FILE).write_text(json.dumps(tok.to_dict()), encoding="utf-8")
+    print(f"exported {args.to_hf} -> {args.out} (config.json + model.safetensors"
+          + (f" + {HF_TOKENIZER_FILE}: a {tok.kind} tokenizer, not GPT-2's)" if tok.kind != "gpt2" else ")"))
+    return 0
+
+
+def _bench_dirs() -> list:
+    here = Path(__file__).resolve()
+    return [Path.cwd() / "benchmarks", here.parents[2] / "benchmarks"]
+
+
+def _cmd_bench(args) -> int:
+    found = {}
+    for d in _bench_dirs():
+        if d.is_dir():
+            for f in sorted(d.glob("*.py")):
+                found.setdefault(f.stem, f)
+    if args.list:
+        for name, f in found.items():
+            print(f"{name:<28} {f}")
+        if not found:
+            print("no benchmarks/ folder found here or next to the package")
+        return 0
+    if args.name:
+        name = args.name[:-3] if args.name.endswith(".py") else args.name
+        if name not in found:
+            known = ", ".join(found) or "none found"
+            raise ConfigError(f"unknown benchmark {args.name!r}; available: {known}")
+        sys.argv = [str(found[name])]
+        runpy.run_path(str(found[name]), run_name="__main__")
+        return 0
+    return _builtin_bench(args.steps, args.device)
+
+
+def _builtin_bench(steps: int, device: str) -> int:
+    """Median time of a forge-ml training step (forward + backward + AdamW) on nanoGPT's CPU model."""
+    import numpy as np
+
+    from .models.gpt2 import GPT2, GPT2Config
+    from .optim import AdamW, clip_grad_norm
+    from .tensor import tensor
+
+    if steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
+    cfg = GPT2Config(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    model = GPT2.init(cfg, seed=0, device=device)
+    opt = AdamW(model.params, lr=1e-3)
+    rng = np.random.default_rng(0)
+    B, T = 12, 64
+    times = []
+    for i in range(steps + 2):
+        x = tensor(rng.integers(0, 65, (B, T)), device=device)
+        y = tensor(rng.integers(0, 65, (B, T)), device=device)
+        t0 = time.perf_counter()
+        loss, grads = model.loss_and_grads(x, y)
+        _, scale = clip_grad_norm(grads, 1.0)
+        opt.step(grads, grad_scale=scale)
+        model.params["wte.weight"].numpy() if device != "cpu" else None  # wait for the GPU
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    med = float(np.median(times))
+    print(f"forge-ml training step, 4 layers x 128 channels, batch {B} x {T}, {device}: "
+          f"median {med * 1e3:.1f} ms over {steps} steps ({B * T / med:,.0f} tokens/s); loss {loss:.3f}")
+    return 0
+
+
+_COMMANDS = {"train": _cmd_train, "sample": _cmd_sample, "eval": _cmd_eval, "prepare": _cmd_prepare,
+             "convert": _cmd_convert, "bench": _cmd_bench}
+
+
+def main(argv=None) -> int:
+    """Run the ``forge-ml`` command line; returns the exit status (0 ok, 1 training failure,
+    2 bad input, 130 interrupted).
+
+    >>> main(["bench", "--steps", "0"])
+    2
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error (already printed)
+        return e.code if isinstance(e.code, int) else 2
+    if args.cmd is None:
+        parser.print_help()
+        return 0
+    try:
+        return _COMMANDS[args.cmd](args)
+    except TrainingError as e:
+        print(f"{PROG} {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
+    except ForgeError as e:
+        print(f"{PROG} {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        print(f"{PROG} {args.cmd}: error: {e.strerror}: {e.filename}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `forge-ml sample ... | head`
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0

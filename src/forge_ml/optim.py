@@ -1,0 +1,201 @@
+"""AdamW with float32 master weights, the warmup + cosine learning-rate schedule, and
+global-norm gradient clipping.
+
+The optimizer never loops over elements in Python: each parameter takes one fused
+``ops.adamw_update`` per step, and clipping costs one ``ops.sumsq`` per gradient plus a
+single host sync; its factor rides along as ``adamw_update``'s ``grad_scale`` instead of a
+separate pass that rescales every gradient.
+
+>>> import numpy as np, forge_ml as fm
+>>> params = {"w": fm.tensor(np.ones((2, 2), np.float32)), "b": fm.tensor(np.zeros(2, np.float32))}
+>>> opt = AdamW(params, lr=0.1, weight_decay=0.0)
+>>> opt.step({"w": fm.tensor(np.ones((2, 2), np.float32)), "b": fm.tensor(np.ones(2, np.float32))})
+>>> round(params["w"].numpy()[0, 0].item(), 4), opt.steps
+(0.9, 1)
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from . import ops
+from .errors import ConfigError, ShapeError
+from .tensor import Tensor, tensor, zeros
+
+
+class AdamW:
+    """AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019) over a dict
+    of float32 master parameters, with torch.optim.AdamW's update rule.
+
+    Weight decay applies to tensors of rank >= 2 only (matmul weights and embeddings);
+    biases and layer-norm gains are exempt, as in GPT-2 / nanoGPT / llm.c training.
+    ``lowp``: optional name -> bfloat16 compute copies (GPU mixed precision), rewritten by the
+    same fused update so they always equal the master weights rounded to bf16.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> opt = AdamW({"w": fm.zeros((3, 4)), "b": fm.zeros(4)}, lr=1e-3)
+    >>> opt.decays("w"), opt.decays("b")
+    (True, False)
+    """
+
+    def __init__(self, params: dict, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.1, lowp: Optional[dict] = None):
+        if not params:
+            raise ConfigError("AdamW: expected at least one parameter, got an empty dict")
+        b1, b2 = (float(b) for b in betas)
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ConfigError(f"AdamW: betas must be in [0, 1), got {tuple(betas)}")
+        if lr < 0 or eps <= 0 or weight_decay < 0:
+            raise ConfigError(f"AdamW: expected lr >= 0, eps > 0, weight_decay >= 0; got lr={lr}, "
+                              f"eps={eps}, weight_decay={weight_decay}")
+        for name, p in params.items():
+            if not isinstance(p, Tensor) or p.dtype.name not in ("float32", "float64"):
+                what = p.dtype.name if isinstance(p, Tensor) else type(p).__name__
+                raise ConfigError(f"AdamW: parameter {name} must be a float32 master Tensor, got {what}")
+        self.params = params
+        self.lr, self.betas, self.eps, self.weight_decay = float(lr), (b1, b2), float(eps), float(weight_decay)
+        self.lowp = lowp
+        # Moments live beside their parameter: same device, same (float32) dtype.
+        self.m = {k: zeros(p.shape, p.dtype, p.device) for k, p in params.items()}
+        self.v = {k: zeros(p.shape, p.dtype, p.device) for k, p in params.items()}
+        self.steps = 0  # updates taken; the next update uses bias-correction step steps + 1
+
+    def decays(self, name: str) -> bool:
+        """Whether parameter ``name`` takes weight decay (rank >= 2)."""
+        return self.params[name].ndim >= 2
+
+    def step(self, grads: dict, lr: Optional[float] = None, grad_scale: float = 1.0) -> None:
+        """One update of every parameter that has a gradient (a None gradient skips its
+        parameter, moments untouched, as torch does). Gradients are multiplied by
+        ``grad_scale`` inside the fused op (gradient accumulation's 1/n and the clip factor).
+
+        >>> import numpy as np, forge_ml as fm
+        >>> p = {"w": fm.tensor(np.zeros((1, 1), np.float32))}
+        >>> opt = AdamW(p, lr=0.5); opt.step({"w": fm.tensor(np.full((1, 1), 3.0, np.float32))})
+        >>> round(p["w"].item(), 4)
+        -0.5
+        """
+        lr = self.lr if lr is None else float(lr)
+        self.steps += 1
+        b1, b2 = self.betas
+        for name, p in self.params.items():
+            g = grads.get(name)
+            if g is None:
+                continue
+            ops.adamw_update(p, g, self.m[name], self.v[name], lr=lr, beta1=b1, beta2=b2,
+                             eps=self.eps, weight_decay=self.weight_decay if self.decays(name) else 0.0,
+                             step=self.steps, grad_scale=float(grad_scale),
+                             p_lowp=None if self.lowp is None else self.lowp[name])
+
+    def state_dict(self) -> dict:
+        """Moments as NumPy (``m``, ``v``: name -> array), the step count and hyper-parameters.
+
+        >>> import forge_ml as fm
+        >>> sorted(AdamW({"w": fm.zeros((2, 2))}).state_dict())
+        ['betas', 'eps', 'lr', 'm', 'step', 'v', 'weight_decay']
+        """
+        return {
+            "step": self.steps, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "m": {k: t.numpy() for k, t in self.m.items()},
+            "v": {k: t.numpy() for k, t in self.v.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s moments and step (hyper-parameters too where present).
+
+        >>> import forge_ml as fm
+        >>> a = AdamW({"w": fm.zeros((2, 2))}); s = a.state_dict(); s["step"] = 5
+        >>> a.load_state_dict(s); a.steps
+        5
+        """
+        for key in ("m", "v"):
+            saved = state.get(key)
+            if not isinstance(saved, dict):
+                raise ConfigError(f"AdamW.load_state_dict: missing moments {key!r}")
+            missing = sorted(set(self.params) - set(saved))
+            extra = sorted(set(saved) - set(self.params))
+            if missing or extra:
+                raise ConfigError(f"AdamW.load_state_dict: moments {key!r} do not match the parameters "
+                                  f"(missing {missing[:5]}, unexpected {extra[:5]})")
+            for name, p in self.params.items():
+                a = np.asarray(saved[name])
+                if tuple(a.shape) != p.shape:
+                    raise ShapeError(f"AdamW.load_state_dict: {key}[{name}] is {tuple(a.shape)} but "
+                                     f"the parameter is {p.shape}")
+        self.m = {k: tensor(np.asarray(state["m"][k]), dtype=p.dtype, device=p.device)
+                  for k, p in self.params.items()}
+        self.v = {k: tensor(np.asarray(state["v"][k]), dtype=p.dtype, device=p.device)
+                  for k, p in self.params.items()}
+        self.steps = int(state.get("step", 0))
+        if "lr" in state:
+            self.lr = float(state["lr"])
+        if "betas" in state:
+            self.betas = tuple(float(b) for b in state["betas"])
+        if "eps" in state:
+            self.eps = float(state["eps"])
+        if "weight_decay" in state:
+            self.weight_decay = float(state["weight_decay"])
+
+
+def cosine_lr(step: int, max_lr: float, warmup: int, max_steps: int, min_lr: float) -> float:
+    """Learning rate at 0-based ``step``: linear warmup to ``max_lr`` over ``warmup`` steps
+    (``max_lr * (step + 1) / warmup``, llm.c's form, so step 0 already moves), then a cosine
+    from ``max_lr`` down to ``min_lr`` at ``max_steps``, and ``min_lr`` after that
+    (SGDR, Loshchilov & Hutter 2017, without restarts).
+
+    >>> cosine_lr(0, 1.0, 10, 110, 0.1), cosine_lr(9, 1.0, 10, 110, 0.1)
+    (0.1, 1.0)
+    >>> round(cosine_lr(60, 1.0, 10, 110, 0.1), 4), cosine_lr(500, 1.0, 10, 110, 0.1)
+    (0.55, 0.1)
+    """
+    if step < warmup:
+        return max_lr * (step + 1) / warmup
+    if step >= max_steps or max_steps <= warmup:
+        return min_lr
+    ratio = (step - warmup) / (max_steps - warmup)      # 0 -> 1
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))     # 1 -> 0
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+def grad_norm(grads: dict, grad_scale: float = 1.0) -> float:
+    """Global L2 norm of ``grad_scale * g`` over every (non-None) gradient: one ``ops.sumsq``
+    per tensor, summed on the device, one host sync.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> grad_norm({"a": fm.tensor(np.array([3.0], np.float32)), "b": fm.tensor(np.array([4.0], np.float32))})
+    5.0
+    """
+    host = 0.0        # cpu: each 0-d sum comes back for free, add in float64 on the host
+    dev = None        # gpu: add the 0-d sums on the device, sync once at the end
+    for g in grads.values():
+        if g is None:
+            continue
+        s = ops.sumsq(g)
+        if s.device.type == "cpu":
+            host += s.item()
+        else:
+            dev = s if dev is None else ops.add(dev, s)
+    sq = host + (0.0 if dev is None else dev.item())
+    return abs(float(grad_scale)) * math.sqrt(sq) if math.isfinite(sq) else float("nan")
+
+
+def clip_grad_norm(grads: dict, max_norm: float, grad_scale: float = 1.0) -> tuple:
+    """Global-norm clipping without touching the gradients: returns ``(total_norm, scale)``
+    where ``total_norm`` is the norm of ``grad_scale * g`` and ``scale`` is the factor to hand
+    to ``AdamW.step(grad_scale=...)``: ``grad_scale * min(1, max_norm / (total_norm + 1e-6))``,
+    torch.nn.utils.clip_grad_norm_'s coefficient. ``max_norm <= 0`` disables clipping.
+    A non-finite norm comes back as NaN with ``scale`` unclipped; the caller decides.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> norm, scale = clip_grad_norm({"g": fm.tensor(np.array([3.0, 4.0], np.float32))}, 1.0)
+    >>> norm, round(scale, 6)
+    (5.0, 0.2)
+    """
+    total = grad_norm(grads, grad_scale)
+    scale = float(grad_scale)
+    if max_norm > 0 and math.isfinite(total):
+        scale *= min(1.0, max_norm / (total + 1e-6))
+    return total, scale

@@ -1,0 +1,159 @@
+"""The forge-ml command line, end to end in a temporary folder, through ``main([...])``."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from forge_ml.cli import main
+
+SUBCOMMANDS = ["train", "sample", "eval", "prepare", "convert", "bench"]
+TEXT = ("to be or not to be that is the question\n" * 120)
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+        "--eval-iters", "2", "--eval-interval", "0", "--sample-interval", "0", "--no-progress"]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.txt").write_text(TEXT)
+    return tmp_path
+
+
+@pytest.fixture
+def trained(workdir, capsys):
+    """A run folder trained for 3 steps from shards made by `forge-ml prepare`."""
+    assert main(["prepare", "t.txt", "--out", "data"]) == 0
+    assert main(["train", "--data", "data", "--out", "run", "--max-steps", "3", *TINY]) == 0
+    capsys.readouterr()
+    return workdir
+
+
+def _fails(capsys, argv, *needles):
+    """``main(argv)`` exits 2 with one line on stderr containing every needle, no traceback."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("cmd", SUBCOMMANDS)
+def test_every_subcommand_has_help_with_an_example(cmd, capsys):
+    assert main([cmd, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: forge-ml {cmd}")
+    assert "example" in out and f"forge-ml {cmd}" in out.split("example", 1)[1]
+
+
+def test_top_level_help_and_no_argument(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(c in out for c in SUBCOMMANDS)
+    assert main([]) == 0
+
+
+def test_python_dash_m_forge_ml():
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    r = subprocess.run([sys.executable, "-m", "forge_ml", "sample", "--help"], capture_output=True, text=True,
+                       env={"PYTHONPATH": src, "PATH": ""}, timeout=60)
+    assert r.returncode == 0 and "--max-new-tokens" in r.stdout
+
+
+def test_prepare_train_sample_eval_end_to_end(trained, capsys):
+    run = trained / "run"
+    assert (run / "ckpt" / "state.json").is_file() and (run / "log.jsonl").is_file()
+    assert main(["sample", "--ckpt", "run", "--prompt", "to be", "--max-new-tokens", "30", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("to be") and len(out.rstrip("\n")) >= 5 + 25
+    assert set(out) <= set(TEXT)
+    # same seed, same text
+    main(["sample", "--ckpt", "run/ckpt", "--prompt", "to be", "--max-new-tokens", "30", "--seed", "1"])
+    assert capsys.readouterr().out == out
+    assert main(["eval", "--ckpt", "run", "--data", "data/val.bin"]) == 0
+    line = capsys.readouterr().out
+    loss, ppl = float(line.split()[1]), float(line.split()[3])
+    assert 0 < loss < 5 and ppl == pytest.approx(np.exp(loss), rel=1e-3)
+    assert main(["eval", "--ckpt", "run", "--data", "t.txt", "--max-batches", "2"]) == 0
+    assert "perplexity" in capsys.readouterr().out
+
+
+def test_train_on_a_text_file_then_resume(workdir, capsys):
+    assert main(["train", "--data", "t.txt", "--out", "r2", "--max-steps", "2", *TINY]) == 0
+    assert (workdir / "r2" / "data" / "train.bin").is_file()
+    assert main(["train", "--out", "r2", "--resume", "--max-steps", "4", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "steps 2 -> 4" in out
+    log = [json.loads(x) for x in (workdir / "r2" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_train_with_the_default_corpus(workdir, capsys):
+    assert main(["train", "--max-steps", "1", "--corpus-bytes", "20000", "--eval-iters", "1",
+                 "--sample-interval", "0", "--no-progress"]) == 0
+    assert (workdir / "runs" / "default" / "ckpt" / "state.json").is_file()
+    assert "4 layers, 4 heads, 128 channels" in capsys.readouterr().out
+
+
+def test_train_config_file_and_unknown_key(workdir, capsys):
+    Path("c.json").write_text(json.dumps({"max_steps": 1, "n_layer": 1, "n_head": 1, "n_embd": 8,
+                                          "block_size": 8, "eval_iters": 1, "sample_interval": 0,
+                                          "progress": False}))
+    assert main(["train", "--config", "c.json", "--data", "t.txt", "--out", "r3"]) == 0
+    capsys.readouterr()
+    Path("bad.json").write_text(json.dumps({"max_step": 1}))
+    _fails(capsys, ["train", "--config", "bad.json", "--data", "t.txt"], "unknown key 'max_step'", "max_steps")
+
+
+def test_convert_both_ways(trained, capsys):
+    assert main(["convert", "--to-hf", "run", "--out", "hf"]) == 0
+    assert (trained / "hf" / "config.json").is_file() and (trained / "hf" / "model.safetensors").is_file()
+    assert main(["convert", "--from-hf", "hf", "--out", "ck"]) == 0
+    assert main(["sample", "--ckpt", "hf", "--prompt", "be", "--max-new-tokens", "8", "--temperature", "0"]) == 0
+    assert main(["sample", "--ckpt", "ck", "--prompt", "be", "--max-new-tokens", "8", "--temperature", "0"]) == 0
+    assert main(["sample", "--ckpt", "run", "--prompt", "be", "--max-new-tokens", "8", "--temperature", "0"]) == 0
+    outs = capsys.readouterr().out.splitlines()[-3:]
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_sample_from_a_gpt2_vocab_hf_folder(workdir, capsys):
+    from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
+    cfg = {"vocab_size": 50257, "block_size": 16, "n_layer": 1, "n_head": 1, "n_embd": 8}
+    rng = np.random.default_rng(0)
+    save_hf_gpt2("gpt2ish", cfg, {k: (0.02 * rng.standard_normal(s)).astype(np.float32)
+                                   for k, s in gpt2_param_shapes(cfg).items()})
+    assert main(["sample", "--ckpt", "gpt2ish", "--prompt", "Hello", "--max-new-tokens", "5", "--top-k", "5"]) == 0
+    assert capsys.readouterr().out.startswith("Hello")
+
+
+def test_bench_builtin_and_list(capsys):
+    assert main(["bench", "--steps", "1"]) == 0
+    assert "ms over 1 steps" in capsys.readouterr().out
+    assert main(["bench", "--list"]) == 0
+
+
+# -- bad input: one line on stderr, exit status 2 ------------------------------------------------
+
+
+def test_bad_input_exits_2_with_one_line(trained, capsys):
+    _fails(capsys, ["prepare", "missing.txt", "--out", "x"], "not found", "missing.txt")
+    _fails(capsys, ["train", "--data", "missing.txt", "--out", "r9"], "missing.txt")
+    _fails(capsys, ["sample", "--ckpt", "nowhere"], "nowhere")
+    _fails(capsys, ["eval", "--ckpt", "run", "--data", "nope.bin"], "nope.bin")
+    _fails(capsys, ["sample", "--ckpt", "run", "--prompt", "to be " * 10], "longer than", "context of 16")
+    _fails(capsys, ["sample", "--ckpt", "run", "--prompt", "XYZ"], "'X'", "not in the vocabulary")
+    _fails(capsys, ["train", "--out", "run", "--resume", "--n-layer", "2"], "another architecture")
+    _fails(capsys, ["train", "--out", "nothing-here", "--resume"], "no checkpoint")
+    _fails(capsys, ["train", "--dtype", "fp8"], "dtype")
+    _fails(capsys, ["train", "--device", "tpu"], "unknown device")
+    _fails(capsys, ["bench", "no_such_bench"], "unknown benchmark")
+    _fails(capsys, ["train", "--max-stepz", "3"], "unrecognized arguments")
+    _fails(capsys, ["convert", "--to-hf", "run"], "--out")
+    Path("bad.bin").write_bytes(b"\x00" * 10)
+    _fails(capsys, ["eval", "--ckpt", "run", "--data", "bad.bin"], "bad.bin")

@@ -1,0 +1,160 @@
+"""The trainer on tiny CPU models: learning, bit-exact resume, NaN handling, architecture
+checks, logs and checkpoints."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from forge_ml.checkpoint import load_checkpoint
+from forge_ml.errors import CheckpointError, ConfigError, TrainingError
+from forge_ml.train import TrainConfig, Trainer, dropout_seed, load_model
+
+TEXT = "".join(f"{w} " for w in ("the cat sat on the mat and the dog ran to the cat " * 60).split()) + "\n"
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    p = tmp_path / "tiny.txt"
+    p.write_text(TEXT)
+    return p
+
+
+def _cfg(text_file, out, **kw):
+    base = dict(data=str(text_file), out_dir=str(out), n_layer=1, n_head=2, n_embd=16, block_size=16,
+                batch_size=4, max_steps=6, lr=1e-2, min_lr=1e-3, warmup=2, eval_interval=0, eval_iters=2,
+                sample_interval=0, checkpoint_interval=0, progress=False, seed=7)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _params(trainer):
+    return {k: v.numpy() for k, v in trainer.model.params.items()}
+
+
+# -- config ---------------------------------------------------------------------------------
+
+
+def test_config_rejects_unknown_keys_and_bad_values():
+    with pytest.raises(ConfigError, match="unknown key 'batchsize'.*batch_size"):
+        TrainConfig.from_dict({"batchsize": 4})
+    with pytest.raises(ConfigError, match="max_steps must be int"):
+        TrainConfig(max_steps="ten")
+    with pytest.raises(ConfigError, match="dropout"):
+        TrainConfig(dropout=1.5)
+    with pytest.raises(ConfigError, match="preset"):
+        TrainConfig(model="gpt5")
+    assert TrainConfig(model="gpt2").model_sizes() == {"n_layer": 12, "n_head": 12, "n_embd": 768}
+    assert TrainConfig(model="gpt2", n_layer=2).model_sizes()["n_layer"] == 2
+
+
+def test_bf16_needs_a_gpu(text_file, tmp_path):
+    with pytest.raises(ConfigError, match="cuda"):
+        Trainer(_cfg(text_file, tmp_path / "r", dtype="bf16"), log=None)
+
+
+def test_dropout_seed_is_a_pure_function_of_seed_step_micro():
+    seeds = {dropout_seed(s, t, m) for s in (0, 1) for t in range(20) for m in range(3)}
+    assert len(seeds) == 2 * 20 * 3
+    assert dropout_seed(5, 11, 2) == dropout_seed(5, 11, 2)
+    assert all(0 <= s < 2 ** 64 for s in seeds)
+
+
+# -- learning -------------------------------------------------------------------------------
+
+
+def test_loss_decreases_on_a_tiny_text(text_file, tmp_path):
+    t = Trainer(_cfg(text_file, tmp_path / "r", max_steps=60, warmup=5, lr=2e-2, n_embd=32), log=None)
+    summary = t.train()
+    losses = summary["losses"]
+    assert len(losses) == 60
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 1.0
+    assert summary["val_loss"] < math.log(t.tokenizer.vocab_size) - 1.0
+
+
+def test_log_plot_and_checkpoint_contents(text_file, tmp_path):
+    out = tmp_path / "r"
+    t = Trainer(_cfg(text_file, out, max_steps=4, eval_interval=2, sample_interval=2, sample_tokens=10), log=None)
+    t.train()
+    recs = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "time"} <= set(steps[0])
+    assert [r["step"] for r in recs if "val_loss" in r] == [2, 4]
+    assert (out / "loss.png").stat().st_size > 1000
+    tensors, meta = load_checkpoint(out / "ckpt")
+    assert meta["step"] == 4 and meta["optimizer"]["step"] == 4
+    assert meta["tokenizer"]["kind"] == "char" and meta["config"]["n_layer"] == 1
+    assert meta["train_config"]["max_steps"] == 4 and "bit_generator" in meta["data"]
+    assert "opt.m.wte.weight" in tensors and "opt.v.h.0.mlp.c_fc.weight" in tensors
+    model, tok, _ = load_model(out)
+    for k, v in model.params.items():
+        assert np.array_equal(v.numpy(), t.model.params[k].numpy())
+    text = t.sample(n_tokens=40, prompt="the ")          # longer than the 16-token context
+    assert text.startswith("the ") and len(text) == 44
+
+
+# -- resume ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(dropout=0.1, grad_accum=2)],
+                         ids=["plain", "dropout+accum"])
+def test_resume_is_bit_exact(text_file, tmp_path, extra):
+    n = 6
+    full = Trainer(_cfg(text_file, tmp_path / "full", max_steps=n, **extra), log=None)
+    full_losses = full.train()["losses"]
+
+    half = Trainer(_cfg(text_file, tmp_path / "half", max_steps=n, **extra), log=None)
+    first = half.train(until=n // 2)["losses"]
+    assert half.step == n // 2
+    resumed = Trainer(_cfg(text_file, tmp_path / "half", max_steps=n, **extra), resume=True, log=None)
+    assert resumed.step == n // 2
+    second = resumed.train()["losses"]
+
+    assert first + second == full_losses                       # exact float equality
+    a, b = _params(full), _params(resumed)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    for k in full.opt.m:
+        assert np.array_equal(full.opt.m[k].numpy(), resumed.opt.m[k].numpy())
+        assert np.array_equal(full.opt.v[k].numpy(), resumed.opt.v[k].numpy())
+    log = [json.loads(x) for x in (tmp_path / "half" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "loss" in r] == list(range(1, n + 1))
+
+
+def test_resume_without_a_checkpoint(text_file, tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        Trainer(_cfg(text_file, tmp_path / "empty"), resume=True, log=None)
+
+
+def test_checkpoint_of_another_architecture_is_refused(text_file, tmp_path):
+    out = tmp_path / "r"
+    Trainer(_cfg(text_file, out, max_steps=1), log=None).train()
+    with pytest.raises(CheckpointError, match="another architecture.*h.1"):
+        Trainer(_cfg(text_file, out, n_layer=2), resume=True, log=None)
+    with pytest.raises(CheckpointError, match="n_head"):
+        Trainer(_cfg(text_file, out, n_head=4), resume=True, log=None)
+
+
+# -- failures -------------------------------------------------------------------------------
+
+
+def test_nan_loss_names_the_step_and_the_last_good_checkpoint(text_file, tmp_path):
+    out = tmp_path / "r"
+    t = Trainer(_cfg(text_file, out, max_steps=5), log=None)
+    t.train(until=2)                                   # checkpoint at step 2
+    t.model.params["ln_f.weight"].data[:] = np.nan     # poison the weights
+    with pytest.raises(TrainingError) as e:
+        t.train()
+    msg = str(e.value)
+    assert "step 3" in msg and str(out / "ckpt") in msg and "(step 2)" in msg and "nan" in msg
+    # the checkpoint on disk is still the good one
+    _, meta = load_checkpoint(out / "ckpt")
+    assert meta["step"] == 2
+
+
+def test_nan_before_any_checkpoint(text_file, tmp_path):
+    t = Trainer(_cfg(text_file, tmp_path / "r"), log=None)
+    t.model.params["wte.weight"].data[:] = np.nan
+    with pytest.raises(TrainingError, match="step 1.*No checkpoint was saved yet"):
+        t.train()
