@@ -1,0 +1,299 @@
+"""Sampling from a GPT-2: a streaming generator over one prompt or a batch of prompts.
+
+``generate`` yields tokens as they are produced. For one prompt (a list of ints) it yields
+ints. For a batch (a list of lists, lengths may differ) it yields, once per decoding step,
+a list of ``TokenEvent``\\ s: one for every row that produced a token in that step. A row that
+has finished yields nothing more; the generator ends when every row has finished.
+
+The KV cache is allocated once, ``model.new_cache(B, max_len)``, and filled by
+``model.forward_cached``. Rows share one position counter: the first ``min(len(p))`` tokens
+of every prompt are prefilled together, then the batch steps one token at a time, and a row
+still inside its prompt is fed its next prompt token instead of a sampled one. So every row
+sees exactly the positions and keys it would see alone, and its tokens equal those of the
+same prompt run alone (greedy; sampling too, since each row has its own random stream).
+
+Next-token choice, per row (``next_token_probs``): temperature 0 is greedy (argmax);
+otherwise the first ``vocab_size`` logits (the padded columns are never sampled) are divided
+by the temperature, cut to the ``top_k`` most likely tokens, then to the nucleus of
+probability ``top_p``, and one token is drawn from row ``r``'s own NumPy Generator, seeded
+with ``(seed, r)``: the same seed gives the same tokens.
+
+A row finishes (``TokenEvent.finish`` says why) after
+    - a token in ``stop_tokens`` ("stop_token"; the stop token is yielded),
+    - a token that completes one of ``stop_strings`` in the row's generated text
+      ("stop_string"; needs ``tokenizer``; that token is yielded),
+    - ``max_new_tokens`` tokens ("max_new_tokens"),
+    - a full context: a row's prompt plus its generated tokens never exceed ``block_size``
+      positions, so a prompt of ``n`` tokens gets at most ``block_size - n`` new ones
+      ("context_full"; there is no sliding window).
+
+>>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+>>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))
+>>> out = list(generate(model, [1, 2, 3], max_new_tokens=4, temperature=0))
+>>> len(out), all(0 <= t < 11 for t in out)
+(4, True)
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from .errors import ConfigError, ShapeError
+from .tensor import tensor
+
+FINISH_REASONS = ("stop_token", "stop_string", "max_new_tokens", "context_full")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of one row of a batch.
+
+    ``row``: the prompt's index; ``token``: the id; ``index``: its place among the row's
+    generated tokens (0 for the first); ``finish``: None while the row goes on, else why the
+    row ended with this token (one of ``FINISH_REASONS``).
+
+    >>> TokenEvent(row=1, token=42, index=0)
+    TokenEvent(row=1, token=42, index=0, finish=None)
+    """
+
+    row: int
+    token: int
+    index: int
+    finish: Optional[str] = None
+
+
+# -- choosing the next token ---------------------------------------------------------------
+
+
+def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = None,
+                     top_p: Optional[float] = None) -> np.ndarray:
+    """The next-token distribution (float64, sums to 1) for one row of logits ``(V,)``.
+
+    Temperature 0 puts all mass on the argmax. Otherwise ``softmax(logits / temperature)``
+    is cut to the ``top_k`` largest logits (exactly ``k``; ties go to the lower id, so
+    ``top_k=1`` is greedy), then to the smallest set of most likely tokens whose
+    probability reaches ``top_p`` (at least one token), and renormalised.
+
+    >>> next_token_probs(np.array([0.0, 0.0, 1.0, -1.0]), temperature=0).tolist()
+    [0.0, 0.0, 1.0, 0.0]
+    >>> p = next_token_probs(np.log([0.5, 0.3, 0.2]), top_p=0.7)
+    >>> np.round(p, 3).tolist()
+    [0.625, 0.375, 0.0]
+    """
+    z = np.asarray(logits, dtype=np.float64).reshape(-1)  # (V,)
+    v = z.shape[0]
+    probs = np.zeros(v, np.float64)
+    if temperature == 0:
+        probs[int(np.argmax(z))] = 1.0
+        return probs
+    z = z / temperature
+    keep = np.ones(v, bool)
+    if top_k is not None and top_k < v:
+        kth = np.partition(z, v - top_k)[v - top_k]      # the k-th largest logit
+        keep = z > kth
+        ties = np.flatnonzero(z == kth)[: top_k - int(keep.sum())]  # lowest ids first
+        keep[ties] = True
+    z = np.where(keep, z, -np.inf)
+    e = np.exp(z - z.max())
+    probs = e / e.sum()
+    if top_p is not None and top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")        # most likely first, ties by id
+        cum = np.cumsum(probs[order])
+        n_keep = min(int(np.searchsorted(cum, top_p, side="left")) + 1, v)
+        nucleus = np.zeros(v, np.float64)
+        nucleus[order[:n_keep]] = probs[order[:n_keep]]
+        probs = nucleus / nucleus.sum()
+    return probs
+
+
+def _draw(probs: np.ndarray, gen: np.random.Generator) -> int:
+    """One token from ``probs`` by inverting the CDF with a single uniform draw."""
+    cdf = np.cumsum(probs)
+    # u * cdf[-1] < cdf[-1], so the first index whose CDF exceeds it has nonzero mass.
+    return int(np.searchsorted(cdf, gen.random() * cdf[-1], side="right"))
+
+
+# -- argument checks -----------------------------------------------------------------------
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _as_prompts(prompts) -> tuple[list, bool]:
+    """``(list of prompts as lists of ints, single)``; ``single`` when one prompt was given."""
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
+        raise ShapeError(f"generate: prompts must be a list of token ids or a list of such "
+                         f"lists, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ShapeError("generate: the prompt is empty; give at least one token "
+                         "(e.g. the end-of-text token to start from nothing)")
+    if all(_is_int(t) for t in prompts):
+        return [[int(t) for t in prompts]], True
+    rows = []
+    for r, p in enumerate(prompts):
+        if isinstance(p, np.ndarray):
+            p = p.tolist()
+        if not isinstance(p, Sequence) or not all(_is_int(t) for t in p):
+            raise ShapeError(f"generate: prompt {r} must be a list of int token ids, got {p!r:.80}")
+        if len(p) == 0:
+            raise ShapeError(f"generate: prompt {r} is empty; give at least one token "
+                             "(e.g. the end-of-text token to start from nothing)")
+        rows.append([int(t) for t in p])
+    return rows, False
+
+
+def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
+                tokenizer):
+    cfg = model.config
+    for r, p in enumerate(rows):
+        where = "the prompt" if len(rows) == 1 else f"prompt {r}"
+        if len(p) > cfg.block_size:
+            raise ShapeError(f"generate: {where} has {len(p)} tokens, longer than the model's "
+                             f"context of {cfg.block_size} tokens (block_size)")
+        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ShapeError(f"generate: token id {bad[0]} in {where} is out of range; ids must "
+                             f"be in 0..{cfg.vocab_size - 1}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ConfigError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not (isinstance(temperature, numbers.Real) and temperature >= 0):
+        raise ConfigError(f"generate: temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ConfigError(f"generate: top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, numbers.Real) and 0 < top_p <= 1):
+        raise ConfigError(f"generate: top_p must be None or in (0, 1], got {top_p!r}")
+    if not _is_int(seed) or seed < 0:
+        raise ConfigError(f"generate: seed must be an int >= 0, got {seed!r}")
+    if stop_strings and tokenizer is None:
+        raise ConfigError("generate: stop_strings need a tokenizer to decode the generated text; "
+                          "pass tokenizer=")
+
+
+# -- the sampling loop ---------------------------------------------------------------------
+
+
+def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
+             stop_tokens=(), stop_strings=(), tokenizer=None, params=None) -> Iterator:
+    """Stream new tokens for one prompt (yields ints) or a batch (yields, per step, a list
+    of ``TokenEvent``); see the module docstring for the rules.
+
+    ``prompts``: a list of ids, or a list of lists of ids (lengths may differ). ``params``:
+    the tensors to compute with (default the model's). Arguments are checked at the call,
+    before anything is computed: a prompt longer than ``block_size`` is a ShapeError, and so
+    is an empty one.
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))
+    >>> steps = list(generate(model, [[1, 2, 3], [4]], max_new_tokens=2, temperature=0))
+    >>> [[(e.row, e.index) for e in s] for s in steps]
+    [[(1, 0)], [(1, 1)], [(0, 0)], [(0, 1)]]
+    >>> steps[-1][0].finish
+    'max_new_tokens'
+    """
+    rows, single = _as_prompts(prompts)
+    _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
+                tokenizer)
+    if isinstance(stop_tokens, numbers.Integral):
+        stop_tokens = (stop_tokens,)
+    if isinstance(stop_strings, str):
+        stop_strings = (stop_strings,)
+    steps = _steps(model, rows, max_new_tokens, float(temperature), top_k, top_p, seed,
+                   frozenset(int(t) for t in stop_tokens), tuple(stop_strings), tokenizer, params)
+    if single:
+        return (ev.token for events in steps for ev in events)
+    return steps
+
+
+def _steps(model, rows, max_new, temperature, top_k, top_p, seed, stop_tokens, stop_strings,
+           tokenizer, params):
+    """The loop behind ``generate``: yields one non-empty list of TokenEvents per step."""
+    cfg = model.config
+    B, V = len(rows), cfg.vocab_size
+    lengths = [len(p) for p in rows]
+    # A row is done from the start when it may add nothing (no budget or a full context).
+    done = [max_new == 0 or n >= cfg.block_size for n in lengths]
+    if all(done):
+        return
+    gens = [np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, r])))
+            for r in range(B)]
+    generated: list[list[int]] = [[] for _ in range(B)]
+
+    # Every token but a row's last sampled one is fed back, so the cache needs at most
+    # max(len) + max_new - 1 positions, and never more than the context.
+    capacity = min(cfg.block_size, max(lengths) + max_new - 1)
+    dev = (model.params if params is None else params)["wte.weight"].device
+    cache = model.new_cache(B, capacity, params=params)
+
+    t0 = min(lengths)
+    prefill = np.array([p[:t0] for p in rows], dtype=np.int64)                   # (B, t0)
+    logits = model.forward_cached(tensor(prefill, device=dev), cache, params, last_only=True)
+    pos = t0                                        # the position whose token is chosen next
+    while True:
+        last = logits.numpy()[:, -1, :V]                                          # (B, V)
+        feed = np.zeros((B, 1), np.int64)
+        events = []
+        for r in range(B):
+            if done[r]:
+                continue
+            if pos < lengths[r]:                    # still inside its prompt: force it
+                feed[r, 0] = rows[r][pos]
+                continue
+            if temperature > 0:
+                tok = _draw(next_token_probs(last[r], temperature, top_k, top_p), gens[r])
+            else:
+                tok = int(np.argmax(last[r]))
+            generated[r].append(tok)
+            finish = None
+            if tok in stop_tokens:
+                finish = "stop_token"
+            elif stop_strings and any(s in tokenizer.decode(generated[r]) for s in stop_strings):
+                finish = "stop_string"
+            elif len(generated[r]) == max_new:
+                finish = "max_new_tokens"
+            elif pos == cfg.block_size - 1:
+                finish = "context_full"
+            done[r] = finish is not None
+            events.append(TokenEvent(r, tok, len(generated[r]) - 1, finish))
+            feed[r, 0] = tok
+        if events:
+            yield events
+        if all(done):
+            return
+        logits = model.forward_cached(tensor(feed, device=dev), cache, params, last_only=True)
+        pos += 1
+
+
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kwargs) -> str:
+    """The text generated after ``prompt`` (the prompt itself is not included).
+
+    ``kwargs`` are ``generate``'s (temperature, top_k, top_p, seed, stop_tokens,
+    stop_strings, params). The text is cut before a stop string, and a final stop token is
+    left out.
+
+    >>> from forge_ml.tokenizer import CharTokenizer
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> tok = CharTokenizer("abc ")
+    >>> model = GPT2.init(GPT2Config(vocab_size=4, block_size=16, n_layer=1, n_head=1, n_embd=8))
+    >>> text = generate_text(model, tok, "ab", max_new_tokens=5, seed=1)
+    >>> len(text), set(text) <= set("abc ")
+    (5, True)
+    """
+    ids = tokenizer.encode(prompt)
+    stop_tokens = kwargs.get("stop_tokens", ())
+    stop_tokens = {stop_tokens} if isinstance(stop_tokens, numbers.Integral) else set(stop_tokens)
+    stop_strings = kwargs.get("stop_strings", ())
+    stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+    kwargs["tokenizer"] = tokenizer
+    out = list(generate(model, ids, max_new_tokens, **kwargs))
+    if out and out[-1] in stop_tokens:
+        out = out[:-1]
+    text = tokenizer.decode(out)
+    cuts = [text.find(s) for s in stop_strings if s in text]
+    return text[:min(cuts)] if cuts else text
