@@ -81,14 +81,34 @@ _THREADS = 256
 # Device, errors, compilation
 # ----------------------------------------------------------------------------------------------
 
+_N_DEVICES = _device_count()
+_current = threading.local()  # the device forge-ml last made current in this thread
+
+
 def use_device(index: int) -> None:
-    """Make GPU ``index`` current for this thread; DeviceError if the machine has no such GPU."""
-    n = _device_count()
+    """Make GPU ``index`` current for this thread; DeviceError if the machine has no such GPU.
+
+    Called before every op, so it is cheap when the device is already current: the ordinal
+    forge-ml last set is remembered per thread and the driver is only called on a change
+    (code that switches devices behind forge-ml's back should call this again).
+    """
+    if getattr(_current, "index", None) == index:
+        return
+    n = _N_DEVICES
     if not isinstance(index, (int, np.integer)) or not 0 <= int(index) < n:
         raise DeviceError(
             f"cuda:{index} was asked for but this machine has {n} CUDA device(s): "
             f"cuda:0 to cuda:{n - 1}")
     cupy.cuda.Device(int(index)).use()
+    _current.index = int(index)
+
+
+def _dev() -> int:
+    """The current device ordinal (forge-ml's record of it; the driver's when none yet)."""
+    idx = getattr(_current, "index", None)
+    if idx is None:
+        idx = _current.index = cupy.cuda.Device().id
+    return idx
 
 
 def device_name() -> str:
@@ -170,7 +190,7 @@ def kernel_source(stem: str) -> str:
 
 
 def _function(stem: str, name: str):
-    key = (cupy.cuda.Device().id, stem, name)
+    key = (_dev(), stem, name)
     fn = _functions.get(key)
     if fn is None:
         with _lock:
@@ -197,7 +217,7 @@ def _sm_count(dev: int) -> int:
 
 def _grid(n: int, threads: int = _THREADS, per_sm: int = 32) -> int:
     """Blocks for a grid-stride loop over n items: enough to fill the GPU, at least one."""
-    cap = _sm_count(cupy.cuda.Device().id) * per_sm
+    cap = _sm_count(_dev()) * per_sm
     return max(1, min(cap, -(-n // threads)))
 
 
@@ -337,7 +357,7 @@ def _cublas():
 def _cublas_handle():
     """forge-ml's own cuBLAS handle for the current device (its math mode is ours to set)."""
     cublas = _cublas()
-    dev = cupy.cuda.Device().id
+    dev = _dev()
     h = _handles.get(dev)
     if h is None:
         h = cublas.create()
