@@ -157,3 +157,11 @@ def test_bad_input_exits_2_with_one_line(trained, capsys):
     _fails(capsys, ["convert", "--to-hf", "run"], "--out")
     Path("bad.bin").write_bytes(b"\x00" * 10)
     _fails(capsys, ["eval", "--ckpt", "run", "--data", "bad.bin"], "bad.bin")
+
+
+def test_check_compares_devices_with_float64(capsys):
+    from forge_ml.cli import main
+    assert main(["check", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("cpu") and " ok " in out
+    assert main(["check", "--device", "tpu"]) == 2
