@@ -4,7 +4,7 @@ the same model in PyTorch eager, measured in the same run.
 Model: nanoGPT's ``shakespeare_char`` on a laptop: 4 layers, 4 heads, 128 channels, context
 64, batch 12, vocabulary 65, dropout 0, tied head, tanh GELU. Both frameworks start from the
 same weights (forge-ml's init copied into torch) and see the same batches; torch gets
-``torch.set_num_threads`` = the cores this process may run on. Steps run in alternating rounds (forge-ml then
+``torch.set_num_threads`` = the cores this process may run on (``OPENBLAS_NUM_THREADS`` if set). Steps run in alternating rounds (forge-ml then
 torch, ``--rounds`` times) so that a load change on a shared machine hits both alike; the
 figure is the median step time over all rounds after the warm-up.
 
@@ -77,7 +77,8 @@ def main():
 
     import torch
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(cores)
+    # OPENBLAS_NUM_THREADS=1 (read by NumPy's BLAS at import) runs torch on one thread too.
+    torch.set_num_threads(int(os.environ.get("OPENBLAS_NUM_THREADS", cores)))
 
     cfg = GPT2Config(vocab_size=V, block_size=T, n_layer=N_LAYER, n_head=N_HEAD, n_embd=N_EMBD)
     model = GPT2.init(cfg, seed=0)

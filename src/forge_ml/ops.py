@@ -28,8 +28,9 @@ def _tensor(op, name, x):
 
 
 def _float(op, name, x):
-    _tensor(op, name, x)
-    if not x.dtype.is_float:
+    if type(x) is not Tensor:
+        _tensor(op, name, x)
+    if not x._dtype.is_float:
         raise DTypeError(f"{op}: {name} must be a float tensor, got {x.dtype.name}")
     return x
 
@@ -43,16 +44,21 @@ def _int(op, name, x):
 
 def _same(op, **named):
     """All tensors on one device and (floats) of one dtype; returns the backend."""
-    items = [(k, v) for k, v in named.items() if v is not None]
-    k0, t0 = items[0]
-    for k, t in items[1:]:
-        if t.device != t0.device:
+    t0 = None
+    for k, t in named.items():
+        if t is None:
+            continue
+        if t0 is None:
+            k0, t0 = k, t
+            continue
+        if t._device is not t0._device and t._device != t0._device:
             raise DeviceError(f"{op}: {k0} is on {t0.device} but {k} is on {t.device}; "
                               "move them to one device with .to()")
-        if t.dtype.is_float and t0.dtype.is_float and t.dtype != t0.dtype:
+        if (t._dtype is not t0._dtype and t._dtype.is_float and t0._dtype.is_float
+                and t._dtype != t0._dtype):
             raise DTypeError(f"{op}: {k0} is {t0.dtype.name} but {k} is {t.dtype.name}; "
                              "dtypes must agree")
-    return backend_of(t0.device)
+    return backend_of(t0._device)
 
 
 def _rank(op, name, x, lo, hi=None):
