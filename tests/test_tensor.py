@@ -102,3 +102,18 @@ def test_item_and_errors():
         fm.Device.parse("cuda:x")
     with pytest.raises(fm.DTypeError):
         fm.tensor(np.array(["a"]))
+
+
+def test_id_range_cache_follows_writes():
+    ids = fm.tensor(np.array([[3, 1], [2, 9]], np.int64))
+    assert ids._storage.id_range == (1, 9)
+    assert ids.reshape(4)._storage.id_range == (1, 9)     # views share it
+    wte, wpe = fm.zeros((10, 2)), fm.zeros((4, 2))
+    ops.embedding(ids, wte, wpe)
+    # an in-place write clears the cache, so the next check looks at the data again
+    dst = fm.tensor(np.array([[1], [2]], np.int64))
+    dst._prepare_write()
+    assert dst._storage.id_range is None
+    dst.data[0, 0] = 50
+    with pytest.raises(fm.ShapeError, match="token id 50"):
+        ops.embedding(dst.reshape(2), fm.zeros((10, 2)), fm.zeros((4, 2)))

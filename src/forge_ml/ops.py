@@ -318,8 +318,12 @@ def embedding(ids, wte, wpe, pos=0) -> Tensor:
 def _check_ids(op, ids, n_rows):
     if ids.numel == 0:
         return
-    # min/max work on NumPy and CuPy arrays alike (on the GPU this is one small sync).
-    lo, hi = int(ids.data.min()), int(ids.data.max())
+    rng = ids._storage.id_range
+    if rng is None:
+        # min/max work on NumPy and CuPy arrays alike (on the GPU this is one small sync);
+        # ids made from host data carry their range already (Tensor's storage caches it).
+        rng = ids._storage.id_range = (int(ids.data.min()), int(ids.data.max()))
+    lo, hi = rng
     if lo < 0 or hi >= n_rows:
         bad = hi if hi >= n_rows else lo
         raise ShapeError(f"{op}: token id {bad} is out of range; ids must be in 0..{n_rows - 1}")

@@ -37,12 +37,18 @@ def backend_of(device: Device):
 
 
 class _Storage:
-    """The memory a tensor and its reshape views share; ``live`` counts those tensors."""
+    """The memory a tensor and its reshape views share; ``live`` counts those tensors.
 
-    __slots__ = ("live",)
+    ``id_range`` caches ``(min, max)`` of integer data known without a device round trip
+    (ids made from host data), so the ops' token-id range checks cost no GPU sync; any
+    in-place write clears it.
+    """
+
+    __slots__ = ("live", "id_range")
 
     def __init__(self):
         self.live = 0
+        self.id_range = None
 
 
 class Tensor:
@@ -163,6 +169,7 @@ class Tensor:
             storage.live = 1
             self._storage.live -= 1
             self._storage, self._data = storage, data
+        self._storage.id_range = None
         self._version += 1
         return self._data
 
@@ -208,7 +215,11 @@ def tensor(data, dtype=None, device="cpu") -> Tensor:
         else:
             dt = _default_dtype(a, dtype)
     dev = Device.parse(device)
-    return Tensor(backend_of(dev).from_host(np.asarray(a, order="C"), dt.name), dev)
+    a = np.asarray(a, order="C")
+    t = Tensor(backend_of(dev).from_host(a, dt.name), dev)
+    if not dt.is_float and a.size:
+        t._storage.id_range = (int(a.min()), int(a.max()))
+    return t
 
 
 def from_numpy(a: np.ndarray, device="cpu") -> Tensor:
