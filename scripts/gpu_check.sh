@@ -54,6 +54,12 @@ timeout "${TRAIN_TIMEOUT:-200}" "$PY" benchmarks/train_gpu.py --batch "${TRAIN_B
 timeout "${GEN_TIMEOUT:-120}" "$PY" benchmarks/generate_gpu.py --new-tokens 200 2>&1 | tee "$LOG/bench_generate.log"
 timeout "${GEN_TIMEOUT:-120}" "$PY" benchmarks/generate_gpu.py --new-tokens 200 --dtype bf16 2>&1 | tee -a "$LOG/bench_generate.log"
 
+echo "== end to end: forge-ml check, and the CLI trainer in bf16 on the GPU"
+timeout 120 "$PY" -m forge_ml check 2>&1 | tee "$LOG/check.log"
+timeout "${CLI_TIMEOUT:-120}" "$PY" -m forge_ml train --device cuda --dtype bf16 --max-steps 300 \
+    --eval-interval 150 --sample-interval 300 --sample-tokens 80 --no-progress --out /tmp/forge_cli_run \
+    2>&1 | tail -n 25 | tee "$LOG/cli_train.log"
+
 echo
 echo "================ gpu_check summary ================"
 echo "gpu:        $(sed -n 2p "$LOG/gpu.txt")"
@@ -63,5 +69,6 @@ echo "benchmarks: exit $bench_rc ($( [ "$bench_rc" = 0 ] && echo OK || { [ "$ben
 echo "attention:  $(grep -iE 'ratio|flash' "$LOG/bench_attention.log" | tail -n 4 | tr '\n' ' ')"
 echo "training:"; grep -E '^(forge|torch)' "$LOG/bench_train.log"
 echo "generation:"; grep -E '^(forge|transformers|ratio)' "$LOG/bench_generate.log"
+echo "check:"; cat "$LOG/check.log"
 echo "logs in $LOG"
 [ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]
