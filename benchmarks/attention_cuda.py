@@ -23,36 +23,8 @@ import traceback
 
 H, T, HS = 12, 1024, 64
 
-
-def time_cupy(cupy, fn, reps, warmup):
-    for _ in range(warmup):
-        fn()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
-
-
-def time_torch(torch, fn, reps, warmup):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+# the CUDA-event timers are ops_cuda.py's (this folder is on sys.path when a script here runs)
+from ops_cuda import time_cupy, time_torch  # noqa: E402
 
 
 def causal_flops(B, passes):
