@@ -21,6 +21,8 @@ from forge_ml import rng
 from forge_ml.device import Device
 from forge_ml.errors import CompileError, DeviceError, OutOfMemoryError
 
+from _gpu_checks import check, host, round_bf16
+
 cuda = pytest.mark.cuda
 
 T, C, H, V, VP = 1024, 768, 12, 50257, 50304
@@ -85,18 +87,6 @@ def _cpu(name):
     return getattr(cpu, name, None)
 
 
-def round_bf16(a):
-    """Round float32 values to the nearest bf16 (ties to even), returned as float32."""
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    try:
-        import ml_dtypes
-        return a.astype(ml_dtypes.bfloat16).astype(np.float32)
-    except ImportError:
-        u = a.view(np.uint32).astype(np.uint64)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16
-        return u.astype(np.uint32).view(np.float32)
-
-
 def values(rs, shape, dtype, scale=1.0):
     """Random host values exactly representable in ``dtype`` (float64 copy for references)."""
     a = rs.standard_normal(shape) * scale
@@ -109,24 +99,6 @@ def values(rs, shape, dtype, scale=1.0):
 
 def dev(be, a, dtype):
     return be.from_host(np.asarray(a), dtype)
-
-
-def host(be, x):
-    return np.asarray(be.to_host(x), dtype=np.float64)
-
-
-def check(name, got, ref, tol):
-    got = np.asarray(got, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
-    bad = ~np.isfinite(got)
-    assert not bad.any(), (f"{name}: {int(bad.sum())} of {got.size} elements are not finite "
-                           f"(first at {np.argwhere(bad)[0].tolist()})")
-    denom = np.linalg.norm(ref)
-    err = np.linalg.norm(got - ref) / (denom if denom > 0 else 1.0)
-    worst = np.unravel_index(np.argmax(np.abs(got - ref)), got.shape) if got.size else ()
-    assert err <= tol, (f"{name}: relative error {err:.3e} > {tol:.0e}; worst at {list(worst)}: "
-                        f"got {got[worst] if got.size else None}, want {ref[worst] if got.size else None}")
 
 
 def cpu_check(name, args, got, tol, pick=None):

@@ -19,6 +19,8 @@ import pytest
 
 from forge_ml.device import Device
 
+from _gpu_checks import check, host, round_bf16
+
 pytestmark = pytest.mark.cuda
 
 HS = 64
@@ -85,32 +87,11 @@ def rs():
 
 def bf16_values(rs, shape, scale=1.0):
     """Random values exactly representable in bf16 (rounded to nearest even), as float64."""
-    a = np.ascontiguousarray(rs.standard_normal(shape) * scale, dtype=np.float32)
-    u = a.view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16
-    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+    return round_bf16(rs.standard_normal(shape) * scale).astype(np.float64)
 
 
 def dev(be, a):
     return be.from_host(np.asarray(a), "bfloat16")
-
-
-def host(be, x):
-    return np.asarray(be.to_host(x), dtype=np.float64)
-
-
-def check(name, got, ref, tol):
-    got = np.asarray(got, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape, f"{name}: shape {got.shape}, expected {ref.shape}"
-    bad = ~np.isfinite(got)
-    assert not bad.any(), (f"{name}: {int(bad.sum())} of {got.size} elements are not finite "
-                           f"(first at {np.argwhere(bad)[0].tolist()})")
-    denom = np.linalg.norm(ref)
-    err = np.linalg.norm(got - ref) / (denom if denom > 0 else 1.0)
-    worst = np.unravel_index(np.argmax(np.abs(got - ref)), got.shape)
-    assert err <= tol, (f"{name}: relative error {err:.3e} > {tol:.0e}; worst at {list(worst)}: "
-                        f"got {got[worst]}, want {ref[worst]}")
 
 
 def check_abs(name, got, ref, tol):
