@@ -200,6 +200,8 @@ def softmax(x, causal=False, off=0) -> Tensor:
     _rank("softmax", "x", x, 2 if causal else 1)
     if not isinstance(off, int) or off < 0:
         raise ShapeError(f"softmax: off must be a non-negative int, got {off!r}")
+    if causal and x.shape[-2] + off > x.shape[-1] and x.shape[-1] < 1:
+        raise ShapeError(f"softmax: causal rows need at least one column, got {x.shape}")
     return _wrap(x, backend_of(x.device).softmax(x.data, bool(causal), int(off)))
 
 
