@@ -12,6 +12,12 @@ gemv beats NumPy's reductions on short rows). Long chains of elementwise passes 
 cross-entropy) walk big arrays in ~1 MB blocks that stay in cache. Causal attention walks
 the queries in a few row chunks, so that it skips most of the masked upper triangle.
 
+Fused C kernels. For C-contiguous float32 arrays, gelu, layernorm, attention (forward and
+backward) and AdamW run one fused C loop each instead (``cpu_kernels.c``, compiled on first
+use by ``cpu_native``): 1.3x to 4x faster than the chains of ufuncs on the nanoGPT CPU model's
+shapes. The NumPy code below stays the reference and the fallback: float64, strided arrays,
+no C compiler, or ``FORGE_CPU_KERNELS=numpy`` run it.
+
 >>> import numpy as np
 >>> from forge_ml.backends import cpu
 >>> cpu.softmax(np.zeros((2, 2), np.float32), True, 0).tolist()
@@ -30,6 +36,7 @@ import numpy as np
 from .. import dtype as _dtype
 from .. import rng
 from ..errors import DTypeError
+from . import cpu_native as _native
 
 BF16_MESSAGE = "bfloat16 is a GPU storage type; the cpu backend computes in float32/float64"
 
@@ -230,6 +237,10 @@ def _gelu_bwd_block(x, dy, dx, s, e):
 def gelu(x):
     """GPT-2 gelu, elementwise."""
     y = np.empty_like(x)
+    lib = _native.lib()
+    if lib is not None and _native.f32(x):
+        lib.gelu_f32(x.ctypes.data, y.ctypes.data, x.size)
+        return y
     xs, ys = x.reshape(-1), y.reshape(-1)
     for i in range(0, xs.size, _BLOCK_ELEMS):
         _gelu_block(xs[i:i + _BLOCK_ELEMS], ys[i:i + _BLOCK_ELEMS])
@@ -239,6 +250,10 @@ def gelu(x):
 def gelu_bwd(x, dy):
     """dx = dy * gelu'(x)."""
     dx = np.empty_like(x)
+    lib = _native.lib()
+    if lib is not None and _native.f32(x, dy):
+        lib.gelu_bwd_f32(x.ctypes.data, dy.ctypes.data, dx.ctypes.data, x.size)
+        return dx
     xs, dys, dxs = x.reshape(-1), dy.reshape(-1), dx.reshape(-1)
     n = xs.size
     s = np.empty(min(n, _GELU_BWD_BLOCK), dtype=x.dtype)
@@ -270,6 +285,13 @@ def _layernorm_stats(x, eps):
 
 def layernorm(x, gamma, beta, eps):
     """y = (x - mean) / sqrt(var + eps) * gamma + beta."""
+    lib = _native.lib()
+    if lib is not None and _native.f32(x, gamma, beta):
+        y = np.empty_like(x)
+        c = x.shape[-1]
+        lib.layernorm_f32(x.ctypes.data, gamma.ctypes.data, beta.ctypes.data, y.ctypes.data,
+                          x.size // c, c, eps)
+        return y
     y, _ = _layernorm_stats(x, eps)
     y *= gamma
     y += beta
@@ -287,6 +309,13 @@ def layernorm_bwd(x, gamma, dy, eps):
     """
     f = x.dtype.type
     c = x.shape[-1]
+    lib = _native.lib()
+    if lib is not None and _native.f32(x, gamma, dy):
+        dx, dgamma, dbeta = np.empty_like(x), np.empty(c, np.float32), np.empty(c, np.float32)
+        if lib.layernorm_bwd_f32(x.ctypes.data, gamma.ctypes.data, dy.ctypes.data,
+                                 dx.ctypes.data, dgamma.ctypes.data, dbeta.ctypes.data,
+                                 x.size // c, c, eps) == 0:
+            return dx, dgamma, dbeta
     xs, dys = x.reshape(-1, c), dy.reshape(-1, c)                # (R, C)
     mean = np.matmul(xs, _ones(c, x.dtype.str))[:, None]         # (R, 1)
     mean /= f(c)
@@ -420,6 +449,12 @@ def attention(q, k, v, scale):
     t = q.shape[-2]
     out = np.empty_like(q)
     lse = np.empty(q.shape[:-1], dtype=q.dtype)  # (..., H, T)
+    lib = _native.lib()
+    if lib is not None and _native.f32(q, k, v) and q.size:
+        hs = q.shape[-1]
+        if lib.attention_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, out.ctypes.data,
+                             lse.ctypes.data, q.size // (t * hs), t, hs, scale) == 0:
+            return out, lse
     for r0, r1 in _attention_chunks(t):
         s = _attention_scores(q, k, scale, r0, r1)   # (..., H, r, r1)
         m = s.max(axis=-1, keepdims=True)            # (..., H, r, 1)
@@ -437,6 +472,15 @@ def attention(q, k, v, scale):
 def attention_bwd(q, k, v, out, lse, dout, scale):
     """(dq, dk, dv) of causal attention, recomputing the probabilities from ``lse``."""
     t = q.shape[-2]
+    lib = _native.lib()
+    if lib is not None and _native.f32(q, k, v, out, lse, dout) and q.size:
+        hs = q.shape[-1]
+        dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+        if lib.attention_bwd_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, out.ctypes.data,
+                                 lse.ctypes.data, dout.ctypes.data, dq.ctypes.data,
+                                 dk.ctypes.data, dv.ctypes.data, q.size // (t * hs), t, hs,
+                                 scale) == 0:
+            return dq, dk, dv
     f = q.dtype.type
     chunks = _attention_chunks(t)
     one = len(chunks) == 1                                 # then dk, dv are written, not summed
@@ -593,6 +637,15 @@ def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, grad_sca
     f = p.dtype.type
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
+    lib = _native.lib()
+    if lib is not None and _native.f32(p, g, m, v):
+        update = lr != 0.0
+        lib.adamw_f32(p.ctypes.data, g.ctypes.data, m.ctypes.data, v.ctypes.data, p.size,
+                      beta1, (1.0 - beta1) * grad_scale, beta2,
+                      (1.0 - beta2) * grad_scale * grad_scale,
+                      bc1 / (lr * math.sqrt(bc2)) if update else 0.0,
+                      eps * bc1 / lr if update else 0.0, 1.0 - lr * weight_decay, update)
+        return
     scratch = np.multiply(g, f((1.0 - beta1) * grad_scale), dtype=p.dtype)
     m *= f(beta1)
     m += scratch                                   # m = b1 m + (1 - b1) g'

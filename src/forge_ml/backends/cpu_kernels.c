@@ -1,0 +1,368 @@
+/* cpu_kernels.c: fused float32 loops behind backends/cpu.py (loaded by cpu_native.py).
+
+   NumPy runs one C loop per ufunc, so a GELU or a layernorm is 7-16 passes over memory; these
+   functions do each op in one or two passes. They compute exactly what the NumPy kernels in
+   cpu.py compute (those stay the readable reference and the fallback); cpu.py calls them only
+   for C-contiguous float32 arrays. No threads, no global state; every function owns a flat
+   range of elements or whole rows (one head, one layernorm row) and allocates nothing but
+   small per-call scratch.
+
+   Built with -O3 -ffp-contract=fast (FMA) -fno-math-errno -fno-trapping-math -fopenmp-simd
+   and -march=native where the compiler takes it (cpu_native.py), never -ffast-math: loops
+   vectorise through `#pragma omp simd` on the reductions and through exp_f32 below, which
+   is written to vectorise without changing IEEE semantics (-fno-trapping-math lets its
+   clamps become blends). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define RESTRICT __restrict__
+
+/* exp(x) in float32 without a libm call, so that loops around it vectorise: Cephes' expf
+   (S. Moshier): x = n ln2 + r with ln2 split in two (n ln2_hi exact), |r| <= ln2/2, e^r by
+   a degree-6 polynomial, 2^n built in the exponent bits. About 1 ulp (max 1.4e-7 relative)
+   on [-87.3, 88.3]; x is clamped to that range first, so far left it gives e^-87.3 =
+   1.2e-38 instead of 0 and far right 2.4e38 instead of inf; NaN stays NaN (the clamps are
+   max/min that pass a NaN x). n = round(x / ln2) by the 1.5 * 2^23 trick (round to
+   nearest, the FPU's default mode), which needs no SSE4.1 round instruction. */
+static inline float exp_f32(float x) {
+    const float magic = 12582912.0f;                 /* 1.5 * 2^23, bits 0x4B400000 */
+    x = x < -87.3365447504f ? -87.3365447504f : x;
+    x = 88.3762626647949f < x ? 88.3762626647949f : x;
+    const float t = x * 1.44269504088896341f + magic;   /* magic + round(x / ln2) */
+    const float n = t - magic;
+    int32_t ni;
+    memcpy(&ni, &t, sizeof ni);
+    ni -= 0x4B400000;                                /* round(x / ln2) as an int */
+    float r = x - n * 0.693359375f;                  /* ln2_hi: n * ln2_hi is exact */
+    r = r - n * -2.12194440e-4f;                     /* ln2_lo */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (ni + 127) << 23;           /* 2^n, n in -126..127 */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Exposed for the tests: y[i] = exp_f32(x[i]). */
+void exp_f32_array(const float* RESTRICT x, float* RESTRICT y, long n) {
+#pragma omp simd
+    for (long i = 0; i < n; ++i) y[i] = exp_f32(x[i]);
+}
+
+/* ----------------------------------------------------------------------------------------
+   gelu: GPT-2's tanh approximation in the sigmoid form of cpu.py's _gelu_block /
+   _gelu_bwd_block: with u = k (x + c x^3), E = exp(-2u), s = 1 / (1 + E) = sigmoid(2u):
+     gelu(x) = x s,   gelu'(x) = s (1 + (1 - s) w),  1 - s = E s,  w = x (2k + 6kc x^2).
+   exp_f32 clamps -2u at 88.4, so E stays finite and dx finite far left (the NumPy kernels
+   clamp at 80 to the same effect).
+   Each call owns the flat range [0, n).
+   ---------------------------------------------------------------------------------------- */
+#define GELU_K 0.7978845608028654f   /* sqrt(2/pi) */
+#define GELU_C 0.044715f
+
+void gelu_f32(const float* RESTRICT x, float* RESTRICT y, long n) {
+#pragma omp simd
+    for (long i = 0; i < n; ++i) {
+        float v = x[i];
+        const float m2u = v * (-2.0f * GELU_K - 2.0f * GELU_K * GELU_C * v * v);   /* -2u */
+        y[i] = v / (1.0f + exp_f32(m2u));
+    }
+}
+
+void gelu_bwd_f32(const float* RESTRICT x, const float* RESTRICT dy, float* RESTRICT dx,
+                  long n) {
+#pragma omp simd
+    for (long i = 0; i < n; ++i) {
+        float v = x[i], v2 = v * v;
+        const float e = exp_f32(v * (-2.0f * GELU_K - 2.0f * GELU_K * GELU_C * v2));  /* E */
+        float s = 1.0f / (1.0f + e);
+        float w = v * (2.0f * GELU_K + 6.0f * GELU_K * GELU_C * v2);
+        dx[i] = dy[i] * s * (1.0f + e * s * w);
+    }
+}
+
+/* ----------------------------------------------------------------------------------------
+   layernorm over rows of c, biased variance, two passes for the statistics (mean, then
+   sum of (x - mean)^2), as cpu.py's _layernorm_stats. Each loop iteration owns one row.
+   The backward is the textbook form, per row:
+     dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = dy gamma,
+   and dgamma = sum over rows of dy xhat, dbeta = sum of dy, accumulated in double.
+   ---------------------------------------------------------------------------------------- */
+static inline void row_stats(const float* RESTRICT xr, long c, float eps, float* mean_out,
+                             float* rstd_out) {
+    float s = 0.0f;
+#pragma omp simd reduction(+:s)
+    for (long j = 0; j < c; ++j) s += xr[j];
+    float mean = s / (float)c;
+    float ss = 0.0f;
+#pragma omp simd reduction(+:ss)
+    for (long j = 0; j < c; ++j) {
+        float d = xr[j] - mean;
+        ss += d * d;
+    }
+    *mean_out = mean;
+    *rstd_out = 1.0f / sqrtf(ss / (float)c + eps);
+}
+
+void layernorm_f32(const float* RESTRICT x, const float* RESTRICT gamma,
+                   const float* RESTRICT beta, float* RESTRICT y, long rows, long c,
+                   float eps) {
+    for (long r = 0; r < rows; ++r) {
+        const float* xr = x + r * c;
+        float* yr = y + r * c;
+        float mean, rstd;
+        row_stats(xr, c, eps, &mean, &rstd);
+#pragma omp simd
+        for (long j = 0; j < c; ++j) yr[j] = (xr[j] - mean) * rstd * gamma[j] + beta[j];
+    }
+}
+
+/* Returns 0, or -1 when the double accumulators cannot be allocated. */
+int layernorm_bwd_f32(const float* RESTRICT x, const float* RESTRICT gamma,
+                      const float* RESTRICT dy, float* RESTRICT dx, float* RESTRICT dgamma,
+                      float* RESTRICT dbeta, long rows, long c, float eps) {
+    double* acc = calloc((size_t)(2 * c), sizeof(double));   /* dgamma, then dbeta */
+    if (!acc) return -1;
+    double* RESTRICT ag = acc;
+    double* RESTRICT ab = acc + c;
+    for (long r = 0; r < rows; ++r) {
+        const float* xr = x + r * c;
+        const float* dyr = dy + r * c;
+        float* dxr = dx + r * c;
+        float mean, rstd;
+        row_stats(xr, c, eps, &mean, &rstd);
+        float sg = 0.0f, sgx = 0.0f;
+#pragma omp simd reduction(+:sg, sgx)
+        for (long j = 0; j < c; ++j) {
+            float xhat = (xr[j] - mean) * rstd;
+            float g = dyr[j] * gamma[j];
+            sg += g;
+            sgx += g * xhat;
+            ag[j] += (double)(dyr[j] * xhat);
+            ab[j] += (double)dyr[j];
+        }
+        float mg = sg / (float)c, mgx = sgx / (float)c;
+#pragma omp simd
+        for (long j = 0; j < c; ++j) {
+            float xhat = (xr[j] - mean) * rstd;
+            dxr[j] = rstd * (dyr[j] * gamma[j] - mg - xhat * mgx);
+        }
+    }
+    for (long j = 0; j < c; ++j) {
+        dgamma[j] = (float)ag[j];
+        dbeta[j] = (float)ab[j];
+    }
+    free(acc);
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------------------
+   causal attention, one head at a time: q, k, v, out, dout (nbh, t, hs), lse (nbh, t).
+   Every product is C = A B with B row-major, computed by tile_4x16: a 4 x 16 block of C in
+   eight 8-float registers, A's entries broadcast, B's rows loaded 16 at a time (the GEMM
+   micro-kernel layout of BLIS, Van Zee & van de Geijn 2015). Operands are first copied into
+   zero-padded per-head scratch (rows to a multiple of 4, columns to a multiple of 16), so the
+   tiles need no edge cases; the causal structure skips every tile above the diagonal.
+     forward:  S = (scale q) k^T;  P = exp(S - rowmax), lse = rowmax + log rowsum;  O = P v / l
+     backward (FlashAttention, Dao et al. 2022, alg. 4): P = exp(S - lse), dV = P^T dO,
+       dP = dO v^T, D = rowsum(dO * O), dS = P (dP - D), dQ = scale dS k, dK = dS^T (scale q).
+   Masked probabilities and dS entries are exact zeros, so products over them add nothing.
+   ---------------------------------------------------------------------------------------- */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float* p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof v); }
+
+static inline v8f bcast8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+static inline long round_up(long n, long m) { return (n + m - 1) / m * m; }
+
+/* C[0..4, 0..16) = sum over k in [k0, k1) of A[0..4, k] B[k, 0..16). */
+static inline void tile_4x16(const float* RESTRICT a, long lda, const float* RESTRICT b,
+                             long ldb, float* RESTRICT c, long ldc, long k0, long k1) {
+    v8f c00 = bcast8(0.0f), c01 = c00, c10 = c00, c11 = c00;
+    v8f c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+    for (long k = k0; k < k1; ++k) {
+        const v8f b0 = load8(b + k * ldb), b1 = load8(b + k * ldb + 8);
+        const v8f a0 = bcast8(a[k]), a1 = bcast8(a[lda + k]);
+        const v8f a2 = bcast8(a[2 * lda + k]), a3 = bcast8(a[3 * lda + k]);
+        c00 += a0 * b0; c01 += a0 * b1;
+        c10 += a1 * b0; c11 += a1 * b1;
+        c20 += a2 * b0; c21 += a2 * b1;
+        c30 += a3 * b0; c31 += a3 * b1;
+    }
+    store8(c, c00); store8(c + 8, c01);
+    store8(c + ldc, c10); store8(c + ldc + 8, c11);
+    store8(c + 2 * ldc, c20); store8(c + 2 * ldc + 8, c21);
+    store8(c + 3 * ldc, c30); store8(c + 3 * ldc + 8, c31);
+}
+
+/* Which k (and, for scores, which output columns) a row block [r, r + 4) needs. */
+enum { K_ALL, K_UPTO_ROW, K_FROM_ROW };
+
+/* C (m4 x n16) = A (m4 x K) B (K x n16), tiles of 4 rows x 16 columns.
+   K_ALL: k in [0, kn), and only the column tiles at or left of the block's last row (the
+   causal scores S and dP). K_UPTO_ROW: k in [0, min(r + 4, kn)) (A is P or dS, zero right
+   of the diagonal). K_FROM_ROW: k in [r, kn) (A is P^T or dS^T, zero left of it). */
+static void gemm_tiles(const float* a, long lda, const float* b, long ldb, float* c, long ldc,
+                       long m4, long n16, long kn, int kind) {
+    for (long r = 0; r < m4; r += 4) {
+        long k0 = 0, k1 = kn, ncols = n16;
+        if (kind == K_ALL) ncols = round_up(r + 4, 16) < n16 ? round_up(r + 4, 16) : n16;
+        if (kind == K_UPTO_ROW) k1 = r + 4 < kn ? r + 4 : kn;
+        if (kind == K_FROM_ROW) k0 = r;
+        for (long j = 0; j < ncols; j += 16)
+            tile_4x16(a + r * lda, lda, b + j, ldb, c + r * ldc + j, ldc, k0, k1);
+    }
+}
+
+/* dst (rows x ldd, zero-filled) <- src (rows x cols) * s, or its transpose when `trans`. */
+static void pack(const float* RESTRICT src, long rows, long cols, float s, float* RESTRICT dst,
+                 long ldd, long dst_size, int trans) {
+    memset(dst, 0, sizeof(float) * (size_t)dst_size);
+    for (long i = 0; i < rows; ++i)
+        for (long j = 0; j < cols; ++j) {
+            if (trans) dst[j * ldd + i] = src[i * cols + j] * s;
+            else dst[i * ldd + j] = src[i * cols + j] * s;
+        }
+}
+
+int attention_f32(const float* RESTRICT q, const float* RESTRICT k, const float* RESTRICT v,
+                  float* RESTRICT out, float* RESTRICT lse, long nbh, long t, long hs,
+                  float scale) {
+    const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
+    const long n_qs = t4 * hp, n_kt = hs * tp, n_vp = t * hp, n_p = t4 * tp, n_o = t4 * hp;
+    float* scratch = malloc(sizeof(float) * (size_t)(n_qs + n_kt + n_vp + n_p + n_o + t));
+    if (!scratch) return -1;
+    float *qs = scratch, *kt = qs + n_qs, *vp = kt + n_kt, *p = vp + n_vp, *o = p + n_p;
+    float* inv_l = o + n_o;
+    memset(p, 0, sizeof(float) * (size_t)n_p);
+    for (long b = 0; b < nbh; ++b) {
+        const long off = b * t * hs;
+        pack(q + off, t, hs, scale, qs, hp, n_qs, 0);          /* (t4, hp) scale q */
+        pack(k + off, t, hs, 1.0f, kt, tp, n_kt, 1);           /* (hs, tp) k^T */
+        pack(v + off, t, hs, 1.0f, vp, hp, n_vp, 0);           /* (t, hp) v */
+        gemm_tiles(qs, hp, kt, tp, p, tp, t4, tp, hs, K_ALL);   /* S, lower tiles */
+        for (long i = 0; i < t; ++i) {
+            float* RESTRICT pi = p + i * tp;
+            const long n = i + 1;
+            float m = -INFINITY;
+#pragma omp simd reduction(max:m)
+            for (long j = 0; j < n; ++j) m = pi[j] > m ? pi[j] : m;
+            float l = 0.0f;
+#pragma omp simd reduction(+:l)
+            for (long j = 0; j < n; ++j) {
+                pi[j] = exp_f32(pi[j] - m);
+                l += pi[j];
+            }
+            for (long j = n; j < tp; ++j) pi[j] = 0.0f;
+            inv_l[i] = 1.0f / l;
+            lse[b * t + i] = m + logf(l);
+        }
+        gemm_tiles(p, tp, vp, hp, o, hp, t4, hp, t, K_UPTO_ROW);   /* P v */
+        for (long i = 0; i < t; ++i)
+            for (long d = 0; d < hs; ++d) out[off + i * hs + d] = o[i * hp + d] * inv_l[i];
+    }
+    free(scratch);
+    return 0;
+}
+
+int attention_bwd_f32(const float* RESTRICT q, const float* RESTRICT k, const float* RESTRICT v,
+                      const float* RESTRICT out, const float* RESTRICT lse,
+                      const float* RESTRICT dout, float* RESTRICT dq, float* RESTRICT dk,
+                      float* RESTRICT dv, long nbh, long t, long hs, float scale) {
+    const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
+    const long n_a = t4 * hp, n_t = hs * tp, n_s = t4 * tp;
+    /* qs, dop, kp, res: (t4, hp); kt, vt: (hs, tp); p, pt, ds, dst: (t4, tp) and (tp, tp) */
+    const long n_sq = tp * tp;
+    float* scratch = malloc(sizeof(float) * (size_t)(4 * n_a + 2 * n_t + 2 * n_s + 2 * n_sq));
+    if (!scratch) return -1;
+    float *qs = scratch, *dop = qs + n_a, *kp = dop + n_a, *res = kp + n_a;
+    float *kt = res + n_a, *vt = kt + n_t;
+    float *p = vt + n_t, *ds = p + n_s, *pt = ds + n_s, *dst = pt + n_sq;
+    memset(pt, 0, sizeof(float) * (size_t)(2 * n_sq));
+    for (long b = 0; b < nbh; ++b) {
+        const long off = b * t * hs;
+        pack(q + off, t, hs, scale, qs, hp, n_a, 0);            /* (t4, hp) scale q */
+        pack(dout + off, t, hs, 1.0f, dop, hp, n_a, 0);         /* (t4, hp) dO */
+        pack(k + off, t, hs, 1.0f, kp, hp, n_a, 0);             /* (t4, hp) k */
+        pack(k + off, t, hs, 1.0f, kt, tp, n_t, 1);             /* (hs, tp) k^T */
+        pack(v + off, t, hs, 1.0f, vt, tp, n_t, 1);             /* (hs, tp) v^T */
+        gemm_tiles(qs, hp, kt, tp, p, tp, t4, tp, hs, K_ALL);    /* S */
+        gemm_tiles(dop, hp, vt, tp, ds, tp, t4, tp, hs, K_ALL);  /* dP */
+        for (long i = 0; i < t; ++i) {
+            float* RESTRICT pi = p + i * tp;
+            float* RESTRICT dsi = ds + i * tp;
+            const float* RESTRICT doi = dout + off + i * hs;
+            const float* RESTRICT oi = out + off + i * hs;
+            const long n = i + 1;
+            float di = 0.0f;                                      /* D_i = dO_i . O_i */
+#pragma omp simd reduction(+:di)
+            for (long d = 0; d < hs; ++d) di += doi[d] * oi[d];
+            const float li = lse[b * t + i];
+#pragma omp simd
+            for (long j = 0; j < n; ++j) {
+                pi[j] = exp_f32(pi[j] - li);
+                dsi[j] = pi[j] * (dsi[j] - di);
+            }
+            for (long j = n; j < tp; ++j) pi[j] = dsi[j] = 0.0f;
+            for (long j = 0; j < n; ++j) {                        /* transposes, j <= i */
+                pt[j * tp + i] = pi[j];
+                dst[j * tp + i] = dsi[j];
+            }
+        }
+        for (long i = t; i < t4; ++i)                             /* padding rows */
+            for (long j = 0; j < tp; ++j) p[i * tp + j] = ds[i * tp + j] = 0.0f;
+        gemm_tiles(ds, tp, kp, hp, res, hp, t4, hp, t, K_UPTO_ROW);     /* dS k */
+        for (long i = 0; i < t; ++i)
+            for (long d = 0; d < hs; ++d) dq[off + i * hs + d] = res[i * hp + d] * scale;
+        gemm_tiles(pt, tp, dop, hp, res, hp, t4, hp, t, K_FROM_ROW);    /* P^T dO */
+        for (long j = 0; j < t; ++j)
+            for (long d = 0; d < hs; ++d) dv[off + j * hs + d] = res[j * hp + d];
+        gemm_tiles(dst, tp, qs, hp, res, hp, t4, hp, t, K_FROM_ROW);    /* dS^T (scale q) */
+        for (long j = 0; j < t; ++j)
+            for (long d = 0; d < hs; ++d) dk[off + j * hs + d] = res[j * hp + d];
+    }
+    free(scratch);
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------------------
+   AdamW, one parameter tensor in place, in cpu.py's adamw_update's folded form:
+     g' = grad_scale g;  m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2;
+     p = decay p - m / (sqrt(v) a + c),  a = bc1 / (lr sqrt(bc2)),  c = eps bc1 / lr.
+   The caller folds the scalars: c1 = (1 - b1) grad_scale, c2 = (1 - b2) grad_scale^2.
+   update = 0 (lr == 0) moves the moments only. Each call owns the flat range [0, n).
+   ---------------------------------------------------------------------------------------- */
+void adamw_f32(float* RESTRICT p, const float* RESTRICT g, float* RESTRICT m,
+               float* RESTRICT v, long n, float b1, float c1, float b2, float c2, float a,
+               float c, float decay, int update) {
+    if (!update) {
+#pragma omp simd
+        for (long i = 0; i < n; ++i) {
+            m[i] = b1 * m[i] + c1 * g[i];
+            v[i] = b2 * v[i] + c2 * (g[i] * g[i]);
+        }
+        return;
+    }
+#pragma omp simd
+    for (long i = 0; i < n; ++i) {
+        const float mi = b1 * m[i] + c1 * g[i];
+        const float vi = b2 * v[i] + c2 * (g[i] * g[i]);
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = decay * p[i] - mi / (sqrtf(vi) * a + c);
+    }
+}

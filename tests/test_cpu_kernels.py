@@ -1,0 +1,321 @@
+"""The fused C kernels of the CPU backend (backends/cpu_kernels.c) and their NumPy fallback.
+
+Every float32 kernel that has a C version runs here twice, once on each path
+(``cpu_native.set_mode("c")`` / ``("numpy")``), against the float64 spec in tests/reference.py;
+backward kernels are fed a random cotangent ``dy``. The dispatch itself is checked with a spy on
+the loaded library, and the loader's fallbacks (no compiler, a failed compile,
+``FORGE_CPU_KERNELS=numpy``) in fresh subprocesses.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import reference as ref
+from forge_ml.backends import cpu, cpu_native
+
+F32_TOL = dict(rtol=1e-5, atol=1e-5)
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@pytest.fixture(params=["c", "numpy"])
+def path(request):
+    """Runs the test on the C kernels, then on NumPy; the C run fails if a compiler exists
+    but the kernels do not build."""
+    if request.param == "c" and cpu_native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    old = cpu_native.set_mode(request.param)
+    yield request.param
+    cpu_native.set_mode(old)
+
+
+def randn(shape, seed, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def close(actual, expected):
+    assert actual.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, **F32_TOL)
+
+
+# ============================================================================== dispatch
+
+class _Spy:
+    """Stands in for the loaded library and records which kernels were called."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.lib, name)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    if cpu_native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    old = cpu_native.set_mode("c")
+    s = _Spy(cpu_native.lib())
+    monkeypatch.setitem(cpu_native._state, "lib", s)
+    yield s
+    cpu_native.set_mode(old)
+
+
+def _call_every_kernel(dtype, contiguous=True):
+    x = randn((6, 16), 1).astype(dtype)
+    if not contiguous:
+        x = np.asfortranarray(x)
+    g = randn((16,), 2).astype(dtype)
+    cpu.gelu(x), cpu.gelu_bwd(x, x)
+    cpu.layernorm(x, g, g, 1e-5), cpu.layernorm_bwd(x, g, x, 1e-5)
+    q = randn((2, 5, 4), 3).astype(dtype)
+    out, lse = cpu.attention(q, q, q, 0.5)
+    cpu.attention_bwd(q, q, q, out, lse, q, 0.5)
+    p = x.copy()
+    cpu.adamw_update(p, x, np.zeros_like(p), np.zeros_like(p), 1e-3, 0.9, 0.99, 1e-8, 0.1, 1, 1.0)
+
+
+def test_float32_runs_the_c_kernels(spy):
+    _call_every_kernel(np.float32)
+    assert spy.calls == ["gelu_f32", "gelu_bwd_f32", "layernorm_f32", "layernorm_bwd_f32",
+                         "attention_f32", "attention_bwd_f32", "adamw_f32"]
+
+
+def test_float64_and_strided_arrays_run_numpy(spy):
+    _call_every_kernel(np.float64)
+    x = np.asfortranarray(randn((6, 16), 1))
+    cpu.gelu(x), cpu.gelu_bwd(x, x)
+    assert spy.calls == []
+
+
+def test_numpy_mode_never_loads():
+    old = cpu_native.set_mode("numpy")
+    try:
+        assert cpu_native.lib() is None
+    finally:
+        cpu_native.set_mode(old)
+
+
+def test_unknown_mode_is_an_error():
+    with pytest.raises(cpu_native.NativeKernelError, match="one of auto, numpy, c"):
+        cpu_native.set_mode("fortran")
+
+
+# ============================================================================== exp_f32
+
+def test_exp_f32_accuracy_and_edges():
+    if cpu_native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    old = cpu_native.set_mode("c")
+    try:
+        lib = cpu_native.lib()
+        x = np.linspace(-87.0, 88.0, 1_000_003).astype(np.float32)
+        y = np.empty_like(x)
+        lib.exp_f32_array(x.ctypes.data, y.ctypes.data, x.size)
+        e = np.exp(x.astype(np.float64))
+        assert np.max(np.abs(y - e) / e) < 2.5e-7          # ~1 ulp of float32 (5.96e-8 = 1/2 ulp)
+        edges = np.array([np.nan, -np.inf, -1e4, -100.0, 0.0, 1.0, 100.0, np.inf], np.float32)
+        out = np.empty_like(edges)
+        lib.exp_f32_array(edges.ctypes.data, out.ctypes.data, edges.size)
+    finally:
+        cpu_native.set_mode(old)
+    assert np.isnan(out[0])
+    assert np.all(out[1:4] <= 1.2e-38) and np.all(out[1:4] >= 0.0)   # clamped at e^-87.3
+    assert out[4] == 1.0 and abs(out[5] - math.e) <= 2.5e-7 * math.e
+    assert np.all(np.isfinite(out[6:])) and np.all(out[6:] > 2e38)   # clamped at e^88.38
+
+
+# ============================================================================== gelu
+
+@pytest.mark.parametrize("shape", [(7,), (3, 37), (768, 512), (5, 100_003)])
+def test_gelu_vs_reference(path, shape):
+    x, dy = randn(shape, 1, scale=3.0), randn(shape, 2)
+    close(cpu.gelu(x), ref.gelu(x))
+    close(cpu.gelu_bwd(x, dy), ref.gelu_bwd(x, dy))
+
+
+def test_gelu_extremes(path):
+    x = np.array([-1e4, -88.0, -50.0, -10.0, -1e-30, 0.0, 1e-30, 10.0, 50.0, 1e4], np.float32)
+    dy = randn(x.shape, 3)
+    y, dx = cpu.gelu(x), cpu.gelu_bwd(x, dy)
+    assert np.all(np.isfinite(y)) and np.all(np.isfinite(dx))
+    np.testing.assert_allclose(y, ref.gelu(x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dx, ref.gelu_bwd(x, dy), rtol=1e-6, atol=1e-6)
+
+
+def test_gelu_nan_propagates(path):
+    x = np.array([1.0, np.nan, -2.0], np.float32)
+    assert np.isnan(cpu.gelu(x)).tolist() == [False, True, False]
+    assert np.isnan(cpu.gelu_bwd(x, np.ones_like(x))).tolist() == [False, True, False]
+
+
+# ============================================================================== layernorm
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (3, 4, 128), (64, 768)])
+def test_layernorm_vs_reference(path, shape):
+    c = shape[-1]
+    x = randn(shape, 1, scale=2.0) + 0.5
+    gamma, beta, dy = randn((c,), 2), randn((c,), 3), randn(shape, 4)
+    close(cpu.layernorm(x, gamma, beta, 1e-5), ref.layernorm(x, gamma, beta, 1e-5))
+    dx, dgamma, dbeta = cpu.layernorm_bwd(x, gamma, dy, 1e-5)
+    edx, edgamma, edbeta = ref.layernorm_bwd(x, gamma, dy, 1e-5)
+    close(dx, edx)
+    close(dgamma, edgamma)
+    close(dbeta, edbeta)
+    assert dx.shape == x.shape and dgamma.shape == dbeta.shape == (c,)
+
+
+def test_layernorm_bwd_many_rows_accumulates_accurately(path):
+    """dgamma and dbeta sum 8192 rows: float32 running sums would drift past 1e-5."""
+    x, dy = randn((8192, 16), 1, scale=2.0), randn((8192, 16), 2) + 0.25
+    gamma = randn((16,), 3)
+    _, dgamma, dbeta = cpu.layernorm_bwd(x, gamma, dy, 1e-5)
+    _, edgamma, edbeta = ref.layernorm_bwd(x, gamma, dy, 1e-5)
+    close(dgamma, edgamma)
+    close(dbeta, edbeta)
+
+
+def test_layernorm_large_mean_is_stable(path):
+    x = (1000.0 + randn((4, 64), 1)).astype(np.float32)
+    gamma, beta = np.ones(64, np.float32), np.zeros(64, np.float32)
+    np.testing.assert_allclose(cpu.layernorm(x, gamma, beta, 1e-5),
+                               ref.layernorm(x, gamma, beta, 1e-5), atol=2e-3)
+
+
+# ============================================================================== attention
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 5, 3), (2, 3, 17, 20), (12, 4, 64, 32),
+                                   (1, 2, 300, 8), (1, 1, 33, 64)])
+def test_attention_vs_reference(path, shape):
+    q, k, v = (randn(shape, s) for s in (1, 2, 3))
+    dout = randn(shape, 4)
+    scale = 1.0 / math.sqrt(shape[-1])
+    out, lse = cpu.attention(q, k, v, scale)
+    eout, else_ = ref.attention(q, k, v, scale)
+    assert out.shape == shape and lse.shape == shape[:-1] and lse.dtype == np.float32
+    close(out, eout)
+    close(lse, else_)
+    for mine, spec in zip(cpu.attention_bwd(q, k, v, out, lse, dout, scale),
+                          ref.attention_bwd(q, k, v, dout, scale)):
+        assert mine.shape == shape
+        close(mine, spec)
+
+
+def test_attention_peaked_scores(path):
+    """Scores up to ~150: exp overflows unless the row max is subtracted first. Scores this
+    large cost float32 ~1e-5 relative per score, so the check is norm-wise."""
+    shape = (2, 2, 19, 8)
+    q, k, v, dout = randn(shape, 1, 6.0), randn(shape, 2, 6.0), randn(shape, 3), randn(shape, 4)
+    out, lse = cpu.attention(q, k, v, 1.0)
+    eout, else_ = ref.attention(q, k, v, 1.0)
+    assert np.abs(else_).max() > 100.0
+    np.testing.assert_allclose(out, eout, atol=1e-4 * np.abs(eout).max())
+    np.testing.assert_allclose(lse, else_, rtol=1e-5)
+    for mine, spec in zip(cpu.attention_bwd(q, k, v, out, lse, dout, 1.0),
+                          ref.attention_bwd(q, k, v, dout, 1.0)):
+        np.testing.assert_allclose(mine, spec, atol=1e-4 * np.abs(spec).max())
+
+
+def test_attention_nan_stays_in_its_rows(path):
+    q, k, v = (randn((1, 6, 4), s) for s in (1, 2, 3))
+    q[0, 3, 1] = np.nan
+    out, lse = cpu.attention(q, k, v, 0.5)
+    assert np.isnan(out[0, 3]).all() and np.isnan(lse[0, 3])
+    rows = [0, 1, 2, 4, 5]
+    assert np.isfinite(out[0, rows]).all() and np.isfinite(lse[0, rows]).all()
+
+
+# ============================================================================== AdamW
+
+@pytest.mark.parametrize("lr, wd, grad_scale", [(1e-2, 0.1, 0.5), (3e-4, 0.0, 1.0), (0.0, 0.1, 2.0)])
+def test_adamw_vs_reference(path, lr, wd, grad_scale):
+    hyper = dict(lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=wd)
+    p = randn((37, 11), 1)
+    m, v = np.zeros_like(p), np.zeros_like(p)
+    ep, em, ev = p.astype(np.float64), m.astype(np.float64), v.astype(np.float64)
+    for step in range(1, 6):
+        g = randn(p.shape, 10 + step)
+        before = p.astype(np.float64)
+        cpu.adamw_update(p, g, m, v, step=step, grad_scale=grad_scale, **hyper)
+        ep, em, ev = ref.adamw_update(before, g, em, ev, step=step, grad_scale=grad_scale,
+                                      **hyper)
+        close(p, ep)
+        close(m, em)
+        close(v, ev)
+        # the step itself (p is ~100x larger, so close(p, ep) alone would hide a wrong step)
+        np.testing.assert_allclose(p - before, ep - before, rtol=1e-4,
+                                   atol=2 * np.spacing(np.abs(p).max()))
+
+
+# ============================================================================== the loader
+
+def _fresh(code, **env):
+    """Run ``code`` in a new interpreter with ``env`` added; returns the completed process."""
+    full = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                **env)
+    full.pop("FORGE_CPU_KERNELS", None)
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
+                          text=True, timeout=300)
+
+
+_GELU_CHECK = """
+import warnings, numpy as np
+from forge_ml.backends import cpu, cpu_native
+x = np.linspace(-5, 5, 101, dtype=np.float32)
+y = cpu.gelu(x)
+ref = 0.5 * x * (1 + np.tanh(0.7978845608028654 * (x + 0.044715 * x.astype(np.float64) ** 3)))
+assert np.allclose(y, ref, rtol=1e-5, atol=1e-6)
+print("lib" if cpu_native._state["lib"] is not None else "numpy", cpu_native.why_not())
+"""
+
+
+def test_no_compiler_falls_back_with_one_warning(tmp_path):
+    r = _fresh(_GELU_CHECK, CC=str(tmp_path / "no-such-cc"), FORGE_CACHE_DIR=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("numpy")
+    assert r.stderr.count("C CPU kernels are unavailable") == 1
+
+
+def test_compile_failure_falls_back_and_says_why(tmp_path):
+    cc = tmp_path / "badcc"
+    cc.write_text("#!/bin/sh\necho 'badcc: pretend error' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    r = _fresh(_GELU_CHECK, CC=str(cc), FORGE_CACHE_DIR=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("numpy") and "pretend error" in r.stdout
+    assert "pretend error" in r.stderr
+
+
+def test_mode_c_without_compiler_is_an_error(tmp_path):
+    r = _fresh(_GELU_CHECK, CC=str(tmp_path / "no-such-cc"), FORGE_CACHE_DIR=str(tmp_path),
+               FORGE_CPU_KERNELS="c")
+    assert r.returncode != 0 and "NativeKernelError" in r.stderr
+
+
+def test_env_numpy_never_compiles(tmp_path):
+    r = _fresh(_GELU_CHECK, FORGE_CACHE_DIR=str(tmp_path), FORGE_CPU_KERNELS="numpy")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("numpy") and r.stderr == ""
+    assert not (tmp_path / "cpu").exists()
+
+
+def test_concurrent_first_builds_share_one_library(tmp_path):
+    if cpu_native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    full = dict(os.environ, PYTHONPATH=SRC, FORGE_CACHE_DIR=str(tmp_path), FORGE_CPU_KERNELS="c")
+    procs = [subprocess.Popen([sys.executable, "-c", _GELU_CHECK], env=full, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        assert out.startswith("lib")
+    built = sorted(x.name for x in (tmp_path / "cpu").iterdir())
+    assert len(built) == 1 and built[0].startswith("cpu_kernels-") and built[0].endswith(".so")
