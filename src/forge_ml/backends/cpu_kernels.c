@@ -166,14 +166,17 @@ int layernorm_bwd_f32(const float* RESTRICT x, const float* RESTRICT gamma,
 /* ----------------------------------------------------------------------------------------
    causal attention, one head at a time: q, k, v, out, dout (nbh, t, hs), lse (nbh, t).
    Every product is C = A B with B row-major, computed by tile_4x16: a 4 x 16 block of C in
-   eight 8-float registers, A's entries broadcast, B's rows loaded 16 at a time (the GEMM
-   micro-kernel layout of BLIS, Van Zee & van de Geijn 2015). Operands are first copied into
-   zero-padded per-head scratch (rows to a multiple of 4, columns to a multiple of 16), so the
-   tiles need no edge cases; the causal structure skips every tile above the diagonal.
-     forward:  S = (scale q) k^T;  P = exp(S - rowmax), lse = rowmax + log rowsum;  O = P v / l
-     backward (FlashAttention, Dao et al. 2022, alg. 4): P = exp(S - lse), dV = P^T dO,
-       dP = dO v^T, D = rowsum(dO * O), dS = P (dP - D), dQ = scale dS k, dK = dS^T (scale q).
-   Masked probabilities and dS entries are exact zeros, so products over them add nothing.
+   eight 8-float registers, A's entries broadcast (A read as stored or transposed), B's rows
+   loaded 16 at a time (the GEMM micro-kernel layout of BLIS, Van Zee & van de Geijn 2015).
+   The causal structure skips every tile above the diagonal. When t % 4 == 0 and
+   hs % 16 == 0 (GPT-2's heads) q, k, v, dout and the results are used in place; otherwise
+   they go through zero-padded per-head copies (rows to a multiple of 4, columns of 16).
+     forward:  S = q k^T;  P = exp(scale S - rowmax) / l, lse = rowmax + log l;  O = P v
+     backward (FlashAttention, Dao et al. 2022, alg. 4): P = exp(scale S - lse),
+       dP = dO v^T, D = rowsum(dO * O), dS = scale P (dP - D),
+       dQ = dS k, dK = dS^T q, dV = P^T dO.
+   Row i of P and dS is valid on columns [0, round_up(i + 1, 8)), zero right of i; every
+   product reads only there. Each call owns its heads; scratch is per call.
    ---------------------------------------------------------------------------------------- */
 typedef float v8f __attribute__((vector_size(32)));
 
@@ -187,17 +190,29 @@ static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof v); }
 
 static inline v8f bcast8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
+/* Pins a vector in a register. Left alone, GCC folds each use of a loaded row of B into the
+   FMA as a memory operand, so tile_4x16 issued 12 loads per 8 FMAs and was load-bound
+   (attention_bwd 1100 -> 660 us on the nanoGPT shapes with the pin). */
+#if defined(__AVX__) && (defined(__x86_64__) || defined(__i386__))
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define IN_REGISTER(v) ((void)0)
+#endif
+
 static inline long round_up(long n, long m) { return (n + m - 1) / m * m; }
 
-/* C[0..4, 0..16) = sum over k in [k0, k1) of A[0..4, k] B[k, 0..16). */
-static inline void tile_4x16(const float* RESTRICT a, long lda, const float* RESTRICT b,
+/* C[0..4, 0..16) = sum over k in [k0, k1) of A[r, k] B[k, 0..16), A[r, k] = a[r * ars + k * aks]. */
+static inline void tile_4x16(const float* RESTRICT a, long ars, long aks, const float* RESTRICT b,
                              long ldb, float* RESTRICT c, long ldc, long k0, long k1) {
     v8f c00 = bcast8(0.0f), c01 = c00, c10 = c00, c11 = c00;
     v8f c20 = c00, c21 = c00, c30 = c00, c31 = c00;
     for (long k = k0; k < k1; ++k) {
-        const v8f b0 = load8(b + k * ldb), b1 = load8(b + k * ldb + 8);
-        const v8f a0 = bcast8(a[k]), a1 = bcast8(a[lda + k]);
-        const v8f a2 = bcast8(a[2 * lda + k]), a3 = bcast8(a[3 * lda + k]);
+        v8f b0 = load8(b + k * ldb), b1 = load8(b + k * ldb + 8);
+        IN_REGISTER(b0);
+        IN_REGISTER(b1);
+        const float* ak = a + k * aks;
+        const v8f a0 = bcast8(ak[0]), a1 = bcast8(ak[ars]);
+        const v8f a2 = bcast8(ak[2 * ars]), a3 = bcast8(ak[3 * ars]);
         c00 += a0 * b0; c01 += a0 * b1;
         c10 += a1 * b0; c11 += a1 * b1;
         c20 += a2 * b0; c21 += a2 * b1;
@@ -212,68 +227,98 @@ static inline void tile_4x16(const float* RESTRICT a, long lda, const float* RES
 /* Which k (and, for scores, which output columns) a row block [r, r + 4) needs. */
 enum { K_ALL, K_UPTO_ROW, K_FROM_ROW };
 
-/* C (m4 x n16) = A (m4 x K) B (K x n16), tiles of 4 rows x 16 columns.
+/* C (m4 x n16) = A (m4 x K) B (K x n16) in 4 x 16 tiles; A[r, k] = a[r * ars + k * aks].
    K_ALL: k in [0, kn), and only the column tiles at or left of the block's last row (the
-   causal scores S and dP). K_UPTO_ROW: k in [0, min(r + 4, kn)) (A is P or dS, zero right
-   of the diagonal). K_FROM_ROW: k in [r, kn) (A is P^T or dS^T, zero left of it). */
-static void gemm_tiles(const float* a, long lda, const float* b, long ldb, float* c, long ldc,
-                       long m4, long n16, long kn, int kind) {
+   causal S and dP). K_UPTO_ROW: k in [0, r + 4) (A is P or dS, zero right of the diagonal).
+   K_FROM_ROW: k in [r, kn) (A is P^T or dS^T, zero left of it). */
+static inline void gemm_tiles(const float* a, long ars, long aks, const float* b, long ldb,
+                              float* c, long ldc, long m4, long n16, long kn, int kind) {
     for (long r = 0; r < m4; r += 4) {
         long k0 = 0, k1 = kn, ncols = n16;
         if (kind == K_ALL) ncols = round_up(r + 4, 16) < n16 ? round_up(r + 4, 16) : n16;
-        if (kind == K_UPTO_ROW) k1 = r + 4 < kn ? r + 4 : kn;
+        if (kind == K_UPTO_ROW) k1 = r + 4;
         if (kind == K_FROM_ROW) k0 = r;
         for (long j = 0; j < ncols; j += 16)
-            tile_4x16(a + r * lda, lda, b + j, ldb, c + r * ldc + j, ldc, k0, k1);
+            tile_4x16(a + r * ars, ars, aks, b + j, ldb, c + r * ldc + j, ldc, k0, k1);
     }
 }
 
-/* dst (rows x ldd, zero-filled) <- src (rows x cols) * s, or its transpose when `trans`. */
-static void pack(const float* RESTRICT src, long rows, long cols, float s, float* RESTRICT dst,
-                 long ldd, long dst_size, int trans) {
-    memset(dst, 0, sizeof(float) * (size_t)dst_size);
-    for (long i = 0; i < rows; ++i)
-        for (long j = 0; j < cols; ++j) {
-            if (trans) dst[j * ldd + i] = src[i * cols + j] * s;
-            else dst[i * ldd + j] = src[i * cols + j] * s;
-        }
+/* dst (t4 x hp, zero padding) <- src (t x hs); returns dst, or src itself when no padding is
+   needed. */
+static const float* padded(const float* RESTRICT src, long t, long hs, long t4, long hp,
+                           float* RESTRICT dst) {
+    if (t == t4 && hs == hp) return src;
+    memset(dst, 0, sizeof(float) * (size_t)(t4 * hp));
+    for (long i = 0; i < t; ++i) memcpy(dst + i * hp, src + i * hs, sizeof(float) * (size_t)hs);
+    return dst;
+}
+
+/* dst (rows of hs) <- src (rows of hp), the first t rows. */
+static void unpad(const float* RESTRICT src, long t, long hs, long hp, float* RESTRICT dst) {
+    for (long i = 0; i < t; ++i) memcpy(dst + i * hs, src + i * hp, sizeof(float) * (size_t)hs);
+}
+
+/* dst (hs x tp, zero padding) <- src (t x hs) transposed. */
+static void transpose_padded(const float* RESTRICT src, long t, long hs, long tp,
+                             float* RESTRICT dst) {
+    for (long d = 0; d < hs; ++d) {
+        float* RESTRICT row = dst + d * tp;
+        for (long j = 0; j < t; ++j) row[j] = src[j * hs + d];
+        for (long j = t; j < tp; ++j) row[j] = 0.0f;
+    }
 }
 
 int attention_f32(const float* RESTRICT q, const float* RESTRICT k, const float* RESTRICT v,
                   float* RESTRICT out, float* RESTRICT lse, long nbh, long t, long hs,
                   float scale) {
     const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
-    const long n_qs = t4 * hp, n_kt = hs * tp, n_vp = t * hp, n_p = t4 * tp, n_o = t4 * hp;
-    float* scratch = malloc(sizeof(float) * (size_t)(n_qs + n_kt + n_vp + n_p + n_o + t));
+    const long n_a = t4 * hp;
+    /* kt (hs, tp); p (t4, tp); q, v, o padded copies (t4, hp) when needed; row maxima (t) */
+    float* scratch = calloc((size_t)(hs * tp + t4 * tp + 3 * n_a + t), sizeof(float));
     if (!scratch) return -1;
-    float *qs = scratch, *kt = qs + n_qs, *vp = kt + n_kt, *p = vp + n_vp, *o = p + n_p;
-    float* inv_l = o + n_o;
-    memset(p, 0, sizeof(float) * (size_t)n_p);
+    float *kt = scratch, *p = kt + hs * tp, *qpad = p + t4 * tp, *vpad = qpad + n_a;
+    float *opad = vpad + n_a, *rowmax = opad + n_a;
+    const int direct = t == t4 && hs == hp;
     for (long b = 0; b < nbh; ++b) {
         const long off = b * t * hs;
-        pack(q + off, t, hs, scale, qs, hp, n_qs, 0);          /* (t4, hp) scale q */
-        pack(k + off, t, hs, 1.0f, kt, tp, n_kt, 1);           /* (hs, tp) k^T */
-        pack(v + off, t, hs, 1.0f, vp, hp, n_vp, 0);           /* (t, hp) v */
-        gemm_tiles(qs, hp, kt, tp, p, tp, t4, tp, hs, K_ALL);   /* S, lower tiles */
+        const float* qa = padded(q + off, t, hs, t4, hp, qpad);
+        const float* vb = padded(v + off, t, hs, t4, hp, vpad);
+        float* o = direct ? out + off : opad;
+        transpose_padded(k + off, t, hs, tp, kt);
+        gemm_tiles(qa, hp, 1, kt, tp, p, tp, t4, tp, hs, K_ALL);          /* S */
         for (long i = 0; i < t; ++i) {
             float* RESTRICT pi = p + i * tp;
-            const long n = i + 1;
+            const long n8 = round_up(i + 1, 8);
             float m = -INFINITY;
 #pragma omp simd reduction(max:m)
-            for (long j = 0; j < n; ++j) m = pi[j] > m ? pi[j] : m;
+            for (long j = 0; j < n8; ++j) {
+                const float sj = j <= i ? pi[j] * scale : -INFINITY;
+                m = sj > m ? sj : m;
+            }
+            rowmax[i] = m;
+        }
+        /* exp in its own loop over all rows: with the row sum in the same short loop, each
+           row's polynomial chains ran one after another (1.25x slower in all) */
+        for (long i = 0; i < t; ++i) {
+            float* RESTRICT pi = p + i * tp;
+            const float m = rowmax[i];
+#pragma omp simd
+            for (long j = 0; j < round_up(i + 1, 8); ++j)
+                pi[j] = j <= i ? exp_f32(pi[j] * scale - m) : 0.0f;
+        }
+        for (long i = 0; i < t; ++i) {
+            float* RESTRICT pi = p + i * tp;
+            const long n8 = round_up(i + 1, 8);
             float l = 0.0f;
 #pragma omp simd reduction(+:l)
-            for (long j = 0; j < n; ++j) {
-                pi[j] = exp_f32(pi[j] - m);
-                l += pi[j];
-            }
-            for (long j = n; j < tp; ++j) pi[j] = 0.0f;
-            inv_l[i] = 1.0f / l;
-            lse[b * t + i] = m + logf(l);
+            for (long j = 0; j < n8; ++j) l += pi[j];
+            const float inv = 1.0f / l;
+#pragma omp simd
+            for (long j = 0; j < n8; ++j) pi[j] *= inv;
+            lse[b * t + i] = rowmax[i] + logf(l);
         }
-        gemm_tiles(p, tp, vp, hp, o, hp, t4, hp, t, K_UPTO_ROW);   /* P v */
-        for (long i = 0; i < t; ++i)
-            for (long d = 0; d < hs; ++d) out[off + i * hs + d] = o[i * hp + d] * inv_l[i];
+        gemm_tiles(p, tp, 1, vb, hp, o, hp, t4, hp, t, K_UPTO_ROW);       /* P v */
+        if (!direct) unpad(opad, t, hs, hp, out + off);
     }
     free(scratch);
     return 0;
@@ -285,55 +330,50 @@ int attention_bwd_f32(const float* RESTRICT q, const float* RESTRICT k, const fl
                       float* RESTRICT dv, long nbh, long t, long hs, float scale) {
     const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
     const long n_a = t4 * hp, n_t = hs * tp, n_s = t4 * tp;
-    /* qs, dop, kp, res: (t4, hp); kt, vt: (hs, tp); p, pt, ds, dst: (t4, tp) and (tp, tp) */
-    const long n_sq = tp * tp;
-    float* scratch = malloc(sizeof(float) * (size_t)(4 * n_a + 2 * n_t + 2 * n_s + 2 * n_sq));
+    /* kt, vt (hs, tp); p, ds (t4, tp); q, k, dout, dq, dk, dv padded copies (t4, hp) */
+    float* scratch = calloc((size_t)(2 * n_t + 2 * n_s + 6 * n_a), sizeof(float));
     if (!scratch) return -1;
-    float *qs = scratch, *dop = qs + n_a, *kp = dop + n_a, *res = kp + n_a;
-    float *kt = res + n_a, *vt = kt + n_t;
-    float *p = vt + n_t, *ds = p + n_s, *pt = ds + n_s, *dst = pt + n_sq;
-    memset(pt, 0, sizeof(float) * (size_t)(2 * n_sq));
+    float *kt = scratch, *vt = kt + n_t, *p = vt + n_t, *ds = p + n_s;
+    float *qpad = ds + n_s, *kpad = qpad + n_a, *dopad = kpad + n_a;
+    float *dqpad = dopad + n_a, *dkpad = dqpad + n_a, *dvpad = dkpad + n_a;
+    const int direct = t == t4 && hs == hp;
     for (long b = 0; b < nbh; ++b) {
         const long off = b * t * hs;
-        pack(q + off, t, hs, scale, qs, hp, n_a, 0);            /* (t4, hp) scale q */
-        pack(dout + off, t, hs, 1.0f, dop, hp, n_a, 0);         /* (t4, hp) dO */
-        pack(k + off, t, hs, 1.0f, kp, hp, n_a, 0);             /* (t4, hp) k */
-        pack(k + off, t, hs, 1.0f, kt, tp, n_t, 1);             /* (hs, tp) k^T */
-        pack(v + off, t, hs, 1.0f, vt, tp, n_t, 1);             /* (hs, tp) v^T */
-        gemm_tiles(qs, hp, kt, tp, p, tp, t4, tp, hs, K_ALL);    /* S */
-        gemm_tiles(dop, hp, vt, tp, ds, tp, t4, tp, hs, K_ALL);  /* dP */
+        const float* qa = padded(q + off, t, hs, t4, hp, qpad);
+        const float* ka = padded(k + off, t, hs, t4, hp, kpad);
+        const float* doa = padded(dout + off, t, hs, t4, hp, dopad);
+        float* dqc = direct ? dq + off : dqpad;
+        float* dkc = direct ? dk + off : dkpad;
+        float* dvc = direct ? dv + off : dvpad;
+        transpose_padded(k + off, t, hs, tp, kt);
+        transpose_padded(v + off, t, hs, tp, vt);
+        gemm_tiles(qa, hp, 1, kt, tp, p, tp, t4, tp, hs, K_ALL);          /* S */
+        gemm_tiles(doa, hp, 1, vt, tp, ds, tp, t4, tp, hs, K_ALL);        /* dP */
         for (long i = 0; i < t; ++i) {
             float* RESTRICT pi = p + i * tp;
             float* RESTRICT dsi = ds + i * tp;
             const float* RESTRICT doi = dout + off + i * hs;
             const float* RESTRICT oi = out + off + i * hs;
-            const long n = i + 1;
-            float di = 0.0f;                                      /* D_i = dO_i . O_i */
+            const long n8 = round_up(i + 1, 8);
+            float di = 0.0f;                                              /* D_i */
 #pragma omp simd reduction(+:di)
             for (long d = 0; d < hs; ++d) di += doi[d] * oi[d];
             const float li = lse[b * t + i];
 #pragma omp simd
-            for (long j = 0; j < n; ++j) {
-                pi[j] = exp_f32(pi[j] - li);
-                dsi[j] = pi[j] * (dsi[j] - di);
-            }
-            for (long j = n; j < tp; ++j) pi[j] = dsi[j] = 0.0f;
-            for (long j = 0; j < n; ++j) {                        /* transposes, j <= i */
-                pt[j * tp + i] = pi[j];
-                dst[j * tp + i] = dsi[j];
+            for (long j = 0; j < n8; ++j) {
+                const float pj = j <= i ? exp_f32(pi[j] * scale - li) : 0.0f;
+                pi[j] = pj;
+                dsi[j] = scale * pj * (dsi[j] - di);
             }
         }
-        for (long i = t; i < t4; ++i)                             /* padding rows */
-            for (long j = 0; j < tp; ++j) p[i * tp + j] = ds[i * tp + j] = 0.0f;
-        gemm_tiles(ds, tp, kp, hp, res, hp, t4, hp, t, K_UPTO_ROW);     /* dS k */
-        for (long i = 0; i < t; ++i)
-            for (long d = 0; d < hs; ++d) dq[off + i * hs + d] = res[i * hp + d] * scale;
-        gemm_tiles(pt, tp, dop, hp, res, hp, t4, hp, t, K_FROM_ROW);    /* P^T dO */
-        for (long j = 0; j < t; ++j)
-            for (long d = 0; d < hs; ++d) dv[off + j * hs + d] = res[j * hp + d];
-        gemm_tiles(dst, tp, qs, hp, res, hp, t4, hp, t, K_FROM_ROW);    /* dS^T (scale q) */
-        for (long j = 0; j < t; ++j)
-            for (long d = 0; d < hs; ++d) dk[off + j * hs + d] = res[j * hp + d];
+        gemm_tiles(ds, tp, 1, ka, hp, dqc, hp, t4, hp, t, K_UPTO_ROW);    /* dS k */
+        gemm_tiles(ds, 1, tp, qa, hp, dkc, hp, t4, hp, t, K_FROM_ROW);    /* dS^T q */
+        gemm_tiles(p, 1, tp, doa, hp, dvc, hp, t4, hp, t, K_FROM_ROW);    /* P^T dO */
+        if (!direct) {
+            unpad(dqpad, t, hs, hp, dq + off);
+            unpad(dkpad, t, hs, hp, dk + off);
+            unpad(dvpad, t, hs, hp, dv + off);
+        }
     }
     free(scratch);
     return 0;
