@@ -293,6 +293,29 @@ def kv_append(cache, new, pos):
     return out
 
 
+def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
+    """(y, k_cache', v_cache'): one decoding step, written out with loops over rows and heads.
+
+    qkv (B, 3C) holds each row's new query, key and value; the key and value go to row pos of
+    the caches (B, H, Tmax, hs); head h of row b attends over cache rows 0..pos.
+    """
+    qkv = f64(qkv)
+    kc, vc = f64(k_cache).copy(), f64(v_cache).copy()
+    B, H, _, hs = kc.shape
+    C = H * hs
+    y = np.zeros((B, C))
+    for b in range(B):
+        for h in range(H):
+            q = qkv[b, h * hs:(h + 1) * hs]
+            kc[b, h, pos] = qkv[b, C + h * hs:C + (h + 1) * hs]
+            vc[b, h, pos] = qkv[b, 2 * C + h * hs:2 * C + (h + 1) * hs]
+            s = np.array([scale * q @ kc[b, h, j] for j in range(pos + 1)])
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            y[b, h * hs:(h + 1) * hs] = sum(p[j] * vc[b, h, j] for j in range(pos + 1))
+    return y, kc, vc
+
+
 # --- dropout ---------------------------------------------------------------------------------
 
 def dropout_mask(shape, p, seed):

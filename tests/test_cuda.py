@@ -21,6 +21,7 @@ from forge_ml import rng
 from forge_ml.device import Device
 from forge_ml.errors import CompileError, DeviceError, OutOfMemoryError
 
+import reference
 from _gpu_checks import check, host, round_bf16
 
 cuda = pytest.mark.cuda
@@ -265,6 +266,11 @@ MATMUL_CASES = {
     "pv_batched": ((2, H, T, T), (2, H, T, HS), False, False, False, 1.0, None),
     "kv_scores_b_rows": ((2, H, 1, HS), (2, H, T, HS), False, True, False, 0.125, 300),
     "kv_values_b_rows": ((2, H, 1, 300), (2, H, T, HS), False, False, False, 1.0, 300),
+    # a few rows (decoding): kernels/gemv.cu for float32 and bf16 when N fits its vectors
+    "gemv_m1_bias": ((1, C), (C, 3 * C), False, False, True, 1.0, None),
+    "gemv_m3_alpha": ((3, 4 * C), (4 * C, C), False, False, False, 0.5, None),
+    "gemv_m4_n100": ((4, C), (C, 100), False, False, True, 1.0, None),  # bf16: cuBLAS (100 % 8)
+    "gemv_m5_cublas": ((5, C), (C, C), False, False, True, 1.0, None),
 }
 
 
@@ -284,9 +290,31 @@ def test_matmul(be, rs, dtype, case):
     opb = np.swapaxes(bb, -1, -2) if tb else bb
     ref = alpha * (opa @ opb) + (bias if has_bias else 0.0)
     check(f"matmul {case}", host(be, got), ref, TOL_MM[dtype])
+    if case.startswith("gemv"):  # same bits on every run (fixed summation order)
+        again = be.matmul(dev(be, a, dtype), dev(be, b, dtype),
+                          dev(be, bias, dtype) if has_bias else None, ta, tb, alpha, b_rows)
+        assert np.array_equal(host(be, again), host(be, got))
     if dtype != "bfloat16" and case in ("qkv_bias", "scores_batched", "kv_scores_b_rows"):
         cpu_check("matmul", cpu_args64([a, b, bias], dtype) + [ta, tb, alpha, b_rows],
                   host(be, got), TOL_MM[dtype])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("act,res", [(None, True), ("gelu", False)])
+def test_linear_fused_epilogue(be, rs, dtype, act, res):
+    """The decoding step's layers: gemv with bias then GELU (c_fc) or the residual (c_proj)."""
+    K, N = (C, 4 * C) if act else (4 * C, C)
+    x, w, b = values(rs, (1, K), dtype), values(rs, (K, N), dtype, 0.05), values(rs, (N,), dtype)
+    r = values(rs, (1, N), dtype)
+    y = x @ w + b
+    if act:
+        y = 0.5 * y * (1 + np.tanh(K0 * (y + K1 * y ** 3)))
+    if res:
+        y = y + r
+    got = be.linear(dev(be, x, dtype), dev(be, w, dtype), dev(be, b, dtype), act,
+                    dev(be, r, dtype) if res else None)
+    check(f"linear act={act} residual={res}", host(be, got), y, TOL_MM[dtype])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -391,6 +419,18 @@ def test_dropout_small_and_edge(be, rs):
 # ----------------------------------------------------------------------------------------------
 # LayerNorm and softmax
 # ----------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("rows", [1, 3, 100])
+def test_layernorm_few_rows_block_per_row(be, rs, dtype, rows):
+    """Fewer rows than SMs (a decoding step) take the block-per-row kernel."""
+    eps = 1e-5
+    x = values(rs, (rows, C), dtype, scale=3.0) + 0.5
+    g, b = values(rs, (C,), dtype) + 1.0, values(rs, (C,), dtype)
+    y = host(be, be.layernorm(dev(be, x, dtype), dev(be, g, dtype), dev(be, b, dtype), eps))
+    check(f"layernorm {rows} rows", y, ref_layernorm(x, g, b, eps), TOL[dtype])
+
 
 @cuda
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -519,6 +559,41 @@ def test_kv_append(be, rs, dtype):
     check("kv_append", host(be, cache), want, 0.0)
 
 
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("pos", [0, 700, T - 1])
+def test_decode_attention(be, rs, dtype, pos):
+    import cupy
+    B = 2
+    k0 = values(rs, (B, H, T, HS), dtype)
+    v0 = values(rs, (B, H, T, HS), dtype)
+    qkv = values(rs, (B, 3 * C), dtype)
+    scale = 1.0 / math.sqrt(HS)
+    want_y, want_k, want_v = reference.decode_attention(qkv, k0, v0, pos, H, scale)
+    kc, vc = dev(be, k0, dtype), dev(be, v0, dtype)
+    pos_dev = cupy.asarray(np.array([pos], np.int32))       # read by the kernel
+    y = be.decode_attention(dev(be, qkv, dtype), kc, vc, pos_dev, H, scale)
+    check("decode_attention y", host(be, y), want_y, TOL[dtype])
+    check("decode_attention k_cache", host(be, kc), want_k, 0.0)
+    check("decode_attention v_cache", host(be, vc), want_v, 0.0)
+    if dtype != "bfloat16":
+        cpu_y = _cpu("decode_attention")(*cpu_args64([qkv, k0, v0], dtype), pos, H, scale)
+        check("decode_attention vs CPU backend", host(be, y), cpu_y, TOL[dtype])
+
+
+@cuda
+def test_decode_attention_position_out_of_range_gives_nan_and_writes_nothing(be, rs):
+    import cupy
+    k0 = values(rs, (1, 2, 8, 16), "float32")
+    kc = dev(be, k0, "float32")
+    vc = dev(be, k0, "float32")
+    for bad in (8, -1):
+        y = be.decode_attention(dev(be, values(rs, (1, 96), "float32"), "float32"), kc, vc,
+                                cupy.asarray(np.array([bad], np.int32)), 2, 0.25)
+        assert np.isnan(host(be, y)).all()
+        check("cache untouched", host(be, kc), k0, 0.0)
+
+
 # ----------------------------------------------------------------------------------------------
 # Embedding
 # ----------------------------------------------------------------------------------------------
@@ -536,6 +611,13 @@ def test_embedding(be, rs, dtype, id_dtype):
     ref = wte[ids] + wpe[pos:pos + 200][None]
     check("embedding", got, ref, TOL[dtype])
     cpu_check("embedding", [ids] + cpu_args64([wte, wpe], dtype) + [pos], got, TOL[dtype])
+    import cupy                                 # the position read by the kernel: same result
+    at = host(be, be.embedding(dev(be, ids, id_dtype), dev(be, wte, dtype), dev(be, wpe, dtype),
+                               cupy.asarray(np.array([pos], np.int32))))
+    check("embedding, device position", at, got, 0.0)
+    past = host(be, be.embedding(dev(be, ids, id_dtype), dev(be, wte, dtype), dev(be, wpe, dtype),
+                                 cupy.asarray(np.array([T - 100], np.int32))))
+    assert np.isnan(past).all()                 # positions past wpe: NaN rows, never garbage
 
 
 @cuda

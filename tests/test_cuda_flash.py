@@ -215,3 +215,55 @@ def test_flash_selection(be, rs, monkeypatch):
     assert not be._flash_wanted(h32, h32, h32)
     empty = dev(be, np.zeros((1, 2, 0, HS)))
     assert not be._flash_wanted(empty, empty, empty)
+
+
+# -- the same kernels on GPT-2's fused layout: q, k, v read in place from (B, T, 3C) rows, y
+# written (B, T, C), dq, dk, dv written into their thirds of dqkv ---------------------------
+
+def _fused_reference(qkv, dy, H, scale):
+    """float64 y, lse, dqkv of attention_qkv, through ref_attention on the split heads."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // H
+    split = [qkv[..., i * C:(i + 1) * C].reshape(B, T, H, hs).transpose(0, 2, 1, 3) for i in range(3)]
+    dout = dy.reshape(B, T, H, hs).transpose(0, 2, 1, 3)
+    out, lse, dq, dk, dv = ref_attention(*split, dout, scale)
+    merge = lambda x: x.transpose(0, 2, 1, 3).reshape(B, T, C)  # noqa: E731
+    return merge(out), lse, np.concatenate([merge(dq), merge(dk), merge(dv)], axis=-1)
+
+
+@pytest.mark.parametrize("B,T,H", [(2, 1024, 12), (1, 77, 3), (3, 1, 2)])
+def test_flash_on_fused_qkv_layout(be, rs, B, T, H):
+    C = H * HS
+    scale = 1.0 / math.sqrt(HS)
+    qkv, dy = bf16_values(rs, (B, T, 3 * C)), bf16_values(rs, (B, T, C))
+    ry, rlse, rdqkv = _fused_reference(qkv, dy, H, scale)
+    dqkv_in = dev(be, qkv)
+    assert be._qkv_flash_ok(dqkv_in, H)
+    y, lse = be.attention_qkv(dqkv_in, H, scale)
+    assert y.shape == (B, T, C) and lse.shape == (B, H, T)
+    check("fused y", host(be, y), ry, TOL)
+    check_abs("fused lse", host(be, lse), rlse, LSE_TOL)
+    dqkv = be.attention_qkv_bwd(dqkv_in, y, lse, dev(be, dy), H, scale)
+    assert dqkv.shape == qkv.shape
+    check("fused dqkv", host(be, dqkv), rdqkv, TOL)
+    # the head-major kernels on split copies give the same bits
+    q, k, v = be.split_heads(dqkv_in, H)
+    out, lse2 = be.attention(q, k, v, scale)
+    assert np.array_equal(host(be, be.merge_heads(out)), host(be, y))
+    assert np.array_equal(host(be, lse2), host(be, lse))
+
+
+def test_fused_qkv_fallback_float32(be, rs):
+    """float32 (and FORGE_ATTENTION=v1) compose split_heads, v1 attention, merge_heads."""
+    B, T, H, hs = 2, 50, 2, 16
+    C = H * hs
+    qkv = rs.standard_normal((B, T, 3 * C)).astype(np.float32)
+    dy = rs.standard_normal((B, T, C)).astype(np.float32)
+    ry, rlse, rdqkv = _fused_reference(qkv.astype(np.float64), dy.astype(np.float64), H, 0.25)
+    x = be.from_host(qkv, "float32")
+    assert not be._qkv_flash_ok(x, H)
+    y, lse = be.attention_qkv(x, H, 0.25)
+    check("fallback y", host(be, y), ry, 1e-5)
+    dqkv = be.attention_qkv_bwd(x, y, lse, be.from_host(dy, "float32"), H, 0.25)
+    check("fallback dqkv", host(be, dqkv), rdqkv, 1e-5)

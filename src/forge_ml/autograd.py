@@ -197,6 +197,21 @@ class Tape:
 
         return self._record(out, backward)
 
+    def attention_qkv(self, qkv: TVar, n_head: int, scale: Optional[float] = None) -> TVar:
+        """Causal self-attention from fused ``qkv (B, T, 3C)`` rows to ``y (B, T, C)``, heads
+        merged: one node for split_heads + attention + merge_heads (``ops.attention_qkv``);
+        saves qkv, y and the per-row log-sum-exp; the backward gives dqkv in one piece."""
+        self._check(qkv)
+        out, lse = ops.attention_qkv(qkv.t, n_head, scale)
+        iq = qkv.id
+        saved = [_Saved(t, "attention_qkv") for t in (qkv.t, out, lse)]
+
+        def backward(dy):
+            qt, ot, lt = (s.get() for s in saved)
+            return [(iq, ops.attention_qkv_bwd(qt, ot, lt, dy, n_head, scale))]
+
+        return self._record(out, backward)
+
     def embedding(self, ids: Tensor, wte: TVar, wpe: TVar, pos: int = 0) -> TVar:
         """Token + position embedding. ``dwte`` is a scatter-add over the ids; ``dwpe`` the
         upstream gradient (summed over the batch) placed at rows ``pos…``."""

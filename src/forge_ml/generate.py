@@ -5,8 +5,9 @@ ints. For a batch (a list of lists, lengths may differ) it yields, once per deco
 a list of ``TokenEvent``\\ s: one for every row that produced a token in that step. A row that
 has finished yields nothing more; the generator ends when every row has finished.
 
-The KV cache is allocated once, ``model.new_cache(B, max_len)``, and filled by
-``model.forward_cached``. Rows share one position counter: the first ``min(len(p))`` tokens
+The KV cache is allocated once, ``model.new_cache(B, max_len)``, filled by
+``model.forward_cached`` for the prompts, then one token per row at a time by a
+``DecodeStep`` (on cuda a CUDA graph captured once and replayed at every position). Rows share one position counter: the first ``min(len(p))`` tokens
 of every prompt are prefilled together, then the batch steps one token at a time, and a row
 still inside its prompt is fed its next prompt token instead of a sampled one. So every row
 sees exactly the positions and keys it would see alone, and its tokens equal those of the
@@ -42,6 +43,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from .errors import ConfigError, ShapeError
+from .models.gpt2 import DecodeStep
 from .tensor import tensor
 
 FINISH_REASONS = ("stop_token", "stop_string", "max_new_tokens", "context_full")
@@ -234,9 +236,10 @@ def _steps(model, rows, max_new, temperature, top_k, top_p, seed, stop_tokens, s
     t0 = min(lengths)
     prefill = np.array([p[:t0] for p in rows], dtype=np.int64)                   # (B, t0)
     logits = model.forward_cached(tensor(prefill, device=dev), cache, params, last_only=True)
+    last = logits.numpy()[:, -1, :V]                                              # (B, V)
+    step = DecodeStep(model, cache, params)   # on cuda: a CUDA graph from its second call
     pos = t0                                        # the position whose token is chosen next
     while True:
-        last = logits.numpy()[:, -1, :V]                                          # (B, V)
         feed = np.zeros((B, 1), np.int64)
         events = []
         for r in range(B):
@@ -266,7 +269,7 @@ def _steps(model, rows, max_new, temperature, top_k, top_p, seed, stop_tokens, s
             yield events
         if all(done):
             return
-        logits = model.forward_cached(tensor(feed, device=dev), cache, params, last_only=True)
+        last = step(feed[:, 0], pos)                                              # (B, V)
         pos += 1
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from . import dtype as _dt
 from .errors import DeviceError, DTypeError, ShapeError
 from .tensor import Tensor, backend_of
@@ -117,6 +119,36 @@ def matmul(a, b, bias=None, *, trans_a=False, trans_b=False, alpha=1.0, b_rows=N
 
 
 # -- elementwise and reductions --------------------------------------------------------
+
+
+def linear(x, w, bias=None, *, act=None, residual=None) -> Tensor:
+    """``act(x @ w + bias) + residual``: a linear layer with its epilogue, for inference.
+
+    ``x (M, K)``, ``w (K, N)``, ``bias (N,)``, ``residual (M, N)``, ``act`` None or "gelu". It
+    equals ``add(residual, gelu(matmul(x, w, bias)))`` up to rounding: on the GPU, for a few
+    rows (a decoding step), one kernel pair reads ``w`` once and applies the epilogue before
+    rounding once. No backward (the tape composes matmul, gelu and add).
+
+    >>> import numpy as np, forge_ml as fm
+    >>> x = fm.tensor(np.ones((1, 2), np.float32)); w = fm.tensor(np.ones((2, 3), np.float32))
+    >>> fm.ops.linear(x, w, residual=fm.tensor(np.full((1, 3), 10, np.float32))).numpy().tolist()
+    [[12.0, 12.0, 12.0]]
+    """
+    op = "linear"
+    _float(op, "x", x), _float(op, "w", w)
+    bk = _same(op, x=x, w=w, bias=bias, residual=residual)
+    _rank(op, "x", x, 2, 2), _rank(op, "w", w, 2, 2)
+    if x.shape[1] != w.shape[0]:
+        raise ShapeError(f"{op}: x is {x.shape} but w is {w.shape}; inner dims must agree")
+    n = w.shape[1]
+    if bias is not None and bias.shape != (n,):
+        raise ShapeError(f"{op}: bias must be ({n},), got {bias.shape}")
+    if residual is not None and residual.shape != (x.shape[0], n):
+        raise ShapeError(f"{op}: residual must be {(x.shape[0], n)}, got {residual.shape}")
+    if act not in (None, "gelu"):
+        raise ShapeError(f"{op}: act must be None or 'gelu', got {act!r}")
+    return _wrap(x, bk.linear(x.data, w.data, None if bias is None else bias.data, act,
+                              None if residual is None else residual.data))
 
 
 def add(a, b) -> Tensor:
@@ -295,11 +327,65 @@ def attention_bwd(q, k, v, out, lse, dout, scale=None):
     return _wrap(q, dq), _wrap(q, dk), _wrap(q, dv)
 
 
+def _qkv_check(op, qkv, n_head):
+    _float(op, "qkv", qkv)
+    _rank(op, "qkv", qkv, 3, 3)
+    c3 = qkv.shape[-1]
+    if not isinstance(n_head, int) or n_head <= 0 or c3 % (3 * n_head):
+        raise ShapeError(f"{op}: qkv's last dim {c3} is not 3 * n_head ({n_head}) * head size")
+    return c3 // (3 * n_head)
+
+
+def attention_qkv(qkv, n_head, scale=None):
+    """Causal self-attention straight from GPT-2's fused projection: ``qkv (B, T, 3C)`` holds
+    each token's query, key and value (head ``h`` at channels ``h*hs…`` of each third).
+
+    Returns ``(y, lse)``: ``y (B, T, C)`` with the heads merged, equal to
+    ``merge_heads(attention(*split_heads(qkv, n_head))[0])``, and ``lse (B, H, T)`` as
+    ``attention``'s. On the GPU (bf16, heads of 64) the flash kernels read the heads in place
+    and write y merged: no split or merge copies, forward or backward.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> qkv = fm.tensor(np.random.default_rng(0).standard_normal((1, 3, 6)).astype(np.float32))
+    >>> y, lse = fm.ops.attention_qkv(qkv, n_head=1)
+    >>> y.shape, lse.shape
+    ((1, 3, 2), (1, 1, 3))
+    """
+    hs = _qkv_check("attention_qkv", qkv, n_head)
+    bk = backend_of(qkv.device)
+    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    y, lse = bk.attention_qkv(qkv.data, n_head, scale)
+    return _wrap(qkv, y), _wrap(qkv, lse)
+
+
+def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale=None) -> Tensor:
+    """``dL/dqkv (B, T, 3C)`` of ``attention_qkv`` given its output ``y``, ``lse`` and
+    ``dL/dy``."""
+    op = "attention_qkv_bwd"
+    hs = _qkv_check(op, qkv, n_head)
+    _float(op, "y", y), _float(op, "dy", dy)
+    bk = _same(op, qkv=qkv, y=y, dy=dy)
+    B, T, c3 = qkv.shape
+    if y.shape != (B, T, c3 // 3):
+        raise ShapeError(f"{op}: y must be {(B, T, c3 // 3)}, got {y.shape}")
+    _shape_eq(op, "y", y, "dy", dy)
+    if lse.shape != (B, n_head, T):
+        raise ShapeError(f"{op}: lse must be {(B, n_head, T)}, got {lse.shape}")
+    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    return _wrap(qkv, bk.attention_qkv_bwd(qkv.data, y.data, lse.data, dy.data, n_head, scale))
+
+
 # -- embeddings and in-place row writes ------------------------------------------------
 
 
 def embedding(ids, wte, wpe, pos=0) -> Tensor:
-    """Token + position embedding: ``wte[ids] + wpe[pos + t]``; ``ids (…, T) -> (…, T, C)``."""
+    """Token + position embedding: ``wte[ids] + wpe[pos + t]``; ``ids (…, T) -> (…, T, C)``.
+
+    ``pos``: an int, or a device position (see ``decode_attention``): a one-element int32
+    tensor on the same device, read by the kernel, so that a captured decoding step replays at
+    the next position. A device position past the table raises on the CPU, and gives NaN rows
+    on the GPU (checking it there would wait for the device).
+    """
     _int("embedding", "ids", ids)
     _float("embedding", "wte", wte), _float("embedding", "wpe", wpe)
     bk = _same("embedding", wte=wte, wpe=wpe, ids=ids)
@@ -308,11 +394,85 @@ def embedding(ids, wte, wpe, pos=0) -> Tensor:
     if wte.shape[1] != wpe.shape[1]:
         raise ShapeError(f"embedding: wte is {wte.shape} but wpe is {wpe.shape}; channels must agree")
     t = ids.shape[-1]
-    if not isinstance(pos, int) or pos < 0 or pos + t > wpe.shape[0]:
-        raise ShapeError(f"embedding: positions {pos}..{pos + t - 1} do not fit the "
+    at = _device_pos("embedding", pos, wte) if isinstance(pos, Tensor) else pos
+    if not isinstance(at, int) or at < 0 or at + t > wpe.shape[0]:
+        raise ShapeError(f"embedding: positions {at}..{at + t - 1} do not fit the "
                          f"{wpe.shape[0]} rows of wpe (context length {wpe.shape[0]})")
     _check_ids("embedding", ids, wte.shape[0])
-    return _wrap(wte, bk.embedding(ids.data, wte.data, wpe.data, pos))
+    return _wrap(wte, bk.embedding(ids.data, wte.data, wpe.data,
+                                   pos.data if isinstance(pos, Tensor) else pos))
+
+
+def _device_pos(op, pos, like) -> int:
+    """Check a device position (one int32 element on ``like``'s device); returns its value
+    where reading it costs no device wait (cpu), else 0 (the kernel checks it)."""
+    if pos.dtype is not _dt.int32 or pos.numel != 1:
+        raise ShapeError(f"{op}: a tensor position must be one int32 element, got "
+                         f"{pos.dtype.name} of shape {pos.shape}")
+    if pos.device != like.device:
+        raise DeviceError(f"{op}: the position is on {pos.device} but the tensors are on "
+                          f"{like.device}; move them to one device with .to()")
+    return int(pos.data.reshape(-1)[0]) if pos.device.type == "cpu" else 0
+
+
+def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale=None) -> Tensor:
+    """One decoding step of causal self-attention over a KV cache, one new token per row.
+
+    ``qkv (B, 3C)``: the new tokens' fused query, key and value rows (GPT-2's c_attn output);
+    ``k_cache, v_cache (B, H, Tmax, hs)``: written in place at row ``pos`` with the new keys
+    and values. Returns ``y (B, C)``: per head, ``softmax(scale * q k^T) v`` over cache rows
+    ``0..pos``, heads merged (as ``merge_heads`` lays them out). ``scale`` defaults to
+    ``1/sqrt(hs)``. Inference only (no backward); scores and probabilities stay in float32.
+
+    ``pos``: an int, or a one-element int32 tensor on the same device, read by the kernel
+    itself: a decoding step captured once (a CUDA graph) replays at every position. A device
+    position outside ``0..Tmax-1`` raises on the CPU; on the GPU nothing is written and ``y``
+    is NaN. Copy-on-write as ``kv_append``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> kc, vc = fm.zeros((1, 1, 4, 2)), fm.zeros((1, 1, 4, 2))
+    >>> qkv = fm.tensor(np.array([[1.0, 0.0, 1.0, 0.0, 3.0, 4.0]], np.float32))
+    >>> fm.ops.decode_attention(qkv, kc, vc, 0, n_head=1).numpy().tolist()
+    [[3.0, 4.0]]
+    >>> vc.numpy()[0, 0, 0].tolist()
+    [3.0, 4.0]
+    """
+    op = "decode_attention"
+    _float(op, "qkv", qkv), _float(op, "k_cache", k_cache), _float(op, "v_cache", v_cache)
+    bk = _same(op, qkv=qkv, k_cache=k_cache, v_cache=v_cache)
+    _rank(op, "k_cache", k_cache, 4, 4)
+    _shape_eq(op, "k_cache", k_cache, "v_cache", v_cache)
+    B, H, tmax, hs = k_cache.shape
+    if H != n_head:
+        raise ShapeError(f"{op}: the caches have {H} heads but n_head is {n_head}")
+    if qkv.shape != (B, 3 * H * hs):
+        raise ShapeError(f"{op}: qkv must be (B, 3C) = {(B, 3 * H * hs)} for caches "
+                         f"{k_cache.shape}, got {qkv.shape}")
+    at = _device_pos(op, pos, qkv) if isinstance(pos, Tensor) else pos
+    if not isinstance(at, int) or not 0 <= at < tmax:
+        raise ShapeError(f"{op}: position {at} does not fit a cache of {tmax} rows")
+    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    y = bk.decode_attention(qkv.data, k_cache._prepare_write(), v_cache._prepare_write(),
+                            pos.data if isinstance(pos, Tensor) else pos, n_head, scale)
+    return _wrap(qkv, y)
+
+
+def assign(dst, values) -> None:
+    """In place: ``dst[...] = values`` (a NumPy array or nested list of ``dst``'s shape, cast
+    to ``dst``'s dtype). Fills the fixed input buffers of a captured step; copy-on-write.
+
+    >>> import forge_ml as fm
+    >>> t = fm.zeros((2,), "int32"); fm.ops.assign(t, [3, 4]); t.numpy().tolist()
+    [3, 4]
+    """
+    _tensor("assign", "dst", dst)
+    arr = np.asarray(values)
+    if arr.shape != dst.shape:
+        raise ShapeError(f"assign: dst is {dst.shape} but the values are {arr.shape}")
+    bk = backend_of(dst.device)
+    bk.assign(dst._prepare_write(), arr)
+    if dst.dtype in _dt.INTS and arr.size:
+        dst._storage.id_range = (int(arr.min()), int(arr.max()))
 
 
 def _check_ids(op, ids, n_rows):

@@ -12,6 +12,7 @@ Memory
     to_host(array) -> np.ndarray                 a copy on the host (bf16 comes back as float32)
     cast(array, dtype_name) -> array             a new array
     copy(array) -> array
+    assign(dst, np_array) -> None                dst[...] = np_array, in place (same shape)
 
 Forward and backward kernels (float32, float64; bfloat16 on cuda with float32 accumulation)
     matmul(a, b, bias, trans_a, trans_b, alpha, b_rows) -> out
@@ -19,6 +20,8 @@ Forward and backward kernels (float32, float64; bfloat16 on cuda with float32 ac
         leading dims. b_rows: use only the first b_rows rows of b (before trans_b is applied,
         i.e. rows of b as stored).
     add(a, b) -> out                              same shape
+    linear(x, w, bias, act, residual) -> y        act(x @ w + bias) + residual, act None or
+                                                   "gelu", x (M, K), w (K, N); inference only
     sum_rows(x) -> (C,)                           sum over every axis but the last
     sumsq(x) -> 0-d float32 (float64 for float64 input): sum of squares, for grad clipping
     gelu(x) -> y ; gelu_bwd(x, dy) -> dx          tanh approximation
@@ -35,9 +38,19 @@ Forward and backward kernels (float32, float64; bfloat16 on cuda with float32 ac
                                                    lse (..., H, T) float32 log-sum-exp of
                                                    the scaled masked scores per query row
     attention_bwd(q, k, v, out, lse, dout, scale) -> (dq, dk, dv)
-    embedding(ids, wte, wpe, pos) -> (..., T, C)  wte[ids] + wpe[pos + t]
+    attention_qkv(qkv, n_head, scale) -> (y, lse) the same from fused (B, T, 3C) rows:
+                                                   y (B, T, C) heads merged, lse (B, H, T)
+    attention_qkv_bwd(qkv, y, lse, dy, n_head, scale) -> dqkv (B, T, 3C)
+    embedding(ids, wte, wpe, pos) -> (..., T, C)  wte[ids] + wpe[pos + t]; pos an int or a
+                                                   one-element int32 array (read by the kernel;
+                                                   past the table -> NaN rows)
     scatter_add_rows(dst, ids, src) -> None       dst[ids[i]] += src[i], in place, repeats add
     kv_append(cache, new, pos) -> None            cache[..., pos:pos+Tn, :] = new, in place
+    decode_attention(qkv, k_cache, v_cache, pos, n_head, scale) -> y (B, C)
+        one decoding step: qkv (B, 3C) -> keys/values written at row pos of the caches
+        (B, H, Tmax, hs), then per head softmax(scale q k^T) v over rows 0..pos, float32
+        scores; pos an int or a one-element int32 array; outside 0..Tmax-1 -> nothing
+        written, y NaN
     dropout(x, p, seed) -> y                      y = x * keep * float32(1/(1-p)), keep from
                                                    forge_ml.rng.dropout_keep (Philox4x32-10)
     cross_entropy(logits, targets, vocab_size) -> 0-d float32 (float64 for float64 logits)
@@ -49,6 +62,9 @@ Forward and backward kernels (float32, float64; bfloat16 on cuda with float32 ac
         in place on float32 p, m, v; g may be bf16; g is multiplied by grad_scale first;
         bias-corrected with step (1-based); decoupled weight decay p -= lr * wd * p;
         if p_lowp is given (a bf16 array) it receives the updated p rounded to bf16.
+
+Optional: capture_graph(fn) -> object with .replay() and .outputs (cuda only): the device
+work of fn() recorded once (a CUDA graph) and replayed with one launch.
 
 ``get(device)`` returns the module for a Device; the CUDA one is imported on first use so that
 ``import forge_ml`` never imports CuPy.

@@ -516,9 +516,18 @@ def attention_bwd(q, k, v, out, lse, dout, scale):
 # ---------------------------------------------------------------------------------------------
 
 def embedding(ids, wte, wpe, pos):
-    """wte[ids] + wpe[pos:pos+T]: (..., T) ids -> (..., T, C)."""
+    """wte[ids] + wpe[pos:pos+T]: (..., T) ids -> (..., T, C).
+
+    ``pos`` may be a one-element int32 array (the device-side position of a decoding step);
+    then positions past the table give NaN rows, as on the GPU.
+    """
     t = ids.shape[-1]
     out = np.take(wte, ids, axis=0)  # (..., T, C)
+    if isinstance(pos, np.ndarray):
+        pos = int(pos.reshape(-1)[0])
+        if pos < 0 or pos + t > wpe.shape[0]:
+            out[...] = np.nan
+            return out
     out += wpe[pos:pos + t]
     return out
 
@@ -546,6 +555,11 @@ def scatter_add_rows(dst, ids, src):
     group_rows = order[np.repeat(many, lengths)]                    # rows of repeated ids, grouped
     group_starts = np.cumsum(lengths[many]) - lengths[many]
     dst[sorted_ids[starts[many]]] += np.add.reduceat(rows[group_rows], group_starts, axis=0)
+
+
+def assign(dst, values):
+    """dst[...] = values (a NumPy array), in place."""
+    dst[...] = values
 
 
 def kv_append(cache, new, pos):
@@ -663,3 +677,64 @@ def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, grad_sca
     if weight_decay != 0.0:
         p *= f(1.0 - lr * weight_decay)
     p -= scratch
+
+
+# ---------------------------------------------------------------------------------------------
+# decode_attention: one decoding step over a KV cache (inference only)
+# ---------------------------------------------------------------------------------------------
+
+def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
+    """Write the new keys and values at row ``pos`` of the caches ``(B, H, Tmax, hs)``, then
+    return ``y (B, C)``: each head's ``softmax(scale * q k^T) v`` over rows ``0..pos``.
+
+    ``pos``: an int or a one-element int32 array; outside ``0..Tmax-1`` nothing is written and
+    ``y`` is NaN (as on the GPU, where the position is read by the kernel).
+    """
+    B, H, tmax, hs = k_cache.shape
+    if isinstance(pos, np.ndarray):
+        pos = int(pos.reshape(-1)[0])
+    if not 0 <= pos < tmax:
+        return np.full((B, H * hs), np.nan, qkv.dtype)
+    q, k, v = (qkv.reshape(B, 3, H, hs)[:, i] for i in range(3))   # (B, H, hs) each
+    k_cache[:, :, pos] = k
+    v_cache[:, :, pos] = v
+    keys, values = k_cache[:, :, :pos + 1], v_cache[:, :, :pos + 1]  # (B, H, n, hs)
+    s = np.matmul(keys, q[..., None])[..., 0]                        # (B, H, n)
+    s *= s.dtype.type(scale)
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    y = np.matmul(s[:, :, None, :], values)[:, :, 0]                 # (B, H, hs)
+    return y.reshape(B, H * hs)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention on GPT-2's fused qkv rows (the GPU reads the heads in place; here it composes)
+# ---------------------------------------------------------------------------------------------
+
+def attention_qkv(qkv, n_head, scale):
+    """Causal self-attention from fused rows: ``qkv (B, T, 3C) -> (y (B, T, C), lse (B, H,
+    T))``, i.e. split_heads, attention, merge_heads."""
+    q, k, v = split_heads(qkv, n_head)
+    out, lse = attention(q, k, v, scale)
+    return merge_heads(out), lse
+
+
+def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
+    """``dqkv (B, T, 3C)`` of ``attention_qkv``: attention_bwd on the split heads, the three
+    gradients merged into their thirds of one array."""
+    q, k, v = split_heads(qkv, n_head)
+    grads = attention_bwd(q, k, v, unmerge_heads(y, n_head), lse, unmerge_heads(dy, n_head), scale)
+    C = qkv.shape[-1] // 3
+    dqkv = np.empty_like(qkv)
+    for i, g in enumerate(grads):
+        dqkv[..., i * C:(i + 1) * C] = merge_heads(g)
+    return dqkv
+
+
+def linear(x, w, bias, act, residual):
+    """``act(x @ w + bias) + residual`` (act None or "gelu"): matmul, gelu and add."""
+    y = matmul(x, w, bias)
+    if act == "gelu":
+        y = gelu(y)
+    return y if residual is None else add(residual, y)

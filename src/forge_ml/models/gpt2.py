@@ -1,4 +1,5 @@
-"""GPT-2: config, parameters, the training forward on the tape, and the KV-cache forward.
+"""GPT-2: config, parameters, the training forward on the tape, the KV-cache forward, and
+the one-token decoding step (``GPT2.decode_step``, replayed as a CUDA graph by ``DecodeStep``).
 
 Parameters use Hugging Face's names without the ``transformer.`` prefix, and linear weights
 are stored ``(in, out)`` like HF's Conv1D, so a layer is ``x @ W + b`` (see notes/API.md).
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,7 +26,7 @@ from .. import ops
 from ..autograd import Tape, TVar
 from ..device import Device
 from ..errors import ConfigError, ShapeError
-from ..tensor import Tensor, tensor, zeros
+from ..tensor import Tensor, backend_of, tensor, zeros
 
 
 @dataclass
@@ -242,14 +245,14 @@ class GPT2:
             h = tape.layernorm(x, L[p + "ln_1.weight"], L[p + "ln_1.bias"], eps)
             qkv = tape.matmul(h, L[p + "attn.c_attn.weight"], L[p + "attn.c_attn.bias"])
             qkv = tape.reshape(qkv, B, T, 3 * C)                               # (B, T, 3C)
-            q, k, v = tape.split_heads(qkv, H)                                 # (B, H, T, hs)
             if fused:
-                y = tape.attention(q, k, v, 1.0 / math.sqrt(hs))              # (B, H, T, hs)
+                y = tape.attention_qkv(qkv, H, 1.0 / math.sqrt(hs))            # (B, T, C)
             else:
+                q, k, v = tape.split_heads(qkv, H)                             # (B, H, T, hs)
                 att = tape.matmul(q, k, trans_b=True, alpha=1.0 / math.sqrt(hs))  # (B, H, T, T)
                 att = drop(tape.softmax(att, causal=True))
-                y = tape.matmul(att, v)                                        # (B, H, T, hs)
-            y = tape.reshape(tape.merge_heads(y), B * T, C)                    # (B*T, C)
+                y = tape.merge_heads(tape.matmul(att, v))                      # (B, T, C)
+            y = tape.reshape(y, B * T, C)                                      # (B*T, C)
             y = drop(tape.matmul(y, L[p + "attn.c_proj.weight"], L[p + "attn.c_proj.bias"]))
             x = tape.add(x, y)
             h = tape.layernorm(x, L[p + "ln_2.weight"], L[p + "ln_2.bias"], eps)
@@ -350,6 +353,130 @@ class GPT2:
         logits = ops.matmul(x, head, trans_b=True)                            # (B*Tn, Vp)
         cache.pos = n
         return logits.reshape(B, Tn, cfg.padded_vocab_size)
+
+    def decode_step(self, ids: Tensor, pos, cache: KVCache, params: Optional[dict] = None) -> Tensor:
+        """Logits ``(B, Vp)`` for one new token per row, ``ids (B, 1)`` (or ``(B,)``), at
+        position ``pos``; writes the tokens' keys and values at row ``pos`` of ``cache``
+        (``cache.pos`` is left to the caller). ``pos``: an int, or a one-element int32 tensor
+        on the model's device, read by the kernels, so the step has fixed shapes and no host
+        values: ``DecodeStep`` captures it in a CUDA graph. Equal to ``forward_cached``'s
+        logits for the same token at the same position (attention scores in float32).
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+        >>> model = GPT2.init(cfg)
+        >>> cache = model.new_cache(1, 8)
+        >>> ref = model.forward_cached(tensor([[1, 2, 3]]), cache).numpy()[0, 2]
+        >>> out = model.decode_step(tensor([[3]]), 2, cache).numpy()[0]
+        >>> bool(np.allclose(out, ref, atol=1e-6))
+        True
+        """
+        cfg = self.config
+        P = self.params if params is None else params
+        if ids.ndim == 1:
+            ids = ids.reshape(-1, 1)
+        if ids.ndim != 2 or ids.shape[1] != 1:
+            raise ShapeError(f"decode_step: ids must be (B, 1), one token per row, got {ids.shape}")
+        B = ids.shape[0]
+        if B != cache.k[0].shape[0]:
+            raise ShapeError(f"decode_step: ids have {B} rows but the cache was made for "
+                             f"{cache.k[0].shape[0]}")
+        C, H, eps = cfg.n_embd, cfg.n_head, cfg.layernorm_eps
+        x = ops.embedding(ids, P["wte.weight"], P["wpe.weight"], pos).reshape(B, C)
+        for i in range(cfg.n_layer):
+            p = f"h.{i}."
+            h = ops.layernorm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"], eps)
+            qkv = ops.linear(h, P[p + "attn.c_attn.weight"], P[p + "attn.c_attn.bias"])
+            y = ops.decode_attention(qkv, cache.k[i], cache.v[i], pos, H)        # (B, C)
+            x = ops.linear(y, P[p + "attn.c_proj.weight"], P[p + "attn.c_proj.bias"], residual=x)
+            h = ops.layernorm(x, P[p + "ln_2.weight"], P[p + "ln_2.bias"], eps)
+            h = ops.linear(h, P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"], act="gelu")
+            x = ops.linear(h, P[p + "mlp.c_proj.weight"], P[p + "mlp.c_proj.bias"], residual=x)
+        x = ops.layernorm(x, P["ln_f.weight"], P["ln_f.bias"], eps)
+        head = P["wte.weight"] if cfg.tied_head else P["lm_head.weight"]
+        return ops.matmul(x, head, trans_b=True)                                 # (B, Vp)
+
+
+class DecodeStep:
+    """``GPT2.decode_step`` on fixed buffers, for a generation loop.
+
+    ``step(tokens, pos)`` feeds one token per row (``tokens``: B ints) at position ``pos``
+    (the cache must hold rows ``0..pos-1``), writes the new keys and values into ``cache``,
+    sets ``cache.pos = pos + 1`` and returns the logits ``(B, vocab_size)`` as a float32
+    NumPy array. The inputs live in fixed device buffers (the position too), so on cuda the
+    step is captured once in a CUDA graph: the first call runs op by op (compiling and loading
+    every kernel), the second captures, and from then on a call is two small host-to-device
+    copies, one graph launch and one copy of the logits back. ``graph=False``, or the
+    environment variable ``FORGE_CUDA_GRAPH=0``, keeps every call op by op; on the CPU there
+    is no graph.
+
+    >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    >>> model = GPT2.init(cfg)
+    >>> cache = model.new_cache(2, 8)
+    >>> _ = model.forward_cached(tensor([[1, 2], [3, 4]]), cache)
+    >>> step = DecodeStep(model, cache)
+    >>> step([5, 6], 2).shape, cache.pos
+    ((2, 10), 3)
+    """
+
+    def __init__(self, model: "GPT2", cache: KVCache, params: Optional[dict] = None,
+                 graph: Optional[bool] = None):
+        self.model, self.cache = model, cache
+        self.params = model.params if params is None else params
+        dev = self.params["wte.weight"].device
+        B = cache.k[0].shape[0]
+        self._ids = zeros((B, 1), "int32", dev)
+        self._pos = zeros((1,), "int32", dev)
+        self._bk = backend_of(dev)
+        if graph is None:
+            graph = os.environ.get("FORGE_CUDA_GRAPH", "1") != "0"
+        self.graph = bool(graph) and hasattr(self._bk, "capture_graph")
+        self._captured = None
+        self._calls = 0
+
+    def _logits(self):
+        """The step's device work; returns the float32 logits array (B, Vp) (the bf16 ->
+        float32 cast is part of the captured work, so the host copies one array back)."""
+        out = self.model.decode_step(self._ids, self._pos, self.cache, self.params)
+        return (out if out.dtype.name == "float32" else out.to("float32")).data
+
+    def __call__(self, tokens, pos: int) -> np.ndarray:
+        B = self._ids.shape[0]
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.shape != (B,):
+            raise ShapeError(f"DecodeStep: expected {B} tokens (one per row), got {tokens.shape[0]}")
+        V = self.model.config.vocab_size
+        if tokens.min() < 0 or tokens.max() >= V:
+            raise ShapeError(f"DecodeStep: token ids must be in 0..{V - 1}, got "
+                             f"{int(tokens.min())}..{int(tokens.max())}")
+        if not (isinstance(pos, (int, np.integer)) and 0 <= pos < self.cache.capacity):
+            raise ShapeError(f"DecodeStep: position {pos} does not fit the cache's "
+                             f"{self.cache.capacity} rows")
+        ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
+        ops.assign(self._pos, np.array([pos], np.int32))
+        if self._captured is not None:
+            self._captured.replay()
+            out = self._captured.outputs
+        elif self.graph and self._calls >= 1:
+            try:
+                self._captured = self._bk.capture_graph(self._logits)
+            except Exception as e:  # keep generating, op by op, and say why once
+                warnings.warn(f"DecodeStep: the CUDA graph capture failed ({type(e).__name__}: "
+                              f"{e}); decoding goes on op by op", RuntimeWarning, stacklevel=2)
+                self.graph = False
+                out = self._logits()
+            else:
+                self._captured.replay()
+                out = self._captured.outputs
+        else:
+            out = self._logits()
+        self._calls += 1
+        self.cache.pos = int(pos) + 1
+        return self._bk.to_host(out)[:, :V].astype(np.float32, copy=False)
+
+    @property
+    def captured(self) -> bool:
+        """Whether the step now replays a CUDA graph."""
+        return self._captured is not None
 
 
 def _take_vocab(logits: Tensor, v: int) -> Tensor:

@@ -364,8 +364,64 @@ def _cublas_handle():
         cublas.setMathMode(h, _CUBLAS_DEFAULT_MATH)
         cublas.setPointerMode(h, _CUBLAS_POINTER_MODE_HOST)
         _handles[dev] = h
-    cublas.setStream(h, cupy.cuda.get_current_stream().ptr)
+    direct = _cublas_direct()
+    if direct is not None:
+        direct.set_stream(h, cupy.cuda.get_current_stream().ptr)
+    else:
+        cublas.setStream(h, cupy.cuda.get_current_stream().ptr)
     return h
+
+
+class _CublasC:
+    """libcublas called through ctypes: the library CuPy loaded, found in this process's memory
+    map. CuPy's own cuBLAS wrappers refuse to run while a stream is being captured into a CUDA
+    graph; cuBLAS itself records its kernels into the graph. None when it cannot be found
+    (then CuPy's wrappers are used, and no matrix product can be captured)."""
+
+    def __init__(self, lib):
+        import ctypes as C
+        vp, i, ll = C.c_void_p, C.c_int, C.c_longlong
+        self.set_stream = lib.cublasSetStream_v2
+        self.set_stream.argtypes, self.set_stream.restype = [vp, vp], i
+        self.gemm = lib.cublasGemmEx
+        self.gemm.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+        self.gemm.restype = i
+        self.gemm_batched = lib.cublasGemmStridedBatchedEx
+        self.gemm_batched.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll, vp, vp,
+                                      i, i, ll, i, i, i]
+        self.gemm_batched.restype = i
+
+    @staticmethod
+    def load():
+        import ctypes
+        _cublas().getVersion  # make sure CuPy has loaded the library
+        paths = []
+        try:
+            with open("/proc/self/maps") as f:
+                paths = sorted({ln.split()[-1] for ln in f
+                                if "/libcublas.so" in ln and "libcublasLt" not in ln})
+        except OSError:
+            pass
+        for name in paths + ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]:
+            try:
+                return _CublasC(ctypes.CDLL(name))
+            except (OSError, AttributeError):
+                continue
+        return None
+
+
+_cublas_c: list = []  # [the _CublasC or None], filled on first use
+
+
+def _cublas_direct():
+    if not _cublas_c:
+        _cublas_c.append(_CublasC.load())
+    return _cublas_c[0]
+
+
+_CUBLAS_STATUS = {1: "NOT_INITIALIZED", 3: "ALLOC_FAILED", 7: "INVALID_VALUE",
+                  8: "ARCH_MISMATCH", 11: "MAPPING_ERROR", 13: "EXECUTION_FAILED",
+                  14: "INTERNAL_ERROR", 15: "NOT_SUPPORTED"}
 
 
 def _cuda_type(dt) -> int:
@@ -398,6 +454,23 @@ def _gemm(a, b, out, M, N, K, trans_a, trans_b, batch, stride_a, stride_b, alpha
     op_a = 1 if trans_a else 0
     ta, tb, tc = _cuda_type(a.dtype), _cuda_type(b.dtype), _cuda_type(out.dtype)
     lda, ldb = a.shape[-1], b.shape[-1]
+    direct = _cublas_direct()
+    if direct is not None:
+        if batch == 1:
+            st = direct.gemm(h, op_b, op_a, N, M, K, al.ctypes.data, b.data.ptr, tb, ldb,
+                             a.data.ptr, ta, lda, be.ctypes.data, out.data.ptr, tc, N, compute,
+                             _CUBLAS_GEMM_DEFAULT)
+        else:
+            st = direct.gemm_batched(
+                h, op_b, op_a, N, M, K, al.ctypes.data, b.data.ptr, tb, ldb, stride_b,
+                a.data.ptr, ta, lda, stride_a, be.ctypes.data, out.data.ptr, tc, N, M * N,
+                batch, compute, _CUBLAS_GEMM_DEFAULT)
+        if st == 3:
+            raise _oom_error(MemoryError("cuBLAS could not allocate its workspace"))
+        if st != 0:
+            raise DeviceError(f"matmul: cuBLAS failed for ({M} x {K}) @ ({K} x {N}), batch "
+                              f"{batch}, {a.dtype}: CUBLAS_STATUS_{_CUBLAS_STATUS.get(st, st)}")
+        return
     try:
         if batch == 1:
             cublas.gemmEx(h, op_b, op_a, N, M, K, al.ctypes.data, b.data.ptr, tb, ldb,
@@ -434,6 +507,60 @@ def _matmul_into(a, b, out, trans_a, trans_b, alpha, b_rows, beta=0.0):
     return out
 
 
+_GEMV_M = 4          # kernels/gemv.cu: GEMV_M
+_GEMV_THREADS = 256  # GEMV_WARPS * 32
+_GEMV_VEC = {F32: 4}
+if BF16 is not None:
+    _GEMV_VEC[BF16] = 8
+
+
+def _gemv_ok(a, b, M, K, N) -> bool:
+    """Whether x (M, K) @ W (K, N) goes to kernels/gemv.cu: a few rows (decoding), float32 or
+    bf16, N a multiple of the 16-byte vector and W 16-byte aligned (FORGE_GEMV=0 turns it off)."""
+    import os
+    vec = _GEMV_VEC.get(a.dtype)
+    return (vec is not None and 0 < M <= _GEMV_M and K > 0 and N % vec == 0
+            and b.data.ptr % 16 == 0 and os.environ.get("FORGE_GEMV", "1") != "0")
+
+
+def _gemv(a, b, bias, alpha, M, K, N, act=0, residual=None):
+    vec = _GEMV_VEC[a.dtype]
+    tiles = -(-N // (32 * vec))
+    slices = max(1, min(-(-2 * _sm_count(_dev()) // tiles), -(-K // 8)))
+    kchunk = -(-K // slices)
+    slices = -(-K // kchunk)
+    part = _empty((slices, M, N), F32)
+    sfx = _float_sfx(a)
+    _launch("gemv", f"gemv_partial_{sfx}", (tiles, slices), _GEMV_THREADS,
+            (a, b, part, _i32(M), _i32(K), _i32(N), _i32(kchunk)))
+    out = _empty((M, N), a.dtype)
+    _launch("gemv", f"gemv_finish_{sfx}", _grid(M * N), _THREADS,
+            (part, out if bias is None else bias, _i32(bias is not None),
+             out if residual is None else residual, _i32(residual is not None), _i32(act), out,
+             _i32(M), _i32(N), _i32(slices), np.float32(alpha)))
+    return out
+
+
+_ACTS = {None: 0, "gelu": 1}
+
+
+@_guarded
+def linear(x, w, bias, act, residual):
+    """``act(x @ w + bias) + residual`` for a few rows of x: one gemv kernel pair with the
+    epilogue fused (kernels/gemv.cu); otherwise matmul, gelu and add one after the other."""
+    x, w = _c(x), _like(_c(w), x.dtype)
+    M, K = x.shape
+    N = w.shape[1]
+    if _gemv_ok(x, w, M, K, N):
+        bias = None if bias is None else _like(_c(bias), x.dtype)
+        residual = None if residual is None else _like(_c(residual), x.dtype)
+        return _gemv(x, w, bias, 1.0, M, K, N, _ACTS[act], residual)
+    y = matmul(x, w, bias)
+    if act == "gelu":
+        y = gelu(y)
+    return y if residual is None else add(residual, y)
+
+
 @_guarded
 def matmul(a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows=None):
     a, b = _c(a), _c(b)
@@ -458,6 +585,14 @@ def matmul(a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows=None
     if K != Kb:
         raise ShapeError(f"matmul: op(a) is ({M}, {K}) but op(b) is ({Kb}, {N}); "
                          "inner dims must agree")
+    if (a.ndim == 2 and b.ndim == 2 and not trans_a and not trans_b and br == br_stored
+            and _gemv_ok(a, b, M, K, N)):
+        if bias is not None:
+            bias = _like(_c(bias), a.dtype)
+            if bias.size != N:
+                raise ShapeError(f"matmul: bias has {bias.size} elements but the output has {N} "
+                                 "columns")
+        return _gemv(a, b, bias, alpha, M, K, N)
     out = _empty(lead + (M, N), a.dtype)
     beta = 0.0
     if bias is not None:
@@ -595,7 +730,10 @@ def layernorm(x, gamma, beta, eps=1e-5):
     C = x.shape[-1]
     R = x.size // C if C else 0
     y = _empty(x.shape, x.dtype)
-    if R:
+    if R and R < _sm_count(_dev()):  # a few rows (decoding): a block per row
+        _launch("layernorm", f"layernorm_fwd_block_{_float_sfx(x)}", (R,), _THREADS,
+                (x, gamma, beta, y, _i32(C), _acc(x.dtype, eps)))
+    elif R:
         _launch("layernorm", f"layernorm_fwd_{_float_sfx(x)}", (-(-R // _ROWS_PER_BLOCK),),
                 32 * _ROWS_PER_BLOCK, (x, gamma, beta, y, _i64(R), _i32(C), _acc(x.dtype, eps)))
     return y
@@ -804,13 +942,100 @@ def attention(q, k, v, scale=None):
     return _attention_v1(q, k, v, scale)
 
 
+def _head_major(Tq, Tk):
+    """The flash kernels' layout arguments for (BH, T, 64) q/out and (BH, Tk, 64) k/v:
+    H, then (sb, sh, ld) for q and dq, for k, v, dk, dv, and for out and dout."""
+    d = _FLASH_HS
+    return (_i32(1), _i64(Tq * d), _i64(0), _i32(d), _i64(Tk * d), _i64(0), _i32(d),
+            _i64(Tq * d), _i64(0), _i32(d))
+
+
+def _fused_layout(T, C, n_head):
+    """Layout arguments for GPT-2's fused rows: q, k, v (and dq, dk, dv) inside (B, T, 3C),
+    out and dout (B, T, C), head h at channels h*64.."""
+    d = _FLASH_HS
+    return (_i32(n_head), _i64(T * 3 * C), _i64(d), _i32(3 * C), _i64(T * 3 * C), _i64(d),
+            _i32(3 * C), _i64(T * C), _i64(d), _i32(C))
+
+
 def _attention_flash(q, k, v, scale, Tq, Tk):
     bh = math.prod(q.shape[:-2])
     out = _empty(q.shape, q.dtype)  # (..., H, Tq, 64)
     lse = _empty(q.shape[:-1], F32)  # (..., H, Tq)
     _launch("flash_attention", "flash_fwd_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
-            (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale)))
+            (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale)) + _head_major(Tq, Tk))
     return out, lse
+
+
+def _qkv_flash_ok(qkv, n_head, *others) -> bool:
+    """_flash_wanted for the fused layout: bfloat16, heads of 64, every array 16-byte aligned
+    (the k and v thirds then are too: C * 2 bytes is a multiple of 128)."""
+    import os
+    if os.environ.get("FORGE_ATTENTION", "").strip().lower() == "v1":
+        return False
+    B, T, C3 = qkv.shape
+    return (BF16 is not None and qkv.dtype == BF16 and C3 == 3 * n_head * _FLASH_HS
+            and B * T > 0 and -(-T // _FLASH_BLOCK) <= 65535
+            and all(x.data.ptr % 16 == 0 for x in (qkv,) + others))
+
+
+def _thirds(x, C):
+    """Flat views of (B, T, 3C) starting at channel 0, C and 2C (the kernels stride over rows
+    themselves)."""
+    flat = x.reshape(-1)
+    return flat, flat[C:], flat[2 * C:]
+
+
+@_guarded
+def attention_qkv(qkv, n_head, scale):
+    """Causal self-attention on GPT-2's fused rows: ``qkv (B, T, 3C) -> (y (B, T, C), lse
+    (B, H, T) float32)``. The flash kernels read each head in place and write y with the heads
+    merged; other dtypes and head sizes run split_heads, attention, merge_heads."""
+    qkv = _c(qkv)
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    if not _qkv_flash_ok(qkv, n_head):
+        q, k, v = split_heads(qkv, n_head)
+        out, lse = attention(q, k, v, scale)
+        return merge_heads(out), lse
+    y = _empty((B, T, C), qkv.dtype)
+    lse = _empty((B, n_head, T), F32)
+    q, k, v = _thirds(qkv, C)
+    _launch("flash_attention", "flash_fwd_bf16_h64", _flash_grid(B * n_head, T), _FLASH_THREADS,
+            (q, k, v, y, lse, _i32(T), _i32(T), np.float32(scale)) + _fused_layout(T, C, n_head))
+    return y, lse
+
+
+@_guarded
+def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
+    """``dqkv (B, T, 3C)`` of ``attention_qkv`` given its output y, lse and ``dL/dy``; the
+    flash kernels write dq, dk, dv straight into their thirds of dqkv."""
+    qkv = _c(qkv)
+    y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    if not _qkv_flash_ok(qkv, n_head, y, dy):
+        q, k, v = split_heads(qkv, n_head)
+        dq, dk, dv = attention_bwd(q, k, v, unmerge_heads(y, n_head), lse,
+                                   unmerge_heads(dy, n_head), scale)
+        dqkv = _empty(qkv.shape, qkv.dtype)
+        w = dqkv.view(np.uint16) if dqkv.dtype == BF16 else dqkv
+        for i, g in enumerate((dq, dk, dv)):
+            m = merge_heads(g)
+            w[..., i * C:(i + 1) * C] = m.view(np.uint16) if m.dtype == BF16 else m
+        return dqkv
+    lse = _like(_c(lse), F32)
+    D = _empty(lse.shape, F32)  # rowsum(dy * y): written by the dq kernel, read by dk/dv
+    dqkv = _empty(qkv.shape, qkv.dtype)
+    q, k, v = _thirds(qkv, C)
+    dq, dk, dv = _thirds(dqkv, C)
+    lay = _fused_layout(T, C, n_head)
+    grid = _flash_grid(B * n_head, T)
+    _launch("flash_attention", "flash_bwd_dq_bf16_h64", grid, _FLASH_THREADS,
+            (q, k, v, y, dy, lse, D, dq, _i32(T), _i32(T), np.float32(scale)) + lay)
+    _launch("flash_attention", "flash_bwd_dkdv_bf16_h64", grid, _FLASH_THREADS,
+            (q, k, v, dy, lse, D, dk, dv, _i32(T), _i32(T), np.float32(scale)) + lay)
+    return dqkv
 
 
 @_guarded
@@ -854,11 +1079,13 @@ def _attention_bwd_flash(q, k, v, out, lse, dout, scale, Tq, Tk):
     D = _empty(lse.shape, F32)  # rowsum(dout * out): written by the dq kernel, read by dk/dv
     dq = _empty(q.shape, q.dtype)
     _launch("flash_attention", "flash_bwd_dq_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
-            (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale)))
+            (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale))
+            + _head_major(Tq, Tk))
     dk = _empty(k.shape, q.dtype)
     dv = _empty(v.shape, q.dtype)
     _launch("flash_attention", "flash_bwd_dkdv_bf16_h64", _flash_grid(bh, Tk), _FLASH_THREADS,
-            (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale)))
+            (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale))
+            + _head_major(Tq, Tk))
     return dq, dk, dv
 
 
@@ -892,6 +1119,18 @@ def _attention_bwd_v1(q, k, v, out, lse, dout, scale=None):
 
 
 @_guarded
+def assign(dst, values):
+    """dst[...] = values (a NumPy array), in place, queued on the current stream."""
+    if not dst.flags.c_contiguous:
+        raise ShapeError("assign: dst must be C-contiguous (it is written in place)")
+    if dst.dtype == BF16:  # rounded on the device, as from_host does
+        src = from_host(values, "bfloat16")
+        dst.data.copy_from_device_async(src.data, dst.nbytes)
+    else:  # one host-to-device copy
+        dst.set(np.ascontiguousarray(values, dtype=dst.dtype))
+
+
+@_guarded
 def kv_append(cache, new, pos):
     new = _like(_c(new), cache.dtype)
     if not cache.flags.c_contiguous:
@@ -907,6 +1146,87 @@ def kv_append(cache, new, pos):
                 (cache, new, _i64(new.size), _i32(Tn), _i32(Tmax), _i32(hs), _i32(pos)))
 
 
+_DECODE_THREADS = 256
+
+
+@_guarded
+def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
+    """One decoding step: write the new keys and values at row ``pos`` of the caches and
+    return ``y (B, C)``; one block per (head, row) (kernels/attention.cu)."""
+    qkv = _like(_c(qkv), k_cache.dtype)
+    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        raise ShapeError("decode_attention: the caches must be C-contiguous (written in place)")
+    B, H, Tmax, hs = k_cache.shape
+    if qkv.shape != (B, 3 * H * hs) or v_cache.shape != k_cache.shape or H != n_head:
+        raise ShapeError(f"decode_attention: qkv {qkv.shape} and caches {k_cache.shape}, "
+                         f"{v_cache.shape} do not fit {n_head} heads")
+    if hs > _DECODE_THREADS:
+        raise ShapeError(f"decode_attention: head size {hs} is over the kernel's "
+                         f"{_DECODE_THREADS}")
+    acc = _acc_dtype(qkv.dtype)
+    shared = (hs + Tmax + _DECODE_THREADS) * acc.itemsize
+    if shared > 48 * 1024:
+        raise ShapeError(f"decode_attention: a cache of {Tmax} rows needs {shared} bytes of "
+                         "shared memory, over the 48 KiB a block may take")
+    if isinstance(pos, cupy.ndarray):
+        pos = _pos_array(pos)
+    else:
+        pos = cupy.asarray(np.array([int(pos)], np.int32))
+    y = _empty((B, H * hs), qkv.dtype)
+    if y.size:
+        _launch("attention", f"decode_attention_{_float_sfx(qkv)}", (H, B), _DECODE_THREADS,
+                (qkv, k_cache, v_cache, pos, y, _i32(H), _i32(Tmax), _i32(hs),
+                 _acc(qkv.dtype, scale)), shared=shared)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA graphs
+# ----------------------------------------------------------------------------------------------
+
+class CapturedGraph:
+    """Work captured once from a Python function and replayed with one launch.
+
+    ``outputs``: what the function returned during the capture (arrays the replays rewrite in
+    place). Every array the captured work touches keeps its address: the inputs the function
+    read (write new values into them before a replay) and its intermediates, which live in a
+    memory pool of the graph's own, so no later allocation can land on them.
+    """
+
+    def __init__(self, graph, outputs, pool):
+        self._graph, self.outputs, self._pool = graph, outputs, pool
+
+    @_guarded
+    def replay(self) -> None:
+        """Run the captured work again, on the current stream (ordered with other ops)."""
+        self._graph.launch(cupy.cuda.get_current_stream())
+
+
+@_guarded
+def capture_graph(fn) -> CapturedGraph:
+    """Capture the GPU work of ``fn()`` into a CUDA graph (``CapturedGraph``).
+
+    ``fn`` must queue device work only: nothing that waits for the GPU or reads a value back
+    (that is an error during a capture). Run it once eagerly first, so every kernel it
+    needs is compiled and loaded. The capture runs on a private stream in relaxed mode, its
+    allocations from a private pool.
+    """
+    pool = cupy.cuda.MemoryPool()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream, cupy.cuda.using_allocator(pool.malloc):
+        stream.begin_capture()
+        try:
+            outputs = fn()
+        except BaseException:
+            try:
+                stream.end_capture()
+            except Exception:  # the capture may be invalid already; the first error is the one
+                pass
+            raise
+        graph = stream.end_capture()
+    return CapturedGraph(graph, outputs, pool)
+
+
 # ----------------------------------------------------------------------------------------------
 # Embedding
 # ----------------------------------------------------------------------------------------------
@@ -918,6 +1238,14 @@ def _ids(ids):
     return ids
 
 
+def _pos_array(pos):
+    """A position given as a device array: one int32 element (read by the kernel itself)."""
+    if pos.size != 1 or pos.dtype != np.dtype(np.int32):
+        raise ShapeError(f"a device position must be one int32 element, got {pos.dtype} "
+                         f"of shape {pos.shape}")
+    return _c(pos)
+
+
 @_guarded
 def embedding(ids, wte, wpe, pos=0):
     ids = _ids(ids)
@@ -926,9 +1254,15 @@ def embedding(ids, wte, wpe, pos=0):
     C = wte.shape[-1]
     T = ids.shape[-1] if ids.ndim else 1
     out = _empty(ids.shape + (C,), wte.dtype)
-    if out.size:
-        _launch("embedding", f"embedding_fwd_{_float_sfx(wte)}_{_sfx(ids.dtype)}",
-                _grid(out.size), _THREADS,
+    if not out.size:
+        return out
+    sfx = f"{_float_sfx(wte)}_{_sfx(ids.dtype)}"
+    if isinstance(pos, cupy.ndarray):  # read on the device (CUDA-graph replays)
+        _launch("embedding", f"embedding_at_fwd_{sfx}", _grid(out.size), _THREADS,
+                (ids, wte, wpe, out, _i64(out.size), _i32(T), _i32(C), _pos_array(pos),
+                 _i32(wpe.shape[0])))
+    else:
+        _launch("embedding", f"embedding_fwd_{sfx}", _grid(out.size), _THREADS,
                 (ids, wte, wpe, out, _i64(out.size), _i32(T), _i32(C), _i32(int(pos))))
     return out
 

@@ -1,6 +1,6 @@
 // attention.cu: the pieces of causal self-attention that are not matrix products (those go
-// through cuBLAS): the probabilities rebuilt from the saved log-sum-exp in the backward, and
-// the in-place KV-cache append of inference.
+// through cuBLAS): the probabilities rebuilt from the saved log-sum-exp in the backward, the
+// in-place KV-cache append of inference, and the fused one-token decoding step.
 //   P_ij = exp(S_ij - lse_i) where j <= i + off, else 0   (S already scaled)
 #include "common.cuh"
 
@@ -50,3 +50,88 @@ __device__ void kv_append_impl(W* cache, const W* src, long long total, int Tn, 
 FORGE_KV_APPEND(unsigned short, b16)
 FORGE_KV_APPEND(unsigned int, b32)
 FORGE_KV_APPEND(unsigned long long, b64)
+
+// decode_attention: one decoding step, one new token per row. Block (h, b) owns head h of row
+// b: it writes the token's key and value (from the fused qkv row, GPT-2's c_attn output
+// (B, 3C)) into the caches (B, H, Tmax, hs) at row pos, then computes, in float32 (double
+// for double),
+//   y[b, h*hs + d] = sum_{j <= pos} softmax_j(scale * q . k_j) v_j[d]
+// Scores go to shared memory (Tmax of them): thread t owns keys t, t + blockDim.x, ... and
+// reads each key row whole (q is broadcast from shared memory), so a step at position p has p
+// independent row reads in flight, not a chain of warp reductions; after the block's max and
+// sum, thread t owns channel t % hs of key group t / hs, and the groups' partial sums are
+// added in a fixed order.
+// pos is read from device memory, so a CUDA graph captured once replays at every position;
+// a pos outside 0..Tmax-1 writes nothing and makes the head's outputs NaN.
+template <typename T>
+__device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos_p, T* y,
+                                      int H, int Tmax, int hs, typename Acc<T>::type scale) {
+    typedef typename Acc<T>::type A;
+    extern __shared__ unsigned char smem_raw[];
+    A* q = reinterpret_cast<A*>(smem_raw);  // hs
+    A* s = q + hs;                           // Tmax scores, then probabilities
+    A* part = s + Tmax;                      // blockDim.x partial outputs
+    __shared__ A red[32];
+    const int h = blockIdx.x, b = blockIdx.y, C = H * hs, t = threadIdx.x;
+    const int pos = *pos_p;
+    T* yr = y + (long long)b * C + (long long)h * hs;
+    if (pos < 0 || pos >= Tmax) {
+        for (int d = t; d < hs; d += blockDim.x) yr[d] = To<T>::from(quiet_nan<A>());
+        return;
+    }
+    const T* row = qkv + (long long)b * 3 * C + (long long)h * hs;
+    const long long base = ((long long)b * H + h) * Tmax * hs;
+    for (int d = t; d < hs; d += blockDim.x) {
+        q[d] = ldf(row[d]) * scale;
+        kc[base + (long long)pos * hs + d] = row[C + d];
+        vc[base + (long long)pos * hs + d] = row[2 * C + d];
+    }
+    __syncthreads();  // the new key row is read back below (global writes, same block)
+    const int lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5, n = pos + 1;
+    for (int j = t; j < n; j += blockDim.x) {
+        const T* kr = kc + base + (long long)j * hs;
+        A acc = A(0);
+#pragma unroll 16
+        for (int d = 0; d < hs; ++d) acc += q[d] * ldf(kr[d]);
+        s[j] = acc;
+    }
+    __syncthreads();
+    A m = neg_inf<A>();
+    for (int j = t; j < n; j += blockDim.x) m = fm_max(m, s[j]);
+    m = warp_max(m);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < nw; ++w) m = fm_max(m, red[w]);
+    A l = A(0);
+    for (int j = t; j < n; j += blockDim.x) {
+        const A e = fm_exp(s[j] - m);
+        s[j] = e;
+        l += e;
+    }
+    l = block_sum(l, red);  // its barriers also publish the s[j] writes
+    const int G = blockDim.x / hs;  // key groups (hs <= blockDim.x)
+    const int d = t % hs, g = t / hs;
+    A acc = A(0);
+    if (g < G) {
+#pragma unroll 8
+        for (int j = g; j < n; j += G) acc += s[j] * ldf(vc[base + (long long)j * hs + d]);
+    }
+    part[t] = acc;
+    __syncthreads();
+    if (t < hs) {
+        A o = A(0);
+        for (int k = 0; k < G; ++k) o += part[k * hs + t];
+        yr[t] = To<T>::from(o / l);
+    }
+}
+
+#define FORGE_DECODE_ATTENTION(T, S, A)                                                       \
+    extern "C" __global__ void decode_attention_##S(const T* qkv, T* kc, T* vc,              \
+                                                    const int* pos, T* y, int H, int Tmax,    \
+                                                    int hs, A scale) {                        \
+        decode_attention_impl<T>(qkv, kc, vc, pos, y, H, Tmax, hs, scale);                    \
+    }
+FORGE_DECODE_ATTENTION(float, f32, float)
+FORGE_DECODE_ATTENTION(double, f64, double)
+FORGE_DECODE_ATTENTION(bf16, bf16, float)

@@ -95,6 +95,12 @@ template <typename A> FORGE_D A quiet_nan();
 template <> FORGE_D float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
 template <> FORGE_D double quiet_nan<double>() { return __longlong_as_double(0x7ff8000000000000ULL); }
 
+// GPT-2's GELU, tanh approximation: 0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3))).
+template <typename A> FORGE_D A gelu_f(A v) {
+    const A k0 = A(0.7978845608028654), k1 = A(0.044715);
+    return A(0.5) * v * (A(1) + fm_tanh(k0 * (v + k1 * v * v * v)));
+}
+
 // Sum over the 32 lanes of a warp; every lane gets the total (butterfly order, deterministic).
 template <typename A> FORGE_D A warp_sum(A v) {
 #pragma unroll

@@ -5,7 +5,12 @@
 // T x T matrix touches memory. Products run on the tensor cores (mma.sync m16n8k16, bf16 in,
 // float32 accumulate); the softmax, the log-sum-exp and every accumulator are float32.
 //
-// Layout: q, out, dout (BH, Tq, 64); k, v (BH, Tk, 64); row-major bf16. lse, D (BH, Tq) float32.
+// Layout: bf16 rows of 64 (one head's channels). Row i of head bh = (b, h) of an operand starts
+// at element (bh / H) * sb + (bh % H) * sh + i * ld, with (sb, sh, ld) given per group: one
+// for q and dq, one for k, v, dk and dv, one for out and dout. Head-major (BH, T, 64) tensors
+// pass H = 1, sb = T * 64, ld = 64; GPT-2's fused layout passes the (B, T, 3C) qkv rows (ld =
+// 3C, sh = 64, k and v pointers offset by C and 2C) and the (B, T, C) output (ld = C), so no
+// head split or merge copies are needed. lse, D are (BH, Tq) float32.
 // Causal with a KV-cache offset: query row i sees key j when j <= i + off, off = Tk - Tq >= 0.
 // lse_i = log sum_j exp(scale * q_i . k_j) over the keys row i sees (natural log, as v1).
 //
@@ -99,24 +104,32 @@ FORGE_D float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 
 // ---- tiles and fragments ------------------------------------------------------------------
 
-// Rows r0..r0+63 of a row-major (n, 64) bf16 matrix into a shared tile of row stride FA_LD;
-// rows >= n become zeros. Each of the 128 threads moves four 16-byte chunks; a warp covers
-// four whole rows (512 contiguous bytes) per step.
-FORGE_D void load_tile(bf16* tile, const bf16* src, int r0, int n, int tid) {
+// Where head bh's rows start in an operand of layout (sb, sh) (see the top of the file).
+FORGE_D long long head_base(long long bh, int H, long long sb, long long sh) {
+    const int b = (int)bh / H, h = (int)bh - b * H;  // bh = blockIdx.x < 2^31
+    return b * sb + h * sh;
+}
+
+// Rows r0..r0+63 of an (n, 64) bf16 matrix with row stride ld into a shared tile of row
+// stride FA_LD; rows >= n become zeros. Each of the 128 threads moves four 16-byte chunks; a
+// warp covers four whole rows (4 x 128 bytes) per step.
+FORGE_D void load_tile(bf16* tile, const bf16* src, int r0, int n, int tid, int ld) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int c = tid + FA_THREADS * i, row = c >> 3, col = (c & 7) * 8;
         const bool valid = r0 + row < n;
-        const bf16* p = valid ? src + (long long)(r0 + row) * FA_D + col : src;
+        const bf16* p = valid ? src + (long long)(r0 + row) * ld + col : src;
         cp_async16(smem_u32(tile + row * FA_LD + col), p, valid);
     }
 }
 
-// The A operands (16 rows from r0, all four 16-wide k-steps) of a row-major (n, 64) bf16
-// matrix, read straight from global memory (once per block, so no staging); rows >= n are 0.
-FORGE_D void load_a_frags(unsigned (&a)[4][4], const bf16* src, int r0, int n, int g, int t) {
-    const unsigned* lo = reinterpret_cast<const unsigned*>(src + (long long)(r0 + g) * FA_D);
-    const unsigned* hi = lo + 8 * FA_D / 2;  // row r0 + g + 8
+// The A operands (16 rows from r0, all four 16-wide k-steps) of an (n, 64) bf16 matrix with
+// row stride ld, read straight from global memory (once per block, so no staging); rows >= n
+// are 0.
+FORGE_D void load_a_frags(unsigned (&a)[4][4], const bf16* src, int r0, int n, int g, int t,
+                          int ld) {
+    const unsigned* lo = reinterpret_cast<const unsigned*>(src + (long long)(r0 + g) * ld);
+    const unsigned* hi = lo + 8 * (long long)ld / 2;  // row r0 + g + 8
     const bool vlo = r0 + g < n, vhi = r0 + g + 8 < n;
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
@@ -180,11 +193,11 @@ FORGE_D void zero_acc(float (&acc)[8][4]) {
 }
 
 // Rows r_lo (c0, c1) and r_lo + 8 (c2, c3) of a 16 x 64 float32 accumulator, times `mul`,
-// to a row-major (n, 64) bf16 matrix; rows >= n are skipped.
+// to an (n, 64) bf16 matrix with row stride ld; rows >= n are skipped.
 FORGE_D void store_rows(bf16* dst, const float (&acc)[8][4], int r_lo, int n, float mul_lo,
-                        float mul_hi, int t) {
-    unsigned* lo = reinterpret_cast<unsigned*>(dst + (long long)r_lo * FA_D);
-    unsigned* hi = lo + 8 * FA_D / 2;
+                        float mul_hi, int t, int ld) {
+    unsigned* lo = reinterpret_cast<unsigned*>(dst + (long long)r_lo * ld);
+    unsigned* hi = lo + 8 * (long long)ld / 2;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
         if (r_lo < n) lo[4 * nt + t] = pack_bf16x2(acc[nt][0] * mul_lo, acc[nt][1] * mul_lo);
@@ -211,16 +224,19 @@ FORGE_D float quad_sum(float v) {
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
     flash_fwd_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
                        const bf16* __restrict__ v, bf16* __restrict__ out,
-                       float* __restrict__ lse, int Tq, int Tk, float scale) {
+                       float* __restrict__ lse, int Tq, int Tk, float scale,
+                       int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,
+                       long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld) {
     __shared__ __align__(16) bf16 sK[2][FA_BLK * FA_LD];
     __shared__ __align__(16) bf16 sV[2][FA_BLK * FA_LD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const long long bh = blockIdx.x;
     const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * FA_BLK;
     const int off = Tk - Tq;
-    const bf16* Q = q + bh * Tq * FA_D;
-    const bf16* K = k + bh * Tk * FA_D;
-    const bf16* V = v + bh * Tk * FA_D;
+    const bf16* Q = q + head_base(bh, H, q_sb, q_sh);
+    const long long kvb = head_base(bh, H, kv_sb, kv_sh);
+    const bf16* K = k + kvb;
+    const bf16* V = v + kvb;
     const float sl2 = scale * FA_LOG2E;
     const int w0 = q0 + 16 * warp;  // the warp's first row
     const int r_lo = w0 + g, r_hi = r_lo + 8;
@@ -228,11 +244,11 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
     const int kv_end = min(Tk, q0 + FA_BLK + off);
     const int nkb = (kv_end + FA_BLK - 1) / FA_BLK;
 
-    load_tile(sK[0], K, 0, Tk, tid);
-    load_tile(sV[0], V, 0, Tk, tid);
+    load_tile(sK[0], K, 0, Tk, tid, kv_ld);
+    load_tile(sV[0], V, 0, Tk, tid, kv_ld);
     cp_async_commit();
     unsigned qf[4][4];
-    load_a_frags(qf, Q, w0, Tq, g, t);
+    load_a_frags(qf, Q, w0, Tq, g, t, q_ld);
 
     float o[8][4];
     zero_acc(o);
@@ -244,8 +260,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
     for (int kb = 0; kb < nkb; ++kb) {
         const int buf = kb & 1;
         if (kb + 1 < nkb) {  // prefetch the next K, V tiles while this one is used
-            load_tile(sK[buf ^ 1], K, (kb + 1) * FA_BLK, Tk, tid);
-            load_tile(sV[buf ^ 1], V, (kb + 1) * FA_BLK, Tk, tid);
+            load_tile(sK[buf ^ 1], K, (kb + 1) * FA_BLK, Tk, tid, kv_ld);
+            load_tile(sV[buf ^ 1], V, (kb + 1) * FA_BLK, Tk, tid, kv_ld);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -312,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
     l_lo = quad_sum(l_lo);
     l_hi = quad_sum(l_hi);
     // every row sees key 0, so l >= 1 for the rows that are stored
-    store_rows(out + bh * Tq * FA_D, o, r_lo, Tq, 1.f / l_lo, 1.f / l_hi, t);
+    store_rows(out + head_base(bh, H, o_sb, o_sh), o, r_lo, Tq, 1.f / l_lo, 1.f / l_hi, t, o_ld);
     if (t == 0) {
         float* L = lse + bh * Tq;
         if (r_lo < Tq) L[r_lo] = (m_lo + log2f(l_lo)) * FA_LN2;
@@ -332,32 +348,35 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
                           const bf16* __restrict__ v, const bf16* __restrict__ out,
                           const bf16* __restrict__ dout, const float* __restrict__ lse,
                           float* __restrict__ Dsum, bf16* __restrict__ dq, int Tq, int Tk,
-                          float scale) {
+                          float scale, int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,
+                       long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld) {
     __shared__ __align__(16) bf16 sK[2][FA_BLK * FA_LD];
     __shared__ __align__(16) bf16 sV[2][FA_BLK * FA_LD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const long long bh = blockIdx.x;
     const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * FA_BLK;
     const int off = Tk - Tq;
-    const bf16* K = k + bh * Tk * FA_D;
-    const bf16* V = v + bh * Tk * FA_D;
+    const long long kvb = head_base(bh, H, kv_sb, kv_sh);
+    const long long qb_ = head_base(bh, H, q_sb, q_sh), ob = head_base(bh, H, o_sb, o_sh);
+    const bf16* K = k + kvb;
+    const bf16* V = v + kvb;
     const float sl2 = scale * FA_LOG2E;
     const int w0 = q0 + 16 * warp;
     const int r_lo = w0 + g, r_hi = r_lo + 8;
     const int kv_end = min(Tk, q0 + FA_BLK + off);
     const int nkb = (kv_end + FA_BLK - 1) / FA_BLK;
 
-    load_tile(sK[0], K, 0, Tk, tid);
-    load_tile(sV[0], V, 0, Tk, tid);
+    load_tile(sK[0], K, 0, Tk, tid, kv_ld);
+    load_tile(sV[0], V, 0, Tk, tid, kv_ld);
     cp_async_commit();
 
     unsigned qf[4][4], df[4][4];
-    load_a_frags(qf, q + bh * Tq * FA_D, w0, Tq, g, t);
-    load_a_frags(df, dout + bh * Tq * FA_D, w0, Tq, g, t);
+    load_a_frags(qf, q + qb_, w0, Tq, g, t, q_ld);
+    load_a_frags(df, dout + ob, w0, Tq, g, t, o_ld);
     float d_lo = 0.f, d_hi = 0.f;
     {
         unsigned of[4][4];  // out at the same positions as df: D is a dot product of the two
-        load_a_frags(of, out + bh * Tq * FA_D, w0, Tq, g, t);
+        load_a_frags(of, out + ob, w0, Tq, g, t, o_ld);
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
 #pragma unroll
@@ -392,8 +411,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
     for (int kb = 0; kb < nkb; ++kb) {
         const int buf = kb & 1;
         if (kb + 1 < nkb) {
-            load_tile(sK[buf ^ 1], K, (kb + 1) * FA_BLK, Tk, tid);
-            load_tile(sV[buf ^ 1], V, (kb + 1) * FA_BLK, Tk, tid);
+            load_tile(sK[buf ^ 1], K, (kb + 1) * FA_BLK, Tk, tid, kv_ld);
+            load_tile(sV[buf ^ 1], V, (kb + 1) * FA_BLK, Tk, tid, kv_ld);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -421,7 +440,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
         mma_cb(acc, p, smem_u32(sK[buf]) + trans);  // dq += dS k
         __syncthreads();
     }
-    store_rows(dq + bh * Tq * FA_D, acc, r_lo, Tq, scale, scale, t);
+    store_rows(dq + qb_, acc, r_lo, Tq, scale, scale, t, q_ld);
 }
 
 // Block (blockIdx.x = bh, keys k0..k0+63), the earliest keys (the most queries) first. Warp w
@@ -433,7 +452,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
                             const bf16* __restrict__ v, const bf16* __restrict__ dout,
                             const float* __restrict__ lse, const float* __restrict__ Dsum,
                             bf16* __restrict__ dk, bf16* __restrict__ dv, int Tq, int Tk,
-                            float scale) {
+                            float scale, int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,
+                       long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld) {
     __shared__ __align__(16) bf16 sQ[2][FA_BLK * FA_LD];
     __shared__ __align__(16) bf16 sO[2][FA_BLK * FA_LD];  // dout
     __shared__ float sL[2][FA_BLK];                       // lse * log2(e), 0 past Tq
@@ -442,8 +462,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
     const long long bh = blockIdx.x;
     const int k0 = (int)blockIdx.y * FA_BLK;
     const int off = Tk - Tq;
-    const bf16* Q = q + bh * Tq * FA_D;
-    const bf16* dO = dout + bh * Tq * FA_D;
+    const bf16* Q = q + head_base(bh, H, q_sb, q_sh);
+    const bf16* dO = dout + head_base(bh, H, o_sb, o_sh);
+    const long long kvb = head_base(bh, H, kv_sb, kv_sh);
     const float* L = lse + bh * Tq;
     const float* D = Dsum + bh * Tq;
     const float sl2 = scale * FA_LOG2E;
@@ -455,8 +476,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 
     auto stage = [&](int qb, int buf) {
         const int r0 = qb * FA_BLK;
-        load_tile(sQ[buf], Q, r0, Tq, tid);
-        load_tile(sO[buf], dO, r0, Tq, tid);
+        load_tile(sQ[buf], Q, r0, Tq, tid, q_ld);
+        load_tile(sO[buf], dO, r0, Tq, tid, o_ld);
         cp_async_commit();
         if (tid < FA_BLK) {
             const int i = r0 + tid;
@@ -467,8 +488,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
     stage(qb0, 0);
 
     unsigned kf[4][4], vf[4][4];
-    load_a_frags(kf, k + bh * Tk * FA_D, w0, Tk, g, t);
-    load_a_frags(vf, v + bh * Tk * FA_D, w0, Tk, g, t);
+    load_a_frags(kf, k + kvb, w0, Tk, g, t, kv_ld);
+    load_a_frags(vf, v + kvb, w0, Tk, g, t, kv_ld);
     float dka[8][4], dva[8][4];
     zero_acc(dka);
     zero_acc(dva);
@@ -508,6 +529,6 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
         mma_cb(dka, ds, smem_u32(sQ[buf]) + trans);  // dk += dS^T q
         __syncthreads();
     }
-    store_rows(dk + bh * Tk * FA_D, dka, j_lo, Tk, scale, scale, t);
-    store_rows(dv + bh * Tk * FA_D, dva, j_lo, Tk, 1.f, 1.f, t);
+    store_rows(dk + kvb, dka, j_lo, Tk, scale, scale, t, kv_ld);
+    store_rows(dv + kvb, dva, j_lo, Tk, 1.f, 1.f, t, kv_ld);
 }

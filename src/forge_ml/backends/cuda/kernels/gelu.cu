@@ -3,11 +3,7 @@
 //   dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
 #include "common.cuh"
 
-template <typename A> FORGE_D A gelu_f(A v) {
-    const A k0 = A(0.7978845608028654), k1 = A(0.044715);
-    return A(0.5) * v * (A(1) + fm_tanh(k0 * (v + k1 * v * v * v)));
-}
-
+// gelu_f(v), the forward, is in common.cuh (gemv.cu's fused epilogue uses it too).
 template <typename A> FORGE_D A gelu_d(A v) {
     const A k0 = A(0.7978845608028654), k1 = A(0.044715);
     const A t = fm_tanh(k0 * (v + k1 * v * v * v));

@@ -35,6 +35,28 @@ __device__ void layernorm_fwd_impl(const T* x, const T* gamma, const T* beta, T*
         yr[c] = To<T>::from((ldf(xr[c]) - mean) * rstd * ldf(gamma[c]) + ldf(beta[c]));
 }
 
+// layernorm_fwd_block: one block per row, for a few rows (a decoding step: one row per
+// sequence), where a warp per row would leave the GPU idle and walk C / 32 elements serially.
+template <typename T>
+__device__ void layernorm_fwd_block_impl(const T* x, const T* gamma, const T* beta, T* y, int C,
+                                         typename Acc<T>::type eps) {
+    typedef typename Acc<T>::type A;
+    __shared__ A sh[32];
+    const T* xr = x + (long long)blockIdx.x * C;
+    T* yr = y + (long long)blockIdx.x * C;
+    A s = A(0);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) s += ldf(xr[c]);
+    const A mean = block_sum(s, sh) / A(C);
+    A v = A(0);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const A d = ldf(xr[c]) - mean;
+        v += d * d;
+    }
+    const A rstd = A(1) / fm_sqrt(block_sum(v, sh) / A(C) + eps);
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        yr[c] = To<T>::from((ldf(xr[c]) - mean) * rstd * ldf(gamma[c]) + ldf(beta[c]));
+}
+
 // layernorm_bwd: each warp owns one row: recomputes mean and rstd, writes dx, and leaves the
 // row's (mean, rstd) for layernorm_bwd_params.
 template <typename T>
@@ -113,6 +135,10 @@ __device__ void layernorm_bwd_params_impl(const T* x, const T* dy,
     extern "C" __global__ void layernorm_fwd_##S(const T* x, const T* gamma, const T* beta,   \
                                                  T* y, long long R, int C, A eps) {            \
         layernorm_fwd_impl<T>(x, gamma, beta, y, R, C, eps);                                   \
+    }                                                                                          \
+    extern "C" __global__ void layernorm_fwd_block_##S(const T* x, const T* gamma,            \
+                                                       const T* beta, T* y, int C, A eps) {    \
+        layernorm_fwd_block_impl<T>(x, gamma, beta, y, C, eps);                                \
     }                                                                                          \
     extern "C" __global__ void layernorm_bwd_##S(const T* x, const T* gamma, const T* dy,     \
                                                  T* dx, A* mean, A* rstd, long long R, int C,  \
