@@ -3,11 +3,14 @@ transformers' ``generate`` on the same random weights, in the same run.
 
     python benchmarks/generate_gpu.py [--new-tokens 256] [--prompt-len 16] [--dtype float32|bf16]
 
-tokens/s counts new tokens over the end-to-end time (prefill included), best of a few runs.
+tokens/s counts new tokens over the end-to-end time (prefill and the CUDA-graph capture
+included), best of a few runs. forge-ml is also timed with the graph off (FORGE_CUDA_GRAPH=0,
+the decoding step op by op), the figure before the graph existed.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -30,7 +33,6 @@ def main(argv=None):
     import torch
     import transformers
 
-    import forge_ml as fm
     from forge_ml import hf
     from forge_ml.generate import generate
     from forge_ml.models import GPT2, GPT2Config
@@ -43,7 +45,8 @@ def main(argv=None):
         params = {k: v.to("bfloat16") for k, v in model.params.items()}
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, a.prompt_len)]
 
-    def run_forge():
+    def run_forge(graph=True):
+        os.environ["FORGE_CUDA_GRAPH"] = "1" if graph else "0"
         cp.cuda.Device().synchronize()
         t0 = time.perf_counter()
         kw = {} if params is None else {"params": params}
@@ -69,6 +72,7 @@ def main(argv=None):
 
     run_forge(), run_hf()                             # warm-up: compile, cuBLAS handles
     tf = min(run_forge()[0] for _ in range(a.repeats))
+    te = min(run_forge(graph=False)[0] for _ in range(a.repeats))
     th = min(run_hf()[0] for _ in range(a.repeats))
     _, fo = run_forge()
     _, ho = run_hf()
@@ -76,6 +80,7 @@ def main(argv=None):
     n = a.new_tokens
     print(f"GPT-2 124M batch-1 greedy generation, {a.dtype}, prompt {a.prompt_len}, {n} new tokens")
     print(f"forge-ml:      {n / tf:9.1f} tok/s")
+    print(f"forge-ml, no graph: {n / te:9.1f} tok/s  (decoding step op by op)")
     print(f"transformers:  {n / th:9.1f} tok/s")
     print(f"ratio forge-ml / transformers: {th / tf:.2f}x   (greedy tokens agree for the first {same} of {n})")
 

@@ -53,6 +53,8 @@ echo "== model benchmarks (training throughput, generation)"
 timeout "${TRAIN_TIMEOUT:-200}" "$PY" benchmarks/train_gpu.py --batch "${TRAIN_BATCH:-32}" --steps "${TRAIN_STEPS:-10}" ${TRAIN_ARGS:-} 2>&1 | tee "$LOG/bench_train.log"
 timeout "${GEN_TIMEOUT:-120}" "$PY" benchmarks/generate_gpu.py --new-tokens 200 2>&1 | tee "$LOG/bench_generate.log"
 timeout "${GEN_TIMEOUT:-120}" "$PY" benchmarks/generate_gpu.py --new-tokens 200 --dtype bf16 2>&1 | tee -a "$LOG/bench_generate.log"
+timeout "${GEN_TIMEOUT:-120}" "$PY" benchmarks/decode_gpu.py 2>&1 | tee "$LOG/bench_decode.log"  # where a decoding step's time goes
+timeout "${GEN_TIMEOUT:-120}" "$PY" benchmarks/decode_gpu.py --dtype bf16 2>&1 | tee -a "$LOG/bench_decode.log"
 
 echo "== end to end: forge-ml check, and the CLI trainer in bf16 on the GPU"
 timeout 120 "$PY" -m forge_ml check 2>&1 | tee "$LOG/check.log"
@@ -69,6 +71,7 @@ echo "benchmarks: exit $bench_rc ($( [ "$bench_rc" = 0 ] && echo OK || { [ "$ben
 echo "attention:  $(grep -iE 'ratio|flash' "$LOG/bench_attention.log" | tail -n 4 | tr '\n' ' ')"
 echo "training:"; grep -E '^(forge|torch)' "$LOG/bench_train.log"
 echo "generation:"; grep -E '^(forge|transformers|ratio)' "$LOG/bench_generate.log"
+echo "decoding step:"; grep -E '^GPT-2|graph replay|DecodeStep call' "$LOG/bench_decode.log"
 echo "check:"; cat "$LOG/check.log"
 echo "logs in $LOG"
 [ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -1,0 +1,156 @@
+"""Where the time of one GPT-2 124M batch-1 decoding step goes on the GPU: the CUDA-graph
+replay alone (GPU time per token), a whole ``DecodeStep`` call (host copies in and out
+included), the op-by-op step, and each op of the step at decode shapes (GPU time: 20 calls
+captured in a CUDA graph and replayed), with torch's matrix-vector products at the same shapes
+beside forge-ml's (also in a graph).
+
+    python benchmarks/decode_gpu.py [--dtype float32|bf16] [--pos 200]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+def events_ms(cp, fn, reps):
+    """Mean GPU ms per call of ``fn`` launched ``reps`` times back to back."""
+    fn()
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    e.synchronize()
+    return cp.cuda.get_elapsed_time(s, e) / reps
+
+
+def graph_ms(cp, bk, fn, reps, inner=20):
+    """GPU ms per call of ``fn``: ``inner`` calls captured in one CUDA graph, replayed."""
+    fn()
+    g = bk.capture_graph(lambda: [fn() for _ in range(inner)])
+    return events_ms(cp, g.replay, max(1, reps // inner)) / inner
+
+
+def torch_graph_ms(torch, fn, reps, inner=20):
+    """The same for a torch callable (torch.cuda.CUDAGraph)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    start.record()
+    n = max(1, reps // inner)
+    for _ in range(n):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n / inner
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bf16"])
+    ap.add_argument("--pos", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=200)
+    a = ap.parse_args(argv)
+
+    import cupy as cp
+    import forge_ml as fm
+    from forge_ml import ops
+    from forge_ml.models import GPT2, GPT2Config
+    from forge_ml.models.gpt2 import DecodeStep
+
+    cfg = GPT2Config()
+    model = GPT2.init(cfg, seed=0, device="cuda")
+    params = {k: v.to("bfloat16") for k, v in model.params.items()} if a.dtype == "bf16" else None
+    P = model.params if params is None else params
+    dt = "bfloat16" if a.dtype == "bf16" else "float32"
+    cache = model.new_cache(1, cfg.block_size, params)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, a.pos))
+    model.forward_cached(fm.tensor(prompt, device="cuda"), cache, params)
+    step = DecodeStep(model, cache, params)
+    tok = [int(prompt[0, -1])]
+    step(tok, a.pos)
+    step(tok, a.pos)                            # captured now
+    assert step.captured
+    rows = []
+    rows.append(("graph replay (GPU time per step)",
+                 events_ms(cp, step._captured.replay, a.reps)))
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.reps):
+        step(tok, a.pos)
+    rows.append(("DecodeStep call: copy in, replay, copy out", (time.perf_counter() - t0) * 1e3 / a.reps))
+    eager = DecodeStep(model, cache, params, graph=False)
+    eager(tok, a.pos)
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        eager(tok, a.pos)
+    rows.append(("DecodeStep call, op by op (no graph)", (time.perf_counter() - t0) * 1e3 / 20))
+    print(f"GPT-2 124M batch-1 decoding step, {a.dtype}, position {a.pos}")
+    for name, ms in rows:
+        print(f"  {ms * 1e3:9.1f} us  {name}")
+
+    # each op at decode shapes; n = how many per token
+    rs = np.random.default_rng(1)
+    C, H, L = cfg.n_embd, cfg.n_head, cfg.n_layer
+    x = fm.tensor(rs.standard_normal((1, C)).astype(np.float32), device="cuda").to(dt)
+    h4 = fm.tensor(rs.standard_normal((1, 4 * C)).astype(np.float32), device="cuda").to(dt)
+    qkv = fm.tensor(rs.standard_normal((1, 3 * C)).astype(np.float32), device="cuda").to(dt)
+    pos_t = fm.tensor(np.array([a.pos], np.int32), device="cuda")
+    ids = fm.tensor(np.array([[5]], np.int32), device="cuda")
+    p = "h.0."
+    ops_ = [
+        ("embedding", 1, lambda: ops.embedding(ids, P["wte.weight"], P["wpe.weight"], pos_t)),
+        ("layernorm (1, 768)", 2 * L + 1, lambda: ops.layernorm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"])),
+        ("linear+bias (1,768)x(768,2304)", L, lambda: ops.linear(x, P[p + "attn.c_attn.weight"], P[p + "attn.c_attn.bias"])),
+        ("decode_attention", L, lambda: ops.decode_attention(qkv, cache.k[0], cache.v[0], pos_t, H)),
+        ("linear+bias+residual (1,768)x(768,768)", L, lambda: ops.linear(x, P[p + "attn.c_proj.weight"], P[p + "attn.c_proj.bias"], residual=x)),
+        ("linear+bias+gelu (1,768)x(768,3072)", L, lambda: ops.linear(x, P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"], act="gelu")),
+        ("linear+bias+residual (1,3072)x(3072,768)", L, lambda: ops.linear(h4, P[p + "mlp.c_proj.weight"], P[p + "mlp.c_proj.bias"], residual=x)),
+        ("lm head (1,768)x(50304,768)^T", 1, lambda: ops.matmul(x, P["wte.weight"], trans_b=True)),
+    ]
+    from forge_ml.backends import cuda as bk
+    print("\n  per op, GPU time (20 calls captured in a CUDA graph); x = calls per token")
+    total = 0.0
+    for name, n, fn in ops_:
+        ms = graph_ms(cp, bk, fn, a.reps)
+        total += n * ms
+        print(f"  {ms * 1e3:8.1f} us  x{n:<3d} {name}")
+    print(f"  {total * 1e3:8.1f} us  sum over one token")
+    try:
+        import torch
+        tdt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+        print("\n  torch at the same shapes (addmm, weights (in, out) as here)")
+        for k_, n_ in ((C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)):
+            w = torch.randn(k_, n_, device="cuda", dtype=tdt)
+            b = torch.randn(n_, device="cuda", dtype=tdt)
+            xx = torch.randn(1, k_, device="cuda", dtype=tdt)
+            ms = torch_graph_ms(torch, lambda: torch.addmm(b, xx, w), a.reps)
+            print(f"  {ms * 1e3:8.1f} us  addmm (1,{k_})x({k_},{n_})")
+        wte = torch.randn(cfg.padded_vocab_size, C, device="cuda", dtype=tdt)
+        xx = torch.randn(1, C, device="cuda", dtype=tdt)
+        ms = torch_graph_ms(torch, lambda: xx @ wte.t(), a.reps)
+        print(f"  {ms * 1e3:8.1f} us  lm head (1,768)x(50304,768)^T")
+    except Exception as e:  # torch is only the peer here
+        print(f"  torch not measured: {e}")
+    nbytes = sum(v.numel * (2 if a.dtype == "bf16" else 4) for v in P.values())
+    print(f"\n  weights read per token: {nbytes / 1e6:.0f} MB = {nbytes / 4.8e12 * 1e6:.0f} us at 4.8 TB/s")
+
+
+if __name__ == "__main__":
+    main()
