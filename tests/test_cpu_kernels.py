@@ -80,12 +80,13 @@ def _call_every_kernel(dtype, contiguous=True):
     cpu.attention_bwd(q, q, q, out, lse, q, 0.5)
     p = x.copy()
     cpu.adamw_update(p, x, np.zeros_like(p), np.zeros_like(p), 1e-3, 0.9, 0.99, 1e-8, 0.1, 1, 1.0)
+    cpu.sumsq(x)
 
 
 def test_float32_runs_the_c_kernels(spy):
     _call_every_kernel(np.float32)
     assert spy.calls == ["gelu_f32", "gelu_bwd_f32", "layernorm_f32", "layernorm_bwd_f32",
-                         "attention_f32", "attention_bwd_f32", "adamw_f32"]
+                         "attention_f32", "attention_bwd_f32", "adamw_f32", "sumsq_f32"]
 
 
 def test_float64_and_strided_arrays_run_numpy(spy):
@@ -252,6 +253,22 @@ def test_adamw_vs_reference(path, lr, wd, grad_scale):
         # the step itself (p is ~100x larger, so close(p, ep) alone would hide a wrong step)
         np.testing.assert_allclose(p - before, ep - before, rtol=1e-4,
                                    atol=2 * np.spacing(np.abs(p).max()))
+
+
+# ============================================================================== sumsq
+
+@pytest.mark.parametrize("shape", [(1,), (7, 3), (128,), (65, 128), (1000, 513)])
+def test_sumsq_vs_reference(path, shape):
+    x = randn(shape, 1, scale=3.0)
+    s = cpu.sumsq(x)
+    assert s.shape == () and s.dtype == np.float32
+    np.testing.assert_allclose(float(s), ref.sumsq(x), rtol=1e-6)
+
+
+def test_sumsq_large_input_stays_accurate(path):
+    """4M elements of mixed magnitude: a float32 running sum would be off by ~1e-4."""
+    x = randn((4_000_003,), 2) * np.float32(10.0) ** randn((4_000_003,), 3).round()
+    np.testing.assert_allclose(float(cpu.sumsq(x)), ref.sumsq(x), rtol=2e-7)
 
 
 # ============================================================================== the loader

@@ -169,8 +169,11 @@ def sumsq(x):
 
     Rows of 512 elements are summed in x's dtype (np.vecdot), the row sums in float64: for
     GPT-2's 38M-element wte this stays within ~1e-10 relative, where one float32 dot product
-    over the whole array is off by ~1e-4.
+    over the whole array is off by ~1e-4. The C kernel adds exact float64 squares.
     """
+    lib = _native.lib()
+    if lib is not None and _native.f32(x):
+        return np.asarray(lib.sumsq_f32(x.ctypes.data, x.size), dtype=x.dtype)
     flat = x.reshape(-1)
     whole = flat.size - flat.size % _SUMSQ_ROW
     rows = flat[:whole].reshape(-1, _SUMSQ_ROW)               # (n // 512, 512)

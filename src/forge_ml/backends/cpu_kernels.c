@@ -380,6 +380,17 @@ int attention_bwd_f32(const float* RESTRICT q, const float* RESTRICT k, const fl
 }
 
 /* ----------------------------------------------------------------------------------------
+   sum of squares for global-norm clipping: each square of a float32 is exact in double, and
+   the sum runs in double over 8 lanes. One call owns the flat range [0, n).
+   ---------------------------------------------------------------------------------------- */
+double sumsq_f32(const float* RESTRICT x, long n) {
+    double s = 0.0;
+#pragma omp simd reduction(+:s)
+    for (long i = 0; i < n; ++i) s += (double)x[i] * (double)x[i];
+    return s;
+}
+
+/* ----------------------------------------------------------------------------------------
    AdamW, one parameter tensor in place, in cpu.py's adamw_update's folded form:
      g' = grad_scale g;  m = b1 m + (1 - b1) g';  v = b2 v + (1 - b2) g'^2;
      p = decay p - m / (sqrt(v) a + c),  a = bc1 / (lr sqrt(bc2)),  c = eps bc1 / lr.
