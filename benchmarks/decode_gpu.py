@@ -94,6 +94,13 @@ def main(argv=None):
     for _ in range(a.reps):
         step(tok, a.pos)
     rows.append(("DecodeStep call: copy in, replay, copy out", (time.perf_counter() - t0) * 1e3 / a.reps))
+    n_chain = min(200, cfg.block_size - 1 - a.pos)
+    list(step.greedy(tok, a.pos, 8))                 # captures the step + argmax graph
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    list(step.greedy(tok, a.pos, n_chain))
+    rows.append((f"greedy chain, per token ({n_chain} tokens, argmax on the device)",
+                 (time.perf_counter() - t0) * 1e3 / n_chain))
     eager = DecodeStep(model, cache, params, graph=False)
     eager(tok, a.pos)
     cp.cuda.Device().synchronize()
@@ -116,11 +123,11 @@ def main(argv=None):
     p = "h.0."
     ops_ = [
         ("embedding", 1, lambda: ops.embedding(ids, P["wte.weight"], P["wpe.weight"], pos_t)),
-        ("layernorm (1, 768)", 2 * L + 1, lambda: ops.layernorm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"])),
-        ("linear+bias (1,768)x(768,2304)", L, lambda: ops.linear(x, P[p + "attn.c_attn.weight"], P[p + "attn.c_attn.bias"])),
+        ("layernorm (1, 768), ln_f", 1, lambda: ops.layernorm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"])),
+        ("ln+linear+bias (1,768)x(768,2304)", L, lambda: ops.linear(x, P[p + "attn.c_attn.weight"], P[p + "attn.c_attn.bias"], ln=(P[p + "ln_1.weight"], P[p + "ln_1.bias"]))),
         ("decode_attention", L, lambda: ops.decode_attention(qkv, cache.k[0], cache.v[0], pos_t, H)),
         ("linear+bias+residual (1,768)x(768,768)", L, lambda: ops.linear(x, P[p + "attn.c_proj.weight"], P[p + "attn.c_proj.bias"], residual=x)),
-        ("linear+bias+gelu (1,768)x(768,3072)", L, lambda: ops.linear(x, P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"], act="gelu")),
+        ("ln+linear+bias+gelu (1,768)x(768,3072)", L, lambda: ops.linear(x, P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"], act="gelu", ln=(P[p + "ln_2.weight"], P[p + "ln_2.bias"]))),
         ("linear+bias+residual (1,3072)x(3072,768)", L, lambda: ops.linear(h4, P[p + "mlp.c_proj.weight"], P[p + "mlp.c_proj.bias"], residual=x)),
         ("lm head (1,768)x(50304,768)^T", 1, lambda: ops.matmul(x, P["wte.weight"], trans_b=True)),
     ]

@@ -71,7 +71,7 @@ echo "benchmarks: exit $bench_rc ($( [ "$bench_rc" = 0 ] && echo OK || { [ "$ben
 echo "attention:  $(grep -iE 'ratio|flash' "$LOG/bench_attention.log" | tail -n 4 | tr '\n' ' ')"
 echo "training:"; grep -E '^(forge|torch)' "$LOG/bench_train.log"
 echo "generation:"; grep -E '^(forge|transformers|ratio)' "$LOG/bench_generate.log"
-echo "decoding step:"; grep -E '^GPT-2|graph replay|DecodeStep call' "$LOG/bench_decode.log"
+echo "decoding step:"; grep -E '^GPT-2|graph replay|DecodeStep call|greedy chain' "$LOG/bench_decode.log"
 echo "check:"; cat "$LOG/check.log"
 echo "logs in $LOG"
 [ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]

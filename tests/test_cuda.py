@@ -301,20 +301,29 @@ def test_matmul(be, rs, dtype, case):
 
 @cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("act,res", [(None, True), ("gelu", False)])
-def test_linear_fused_epilogue(be, rs, dtype, act, res):
-    """The decoding step's layers: gemv with bias then GELU (c_fc) or the residual (c_proj)."""
+@pytest.mark.parametrize("act,res,ln,rows", [(None, True, False, 1), ("gelu", False, True, 1),
+                                             (None, False, True, 3), ("gelu", True, False, 4)])
+def test_linear_fused_epilogue(be, rs, dtype, act, res, ln, rows):
+    """The decoding step's layers in one gemv kernel: layernorm of x (c_attn, c_fc), bias,
+    then GELU (c_fc) or the residual (c_proj)."""
     K, N = (C, 4 * C) if act else (4 * C, C)
-    x, w, b = values(rs, (1, K), dtype), values(rs, (K, N), dtype, 0.05), values(rs, (N,), dtype)
-    r = values(rs, (1, N), dtype)
-    y = x @ w + b
+    x, w, b = values(rs, (rows, K), dtype, 2.0), values(rs, (K, N), dtype, 0.05), values(rs, (N,), dtype)
+    r = values(rs, (rows, N), dtype)
+    g, beta = values(rs, (K,), dtype) * 0.1 + 1.0, values(rs, (K,), dtype)
+    xn = ref_layernorm(x, g, beta, 1e-5) if ln else x
+    y = xn @ w + b
     if act:
         y = 0.5 * y * (1 + np.tanh(K0 * (y + K1 * y ** 3)))
     if res:
         y = y + r
     got = be.linear(dev(be, x, dtype), dev(be, w, dtype), dev(be, b, dtype), act,
-                    dev(be, r, dtype) if res else None)
-    check(f"linear act={act} residual={res}", host(be, got), y, TOL_MM[dtype])
+                    dev(be, r, dtype) if res else None,
+                    (dev(be, g, dtype), dev(be, beta, dtype), 1e-5) if ln else None)
+    check(f"linear act={act} residual={res} ln={ln}", host(be, got), y, TOL_MM[dtype])
+    again = be.linear(dev(be, x, dtype), dev(be, w, dtype), dev(be, b, dtype), act,
+                      dev(be, r, dtype) if res else None,
+                      (dev(be, g, dtype), dev(be, beta, dtype), 1e-5) if ln else None)
+    assert np.array_equal(host(be, again), host(be, got))   # same bits every run
 
 
 # ----------------------------------------------------------------------------------------------
@@ -592,6 +601,26 @@ def test_decode_attention_position_out_of_range_gives_nan_and_writes_nothing(be,
                                 cupy.asarray(np.array([bad], np.int32)), 2, 0.25)
         assert np.isnan(host(be, y)).all()
         check("cache untouched", host(be, kc), k0, 0.0)
+
+
+@cuda
+def test_greedy_next_matches_numpy_argmax(be, rs):
+    """Ties go to the lowest id, a NaN wins (numpy.argmax), padded columns are never chosen;
+    the position advances by one."""
+    import cupy
+    B = 5
+    logits = values(rs, (B, VP), "float32").astype(np.float32)
+    logits[1, 100] = logits[1, 7] = 1e9                    # a tie: 7 wins
+    logits[2, 3000] = np.nan                               # a NaN wins
+    logits[2, 4000] = np.nan
+    logits[3, V:] = 1e30                                   # padding: ignored
+    logits[4, :] = -np.inf                                 # all equal: 0
+    ids = cupy.zeros((B, 1), np.int32)
+    pos = cupy.asarray(np.array([41], np.int32))
+    be.greedy_next(cupy.asarray(logits), V, ids, pos)
+    assert cupy.asnumpy(ids)[:, 0].tolist() == np.argmax(logits[:, :V], axis=1).tolist()
+    assert cupy.asnumpy(ids)[:3, 0].tolist()[1:] == [7, 3000]
+    assert int(cupy.asnumpy(pos)[0]) == 42
 
 
 # ----------------------------------------------------------------------------------------------

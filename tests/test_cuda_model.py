@@ -172,3 +172,49 @@ def test_greedy_generation_on_gpu_equals_cpu():
     want = list(generate(cpu, prompts, max_new_tokens=30, temperature=0))
     got = list(generate(gpu, prompts, max_new_tokens=30, temperature=0))
     assert [[(e.row, e.token) for e in s] for s in got] == [[(e.row, e.token) for e in s] for s in want]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_chain_graph_equals_op_by_op(dtype):
+    """DecodeStep.greedy on the GPU (a CUDA graph of step + argmax, replayed ahead of the host)
+    gives the tokens of the op-by-op chain and of argmax over DecodeStep's logits."""
+    from forge_ml.models.gpt2 import DecodeStep
+    gpu = _varied(GPT2.init(CFG, seed=10), 4).to("cuda")
+    params = {k: v.to(dtype) for k, v in gpu.params.items()} if dtype == "bfloat16" else None
+    ids = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, 8))
+    caches = [gpu.new_cache(2, 64, params) for _ in range(3)]
+    for c in caches:
+        gpu.forward_cached(fm.tensor(ids, device="cuda"), c, params)
+    graph = DecodeStep(gpu, caches[0], params)
+    eager = DecodeStep(gpu, caches[1], params, graph=False)
+    g = list(graph.greedy(ids[:, -1], 8, 40))
+    assert graph._gcaptured is not None
+    e = list(eager.greedy(ids[:, -1], 8, 40))
+    np.testing.assert_array_equal(np.stack(g), np.stack(e))
+    host = DecodeStep(gpu, caches[2], params, graph=False)
+    tok = ids[:, -1]
+    for t in range(8, 48):
+        tok = np.argmax(host(tok, t), axis=1)
+        np.testing.assert_array_equal(tok, g[t - 8])
+
+
+def test_decoder_kept_between_calls_and_dropped_when_weights_change():
+    """generate() reuses the cache and captured graphs of the last call of the same shape, and
+    never a graph that reads parameter buffers the model no longer has."""
+    from forge_ml.generate import generate
+    cpu = _varied(GPT2.init(CFG, seed=11), 6)
+    gpu = cpu.to("cuda")
+    c1, s1 = gpu.decoder(1, 32)
+    c2, s2 = gpu.decoder(1, 32)
+    assert s1 is s2 and c1 is c2 and c2.pos == 0
+    assert gpu.decoder(2, 32)[1] is not s1                     # another shape: a new pair
+    prompt = [3, 1, 4, 1, 5]
+    a = list(generate(gpu, prompt, max_new_tokens=20, temperature=0))
+    assert a == list(generate(gpu, prompt, max_new_tokens=20, temperature=0))
+    assert a == list(generate(cpu, prompt, max_new_tokens=20, temperature=0))
+    # new weights in new buffers: the kept graphs must not be replayed
+    cpu2 = _varied(GPT2.init(CFG, seed=11), 7)
+    for k, v in cpu2.params.items():
+        gpu.params[k] = v.to("cuda")
+    b = list(generate(gpu, prompt, max_new_tokens=20, temperature=0))
+    assert b == list(generate(cpu2, prompt, max_new_tokens=20, temperature=0))

@@ -177,17 +177,22 @@ def test_device_position_on_another_device_is_refused():
 
 @pytest.mark.parametrize("act", [None, "gelu"])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_linear_matches_reference(act, with_residual):
+@pytest.mark.parametrize("with_ln", [False, True])
+def test_linear_matches_reference(act, with_residual, with_ln):
     rs = np.random.default_rng(11)
     x, w = rs.standard_normal((3, 16)), rs.standard_normal((16, 24))
     b, r = rs.standard_normal(24), rs.standard_normal((3, 24))
+    g, beta = 1 + 0.1 * rs.standard_normal(16), rs.standard_normal(16)
+    f = lambda a: fm.tensor(a.astype(np.float32))  # noqa: E731
+    got = ops.linear(f(x), f(w), f(b), act=act, residual=f(r) if with_residual else None,
+                     ln=(f(g), f(beta)) if with_ln else None, eps=1e-5)
+    if with_ln:
+        x = ref.layernorm(x, g, beta, 1e-5)
     want = ref.matmul(x, w, b)
     if act:
         want = ref.gelu(want)
     if with_residual:
         want = want + r
-    f = lambda a: fm.tensor(a.astype(np.float32))  # noqa: E731
-    got = ops.linear(f(x), f(w), f(b), act=act, residual=f(r) if with_residual else None)
     assert rel(got.numpy(), want) < 1e-5
 
 
@@ -201,3 +206,48 @@ def test_linear_bad_input():
         ops.linear(x, w, residual=fm.zeros((2, 5)))
     with pytest.raises(ShapeError, match="act must be"):
         ops.linear(x, w, act="relu")
+    with pytest.raises(ShapeError, match="gamma must be"):
+        ops.linear(x, w, ln=(fm.zeros((3,)), fm.zeros((4,))))
+
+
+def test_greedy_chain_equals_step_by_step_argmax(model):
+    rs = np.random.default_rng(12)
+    ids = rs.integers(0, CFG.vocab_size, (2, 5))
+    a, b = model.new_cache(2, 16), model.new_cache(2, 16)
+    model.forward_cached(fm.tensor(ids), a)
+    model.forward_cached(fm.tensor(ids), b)
+    first = ids[:, -1]
+    ref_step, chain_step = DecodeStep(model, a), DecodeStep(model, b)
+    want, tok = [], first
+    for t in range(5, 14):               # feeds at 5..13, tokens for 6..14
+        tok = np.argmax(ref_step(tok, t), axis=1)
+        want.append(tok)
+    got = list(chain_step.greedy(first, 5, 9, lookahead=3))
+    assert len(got) == 9 and all(g.dtype == np.int32 for g in got)
+    np.testing.assert_array_equal(np.stack(got), np.stack(want))
+    assert b.pos == a.pos == 14
+
+
+def test_greedy_chain_closed_early_and_bad_arguments(model):
+    cache = model.new_cache(1, 10)
+    model.forward_cached(fm.tensor([[1, 2, 3]]), cache)
+    step = DecodeStep(model, cache)
+    chain = step.greedy([4], 3, 6, lookahead=2)
+    next(chain)                          # 2 queued, then a third launched before this yield
+    chain.close()                        # the steps queued ahead still wrote their rows
+    assert cache.pos == 3 + 3
+    with pytest.raises(ShapeError, match="positions 8..10 do not fit"):
+        list(step.greedy([4], 8, 3))
+    with pytest.raises(ShapeError, match="n must be an int"):
+        list(step.greedy([4], 3, -1))
+    assert list(step.greedy([4], 3, 0)) == []
+
+
+def test_greedy_next_cpu_matches_numpy_argmax():
+    from forge_ml.backends import cpu
+    logits = np.array([[1.0, 3.0, 3.0, 0.0, 9.0], [np.nan, 1.0, np.nan, 2.0, 0.0],
+                       [-np.inf, -np.inf, -np.inf, -np.inf, 5.0]], np.float32)
+    ids, pos = np.zeros((3, 1), np.int32), np.array([7], np.int32)
+    cpu.greedy_next(logits, 4, ids, pos)          # column 4 is padding: never chosen
+    assert ids[:, 0].tolist() == [1, 0, 0] == np.argmax(logits[:, :4], axis=1).tolist()
+    assert pos.tolist() == [8]

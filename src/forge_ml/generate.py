@@ -5,9 +5,14 @@ ints. For a batch (a list of lists, lengths may differ) it yields, once per deco
 a list of ``TokenEvent``\\ s: one for every row that produced a token in that step. A row that
 has finished yields nothing more; the generator ends when every row has finished.
 
-The KV cache is allocated once, ``model.new_cache(B, max_len)``, filled by
-``model.forward_cached`` for the prompts, then one token per row at a time by a
-``DecodeStep`` (on cuda a CUDA graph captured once and replayed at every position). Rows share one position counter: the first ``min(len(p))`` tokens
+The KV cache is allocated once per call (``model.decoder(B, max_len)``; on cuda kept for
+the next call of the same shape, with its CUDA graphs), filled by ``model.forward_cached`` for
+the prompts, then one token per row at a time by its ``DecodeStep`` (on cuda a CUDA graph
+captured once and replayed at every position). Greedy decoding, once no row has prompt tokens
+left, chains the steps on the device: the argmax is taken there and the host reads the tokens
+as they come (``DecodeStep.greedy``), with the same tokens as the host's ``np.argmax``.
+
+Rows share one position counter: the first ``min(len(p))`` tokens
 of every prompt are prefilled together, then the batch steps one token at a time, and a row
 still inside its prompt is fed its next prompt token instead of a sampled one. So every row
 sees exactly the positions and keys it would see alone, and its tokens equal those of the
@@ -43,7 +48,6 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from .errors import ConfigError, ShapeError
-from .models.gpt2 import DecodeStep
 from .tensor import tensor
 
 FINISH_REASONS = ("stop_token", "stop_string", "max_new_tokens", "context_full")
@@ -231,14 +235,29 @@ def _steps(model, rows, max_new, temperature, top_k, top_p, seed, stop_tokens, s
     # max(len) + max_new - 1 positions, and never more than the context.
     capacity = min(cfg.block_size, max(lengths) + max_new - 1)
     dev = (model.params if params is None else params)["wte.weight"].device
-    cache = model.new_cache(B, capacity, params=params)
+    cache, step = model.decoder(B, capacity, params)  # on cuda kept for the next call
 
     t0 = min(lengths)
     prefill = np.array([p[:t0] for p in rows], dtype=np.int64)                   # (B, t0)
     logits = model.forward_cached(tensor(prefill, device=dev), cache, params, last_only=True)
     last = logits.numpy()[:, -1, :V]                                              # (B, V)
-    step = DecodeStep(model, cache, params)   # on cuda: a CUDA graph from its second call
     pos = t0                                        # the position whose token is chosen next
+
+    def take(r, tok):
+        """Row r's token at position pos: record it, decide whether the row finishes."""
+        generated[r].append(tok)
+        finish = None
+        if tok in stop_tokens:
+            finish = "stop_token"
+        elif stop_strings and any(s in tokenizer.decode(generated[r]) for s in stop_strings):
+            finish = "stop_string"
+        elif len(generated[r]) == max_new:
+            finish = "max_new_tokens"
+        elif pos == cfg.block_size - 1:
+            finish = "context_full"
+        done[r] = finish is not None
+        return TokenEvent(r, tok, len(generated[r]) - 1, finish)
+
     while True:
         feed = np.zeros((B, 1), np.int64)
         events = []
@@ -252,23 +271,31 @@ def _steps(model, rows, max_new, temperature, top_k, top_p, seed, stop_tokens, s
                 tok = _draw(next_token_probs(last[r], temperature, top_k, top_p), gens[r])
             else:
                 tok = int(np.argmax(last[r]))
-            generated[r].append(tok)
-            finish = None
-            if tok in stop_tokens:
-                finish = "stop_token"
-            elif stop_strings and any(s in tokenizer.decode(generated[r]) for s in stop_strings):
-                finish = "stop_string"
-            elif len(generated[r]) == max_new:
-                finish = "max_new_tokens"
-            elif pos == cfg.block_size - 1:
-                finish = "context_full"
-            done[r] = finish is not None
-            events.append(TokenEvent(r, tok, len(generated[r]) - 1, finish))
+            events.append(take(r, tok))
             feed[r, 0] = tok
         if events:
             yield events
         if all(done):
             return
+        if temperature == 0 and pos + 1 >= max(lengths):
+            # Greedy with no prompt token left to force: the argmax is taken on the device and
+            # steps chain there (DecodeStep.greedy), the host reading tokens as they come.
+            # Feeds at pos.. stay below the cache's capacity and the last context position,
+            # and n covers every open row's budget, so every row finishes inside the chain.
+            budget = max(max_new - len(generated[r]) for r in range(B) if not done[r])
+            n = min(cache.capacity - pos, cfg.block_size - 1 - pos, budget)
+            chain = step.greedy(feed[:, 0], pos, n)
+            try:
+                for toks in chain:
+                    pos += 1
+                    events = [take(r, int(toks[r])) for r in range(B) if not done[r]]
+                    if events:
+                        yield events
+                    if all(done):
+                        return
+            finally:
+                chain.close()
+            raise AssertionError("generate: greedy chain ended with open rows")  # unreachable
         last = step(feed[:, 0], pos)                                              # (B, V)
         pos += 1
 

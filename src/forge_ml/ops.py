@@ -121,13 +121,16 @@ def matmul(a, b, bias=None, *, trans_a=False, trans_b=False, alpha=1.0, b_rows=N
 # -- elementwise and reductions --------------------------------------------------------
 
 
-def linear(x, w, bias=None, *, act=None, residual=None) -> Tensor:
-    """``act(x @ w + bias) + residual``: a linear layer with its epilogue, for inference.
+def linear(x, w, bias=None, *, act=None, residual=None, ln=None, eps=1e-5) -> Tensor:
+    """``act(LN(x) @ w + bias) + residual``: a linear layer with its prologue and epilogue,
+    for inference.
 
-    ``x (M, K)``, ``w (K, N)``, ``bias (N,)``, ``residual (M, N)``, ``act`` None or "gelu". It
-    equals ``add(residual, gelu(matmul(x, w, bias)))`` up to rounding: on the GPU, for a few
-    rows (a decoding step), one kernel pair reads ``w`` once and applies the epilogue before
-    rounding once. No backward (the tape composes matmul, gelu and add).
+    ``x (M, K)``, ``w (K, N)``, ``bias (N,)``, ``residual (M, N)``, ``act`` None or "gelu",
+    ``ln`` None or ``(gamma, beta)`` of a layernorm over x's rows (with ``eps``). It equals
+    ``add(residual, gelu(matmul(layernorm(x, gamma, beta, eps), w, bias)))`` up to rounding:
+    on the GPU, for a few rows (a decoding step), one kernel reads ``w`` once, normalises x as
+    it reads it and applies the epilogue before rounding once. No backward (the tape composes
+    the ops it is made of).
 
     >>> import numpy as np, forge_ml as fm
     >>> x = fm.tensor(np.ones((1, 2), np.float32)); w = fm.tensor(np.ones((2, 3), np.float32))
@@ -136,7 +139,8 @@ def linear(x, w, bias=None, *, act=None, residual=None) -> Tensor:
     """
     op = "linear"
     _float(op, "x", x), _float(op, "w", w)
-    bk = _same(op, x=x, w=w, bias=bias, residual=residual)
+    gamma, beta = (None, None) if ln is None else ln
+    bk = _same(op, x=x, w=w, bias=bias, residual=residual, gamma=gamma, beta=beta)
     _rank(op, "x", x, 2, 2), _rank(op, "w", w, 2, 2)
     if x.shape[1] != w.shape[0]:
         raise ShapeError(f"{op}: x is {x.shape} but w is {w.shape}; inner dims must agree")
@@ -147,8 +151,11 @@ def linear(x, w, bias=None, *, act=None, residual=None) -> Tensor:
         raise ShapeError(f"{op}: residual must be {(x.shape[0], n)}, got {residual.shape}")
     if act not in (None, "gelu"):
         raise ShapeError(f"{op}: act must be None or 'gelu', got {act!r}")
+    if ln is not None:
+        _ln_check(op, x, gamma, beta)
     return _wrap(x, bk.linear(x.data, w.data, None if bias is None else bias.data, act,
-                              None if residual is None else residual.data))
+                              None if residual is None else residual.data,
+                              None if ln is None else (gamma.data, beta.data, float(eps))))
 
 
 def add(a, b) -> Tensor:

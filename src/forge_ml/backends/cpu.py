@@ -13,9 +13,9 @@ cross-entropy) walk big arrays in ~1 MB blocks that stay in cache. Causal attent
 the queries in a few row chunks, so that it skips most of the masked upper triangle.
 
 Fused C kernels. For C-contiguous float32 arrays, gelu, layernorm, attention (forward and
-backward) and AdamW run one fused C loop each instead (``cpu_kernels.c``, compiled on first
-use by ``cpu_native``): 1.3x to 4x faster than the chains of ufuncs on the nanoGPT CPU model's
-shapes. The NumPy code below stays the reference and the fallback: float64, strided arrays,
+backward), AdamW and sumsq run one fused C loop each instead (``cpu_kernels.c``, compiled on
+first use by ``cpu_native``): 1.3x to 4x faster than the chains of ufuncs on the nanoGPT CPU
+model's shapes. The NumPy code below stays the reference and the fallback: float64, strided arrays,
 no C compiler, or ``FORGE_CPU_KERNELS=numpy`` run it.
 
 >>> import numpy as np
@@ -735,9 +735,28 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
     return dqkv
 
 
-def linear(x, w, bias, act, residual):
-    """``act(x @ w + bias) + residual`` (act None or "gelu"): matmul, gelu and add."""
+def linear(x, w, bias, act, residual, ln=None):
+    """``act(LN(x) @ w + bias) + residual`` (act None or "gelu", ln None or (gamma, beta,
+    eps)): layernorm, matmul, gelu and add."""
+    if ln is not None:
+        x = layernorm(x, ln[0], ln[1], ln[2])
     y = matmul(x, w, bias)
     if act == "gelu":
         y = gelu(y)
     return y if residual is None else add(residual, y)
+
+
+def greedy_next(logits, vocab_size, ids, pos):
+    """In place: ``ids[b] = argmax(logits[b, :vocab_size])``, then ``pos += 1``."""
+    ids.reshape(-1)[...] = np.argmax(logits[:, :vocab_size], axis=1)
+    pos += 1
+
+
+def pinned_empty(shape, dtype):
+    """A host array (the GPU backend's is page-locked)."""
+    return np.empty(shape, dtype)
+
+
+def to_host_async(array, out):
+    """Copy ``array`` into ``out`` now; returns None (nothing is in flight on the CPU)."""
+    np.copyto(out, array.reshape(out.shape))

@@ -300,6 +300,35 @@ class GPT2:
         mk = lambda: [zeros(shape, ref.dtype, ref.device) for _ in range(cfg.n_layer)]  # noqa: E731
         return KVCache(mk(), mk(), 0)
 
+    def decoder(self, batch: int, max_len: Optional[int] = None,
+                params: Optional[dict] = None) -> tuple:
+        """``(cache, step)``: an empty KV cache (``new_cache``) and its ``DecodeStep``, for a
+        generation loop. On cuda the pair, with the CUDA graphs its step has captured, is kept
+        and handed out again (emptied: ``pos`` 0) to the next call with the same batch, length,
+        and parameter buffers, so repeated generation pays the capture once; on the CPU every
+        call makes a new pair.
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+        >>> cache, step = GPT2.init(cfg).decoder(2, 8)
+        >>> cache.capacity, type(step).__name__
+        (8, 'DecodeStep')
+        """
+        P = self.params if params is None else params
+        if P["wte.weight"].device.type != "cuda":
+            cache = self.new_cache(batch, max_len, params)
+            return cache, DecodeStep(self, cache, params)
+        # the graphs hold the addresses of every parameter buffer: reuse only when they match
+        key = (batch, max_len, os.environ.get("FORGE_CUDA_GRAPH", "1"),
+               tuple((k, v.dtype.name, v.data.data.ptr) for k, v in P.items()))
+        kept = getattr(self, "_decoder_kept", None)
+        if kept is not None and kept[0] == key and kept[3] is P:
+            kept[1].pos = 0
+            return kept[1], kept[2]
+        cache = self.new_cache(batch, max_len, params)
+        step = DecodeStep(self, cache, params)
+        self._decoder_kept = (key, cache, step, P)
+        return cache, step
+
     def forward_cached(self, ids: Tensor, cache: KVCache, params: Optional[dict] = None, *,
                        last_only: bool = False) -> Tensor:
         """Logits ``(B, Tn, Vp)`` for ``ids (B, Tn)`` at positions ``cache.pos…``; appends the
@@ -384,12 +413,14 @@ class GPT2:
         x = ops.embedding(ids, P["wte.weight"], P["wpe.weight"], pos).reshape(B, C)
         for i in range(cfg.n_layer):
             p = f"h.{i}."
-            h = ops.layernorm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"], eps)
-            qkv = ops.linear(h, P[p + "attn.c_attn.weight"], P[p + "attn.c_attn.bias"])
+            # four linear layers, each one kernel on the GPU (layernorm folded into the first
+            # and third, GELU and the residual adds into the epilogues), and the attention
+            qkv = ops.linear(x, P[p + "attn.c_attn.weight"], P[p + "attn.c_attn.bias"],
+                             ln=(P[p + "ln_1.weight"], P[p + "ln_1.bias"]), eps=eps)
             y = ops.decode_attention(qkv, cache.k[i], cache.v[i], pos, H)        # (B, C)
             x = ops.linear(y, P[p + "attn.c_proj.weight"], P[p + "attn.c_proj.bias"], residual=x)
-            h = ops.layernorm(x, P[p + "ln_2.weight"], P[p + "ln_2.bias"], eps)
-            h = ops.linear(h, P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"], act="gelu")
+            h = ops.linear(x, P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"], act="gelu",
+                           ln=(P[p + "ln_2.weight"], P[p + "ln_2.bias"]), eps=eps)
             x = ops.linear(h, P[p + "mlp.c_proj.weight"], P[p + "mlp.c_proj.bias"], residual=x)
         x = ops.layernorm(x, P["ln_f.weight"], P["ln_f.bias"], eps)
         head = P["wte.weight"] if cfg.tied_head else P["lm_head.weight"]
@@ -430,7 +461,8 @@ class DecodeStep:
         if graph is None:
             graph = os.environ.get("FORGE_CUDA_GRAPH", "1") != "0"
         self.graph = bool(graph) and hasattr(self._bk, "capture_graph")
-        self._captured = None
+        self._captured = None    # the step (logits out)
+        self._gcaptured = None   # the step + the greedy choice (ids and position advanced)
         self._calls = 0
 
     def _logits(self):
@@ -441,13 +473,8 @@ class DecodeStep:
 
     def __call__(self, tokens, pos: int) -> np.ndarray:
         B = self._ids.shape[0]
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.shape != (B,):
-            raise ShapeError(f"DecodeStep: expected {B} tokens (one per row), got {tokens.shape[0]}")
         V = self.model.config.vocab_size
-        if tokens.min() < 0 or tokens.max() >= V:
-            raise ShapeError(f"DecodeStep: token ids must be in 0..{V - 1}, got "
-                             f"{int(tokens.min())}..{int(tokens.max())}")
+        tokens = self._checked_tokens(tokens)
         if not (isinstance(pos, (int, np.integer)) and 0 <= pos < self.cache.capacity):
             raise ShapeError(f"DecodeStep: position {pos} does not fit the cache's "
                              f"{self.cache.capacity} rows")
@@ -477,6 +504,97 @@ class DecodeStep:
     def captured(self) -> bool:
         """Whether the step now replays a CUDA graph."""
         return self._captured is not None
+
+    def _greedy_work(self):
+        """One greedy step on the device: logits, then ``ids = argmax``, ``pos += 1`` (the
+        argmax ids are < vocab_size, so the range the embedding check cached stays true)."""
+        logits = self._logits()
+        self._bk.greedy_next(logits, self.model.config.vocab_size, self._ids.data,
+                             self._pos.data)
+        return self._ids.data
+
+    def greedy(self, tokens, pos: int, n: int, lookahead: int = 4):
+        """Yield ``n`` greedy steps with the host out of the loop: the first feeds ``tokens``
+        at ``pos``, each next one feeds the previous step's choice at the next position; each
+        yield is the (B,) int32 array of every row's argmax token (lowest id on ties, as
+        ``np.argmax``). The choice is made on the device and up to ``lookahead`` steps are
+        queued ahead (on cuda as replays of a CUDA graph of step + argmax), so the host reads
+        tokens while the GPU computes the next ones. Closing the generator early waits for the
+        queued steps; ``cache.pos`` then counts every row they wrote.
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+        >>> model = GPT2.init(cfg)
+        >>> cache = model.new_cache(1, 8)
+        >>> _ = model.forward_cached(tensor([[1, 2]]), cache)
+        >>> [t.shape for t in DecodeStep(model, cache).greedy([3], 2, 3)], cache.pos
+        ([(1,), (1,), (1,)], 5)
+        """
+        B = self._ids.shape[0]
+        if not (isinstance(n, (int, np.integer)) and n >= 0):
+            raise ShapeError(f"DecodeStep.greedy: n must be an int >= 0, got {n!r}")
+        if n and not 0 <= pos <= pos + n - 1 < self.cache.capacity:
+            raise ShapeError(f"DecodeStep.greedy: positions {pos}..{pos + n - 1} do not fit the "
+                             f"cache's {self.cache.capacity} rows")
+        if n == 0:
+            return
+        tokens = self._checked_tokens(tokens)
+        ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
+        ops.assign(self._pos, np.array([pos], np.int32))
+        ahead = max(1, min(int(lookahead), n))
+        ring = self._bk.pinned_empty((ahead, B), np.int32)
+        pending = []
+        launched = 0
+
+        def launch():
+            nonlocal launched
+            if self._gcaptured is not None:
+                self._gcaptured.replay()
+                out = self._gcaptured.outputs
+            elif self.graph and launched >= 1:
+                try:
+                    self._gcaptured = self._bk.capture_graph(self._greedy_work)
+                except Exception as e:  # keep going op by op, and say why once
+                    warnings.warn(f"DecodeStep: the CUDA graph capture failed "
+                                  f"({type(e).__name__}: {e}); decoding goes on op by op",
+                                  RuntimeWarning, stacklevel=3)
+                    self.graph = False
+                    out = self._greedy_work()
+                else:
+                    self._gcaptured.replay()
+                    out = self._gcaptured.outputs
+            else:
+                out = self._greedy_work()
+            pending.append(self._bk.to_host_async(out, ring[launched % ahead]))
+            launched += 1
+
+        try:
+            while launched < ahead:
+                launch()
+            for i in range(n):
+                handle = pending.pop(0)
+                if handle is not None:
+                    handle.synchronize()
+                toks = ring[i % ahead].copy()
+                self.cache.pos = pos + i + 1
+                if launched < n:
+                    launch()
+                yield toks
+        finally:
+            for handle in pending:
+                if handle is not None:
+                    handle.synchronize()
+            self.cache.pos = pos + launched
+
+    def _checked_tokens(self, tokens) -> np.ndarray:
+        B = self._ids.shape[0]
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.shape != (B,):
+            raise ShapeError(f"DecodeStep: expected {B} tokens (one per row), got {tokens.shape[0]}")
+        V = self.model.config.vocab_size
+        if tokens.min() < 0 or tokens.max() >= V:
+            raise ShapeError(f"DecodeStep: token ids must be in 0..{V - 1}, got "
+                             f"{int(tokens.min())}..{int(tokens.max())}")
+        return tokens
 
 
 def _take_vocab(logits: Tensor, v: int) -> Tensor:

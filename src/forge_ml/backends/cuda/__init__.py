@@ -523,21 +523,41 @@ def _gemv_ok(a, b, M, K, N) -> bool:
             and b.data.ptr % 16 == 0 and os.environ.get("FORGE_GEMV", "1") != "0")
 
 
-def _gemv(a, b, bias, alpha, M, K, N, act=0, residual=None):
+_GEMV_COUNTERS = 4096  # column tiles of one gemv launch at most
+_gemv_counters: dict = {}
+
+
+def _gemv_tile_counters():
+    """kernels/gemv.cu's per-tile counters on the current device: allocated and zeroed once,
+    outside any capture (each launch leaves them at zero again)."""
+    dev = _dev()
+    c = _gemv_counters.get(dev)
+    if c is None:
+        if cupy.cuda.get_current_stream().is_capturing():
+            raise DeviceError("gemv: run a small matmul once before capturing a CUDA graph "
+                              "(its tile counters are allocated on first use)")
+        with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+            c = cupy.zeros(_GEMV_COUNTERS, dtype=np.uint32)
+        _gemv_counters[dev] = c
+    return c
+
+
+def _gemv(a, b, bias, alpha, M, K, N, act=0, residual=None, ln=None):
     vec = _GEMV_VEC[a.dtype]
     tiles = -(-N // (32 * vec))
+    if tiles > _GEMV_COUNTERS:
+        raise ShapeError(f"gemv: {N} columns need {tiles} tiles, over {_GEMV_COUNTERS}")
     slices = max(1, min(-(-2 * _sm_count(_dev()) // tiles), -(-K // 8)))
     kchunk = -(-K // slices)
     slices = -(-K // kchunk)
     part = _empty((slices, M, N), F32)
-    sfx = _float_sfx(a)
-    _launch("gemv", f"gemv_partial_{sfx}", (tiles, slices), _GEMV_THREADS,
-            (a, b, part, _i32(M), _i32(K), _i32(N), _i32(kchunk)))
     out = _empty((M, N), a.dtype)
-    _launch("gemv", f"gemv_finish_{sfx}", _grid(M * N), _THREADS,
-            (part, out if bias is None else bias, _i32(bias is not None),
+    gamma, beta, eps = (out, out, 0.0) if ln is None else ln
+    _launch("gemv", f"gemv_{_float_sfx(a)}", (tiles, slices), _GEMV_THREADS,
+            (a, b, part, _gemv_tile_counters(), gamma, beta, _i32(ln is not None),
+             np.float32(eps), out if bias is None else bias, _i32(bias is not None),
              out if residual is None else residual, _i32(residual is not None), _i32(act), out,
-             _i32(M), _i32(N), _i32(slices), np.float32(alpha)))
+             _i32(M), _i32(K), _i32(N), _i32(kchunk), np.float32(alpha)))
     return out
 
 
@@ -545,16 +565,21 @@ _ACTS = {None: 0, "gelu": 1}
 
 
 @_guarded
-def linear(x, w, bias, act, residual):
-    """``act(x @ w + bias) + residual`` for a few rows of x: one gemv kernel pair with the
-    epilogue fused (kernels/gemv.cu); otherwise matmul, gelu and add one after the other."""
+def linear(x, w, bias, act, residual, ln=None):
+    """``act(LN(x) @ w + bias) + residual`` for a few rows of x: one kernel
+    (kernels/gemv.cu); otherwise layernorm, matmul, gelu and add one after the other.
+    ``ln``: None or (gamma, beta, eps)."""
     x, w = _c(x), _like(_c(w), x.dtype)
     M, K = x.shape
     N = w.shape[1]
     if _gemv_ok(x, w, M, K, N):
         bias = None if bias is None else _like(_c(bias), x.dtype)
         residual = None if residual is None else _like(_c(residual), x.dtype)
-        return _gemv(x, w, bias, 1.0, M, K, N, _ACTS[act], residual)
+        if ln is not None:
+            ln = (_like(_c(ln[0]), x.dtype), _like(_c(ln[1]), x.dtype), float(ln[2]))
+        return _gemv(x, w, bias, 1.0, M, K, N, _ACTS[act], residual, ln)
+    if ln is not None:
+        x = layernorm(x, ln[0], ln[1], ln[2])
     y = matmul(x, w, bias)
     if act == "gelu":
         y = gelu(y)
@@ -1164,7 +1189,7 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
         raise ShapeError(f"decode_attention: head size {hs} is over the kernel's "
                          f"{_DECODE_THREADS}")
     acc = _acc_dtype(qkv.dtype)
-    shared = (hs + Tmax + _DECODE_THREADS) * acc.itemsize
+    shared = (hs + Tmax + _DECODE_THREADS * (16 // qkv.dtype.itemsize)) * acc.itemsize
     if shared > 48 * 1024:
         raise ShapeError(f"decode_attention: a cache of {Tmax} rows needs {shared} bytes of "
                          "shared memory, over the 48 KiB a block may take")
@@ -1178,6 +1203,51 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
                 (qkv, k_cache, v_cache, pos, y, _i32(H), _i32(Tmax), _i32(hs),
                  _acc(qkv.dtype, scale)), shared=shared)
     return y
+
+
+@_guarded
+def greedy_next(logits, vocab_size, ids, pos):
+    """In place: ``ids[b] = argmax(logits[b, :vocab_size])`` (numpy.argmax's ties and NaNs)
+    for float32 logits (B, Vp), then ``pos += 1`` (kernels/greedy.cu)."""
+    if logits.dtype != F32 or logits.ndim != 2 or ids.size != logits.shape[0]:
+        raise ShapeError(f"greedy_next: float32 logits (B, Vp) and B ids expected, got "
+                         f"{logits.dtype} {logits.shape} and {ids.size} ids")
+    B, Vp = logits.shape
+    _launch("greedy", "greedy_next_f32", (B,), 1024,
+            (_c(logits), _i32(vocab_size), _i32(Vp), ids, _pos_array(pos)))
+
+
+class _Copy:
+    """A device-to-host copy in flight: ``synchronize()`` waits for it."""
+
+    def __init__(self, event):
+        self._event = event
+
+    def synchronize(self):
+        self._event.synchronize()
+
+
+def pinned_empty(shape, dtype):
+    """A NumPy array in page-locked host memory (device copies into it run asynchronously)."""
+    dt = np.dtype(dtype)
+    n = int(math.prod(shape))
+    mem = cupy.cuda.alloc_pinned_memory(max(1, n * dt.itemsize))
+    return np.frombuffer(mem, dt, n).reshape(shape)
+
+
+@_guarded
+def to_host_async(array, out):
+    """Queue a copy of ``array`` into the host array ``out`` (pinned, same size and dtype) on
+    the current stream; returns a handle whose ``synchronize()`` waits for it."""
+    array = _c(array)
+    if out.nbytes != array.nbytes or out.dtype != array.dtype:
+        raise ShapeError(f"to_host_async: {array.dtype} {array.shape} into {out.dtype} {out.shape}")
+    stream = cupy.cuda.get_current_stream()
+    cupy.cuda.runtime.memcpyAsync(out.ctypes.data, array.data.ptr, array.nbytes,
+                                  cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+    event = cupy.cuda.Event(block=False, disable_timing=True)
+    event.record(stream)
+    return _Copy(event)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -57,10 +57,12 @@ FORGE_KV_APPEND(unsigned long long, b64)
 // for double),
 //   y[b, h*hs + d] = sum_{j <= pos} softmax_j(scale * q . k_j) v_j[d]
 // Scores go to shared memory (Tmax of them): thread t owns keys t, t + blockDim.x, ... and
-// reads each key row whole (q is broadcast from shared memory), so a step at position p has p
-// independent row reads in flight, not a chain of warp reductions; after the block's max and
-// sum, thread t owns channel t % hs of key group t / hs, and the groups' partial sums are
-// added in a fixed order.
+// reads each key row whole in 16-byte loads (q is broadcast from shared memory), so a step at
+// position p has p independent row reads in flight, not a chain of warp reductions. After the
+// block's max and sum, the R = hs / V threads of a key group read one value row in 16-byte
+// loads (V channels each); groups take keys g, g + G, ..., and their partial sums are added
+// in group order. Heads whose rows are not 16-byte multiples (or unaligned caches) go one
+// element at a time.
 // pos is read from device memory, so a CUDA graph captured once replays at every position;
 // a pos outside 0..Tmax-1 writes nothing and makes the head's outputs NaN.
 template <typename T>
@@ -70,7 +72,7 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
     extern __shared__ unsigned char smem_raw[];
     A* q = reinterpret_cast<A*>(smem_raw);  // hs
     A* s = q + hs;                           // Tmax scores, then probabilities
-    A* part = s + Tmax;                      // blockDim.x partial outputs
+    A* part = s + Tmax;                      // blockDim.x * Vec16<T>::N partial outputs
     __shared__ A red[32];
     const int h = blockIdx.x, b = blockIdx.y, C = H * hs, t = threadIdx.x;
     const int pos = *pos_p;
@@ -88,11 +90,23 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
     }
     __syncthreads();  // the new key row is read back below (global writes, same block)
     const int lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5, n = pos + 1;
+    constexpr int V = Vec16<T>::N;
+    const bool vec = hs % V == 0 && hs / V <= (int)blockDim.x &&
+                     (((unsigned long long)kc | (unsigned long long)vc) & 15ull) == 0;
     for (int j = t; j < n; j += blockDim.x) {
         const T* kr = kc + base + (long long)j * hs;
         A acc = A(0);
-#pragma unroll 16
-        for (int d = 0; d < hs; ++d) acc += q[d] * ldf(kr[d]);
+        if (vec) {
+#pragma unroll 4
+            for (int d0 = 0; d0 < hs; d0 += V) {
+                A w[V];
+                Vec16<T>::load(kr + d0, w);
+#pragma unroll
+                for (int i = 0; i < V; ++i) acc += q[d0 + i] * w[i];
+            }
+        } else {
+            for (int d = 0; d < hs; ++d) acc += q[d] * ldf(kr[d]);
+        }
         s[j] = acc;
     }
     __syncthreads();
@@ -110,19 +124,40 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
         l += e;
     }
     l = block_sum(l, red);  // its barriers also publish the s[j] writes
-    const int G = blockDim.x / hs;  // key groups (hs <= blockDim.x)
-    const int d = t % hs, g = t / hs;
-    A acc = A(0);
-    if (g < G) {
-#pragma unroll 8
-        for (int j = g; j < n; j += G) acc += s[j] * ldf(vc[base + (long long)j * hs + d]);
+    int G;  // key groups; part[g * hs + d] is group g's sum for channel d
+    if (vec) {
+        const int R = hs / V;
+        G = blockDim.x / R;
+        const int r = t % R, g = t / R;
+        if (g < G) {
+            A acc[V];
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc[i] = A(0);
+#pragma unroll 4
+            for (int j = g; j < n; j += G) {
+                A w[V];
+                Vec16<T>::load(vc + base + (long long)j * hs + r * V, w);
+                const A p = s[j];
+#pragma unroll
+                for (int i = 0; i < V; ++i) acc[i] += p * w[i];
+            }
+#pragma unroll
+            for (int i = 0; i < V; ++i) part[g * hs + r * V + i] = acc[i];
+        }
+    } else {
+        G = blockDim.x / hs;  // hs <= blockDim.x
+        const int d = t % hs, g = t / hs;
+        if (g < G) {
+            A acc = A(0);
+            for (int j = g; j < n; j += G) acc += s[j] * ldf(vc[base + (long long)j * hs + d]);
+            part[g * hs + d] = acc;
+        }
     }
-    part[t] = acc;
     __syncthreads();
-    if (t < hs) {
+    for (int d = t; d < hs; d += blockDim.x) {
         A o = A(0);
-        for (int k = 0; k < G; ++k) o += part[k * hs + t];
-        yr[t] = To<T>::from(o / l);
+        for (int k = 0; k < G; ++k) o += part[k * hs + d];
+        yr[d] = To<T>::from(o / l);
     }
 }
 

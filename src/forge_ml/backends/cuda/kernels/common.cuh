@@ -218,6 +218,40 @@ FORGE_D bool aligned4(const void* p, int elem_bytes) {
     return ((unsigned long long)p % (unsigned long long)(4 * elem_bytes)) == 0;
 }
 
+// Vec16<T>: one 16-byte load of Vec16<T>::N consecutive elements (4 float32, 2 float64, 8
+// bf16), widened to the accumulation type; the pointer must be 16-byte aligned.
+template <typename T> struct Vec16;
+template <> struct Vec16<float> {
+    enum { N = 4 };
+    static FORGE_D void load(const float* p, float (&w)[4]) {
+        const float4 v = *reinterpret_cast<const float4*>(p);
+        w[0] = v.x;
+        w[1] = v.y;
+        w[2] = v.z;
+        w[3] = v.w;
+    }
+};
+template <> struct Vec16<double> {
+    enum { N = 2 };
+    static FORGE_D void load(const double* p, double (&w)[2]) {
+        const double2 v = *reinterpret_cast<const double2*>(p);
+        w[0] = v.x;
+        w[1] = v.y;
+    }
+};
+template <> struct Vec16<bf16> {
+    enum { N = 8 };
+    static FORGE_D void load(const bf16* p, float (&w)[8]) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        const unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[2 * i] = bits_f32(u[i] << 16);
+            w[2 * i + 1] = bits_f32(u[i] & 0xffff0000u);
+        }
+    }
+};
+
 // Max over the 32 lanes of a warp; every lane gets it.
 template <typename A> FORGE_D A warp_max(A v) {
 #pragma unroll
