@@ -15,8 +15,8 @@ the queries in a few row chunks, so that it skips most of the masked upper trian
 Fused C kernels. For C-contiguous float32 arrays, gelu, layernorm, attention (forward and
 backward), AdamW and sumsq run one fused C loop each instead (``cpu_kernels.c``, compiled on
 first use by ``cpu_native``): 1.3x to 4x faster than the chains of ufuncs on the nanoGPT CPU
-model's shapes. The NumPy code below stays the reference and the fallback: float64, strided arrays,
-no C compiler, or ``FORGE_CPU_KERNELS=numpy`` run it.
+model's shapes. The NumPy code below stays the reference and the fallback: float64, strided
+arrays, no C compiler, or ``FORGE_CPU_KERNELS=numpy`` run it.
 
 >>> import numpy as np
 >>> from forge_ml.backends import cpu
