@@ -20,7 +20,7 @@ import numpy as np
 
 from . import dtype as _dt
 from .backends import get as _backend
-from .device import CPU, Device
+from .device import Device
 from .errors import DeviceError, DTypeError, ShapeError
 
 _BACKENDS: dict = {}

@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 
 from .. import ops
-from ..autograd import Tape, TVar
+from ..autograd import Tape
 from ..device import Device
 from ..errors import ConfigError, ShapeError
 from ..tensor import Tensor, backend_of, tensor, zeros
@@ -480,25 +480,30 @@ class DecodeStep:
                              f"{self.cache.capacity} rows")
         ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
         ops.assign(self._pos, np.array([pos], np.int32))
-        if self._captured is not None:
-            self._captured.replay()
-            out = self._captured.outputs
-        elif self.graph and self._calls >= 1:
-            try:
-                self._captured = self._bk.capture_graph(self._logits)
-            except Exception as e:  # keep generating, op by op, and say why once
-                warnings.warn(f"DecodeStep: the CUDA graph capture failed ({type(e).__name__}: "
-                              f"{e}); decoding goes on op by op", RuntimeWarning, stacklevel=2)
-                self.graph = False
-                out = self._logits()
-            else:
-                self._captured.replay()
-                out = self._captured.outputs
-        else:
-            out = self._logits()
+        out = self._run("_captured", self._logits, warm=self._calls >= 1)
         self._calls += 1
         self.cache.pos = int(pos) + 1
         return self._bk.to_host(out)[:, :V].astype(np.float32, copy=False)
+
+    def _run(self, slot: str, work, warm: bool):
+        """``work()``'s device work: replayed from the CUDA graph kept in ``self.<slot>``, or
+        captured there first when graphs are on and ``warm`` (``work`` ran op by op before,
+        so every kernel it launches is compiled and loaded), else op by op. A capture that
+        fails turns graphs off for this step, with one warning, and the work runs op by op."""
+        g = getattr(self, slot)
+        if g is None and self.graph and warm:
+            try:
+                g = self._bk.capture_graph(work)
+            except Exception as e:
+                warnings.warn(f"DecodeStep: the CUDA graph capture failed ({type(e).__name__}: "
+                              f"{e}); decoding goes on op by op", RuntimeWarning, stacklevel=3)
+                self.graph = False
+            else:
+                setattr(self, slot, g)
+        if g is None:
+            return work()
+        g.replay()
+        return g.outputs
 
     @property
     def captured(self) -> bool:
@@ -547,23 +552,7 @@ class DecodeStep:
 
         def launch():
             nonlocal launched
-            if self._gcaptured is not None:
-                self._gcaptured.replay()
-                out = self._gcaptured.outputs
-            elif self.graph and launched >= 1:
-                try:
-                    self._gcaptured = self._bk.capture_graph(self._greedy_work)
-                except Exception as e:  # keep going op by op, and say why once
-                    warnings.warn(f"DecodeStep: the CUDA graph capture failed "
-                                  f"({type(e).__name__}: {e}); decoding goes on op by op",
-                                  RuntimeWarning, stacklevel=3)
-                    self.graph = False
-                    out = self._greedy_work()
-                else:
-                    self._gcaptured.replay()
-                    out = self._gcaptured.outputs
-            else:
-                out = self._greedy_work()
+            out = self._run("_gcaptured", self._greedy_work, warm=launched >= 1)
             pending.append(self._bk.to_host_async(out, ring[launched % ahead]))
             launched += 1
 
