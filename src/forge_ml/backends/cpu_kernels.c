@@ -19,6 +19,19 @@
 
 #define RESTRICT __restrict__
 
+/* 8-float vectors (GCC/Clang vector extension; two SSE registers where AVX is absent) */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float* p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof v); }
+
+static inline v8f bcast8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
 /* exp(x) in float32 without a libm call, so that loops around it vectorise: Cephes' expf
    (S. Moshier): x = n ln2 + r with ln2 split in two (n ln2_hi exact), |r| <= ln2/2, e^r by
    a degree-6 polynomial, 2^n built in the exponent bits. About 1 ulp (max 1.4e-7 relative)
@@ -93,20 +106,41 @@ void gelu_bwd_f32(const float* RESTRICT x, const float* RESTRICT dy, float* REST
    sum of (x - mean)^2), as cpu.py's _layernorm_stats. Each loop iteration owns one row.
    The backward is the textbook form, per row:
      dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = dy gamma,
-   and dgamma = sum over rows of dy xhat, dbeta = sum of dy, accumulated in double.
+   and dgamma = sum over rows of dy xhat, dbeta = sum of dy (float sums over blocks of 16
+   rows, added up in double).
    ---------------------------------------------------------------------------------------- */
+static inline float hsum8(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* mean and 1/sqrt(var + eps) of one row. The sums run in four 8-float partial sums (then
+   the scalar tail): a single `omp simd` accumulator made each sum one latency-bound chain
+   of c/8 adds, and the statistics were most of the layernorm's time. */
 static inline void row_stats(const float* RESTRICT xr, long c, float eps, float* mean_out,
                              float* rstd_out) {
-    float s = 0.0f;
-#pragma omp simd reduction(+:s)
-    for (long j = 0; j < c; ++j) s += xr[j];
-    float mean = s / (float)c;
-    float ss = 0.0f;
-#pragma omp simd reduction(+:ss)
-    for (long j = 0; j < c; ++j) {
-        float d = xr[j] - mean;
-        ss += d * d;
+    const long c32 = c / 32 * 32;
+    v8f a0 = bcast8(0.0f), a1 = a0, a2 = a0, a3 = a0;
+    for (long j = 0; j < c32; j += 32) {
+        a0 += load8(xr + j);
+        a1 += load8(xr + j + 8);
+        a2 += load8(xr + j + 16);
+        a3 += load8(xr + j + 24);
     }
+    float s = hsum8((a0 + a1) + (a2 + a3));
+    for (long j = c32; j < c; ++j) s += xr[j];
+    const float mean = s / (float)c;
+    const v8f m = bcast8(mean);
+    a0 = a1 = a2 = a3 = bcast8(0.0f);
+    for (long j = 0; j < c32; j += 32) {
+        const v8f d0 = load8(xr + j) - m, d1 = load8(xr + j + 8) - m;
+        const v8f d2 = load8(xr + j + 16) - m, d3 = load8(xr + j + 24) - m;
+        a0 += d0 * d0;
+        a1 += d1 * d1;
+        a2 += d2 * d2;
+        a3 += d3 * d3;
+    }
+    float ss = hsum8((a0 + a1) + (a2 + a3));
+    for (long j = c32; j < c; ++j) ss += (xr[j] - mean) * (xr[j] - mean);
     *mean_out = mean;
     *rstd_out = 1.0f / sqrtf(ss / (float)c + eps);
 }
@@ -124,14 +158,25 @@ void layernorm_f32(const float* RESTRICT x, const float* RESTRICT gamma,
     }
 }
 
-/* Returns 0, or -1 when the double accumulators cannot be allocated. */
+/* dgamma, dbeta: float partial sums over blocks of LN_BLOCK rows, added into double sums
+   (per-element double accumulation cost 4 read-modify-writes per 8 elements). */
+#define LN_BLOCK 16
+
+/* Returns 0, or -1 when the accumulators cannot be allocated. */
 int layernorm_bwd_f32(const float* RESTRICT x, const float* RESTRICT gamma,
                       const float* RESTRICT dy, float* RESTRICT dx, float* RESTRICT dgamma,
                       float* RESTRICT dbeta, long rows, long c, float eps) {
     double* acc = calloc((size_t)(2 * c), sizeof(double));   /* dgamma, then dbeta */
-    if (!acc) return -1;
+    float* blk = calloc((size_t)(2 * c), sizeof(float));     /* the same, this block */
+    if (!acc || !blk) {
+        free(acc);
+        free(blk);
+        return -1;
+    }
     double* RESTRICT ag = acc;
     double* RESTRICT ab = acc + c;
+    float* RESTRICT fg = blk;
+    float* RESTRICT fb = blk + c;
     for (long r = 0; r < rows; ++r) {
         const float* xr = x + r * c;
         const float* dyr = dy + r * c;
@@ -141,18 +186,26 @@ int layernorm_bwd_f32(const float* RESTRICT x, const float* RESTRICT gamma,
         float sg = 0.0f, sgx = 0.0f;
 #pragma omp simd reduction(+:sg, sgx)
         for (long j = 0; j < c; ++j) {
-            float xhat = (xr[j] - mean) * rstd;
-            float g = dyr[j] * gamma[j];
+            const float xhat = (xr[j] - mean) * rstd;
+            const float g = dyr[j] * gamma[j];
             sg += g;
             sgx += g * xhat;
-            ag[j] += (double)(dyr[j] * xhat);
-            ab[j] += (double)dyr[j];
+            fg[j] += dyr[j] * xhat;
+            fb[j] += dyr[j];
         }
-        float mg = sg / (float)c, mgx = sgx / (float)c;
+        const float mg = sg / (float)c, mgx = sgx / (float)c;
 #pragma omp simd
         for (long j = 0; j < c; ++j) {
-            float xhat = (xr[j] - mean) * rstd;
+            const float xhat = (xr[j] - mean) * rstd;
             dxr[j] = rstd * (dyr[j] * gamma[j] - mg - xhat * mgx);
+        }
+        if (r % LN_BLOCK == LN_BLOCK - 1 || r == rows - 1) {
+#pragma omp simd
+            for (long j = 0; j < c; ++j) {
+                ag[j] += fg[j];
+                ab[j] += fb[j];
+                fg[j] = fb[j] = 0.0f;
+            }
         }
     }
     for (long j = 0; j < c; ++j) {
@@ -160,6 +213,7 @@ int layernorm_bwd_f32(const float* RESTRICT x, const float* RESTRICT gamma,
         dbeta[j] = (float)ab[j];
     }
     free(acc);
+    free(blk);
     return 0;
 }
 
@@ -178,18 +232,6 @@ int layernorm_bwd_f32(const float* RESTRICT x, const float* RESTRICT gamma,
    Row i of P and dS is valid on columns [0, round_up(i + 1, 8)), zero right of i; every
    product reads only there. Each call owns its heads; scratch is per call.
    ---------------------------------------------------------------------------------------- */
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline v8f load8(const float* p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof v); }
-
-static inline v8f bcast8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
 /* Pins a vector in a register. Left alone, GCC folds each use of a loaded row of B into the
    FMA as a memory operand, so tile_4x16 issued 12 loads per 8 FMAs and was load-bound
    (attention_bwd 1100 -> 660 us on the nanoGPT shapes with the pin). */
