@@ -311,6 +311,15 @@ def test_compile_failure_falls_back_and_says_why(tmp_path):
     assert "pretend error" in r.stderr
 
 
+def test_unwritable_cache_falls_back(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    r = _fresh(_GELU_CHECK, FORGE_CACHE_DIR=str(blocker))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("numpy")
+    assert r.stderr.count("C CPU kernels are unavailable") == 1
+
+
 def test_mode_c_without_compiler_is_an_error(tmp_path):
     r = _fresh(_GELU_CHECK, CC=str(tmp_path / "no-such-cc"), FORGE_CACHE_DIR=str(tmp_path),
                FORGE_CPU_KERNELS="c")

@@ -125,7 +125,8 @@ def _load():
         try:
             path = build()
             _state["lib"] = _bind(ctypes.CDLL(str(path)))
-        except (OSError, NativeKernelError, subprocess.SubprocessError) as e:
+        except (OSError, AttributeError, NativeKernelError, subprocess.SubprocessError) as e:
+            # AttributeError: a kernel missing from the library
             _state["why"] = str(e)
             if _state["mode"] != "c":
                 warnings.warn(f"forge-ml: the C CPU kernels are unavailable, NumPy runs "
