@@ -68,8 +68,9 @@ def time_hf(model, prompt, n):
 
 
 def op_breakdown(model, prompt, n):
-    """Seconds per op over one forge-ml generation, timing each ``ops`` call that
-    ``forward_cached`` makes; matmuls are split by what they multiply."""
+    """Seconds per op over one forge-ml generation, timing each ``ops`` call that the prefill
+    (``forward_cached``) and the decoding step (``decode_step``) make; matmuls are split by
+    what they multiply."""
     ops = gpt2_module.ops
     spent = collections.Counter()
     calls = collections.Counter()
@@ -77,7 +78,8 @@ def op_breakdown(model, prompt, n):
 
     def timed(name, f):
         def wrapper(*a, **kw):
-            key = name
+            key = {"linear": "linear layers (decoding step)",
+                   "decode_attention": "decode_attention"}.get(name, name)
             if name == "matmul":
                 b = a[1]
                 key = ("matmul lm_head" if b.shape[0] == model.config.padded_vocab_size
@@ -89,8 +91,8 @@ def op_breakdown(model, prompt, n):
             return r
         return wrapper
 
-    for name in ("matmul", "add", "layernorm", "gelu", "softmax", "split_heads", "merge_heads",
-                 "kv_append", "embedding"):
+    for name in ("matmul", "linear", "decode_attention", "add", "layernorm", "gelu", "softmax",
+                 "split_heads", "merge_heads", "kv_append", "embedding"):
         originals[name] = getattr(ops, name)
         setattr(ops, name, timed(name, originals[name]))
     try:
