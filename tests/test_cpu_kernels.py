@@ -78,6 +78,9 @@ def _call_every_kernel(dtype, contiguous=True):
     q = randn((2, 5, 4), 3).astype(dtype)
     out, lse = cpu.attention(q, q, q, 0.5)
     cpu.attention_bwd(q, q, q, out, lse, q, 0.5)
+    qkv = randn((2, 5, 24), 4).astype(dtype)
+    y, lse = cpu.attention_qkv(qkv, 2, 0.5)
+    cpu.attention_qkv_bwd(qkv, y, lse, y, 2, 0.5)
     p = x.copy()
     cpu.adamw_update(p, x, np.zeros_like(p), np.zeros_like(p), 1e-3, 0.9, 0.99, 1e-8, 0.1, 1, 1.0)
     cpu.sumsq(x)
@@ -86,7 +89,8 @@ def _call_every_kernel(dtype, contiguous=True):
 def test_float32_runs_the_c_kernels(spy):
     _call_every_kernel(np.float32)
     assert spy.calls == ["gelu_f32", "gelu_bwd_f32", "layernorm_f32", "layernorm_bwd_f32",
-                         "attention_f32", "attention_bwd_f32", "adamw_f32", "sumsq_f32"]
+                         "attention_f32", "attention_bwd_f32", "attention_qkv_f32",
+                         "attention_qkv_bwd_f32", "adamw_f32", "sumsq_f32"]
 
 
 def test_float64_and_strided_arrays_run_numpy(spy):
@@ -207,6 +211,30 @@ def test_attention_vs_reference(path, shape):
                           ref.attention_bwd(q, k, v, dout, scale)):
         assert mine.shape == shape
         close(mine, spec)
+
+
+def _heads(x, n_head):
+    """(B, T, C) -> (B, H, T, hs)."""
+    B, T, C = x.shape
+    return x.reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3)
+
+
+# (B, T, H, hs): rows read in place (T % 4 == 0 and hs % 16 == 0: no padded copies) and not
+@pytest.mark.parametrize("B,T,H,hs", [(2, 64, 4, 32), (1, 48, 3, 16), (2, 17, 2, 20), (1, 1, 2, 8)])
+def test_attention_qkv_vs_reference(path, B, T, H, hs):
+    """Heads read in place from GPT-2's fused (B, T, 3C) rows, y and dqkv written in place."""
+    C = H * hs
+    qkv, dy = randn((B, T, 3 * C), 5), randn((B, T, C), 6)
+    scale = 1.0 / math.sqrt(hs)
+    q, k, v = (_heads(qkv[..., i * C:(i + 1) * C], H) for i in range(3))
+    y, lse = cpu.attention_qkv(qkv, H, scale)
+    eout, else_ = ref.attention(q, k, v, scale)
+    close(y, eout.transpose(0, 2, 1, 3).reshape(B, T, C))
+    close(lse, else_)
+    dqkv = cpu.attention_qkv_bwd(qkv, y, lse, dy, H, scale)
+    grads = ref.attention_bwd(q, k, v, _heads(dy, H), scale)
+    want = np.concatenate([g.transpose(0, 2, 1, 3).reshape(B, T, C) for g in grads], axis=-1)
+    close(dqkv, want)
 
 
 def test_attention_peaked_scores(path):

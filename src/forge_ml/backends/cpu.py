@@ -717,15 +717,34 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
 
 def attention_qkv(qkv, n_head, scale):
     """Causal self-attention from fused rows: ``qkv (B, T, 3C) -> (y (B, T, C), lse (B, H,
-    T))``, i.e. split_heads, attention, merge_heads."""
+    T))``. The C kernel reads each head in place and writes y merged; the NumPy path is
+    split_heads, attention, merge_heads."""
+    lib = _native.lib()
+    if lib is not None and _native.f32(qkv) and qkv.size:
+        B, T, C3 = qkv.shape
+        hs = C3 // (3 * n_head)
+        y = np.empty((B, T, C3 // 3), np.float32)
+        lse = np.empty((B, n_head, T), np.float32)
+        if lib.attention_qkv_f32(qkv.ctypes.data, y.ctypes.data, lse.ctypes.data, B, T, n_head,
+                                 hs, scale) == 0:
+            return y, lse
     q, k, v = split_heads(qkv, n_head)
     out, lse = attention(q, k, v, scale)
     return merge_heads(out), lse
 
 
 def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
-    """``dqkv (B, T, 3C)`` of ``attention_qkv``: attention_bwd on the split heads, the three
-    gradients merged into their thirds of one array."""
+    """``dqkv (B, T, 3C)`` of ``attention_qkv``: the C kernel writes dq, dk, dv into their
+    thirds of dqkv in place; the NumPy path runs attention_bwd on the split heads and merges
+    the three gradients."""
+    lib = _native.lib()
+    if lib is not None and _native.f32(qkv, y, lse, dy) and qkv.size:
+        B, T, C3 = qkv.shape
+        dqkv = np.empty_like(qkv)
+        if lib.attention_qkv_bwd_f32(qkv.ctypes.data, y.ctypes.data, lse.ctypes.data,
+                                     dy.ctypes.data, dqkv.ctypes.data, B, T, n_head,
+                                     C3 // (3 * n_head), scale) == 0:
+            return dqkv
     q, k, v = split_heads(qkv, n_head)
     grads = attention_bwd(q, k, v, unmerge_heads(y, n_head), lse, unmerge_heads(dy, n_head), scale)
     C = qkv.shape[-1] // 3

@@ -285,82 +285,164 @@ static inline void gemm_tiles(const float* a, long ars, long aks, const float* b
     }
 }
 
-/* dst (t4 x hp, zero padding) <- src (t x hs); returns dst, or src itself when no padding is
-   needed. */
-static const float* padded(const float* RESTRICT src, long t, long hs, long t4, long hp,
-                           float* RESTRICT dst) {
-    if (t == t4 && hs == hp) return src;
+/* The operands of one head: rows of hs floats, row i of x at x + i * ld. Head-major arrays
+   (BH, T, hs) have ld = hs; GPT-2's fused rows have ld = 3C (q, k, v in place in the
+   (B, T, 3C) qkv rows) and ld = C (the (B, T, C) output), so no head is copied out or in. */
+
+/* The (t4 x hp) A operand for src (t rows of hs, stride ld): src itself, stride ld, when no
+   padding is needed; else a zero-padded copy in dst, stride hp. */
+static const float* padded(const float* RESTRICT src, long ld, long t, long hs, long t4, long hp,
+                           float* RESTRICT dst, long* stride) {
+    if (t == t4 && hs == hp) {
+        *stride = ld;
+        return src;
+    }
     memset(dst, 0, sizeof(float) * (size_t)(t4 * hp));
-    for (long i = 0; i < t; ++i) memcpy(dst + i * hp, src + i * hs, sizeof(float) * (size_t)hs);
+    for (long i = 0; i < t; ++i) memcpy(dst + i * hp, src + i * ld, sizeof(float) * (size_t)hs);
+    *stride = hp;
     return dst;
 }
 
-/* dst (rows of hs) <- src (rows of hp), the first t rows. */
-static void unpad(const float* RESTRICT src, long t, long hs, long hp, float* RESTRICT dst) {
-    for (long i = 0; i < t; ++i) memcpy(dst + i * hs, src + i * hp, sizeof(float) * (size_t)hs);
+/* dst (rows of hs, stride ld) <- src (rows of hp), the first t rows. */
+static void unpad(const float* RESTRICT src, long t, long hs, long hp, float* RESTRICT dst,
+                  long ld) {
+    for (long i = 0; i < t; ++i) memcpy(dst + i * ld, src + i * hp, sizeof(float) * (size_t)hs);
 }
 
-/* dst (hs x tp, zero padding) <- src (t x hs) transposed. */
-static void transpose_padded(const float* RESTRICT src, long t, long hs, long tp,
+/* dst (hs x tp, zero padding) <- src (t rows of hs, stride ld) transposed. */
+static void transpose_padded(const float* RESTRICT src, long ld, long t, long hs, long tp,
                              float* RESTRICT dst) {
     for (long d = 0; d < hs; ++d) {
         float* RESTRICT row = dst + d * tp;
-        for (long j = 0; j < t; ++j) row[j] = src[j * hs + d];
+        for (long j = 0; j < t; ++j) row[j] = src[j * ld + d];
         for (long j = t; j < tp; ++j) row[j] = 0.0f;
     }
 }
 
-int attention_f32(const float* RESTRICT q, const float* RESTRICT k, const float* RESTRICT v,
-                  float* RESTRICT out, float* RESTRICT lse, long nbh, long t, long hs,
-                  float scale) {
+/* Scratch floats of one head's forward and backward (see the layouts below). */
+static long fwd_scratch(long t, long hs) {
+    const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
+    return hs * tp + t4 * tp + 3 * t4 * hp + t;
+}
+
+static long bwd_scratch(long t, long hs) {
+    const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
+    return 2 * hs * tp + 2 * t4 * tp + 6 * t4 * hp;
+}
+
+/* One head's causal attention: out (stride lo) and lse (t) from q, k, v (strides lq, lk, lv). */
+static void attention_head(const float* q, long lq, const float* k, long lk, const float* v,
+                           long lv, float* out, long lo, float* RESTRICT lse, long t, long hs,
+                           float scale, float* scratch) {
     const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
     const long n_a = t4 * hp;
     /* kt (hs, tp); p (t4, tp); q, v, o padded copies (t4, hp) when needed; row maxima (t) */
-    float* scratch = calloc((size_t)(hs * tp + t4 * tp + 3 * n_a + t), sizeof(float));
-    if (!scratch) return -1;
     float *kt = scratch, *p = kt + hs * tp, *qpad = p + t4 * tp, *vpad = qpad + n_a;
     float *opad = vpad + n_a, *rowmax = opad + n_a;
     const int direct = t == t4 && hs == hp;
+    long sq, sv;
+    const float* qa = padded(q, lq, t, hs, t4, hp, qpad, &sq);
+    const float* vb = padded(v, lv, t, hs, t4, hp, vpad, &sv);
+    float* o = direct ? out : opad;
+    transpose_padded(k, lk, t, hs, tp, kt);
+    gemm_tiles(qa, sq, 1, kt, tp, p, tp, t4, tp, hs, K_ALL);              /* S */
+    for (long i = 0; i < t; ++i) {
+        float* RESTRICT pi = p + i * tp;
+        const long n8 = round_up(i + 1, 8);
+        float m = -INFINITY;
+#pragma omp simd reduction(max:m)
+        for (long j = 0; j < n8; ++j) {
+            const float sj = j <= i ? pi[j] * scale : -INFINITY;
+            m = sj > m ? sj : m;
+        }
+        rowmax[i] = m;
+    }
+    /* exp in its own loop over all rows: with the row sum in the same short loop, each row's
+       polynomial chains ran one after another (1.25x slower in all) */
+    for (long i = 0; i < t; ++i) {
+        float* RESTRICT pi = p + i * tp;
+        const float m = rowmax[i];
+#pragma omp simd
+        for (long j = 0; j < round_up(i + 1, 8); ++j)
+            pi[j] = j <= i ? exp_f32(pi[j] * scale - m) : 0.0f;
+    }
+    for (long i = 0; i < t; ++i) {
+        float* RESTRICT pi = p + i * tp;
+        const long n8 = round_up(i + 1, 8);
+        float l = 0.0f;
+#pragma omp simd reduction(+:l)
+        for (long j = 0; j < n8; ++j) l += pi[j];
+        const float inv = 1.0f / l;
+#pragma omp simd
+        for (long j = 0; j < n8; ++j) pi[j] *= inv;
+        lse[i] = rowmax[i] + logf(l);
+    }
+    gemm_tiles(p, tp, 1, vb, sv, o, direct ? lo : hp, t4, hp, t, K_UPTO_ROW);  /* P v */
+    if (!direct) unpad(opad, t, hs, hp, out, lo);
+}
+
+/* One head's backward: dq (stride lq), dk, dv (stride lk) from q, k, v, out, dout (strides lq,
+   lk, lk, lo, lo) and lse. */
+static void attention_bwd_head(const float* q, long lq, const float* k, const float* v, long lk,
+                               const float* out, const float* dout, long lo,
+                               const float* RESTRICT lse, float* dq, float* dk, float* dv,
+                               long t, long hs, float scale, float* scratch) {
+    const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
+    const long n_a = t4 * hp, n_t = hs * tp, n_s = t4 * tp;
+    /* kt, vt (hs, tp); p, ds (t4, tp); q, k, dout, dq, dk, dv padded copies (t4, hp) */
+    float *kt = scratch, *vt = kt + n_t, *p = vt + n_t, *ds = p + n_s;
+    float *qpad = ds + n_s, *kpad = qpad + n_a, *dopad = kpad + n_a;
+    float *dqpad = dopad + n_a, *dkpad = dqpad + n_a, *dvpad = dkpad + n_a;
+    const int direct = t == t4 && hs == hp;
+    long sq, sk, sdo;
+    const float* qa = padded(q, lq, t, hs, t4, hp, qpad, &sq);
+    const float* ka = padded(k, lk, t, hs, t4, hp, kpad, &sk);
+    const float* doa = padded(dout, lo, t, hs, t4, hp, dopad, &sdo);
+    float* dqc = direct ? dq : dqpad;
+    float* dkc = direct ? dk : dkpad;
+    float* dvc = direct ? dv : dvpad;
+    const long lq_out = direct ? lq : hp, lk_out = direct ? lk : hp;
+    transpose_padded(k, lk, t, hs, tp, kt);
+    transpose_padded(v, lk, t, hs, tp, vt);
+    gemm_tiles(qa, sq, 1, kt, tp, p, tp, t4, tp, hs, K_ALL);              /* S */
+    gemm_tiles(doa, sdo, 1, vt, tp, ds, tp, t4, tp, hs, K_ALL);           /* dP */
+    for (long i = 0; i < t; ++i) {
+        float* RESTRICT pi = p + i * tp;
+        float* RESTRICT dsi = ds + i * tp;
+        const float* RESTRICT doi = dout + i * lo;
+        const float* RESTRICT oi = out + i * lo;
+        const long n8 = round_up(i + 1, 8);
+        float di = 0.0f;                                                  /* D_i */
+#pragma omp simd reduction(+:di)
+        for (long d = 0; d < hs; ++d) di += doi[d] * oi[d];
+        const float li = lse[i];
+#pragma omp simd
+        for (long j = 0; j < n8; ++j) {
+            const float pj = j <= i ? exp_f32(pi[j] * scale - li) : 0.0f;
+            pi[j] = pj;
+            dsi[j] = scale * pj * (dsi[j] - di);
+        }
+    }
+    gemm_tiles(ds, tp, 1, ka, sk, dqc, lq_out, t4, hp, t, K_UPTO_ROW);    /* dS k */
+    gemm_tiles(ds, 1, tp, qa, sq, dkc, lk_out, t4, hp, t, K_FROM_ROW);    /* dS^T q */
+    gemm_tiles(p, 1, tp, doa, sdo, dvc, lk_out, t4, hp, t, K_FROM_ROW);   /* P^T dO */
+    if (!direct) {
+        unpad(dqpad, t, hs, hp, dq, lq);
+        unpad(dkpad, t, hs, hp, dk, lk);
+        unpad(dvpad, t, hs, hp, dv, lk);
+    }
+}
+
+/* Head-major (BH, T, hs) q, k, v, out; lse (BH, T). */
+int attention_f32(const float* RESTRICT q, const float* RESTRICT k, const float* RESTRICT v,
+                  float* RESTRICT out, float* RESTRICT lse, long nbh, long t, long hs,
+                  float scale) {
+    float* scratch = calloc((size_t)fwd_scratch(t, hs), sizeof(float));
+    if (!scratch) return -1;
     for (long b = 0; b < nbh; ++b) {
         const long off = b * t * hs;
-        const float* qa = padded(q + off, t, hs, t4, hp, qpad);
-        const float* vb = padded(v + off, t, hs, t4, hp, vpad);
-        float* o = direct ? out + off : opad;
-        transpose_padded(k + off, t, hs, tp, kt);
-        gemm_tiles(qa, hp, 1, kt, tp, p, tp, t4, tp, hs, K_ALL);          /* S */
-        for (long i = 0; i < t; ++i) {
-            float* RESTRICT pi = p + i * tp;
-            const long n8 = round_up(i + 1, 8);
-            float m = -INFINITY;
-#pragma omp simd reduction(max:m)
-            for (long j = 0; j < n8; ++j) {
-                const float sj = j <= i ? pi[j] * scale : -INFINITY;
-                m = sj > m ? sj : m;
-            }
-            rowmax[i] = m;
-        }
-        /* exp in its own loop over all rows: with the row sum in the same short loop, each
-           row's polynomial chains ran one after another (1.25x slower in all) */
-        for (long i = 0; i < t; ++i) {
-            float* RESTRICT pi = p + i * tp;
-            const float m = rowmax[i];
-#pragma omp simd
-            for (long j = 0; j < round_up(i + 1, 8); ++j)
-                pi[j] = j <= i ? exp_f32(pi[j] * scale - m) : 0.0f;
-        }
-        for (long i = 0; i < t; ++i) {
-            float* RESTRICT pi = p + i * tp;
-            const long n8 = round_up(i + 1, 8);
-            float l = 0.0f;
-#pragma omp simd reduction(+:l)
-            for (long j = 0; j < n8; ++j) l += pi[j];
-            const float inv = 1.0f / l;
-#pragma omp simd
-            for (long j = 0; j < n8; ++j) pi[j] *= inv;
-            lse[b * t + i] = rowmax[i] + logf(l);
-        }
-        gemm_tiles(p, tp, 1, vb, hp, o, hp, t4, hp, t, K_UPTO_ROW);       /* P v */
-        if (!direct) unpad(opad, t, hs, hp, out + off);
+        attention_head(q + off, hs, k + off, hs, v + off, hs, out + off, hs, lse + b * t, t, hs,
+                       scale, scratch);
     }
     free(scratch);
     return 0;
@@ -370,53 +452,47 @@ int attention_bwd_f32(const float* RESTRICT q, const float* RESTRICT k, const fl
                       const float* RESTRICT out, const float* RESTRICT lse,
                       const float* RESTRICT dout, float* RESTRICT dq, float* RESTRICT dk,
                       float* RESTRICT dv, long nbh, long t, long hs, float scale) {
-    const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
-    const long n_a = t4 * hp, n_t = hs * tp, n_s = t4 * tp;
-    /* kt, vt (hs, tp); p, ds (t4, tp); q, k, dout, dq, dk, dv padded copies (t4, hp) */
-    float* scratch = calloc((size_t)(2 * n_t + 2 * n_s + 6 * n_a), sizeof(float));
+    float* scratch = calloc((size_t)bwd_scratch(t, hs), sizeof(float));
     if (!scratch) return -1;
-    float *kt = scratch, *vt = kt + n_t, *p = vt + n_t, *ds = p + n_s;
-    float *qpad = ds + n_s, *kpad = qpad + n_a, *dopad = kpad + n_a;
-    float *dqpad = dopad + n_a, *dkpad = dqpad + n_a, *dvpad = dkpad + n_a;
-    const int direct = t == t4 && hs == hp;
     for (long b = 0; b < nbh; ++b) {
         const long off = b * t * hs;
-        const float* qa = padded(q + off, t, hs, t4, hp, qpad);
-        const float* ka = padded(k + off, t, hs, t4, hp, kpad);
-        const float* doa = padded(dout + off, t, hs, t4, hp, dopad);
-        float* dqc = direct ? dq + off : dqpad;
-        float* dkc = direct ? dk + off : dkpad;
-        float* dvc = direct ? dv + off : dvpad;
-        transpose_padded(k + off, t, hs, tp, kt);
-        transpose_padded(v + off, t, hs, tp, vt);
-        gemm_tiles(qa, hp, 1, kt, tp, p, tp, t4, tp, hs, K_ALL);          /* S */
-        gemm_tiles(doa, hp, 1, vt, tp, ds, tp, t4, tp, hs, K_ALL);        /* dP */
-        for (long i = 0; i < t; ++i) {
-            float* RESTRICT pi = p + i * tp;
-            float* RESTRICT dsi = ds + i * tp;
-            const float* RESTRICT doi = dout + off + i * hs;
-            const float* RESTRICT oi = out + off + i * hs;
-            const long n8 = round_up(i + 1, 8);
-            float di = 0.0f;                                              /* D_i */
-#pragma omp simd reduction(+:di)
-            for (long d = 0; d < hs; ++d) di += doi[d] * oi[d];
-            const float li = lse[b * t + i];
-#pragma omp simd
-            for (long j = 0; j < n8; ++j) {
-                const float pj = j <= i ? exp_f32(pi[j] * scale - li) : 0.0f;
-                pi[j] = pj;
-                dsi[j] = scale * pj * (dsi[j] - di);
-            }
-        }
-        gemm_tiles(ds, tp, 1, ka, hp, dqc, hp, t4, hp, t, K_UPTO_ROW);    /* dS k */
-        gemm_tiles(ds, 1, tp, qa, hp, dkc, hp, t4, hp, t, K_FROM_ROW);    /* dS^T q */
-        gemm_tiles(p, 1, tp, doa, hp, dvc, hp, t4, hp, t, K_FROM_ROW);    /* P^T dO */
-        if (!direct) {
-            unpad(dqpad, t, hs, hp, dq + off);
-            unpad(dkpad, t, hs, hp, dk + off);
-            unpad(dvpad, t, hs, hp, dv + off);
-        }
+        attention_bwd_head(q + off, hs, k + off, v + off, hs, out + off, dout + off, hs,
+                           lse + b * t, dq + off, dk + off, dv + off, t, hs, scale, scratch);
     }
+    free(scratch);
+    return 0;
+}
+
+/* GPT-2's fused rows: qkv (B, T, 3C), head h of q, k, v at channels h*hs, C + h*hs,
+   2C + h*hs; y (B, T, C); lse (B, H, T). */
+int attention_qkv_f32(const float* RESTRICT qkv, float* RESTRICT y, float* RESTRICT lse, long nb,
+                      long t, long nh, long hs, float scale) {
+    const long c = nh * hs;
+    float* scratch = calloc((size_t)fwd_scratch(t, hs), sizeof(float));
+    if (!scratch) return -1;
+    for (long b = 0; b < nb; ++b)
+        for (long h = 0; h < nh; ++h) {
+            const float* q = qkv + b * t * 3 * c + h * hs;
+            attention_head(q, 3 * c, q + c, 3 * c, q + 2 * c, 3 * c, y + b * t * c + h * hs, c,
+                           lse + (b * nh + h) * t, t, hs, scale, scratch);
+        }
+    free(scratch);
+    return 0;
+}
+
+int attention_qkv_bwd_f32(const float* RESTRICT qkv, const float* RESTRICT y,
+                          const float* RESTRICT lse, const float* RESTRICT dy,
+                          float* RESTRICT dqkv, long nb, long t, long nh, long hs, float scale) {
+    const long c = nh * hs;
+    float* scratch = calloc((size_t)bwd_scratch(t, hs), sizeof(float));
+    if (!scratch) return -1;
+    for (long b = 0; b < nb; ++b)
+        for (long h = 0; h < nh; ++h) {
+            const long iq = b * t * 3 * c + h * hs, io = b * t * c + h * hs;
+            attention_bwd_head(qkv + iq, 3 * c, qkv + iq + c, qkv + iq + 2 * c, 3 * c, y + io,
+                               dy + io, c, lse + (b * nh + h) * t, dqkv + iq, dqkv + iq + c,
+                               dqkv + iq + 2 * c, t, hs, scale, scratch);
+        }
     free(scratch);
     return 0;
 }

@@ -58,6 +58,8 @@ _SIGNATURES = {
     "layernorm_bwd_f32": (_c_int, [_p, _p, _p, _p, _p, _p, _c_long, _c_long, _c_float]),
     "attention_f32": (_c_int, [_p, _p, _p, _p, _p, _c_long, _c_long, _c_long, _c_float]),
     "attention_bwd_f32": (_c_int, [_p] * 9 + [_c_long, _c_long, _c_long, _c_float]),
+    "attention_qkv_f32": (_c_int, [_p] * 3 + [_c_long] * 4 + [_c_float]),
+    "attention_qkv_bwd_f32": (_c_int, [_p] * 5 + [_c_long] * 4 + [_c_float]),
     "adamw_f32": (None, [_p, _p, _p, _p, _c_long] + [_c_float] * 7 + [_c_int]),
     "sumsq_f32": (ctypes.c_double, [_p, _c_long]),
 }
