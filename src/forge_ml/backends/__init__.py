@@ -64,9 +64,9 @@ Forward and backward kernels (float32, float64; bfloat16 on cuda with float32 ac
         if p_lowp is given (a bf16 array) it receives the updated p rounded to bf16.
 
 Decoding helpers
-    greedy_next(logits, vocab_size, ids, pos) -> None   in place: ids[b] = argmax of float32
-                                                   logits[b, :vocab_size] (numpy's ties and
-                                                   NaNs), then pos += 1 (int32 arrays)
+    greedy_next(logits, vocab_size, ids, pos, out=None) -> None
+        in place: ids[b] = argmax of float32 logits[b, :vocab_size] (numpy's ties and NaNs),
+        also into out[b] when given, then pos += 1 (int32 arrays)
     pinned_empty(shape, dtype) -> np.ndarray     host memory device copies can fill async
     to_host_async(array, out) -> handle or None  copy into out; handle.synchronize() waits
 

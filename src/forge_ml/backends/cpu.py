@@ -36,6 +36,7 @@ import numpy as np
 from .. import dtype as _dtype
 from .. import rng
 from ..errors import DTypeError
+from . import compose as _compose
 from . import cpu_native as _native
 
 BF16_MESSAGE = "bfloat16 is a GPU storage type; the cpu backend computes in float32/float64"
@@ -728,9 +729,7 @@ def attention_qkv(qkv, n_head, scale):
         if lib.attention_qkv_f32(qkv.ctypes.data, y.ctypes.data, lse.ctypes.data, B, T, n_head,
                                  hs, scale) == 0:
             return y, lse
-    q, k, v = split_heads(qkv, n_head)
-    out, lse = attention(q, k, v, scale)
-    return merge_heads(out), lse
+    return _compose.attention_qkv(sys.modules[__name__], qkv, n_head, scale)
 
 
 def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
@@ -756,18 +755,16 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
 
 def linear(x, w, bias, act, residual, ln=None):
     """``act(LN(x) @ w + bias) + residual`` (act None or "gelu", ln None or (gamma, beta,
-    eps)): layernorm, matmul, gelu and add."""
-    if ln is not None:
-        x = layernorm(x, ln[0], ln[1], ln[2])
-    y = matmul(x, w, bias)
-    if act == "gelu":
-        y = gelu(y)
-    return y if residual is None else add(residual, y)
+    eps)): layernorm, matmul, gelu and add (``compose.linear``)."""
+    return _compose.linear(sys.modules[__name__], x, w, bias, act, residual, ln)
 
 
-def greedy_next(logits, vocab_size, ids, pos):
-    """In place: ``ids[b] = argmax(logits[b, :vocab_size])``, then ``pos += 1``."""
+def greedy_next(logits, vocab_size, ids, pos, out=None):
+    """In place: ``ids[b] = argmax(logits[b, :vocab_size])`` (and ``out[b]`` too, when
+    given), then ``pos += 1``."""
     ids.reshape(-1)[...] = np.argmax(logits[:, :vocab_size], axis=1)
+    if out is not None:
+        out.reshape(-1)[...] = ids.reshape(-1)
     pos += 1
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import sys
 import threading
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from ...errors import CompileError, DeviceError, DTypeError, OutOfMemoryError, ShapeError
 from ... import rng as _rng
+from .. import compose as _compose
 
 try:
     import cupy
@@ -581,12 +583,7 @@ def linear(x, w, bias, act, residual, ln=None):
         if ln is not None:
             ln = (_like(_c(ln[0]), x.dtype), _like(_c(ln[1]), x.dtype), float(ln[2]))
         return _gemv(x, w, bias, 1.0, M, K, N, _ACTS[act], residual, ln)
-    if ln is not None:
-        x = layernorm(x, ln[0], ln[1], ln[2])
-    y = matmul(x, w, bias)
-    if act == "gelu":
-        y = gelu(y)
-    return y if residual is None else add(residual, y)
+    return _compose.linear(sys.modules[__name__], x, w, bias, act, residual, ln)
 
 
 @_guarded
@@ -1023,9 +1020,7 @@ def attention_qkv(qkv, n_head, scale):
     B, T, C3 = qkv.shape
     C = C3 // 3
     if not _qkv_flash_ok(qkv, n_head):
-        q, k, v = split_heads(qkv, n_head)
-        out, lse = attention(q, k, v, scale)
-        return merge_heads(out), lse
+        return _compose.attention_qkv(sys.modules[__name__], qkv, n_head, scale)
     y = _empty((B, T, C), qkv.dtype)
     lse = _empty((B, n_head, T), F32)
     q, k, v = _thirds(qkv, C)
@@ -1209,15 +1204,21 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
 
 
 @_guarded
-def greedy_next(logits, vocab_size, ids, pos):
+def greedy_next(logits, vocab_size, ids, pos, out=None):
     """In place: ``ids[b] = argmax(logits[b, :vocab_size])`` (numpy.argmax's ties and NaNs)
-    for float32 logits (B, Vp), then ``pos += 1`` (kernels/greedy.cu)."""
+    for float32 logits (B, Vp), also written to ``out`` (B int32, e.g. a row of a chain's
+    token buffer) when given, then ``pos += 1`` (kernels/greedy.cu)."""
     if logits.dtype != F32 or logits.ndim != 2 or ids.size != logits.shape[0]:
         raise ShapeError(f"greedy_next: float32 logits (B, Vp) and B ids expected, got "
                          f"{logits.dtype} {logits.shape} and {ids.size} ids")
     B, Vp = logits.shape
+    if out is None:
+        out = ids
+    elif out.size != B or out.dtype != ids.dtype or not out.flags.c_contiguous:
+        raise ShapeError(f"greedy_next: out must be {B} contiguous {ids.dtype} values, got "
+                         f"{out.dtype} {out.shape}")
     _launch("greedy", "greedy_next_f32", (B,), 1024,
-            (_c(logits), _i32(vocab_size), _i32(Vp), ids, _pos_array(pos)))
+            (_c(logits), _i32(vocab_size), _i32(Vp), ids, out, _pos_array(pos)))
 
 
 class _Copy:
