@@ -9,6 +9,7 @@ beside forge-ml's (also in a graph).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -81,26 +82,39 @@ def main(argv=None):
     cache = model.new_cache(1, cfg.block_size, params)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, a.pos))
     model.forward_cached(fm.tensor(prompt, device="cuda"), cache, params)
-    step = DecodeStep(model, cache, params)
     tok = [int(prompt[0, -1])]
-    step(tok, a.pos)
-    step(tok, a.pos)                            # captured now
-    assert step.captured
+
+    def captured_step(pdl: bool):
+        """A DecodeStep whose graph was captured with programmatic dependent launch on or off
+        (FORGE_PDL is read as the kernels are launched, i.e. during the capture)."""
+        os.environ["FORGE_PDL"] = "1" if pdl else "0"
+        s = DecodeStep(model, cache, params)
+        s(tok, a.pos)
+        s(tok, a.pos)                               # captured now
+        assert s.captured
+        os.environ["FORGE_PDL"] = "1"
+        return s
+
     rows = []
+    nopdl = captured_step(False)
+    step = captured_step(True)
     rows.append(("graph replay (GPU time per step)",
-                 events_ms(cp, step._captured.replay, a.reps)))
+                 events_ms(cp, step._graphs["logits"].replay, a.reps)))
+    rows.append(("graph replay, no programmatic dependent launch",
+                 events_ms(cp, nopdl._graphs["logits"].replay, a.reps)))
     cp.cuda.Device().synchronize()
     t0 = time.perf_counter()
     for _ in range(a.reps):
         step(tok, a.pos)
     rows.append(("DecodeStep call: copy in, replay, copy out", (time.perf_counter() - t0) * 1e3 / a.reps))
     n_chain = min(200, cfg.block_size - 1 - a.pos)
-    list(step.greedy(tok, a.pos, 8))                 # captures the step + argmax graph
-    cp.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    list(step.greedy(tok, a.pos, n_chain))
-    rows.append((f"greedy chain, per token ({n_chain} tokens, argmax on the device)",
-                 (time.perf_counter() - t0) * 1e3 / n_chain))
+    for chunk in (8, 1):
+        list(step.greedy(tok, a.pos, 2 * chunk, chunk=chunk))   # captures the chain's graph
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        list(step.greedy(tok, a.pos, n_chain, chunk=chunk))
+        rows.append((f"greedy chain, per token ({n_chain} tokens, argmax on the device, "
+                     f"{chunk} steps per graph)", (time.perf_counter() - t0) * 1e3 / n_chain))
     eager = DecodeStep(model, cache, params, graph=False)
     eager(tok, a.pos)
     cp.cuda.Device().synchronize()

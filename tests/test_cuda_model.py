@@ -187,8 +187,8 @@ def test_greedy_chain_graph_equals_op_by_op(dtype):
         gpu.forward_cached(fm.tensor(ids, device="cuda"), c, params)
     graph = DecodeStep(gpu, caches[0], params)
     eager = DecodeStep(gpu, caches[1], params, graph=False)
-    g = list(graph.greedy(ids[:, -1], 8, 40))
-    assert graph._gcaptured is not None
+    g = list(graph.greedy(ids[:, -1], 8, 40, chunk=8))   # 5 chunks: 1 eager, 4 replays
+    assert ("greedy", 8) in graph._graphs and caches[0].pos == 48
     e = list(eager.greedy(ids[:, -1], 8, 40))
     np.testing.assert_array_equal(np.stack(g), np.stack(e))
     host = DecodeStep(gpu, caches[2], params, graph=False)
@@ -196,6 +196,18 @@ def test_greedy_chain_graph_equals_op_by_op(dtype):
     for t in range(8, 48):
         tok = np.argmax(host(tok, t), axis=1)
         np.testing.assert_array_equal(tok, g[t - 8])
+    # chunks and single steps mixed (19 = 2 x 8 + 3 x 1), ahead of the host, closed early
+    c = gpu.new_cache(2, 64, params)
+    gpu.forward_cached(fm.tensor(ids, device="cuda"), c, params)
+    mixed = DecodeStep(gpu, c, params)
+    chain = mixed.greedy(ids[:, -1], 8, 19, chunk=8)
+    got = [next(chain) for _ in range(19)]
+    np.testing.assert_array_equal(np.stack(got), np.stack(g[:19]))
+    assert ("greedy", 1) in mixed._graphs and c.pos == 27
+    chain = mixed.greedy(ids[:, -1], 8, 40, chunk=8)
+    assert [next(chain) for _ in range(3)][2].tolist() == g[2].tolist()
+    chain.close()
+    assert c.pos in (8 + 16, 8 + 24)      # the queued chunks wrote their rows
 
 
 def test_decoder_kept_between_calls_and_dropped_when_weights_change():

@@ -226,6 +226,13 @@ def test_greedy_chain_equals_step_by_step_argmax(model):
     assert len(got) == 9 and all(g.dtype == np.int32 for g in got)
     np.testing.assert_array_equal(np.stack(got), np.stack(want))
     assert b.pos == a.pos == 14
+    # k steps per launch (9 = 2 x 4 + 1 x 1): the same tokens, the same rows written
+    c = model.new_cache(2, 16)
+    model.forward_cached(fm.tensor(ids), c)
+    got = list(DecodeStep(model, c).greedy(first, 5, 9, chunk=4))
+    np.testing.assert_array_equal(np.stack(got), np.stack(want))
+    assert c.pos == 14
+    np.testing.assert_array_equal(c.k[0].numpy(), a.k[0].numpy())
 
 
 def test_greedy_chain_closed_early_and_bad_arguments(model):
@@ -241,6 +248,8 @@ def test_greedy_chain_closed_early_and_bad_arguments(model):
     with pytest.raises(ShapeError, match="n must be an int"):
         list(step.greedy([4], 3, -1))
     assert list(step.greedy([4], 3, 0)) == []
+    with pytest.raises(ShapeError, match="chunk must be"):
+        list(step.greedy([4], 3, 2, chunk=0))
 
 
 def test_greedy_next_cpu_matches_numpy_argmax():

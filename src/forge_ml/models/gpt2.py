@@ -461,9 +461,9 @@ class DecodeStep:
         if graph is None:
             graph = os.environ.get("FORGE_CUDA_GRAPH", "1") != "0"
         self.graph = bool(graph) and hasattr(self._bk, "capture_graph")
-        self._captured = None    # the step (logits out)
-        self._gcaptured = None   # the step + the greedy choice (ids and position advanced)
-        self._calls = 0
+        self._graphs = {}      # "logits": the step; ("greedy", k): k steps + greedy choices
+        self._hist = {}        # k -> the (k, B) int32 device buffer of a k-step chain's tokens
+        self._warm = False     # some step ran op by op: every kernel is compiled and loaded
 
     def _logits(self):
         """The step's device work; returns the float32 logits array (B, Vp) (the bf16 ->
@@ -480,18 +480,17 @@ class DecodeStep:
                              f"{self.cache.capacity} rows")
         ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
         ops.assign(self._pos, np.array([pos], np.int32))
-        out = self._run("_captured", self._logits, warm=self._calls >= 1)
-        self._calls += 1
+        out = self._run("logits", self._logits)
         self.cache.pos = int(pos) + 1
         return self._bk.to_host(out)[:, :V].astype(np.float32, copy=False)
 
-    def _run(self, slot: str, work, warm: bool):
-        """``work()``'s device work: replayed from the CUDA graph kept in ``self.<slot>``, or
-        captured there first when graphs are on and ``warm`` (``work`` ran op by op before,
-        so every kernel it launches is compiled and loaded), else op by op. A capture that
-        fails turns graphs off for this step, with one warning, and the work runs op by op."""
-        g = getattr(self, slot)
-        if g is None and self.graph and warm:
+    def _run(self, key, work):
+        """``work()``'s device work: replayed from the CUDA graph kept under ``key``, or
+        captured there first when graphs are on and some step ran op by op before (so every
+        kernel ``work`` launches is compiled and loaded), else op by op. A capture that fails
+        turns graphs off for this step, with one warning, and the work runs op by op."""
+        g = self._graphs.get(key)
+        if g is None and self.graph and self._warm:
             try:
                 g = self._bk.capture_graph(work)
             except Exception as e:
@@ -499,33 +498,40 @@ class DecodeStep:
                               f"{e}); decoding goes on op by op", RuntimeWarning, stacklevel=3)
                 self.graph = False
             else:
-                setattr(self, slot, g)
+                self._graphs[key] = g
         if g is None:
-            return work()
+            out = work()
+            self._warm = True
+            return out
         g.replay()
         return g.outputs
 
     @property
     def captured(self) -> bool:
         """Whether the step now replays a CUDA graph."""
-        return self._captured is not None
+        return "logits" in self._graphs
 
-    def _greedy_work(self):
-        """One greedy step on the device: logits, then ``ids = argmax``, ``pos += 1`` (the
-        argmax ids are < vocab_size, so the range the embedding check cached stays true)."""
-        logits = self._logits()
-        self._bk.greedy_next(logits, self.model.config.vocab_size, self._ids.data,
-                             self._pos.data)
-        return self._ids.data
+    def _greedy_work(self, k: int):
+        """``k`` greedy steps on the device: each computes the logits, then ``ids = argmax``
+        (also written to row i of the chain's token buffer) and ``pos += 1`` (the argmax ids are
+        < vocab_size, so the range the embedding check cached stays true)."""
+        hist = self._hist[k]
+        for i in range(k):
+            logits = self._logits()
+            self._bk.greedy_next(logits, self.model.config.vocab_size, self._ids.data,
+                                 self._pos.data, out=hist[i])
+        return hist
 
-    def greedy(self, tokens, pos: int, n: int, lookahead: int = 4):
+    def greedy(self, tokens, pos: int, n: int, lookahead: int = 4, chunk: Optional[int] = None):
         """Yield ``n`` greedy steps with the host out of the loop: the first feeds ``tokens``
         at ``pos``, each next one feeds the previous step's choice at the next position; each
         yield is the (B,) int32 array of every row's argmax token (lowest id on ties, as
-        ``np.argmax``). The choice is made on the device and up to ``lookahead`` steps are
-        queued ahead (on cuda as replays of a CUDA graph of step + argmax), so the host reads
-        tokens while the GPU computes the next ones. Closing the generator early waits for the
-        queued steps; ``cache.pos`` then counts every row they wrote.
+        ``np.argmax``). The choice is made on the device, ``chunk`` steps at a time (on cuda
+        one replay of a CUDA graph of ``chunk`` x (step + argmax) and one copy of their tokens
+        back; default 8 with graphs, else 1), and at least ``lookahead`` steps are queued
+        ahead, so the host reads tokens while the GPU computes the next ones. Closing the
+        generator early waits for the queued steps; ``cache.pos`` then counts every row they
+        wrote.
 
         >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
         >>> model = GPT2.init(cfg)
@@ -540,39 +546,56 @@ class DecodeStep:
         if n and not 0 <= pos <= pos + n - 1 < self.cache.capacity:
             raise ShapeError(f"DecodeStep.greedy: positions {pos}..{pos + n - 1} do not fit the "
                              f"cache's {self.cache.capacity} rows")
+        if chunk is None:
+            chunk = 8 if self.graph else 1
+        if not (isinstance(chunk, (int, np.integer)) and chunk >= 1):
+            raise ShapeError(f"DecodeStep.greedy: chunk must be an int >= 1, got {chunk!r}")
         if n == 0:
             return
         tokens = self._checked_tokens(tokens)
         ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
         ops.assign(self._pos, np.array([pos], np.int32))
-        ahead = max(1, min(int(lookahead), n))
-        ring = self._bk.pinned_empty((ahead, B), np.int32)
-        pending = []
-        launched = 0
+        # whole chunks, then single steps: every launch writes only rows pos..pos+n-1
+        sizes = [int(chunk)] * (n // chunk) + [1] * (n % chunk)
+        dev = self._ids.device
+        for k in set(sizes):
+            if k not in self._hist:
+                self._hist[k] = zeros((k, B), "int32", dev).data
+        ahead = max(2, -(-int(lookahead) // int(chunk)))
+        rings = {k: self._bk.pinned_empty((ahead, k, B), np.int32) for k in set(sizes)}
+        pending = []    # (handle, host array) per launch in flight
+        launched = 0    # launches queued
+        done = 0        # steps of the queued launches
 
         def launch():
-            nonlocal launched
-            out = self._run("_gcaptured", self._greedy_work, warm=launched >= 1)
-            pending.append(self._bk.to_host_async(out, ring[launched % ahead]))
+            nonlocal launched, done
+            k = sizes[launched]
+            out = self._run(("greedy", k), lambda: self._greedy_work(k))
+            host = rings[k][launched % ahead]
+            pending.append((self._bk.to_host_async(out, host), host))
             launched += 1
+            done += k
 
         try:
-            while launched < ahead:
+            while launched < min(ahead, len(sizes)):
                 launch()
-            for i in range(n):
-                handle = pending.pop(0)
+            yielded = 0
+            while pending:
+                handle, host = pending.pop(0)
                 if handle is not None:
                     handle.synchronize()
-                toks = ring[i % ahead].copy()
-                self.cache.pos = pos + i + 1
-                if launched < n:
+                toks = host.copy()
+                if launched < len(sizes):
                     launch()
-                yield toks
+                for row in toks:
+                    yielded += 1
+                    self.cache.pos = pos + yielded
+                    yield row
         finally:
-            for handle in pending:
+            for handle, _ in pending:
                 if handle is not None:
                     handle.synchronize()
-            self.cache.pos = pos + launched
+            self.cache.pos = pos + done
 
     def _checked_tokens(self, tokens) -> np.ndarray:
         B = self._ids.shape[0]

@@ -12,10 +12,11 @@ FORGE_D bool argmax_better(float v, int i, float best, int bi) {
 }
 
 // greedy_next: block b owns row b; thread t scans columns t, t + blockDim.x, ...; the warps'
-// winners meet in shared memory. Block 0 advances the position once the row is chosen (every
+// winners meet in shared memory; the choice goes to ids (the next step's input) and out (a
+// chain's record of its tokens; may be ids). Block 0 advances the position once the row is chosen (every
 // kernel of the step that reads it ran before this one).
 extern "C" __global__ void greedy_next_f32(const float* logits, int V, int Vp, int* ids,
-                                           int* pos) {
+                                           int* out, int* pos) {
     __shared__ float sv[32];
     __shared__ int si[32];
     const float* r = logits + (long long)blockIdx.x * Vp;
@@ -50,6 +51,7 @@ extern "C" __global__ void greedy_next_f32(const float* logits, int V, int Vp, i
                 bi = si[w];
             }
         ids[blockIdx.x] = bi;
+        out[blockIdx.x] = bi;  // out may be ids
         if (blockIdx.x == 0) *pos += 1;
     }
 }
