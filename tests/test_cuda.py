@@ -326,6 +326,21 @@ def test_linear_fused_epilogue(be, rs, dtype, act, res, ln, rows):
     assert np.array_equal(host(be, again), host(be, got))   # same bits every run
 
 
+@cuda
+def test_gemv_waits_for_a_weight_the_previous_kernel_wrote(be, rs):
+    """Programmatic dependent launch: a gemv loads its first rows of W before the previous
+    kernel has finished, unless that kernel wrote W. Here each product's W is the previous
+    product's output, and the stale bits in its buffer (the last round's) differ."""
+    x, w0, z = values(rs, (4, C), "float32"), values(rs, (C, 256), "float32", 0.05), values(rs, (2, 4), "float32")
+    dw0, dz = dev(be, w0, "float32"), dev(be, z, "float32")
+    for i in range(1, 30):
+        y1 = be.matmul(dev(be, x * i, "float32"), dw0)     # (4, 256), gemv
+        assert be._pdl_wrote(y1)
+        y2 = be.matmul(dz, y1)                                # (2, 256), W = y1: gemv, waits
+        check(f"gemv after gemv, round {i}", host(be, y2), z @ ((x * i) @ w0), TOL_MM["float32"])
+        check(f"first gemv, round {i}", host(be, y1), (x * i) @ w0, TOL_MM["float32"])
+
+
 # ----------------------------------------------------------------------------------------------
 # Elementwise and reductions
 # ----------------------------------------------------------------------------------------------
@@ -570,7 +585,7 @@ def test_kv_append(be, rs, dtype):
 
 @cuda
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("pos", [0, 700, T - 1])
+@pytest.mark.parametrize("pos", [0, 5, 700, T - 1])
 def test_decode_attention(be, rs, dtype, pos):
     import cupy
     B = 2
@@ -588,6 +603,28 @@ def test_decode_attention(be, rs, dtype, pos):
     if dtype != "bfloat16":
         cpu_y = _cpu("decode_attention")(*cpu_args64([qkv, k0, v0], dtype), pos, H, scale)
         check("decode_attention vs CPU backend", host(be, y), cpu_y, TOL[dtype])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("Tmax,pos", [(300, 0), (300, 131), (300, 299), (129, 128)])
+def test_decode_attention_keys_split_among_blocks(be, rs, dtype, Tmax, pos):
+    """Caches longer than 128 rows split their keys among several blocks per head (a
+    cluster on Hopper), blocks without keys included; a head size of 20 (40-byte bf16 rows:
+    no 16-byte loads) and 3 heads."""
+    import cupy
+    B, Hn, hs = 2, 3, 20
+    k0, v0 = values(rs, (B, Hn, Tmax, hs), dtype), values(rs, (B, Hn, Tmax, hs), dtype)
+    qkv = values(rs, (B, 3 * Hn * hs), dtype)
+    want_y, want_k, _ = reference.decode_attention(qkv, k0, v0, pos, Hn, 0.3)
+    kc, vc = dev(be, k0, dtype), dev(be, v0, dtype)
+    y = be.decode_attention(dev(be, qkv, dtype), kc, vc, cupy.asarray(np.array([pos], np.int32)),
+                            Hn, 0.3)
+    check(f"decode_attention Tmax={Tmax} pos={pos}", host(be, y), want_y, TOL[dtype])
+    check("decode_attention k_cache", host(be, kc), want_k, 0.0)
+    again = be.decode_attention(dev(be, qkv, dtype), kc, vc, cupy.asarray(np.array([pos], np.int32)),
+                                Hn, 0.3)
+    assert np.array_equal(host(be, again), host(be, y))    # same bits every run
 
 
 @cuda

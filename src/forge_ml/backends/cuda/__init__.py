@@ -209,10 +209,144 @@ def _function(stem: str, name: str):
     return fn
 
 
-def _launch(stem: str, name: str, grid, block, args, shared: int = 0) -> None:
+def _launch(stem: str, name: str, grid, block, args, shared: int = 0, pdl: bool = False,
+            writes=(), cluster=None) -> None:
+    """Launch kernel ``name`` of kernels/<stem>.cu on the current stream. ``pdl``: the kernel
+    calls ``pdl_wait()`` (common.cuh) before it reads anything the previous kernel writes, so
+    on Hopper it may be launched with programmatic dependent launch (``_PdlLauncher``);
+    ``writes``: the arrays it writes (``_pdl_wrote`` asks about them). ``cluster``: blocks per
+    thread-block cluster (x, y, z), Hopper only (the caller checks ``_launcher_ex()``)."""
     grid = grid if isinstance(grid, tuple) else (int(grid),)
     block = block if isinstance(block, tuple) else (int(block),)
-    _function(stem, name)(grid, block, args, shared_mem=shared)
+    fn = _function(stem, name)
+    # a kernel launched without pdl never lets the next one start early
+    _pdl_writes[:] = [(a.data.ptr, a.data.ptr + a.nbytes) for a in writes] if pdl else []
+    pdl = pdl and _pdl_on()
+    if pdl or cluster is not None:
+        _pdl_launcher().launch(fn.kernel.ptr, grid, block, args, shared,
+                               cupy.cuda.get_current_stream().ptr, pdl, cluster)
+    else:
+        fn(grid, block, args, shared_mem=shared)
+
+
+class _PdlLauncher:
+    """``cuLaunchKernelEx`` (libcuda, through ctypes) with the programmatic-stream-serialization
+    attribute: the kernel may start while the previous kernel on the stream still runs, once
+    every block of that one has called ``pdl_launch_dependents()`` (or ended). Its blocks load
+    what does not depend on the previous kernel (the weights of a decoding step), then
+    ``pdl_wait()`` until the previous kernel has finished and its writes are visible. Inside a
+    CUDA graph capture this becomes a programmatic edge. CuPy's launcher has no launch
+    attributes, hence ctypes."""
+
+    _ATTR_CLUSTER_DIMENSION = 4                  # CU_LAUNCH_ATTRIBUTE_..., cuda.h
+    _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+    def __init__(self, lib):
+        import ctypes as C
+
+        class Attribute(C.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte value union
+            _fields_ = [("id", C.c_int), ("pad", C.c_char * 4), ("value", C.c_int * 16)]
+
+        class Config(C.Structure):  # CUlaunchConfig
+            _fields_ = [("grid", C.c_uint * 3), ("block", C.c_uint * 3), ("shared", C.c_uint),
+                        ("stream", C.c_void_p), ("attrs", C.POINTER(Attribute)),
+                        ("num_attrs", C.c_uint)]
+
+        self._C, self._Config, self._Attribute = C, Config, Attribute
+        self._fn = lib.cuLaunchKernelEx
+        self._fn.argtypes = [C.POINTER(Config), C.c_void_p, C.c_void_p, C.c_void_p]
+        self._fn.restype = C.c_int
+        self._err = lib.cuGetErrorString
+        self._err.argtypes = [C.c_int, C.POINTER(C.c_char_p)]
+        self._types = {np.dtype(np.int32): C.c_int32, np.dtype(np.int64): C.c_int64,
+                       np.dtype(np.uint32): C.c_uint32, np.dtype(np.float32): C.c_float,
+                       np.dtype(np.float64): C.c_double}
+
+    def _arg(self, a):
+        if isinstance(a, cupy.ndarray):
+            return self._C.c_void_p(a.data.ptr)
+        t = self._types.get(getattr(a, "dtype", None))
+        if t is None:
+            raise DTypeError(f"pdl launch: kernel argument of type {type(a).__name__} "
+                             "(expected a CuPy array or a NumPy int32/int64/uint32/float scalar)")
+        return t(a.item())
+
+    def launch(self, func: int, grid, block, args, shared: int, stream: int, pdl: bool = True,
+               cluster=None) -> None:
+        """Launch CUfunction ``func``; ``pdl``: with programmatic dependent launch;
+        ``cluster``: (x, y, z) blocks per thread-block cluster, or None."""
+        C = self._C
+        cfg = self._Config()
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        b = tuple(block) + (1,) * (3 - len(block))
+        cfg.grid[:] = [int(v) for v in g]
+        cfg.block[:] = [int(v) for v in b]
+        cfg.shared, cfg.stream = int(shared), stream or None
+        attrs = (self._Attribute * 2)()
+        n = 0
+        if pdl:
+            attrs[n].id = self._ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+            attrs[n].value[0] = 1
+            n += 1
+        if cluster is not None:
+            attrs[n].id = self._ATTR_CLUSTER_DIMENSION
+            attrs[n].value[:3] = [int(v) for v in cluster]
+            n += 1
+        cfg.attrs, cfg.num_attrs = C.cast(attrs, C.POINTER(self._Attribute)), n
+        vals = [self._arg(a) for a in args]
+        params = (C.c_void_p * max(1, len(vals)))(*[C.cast(C.pointer(v), C.c_void_p) for v in vals])
+        rc = self._fn(C.byref(cfg), C.c_void_p(func), params, None)
+        if rc != 0:
+            msg = C.c_char_p()
+            self._err(rc, C.byref(msg))
+            raise DeviceError(f"cuLaunchKernelEx failed: error {rc} "
+                              f"({(msg.value or b'?').decode()})")
+
+    @staticmethod
+    def load():
+        import ctypes
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            return _PdlLauncher(lib)
+        except (OSError, AttributeError):
+            return None
+
+
+_pdl: list = []  # [the _PdlLauncher or None], filled on first use
+_pdl_writes: list = []  # (start, end) of what the last kernel launched with pdl=True writes
+
+
+def _pdl_wrote(a) -> bool:
+    """Whether ``a``'s memory meets what the last kernel launched with ``pdl=True`` writes:
+    that kernel may still run when the next one starts, so the next one must not load ``a``
+    before the previous one has ended. (A launch from outside ``_launch`` in between, a
+    cuBLAS or CuPy kernel, would make the early load safe again; this answer is the cautious
+    one.)"""
+    lo, hi = a.data.ptr, a.data.ptr + a.nbytes
+    return any(lo < e and s < hi for s, e in _pdl_writes)
+
+
+def _pdl_launcher() -> "_PdlLauncher":
+    if not _pdl:
+        _pdl.append(_PdlLauncher.load())
+    return _pdl[0]
+
+
+def _launcher_ex() -> bool:
+    """Launch attributes (clusters, programmatic dependent launch): a GPU of compute
+    capability 9.0 or later (Hopper) and libcuda's cuLaunchKernelEx found."""
+    return _cc_major(_dev()) >= 9 and _pdl_launcher() is not None
+
+
+def _pdl_on() -> bool:
+    """Programmatic dependent launch: ``_launcher_ex()`` and FORGE_PDL not 0."""
+    import os
+    return os.environ.get("FORGE_PDL", "1") != "0" and _launcher_ex()
+
+
+@functools.lru_cache(maxsize=None)
+def _cc_major(dev: int) -> int:
+    return int(cupy.cuda.runtime.getDeviceProperties(dev)["major"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -517,52 +651,49 @@ _GEMV_THREADS = 256  # GEMV_WARPS * 32
 _GEMV_VEC = {F32: 4}
 if BF16 is not None:
     _GEMV_VEC[BF16] = 8
+_GEMV_KC = 1024        # kernels/gemv.cu: GEMV_KC, rows of a block's K slice at most
+_GEMV_CLUSTER = 8      # blocks of a cluster at most (K slices of one column tile)
+_GEMV_LPR = {F32: (32, 16, 8, 4, 2, 1), BF16: (16, 8, 4, 2, 1)}  # lanes per row compiled
+_GEMV_TILES = 16       # column tiles wanted at least (with 8 slices: about one block per SM)
 
 
 def _gemv_ok(a, b, M, K, N) -> bool:
     """Whether x (M, K) @ W (K, N) goes to kernels/gemv.cu: a few rows (decoding), float32 or
-    bf16, N a multiple of the 16-byte vector and W 16-byte aligned (FORGE_GEMV=0 turns it off)."""
+    bf16, N a multiple of the 16-byte vector, W 16-byte aligned, K within the kernel's
+    slices, on a Hopper GPU (thread-block clusters) (FORGE_GEMV=0 turns it off)."""
     import os
     vec = _GEMV_VEC.get(a.dtype)
-    return (vec is not None and 0 < M <= _GEMV_M and K > 0 and N % vec == 0
-            and b.data.ptr % 16 == 0 and os.environ.get("FORGE_GEMV", "1") != "0")
+    return (vec is not None and 0 < M <= _GEMV_M and 0 < K <= _GEMV_CLUSTER * _GEMV_KC
+            and N % vec == 0 and b.data.ptr % 16 == 0
+            and os.environ.get("FORGE_GEMV", "1") != "0" and _launcher_ex())
 
 
-_GEMV_COUNTERS = 4096  # column tiles of one gemv launch at most
-_gemv_counters: dict = {}
-
-
-def _gemv_tile_counters():
-    """kernels/gemv.cu's per-tile counters on the current device: allocated and zeroed once,
-    outside any capture (each launch leaves them at zero again)."""
-    dev = _dev()
-    c = _gemv_counters.get(dev)
-    if c is None:
-        if cupy.cuda.get_current_stream().is_capturing():
-            raise DeviceError("gemv: run a small matmul once before capturing a CUDA graph "
-                              "(its tile counters are allocated on first use)")
-        with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
-            c = cupy.zeros(_GEMV_COUNTERS, dtype=np.uint32)
-        _gemv_counters[dev] = c
-    return c
+def _gemv_shape(dt, K, N):
+    """(lanes per row, column tiles, K slices = cluster size, rows per slice) of a gemv: the
+    widest tile (up to 128 columns) that still gives _GEMV_TILES tiles, and 8 slices of at
+    least 64 rows where K allows."""
+    vec = _GEMV_VEC[dt]
+    lprs = _GEMV_LPR[BF16 if dt == BF16 else F32]
+    lpr = next((p for p in lprs if -(-N // (p * vec)) >= _GEMV_TILES), lprs[-1])
+    tiles = -(-N // (lpr * vec))
+    slices = max(1, min(_GEMV_CLUSTER, -(-K // 64)))
+    kchunk = -(-K // slices)
+    return lpr, tiles, slices, kchunk
 
 
 def _gemv(a, b, bias, alpha, M, K, N, act=0, residual=None, ln=None):
-    vec = _GEMV_VEC[a.dtype]
-    tiles = -(-N // (32 * vec))
-    if tiles > _GEMV_COUNTERS:
-        raise ShapeError(f"gemv: {N} columns need {tiles} tiles, over {_GEMV_COUNTERS}")
-    slices = max(1, min(-(-2 * _sm_count(_dev()) // tiles), -(-K // 8)))
-    kchunk = -(-K // slices)
-    slices = -(-K // kchunk)
-    part = _empty((slices, M, N), F32)
+    lpr, tiles, slices, kchunk = _gemv_shape(a.dtype, K, N)
+    # W written by the kernel before: a plain launch (on the H200 a programmatic launch read
+    # such a W stale through the read-only cache, even with its pdl_wait() before the loads)
+    early = not _pdl_wrote(b)
     out = _empty((M, N), a.dtype)
     gamma, beta, eps = (out, out, 0.0) if ln is None else ln
-    _launch("gemv", f"gemv_{_float_sfx(a)}", (tiles, slices), _GEMV_THREADS,
-            (a, b, part, _gemv_tile_counters(), gamma, beta, _i32(ln is not None),
-             np.float32(eps), out if bias is None else bias, _i32(bias is not None),
+    _launch("gemv", f"gemv_{_float_sfx(a)}_{lpr}", (tiles, slices), _GEMV_THREADS,
+            (a, b, gamma, beta, _i32(ln is not None), np.float32(eps),
+             out if bias is None else bias, _i32(bias is not None),
              out if residual is None else residual, _i32(residual is not None), _i32(act), out,
-             _i32(M), _i32(K), _i32(N), _i32(kchunk), np.float32(alpha)))
+             _i32(M), _i32(K), _i32(N), _i32(kchunk), np.float32(alpha),
+             _i32(early)), pdl=early, writes=(out,), cluster=(1, slices, 1))
     return out
 
 
@@ -1170,12 +1301,14 @@ def kv_append(cache, new, pos):
 
 
 _DECODE_THREADS = 256
+_DECODE_SPLIT = 8  # blocks per head at most (a thread-block cluster: 8 is the portable size)
 
 
 @_guarded
 def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
     """One decoding step: write the new keys and values at row ``pos`` of the caches and
-    return ``y (B, C)``; one block per (head, row) (kernels/attention.cu)."""
+    return ``y (B, C)``; per (head, row) one block, or on Hopper a cluster of up to 8 blocks
+    splitting the keys of a long cache (kernels/attention.cu)."""
     qkv = _like(_c(qkv), k_cache.dtype)
     if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
         raise ShapeError("decode_attention: the caches must be C-contiguous (written in place)")
@@ -1187,7 +1320,9 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
         raise ShapeError(f"decode_attention: head size {hs} is over the kernel's "
                          f"{_DECODE_THREADS}")
     acc = _acc_dtype(qkv.dtype)
-    shared = (hs + Tmax + _DECODE_THREADS * (16 // qkv.dtype.itemsize)) * acc.itemsize
+    # a cache of more than 128 rows: its keys split among a cluster of up to 8 blocks per head
+    P = max(1, min(_DECODE_SPLIT, -(-Tmax // 128))) if _launcher_ex() else 1
+    shared = (2 * hs + -(-Tmax // P) + _DECODE_THREADS * (16 // qkv.dtype.itemsize)) * acc.itemsize
     if shared > 48 * 1024:
         raise ShapeError(f"decode_attention: a cache of {Tmax} rows needs {shared} bytes of "
                          "shared memory, over the 48 KiB a block may take")
@@ -1197,9 +1332,10 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
         pos = cupy.asarray(np.array([int(pos)], np.int32))
     y = _empty((B, H * hs), qkv.dtype)
     if y.size:
-        _launch("attention", f"decode_attention_{_float_sfx(qkv)}", (H, B), _DECODE_THREADS,
+        _launch("attention", f"decode_attention_{_float_sfx(qkv)}", (H * P, B), _DECODE_THREADS,
                 (qkv, k_cache, v_cache, pos, y, _i32(H), _i32(Tmax), _i32(hs),
-                 _acc(qkv.dtype, scale)), shared=shared)
+                 _acc(qkv.dtype, scale), _i32(P)), shared=shared, pdl=True,
+                writes=(y, k_cache, v_cache), cluster=(P, 1, 1) if P > 1 else None)
     return y
 
 

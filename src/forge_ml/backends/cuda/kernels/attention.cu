@@ -51,34 +51,47 @@ FORGE_KV_APPEND(unsigned short, b16)
 FORGE_KV_APPEND(unsigned int, b32)
 FORGE_KV_APPEND(unsigned long long, b64)
 
-// decode_attention: one decoding step, one new token per row. Block (h, b) owns head h of row
-// b: it writes the token's key and value (from the fused qkv row, GPT-2's c_attn output
-// (B, 3C)) into the caches (B, H, Tmax, hs) at row pos, then computes, in float32 (double
-// for double),
-//   y[b, h*hs + d] = sum_{j <= pos} softmax_j(scale * q . k_j) v_j[d]
-// Scores go to shared memory (Tmax of them): thread t owns keys t, t + blockDim.x, ... and
-// reads each key row whole in 16-byte loads (q is broadcast from shared memory), so a step at
-// position p has p independent row reads in flight, not a chain of warp reductions. After the
-// block's max and sum, the R = hs / V threads of a key group read one value row in 16-byte
-// loads (V channels each); groups take keys g, g + G, ..., and their partial sums are added
-// in group order. Heads whose rows are not 16-byte multiples (or unaligned caches) go one
-// element at a time.
+// decode_attention: one decoding step, one new token per row. The keys 0..pos of head h of
+// row b are split among P blocks (grid (H * P, B); on Hopper a cluster of P blocks, P > 1 for
+// long caches), block p taking keys [p * ch, (p + 1) * ch), ch = ceil((pos + 1) / P). Every
+// block writes the token's key and value (from the fused qkv row, GPT-2's c_attn output
+// (B, 3C)) into the caches (B, H, Tmax, hs) at row pos (the same values; each block reads back
+// only its own writes), then computes, in float32 (double for double), over its keys
+//   m_p = max_j s_j,  l_p = sum_j exp(s_j - m_p),  o_p[d] = sum_j exp(s_j - m_p) v_j[d],
+// with s_j = scale * q . k_j. Thread t owns keys t, t + blockDim.x, ... of the block's range
+// and reads each key row whole in 16-byte loads (q is broadcast from shared memory). The
+// R = hs / V threads of a key group read one value row in 16-byte loads (V channels each);
+// groups take keys g, g + G, ..., and their partial sums are added in group order. Heads whose
+// rows are not 16-byte multiples (or unaligned caches) go one element at a time. Then the
+// blocks of the cluster meet (distributed shared memory): block p writes channels
+// [p * hs / P, (p + 1) * hs / P) of
+//   y[b, h*hs + d] = sum_p exp(m_p - M) o_p[d] / sum_p exp(m_p - M) l_p,  M = max_p m_p,
+// adding the blocks' terms in block order (the same bits on every run).
+// Launched with programmatic dependent launch where the GPU has it: the next kernel (a gemv)
+// loads its weights while this one runs.
 // pos is read from device memory, so a CUDA graph captured once replays at every position;
 // a pos outside 0..Tmax-1 writes nothing and makes the head's outputs NaN.
 template <typename T>
 __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos_p, T* y,
-                                      int H, int Tmax, int hs, typename Acc<T>::type scale) {
+                                      int H, int Tmax, int hs, typename Acc<T>::type scale,
+                                      int P) {
     typedef typename Acc<T>::type A;
     extern __shared__ unsigned char smem_raw[];
+    const int ch_max = (Tmax + P - 1) / P;
     A* q = reinterpret_cast<A*>(smem_raw);  // hs
-    A* s = q + hs;                           // Tmax scores, then probabilities
-    A* part = s + Tmax;                      // blockDim.x * Vec16<T>::N partial outputs
+    A* o = q + hs;                           // hs: this block's o_p
+    A* s = o + hs;                           // ch_max scores, then exp(s - m_p)
+    A* part = s + ch_max;                    // blockDim.x * Vec16<T>::N partial outputs
     __shared__ A red[32];
-    const int h = blockIdx.x, b = blockIdx.y, C = H * hs, t = threadIdx.x;
+    __shared__ A ml[2];                      // m_p, l_p
+    const int h = blockIdx.x / P, p = blockIdx.x % P, b = blockIdx.y, C = H * hs, t = threadIdx.x;
+    pdl_wait();  // everything below comes from earlier kernels (common.cuh)
+    pdl_launch_dependents();
     const int pos = *pos_p;
     T* yr = y + (long long)b * C + (long long)h * hs;
-    if (pos < 0 || pos >= Tmax) {
-        for (int d = t; d < hs; d += blockDim.x) yr[d] = To<T>::from(quiet_nan<A>());
+    if (pos < 0 || pos >= Tmax) {  // the same for every block of the cluster: all leave
+        if (p == 0)
+            for (int d = t; d < hs; d += blockDim.x) yr[d] = To<T>::from(quiet_nan<A>());
         return;
     }
     const T* row = qkv + (long long)b * 3 * C + (long long)h * hs;
@@ -90,15 +103,18 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
     }
     __syncthreads();  // the new key row is read back below (global writes, same block)
     const int lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5, n = pos + 1;
+    const int ch = (n + P - 1) / P, j0 = p * ch, cnt = max(0, min(n, j0 + ch) - j0);
     constexpr int V = Vec16<T>::N;
     const bool vec = hs % V == 0 && hs / V <= (int)blockDim.x &&
                      (((unsigned long long)kc | (unsigned long long)vc) & 15ull) == 0;
-    for (int j = t; j < n; j += blockDim.x) {
-        const T* kr = kc + base + (long long)j * hs;
+    const T* kb = kc + base + (long long)j0 * hs;
+    const T* vb = vc + base + (long long)j0 * hs;
+    for (int j = t; j < cnt; j += blockDim.x) {
+        const T* kr = kb + (long long)j * hs;
         A acc = A(0);
         if (vec) {
-#pragma unroll 4
-            for (int d0 = 0; d0 < hs; d0 += V) {
+#pragma unroll 16
+            for (int d0 = 0; d0 < hs; d0 += V) {  // all of a head-64 row's loads in flight
                 A w[V];
                 Vec16<T>::load(kr + d0, w);
 #pragma unroll
@@ -111,14 +127,14 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
     }
     __syncthreads();
     A m = neg_inf<A>();
-    for (int j = t; j < n; j += blockDim.x) m = fm_max(m, s[j]);
+    for (int j = t; j < cnt; j += blockDim.x) m = fm_max(m, s[j]);
     m = warp_max(m);
     if (lane == 0) red[warp] = m;
     __syncthreads();
     m = red[0];
     for (int w = 1; w < nw; ++w) m = fm_max(m, red[w]);
     A l = A(0);
-    for (int j = t; j < n; j += blockDim.x) {
+    for (int j = t; j < cnt; j += blockDim.x) {
         const A e = fm_exp(s[j] - m);
         s[j] = e;
         l += e;
@@ -133,13 +149,13 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
             A acc[V];
 #pragma unroll
             for (int i = 0; i < V; ++i) acc[i] = A(0);
-#pragma unroll 4
-            for (int j = g; j < n; j += G) {
+#pragma unroll 8
+            for (int j = g; j < cnt; j += G) {
                 A w[V];
-                Vec16<T>::load(vc + base + (long long)j * hs + r * V, w);
-                const A p = s[j];
+                Vec16<T>::load(vb + (long long)j * hs + r * V, w);
+                const A pj = s[j];
 #pragma unroll
-                for (int i = 0; i < V; ++i) acc[i] += p * w[i];
+                for (int i = 0; i < V; ++i) acc[i] += pj * w[i];
             }
 #pragma unroll
             for (int i = 0; i < V; ++i) part[g * hs + r * V + i] = acc[i];
@@ -149,23 +165,47 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
         const int d = t % hs, g = t / hs;
         if (g < G) {
             A acc = A(0);
-            for (int j = g; j < n; j += G) acc += s[j] * ldf(vc[base + (long long)j * hs + d]);
+            for (int j = g; j < cnt; j += G) acc += s[j] * ldf(vb[(long long)j * hs + d]);
             part[g * hs + d] = acc;
         }
     }
     __syncthreads();
     for (int d = t; d < hs; d += blockDim.x) {
-        A o = A(0);
-        for (int k = 0; k < G; ++k) o += part[k * hs + d];
-        yr[d] = To<T>::from(o / l);
+        A a = A(0);
+        for (int k = 0; k < G; ++k) a += part[k * hs + d];
+        o[d] = a;
     }
+    if (P == 1) {
+        __syncthreads();
+        for (int d = t; d < hs; d += blockDim.x) yr[d] = To<T>::from(o[d] / l);
+        return;
+    }
+    if (t == 0) {
+        ml[0] = m;
+        ml[1] = l;
+    }
+    cluster_sync();
+    A M = neg_inf<A>();
+    for (int r = 0; r < P; ++r) M = fm_max(M, ld_cluster(&ml[0], (unsigned)r));
+    const int share = (hs + P - 1) / P, d0 = p * share, d1 = min(hs, d0 + share);
+    for (int d = d0 + t; d < d1; d += blockDim.x) {
+        A num = A(0), den = A(0);
+        for (int r = 0; r < P; ++r) {
+            const A mr = ld_cluster(&ml[0], (unsigned)r);
+            const A f = mr == neg_inf<A>() ? A(0) : fm_exp(mr - M);  // a block with no keys
+            num += f * ld_cluster(&o[d], (unsigned)r);
+            den += f * ld_cluster(&ml[1], (unsigned)r);
+        }
+        yr[d] = To<T>::from(num / den);
+    }
+    cluster_sync();  // no block leaves while another may still read its shared memory
 }
 
 #define FORGE_DECODE_ATTENTION(T, S, A)                                                       \
     extern "C" __global__ void decode_attention_##S(const T* qkv, T* kc, T* vc,              \
                                                     const int* pos, T* y, int H, int Tmax,    \
-                                                    int hs, A scale) {                        \
-        decode_attention_impl<T>(qkv, kc, vc, pos, y, H, Tmax, hs, scale);                    \
+                                                    int hs, A scale, int P) {                 \
+        decode_attention_impl<T>(qkv, kc, vc, pos, y, H, Tmax, hs, scale, P);                 \
     }
 FORGE_DECODE_ATTENTION(float, f32, float)
 FORGE_DECODE_ATTENTION(double, f64, double)

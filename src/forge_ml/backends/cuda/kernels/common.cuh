@@ -219,10 +219,21 @@ FORGE_D bool aligned4(const void* p, int elem_bytes) {
 }
 
 // Vec16<T>: one 16-byte load of Vec16<T>::N consecutive elements (4 float32, 2 float64, 8
-// bf16), widened to the accumulation type; the pointer must be 16-byte aligned.
+// bf16), widened to the accumulation type; the pointer must be 16-byte aligned. raw() is the
+// load alone and widen() the conversion, for a kernel that loads early and computes later.
+// raw() reads through L2 only (ld.global.cg): a kernel launched with programmatic dependent
+// launch may start before the previous kernel ends, and on the H200 loads through the
+// read-only (texture) path then returned stale data even after pdl_wait().
 template <typename T> struct Vec16;
 template <> struct Vec16<float> {
     enum { N = 4 };
+    static FORGE_D uint4 raw(const float* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+    static FORGE_D void widen(uint4 v, float (&w)[4]) {
+        w[0] = bits_f32(v.x);
+        w[1] = bits_f32(v.y);
+        w[2] = bits_f32(v.z);
+        w[3] = bits_f32(v.w);
+    }
     static FORGE_D void load(const float* p, float (&w)[4]) {
         const float4 v = *reinterpret_cast<const float4*>(p);
         w[0] = v.x;
@@ -241,8 +252,8 @@ template <> struct Vec16<double> {
 };
 template <> struct Vec16<bf16> {
     enum { N = 8 };
-    static FORGE_D void load(const bf16* p, float (&w)[8]) {
-        const uint4 v = *reinterpret_cast<const uint4*>(p);
+    static FORGE_D uint4 raw(const bf16* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+    static FORGE_D void widen(uint4 v, float (&w)[8]) {
         const unsigned u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -250,7 +261,60 @@ template <> struct Vec16<bf16> {
             w[2 * i + 1] = bits_f32(u[i] & 0xffff0000u);
         }
     }
+    static FORGE_D void load(const bf16* p, float (&w)[8]) {
+        widen(*reinterpret_cast<const uint4*>(p), w);
+    }
 };
+
+// Programmatic dependent launch (Hopper and later). A kernel launched with it (the backend's
+// _launch(..., pdl=True)) may start while the previous kernel on the stream still runs: it must
+// call pdl_wait() before it reads or writes anything that kernel (or an earlier one) may touch;
+// what comes before may read only what no kernel of the stream writes (a model's weights).
+// pdl_launch_dependents() lets the next kernel's blocks start; called after pdl_wait(), at most
+// two kernels overlap. Both are no-ops for a plain launch and before sm_90.
+FORGE_D void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+FORGE_D void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Thread-block clusters (sm_90): cluster_sync() is a barrier of every thread of every block of
+// the cluster (shared-memory writes before it are seen by the cluster's blocks after it);
+// ld_cluster(p, r) reads the value at the shared-memory address of p in block r of the
+// cluster (distributed shared memory). Only for kernels launched as clusters, on sm_90+.
+FORGE_D void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+                 ::: "memory");
+#endif
+}
+FORGE_D unsigned cluster_addr(const void* p, unsigned rank) {
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+#endif
+    return r;
+}
+FORGE_D float ld_cluster(const float* p, unsigned rank) {
+    float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(p, rank)) : "memory");
+#endif
+    return v;
+}
+FORGE_D double ld_cluster(const double* p, unsigned rank) {
+    double v = 0.0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(cluster_addr(p, rank)) : "memory");
+#endif
+    return v;
+}
 
 // Max over the 32 lanes of a warp; every lane gets it.
 template <typename A> FORGE_D A warp_max(A v) {
