@@ -1,8 +1,11 @@
 """The CUDA backend: CuPy arrays, forge-ml's own kernels (``kernels/*.cu``, compiled by NVRTC on
 first use and cached by CuPy, in memory and on disk), and cuBLAS for the matrix products (called
-through ctypes, so that they can be captured in a CUDA graph; products of at most four rows go
-to ``kernels/gemv.cu`` instead, the layers of a decoding step). ``capture_graph`` records the
-device work of a function once for replays (``models.gpt2.DecodeStep`` uses it).
+through ctypes, so that they can be captured in a CUDA graph; on Hopper, products of at most
+four rows go to ``kernels/gemv.cu`` instead, the layers of a decoding step). ``capture_graph``
+records the device work of a function once for replays (``models.gpt2.DecodeStep`` uses it).
+On Hopper the decoding kernels (gemv, decode attention) run as thread-block clusters and with
+programmatic dependent launch (``_PdlLauncher``: ``cuLaunchKernelEx`` through ctypes), so each
+starts loading its weights while the previous kernel finishes.
 
 Dtypes: float32, float64 and bfloat16 (stored as 2-byte words, ``ml_dtypes.bfloat16`` on the
 CuPy side; every kernel accumulates bf16 in float32). Each kernel file holds one layer's
