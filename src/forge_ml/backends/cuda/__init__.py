@@ -4,7 +4,7 @@ through ctypes, so that they can be captured in a CUDA graph; on Hopper, product
 four rows go to ``kernels/gemv.cu`` instead, the layers of a decoding step). ``capture_graph``
 records the device work of a function once for replays (``models.gpt2.DecodeStep`` uses it).
 On Hopper the decoding kernels (gemv, decode attention) run as thread-block clusters and with
-programmatic dependent launch (``_PdlLauncher``: ``cuLaunchKernelEx`` through ctypes), so each
+programmatic dependent launch (``_LauncherEx``: ``cuLaunchKernelEx`` through ctypes), so each
 starts loading its weights while the previous kernel finishes.
 
 Dtypes: float32, float64 and bfloat16 (stored as 2-byte words, ``ml_dtypes.bfloat16`` on the
@@ -216,7 +216,7 @@ def _launch(stem: str, name: str, grid, block, args, shared: int = 0, pdl: bool 
             writes=(), cluster=None) -> None:
     """Launch kernel ``name`` of kernels/<stem>.cu on the current stream. ``pdl``: the kernel
     calls ``pdl_wait()`` (common.cuh) before it reads anything the previous kernel writes, so
-    on Hopper it may be launched with programmatic dependent launch (``_PdlLauncher``);
+    on Hopper it may be launched with programmatic dependent launch (``_LauncherEx``);
     ``writes``: the arrays it writes (``_pdl_wrote`` asks about them). ``cluster``: blocks per
     thread-block cluster (x, y, z), Hopper only (the caller checks ``_launcher_ex()``)."""
     grid = grid if isinstance(grid, tuple) else (int(grid),)
@@ -226,20 +226,21 @@ def _launch(stem: str, name: str, grid, block, args, shared: int = 0, pdl: bool 
     _pdl_writes[:] = [(a.data.ptr, a.data.ptr + a.nbytes) for a in writes] if pdl else []
     pdl = pdl and _pdl_on()
     if pdl or cluster is not None:
-        _pdl_launcher().launch(fn.kernel.ptr, grid, block, args, shared,
+        _launcher().launch(fn.kernel.ptr, grid, block, args, shared,
                                cupy.cuda.get_current_stream().ptr, pdl, cluster)
     else:
         fn(grid, block, args, shared_mem=shared)
 
 
-class _PdlLauncher:
-    """``cuLaunchKernelEx`` (libcuda, through ctypes) with the programmatic-stream-serialization
-    attribute: the kernel may start while the previous kernel on the stream still runs, once
-    every block of that one has called ``pdl_launch_dependents()`` (or ended). Its blocks load
+class _LauncherEx:
+    """``cuLaunchKernelEx`` (libcuda, through ctypes), for launch attributes CuPy's launcher
+    lacks: thread-block cluster dimensions, and programmatic stream serialization
+    (programmatic dependent launch): the kernel may start while the previous kernel on the
+    stream still runs, once every block of that one has called ``pdl_launch_dependents()``
+    (or ended). Its blocks load
     what does not depend on the previous kernel (the weights of a decoding step), then
     ``pdl_wait()`` until the previous kernel has finished and its writes are visible. Inside a
-    CUDA graph capture this becomes a programmatic edge. CuPy's launcher has no launch
-    attributes, hence ctypes."""
+    CUDA graph capture this becomes a programmatic edge."""
 
     _ATTR_CLUSTER_DIMENSION = 4                  # CU_LAUNCH_ATTRIBUTE_..., cuda.h
     _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -310,12 +311,12 @@ class _PdlLauncher:
         import ctypes
         try:
             lib = ctypes.CDLL("libcuda.so.1")
-            return _PdlLauncher(lib)
+            return _LauncherEx(lib)
         except (OSError, AttributeError):
             return None
 
 
-_pdl: list = []  # [the _PdlLauncher or None], filled on first use
+_launchers: list = []  # [the _LauncherEx or None], filled on first use
 _pdl_writes: list = []  # (start, end) of what the last kernel launched with pdl=True writes
 
 
@@ -329,16 +330,16 @@ def _pdl_wrote(a) -> bool:
     return any(lo < e and s < hi for s, e in _pdl_writes)
 
 
-def _pdl_launcher() -> "_PdlLauncher":
-    if not _pdl:
-        _pdl.append(_PdlLauncher.load())
-    return _pdl[0]
+def _launcher() -> "_LauncherEx":
+    if not _launchers:
+        _launchers.append(_LauncherEx.load())
+    return _launchers[0]
 
 
 def _launcher_ex() -> bool:
     """Launch attributes (clusters, programmatic dependent launch): a GPU of compute
     capability 9.0 or later (Hopper) and libcuda's cuLaunchKernelEx found."""
-    return _cc_major(_dev()) >= 9 and _pdl_launcher() is not None
+    return _cc_major(_dev()) >= 9 and _launcher() is not None
 
 
 def _pdl_on() -> bool:
