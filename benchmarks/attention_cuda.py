@@ -1,5 +1,5 @@
-"""Causal attention on the GPU in bfloat16: forge-ml's fused (flash) kernels against its v1 path
-(cuBLAS + softmax kernels, T x T scores in memory) and against PyTorch's
+"""Causal attention on the GPU in bfloat16: forge-ml's fused (flash) kernels against its composed
+("v1") path (cuBLAS + softmax kernels, T x T scores in memory) and against PyTorch's
 ``F.scaled_dot_product_attention(is_causal=True)`` pinned to its flash backend, measured in the
 same run on the same inputs.
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
             tk.requires_grad_(True)
             tv.requires_grad_(True)
             if not be._flash_wanted(q, k, v):
-                raise RuntimeError("the flash path is not taken (FORGE_ATTENTION=v1 set?)")
+                raise RuntimeError("the flash path is not taken (FORGE_ATTENTION=composed set?)")
 
             def flash_fwd():
                 return be.attention(q, k, v, scale)
@@ -86,11 +86,11 @@ def main(argv=None) -> int:
                 return be.attention_bwd(q, k, v, out, lse, dout, scale)
 
             def v1_fwd():
-                return be._attention_v1(q, k, v, scale)
+                return be._attention_composed(q, k, v, scale)
 
             def v1_both():
-                out, lse = be._attention_v1(q, k, v, scale)
-                return be._attention_bwd_v1(q, k, v, out, lse, dout, scale)
+                out, lse = be._attention_composed(q, k, v, scale)
+                return be._attention_bwd_composed(q, k, v, out, lse, dout, scale)
 
             def torch_fwd():
                 with torch.no_grad(), sdpa_kernel(backends):

@@ -11,7 +11,7 @@ the mean over ``--eval-iters`` batches of consecutive validation windows.
     python benchmarks/converge_shakespeare.py          # ~10 min on a laptop CPU
     nohup python benchmarks/converge_shakespeare.py > /tmp/converge.log 2>&1 &
 
-The result is also written to ``benchmarks/converge_shakespeare.last.txt``.
+The result is also written to ``results/cpu-converge_shakespeare.txt``.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def main():
     ap.add_argument("--eval-iters", type=int, default=100)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--result", default=str(REPO / "benchmarks" / "converge_shakespeare.last.txt"),
+    ap.add_argument("--result", default=str(REPO / "results" / "cpu-converge_shakespeare.txt"),
                     help="where to record the result ('' for nowhere)")
     args = ap.parse_args()
 

@@ -9,7 +9,6 @@ beside forge-ml's (also in a graph).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -70,7 +69,7 @@ def main(argv=None):
 
     import cupy as cp
     import forge_ml as fm
-    from forge_ml import ops
+    from forge_ml import flags, ops
     from forge_ml.models import GPT2, GPT2Config
     from forge_ml.models.gpt2 import DecodeStep
 
@@ -86,13 +85,12 @@ def main(argv=None):
 
     def captured_step(pdl: bool):
         """A DecodeStep whose graph was captured with programmatic dependent launch on or off
-        (FORGE_PDL is read as the kernels are launched, i.e. during the capture)."""
-        os.environ["FORGE_PDL"] = "1" if pdl else "0"
-        s = DecodeStep(model, cache, params)
-        s(tok, a.pos)
-        s(tok, a.pos)                               # captured now
+        (the FORGE_PDL switch is asked as the kernels are launched, i.e. during the capture)."""
+        with flags.override(FORGE_PDL=pdl):
+            s = DecodeStep(model, cache, params)
+            s(tok, a.pos)
+            s(tok, a.pos)                           # captured now
         assert s.captured
-        os.environ["FORGE_PDL"] = "1"
         return s
 
     rows = []
@@ -145,7 +143,8 @@ def main(argv=None):
         ("linear+bias+residual (1,3072)x(3072,768)", L, lambda: ops.linear(h4, P[p + "mlp.c_proj.weight"], P[p + "mlp.c_proj.bias"], residual=x)),
         ("lm head (1,768)x(50304,768)^T", 1, lambda: ops.matmul(x, P["wte.weight"], trans_b=True)),
     ]
-    from forge_ml.backends import cuda as bk
+    from forge_ml.backends import load
+    bk = load("cuda")
     print("\n  per op, GPU time (20 calls captured in a CUDA graph); x = calls per token")
     total = 0.0
     for name, n, fn in ops_:

@@ -9,7 +9,7 @@ forge-ml run is timed op by op, to show where its time goes.
 
     .venv/bin/python benchmarks/generate_cpu.py [--new-tokens 64] [--repeats 5] [--threads N]
 
-Prints, and writes to ``benchmarks/generate_cpu.last.txt``, both tokens/s and their ratio.
+Prints, and writes to ``results/cpu-generate_cpu.txt``, both tokens/s and their ratio.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def parse_args():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=os.cpu_count(),
                     help="threads for both NumPy's BLAS and torch (default: all cores)")
-    ap.add_argument("--out", default=str(HERE / "generate_cpu.last.txt"))
+    ap.add_argument("--out", default=str(HERE.parent / "results" / "cpu-generate_cpu.txt"))
     return ap.parse_args()
 
 

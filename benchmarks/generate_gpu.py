@@ -10,7 +10,6 @@ the decoding step op by op), the figure before the graph existed.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ def main(argv=None):
     import torch
     import transformers
 
-    from forge_ml import hf
+    from forge_ml import flags, hf
     from forge_ml.generate import generate
     from forge_ml.models import GPT2, GPT2Config
 
@@ -46,11 +45,11 @@ def main(argv=None):
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, a.prompt_len)]
 
     def run_forge(graph=True):
-        os.environ["FORGE_CUDA_GRAPH"] = "1" if graph else "0"
         cp.cuda.Device().synchronize()
         t0 = time.perf_counter()
         kw = {} if params is None else {"params": params}
-        out = list(generate(model, prompt, max_new_tokens=a.new_tokens, temperature=0, **kw))
+        with flags.override(FORGE_CUDA_GRAPH=graph):
+            out = list(generate(model, prompt, max_new_tokens=a.new_tokens, temperature=0, **kw))
         cp.cuda.Device().synchronize()
         return time.perf_counter() - t0, out
 

@@ -160,8 +160,12 @@ def profile(step, batches):
         rows.append((file, fn, nc, tt, ct))
     n = len(batches)
     print(f"\nprofile of {n} forge-ml steps: {1e3 * wall / n:.1f} ms/step under the profiler")
-    print("backend kernels (backends/cpu.py), cumulative time per step:")
-    kern = sorted((r for r in rows if r[0].endswith(os.path.join("backends", "cpu.py")) and not r[1].startswith("_")),
+    print("backend kernels (backends/cpu/), cumulative time per step:")
+    # the ops of backends/cpu/__init__.py (C calls) and reference.py (NumPy); "op" is the
+    # native-or-reference wrapper around each fused op, whose time its callee shows already
+    kernel_files = tuple(os.path.join("backends", "cpu", f) for f in ("__init__.py", "reference.py"))
+    kern = sorted((r for r in rows if r[0].endswith(kernel_files)
+                   and not r[1].startswith("_") and r[1] != "op"),
                   key=lambda r: -r[4])
     for file, fn, nc, tt, ct in kern[:15]:
         print(f"  {fn:<22} {1e3 * ct / n:7.2f} ms  {nc / n:6.1f} calls/step  {1e6 * ct / nc:8.1f} us/call")

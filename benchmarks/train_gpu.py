@@ -29,7 +29,8 @@ class _OpTimer:
 
     def __init__(self):
         import cupy as cp
-        from forge_ml.backends import cuda as bk
+        from forge_ml.backends import load
+        bk = load("cuda")   # the loaded backend: ops call its attributes, so they are wrapped
         self.cp, self.bk, self.saved, self.records, self.depth = cp, bk, {}, [], 0
         for name in ("matmul", "add", "gelu", "gelu_bwd", "layernorm", "layernorm_bwd",
                      "softmax", "softmax_bwd", "split_heads", "unsplit_head", "merge_heads",

@@ -158,6 +158,19 @@ def softmax(x, causal=False, off=0):
     return e / e.sum(axis=-1, keepdims=True)
 
 
+def logsumexp(x, causal=False, off=0):
+    """log(sum_j exp(x_ij)) over the unmasked columns of each row (masked as softmax)."""
+    x = f64(x)
+    keep = causal_mask(x.shape[-2], x.shape[-1], off) if causal else np.ones(x.shape[-2:], bool)
+    keep = np.broadcast_to(keep, x.shape)
+    out = np.empty(x.shape[:-1])
+    for idx in np.ndindex(*x.shape[:-1]):
+        row = x[idx][keep[idx]]
+        m = row.max()
+        out[idx] = m + np.log(np.sum(np.exp(row - m)))
+    return out
+
+
 def softmax_bwd(y, dy):
     """dx = J^T dy with the softmax Jacobian J = diag(y) - y y^T, row by row."""
     y, dy = f64(y), f64(dy)
@@ -297,14 +310,17 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
     """(y, k_cache', v_cache'): one decoding step, written out with loops over rows and heads.
 
     qkv (B, 3C) holds each row's new query, key and value; the key and value go to row pos of
-    the caches (B, H, Tmax, hs); head h of row b attends over cache rows 0..pos.
+    the caches (B, H, Tmax, hs); head h of row b attends over cache rows 0..pos. ``pos`` may
+    also be a sequence of B positions, one per row (continuous batching).
     """
     qkv = f64(qkv)
     kc, vc = f64(k_cache).copy(), f64(v_cache).copy()
     B, H, _, hs = kc.shape
     C = H * hs
     y = np.zeros((B, C))
+    rows_pos = np.broadcast_to(np.asarray(pos).reshape(-1), (B,))
     for b in range(B):
+        pos = int(rows_pos[b])
         for h in range(H):
             q = qkv[b, h * hs:(h + 1) * hs]
             kc[b, h, pos] = qkv[b, C + h * hs:C + (h + 1) * hs]

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference as ref
-from forge_ml import rng
-from forge_ml.backends import cpu
-from forge_ml.errors import DTypeError
+from forge_ml import flags, rng
+from forge_ml.backends import contract, cpu
+from forge_ml.errors import DTypeError, ShapeError
 
 FLOATS = [np.float64, np.float32]
 TOL = {np.float64: dict(rtol=1e-12, atol=1e-12), np.float32: dict(rtol=1e-5, atol=1e-5)}
@@ -52,6 +52,32 @@ def fd_grad(f, x, r, eps=1e-6):
 
 def t64(x, grad=False):
     return torch.tensor(np.asarray(x, np.float64), requires_grad=grad)
+
+
+# ============================================================================== the module
+
+def test_capabilities_and_contract():
+    assert (cpu.NAME, cpu.BF16, cpu.GRAPHS, cpu.HOST_MEMORY) == ("cpu", False, False, True)
+    assert contract.missing(cpu) == [] and contract.missing(cpu.reference) == []
+    assert all(callable(getattr(cpu, n)) for n in contract.FUSED)
+    assert cpu.synchronize() is None
+
+
+class _FakeLibc:
+    def __init__(self):
+        self.calls = []
+        self.mallopt = lambda *args: self.calls.append(args) or 1
+
+
+@pytest.mark.parametrize("setting", ["tuned", "default"])
+def test_start_tunes_malloc_only_when_asked(monkeypatch, setting):
+    libc = _FakeLibc()
+    monkeypatch.setattr(cpu.ctypes, "CDLL", lambda name: libc)
+    monkeypatch.setattr(cpu.sys, "platform", "linux")
+    with flags.override(FORGE_CPU_MALLOC=setting):
+        assert cpu.start() is None
+    expected = [(-3, 32 << 20), (-1, 256 << 20)] if setting == "tuned" else []
+    assert libc.calls == expected
 
 
 # ============================================================================== memory
@@ -416,6 +442,57 @@ def test_softmax_property(rows, cols, causal, off, lead, seed):
     check(cpu.softmax_bwd(y, dy), ref.softmax_bwd(y, dy), np.float64)
 
 
+# ============================================================================== logsumexp
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape,causal,off", SOFTMAX_CASES + [((5,), False, 0)])
+def test_logsumexp(shape, causal, off, dtype):
+    x = randn(shape, dtype, 1, scale=3.0)
+    out = cpu.logsumexp(x, causal, off)
+    assert out.shape == shape[:-1]
+    check(out, ref.logsumexp(x, causal, off), dtype)
+
+
+def test_logsumexp_large_scores_stable():
+    """Scores in the thousands: exp overflows unless the row max is taken out first."""
+    x = randn((3, 4, 9), np.float32, 1, scale=1e3)
+    out = cpu.logsumexp(x, True, 2)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref.logsumexp(x, True, 2), rtol=1e-6)
+
+
+def test_logsumexp_vs_torch_and_attention_lse():
+    x = randn((2, 4, 9), seed=1, scale=2.0)
+    mask = torch.ones(4, 9, dtype=torch.bool).triu(diagonal=5 + 1)  # off = 5
+    theirs = torch.logsumexp(t64(x).masked_fill(mask, float("-inf")), dim=-1).numpy()
+    np.testing.assert_allclose(cpu.logsumexp(x, True, 5), theirs, rtol=1e-12, atol=1e-14)
+    q, k, v = (randn((2, 3, 6, 4), seed=s) for s in (2, 3, 4))
+    scores = cpu.matmul(q, k, None, False, True, 0.3, None)
+    np.testing.assert_allclose(cpu.logsumexp(scores, True, 0), cpu.attention(q, k, v, 0.3)[1],
+                               rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_logsumexp_infinities_stay_in_their_rows(dtype):
+    x = randn((5, 6), dtype, 1)
+    x[1] = -np.inf                      # every column "masked": log(0)
+    x[2, 3] = np.inf
+    x[3, 0] = np.nan
+    with np.errstate(all="raise"):      # no warnings either
+        out = cpu.logsumexp(x, False, 0)
+    assert out[1] == -np.inf and out[2] == np.inf and np.isnan(out[3])
+    check(out[[0, 4]], ref.logsumexp(x[[0, 4]]), dtype)
+    assert cpu.logsumexp(np.zeros((3, 0), dtype), False, 0).tolist() == [-np.inf] * 3
+
+
+@HYPO
+@given(rows=st.integers(1, 6), cols=st.integers(1, 8), causal=st.booleans(),
+       off=st.integers(0, 4), lead=st.sampled_from([(), (2,)]), seed=st.integers(0, 1000))
+def test_logsumexp_property(rows, cols, causal, off, lead, seed):
+    x = randn((*lead, rows, cols), seed=seed, scale=5.0)
+    check(cpu.logsumexp(x, causal, off), ref.logsumexp(x, causal, off), np.float64)
+
+
 # ============================================================================== heads
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -568,6 +645,37 @@ def test_embedding_forward(dtype, id_dtype):
     check(cpu.embedding(ids[0], wte, wpe, 0), ref.embedding(ids[0], wte, wpe, 0), dtype)
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_embedding_per_row_positions(dtype):
+    """pos of one element per row: row b takes wpe[pos[b] + t], as the shared call would."""
+    wte, wpe = randn((11, 4), dtype, 1), randn((9, 4), dtype, 2)
+    ids = np.array([[3, 0], [7, 7], [1, 10], [2, 2]], np.int32)
+    pos = np.array([0, 7, 3, 5], np.int32)
+    out = cpu.embedding(ids, wte, wpe, pos)
+    assert out.shape == (4, 2, 4) and out.dtype == np.dtype(dtype)
+    for b in range(4):
+        np.testing.assert_array_equal(out[b], cpu.embedding(ids[b:b + 1], wte, wpe, int(pos[b]))[0])
+        check(out[b], ref.embedding(ids[b], wte, wpe, int(pos[b])), dtype)
+
+
+def test_embedding_per_row_out_of_range_is_nan_in_that_row_only():
+    wte, wpe = randn((11, 4), seed=1), randn((9, 4), seed=2)
+    ids = np.array([[3, 0], [7, 7], [1, 10]], np.int32)
+    out = cpu.embedding(ids, wte, wpe, np.array([1, 8, -1], np.int32))  # 8 + 2 > 9 rows
+    assert np.isnan(out[1:]).all()
+    np.testing.assert_array_equal(out[0], cpu.embedding(ids[:1], wte, wpe, 1)[0])
+
+
+def test_embedding_one_element_pos_is_shared():
+    wte, wpe = randn((11, 4), seed=1), randn((9, 4), seed=2)
+    ids = np.array([[3, 0], [7, 7], [1, 10]], np.int32)
+    np.testing.assert_array_equal(cpu.embedding(ids, wte, wpe, np.array([4], np.int32)),
+                                  cpu.embedding(ids, wte, wpe, 4))
+    assert np.isnan(cpu.embedding(ids, wte, wpe, np.array([8], np.int32))).all()
+    with pytest.raises(ShapeError, match="pos has 2 positions but ids"):
+        cpu.embedding(ids, wte, wpe, np.array([0, 1], np.int32))
+
+
 def test_embedding_backward_vs_fd_and_torch():
     """dwte = scatter_add_rows(0, ids, dy); dwpe[pos:pos+T] = dy summed over the batch."""
     wte, wpe = randn((6, 3), seed=1), randn((8, 3), seed=2)
@@ -636,6 +744,72 @@ def test_kv_append(dtype):
     one = randn((2, 3, 1, 4), dtype, 3)
     cpu.kv_append(cache, one, 0)
     np.testing.assert_array_equal(cache[..., 0:1, :], one)
+
+
+# ============================================================================== decoding step
+
+def _decode_setup(dtype, B=4, H=2, tmax=8, hs=4, seed=0):
+    qkv = randn((B, 3 * H * hs), dtype, seed)
+    k0, v0 = randn((B, H, tmax, hs), dtype, seed + 1), randn((B, H, tmax, hs), dtype, seed + 2)
+    return qkv, k0, v0
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_decode_attention_per_row_positions(dtype):
+    """Row b at its own position: the same y and cache rows as a shared-position call per row."""
+    qkv, k0, v0 = _decode_setup(dtype)
+    pos = np.array([0, 7, 3, 5], np.int32)
+    kc, vc = k0.copy(), v0.copy()
+    y = cpu.decode_attention(qkv, kc, vc, pos, 2, 0.5)
+    assert y.shape == (4, 8) and y.dtype == np.dtype(dtype)
+    for b in range(4):
+        kb, vb = k0[b:b + 1].copy(), v0[b:b + 1].copy()
+        yb = cpu.decode_attention(qkv[b:b + 1], kb, vb, int(pos[b]), 2, 0.5)
+        np.testing.assert_allclose(y[b], yb[0], **TOL[dtype])
+        np.testing.assert_array_equal(kc[b], kb[0])
+        np.testing.assert_array_equal(vc[b], vb[0])
+        spec = ref.decode_attention(qkv[b:b + 1], k0[b:b + 1], v0[b:b + 1], int(pos[b]), 2, 0.5)
+        check(y[b], spec[0][0], dtype)
+
+
+def test_decode_attention_per_row_out_of_range_writes_nothing_and_gives_nan():
+    qkv, k0, v0 = _decode_setup(np.float64)
+    kc, vc = k0.copy(), v0.copy()
+    y = cpu.decode_attention(qkv, kc, vc, np.array([2, 8, -1, 6], np.int32), 2, 0.5)
+    assert np.isnan(y[[1, 2]]).all() and np.isfinite(y[[0, 3]]).all()
+    np.testing.assert_array_equal(kc[[1, 2]], k0[[1, 2]])
+    np.testing.assert_array_equal(vc[[1, 2]], v0[[1, 2]])
+    for b, p in ((0, 2), (3, 6)):
+        kb, vb = k0[b:b + 1].copy(), v0[b:b + 1].copy()
+        np.testing.assert_allclose(y[b], cpu.decode_attention(qkv[b:b + 1], kb, vb, p, 2, 0.5)[0],
+                                   rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(kc[b], kb[0])
+    kc, vc = k0.copy(), v0.copy()
+    y = cpu.decode_attention(qkv, kc, vc, np.array([9, -2, 8, 100], np.int32), 2, 0.5)
+    assert np.isnan(y).all() and np.array_equal(kc, k0) and np.array_equal(vc, v0)
+
+
+def test_decode_attention_one_element_pos_is_shared():
+    qkv, k0, v0 = _decode_setup(np.float64)
+    kc, vc, kd, vd = k0.copy(), v0.copy(), k0.copy(), v0.copy()
+    y = cpu.decode_attention(qkv, kc, vc, np.array([5], np.int32), 2, 0.5)
+    np.testing.assert_array_equal(y, cpu.decode_attention(qkv, kd, vd, 5, 2, 0.5))
+    np.testing.assert_array_equal(kc, kd)
+    with pytest.raises(ShapeError, match="pos has 3 positions but qkv has 4 rows"):
+        cpu.decode_attention(qkv, kc, vc, np.array([1, 2, 3], np.int32), 2, 0.5)
+
+
+def test_greedy_next_per_row_positions():
+    logits = randn((3, 10), np.float32, 1)
+    ids, out = np.zeros((3, 1), np.int32), np.full(3, -1, np.int32)
+    pos = np.array([0, 4, 2], np.int32)
+    cpu.greedy_next(logits, 7, ids, pos, out)
+    for b, start in enumerate((0, 4, 2)):
+        ib, ob = np.zeros((1, 1), np.int32), np.full(1, -1, np.int32)
+        pb = np.array([start], np.int32)
+        cpu.greedy_next(logits[b:b + 1], 7, ib, pb, ob)
+        assert ids[b, 0] == ib[0, 0] == ob[0] == out[b] == np.argmax(logits[b, :7])
+        assert pos[b] == pb[0] == start + 1
 
 
 # ============================================================================== dropout

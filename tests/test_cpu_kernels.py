@@ -1,10 +1,11 @@
-"""The fused C kernels of the CPU backend (backends/cpu_kernels.c) and their NumPy fallback.
+"""The fused C kernels of the CPU backend (backends/cpu/kernels.c) and their NumPy fallback
+(backends/cpu/reference.py).
 
 Every float32 kernel that has a C version runs here twice, once on each path
-(``cpu_native.set_mode("c")`` / ``("numpy")``), against the float64 spec in tests/reference.py;
-backward kernels are fed a random cotangent ``dy``. The dispatch itself is checked with a spy on
-the loaded library, and the loader's fallbacks (no compiler, a failed compile,
-``FORGE_CPU_KERNELS=numpy``) in fresh subprocesses.
+(``flags.override(FORGE_CPU_KERNELS="c")`` / ``"numpy"``), against the float64 spec in
+tests/reference.py; backward kernels are fed a random cotangent ``dy``. The dispatch itself is
+checked with a spy on the loaded library, and the loader's fallbacks (no compiler, a failed
+compile, a corrupt cached library, ``FORGE_CPU_KERNELS=numpy``) in fresh subprocesses.
 """
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ import numpy as np
 import pytest
 
 import reference as ref
-from forge_ml.backends import cpu, cpu_native
+from forge_ml import flags
+from forge_ml.backends import cpu
+from forge_ml.backends.cpu import native
+from forge_ml.errors import ConfigError
 
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -28,11 +32,10 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 def path(request):
     """Runs the test on the C kernels, then on NumPy; the C run fails if a compiler exists
     but the kernels do not build."""
-    if request.param == "c" and cpu_native.compiler() is None:
+    if request.param == "c" and native.compiler() is None:
         pytest.skip("no C compiler on this machine")
-    old = cpu_native.set_mode(request.param)
-    yield request.param
-    cpu_native.set_mode(old)
+    with flags.override(FORGE_CPU_KERNELS=request.param):
+        yield request.param
 
 
 def randn(shape, seed, scale=1.0):
@@ -47,25 +50,33 @@ def close(actual, expected):
 # ============================================================================== dispatch
 
 class _Spy:
-    """Stands in for the loaded library and records which kernels were called."""
+    """Stands in for the loaded library and records which kernels were called; with
+    ``fail``, every kernel that returns a status reports failure (-1) without running."""
 
-    def __init__(self, lib):
-        self.lib, self.calls = lib, []
+    def __init__(self, lib, fail=False):
+        self.lib, self.calls, self.fail = lib, [], fail
 
     def __getattr__(self, name):
         self.calls.append(name)
+        if self.fail and getattr(self.lib, name).restype is not None:
+            return lambda *args: -1
         return getattr(self.lib, name)
+
+
+def _spy(monkeypatch, fail=False):
+    if native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    with flags.override(FORGE_CPU_KERNELS="c"):
+        s = _Spy(native.lib(), fail)
+    monkeypatch.setitem(native._state, "lib", s)
+    return s
 
 
 @pytest.fixture
 def spy(monkeypatch):
-    if cpu_native.compiler() is None:
-        pytest.skip("no C compiler on this machine")
-    old = cpu_native.set_mode("c")
-    s = _Spy(cpu_native.lib())
-    monkeypatch.setitem(cpu_native._state, "lib", s)
-    yield s
-    cpu_native.set_mode(old)
+    s = _spy(monkeypatch)
+    with flags.override(FORGE_CPU_KERNELS="c"):
+        yield s
 
 
 def _call_every_kernel(dtype, contiguous=True):
@@ -100,27 +111,63 @@ def test_float64_and_strided_arrays_run_numpy(spy):
     assert spy.calls == []
 
 
+def test_empty_arrays_run_numpy(spy):
+    x = np.zeros((0, 16), np.float32)
+    assert cpu.gelu(x).shape == (0, 16) and cpu.sumsq(x) == 0.0
+    g = np.ones(16, np.float32)
+    assert cpu.layernorm(x, g, g, 1e-5).shape == (0, 16)
+    assert spy.calls == []
+
+
+def test_a_declining_kernel_falls_back_to_numpy(monkeypatch):
+    """A kernel that reports failure (its scratch allocation) hands the call to the reference."""
+    spy = _spy(monkeypatch, fail=True)
+    x, dy = randn((6, 16), 1), randn((6, 16), 2)
+    g = randn((16,), 3)
+    q, k, v = (randn((2, 5, 4), s) for s in (4, 5, 6))
+    qkv, dout = randn((2, 5, 24), 7), randn((2, 5, 4), 8)
+    with flags.override(FORGE_CPU_KERNELS="c"):
+        lbwd = cpu.layernorm_bwd(x, g, dy, 1e-5)
+        out, lse = cpu.attention(q, k, v, 0.5)
+        grads = cpu.attention_bwd(q, k, v, out, lse, dout, 0.5)
+        y, ylse = cpu.attention_qkv(qkv, 2, 0.5)
+        dqkv = cpu.attention_qkv_bwd(qkv, y, ylse, y, 2, 0.5)
+    assert spy.calls == ["layernorm_bwd_f32", "attention_f32", "attention_bwd_f32",
+                         "attention_qkv_f32", "attention_f32", "attention_qkv_bwd_f32"]
+    for mine, spec in zip(lbwd, ref.layernorm_bwd(x, g, dy, 1e-5)):
+        close(mine, spec)
+    close(out, ref.attention(q, k, v, 0.5)[0])
+    for mine, spec in zip(grads, ref.attention_bwd(q, k, v, dout, 0.5)):
+        close(mine, spec)
+    with flags.override(FORGE_CPU_KERNELS="numpy"):
+        close(y, cpu.attention_qkv(qkv, 2, 0.5)[0])
+        close(dqkv, cpu.attention_qkv_bwd(qkv, y, ylse, y, 2, 0.5))
+
+
+def test_ops_keep_the_reference_signature_and_doc():
+    for op in (cpu.gelu, cpu.layernorm_bwd, cpu.attention, cpu.adamw_update, cpu.sumsq):
+        assert op.reference.__name__ == op.__name__
+        assert op.__doc__ == op.reference.__doc__ and op.__module__ == "forge_ml.backends.cpu"
+
+
 def test_numpy_mode_never_loads():
-    old = cpu_native.set_mode("numpy")
-    try:
-        assert cpu_native.lib() is None
-    finally:
-        cpu_native.set_mode(old)
+    with flags.override(FORGE_CPU_KERNELS="numpy"):
+        assert native.lib() is None
 
 
 def test_unknown_mode_is_an_error():
-    with pytest.raises(cpu_native.NativeKernelError, match="one of auto, numpy, c"):
-        cpu_native.set_mode("fortran")
+    with pytest.raises(ConfigError, match="auto|numpy|c"):
+        with flags.override(FORGE_CPU_KERNELS="fortran"):
+            pass
 
 
 # ============================================================================== exp_f32
 
 def test_exp_f32_accuracy_and_edges():
-    if cpu_native.compiler() is None:
+    if native.compiler() is None:
         pytest.skip("no C compiler on this machine")
-    old = cpu_native.set_mode("c")
-    try:
-        lib = cpu_native.lib()
+    with flags.override(FORGE_CPU_KERNELS="c"):
+        lib = native.lib()
         x = np.linspace(-87.0, 88.0, 1_000_003).astype(np.float32)
         y = np.empty_like(x)
         lib.exp_f32_array(x.ctypes.data, y.ctypes.data, x.size)
@@ -129,8 +176,6 @@ def test_exp_f32_accuracy_and_edges():
         edges = np.array([np.nan, -np.inf, -1e4, -100.0, 0.0, 1.0, 100.0, np.inf], np.float32)
         out = np.empty_like(edges)
         lib.exp_f32_array(edges.ctypes.data, out.ctypes.data, edges.size)
-    finally:
-        cpu_native.set_mode(old)
     assert np.isnan(out[0])
     assert np.all(out[1:4] <= 1.2e-38) and np.all(out[1:4] >= 0.0)   # clamped at e^-87.3
     assert out[4] == 1.0 and abs(out[5] - math.e) <= 2.5e-7 * math.e
@@ -305,7 +350,8 @@ def _fresh(code, **env):
     """Run ``code`` in a new interpreter with ``env`` added; returns the completed process."""
     full = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 **env)
-    full.pop("FORGE_CPU_KERNELS", None)
+    for name in ("FORGE_CPU_KERNELS", "FORGE_CACHE_DIR"):
+        full.pop(name, None)
     full.update(env)
     return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True,
                           text=True, timeout=300)
@@ -313,12 +359,13 @@ def _fresh(code, **env):
 
 _GELU_CHECK = """
 import warnings, numpy as np
-from forge_ml.backends import cpu, cpu_native
+from forge_ml.backends import cpu
+from forge_ml.backends.cpu import native
 x = np.linspace(-5, 5, 101, dtype=np.float32)
 y = cpu.gelu(x)
 ref = 0.5 * x * (1 + np.tanh(0.7978845608028654 * (x + 0.044715 * x.astype(np.float64) ** 3)))
 assert np.allclose(y, ref, rtol=1e-5, atol=1e-6)
-print("lib" if cpu_native._state["lib"] is not None else "numpy", cpu_native.why_not())
+print("lib" if native._state["lib"] is not None else "numpy", native.why_not())
 """
 
 
@@ -362,7 +409,7 @@ def test_env_numpy_never_compiles(tmp_path):
 
 
 def test_concurrent_first_builds_share_one_library(tmp_path):
-    if cpu_native.compiler() is None:
+    if native.compiler() is None:
         pytest.skip("no C compiler on this machine")
     full = dict(os.environ, PYTHONPATH=SRC, FORGE_CACHE_DIR=str(tmp_path), FORGE_CPU_KERNELS="c")
     procs = [subprocess.Popen([sys.executable, "-c", _GELU_CHECK], env=full, text=True,
@@ -372,4 +419,52 @@ def test_concurrent_first_builds_share_one_library(tmp_path):
         assert p.returncode == 0, err
         assert out.startswith("lib")
     built = sorted(x.name for x in (tmp_path / "cpu").iterdir())
-    assert len(built) == 1 and built[0].startswith("cpu_kernels-") and built[0].endswith(".so")
+    assert len(built) == 1 and built[0].startswith("kernels-") and built[0].endswith(".so")
+
+
+def _built(cache):
+    """The files in the cache folder (the build leaves the library and nothing else)."""
+    return sorted((cache / "cpu").iterdir())
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_cached_library_is_rebuilt(tmp_path, damage):
+    """A cached library that does not load is deleted and built again, without a warning;
+    the next run loads the rebuilt file as it is."""
+    if native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    r = _fresh(_GELU_CHECK, FORGE_CACHE_DIR=str(tmp_path), FORGE_CPU_KERNELS="c")
+    assert r.returncode == 0 and r.stdout.startswith("lib"), r.stderr
+    (so,) = _built(tmp_path)
+    good = so.read_bytes()
+    so.write_bytes(b"not an ELF file\n" * 64 if damage == "garbage" else good[:4096])
+    r = _fresh(_GELU_CHECK, FORGE_CACHE_DIR=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("lib None"), r.stdout
+    assert "unavailable" not in r.stderr and "Warning" not in r.stderr
+    assert _built(tmp_path) == [so] and so.stat().st_size == len(good)
+    mtime = so.stat().st_mtime_ns
+    r = _fresh(_GELU_CHECK, FORGE_CACHE_DIR=str(tmp_path), FORGE_CPU_KERNELS="c")
+    assert r.returncode == 0 and r.stdout.startswith("lib"), r.stderr
+    assert so.stat().st_mtime_ns == mtime          # loaded as it was, not built a third time
+
+
+def test_corrupt_cached_library_that_cannot_be_rebuilt_warns_once(tmp_path):
+    """The rebuild fails too (the compiler now refuses): NumPy runs, with one warning."""
+    real = native.compiler()
+    if real is None:
+        pytest.skip("no C compiler on this machine")
+    cc = tmp_path / "cc-wrapper"
+    cc.write_text(f'#!/bin/sh\nif [ -n "$REFUSE" ] && [ "$1" != "--version" ]; then\n'
+                  f'  echo "cc-wrapper: refusing" >&2; exit 1\nfi\nexec {real} "$@"\n')
+    cc.chmod(0o755)
+    cache = tmp_path / "cache"
+    r = _fresh(_GELU_CHECK, CC=str(cc), FORGE_CACHE_DIR=str(cache), FORGE_CPU_KERNELS="c")
+    assert r.returncode == 0 and r.stdout.startswith("lib"), r.stderr
+    (so,) = _built(cache)
+    so.write_bytes(b"garbage")
+    r = _fresh(_GELU_CHECK, CC=str(cc), FORGE_CACHE_DIR=str(cache), REFUSE="1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("numpy") and "refusing" in r.stdout
+    assert r.stderr.count("C CPU kernels are unavailable") == 1
+    assert _built(cache) == []                      # the bad file is gone, no temporaries left

@@ -1,13 +1,13 @@
-"""GPU tests of the fused causal attention (kernels/flash_attention.cu: bfloat16, head size 64,
-forward and backward on the tensor cores) against float64 NumPy formulas (the spec) and against
-the v1 path (cuBLAS products around the softmax kernels) of the same backend.
+"""GPU tests of the fused causal attention (backends/cuda/flash_attention.cu: bfloat16, head size
+64, forward and backward on the tensor cores) against float64 NumPy formulas (the spec) and
+against the composed path (cuBLAS products around the softmax kernels) of the same backend.
 
 Every test skips where CuPy or a GPU is missing. Before each test the CuPy memory pool is
 emptied and refilled with NaN bytes, so an output element a kernel forgets to write shows up as
 NaN; every output is checked to be finite.
 
 Tolerances (‖got - ref‖ / ‖ref‖): 2e-2 for out, dq, dk, dv, against the reference computed in
-float64 from the bf16-rounded inputs and against v1 (P is rounded to bf16 for the tensor cores
+float64 from the bf16-rounded inputs and against the composed path (P is rounded to bf16 for the tensor cores
 and the results are bf16); lse within 1e-3 absolute (it stays float32 throughout).
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import math
 import numpy as np
 import pytest
 
+from forge_ml import flags
 from forge_ml.device import Device
 
 from _gpu_checks import check, host, round_bf16
@@ -56,7 +57,7 @@ def gpu():
         pytest.skip("no CUDA device")
     from forge_ml.backends import get
     be = get(Device("cuda", 0))
-    if be.BF16 is None:
+    if not be.bf16:
         pytest.skip("this CuPy has no bfloat16 (install ml_dtypes)")
     return be
 
@@ -72,10 +73,10 @@ def _poison():
 
 
 @pytest.fixture
-def be(gpu, monkeypatch):
-    monkeypatch.delenv("FORGE_ATTENTION", raising=False)
+def be(gpu):
     _poison()
-    return gpu
+    with flags.override(FORGE_ATTENTION="flash"):   # whatever the environment says
+        yield gpu
 
 
 @pytest.fixture
@@ -124,7 +125,7 @@ def inputs(rs, qs, ks, qscale=1.0):
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_flash_attention_vs_reference_and_v1(be, rs, shape):
+def test_flash_attention_vs_reference_and_composed(be, rs, shape):
     qs, ks = SHAPES[shape]
     scale = 1.0 / math.sqrt(HS)
     q, k, v, dout = inputs(rs, qs, ks)
@@ -137,16 +138,16 @@ def test_flash_attention_vs_reference_and_v1(be, rs, shape):
     assert lse.shape == qs[:-1]
     check("flash out", host(be, out), rout, TOL)
     check_abs("flash lse", host(be, lse), rlse, LSE_TOL)
-    out1, lse1 = be._attention_v1(dq_, dk_, dv_, scale)
-    check("flash out vs v1", host(be, out), host(be, out1), TOL)
-    check_abs("flash lse vs v1", host(be, lse), host(be, lse1), LSE_TOL)
+    out1, lse1 = be._attention_composed(dq_, dk_, dv_, scale)
+    check("flash out vs composed", host(be, out), host(be, out1), TOL)
+    check_abs("flash lse vs composed", host(be, lse), host(be, lse1), LSE_TOL)
 
     grads = be.attention_bwd(dq_, dk_, dv_, out, lse, ddo, scale)
-    grads1 = be._attention_bwd_v1(dq_, dk_, dv_, out1, lse1, ddo, scale)
-    for name, got, ref, v1 in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv), grads1):
+    grads1 = be._attention_bwd_composed(dq_, dk_, dv_, out1, lse1, ddo, scale)
+    for name, got, ref, comp in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv), grads1):
         assert got.shape == ref.shape and str(got.dtype) == "bfloat16"
         check(f"flash {name}", host(be, got), ref, TOL)
-        check(f"flash {name} vs v1", host(be, got), host(be, v1), TOL)
+        check(f"flash {name} vs composed", host(be, got), host(be, comp), TOL)
 
 
 def test_flash_peaked_softmax(be, rs):
@@ -165,18 +166,19 @@ def test_flash_peaked_softmax(be, rs):
         check(f"flash {name}", host(be, got), ref, TOL)
 
 
-def test_flash_default_scale_and_v1_lse(be, rs):
-    """scale=None means 1/sqrt(64); a backward fed v1's lse agrees with one fed flash's."""
+def test_flash_default_scale_and_composed_lse(be, rs):
+    """scale=None means 1/sqrt(64); a backward fed the composed path's lse agrees with one fed
+    flash's."""
     qs = ks = (2, 4, 200, HS)
     q, k, v, dout = inputs(rs, qs, ks)
     dq_, dk_, dv_, ddo = dev(be, q), dev(be, k), dev(be, v), dev(be, dout)
     out, lse = be.attention(dq_, dk_, dv_, None)
     rout, _, rdq, rdk, rdv = ref_attention(q, k, v, dout, 1.0 / math.sqrt(HS))
     check("flash out (scale None)", host(be, out), rout, TOL)
-    _, lse1 = be._attention_v1(dq_, dk_, dv_, None)
+    _, lse1 = be._attention_composed(dq_, dk_, dv_, None)
     grads = be.attention_bwd(dq_, dk_, dv_, out, lse1, ddo, None)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, (rdq, rdk, rdv)):
-        check(f"flash {name} from v1 lse", host(be, got), ref, TOL)
+        check(f"flash {name} from composed lse", host(be, got), ref, TOL)
 
 
 def test_flash_is_deterministic(be, rs):
@@ -192,23 +194,25 @@ def test_flash_is_deterministic(be, rs):
         assert np.array_equal(a, b)
 
 
-def test_flash_selection(be, rs, monkeypatch):
-    """flash for bf16 at head size 64 unless FORGE_ATTENTION=v1; v1 for everything else."""
+def test_flash_selection(be, rs):
+    """flash for bf16 at head size 64 unless FORGE_ATTENTION=composed (or its old name v1);
+    the composed path for everything else."""
     qs = ks = (1, 2, 100, HS)
     q, k, v, dout = inputs(rs, qs, ks)
     dq_, dk_, dv_, ddo = dev(be, q), dev(be, k), dev(be, v), dev(be, dout)
     assert be._flash_wanted(dq_, dk_, dv_)
-    monkeypatch.setenv("FORGE_ATTENTION", "v1")
-    assert not be._flash_wanted(dq_, dk_, dv_)
-    out, lse = be.attention(dq_, dk_, dv_, 0.125)
-    out1, lse1 = be._attention_v1(dq_, dk_, dv_, 0.125)
-    assert np.array_equal(host(be, out), host(be, out1))
-    assert np.array_equal(host(be, lse), host(be, lse1))
-    got = be.attention_bwd(dq_, dk_, dv_, out, lse, ddo, 0.125)
-    want = be._attention_bwd_v1(dq_, dk_, dv_, out, lse, ddo, 0.125)
-    for a, b in zip(got, want):
-        assert np.array_equal(host(be, a), host(be, b))
-    monkeypatch.delenv("FORGE_ATTENTION")
+    with flags.override(FORGE_ATTENTION="v1"):
+        assert not be._flash_wanted(dq_, dk_, dv_)
+    with flags.override(FORGE_ATTENTION="composed"):
+        assert not be._flash_wanted(dq_, dk_, dv_)
+        out, lse = be.attention(dq_, dk_, dv_, 0.125)
+        out1, lse1 = be._attention_composed(dq_, dk_, dv_, 0.125)
+        assert np.array_equal(host(be, out), host(be, out1))
+        assert np.array_equal(host(be, lse), host(be, lse1))
+        got = be.attention_bwd(dq_, dk_, dv_, out, lse, ddo, 0.125)
+        want = be._attention_bwd_composed(dq_, dk_, dv_, out, lse, ddo, 0.125)
+        for a, b in zip(got, want):
+            assert np.array_equal(host(be, a), host(be, b))
     f32 = be.from_host(q.astype(np.float32), "float32")
     assert not be._flash_wanted(f32, f32, f32)
     h32 = dev(be, bf16_values(rs, (1, 2, 100, 32)))
@@ -255,7 +259,8 @@ def test_flash_on_fused_qkv_layout(be, rs, B, T, H):
 
 
 def test_fused_qkv_fallback_float32(be, rs):
-    """float32 (and FORGE_ATTENTION=v1) compose split_heads, v1 attention, merge_heads."""
+    """float32 (and FORGE_ATTENTION=composed) compose split_heads, the composed attention and
+    merge_heads."""
     B, T, H, hs = 2, 50, 2, 16
     C = H * hs
     qkv = rs.standard_normal((B, T, 3 * C)).astype(np.float32)

@@ -9,7 +9,8 @@ import forge_ml as fm
 import reference as ref
 from forge_ml import ops
 from forge_ml.errors import DeviceError, DTypeError, ShapeError
-from forge_ml.models.gpt2 import GPT2, GPT2Config, DecodeStep
+from forge_ml.inference.decode import DecodeStep
+from forge_ml.models.gpt2 import GPT2, GPT2Config
 
 
 def rel(got, want):
@@ -78,9 +79,13 @@ def test_decode_attention_bad_input():
         ops.decode_attention(qkv, k, fm.zeros((2, 2, 8, 4)), 0, n_head=4)
     with pytest.raises(ShapeError, match="v_cache"):
         ops.decode_attention(qkv, k, fm.zeros((2, 2, 7, 4)), 0, n_head=2)
-    with pytest.raises(ShapeError, match="one int32 element"):
-        ops.decode_attention(qkv, k, fm.zeros((2, 2, 8, 4)), fm.tensor(np.array([1, 2], np.int32)), n_head=2)
-    with pytest.raises(ShapeError, match="one int32 element, got int64"):
+    with pytest.raises(ShapeError, match=r"int32 with one element, or one per row \(2\), got int32 of shape \(3,\)"):
+        ops.decode_attention(qkv, k, fm.zeros((2, 2, 8, 4)), fm.tensor(np.array([1, 2, 3], np.int32)), n_head=2)
+    # per-row positions: a row out of range gives NaN and writes nothing; the others go on
+    y = ops.decode_attention(fm.tensor(np.ones((2, 24), np.float32)), k, fm.zeros((2, 2, 8, 4)),
+                             fm.tensor(np.array([1, 9], np.int32)), n_head=2).numpy()
+    assert np.isnan(y[1]).all() and np.isfinite(y[0]).all() and not k.numpy()[1].any()
+    with pytest.raises(ShapeError, match="int32 with one element, or one per row \\(2\\), got int64"):
         ops.decode_attention(qkv, k, fm.zeros((2, 2, 8, 4)), fm.tensor(np.array([1])), n_head=2)
     with pytest.raises(DTypeError):
         ops.decode_attention(qkv, k, fm.zeros((2, 2, 8, 4), "float64"), 0, n_head=2)
@@ -260,3 +265,13 @@ def test_greedy_next_cpu_matches_numpy_argmax():
     cpu.greedy_next(logits, 4, ids, pos)          # column 4 is padding: never chosen
     assert ids[:, 0].tolist() == [1, 0, 0] == np.argmax(logits[:, :4], axis=1).tolist()
     assert pos.tolist() == [8]
+
+
+def test_decode_step_refuses_an_id_in_the_vocab_padding():
+    """Vocabulary 211 padded to 256: id 220 is a padding row of wte, not a token."""
+    m = GPT2.init(GPT2Config(vocab_size=211, padded_vocab_size=256, block_size=8, n_layer=1,
+                             n_head=2, n_embd=8), seed=0)
+    cache = m.new_cache(2, 8)
+    with pytest.raises(ShapeError, match=r"220.*0\.\.210"):
+        m.decode_step(fm.tensor(np.array([[5], [220]])), 0, cache)
+    assert m.decode_step(fm.tensor(np.array([[5], [210]])), 0, cache).shape == (2, 256)

@@ -6,7 +6,7 @@ import pytest
 
 import forge_ml as fm
 from forge_ml.errors import ConfigError, ShapeError
-from forge_ml.generate import TokenEvent, generate, generate_text, next_token_probs
+from forge_ml.inference.generate import TokenEvent, generate, generate_text, next_token_probs
 from forge_ml.models.gpt2 import GPT2, GPT2Config, param_shapes
 from forge_ml.tokenizer import CharTokenizer
 
@@ -213,18 +213,19 @@ def test_finished_rows_stop_yielding(model):
 
 
 def test_cache_is_allocated_once(model, monkeypatch):
+    from forge_ml.inference import decode
     made, used = [], set()
-    new_cache, forward_cached = model.new_cache, model.forward_cached
+    empty, forward_cached = decode.KVCache.empty.__func__, model.forward_cached
 
-    def counting_new_cache(*a, **kw):
-        made.append(new_cache(*a, **kw))
+    def counting_empty(cls, *a, **kw):
+        made.append(empty(cls, *a, **kw))
         return made[-1]
 
     def recording_forward_cached(ids, cache, *a, **kw):
         used.add(id(cache))
         return forward_cached(ids, cache, *a, **kw)
 
-    monkeypatch.setattr(model, "new_cache", counting_new_cache)
+    monkeypatch.setattr(decode.KVCache, "empty", classmethod(counting_empty))
     monkeypatch.setattr(model, "forward_cached", recording_forward_cached)
     out = list(generate(model, [[1, 2, 3], [4]], max_new_tokens=8, temperature=0.8))
     assert len(out) == 8 + 2

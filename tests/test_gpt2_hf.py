@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("forge_ml.hf")
 
 import forge_ml as fm  # noqa: E402
-from forge_ml.generate import generate  # noqa: E402
+from forge_ml.inference.generate import generate  # noqa: E402
 from forge_ml.models.gpt2 import GPT2, GPT2Config  # noqa: E402
 
 V, PADDED_V = 211, 256

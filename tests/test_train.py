@@ -8,7 +8,8 @@ import pytest
 
 from forge_ml.checkpoint import load_checkpoint
 from forge_ml.errors import CheckpointError, ConfigError, TrainingError
-from forge_ml.train import TrainConfig, Trainer, dropout_seed, load_model
+from forge_ml.inference import load_model
+from forge_ml.train import TrainConfig, Trainer, dropout_seed
 
 TEXT = "".join(f"{w} " for w in ("the cat sat on the mat and the dog ran to the cat " * 60).split()) + "\n"
 

@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--ckpt", required=True, help="checkpoint folder, run folder or HF GPT-2 folder")
     e.add_argument("--data", required=True, help="a .bin token shard or a text file")
     e.add_argument("--batch-size", type=int, default=8, metavar="N", help="windows per batch (default 8)")
-    e.add_argument("--max-batches", type=int, metavar="N", default=None, help="stop after this many batches")
+    e.add_argument("--max-batches", type=int, metavar="N", default=None,
+                   help="stop after this many batches (>= 1; default: every window)")
     e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
     # -- prepare --------------------------------------------------------------------------------
@@ -174,11 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "forge-ml checkpoint, or a forge-ml checkpoint into a folder that "
                     "transformers' GPT2LMHeadModel.from_pretrained loads.",
         epilog="examples:\n  forge-ml convert --from-hf ~/gpt2 --out ckpt/gpt2\n"
-               "  forge-ml convert --to-hf runs/default --out hf/default")
+               "  forge-ml convert --to-hf runs/default --out hf/default --force   # replace an earlier export")
     g = c.add_mutually_exclusive_group(required=True)
     g.add_argument("--from-hf", metavar="HF_DIR", help="Hugging Face GPT-2 folder to import")
     g.add_argument("--to-hf", metavar="CKPT", help="forge-ml checkpoint (or run folder) to export")
-    c.add_argument("--out", required=True, help="the folder to write")
+    c.add_argument("--out", required=True,
+                   help="the folder to write: new or empty (never the folder read from)")
+    c.add_argument("--force", action="store_true",
+                   help="replace an earlier conversion of the same kind in OUT (nothing else is ever replaced)")
 
     # -- bench ----------------------------------------------------------------------------------
     b = sub.add_parser(
@@ -312,12 +316,25 @@ class _Detok:
         return self.utf8.decode(b"", final=True) if self.utf8 is not None else ""
 
 
-def _cmd_sample(args) -> int:
-    from .errors import ShapeError
-    from .train import load_model, stream_tokens
-
+def _check_sample_args(args) -> None:
+    """``sample``'s options, checked before any work (and before the prompt is printed)."""
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not args.temperature >= 0 or math.isinf(args.temperature):  # NaN fails >= too
+        raise ConfigError(f"--temperature must be a number >= 0 (0 is greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ConfigError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+
+
+def _cmd_sample(args) -> int:
+    from .errors import ShapeError
+    from .inference import load_model, stream_tokens
+
+    _check_sample_args(args)
     model, tok, _ = load_model(args.ckpt, device=args.device)
     ids = _prompt_ids(tok, args.prompt)
     block = model.config.block_size
@@ -344,18 +361,35 @@ def _cmd_eval(args) -> int:
 
     from .autograd import Tape
     from .data import DataLoader, load_text, read_shard, write_shard
+    from .inference import load_model
     from .tensor import tensor
-    from .train import load_model
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_batches is not None and args.max_batches < 1:
+        raise ConfigError(f"--max-batches must be >= 1 (leave it out to evaluate every window), "
+                          f"got {args.max_batches}")
+    path = Path(args.data)
+    if not path.exists():
+        raise DataError(f"--data {path}: no such file")
+    if not path.is_file():
+        raise DataError(f"--data {path}: expected a .bin token shard or a text file, got a folder "
+                        f"or special file")
+    try:  # before the model loads: a file that cannot be read is said at once
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
     model, tok, _ = load_model(args.ckpt, device=args.device)
     cfg = model.config
-    path = Path(args.data)
     tmp = None
     if path.suffix != ".bin":  # a text file: tokenize it with the checkpoint's tokenizer
         import tempfile
-        ids = tok.encode(load_text(path))
+        try:
+            text = load_text(path)
+        except OSError as e:
+            raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
+        ids = tok.encode(text)
         tmp = tempfile.TemporaryDirectory()
         path = Path(tmp.name) / "eval.bin"
         write_shard(path, ids)
@@ -372,10 +406,11 @@ def _cmd_eval(args) -> int:
         loader = DataLoader(path, B, T)
         n = (n_tokens - 1) // T // B
         if args.max_batches is not None:
-            n = max(1, min(n, args.max_batches))
+            n = min(n, args.max_batches)
         total, t0 = 0.0, time.perf_counter()
         for x, y in loader.eval_batches(n):
-            _, loss, _ = model.forward(Tape(), tensor(x, device=args.device), tensor(y, device=args.device))
+            _, loss, _ = model.forward(Tape(), tensor(x, device=args.device), tensor(y, device=args.device),
+                                       train=False)
             total += loss.t.item()
         loss = total / n
     finally:
@@ -397,22 +432,33 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    from .checkpoint import save_checkpoint
-    from .hf import load_hf_gpt2, save_hf_gpt2
-    from .train import HF_TOKENIZER_FILE, hf_tokenizer_dict, load_model
+    from .checkpoint import check_output_dir, is_checkpoint_dir, save_checkpoint
+    from .errors import CheckpointError
+    from .hf import HF_TOKENIZER_FILE, is_hf_export, load_hf_gpt2, save_hf_gpt2
+    from .inference.load import hf_tokenizer_dict, load_model, resolve_checkpoint
 
+    # Every check before any work: the output folder is new, empty, or (with --force) an
+    # earlier conversion of the same kind, and never the folder read from.
     if args.from_hf:
-        config, params = load_hf_gpt2(args.from_hf)
-        meta = {"kind": "forge-ml-model", "config": config, "tokenizer": hf_tokenizer_dict(args.from_hf),
-                "source": str(Path(args.from_hf).resolve())}
+        src = Path(args.from_hf)
+        if not src.is_dir():
+            raise CheckpointError(f"Hugging Face model directory not found: {src}"
+                                  if not src.exists() else f"--from-hf {src}: expected a folder")
+        check_output_dir(args.out, reads=[src], is_own=is_checkpoint_dir, force=args.force,
+                         what="forge-ml checkpoint")
+        config, params = load_hf_gpt2(src)
+        meta = {"kind": "forge-ml-model", "config": config, "tokenizer": hf_tokenizer_dict(src),
+                "source": str(src.resolve())}
         save_checkpoint(args.out, params, meta)
         print(f"imported {len(params)} tensors ({config['n_layer']} layers, {config['n_embd']} channels) "
               f"from {args.from_hf} -> {args.out}")
         return 0
+    ckpt = Path(os.path.abspath(resolve_checkpoint(args.to_hf)))
+    check_output_dir(args.out, reads=[args.to_hf, ckpt, ckpt.with_name(ckpt.name + ".old")],
+                     is_own=is_hf_export, force=args.force, what="Hugging Face export")
     model, tok, _ = load_model(args.to_hf)
-    save_hf_gpt2(args.out, model.config.to_dict(), model.state_dict())
-    if tok.kind != "gpt2":  # transformers ignores this file; forge-ml reads it back
-        (Path(args.out) / HF_TOKENIZER_FILE).write_text(json.dumps(tok.to_dict()), encoding="utf-8")
+    save_hf_gpt2(args.out, model.config.to_dict(), model.state_dict(),
+                 tokenizer=None if tok.kind == "gpt2" else tok.to_dict())
     print(f"exported {args.to_hf} -> {args.out} (config.json + model.safetensors"
           + (f" + {HF_TOKENIZER_FILE}: a {tok.kind} tokenizer, not GPT-2's)" if tok.kind != "gpt2" else ")"))
     return 0
@@ -441,7 +487,15 @@ def _cmd_bench(args) -> int:
             known = ", ".join(found) or "none found"
             raise ConfigError(f"unknown benchmark {args.name!r}; available: {known}")
         sys.argv = [str(found[name])]
-        runpy.run_path(str(found[name]), run_name="__main__")
+        try:
+            runpy.run_path(str(found[name]), run_name="__main__")
+        except ModuleNotFoundError as e:
+            missing = (e.name or str(e)).split(".")[0]
+            if missing == "forge_ml":
+                raise
+            raise ConfigError(f"benchmark {name} needs the Python module {missing!r}, which is not "
+                              f"installed; install it (the benchmarks' peers come with the test "
+                              f"extra: pip install -e '.[test]')") from None
         return 0
     return _builtin_bench(args.steps, args.device)
 
@@ -452,7 +506,7 @@ def _builtin_bench(steps: int, device: str) -> int:
 
     from .models.gpt2 import GPT2, GPT2Config
     from .optim import AdamW, clip_grad_norm
-    from .tensor import tensor
+    from .tensor import synchronize, tensor
 
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
@@ -469,7 +523,7 @@ def _builtin_bench(steps: int, device: str) -> int:
         loss, grads = model.loss_and_grads(x, y)
         _, scale = clip_grad_norm(grads, 1.0)
         opt.step(grads, grad_scale=scale)
-        model.params["wte.weight"].numpy() if device != "cpu" else None  # wait for the GPU
+        synchronize(device)  # the step's kernels may still run on a GPU
         if i >= 2:
             times.append(time.perf_counter() - t0)
     med = float(np.median(times))

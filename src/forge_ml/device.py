@@ -1,4 +1,5 @@
-"""Devices: ``cpu`` (NumPy) and ``cuda`` / ``cuda:N`` (CuPy, loaded on first use).
+"""Devices: ``cpu`` (NumPy) and ``cuda`` / ``cuda:N`` (CuPy, loaded on first use), and any
+other device type registered with ``forge_ml.backends.register``.
 
 >>> from forge_ml.device import Device
 >>> Device.parse("cuda:1")
@@ -15,34 +16,33 @@ from .errors import DeviceError
 
 @dataclass(frozen=True)
 class Device:
-    """A device: ``type`` is "cpu" or "cuda", ``index`` the GPU ordinal (0 for cpu)."""
+    """A device: ``type`` is a registered backend name ("cpu", "cuda", ...), ``index`` the
+    ordinal of a device of that type (0 for cpu)."""
 
     type: str
     index: int = 0
 
     @staticmethod
     def parse(d) -> "Device":
-        """Accept a Device, "cpu", "cuda" or "cuda:N"."""
+        """Accept a Device, or "TYPE" / "TYPE:N" for a registered TYPE ("cpu", "cuda:1")."""
         if isinstance(d, Device):
             return d
         if not isinstance(d, str):
             raise DeviceError(f"device must be a string like 'cpu' or 'cuda:0', got {d!r}")
+        from .backends import names
         s = d.strip().lower()
-        if s == "cpu":
-            return Device("cpu", 0)
-        if s == "cuda":
-            return Device("cuda", 0)
-        if s.startswith("cuda:"):
-            try:
-                idx = int(s[5:])
-            except ValueError:
-                idx = -1
-            if idx >= 0:
-                return Device("cuda", idx)
-        raise DeviceError(f"unknown device {d!r}; expected 'cpu', 'cuda' or 'cuda:N'")
+        kind, _, idx = s.partition(":")
+        if kind in names():
+            if not idx:
+                return Device(kind, 0)
+            if idx.isdigit():
+                return Device(kind, int(idx))
+        known = ", ".join(f"'{n}'" for n in names())
+        raise DeviceError(f"unknown device {d!r}; expected one of {known}, optionally with an "
+                          "index (e.g. 'cuda:1')")
 
     def __str__(self) -> str:
-        return "cpu" if self.type == "cpu" else f"cuda:{self.index}"
+        return "cpu" if self.type == "cpu" else f"{self.type}:{self.index}"
 
     def __repr__(self) -> str:
         return f"Device('{self}')"

@@ -388,10 +388,12 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale=None) -> Tensor:
 def embedding(ids, wte, wpe, pos=0) -> Tensor:
     """Token + position embedding: ``wte[ids] + wpe[pos + t]``; ``ids (…, T) -> (…, T, C)``.
 
-    ``pos``: an int, or a device position (see ``decode_attention``): a one-element int32
-    tensor on the same device, read by the kernel, so that a captured decoding step replays at
-    the next position. A device position past the table raises on the CPU, and gives NaN rows
-    on the GPU (checking it there would wait for the device).
+    ``pos``: an int, or a device position (see ``decode_attention``): an int32 tensor on the
+    same device, read by the kernel, so that a captured decoding step replays at the next
+    position; one element shared by every row, or one per row of ``ids (B, T)`` (rows at
+    different positions: continuous batching). A device position past the table raises where
+    memory is the host's (the CPU), and gives NaN rows on a device (checking it there would
+    wait for the device).
     """
     _int("embedding", "ids", ids)
     _float("embedding", "wte", wte), _float("embedding", "wpe", wpe)
@@ -401,7 +403,8 @@ def embedding(ids, wte, wpe, pos=0) -> Tensor:
     if wte.shape[1] != wpe.shape[1]:
         raise ShapeError(f"embedding: wte is {wte.shape} but wpe is {wpe.shape}; channels must agree")
     t = ids.shape[-1]
-    at = _device_pos("embedding", pos, wte) if isinstance(pos, Tensor) else pos
+    rows = ids.shape[0] if ids.ndim == 2 else 1
+    at = _device_pos("embedding", pos, wte, rows) if isinstance(pos, Tensor) else pos
     if not isinstance(at, int) or at < 0 or at + t > wpe.shape[0]:
         raise ShapeError(f"embedding: positions {at}..{at + t - 1} do not fit the "
                          f"{wpe.shape[0]} rows of wpe (context length {wpe.shape[0]})")
@@ -410,16 +413,21 @@ def embedding(ids, wte, wpe, pos=0) -> Tensor:
                                    pos.data if isinstance(pos, Tensor) else pos))
 
 
-def _device_pos(op, pos, like) -> int:
-    """Check a device position (one int32 element on ``like``'s device); returns its value
-    where reading it costs no device wait (cpu), else 0 (the kernel checks it)."""
-    if pos.dtype is not _dt.int32 or pos.numel != 1:
-        raise ShapeError(f"{op}: a tensor position must be one int32 element, got "
-                         f"{pos.dtype.name} of shape {pos.shape}")
+def _device_pos(op, pos, like, rows) -> int:
+    """Check a device position (int32 on ``like``'s device: one element, or one per row of
+    ``rows``); returns the furthest position where reading it costs no device wait (host
+    memory), else 0 (the kernel checks it, row by row)."""
+    if pos.dtype is not _dt.int32 or pos.numel not in (1, rows) or pos.ndim > 1:
+        raise ShapeError(f"{op}: a tensor position must be int32 with one element, or one per "
+                         f"row ({rows}), got {pos.dtype.name} of shape {pos.shape}")
     if pos.device != like.device:
         raise DeviceError(f"{op}: the position is on {pos.device} but the tensors are on "
                           f"{like.device}; move them to one device with .to()")
-    return int(pos.data.reshape(-1)[0]) if pos.device.type == "cpu" else 0
+    if pos.numel > 1 or not backend_of(pos.device).host_memory:
+        return 0   # the kernel checks each row; a row out of range gives NaN on every backend
+    vals = pos.data.reshape(-1)
+    lo, hi = int(vals.min()), int(vals.max())
+    return lo if lo < 0 else hi
 
 
 def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale=None) -> Tensor:
@@ -431,10 +439,13 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale=None) -> Tensor:
     ``0..pos``, heads merged (as ``merge_heads`` lays them out). ``scale`` defaults to
     ``1/sqrt(hs)``. Inference only (no backward); scores and probabilities stay in float32.
 
-    ``pos``: an int, or a one-element int32 tensor on the same device, read by the kernel
-    itself: a decoding step captured once (a CUDA graph) replays at every position. A device
-    position outside ``0..Tmax-1`` raises on the CPU; on the GPU nothing is written and ``y``
-    is NaN. Copy-on-write as ``kv_append``.
+    ``pos``: an int, or an int32 tensor on the same device, read by the kernel itself: a
+    decoding step captured once (a CUDA graph) replays at every position. One element is
+    shared by every row; ``B`` elements give each row its own position (continuous batching:
+    row ``b`` writes at ``pos[b]`` and attends over rows ``0..pos[b]`` of its cache). A shared
+    device position outside ``0..Tmax-1`` raises where memory is the host's; on a device, and
+    for per-row positions everywhere, nothing is written for such a row and its ``y`` is NaN
+    (an idle row of a continuous batch). Copy-on-write as ``kv_append``.
 
     >>> import numpy as np, forge_ml as fm
     >>> kc, vc = fm.zeros((1, 1, 4, 2)), fm.zeros((1, 1, 4, 2))
@@ -455,7 +466,7 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale=None) -> Tensor:
     if qkv.shape != (B, 3 * H * hs):
         raise ShapeError(f"{op}: qkv must be (B, 3C) = {(B, 3 * H * hs)} for caches "
                          f"{k_cache.shape}, got {qkv.shape}")
-    at = _device_pos(op, pos, qkv) if isinstance(pos, Tensor) else pos
+    at = _device_pos(op, pos, qkv, B) if isinstance(pos, Tensor) else pos
     if not isinstance(at, int) or not 0 <= at < tmax:
         raise ShapeError(f"{op}: position {at} does not fit a cache of {tmax} rows")
     scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
@@ -482,6 +493,47 @@ def assign(dst, values) -> None:
         dst._storage.id_range = (int(arr.min()), int(arr.max()))
 
 
+def check_ids(op, ids, n_rows) -> None:
+    """Token ids of ``ids`` must lie in ``0..n_rows-1``; a ShapeError naming ``op`` otherwise.
+    Costs no device wait for ids made from host data (their range is cached).
+
+    >>> import forge_ml as fm
+    >>> check_ids("forward", fm.tensor([[1, 9]]), 8)
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ShapeError: forward: token id 9 is out of range; ids must be in 0..7
+    """
+    _int(op, "ids", ids)
+    _check_ids(op, ids, n_rows)
+
+
+def take_rows(x, t) -> Tensor:
+    """``x[:, t]`` of ``x (B, T, C)`` as a new ``(B, C)`` tensor (a prefill's last position).
+
+    >>> import numpy as np, forge_ml as fm
+    >>> take_rows(fm.tensor(np.arange(12, dtype=np.float32).reshape(2, 3, 2)), 2).numpy().tolist()
+    [[4.0, 5.0], [10.0, 11.0]]
+    """
+    _tensor("take_rows", "x", x)
+    _rank("take_rows", "x", x, 3, 3)
+    if not isinstance(t, int) or not 0 <= t < x.shape[1]:
+        raise ShapeError(f"take_rows: row {t!r} is not in 0..{x.shape[1] - 1} of {x.shape}")
+    return _wrap(x, backend_of(x.device).copy(x.data[:, t]))
+
+
+def take_columns(x, n) -> Tensor:
+    """The first ``n`` columns of the last axis, as a new tensor (padded vocab columns go).
+
+    >>> import numpy as np, forge_ml as fm
+    >>> take_columns(fm.tensor(np.ones((1, 4), np.float32)), 3).shape
+    (1, 3)
+    """
+    _tensor("take_columns", "x", x)
+    if not isinstance(n, int) or not 0 < n <= x.shape[-1]:
+        raise ShapeError(f"take_columns: n must be in 1..{x.shape[-1]}, got {n!r}")
+    return _wrap(x, backend_of(x.device).copy(x.data[..., :n]))
+
+
 def _check_ids(op, ids, n_rows):
     if ids.numel == 0:
         return
@@ -494,6 +546,50 @@ def _check_ids(op, ids, n_rows):
     if lo < 0 or hi >= n_rows:
         bad = hi if hi >= n_rows else lo
         raise ShapeError(f"{op}: token id {bad} is out of range; ids must be in 0..{n_rows - 1}")
+
+
+def greedy_next(logits, vocab_size, ids, pos, out=None, row=None) -> None:
+    """A decoding step's greedy choice on the device, in place: ``ids[b] = argmax(logits[b,
+    :vocab_size])`` (NumPy's ties: the lowest id) for float32 ``logits (B, Vp)`` and int32
+    ``ids (B, 1)``; also written to ``out`` (int32; row ``row`` of a ``(k, B)`` buffer when
+    ``row`` is given); then every element of the int32 position ``pos`` (1 or B elements)
+    goes up by one. Nothing comes back to the host: captured in a graph, greedy steps chain.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> ids, pos = fm.zeros((1, 1), "int32"), fm.zeros((1,), "int32")
+    >>> greedy_next(fm.tensor(np.array([[0.0, 2.0, 1.0]], np.float32)), 3, ids, pos)
+    >>> ids.numpy().tolist(), pos.numpy().tolist()
+    ([[1]], [1])
+    """
+    op = "greedy_next"
+    _float(op, "logits", logits)
+    _rank(op, "logits", logits, 2, 2)
+    B, vp = logits.shape
+    if logits.dtype is not _dt.float32:
+        raise DTypeError(f"{op}: logits must be float32, got {logits.dtype.name}")
+    for name, t in (("ids", ids), ("pos", pos)) + ((("out", out),) if out is not None else ()):
+        _tensor(op, name, t)
+        if t.dtype is not _dt.int32:
+            raise DTypeError(f"{op}: {name} must be int32, got {t.dtype.name}")
+        if t.device != logits.device:
+            raise DeviceError(f"{op}: logits are on {logits.device} but {name} is on {t.device}")
+    if ids.numel != B or pos.numel not in (1, B):
+        raise ShapeError(f"{op}: ids must hold {B} elements and pos 1 or {B}, got {ids.shape} "
+                         f"and {pos.shape}")
+    if not isinstance(vocab_size, int) or not 0 < vocab_size <= vp:
+        raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
+    dst = None
+    if out is not None:
+        dst = out._prepare_write()
+        if row is not None:
+            if not (out.ndim == 2 and out.shape[1] == B and 0 <= row < out.shape[0]):
+                raise ShapeError(f"{op}: row {row} of out {out.shape} is not a row of {B} ids")
+            dst = dst[row]
+        elif out.numel != B:
+            raise ShapeError(f"{op}: out must hold {B} elements, got {out.shape}")
+    bk = backend_of(logits.device)
+    bk.greedy_next(logits.data, vocab_size, ids._prepare_write(), pos._prepare_write(), dst)
+    ids._storage.id_range = (0, vocab_size - 1)
 
 
 def scatter_add_rows(dst, ids, src) -> None:

@@ -16,23 +16,31 @@ separate pass that rescales every gradient.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import numpy as np
 
+from . import dtype as _dt
 from . import ops
 from .errors import ConfigError, ShapeError
-from .tensor import Tensor, tensor, zeros
+from .tensor import Tensor, backend_of, tensor, zeros
 
 
 class AdamW:
     """AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019) over a dict
-    of float32 master parameters, with torch.optim.AdamW's update rule.
+    of parameters, with torch.optim.AdamW's update rule.
 
     Weight decay applies to tensors of rank >= 2 only (matmul weights and embeddings);
-    biases and layer-norm gains are exempt, as in GPT-2 / nanoGPT / llm.c training.
-    ``lowp``: optional name -> bfloat16 compute copies (GPU mixed precision), rewritten by the
-    same fused update so they always equal the master weights rounded to bf16.
+    biases and layer-norm gains are exempt, as in GPT-2 / nanoGPT / llm.c training. Bias
+    correction counts each parameter's own updates, as torch does: a parameter that had no
+    gradient for a while starts its correction where it started updating.
+
+    Mixed precision is the optimizer's (llm.c's ``master_weights``): with
+    ``compute_dtype="bfloat16"`` it keeps the float32 tensors it was given as the masters
+    (``params``), its moments beside them, and puts bf16 compute copies in their place in the
+    dict it was given (``compute``: the model's ``params``), which every fused update rewrites
+    from the new masters. The model then computes in bf16 and knows nothing of the masters.
 
     >>> import numpy as np, forge_ml as fm
     >>> opt = AdamW({"w": fm.zeros((3, 4)), "b": fm.zeros(4)}, lr=1e-3)
@@ -41,7 +49,7 @@ class AdamW:
     """
 
     def __init__(self, params: dict, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.1, lowp: Optional[dict] = None):
+                 weight_decay: float = 0.1, compute_dtype=None, lowp: Optional[dict] = None):
         if not params:
             raise ConfigError("AdamW: expected at least one parameter, got an empty dict")
         b1, b2 = (float(b) for b in betas)
@@ -54,13 +62,34 @@ class AdamW:
             if not isinstance(p, Tensor) or p.dtype.name not in ("float32", "float64"):
                 what = p.dtype.name if isinstance(p, Tensor) else type(p).__name__
                 raise ConfigError(f"AdamW: parameter {name} must be a float32 master Tensor, got {what}")
-        self.params = params
+        self.params = dict(params)          # the float32 masters
+        self.compute = params               # what the model computes with
+        if lowp is not None:
+            warnings.warn("AdamW(lowp=...) is deprecated: use compute_dtype='bfloat16'",
+                          DeprecationWarning, stacklevel=2)
+            self._lowp = lowp
+        elif compute_dtype is not None and _dt.get(compute_dtype) != _dt.float32:
+            if _dt.get(compute_dtype) != _dt.bfloat16:
+                raise ConfigError(f"AdamW: compute_dtype must be float32 or bfloat16, got {compute_dtype!r}")
+            for name, p in self.params.items():
+                if not backend_of(p.device).bf16:
+                    raise ConfigError(f"AdamW: bfloat16 compute copies need a device with bf16 "
+                                      f"storage; {name} is on {p.device}")
+                params[name] = p.to("bfloat16")
+            self._lowp = params
+        else:
+            self._lowp = None
         self.lr, self.betas, self.eps, self.weight_decay = float(lr), (b1, b2), float(eps), float(weight_decay)
-        self.lowp = lowp
         # Moments live beside their parameter: same device, same (float32) dtype.
-        self.m = {k: zeros(p.shape, p.dtype, p.device) for k, p in params.items()}
-        self.v = {k: zeros(p.shape, p.dtype, p.device) for k, p in params.items()}
-        self.steps = 0  # updates taken; the next update uses bias-correction step steps + 1
+        self.m = {k: zeros(p.shape, p.dtype, p.device) for k, p in self.params.items()}
+        self.v = {k: zeros(p.shape, p.dtype, p.device) for k, p in self.params.items()}
+        self.steps = 0  # step() calls so far (the schedule's clock)
+        self.param_steps = {k: 0 for k in self.params}  # updates each parameter has taken
+
+    @property
+    def lowp(self) -> Optional[dict]:
+        """The bf16 compute copies (None in float32)."""
+        return self._lowp
 
     def decays(self, name: str) -> bool:
         """Whether parameter ``name`` takes weight decay (rank >= 2)."""
@@ -68,8 +97,9 @@ class AdamW:
 
     def step(self, grads: dict, lr: Optional[float] = None, grad_scale: float = 1.0) -> None:
         """One update of every parameter that has a gradient (a None gradient skips its
-        parameter, moments untouched, as torch does). Gradients are multiplied by
-        ``grad_scale`` inside the fused op (gradient accumulation's 1/n and the clip factor).
+        parameter, moments and step count untouched, as torch does). Gradients are
+        multiplied by ``grad_scale`` inside the fused op (gradient accumulation's 1/n and the
+        clip factor).
 
         >>> import numpy as np, forge_ml as fm
         >>> p = {"w": fm.tensor(np.zeros((1, 1), np.float32))}
@@ -84,32 +114,35 @@ class AdamW:
             g = grads.get(name)
             if g is None:
                 continue
+            self.param_steps[name] += 1
             ops.adamw_update(p, g, self.m[name], self.v[name], lr=lr, beta1=b1, beta2=b2,
                              eps=self.eps, weight_decay=self.weight_decay if self.decays(name) else 0.0,
-                             step=self.steps, grad_scale=float(grad_scale),
-                             p_lowp=None if self.lowp is None else self.lowp[name])
+                             step=self.param_steps[name], grad_scale=float(grad_scale),
+                             p_lowp=None if self._lowp is None else self._lowp[name])
 
     def state_dict(self) -> dict:
-        """Moments as NumPy (``m``, ``v``: name -> array), the step count and hyper-parameters.
+        """Moments as NumPy (``m``, ``v``: name -> array), the step counts and hyper-parameters.
 
         >>> import forge_ml as fm
         >>> sorted(AdamW({"w": fm.zeros((2, 2))}).state_dict())
-        ['betas', 'eps', 'lr', 'm', 'step', 'v', 'weight_decay']
+        ['betas', 'eps', 'lr', 'm', 'param_steps', 'step', 'v', 'weight_decay']
         """
         return {
             "step": self.steps, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
-            "weight_decay": self.weight_decay,
+            "weight_decay": self.weight_decay, "param_steps": dict(self.param_steps),
             "m": {k: t.numpy() for k, t in self.m.items()},
             "v": {k: t.numpy() for k, t in self.v.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict()``'s moments and step (hyper-parameters too where present).
+        """Restore ``state_dict()``'s moments and step counts (hyper-parameters too where
+        present). A state without ``param_steps`` (an older checkpoint) gives every parameter
+        the global step count.
 
         >>> import forge_ml as fm
-        >>> a = AdamW({"w": fm.zeros((2, 2))}); s = a.state_dict(); s["step"] = 5
-        >>> a.load_state_dict(s); a.steps
-        5
+        >>> a = AdamW({"w": fm.zeros((2, 2))}); s = a.state_dict(); s["step"] = 5; del s["param_steps"]
+        >>> a.load_state_dict(s); a.steps, a.param_steps["w"]
+        (5, 5)
         """
         for key in ("m", "v"):
             saved = state.get(key)
@@ -130,6 +163,8 @@ class AdamW:
         self.v = {k: tensor(np.asarray(state["v"][k]), dtype=p.dtype, device=p.device)
                   for k, p in self.params.items()}
         self.steps = int(state.get("step", 0))
+        saved_steps = state.get("param_steps") or {}
+        self.param_steps = {k: int(saved_steps.get(k, self.steps)) for k in self.params}
         if "lr" in state:
             self.lr = float(state["lr"])
         if "betas" in state:
@@ -168,13 +203,13 @@ def grad_norm(grads: dict, grad_scale: float = 1.0) -> float:
     >>> grad_norm({"a": fm.tensor(np.array([3.0], np.float32)), "b": fm.tensor(np.array([4.0], np.float32))})
     5.0
     """
-    host = 0.0        # cpu: each 0-d sum comes back for free, add in float64 on the host
-    dev = None        # gpu: add the 0-d sums on the device, sync once at the end
+    host = 0.0        # host memory: each 0-d sum comes back for free, add in float64
+    dev = None        # a device: add the 0-d sums there, sync once at the end
     for g in grads.values():
         if g is None:
             continue
         s = ops.sumsq(g)
-        if s.device.type == "cpu":
+        if backend_of(s.device).host_memory:
             host += s.item()
         else:
             dev = s if dev is None else ops.add(dev, s)

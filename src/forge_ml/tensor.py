@@ -27,12 +27,13 @@ _BACKENDS: dict = {}
 
 
 def backend_of(device: Device):
-    """The (cached) backend module of a device."""
+    """The (cached) backend of a device (``forge_ml.backends.Backend``), with the device made
+    current where its type has several."""
     b = _BACKENDS.get(device)
     if b is None:
         b = _BACKENDS[device] = _backend(device)
-    elif device.type == "cuda":
-        b.use_device(device.index)
+    elif b.select is not None:
+        b.select(device.index)
     return b
 
 
@@ -133,12 +134,14 @@ class Tensor:
         >>> tensor([1.5]).to("float64").dtype
         forge_ml.float64
         """
-        if isinstance(target, str) and target.split(":")[0] not in ("cpu", "cuda"):
+        from .backends import names
+        is_device = isinstance(target, Device) or (
+            isinstance(target, str) and target.strip().lower().split(":")[0] in names())
+        if isinstance(target, str) and not is_device:
             if target not in _dt.ALL and target not in ("bf16", "fp32", "f32", "fp64", "f64"):
-                raise DeviceError(f"to: expected a device ('cpu', 'cuda', 'cuda:N') or a dtype "
-                                  f"({', '.join(sorted(_dt.ALL))}), got {target!r}")
-        if isinstance(target, _dt.DType) or (isinstance(target, str)
-                                             and target.split(":")[0] not in ("cpu", "cuda")):
+                raise DeviceError(f"to: expected a device ({', '.join(names())}, 'cuda:N') or a "
+                                  f"dtype ({', '.join(sorted(_dt.ALL))}), got {target!r}")
+        if not is_device:
             dt = _dt.get(target)
             if dt == self._dtype:
                 return self
@@ -171,6 +174,26 @@ class Tensor:
             self._storage, self._data = storage, data
         self._storage.id_range = None
         self._version += 1
+        return self._data
+
+    def copy_to_host(self, out: np.ndarray):
+        """Start copying this tensor into the host array ``out`` (same size and dtype; one
+        from ``host_buffer`` lets the copy run while the host goes on). Returns None when the
+        copy is done already, else a handle whose ``synchronize()`` waits for it.
+
+        >>> out = np.empty(2, np.float32)
+        >>> tensor([1.0, 2.0]).copy_to_host(out); out.tolist()
+        [1.0, 2.0]
+        """
+        if out.size != self.numel or np.dtype(out.dtype).name != self._dtype.name:
+            raise ShapeError(f"copy_to_host: a {self._dtype.name} tensor of {self.shape} does "
+                             f"not fit a host array of {out.dtype} {out.shape}")
+        return backend_of(self._device).to_host_async(self._data, out)
+
+    def memory(self):
+        """An opaque handle on the memory this tensor holds now, for identity checks only: a
+        CUDA graph captured while ``t.memory() is h`` may be replayed while that still holds
+        (an in-place op keeps the memory; copy-on-write moves it)."""
         return self._data
 
     def __repr__(self) -> str:
@@ -262,3 +285,35 @@ def full(shape, value, dtype="float32", device="cpu") -> Tensor:
 def ones_like(t: Tensor) -> Tensor:
     """A tensor of ones with the shape, dtype and device of ``t``."""
     return full(t.shape, 1.0, t.dtype, t.device)
+
+
+def host_buffer(shape, dtype, device="cpu") -> np.ndarray:
+    """A host NumPy array that ``Tensor.copy_to_host`` of ``device`` fills asynchronously
+    (page-locked memory on the GPU).
+
+    >>> host_buffer((2, 3), "int32").shape
+    (2, 3)
+    """
+    return backend_of(Device.parse(device)).pinned_empty(tuple(shape), np.dtype(_dt.get(dtype).name))
+
+
+def device_has(device, capability: str) -> bool:
+    """Whether ``device``'s backend has a capability of the contract (``bf16``, ``graphs``,
+    ``host_memory``): what code above the backends asks instead of a device's name.
+
+    >>> device_has("cpu", "bf16"), device_has("cpu", "host_memory")
+    (False, True)
+    """
+    from .backends.contract import CAPABILITIES
+    if capability not in CAPABILITIES:
+        raise DeviceError(f"device_has: unknown capability {capability!r}; expected one of "
+                          f"{', '.join(CAPABILITIES)}")
+    return bool(getattr(backend_of(Device.parse(device)), capability))
+
+
+def synchronize(device) -> None:
+    """Wait until every kernel queued on ``device`` has finished (timing, benchmarks).
+
+    >>> synchronize("cpu")
+    """
+    backend_of(Device.parse(device)).synchronize()

@@ -16,8 +16,9 @@ given), builds or resumes the model and optimizer, and ``train()`` runs the loop
 - a NaN or infinite loss stops the run with a TrainingError naming the step and the last
   good checkpoint.
 
-Mixed precision (``dtype="bf16"``, GPU only): float32 master weights and moments; the forward
-and backward run on bf16 copies that AdamW's fused update rewrites (``p_lowp``).
+Mixed precision (``dtype="bf16"``, on a device with bf16 storage): AdamW keeps the float32
+master weights and moments and puts bf16 compute copies in the model, which its fused update
+rewrites (``AdamW(..., compute_dtype="bfloat16")``).
 
 >>> import tempfile, os
 >>> d = tempfile.mkdtemp(); p = os.path.join(d, "t.txt"); _ = open(p, "w").write("hello world\\n" * 300)
@@ -43,19 +44,20 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import ops
+from .autograd import Tape
 from .checkpoint import check_architecture, load_checkpoint, pack_tensors, save_checkpoint, unpack_tensors
 from .data import DataLoader, default_corpus, prepare, read_shard
 from .device import Device
 from .errors import CheckpointError, ConfigError, DataError, TrainingError
+from .inference.generate import stream_tokens
+from .inference.load import CKPT_NAME
 from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
 from .optim import AdamW, clip_grad_norm, cosine_lr
-from .tensor import tensor
+from .tensor import device_has, tensor
 from .tokenizer import tokenizer_from_dict
 
-CKPT_NAME = "ckpt"          # <out_dir>/ckpt: the run's latest checkpoint
 DATA_NAME = "data"          # <out_dir>/data: shards prepared from a text file
 LOG_NAME = "log.jsonl"
-HF_TOKENIZER_FILE = "forge_ml_tokenizer.json"  # a non-GPT-2 tokenizer kept in an exported HF folder
 PLOT_NAME = "loss.png"
 # The model used when neither a preset nor sizes are given: nanoGPT's CPU configuration.
 DEFAULT_SIZES = dict(n_layer=4, n_head=4, n_embd=128)
@@ -224,120 +226,6 @@ def dropout_seed(seed: int, step: int, micro: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading a model for inference (a forge-ml checkpoint or a Hugging Face GPT-2 folder)
-
-
-def resolve_checkpoint(path) -> Path:
-    """A checkpoint folder from a path that is one, or a run folder holding ``ckpt/``.
-
-    >>> resolve_checkpoint("runs/none")
-    Traceback (most recent call last):
-    ...
-    forge_ml.errors.CheckpointError: checkpoint not found: runs/none does not exist
-    """
-    p = Path(path)
-    if (p / "state.json").is_file() or (p / "config.json").is_file():
-        return p
-    if (p / CKPT_NAME / "state.json").is_file():
-        return p / CKPT_NAME
-    if not p.exists():
-        raise CheckpointError(f"checkpoint not found: {p} does not exist")
-    raise CheckpointError(f"{p} is neither a forge-ml checkpoint (state.json + model.safetensors), "
-                          f"a run folder with {CKPT_NAME}/ inside, nor a Hugging Face GPT-2 folder (config.json)")
-
-
-def load_model(path, device="cpu"):
-    """``(model, tokenizer, meta)`` from a forge-ml checkpoint (or a run folder holding one) or
-    a Hugging Face GPT-2 folder (``config.json`` + ``model.safetensors``; GPT-2's tokenizer).
-
-    >>> import tempfile, os
-    >>> d = tempfile.mkdtemp(); p = os.path.join(d, "t.txt"); _ = open(p, "w").write("abc\\n" * 400)
-    >>> cfg = TrainConfig(data=p, out_dir=d, n_layer=1, n_head=1, n_embd=8, block_size=8,
-    ...                   max_steps=1, eval_interval=0, sample_interval=0, progress=False)
-    >>> _ = Trainer(cfg, log=None).train()
-    >>> model, tok, meta = load_model(d)
-    >>> tok.vocab_size, meta["step"]
-    (4, 1)
-    """
-    p = resolve_checkpoint(path)
-    if (p / "state.json").is_file():
-        tensors, meta = load_checkpoint(p)
-        if "config" not in meta:
-            raise CheckpointError(f"{p}: the checkpoint's meta has no model 'config'; not a forge-ml model checkpoint")
-        cfg = GPT2Config.from_dict(dict(meta["config"], dropout=0.0))
-        params, _, _ = unpack_tensors(tensors)
-        model = GPT2.from_state_dict(cfg, params, device=device)
-        tok = tokenizer_from_dict(meta.get("tokenizer") or {"kind": "gpt2"})
-        return model, tok, meta
-    from .hf import load_hf_gpt2
-    config, params = load_hf_gpt2(p)
-    cfg = GPT2Config.from_dict(config)
-    model = GPT2.from_state_dict(cfg, params, device=device)
-    tok = hf_tokenizer_dict(p)
-    return model, tokenizer_from_dict(tok), {"config": cfg.to_dict(), "tokenizer": tok}
-
-
-def hf_tokenizer_dict(hf_dir) -> dict:
-    """The tokenizer of a Hugging Face GPT-2 folder: GPT-2's, unless forge-ml exported the
-    folder from a model with another tokenizer (``forge_ml_tokenizer.json``).
-
-    >>> import tempfile
-    >>> hf_tokenizer_dict(tempfile.mkdtemp())
-    {'kind': 'gpt2'}
-    """
-    f = Path(hf_dir) / HF_TOKENIZER_FILE
-    if f.is_file():
-        try:
-            return json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
-    return {"kind": "gpt2"}
-
-
-def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, top_p=None,
-                  seed=0, stop_tokens=(), params=None):
-    """Yield up to ``max_new_tokens`` sampled ids after ``ids`` through ``generate.generate``;
-    once the context is full, generation goes on from the last ``block_size // 2`` tokens
-    (a sliding window, recomputed), so a sample may be longer than the context.
-
-    >>> from forge_ml.models.gpt2 import GPT2Config
-    >>> m = GPT2.init(GPT2Config(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4))
-    >>> len(list(stream_tokens(m, [1, 2], 10, temperature=0)))
-    10
-    """
-    try:
-        from .generate import generate
-    except ImportError:  # a build without the sampling module: greedy decoding, no cache
-        generate = _greedy
-    block = model.config.block_size
-    ctx = list(ids)[-block:]
-    made, chunk = 0, 0
-    while made < max_new_tokens:
-        if len(ctx) >= block:
-            ctx = ctx[-max(1, block // 2):]
-        for t in generate(model, ctx, max_new_tokens - made, temperature=temperature, top_k=top_k,
-                          top_p=top_p, seed=seed + chunk, stop_tokens=stop_tokens, params=params):
-            yield t
-            made += 1
-            ctx.append(t)
-            if t in stop_tokens:
-                return
-        chunk += 1
-
-
-def _greedy(model, ids, max_new_tokens, params=None, stop_tokens=(), **_):
-    """Greedy decoding by full forwards (the fallback when ``generate`` is unavailable)."""
-    ctx = list(ids)
-    for _ in range(min(max_new_tokens, model.config.block_size - len(ctx))):
-        logits = model.logits(tensor(np.asarray([ctx], np.int64), device=model.device), params=params)
-        t = int(np.argmax(logits.numpy()[0, -1]))
-        yield t
-        ctx.append(t)
-        if t in stop_tokens:
-            return
-
-
-# ---------------------------------------------------------------------------------------------
 # The trainer
 
 
@@ -363,9 +251,9 @@ class Trainer:
         self._log = log
         self.device = Device.parse(cfg.device)
         self.bf16 = cfg.dtype in ("bf16", "bfloat16")
-        if self.bf16 and self.device.type != "cuda":
-            raise ConfigError("dtype bf16 is GPU mixed precision; use --device cuda (the cpu backend "
-                              "computes in float32)")
+        if self.bf16 and not device_has(self.device, "bf16"):
+            raise ConfigError(f"dtype bf16 is mixed precision on a device with bf16 storage; the "
+                              f"{self.device.type} backend computes in float32 (use --device cuda)")
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_dir = self.out_dir / CKPT_NAME
         self.log_path = self.out_dir / LOG_NAME
@@ -403,10 +291,10 @@ class Trainer:
             self.model = GPT2.init(want, seed=cfg.seed, device=self.device)
         else:
             self.model = self._restore_model(ckpt, want)
-        self.lowp = ({k: p.to("bfloat16") for k, p in self.model.params.items()} if self.bf16 else None)
+        # bf16: the optimizer keeps the float32 masters and gives the model bf16 compute copies
         self.opt = AdamW(self.model.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                         weight_decay=cfg.weight_decay, lowp=self.lowp)
-        self.eval_model = GPT2(dataclasses.replace(self.model.config, dropout=0.0), self.model.params)
+                         weight_decay=cfg.weight_decay,
+                         compute_dtype="bfloat16" if self.bf16 else None)
         if ckpt is not None:
             self._restore_state(ckpt)
         else:
@@ -512,8 +400,7 @@ class Trainer:
         acc, loss_sum = None, 0.0
         for micro in range(cfg.grad_accum):
             x, y = self._batch()
-            loss, grads = self.model.loss_and_grads(x, y, params=self.lowp,
-                                                    dropout_seed=dropout_seed(cfg.seed, step, micro))
+            loss, grads = self.model.loss_and_grads(x, y, dropout_seed=dropout_seed(cfg.seed, step, micro))
             if not math.isfinite(loss):
                 raise TrainingError(f"the loss is {loss} at step {step + 1}"
                                     + (f" (micro-step {micro + 1})" if cfg.grad_accum > 1 else "")
@@ -545,11 +432,10 @@ class Trainer:
         """Mean loss over ``iters`` fixed validation batches (no dropout); the same windows at
         every call, so evaluations are comparable across a run and across a resume."""
         iters = self.cfg.eval_iters if iters is None else iters
-        from .autograd import Tape
         total = 0.0
         for x, y in self.val_loader.eval_batches(iters):
-            _, loss, _ = self.eval_model.forward(Tape(), tensor(x, device=self.device),
-                                                 tensor(y, device=self.device), params=self.lowp)
+            _, loss, _ = self.model.forward(Tape(), tensor(x, device=self.device),
+                                            tensor(y, device=self.device), train=False)
             total += loss.t.item()
         return total / iters
 
@@ -564,7 +450,9 @@ class Trainer:
             ids = [tok.eot_token]
         else:
             ids = tok.encode("\n") if "\n" in tok.chars else [0]
-        out = list(stream_tokens(self.eval_model, ids, n_tokens, temperature=self.cfg.sample_temperature,
+        # from the float32 masters, as a float32 run computes
+        masters = GPT2(self.model.config, self.opt.params)
+        out = list(stream_tokens(masters, ids, n_tokens, temperature=self.cfg.sample_temperature,
                                  top_k=40, seed=seed))
         return prompt + tok.decode(out)
 
@@ -572,7 +460,8 @@ class Trainer:
         """Write the checkpoint of the current step to ``<out_dir>/ckpt`` (atomically)."""
         cfg = self.cfg
         opt_state = self.opt.state_dict()
-        tensors = pack_tensors(self.model.state_dict(), opt_state.pop("m"), opt_state.pop("v"))
+        masters = {k: t.numpy() for k, t in self.opt.params.items()}   # float32, also in bf16 runs
+        tensors = pack_tensors(masters, opt_state.pop("m"), opt_state.pop("v"))
         meta = {
             "kind": "forge-ml-train",
             "config": self.model.config.to_dict(),
@@ -700,3 +589,18 @@ class Trainer:
 
 def _arch(c: GPT2Config) -> str:
     return f"{c.n_layer} layers, {c.n_head} heads, {c.n_embd} channels, context {c.block_size}, vocab {c.vocab_size}"
+
+
+_MOVED = {"load_model": "load", "resolve_checkpoint": "load", "hf_tokenizer_dict": "load",
+          "HF_TOKENIZER_FILE": "load"}
+
+
+def __getattr__(name):
+    # loading models moved to forge_ml.inference.load (one release of grace)
+    if name in _MOVED:
+        import importlib
+        import warnings
+        warnings.warn(f"forge_ml.train.{name} moved to forge_ml.inference.{_MOVED[name]}.{name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(f".inference.{_MOVED[name]}", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

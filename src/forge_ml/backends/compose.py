@@ -1,16 +1,23 @@
-"""Fused ops written as the plain ops they fuse: what a backend runs where it has no fused
-kernel for the case at hand (the CPU for every ``linear``; the GPU for more than a few rows,
-or attention in a dtype or head size its flash kernels do not take). ``bk`` is the backend
-module; every function here computes with its contract ops only, so both backends agree on
-the meaning of the fused op by construction.
+"""Every fused op of the contract, written with memory and core ops only: the default a
+backend gets where it has no fused kernel (candle's ``*_slow`` twins play the same part).
+
+``bk`` is a loaded backend (``backends.Backend``). These functions define what each fused
+op means in terms of the op set, so a backend's fused kernel and its composed default agree
+by construction; ``tests/backends`` checks both against the float64 specification. A real
+backend also calls them for the cases its kernels do not take (the CPU for every
+``linear``, the GPU for attention in a dtype or head size its flash kernels do not take).
 
 >>> import numpy as np
->>> from forge_ml.backends import cpu
+>>> from forge_ml.backends import get
+>>> from forge_ml.device import CPU
+>>> bk = get(CPU)
 >>> x, w = np.ones((2, 3), np.float32), np.ones((3, 4), np.float32)
->>> linear(cpu, x, w, None, None, None).tolist()[0]
+>>> linear(bk, x, w, None, None, None).tolist()[0]
 [3.0, 3.0, 3.0, 3.0]
 """
 from __future__ import annotations
+
+import numpy as np
 
 
 def linear(bk, x, w, bias, act, residual, ln=None):
@@ -18,10 +25,34 @@ def linear(bk, x, w, bias, act, residual, ln=None):
     matmul, gelu (``act`` "gelu" or None) and add, one after the other."""
     if ln is not None:
         x = bk.layernorm(x, ln[0], ln[1], ln[2])
-    y = bk.matmul(x, w, bias)
+    y = bk.matmul(x, w, bias, False, False, 1.0, None)
     if act == "gelu":
         y = bk.gelu(y)
     return y if residual is None else bk.add(residual, y)
+
+
+def attention(bk, q, k, v, scale):
+    """Causal attention over ``(..., H, T, hs)``: the scores ``S = scale q k^T`` (T x T per
+    head, kept in memory), ``P = softmax(S, causal)``, ``out = P v``; ``lse`` is the
+    log-sum-exp of each row of masked S."""
+    s = bk.matmul(q, k, None, False, True, float(scale), None)     # (..., H, T, T)
+    p = bk.softmax(s, True, 0)
+    out = bk.matmul(p, v, None, False, False, 1.0, None)            # (..., H, T, hs)
+    return out, bk.logsumexp(s, True, 0)
+
+
+def attention_bwd(bk, q, k, v, out, lse, dout, scale):
+    """``(dq, dk, dv)`` of causal attention, the probabilities recomputed from q and k:
+    ``dV = P^T dO``, ``dS = softmax_bwd(P, dO V^T)``, ``dQ = scale dS K``,
+    ``dK = scale dS^T Q`` (``out`` and ``lse`` are not needed on this path)."""
+    s = bk.matmul(q, k, None, False, True, float(scale), None)     # (..., H, T, T)
+    p = bk.softmax(s, True, 0)
+    dv = bk.matmul(p, dout, None, True, False, 1.0, None)
+    dp = bk.matmul(dout, v, None, False, True, 1.0, None)
+    ds = bk.softmax_bwd(p, dp)
+    dq = bk.matmul(ds, k, None, False, False, float(scale), None)
+    dk = bk.matmul(ds, q, None, True, False, float(scale), None)
+    return dq, dk, dv
 
 
 def attention_qkv(bk, qkv, n_head, scale):
@@ -30,3 +61,75 @@ def attention_qkv(bk, qkv, n_head, scale):
     q, k, v = bk.split_heads(qkv, n_head)
     out, lse = bk.attention(q, k, v, scale)
     return bk.merge_heads(out), lse
+
+
+def attention_qkv_bwd(bk, qkv, y, lse, dy, n_head, scale):
+    """``dqkv (B, T, 3C)``: attention_bwd on the split heads, each gradient put back in its
+    third of the rows (unsplit_head) and the three added."""
+    q, k, v = bk.split_heads(qkv, n_head)
+    dq, dk, dv = bk.attention_bwd(q, k, v, bk.unmerge_heads(y, n_head), lse,
+                                  bk.unmerge_heads(dy, n_head), scale)
+    dqkv = bk.add(bk.unsplit_head(dq, 0), bk.unsplit_head(dk, 1))
+    return bk.add(dqkv, bk.unsplit_head(dv, 2))
+
+
+def _host_positions(bk, pos, rows) -> np.ndarray:
+    """Positions as a host int array of ``rows`` elements, from an int or a device array of
+    one element (shared) or one per row (read back: a device wait, which is why backends with
+    graphs have their own kernel)."""
+    if isinstance(pos, (int, np.integer)):
+        return np.full(rows, int(pos), np.int64)
+    host = np.asarray(bk.to_host(pos)).reshape(-1).astype(np.int64)
+    return np.broadcast_to(host, (rows,)) if host.size == 1 else host
+
+
+def decode_attention(bk, qkv, k_cache, v_cache, pos, n_head, scale):
+    """One decoding step from ``qkv (B, 3C)``: the new key and value written at row ``pos``
+    of the caches ``(B, H, Tmax, hs)`` (kv_append), then per head ``softmax(scale q k^T) v``
+    over rows ``0..pos`` (matmul with ``b_rows``); ``y (B, C)``. A position outside the cache
+    writes nothing and gives NaN. With one position per row, each row is one such step on
+    its own rows of the caches (views of the leading axis)."""
+    B, H, tmax, hs = k_cache.shape
+    at = _host_positions(bk, pos, B)
+    if B > 1 and not (at == at[0]).all():
+        ys = [decode_attention(bk, qkv[b:b + 1], k_cache[b:b + 1], v_cache[b:b + 1],
+                               int(at[b]), n_head, scale) for b in range(B)]
+        y = ys[0]
+        for b in range(1, B):   # stack the rows: (b, C) + (1, C) through a (b+1, C) buffer
+            y = _stack_rows(bk, y, ys[b])
+        return y
+    at = int(at[0])
+    if not 0 <= at < tmax:
+        return bk.from_host(np.full((B, H * hs), np.nan, np.float32), _dtype_name(bk, qkv))
+    q, k, v = bk.split_heads(qkv.reshape(B, 1, 3 * H * hs), n_head)    # (B, H, 1, hs) each
+    bk.kv_append(k_cache, k, at)
+    bk.kv_append(v_cache, v, at)
+    s = bk.matmul(q, k_cache, None, False, True, float(scale), at + 1)  # (B, H, 1, at+1)
+    p = bk.softmax(s, False, 0)
+    y = bk.matmul(p, v_cache, None, False, False, 1.0, at + 1)          # (B, H, 1, hs)
+    return bk.merge_heads(y).reshape(B, H * hs)
+
+
+def _stack_rows(bk, top, row):
+    """``top (n, C)`` with ``row (1, C)`` below it: kv_append into a zero (n+1, C) buffer."""
+    n, c = top.shape
+    out = bk.zeros((1, n + 1, c), _dtype_name(bk, top))
+    bk.kv_append(out, top.reshape(1, n, c), 0)
+    bk.kv_append(out, row.reshape(1, 1, c), n)
+    return out.reshape(n + 1, c)
+
+
+def greedy_next(bk, logits, vocab_size, ids, pos, out=None):
+    """``ids = argmax(logits[:, :vocab_size])`` (NumPy's ties: the lowest id), also into
+    ``out``, then ``pos += 1``: through the host (to_host, assign)."""
+    host = np.asarray(bk.to_host(logits))[:, :vocab_size]
+    choice = np.argmax(host, axis=1).astype(np.int32)
+    bk.assign(ids, choice.reshape(ids.shape))
+    if out is not None:
+        bk.assign(out, choice.reshape(out.shape))
+    bk.assign(pos, (np.asarray(bk.to_host(pos)) + 1).astype(np.int32).reshape(pos.shape))
+
+
+def _dtype_name(bk, array) -> str:
+    from .. import dtype as _dt
+    return _dt.of_array(array.dtype).name

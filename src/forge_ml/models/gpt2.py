@@ -1,8 +1,14 @@
-"""GPT-2: config, parameters, the training forward on the tape, the KV-cache forward, and
-the one-token decoding step (``GPT2.decode_step``, replayed as a CUDA graph by ``DecodeStep``).
+"""GPT-2: config, parameters, initialisation and the forwards: the training forward on the
+tape, the KV-cache forward, and the one-token decoding step (``GPT2.decode_step``). The
+decoding runtime around them (the KV cache, the step captured as a CUDA graph, sampling)
+lives in ``forge_ml.inference``.
 
 Parameters use Hugging Face's names without the ``transformer.`` prefix, and linear weights
-are stored ``(in, out)`` like HF's Conv1D, so a layer is ``x @ W + b`` (see notes/API.md).
+are stored ``(in, out)`` like HF's Conv1D, so a layer is ``x @ W + b``; the forwards read
+them through ``Layer``, a per-layer view (``layers(params, cfg)``), never by string keys.
+Parameters are the compute copies: float32, or bf16 on the GPU (``GPT2.to(dtype=...)``, or
+``AdamW(..., compute_dtype="bfloat16")`` in mixed-precision training, where the optimizer
+keeps the float32 masters).
 The token embedding ``wte`` has ``padded_vocab_size`` rows (llm.c pads 50257 to 50304 so the
 LM-head matmul tiles well); padded rows start at zero and the loss ignores their logits.
 
@@ -15,10 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -26,7 +31,7 @@ from .. import ops
 from ..autograd import Tape
 from ..device import Device
 from ..errors import ConfigError, ShapeError
-from ..tensor import Tensor, backend_of, tensor, zeros
+from ..tensor import Tensor, tensor
 
 
 @dataclass
@@ -142,6 +147,49 @@ def init_params(cfg: GPT2Config, seed: int = 0) -> dict:
     return out
 
 
+class Layer(NamedTuple):
+    """One transformer block's parameters (Tensors, or the TVars of a tape), by role.
+
+    >>> cfg = GPT2Config(vocab_size=10, block_size=4, n_layer=2, n_head=1, n_embd=4)
+    >>> blocks = layers(GPT2.init(cfg).params, cfg)
+    >>> len(blocks), blocks[1].fc_w.shape
+    (2, (4, 16))
+    """
+
+    ln1_w: object
+    ln1_b: object
+    qkv_w: object    # attn.c_attn: (C, 3C)
+    qkv_b: object
+    proj_w: object   # attn.c_proj: (C, C)
+    proj_b: object
+    ln2_w: object
+    ln2_b: object
+    fc_w: object     # mlp.c_fc: (C, 4C)
+    fc_b: object
+    out_w: object    # mlp.c_proj: (4C, C)
+    out_b: object
+
+    @classmethod
+    def of(cls, params: dict, i: int) -> "Layer":
+        p = f"h.{i}."
+        return cls(*(params[p + k] for k in _LAYER_KEYS))
+
+
+_LAYER_KEYS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+               "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+               "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")
+
+
+def layers(params: dict, cfg: "GPT2Config") -> list:
+    """The ``Layer`` views of every block of ``params`` (a dict of Tensors or of TVars)."""
+    return [Layer.of(params, i) for i in range(cfg.n_layer)]
+
+
+def _head(params: dict, cfg: "GPT2Config"):
+    """The LM head: the token embedding when tied, else ``lm_head.weight``."""
+    return params["wte.weight"] if cfg.tied_head else params["lm_head.weight"]
+
+
 def _mix(seed: int, site: int) -> int:
     """A distinct 64-bit dropout stream per (step seed, dropout site): splitmix64's finalizer."""
     z = (seed * 0x9E3779B97F4A7C15 + site + 1) & 0xFFFFFFFFFFFFFFFF
@@ -150,22 +198,24 @@ def _mix(seed: int, site: int) -> int:
     return z ^ (z >> 31)
 
 
-@dataclass
-class KVCache:
-    """Per-layer key and value caches ``(B, H, Tmax, hs)``, allocated once; ``pos`` rows filled."""
-
-    k: list
-    v: list
-    pos: int = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[-2]
+def _params_kw(where: str, kw: dict) -> None:
+    """``params=`` left the signatures: a model's parameters are the compute copies."""
+    if "params" in kw:
+        raise TypeError(f"{where}: params= was removed; make a bf16 model with "
+                        "model.to(dtype='bfloat16'), or let AdamW(..., compute_dtype='bfloat16') "
+                        "keep the float32 masters in training")
+    if kw:
+        raise TypeError(f"{where}: unexpected keyword arguments {sorted(kw)}")
 
 
 @dataclass
 class GPT2:
-    """A GPT-2 model: its config and its parameters (float32 master Tensors on one device)."""
+    """A GPT-2 model: its config and its parameters (compute Tensors on one device).
+
+    >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    >>> GPT2.init(cfg).forward_cached(tensor([[1, 2]]), GPT2.init(cfg).new_cache(1)).shape
+    (1, 2, 10)
+    """
 
     config: GPT2Config
     params: dict = field(default_factory=dict)
@@ -197,29 +247,50 @@ class GPT2:
     def device(self) -> Device:
         return self.params["wte.weight"].device
 
-    def to(self, device) -> "GPT2":
-        return GPT2(self.config, {k: v.to(device) for k, v in self.params.items()})
+    @property
+    def dtype(self):
+        """The parameters' dtype (float32, or bfloat16 for a GPU model in bf16)."""
+        return self.params["wte.weight"].dtype
+
+    def to(self, device=None, dtype=None) -> "GPT2":
+        """A copy on another device and/or in another dtype (``"bfloat16"`` on the GPU).
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4)
+        >>> GPT2.init(cfg).to("cpu", dtype="float64").dtype
+        forge_ml.float64
+        """
+        params = self.params
+        if device is not None:
+            params = {k: v.to(device) for k, v in params.items()}
+        if dtype is not None:
+            params = {k: v.to(dtype) for k, v in params.items()}
+        return GPT2(self.config, dict(params))
 
     def num_params(self) -> int:
         """Parameter count (padded vocab rows included)."""
         return sum(v.numel for v in self.params.values())
 
+    def _check_ids(self, where: str, ids: Tensor) -> None:
+        """Token ids must be real vocabulary entries: the padded rows of ``wte`` (ids
+        ``vocab_size..padded_vocab_size-1``) are not tokens."""
+        ops.check_ids(where, ids, self.config.vocab_size)
+
     # -- training forward on the tape ----------------------------------------------------
     def forward(self, tape: Tape, ids: Tensor, targets: Optional[Tensor] = None, *,
-                params: Optional[dict] = None, dropout_seed: int = 0,
-                fused_attention: Optional[bool] = None):
-        """The training forward over ``ids (B, T)``, recorded on ``tape``.
+                train: bool = True, dropout_seed: int = 0,
+                fused_attention: Optional[bool] = None, **kw):
+        """The forward over ``ids (B, T)``, recorded on ``tape``.
 
-        ``params``: the tensors to compute with (default the model's; the trainer passes bf16
-        copies for mixed precision). Returns ``(logits, loss, leaves)``: logits ``(B*T, Vp)``,
-        the mean loss (None without ``targets``), and name -> leaf TVar of every parameter.
-        ``fused_attention`` (default: on unless dropout > 0) picks the flash-style attention op
-        over matmul + causal softmax + matmul; without dropout both compute the same function.
-        The fused op has no dropout on the attention probabilities, so with dropout > 0 and
-        ``fused_attention=True`` only the embedding and residual dropouts apply.
+        ``train=False`` is evaluation: no dropout. Returns ``(logits, loss, leaves)``: logits
+        ``(B*T, Vp)``, the mean loss (None without ``targets``), and name -> leaf TVar of
+        every parameter. ``fused_attention`` (default: on unless dropout is active) picks the
+        flash-style attention op over matmul + causal softmax + matmul; without dropout both
+        compute the same function. The fused op has no dropout on the attention
+        probabilities, so with dropout and ``fused_attention=True`` only the embedding and
+        residual dropouts apply.
         """
+        _params_kw("GPT2.forward", kw)
         cfg = self.config
-        P = self.params if params is None else params
         if ids.ndim == 1:
             ids = ids.reshape(1, -1)
         if ids.ndim != 2:
@@ -228,47 +299,43 @@ class GPT2:
         if T > cfg.block_size:
             raise ShapeError(f"GPT2.forward: sequence of {T} tokens is longer than the context "
                              f"(block_size {cfg.block_size})")
+        self._check_ids("GPT2.forward", ids)
         C, H, hs = cfg.n_embd, cfg.n_head, cfg.head_size
-        eps, p_drop = cfg.layernorm_eps, cfg.dropout
+        eps = cfg.layernorm_eps
+        p_drop = cfg.dropout if train else 0.0
         fused = (p_drop == 0.0) if fused_attention is None else fused_attention
-        leaves = {k: tape.leaf(v) for k, v in P.items()}
-        L = leaves
+        leaves = {k: tape.leaf(v) for k, v in self.params.items()}
         site = iter(range(1 << 30))
 
         def drop(x):
             return tape.dropout(x, p_drop, _mix(dropout_seed, next(site))) if p_drop else x
 
-        x = tape.embedding(ids, L["wte.weight"], L["wpe.weight"], 0)          # (B, T, C)
-        x = drop(tape.reshape(x, B * T, C))                                    # (B*T, C)
-        for i in range(cfg.n_layer):
-            p = f"h.{i}."
-            h = tape.layernorm(x, L[p + "ln_1.weight"], L[p + "ln_1.bias"], eps)
-            qkv = tape.matmul(h, L[p + "attn.c_attn.weight"], L[p + "attn.c_attn.bias"])
-            qkv = tape.reshape(qkv, B, T, 3 * C)                               # (B, T, 3C)
+        x = tape.embedding(ids, leaves["wte.weight"], leaves["wpe.weight"], 0)  # (B, T, C)
+        x = drop(tape.reshape(x, B * T, C))                                      # (B*T, C)
+        for L in layers(leaves, cfg):
+            h = tape.layernorm(x, L.ln1_w, L.ln1_b, eps)
+            qkv = tape.reshape(tape.matmul(h, L.qkv_w, L.qkv_b), B, T, 3 * C)    # (B, T, 3C)
             if fused:
-                y = tape.attention_qkv(qkv, H, 1.0 / math.sqrt(hs))            # (B, T, C)
+                y = tape.attention_qkv(qkv, H, 1.0 / math.sqrt(hs))              # (B, T, C)
             else:
-                q, k, v = tape.split_heads(qkv, H)                             # (B, H, T, hs)
+                q, k, v = tape.split_heads(qkv, H)                               # (B, H, T, hs)
                 att = tape.matmul(q, k, trans_b=True, alpha=1.0 / math.sqrt(hs))  # (B, H, T, T)
                 att = drop(tape.softmax(att, causal=True))
-                y = tape.merge_heads(tape.matmul(att, v))                      # (B, T, C)
-            y = tape.reshape(y, B * T, C)                                      # (B*T, C)
-            y = drop(tape.matmul(y, L[p + "attn.c_proj.weight"], L[p + "attn.c_proj.bias"]))
-            x = tape.add(x, y)
-            h = tape.layernorm(x, L[p + "ln_2.weight"], L[p + "ln_2.bias"], eps)
-            h = tape.matmul(h, L[p + "mlp.c_fc.weight"], L[p + "mlp.c_fc.bias"])  # (B*T, 4C)
-            h = tape.gelu(h)
-            h = drop(tape.matmul(h, L[p + "mlp.c_proj.weight"], L[p + "mlp.c_proj.bias"]))
-            x = tape.add(x, h)
-        x = tape.layernorm(x, L["ln_f.weight"], L["ln_f.bias"], eps)
-        head = L["wte.weight"] if cfg.tied_head else L["lm_head.weight"]
-        logits = tape.matmul(x, head, trans_b=True)                            # (B*T, Vp)
+                y = tape.merge_heads(tape.matmul(att, v))                        # (B, T, C)
+            y = tape.reshape(y, B * T, C)                                        # (B*T, C)
+            x = tape.add(x, drop(tape.matmul(y, L.proj_w, L.proj_b)))
+            h = tape.layernorm(x, L.ln2_w, L.ln2_b, eps)
+            h = tape.gelu(tape.matmul(h, L.fc_w, L.fc_b))                        # (B*T, 4C)
+            x = tape.add(x, drop(tape.matmul(h, L.out_w, L.out_b)))
+        x = tape.layernorm(x, leaves["ln_f.weight"], leaves["ln_f.bias"], eps)
+        logits = tape.matmul(x, _head(leaves, cfg), trans_b=True)                # (B*T, Vp)
         loss = None
         if targets is not None:
             if targets.ndim == 1 and B == 1:
                 targets = targets.reshape(1, -1)
             if targets.shape != (B, T):
                 raise ShapeError(f"GPT2.forward: targets must be {(B, T)} like ids, got {targets.shape}")
+            self._check_ids("GPT2.forward (targets)", targets)
             loss = tape.cross_entropy(logits, targets.reshape(B * T), cfg.vocab_size)
         return logits, loss, leaves
 
@@ -280,57 +347,36 @@ class GPT2:
         return loss.t.item(), {k: tape.grad(v) for k, v in leaves.items()}
 
     def logits(self, ids: Tensor, **kw) -> Tensor:
-        """Full-sequence logits ``(B, T, V)`` (padding columns dropped), no KV cache."""
+        """Full-sequence logits ``(B, T, V)`` (padding columns dropped), no KV cache, no
+        dropout."""
         if ids.ndim == 1:
             ids = ids.reshape(1, -1)
         B, T = ids.shape
-        logits, _, _ = self.forward(Tape(), ids, **kw)
+        logits, _, _ = self.forward(Tape(), ids, train=False, **kw)
         out = logits.t.reshape(B, T, self.config.padded_vocab_size)
         return _take_vocab(out, self.config.vocab_size)
 
     # -- inference with a KV cache ----------------------------------------------------------
-    def new_cache(self, batch: int, max_len: Optional[int] = None, params: Optional[dict] = None) -> KVCache:
-        """An empty KV cache for ``batch`` rows and up to ``max_len`` (<= block_size) tokens."""
-        cfg = self.config
-        max_len = cfg.block_size if max_len is None else max_len
-        if not (0 < max_len <= cfg.block_size):
-            raise ShapeError(f"new_cache: max_len must be in 1..{cfg.block_size}, got {max_len}")
-        ref = (self.params if params is None else params)["wte.weight"]
-        shape = (batch, cfg.n_head, max_len, cfg.head_size)
-        mk = lambda: [zeros(shape, ref.dtype, ref.device) for _ in range(cfg.n_layer)]  # noqa: E731
-        return KVCache(mk(), mk(), 0)
+    def new_cache(self, batch: int, max_len: Optional[int] = None, **kw):
+        """An empty KV cache (``forge_ml.inference.decode.KVCache``) for ``batch`` rows and up
+        to ``max_len`` (<= block_size) tokens, in the parameters' dtype."""
+        _params_kw("GPT2.new_cache", kw)
+        from ..inference.decode import KVCache
+        return KVCache.empty(self, batch, max_len)
 
-    def decoder(self, batch: int, max_len: Optional[int] = None,
-                params: Optional[dict] = None) -> tuple:
-        """``(cache, step)``: an empty KV cache (``new_cache``) and its ``DecodeStep``, for a
-        generation loop. On cuda the pair, with the CUDA graphs its step has captured, is kept
-        and handed out again (emptied: ``pos`` 0) to the next call with the same batch, length,
-        and parameter buffers, so repeated generation pays the capture once; on the CPU every
-        call makes a new pair.
+    def decoder(self, batch: int, max_len: Optional[int] = None, **kw) -> tuple:
+        """``(cache, step)`` for a generation loop: see ``forge_ml.inference.decode.decoder``.
 
         >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
         >>> cache, step = GPT2.init(cfg).decoder(2, 8)
         >>> cache.capacity, type(step).__name__
         (8, 'DecodeStep')
         """
-        P = self.params if params is None else params
-        if P["wte.weight"].device.type != "cuda":
-            cache = self.new_cache(batch, max_len, params)
-            return cache, DecodeStep(self, cache, params)
-        # the graphs hold the addresses of every parameter buffer: reuse only when they match
-        key = (batch, max_len, os.environ.get("FORGE_CUDA_GRAPH", "1"),
-               tuple((k, v.dtype.name, v.data.data.ptr) for k, v in P.items()))
-        kept = getattr(self, "_decoder_kept", None)
-        if kept is not None and kept[0] == key and kept[3] is P:
-            kept[1].pos = 0
-            return kept[1], kept[2]
-        cache = self.new_cache(batch, max_len, params)
-        step = DecodeStep(self, cache, params)
-        self._decoder_kept = (key, cache, step, P)
-        return cache, step
+        _params_kw("GPT2.decoder", kw)
+        from ..inference.decode import decoder
+        return decoder(self, batch, max_len)
 
-    def forward_cached(self, ids: Tensor, cache: KVCache, params: Optional[dict] = None, *,
-                       last_only: bool = False) -> Tensor:
+    def forward_cached(self, ids: Tensor, cache, *, last_only: bool = False, **kw) -> Tensor:
         """Logits ``(B, Tn, Vp)`` for ``ids (B, Tn)`` at positions ``cache.pos…``; appends the
         new keys and values to ``cache`` and advances ``cache.pos``. Equal to the full forward's
         logits at the same positions. ``last_only`` returns ``(B, 1, Vp)``, the last
@@ -342,27 +388,28 @@ class GPT2:
         >>> model.forward_cached(tensor([[1, 2, 3]]), cache).shape, cache.pos
         ((1, 3, 10), 3)
         """
+        _params_kw("GPT2.forward_cached", kw)
         cfg = self.config
-        P = self.params if params is None else params
+        P = self.params
         if ids.ndim == 1:
             ids = ids.reshape(1, -1)
         if ids.ndim != 2:
             raise ShapeError(f"forward_cached: ids must be (B, Tn), got {ids.shape}")
         B, Tn = ids.shape
-        if B != cache.k[0].shape[0]:
+        if B != cache.batch:
             raise ShapeError(f"forward_cached: ids have {B} rows but the cache was made for "
-                             f"{cache.k[0].shape[0]}")
+                             f"{cache.batch}")
         pos = cache.pos
         if pos + Tn > cache.capacity:
             raise ShapeError(f"forward_cached: {pos} cached + {Tn} new tokens exceed the cache's "
                              f"{cache.capacity} rows (context {cfg.block_size})")
+        self._check_ids("forward_cached", ids)
         C, H, hs, eps = cfg.n_embd, cfg.n_head, cfg.head_size, cfg.layernorm_eps
         x = ops.embedding(ids, P["wte.weight"], P["wpe.weight"], pos).reshape(B * Tn, C)
         n = pos + Tn
-        for i in range(cfg.n_layer):
-            p = f"h.{i}."
-            h = ops.layernorm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"], eps)
-            qkv = ops.matmul(h, P[p + "attn.c_attn.weight"], P[p + "attn.c_attn.bias"])
+        for i, L in enumerate(layers(P, cfg)):
+            h = ops.layernorm(x, L.ln1_w, L.ln1_b, eps)
+            qkv = ops.matmul(h, L.qkv_w, L.qkv_b)
             q, k, v = ops.split_heads(qkv.reshape(B, Tn, 3 * C), H)           # (B, H, Tn, hs)
             ops.kv_append(cache.k[i], k, pos)
             ops.kv_append(cache.v[i], v, pos)
@@ -370,26 +417,27 @@ class GPT2:
             att = ops.softmax(att, causal=True, off=pos)                      # (B, H, Tn, n)
             y = ops.matmul(att, cache.v[i], b_rows=n)                         # (B, H, Tn, hs)
             y = ops.merge_heads(y).reshape(B * Tn, C)
-            x = ops.add(x, ops.matmul(y, P[p + "attn.c_proj.weight"], P[p + "attn.c_proj.bias"]))
-            h = ops.layernorm(x, P[p + "ln_2.weight"], P[p + "ln_2.bias"], eps)
-            h = ops.gelu(ops.matmul(h, P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"]))
-            x = ops.add(x, ops.matmul(h, P[p + "mlp.c_proj.weight"], P[p + "mlp.c_proj.bias"]))
+            x = ops.add(x, ops.matmul(y, L.proj_w, L.proj_b))
+            h = ops.layernorm(x, L.ln2_w, L.ln2_b, eps)
+            h = ops.gelu(ops.matmul(h, L.fc_w, L.fc_b))
+            x = ops.add(x, ops.matmul(h, L.out_w, L.out_b))
         if last_only and Tn > 1:
-            x = Tensor(x.data.reshape(B, Tn, C)[:, -1].copy(), x.device)      # (B, C)
+            x = ops.take_rows(x.reshape(B, Tn, C), Tn - 1)                    # (B, C)
             Tn = 1
         x = ops.layernorm(x, P["ln_f.weight"], P["ln_f.bias"], eps)
-        head = P["wte.weight"] if cfg.tied_head else P["lm_head.weight"]
-        logits = ops.matmul(x, head, trans_b=True)                            # (B*Tn, Vp)
+        logits = ops.matmul(x, _head(P, cfg), trans_b=True)                   # (B*Tn, Vp)
         cache.pos = n
         return logits.reshape(B, Tn, cfg.padded_vocab_size)
 
-    def decode_step(self, ids: Tensor, pos, cache: KVCache, params: Optional[dict] = None) -> Tensor:
+    def decode_step(self, ids: Tensor, pos, cache, **kw) -> Tensor:
         """Logits ``(B, Vp)`` for one new token per row, ``ids (B, 1)`` (or ``(B,)``), at
         position ``pos``; writes the tokens' keys and values at row ``pos`` of ``cache``
-        (``cache.pos`` is left to the caller). ``pos``: an int, or a one-element int32 tensor
-        on the model's device, read by the kernels, so the step has fixed shapes and no host
-        values: ``DecodeStep`` captures it in a CUDA graph. Equal to ``forward_cached``'s
-        logits for the same token at the same position (attention scores in float32).
+        (``cache.pos`` is left to the caller). ``pos``: an int, or an int32 tensor on the
+        model's device (one element, or one per row: rows at different positions), read by
+        the kernels, so the step has fixed shapes and no host values:
+        ``inference.decode.DecodeStep`` captures it in a CUDA graph. Equal to
+        ``forward_cached``'s logits for the same token at the same position (attention
+        scores in float32).
 
         >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
         >>> model = GPT2.init(cfg)
@@ -399,220 +447,44 @@ class GPT2:
         >>> bool(np.allclose(out, ref, atol=1e-6))
         True
         """
+        _params_kw("GPT2.decode_step", kw)
         cfg = self.config
-        P = self.params if params is None else params
+        P = self.params
         if ids.ndim == 1:
             ids = ids.reshape(-1, 1)
         if ids.ndim != 2 or ids.shape[1] != 1:
             raise ShapeError(f"decode_step: ids must be (B, 1), one token per row, got {ids.shape}")
         B = ids.shape[0]
-        if B != cache.k[0].shape[0]:
+        if B != cache.batch:
             raise ShapeError(f"decode_step: ids have {B} rows but the cache was made for "
-                             f"{cache.k[0].shape[0]}")
+                             f"{cache.batch}")
+        self._check_ids("decode_step", ids)
         C, H, eps = cfg.n_embd, cfg.n_head, cfg.layernorm_eps
         x = ops.embedding(ids, P["wte.weight"], P["wpe.weight"], pos).reshape(B, C)
-        for i in range(cfg.n_layer):
-            p = f"h.{i}."
+        for i, L in enumerate(layers(P, cfg)):
             # four linear layers, each one kernel on the GPU (layernorm folded into the first
             # and third, GELU and the residual adds into the epilogues), and the attention
-            qkv = ops.linear(x, P[p + "attn.c_attn.weight"], P[p + "attn.c_attn.bias"],
-                             ln=(P[p + "ln_1.weight"], P[p + "ln_1.bias"]), eps=eps)
+            qkv = ops.linear(x, L.qkv_w, L.qkv_b, ln=(L.ln1_w, L.ln1_b), eps=eps)
             y = ops.decode_attention(qkv, cache.k[i], cache.v[i], pos, H)        # (B, C)
-            x = ops.linear(y, P[p + "attn.c_proj.weight"], P[p + "attn.c_proj.bias"], residual=x)
-            h = ops.linear(x, P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"], act="gelu",
-                           ln=(P[p + "ln_2.weight"], P[p + "ln_2.bias"]), eps=eps)
-            x = ops.linear(h, P[p + "mlp.c_proj.weight"], P[p + "mlp.c_proj.bias"], residual=x)
+            x = ops.linear(y, L.proj_w, L.proj_b, residual=x)
+            h = ops.linear(x, L.fc_w, L.fc_b, act="gelu", ln=(L.ln2_w, L.ln2_b), eps=eps)
+            x = ops.linear(h, L.out_w, L.out_b, residual=x)
         x = ops.layernorm(x, P["ln_f.weight"], P["ln_f.bias"], eps)
-        head = P["wte.weight"] if cfg.tied_head else P["lm_head.weight"]
-        return ops.matmul(x, head, trans_b=True)                                 # (B, Vp)
-
-
-class DecodeStep:
-    """``GPT2.decode_step`` on fixed buffers, for a generation loop.
-
-    ``step(tokens, pos)`` feeds one token per row (``tokens``: B ints) at position ``pos``
-    (the cache must hold rows ``0..pos-1``), writes the new keys and values into ``cache``,
-    sets ``cache.pos = pos + 1`` and returns the logits ``(B, vocab_size)`` as a float32
-    NumPy array. The inputs live in fixed device buffers (the position too), so on cuda the
-    step is captured once in a CUDA graph: the first call runs op by op (compiling and loading
-    every kernel), the second captures, and from then on a call is two small host-to-device
-    copies, one graph launch and one copy of the logits back. ``graph=False``, or the
-    environment variable ``FORGE_CUDA_GRAPH=0``, keeps every call op by op; on the CPU there
-    is no graph.
-
-    >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
-    >>> model = GPT2.init(cfg)
-    >>> cache = model.new_cache(2, 8)
-    >>> _ = model.forward_cached(tensor([[1, 2], [3, 4]]), cache)
-    >>> step = DecodeStep(model, cache)
-    >>> step([5, 6], 2).shape, cache.pos
-    ((2, 10), 3)
-    """
-
-    def __init__(self, model: "GPT2", cache: KVCache, params: Optional[dict] = None,
-                 graph: Optional[bool] = None):
-        self.model, self.cache = model, cache
-        self.params = model.params if params is None else params
-        dev = self.params["wte.weight"].device
-        B = cache.k[0].shape[0]
-        self._ids = zeros((B, 1), "int32", dev)
-        self._pos = zeros((1,), "int32", dev)
-        self._bk = backend_of(dev)
-        if graph is None:
-            graph = os.environ.get("FORGE_CUDA_GRAPH", "1") != "0"
-        self.graph = bool(graph) and hasattr(self._bk, "capture_graph")
-        self._graphs = {}      # "logits": the step; ("greedy", k): k steps + greedy choices
-        self._hist = {}        # k -> the (k, B) int32 device buffer of a k-step chain's tokens
-        self._warm = False     # some step ran op by op: every kernel is compiled and loaded
-
-    def _logits(self):
-        """The step's device work; returns the float32 logits array (B, Vp) (the bf16 ->
-        float32 cast is part of the captured work, so the host copies one array back)."""
-        out = self.model.decode_step(self._ids, self._pos, self.cache, self.params)
-        return (out if out.dtype.name == "float32" else out.to("float32")).data
-
-    def __call__(self, tokens, pos: int) -> np.ndarray:
-        B = self._ids.shape[0]
-        V = self.model.config.vocab_size
-        tokens = self._checked_tokens(tokens)
-        if not (isinstance(pos, (int, np.integer)) and 0 <= pos < self.cache.capacity):
-            raise ShapeError(f"DecodeStep: position {pos} does not fit the cache's "
-                             f"{self.cache.capacity} rows")
-        ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
-        ops.assign(self._pos, np.array([pos], np.int32))
-        out = self._run("logits", self._logits)
-        self.cache.pos = int(pos) + 1
-        return self._bk.to_host(out)[:, :V].astype(np.float32, copy=False)
-
-    def _run(self, key, work):
-        """``work()``'s device work: replayed from the CUDA graph kept under ``key``, or
-        captured there first when graphs are on and some step ran op by op before (so every
-        kernel ``work`` launches is compiled and loaded), else op by op. A capture that fails
-        turns graphs off for this step, with one warning, and the work runs op by op."""
-        g = self._graphs.get(key)
-        if g is None and self.graph and self._warm:
-            try:
-                g = self._bk.capture_graph(work)
-            except Exception as e:
-                warnings.warn(f"DecodeStep: the CUDA graph capture failed ({type(e).__name__}: "
-                              f"{e}); decoding goes on op by op", RuntimeWarning, stacklevel=3)
-                self.graph = False
-            else:
-                self._graphs[key] = g
-        if g is None:
-            out = work()
-            self._warm = True
-            return out
-        g.replay()
-        return g.outputs
-
-    @property
-    def captured(self) -> bool:
-        """Whether the step now replays a CUDA graph."""
-        return "logits" in self._graphs
-
-    def _greedy_work(self, k: int):
-        """``k`` greedy steps on the device: each computes the logits, then ``ids = argmax``
-        (also written to row i of the chain's token buffer) and ``pos += 1`` (the argmax ids are
-        < vocab_size, so the range the embedding check cached stays true)."""
-        hist = self._hist[k]
-        for i in range(k):
-            logits = self._logits()
-            self._bk.greedy_next(logits, self.model.config.vocab_size, self._ids.data,
-                                 self._pos.data, out=hist[i])
-        return hist
-
-    def greedy(self, tokens, pos: int, n: int, lookahead: int = 4, chunk: Optional[int] = None):
-        """Yield ``n`` greedy steps with the host out of the loop: the first feeds ``tokens``
-        at ``pos``, each next one feeds the previous step's choice at the next position; each
-        yield is the (B,) int32 array of every row's argmax token (lowest id on ties, as
-        ``np.argmax``). The choice is made on the device, ``chunk`` steps at a time (on cuda
-        one replay of a CUDA graph of ``chunk`` x (step + argmax) and one copy of their tokens
-        back; default 8 with graphs, else 1), and at least ``lookahead`` steps are queued
-        ahead, so the host reads tokens while the GPU computes the next ones. Closing the
-        generator early waits for the queued steps; ``cache.pos`` then counts every row they
-        wrote.
-
-        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
-        >>> model = GPT2.init(cfg)
-        >>> cache = model.new_cache(1, 8)
-        >>> _ = model.forward_cached(tensor([[1, 2]]), cache)
-        >>> [t.shape for t in DecodeStep(model, cache).greedy([3], 2, 3)], cache.pos
-        ([(1,), (1,), (1,)], 5)
-        """
-        B = self._ids.shape[0]
-        if not (isinstance(n, (int, np.integer)) and n >= 0):
-            raise ShapeError(f"DecodeStep.greedy: n must be an int >= 0, got {n!r}")
-        if n and not 0 <= pos <= pos + n - 1 < self.cache.capacity:
-            raise ShapeError(f"DecodeStep.greedy: positions {pos}..{pos + n - 1} do not fit the "
-                             f"cache's {self.cache.capacity} rows")
-        if chunk is None:
-            chunk = 8 if self.graph else 1
-        if not (isinstance(chunk, (int, np.integer)) and chunk >= 1):
-            raise ShapeError(f"DecodeStep.greedy: chunk must be an int >= 1, got {chunk!r}")
-        if n == 0:
-            return
-        tokens = self._checked_tokens(tokens)
-        ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
-        ops.assign(self._pos, np.array([pos], np.int32))
-        # whole chunks, then single steps: every launch writes only rows pos..pos+n-1
-        sizes = [int(chunk)] * (n // chunk) + [1] * (n % chunk)
-        dev = self._ids.device
-        for k in set(sizes):
-            if k not in self._hist:
-                self._hist[k] = zeros((k, B), "int32", dev).data
-        ahead = max(2, -(-int(lookahead) // int(chunk)))
-        rings = {k: self._bk.pinned_empty((ahead, k, B), np.int32) for k in set(sizes)}
-        pending = []    # (handle, host array) per launch in flight
-        launched = 0    # launches queued
-        done = 0        # steps of the queued launches
-
-        def launch():
-            nonlocal launched, done
-            k = sizes[launched]
-            out = self._run(("greedy", k), lambda: self._greedy_work(k))
-            host = rings[k][launched % ahead]
-            pending.append((self._bk.to_host_async(out, host), host))
-            launched += 1
-            done += k
-
-        try:
-            while launched < min(ahead, len(sizes)):
-                launch()
-            yielded = 0
-            while pending:
-                handle, host = pending.pop(0)
-                if handle is not None:
-                    handle.synchronize()
-                toks = host.copy()
-                if launched < len(sizes):
-                    launch()
-                for row in toks:
-                    yielded += 1
-                    self.cache.pos = pos + yielded
-                    yield row
-        finally:
-            for handle, _ in pending:
-                if handle is not None:
-                    handle.synchronize()
-            self.cache.pos = pos + done
-
-    def _checked_tokens(self, tokens) -> np.ndarray:
-        B = self._ids.shape[0]
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.shape != (B,):
-            raise ShapeError(f"DecodeStep: expected {B} tokens (one per row), got {tokens.shape[0]}")
-        V = self.model.config.vocab_size
-        if tokens.min() < 0 or tokens.max() >= V:
-            raise ShapeError(f"DecodeStep: token ids must be in 0..{V - 1}, got "
-                             f"{int(tokens.min())}..{int(tokens.max())}")
-        return tokens
+        return ops.matmul(x, _head(P, cfg), trans_b=True)                        # (B, Vp)
 
 
 def _take_vocab(logits: Tensor, v: int) -> Tensor:
     """Drop padded vocab columns: ``(…, Vp) -> (…, V)`` (a copy)."""
     if logits.shape[-1] == v:
         return logits
-    arr = logits.data[..., :v]
-    xp_copy = arr.copy()
-    return Tensor(xp_copy, logits.device)
+    return ops.take_columns(logits, v)
+
+
+def __getattr__(name):
+    # KVCache and DecodeStep moved to forge_ml.inference.decode (one release of grace)
+    if name in ("KVCache", "DecodeStep"):
+        warnings.warn(f"forge_ml.models.gpt2.{name} moved to forge_ml.inference.decode.{name}",
+                      DeprecationWarning, stacklevel=2)
+        from ..inference import decode
+        return getattr(decode, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,203 @@
+"""The backend contract, as code: what a device folder under ``backends/`` must provide.
+
+A backend is a module (or package) of plain functions that take and return arrays of its
+own kind (NumPy on ``cpu``, CuPy on ``cuda``), never Tensors, and never know the tape.
+``forge_ml.ops`` has checked shapes, dtypes and devices before a backend function runs, so
+a backend only computes. Arrays are C-contiguous. The four groups:
+
+- **memory**: allocation, host copies, in-place assignment, ``synchronize``;
+- **core kernels**: every op of the op set and its backward. A backend must have each one;
+  loading a backend that lacks one is an error naming it;
+- **fused kernels**: ops that a backend may run as one kernel (flash attention, a linear
+  layer with its prologue and epilogue, a decoding step's attention, the device-side
+  argmax). Each has a composed default in ``backends/compose.py``, written with memory and
+  core ops only; a backend that lacks a fused kernel gets that default;
+- **capabilities**: attributes that code above the backends asks instead of testing a
+  device's name (``bf16`` storage, CUDA-graph ``graphs``, ``host_memory``).
+
+The semantics of each op are DESIGN.md's op contract and ``tests/reference.py`` (the float64
+specification); ``tests/backends/`` runs every op of every available backend against it.
+
+>>> sorted(set(CORE) & set(FUSED))
+[]
+>>> "attention_qkv_bwd" in FUSED, "matmul" in CORE
+(True, True)
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, Tuple, runtime_checkable
+
+Array = Any  # a NumPy or CuPy array (or another backend's own array type)
+
+
+@runtime_checkable
+class Memory(Protocol):
+    """Memory: where arrays live and how they reach the host."""
+
+    def zeros(self, shape: tuple, dtype_name: str) -> Array:
+        """A new zero-filled array; dtype_name in float32/float64/bfloat16/int32/int64."""
+
+    def from_host(self, np_array, dtype_name: str) -> Array:
+        """A copy of a NumPy array, cast to ``dtype_name``."""
+
+    def to_host(self, array: Array):
+        """A NumPy copy (bfloat16 comes back as float32)."""
+
+    def cast(self, array: Array, dtype_name: str) -> Array:
+        """A new array of another dtype."""
+
+    def copy(self, array: Array) -> Array:
+        """A new array with the same contents."""
+
+    def assign(self, dst: Array, np_array) -> None:
+        """``dst[...] = np_array``, in place (same shape), ordered with the kernels."""
+
+    def synchronize(self) -> None:
+        """Wait until every queued kernel has finished (a no-op where kernels are synchronous)."""
+
+    def pinned_empty(self, shape: tuple, dtype):
+        """A host NumPy array that device copies can fill asynchronously."""
+
+    def to_host_async(self, array: Array, out):
+        """Copy ``array`` into the host array ``out``; returns None when the copy is done
+        already, else a handle whose ``synchronize()`` waits for it."""
+
+
+@runtime_checkable
+class CoreKernels(Protocol):
+    """Every op of the op set with its backward: float32 and float64, and bfloat16 storage
+    with float32 accumulation where the backend has ``bf16``."""
+
+    def matmul(self, a, b, bias, trans_a: bool, trans_b: bool, alpha: float,
+               b_rows: Optional[int]) -> Array:
+        """``alpha * op(a) @ op(b) [+ bias]``; 2-D x 2-D or batched (equal leading dims);
+        ``b_rows`` uses the first rows of b as stored."""
+
+    def add(self, a, b) -> Array:
+        """Elementwise sum, same shape."""
+
+    def sum_rows(self, x) -> Array:
+        """Sum over every axis but the last: ``(..., C) -> (C,)``."""
+
+    def sumsq(self, x) -> Array:
+        """0-d sum of squares (float32; float64 for float64 input)."""
+
+    def gelu(self, x) -> Array:
+        """GPT-2's tanh GELU."""
+
+    def gelu_bwd(self, x, dy) -> Array:
+        """``dy * gelu'(x)``."""
+
+    def layernorm(self, x, gamma, beta, eps: float) -> Array:
+        """Layer norm over the last axis."""
+
+    def layernorm_bwd(self, x, gamma, dy, eps: float) -> Tuple[Array, Array, Array]:
+        """``(dx, dgamma, dbeta)``."""
+
+    def softmax(self, x, causal: bool, off: int) -> Array:
+        """Last axis; causal masks column j of row i when j > i + off; masked = 0.0."""
+
+    def softmax_bwd(self, y, dy) -> Array:
+        """``y * (dy - sum(y * dy))``."""
+
+    def logsumexp(self, x, causal: bool, off: int) -> Array:
+        """``(...,)``: log of the sum of exp over the last axis, masked as ``softmax``;
+        float32 (float64 for float64 input)."""
+
+    def split_heads(self, qkv, n_head: int) -> Tuple[Array, Array, Array]:
+        """``(..., T, 3C) -> 3 x (..., H, T, hs)``."""
+
+    def unsplit_head(self, dy, which: int) -> Array:
+        """``(..., H, T, hs) -> (..., T, 3C)``, zeros outside the ``which`` third."""
+
+    def merge_heads(self, x) -> Array:
+        """``(..., H, T, hs) -> (..., T, H*hs)``."""
+
+    def unmerge_heads(self, dy, h: int) -> Array:
+        """``(..., T, C) -> (..., H, T, hs)``."""
+
+    def embedding(self, ids, wte, wpe, pos) -> Array:
+        """``wte[ids] + wpe[pos + t]``; pos an int or a one-element int32 array (a device
+        position: past the table gives NaN rows)."""
+
+    def scatter_add_rows(self, dst, ids, src) -> None:
+        """``dst[ids[i]] += src[i]`` in place, repeats add."""
+
+    def kv_append(self, cache, new, pos: int) -> None:
+        """``cache[..., pos:pos+Tn, :] = new`` in place."""
+
+    def dropout(self, x, p: float, seed: int) -> Array:
+        """Inverted dropout with ``forge_ml.rng``'s Philox mask."""
+
+    def cross_entropy(self, logits, targets, vocab_size: int) -> Array:
+        """0-d mean over rows of ``logsumexp(l[:V]) - l[target]``."""
+
+    def cross_entropy_bwd(self, logits, targets, dloss: float, vocab_size: int) -> Array:
+        """``dloss * (softmax(l[:V]) - onehot) / N``, zero past V."""
+
+    def adamw_update(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step,
+                     grad_scale, p_lowp=None) -> None:
+        """One fused AdamW step in place on float32 p, m, v; ``p_lowp`` (bf16) receives the
+        updated p rounded, where the backend has ``bf16``."""
+
+
+@runtime_checkable
+class FusedKernels(Protocol):
+    """Ops a backend may fuse; ``backends.compose`` has the default of each."""
+
+    def attention(self, q, k, v, scale: float) -> Tuple[Array, Array]:
+        """Causal self-attention over ``(..., H, T, hs)``: ``(out, lse (..., H, T))``."""
+
+    def attention_bwd(self, q, k, v, out, lse, dout, scale: float) -> Tuple[Array, Array, Array]:
+        """``(dq, dk, dv)``."""
+
+    def attention_qkv(self, qkv, n_head: int, scale: float) -> Tuple[Array, Array]:
+        """The same from fused ``(B, T, 3C)`` rows: ``(y (B, T, C), lse (B, H, T))``."""
+
+    def attention_qkv_bwd(self, qkv, y, lse, dy, n_head: int, scale: float) -> Array:
+        """``dqkv (B, T, 3C)``."""
+
+    def linear(self, x, w, bias, act, residual, ln=None) -> Array:
+        """``act(LN(x) @ w + bias) + residual`` (inference)."""
+
+    def decode_attention(self, qkv, k_cache, v_cache, pos, n_head: int, scale: float) -> Array:
+        """One decoding step: keys and values written at row ``pos``, ``y (B, C)``."""
+
+    def greedy_next(self, logits, vocab_size: int, ids, pos, out=None) -> None:
+        """``ids = argmax(logits[:, :V])`` (also into ``out``), then ``pos += 1``."""
+
+
+@runtime_checkable
+class Capabilities(Protocol):
+    """What code above the backends may ask instead of a device's name."""
+
+    name: str            # the registry name ("cpu", "cuda", ...)
+    bf16: bool           # bfloat16 storage (mixed-precision training)
+    graphs: bool         # capture_graph(fn) records device work for replays
+    host_memory: bool    # arrays live in host memory: reading a value costs no device wait
+
+
+MEMORY = ("zeros", "from_host", "to_host", "cast", "copy", "assign", "synchronize",
+          "pinned_empty", "to_host_async")
+CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "layernorm_bwd",
+        "softmax", "softmax_bwd", "logsumexp", "split_heads", "unsplit_head", "merge_heads",
+        "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout",
+        "cross_entropy", "cross_entropy_bwd", "adamw_update")
+FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd", "linear",
+         "decode_attention", "greedy_next")
+CAPABILITIES = {"bf16": False, "graphs": False, "host_memory": False}
+"""Capability -> the value a backend that does not declare it is taken to have."""
+OPTIONAL = ("capture_graph", "select", "start")
+"""Members only some backends have: ``capture_graph(fn)`` where ``graphs``; ``select(index)``
+makes device ``index`` current (several devices of one type); ``start()`` runs once at load
+(the CPU backend's malloc tuning)."""
+
+
+def missing(module) -> list:
+    """The memory and core members ``module`` lacks (fused ones have defaults).
+
+    >>> import types
+    >>> missing(types.SimpleNamespace(zeros=len))[:2]
+    ['from_host', 'to_host']
+    """
+    return [n for n in MEMORY + CORE if not callable(getattr(module, n, None))]

@@ -1,0 +1,318 @@
+"""Causal self-attention, training and decoding.
+
+- flash (flash_attention.cu, after FlashAttention-2): fused forward and backward, no T x T
+  matrix in memory, bfloat16 at head size 64 on the tensor cores; head-major ``(..., H, T,
+  64)`` arrays (``attention``, ``attention_bwd``) or GPT-2's fused ``(B, T, 3C)`` rows read
+  in place (``attention_qkv``, ``attention_qkv_bwd``).
+- composed (``_attention_composed``, ``_attention_bwd_composed``): cuBLAS batched products
+  around the softmax kernels of rows.py, the T x T scores of each head materialized in float32
+  (attention.cu rebuilds the probabilities from the saved lse in the backward). It serves every
+  other dtype and head size, and everything when the FORGE_ATTENTION switch is 'composed'.
+- decoding: ``kv_append`` (the KV-cache write) and ``decode_attention`` (one token: the cache
+  write and the attention of every head in one kernel; on Hopper a thread-block cluster per
+  head splits a long cache).
+
+Kernels: attention.cu, flash_attention.cu.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ... import flags
+from ...errors import ShapeError
+from .. import compose as _compose
+from .cublas import _matmul_into
+from .layout import merge_heads, split_heads, unmerge_heads
+from .memory import _c, _like, _pos_array
+from .rows import _softmax_bwd_into, _softmax_into
+from .runtime import (BF16, F32, _SFX, _THREADS, _acc, _acc_dtype, _empty, _float_sfx, _grid,
+                      _guarded, _i32, _i64, _launch, _launcher_ex, _package, _word, cupy)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training attention: flash and composed
+# ----------------------------------------------------------------------------------------------
+
+def _attn_shapes(q, k, v):
+    if q.ndim < 2 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2] \
+            or q.shape[-1] != k.shape[-1]:
+        raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape} do not agree")
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    if Tq > Tk:
+        raise ShapeError(f"attention: {Tq} queries but only {Tk} keys")
+    return Tq, Tk
+
+
+def _as_batched(x):
+    """(..., T, hs) as a batch of matrices for cuBLAS: at least 3-D."""
+    return x if x.ndim >= 3 else x.reshape((1,) + x.shape)
+
+
+_FLASH_HS = 64       # the one head size flash_attention.cu is written for (FA_D)
+_FLASH_BLOCK = 64    # query rows / keys per block (FA_BLK)
+_FLASH_THREADS = 128
+
+
+def _flash_wanted(q, k, *others) -> bool:
+    """Whether the fused kernels take this call: bfloat16, head size 64, something to do, at
+    most 65535 blocks of rows (grid y), every array 16-byte aligned (cp.async), and
+    the FORGE_ATTENTION switch is not 'composed' (asked at every call, so a run can switch
+    it)."""
+    if flags.get("FORGE_ATTENTION") == "composed":
+        return False
+    if BF16 is None or q.dtype != BF16 or q.shape[-1] != _FLASH_HS or q.size == 0:
+        return False
+    if -(-k.shape[-2] // _FLASH_BLOCK) > 65535:
+        return False
+    return all(x.data.ptr % 16 == 0 for x in (q, k) + others)
+
+
+def _flash_grid(bh: int, rows: int):
+    """(bh, blocks of _FLASH_BLOCK rows): the kernels read blockIdx.x as bh."""
+    return (bh, -(-rows // _FLASH_BLOCK))
+
+
+@_guarded
+def attention(q, k, v, scale=None):
+    q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
+    Tq, Tk = _attn_shapes(q, k, v)
+    if _flash_wanted(q, k, v):
+        hs = q.shape[-1]
+        scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+        return _attention_flash(q, k, v, scale, Tq, Tk)
+    return _attention_composed(q, k, v, scale)
+
+
+def _head_major(Tq, Tk):
+    """The flash kernels' layout arguments for (BH, T, 64) q/out and (BH, Tk, 64) k/v:
+    H, then (sb, sh, ld) for q and dq, for k, v, dk, dv, and for out and dout."""
+    d = _FLASH_HS
+    return (_i32(1), _i64(Tq * d), _i64(0), _i32(d), _i64(Tk * d), _i64(0), _i32(d),
+            _i64(Tq * d), _i64(0), _i32(d))
+
+
+def _fused_layout(T, C, n_head):
+    """Layout arguments for GPT-2's fused rows: q, k, v (and dq, dk, dv) inside (B, T, 3C),
+    out and dout (B, T, C), head h at channels h*64.."""
+    d = _FLASH_HS
+    return (_i32(n_head), _i64(T * 3 * C), _i64(d), _i32(3 * C), _i64(T * 3 * C), _i64(d),
+            _i32(3 * C), _i64(T * C), _i64(d), _i32(C))
+
+
+def _attention_flash(q, k, v, scale, Tq, Tk):
+    bh = math.prod(q.shape[:-2])
+    out = _empty(q.shape, q.dtype)  # (..., H, Tq, 64)
+    lse = _empty(q.shape[:-1], F32)  # (..., H, Tq)
+    _launch("flash_attention", "flash_fwd_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
+            (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale)) + _head_major(Tq, Tk))
+    return out, lse
+
+
+def _qkv_flash_ok(qkv, n_head, *others) -> bool:
+    """_flash_wanted for the fused layout: bfloat16, heads of 64, every array 16-byte aligned
+    (the k and v thirds then are too: C * 2 bytes is a multiple of 128)."""
+    if flags.get("FORGE_ATTENTION") == "composed":
+        return False
+    B, T, C3 = qkv.shape
+    return (BF16 is not None and qkv.dtype == BF16 and C3 == 3 * n_head * _FLASH_HS
+            and B * T > 0 and -(-T // _FLASH_BLOCK) <= 65535
+            and all(x.data.ptr % 16 == 0 for x in (qkv,) + others))
+
+
+def _thirds(x, C):
+    """Flat views of (B, T, 3C) starting at channel 0, C and 2C (the kernels stride over rows
+    themselves)."""
+    flat = x.reshape(-1)
+    return flat, flat[C:], flat[2 * C:]
+
+
+@_guarded
+def attention_qkv(qkv, n_head, scale):
+    """Causal self-attention on GPT-2's fused rows: ``qkv (B, T, 3C) -> (y (B, T, C), lse
+    (B, H, T) float32)``. The flash kernels read each head in place and write y with the heads
+    merged; other dtypes and head sizes run split_heads, attention, merge_heads."""
+    qkv = _c(qkv)
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    if not _qkv_flash_ok(qkv, n_head):
+        return _compose.attention_qkv(_package(), qkv, n_head, scale)
+    y = _empty((B, T, C), qkv.dtype)
+    lse = _empty((B, n_head, T), F32)
+    q, k, v = _thirds(qkv, C)
+    _launch("flash_attention", "flash_fwd_bf16_h64", _flash_grid(B * n_head, T), _FLASH_THREADS,
+            (q, k, v, y, lse, _i32(T), _i32(T), np.float32(scale)) + _fused_layout(T, C, n_head))
+    return y, lse
+
+
+@_guarded
+def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
+    """``dqkv (B, T, 3C)`` of ``attention_qkv`` given its output y, lse and ``dL/dy``; the
+    flash kernels write dq, dk, dv straight into their thirds of dqkv."""
+    qkv = _c(qkv)
+    y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    if not _qkv_flash_ok(qkv, n_head, y, dy):
+        q, k, v = split_heads(qkv, n_head)
+        dq, dk, dv = attention_bwd(q, k, v, unmerge_heads(y, n_head), lse,
+                                   unmerge_heads(dy, n_head), scale)
+        dqkv = _empty(qkv.shape, qkv.dtype)
+        w = dqkv.view(np.uint16) if dqkv.dtype == BF16 else dqkv
+        for i, g in enumerate((dq, dk, dv)):
+            m = merge_heads(g)
+            w[..., i * C:(i + 1) * C] = m.view(np.uint16) if m.dtype == BF16 else m
+        return dqkv
+    lse = _like(_c(lse), F32)
+    D = _empty(lse.shape, F32)  # rowsum(dy * y): written by the dq kernel, read by dk/dv
+    dqkv = _empty(qkv.shape, qkv.dtype)
+    q, k, v = _thirds(qkv, C)
+    dq, dk, dv = _thirds(dqkv, C)
+    lay = _fused_layout(T, C, n_head)
+    grid = _flash_grid(B * n_head, T)
+    _launch("flash_attention", "flash_bwd_dq_bf16_h64", grid, _FLASH_THREADS,
+            (q, k, v, y, dy, lse, D, dq, _i32(T), _i32(T), np.float32(scale)) + lay)
+    _launch("flash_attention", "flash_bwd_dkdv_bf16_h64", grid, _FLASH_THREADS,
+            (q, k, v, dy, lse, D, dk, dv, _i32(T), _i32(T), np.float32(scale)) + lay)
+    return dqkv
+
+
+@_guarded
+def _attention_composed(q, k, v, scale=None):
+    q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
+    Tq, Tk = _attn_shapes(q, k, v)
+    hs = q.shape[-1]
+    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    lead = q.shape[:-2]
+    sdt = _acc_dtype(q.dtype)  # scores, lse: float32 (float64 for float64)
+    qb, kb, vb = _as_batched(q), _as_batched(k), _as_batched(v)
+    S = _empty(qb.shape[:-2] + (Tq, Tk), sdt)
+    _matmul_into(qb, kb, S, False, True, scale, None)  # (BH, Tq, Tk) scaled scores
+    P = _empty(S.shape, q.dtype)
+    lse = _empty(S.shape[:-1], sdt)
+    _softmax_into(S, P, lse, True, Tk - Tq)
+    del S
+    out = _empty(qb.shape, q.dtype)
+    _matmul_into(P, vb, out, False, False, 1.0, None)  # (BH, Tq, hs)
+    return out.reshape(q.shape), lse.reshape(lead + (Tq,))
+
+
+@_guarded
+def attention_bwd(q, k, v, out, lse, dout, scale=None):
+    q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
+    out, dout = _like(_c(out), q.dtype), _like(_c(dout), q.dtype)
+    Tq, Tk = _attn_shapes(q, k, v)
+    if out.shape != q.shape or dout.shape != q.shape or lse.shape != q.shape[:-1]:
+        raise ShapeError(f"attention_bwd: q {q.shape} needs out and dout of that shape and lse "
+                         f"of {q.shape[:-1]}; got out {out.shape}, dout {dout.shape}, "
+                         f"lse {lse.shape}")
+    if _flash_wanted(q, k, v, out, dout):
+        hs = q.shape[-1]
+        scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+        return _attention_bwd_flash(q, k, v, out, _like(_c(lse), F32), dout, scale, Tq, Tk)
+    return _attention_bwd_composed(q, k, v, out, lse, dout, scale)
+
+
+def _attention_bwd_flash(q, k, v, out, lse, dout, scale, Tq, Tk):
+    bh = math.prod(q.shape[:-2])
+    D = _empty(lse.shape, F32)  # rowsum(dout * out): written by the dq kernel, read by dk/dv
+    dq = _empty(q.shape, q.dtype)
+    _launch("flash_attention", "flash_bwd_dq_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
+            (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale))
+            + _head_major(Tq, Tk))
+    dk = _empty(k.shape, q.dtype)
+    dv = _empty(v.shape, q.dtype)
+    _launch("flash_attention", "flash_bwd_dkdv_bf16_h64", _flash_grid(bh, Tk), _FLASH_THREADS,
+            (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale))
+            + _head_major(Tq, Tk))
+    return dq, dk, dv
+
+
+@_guarded
+def _attention_bwd_composed(q, k, v, out, lse, dout, scale=None):
+    q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
+    dout = _like(_c(dout), q.dtype)
+    Tq, Tk = _attn_shapes(q, k, v)
+    hs = q.shape[-1]
+    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    sdt = _acc_dtype(q.dtype)
+    lse = _like(_c(lse), sdt)
+    qb, kb, vb, dob = _as_batched(q), _as_batched(k), _as_batched(v), _as_batched(dout)
+    S = _empty(qb.shape[:-2] + (Tq, Tk), sdt)
+    _matmul_into(qb, kb, S, False, True, scale, None)
+    P = _empty(S.shape, q.dtype)
+    _launch("attention", f"attn_probs_{_SFX[sdt]}_{_float_sfx(P)}", _grid(S.size), _THREADS,
+            (S, lse, P, _i64(S.size), _i32(Tq), _i32(Tk), _i32(Tk - Tq)))
+    dv = _empty(kb.shape, q.dtype)
+    _matmul_into(P, dob, dv, True, False, 1.0, None)  # P^T dout: (BH, Tk, hs)
+    dP = S  # reuse the scores' memory: (BH, Tq, Tk) in sdt
+    _matmul_into(dob, vb, dP, False, True, 1.0, None)  # dout v^T
+    dS = _empty(S.shape, q.dtype)
+    _softmax_bwd_into(P, dP, dS)  # P * (dP - rowsum(P * dP)); masked entries stay 0
+    del P, dP, S
+    dq = _empty(qb.shape, q.dtype)
+    _matmul_into(dS, kb, dq, False, False, scale, None)  # (BH, Tq, hs)
+    dk = _empty(kb.shape, q.dtype)
+    _matmul_into(dS, qb, dk, True, False, scale, None)  # (BH, Tk, hs)
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding: the KV cache and one token's attention
+# ----------------------------------------------------------------------------------------------
+
+@_guarded
+def kv_append(cache, new, pos):
+    new = _like(_c(new), cache.dtype)
+    if not cache.flags.c_contiguous:
+        raise ShapeError("kv_append: the cache must be C-contiguous (it is written in place)")
+    *lead_c, Tmax, hs = cache.shape
+    *lead_n, Tn, hs_n = new.shape
+    pos = int(pos)
+    if math.prod(lead_c) != math.prod(lead_n) or hs != hs_n or not 0 <= pos <= Tmax - Tn:
+        raise ShapeError(f"kv_append: cannot write new {new.shape} into cache {cache.shape} "
+                         f"at position {pos}")
+    if new.size:
+        _launch("attention", f"kv_append_{_word(cache)}", _grid(new.size), _THREADS,
+                (cache, new, _i64(new.size), _i32(Tn), _i32(Tmax), _i32(hs), _i32(pos)))
+
+
+_DECODE_THREADS = 256
+_DECODE_SPLIT = 8  # blocks per head at most (a thread-block cluster: 8 is the portable size)
+
+
+@_guarded
+def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
+    """One decoding step: write the new keys and values at row ``pos`` of the caches and
+    return ``y (B, C)``; per (head, row) one block, or on Hopper a cluster of up to 8 blocks
+    splitting the keys of a long cache (attention.cu)."""
+    qkv = _like(_c(qkv), k_cache.dtype)
+    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        raise ShapeError("decode_attention: the caches must be C-contiguous (written in place)")
+    B, H, Tmax, hs = k_cache.shape
+    if qkv.shape != (B, 3 * H * hs) or v_cache.shape != k_cache.shape or H != n_head:
+        raise ShapeError(f"decode_attention: qkv {qkv.shape} and caches {k_cache.shape}, "
+                         f"{v_cache.shape} do not fit {n_head} heads")
+    if hs > _DECODE_THREADS:
+        raise ShapeError(f"decode_attention: head size {hs} is over the kernel's "
+                         f"{_DECODE_THREADS}")
+    acc = _acc_dtype(qkv.dtype)
+    # a cache of more than 128 rows: its keys split among a cluster of up to 8 blocks per head
+    P = max(1, min(_DECODE_SPLIT, -(-Tmax // 128))) if _launcher_ex() else 1
+    shared = (2 * hs + -(-Tmax // P) + _DECODE_THREADS * (16 // qkv.dtype.itemsize)) * acc.itemsize
+    if shared > 48 * 1024:
+        raise ShapeError(f"decode_attention: a cache of {Tmax} rows needs {shared} bytes of "
+                         "shared memory, over the 48 KiB a block may take")
+    if isinstance(pos, cupy.ndarray):
+        pos = _pos_array(pos)
+    else:
+        pos = cupy.asarray(np.array([int(pos)], np.int32))
+    y = _empty((B, H * hs), qkv.dtype)
+    if y.size:
+        _launch("attention", f"decode_attention_{_float_sfx(qkv)}", (H * P, B), _DECODE_THREADS,
+                (qkv, k_cache, v_cache, pos, y, _i32(H), _i32(Tmax), _i32(hs),
+                 _acc(qkv.dtype, scale), _i32(P)), shared=shared, pdl=True,
+                writes=(y, k_cache, v_cache), cluster=(P, 1, 1) if P > 1 else None)
+    return y
+

@@ -1,0 +1,332 @@
+// pasted into every backends/cuda/*.cu by runtime.kernel_source (backends/cuda/runtime.py)
+// common.cuh: what every kernel file of forge-ml shares: the bf16 storage type and its
+// conversions, the accumulation type of each storage type, float/double math overloads,
+// warp and block reductions, the online (max, sum) pair of softmax, and Philox4x32-10.
+//
+// The Python loader pastes this file in place of the line `#include "common.cuh"`, so NVRTC
+// needs no include path and CuPy's kernel cache key covers this text too. No system header is
+// used: NVRTC has none, and the few bit casts we need are CUDA intrinsics.
+#ifndef FORGE_COMMON_CUH
+#define FORGE_COMMON_CUH
+
+#define FORGE_HD __host__ __device__ __forceinline__
+#define FORGE_D __device__ __forceinline__
+
+// bf16 as raw bits: cupy stores ml_dtypes.bfloat16 arrays as 2-byte words, and doing the
+// conversions ourselves keeps the kernels free of cuda_bf16.h.
+struct bf16 {
+    unsigned short bits;
+};
+
+FORGE_HD unsigned int f32_bits(float f) {
+#ifdef __CUDA_ARCH__
+    return __float_as_uint(f);
+#else
+    unsigned int u;
+    __builtin_memcpy(&u, &f, 4);
+    return u;
+#endif
+}
+
+FORGE_HD float bits_f32(unsigned int u) {
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(u);
+#else
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+FORGE_HD float bf16_to_f32(bf16 h) { return bits_f32(((unsigned int)h.bits) << 16); }
+
+// Round to nearest, ties to even (what ml_dtypes and PyTorch do); NaN stays a quiet NaN.
+FORGE_HD bf16 f32_to_bf16(float f) {
+    unsigned int u = f32_bits(f);
+    bf16 h;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        h.bits = (unsigned short)((u >> 16) | 0x0040u);
+        return h;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    h.bits = (unsigned short)(u >> 16);
+    return h;
+}
+
+// Acc<T>::type: the type a kernel accumulates T in (float for float and bf16).
+template <typename T> struct Acc { typedef float type; };
+template <> struct Acc<double> { typedef double type; };
+
+// ldf: widen a stored value to its accumulation type.
+FORGE_D float ldf(float x) { return x; }
+FORGE_D double ldf(double x) { return x; }
+FORGE_D float ldf(bf16 x) { return bf16_to_f32(x); }
+
+// To<T>::from(a): narrow an accumulated value back to storage type T (rounding once).
+template <typename T> struct To;
+template <> struct To<float> {
+    static FORGE_D float from(float a) { return a; }
+    static FORGE_D float from(double a) { return (float)a; }
+};
+template <> struct To<double> {
+    static FORGE_D double from(float a) { return (double)a; }
+    static FORGE_D double from(double a) { return a; }
+};
+template <> struct To<bf16> {
+    static FORGE_D bf16 from(float a) { return f32_to_bf16(a); }
+    static FORGE_D bf16 from(double a) { return f32_to_bf16((float)a); }
+};
+
+// Math overloads so one template body serves float and double.
+FORGE_D float fm_exp(float x) { return expf(x); }
+FORGE_D double fm_exp(double x) { return exp(x); }
+FORGE_D float fm_log(float x) { return logf(x); }
+FORGE_D double fm_log(double x) { return log(x); }
+FORGE_D float fm_sqrt(float x) { return sqrtf(x); }
+FORGE_D double fm_sqrt(double x) { return sqrt(x); }
+FORGE_D float fm_tanh(float x) { return tanhf(x); }
+FORGE_D double fm_tanh(double x) { return tanh(x); }
+FORGE_D float fm_max(float a, float b) { return fmaxf(a, b); }
+FORGE_D double fm_max(double a, double b) { return fmax(a, b); }
+
+template <typename A> FORGE_D A neg_inf();
+template <> FORGE_D float neg_inf<float>() { return __int_as_float(0xff800000); }
+template <> FORGE_D double neg_inf<double>() { return __longlong_as_double(0xfff0000000000000ULL); }
+template <typename A> FORGE_D A quiet_nan();
+template <> FORGE_D float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
+template <> FORGE_D double quiet_nan<double>() { return __longlong_as_double(0x7ff8000000000000ULL); }
+
+// GPT-2's GELU, tanh approximation: 0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v^3))).
+template <typename A> FORGE_D A gelu_f(A v) {
+    const A k0 = A(0.7978845608028654), k1 = A(0.044715);
+    return A(0.5) * v * (A(1) + fm_tanh(k0 * (v + k1 * v * v * v)));
+}
+
+// Sum over the 32 lanes of a warp; every lane gets the total (butterfly order, deterministic).
+template <typename A> FORGE_D A warp_sum(A v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over a block whose size is a multiple of 32 (at most 1024); every thread gets the
+// total. `sh` is __shared__ scratch of 32 elements; safe to call several times in a row.
+template <typename A> __device__ A block_sum(A v, A* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = (threadIdx.x < nwarps) ? sh[threadIdx.x] : A(0);
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) sh[0] = v;
+    __syncthreads();
+    return sh[0];
+}
+
+// The online softmax pair (m, s): s = sum of exp(x - m) over the values seen, m their max
+// (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018).
+template <typename A> FORGE_D void ms_add(A& m, A& s, A x) {
+    if (x > m) {
+        s = s * fm_exp(m - x) + A(1);
+        m = x;
+    } else if (!(x == neg_inf<A>())) {
+        s += fm_exp(x - m);  // a NaN x lands here and makes s NaN
+    }
+}
+
+template <typename A> FORGE_D void ms_merge(A& m, A& s, A m2, A s2) {
+    const A M = fm_max(m, m2);
+    const A a = (m == neg_inf<A>()) ? A(0) : s * fm_exp(m - M);
+    const A b = (m2 == neg_inf<A>()) ? A(0) : s2 * fm_exp(m2 - M);
+    m = M;
+    s = a + b;
+}
+
+template <typename A> FORGE_D void warp_ms(A& m, A& s) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const A m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const A s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        ms_merge(m, s, m2, s2);
+    }
+}
+
+// (m, s) over a whole block (size a multiple of 32); every thread gets the result.
+// `shm`, `shs`: __shared__ scratch of 32 elements each.
+template <typename A> __device__ void block_ms(A& m, A& s, A* shm, A* shs) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    warp_ms(m, s);
+    __syncthreads();
+    if (lane == 0) {
+        shm[warp] = m;
+        shs[warp] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        m = (lane < nwarps) ? shm[lane] : neg_inf<A>();
+        s = (lane < nwarps) ? shs[lane] : A(0);
+        warp_ms(m, s);
+        if (lane == 0) {
+            shm[0] = m;
+            shs[0] = s;
+        }
+    }
+    __syncthreads();
+    m = shm[0];
+    s = shs[0];
+}
+
+// Philox4x32-10 (Salmon et al., SC'11), exactly as forge_ml/rng.py computes it.
+struct u32x4 {
+    unsigned int x, y, z, w;
+};
+
+FORGE_HD unsigned int mulhi32(unsigned int a, unsigned int b) {
+#ifdef __CUDA_ARCH__
+    return __umulhi(a, b);
+#else
+    return (unsigned int)(((unsigned long long)a * b) >> 32);
+#endif
+}
+
+FORGE_HD u32x4 philox4x32_10(u32x4 c, unsigned int k0, unsigned int k1) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned int hi0 = mulhi32(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+        const unsigned int hi1 = mulhi32(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+        u32x4 n;
+        n.x = hi1 ^ c.y ^ k0;
+        n.y = lo1;
+        n.z = hi0 ^ c.w ^ k1;
+        n.w = lo0;
+        c = n;
+    }
+    return c;
+}
+
+// Four consecutive elements, loaded and stored as one vector (16 bytes for float32, 8 for
+// bf16) when the pointers allow it; `aligned4` says whether they do.
+template <typename T> struct alignas(4 * sizeof(T)) V4 {
+    T v[4];
+};
+
+FORGE_D bool aligned4(const void* p, int elem_bytes) {
+    return ((unsigned long long)p % (unsigned long long)(4 * elem_bytes)) == 0;
+}
+
+// Vec16<T>: one 16-byte load of Vec16<T>::N consecutive elements (4 float32, 2 float64, 8
+// bf16), widened to the accumulation type; the pointer must be 16-byte aligned. raw() is the
+// load alone and widen() the conversion, for a kernel that loads early and computes later.
+// raw() reads through L2 only (ld.global.cg): a kernel launched with programmatic dependent
+// launch may start before the previous kernel ends, and on the H200 loads through the
+// read-only (texture) path then returned stale data even after pdl_wait().
+template <typename T> struct Vec16;
+template <> struct Vec16<float> {
+    enum { N = 4 };
+    static FORGE_D uint4 raw(const float* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+    static FORGE_D void widen(uint4 v, float (&w)[4]) {
+        w[0] = bits_f32(v.x);
+        w[1] = bits_f32(v.y);
+        w[2] = bits_f32(v.z);
+        w[3] = bits_f32(v.w);
+    }
+    static FORGE_D void load(const float* p, float (&w)[4]) {
+        const float4 v = *reinterpret_cast<const float4*>(p);
+        w[0] = v.x;
+        w[1] = v.y;
+        w[2] = v.z;
+        w[3] = v.w;
+    }
+};
+template <> struct Vec16<double> {
+    enum { N = 2 };
+    static FORGE_D void load(const double* p, double (&w)[2]) {
+        const double2 v = *reinterpret_cast<const double2*>(p);
+        w[0] = v.x;
+        w[1] = v.y;
+    }
+};
+template <> struct Vec16<bf16> {
+    enum { N = 8 };
+    static FORGE_D uint4 raw(const bf16* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+    static FORGE_D void widen(uint4 v, float (&w)[8]) {
+        const unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[2 * i] = bits_f32(u[i] << 16);
+            w[2 * i + 1] = bits_f32(u[i] & 0xffff0000u);
+        }
+    }
+    static FORGE_D void load(const bf16* p, float (&w)[8]) {
+        widen(*reinterpret_cast<const uint4*>(p), w);
+    }
+};
+
+// Programmatic dependent launch (Hopper and later). A kernel launched with it (the backend's
+// _launch(..., pdl=True)) may start while the previous kernel on the stream still runs: it must
+// call pdl_wait() before it reads or writes anything that kernel (or an earlier one) may touch;
+// what comes before may read only what no kernel of the stream writes (a model's weights).
+// pdl_launch_dependents() lets the next kernel's blocks start; called after pdl_wait(), at most
+// two kernels overlap. Both are no-ops for a plain launch and before sm_90.
+FORGE_D void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+FORGE_D void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Thread-block clusters (sm_90): cluster_sync() is a barrier of every thread of every block of
+// the cluster (shared-memory writes before it are seen by the cluster's blocks after it);
+// ld_cluster(p, r) reads the value at the shared-memory address of p in block r of the
+// cluster (distributed shared memory). Only for kernels launched as clusters, on sm_90+.
+FORGE_D void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+                 ::: "memory");
+#endif
+}
+FORGE_D unsigned cluster_addr(const void* p, unsigned rank) {
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+#endif
+    return r;
+}
+FORGE_D float ld_cluster(const float* p, unsigned rank) {
+    float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(p, rank)) : "memory");
+#endif
+    return v;
+}
+FORGE_D double ld_cluster(const double* p, unsigned rank) {
+    double v = 0.0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(cluster_addr(p, rank)) : "memory");
+#endif
+    return v;
+}
+
+// Max over the 32 lanes of a warp; every lane gets it.
+template <typename A> FORGE_D A warp_max(A v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fm_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Grid-stride loop over [0, n) with 64-bit indices.
+#define FORGE_FOR(i, n)                                                          \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
+         i += (long long)gridDim.x * blockDim.x)
+
+#endif  // FORGE_COMMON_CUH

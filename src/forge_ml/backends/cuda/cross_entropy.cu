@@ -1,0 +1,75 @@
+// launched from backends/cuda/rows.py
+// cross_entropy.cu: softmax + negative log-likelihood, fused (no probabilities kept).
+//   loss_r = logsumexp(l_r[:V]) - l_r[target_r]            (mean over rows taken in reduce.cu)
+//   dl_r   = dloss / N * (softmax(l_r[:V]) - onehot(target_r)),  0 in columns >= V
+// Rows have Vp >= V columns (a padded vocabulary); columns >= V are ignored.
+#include "common.cuh"
+
+// The row's (max, sum of exp) over its first V columns, by the whole block.
+template <typename T, typename A>
+__device__ __forceinline__ void row_ms(const T* lr, int V, A& m, A& s, A* shm, A* shs) {
+    m = neg_inf<A>();
+    s = A(0);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) ms_add(m, s, A(ldf(lr[j])));
+    block_ms(m, s, shm, shs);
+}
+
+// cross_entropy_fwd: each block owns one row of logits and writes that row's loss (float32,
+// float64 for float64 logits). A target outside [0, V) gives NaN.
+template <typename T, typename I>
+__device__ void cross_entropy_fwd_impl(const T* logits, const I* targets,
+                                       typename Acc<T>::type* loss, int Vp, int V) {
+    typedef typename Acc<T>::type A;
+    __shared__ A shm[32], shs[32];
+    const long long row = blockIdx.x;
+    const T* lr = logits + row * Vp;
+    A m, s;
+    row_ms(lr, V, m, s, shm, shs);
+    if (threadIdx.x == 0) {
+        const long long t = (long long)targets[row];
+        loss[row] = (t >= 0 && t < V) ? m + fm_log(s) - A(ldf(lr[t])) : quiet_nan<A>();
+    }
+}
+
+// cross_entropy_bwd: each block owns one row: recomputes (max, sum), then writes the row of
+// dlogits. `dloss` points to the upstream gradient of the mean loss (one element).
+template <typename T, typename I>
+__device__ void cross_entropy_bwd_impl(const T* logits, const I* targets, T* dlogits,
+                                       const typename Acc<T>::type* dloss, int Vp, int V,
+                                       typename Acc<T>::type inv_n) {
+    typedef typename Acc<T>::type A;
+    __shared__ A shm[32], shs[32];
+    const long long row = blockIdx.x;
+    const T* lr = logits + row * Vp;
+    T* dr = dlogits + row * Vp;
+    A m, s;
+    row_ms(lr, V, m, s, shm, shs);
+    const A g = dloss[0] * inv_n;
+    const A inv_s = A(1) / s;
+    const long long t = (long long)targets[row];
+    for (int j = threadIdx.x; j < Vp; j += blockDim.x) {
+        A d = A(0);
+        if (j < V) {
+            const A p = fm_exp(A(ldf(lr[j])) - m) * inv_s;
+            d = g * (p - (j == t ? A(1) : A(0)));
+        }
+        dr[j] = To<T>::from(d);
+    }
+}
+
+#define FORGE_CE(T, S, I, SI, A)                                                              \
+    extern "C" __global__ void cross_entropy_fwd_##S##_##SI(const T* logits, const I* targets, \
+                                                            A* loss, int Vp, int V) {          \
+        cross_entropy_fwd_impl<T, I>(logits, targets, loss, Vp, V);                            \
+    }                                                                                          \
+    extern "C" __global__ void cross_entropy_bwd_##S##_##SI(const T* logits, const I* targets, \
+                                                            T* dlogits, const A* dloss,        \
+                                                            int Vp, int V, A inv_n) {          \
+        cross_entropy_bwd_impl<T, I>(logits, targets, dlogits, dloss, Vp, V, inv_n);           \
+    }
+FORGE_CE(float, f32, int, i32, float)
+FORGE_CE(float, f32, long long, i64, float)
+FORGE_CE(double, f64, int, i32, double)
+FORGE_CE(double, f64, long long, i64, double)
+FORGE_CE(bf16, bf16, int, i32, float)
+FORGE_CE(bf16, bf16, long long, i64, float)

@@ -1,0 +1,535 @@
+// launched from backends/cuda/attention.py
+// flash_attention.cu: fused causal self-attention for bfloat16 at head size 64, forward and
+// backward, after FlashAttention-2 (Dao, "FlashAttention-2: Faster Attention with Better
+// Parallelism and Work Partitioning", 2023). Scores and probabilities live in registers one
+// 64 x 64 tile at a time, normalised by the online softmax (Milakov & Gimelshein, 2018); no
+// T x T matrix touches memory. Products run on the tensor cores (mma.sync m16n8k16, bf16 in,
+// float32 accumulate); the softmax, the log-sum-exp and every accumulator are float32.
+//
+// Layout: bf16 rows of 64 (one head's channels). Row i of head bh = (b, h) of an operand starts
+// at element (bh / H) * sb + (bh % H) * sh + i * ld, with (sb, sh, ld) given per group: one
+// for q and dq, one for k, v, dk and dv, one for out and dout. Head-major (BH, T, 64) tensors
+// pass H = 1, sb = T * 64, ld = 64; GPT-2's fused layout passes the (B, T, 3C) qkv rows (ld =
+// 3C, sh = 64, k and v pointers offset by C and 2C) and the (B, T, C) output (ld = C), so no
+// head split or merge copies are needed. lse, D are (BH, Tq) float32.
+// Causal with a KV-cache offset: query row i sees key j when j <= i + off, off = Tk - Tq >= 0.
+// lse_i = log sum_j exp(scale * q_i . k_j) over the keys row i sees (natural log, as v1).
+//
+//   flash_fwd_bf16_h64       block (bh, 64 query rows), warp w owns 16 of those rows; walks the
+//                            64-key blocks up to the diagonal; writes out and lse.
+//   flash_bwd_dq_bf16_h64    block (bh, 64 query rows), warp w owns 16 rows; writes
+//                            D = rowsum(dout * out) and dq, walking the key blocks as above.
+//   flash_bwd_dkdv_bf16_h64  block (bh, 64 keys), warp w owns 16 keys; walks the 64-query
+//                            blocks from the diagonal to the end; reads D; writes dk and dv.
+// The backward recomputes P = exp(scale * q k^T - lse) from the saved lse in both kernels
+// rather than adding dq up with atomics: two more tile products, but no float32 dq buffer and
+// the same bits on every run.
+//
+// Fragments are those of PTX ISA "Matrix Fragments for mma.m16n8k16" (g = lane / 4,
+// t = lane % 4; each 32-bit register holds two bf16, the lower column in the low half):
+//   A (16 x 16):  a0 = (g, 2t..2t+1)  a1 = (g+8, 2t..)  a2 = (g, 2t+8..)  a3 = (g+8, 2t+8..)
+//   B (16 x 8):   b0 = rows 2t..2t+1 of column g,  b1 = rows 2t+8..2t+9 of column g
+//   C (16 x 8):   c0, c1 = (g, 2t..2t+1)           c2, c3 = (g+8, 2t..2t+1)
+// So two C tiles side by side (16 x 16) are, rounded to bf16, the A operand of the next
+// product without leaving registers. B tiles come from shared memory through ldmatrix: plain
+// when the operand is stored n-major (k^T in q k^T: rows of k are columns of B), .trans when
+// it is stored k-major (v in p v: rows of v are rows of B).
+#include "common.cuh"
+
+#define FA_D 64         // head size
+#define FA_BLK 64       // query rows, or keys, per block (and per tile)
+#define FA_LD 72        // shared tile row stride in bf16: 144 bytes, so the 8 rows one
+                        // ldmatrix phase reads start in 8 distinct 16-byte bank groups
+#define FA_THREADS 128  // 4 warps, 16 rows each
+#define FA_LOG2E 1.4426950408889634f
+#define FA_LN2 0.6931471805599453f
+
+// ---- PTX wrappers (sm_80+: cp.async, ldmatrix, mma.sync bf16, cvt.rn.bf16x2) --------------
+
+FORGE_D unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared without a register round trip; when !valid nothing is read and
+// the 16 bytes are zero-filled (src-size 0).
+FORGE_D void cp_async16(unsigned dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n)
+                 : "memory");
+}
+
+FORGE_D void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N> FORGE_D void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8 x 8 bf16 matrices from shared memory: lane 8m + r gives the address of row r of
+// matrix m; register m of lane l receives matrix m's (row l/4, columns 2(l%4)..+1), or with
+// .trans its (rows 2(l%4)..+1, column l/4).
+FORGE_D void ldsm_x4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+FORGE_D void ldsm_x4_t(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// d += a (16 x 16) b (16 x 8), bf16 products summed in float32.
+FORGE_D void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats rounded to nearest-even bf16, `lo` in the low half (cvt puts its first source
+// operand in the upper half).
+FORGE_D unsigned pack_bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+FORGE_D float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
+FORGE_D float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+
+// ---- tiles and fragments ------------------------------------------------------------------
+
+// Where head bh's rows start in an operand of layout (sb, sh) (see the top of the file).
+FORGE_D long long head_base(long long bh, int H, long long sb, long long sh) {
+    const int b = (int)bh / H, h = (int)bh - b * H;  // bh = blockIdx.x < 2^31
+    return b * sb + h * sh;
+}
+
+// Rows r0..r0+63 of an (n, 64) bf16 matrix with row stride ld into a shared tile of row
+// stride FA_LD; rows >= n become zeros. Each of the 128 threads moves four 16-byte chunks; a
+// warp covers four whole rows (4 x 128 bytes) per step.
+FORGE_D void load_tile(bf16* tile, const bf16* src, int r0, int n, int tid, int ld) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int c = tid + FA_THREADS * i, row = c >> 3, col = (c & 7) * 8;
+        const bool valid = r0 + row < n;
+        const bf16* p = valid ? src + (long long)(r0 + row) * ld + col : src;
+        cp_async16(smem_u32(tile + row * FA_LD + col), p, valid);
+    }
+}
+
+// The A operands (16 rows from r0, all four 16-wide k-steps) of an (n, 64) bf16 matrix with
+// row stride ld, read straight from global memory (once per block, so no staging); rows >= n
+// are 0.
+FORGE_D void load_a_frags(unsigned (&a)[4][4], const bf16* src, int r0, int n, int g, int t,
+                          int ld) {
+    const unsigned* lo = reinterpret_cast<const unsigned*>(src + (long long)(r0 + g) * ld);
+    const unsigned* hi = lo + 8 * (long long)ld / 2;  // row r0 + g + 8
+    const bool vlo = r0 + g < n, vhi = r0 + g + 8 < n;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        a[ks][0] = vlo ? lo[8 * ks + t] : 0u;  // columns 16ks + 2t, +1
+        a[ks][1] = vhi ? hi[8 * ks + t] : 0u;
+        a[ks][2] = vlo ? lo[8 * ks + 4 + t] : 0u;  // columns 16ks + 8 + 2t, +1
+        a[ks][3] = vhi ? hi[8 * ks + 4 + t] : 0u;
+    }
+}
+
+// Byte offset of this lane's ldmatrix row address within a tile, for the two B patterns.
+//   plain: 16 x 8 B tiles whose columns are tile rows (k^T): matrix m = (tile rows 0..7,
+//          columns 8m..8m+7); one call yields b0, b1 of two k-steps (k = 32 kp + 0..31).
+//   trans: B tiles whose rows are tile rows (v): matrix m = (tile rows 8(m&1)..+7, columns
+//          8(m>>1)..+7); one call yields b0, b1 of two adjacent 8-column n-tiles.
+FORGE_D unsigned lane_off_plain(int lane) { return ((lane & 7) * FA_LD + 8 * (lane >> 3)) * 2; }
+FORGE_D unsigned lane_off_trans(int lane) {
+    return (((lane & 7) + 8 * ((lane >> 3) & 1)) * FA_LD + 8 * (lane >> 4)) * 2;
+}
+
+// acc (16 x 64) += a (16 x 64, from registers) b^T, where b is a shared 64 x 64 tile read
+// with the plain pattern (tile row = output column): the q k^T and dout v^T shapes.
+FORGE_D void mma_abt(float (&acc)[8][4], const unsigned (&a)[4][4], unsigned tile_lane) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int kp = 0; kp < 2; ++kp) {
+            unsigned b[4];
+            ldsm_x4(b, tile_lane + (8 * nt * FA_LD + 32 * kp) * 2);
+            mma_bf16(acc[nt], a[2 * kp], b[0], b[1]);
+            mma_bf16(acc[nt], a[2 * kp + 1], b[2], b[3]);
+        }
+    }
+}
+
+// acc (16 x 64) += p (16 x 64, float32 C tiles, rounded to bf16 here) b, where b is a shared
+// 64 x 64 tile read with the trans pattern (tile row = k): the p v and ds k shapes.
+FORGE_D void mma_cb(float (&acc)[8][4], const float (&p)[8][4], unsigned tile_lane) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        unsigned a[4];
+        a[0] = pack_bf16x2(p[2 * kk][0], p[2 * kk][1]);
+        a[1] = pack_bf16x2(p[2 * kk][2], p[2 * kk][3]);
+        a[2] = pack_bf16x2(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        a[3] = pack_bf16x2(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < 4; ++dp) {
+            unsigned b[4];
+            ldsm_x4_t(b, tile_lane + (16 * kk * FA_LD + 16 * dp) * 2);
+            mma_bf16(acc[2 * dp], a, b[0], b[1]);
+            mma_bf16(acc[2 * dp + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+FORGE_D void zero_acc(float (&acc)[8][4]) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+}
+
+// Rows r_lo (c0, c1) and r_lo + 8 (c2, c3) of a 16 x 64 float32 accumulator, times `mul`,
+// to an (n, 64) bf16 matrix with row stride ld; rows >= n are skipped.
+FORGE_D void store_rows(bf16* dst, const float (&acc)[8][4], int r_lo, int n, float mul_lo,
+                        float mul_hi, int t, int ld) {
+    unsigned* lo = reinterpret_cast<unsigned*>(dst + (long long)r_lo * ld);
+    unsigned* hi = lo + 8 * (long long)ld / 2;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        if (r_lo < n) lo[4 * nt + t] = pack_bf16x2(acc[nt][0] * mul_lo, acc[nt][1] * mul_lo);
+        if (r_lo + 8 < n) hi[4 * nt + t] = pack_bf16x2(acc[nt][2] * mul_hi, acc[nt][3] * mul_hi);
+    }
+}
+
+FORGE_D float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+FORGE_D float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// ---- forward ------------------------------------------------------------------------------
+
+// Block (blockIdx.x = bh, query rows q0..q0+63), the latest rows (the most keys) first.
+// Warp w owns rows q0+16w..+15: this thread rows r_lo = q0+16w+g and r_hi = r_lo+8, columns
+// 8nt+2t, +1 of every 8-wide n-tile. Scores are kept in log2 units, x = scale*log2(e) q.k, so
+// the softmax is exp2(x - m).
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_fwd_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                       const bf16* __restrict__ v, bf16* __restrict__ out,
+                       float* __restrict__ lse, int Tq, int Tk, float scale,
+                       int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,
+                       long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld) {
+    __shared__ __align__(16) bf16 sK[2][FA_BLK * FA_LD];
+    __shared__ __align__(16) bf16 sV[2][FA_BLK * FA_LD];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const long long bh = blockIdx.x;
+    const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * FA_BLK;
+    const int off = Tk - Tq;
+    const bf16* Q = q + head_base(bh, H, q_sb, q_sh);
+    const long long kvb = head_base(bh, H, kv_sb, kv_sh);
+    const bf16* K = k + kvb;
+    const bf16* V = v + kvb;
+    const float sl2 = scale * FA_LOG2E;
+    const int w0 = q0 + 16 * warp;  // the warp's first row
+    const int r_lo = w0 + g, r_hi = r_lo + 8;
+    // the block's last row, q0 + 63, sees keys up to q0 + 63 + off
+    const int kv_end = min(Tk, q0 + FA_BLK + off);
+    const int nkb = (kv_end + FA_BLK - 1) / FA_BLK;
+
+    load_tile(sK[0], K, 0, Tk, tid, kv_ld);
+    load_tile(sV[0], V, 0, Tk, tid, kv_ld);
+    cp_async_commit();
+    unsigned qf[4][4];
+    load_a_frags(qf, Q, w0, Tq, g, t, q_ld);
+
+    float o[8][4];
+    zero_acc(o);
+    const float NEG_INF = neg_inf<float>();
+    float m_lo = NEG_INF, m_hi = NEG_INF;  // running max of x per row (whole quad agrees)
+    float l_lo = 0.f, l_hi = 0.f;          // this thread's share of the running sum
+    const unsigned plain = lane_off_plain(lane), trans = lane_off_trans(lane);
+
+    for (int kb = 0; kb < nkb; ++kb) {
+        const int buf = kb & 1;
+        if (kb + 1 < nkb) {  // prefetch the next K, V tiles while this one is used
+            load_tile(sK[buf ^ 1], K, (kb + 1) * FA_BLK, Tk, tid, kv_ld);
+            load_tile(sV[buf ^ 1], V, (kb + 1) * FA_BLK, Tk, tid, kv_ld);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        float s[8][4];
+        zero_acc(s);
+        mma_abt(s, qf, smem_u32(sK[buf]) + plain);  // q k^T: (16 rows, 64 keys)
+
+        const int k0 = kb * FA_BLK;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] *= sl2;
+        // mask where the tile crosses the diagonal (for this warp's rows) or the end of k
+        if (k0 + FA_BLK - 1 > w0 + off || k0 + FA_BLK > Tk) {
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = k0 + 8 * nt + 2 * t + (e & 1);
+                    const int i = (e < 2) ? r_lo : r_hi;
+                    if (j > i + off || j >= Tk) s[nt][e] = NEG_INF;
+                }
+        }
+
+        float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
+            mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
+        }
+        mx_lo = quad_max(mx_lo);
+        mx_hi = quad_max(mx_hi);
+        // a row with nothing seen yet keeps m = -inf; subtract 0 then so no -inf - -inf
+        const float b_lo = (mx_lo == NEG_INF) ? 0.f : mx_lo;
+        const float b_hi = (mx_hi == NEG_INF) ? 0.f : mx_hi;
+        const float al_lo = exp2f(m_lo - b_lo), al_hi = exp2f(m_hi - b_hi);
+        m_lo = mx_lo;
+        m_hi = mx_hi;
+        float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            s[nt][0] = exp2f(s[nt][0] - b_lo);
+            s[nt][1] = exp2f(s[nt][1] - b_lo);
+            s[nt][2] = exp2f(s[nt][2] - b_hi);
+            s[nt][3] = exp2f(s[nt][3] - b_hi);
+            sum_lo += s[nt][0] + s[nt][1];
+            sum_hi += s[nt][2] + s[nt][3];
+            o[nt][0] *= al_lo;
+            o[nt][1] *= al_lo;
+            o[nt][2] *= al_hi;
+            o[nt][3] *= al_hi;
+        }
+        l_lo = l_lo * al_lo + sum_lo;
+        l_hi = l_hi * al_hi + sum_hi;
+
+        mma_cb(o, s, smem_u32(sV[buf]) + trans);  // o += p v
+        __syncthreads();  // every warp is done with buf before it is refilled
+    }
+
+    l_lo = quad_sum(l_lo);
+    l_hi = quad_sum(l_hi);
+    // every row sees key 0, so l >= 1 for the rows that are stored
+    store_rows(out + head_base(bh, H, o_sb, o_sh), o, r_lo, Tq, 1.f / l_lo, 1.f / l_hi, t, o_ld);
+    if (t == 0) {
+        float* L = lse + bh * Tq;
+        if (r_lo < Tq) L[r_lo] = (m_lo + log2f(l_lo)) * FA_LN2;
+        if (r_hi < Tq) L[r_hi] = (m_hi + log2f(l_hi)) * FA_LN2;
+    }
+}
+
+// ---- backward -----------------------------------------------------------------------------
+// With P = softmax(S), S = scale q k^T masked (Dao 2023, Algorithm 2):
+//   dv = P^T dout,  dP = dout v^T,  dS = P * (dP - D),  D_i = sum_d dout_id out_id,
+//   dq = scale dS k,  dk = scale dS^T q.
+
+// Block (blockIdx.x = bh, query rows q0..q0+63), latest rows first; thread ownership as in
+// the forward. Writes D for its rows (the dk/dv kernel, launched next, reads it) and dq.
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_bwd_dq_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                          const bf16* __restrict__ v, const bf16* __restrict__ out,
+                          const bf16* __restrict__ dout, const float* __restrict__ lse,
+                          float* __restrict__ Dsum, bf16* __restrict__ dq, int Tq, int Tk,
+                          float scale, int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,
+                       long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld) {
+    __shared__ __align__(16) bf16 sK[2][FA_BLK * FA_LD];
+    __shared__ __align__(16) bf16 sV[2][FA_BLK * FA_LD];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const long long bh = blockIdx.x;
+    const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * FA_BLK;
+    const int off = Tk - Tq;
+    const long long kvb = head_base(bh, H, kv_sb, kv_sh);
+    const long long qb_ = head_base(bh, H, q_sb, q_sh), ob = head_base(bh, H, o_sb, o_sh);
+    const bf16* K = k + kvb;
+    const bf16* V = v + kvb;
+    const float sl2 = scale * FA_LOG2E;
+    const int w0 = q0 + 16 * warp;
+    const int r_lo = w0 + g, r_hi = r_lo + 8;
+    const int kv_end = min(Tk, q0 + FA_BLK + off);
+    const int nkb = (kv_end + FA_BLK - 1) / FA_BLK;
+
+    load_tile(sK[0], K, 0, Tk, tid, kv_ld);
+    load_tile(sV[0], V, 0, Tk, tid, kv_ld);
+    cp_async_commit();
+
+    unsigned qf[4][4], df[4][4];
+    load_a_frags(qf, q + qb_, w0, Tq, g, t, q_ld);
+    load_a_frags(df, dout + ob, w0, Tq, g, t, o_ld);
+    float d_lo = 0.f, d_hi = 0.f;
+    {
+        unsigned of[4][4];  // out at the same positions as df: D is a dot product of the two
+        load_a_frags(of, out + ob, w0, Tq, g, t, o_ld);
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+            for (int r = 0; r < 4; r += 2) {
+                d_lo += bf16_lo(of[ks][r]) * bf16_lo(df[ks][r]) +
+                        bf16_hi(of[ks][r]) * bf16_hi(df[ks][r]);
+                d_hi += bf16_lo(of[ks][r + 1]) * bf16_lo(df[ks][r + 1]) +
+                        bf16_hi(of[ks][r + 1]) * bf16_hi(df[ks][r + 1]);
+            }
+        }
+    }
+    d_lo = quad_sum(d_lo);
+    d_hi = quad_sum(d_hi);
+    float l2_lo = 0.f, l2_hi = 0.f;  // lse in log2 units
+    {
+        const float* L = lse + bh * Tq;
+        float* D = Dsum + bh * Tq;
+        if (r_lo < Tq) {
+            l2_lo = L[r_lo] * FA_LOG2E;
+            if (t == 0) D[r_lo] = d_lo;
+        }
+        if (r_hi < Tq) {
+            l2_hi = L[r_hi] * FA_LOG2E;
+            if (t == 0) D[r_hi] = d_hi;
+        }
+    }
+
+    float acc[8][4];
+    zero_acc(acc);
+    const unsigned plain = lane_off_plain(lane), trans = lane_off_trans(lane);
+
+    for (int kb = 0; kb < nkb; ++kb) {
+        const int buf = kb & 1;
+        if (kb + 1 < nkb) {
+            load_tile(sK[buf ^ 1], K, (kb + 1) * FA_BLK, Tk, tid, kv_ld);
+            load_tile(sV[buf ^ 1], V, (kb + 1) * FA_BLK, Tk, tid, kv_ld);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        float p[8][4], dp[8][4];
+        zero_acc(p);
+        zero_acc(dp);
+        mma_abt(p, qf, smem_u32(sK[buf]) + plain);   // q k^T
+        mma_abt(dp, df, smem_u32(sV[buf]) + plain);  // dout v^T
+        const int k0 = kb * FA_BLK;
+        const bool edge = k0 + FA_BLK - 1 > w0 + off || k0 + FA_BLK > Tk;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = k0 + 8 * nt + 2 * t + (e & 1);
+                const int i = (e < 2) ? r_lo : r_hi;
+                const bool masked = edge && (j > i + off || j >= Tk);
+                const float pe = masked ? 0.f : exp2f(p[nt][e] * sl2 - ((e < 2) ? l2_lo : l2_hi));
+                p[nt][e] = pe * (dp[nt][e] - ((e < 2) ? d_lo : d_hi));  // dS
+            }
+        mma_cb(acc, p, smem_u32(sK[buf]) + trans);  // dq += dS k
+        __syncthreads();
+    }
+    store_rows(dq + qb_, acc, r_lo, Tq, scale, scale, t, q_ld);
+}
+
+// Block (blockIdx.x = bh, keys k0..k0+63), the earliest keys (the most queries) first. Warp w
+// owns keys k0+16w..+15: this thread keys j_lo = k0+16w+g and j_hi = j_lo+8, and query
+// columns 8nt+2t, +1 of each 8-wide n-tile of the current query block. It works on the
+// transposed scores S^T = k q^T, so the keys are the rows and dv, dk accumulate in registers.
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_bwd_dkdv_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                            const bf16* __restrict__ v, const bf16* __restrict__ dout,
+                            const float* __restrict__ lse, const float* __restrict__ Dsum,
+                            bf16* __restrict__ dk, bf16* __restrict__ dv, int Tq, int Tk,
+                            float scale, int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,
+                       long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld) {
+    __shared__ __align__(16) bf16 sQ[2][FA_BLK * FA_LD];
+    __shared__ __align__(16) bf16 sO[2][FA_BLK * FA_LD];  // dout
+    __shared__ float sL[2][FA_BLK];                       // lse * log2(e), 0 past Tq
+    __shared__ float sD[2][FA_BLK];                       // D, 0 past Tq
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const long long bh = blockIdx.x;
+    const int k0 = (int)blockIdx.y * FA_BLK;
+    const int off = Tk - Tq;
+    const bf16* Q = q + head_base(bh, H, q_sb, q_sh);
+    const bf16* dO = dout + head_base(bh, H, o_sb, o_sh);
+    const long long kvb = head_base(bh, H, kv_sb, kv_sh);
+    const float* L = lse + bh * Tq;
+    const float* D = Dsum + bh * Tq;
+    const float sl2 = scale * FA_LOG2E;
+    const int w0 = k0 + 16 * warp;  // the warp's first key
+    const int j_lo = w0 + g, j_hi = j_lo + 8;
+    // the first query that sees key k0 is i = k0 - off (k0 < Tk, so it is < Tq)
+    const int qb0 = max(0, k0 - off) / FA_BLK;
+    const int nqb = (Tq + FA_BLK - 1) / FA_BLK;
+
+    auto stage = [&](int qb, int buf) {
+        const int r0 = qb * FA_BLK;
+        load_tile(sQ[buf], Q, r0, Tq, tid, q_ld);
+        load_tile(sO[buf], dO, r0, Tq, tid, o_ld);
+        cp_async_commit();
+        if (tid < FA_BLK) {
+            const int i = r0 + tid;
+            sL[buf][tid] = (i < Tq) ? L[i] * FA_LOG2E : 0.f;
+            sD[buf][tid] = (i < Tq) ? D[i] : 0.f;
+        }
+    };
+    stage(qb0, 0);
+
+    unsigned kf[4][4], vf[4][4];
+    load_a_frags(kf, k + kvb, w0, Tk, g, t, kv_ld);
+    load_a_frags(vf, v + kvb, w0, Tk, g, t, kv_ld);
+    float dka[8][4], dva[8][4];
+    zero_acc(dka);
+    zero_acc(dva);
+    const unsigned plain = lane_off_plain(lane), trans = lane_off_trans(lane);
+
+    for (int qb = qb0; qb < nqb; ++qb) {
+        const int buf = (qb - qb0) & 1;
+        if (qb + 1 < nqb) {
+            stage(qb + 1, buf ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        float p[8][4], ds[8][4];
+        zero_acc(p);
+        zero_acc(ds);
+        mma_abt(p, kf, smem_u32(sQ[buf]) + plain);   // S^T = k q^T: (16 keys, 64 queries)
+        mma_abt(ds, vf, smem_u32(sO[buf]) + plain);  // dP^T = v dout^T
+        const int q0 = qb * FA_BLK;
+        // mask where some (key, query) of this warp has j > i + off, or queries run past Tq
+        const bool edge = w0 + 15 > q0 + off || q0 + FA_BLK > Tq;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 8 * nt + 2 * t + (e & 1);  // query column in the block
+                const int i = q0 + c;
+                const int j = (e < 2) ? j_lo : j_hi;
+                const bool masked = edge && (j > i + off || i >= Tq);
+                const float pe = masked ? 0.f : exp2f(p[nt][e] * sl2 - sL[buf][c]);
+                p[nt][e] = pe;
+                ds[nt][e] = pe * (ds[nt][e] - sD[buf][c]);
+            }
+        mma_cb(dva, p, smem_u32(sO[buf]) + trans);   // dv += P^T dout
+        mma_cb(dka, ds, smem_u32(sQ[buf]) + trans);  // dk += dS^T q
+        __syncthreads();
+    }
+    store_rows(dk + kvb, dka, j_lo, Tk, scale, scale, t, kv_ld);
+    store_rows(dv + kvb, dva, j_lo, Tk, 1.f, 1.f, t, kv_ld);
+}

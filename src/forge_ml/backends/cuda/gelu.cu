@@ -1,0 +1,62 @@
+// launched from backends/cuda/pointwise.py
+// gelu.cu: GPT-2's GELU, tanh approximation (Hendrycks & Gimpel 2016, eq. in section 2):
+//   y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+//   dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+#include "common.cuh"
+
+// gelu_f(v), the forward, is in common.cuh (gemv.cu's fused epilogue uses it too).
+template <typename A> FORGE_D A gelu_d(A v) {
+    const A k0 = A(0.7978845608028654), k1 = A(0.044715);
+    const A t = fm_tanh(k0 * (v + k1 * v * v * v));
+    const A du = k0 * (A(1) + A(3) * k1 * v * v);
+    return A(0.5) * (A(1) + t) + A(0.5) * v * (A(1) - t * t) * du;
+}
+
+// gelu_fwd: each thread owns groups of 4 consecutive elements (one vector load when aligned),
+// grid-stride, then the tail one element per thread.
+template <typename T>
+__device__ void gelu_fwd_impl(const T* x, T* y, long long n) {
+    long long done = 0;
+    if (aligned4(x, sizeof(T)) && aligned4(y, sizeof(T))) {
+        const long long nv = n >> 2;
+        FORGE_FOR(g, nv) {
+            const V4<T> a = reinterpret_cast<const V4<T>*>(x)[g];
+            V4<T> r;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) r.v[k] = To<T>::from(gelu_f(ldf(a.v[k])));
+            reinterpret_cast<V4<T>*>(y)[g] = r;
+        }
+        done = nv << 2;
+    }
+    FORGE_FOR(i, n - done) y[done + i] = To<T>::from(gelu_f(ldf(x[done + i])));
+}
+
+// gelu_bwd: each thread owns groups of 4 consecutive elements, as gelu_fwd: dx = dy * gelu'(x).
+template <typename T>
+__device__ void gelu_bwd_impl(const T* x, const T* dy, T* dx, long long n) {
+    long long done = 0;
+    if (aligned4(x, sizeof(T)) && aligned4(dy, sizeof(T)) && aligned4(dx, sizeof(T))) {
+        const long long nv = n >> 2;
+        FORGE_FOR(g, nv) {
+            const V4<T> a = reinterpret_cast<const V4<T>*>(x)[g];
+            const V4<T> d = reinterpret_cast<const V4<T>*>(dy)[g];
+            V4<T> r;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) r.v[k] = To<T>::from(ldf(d.v[k]) * gelu_d(ldf(a.v[k])));
+            reinterpret_cast<V4<T>*>(dx)[g] = r;
+        }
+        done = nv << 2;
+    }
+    FORGE_FOR(i, n - done) dx[done + i] = To<T>::from(ldf(dy[done + i]) * gelu_d(ldf(x[done + i])));
+}
+
+#define FORGE_GELU(T, S)                                                                      \
+    extern "C" __global__ void gelu_fwd_##S(const T* x, T* y, long long n) {                \
+        gelu_fwd_impl<T>(x, y, n);                                                            \
+    }                                                                                         \
+    extern "C" __global__ void gelu_bwd_##S(const T* x, const T* dy, T* dx, long long n) { \
+        gelu_bwd_impl<T>(x, dy, dx, n);                                                       \
+    }
+FORGE_GELU(float, f32)
+FORGE_GELU(double, f64)
+FORGE_GELU(bf16, bf16)

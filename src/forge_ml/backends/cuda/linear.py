@@ -1,0 +1,134 @@
+"""Matrix products and the linear layer: ``matmul`` (cuBLAS through cublas.py, the bias
+broadcast first by elementwise.cu's ``bias_fill_*``) and ``linear``; for a few rows (a
+decoding step) on Hopper both go to gemv.cu instead: one kernel per layer, a thread-block
+cluster of K slices per column tile, with the layernorm prologue and the bias, GELU and
+residual epilogue fused (``_gemv``). Kernels: gemv.cu.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import flags
+from ...errors import DTypeError, ShapeError
+from .. import compose as _compose
+from .cublas import _matmul_into
+from .memory import _c, _like
+from .runtime import (BF16, F32, _THREADS, _empty, _float_sfx, _grid, _guarded, _i32, _i64,
+                      _launch, _launcher_ex, _package, _pdl_wrote)
+
+
+_GEMV_M = 4          # gemv.cu: GEMV_M
+_GEMV_THREADS = 256  # GEMV_WARPS * 32
+_GEMV_VEC = {F32: 4}
+if BF16 is not None:
+    _GEMV_VEC[BF16] = 8
+_GEMV_KC = 1024        # gemv.cu: GEMV_KC, rows of a block's K slice at most
+_GEMV_CLUSTER = 8      # blocks of a cluster at most (K slices of one column tile)
+_GEMV_LPR = {F32: (32, 16, 8, 4, 2, 1), BF16: (16, 8, 4, 2, 1)}  # lanes per row compiled
+_GEMV_TILES = 16       # column tiles wanted at least (with 8 slices: about one block per SM)
+
+
+def _gemv_ok(a, b, M, K, N) -> bool:
+    """Whether x (M, K) @ W (K, N) goes to gemv.cu: a few rows (decoding), float32 or
+    bf16, N a multiple of the 16-byte vector, W 16-byte aligned, K within the kernel's
+    slices, on a Hopper GPU (thread-block clusters) (the FORGE_GEMV switch off turns it
+    off)."""
+    vec = _GEMV_VEC.get(a.dtype)
+    return (vec is not None and 0 < M <= _GEMV_M and 0 < K <= _GEMV_CLUSTER * _GEMV_KC
+            and N % vec == 0 and b.data.ptr % 16 == 0
+            and flags.on("FORGE_GEMV") and _launcher_ex())
+
+
+def _gemv_shape(dt, K, N):
+    """(lanes per row, column tiles, K slices = cluster size, rows per slice) of a gemv: the
+    widest tile (up to 128 columns) that still gives _GEMV_TILES tiles, and 8 slices of at
+    least 64 rows where K allows."""
+    vec = _GEMV_VEC[dt]
+    lprs = _GEMV_LPR[BF16 if dt == BF16 else F32]
+    lpr = next((p for p in lprs if -(-N // (p * vec)) >= _GEMV_TILES), lprs[-1])
+    tiles = -(-N // (lpr * vec))
+    slices = max(1, min(_GEMV_CLUSTER, -(-K // 64)))
+    kchunk = -(-K // slices)
+    return lpr, tiles, slices, kchunk
+
+
+def _gemv(a, b, bias, alpha, M, K, N, act=0, residual=None, ln=None):
+    lpr, tiles, slices, kchunk = _gemv_shape(a.dtype, K, N)
+    # W written by the kernel before: a plain launch (on the H200 a programmatic launch read
+    # such a W stale through the read-only cache, even with its pdl_wait() before the loads)
+    early = not _pdl_wrote(b)
+    out = _empty((M, N), a.dtype)
+    gamma, beta, eps = (out, out, 0.0) if ln is None else ln
+    _launch("gemv", f"gemv_{_float_sfx(a)}_{lpr}", (tiles, slices), _GEMV_THREADS,
+            (a, b, gamma, beta, _i32(ln is not None), np.float32(eps),
+             out if bias is None else bias, _i32(bias is not None),
+             out if residual is None else residual, _i32(residual is not None), _i32(act), out,
+             _i32(M), _i32(K), _i32(N), _i32(kchunk), np.float32(alpha),
+             _i32(early)), pdl=early, writes=(out,), cluster=(1, slices, 1))
+    return out
+
+
+_ACTS = {None: 0, "gelu": 1}
+
+
+@_guarded
+def linear(x, w, bias, act, residual, ln=None):
+    """``act(LN(x) @ w + bias) + residual`` for a few rows of x: one kernel
+    (gemv.cu); otherwise layernorm, matmul, gelu and add one after the other.
+    ``ln``: None or (gamma, beta, eps)."""
+    x, w = _c(x), _like(_c(w), x.dtype)
+    M, K = x.shape
+    N = w.shape[1]
+    if _gemv_ok(x, w, M, K, N):
+        bias = None if bias is None else _like(_c(bias), x.dtype)
+        residual = None if residual is None else _like(_c(residual), x.dtype)
+        if ln is not None:
+            ln = (_like(_c(ln[0]), x.dtype), _like(_c(ln[1]), x.dtype), float(ln[2]))
+        return _gemv(x, w, bias, 1.0, M, K, N, _ACTS[act], residual, ln)
+    return _compose.linear(_package(), x, w, bias, act, residual, ln)
+
+
+@_guarded
+def matmul(a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows=None):
+    a, b = _c(a), _c(b)
+    if a.dtype != b.dtype:
+        raise DTypeError(f"matmul: a is {a.dtype} but b is {b.dtype}")
+    if a.ndim >= 3 and b.ndim == 2 and not trans_a:
+        # (..., M, K) @ (K, N): one big 2-D product over all leading rows
+        out = matmul(a.reshape(-1, a.shape[-1]), b, bias, False, trans_b, alpha, b_rows)
+        return out.reshape(a.shape[:-1] + (out.shape[-1],))
+    if not ((a.ndim == 2 and b.ndim == 2)
+            or (a.ndim >= 3 and b.ndim == a.ndim and a.shape[:-2] == b.shape[:-2])):
+        raise ShapeError(f"matmul: a is {a.shape} and b is {b.shape}; expected 2-D x 2-D or "
+                         "batched with equal leading dims")
+    lead = a.shape[:-2]
+    ar, ac = a.shape[-2:]
+    br_stored, bc = b.shape[-2:]
+    br = br_stored if b_rows is None else int(b_rows)
+    if not 0 <= br <= br_stored:
+        raise ShapeError(f"matmul: b_rows={b_rows} but b has {br_stored} rows")
+    M, K = (ac, ar) if trans_a else (ar, ac)
+    Kb, N = (bc, br) if trans_b else (br, bc)
+    if K != Kb:
+        raise ShapeError(f"matmul: op(a) is ({M}, {K}) but op(b) is ({Kb}, {N}); "
+                         "inner dims must agree")
+    if (a.ndim == 2 and b.ndim == 2 and not trans_a and not trans_b and br == br_stored
+            and _gemv_ok(a, b, M, K, N)):
+        if bias is not None:
+            bias = _like(_c(bias), a.dtype)
+            if bias.size != N:
+                raise ShapeError(f"matmul: bias has {bias.size} elements but the output has {N} "
+                                 "columns")
+        return _gemv(a, b, bias, alpha, M, K, N)
+    out = _empty(lead + (M, N), a.dtype)
+    beta = 0.0
+    if bias is not None:
+        bias = _like(_c(bias), a.dtype)
+        if bias.size != N:
+            raise ShapeError(f"matmul: bias has {bias.size} elements but the output has {N} "
+                             "columns")
+        if out.size:
+            _launch("elementwise", f"bias_fill_{_float_sfx(out)}", _grid(out.size), _THREADS,
+                    (bias, out, _i64(out.size), _i32(N)))
+        beta = 1.0
+    return _matmul_into(a, b, out, trans_a, trans_b, alpha, b_rows, beta)

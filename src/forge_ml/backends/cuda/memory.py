@@ -1,0 +1,141 @@
+"""The CUDA backend's memory: allocation, host copies, casts, in-place assignment.
+
+zeros, from_host, to_host (bfloat16 comes back as float32), cast (float <-> bfloat16 on the
+device, rounded to nearest even, by the ``cast_*`` kernels of elementwise.cu), copy, assign,
+pinned_empty and to_host_async (``_Copy``: a device-to-host copy in flight). Also the
+argument helpers every room uses: ``_c`` (C-contiguous), ``_like`` (in a given dtype),
+``_ids`` (token ids as int32/int64), ``_pos_array`` (a position held on the device).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...errors import ShapeError
+from .runtime import (BF16, F32, _FLOATS, _SFX, _THREADS, _dtype, _empty, _grid, _guarded, _i64,
+                      _launch, cupy)
+
+
+def _c(x):
+    """The contract promises C-contiguous arrays; copy if a caller broke that promise."""
+    return x if x.flags.c_contiguous else copy(x)
+
+
+def _like(x, dt):
+    """``x`` in dtype ``dt`` (itself when it already is)."""
+    return x if x.dtype == dt else cast(x, dt.name)
+
+
+def _ids(ids):
+    ids = _c(ids)
+    if ids.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+        ids = ids.astype(np.int64)
+    return ids
+
+
+def _pos_array(pos):
+    """A position given as a device array: one int32 element (read by the kernel itself)."""
+    if pos.size != 1 or pos.dtype != np.dtype(np.int32):
+        raise ShapeError(f"a device position must be one int32 element, got {pos.dtype} "
+                         f"of shape {pos.shape}")
+    return _c(pos)
+
+
+@_guarded
+def zeros(shape, dtype_name):
+    return cupy.zeros(tuple(int(s) for s in shape), dtype=_dtype(dtype_name))
+
+
+@_guarded
+def from_host(np_array, dtype_name):
+    dt = _dtype(dtype_name)
+    a = np.asarray(np_array)
+    if dt == BF16:
+        # round on the device (to nearest even), the same code path as every other cast
+        return cast(cupy.asarray(np.asarray(a, dtype=np.float32, order="C")), "bfloat16")
+    return cupy.asarray(np.asarray(a, dtype=dt, order="C"))  # keeps 0-d arrays 0-d
+
+
+@_guarded
+def to_host(array) -> np.ndarray:
+    if array.dtype == BF16:
+        array = cast(array, "float32")
+    return cupy.asnumpy(array)
+
+
+@_guarded
+def cast(array, dtype_name):
+    dt = _dtype(dtype_name)
+    x = _c(array)
+    if x.dtype == dt:
+        return copy(x)
+    if BF16 is not None and BF16 in (x.dtype, dt):
+        if x.dtype in _FLOATS and dt in _FLOATS:
+            out = _empty(x.shape, dt)
+            if x.size:
+                _launch("elementwise", f"cast_{_SFX[x.dtype]}_{_SFX[dt]}", _grid(x.size),
+                        _THREADS, (x, out, _i64(x.size)))
+            return out
+        # integers <-> bf16 go through float32
+        mid = x.astype(F32) if x.dtype != BF16 else cast(x, "float32")
+        return cast(mid, dt.name) if dt == BF16 else mid.astype(dt)
+    return x.astype(dt)
+
+
+@_guarded
+def copy(array):
+    out = cupy.empty(array.shape, dtype=array.dtype)
+    if array.size:
+        if array.flags.c_contiguous:
+            out.data.copy_from_device_async(array.data, array.nbytes)
+        elif array.dtype != BF16:
+            out[...] = array
+        else:  # strided bf16: copy the raw 2-byte words
+            out.view(np.uint16)[...] = array.view(np.uint16)
+    return out
+
+
+@_guarded
+def assign(dst, values):
+    """dst[...] = values (a NumPy array), in place, queued on the current stream."""
+    if not dst.flags.c_contiguous:
+        raise ShapeError("assign: dst must be C-contiguous (it is written in place)")
+    if dst.dtype == BF16:  # rounded on the device, as from_host does
+        src = from_host(values, "bfloat16")
+        dst.data.copy_from_device_async(src.data, dst.nbytes)
+    else:  # one host-to-device copy
+        dst.set(np.ascontiguousarray(values, dtype=dst.dtype))
+
+
+class _Copy:
+    """A device-to-host copy in flight: ``synchronize()`` waits for it."""
+
+    def __init__(self, event):
+        self._event = event
+
+    def synchronize(self):
+        self._event.synchronize()
+
+
+def pinned_empty(shape, dtype):
+    """A NumPy array in page-locked host memory (device copies into it run asynchronously)."""
+    dt = np.dtype(dtype)
+    n = int(math.prod(shape))
+    mem = cupy.cuda.alloc_pinned_memory(max(1, n * dt.itemsize))
+    return np.frombuffer(mem, dt, n).reshape(shape)
+
+
+@_guarded
+def to_host_async(array, out):
+    """Queue a copy of ``array`` into the host array ``out`` (pinned, same size and dtype) on
+    the current stream; returns a handle whose ``synchronize()`` waits for it."""
+    array = _c(array)
+    if out.nbytes != array.nbytes or out.dtype != array.dtype:
+        raise ShapeError(f"to_host_async: {array.dtype} {array.shape} into {out.dtype} {out.shape}")
+    stream = cupy.cuda.get_current_stream()
+    cupy.cuda.runtime.memcpyAsync(out.ctypes.data, array.data.ptr, array.nbytes,
+                                  cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+    event = cupy.cuda.Event(block=False, disable_timing=True)
+    event.record(stream)
+    return _Copy(event)

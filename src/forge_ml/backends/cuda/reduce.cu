@@ -1,0 +1,94 @@
+// launched from backends/cuda/rows.py
+// reduce.cu: deterministic reductions (fixed grid, fixed order, no atomics): column sums for
+// sum_rows and the LayerNorm parameter gradients, and whole-array sums (sum of squares for
+// gradient clipping, plain sums for the cross-entropy mean). float32 accumulation (float64
+// for float64 data).
+#include "common.cuh"
+
+// sum_rows_partial: each (32 x 8) block owns 32 columns over one chunk of rows and writes that
+// chunk's column sums to part[chunk, col].
+template <typename T>
+__device__ void sum_rows_partial_impl(const T* x, typename Acc<T>::type* part, long long R,
+                                      int C, long long chunk) {
+    typedef typename Acc<T>::type A;
+    __shared__ A sh[8][33];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int col = blockIdx.x * 32 + tx;
+    const long long r0 = (long long)blockIdx.y * chunk;
+    long long r1 = r0 + chunk;
+    if (r1 > R) r1 = R;
+    A acc = A(0);
+    if (col < C)
+        for (long long r = r0 + ty; r < r1; r += 8) acc += ldf(x[r * C + col]);
+    sh[ty][tx] = acc;
+    __syncthreads();
+    if (ty == 0 && col < C) {
+        A t = A(0);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) t += sh[k][tx];
+        part[(long long)blockIdx.y * C + col] = t;
+    }
+}
+
+// colsum_finish: each thread owns one column: adds the S chunk partials in order, rounds once.
+template <typename A, typename T>
+__device__ void colsum_finish_impl(const A* part, T* out, int S, int C) {
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= C) return;
+    A t = A(0);
+    for (int s = 0; s < S; ++s) t += part[(long long)s * C + col];
+    out[col] = To<T>::from(t);
+}
+
+// sum_partial: each block owns a grid-stride share of the n elements and writes its sum (of
+// squares when SQUARE) to part[blockIdx.x].
+template <typename T, bool SQUARE>
+__device__ void sum_partial_impl(const T* x, typename Acc<T>::type* part, long long n) {
+    typedef typename Acc<T>::type A;
+    __shared__ A sh[32];
+    A acc = A(0);
+    FORGE_FOR(i, n) {
+        const A v = ldf(x[i]);
+        acc += SQUARE ? v * v : v;
+    }
+    acc = block_sum(acc, sh);
+    if (threadIdx.x == 0) part[blockIdx.x] = acc;
+}
+
+// sum_finish: one block owns the whole job: adds the n partials (thread t takes t, t + 1024, ...,
+// then a fixed tree) and writes scale * total to out[0].
+template <typename A>
+__device__ void sum_finish_impl(const A* part, A* out, long long n, A scale) {
+    __shared__ A sh[32];
+    A acc = A(0);
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) acc += part[i];
+    acc = block_sum(acc, sh);
+    if (threadIdx.x == 0) out[0] = acc * scale;
+}
+
+#define FORGE_REDUCE(T, S, A)                                                                   \
+    extern "C" __global__ void sum_rows_partial_##S(const T* x, A* part, long long R, int C,   \
+                                                    long long chunk) {                          \
+        sum_rows_partial_impl<T>(x, part, R, C, chunk);                                         \
+    }                                                                                           \
+    extern "C" __global__ void colsum_finish_##S(const A* part, T* out, int S_, int C) {       \
+        colsum_finish_impl<A, T>(part, out, S_, C);                                             \
+    }                                                                                           \
+    extern "C" __global__ void sumsq_partial_##S(const T* x, A* part, long long n) {          \
+        sum_partial_impl<T, true>(x, part, n);                                                  \
+    }                                                                                           \
+    extern "C" __global__ void sum_partial_##S(const T* x, A* part, long long n) {            \
+        sum_partial_impl<T, false>(x, part, n);                                                 \
+    }
+FORGE_REDUCE(float, f32, float)
+FORGE_REDUCE(double, f64, double)
+FORGE_REDUCE(bf16, bf16, float)
+
+extern "C" __global__ void sum_finish_f32(const float* part, float* out, long long n,
+                                          float scale) {
+    sum_finish_impl<float>(part, out, n, scale);
+}
+extern "C" __global__ void sum_finish_f64(const double* part, double* out, long long n,
+                                          double scale) {
+    sum_finish_impl<double>(part, out, n, scale);
+}

@@ -1,0 +1,164 @@
+"""The switchboard: every ``FORGE_*`` environment switch, declared once and parsed once.
+
+Each switch has a type (a set of named values, or a path), a default and a one-line meaning.
+The environment is read the first time a switch is asked for, checked (a value outside the
+switch's choices is a ConfigError that lists them), and kept: code on a hot path asks
+``flags.get`` and pays a dict lookup. Tests and benchmarks change a switch for a block with
+``flags.override``, never by writing ``os.environ``.
+
+>>> from forge_ml import flags
+>>> flags.get("FORGE_ATTENTION") in ("flash", "composed")
+True
+>>> with flags.override(FORGE_ATTENTION="composed"):
+...     flags.get("FORGE_ATTENTION")
+'composed'
+>>> flags.get("FORGE_NOPE")
+Traceback (most recent call last):
+...
+forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUDA_GRAPH, FORGE_GEMV, FORGE_PDL
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import ConfigError
+
+_ON = ("1", "on", "true", "yes")
+_OFF = ("0", "off", "false", "no")
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One ``FORGE_*`` switch: ``choices`` lists its values (None: any string, e.g. a path);
+    ``aliases`` maps an older spelling to its value; ``meaning`` is the line the README shows."""
+
+    name: str
+    default: str
+    meaning: str
+    choices: Optional[tuple] = None
+    aliases: tuple = ()
+
+    def parse(self, raw: str) -> str:
+        v = raw.strip().lower() if self.choices is not None else raw.strip()
+        if self.choices is None:
+            return v
+        if self.choices == ("on", "off"):
+            if v in _ON:
+                return "on"
+            if v in _OFF:
+                return "off"
+        v = dict(self.aliases).get(v, v)
+        if v not in self.choices:
+            raise ConfigError(f"{self.name}={raw!r} is not one of {'|'.join(self.choices)}"
+                              + (" (or 1/0)" if self.choices == ("on", "off") else ""))
+        return v
+
+
+_SWITCHES = (
+    Switch("FORGE_ATTENTION", "flash",
+           "causal attention on the GPU: the fused flash kernels, or the composed path "
+           "(cuBLAS products around a softmax)",
+           ("flash", "composed"), aliases=(("v1", "composed"),)),
+    Switch("FORGE_CUDA_GRAPH", "on",
+           "replay the decoding step as a CUDA graph (off: op by op)", ("on", "off")),
+    Switch("FORGE_GEMV", "on",
+           "few-row products (decoding) on forge-ml's cluster gemv kernel on Hopper (off: cuBLAS)",
+           ("on", "off")),
+    Switch("FORGE_PDL", "on",
+           "launch the decoding kernels with Hopper's programmatic dependent launch",
+           ("on", "off")),
+    Switch("FORGE_CPU_KERNELS", "auto",
+           "CPU kernels: the fused C kernels if they build (auto), NumPy only (numpy), or the "
+           "C kernels or an error (c)", ("auto", "numpy", "c")),
+    Switch("FORGE_CPU_MALLOC", "tuned",
+           "glibc malloc thresholds raised at CPU backend start-up so activations reuse freed "
+           "memory (tuned), or left alone (default)", ("tuned", "default")),
+    Switch("FORGE_CACHE_DIR", "",
+           "where built C kernels are kept (default: $XDG_CACHE_HOME/forge-ml, "
+           "~/.cache/forge-ml)"),
+    Switch("FORGE_API_KEY", "",
+           "the key `forge-ml serve` requires as `Authorization: Bearer KEY` (as --api-key)"),
+)
+
+SWITCHES = {s.name: s for s in _SWITCHES}
+"""Name -> Switch, for every switch forge-ml reads."""
+
+_lock = threading.Lock()
+_values: dict = {}
+_overrides: list = []   # stack of dicts, innermost last
+
+
+def get(name: str) -> str:
+    """The value of switch ``name`` (an override, else the environment's, else the default).
+
+    >>> get("FORGE_CUDA_GRAPH") in ("on", "off")
+    True
+    """
+    for layer in reversed(_overrides):
+        if name in layer:
+            return layer[name]
+    v = _values.get(name)
+    if v is None:
+        sw = _switch(name)
+        raw = os.environ.get(name)
+        v = sw.default if raw is None or raw.strip() == "" else sw.parse(raw)
+        with _lock:
+            _values[name] = v
+    return v
+
+
+def on(name: str) -> bool:
+    """Whether an on/off switch is on.
+
+    >>> on("FORGE_PDL") in (True, False)
+    True
+    """
+    return get(name) == "on"
+
+
+def _switch(name: str) -> Switch:
+    sw = SWITCHES.get(name)
+    if sw is None:
+        raise ConfigError(f"unknown switch {name!r}; known: {', '.join(sorted(SWITCHES))}")
+    return sw
+
+
+@contextlib.contextmanager
+def override(**values):
+    """Set switches for the duration of a ``with`` block (tests, benchmarks).
+
+    Values are checked like the environment's; booleans become on/off.
+
+    >>> with override(FORGE_GEMV=False):
+    ...     on("FORGE_GEMV")
+    False
+    """
+    layer = {}
+    for name, v in values.items():
+        sw = _switch(name)
+        if isinstance(v, bool):
+            v = "on" if v else "off"
+        layer[name] = sw.parse(str(v))
+    _overrides.append(layer)
+    try:
+        yield
+    finally:
+        _overrides.remove(layer)
+
+
+def table() -> str:
+    """The switches as Markdown rows (``| name | values | default | meaning |``), the form
+    the README's list takes (a test checks the two agree).
+
+    >>> table().splitlines()[0].startswith("| `FORGE_ATTENTION`")
+    True
+    """
+    rows = []
+    for s in _SWITCHES:
+        vals = " / ".join(s.choices) if s.choices else ("a path" if "DIR" in s.name else "a string")
+        rows.append(f"| `{s.name}` | `{vals}` | `{s.default or '(unset)'}` | {s.meaning} |")
+    return "\n".join(rows)

@@ -1,0 +1,15 @@
+"""The inference wing: loading models (``load``), the decoding runtime (``decode``: the KV
+cache and the one-token step captured as a CUDA graph), generation (``generate``), and the
+continuous-batching engine the server drives (``batch``, ``engine``).
+
+>>> from forge_ml.inference import generate, load_model
+>>> callable(generate), callable(load_model)
+(True, True)
+"""
+from .decode import DecodeStep, KVCache, decoder, row_step
+from .generate import FINISH_REASONS, TokenEvent, generate, generate_text, next_token_probs, stream_tokens
+from .load import hf_tokenizer_dict, load_model, resolve_checkpoint
+
+__all__ = ["DecodeStep", "KVCache", "decoder", "row_step", "generate", "generate_text",
+           "next_token_probs", "stream_tokens", "TokenEvent", "FINISH_REASONS", "load_model",
+           "resolve_checkpoint", "hf_tokenizer_dict"]

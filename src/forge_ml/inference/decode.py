@@ -1,0 +1,313 @@
+"""The decoding runtime: the KV cache, and the one-token step on fixed buffers that a CUDA
+graph captures once and replays at every position.
+
+Everything here works through ``ops``, Tensors and ``forge_ml.graph``; no backend module
+and no raw array. ``DecodeStep`` feeds one token per row; ``decoder`` keeps a (cache, step)
+pair with its graphs between generation calls; ``row_step`` is the step with one position
+per row, which the continuous-batching engine (``inference.batch``) drives.
+
+>>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+>>> from forge_ml import tensor
+>>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+>>> cache = model.new_cache(2, 8)
+>>> _ = model.forward_cached(tensor([[1, 2], [3, 4]]), cache)
+>>> DecodeStep(model, cache)([5, 6], 2).shape, cache.pos
+((2, 10), 3)
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .. import flags, graph, ops
+from ..errors import ShapeError
+from ..tensor import host_buffer, zeros
+
+
+@dataclass
+class KVCache:
+    """Per-layer key and value caches ``(B, H, Tmax, hs)``, allocated once; ``pos`` rows filled."""
+
+    k: list
+    v: list
+    pos: int = 0
+
+    @classmethod
+    def empty(cls, model, batch: int, max_len: Optional[int] = None) -> "KVCache":
+        """A cache for ``batch`` rows and up to ``max_len`` (<= block_size) tokens of ``model``,
+        in its parameters' dtype and on its device."""
+        cfg = model.config
+        max_len = cfg.block_size if max_len is None else max_len
+        if not (isinstance(max_len, int) and 0 < max_len <= cfg.block_size):
+            raise ShapeError(f"new_cache: max_len must be in 1..{cfg.block_size}, got {max_len}")
+        if not (isinstance(batch, int) and batch > 0):
+            raise ShapeError(f"new_cache: batch must be a positive int, got {batch!r}")
+        ref = model.params["wte.weight"]
+        shape = (batch, cfg.n_head, max_len, cfg.head_size)
+        mk = lambda: [zeros(shape, ref.dtype, ref.device) for _ in range(cfg.n_layer)]  # noqa: E731
+        return cls(mk(), mk(), 0)
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[-2]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+
+class DecodeStep:
+    """``GPT2.decode_step`` on fixed buffers, for a generation loop.
+
+    ``step(tokens, pos)`` feeds one token per row (``tokens``: B ints) at position ``pos``
+    (the cache must hold rows ``0..pos-1``), writes the new keys and values into ``cache``,
+    sets ``cache.pos = pos + 1`` and returns the logits ``(B, vocab_size)`` as a float32
+    NumPy array. The inputs live in fixed device buffers (the position too), so where the
+    backend captures graphs the step is captured once: the first call runs op by op
+    (compiling and loading every kernel), the second captures, and from then on a call is two
+    small host-to-device copies, one graph launch and one copy of the logits back.
+    ``graph=False``, or the switch ``FORGE_CUDA_GRAPH=off``, keeps every call op by op.
+    ``rows(tokens, positions)`` is the same step with one position per row.
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+    >>> step = DecodeStep(model, model.new_cache(2, 8))
+    >>> step.rows([1, 2], [0, 3]).shape
+    (2, 10)
+    """
+
+    def __init__(self, model, cache: KVCache, graph_: Optional[bool] = None, **kw):
+        if "params" in kw:
+            raise TypeError("DecodeStep: params= was removed; give a model whose parameters "
+                            "are the compute copies (model.to(dtype='bfloat16'))")
+        if "graph" in kw:
+            graph_ = kw.pop("graph")
+        if kw:
+            raise TypeError(f"DecodeStep: unexpected keyword arguments {sorted(kw)}")
+        self.model, self.cache = model, cache
+        dev = model.device
+        self.device = dev
+        B = cache.batch
+        self._ids = zeros((B, 1), "int32", dev)
+        self._pos = zeros((1,), "int32", dev)
+        self._row_pos = zeros((B,), "int32", dev)
+        if graph_ is None:
+            graph_ = flags.on("FORGE_CUDA_GRAPH")
+        self.graph = bool(graph_) and graph.available(dev)
+        self._graphs = {}      # "logits", "rows": one step; ("greedy", k): k steps + choices
+        self._hist = {}        # k -> the (k, B) int32 tensor of a k-step chain's tokens
+        self._warm = False     # some step ran op by op: every kernel is compiled and loaded
+
+    def _logits(self, pos):
+        """The step's device work; returns the float32 logits (B, Vp) (the bf16 -> float32
+        cast is part of the captured work, so the host copies one tensor back)."""
+        out = self.model.decode_step(self._ids, pos, self.cache)
+        return out if out.dtype.name == "float32" else out.to("float32")
+
+    def __call__(self, tokens, pos: int) -> np.ndarray:
+        B = self.cache.batch
+        tokens = self._checked_tokens(tokens)
+        if not (isinstance(pos, (int, np.integer)) and 0 <= pos < self.cache.capacity):
+            raise ShapeError(f"DecodeStep: position {pos} does not fit the cache's "
+                             f"{self.cache.capacity} rows")
+        ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
+        ops.assign(self._pos, np.array([pos], np.int32))
+        out = self._run("logits", lambda: self._logits(self._pos))
+        self.cache.pos = int(pos) + 1
+        return out.numpy()[:, :self.model.config.vocab_size]
+
+    def rows(self, tokens, positions) -> np.ndarray:
+        """One step with one position per row: row ``b`` feeds ``tokens[b]`` at
+        ``positions[b]`` (its cache rows ``0..positions[b]-1`` filled before) and attends over
+        its own rows only. Returns float32 logits ``(B, vocab_size)``; a row whose position is
+        outside the cache gets NaN logits and writes nothing. ``cache.pos`` is not used.
+
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> bool(np.isnan(DecodeStep(model, model.new_cache(2, 4)).rows([1, 2], [0, 9])[1]).all())
+        True
+        """
+        B = self.cache.batch
+        tokens = self._checked_tokens(tokens)
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if positions.shape != (B,):
+            raise ShapeError(f"DecodeStep.rows: expected {B} positions, got {positions.shape[0]}")
+        cap = self.cache.capacity
+        positions = np.where((positions >= 0) & (positions < cap), positions, cap)  # out: NaN
+        ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
+        ops.assign(self._row_pos, positions.astype(np.int32))
+        out = self._run("rows", lambda: self._logits(self._row_pos))
+        return out.numpy()[:, :self.model.config.vocab_size]
+
+    def _run(self, key, work):
+        """``work()``'s device work: replayed from the graph kept under ``key``, or captured
+        there first when graphs are on and some step ran op by op before (so every kernel
+        ``work`` launches is compiled and loaded), else op by op. A capture that fails turns
+        graphs off for this step, with one warning, and the work runs op by op."""
+        g = self._graphs.get(key)
+        if g is None and self.graph and self._warm:
+            try:
+                g = graph.capture(self.device, work)
+            except Exception as e:
+                warnings.warn(f"DecodeStep: the graph capture failed ({type(e).__name__}: "
+                              f"{e}); decoding goes on op by op", RuntimeWarning, stacklevel=3)
+                self.graph = False
+            else:
+                self._graphs[key] = g
+        if g is None:
+            out = work()
+            self._warm = True
+            return out
+        g.replay()
+        return g.outputs
+
+    @property
+    def captured(self) -> bool:
+        """Whether the step now replays a graph."""
+        return "logits" in self._graphs
+
+    def _greedy_work(self, k: int):
+        """``k`` greedy steps on the device: each computes the logits, then ``ids = argmax``
+        (also written to row i of the chain's token buffer) and ``pos += 1``."""
+        hist = self._hist[k]
+        V = self.model.config.vocab_size
+        for i in range(k):
+            ops.greedy_next(self._logits(self._pos), V, self._ids, self._pos, out=hist, row=i)
+        return hist
+
+    def greedy(self, tokens, pos: int, n: int, lookahead: int = 4, chunk: Optional[int] = None):
+        """Yield ``n`` greedy steps with the host out of the loop: the first feeds ``tokens``
+        at ``pos``, each next one feeds the previous step's choice at the next position; each
+        yield is the (B,) int32 array of every row's argmax token (lowest id on ties, as
+        ``np.argmax``). The choice is made on the device, ``chunk`` steps at a time (with
+        graphs one replay of ``chunk`` x (step + argmax) and one copy of their tokens back;
+        default 8 with graphs, else 1), and at least ``lookahead`` steps are queued ahead, so
+        the host reads tokens while the device computes the next ones. Closing the generator
+        early waits for the queued steps; ``cache.pos`` then counts every row they wrote.
+
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> from forge_ml import tensor
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> cache = model.new_cache(1, 8)
+        >>> _ = model.forward_cached(tensor([[1, 2]]), cache)
+        >>> [t.shape for t in DecodeStep(model, cache).greedy([3], 2, 3)], cache.pos
+        ([(1,), (1,), (1,)], 5)
+        """
+        B = self.cache.batch
+        if not (isinstance(n, (int, np.integer)) and n >= 0):
+            raise ShapeError(f"DecodeStep.greedy: n must be an int >= 0, got {n!r}")
+        if n and not 0 <= pos <= pos + n - 1 < self.cache.capacity:
+            raise ShapeError(f"DecodeStep.greedy: positions {pos}..{pos + n - 1} do not fit the "
+                             f"cache's {self.cache.capacity} rows")
+        if chunk is None:
+            chunk = 8 if self.graph else 1
+        if not (isinstance(chunk, (int, np.integer)) and chunk >= 1):
+            raise ShapeError(f"DecodeStep.greedy: chunk must be an int >= 1, got {chunk!r}")
+        if n == 0:
+            return
+        tokens = self._checked_tokens(tokens)
+        ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
+        ops.assign(self._pos, np.array([pos], np.int32))
+        # whole chunks, then single steps: every launch writes only rows pos..pos+n-1
+        sizes = [int(chunk)] * (n // chunk) + [1] * (n % chunk)
+        for k in set(sizes):
+            if k not in self._hist:
+                self._hist[k] = zeros((k, B), "int32", self.device)
+        ahead = max(2, -(-int(lookahead) // int(chunk)))
+        rings = {k: host_buffer((ahead, k, B), "int32", self.device) for k in set(sizes)}
+        pending = []    # (handle, host array) per launch in flight
+        launched = 0    # launches queued
+        done = 0        # steps of the queued launches
+
+        def launch():
+            nonlocal launched, done
+            k = sizes[launched]
+            out = self._run(("greedy", k), lambda: self._greedy_work(k))
+            host = rings[k][launched % ahead]
+            pending.append((out.copy_to_host(host), host))
+            launched += 1
+            done += k
+
+        try:
+            while launched < min(ahead, len(sizes)):
+                launch()
+            yielded = 0
+            while pending:
+                handle, host = pending.pop(0)
+                if handle is not None:
+                    handle.synchronize()
+                toks = host.copy()
+                if launched < len(sizes):
+                    launch()
+                for row in toks:
+                    yielded += 1
+                    self.cache.pos = pos + yielded
+                    yield row
+        finally:
+            for handle, _ in pending:
+                if handle is not None:
+                    handle.synchronize()
+            self.cache.pos = pos + done
+
+    def _checked_tokens(self, tokens) -> np.ndarray:
+        B = self.cache.batch
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.shape != (B,):
+            raise ShapeError(f"DecodeStep: expected {B} tokens (one per row), got {tokens.shape[0]}")
+        V = self.model.config.vocab_size
+        if tokens.min() < 0 or tokens.max() >= V:
+            raise ShapeError(f"DecodeStep: token ids must be in 0..{V - 1}, got "
+                             f"{int(tokens.min())}..{int(tokens.max())}")
+        return tokens
+
+
+def _same_memory(a: list, b: list) -> bool:
+    # a graph holds the memory of every parameter: reuse it only while each tensor still has
+    # the memory it had at the capture (an in-place update keeps it; copy-on-write does not)
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def decoder(model, batch: int, max_len: Optional[int] = None) -> tuple:
+    """``(cache, step)``: an empty KV cache for ``batch`` rows of up to ``max_len`` tokens and
+    its ``DecodeStep``. Where the backend captures graphs, the pair and its graphs are kept
+    and handed out again (emptied: ``pos`` 0) to the next call with the same batch, length
+    and parameter tensors, so repeated generation pays the capture once; elsewhere every call
+    makes a new pair.
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> cache, step = decoder(GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1,
+    ...                                            n_head=1, n_embd=4)), 2, 8)
+    >>> cache.capacity, cache.batch
+    (8, 2)
+    """
+    if not graph.available(model.device):
+        cache = KVCache.empty(model, batch, max_len)
+        return cache, DecodeStep(model, cache)
+    key = (batch, max_len, flags.get("FORGE_CUDA_GRAPH"), tuple(model.params))
+    memory = [v.memory() for v in model.params.values()]
+    kept = getattr(model, "_decoder_kept", None)
+    if kept is not None and kept[0] == key and _same_memory(kept[3], memory):
+        kept[1].pos = 0
+        return kept[1], kept[2]
+    cache = KVCache.empty(model, batch, max_len)
+    step = DecodeStep(model, cache)
+    model._decoder_kept = (key, cache, step, memory)
+    return cache, step
+
+
+def row_step(model, batch: int, max_len: Optional[int] = None) -> tuple:
+    """``(step, cache)`` for continuous batching: ``step(tokens, positions)`` feeds each of
+    ``batch`` rows its own token at its own position and returns float32 logits
+    ``(batch, vocab_size)`` (``DecodeStep.rows``; a graph where the backend has them).
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> step, cache = row_step(GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1,
+    ...                                             n_head=1, n_embd=4)), 3)
+    >>> step([1, 2, 3], [0, 0, 0]).shape
+    (3, 10)
+    """
+    cache = KVCache.empty(model, batch, max_len)
+    return DecodeStep(model, cache).rows, cache

@@ -1,0 +1,291 @@
+"""The interface between the HTTP server (``forge_ml.serve``) and a decoding engine.
+
+A request is a prompt (token ids) and ``SamplingParams``; the engine streams ``TokenOut``
+events for it: one per generated token, the last one carrying ``finish`` ("stop" when a stop
+token was drawn, "length" when ``max_tokens`` or the context ran out). ``submit`` is safe to
+call from any thread; events arrive on the request's ``Stream`` (an iterator for threads and
+an async iterator for the server's event loop). ``Stream.cancel()`` ends a request early (a
+client that disconnected) and frees its place in the batch.
+
+Bad requests are refused at ``submit`` with a ``RequestError`` that names the offending
+field (``param``), so the server can answer HTTP 400 with it.
+
+>>> p = SamplingParams(max_tokens=4, temperature=0.0)
+>>> p.greedy
+True
+>>> SamplingParams(temperature=-1)
+Traceback (most recent call last):
+...
+forge_ml.inference.engine.RequestError: temperature must be a number >= 0 (0 is greedy), got -1
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import numbers
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import ConfigError
+
+MAX_LOGPROBS = 20
+
+
+class RequestError(ConfigError):
+    """A request the engine refuses: a field out of range, a prompt that does not fit the
+    context or the vocabulary. ``param`` names the field (OpenAI's error ``param``)."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+class EngineClosedError(RequestError):
+    """The engine was closed (or its loop failed) before or while serving the request."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request chooses its tokens (OpenAI's completion fields, plus the usual extras).
+
+    temperature 0 is greedy; top_k 0 and top_p 1.0 and min_p 0.0 switch those cuts off;
+    repetition_penalty 1.0 is none (HF/CTRL's rule: a seen token's positive logit is divided
+    by it, a negative one multiplied); logprobs None returns no log-probabilities, n >= 0
+    returns the chosen token's and the n most likely tokens' log-probabilities (after the
+    temperature, before the cuts; at temperature 0, of the logits as they are);
+    stop_tokens end the request when drawn (the token is returned with finish "stop").
+    ``prompt_logprobs`` (None or n >= 0) also scores the prompt: ``Stream.prompt_logprobs``
+    gets, for each prompt token after the first, its log-probability and the n most likely
+    tokens' under the model's plain distribution (temperature 1, no penalty); with it,
+    ``max_tokens`` 0 scores a prompt without generating. Every value is checked here.
+
+    >>> SamplingParams(top_p=0)
+    Traceback (most recent call last):
+    ...
+    forge_ml.inference.engine.RequestError: top_p must be a number in (0, 1], got 0
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    logprobs: Optional[int] = None
+    stop_tokens: tuple = ()
+    prompt_logprobs: Optional[int] = None
+
+    def __post_init__(self):
+        def bad(name, want):
+            raise RequestError(f"{name} must be {want}, got {getattr(self, name)!r}", name)
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            bad("max_tokens", "an int >= 0")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "a number >= 0 (0 is greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "an int >= 0 (0 is off)")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "a number in (0, 1]")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "a number in [0, 1]")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "a number > 0 (1 is none)")
+        if not _is_int(self.seed) or self.seed < 0:
+            bad("seed", "an int >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                bad(name, f"None or an int in 0..{MAX_LOGPROBS}")
+        if not isinstance(self.stop_tokens, tuple) or not all(_is_int(t) for t in self.stop_tokens):
+            bad("stop_tokens", "a tuple of token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """One generated token of one request: its id, its log-probability (when asked), the
+    top log-probabilities as ``((id, logprob), ...)`` most likely first (when asked), and
+    ``finish`` (None, "stop" or "length") on the request's last token."""
+
+    token: int
+    logprob: Optional[float] = None
+    top_logprobs: tuple = field(default_factory=tuple)
+    finish: Optional[str] = None
+
+
+def check_prompt(prompt_ids, params: SamplingParams, vocab_size: int, max_len: int) -> list:
+    """The prompt as a list of ints, after checking it fits the vocabulary and, with
+    ``params.max_tokens`` new tokens, the context of ``max_len`` tokens.
+
+    >>> check_prompt([1, 2], SamplingParams(max_tokens=2), vocab_size=5, max_len=4)
+    [1, 2]
+    >>> check_prompt([1, 2], SamplingParams(max_tokens=3), vocab_size=5, max_len=4)
+    Traceback (most recent call last):
+    ...
+    forge_ml.inference.engine.RequestError: the prompt's 2 tokens plus max_tokens 3 exceed the context of 4 tokens; ask for at most 2 new tokens
+    """
+    if isinstance(prompt_ids, (str, bytes)) or not all(_is_int(t) for t in prompt_ids):
+        raise RequestError(f"the prompt must be a list of int token ids, got {prompt_ids!r:.80}",
+                           "prompt")
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise RequestError("the prompt is empty; give at least one token", "prompt")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]} in the prompt is out of range; ids must be in "
+                           f"0..{vocab_size - 1}", "prompt")
+    if len(ids) > max_len:
+        raise RequestError(f"the prompt has {len(ids)} tokens, longer than the context of "
+                           f"{max_len} tokens", "prompt")
+    if len(ids) + params.max_tokens > max_len:
+        raise RequestError(f"the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} "
+                           f"exceed the context of {max_len} tokens; ask for at most "
+                           f"{max_len - len(ids)} new tokens", "max_tokens")
+    bad = [t for t in params.stop_tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"stop token {bad[0]} is out of range; ids must be in "
+                           f"0..{vocab_size - 1}", "stop_tokens")
+    return ids
+
+
+_END = object()
+
+
+class Stream:
+    """The events of one request: iterate it (blocking, from a thread) or ``async for`` it
+    (from an event loop) to get its ``TokenOut``\\ s; iteration ends after the one carrying
+    ``finish`` (or at once after ``cancel()``). ``finish`` is then the reason; a request with
+    ``max_tokens`` 0 ends with no token and finish "length". If the engine fails or closes
+    meanwhile, iteration raises ``EngineClosedError``. ``prompt_logprobs``: see
+    ``SamplingParams``; complete before the first token arrives.
+
+    The engine's thread calls ``_push``; consumers never block it.
+
+    >>> s = Stream([1, 2], SamplingParams())
+    >>> s._push(TokenOut(7)); s._push(TokenOut(8, finish="length"))
+    >>> [t.token for t in s], s.finish
+    ([7, 8], 'length')
+    """
+
+    def __init__(self, prompt: list, params: SamplingParams, on_cancel=None):
+        self.prompt = prompt
+        self.params = params
+        self.prompt_logprobs: list = []   # (logprob, ((id, logprob), ...)) per prompt token 1..
+        self.finish: Optional[str] = None
+        self.cancelled = False
+        self._items = collections.deque()
+        self._cond = threading.Condition()
+        self._waker = None                # (loop, asyncio.Event) of an async consumer
+        self._ended = False
+        self._on_cancel = on_cancel
+
+    # -- the producer side (the engine's thread) ------------------------------------------
+    def _push(self, item) -> None:
+        """Queue a TokenOut (one with ``finish`` ends the stream) or an exception to raise
+        in the consumer (it ends the stream too)."""
+        finish = item.finish if isinstance(item, TokenOut) else None
+        ends = finish is not None or isinstance(item, BaseException)
+        self._append(item, ends, finish)
+
+    def _end(self, finish: str) -> None:
+        """End the stream with no further token (``max_tokens`` 0, a scored prompt)."""
+        self._append(_END, True, finish)
+
+    def _append(self, item, ends: bool, finish: Optional[str]) -> None:
+        with self._cond:
+            if self._ended:
+                return
+            if finish is not None:
+                self.finish = finish
+            self._ended = ends
+            self._items.append(item)
+            self._cond.notify_all()
+            waker = self._waker
+        self._wake_async(waker)
+
+    @staticmethod
+    def _wake_async(waker) -> None:
+        if waker is not None:
+            loop, event = waker
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:   # the consumer's loop is closed: nobody is listening
+                pass
+
+    @property
+    def done(self) -> bool:
+        """Whether the stream has ended (finished, cancelled or failed)."""
+        return self._ended
+
+    # -- the consumer side ----------------------------------------------------------------
+    def cancel(self) -> None:
+        """Stop the request: iteration ends at once (tokens not yet read are dropped) and its
+        slot is freed at the engine's next step. Safe from any thread; ``finish`` stays
+        None unless the request had finished before."""
+        with self._cond:
+            was_open = not self._ended
+            self.cancelled = self.cancelled or was_open
+            self._ended = True
+            self._items.clear()
+            self._items.append(_END)
+            self._cond.notify_all()
+            waker = self._waker
+        self._wake_async(waker)
+        if was_open and self._on_cancel is not None:
+            self._on_cancel()
+
+    def _take(self, item):
+        """``item`` to yield, or None at the end."""
+        if item is _END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self):
+        while True:
+            with self._cond:
+                while not self._items:
+                    self._cond.wait()
+                item = self._items.popleft()
+            out = self._take(item)
+            if out is None:
+                return
+            yield out
+            if out.finish is not None:
+                return
+
+    async def __aiter__(self):
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._cond:
+            self._waker = (loop, event)
+        while True:
+            with self._cond:
+                item = self._items.popleft() if self._items else None
+                if item is None:
+                    event.clear()
+            if item is None:
+                await event.wait()
+                continue
+            out = self._take(item)
+            if out is None:
+                return
+            yield out
+            if out.finish is not None:
+                return

@@ -1,0 +1,515 @@
+"""Sampling from a GPT-2: a streaming generator over one prompt or a batch of prompts.
+
+``generate`` yields tokens as they are produced. For one prompt (a list of ints) it yields
+ints. For a batch (a list of lists, lengths may differ) it yields, once per decoding step,
+a list of ``TokenEvent``\\ s: one for every row that produced a token in that step. A row that
+has finished yields nothing more; the generator ends when every row has finished.
+
+The KV cache is allocated once per call (``inference.decode.decoder(model, B, max_len)``;
+on cuda kept for the next call of the same shape, with its CUDA graphs), filled by
+``model.forward_cached`` for the prompts, then one token per row at a time by its
+``DecodeStep`` (on cuda a CUDA graph captured once and replayed at every position). A model
+in bf16 (``model.to(dtype="bfloat16")``) generates in bf16. Greedy decoding with no
+repetition penalty and no log-probabilities to report, once no row has prompt tokens left,
+chains the steps on the device: the argmax is taken there and the host reads the tokens as
+they come (``DecodeStep.greedy``), with the same tokens as the host's ``np.argmax``.
+
+Rows share one position counter: the first ``min(len(p))`` tokens
+of every prompt are prefilled together, then the batch steps one token at a time, and a row
+still inside its prompt is fed its next prompt token instead of a sampled one. So every row
+sees exactly the positions and keys it would see alone, and its tokens equal those of the
+same prompt run alone (greedy; sampling too, since each row has its own random stream).
+
+Next-token choice, per row (``next_token_probs``), on the first ``vocab_size`` logits (the
+padded columns are never sampled), in transformers' order (``GenerationMixin.
+_get_logits_processor`` with ``do_sample``: the processors, then the warpers temperature,
+top-k, top-p, min-p):
+
+1. ``repetition_penalty`` (CTRL, Keskar et al. 2019; transformers'
+   ``RepetitionPenaltyLogitsProcessor``): the logit of every id present in the row's context
+   so far (its prompt and its generated tokens) is divided by the penalty when positive and
+   multiplied by it when negative. Greedy decoding applies it too, as transformers does.
+2. temperature: 0 is greedy (the argmax of the penalised logits); otherwise the logits are
+   divided by it.
+3. ``top_k``: the ``k`` largest logits are kept (exactly ``k``, ties to the lower id;
+   transformers keeps every token tied with the k-th).
+4. ``top_p``: the smallest set of most likely tokens whose probability reaches ``top_p``.
+5. ``min_p``: tokens whose probability is below ``min_p`` times the largest one's are dropped
+   (transformers' ``MinPLogitsWarper``: after temperature, after top-k and top-p). It
+   compares each token with the most likely one, which every cut keeps, so with top-k alone
+   the order would not matter; placed last, top-p's nucleus is measured on the distribution
+   before min-p's cut, as in transformers (placed first, the nucleus would grow).
+
+One token is then drawn from row ``r``'s own NumPy Generator, seeded with ``(seed, r)``:
+the same seed gives the same tokens.
+
+Log-probabilities (``logprobs=n``, batch form only): each TokenEvent carries ``logprob``, the
+chosen token's log-probability, and ``top_logprobs``, the ``n`` most likely ``(id,
+logprob)`` pairs (most likely first, ties by lower id), both from
+``log_softmax(penalised logits / temperature)`` (temperature 0: the penalised logits
+untempered), that is before the top-k, top-p and min-p cuts, as ``token_logprobs`` computes
+them. A single prompt yields plain ints, so ``generate(model, ids, logprobs=n)`` is a
+ConfigError: pass ``[ids]``. The yield type then depends on the prompt's shape alone, with no
+second switch meaning the same thing.
+
+Beam search is ``forge_ml.inference.beam.beam_search``, not a mode of ``generate``: it picks
+whole sequences at the end, so it has no tokens to stream.
+
+A row finishes (``TokenEvent.finish`` says why) after
+    - a token in ``stop_tokens`` ("stop_token"; the stop token is yielded),
+    - a token that completes one of ``stop_strings`` in the row's generated text
+      ("stop_string"; needs ``tokenizer``; that token is yielded),
+    - ``max_new_tokens`` tokens ("max_new_tokens"),
+    - a full context: a row's prompt plus its generated tokens never exceed ``block_size``
+      positions, so a prompt of ``n`` tokens gets at most ``block_size - n`` new ones
+      ("context_full"; there is no sliding window).
+
+>>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+>>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))
+>>> out = list(generate(model, [1, 2, 3], max_new_tokens=4, temperature=0))
+>>> len(out), all(0 <= t < 11 for t in out)
+(4, True)
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError, ShapeError
+from ..tensor import tensor
+from .decode import decoder
+
+FINISH_REASONS = ("stop_token", "stop_string", "max_new_tokens", "context_full")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of one row of a batch.
+
+    ``row``: the prompt's index; ``token``: the id; ``index``: its place among the row's
+    generated tokens (0 for the first); ``finish``: None while the row goes on, else why the
+    row ended with this token (one of ``FINISH_REASONS``).
+
+    With ``generate(..., logprobs=n)``: ``logprob``, the token's log-probability, and
+    ``top_logprobs``, a tuple of the ``n`` most likely ``(id, logprob)`` pairs, most likely
+    first (see the module docstring); both None otherwise.
+
+    >>> TokenEvent(row=1, token=42, index=0)
+    TokenEvent(row=1, token=42, index=0, finish=None, logprob=None, top_logprobs=None)
+    """
+
+    row: int
+    token: int
+    index: int
+    finish: Optional[str] = None
+    logprob: Optional[float] = None
+    top_logprobs: Optional[tuple] = None
+
+
+# -- choosing the next token ---------------------------------------------------------------
+
+
+def apply_repetition_penalty(logits, penalty: float, context) -> np.ndarray:
+    """``logits`` (float64 copy) with the CTRL repetition penalty on every id in ``context``:
+    a positive logit divided by ``penalty``, a negative one multiplied (transformers'
+    ``RepetitionPenaltyLogitsProcessor``). An id counts once however often it occurs.
+
+    >>> apply_repetition_penalty(np.array([2.0, -1.0, 3.0]), 2.0, [0, 1, 1]).tolist()
+    [1.0, -2.0, 3.0]
+    """
+    z = np.array(logits, dtype=np.float64).reshape(-1)  # (V,), a copy
+    if penalty == 1.0 or len(context) == 0:
+        return z
+    ids = np.unique(np.asarray(context, dtype=np.int64))
+    ids = ids[ids < z.shape[0]]                       # ids past the logits cannot be chosen
+    seen = z[ids]
+    z[ids] = np.where(seen < 0, seen * penalty, seen / penalty)
+    return z
+
+
+def token_logprobs(logits, temperature: float = 1.0, *, repetition_penalty: float = 1.0,
+                   context=()) -> np.ndarray:
+    """Log-probabilities (float64, ``(V,)``) of the next token before any cut:
+    ``log_softmax(penalised logits / temperature)``; temperature 0 takes the penalised logits
+    as they are. What ``generate(..., logprobs=n)`` reports.
+
+    >>> np.round(np.exp(token_logprobs(np.log([0.5, 0.25, 0.25]))), 3).tolist()
+    [0.5, 0.25, 0.25]
+    """
+    z = apply_repetition_penalty(logits, repetition_penalty, context)
+    if temperature > 0:
+        z = z / temperature
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def _top_logprobs(logp: np.ndarray, n: int) -> tuple:
+    """The ``n`` largest entries of ``logp`` as ``((id, logprob), ...)``, largest first,
+    ties by lower id."""
+    v = logp.shape[0]
+    if n == 0:
+        return ()
+    if n < v:
+        kth = np.partition(logp, v - n)[v - n]            # the n-th largest
+        cand = np.flatnonzero(logp >= kth)                # ascending ids, ties included
+    else:
+        cand = np.arange(v)
+    cand = cand[np.argsort(-logp[cand], kind="stable")][:n]
+    return tuple((int(i), float(logp[i])) for i in cand)
+
+
+def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = None,
+                     top_p: Optional[float] = None, min_p: Optional[float] = None, *,
+                     repetition_penalty: float = 1.0, context=()) -> np.ndarray:
+    """The next-token distribution (float64, sums to 1) for one row of logits ``(V,)``.
+
+    In transformers' order (see the module docstring): the repetition penalty on the ids in
+    ``context`` (the row's prompt and generated tokens), then temperature (0 puts all mass on
+    the argmax), then ``softmax(logits / temperature)`` cut to the ``top_k`` largest logits
+    (exactly ``k``; ties go to the lower id, so ``top_k=1`` is greedy), then to the smallest
+    set of most likely tokens whose probability reaches ``top_p`` (at least one token), then
+    to the tokens whose probability is at least ``min_p`` times the largest, renormalised.
+
+    >>> next_token_probs(np.array([0.0, 0.0, 1.0, -1.0]), temperature=0).tolist()
+    [0.0, 0.0, 1.0, 0.0]
+    >>> p = next_token_probs(np.log([0.5, 0.3, 0.2]), top_p=0.7)
+    >>> np.round(p, 3).tolist()
+    [0.625, 0.375, 0.0]
+    >>> np.round(next_token_probs(np.log([0.5, 0.3, 0.2]), min_p=0.5), 3).tolist()
+    [0.625, 0.375, 0.0]
+    >>> next_token_probs(np.array([2.0, 1.5]), temperature=0, repetition_penalty=2.0,
+    ...                  context=[0]).tolist()
+    [0.0, 1.0]
+    """
+    z = apply_repetition_penalty(logits, repetition_penalty, context)  # (V,)
+    v = z.shape[0]
+    probs = np.zeros(v, np.float64)
+    if temperature == 0:
+        probs[int(np.argmax(z))] = 1.0
+        return probs
+    z = z / temperature
+    keep = np.ones(v, bool)
+    if top_k is not None and top_k < v:
+        kth = np.partition(z, v - top_k)[v - top_k]      # the k-th largest logit
+        keep = z > kth
+        ties = np.flatnonzero(z == kth)[: top_k - int(keep.sum())]  # lowest ids first
+        keep[ties] = True
+    z = np.where(keep, z, -np.inf)
+    e = np.exp(z - z.max())
+    probs = e / e.sum()
+    if top_p is not None and top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")        # most likely first, ties by id
+        cum = np.cumsum(probs[order])
+        n_keep = min(int(np.searchsorted(cum, top_p, side="left")) + 1, v)
+        nucleus = np.zeros(v, np.float64)
+        nucleus[order[:n_keep]] = probs[order[:n_keep]]
+        probs = nucleus / nucleus.sum()
+    if min_p is not None and min_p > 0:
+        # transformers' MinPLogitsWarper: p < min_p * max(p) goes; the top token always stays
+        probs = np.where(probs < min_p * probs.max(), 0.0, probs)
+        probs = probs / probs.sum()
+    return probs
+
+
+def _draw(probs: np.ndarray, gen: np.random.Generator) -> int:
+    """One token from ``probs`` by inverting the CDF with a single uniform draw."""
+    cdf = np.cumsum(probs)
+    # u * cdf[-1] < cdf[-1], so the first index whose CDF exceeds it has nonzero mass.
+    return int(np.searchsorted(cdf, gen.random() * cdf[-1], side="right"))
+
+
+# -- argument checks -----------------------------------------------------------------------
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _as_prompts(prompts) -> tuple[list, bool]:
+    """``(list of prompts as lists of ints, single)``; ``single`` when one prompt was given."""
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
+        raise ShapeError(f"generate: prompts must be a list of token ids or a list of such "
+                         f"lists, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ShapeError("generate: the prompt is empty; give at least one token "
+                         "(e.g. the end-of-text token to start from nothing)")
+    if all(_is_int(t) for t in prompts):
+        return [[int(t) for t in prompts]], True
+    rows = []
+    for r, p in enumerate(prompts):
+        if isinstance(p, np.ndarray):
+            p = p.tolist()
+        if not isinstance(p, Sequence) or not all(_is_int(t) for t in p):
+            raise ShapeError(f"generate: prompt {r} must be a list of int token ids, got {p!r:.80}")
+        if len(p) == 0:
+            raise ShapeError(f"generate: prompt {r} is empty; give at least one token "
+                             "(e.g. the end-of-text token to start from nothing)")
+        rows.append([int(t) for t in p])
+    return rows, False
+
+
+def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
+                tokenizer, min_p=None, repetition_penalty=1.0, logprobs=None, single=False):
+    cfg = model.config
+    for r, p in enumerate(rows):
+        where = "the prompt" if len(rows) == 1 else f"prompt {r}"
+        if len(p) > cfg.block_size:
+            raise ShapeError(f"generate: {where} has {len(p)} tokens, longer than the model's "
+                             f"context of {cfg.block_size} tokens (block_size)")
+        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ShapeError(f"generate: token id {bad[0]} in {where} is out of range; ids must "
+                             f"be in 0..{cfg.vocab_size - 1}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ConfigError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not (isinstance(temperature, numbers.Real) and temperature >= 0):
+        raise ConfigError(f"generate: temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ConfigError(f"generate: top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, numbers.Real) and 0 < top_p <= 1):
+        raise ConfigError(f"generate: top_p must be None or in (0, 1], got {top_p!r}")
+    if not _is_int(seed) or seed < 0:
+        raise ConfigError(f"generate: seed must be an int >= 0, got {seed!r}")
+    if stop_strings and tokenizer is None:
+        raise ConfigError("generate: stop_strings need a tokenizer to decode the generated text; "
+                          "pass tokenizer=")
+    if min_p is not None and not (isinstance(min_p, numbers.Real) and 0 <= min_p <= 1):
+        raise ConfigError(f"generate: min_p must be None or in [0, 1] (a fraction of the most "
+                          f"likely token's probability), got {min_p!r}")
+    if not (isinstance(repetition_penalty, numbers.Real) and not isinstance(repetition_penalty, bool)
+            and 0 < repetition_penalty < float("inf")):
+        raise ConfigError(f"generate: repetition_penalty must be a number > 0 (1 = off, > 1 "
+                          f"discourages repeats), got {repetition_penalty!r}")
+    if logprobs is not None:
+        if not _is_int(logprobs) or not 0 <= logprobs <= cfg.vocab_size:
+            raise ConfigError(f"generate: logprobs must be None or an int in "
+                              f"0..{cfg.vocab_size} (how many top tokens to report), got {logprobs!r}")
+        if single:
+            raise ConfigError("generate: logprobs need the batch form, which yields TokenEvents "
+                              "(a single prompt yields plain ints): pass [prompt]")
+
+
+# -- the sampling loop ---------------------------------------------------------------------
+
+
+def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
+             stop_tokens=(), stop_strings=(), tokenizer=None, min_p: Optional[float] = None,
+             repetition_penalty: float = 1.0, logprobs: Optional[int] = None, **kw) -> Iterator:
+    """Stream new tokens for one prompt (yields ints) or a batch (yields, per step, a list
+    of ``TokenEvent``); see the module docstring for the rules.
+
+    ``min_p``: None or in [0, 1]; ``repetition_penalty``: > 0, 1 is off; ``logprobs``: None
+    (off) or how many top tokens each TokenEvent reports (0..vocab_size; batch form only).
+
+    ``prompts``: a list of ids, or a list of lists of ids (lengths may differ). Arguments are
+    checked at the call,
+    before anything is computed: a prompt longer than ``block_size`` is a ShapeError, and so
+    is an empty one.
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))
+    >>> steps = list(generate(model, [[1, 2, 3], [4]], max_new_tokens=2, temperature=0))
+    >>> [[(e.row, e.index) for e in s] for s in steps]
+    [[(1, 0)], [(1, 1)], [(0, 0)], [(0, 1)]]
+    >>> steps[-1][0].finish
+    'max_new_tokens'
+    """
+    if "params" in kw:
+        raise TypeError("generate: params= was removed; give a model in the dtype to compute "
+                        "in (model.to(dtype='bfloat16'))")
+    if "num_beams" in kw:
+        raise TypeError("generate: num_beams is not a generate option; generate streams tokens "
+                        "and beam search picks whole sequences at the end: use "
+                        "forge_ml.inference.beam.beam_search")
+    if kw:
+        raise TypeError(f"generate: unexpected keyword arguments {sorted(kw)}")
+    rows, single = _as_prompts(prompts)
+    _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
+                tokenizer, min_p, repetition_penalty, logprobs, single)
+    if isinstance(stop_tokens, numbers.Integral):
+        stop_tokens = (stop_tokens,)
+    if isinstance(stop_strings, str):
+        stop_strings = (stop_strings,)
+    choice = _Choice(float(temperature), top_k, top_p, min_p, float(repetition_penalty),
+                     logprobs)
+    steps = _steps(model, rows, max_new_tokens, choice, seed,
+                   frozenset(int(t) for t in stop_tokens), tuple(stop_strings), tokenizer)
+    if single:
+        return (ev.token for events in steps for ev in events)
+    return steps
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """How ``generate`` picks each row's next token (checked arguments)."""
+
+    temperature: float
+    top_k: Optional[int]
+    top_p: Optional[float]
+    min_p: Optional[float]
+    repetition_penalty: float
+    logprobs: Optional[int]
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the device's argmax chain (``DecodeStep.greedy``) can pick the tokens:
+        greedy on the raw logits, with nothing for the host to report."""
+        return self.temperature == 0 and self.repetition_penalty == 1.0 and self.logprobs is None
+
+    def __call__(self, logits, context, gen) -> tuple:
+        """``(token, logprob, top_logprobs)`` for one row; the last two None without logprobs."""
+        z = apply_repetition_penalty(logits, self.repetition_penalty, context)  # (V,)
+        if self.temperature > 0:
+            tok = _draw(next_token_probs(z, self.temperature, self.top_k, self.top_p, self.min_p),
+                        gen)
+        else:
+            tok = int(np.argmax(z))
+        if self.logprobs is None:
+            return tok, None, None
+        logp = token_logprobs(z, self.temperature)       # z is penalised already
+        return tok, float(logp[tok]), _top_logprobs(logp, self.logprobs)
+
+
+def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokenizer):
+    """The loop behind ``generate``: yields one non-empty list of TokenEvents per step."""
+    cfg = model.config
+    B, V = len(rows), cfg.vocab_size
+    lengths = [len(p) for p in rows]
+    # A row is done from the start when it may add nothing (no budget or a full context).
+    done = [max_new == 0 or n >= cfg.block_size for n in lengths]
+    if all(done):
+        return
+    gens = [np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, r])))
+            for r in range(B)]
+    generated: list[list[int]] = [[] for _ in range(B)]
+
+    # Every token but a row's last sampled one is fed back, so the cache needs at most
+    # max(len) + max_new - 1 positions, and never more than the context.
+    capacity = min(cfg.block_size, max(lengths) + max_new - 1)
+    dev = model.device
+    cache, step = decoder(model, B, capacity)  # kept for the next call where graphs pay
+
+    t0 = min(lengths)
+    prefill = np.array([p[:t0] for p in rows], dtype=np.int64)                   # (B, t0)
+    logits = model.forward_cached(tensor(prefill, device=dev), cache, last_only=True)
+    last = logits.numpy()[:, -1, :V]                                              # (B, V)
+    pos = t0                                        # the position whose token is chosen next
+
+    def take(r, tok, logprob=None, top=None):
+        """Row r's token at position pos: record it, decide whether the row finishes."""
+        generated[r].append(tok)
+        finish = None
+        if tok in stop_tokens:
+            finish = "stop_token"
+        elif stop_strings and any(s in tokenizer.decode(generated[r]) for s in stop_strings):
+            finish = "stop_string"
+        elif len(generated[r]) == max_new:
+            finish = "max_new_tokens"
+        elif pos == cfg.block_size - 1:
+            finish = "context_full"
+        done[r] = finish is not None
+        return TokenEvent(r, tok, len(generated[r]) - 1, finish, logprob, top)
+
+    while True:
+        feed = np.zeros((B, 1), np.int64)
+        events = []
+        for r in range(B):
+            if done[r]:
+                continue
+            if pos < lengths[r]:                    # still inside its prompt: force it
+                feed[r, 0] = rows[r][pos]
+                continue
+            # the penalty's context: the whole prompt and the tokens generated so far
+            context = rows[r] + generated[r] if choice.repetition_penalty != 1.0 else ()
+            tok, logprob, top = choice(last[r], context, gens[r])
+            events.append(take(r, tok, logprob, top))
+            feed[r, 0] = tok
+        if events:
+            yield events
+        if all(done):
+            return
+        if choice.on_device and pos + 1 >= max(lengths):
+            # Greedy with no prompt token left to force: the argmax is taken on the device and
+            # steps chain there (DecodeStep.greedy), the host reading tokens as they come.
+            # Feeds at pos.. stay below the cache's capacity and the last context position,
+            # and n covers every open row's budget, so every row finishes inside the chain.
+            budget = max(max_new - len(generated[r]) for r in range(B) if not done[r])
+            n = min(cache.capacity - pos, cfg.block_size - 1 - pos, budget)
+            chain = step.greedy(feed[:, 0], pos, n)
+            try:
+                for toks in chain:
+                    pos += 1
+                    events = [take(r, int(toks[r])) for r in range(B) if not done[r]]
+                    if events:
+                        yield events
+                    if all(done):
+                        return
+            finally:
+                chain.close()
+            raise AssertionError("generate: greedy chain ended with open rows")  # unreachable
+        last = step(feed[:, 0], pos)                                              # (B, V)
+        pos += 1
+
+
+def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kwargs) -> str:
+    """The text generated after ``prompt`` (the prompt itself is not included).
+
+    ``kwargs`` are ``generate``'s (temperature, top_k, top_p, min_p, repetition_penalty,
+    seed, stop_tokens, stop_strings; not logprobs, which need the batch form). The text is
+    cut before a stop string, and a final stop token is left out.
+
+    >>> from forge_ml.tokenizer import CharTokenizer
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> tok = CharTokenizer("abc ")
+    >>> model = GPT2.init(GPT2Config(vocab_size=4, block_size=16, n_layer=1, n_head=1, n_embd=8))
+    >>> text = generate_text(model, tok, "ab", max_new_tokens=5, seed=1)
+    >>> len(text), set(text) <= set("abc ")
+    (5, True)
+    """
+    ids = tokenizer.encode(prompt)
+    stop_tokens = kwargs.get("stop_tokens", ())
+    stop_tokens = {stop_tokens} if isinstance(stop_tokens, numbers.Integral) else set(stop_tokens)
+    stop_strings = kwargs.get("stop_strings", ())
+    stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+    kwargs["tokenizer"] = tokenizer
+    out = list(generate(model, ids, max_new_tokens, **kwargs))
+    if out and out[-1] in stop_tokens:
+        out = out[:-1]
+    text = tokenizer.decode(out)
+    cuts = [text.find(s) for s in stop_strings if s in text]
+    return text[:min(cuts)] if cuts else text
+
+
+def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, top_p=None,
+                  seed=0, stop_tokens=(), min_p=None, repetition_penalty=1.0):
+    """Yield up to ``max_new_tokens`` sampled ids after ``ids`` through ``generate``; once the
+    context is full, generation goes on from the last ``block_size // 2`` tokens (a sliding
+    window, recomputed), so a sample may be longer than the context. The repetition
+    penalty's context is then the window.
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> m = GPT2.init(GPT2Config(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4))
+    >>> len(list(stream_tokens(m, [1, 2], 10, temperature=0)))
+    10
+    """
+    block = model.config.block_size
+    ctx = list(ids)[-block:]
+    made, chunk = 0, 0
+    while made < max_new_tokens:
+        if len(ctx) >= block:
+            ctx = ctx[-max(1, block // 2):]
+        for t in generate(model, ctx, max_new_tokens - made, temperature=temperature, top_k=top_k,
+                          top_p=top_p, seed=seed + chunk, stop_tokens=stop_tokens, min_p=min_p,
+                          repetition_penalty=repetition_penalty):
+            yield t
+            made += 1
+            ctx.append(t)
+            if t in stop_tokens:
+                return
+        chunk += 1

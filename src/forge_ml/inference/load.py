@@ -1,0 +1,103 @@
+"""Loading a model for inference: a forge-ml checkpoint (or a run folder holding one) or a
+Hugging Face GPT-2 folder, with its tokenizer. Nothing here imports the trainer.
+
+>>> resolve_checkpoint("runs/none")
+Traceback (most recent call last):
+...
+forge_ml.errors.CheckpointError: checkpoint not found: runs/none does not exist
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..checkpoint import load_checkpoint, unpack_tensors
+from ..errors import CheckpointError
+from ..hf import HF_TOKENIZER_FILE  # a non-GPT-2 tokenizer kept in an exported HF folder
+from ..models.gpt2 import GPT2, GPT2Config
+from ..tokenizer import tokenizer_from_dict
+
+CKPT_NAME = "ckpt"          # <run>/ckpt: a run's latest checkpoint
+
+
+def _old(p: Path) -> Path:
+    return p.with_name(p.name + ".old")
+
+
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint folder from a path that is one, or a run folder holding ``ckpt/``, also
+    in the half-renamed state an interrupted save can leave (``ckpt`` gone, ``ckpt.old``
+    complete: the path returned is then ``.../ckpt``, which ``load_checkpoint`` reads from
+    ``ckpt.old``).
+
+    >>> import tempfile, os, numpy as np
+    >>> from forge_ml.checkpoint import save_checkpoint
+    >>> run = tempfile.mkdtemp(); save_checkpoint(os.path.join(run, "ckpt.old"), {}, {})
+    >>> resolve_checkpoint(run).name, resolve_checkpoint(os.path.join(run, "ckpt")).name
+    ('ckpt', 'ckpt')
+    """
+    p = Path(path)
+    if (p / "state.json").is_file() or (p / "config.json").is_file():
+        return p
+    if p.name and not p.exists() and (_old(p) / "state.json").is_file():
+        return p                   # load_checkpoint recovers the previous one from <p>.old
+    if (p / CKPT_NAME / "state.json").is_file():
+        return p / CKPT_NAME
+    if (p / (CKPT_NAME + ".old") / "state.json").is_file():
+        return p / CKPT_NAME       # load_checkpoint recovers the previous one from ckpt.old
+    if not p.exists():
+        raise CheckpointError(f"checkpoint not found: {p} does not exist")
+    raise CheckpointError(f"{p} is neither a forge-ml checkpoint (state.json + model.safetensors), "
+                          f"a run folder with {CKPT_NAME}/ inside, nor a Hugging Face GPT-2 "
+                          "folder (config.json)")
+
+
+def load_model(path, device="cpu", dtype="float32"):
+    """``(model, tokenizer, meta)`` from a forge-ml checkpoint (or a run folder holding one) or
+    a Hugging Face GPT-2 folder (``config.json`` + ``model.safetensors``; GPT-2's tokenizer).
+    ``dtype="bfloat16"`` gives a bf16 model on the GPU (weights rounded once at load).
+
+    >>> import tempfile, numpy as np
+    >>> from forge_ml.checkpoint import save_checkpoint
+    >>> cfg = GPT2Config(vocab_size=4, block_size=8, n_layer=1, n_head=1, n_embd=8)
+    >>> d = tempfile.mkdtemp()
+    >>> save_checkpoint(d, GPT2.init(cfg).state_dict(), {"config": cfg.to_dict(),
+    ...                 "tokenizer": {"kind": "char", "chars": "abc\\n"}, "step": 1})
+    >>> model, tok, meta = load_model(d)
+    >>> tok.vocab_size, meta["step"]
+    (4, 1)
+    """
+    p = resolve_checkpoint(path)
+    if (p / "state.json").is_file() or not p.exists():  # not there: the ``.old`` state
+        tensors, meta = load_checkpoint(p)
+        if "config" not in meta:
+            raise CheckpointError(f"{p}: the checkpoint's meta has no model 'config'; not a "
+                                  "forge-ml model checkpoint")
+        cfg = GPT2Config.from_dict(dict(meta["config"], dropout=0.0))
+        params, _, _ = unpack_tensors(tensors)
+        model = GPT2.from_state_dict(cfg, params, device=device, dtype=dtype)
+        tok = tokenizer_from_dict(meta.get("tokenizer") or {"kind": "gpt2"})
+        return model, tok, meta
+    from ..hf import load_hf_gpt2
+    config, params = load_hf_gpt2(p)
+    cfg = GPT2Config.from_dict(config)
+    model = GPT2.from_state_dict(cfg, params, device=device, dtype=dtype)
+    tok = hf_tokenizer_dict(p)
+    return model, tokenizer_from_dict(tok), {"config": cfg.to_dict(), "tokenizer": tok}
+
+
+def hf_tokenizer_dict(hf_dir) -> dict:
+    """The tokenizer of a Hugging Face GPT-2 folder: GPT-2's, unless forge-ml exported the
+    folder from a model with another tokenizer (``forge_ml_tokenizer.json``).
+
+    >>> import tempfile
+    >>> hf_tokenizer_dict(tempfile.mkdtemp())
+    {'kind': 'gpt2'}
+    """
+    f = Path(hf_dir) / HF_TOKENIZER_FILE
+    if f.is_file():
+        try:
+            return json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
+    return {"kind": "gpt2"}
