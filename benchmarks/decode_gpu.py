@@ -71,23 +71,22 @@ def main(argv=None):
     import forge_ml as fm
     from forge_ml import flags, ops
     from forge_ml.models import GPT2, GPT2Config
-    from forge_ml.models.gpt2 import DecodeStep
+    from forge_ml.inference.decode import DecodeStep
 
     cfg = GPT2Config()
-    model = GPT2.init(cfg, seed=0, device="cuda")
-    params = {k: v.to("bfloat16") for k, v in model.params.items()} if a.dtype == "bf16" else None
-    P = model.params if params is None else params
     dt = "bfloat16" if a.dtype == "bf16" else "float32"
-    cache = model.new_cache(1, cfg.block_size, params)
+    model = GPT2.init(cfg, seed=0, device="cuda", dtype=dt)
+    P = model.params
+    cache = model.new_cache(1, cfg.block_size)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, a.pos))
-    model.forward_cached(fm.tensor(prompt, device="cuda"), cache, params)
+    model.forward_cached(fm.tensor(prompt, device="cuda"), cache)
     tok = [int(prompt[0, -1])]
 
     def captured_step(pdl: bool):
         """A DecodeStep whose graph was captured with programmatic dependent launch on or off
         (the FORGE_PDL switch is asked as the kernels are launched, i.e. during the capture)."""
         with flags.override(FORGE_PDL=pdl):
-            s = DecodeStep(model, cache, params)
+            s = DecodeStep(model, cache)
             s(tok, a.pos)
             s(tok, a.pos)                           # captured now
         assert s.captured
@@ -113,7 +112,7 @@ def main(argv=None):
         list(step.greedy(tok, a.pos, n_chain, chunk=chunk))
         rows.append((f"greedy chain, per token ({n_chain} tokens, argmax on the device, "
                      f"{chunk} steps per graph)", (time.perf_counter() - t0) * 1e3 / n_chain))
-    eager = DecodeStep(model, cache, params, graph=False)
+    eager = DecodeStep(model, cache, graph=False)
     eager(tok, a.pos)
     cp.cuda.Device().synchronize()
     t0 = time.perf_counter()

@@ -33,23 +33,19 @@ def main(argv=None):
     import transformers
 
     from forge_ml import flags, hf
-    from forge_ml.generate import generate
+    from forge_ml.inference import generate
     from forge_ml.models import GPT2, GPT2Config
 
     cfg = GPT2Config()
     cpu_model = GPT2.init(cfg, seed=0)
-    model = cpu_model.to("cuda")
-    params = None
-    if a.dtype == "bf16":
-        params = {k: v.to("bfloat16") for k, v in model.params.items()}
+    model = cpu_model.to("cuda", dtype="bfloat16" if a.dtype == "bf16" else None)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, a.prompt_len)]
 
     def run_forge(graph=True):
         cp.cuda.Device().synchronize()
         t0 = time.perf_counter()
-        kw = {} if params is None else {"params": params}
         with flags.override(FORGE_CUDA_GRAPH=graph):
-            out = list(generate(model, prompt, max_new_tokens=a.new_tokens, temperature=0, **kw))
+            out = list(generate(model, prompt, max_new_tokens=a.new_tokens, temperature=0))
         cp.cuda.Device().synchronize()
         return time.perf_counter() - t0, out
 

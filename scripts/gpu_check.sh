@@ -35,8 +35,8 @@ except Exception as e:
     print("torch not usable:", e)
 PYEOF
 
-echo "== tests (python3 -m pytest -m cuda tests; pyproject addopts already give -q)"
-timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m cuda tests/test_cuda*.py -rfEs -p no:cacheprovider -n "${TEST_WORKERS:-4}" \
+echo "== tests (the GPU tests, and the contract suite on every backend; addopts give -q)"
+timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest tests/test_cuda*.py tests/backends ${EXTRA_TESTS:-} -rfEs -p no:cacheprovider -n "${TEST_WORKERS:-4}" \
     --durations=8 --junitxml="$LOG/tests.xml" 2>&1 | tee "$LOG/tests.log"
 test_rc=${PIPESTATUS[0]}
 

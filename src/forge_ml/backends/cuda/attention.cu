@@ -70,12 +70,13 @@ FORGE_KV_APPEND(unsigned long long, b64)
 // adding the blocks' terms in block order (the same bits on every run).
 // Launched with programmatic dependent launch where the GPU has it: the next kernel (a gemv)
 // loads its weights while this one runs.
-// pos is read from device memory, so a CUDA graph captured once replays at every position;
-// a pos outside 0..Tmax-1 writes nothing and makes the head's outputs NaN.
+// pos is read from device memory, so a CUDA graph captured once replays at every position:
+// one element for every row, or one per row (npos = B: rows at their own positions); a pos
+// outside 0..Tmax-1 writes nothing and makes that row's outputs NaN.
 template <typename T>
 __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos_p, T* y,
                                       int H, int Tmax, int hs, typename Acc<T>::type scale,
-                                      int P) {
+                                      int P, int npos) {
     typedef typename Acc<T>::type A;
     extern __shared__ unsigned char smem_raw[];
     const int ch_max = (Tmax + P - 1) / P;
@@ -88,7 +89,7 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
     const int h = blockIdx.x / P, p = blockIdx.x % P, b = blockIdx.y, C = H * hs, t = threadIdx.x;
     pdl_wait();  // everything below comes from earlier kernels (common.cuh)
     pdl_launch_dependents();
-    const int pos = *pos_p;
+    const int pos = pos_p[npos == 1 ? 0 : b];  // one position, or one per row
     T* yr = y + (long long)b * C + (long long)h * hs;
     if (pos < 0 || pos >= Tmax) {  // the same for every block of the cluster: all leave
         if (p == 0)
@@ -205,8 +206,8 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
 #define FORGE_DECODE_ATTENTION(T, S, A)                                                       \
     extern "C" __global__ void decode_attention_##S(const T* qkv, T* kc, T* vc,              \
                                                     const int* pos, T* y, int H, int Tmax,    \
-                                                    int hs, A scale, int P) {                 \
-        decode_attention_impl<T>(qkv, kc, vc, pos, y, H, Tmax, hs, scale, P);                 \
+                                                    int hs, A scale, int P, int npos) {       \
+        decode_attention_impl<T>(qkv, kc, vc, pos, y, H, Tmax, hs, scale, P, npos);           \
     }
 FORGE_DECODE_ATTENTION(float, f32, float)
 FORGE_DECODE_ATTENTION(double, f64, double)

@@ -305,14 +305,14 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
         raise ShapeError(f"decode_attention: a cache of {Tmax} rows needs {shared} bytes of "
                          "shared memory, over the 48 KiB a block may take")
     if isinstance(pos, cupy.ndarray):
-        pos = _pos_array(pos)
+        pos = _pos_array(pos, B)
     else:
         pos = cupy.asarray(np.array([int(pos)], np.int32))
     y = _empty((B, H * hs), qkv.dtype)
     if y.size:
         _launch("attention", f"decode_attention_{_float_sfx(qkv)}", (H * P, B), _DECODE_THREADS,
                 (qkv, k_cache, v_cache, pos, y, _i32(H), _i32(Tmax), _i32(hs),
-                 _acc(qkv.dtype, scale), _i32(P)), shared=shared, pdl=True,
+                 _acc(qkv.dtype, scale), _i32(P), _i32(pos.size)), shared=shared, pdl=True,
                 writes=(y, k_cache, v_cache), cluster=(P, 1, 1) if P > 1 else None)
     return y
 

@@ -34,16 +34,18 @@ FORGE_EMBEDDING(bf16, bf16, long long, i64)
 // embedding_at_fwd: embedding_fwd with the position read from device memory (*pos_p), so a
 // captured CUDA graph replays at every position; if any of the positions pos..pos+T-1 is
 // outside the wpe table (n_pos rows), every output is NaN.
+// npos: 1 (one position for every row) or the number of rows (row r = token n / T_ at
+// pos_p[r]: continuous batching); a row whose positions leave the table is NaN alone.
 template <typename T, typename I>
 __device__ void embedding_at_fwd_impl(const I* ids, const T* wte, const T* wpe, T* out,
                                       long long total, int T_, int C, const int* pos_p,
-                                      int n_pos) {
+                                      int n_pos, int npos) {
     typedef typename Acc<T>::type A;
-    const int pos = *pos_p;
-    const bool bad = pos < 0 || (long long)pos + T_ > n_pos;
     FORGE_FOR(e, total) {
         const long long n = e / C;
         const int c = (int)(e - n * C);
+        const int pos = pos_p[npos == 1 ? 0 : n / T_];
+        const bool bad = pos < 0 || (long long)pos + T_ > n_pos;
         const long long id = (long long)ids[n];
         const long long t = pos + n % T_;
         out[e] = bad ? To<T>::from(quiet_nan<A>())
@@ -55,8 +57,9 @@ __device__ void embedding_at_fwd_impl(const I* ids, const T* wte, const T* wpe, 
     extern "C" __global__ void embedding_at_fwd_##S##_##SI(const I* ids, const T* wte,         \
                                                            const T* wpe, T* out,               \
                                                            long long total, int T_, int C,     \
-                                                           const int* pos, int n_pos) {        \
-        embedding_at_fwd_impl<T, I>(ids, wte, wpe, out, total, T_, C, pos, n_pos);             \
+                                                           const int* pos, int n_pos,          \
+                                                           int npos) {                         \
+        embedding_at_fwd_impl<T, I>(ids, wte, wpe, out, total, T_, C, pos, n_pos, npos);       \
     }
 FORGE_EMBEDDING_AT(float, f32, int, i32)
 FORGE_EMBEDDING_AT(float, f32, long long, i64)

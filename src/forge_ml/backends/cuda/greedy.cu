@@ -14,10 +14,11 @@ FORGE_D bool argmax_better(float v, int i, float best, int bi) {
 
 // greedy_next: block b owns row b; thread t scans columns t, t + blockDim.x, ...; the warps'
 // winners meet in shared memory; the choice goes to ids (the next step's input) and out (a
-// chain's record of its tokens; may be ids). Block 0 advances the position once the row is chosen (every
-// kernel of the step that reads it ran before this one).
+// chain's record of its tokens; may be ids). Block 0 advances the shared position (npos 1),
+// or block b row b's (npos B), once the row is chosen (every kernel of the step that reads
+// it ran before this one).
 extern "C" __global__ void greedy_next_f32(const float* logits, int V, int Vp, int* ids,
-                                           int* out, int* pos) {
+                                           int* out, int* pos, int npos) {
     __shared__ float sv[32];
     __shared__ int si[32];
     const float* r = logits + (long long)blockIdx.x * Vp;
@@ -53,6 +54,7 @@ extern "C" __global__ void greedy_next_f32(const float* logits, int V, int Vp, i
             }
         ids[blockIdx.x] = bi;
         out[blockIdx.x] = bi;  // out may be ids
-        if (blockIdx.x == 0) *pos += 1;
+        if (npos > 1) pos[blockIdx.x] += 1;        // one position per row
+        else if (blockIdx.x == 0) *pos += 1;
     }
 }

@@ -95,9 +95,11 @@ def embedding(ids, wte, wpe, pos=0):
         return out
     sfx = f"{_float_sfx(wte)}_{_sfx(ids.dtype)}"
     if isinstance(pos, cupy.ndarray):  # read on the device (CUDA-graph replays)
+        rows = ids.size // T if T else 1
+        pos = _pos_array(pos, rows)
         _launch("embedding", f"embedding_at_fwd_{sfx}", _grid(out.size), _THREADS,
-                (ids, wte, wpe, out, _i64(out.size), _i32(T), _i32(C), _pos_array(pos),
-                 _i32(wpe.shape[0])))
+                (ids, wte, wpe, out, _i64(out.size), _i32(T), _i32(C), pos,
+                 _i32(wpe.shape[0]), _i32(pos.size)))
     else:
         _launch("embedding", f"embedding_fwd_{sfx}", _grid(out.size), _THREADS,
                 (ids, wte, wpe, out, _i64(out.size), _i32(T), _i32(C), _i32(int(pos))))

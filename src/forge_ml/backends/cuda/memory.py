@@ -34,11 +34,12 @@ def _ids(ids):
     return ids
 
 
-def _pos_array(pos):
-    """A position given as a device array: one int32 element (read by the kernel itself)."""
-    if pos.size != 1 or pos.dtype != np.dtype(np.int32):
-        raise ShapeError(f"a device position must be one int32 element, got {pos.dtype} "
-                         f"of shape {pos.shape}")
+def _pos_array(pos, rows=1):
+    """A position given as a device array, read by the kernel itself: int32, one element
+    (shared by every row) or ``rows`` elements (one per row: continuous batching)."""
+    if pos.size not in (1, rows) or pos.dtype != np.dtype(np.int32):
+        raise ShapeError(f"a device position must be int32 with one element or one per row "
+                         f"({rows}), got {pos.dtype} of shape {pos.shape}")
     return _c(pos)
 
 
