@@ -251,3 +251,31 @@ def test_two_layer_gpt_block_matches_torch(dtype, tol, fused):
     assert rel(grads[xv.id].numpy(), tx.grad.numpy()) < tol
     for k in params:
         assert rel(grads[P[k].id].numpy(), tp[k].grad.numpy()) < tol, k
+
+
+# -- a TVar belongs to the tape that recorded it -----------------------------------------------
+
+
+def test_a_tvar_of_another_tape_is_a_tape_error():
+    """Node ids are per tape: tape 1's leaf 0 used on tape 2 would name tape 2's node 0, and
+    its gradient would be credited to that leaf."""
+    TapeError = fm.TapeError
+    rs = np.random.default_rng(0)
+    t1, t2 = Tape(), Tape()
+    x1 = t1.leaf(T(rnd(rs, 2, 3)))           # id 0 on tape 1
+    w2 = t2.leaf(T(rnd(rs, 2, 3)))           # id 0 on tape 2
+    b2 = t2.leaf(T(rnd(rs, 2, 3)))           # id 1 on tape 2
+    with pytest.raises(TapeError, match="another Tape"):
+        t2.add(x1, b2)
+    with pytest.raises(TapeError, match="another Tape"):
+        t2.matmul(b2, x1, trans_b=True)
+    y1 = t1.gelu(x1)
+    with pytest.raises(TapeError, match="another Tape"):
+        t2.backward(y1)
+    y2 = t2.add(w2, b2)
+    t2.backward(y2)
+    with pytest.raises(TapeError, match="another Tape"):
+        t2.grad(x1)
+    assert t2.grad(w2) is not None and t2.grad(b2) is not None
+    with pytest.raises(TapeError, match="expected a TVar"):
+        t2.gelu(w2.t)                        # a bare Tensor is not a TVar either

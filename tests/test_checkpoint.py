@@ -1,6 +1,9 @@
-"""Checkpoints: round trip, integrity checks, and crash safety of the directory swap."""
+"""Checkpoints: round trip, integrity checks, crash safety of the directory swap, and what a
+save may replace."""
+import errno
 import json
 import os
+import stat
 
 import numpy as np
 import pytest
@@ -72,12 +75,23 @@ def test_pack_unpack_convention():
 def test_overwrite_replaces_whole_directory(tmp_path):
     d = tmp_path / "ckpt"
     save_checkpoint(d, make_tensors(0), make_meta(1))
-    (d / "stray.txt").write_text("from the old run")
     save_checkpoint(d, make_tensors(1), make_meta(2))
     got, meta = load_checkpoint(d)
     assert meta["step"] == 2
     assert_same(got, make_tensors(1))
     assert sorted(os.listdir(d)) == ["model.safetensors", "state.json"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_checkpoint_folder_holding_a_users_file_is_not_replaced(tmp_path):
+    """A save replaces only what save_checkpoint wrote: a stray file is the user's."""
+    d = tmp_path / "ckpt"
+    save_checkpoint(d, make_tensors(0), make_meta(1))
+    (d / "stray.txt").write_text("the user's")
+    with pytest.raises(CheckpointError, match=r"not empty .*stray\.txt.*refusing"):
+        save_checkpoint(d, make_tensors(1), make_meta(2))
+    assert (d / "stray.txt").read_text() == "the user's"
+    assert load_checkpoint(d)[1]["step"] == 1
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
@@ -249,3 +263,126 @@ def test_check_architecture_lists_everything():
     assert "b: checkpoint has (768, 2304), model expects (128, 384)" in msg
     assert "opt.m.a" not in msg
     check_architecture(expected, {"a": np.zeros((4, 4)), "b": (128, 384), "c": np.zeros(3)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing only what is ours; full disks, read-only filesystems, unreadable files
+
+
+def _tree(root):
+    """Every path under ``root`` with its bytes (None for folders): a snapshot to compare."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = None
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
+
+
+def test_a_save_never_replaces_a_folder_it_did_not_write(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / "data" / "train.bin").write_bytes(b"\x01" * 10)
+    (run / "log.jsonl").write_text('{"step": 1}\n')
+    save_checkpoint(run / "ckpt", make_tensors(0), make_meta(1))
+    before = _tree(tmp_path)
+    with pytest.raises(CheckpointError, match=r"run is not empty .*ckpt, data, log\.jsonl"):
+        save_checkpoint(run, make_tensors(1), make_meta(2))
+    monkeypatch.chdir(run)
+    with pytest.raises(CheckpointError, match="is not empty"):
+        save_checkpoint(".", make_tensors(1), make_meta(2))   # a ValueError traceback before
+    assert _tree(tmp_path) == before
+
+
+def test_a_users_folder_named_like_the_temporary_one_is_kept(tmp_path):
+    (tmp_path / "ckpt.tmp").mkdir()
+    (tmp_path / "ckpt.tmp" / "thesis.tex").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"ckpt\.tmp is in the way.*thesis\.tex"):
+        save_checkpoint(tmp_path / "ckpt", make_tensors(), make_meta())
+    assert (tmp_path / "ckpt.tmp" / "thesis.tex").read_text() == "mine"
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EDQUOT])
+@pytest.mark.parametrize("how", ["oserror", "safetensors"])
+def test_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, code, how):
+    d = tmp_path / "ckpt"
+    save_checkpoint(d, make_tensors(0), make_meta(1))
+    import safetensors.numpy
+
+    def full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)                 # half a file, then the disk is full
+        if how == "oserror":
+            raise OSError(code, os.strerror(code), filename)
+        raise safetensors.SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} "
+                                          f"(os error {code})")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    with pytest.raises(CheckpointError) as e:
+        save_checkpoint(d, make_tensors(1), make_meta(2))
+    msg = str(e.value)
+    assert "\n" not in msg and str(d) in msg and os.strerror(code) in msg and "unchanged" in msg
+    monkeypatch.undo()
+    assert load_checkpoint(d)[1]["step"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]      # no half-written ckpt.tmp left
+
+
+def test_read_only_filesystem_before_anything_is_written(tmp_path, monkeypatch):
+    real = os.mkdir
+
+    def ro(path, *a, **k):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(os, "mkdir", ro)
+    with pytest.raises(CheckpointError, match=r"cannot write .*ckpt: Read-only file system .*; nothing was written"):
+        save_checkpoint(tmp_path / "ckpt", make_tensors(), make_meta())
+    monkeypatch.setattr(os, "mkdir", real)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", ["state.json", "model.safetensors"])
+def test_an_unreadable_checkpoint_file_names_the_file_and_the_cause(tmp_path, monkeypatch, name):
+    d = tmp_path / "ckpt"
+    save_checkpoint(d, make_tensors(), make_meta())
+    real_open = open
+
+    def denied(file, *a, **k):
+        if str(file).endswith(name):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr("builtins.open", denied)
+    with pytest.raises(CheckpointError, match=rf"{name}: cannot read it: Permission denied"):
+        load_checkpoint(d)
+
+
+def test_safe_target_refuses_special_files(tmp_path):
+    """A shard or file writer renames a temporary file over its target: over a device or a
+    FIFO that would replace the node with a regular file."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="pipe is a FIFO, not a regular file"):
+        ck.safe_target(fifo)
+    with pytest.raises(CheckpointError, match="is a directory"):
+        ck.safe_target(tmp_path)
+    from forge_ml.errors import DataError
+    with pytest.raises(DataError, match="character device"):
+        ck.safe_target("/dev/null", DataError)
+    (tmp_path / "f.bin").write_bytes(b"x")
+    assert ck.safe_target(tmp_path / "f.bin") == tmp_path / "f.bin"
+    assert ck.safe_target(tmp_path / "new.bin") == tmp_path / "new.bin"
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)       # untouched
+
+
+def test_checkpoint_files_get_the_users_umask(tmp_path):
+    """safetensors writes 0600 whatever the umask; a checkpoint is shared like any other file."""
+    old = os.umask(0o022)
+    try:
+        save_checkpoint(tmp_path / "ckpt", make_tensors(), make_meta())
+    finally:
+        os.umask(old)
+    for name in ("model.safetensors", "state.json"):
+        assert stat.S_IMODE(os.stat(tmp_path / "ckpt" / name).st_mode) == 0o644, name

@@ -242,3 +242,30 @@ def test_one_dimensional_ids_and_targets():
     a, _ = model.loss_and_grads(fm.tensor(ids), fm.tensor(targets))
     b, _ = model.loss_and_grads(fm.tensor(ids[None]), fm.tensor(targets[None]))
     assert a == pytest.approx(b, rel=1e-6)
+
+
+# -- ids inside the vocabulary padding -------------------------------------------------------
+
+PADDED = dict(vocab_size=211, padded_vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=8)
+
+
+@pytest.mark.parametrize("entry", ["forward", "forward targets", "logits", "loss_and_grads",
+                                   "loss_and_grads targets", "forward_cached"])
+def test_ids_in_the_vocab_padding_are_refused(entry):
+    """Vocabulary 211 padded to 256: id 220 has a row in wte (zeros) but is not a token; every
+    entry point refuses it, naming the id and the range, as generate does."""
+    cfg = GPT2Config(**PADDED)
+    model = GPT2.init(cfg, seed=0)
+    good = fm.tensor(np.array([[1, 2, 210]]))
+    bad = fm.tensor(np.array([[1, 220, 3]]))
+    calls = {
+        "forward": lambda: model.forward(Tape(), bad),
+        "forward targets": lambda: model.forward(Tape(), good, bad),
+        "logits": lambda: model.logits(bad),
+        "loss_and_grads": lambda: model.loss_and_grads(bad, good),
+        "loss_and_grads targets": lambda: model.loss_and_grads(good, bad),
+        "forward_cached": lambda: model.forward_cached(bad, model.new_cache(1, 8)),
+    }
+    with pytest.raises(ShapeError, match=r"220.*0\.\.210"):
+        calls[entry]()
+    model.loss_and_grads(good, good)  # the last real id, 210, is fine

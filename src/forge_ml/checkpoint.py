@@ -16,7 +16,10 @@ Saving is crash-safe: both files are written and fsynced into ``<dir>.tmp`` next
 target, then the old checkpoint is renamed to ``<dir>.old``, the new one renamed to ``<dir>``,
 and the old one deleted. A crash at any point leaves either the previous checkpoint or the
 new one complete; if it struck between the two renames, ``load_checkpoint`` (and the next
-``save_checkpoint``) picks up ``<dir>.old``.
+``save_checkpoint``) picks up ``<dir>.old``. A save replaces only a checkpoint: a folder
+that holds anything else (a run folder, a user's notes) is refused before anything is
+written, and a full disk or read-only filesystem is a one-line CheckpointError that keeps
+the previous checkpoint.
 
 >>> import tempfile, os, numpy as np
 >>> d = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -31,7 +34,9 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -45,12 +50,71 @@ MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.json"
 OPT_M_PREFIX = "opt.m."
 OPT_V_PREFIX = "opt.v."
+CHECKPOINT_FILES = frozenset({MODEL_FILE, STATE_FILE})
 
 _ALLOWED_KINDS = "fiub"  # float, signed int, unsigned int, bool: what safetensors stores
 
 
 # ---------------------------------------------------------------------------------------------
-# Atomic directory replacement (also used by hf.save_hf_gpt2)
+# Safe targets and atomic directory replacement (also used by hf.save_hf_gpt2)
+
+
+def safe_target(path, error=None) -> Path:
+    """``path`` as a Path, after checking that writing a new file there and renaming it over
+    ``path`` replaces nothing but a regular file: a device, a FIFO, a socket or a directory
+    raises ``error`` (a ForgeError subclass, CheckpointError by default). A writer that
+    renames a temporary file into place would otherwise swap a device node such as
+    ``/dev/full`` for a regular file. A missing path is fine.
+
+    >>> import tempfile, os
+    >>> safe_target(os.path.join(tempfile.mkdtemp(), "new.bin")).name
+    'new.bin'
+    >>> safe_target("/dev/null")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.CheckpointError: /dev/null is a character device, not a regular file; refusing to replace it (write to a file path instead)
+    """
+    error = CheckpointError if error is None else error
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return path
+    except OSError as e:
+        raise error(f"cannot write {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{path} is {_file_kind(st.st_mode)}, not a regular file; refusing to replace it "
+                    f"(write to a file path instead)")
+    return path
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def write_safetensors(path, arrays: dict, metadata: dict) -> None:
+    """``safetensors.numpy.save_file``, with a write failure raised as the OSError it is
+    (safetensors wraps ENOSPC and friends in its own SafetensorError)."""
+    from safetensors.numpy import save_file
+
+    try:
+        save_file(arrays, str(path), metadata=metadata)
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.chmod(path, 0o666 & ~mask)  # save_file makes a 0600 file: give it the user's umask
+    except OSError:
+        raise
+    except Exception as e:
+        m = re.search(r"os error (\d+)", str(e))
+        if m:
+            code = int(m.group(1))
+            raise OSError(code, os.strerror(code), str(path)) from None
+        raise CheckpointError(f"{path}: cannot write safetensors: {e}") from None
 
 
 def _fsync_path(path: Path, directory: bool = False) -> None:
@@ -72,16 +136,52 @@ def _side_paths(path: Path) -> tuple[Path, Path]:
     return path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
 
 
-def _recover(path: Path) -> None:
+def _entries(d: Path) -> list[str]:
+    try:
+        return sorted(os.listdir(d))
+    except OSError:
+        return ["?"]
+
+
+def _only_files(d: Path, files) -> bool:
+    """``d`` is a directory holding nothing but regular files named in ``files``."""
+    if not d.is_dir() or d.is_symlink():
+        return False
+    for name in _entries(d):
+        if files is None or name not in files or not (d / name).is_file() or (d / name).is_symlink():
+            return False
+    return True
+
+
+def _listing(names: list, limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def is_own_output(path, files, marker=None) -> bool:
+    """Whether ``path`` is an existing folder that a forge-ml writer of ``files`` (a set of
+    names) wrote: only those regular files inside, and ``marker(path)`` true when given.
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "notes.txt"), "w").write("mine")
+    >>> is_own_output(d, {"state.json", "model.safetensors"})
+    False
+    """
+    p = Path(path)
+    return _only_files(p, files) and (marker is None or bool(marker(p)))
+
+
+def _recover(path: Path, files=None, marker=None) -> None:
     """If a save died between its two renames, ``<dir>`` is missing and ``<dir>.old`` is the
-    last complete checkpoint: put it back."""
+    last complete output: put it back (only when it is one of this writer's)."""
     _, old = _side_paths(path)
-    if not path.exists() and old.is_dir():
+    if not path.exists() and old.is_dir() and is_own_output(old, files, marker):
         os.rename(old, path)
 
 
 def _swap_in(tmp: Path, path: Path) -> None:
-    """Replace ``path`` by the complete directory ``tmp``: old aside, new in, old deleted."""
+    """Replace ``path`` by the complete directory ``tmp``: old aside, new in, old deleted.
+    ``atomic_directory`` has checked that ``path`` and a stale ``<path>.old`` may go."""
     _, old = _side_paths(path)
     if old.exists():
         shutil.rmtree(old)  # stale: ``path`` exists (``_recover`` ran), so ``old`` is outdated
@@ -99,37 +199,127 @@ def _swap_in(tmp: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _check_replaceable(path: Path, files, marker, what: str) -> None:
+    """Refuse, before anything is written, to replace what this writer did not write."""
+    tmp, old = _side_paths(path)
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            raise CheckpointError(f"{path} exists and is not a directory; expected a {what} directory "
+                                  f"(or a new path)")
+        names = _entries(path)
+        if names and not is_own_output(path, files, marker):
+            raise CheckpointError(
+                f"{path} is not empty and is not a {what} that forge-ml wrote (it holds "
+                f"{_listing(names)}); refusing to replace it: write into a new or empty folder")
+    for side, complete in ((tmp, False), (old, True)):
+        if side.exists() or side.is_symlink():
+            names = _entries(side) if side.is_dir() else ["?"]
+            ours = _only_files(side, files) and (not complete or marker is None or marker(side))
+            if names and not ours:
+                raise CheckpointError(
+                    f"{side} is in the way: forge-ml keeps the {what} it writes to {path.name} "
+                    f"there while swapping it in, but it holds {_listing(names)}, which forge-ml "
+                    f"did not write; move it away")
+
+
 @contextlib.contextmanager
-def atomic_directory(path):
+def atomic_directory(path, files=None, marker=None, what: str = "folder"):
     """Yield an empty temporary directory next to ``path``; when the block ends normally it
     replaces ``path`` as a whole (see the module docstring), and when it raises, ``path`` is
     left as it was and the temporary directory is removed.
 
+    ``path`` may be new, an empty folder, or a folder this writer wrote before: nothing but
+    regular files named in ``files``, and ``marker(path)`` true when a marker is given.
+    Anything else raises a CheckpointError before anything is written. An OSError (a full
+    disk, a read-only filesystem, a permission) becomes a one-line CheckpointError that names
+    the file and the cause; ``path`` is then unchanged.
+
     >>> import tempfile, os
     >>> d = os.path.join(tempfile.mkdtemp(), "out")
-    >>> with atomic_directory(d) as tmp:
+    >>> with atomic_directory(d, files={"a.txt"}) as tmp:
     ...     _ = (tmp / "a.txt").write_text("x")
     >>> sorted(os.listdir(d))
     ['a.txt']
+    >>> _ = open(os.path.join(d, "notes.txt"), "w").write("mine")
+    >>> with atomic_directory(d, files={"a.txt"}) as tmp:
+    ...     pass  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.CheckpointError: ... is not empty and is not a folder that forge-ml wrote (it holds a.txt, notes.txt); ...
     """
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(f"{path} exists and is not a directory; expected a checkpoint directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _recover(path)
+    path = Path(os.path.abspath(path))  # "." and ".." have no name to put a suffix on
+    if not path.name:
+        raise CheckpointError(f"cannot write {path}: expected a path to a folder, not the filesystem root")
+    files = None if files is None else frozenset(files)
     tmp, _ = _side_paths(path)
-    if tmp.exists():
-        shutil.rmtree(tmp)  # left by a save that crashed before its swap
-    tmp.mkdir()
+    made = False
     try:
+        _check_replaceable(path, files, marker, what)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _recover(path, files, marker)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a save that crashed before its swap (checked: ours)
+        tmp.mkdir()
+        made = True
         yield tmp
         for f in tmp.iterdir():
             _fsync_path(f)
         _fsync_path(tmp, directory=True)
         _swap_in(tmp, path)
+    except OSError as e:
+        if made:
+            shutil.rmtree(tmp, ignore_errors=True)
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        kept = f"{path} is unchanged" if path.is_dir() else "nothing was written"
+        raise CheckpointError(f"cannot write {path}: {e.strerror or e}{where}; {kept}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if made:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str = "output") -> Path:
+    """The rule of every command that writes a folder, checked before any work: ``out`` may be
+    new or an empty folder; a folder that ``is_own`` recognises as this command's earlier
+    ``what`` is replaced only with ``force``; anything else, and the folder the command reads
+    from (``reads``), a folder holding it, or one holding the current folder, is refused with
+    a one-line CheckpointError. Returns ``out`` as an absolute Path.
+
+    >>> import tempfile, os
+    >>> run = tempfile.mkdtemp(); _ = open(os.path.join(run, "log.jsonl"), "w").write("{}")
+    >>> check_output_dir(os.path.join(run, "hf")).name
+    'hf'
+    >>> check_output_dir(run)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.CheckpointError: ... is not empty (it holds log.jsonl); write into a new or empty folder
+    """
+    path = Path(os.path.abspath(out))
+    real = Path(os.path.realpath(path))
+    def holds(inner) -> bool:
+        inner = Path(os.path.realpath(inner))
+        return inner == real or real in inner.parents
+
+    for src in reads:
+        if holds(src):
+            rel = (f"is {src}, the folder this command reads from" if Path(os.path.realpath(src)) == real
+                   else f"holds {src}, which this command reads from")
+            raise CheckpointError(f"refusing to write {out}: it {rel}; write into a new or empty folder")
+    if holds(os.getcwd()):
+        raise CheckpointError(f"refusing to write {out}: it is or holds the current folder; "
+                              f"write into a new or empty folder")
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            raise CheckpointError(f"{out} exists and is not a folder; expected a new or empty folder")
+        names = _entries(path)
+        if names:
+            if is_own is not None and is_own(path):
+                if not force:
+                    raise CheckpointError(f"{out} holds an earlier {what}; add --force to replace it")
+            else:
+                raise CheckpointError(f"{out} is not empty (it holds {_listing(names)}); write into a "
+                                      f"new or empty folder")
+    return path
 
 
 def sha256_file(path, chunk: int = 1 << 22) -> str:
@@ -205,9 +395,38 @@ def _check_tensors(tensors: dict) -> dict:
     return out
 
 
+def is_checkpoint_dir(path, kind: str | None = None) -> bool:
+    """Whether ``path`` is a folder holding a forge-ml checkpoint's ``state.json`` (and at most
+    its ``model.safetensors`` beside it): one that ``save_checkpoint`` may replace. With
+    ``kind``, the checkpoint's ``meta["kind"]`` must be that too (``forge-ml convert`` writes
+    "forge-ml-model", the trainer "forge-ml-train").
+
+    >>> import tempfile, os, numpy as np
+    >>> d = os.path.join(tempfile.mkdtemp(), "c")
+    >>> save_checkpoint(d, {"w": np.zeros(1, np.float32)}, {"kind": "forge-ml-train"})
+    >>> is_checkpoint_dir(d), is_checkpoint_dir(os.path.dirname(d)), is_checkpoint_dir(d, "forge-ml-model")
+    (True, False, False)
+    """
+    p = Path(path)
+    if not _only_files(p, CHECKPOINT_FILES):
+        return False
+    try:
+        with open(p / STATE_FILE, "rb") as f:
+            state = json.loads(f.read())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(state, dict) or state.get("format") != FORMAT_NAME:
+        return False
+    return kind is None or (isinstance(state.get("meta"), dict) and state["meta"].get("kind") == kind)
+
+
 def save_checkpoint(dir, tensors: dict, meta: dict) -> None:
     """Write ``tensors`` (name -> NumPy array) and ``meta`` (JSON-able) as a checkpoint in
     ``dir``, replacing any previous one there atomically.
+
+    ``dir`` must be new, empty, or a checkpoint (``is_checkpoint_dir``): a folder holding
+    anything else is never replaced (CheckpointError). A full disk or a read-only
+    filesystem raises a one-line CheckpointError and keeps the previous checkpoint.
 
     >>> import tempfile, os, numpy as np
     >>> d = os.path.join(tempfile.mkdtemp(), "c")
@@ -215,8 +434,6 @@ def save_checkpoint(dir, tensors: dict, meta: dict) -> None:
     >>> sorted(os.listdir(d))
     ['model.safetensors', 'state.json']
     """
-    from safetensors.numpy import save_file
-
     arrays = _check_tensors(tensors)
     if not isinstance(meta, dict):
         raise CheckpointError(f"save_checkpoint: meta must be a dict, got {type(meta).__name__}")
@@ -225,9 +442,9 @@ def save_checkpoint(dir, tensors: dict, meta: dict) -> None:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"save_checkpoint: meta is not JSON-able: {e}") from None
 
-    with atomic_directory(dir) as tmp:
+    with atomic_directory(dir, CHECKPOINT_FILES, is_checkpoint_dir, "checkpoint") as tmp:
         model_path = tmp / MODEL_FILE
-        save_file(arrays, str(model_path), metadata={"format": "np", "forge_ml_format_version": str(FORMAT_VERSION)})
+        write_safetensors(model_path, arrays, {"format": "np", "forge_ml_format_version": str(FORMAT_VERSION)})
         state = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -280,7 +497,10 @@ def load_checkpoint(dir) -> tuple[dict, dict]:
     if not state_path.is_file():
         raise CheckpointError(f"{state_path} is missing; expected {STATE_FILE} and {MODEL_FILE} in {path}")
     try:
-        state = json.loads(state_path.read_text(encoding="utf-8"))
+        with open(state_path, "rb") as f:
+            state = json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{state_path}: cannot read it: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{state_path}: not UTF-8 text ({e.reason} at byte {e.start}); the file is corrupted") from None
     except json.JSONDecodeError as e:
@@ -306,13 +526,16 @@ def load_checkpoint(dir) -> tuple[dict, dict]:
 
     if not model_path.is_file():
         raise CheckpointError(f"{model_path} is missing; {state_path} expects it ({want_bytes} bytes)")
-    size = model_path.stat().st_size
+    try:
+        size = model_path.stat().st_size
+        got_sha = sha256_file(model_path) if size == want_bytes else None
+    except OSError as e:
+        raise CheckpointError(f"{model_path}: cannot read it: {e.strerror or e}") from None
     if size != want_bytes:
         raise CheckpointError(
             f"{model_path}: {size} bytes, but {STATE_FILE} recorded {want_bytes}; the file is "
             f"{'truncated' if size < want_bytes else 'longer than written'}"
         )
-    got_sha = sha256_file(model_path)
     if got_sha != want_sha:
         raise CheckpointError(
             f"{model_path}: sha256 mismatch: file hashes to {got_sha}, {STATE_FILE} recorded {want_sha}; "

@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import codecs
 import dataclasses
+import errno
 import json
 import math
 import os
 import runpy
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,8 +43,16 @@ _TRAIN_HELP = {
     "n_embd": "channels (default: the preset's, else 128)", "block_size": "context length in tokens",
     "val_fraction": "share of a text file's tokens kept for validation",
     "corpus_bytes": "size of the default corpus", "dropout": "dropout probability",
-    "batch_size": "sequences per micro-batch", "weight_decay": "AdamW weight decay (2-D weights only)",
-    "beta1": "AdamW beta1", "beta2": "AdamW beta2", "eval_iters": "val batches per evaluation",
+    "batch_size": "sequences per micro-batch, or auto: the largest that fits the GPU, measured at the start "
+                  "(default: 12)",
+    "total_batch_size": "sequences per optimizer step; sets grad-accum to this / batch-size (with "
+                        "--batch-size auto, the micro-batch is the largest divisor of it that fits) "
+                        "(default: batch-size x grad-accum)",
+    "init_from": "start a new run (fresh optimizer, step 0) from a forge-ml checkpoint or run folder, or a "
+                 "Hugging Face GPT-2 folder: its weights, architecture and tokenizer (default: none)",
+    "weight_decay": "AdamW weight decay (2-D weights only)",
+    "beta1": "AdamW beta1", "beta2": "AdamW beta2",
+    "eval_iters": "val batches of the periodic estimate (the final evaluation covers the whole val shard)",
     "sample_tokens": "tokens per sample", "sample_prompt": "text each sample starts from",
     "sample_temperature": "sampling temperature", "log_interval": "steps between log lines",
     "progress": "show a progress bar on a terminal", "seed": "seed of init, data order and dropout",
@@ -54,6 +64,73 @@ _TRAIN_HELP = {
     "sample_interval": "steps between samples (0: off)", "checkpoint_interval": "steps between checkpoints",
     "out_dir": "run folder for checkpoints, log.jsonl and loss.png",
 }
+
+
+# BLAS thread pools: the variables the BLAS libraries NumPy (and PyTorch) may use read.
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def blas_threads_default(cores=None) -> int:
+    """The BLAS threads ``forge-ml`` uses when the user has set none: half the cores this
+    process may run on, at most 8, at least 1. OpenBLAS threads spin while they wait, so a
+    pool as large as the machine slows to a crawl when another process takes a core (a
+    2-core machine: 61 ms a step alone, 222 ms beside one busy process; one thread: 75 ms);
+    half the cores leaves room for a neighbour, and the small matmuls of the default model
+    gain little beyond a few threads.
+
+    >>> blas_threads_default(2), blas_threads_default(6), blas_threads_default(64)
+    (1, 3, 8)
+    """
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cores // 2))
+
+
+def limit_blas_threads():
+    """Set the BLAS thread count of this process to ``blas_threads_default()``, unless the
+    user set one of OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS; returns the
+    count set, or None. The variables are set for libraries not yet loaded (and child
+    processes); NumPy's OpenBLAS, loaded with the package, is told through its
+    ``openblas_set_num_threads``."""
+    if any(os.environ.get(v) for v in _THREAD_VARS):
+        return None
+    n = blas_threads_default()
+    for v in _THREAD_VARS:
+        os.environ[v] = str(n)
+    _set_loaded_openblas_threads(n)
+    return n
+
+
+def _set_loaded_openblas_threads(n: int) -> None:
+    """``openblas_set_num_threads(n)`` in every OpenBLAS already mapped into this process
+    (Linux: found in /proc/self/maps; elsewhere the environment variables do the work)."""
+    import ctypes
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            libs = {line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}
+    except OSError:
+        return
+    for path in libs:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn(ctypes.c_int(n))
+                break
+
+
+def _batch_size_arg(text: str):
+    """``--batch-size``: a whole number or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {text!r}") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,9 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
                "  forge-ml train --data shakespeare.txt --out runs/shakespeare --max-steps 2000\n"
                "  forge-ml train --out runs/shakespeare --resume --max-steps 4000\n"
                "  forge-ml train --data book.txt --tokenizer gpt2 --model gpt2 --block-size 256 "
-               "--device cuda --dtype bf16")
-    t.add_argument("--resume", action="store_true",
-                   help="continue the run in OUT from its checkpoint (exactly where it stopped)")
+               "--device cuda --dtype bf16\n"
+               "  forge-ml train --init-from ~/gpt2 --data my.txt --out runs/ft --lr 1e-4 --max-steps 500\n"
+               "  forge-ml train --device cuda --batch-size auto --total-batch-size 64\n"
+               "Ctrl-C (or SIGTERM) finishes the step in flight, saves a checkpoint and exits 130 (143);\n"
+               "--resume then goes on exactly as if the run had not stopped.")
+    again = t.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue the run in OUT from its checkpoint (exactly where it stopped)")
+    again.add_argument("--overwrite", action="store_true",
+                       help="start over in an OUT that holds a run (its checkpoint, log and data are replaced)")
     t.add_argument("--config", metavar="JSON", help="a JSON file of TrainConfig keys (flags override it)")
     for f in dataclasses.fields(TrainConfig):
         flag = _TRAIN_ALIASES.get(f.name, "--" + f.name.replace("_", "-"))
@@ -117,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
             hlp += f" (default: {f.default!r})"
         if ftype == "bool":
             t.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=hlp)
+        elif f.name == "batch_size":
+            t.add_argument(flag, dest=f.name, default=None, metavar="N|auto", type=_batch_size_arg, help=hlp)
         else:
             t.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper() if ftype == "str" else ftype.upper(),
                            type={"int": int, "float": float, "str": str}[ftype], help=hlp)
@@ -249,27 +335,56 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from .train import CKPT_NAME, TrainConfig, Trainer
+    from .train import CKPT_NAME, Interrupted, TrainConfig, Trainer
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     explicit = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     values: dict = {}
     out_dir = explicit.get("out_dir", TrainConfig.out_dir)
+    meta = None
     if args.resume:
         from .checkpoint import load_checkpoint
+        if "init_from" in explicit:
+            raise ConfigError("--init-from starts a new run and --resume continues one; give one of them")
         ckpt = Path(out_dir) / CKPT_NAME
         if not ckpt.exists() and not ckpt.with_name(CKPT_NAME + ".old").is_dir():
+            if (Path(out_dir) / "state.json").is_file() or (Path(out_dir) / "config.json").is_file():
+                raise ConfigError(f"{out_dir} is a model (a checkpoint or a Hugging Face folder), not a run folder; "
+                                  f"fine-tune it in a new run with --init-from {out_dir} --out NEW_FOLDER")
             raise ConfigError(f"cannot resume: no checkpoint in {ckpt}; train without --resume first "
                               f"(or point --out at the run to resume)")
         _, meta = load_checkpoint(ckpt)
+        if "optimizer" not in meta or "train_config" not in meta:
+            raise ConfigError(f"{ckpt} holds a model only (no optimizer state or data position, as `forge-ml "
+                              f"convert` writes), so there is no run to resume; start a new run from it with "
+                              f"--init-from {ckpt} --out NEW_FOLDER")
         values.update(meta.get("train_config", {}))
     if args.config:
         values.update(_read_json_config(args.config))
     values.update(explicit)
     cfg = TrainConfig.from_dict(values)
-    trainer = Trainer(cfg, resume=args.resume)
+    if meta is not None:
+        was = meta["train_config"].get("tokenizer")
+        if "tokenizer" in explicit and was and explicit["tokenizer"] != was:
+            raise ConfigError(f"--tokenizer {explicit['tokenizer']}: the run in {out_dir} was trained with the "
+                              f"{was} tokenizer, which a resumed run keeps; drop --tokenizer")
+    trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+    if args.resume and trainer.step >= cfg.max_steps:  # checked after the checkpoint fits the config
+        trainer.close()
+        done = trainer.step
+        raise ConfigError(f"the run in {out_dir} is finished: it reached step {done} of --max-steps "
+                          f"{cfg.max_steps}; raise --max-steps (e.g. --max-steps {max(2 * done, done + 1)}) "
+                          f"to train it further")
     try:
         trainer.train()
+    except Interrupted as e:
+        if e.saved:
+            print(f"{PROG}: stopped by {signal.Signals(e.signum).name} at step {e.step}; continue with: "
+                  f"{PROG} train --out {cfg.out_dir} --resume", file=sys.stderr)
+        else:
+            print(f"{PROG}: stopped by {signal.Signals(e.signum).name}; the last checkpoint in {cfg.out_dir} is kept",
+                  file=sys.stderr)
+        return e.exit_status
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted at step {trainer.step}; resume with: {PROG} train --out {cfg.out_dir} --resume",
               file=sys.stderr)
@@ -444,8 +559,8 @@ def _cmd_convert(args) -> int:
         if not src.is_dir():
             raise CheckpointError(f"Hugging Face model directory not found: {src}"
                                   if not src.exists() else f"--from-hf {src}: expected a folder")
-        check_output_dir(args.out, reads=[src], is_own=is_checkpoint_dir, force=args.force,
-                         what="forge-ml checkpoint")
+        check_output_dir(args.out, reads=[src], is_own=lambda d: is_checkpoint_dir(d, kind="forge-ml-model"),
+                         force=args.force, what="forge-ml checkpoint")  # never a run's checkpoint
         config, params = load_hf_gpt2(src)
         meta = {"kind": "forge-ml-model", "config": config, "tokenizer": hf_tokenizer_dict(src),
                 "source": str(src.resolve())}
@@ -551,6 +666,7 @@ def main(argv=None) -> int:
     if args.cmd is None:
         parser.print_help()
         return 0
+    limit_blas_threads()
     try:
         return _COMMANDS[args.cmd](args)
     except TrainingError as e:
@@ -571,3 +687,9 @@ def main(argv=None) -> int:
         except OSError:
             pass
         return 0
+    except OSError as e:  # a full disk, a read-only filesystem, ...: one line, no traceback
+        code = errno.errorcode.get(e.errno, "") if e.errno else ""
+        where = f": {e.filename}" if e.filename else ""
+        print(f"{PROG} {args.cmd}: error: {e.strerror or e}" + (f" ({code})" if code else "") + where,
+              file=sys.stderr)
+        return 2

@@ -29,13 +29,20 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import atomic_directory, check_architecture
+from .checkpoint import atomic_directory, check_architecture, is_own_output, write_safetensors
 from .errors import CheckpointError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 HF_PREFIX = "transformer."
+HF_TOKENIZER_FILE = "forge_ml_tokenizer.json"  # a non-GPT-2 tokenizer kept in an exported folder
+EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, HF_TOKENIZER_FILE})
+# The key save_hf_gpt2 writes into config.json, as transformers writes "transformers_version":
+# it lets a later export replace this folder and nothing else. (Not in model.safetensors'
+# metadata: safetensors writes a metadata dict in a random order, so the file would differ
+# from one export of the same weights to the next.)
+EXPORT_MARK = "forge_ml_version"
 
 # Non-parameter buffers that older GPT-2 checkpoints carry: the causal mask and its fill value.
 _BUFFER_RE = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
@@ -96,7 +103,10 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing; a Hugging Face GPT-2 directory needs {CONFIG_FILE} and {WEIGHTS_FILE}")
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as f:
+            d = json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: bad JSON ({e}); the file is truncated or corrupted") from None
     if not isinstance(d, dict):
@@ -126,6 +136,11 @@ def _read_weights(files: list[Path]) -> dict:
     for path in files:
         if not path.is_file():
             raise CheckpointError(f"{path} is missing")
+        try:  # safetensors reports any failure to open as a missing file: ask the OS first
+            with open(path, "rb") as f:
+                f.read(8)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read it: {e.strerror or e}") from None
         try:
             with safe_open(str(path), framework="np") as f:
                 for key in f.keys():
@@ -255,11 +270,44 @@ def load_hf_gpt2(dir, padded_vocab: int | None = None) -> tuple[dict, dict]:
 # Writing
 
 
-def save_hf_gpt2(dir, config, params: dict) -> None:
+def _forge_version() -> str:
+    from . import __version__
+    return __version__
+
+
+def is_hf_export(dir) -> bool:
+    """Whether ``dir`` is a folder that ``save_hf_gpt2`` wrote (its files only, and its
+    ``forge_ml_version`` in a ``config.json`` that transformers did not write): the only kind
+    of non-empty folder an export may replace. A downloaded Hugging Face model is not one.
+
+    >>> import tempfile, os, numpy as np
+    >>> cfg = {"vocab_size": 5, "block_size": 4, "n_layer": 1, "n_head": 1, "n_embd": 2}
+    >>> d = os.path.join(tempfile.mkdtemp(), "hf")
+    >>> save_hf_gpt2(d, cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
+    >>> is_hf_export(d), is_hf_export(os.path.dirname(d))
+    (True, False)
+    """
+    return is_own_output(dir, EXPORT_FILES, _has_export_mark)
+
+
+def _has_export_mark(d: Path) -> bool:
+    try:
+        with open(Path(d) / CONFIG_FILE, "rb") as f:
+            cfg = json.loads(f.read())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and EXPORT_MARK in cfg and "transformers_version" not in cfg
+
+
+def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None) -> None:
     """Write ``params`` (forge-ml names, NumPy arrays) as a directory that transformers'
     ``GPT2LMHeadModel.from_pretrained`` loads: ``config.json`` and ``model.safetensors`` with
     the ``transformer.`` prefix, as transformers' own ``save_pretrained`` writes it, and the
-    vocabulary padding removed. The directory is replaced atomically as a whole.
+    vocabulary padding removed. ``tokenizer`` (a tokenizer's ``to_dict()``), when given, goes
+    to ``forge_ml_tokenizer.json`` beside them (transformers ignores it; forge-ml reads it).
+
+    The directory is replaced atomically as a whole, and only when it is new, empty, or an
+    earlier export (``is_hf_export``); anything else is a CheckpointError and is left alone.
 
     ``config`` is a dict or dataclass with forge-ml's GPT2Config fields (``vocab_size``,
     ``block_size``, ``n_layer``, ``n_head``, ``n_embd``; optional ``padded_vocab_size``,
@@ -272,8 +320,6 @@ def save_hf_gpt2(dir, config, params: dict) -> None:
     >>> sorted(os.listdir(d))
     ['config.json', 'model.safetensors']
     """
-    from safetensors.numpy import save_file
-
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         config = dataclasses.asdict(config)
     if not isinstance(config, dict):
@@ -324,9 +370,15 @@ def save_hf_gpt2(dir, config, params: dict) -> None:
         "dtype": "float32",
         "use_cache": True,
         "vocab_size": V,
+        EXPORT_MARK: _forge_version(),
     }
-    with atomic_directory(dir) as tmp:
+    if tokenizer is not None and not isinstance(tokenizer, dict):
+        raise CheckpointError(f"save_hf_gpt2: tokenizer must be a dict (a tokenizer's to_dict()), "
+                              f"got {type(tokenizer).__name__}")
+    with atomic_directory(dir, EXPORT_FILES, _has_export_mark, "Hugging Face export") as tmp:
         # The metadata save_pretrained writes; transformers 4.x refuses a file whose "format"
         # names no framework it knows.
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_safetensors(tmp / WEIGHTS_FILE, tensors, {"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+        if tokenizer is not None:
+            (tmp / HF_TOKENIZER_FILE).write_text(json.dumps(tokenizer), encoding="utf-8")

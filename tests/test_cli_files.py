@@ -1,0 +1,244 @@
+"""What the forge-ml commands may write and what they say when a file is missing, unreadable,
+or cannot be written: `convert` writes only a new or empty folder, or (with --force) its own
+earlier output, never the folder it reads; a full disk, a read-only filesystem, a permission
+or a bad option is one line on stderr and exit status 2, with nothing touched."""
+import errno
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from forge_ml.checkpoint import save_checkpoint
+from forge_ml.cli import main
+from forge_ml.data import write_shard
+from forge_ml.models.gpt2 import GPT2, GPT2Config
+
+CHARS = "\n abehinorstqu"
+TEXT = "to be or not to be that is the question\n" * 20
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    """A run folder as `forge-ml train` leaves it (ckpt/, data/, log.jsonl, loss.png) plus a
+    note of the user's, in the current folder; no training needed."""
+    monkeypatch.chdir(tmp_path)
+    cfg = GPT2Config(vocab_size=len(CHARS), block_size=16, n_layer=1, n_head=2, n_embd=16)
+    r = tmp_path / "run"
+    save_checkpoint(r / "ckpt", GPT2.init(cfg, seed=0).state_dict(),
+                    {"kind": "forge-ml-train", "config": cfg.to_dict(),
+                     "tokenizer": {"kind": "char", "chars": CHARS}, "step": 3})
+    ids = [CHARS.index(c) for c in TEXT]
+    write_shard(r / "data" / "train.bin", ids)
+    write_shard(r / "data" / "val.bin", ids[:200])
+    (r / "log.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    (r / "loss.png").write_bytes(b"\x89PNG...")
+    (r / "notes.txt").write_text("lr 3e-4 looked better")
+    (tmp_path / "t.txt").write_text(TEXT)
+    return r
+
+
+def tree(root):
+    """Every path under ``root`` with its bytes (None for a folder)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = None
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = fh.read()
+    return out
+
+
+def fails(capsys, argv, *needles):
+    """``main(argv)`` exits 2 with one line on stderr holding every needle, no traceback, and
+    prints nothing on stdout."""
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    assert out == "", out
+    return lines[0]
+
+
+def denied_open(monkeypatch, suffix):
+    """``open`` raises PermissionError for paths ending in ``suffix`` (tests run as root, where
+    chmod does not take a file away)."""
+    real = open
+
+    def fake(file, *a, **k):
+        if str(file).endswith(suffix):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return real(file, *a, **k)
+
+    monkeypatch.setattr("builtins.open", fake)
+
+
+# -- convert: where it may write -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out,needle", [
+    ("run", "it is run, the folder this command reads from"), ("run/ckpt", "the folder this command reads"),
+    (".", "it holds run, which this command reads"), ("..", "it holds run"),
+    ("run/data", "not empty (it holds train.bin, val.bin)"), ("elsewhere", "not empty (it holds thesis.tex)"),
+])
+def test_convert_never_empties_a_folder_it_did_not_write(run, capsys, out, needle):
+    """Into a run folder, into the checkpoint it reads, into the current folder or one holding
+    it, into a folder of the user's: refused, one line, nothing touched (`--out run` deleted
+    ckpt/, data/, log.jsonl, loss.png and notes.txt; `--out .` was a ValueError traceback)."""
+    (run.parent / "elsewhere").mkdir()
+    (run.parent / "elsewhere" / "thesis.tex").write_text("mine")
+    before = tree(run.parent)
+    for force in ([], ["--force"]):
+        fails(capsys, ["convert", "--to-hf", "run", "--out", out, *force], needle)
+    assert tree(run.parent) == before
+
+
+def test_convert_never_writes_the_current_folder(run, capsys, monkeypatch):
+    (run.parent / "empty").mkdir()
+    monkeypatch.chdir(run.parent / "empty")
+    fails(capsys, ["convert", "--to-hf", "../run", "--out", ".", "--force"], "current folder")
+    assert os.listdir(".") == []
+
+
+def test_convert_from_hf_never_writes_into_its_source(run, capsys):
+    assert main(["convert", "--to-hf", "run", "--out", "hf"]) == 0
+    capsys.readouterr()
+    before = tree(run.parent)
+    fails(capsys, ["convert", "--from-hf", "hf", "--out", "hf", "--force"], "refusing to write hf", "reads")
+    fails(capsys, ["convert", "--from-hf", "hf", "--out", "run", "--force"], "run is not empty", "ckpt")
+    # a training checkpoint (optimizer state, data position) is not an earlier conversion
+    fails(capsys, ["convert", "--from-hf", "hf", "--out", "run/ckpt", "--force"], "run/ckpt is not empty")
+    assert tree(run.parent) == before
+
+
+def test_convert_writes_a_new_or_empty_folder_and_replaces_its_own_export_with_force(run, capsys):
+    (run.parent / "empty").mkdir()
+    assert main(["convert", "--to-hf", "run", "--out", "empty"]) == 0
+    assert main(["convert", "--to-hf", "run", "--out", "new/hf"]) == 0
+    assert main(["convert", "--to-hf", "run", "--out", "run/hf"]) == 0  # a new folder inside the run
+    capsys.readouterr()
+    hf = run.parent / "new" / "hf"
+    assert sorted(os.listdir(hf)) == ["config.json", "forge_ml_tokenizer.json", "model.safetensors"]
+    before = tree(run.parent)
+    fails(capsys, ["convert", "--to-hf", "run", "--out", "new/hf"], "earlier Hugging Face export", "--force")
+    assert tree(run.parent) == before
+    assert main(["convert", "--to-hf", "run", "--out", "new/hf", "--force"]) == 0
+    assert tree(run.parent) == before                                   # the same bytes again
+    # checkpoints the same way
+    assert main(["convert", "--from-hf", "new/hf", "--out", "ck"]) == 0
+    capsys.readouterr()
+    fails(capsys, ["convert", "--from-hf", "new/hf", "--out", "ck"], "earlier forge-ml checkpoint", "--force")
+    assert main(["convert", "--from-hf", "new/hf", "--out", "ck", "--force"]) == 0
+    capsys.readouterr()
+    # an export the user added a file to is theirs now
+    (hf / "README.md").write_text("my model card")
+    before = tree(run.parent)
+    fails(capsys, ["convert", "--to-hf", "run", "--out", "new/hf", "--force"], "not empty", "README.md")
+    assert tree(run.parent) == before
+
+
+# -- convert: full disk, read-only filesystem ----------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+@pytest.mark.parametrize("way", ["--to-hf", "--from-hf"])
+def test_convert_on_a_full_or_read_only_disk_keeps_the_earlier_output(run, capsys, monkeypatch, code, way):
+    import safetensors.numpy
+    assert main(["convert", "--to-hf", "run", "--out", "hf"]) == 0
+    assert main(["convert", "--from-hf", "hf", "--out", "ck"]) == 0
+    capsys.readouterr()
+    before = tree(run.parent)
+
+    def broken(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 64)                    # part of the file, then the error
+        raise OSError(code, os.strerror(code), filename)
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", broken)
+    argv = ["convert", "--to-hf", "run", "--out", "hf"] if way == "--to-hf" else \
+        ["convert", "--from-hf", "hf", "--out", "ck"]
+    fails(capsys, argv + ["--force"], "cannot write", os.strerror(code), "unchanged")
+    assert tree(run.parent) == before              # the earlier export kept, no .tmp left
+
+
+# -- unreadable or missing files -----------------------------------------------------------------
+
+
+def test_an_unreadable_hf_weights_file_is_named_with_its_cause(run, capsys, monkeypatch):
+    assert main(["convert", "--to-hf", "run", "--out", "hf"]) == 0
+    capsys.readouterr()
+    denied_open(monkeypatch, "model.safetensors")
+    for argv in (["sample", "--ckpt", "hf"], ["convert", "--from-hf", "hf", "--out", "ck"],
+                 ["eval", "--ckpt", "hf", "--data", "t.txt"]):
+        fails(capsys, argv, "hf/model.safetensors", "Permission denied")
+    assert not (run.parent / "ck").exists()
+
+
+def test_an_unreadable_checkpoint_is_named_with_its_cause(run, capsys, monkeypatch):
+    denied_open(monkeypatch, "state.json")
+    fails(capsys, ["sample", "--ckpt", "run"], "run/ckpt/state.json", "Permission denied")
+    fails(capsys, ["convert", "--to-hf", "run", "--out", "hf"], "state.json", "Permission denied")
+
+
+def test_eval_data_unreadable_or_missing(run, capsys, monkeypatch):
+    fails(capsys, ["eval", "--ckpt", "run", "--data", "nope.bin"], "nope.bin", "no such file")
+    fails(capsys, ["eval", "--ckpt", "run", "--data", "run"], "run", "folder")
+    denied_open(monkeypatch, "val.bin")
+    fails(capsys, ["eval", "--ckpt", "run", "--data", "run/data/val.bin"], "val.bin", "Permission denied")
+    denied_open(monkeypatch, "t.txt")
+    fails(capsys, ["eval", "--ckpt", "run", "--data", "t.txt"], "t.txt", "Permission denied")
+
+
+def test_sample_missing_checkpoint(run, capsys):
+    fails(capsys, ["sample", "--ckpt", "nowhere"], "nowhere", "not found")
+
+
+# -- options checked before any work ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opt,needle", [
+    (["--temperature", "-0.5"], "--temperature"), (["--temperature", "nan"], "--temperature"),
+    (["--top-k", "0"], "--top-k"), (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens"), (["--seed", "-3"], "--seed"),
+    (["--prompt", "to be ZZ"], "'Z'"),
+])
+def test_sample_checks_its_options_before_printing_the_prompt(run, capsys, opt, needle):
+    argv = ["sample", "--ckpt", "run", "--max-new-tokens", "4"] + (["--prompt", "to be"] if "--prompt" not in opt else [])
+    fails(capsys, argv + opt, needle)
+
+
+def test_sample_finds_a_checkpoint_in_the_half_renamed_state(run, capsys):
+    """A save killed between its two renames leaves ckpt.old and no ckpt; `--resume` recovers
+    from that, and so does sample, given the run or the checkpoint path."""
+    os.rename(run / "ckpt", run / "ckpt.old")
+    for ckpt in ("run", "run/ckpt"):
+        assert main(["sample", "--ckpt", ckpt, "--prompt", "to", "--max-new-tokens", "5", "--seed", "1"]) == 0
+    a, b = capsys.readouterr().out.splitlines()
+    assert a == b and a.startswith("to") and len(a) == 7
+    assert main(["eval", "--ckpt", "run/ckpt", "--data", "run/data/val.bin"]) == 0
+
+
+@pytest.mark.parametrize("n", ["0", "-2"])
+def test_eval_max_batches_must_be_at_least_one(run, capsys, n):
+    fails(capsys, ["eval", "--ckpt", "run", "--data", "run/data/val.bin", "--max-batches", n],
+          "--max-batches must be >= 1", n)
+    assert main(["eval", "--ckpt", "run", "--data", "run/data/val.bin", "--max-batches", "1"]) == 0
+    assert "1 batches" in capsys.readouterr().out
+
+
+# -- bench ---------------------------------------------------------------------------------------
+
+
+def test_bench_with_a_missing_dependency_names_the_module(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "peer_demo.py").write_text("import torch\nprint('ran')\n")
+    monkeypatch.setitem(sys.modules, "torch", None)      # as if torch were not installed
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    fails(capsys, ["bench", "peer_demo"], "peer_demo", "'torch'", "not installed")
