@@ -221,7 +221,8 @@ def main() -> int:
         gaps = [g * 1e3 for r in ok for g in np.diff(r["times"])]
         steps = after["steps"] - before["steps"]
         slots = after["slots"]
-        fed = n * (args.prompt_tokens + args.max_tokens - 1)     # tokens the steps fed
+        fed = len(ok) * (args.prompt_tokens + args.max_tokens - 1)   # tokens the steps fed
+        occupancy = f"{fed / (steps * slots):.0%}" if steps else "-"
         rows = [
             ("device / dtype", f"{args.device} / {args.dtype}"),
             ("model", str(args.ckpt or "random GPT-2 (see --help)")),
@@ -233,7 +234,7 @@ def main() -> int:
             ("time to first token p50 / p99", f"{pct(ttft, 50):.1f} / {pct(ttft, 99):.1f} ms"),
             ("per-token latency p50 / p99", f"{pct(gaps, 50):.2f} / {pct(gaps, 99):.2f} ms"),
             ("engine steps/s", f"{steps / wall:,.1f}"),
-            ("slot occupancy", f"{fed / max(1, steps * slots):.0%}"),
+            ("slot occupancy", occupancy),
             ("lost / truncated / mixed", f"{len(lost)} / {len(truncated)} / {len(mixed)}"),
         ]
         width = max(len(k) for k, _ in rows)

@@ -282,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, metavar="N", default=20, help="timed steps of the built-in timing (default 20)")
     b.add_argument("--device", default="cpu", help="device of the built-in timing")
 
+    # -- serve ----------------------------------------------------------------------------------
+    from .serve.cli import add_parser as _add_serve
+    _add_serve(sub)
+
     # -- check ----------------------------------------------------------------------------------
     ck = sub.add_parser(
         "check", help="check the install: a small GPT's loss and gradients on every device",
@@ -647,7 +651,12 @@ def _builtin_bench(steps: int, device: str) -> int:
     return 0
 
 
-_COMMANDS = {"train": _cmd_train, "sample": _cmd_sample, "eval": _cmd_eval, "prepare": _cmd_prepare,
+def _cmd_serve(args) -> int:
+    from .serve.cli import run
+    return run(args)
+
+
+_COMMANDS = {"serve": _cmd_serve, "train": _cmd_train, "sample": _cmd_sample, "eval": _cmd_eval, "prepare": _cmd_prepare,
              "convert": _cmd_convert, "bench": _cmd_bench, "check": _cmd_check}
 
 

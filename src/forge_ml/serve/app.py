@@ -1,0 +1,451 @@
+"""The ASGI app of ``forge-ml serve``: OpenAI's completions API over a ``BatchEngine``.
+
+Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/completions`` (whole responses, or
+server-sent events with ``"stream": true``: one ``data: {json}`` chunk per token, the last
+one of each choice with its ``finish_reason``, then ``data: [DONE]``). Every choice of a
+request is one engine request; with ``n`` > 1 and a ``seed``, choice ``j`` of a prompt draws
+with ``seed + j``. A client that disconnects cancels its requests, which frees their slots.
+
+Text: tokens are decoded incrementally (a GPT-2 byte token that splits a UTF-8 character
+adds no text until the character is whole), and text that could begin a ``stop`` string is
+held back until it is known not to, so neither a broken character nor part of a stop string
+ever reaches the client. A choice ends with finish "stop" on a stop string (its text cut
+before it) or the tokenizer's end-of-text token (not in the text; ``ignore_eos`` turns that
+off), else "length".
+
+Safe by default: with ``api_key`` every request needs ``Authorization: Bearer KEY`` (else
+401); request bodies over ``max_body_bytes`` get 413 and prompts over ``max_prompt_tokens``
+tokens get 400; every refusal has OpenAI's error body and the server keeps serving.
+
+>>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+>>> from forge_ml.tokenizer import CharTokenizer
+>>> from starlette.testclient import TestClient
+>>> tok = CharTokenizer("abcdefgh ")
+>>> engine = BatchEngine(GPT2.init(GPT2Config(vocab_size=9, block_size=32, n_layer=1, n_head=1,
+...                                           n_embd=8)), tok, slots=2)
+>>> with TestClient(create_app(engine, "tiny")) as client:
+...     r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 5,
+...                                               "temperature": 0})
+>>> r.status_code, r.json()["usage"], r.json()["choices"][0]["finish_reason"]
+(200, {'prompt_tokens': 3, 'completion_tokens': 5, 'total_tokens': 8}, 'length')
+>>> engine.close()
+"""
+from __future__ import annotations
+
+import asyncio
+import codecs
+import hmac
+import json
+import logging
+import secrets
+import time
+import uuid
+from typing import Optional
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import ConfigError, TokenizerError
+from ..inference.batch import BatchEngine
+from ..inference.engine import EngineClosedError, RequestError, SamplingParams, TokenOut
+from .protocol import (APIError, CompletionRequest, chunk_body, choice_body, completion_body,
+                       error_body, logprobs_body, models_body, parse_completion, usage_body)
+
+__all__ = ["create_app", "BatchEngine"]
+
+log = logging.getLogger("forge_ml.serve")
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_MAX_TOKENS = 16
+
+
+def _json(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+
+
+# -- text ------------------------------------------------------------------------------------
+
+
+class Detokenizer:
+    """Token ids to text, one token at a time, never emitting half a UTF-8 character: a
+    tokenizer with ``decode_bytes`` (GPT-2's byte-level BPE) goes through an incremental
+    UTF-8 decoder; others decode token by token.
+
+    >>> from forge_ml.tokenizer import GPT2Tokenizer
+    >>> tok = GPT2Tokenizer()
+    >>> d = Detokenizer(tok)
+    >>> [d.feed(t) for t in tok.encode("a🦜")], d.feed(8582), d.flush()
+    (['a', '', '', '🦜'], '', '�')
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._bytes = hasattr(tokenizer, "decode_bytes")
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> str:
+        if self._bytes:
+            return self._dec.decode(self.tokenizer.decode_bytes([token]))
+        return self.tokenizer.decode([token])
+
+    def flush(self) -> str:
+        """The text of an unfinished character at the end (as U+FFFD), else ''."""
+        return self._dec.decode(b"", final=True) if self._bytes else ""
+
+
+class StopText:
+    """Cuts generated text at the first stop string; holds back a tail that could begin one.
+
+    >>> s = StopText(["\\n\\n", "END"])
+    >>> s.feed("ab\\n"), s.feed("c E"), s.feed("N"), s.feed("D more")
+    (('ab', False), ('\\nc ', False), ('', False), ('', True))
+    >>> StopText(["x"]).feed("abc") + (StopText(["xy"]).flush(),)
+    ('abc', False, '')
+    """
+
+    def __init__(self, stops):
+        self.stops = tuple(stops)
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple:
+        """``(text to emit, stopped)``."""
+        if not self.stops:
+            return text, False
+        buf = self.pending + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buf[:min(hits)], True
+        hold = 0
+        for s in self.stops:                      # the longest tail that begins a stop string
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
+        self.pending = buf[len(buf) - hold:]
+        return buf[:len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class _Choice:
+    """One choice of a request: its engine stream and the text and log-probabilities built
+    from its tokens."""
+
+    def __init__(self, index: int, stream, tokenizer, req: CompletionRequest, eot: Optional[int]):
+        self.index, self.stream, self.tokenizer = index, stream, tokenizer
+        self.detok = Detokenizer(tokenizer)
+        self.stop = StopText(req.stop)
+        self.eot = eot
+        self.want_logprobs = req.logprobs is not None
+        self.offset = 0            # characters of text decoded so far (the text_offset base)
+        self.n_tokens = 0          # generated tokens, the end-of-text token included
+        self.finish: Optional[str] = None
+
+    def _token_str(self, t: int) -> str:
+        return self.tokenizer.decode([t])
+
+    def _logprob_part(self, lp: dict, tok: int, logprob, top, offset: int) -> None:
+        lp["tokens"].append(self._token_str(tok))
+        lp["token_logprobs"].append(logprob)
+        if top is None:
+            lp["top_logprobs"].append(None)
+        else:
+            d = {self._token_str(t): v for t, v in top}
+            if logprob is not None:
+                d.setdefault(self._token_str(tok), logprob)
+            lp["top_logprobs"].append(d)
+        lp["text_offset"].append(offset)
+
+    def echo(self) -> tuple:
+        """``(text, logprobs part or None)`` of the prompt, for ``echo``."""
+        lp = logprobs_body() if self.want_logprobs else None
+        parts = []
+        prompt = self.stream.prompt
+        scores = self.stream.prompt_logprobs
+        for i, t in enumerate(prompt):
+            if lp is not None:
+                logprob, top = (None, None) if i == 0 else scores[i - 1]
+                self._logprob_part(lp, t, logprob, top, self.offset)
+            text = self.detok.feed(t)
+            parts.append(text)
+            self.offset += len(text)
+        return "".join(parts), lp
+
+    def token(self, out: TokenOut) -> tuple:
+        """``(text, logprobs part or None, finished)`` for one generated token."""
+        self.n_tokens += 1
+        lp = logprobs_body() if self.want_logprobs else None
+        text, stopped = "", False
+        if out.token != self.eot or out.finish != "stop":
+            if lp is not None:
+                self._logprob_part(lp, out.token, out.logprob, out.top_logprobs, self.offset)
+            piece = self.detok.feed(out.token)
+            self.offset += len(piece)
+            text, stopped = self.stop.feed(piece)
+        if stopped:
+            self.finish = "stop"
+            self.stream.cancel()
+        elif out.finish is not None:
+            self.finish = out.finish
+        if self.finish is not None and not stopped:
+            text += self.end_text()
+        return text, lp, self.finish is not None
+
+    def end_text(self) -> str:
+        """What is held back at the end: an unfinished character, a partial stop string."""
+        tail, _ = self.stop.feed(self.detok.flush())
+        return tail + self.stop.flush()
+
+
+def _merge_logprobs(parts: list) -> Optional[dict]:
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    out = logprobs_body()
+    for p in parts:
+        for k in out:
+            out[k].extend(p[k])
+    return out
+
+
+# -- the app ---------------------------------------------------------------------------------
+
+
+class _APIKey:
+    """ASGI middleware: every HTTP request must carry ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, given = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
+                e = APIError("a valid API key is required: send the header 'Authorization: "
+                             "Bearer <key>'", status=401, code="invalid_api_key")
+                await _error_response(e)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_prompt_tokens: Optional[int] = None) -> Starlette:
+    """The app serving ``engine`` as the model ``model_id`` (see the module docstring).
+    ``max_prompt_tokens`` defaults to the engine's context (``engine.max_len``)."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ConfigError("create_app: the engine needs a tokenizer (BatchEngine(model, "
+                          "tokenizer)) to serve text")
+    max_prompt = engine.max_len if max_prompt_tokens is None else max_prompt_tokens
+    eot = getattr(tokenizer, "eot_token", None)
+    started = int(time.time())
+
+    async def read_json(request: Request):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            raise APIError(f"the request body is {size} bytes; at most {max_body_bytes}",
+                           status=413)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise APIError(f"the request body is over {max_body_bytes} bytes", status=413)
+        try:
+            return json.loads(body, parse_constant=_no_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(f"the request body is not valid JSON: {e}") from None
+
+    def prompt_ids(prompt) -> list:
+        if isinstance(prompt, str):
+            try:
+                ids = tokenizer.encode(prompt)
+            except TokenizerError as e:
+                raise APIError(f"cannot tokenize the prompt: {e}", param="prompt") from None
+        else:
+            ids = prompt
+        if len(ids) > max_prompt:
+            raise APIError(f"the prompt has {len(ids)} tokens; this server takes at most "
+                           f"{max_prompt}", param="prompt", code="context_length_exceeded")
+        if not ids:
+            raise APIError("the prompt is empty; give at least one token", param="prompt")
+        return ids
+
+    def submit(req: CompletionRequest) -> tuple:
+        """Every choice's engine request; ``(choices, prompt token count)``."""
+        prompts = [prompt_ids(p) for p in req.prompt]
+        base = secrets.randbits(62) if req.seed is None else req.seed
+        stop_tokens = () if eot is None or req.ignore_eos else (eot,)
+        choices = []
+        try:
+            for i, ids in enumerate(prompts):
+                # no max_tokens: OpenAI's 16, or what the context leaves if that is less
+                max_tokens = req.max_tokens
+                if max_tokens is None:
+                    max_tokens = max(0, min(DEFAULT_MAX_TOKENS, engine.max_len - len(ids)))
+                for j in range(req.n):
+                    params = SamplingParams(
+                        max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
+                        top_p=req.top_p, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                        seed=base + j, logprobs=req.logprobs, stop_tokens=stop_tokens,
+                        prompt_logprobs=req.logprobs if req.echo else None)
+                    stream = engine.submit(ids, params)
+                    choices.append(_Choice(i * req.n + j, stream, tokenizer, req, eot))
+        except BaseException:
+            for c in choices:
+                c.stream.cancel()
+            raise
+        return choices, sum(len(p) for p in prompts)
+
+    async def completions(request: Request) -> Response:
+        req = parse_completion(await read_json(request))
+        if req.model is not None and req.model != model_id:
+            raise APIError(f"the model {req.model!r} does not exist; this server serves "
+                           f"{model_id!r}", status=404, param="model", code="model_not_found")
+        choices, n_prompt = submit(req)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return StreamingResponse(_sse(choices, req, cid, created, n_prompt),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        collect = asyncio.gather(*(_collect(c, req) for c in choices))
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if collect not in done:            # the client left: free the slots
+                collect.cancel()
+                return Response(status_code=499)
+            bodies = collect.result()
+        finally:
+            watch.cancel()
+            for c in choices:
+                c.stream.cancel()
+        usage = usage_body(n_prompt, sum(c.n_tokens for c in choices))
+        return JSONResponse(completion_body(cid, created, model_id, bodies, usage))
+
+    async def _collect(c: _Choice, req: CompletionRequest) -> dict:
+        texts, parts = [], []
+        async for text, lp, _ in _events(c, req):
+            texts.append(text)
+            parts.append(lp)
+        return choice_body(c.index, "".join(texts), _merge_logprobs(parts), c.finish)
+
+    async def _sse(choices: list, req: CompletionRequest, cid: str, created: int, n_prompt: int):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def chunk(c, text, lp, finish):
+            body = chunk_body(cid, created, model_id, choice_body(c.index, text, lp, finish),
+                              usage=req.include_usage)
+            return f"data: {_json(body)}\n\n"
+
+        async def run(c: _Choice):
+            try:
+                async for text, lp, finish in _events(c, req):
+                    await queue.put(chunk(c, text, lp, finish))
+            except EngineClosedError as e:
+                err = APIError(str(e), status=503, type="server_error")
+                await queue.put(f"data: {_json(error_body(err))}\n\n")
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.ensure_future(run(c)) for c in choices]
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                else:
+                    yield item
+            if req.include_usage:
+                usage = usage_body(n_prompt, sum(c.n_tokens for c in choices))
+                body = completion_body(cid, created, model_id, [], usage)
+                yield f"data: {_json(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:                               # done, or the client left: free the slots
+            for c in choices:
+                c.stream.cancel()
+            for t in tasks:
+                t.cancel()
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(models_body(model_id, started, engine.max_len))
+
+    async def health(request: Request) -> Response:
+        ok = engine.running
+        body = {"status": "ok" if ok else "stopped", "model": model_id, **engine.stats()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def on_api_error(request: Request, e: APIError) -> Response:
+        return _error_response(e)
+
+    async def on_request_error(request: Request, e: RequestError) -> Response:
+        if isinstance(e, EngineClosedError):
+            return _error_response(APIError(str(e), status=503, type="server_error"))
+        return _error_response(APIError(str(e), param=e.param))
+
+    async def on_http_error(request: Request, e: HTTPException) -> Response:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        msg = {404: f"no route {request.method} {request.url.path}; this server has GET "
+                    "/v1/models, GET /health and POST /v1/completions",
+               405: f"method {request.method} is not allowed on {request.url.path}"}
+        return _error_response(APIError(msg.get(e.status_code, str(e.detail)),
+                                        status=e.status_code, type=kind))
+
+    async def on_server_error(request: Request, e: Exception) -> Response:
+        log.exception("forge-ml serve: internal error on %s", request.url.path)
+        return _error_response(APIError(f"internal server error: {type(e).__name__}",
+                                        status=500, type="server_error"))
+
+    routes = [Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/v1/completions", completions, methods=["POST"])]
+    middleware = [Middleware(_APIKey, key=api_key)] if api_key else []
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={
+        APIError: on_api_error, RequestError: on_request_error, HTTPException: on_http_error,
+        Exception: on_server_error})
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def _events(c: _Choice, req: CompletionRequest):
+    """``(text, logprobs part, finish)`` per chunk of a choice: the echoed prompt first (once
+    the engine has scored it: its scores are complete when the first token comes or the
+    stream ends), then one per token, the last with its finish reason."""
+    echoed = not req.echo
+    async for out in c.stream:
+        if not echoed:
+            echoed = True
+            yield (*c.echo(), None)
+        text, lp, finished = c.token(out)
+        yield text, lp, c.finish
+        if finished:
+            return
+    if not echoed:
+        yield (*c.echo(), None)
+    if c.finish is None:                       # max_tokens 0: no token came
+        c.finish = c.stream.finish or "length"
+        yield c.end_text(), None, c.finish
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read before)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,142 @@
+"""``forge-ml serve``: serve a checkpoint with OpenAI's completions API.
+
+``add_parser(subparsers)`` adds the subcommand to ``forge-ml``'s parser and ``run(args)``
+runs it; ``python -m forge_ml.serve.cli ...`` runs it alone. The server listens on
+127.0.0.1 unless ``--host`` says otherwise; ``--api-key`` (or the environment variable
+``FORGE_API_KEY``) makes every request carry ``Authorization: Bearer KEY``.
+
+>>> import argparse
+>>> sub = argparse.ArgumentParser().add_subparsers()
+>>> args = add_parser(sub).parse_args(["--ckpt", "runs/default"])
+>>> args.host, args.port, args.device, args.dtype
+('127.0.0.1', 8000, 'cpu', 'float32')
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import ipaddress
+import sys
+from pathlib import Path
+
+from .. import flags
+from ..errors import ConfigError
+
+EPILOG = """examples:
+  forge-ml serve --ckpt runs/default
+  forge-ml serve --ckpt ~/gpt2 --device cuda --dtype bf16 --host 0.0.0.0 --api-key $KEY
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"prompt": "Hello", "max_tokens": 20, "stream": true}'
+  OpenAI's client: openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=KEY or "-")
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``serve`` to ``subparsers`` (from ``ArgumentParser.add_subparsers``); returns it."""
+    p = subparsers.add_parser(
+        "serve", help="serve a checkpoint over HTTP with OpenAI's completions API",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve a forge-ml checkpoint, a run folder, or a Hugging Face GPT-2 folder "
+                    "over HTTP, compatible with OpenAI's API (GET /v1/models, GET /health, POST "
+                    "/v1/completions, streaming by server-sent events). Concurrent requests "
+                    "share the decode steps (continuous batching). Needs the serve extra: "
+                    "pip install 'forge-ml[serve]'.",
+        epilog=EPILOG)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt", required=True, help="checkpoint folder, run folder or HF GPT-2 folder")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bf16", "bfloat16"],
+                   help="float32, or bf16 weights on the GPU (default float32)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: $FORGE_API_KEY, else none)")
+    p.add_argument("--slots", type=int, default=None, metavar="N",
+                   help="requests decoded together (default 64 on cuda, 8 on cpu)")
+    p.add_argument("--max-len", type=int, default=None, metavar="N",
+                   help="context per request, prompt and new tokens (default: the model's)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="the model id clients ask for (default: the checkpoint folder's name)")
+
+
+def _load(ckpt: str, device: str, dtype: str):
+    try:
+        from ..inference.load import load_model
+    except ImportError:        # an older tree: the loader lived in the trainer
+        from ..train import load_model
+    kw = {"device": device}
+    if "dtype" in inspect.signature(load_model).parameters:
+        kw["dtype"] = dtype
+    elif dtype != "float32":
+        print(f"forge-ml serve: this load_model has no dtype; serving float32, not {dtype}",
+              file=sys.stderr)
+    return load_model(ckpt, **kw)
+
+
+def run(args) -> int:
+    """Load the checkpoint, start the engine, serve until interrupted; returns 0."""
+    try:
+        import uvicorn
+
+        from .app import BatchEngine, create_app
+    except ImportError as e:
+        raise ConfigError(f"forge-ml serve needs the serve extra ({e.name} is missing): "
+                          "pip install 'forge-ml[serve]'") from None
+    dtype = "bfloat16" if args.dtype in ("bf16", "bfloat16") else "float32"
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    api_key = args.api_key or flags.get("FORGE_API_KEY") or None
+    model, tokenizer, _ = _load(args.ckpt, args.device, dtype)
+    engine = BatchEngine(model, tokenizer, slots=args.slots, max_len=args.max_len)
+    name = args.model_name or Path(args.ckpt).expanduser().resolve().name or "default"
+    app = create_app(engine, name, api_key=api_key)
+    if api_key is None and not _loopback(args.host):
+        print(f"forge-ml serve: warning: listening on {args.host} without an API key; anyone "
+              "who reaches this port can use the model (set --api-key or FORGE_API_KEY)",
+              file=sys.stderr)
+    print(f"forge-ml serve: model {name!r} ({model.num_params():,} parameters, {model.device}, "
+          f"{dtype}), {engine.slots} slots, context {engine.max_len}; "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                    timeout_graceful_shutdown=5)
+    except SystemExit as e:   # uvicorn exits when it cannot bind; it has said why
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        engine.close()
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv=None) -> int:
+    """``python -m forge_ml.serve.cli ARGS``: the subcommand on its own."""
+    from ..errors import ForgeError
+
+    p = argparse.ArgumentParser(prog="forge-ml serve", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except ForgeError as e:
+        print(f"forge-ml serve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""OpenAI's completions protocol: checking a request body, and the response, chunk, model
+list and error bodies.
+
+``parse_completion`` turns a decoded JSON body into a ``CompletionRequest`` or raises
+``APIError`` (HTTP status, message, ``param``): an unknown field, a field of the wrong type
+or out of range, a malformed prompt. OpenAI fields this server cannot honour (``best_of``
+other than ``n``, penalties other than 0, a ``logit_bias``, a ``suffix``) are refused the
+same way rather than ignored. Extra fields, as vLLM takes them: ``top_k`` (0 or -1 off),
+``min_p``, ``repetition_penalty``, ``ignore_eos``.
+
+>>> r = parse_completion({"model": "m", "prompt": "Hi", "max_tokens": 5, "stop": "\\n"})
+>>> r.prompt, r.max_tokens, r.stop, r.temperature
+(['Hi'], 5, ('\\n',), 1.0)
+>>> parse_completion({"prompt": "Hi", "max_token": 5})
+Traceback (most recent call last):
+...
+forge_ml.serve.protocol.APIError: unknown field 'max_token'; known fields: best_of, echo, frequency_penalty, ignore_eos, logit_bias, logprobs, max_tokens, min_p, model, n, presence_penalty, prompt, repetition_penalty, seed, stop, stream, stream_options, suffix, temperature, top_k, top_p, user
+>>> error_body(APIError("temperature must be >= 0, got -1", param="temperature"))
+{'error': {'message': 'temperature must be >= 0, got -1', 'type': 'invalid_request_error', 'param': 'temperature', 'code': None}}
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+from ..inference.engine import MAX_LOGPROBS
+
+MAX_N = 128          # choices per prompt
+MAX_CHOICES = 256    # choices per request (prompts x n)
+MAX_STOPS = 16       # stop strings per request
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error body: ``status`` (400 unless said), ``message``,
+    ``param`` (the field at fault), ``type`` and ``code`` as OpenAI names them."""
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
+                 type: str = "invalid_request_error", code: Optional[str] = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+
+
+def error_body(e: APIError) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class CompletionRequest:
+    """A checked ``POST /v1/completions`` body. ``prompt``: a list of prompts, each a str or
+    a list of token ids; ``stop``: a list of strings; ``seed`` None means a fresh random one;
+    ``max_tokens`` None means OpenAI's default, 16, or less where the context ends sooner."""
+
+    prompt: list
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: tuple = ()
+    seed: Optional[int] = None
+    logprobs: Optional[int] = None
+    echo: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+
+
+def _num(name, v, lo=None, lo_open=False, hi=None):
+    if not _is_num(v):
+        raise APIError(f"{name} must be a number, got {v!r:.60}", param=name)
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        raise APIError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v!r}", param=name)
+    if hi is not None and v > hi:
+        raise APIError(f"{name} must be <= {hi}, got {v!r}", param=name)
+    return float(v)
+
+
+def _int(name, v, lo=None, hi=None):
+    if not _is_int(v):
+        raise APIError(f"{name} must be an integer, got {v!r:.60}", param=name)
+    if lo is not None and v < lo:
+        raise APIError(f"{name} must be >= {lo}, got {v}", param=name)
+    if hi is not None and v > hi:
+        raise APIError(f"{name} must be <= {hi}, got {v}", param=name)
+    return int(v)
+
+
+def _bool(name, v):
+    if not isinstance(v, bool):
+        raise APIError(f"{name} must be true or false, got {v!r:.60}", param=name)
+    return v
+
+
+def _prompt(v) -> list:
+    """A list of prompts from OpenAI's four forms: a string, a list of strings, a list of
+    token ids, a list of lists of token ids."""
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, list) or not v:
+        raise APIError("prompt must be a string, a list of strings, a list of token ids or a "
+                       f"list of lists of token ids (not empty), got {v!r:.60}", param="prompt")
+    if all(isinstance(p, str) for p in v):
+        return list(v)
+    if all(_is_int(t) for t in v):
+        return [[int(t) for t in v]]
+    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in v):
+        return [[int(t) for t in p] for p in v]
+    raise APIError("prompt must be a string, a list of strings, a list of token ids or a list "
+                   f"of non-empty lists of token ids; got a list mixing other items: {v!r:.60}",
+                   param="prompt")
+
+
+def _stop(v) -> tuple:
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(f"stop must be a non-empty string or a list of them, got {v!r:.60}",
+                       param="stop")
+    if len(stops) > MAX_STOPS:
+        raise APIError(f"stop has {len(stops)} strings; at most {MAX_STOPS}", param="stop")
+    return tuple(stops)
+
+
+def _zero_or_none(name, v, what):
+    if v is None or v == 0 or v == {}:
+        return
+    raise APIError(f"{name} is not supported by this server ({what}); got {v!r:.60}", param=name)
+
+
+# field -> check(value) -> value for CompletionRequest (None for fields only checked)
+_FIELDS = {
+    "model": lambda v: v if isinstance(v, str) else _raise_type("model", "a string", v),
+    "prompt": _prompt,
+    "max_tokens": lambda v: _int("max_tokens", v, lo=0),
+    "temperature": lambda v: _num("temperature", v, lo=0),
+    "top_p": lambda v: _num("top_p", v, lo=0, lo_open=True, hi=1),
+    "n": lambda v: _int("n", v, lo=1, hi=MAX_N),
+    "stop": _stop,
+    "seed": lambda v: _int("seed", v, lo=0),
+    "logprobs": lambda v: _int("logprobs", v, lo=0, hi=MAX_LOGPROBS),
+    "echo": lambda v: _bool("echo", v),
+    "stream": lambda v: _bool("stream", v),
+    "stream_options": None,
+    "top_k": lambda v: max(_int("top_k", v, lo=-1), 0),
+    "min_p": lambda v: _num("min_p", v, lo=0, hi=1),
+    "repetition_penalty": lambda v: _num("repetition_penalty", v, lo=0, lo_open=True),
+    "ignore_eos": lambda v: _bool("ignore_eos", v),
+    "user": lambda v: v if isinstance(v, str) else _raise_type("user", "a string", v),
+    "best_of": None,
+    "presence_penalty": lambda v: _zero_or_none("presence_penalty", v, "only 0"),
+    "frequency_penalty": lambda v: _zero_or_none("frequency_penalty", v, "only 0; "
+                                                 "see repetition_penalty"),
+    "logit_bias": lambda v: _zero_or_none("logit_bias", v, "only empty"),
+    "suffix": lambda v: _zero_or_none("suffix", v or None, "no insertion"),
+}
+_ONLY_CHECKED = {"user", "presence_penalty", "frequency_penalty", "logit_bias", "suffix",
+                 "stream_options", "best_of"}
+
+
+def _raise_type(name, want, v):
+    raise APIError(f"{name} must be {want}, got {v!r:.60}", param=name)
+
+
+def parse_completion(body) -> CompletionRequest:
+    """Check a decoded ``/v1/completions`` body; see the module docstring. A field given as
+    JSON ``null`` takes its default, as OpenAI's API does."""
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(k for k in body if k not in _FIELDS)
+    if unknown:
+        raise APIError(f"unknown field {unknown[0]!r}; known fields: {', '.join(sorted(_FIELDS))}",
+                       param=unknown[0])
+    if body.get("prompt") is None:
+        raise APIError("prompt is required", param="prompt")
+    kw = {}
+    for name, value in body.items():
+        if value is None:
+            continue
+        check = _FIELDS[name]
+        out = check(value) if check is not None else value
+        if name not in _ONLY_CHECKED:
+            kw[name] = out
+    req = CompletionRequest(**kw)
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+            raise APIError(f"stream_options must be an object with include_usage, got {opts!r:.60}",
+                           param="stream_options")
+        req.include_usage = _bool("stream_options.include_usage", opts.get("include_usage", False))
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != req.n:
+        raise APIError(f"best_of must equal n ({req.n}) here; this server returns every choice "
+                       f"it draws, got {best_of!r:.60}", param="best_of")
+    if len(req.prompt) * req.n > MAX_CHOICES:
+        raise APIError(f"{len(req.prompt)} prompts x n={req.n} is {len(req.prompt) * req.n} "
+                       f"choices; at most {MAX_CHOICES} per request", param="n")
+    return req
+
+
+# -- bodies ----------------------------------------------------------------------------------
+
+
+def completion_body(id: str, created: int, model: str, choices: list, usage: dict) -> dict:
+    """A whole ``text_completion``: ``choices`` as from ``choice_body``."""
+    return {"id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage}
+
+
+def choice_body(index: int, text: str, logprobs: Optional[dict], finish: Optional[str]) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def chunk_body(id: str, created: int, model: str, choice: dict, usage: bool = False) -> dict:
+    """One server-sent chunk with one choice (``usage`` True adds ``"usage": null``, as
+    OpenAI does when the client asked for usage in the stream)."""
+    out = {"id": id, "object": "text_completion", "created": created, "model": model,
+           "choices": [choice]}
+    if usage:
+        out["usage"] = None
+    return out
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def logprobs_body() -> dict:
+    """An empty legacy-completions ``logprobs`` object, to extend token by token."""
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def models_body(model_id: str, created: int, max_len: int) -> dict:
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                        "owned_by": "forge-ml", "max_model_len": max_len}]}

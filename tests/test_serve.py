@@ -1,0 +1,521 @@
+"""forge-ml serve: the real server (uvicorn on 127.0.0.1, an ephemeral port, in a thread)
+tested with the official ``openai`` client and with plain httpx: whole and streamed responses,
+stop strings, n, seed reproducibility, logprobs, echo and prompt scoring, every prompt form,
+the API key, OpenAI error bodies for bad input (and the server serving on afterwards), the
+models and health endpoints, client disconnects freeing their slots, GPT-2's byte tokens
+streamed without broken characters, a concurrent load whose every request returns what it
+returns alone, and the ``forge-ml serve`` command in a subprocess."""
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+import forge_ml as fm
+from forge_ml.inference.batch import BatchEngine
+from forge_ml.inference.engine import SamplingParams, Stream, TokenOut
+from forge_ml.models.gpt2 import GPT2, GPT2Config, param_shapes
+from forge_ml.serve.app import create_app
+from forge_ml.serve.protocol import parse_completion
+from forge_ml.tokenizer import CharTokenizer, GPT2Tokenizer
+
+CHARS = "abcdefghijklmnopqrstuvwxyz .,!?\n"
+KEY = "sk-test-key"
+
+
+def make_model(cfg, seed=3, scale=0.5):
+    """Random weights with varied continuations and clear margins (see test_batch_engine)."""
+    rng = np.random.default_rng(seed)
+    host = {}
+    for name, shape in param_shapes(cfg).items():
+        a = rng.standard_normal(shape) * scale
+        if name.endswith(("ln_1.weight", "ln_2.weight")) or name == "ln_f.weight":
+            a = 1.0 + 0.2 * a
+        if name == "wpe.weight":
+            a = rng.standard_normal(shape)
+        host[name] = a.astype(np.float32)
+    host["wte.weight"][cfg.vocab_size:] = 0.0
+    return GPT2(cfg, {k: fm.tensor(v) for k, v in host.items()})
+
+
+class Server:
+    """uvicorn serving ``app`` on 127.0.0.1 and a free port, in a background thread."""
+
+    def __init__(self, app):
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return CharTokenizer(CHARS)
+
+
+@pytest.fixture(scope="module")
+def engine(tok):
+    cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32)
+    eng = BatchEngine(make_model(cfg), tok, slots=4)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    s = Server(create_app(engine, "tiny", max_body_bytes=20_000))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def locked(engine):
+    """The same engine behind an API key."""
+    s = Server(create_app(engine, "tiny", api_key=KEY))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def complete(http, **body):
+    body.setdefault("model", "tiny")
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse(http, **body):
+    """The parsed chunks of a streamed completion (asserting the ``[DONE]`` ending)."""
+    body.setdefault("model", "tiny")
+    with http.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    assert all(ln.startswith("data: ") for ln in lines)
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def engine_tokens(engine, tok, prompt, **kw):
+    return [t.token for t in engine.submit(tok.encode(prompt), SamplingParams(**kw))]
+
+
+# -- the endpoints -------------------------------------------------------------------------
+
+
+def test_models_and_health(http, client):
+    r = http.get("/v1/models")
+    assert r.status_code == 200
+    assert [m["id"] for m in r.json()["data"]] == ["tiny"]
+    assert r.json()["data"][0]["max_model_len"] == 64
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    h = http.get("/health").json()
+    assert h["status"] == "ok" and h["slots"] == 4 and h["model"] == "tiny"
+
+
+def test_whole_response_with_the_openai_client(client, engine, tok):
+    r = client.completions.create(model="tiny", prompt="hello", max_tokens=10, temperature=0)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == "tiny"
+    (c,) = r.choices
+    assert c.index == 0 and c.finish_reason == "length" and c.logprobs is None
+    assert c.text == tok.decode(engine_tokens(engine, tok, "hello", max_tokens=10, temperature=0))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 10, 15)
+
+
+def test_max_tokens_defaults_to_16_or_what_the_context_leaves(http):
+    assert complete(http, prompt="ab")["usage"]["completion_tokens"] == 16
+    r = complete(http, prompt="a" * 60)
+    assert r["usage"]["completion_tokens"] == 4 and r["choices"][0]["finish_reason"] == "length"
+
+
+def test_streamed_response_matches_the_whole_one(client, http):
+    kw = dict(model="tiny", prompt="the sea", max_tokens=12, temperature=0.9, seed=5)
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert len(chunks) == 12                        # one chunk per token
+    assert all(len(ch.choices) == 1 and ch.choices[0].index == 0 for ch in chunks)
+    assert [ch.choices[0].finish_reason for ch in chunks] == [None] * 11 + ["length"]
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+    assert len({ch.id for ch in chunks}) == 1
+    raw = sse(http, **kw)                           # plain HTTP: the same events
+    assert "".join(c["choices"][0]["text"] for c in raw) == whole.choices[0].text
+
+
+def test_usage_in_the_stream(http):
+    chunks = sse(http, prompt="abc", max_tokens=3, stream_options={"include_usage": True})
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+def test_stop_strings_cut_the_text(client, http):
+    kw = dict(model="tiny", prompt="once upon", max_tokens=40, temperature=0)
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[7:9]                                 # two characters: spans two tokens
+    cut = full[:full.index(stop)]
+    r = client.completions.create(stop=[stop, "&never"], **kw)
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == full.index(stop) + len(stop)
+    chunks = sse(http, stop=stop, **kw)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == cut
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(stop not in c["choices"][0]["text"] for c in chunks)
+
+
+def test_n_choices_and_seeds(client):
+    kw = dict(model="tiny", prompt="a cat", max_tokens=10, temperature=1.0)
+    r = client.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    alone = [client.completions.create(seed=11 + j, **kw).choices[0].text for j in range(3)]
+    assert [c.text for c in r.choices] == alone
+    assert len(set(alone)) > 1
+    assert client.completions.create(n=3, seed=11, **kw).choices[2].text == alone[2]
+    assert r.usage.completion_tokens == 30 and r.usage.prompt_tokens == 5
+
+
+def test_prompt_forms(client, tok):
+    kw = dict(model="tiny", max_tokens=4, temperature=0)
+    one = {p: client.completions.create(prompt=p, **kw).choices[0].text for p in ("ab", "cd")}
+    r = client.completions.create(prompt=["ab", "cd"], n=2, **kw)
+    assert [c.text for c in r.choices] == [one["ab"]] * 2 + [one["cd"]] * 2
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == 4
+    ids = tok.encode("ab")
+    assert client.completions.create(prompt=ids, **kw).choices[0].text == one["ab"]
+    r = client.completions.create(prompt=[ids, tok.encode("cd")], **kw)
+    assert [c.text for c in r.choices] == [one["ab"], one["cd"]]
+
+
+def test_logprobs(client, engine, tok):
+    r = client.completions.create(model="tiny", prompt="hi there", max_tokens=6,
+                                  temperature=0, logprobs=3)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert "".join(lp.tokens) == c.text and len(lp.tokens) == 6
+    assert lp.text_offset == list(range(6))
+    want = list(engine.submit(tok.encode("hi there"),
+                              SamplingParams(max_tokens=6, temperature=0, logprobs=3)))
+    for i, t in enumerate(want):
+        assert lp.token_logprobs[i] == pytest.approx(t.logprob, abs=1e-6)
+        top = lp.top_logprobs[i]
+        assert len(top) == 3 and max(top.values()) == pytest.approx(lp.token_logprobs[i])
+        assert top == pytest.approx({tok.decode([k]): v for k, v in t.top_logprobs})
+        assert all(v <= 0 for v in top.values())
+
+
+def test_echo_and_prompt_scoring(client, http, engine):
+    kw = dict(model="tiny", prompt="abc de", temperature=0)
+    plain = client.completions.create(max_tokens=5, **kw).choices[0].text
+    r = client.completions.create(max_tokens=5, echo=True, logprobs=1, **kw)
+    c = r.choices[0]
+    assert c.text == "abc de" + plain
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert len(c.logprobs.tokens) == 11 and c.logprobs.text_offset == list(range(11))
+    # scoring only (as lm-eval-harness asks): max_tokens 0, echo, logprobs
+    s = client.completions.create(max_tokens=0, echo=True, logprobs=0, **kw).choices[0]
+    assert s.text == "abc de" and s.finish_reason == "length"
+    assert s.logprobs.token_logprobs[1:] == pytest.approx(c.logprobs.token_logprobs[1:6], abs=1e-6)
+    model = engine.model
+    ids = engine.tokenizer.encode("abc de")
+    logits = model.logits(fm.tensor([ids])).numpy()[0].astype(np.float64)
+    lps = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    assert s.logprobs.token_logprobs[1:] == pytest.approx(
+        [lps[i, ids[i + 1]] for i in range(5)], abs=1e-5)
+    chunks = sse(http, max_tokens=3, echo=True, **kw)
+    assert chunks[0]["choices"][0]["text"] == "abc de"
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == "abc de" + plain[:3]
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"prompt": "ab", "max_tokenz": 3}, 400, "max_tokenz"),
+    ({"prompt": "ab", "max_tokens": "3"}, 400, "max_tokens"),
+    ({"prompt": "ab", "max_tokens": 2.5}, 400, "max_tokens"),
+    ({"prompt": "ab", "temperature": -0.1}, 400, "temperature"),
+    ({"prompt": "ab", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "ab", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "a" * 65}, 400, "prompt"),
+    ({"prompt": "ab", "max_tokens": 63}, 400, "max_tokens"),
+    ({"prompt": "AB"}, 400, "prompt"),                       # not in the char vocabulary
+    ({"prompt": [1, 99]}, 400, "prompt"),                    # id out of the vocabulary
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [1, "a"]}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": "ab", "n": 0}, 400, "n"),
+    ({"prompt": "ab", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "ab", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": "ab", "stop": ""}, 400, "stop"),
+    ({"prompt": "ab", "seed": -1}, 400, "seed"),
+    ({"prompt": "ab", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "ab", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "ab", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "ab " * 10_000}, 413, None),
+]
+
+
+@pytest.mark.parametrize("body, status, param", BAD, ids=range(len(BAD)))
+def test_bad_input_gets_an_openai_error_and_the_server_goes_on(http, body, status, param):
+    if isinstance(body, bytes):
+        r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert len(err["message"]) > 10
+    assert http.get("/health").json()["status"] == "ok"
+    assert complete(http, prompt="ab", max_tokens=2)["usage"]["completion_tokens"] == 2
+
+
+def test_bad_input_through_the_openai_client(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="ab", temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="ab")
+
+
+def test_unknown_routes_and_methods(http):
+    r = http.get("/v1/chat/completions")
+    assert r.status_code == 404 and "/v1/completions" in r.json()["error"]["message"]
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_api_key(locked):
+    with httpx.Client(base_url=locked.url, timeout=30) as h:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            for path in ("/health", "/v1/models"):
+                r = h.get(path, headers=headers)
+                assert r.status_code == 401
+                assert r.json()["error"]["code"] == "invalid_api_key"
+        r = h.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1})
+        assert r.status_code == 401
+        ok = {"Authorization": f"Bearer {KEY}"}
+        assert h.get("/health", headers=ok).status_code == 200
+    bad = openai.OpenAI(base_url=locked.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt="ab", max_tokens=1)
+    good = openai.OpenAI(base_url=locked.url + "/v1", api_key=KEY, max_retries=0)
+    assert good.completions.create(model="tiny", prompt="ab", max_tokens=2).usage.completion_tokens == 2
+
+
+# -- load and disconnects --------------------------------------------------------------------
+
+
+def test_concurrent_requests_each_return_what_they_return_alone(server):
+    """12 overlapping requests on 4 slots (so they queue, join and leave at different steps),
+    half of them streamed: each returns exactly what it returns when sent alone."""
+    rng = np.random.default_rng(0)
+    reqs = []
+    for i in range(12):
+        prompt = "".join(rng.choice(list(CHARS[:27]), size=int(rng.integers(1, 12))))
+        reqs.append(dict(model="tiny", prompt=prompt, max_tokens=int(rng.integers(3, 30)),
+                         temperature=0.0 if i % 3 == 0 else float(rng.choice([0.7, 1.0, 1.4])),
+                         top_k=int(rng.choice([0, 5])), seed=int(rng.integers(0, 1000)),
+                         stream=bool(i % 2)))
+
+    def send(body):
+        with httpx.Client(base_url=server.url, timeout=60) as h:
+            if body["stream"]:
+                chunks = sse(h, **body)
+                return "".join(c["choices"][0]["text"] for c in chunks), len(chunks)
+            r = complete(h, **body)
+            return r["choices"][0]["text"], r["usage"]["completion_tokens"]
+
+    alone = [send(b) for b in reqs]
+    with ThreadPoolExecutor(12) as pool:
+        together = list(pool.map(send, reqs))
+    assert together == alone
+    assert [n for _, n in together] == [b["max_tokens"] for b in reqs]
+
+
+@pytest.fixture()
+def slow_server(tok):
+    """A server whose engine takes 30 ms a step, so a request is still running when its
+    client leaves."""
+    cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=1, n_embd=16)
+    eng = BatchEngine(make_model(cfg), tok, slots=2)
+    step = eng._step
+
+    def slow(tokens, positions):
+        time.sleep(0.03)
+        return step(tokens, positions)
+
+    eng._step = slow
+    s = Server(create_app(eng, "slow"))
+    yield s, eng
+    s.stop()
+    eng.close()
+
+
+def wait_idle(eng, timeout=5.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = eng.stats()
+        if st["running"] == 0 and st["waiting"] == 0:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_client_that_leaves_a_stream_frees_its_slot(slow_server):
+    srv, eng = slow_server
+    with httpx.Client(base_url=srv.url, timeout=30) as h:
+        with h.stream("POST", "/v1/completions",
+                      json={"prompt": "ab", "max_tokens": 60, "stream": True}) as r:
+            lines = r.iter_lines()
+            got = [ln for ln in (next(lines) for _ in range(6)) if ln]
+            assert len(got) >= 2
+            assert eng.stats()["running"] == 1
+    steps = eng.steps
+    assert wait_idle(eng)
+    assert eng.steps - steps < 30                   # well short of the 60 tokens asked
+
+
+def test_a_client_that_leaves_a_whole_request_frees_its_slot(slow_server):
+    srv, eng = slow_server
+    with httpx.Client(base_url=srv.url, timeout=0.3) as h:
+        with pytest.raises(httpx.TimeoutException):
+            h.post("/v1/completions", json={"prompt": "ab", "max_tokens": 60})
+    steps = eng.steps                               # about 10 steps ran in the 0.3 s
+    assert wait_idle(eng)
+    assert eng.steps - steps < 30
+
+
+# -- GPT-2's byte tokens ---------------------------------------------------------------------
+
+
+def test_byte_tokens_never_stream_a_broken_character():
+    """The text logic alone: the parrot emoji is three GPT-2 tokens, streamed as one piece."""
+    from forge_ml.serve.app import _Choice, _events
+
+    tok = GPT2Tokenizer()
+    ids = tok.encode("x 🦜!")
+    assert len(ids) > 3
+    req = parse_completion({"prompt": "a", "stop": "!"})
+    stream = Stream([64], SamplingParams())
+    for t in ids:
+        stream._push(TokenOut(t))
+    stream._push(TokenOut(50256, finish="stop"))
+
+    async def run():
+        return [x async for x in _events(_Choice(0, stream, tok, req, 50256), req)]
+
+    events = asyncio.run(run())
+    texts = [t for t, _, _ in events]
+    assert "".join(texts) == "x 🦜" and all("\ufffd" not in t for t in texts)
+    assert len(events) == len(ids) and events[-1][2] == "stop"
+
+
+def test_a_gpt2_tokenizer_server_streams_whole_characters():
+    tok = GPT2Tokenizer()
+    cfg = GPT2Config(vocab_size=50257, block_size=32, n_layer=1, n_head=1, n_embd=16)
+    eng = BatchEngine(GPT2.init(cfg, seed=0), tok, slots=2)
+    srv = Server(create_app(eng, "gpt2-tiny"))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as h:
+            prompt = tok.encode("Hello 🦜")
+            kw = dict(model="gpt2-tiny", prompt=prompt, max_tokens=20, temperature=1.0, seed=3,
+                      echo=True, ignore_eos=True)
+            whole = complete(h, **kw)["choices"][0]["text"]
+            chunks = sse(h, **kw)
+        texts = [c["choices"][0]["text"] for c in chunks]
+        assert texts[0] == "Hello 🦜"
+        assert "".join(texts) == whole
+        assert sum("\ufffd" in t for t in texts) == whole.count("\ufffd")
+    finally:
+        srv.stop()
+        eng.close()
+
+
+# -- the command ---------------------------------------------------------------------------
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_forge_ml_serve_command(tmp_path):
+    from forge_ml.checkpoint import save_checkpoint
+
+    cfg = GPT2Config(vocab_size=len(CHARS), block_size=32, n_layer=1, n_head=1, n_embd=8)
+    save_checkpoint(tmp_path / "ckpt", GPT2.init(cfg).state_dict(),
+                    {"config": cfg.to_dict(), "tokenizer": {"kind": "char", "chars": CHARS},
+                     "step": 1})
+    port = free_port()
+    env = dict(os.environ, FORGE_API_KEY="k1")
+    proc = subprocess.Popen([sys.executable, "-m", "forge_ml.serve.cli", "--ckpt",
+                             str(tmp_path / "ckpt"), "--port", str(port), "--slots", "2"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                r = httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.time() < deadline, "the server did not come up"
+                time.sleep(0.1)
+        assert r.status_code == 401
+        c = openai.OpenAI(base_url=url + "/v1", api_key="k1", max_retries=0)
+        out = c.completions.create(model="ckpt", prompt="abc", max_tokens=4, temperature=0)
+        assert len(out.choices[0].text) == 4
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode in (0, -15)
+
+
+def test_serve_parser_defaults():
+    import argparse
+
+    from forge_ml.serve.cli import add_parser
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    a = add_parser(sub).parse_args(["--ckpt", "x", "--dtype", "bf16", "--api-key", "k"])
+    assert (a.host, a.port, a.dtype, a.api_key, a.slots) == ("127.0.0.1", 8000, "bf16", "k", None)
