@@ -1,12 +1,15 @@
 """Sampling loop tests: greedy against a no-cache reference, determinism, temperature,
-top-k and top-p, stop tokens and strings, batches of different lengths, the context limit,
-the errors, and one KV cache per call."""
+top-k, top-p and min-p, the repetition penalty, log-probabilities, stop tokens and strings,
+batches of different lengths, the context limit, the errors, and one KV cache per call.
+(tests/test_sampling_hf.py checks the choice against transformers' processors.)"""
 import numpy as np
 import pytest
 
 import forge_ml as fm
 from forge_ml.errors import ConfigError, ShapeError
-from forge_ml.inference.generate import TokenEvent, generate, generate_text, next_token_probs
+from forge_ml.inference.generate import (TokenEvent, apply_repetition_penalty, generate,
+                                         generate_text, next_token_probs, stream_tokens,
+                                         token_logprobs)
 from forge_ml.models.gpt2 import GPT2, GPT2Config, param_shapes
 from forge_ml.tokenizer import CharTokenizer
 
@@ -257,3 +260,152 @@ def test_bad_prompts_and_arguments(model):
                 dict(max_new_tokens=-1), dict(seed=-3)):
         with pytest.raises(ConfigError):
             generate(model, [1], **bad)
+
+
+# -- min-p, repetition penalty, log-probabilities ------------------------------------------
+
+
+def test_token_event_keeps_its_positional_form():
+    e = TokenEvent(2, 7, 3, "stop_token")
+    assert (e.row, e.token, e.index, e.finish, e.logprob, e.top_logprobs) == \
+        (2, 7, 3, "stop_token", None, None)
+    assert e == TokenEvent(row=2, token=7, index=3, finish="stop_token")
+
+
+def test_min_p_one_is_greedy_and_min_p_restricts_the_support(model):
+    prompt = [9, 8, 7]
+    greedy = list(generate(model, prompt, max_new_tokens=10, temperature=0))
+    assert list(generate(model, prompt, max_new_tokens=10, min_p=1.0, seed=3)) == greedy
+    tokens, logits = _one_step_samples(model, 400, min_p=0.2, seed=14)
+    p = next_token_probs(logits)
+    assert set(tokens) <= set(np.flatnonzero(p >= 0.2 * p.max()).tolist())
+    assert len(set(tokens)) > 1
+    assert np.array_equal(next_token_probs(logits, min_p=0.0), p)
+
+
+def greedy_penalised_reference(model, prompt, n, penalty):
+    """Greedy decoding with the CTRL penalty over the whole sequence, without a cache."""
+    seq = list(prompt)
+    for _ in range(n):
+        z = model.logits(fm.tensor([seq])).numpy()[0, -1]
+        seq.append(int(np.argmax(apply_repetition_penalty(z, penalty, seq))))
+    return seq[len(prompt):]
+
+
+def test_greedy_with_repetition_penalty_equals_a_no_cache_reference(model):
+    prompt = [3, 1, 4, 1, 5]
+    plain = list(generate(model, prompt, max_new_tokens=14, temperature=0))
+    for penalty in (1.5, 0.6):
+        got = list(generate(model, prompt, max_new_tokens=14, temperature=0,
+                            repetition_penalty=penalty))
+        assert got == greedy_penalised_reference(model, prompt, 14, penalty)
+        assert got != plain
+    assert len(set(got)) < len(set(plain))          # a penalty < 1 favours repeats
+    assert list(generate(model, prompt, max_new_tokens=14, temperature=0,
+                         repetition_penalty=1.0)) == plain
+    # the penalty's context is the row's own: a batch row equals the prompt alone
+    steps = list(generate(model, [[2], prompt], max_new_tokens=14, temperature=0,
+                          repetition_penalty=1.5))
+    assert [e.token for s in steps for e in s if e.row == 1] == \
+        greedy_penalised_reference(model, prompt, 14, 1.5)
+
+
+def test_repetition_penalty_counts_prompt_and_generated_tokens():
+    z = np.array([2.0, -1.0, 0.5, 3.0])
+    np.testing.assert_allclose(apply_repetition_penalty(z, 2.0, [3, 1, 3]), [2.0, -2.0, 0.5, 1.5])
+    np.testing.assert_allclose(apply_repetition_penalty(z, 2.0, []), z)
+    np.testing.assert_allclose(apply_repetition_penalty(z, 0.5, [0]), [4.0, -1.0, 0.5, 3.0])
+
+
+def test_logprobs_leave_the_tokens_alone_and_describe_the_distribution(model):
+    prompts = [[4, 2], [1, 2, 3, 4]]
+    kw = dict(max_new_tokens=6, temperature=0.9, top_k=5, seed=8)
+    plain = [[(e.row, e.token) for e in s] for s in generate(model, prompts, **kw)]
+    steps = list(generate(model, prompts, logprobs=3, **kw))
+    assert [[(e.row, e.token) for e in s] for s in steps] == plain
+    for e in (e for s in steps for e in s):
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        lps = [lp for _, lp in e.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+        assert e.token in dict(e.top_logprobs) or e.logprob <= lps[-1]
+        if e.token in dict(e.top_logprobs):
+            assert dict(e.top_logprobs)[e.token] == e.logprob
+    # before the cuts: the logprobs of a top-k run equal those of an uncut one
+    uncut = list(generate(model, [[4, 2]], max_new_tokens=1, temperature=0.9,
+                          logprobs=CFG.vocab_size))
+    first = [s[0] for s in steps if s[0].row == 0][0]
+    top3 = uncut[0][0].top_logprobs[:3]
+    assert [t for t, _ in top3] == [t for t, _ in first.top_logprobs]
+    np.testing.assert_allclose([lp for _, lp in top3], [lp for _, lp in first.top_logprobs],
+                               atol=1e-5)             # a batch of 1 vs 2: float32 rounding
+    full = dict(uncut[0][0].top_logprobs)
+    assert sorted(full) == list(range(CFG.vocab_size))
+    assert sum(np.exp(lp) for lp in full.values()) == pytest.approx(1.0)
+
+
+def test_logprobs_greedy_and_ties():
+    z = np.array([1.0, 3.0, 3.0, 0.0])
+    logp = token_logprobs(z, 0)
+    np.testing.assert_allclose(np.exp(logp), np.exp(z) / np.exp(z).sum())
+    from forge_ml.inference.generate import _top_logprobs
+    assert [t for t, _ in _top_logprobs(logp, 3)] == [1, 2, 0]      # ties: lower id first
+    assert [t for t, _ in _top_logprobs(logp, 4)] == [1, 2, 0, 3]
+    assert _top_logprobs(logp, 0) == ()
+
+
+def test_greedy_logprobs_use_the_host_path_and_match_the_device_chain(model):
+    prompts = [[5, 6, 7], [1]]
+    greedy = [[e.token for e in s] for s in generate(model, prompts, max_new_tokens=8,
+                                                       temperature=0)]
+    steps = list(generate(model, prompts, max_new_tokens=8, temperature=0, logprobs=1))
+    assert [[e.token for e in s] for s in steps] == greedy
+    for e in (e for s in steps for e in s):
+        assert e.top_logprobs == ((e.token, e.logprob),)
+
+
+def test_generate_text_and_stream_tokens_take_the_new_options(model):
+    tok = CharTokenizer("abcdefghijklmnopqrstuvw")
+    ids = tok.encode("abc")
+    want = list(generate(model, ids, max_new_tokens=10, temperature=0, repetition_penalty=1.5))
+    assert generate_text(model, tok, "abc", max_new_tokens=10, temperature=0,
+                         repetition_penalty=1.5) == tok.decode(want)
+    assert list(stream_tokens(model, ids, 10, temperature=0, repetition_penalty=1.5)) == want
+    got = list(stream_tokens(model, ids, 10, temperature=0.7, min_p=1.0))
+    assert got == list(generate(model, ids, max_new_tokens=10, temperature=0))
+
+
+def test_bad_new_arguments(model):
+    for bad in (dict(min_p=-0.1), dict(min_p=1.5), dict(min_p="x"),
+                dict(repetition_penalty=0), dict(repetition_penalty=-1.0),
+                dict(repetition_penalty=float("inf")), dict(repetition_penalty=True),
+                dict(logprobs=-1), dict(logprobs=CFG.vocab_size + 1), dict(logprobs=1.5)):
+        with pytest.raises(ConfigError):
+            generate(model, [[1]], **bad)
+    with pytest.raises(ConfigError, match=r"batch form.*\[prompt\]"):
+        generate(model, [1, 2], logprobs=2)
+    with pytest.raises(TypeError, match="beam_search"):
+        generate(model, [1, 2], num_beams=3)
+    with pytest.raises(TypeError, match="unexpected"):
+        generate(model, [1, 2], top_n=3)
+
+
+@pytest.mark.cuda
+def test_new_options_on_the_gpu_equal_the_cpu(model):
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no GPU")
+    except Exception as e:  # no cupy, no driver, no device
+        pytest.skip(f"no CUDA GPU: {e}")
+    gpu = model.to("cuda")
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    for kw in (dict(temperature=0, repetition_penalty=1.5, logprobs=3),
+               dict(temperature=0, logprobs=2),
+               dict(temperature=0.8, top_k=8, min_p=0.05, repetition_penalty=1.3, logprobs=1)):
+        want = [e for s in generate(model, prompts, max_new_tokens=12, seed=4, **kw) for e in s]
+        for _ in range(2):                  # the second call replays the captured step
+            got = [e for s in generate(gpu, prompts, max_new_tokens=12, seed=4, **kw) for e in s]
+            assert [(e.row, e.token, e.finish) for e in got] == \
+                [(e.row, e.token, e.finish) for e in want]
+            np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in want],
+                                       atol=1e-4)

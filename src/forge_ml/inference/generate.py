@@ -281,14 +281,14 @@ def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, st
     if min_p is not None and not (isinstance(min_p, numbers.Real) and 0 <= min_p <= 1):
         raise ConfigError(f"generate: min_p must be None or in [0, 1] (a fraction of the most "
                           f"likely token's probability), got {min_p!r}")
-    if not (isinstance(repetition_penalty, numbers.Real) and not isinstance(repetition_penalty, bool)
-            and 0 < repetition_penalty < float("inf")):
+    rp = repetition_penalty
+    if not (isinstance(rp, numbers.Real) and not isinstance(rp, bool) and 0 < rp < float("inf")):
         raise ConfigError(f"generate: repetition_penalty must be a number > 0 (1 = off, > 1 "
                           f"discourages repeats), got {repetition_penalty!r}")
     if logprobs is not None:
         if not _is_int(logprobs) or not 0 <= logprobs <= cfg.vocab_size:
-            raise ConfigError(f"generate: logprobs must be None or an int in "
-                              f"0..{cfg.vocab_size} (how many top tokens to report), got {logprobs!r}")
+            raise ConfigError(f"generate: logprobs must be None or an int in 0.."
+                              f"{cfg.vocab_size} (how many top tokens to report), got {logprobs!r}")
         if single:
             raise ConfigError("generate: logprobs need the batch form, which yields TokenEvents "
                               "(a single prompt yields plain ints): pass [prompt]")

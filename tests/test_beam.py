@@ -1,0 +1,200 @@
+"""Beam search against transformers' ``generate(num_beams=...)`` on the same random GPT-2
+weights: sequences (new tokens, best first) and their scores, for 2 and 4 beams, length
+penalties 0.5, 1 and 2, early stopping on and off, with and without an end-of-sequence token
+that ends beams early; then the rules' coverage, greedy as one beam, the errors, and the GPU."""
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import forge_ml as fm  # noqa: E402
+from forge_ml.errors import ConfigError, ShapeError  # noqa: E402
+from forge_ml.hf import save_hf_gpt2  # noqa: E402
+from forge_ml.inference import beam  # noqa: E402
+from forge_ml.inference.beam import beam_search  # noqa: E402
+from forge_ml.inference.generate import generate  # noqa: E402
+from forge_ml.models.gpt2 import GPT2, GPT2Config, param_shapes  # noqa: E402
+
+CFG = GPT2Config(vocab_size=53, padded_vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
+PROMPT = [3, 1, 4, 1, 5]
+NEW = 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # tiny models: torch's thread pool costs more than it gives (and xdist runs 2 workers)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def random_host_params(cfg=CFG, seed=0, scale=0.5):
+    """N(0, scale) weights, position embeddings N(0, 1), layer-norm gains near 1, padded
+    vocab rows zero: beams that differ, with clear margins between their scores."""
+    rng = np.random.default_rng(seed)
+    host = {}
+    for name, shape in param_shapes(cfg).items():
+        a = rng.standard_normal(shape) * scale
+        if name.endswith(("ln_1.weight", "ln_2.weight")) or name == "ln_f.weight":
+            a = 1.0 + 0.2 * rng.standard_normal(shape)
+        if name == "wpe.weight":
+            a = rng.standard_normal(shape)
+        host[name] = a.astype(np.float32)
+    host["wte.weight"][cfg.vocab_size:] = 0.0
+    return host
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(forge-ml model, transformers GPT2LMHeadModel) on the same weights, through
+    ``save_hf_gpt2`` and ``from_pretrained``."""
+    host = random_host_params()
+    d = tmp_path_factory.mktemp("hf") / "gpt2"
+    save_hf_gpt2(d, CFG, host)
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(d).float().eval()
+    return GPT2(CFG, {k: fm.tensor(v) for k, v in host.items()}), theirs
+
+
+def hf_beams(theirs, prompt, num_beams, length_penalty, early_stopping, eos, n_return=None):
+    """transformers' beam search: the returned sequences' new tokens (cut at their generated
+    length, which ``beam_indices`` tells) and ``sequences_scores``."""
+    n_return = num_beams if n_return is None else n_return
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        out = theirs.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                              num_beams=num_beams, length_penalty=length_penalty,
+                              early_stopping=early_stopping, max_new_tokens=NEW,
+                              eos_token_id=eos, pad_token_id=0,
+                              num_return_sequences=n_return, return_dict_in_generate=True,
+                              output_scores=True)
+    lengths = (out.beam_indices != -1).sum(dim=1).tolist()
+    seqs = [out.sequences[i, len(prompt):len(prompt) + n].tolist() for i, n in enumerate(lengths)]
+    return seqs, out.sequences_scores.tolist()
+
+
+@pytest.fixture(scope="module")
+def eos(pair):
+    """An end-of-sequence id that beams actually produce: the third token of the best
+    4-beam sequence without one."""
+    ours, _ = pair
+    seqs, _ = beam_search(ours, PROMPT, NEW, 4, num_return_sequences=4)
+    assert len({tuple(s) for s in seqs}) == 4 and len(set(seqs[0])) > 4   # varied beams
+    return seqs[0][2]
+
+
+GRID = list(itertools.product([2, 4], [0.5, 1.0, 2.0], [False, True], [False, True]))
+
+
+@pytest.mark.parametrize("num_beams,length_penalty,early_stopping,with_eos", GRID)
+def test_beam_search_matches_transformers(pair, eos, num_beams, length_penalty, early_stopping,
+                                          with_eos):
+    ours, theirs = pair
+    e = eos if with_eos else None
+    want, want_scores = hf_beams(theirs, PROMPT, num_beams, length_penalty, early_stopping, e)
+    got, scores = beam_search(ours, PROMPT, NEW, num_beams, length_penalty=length_penalty,
+                              early_stopping=early_stopping, eos_token_id=e,
+                              num_return_sequences=num_beams)
+    assert got == want
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-5)
+    assert scores == sorted(scores, reverse=True)
+    for s in got:       # a hypothesis ends at max_new_tokens or at its first eos
+        assert len(s) == NEW or s[-1] == e
+        assert e is None or e not in s[:-1]
+
+
+@pytest.mark.parametrize("length_penalty", [0.5, 2.0])
+def test_early_stopping_never_matches_transformers(pair, eos, length_penalty):
+    ours, theirs = pair
+    want, want_scores = hf_beams(theirs, PROMPT, 4, length_penalty, "never", eos)
+    got, scores = beam_search(ours, PROMPT, NEW, 4, length_penalty, "never", eos, 4)
+    assert got == want
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-5)
+
+
+def test_num_return_sequences_and_other_prompts(pair, eos):
+    ours, theirs = pair
+    for prompt in ([7], [40, 2, 2, 9, 30, 11]):
+        want, want_scores = hf_beams(theirs, prompt, 3, 1.0, False, eos, n_return=2)
+        got, scores = beam_search(ours, prompt, NEW, 3, eos_token_id=eos, num_return_sequences=2)
+        assert got == want
+        np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-5)
+        best, best_score = beam_search(ours, prompt, NEW, 3, eos_token_id=eos)
+        assert best == got[:1] and best_score == scores[:1]
+
+
+def test_the_cases_cover_every_stopping_rule(pair, eos, monkeypatch):
+    """The parity grid means something only if its cases reach each rule: beams ended by the
+    eos before max_new_tokens, a search ended early by the heuristic (early_stopping=False)
+    and one by early_stopping=True, with different results."""
+    ours, _ = pair
+    steps = []
+
+    class CountingStep(beam.DecodeStep):
+        def __call__(self, tokens, pos):
+            steps[-1] += 1
+            return super().__call__(tokens, pos)
+
+    monkeypatch.setattr(beam, "DecodeStep", CountingStep)
+    ran = {}
+    for nb, lp, es in itertools.product([2, 4], [0.5, 1.0, 2.0], [False, True]):
+        steps.append(1)                          # the prefill's logits choose the first token
+        seqs, _ = beam_search(ours, PROMPT, NEW, nb, lp, es, eos, nb)
+        ran[nb, lp, es] = (seqs, steps[-1])
+    short = [k for k, (seqs, _) in ran.items() if any(len(s) < NEW for s in seqs)]
+    assert short                                                  # eos ended some beams
+    heuristic = [k for k, (seqs, n) in ran.items() if not k[2] and n < NEW]
+    assert heuristic                                              # stopped before NEW steps
+    differ = [k[:2] for k in ran if k[2] and ran[k][0] != ran[k[:2] + (False,)][0]]
+    assert differ                                                 # early_stopping changed it
+
+
+def test_one_beam_without_eos_is_greedy(pair):
+    ours, _ = pair
+    for prompt in (PROMPT, [8, 8]):
+        (seq,), (score,) = beam_search(ours, prompt, NEW, 1)
+        assert seq == list(generate(ours, prompt, max_new_tokens=NEW, temperature=0))
+        events = [e for s in generate(ours, [prompt], max_new_tokens=NEW, temperature=0,
+                                      logprobs=0) for e in s]
+        assert score == pytest.approx(sum(e.logprob for e in events) / NEW, rel=1e-6)
+
+
+def test_beam_search_arguments_are_checked(pair):
+    ours, _ = pair
+    with pytest.raises(ShapeError, match="empty"):
+        beam_search(ours, [], 4, 2)
+    with pytest.raises(ShapeError, match="out of range"):
+        beam_search(ours, [1, 53], 4, 2)
+    with pytest.raises(ShapeError, match="context of 32"):
+        beam_search(ours, [1] * 30, 3, 2)
+    bad = [dict(max_new_tokens=0), dict(num_beams=0), dict(num_beams=27),
+           dict(length_penalty=float("nan")), dict(early_stopping="sometimes"),
+           dict(eos_token_id=99), dict(eos_token_id="x"), dict(num_return_sequences=3)]
+    for kw in bad:
+        args = dict(max_new_tokens=4, num_beams=2)
+        args.update(kw)
+        with pytest.raises(ConfigError):
+            beam_search(ours, [1, 2], **args)
+    with pytest.raises(TypeError, match="beam_search"):
+        generate(ours, [1, 2], num_beams=2)
+
+
+@pytest.mark.cuda
+def test_beam_search_on_the_gpu_equals_the_cpu(pair, eos):
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no GPU")
+    except Exception as e:  # no cupy, no driver, no device
+        pytest.skip(f"no CUDA GPU: {e}")
+    ours, _ = pair
+    gpu = ours.to("cuda")
+    for nb, lp, es in itertools.product([2, 4], [0.5, 2.0], [False, True]):
+        want, want_scores = beam_search(ours, PROMPT, NEW, nb, lp, es, eos, nb)
+        for _ in range(2):              # the second call replays the captured steps
+            got, scores = beam_search(gpu, PROMPT, NEW, nb, lp, es, eos, nb)
+            assert got == want
+            np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-5)
