@@ -26,6 +26,9 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bf16"])
+    ap.add_argument("--sampling", action="store_true",
+                    help="also time every sampling mode against greedy at batch 1 and --batch")
+    ap.add_argument("--batch", type=int, default=64, help="the larger batch of --sampling")
     a = ap.parse_args(argv)
 
     import cupy as cp
@@ -78,6 +81,30 @@ def main(argv=None):
     print(f"forge-ml, no graph: {n / te:9.1f} tok/s  (decoding step op by op)")
     print(f"transformers:  {n / th:9.1f} tok/s")
     print(f"ratio forge-ml / transformers: {th / tf:.2f}x   (greedy tokens agree for the first {same} of {n})")
+    if not a.sampling:
+        return
+    # every sampling mode against greedy, at batch 1 and batch --batch, over the same length
+    modes = {"greedy": dict(temperature=0), "temperature 0.8 + top-k 40": dict(temperature=0.8, top_k=40),
+             "temperature 0.8 + top-p 0.9": dict(temperature=0.8, top_p=0.9),
+             "min-p 0.05": dict(temperature=1.0, min_p=0.05),
+             "repetition penalty 1.2": dict(temperature=0.8, repetition_penalty=1.2)}
+    for B in (1, a.batch):
+        prompts = [prompt] * B if B > 1 else prompt
+        times = {}
+        for name, kw in modes.items():
+            run = lambda: list(generate(model, prompts, max_new_tokens=n, seed=1, **kw))  # noqa: E731
+            run()
+            cp.cuda.Device().synchronize()
+            best = float("inf")
+            for _ in range(a.repeats):
+                t0 = time.perf_counter()
+                run()
+                cp.cuda.Device().synchronize()
+                best = min(best, time.perf_counter() - t0)
+            times[name] = best
+        print(f"\nbatch {B}, {a.dtype}: generated tokens/s by sampling mode (ratio to greedy)")
+        for name, t in times.items():
+            print(f"  {name:30s} {B * n / t:10.1f} tok/s   {times['greedy'] / t:5.2f}")
 
 
 if __name__ == "__main__":

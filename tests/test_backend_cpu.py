@@ -59,7 +59,10 @@ def t64(x, grad=False):
 def test_capabilities_and_contract():
     assert (cpu.NAME, cpu.BF16, cpu.GRAPHS, cpu.HOST_MEMORY) == ("cpu", False, False, True)
     assert contract.missing(cpu) == [] and contract.missing(cpu.reference) == []
-    assert all(callable(getattr(cpu, n)) for n in contract.FUSED)
+    from forge_ml.backends import load
+    bk = load("cpu")
+    assert all(callable(getattr(bk, n)) for n in contract.FUSED)
+    assert bk.composed == ["sample_next"]        # the sampling rule runs through the host
     assert cpu.synchronize() is None
 
 

@@ -273,3 +273,36 @@ def test_mixed_precision_adamw_owns_the_masters():
     for k in ("wte.weight", "h.0.attn.c_attn.weight", "ln_f.bias"):
         want = round_bf16(masters[k].numpy())
         np.testing.assert_array_equal(gpu.params[k].numpy(), want, err_msg=k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sample_chain_graph_equals_op_by_op_and_the_rule(dtype):
+    """DecodeStep.sample on the GPU (a CUDA graph of step + sampling kernel) gives the tokens
+    of the op-by-op chain, and those of forge_ml.sampling.sample_row applied on the host to
+    the same step's logits (temperature, top-k, top-p, min-p and a repetition penalty)."""
+    from forge_ml.inference.decode import DecodeStep
+    from forge_ml.sampling import sample_row
+    gpu = _varied(GPT2.init(CFG, seed=15), 9).to("cuda", dtype=dtype)
+    ids = np.random.default_rng(7).integers(0, CFG.vocab_size, (2, 8))
+    caches = [gpu.new_cache(2, 64) for _ in range(3)]
+    for c in caches:
+        gpu.forward_cached(fm.tensor(ids, device="cuda"), c)
+    knobs = [[0.9, 40, 0.95, 0.0, 1.2], [1.0, 0, 1.0, 0.02, 1.0]]
+    keys = [[11, 12], [13, 14]]
+    seen = np.zeros((2, CFG.vocab_size), bool)
+    for r in range(2):
+        seen[r, ids[r]] = True
+    graph = DecodeStep(gpu, caches[0])
+    eager = DecodeStep(gpu, caches[1], graph=False)
+    g = list(graph.sample(ids[:, -1], 8, 40, knobs, keys, seen, chunk=8))
+    assert ("sample_seen", 8) in graph._graphs
+    e = list(eager.sample(ids[:, -1], 8, 40, knobs, keys, seen))
+    np.testing.assert_array_equal(np.stack(g), np.stack(e))
+    host = DecodeStep(gpu, caches[2], graph=False)
+    tok, seen_h = ids[:, -1], seen.copy()
+    for t in range(8, 48):
+        logits = host(tok, t)
+        tok = np.array([sample_row(logits[r], knobs[r], keys[r], t + 1, seen_h[r]) for r in range(2)])
+        seen_h[np.arange(2), tok] = True
+        np.testing.assert_array_equal(tok, g[t - 8], err_msg=f"position {t + 1}")
+    assert len({int(x) for x in np.stack(g)[:, 1]}) > 3          # it samples, it does not argmax

@@ -114,9 +114,10 @@ def test_top_k_and_top_p_restrict_the_support(model):
 
 def test_next_token_probs_top_k_ties_and_top_p():
     z = np.array([1.0, 3.0, 3.0, 3.0, 0.0])
-    p = next_token_probs(z, top_k=2)                     # exactly two kept, lowest ids first
-    np.testing.assert_allclose(p, [0, 0.5, 0.5, 0, 0])
-    assert next_token_probs(z, top_k=1).tolist() == [0, 1, 0, 0, 0]
+    p = next_token_probs(z, top_k=2)                     # ties with the k-th stay, as in transformers
+    np.testing.assert_allclose(p, [0, 1 / 3, 1 / 3, 1 / 3, 0])
+    np.testing.assert_allclose(next_token_probs(z, top_k=1), [0, 1 / 3, 1 / 3, 1 / 3, 0])
+    np.testing.assert_allclose(next_token_probs(np.array([1.0, 3.0, 2.0]), top_k=1), [0, 1, 0])
     p = next_token_probs(np.log([0.1, 0.6, 0.3]), top_p=0.6)   # 0.6 reached by the top token
     np.testing.assert_allclose(p, [0, 1, 0])
     p = next_token_probs(np.log([0.1, 0.6, 0.3]), top_p=0.61)

@@ -592,6 +592,64 @@ def greedy_next(logits, vocab_size, ids, pos, out=None, row=None) -> None:
     ids._storage.id_range = (0, vocab_size - 1)
 
 
+def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None, row=None) -> None:
+    """A decoding step's sampled choice on the device, in place (``greedy_next``'s sampled
+    twin): row ``b`` of float32 ``logits (B, Vp)`` picks a token by the rule of
+    ``forge_ml.sampling.sample_row`` with its ``knobs[b]`` (float32 (B, 5): temperature, top_k,
+    top_p, min_p, repetition_penalty; 0, 0, 1, 0, 1 turn each off), its Philox key ``keys[b]``
+    (int32 (B, 2)) and the position of the token it chooses, ``pos + 1`` (``pos`` is the
+    position fed; the Philox counter: the same seed at the same position draws the same token
+    on every backend). ``seen`` (int32 (B, Vp) or None) marks the tokens the
+    penalty applies to and gets the chosen one. The token goes to ``ids`` (and ``out``, row
+    ``row`` of a (k, B) buffer when given); then ``pos`` (1 or B elements) goes up by one.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> ids, pos = fm.zeros((1, 1), "int32"), fm.zeros((1,), "int32")
+    >>> knobs = fm.tensor(np.array([[0.0, 0, 1, 0, 1]], np.float32))   # temperature 0: argmax
+    >>> sample_next(fm.tensor(np.array([[0.0, 2.0, 1.0]], np.float32)), 3, ids, pos, knobs,
+    ...             fm.zeros((1, 2), "int32"))
+    >>> ids.numpy().tolist(), pos.numpy().tolist()
+    ([[1]], [1])
+    """
+    op = "sample_next"
+    _float(op, "logits", logits)
+    _rank(op, "logits", logits, 2, 2)
+    B, vp = logits.shape
+    if logits.dtype is not _dt.float32 or knobs.dtype is not _dt.float32:
+        raise DTypeError(f"{op}: logits and knobs must be float32, got {logits.dtype.name} and "
+                         f"{knobs.dtype.name}")
+    named = (("ids", ids), ("pos", pos), ("keys", keys)) + ((("seen", seen),) if seen is not None else ()) \
+        + ((("out", out),) if out is not None else ())
+    for name, t in named:
+        _tensor(op, name, t)
+        if t.dtype is not _dt.int32:
+            raise DTypeError(f"{op}: {name} must be int32, got {t.dtype.name}")
+    for name, t in named + (("knobs", knobs),):
+        if t.device != logits.device:
+            raise DeviceError(f"{op}: logits are on {logits.device} but {name} is on {t.device}")
+    if ids.numel != B or pos.numel not in (1, B) or knobs.shape != (B, 5) or keys.shape != (B, 2):
+        raise ShapeError(f"{op}: for {B} rows, ids must hold {B} elements, pos 1 or {B}, knobs "
+                         f"be ({B}, 5) and keys ({B}, 2); got {ids.shape}, {pos.shape}, "
+                         f"{knobs.shape}, {keys.shape}")
+    if seen is not None and seen.shape != (B, vp):
+        raise ShapeError(f"{op}: seen must be {(B, vp)} like the logits, got {seen.shape}")
+    if not isinstance(vocab_size, int) or not 0 < vocab_size <= vp:
+        raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
+    dst = None
+    if out is not None:
+        dst = out._prepare_write()
+        if row is not None:
+            if not (out.ndim == 2 and out.shape[1] == B and 0 <= row < out.shape[0]):
+                raise ShapeError(f"{op}: row {row} of out {out.shape} is not a row of {B} ids")
+            dst = dst[row]
+        elif out.numel != B:
+            raise ShapeError(f"{op}: out must hold {B} elements, got {out.shape}")
+    bk = backend_of(logits.device)
+    bk.sample_next(logits.data, vocab_size, ids._prepare_write(), pos._prepare_write(),
+                   knobs.data, keys.data, None if seen is None else seen._prepare_write(), dst)
+    ids._storage.id_range = (0, vocab_size - 1)
+
+
 def scatter_add_rows(dst, ids, src) -> None:
     """In place: ``dst[ids[i]] += src[i]`` for every row ``i`` (repeated ids add up).
 

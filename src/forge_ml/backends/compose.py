@@ -17,6 +17,8 @@ backend also calls them for the cases its kernels do not take (the CPU for every
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -133,3 +135,31 @@ def greedy_next(bk, logits, vocab_size, ids, pos, out=None):
 def _dtype_name(bk, array) -> str:
     from .. import dtype as _dt
     return _dt.of_array(array.dtype).name
+
+
+# -- sampling: forge_ml.sampling's rule through the host (the GPU runs cuda/sample.cu) -----------
+
+def sample_next(bk, logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None):
+    """A decoding step's sampled choice (``forge_ml.sampling.sample_row`` per row), through the host: ``ids``
+    (and ``out``) get the tokens, ``seen[b, token] = 1`` where given, every element of ``pos``
+    goes up by one. ``knobs`` (B, 5) float32 (``SAMPLE_KNOBS``), ``keys`` (B, 2) int32 Philox
+    keys (uint32 bits), ``pos`` one int32 element or one per row: the position fed, so the
+    Philox counter, the position of the token chosen, is ``pos + 1``."""
+    from ..sampling import sample_row
+    host = np.asarray(bk.to_host(logits), np.float32)
+    B = host.shape[0]
+    kn = np.asarray(bk.to_host(knobs), np.float32).reshape(B, 5)
+    ky = np.asarray(bk.to_host(keys)).astype(np.int64).reshape(B, 2) & 0xFFFFFFFF
+    p = np.asarray(bk.to_host(pos)).reshape(-1).astype(np.int64)
+    sn = None if seen is None else np.asarray(bk.to_host(seen)).reshape(B, -1)
+    toks = np.array([sample_row(host[b, :vocab_size], kn[b], (int(ky[b, 0]), int(ky[b, 1])),
+                                int(p[0] if p.size == 1 else p[b]) + 1,  # the token's position
+                                None if sn is None else sn[b]) for b in range(B)], np.int32)
+    bk.assign(ids, toks.reshape(ids.shape))
+    if out is not None:
+        bk.assign(out, toks.reshape(out.shape))
+    if sn is not None:
+        sn = sn.copy()
+        sn[np.arange(B), toks] = 1
+        bk.assign(seen, sn.astype(np.int32).reshape(seen.shape))
+    bk.assign(pos, (p + 1).astype(np.int32).reshape(pos.shape))

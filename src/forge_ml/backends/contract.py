@@ -166,6 +166,12 @@ class FusedKernels(Protocol):
     def greedy_next(self, logits, vocab_size: int, ids, pos, out=None) -> None:
         """``ids = argmax(logits[:, :V])`` (also into ``out``), then ``pos += 1``."""
 
+    def sample_next(self, logits, vocab_size: int, ids, pos, knobs, keys, seen=None,
+                    out=None) -> None:
+        """A sampled choice per row (``forge_ml.sampling.sample_row``'s rule: temperature, top-k,
+        top-p, min-p, repetition penalty, a Philox draw at the row's position), into ``ids``
+        (and ``out``); ``seen[b, token] = 1``; then ``pos += 1``."""
+
 
 @runtime_checkable
 class Capabilities(Protocol):
@@ -184,7 +190,7 @@ CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "
         "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout",
         "cross_entropy", "cross_entropy_bwd", "adamw_update")
 FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd", "linear",
-         "decode_attention", "greedy_next")
+         "decode_attention", "greedy_next", "sample_next")
 CAPABILITIES = {"bf16": False, "graphs": False, "host_memory": False}
 """Capability -> the value a backend that does not declare it is taken to have."""
 OPTIONAL = ("capture_graph", "select", "start")

@@ -178,6 +178,16 @@ class DecodeStep:
             ops.greedy_next(self._logits(self._pos), V, self._ids, self._pos, out=hist, row=i)
         return hist
 
+    def _sample_work(self, k: int):
+        """``k`` sampled steps on the device (``ops.sample_next`` with the step's knobs, keys
+        and seen-token buffer), chained as ``_greedy_work``'s."""
+        hist = self._hist[k]
+        V = self.model.config.vocab_size
+        for i in range(k):
+            ops.sample_next(self._logits(self._pos), V, self._ids, self._pos, self._knobs,
+                            self._keys, self._seen, out=hist, row=i)
+        return hist
+
     def greedy(self, tokens, pos: int, n: int, lookahead: int = 4, chunk: Optional[int] = None):
         """Yield ``n`` greedy steps with the host out of the loop: the first feeds ``tokens``
         at ``pos``, each next one feeds the previous step's choice at the next position; each
@@ -196,16 +206,60 @@ class DecodeStep:
         >>> [t.shape for t in DecodeStep(model, cache).greedy([3], 2, 3)], cache.pos
         ([(1,), (1,), (1,)], 5)
         """
+        return self._chain("greedy", self._greedy_work, tokens, pos, n, lookahead, chunk)
+
+    def sample(self, tokens, pos: int, n: int, knobs, keys, seen=None, lookahead: int = 4,
+               chunk: Optional[int] = None):
+        """``greedy``'s chain with a sampled choice on the device (``ops.sample_next``): row b
+        samples with ``knobs[b]`` (temperature, top_k, top_p, min_p, repetition_penalty; see
+        ``forge_ml.sampling.SAMPLE_KNOBS``) and Philox key ``keys[b]`` (two uint32 words), the
+        counter being the position of the token chosen, so the tokens are those
+        ``forge_ml.sampling.sample_row`` gives on the host. ``seen`` (B, vocab_size) bool: the tokens
+        the repetition penalty applies to (None: no penalty anywhere).
+
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> from forge_ml import tensor
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> cache = model.new_cache(1, 8)
+        >>> _ = model.forward_cached(tensor([[1, 2]]), cache)
+        >>> toks = list(DecodeStep(model, cache).sample([3], 2, 3, [[0.8, 0, 1, 0, 1]], [[1, 2]]))
+        >>> len(toks), cache.pos
+        (3, 5)
+        """
+        B = self.cache.batch
+        knobs = np.asarray(knobs, np.float32).reshape(B, 5)
+        keys = (np.asarray(keys, np.int64).reshape(B, 2) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+        if getattr(self, "_knobs", None) is None:
+            self._knobs = zeros((B, 5), "float32", self.device)
+            self._keys = zeros((B, 2), "int32", self.device)
+        ops.assign(self._knobs, knobs)
+        ops.assign(self._keys, keys)
+        if seen is None:
+            self._seen = None
+        else:
+            Vp = self.model.config.padded_vocab_size
+            full = np.zeros((B, Vp), np.int32)
+            full[:, :self.model.config.vocab_size] = np.asarray(seen, bool)
+            if getattr(self, "_seen_buf", None) is None:
+                self._seen_buf = zeros((B, Vp), "int32", self.device)
+            ops.assign(self._seen_buf, full)
+            self._seen = self._seen_buf
+        kind = "sample" if seen is None else "sample_seen"   # graphs differ in their arguments
+        return self._chain(kind, self._sample_work, tokens, pos, n, lookahead, chunk)
+
+    def _chain(self, kind, work, tokens, pos, n, lookahead, chunk):
+        """Yield ``n`` steps of ``work(k)`` (k steps and their on-device choices), chunks of
+        ``chunk`` per graph replay, ``lookahead`` steps queued ahead of the host."""
         B = self.cache.batch
         if not (isinstance(n, (int, np.integer)) and n >= 0):
-            raise ShapeError(f"DecodeStep.greedy: n must be an int >= 0, got {n!r}")
+            raise ShapeError(f"DecodeStep.{kind}: n must be an int >= 0, got {n!r}")
         if n and not 0 <= pos <= pos + n - 1 < self.cache.capacity:
-            raise ShapeError(f"DecodeStep.greedy: positions {pos}..{pos + n - 1} do not fit the "
+            raise ShapeError(f"DecodeStep.{kind}: positions {pos}..{pos + n - 1} do not fit the "
                              f"cache's {self.cache.capacity} rows")
         if chunk is None:
             chunk = 8 if self.graph else 1
         if not (isinstance(chunk, (int, np.integer)) and chunk >= 1):
-            raise ShapeError(f"DecodeStep.greedy: chunk must be an int >= 1, got {chunk!r}")
+            raise ShapeError(f"DecodeStep.{kind}: chunk must be an int >= 1, got {chunk!r}")
         if n == 0:
             return
         tokens = self._checked_tokens(tokens)
@@ -225,7 +279,7 @@ class DecodeStep:
         def launch():
             nonlocal launched, done
             k = sizes[launched]
-            out = self._run(("greedy", k), lambda: self._greedy_work(k))
+            out = self._run((kind, k), lambda: work(k))
             host = rings[k][launched % ahead]
             pending.append((out.copy_to_host(host), host))
             launched += 1

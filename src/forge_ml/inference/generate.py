@@ -9,10 +9,10 @@ The KV cache is allocated once per call (``inference.decode.decoder(model, B, ma
 on cuda kept for the next call of the same shape, with its CUDA graphs), filled by
 ``model.forward_cached`` for the prompts, then one token per row at a time by its
 ``DecodeStep`` (on cuda a CUDA graph captured once and replayed at every position). A model
-in bf16 (``model.to(dtype="bfloat16")``) generates in bf16. Greedy decoding with no
-repetition penalty and no log-probabilities to report, once no row has prompt tokens left,
-chains the steps on the device: the argmax is taken there and the host reads the tokens as
-they come (``DecodeStep.greedy``), with the same tokens as the host's ``np.argmax``.
+in bf16 (``model.to(dtype="bfloat16")``) generates in bf16. Once no row has prompt tokens
+left and no log-probabilities are to be reported, the steps chain on the device: the choice
+is made there (the argmax, ``DecodeStep.greedy``; or a sample, ``DecodeStep.sample``, by the
+rule below) and the host reads the tokens as they come.
 
 Rows share one position counter: the first ``min(len(p))`` tokens
 of every prompt are prefilled together, then the batch steps one token at a time, and a row
@@ -31,8 +31,8 @@ top-k, top-p, min-p):
    multiplied by it when negative. Greedy decoding applies it too, as transformers does.
 2. temperature: 0 is greedy (the argmax of the penalised logits); otherwise the logits are
    divided by it.
-3. ``top_k``: the ``k`` largest logits are kept (exactly ``k``, ties to the lower id;
-   transformers keeps every token tied with the k-th).
+3. ``top_k``: the ``k`` largest logits are kept (every token tied with the k-th too, as
+   transformers keeps them).
 4. ``top_p``: the smallest set of most likely tokens whose probability reaches ``top_p``.
 5. ``min_p``: tokens whose probability is below ``min_p`` times the largest one's are dropped
    (transformers' ``MinPLogitsWarper``: after temperature, after top-k and top-p). It
@@ -40,8 +40,11 @@ top-k, top-p, min-p):
    the order would not matter; placed last, top-p's nucleus is measured on the distribution
    before min-p's cut, as in transformers (placed first, the nucleus would grow).
 
-One token is then drawn from row ``r``'s own NumPy Generator, seeded with ``(seed, r)``:
-the same seed gives the same tokens.
+The draw is ``forge_ml.sampling.sample_row``'s rule, the one the GPU's sampling kernel runs:
+the kept probabilities as integer weights (the most likely token's 2^24), and one Philox
+word at the counter of the position being chosen, with row ``r``'s key from ``(seed, r)``.
+The same seed gives the same tokens, and a row's tokens do not depend on the other rows.
+``next_token_probs`` is the distribution written out (the reference the tests draw against).
 
 Log-probabilities (``logprobs=n``, batch form only): each TokenEvent carries ``logprob``, the
 chosen token's log-probability, and ``top_logprobs``, the ``n`` most likely ``(id,
@@ -79,6 +82,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError, ShapeError
+from ..sampling import sample_row
 from ..tensor import tensor
 from .decode import decoder
 
@@ -169,9 +173,11 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = No
     In transformers' order (see the module docstring): the repetition penalty on the ids in
     ``context`` (the row's prompt and generated tokens), then temperature (0 puts all mass on
     the argmax), then ``softmax(logits / temperature)`` cut to the ``top_k`` largest logits
-    (exactly ``k``; ties go to the lower id, so ``top_k=1`` is greedy), then to the smallest
-    set of most likely tokens whose probability reaches ``top_p`` (at least one token), then
-    to the tokens whose probability is at least ``min_p`` times the largest, renormalised.
+    (and every token tied with the k-th, as transformers keeps them), then to the smallest
+    set of most likely tokens whose probability reaches ``top_p`` (at least one token; tokens
+    tied with its least likely one stay too), then to the tokens whose probability is at
+    least ``min_p`` times the largest, renormalised. This is the distribution
+    ``forge_ml.sampling.sample_row`` draws from (up to its integer weights).
 
     >>> next_token_probs(np.array([0.0, 0.0, 1.0, -1.0]), temperature=0).tolist()
     [0.0, 0.0, 1.0, 0.0]
@@ -194,9 +200,7 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = No
     keep = np.ones(v, bool)
     if top_k is not None and top_k < v:
         kth = np.partition(z, v - top_k)[v - top_k]      # the k-th largest logit
-        keep = z > kth
-        ties = np.flatnonzero(z == kth)[: top_k - int(keep.sum())]  # lowest ids first
-        keep[ties] = True
+        keep = z >= kth                                  # ties with it stay
     z = np.where(keep, z, -np.inf)
     e = np.exp(z - z.max())
     probs = e / e.sum()
@@ -204,21 +208,14 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = No
         order = np.argsort(-probs, kind="stable")        # most likely first, ties by id
         cum = np.cumsum(probs[order])
         n_keep = min(int(np.searchsorted(cum, top_p, side="left")) + 1, v)
-        nucleus = np.zeros(v, np.float64)
-        nucleus[order[:n_keep]] = probs[order[:n_keep]]
-        probs = nucleus / nucleus.sum()
+        cut = probs[order[n_keep - 1]]                   # the least likely kept; ties stay
+        probs = np.where(probs >= cut, probs, 0.0)
+        probs = probs / probs.sum()
     if min_p is not None and min_p > 0:
         # transformers' MinPLogitsWarper: p < min_p * max(p) goes; the top token always stays
         probs = np.where(probs < min_p * probs.max(), 0.0, probs)
         probs = probs / probs.sum()
     return probs
-
-
-def _draw(probs: np.ndarray, gen: np.random.Generator) -> int:
-    """One token from ``probs`` by inverting the CDF with a single uniform draw."""
-    cdf = np.cumsum(probs)
-    # u * cdf[-1] < cdf[-1], so the first index whose CDF exceeds it has nonzero mass.
-    return int(np.searchsorted(cdf, gen.random() * cdf[-1], side="right"))
 
 
 # -- argument checks -----------------------------------------------------------------------
@@ -357,23 +354,52 @@ class _Choice:
     logprobs: Optional[int]
 
     @property
-    def on_device(self) -> bool:
+    def greedy_on_device(self) -> bool:
         """Whether the device's argmax chain (``DecodeStep.greedy``) can pick the tokens:
         greedy on the raw logits, with nothing for the host to report."""
         return self.temperature == 0 and self.repetition_penalty == 1.0 and self.logprobs is None
 
-    def __call__(self, logits, context, gen) -> tuple:
-        """``(token, logprob, top_logprobs)`` for one row; the last two None without logprobs."""
+    @property
+    def on_device(self) -> bool:
+        """Whether the steps can chain on the device (argmax or sampling kernel): nothing
+        for the host to report."""
+        return self.logprobs is None
+
+    def knobs(self) -> list:
+        """The row of ``ops.sample_next``'s knobs (temperature, top_k, top_p, min_p, penalty)."""
+        return [self.temperature, self.top_k or 0, 1.0 if self.top_p is None else self.top_p,
+                self.min_p or 0.0, self.repetition_penalty]
+
+    def __call__(self, logits, context, key, position) -> tuple:
+        """``(token, logprob, top_logprobs)`` for one row; the last two None without logprobs.
+        ``key``, ``position``: the row's Philox key and the position being chosen."""
         z = apply_repetition_penalty(logits, self.repetition_penalty, context)  # (V,)
         if self.temperature > 0:
-            tok = _draw(next_token_probs(z, self.temperature, self.top_k, self.top_p, self.min_p),
-                        gen)
+            knobs = self.knobs()
+            knobs[4] = 1.0                                 # the penalty is applied already
+            tok = sample_row(np.asarray(z, np.float32), knobs, key, position)
         else:
             tok = int(np.argmax(z))
         if self.logprobs is None:
             return tok, None, None
         logp = token_logprobs(z, self.temperature)       # z is penalised already
         return tok, float(logp[tok]), _top_logprobs(logp, self.logprobs)
+
+
+def row_key(seed: int, row: int) -> tuple:
+    """Row ``row``'s Philox key under ``seed``: splitmix64 of the pair, as two uint32 words.
+
+    >>> row_key(0, 0) != row_key(0, 1)
+    True
+    """
+    mask = (1 << 64) - 1
+    z = 0
+    for word in (seed, row):
+        z = ((z ^ (int(word) & mask)) + 0x9E3779B97F4A7C15) & mask   # splitmix64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+    return z & 0xFFFFFFFF, z >> 32
 
 
 def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokenizer):
@@ -385,8 +411,7 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
     done = [max_new == 0 or n >= cfg.block_size for n in lengths]
     if all(done):
         return
-    gens = [np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, r])))
-            for r in range(B)]
+    keys = [row_key(seed, r) for r in range(B)]
     generated: list[list[int]] = [[] for _ in range(B)]
 
     # Every token but a row's last sampled one is fed back, so the cache needs at most
@@ -427,7 +452,7 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
                 continue
             # the penalty's context: the whole prompt and the tokens generated so far
             context = rows[r] + generated[r] if choice.repetition_penalty != 1.0 else ()
-            tok, logprob, top = choice(last[r], context, gens[r])
+            tok, logprob, top = choice(last[r], context, keys[r], pos)
             events.append(take(r, tok, logprob, top))
             feed[r, 0] = tok
         if events:
@@ -435,13 +460,22 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
         if all(done):
             return
         if choice.on_device and pos + 1 >= max(lengths):
-            # Greedy with no prompt token left to force: the argmax is taken on the device and
-            # steps chain there (DecodeStep.greedy), the host reading tokens as they come.
-            # Feeds at pos.. stay below the cache's capacity and the last context position,
-            # and n covers every open row's budget, so every row finishes inside the chain.
+            # No prompt token left to force and nothing to report: the choice is made on the
+            # device and steps chain there (DecodeStep.greedy / .sample), the host reading
+            # tokens as they come. Feeds at pos.. stay below the cache's capacity and the last
+            # context position, and n covers every open row's budget, so every row finishes
+            # inside the chain. The sample chooses the token of position pos + 1 first.
             budget = max(max_new - len(generated[r]) for r in range(B) if not done[r])
             n = min(cache.capacity - pos, cfg.block_size - 1 - pos, budget)
-            chain = step.greedy(feed[:, 0], pos, n)
+            if choice.greedy_on_device:
+                chain = step.greedy(feed[:, 0], pos, n)
+            else:
+                seen = None
+                if choice.repetition_penalty != 1.0:
+                    seen = np.zeros((B, V), bool)
+                    for r in range(B):
+                        seen[r, rows[r] + generated[r]] = True
+                chain = step.sample(feed[:, 0], pos, n, [choice.knobs()] * B, keys, seen)
             try:
                 for toks in chain:
                     pos += 1
@@ -452,7 +486,7 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
                         return
             finally:
                 chain.close()
-            raise AssertionError("generate: greedy chain ended with open rows")  # unreachable
+            raise AssertionError("generate: the device chain ended with open rows")  # unreachable
         last = step(feed[:, 0], pos)                                              # (B, V)
         pos += 1
 

@@ -19,7 +19,7 @@ The rooms, each a module beside the ``.cu`` files it launches:
   cross_entropy.cu): sum_rows, sumsq, layernorm, softmax, logsumexp, cross_entropy;
   ``layout`` (heads.cu, embedding.cu): the head permutations, embedding, scatter_add_rows;
   ``attention`` (attention.cu, flash_attention.cu): flash and composed attention, the KV
-  cache, decode_attention; ``sampling`` (greedy.cu): greedy_next.
+  cache, decode_attention; ``sampling`` (greedy.cu, sample.cu): greedy_next, sample_next.
 
 Dtypes: float32, float64 and bfloat16 (stored as 2-byte words, ``ml_dtypes.bfloat16`` on the
 CuPy side; every kernel accumulates bf16 in float32). Each kernel file holds one layer's
@@ -49,7 +49,7 @@ from .rows import (cross_entropy, cross_entropy_bwd, layernorm, layernorm_bwd, l
                    softmax, softmax_bwd, sum_rows, sumsq)
 from .runtime import (_pdl_wrote, compile_source, device_name, kernel_source, select,
                       synchronize, use_device)
-from .sampling import greedy_next
+from .sampling import greedy_next, sample_next
 
 NAME = "cuda"
 BF16 = _runtime.BF16 is not None   # bfloat16 storage: CuPy can hold it (ml_dtypes)
@@ -64,7 +64,7 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     "softmax", "softmax_bwd", "logsumexp", "split_heads", "unsplit_head", "merge_heads",
     "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout", "cross_entropy",
     "cross_entropy_bwd", "adamw_update", "attention", "attention_bwd", "attention_qkv",
-    "attention_qkv_bwd", "linear", "decode_attention", "greedy_next",
+    "attention_qkv_bwd", "linear", "decode_attention", "greedy_next", "sample_next",
     # private, for the GPU tests and benchmarks
     "_attention_composed", "_attention_bwd_composed", "_flash_wanted", "_qkv_flash_ok",
     "_pdl_wrote",

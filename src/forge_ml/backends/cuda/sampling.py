@@ -1,6 +1,8 @@
-"""Sampling on the device: ``greedy_next``, the argmax of a decoding step's logits written
-into the next step's ids (and a chain's token buffer), and the position advanced, so that
-captured steps chain without the host. Kernels: greedy.cu.
+"""Sampling on the device: ``greedy_next``, the argmax of a decoding step's logits, and
+``sample_next``, a sampled choice (temperature, top-k, top-p, min-p, repetition penalty: the
+rule of ``forge_ml.sampling.sample_row``), each written into the next step's ids (and a
+chain's token buffer) with the position advanced, so that captured steps chain without the
+host. Kernels: greedy.cu, sample.cu.
 """
 from __future__ import annotations
 
@@ -27,3 +29,33 @@ def greedy_next(logits, vocab_size, ids, pos, out=None):
     pos = _pos_array(pos, B)
     _launch("greedy", "greedy_next_f32", (B,), 1024,
             (_c(logits), _i32(vocab_size), _i32(Vp), ids, out, pos, _i32(pos.size)))
+
+
+_SAMPLE_THREADS = 1024   # sample.cu: one block of 1024 threads per row
+
+
+@_guarded
+def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None):
+    """In place: ``ids[b]`` = row b's sampled token (sample.cu; ``forge_ml.sampling.sample_row``'s rule)
+    for float32 logits (B, Vp), ``knobs`` (B, 5) float32, ``keys`` (B, 2) int32, ``seen``
+    (B, Vp) int32 or None; also into ``out`` when given; ``seen[b, token] = 1``; then ``pos``
+    (one element, or one per row) goes up by one."""
+    if logits.dtype != F32 or logits.ndim != 2 or ids.size != logits.shape[0]:
+        raise ShapeError(f"sample_next: float32 logits (B, Vp) and B ids expected, got "
+                         f"{logits.dtype} {logits.shape} and {ids.size} ids")
+    B, Vp = logits.shape
+    if knobs.shape != (B, 5) or knobs.dtype != F32 or keys.shape != (B, 2):
+        raise ShapeError(f"sample_next: knobs must be float32 (B, 5) and keys (B, 2), got "
+                         f"{knobs.dtype} {knobs.shape} and {keys.shape}")
+    if seen is not None and seen.shape != (B, Vp):
+        raise ShapeError(f"sample_next: seen must be ({B}, {Vp}), got {seen.shape}")
+    if out is None:
+        out = ids
+    elif out.size != B or out.dtype != ids.dtype or not out.flags.c_contiguous:
+        raise ShapeError(f"sample_next: out must be {B} contiguous {ids.dtype} values, got "
+                         f"{out.dtype} {out.shape}")
+    pos = _pos_array(pos, B)
+    _launch("sample", "sample_next_f32", (B,), _SAMPLE_THREADS,
+            (_c(logits), _i32(vocab_size), _i32(Vp), _c(knobs), _c(keys),
+             ids if seen is None else seen, _i32(seen is not None), ids, out, pos,
+             _i32(pos.size)))

@@ -1,0 +1,69 @@
+"""The sampling rule of a decoding step, written once: ``sample_row`` (temperature, top-k,
+top-p, min-p, repetition penalty, and a Philox draw at the row's position). The CPU runs it
+as it is (``backends.compose.sample_next`` through the host), the GPU's kernel
+(``backends/cuda/sample.cu``) bit for bit, and ``inference.generate`` for the tokens it
+chooses on the host.
+
+>>> SAMPLE_KNOBS
+('temperature', 'top_k', 'top_p', 'min_p', 'repetition_penalty')
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import rng
+
+SAMPLE_KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+"""The columns of ``sample_next``'s ``knobs`` (B, 5) float32: 0 / 0 / 1 / 0 / 1 turn each off."""
+
+_W_ONE = 1 << 24   # the integer weight of the most likely token
+
+
+def sample_row(z, knobs, key, position, seen=None) -> int:
+    """One token from the float32 logits ``z (V,)`` of one row: the sampling rule every
+    backend implements bit for bit (sums in integers, so no order of addition matters).
+
+    1. A seen token (``seen[j]``) gets ``z/penalty`` when ``z > 0``, ``z*penalty`` otherwise.
+    2. Temperature 0 (or a NaN logit): the argmax, the lowest id among equal maxima.
+    3. ``w_j = uint32(exp((z_j - max z) / T) * 2^24)``: the most likely token weighs 2^24.
+    4. top-k (``0 < k < V``): keep ``w >= `` the k-th largest w (ties at the cut all kept);
+       top-p (``0 < p < 1``): keep ``w >= t`` for the largest t whose kept mass reaches
+       ``ceil(p K)``, K the mass top-k kept; min-p: keep ``w >= ceil(min_p 2^24)``.
+    5. ``word`` = the first word of Philox4x32-10 at counter ``(position, 0, 0, 0)`` with
+       ``key``; the token is the first id whose running kept mass exceeds
+       ``floor(total * word / 2^32)``.
+
+    >>> import numpy as np
+    >>> sample_row(np.array([0.0, 5.0, 1.0], np.float32), [0.0, 0, 1, 0, 1], (1, 2), 0)
+    1
+    >>> sample_row(np.array([0.0, 5.0, 1.0], np.float32), [1.0, 1, 1, 0, 1], (1, 2), 7)
+    1
+    """
+    z = np.array(z, dtype=np.float32).reshape(-1)
+    temp, k, ptop, pmin, pen = (np.float32(v) for v in np.asarray(knobs, np.float32).reshape(5))
+    k = int(k)
+    V = z.shape[0]
+    if seen is not None and pen != np.float32(1):
+        s = np.asarray(seen).reshape(-1)[:V].astype(bool)
+        z[s] = np.where(z[s] > 0, z[s] / pen, z[s] * pen).astype(np.float32)
+    if not temp > 0 or np.isnan(z).any():
+        return int(np.argmax(z))
+    inv_t = np.float32(1) / temp
+    with np.errstate(under="ignore"):
+        w = (np.exp((z - z.max()) * inv_t) * np.float32(_W_ONE)).astype(np.uint32)
+    floor = 0
+    if 0 < k < V:
+        floor = int(np.sort(w)[::-1][k - 1])
+    if 0 < ptop < 1:
+        kept = np.sort(w[w >= floor])[::-1].astype(np.uint64)
+        need = math.ceil(float(ptop) * int(kept.sum()))
+        floor = max(floor, int(kept[int(np.searchsorted(np.cumsum(kept), need, side="left"))]))
+    if pmin > 0:
+        floor = max(floor, math.ceil(float(pmin) * _W_ONE))
+    mass = np.where(w >= floor, w, 0).astype(np.uint64)
+    cum = np.cumsum(mass)
+    word = int(rng.philox4x32_10([int(position), 0, 0, 0], key)[0, 0])
+    target = (int(cum[-1]) * word) >> 32
+    return int(np.searchsorted(cum, np.uint64(target), side="right"))

@@ -1,0 +1,54 @@
+"""The sampling rule (forge_ml.sampling.sample_row): draws over many positions follow the
+distribution that inference.generate.next_token_probs writes out (a chi-square test), the
+same key and position give the same token, and every knob cuts as documented."""
+import numpy as np
+import pytest
+
+from forge_ml.inference.generate import next_token_probs
+from forge_ml.sampling import sample_row
+
+# chi-square critical values at a 1e-4 false-alarm rate, by degrees of freedom (df + 3.72 sqrt(2 df) + ...
+# from the Wilson-Hilferty approximation; checked against scipy.stats.chi2.ppf(1 - 1e-4, df))
+def _critical(df):
+    z = 3.7190
+    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("knobs,kw", [
+    ([1.0, 0, 1.0, 0.0, 1.0], dict(temperature=1.0)),
+    ([0.7, 6, 1.0, 0.0, 1.0], dict(temperature=0.7, top_k=6)),
+    ([1.2, 0, 0.8, 0.0, 1.0], dict(temperature=1.2, top_p=0.8)),
+    ([1.0, 0, 1.0, 0.1, 1.0], dict(temperature=1.0, min_p=0.1)),
+    ([0.9, 8, 0.9, 0.02, 1.0], dict(temperature=0.9, top_k=8, top_p=0.9, min_p=0.02)),
+])
+def test_draws_follow_next_token_probs(knobs, kw):
+    rs = np.random.default_rng(0)
+    z = (rs.standard_normal(30) * 1.5).astype(np.float32)
+    probs = next_token_probs(z, **kw)
+    n = 6000
+    draws = np.array([sample_row(z, knobs, (12345, 678), q) for q in range(n)])
+    assert set(np.flatnonzero(np.bincount(draws, minlength=30))) <= set(np.flatnonzero(probs > 0))
+    live = probs > 0
+    counts = np.bincount(draws, minlength=30)[live]
+    expected = probs[live] * n
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    assert stat < _critical(int(live.sum()) - 1), stat
+    # a wrong distribution (uniform over the support) is rejected by the same test
+    wrong = np.full(live.sum(), n / live.sum())
+    if live.sum() > 1:
+        assert float(((counts - wrong) ** 2 / wrong).sum()) > _critical(int(live.sum()) - 1)
+
+
+def test_same_key_and_position_same_token_and_the_penalty():
+    z = np.linspace(-1, 1, 40).astype(np.float32)
+    knobs = [1.0, 0, 1.0, 0.0, 1.0]
+    assert sample_row(z, knobs, (1, 2), 5) == sample_row(z, knobs, (1, 2), 5)
+    assert len({sample_row(z, knobs, (1, 2), q) for q in range(200)}) > 10
+    assert sample_row(z, [0.0, 0, 1, 0, 1], (1, 2), 5) == 39           # temperature 0: argmax
+    seen = np.zeros(40, bool)
+    seen[39] = True                                                      # 1.0 / 3 < 0.95
+    assert sample_row(z, [0.0, 0, 1, 0, 3.0], (1, 2), 5, seen) == 38
+    z2 = z.copy()
+    z2[3] = np.nan                                                       # a NaN row: argmax (numpy's)
+    assert sample_row(z2, knobs, (1, 2), 5) == 3
+    assert sample_row(z, [1.0, 1, 1.0, 0, 1.0], (9, 9), 3) == 39         # top_k=1
