@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# One command for the GPU machine: the whole GPU test suite, then the GPU benchmarks.
+# One command for the GPU machine: the GPU test suite (and the contract suite on every
+# backend), then the GPU benchmarks, the server under load and the CLI end to end.
 # Logs go to $OUT (or /tmp/forge_gpu_check when OUT is unset); a summary is printed last.
-#   bash scripts/gpu_check.sh            (from anywhere; the package need not be installed)
-# Environment: TEST_TIMEOUT / BENCH_TIMEOUT (seconds, defaults 240 / 150), TEST_WORKERS (pytest-xdist
-# processes sharing the GPU, default 4), BENCH_ARGS (e.g. "--only gelu --reps 50").
+#   bash scripts/gpu_check.sh                       (from anywhere; no install needed)
+#   SECTIONS="tests generate serve" bash scripts/gpu_check.sh      (a subset)
+# Sections: tests ops train generate decode serve cli (default: all).
+# Environment: TEST_TIMEOUT (default 300 s), TEST_WORKERS (pytest-xdist processes sharing the
+# GPU, default 4), BENCH_TIMEOUT (150), BENCH_ARGS (e.g. "--only gelu --reps 50"), SERVE_ARGS.
+# The serve section needs starlette and uvicorn; where pip cannot reach an index, put their
+# wheels in .whl/serve (scripts: README of the device tool) and they are installed first.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -11,6 +16,12 @@ export PYTHONUNBUFFERED=1
 LOG="${OUT:-/tmp/forge_gpu_check}"
 mkdir -p "$LOG"
 PY="${PYTHON:-python3}"
+SECTIONS="${SECTIONS:-tests ops train generate decode serve cli}"
+want() { case " $SECTIONS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+if ls .whl/serve/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/forge_site .whl/serve/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/forge_site"
+fi
 
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv 2>&1 | tee "$LOG/gpu.txt"
@@ -21,57 +32,68 @@ try:
     import cupy
     print("cupy", cupy.__version__, "devices", cupy.cuda.runtime.getDeviceCount(),
           "nvrtc", cupy.cuda.nvrtc.getVersion())
-    try:
-        print("bfloat16 dtype:", cupy.dtype("bfloat16"))
-    except Exception as e:
-        import ml_dtypes
-        print("bfloat16 via ml_dtypes", ml_dtypes.__version__, cupy.dtype(ml_dtypes.bfloat16), f"({e})")
 except Exception as e:
     print("cupy not usable:", e)
-try:
-    import torch
-    print("torch", torch.__version__, "cuda", torch.version.cuda)
-except Exception as e:
-    print("torch not usable:", e)
+for name in ("torch", "cuda.bindings", "starlette", "uvicorn"):
+    try:
+        mod = __import__(name, fromlist=["_"])
+        print(name, getattr(mod, "__version__", "?"))
+    except Exception as e:
+        print(name, "not usable:", e)
 PYEOF
 
-echo "== tests (the GPU tests, and the contract suite on every backend; addopts give -q)"
-timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest tests/test_cuda*.py tests/backends ${EXTRA_TESTS:-} -rfEs -p no:cacheprovider -n "${TEST_WORKERS:-4}" \
-    --durations=8 --junitxml="$LOG/tests.xml" 2>&1 | tee "$LOG/tests.log"
-test_rc=${PIPESTATUS[0]}
-
-echo "== benchmarks (benchmarks/ops_cuda.py)"
-if [ -z "${SKIP_OPS_BENCH:-}" ]; then
+test_rc=skipped; bench_rc=0; serve_rc=skipped
+if want tests; then
+  echo "== tests (the GPU tests, and the contract suite on every backend; addopts give -q)"
+  timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest tests/test_cuda*.py tests/backends ${EXTRA_TESTS:-} -rfEs \
+      -p no:cacheprovider -n "${TEST_WORKERS:-4}" --durations=8 --junitxml="$LOG/tests.xml" 2>&1 | tee "$LOG/tests.log"
+  test_rc=${PIPESTATUS[0]}
+fi
+if want ops; then
+  echo "== op benchmarks (benchmarks/ops_cuda.py, attention_cuda.py)"
   timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/ops_cuda.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench_ops.log"
   bench_rc=${PIPESTATUS[0]}
-else
-  echo "(skipped: SKIP_OPS_BENCH is set)" | tee "$LOG/bench_ops.log"; bench_rc=0
+  timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/attention_cuda.py 2>&1 | tee "$LOG/bench_attention.log"
 fi
-timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/attention_cuda.py 2>&1 | tee "$LOG/bench_attention.log"  # flash vs v1 vs torch SDPA
-
-echo "== model benchmarks (training throughput, generation)"
-timeout "${TRAIN_TIMEOUT:-200}" "$PY" benchmarks/train_gpu.py --batch "${TRAIN_BATCH:-32}" --steps "${TRAIN_STEPS:-10}" ${TRAIN_ARGS:-} 2>&1 | tee "$LOG/bench_train.log"
-timeout "${GEN_TIMEOUT:-120}" "$PY" benchmarks/generate_gpu.py --new-tokens 200 2>&1 | tee "$LOG/bench_generate.log"
-timeout "${GEN_TIMEOUT:-120}" "$PY" benchmarks/generate_gpu.py --new-tokens 200 --dtype bf16 2>&1 | tee -a "$LOG/bench_generate.log"
-timeout "${GEN_TIMEOUT:-120}" "$PY" benchmarks/decode_gpu.py 2>&1 | tee "$LOG/bench_decode.log"  # where a decoding step's time goes
-timeout "${GEN_TIMEOUT:-120}" "$PY" benchmarks/decode_gpu.py --dtype bf16 2>&1 | tee -a "$LOG/bench_decode.log"
-
-echo "== end to end: forge-ml check, and the CLI trainer in bf16 on the GPU"
-timeout 120 "$PY" -m forge_ml check 2>&1 | tee "$LOG/check.log"
-timeout "${CLI_TIMEOUT:-120}" "$PY" -m forge_ml train --device cuda --dtype bf16 --max-steps 300 \
-    --eval-interval 150 --sample-interval 300 --sample-tokens 80 --no-progress --out /tmp/forge_cli_run \
-    2>&1 | tail -n 25 | tee "$LOG/cli_train.log"
+if want train; then
+  echo "== training step (benchmarks/train_gpu.py)"
+  timeout "${TRAIN_TIMEOUT:-200}" "$PY" benchmarks/train_gpu.py --batch "${TRAIN_BATCH:-32}" --steps "${TRAIN_STEPS:-10}" ${TRAIN_ARGS:-} 2>&1 | tee "$LOG/bench_train.log"
+fi
+if want generate; then
+  echo "== generation (benchmarks/generate_gpu.py: greedy vs HF, then every sampling mode)"
+  timeout "${GEN_TIMEOUT:-150}" "$PY" benchmarks/generate_gpu.py --new-tokens 200 2>&1 | tee "$LOG/bench_generate.log"
+  timeout "${GEN_TIMEOUT:-150}" "$PY" benchmarks/generate_gpu.py --new-tokens 200 --dtype bf16 --sampling 2>&1 | tee -a "$LOG/bench_generate.log"
+fi
+if want decode; then
+  echo "== decoding step (benchmarks/decode_gpu.py)"
+  timeout "${GEN_TIMEOUT:-150}" "$PY" benchmarks/decode_gpu.py 2>&1 | tee "$LOG/bench_decode.log"
+  timeout "${GEN_TIMEOUT:-150}" "$PY" benchmarks/decode_gpu.py --dtype bf16 2>&1 | tee -a "$LOG/bench_decode.log"
+fi
+if want serve; then
+  echo "== forge-ml serve under load (benchmarks/serve_load.py)"
+  timeout "${SERVE_TIMEOUT:-200}" "$PY" benchmarks/serve_load.py ${SERVE_ARGS:-} 2>&1 | tee "$LOG/bench_serve.log"
+  serve_rc=${PIPESTATUS[0]}
+fi
+if want cli; then
+  echo "== end to end: forge-ml check, and the CLI trainer in bf16 on the GPU"
+  timeout 120 "$PY" -m forge_ml check 2>&1 | tee "$LOG/check.log"
+  timeout "${CLI_TIMEOUT:-150}" "$PY" -m forge_ml train --device cuda --dtype bf16 --max-steps 300 \
+      --eval-interval 150 --sample-interval 300 --sample-tokens 80 --no-progress --out /tmp/forge_cli_run \
+      ${CLI_ARGS:-} 2>&1 | tail -n 25 | tee "$LOG/cli_train.log"
+fi
 
 echo
 echo "================ gpu_check summary ================"
 echo "gpu:        $(sed -n 2p "$LOG/gpu.txt")"
-echo "tests:      exit $test_rc ($( [ "$test_rc" = 0 ] && echo PASS || { [ "$test_rc" = 124 ] && echo TIMEOUT || echo FAIL; } )): $(grep -E '(passed|failed|error|skipped)' "$LOG/tests.log" | tail -n 1)"
-grep -E '^(FAILED|ERROR) ' "$LOG/tests.log" | head -n 40
-echo "benchmarks: exit $bench_rc ($( [ "$bench_rc" = 0 ] && echo OK || { [ "$bench_rc" = 124 ] && echo TIMEOUT || echo 'SOME OPS FAILED'; } )): $(grep -E '^geometric mean' "$LOG/bench_ops.log" | tail -n 1)"
-echo "attention:  $(grep -iE 'ratio|flash' "$LOG/bench_attention.log" | tail -n 4 | tr '\n' ' ')"
-echo "training:"; grep -E '^(forge|torch)' "$LOG/bench_train.log"
-echo "generation:"; grep -E '^(forge|transformers|ratio)' "$LOG/bench_generate.log"
-echo "decoding step:"; grep -E '^GPT-2|graph replay|DecodeStep call|greedy chain' "$LOG/bench_decode.log"
-echo "check:"; cat "$LOG/check.log"
+if want tests; then
+  echo "tests:      exit $test_rc ($( [ "$test_rc" = 0 ] && echo PASS || { [ "$test_rc" = 124 ] && echo TIMEOUT || echo FAIL; } )): $(grep -E '(passed|failed|error|skipped)' "$LOG/tests.log" | tail -n 1)"
+  grep -E '^(FAILED|ERROR) ' "$LOG/tests.log" | head -n 40
+fi
+want ops && echo "op benchmarks: exit $bench_rc: $(grep -E '^geometric mean' "$LOG/bench_ops.log" | tail -n 1)"
+want train && { echo "training:"; grep -E '^(forge|torch)' "$LOG/bench_train.log"; }
+want generate && { echo "generation:"; grep -E '^(forge|transformers|ratio|batch|  )' "$LOG/bench_generate.log"; }
+want decode && { echo "decoding step:"; grep -E '^GPT-2|graph replay|DecodeStep call|greedy chain' "$LOG/bench_decode.log"; }
+want serve && { echo "serve: exit $serve_rc"; grep -vE '^\{' "$LOG/bench_serve.log" | tail -n 14; }
+want cli && { echo "check:"; cat "$LOG/check.log"; }
 echo "logs in $LOG"
-[ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]
+[ "$test_rc" = 0 -o "$test_rc" = skipped ] && [ "$bench_rc" = 0 ] && [ "$serve_rc" = 0 -o "$serve_rc" = skipped ]
