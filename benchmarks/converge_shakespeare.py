@@ -60,7 +60,7 @@ def main():
         log_interval=100, progress=False, seed=1337, checkpoint_interval=0,
     )
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, log=lambda s: print(s, flush=True))
+    trainer = Trainer(cfg, log=lambda s: print(s, flush=True), overwrite=True)  # a fresh run each time
     summary = trainer.train()
     wall = time.perf_counter() - t0
     val = summary["val_loss"]

@@ -662,7 +662,8 @@ _COMMANDS = {"serve": _cmd_serve, "train": _cmd_train, "sample": _cmd_sample, "e
 
 def main(argv=None) -> int:
     """Run the ``forge-ml`` command line; returns the exit status (0 ok, 1 training failure,
-    2 bad input, 130 interrupted).
+    2 bad input or a file that cannot be written, 130 / 143 stopped by SIGINT / SIGTERM). The
+    BLAS thread count is set first (``limit_blas_threads``).
 
     >>> main(["bench", "--steps", "0"])
     2

@@ -16,6 +16,7 @@ state goes into checkpoints, so a resumed run sees exactly the batches it would 
 """
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -34,24 +35,61 @@ HEADER_BYTES = HEADER_INTS * 4
 _TOKEN_DTYPE = np.dtype("<u2")
 
 
+class DataWriteError(DataError, OSError):
+    """A shard or tokenizer file could not be written (full disk, read-only or forbidden
+    folder): a DataError whose message names the file and the cause, and an OSError whose
+    ``errno`` is the cause's."""
+
+
+def _umask() -> int:
+    """The process's file-creation mask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_write_bytes(path: Path, chunks) -> None:
     """Write ``chunks`` (bytes-like objects) to a temporary file next to ``path``, fsync it and
-    rename it over ``path``: readers see the old file or the new one, never half of one."""
+    rename it over ``path``: readers see the old file or the new one, never half of one.
+
+    The file gets the user's umask (``mkstemp`` alone makes it 0600). A ``path`` that exists
+    and is not a regular file (a device such as ``/dev/full``, a folder) is refused rather
+    than replaced, and a failed write (full disk, read-only or forbidden folder) is a
+    DataError naming the file and the cause; the old file, if any, is kept.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.bin"); _atomic_write_bytes(p, [b"xy"])
+    >>> oct(os.stat(p).st_mode & 0o777) == oct(0o666 & ~_umask())
+    True
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if path.exists() and not path.is_file():
+        raise DataError(f"cannot write {path}: it exists and is not a regular file (a folder or a "
+                        f"device); expected a new file or one to replace")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             for c in chunks:
                 f.write(c)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+    except BaseException as e:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if isinstance(e, OSError):
+            why = e.strerror or str(e)
+            code = errno.errorcode.get(e.errno, "") if e.errno else ""
+            err = DataWriteError(f"cannot write {path}: {why}" + (f" ({code})" if code else ""))
+            err.errno = e.errno
+            raise err from e
         raise
 
 
@@ -334,21 +372,27 @@ class DataLoader:
     def __next__(self):
         return self.next_batch()
 
-    def eval_batches(self, n: int | None = None):
+    def eval_batches(self, n: int | None = None, *, tail: bool = False):
         """Yield ``n`` fixed batches of sequential, non-overlapping windows, the same on every
         call and independent of the random stream. Window ``k`` covers tokens ``[kT, kT + T]``.
         ``n=None`` yields every complete batch; a larger ``n`` than fits wraps to the start.
+        ``n=None, tail=True`` covers every window: the windows left after the complete
+        batches come as one last, smaller batch.
 
         >>> import tempfile, os
         >>> p = os.path.join(tempfile.mkdtemp(), "s.bin"); write_shard(p, range(50))
         >>> [int(x[0, 0]) for x, y in DataLoader(p, 2, 4).eval_batches(2)]
         [0, 8]
+        >>> [len(x) for x, y in DataLoader(p, 5, 4).eval_batches(tail=True)]   # 12 windows of 4
+        [5, 5, 2]
         """
         B, T = self.B, self.T
         n_windows = (self.n_tokens - 1) // T
+        rest = 0
         if n is None:
             n = n_windows // B
-            if n == 0:
+            rest = n_windows - n * B if tail else 0
+            if n == 0 and rest == 0:
                 raise DataError(
                     f"eval_batches: {self.n_tokens} tokens give {n_windows} windows of {T}; "
                     f"one batch needs {B}"
@@ -356,6 +400,9 @@ class DataLoader:
         for k in range(int(n)):
             wins = [((k * B + b) % n_windows) * T for b in range(B)]
             buf = np.stack([self._window(w, T + 1) for w in wins])  # (B, T+1)
+            yield buf[:, :-1].copy(), buf[:, 1:].copy()
+        if rest:
+            buf = np.stack([self._window((n * B + b) * T, T + 1) for b in range(rest)])  # (rest, T+1)
             yield buf[:, :-1].copy(), buf[:, 1:].copy()
 
     def state_dict(self) -> dict:

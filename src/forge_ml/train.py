@@ -3,18 +3,35 @@ checkpoints that resume bit for bit.
 
 ``TrainConfig`` holds every knob (an unknown key is a ConfigError). ``Trainer`` prepares the
 data (a text file, a folder of shards, or the standard library's own source when none is
-given), builds or resumes the model and optimizer, and ``train()`` runs the loop:
+given), builds, resumes or fine-tunes (``init_from``) the model and optimizer, and
+``train()`` runs the loop:
 
 - gradient accumulation: micro-batch gradients are summed with ``ops.add``; the 1/n that
   averages them and the clipping factor both ride in AdamW's ``grad_scale`` (no extra pass);
+  ``batch_size="auto"`` (GPU) measures the largest micro-batch that fits;
 - the warmup + cosine schedule of ``optim.cosine_lr``; global-norm clipping;
 - dropout masks seeded from ``(seed, step, micro-step)``, batches from the loader's saved
   PCG64 state: so N steps equal N/2 steps, a checkpoint, a resume and N/2 more, bit for bit;
-- an eval loss on fixed validation windows every ``eval_interval`` steps, a sample every
-  ``sample_interval``, a JSON-lines log (``log.jsonl``) of every step, ``loss.png`` at the end,
-  and a checkpoint in ``<out_dir>/ckpt`` every ``checkpoint_interval`` steps and at the end;
-- a NaN or infinite loss stops the run with a TrainingError naming the step and the last
-  good checkpoint.
+- an eval loss every ``eval_interval`` steps on the first ``eval_iters`` validation batches
+  (an estimate, ``"val_kind": "sampled"`` in the log) and, at the end, on every window of the
+  validation shard (``"val_kind": "full"``, what ``forge-ml eval`` computes); a sample every
+  ``sample_interval``; a JSON-lines log (``log.jsonl``) of every step, ``loss.png`` at the
+  end, and a checkpoint in ``<out_dir>/ckpt`` every ``checkpoint_interval`` steps and at the end;
+- SIGINT (Ctrl-C) and SIGTERM are handled at step boundaries: the step in flight finishes
+  (a second signal gives it up), a checkpoint of exactly that step is saved, and ``train()``
+  raises ``Interrupted`` (the command exits 130 / 143); ``--resume`` then continues as if
+  nothing had happened;
+- a NaN or infinite loss or gradient norm stops the run with a TrainingError naming the step,
+  the first op, layer and tensor that produced it (the step is re-run with a check after
+  every op), and the last good checkpoint.
+
+The run folder is the run's: a trainer holds ``<out_dir>/train.lock`` (flock, so a dead
+trainer's lock is free again) and refuses a folder another trainer holds; a folder that holds
+a run (a checkpoint, ``log.jsonl`` or ``data/``) is continued only with ``resume=True`` and
+started over only with ``overwrite=True``. ``log.jsonl`` is an append-only record: a damaged
+line is dropped with one warning, and the log never decides whether training can go on. A
+file that cannot be written (full disk, read-only folder) stops the run with one line naming
+it and the cause; the last good checkpoint is kept.
 
 Mixed precision (``dtype="bf16"``, on a device with bf16 storage): AdamW keeps the float32
 master weights and moments and puts bf16 compute copies in the model, which its fused update
@@ -26,16 +43,21 @@ rewrites (``AdamW(..., compute_dtype="bfloat16")``).
 ...                   block_size=16, batch_size=4, max_steps=3, eval_interval=0, sample_interval=0,
 ...                   progress=False)
 >>> summary = Trainer(cfg, log=None).train()
->>> summary["step"], os.path.isdir(os.path.join(d, "run", "ckpt"))
-(3, True)
+>>> summary["step"], summary["val_kind"], os.path.isdir(os.path.join(d, "run", "ckpt"))
+(3, 'full', True)
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
+import signal
+import socket
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,23 +66,50 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import ops
-from .autograd import Tape
+from .autograd import Tape, TVar
 from .checkpoint import check_architecture, load_checkpoint, pack_tensors, save_checkpoint, unpack_tensors
-from .data import DataLoader, default_corpus, prepare, read_shard
+from .data import DataLoader, default_corpus, load_text, prepare, read_shard
 from .device import Device
-from .errors import CheckpointError, ConfigError, DataError, TrainingError
+from .errors import (CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
+                     TokenizerError, TrainingError)
 from .inference.generate import stream_tokens
 from .inference.load import CKPT_NAME
 from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
 from .optim import AdamW, clip_grad_norm, cosine_lr
-from .tensor import device_has, tensor
-from .tokenizer import tokenizer_from_dict
+from .tensor import device_has, synchronize, tensor
+from .tokenizer import load_tokenizer, tokenizer_from_dict
 
 DATA_NAME = "data"          # <out_dir>/data: shards prepared from a text file
+DATA_FILES = ("train.bin", "val.bin", "tokenizer.json")
+CORPUS_NAME = "corpus.txt"  # <out_dir>/data/corpus.txt: the default corpus, as trained on
 LOG_NAME = "log.jsonl"
 PLOT_NAME = "loss.png"
+LOCK_NAME = "train.lock"    # <out_dir>/train.lock: held (flock) by the trainer using the folder
 # The model used when neither a preset nor sizes are given: nanoGPT's CPU configuration.
 DEFAULT_SIZES = dict(n_layer=4, n_head=4, n_embd=128)
+
+
+class RunError(ForgeError):
+    """The run folder cannot be used as asked: another trainer holds it, it holds a run and
+    neither resume nor overwrite was asked, or a file in it cannot be written."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """``Trainer.train()`` stopped on SIGINT or SIGTERM at a step boundary. ``signum``,
+    ``step`` (the step reached), ``saved`` (whether a checkpoint of that step was written);
+    ``exit_status`` is the shell's 128 + signal number (130, 143).
+
+    >>> Interrupted(signal.SIGTERM, 7, True).exit_status
+    143
+    """
+
+    def __init__(self, signum: int, step: int, saved: bool):
+        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}")
+        self.signum, self.step, self.saved = int(signum), int(step), bool(saved)
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
 
 
 @dataclass
@@ -74,6 +123,8 @@ class TrainConfig:
     Traceback (most recent call last):
     ...
     forge_ml.errors.ConfigError: TrainConfig: unknown key 'max_step' (did you mean 'max_steps'?)
+    >>> TrainConfig(batch_size=8, total_batch_size=32).grad_accum
+    4
     """
 
     # data: a text file (prepared into <out_dir>/data), a folder holding train.bin, val.bin and
@@ -82,6 +133,9 @@ class TrainConfig:
     tokenizer: str = "char"          # how a text file is tokenized: "char" or "gpt2"
     val_fraction: float = 0.1
     corpus_bytes: int = 3_000_000    # size of the default corpus
+    # fine-tuning: a forge-ml checkpoint (or run folder) or a Hugging Face GPT-2 folder whose
+    # weights, architecture and tokenizer start a new run (fresh optimizer, step 0)
+    init_from: str = ""
     # model: a preset of models.gpt2.PRESETS, or sizes (0 = the preset's, else DEFAULT_SIZES)
     model: str = ""
     n_layer: int = 0
@@ -93,8 +147,10 @@ class TrainConfig:
     device: str = "cpu"
     dtype: str = "float32"           # "float32", or "bf16" (GPU mixed precision)
     # optimisation (defaults: nanoGPT's shakespeare_char scaled for a CPU)
-    batch_size: int = 12
+    batch_size: int = 12             # sequences per micro-batch, or "auto" (GPU: the largest that fits)
     grad_accum: int = 1
+    total_batch_size: int = 0        # sequences per optimizer step (0: batch_size x grad_accum);
+                                     # sets grad_accum = total_batch_size / batch_size
     max_steps: int = 2000
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -121,10 +177,12 @@ class TrainConfig:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f.name, f.type, getattr(self, f.name)))
+        auto = self.batch_size == "auto"
         checks = [
-            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (auto or self.batch_size >= 1, "batch_size must be >= 1 (or 'auto' on a GPU)"),
             (self.block_size >= 1, "block_size must be >= 1"),
             (self.grad_accum >= 1, "grad_accum must be >= 1"),
+            (self.total_batch_size >= 0, "total_batch_size must be >= 0"),
             (self.max_steps >= 0, "max_steps must be >= 0"),
             (self.lr >= 0 and self.min_lr >= 0, "lr and min_lr must be >= 0"),
             (self.warmup >= 0 and self.lr_decay_steps >= 0, "warmup and lr_decay_steps must be >= 0"),
@@ -133,6 +191,8 @@ class TrainConfig:
             (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0, "beta1 and beta2 must be in [0, 1)"),
             (self.weight_decay >= 0 and self.grad_clip >= 0, "weight_decay and grad_clip must be >= 0"),
             (self.eval_iters >= 1, "eval_iters must be >= 1"),
+            (self.sample_temperature >= 0 and math.isfinite(self.sample_temperature),
+             f"sample_temperature must be a number >= 0 (0 is greedy), got {self.sample_temperature}"),
             (min(self.eval_interval, self.sample_interval, self.checkpoint_interval,
                  self.sample_tokens, self.log_interval, self.n_layer, self.n_head, self.n_embd) >= 0,
              "intervals, counts and sizes must be >= 0"),
@@ -144,6 +204,16 @@ class TrainConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(f"TrainConfig: {msg}")
+        if self.total_batch_size and not auto:
+            accum, rest = divmod(self.total_batch_size, self.batch_size)
+            if rest or accum < 1:
+                raise ConfigError(f"TrainConfig: total_batch_size {self.total_batch_size} is not a multiple "
+                                  f"of batch_size {self.batch_size}")
+            if self.grad_accum not in (1, accum):
+                raise ConfigError(f"TrainConfig: grad_accum {self.grad_accum} x batch_size {self.batch_size} "
+                                  f"is not total_batch_size {self.total_batch_size}; give one of "
+                                  f"grad_accum and total_batch_size")
+            self.grad_accum = accum
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -190,8 +260,11 @@ class TrainConfig:
 
 
 def _coerce(name, typ, value):
-    """Check a TrainConfig value against its annotated type (ints are accepted as floats)."""
+    """Check a TrainConfig value against its annotated type (ints are accepted as floats;
+    ``batch_size`` also takes "auto")."""
     typ = typ if isinstance(typ, str) else typ.__name__
+    if name == "batch_size" and value == "auto":
+        return "auto"
     if typ == "bool":
         if isinstance(value, bool):
             return value
@@ -204,7 +277,8 @@ def _coerce(name, typ, value):
     elif typ == "str":
         if isinstance(value, (str, os.PathLike)):
             return os.fspath(value)
-    raise ConfigError(f"TrainConfig: {name} must be {typ}, got {value!r}")
+    raise ConfigError(f"TrainConfig: {name} must be {typ}" + (" or 'auto'" if name == "batch_size" else "")
+                      + f", got {value!r}")
 
 
 def dropout_seed(seed: int, step: int, micro: int) -> int:
@@ -226,6 +300,331 @@ def dropout_seed(seed: int, step: int, micro: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# The run folder: files that cannot be written, the log, the lock
+
+
+def _cannot_write(path, e: OSError, after: str = "") -> str:
+    """One line naming the file and the cause of a failed write.
+
+    >>> _cannot_write("runs/a/log.jsonl", OSError(errno.ENOSPC, "No space left on device"))
+    'cannot write runs/a/log.jsonl: No space left on device (ENOSPC)'
+    """
+    code = errno.errorcode.get(e.errno, "") if getattr(e, "errno", None) else ""
+    return (f"cannot write {path}: {e.strerror or e}" + (f" ({code})" if code else "")
+            + (f"; {after}" if after else ""))
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path`` (with the
+    user's umask): a crash leaves the old file or the new one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_log(path) -> tuple:
+    """The records of a ``log.jsonl`` and the numbers of its damaged lines: ``(records,
+    bad_lines)``. A line that is not a JSON object with an integer ``step`` (a torn last line
+    after a crash, a damaged byte) is left out, never raised about; a missing file is empty.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "log.jsonl")
+    >>> _ = open(p, "w").write('{"step": 1, "loss": 2.5}\\n{"step": 2, "lo')
+    >>> read_log(p)
+    ([{'step': 1, 'loss': 2.5}], [2])
+    """
+    try:
+        text = Path(path).read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return [], []
+    records, bad = [], []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            r = None
+        if isinstance(r, dict) and isinstance(r.get("step"), int) and not isinstance(r["step"], bool):
+            records.append(r)
+        else:
+            bad.append(i)
+    return records, bad
+
+
+class RunLock:
+    """An exclusive lock on a run folder: ``<folder>/train.lock``, held with ``flock`` while a
+    trainer uses the folder, and holding the holder's pid, host and start time. The kernel
+    drops a flock when its process dies, so a crashed trainer's lock is never stale; the file
+    itself stays. Where ``fcntl`` is missing (Windows) it locks nothing.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); a = RunLock(d); a.acquire()
+    >>> RunLock(d).acquire()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    forge_ml.train.RunError: ... is in use by another trainer (pid ...); ...
+    >>> a.release(); RunLock(d).acquire()
+    """
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self._f = None
+        self._made = []  # what acquire() created: the folder (and its parents), the lock file
+
+    @property
+    def held(self) -> bool:
+        return self._f is not None
+
+    def acquire(self) -> None:
+        if self._f is not None:
+            return
+        try:
+            missing = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunError(_cannot_write(self.folder, e)) from None
+        self._made = missing
+        try:
+            import fcntl
+        except ImportError:  # no flock on this platform
+            return
+        if not self.path.exists():
+            self._made.insert(0, self.path)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as e:
+                raise RunError(_cannot_write(self.path, e)) from None
+            f = os.fdopen(fd, "r+", encoding="utf-8")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = ""
+                try:
+                    holder = (f.read(400).strip().splitlines() or [""])[0]
+                except (OSError, ValueError):
+                    pass
+                f.close()
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise RunError(f"cannot lock {self.path}: {e.strerror or e}") from None
+                raise RunError(f"{self.folder} is in use by another trainer ({holder or 'holder unknown'}); "
+                               f"wait for it to finish, stop it, or choose another --out") from None
+            try:  # the file we locked must still be the one at the path
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            f.close()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.flush()
+        except OSError as e:
+            f.close()
+            raise RunError(_cannot_write(self.path, e)) from None
+        self._f = f
+
+    def release(self, undo: bool = False) -> None:
+        """Drop the lock. ``undo``: also remove the lock file and the folders that
+        ``acquire`` created, when nothing else was written there (a run that failed its
+        checks leaves no trace)."""
+        if undo and self._made:
+            for p in self._made:  # the lock file first (still held), then the folders, innermost first
+                try:
+                    p.unlink() if p == self.path else p.rmdir()
+                except OSError:
+                    break
+            self._made = []
+        if self._f is not None:
+            self._f.close()  # closing the descriptor drops the flock
+            self._f = None
+
+
+# ---------------------------------------------------------------------------------------------
+# --batch-size auto
+
+
+def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int = 4096) -> int:
+    """The largest micro-batch ``b`` for which ``trial(b)`` runs without OutOfMemoryError,
+    measured: ``trial`` at 1, 2, 4, ... until a size fails (or ``total`` / ``limit`` is
+    reached), then between the last size that ran and the first that failed, by bisection.
+    With ``total`` > 0 only divisors of ``total`` are tried, so that ``total / b``
+    micro-batches make exactly the asked global batch. Raises OutOfMemoryError when not even
+    one sequence fits.
+
+    >>> def trial(b):                 # a device that holds 37 sequences
+    ...     if b > 37:
+    ...         raise OutOfMemoryError(f"{b} sequences do not fit")
+    >>> search_batch_size(trial), search_batch_size(trial, total=48), search_batch_size(trial, total=32)
+    (37, 24, 32)
+    """
+    cands = [b for b in range(1, (total or limit) + 1) if not total or total % b == 0]  # ascending
+
+    def fits(i: int) -> bool:
+        try:
+            trial(cands[i])
+            return True
+        except OutOfMemoryError:
+            return False
+
+    lo, hi, want = -1, len(cands), 1
+    while True:  # doubling
+        i = next((j for j, b in enumerate(cands) if b >= want), len(cands) - 1)
+        if i <= lo:
+            break
+        if not fits(i):
+            hi = i
+            break
+        lo, want = i, 2 * cands[i]
+    if lo < 0:
+        raise OutOfMemoryError(f"batch size auto: not even one sequence fits ({hi} sizes tried)")
+    while hi - lo > 1:  # back off: bisect between the last fit and the first failure
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return cands[lo]
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a NaN comes from: a tape that checks every op
+
+
+_CHECKED_OPS = ("add", "matmul", "gelu", "layernorm", "softmax", "split_heads", "merge_heads", "reshape",
+                "attention", "attention_qkv", "embedding", "dropout", "cross_entropy")
+
+
+def _bad_values(t) -> Optional[str]:
+    """None when every value of Tensor ``t`` is finite, else what is wrong, e.g. "3 NaN and 1 inf
+    of 64 values"."""
+    a = np.asarray(t.numpy(), dtype=np.float64)
+    if np.isfinite(a).all():
+        return None
+    n_nan, n_inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+    parts = [f"{n_nan} NaN" if n_nan else "", f"{n_inf} inf" if n_inf else ""]
+    return " and ".join(p for p in parts if p) + f" of {a.size} values"
+
+
+def _where(op: str, params: list) -> str:
+    """The part of GPT-2 an op belongs to, from the parameters it (or the op before it) used."""
+    if not params:
+        return "the model"
+    p = params[0]
+    if p.startswith("h."):
+        return f"layer {p.split('.')[1]}"
+    if p == "wte.weight" and op == "matmul" or p.startswith("lm_head"):
+        return "the LM head"
+    if p.startswith("ln_f"):
+        return "the final layer norm"
+    return "the embeddings"
+
+
+class _CheckingTape(Tape):
+    """A Tape that checks the output of every op it records (forward) and every gradient each
+    backward rule returns (backward), and keeps in ``found`` a line about the first value
+    that is not finite. ``names``: id(Tensor) -> parameter name, to name leaves and layers."""
+
+    def __init__(self, names: dict):
+        super().__init__()
+        self._param_of = {}         # leaf node id -> parameter name
+        self._info = {}             # node id -> (op, where, parameter names)
+        self._names = names
+        self._last = []             # the parameters of the last op that used some
+        self.found: Optional[str] = None
+
+    def leaf(self, t) -> TVar:
+        v = super().leaf(t)
+        name = self._names.get(id(t))
+        if name is not None:
+            self._param_of[v.id] = name
+            bad = _bad_values(t) if self.found is None else None
+            if bad:
+                self.found = (f"the parameter {name} already held {bad} before the step "
+                              f"(a previous update or the loaded weights put them there)")
+        return v
+
+    def _record(self, t, f):
+        node = len(self._nodes)
+
+        def checked(dy):
+            if self.found is None:
+                bad = _bad_values(dy)
+                if bad:
+                    op, where, _ = self._info.get(node, ("an op", "the model", []))
+                    self.found = (f"backward: the gradient reaching {op}'s output in {where} held {bad} "
+                                  f"(gradients of two uses of one tensor overflowed when added)")
+            grads = f(dy)
+            if self.found is None:
+                op, where, params = self._info.get(node, ("an op", "the model", []))
+                for pid, g in grads:
+                    bad = _bad_values(g)
+                    if bad:
+                        into = self._param_of.get(pid)
+                        what = (f"the gradient of {into}" if into else
+                                f"the gradient of its input (the output of {self._info.get(pid, ('an op',))[0]})")
+                        self.found = (f"backward of {op} in {where}" + (f" ({', '.join(params)})" if params else "")
+                                      + f" produced {bad} in {what} {tuple(g.shape)}, from finite inputs")
+                        break
+            return grads
+
+        return super()._record(t, checked)
+
+
+def _checked_op(op: str):
+    base = getattr(Tape, op)
+
+    def method(self, *args, **kw):
+        params = [self._param_of[a.id] for a in list(args) + list(kw.values())
+                  if isinstance(a, TVar) and a.id in self._param_of]
+        if params:
+            self._last = params
+        first = len(self._nodes)
+        out = base(self, *args, **kw)
+        where = _where(op, params or self._last)
+        for v in (out if isinstance(out, tuple) else (out,)):
+            if v.id < first:
+                continue  # not a new node (dropout with p = 0 returns its input)
+            self._info[v.id] = (op, where, params)
+            if self.found is None:
+                bad = _bad_values(v.t)
+                if bad:
+                    self.found = (f"forward: {op} in {where}" + (f" ({', '.join(params)})" if params else "")
+                                  + f" produced {bad} in its output {tuple(v.t.shape)}, from finite inputs")
+        return out
+
+    method.__name__ = op
+    return method
+
+
+for _op in _CHECKED_OPS:
+    setattr(_CheckingTape, _op, _checked_op(_op))
+
+
+# ---------------------------------------------------------------------------------------------
 # The trainer
 
 
@@ -233,8 +632,11 @@ class Trainer:
     """Builds (or resumes) a run from a ``TrainConfig`` and trains it with ``train()``.
 
     ``resume=True`` restores weights, moments, schedule position, step, data position and the
-    dropout stream from ``<out_dir>/ckpt``. ``log``: where text lines go (``print`` by
-    default; None for silence).
+    dropout stream from ``<out_dir>/ckpt``. Without it, a folder that already holds a run (a
+    checkpoint, ``log.jsonl`` or ``data/``) is refused before anything is written, unless
+    ``overwrite=True`` asks to start over (the run's own files are then replaced). The folder
+    is locked (``RunLock``) from here until ``train()`` returns or ``close()``. ``log``: where
+    text lines go (``print`` by default; None for silence).
 
     >>> import tempfile, os
     >>> d = tempfile.mkdtemp(); p = os.path.join(d, "t.txt"); _ = open(p, "w").write("ab\\n" * 500)
@@ -242,93 +644,252 @@ class Trainer:
     ...                         max_steps=2, progress=False), log=None)
     >>> t.model.config.vocab_size, t.step
     (3, 0)
+    >>> t.close()
     """
 
-    def __init__(self, config: TrainConfig, resume: bool = False, log: Optional[Callable] = print):
+    def __init__(self, config: TrainConfig, resume: bool = False, log: Optional[Callable] = print,
+                 overwrite: bool = False):
         if isinstance(config, dict):
             config = TrainConfig.from_dict(config)
         cfg = self.cfg = config
         self._log = log
+        self._bar = None
+        self._stop: Optional[int] = None   # the signal that asked to stop
+        self._phase: Optional[str] = None  # "step", "extra" (eval, sample) or "update"
         self.device = Device.parse(cfg.device)
         self.bf16 = cfg.dtype in ("bf16", "bfloat16")
         if self.bf16 and not device_has(self.device, "bf16"):
             raise ConfigError(f"dtype bf16 is mixed precision on a device with bf16 storage; the "
                               f"{self.device.type} backend computes in float32 (use --device cuda)")
+        if resume and overwrite:
+            raise ConfigError("resume continues the run in the folder and overwrite starts it over; ask for one")
+        if cfg.batch_size == "auto":
+            if device_has(self.device, "host_memory"):
+                raise ConfigError(f"batch size auto measures the free memory of a GPU; on {self.device} "
+                                  f"give a number (e.g. --batch-size 12)")
+            if resume:
+                raise ConfigError("a resumed run keeps the batch size it was started with; drop --batch-size auto")
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_dir = self.out_dir / CKPT_NAME
         self.log_path = self.out_dir / LOG_NAME
-        ckpt = None
-        if resume:
-            if not (self.ckpt_dir / "state.json").is_file() and not self.ckpt_dir.with_name(CKPT_NAME + ".old").is_dir():
-                raise CheckpointError(f"cannot resume: no checkpoint in {self.ckpt_dir}; train without "
-                                      f"--resume first (or point --out at the run to resume)")
-            ckpt = load_checkpoint(self.ckpt_dir)
-
-        # -- data -------------------------------------------------------------------------
-        self.data_dir = self._data_dir(resume)
-        tok_path = self.data_dir / "tokenizer.json"
-        if not tok_path.is_file():
-            raise DataError(f"{self.data_dir} has no tokenizer.json; prepare the data with "
-                            f"`forge-ml prepare TEXT --out {self.data_dir}`")
-        self.tokenizer = tokenizer_from_dict(json.loads(tok_path.read_text(encoding="utf-8")))
-        B, T = cfg.batch_size, cfg.block_size
-        self.train_loader = DataLoader(self.data_dir / "train.bin", B, T, seed=cfg.seed)
-        self.val_loader = DataLoader(self.data_dir / "val.bin", B, T, seed=cfg.seed)
-        ids_max = int(np.max(read_shard(self.data_dir / "train.bin"), initial=0))
-        if ids_max >= self.tokenizer.vocab_size:
-            raise DataError(f"{self.data_dir}/train.bin holds token {ids_max} but the tokenizer has "
-                            f"{self.tokenizer.vocab_size} ids; the shards and tokenizer.json disagree")
-
-        # -- model and optimizer ----------------------------------------------------------
-        want = GPT2Config(vocab_size=self.tokenizer.vocab_size, block_size=T, dropout=cfg.dropout,
-                          **cfg.model_sizes())
         self.step = 0
         self.elapsed = 0.0          # training seconds before this process (from the checkpoint)
         self.last_ckpt_step = None
         self.losses: list = []        # this process's per-step training losses
         self.val_loss: Optional[float] = None
-        if ckpt is None:
-            self.model = GPT2.init(want, seed=cfg.seed, device=self.device)
+        self.val_kind: Optional[str] = None
+        self.lock = RunLock(self.out_dir)
+        self.lock.acquire()
+        try:
+            self._setup(resume, overwrite)
+        except BaseException:
+            self.lock.release(undo=True)
+            raise
+        self.lock._made = []  # the folder is the run's now
+
+    def close(self) -> None:
+        """Release the run folder (``train()`` does when it returns)."""
+        self.lock.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- setup ----------------------------------------------------------------------------
+    def _setup(self, resume: bool, overwrite: bool) -> None:
+        """Everything is checked before the first write: the folder, the checkpoint, the data
+        and tokenizer, the prompt and the architecture."""
+        cfg = self.cfg
+        ckpt = source = None
+        if resume:
+            if not (self.ckpt_dir / "state.json").is_file() and not self.ckpt_dir.with_name(CKPT_NAME + ".old").is_dir():
+                raise CheckpointError(f"cannot resume: no checkpoint in {self.ckpt_dir}; train without "
+                                      f"--resume first (or point --out at the run to resume)")
+            ckpt = load_checkpoint(self.ckpt_dir)
+            meta = ckpt[1]
+            if "optimizer" not in meta or "data" not in meta or "step" not in meta:
+                raise RunError(f"{self.ckpt_dir} holds a model only (no optimizer state or data position, as "
+                               f"`forge-ml convert` writes), so there is no run to resume; start a new run "
+                               f"from it with --init-from {self.ckpt_dir} --out NEW_FOLDER")
+            was = (meta.get("train_config") or {}).get("tokenizer")
+            if was and was != cfg.tokenizer and not (cfg.data and Path(cfg.data).is_dir()):
+                raise ConfigError(f"the run in {self.out_dir} was trained with the {was} tokenizer; a resumed "
+                                  f"run keeps it (drop --tokenizer {cfg.tokenizer}, or start a new run elsewhere)")
         else:
+            held = self._run_files()
+            if held and not overwrite:
+                raise RunError(f"{self.out_dir} holds a run ({', '.join(held)}); add --resume to continue it "
+                               f"or --overwrite to start over (which replaces it)")
+            if cfg.init_from:
+                source = self._load_source()
+
+        # -- data and tokenizer (nothing written yet) ---------------------------------------
+        self.data_dir, self.tokenizer, write_data = self._plan_data(resume, source)
+        if cfg.sample_prompt:
+            try:
+                self.tokenizer.encode(cfg.sample_prompt)
+            except TokenizerError as e:
+                raise ConfigError(f"--sample-prompt {cfg.sample_prompt!r} cannot be encoded: {e}") from None
+        want = self._architecture(ckpt, source)
+
+        # -- from here on, files are written ------------------------------------------------------
+        if not resume and overwrite:
+            self._clear_run()
+        if write_data is not None:
+            write_data()
+        ids_max = int(np.max(read_shard(self.data_dir / "train.bin"), initial=0))
+        if ids_max >= self.tokenizer.vocab_size:
+            raise DataError(f"{self.data_dir}/train.bin holds token {ids_max} but the tokenizer has "
+                            f"{self.tokenizer.vocab_size} ids; the shards and tokenizer.json disagree")
+
+        # -- model and optimizer ------------------------------------------------------------
+        if ckpt is not None:
             self.model = self._restore_model(ckpt, want)
+        elif source is not None:
+            self.model = GPT2(want, dict(source[0].params))
+        else:
+            self.model = GPT2.init(want, seed=cfg.seed, device=self.device)
         # bf16: the optimizer keeps the float32 masters and gives the model bf16 compute copies
         self.opt = AdamW(self.model.params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                          weight_decay=cfg.weight_decay,
                          compute_dtype="bfloat16" if self.bf16 else None)
+        if cfg.batch_size == "auto":
+            self._auto_batch_size()
+        B, T = cfg.batch_size, cfg.block_size
+        self.train_loader = DataLoader(self.data_dir / "train.bin", B, T, seed=cfg.seed)
+        self.val_loader = DataLoader(self.data_dir / "val.bin", B, T, seed=cfg.seed)
         if ckpt is not None:
             self._restore_state(ckpt)
-        else:
-            self._truncate_log(0)  # a new run in an old folder starts a new log
-            if (self.ckpt_dir / "state.json").is_file():
-                self._say(f"note: {self.ckpt_dir} holds an earlier run's checkpoint; this run starts over "
-                          f"and will replace it (--resume continues it instead)")
 
-    # -- setup helpers --------------------------------------------------------------------
-    def _data_dir(self, resume: bool) -> Path:
-        """The folder with train.bin / val.bin / tokenizer.json, preparing it if needed."""
+    def _run_files(self) -> list:
+        """What of a run the folder holds: ``ckpt/``, ``log.jsonl``, ``data/``."""
+        out = self.out_dir
+        held = []
+        ck = [out / CKPT_NAME, out / (CKPT_NAME + ".old")]
+        if any(p.is_dir() and any(p.iterdir()) or p.is_file() for p in ck):
+            held.append(CKPT_NAME + "/")
+        if self.log_path.exists():
+            held.append(LOG_NAME)
+        d = out / DATA_NAME
+        given = self.cfg.data and Path(self.cfg.data).is_dir() and Path(self.cfg.data).resolve() == d.resolve()
+        if d.is_dir() and any(d.iterdir()) and not given:
+            held.append(DATA_NAME + "/")
+        return held
+
+    def _clear_run(self) -> None:
+        """--overwrite: remove the files an earlier run wrote (only those)."""
+        from .checkpoint import MODEL_FILE, STATE_FILE
+        out = self.out_dir
+        targets = [(out / n, (MODEL_FILE, STATE_FILE)) for n in (CKPT_NAME, CKPT_NAME + ".old", CKPT_NAME + ".tmp")]
+        given = self.cfg.data and Path(self.cfg.data).is_dir() and Path(self.cfg.data).resolve() == (out / DATA_NAME).resolve()
+        if not given:
+            targets.append((out / DATA_NAME, DATA_FILES + (CORPUS_NAME,)))
+        try:
+            for d, names in targets:
+                if d.is_dir() and not d.is_symlink():
+                    for n in names:
+                        if (d / n).is_file():
+                            (d / n).unlink()
+                    if not any(d.iterdir()):
+                        d.rmdir()
+            for f in (self.log_path, out / PLOT_NAME):
+                if f.is_file():
+                    f.unlink()
+        except OSError as e:
+            raise RunError(_cannot_write(e.filename or out, e)) from None
+        self._say(f"--overwrite: removed the earlier run's checkpoint, log and data in {out}")
+
+    def _load_source(self):
+        """``(model, tokenizer, meta)`` of ``init_from``, with the sizes asked checked against it."""
+        from .inference.load import load_model
         cfg = self.cfg
+        model, tok, meta = load_model(cfg.init_from, device=self.device)
+        src = model.config
+        asked = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k)}
+        if cfg.model:
+            asked = dict({k: v for k, v in PRESETS[cfg.model].items() if k in DEFAULT_SIZES}, **asked)
+        for k, v in asked.items():
+            if v != getattr(src, k):
+                raise ConfigError(f"--init-from {cfg.init_from} has {k} {getattr(src, k)}, but {v} was asked; "
+                                  f"the architecture comes from the source (drop --{k.replace('_', '-')}"
+                                  + (" and --model" if cfg.model else "") + ")")
+        if cfg.block_size > src.block_size:  # windows longer than the source's context cannot be trained on
+            self._say(f"note: block_size {cfg.block_size} is longer than the {src.block_size}-token context of "
+                      f"{cfg.init_from}; training on windows of {src.block_size} tokens")
+            cfg.block_size = src.block_size
+        # recorded in the checkpoint, so that --resume rebuilds the same run
+        cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.model = src.n_layer, src.n_head, src.n_embd, ""
+        cfg.tokenizer = tok.kind
+        self._say(f"init from {cfg.init_from}: {_arch(src)}, {tok.kind} tokenizer; fresh optimizer, step 0")
+        return model, tok, meta
+
+    def _read_tokenizer(self, d: Path):
+        p = d / "tokenizer.json"
+        try:
+            return tokenizer_from_dict(json.loads(p.read_text(encoding="utf-8")))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise DataError(f"{p}: not a tokenizer file ({e}); prepare the data again") from None
+
+    def _plan_data(self, resume: bool, source):
+        """``(data folder, tokenizer, write)``: where the shards are, their tokenizer, and the
+        function that prepares them (None when they exist). Reads, never writes."""
+        cfg = self.cfg
+        src_tok = source[1] if source is not None else None
         if cfg.data and Path(cfg.data).is_dir():
             d = Path(cfg.data)
-            missing = [f for f in ("train.bin", "val.bin", "tokenizer.json") if not (d / f).is_file()]
+            missing = [f for f in DATA_FILES if not (d / f).is_file()]
             if missing:
                 raise DataError(f"data folder {d} lacks {', '.join(missing)}; expected the output of "
                                 f"`forge-ml prepare TEXT --out {d}` (or give a text file)")
-            return d
+            tok = self._read_tokenizer(d)
+            if src_tok is not None and tok.to_dict() != src_tok.to_dict():
+                raise DataError(f"{d}/tokenizer.json is not the tokenizer of --init-from {cfg.init_from} "
+                                f"({src_tok.kind}); give a text file, which is tokenized with the source's tokenizer")
+            return d, tok, None
         d = self.out_dir / DATA_NAME
-        if resume and all((d / f).is_file() for f in ("train.bin", "val.bin", "tokenizer.json")):
-            return d  # the exact tokens the run started with
+        if resume and all((d / f).is_file() for f in DATA_FILES):
+            return d, self._read_tokenizer(d), None  # the exact tokens the run started with
         if cfg.data:
             src = Path(cfg.data)
             if not src.is_file():
                 raise DataError(f"text file not found: {src}")
+            text = load_text(src)
         else:
-            d.mkdir(parents=True, exist_ok=True)
-            src = d / "corpus.txt"
-            src.write_text(default_corpus(cfg.corpus_bytes), encoding="utf-8")
-        info = prepare(src, d, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction)
-        self._say(f"prepared {src}: {info['train_tokens']:,} train + {info['val_tokens']:,} val tokens, "
-                  f"{info['vocab_size']} {info['tokenizer']} tokens in the vocabulary -> {d}")
-        return d
+            src = d / CORPUS_NAME
+            text = default_corpus(cfg.corpus_bytes)
+        tok = src_tok if src_tok is not None else load_tokenizer(cfg.tokenizer, text=text)
+        if src_tok is not None and tok.kind == "char":
+            extra = sorted(set(text) - set(tok.chars))
+            if extra:
+                raise DataError(f"{src if cfg.data else 'the default corpus'} holds {len(extra)} character(s) that the "
+                                f"char tokenizer of --init-from {cfg.init_from} lacks ({''.join(extra[:20])!r}); "
+                                f"fine-tune on text written with its characters")
+
+        def write():
+            if not cfg.data:
+                try:
+                    d.mkdir(parents=True, exist_ok=True)
+                    _replace_file(src, text)
+                except OSError as e:
+                    raise RunError(_cannot_write(src, e)) from None
+            info = prepare(src, d, tokenizer=tok, val_fraction=cfg.val_fraction)
+            self._say(f"prepared {src}: {info['train_tokens']:,} train + {info['val_tokens']:,} val tokens, "
+                      f"{info['vocab_size']} {info['tokenizer']} tokens in the vocabulary -> {d}")
+
+        return d, tok, write
+
+    def _architecture(self, ckpt, source) -> GPT2Config:
+        """The model's config: the source's (init_from), the checkpoint's for a resumed
+        fine-tuning run, else the config's sizes over the tokenizer's vocabulary."""
+        cfg = self.cfg
+        if source is not None:
+            return dataclasses.replace(source[0].config, dropout=cfg.dropout)
+        if ckpt is not None and cfg.init_from and "config" in ckpt[1]:
+            return GPT2Config.from_dict(dict(ckpt[1]["config"], dropout=cfg.dropout))
+        return GPT2Config(vocab_size=self.tokenizer.vocab_size, block_size=cfg.block_size, dropout=cfg.dropout,
+                          **cfg.model_sizes())
 
     def _restore_model(self, ckpt, want: GPT2Config) -> GPT2:
         tensors, meta = ckpt
@@ -360,32 +921,94 @@ class Trainer:
         self.elapsed = float(meta.get("elapsed", 0.0))
         self.last_ckpt_step = self.step
         self.val_loss = meta.get("val_loss")
+        self.val_kind = meta.get("val_kind")
         rng = meta.get("rng", {})
         if rng.get("seed", self.cfg.seed) != self.cfg.seed:
             raise CheckpointError(f"{self.ckpt_dir} was trained with seed {rng['seed']}, this run asks for "
                                   f"{self.cfg.seed}; resume with the same seed")
         self._truncate_log(self.step)
 
+    def _auto_batch_size(self) -> None:
+        """--batch-size auto: the largest micro-batch that a measured trial step fits in the
+        device's memory; grad_accum then keeps the asked global batch (total_batch_size)."""
+        cfg = self.cfg
+        total = cfg.total_batch_size
+        tried = {}
+
+        def trial(b):
+            try:
+                self._trial_step(b)
+                tried[b] = True
+            except OutOfMemoryError:
+                tried[b] = False
+                raise
+
+        b = search_batch_size(trial, total)
+        failed = sorted(k for k, ok in tried.items() if not ok)
+        cfg.batch_size = b
+        cfg.grad_accum = total // b if total else cfg.grad_accum
+        self._say(f"batch size auto: micro-batch {b} (measured on {self.device}"
+                  + (f"; {failed[0]} did not fit" if failed else "") + f"), grad_accum {cfg.grad_accum} -> "
+                  f"{b * cfg.grad_accum} sequences of {cfg.block_size} tokens per step")
+
+    def _trial_step(self, b: int) -> None:
+        """A training step's memory at micro-batch ``b``: two micro-batches' forward and
+        backward with their gradients summed (the model and optimizer are not changed)."""
+        cfg = self.cfg
+        rs = np.random.default_rng(0)
+        ids = rs.integers(0, self.model.config.vocab_size, (b, cfg.block_size + 1))
+        x, y = tensor(ids[:, :-1], device=self.device), tensor(ids[:, 1:], device=self.device)
+        acc = None
+        for micro in range(2):
+            _, grads = self.model.loss_and_grads(x, y, dropout_seed=dropout_seed(cfg.seed, 0, micro))
+            if self.bf16:
+                grads = {k: g.to("float32") for k, g in grads.items()}
+            acc = grads if acc is None else {k: ops.add(acc[k], g) for k, g in grads.items()}
+        synchronize(self.device)
+        del acc, grads
+
     # -- output helpers ---------------------------------------------------------------------
     def _say(self, msg: str) -> None:
         if self._log is None:
             return
-        if getattr(self, "_bar", None) is not None:
+        if self._bar is not None:
             self._bar.write(msg)
         else:
             self._log(msg)
 
+    def _kept(self) -> str:
+        if self.last_ckpt_step is None:
+            return f"no checkpoint was saved yet in {self.ckpt_dir}"
+        return f"the last good checkpoint, {self.ckpt_dir} (step {self.last_ckpt_step}), is kept"
+
     def _truncate_log(self, step: int) -> None:
-        """Drop log records past ``step`` (from a run that went on after its last checkpoint)."""
+        """Drop log records past ``step`` (from a run that went on after its last checkpoint)
+        and damaged lines (one warning); the log is rewritten atomically."""
         if not self.log_path.is_file():
             return
-        keep = [ln for ln in self.log_path.read_text(encoding="utf-8").splitlines()
-                if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        self.log_path.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+        try:
+            records, bad = read_log(self.log_path)
+        except OSError as e:
+            self._say(f"warning: cannot read {self.log_path} ({e.strerror or e}); it is left as it is")
+            return
+        if bad:
+            self._say(f"warning: {self.log_path}: dropped {len(bad)} damaged line(s) (line "
+                      f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''}); the log is a record "
+                      f"only, training goes on from the checkpoint")
+        keep = [r for r in records if r["step"] <= step]
+        if not bad and len(keep) == len(records):
+            return
+        try:
+            _replace_file(self.log_path, "".join(json.dumps(r) + "\n" for r in keep))
+        except OSError as e:
+            raise RunError(_cannot_write(self.log_path, e, self._kept())) from None
 
     def _write_log(self, record: dict) -> None:
-        with open(self.log_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            raise RunError(_cannot_write(self.log_path, e, self._kept())) from None
 
     # -- the pieces of a step -------------------------------------------------------------------
     def _batch(self):
@@ -393,34 +1016,78 @@ class Trainer:
         return tensor(x, device=self.device), tensor(y, device=self.device)
 
     def train_step(self) -> dict:
-        """One optimizer step (``grad_accum`` micro-batches); returns its log record."""
+        """One optimizer step (``grad_accum`` micro-batches); returns its log record.
+
+        A KeyboardInterrupt while the gradients are computed gives the step up: the data
+        loader goes back to where the step began, and the model is untouched. The optimizer
+        update itself is never interrupted by ``train()``'s signal handlers."""
         cfg, step = self.cfg, self.step
         t0 = time.perf_counter()
         lr = cosine_lr(step, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr)
-        acc, loss_sum = None, 0.0
-        for micro in range(cfg.grad_accum):
-            x, y = self._batch()
-            loss, grads = self.model.loss_and_grads(x, y, dropout_seed=dropout_seed(cfg.seed, step, micro))
-            if not math.isfinite(loss):
-                raise TrainingError(f"the loss is {loss} at step {step + 1}"
-                                    + (f" (micro-step {micro + 1})" if cfg.grad_accum > 1 else "")
-                                    + f"; stopping. {self._last_good()}")
-            loss_sum += loss
-            if cfg.grad_accum > 1 and self.bf16:
-                grads = {k: g.to("float32") for k, g in grads.items()}  # accumulate in float32
-            acc = grads if acc is None else {k: ops.add(acc[k], g) for k, g in grads.items()}
-        loss = loss_sum / cfg.grad_accum
-        norm, scale = clip_grad_norm(acc, cfg.grad_clip, grad_scale=1.0 / cfg.grad_accum)
-        if not math.isfinite(norm):
-            raise TrainingError(f"the gradient norm is {norm} at step {step + 1} (loss {loss:.4f}); "
-                                f"stopping. {self._last_good()}")
-        self.opt.step(acc, lr=lr, grad_scale=scale)
-        self.step += 1
+        loader_state = self.train_loader.state_dict()
+        batches = []
+        self._phase = "step"
+        try:
+            acc, loss_sum = None, 0.0
+            for micro in range(cfg.grad_accum):
+                x, y = self._batch()
+                batches.append((x, y))
+                loss, grads = self.model.loss_and_grads(x, y, dropout_seed=dropout_seed(cfg.seed, step, micro))
+                if not math.isfinite(loss):
+                    self._phase = None
+                    raise TrainingError(f"the loss is {loss} at step {step + 1}"
+                                        + (f" (micro-step {micro + 1})" if cfg.grad_accum > 1 else "")
+                                        + f"; {self._origin(step, batches[-1:], micro)}; stopping. {self._last_good()}")
+                loss_sum += loss
+                if cfg.grad_accum > 1 and self.bf16:
+                    grads = {k: g.to("float32") for k, g in grads.items()}  # accumulate in float32
+                acc = grads if acc is None else {k: ops.add(acc[k], g) for k, g in grads.items()}
+            loss = loss_sum / cfg.grad_accum
+            norm, scale = clip_grad_norm(acc, cfg.grad_clip, grad_scale=1.0 / cfg.grad_accum)
+            if not math.isfinite(norm):
+                self._phase = None
+                raise TrainingError(f"the gradient norm is {norm} at step {step + 1} (loss {loss:.4f}); "
+                                    f"{self._origin(step, batches, 0, acc)}; stopping. {self._last_good()}")
+        except KeyboardInterrupt:
+            self.train_loader.load_state_dict(loader_state)   # the step is given up
+            raise
+        finally:
+            self._phase = None
+        self._phase = "update"
+        try:
+            self.opt.step(acc, lr=lr, grad_scale=scale)
+            self.step += 1
+        finally:
+            self._phase = None
         dt = time.perf_counter() - t0
         self.elapsed += dt
         tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
                 "tokens_per_s": tokens / dt, "time": round(self.elapsed, 4), "dt_ms": round(dt * 1e3, 3)}
+
+    def _origin(self, step: int, batches: list, micro0: int, grads: Optional[dict] = None) -> str:
+        """Re-run the step's micro-batches with a check after every op, forward and backward:
+        the first op, layer and tensor that produced a NaN or inf."""
+        cfg = self.cfg
+        names = {id(t): k for k, t in self.model.params.items()}
+        try:
+            for i, (x, y) in enumerate(batches):
+                micro = micro0 + i
+                tape = _CheckingTape(names)
+                _, loss, _ = self.model.forward(tape, x, y, dropout_seed=dropout_seed(cfg.seed, step, micro))
+                if tape.found is None:
+                    tape.backward(loss)
+                if tape.found is not None:
+                    return ("first non-finite value: " + tape.found
+                            + (f" (micro-step {micro + 1})" if len(batches) > 1 else ""))
+        except ForgeError as e:  # the check must not hide the error it explains
+            return f"the checked re-run of the step failed ({e})"
+        if grads:
+            big = max(grads, key=lambda k: float(np.nanmax(np.abs(grads[k].numpy()), initial=0.0)))
+            peak = float(np.nanmax(np.abs(grads[big].numpy()), initial=0.0))
+            return (f"every op's output and gradient was finite; the norm overflowed (the largest gradient "
+                    f"value is {peak:.3g}, in {big})")
+        return "the checked re-run found every value finite (a nondeterministic kernel?)"
 
     def _last_good(self) -> str:
         if self.last_ckpt_step is None:
@@ -429,8 +1096,8 @@ class Trainer:
                 f"it with --resume, with a lower --lr or a larger --warmup")
 
     def evaluate(self, iters: Optional[int] = None) -> float:
-        """Mean loss over ``iters`` fixed validation batches (no dropout); the same windows at
-        every call, so evaluations are comparable across a run and across a resume."""
+        """Mean loss over the first ``iters`` validation batches (no dropout): an estimate,
+        the same windows at every call, so comparable across a run and across a resume."""
         iters = self.cfg.eval_iters if iters is None else iters
         total = 0.0
         for x, y in self.val_loader.eval_batches(iters):
@@ -438,6 +1105,17 @@ class Trainer:
                                             tensor(y, device=self.device), train=False)
             total += loss.t.item()
         return total / iters
+
+    def evaluate_full(self) -> tuple:
+        """``(mean loss, windows)`` over every window of ``block_size`` tokens of the validation
+        shard (no dropout): the figure ``forge-ml eval`` gives for the shard."""
+        total, windows = 0.0, 0
+        for x, y in self.val_loader.eval_batches(tail=True):
+            _, loss, _ = self.model.forward(Tape(), tensor(x, device=self.device),
+                                            tensor(y, device=self.device), train=False)
+            total += loss.t.item() * len(x)   # a batch's loss is the mean over its windows
+            windows += len(x)
+        return total / windows, windows
 
     def sample(self, n_tokens: Optional[int] = None, prompt: Optional[str] = None, seed: int = 0) -> str:
         """Text the model writes after ``prompt`` (default: the config's, or a newline)."""
@@ -457,7 +1135,9 @@ class Trainer:
         return prompt + tok.decode(out)
 
     def save(self) -> Path:
-        """Write the checkpoint of the current step to ``<out_dir>/ckpt`` (atomically)."""
+        """Write the checkpoint of the current step to ``<out_dir>/ckpt`` (atomically). A
+        failed write (full disk, read-only folder) keeps the previous checkpoint and raises a
+        one-line CheckpointError that says so."""
         cfg = self.cfg
         opt_state = self.opt.state_dict()
         masters = {k: t.numpy() for k, t in self.opt.params.items()}   # float32, also in bf16 runs
@@ -475,27 +1155,95 @@ class Trainer:
             "tokenizer": self.tokenizer.to_dict(),
             "elapsed": self.elapsed,
             "val_loss": self.val_loss,
+            "val_kind": self.val_kind,
         }
-        save_checkpoint(self.ckpt_dir, tensors, meta)
+        try:
+            save_checkpoint(self.ckpt_dir, tensors, meta)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; training stopped at step {self.step}; {self._kept()}") from None
+        except OSError as e:
+            raise RunError(_cannot_write(e.filename or self.ckpt_dir, e, self._kept())) from None
         self.last_ckpt_step = self.step
         return self.ckpt_dir
+
+    # -- signals ------------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        """SIGINT / SIGTERM: ask to stop at the next step boundary. Eval and samples stop at
+        once; a second signal gives up the step in flight; the optimizer update always ends."""
+        again = self._stop is not None
+        if not again:
+            self._stop = signum
+        if self._phase == "extra" or (self._phase == "step" and again):
+            raise KeyboardInterrupt
+
+    def _install_handlers(self) -> dict:
+        old = {}
+        if threading.current_thread() is not threading.main_thread():
+            return old  # only the main thread takes signals; a KeyboardInterrupt is then handled as one
+        for s in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old[s] = signal.signal(s, self._on_signal)
+            except (ValueError, OSError):
+                pass
+        return old
+
+    def _interruptible(self, fn):
+        """Run eval or sampling work that a signal cuts short: fn()'s value, or None."""
+        try:
+            self._phase = "extra"
+            if self._stop is not None:
+                return None
+            return fn()
+        except KeyboardInterrupt:
+            if self._stop is None:
+                self._stop = signal.SIGINT
+            return None
+        finally:
+            self._phase = None
+
+    def _stopped(self) -> None:
+        """After a signal: save the checkpoint of the step reached, say so, raise Interrupted."""
+        name = signal.Signals(self._stop).name
+        if self.last_ckpt_step != self.step:
+            self.save()
+        self._say(f"{name}: stopped at step {self.step}; checkpoint of step {self.step} saved in {self.ckpt_dir}"
+                  f" (resume with --resume)")
+        raise Interrupted(self._stop, self.step, True)
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self, until: Optional[int] = None) -> dict:
         """Train from the current step up to ``until`` (default ``max_steps``) steps, then
-        evaluate, checkpoint and plot. Returns a summary (``step``, ``loss``, ``val_loss``,
-        ``losses`` of this call, ``checkpoint``). Ctrl-C saves a checkpoint, then re-raises.
+        evaluate on the whole validation shard, checkpoint and plot. Returns a summary
+        (``step``, ``loss``, ``val_loss``, ``val_kind``, ``losses`` of this call,
+        ``checkpoint``). SIGINT and SIGTERM (and a KeyboardInterrupt) stop at a step boundary
+        with a checkpoint of that step and raise ``Interrupted``. The run folder is released
+        when this returns or raises.
         """
+        self.lock.acquire()
+        self._stop = None
+        old = self._install_handlers()
+        try:
+            return self._train(until)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            self._close_bar()
+            self.lock.release()
+
+    def _train(self, until: Optional[int]) -> dict:
         cfg = self.cfg
         until = cfg.max_steps if until is None else min(until, cfg.max_steps)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        threads = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
         self._say(f"model: {self.model.num_params():,} parameters ({_arch(self.model.config)}); "
-                  f"{self.train_loader.n_tokens:,} train tokens; device {self.device}, {cfg.dtype}; "
-                  f"steps {self.step} -> {until}; out {self.out_dir}")
+                  f"{self.train_loader.n_tokens:,} train tokens; device {self.device}"
+                  + (f" ({threads} BLAS thread{'s' if threads != '1' else ''})"
+                     if threads and device_has(self.device, "host_memory") else "")
+                  + f", {cfg.dtype}; batch {cfg.batch_size} x {cfg.grad_accum}; steps {self.step} -> {until}; "
+                  f"out {self.out_dir}")
         self._bar = self._make_bar(until)
         first = self.step
         try:
-            while self.step < until:
+            while self.step < until and self._stop is None:
                 rec = self.train_step()
                 self.losses.append(rec["loss"])
                 self._write_log(rec)
@@ -508,41 +1256,65 @@ class Trainer:
                     self._say(f"step {s:>6}/{until}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
                               f"norm {rec['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s  "
                               f"{rec['dt_ms']:.0f} ms/step")
+                if self._stop is not None:
+                    break
                 if cfg.eval_interval and s % cfg.eval_interval == 0 and s < until:
-                    self._eval_and_log()
+                    self._eval_and_log(full=False)
                 if cfg.sample_interval and s % cfg.sample_interval == 0 and s < until:
                     self._sample_and_show()
-                if cfg.checkpoint_interval and s % cfg.checkpoint_interval == 0 and s < until:
+                if cfg.checkpoint_interval and s % cfg.checkpoint_interval == 0 and s < until and self._stop is None:
                     self.save()
+            if self._stop is None:
+                self._close_bar()
+                if self.step > first or self.val_loss is None or self.val_kind != "full":
+                    self._eval_and_log(full=True)
+                if cfg.sample_interval and self.step > first:
+                    self._sample_and_show()
         except KeyboardInterrupt:
+            # a step given up (a second signal), or an interrupt without our handler
             self._close_bar()
-            if self.step > first:
-                self.save()
-                self._say(f"interrupted at step {self.step}; checkpoint saved to {self.ckpt_dir}")
-            raise
-        except BaseException:
-            self._close_bar()
-            raise
+            if self._stop is None:
+                self._stop = signal.SIGINT
+            if self._phase == "update":  # only without our handler: the model is half updated
+                self._phase = None
+                self._say(f"{signal.Signals(self._stop).name}: interrupted inside the optimizer update of step "
+                          f"{self.step + 1}; nothing saved, {self._kept()}")
+                raise Interrupted(self._stop, self.last_ckpt_step or 0, False) from None
         self._close_bar()
-        if self.step > first or self.val_loss is None:
-            self._eval_and_log()
-        if cfg.sample_interval and self.step > first:
-            self._sample_and_show()
+        if self._stop is not None:
+            self._stopped()
         self.save()
         plot = self.plot()
-        self._say(f"done: step {self.step}, val loss {self.val_loss:.4f}; checkpoint {self.ckpt_dir}"
-                  + (f"; loss curve {plot}" if plot else ""))
+        self._say(f"done: step {self.step}, val loss {self.val_loss:.4f} ({_val_words(self.val_kind)}); "
+                  f"checkpoint {self.ckpt_dir}" + (f"; loss curve {plot}" if plot else ""))
         return {"step": self.step, "loss": self.losses[-1] if self.losses else None,
-                "val_loss": self.val_loss, "losses": list(self.losses), "checkpoint": str(self.ckpt_dir)}
+                "val_loss": self.val_loss, "val_kind": self.val_kind, "losses": list(self.losses),
+                "checkpoint": str(self.ckpt_dir)}
 
-    def _eval_and_log(self) -> None:
-        self.val_loss = self.evaluate()
-        self._write_log({"step": self.step, "val_loss": self.val_loss})
-        self._say(f"step {self.step}: val loss {self.val_loss:.4f} (perplexity {math.exp(min(self.val_loss, 50)):.2f})")
+    def _eval_and_log(self, full: bool) -> None:
+        cfg = self.cfg
+        if full:
+            got = self._interruptible(self.evaluate_full)
+            if got is None:
+                return
+            loss, windows = got
+            rec = {"step": self.step, "val_loss": loss, "val_kind": "full", "val_windows": windows,
+                   "val_tokens": windows * cfg.block_size}
+            how = f"every window of the val shard: {windows:,} x {cfg.block_size} tokens"
+        else:
+            loss = self._interruptible(self.evaluate)
+            if loss is None:
+                return
+            rec = {"step": self.step, "val_loss": loss, "val_kind": "sampled", "val_batches": cfg.eval_iters}
+            how = f"an estimate on {cfg.eval_iters} val batches"
+        self.val_loss, self.val_kind = loss, rec["val_kind"]
+        self._write_log(rec)
+        self._say(f"step {self.step}: val loss {loss:.4f} ({how}; perplexity {math.exp(min(loss, 50)):.2f})")
 
     def _sample_and_show(self) -> None:
-        text = self.sample(seed=self.cfg.seed + self.step)
-        self._say(f"---- sample at step {self.step} ----\n{text}\n" + "-" * 36)
+        text = self._interruptible(lambda: self.sample(seed=self.cfg.seed + self.step))
+        if text is not None:
+            self._say(f"---- sample at step {self.step} ----\n{text}\n" + "-" * 36)
 
     def _make_bar(self, until: int):
         if not (self.cfg.progress and self._log is not None and sys.stderr.isatty()):
@@ -551,40 +1323,49 @@ class Trainer:
         return tqdm(total=until, initial=self.step, unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def _close_bar(self) -> None:
-        if getattr(self, "_bar", None) is not None:
+        if self._bar is not None:
             self._bar.close()
         self._bar = None
 
     def plot(self) -> Optional[Path]:
         """Draw ``loss.png`` (train loss per step, val loss points) from the log; returns its
-        path, or None when matplotlib is missing."""
+        path, or None when matplotlib is missing or the file cannot be written (a warning)."""
         try:
             import matplotlib
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
             return None
-        train, val = [], []
-        for ln in self.log_path.read_text(encoding="utf-8").splitlines():
-            r = json.loads(ln)
-            if "loss" in r:
-                train.append((r["step"], r["loss"]))
-            elif "val_loss" in r:
-                val.append((r["step"], r["val_loss"]))
+        records, _ = read_log(self.log_path)
+        train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+        sampled = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r and r.get("val_kind") != "full"]
+        full = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r and r.get("val_kind") == "full"]
         fig, ax = plt.subplots(figsize=(7, 4))
         if train:
             ax.plot(*zip(*train), lw=0.8, label="train")
-        if val:
-            ax.plot(*zip(*val), "o-", label="val")
+        if sampled:
+            ax.plot(*zip(*sampled), "o-", label=f"val ({self.cfg.eval_iters} batches)")
+        if full:
+            ax.plot(*zip(*full), "s", label="val (whole shard)")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.set_title(f"forge-ml: {_arch(self.model.config)}")
         ax.grid(alpha=0.3)
         ax.legend()
         path = self.out_dir / PLOT_NAME
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        plt.close(fig)
+        try:
+            fig.savefig(path, dpi=100, bbox_inches="tight")
+        except OSError as e:
+            self._say(f"warning: {_cannot_write(path, e)}; the checkpoint and log are saved")
+            return None
+        finally:
+            plt.close(fig)
         return path
+
+
+def _val_words(kind: Optional[str]) -> str:
+    return {"full": "every window of the val shard", "sampled": "an estimate on a few val batches"}.get(
+        kind, "from the checkpoint")
 
 
 def _arch(c: GPT2Config) -> str:

@@ -1,0 +1,554 @@
+"""Runs that lose nothing (issue 13): exact resume after SIGINT / SIGTERM, no run replaced
+without --overwrite, one trainer per run folder, a log that never stops a run, options checked
+before any work, write failures as one line, the user's umask, the final evaluation over the
+whole validation shard, BLAS threads, fine-tuning with --init-from, the origin of a NaN, and
+--batch-size auto. Tiny char models on the CPU."""
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import forge_ml.train as train_mod
+from forge_ml.checkpoint import load_checkpoint, save_checkpoint
+from forge_ml.cli import _set_loaded_openblas_threads, blas_threads_default, limit_blas_threads, main
+from forge_ml.data import DataLoader
+from forge_ml.errors import ConfigError, OutOfMemoryError, TrainingError
+from forge_ml.train import Interrupted, RunError, TrainConfig, Trainer, read_log, search_batch_size
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TEXT = "to be or not to be that is the question\n" * 120
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+        "--eval-iters", "2", "--eval-interval", "0", "--sample-interval", "0", "--no-progress",
+        "--checkpoint-interval", "0", "--seed", "3"]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.txt").write_text(TEXT)
+    return tmp_path
+
+
+def _cfg(out, **kw):
+    base = dict(data="t.txt", out_dir=str(out), n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4,
+                max_steps=4, lr=1e-2, warmup=2, eval_interval=0, eval_iters=2, sample_interval=0,
+                checkpoint_interval=0, progress=False, seed=3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _fails(capsys, argv, *needles):
+    """``main(argv)`` exits 2 with one line on stderr holding every needle, no traceback."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def _snapshot(folder):
+    """Every file under ``folder`` with its bytes and mtime (train.lock aside)."""
+    return {str(p): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(Path(folder).rglob("*"))
+            if p.is_file() and p.name != "train.lock"}
+
+
+def _train_losses(run):
+    return [r["loss"] for r in read_log(Path(run) / "log.jsonl")[0] if "loss" in r]
+
+
+def _same_checkpoints(a, b):
+    ta, ma = load_checkpoint(Path(a) / "ckpt")
+    tb, mb = load_checkpoint(Path(b) / "ckpt")
+    assert ma["step"] == mb["step"] and ma["data"] == mb["data"]
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert np.array_equal(ta[k], tb[k]), k
+
+
+# -- 2. SIGINT / SIGTERM: a consistent checkpoint, then an exact resume ------------------------------
+
+
+def test_sigint_and_sigterm_then_resume_equal_an_uninterrupted_run(workdir):
+    """A real ``python -m forge_ml train`` stopped by a signal mid-run, then --resume: the final
+    checkpoint and every logged loss equal an uninterrupted run's, bit for bit."""
+    env = dict(os.environ, PYTHONPATH=SRC, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    args = [sys.executable, "-m", "forge_ml", "train", "--data", "t.txt", *TINY, "--max-steps", "800",
+            "--log-interval", "1"]
+    ref = subprocess.run(args + ["--out", "ref"], env=env, capture_output=True, text=True, timeout=120)
+    assert ref.returncode == 0, ref.stderr
+    for sig, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        run = f"run_{sig.name}"
+        p = subprocess.Popen(args + ["--out", run], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        for line in p.stdout:  # let it take a few steps, then stop it in the middle of one
+            if line.startswith("step") and "/800" in line and int(line.split()[1].split("/")[0]) >= 5:
+                p.send_signal(sig)
+                break
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == status, (out, err)
+        _, meta = load_checkpoint(Path(run) / "ckpt")
+        stopped = meta["step"]
+        assert 5 <= stopped < 800 and meta["optimizer"]["step"] == stopped
+        assert meta["data"]["batches_drawn"] == stopped          # the loader matches the saved step
+        r = subprocess.run([sys.executable, "-m", "forge_ml", "train", "--out", run, "--resume"], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        _same_checkpoints("ref", run)
+        assert _train_losses(run) == _train_losses("ref")
+        assert f"{sig.name}: stopped at step {stopped}; checkpoint of step {stopped} saved" in out
+        assert "Traceback" not in err and f"stopped by {sig.name} at step {stopped}" in err and "--resume" in err
+
+
+def test_a_second_signal_gives_up_the_step_in_flight(workdir):
+    """The second signal during a step's forward/backward discards that step: the loader goes
+    back, the checkpoint is the previous step's, and the resumed run is still exact."""
+    full = Trainer(_cfg("full", max_steps=6), log=None)
+    full.train()
+    t = Trainer(_cfg("cut", max_steps=6), log=None)
+    inner = t.model.loss_and_grads
+    calls = []
+
+    def loss_and_grads(*a, **kw):
+        calls.append(1)
+        if len(calls) == 4:                      # inside step 4
+            t._on_signal(signal.SIGINT, None)    # first Ctrl-C: finish the step ...
+            t._on_signal(signal.SIGINT, None)    # ... second: give it up
+        return inner(*a, **kw)
+
+    t.model.loss_and_grads = loss_and_grads
+    with pytest.raises(Interrupted) as e:
+        t.train()
+    assert e.value.step == 3 and e.value.saved and e.value.exit_status == 130
+    _, meta = load_checkpoint(Path("cut") / "ckpt")
+    assert meta["step"] == 3 and meta["data"]["batches_drawn"] == 3
+    Trainer(_cfg("cut", max_steps=6), resume=True, log=None).train()
+    _same_checkpoints("full", "cut")
+    assert _train_losses("cut") == _train_losses("full")
+
+
+def test_a_signal_inside_the_optimizer_update_lets_it_finish(workdir):
+    t = Trainer(_cfg("r", max_steps=6), log=None)
+    inner = t.opt.step
+
+    def step(*a, **kw):
+        if t.step == 2:
+            t._on_signal(signal.SIGTERM, None)
+            t._on_signal(signal.SIGTERM, None)   # even twice: the update is never cut in half
+        return inner(*a, **kw)
+
+    t.opt.step = step
+    with pytest.raises(Interrupted) as e:
+        t.train()
+    assert e.value.step == 3 and e.value.exit_status == 143
+    _, meta = load_checkpoint(Path("r") / "ckpt")
+    assert meta["step"] == 3 and meta["optimizer"]["step"] == 3 and meta["data"]["batches_drawn"] == 3
+
+
+# -- 3. a folder that holds a run: --resume or --overwrite --------------------------------------------
+
+
+def test_training_into_a_run_without_resume_touches_nothing(workdir, capsys):
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]) == 0
+    before = _snapshot("r")
+    # the same run again, or the default corpus (no --data) into it: refused before any write
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"],
+           "holds a run", "--resume", "--overwrite")
+    _fails(capsys, ["train", "--out", "r", "--max-steps", "1"], "holds a run")
+    Path("only").mkdir()
+    Path("only/log.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "only", *TINY], "only holds a run (log.jsonl)")
+    assert _snapshot("r") == before
+    # --overwrite starts over: a new log, new data, a new checkpoint
+    Path("u.txt").write_text("abcd efgh\n" * 200)
+    assert main(["train", "--data", "u.txt", "--out", "r", *TINY, "--max-steps", "3", "--overwrite"]) == 0
+    assert "removed the earlier run" in capsys.readouterr().out
+    assert [r["step"] for r in read_log("r/log.jsonl")[0] if "loss" in r] == [1, 2, 3]
+    _, meta = load_checkpoint(Path("r") / "ckpt")
+    assert meta["step"] == 3 and set(meta["tokenizer"]["chars"]) == set("abcdefgh \n")
+    _fails(capsys, ["train", "--out", "r", "--resume", "--overwrite"], "not allowed with")
+
+
+def test_a_new_run_in_an_empty_or_new_folder_needs_no_flag(workdir):
+    Path("empty").mkdir()
+    assert Trainer(_cfg("empty", max_steps=1), log=None).train()["step"] == 1
+    assert Trainer(_cfg("new/deep", max_steps=1), log=None).train()["step"] == 1
+
+
+# -- 4. one trainer per run folder --------------------------------------------------------------------
+
+
+def test_a_second_trainer_on_the_same_folder_is_refused(workdir, capsys):
+    first = Trainer(_cfg("r", max_steps=2), log=None)
+    before = _snapshot("r")
+    line = _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--overwrite"], "in use by another trainer")
+    assert f"pid {os.getpid()} on {socket.gethostname()}" in line
+    with pytest.raises(RunError, match="in use"):
+        Trainer(_cfg("r", max_steps=2), log=None, overwrite=True)
+    assert _snapshot("r") == before
+    first.train()                                # releases the folder when done
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "3", "--no-progress"]) == 0
+
+
+def test_a_dead_trainers_lock_is_not_stale(workdir, capsys):
+    Path("r").mkdir()
+    code = ("import fcntl, os, sys, time\n"
+            "fd = os.open('r/train.lock', os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "os.write(fd, b'pid %d on elsewhere since then\\n' % os.getpid())\n"
+            "print('locked', flush=True)\n"
+            "time.sleep(60)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY], f"pid {holder.pid} on elsewhere")
+        assert sorted(os.listdir("r")) == ["train.lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1"]) == 0
+
+
+# -- 5. log.jsonl is a record, never a reason to stop ------------------------------------------------------
+
+
+def test_a_damaged_log_is_dropped_with_one_warning(workdir):
+    Trainer(_cfg("r", max_steps=3), log=None).train()
+    with open("r/log.jsonl", "a") as f:
+        f.write('{"step": 2, "lo\x00ss": \nnot json at all\n[1, 2]\n{"step": 3, "loss": 1.')  # torn last line
+    said = []
+    t = Trainer(_cfg("r", max_steps=5), resume=True, log=said.append)
+    warnings = [s for s in said if "warning" in s]
+    assert len(warnings) == 1 and "dropped 4 damaged line(s)" in warnings[0], said
+    t.train()
+    lines = Path("r/log.jsonl").read_text().splitlines()
+    recs = [json.loads(ln) for ln in lines]                   # every line is JSON again
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4, 5]
+    assert (Path("r") / "loss.png").is_file()
+
+
+def test_read_log_never_raises(tmp_path):
+    p = tmp_path / "log.jsonl"
+    p.write_bytes(b'{"step": 1, "loss": 2.0}\n\xff\xfe garbage\n{"step": true}\n{"loss": 1}\n\n{"step": 2, "val_loss": 1.5}\n')
+    recs, bad = read_log(p)
+    assert [r["step"] for r in recs] == [1, 2] and bad == [2, 3, 4]
+    assert read_log(tmp_path / "missing.jsonl") == ([], [])
+
+
+# -- option values checked before any work ----------------------------------------------------------------
+
+
+def test_options_are_checked_before_any_work(workdir, capsys):
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "p", *TINY, "--sample-prompt", "XYZ",
+                    "--sample-interval", "1"], "--sample-prompt", "'X'", "not in the vocabulary")
+    assert not Path("p").exists()                           # no trace: not even the folder
+    _fails(capsys, ["train", "--data", "missing.txt", "--out", "deep/er"], "missing.txt")
+    assert not Path("deep").exists()
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "q", *TINY, "--sample-temperature", "-0.5"],
+           "sample_temperature", ">= 0")
+    assert not Path("q").exists()
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]) == 0
+    _fails(capsys, ["train", "--out", "r", "--resume", "--tokenizer", "gpt2", "--max-steps", "4"],
+           "--tokenizer gpt2", "char tokenizer", "drop --tokenizer")
+    line = _fails(capsys, ["train", "--out", "r", "--resume"], "finished", "step 2", "raise --max-steps")
+    assert "--max-steps 4" in line
+    _fails(capsys, ["train", "--out", "r", "--resume", "--init-from", "r"], "--init-from", "--resume")
+    _, meta = load_checkpoint(Path("r") / "ckpt")
+    assert meta["train_config"]["tokenizer"] == "char" and meta["step"] == 2
+
+
+# -- full disk, read-only folders: one line, the last good checkpoint kept ---------------------------------------
+
+
+def test_a_full_disk_at_a_checkpoint_keeps_the_last_good_one(workdir, capsys, monkeypatch):
+    import safetensors.numpy
+    real = safetensors.numpy.save_file
+    saves = []
+
+    def save_file(*a, **kw):
+        saves.append(1)
+        if len(saves) >= 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.numpy, "save_file", save_file)
+        line = _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "6",
+                               "--checkpoint-interval", "2"], "ckpt", "No space left on device", "(step 2)")
+    assert "step 4" in line
+    _, meta = load_checkpoint(Path("r") / "ckpt")
+    assert meta["step"] == 2
+    assert sorted(p.name for p in Path("r").iterdir() if p.name.startswith("ckpt")) == ["ckpt"]
+
+
+def test_a_full_disk_at_a_log_write_stops_with_one_line(workdir, capsys, monkeypatch):
+    real_open = open
+
+    def full_open(path, mode="r", *a, **kw):
+        if str(path).endswith("log.jsonl") and "a" in mode and len(_train_losses("r")) >= 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, mode, *a, **kw)
+
+    monkeypatch.setattr(train_mod, "open", full_open, raising=False)
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "6",
+                    "--checkpoint-interval", "2"], "cannot write r/log.jsonl", "No space left on device (ENOSPC)",
+           "(step 2)")
+    _, meta = load_checkpoint(Path("r") / "ckpt")
+    assert meta["step"] == 2
+
+
+def test_a_read_only_data_folder_is_one_line(workdir, capsys, monkeypatch):
+    import forge_ml.data as data_mod
+
+    def mkstemp(*a, **kw):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), kw.get("dir"))
+
+    monkeypatch.setattr(data_mod.tempfile, "mkstemp", mkstemp)
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY], "cannot write", "train.bin",
+           "Read-only file system (EROFS)")
+    _fails(capsys, ["prepare", "t.txt", "--out", "d"], "cannot write", "Read-only file system")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_run_folder_is_one_line(workdir, capsys):
+    Path("r").mkdir()
+    os.chmod("r", 0o555)
+    try:
+        _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY], "cannot write", "r")
+    finally:
+        os.chmod("r", 0o755)
+
+
+# -- files get the user's umask -----------------------------------------------------------------------------------
+
+
+def test_files_a_run_writes_get_the_umask(workdir):
+    old = os.umask(0o002)
+    try:
+        Trainer(_cfg("r", max_steps=1), log=None).train()
+    finally:
+        os.umask(old)
+    for f in ("data/train.bin", "data/val.bin", "data/tokenizer.json", "ckpt/model.safetensors",
+              "ckpt/state.json", "log.jsonl"):
+        assert oct(os.stat(Path("r") / f).st_mode & 0o777) == oct(0o664), f
+
+
+# -- clear figures: the final evaluation covers the whole val shard -------------------------------------------------
+
+
+def test_the_final_val_loss_covers_every_window(workdir):
+    said = []
+    t = Trainer(_cfg("r", max_steps=4, eval_interval=2), log=said.append)
+    summary = t.train()
+    vals = [r for r in read_log("r/log.jsonl")[0] if "val_loss" in r]
+    assert [(r["step"], r["val_kind"]) for r in vals] == [(2, "sampled"), (4, "full")]
+    loader = DataLoader(Path("r/data/val.bin"), 1, 16)
+    n_windows = (loader.n_tokens - 1) // 16
+    assert vals[1]["val_windows"] == n_windows and n_windows % 4 != 0      # a partial last batch too
+    losses = [t.model.forward(train_mod.Tape(), train_mod.tensor(x), train_mod.tensor(y), train=False)[1].t.item()
+              for x, y in loader.eval_batches()]
+    assert len(losses) == n_windows
+    assert summary["val_loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+    assert summary["val_kind"] == "full" and load_checkpoint(Path("r/ckpt"))[1]["val_kind"] == "full"
+    assert any("an estimate on 2 val batches" in s for s in said)
+    assert any(f"every window of the val shard: {n_windows:,} x 16 tokens" in s for s in said)
+
+
+# -- BLAS threads ---------------------------------------------------------------------------------------------------
+
+
+def test_blas_threads_leave_room_on_a_shared_machine(monkeypatch):
+    assert [blas_threads_default(c) for c in (1, 2, 4, 16, 128)] == [1, 1, 2, 8, 8]
+    for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")             # the user's choice wins
+    assert limit_blas_threads() is None and "OPENBLAS_NUM_THREADS" not in os.environ
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    get = _openblas_get_threads()
+    before = get() if get else None
+    try:
+        assert limit_blas_threads() == 1
+        assert os.environ["OMP_NUM_THREADS"] == os.environ["OPENBLAS_NUM_THREADS"] == "1"
+        if get:
+            assert get() == 1                    # NumPy's OpenBLAS, already loaded, follows
+    finally:
+        if get:
+            _set_loaded_openblas_threads(before)
+
+
+def _openblas_get_threads():
+    import ctypes
+    try:
+        libs = {ln.split()[-1] for ln in open("/proc/self/maps") if "openblas" in ln.lower() and "/" in ln}
+    except OSError:
+        return None
+    for p in libs:
+        lib = ctypes.CDLL(p)
+        for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads"):
+            if hasattr(lib, name):
+                return getattr(lib, name)
+    return None
+
+
+# -- fine-tuning: --init-from ------------------------------------------------------------------------------------------
+
+
+def test_init_from_a_checkpoint_starts_a_new_run(workdir, capsys):
+    assert main(["train", "--data", "t.txt", "--out", "base", *TINY, "--max-steps", "3"]) == 0
+    Path("more.txt").write_text("not to be that is a question\n" * 60)
+    # lr 0: the new run's weights stay the source's, bit for bit
+    assert main(["train", "--init-from", "base", "--data", "more.txt", "--out", "ft", "--lr", "0", "--min-lr", "0",
+                 "--max-steps", "2", "--block-size", "8", "--batch-size", "4", "--eval-iters", "1",
+                 "--sample-interval", "0", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "init from base" in out and "fresh optimizer, step 0" in out
+    tb, mb = load_checkpoint(Path("base") / "ckpt")
+    tf, mf = load_checkpoint(Path("ft") / "ckpt")
+    assert mf["step"] == 2 and mf["optimizer"]["step"] == 2 and mf["config"] == mb["config"]
+    assert mf["tokenizer"] == mb["tokenizer"] and mf["train_config"]["init_from"] == "base"
+    for k in tb:
+        if not k.startswith("opt."):
+            assert np.array_equal(tb[k], tf[k]), k
+    # the fine-tuning run resumes like any other
+    assert main(["train", "--out", "ft", "--resume", "--max-steps", "3", "--no-progress"]) == 0
+    assert load_checkpoint(Path("ft") / "ckpt")[1]["step"] == 3
+    # the architecture comes from the source; text outside its characters is refused at once
+    _fails(capsys, ["train", "--init-from", "base", "--data", "more.txt", "--out", "x", "--n-layer", "2"],
+           "n_layer 1", "drop --n-layer")
+    Path("odd.txt").write_text("QQQ zzz\n" * 100)
+    _fails(capsys, ["train", "--init-from", "base", "--data", "odd.txt", "--out", "y"], "characters", "init-from")
+    assert not Path("y/data").exists()
+
+
+def test_init_from_a_hugging_face_folder(workdir, capsys):
+    from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
+    cfg = {"vocab_size": 50257, "block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 8}
+    rng = np.random.default_rng(0)
+    params = {k: (0.02 * rng.standard_normal(s)).astype(np.float32) for k, s in gpt2_param_shapes(cfg).items()}
+    save_hf_gpt2("hf", cfg, params)
+    assert main(["train", "--init-from", "hf", "--data", "t.txt", "--out", "ft", "--lr", "0", "--min-lr", "0",
+                 "--max-steps", "1", "--block-size", "16", "--batch-size", "2", "--eval-iters", "1",
+                 "--sample-interval", "0", "--no-progress"]) == 0
+    tf, mf = load_checkpoint(Path("ft") / "ckpt")
+    assert mf["tokenizer"]["kind"] == "gpt2" and mf["config"]["vocab_size"] == 50257
+    assert mf["config"]["block_size"] == 32 and mf["train_config"]["block_size"] == 16
+    from forge_ml.inference import load_model
+    src, _, _ = load_model("hf")
+    for k, v in src.params.items():
+        assert np.array_equal(v.numpy(), tf[k]), k
+    # --resume on an HF folder or a model-only checkpoint points to --init-from
+    _fails(capsys, ["train", "--out", "hf", "--resume"], "--init-from hf")
+    save_checkpoint(Path("imported") / "ckpt", {k: v.numpy() for k, v in src.params.items()},
+                    {"kind": "forge-ml-model", "config": src.config.to_dict(), "tokenizer": {"kind": "gpt2"}})
+    _fails(capsys, ["train", "--out", "imported", "--resume"], "model only", "--init-from")
+    with pytest.raises(RunError, match="--init-from"):
+        Trainer(_cfg("imported"), resume=True, log=None)
+
+
+# -- a NaN names its origin ----------------------------------------------------------------------------------------------
+
+
+def test_a_nan_names_the_op_and_layer_that_made_it_forward(workdir):
+    t = Trainer(_cfg("r", n_layer=2, max_steps=5), log=None)
+    t.train(until=2)
+    t.model.params["h.1.mlp.c_fc.weight"].data[:] = 3e38    # finite, but its product overflows
+    with pytest.raises(TrainingError) as e:
+        t.train()
+    msg = str(e.value)
+    assert "step 3" in msg and "(step 2)" in msg
+    assert "forward: matmul in layer 1 (h.1.mlp.c_fc.weight, h.1.mlp.c_fc.bias) produced" in msg, msg
+    assert "from finite inputs" in msg and len(msg.splitlines()) == 1
+
+
+def test_a_nan_names_the_op_that_made_it_backward(workdir, monkeypatch):
+    import forge_ml.ops as ops
+    t = Trainer(_cfg("r", n_layer=2, max_steps=3), log=None)
+    real = ops.gelu_bwd
+
+    def gelu_bwd(x, dy):
+        g = real(x, dy)
+        g.data[0, 0] = np.nan
+        return g
+
+    monkeypatch.setattr(ops, "gelu_bwd", gelu_bwd)
+    with pytest.raises(TrainingError) as e:
+        t.train()
+    msg = str(e.value)
+    assert "gradient norm is nan at step 1" in msg
+    assert "backward of gelu in layer 1 produced 1 NaN" in msg and "output of matmul" in msg, msg
+
+
+def test_a_nan_in_the_weights_is_named(workdir):
+    t = Trainer(_cfg("r", max_steps=3), log=None)
+    t.model.params["ln_f.weight"].data[1] = np.inf
+    with pytest.raises(TrainingError, match=r"the parameter ln_f.weight already held 1 inf of 16 values"):
+        t.train()
+
+
+# -- --batch-size auto ------------------------------------------------------------------------------------------------
+
+
+def _oom_above(n, tried):
+    def trial(b):
+        tried.append(b)
+        if b > n:
+            raise OutOfMemoryError(f"{b} sequences do not fit")
+    return trial
+
+
+def test_search_batch_size_doubles_then_backs_off():
+    tried = []
+    assert search_batch_size(_oom_above(37, tried)) == 37
+    assert tried[:8] == [1, 2, 4, 8, 16, 32, 64, 48]              # doubling, then bisection
+    tried.clear()
+    assert search_batch_size(_oom_above(37, tried), total=48) == 24   # a divisor: 2 x 24 = 48
+    assert max(tried) <= 48
+    assert search_batch_size(_oom_above(100, []), total=32) == 32
+    assert search_batch_size(_oom_above(5, []), total=7) == 1
+    with pytest.raises(OutOfMemoryError, match="not even one"):
+        search_batch_size(_oom_above(0, []))
+
+
+def test_batch_size_auto_on_the_cpu_is_an_error(workdir, capsys):
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", "--batch-size", "auto"], "GPU", "cpu")
+    _fails(capsys, ["train", "--batch-size", "many"], "whole number or auto")
+    assert not Path("r").exists()
+
+
+def test_batch_size_auto_keeps_the_global_batch(workdir, monkeypatch):
+    real = train_mod.device_has
+    monkeypatch.setattr(train_mod, "device_has", lambda d, cap: False if cap == "host_memory" else real(d, cap))
+    tried = []
+    monkeypatch.setattr(Trainer, "_trial_step", lambda self, b: _oom_above(6, tried)(b))
+    said = []
+    t = Trainer(_cfg("r", batch_size="auto", total_batch_size=12, max_steps=1), log=said.append)
+    assert (t.cfg.batch_size, t.cfg.grad_accum) == (6, 2) and t.train_loader.B == 6
+    assert any("batch size auto: micro-batch 6" in s and "grad_accum 2 -> 12 sequences" in s for s in said), said
+    t.train()
+    _, meta = load_checkpoint(Path("r") / "ckpt")
+    assert meta["train_config"]["batch_size"] == 6 and meta["train_config"]["grad_accum"] == 2
+    with pytest.raises(ConfigError, match="multiple"):
+        TrainConfig(batch_size=5, total_batch_size=12)
+
+
+def test_shard_writers_never_replace_special_files(tmp_path):
+    from forge_ml.data import write_shard
+    from forge_ml.errors import DataError
+    fifo = tmp_path / "pipe.bin"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match="not a regular file"):
+        write_shard(fifo, [1, 2, 3])
+    assert fifo.is_fifo()
+    with pytest.raises(DataError, match="not a regular file"):
+        write_shard(tmp_path, [1, 2, 3])
