@@ -55,11 +55,16 @@ def sample_row(z, knobs, key, position, seen=None) -> int:
         w = (np.exp((z - z.max()) * inv_t) * np.float32(_W_ONE)).astype(np.uint32)
     floor = 0
     if 0 < k < V:
-        floor = int(np.sort(w)[::-1][k - 1])
+        floor = int(np.partition(w, V - k)[V - k])           # the k-th largest weight
     if 0 < ptop < 1:
-        kept = np.sort(w[w >= floor])[::-1].astype(np.uint64)
+        kept = w[w >= floor].astype(np.uint64)
         need = math.ceil(float(ptop) * int(kept.sum()))
-        floor = max(floor, int(kept[int(np.searchsorted(np.cumsum(kept), need, side="left"))]))
+        for lo in (1 << 16, 1 << 8, 0):   # sort only the heaviest weights that reach `need`
+            top = kept[kept >= lo]
+            if int(top.sum()) >= need:
+                break
+        top = np.sort(top)[::-1]
+        floor = max(floor, int(top[int(np.searchsorted(np.cumsum(top), need, side="left"))]))
     if pmin > 0:
         floor = max(floor, math.ceil(float(pmin) * _W_ONE))
     mass = np.where(w >= floor, w, 0).astype(np.uint64)
