@@ -165,3 +165,36 @@ def test_check_compares_devices_with_float64(capsys):
     out = capsys.readouterr().out
     assert out.startswith("cpu") and " ok " in out
     assert main(["check", "--device", "tpu"]) == 2
+
+
+def test_sample_generation_options(trained, capsys):
+    """sample's HF-style options: min-p, repetition penalty, log-probabilities, beam search."""
+    base = ["sample", "--ckpt", "run", "--prompt", "to be", "--max-new-tokens", "6", "--seed", "3"]
+    assert main(base + ["--min-p", "0.05", "--repetition-penalty", "1.3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("to be") and len(out.strip()) > len("to be")
+    assert main(base + ["--temperature", "0", "--logprobs", "2"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("--- log-probabilities")[1].strip().splitlines()[1:]
+    assert len(table) == 6 and all(len(r.split("|")) == 2 for r in table)
+    lps = [float(r.split()[1]) for r in table]
+    assert all(lp <= 0 for lp in lps)
+    assert main(base + ["--num-beams", "3", "--num-return-sequences", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- sequence") == 2 and out.count("to be") == 2
+    # the same beams as the library call
+    from forge_ml.inference import beam_search, load_model
+    model, tok, _ = load_model("run")
+    seqs, _ = beam_search(model, tok.encode("to be"), 6, 3, num_return_sequences=2)
+    assert ("to be" + tok.decode(seqs[0])) in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--num-beams", "0"], "--num-beams must be >= 1"),
+    (["--num-beams", "2", "--num-return-sequences", "3"], "--num-return-sequences must be in 1..--num-beams"),
+    (["--num-beams", "2", "--logprobs", "1"], "use one or the other"),
+])
+def test_sample_generation_options_are_checked(trained, capsys, argv, needle):
+    _fails(capsys, ["sample", "--ckpt", "run", "--prompt", "to be", *argv], needle)

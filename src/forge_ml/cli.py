@@ -216,15 +216,36 @@ def build_parser() -> argparse.ArgumentParser:
                     "on from the last half context.",
         epilog="examples:\n"
                "  forge-ml sample --ckpt runs/default --prompt 'def main(' --max-new-tokens 300\n"
-               "  forge-ml sample --ckpt ~/gpt2 --prompt 'Hello, I am' --top-k 40 --seed 1")
+               "  forge-ml sample --ckpt ~/gpt2 --prompt 'Hello, I am' --top-k 40 --seed 1\n"
+               "  forge-ml sample --ckpt ~/gpt2 --prompt 'The' --temperature 0.9 --min-p 0.05 "
+               "--repetition-penalty 1.2 --logprobs 3\n"
+               "  forge-ml sample --ckpt ~/gpt2 --prompt 'The' --num-beams 4 --num-return-sequences 2 "
+               "--max-new-tokens 30")
     s.add_argument("--ckpt", required=True, help="checkpoint folder, run folder or HF GPT-2 folder")
     s.add_argument("--prompt", default="", help="text to continue (default: a newline / end-of-text)")
     s.add_argument("--max-new-tokens", type=int, metavar="N", default=200, help="tokens to generate (default 200)")
     s.add_argument("--temperature", type=float, metavar="T", default=0.8, help="0 is greedy (default 0.8)")
     s.add_argument("--top-k", type=int, metavar="K", default=None, help="sample among the k most likely tokens")
     s.add_argument("--top-p", type=float, metavar="P", default=None, help="nucleus sampling probability")
+    s.add_argument("--min-p", type=float, metavar="P", default=None,
+                   help="drop tokens less likely than P times the most likely one (0..1)")
+    s.add_argument("--repetition-penalty", type=float, metavar="R", default=1.0,
+                   help="divide the logits of tokens already in the context by R (> 1 discourages "
+                        "repeats; 1 is off)")
+    s.add_argument("--logprobs", type=int, metavar="N", default=None,
+                   help="after the text, each token's log-probability and the N most likely alternatives")
+    s.add_argument("--num-beams", type=int, metavar="K", default=None,
+                   help="beam search with K beams (deterministic; ignores temperature, top-k, top-p, min-p)")
+    s.add_argument("--length-penalty", type=float, metavar="L", default=1.0,
+                   help="with --num-beams: scores are divided by length**L (> 0 favours longer sequences)")
+    s.add_argument("--early-stopping", choices=["false", "true", "never"], default="false",
+                   help="with --num-beams: when to stop, as in transformers (default false)")
+    s.add_argument("--num-return-sequences", type=int, metavar="N", default=1,
+                   help="with --num-beams: print the N best sequences (default 1)")
     s.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bf16", "bfloat16"],
+                   help="float32, or bf16 weights on the GPU (default float32)")
 
     # -- eval -----------------------------------------------------------------------------------
     e = sub.add_parser(
@@ -447,6 +468,21 @@ def _check_sample_args(args) -> None:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if args.min_p is not None and not 0 <= args.min_p <= 1:
+        raise ConfigError(f"--min-p must be in [0, 1], got {args.min_p}")
+    if not args.repetition_penalty > 0 or math.isinf(args.repetition_penalty):
+        raise ConfigError(f"--repetition-penalty must be > 0 (1 is off), got {args.repetition_penalty}")
+    if args.logprobs is not None and args.logprobs < 0:
+        raise ConfigError(f"--logprobs must be >= 0, got {args.logprobs}")
+    if args.num_beams is not None and args.num_beams < 1:
+        raise ConfigError(f"--num-beams must be >= 1, got {args.num_beams}")
+    if args.num_return_sequences < 1 or (args.num_return_sequences > 1
+                                         and args.num_return_sequences > (args.num_beams or 1)):
+        raise ConfigError(f"--num-return-sequences must be in 1..--num-beams ({args.num_beams or 1}), "
+                          f"got {args.num_return_sequences}")
+    if args.num_beams is not None and args.logprobs is not None:
+        raise ConfigError("--logprobs reports sampled or greedy tokens; beam search (--num-beams) "
+                          "scores whole sequences: use one or the other")
 
 
 def _cmd_sample(args) -> int:
@@ -454,23 +490,61 @@ def _cmd_sample(args) -> int:
     from .inference import load_model, stream_tokens
 
     _check_sample_args(args)
-    model, tok, _ = load_model(args.ckpt, device=args.device)
+    dtype = "bfloat16" if args.dtype in ("bf16", "bfloat16") else "float32"
+    model, tok, _ = load_model(args.ckpt, device=args.device, dtype=dtype)
     ids = _prompt_ids(tok, args.prompt)
     block = model.config.block_size
     if len(ids) > block:
         raise ShapeError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block} tokens")
     stop = (tok.eot_token,) if tok.kind == "gpt2" else ()
     out = sys.stdout
+    if args.num_beams is not None:
+        return _sample_beams(args, model, tok, ids, stop, out)
     out.write(args.prompt)
     out.flush()
     detok = _Detok(tok)
-    for t in stream_tokens(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed, stop_tokens=stop):
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+              min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+    if args.logprobs is not None:    # the batch form reports them; no sliding window past the context
+        from .inference import generate
+        n_new = min(args.max_new_tokens, block - len(ids))
+        events = []
+        for step in generate(model, [ids], n_new, stop_tokens=stop, logprobs=args.logprobs, **kw):
+            for e in step:
+                events.append(e)
+                if e.token not in stop:
+                    out.write(detok(e.token))
+                    out.flush()
+        out.write(detok.flush() + "\n")
+        out.write(f"--- log-probabilities: token, its log-probability, the {args.logprobs} most likely ---\n")
+        for e in events:
+            alts = " | ".join(f"{tok.decode([i])!r} {lp:.3f}" for i, lp in (e.top_logprobs or ()))
+            out.write(f"{tok.decode([e.token])!r:>16} {e.logprob:9.3f}   {alts}\n")
+        out.flush()
+        return 0
+    for t in stream_tokens(model, ids, args.max_new_tokens, stop_tokens=stop, **kw):
         if t in stop:
             break
         out.write(detok(t))
         out.flush()
     out.write(detok.flush() + "\n")
+    out.flush()
+    return 0
+
+
+def _sample_beams(args, model, tok, ids, stop, out) -> int:
+    """``sample --num-beams``: the best sequences of a beam search, each with its score."""
+    from .inference import beam_search
+    early = {"false": False, "true": True, "never": "never"}[args.early_stopping]
+    n_new = min(args.max_new_tokens, model.config.block_size - len(ids))
+    seqs, scores = beam_search(model, ids, n_new, args.num_beams, length_penalty=args.length_penalty,
+                               early_stopping=early, eos_token_id=list(stop) or None,
+                               num_return_sequences=args.num_return_sequences)
+    for i, (seq, score) in enumerate(zip(seqs, scores)):
+        text = tok.decode([t for t in seq if t not in stop])
+        if len(seqs) > 1:
+            out.write(f"--- sequence {i + 1} of {len(seqs)}, score {score:.4f} ---\n")
+        out.write(args.prompt + text + "\n")
     out.flush()
     return 0
 
