@@ -548,6 +548,21 @@ def _check_ids(op, ids, n_rows):
         raise ShapeError(f"{op}: token id {bad} is out of range; ids must be in 0..{n_rows - 1}")
 
 
+def _choice_out(op, out, row, B):
+    """Where a decoding step's choices go besides ``ids``: None, ``out`` (B elements), or row
+    ``row`` of ``out`` (k, B) (a chain's record of its tokens); written in place."""
+    if out is None:
+        return None
+    dst = out._prepare_write()
+    if row is not None:
+        if not (out.ndim == 2 and out.shape[1] == B and 0 <= row < out.shape[0]):
+            raise ShapeError(f"{op}: row {row} of out {out.shape} is not a row of {B} ids")
+        return dst[row]
+    if out.numel != B:
+        raise ShapeError(f"{op}: out must hold {B} elements, got {out.shape}")
+    return dst
+
+
 def greedy_next(logits, vocab_size, ids, pos, out=None, row=None) -> None:
     """A decoding step's greedy choice on the device, in place: ``ids[b] = argmax(logits[b,
     :vocab_size])`` (NumPy's ties: the lowest id) for float32 ``logits (B, Vp)`` and int32
@@ -578,15 +593,7 @@ def greedy_next(logits, vocab_size, ids, pos, out=None, row=None) -> None:
                          f"and {pos.shape}")
     if not isinstance(vocab_size, int) or not 0 < vocab_size <= vp:
         raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
-    dst = None
-    if out is not None:
-        dst = out._prepare_write()
-        if row is not None:
-            if not (out.ndim == 2 and out.shape[1] == B and 0 <= row < out.shape[0]):
-                raise ShapeError(f"{op}: row {row} of out {out.shape} is not a row of {B} ids")
-            dst = dst[row]
-        elif out.numel != B:
-            raise ShapeError(f"{op}: out must hold {B} elements, got {out.shape}")
+    dst = _choice_out(op, out, row, B)
     bk = backend_of(logits.device)
     bk.greedy_next(logits.data, vocab_size, ids._prepare_write(), pos._prepare_write(), dst)
     ids._storage.id_range = (0, vocab_size - 1)
@@ -635,15 +642,7 @@ def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None, 
         raise ShapeError(f"{op}: seen must be {(B, vp)} like the logits, got {seen.shape}")
     if not isinstance(vocab_size, int) or not 0 < vocab_size <= vp:
         raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
-    dst = None
-    if out is not None:
-        dst = out._prepare_write()
-        if row is not None:
-            if not (out.ndim == 2 and out.shape[1] == B and 0 <= row < out.shape[0]):
-                raise ShapeError(f"{op}: row {row} of out {out.shape} is not a row of {B} ids")
-            dst = dst[row]
-        elif out.numel != B:
-            raise ShapeError(f"{op}: out must hold {B} elements, got {out.shape}")
+    dst = _choice_out(op, out, row, B)
     bk = backend_of(logits.device)
     bk.sample_next(logits.data, vocab_size, ids._prepare_write(), pos._prepare_write(),
                    knobs.data, keys.data, None if seen is None else seen._prepare_write(), dst)
