@@ -49,14 +49,11 @@ rewrites (``AdamW(..., compute_dtype="bfloat16")``).
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import math
 import os
 import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -66,9 +63,10 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import ops
-from .autograd import Tape, TVar
+from .autograd import Tape
 from .checkpoint import check_architecture, load_checkpoint, pack_tensors, save_checkpoint, unpack_tensors
 from .data import DataLoader, default_corpus, load_text, prepare, read_shard
+from .diagnose import CheckingTape
 from .device import Device
 from .errors import (CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
                      TokenizerError, TrainingError)
@@ -76,6 +74,7 @@ from .inference.generate import stream_tokens
 from .inference.load import CKPT_NAME
 from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
 from .optim import AdamW, clip_grad_norm, cosine_lr
+from .runs import LOCK_NAME, RunError, RunLock, cannot_write, read_log, replace_file  # noqa: F401 (LOCK_NAME: the old import path)
 from .tensor import device_has, synchronize, tensor
 from .tokenizer import load_tokenizer, tokenizer_from_dict
 
@@ -84,14 +83,9 @@ DATA_FILES = ("train.bin", "val.bin", "tokenizer.json")
 CORPUS_NAME = "corpus.txt"  # <out_dir>/data/corpus.txt: the default corpus, as trained on
 LOG_NAME = "log.jsonl"
 PLOT_NAME = "loss.png"
-LOCK_NAME = "train.lock"    # <out_dir>/train.lock: held (flock) by the trainer using the folder
+
 # The model used when neither a preset nor sizes are given: nanoGPT's CPU configuration.
 DEFAULT_SIZES = dict(n_layer=4, n_head=4, n_embd=128)
-
-
-class RunError(ForgeError):
-    """The run folder cannot be used as asked: another trainer holds it, it holds a run and
-    neither resume nor overwrite was asked, or a file in it cannot be written."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -299,174 +293,6 @@ def dropout_seed(seed: int, step: int, micro: int) -> int:
     return z
 
 
-# ---------------------------------------------------------------------------------------------
-# The run folder: files that cannot be written, the log, the lock
-
-
-def _cannot_write(path, e: OSError, after: str = "") -> str:
-    """One line naming the file and the cause of a failed write.
-
-    >>> _cannot_write("runs/a/log.jsonl", OSError(errno.ENOSPC, "No space left on device"))
-    'cannot write runs/a/log.jsonl: No space left on device (ENOSPC)'
-    """
-    code = errno.errorcode.get(e.errno, "") if getattr(e, "errno", None) else ""
-    return (f"cannot write {path}: {e.strerror or e}" + (f" ({code})" if code else "")
-            + (f"; {after}" if after else ""))
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _replace_file(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path`` (with the
-    user's umask): a crash leaves the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        if hasattr(os, "fchmod"):
-            os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def read_log(path) -> tuple:
-    """The records of a ``log.jsonl`` and the numbers of its damaged lines: ``(records,
-    bad_lines)``. A line that is not a JSON object with an integer ``step`` (a torn last line
-    after a crash, a damaged byte) is left out, never raised about; a missing file is empty.
-
-    >>> import tempfile, os
-    >>> p = os.path.join(tempfile.mkdtemp(), "log.jsonl")
-    >>> _ = open(p, "w").write('{"step": 1, "loss": 2.5}\\n{"step": 2, "lo')
-    >>> read_log(p)
-    ([{'step': 1, 'loss': 2.5}], [2])
-    """
-    try:
-        text = Path(path).read_bytes().decode("utf-8", errors="replace")
-    except FileNotFoundError:
-        return [], []
-    records, bad = [], []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except ValueError:
-            r = None
-        if isinstance(r, dict) and isinstance(r.get("step"), int) and not isinstance(r["step"], bool):
-            records.append(r)
-        else:
-            bad.append(i)
-    return records, bad
-
-
-class RunLock:
-    """An exclusive lock on a run folder: ``<folder>/train.lock``, held with ``flock`` while a
-    trainer uses the folder, and holding the holder's pid, host and start time. The kernel
-    drops a flock when its process dies, so a crashed trainer's lock is never stale; the file
-    itself stays. Where ``fcntl`` is missing (Windows) it locks nothing.
-
-    >>> import tempfile
-    >>> d = tempfile.mkdtemp(); a = RunLock(d); a.acquire()
-    >>> RunLock(d).acquire()  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    forge_ml.train.RunError: ... is in use by another trainer (pid ...); ...
-    >>> a.release(); RunLock(d).acquire()
-    """
-
-    def __init__(self, folder):
-        self.folder = Path(folder)
-        self.path = self.folder / LOCK_NAME
-        self._f = None
-        self._made = []  # what acquire() created: the folder (and its parents), the lock file
-
-    @property
-    def held(self) -> bool:
-        return self._f is not None
-
-    def acquire(self) -> None:
-        if self._f is not None:
-            return
-        try:
-            missing = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise RunError(_cannot_write(self.folder, e)) from None
-        self._made = missing
-        try:
-            import fcntl
-        except ImportError:  # no flock on this platform
-            return
-        if not self.path.exists():
-            self._made.insert(0, self.path)
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-            except OSError as e:
-                raise RunError(_cannot_write(self.path, e)) from None
-            f = os.fdopen(fd, "r+", encoding="utf-8")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                holder = ""
-                try:
-                    holder = (f.read(400).strip().splitlines() or [""])[0]
-                except (OSError, ValueError):
-                    pass
-                f.close()
-                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise RunError(f"cannot lock {self.path}: {e.strerror or e}") from None
-                raise RunError(f"{self.folder} is in use by another trainer ({holder or 'holder unknown'}); "
-                               f"wait for it to finish, stop it, or choose another --out") from None
-            try:  # the file we locked must still be the one at the path
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            f.close()
-        try:
-            f.seek(0)
-            f.truncate()
-            f.write(f"pid {os.getpid()} on {socket.gethostname()} since "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            f.flush()
-        except OSError as e:
-            f.close()
-            raise RunError(_cannot_write(self.path, e)) from None
-        self._f = f
-
-    def release(self, undo: bool = False) -> None:
-        """Drop the lock. ``undo``: also remove the lock file and the folders that
-        ``acquire`` created, when nothing else was written there (a run that failed its
-        checks leaves no trace)."""
-        if undo and self._made:
-            for p in self._made:  # the lock file first (still held), then the folders, innermost first
-                try:
-                    p.unlink() if p == self.path else p.rmdir()
-                except OSError:
-                    break
-            self._made = []
-        if self._f is not None:
-            self._f.close()  # closing the descriptor drops the flock
-            self._f = None
-
-
-# ---------------------------------------------------------------------------------------------
-# --batch-size auto
-
-
 def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int = 4096) -> int:
     """The largest micro-batch ``b`` for which ``trial(b)`` runs without OutOfMemoryError,
     measured: ``trial`` at 1, 2, 4, ... until a size fails (or ``total`` / ``limit`` is
@@ -508,120 +334,6 @@ def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int =
         else:
             hi = mid
     return cands[lo]
-
-
-# ---------------------------------------------------------------------------------------------
-# Where a NaN comes from: a tape that checks every op
-
-
-_CHECKED_OPS = ("add", "matmul", "gelu", "layernorm", "softmax", "split_heads", "merge_heads", "reshape",
-                "attention", "attention_qkv", "embedding", "dropout", "cross_entropy")
-
-
-def _bad_values(t) -> Optional[str]:
-    """None when every value of Tensor ``t`` is finite, else what is wrong, e.g. "3 NaN and 1 inf
-    of 64 values"."""
-    a = np.asarray(t.numpy(), dtype=np.float64)
-    if np.isfinite(a).all():
-        return None
-    n_nan, n_inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
-    parts = [f"{n_nan} NaN" if n_nan else "", f"{n_inf} inf" if n_inf else ""]
-    return " and ".join(p for p in parts if p) + f" of {a.size} values"
-
-
-def _where(op: str, params: list) -> str:
-    """The part of GPT-2 an op belongs to, from the parameters it (or the op before it) used."""
-    if not params:
-        return "the model"
-    p = params[0]
-    if p.startswith("h."):
-        return f"layer {p.split('.')[1]}"
-    if p == "wte.weight" and op == "matmul" or p.startswith("lm_head"):
-        return "the LM head"
-    if p.startswith("ln_f"):
-        return "the final layer norm"
-    return "the embeddings"
-
-
-class _CheckingTape(Tape):
-    """A Tape that checks the output of every op it records (forward) and every gradient each
-    backward rule returns (backward), and keeps in ``found`` a line about the first value
-    that is not finite. ``names``: id(Tensor) -> parameter name, to name leaves and layers."""
-
-    def __init__(self, names: dict):
-        super().__init__()
-        self._param_of = {}         # leaf node id -> parameter name
-        self._info = {}             # node id -> (op, where, parameter names)
-        self._names = names
-        self._last = []             # the parameters of the last op that used some
-        self.found: Optional[str] = None
-
-    def leaf(self, t) -> TVar:
-        v = super().leaf(t)
-        name = self._names.get(id(t))
-        if name is not None:
-            self._param_of[v.id] = name
-            bad = _bad_values(t) if self.found is None else None
-            if bad:
-                self.found = (f"the parameter {name} already held {bad} before the step "
-                              f"(a previous update or the loaded weights put them there)")
-        return v
-
-    def _record(self, t, f):
-        node = len(self._nodes)
-
-        def checked(dy):
-            if self.found is None:
-                bad = _bad_values(dy)
-                if bad:
-                    op, where, _ = self._info.get(node, ("an op", "the model", []))
-                    self.found = (f"backward: the gradient reaching {op}'s output in {where} held {bad} "
-                                  f"(gradients of two uses of one tensor overflowed when added)")
-            grads = f(dy)
-            if self.found is None:
-                op, where, params = self._info.get(node, ("an op", "the model", []))
-                for pid, g in grads:
-                    bad = _bad_values(g)
-                    if bad:
-                        into = self._param_of.get(pid)
-                        what = (f"the gradient of {into}" if into else
-                                f"the gradient of its input (the output of {self._info.get(pid, ('an op',))[0]})")
-                        self.found = (f"backward of {op} in {where}" + (f" ({', '.join(params)})" if params else "")
-                                      + f" produced {bad} in {what} {tuple(g.shape)}, from finite inputs")
-                        break
-            return grads
-
-        return super()._record(t, checked)
-
-
-def _checked_op(op: str):
-    base = getattr(Tape, op)
-
-    def method(self, *args, **kw):
-        params = [self._param_of[a.id] for a in list(args) + list(kw.values())
-                  if isinstance(a, TVar) and a.id in self._param_of]
-        if params:
-            self._last = params
-        first = len(self._nodes)
-        out = base(self, *args, **kw)
-        where = _where(op, params or self._last)
-        for v in (out if isinstance(out, tuple) else (out,)):
-            if v.id < first:
-                continue  # not a new node (dropout with p = 0 returns its input)
-            self._info[v.id] = (op, where, params)
-            if self.found is None:
-                bad = _bad_values(v.t)
-                if bad:
-                    self.found = (f"forward: {op} in {where}" + (f" ({', '.join(params)})" if params else "")
-                                  + f" produced {bad} in its output {tuple(v.t.shape)}, from finite inputs")
-        return out
-
-    method.__name__ = op
-    return method
-
-
-for _op in _CHECKED_OPS:
-    setattr(_CheckingTape, _op, _checked_op(_op))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -798,7 +510,7 @@ class Trainer:
                 if f.is_file():
                     f.unlink()
         except OSError as e:
-            raise RunError(_cannot_write(e.filename or out, e)) from None
+            raise RunError(cannot_write(e.filename or out, e)) from None
         self._say(f"--overwrite: removed the earlier run's checkpoint, log and data in {out}")
 
     def _load_source(self):
@@ -871,9 +583,9 @@ class Trainer:
             if not cfg.data:
                 try:
                     d.mkdir(parents=True, exist_ok=True)
-                    _replace_file(src, text)
+                    replace_file(src, text)
                 except OSError as e:
-                    raise RunError(_cannot_write(src, e)) from None
+                    raise RunError(cannot_write(src, e)) from None
             info = prepare(src, d, tokenizer=tok, val_fraction=cfg.val_fraction)
             self._say(f"prepared {src}: {info['train_tokens']:,} train + {info['val_tokens']:,} val tokens, "
                       f"{info['vocab_size']} {info['tokenizer']} tokens in the vocabulary -> {d}")
@@ -999,16 +711,16 @@ class Trainer:
         if not bad and len(keep) == len(records):
             return
         try:
-            _replace_file(self.log_path, "".join(json.dumps(r) + "\n" for r in keep))
+            replace_file(self.log_path, "".join(json.dumps(r) + "\n" for r in keep))
         except OSError as e:
-            raise RunError(_cannot_write(self.log_path, e, self._kept())) from None
+            raise RunError(cannot_write(self.log_path, e, self._kept())) from None
 
     def _write_log(self, record: dict) -> None:
         try:
             with open(self.log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
-            raise RunError(_cannot_write(self.log_path, e, self._kept())) from None
+            raise RunError(cannot_write(self.log_path, e, self._kept())) from None
 
     # -- the pieces of a step -------------------------------------------------------------------
     def _batch(self):
@@ -1073,7 +785,7 @@ class Trainer:
         try:
             for i, (x, y) in enumerate(batches):
                 micro = micro0 + i
-                tape = _CheckingTape(names)
+                tape = CheckingTape(names)
                 _, loss, _ = self.model.forward(tape, x, y, dropout_seed=dropout_seed(cfg.seed, step, micro))
                 if tape.found is None:
                     tape.backward(loss)
@@ -1162,7 +874,7 @@ class Trainer:
         except CheckpointError as e:
             raise CheckpointError(f"{e}; training stopped at step {self.step}; {self._kept()}") from None
         except OSError as e:
-            raise RunError(_cannot_write(e.filename or self.ckpt_dir, e, self._kept())) from None
+            raise RunError(cannot_write(e.filename or self.ckpt_dir, e, self._kept())) from None
         self.last_ckpt_step = self.step
         return self.ckpt_dir
 
@@ -1356,7 +1068,7 @@ class Trainer:
         try:
             fig.savefig(path, dpi=100, bbox_inches="tight")
         except OSError as e:
-            self._say(f"warning: {_cannot_write(path, e)}; the checkpoint and log are saved")
+            self._say(f"warning: {cannot_write(path, e)}; the checkpoint and log are saved")
             return None
         finally:
             plt.close(fig)

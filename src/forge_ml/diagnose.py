@@ -1,0 +1,131 @@
+"""Where a NaN comes from: ``CheckingTape``, a tape that checks every op's output in the
+forward and every gradient in the backward, and names the first op, layer and tensor that
+produced a NaN or an infinity. The trainer re-runs a step that went non-finite on it; no
+peer does this without a slow global mode.
+
+>>> import numpy as np, forge_ml as fm
+>>> tape = CheckingTape({})
+>>> x = tape.leaf(fm.tensor(np.array([1.0, -1.0], np.float32)))
+>>> _ = tape.gelu(x); tape.found is None
+True
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .autograd import Tape, TVar
+
+_CHECKED_OPS = ("add", "matmul", "gelu", "layernorm", "softmax", "split_heads", "merge_heads", "reshape",
+                "attention", "attention_qkv", "embedding", "dropout", "cross_entropy")
+
+
+def _bad_values(t) -> Optional[str]:
+    """None when every value of Tensor ``t`` is finite, else what is wrong, e.g. "3 NaN and 1 inf
+    of 64 values"."""
+    a = np.asarray(t.numpy(), dtype=np.float64)
+    if np.isfinite(a).all():
+        return None
+    n_nan, n_inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+    parts = [f"{n_nan} NaN" if n_nan else "", f"{n_inf} inf" if n_inf else ""]
+    return " and ".join(p for p in parts if p) + f" of {a.size} values"
+
+
+def _where(op: str, params: list) -> str:
+    """The part of GPT-2 an op belongs to, from the parameters it (or the op before it) used."""
+    if not params:
+        return "the model"
+    p = params[0]
+    if p.startswith("h."):
+        return f"layer {p.split('.')[1]}"
+    if p == "wte.weight" and op == "matmul" or p.startswith("lm_head"):
+        return "the LM head"
+    if p.startswith("ln_f"):
+        return "the final layer norm"
+    return "the embeddings"
+
+
+class CheckingTape(Tape):
+    """A Tape that checks the output of every op it records (forward) and every gradient each
+    backward rule returns (backward), and keeps in ``found`` a line about the first value
+    that is not finite. ``names``: id(Tensor) -> parameter name, to name leaves and layers."""
+
+    def __init__(self, names: dict):
+        super().__init__()
+        self._param_of = {}         # leaf node id -> parameter name
+        self._info = {}             # node id -> (op, where, parameter names)
+        self._names = names
+        self._last = []             # the parameters of the last op that used some
+        self.found: Optional[str] = None
+
+    def leaf(self, t) -> TVar:
+        v = super().leaf(t)
+        name = self._names.get(id(t))
+        if name is not None:
+            self._param_of[v.id] = name
+            bad = _bad_values(t) if self.found is None else None
+            if bad:
+                self.found = (f"the parameter {name} already held {bad} before the step "
+                              f"(a previous update or the loaded weights put them there)")
+        return v
+
+    def _record(self, t, f):
+        node = len(self._nodes)
+
+        def checked(dy):
+            if self.found is None:
+                bad = _bad_values(dy)
+                if bad:
+                    op, where, _ = self._info.get(node, ("an op", "the model", []))
+                    self.found = (f"backward: the gradient reaching {op}'s output in {where} held {bad} "
+                                  f"(gradients of two uses of one tensor overflowed when added)")
+            grads = f(dy)
+            if self.found is None:
+                op, where, params = self._info.get(node, ("an op", "the model", []))
+                for pid, g in grads:
+                    bad = _bad_values(g)
+                    if bad:
+                        into = self._param_of.get(pid)
+                        what = (f"the gradient of {into}" if into else
+                                f"the gradient of its input (the output of {self._info.get(pid, ('an op',))[0]})")
+                        self.found = (f"backward of {op} in {where}" + (f" ({', '.join(params)})" if params else "")
+                                      + f" produced {bad} in {what} {tuple(g.shape)}, from finite inputs")
+                        break
+            return grads
+
+        return super()._record(t, checked)
+
+
+def _checked_op(op: str):
+    base = getattr(Tape, op)
+
+    def method(self, *args, **kw):
+        params = [self._param_of[a.id] for a in list(args) + list(kw.values())
+                  if isinstance(a, TVar) and a.id in self._param_of]
+        if params:
+            self._last = params
+        first = len(self._nodes)
+        out = base(self, *args, **kw)
+        where = _where(op, params or self._last)
+        for v in (out if isinstance(out, tuple) else (out,)):
+            if v.id < first:
+                continue  # not a new node (dropout with p = 0 returns its input)
+            self._info[v.id] = (op, where, params)
+            if self.found is None:
+                bad = _bad_values(v.t)
+                if bad:
+                    self.found = (f"forward: {op} in {where}" + (f" ({', '.join(params)})" if params else "")
+                                  + f" produced {bad} in its output {tuple(v.t.shape)}, from finite inputs")
+        return out
+
+    method.__name__ = op
+    return method
+
+
+for _op in _CHECKED_OPS:
+    setattr(CheckingTape, _op, _checked_op(_op))
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer

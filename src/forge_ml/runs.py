@@ -1,0 +1,187 @@
+"""The run folder: its lock (``RunLock``: one trainer at a time), its append-only log
+(``read_log``: a damaged line is left out, never raised about), and writes that leave the old
+file or the new one (``replace_file``), with one-line messages for writes that fail
+(``cannot_write``). The trainer (``forge_ml.train``) uses them; nothing here trains.
+
+>>> cannot_write("runs/a/log.jsonl", OSError(28, "No space left on device"))
+'cannot write runs/a/log.jsonl: No space left on device (ENOSPC)'
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from .data import _umask
+from .errors import ForgeError
+
+LOCK_NAME = "train.lock"    # <out_dir>/train.lock: held (flock) by the trainer using the folder
+
+
+class RunError(ForgeError):
+    """The run folder cannot be used as asked: another trainer holds it, it holds a run and
+    neither resume nor overwrite was asked, or a file in it cannot be written."""
+
+
+def cannot_write(path, e: OSError, after: str = "") -> str:
+    """One line naming the file and the cause of a failed write.
+
+    >>> cannot_write("runs/a/log.jsonl", OSError(errno.ENOSPC, "No space left on device"))
+    'cannot write runs/a/log.jsonl: No space left on device (ENOSPC)'
+    """
+    code = errno.errorcode.get(e.errno, "") if getattr(e, "errno", None) else ""
+    return (f"cannot write {path}: {e.strerror or e}" + (f" ({code})" if code else "")
+            + (f"; {after}" if after else ""))
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path`` (with the
+    user's umask): a crash leaves the old file or the new one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_log(path) -> tuple:
+    """The records of a ``log.jsonl`` and the numbers of its damaged lines: ``(records,
+    bad_lines)``. A line that is not a JSON object with an integer ``step`` (a torn last line
+    after a crash, a damaged byte) is left out, never raised about; a missing file is empty.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "log.jsonl")
+    >>> _ = open(p, "w").write('{"step": 1, "loss": 2.5}\\n{"step": 2, "lo')
+    >>> read_log(p)
+    ([{'step': 1, 'loss': 2.5}], [2])
+    """
+    try:
+        text = Path(path).read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return [], []
+    records, bad = [], []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            r = None
+        if isinstance(r, dict) and isinstance(r.get("step"), int) and not isinstance(r["step"], bool):
+            records.append(r)
+        else:
+            bad.append(i)
+    return records, bad
+
+
+class RunLock:
+    """An exclusive lock on a run folder: ``<folder>/train.lock``, held with ``flock`` while a
+    trainer uses the folder, and holding the holder's pid, host and start time. The kernel
+    drops a flock when its process dies, so a crashed trainer's lock is never stale; the file
+    itself stays. Where ``fcntl`` is missing (Windows) it locks nothing.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); a = RunLock(d); a.acquire()
+    >>> RunLock(d).acquire()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    forge_ml.runs.RunError: ... is in use by another trainer (pid ...); ...
+    >>> a.release(); RunLock(d).acquire()
+    """
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self._f = None
+        self._made = []  # what acquire() created: the folder (and its parents), the lock file
+
+    @property
+    def held(self) -> bool:
+        return self._f is not None
+
+    def acquire(self) -> None:
+        if self._f is not None:
+            return
+        try:
+            missing = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunError(cannot_write(self.folder, e)) from None
+        self._made = missing
+        try:
+            import fcntl
+        except ImportError:  # no flock on this platform
+            return
+        if not self.path.exists():
+            self._made.insert(0, self.path)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as e:
+                raise RunError(cannot_write(self.path, e)) from None
+            f = os.fdopen(fd, "r+", encoding="utf-8")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = ""
+                try:
+                    holder = (f.read(400).strip().splitlines() or [""])[0]
+                except (OSError, ValueError):
+                    pass
+                f.close()
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise RunError(f"cannot lock {self.path}: {e.strerror or e}") from None
+                raise RunError(f"{self.folder} is in use by another trainer ({holder or 'holder unknown'}); "
+                               f"wait for it to finish, stop it, or choose another --out") from None
+            try:  # the file we locked must still be the one at the path
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            f.close()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.flush()
+        except OSError as e:
+            f.close()
+            raise RunError(cannot_write(self.path, e)) from None
+        self._f = f
+
+    def release(self, undo: bool = False) -> None:
+        """Drop the lock. ``undo``: also remove the lock file and the folders that
+        ``acquire`` created, when nothing else was written there (a run that failed its
+        checks leaves no trace)."""
+        if undo and self._made:
+            for p in self._made:  # the lock file first (still held), then the folders, innermost first
+                try:
+                    p.unlink() if p == self.path else p.rmdir()
+                except OSError:
+                    break
+            self._made = []
+        if self._f is not None:
+            self._f.close()  # closing the descriptor drops the flock
+            self._f = None
+
+
+# ---------------------------------------------------------------------------------------------
+# --batch-size auto
+
+
