@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .device import Device
 from .errors import DataError
 
 SHARD_MAGIC = 20240520
@@ -306,8 +305,8 @@ class DataLoader:
     Each batch draws B start offsets uniformly from ``[0, N - T - 1]`` of the concatenated
     shards (N tokens in all; a window may run across a shard boundary) with a
     ``np.random.Generator(np.random.PCG64(seed))``, and returns ``(x, y)``: int64 NumPy arrays
-    of shape (B, T) where ``y[b, t]`` is the token that follows ``x[b, t]``. ``device`` is kept
-    for the caller, who turns the arrays into Tensors there.
+    of shape (B, T) where ``y[b, t]`` is the token that follows ``x[b, t]``; the caller turns
+    them into Tensors on its device.
 
     >>> import tempfile, os
     >>> p = os.path.join(tempfile.mkdtemp(), "s.bin"); write_shard(p, range(100))
@@ -319,7 +318,7 @@ class DataLoader:
     True
     """
 
-    def __init__(self, path_or_paths, batch_size: int, block_size: int, seed: int = 0, device="cpu"):
+    def __init__(self, path_or_paths, batch_size: int, block_size: int, seed: int = 0):
         if int(batch_size) < 1 or int(block_size) < 1:
             raise DataError(
                 f"DataLoader: batch_size and block_size must be >= 1, got {batch_size} and {block_size}"
@@ -327,7 +326,6 @@ class DataLoader:
         self.B = int(batch_size)
         self.T = int(block_size)
         self.seed = int(seed)
-        self.device = Device.parse(device)
         self.paths = _expand_paths(path_or_paths)
         self.shards = []
         for p in self.paths:
