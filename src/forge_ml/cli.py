@@ -185,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                "--device cuda --dtype bf16\n"
                "  forge-ml train --init-from ~/gpt2 --data my.txt --out runs/ft --lr 1e-4 --max-steps 500\n"
                "  forge-ml train --device cuda --batch-size auto --total-batch-size 64\n"
+               "  forge-ml train --model gpt2 --gpus 8 --zero 1 --dtype bf16 --data book.txt --tokenizer gpt2\n"
                "Ctrl-C (or SIGTERM) finishes the step in flight, saves a checkpoint and exits 130 (143);\n"
                "--resume then goes on exactly as if the run had not stopped.")
     again = t.add_mutually_exclusive_group()
@@ -193,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--overwrite", action="store_true",
                        help="start over in an OUT that holds a run (its checkpoint, log and data are replaced)")
     t.add_argument("--config", metavar="JSON", help="a JSON file of TrainConfig keys (flags override it)")
+    t.add_argument("--gpus", type=int, default=0, metavar="N",
+                   help="data-parallel training on N GPUs of this machine (one process each, NCCL); "
+                        "launched by torchrun or mpirun, the processes need no flag")
+    t.add_argument("--zero", type=int, choices=[0, 1], default=0,
+                   help="with several GPUs: 1 shards the AdamW state and master weights (ZeRO-1)")
+    t.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
+                   help="with several GPUs: gradients are all-reduced in buckets of this size")
     for f in dataclasses.fields(TrainConfig):
         flag = _TRAIN_ALIASES.get(f.name, "--" + f.name.replace("_", "-"))
         ftype = f.type if isinstance(f.type, str) else f.type.__name__
@@ -362,6 +370,20 @@ def _cmd_check(args) -> int:
 def _cmd_train(args) -> int:
     from .train import CKPT_NAME, Interrupted, TrainConfig, Trainer
 
+    comm = None
+    if args.gpus < 0:
+        raise ConfigError(f"--gpus must be >= 0, got {args.gpus}")
+    if args.gpus or os.environ.get("WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
+        from .distributed import launch
+        env = launch.process_env()
+        if args.gpus > 1 and env.launcher == "single":   # start the N processes here
+            return launch.spawn(args.gpus, [sys.executable, "-m", "forge_ml", *sys.argv[1:]])
+        comm = launch.init_process_group()
+        if comm.rank > 0:                                 # rank 0 drives; the others follow
+            from .distributed.trainer import Worker
+            Worker(comm).run()
+            return 0
+
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     explicit = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     values: dict = {}
@@ -393,7 +415,12 @@ def _cmd_train(args) -> int:
         if "tokenizer" in explicit and was and explicit["tokenizer"] != was:
             raise ConfigError(f"--tokenizer {explicit['tokenizer']}: the run in {out_dir} was trained with the "
                               f"{was} tokenizer, which a resumed run keeps; drop --tokenizer")
-    trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+    if comm is not None:
+        from .distributed.trainer import DistributedTrainer
+        trainer = DistributedTrainer(cfg, comm, zero=args.zero, bucket_mb=args.bucket_mb,
+                                     resume=args.resume, overwrite=args.overwrite)
+    else:
+        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
     if args.resume and trainer.step >= cfg.max_steps:  # checked after the checkpoint fits the config
         trainer.close()
         done = trainer.step
