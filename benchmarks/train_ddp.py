@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # torch_gpt2, the PyTorch peer
 
 
 def fail(msg: str) -> None:
@@ -100,8 +101,7 @@ def forge_worker(a) -> None:
 def torch_worker(a) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
-    import torch.nn.functional as F
+    from torch_gpt2 import torch_gpt2
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from forge_ml.models import GPT2Config
@@ -112,41 +112,9 @@ def torch_worker(a) -> None:
     dist.init_process_group("nccl")
     rank = dist.get_rank()
 
-    class Block(nn.Module):
-        def __init__(s, C, H):
-            super().__init__()
-            s.H = H
-            s.ln_1, s.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
-            s.c_attn, s.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
-            s.c_fc, s.c_proj2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-
-        def forward(s, x):
-            B_, T_, C = x.shape
-            q, k, v = s.c_attn(s.ln_1(x)).split(C, dim=2)
-            q, k, v = (t.view(B_, T_, s.H, C // s.H).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + s.c_proj(y.transpose(1, 2).reshape(B_, T_, C))
-            return x + s.c_proj2(F.gelu(s.c_fc(s.ln_2(x)), approximate="tanh"))
-
-    class GPT(nn.Module):
-        def __init__(s):
-            super().__init__()
-            s.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
-            s.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-            s.h = nn.ModuleList(Block(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer))
-            s.ln_f = nn.LayerNorm(cfg.n_embd)
-
-        def forward(s, idx, tg):
-            x = s.wte(idx) + s.wpe(torch.arange(idx.shape[1], device=idx.device))
-            for blk in s.h:
-                x = blk(x)
-            logits = s.ln_f(x) @ s.wte.weight.t()                       # tied head, as GPT-2
-            return F.cross_entropy(logits[..., :cfg.vocab_size].float().view(-1, cfg.vocab_size),
-                                   tg.reshape(-1))
-
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
-    model = GPT().cuda()
+    model = torch_gpt2(cfg).cuda()
     ddp = DDP(model, device_ids=[local], bucket_cap_mb=a.bucket_mb, gradient_as_bucket_view=True)
     if a.zero:
         from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -30,6 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # torch_gpt2, the PyTorch peer
 
 PEAK_FLOPS = 989e12
 ROWS = {
@@ -120,8 +121,7 @@ def run_forge(row, data_dir, steps, warmup):
 
 def run_torch(row, data_dir, steps, warmup, compile_):
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
+    from torch_gpt2 import torch_gpt2
 
     from forge_ml.data import DataLoader
     from forge_ml.models.gpt2 import PRESETS, GPT2Config
@@ -132,44 +132,9 @@ def run_torch(row, data_dir, steps, warmup, compile_):
     cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=T, dropout=p,
                      **{k: v for k, v in dims.items() if k in ("n_layer", "n_head", "n_embd")})
 
-    class Block(nn.Module):
-        def __init__(s, C, H):
-            super().__init__()
-            s.H = H
-            s.ln_1, s.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
-            s.c_attn, s.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
-            s.c_fc, s.c_proj2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-            s.drop = nn.Dropout(p)
-
-        def forward(s, x):
-            B_, T_, C = x.shape
-            q, k, v = s.c_attn(s.ln_1(x)).split(C, dim=2)
-            q, k, v = (t.view(B_, T_, s.H, C // s.H).transpose(1, 2) for t in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=p if s.training else 0.0)
-            x = x + s.drop(s.c_proj(y.transpose(1, 2).reshape(B_, T_, C)))
-            return x + s.drop(s.c_proj2(F.gelu(s.c_fc(s.ln_2(x)), approximate="tanh")))
-
-    class GPT(nn.Module):
-        def __init__(s):
-            super().__init__()
-            s.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
-            s.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-            s.h = nn.ModuleList(Block(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer))
-            s.ln_f = nn.LayerNorm(cfg.n_embd)
-            s.drop = nn.Dropout(p)
-
-        def forward(s, idx, tg):
-            x = s.drop(s.wte(idx) + s.wpe(torch.arange(idx.shape[1], device=idx.device)))
-            for blk in s.h:
-                x = blk(x)
-            logits = s.ln_f(x) @ s.wte.weight.t()
-            return F.cross_entropy(logits[..., :cfg.vocab_size].float().reshape(-1, cfg.vocab_size),
-                                   tg.reshape(-1))
-
     torch.backends.cuda.matmul.allow_tf32 = True
     mem = PeakMemory()
-    model = GPT().cuda()
+    model = torch_gpt2(cfg, dropout=p).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.99), weight_decay=0.1,
                             fused=True)
     fwd = torch.compile(model) if compile_ else model
