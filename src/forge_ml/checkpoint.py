@@ -59,6 +59,14 @@ _ALLOWED_KINDS = "fiub"  # float, signed int, unsigned int, bool: what safetenso
 # Safe targets and atomic directory replacement (also used by hf.save_hf_gpt2)
 
 
+def user_umask() -> int:
+    """The process's file-creation mask (read by setting it and putting it back): the mode
+    a file written through a temporary name gets is ``0o666 & ~user_umask()``."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def safe_target(path, error=None) -> Path:
     """``path`` as a Path, after checking that writing a new file there and renaming it over
     ``path`` replaces nothing but a regular file: a device, a FIFO, a socket or a directory
@@ -104,9 +112,7 @@ def write_safetensors(path, arrays: dict, metadata: dict) -> None:
 
     try:
         save_file(arrays, str(path), metadata=metadata)
-        mask = os.umask(0o022)
-        os.umask(mask)
-        os.chmod(path, 0o666 & ~mask)  # save_file makes a 0600 file: give it the user's umask
+        os.chmod(path, 0o666 & ~user_umask())  # save_file makes a 0600 file: the user's umask
     except OSError:
         raise
     except Exception as e:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .checkpoint import safe_target, user_umask
 from .errors import DataError
 
 SHARD_MAGIC = 20240520
@@ -40,13 +41,6 @@ class DataWriteError(DataError, OSError):
     ``errno`` is the cause's."""
 
 
-def _umask() -> int:
-    """The process's file-creation mask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _atomic_write_bytes(path: Path, chunks) -> None:
     """Write ``chunks`` (bytes-like objects) to a temporary file next to ``path``, fsync it and
     rename it over ``path``: readers see the old file or the new one, never half of one.
@@ -58,19 +52,16 @@ def _atomic_write_bytes(path: Path, chunks) -> None:
 
     >>> import tempfile, os
     >>> p = os.path.join(tempfile.mkdtemp(), "a.bin"); _atomic_write_bytes(p, [b"xy"])
-    >>> oct(os.stat(p).st_mode & 0o777) == oct(0o666 & ~_umask())
+    >>> oct(os.stat(p).st_mode & 0o777) == oct(0o666 & ~user_umask())
     True
     """
-    path = Path(path)
-    if path.exists() and not path.is_file():
-        raise DataError(f"cannot write {path}: it exists and is not a regular file (a folder or a "
-                        f"device); expected a new file or one to replace")
+    path = safe_target(path, DataError)
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         if hasattr(os, "fchmod"):
-            os.fchmod(fd, 0o666 & ~_umask())
+            os.fchmod(fd, 0o666 & ~user_umask())
         with os.fdopen(fd, "wb") as f:
             for c in chunks:
                 f.write(c)

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .data import _umask
+from .checkpoint import user_umask
 from .errors import ForgeError
 
 LOCK_NAME = "train.lock"    # <out_dir>/train.lock: held (flock) by the trainer using the folder
@@ -44,7 +44,7 @@ def replace_file(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         if hasattr(os, "fchmod"):
-            os.fchmod(fd, 0o666 & ~_umask())
+            os.fchmod(fd, 0o666 & ~user_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

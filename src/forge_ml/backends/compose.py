@@ -17,9 +17,9 @@ backend also calls them for the cases its kernels do not take (the CPU for every
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
+
+from ..dtype import of_array
 
 
 def linear(bk, x, w, bias, act, residual, ln=None):
@@ -102,7 +102,7 @@ def decode_attention(bk, qkv, k_cache, v_cache, pos, n_head, scale):
         return y
     at = int(at[0])
     if not 0 <= at < tmax:
-        return bk.from_host(np.full((B, H * hs), np.nan, np.float32), _dtype_name(bk, qkv))
+        return bk.from_host(np.full((B, H * hs), np.nan, np.float32), of_array(qkv.dtype).name)
     q, k, v = bk.split_heads(qkv.reshape(B, 1, 3 * H * hs), n_head)    # (B, H, 1, hs) each
     bk.kv_append(k_cache, k, at)
     bk.kv_append(v_cache, v, at)
@@ -115,7 +115,7 @@ def decode_attention(bk, qkv, k_cache, v_cache, pos, n_head, scale):
 def _stack_rows(bk, top, row):
     """``top (n, C)`` with ``row (1, C)`` below it: kv_append into a zero (n+1, C) buffer."""
     n, c = top.shape
-    out = bk.zeros((1, n + 1, c), _dtype_name(bk, top))
+    out = bk.zeros((1, n + 1, c), of_array(top.dtype).name)
     bk.kv_append(out, top.reshape(1, n, c), 0)
     bk.kv_append(out, row.reshape(1, 1, c), n)
     return out.reshape(n + 1, c)
@@ -131,10 +131,6 @@ def greedy_next(bk, logits, vocab_size, ids, pos, out=None):
         bk.assign(out, choice.reshape(out.shape))
     bk.assign(pos, (np.asarray(bk.to_host(pos)) + 1).astype(np.int32).reshape(pos.shape))
 
-
-def _dtype_name(bk, array) -> str:
-    from .. import dtype as _dt
-    return _dt.of_array(array.dtype).name
 
 
 # -- sampling: forge_ml.sampling's rule through the host (the GPU runs cuda/sample.cu) -----------

@@ -97,6 +97,8 @@ class DecodeStep:
         if graph_ is None:
             graph_ = flags.on("FORGE_CUDA_GRAPH")
         self.graph = bool(graph_) and graph.available(dev)
+        self._knobs = self._keys = None   # sample(): (B, 5) knobs and (B, 2) keys
+        self._seen = self._seen_buf = None  # sample(): the penalty's seen tokens (B, Vp)
         self._graphs = {}      # "logits", "rows": one step; ("greedy", k): k steps + choices
         self._hist = {}        # k -> the (k, B) int32 tensor of a k-step chain's tokens
         self._warm = False     # some step ran op by op: every kernel is compiled and loaded
@@ -229,7 +231,7 @@ class DecodeStep:
         B = self.cache.batch
         knobs = np.asarray(knobs, np.float32).reshape(B, 5)
         keys = (np.asarray(keys, np.int64).reshape(B, 2) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
-        if getattr(self, "_knobs", None) is None:
+        if self._knobs is None:
             self._knobs = zeros((B, 5), "float32", self.device)
             self._keys = zeros((B, 2), "int32", self.device)
         ops.assign(self._knobs, knobs)
@@ -240,7 +242,7 @@ class DecodeStep:
             Vp = self.model.config.padded_vocab_size
             full = np.zeros((B, Vp), np.int32)
             full[:, :self.model.config.vocab_size] = np.asarray(seen, bool)
-            if getattr(self, "_seen_buf", None) is None:
+            if self._seen_buf is None:
                 self._seen_buf = zeros((B, Vp), "int32", self.device)
             ops.assign(self._seen_buf, full)
             self._seen = self._seen_buf
