@@ -124,6 +124,50 @@ template <typename A> __device__ A block_sum(A v, A* sh) {
     return sh[0];
 }
 
+// numpy.argmax's order: whether (v, i) beats (best, bi). A NaN beats every number (the lowest
+// id among NaNs), otherwise the larger value wins and the lowest id among equal values.
+FORGE_D bool argmax_better(float v, int i, float best, int bi) {
+    const bool vn = v != v, bn = best != best;
+    if (vn || bn) return vn && (!bn || i < bi);
+    return v > best || (v == best && i < bi);
+}
+
+// Fold (v, i) into a thread's running argmax (best, bi); start from (-inf, INT_MAX).
+FORGE_D void argmax_take(float v, int i, float& best, int& bi) {
+    if (argmax_better(v, i, best, bi)) {
+        best = v;
+        bi = i;
+    }
+}
+
+// The argmax of a block (size a multiple of 32, at most 1024) from each thread's (best, bi):
+// a butterfly within each warp, then thread 0 folds the winners of warps 1, 2, ... into warp
+// 0's, in warp order; every thread gets the result. `sv`, `si`: __shared__ scratch of 32
+// elements each; safe to call several times in a row.
+FORGE_D void block_argmax(float& best, int& bi, float* sv, int* si) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v2 = __shfl_xor_sync(0xffffffffu, best, o);
+        const int i2 = __shfl_xor_sync(0xffffffffu, bi, o);
+        argmax_take(v2, i2, best, bi);
+    }
+    __syncthreads();  // an earlier call's readers are done with sv[0], si[0]
+    if (lane == 0) {
+        sv[warp] = best;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < nwarps; ++w) argmax_take(sv[w], si[w], best, bi);
+        sv[0] = best;
+        si[0] = bi;
+    }
+    __syncthreads();
+    best = sv[0];
+    bi = si[0];
+}
+
 // The online softmax pair (m, s): s = sum of exp(x - m) over the values seen, m their max
 // (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018).
 template <typename A> FORGE_D void ms_add(A& m, A& s, A x) {

@@ -8,7 +8,8 @@
   other CUDA runtime failures into DeviceError.
 - Compilation: ``kernel_source(stem)`` is ``backends/cuda/<stem>.cu`` with ``common.cuh``
   pasted in; ``compile_source`` runs NVRTC through CuPy (CompileError with the log);
-  ``_function`` caches the loaded kernels per device.
+  ``_function`` caches the loaded kernels per device; ``_set_max_shared`` opts a kernel in
+  to more than 48 KB of dynamic shared memory where the device allows it.
 - Launch: ``_launch`` queues a kernel on the current stream, through CuPy, or through
   ``_LauncherEx`` (``cuLaunchKernelEx`` from NVIDIA's ``cuda.bindings``) when it needs a
   thread-block cluster or programmatic dependent launch (Hopper); ``_grid`` sizes
@@ -221,6 +222,40 @@ def _function(stem: str, name: str):
             fn = module.get_function(name)
             _functions[key] = fn
     return fn
+
+
+_shared_room: dict = {}  # (device, stem, name) -> [dynamic shared bytes it may take, opted in to]
+
+
+def _set_max_shared(stem: str, name: str, nbytes: int) -> bool:
+    """Whether kernel ``name`` of <stem>.cu may be launched with ``nbytes`` of dynamic shared
+    memory per block on the current device, opting it in (``max_dynamic_shared_size_bytes``,
+    CUDA's ``cudaFuncAttributeMaxDynamicSharedMemorySize``) when it may: up to the device's
+    ``sharedMemPerBlockOptin`` (227 KB on Hopper, 163 KB on an A100, 99 KB on most consumer
+    GPUs) less the kernel's static shared memory. False, changing nothing, where ``nbytes``
+    does not fit. Once a size is set, a dict lookup, so it may be asked before every launch
+    (the first call compiles the kernel, like its first launch; setting the attribute is no
+    stream operation, so a relaxed-mode graph capture allows it too)."""
+    key = (_dev(), stem, name)
+    room = _shared_room.get(key)
+    if room is None:
+        fn = _function(stem, name)
+        props = cupy.cuda.runtime.getDeviceProperties(key[0])
+        limit = int(props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]))
+        room = _shared_room.setdefault(key, [limit - int(fn.shared_size_bytes), 0])
+    if nbytes > room[0]:
+        return False
+    if nbytes > room[1]:
+        fn = _function(stem, name)
+        with _lock:
+            if nbytes > room[1]:
+                try:
+                    fn.max_dynamic_shared_size_bytes = int(nbytes)
+                except cupy.cuda.driver.CUDADriverError:  # refused: take what it had
+                    room[0] = room[1]
+                    return False
+                room[1] = int(nbytes)
+    return True
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,30 +17,56 @@
 // All sums are integers, so the choice does not depend on the order threads add in.
 // Then ids[b] = out[b] = the token, seen[b, token] = 1, and the position goes up by one.
 // seen: int32 (B, Vp), 1 where the row has seen the token (the penalty's context).
-// One block (1024 threads) owns one row; the weights are recomputed from the logits at each
-// pass instead of kept (a row of 50,257 weights would not fit a block's registers).
+//
+// One block (1024 threads) owns one row. Two kernels run the same passes with the same
+// arithmetic and the same reductions, so they choose the same token:
+//   sample_next_smem_f32: the row is read from global memory once (pass 1), each thread
+//     keeping its logits in dynamic shared memory (4 V bytes: 201 KB for GPT-2's 50,257,
+//     which an H100/H200 block may take once opted in); pass 2 turns them into their weights
+//     in place, and every later pass reads the weights from there (no expf, no global load);
+//   sample_next_f32: where 4 V bytes do not fit (a large vocabulary, a smaller GPU), every
+//     pass reads the logits from global memory and recomputes the weights (a row of 50,257
+//     weights does not fit a block's registers).
+// sampling.py picks the kernel. The passes over a sampled row (V elements each):
+//   1      the max and the argmax of z (global memory; staged, z is also kept);
+//   2      staged only: z_j -> w_j, in place in shared memory;
+//   3-6    top-k: the k-th largest weight, a radix descent of 4 passes of 8 bits;
+//   7      top-p: K, the mass the top-k cut keeps;
+//   8-11   top-p: the cut, 4 more radix passes;
+//   12     the kept mass of each warp's range of ids;
+//   13     the chosen warp alone scans its range (1/32 of the row) for the token.
+// A cut that is off skips its passes; T = 0 (or a NaN) stops after pass 1.
 #include "common.cuh"
 
 #define SN_THREADS 1024
 
-FORGE_D bool argmax_better(float v, int i, float best, int bi) {
-    const bool vn = v != v, bn = best != best;
-    if (vn || bn) return vn && (!bn || i < bi);
-    return v > best || (v == best && i < bi);
+// w_j, the integer weight of a logit z (the penalty applied): (uint32)(exp((z - m) / T) * 2^24),
+// m the row's maximum, inv_t = 1 / T. Both kernels compute it here and only here, so the
+// weight staged in shared memory has the bits that each pass of the fallback recomputes.
+FORGE_D unsigned weight_of(float z, float m, float inv_t) {
+    return (unsigned)(expf((z - m) * inv_t) * 16777216.0f);
 }
 
+// A row in global memory: its logits with the penalty applied, and their weights recomputed
+// at every call (every pass of sample_next_f32).
 struct Row {
     const float* z;
     const int* seen;
     float pen, m, inv_t;
-    FORGE_D float logit(int j) const {
-        float v = z[j];
-        if (seen != nullptr && pen != 1.0f && seen[j]) v = v > 0.0f ? v / pen : v * pen;
+    FORGE_D bool penalized() const { return seen != nullptr && pen != 1.0f; }
+    // the logit z of a token with the penalty applied when the row has seen it (s != 0)
+    FORGE_D float penalty(float v, int s) const {
+        if (s) v = v > 0.0f ? v / pen : v * pen;
         return v;
     }
-    FORGE_D unsigned weight(int j) const {
-        return (unsigned)(expf((logit(j) - m) * inv_t) * 16777216.0f);
-    }
+    FORGE_D float logit(int j) const { return penalized() ? penalty(z[j], seen[j]) : z[j]; }
+    FORGE_D unsigned weight(int j) const { return weight_of(logit(j), m, inv_t); }
+};
+
+// A row staged in shared memory (sample_next_smem_f32): the weights themselves, from pass 2.
+struct StagedRow {
+    const unsigned* w;
+    FORGE_D unsigned weight(int j) const { return w[j]; }
 };
 
 FORGE_D unsigned long long block_sum_u64(unsigned long long v, unsigned long long* sh) {
@@ -58,8 +84,9 @@ FORGE_D unsigned long long block_sum_u64(unsigned long long v, unsigned long lon
 
 // The largest value v of the kept weights (w >= floor_) such that the kept weights >= v
 // count at least `need` (by_mass 0) or weigh at least `need` (by_mass 1): a radix descent,
-// 8 bits a pass, over a 256-bin histogram in shared memory.
-FORGE_D unsigned radix_select(const Row& row, int V, unsigned floor_, unsigned long long need,
+// 8 bits a pass (4 passes over src's weights), over a 256-bin histogram in shared memory.
+template <class Src>
+FORGE_D unsigned radix_select(const Src& src, int V, unsigned floor_, unsigned long long need,
                               int by_mass, unsigned long long* hist, unsigned* shared_sel) {
     unsigned prefix = 0, mask = 0;
     unsigned long long remaining = need;
@@ -72,7 +99,7 @@ FORGE_D unsigned radix_select(const Row& row, int V, unsigned floor_, unsigned l
         // 50 iterations, not 50,257 atomics on one address).
         for (int j0 = 0; j0 < V; j0 += blockDim.x) {  // every thread takes every iteration
             const int j = j0 + threadIdx.x;
-            const unsigned w = j < V ? row.weight(j) : 0u;
+            const unsigned w = j < V ? src.weight(j) : 0u;
             const bool cand = j < V && w >= floor_ && (w & mask) == prefix;
             const unsigned key = cand ? (w >> shift) & 255u : 0xffffffffu;
             const unsigned peers = __match_any_sync(0xffffffffu, key);
@@ -103,16 +130,103 @@ FORGE_D unsigned radix_select(const Row& row, int V, unsigned floor_, unsigned l
     return prefix;
 }
 
-extern "C" __global__ void sample_next_f32(const float* logits, int V, int Vp,
-                                           const float* knobs, const unsigned* keys,
-                                           int* seen, int has_seen, int* ids,
-                                           int* out, int* pos, int npos) {
+// Passes 3 to 13 of a sampled row: the cuts (top-k, top-p, min-p) and the draw over the
+// weights src.weight(j), j < V; `key`: the row's two Philox key words. Every thread of the
+// block returns the token.
+template <class Src>
+FORGE_D int draw_token(const Src& src, int V, int k, float ptop, float pmin, int p_at,
+                       const unsigned* key, unsigned long long* hist, unsigned long long* red,
+                       unsigned* sel) {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5;
+    unsigned floor_ = 0;
+    // passes 3-6, top-k: the k-th largest weight
+    if (k > 0 && k < V) floor_ = radix_select(src, V, 0u, (unsigned long long)k, 0, hist, sel);
+    if (ptop > 0.0f && ptop < 1.0f) {
+        // pass 7, top-p: K, the mass the top-k cut keeps
+        unsigned long long K = 0;
+        for (int j = t; j < V; j += blockDim.x) {
+            const unsigned w = src.weight(j);
+            if (w >= floor_) K += w;
+        }
+        K = block_sum_u64(K, red);
+        // passes 8-11: the largest cut whose kept mass reaches ceil(p K)
+        const unsigned long long need = (unsigned long long)ceil((double)ptop * (double)K);
+        const unsigned tp = radix_select(src, V, floor_, need, 1, hist, sel);
+        floor_ = max(floor_, tp);
+    }
+    if (pmin > 0.0f) floor_ = max(floor_, (unsigned)ceil((double)pmin * 16777216.0));
+    // pass 12: each warp owns a contiguous range of ids; its kept mass, then a scan over warps
+    const int R = (V + nw - 1) / nw, lo = warp * R, hi = min(V, lo + R);
+    unsigned long long mine = 0;
+    for (int j = lo + lane; j < hi; j += 32) {
+        const unsigned w = src.weight(j);
+        if (w >= floor_) mine += w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+    if (lane == 0) red[warp] = mine;
+    __syncthreads();
+    if (t == 0) {
+        unsigned long long total = 0;
+        for (int w = 0; w < nw; ++w) total += red[w];
+        const u32x4 r = philox4x32_10(u32x4{(unsigned)p_at, 0u, 0u, 0u}, key[0], key[1]);
+        const unsigned long long word = r.x, th = total >> 32, tl = total & 0xffffffffull;
+        const unsigned long long target = th * word + ((tl * word) >> 32);
+        unsigned long long base = 0;
+        int wsel = nw - 1;
+        for (int w = 0; w < nw; ++w) {
+            if (base + red[w] > target) {
+                wsel = w;
+                break;
+            }
+            base += red[w];
+        }
+        sel[0] = (unsigned)wsel;
+        hist[0] = target - base;  // the target within the chosen warp's range
+    }
+    __syncthreads();
+    // pass 13: the chosen warp scans its range, 32 ids at a time, for the first id whose
+    // running kept mass passes the target
+    if (warp == (int)sel[0]) {
+        const unsigned long long goal = hist[0];
+        unsigned long long run = 0;
+        int found = -1;
+        for (int j0 = lo; j0 < hi && found < 0; j0 += 32) {
+            const int j = j0 + lane;
+            unsigned long long w = 0;
+            if (j < hi) {
+                const unsigned wj = src.weight(j);
+                w = wj >= floor_ ? wj : 0u;
+            }
+            unsigned long long inc = w;  // inclusive scan over the lanes
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned long long n = __shfl_up_sync(0xffffffffu, inc, o);
+                if (lane >= o) inc += n;
+            }
+            const bool past = run + inc > goal && w > 0;
+            const unsigned hit = __ballot_sync(0xffffffffu, past);
+            if (hit) found = j0 + __ffs(hit) - 1;
+            run += __shfl_sync(0xffffffffu, inc, 31);
+        }
+        if (lane == 0) sel[1] = (unsigned)(found < 0 ? lo : found);
+    }
+    __syncthreads();
+    return (int)sel[1];
+}
+
+// Row b = blockIdx.x's choice. STAGED: the row goes through `sw`, V words of dynamic shared
+// memory (sample_next_smem_f32); else every pass reads global memory (sw unused).
+template <bool STAGED>
+FORGE_D void sample_block(const float* logits, int V, int Vp, const float* knobs,
+                          const unsigned* keys, int* seen, int has_seen, int* ids, int* out,
+                          int* pos, int npos, unsigned* sw) {
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ unsigned long long hist[256];
     __shared__ unsigned long long red[32];
     __shared__ unsigned sel[4];
-    const int b = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5;
+    const int b = blockIdx.x, t = threadIdx.x;
     const float* kn = knobs + (long long)b * 5;
     const float temp = kn[0], ptop = kn[2], pmin = kn[3];
     const int k = (int)kn[1];
@@ -123,116 +237,52 @@ extern "C" __global__ void sample_next_f32(const float* logits, int V, int Vp,
     row.m = 0.0f;
     row.inv_t = 1.0f;
     const int p_at = pos[npos == 1 ? 0 : b] + 1;  // the position of the token chosen
+    const bool stage = STAGED && temp > 0.0f;      // a greedy row needs no weights
 
-    // the maximum (and the argmax, numpy's order), with the penalty applied
+    // pass 1 (global memory): the maximum and the argmax (numpy's order) of the logits with
+    // the penalty applied; staged, each thread also keeps its logits' bits for pass 2. Thread
+    // t takes ids t, t + blockDim.x, ... in that order, P at a time: their loads first, all
+    // in flight together (one block reads the row, so latency, not bandwidth, bounds this
+    // pass), the ids past V reading id V - 1 and then skipped.
+    constexpr int P = 4;
+    const int nt = blockDim.x;
+    const bool pen_on = row.penalized();
     float best = neg_inf<float>();
     int bi = 0x7fffffff;
-    for (int j = t; j < V; j += blockDim.x) {
-        const float v = row.logit(j);
-        if (argmax_better(v, j, best, bi)) {
-            best = v;
-            bi = j;
-        }
-    }
+    for (int j0 = t; j0 < V; j0 += P * nt) {
+        float v[P];
+        int s[P];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v2 = __shfl_xor_sync(0xffffffffu, best, o);
-        const int i2 = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (argmax_better(v2, i2, best, bi)) {
-            best = v2;
-            bi = i2;
+        for (int u = 0; u < P; ++u) {
+            const int j = min(j0 + u * nt, V - 1);
+            v[u] = row.z[j];
+            s[u] = pen_on ? row.seen[j] : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < P; ++u) {
+            const int j = j0 + u * nt;
+            if (j < V) {
+                const float x = row.penalty(v[u], s[u]);  // row.logit(j)
+                if (stage) sw[j] = __float_as_uint(x);
+                argmax_take(x, j, best, bi);
+            }
         }
     }
-    if (lane == 0) {
-        sv[warp] = best;
-        si[warp] = bi;
-    }
-    __syncthreads();
-    if (t == 0) {
-        for (int w = 1; w < nw; ++w)
-            if (argmax_better(sv[w], si[w], best, bi)) {
-                best = sv[w];
-                bi = si[w];
-            }
-        sv[0] = best;
-        si[0] = bi;
-    }
-    __syncthreads();
-    int token = si[0];
-    if (temp > 0.0f && sv[0] == sv[0]) {  // sampled (a NaN row falls back to the argmax)
-        row.m = sv[0];
+    block_argmax(best, bi, sv, si);  // every thread gets the row's (max, argmax)
+    int token = bi;
+    if (temp > 0.0f && best == best) {  // sampled (a NaN row falls back to the argmax)
+        row.m = best;
         row.inv_t = 1.0f / temp;
-        unsigned floor_ = 0;
-        if (k > 0 && k < V) floor_ = radix_select(row, V, 0u, (unsigned long long)k, 0, hist, sel);
-        if (ptop > 0.0f && ptop < 1.0f) {
-            unsigned long long K = 0;
-            for (int j = t; j < V; j += blockDim.x) {
-                const unsigned w = row.weight(j);
-                if (w >= floor_) K += w;
-            }
-            K = block_sum_u64(K, red);
-            const unsigned long long need = (unsigned long long)ceil((double)ptop * (double)K);
-            const unsigned tp = radix_select(row, V, floor_, need, 1, hist, sel);
-            floor_ = max(floor_, tp);
+        if constexpr (STAGED) {
+            // pass 2 (shared memory): each thread turns the logits it kept (the same ids as
+            // in pass 1) into their weights, in place; then the block reads them all
+            for (int j = t; j < V; j += blockDim.x)
+                sw[j] = weight_of(__uint_as_float(sw[j]), row.m, row.inv_t);
+            __syncthreads();
+            token = draw_token(StagedRow{sw}, V, k, ptop, pmin, p_at, keys + 2 * b, hist, red, sel);
+        } else {
+            token = draw_token(row, V, k, ptop, pmin, p_at, keys + 2 * b, hist, red, sel);
         }
-        if (pmin > 0.0f) floor_ = max(floor_, (unsigned)ceil((double)pmin * 16777216.0));
-        // each warp owns a contiguous range of ids; its kept mass, then a scan over warps
-        const int R = (V + nw - 1) / nw, lo = warp * R, hi = min(V, lo + R);
-        unsigned long long mine = 0;
-        for (int j = lo + lane; j < hi; j += 32) {
-            const unsigned w = row.weight(j);
-            if (w >= floor_) mine += w;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
-        if (lane == 0) red[warp] = mine;
-        __syncthreads();
-        if (t == 0) {
-            unsigned long long total = 0;
-            for (int w = 0; w < nw; ++w) total += red[w];
-            const u32x4 r = philox4x32_10(u32x4{(unsigned)p_at, 0u, 0u, 0u}, keys[2 * b],
-                                          keys[2 * b + 1]);
-            const unsigned long long word = r.x, th = total >> 32, tl = total & 0xffffffffull;
-            const unsigned long long target = th * word + ((tl * word) >> 32);
-            unsigned long long base = 0;
-            int wsel = nw - 1;
-            for (int w = 0; w < nw; ++w) {
-                if (base + red[w] > target) {
-                    wsel = w;
-                    break;
-                }
-                base += red[w];
-            }
-            sel[0] = (unsigned)wsel;
-            hist[0] = target - base;  // the target within the chosen warp's range
-        }
-        __syncthreads();
-        if (warp == (int)sel[0]) {
-            const unsigned long long goal = hist[0];
-            unsigned long long run = 0;
-            int found = -1;
-            for (int j0 = lo; j0 < hi && found < 0; j0 += 32) {
-                const int j = j0 + lane;
-                unsigned long long w = 0;
-                if (j < hi) {
-                    const unsigned wj = row.weight(j);
-                    w = wj >= floor_ ? wj : 0u;
-                }
-                unsigned long long inc = w;  // inclusive scan over the lanes
-#pragma unroll
-                for (int o = 1; o < 32; o <<= 1) {
-                    const unsigned long long n = __shfl_up_sync(0xffffffffu, inc, o);
-                    if (lane >= o) inc += n;
-                }
-                const bool past = run + inc > goal && w > 0;
-                const unsigned hit = __ballot_sync(0xffffffffu, past);
-                if (hit) found = j0 + __ffs(hit) - 1;
-                run += __shfl_sync(0xffffffffu, inc, 31);
-            }
-            if (lane == 0) sel[1] = (unsigned)(found < 0 ? lo : found);
-        }
-        __syncthreads();
-        token = (int)sel[1];
     }
     if (t == 0) {
         ids[b] = token;
@@ -241,4 +291,24 @@ extern "C" __global__ void sample_next_f32(const float* logits, int V, int Vp,
         if (npos > 1) pos[b] += 1;
         else if (b == 0) *pos += 1;
     }
+}
+
+// The fallback: every pass over the row reads the logits from global memory.
+extern "C" __global__ void sample_next_f32(const float* logits, int V, int Vp,
+                                           const float* knobs, const unsigned* keys,
+                                           int* seen, int has_seen, int* ids,
+                                           int* out, int* pos, int npos) {
+    sample_block<false>(logits, V, Vp, knobs, keys, seen, has_seen, ids, out, pos, npos,
+                        nullptr);
+}
+
+// The row staged in shared memory: launched with 4 V bytes of dynamic shared memory (the
+// launcher opts the kernel in above the default 48 KB).
+extern "C" __global__ void sample_next_smem_f32(const float* logits, int V, int Vp,
+                                                const float* knobs, const unsigned* keys,
+                                                int* seen, int has_seen, int* ids,
+                                                int* out, int* pos, int npos) {
+    extern __shared__ unsigned row_smem[];
+    sample_block<true>(logits, V, Vp, knobs, keys, seen, has_seen, ids, out, pos, npos,
+                       row_smem);
 }

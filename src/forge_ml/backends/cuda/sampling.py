@@ -2,13 +2,14 @@
 ``sample_next``, a sampled choice (temperature, top-k, top-p, min-p, repetition penalty: the
 rule of ``forge_ml.sampling.sample_row``), each written into the next step's ids (and a
 chain's token buffer) with the position advanced, so that captured steps chain without the
-host. Kernels: greedy.cu, sample.cu.
+host. Kernels: greedy.cu, sample.cu (the row staged in shared memory where it fits,
+``sample_next_smem_f32``; else ``sample_next_f32``, every pass over global memory).
 """
 from __future__ import annotations
 
 from ...errors import ShapeError
 from .memory import _c, _pos_array
-from .runtime import F32, _guarded, _i32, _launch
+from .runtime import F32, _guarded, _i32, _launch, _set_max_shared
 
 
 @_guarded
@@ -32,6 +33,18 @@ def greedy_next(logits, vocab_size, ids, pos, out=None):
 
 
 _SAMPLE_THREADS = 1024   # sample.cu: one block of 1024 threads per row
+_STAGE = True            # tests set it False to run the global-memory kernel on the same rows
+
+
+def _sample_kernel(vocab_size):
+    """sample.cu's kernel for rows of ``vocab_size`` logits, and its dynamic shared memory:
+    ``sample_next_smem_f32`` with the row staged in 4 bytes an id where this GPU lets a block
+    take that much (GPT-2's 50,257: 201 KB, on Hopper), else ``sample_next_f32``. Both choose
+    the same token."""
+    nbytes = 4 * int(vocab_size)
+    if _STAGE and nbytes > 0 and _set_max_shared("sample", "sample_next_smem_f32", nbytes):
+        return "sample_next_smem_f32", nbytes
+    return "sample_next_f32", 0
 
 
 @_guarded
@@ -55,7 +68,8 @@ def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None):
         raise ShapeError(f"sample_next: out must be {B} contiguous {ids.dtype} values, got "
                          f"{out.dtype} {out.shape}")
     pos = _pos_array(pos, B)
-    _launch("sample", "sample_next_f32", (B,), _SAMPLE_THREADS,
+    name, shared = _sample_kernel(vocab_size)
+    _launch("sample", name, (B,), _SAMPLE_THREADS,
             (_c(logits), _i32(vocab_size), _i32(Vp), _c(knobs), _c(keys),
              ids if seen is None else seen, _i32(seen is not None), ids, out, pos,
-             _i32(pos.size)))
+             _i32(pos.size)), shared=shared)
