@@ -26,6 +26,15 @@ class DeviceError(ForgeError, RuntimeError):
     """A device is unknown or unavailable, or tensors sit on different devices."""
 
 
+class CaptureError(DeviceError):
+    """A graph capture failed after ``run_first``'s real run: ``first`` holds what that run
+    returned (its work is done), ``keep`` the memory it lives in."""
+
+    def __init__(self, message: str, first=None, keep=None):
+        super().__init__(message)
+        self.first, self.keep = first, keep
+
+
 class OutOfMemoryError(DeviceError, MemoryError):
     """The device could not hold an allocation; says how much was asked and how much is free."""
 

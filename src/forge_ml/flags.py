@@ -15,7 +15,7 @@ True
 >>> flags.get("FORGE_NOPE")
 Traceback (most recent call last):
 ...
-forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUDA_GRAPH, FORGE_GEMV, FORGE_PDL
+forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUDA_GRAPH, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH
 """
 from __future__ import annotations
 
@@ -65,6 +65,9 @@ _SWITCHES = (
            ("flash", "composed"), aliases=(("v1", "composed"),)),
     Switch("FORGE_CUDA_GRAPH", "on",
            "replay the decoding step as a CUDA graph (off: op by op)", ("on", "off")),
+    Switch("FORGE_TRAIN_GRAPH", "on",
+           "run the trainer's whole step (forward, backward, clipping, AdamW) as one replayed "
+           "CUDA graph (off: op by op)", ("on", "off")),
     Switch("FORGE_GEMV", "on",
            "few-row products (decoding) on forge-ml's cluster gemv kernel on Hopper (off: cuBLAS)",
            ("on", "off")),

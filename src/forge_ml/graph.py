@@ -10,7 +10,7 @@ False
 from __future__ import annotations
 
 from .device import Device
-from .errors import DeviceError
+from .errors import CaptureError, DeviceError
 from .tensor import Tensor, backend_of
 
 
@@ -23,31 +23,39 @@ class Graph:
     """Work captured from a function: ``replay()`` runs it again; ``outputs`` are the Tensors
     the function returned during the capture, which every replay rewrites in place. Every
     tensor the captured work touched keeps its memory (the inputs it read: write new values
-    into them with ``ops.assign`` before a replay)."""
+    into them with ``ops.assign`` before a replay). ``first``: with ``capture(run_first=True)``,
+    what the function's real run before the capture returned."""
 
-    def __init__(self, captured, outputs):
-        self._captured, self.outputs = captured, outputs
+    def __init__(self, captured, outputs, first=None):
+        self._captured, self.outputs, self.first = captured, outputs, first
 
     def replay(self) -> None:
         """Run the captured work again, ordered with the device's other work."""
         self._captured.replay()
 
 
-def capture(device, fn) -> Graph:
+def capture(device, fn, run_first: bool = False) -> Graph:
     """Capture the device work of ``fn()`` (which returns a Tensor, or a tuple of Tensors,
-    and may not wait for the device or read a value back). Run ``fn`` once without capture
-    first, so that every kernel it launches is compiled and loaded.
+    and may not wait for the device or read a value back). Every kernel it launches must be
+    compiled and loaded first: run ``fn`` once before, or pass ``run_first=True`` to have it
+    run once for real just before the capture, its memory then reused by the graph (a
+    training step's first step: no second copy of its activations). A capture that fails
+    after that run raises ``errors.CaptureError`` carrying the run's outputs (``first``).
     """
     dev = Device.parse(device)
     bk = backend_of(dev)
     if not bk.graphs:
         raise DeviceError(f"graph capture: the {dev.type} backend cannot capture graphs")
-    box = {}
+    outs = []   # what fn returned: [the real run's,] the capture's
 
     def work():
         out = fn()
-        box["out"] = out
+        outs.append(out)
         return out.data if isinstance(out, Tensor) else tuple(t.data for t in out)
 
-    captured = bk.capture_graph(work)
-    return Graph(captured, box["out"])
+    try:
+        captured = bk.capture_graph(work, run_first=True) if run_first else bk.capture_graph(work)
+    except CaptureError as e:   # the real run is done: hand back its outputs as Tensors
+        e.first = outs[0]
+        raise
+    return Graph(captured, outs[-1], outs[0] if run_first else None)

@@ -13,10 +13,12 @@ batch dims.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from . import dtype as _dt
+from . import rng as _rng
 from .errors import DeviceError, DTypeError, ShapeError
 from .tensor import Tensor, backend_of
 
@@ -686,10 +688,25 @@ def kv_append(cache, new, pos) -> None:
 # -- dropout ---------------------------------------------------------------------------
 
 
+class SeedAt(NamedTuple):
+    """A dropout seed held in device memory: the stream is ``rng.mix(base[0], site)`` where
+    ``base`` is a one-element int64 Tensor (the seed's 64 bits). A captured training step
+    reads its seeds so, and a replay after ``assign``-ing a new base draws fresh masks.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> x = fm.tensor(np.ones(8, np.float32))
+    >>> at = fm.ops.dropout(x, 0.5, SeedAt(fm.tensor(np.array([7], np.int64)), 2)).numpy()
+    >>> bool((at == fm.ops.dropout(x, 0.5, fm.rng.mix(7, 2)).numpy()).all())
+    True
+    """
+    base: Tensor
+    site: int
+
+
 def dropout(x, p, seed) -> Tensor:
     """Inverted dropout: zero each element with probability ``p``, scale the rest by
     ``1/(1-p)``. The mask is a pure function of ``(seed, element index)`` (``forge_ml.rng``),
-    identical on every backend.
+    identical on every backend. ``seed``: an int in [0, 2**64), or a ``SeedAt``.
 
     >>> import numpy as np, forge_ml as fm
     >>> fm.ops.dropout(fm.tensor(np.ones(4, np.float32)), 0.5, seed=7).numpy().tolist()
@@ -698,9 +715,31 @@ def dropout(x, p, seed) -> Tensor:
     _float("dropout", "x", x)
     if not (0.0 <= float(p) < 1.0):
         raise ShapeError(f"dropout: p must be in [0, 1), got {p}")
+    bk = backend_of(x.device)
+    if isinstance(seed, SeedAt):
+        base, site = seed
+        if not isinstance(base, Tensor) or base.dtype != _dt.int64 or base.numel != 1:
+            raise ShapeError(f"dropout: SeedAt.base must be a one-element int64 Tensor, got {base!r}")
+        if base.device != x.device:
+            raise DeviceError(f"dropout: x is on {x.device} but the seed is on {base.device}")
+        if not isinstance(site, int) or not 0 <= site < 1 << 64:
+            raise ShapeError(f"dropout: SeedAt.site must be an int in [0, 2**64), got {site!r}")
+        if bk.host_memory:      # reading the seed costs nothing here
+            seed = _rng.mix(int(base.data.reshape(-1)[0]) & 0xFFFFFFFFFFFFFFFF, site)
+        else:
+            return _wrap(x, _graph_member(bk, "dropout_at")(x.data, float(p), base.data, site))
     if not isinstance(seed, int) or not (0 <= seed < 1 << 64):
-        raise ShapeError(f"dropout: seed must be an int in [0, 2**64), got {seed!r}")
-    return _wrap(x, backend_of(x.device).dropout(x.data, float(p), seed))
+        raise ShapeError(f"dropout: seed must be an int in [0, 2**64) or a SeedAt, got {seed!r}")
+    return _wrap(x, bk.dropout(x.data, float(p), seed))
+
+
+def _graph_member(bk, name):
+    """A backend member that reads step values from device memory (``contract.GRAPH``)."""
+    fn = getattr(bk, name, None)
+    if fn is None:
+        raise DeviceError(f"{name}: the {bk.name} backend cannot read step values from device "
+                          "memory (it lacks the contract's graph members)")
+    return fn
 
 
 # -- cross entropy ---------------------------------------------------------------------
@@ -732,20 +771,44 @@ def cross_entropy(logits, targets, vocab_size=None) -> Tensor:
 def cross_entropy_bwd(logits, targets, dloss=1.0, vocab_size=None) -> Tensor:
     """``dL/dlogits = dloss * (softmax(logits[:, :V]) - onehot(targets)) / N``; zero past ``V``."""
     v = _ce_check("cross_entropy_bwd", logits, targets, vocab_size)
+    bk = backend_of(logits.device)
     if isinstance(dloss, Tensor):
+        if dloss.numel != 1 or dloss.device != logits.device:
+            raise ShapeError(f"cross_entropy_bwd: dloss must be one value on {logits.device}, got "
+                             f"{dloss.shape} on {dloss.device}")
+        if not bk.host_memory:   # the kernel reads it where it is: no wait for the forward
+            return _wrap(logits, bk.cross_entropy_bwd(logits.data, targets.data, dloss.data, v))
         dloss = dloss.item()
-    return _wrap(logits, backend_of(logits.device).cross_entropy_bwd(
-        logits.data, targets.data, float(dloss), v))
+    return _wrap(logits, bk.cross_entropy_bwd(logits.data, targets.data, float(dloss), v))
 
 
 # -- optimizer step --------------------------------------------------------------------
 
 
-def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0,
-                 p_lowp=None) -> None:
+STEP_SCALARS = ("lr", "bc1", "bc2", "grad_scale", "norm", "step")
+"""The layout of an optimizer step's values in device memory (a float64 Tensor of six): the
+learning rate, AdamW's bias corrections ``1 - beta**step``, the factor the gradients take
+(accumulation and clipping: ``clip_scale`` writes it, NaN skips the update), the gradient norm
+and the 1-based step. ``optim.AdamW.prepare`` writes the host's part before each step."""
+
+
+def adamw_update(p, g, m, v, *, lr=None, beta1, beta2, eps, weight_decay, step=None,
+                 grad_scale=1.0, p_lowp=None, scalars=None) -> None:
     """One fused AdamW step in place on float32 ``p``, ``m``, ``v`` (torch.optim.AdamW's math):
     ``g *= grad_scale``; moments; bias correction with ``step`` (1-based); decoupled weight
     decay. ``p_lowp`` (bf16, GPU) receives the updated weights rounded to bf16.
+
+    ``scalars`` (a float64 Tensor laid out as ``STEP_SCALARS``) replaces ``lr``, ``step`` and
+    ``grad_scale``: the kernel reads them from device memory, so a captured step replays with
+    new values; a non-finite ``grad_scale`` there skips the update (nothing is written).
+
+    >>> import numpy as np, forge_ml as fm
+    >>> p, m, v = (fm.tensor(np.zeros((1, 1), np.float32)) for _ in range(3))
+    >>> s = fm.tensor(np.array([0.5, 1 - 0.9, 1 - 0.999, 1.0, 0.0, 1.0]))
+    >>> adamw_update(p, fm.tensor(np.full((1, 1), 3.0, np.float32)), m, v, beta1=0.9,
+    ...              beta2=0.999, eps=1e-8, weight_decay=0.0, scalars=s)
+    >>> round(p.item(), 4)
+    -0.5
     """
     for n, t in (("p", p), ("m", m), ("v", v)):
         _float("adamw_update", n, t)
@@ -759,8 +822,67 @@ def adamw_update(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, grad_
     for n, t in (("g", g), ("m", m), ("v", v)) + ((("p_lowp", p_lowp),) if p_lowp is not None else ()):
         if t.shape != p.shape:
             raise ShapeError(f"adamw_update: {n} is {t.shape} but p is {p.shape}; shapes must be equal")
+    lowp = None if p_lowp is None else p_lowp._prepare_write()
+    if scalars is not None:
+        _step_scalars("adamw_update", scalars, p.device)
+        if bk.host_memory:      # the values cost nothing to read here
+            lr, _, _, grad_scale, _, step = (float(x) for x in scalars.data.reshape(-1))
+            if not math.isfinite(grad_scale):
+                return
+            step = int(step)
+        else:
+            _graph_member(bk, "adamw_update_at")(
+                p._prepare_write(), g.data, m._prepare_write(), v._prepare_write(), float(beta1),
+                float(beta2), float(eps), float(weight_decay), scalars.data, lowp)
+            return
     if not isinstance(step, int) or step < 1:
         raise ShapeError(f"adamw_update: step must be an int >= 1, got {step!r}")
     bk.adamw_update(p._prepare_write(), g.data, m._prepare_write(), v._prepare_write(),
                     float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                    step, float(grad_scale), None if p_lowp is None else p_lowp._prepare_write())
+                    step, float(grad_scale), lowp)
+
+
+def clip_scale(sumsq, scalars, max_norm: float, grad_scale: float = 1.0, check=None) -> None:
+    """Global-norm clipping on the device, for a step that never waits for it: from ``sumsq``
+    (0-d, the sum of every gradient's squares) writes ``scalars``' ``norm`` =
+    ``|grad_scale| * sqrt(sumsq)`` and ``grad_scale`` = ``grad_scale * min(1, max_norm /
+    (norm + 1e-6))`` (torch's coefficient; unclipped when ``max_norm <= 0``), in float64 as
+    ``optim.clip_grad_norm`` computes them. A non-finite norm, or a non-finite ``check`` (the
+    step's loss), writes NaN as the factor, which makes ``adamw_update`` skip.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> s = fm.tensor(np.zeros(6))
+    >>> clip_scale(fm.tensor(np.array(25.0, np.float32)), s, max_norm=1.0)
+    >>> [round(x, 6) for x in s.numpy()[3:5].tolist()]
+    [0.2, 5.0]
+    """
+    _float("clip_scale", "sumsq", sumsq)
+    if sumsq.numel != 1:
+        raise ShapeError(f"clip_scale: sumsq must hold one value, got {sumsq.shape}")
+    bk = backend_of(sumsq.device)
+    _step_scalars("clip_scale", scalars, sumsq.device)
+    if check is not None:
+        _float("clip_scale", "check", check)
+        if check.numel != 1 or check.device != sumsq.device:
+            raise ShapeError(f"clip_scale: check must be one value on {sumsq.device}, got "
+                             f"{check.shape} on {check.device}")
+        if check.dtype != sumsq.dtype:
+            check = check.to(sumsq.dtype.name)
+    if bk.host_memory:
+        gs, sq = float(grad_scale), float(sumsq.data.reshape(-1)[0])
+        norm = abs(gs) * math.sqrt(sq) if math.isfinite(sq) and sq >= 0 else float("nan")
+        ok = math.isfinite(norm) and (check is None or math.isfinite(float(check.data.reshape(-1)[0])))
+        scale = (gs * min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else gs) if ok else float("nan")
+        out = scalars._prepare_write().reshape(-1)
+        out[3], out[4] = scale, norm
+        return
+    _graph_member(bk, "clip_scale")(sumsq.data, None if check is None else check.data,
+                                    scalars._prepare_write(), float(max_norm), float(grad_scale))
+
+
+def _step_scalars(op, scalars, device) -> None:
+    if not isinstance(scalars, Tensor) or scalars.dtype != _dt.float64 or scalars.shape != (len(STEP_SCALARS),):
+        raise ShapeError(f"{op}: scalars must be a float64 Tensor of {len(STEP_SCALARS)} "
+                         f"({', '.join(STEP_SCALARS)}), got {scalars!r}")
+    if scalars.device != device:
+        raise DeviceError(f"{op}: scalars are on {scalars.device} but the tensors on {device}")

@@ -83,6 +83,7 @@ class AdamW:
         # Moments live beside their parameter: same device, same (float32) dtype.
         self.m = {k: zeros(p.shape, p.dtype, p.device) for k, p in self.params.items()}
         self.v = {k: zeros(p.shape, p.dtype, p.device) for k, p in self.params.items()}
+        self._scalars = None  # prepare()'s device tensor (ops.STEP_SCALARS)
         self.steps = 0  # step() calls so far (the schedule's clock)
         self.param_steps = {k: 0 for k in self.params}  # updates each parameter has taken
 
@@ -119,6 +120,56 @@ class AdamW:
                              eps=self.eps, weight_decay=self.weight_decay if self.decays(name) else 0.0,
                              step=self.param_steps[name], grad_scale=float(grad_scale),
                              p_lowp=None if self._lowp is None else self._lowp[name])
+
+    # -- a step whose values live in device memory (a captured graph replays it) ------------
+    def prepare(self, lr: Optional[float] = None, grad_scale: float = 1.0) -> Tensor:
+        """Write the next step's values into ``scalars`` (``ops.STEP_SCALARS``: lr, the bias
+        corrections of step ``steps + 1``, ``grad_scale``; the norm slot NaN) and return it,
+        for ``update``. Every parameter must have taken the same number of steps (the
+        corrections are shared); a ConfigError says which did not.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> opt = AdamW({"w": fm.zeros((2, 2))}, lr=0.1, betas=(0.9, 0.99))
+        >>> [round(x, 4) for x in opt.prepare().numpy().tolist()[:3]]
+        [0.1, 0.1, 0.01]
+        """
+        counts = set(self.param_steps.values())
+        if len(counts) != 1:
+            late = sorted(k for k, n in self.param_steps.items() if n != max(counts))[:3]
+            raise ConfigError(f"AdamW.prepare: parameters have taken different numbers of steps "
+                              f"({min(counts)}..{max(counts)}; e.g. {late}): a step with shared "
+                              "bias corrections needs them equal; use step()")
+        step = counts.pop() + 1
+        b1, b2 = self.betas
+        values = np.array([self.lr if lr is None else float(lr), 1.0 - b1 ** step, 1.0 - b2 ** step,
+                           float(grad_scale), float("nan"), float(step)], np.float64)
+        first = next(iter(self.params.values()))
+        if self._scalars is None:
+            self._scalars = tensor(values, device=first.device)
+        else:
+            ops.assign(self._scalars, values)
+        return self._scalars
+
+    def update(self, grads: dict, scalars: Tensor) -> None:
+        """The update of every parameter with the values in ``scalars`` (``prepare``'s, the
+        factor perhaps rewritten by ``ops.clip_scale``): launches only, nothing read back, so
+        it can be captured. Call ``advance()`` once the step is known to have been taken.
+        Every parameter needs a gradient."""
+        b1, b2 = self.betas
+        for name, p in self.params.items():
+            g = grads.get(name)
+            if g is None:
+                raise ConfigError(f"AdamW.update: no gradient for {name}; a captured step updates "
+                                  "every parameter (use step())")
+            ops.adamw_update(p, g, self.m[name], self.v[name], beta1=b1, beta2=b2, eps=self.eps,
+                             weight_decay=self.weight_decay if self.decays(name) else 0.0,
+                             scalars=scalars, p_lowp=None if self._lowp is None else self._lowp[name])
+
+    def advance(self) -> None:
+        """Count a step taken through ``update`` (the host's step counters)."""
+        self.steps += 1
+        for k in self.param_steps:
+            self.param_steps[k] += 1
 
     def state_dict(self) -> dict:
         """Moments as NumPy (``m``, ``v``: name -> array), the step counts and hyper-parameters.
@@ -195,16 +246,17 @@ def cosine_lr(step: int, max_lr: float, warmup: int, max_steps: int, min_lr: flo
     return min_lr + coeff * (max_lr - min_lr)
 
 
-def grad_norm(grads: dict, grad_scale: float = 1.0) -> float:
-    """Global L2 norm of ``grad_scale * g`` over every (non-None) gradient: one ``ops.sumsq``
-    per tensor, summed on the device, one host sync.
+def grad_sumsq(grads: dict):
+    """The sum of every (non-None) gradient's squares: ``(host float, device 0-d Tensor or
+    None)``: one ``ops.sumsq`` per tensor; sums on a device are added there (no wait), sums in
+    host memory come back for free and add in float64.
 
     >>> import numpy as np, forge_ml as fm
-    >>> grad_norm({"a": fm.tensor(np.array([3.0], np.float32)), "b": fm.tensor(np.array([4.0], np.float32))})
-    5.0
+    >>> grad_sumsq({"a": fm.tensor(np.array([3.0], np.float32))})
+    (9.0, None)
     """
-    host = 0.0        # host memory: each 0-d sum comes back for free, add in float64
-    dev = None        # a device: add the 0-d sums there, sync once at the end
+    host = 0.0
+    dev = None
     for g in grads.values():
         if g is None:
             continue
@@ -213,8 +265,38 @@ def grad_norm(grads: dict, grad_scale: float = 1.0) -> float:
             host += s.item()
         else:
             dev = s if dev is None else ops.add(dev, s)
+    return host, dev
+
+
+def grad_norm(grads: dict, grad_scale: float = 1.0) -> float:
+    """Global L2 norm of ``grad_scale * g`` over every (non-None) gradient: one ``ops.sumsq``
+    per tensor, summed on the device, one host sync.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> grad_norm({"a": fm.tensor(np.array([3.0], np.float32)), "b": fm.tensor(np.array([4.0], np.float32))})
+    5.0
+    """
+    host, dev = grad_sumsq(grads)
     sq = host + (0.0 if dev is None else dev.item())
     return abs(float(grad_scale)) * math.sqrt(sq) if math.isfinite(sq) else float("nan")
+
+
+def clip_on_device(grads: dict, max_norm: float, scalars: Tensor, grad_scale: float = 1.0,
+                   check: Optional[Tensor] = None) -> None:
+    """``clip_grad_norm`` without a host wait: the norm and the factor go into ``scalars``
+    (``ops.clip_scale``), which ``AdamW.update`` reads; a non-finite norm or ``check`` (the
+    loss) makes the update skip. Gradients on one device.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> opt = AdamW({"g": fm.zeros(2)}); s = opt.prepare()
+    >>> clip_on_device({"g": fm.tensor(np.array([3.0, 4.0], np.float32))}, 1.0, s)
+    >>> [round(x, 6) for x in s.numpy()[3:5].tolist()]
+    [0.2, 5.0]
+    """
+    host, dev = grad_sumsq(grads)
+    if dev is None:     # host memory: the float64 sum, as clip_grad_norm has it
+        dev = tensor(np.array(host, np.float64), device=scalars.device)
+    ops.clip_scale(dev, scalars, max_norm, grad_scale, check)
 
 
 def clip_grad_norm(grads: dict, max_norm: float, grad_scale: float = 1.0) -> tuple:

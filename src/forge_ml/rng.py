@@ -80,3 +80,17 @@ def dropout_keep(seed: int, n: int, p: float) -> np.ndarray:
 def dropout_scale(p: float) -> np.float32:
     """The inverted-dropout scale 1/(1-p), rounded once to float32 (the same on every backend)."""
     return np.float32(1.0 / (1.0 - p))
+
+
+def mix(seed: int, site: int) -> int:
+    """A distinct 64-bit stream per (step seed, dropout site): splitmix64's finalizer over
+    ``seed * 0x9E3779B97F4A7C15 + site + 1`` (mod 2**64). The GPU computes the same from a
+    seed in device memory (``ops.SeedAt``).
+
+    >>> mix(0, 0), mix(0, 1) != mix(0, 0)
+    (6238072747940578789, True)
+    """
+    z = (int(seed) * 0x9E3779B97F4A7C15 + int(site) + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)

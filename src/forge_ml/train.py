@@ -62,7 +62,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import ops
+from . import flags, ops
 from .autograd import Tape
 from .checkpoint import check_architecture, load_checkpoint, pack_tensors, save_checkpoint, unpack_tensors
 from .data import DataLoader, default_corpus, load_text, prepare, read_shard
@@ -75,6 +75,7 @@ from .inference.load import CKPT_NAME
 from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
 from .optim import AdamW, clip_grad_norm, cosine_lr
 from .runs import LOCK_NAME, RunError, RunLock, cannot_write, read_log, replace_file  # noqa: F401 (LOCK_NAME: the old import path)
+from .step import TrainStep
 from .tensor import device_has, synchronize, tensor
 from .tokenizer import load_tokenizer, tokenizer_from_dict
 
@@ -390,6 +391,9 @@ class Trainer:
         self.losses: list = []        # this process's per-step training losses
         self.val_loss: Optional[float] = None
         self.val_kind: Optional[str] = None
+        self._fast = None           # the captured step (step.TrainStep) on a graph-capable device
+        self._fast_key = None
+        self._said_eager = False
         self.lock = RunLock(self.out_dir)
         self.lock.acquire()
         try:
@@ -736,6 +740,9 @@ class Trainer:
         cfg, step = self.cfg, self.step
         t0 = time.perf_counter()
         lr = cosine_lr(step, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr)
+        fast = self._fast_step()
+        if fast is not None:
+            return self._graph_step(fast, lr, t0)
         loader_state = self.train_loader.state_dict()
         batches = []
         self._phase = "step"
@@ -775,6 +782,61 @@ class Trainer:
         self.elapsed += dt
         tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
+                "tokens_per_s": tokens / dt, "time": round(self.elapsed, 4), "dt_ms": round(dt * 1e3, 3)}
+
+    def _fast_step(self):
+        """The step as one device graph (``step.TrainStep``) where the device captures graphs
+        and FORGE_TRAIN_GRAPH is on; None for the op-by-op step. Rebuilt when the model's or
+        the optimizer's tensors were replaced (a checkpoint loaded)."""
+        if not (device_has(self.device, "graphs") and flags.on("FORGE_TRAIN_GRAPH")):
+            return None
+        key = (id(self.opt.m), id(self.opt.v), tuple(id(t) for t in self.model.params.values()),
+               tuple(id(t) for t in self.opt.params.values()))
+        if self._fast is None or key != self._fast_key:
+            cfg = self.cfg
+            self._fast = TrainStep(self.model, self.opt, cfg.batch_size, cfg.block_size,
+                                   cfg.grad_accum, cfg.grad_clip, graph=True)
+            self._fast_key = key
+        return self._fast
+
+    def _graph_step(self, fast, lr: float, t0: float) -> dict:
+        """``train_step`` through ``fast``: the same step, its values written to the device
+        first, replayed as one graph. A loss or norm that is not finite has updated nothing."""
+        cfg, step = self.cfg, self.step
+        loader_state = self.train_loader.state_dict()
+        batches = [self.train_loader.next_batch() for _ in range(cfg.grad_accum)]
+        seeds = [dropout_seed(cfg.seed, step, micro) for micro in range(cfg.grad_accum)]
+        self._phase = "update"
+        try:
+            res = fast.run(batches, seeds, lr)
+        except KeyboardInterrupt:
+            self.train_loader.load_state_dict(loader_state)
+            raise
+        finally:
+            self._phase = None
+        if fast.why_eager and not self._said_eager:
+            self._said_eager = True
+            self._say(f"note: the training step runs op by op: {fast.why_eager}")
+        if not res.taken:
+            dev = [(tensor(x, device=self.device), tensor(y, device=self.device)) for x, y in batches]
+            bad = [i for i, v in enumerate(res.losses) if not math.isfinite(v)]
+            if bad:
+                micro = bad[0]
+                raise TrainingError(f"the loss is {res.losses[micro]} at step {step + 1}"
+                                    + (f" (micro-step {micro + 1})" if cfg.grad_accum > 1 else "")
+                                    + f"; {self._origin(step, dev[micro:micro + 1], micro)}; stopping. "
+                                    f"{self._last_good()}")
+            loss = sum(res.losses) / cfg.grad_accum
+            raise TrainingError(f"the gradient norm is {res.norm} at step {step + 1} (loss {loss:.4f}); "
+                                f"{self._origin(step, dev, 0)}; stopping. {self._last_good()}")
+        loss_sum = 0.0
+        for v in res.losses:
+            loss_sum += v
+        self.step += 1
+        dt = time.perf_counter() - t0
+        self.elapsed += dt
+        tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum
+        return {"step": self.step, "loss": loss_sum / cfg.grad_accum, "lr": lr, "grad_norm": res.norm,
                 "tokens_per_s": tokens / dt, "time": round(self.elapsed, 4), "dt_ms": round(dt * 1e3, 3)}
 
     def _origin(self, step: int, batches: list, micro0: int, grads: Optional[dict] = None) -> str:

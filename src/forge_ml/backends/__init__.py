@@ -55,10 +55,14 @@ class Backend:
                 self.composed.append(n)
         for cap, default in contract.CAPABILITIES.items():
             setattr(self, cap, bool(getattr(module, cap.upper(), default)))
-        for n in contract.OPTIONAL:
+        for n in contract.OPTIONAL + contract.GRAPH:
             setattr(self, n, getattr(module, n, None))
         if self.graphs and not callable(self.capture_graph):
             raise DeviceError(f"backend {name!r} says it captures graphs but has no capture_graph")
+        lacking = [n for n in contract.GRAPH if not callable(getattr(self, n))]
+        if self.graphs and not self.host_memory and lacking:
+            raise DeviceError(f"backend {name!r} captures graphs of device memory but lacks "
+                              f"{', '.join(lacking)} (contract.GRAPH)")
 
     def __getattr__(self, item):  # only for names not set above: the module's own helpers
         return getattr(self.module, item)

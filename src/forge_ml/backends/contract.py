@@ -132,8 +132,9 @@ class CoreKernels(Protocol):
     def cross_entropy(self, logits, targets, vocab_size: int) -> Array:
         """0-d mean over rows of ``logsumexp(l[:V]) - l[target]``."""
 
-    def cross_entropy_bwd(self, logits, targets, dloss: float, vocab_size: int) -> Array:
-        """``dloss * (softmax(l[:V]) - onehot) / N``, zero past V."""
+    def cross_entropy_bwd(self, logits, targets, dloss, vocab_size: int) -> Array:
+        """``dloss * (softmax(l[:V]) - onehot) / N``, zero past V. ``dloss``: a float, or
+        (a backend without ``host_memory``) a one-element array of the device, read there."""
 
     def adamw_update(self, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step,
                      grad_scale, p_lowp=None) -> None:
@@ -193,6 +194,13 @@ FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd", "li
          "decode_attention", "greedy_next", "sample_next")
 CAPABILITIES = {"bf16": False, "graphs": False, "host_memory": False}
 """Capability -> the value a backend that does not declare it is taken to have."""
+GRAPH = ("dropout_at", "adamw_update_at", "clip_scale")
+"""What a training step captured as a graph reads from device memory instead of host scalars
+(``ops.SeedAt``, ``ops.STEP_SCALARS``); a backend with ``graphs`` and without ``host_memory``
+must have them (where arrays are host memory, ops read the values and call the plain op):
+``dropout_at(x, p, base, site)``, ``adamw_update_at(p, g, m, v, beta1, beta2, eps,
+weight_decay, scalars, p_lowp=None)``, ``clip_scale(sumsq, check, scalars, max_norm,
+grad_scale)``."""
 OPTIONAL = ("capture_graph", "select", "start")
 """Members only some backends have: ``capture_graph(fn)`` where ``graphs``; ``select(index)``
 makes device ``index`` current (several devices of one type); ``start()`` runs once at load

@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .. import ops
+from .. import ops, rng
 from ..autograd import Tape
 from ..device import Device
 from ..errors import ConfigError, ShapeError
@@ -190,12 +190,10 @@ def _head(params: dict, cfg: "GPT2Config"):
     return params["wte.weight"] if cfg.tied_head else params["lm_head.weight"]
 
 
-def _mix(seed: int, site: int) -> int:
-    """A distinct 64-bit dropout stream per (step seed, dropout site): splitmix64's finalizer."""
-    z = (seed * 0x9E3779B97F4A7C15 + site + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return z ^ (z >> 31)
+def _seed(seed, site: int):
+    """Dropout site ``site``'s seed: ``rng.mix(seed, site)``, or ``ops.SeedAt`` for a seed held in
+    device memory (a captured training step's, rewritten before each replay)."""
+    return ops.SeedAt(seed, site) if isinstance(seed, Tensor) else rng.mix(seed, site)
 
 
 def _params_kw(where: str, kw: dict) -> None:
@@ -277,7 +275,7 @@ class GPT2:
 
     # -- training forward on the tape ----------------------------------------------------
     def forward(self, tape: Tape, ids: Tensor, targets: Optional[Tensor] = None, *,
-                train: bool = True, dropout_seed: int = 0,
+                train: bool = True, dropout_seed=0,
                 fused_attention: Optional[bool] = None, **kw):
         """The forward over ``ids (B, T)``, recorded on ``tape``.
 
@@ -308,7 +306,7 @@ class GPT2:
         site = iter(range(1 << 30))
 
         def drop(x):
-            return tape.dropout(x, p_drop, _mix(dropout_seed, next(site))) if p_drop else x
+            return tape.dropout(x, p_drop, _seed(dropout_seed, next(site))) if p_drop else x
 
         x = tape.embedding(ids, leaves["wte.weight"], leaves["wpe.weight"], 0)  # (B, T, C)
         x = drop(tape.reshape(x, B * T, C))                                      # (B*T, C)
@@ -341,10 +339,24 @@ class GPT2:
 
     def loss_and_grads(self, ids: Tensor, targets: Tensor, **kw):
         """One forward and backward: ``(loss as float, {name: grad Tensor})``."""
+        loss, grads = self.grads(ids, targets, **kw)
+        return loss.item(), grads
+
+    def grads(self, ids: Tensor, targets: Tensor, **kw):
+        """One forward and backward that never waits for the device: ``(loss as a 0-d Tensor,
+        {name: grad Tensor})``. ``kw`` as ``forward``'s (``dropout_seed`` may be a one-element
+        int64 Tensor: see ``ops.SeedAt``).
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+        >>> from forge_ml import tensor
+        >>> loss, g = GPT2.init(cfg).grads(tensor([[1, 2]]), tensor([[2, 3]]))
+        >>> loss.shape, g["wte.weight"].shape
+        ((), (10, 4))
+        """
         tape = Tape()
         _, loss, leaves = self.forward(tape, ids, targets, **kw)
         tape.backward(loss)
-        return loss.t.item(), {k: tape.grad(v) for k, v in leaves.items()}
+        return loss.t, {k: tape.grad(v) for k, v in leaves.items()}
 
     def logits(self, ids: Tensor, **kw) -> Tensor:
         """Full-sequence logits ``(B, T, V)`` (padding columns dropped), no KV cache, no

@@ -44,7 +44,8 @@ from .layout import (embedding, merge_heads, scatter_add_rows, split_heads, unme
 from .linear import linear, matmul
 from .memory import (assign, cast, copy, from_host, pinned_empty, to_host, to_host_async,
                      zeros)
-from .pointwise import adamw_update, add, dropout, gelu, gelu_bwd
+from .pointwise import (adamw_update, adamw_update_at, add, clip_scale, dropout, dropout_at, gelu,
+                        gelu_bwd)
 from .rows import (cross_entropy, cross_entropy_bwd, layernorm, layernorm_bwd, logsumexp,
                    softmax, softmax_bwd, sum_rows, sumsq)
 from .runtime import (_pdl_wrote, compile_source, device_name, kernel_source, select,
@@ -65,6 +66,7 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout", "cross_entropy",
     "cross_entropy_bwd", "adamw_update", "attention", "attention_bwd", "attention_qkv",
     "attention_qkv_bwd", "linear", "decode_attention", "greedy_next", "sample_next",
+    "dropout_at", "adamw_update_at", "clip_scale",
     # private, for the GPU tests and benchmarks
     "_attention_composed", "_attention_bwd_composed", "_flash_wanted", "_qkv_flash_ok",
     "_pdl_wrote",

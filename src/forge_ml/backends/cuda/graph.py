@@ -6,6 +6,7 @@ calls libcublas directly.
 """
 from __future__ import annotations
 
+from ...errors import CaptureError
 from .runtime import _guarded, cupy
 
 
@@ -20,6 +21,7 @@ class CapturedGraph:
 
     def __init__(self, graph, outputs, pool):
         self._graph, self.outputs, self._pool = graph, outputs, pool
+        self.first = None   # capture_graph(run_first=True): what the eager run returned
 
     @_guarded
     def replay(self) -> None:
@@ -28,25 +30,41 @@ class CapturedGraph:
 
 
 @_guarded
-def capture_graph(fn) -> CapturedGraph:
+def capture_graph(fn, run_first: bool = False) -> CapturedGraph:
     """Capture the GPU work of ``fn()`` into a CUDA graph (``CapturedGraph``).
 
     ``fn`` must queue device work only: nothing that waits for the GPU or reads a value back
-    (that is an error during a capture). Run it once eagerly first, so every kernel it
-    needs is compiled and loaded. The capture runs on a private stream in relaxed mode, its
-    allocations from a private pool.
+    (that is an error during a capture). Every kernel it launches must be compiled and loaded
+    first: run it once eagerly before, or ask for ``run_first``, which runs it once for real
+    in the graph's own memory pool and then captures it (``first``: what that run returned),
+    so the warm-up's memory is the graph's, not held twice. The capture runs on a private
+    stream in relaxed mode, its allocations from a private pool.
     """
     pool = cupy.cuda.MemoryPool()
     stream = cupy.cuda.Stream(non_blocking=True)
-    with stream, cupy.cuda.using_allocator(pool.malloc):
-        stream.begin_capture()
-        try:
-            outputs = fn()
-        except BaseException:
+    first = None
+    with cupy.cuda.using_allocator(pool.malloc):
+        if run_first:
+            stream.wait_event(cupy.cuda.get_current_stream().record())
+            with stream:
+                first = fn()
+        with stream:
+            stream.begin_capture()
             try:
-                stream.end_capture()
-            except Exception:  # the capture may be invalid already; the first error is the one
-                pass
-            raise
-        graph = stream.end_capture()
-    return CapturedGraph(graph, outputs, pool)
+                outputs = fn()
+            except BaseException as e:
+                try:
+                    stream.end_capture()
+                except Exception:  # the capture may be invalid already; the first error is the one
+                    pass
+                if not run_first or not isinstance(e, Exception):
+                    raise
+                cupy.cuda.get_current_stream().wait_event(stream.record())
+                raise CaptureError(f"graph capture failed after the real run: {type(e).__name__}: {e}",
+                                   first=first, keep=pool) from e
+            graph = stream.end_capture()
+        if run_first:   # the current stream's next work (reading `first`) follows the run
+            cupy.cuda.get_current_stream().wait_event(stream.record())
+    captured = CapturedGraph(graph, outputs, pool)
+    captured.first = first
+    return captured

@@ -68,13 +68,31 @@ def dropout(x, p, seed):
     return y
 
 
+@_guarded
+def dropout_at(x, p, base, site):
+    """``dropout`` with the seed ``rng.mix(base[0], site)`` read from device memory (``base``:
+    one int64), so that a captured graph's replays draw the masks of the seed written last."""
+    x = _c(x)
+    p = float(p)
+    if base.dtype != np.int64 or base.size != 1:
+        raise ShapeError(f"dropout_at: base must be one int64, got {base.shape} {base.dtype}")
+    if p >= 1.0:
+        return zeros(x.shape, x.dtype.name)
+    y = _empty(x.shape, x.dtype)
+    n = x.size
+    if n:
+        scale = _rng.dropout_scale(p)
+        _launch("dropout", f"dropout_at_{_float_sfx(x)}", _grid((n + 3) // 4), _THREADS,
+                (x, y, _i64(n), base, np.uint64(site), np.float32(p), _acc(x.dtype, float(scale))))
+    return y
+
+
 # ----------------------------------------------------------------------------------------------
 # AdamW
 # ----------------------------------------------------------------------------------------------
 
-@_guarded
-def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0,
-                 p_lowp=None):
+def _adamw_arrays(p, g, m, v, p_lowp):
+    """The checks both AdamW launchers make; returns g in the kernel's dtype."""
     for name, arr in (("p", p), ("m", m), ("v", v)):
         if not arr.flags.c_contiguous:
             raise ShapeError(f"adamw_update: {name} must be C-contiguous (updated in place)")
@@ -90,14 +108,21 @@ def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, grad_sca
         g = _like(g, F64)
     elif g.dtype not in (F32, BF16):
         g = _like(g, F32)
+    if p_lowp is not None and (p_lowp.dtype != BF16 or p_lowp.size != p.size
+                               or not p_lowp.flags.c_contiguous):
+        raise ShapeError(f"adamw_update: p_lowp must be a contiguous bfloat16 array of "
+                         f"{p.size} elements, got {p_lowp.shape} {p_lowp.dtype}")
+    return g
+
+
+@_guarded
+def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0,
+                 p_lowp=None):
+    g = _adamw_arrays(p, g, m, v, p_lowp)
     step = int(step)
     if step < 1:
         raise ValueError(f"adamw_update: step is 1-based, got {step}")
     has_lowp = p_lowp is not None
-    if has_lowp and (p_lowp.dtype != BF16 or p_lowp.size != p.size
-                     or not p_lowp.flags.c_contiguous):
-        raise ShapeError(f"adamw_update: p_lowp must be a contiguous bfloat16 array of "
-                         f"{p.size} elements, got {p_lowp.shape} {p_lowp.dtype}")
     if p.size == 0:
         return None
     bc1 = 1.0 - float(beta1) ** step
@@ -108,3 +133,36 @@ def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, grad_sca
              s(lr), s(beta1), s(beta2), s(eps), s(weight_decay), s(bc1), s(bc2),
              s(grad_scale)))
     return None
+
+
+@_guarded
+def adamw_update_at(p, g, m, v, beta1, beta2, eps, weight_decay, scalars, p_lowp=None):
+    """``adamw_update`` with lr, the bias corrections and grad_scale read from ``scalars``
+    (float64, ``ops.STEP_SCALARS``' layout) in device memory; skipped when its grad_scale is
+    not finite."""
+    g = _adamw_arrays(p, g, m, v, p_lowp)
+    if scalars.dtype != F64 or scalars.size < 6 or not scalars.flags.c_contiguous:
+        raise ShapeError(f"adamw_update_at: scalars must be 6 contiguous float64, got "
+                         f"{scalars.shape} {scalars.dtype}")
+    if p.size == 0:
+        return None
+    has_lowp = p_lowp is not None
+    s = (lambda x: np.float64(x)) if p.dtype == F64 else (lambda x: np.float32(x))
+    _launch("adamw", f"adamw_update_at_{_SFX[p.dtype]}_{_SFX[g.dtype]}", _grid(p.size), _THREADS,
+            (p, g, m, v, p_lowp if has_lowp else p, _i32(int(has_lowp)), _i64(p.size), scalars,
+             s(beta1), s(beta2), s(eps), s(weight_decay)))
+    return None
+
+
+@_guarded
+def clip_scale(sumsq, check, scalars, max_norm, grad_scale):
+    """``ops.clip_scale`` in one thread: the norm and the clip factor into ``scalars``."""
+    if sumsq.dtype not in (F32, F64) or sumsq.size != 1:
+        raise DTypeError(f"clip_scale: sumsq must be one float32 or float64, got {sumsq.shape} {sumsq.dtype}")
+    if check is not None and (check.dtype != sumsq.dtype or check.size != 1):
+        raise DTypeError(f"clip_scale: check must be one {sumsq.dtype}, got {check.shape} {check.dtype}")
+    if scalars.dtype != F64 or scalars.size < 6 or not scalars.flags.c_contiguous:
+        raise ShapeError(f"clip_scale: scalars must be 6 contiguous float64, got {scalars.shape} {scalars.dtype}")
+    _launch("adamw", f"clip_scale_{_SFX[sumsq.dtype]}", (1,), (1,),
+            (_c(sumsq), _c(sumsq) if check is None else _c(check), _i32(int(check is not None)),
+             scalars, np.float64(max_norm), np.float64(grad_scale)))

@@ -1,0 +1,148 @@
+"""The training step as one piece of device work: every micro-batch's forward and backward,
+the gradient clipping and the AdamW update, with each value that changes from one step to the
+next (the batches, the dropout seeds, the learning rate, AdamW's bias corrections) written
+into device memory first. The step then never waits for the device inside, and where the
+backend captures graphs (``graph.capture``) it is recorded once and replayed: one launch per
+step instead of a host call per kernel, which is what bounds small models.
+
+The eager step (``Trainer.train_step`` without a ``TrainStep``, or ``TrainStep(graph=False)``)
+computes the same thing bit for bit: the same ops in the same order, the kernels reading
+from device memory the values the host would have passed. A step whose loss or gradient norm
+is not finite updates nothing (``ops.clip_scale`` writes NaN as the factor, and the AdamW
+kernels skip), so the caller can stop with the model untouched, as the eager step does.
+
+>>> import numpy as np, forge_ml as fm
+>>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+>>> model = GPT2.init(GPT2Config(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8))
+>>> opt = fm.optim.AdamW(model.params, lr=1e-2)
+>>> step = TrainStep(model, opt, batch=2, block=8, accum=1, max_norm=1.0)
+>>> x = np.arange(16).reshape(2, 8) % 16
+>>> out = step.run([(x, (x + 1) % 16)], seeds=[0], lr=1e-2)
+>>> out.taken, opt.steps, step.mode
+(True, 1, 'eager')
+"""
+from __future__ import annotations
+
+import math
+from typing import List, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from . import graph as _graph
+from . import ops
+from .errors import CaptureError, ShapeError
+from .optim import AdamW, clip_on_device
+from .tensor import zeros
+
+
+class StepResult(NamedTuple):
+    """What one step gives back: each micro-batch's loss, the gradient norm (of the averaged
+    gradients, before clipping) and whether the update was taken."""
+    losses: List[float]
+    norm: float
+    taken: bool
+
+
+class TrainStep:
+    """One optimizer step over ``accum`` micro-batches of ``(batch, block)`` token ids.
+
+    ``graph``: capture the step as a graph where the device's backend can (the first ``run``
+    runs for real, compiling every kernel, and is then captured; every later run replays).
+    ``mode`` says which ran last (``"eager"`` or ``"graph"``); ``why_eager`` why a wanted
+    graph is not used (a capture that failed: the step stays eager, nothing is lost).
+    """
+
+    def __init__(self, model, opt: AdamW, batch: int, block: int, accum: int = 1,
+                 max_norm: float = 1.0, graph: bool = False):
+        if batch < 1 or block < 1 or accum < 1:
+            raise ShapeError(f"TrainStep: batch, block and accum must be >= 1, got {batch}, {block}, {accum}")
+        self.model, self.opt = model, opt
+        self.shape, self.accum, self.max_norm = (int(batch), int(block)), int(accum), float(max_norm)
+        dev = next(iter(opt.params.values())).device
+        self.device = dev
+        self.xs = [zeros(self.shape, "int64", dev) for _ in range(accum)]
+        self.ys = [zeros(self.shape, "int64", dev) for _ in range(accum)]
+        self.seeds = [zeros((1,), "int64", dev) for _ in range(accum)]
+        self.want_graph = bool(graph) and _graph.available(dev)
+        self.why_eager: Optional[str] = None if self.want_graph or not graph else \
+            f"the {dev.type} backend cannot capture graphs"
+        self._graph = None
+        self.mode = "eager"
+        self.capture_error: Optional[BaseException] = None   # why the capture failed, if it did
+        self._keep = None      # the memory a failed capture's real run left its tensors in
+        lowp = opt.lowp
+        self._accum_f32 = self.accum > 1 and lowp is not None   # bf16 grads add up in float32
+
+    # -- the work -----------------------------------------------------------------------------
+    def _work(self):
+        """Queue the whole step on the device; returns the micro-batches' 0-d losses."""
+        scalars = self.opt._scalars
+        acc, losses = None, []
+        for i in range(self.accum):
+            loss, grads = self.model.grads(self.xs[i], self.ys[i], dropout_seed=self.seeds[i])
+            if self._accum_f32:
+                grads = {k: g.to("float32") for k, g in grads.items()}
+            acc = grads if acc is None else {k: ops.add(acc[k], g) for k, g in grads.items()}
+            losses.append(loss)
+        check = losses[0]
+        for loss in losses[1:]:
+            check = ops.add(check, loss)
+        clip_on_device(acc, self.max_norm, scalars, grad_scale=1.0 / self.accum, check=check)
+        self.opt.update(acc, scalars)
+        return tuple(losses)
+
+    def _load(self, batches: Sequence, seeds: Sequence[int], lr: float) -> None:
+        if len(batches) != self.accum or len(seeds) != self.accum:
+            raise ShapeError(f"TrainStep.run: expected {self.accum} micro-batches and seeds, got "
+                             f"{len(batches)} and {len(seeds)}")
+        for i, (x, y) in enumerate(batches):
+            x, y = np.asarray(x), np.asarray(y)
+            if x.shape != self.shape or y.shape != self.shape:
+                raise ShapeError(f"TrainStep.run: micro-batch {i} is {x.shape}/{y.shape}; this "
+                                 f"step was built for {self.shape}")
+            ops.assign(self.xs[i], x)
+            ops.assign(self.ys[i], y)
+            ops.assign(self.seeds[i], np.array([int(seeds[i])], np.uint64).view(np.int64))
+        self.opt.prepare(lr, grad_scale=1.0 / self.accum)
+
+    def run(self, batches: Sequence, seeds: Sequence[int], lr: float) -> StepResult:
+        """One step: ``batches`` are ``accum`` pairs of host ``(ids, targets)`` arrays,
+        ``seeds`` the micro-batches' dropout seeds (``train.dropout_seed``). Waits for the
+        step to finish and reads back the losses and the norm. ``taken`` False: a loss or the
+        norm was not finite and nothing was updated (the optimizer's step count too)."""
+        self._load(batches, seeds, lr)
+        losses = None
+        if self.want_graph and self._graph is None:
+            losses = self._capture()        # the first step runs for real, then is captured
+            self.mode = "eager"
+        elif self._graph is not None:
+            self._graph.replay()
+            losses, self.mode = self._graph.outputs, "graph"
+        if losses is None:
+            losses, self.mode = self._work(), "eager"
+        values = [float(t.item()) for t in losses]
+        s = self.opt._scalars.numpy()
+        taken = math.isfinite(float(s[3]))
+        if taken:
+            self.opt.advance()
+        return StepResult(values, float(s[4]), taken)
+
+    def _capture(self):
+        """Run the step for real and capture it (``graph.capture(run_first=True)``); returns
+        that run's losses. A capture that fails leaves the step eager from then on (why in
+        ``why_eager``); the real run's work stands, so nothing is done twice."""
+        try:
+            self._graph = _graph.capture(self.device, self._work, run_first=True)
+            return self._graph.first
+        except CaptureError as e:   # e.g. an op that waits for the device
+            self.capture_error, self._keep = e.__cause__ or e, e.keep
+            self.want_graph = False
+            cause = e.__cause__ or e
+            self.why_eager = f"capture failed ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})"
+            return e.first
+
+    def forget(self) -> None:
+        """Drop the captured graph (its memory too); the next runs capture again. Needed after
+        anything replaces the model's or the optimizer's tensors (a checkpoint loaded)."""
+        self._graph = None
+

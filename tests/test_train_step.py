@@ -1,0 +1,150 @@
+"""The training step with its per-step values in device memory (forge_ml.step.TrainStep), run
+eagerly on the CPU: bit for bit the trainer's op-by-op step, with dropout and gradient
+accumulation; a non-finite step updates nothing; the device-scalar forms of dropout, AdamW
+and clipping equal the host-scalar ones; the backend contract asks for them."""
+import math
+import types
+
+import numpy as np
+import pytest
+
+import forge_ml as fm
+from forge_ml import ops, rng
+from forge_ml.backends import Backend
+from forge_ml.errors import DeviceError, TrainingError
+from forge_ml.models.gpt2 import GPT2, GPT2Config
+from forge_ml.optim import AdamW, clip_grad_norm, clip_on_device
+from forge_ml.step import TrainStep
+from forge_ml.train import Trainer, dropout_seed
+
+from test_train import _cfg, text_file  # noqa: F401 (the fixture)
+
+CFG = GPT2Config(vocab_size=20, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
+
+
+def _pair(seed=3):
+    a, b = GPT2.init(CFG, seed=seed), GPT2.init(CFG, seed=seed)
+    return (a, AdamW(a.params, lr=3e-3)), (b, AdamW(b.params, lr=3e-3))
+
+
+def _batches(r, accum, B=3, T=8):
+    return [(r.integers(0, CFG.vocab_size, (B, T)), r.integers(0, CFG.vocab_size, (B, T)))
+            for _ in range(accum)]
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_step_equals_the_op_by_op_step_bit_for_bit(accum):
+    (m1, o1), (m2, o2) = _pair()
+    step = TrainStep(m2, o2, batch=3, block=8, accum=accum, max_norm=0.5)
+    r = np.random.default_rng(0)
+    for s in range(5):
+        batches = _batches(r, accum)
+        seeds = [dropout_seed(11, s, i) for i in range(accum)]
+        lr = 1e-3 * (s + 1)
+        # the trainer's op-by-op step
+        losses, acc = [], None
+        for (x, y), sd in zip(batches, seeds):
+            loss, g = m1.loss_and_grads(fm.tensor(x), fm.tensor(y), dropout_seed=sd)
+            losses.append(loss)
+            acc = g if acc is None else {k: ops.add(acc[k], v) for k, v in g.items()}
+        norm, scale = clip_grad_norm(acc, 0.5, grad_scale=1.0 / accum)
+        o1.step(acc, lr=lr, grad_scale=scale)
+        got = step.run(batches, seeds, lr)
+        assert got.taken and got.losses == losses and got.norm == norm
+        for k in m1.params:
+            np.testing.assert_array_equal(m1.params[k].numpy(), m2.params[k].numpy(), err_msg=k)
+            np.testing.assert_array_equal(o1.m[k].numpy(), o2.m[k].numpy(), err_msg=k)
+    assert o1.steps == o2.steps == 5 and o2.param_steps == o1.param_steps
+    assert norm > 0.5            # clipping was active, so the factor path was exercised
+
+
+def test_a_non_finite_step_updates_nothing():
+    (m, o), _ = _pair()
+    step = TrainStep(m, o, batch=3, block=8, max_norm=1.0)
+    r = np.random.default_rng(1)
+    step.run(_batches(r, 1), [1], 1e-3)
+    before = {k: v.numpy().copy() for k, v in m.params.items()}
+    moments = {k: v.numpy().copy() for k, v in o.v.items()}
+    bad = m.params["h.0.ln_1.weight"].numpy().copy()
+    bad[3] = np.nan
+    ops.assign(m.params["h.0.ln_1.weight"], bad)
+    before["h.0.ln_1.weight"] = bad
+    got = step.run(_batches(r, 1), [2], 1e-3)
+    assert not got.taken and math.isnan(got.losses[0])
+    assert o.steps == 1 and set(o.param_steps.values()) == {1}
+    for k, v in m.params.items():
+        np.testing.assert_array_equal(v.numpy(), before[k], err_msg=k)
+        np.testing.assert_array_equal(o.v[k].numpy(), moments[k], err_msg=k)
+
+
+def test_the_trainer_through_the_step_logs_what_the_op_by_op_trainer_logs(text_file, tmp_path, monkeypatch):
+    kw = dict(dropout=0.1, grad_accum=2, max_steps=5, grad_clip=0.05)
+    plain = Trainer(_cfg(text_file, tmp_path / "a", **kw), log=None)
+    out_a = plain.train()
+    fast = Trainer(_cfg(text_file, tmp_path / "b", **kw), log=None)
+    made = []
+
+    def fast_step():
+        if fast._fast is None:
+            c = fast.cfg
+            fast._fast = TrainStep(fast.model, fast.opt, c.batch_size, c.block_size, c.grad_accum, c.grad_clip)
+            made.append(fast._fast)
+        return fast._fast
+
+    monkeypatch.setattr(fast, "_fast_step", fast_step)
+    out_b = fast.train()
+    assert made and out_a["losses"] == out_b["losses"] and out_a["val_loss"] == out_b["val_loss"]
+    for k in plain.model.params:
+        np.testing.assert_array_equal(plain.model.params[k].numpy(), fast.model.params[k].numpy())
+    log = [ln for ln in (tmp_path / "b" / "log.jsonl").read_text().splitlines() if '"grad_norm"' in ln]
+    assert len(log) == 5
+
+
+def test_the_trainer_step_stops_on_a_nan_and_names_its_origin(text_file, tmp_path, monkeypatch):
+    t = Trainer(_cfg(text_file, tmp_path / "r", max_steps=3), log=None)
+    monkeypatch.setattr(t, "_fast_step", lambda: t._fast or setattr(t, "_fast", TrainStep(
+        t.model, t.opt, t.cfg.batch_size, t.cfg.block_size, 1, t.cfg.grad_clip)) or t._fast)
+    t.train_step()
+    w = t.model.params["wpe.weight"].numpy().copy()
+    w[:] = np.inf
+    ops.assign(t.model.params["wpe.weight"], w)
+    with pytest.raises(TrainingError, match="at step 2.*wpe|at step 2"):
+        t.train_step()
+    assert t.step == 1 and t.opt.steps == 1
+
+
+def test_device_scalar_forms_equal_the_host_forms():
+    r = np.random.default_rng(2)
+    x = fm.tensor(r.standard_normal(37).astype(np.float32))
+    base = fm.tensor(np.array([2**63 + 12345], np.uint64).view(np.int64))
+    for site in (0, 5):
+        want = ops.dropout(x, 0.3, rng.mix(2**63 + 12345, site)).numpy()
+        np.testing.assert_array_equal(ops.dropout(x, 0.3, ops.SeedAt(base, site)).numpy(), want)
+    grads = {"a": fm.tensor(r.standard_normal((4, 3)).astype(np.float32)),
+             "b": fm.tensor(r.standard_normal(5).astype(np.float32))}
+    for max_norm, gs in ((0.7, 0.5), (100.0, 1.0), (0.0, 0.25)):
+        opt = AdamW({"w": fm.zeros(2)})
+        s = opt.prepare(grad_scale=gs)
+        clip_on_device(grads, max_norm, s, grad_scale=gs)
+        norm, scale = clip_grad_norm(grads, max_norm, grad_scale=gs)
+        assert s.numpy()[3] == scale and s.numpy()[4] == norm
+    s = opt.prepare(grad_scale=1.0)
+    clip_on_device(grads, 1.0, s, check=fm.tensor(np.array(np.nan, np.float32)))
+    assert math.isnan(s.numpy()[3]) and math.isfinite(s.numpy()[4])
+
+
+def test_prepare_refuses_uneven_step_counts():
+    opt = AdamW({"w": fm.zeros((2, 2)), "b": fm.zeros(2)})
+    opt.step({"w": fm.zeros((2, 2)), "b": None})
+    with pytest.raises(fm.errors.ConfigError, match="different numbers of steps"):
+        opt.prepare()
+
+
+def test_a_graph_backend_of_device_memory_must_read_step_values_from_it():
+    import forge_ml.backends.cpu as cpu
+    fake = types.SimpleNamespace(**{n: getattr(cpu, n) for n in dir(cpu) if not n.startswith("__")})
+    fake.GRAPHS, fake.HOST_MEMORY, fake.capture_graph = True, False, lambda fn: None
+    with pytest.raises(DeviceError, match="dropout_at, adamw_update_at, clip_scale"):
+        Backend("fake", fake)
+    fake.dropout_at = fake.adamw_update_at = fake.clip_scale = lambda *a: None
+    assert Backend("fake", fake).graphs
