@@ -27,7 +27,7 @@ from forge_ml.distributed.comm import NcclCommunicator, ThreadGroup
 from forge_ml.distributed.launch import TCPStore, exchange_unique_id, process_env, spawn
 from forge_ml.distributed import trainer as dtrainer
 from forge_ml.distributed.trainer import train as dp_train
-from forge_ml.errors import ConfigError, DeviceError, ShapeError, TrainingError
+from forge_ml.errors import ConfigError, DeviceError, DTypeError, ShapeError, TrainingError
 from forge_ml.models.gpt2 import GPT2, GPT2Config
 from forge_ml.optim import AdamW, clip_grad_norm
 from forge_ml.train import RunLock, TrainConfig, Trainer, dropout_seed
@@ -425,7 +425,7 @@ def test_nccl_needs_cupy_and_says_so():
         launch.init_process_group(environ={})
 
 
-def test_spawn_sets_the_variables_and_stops_the_others_when_one_fails(tmp_path):
+def test_spawn_sets_the_variables_and_stops_the_others_when_one_fails(tmp_path, capsys):
     code = ("import json, os, sys; keys = ['RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT'];"
             f"open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w').write("
             "json.dumps({k: os.environ[k] for k in keys}))")
@@ -437,6 +437,13 @@ def test_spawn_sets_the_variables_and_stops_the_others_when_one_fails(tmp_path):
     fail = "import os, sys, time; r = int(os.environ['RANK']); time.sleep(60 if r == 0 else 0.2); sys.exit(r * 7)"
     assert spawn(2, [sys.executable, "-c", fail], grace=5) == 7
     assert time.monotonic() - t0 < 20    # rank 0 was terminated, not waited for
+    err = capsys.readouterr().err
+    assert "forge-ml: rank 1 of 2 (pid " in err and "exited with status 7; stopping the other 1 rank(s)" in err
+    kill = ("import os, signal, time; "
+            "os.kill(os.getpid(), signal.SIGKILL) if os.environ['RANK'] == '0' else time.sleep(60)")
+    assert spawn(2, [sys.executable, "-c", kill], grace=5) == 137
+    err = capsys.readouterr().err
+    assert "rank 0 of 2 (pid " in err and "was killed by SIGKILL; stopping the other 1 rank(s)" in err
 
 
 def test_a_signal_on_rank_zero_saves_and_releases_the_workers(tmp_path, monkeypatch):
@@ -478,3 +485,248 @@ def test_closing_rank_zero_without_training_releases_the_workers(tmp_path):
         return dtrainer.Worker(comm).run()
 
     assert launch.threads(3, rank, timeout=20) == ["closed", {"step": 0, "losses": []}, {"step": 0, "losses": []}]
+
+
+def test_out_of_place_all_reduce_and_broadcast_leave_x_alone():
+    def rank(comm):
+        r = comm.rank
+        x = np.array([r + 1.0, 10.0 * r], np.float32)
+        out = np.full(2, np.nan, np.float32)
+        comm.all_reduce(x, "sum", out=out)
+        avg = np.full(2, np.nan, np.float32)
+        comm.all_reduce(x, "avg", out=avg)
+        b = np.full(2, np.nan, np.float32)
+        comm.broadcast(x, root=1, out=b)
+        return x.tolist(), out.tolist(), avg.tolist(), b.tolist()
+
+    for r, (x, s, a, b) in enumerate(launch.threads(3, rank)):
+        assert x == [r + 1.0, 10.0 * r]
+        assert s == [6.0, 30.0] and a == [2.0, 10.0] and b == [2.0, 10.0]
+    c = ThreadGroup(1, timeout=5).communicator(0)
+    with pytest.raises(ShapeError, match="out must hold as many elements as x"):
+        c.all_reduce(np.ones(3), out=np.ones(2))
+
+
+# ---------------------------------------------------------------------------------------------
+# NcclCommunicator against a stand-in for CuPy's NCCL module (no GPU): CuPy's call signatures,
+# NCCL's semantics on host memory (pointers, counts in elements of the NCCL type, the in-place
+# rules), ranks as threads. What it checks is the plumbing: argument order, counts, types,
+# pointers and the in-place positions; NCCL itself runs in tests/test_cuda_distributed.py.
+
+
+class _FakeNcclError(RuntimeError):
+    pass
+
+
+_NP_OF_NCCL = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64,
+               6: np.float16, 7: np.float32, 8: np.float64}
+
+
+def _host_view(ptr: int, count: int, dtype):
+    import ctypes
+    nbytes = count * np.dtype(dtype).itemsize
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=dtype) if nbytes else np.zeros(0, dtype)
+
+
+class _FakeClique:
+    """The ranks of one fake NCCL communicator: every call is a meeting of all of them."""
+
+    def __init__(self, n):
+        self.n, self.barrier, self.calls = n, threading.Barrier(n, timeout=20), [None] * n
+
+
+class _FakeNcclComm:
+    cliques: dict = {}
+    lock = threading.Lock()
+
+    def __init__(self, ndev, commId, rank):
+        # CuPy 14: NcclCommunicator(int ndev, bytes commId, int rank); commId is NCCL's char[128]
+        # (the H200 image's CuPy refuses a tuple: "Argument 'commId' has incorrect type")
+        assert isinstance(ndev, int) and isinstance(rank, int) and 0 <= rank < ndev
+        assert isinstance(commId, bytes) and len(commId) == 128, "CuPy 14 wants the id as 128 bytes"
+        with self.lock:
+            self.clique = self.cliques.setdefault(commId, _FakeClique(ndev))
+        assert self.clique.n == ndev
+        self.rank, self.alive = rank, True
+
+    def _meet(self, sig, inputs):
+        """Every rank leaves its call's signature and a copy of its inputs; returns them all."""
+        c = self.clique
+        c.calls[self.rank] = (sig, [np.array(a, copy=True) for a in inputs])
+        c.barrier.wait()
+        calls = list(c.calls)
+        c.barrier.wait()
+        assert all(k[0] == calls[0][0] for k in calls), f"ranks made different calls: {[k[0] for k in calls]}"
+        return [k[1] for k in calls]
+
+    @staticmethod
+    def _ints(*args):
+        assert all(isinstance(a, (int, np.integer)) for a in args), f"CuPy takes integers here: {args}"
+
+    @staticmethod
+    def _reduce(parts, op):
+        assert op in (0, 4), f"ncclRedOp_t {op}: expected ncclSum (0) or ncclAvg (4)"
+        acc = parts[0].astype(np.float64)
+        for p in parts[1:]:
+            acc = acc + p
+        return acc / len(parts) if op == 4 else acc
+
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        self._ints(sendbuf, recvbuf, count, datatype, op, stream)
+        dt = _NP_OF_NCCL[datatype]
+        nb = count * np.dtype(dt).itemsize
+        assert sendbuf == recvbuf or abs(sendbuf - recvbuf) >= nb, "overlapping buffers, not in place"
+        parts = [p[0] for p in self._meet(("allReduce", count, datatype, op), [_host_view(sendbuf, count, dt)])]
+        _host_view(recvbuf, count, dt)[...] = self._reduce(parts, op).astype(dt)
+
+    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
+        self._ints(sendbuf, recvbuf, recvcount, datatype, op, stream)
+        dt, n, r = _NP_OF_NCCL[datatype], self.clique.n, self.rank
+        size = np.dtype(dt).itemsize
+        if sendbuf < recvbuf + recvcount * size and recvbuf < sendbuf + n * recvcount * size:
+            assert recvbuf == sendbuf + r * recvcount * size, "NCCL's in-place reduce-scatter: recv at chunk rank"
+        parts = [p[0] for p in self._meet(("reduceScatter", recvcount, datatype, op),
+                                          [_host_view(sendbuf, n * recvcount, dt)])]
+        _host_view(recvbuf, recvcount, dt)[...] = self._reduce(
+            [p[r * recvcount:(r + 1) * recvcount] for p in parts], op).astype(dt)
+
+    def allGather(self, sendbuf, recvbuf, count, datatype, stream):
+        self._ints(sendbuf, recvbuf, count, datatype, stream)
+        dt, n, r = _NP_OF_NCCL[datatype], self.clique.n, self.rank
+        size = np.dtype(dt).itemsize
+        if sendbuf < recvbuf + n * count * size and recvbuf < sendbuf + count * size:
+            assert sendbuf == recvbuf + r * count * size, "NCCL's in-place all-gather: send at chunk rank"
+        parts = [p[0] for p in self._meet(("allGather", count, datatype), [_host_view(sendbuf, count, dt)])]
+        _host_view(recvbuf, n * count, dt)[...] = np.concatenate(parts)
+
+    def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
+        self._ints(sendbuff, recvbuff, count, datatype, root, stream)
+        assert count <= 2 ** 31 - 1, "CuPy's broadcast takes its count as a C int"
+        dt = _NP_OF_NCCL[datatype]
+        mine = _host_view(sendbuff, count, dt) if self.rank == root else np.zeros(0, dt)
+        parts = self._meet(("broadcast", count, datatype, root), [mine])
+        _host_view(recvbuff, count, dt)[...] = parts[root][0]
+
+    def check_async_error(self):
+        pass
+
+    def abort(self):
+        self.alive = False
+
+    def destroy(self):
+        self.alive = False
+
+
+def _fake_cupy_nccl():
+    import types
+    def get_unique_id():
+        return np.random.default_rng().integers(0, 256, 128, dtype=np.uint8).tobytes()   # as CuPy 14
+
+    nccl = types.SimpleNamespace(available=True, NcclError=_FakeNcclError, NcclCommunicator=_FakeNcclComm,
+                                 get_version=lambda: 22005, get_unique_id=get_unique_id)
+    event = types.SimpleNamespace(record=lambda *a: None, done=True)
+    cuda = types.SimpleNamespace(get_current_stream=lambda: types.SimpleNamespace(ptr=0),
+                                 Event=lambda disable_timing=True: event)
+    cupy = types.SimpleNamespace(ndarray=np.ndarray, cuda=cuda, asarray=lambda a: np.array(a, copy=True),
+                                 asnumpy=lambda a: np.array(a, copy=True), zeros=np.zeros)
+    return cupy, nccl
+
+
+@pytest.fixture
+def fake_nccl(monkeypatch):
+    from forge_ml.distributed import comm as comm_mod
+    monkeypatch.setattr(comm_mod, "_cupy_nccl", _fake_cupy_nccl)
+    monkeypatch.setattr(comm_mod, "_ptr", lambda a: a.ctypes.data)
+    return _fake_cupy_nccl()[1]
+
+
+def _nccl_threads(n, fn, nccl):
+    uid = nccl.get_unique_id()
+    return launch.threads(n, lambda c: fn(NcclCommunicator(c.rank, n, uid, device="cpu", timeout=20)), timeout=30)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_nccl_communicator_follows_cupys_api(fake_nccl, world):
+    G = 5   # guard elements after every output: a count too large writes into them
+
+    def rank(comm):
+        r, n = comm.rank, comm.world_size
+        rs = np.random.default_rng(r)
+        x = rs.standard_normal(7).astype(np.float32)
+        outs = {}
+        for op in ("sum", "avg"):
+            buf = np.full(7 + G, np.nan, np.float32)
+            comm.all_reduce(x, op, out=buf[:7])
+            outs["all_reduce_" + op] = buf
+        inplace = fm.tensor(x.copy())
+        comm.all_reduce(inplace)
+        outs["all_reduce_inplace"] = inplace.numpy()
+        whole = np.arange(4.0 * n) * (r + 1)
+        buf = np.full(4 + G, np.nan)
+        comm.reduce_scatter(whole, buf[:4], "sum")
+        outs["reduce_scatter"] = buf
+        comm.reduce_scatter(whole, whole[4 * r:4 * r + 4], "avg")               # in place
+        outs["reduce_scatter_inplace"] = whole[4 * r:4 * r + 4].copy()
+        buf = np.full(3 * n + G, np.nan, np.float32)
+        comm.all_gather(np.full(3, r, np.float32), buf[:3 * n])
+        outs["all_gather"] = buf
+        whole = np.full(2 * n, -1, np.int64)
+        whole[2 * r:2 * r + 2] = [r, 10 * r]
+        comm.all_gather(whole[2 * r:2 * r + 2], whole)                          # in place
+        outs["all_gather_inplace"] = whole
+        t = fm.tensor(np.full(3, float(r)))
+        comm.broadcast(t, root=n - 1)
+        outs["broadcast"] = t.numpy()
+        outs["object"] = comm.broadcast_object({"from": r} if r == 0 else None)
+        outs["floats"] = comm.all_reduce_floats([0.5, r])
+        comm.barrier()
+        return x, outs
+
+    res = _nccl_threads(world, rank, fake_nccl)
+    xs = np.stack([x.astype(np.float64) for x, _ in res])
+    n = world
+    for r, (_, o) in enumerate(res):
+        for op, want in (("sum", xs.sum(0)), ("avg", xs.mean(0))):
+            np.testing.assert_allclose(o["all_reduce_" + op][:7], want, rtol=1e-6, atol=1e-6)
+            assert np.isnan(o["all_reduce_" + op][7:]).all()
+        np.testing.assert_allclose(o["all_reduce_inplace"], xs.sum(0), rtol=1e-6, atol=1e-6)
+        whole = sum(np.arange(4.0 * n) * (q + 1) for q in range(n))
+        assert o["reduce_scatter"][:4].tolist() == whole[4 * r:4 * r + 4].tolist()
+        assert np.isnan(o["reduce_scatter"][4:]).all()
+        assert o["reduce_scatter_inplace"].tolist() == (whole[4 * r:4 * r + 4] / n).tolist()
+        assert o["all_gather"][:3 * n].tolist() == [float(q) for q in range(n) for _ in range(3)]
+        assert np.isnan(o["all_gather"][3 * n:]).all()
+        assert o["all_gather_inplace"].tolist() == [v for q in range(n) for v in (q, 10 * q)]
+        assert o["broadcast"].tolist() == [n - 1.0] * 3
+        assert o["object"] == {"from": 0} and o["floats"] == [0.5 * n, sum(range(n))]
+
+
+def test_nccl_communicator_checks_and_errors(fake_nccl):
+    comm = NcclCommunicator(0, 1, bytes(range(128)), device="cpu")        # bytes: converted for CuPy
+    with pytest.raises(ShapeError, match="world_size x out.size"):
+        comm.reduce_scatter(np.ones(4, np.float32), np.ones(3, np.float32))
+    with pytest.raises(ShapeError, match="contiguous"):
+        comm.all_reduce(np.ones((4, 4), np.float32)[:, 1])
+    with pytest.raises(DTypeError, match="CuPy array or a Tensor"):
+        comm.all_reduce([1.0, 2.0])
+    with pytest.raises(DTypeError, match="NCCL reduces"):
+        comm.all_reduce(np.ones(2, np.complex64))
+    comm.nccl_version = 2804                                               # NCCL 2.8.4: no ncclAvg
+    with pytest.raises(ConfigError, match=r"needs NCCL >= 2.10; this process has NCCL 2.8.4"):
+        comm.all_reduce(np.ones(2, np.float32), "avg")
+    comm.abort("test")
+    with pytest.raises(CommError, match="aborted or closed"):
+        comm.all_reduce(np.ones(2, np.float32))
+    with pytest.raises(CommError, match="aborted or closed"):
+        comm.synchronize()
+    with pytest.raises(CommError, match="expected 128 bytes"):
+        NcclCommunicator(0, 1, (1, 2, 3), device="cpu")
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_the_trainer_over_the_nccl_communicator(fake_nccl, tmp_path, zero):
+    ref = Trainer(_cfg(tmp_path, out_dir=str(tmp_path / "ref"), max_steps=3), log=None).train()["losses"]
+    cfg = _cfg(tmp_path, out_dir=str(tmp_path / "run"), max_steps=3)
+    got = _nccl_threads(2, lambda c: dp_train(cfg, c, zero=zero, bucket_mb=0.002, log=None), fake_nccl)
+    assert got[1]["losses"] == got[0]["losses"]
+    np.testing.assert_allclose(got[0]["losses"], ref, rtol=1e-6, atol=0)

@@ -1,8 +1,9 @@
 """Communicators: the collectives data-parallel training needs, behind one interface.
 
 ``Communicator`` is the interface: ``rank``, ``world_size``, ``device``, and five
-collectives, ``all_reduce`` (sum or avg, in place), ``reduce_scatter``, ``all_gather``,
-``broadcast``, ``barrier``; ``synchronize`` waits (with the timeout) for those still queued.
+collectives, ``all_reduce`` (sum or avg), ``reduce_scatter``, ``all_gather``, ``broadcast``,
+``barrier``; ``synchronize`` waits (with the timeout) for those still queued. Each works in
+place, as data parallelism uses it, or into a separate ``out``, as NCCL allows.
 Two implementations:
 
 - ``ThreadCommunicator``: the ranks are threads of one process meeting at a ``ThreadGroup``
@@ -57,6 +58,13 @@ def _check_op(what: str, op: str) -> None:
         raise ConfigError(f"{what}: op must be one of {', '.join(OPS)}, got {op!r}")
 
 
+def _same_layout(what: str, a, o) -> None:
+    """``out`` of an all_reduce or broadcast: as many elements as ``x``, of its dtype."""
+    if a.size != o.size or a.dtype != o.dtype:
+        raise ShapeError(f"{what}: out is {o.size} x {o.dtype} but x is {a.size} x {a.dtype}; out must "
+                         f"hold as many elements as x, of its dtype")
+
+
 class Communicator:
     """The collectives of one rank of a group of ``world_size`` ranks.
 
@@ -76,9 +84,10 @@ class Communicator:
     device: Device = Device.parse("cpu")
     timeout: float = 600.0
 
-    def all_reduce(self, x, op: str = "sum"):
-        """In place: ``x`` becomes the sum (``op="sum"``) or the mean (``"avg"``) of every
-        rank's ``x``. Returns ``x``."""
+    def all_reduce(self, x, op: str = "sum", out=None):
+        """``x`` becomes the sum (``op="sum"``) or the mean (``"avg"``) of every rank's ``x``
+        (in place); with ``out`` (as many elements of ``x``'s dtype), ``out`` becomes it and
+        ``x`` is only read. Returns ``x`` (or ``out``)."""
         raise NotImplementedError
 
     def reduce_scatter(self, x, out, op: str = "sum"):
@@ -92,8 +101,10 @@ class Communicator:
         order. ``x`` may be chunk ``rank`` of ``out`` itself. Returns ``out``."""
         raise NotImplementedError
 
-    def broadcast(self, x, root: int = 0):
-        """In place: every rank's ``x`` becomes ``root``'s. Returns ``x``."""
+    def broadcast(self, x, root: int = 0, out=None):
+        """Every rank's ``x`` becomes ``root``'s (in place); with ``out`` (as many elements of
+        ``x``'s dtype), every rank's ``out`` becomes ``root``'s ``x`` and ``x`` is only read
+        on ``root``. Returns ``x`` (or ``out``)."""
         raise NotImplementedError
 
     def barrier(self) -> None:
@@ -266,9 +277,11 @@ class ThreadCommunicator(Communicator):
             return x
         raise DTypeError(f"{what}: expected a NumPy array or a CPU Tensor, got {type(x).__name__}")
 
-    def all_reduce(self, x, op: str = "sum"):
+    def all_reduce(self, x, op: str = "sum", out=None):
         _check_op("all_reduce", op)
         a = self._arr("all_reduce", x, False)
+        if out is not None:
+            _same_layout("all_reduce", a, self._arr("all_reduce", out, False))
         n = self.world_size
 
         def total(parts):
@@ -280,8 +293,9 @@ class ThreadCommunicator(Communicator):
             return acc
 
         acc = self.group._collective(self.rank, "all_reduce", ("all_reduce", op, a.size, a.dtype.str), a, total)
-        self._arr("all_reduce", x, True)[...] = acc.reshape(a.shape)
-        return x
+        dst = x if out is None else out
+        self._arr("all_reduce", dst, True)[...] = acc.reshape(a.shape)
+        return dst
 
     def reduce_scatter(self, x, out, op: str = "sum"):
         _check_op("reduce_scatter", op)
@@ -315,15 +329,19 @@ class ThreadCommunicator(Communicator):
         self._arr("all_gather", out, True)[...] = whole.reshape(o.shape)
         return out
 
-    def broadcast(self, x, root: int = 0):
+    def broadcast(self, x, root: int = 0, out=None):
         if not 0 <= root < self.world_size:
             raise ConfigError(f"broadcast: root must be in 0..{self.world_size - 1}, got {root}")
         a = self._arr("broadcast", x, False)
+        if out is not None:
+            _same_layout("broadcast", a, self._arr("broadcast", out, False))
         got = self.group._collective(self.rank, "broadcast", ("broadcast", root, a.size, a.dtype.str), a,
-                                     lambda parts: None if self.rank == root else np.array(parts[root], copy=True))
-        if got is not None:
-            self._arr("broadcast", x, True)[...] = got.reshape(a.shape)
-        return x
+                                     lambda parts: None if self.rank == root and out is None
+                                     else np.array(parts[root], copy=True))
+        dst = x if out is None else out
+        if out is not None or self.rank != root:
+            self._arr("broadcast", dst, True)[...] = got.reshape(a.shape)
+        return dst
 
     def barrier(self) -> None:
         self.group._meet(self.rank, "barrier")
@@ -335,10 +353,15 @@ class ThreadCommunicator(Communicator):
 # ---------------------------------------------------------------------------------------------
 # NCCL
 
-# ncclDataType_t and ncclRedOp_t values (nccl.h); ncclAvg needs NCCL >= 2.10, ncclBfloat16 too.
+# ncclDataType_t and ncclRedOp_t values: NCCL's ABI (nccl.h), the same in every NCCL 2.x. CuPy
+# exports most of them as NCCL_* constants, but not every build has NCCL_BFLOAT16 or NCCL_AVG
+# (they need NCCL >= 2.10, at run time too: _NCCL_2_10).
 _NCCL_TYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
                "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
 _NCCL_OPS = {"sum": 0, "avg": 4}
+_NCCL_2_10 = 21000             # ncclGetVersion's code for 2.10.0 (major * 10000 + minor * 100)
+_NCCL_ID_BYTES = 128           # NCCL_UNIQUE_ID_BYTES
+_INT_MAX = 2 ** 31 - 1         # CuPy's NcclCommunicator.broadcast takes its count as a C int
 
 
 def _cupy_nccl():
@@ -350,9 +373,37 @@ def _cupy_nccl():
         raise DeviceError(f"NCCL training needs CuPy with NCCL (pip install 'forge-ml[cuda]'); "
                           f"cannot import it here ({e})") from None
     if not getattr(nccl, "available", True):
-        raise DeviceError("this CuPy was built without NCCL; install a CuPy wheel with NCCL "
-                          "(cupy-cuda13x) to train on several GPUs")
+        raise DeviceError("this CuPy cannot load NCCL (cupy.cuda.nccl.available is False): install NCCL "
+                          "for its CUDA version (pip install nvidia-nccl-cu13, or nvidia-nccl-cu12 beside "
+                          "cupy-cuda12x) to train on several GPUs")
     return cupy, nccl
+
+
+def _unique_id(uid) -> bytes:
+    """NCCL's unique id as the 128 bytes CuPy 14's ``NcclCommunicator`` takes (older CuPy took
+    a tuple of 128 signed chars, which ``nccl.get_unique_id()`` returned there): bytes, and
+    tuples of signed or unsigned values, are converted.
+
+    >>> _unique_id((1, -1) + (0,) * 126)[:3]
+    b'\\x01\\xff\\x00'
+    """
+    if isinstance(uid, (bytes, bytearray, memoryview)):
+        vals = list(bytes(uid))
+    else:
+        try:
+            vals = [int(v) for v in uid]
+        except (TypeError, ValueError):
+            raise CommError(f"NCCL unique id: expected 128 bytes or small integers, got {type(uid).__name__}") from None
+        vals = [v + 256 if -128 <= v < 0 else v for v in vals]
+    if len(vals) != _NCCL_ID_BYTES or not all(0 <= v <= 255 for v in vals):
+        raise CommError(f"NCCL unique id: expected {_NCCL_ID_BYTES} bytes (nccl.get_unique_id() on rank 0), "
+                        f"got {len(vals)} values; every rank must get rank 0's id unchanged")
+    return bytes(vals)
+
+
+def _ptr(a) -> int:
+    """The device address of a CuPy array's first element."""
+    return a.data.ptr
 
 
 class NcclCommunicator(Communicator):
@@ -362,10 +413,12 @@ class NcclCommunicator(Communicator):
     the rendezvous shared (``launch.init_process_group`` does both). Collectives are queued
     on the current CUDA stream, after the kernels that produced their inputs; in-place forms
     follow NCCL's rules (``reduce_scatter``'s ``out`` at chunk ``rank`` of ``x``,
-    ``all_gather``'s ``x`` at chunk ``rank`` of ``out``). ``all_gather`` and ``broadcast``
-    move bytes, so any dtype goes; reductions take float32, float64 and bfloat16.
-    ``synchronize`` polls for the queued work and, after ``timeout`` seconds, aborts the
-    communicator (``ncclCommAbort``) and raises CommTimeout.
+    ``all_gather``'s ``x`` at chunk ``rank`` of ``out``). Counts go to NCCL in elements of the
+    NCCL type passed: ``all_gather`` and ``broadcast`` move bytes (``ncclUint8``), so any dtype
+    goes; reductions take the array's own type (float32, float64, bfloat16, the integers).
+    ``avg`` and bfloat16 need NCCL >= 2.10. ``synchronize`` polls for the queued work and,
+    after ``timeout`` seconds, aborts the communicator (``ncclCommAbort``) and raises
+    CommTimeout. A world of one is a real NCCL communicator too (its collectives are copies).
 
     Usually built by ``launch.init_process_group()``; by hand, in each of ``n`` processes::
 
@@ -377,12 +430,23 @@ class NcclCommunicator(Communicator):
 
     def __init__(self, rank: int, world_size: int, unique_id, device=None, timeout: float = 1800.0):
         self._cupy, self._nccl = _cupy_nccl()
-        self.rank, self.world_size, self.timeout = int(rank), int(world_size), float(timeout)
-        self.device = Device.parse(device if device is not None else "cuda:0")
-        backend_of(self.device)                      # loads the CUDA backend, makes the GPU current
         self._comm = None
+        self.rank, self.world_size, self.timeout = int(rank), int(world_size), float(timeout)
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"NcclCommunicator: rank must be in 0..{self.world_size - 1}, got {rank}")
+        self.device = Device.parse(device if device is not None else "cuda:0")
+        uid = _unique_id(unique_id)
+        backend_of(self.device)                      # loads the GPU's backend, makes the GPU current
         try:
-            self._comm = self._nccl.NcclCommunicator(self.world_size, unique_id, self.rank)
+            self.nccl_version = int(self._nccl.get_version())
+        except Exception:  # noqa: BLE001 - an old CuPy without get_version: assume a current NCCL
+            self.nccl_version = _NCCL_2_10
+        try:
+            try:
+                self._comm = self._nccl.NcclCommunicator(self.world_size, uid, self.rank)
+            except TypeError:   # a CuPy before 14 takes the id as 128 signed chars
+                signed = tuple(np.frombuffer(uid, np.int8).tolist())
+                self._comm = self._nccl.NcclCommunicator(self.world_size, signed, self.rank)
         except self._nccl.NcclError as e:
             raise CommError(f"NCCL init on rank {self.rank} of {self.world_size} ({self.device}) failed: {e}") from None
 
@@ -390,42 +454,63 @@ class NcclCommunicator(Communicator):
         if isinstance(x, Tensor):
             if x.device != self.device:
                 raise DeviceError(f"{what}: the communicator is on {self.device}, the tensor on {x.device}")
-            return x._prepare_write() if write else x.data
-        if not isinstance(x, self._cupy.ndarray):
+            x = x._prepare_write() if write else x.data
+        elif not isinstance(x, self._cupy.ndarray):
             raise DTypeError(f"{what}: expected a CuPy array or a Tensor on {self.device}, got {type(x).__name__}")
         if not x.flags.c_contiguous:
             raise ShapeError(f"{what}: NCCL needs contiguous memory; got a strided array of shape {x.shape}")
         return x
 
     def _type(self, what: str, a) -> int:
-        t = _NCCL_TYPES.get(np.dtype(a.dtype).name)
+        name = np.dtype(a.dtype).name
+        t = _NCCL_TYPES.get(name)
         if t is None:
-            raise DTypeError(f"{what}: NCCL reduces float32, float64 or bfloat16 here, got {a.dtype}")
+            raise DTypeError(f"{what}: NCCL reduces float32, float64, bfloat16 or integer arrays, got {a.dtype}")
+        if name == "bfloat16" and self.nccl_version < _NCCL_2_10:
+            raise DTypeError(f"{what}: bfloat16 reductions need NCCL >= 2.10; this process has NCCL "
+                             f"{self._version_text()}")
         return t
 
-    def _call(self, what: str, fn, *args) -> None:
+    def _op(self, what: str, op: str) -> int:
+        _check_op(what, op)
+        if op == "avg" and self.nccl_version < _NCCL_2_10:
+            raise ConfigError(f"{what}: op='avg' (ncclAvg) needs NCCL >= 2.10; this process has NCCL "
+                              f"{self._version_text()}; use op='sum' and scale")
+        return _NCCL_OPS[op]
+
+    def _version_text(self) -> str:
+        v = self.nccl_version
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 20900 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+
+    def _call(self, what: str, method: str, *args) -> None:
+        """``self._comm.<method>(*args, stream)``: CuPy's NCCL calls all end with the stream."""
         if self._comm is None:
             raise CommError(f"{what} on rank {self.rank}: the communicator was aborted or closed")
         try:
-            fn(*args, self._cupy.cuda.get_current_stream().ptr)
+            getattr(self._comm, method)(*args, self._cupy.cuda.get_current_stream().ptr)
         except self._nccl.NcclError as e:
             raise CommError(f"{what} on rank {self.rank} of {self.world_size}: {e}") from None
 
-    def all_reduce(self, x, op: str = "sum"):
-        _check_op("all_reduce", op)
-        a = self._arr("all_reduce", x, True)
-        self._call("all_reduce", self._comm.allReduce, a.data.ptr, a.data.ptr, a.size,
-                   self._type("all_reduce", a), _NCCL_OPS[op])
-        return x
+    def all_reduce(self, x, op: str = "sum", out=None):
+        nop = self._op("all_reduce", op)
+        a = self._arr("all_reduce", x, out is None)
+        o = a
+        if out is not None:
+            o = self._arr("all_reduce", out, True)
+            _same_layout("all_reduce", a, o)
+        # count: elements of the array's type
+        self._call("all_reduce", "allReduce", _ptr(a), _ptr(o), a.size, self._type("all_reduce", a), nop)
+        return x if out is None else out
 
     def reduce_scatter(self, x, out, op: str = "sum"):
-        _check_op("reduce_scatter", op)
+        nop = self._op("reduce_scatter", op)
         a, o = self._arr("reduce_scatter", x, False), self._arr("reduce_scatter", out, True)
         if a.size != self.world_size * o.size or a.dtype != o.dtype:
             raise ShapeError(f"reduce_scatter: x is {a.size} x {a.dtype}, out {o.size} x {o.dtype}; x must "
                              f"have world_size x out.size = {self.world_size * o.size} elements of out's dtype")
-        self._call("reduce_scatter", self._comm.reduceScatter, a.data.ptr, o.data.ptr, o.size,
-                   self._type("reduce_scatter", a), _NCCL_OPS[op])
+        # count: the elements each rank receives (recvcount)
+        self._call("reduce_scatter", "reduceScatter", _ptr(a), _ptr(o), o.size,
+                   self._type("reduce_scatter", a), nop)
         return out
 
     def all_gather(self, x, out):
@@ -433,13 +518,23 @@ class NcclCommunicator(Communicator):
         if o.nbytes != self.world_size * a.nbytes:
             raise ShapeError(f"all_gather: out has {o.nbytes} bytes, x {a.nbytes}; out must hold world_size "
                              f"x x = {self.world_size * a.nbytes} bytes")
-        self._call("all_gather", self._comm.allGather, a.data.ptr, o.data.ptr, a.nbytes, _NCCL_TYPES["uint8"])
+        # count: the bytes each rank sends (sendcount, in ncclUint8 elements)
+        self._call("all_gather", "allGather", _ptr(a), _ptr(o), a.nbytes, _NCCL_TYPES["uint8"])
         return out
 
-    def broadcast(self, x, root: int = 0):
-        a = self._arr("broadcast", x, self.rank != root)
-        self._call("broadcast", self._comm.broadcast, a.data.ptr, a.data.ptr, a.nbytes, _NCCL_TYPES["uint8"], root)
-        return x
+    def broadcast(self, x, root: int = 0, out=None):
+        if not 0 <= root < self.world_size:
+            raise ConfigError(f"broadcast: root must be in 0..{self.world_size - 1}, got {root}")
+        a = self._arr("broadcast", x, out is None and self.rank != root)
+        o = a
+        if out is not None:
+            o = self._arr("broadcast", out, True)
+            _same_layout("broadcast", a, o)
+        send, recv, n = _ptr(a), _ptr(o), a.nbytes
+        for lo in range(0, n, _INT_MAX):        # bytes, in pieces CuPy's int count can hold
+            k = min(_INT_MAX, n - lo)
+            self._call("broadcast", "broadcast", send + lo, recv + lo, k, _NCCL_TYPES["uint8"], root)
+        return x if out is None else out
 
     def barrier(self) -> None:
         self.all_reduce(self._cupy.zeros(1, np.float32))
@@ -466,14 +561,17 @@ class NcclCommunicator(Communicator):
             pause = min(1e-3, pause + 2e-5)           # spin first, then back off to 1 ms
 
     def abort(self, reason: str = "") -> None:
-        if self._comm is not None:
-            self._comm.abort()
-            self._comm = None
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception:  # noqa: BLE001 - ending a broken group must not raise a second error
+                pass
 
     def close(self) -> None:
-        if self._comm is not None:
-            self._comm.destroy()
-            self._comm = None
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.destroy()
 
     def _from_host(self, a: np.ndarray):
         return self._cupy.asarray(a)

@@ -24,6 +24,7 @@ import signal
 import socket
 import socketserver
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -195,7 +196,7 @@ class TCPStore:
 
 
 def _encode_id(uid) -> str:
-    # CuPy's get_unique_id gives a tuple of 128 ints (bytes in some versions)
+    # CuPy 14's get_unique_id gives 128 bytes (a tuple of 128 ints before)
     if isinstance(uid, (bytes, bytearray)):
         return json.dumps({"b64": base64.b64encode(bytes(uid)).decode()})
     return json.dumps({"ints": [int(v) for v in uid]})
@@ -327,7 +328,11 @@ def init_process_group(timeout: float = 1800.0, environ=None) -> Communicator:
         # torchrun's agent serves its own store on MASTER_PORT when it says so
         port = env.master_port + (1 if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0)
         store = TCPStore(env.master_addr, port, server=env.rank == 0, timeout=timeout)
-        uid = exchange_unique_id(store, env.rank, env.world_size, nccl.get_unique_id)
+        try:
+            uid = exchange_unique_id(store, env.rank, env.world_size, nccl.get_unique_id)
+        except BaseException:
+            store.close()       # rank 0 stops serving: the others fail at once instead of at their timeout
+            raise
         # rank 0 keeps serving (a daemon thread) until the process ends: a late reader still finds the id
     return NcclCommunicator(env.rank, env.world_size, uid, device=device, timeout=timeout)
 
@@ -347,15 +352,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _describe_exit(code: int) -> str:
+    """``Popen.returncode`` in words: "exited with status 3", "was killed by SIGKILL"."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name}"
+    return f"exited with status {code}"
+
+
 def spawn(n: int, argv: list, *, env: Optional[dict] = None, master_port: Optional[int] = None,
           grace: float = 30.0) -> int:
     """Run ``n`` processes of the command ``argv`` on this machine, one per GPU, with
     torchrun's variables set (``RANK`` = ``LOCAL_RANK`` = 0..n-1, ``WORLD_SIZE`` =
     ``LOCAL_WORLD_SIZE`` = n, ``MASTER_ADDR`` = 127.0.0.1, ``MASTER_PORT`` a free port), and
-    wait for them. When one exits with an error, the others get SIGTERM (SIGKILL ``grace``
-    seconds later): no rank is left waiting for a dead peer. Returns 0, or the exit status
-    of the first process that failed (128 + signal for a signal). Ctrl-C reaches the children
-    through the terminal; this process keeps waiting for them.
+    wait for them. When one exits with an error or is killed, a line on stderr says which
+    and how, and the others get SIGTERM (SIGKILL ``grace`` seconds later): no rank is left
+    waiting for a dead peer. Returns 0, or the exit status of the first process that failed
+    (128 + signal for a signal). Ctrl-C reaches the children through the terminal; this
+    process keeps waiting for them. A SIGTERM sent to this process alone is passed on to
+    them (rank 0 then saves and stops the run, as it would on its own SIGTERM).
 
     ``forge-ml train --gpus N`` calls ``spawn(N, [sys.executable, "-m", "forge_ml", *argv])``
     and each child, seeing ``RANK``, trains its rank.
@@ -367,33 +385,68 @@ def spawn(n: int, argv: list, *, env: Optional[dict] = None, master_port: Option
     if int(n) < 1:
         raise ConfigError(f"spawn: expected at least one process, got {n}")
     port = master_port or free_port()
-    procs = []
-    for rank in range(n):
-        e = dict(os.environ if env is None else env)
-        e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(list(argv), env=e))
+    procs: list = []
+    forwarded: list = []
+
+    def on_term(signum, frame) -> None:
+        forwarded.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, on_term) if main else None
+    try:
+        for rank in range(n):
+            e = dict(os.environ if env is None else env)
+            e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            procs.append(subprocess.Popen(list(argv), env=e))
+        return _wait_ranks(procs, grace, forwarded)
+    except BaseException:
+        for p in procs:           # this process failed (not a rank): leave no rank behind
+            if p.poll() is None:
+                p.kill()
+        raise
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if old_term is None else old_term)
+
+
+def _wait_ranks(procs: list, grace: float, forwarded: list) -> int:
+    """``spawn``'s wait: poll the ranks, stop the others when one fails, return the status."""
+    n = len(procs)
     failed: Optional[int] = None
     stop_at: Optional[float] = None
     while True:
         try:
             codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                break
-            for c in codes:
+            for rank, c in enumerate(codes):
                 if c not in (None, 0) and failed is None:
                     failed = c if c > 0 else 128 - c
                     stop_at = time.monotonic() + grace
-                    for p in procs:
-                        if p.poll() is None:
+                    live = [p for p in procs if p.poll() is None]
+                    if not forwarded:
+                        msg = f"forge-ml: rank {rank} of {n} (pid {procs[rank].pid}) {_describe_exit(c)}"
+                        if live:
+                            msg += (f"; stopping the other {len(live)} rank(s) (SIGTERM, SIGKILL after "
+                                    f"{grace:g} s)")
+                        print(msg, file=sys.stderr, flush=True)
+                        for p in live:
                             p.send_signal(signal.SIGTERM)
+                    # (after Ctrl-C or a forwarded SIGTERM every rank has had its signal: a second
+                    # would make the workers give up while rank 0 saves; SIGKILL after the grace only)
+            if all(c is not None for c in codes):
+                break
             if stop_at is not None and time.monotonic() > stop_at:
                 for p in procs:
                     if p.poll() is None:
                         p.kill()
             time.sleep(0.05)
         except KeyboardInterrupt:
-            continue     # the children got the signal too; rank 0 saves and stops them
+            # Ctrl-C: the children got the signal too; rank 0 saves and ends the workers
+            forwarded.append(signal.SIGINT)
+            continue
     if failed is None:
         bad = [c for c in (p.returncode for p in procs) if c]
         failed = (bad[0] if bad[0] > 0 else 128 - bad[0]) if bad else 0
