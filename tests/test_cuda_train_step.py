@@ -116,7 +116,9 @@ def test_a_nan_replay_updates_nothing():
 
 
 def test_the_trainer_replays_its_step_and_logs_what_the_op_by_op_trainer_logs(text_file, tmp_path):
-    kw = dict(device="cuda", dtype="bf16", dropout=0.1, grad_accum=2, max_steps=6, grad_clip=0.05)
+    # an evaluation at step 3 gives the graph's memory back; step 4 captures again
+    kw = dict(device="cuda", dtype="bf16", dropout=0.1, grad_accum=2, max_steps=6, grad_clip=0.05,
+              eval_interval=3)
     with flags.override(FORGE_TRAIN_GRAPH="off"):
         a = Trainer(_cfg(text_file, tmp_path / "a", **kw), log=None)
         out_a = a.train()

@@ -141,8 +141,9 @@ class TrainStep:
             self.why_eager = f"capture failed ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})"
             return e.first
 
-    def forget(self) -> None:
-        """Drop the captured graph (its memory too); the next runs capture again. Needed after
-        anything replaces the model's or the optimizer's tensors (a checkpoint loaded)."""
+    def release(self) -> None:
+        """Drop the captured graph and give its memory back (before evaluation or sampling,
+        which run op by op: they would otherwise hold a second copy beside the graph's). The
+        next run captures again after one real run."""
         self._graph = None
-
+        self._keep = None

@@ -311,6 +311,17 @@ def device_has(device, capability: str) -> bool:
     return bool(getattr(backend_of(Device.parse(device)), capability))
 
 
+def release_cached(device) -> None:
+    """Give the device memory a backend caches for reuse back to the device (CuPy's pool on the
+    GPU; nothing on the CPU).
+
+    >>> release_cached("cpu")
+    """
+    bk = backend_of(Device.parse(device))
+    if bk.release_cached is not None:
+        bk.release_cached()
+
+
 def synchronize(device) -> None:
     """Wait until every kernel queued on ``device`` has finished (timing, benchmarks).
 

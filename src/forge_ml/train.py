@@ -76,7 +76,7 @@ from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
 from .optim import AdamW, clip_grad_norm, cosine_lr
 from .runs import LOCK_NAME, RunError, RunLock, cannot_write, read_log, replace_file  # noqa: F401 (LOCK_NAME: the old import path)
 from .step import TrainStep
-from .tensor import device_has, synchronize, tensor
+from .tensor import device_has, release_cached, synchronize, tensor
 from .tokenizer import load_tokenizer, tokenizer_from_dict
 
 DATA_NAME = "data"          # <out_dir>/data: shards prepared from a text file
@@ -1068,7 +1068,7 @@ class Trainer:
     def _eval_and_log(self, full: bool) -> None:
         cfg = self.cfg
         if full:
-            got = self._interruptible(self.evaluate_full)
+            got = self._off_graph(self.evaluate_full)
             if got is None:
                 return
             loss, windows = got
@@ -1076,7 +1076,7 @@ class Trainer:
                    "val_tokens": windows * cfg.block_size}
             how = f"every window of the val shard: {windows:,} x {cfg.block_size} tokens"
         else:
-            loss = self._interruptible(self.evaluate)
+            loss = self._off_graph(self.evaluate)
             if loss is None:
                 return
             rec = {"step": self.step, "val_loss": loss, "val_kind": "sampled", "val_batches": cfg.eval_iters}
@@ -1085,8 +1085,19 @@ class Trainer:
         self._write_log(rec)
         self._say(f"step {self.step}: val loss {loss:.4f} ({how}; perplexity {math.exp(min(loss, 50)):.2f})")
 
+    def _off_graph(self, fn):
+        """``_interruptible(fn)`` for work outside the training step (evaluation, samples): the
+        captured step's memory is given back first and what ``fn`` cached after, so the two
+        never hold memory side by side (the step is captured again at the next step)."""
+        if self._fast is not None:
+            self._fast.release()
+        try:
+            return self._interruptible(fn)
+        finally:
+            release_cached(self.device)
+
     def _sample_and_show(self) -> None:
-        text = self._interruptible(lambda: self.sample(seed=self.cfg.seed + self.step))
+        text = self._off_graph(lambda: self.sample(seed=self.cfg.seed + self.step))
         if text is not None:
             self._say(f"---- sample at step {self.step} ----\n{text}\n" + "-" * 36)
 

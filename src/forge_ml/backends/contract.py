@@ -201,10 +201,11 @@ must have them (where arrays are host memory, ops read the values and call the p
 ``dropout_at(x, p, base, site)``, ``adamw_update_at(p, g, m, v, beta1, beta2, eps,
 weight_decay, scalars, p_lowp=None)``, ``clip_scale(sumsq, check, scalars, max_norm,
 grad_scale)``."""
-OPTIONAL = ("capture_graph", "select", "start")
-"""Members only some backends have: ``capture_graph(fn)`` where ``graphs``; ``select(index)``
-makes device ``index`` current (several devices of one type); ``start()`` runs once at load
-(the CPU backend's malloc tuning)."""
+OPTIONAL = ("capture_graph", "select", "start", "release_cached")
+"""Members only some backends have: ``capture_graph(fn, run_first=False)`` where ``graphs``;
+``select(index)`` makes device ``index`` current (several devices of one type); ``start()``
+runs once at load (the CPU backend's malloc tuning); ``release_cached()`` gives memory the
+backend caches back to the device."""
 
 
 def missing(module) -> list:

@@ -119,6 +119,12 @@ class _Copy:
         self._event.synchronize()
 
 
+def release_cached() -> None:
+    """Give the free blocks CuPy's default pool caches back to the device (a graph's memory is
+    its own pool's; evaluation between graph replays would otherwise keep a second copy)."""
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
 def pinned_empty(shape, dtype):
     """A NumPy array in page-locked host memory (device copies into it run asynchronously)."""
     dt = np.dtype(dtype)
