@@ -36,7 +36,8 @@ class _OpTimer:
         for name in ("matmul", "add", "gelu", "gelu_bwd", "layernorm", "layernorm_bwd",
                      "softmax", "softmax_bwd", "split_heads", "unsplit_head", "merge_heads",
                      "unmerge_heads", "attention", "attention_bwd", "attention_qkv",
-                     "attention_qkv_bwd", "embedding",
+                     "attention_qkv_bwd", "attention_qkv_dropout", "attention_qkv_dropout_bwd",
+                     "embedding", "dropout_at", "adamw_update_at", "clip_scale",
                      "scatter_add_rows", "cross_entropy", "cross_entropy_bwd", "adamw_update",
                      "sum_rows", "sumsq", "cast", "copy", "zeros", "dropout"):
             fn = getattr(bk, name)

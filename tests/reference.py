@@ -256,6 +256,35 @@ def attention_bwd(q, k, v, dout, scale):
     return dq, dk, dv
 
 
+def attention_dropout(q, k, v, scale, p, seed):
+    """Causal attention with inverted dropout on the probabilities: (out, lse).
+
+    P is the causal softmax of ``scale q k^T`` (normalised over every key it sees), M the
+    dropout mask of ``dropout_mask`` over P's shape (element ``((b H + h) T + t) T + s`` of a
+    (B, H, T, T) P in row-major order) times ``float32(1 / (1 - p))``; ``out = (P * M) v``;
+    lse is ``attention``'s: dropout comes after the normalisation.
+    """
+    q, k, v = f64(q), f64(k), f64(v)
+    _, lse = attention(q, k, v, scale)
+    p_ = softmax(scale * np.einsum("...id,...jd->...ij", q, k), causal=True, off=0)
+    return np.einsum("...ij,...jd->...id", dropout(p_, p, seed), v), lse
+
+
+def attention_dropout_bwd(q, k, v, dout, scale, p, seed):
+    """(dq, dk, dv) of ``attention_dropout``, the chain rule step by step: out = Pd v with
+    Pd = dropout(P), so dv = Pd^T dout and dPd = dout v^T; dP = dropout_bwd(dPd) (the same
+    mask and scale); dS = softmax_bwd(P, dP); dq = scale dS k, dk = scale dS^T q."""
+    q, k, v, dout = f64(q), f64(k), f64(v), f64(dout)
+    s = scale * np.einsum("...id,...jd->...ij", q, k)
+    p_ = softmax(s, causal=True, off=0)
+    dv = np.einsum("...ij,...id->...jd", dropout(p_, p, seed), dout)
+    dpd = np.einsum("...id,...jd->...ij", dout, v)
+    ds = softmax_bwd(p_, dropout_bwd(p_.shape, dpd, p, seed))
+    dq = scale * np.einsum("...ij,...jd->...id", ds, k)
+    dk = scale * np.einsum("...ij,...id->...jd", ds, q)
+    return dq, dk, dv
+
+
 # --- embedding, scatter_add_rows, kv_append --------------------------------------------------
 
 def embedding(ids, wte, wpe, pos):

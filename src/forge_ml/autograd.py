@@ -219,17 +219,30 @@ class Tape:
 
         return self._record(out, backward)
 
-    def attention_qkv(self, qkv: TVar, n_head: int, scale: Optional[float] = None) -> TVar:
+    def attention_qkv(self, qkv: TVar, n_head: int, scale: Optional[float] = None,
+                      p: float = 0.0, seed=None) -> TVar:
         """Causal self-attention from fused ``qkv (B, T, 3C)`` rows to ``y (B, T, C)``, heads
         merged: one node for split_heads + attention + merge_heads (``ops.attention_qkv``);
-        saves qkv, y and the per-row log-sum-exp; the backward gives dqkv in one piece."""
+        saves qkv, y and the per-row log-sum-exp; the backward gives dqkv in one piece.
+
+        ``p > 0``: dropout on the attention probabilities with the mask of ``seed`` (an int or
+        an ``ops.SeedAt``), the one ``dropout`` after ``softmax`` would draw
+        (``ops.attention_qkv_dropout``); the backward draws the mask again.
+        """
         self._check(qkv)
-        out, lse = ops.attention_qkv(qkv.t, n_head, scale)
+        if p and seed is None:
+            raise TapeError(f"attention_qkv: dropout p={p} needs a seed")
+        if p:
+            out, lse = ops.attention_qkv_dropout(qkv.t, n_head, p, seed, scale)
+        else:
+            out, lse = ops.attention_qkv(qkv.t, n_head, scale)
         iq = qkv.id
         saved = [_Saved(t, "attention_qkv") for t in (qkv.t, out, lse)]
 
         def backward(dy):
             qt, ot, lt = (s.get() for s in saved)
+            if p:
+                return [(iq, ops.attention_qkv_dropout_bwd(qt, ot, lt, dy, n_head, p, seed, scale))]
             return [(iq, ops.attention_qkv_bwd(qt, ot, lt, dy, n_head, scale))]
 
         return self._record(out, backward)

@@ -384,6 +384,70 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale=None) -> Tensor:
     return _wrap(qkv, bk.attention_qkv_bwd(qkv.data, y.data, lse.data, dy.data, n_head, scale))
 
 
+def attention_qkv_dropout(qkv, n_head, p, seed, scale=None):
+    """``attention_qkv`` with inverted dropout at rate ``p`` on the attention probabilities:
+    ``y`` equals ``merge_heads(dropout(softmax(mask(q k^T * scale)), p, seed) v)`` on the split
+    heads, the mask exactly ``dropout``'s over the ``(B, H, T, T)`` probabilities; ``lse`` is
+    ``attention_qkv``'s (before dropout). ``seed``: an int in [0, 2**64), or a ``SeedAt``. On
+    the GPU (bf16, heads of 64) the flash kernels draw the mask in registers, so no T x T matrix
+    is stored; elsewhere the composed ops run.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> qkv = fm.tensor(np.random.default_rng(0).standard_normal((1, 3, 6)).astype(np.float32))
+    >>> y, lse = fm.ops.attention_qkv_dropout(qkv, 1, p=0.5, seed=7)
+    >>> y.shape, bool(np.allclose(lse.numpy(), fm.ops.attention_qkv(qkv, 1)[1].numpy()))
+    ((1, 3, 2), True)
+    """
+    op = "attention_qkv_dropout"
+    hs = _qkv_check(op, qkv, n_head)
+    bk = backend_of(qkv.device)
+    p, seed = _dropout_args(op, p, seed, qkv.device, bk)
+    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    y, lse = bk.attention_qkv_dropout(qkv.data, n_head, scale, p, seed)
+    return _wrap(qkv, y), _wrap(qkv, lse)
+
+
+def attention_qkv_dropout_bwd(qkv, y, lse, dy, n_head, p, seed, scale=None) -> Tensor:
+    """``dL/dqkv (B, T, 3C)`` of ``attention_qkv_dropout`` (same ``p`` and ``seed``: the mask
+    is drawn again, not stored) given its output ``y``, ``lse`` and ``dL/dy``."""
+    op = "attention_qkv_dropout_bwd"
+    hs = _qkv_check(op, qkv, n_head)
+    _float(op, "y", y), _float(op, "dy", dy)
+    bk = _same(op, qkv=qkv, y=y, dy=dy)
+    B, T, c3 = qkv.shape
+    if y.shape != (B, T, c3 // 3):
+        raise ShapeError(f"{op}: y must be {(B, T, c3 // 3)}, got {y.shape}")
+    _shape_eq(op, "y", y, "dy", dy)
+    if lse.shape != (B, n_head, T):
+        raise ShapeError(f"{op}: lse must be {(B, n_head, T)}, got {lse.shape}")
+    p, seed = _dropout_args(op, p, seed, qkv.device, bk)
+    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    return _wrap(qkv, bk.attention_qkv_dropout_bwd(qkv.data, y.data, lse.data, dy.data, n_head,
+                                                   scale, p, seed))
+
+
+def _dropout_args(op, p, seed, device, bk):
+    """``(p, seed)`` of a dropout op as backends take them: ``p`` a float in [0, 1); the seed an
+    int, or for a ``SeedAt`` ``(base array, site)``, except where arrays are host memory: there
+    the base is read now and the seed is ``rng.mix(base[0], site)``."""
+    if not (0.0 <= float(p) < 1.0):
+        raise ShapeError(f"{op}: p must be in [0, 1), got {p}")
+    if isinstance(seed, SeedAt):
+        base, site = seed
+        if not isinstance(base, Tensor) or base.dtype != _dt.int64 or base.numel != 1:
+            raise ShapeError(f"{op}: SeedAt.base must be a one-element int64 Tensor, got {base!r}")
+        if base.device != device:
+            raise DeviceError(f"{op}: the tensors are on {device} but the seed is on {base.device}")
+        if not isinstance(site, int) or not 0 <= site < 1 << 64:
+            raise ShapeError(f"{op}: SeedAt.site must be an int in [0, 2**64), got {site!r}")
+        if bk.host_memory:      # reading the seed costs nothing here
+            return float(p), _rng.mix(int(base.data.reshape(-1)[0]) & 0xFFFFFFFFFFFFFFFF, site)
+        return float(p), (base.data, site)
+    if not isinstance(seed, int) or not (0 <= seed < 1 << 64):
+        raise ShapeError(f"{op}: seed must be an int in [0, 2**64) or a SeedAt, got {seed!r}")
+    return float(p), seed
+
+
 # -- embeddings and in-place row writes ------------------------------------------------
 
 
@@ -713,24 +777,11 @@ def dropout(x, p, seed) -> Tensor:
     [2.0, 2.0, 0.0, 0.0]
     """
     _float("dropout", "x", x)
-    if not (0.0 <= float(p) < 1.0):
-        raise ShapeError(f"dropout: p must be in [0, 1), got {p}")
     bk = backend_of(x.device)
-    if isinstance(seed, SeedAt):
-        base, site = seed
-        if not isinstance(base, Tensor) or base.dtype != _dt.int64 or base.numel != 1:
-            raise ShapeError(f"dropout: SeedAt.base must be a one-element int64 Tensor, got {base!r}")
-        if base.device != x.device:
-            raise DeviceError(f"dropout: x is on {x.device} but the seed is on {base.device}")
-        if not isinstance(site, int) or not 0 <= site < 1 << 64:
-            raise ShapeError(f"dropout: SeedAt.site must be an int in [0, 2**64), got {site!r}")
-        if bk.host_memory:      # reading the seed costs nothing here
-            seed = _rng.mix(int(base.data.reshape(-1)[0]) & 0xFFFFFFFFFFFFFFFF, site)
-        else:
-            return _wrap(x, _graph_member(bk, "dropout_at")(x.data, float(p), base.data, site))
-    if not isinstance(seed, int) or not (0 <= seed < 1 << 64):
-        raise ShapeError(f"dropout: seed must be an int in [0, 2**64) or a SeedAt, got {seed!r}")
-    return _wrap(x, bk.dropout(x.data, float(p), seed))
+    p, seed = _dropout_args("dropout", p, seed, x.device, bk)
+    if isinstance(seed, tuple):       # a seed in device memory: the kernel mixes in the site
+        return _wrap(x, _graph_member(bk, "dropout_at")(x.data, p, *seed))
+    return _wrap(x, bk.dropout(x.data, p, seed))
 
 
 def _graph_member(bk, name):

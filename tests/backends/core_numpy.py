@@ -1,6 +1,7 @@
 """A minimal backend for the contract suite: NumPy arrays, the memory and core ops of
 ``forge_ml.backends.contract`` and nothing else. Every fused op (attention, attention_qkv,
-linear, decode_attention, greedy_next) comes from ``backends/compose.py``.
+attention_qkv_dropout, linear, decode_attention, greedy_next, ...) comes from
+``backends/compose.py``.
 
 It follows docs/architecture.md's "Add a backend" list: a module with the contract's
 functions, capability constants, one ``register`` line (``register_backend`` below), and this

@@ -2,7 +2,10 @@
 generates through the composed defaults, with the CPU backend's numbers."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
 
 import forge_ml as fm
 from core_numpy import register_backend
@@ -38,6 +41,25 @@ def test_training_steps_match_the_cpu_backend():
     for k, p in cpu.params.items():
         np.testing.assert_allclose(core.params[k].numpy(), p.numpy(), rtol=1e-9, atol=1e-12,
                                    err_msg=k)
+
+
+@pytest.mark.parametrize("device", ["cpu", "corenp"])
+@pytest.mark.parametrize("seed_form", ["int", "tensor"])
+def test_fused_attention_dropout_equals_the_composed_path(device, seed_form):
+    """With dropout, the fused attention op (attention_qkv_dropout: a backend's kernel or the
+    composed default) draws the composed path's masks: the same loss and gradients, with the
+    step seed an int or a one-element int64 Tensor (a captured step's, read as ops.SeedAt)."""
+    cfg = dataclasses.replace(CFG, dropout=0.2)
+    m = GPT2.init(cfg, seed=5, dtype="float64").to(device)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12))
+    x, y = (fm.tensor(a, device=device) for a in (ids[:, :-1], ids[:, 1:]))
+    seed = 2**63 + 11 if seed_form == "int" else fm.tensor(np.array([-7], np.int64), device=device)
+    lf, gf = m.loss_and_grads(x, y, dropout_seed=seed)
+    lc, gc = m.loss_and_grads(x, y, dropout_seed=seed, fused_attention=False)
+    ln, _ = m.loss_and_grads(x, y, dropout_seed=seed, train=False)
+    assert abs(lf - lc) <= 1e-12 * abs(lc) and lf != ln, (lf, lc, ln)
+    for k in gc:
+        np.testing.assert_allclose(gf[k].numpy(), gc[k].numpy(), rtol=1e-10, atol=1e-13, err_msg=k)
 
 
 def test_generate_matches_the_cpu_backend():

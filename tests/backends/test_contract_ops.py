@@ -15,6 +15,7 @@ import pytest
 
 import reference as ref
 from core_numpy import register_backend
+from forge_ml import rng
 from forge_ml.backends import compose, contract, load, names
 from forge_ml.device import Device
 
@@ -259,6 +260,48 @@ def test_attention_qkv(bk, dt, rs):
               f"attention_qkv_bwd ({how})")
 
 
+@pytest.mark.parametrize("seed_form", ["int", "at"])
+def test_attention_qkv_dropout(bk, dt, rs, seed_form):
+    """Dropout on the attention probabilities: the mask is dropout's over the (B, H, T, T)
+    probabilities (the reference draws it element by element); the seed an int or, as a
+    captured step passes it, (a one-element int64 array, site) mixed as rng.mix; dqkv of a
+    random cotangent against the reference's chain rule."""
+    B, T, H, hs, p, site = 2, 7, 2, 4, 0.3, 5
+    qkv, dy = r(rs, B, T, 3 * H * hs, dt=dt), r(rs, B, T, H * hs, dt=dt)
+    base = int(rs.integers(0, 1 << 64, dtype=np.uint64))
+    stream = rng.mix(base, site)
+
+    def seed():
+        if seed_form == "int":
+            return stream
+        return dev(bk, np.array([base], np.uint64).view(np.int64)), site
+
+    q, k, v = ref.split_heads(qkv, H)
+    out_ref, lse_ref = ref.attention_dropout(q, k, v, 0.5, p, stream)
+    assert not np.allclose(out_ref, ref.attention(q, k, v, 0.5)[0])   # some are dropped
+    dq, dk, dv = ref.attention_dropout_bwd(q, k, v, ref.unmerge_heads(dy, H), 0.5, p, stream)
+    dqkv_ref = ref.unsplit_head(dq, 0) + ref.unsplit_head(dk, 1) + ref.unsplit_head(dv, 2)
+    for how, fn in both(bk, "attention_qkv_dropout"):
+        y, lse = fn(dev(bk, qkv), H, 0.5, p, seed())
+        close(host(bk, y), ref.merge_heads(out_ref), dt, f"attention_qkv_dropout ({how})")
+        close(host(bk, lse), lse_ref, dt, f"attention_qkv_dropout lse ({how})")
+    y, lse = bk.attention_qkv_dropout(dev(bk, qkv), H, 0.5, p, seed())
+    for how, fn in both(bk, "attention_qkv_dropout_bwd"):
+        close(host(bk, fn(dev(bk, qkv), y, lse, dev(bk, dy), H, 0.5, p, seed())), dqkv_ref, dt,
+              f"attention_qkv_dropout_bwd ({how})")
+
+
+def test_attention_qkv_dropout_at_zero_is_attention_qkv(bk, dt, rs):
+    qkv, dy = r(rs, 1, 5, 3 * 8, dt=dt), r(rs, 1, 5, 8, dt=dt)
+    y0, lse0 = bk.attention_qkv(dev(bk, qkv), 2, 0.5)
+    y, lse = bk.attention_qkv_dropout(dev(bk, qkv), 2, 0.5, 0.0, 9)
+    close(host(bk, y), host(bk, y0), dt, "y at p = 0")
+    close(host(bk, lse), host(bk, lse0), dt, "lse at p = 0")
+    close(host(bk, bk.attention_qkv_dropout_bwd(dev(bk, qkv), y, lse, dev(bk, dy), 2, 0.5, 0.0, 9)),
+          host(bk, bk.attention_qkv_bwd(dev(bk, qkv), y0, lse0, dev(bk, dy), 2, 0.5)), dt,
+          "dqkv at p = 0")
+
+
 @pytest.mark.parametrize("act,res,ln", [(None, False, False), ("gelu", False, True), (None, True, False)])
 def test_linear(bk, dt, rs, act, res, ln):
     x, w, b = r(rs, 3, 16, dt=dt), r(rs, 16, 8, dt=dt), r(rs, 8, dt=dt)
@@ -332,3 +375,35 @@ def test_sample_next_follows_the_sampling_rule(bk, rs, V, Vp):
         assert (s_host[np.arange(B), got] == 1).all()
     # the composed default is the rule; a kernel may differ in expf's last bit, rarely
     assert agree == total if bk.name != "cuda" else agree >= total - 1, (agree, total)
+
+
+# -- the op boundary of the fused dropout attention ------------------------------------------------
+
+def test_ops_attention_qkv_dropout_seed_forms_and_checks(bk, rs):
+    """ops.attention_qkv_dropout(_bwd) on each backend: a SeedAt draws the mask of the int
+    seed rng.mix(base, site) (read on the host where arrays are host memory, on the device
+    elsewhere); bad p, seeds and shapes are refused with the op's name."""
+    import forge_ml as fm
+    from forge_ml import Tape, ops
+    from forge_ml.errors import ShapeError, TapeError
+    qkv = fm.tensor(r(rs, 2, 6, 24), device=bk.name)
+    dy = fm.tensor(r(rs, 2, 6, 8), device=bk.name)
+    at = ops.SeedAt(fm.tensor(np.array([3], np.int64), device=bk.name), 4)
+    y, lse = ops.attention_qkv_dropout(qkv, 2, 0.25, at)
+    y1, lse1 = ops.attention_qkv_dropout(qkv, 2, 0.25, rng.mix(3, 4))
+    assert np.array_equal(y.numpy(), y1.numpy()) and np.array_equal(lse.numpy(), lse1.numpy())
+    assert np.array_equal(ops.attention_qkv_dropout_bwd(qkv, y, lse, dy, 2, 0.25, at).numpy(),
+                          ops.attention_qkv_dropout_bwd(qkv, y, lse, dy, 2, 0.25,
+                                                        rng.mix(3, 4)).numpy())
+    for p in (1.0, -0.1):
+        with pytest.raises(ShapeError, match="attention_qkv_dropout: p"):
+            ops.attention_qkv_dropout(qkv, 2, p, 1)
+    for seed in (-1, 1 << 64, 1.5, ops.SeedAt(fm.tensor(np.zeros(1, np.float32)), 0),
+                 ops.SeedAt(at.base, -1)):
+        with pytest.raises(ShapeError, match="attention_qkv_dropout"):
+            ops.attention_qkv_dropout(qkv, 2, 0.25, seed)
+    with pytest.raises(ShapeError, match="lse must be"):
+        ops.attention_qkv_dropout_bwd(qkv, y, fm.zeros((2, 6), device=bk.name), dy, 2, 0.25, 1)
+    with pytest.raises(TapeError, match="needs a seed"):
+        tape = Tape()
+        tape.attention_qkv(tape.leaf(qkv), 2, p=0.25)

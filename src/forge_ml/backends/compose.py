@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import rng
 from ..dtype import of_array
 
 
@@ -71,6 +72,49 @@ def attention_qkv_bwd(bk, qkv, y, lse, dy, n_head, scale):
     q, k, v = bk.split_heads(qkv, n_head)
     dq, dk, dv = bk.attention_bwd(q, k, v, bk.unmerge_heads(y, n_head), lse,
                                   bk.unmerge_heads(dy, n_head), scale)
+    dqkv = bk.add(bk.unsplit_head(dq, 0), bk.unsplit_head(dk, 1))
+    return bk.add(dqkv, bk.unsplit_head(dv, 2))
+
+
+def _dropout(bk, x, p, seed):
+    """``dropout(x, p, seed)`` for a seed of either form: an int, or ``(base, site)`` (the stream
+    ``rng.mix(base[0], site)``): ``dropout_at`` where the backend has it (``contract.GRAPH``),
+    else the base read back to the host (a wait on a device)."""
+    if not isinstance(seed, tuple):
+        return bk.dropout(x, p, seed)
+    base, site = seed
+    if callable(getattr(bk, "dropout_at", None)):
+        return bk.dropout_at(x, p, base, site)
+    at = int(np.asarray(bk.to_host(base)).reshape(-1)[0]) & 0xFFFFFFFFFFFFFFFF
+    return bk.dropout(x, p, rng.mix(at, site))
+
+
+def attention_qkv_dropout(bk, qkv, n_head, scale, p, seed):
+    """``attention_qkv`` with dropout on the probabilities, as a model without the fused op
+    writes it: split_heads, ``S = scale q k^T``, ``P = softmax(S, causal)``, ``y =
+    merge_heads(dropout(P, p, seed) v)`` (the mask over the (B, H, T, T) probabilities);
+    ``(y, lse)``, lse of S (before dropout)."""
+    q, k, v = bk.split_heads(qkv, n_head)
+    s = bk.matmul(q, k, None, False, True, float(scale), None)     # (B, H, T, T)
+    pd = _dropout(bk, bk.softmax(s, True, 0), p, seed)
+    out = bk.matmul(pd, v, None, False, False, 1.0, None)           # (B, H, T, hs)
+    return bk.merge_heads(out), bk.logsumexp(s, True, 0)
+
+
+def attention_qkv_dropout_bwd(bk, qkv, y, lse, dy, n_head, scale, p, seed):
+    """``dqkv (B, T, 3C)`` of ``attention_qkv_dropout``, P and its mask M (times 1/(1-p))
+    recomputed: ``dV = (P M)^T dO``, ``dS = softmax_bwd(P, M (dO V^T))``, ``dQ = scale dS K``,
+    ``dK = scale dS^T Q``, each put back in its third of the rows (``y`` and ``lse`` are not
+    needed on this path)."""
+    q, k, v = bk.split_heads(qkv, n_head)
+    s = bk.matmul(q, k, None, False, True, float(scale), None)     # (B, H, T, T)
+    pr = bk.softmax(s, True, 0)
+    dout = bk.unmerge_heads(dy, n_head)                             # (B, H, T, hs)
+    dv = bk.matmul(_dropout(bk, pr, p, seed), dout, None, True, False, 1.0, None)
+    dpd = bk.matmul(dout, v, None, False, True, 1.0, None)          # d(dropped P)
+    ds = bk.softmax_bwd(pr, _dropout(bk, dpd, p, seed))             # dropout's backward: its mask
+    dq = bk.matmul(ds, k, None, False, False, float(scale), None)
+    dk = bk.matmul(ds, q, None, True, False, float(scale), None)
     dqkv = bk.add(bk.unsplit_head(dq, 0), bk.unsplit_head(dk, 1))
     return bk.add(dqkv, bk.unsplit_head(dv, 2))
 

@@ -158,6 +158,19 @@ class FusedKernels(Protocol):
     def attention_qkv_bwd(self, qkv, y, lse, dy, n_head: int, scale: float) -> Array:
         """``dqkv (B, T, 3C)``."""
 
+    def attention_qkv_dropout(self, qkv, n_head: int, scale: float, p: float,
+                              seed) -> Tuple[Array, Array]:
+        """``attention_qkv`` with inverted dropout at rate ``p`` on the probabilities: ``y =
+        merge_heads(dropout(P, p, seed) v)``, P the causal softmax of the split heads
+        ``(B, H, T, T)`` and the mask ``dropout``'s over it (``forge_ml.rng``, element
+        ``((b H + h) T + t) T + s``); ``lse`` as ``attention_qkv``'s (before dropout). ``seed``:
+        an int, or ``(base, site)``: ``base`` a one-element int64 array of the backend, the
+        stream ``rng.mix(base[0], site)`` (``dropout_at``'s)."""
+
+    def attention_qkv_dropout_bwd(self, qkv, y, lse, dy, n_head: int, scale: float, p: float,
+                                  seed) -> Array:
+        """``dqkv (B, T, 3C)`` of ``attention_qkv_dropout`` with the same ``p`` and ``seed``."""
+
     def linear(self, x, w, bias, act, residual, ln=None) -> Array:
         """``act(LN(x) @ w + bias) + residual`` (inference)."""
 
@@ -190,8 +203,9 @@ CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "
         "softmax", "softmax_bwd", "logsumexp", "split_heads", "unsplit_head", "merge_heads",
         "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout",
         "cross_entropy", "cross_entropy_bwd", "adamw_update")
-FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd", "linear",
-         "decode_attention", "greedy_next", "sample_next")
+FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
+         "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear", "decode_attention",
+         "greedy_next", "sample_next")
 CAPABILITIES = {"bf16": False, "graphs": False, "host_memory": False}
 """Capability -> the value a backend that does not declare it is taken to have."""
 GRAPH = ("dropout_at", "adamw_update_at", "clip_scale")

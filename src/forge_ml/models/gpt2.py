@@ -281,11 +281,11 @@ class GPT2:
 
         ``train=False`` is evaluation: no dropout. Returns ``(logits, loss, leaves)``: logits
         ``(B*T, Vp)``, the mean loss (None without ``targets``), and name -> leaf TVar of
-        every parameter. ``fused_attention`` (default: on unless dropout is active) picks the
-        flash-style attention op over matmul + causal softmax + matmul; without dropout both
-        compute the same function. The fused op has no dropout on the attention
-        probabilities, so with dropout and ``fused_attention=True`` only the embedding and
-        residual dropouts apply.
+        every parameter. ``fused_attention`` (default on; ``False`` turns it off) picks the
+        flash-style attention op over matmul + causal softmax + dropout + matmul. Both compute
+        the same function with the same dropout masks: the fused op draws the attention
+        dropout of the composed path's site (``ops.attention_qkv_dropout``), so every site's
+        seed is the same either way.
         """
         _params_kw("GPT2.forward", kw)
         cfg = self.config
@@ -301,7 +301,7 @@ class GPT2:
         C, H, hs = cfg.n_embd, cfg.n_head, cfg.head_size
         eps = cfg.layernorm_eps
         p_drop = cfg.dropout if train else 0.0
-        fused = (p_drop == 0.0) if fused_attention is None else fused_attention
+        fused = fused_attention is not False
         leaves = {k: tape.leaf(v) for k, v in self.params.items()}
         site = iter(range(1 << 30))
 
@@ -313,8 +313,9 @@ class GPT2:
         for L in layers(leaves, cfg):
             h = tape.layernorm(x, L.ln1_w, L.ln1_b, eps)
             qkv = tape.reshape(tape.matmul(h, L.qkv_w, L.qkv_b), B, T, 3 * C)    # (B, T, 3C)
-            if fused:
-                y = tape.attention_qkv(qkv, H, 1.0 / math.sqrt(hs))              # (B, T, C)
+            if fused:   # attention dropout inside the op, at the site the composed path uses
+                seed = _seed(dropout_seed, next(site)) if p_drop else None
+                y = tape.attention_qkv(qkv, H, 1.0 / math.sqrt(hs), p_drop, seed)  # (B, T, C)
             else:
                 q, k, v = tape.split_heads(qkv, H)                               # (B, H, T, hs)
                 att = tape.matmul(q, k, trans_b=True, alpha=1.0 / math.sqrt(hs))  # (B, H, T, T)

@@ -37,7 +37,8 @@ from __future__ import annotations
 from . import runtime as _runtime
 from .attention import (_attention_bwd_composed, _attention_composed, _flash_wanted,
                         _qkv_flash_ok, attention, attention_bwd, attention_qkv,
-                        attention_qkv_bwd, decode_attention, kv_append)
+                        attention_qkv_bwd, attention_qkv_dropout, attention_qkv_dropout_bwd,
+                        decode_attention, kv_append)
 from .graph import CapturedGraph, capture_graph
 from .layout import (embedding, merge_heads, scatter_add_rows, split_heads, unmerge_heads,
                      unsplit_head)
@@ -66,8 +67,9 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     "softmax", "softmax_bwd", "logsumexp", "split_heads", "unsplit_head", "merge_heads",
     "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout", "cross_entropy",
     "cross_entropy_bwd", "adamw_update", "attention", "attention_bwd", "attention_qkv",
-    "attention_qkv_bwd", "linear", "decode_attention", "greedy_next", "sample_next",
-    "dropout_at", "adamw_update_at", "clip_scale",
+    "attention_qkv_bwd", "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
+    "decode_attention", "greedy_next", "sample_next", "dropout_at", "adamw_update_at",
+    "clip_scale",
     # private, for the GPU tests and benchmarks
     "_attention_composed", "_attention_bwd_composed", "_flash_wanted", "_qkv_flash_ok",
     "_pdl_wrote",

@@ -3,7 +3,9 @@
 - flash (flash_attention.cu, after FlashAttention-2): fused forward and backward, no T x T
   matrix in memory, bfloat16 at head size 64 on the tensor cores; head-major ``(..., H, T,
   64)`` arrays (``attention``, ``attention_bwd``) or GPT-2's fused ``(B, T, 3C)`` rows read
-  in place (``attention_qkv``, ``attention_qkv_bwd``).
+  in place (``attention_qkv``, ``attention_qkv_bwd``), there also with dropout on the
+  probabilities (``attention_qkv_dropout``, ``attention_qkv_dropout_bwd``: ops.dropout's mask,
+  drawn in the kernels).
 - composed (``_attention_composed``, ``_attention_bwd_composed``): cuBLAS batched products
   around the softmax kernels of rows.py, the T x T scores of each head materialized in float32
   (attention.cu rebuilds the probabilities from the saved lse in the backward). It serves every
@@ -21,6 +23,7 @@ import math
 import numpy as np
 
 from ... import flags
+from ... import rng as _rng
 from ...errors import ShapeError
 from .. import compose as _compose
 from .cublas import _matmul_into
@@ -74,6 +77,54 @@ def _flash_grid(bh: int, rows: int):
     return (bh, -(-rows // _FLASH_BLOCK))
 
 
+# flash_attention.cu's kernels are templates over DROP (dropout on the probabilities), so their
+# instances have C++ names, which cuModuleGetFunction takes: "_Z", the name's length and the
+# name, "ILb0EE" or "ILb1EE" (DROP), "v" (void) and the parameter types as the Itanium C++ ABI
+# writes them (nvcc and NVRTC alike).
+_FLASH_SIGS = {
+    "flash_fwd_bf16_h64": "PK4bf16S2_S2_PS0_PfiifixxixxixxiPKyyjf",
+    "flash_bwd_dq_bf16_h64": "PK4bf16S2_S2_S2_S2_PKfPfPS0_iifixxixxixxiPKyyjf",
+    "flash_bwd_dkdv_bf16_h64": "PK4bf16S2_S2_S2_PKfS4_PS0_S5_iifixxixxixxiPKyyjf",
+}
+
+
+def _flash_kernel(name: str, drop: bool = False) -> str:
+    """The symbol of ``name<drop>`` in flash_attention.cu.
+
+    >>> _flash_kernel("flash_fwd_bf16_h64", True)[:26]
+    '_Z18flash_fwd_bf16_h64ILb1'
+    """
+    return f"_Z{len(name)}{name}ILb{int(bool(drop))}EEv{_FLASH_SIGS[name]}"
+
+
+# the dropout arguments of a launch without dropout (read by no instruction of DROP = false)
+_NO_DROP = (np.uint64(0), np.uint64(0), np.uint32(0), np.float32(1.0))
+
+
+def _drop_args(p, seed):
+    """The dropout arguments of the DROP = true kernels: the seed's device address (0, a null
+    pointer, for an int seed: the kernels then take the seed itself) and the seed or the site,
+    the least Philox word kept, ``ceil(p 2^24) 2^8`` (the word w of a draw keeps it when
+    ``(w >> 8) 2^-24 >= p``, as rng.dropout_keep), and ``rng.dropout_scale(p)``. ``seed``: an
+    int, or ``(base, site)`` with ``base`` one int64 of the device (the stream is
+    ``rng.mix(base[0], site)``)."""
+    keep_min = math.ceil(float(np.float32(p)) * 2 ** 24) << 8
+    scale = np.float32(_rng.dropout_scale(p))
+    if isinstance(seed, tuple):
+        base, site = seed
+        if base.dtype != np.int64 or base.size != 1:
+            raise ShapeError(f"attention dropout: the seed's base must be one int64, got "
+                             f"{base.shape} {base.dtype}")
+        return (base, np.uint64(site), np.uint32(keep_min), scale)
+    return (np.uint64(0), np.uint64(seed), np.uint32(keep_min), scale)
+
+
+def _flash_drop_ok(p) -> bool:
+    """Whether the kernels can draw dropout at rate ``p``: below 1 once rounded to float32 (above
+    1 - 2^-25 every draw is dropped, which keep_min cannot say)."""
+    return float(np.float32(p)) < 1.0
+
+
 @_guarded
 def attention(q, k, v, scale=None):
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
@@ -105,8 +156,9 @@ def _attention_flash(q, k, v, scale, Tq, Tk):
     bh = math.prod(q.shape[:-2])
     out = _empty(q.shape, q.dtype)  # (..., H, Tq, 64)
     lse = _empty(q.shape[:-1], F32)  # (..., H, Tq)
-    _launch("flash_attention", "flash_fwd_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
-            (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale)) + _head_major(Tq, Tk))
+    _launch("flash_attention", _flash_kernel("flash_fwd_bf16_h64"), _flash_grid(bh, Tq),
+            _FLASH_THREADS, (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale))
+            + _head_major(Tq, Tk) + _NO_DROP)
     return out, lse
 
 
@@ -134,15 +186,22 @@ def attention_qkv(qkv, n_head, scale):
     (B, H, T) float32)``. The flash kernels read each head in place and write y with the heads
     merged; other dtypes and head sizes run split_heads, attention, merge_heads."""
     qkv = _c(qkv)
-    B, T, C3 = qkv.shape
-    C = C3 // 3
     if not _qkv_flash_ok(qkv, n_head):
         return _compose.attention_qkv(_package(), qkv, n_head, scale)
+    return _qkv_flash_fwd(qkv, n_head, scale)
+
+
+def _qkv_flash_fwd(qkv, n_head, scale, drop=None):
+    """The flash forward on fused rows; ``drop``: None, or _drop_args(p, seed)."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
     y = _empty((B, T, C), qkv.dtype)
     lse = _empty((B, n_head, T), F32)
     q, k, v = _thirds(qkv, C)
-    _launch("flash_attention", "flash_fwd_bf16_h64", _flash_grid(B * n_head, T), _FLASH_THREADS,
-            (q, k, v, y, lse, _i32(T), _i32(T), np.float32(scale)) + _fused_layout(T, C, n_head))
+    _launch("flash_attention", _flash_kernel("flash_fwd_bf16_h64", drop is not None),
+            _flash_grid(B * n_head, T), _FLASH_THREADS,
+            (q, k, v, y, lse, _i32(T), _i32(T), np.float32(scale)) + _fused_layout(T, C, n_head)
+            + (drop or _NO_DROP))
     return y, lse
 
 
@@ -152,9 +211,8 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
     flash kernels write dq, dk, dv straight into their thirds of dqkv."""
     qkv = _c(qkv)
     y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
-    B, T, C3 = qkv.shape
-    C = C3 // 3
     if not _qkv_flash_ok(qkv, n_head, y, dy):
+        C = qkv.shape[-1] // 3
         q, k, v = split_heads(qkv, n_head)
         dq, dk, dv = attention_bwd(q, k, v, unmerge_heads(y, n_head), lse,
                                    unmerge_heads(dy, n_head), scale)
@@ -164,6 +222,13 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
             m = merge_heads(g)
             w[..., i * C:(i + 1) * C] = m.view(np.uint16) if m.dtype == BF16 else m
         return dqkv
+    return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale)
+
+
+def _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale, drop=None):
+    """The flash backward on fused rows (dq kernel, then dk/dv): ``drop`` as _qkv_flash_fwd's."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
     lse = _like(_c(lse), F32)
     D = _empty(lse.shape, F32)  # rowsum(dy * y): written by the dq kernel, read by dk/dv
     dqkv = _empty(qkv.shape, qkv.dtype)
@@ -171,11 +236,39 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
     dq, dk, dv = _thirds(dqkv, C)
     lay = _fused_layout(T, C, n_head)
     grid = _flash_grid(B * n_head, T)
-    _launch("flash_attention", "flash_bwd_dq_bf16_h64", grid, _FLASH_THREADS,
-            (q, k, v, y, dy, lse, D, dq, _i32(T), _i32(T), np.float32(scale)) + lay)
-    _launch("flash_attention", "flash_bwd_dkdv_bf16_h64", grid, _FLASH_THREADS,
-            (q, k, v, dy, lse, D, dk, dv, _i32(T), _i32(T), np.float32(scale)) + lay)
+    with_drop, dargs = drop is not None, drop or _NO_DROP
+    _launch("flash_attention", _flash_kernel("flash_bwd_dq_bf16_h64", with_drop), grid,
+            _FLASH_THREADS,
+            (q, k, v, y, dy, lse, D, dq, _i32(T), _i32(T), np.float32(scale)) + lay + dargs)
+    _launch("flash_attention", _flash_kernel("flash_bwd_dkdv_bf16_h64", with_drop), grid,
+            _FLASH_THREADS,
+            (q, k, v, dy, lse, D, dk, dv, _i32(T), _i32(T), np.float32(scale)) + lay + dargs)
     return dqkv
+
+
+@_guarded
+def attention_qkv_dropout(qkv, n_head, scale, p, seed):
+    """``attention_qkv`` with dropout at rate ``p`` on the probabilities, the mask of
+    ``ops.dropout(P, p, seed)`` on the (B, H, T, T) probabilities of the composed path (``seed``:
+    an int, or ``(base, site)``: see _drop_args): ``(y, lse)``, lse the softmax's (before
+    dropout). The flash kernels draw the mask themselves; other dtypes and head sizes run the
+    composed default."""
+    qkv = _c(qkv)
+    if not (_qkv_flash_ok(qkv, n_head) and _flash_drop_ok(p)):
+        return _compose.attention_qkv_dropout(_package(), qkv, n_head, scale, p, seed)
+    return _qkv_flash_fwd(qkv, n_head, scale, _drop_args(p, seed))
+
+
+@_guarded
+def attention_qkv_dropout_bwd(qkv, y, lse, dy, n_head, scale, p, seed):
+    """``dqkv (B, T, 3C)`` of ``attention_qkv_dropout`` (the same ``p`` and ``seed``: the
+    kernels draw the mask again)."""
+    qkv = _c(qkv)
+    y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
+    if not (_qkv_flash_ok(qkv, n_head, y, dy) and _flash_drop_ok(p)):
+        return _compose.attention_qkv_dropout_bwd(_package(), qkv, y, lse, dy, n_head, scale, p,
+                                                  seed)
+    return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale, _drop_args(p, seed))
 
 
 @_guarded
@@ -218,14 +311,14 @@ def _attention_bwd_flash(q, k, v, out, lse, dout, scale, Tq, Tk):
     bh = math.prod(q.shape[:-2])
     D = _empty(lse.shape, F32)  # rowsum(dout * out): written by the dq kernel, read by dk/dv
     dq = _empty(q.shape, q.dtype)
-    _launch("flash_attention", "flash_bwd_dq_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
-            (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale))
-            + _head_major(Tq, Tk))
+    _launch("flash_attention", _flash_kernel("flash_bwd_dq_bf16_h64"), _flash_grid(bh, Tq),
+            _FLASH_THREADS, (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk),
+                             np.float32(scale)) + _head_major(Tq, Tk) + _NO_DROP)
     dk = _empty(k.shape, q.dtype)
     dv = _empty(v.shape, q.dtype)
-    _launch("flash_attention", "flash_bwd_dkdv_bf16_h64", _flash_grid(bh, Tk), _FLASH_THREADS,
-            (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale))
-            + _head_major(Tq, Tk))
+    _launch("flash_attention", _flash_kernel("flash_bwd_dkdv_bf16_h64"), _flash_grid(bh, Tk),
+            _FLASH_THREADS, (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk),
+                             np.float32(scale)) + _head_major(Tq, Tk) + _NO_DROP)
     return dq, dk, dv
 
 

@@ -253,6 +253,15 @@ FORGE_HD u32x4 philox4x32_10(u32x4 c, unsigned int k0, unsigned int k1) {
     return c;
 }
 
+// A dropout site's stream from a seed held in device memory (ops.SeedAt): the splitmix64
+// finalizer of (base * golden + site + 1) mod 2^64, forge_ml.rng.mix bit for bit.
+FORGE_HD unsigned long long mix_seed(unsigned long long base, unsigned long long site) {
+    unsigned long long z = base * 0x9E3779B97F4A7C15ULL + site + 1ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
 // Four consecutive elements, loaded and stored as one vector (16 bytes for float32, 8 for
 // bf16) when the pointers allow it; `aligned4` says whether they do.
 template <typename T> struct alignas(4 * sizeof(T)) V4 {

@@ -45,16 +45,8 @@ __device__ void dropout_impl(const T* x, T* y, long long n, unsigned int k0, uns
 }
 
 // dropout_at: the same with the stream's seed read from device memory (a captured training
-// step's, rewritten before each replay): seed = splitmix64 finalizer of (base * golden + site
-// + 1), forge_ml.rng.mix bit for bit. Every thread derives the key itself (a few integer ops).
-__device__ __forceinline__ unsigned long long mix_seed(unsigned long long base,
-                                                       unsigned long long site) {
-    unsigned long long z = base * 0x9E3779B97F4A7C15ULL + site + 1ULL;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
-}
-
+// step's, rewritten before each replay): seed = mix_seed(base, site) (common.cuh: forge_ml.rng.mix
+// bit for bit). Every thread derives the key itself (a few integer ops).
 #define FORGE_DROPOUT(T, S, A)                                                                \
     extern "C" __global__ void dropout_##S(const T* x, T* y, long long n, unsigned int k0,    \
                                            unsigned int k1, float p, A scale) {               \

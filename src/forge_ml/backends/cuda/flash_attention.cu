@@ -25,6 +25,17 @@
 // rather than adding dq up with atomics: two more tile products, but no float32 dq buffer and
 // the same bits on every run.
 //
+// Dropout on the probabilities (FlashAttention's): each kernel is a template over DROP, and its
+// last four arguments (ignored when DROP is false) are the seed (an int, or a device address
+// and a site: ops.SeedAt), the least Philox word kept and 1/(1-p). The mask is ops.dropout's
+// over the (B, H, Tq, Tk) probabilities, bit for bit (see "dropout" below), drawn again in each
+// kernel rather than stored. With M = keep / (1-p): out = (P * M) v with P normalised over every
+// key (lse unchanged), dv = (P * M)^T dout, dS = P * (M * dout v^T - D) with D = rowsum(dout *
+// out) as before (out holds the mask). The DROP = false instances compile to the same code as
+// kernels written without dropout: the flag is a template parameter of the kernel itself (an
+// inlined device function would change its code: NVVM optimises an inlined body's loops
+// before it inlines it).
+//
 // Fragments are those of PTX ISA "Matrix Fragments for mma.m16n8k16" (g = lane / 4,
 // t = lane % 4; each 32-bit register holds two bf16, the lower column in the low half):
 //   A (16 x 16):  a0 = (g, 2t..2t+1)  a1 = (g+8, 2t..)  a2 = (g, 2t+8..)  a3 = (g+8, 2t+8..)
@@ -216,18 +227,133 @@ FORGE_D float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// ---- dropout ------------------------------------------------------------------------------
+// forge_ml.rng's dropout stream over the (B, H, Tq, Tk) probabilities in row-major order, the
+// mask ops.dropout draws on the composed path: element (bh, i, j) is n = (bh Tq + i) Tk + j,
+// its draw is word n % 4 of philox4x32_10((n/4 lo, n/4 hi, 0, 0), (seed lo, seed hi)), and it
+// is kept when (word >> 8) 2^-24 >= p, that is when word >= keep_min = ceil(p 2^24) 2^8.
+// A thread turns its 16 x 64 tile's draws into 32 keep bits, bit 4 nt + e for element [nt][e]
+// of its accumulators. One Philox call gives 4 consecutive elements: when Tk % 4 == 0 (`quads`)
+// each call's 4 words serve 2 or 4 lanes, passed on by shuffles (8 calls a thread and tile);
+// otherwise each element takes a call of its own (32).
+
+struct FaDrop {
+    unsigned k0, k1;    // the stream's Philox key: the seed's low and high words
+    unsigned keep_min;  // a draw is kept when its word >= keep_min
+    float scale;        // 1/(1-p) rounded once to float32 (rng.dropout_scale)
+};
+
+// The stream of the kernels' dropout arguments: the seed itself when seed_at is null, else
+// mix_seed(*seed_at, seed) (ops.SeedAt: a captured step's seed, read when the kernel runs).
+FORGE_D FaDrop fa_drop(const unsigned long long* seed_at, unsigned long long seed,
+                       unsigned keep_min, float scale) {
+    if (seed_at != nullptr) seed = mix_seed(*seed_at, seed);
+    FaDrop d;
+    d.k0 = (unsigned)(seed & 0xffffffffULL);
+    d.k1 = (unsigned)(seed >> 32);
+    d.keep_min = keep_min;
+    d.scale = scale;
+    return d;
+}
+
+// Keep bits of elements 4 blk .. 4 blk + 3 (bit j: element 4 blk + j): one Philox call.
+FORGE_D unsigned fa_keep4(const FaDrop& d, unsigned long long blk) {
+    u32x4 c;
+    c.x = (unsigned)(blk & 0xffffffffULL);
+    c.y = (unsigned)(blk >> 32);
+    c.z = 0u;
+    c.w = 0u;
+    const u32x4 r = philox4x32_10(c, d.k0, d.k1);
+    return (unsigned)(r.x >= d.keep_min) | ((unsigned)(r.y >= d.keep_min) << 1) |
+           ((unsigned)(r.z >= d.keep_min) << 2) | ((unsigned)(r.w >= d.keep_min) << 3);
+}
+
+// The keep bit of element n.
+FORGE_D unsigned fa_keep1(const FaDrop& d, unsigned long long n) {
+    return (fa_keep4(d, n >> 2) >> (unsigned)(n & 3ULL)) & 1u;
+}
+
+// Keep bits of a tile in the query-row layout (forward, dq): element [nt][e] is row r_lo
+// (e < 2) or r_hi, key k0 + 8 nt + 2t + (e & 1); n_lo, n_hi are the indices of (r_lo, k0) and
+// (r_hi, k0). With quads every row starts a Philox block, and the block of keys
+// k0 + 8 nt + 4(t/2) .. +3 holds the pairs of lanes t and t^1: the even lane draws row r_lo's
+// blocks, the odd lane row r_hi's, and each lane takes its pair of every block from the two.
+FORGE_D unsigned fa_keep_rows(const FaDrop& d, unsigned long long n_lo, unsigned long long n_hi,
+                              int t, int lane, bool quads) {
+    if (quads) {
+        const unsigned long long n0 = ((t & 1) ? n_hi : n_lo) + 4 * (t >> 1);
+        unsigned mine = 0;  // nibble nt: the block of keys k0 + 8 nt + 4(t/2) ..
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) mine |= fa_keep4(d, (n0 >> 2) + 2 * nt) << (4 * nt);
+        const int sh = 2 * (t & 1);  // an odd lane's pair is words 2, 3 of each block
+        const unsigned lo = __shfl_sync(0xffffffffu, mine, lane & ~1) >> sh;
+        const unsigned hi = __shfl_sync(0xffffffffu, mine, lane | 1) >> sh;
+        return (lo & 0x33333333u) | ((hi & 0x33333333u) << 2);
+    }
+    unsigned bits = 0;
+#pragma unroll 1
+    for (int b = 0; b < 32; ++b) {
+        const int nt = b >> 2, e = b & 3;
+        bits |= fa_keep1(d, ((e < 2) ? n_lo : n_hi) + 8 * nt + 2 * t + (e & 1)) << b;
+    }
+    return bits;
+}
+
+// Keep bits of a tile in the key-row layout (dk/dv): element [nt][e] is key j_lo = w0 + g
+// (e < 2) or j_hi = j_lo + 8, query q0 + 8 nt + 2t + (e & 1); n_q0 is the index of (q0, w0),
+// and consecutive keys are consecutive elements. With quads the keys w0 + 8(e/2) + 4(g/4) ..
+// +3 of one query are a Philox block that lanes g = 4(g/4) .. +3 (same t) share: lane g % 4 = r
+// draws the blocks of its slot e = r, and each lane takes word r of every slot's block from the
+// lane that drew it.
+FORGE_D unsigned fa_keep_keys(const FaDrop& d, unsigned long long n_q0, int Tk, int g, int t,
+                              int lane, bool quads) {
+    const unsigned long long tk = (unsigned long long)Tk;
+    if (quads) {
+        const int r = g & 3;
+        const unsigned long long n0 = n_q0 + (2 * t + (r & 1)) * tk + 8 * (r >> 1) + 4 * (g >> 2);
+        unsigned mine = 0;  // nibble nt: the block of slot r for queries q0 + 8 nt + ..
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) mine |= fa_keep4(d, (n0 + 8 * nt * tk) >> 2) << (4 * nt);
+        unsigned bits = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // lane 16(g/4) + 4e + t drew slot e
+            const unsigned w = __shfl_sync(0xffffffffu, mine, (lane & ~12) | (e << 2));
+            bits |= ((w >> r) & 0x11111111u) << e;
+        }
+        return bits;
+    }
+    unsigned bits = 0;
+#pragma unroll 1
+    for (int b = 0; b < 32; ++b) {
+        const int nt = b >> 2, e = b & 3;
+        const unsigned long long i = 8 * nt + 2 * t + (e & 1), j = g + 8 * (e >> 1);
+        bits |= fa_keep1(d, n_q0 + i * tk + j) << b;
+    }
+    return bits;
+}
+
+// The layout arguments every kernel takes (see the top of the file), and the dropout ones.
+#define FA_LAYOUT_PARAMS                                                                      \
+    int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb, long long kv_sh,        \
+        int kv_ld, long long o_sb, long long o_sh, int o_ld
+#define FA_DROP_PARAMS                                                                        \
+    const unsigned long long* __restrict__ seed_at, unsigned long long seed,                  \
+        unsigned keep_min, float keep_scale
+
 // ---- forward ------------------------------------------------------------------------------
 
 // Block (blockIdx.x = bh, query rows q0..q0+63), the latest rows (the most keys) first.
 // Warp w owns rows q0+16w..+15: this thread rows r_lo = q0+16w+g and r_hi = r_lo+8, columns
 // 8nt+2t, +1 of every 8-wide n-tile. Scores are kept in log2 units, x = scale*log2(e) q.k, so
-// the softmax is exp2(x - m).
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
+// the softmax is exp2(x - m). DROP: the dropped probabilities count in l but do not reach o,
+// and 1/(1-p) joins the final 1/l.
+template <bool DROP>
+__global__ void __launch_bounds__(FA_THREADS)
     flash_fwd_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
                        const bf16* __restrict__ v, bf16* __restrict__ out,
-                       float* __restrict__ lse, int Tq, int Tk, float scale,
-                       int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,
-                       long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld) {
+                       float* __restrict__ lse, int Tq, int Tk, float scale, FA_LAYOUT_PARAMS,
+                       FA_DROP_PARAMS) {
+    const FaDrop drop = DROP ? fa_drop(seed_at, seed, keep_min, keep_scale) : FaDrop();
     __shared__ __align__(16) bf16 sK[2][FA_BLK * FA_LD];
     __shared__ __align__(16) bf16 sV[2][FA_BLK * FA_LD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -244,6 +370,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
     // the block's last row, q0 + 63, sees keys up to q0 + 63 + off
     const int kv_end = min(Tk, q0 + FA_BLK + off);
     const int nkb = (kv_end + FA_BLK - 1) / FA_BLK;
+    // dropout: the mask indices of (r_lo, 0) and (r_hi, 0)
+    const unsigned long long n_lo = ((unsigned long long)bh * Tq + r_lo) * (unsigned long long)Tk;
+    const unsigned long long n_hi = n_lo + 8ULL * (unsigned long long)Tk;
+    const bool quads = (Tk & 3) == 0;
 
     load_tile(sK[0], K, 0, Tk, tid, kv_ld);
     load_tile(sV[0], V, 0, Tk, tid, kv_ld);
@@ -260,6 +390,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 
     for (int kb = 0; kb < nkb; ++kb) {
         const int buf = kb & 1;
+        // the tile's keep bits, drawn while the tiles load
+        const unsigned keep =
+            DROP ? fa_keep_rows(drop, n_lo + kb * FA_BLK, n_hi + kb * FA_BLK, t, lane, quads) : 0u;
         if (kb + 1 < nkb) {  // prefetch the next K, V tiles while this one is used
             load_tile(sK[buf ^ 1], K, (kb + 1) * FA_BLK, Tk, tid, kv_ld);
             load_tile(sV[buf ^ 1], V, (kb + 1) * FA_BLK, Tk, tid, kv_ld);
@@ -321,6 +454,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
         }
         l_lo = l_lo * al_lo + sum_lo;
         l_hi = l_hi * al_hi + sum_hi;
+        if (DROP) {  // o takes the kept probabilities only (l has them all)
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!((keep >> (4 * nt + e)) & 1u)) s[nt][e] = 0.f;
+        }
 
         mma_cb(o, s, smem_u32(sV[buf]) + trans);  // o += p v
         __syncthreads();  // every warp is done with buf before it is refilled
@@ -329,7 +469,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
     l_lo = quad_sum(l_lo);
     l_hi = quad_sum(l_hi);
     // every row sees key 0, so l >= 1 for the rows that are stored
-    store_rows(out + head_base(bh, H, o_sb, o_sh), o, r_lo, Tq, 1.f / l_lo, 1.f / l_hi, t, o_ld);
+    const float mul = DROP ? drop.scale : 1.f;
+    store_rows(out + head_base(bh, H, o_sb, o_sh), o, r_lo, Tq, mul / l_lo, mul / l_hi, t, o_ld);
     if (t == 0) {
         float* L = lse + bh * Tq;
         if (r_lo < Tq) L[r_lo] = (m_lo + log2f(l_lo)) * FA_LN2;
@@ -344,13 +485,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 
 // Block (blockIdx.x = bh, query rows q0..q0+63), latest rows first; thread ownership as in
 // the forward. Writes D for its rows (the dk/dv kernel, launched next, reads it) and dq.
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
+// DROP: dP = (dout v^T) * M.
+template <bool DROP>
+__global__ void __launch_bounds__(FA_THREADS)
     flash_bwd_dq_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
                           const bf16* __restrict__ v, const bf16* __restrict__ out,
                           const bf16* __restrict__ dout, const float* __restrict__ lse,
                           float* __restrict__ Dsum, bf16* __restrict__ dq, int Tq, int Tk,
-                          float scale, int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,
-                       long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld) {
+                          float scale, FA_LAYOUT_PARAMS, FA_DROP_PARAMS) {
+    const FaDrop drop = DROP ? fa_drop(seed_at, seed, keep_min, keep_scale) : FaDrop();
     __shared__ __align__(16) bf16 sK[2][FA_BLK * FA_LD];
     __shared__ __align__(16) bf16 sV[2][FA_BLK * FA_LD];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -366,6 +509,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
     const int r_lo = w0 + g, r_hi = r_lo + 8;
     const int kv_end = min(Tk, q0 + FA_BLK + off);
     const int nkb = (kv_end + FA_BLK - 1) / FA_BLK;
+    // dropout: the mask indices of (r_lo, 0) and (r_hi, 0)
+    const unsigned long long n_lo = ((unsigned long long)bh * Tq + r_lo) * (unsigned long long)Tk;
+    const unsigned long long n_hi = n_lo + 8ULL * (unsigned long long)Tk;
+    const bool quads = (Tk & 3) == 0;
 
     load_tile(sK[0], K, 0, Tk, tid, kv_ld);
     load_tile(sV[0], V, 0, Tk, tid, kv_ld);
@@ -411,6 +558,8 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 
     for (int kb = 0; kb < nkb; ++kb) {
         const int buf = kb & 1;
+        const unsigned keep =
+            DROP ? fa_keep_rows(drop, n_lo + kb * FA_BLK, n_hi + kb * FA_BLK, t, lane, quads) : 0u;
         if (kb + 1 < nkb) {
             load_tile(sK[buf ^ 1], K, (kb + 1) * FA_BLK, Tk, tid, kv_ld);
             load_tile(sV[buf ^ 1], V, (kb + 1) * FA_BLK, Tk, tid, kv_ld);
@@ -436,7 +585,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
                 const int i = (e < 2) ? r_lo : r_hi;
                 const bool masked = edge && (j > i + off || j >= Tk);
                 const float pe = masked ? 0.f : exp2f(p[nt][e] * sl2 - ((e < 2) ? l2_lo : l2_hi));
-                p[nt][e] = pe * (dp[nt][e] - ((e < 2) ? d_lo : d_hi));  // dS
+                float dpe = dp[nt][e];
+                if (DROP) dpe = ((keep >> (4 * nt + e)) & 1u) ? dpe * drop.scale : 0.f;
+                p[nt][e] = pe * (dpe - ((e < 2) ? d_lo : d_hi));  // dS
             }
         mma_cb(acc, p, smem_u32(sK[buf]) + trans);  // dq += dS k
         __syncthreads();
@@ -448,13 +599,15 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 // owns keys k0+16w..+15: this thread keys j_lo = k0+16w+g and j_hi = j_lo+8, and query
 // columns 8nt+2t, +1 of each 8-wide n-tile of the current query block. It works on the
 // transposed scores S^T = k q^T, so the keys are the rows and dv, dk accumulate in registers.
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
+// DROP: dv takes (P * keep)^T dout, times 1/(1-p) when stored; dP^T = (v dout^T) * M^T.
+template <bool DROP>
+__global__ void __launch_bounds__(FA_THREADS)
     flash_bwd_dkdv_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
                             const bf16* __restrict__ v, const bf16* __restrict__ dout,
                             const float* __restrict__ lse, const float* __restrict__ Dsum,
                             bf16* __restrict__ dk, bf16* __restrict__ dv, int Tq, int Tk,
-                            float scale, int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,
-                       long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld) {
+                            float scale, FA_LAYOUT_PARAMS, FA_DROP_PARAMS) {
+    const FaDrop drop = DROP ? fa_drop(seed_at, seed, keep_min, keep_scale) : FaDrop();
     __shared__ __align__(16) bf16 sQ[2][FA_BLK * FA_LD];
     __shared__ __align__(16) bf16 sO[2][FA_BLK * FA_LD];  // dout
     __shared__ float sL[2][FA_BLK];                       // lse * log2(e), 0 past Tq
@@ -474,6 +627,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
     // the first query that sees key k0 is i = k0 - off (k0 < Tk, so it is < Tq)
     const int qb0 = max(0, k0 - off) / FA_BLK;
     const int nqb = (Tq + FA_BLK - 1) / FA_BLK;
+    // dropout: the mask index of (query 0, key w0)
+    const unsigned long long n_w0 = (unsigned long long)bh * Tq * (unsigned long long)Tk + w0;
+    const bool quads = (Tk & 3) == 0;
 
     auto stage = [&](int qb, int buf) {
         const int r0 = qb * FA_BLK;
@@ -498,6 +654,10 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 
     for (int qb = qb0; qb < nqb; ++qb) {
         const int buf = (qb - qb0) & 1;
+        const unsigned keep =
+            DROP ? fa_keep_keys(drop, n_w0 + (unsigned long long)qb * FA_BLK * Tk, Tk, g, t, lane,
+                                quads)
+                 : 0u;
         if (qb + 1 < nqb) {
             stage(qb + 1, buf ^ 1);
             cp_async_wait<1>();
@@ -523,13 +683,40 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
                 const int j = (e < 2) ? j_lo : j_hi;
                 const bool masked = edge && (j > i + off || i >= Tq);
                 const float pe = masked ? 0.f : exp2f(p[nt][e] * sl2 - sL[buf][c]);
+                float dpe = ds[nt][e];
                 p[nt][e] = pe;
-                ds[nt][e] = pe * (ds[nt][e] - sD[buf][c]);
+                if (DROP) {
+                    const bool kept = (keep >> (4 * nt + e)) & 1u;
+                    p[nt][e] = kept ? pe : 0.f;
+                    dpe = kept ? dpe * drop.scale : 0.f;
+                }
+                ds[nt][e] = pe * (dpe - sD[buf][c]);
             }
         mma_cb(dva, p, smem_u32(sO[buf]) + trans);   // dv += P^T dout
         mma_cb(dka, ds, smem_u32(sQ[buf]) + trans);  // dk += dS^T q
         __syncthreads();
     }
     store_rows(dk + kvb, dka, j_lo, Tk, scale, scale, t, kv_ld);
-    store_rows(dv + kvb, dva, j_lo, Tk, 1.f, 1.f, t, kv_ld);
+    const float mul = DROP ? drop.scale : 1.f;
+    store_rows(dv + kvb, dva, j_lo, Tk, mul, mul, t, kv_ld);
 }
+
+// ---- the instances the backend launches --------------------------------------------------
+// Without dropout and with it. Template instances have C++ names, so attention.py asks for each
+// by its mangled one (_flash_kernel): a change to a kernel's parameter types must change
+// _FLASH_SIGS there too.
+#define FA_LAYOUT_TYPES int, long long, long long, int, long long, long long, int, long long, \
+                        long long, int
+#define FA_DROP_TYPES const unsigned long long*, unsigned long long, unsigned, float
+#define FA_INSTANCES(DROP)                                                                    \
+    template __global__ void flash_fwd_bf16_h64<DROP>(const bf16*, const bf16*, const bf16*, \
+                                                      bf16*, float*, int, int, float,         \
+                                                      FA_LAYOUT_TYPES, FA_DROP_TYPES);        \
+    template __global__ void flash_bwd_dq_bf16_h64<DROP>(                                     \
+        const bf16*, const bf16*, const bf16*, const bf16*, const bf16*, const float*, float*, \
+        bf16*, int, int, float, FA_LAYOUT_TYPES, FA_DROP_TYPES);                              \
+    template __global__ void flash_bwd_dkdv_bf16_h64<DROP>(                                   \
+        const bf16*, const bf16*, const bf16*, const bf16*, const float*, const float*, bf16*, \
+        bf16*, int, int, float, FA_LAYOUT_TYPES, FA_DROP_TYPES);
+FA_INSTANCES(false)
+FA_INSTANCES(true)
