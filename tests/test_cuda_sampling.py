@@ -5,14 +5,23 @@ choose the same token, bit for bit, on the same rows, and write the same seen to
 positions; both follow ``forge_ml.sampling.sample_row``; a vocabulary too large for shared
 memory goes to the fallback by itself.
 
+The integer part of the rule (top-k, top-p and min-p cuts, the draw) is checked exactly: on the
+weights the kernel itself computes (``sampling._sample_weights``, sample.cu's arithmetic), the
+host's cuts and draw (``_rule_on_weights``, steps 4 and 5 of ``sample_row``) must give the
+kernel's token for every row, over rows and knobs that put each cut at every digit of the
+kernel's radix select (weights of 25 bits: bits 16-24, 8-15, 0-7) and at its edges.
+
 ``backends.cuda.sampling._STAGE = False`` forces the fallback. Every test skips where CuPy or
 a GPU is missing.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
+from forge_ml import rng
 from forge_ml.device import Device
 
 pytestmark = pytest.mark.cuda
@@ -107,6 +116,123 @@ def test_staged_and_fallback_choose_the_same_tokens(be, monkeypatch, V, Vp, pena
     assert agree >= 0.9 * total, (agree, total)
 
 
+def _rule_on_weights(w, knobs, key, position):
+    """Steps 4 and 5 of ``forge_ml.sampling.sample_row`` (the cuts and the draw) on the
+    integer weights ``w (V,)``, written here as the rule states them (a partition for top-k, a
+    sort for top-p): the kernel, on its own weights, must choose this token."""
+    _, k, ptop, pmin, _ = (np.float32(v) for v in knobs)
+    k = int(k)
+    w = np.asarray(w, np.uint32)
+    V = w.shape[0]
+    floor = 0
+    if 0 < k < V:
+        floor = int(np.partition(w, V - k)[V - k])          # the k-th largest weight
+    if 0 < ptop < 1:
+        kept = w[w >= floor].astype(np.uint64)
+        need = math.ceil(float(ptop) * int(kept.sum()))
+        top = np.sort(kept)[::-1]
+        floor = max(floor, int(top[int(np.searchsorted(np.cumsum(top), need, side="left"))]))
+    if pmin > 0:
+        floor = max(floor, math.ceil(float(pmin) * (1 << 24)))
+    cum = np.cumsum(np.where(w >= floor, w, 0).astype(np.uint64))
+    word = int(rng.philox4x32_10([int(position), 0, 0, 0], key)[0, 0])
+    target = (int(cum[-1]) * word) >> 32
+    return int(np.searchsorted(cum, np.uint64(target), side="right"))
+
+
+def _edge_knobs(V):
+    """Knob rows (temperature, top_k, top_p, min_p, penalty) for a vocabulary of V: the
+    benchmark's modes, and every cut at its edges."""
+    return [
+        [0.8, 40, 1, 0, 1], [0.8, 0, 0.9, 0, 1], [1.0, 0, 1, 0.05, 1], [0.8, 0, 1, 0, 1.2],
+        [1.0, 1, 1, 0, 1],              # k = 1: the top weight (and its ties)
+        [1.0, V - 1, 1, 0, 1],          # k = V - 1: the cut among the smallest weights
+        [1.0, V, 0.9, 0, 1],            # k = V: off (top-p alone)
+        [1.0, V + 7, 1, 0, 1],          # k larger than the row: off
+        [1.0, 0, 1.0, 0, 1],            # p = 1: off
+        [1.0, 0, 1e-6, 0, 1],           # p tiny: the top weight (and its ties)
+        [1.0, 0, 0.999999, 0, 1],       # p close to 1: the cut among the smallest weights
+        [0.7, 3, 0.5, 0.01, 1.3],       # every cut at once, the penalty too
+        [3.0, max(1, V // 2), 0.95, 0, 1],   # top-p after a top-k that keeps half the row
+        [0.05, 0, 0.9, 0, 1],           # sharp: one weight of 2^24, nearly every other 0
+    ]
+
+
+# logit shapes that put the cuts in different digits of the radix select
+SHAPES = ("peaked", "flat", "ties", "equal", "maxima", "sparse")
+
+
+def _shaped_row(rs, shape, V, Vp):
+    z = np.full(Vp, 1e30, np.float32)                     # padding: never chosen
+    if shape == "peaked":     # most weights below 2^16: digit 0 of the first pass
+        x = rs.standard_normal(V) * 3
+    elif shape == "flat":     # every weight above 2^16: many first digits in each warp
+        x = rs.standard_normal(V) * 0.3
+    elif shape == "ties":     # a few distinct weights, many equal at every cut
+        x = np.round(rs.standard_normal(V) * 2)
+    elif shape == "equal":    # every weight 2^24: each cut at the first digit's top value, 256
+        x = np.zeros(V)
+    elif shape == "maxima":   # 1/8 of the row at the maximum: top-k 40's cut is 2^24
+        x = rs.standard_normal(V)
+        x[rs.integers(0, V, max(2, V // 8))] = 10.0
+    else:                     # "sparse": half the row at -inf (weight 0), including id 0
+        x = rs.standard_normal(V) * 3
+        x[rs.random(V) < 0.5] = -np.inf
+        x[0] = -np.inf
+        x[1 + rs.integers(0, V - 1)] = 1.0                # at least one finite logit
+    z[:V] = x.astype(np.float32)
+    return z
+
+
+@pytest.mark.parametrize("V,Vp", [(7, 8), (50, 64), (1000, 1024), (4099, 4104), (50257, 50304)])
+@pytest.mark.parametrize("staged", [True, False])
+def test_cuts_and_draw_are_exact_on_the_kernels_weights(be, monkeypatch, V, Vp, staged):
+    import cupy
+    from forge_ml.backends.cuda import sampling
+    if staged and sampling._sample_kernel(V)[0] != "sample_next_smem_f32":
+        pytest.skip(f"this GPU cannot give a block {4 * V} bytes of shared memory")
+    rs = np.random.default_rng(V + 7 * staged)
+    knob_rows = _edge_knobs(V)
+    rows = [(shape, kn) for shape in SHAPES for kn in knob_rows]
+    B = len(rows)
+    logits = np.stack([_shaped_row(rs, shape, V, Vp) for shape, _ in rows])
+    knobs = np.array([kn for _, kn in rows], np.float32)
+    seen = (rs.random((B, Vp)) < 0.1).astype(np.int32)
+    keys = rs.integers(0, 1 << 32, (B, 2)).astype(np.uint32).view(np.int32)
+    pos = rs.integers(0, 1000, B).astype(np.int32)
+    w = cupy.asnumpy(sampling._sample_weights(cupy.asarray(logits), V, cupy.asarray(knobs),
+                                              cupy.asarray(seen)))
+    ids, out, p, s = _sample(be, logits, V, knobs, keys, pos, seen, staged, monkeypatch)
+    assert (w <= 1 << 24).all()
+    for b, (shape, kn) in enumerate(rows):
+        key = tuple(int(x) for x in keys[b].view(np.uint32))
+        want = _rule_on_weights(w[b], kn, key, int(pos[b]) + 1)
+        assert int(ids[b]) == want, (shape, kn, int(ids[b]), want)
+    assert (out == ids).all() and (p == pos + 1).all() and (s[np.arange(B), ids] == 1).all()
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_a_shared_position_holds_for_more_rows_than_the_gpu_runs_at_once(be, monkeypatch,
+                                                                         staged):
+    """Rows past the blocks the GPU holds at once start when earlier rows end; each must still
+    draw at the position every row was given (a row whose block advanced the shared position
+    before a later block read it would move that block's draw), and the position goes up by
+    one: the same tokens as with one position per row."""
+    import cupy
+    V, Vp = 50257, 50304
+    B = 2 * int(cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]) + 3
+    rs = np.random.default_rng(11)
+    logits = (rs.standard_normal((B, Vp)) * 3).astype(np.float32)
+    knobs = np.array([[1.0, 40, 1, 0, 1]] * B, np.float32)
+    keys = rs.integers(0, 1 << 32, (B, 2)).astype(np.uint32).view(np.int32)
+    shared = _sample(be, logits, V, knobs, keys, np.array([500], np.int32), None, staged,
+                     monkeypatch)
+    per_row = _sample(be, logits, V, knobs, keys, np.full(B, 500, np.int32), None, staged,
+                      monkeypatch)
+    np.testing.assert_array_equal(shared[0], per_row[0])
+    assert shared[2].tolist() == [501] and (per_row[2] == 501).all()
+
+
 def test_a_vocabulary_too_large_for_shared_memory_falls_back(be, monkeypatch):
     """400 KB of weights exceed a block's shared memory on every GPU to date (227 KB on
     Hopper): the launcher picks the global-memory kernel, which follows the rule."""
@@ -126,3 +252,11 @@ def test_a_vocabulary_too_large_for_shared_memory_falls_back(be, monkeypatch):
                        int(pos[b]) + 1, seen[b, :V]) for b in range(B)]
     assert int((ids.astype(np.int64) == np.array(want)).sum()) >= B - 1, (ids, want)
     assert (p == pos + 1).all() and (s[np.arange(B), ids] == 1).all()
+    # and exactly, on the kernel's own weights
+    import cupy
+    w = cupy.asnumpy(sampling._sample_weights(cupy.asarray(logits), V,
+                                              cupy.asarray(np.array(knobs, np.float32)),
+                                              cupy.asarray(seen)))
+    for b in range(B):
+        key = tuple(int(k) for k in keys[b].view(np.uint32))
+        assert int(ids[b]) == _rule_on_weights(w[b], knobs[b], key, int(pos[b]) + 1), b

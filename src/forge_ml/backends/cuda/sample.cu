@@ -15,7 +15,8 @@
 //           over the kept mass `total`; the token is the first id whose running kept mass
 //           passes target.
 // All sums are integers, so the choice does not depend on the order threads add in.
-// Then ids[b] = out[b] = the token, seen[b, token] = 1, and the position goes up by one.
+// Then ids[b] = out[b] = the token, seen[b, token] = 1, and the position goes up by one
+// (a position shared by several rows: by sample_advance_pos, after every row has read it).
 // seen: int32 (B, Vp), 1 where the row has seen the token (the penalty's context).
 //
 // One block (1024 threads) owns one row. Two kernels run the same passes with the same
@@ -30,12 +31,13 @@
 // sampling.py picks the kernel. The passes over a sampled row (V elements each):
 //   1      the max and the argmax of z (global memory; staged, z is also kept);
 //   2      staged only: z_j -> w_j, in place in shared memory;
-//   3-6    top-k: the k-th largest weight, a radix descent of 4 passes of 8 bits;
-//   7      top-p: K, the mass the top-k cut keeps;
-//   8-11   top-p: the cut, 4 more radix passes;
-//   12     the kept mass of each warp's range of ids;
-//   13     the chosen warp alone scans its range (1/32 of the row) for the token.
+//   3-5    top-k: the k-th largest weight, a radix descent of 3 passes (radix_select);
+//   6      top-p: K, the mass the top-k cut keeps;
+//   7-9    top-p: the cut, 3 more radix passes;
+//   10     the kept mass of each warp's range of ids;
+//   11     the chosen warp alone scans its range (1/32 of the row) for the token.
 // A cut that is off skips its passes; T = 0 (or a NaN) stops after pass 1.
+// sample_weights_f32 (tests only) writes the weights w_j that the passes from 2 on read.
 #include "common.cuh"
 
 #define SN_THREADS 1024
@@ -61,12 +63,28 @@ struct Row {
     }
     FORGE_D float logit(int j) const { return penalized() ? penalty(z[j], seen[j]) : z[j]; }
     FORGE_D unsigned weight(int j) const { return weight_of(logit(j), m, inv_t); }
+    // w[u] = the weight of id j + u, u < 4 (0 past V)
+    FORGE_D void weights4(int j, int V, unsigned (&w)[4]) const {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) w[u] = j + u < V ? weight(j + u) : 0u;
+    }
 };
 
 // A row staged in shared memory (sample_next_smem_f32): the weights themselves, from pass 2.
 struct StagedRow {
     const unsigned* w;
     FORGE_D unsigned weight(int j) const { return w[j]; }
+    // w[u] = the weight of id j + u, u < 4 (0 past V); j is a multiple of 4, so the four
+    // words are one 16-byte load where they are all inside the row
+    FORGE_D void weights4(int j, int V, unsigned (&out)[4]) const {
+        if (j + 3 < V) {
+            const uint4 q = *reinterpret_cast<const uint4*>(w + j);
+            out[0] = q.x, out[1] = q.y, out[2] = q.z, out[3] = q.w;
+        } else {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) out[u] = j + u < V ? w[j + u] : 0u;
+        }
+    }
 };
 
 FORGE_D unsigned long long block_sum_u64(unsigned long long v, unsigned long long* sh) {
@@ -82,80 +100,186 @@ FORGE_D unsigned long long block_sum_u64(unsigned long long v, unsigned long lon
     return s;
 }
 
-// The largest value v of the kept weights (w >= floor_) such that the kept weights >= v
-// count at least `need` (by_mass 0) or weigh at least `need` (by_mass 1): a radix descent,
-// 8 bits a pass (4 passes over src's weights), over a 256-bin histogram in shared memory.
-template <class Src>
-FORGE_D unsigned radix_select(const Src& src, int V, unsigned floor_, unsigned long long need,
-                              int by_mass, unsigned long long* hist, unsigned* shared_sel) {
-    unsigned prefix = 0, mask = 0;
-    unsigned long long remaining = need;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int d = threadIdx.x; d < 256; d += blockDim.x) hist[d] = 0;
-        __syncthreads();
-        // Most weights share a digit (the small ones: digit 0), so the lanes of a warp with
-        // one digit add their counts or masses first and one of them adds to shared memory:
-        // one atomic per digit per warp instead of one per element (the block's 32 warps x
-        // 50 iterations, not 50,257 atomics on one address).
-        for (int j0 = 0; j0 < V; j0 += blockDim.x) {  // every thread takes every iteration
-            const int j = j0 + threadIdx.x;
-            const unsigned w = j < V ? src.weight(j) : 0u;
-            const bool cand = j < V && w >= floor_ && (w & mask) == prefix;
-            const unsigned key = cand ? (w >> shift) & 255u : 0xffffffffu;
-            const unsigned peers = __match_any_sync(0xffffffffu, key);
-            const unsigned part = by_mass ? __reduce_add_sync(peers, cand ? w : 0u)  // < 2^29
-                                          : (unsigned)__popc(peers);
-            if (cand && (threadIdx.x & 31) == (unsigned)(__ffs(peers) - 1))
-                atomicAdd(&hist[key], (unsigned long long)part);
+// ---------------------------------------------------------------------------------------------
+// radix_select: an exact cut (top-k's k-th largest weight, top-p's threshold) by a radix
+// descent over the weights' bits, one pass over the row per digit.
+//
+// A weight is at most 2^24 (expf of a value <= 0, times 2^24): 25 bits. The three digits are
+// bits 16-24 (the values 0..256: bit 24 is set only for w = 2^24, so the first digit takes it
+// with bits 16-23 instead of spending a pass of 8 bits on it), bits 8-15 and bits 0-7.
+//
+// Each pass counts (or weighs) the candidates by digit into a shared-memory histogram, then
+// picks the largest digit whose bins, from it up, reach what the cut still needs. That pick
+// never reads bin 0 (when no digit from 1 up reaches, the digit is 0), so a pass does not
+// count digit 0 at all: the small weights, most of a peaked row, all have digit 0, and
+// adding them up on that one bin (with 64-bit compare-and-swap loops, 4 passes of 8 bits)
+// was what the selection cost before.
+// ---------------------------------------------------------------------------------------------
+
+#define SN_BINS 288  // 9 bins per lane of the warp that picks the digit; a digit uses 257 at most
+
+// The histogram of one pass: bin d's count or mass is (hi[d] << 32) + lo[d]. A 64-bit
+// atomicAdd on shared memory compiles to a compare-and-swap loop on sm_90; a 32-bit one is one
+// instruction, and the high word takes the carries (so the sum is exact at any row length).
+// pick_digit leaves its answer in `digit` and `above`, and the bins cleared for the next pass.
+struct Hist {
+    unsigned lo[SN_BINS];
+    unsigned hi[SN_BINS];
+    unsigned long long above;  // the count or mass of the bins above the digit picked
+    unsigned digit;
+};
+
+// bin d += the weight w, exactly: the low word's atomicAdd returns what it held, and an add
+// that wraps it carries one into the high word
+FORGE_D void mass_add(Hist& h, unsigned d, unsigned w) {
+    const unsigned old = atomicAdd(&h.lo[d], w);
+    if (old + w < old) atomicAdd(&h.hi[d], 1u);
+}
+
+// Adds 1 (BY_MASS false) or the weight w (BY_MASS true) of each lane with `counted` to bin d
+// of the histogram; every lane of the warp calls it. Shared-memory atomics on 32-bit words are
+// single instructions; what costs is many lanes on one address, and that is handled here:
+//   counts: a 32-bit atomicAdd of 1 compiles to ATOMS.POPC.INC, which adds the lanes of one
+//     address together (one add per distinct bin of the warp);
+//   masses: when every counted lane has the same digit (a run of equal or similar weights),
+//     the warp sums them first (at most 32 x 2^24 < 2^32) and one lane adds the sum; else
+//     each lane adds its own (the digits of one warp then spread over several bins).
+template <bool BY_MASS>
+FORGE_D void bin_add(Hist& h, bool counted, unsigned d, unsigned w) {
+    if constexpr (!BY_MASS) {
+        if (counted) atomicAdd(&h.lo[d], 1u);
+    } else {
+        const unsigned all = 0xffffffffu;
+        const unsigned any = __ballot_sync(all, counted);
+        if (any == 0) return;
+        const int first = __ffs(any) - 1;
+        const unsigned d0 = __shfl_sync(all, d, first);
+        if (__all_sync(all, !counted || d == d0)) {
+            const unsigned sum = __reduce_add_sync(all, counted ? w : 0u);
+            if ((int)(threadIdx.x & 31) == first) mass_add(h, d0, sum);
+        } else if (counted) {
+            mass_add(h, d, w);
         }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned long long above = 0;
-            int d = 255;
-            for (; d > 0; --d) {
-                if (above + hist[d] >= remaining) break;
-                above += hist[d];
+    }
+}
+
+// Warp 0: the largest digit d >= 1 whose bins d, d + 1, ... hold at least `remaining` (the
+// digit is 0 when none does, so bin 0 is never read), into h.digit, and what the bins above
+// d hold, into h.above; every bin is cleared on the way. Lane l owns the 9 bins from
+// SN_BINS - 1 - 9 l down (lane 0 the largest digits): its own sum, a scan over the lanes, and
+// the first lane whose running sum reaches `remaining` walks its 9 bins.
+FORGE_D void pick_digit(Hist& h, unsigned long long remaining) {
+    const int lane = threadIdx.x & 31, top = SN_BINS - 1 - 9 * lane;
+    unsigned long long bin[9], mine = 0;
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+        bin[i] = ((unsigned long long)h.hi[top - i] << 32) | h.lo[top - i];
+        h.lo[top - i] = 0u;
+        h.hi[top - i] = 0u;
+        mine += bin[i];
+    }
+    unsigned long long incl = mine;  // what lanes 0..lane hold
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long n = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += n;
+    }
+    const unsigned reach = __ballot_sync(0xffffffffu, incl >= remaining);
+    if (reach == 0) {
+        if (lane == 31) {
+            h.digit = 0u;
+            h.above = incl;  // every counted bin
+        }
+    } else if (lane == __ffs(reach) - 1) {
+        unsigned long long above = incl - mine;
+        int d = top - 8;
+        bool found = false;
+#pragma unroll
+        for (int i = 0; i < 9; ++i) {
+            if (!found) {
+                if (above + bin[i] >= remaining) {
+                    found = true;
+                    d = top - i;
+                } else {
+                    above += bin[i];
+                }
             }
-            shared_sel[0] = (unsigned)d;
-            shared_sel[1] = (unsigned)(above & 0xffffffffull);
-            shared_sel[2] = (unsigned)(above >> 32);
+        }
+        h.digit = (unsigned)d;
+        h.above = above;
+    }
+}
+
+// The largest value v of the kept weights (w >= floor_) such that the kept weights >= v
+// count at least `need` (BY_MASS false: top-k) or weigh at least `need` (BY_MASS true: top-p),
+// over src's weights w_j, j < V. Three passes over the row; `h` must come in cleared (and
+// goes out cleared). Every thread returns v.
+template <bool BY_MASS, class Src>
+FORGE_D unsigned radix_select(const Src& src, int V, unsigned floor_, unsigned long long need,
+                              Hist& h) {
+    unsigned prefix = 0;                   // the digits picked so far, in their bits
+    unsigned long long remaining = need;   // what the candidates still have to provide
+#pragma unroll
+    for (int pass = 0; pass < 3; ++pass) {
+        const int shift = 16 - 8 * pass;   // the digit: bits 16-24, then 8-15, then 0-7
+        const unsigned fixed = pass == 0 ? 0u : ~0u << (shift + 8);  // the bits picked before
+        // count: every kept weight that agrees with the prefix on the bits picked before adds
+        // 1 or itself to the bin of its digit (digit 0 skipped: pick_digit does not read it).
+        // Thread t takes ids 4t..4t+3, then 4(t + blockDim.x)..; a warp with nothing to count
+        // in its 128 ids moves on after one vote.
+        for (int j0 = 0; j0 < V; j0 += 4 * blockDim.x) {  // every thread takes every iteration
+            const int j = j0 + 4 * threadIdx.x;
+            unsigned w[4], d[4];
+            bool counted[4], some = false;
+            src.weights4(j, V, w);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                // min(): w <= 2^24 always; the clamp only keeps a bad weight in the histogram
+                d[u] = pass == 0 ? min(w[u] >> 16, 256u) : (w[u] >> shift) & 255u;
+                counted[u] = j + u < V && w[u] >= floor_ && (w[u] & fixed) == prefix && d[u] != 0u;
+                some = some || counted[u];
+            }
+            if (__any_sync(0xffffffffu, some)) {
+#pragma unroll
+                for (int u = 0; u < 4; ++u) bin_add<BY_MASS>(h, counted[u], d[u], w[u]);
+            }
         }
         __syncthreads();
-        const unsigned d = shared_sel[0];
-        remaining -= ((unsigned long long)shared_sel[2] << 32) | shared_sel[1];
-        prefix |= d << shift;
-        mask |= 255u << shift;
+        // pick: the digit of v, and what the candidates above it provide
+        if (threadIdx.x < 32) pick_digit(h, remaining);
         __syncthreads();
+        prefix |= h.digit << shift;
+        remaining -= h.above;
     }
     return prefix;
 }
 
-// Passes 3 to 13 of a sampled row: the cuts (top-k, top-p, min-p) and the draw over the
-// weights src.weight(j), j < V; `key`: the row's two Philox key words. Every thread of the
-// block returns the token.
+// Passes 3 to 11 of a sampled row: the cuts (top-k, top-p, min-p) and the draw over the
+// weights src.weight(j), j < V; `key`: the row's two Philox key words. `h` comes in cleared.
+// Every thread of the block returns the token.
 template <class Src>
 FORGE_D int draw_token(const Src& src, int V, int k, float ptop, float pmin, int p_at,
-                       const unsigned* key, unsigned long long* hist, unsigned long long* red,
-                       unsigned* sel) {
+                       const unsigned* key, Hist& h, unsigned long long* red, unsigned* sel,
+                       unsigned long long* goal_) {
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5;
     unsigned floor_ = 0;
-    // passes 3-6, top-k: the k-th largest weight
-    if (k > 0 && k < V) floor_ = radix_select(src, V, 0u, (unsigned long long)k, 0, hist, sel);
+    // passes 3-5, top-k: the k-th largest weight
+    if (k > 0 && k < V) floor_ = radix_select<false>(src, V, 0u, (unsigned long long)k, h);
     if (ptop > 0.0f && ptop < 1.0f) {
-        // pass 7, top-p: K, the mass the top-k cut keeps
+        // pass 6, top-p: K, the mass the top-k cut keeps
         unsigned long long K = 0;
         for (int j = t; j < V; j += blockDim.x) {
             const unsigned w = src.weight(j);
             if (w >= floor_) K += w;
         }
         K = block_sum_u64(K, red);
-        // passes 8-11: the largest cut whose kept mass reaches ceil(p K)
+        // passes 7-9: the largest cut whose kept mass reaches ceil(p K)
         const unsigned long long need = (unsigned long long)ceil((double)ptop * (double)K);
-        const unsigned tp = radix_select(src, V, floor_, need, 1, hist, sel);
+        const unsigned tp = radix_select<true>(src, V, floor_, need, h);
         floor_ = max(floor_, tp);
     }
     if (pmin > 0.0f) floor_ = max(floor_, (unsigned)ceil((double)pmin * 16777216.0));
-    // pass 12: each warp owns a contiguous range of ids; its kept mass, then a scan over warps
+    // pass 10: each warp owns a contiguous range of ids; its kept mass, then a scan over warps
     const int R = (V + nw - 1) / nw, lo = warp * R, hi = min(V, lo + R);
     unsigned long long mine = 0;
     for (int j = lo + lane; j < hi; j += 32) {
@@ -182,13 +306,13 @@ FORGE_D int draw_token(const Src& src, int V, int k, float ptop, float pmin, int
             base += red[w];
         }
         sel[0] = (unsigned)wsel;
-        hist[0] = target - base;  // the target within the chosen warp's range
+        *goal_ = target - base;  // the target within the chosen warp's range
     }
     __syncthreads();
-    // pass 13: the chosen warp scans its range, 32 ids at a time, for the first id whose
+    // pass 11: the chosen warp scans its range, 32 ids at a time, for the first id whose
     // running kept mass passes the target
     if (warp == (int)sel[0]) {
-        const unsigned long long goal = hist[0];
+        const unsigned long long goal = *goal_;
         unsigned long long run = 0;
         int found = -1;
         for (int j0 = lo; j0 < hi && found < 0; j0 += 32) {
@@ -215,40 +339,31 @@ FORGE_D int draw_token(const Src& src, int V, int k, float ptop, float pmin, int
     return (int)sel[1];
 }
 
-// Row b = blockIdx.x's choice. STAGED: the row goes through `sw`, V words of dynamic shared
-// memory (sample_next_smem_f32); else every pass reads global memory (sw unused).
-template <bool STAGED>
-FORGE_D void sample_block(const float* logits, int V, int Vp, const float* knobs,
-                          const unsigned* keys, int* seen, int has_seen, int* ids, int* out,
-                          int* pos, int npos, unsigned* sw) {
-    __shared__ float sv[32];
-    __shared__ int si[32];
-    __shared__ unsigned long long hist[256];
-    __shared__ unsigned long long red[32];
-    __shared__ unsigned sel[4];
-    const int b = blockIdx.x, t = threadIdx.x;
-    const float* kn = knobs + (long long)b * 5;
-    const float temp = kn[0], ptop = kn[2], pmin = kn[3];
-    const int k = (int)kn[1];
+// Row b's logits, seen tokens and penalty (knobs (B, 5): temperature, top_k, top_p, min_p,
+// penalty); the max and the temperature are set once pass 1 has run.
+FORGE_D Row row_of(const float* logits, int Vp, const float* knobs, const int* seen,
+                   int has_seen, int b) {
     Row row;
     row.z = logits + (long long)b * Vp;
     row.seen = has_seen ? seen + (long long)b * Vp : nullptr;
-    row.pen = kn[4];
+    row.pen = knobs[(long long)b * 5 + 4];
     row.m = 0.0f;
     row.inv_t = 1.0f;
-    const int p_at = pos[npos == 1 ? 0 : b] + 1;  // the position of the token chosen
-    const bool stage = STAGED && temp > 0.0f;      // a greedy row needs no weights
+    return row;
+}
 
-    // pass 1 (global memory): the maximum and the argmax (numpy's order) of the logits with
-    // the penalty applied; staged, each thread also keeps its logits' bits for pass 2. Thread
-    // t takes ids t, t + blockDim.x, ... in that order, P at a time: their loads first, all
-    // in flight together (one block reads the row, so latency, not bandwidth, bounds this
-    // pass), the ids past V reading id V - 1 and then skipped.
-    constexpr int P = 4;
-    const int nt = blockDim.x;
+// Pass 1 (global memory): the maximum and the argmax (numpy's order) of the row's logits with
+// the penalty applied, into every thread's (best, bi); with `sw`, each logit's bits are also
+// kept in sw[j] for pass 2. Thread t takes ids t, t + blockDim.x, ... in that order, P at a
+// time: their loads first, all in flight together (one block reads the row, so latency, not
+// bandwidth, bounds this pass), the ids past V reading id V - 1 and then skipped.
+FORGE_D void row_argmax(const Row& row, int V, unsigned* sw, float& best, int& bi, float* sv,
+                        int* si) {
+    constexpr int P = 8;
+    const int t = threadIdx.x, nt = blockDim.x;
     const bool pen_on = row.penalized();
-    float best = neg_inf<float>();
-    int bi = 0x7fffffff;
+    best = neg_inf<float>();
+    bi = 0x7fffffff;
     for (int j0 = t; j0 < V; j0 += P * nt) {
         float v[P];
         int s[P];
@@ -263,12 +378,40 @@ FORGE_D void sample_block(const float* logits, int V, int Vp, const float* knobs
             const int j = j0 + u * nt;
             if (j < V) {
                 const float x = row.penalty(v[u], s[u]);  // row.logit(j)
-                if (stage) sw[j] = __float_as_uint(x);
+                if (sw != nullptr) sw[j] = __float_as_uint(x);
                 argmax_take(x, j, best, bi);
             }
         }
     }
     block_argmax(best, bi, sv, si);  // every thread gets the row's (max, argmax)
+}
+
+// Row b = blockIdx.x's choice. STAGED: the row goes through `sw`, V words of dynamic shared
+// memory (sample_next_smem_f32); else every pass reads global memory (sw unused).
+template <bool STAGED>
+FORGE_D void sample_block(const float* logits, int V, int Vp, const float* knobs,
+                          const unsigned* keys, int* seen, int has_seen, int* ids, int* out,
+                          int* pos, int npos, unsigned* sw) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    __shared__ Hist hist;
+    __shared__ unsigned long long red[32];
+    __shared__ unsigned long long goal;
+    __shared__ unsigned sel[4];
+    const int b = blockIdx.x, t = threadIdx.x;
+    const float* kn = knobs + (long long)b * 5;
+    const float temp = kn[0], ptop = kn[2], pmin = kn[3];
+    const int k = (int)kn[1];
+    Row row = row_of(logits, Vp, knobs, seen, has_seen, b);
+    const int p_at = pos[npos == 1 ? 0 : b] + 1;  // the position of the token chosen
+    // radix_select's histogram starts cleared (the barriers of pass 1 order this before it)
+    for (int i = t; i < SN_BINS; i += blockDim.x) hist.lo[i] = hist.hi[i] = 0u;
+
+    // pass 1; staged, each thread also keeps its logits for pass 2 (a greedy row needs no
+    // weights)
+    float best;
+    int bi;
+    row_argmax(row, V, STAGED && temp > 0.0f ? sw : nullptr, best, bi, sv, si);
     int token = bi;
     if (temp > 0.0f && best == best) {  // sampled (a NaN row falls back to the argmax)
         row.m = best;
@@ -279,17 +422,23 @@ FORGE_D void sample_block(const float* logits, int V, int Vp, const float* knobs
             for (int j = t; j < V; j += blockDim.x)
                 sw[j] = weight_of(__uint_as_float(sw[j]), row.m, row.inv_t);
             __syncthreads();
-            token = draw_token(StagedRow{sw}, V, k, ptop, pmin, p_at, keys + 2 * b, hist, red, sel);
+            token = draw_token(StagedRow{sw}, V, k, ptop, pmin, p_at, keys + 2 * b, hist, red,
+                               sel, &goal);
         } else {
-            token = draw_token(row, V, k, ptop, pmin, p_at, keys + 2 * b, hist, red, sel);
+            token = draw_token(row, V, k, ptop, pmin, p_at, keys + 2 * b, hist, red, sel,
+                               &goal);
         }
     }
     if (t == 0) {
         ids[b] = token;
         out[b] = token;
         if (has_seen) seen[(long long)b * Vp + token] = 1;
+        // the position: a row's own (npos B) here; a shared one (npos 1) here only when this
+        // block is the grid's only one, else by sample_advance_pos after this kernel (a block
+        // that advanced it could do so before a later block read it: rows past the blocks the
+        // GPU holds at once start when earlier ones end)
         if (npos > 1) pos[b] += 1;
-        else if (b == 0) *pos += 1;
+        else if (gridDim.x == 1) *pos += 1;
     }
 }
 
@@ -308,7 +457,32 @@ extern "C" __global__ void sample_next_smem_f32(const float* logits, int V, int 
                                                 const float* knobs, const unsigned* keys,
                                                 int* seen, int has_seen, int* ids,
                                                 int* out, int* pos, int npos) {
-    extern __shared__ unsigned row_smem[];
+    extern __shared__ __align__(16) unsigned row_smem[];  // 16: weights4 reads 4 words at once
     sample_block<true>(logits, V, Vp, knobs, keys, seen, has_seen, ids, out, pos, npos,
                        row_smem);
+}
+
+// The shared position (one int32) of a batch of rows: sample_next advances it once every row
+// has read it, with this one-thread kernel after the sampling kernel.
+extern "C" __global__ void sample_advance_pos(int* pos) { *pos += 1; }
+
+// For tests: w (B, V) uint32 = the weights w_j that row b's cuts and draw read (pass 1, then
+// weight_of: the same arithmetic as both kernels), 0 for a row that is not sampled (T = 0 or
+// a NaN). One block per row. With them, the host checks the integer part of the rule exactly.
+extern "C" __global__ void sample_weights_f32(const float* logits, int V, int Vp,
+                                              const float* knobs, const int* seen,
+                                              int has_seen, unsigned* w) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    const int b = blockIdx.x;
+    const float temp = knobs[(long long)b * 5];
+    Row row = row_of(logits, Vp, knobs, seen, has_seen, b);
+    float best;
+    int bi;
+    row_argmax(row, V, nullptr, best, bi, sv, si);
+    const bool sampled = temp > 0.0f && best == best;
+    row.m = best;
+    row.inv_t = sampled ? 1.0f / temp : 1.0f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x)
+        w[(long long)b * V + j] = sampled ? row.weight(j) : 0u;
 }

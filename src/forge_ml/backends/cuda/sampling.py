@@ -3,13 +3,19 @@
 rule of ``forge_ml.sampling.sample_row``), each written into the next step's ids (and a
 chain's token buffer) with the position advanced, so that captured steps chain without the
 host. Kernels: greedy.cu, sample.cu (the row staged in shared memory where it fits,
-``sample_next_smem_f32``; else ``sample_next_f32``, every pass over global memory).
+``sample_next_smem_f32``; else ``sample_next_f32``, every pass over global memory;
+``sample_advance_pos``, a position shared by several rows advanced after they all read it;
+and ``sample_weights_f32``, the integer weights both draw from, for tests).
+
+One block of 1024 threads per row; the staged kernel's block takes a whole SM's shared memory,
+so up to one row per SM (132 on an H200) runs at once: nothing in a call grows with the
+batch below that, and each further 132 rows take another round.
 """
 from __future__ import annotations
 
 from ...errors import ShapeError
 from .memory import _c, _pos_array
-from .runtime import F32, _guarded, _i32, _launch, _set_max_shared
+from .runtime import F32, _guarded, _i32, _launch, _set_max_shared, cupy
 
 
 @_guarded
@@ -73,3 +79,20 @@ def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None):
             (_c(logits), _i32(vocab_size), _i32(Vp), _c(knobs), _c(keys),
              ids if seen is None else seen, _i32(seen is not None), ids, out, pos,
              _i32(pos.size)), shared=shared)
+    if pos.size == 1 and B > 1:   # every row reads the shared position: advanced after them all
+        _launch("sample", "sample_advance_pos", (1,), 1, (pos,))
+
+
+@_guarded
+def _sample_weights(logits, vocab_size, knobs, seen=None):
+    """For tests: the (B, vocab_size) uint32 weights ``w_j = uint32(expf((z_j - max z) / T) *
+    2^24)`` that ``sample_next``'s cuts and draw read for float32 ``logits (B, Vp)`` (the
+    penalty applied; 0 for a row that is not sampled), computed by sample.cu's own arithmetic,
+    so that the host can check the integer part of the rule (top-k, top-p, min-p, the draw)
+    exactly."""
+    B, Vp = logits.shape
+    w = cupy.empty((B, int(vocab_size)), dtype=cupy.uint32)
+    _launch("sample", "sample_weights_f32", (B,), _SAMPLE_THREADS,
+            (_c(logits), _i32(vocab_size), _i32(Vp), _c(knobs), w if seen is None else _c(seen),
+             _i32(seen is not None), w))
+    return w
