@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import flags, graph, ops
 from ..errors import ShapeError
-from ..tensor import host_buffer, zeros
+from ..tensor import host_buffer, tensor, zeros
 
 
 @dataclass
@@ -228,6 +228,12 @@ class DecodeStep:
         >>> len(toks), cache.pos
         (3, 5)
         """
+        self._sampling_inputs(knobs, keys, seen)
+        kind = "sample" if seen is None else "sample_seen"   # graphs differ in their arguments
+        return self._chain(kind, self._sample_work, tokens, pos, n, lookahead, chunk)
+
+    def _sampling_inputs(self, knobs, keys, seen) -> None:
+        """Write ``sample``'s knobs, keys and seen-token marks into the step's device buffers."""
         B = self.cache.batch
         knobs = np.asarray(knobs, np.float32).reshape(B, 5)
         keys = (np.asarray(keys, np.int64).reshape(B, 2) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
@@ -246,8 +252,33 @@ class DecodeStep:
                 self._seen_buf = zeros((B, Vp), "int32", self.device)
             ops.assign(self._seen_buf, full)
             self._seen = self._seen_buf
-        kind = "sample" if seen is None else "sample_seen"   # graphs differ in their arguments
-        return self._chain(kind, self._sample_work, tokens, pos, n, lookahead, chunk)
+
+    def choose(self, logits, pos: int, knobs=None, keys=None, seen=None) -> np.ndarray:
+        """Every row's token for position ``pos`` chosen on the device from ``logits (B, Vp)``
+        (a prefill's last logits): the argmax when ``knobs`` is None, else ``sample``'s rule
+        with these ``knobs``, ``keys`` and ``seen``. Only the B tokens come back, not the
+        logits, so a batch's first tokens cost one small copy.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=3, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> step = DecodeStep(model, model.new_cache(1, 8))
+        >>> step.choose(fm.tensor(np.array([[0.0, 2.0, 1.0, 9.0]], np.float32)), 2).tolist()
+        [1]
+        """
+        B = self.cache.batch
+        V = self.model.config.vocab_size
+        logits = logits.reshape(B, -1)
+        if logits.dtype.name != "float32":
+            logits = logits.to("float32")
+        ids = zeros((B, 1), "int32", self.device)
+        fed = tensor(np.array([pos - 1], np.int32), device=self.device)  # the position before
+        if knobs is None:
+            ops.greedy_next(logits, V, ids, fed)
+        else:
+            self._sampling_inputs(knobs, keys, seen)
+            ops.sample_next(logits, V, ids, fed, self._knobs, self._keys, self._seen)
+        return ids.numpy().reshape(B).astype(np.int64)
 
     def _chain(self, kind, work, tokens, pos, n, lookahead, chunk):
         """Yield ``n`` steps of ``work(k)`` (k steps and their on-device choices), chunks of

@@ -423,8 +423,22 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
     t0 = min(lengths)
     prefill = np.array([p[:t0] for p in rows], dtype=np.int64)                   # (B, t0)
     logits = model.forward_cached(tensor(prefill, device=dev), cache, last_only=True)
-    last = logits.numpy()[:, -1, :V]                                              # (B, V)
     pos = t0                                        # the position whose token is chosen next
+    first = last = None
+    if choice.on_device and t0 == max(lengths):
+        # every row chooses its first token at t0 and nothing is reported: choose them on the
+        # device from the prefill's logits (the rule and the Philox position are the chain's)
+        if choice.greedy_on_device:
+            first = step.choose(logits, pos)
+        else:
+            seen = None
+            if choice.repetition_penalty != 1.0:
+                seen = np.zeros((B, V), bool)
+                for r in range(B):
+                    seen[r, rows[r]] = True
+            first = step.choose(logits, pos, [choice.knobs()] * B, keys, seen)
+    else:
+        last = logits.numpy()[:, -1, :V]                                          # (B, V)
 
     def take(r, tok, logprob=None, top=None):
         """Row r's token at position pos: record it, decide whether the row finishes."""
@@ -450,11 +464,15 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
             if pos < lengths[r]:                    # still inside its prompt: force it
                 feed[r, 0] = rows[r][pos]
                 continue
-            # the penalty's context: the whole prompt and the tokens generated so far
-            context = rows[r] + generated[r] if choice.repetition_penalty != 1.0 else ()
-            tok, logprob, top = choice(last[r], context, keys[r], pos)
+            if first is not None:                   # chosen on the device after the prefill
+                tok, logprob, top = int(first[r]), None, None
+            else:
+                # the penalty's context: the whole prompt and the tokens generated so far
+                context = rows[r] + generated[r] if choice.repetition_penalty != 1.0 else ()
+                tok, logprob, top = choice(last[r], context, keys[r], pos)
             events.append(take(r, tok, logprob, top))
             feed[r, 0] = tok
+        first = None
         if events:
             yield events
         if all(done):
