@@ -1,10 +1,13 @@
 """Batch-1 greedy generation of GPT-2 124M on one GPU: forge-ml against Hugging Face
 transformers' ``generate`` on the same random weights, in the same run.
 
-    python benchmarks/generate_gpu.py [--new-tokens 256] [--prompt-len 16] [--dtype float32|bf16]
+    python benchmarks/generate_gpu.py [--new-tokens 1008] [--prompt-len 16] [--dtype float32|bf16]
 
 tokens/s counts new tokens over the end-to-end time (prefill and the CUDA-graph capture
-included), best of a few runs. forge-ml is also timed with the graph off (FORGE_CUDA_GRAPH=0,
+included), best of a few runs; by default over a whole generation from a 16-token prompt to
+position 1,024 (the decoding attention's cost grows with the position). The bandwidth line
+reads the parameters once per token (gpt-fast's measure): parameter bytes x tokens/s against
+the H200's 4.8 TB/s. forge-ml is also timed with the graph off (FORGE_CUDA_GRAPH=0,
 the decoding step op by op), the figure before the graph existed.
 """
 from __future__ import annotations
@@ -19,10 +22,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+PEAK_BW = 4.8e12   # H200 HBM3e bytes/s
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=1008)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bf16"])
@@ -81,6 +86,9 @@ def main(argv=None):
     print(f"forge-ml, no graph: {n / te:9.1f} tok/s  (decoding step op by op)")
     print(f"transformers:  {n / th:9.1f} tok/s")
     print(f"ratio forge-ml / transformers: {th / tf:.2f}x   (greedy tokens agree for the first {same} of {n})")
+    nbytes = sum(t.numel * t.dtype.itemsize for t in model.params.values())
+    print(f"bandwidth: {nbytes / 1e6:.0f} MB of parameters x {n / tf:.0f} tok/s = "
+          f"{nbytes * n / tf / 1e12:.2f} TB/s, {nbytes * n / tf / PEAK_BW:.1%} of {PEAK_BW / 1e12:.1f} TB/s")
     if not a.sampling:
         return
     # every sampling mode against greedy, at batch 1 and batch --batch, over the same length

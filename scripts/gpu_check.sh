@@ -4,8 +4,9 @@
 # Logs go to $OUT (or /tmp/forge_gpu_check when OUT is unset); a summary is printed last.
 #   bash scripts/gpu_check.sh                       (from anywhere; no install needed)
 #   SECTIONS="tests generate serve" bash scripts/gpu_check.sh      (a subset)
-# Sections: tests ops train generate decode serve cli (default: all).
-# Environment: TEST_TIMEOUT (default 300 s), TEST_WORKERS (pytest-xdist processes sharing the
+# Sections: tests ops train e2e generate decode serve cli (default: all; e2e needs E2E_DATA).
+# Environment: E2E_DATA (a text file for e2e), E2E_ROWS (default gpt2-b32,char),
+# TEST_TIMEOUT (default 300 s), TEST_WORKERS (pytest-xdist processes sharing the
 # GPU, default 4), BENCH_TIMEOUT (150), BENCH_ARGS (e.g. "--only gelu --reps 50"), SERVE_ARGS.
 # The serve section needs starlette and uvicorn; where pip cannot reach an index, put their
 # wheels in .whl/serve (scripts: README of the device tool) and they are installed first.
@@ -16,7 +17,7 @@ export PYTHONUNBUFFERED=1
 LOG="${OUT:-/tmp/forge_gpu_check}"
 mkdir -p "$LOG"
 PY="${PYTHON:-python3}"
-SECTIONS="${SECTIONS:-tests ops train generate decode serve cli}"
+SECTIONS="${SECTIONS:-tests ops train e2e generate decode serve cli}"
 want() { case " $SECTIONS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if ls .whl/serve/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/forge_site .whl/serve/*.whl \
@@ -59,10 +60,20 @@ if want train; then
   echo "== training step (benchmarks/train_gpu.py)"
   timeout "${TRAIN_TIMEOUT:-200}" "$PY" benchmarks/train_gpu.py --batch "${TRAIN_BATCH:-32}" --steps "${TRAIN_STEPS:-10}" ${TRAIN_ARGS:-} 2>&1 | tee "$LOG/bench_train.log"
 fi
+if want e2e; then
+  echo "== the trainer as forge-ml train drives it, against torch eager and torch.compile (benchmarks/train_e2e.py)"
+  if [ -n "${E2E_DATA:-}" ]; then
+    timeout "${E2E_TIMEOUT:-500}" "$PY" benchmarks/train_e2e.py --data "$E2E_DATA" --rows "${E2E_ROWS:-gpt2-b32,char}" \
+        --steps "${E2E_STEPS:-20}" --json "$LOG/e2e.json" 2>&1 | tee "$LOG/bench_e2e.log"
+  else
+    echo "skipped: set E2E_DATA to a text file (tinyshakespeare)" | tee "$LOG/bench_e2e.log"
+  fi
+fi
 if want generate; then
   echo "== generation (benchmarks/generate_gpu.py: greedy vs HF, then every sampling mode)"
-  timeout "${GEN_TIMEOUT:-150}" "$PY" benchmarks/generate_gpu.py --new-tokens 200 2>&1 | tee "$LOG/bench_generate.log"
-  timeout "${GEN_TIMEOUT:-150}" "$PY" benchmarks/generate_gpu.py --new-tokens 200 --dtype bf16 --sampling 2>&1 | tee -a "$LOG/bench_generate.log"
+  timeout "${GEN_TIMEOUT:-200}" "$PY" benchmarks/generate_gpu.py 2>&1 | tee "$LOG/bench_generate.log"
+  timeout "${GEN_TIMEOUT:-200}" "$PY" benchmarks/generate_gpu.py --dtype bf16 --sampling 2>&1 | tee -a "$LOG/bench_generate.log"
+  timeout 60 "$PY" benchmarks/sampling_cuda.py 2>&1 | tee -a "$LOG/bench_generate.log"
 fi
 if want decode; then
   echo "== decoding step (benchmarks/decode_gpu.py)"
@@ -91,7 +102,8 @@ if want tests; then
 fi
 want ops && echo "op benchmarks: exit $bench_rc: $(grep -E '^geometric mean' "$LOG/bench_ops.log" | tail -n 1)"
 want train && { echo "training:"; grep -E '^(forge|torch)' "$LOG/bench_train.log"; }
-want generate && { echo "generation:"; grep -E '^(forge|transformers|ratio|batch|  )' "$LOG/bench_generate.log"; }
+want e2e && { echo "trainer end to end:"; tail -n 8 "$LOG/bench_e2e.log"; }
+want generate && { echo "generation:"; grep -E '^(forge|transformers|ratio|bandwidth|batch|  |flat|peaked)' "$LOG/bench_generate.log"; }
 want decode && { echo "decoding step:"; grep -E '^GPT-2|graph replay|DecodeStep call|greedy chain' "$LOG/bench_decode.log"; }
 want serve && { echo "serve: exit $serve_rc"; grep -vE '^\{' "$LOG/bench_serve.log" | tail -n 14; }
 want cli && { echo "check:"; cat "$LOG/check.log"; }
