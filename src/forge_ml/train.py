@@ -660,6 +660,7 @@ class Trainer:
                 raise
 
         b = search_batch_size(trial, total)
+        release_cached(self.device)   # the trials' cached blocks: the step's graph has its own pool
         failed = sorted(k for k, ok in tried.items() if not ok)
         cfg.batch_size = b
         cfg.grad_accum = total // b if total else cfg.grad_accum
