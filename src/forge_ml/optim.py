@@ -150,6 +150,11 @@ class AdamW:
             ops.assign(self._scalars, values)
         return self._scalars
 
+    @property
+    def scalars(self) -> Optional[Tensor]:
+        """The device tensor ``prepare`` writes (``ops.STEP_SCALARS``); None before it ran."""
+        return self._scalars
+
     def update(self, grads: dict, scalars: Tensor) -> None:
         """The update of every parameter with the values in ``scalars`` (``prepare``'s, the
         factor perhaps rewritten by ``ops.clip_scale``): launches only, nothing read back, so

@@ -76,7 +76,7 @@ class TrainStep:
     # -- the work -----------------------------------------------------------------------------
     def _work(self):
         """Queue the whole step on the device; returns the micro-batches' 0-d losses."""
-        scalars = self.opt._scalars
+        scalars = self.opt.scalars
         acc, losses = None, []
         for i in range(self.accum):
             loss, grads = self.model.grads(self.xs[i], self.ys[i], dropout_seed=self.seeds[i])
@@ -121,7 +121,7 @@ class TrainStep:
         if losses is None:
             losses, self.mode = self._work(), "eager"
         values = [float(t.item()) for t in losses]
-        s = self.opt._scalars.numpy()
+        s = self.opt.scalars.numpy()
         taken = math.isfinite(float(s[3]))
         if taken:
             self.opt.advance()
