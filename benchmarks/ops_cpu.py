@@ -138,6 +138,8 @@ def cases(B, T, C, H, V):
         ("sum_rows (T,4C)", lambda: cpu.sum_rows(dh), lambda: tdh.sum(0)),
         ("sumsq (V,C)", lambda: cpu.sumsq(wte), lambda: torch.linalg.vector_norm(twte) ** 2),
         ("gelu (T,4C)", lambda: cpu.gelu(h), lambda: F.gelu(th, approximate="tanh")),
+        ("dropout 0.2 (H,T,T)", lambda: cpu.dropout(scores, 0.2, 7),
+         lambda: F.dropout(tscores, 0.2, training=True)),
         ("gelu_bwd (T,4C)", lambda: cpu.gelu_bwd(h, dh),
          lambda: torch.ops.aten.gelu_backward(tdh, th, approximate="tanh")),
         ("layernorm (T,C)", lambda: cpu.layernorm(x, gamma, beta, 1e-5),

@@ -95,13 +95,14 @@ def _call_every_kernel(dtype, contiguous=True):
     p = x.copy()
     cpu.adamw_update(p, x, np.zeros_like(p), np.zeros_like(p), 1e-3, 0.9, 0.99, 1e-8, 0.1, 1, 1.0)
     cpu.sumsq(x)
+    cpu.dropout(x, 0.3, 5)
 
 
 def test_float32_runs_the_c_kernels(spy):
     _call_every_kernel(np.float32)
     assert spy.calls == ["gelu_f32", "gelu_bwd_f32", "layernorm_f32", "layernorm_bwd_f32",
                          "attention_f32", "attention_bwd_f32", "attention_qkv_f32",
-                         "attention_qkv_bwd_f32", "adamw_f32", "sumsq_f32"]
+                         "attention_qkv_bwd_f32", "adamw_f32", "sumsq_f32", "dropout_f32"]
 
 
 def test_float64_and_strided_arrays_run_numpy(spy):
@@ -336,6 +337,23 @@ def test_sumsq_vs_reference(path, shape):
     s = cpu.sumsq(x)
     assert s.shape == () and s.dtype == np.float32
     np.testing.assert_allclose(float(s), ref.sumsq(x), rtol=1e-6)
+
+
+# ============================================================================== dropout
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 63, 64, 65, 1001, 100_003])
+def test_dropout_is_the_philox_mask_bit_for_bit(path, n):
+    """The mask is forge_ml.rng's stream on both paths (the C kernel runs 16 Philox counters
+    at a time: counts around a block's end included), against the float64 spec."""
+    x = randn((n,), 7, scale=2.0)
+    for seed in (0, 7, 2**63 + 99, 2**64 - 1):
+        for p in (0.1, 0.5, 0.999):
+            got = cpu.dropout(x, p, seed)
+            want = ref.dropout(x.astype(np.float64), p, seed)
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got == 0, want == 0, err_msg=f"mask n={n} seed={seed} p={p}")
+            close(got, want)
+    assert np.array_equal(cpu.dropout(x, 0.0, 3), x)
 
 
 def test_sumsq_large_input_stays_accurate(path):

@@ -31,11 +31,12 @@ import sys
 import numpy as np
 
 from ... import flags
+from ... import rng as _rng
 from .. import compose as _compose
 from . import native as _native
 from . import reference
 from .reference import (add, assign, cast, copy, cross_entropy, cross_entropy_bwd,
-                        decode_attention, dropout, embedding, from_host, greedy_next,
+                        decode_attention, embedding, from_host, greedy_next,
                         kv_append, logsumexp, matmul, merge_heads, pinned_empty,
                         scatter_add_rows, softmax, softmax_bwd, split_heads, sum_rows,
                         synchronize, to_host, to_host_async, unmerge_heads, unsplit_head,
@@ -138,6 +139,17 @@ def _ok(status, result):
 @_fused(reference.sumsq, "x")
 def sumsq(lib, x):
     return np.asarray(lib.sumsq_f32(x.ctypes.data, x.size), dtype=x.dtype)
+
+
+@_fused(reference.dropout, "x")
+def dropout(lib, x, p, seed):
+    if p == 0:
+        return reference.dropout(x, p, seed)           # a copy
+    y = np.empty_like(x)
+    k0, k1 = _rng.seed_key(seed)
+    lib.dropout_f32(x.ctypes.data, y.ctypes.data, x.size, k0, k1, np.float32(p),
+                    _rng.dropout_scale(p))
+    return y
 
 
 @_fused(reference.gelu, "x")

@@ -535,3 +535,61 @@ void adamw_f32(float* RESTRICT p, const float* RESTRICT g, float* RESTRICT m,
         p[i] = decay * p[i] - mi / (sqrtf(vi) * a + c);
     }
 }
+
+/* ----------------------------------------------------------------------------------------
+   dropout with forge_ml.rng's Philox4x32-10 stream, bit for bit (rng.py, dropout.cu):
+     key = (k0, k1), counter of element i = (i/4 lo, i/4 hi, 0, 0), word = philox[i % 4],
+     keep = (word >> 8) 2^-24 >= p (exact in float), y = keep ? x scale : 0.
+   One Philox call per group of 4 elements; the backward is the same call on dy. Each call
+   owns the flat range [0, n).
+   ---------------------------------------------------------------------------------------- */
+#define PHILOX_LANES 16
+
+/* Philox4x32-10 on PHILOX_LANES counters at once (lane l: words c0[l]..c3[l]), written so the
+   compiler vectorizes across lanes (32x32->64 multiplies: vpmuludq on AVX2). */
+static inline void philox_lanes(uint32_t* RESTRICT c0, uint32_t* RESTRICT c1,
+                                uint32_t* RESTRICT c2, uint32_t* RESTRICT c3,
+                                uint32_t k0, uint32_t k1) {
+    for (int r = 0; r < 10; ++r) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+#pragma omp simd
+        for (int l = 0; l < PHILOX_LANES; ++l) {
+            const uint64_t p0 = (uint64_t)0xD2511F53u * c0[l];
+            const uint64_t p1 = (uint64_t)0xCD9E8D57u * c2[l];
+            const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1[l] ^ k0;
+            const uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3[l] ^ k1;
+            c1[l] = (uint32_t)p1;
+            c3[l] = (uint32_t)p0;
+            c0[l] = n0;
+            c2[l] = n2;
+        }
+    }
+}
+
+void dropout_f32(const float* RESTRICT x, float* RESTRICT y, long n, uint32_t k0, uint32_t k1,
+                 float p, float scale) {
+    const long groups = (n + 3) / 4;
+    uint32_t c0[PHILOX_LANES], c1[PHILOX_LANES], c2[PHILOX_LANES], c3[PHILOX_LANES];
+    for (long g0 = 0; g0 < groups; g0 += PHILOX_LANES) {
+        for (int l = 0; l < PHILOX_LANES; ++l) {       /* counter of group g0 + l */
+            const uint64_t g = (uint64_t)(g0 + l);
+            c0[l] = (uint32_t)(g & 0xffffffffu);
+            c1[l] = (uint32_t)(g >> 32);
+            c2[l] = 0u;
+            c3[l] = 0u;
+        }
+        philox_lanes(c0, c1, c2, c3, k0, k1);
+        for (int l = 0; l < PHILOX_LANES && g0 + l < groups; ++l) {
+            const uint32_t w[4] = {c0[l], c1[l], c2[l], c3[l]};
+            for (int j = 0; j < 4; ++j) {
+                const long i = 4 * (g0 + l) + j;
+                if (i >= n) break;
+                const float u = (float)(w[j] >> 8) * 5.9604644775390625e-08f;   /* 2^-24 */
+                y[i] = u >= p ? x[i] * scale : 0.0f;
+            }
+        }
+    }
+}

@@ -63,6 +63,7 @@ _SIGNATURES = {
     "attention_qkv_bwd_f32": (_c_int, [_p] * 5 + [_c_long] * 4 + [_c_float]),
     "adamw_f32": (None, [_p, _p, _p, _p, _c_long] + [_c_float] * 7 + [_c_int]),
     "sumsq_f32": (ctypes.c_double, [_p, _c_long]),
+    "dropout_f32": (None, [_p, _p, _c_long, ctypes.c_uint32, ctypes.c_uint32, _c_float, _c_float]),
 }
 
 
