@@ -1,5 +1,5 @@
-"""The PyTorch peer of the benchmarks: a compact GPT-2 (nanoGPT's layout: pre-LN blocks, SDPA
-causal attention, tanh GELU, tied head, padded vocabulary), one definition for
+"""The PyTorch peer of the benchmarks: a compact GPT-2 (nanoGPT's layout and init: pre-LN
+blocks, SDPA causal attention, tanh GELU, tied head, padded vocabulary), one definition for
 ``train_gpu.py``, ``train_e2e.py`` and ``train_ddp.py``. Not a benchmark itself.
 
     >>> import torch
@@ -44,6 +44,16 @@ def torch_gpt2(cfg, dropout: float = 0.0):
             s.h = nn.ModuleList(Block(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer))
             s.ln_f = nn.LayerNorm(cfg.n_embd)
             s.drop = nn.Dropout(dropout)
+            # GPT-2's init, as nanoGPT's _init_weights: N(0, 0.02) weights and embeddings, zero
+            # biases, the residual projections scaled by 1/sqrt(2 n_layer)
+            for name, p in s.named_parameters():
+                if name.endswith("bias") or name.startswith("ln") or ".ln_" in name:
+                    continue
+                std = 0.02 / (2 * cfg.n_layer) ** 0.5 if name.endswith(("c_proj.weight", "c_proj2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+            for name, p in s.named_parameters():
+                if name.endswith("bias") and ".ln_" not in name and not name.startswith("ln"):
+                    nn.init.zeros_(p)
 
         def forward(s, idx, tg):
             x = s.drop(s.wte(idx) + s.wpe(torch.arange(idx.shape[1], device=idx.device)))
