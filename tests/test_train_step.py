@@ -148,3 +148,21 @@ def test_a_graph_backend_of_device_memory_must_read_step_values_from_it():
         Backend("fake", fake)
     fake.dropout_at = fake.adamw_update_at = fake.clip_scale = lambda *a: None
     assert Backend("fake", fake).graphs
+
+
+def test_update_needs_every_gradient_and_says_which_is_missing():
+    opt = AdamW({"w": fm.zeros((2, 2)), "b": fm.zeros(2)})
+    s = opt.prepare()
+    with pytest.raises(fm.errors.ConfigError, match="no gradient for b"):
+        opt.update({"w": fm.zeros((2, 2))}, s)
+
+
+def test_a_step_built_for_one_shape_refuses_another():
+    (m, o), _ = _pair()
+    step = TrainStep(m, o, batch=3, block=8)
+    r = np.random.default_rng(0)
+    with pytest.raises(fm.errors.ShapeError, match=r"built for \(3, 8\)"):
+        step.run([(r.integers(0, 20, (2, 8)), r.integers(0, 20, (2, 8)))], [0], 1e-3)
+    with pytest.raises(fm.errors.ShapeError, match="expected 1 micro-batches"):
+        step.run(_batches(r, 2), [0, 1], 1e-3)
+    assert o.steps == 0
