@@ -10,6 +10,8 @@ figure is the median step time over all rounds after the warm-up.
 
     python benchmarks/train_cpu.py              # ~30 timed steps each
     python benchmarks/train_cpu.py --profile    # + where forge-ml's step time goes, per op
+    python benchmarks/train_cpu.py --dropout 0.2   # the same with nanoGPT's dropout sites
+                                                   # (masks differ: the losses are not compared)
 """
 from __future__ import annotations
 
@@ -38,28 +40,32 @@ LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.99), 0.1, 1.0
 # -- PyTorch eager: a minimal GPT-2 with the same shapes and layout ---------------------------
 
 
-def torch_gpt(torch, init: dict):
+def torch_gpt(torch, init: dict, p_drop: float = 0.0):
     """A torch GPT-2 whose parameters are copies of forge-ml's ``init`` (same names and
-    ``(in, out)`` linear layout); returns ``(params, loss_fn)``."""
+    ``(in, out)`` linear layout); returns ``(params, loss_fn)``. ``p_drop``: dropout where
+    nanoGPT (and forge-ml) put it: embeddings, attention probabilities, both residual branches."""
     import torch.nn.functional as F
+
+    def drop(t):
+        return F.dropout(t, p_drop, training=True) if p_drop else t
 
     P = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in init.items()}
     hs = N_EMBD // N_HEAD
 
     def loss_fn(idx, tgt):
-        x = P["wte.weight"][idx] + P["wpe.weight"][: idx.shape[1]]               # (B, T, C)
+        x = drop(P["wte.weight"][idx] + P["wpe.weight"][: idx.shape[1]])         # (B, T, C)
         for i in range(N_LAYER):
             p = f"h.{i}."
             h = F.layer_norm(x, (N_EMBD,), P[p + "ln_1.weight"], P[p + "ln_1.bias"], 1e-5)
             qkv = torch.addmm(P[p + "attn.c_attn.bias"], h.view(-1, N_EMBD), P[p + "attn.c_attn.weight"])
             q, k, v = qkv.view(B, T, 3, N_HEAD, hs).permute(2, 0, 3, 1, 4)         # 3 x (B, H, T, hs)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)           # (B, H, T, hs)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p_drop)  # (B, H, T, hs)
             y = y.transpose(1, 2).reshape(-1, N_EMBD)                              # (B*T, C)
-            x = x + torch.addmm(P[p + "attn.c_proj.bias"], y, P[p + "attn.c_proj.weight"]).view(B, T, N_EMBD)
+            x = x + drop(torch.addmm(P[p + "attn.c_proj.bias"], y, P[p + "attn.c_proj.weight"]).view(B, T, N_EMBD))
             h = F.layer_norm(x, (N_EMBD,), P[p + "ln_2.weight"], P[p + "ln_2.bias"], 1e-5)
             h = F.gelu(torch.addmm(P[p + "mlp.c_fc.bias"], h.view(-1, N_EMBD), P[p + "mlp.c_fc.weight"]),
                        approximate="tanh")
-            x = x + torch.addmm(P[p + "mlp.c_proj.bias"], h, P[p + "mlp.c_proj.weight"]).view(B, T, N_EMBD)
+            x = x + drop(torch.addmm(P[p + "mlp.c_proj.bias"], h, P[p + "mlp.c_proj.weight"]).view(B, T, N_EMBD))
         x = F.layer_norm(x, (N_EMBD,), P["ln_f.weight"], P["ln_f.bias"], 1e-5)
         logits = x.view(-1, N_EMBD) @ P["wte.weight"].t()                          # (B*T, V)
         return F.cross_entropy(logits, tgt.view(-1))
@@ -73,6 +79,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     ap.add_argument("--profile", action="store_true", help="profile forge-ml's step by op")
+    ap.add_argument("--dropout", type=float, default=0.0, help="dropout rate (default 0, nanoGPT's CPU run)")
     args = ap.parse_args()
 
     import torch
@@ -80,12 +87,13 @@ def main():
     # OPENBLAS_NUM_THREADS=1 (read by NumPy's BLAS at import) runs torch on one thread too.
     torch.set_num_threads(int(os.environ.get("OPENBLAS_NUM_THREADS", cores)))
 
-    cfg = GPT2Config(vocab_size=V, block_size=T, n_layer=N_LAYER, n_head=N_HEAD, n_embd=N_EMBD)
+    cfg = GPT2Config(vocab_size=V, block_size=T, n_layer=N_LAYER, n_head=N_HEAD, n_embd=N_EMBD,
+                     dropout=args.dropout)
     model = GPT2.init(cfg, seed=0)
     init = model.state_dict()
     opt = AdamW(model.params, lr=LR, betas=BETAS, weight_decay=WD)
 
-    tp, tloss = torch_gpt(torch, init)
+    tp, tloss = torch_gpt(torch, init, args.dropout)
     topt = torch.optim.AdamW([{"params": [p for p in tp.values() if p.ndim >= 2], "weight_decay": WD},
                               {"params": [p for p in tp.values() if p.ndim < 2], "weight_decay": 0.0}],
                              lr=LR, betas=BETAS)
@@ -94,8 +102,10 @@ def main():
     n_batches = args.warmup + args.rounds * args.steps
     batches = [(rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))) for _ in range(n_batches)]
 
+    seeds = iter(range(1 << 30))
+
     def forge_step(x, y):
-        loss, grads = model.loss_and_grads(fm.tensor(x), fm.tensor(y))
+        loss, grads = model.loss_and_grads(fm.tensor(x), fm.tensor(y), dropout_seed=next(seeds))
         _, scale = clip_grad_norm(grads, CLIP)
         opt.step(grads, grad_scale=scale)
         return loss
@@ -132,6 +142,7 @@ def main():
     f_ms = 1e3 * float(np.median(times["forge-ml"]))
     t_ms = 1e3 * float(np.median(times["torch"]))
     print(f"nanoGPT CPU model: {N_LAYER} layers, {N_HEAD} heads, {N_EMBD} channels, batch {B} x {T}, "
+          f"dropout {args.dropout}, "
           f"vocab {V}; {model.num_params():,} parameters; {cores} cores "
           f"(torch threads {torch.get_num_threads()}), torch {torch.__version__}, numpy {np.__version__}")
     print(f"first-step loss: forge-ml {losses['forge-ml'][0]:.5f}  torch {losses['torch'][0]:.5f}  "

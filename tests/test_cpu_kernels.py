@@ -92,6 +92,8 @@ def _call_every_kernel(dtype, contiguous=True):
     qkv = randn((2, 5, 24), 4).astype(dtype)
     y, lse = cpu.attention_qkv(qkv, 2, 0.5)
     cpu.attention_qkv_bwd(qkv, y, lse, y, 2, 0.5)
+    y, lse = cpu.attention_qkv_dropout(qkv, 2, 0.5, 0.3, 9)
+    cpu.attention_qkv_dropout_bwd(qkv, y, lse, y, 2, 0.5, 0.3, 9)
     p = x.copy()
     cpu.adamw_update(p, x, np.zeros_like(p), np.zeros_like(p), 1e-3, 0.9, 0.99, 1e-8, 0.1, 1, 1.0)
     cpu.sumsq(x)
@@ -102,7 +104,8 @@ def test_float32_runs_the_c_kernels(spy):
     _call_every_kernel(np.float32)
     assert spy.calls == ["gelu_f32", "gelu_bwd_f32", "layernorm_f32", "layernorm_bwd_f32",
                          "attention_f32", "attention_bwd_f32", "attention_qkv_f32",
-                         "attention_qkv_bwd_f32", "adamw_f32", "sumsq_f32", "dropout_f32"]
+                         "attention_qkv_bwd_f32", "attention_qkv_dropout_f32",
+                         "attention_qkv_dropout_bwd_f32", "adamw_f32", "sumsq_f32", "dropout_f32"]
 
 
 def test_float64_and_strided_arrays_run_numpy(spy):
@@ -281,6 +284,25 @@ def test_attention_qkv_vs_reference(path, B, T, H, hs):
     grads = ref.attention_bwd(q, k, v, _heads(dy, H), scale)
     want = np.concatenate([g.transpose(0, 2, 1, 3).reshape(B, T, C) for g in grads], axis=-1)
     close(dqkv, want)
+
+
+@pytest.mark.parametrize("B,T,H,hs", [(2, 5, 2, 4), (1, 64, 3, 16), (2, 67, 2, 24), (1, 130, 2, 64)])
+def test_attention_qkv_dropout_vs_reference(path, B, T, H, hs):
+    """Dropout on the probabilities inside the fused kernel: forward and backward (a random
+    cotangent) against the float64 spec, the mask forge_ml.rng's over (B, H, T, T)."""
+    qkv = randn((B, T, 3 * H * hs), 11)
+    dy = randn((B, T, H * hs), 12)
+    scale, p = 1.0 / math.sqrt(hs), 0.3
+    for seed in (3, 2**63 + 5):
+        y, lse = cpu.attention_qkv_dropout(qkv, H, scale, p, seed)
+        q, k, v = (ref.split_heads(qkv.astype(np.float64), H)[i] for i in range(3))
+        want_o, want_lse = ref.attention_dropout(q, k, v, scale, p, seed)
+        close(y, ref.merge_heads(want_o))
+        close(lse, want_lse)
+        got = cpu.attention_qkv_dropout_bwd(qkv, y, lse, dy, H, scale, p, seed)
+        dq, dk, dv = ref.attention_dropout_bwd(q, k, v, ref.unmerge_heads(dy, H), scale, p, seed)
+        want = ref.unsplit_head(dq, 0) + ref.unsplit_head(dk, 1) + ref.unsplit_head(dv, 2)
+        close(got, want)
 
 
 def test_attention_peaked_scores(path):

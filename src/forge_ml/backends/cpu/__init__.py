@@ -57,7 +57,8 @@ __all__ = ["NAME", "BF16", "GRAPHS", "HOST_MEMORY", "start", "reference",
            "unsplit_head", "merge_heads", "unmerge_heads", "embedding", "scatter_add_rows",
            "kv_append", "dropout", "cross_entropy", "cross_entropy_bwd", "adamw_update",
            # fused kernels
-           "attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd", "linear",
+           "attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
+           "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
            "decode_attention", "greedy_next"]
 
 
@@ -223,6 +224,48 @@ def attention_qkv_bwd(lib, qkv, y, lse, dy, n_head, scale):
     return _ok(lib.attention_qkv_bwd_f32(qkv.ctypes.data, y.ctypes.data, lse.ctypes.data,
                                          dy.ctypes.data, dqkv.ctypes.data, B, T, n_head,
                                          C3 // (3 * n_head), scale), dqkv)
+
+
+def _attention_qkv_dropout_composed(qkv, n_head, scale, p, seed):
+    """``attention_qkv`` with dropout on the probabilities through the op set
+    (``compose.attention_qkv_dropout``)."""
+    return _compose.attention_qkv_dropout(sys.modules[__name__], qkv, n_head, scale, p, seed)
+
+
+def _attention_qkv_dropout_bwd_composed(qkv, y, lse, dy, n_head, scale, p, seed):
+    """Its backward through the op set (``compose.attention_qkv_dropout_bwd``)."""
+    return _compose.attention_qkv_dropout_bwd(sys.modules[__name__], qkv, y, lse, dy, n_head,
+                                              scale, p, seed)
+
+
+def _drop_args(p, seed):
+    """The C kernels' dropout arguments: p and 1/(1-p) as float32, the Philox key."""
+    k0, k1 = _rng.seed_key(seed)
+    return np.float32(p), _rng.dropout_scale(p), k0, k1
+
+
+@_fused(_attention_qkv_dropout_composed, "qkv")
+def attention_qkv_dropout(lib, qkv, n_head, scale, p, seed):
+    if not isinstance(seed, (int, np.integer)):
+        return _DECLINED                  # a seed in device memory: not this backend's form
+    B, T, C3 = qkv.shape
+    y = np.empty((B, T, C3 // 3), np.float32)
+    lse = np.empty((B, n_head, T), np.float32)
+    return _ok(lib.attention_qkv_dropout_f32(qkv.ctypes.data, y.ctypes.data, lse.ctypes.data, B,
+                                             T, n_head, C3 // (3 * n_head), scale,
+                                             *_drop_args(p, seed)), (y, lse))
+
+
+@_fused(_attention_qkv_dropout_bwd_composed, "qkv", "y", "lse", "dy")
+def attention_qkv_dropout_bwd(lib, qkv, y, lse, dy, n_head, scale, p, seed):
+    if not isinstance(seed, (int, np.integer)):
+        return _DECLINED
+    B, T, C3 = qkv.shape
+    dqkv = np.empty_like(qkv)
+    return _ok(lib.attention_qkv_dropout_bwd_f32(qkv.ctypes.data, y.ctypes.data, lse.ctypes.data,
+                                                 dy.ctypes.data, dqkv.ctypes.data, B, T, n_head,
+                                                 C3 // (3 * n_head), scale, *_drop_args(p, seed)),
+                 dqkv)
 
 
 @_fused(reference.adamw_update, "p", "g", "m", "v")

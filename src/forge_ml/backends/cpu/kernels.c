@@ -319,6 +319,66 @@ static void transpose_padded(const float* RESTRICT src, long ld, long t, long hs
     }
 }
 
+#define PHILOX_LANES 16
+
+/* Philox4x32-10 on PHILOX_LANES counters at once (lane l: words c0[l]..c3[l]), written so the
+   compiler vectorizes across lanes (32x32->64 multiplies: vpmuludq on AVX2). */
+static inline void philox_lanes(uint32_t* RESTRICT c0, uint32_t* RESTRICT c1,
+                                uint32_t* RESTRICT c2, uint32_t* RESTRICT c3,
+                                uint32_t k0, uint32_t k1) {
+    for (int r = 0; r < 10; ++r) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+#pragma omp simd
+        for (int l = 0; l < PHILOX_LANES; ++l) {
+            const uint64_t p0 = (uint64_t)0xD2511F53u * c0[l];
+            const uint64_t p1 = (uint64_t)0xCD9E8D57u * c2[l];
+            const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1[l] ^ k0;
+            const uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3[l] ^ k1;
+            c1[l] = (uint32_t)p1;
+            c3[l] = (uint32_t)p0;
+            c0[l] = n0;
+            c2[l] = n2;
+        }
+    }
+}
+
+/* Attention dropout (forge_ml.rng's stream over the (B, H, T, T) probabilities): head (b, h)'s
+   element (i, j) is stream index base + i t + j, base = ((b H + h) t) t. */
+typedef struct {
+    uint64_t base;          /* the head's first element index */
+    uint32_t k0, k1;        /* the Philox key (seed lo, hi) */
+    float p, scale;         /* the rate, and 1/(1-p) rounded to float */
+} drop_t;
+
+/* row[j] *= keep(first + j) ? scale : 0 for j in [0, n): the mask of stream indices first.. */
+static void dropout_row(float* RESTRICT row, long n, uint64_t first, const drop_t* d) {
+    uint32_t c0[PHILOX_LANES], c1[PHILOX_LANES], c2[PHILOX_LANES], c3[PHILOX_LANES];
+    const uint64_t g_first = first / 4, g_last = (first + (uint64_t)n - 1) / 4;
+    for (uint64_t g0 = g_first; g0 <= g_last; g0 += PHILOX_LANES) {
+        for (int l = 0; l < PHILOX_LANES; ++l) {
+            const uint64_t g = g0 + (uint64_t)l;
+            c0[l] = (uint32_t)(g & 0xffffffffu);
+            c1[l] = (uint32_t)(g >> 32);
+            c2[l] = 0u;
+            c3[l] = 0u;
+        }
+        philox_lanes(c0, c1, c2, c3, d->k0, d->k1);
+        for (int l = 0; l < PHILOX_LANES && g0 + (uint64_t)l <= g_last; ++l) {
+            const uint32_t w[4] = {c0[l], c1[l], c2[l], c3[l]};
+            for (int q = 0; q < 4; ++q) {
+                const uint64_t e = 4 * (g0 + (uint64_t)l) + (uint64_t)q;
+                if (e < first || e >= first + (uint64_t)n) continue;
+                const float u = (float)(w[q] >> 8) * 5.9604644775390625e-08f;   /* 2^-24 */
+                const long j = (long)(e - first);
+                row[j] = u >= d->p ? row[j] * d->scale : 0.0f;
+            }
+        }
+    }
+}
+
 /* Scratch floats of one head's forward and backward (see the layouts below). */
 static long fwd_scratch(long t, long hs) {
     const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
@@ -327,13 +387,13 @@ static long fwd_scratch(long t, long hs) {
 
 static long bwd_scratch(long t, long hs) {
     const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
-    return 2 * hs * tp + 2 * t4 * tp + 6 * t4 * hp;
+    return 2 * hs * tp + 2 * t4 * tp + 6 * t4 * hp + tp;   /* + one row of dropout mask */
 }
 
 /* One head's causal attention: out (stride lo) and lse (t) from q, k, v (strides lq, lk, lv). */
 static void attention_head(const float* q, long lq, const float* k, long lk, const float* v,
                            long lv, float* out, long lo, float* RESTRICT lse, long t, long hs,
-                           float scale, float* scratch) {
+                           float scale, float* scratch, const drop_t* drop) {
     const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
     const long n_a = t4 * hp;
     /* kt (hs, tp); p (t4, tp); q, v, o padded copies (t4, hp) when needed; row maxima (t) */
@@ -376,6 +436,7 @@ static void attention_head(const float* q, long lq, const float* k, long lk, con
 #pragma omp simd
         for (long j = 0; j < n8; ++j) pi[j] *= inv;
         lse[i] = rowmax[i] + logf(l);
+        if (drop) dropout_row(pi, i + 1, drop->base + (uint64_t)(i * t), drop);  /* P M */
     }
     gemm_tiles(p, tp, 1, vb, sv, o, direct ? lo : hp, t4, hp, t, K_UPTO_ROW);  /* P v */
     if (!direct) unpad(opad, t, hs, hp, out, lo);
@@ -386,7 +447,7 @@ static void attention_head(const float* q, long lq, const float* k, long lk, con
 static void attention_bwd_head(const float* q, long lq, const float* k, const float* v, long lk,
                                const float* out, const float* dout, long lo,
                                const float* RESTRICT lse, float* dq, float* dk, float* dv,
-                               long t, long hs, float scale, float* scratch) {
+                               long t, long hs, float scale, float* scratch, const drop_t* drop) {
     const long t4 = round_up(t, 4), tp = round_up(t, 16), hp = round_up(hs, 16);
     const long n_a = t4 * hp, n_t = hs * tp, n_s = t4 * tp;
     /* kt, vt (hs, tp); p, ds (t4, tp); q, k, dout, dq, dk, dv padded copies (t4, hp) */
@@ -416,6 +477,21 @@ static void attention_bwd_head(const float* q, long lq, const float* k, const fl
 #pragma omp simd reduction(+:di)
         for (long d = 0; d < hs; ++d) di += doi[d] * oi[d];
         const float li = lse[i];
+        if (drop) {
+            /* with dropout M (keep / (1-p), else 0): dV = (P M)^T dO, dP = (dO V^T) M,
+               dS = P (dP - D); D_i = dO_i . O_i still, O holding the mask */
+            float* RESTRICT mi = dqpad + n_a * 3;          /* one row of the mask */
+            for (long j = 0; j < n8; ++j) mi[j] = 1.0f;
+            dropout_row(mi, i + 1, drop->base + (uint64_t)(i * t), drop);
+#pragma omp simd
+            for (long j = 0; j < n8; ++j) {
+                const float pj = j <= i ? exp_f32(pi[j] * scale - li) : 0.0f;
+                const float mj = j <= i ? mi[j] : 0.0f;
+                pi[j] = pj * mj;
+                dsi[j] = scale * pj * (dsi[j] * mj - di);
+            }
+            continue;
+        }
 #pragma omp simd
         for (long j = 0; j < n8; ++j) {
             const float pj = j <= i ? exp_f32(pi[j] * scale - li) : 0.0f;
@@ -442,7 +518,7 @@ int attention_f32(const float* RESTRICT q, const float* RESTRICT k, const float*
     for (long b = 0; b < nbh; ++b) {
         const long off = b * t * hs;
         attention_head(q + off, hs, k + off, hs, v + off, hs, out + off, hs, lse + b * t, t, hs,
-                       scale, scratch);
+                       scale, scratch, NULL);
     }
     free(scratch);
     return 0;
@@ -457,44 +533,83 @@ int attention_bwd_f32(const float* RESTRICT q, const float* RESTRICT k, const fl
     for (long b = 0; b < nbh; ++b) {
         const long off = b * t * hs;
         attention_bwd_head(q + off, hs, k + off, v + off, hs, out + off, dout + off, hs,
-                           lse + b * t, dq + off, dk + off, dv + off, t, hs, scale, scratch);
+                           lse + b * t, dq + off, dk + off, dv + off, t, hs, scale, scratch,
+                           NULL);
     }
     free(scratch);
     return 0;
 }
 
 /* GPT-2's fused rows: qkv (B, T, 3C), head h of q, k, v at channels h*hs, C + h*hs,
-   2C + h*hs; y (B, T, C); lse (B, H, T). */
-int attention_qkv_f32(const float* RESTRICT qkv, float* RESTRICT y, float* RESTRICT lse, long nb,
-                      long t, long nh, long hs, float scale) {
+   2C + h*hs; y (B, T, C); lse (B, H, T). The _dropout_ forms apply dropout at rate p (scale
+   1/(1-p), Philox key (k0, k1)) to the probabilities, the mask of forge_ml.rng over (B, H, T, T). */
+static int attention_qkv_run(const float* RESTRICT qkv, float* RESTRICT y, float* RESTRICT lse,
+                             long nb, long t, long nh, long hs, float scale, const drop_t* drop) {
     const long c = nh * hs;
     float* scratch = calloc((size_t)fwd_scratch(t, hs), sizeof(float));
     if (!scratch) return -1;
     for (long b = 0; b < nb; ++b)
         for (long h = 0; h < nh; ++h) {
             const float* q = qkv + b * t * 3 * c + h * hs;
+            drop_t d;
+            if (drop) {
+                d = *drop;
+                d.base = (uint64_t)((b * nh + h) * t) * (uint64_t)t;
+            }
             attention_head(q, 3 * c, q + c, 3 * c, q + 2 * c, 3 * c, y + b * t * c + h * hs, c,
-                           lse + (b * nh + h) * t, t, hs, scale, scratch);
+                           lse + (b * nh + h) * t, t, hs, scale, scratch, drop ? &d : NULL);
         }
     free(scratch);
     return 0;
 }
 
-int attention_qkv_bwd_f32(const float* RESTRICT qkv, const float* RESTRICT y,
-                          const float* RESTRICT lse, const float* RESTRICT dy,
-                          float* RESTRICT dqkv, long nb, long t, long nh, long hs, float scale) {
+static int attention_qkv_bwd_run(const float* RESTRICT qkv, const float* RESTRICT y,
+                                 const float* RESTRICT lse, const float* RESTRICT dy,
+                                 float* RESTRICT dqkv, long nb, long t, long nh, long hs,
+                                 float scale, const drop_t* drop) {
     const long c = nh * hs;
     float* scratch = calloc((size_t)bwd_scratch(t, hs), sizeof(float));
     if (!scratch) return -1;
     for (long b = 0; b < nb; ++b)
         for (long h = 0; h < nh; ++h) {
             const long iq = b * t * 3 * c + h * hs, io = b * t * c + h * hs;
+            drop_t d;
+            if (drop) {
+                d = *drop;
+                d.base = (uint64_t)((b * nh + h) * t) * (uint64_t)t;
+            }
             attention_bwd_head(qkv + iq, 3 * c, qkv + iq + c, qkv + iq + 2 * c, 3 * c, y + io,
                                dy + io, c, lse + (b * nh + h) * t, dqkv + iq, dqkv + iq + c,
-                               dqkv + iq + 2 * c, t, hs, scale, scratch);
+                               dqkv + iq + 2 * c, t, hs, scale, scratch, drop ? &d : NULL);
         }
     free(scratch);
     return 0;
+}
+
+int attention_qkv_f32(const float* RESTRICT qkv, float* RESTRICT y, float* RESTRICT lse, long nb,
+                      long t, long nh, long hs, float scale) {
+    return attention_qkv_run(qkv, y, lse, nb, t, nh, hs, scale, NULL);
+}
+
+int attention_qkv_bwd_f32(const float* RESTRICT qkv, const float* RESTRICT y,
+                          const float* RESTRICT lse, const float* RESTRICT dy,
+                          float* RESTRICT dqkv, long nb, long t, long nh, long hs, float scale) {
+    return attention_qkv_bwd_run(qkv, y, lse, dy, dqkv, nb, t, nh, hs, scale, NULL);
+}
+
+int attention_qkv_dropout_f32(const float* RESTRICT qkv, float* RESTRICT y, float* RESTRICT lse,
+                              long nb, long t, long nh, long hs, float scale, float p,
+                              float p_scale, uint32_t k0, uint32_t k1) {
+    const drop_t d = {0, k0, k1, p, p_scale};
+    return attention_qkv_run(qkv, y, lse, nb, t, nh, hs, scale, &d);
+}
+
+int attention_qkv_dropout_bwd_f32(const float* RESTRICT qkv, const float* RESTRICT y,
+                                  const float* RESTRICT lse, const float* RESTRICT dy,
+                                  float* RESTRICT dqkv, long nb, long t, long nh, long hs,
+                                  float scale, float p, float p_scale, uint32_t k0, uint32_t k1) {
+    const drop_t d = {0, k0, k1, p, p_scale};
+    return attention_qkv_bwd_run(qkv, y, lse, dy, dqkv, nb, t, nh, hs, scale, &d);
 }
 
 /* ----------------------------------------------------------------------------------------
@@ -543,32 +658,6 @@ void adamw_f32(float* RESTRICT p, const float* RESTRICT g, float* RESTRICT m,
    One Philox call per group of 4 elements; the backward is the same call on dy. Each call
    owns the flat range [0, n).
    ---------------------------------------------------------------------------------------- */
-#define PHILOX_LANES 16
-
-/* Philox4x32-10 on PHILOX_LANES counters at once (lane l: words c0[l]..c3[l]), written so the
-   compiler vectorizes across lanes (32x32->64 multiplies: vpmuludq on AVX2). */
-static inline void philox_lanes(uint32_t* RESTRICT c0, uint32_t* RESTRICT c1,
-                                uint32_t* RESTRICT c2, uint32_t* RESTRICT c3,
-                                uint32_t k0, uint32_t k1) {
-    for (int r = 0; r < 10; ++r) {
-        if (r) {
-            k0 += 0x9E3779B9u;
-            k1 += 0xBB67AE85u;
-        }
-#pragma omp simd
-        for (int l = 0; l < PHILOX_LANES; ++l) {
-            const uint64_t p0 = (uint64_t)0xD2511F53u * c0[l];
-            const uint64_t p1 = (uint64_t)0xCD9E8D57u * c2[l];
-            const uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1[l] ^ k0;
-            const uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3[l] ^ k1;
-            c1[l] = (uint32_t)p1;
-            c3[l] = (uint32_t)p0;
-            c0[l] = n0;
-            c2[l] = n2;
-        }
-    }
-}
-
 void dropout_f32(const float* RESTRICT x, float* RESTRICT y, long n, uint32_t k0, uint32_t k1,
                  float p, float scale) {
     const long groups = (n + 3) / 4;

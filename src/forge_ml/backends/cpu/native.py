@@ -61,6 +61,10 @@ _SIGNATURES = {
     "attention_bwd_f32": (_c_int, [_p] * 9 + [_c_long, _c_long, _c_long, _c_float]),
     "attention_qkv_f32": (_c_int, [_p] * 3 + [_c_long] * 4 + [_c_float]),
     "attention_qkv_bwd_f32": (_c_int, [_p] * 5 + [_c_long] * 4 + [_c_float]),
+    "attention_qkv_dropout_f32": (_c_int, [_p] * 3 + [_c_long] * 4 + [_c_float] * 3
+                                  + [ctypes.c_uint32] * 2),
+    "attention_qkv_dropout_bwd_f32": (_c_int, [_p] * 5 + [_c_long] * 4 + [_c_float] * 3
+                                      + [ctypes.c_uint32] * 2),
     "adamw_f32": (None, [_p, _p, _p, _p, _c_long] + [_c_float] * 7 + [_c_int]),
     "sumsq_f32": (ctypes.c_double, [_p, _c_long]),
     "dropout_f32": (None, [_p, _p, _c_long, ctypes.c_uint32, ctypes.c_uint32, _c_float, _c_float]),
