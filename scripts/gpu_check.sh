@@ -4,7 +4,8 @@
 # Logs go to $OUT (or /tmp/forge_gpu_check when OUT is unset); a summary is printed last.
 #   bash scripts/gpu_check.sh                       (from anywhere; no install needed)
 #   SECTIONS="tests generate serve" bash scripts/gpu_check.sh      (a subset)
-# Sections: tests ops train e2e generate decode serve cli (default: all; e2e needs E2E_DATA).
+# Sections: tests ops train e2e recipe generate decode serve cli (default: all; e2e and recipe
+# need E2E_DATA).
 # Environment: E2E_DATA (a text file for e2e), E2E_ROWS (default gpt2-b32,char),
 # TEST_TIMEOUT (default 300 s), TEST_WORKERS (pytest-xdist processes sharing the
 # GPU, default 4), BENCH_TIMEOUT (150), BENCH_ARGS (e.g. "--only gelu --reps 50"), SERVE_ARGS.
@@ -17,7 +18,7 @@ export PYTHONUNBUFFERED=1
 LOG="${OUT:-/tmp/forge_gpu_check}"
 mkdir -p "$LOG"
 PY="${PYTHON:-python3}"
-SECTIONS="${SECTIONS:-tests ops train e2e generate decode serve cli}"
+SECTIONS="${SECTIONS:-tests ops train e2e recipe generate decode serve cli}"
 want() { case " $SECTIONS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if ls .whl/serve/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/forge_site .whl/serve/*.whl \
@@ -69,6 +70,15 @@ if want e2e; then
     echo "skipped: set E2E_DATA to a text file (tinyshakespeare)" | tee "$LOG/bench_e2e.log"
   fi
 fi
+if want recipe; then
+  echo "== nanoGPT's shakespeare_char recipe, forge-ml's trainer against PyTorch eager (benchmarks/char_recipe.py)"
+  if [ -n "${E2E_DATA:-}" ]; then
+    timeout "${RECIPE_TIMEOUT:-500}" "$PY" benchmarks/char_recipe.py --data "$E2E_DATA" --device cuda \
+        --json "$LOG/recipe.json" 2>&1 | tee "$LOG/bench_recipe.log"
+  else
+    echo "skipped: set E2E_DATA to a text file (tinyshakespeare)" | tee "$LOG/bench_recipe.log"
+  fi
+fi
 if want generate; then
   echo "== generation (benchmarks/generate_gpu.py: greedy vs HF, then every sampling mode)"
   timeout "${GEN_TIMEOUT:-200}" "$PY" benchmarks/generate_gpu.py 2>&1 | tee "$LOG/bench_generate.log"
@@ -103,6 +113,7 @@ fi
 want ops && echo "op benchmarks: exit $bench_rc: $(grep -E '^geometric mean' "$LOG/bench_ops.log" | tail -n 1)"
 want train && { echo "training:"; grep -E '^(forge|torch)' "$LOG/bench_train.log"; }
 want e2e && { echo "trainer end to end:"; tail -n 8 "$LOG/bench_e2e.log"; }
+want recipe && { echo "char recipe:"; tail -n 5 "$LOG/bench_recipe.log"; }
 want generate && { echo "generation:"; grep -E '^(forge|transformers|ratio|bandwidth|batch|  |flat|peaked)' "$LOG/bench_generate.log"; }
 want decode && { echo "decoding step:"; grep -E '^GPT-2|graph replay|DecodeStep call|greedy chain' "$LOG/bench_decode.log"; }
 want serve && { echo "serve: exit $serve_rc"; grep -vE '^\{' "$LOG/bench_serve.log" | tail -n 14; }
