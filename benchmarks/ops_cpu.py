@@ -38,17 +38,29 @@ def numpy_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def time_ms(forge_fn, torch_fn, reps: int, stat=statistics.median) -> tuple[float, float]:
-    """Milliseconds per call of each thunk (median by default), run alternately so that
-    drift and noisy neighbours hit both alike."""
+SETTLE_S = 0.3
+"""Seconds of quiet before each library's block of calls: OpenBLAS's and torch's OpenMP worker
+threads spin for a while after their last job, and on a small machine a spinning pool of one
+library takes the cores the other's threads need (calls alternating one by one measured up to
+10x slow for both)."""
+
+
+def time_ms(forge_fn, torch_fn, reps: int, stat=statistics.median, blocks: int = 3) -> tuple[float, float]:
+    """Milliseconds per call of each thunk (median by default). The two run in alternating
+    blocks (``blocks`` of each, ``reps`` calls in all), so that drift and noisy neighbours hit
+    both alike, each block after ``SETTLE_S`` of quiet so that neither library's idle spinning
+    threads slow the other."""
     forge_fn()  # warm-up: first-touch page faults, lazy initialisation
     torch_fn()
     times = ([], [])
-    for _ in range(reps):
+    per_block = max(1, -(-reps // blocks))
+    for _ in range(blocks):
         for fn, out in ((forge_fn, times[0]), (torch_fn, times[1])):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
+            time.sleep(SETTLE_S)
+            for _ in range(per_block):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
     return stat(times[0]) * 1e3, stat(times[1]) * 1e3
 
 

@@ -5,8 +5,10 @@ Model: nanoGPT's ``shakespeare_char`` on a laptop: 4 layers, 4 heads, 128 channe
 64, batch 12, vocabulary 65, dropout 0, tied head, tanh GELU. Both frameworks start from the
 same weights (forge-ml's init copied into torch) and see the same batches; torch gets
 ``torch.set_num_threads`` = the cores this process may run on (``OPENBLAS_NUM_THREADS`` if set). Steps run in alternating rounds (forge-ml then
-torch, ``--rounds`` times) so that a load change on a shared machine hits both alike; the
-figure is the median step time over all rounds after the warm-up.
+torch, ``--rounds`` times) so that a load change on a shared machine hits both alike, each
+round after half a second of quiet (so that neither library's idle worker threads, which spin
+for a while after their last job, slow the other); the figure is the median step time over all
+rounds after the warm-up.
 
     python benchmarks/train_cpu.py              # ~30 timed steps each
     python benchmarks/train_cpu.py --profile    # + where forge-ml's step time goes, per op
@@ -35,6 +37,7 @@ from forge_ml.optim import AdamW, clip_grad_norm  # noqa: E402
 B, T, V = 12, 64, 65
 N_LAYER, N_HEAD, N_EMBD = 4, 4, 128
 LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.99), 0.1, 1.0
+SETTLE_S = 0.5   # seconds of quiet before each round (see the loop)
 
 
 # -- PyTorch eager: a minimal GPT-2 with the same shapes and layout ---------------------------
@@ -136,6 +139,9 @@ def main():
             run(name, i, False)
     for r in range(args.rounds):
         for name in steps:
+            # quiet first: OpenBLAS's and torch's worker threads spin for a while after their
+            # last job and, on a small machine, take the cores the other library's threads need
+            time.sleep(SETTLE_S)
             for i in range(args.steps):
                 run(name, args.warmup + r * args.steps + i, True)
 
