@@ -1,8 +1,40 @@
-"""Helpers shared by the GPU test files: bf16 rounding on the host, device-to-host copies, and
-the norm-wise comparison that also reports unwritten (non-finite) outputs."""
+"""Helpers shared by the GPU test files: the GPU's backend or a skip, bf16 rounding on the
+host, device-to-host copies, and the norm-wise comparison that also reports unwritten
+(non-finite) outputs."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
+
+
+def cuda_or_skip(bf16: bool = False):
+    """The loaded backend of cuda:0, or a pytest skip saying why there is none (no CuPy, no
+    driver, no device; with ``bf16``, a CuPy without bfloat16)."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CuPy without a driver or a GPU
+        pytest.skip(f"no usable CUDA device: {e}")
+    if n == 0:
+        pytest.skip("no CUDA device")
+    from forge_ml.backends import get
+    from forge_ml.device import Device
+    be = get(Device("cuda", 0))
+    if bf16 and not be.bf16:
+        pytest.skip("this CuPy has no bfloat16 (install ml_dtypes)")
+    return be
+
+
+def poison_device_memory(nbytes: int) -> None:
+    """Fill ``nbytes`` of fresh device memory with 0xFF (NaN in bf16 and float32) and give it
+    back to CuPy's pool, so that an output a kernel forgets to write shows up as NaN."""
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    buf = cupy.empty(nbytes, dtype=cupy.uint8)
+    buf.fill(0xFF)
+    del buf
 
 
 def round_bf16(a):

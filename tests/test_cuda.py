@@ -22,7 +22,7 @@ from forge_ml.device import Device
 from forge_ml.errors import CompileError, DeviceError, OutOfMemoryError
 
 import reference
-from _gpu_checks import check, host, round_bf16
+from _gpu_checks import check, cuda_or_skip, host, round_bf16
 
 cuda = pytest.mark.cuda
 
@@ -44,15 +44,7 @@ def _gpu_count() -> int:
 
 @pytest.fixture(scope="module")
 def gpu():
-    cupy = pytest.importorskip("cupy")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # CuPy without a driver or a GPU
-        pytest.skip(f"no usable CUDA device: {e}")
-    if n == 0:
-        pytest.skip("no CUDA device")
-    from forge_ml.backends import get
-    return get(Device("cuda", 0))
+    return cuda_or_skip()
 
 
 def _poison():

@@ -37,7 +37,7 @@ from forge_ml.distributed import launch
 from forge_ml.distributed.comm import CommError, CommTimeout
 from forge_ml.tensor import Tensor, device_has
 
-from _gpu_checks import round_bf16
+from _gpu_checks import cuda_or_skip, round_bf16
 
 pytestmark = pytest.mark.cuda
 
@@ -68,13 +68,7 @@ RUNS = {   # name -> (extra flags, torchrun-style environment)
 
 
 def _nccl_or_skip():
-    cupy = pytest.importorskip("cupy")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # CuPy without a driver or a GPU
-        pytest.skip(f"no usable CUDA device: {e}")
-    if n == 0:
-        pytest.skip("no CUDA device")
+    cuda_or_skip()
     try:
         from cupy.cuda import nccl
     except ImportError as e:

@@ -26,10 +26,9 @@ import pytest
 import forge_ml as fm
 from forge_ml import flags, rng
 from forge_ml.backends import compose
-from forge_ml.device import Device
 from forge_ml.models import GPT2, GPT2Config
 
-from _gpu_checks import check, host, round_bf16
+from _gpu_checks import check, cuda_or_skip, host, poison_device_memory, round_bf16
 
 pytestmark = pytest.mark.cuda
 
@@ -42,28 +41,11 @@ POISON_BYTES = 1 << 30
 
 @pytest.fixture(scope="module")
 def gpu():
-    cupy = pytest.importorskip("cupy")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # CuPy without a driver or a GPU
-        pytest.skip(f"no usable CUDA device: {e}")
-    if n == 0:
-        pytest.skip("no CUDA device")
-    from forge_ml.backends import get
-    be = get(Device("cuda", 0))
-    if not be.bf16:
-        pytest.skip("this CuPy has no bfloat16 (install ml_dtypes)")
-    return be
+    return cuda_or_skip(bf16=True)
 
 
 def _poison():
-    import cupy
-    pool = cupy.get_default_memory_pool()
-    cupy.cuda.Device().synchronize()
-    pool.free_all_blocks()
-    buf = cupy.empty(POISON_BYTES, dtype=cupy.uint8)
-    buf.fill(0xFF)  # NaN in bf16 and float32
-    del buf
+    poison_device_memory(POISON_BYTES)
 
 
 @pytest.fixture

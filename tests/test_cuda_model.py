@@ -6,23 +6,14 @@ import pytest
 import forge_ml as fm
 from forge_ml import Tape, ops
 from forge_ml.models import GPT2, GPT2Config
-from _gpu_checks import round_bf16
+from _gpu_checks import cuda_or_skip, round_bf16
 
 pytestmark = pytest.mark.cuda
 
 
-def _gpu_or_skip():
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no GPU")
-    except Exception as e:  # no cupy, no driver, no device
-        pytest.skip(f"no CUDA GPU: {e}")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def gpu():
-    _gpu_or_skip()
+    cuda_or_skip()
 
 
 CFG = GPT2Config(vocab_size=500, block_size=128, n_layer=2, n_head=4, n_embd=128)

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from forge_ml import rng
-from forge_ml.device import Device
+
+from _gpu_checks import cuda_or_skip
 
 pytestmark = pytest.mark.cuda
 
@@ -38,15 +39,7 @@ KNOBS = [
 
 @pytest.fixture(scope="module")
 def be():
-    cupy = pytest.importorskip("cupy")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # CuPy without a driver or a GPU
-        pytest.skip(f"no usable CUDA device: {e}")
-    if n == 0:
-        pytest.skip("no CUDA device")
-    from forge_ml.backends import get
-    return get(Device("cuda", 0))
+    return cuda_or_skip()
 
 
 def _rows(rs, B, V, Vp, trial):

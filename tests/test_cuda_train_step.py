@@ -15,6 +15,7 @@ from forge_ml.optim import AdamW, clip_grad_norm, clip_on_device
 from forge_ml.step import TrainStep
 from forge_ml.train import Trainer
 
+from _gpu_checks import cuda_or_skip
 from test_train import _cfg, text_file  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.cuda
@@ -22,12 +23,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.fixture(scope="module", autouse=True)
 def gpu():
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no GPU")
-    except Exception as e:  # no cupy, no driver, no device
-        pytest.skip(f"no CUDA GPU: {e}")
+    cuda_or_skip()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
