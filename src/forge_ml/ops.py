@@ -371,6 +371,13 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale=None) -> Tensor:
     """``dL/dqkv (B, T, 3C)`` of ``attention_qkv`` given its output ``y``, ``lse`` and
     ``dL/dy``."""
     op = "attention_qkv_bwd"
+    scale, bk = _qkv_bwd_check(op, qkv, y, lse, dy, n_head, scale)
+    return _wrap(qkv, bk.attention_qkv_bwd(qkv.data, y.data, lse.data, dy.data, n_head, scale))
+
+
+def _qkv_bwd_check(op, qkv, y, lse, dy, n_head, scale):
+    """The checks of the attention_qkv backwards: ``(scale, backend)``, the default scale
+    ``1/sqrt(head size)``."""
     hs = _qkv_check(op, qkv, n_head)
     _float(op, "y", y), _float(op, "dy", dy)
     bk = _same(op, qkv=qkv, y=y, dy=dy)
@@ -380,8 +387,7 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale=None) -> Tensor:
     _shape_eq(op, "y", y, "dy", dy)
     if lse.shape != (B, n_head, T):
         raise ShapeError(f"{op}: lse must be {(B, n_head, T)}, got {lse.shape}")
-    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
-    return _wrap(qkv, bk.attention_qkv_bwd(qkv.data, y.data, lse.data, dy.data, n_head, scale))
+    return (1.0 / math.sqrt(hs) if scale is None else float(scale)), bk
 
 
 def attention_qkv_dropout(qkv, n_head, p, seed, scale=None):
@@ -411,17 +417,8 @@ def attention_qkv_dropout_bwd(qkv, y, lse, dy, n_head, p, seed, scale=None) -> T
     """``dL/dqkv (B, T, 3C)`` of ``attention_qkv_dropout`` (same ``p`` and ``seed``: the mask
     is drawn again, not stored) given its output ``y``, ``lse`` and ``dL/dy``."""
     op = "attention_qkv_dropout_bwd"
-    hs = _qkv_check(op, qkv, n_head)
-    _float(op, "y", y), _float(op, "dy", dy)
-    bk = _same(op, qkv=qkv, y=y, dy=dy)
-    B, T, c3 = qkv.shape
-    if y.shape != (B, T, c3 // 3):
-        raise ShapeError(f"{op}: y must be {(B, T, c3 // 3)}, got {y.shape}")
-    _shape_eq(op, "y", y, "dy", dy)
-    if lse.shape != (B, n_head, T):
-        raise ShapeError(f"{op}: lse must be {(B, n_head, T)}, got {lse.shape}")
+    scale, bk = _qkv_bwd_check(op, qkv, y, lse, dy, n_head, scale)
     p, seed = _dropout_args(op, p, seed, qkv.device, bk)
-    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
     return _wrap(qkv, bk.attention_qkv_dropout_bwd(qkv.data, y.data, lse.data, dy.data, n_head,
                                                    scale, p, seed))
 

@@ -420,6 +420,16 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
     dev = model.device
     cache, step = decoder(model, B, capacity)  # kept for the next call where graphs pay
 
+    def seen_marks():
+        """The repetition penalty's tokens per row on the device (prompt and generated so far),
+        (B, V) bool; None without a penalty."""
+        if choice.repetition_penalty == 1.0:
+            return None
+        seen = np.zeros((B, V), bool)
+        for r in range(B):
+            seen[r, rows[r] + generated[r]] = True
+        return seen
+
     t0 = min(lengths)
     prefill = np.array([p[:t0] for p in rows], dtype=np.int64)                   # (B, t0)
     logits = model.forward_cached(tensor(prefill, device=dev), cache, last_only=True)
@@ -431,12 +441,7 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
         if choice.greedy_on_device:
             first = step.choose(logits, pos)
         else:
-            seen = None
-            if choice.repetition_penalty != 1.0:
-                seen = np.zeros((B, V), bool)
-                for r in range(B):
-                    seen[r, rows[r]] = True
-            first = step.choose(logits, pos, [choice.knobs()] * B, keys, seen)
+            first = step.choose(logits, pos, [choice.knobs()] * B, keys, seen_marks())
     else:
         last = logits.numpy()[:, -1, :V]                                          # (B, V)
 
@@ -488,12 +493,7 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
             if choice.greedy_on_device:
                 chain = step.greedy(feed[:, 0], pos, n)
             else:
-                seen = None
-                if choice.repetition_penalty != 1.0:
-                    seen = np.zeros((B, V), bool)
-                    for r in range(B):
-                        seen[r, rows[r] + generated[r]] = True
-                chain = step.sample(feed[:, 0], pos, n, [choice.knobs()] * B, keys, seen)
+                chain = step.sample(feed[:, 0], pos, n, [choice.knobs()] * B, keys, seen_marks())
             try:
                 for toks in chain:
                     pos += 1
