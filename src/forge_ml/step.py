@@ -111,14 +111,12 @@ class TrainStep:
         step to finish and reads back the losses and the norm. ``taken`` False: a loss or the
         norm was not finite and nothing was updated (the optimizer's step count too)."""
         self._load(batches, seeds, lr)
-        losses = None
-        if self.want_graph and self._graph is None:
-            losses = self._capture()        # the first step runs for real, then is captured
-            self.mode = "eager"
-        elif self._graph is not None:
+        if self._graph is not None:
             self._graph.replay()
             losses, self.mode = self._graph.outputs, "graph"
-        if losses is None:
+        elif self.want_graph:
+            losses, self.mode = self._capture(), "eager"   # a real run, then captured
+        else:
             losses, self.mode = self._work(), "eager"
         values = [float(t.item()) for t in losses]
         s = self.opt.scalars.numpy()
@@ -135,9 +133,8 @@ class TrainStep:
             self._graph = _graph.capture(self.device, self._work, run_first=True)
             return self._graph.first
         except CaptureError as e:   # e.g. an op that waits for the device
-            self.capture_error, self._keep = e.__cause__ or e, e.keep
-            self.want_graph = False
-            cause = e.__cause__ or e
+            cause = self.capture_error = e.__cause__ or e
+            self._keep, self.want_graph = e.keep, False
             self.why_eager = f"capture failed ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})"
             return e.first
 

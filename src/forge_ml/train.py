@@ -392,7 +392,6 @@ class Trainer:
         self.val_loss: Optional[float] = None
         self.val_kind: Optional[str] = None
         self._fast = None           # the captured step (step.TrainStep) on a graph-capable device
-        self._fast_key = None
         self._said_eager = False
         self.lock = RunLock(self.out_dir)
         self.lock.acquire()
@@ -787,17 +786,13 @@ class Trainer:
 
     def _fast_step(self):
         """The step as one device graph (``step.TrainStep``) where the device captures graphs
-        and FORGE_TRAIN_GRAPH is on; None for the op-by-op step. Rebuilt when the model's or
-        the optimizer's tensors were replaced (a checkpoint loaded)."""
-        if not (device_has(self.device, "graphs") and flags.on("FORGE_TRAIN_GRAPH")):
-            return None
-        key = (id(self.opt.m), id(self.opt.v), tuple(id(t) for t in self.model.params.values()),
-               tuple(id(t) for t in self.opt.params.values()))
-        if self._fast is None or key != self._fast_key:
+        and FORGE_TRAIN_GRAPH is on; None for the op-by-op step. Built at the first step, after
+        setup has loaded any checkpoint (the tensors it captures stay the model's and the
+        optimizer's from then on)."""
+        if self._fast is None and device_has(self.device, "graphs") and flags.on("FORGE_TRAIN_GRAPH"):
             cfg = self.cfg
             self._fast = TrainStep(self.model, self.opt, cfg.batch_size, cfg.block_size,
                                    cfg.grad_accum, cfg.grad_clip, graph=True)
-            self._fast_key = key
         return self._fast
 
     def _graph_step(self, fast, lr: float, t0: float) -> dict:
