@@ -246,8 +246,6 @@ def _drop_args(p, seed):
 
 @_fused(_attention_qkv_dropout_composed, "qkv")
 def attention_qkv_dropout(lib, qkv, n_head, scale, p, seed):
-    if not isinstance(seed, (int, np.integer)):
-        return _DECLINED                  # a seed in device memory: not this backend's form
     B, T, C3 = qkv.shape
     y = np.empty((B, T, C3 // 3), np.float32)
     lse = np.empty((B, n_head, T), np.float32)
@@ -258,8 +256,6 @@ def attention_qkv_dropout(lib, qkv, n_head, scale, p, seed):
 
 @_fused(_attention_qkv_dropout_bwd_composed, "qkv", "y", "lse", "dy")
 def attention_qkv_dropout_bwd(lib, qkv, y, lse, dy, n_head, scale, p, seed):
-    if not isinstance(seed, (int, np.integer)):
-        return _DECLINED
     B, T, C3 = qkv.shape
     dqkv = np.empty_like(qkv)
     return _ok(lib.attention_qkv_dropout_bwd_f32(qkv.ctypes.data, y.ctypes.data, lse.ctypes.data,

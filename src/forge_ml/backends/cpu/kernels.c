@@ -353,12 +353,13 @@ typedef struct {
     float p, scale;         /* the rate, and 1/(1-p) rounded to float */
 } drop_t;
 
-/* row[j] *= keep(first + j) ? scale : 0 for j in [0, n): the mask of stream indices first.. */
-static void dropout_row(float* RESTRICT row, long n, uint64_t first, const drop_t* d) {
+/* y[j] = keep(first + j) ? x[j] scale : 0 for j in [0, n): the mask of stream indices first..
+   (x == y is allowed: the attention applies it to a row of P in place). */
+static void dropout_span(const float* x, float* y, long n, uint64_t first, const drop_t* d) {
     uint32_t c0[PHILOX_LANES], c1[PHILOX_LANES], c2[PHILOX_LANES], c3[PHILOX_LANES];
     const uint64_t g_first = first / 4, g_last = (first + (uint64_t)n - 1) / 4;
     for (uint64_t g0 = g_first; g0 <= g_last; g0 += PHILOX_LANES) {
-        for (int l = 0; l < PHILOX_LANES; ++l) {
+        for (int l = 0; l < PHILOX_LANES; ++l) {       /* counter of group g0 + l */
             const uint64_t g = g0 + (uint64_t)l;
             c0[l] = (uint32_t)(g & 0xffffffffu);
             c1[l] = (uint32_t)(g >> 32);
@@ -373,7 +374,7 @@ static void dropout_row(float* RESTRICT row, long n, uint64_t first, const drop_
                 if (e < first || e >= first + (uint64_t)n) continue;
                 const float u = (float)(w[q] >> 8) * 5.9604644775390625e-08f;   /* 2^-24 */
                 const long j = (long)(e - first);
-                row[j] = u >= d->p ? row[j] * d->scale : 0.0f;
+                y[j] = u >= d->p ? x[j] * d->scale : 0.0f;
             }
         }
     }
@@ -436,7 +437,7 @@ static void attention_head(const float* q, long lq, const float* k, long lk, con
 #pragma omp simd
         for (long j = 0; j < n8; ++j) pi[j] *= inv;
         lse[i] = rowmax[i] + logf(l);
-        if (drop) dropout_row(pi, i + 1, drop->base + (uint64_t)(i * t), drop);  /* P M */
+        if (drop) dropout_span(pi, pi, i + 1, drop->base + (uint64_t)(i * t), drop);  /* P M */
     }
     gemm_tiles(p, tp, 1, vb, sv, o, direct ? lo : hp, t4, hp, t, K_UPTO_ROW);  /* P v */
     if (!direct) unpad(opad, t, hs, hp, out, lo);
@@ -482,7 +483,7 @@ static void attention_bwd_head(const float* q, long lq, const float* k, const fl
                dS = P (dP - D); D_i = dO_i . O_i still, O holding the mask */
             float* RESTRICT mi = dqpad + n_a * 3;          /* one row of the mask */
             for (long j = 0; j < n8; ++j) mi[j] = 1.0f;
-            dropout_row(mi, i + 1, drop->base + (uint64_t)(i * t), drop);
+            dropout_span(mi, mi, i + 1, drop->base + (uint64_t)(i * t), drop);
 #pragma omp simd
             for (long j = 0; j < n8; ++j) {
                 const float pj = j <= i ? exp_f32(pi[j] * scale - li) : 0.0f;
@@ -660,25 +661,6 @@ void adamw_f32(float* RESTRICT p, const float* RESTRICT g, float* RESTRICT m,
    ---------------------------------------------------------------------------------------- */
 void dropout_f32(const float* RESTRICT x, float* RESTRICT y, long n, uint32_t k0, uint32_t k1,
                  float p, float scale) {
-    const long groups = (n + 3) / 4;
-    uint32_t c0[PHILOX_LANES], c1[PHILOX_LANES], c2[PHILOX_LANES], c3[PHILOX_LANES];
-    for (long g0 = 0; g0 < groups; g0 += PHILOX_LANES) {
-        for (int l = 0; l < PHILOX_LANES; ++l) {       /* counter of group g0 + l */
-            const uint64_t g = (uint64_t)(g0 + l);
-            c0[l] = (uint32_t)(g & 0xffffffffu);
-            c1[l] = (uint32_t)(g >> 32);
-            c2[l] = 0u;
-            c3[l] = 0u;
-        }
-        philox_lanes(c0, c1, c2, c3, k0, k1);
-        for (int l = 0; l < PHILOX_LANES && g0 + l < groups; ++l) {
-            const uint32_t w[4] = {c0[l], c1[l], c2[l], c3[l]};
-            for (int j = 0; j < 4; ++j) {
-                const long i = 4 * (g0 + l) + j;
-                if (i >= n) break;
-                const float u = (float)(w[j] >> 8) * 5.9604644775390625e-08f;   /* 2^-24 */
-                y[i] = u >= p ? x[i] * scale : 0.0f;
-            }
-        }
-    }
+    const drop_t d = {0, k0, k1, p, scale};
+    if (n > 0) dropout_span(x, y, n, 0, &d);
 }
