@@ -239,7 +239,11 @@ def _attention_qkv_dropout_bwd_composed(qkv, y, lse, dy, n_head, scale, p, seed)
 
 
 def _drop_args(p, seed):
-    """The C kernels' dropout arguments: p and 1/(1-p) as float32, the Philox key."""
+    """The C kernels' dropout arguments: p and 1/(1-p) as float32, the Philox key of ``seed``
+    (an int, or the contract's ``(base array, site)``: ``rng.mix(base[0], site)``)."""
+    if isinstance(seed, tuple):
+        base, site = seed
+        seed = _rng.mix(int(base.reshape(-1)[0]) & 0xFFFFFFFFFFFFFFFF, site)
     k0, k1 = _rng.seed_key(seed)
     return np.float32(p), _rng.dropout_scale(p), k0, k1
 
