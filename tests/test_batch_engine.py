@@ -15,25 +15,9 @@ from forge_ml.inference import batch as batch_mod
 from forge_ml.inference.batch import BatchEngine, choose_tokens
 from forge_ml.inference.engine import (EngineClosedError, RequestError, SamplingParams,
                                        TokenOut)
-from forge_ml.models.gpt2 import GPT2, GPT2Config, param_shapes
 
-CFG = GPT2Config(vocab_size=23, padded_vocab_size=32, block_size=24, n_layer=2, n_head=2, n_embd=16)
+from test_generate import make_model  # the same varied-weights model
 
-
-def make_model(cfg=CFG, seed=2, scale=0.5):
-    """Random weights whose continuations vary, with clear margins between the top logits
-    (GPT-2's own init repeats one token): N(0, scale) weights, N(0, 1) position embeddings."""
-    rng = np.random.default_rng(seed)
-    host = {}
-    for name, shape in param_shapes(cfg).items():
-        a = rng.standard_normal(shape) * scale
-        if name.endswith(("ln_1.weight", "ln_2.weight")) or name == "ln_f.weight":
-            a = 1.0 + 0.2 * a
-        if name == "wpe.weight":
-            a = rng.standard_normal(shape)
-        host[name] = a.astype(np.float32)
-    host["wte.weight"][cfg.vocab_size:] = 0.0
-    return GPT2(cfg, {k: fm.tensor(v) for k, v in host.items()})
 
 
 @pytest.fixture(scope="module")

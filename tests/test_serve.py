@@ -24,28 +24,15 @@ import uvicorn
 import forge_ml as fm
 from forge_ml.inference.batch import BatchEngine
 from forge_ml.inference.engine import SamplingParams, Stream, TokenOut
-from forge_ml.models.gpt2 import GPT2, GPT2Config, param_shapes
+from forge_ml.models.gpt2 import GPT2, GPT2Config
 from forge_ml.serve.app import create_app
 from forge_ml.serve.protocol import parse_completion
 from forge_ml.tokenizer import CharTokenizer, GPT2Tokenizer
 
+from test_generate import make_model  # varied weights with clear margins
+
 CHARS = "abcdefghijklmnopqrstuvwxyz .,!?\n"
 KEY = "sk-test-key"
-
-
-def make_model(cfg, seed=3, scale=0.5):
-    """Random weights with varied continuations and clear margins (see test_batch_engine)."""
-    rng = np.random.default_rng(seed)
-    host = {}
-    for name, shape in param_shapes(cfg).items():
-        a = rng.standard_normal(shape) * scale
-        if name.endswith(("ln_1.weight", "ln_2.weight")) or name == "ln_f.weight":
-            a = 1.0 + 0.2 * a
-        if name == "wpe.weight":
-            a = rng.standard_normal(shape)
-        host[name] = a.astype(np.float32)
-    host["wte.weight"][cfg.vocab_size:] = 0.0
-    return GPT2(cfg, {k: fm.tensor(v) for k, v in host.items()})
 
 
 class Server:
@@ -77,7 +64,7 @@ def tok():
 @pytest.fixture(scope="module")
 def engine(tok):
     cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32)
-    eng = BatchEngine(make_model(cfg), tok, slots=4)
+    eng = BatchEngine(make_model(cfg, seed=3), tok, slots=4)
     yield eng
     eng.close()
 
@@ -372,7 +359,7 @@ def slow_server(tok):
     """A server whose engine takes 30 ms a step, so a request is still running when its
     client leaves."""
     cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=1, n_embd=16)
-    eng = BatchEngine(make_model(cfg), tok, slots=2)
+    eng = BatchEngine(make_model(cfg, seed=3), tok, slots=2)
     step = eng._step
 
     def slow(tokens, positions):
