@@ -16,7 +16,8 @@ from forge_ml.hf import save_hf_gpt2  # noqa: E402
 from forge_ml.inference import beam  # noqa: E402
 from forge_ml.inference.beam import beam_search  # noqa: E402
 from forge_ml.inference.generate import generate  # noqa: E402
-from forge_ml.models.gpt2 import GPT2, GPT2Config, param_shapes  # noqa: E402
+from forge_ml.models.gpt2 import GPT2, GPT2Config  # noqa: E402
+from test_sampling_hf import random_host_params  # noqa: E402 (the same weights recipe)
 
 CFG = GPT2Config(vocab_size=53, padded_vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
 PROMPT = [3, 1, 4, 1, 5]
@@ -32,27 +33,11 @@ def one_torch_thread():
     torch.set_num_threads(old)
 
 
-def random_host_params(cfg=CFG, seed=0, scale=0.5):
-    """N(0, scale) weights, position embeddings N(0, 1), layer-norm gains near 1, padded
-    vocab rows zero: beams that differ, with clear margins between their scores."""
-    rng = np.random.default_rng(seed)
-    host = {}
-    for name, shape in param_shapes(cfg).items():
-        a = rng.standard_normal(shape) * scale
-        if name.endswith(("ln_1.weight", "ln_2.weight")) or name == "ln_f.weight":
-            a = 1.0 + 0.2 * rng.standard_normal(shape)
-        if name == "wpe.weight":
-            a = rng.standard_normal(shape)
-        host[name] = a.astype(np.float32)
-    host["wte.weight"][cfg.vocab_size:] = 0.0
-    return host
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(forge-ml model, transformers GPT2LMHeadModel) on the same weights, through
     ``save_hf_gpt2`` and ``from_pretrained``."""
-    host = random_host_params()
+    host = random_host_params(CFG)
     d = tmp_path_factory.mktemp("hf") / "gpt2"
     save_hf_gpt2(d, CFG, host)
     theirs = transformers.GPT2LMHeadModel.from_pretrained(d).float().eval()
