@@ -21,6 +21,7 @@ from forge_ml.cli import _set_loaded_openblas_threads, blas_threads_default, lim
 from forge_ml.data import DataLoader
 from forge_ml.errors import ConfigError, OutOfMemoryError, TrainingError
 from forge_ml.train import Interrupted, RunError, TrainConfig, Trainer, read_log, search_batch_size
+from test_cli import _fails  # main(argv) exits 2 with one line, no traceback
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TEXT = "to be or not to be that is the question\n" * 120
@@ -42,19 +43,6 @@ def _cfg(out, **kw):
                 checkpoint_interval=0, progress=False, seed=3)
     base.update(kw)
     return TrainConfig(**base)
-
-
-def _fails(capsys, argv, *needles):
-    """``main(argv)`` exits 2 with one line on stderr holding every needle, no traceback."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 def _snapshot(folder):
