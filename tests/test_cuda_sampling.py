@@ -7,7 +7,7 @@ memory goes to the fallback by itself.
 
 The integer part of the rule (top-k, top-p and min-p cuts, the draw) is checked exactly: on the
 weights the kernel itself computes (``sampling._sample_weights``, sample.cu's arithmetic), the
-host's cuts and draw (``_rule_on_weights``, steps 4 and 5 of ``sample_row``) must give the
+host's cuts and draw (``sampling.choose_from_weights``, steps 4 and 5 of ``sample_row``) give the
 kernel's token for every row, over rows and knobs that put each cut at every digit of the
 kernel's radix select (weights of 25 bits: bits 16-24, 8-15, 0-7) and at its edges.
 
@@ -16,12 +16,11 @@ a GPU is missing.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
 
-from forge_ml import rng
+from forge_ml.sampling import choose_from_weights
 
 from _gpu_checks import cuda_or_skip
 
@@ -109,30 +108,6 @@ def test_staged_and_fallback_choose_the_same_tokens(be, monkeypatch, V, Vp, pena
     assert agree >= 0.9 * total, (agree, total)
 
 
-def _rule_on_weights(w, knobs, key, position):
-    """Steps 4 and 5 of ``forge_ml.sampling.sample_row`` (the cuts and the draw) on the
-    integer weights ``w (V,)``, written here as the rule states them (a partition for top-k, a
-    sort for top-p): the kernel, on its own weights, must choose this token."""
-    _, k, ptop, pmin, _ = (np.float32(v) for v in knobs)
-    k = int(k)
-    w = np.asarray(w, np.uint32)
-    V = w.shape[0]
-    floor = 0
-    if 0 < k < V:
-        floor = int(np.partition(w, V - k)[V - k])          # the k-th largest weight
-    if 0 < ptop < 1:
-        kept = w[w >= floor].astype(np.uint64)
-        need = math.ceil(float(ptop) * int(kept.sum()))
-        top = np.sort(kept)[::-1]
-        floor = max(floor, int(top[int(np.searchsorted(np.cumsum(top), need, side="left"))]))
-    if pmin > 0:
-        floor = max(floor, math.ceil(float(pmin) * (1 << 24)))
-    cum = np.cumsum(np.where(w >= floor, w, 0).astype(np.uint64))
-    word = int(rng.philox4x32_10([int(position), 0, 0, 0], key)[0, 0])
-    target = (int(cum[-1]) * word) >> 32
-    return int(np.searchsorted(cum, np.uint64(target), side="right"))
-
-
 def _edge_knobs(V):
     """Knob rows (temperature, top_k, top_p, min_p, penalty) for a vocabulary of V: the
     benchmark's modes, and every cut at its edges."""
@@ -199,7 +174,7 @@ def test_cuts_and_draw_are_exact_on_the_kernels_weights(be, monkeypatch, V, Vp, 
     assert (w <= 1 << 24).all()
     for b, (shape, kn) in enumerate(rows):
         key = tuple(int(x) for x in keys[b].view(np.uint32))
-        want = _rule_on_weights(w[b], kn, key, int(pos[b]) + 1)
+        want = choose_from_weights(w[b], kn, key, int(pos[b]) + 1)
         assert int(ids[b]) == want, (shape, kn, int(ids[b]), want)
     assert (out == ids).all() and (p == pos + 1).all() and (s[np.arange(B), ids] == 1).all()
 
@@ -252,4 +227,4 @@ def test_a_vocabulary_too_large_for_shared_memory_falls_back(be, monkeypatch):
                                               cupy.asarray(seen)))
     for b in range(B):
         key = tuple(int(k) for k in keys[b].view(np.uint32))
-        assert int(ids[b]) == _rule_on_weights(w[b], knobs[b], key, int(pos[b]) + 1), b
+        assert int(ids[b]) == choose_from_weights(w[b], knobs[b], key, int(pos[b]) + 1), b

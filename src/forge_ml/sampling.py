@@ -55,6 +55,22 @@ def sample_row(z, knobs, key, position, seen=None) -> int:
     inv_t = np.float32(1) / temp
     with np.errstate(under="ignore"):
         w = (np.exp((z - z.max()) * inv_t) * np.float32(_W_ONE)).astype(np.uint32)
+    return choose_from_weights(w, knobs, key, position)
+
+
+def choose_from_weights(w, knobs, key, position) -> int:
+    """Steps 4 and 5 of ``sample_row`` on the integer weights ``w (V,)`` (uint32): the top-k,
+    top-p and min-p cuts, then the Philox draw. The GPU's sampling kernel, on its own weights,
+    chooses this token.
+
+    >>> import numpy as np
+    >>> choose_from_weights(np.array([5, 1 << 24, 9], np.uint32), [1.0, 1, 1, 0, 1], (1, 2), 7)
+    1
+    """
+    _, k, ptop, pmin, _ = (np.float32(v) for v in np.asarray(knobs, np.float32).reshape(5))
+    k = int(k)
+    w = np.asarray(w, np.uint32).reshape(-1)
+    V = w.shape[0]
     floor = 0
     if 0 < k < V:
         floor = int(np.partition(w, V - k)[V - k])           # the k-th largest weight
