@@ -16,7 +16,6 @@ a GPU is missing.
 """
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
