@@ -754,9 +754,7 @@ class Trainer:
                 loss, grads = self.model.loss_and_grads(x, y, dropout_seed=dropout_seed(cfg.seed, step, micro))
                 if not math.isfinite(loss):
                     self._phase = None
-                    raise TrainingError(f"the loss is {loss} at step {step + 1}"
-                                        + (f" (micro-step {micro + 1})" if cfg.grad_accum > 1 else "")
-                                        + f"; {self._origin(step, batches[-1:], micro)}; stopping. {self._last_good()}")
+                    raise self._bad_loss(loss, step, micro, batches[-1])
                 loss_sum += loss
                 if cfg.grad_accum > 1 and self.bf16:
                     grads = {k: g.to("float32") for k, g in grads.items()}  # accumulate in float32
@@ -765,8 +763,7 @@ class Trainer:
             norm, scale = clip_grad_norm(acc, cfg.grad_clip, grad_scale=1.0 / cfg.grad_accum)
             if not math.isfinite(norm):
                 self._phase = None
-                raise TrainingError(f"the gradient norm is {norm} at step {step + 1} (loss {loss:.4f}); "
-                                    f"{self._origin(step, batches, 0, acc)}; stopping. {self._last_good()}")
+                raise self._bad_norm(norm, loss, step, batches, acc)
         except KeyboardInterrupt:
             self.train_loader.load_state_dict(loader_state)   # the step is given up
             raise
@@ -778,6 +775,22 @@ class Trainer:
             self.step += 1
         finally:
             self._phase = None
+        return self._step_record(lr, loss, norm, t0)
+
+    def _bad_loss(self, loss: float, step: int, micro: int, batch) -> TrainingError:
+        """The error of a non-finite loss at micro-step ``micro``, naming where it came from."""
+        return TrainingError(f"the loss is {loss} at step {step + 1}"
+                             + (f" (micro-step {micro + 1})" if self.cfg.grad_accum > 1 else "")
+                             + f"; {self._origin(step, [batch], micro)}; stopping. {self._last_good()}")
+
+    def _bad_norm(self, norm: float, loss: float, step: int, batches: list, grads=None) -> TrainingError:
+        """The error of a non-finite gradient norm, naming where it came from."""
+        return TrainingError(f"the gradient norm is {norm} at step {step + 1} (loss {loss:.4f}); "
+                             f"{self._origin(step, batches, 0, grads)}; stopping. {self._last_good()}")
+
+    def _step_record(self, lr: float, loss: float, norm: float, t0: float) -> dict:
+        """The log record of the step just taken (``self.step`` counts it already)."""
+        cfg = self.cfg
         dt = time.perf_counter() - t0
         self.elapsed += dt
         tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum
@@ -813,27 +826,15 @@ class Trainer:
         if fast.why_eager and not self._said_eager:
             self._said_eager = True
             self._say(f"note: the training step runs op by op: {fast.why_eager}")
+        loss = sum(res.losses) / cfg.grad_accum     # added in order, as the op-by-op step does
         if not res.taken:
             dev = [(tensor(x, device=self.device), tensor(y, device=self.device)) for x, y in batches]
             bad = [i for i, v in enumerate(res.losses) if not math.isfinite(v)]
             if bad:
-                micro = bad[0]
-                raise TrainingError(f"the loss is {res.losses[micro]} at step {step + 1}"
-                                    + (f" (micro-step {micro + 1})" if cfg.grad_accum > 1 else "")
-                                    + f"; {self._origin(step, dev[micro:micro + 1], micro)}; stopping. "
-                                    f"{self._last_good()}")
-            loss = sum(res.losses) / cfg.grad_accum
-            raise TrainingError(f"the gradient norm is {res.norm} at step {step + 1} (loss {loss:.4f}); "
-                                f"{self._origin(step, dev, 0)}; stopping. {self._last_good()}")
-        loss_sum = 0.0
-        for v in res.losses:
-            loss_sum += v
+                raise self._bad_loss(res.losses[bad[0]], step, bad[0], dev[bad[0]])
+            raise self._bad_norm(res.norm, loss, step, dev)
         self.step += 1
-        dt = time.perf_counter() - t0
-        self.elapsed += dt
-        tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum
-        return {"step": self.step, "loss": loss_sum / cfg.grad_accum, "lr": lr, "grad_norm": res.norm,
-                "tokens_per_s": tokens / dt, "time": round(self.elapsed, 4), "dt_ms": round(dt * 1e3, 3)}
+        return self._step_record(lr, loss, res.norm, t0)
 
     def _origin(self, step: int, batches: list, micro0: int, grads: Optional[dict] = None) -> str:
         """Re-run the step's micro-batches with a check after every op, forward and backward:

@@ -177,11 +177,7 @@ class DistributedTrainer(Trainer):
         finally:
             self._phase = None
             self._in_step = False
-        dt = time.perf_counter() - t0
-        self.elapsed += dt
-        tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum
-        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tokens / dt,
-                "time": round(self.elapsed, 4), "dt_ms": round(dt * 1e3, 3), "ranks": self.comm.world_size}
+        return dict(self._step_record(lr, loss, norm, t0), ranks=self.comm.world_size)
 
     def _rank0_origin(self, step: int, mine: list) -> str:
         for j, x, y in mine:
