@@ -14,6 +14,7 @@ from forge_ml.checkpoint import (
 )
 from forge_ml.data import DataLoader, write_shard
 from forge_ml.errors import CheckpointError
+from test_cli_files import denied_open, tree  # the file-system test helpers
 
 
 def make_tensors(seed=0):
@@ -269,31 +270,19 @@ def test_check_architecture_lists_everything():
 # Writing only what is ours; full disks, read-only filesystems, unreadable files
 
 
-def _tree(root):
-    """Every path under ``root`` with its bytes (None for folders): a snapshot to compare."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            out[os.path.relpath(os.path.join(dirpath, d), root)] = None
-        for f in filenames:
-            p = os.path.join(dirpath, f)
-            out[os.path.relpath(p, root)] = open(p, "rb").read()
-    return out
-
-
 def test_a_save_never_replaces_a_folder_it_did_not_write(tmp_path, monkeypatch):
     run = tmp_path / "run"
     (run / "data").mkdir(parents=True)
     (run / "data" / "train.bin").write_bytes(b"\x01" * 10)
     (run / "log.jsonl").write_text('{"step": 1}\n')
     save_checkpoint(run / "ckpt", make_tensors(0), make_meta(1))
-    before = _tree(tmp_path)
+    before = tree(tmp_path)
     with pytest.raises(CheckpointError, match=r"run is not empty .*ckpt, data, log\.jsonl"):
         save_checkpoint(run, make_tensors(1), make_meta(2))
     monkeypatch.chdir(run)
     with pytest.raises(CheckpointError, match="is not empty"):
         save_checkpoint(".", make_tensors(1), make_meta(2))   # a ValueError traceback before
-    assert _tree(tmp_path) == before
+    assert tree(tmp_path) == before
 
 
 def test_a_users_folder_named_like_the_temporary_one_is_kept(tmp_path):
@@ -347,14 +336,7 @@ def test_read_only_filesystem_before_anything_is_written(tmp_path, monkeypatch):
 def test_an_unreadable_checkpoint_file_names_the_file_and_the_cause(tmp_path, monkeypatch, name):
     d = tmp_path / "ckpt"
     save_checkpoint(d, make_tensors(), make_meta())
-    real_open = open
-
-    def denied(file, *a, **k):
-        if str(file).endswith(name):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
-        return real_open(file, *a, **k)
-
-    monkeypatch.setattr("builtins.open", denied)
+    denied_open(monkeypatch, name)
     with pytest.raises(CheckpointError, match=rf"{name}: cannot read it: Permission denied"):
         load_checkpoint(d)
 

@@ -10,6 +10,7 @@ import pytest
 from forge_ml.checkpoint import load_checkpoint, save_checkpoint
 from forge_ml.errors import CheckpointError
 from forge_ml.hf import default_padded_vocab, gpt2_param_shapes, load_hf_gpt2, save_hf_gpt2
+from test_cli_files import denied_open  # open() refused for one file
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -301,15 +302,6 @@ def test_an_export_replaces_only_an_earlier_export(saved, tmp_path):
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
 def test_an_unreadable_file_says_permission_denied(saved, monkeypatch, name):
     """safetensors reports a file it may not open as 'No such file or directory'."""
-    import errno
-    import os
-    real_open = open
-
-    def denied(file, *a, **k):
-        if str(file).endswith(name):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
-        return real_open(file, *a, **k)
-
-    monkeypatch.setattr("builtins.open", denied)
+    denied_open(monkeypatch, name)
     with pytest.raises(CheckpointError, match=rf"{name}: cannot read it: Permission denied"):
         load_hf_gpt2(saved[0])
