@@ -24,11 +24,12 @@ import numpy as np
 import pytest
 
 import forge_ml as fm
-from forge_ml import flags, rng
+from forge_ml import rng
 from forge_ml.backends import compose
 from forge_ml.models import GPT2, GPT2Config
 
-from _gpu_checks import check, cuda_or_skip, host, poison_device_memory, round_bf16
+from _gpu_checks import check, host, round_bf16
+from test_cuda_flash import be, gpu, rs  # noqa: F401 (the fixtures: the GPU, poisoned memory, a logged seed)
 
 pytestmark = pytest.mark.cuda
 
@@ -36,30 +37,6 @@ HS = 64
 TOL = 2e-2
 LSE_TOL = 1e-3
 P = 0.2
-POISON_BYTES = 1 << 30
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    return cuda_or_skip(bf16=True)
-
-
-def _poison():
-    poison_device_memory(POISON_BYTES)
-
-
-@pytest.fixture
-def be(gpu):
-    _poison()
-    with flags.override(FORGE_ATTENTION="flash"):   # whatever the environment says
-        yield gpu
-
-
-@pytest.fixture
-def rs():
-    seed = int(np.random.SeedSequence().entropy % (1 << 63))
-    print(f"random seed {seed}")
-    return np.random.default_rng(seed)
 
 
 def bf16_values(rs, shape):
