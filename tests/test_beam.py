@@ -17,20 +17,11 @@ from forge_ml.inference import beam  # noqa: E402
 from forge_ml.inference.beam import beam_search  # noqa: E402
 from forge_ml.inference.generate import generate  # noqa: E402
 from forge_ml.models.gpt2 import GPT2, GPT2Config  # noqa: E402
-from test_sampling_hf import random_host_params  # noqa: E402 (the same weights recipe)
+from test_sampling_hf import one_torch_thread, random_host_params  # noqa: E402,F401 (a fixture; the weights recipe)
 
 CFG = GPT2Config(vocab_size=53, padded_vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
 PROMPT = [3, 1, 4, 1, 5]
 NEW = 12
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # tiny models: torch's thread pool costs more than it gives (and xdist runs 2 workers)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
