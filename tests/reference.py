@@ -420,6 +420,15 @@ def cross_entropy_bwd(logits, targets, dloss=1.0, vocab_size=None):
     return out
 
 
+
+def linear_cross_entropy(x, w, targets, vocab_size=None):
+    """``(loss, dx, dw)`` of the LM head and its loss for dloss = 1: logits = x w^T, the loss
+    and dlogits as above, dx = dlogits w, dw = dlogits^T x."""
+    x, w = f64(x), f64(w)
+    logits = x @ w.T
+    dl = cross_entropy_bwd(logits, targets, 1.0, vocab_size)
+    return cross_entropy(logits, targets, vocab_size), dl @ w, dl.T @ x
+
 # --- AdamW -----------------------------------------------------------------------------------
 
 def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, grad_scale=1.0):

@@ -164,6 +164,50 @@ def test_tape_cross_entropy_vs_finite_differences():
     fd_check(lambda t, v: t.cross_entropy(v[0], tg, vocab_size=5), [rnd(rs, 4, 7)], rs)
 
 
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_tape_linear_cross_entropy_vs_finite_differences(grad):
+    """The LM head's loss op, gradients computed in the forward (grad) or in the backward
+    (evaluation's forward), through a random cotangent; padded rows of w get no gradient."""
+    rs = np.random.default_rng(13)
+    tg = fm.tensor(np.array([0, 4, 2, 2, 1], np.int64))
+    fd_check(lambda t, v: t.linear_cross_entropy(v[0], v[1], tg, vocab_size=5, grad=grad),
+             [rnd(rs, 5, 3), rnd(rs, 7, 3)], rs)
+    tape = Tape()
+    x, w = tape.leaf(T(rnd(rs, 5, 3))), tape.leaf(T(rnd(rs, 7, 3)))
+    g = tape.backward(tape.linear_cross_entropy(x, w, tg, vocab_size=5, grad=grad), T(np.array(2.5)))
+    assert np.all(g[w.id].numpy()[5:] == 0.0) and np.any(g[w.id].numpy()[:5] != 0.0)
+
+
+def test_tape_linear_cross_entropy_equals_matmul_then_cross_entropy():
+    rs = np.random.default_rng(14)
+    xs, ws = rnd(rs, 6, 4), rnd(rs, 9, 4)
+    tg = fm.tensor(rs.integers(0, 8, 6))
+    cot = T(np.array(-0.7))
+    grads = []
+    for fused in (True, False):
+        tape = Tape()
+        x, w = tape.leaf(T(xs)), tape.leaf(T(ws))
+        if fused:
+            loss = tape.linear_cross_entropy(x, w, tg, vocab_size=8)
+        else:
+            loss = tape.cross_entropy(tape.matmul(x, w, trans_b=True), tg, vocab_size=8)
+        g = tape.backward(loss, cot)
+        grads.append((loss.t.item(), g[x.id].numpy(), g[w.id].numpy()))
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_linear_cross_entropy_sees_an_in_place_edit_of_w():
+    rs = np.random.default_rng(15)
+    tape = Tape()
+    wt = T(rnd(rs, 6, 3))
+    x, w = tape.leaf(T(rnd(rs, 4, 3))), tape.leaf(wt)
+    loss = tape.linear_cross_entropy(x, w, fm.tensor([1, 2, 3, 4]))
+    ops.assign(wt, rnd(rs, 6, 3))
+    with pytest.raises(fm.TapeError, match="modified in place"):
+        tape.backward(loss)
+
 def test_tape_dropout_vs_finite_differences():
     rs = np.random.default_rng(13)
     fd_check(lambda t, v: t.dropout(t.gelu(v[0]), 0.4, seed=99), [rnd(rs, 6, 5)], rs)

@@ -62,8 +62,9 @@ def test_capabilities_and_contract():
     from forge_ml.backends import load
     bk = load("cpu")
     assert all(callable(getattr(bk, n)) for n in contract.FUSED)
-    # the sampling rule runs through the host (compose's default is the rule itself)
-    assert bk.composed == ["sample_next"]
+    # the sampling rule runs through the host (compose's default is the rule itself), and the
+    # LM head's loss keeps its logits whole (NumPy's matmul is the kernel either way)
+    assert bk.composed == ["linear_cross_entropy", "sample_next"]
     assert cpu.synchronize() is None
 
 

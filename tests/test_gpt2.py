@@ -91,22 +91,31 @@ def test_kv_cache_overflow_and_bad_sizes():
 
 
 def _grads_and_objective(cfg, host, ids, targets, cot_seed, **fw):
-    """Gradients of J = sum(logits * R) + loss, and a function computing J at other params."""
+    """Gradients of J, and a function computing J at other params. Where the forward keeps its
+    logits (``fused_loss=False``), J = sum(logits * R) + loss; else (the LM head and the loss
+    are one op, and no logits come out) J = c * loss. R and c are random."""
     vp = cfg.padded_vocab_size
-    r = np.random.default_rng(cot_seed).standard_normal((ids.size, vp))
+    rs = np.random.default_rng(cot_seed)
+    r = rs.standard_normal((ids.size, vp))
     r[:, cfg.vocab_size:] = 0.0     # padded logits are not part of the model's output
+    c = float(rs.standard_normal()) * 3.0
+    keep = fw.get("fused_loss") is False
 
     def objective(h):
         logits, loss, _ = model_of(cfg, h).forward(Tape(), fm.tensor(ids), fm.tensor(targets), **fw)
+        if not keep:
+            return c * loss.t.item()
         return float((logits.t.numpy() * r).sum() + loss.t.item())
 
     tape = Tape()
     logits, loss, leaves = model_of(cfg, host).forward(tape, fm.tensor(ids), fm.tensor(targets), **fw)
-    # one root: J = sum(logits * R) + loss, built on the tape from its own ops
-    rt = tape.leaf(fm.tensor(r))
-    prod = tape.matmul(tape.reshape(logits, 1, -1), tape.reshape(rt, -1, 1))   # (1, 1)
-    root = tape.add(tape.reshape(prod, ()), loss)
-    tape.backward(root)
+    if keep:   # one root: J = sum(logits * R) + loss, built on the tape from its own ops
+        rt = tape.leaf(fm.tensor(r))
+        prod = tape.matmul(tape.reshape(logits, 1, -1), tape.reshape(rt, -1, 1))   # (1, 1)
+        tape.backward(tape.add(tape.reshape(prod, ()), loss))
+    else:
+        assert logits is None
+        tape.backward(loss, fm.tensor(np.array(c, loss.t.numpy().dtype)))
     return {k: tape.grad(v).numpy() for k, v in leaves.items()}, objective
 
 
@@ -124,12 +133,14 @@ def _check_finite_differences(cfg, host, grads, objective, n_entries=2, h=1e-6, 
             assert abs(g[idx] - fd) <= 1e-6 * max(1.0, abs(fd)), (name, idx, g[idx], fd)
 
 
+@pytest.mark.parametrize("fused_loss", [True, False])
 @pytest.mark.parametrize("fused", [True, False])
-def test_training_grads_match_finite_differences(fused):
+def test_training_grads_match_finite_differences(fused, fused_loss):
     cfg = GPT2Config(**TINY)
     host = random_params(cfg, 3)
     ids, targets = random_ids(cfg, (2, 6), 4), random_ids(cfg, (2, 6), 5)
-    grads, objective = _grads_and_objective(cfg, host, ids, targets, 6, fused_attention=fused)
+    grads, objective = _grads_and_objective(cfg, host, ids, targets, 6, fused_attention=fused,
+                                            fused_loss=fused_loss)
     assert set(grads) == set(host)
     _check_finite_differences(cfg, host, grads, objective)
 
@@ -140,14 +151,18 @@ def test_grads_untied_head_match_finite_differences():
     ids, targets = random_ids(cfg, (1, 5), 8), random_ids(cfg, (1, 5), 9)
     grads, objective = _grads_and_objective(cfg, host, ids, targets, 10)
     _check_finite_differences(cfg, host, grads, objective, n_entries=1)
+    grads, objective = _grads_and_objective(cfg, host, ids, targets, 10, fused_loss=False)
+    _check_finite_differences(cfg, host, grads, objective, n_entries=1)
 
 
 def test_fused_attention_equals_composed():
     cfg = GPT2Config(**TINY)
     host = random_params(cfg, 11)
     ids, targets = random_ids(cfg, (2, 9), 12), random_ids(cfg, (2, 9), 13)
-    ga, _ = _grads_and_objective(cfg, host, ids, targets, 14, fused_attention=True)
-    gb, _ = _grads_and_objective(cfg, host, ids, targets, 14, fused_attention=False)
+    ga, _ = _grads_and_objective(cfg, host, ids, targets, 14, fused_attention=True,
+                                 fused_loss=False)
+    gb, _ = _grads_and_objective(cfg, host, ids, targets, 14, fused_attention=False,
+                                 fused_loss=False)
     model = model_of(cfg, host)
     la = model.logits(fm.tensor(ids), fused_attention=True).numpy()
     lb = model.logits(fm.tensor(ids), fused_attention=False).numpy()

@@ -155,6 +155,21 @@ def test_cross_entropy_errors():
         ops.cross_entropy(f32(2, 5), i64(0, 1), vocab_size=6)
 
 
+
+def test_linear_cross_entropy_and_scale_errors():
+    with pytest.raises(fm.ShapeError, match=r"w must be \(vocab, 3\)"):
+        ops.linear_cross_entropy(f32(2, 3), f32(5, 4), i64(0, 1))
+    with pytest.raises(fm.ShapeError, match="targets must be"):
+        ops.linear_cross_entropy(f32(2, 3), f32(5, 3), i64(0, 1, 2))
+    with pytest.raises(fm.ShapeError, match="out of range"):
+        ops.linear_cross_entropy(f32(2, 3), f32(5, 3), i64(0, 4), vocab_size=4)
+    with pytest.raises(fm.ShapeError, match="vocab_size"):
+        ops.linear_cross_entropy(f32(2, 3), f32(5, 3), i64(0, 1), vocab_size=6)
+    with pytest.raises(fm.DTypeError, match="token ids"):
+        ops.linear_cross_entropy(f32(2, 3), f32(5, 3), f32(2))
+    with pytest.raises(fm.ShapeError, match="one value"):
+        ops.scale(f32(2, 3), f32(2))
+
 def test_adamw_errors():
     p = f32(3, 2)
     with pytest.raises(fm.ShapeError, match="m is"):

@@ -285,6 +285,38 @@ class Tape:
         return self._record(
             out, lambda dy: [(il, ops.cross_entropy_bwd(sl.get(), targets, dy, vocab_size))])
 
+
+    def linear_cross_entropy(self, x: TVar, w: TVar, targets: Tensor,
+                             vocab_size: Optional[int] = None, *, grad: bool = True) -> TVar:
+        """The mean cross-entropy of the logits ``x @ w^T`` (the LM head) against ``targets``,
+        one 0-d node, the ``(N, Vp)`` logits never kept (``ops.linear_cross_entropy``).
+
+        With ``grad`` (training) the gradients for dloss = 1 are computed in the forward, over
+        the logits' own memory, and the backward scales them by dL/dloss; ``grad=False``
+        (evaluation) computes the loss alone, and a backward, if one comes, computes them then.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> tape = fm.Tape()
+        >>> x = tape.leaf(fm.tensor(np.ones((2, 3), np.float32)))
+        >>> w = tape.leaf(fm.tensor(np.zeros((4, 3), np.float32)))
+        >>> loss = tape.linear_cross_entropy(x, w, fm.tensor([1, 2]))
+        >>> tape.backward(loss)[w.id].shape
+        (4, 3)
+        """
+        self._check(x, w)
+        loss, dx, dw = ops.linear_cross_entropy(x.t, w.t, targets, vocab_size, grad=grad)
+        ix, iw = x.id, w.id
+        sx, sw = _Saved(x.t, "linear_cross_entropy"), _Saved(w.t, "linear_cross_entropy")
+
+        def backward(dy):
+            gx, gw = dx, dw
+            if gx is None:   # evaluation's forward: the gradients now
+                _, gx, gw = ops.linear_cross_entropy(sx.get(), sw.get(), targets, vocab_size)
+            else:            # computed in the forward: x and w must be the forward's still
+                sx.get(), sw.get()
+            return [(ix, ops.scale(gx, dy)), (iw, ops.scale(gw, dy))]
+
+        return self._record(loss, backward)
     # -- the reverse sweep -----------------------------------------------------------------
     def backward(self, root: TVar, seed_grad: Optional[Tensor] = None) -> list:
         """Sweep from ``root`` down, seeded with ``seed_grad`` (``dL/droot``; ones by default).

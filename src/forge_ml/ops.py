@@ -830,6 +830,58 @@ def cross_entropy_bwd(logits, targets, dloss=1.0, vocab_size=None) -> Tensor:
     return _wrap(logits, bk.cross_entropy_bwd(logits.data, targets.data, float(dloss), v))
 
 
+
+def linear_cross_entropy(x, w, targets, vocab_size=None, *, grad=True):
+    """The LM head and its loss in one op: ``loss = cross_entropy(x @ w^T, targets,
+    vocab_size)`` for ``x (N, C)`` and ``w (Vp, C)`` (the tied token embedding), without
+    keeping the ``(N, Vp)`` logits: a backend may run it over chunks of rows (the CUDA one
+    does). With ``grad`` (the default) the gradients of the loss for dloss = 1 come with it.
+    Returns ``(loss, dx, dw)``: a 0-d float32 (float64 for float64) loss, and ``dx (N, C)``,
+    ``dw (Vp, C)`` in x's dtype, or None and None without ``grad``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> x = fm.tensor(np.ones((2, 3), np.float32))
+    >>> w = fm.tensor(np.zeros((4, 3), np.float32))
+    >>> loss, dx, dw = linear_cross_entropy(x, w, fm.tensor([1, 2]))
+    >>> round(loss.item(), 4), dx.shape, dw.shape        # uniform over 4 classes: log 4
+    (1.3863, (2, 3), (4, 3))
+    """
+    op = "linear_cross_entropy"
+    _float(op, "x", x), _float(op, "w", w), _int(op, "targets", targets)
+    bk = _same(op, x=x, w=w, targets=targets)
+    _rank(op, "x", x, 2, 2), _rank(op, "w", w, 2, 2)
+    n, c = x.shape
+    if w.shape[1] != c:
+        raise ShapeError(f"{op}: x is {x.shape} but w is {w.shape}; w must be (vocab, {c})")
+    if targets.shape != (n,):
+        raise ShapeError(f"{op}: targets must be ({n},) for x {x.shape}, got {targets.shape}")
+    vp = w.shape[0]
+    v = vp if vocab_size is None else vocab_size
+    if not isinstance(v, int) or not (0 < v <= vp):
+        raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
+    _check_ids(op, targets, v)
+    loss, dx, dw = bk.linear_cross_entropy(x.data, w.data, targets.data, v, bool(grad))
+    if not grad:
+        return _wrap(x, loss), None, None
+    return _wrap(x, loss), _wrap(x, dx), _wrap(x, dw)
+
+
+def scale(x, s) -> Tensor:
+    """``s * x`` in x's dtype; ``s`` a number, or a one-element Tensor on x's device, read
+    there (a loss's cotangent: no wait for the device).
+
+    >>> import forge_ml as fm
+    >>> scale(fm.tensor([1.0, -2.0]), fm.tensor(3.0)).numpy().tolist()
+    [3.0, -6.0]
+    """
+    _float("scale", "x", x)
+    bk = backend_of(x.device)
+    if isinstance(s, Tensor):
+        if s.numel != 1 or s.device != x.device:
+            raise ShapeError(f"scale: s must be one value on {x.device}, got {s.shape} on {s.device}")
+        return _wrap(x, bk.scale(x.data, s.data))
+    return _wrap(x, bk.scale(x.data, float(s)))
+
 # -- optimizer step --------------------------------------------------------------------
 
 

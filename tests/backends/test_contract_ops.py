@@ -316,6 +316,29 @@ def test_linear(bk, dt, rs, act, res, ln):
         close(host(bk, got), want, dt, f"linear ({how})")
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_linear_cross_entropy(bk, dt, rs, padded):
+    V, C, N = 11, 8, 7
+    x, w = r(rs, N, C, dt=dt), r(rs, 16 if padded else V, C, dt=dt)
+    t = rs.integers(0, V, N).astype(np.int64)
+    want = ref.linear_cross_entropy(x, w, t, V)
+    for how, fn in both(bk, "linear_cross_entropy"):
+        loss, dx, dw = fn(dev(bk, x), dev(bk, w), dev(bk, t), V, True)
+        for name, got, w_ in zip(("loss", "dx", "dw"), (loss, dx, dw), want):
+            close(host(bk, got), w_, dt, f"linear_cross_entropy {name} ({how})")
+        loss, dx, dw = fn(dev(bk, x), dev(bk, w), dev(bk, t), V, False)
+        assert dx is None and dw is None
+        close(host(bk, loss), want[0], dt, f"linear_cross_entropy loss alone ({how})")
+
+
+def test_scale(bk, dt, rs):
+    x = r(rs, 5, 3, dt=dt)
+    for how, fn in both(bk, "scale"):
+        close(host(bk, fn(dev(bk, x), -1.5)), -1.5 * x.astype(np.float64), dt, f"scale by a float ({how})")
+        got = fn(dev(bk, x), dev(bk, np.array(0.25, dt)))
+        close(host(bk, got), 0.25 * x.astype(np.float64), dt, f"scale by a device value ({how})")
+
+
 @pytest.mark.parametrize("pos", [0, 5, "rows"])
 def test_decode_attention(bk, dt, rs, pos):
     B, H, Tmax, hs = 3, 2, 8, 4

@@ -34,6 +34,32 @@ def linear(bk, x, w, bias, act, residual, ln=None):
     return y if residual is None else bk.add(residual, y)
 
 
+def linear_cross_entropy(bk, x, w, targets, vocab_size, grad):
+    """The LM head and its loss, the logits kept whole: ``logits = x @ w^T``, ``loss =
+    cross_entropy(logits)``; with ``grad`` also ``dl = cross_entropy_bwd(logits, dloss=1)``,
+    ``dx = dl @ w``, ``dw = dl^T @ x``. Returns ``(loss, dx, dw)`` (None, None without grad)."""
+    logits = bk.matmul(x, w, None, False, True, 1.0, None)             # (N, Vp)
+    loss = bk.cross_entropy(logits, targets, vocab_size)
+    if not grad:
+        return loss, None, None
+    dl = bk.cross_entropy_bwd(logits, targets, 1.0, vocab_size)
+    return (loss, bk.matmul(dl, w, None, False, False, 1.0, None),
+            bk.matmul(dl, x, None, True, False, 1.0, None))
+
+
+def scale(bk, x, s):
+    """``s * x`` in x's dtype, as a ``(numel, 1) @ (1, 1)`` product with s in that dtype (a
+    float, or a one-element array of the backend: no trip through the host)."""
+    name = of_array(x.dtype).name
+    if isinstance(s, (int, float, np.integer, np.floating)):
+        sv = bk.from_host(np.full((1, 1), float(s)), name)
+    else:
+        sv = s.reshape(1, 1)
+        if of_array(sv.dtype).name != name:
+            sv = bk.cast(sv, name)
+    return bk.matmul(x.reshape(-1, 1), sv, None, False, False, 1.0, None).reshape(x.shape)
+
+
 def attention(bk, q, k, v, scale):
     """Causal attention over ``(..., H, T, hs)``: the scores ``S = scale q k^T`` (T x T per
     head, kept in memory), ``P = softmax(S, causal)``, ``out = P v``; ``lse`` is the

@@ -9,8 +9,8 @@ a backend only computes. Arrays are C-contiguous. The four groups:
 - **core kernels**: every op of the op set and its backward. A backend must have each one;
   loading a backend that lacks one is an error naming it;
 - **fused kernels**: ops that a backend may run as one kernel (flash attention, a linear
-  layer with its prologue and epilogue, a decoding step's attention, the device-side
-  argmax). Each has a composed default in ``backends/compose.py``, written with memory and
+  layer with its prologue and epilogue, the LM head with its loss, a decoding step's
+  attention, the device-side argmax). Each has a composed default in ``backends/compose.py``, written with memory and
   core ops only; a backend that lacks a fused kernel gets that default;
 - **capabilities**: attributes that code above the backends asks instead of testing a
   device's name (``bf16`` storage, CUDA-graph ``graphs``, ``host_memory``).
@@ -174,6 +174,17 @@ class FusedKernels(Protocol):
     def linear(self, x, w, bias, act, residual, ln=None) -> Array:
         """``act(LN(x) @ w + bias) + residual`` (inference)."""
 
+    def linear_cross_entropy(self, x, w, targets, vocab_size: int,
+                             grad: bool) -> Tuple[Array, Optional[Array], Optional[Array]]:
+        """The LM head and its loss: ``(loss, dx, dw)``, ``loss = cross_entropy(x @ w^T,
+        targets, vocab_size)`` for ``x (N, C)``, ``w (Vp, C)``; with ``grad`` its gradients for
+        dloss = 1, ``dx (N, C)`` and ``dw (Vp, C)`` in x's dtype, else None and None. A fused
+        kernel may work over chunks of rows so the ``(N, Vp)`` logits are never kept whole."""
+
+    def scale(self, x, s) -> Array:
+        """``s * x`` in x's dtype; ``s`` a float or a one-element array of the backend (read
+        where it is, like ``cross_entropy_bwd``'s dloss)."""
+
     def decode_attention(self, qkv, k_cache, v_cache, pos, n_head: int, scale: float) -> Array:
         """One decoding step: keys and values written at row ``pos``, ``y (B, C)``."""
 
@@ -204,8 +215,8 @@ CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "
         "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout",
         "cross_entropy", "cross_entropy_bwd", "adamw_update")
 FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
-         "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear", "decode_attention",
-         "greedy_next", "sample_next")
+         "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear", "linear_cross_entropy",
+         "scale", "decode_attention", "greedy_next", "sample_next")
 CAPABILITIES = {"bf16": False, "graphs": False, "host_memory": False}
 """Capability -> the value a backend that does not declare it is taken to have."""
 GRAPH = ("dropout_at", "adamw_update_at", "clip_scale")

@@ -276,7 +276,8 @@ class GPT2:
     # -- training forward on the tape ----------------------------------------------------
     def forward(self, tape: Tape, ids: Tensor, targets: Optional[Tensor] = None, *,
                 train: bool = True, dropout_seed=0,
-                fused_attention: Optional[bool] = None, **kw):
+                fused_attention: Optional[bool] = None, fused_loss: Optional[bool] = None,
+                **kw):
         """The forward over ``ids (B, T)``, recorded on ``tape``.
 
         ``train=False`` is evaluation: no dropout. Returns ``(logits, loss, leaves)``: logits
@@ -285,7 +286,15 @@ class GPT2:
         flash-style attention op over matmul + causal softmax + dropout + matmul. Both compute
         the same function with the same dropout masks: the fused op draws the attention
         dropout of the composed path's site (``ops.attention_qkv_dropout``), so every site's
-        seed is the same either way.
+        seed is the same either way. With ``targets`` the LM head and the loss are one op
+        (``Tape.linear_cross_entropy``: the logits are never kept whole, and logits comes
+        back None); ``fused_loss=False`` keeps the logits (matmul, then cross_entropy).
+
+        >>> from forge_ml import tensor
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> logits, loss, _ = model.forward(Tape(), tensor([[1, 2]]), tensor([[2, 3]]))
+        >>> logits is None, loss.shape
+        (True, ())
         """
         _params_kw("GPT2.forward", kw)
         cfg = self.config
@@ -327,16 +336,18 @@ class GPT2:
             h = tape.gelu(tape.matmul(h, L.fc_w, L.fc_b))                        # (B*T, 4C)
             x = tape.add(x, drop(tape.matmul(h, L.out_w, L.out_b)))
         x = tape.layernorm(x, leaves["ln_f.weight"], leaves["ln_f.bias"], eps)
+        if targets is None:
+            return tape.matmul(x, _head(leaves, cfg), trans_b=True), None, leaves  # (B*T, Vp)
+        if targets.ndim == 1 and B == 1:
+            targets = targets.reshape(1, -1)
+        if targets.shape != (B, T):
+            raise ShapeError(f"GPT2.forward: targets must be {(B, T)} like ids, got {targets.shape}")
+        self._check_ids("GPT2.forward (targets)", targets)
+        if fused_loss is not False:   # the LM head and its loss in chunks: no logits kept
+            return None, tape.linear_cross_entropy(x, _head(leaves, cfg), targets.reshape(B * T),
+                                                   cfg.vocab_size, grad=train), leaves
         logits = tape.matmul(x, _head(leaves, cfg), trans_b=True)                # (B*T, Vp)
-        loss = None
-        if targets is not None:
-            if targets.ndim == 1 and B == 1:
-                targets = targets.reshape(1, -1)
-            if targets.shape != (B, T):
-                raise ShapeError(f"GPT2.forward: targets must be {(B, T)} like ids, got {targets.shape}")
-            self._check_ids("GPT2.forward (targets)", targets)
-            loss = tape.cross_entropy(logits, targets.reshape(B * T), cfg.vocab_size)
-        return logits, loss, leaves
+        return logits, tape.cross_entropy(logits, targets.reshape(B * T), cfg.vocab_size), leaves
 
     def loss_and_grads(self, ids: Tensor, targets: Tensor, **kw):
         """One forward and backward: ``(loss as float, {name: grad Tensor})``."""

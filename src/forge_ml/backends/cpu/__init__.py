@@ -59,7 +59,7 @@ __all__ = ["NAME", "BF16", "GRAPHS", "HOST_MEMORY", "start", "reference",
            # fused kernels
            "attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
            "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
-           "decode_attention", "greedy_next"]
+           "decode_attention", "greedy_next", "scale"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,3 +291,9 @@ def linear(x, w, bias, act, residual, ln=None):
     """``act(LN(x) @ w + bias) + residual`` (act None or "gelu", ln None or (gamma, beta,
     eps)): layernorm, matmul, gelu and add (``compose.linear``)."""
     return _compose.linear(sys.modules[__name__], x, w, bias, act, residual, ln)
+
+
+def scale(x, s):
+    """``s * x`` in x's dtype (``s`` a float or a one-element array)."""
+    x = np.asarray(x)
+    return np.multiply(x, np.asarray(s, x.dtype).reshape(-1)[0], dtype=x.dtype)

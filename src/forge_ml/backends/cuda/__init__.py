@@ -15,7 +15,8 @@ The rooms, each a module beside the ``.cu`` files it launches:
   launch), dtypes and kernel scalars; ``memory``: allocation, host copies, casts;
   ``cublas``: the matrix products; ``graph``: CUDA graphs;
 - ``linear`` (gemv.cu): matmul, linear; ``pointwise`` (elementwise.cu, gelu.cu, dropout.cu,
-  adamw.cu): add, gelu, dropout, adamw_update; ``rows`` (reduce.cu, layernorm.cu, softmax.cu,
+  adamw.cu): add, scale, gelu, dropout, adamw_update; ``classifier`` (cross_entropy.cu): the
+  LM head and its loss over chunks of rows, linear_cross_entropy; ``rows`` (reduce.cu, layernorm.cu, softmax.cu,
   cross_entropy.cu): sum_rows, sumsq, layernorm, softmax, logsumexp, cross_entropy;
   ``layout`` (heads.cu, embedding.cu): the head permutations, embedding, scatter_add_rows;
   ``attention`` (attention.cu, flash_attention.cu): flash and composed attention, the KV
@@ -39,6 +40,7 @@ from .attention import (_attention_bwd_composed, _attention_composed, _flash_wan
                         _qkv_flash_ok, attention, attention_bwd, attention_qkv,
                         attention_qkv_bwd, attention_qkv_dropout, attention_qkv_dropout_bwd,
                         decode_attention, kv_append)
+from .classifier import linear_cross_entropy
 from .graph import CapturedGraph, capture_graph
 from .layout import (embedding, merge_heads, scatter_add_rows, split_heads, unmerge_heads,
                      unsplit_head)
@@ -46,7 +48,7 @@ from .linear import linear, matmul
 from .memory import (assign, cast, copy, from_host, pinned_empty, release_cached, to_host,
                      to_host_async, zeros)
 from .pointwise import (adamw_update, adamw_update_at, add, clip_scale, dropout, dropout_at, gelu,
-                        gelu_bwd)
+                        gelu_bwd, scale)
 from .rows import (cross_entropy, cross_entropy_bwd, layernorm, layernorm_bwd, logsumexp,
                    softmax, softmax_bwd, sum_rows, sumsq)
 from .runtime import (_pdl_wrote, compile_source, device_name, kernel_source, select,
@@ -68,8 +70,8 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout", "cross_entropy",
     "cross_entropy_bwd", "adamw_update", "attention", "attention_bwd", "attention_qkv",
     "attention_qkv_bwd", "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
-    "decode_attention", "greedy_next", "sample_next", "dropout_at", "adamw_update_at",
-    "clip_scale",
+    "decode_attention", "greedy_next", "sample_next", "linear_cross_entropy", "scale",
+    "dropout_at", "adamw_update_at", "clip_scale",
     # private, for the GPU tests and benchmarks
     "_attention_composed", "_attention_bwd_composed", "_flash_wanted", "_qkv_flash_ok",
     "_pdl_wrote",

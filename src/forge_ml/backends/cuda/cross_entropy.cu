@@ -1,7 +1,9 @@
-// launched from backends/cuda/rows.py
+// launched from backends/cuda/rows.py and classifier.py (cross_entropy_fused_*)
 // cross_entropy.cu: softmax + negative log-likelihood, fused (no probabilities kept).
 //   loss_r = logsumexp(l_r[:V]) - l_r[target_r]            (mean over rows taken in reduce.cu)
 //   dl_r   = dloss / N * (softmax(l_r[:V]) - onehot(target_r)),  0 in columns >= V
+// cross_entropy_fused_* does both in one pass over a row and writes dl_r (for dloss = 1) over
+// the row's logits: the LM head's loss over a chunk of rows (classifier.py).
 // Rows have Vp >= V columns (a padded vocabulary); columns >= V are ignored.
 #include "common.cuh"
 
@@ -57,6 +59,33 @@ __device__ void cross_entropy_bwd_impl(const T* logits, const I* targets, T* dlo
     }
 }
 
+// cross_entropy_fused: each block owns one row: (max, sum) once, the row's loss, then the row
+// overwritten with inv_n * (softmax - onehot). Thread 0 reads l[target] before the barrier
+// that comes ahead of any write to the row.
+template <typename T, typename I>
+__device__ void cross_entropy_fused_impl(T* logits, const I* targets, typename Acc<T>::type* loss,
+                                         int Vp, int V, typename Acc<T>::type inv_n) {
+    typedef typename Acc<T>::type A;
+    __shared__ A shm[32], shs[32];
+    const long long row = blockIdx.x;
+    T* lr = logits + row * Vp;
+    A m, s;
+    row_ms(lr, V, m, s, shm, shs);
+    const long long t = (long long)targets[row];
+    if (threadIdx.x == 0)
+        loss[row] = (t >= 0 && t < V) ? m + fm_log(s) - A(ldf(lr[t])) : quiet_nan<A>();
+    __syncthreads();
+    const A inv_s = A(1) / s;
+    for (int j = threadIdx.x; j < Vp; j += blockDim.x) {
+        A d = A(0);
+        if (j < V) {
+            const A p = fm_exp(A(ldf(lr[j])) - m) * inv_s;
+            d = inv_n * (p - (j == t ? A(1) : A(0)));
+        }
+        lr[j] = To<T>::from(d);
+    }
+}
+
 #define FORGE_CE(T, S, I, SI, A)                                                              \
     extern "C" __global__ void cross_entropy_fwd_##S##_##SI(const T* logits, const I* targets, \
                                                             A* loss, int Vp, int V) {          \
@@ -66,6 +95,10 @@ __device__ void cross_entropy_bwd_impl(const T* logits, const I* targets, T* dlo
                                                             T* dlogits, const A* dloss,        \
                                                             int Vp, int V, A inv_n) {          \
         cross_entropy_bwd_impl<T, I>(logits, targets, dlogits, dloss, Vp, V, inv_n);           \
+    }                                                                                          \
+    extern "C" __global__ void cross_entropy_fused_##S##_##SI(T* logits, const I* targets,     \
+                                                              A* loss, int Vp, int V, A inv_n) { \
+        cross_entropy_fused_impl<T, I>(logits, targets, loss, Vp, V, inv_n);                   \
     }
 FORGE_CE(float, f32, int, i32, float)
 FORGE_CE(float, f32, long long, i64, float)

@@ -1,6 +1,7 @@
-// launched from backends/cuda/pointwise.py (add), memory.py (cast_*) and linear.py (bias_fill_*)
-// elementwise.cu: the plain per-element kernels: add, dtype casts, and the bias broadcast that
-// seeds a matmul output (cuBLAS then accumulates with beta = 1).
+// launched from backends/cuda/pointwise.py (add, scale_*), memory.py (cast_*) and linear.py
+// (bias_fill_*)
+// elementwise.cu: the plain per-element kernels: add, scale by a value in device memory, dtype
+// casts, and the bias broadcast that seeds a matmul output (cuBLAS then accumulates with beta = 1).
 #include "common.cuh"
 
 // add: each thread owns groups of 4 consecutive elements g, g + stride, ... (one vector load
@@ -62,3 +63,19 @@ __device__ void bias_fill_impl(const T* bias, T* out, long long total, int n) {
 FORGE_BIAS_FILL(float, f32)
 FORGE_BIAS_FILL(double, f64)
 FORGE_BIAS_FILL(bf16, bf16)
+
+// scale: y = s[0] * x, s one value of the accumulation type read on the device (a loss's
+// cotangent: no wait for the host); each thread owns elements i, i + stride, ...
+template <typename T, typename A>
+__device__ void scale_impl(const T* x, const A* s, T* y, long long n) {
+    const A g = s[0];
+    FORGE_FOR(i, n) y[i] = To<T>::from(g * A(ldf(x[i])));
+}
+
+#define FORGE_SCALE(T, S, A)                                                              \
+    extern "C" __global__ void scale_##S(const T* x, const A* s, T* y, long long n) {     \
+        scale_impl<T, A>(x, s, y, n);                                                     \
+    }
+FORGE_SCALE(float, f32, float)
+FORGE_SCALE(double, f64, double)
+FORGE_SCALE(bf16, bf16, float)

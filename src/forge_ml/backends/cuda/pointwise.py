@@ -1,4 +1,4 @@
-"""Per-element kernels: ``add`` (elementwise.cu), ``gelu`` and ``gelu_bwd`` (gelu.cu: GPT-2's
+"""Per-element kernels: ``add`` and ``scale`` (elementwise.cu), ``gelu`` and ``gelu_bwd`` (gelu.cu: GPT-2's
 tanh approximation), ``dropout`` (dropout.cu: forge_ml.rng's Philox mask, bit for bit) and
 the fused optimizer step ``adamw_update`` (adamw.cu). Kernels: elementwise.cu (whose
 ``cast_*`` and ``bias_fill_*`` kernels memory.py and linear.py launch), gelu.cu, dropout.cu,
@@ -11,8 +11,8 @@ import numpy as np
 from ... import rng as _rng
 from ...errors import DTypeError, ShapeError
 from .memory import _c, _like, zeros
-from .runtime import (BF16, F32, F64, _SFX, _THREADS, _acc, _empty, _float_sfx, _grid, _guarded,
-                      _i32, _i64, _launch)
+from .runtime import (BF16, F32, F64, _SFX, _THREADS, _acc, _acc_dtype, _empty, _float_sfx, _grid,
+                      _guarded, _i32, _i64, _launch, cupy)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -29,6 +29,23 @@ def add(a, b):
         _launch("elementwise", f"add_{_float_sfx(a)}", _grid(a.size), _THREADS,
                 (a, b, out, _i64(a.size)))
     return out
+
+
+@_guarded
+def scale(x, s):
+    """``s * x`` in x's dtype; ``s`` a float or a one-element array of the device, read there (a
+    loss's cotangent inside a captured step: no wait for the host)."""
+    x = _c(x)
+    acc = _acc_dtype(x.dtype)
+    if isinstance(s, cupy.ndarray):
+        g = _like(_c(s.reshape(-1)[:1]), acc)
+    else:
+        g = cupy.full((1,), float(np.asarray(s).reshape(-1)[0]), dtype=acc)
+    y = _empty(x.shape, x.dtype)
+    if x.size:
+        _launch("elementwise", f"scale_{_float_sfx(x)}", _grid(x.size), _THREADS,
+                (x, g, y, _i64(x.size)))
+    return y
 
 
 @_guarded

@@ -1,0 +1,78 @@
+"""The LM head and its loss as one op, ``linear_cross_entropy``, so the ``(N, Vp)`` logits are
+never kept whole (at GPT-2 124M, B=32, T=1024 they are 3.3 GB in bf16, and their gradient as
+much again). For each chunk of rows: the chunk's logits (cuBLAS), its loss and the gradient of
+its logits written over them in one pass (cross_entropy.cu's ``cross_entropy_fused_*``), then
+the chunk's rows of dx and its share of dw (cuBLAS; dw accumulates in float32 for bf16). This
+is llm.c's fused classifier (the gradient in the forward, over the logits' own memory) taken
+over chunks of rows, as Liger-Kernel's fused linear cross-entropy does. Kernels:
+cross_entropy.cu (and reduce.cu's mean).
+"""
+from __future__ import annotations
+
+from ...errors import ShapeError
+from .cublas import _matmul_into
+from .memory import _c, _ids, _like, cast
+from .rows import _CE_THREADS, _sum_finish
+from .runtime import (BF16, F32, _acc, _acc_dtype, _empty, _float_sfx, _guarded, _i32, _launch,
+                      _sfx)
+
+CHUNK_BYTES = 1 << 28
+"""The logits of one chunk of rows at most (256 MiB: about 2,600 rows of GPT-2's vocabulary in
+bf16); the chunk's rows are a multiple of 128 where it holds more than 128."""
+
+
+def chunk_rows(n_rows: int, vp: int, itemsize: int) -> int:
+    """Rows per chunk for ``n_rows`` rows of ``vp`` logits of ``itemsize`` bytes.
+
+    >>> chunk_rows(32768, 50304, 2), chunk_rows(100, 50304, 2), chunk_rows(16384, 65, 4)
+    (2560, 100, 16384)
+    """
+    rows = max(1, min(n_rows, CHUNK_BYTES // max(1, vp * itemsize)))
+    return rows if rows == n_rows or rows < 128 else rows - rows % 128
+
+
+@_guarded
+def linear_cross_entropy(x, w, targets, vocab_size, grad):
+    """``(loss, dx, dw)``: the mean cross-entropy of ``x @ w^T`` over its first ``vocab_size``
+    columns and, with ``grad``, its gradients for dloss = 1 (else None, None)."""
+    x = _c(x)
+    w = _like(_c(w), x.dtype)
+    targets = _ids(targets).reshape(-1)
+    N, C = x.shape
+    Vp = w.shape[0]
+    V = int(vocab_size)
+    if w.shape[1] != C or targets.size != N or not 0 < V <= Vp:
+        raise ShapeError(f"linear_cross_entropy: x {x.shape}, w {w.shape}, {targets.size} "
+                         f"targets and vocab_size {V} do not fit together")
+    acc = _acc_dtype(x.dtype)
+    loss = _empty((), acc)
+    dx = _empty((N, C), x.dtype) if grad else None
+    dw_acc = None
+    if grad:
+        dw_acc = _empty((Vp, C), F32 if x.dtype == BF16 else x.dtype)
+        if N == 0:
+            dw_acc.fill(0)
+    if N == 0:
+        loss.fill(float("nan"))
+    else:
+        losses = _empty((N,), acc)
+        rows = chunk_rows(N, Vp, x.itemsize)
+        buf = _empty((rows, Vp), x.dtype)
+        kernel = f"cross_entropy_fused_{_float_sfx(x)}_{_sfx(targets.dtype)}"
+        inv_n = _acc(acc, 1.0 / N)
+        for r0 in range(0, N, rows):
+            n = min(rows, N - r0)
+            xs, lg = x[r0:r0 + n], buf[:n]
+            _matmul_into(xs, w, lg, False, True, 1.0, None)                 # logits (n, Vp)
+            _launch("cross_entropy", kernel, (n,), _CE_THREADS,
+                    (lg, targets[r0:r0 + n], losses[r0:r0 + n], _i32(Vp), _i32(V), inv_n))
+            if grad:                                                          # lg is dlogits now
+                _matmul_into(lg, w, dx[r0:r0 + n], False, False, 1.0, None)  # (n, Vp) @ (Vp, C)
+                _matmul_into(lg, xs, dw_acc, True, False, 1.0, None,         # (Vp, n) @ (n, C)
+                             beta=0.0 if r0 == 0 else 1.0)
+        _sum_finish(losses, loss, N, 1.0 / N)
+    if not grad:
+        return loss, None, None
+    dw = dw_acc if dw_acc.dtype == x.dtype else cast(dw_acc, x.dtype.name)
+    return loss, dx, dw
+

@@ -1,0 +1,94 @@
+"""GPU tests of the LM head's loss over chunks of rows (backends/cuda/classifier.py, with
+cross_entropy.cu's ``cross_entropy_fused_*`` writing each chunk's gradient over its logits):
+several chunks with a partial last one, float32 and bf16, a padded vocabulary, int32 and int64
+targets, against the float64 specification (``reference.linear_cross_entropy``); and GPT-2's
+training step with the op against matmul + cross_entropy on the same GPU.
+
+Before each test the CuPy pool is refilled with NaN bytes, so a row of dx or dw that a chunk
+forgets to write shows up as NaN (``check`` requires every element finite).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import forge_ml as fm
+import reference as ref
+from forge_ml import Tape
+from forge_ml.models.gpt2 import GPT2, GPT2Config
+
+from _gpu_checks import check, cuda_or_skip, host, poison_device_memory, round_bf16
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return cuda_or_skip(bf16=True)
+
+
+@pytest.fixture
+def small_chunks(gpu, monkeypatch):
+    """Chunks of 70 rows of 64 float32 logits (128 rows of bf16 ones)."""
+    from forge_ml.backends.cuda import classifier
+    monkeypatch.setattr(classifier, "CHUNK_BYTES", 70 * 64 * 4)
+    poison_device_memory(1 << 28)
+    return classifier
+
+
+@pytest.fixture
+def rs():
+    seed = int(np.random.SeedSequence().entropy % (1 << 63))
+    print(f"random seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("dtype,tol,tdt", [("float32", 1e-5, "int64"), ("bfloat16", 2e-2, "int32"),
+                                           ("float64", 1e-12, "int64")])
+@pytest.mark.parametrize("grad", [True, False])
+def test_chunks_equal_the_float64_spec(gpu, small_chunks, rs, dtype, tol, tdt, grad):
+    N, C, V, Vp = 300, 48, 50, 64
+    item = {"float32": 4, "bfloat16": 2, "float64": 8}[dtype]
+    assert small_chunks.chunk_rows(N, Vp, item) < N       # several chunks, the last partial
+    x = round_bf16(rs.standard_normal((N, C))).astype(np.float64)
+    w = round_bf16(rs.standard_normal((Vp, C)) * 0.5).astype(np.float64)
+    t = rs.integers(0, V, N)
+    loss, dx, dw = gpu.linear_cross_entropy(gpu.from_host(x, dtype), gpu.from_host(w, dtype),
+                                            gpu.from_host(t, tdt), V, grad)
+    want = ref.linear_cross_entropy(x, w, t, V)
+    check("loss", host(gpu, loss).reshape(1), np.reshape(want[0], 1), tol / 4)
+    if not grad:
+        assert dx is None and dw is None
+        return
+    check("dx", host(gpu, dx), want[1], tol)
+    got_dw = host(gpu, dw)
+    check("dw", got_dw, want[2], tol)
+    assert np.all(got_dw[V:] == 0.0), "the padded rows of w got a gradient"
+
+
+def test_scale_reads_the_value_on_the_device(gpu, rs):
+    x = rs.standard_normal((1000, 7)).astype(np.float32)
+    s = gpu.from_host(np.array(-0.75, np.float32), "float32")
+    check("scale", host(gpu, gpu.scale(gpu.from_host(x, "float32"), s)), -0.75 * x, 1e-7)
+    xb = gpu.from_host(x, "bfloat16")
+    check("scale bf16", host(gpu, gpu.scale(xb, s)), -0.75 * host(gpu, xb), 1e-2)
+
+
+def test_model_step_equals_matmul_then_cross_entropy(gpu, small_chunks):
+    """GPT-2's loss and every gradient with the LM head's loss op (over chunks) and with the
+    logits kept (matmul, cross_entropy), bf16 on the GPU."""
+    cfg = GPT2Config(vocab_size=50, block_size=32, n_layer=2, n_head=2, n_embd=64)
+    m = GPT2.init(cfg, seed=3, device="cuda", dtype="bfloat16")
+    r = np.random.default_rng(4)
+    ids = fm.tensor(r.integers(0, 50, (4, 32)), device="cuda")
+    tg = fm.tensor(r.integers(0, 50, (4, 32)), device="cuda")
+    out = []
+    for fused in (True, False):
+        tape = Tape()
+        _, loss, leaves = m.forward(tape, ids, tg, fused_loss=fused)
+        tape.backward(loss)
+        out.append((loss.t.item(), {k: tape.grad(v).numpy() for k, v in leaves.items()}))
+    (la, ga), (lb, gb) = out
+    assert abs(la - lb) <= 1e-3 * abs(lb)
+    for k in ga:
+        check(k, ga[k], gb[k], 2e-2)
