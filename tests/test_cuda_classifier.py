@@ -43,11 +43,14 @@ def rs():
     return np.random.default_rng(seed)
 
 
-@pytest.mark.parametrize("dtype,tol,tdt", [("float32", 1e-5, "int64"), ("bfloat16", 2e-2, "int32"),
-                                           ("float64", 1e-12, "int64")])
+@pytest.mark.parametrize("dtype,tol,tdt,Vp", [
+    ("float32", 1e-5, "int64", 64),
+    ("bfloat16", 2e-2, "int32", 64),     # the row in registers (Vp a multiple of 8)
+    ("bfloat16", 2e-2, "int64", 60),     # the two-pass kernel
+    ("float64", 1e-12, "int64", 64)])
 @pytest.mark.parametrize("grad", [True, False])
-def test_chunks_equal_the_float64_spec(gpu, small_chunks, rs, dtype, tol, tdt, grad):
-    N, C, V, Vp = 300, 48, 50, 64
+def test_chunks_equal_the_float64_spec(gpu, small_chunks, rs, dtype, tol, tdt, Vp, grad):
+    N, C, V = 300, 48, 50
     item = {"float32": 4, "bfloat16": 2, "float64": 8}[dtype]
     assert small_chunks.chunk_rows(N, Vp, item) < N       # several chunks, the last partial
     x = round_bf16(rs.standard_normal((N, C))).astype(np.float64)
@@ -64,6 +67,26 @@ def test_chunks_equal_the_float64_spec(gpu, small_chunks, rs, dtype, tol, tdt, g
     got_dw = host(gpu, dw)
     check("dw", got_dw, want[2], tol)
     assert np.all(got_dw[V:] == 0.0), "the padded rows of w got a gradient"
+
+
+@pytest.mark.parametrize("Vp", [50304, 50264])
+def test_gpt2_vocabulary_rows(gpu, rs, Vp):
+    """Rows of GPT-2's (padded) vocabulary in bf16: 7 vectors a thread in registers (50304),
+    and the two-pass kernel (50264, not a multiple of 8); padding columns get no gradient."""
+    poison_device_memory(1 << 28)
+    N, C, V = 24, 32, 50257
+    x = round_bf16(rs.standard_normal((N, C))).astype(np.float64)
+    w = round_bf16(rs.standard_normal((Vp, C)) * 0.3).astype(np.float64)
+    t = rs.integers(0, V, N)
+    t[0] = V - 1
+    loss, dx, dw = gpu.linear_cross_entropy(gpu.from_host(x, "bfloat16"), gpu.from_host(w, "bfloat16"),
+                                            gpu.from_host(t, "int64"), V, True)
+    want = ref.linear_cross_entropy(x, w, t, V)
+    check("loss", host(gpu, loss).reshape(1), np.reshape(want[0], 1), 5e-3)
+    check("dx", host(gpu, dx), want[1], 2e-2)
+    got_dw = host(gpu, dw)
+    check("dw", got_dw, want[2], 2e-2)
+    assert np.all(got_dw[V:] == 0.0)
 
 
 def test_scale_reads_the_value_on_the_device(gpu, rs):

@@ -5,7 +5,8 @@ its logits written over them in one pass (cross_entropy.cu's ``cross_entropy_fus
 the chunk's rows of dx and its share of dw (cuBLAS; dw accumulates in float32 for bf16). This
 is llm.c's fused classifier (the gradient in the forward, over the logits' own memory) taken
 over chunks of rows, as Liger-Kernel's fused linear cross-entropy does. Kernels:
-cross_entropy.cu (and reduce.cu's mean).
+cross_entropy.cu (a bf16 row of up to 65,536 logits held in registers: one read and one
+write of the logits), and reduce.cu's mean.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from .runtime import (BF16, F32, _acc, _acc_dtype, _empty, _float_sfx, _guarded,
 CHUNK_BYTES = 1 << 28
 """The logits of one chunk of rows at most (256 MiB: about 2,600 rows of GPT-2's vocabulary in
 bf16); the chunk's rows are a multiple of 128 where it holds more than 128."""
+
+
+_ROW_THREADS, _ROW_VECS = 1024, 8   # cross_entropy.cu: CE_ROW_THREADS, CE_ROW_VECS
 
 
 def chunk_rows(n_rows: int, vp: int, itemsize: int) -> int:
@@ -58,13 +62,15 @@ def linear_cross_entropy(x, w, targets, vocab_size, grad):
         losses = _empty((N,), acc)
         rows = chunk_rows(N, Vp, x.itemsize)
         buf = _empty((rows, Vp), x.dtype)
-        kernel = f"cross_entropy_fused_{_float_sfx(x)}_{_sfx(targets.dtype)}"
+        kernel, threads = f"cross_entropy_fused_{_float_sfx(x)}_{_sfx(targets.dtype)}", _CE_THREADS
+        if x.dtype == BF16 and Vp % 8 == 0 and Vp <= _ROW_VECS * 8 * _ROW_THREADS:
+            kernel, threads = f"cross_entropy_fused_rows_bf16_{_sfx(targets.dtype)}", _ROW_THREADS
         inv_n = _acc(acc, 1.0 / N)
         for r0 in range(0, N, rows):
             n = min(rows, N - r0)
             xs, lg = x[r0:r0 + n], buf[:n]
             _matmul_into(xs, w, lg, False, True, 1.0, None)                 # logits (n, Vp)
-            _launch("cross_entropy", kernel, (n,), _CE_THREADS,
+            _launch("cross_entropy", kernel, (n,), threads,
                     (lg, targets[r0:r0 + n], losses[r0:r0 + n], _i32(Vp), _i32(V), inv_n))
             if grad:                                                          # lg is dlogits now
                 _matmul_into(lg, w, dx[r0:r0 + n], False, False, 1.0, None)  # (n, Vp) @ (Vp, C)

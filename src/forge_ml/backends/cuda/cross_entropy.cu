@@ -3,7 +3,8 @@
 //   loss_r = logsumexp(l_r[:V]) - l_r[target_r]            (mean over rows taken in reduce.cu)
 //   dl_r   = dloss / N * (softmax(l_r[:V]) - onehot(target_r)),  0 in columns >= V
 // cross_entropy_fused_* does both in one pass over a row and writes dl_r (for dloss = 1) over
-// the row's logits: the LM head's loss over a chunk of rows (classifier.py).
+// the row's logits: the LM head's loss over a chunk of rows (classifier.py); the _rows_ kernels
+// hold a bf16 row in registers.
 // Rows have Vp >= V columns (a padded vocabulary); columns >= V are ignored.
 #include "common.cuh"
 
@@ -85,6 +86,103 @@ __device__ void cross_entropy_fused_impl(T* logits, const I* targets, typename A
         lr[j] = To<T>::from(d);
     }
 }
+
+// cross_entropy_fused_rows (bf16, Vp a multiple of 8 and at most CE_ROW_VECS * 8 * 1024): the
+// same result with the row held in registers, 16-byte vectors of 8 logits, so the row is read
+// from memory once and written once (the kernel above reads it twice). 1024 threads per row:
+// the row's max, then the sum of exp(l - max) over its first V columns, each a block reduction.
+#define CE_ROW_THREADS 1024
+#define CE_ROW_VECS 8
+
+__device__ float block_max_f(float v, float* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = (threadIdx.x < nwarps) ? sh[threadIdx.x] : neg_inf<float>();
+    if (warp == 0) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    }
+    if (threadIdx.x == 0) sh[0] = v;
+    __syncthreads();
+    return sh[0];
+}
+
+template <typename I>
+__device__ void cross_entropy_fused_rows_impl(bf16* logits, const I* targets, float* loss, int Vp,
+                                              int V, float inv_n) {
+    __shared__ float sh[32];
+    const long long row = blockIdx.x;
+    bf16* lr = logits + row * Vp;
+    uint4* lv = reinterpret_cast<uint4*>(lr);
+    const int nv = Vp >> 3;
+    uint4 r[CE_ROW_VECS];
+    float m = neg_inf<float>();
+#pragma unroll
+    for (int k = 0; k < CE_ROW_VECS; ++k) {
+        const int v = threadIdx.x + k * CE_ROW_THREADS;
+        if (v < nv) {
+            r[k] = lv[v];
+            float w[8];
+            Vec16<bf16>::widen(r[k], w);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (v * 8 + j < V) m = fmaxf(m, w[j]);
+        }
+    }
+    m = block_max_f(m, sh);
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < CE_ROW_VECS; ++k) {
+        const int v = threadIdx.x + k * CE_ROW_THREADS;
+        if (v < nv) {
+            float w[8];
+            Vec16<bf16>::widen(r[k], w);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (v * 8 + j < V) s += fm_exp(w[j] - m);
+        }
+    }
+    s = block_sum(s, sh);
+    const long long t = (long long)targets[row];
+    if (threadIdx.x == 0)
+        loss[row] = (t >= 0 && t < V) ? m + fm_log(s) - ldf(lr[t]) : quiet_nan<float>();
+    __syncthreads();   // l[target] is read before any thread writes the row
+    const float inv_s = 1.f / s;
+#pragma unroll
+    for (int k = 0; k < CE_ROW_VECS; ++k) {
+        const int v = threadIdx.x + k * CE_ROW_THREADS;
+        if (v < nv) {
+            float w[8];
+            Vec16<bf16>::widen(r[k], w);
+            unsigned u[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float d[2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int col = v * 8 + 2 * i + h;
+                    d[h] = col < V ? inv_n * (fm_exp(w[2 * i + h] - m) * inv_s - (col == t ? 1.f : 0.f))
+                                   : 0.f;
+                }
+                u[i] = (unsigned)f32_to_bf16(d[0]).bits | ((unsigned)f32_to_bf16(d[1]).bits << 16);
+            }
+            lv[v] = make_uint4(u[0], u[1], u[2], u[3]);
+        }
+    }
+}
+
+#define FORGE_CE_ROWS(I, SI)                                                                   \
+    extern "C" __global__ void __launch_bounds__(CE_ROW_THREADS)                               \
+        cross_entropy_fused_rows_bf16_##SI(bf16* logits, const I* targets, float* loss, int Vp, \
+                                           int V, float inv_n) {                               \
+        cross_entropy_fused_rows_impl<I>(logits, targets, loss, Vp, V, inv_n);                 \
+    }
+FORGE_CE_ROWS(int, i32)
+FORGE_CE_ROWS(long long, i64)
 
 #define FORGE_CE(T, S, I, SI, A)                                                              \
     extern "C" __global__ void cross_entropy_fwd_##S##_##SI(const T* logits, const I* targets, \
