@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from .. import ops, rng
+from .. import flags, ops, rng
 from ..autograd import Tape
 from ..device import Device
 from ..errors import ConfigError, ShapeError
@@ -288,7 +288,8 @@ class GPT2:
         dropout of the composed path's site (``ops.attention_qkv_dropout``), so every site's
         seed is the same either way. With ``targets`` the LM head and the loss are one op
         (``Tape.linear_cross_entropy``: the logits are never kept whole, and logits comes
-        back None); ``fused_loss=False`` keeps the logits (matmul, then cross_entropy).
+        back None); ``fused_loss=False`` (or the switch ``FORGE_FUSED_LOSS=off``) keeps the logits
+        (matmul, then cross_entropy).
 
         >>> from forge_ml import tensor
         >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
@@ -343,7 +344,9 @@ class GPT2:
         if targets.shape != (B, T):
             raise ShapeError(f"GPT2.forward: targets must be {(B, T)} like ids, got {targets.shape}")
         self._check_ids("GPT2.forward (targets)", targets)
-        if fused_loss is not False:   # the LM head and its loss in chunks: no logits kept
+        if fused_loss is None:
+            fused_loss = flags.on("FORGE_FUSED_LOSS")
+        if fused_loss:   # the LM head and its loss in chunks: no logits kept
             return None, tape.linear_cross_entropy(x, _head(leaves, cfg), targets.reshape(B * T),
                                                    cfg.vocab_size, grad=train), leaves
         logits = tape.matmul(x, _head(leaves, cfg), trans_b=True)                # (B*T, Vp)
