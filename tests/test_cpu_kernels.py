@@ -351,6 +351,38 @@ def test_adamw_vs_reference(path, lr, wd, grad_scale):
                                    atol=2 * np.spacing(np.abs(p).max()))
 
 
+
+@pytest.mark.parametrize("lr", [1e-2, 0.0])
+def test_adamw_update_many_is_the_one_tensor_op(path, lr):
+    """The whole model's step in one call gives the bits of one adamw_update per tensor, each
+    tensor with its own step and weight decay; a second set of arrays (the pointers kept
+    between steps must not be reused for them) too."""
+    shapes = [(37, 11), (5,), (1, 64), (3, 3, 7)]
+    for trial in range(2):
+        ps = [randn(sh, 100 * trial + i) for i, sh in enumerate(shapes)]
+        ms = [np.abs(randn(sh, 200 + i, scale=0.1)) for i, sh in enumerate(shapes)]
+        vs = [np.abs(randn(sh, 300 + i, scale=0.1)) for i, sh in enumerate(shapes)]
+        want = [[a.copy() for a in arrs] for arrs in (ps, ms, vs)]
+        steps, wds = [3, 1, 3, 7], [0.1, 0.0, 0.1, 0.05]
+        for step in range(2):
+            gs = [randn(sh, 400 + 10 * step + i) for i, sh in enumerate(shapes)]
+            cpu.adamw_update_many(ps, gs, ms, vs, lr, 0.9, 0.95, 1e-8, wds,
+                                  [st + step for st in steps], 0.5)
+            for i in range(len(shapes)):
+                cpu.adamw_update(want[0][i], gs[i], want[1][i], want[2][i], lr, 0.9, 0.95, 1e-8,
+                                 wds[i], steps[i] + step, 0.5)
+            for got, exp in zip(ps + ms + vs, want[0] + want[1] + want[2]):
+                np.testing.assert_array_equal(got, exp)
+
+
+def test_sumsq_many_is_the_one_tensor_op(path):
+    xs = [randn(sh, i, scale=3.0) for i, sh in enumerate([(7, 3), (1,), (65, 128)])]
+    got = cpu.sumsq_many(xs)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.array([cpu.sumsq(x) for x in xs], np.float32))
+    x64 = [x.astype(np.float64) for x in xs]
+    np.testing.assert_array_equal(cpu.sumsq_many(x64), [cpu.sumsq(x) for x in x64])
+
 # ============================================================================== sumsq
 
 @pytest.mark.parametrize("shape", [(1,), (7, 3), (128,), (65, 128), (1000, 513)])

@@ -170,6 +170,18 @@ def test_linear_cross_entropy_and_scale_errors():
     with pytest.raises(fm.ShapeError, match="one value"):
         ops.scale(f32(2, 3), f32(2))
 
+
+def test_adamw_update_many_errors():
+    p, g = f32(3, 2), f32(3, 2)
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8)
+    with pytest.raises(fm.ShapeError, match="2 parameters but 1 gradients"):
+        ops.adamw_update_many([p, p], [g], [p, p], [p, p], weight_decays=[0, 0], steps=[1, 1], **kw)
+    with pytest.raises(fm.ShapeError, match="g is"):
+        ops.adamw_update_many([p], [f32(2, 3)], [f32(3, 2)], [f32(3, 2)], weight_decays=[0],
+                              steps=[1], **kw)
+    with pytest.raises(fm.ShapeError, match="steps must be"):
+        ops.adamw_update_many([p], [g], [f32(3, 2)], [f32(3, 2)], weight_decays=[0], steps=[0], **kw)
+
 def test_adamw_errors():
     p = f32(3, 2)
     with pytest.raises(fm.ShapeError, match="m is"):

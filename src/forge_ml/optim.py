@@ -111,15 +111,22 @@ class AdamW:
         lr = self.lr if lr is None else float(lr)
         self.steps += 1
         b1, b2 = self.betas
-        for name, p in self.params.items():
-            g = grads.get(name)
-            if g is None:
-                continue
+        names = [n for n in self.params if grads.get(n) is not None]
+        for name in names:
             self.param_steps[name] += 1
-            ops.adamw_update(p, g, self.m[name], self.v[name], lr=lr, beta1=b1, beta2=b2,
-                             eps=self.eps, weight_decay=self.weight_decay if self.decays(name) else 0.0,
+        if self._lowp is None:   # one call for the whole model where the backend has one
+            ops.adamw_update_many(
+                [self.params[n] for n in names], [grads[n] for n in names],
+                [self.m[n] for n in names], [self.v[n] for n in names], lr=lr, beta1=b1, beta2=b2,
+                eps=self.eps, weight_decays=[self.weight_decay if self.decays(n) else 0.0 for n in names],
+                steps=[self.param_steps[n] for n in names], grad_scale=float(grad_scale))
+            return
+        for name in names:
+            ops.adamw_update(self.params[name], grads[name], self.m[name], self.v[name], lr=lr,
+                             beta1=b1, beta2=b2, eps=self.eps,
+                             weight_decay=self.weight_decay if self.decays(name) else 0.0,
                              step=self.param_steps[name], grad_scale=float(grad_scale),
-                             p_lowp=None if self._lowp is None else self._lowp[name])
+                             p_lowp=self._lowp[name])
 
     # -- a step whose values live in device memory (a captured graph replays it) ------------
     def prepare(self, lr: Optional[float] = None, grad_scale: float = 1.0) -> Tensor:
@@ -262,9 +269,14 @@ def grad_sumsq(grads: dict):
     """
     host = 0.0
     dev = None
-    for g in grads.values():
-        if g is None:
-            continue
+    gs = [g for g in grads.values() if g is not None]
+    bk = backend_of(gs[0].device) if gs else None
+    many = getattr(bk, "sumsq_many", None) if bk is not None and bk.host_memory else None
+    if many is not None and all(g.device == gs[0].device for g in gs):
+        for s in many([g.data for g in gs]):   # one call; added in float64 in the same order
+            host += float(s)
+        return host, None
+    for g in gs:
         s = ops.sumsq(g)
         if backend_of(s.device).host_memory:
             host += s.item()

@@ -27,6 +27,7 @@ import functools
 import inspect
 import math
 import sys
+import weakref
 
 import numpy as np
 
@@ -59,7 +60,9 @@ __all__ = ["NAME", "BF16", "GRAPHS", "HOST_MEMORY", "start", "reference",
            # fused kernels
            "attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
            "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
-           "decode_attention", "greedy_next", "scale"]
+           "decode_attention", "greedy_next", "scale",
+           # optional: the optimizer's step in one call
+           "adamw_update_many", "sumsq_many"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,6 +284,75 @@ def adamw_update(lib, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, gra
                   bc1 / (lr * math.sqrt(bc2)) if update else 0.0,
                   eps * bc1 / lr if update else 0.0, 1.0 - lr * weight_decay, update)
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the optimizer's step over every parameter in one C call (contract.OPTIONAL)
+# ---------------------------------------------------------------------------------------------
+
+_PTRS: dict = {}   # "pmv": (weak references to the arrays, their pointer and size arrays)
+
+
+def _pointers(arrays):
+    """int64 arrays of the arrays' addresses and sizes."""
+    return (np.fromiter((a.ctypes.data for a in arrays), np.int64, len(arrays)),
+            np.fromiter((a.size for a in arrays), np.int64, len(arrays)))
+
+
+def _kept_pointers(ps, ms, vs):
+    """The addresses of p, m and v, kept between steps (an optimizer updates the same arrays
+    in place every step): weak references say whether they are still the same arrays."""
+    arrays = list(ps) + list(ms) + list(vs)
+    hit = _PTRS.get("pmv")
+    if hit is not None and len(hit[0]) == len(arrays) and all(
+            r() is a for r, a in zip(hit[0], arrays)):
+        return hit[1]
+    k = len(ps)
+    ptrs, sizes = _pointers(arrays)
+    out = (ptrs[:k], ptrs[k:2 * k], ptrs[2 * k:], sizes[:k])
+    _PTRS["pmv"] = ([weakref.ref(a) for a in arrays], out)
+    return out
+
+
+def adamw_update_many(ps, gs, ms, vs, lr, beta1, beta2, eps, weight_decays, steps, grad_scale):
+    """``adamw_update`` on each parameter (its own weight decay and 1-based step), float32 in
+    one C call; other dtypes, or no C kernels, one ``adamw_update`` each."""
+    lib = _native.lib()
+    arrays = list(ps) + list(gs) + list(ms) + list(vs)
+    if lib is None or not _native.f32(*arrays) or not all(a.size for a in arrays):
+        for p, g, m, v, wd, st in zip(ps, gs, ms, vs, weight_decays, steps):
+            adamw_update(p, g, m, v, lr, beta1, beta2, eps, wd, st, grad_scale)
+        return
+    P, M, V, N = _kept_pointers(ps, ms, vs)
+    G, _ = _pointers(gs)
+    update = lr != 0.0
+    k = len(ps)
+    a, c, decay = (np.zeros(k, np.float32) for _ in range(3))
+    if update:
+        folded = {}
+        for i, st in enumerate(steps):
+            if st not in folded:
+                bc1, bc2 = 1.0 - beta1 ** st, 1.0 - beta2 ** st
+                folded[st] = (bc1 / (lr * math.sqrt(bc2)), eps * bc1 / lr)
+            a[i], c[i] = folded[st]
+        decay[:] = [1.0 - lr * wd for wd in weight_decays]
+    lib.adamw_many_f32(k, P.ctypes.data, G.ctypes.data, M.ctypes.data, V.ctypes.data, N.ctypes.data,
+                       beta1, (1.0 - beta1) * grad_scale, beta2,
+                       (1.0 - beta2) * grad_scale * grad_scale,
+                       a.ctypes.data, c.ctypes.data, decay.ctypes.data, update)
+
+
+def sumsq_many(xs):
+    """``[sumsq(x) for x in xs]`` as one float32 (float64 for float64 input) array; float32
+    arrays in one C call."""
+    lib = _native.lib()
+    if lib is None or not xs or not _native.f32(*xs) or not all(x.size for x in xs):
+        return np.array([float(sumsq(x)) for x in xs],
+                        np.float64 if any(x.dtype == np.float64 for x in xs) else np.float32)
+    ptrs, sizes = _pointers(xs)
+    out = np.empty(len(xs), np.float32)
+    lib.sumsq_many_f32(len(xs), ptrs.ctypes.data, sizes.ctypes.data, out.ctypes.data)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -653,6 +653,26 @@ void adamw_f32(float* RESTRICT p, const float* RESTRICT g, float* RESTRICT m,
 }
 
 /* ----------------------------------------------------------------------------------------
+   The optimizer's step over every parameter in one call (a model's 50-odd tensors cost one
+   call instead of one each): adamw_f32 on tensor k with its own a[k], c[k] and decay[k] (its
+   step's bias corrections, its weight decay); sumsq_many_f32 writes sumsq_f32 of each tensor,
+   rounded to float, into out[k]. Pointers come as 64-bit integers. The same arithmetic as the
+   one-tensor calls, so the same bits.
+   ---------------------------------------------------------------------------------------- */
+void adamw_many_f32(long count, const int64_t* p, const int64_t* g, const int64_t* m,
+                    const int64_t* v, const int64_t* n, float b1, float c1, float b2, float c2,
+                    const float* a, const float* c, const float* decay, int update) {
+    for (long k = 0; k < count; ++k)
+        adamw_f32((float*)(intptr_t)p[k], (const float*)(intptr_t)g[k], (float*)(intptr_t)m[k],
+                  (float*)(intptr_t)v[k], (long)n[k], b1, c1, b2, c2, a[k], c[k], decay[k],
+                  update);
+}
+
+void sumsq_many_f32(long count, const int64_t* x, const int64_t* n, float* out) {
+    for (long k = 0; k < count; ++k) out[k] = (float)sumsq_f32((const float*)(intptr_t)x[k], (long)n[k]);
+}
+
+/* ----------------------------------------------------------------------------------------
    dropout with forge_ml.rng's Philox4x32-10 stream, bit for bit (rng.py, dropout.cu):
      key = (k0, k1), counter of element i = (i/4 lo, i/4 hi, 0, 0), word = philox[i % 4],
      keep = (word >> 8) 2^-24 >= p (exact in float), y = keep ? x scale : 0.

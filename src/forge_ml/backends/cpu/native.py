@@ -67,6 +67,8 @@ _SIGNATURES = {
                                       + [ctypes.c_uint32] * 2),
     "adamw_f32": (None, [_p, _p, _p, _p, _c_long] + [_c_float] * 7 + [_c_int]),
     "sumsq_f32": (ctypes.c_double, [_p, _c_long]),
+    "adamw_many_f32": (None, [_c_long] + [_p] * 5 + [_c_float] * 4 + [_p] * 3 + [_c_int]),
+    "sumsq_many_f32": (None, [_c_long, _p, _p, _p]),
     "dropout_f32": (None, [_p, _p, _c_long, ctypes.c_uint32, ctypes.c_uint32, _c_float, _c_float]),
 }
 
