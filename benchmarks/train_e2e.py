@@ -60,16 +60,20 @@ class PeakMemory:
         self._t = threading.Thread(target=self._poll, daemon=True)
         self._t.start()
 
+    def current(self) -> int:
+        """NVML's count for this process now, in bytes (0 without NVML)."""
+        if self._nv is not None:
+            try:
+                for p in self._nv.nvmlDeviceGetComputeRunningProcesses(self._h):
+                    if p.pid == os.getpid() and p.usedGpuMemory:
+                        return int(p.usedGpuMemory)
+            except Exception:
+                pass
+        return 0
+
     def _poll(self):
-        pid = os.getpid()
         while not self._stop.is_set():
-            if self._nv is not None:
-                try:
-                    for p in self._nv.nvmlDeviceGetComputeRunningProcesses(self._h):
-                        if p.pid == pid and p.usedGpuMemory:
-                            self.peak = max(self.peak, int(p.usedGpuMemory))
-                except Exception:
-                    pass
+            self.peak = max(self.peak, self.current())
             time.sleep(0.02)
 
     def stop(self) -> int:
@@ -198,6 +202,9 @@ def main(argv=None):
                 continue
             res = json.loads(line[-1][7:])
             results[(row, who)] = res
+            if a.json:   # as each result comes: a run cut short keeps what it measured
+                Path(a.json).write_text(json.dumps({f"{r}/{w}": v for (r, w), v in results.items()},
+                                                   indent=1))
             print(f"{row:11s} {who:8s} {res['tokens'] / res['dt']:>10,.0f} tok/s  "
                   f"{res['peak'] / 2**30:6.1f} GiB  MFU {res['fpt'] * res['tokens'] / res['dt'] / PEAK_FLOPS:5.1%}"
                   f"  losses {['%.3f' % v for v in res['losses']]}  ({time.time() - t0:.0f} s)", flush=True)
@@ -208,8 +215,6 @@ def main(argv=None):
         mfu = f"{f['fpt'] * f['tokens'] / f['dt'] / PEAK_FLOPS:5.1%}" if f else "   - "
         ratio = lambda p: f"{p['dt'] / f['dt']:.3f}" if (f and p) else "-"  # noqa: E731
         print(f"{row:11s} {cell(f)} {mfu} | {cell(e)} | {cell(c)} | {ratio(e):>11s} {ratio(c):>13s}")
-    if a.json:
-        Path(a.json).write_text(json.dumps({f"{r}/{w}": v for (r, w), v in results.items()}, indent=1))
 
 
 if __name__ == "__main__":

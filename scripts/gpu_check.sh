@@ -4,8 +4,8 @@
 # Logs go to $OUT (or /tmp/forge_gpu_check when OUT is unset); a summary is printed last.
 #   bash scripts/gpu_check.sh                       (from anywhere; no install needed)
 #   SECTIONS="tests generate serve" bash scripts/gpu_check.sh      (a subset)
-# Sections: tests ops train e2e recipe generate decode serve cli (default: all; e2e and recipe
-# need E2E_DATA).
+# Sections: tests ops train e2e memory recipe generate decode serve cli (default: all; e2e,
+# memory and recipe need E2E_DATA).
 # Environment: E2E_DATA (a text file for e2e), E2E_ROWS (default gpt2-b32,char),
 # TEST_TIMEOUT (default 300 s), TEST_WORKERS (pytest-xdist processes sharing the
 # GPU, default 4), BENCH_TIMEOUT (150), BENCH_ARGS (e.g. "--only gelu --reps 50"), SERVE_ARGS.
@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 LOG="${OUT:-/tmp/forge_gpu_check}"
 mkdir -p "$LOG"
 PY="${PYTHON:-python3}"
-SECTIONS="${SECTIONS:-tests ops train e2e recipe generate decode serve cli}"
+SECTIONS="${SECTIONS:-tests ops train e2e memory recipe generate decode serve cli}"
 want() { case " $SECTIONS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if ls .whl/serve/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/forge_site .whl/serve/*.whl \
@@ -70,6 +70,14 @@ if want e2e; then
     echo "skipped: set E2E_DATA to a text file (tinyshakespeare)" | tee "$LOG/bench_e2e.log"
   fi
 fi
+if want memory; then
+  echo "== where the trainer's device memory goes, op by op and as one graph (benchmarks/train_memory.py)"
+  if [ -n "${E2E_DATA:-}" ]; then
+    timeout "${MEMORY_TIMEOUT:-200}" "$PY" benchmarks/train_memory.py --data "$E2E_DATA" ${MEMORY_ARGS:-} 2>&1 | tee "$LOG/bench_memory.log"
+  else
+    echo "skipped: set E2E_DATA to a text file (tinyshakespeare)" | tee "$LOG/bench_memory.log"
+  fi
+fi
 if want recipe; then
   echo "== nanoGPT's shakespeare_char recipe, forge-ml's trainer against PyTorch eager (benchmarks/char_recipe.py)"
   if [ -n "${E2E_DATA:-}" ]; then
@@ -82,7 +90,7 @@ fi
 if want generate; then
   echo "== generation (benchmarks/generate_gpu.py: greedy vs HF, then every sampling mode)"
   timeout "${GEN_TIMEOUT:-200}" "$PY" benchmarks/generate_gpu.py 2>&1 | tee "$LOG/bench_generate.log"
-  timeout "${GEN_TIMEOUT:-200}" "$PY" benchmarks/generate_gpu.py --dtype bf16 --sampling 2>&1 | tee -a "$LOG/bench_generate.log"
+  timeout "${GEN_TIMEOUT:-300}" "$PY" benchmarks/generate_gpu.py --dtype bf16 --sampling 2>&1 | tee -a "$LOG/bench_generate.log"
   timeout 60 "$PY" benchmarks/sampling_cuda.py 2>&1 | tee -a "$LOG/bench_generate.log"
 fi
 if want decode; then
@@ -113,6 +121,7 @@ fi
 want ops && echo "op benchmarks: exit $bench_rc: $(grep -E '^geometric mean' "$LOG/bench_ops.log" | tail -n 1)"
 want train && { echo "training:"; grep -E '^(forge|torch)' "$LOG/bench_train.log"; }
 want e2e && { echo "trainer end to end:"; tail -n 8 "$LOG/bench_e2e.log"; }
+want memory && { echo "trainer memory:"; grep -E '^\[graph' "$LOG/bench_memory.log"; }
 want recipe && { echo "char recipe:"; tail -n 5 "$LOG/bench_recipe.log"; }
 want generate && { echo "generation:"; grep -E '^(forge|transformers|ratio|bandwidth|batch|  |flat|peaked)' "$LOG/bench_generate.log"; }
 want decode && { echo "decoding step:"; grep -E '^GPT-2|graph replay|DecodeStep call|greedy chain' "$LOG/bench_decode.log"; }
