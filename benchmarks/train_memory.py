@@ -11,7 +11,9 @@ After each of the first steps it prints, for the process:
 - ``graph mem``: the CUDA driver's graph-owned memory (allocations made inside captured work,
   e.g. by a library during capture), in use / reserved high-water marks.
 NVML minus the pools and the graph-owned memory is the CUDA context, loaded modules and
-library workspaces. ``train_e2e.py`` measured 21.5 GiB with the graph and 17.8 GiB op by op
+library workspaces. ``--workspace-mib N`` adds a third run, the graph with cuBLAS given a fixed
+workspace of N MiB first (``cublasSetWorkspace``; without one, cuBLAS 12.2+ allocates its
+workspace stream-ordered, which inside a capture is graph-owned memory). ``train_e2e.py`` measured 21.5 GiB with the graph and 17.8 GiB op by op
 (before the LM head's loss op) at GPT-2 124M, B=32: this script says which part grows.
 """
 from __future__ import annotations
@@ -46,6 +48,24 @@ def _graph_mem():
         return None
 
 
+def _set_cublas_workspace(mib: int):
+    """Give forge-ml's cuBLAS handle a fixed workspace of ``mib`` MiB (kept for the process)."""
+    import ctypes
+    import cupy
+    from forge_ml.backends.cuda import cublas
+    h = cublas._cublas_handle()
+    cublas._cublas_direct()
+    names = sorted({ln.split()[-1] for ln in open("/proc/self/maps")
+                    if "/libcublas.so" in ln and "libcublasLt" not in ln})
+    lib = ctypes.CDLL(names[0])
+    lib.cublasSetWorkspace_v2.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    mem = cupy.cuda.Memory(mib << 20)
+    st = lib.cublasSetWorkspace_v2(h, mem.ptr, mib << 20)
+    if st != 0:
+        raise SystemExit(f"cublasSetWorkspace_v2 failed: status {st}")
+    _set_cublas_workspace.keep = mem
+
+
 def worker(a):
     import cupy
     from forge_ml.train import TrainConfig, Trainer
@@ -60,6 +80,9 @@ def worker(a):
                           progress=False, out_dir=out, model=a.model)
         trainer = Trainer(cfg, log=lambda *_: None)
         mode = os.environ.get("FORGE_TRAIN_GRAPH", "on")
+        if a.workspace_mib:
+            _set_cublas_workspace(a.workspace_mib)
+            mode += f", cuBLAS workspace {a.workspace_mib} MiB"
 
         def line(what):
             cupy.cuda.runtime.deviceSynchronize()
@@ -87,16 +110,19 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--block", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--workspace-mib", type=int, default=0,
+                    help="also run the graph with a fixed cuBLAS workspace of this size")
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "forge_e2e_data"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         return worker(a)
-    for mode in ("off", "on"):
+    runs = [("off", 0), ("on", 0)] + ([("on", a.workspace_mib)] if a.workspace_mib else [])
+    for mode, mib in runs:
         env = dict(os.environ, FORGE_TRAIN_GRAPH=mode)
         cmd = [sys.executable, __file__, "--worker", "--data", a.data, "--model", a.model,
                "--batch", str(a.batch), "--block", str(a.block), "--steps", str(a.steps),
-               "--cache", a.cache]
+               "--cache", a.cache, "--workspace-mib", str(mib)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         print(proc.stdout, end="", flush=True)
         if proc.returncode:

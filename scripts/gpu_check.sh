@@ -73,7 +73,7 @@ fi
 if want memory; then
   echo "== where the trainer's device memory goes, op by op and as one graph (benchmarks/train_memory.py)"
   if [ -n "${E2E_DATA:-}" ]; then
-    timeout "${MEMORY_TIMEOUT:-200}" "$PY" benchmarks/train_memory.py --data "$E2E_DATA" ${MEMORY_ARGS:-} 2>&1 | tee "$LOG/bench_memory.log"
+    timeout "${MEMORY_TIMEOUT:-240}" "$PY" benchmarks/train_memory.py --data "$E2E_DATA" ${MEMORY_ARGS:---workspace-mib 32} 2>&1 | tee "$LOG/bench_memory.log"
   else
     echo "skipped: set E2E_DATA to a text file (tinyshakespeare)" | tee "$LOG/bench_memory.log"
   fi
