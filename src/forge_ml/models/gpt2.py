@@ -286,10 +286,11 @@ class GPT2:
         flash-style attention op over matmul + causal softmax + dropout + matmul. Both compute
         the same function with the same dropout masks: the fused op draws the attention
         dropout of the composed path's site (``ops.attention_qkv_dropout``), so every site's
-        seed is the same either way. With ``targets`` the LM head and the loss are one op
-        (``Tape.linear_cross_entropy``: the logits are never kept whole, and logits comes
-        back None); ``fused_loss=False`` (or the switch ``FORGE_FUSED_LOSS=off``) keeps the logits
-        (matmul, then cross_entropy).
+        seed is the same either way. In training with ``targets`` the LM head and the loss are
+        one op (``Tape.linear_cross_entropy``: the logits are never kept whole, and logits comes
+        back None, as transformers' models skip them with labels in training);
+        ``fused_loss=False`` (or the switch ``FORGE_FUSED_LOSS=off``) keeps the logits (matmul,
+        then cross_entropy), as evaluation (``train=False``) does unless ``fused_loss=True``.
 
         >>> from forge_ml import tensor
         >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
@@ -345,7 +346,7 @@ class GPT2:
             raise ShapeError(f"GPT2.forward: targets must be {(B, T)} like ids, got {targets.shape}")
         self._check_ids("GPT2.forward (targets)", targets)
         if fused_loss is None:
-            fused_loss = flags.on("FORGE_FUSED_LOSS")
+            fused_loss = train and flags.on("FORGE_FUSED_LOSS")
         if fused_loss:   # the LM head and its loss in chunks: no logits kept
             return None, tape.linear_cross_entropy(x, _head(leaves, cfg), targets.reshape(B * T),
                                                    cfg.vocab_size, grad=train), leaves
