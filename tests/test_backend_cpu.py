@@ -62,9 +62,8 @@ def test_capabilities_and_contract():
     from forge_ml.backends import load
     bk = load("cpu")
     assert all(callable(getattr(bk, n)) for n in contract.FUSED)
-    # the sampling rule runs through the host (compose's default is the rule itself), and the
-    # LM head's loss keeps its logits whole (NumPy's matmul is the kernel either way)
-    assert bk.composed == ["linear_cross_entropy", "sample_next"]
+    # the sampling rule runs through the host (compose's default is the rule itself)
+    assert bk.composed == ["sample_next"]
     assert cpu.synchronize() is None
 
 
@@ -881,6 +880,27 @@ def test_cross_entropy_forward_backward(dtype, vocab_size):
     check(d, ref.cross_entropy_bwd(logits, targets, 0.75, vocab_size), dtype)
     if vocab_size is not None:
         assert np.all(d[:, vocab_size:] == 0.0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("grad", [True, False])
+def test_linear_cross_entropy_over_chunks(monkeypatch, dtype, grad):
+    """Chunks of 7 rows (the last one of 2) give the float64 spec's loss, dx and dw."""
+    rs = np.random.default_rng(5)
+    n, c, v, vp = 23, 6, 10, 12
+    monkeypatch.setattr(cpu, "LCE_CHUNK_BYTES", 7 * vp * np.dtype(dtype).itemsize)
+    x, w = rs.standard_normal((n, c)).astype(dtype), rs.standard_normal((vp, c)).astype(dtype)
+    t = rs.integers(0, v, n)
+    loss, dx, dw = cpu.linear_cross_entropy(x, w, t, v, grad)
+    want = ref.linear_cross_entropy(x, w, t, v)
+    assert loss.shape == () and loss.dtype == np.dtype(dtype)
+    check(loss, want[0], dtype)
+    if grad:
+        check(dx, want[1], dtype)
+        check(dw, want[2], dtype)
+        assert np.all(dw[v:] == 0)
+    else:
+        assert dx is None and dw is None
 
 
 @pytest.mark.parametrize("dtype", FLOATS)

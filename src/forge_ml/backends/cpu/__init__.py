@@ -60,7 +60,7 @@ __all__ = ["NAME", "BF16", "GRAPHS", "HOST_MEMORY", "start", "reference",
            # fused kernels
            "attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
            "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
-           "decode_attention", "greedy_next", "scale",
+           "decode_attention", "greedy_next", "linear_cross_entropy", "scale",
            # optional: the optimizer's step in one call
            "adamw_update_many", "sumsq_many"]
 
@@ -363,6 +363,34 @@ def linear(x, w, bias, act, residual, ln=None):
     """``act(LN(x) @ w + bias) + residual`` (act None or "gelu", ln None or (gamma, beta,
     eps)): layernorm, matmul, gelu and add (``compose.linear``)."""
     return _compose.linear(sys.modules[__name__], x, w, bias, act, residual, ln)
+
+
+LCE_CHUNK_BYTES = 1 << 26
+"""``linear_cross_entropy``'s logits of one chunk of rows at most (64 MiB)."""
+
+
+def linear_cross_entropy(x, w, targets, vocab_size, grad):
+    """The LM head and its loss over chunks of rows, as the GPU's classifier does, so a large
+    vocabulary's ``(N, Vp)`` logits are never kept whole: per chunk, the logits (BLAS), the
+    chunk's share of the mean loss and of the logits' gradient (cross_entropy(_bwd) with
+    dloss = rows / N), its rows of dx and its share of dw. One chunk is ``compose``'s op."""
+    n, vp = x.shape[0], w.shape[0]
+    rows = max(1, min(n, LCE_CHUNK_BYTES // max(1, vp * x.itemsize)))
+    me = sys.modules[__name__]
+    if rows >= n:
+        return _compose.linear_cross_entropy(me, x, w, targets, vocab_size, grad)
+    total = 0.0
+    dx = np.empty_like(x) if grad else None
+    dw = np.zeros_like(w) if grad else None
+    for r0 in range(0, n, rows):
+        xs, ts = x[r0:r0 + rows], targets[r0:r0 + rows]
+        lg = matmul(xs, w, None, False, True, 1.0, None)
+        total += float(cross_entropy(lg, ts, vocab_size)) * len(ts)
+        if grad:
+            dl = cross_entropy_bwd(lg, ts, len(ts) / n, vocab_size)
+            dx[r0:r0 + rows] = matmul(dl, w, None, False, False, 1.0, None)
+            dw += matmul(dl, xs, None, True, False, 1.0, None)
+    return np.asarray(total / n, x.dtype), dx, dw
 
 
 def scale(x, s):
