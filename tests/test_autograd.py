@@ -89,6 +89,30 @@ def test_in_place_edit_of_a_saved_tensor_is_caught():
         tape.backward(y, T(rnd(rs, 1, 4, 3)))
 
 
+
+def test_a_tape_without_grad_keeps_nothing():
+    """Tape(grad=False) computes the same values, keeps no activation for a backward (the
+    intermediate below is freed as soon as the forward drops it) and refuses backward."""
+    import gc
+    import weakref
+    rs = np.random.default_rng(6)
+    xs = rnd(rs, 3, 4)
+    outs, kept = [], []
+    for grad in (True, False):
+        tape = Tape(grad=grad)
+        x = tape.leaf(T(xs))
+        h = tape.gelu(x)
+        ref = weakref.ref(h.t)
+        y = tape.gelu(h)
+        del h
+        gc.collect()
+        kept.append(ref() is not None)
+        outs.append(y.t.numpy())
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert kept == [True, False]
+    with pytest.raises(fm.TapeError, match="grad=False"):
+        tape.backward(y)
+
 def test_foreign_values_are_rejected():
     tape = Tape()
     with pytest.raises(fm.TapeError):

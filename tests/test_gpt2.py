@@ -221,6 +221,12 @@ def test_loss_matches_numpy_cross_entropy():
     z = z - z.max(1, keepdims=True)
     nll = np.log(np.exp(z).sum(1)) - z[np.arange(z.shape[0]), targets.reshape(-1)]
     assert loss == pytest.approx(nll.mean(), rel=1e-12)
+    # evaluation: the loss op on a tape without grad, and the logits kept on a recording tape
+    for tape, fused in ((Tape(grad=False), True), (Tape(), False), (Tape(), None)):
+        logits, ev, _ = model.forward(tape, fm.tensor(ids), fm.tensor(targets), train=False,
+                                      fused_loss=fused)
+        assert (logits is None) == bool(fused)
+        assert ev.t.item() == pytest.approx(nll.mean(), rel=1e-12)
 
 
 # -- config and shapes ---------------------------------------------------------------------

@@ -66,14 +66,25 @@ class Tape:
     """Records ops for one forward; ``backward`` returns the gradients.
 
     Each op method computes through ``ops`` and records a closure mapping ``dL/dout`` to
-    ``[(parent_id, grad), …]``.
+    ``[(parent_id, grad), …]``. ``Tape(grad=False)`` records no closures (evaluation,
+    inference: torch's ``no_grad``): nothing is kept for a backward, so each activation is freed
+    as soon as the forward no longer needs it, and ``backward`` is an error.
+
+    >>> import forge_ml as fm
+    >>> t = fm.Tape(grad=False)
+    >>> y = t.gelu(t.leaf(fm.tensor([1.0])))
+    >>> t.backward(y)
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.TapeError: backward: this tape was made with grad=False and recorded nothing to sweep; record the forward on a Tape() to get gradients
     """
 
-    def __init__(self):
+    def __init__(self, grad: bool = True):
         self._nodes: list[Optional[BackwardFn]] = []
         self._swept = False
         self.grads: list[Optional[Tensor]] = []
         self._key = object()  # what this tape's TVars carry: identity, no reference to the tape
+        self.records = bool(grad)
 
     def __len__(self):
         return len(self._nodes)
@@ -86,7 +97,7 @@ class Tape:
         return TVar(len(self._nodes) - 1, t, self._key)
 
     def _record(self, t: Tensor, f: BackwardFn) -> TVar:
-        self._nodes.append(f)
+        self._nodes.append(f if self.records else None)
         return TVar(len(self._nodes) - 1, t, self._key)
 
     def _check(self, *vs):
@@ -304,6 +315,7 @@ class Tape:
         (4, 3)
         """
         self._check(x, w)
+        grad = grad and self.records
         loss, dx, dw = ops.linear_cross_entropy(x.t, w.t, targets, vocab_size, grad=grad)
         ix, iw = x.id, w.id
         sx, sw = _Saved(x.t, "linear_cross_entropy"), _Saved(w.t, "linear_cross_entropy")
@@ -326,6 +338,9 @@ class Tape:
         reached keep theirs, every other entry is None. A tape is swept once.
         """
         self._check(root)
+        if not self.records:
+            raise TapeError("backward: this tape was made with grad=False and recorded nothing to "
+                            "sweep; record the forward on a Tape() to get gradients")
         if self._swept:
             raise TapeError("backward: this tape was already swept; record a new forward")
         if seed_grad is None:

@@ -872,8 +872,9 @@ class Trainer:
         iters = self.cfg.eval_iters if iters is None else iters
         total = 0.0
         for x, y in self.val_loader.eval_batches(iters):
-            _, loss, _ = self.model.forward(Tape(), tensor(x, device=self.device),
-                                            tensor(y, device=self.device), train=False)
+            _, loss, _ = self.model.forward(Tape(grad=False), tensor(x, device=self.device),
+                                            tensor(y, device=self.device), train=False,
+                                            fused_loss=flags.on("FORGE_FUSED_LOSS"))
             total += loss.t.item()
         return total / iters
 
@@ -882,8 +883,9 @@ class Trainer:
         shard (no dropout): the figure ``forge-ml eval`` gives for the shard."""
         total, windows = 0.0, 0
         for x, y in self.val_loader.eval_batches(tail=True):
-            _, loss, _ = self.model.forward(Tape(), tensor(x, device=self.device),
-                                            tensor(y, device=self.device), train=False)
+            _, loss, _ = self.model.forward(Tape(grad=False), tensor(x, device=self.device),
+                                            tensor(y, device=self.device), train=False,
+                                            fused_loss=flags.on("FORGE_FUSED_LOSS"))
             total += loss.t.item() * len(x)   # a batch's loss is the mean over its windows
             windows += len(x)
         return total / windows, windows

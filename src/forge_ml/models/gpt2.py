@@ -380,7 +380,7 @@ class GPT2:
         if ids.ndim == 1:
             ids = ids.reshape(1, -1)
         B, T = ids.shape
-        logits, _, _ = self.forward(Tape(), ids, train=False, **kw)
+        logits, _, _ = self.forward(Tape(grad=False), ids, train=False, **kw)
         out = logits.t.reshape(B, T, self.config.padded_vocab_size)
         return _take_vocab(out, self.config.vocab_size)
 
