@@ -3,7 +3,8 @@
 
     python benchmarks/train_memory.py --data shakespeare.txt [--model gpt2] [--batch 32]
 
-After each of the first steps it prints, for the process:
+After each of the first steps, an evaluation, a garbage collection and one more step it prints,
+for the process:
 - ``nvml``: the device memory NVML counts (what nvidia-smi shows), and its peak so far (polled
   every 20 ms);
 - ``pool``: CuPy's default pool, bytes in live arrays / bytes it holds;
@@ -100,6 +101,15 @@ def worker(a):
         for i in range(a.steps):
             trainer.train_step()
             line(f"step {i + 1}")
+        # what an evaluation between steps holds: the trainer gives the captured step's memory
+        # back first (_off_graph); a reference cycle would keep it until the collector runs
+        trainer._off_graph(lambda: trainer.evaluate(4))
+        line("eval")
+        import gc
+        gc.collect()
+        line("gc")
+        trainer.train_step()
+        line("step again")
     mem.stop()
 
 
