@@ -477,6 +477,23 @@ def test_a_nan_names_the_op_that_made_it_backward(workdir, monkeypatch):
     assert "backward of gelu in layer 1 produced 1 NaN" in msg and "output of matmul" in msg, msg
 
 
+
+def test_a_nan_in_the_lm_head_loss_is_named(workdir, monkeypatch):
+    import forge_ml.ops as ops
+    t = Trainer(_cfg("r", n_layer=2, max_steps=3), log=None)
+    real = ops.linear_cross_entropy
+
+    def linear_cross_entropy(*args, **kw):
+        loss, dx, dw = real(*args, **kw)
+        loss.data[...] = np.nan
+        return loss, dx, dw
+
+    monkeypatch.setattr(ops, "linear_cross_entropy", linear_cross_entropy)
+    with pytest.raises(TrainingError) as e:
+        t.train()
+    msg = str(e.value)
+    assert "forward: linear_cross_entropy in the LM head (wte.weight) produced 1 NaN" in msg, msg
+
 def test_a_nan_in_the_weights_is_named(workdir):
     t = Trainer(_cfg("r", max_steps=3), log=None)
     t.model.params["ln_f.weight"].data[1] = np.inf

@@ -18,7 +18,8 @@ import numpy as np
 from .autograd import Tape, TVar
 
 _CHECKED_OPS = ("add", "matmul", "gelu", "layernorm", "softmax", "split_heads", "merge_heads", "reshape",
-                "attention", "attention_qkv", "embedding", "dropout", "cross_entropy")
+                "attention", "attention_qkv", "embedding", "dropout", "cross_entropy",
+                "linear_cross_entropy")
 
 
 def _bad_values(t) -> Optional[str]:
@@ -39,7 +40,7 @@ def _where(op: str, params: list) -> str:
     p = params[0]
     if p.startswith("h."):
         return f"layer {p.split('.')[1]}"
-    if p == "wte.weight" and op == "matmul" or p.startswith("lm_head"):
+    if p == "wte.weight" and op in ("matmul", "linear_cross_entropy") or p.startswith("lm_head"):
         return "the LM head"
     if p.startswith("ln_f"):
         return "the final layer norm"
