@@ -98,7 +98,6 @@ def _call_every_kernel(dtype, contiguous=True):
     cpu.adamw_update(p, x, np.zeros_like(p), np.zeros_like(p), 1e-3, 0.9, 0.99, 1e-8, 0.1, 1, 1.0)
     cpu.sumsq(x)
     cpu.dropout(x, 0.3, 5)
-    cpu.scatter_add_rows(x.copy(), np.array([1, 0, 1]), x[:3].copy())
 
 
 def test_float32_runs_the_c_kernels(spy):
@@ -106,8 +105,7 @@ def test_float32_runs_the_c_kernels(spy):
     assert spy.calls == ["gelu_f32", "gelu_bwd_f32", "layernorm_f32", "layernorm_bwd_f32",
                          "attention_f32", "attention_bwd_f32", "attention_qkv_f32",
                          "attention_qkv_bwd_f32", "attention_qkv_dropout_f32",
-                         "attention_qkv_dropout_bwd_f32", "adamw_f32", "sumsq_f32", "dropout_f32",
-                         "scatter_add_rows_f32"]
+                         "attention_qkv_dropout_bwd_f32", "adamw_f32", "sumsq_f32", "dropout_f32"]
 
 
 def test_float64_and_strided_arrays_run_numpy(spy):
@@ -384,24 +382,6 @@ def test_sumsq_many_is_the_one_tensor_op(path):
     np.testing.assert_array_equal(got, np.array([cpu.sumsq(x) for x in xs], np.float32))
     x64 = [x.astype(np.float64) for x in xs]
     np.testing.assert_array_equal(cpu.sumsq_many(x64), [cpu.sumsq(x) for x in x64])
-
-
-@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
-def test_scatter_add_rows_vs_reference(path, id_dtype):
-    """Repeated ids add up (in another order than NumPy's path: within float32 rounding);
-    an id out of range raises as NumPy's path does and writes nothing."""
-    dst = randn((11, 24), 1)
-    ids = np.array([[3, 3, 0, 10], [3, 1, 10, 3], [7, 7, 7, 7]], id_dtype)
-    src = randn((3, 4, 24), 2)
-    want = ref.scatter_add_rows(dst.astype(np.float64), ids, src.astype(np.float64))
-    got = dst.copy()
-    assert cpu.scatter_add_rows(got, ids, src) is None
-    close(got, want)
-    np.testing.assert_array_equal(got[[2, 4, 5, 6, 8, 9]], dst[[2, 4, 5, 6, 8, 9]])
-    before = got.copy()
-    with pytest.raises(IndexError):
-        cpu.scatter_add_rows(got, np.array([2, 11], id_dtype), src[0, :2])
-    np.testing.assert_array_equal(got, before)
 
 # ============================================================================== sumsq
 

@@ -39,7 +39,7 @@ from . import reference
 from .reference import (add, assign, cast, copy, cross_entropy, cross_entropy_bwd,
                         decode_attention, embedding, from_host, greedy_next,
                         kv_append, logsumexp, matmul, merge_heads, pinned_empty,
-                        softmax, softmax_bwd, split_heads, sum_rows,
+                        scatter_add_rows, softmax, softmax_bwd, split_heads, sum_rows,
                         synchronize, to_host, to_host_async, unmerge_heads, unsplit_head,
                         zeros)
 
@@ -154,14 +154,6 @@ def dropout(lib, x, p, seed):
     lib.dropout_f32(x.ctypes.data, y.ctypes.data, x.size, k0, k1, np.float32(p),
                     _rng.dropout_scale(p))
     return y
-
-
-@_fused(reference.scatter_add_rows, "dst", "src")
-def scatter_add_rows(lib, dst, ids, src):
-    ids64 = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-    c = dst.shape[-1]
-    return _ok(lib.scatter_add_rows_f32(dst.ctypes.data, ids64.ctypes.data, src.ctypes.data,
-                                        ids64.size, c, dst.shape[0]), None)
 
 
 @_fused(reference.gelu, "x")

@@ -653,25 +653,6 @@ void adamw_f32(float* RESTRICT p, const float* RESTRICT g, float* RESTRICT m,
 }
 
 /* ----------------------------------------------------------------------------------------
-   scatter_add_rows (the token embedding's backward): dst[ids[i]] += src[i] for i in order,
-   rows of c floats; an id outside [0, v) writes nothing and returns 1 (the caller's NumPy
-   path then raises). NumPy's path adds each repeated id's rows first: the same sums, added
-   in another order.
-   ---------------------------------------------------------------------------------------- */
-int scatter_add_rows_f32(float* RESTRICT dst, const int64_t* RESTRICT ids,
-                         const float* RESTRICT src, long n, long c, long v) {
-    for (long i = 0; i < n; ++i)
-        if (ids[i] < 0 || ids[i] >= v) return 1;
-    for (long i = 0; i < n; ++i) {
-        float* RESTRICT d = dst + ids[i] * c;
-        const float* RESTRICT s = src + i * c;
-#pragma omp simd
-        for (long j = 0; j < c; ++j) d[j] += s[j];
-    }
-    return 0;
-}
-
-/* ----------------------------------------------------------------------------------------
    The optimizer's step over every parameter in one call (a model's 50-odd tensors cost one
    call instead of one each): adamw_f32 on tensor k with its own a[k], c[k] and decay[k] (its
    step's bias corrections, its weight decay); sumsq_many_f32 writes sumsq_f32 of each tensor,

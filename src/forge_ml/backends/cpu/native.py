@@ -69,7 +69,6 @@ _SIGNATURES = {
     "sumsq_f32": (ctypes.c_double, [_p, _c_long]),
     "adamw_many_f32": (None, [_c_long] + [_p] * 5 + [_c_float] * 4 + [_p] * 3 + [_c_int]),
     "sumsq_many_f32": (None, [_c_long, _p, _p, _p]),
-    "scatter_add_rows_f32": (_c_int, [_p, _p, _p, _c_long, _c_long, _c_long]),
     "dropout_f32": (None, [_p, _p, _c_long, ctypes.c_uint32, ctypes.c_uint32, _c_float, _c_float]),
 }
 
