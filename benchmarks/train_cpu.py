@@ -4,11 +4,12 @@ the same model in PyTorch eager, measured in the same run.
 Model: nanoGPT's ``shakespeare_char`` on a laptop: 4 layers, 4 heads, 128 channels, context
 64, batch 12, vocabulary 65, dropout 0, tied head, tanh GELU. Both frameworks start from the
 same weights (forge-ml's init copied into torch) and see the same batches; torch gets
-``torch.set_num_threads`` = the cores this process may run on (``OPENBLAS_NUM_THREADS`` if set). Steps run in alternating rounds (forge-ml then
-torch, ``--rounds`` times) so that a load change on a shared machine hits both alike, each
-round after half a second of quiet (so that neither library's idle worker threads, which spin
-for a while after their last job, slow the other); the figure is the median step time over all
-rounds after the warm-up.
+``torch.set_num_threads`` = the cores this process may run on (``OPENBLAS_NUM_THREADS`` if
+set). Steps run in rounds, forge-ml then torch, then torch then forge-ml (``--rounds`` in
+all), so that a load change on a shared machine hits both alike; each side's turn comes after
+two seconds of quiet (so that neither library's idle worker threads, which spin for a while
+after their last job, slow the other). The figures: the median step time over all rounds after
+the warm-up, and the median over rounds of the two sides' ratio within a round.
 
     python benchmarks/train_cpu.py              # ~30 timed steps each
     python benchmarks/train_cpu.py --profile    # + where forge-ml's step time goes, per op
@@ -37,7 +38,7 @@ from forge_ml.optim import AdamW, clip_grad_norm  # noqa: E402
 B, T, V = 12, 64, 65
 N_LAYER, N_HEAD, N_EMBD = 4, 4, 128
 LR, BETAS, WD, CLIP = 1e-3, (0.9, 0.99), 0.1, 1.0
-SETTLE_S = 0.5   # seconds of quiet before each round (see the loop)
+SETTLE_S = 2.0   # seconds of quiet before each turn (see the loop; 0.5 s left an order effect)
 
 
 # -- PyTorch eager: a minimal GPT-2 with the same shapes and layout ---------------------------
@@ -137,13 +138,17 @@ def main():
     for name in steps:                                  # warm-up: same batches for both
         for i in range(args.warmup):
             run(name, i, False)
+    round_ms = {"forge-ml": [], "torch": []}
     for r in range(args.rounds):
-        for name in steps:
+        # ABBA: forge-ml first in even rounds, torch first in odd ones, so a load that rises
+        # or falls during a round does not always favour the same side
+        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
             # quiet first: OpenBLAS's and torch's worker threads spin for a while after their
             # last job and, on a small machine, take the cores the other library's threads need
             time.sleep(SETTLE_S)
             for i in range(args.steps):
                 run(name, args.warmup + r * args.steps + i, True)
+            round_ms[name].append(1e3 * float(np.median(times[name][-args.steps:])))
 
     f_ms = 1e3 * float(np.median(times["forge-ml"]))
     t_ms = 1e3 * float(np.median(times["torch"]))
@@ -157,6 +162,9 @@ def main():
     print(f"forge-ml : median {f_ms:8.2f} ms/step  ({B * T / f_ms * 1e3:,.0f} tokens/s)  over {len(times['forge-ml'])} steps")
     print(f"torch    : median {t_ms:8.2f} ms/step  ({B * T / t_ms * 1e3:,.0f} tokens/s)  over {len(times['torch'])} steps")
     print(f"ratio forge-ml / torch = {f_ms / t_ms:.3f}  ({'forge-ml faster or equal' if f_ms <= t_ms else 'forge-ml slower'})")
+    paired = [a / b for a, b in zip(round_ms["forge-ml"], round_ms["torch"])]
+    print(f"per round (each side's median, the two adjacent in time): ratio median {np.median(paired):.3f}, "
+          f"range {min(paired):.3f}-{max(paired):.3f} over {len(paired)} rounds")
 
     if args.profile:
         profile(forge_step, batches[:args.steps])
