@@ -17,14 +17,10 @@ import reference as ref
 from forge_ml import Tape
 from forge_ml.models.gpt2 import GPT2, GPT2Config
 
-from _gpu_checks import check, cuda_or_skip, host, poison_device_memory, round_bf16
+from _gpu_checks import check, host, poison_device_memory, round_bf16
+from test_cuda_flash import gpu, rs  # noqa: F401 (the fixtures: the GPU with bf16, a logged seed)
 
 pytestmark = pytest.mark.cuda
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    return cuda_or_skip(bf16=True)
 
 
 @pytest.fixture
@@ -34,13 +30,6 @@ def small_chunks(gpu, monkeypatch):
     monkeypatch.setattr(classifier, "CHUNK_BYTES", 70 * 64 * 4)
     poison_device_memory(1 << 28)
     return classifier
-
-
-@pytest.fixture
-def rs():
-    seed = int(np.random.SeedSequence().entropy % (1 << 63))
-    print(f"random seed {seed}")
-    return np.random.default_rng(seed)
 
 
 @pytest.mark.parametrize("dtype,tol,tdt,Vp", [

@@ -38,6 +38,7 @@ from forge_ml.distributed.comm import CommError, CommTimeout
 from forge_ml.tensor import Tensor, device_has
 
 from _gpu_checks import cuda_or_skip, round_bf16
+from test_cuda_flash import rs  # noqa: F401 (the fixture: a random generator whose seed is logged)
 
 pytestmark = pytest.mark.cuda
 
@@ -184,13 +185,6 @@ def comm(runs):
 
 # ---------------------------------------------------------------------------------------------
 # The collectives
-
-
-@pytest.fixture
-def rs():
-    seed = int(np.random.SeedSequence().entropy % (1 << 63))
-    print(f"random seed {seed}")
-    return np.random.default_rng(seed)
 
 
 def _nan_out(comm, dtype, n):
