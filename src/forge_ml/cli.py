@@ -579,8 +579,6 @@ def _sample_beams(args, model, tok, ids, stop, out) -> int:
 def _cmd_eval(args) -> int:
     import numpy as np
 
-    from . import flags
-    from .autograd import Tape
     from .data import DataLoader, load_text, read_shard, write_shard
     from .inference import load_model
     from .tensor import tensor
@@ -630,10 +628,7 @@ def _cmd_eval(args) -> int:
             n = min(n, args.max_batches)
         total, t0 = 0.0, time.perf_counter()
         for x, y in loader.eval_batches(n):
-            _, loss, _ = model.forward(Tape(grad=False), tensor(x, device=args.device),
-                                       tensor(y, device=args.device), train=False,
-                                       fused_loss=flags.on("FORGE_FUSED_LOSS"))
-            total += loss.t.item()
+            total += model.loss(tensor(x, device=args.device), tensor(y, device=args.device)).item()
         loss = total / n
     finally:
         if tmp is not None:

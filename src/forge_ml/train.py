@@ -63,7 +63,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import flags, ops
-from .autograd import Tape
+from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
 from .checkpoint import check_architecture, load_checkpoint, pack_tensors, save_checkpoint, unpack_tensors
 from .data import DataLoader, default_corpus, load_text, prepare, read_shard
 from .diagnose import CheckingTape
@@ -872,10 +872,7 @@ class Trainer:
         iters = self.cfg.eval_iters if iters is None else iters
         total = 0.0
         for x, y in self.val_loader.eval_batches(iters):
-            _, loss, _ = self.model.forward(Tape(grad=False), tensor(x, device=self.device),
-                                            tensor(y, device=self.device), train=False,
-                                            fused_loss=flags.on("FORGE_FUSED_LOSS"))
-            total += loss.t.item()
+            total += self.model.loss(tensor(x, device=self.device), tensor(y, device=self.device)).item()
         return total / iters
 
     def evaluate_full(self) -> tuple:
@@ -883,10 +880,8 @@ class Trainer:
         shard (no dropout): the figure ``forge-ml eval`` gives for the shard."""
         total, windows = 0.0, 0
         for x, y in self.val_loader.eval_batches(tail=True):
-            _, loss, _ = self.model.forward(Tape(grad=False), tensor(x, device=self.device),
-                                            tensor(y, device=self.device), train=False,
-                                            fused_loss=flags.on("FORGE_FUSED_LOSS"))
-            total += loss.t.item() * len(x)   # a batch's loss is the mean over its windows
+            loss = self.model.loss(tensor(x, device=self.device), tensor(y, device=self.device))
+            total += loss.item() * len(x)   # a batch's loss is the mean over its windows
             windows += len(x)
         return total / windows, windows
 

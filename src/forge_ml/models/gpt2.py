@@ -374,6 +374,19 @@ class GPT2:
         tape.backward(loss)
         return loss.t, {k: tape.grad(v) for k, v in leaves.items()}
 
+    def loss(self, ids: Tensor, targets: Tensor, **kw) -> Tensor:
+        """The mean loss without gradients (evaluation): a 0-d Tensor, no dropout, nothing kept
+        for a backward (``Tape(grad=False)``), the LM head's loss op unless
+        ``FORGE_FUSED_LOSS=off``. ``kw`` as ``forward``'s.
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+        >>> from forge_ml import tensor
+        >>> GPT2.init(cfg).loss(tensor([[1, 2]]), tensor([[2, 3]])).shape
+        ()
+        """
+        kw.setdefault("fused_loss", flags.on("FORGE_FUSED_LOSS"))
+        return self.forward(Tape(grad=False), ids, targets, train=False, **kw)[1].t
+
     def logits(self, ids: Tensor, **kw) -> Tensor:
         """Full-sequence logits ``(B, T, V)`` (padding columns dropped), no KV cache, no
         dropout."""
