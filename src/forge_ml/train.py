@@ -906,9 +906,13 @@ class Trainer:
         """Write the checkpoint of the current step to ``<out_dir>/ckpt`` (atomically). A
         failed write (full disk, read-only folder) keeps the previous checkpoint and raises a
         one-line CheckpointError that says so."""
-        cfg = self.cfg
-        opt_state = self.opt.state_dict()
         masters = {k: t.numpy() for k, t in self.opt.params.items()}   # float32, also in bf16 runs
+        return self._write_checkpoint(masters, self.opt.state_dict())
+
+    def _write_checkpoint(self, masters: dict, opt_state: dict) -> Path:
+        """``save`` from host arrays: ``masters`` name -> float32 array, ``opt_state``
+        ``AdamW.state_dict()``'s dict (its ``m`` and ``v`` are taken out of it)."""
+        cfg = self.cfg
         tensors = pack_tensors(masters, opt_state.pop("m"), opt_state.pop("v"))
         meta = {
             "kind": "forge-ml-train",

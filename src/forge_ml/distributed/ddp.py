@@ -29,10 +29,9 @@ the data position a checkpoint stores do not depend on the number of ranks.
 """
 from __future__ import annotations
 
-import math
 
 from ..errors import ConfigError, DeviceError, TrainingError
-from ..optim import AdamW, clip_grad_norm
+from ..optim import AdamW, clip_from_sumsq, clip_grad_norm
 from .buckets import Buckets, FlatBuffer
 from .comm import Communicator
 from .zero import ZeroAdamW
@@ -141,11 +140,8 @@ class DataParallel:
         inv = 1.0 / n_total
         if self.zero == 0:
             norm, scale = clip_grad_norm(self.grad_views, max_norm, grad_scale=inv)
-        else:   # optim.clip_grad_norm's arithmetic, on the shards' summed squares
-            norm = inv * math.sqrt(sq) if math.isfinite(sq) else float("nan")
-            scale = inv
-            if max_norm > 0 and math.isfinite(norm):
-                scale *= min(1.0, max_norm / (norm + 1e-6))
+        else:   # the shards' squares, summed over the ranks
+            norm, scale = clip_from_sumsq(sq, max_norm, grad_scale=inv)
         return loss_total / n_total, norm, scale
 
     def update(self, lr: float, scale: float) -> None:

@@ -447,7 +447,4 @@ def _wait_ranks(procs: list, grace: float, forwarded: list) -> int:
             # Ctrl-C: the children got the signal too; rank 0 saves and ends the workers
             forwarded.append(signal.SIGINT)
             continue
-    if failed is None:
-        bad = [c for c in (p.returncode for p in procs) if c]
-        failed = (bad[0] if bad[0] > 0 else 128 - bad[0]) if bad else 0
-    return failed
+    return 0 if failed is None else failed   # a non-zero code sets failed before the loop ends

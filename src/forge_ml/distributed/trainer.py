@@ -53,25 +53,6 @@ def _step(dp: DataParallel, loader, cfg: TrainConfig, step: int, comm: Communica
     return lr, mine, loss, norm, scale
 
 
-class _Gathered:
-    """The optimizer as ``Trainer.save`` reads it (``params``, ``state_dict()``), from the
-    host arrays ``DataParallel.gather_state`` collected."""
-
-    class _Host:
-        def __init__(self, a):
-            self._a = a
-
-        def numpy(self):
-            return self._a
-
-    def __init__(self, state: dict):
-        self.params = {k: self._Host(a) for k, a in state["params"].items()}
-        self._state = state["optimizer"]
-
-    def state_dict(self) -> dict:
-        return dict(self._state)
-
-
 class DistributedTrainer(Trainer):
     """Rank 0's trainer: a ``Trainer`` whose step is the data-parallel step over ``comm``,
     driving the ``Worker``s of the other ranks. ``zero``: 0 (every rank holds the AdamW
@@ -86,7 +67,6 @@ class DistributedTrainer(Trainer):
             raise ConfigError(f"DistributedTrainer runs on rank 0; rank {comm.rank} runs a Worker "
                               f"(distributed.trainer.train picks)")
         self.comm = comm
-        self._in_step = False
         self._workers_live = False
         try:
             if isinstance(config, dict):
@@ -163,7 +143,6 @@ class DistributedTrainer(Trainer):
         t0 = time.perf_counter()
         self._send({"cmd": "step", "step": step})
         self._phase = "update"      # Trainer's signal handler never interrupts this phase
-        self._in_step = True
         try:
             lr, mine, loss, norm, scale = _step(self.dp, self.train_loader, cfg, step, self.comm)
             if not math.isfinite(loss):
@@ -176,7 +155,6 @@ class DistributedTrainer(Trainer):
             self.step += 1
         finally:
             self._phase = None
-            self._in_step = False
         return dict(self._step_record(lr, loss, norm, t0), ranks=self.comm.world_size)
 
     def _rank0_origin(self, step: int, mine: list) -> str:
@@ -191,11 +169,7 @@ class DistributedTrainer(Trainer):
         single-rank checkpoint format on rank 0."""
         self._send({"cmd": "save"})
         state = self.dp.gather_state(root=0)
-        real, self.opt = self.opt, _Gathered(state)
-        try:
-            return super().save()
-        finally:
-            self.opt = real
+        return self._write_checkpoint(state["params"], dict(state["optimizer"]))
 
     def train(self, until: Optional[int] = None) -> dict:
         """``Trainer.train``, then tell the workers the run is done (or why it stopped): one
@@ -208,11 +182,7 @@ class DistributedTrainer(Trainer):
         except (TrainingError, CommError):
             raise           # the workers saw the same numbers, or the group is broken already
         except BaseException as e:
-            reason = f"rank 0 failed: {type(e).__name__}: {e}"
-            if self._in_step:
-                self.comm.abort(reason)   # the workers are inside a collective of the step
-            else:
-                self._send_quietly({"cmd": "abort", "reason": reason})
+            self._send_quietly({"cmd": "abort", "reason": f"rank 0 failed: {type(e).__name__}: {e}"})
             raise
         self._send({"cmd": "done"})
         return summary

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from .. import ops
 from ..errors import ConfigError
-from ..optim import AdamW
-from ..tensor import backend_of
+from ..optim import AdamW, grad_sumsq
 from .buckets import Buckets, FlatBuffer
 from .comm import Communicator
 
@@ -55,15 +54,13 @@ class ZeroAdamW:
         self.param_steps = dict(opt.param_steps)
         masters, lowp = opt.params, opt.lowp
         self.compute = opt.compute                  # the model's parameter dict
-        self._ndim = {k: p.ndim for k, p in masters.items()}
-        self._shapes = {k: p.shape for k, p in masters.items()}
         first = next(iter(masters.values()))
         src = lowp if lowp is not None else masters
         # the whole parameters, flat; the model computes with windows of it
         self.flat = FlatBuffer(buckets.size, next(iter(src.values())).dtype, first.device)
         for name, (lo, hi) in buckets.offsets.items():
             self.flat.put(lo, src[name])
-            self.compute[name] = self.flat.window(lo, hi, self._shapes[name])
+            self.compute[name] = self.flat.window(lo, hi, buckets.shapes[name])
         # this rank's shard: its chunk of every bucket, for the moments (and the masters in bf16)
         n = buckets.shard_size
         self.m = FlatBuffer(n, first.dtype, first.device)
@@ -90,25 +87,10 @@ class ZeroAdamW:
         ``gather_state`` collects them)."""
         return dict(self.compute)
 
-    @property
-    def lowp(self):
-        """The bf16 compute copies (None in float32)."""
-        return self.compute if self._masters is not None else None
-
-    def decays(self, name: str) -> bool:
-        """Whether parameter ``name`` takes weight decay (rank >= 2), as in ``AdamW``."""
-        return self._ndim[name] >= 2
-
     def grad_sumsq(self) -> float:
         """The sum of squares of this rank's shard of the (reduced) gradients, in float64 on
-        the host: one ``ops.sumsq`` per segment, one device sync."""
-        host, dev = 0.0, None
-        for _, g, _, _, _ in self._windows:
-            s = ops.sumsq(g)
-            if backend_of(s.device).host_memory:
-                host += s.item()
-            else:
-                dev = s if dev is None else ops.add(dev, s)
+        the host (``optim.grad_sumsq`` over the segments; one device sync)."""
+        host, dev = grad_sumsq({i: w[1] for i, w in enumerate(self._windows)})
         return host + (0.0 if dev is None else dev.item())
 
     def step(self, lr=None, grad_scale: float = 1.0) -> None:
@@ -121,7 +103,7 @@ class ZeroAdamW:
         b1, b2 = self.betas
         for s, (p, g, m, v, p_lowp) in zip(self.segments, self._windows):
             ops.adamw_update(p, g, m, v, lr=lr, beta1=b1, beta2=b2, eps=self.eps,
-                             weight_decay=self.weight_decay if self._ndim[s.name] >= 2 else 0.0,
+                             weight_decay=self.weight_decay if len(self.buckets.shapes[s.name]) >= 2 else 0.0,
                              step=self.param_steps[s.name], grad_scale=float(grad_scale), p_lowp=p_lowp)
         for b in self.buckets.buckets:
             lo, hi = self.buckets.chunk(b, self.comm.rank)
@@ -145,12 +127,12 @@ class ZeroAdamW:
                     host = whole.host(0, b.size)
                     for name in b.names:
                         lo, hi = bk.offsets[name]
-                        out[key][name] = host[lo - b.lo:hi - b.lo].reshape(self._shapes[name]).copy()
+                        out[key][name] = host[lo - b.lo:hi - b.lo].reshape(bk.shapes[name]).copy()
         comm.synchronize()
         if not is_root:
             return None
         if self._masters is None:
-            out["params"] = {k: self.compute[k].numpy() for k in self._shapes}
+            out["params"] = {k: self.compute[k].numpy() for k in bk.shapes}
         opt = {"step": self.steps, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
                "weight_decay": self.weight_decay, "param_steps": dict(self.param_steps),
                "m": out["m"], "v": out["v"]}
