@@ -1016,15 +1016,33 @@ def clip_scale(sumsq, scalars, max_norm: float, grad_scale: float = 1.0, check=N
         if check.dtype != sumsq.dtype:
             check = check.to(sumsq.dtype.name)
     if bk.host_memory:
-        gs, sq = float(grad_scale), float(sumsq.data.reshape(-1)[0])
-        norm = abs(gs) * math.sqrt(sq) if math.isfinite(sq) and sq >= 0 else float("nan")
+        norm, scale = clip_from_sumsq(float(sumsq.data.reshape(-1)[0]), max_norm, grad_scale)
         ok = math.isfinite(norm) and (check is None or math.isfinite(float(check.data.reshape(-1)[0])))
-        scale = (gs * min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else gs) if ok else float("nan")
+        scale = scale if ok else float("nan")
         out = scalars._prepare_write().reshape(-1)
         out[3], out[4] = scale, norm
         return
     _graph_member(bk, "clip_scale")(sumsq.data, None if check is None else check.data,
                                     scalars._prepare_write(), float(max_norm), float(grad_scale))
+
+
+def clip_from_sumsq(sq: float, max_norm: float, grad_scale: float = 1.0) -> tuple:
+    """Global-norm clipping's arithmetic, on the host, from the gradients' sum of squares:
+    ``(norm, scale)``, ``norm = |grad_scale| sqrt(sq)`` (NaN when ``sq`` is not a finite
+    non-negative number) and ``scale = grad_scale * min(1, max_norm / (norm + 1e-6))``
+    (torch's coefficient; ``grad_scale`` itself when ``max_norm <= 0`` or the norm is NaN).
+    ``clip_scale`` computes the same on the device.
+
+    >>> norm, scale = clip_from_sumsq(25.0, 1.0, 0.5)
+    >>> norm, round(scale, 6)
+    (2.5, 0.2)
+    """
+    gs = float(grad_scale)
+    norm = abs(gs) * math.sqrt(sq) if math.isfinite(sq) and sq >= 0 else float("nan")
+    scale = gs
+    if max_norm > 0 and math.isfinite(norm):
+        scale *= min(1.0, max_norm / (norm + 1e-6))
+    return norm, scale
 
 
 def _step_scalars(op, scalars, device) -> None:

@@ -293,13 +293,13 @@ def grad_norm(grads: dict, grad_scale: float = 1.0) -> float:
     >>> grad_norm({"a": fm.tensor(np.array([3.0], np.float32)), "b": fm.tensor(np.array([4.0], np.float32))})
     5.0
     """
+    return ops.clip_from_sumsq(_total_sumsq(grads), 0.0, grad_scale)[0]
+
+
+def _total_sumsq(grads: dict) -> float:
+    """``grad_sumsq``'s two parts added on the host (one device sync)."""
     host, dev = grad_sumsq(grads)
-    return _norm_of(host + (0.0 if dev is None else dev.item()), grad_scale)
-
-
-def _norm_of(sq: float, grad_scale: float) -> float:
-    """The norm of ``grad_scale * g`` from the sum of g's squares (NaN when it is not finite)."""
-    return abs(float(grad_scale)) * math.sqrt(sq) if math.isfinite(sq) else float("nan")
+    return host + (0.0 if dev is None else dev.item())
 
 
 def clip_on_device(grads: dict, max_norm: float, scalars: Tensor, grad_scale: float = 1.0,
@@ -332,23 +332,4 @@ def clip_grad_norm(grads: dict, max_norm: float, grad_scale: float = 1.0) -> tup
     >>> norm, round(scale, 6)
     (5.0, 0.2)
     """
-    return _clip_from_norm(grad_norm(grads, grad_scale), max_norm, grad_scale)
-
-
-def clip_from_sumsq(sq: float, max_norm: float, grad_scale: float = 1.0) -> tuple:
-    """``clip_grad_norm``'s ``(total_norm, scale)`` from the gradients' sum of squares ``sq``
-    (summed elsewhere: over the shards of several ranks, say).
-
-    >>> clip_from_sumsq(25.0, 1.0, 0.5)[0]
-    2.5
-    """
-    return _clip_from_norm(_norm_of(sq, grad_scale), max_norm, grad_scale)
-
-
-def _clip_from_norm(total: float, max_norm: float, grad_scale: float = 1.0) -> tuple:
-    """``(total, scale)``: ``grad_scale`` times torch's clip coefficient ``min(1, max_norm /
-    (total + 1e-6))``; unclipped when ``max_norm <= 0`` or ``total`` is not finite."""
-    scale = float(grad_scale)
-    if max_norm > 0 and math.isfinite(total):
-        scale *= min(1.0, max_norm / (total + 1e-6))
-    return total, scale
+    return ops.clip_from_sumsq(_total_sumsq(grads), max_norm, grad_scale)

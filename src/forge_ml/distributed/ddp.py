@@ -31,7 +31,8 @@ from __future__ import annotations
 
 
 from ..errors import ConfigError, DeviceError, TrainingError
-from ..optim import AdamW, clip_from_sumsq, clip_grad_norm
+from ..ops import clip_from_sumsq
+from ..optim import AdamW, clip_grad_norm
 from .buckets import Buckets, FlatBuffer
 from .comm import Communicator
 from .zero import ZeroAdamW
