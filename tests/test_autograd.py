@@ -222,6 +222,21 @@ def test_tape_linear_cross_entropy_equals_matmul_then_cross_entropy():
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
 
 
+
+def test_linear_cross_entropy_from_the_default_seed():
+    """backward(loss) (the seed is ones: the rule skips its scale) gives what an explicit
+    seed of one gives (the rule scales by it)."""
+    rs = np.random.default_rng(16)
+    xs, ws, tg = rnd(rs, 5, 3), rnd(rs, 7, 3), fm.tensor(np.array([0, 4, 2, 2, 1]))
+    got = []
+    for seed in (None, T(np.array(1.0))):
+        tape = Tape()
+        x, w = tape.leaf(T(xs)), tape.leaf(T(ws))
+        g = tape.backward(tape.linear_cross_entropy(x, w, tg, vocab_size=5), seed)
+        got.append((g[x.id].numpy(), g[w.id].numpy()))
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
+
 def test_linear_cross_entropy_sees_an_in_place_edit_of_w():
     rs = np.random.default_rng(15)
     tape = Tape()

@@ -85,6 +85,7 @@ class Tape:
         self.grads: list[Optional[Tensor]] = []
         self._key = object()  # what this tape's TVars carry: identity, no reference to the tape
         self.records = bool(grad)
+        self._unit_seed = []  # [backward's default seed (ones)], for rules that skip a "* 1"
 
     def __len__(self):
         return len(self._nodes)
@@ -319,6 +320,7 @@ class Tape:
         loss, dx, dw = ops.linear_cross_entropy(x.t, w.t, targets, vocab_size, grad=grad)
         ix, iw = x.id, w.id
         sx, sw = _Saved(x.t, "linear_cross_entropy"), _Saved(w.t, "linear_cross_entropy")
+        unit = self._unit_seed   # the list, not the tape: a closure must not keep the tape alive
 
         def backward(dy):
             gx, gw = dx, dw
@@ -326,6 +328,8 @@ class Tape:
                 _, gx, gw = ops.linear_cross_entropy(sx.get(), sw.get(), targets, vocab_size)
             else:            # computed in the forward: x and w must be the forward's still
                 sx.get(), sw.get()
+            if unit and dy is unit[0]:   # the loss is the root, seeded with 1: nothing to scale
+                return [(ix, gx), (iw, gw)]
             return [(ix, ops.scale(gx, dy)), (iw, ops.scale(gw, dy))]
 
         return self._record(loss, backward)
@@ -345,6 +349,7 @@ class Tape:
             raise TapeError("backward: this tape was already swept; record a new forward")
         if seed_grad is None:
             seed_grad = ones_like(root.t)
+            self._unit_seed.append(seed_grad)
         if seed_grad.shape != root.t.shape:
             raise ShapeError(f"backward: seed_grad is {seed_grad.shape} but root is {root.t.shape}")
         self._swept = True
