@@ -276,14 +276,24 @@ def adamw_update(lib, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, gra
                  p_lowp=None):
     if p_lowp is not None:
         return _DECLINED                             # the reference says why it is refused
-    bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
-    update = lr != 0.0
     lib.adamw_f32(p.ctypes.data, g.ctypes.data, m.ctypes.data, v.ctypes.data, p.size,
-                  beta1, (1.0 - beta1) * grad_scale, beta2,
-                  (1.0 - beta2) * grad_scale * grad_scale,
-                  bc1 / (lr * math.sqrt(bc2)) if update else 0.0,
-                  eps * bc1 / lr if update else 0.0, 1.0 - lr * weight_decay, update)
+                  *_adamw_moments(beta1, beta2, grad_scale), *_adamw_folded(lr, beta1, beta2, eps, step),
+                  1.0 - lr * weight_decay, lr != 0.0)
     return None
+
+
+def _adamw_moments(beta1, beta2, grad_scale):
+    """``adamw_f32``'s (b1, c1, b2, c2): the moments' factors with ``grad_scale`` folded in."""
+    return beta1, (1.0 - beta1) * grad_scale, beta2, (1.0 - beta2) * grad_scale * grad_scale
+
+
+def _adamw_folded(lr, beta1, beta2, eps, step):
+    """``adamw_f32``'s (a, c) of a 1-based ``step``: the bias corrections and lr folded into
+    the denominator; (0, 0) at lr 0, where only the moments move."""
+    if lr == 0.0:
+        return 0.0, 0.0
+    bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    return bc1 / (lr * math.sqrt(bc2)), eps * bc1 / lr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,21 +335,13 @@ def adamw_update_many(ps, gs, ms, vs, lr, beta1, beta2, eps, weight_decays, step
         return
     P, M, V, N = _kept_pointers(ps, ms, vs)
     G, _ = _pointers(gs)
-    update = lr != 0.0
-    k = len(ps)
-    a, c, decay = (np.zeros(k, np.float32) for _ in range(3))
-    if update:
-        folded = {}
-        for i, st in enumerate(steps):
-            if st not in folded:
-                bc1, bc2 = 1.0 - beta1 ** st, 1.0 - beta2 ** st
-                folded[st] = (bc1 / (lr * math.sqrt(bc2)), eps * bc1 / lr)
-            a[i], c[i] = folded[st]
-        decay[:] = [1.0 - lr * wd for wd in weight_decays]
-    lib.adamw_many_f32(k, P.ctypes.data, G.ctypes.data, M.ctypes.data, V.ctypes.data, N.ctypes.data,
-                       beta1, (1.0 - beta1) * grad_scale, beta2,
-                       (1.0 - beta2) * grad_scale * grad_scale,
-                       a.ctypes.data, c.ctypes.data, decay.ctypes.data, update)
+    folded = {st: _adamw_folded(lr, beta1, beta2, eps, st) for st in set(steps)}
+    a = np.array([folded[st][0] for st in steps], np.float32)
+    c = np.array([folded[st][1] for st in steps], np.float32)
+    decay = np.array([1.0 - lr * wd for wd in weight_decays], np.float32)
+    lib.adamw_many_f32(len(ps), P.ctypes.data, G.ctypes.data, M.ctypes.data, V.ctypes.data,
+                       N.ctypes.data, *_adamw_moments(beta1, beta2, grad_scale), a.ctypes.data,
+                       c.ctypes.data, decay.ctypes.data, lr != 0.0)
 
 
 def sumsq_many(xs):
