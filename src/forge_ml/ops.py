@@ -950,10 +950,11 @@ def _adamw_check(op, p, g, m, v, p_lowp=None):
 
 
 def adamw_update_many(ps, gs, ms, vs, *, lr, beta1, beta2, eps, weight_decays, steps,
-                      grad_scale=1.0) -> None:
+                      grad_scale=1.0, p_lowps=None) -> None:
     """``adamw_update`` for several parameters, each with its own weight decay and 1-based
     step (an optimizer's step over a whole model): one backend call where the backend has
-    ``adamw_update_many`` (the CPU's C kernel), else one ``adamw_update`` each.
+    ``adamw_update_many`` (the CPU's C kernel), else one ``adamw_update`` each (always with
+    ``p_lowps``, the bf16 copies that ``p_lowp`` takes one by one).
 
     >>> import numpy as np, forge_ml as fm
     >>> ps = [fm.tensor(np.zeros(2, np.float32)) for _ in range(2)]
@@ -965,18 +966,19 @@ def adamw_update_many(ps, gs, ms, vs, *, lr, beta1, beta2, eps, weight_decays, s
     [-0.5, -0.5]
     """
     k = len(ps)
-    if not len(gs) == len(ms) == len(vs) == len(weight_decays) == len(steps) == k:
+    if not len(gs) == len(ms) == len(vs) == len(weight_decays) == len(steps) == k or (
+            p_lowps is not None and len(p_lowps) != k):
         raise ShapeError(f"adamw_update_many: {k} parameters but {len(gs)} gradients, {len(ms)} "
-                         f"and {len(vs)} moments, {len(weight_decays)} weight decays and "
-                         f"{len(steps)} steps")
+                         f"and {len(vs)} moments, {len(weight_decays)} weight decays, "
+                         f"{len(steps)} steps" + ("" if p_lowps is None else f" and {len(p_lowps)} bf16 copies"))
     if k == 0:
         return
     bk = backend_of(ps[0].device)
     many = getattr(bk, "adamw_update_many", None)
-    if many is None:
-        for p, g, m, v, wd, st in zip(ps, gs, ms, vs, weight_decays, steps):
+    if many is None or p_lowps is not None:
+        for i, (p, g, m, v, wd, st) in enumerate(zip(ps, gs, ms, vs, weight_decays, steps)):
             adamw_update(p, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
-                         step=st, grad_scale=grad_scale)
+                         step=st, grad_scale=grad_scale, p_lowp=None if p_lowps is None else p_lowps[i])
         return
     for p, g, m, v, st in zip(ps, gs, ms, vs, steps):
         if _adamw_check("adamw_update_many", p, g, m, v) is not bk:

@@ -96,6 +96,9 @@ class AdamW:
         """Whether parameter ``name`` takes weight decay (rank >= 2)."""
         return self.params[name].ndim >= 2
 
+    def _weight_decay(self, name: str) -> float:
+        return self.weight_decay if self.decays(name) else 0.0
+
     def step(self, grads: dict, lr: Optional[float] = None, grad_scale: float = 1.0) -> None:
         """One update of every parameter that has a gradient (a None gradient skips its
         parameter, moments and step count untouched, as torch does). Gradients are
@@ -114,19 +117,12 @@ class AdamW:
         names = [n for n in self.params if grads.get(n) is not None]
         for name in names:
             self.param_steps[name] += 1
-        if self._lowp is None:   # one call for the whole model where the backend has one
-            ops.adamw_update_many(
-                [self.params[n] for n in names], [grads[n] for n in names],
-                [self.m[n] for n in names], [self.v[n] for n in names], lr=lr, beta1=b1, beta2=b2,
-                eps=self.eps, weight_decays=[self.weight_decay if self.decays(n) else 0.0 for n in names],
-                steps=[self.param_steps[n] for n in names], grad_scale=float(grad_scale))
-            return
-        for name in names:
-            ops.adamw_update(self.params[name], grads[name], self.m[name], self.v[name], lr=lr,
-                             beta1=b1, beta2=b2, eps=self.eps,
-                             weight_decay=self.weight_decay if self.decays(name) else 0.0,
-                             step=self.param_steps[name], grad_scale=float(grad_scale),
-                             p_lowp=self._lowp[name])
+        ops.adamw_update_many(
+            [self.params[n] for n in names], [grads[n] for n in names], [self.m[n] for n in names],
+            [self.v[n] for n in names], lr=lr, beta1=b1, beta2=b2, eps=self.eps,
+            weight_decays=[self._weight_decay(n) for n in names],
+            steps=[self.param_steps[n] for n in names], grad_scale=float(grad_scale),
+            p_lowps=None if self._lowp is None else [self._lowp[n] for n in names])
 
     # -- a step whose values live in device memory (a captured graph replays it) ------------
     def prepare(self, lr: Optional[float] = None, grad_scale: float = 1.0) -> Tensor:
@@ -174,7 +170,7 @@ class AdamW:
                 raise ConfigError(f"AdamW.update: no gradient for {name}; a captured step updates "
                                   "every parameter (use step())")
             ops.adamw_update(p, g, self.m[name], self.v[name], beta1=b1, beta2=b2, eps=self.eps,
-                             weight_decay=self.weight_decay if self.decays(name) else 0.0,
+                             weight_decay=self._weight_decay(name),
                              scalars=scalars, p_lowp=None if self._lowp is None else self._lowp[name])
 
     def advance(self) -> None:
