@@ -76,6 +76,12 @@ def _shape_eq(op, na, a, nb, b):
         raise ShapeError(f"{op}: {na} is {a.shape} but {nb} is {b.shape}; shapes must be equal")
 
 
+def _one_value(op, name, t, device):
+    """``t`` holds one value and lives on ``device`` (a scalar read where it is)."""
+    if t.numel != 1 or t.device != device:
+        raise ShapeError(f"{op}: {name} must be one value on {device}, got {t.shape} on {t.device}")
+
+
 def _wrap(x, arr):
     return Tensor(arr, x.device)
 
@@ -797,9 +803,15 @@ def _ce_check(op, logits, targets, vocab_size):
     _float(op, "logits", logits), _int(op, "targets", targets)
     _same(op, logits=logits, targets=targets)
     _rank(op, "logits", logits, 2, 2)
-    n, vp = logits.shape
+    return _ce_targets(op, "logits", logits.shape, logits.shape[1], targets, vocab_size)
+
+
+def _ce_targets(op, name, shape, vp, targets, vocab_size):
+    """Targets ``(N,)`` for the rows of ``name`` (``shape``), the vocabulary size in 1..vp, the
+    ids below it; returns the vocabulary size."""
+    n = shape[0]
     if targets.shape != (n,):
-        raise ShapeError(f"{op}: targets must be ({n},) for logits {logits.shape}, got {targets.shape}")
+        raise ShapeError(f"{op}: targets must be ({n},) for {name} {shape}, got {targets.shape}")
     v = vp if vocab_size is None else vocab_size
     if not isinstance(v, int) or not (0 < v <= vp):
         raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
@@ -821,9 +833,7 @@ def cross_entropy_bwd(logits, targets, dloss=1.0, vocab_size=None) -> Tensor:
     v = _ce_check("cross_entropy_bwd", logits, targets, vocab_size)
     bk = backend_of(logits.device)
     if isinstance(dloss, Tensor):
-        if dloss.numel != 1 or dloss.device != logits.device:
-            raise ShapeError(f"cross_entropy_bwd: dloss must be one value on {logits.device}, got "
-                             f"{dloss.shape} on {dloss.device}")
+        _one_value("cross_entropy_bwd", "dloss", dloss, logits.device)
         if not bk.host_memory:   # the kernel reads it where it is: no wait for the forward
             return _wrap(logits, bk.cross_entropy_bwd(logits.data, targets.data, dloss.data, v))
         dloss = dloss.item()
@@ -850,16 +860,9 @@ def linear_cross_entropy(x, w, targets, vocab_size=None, *, grad=True):
     _float(op, "x", x), _float(op, "w", w), _int(op, "targets", targets)
     bk = _same(op, x=x, w=w, targets=targets)
     _rank(op, "x", x, 2, 2), _rank(op, "w", w, 2, 2)
-    n, c = x.shape
-    if w.shape[1] != c:
-        raise ShapeError(f"{op}: x is {x.shape} but w is {w.shape}; w must be (vocab, {c})")
-    if targets.shape != (n,):
-        raise ShapeError(f"{op}: targets must be ({n},) for x {x.shape}, got {targets.shape}")
-    vp = w.shape[0]
-    v = vp if vocab_size is None else vocab_size
-    if not isinstance(v, int) or not (0 < v <= vp):
-        raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
-    _check_ids(op, targets, v)
+    if w.shape[1] != x.shape[1]:
+        raise ShapeError(f"{op}: x is {x.shape} but w is {w.shape}; w must be (vocab, {x.shape[1]})")
+    v = _ce_targets(op, "x", x.shape, w.shape[0], targets, vocab_size)
     loss, dx, dw = bk.linear_cross_entropy(x.data, w.data, targets.data, v, bool(grad))
     if not grad:
         return _wrap(x, loss), None, None
@@ -877,8 +880,7 @@ def scale(x, s) -> Tensor:
     _float("scale", "x", x)
     bk = backend_of(x.device)
     if isinstance(s, Tensor):
-        if s.numel != 1 or s.device != x.device:
-            raise ShapeError(f"scale: s must be one value on {x.device}, got {s.shape} on {s.device}")
+        _one_value("scale", "s", s, x.device)
         return _wrap(x, bk.scale(x.data, s.data))
     return _wrap(x, bk.scale(x.data, float(s)))
 
@@ -1012,9 +1014,7 @@ def clip_scale(sumsq, scalars, max_norm: float, grad_scale: float = 1.0, check=N
     _step_scalars("clip_scale", scalars, sumsq.device)
     if check is not None:
         _float("clip_scale", "check", check)
-        if check.numel != 1 or check.device != sumsq.device:
-            raise ShapeError(f"clip_scale: check must be one value on {sumsq.device}, got "
-                             f"{check.shape} on {check.device}")
+        _one_value("clip_scale", "check", check, sumsq.device)
         if check.dtype != sumsq.dtype:
             check = check.to(sumsq.dtype.name)
     if bk.host_memory:
