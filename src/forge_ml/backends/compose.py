@@ -34,15 +34,16 @@ def linear(bk, x, w, bias, act, residual, ln=None):
     return y if residual is None else bk.add(residual, y)
 
 
-def linear_cross_entropy(bk, x, w, targets, vocab_size, grad):
+def linear_cross_entropy(bk, x, w, targets, vocab_size, grad, dloss=1.0):
     """The LM head and its loss, the logits kept whole: ``logits = x @ w^T``, ``loss =
-    cross_entropy(logits)``; with ``grad`` also ``dl = cross_entropy_bwd(logits, dloss=1)``,
-    ``dx = dl @ w``, ``dw = dl^T @ x``. Returns ``(loss, dx, dw)`` (None, None without grad)."""
+    cross_entropy(logits)``; with ``grad`` also ``dl = cross_entropy_bwd(logits, dloss)``,
+    ``dx = dl @ w``, ``dw = dl^T @ x``. Returns ``(loss, dx, dw)`` (None, None without grad).
+    ``dloss`` (1 for the contract's op) lets a backend run it over chunks of rows."""
     logits = bk.matmul(x, w, None, False, True, 1.0, None)             # (N, Vp)
     loss = bk.cross_entropy(logits, targets, vocab_size)
     if not grad:
         return loss, None, None
-    dl = bk.cross_entropy_bwd(logits, targets, 1.0, vocab_size)
+    dl = bk.cross_entropy_bwd(logits, targets, dloss, vocab_size)
     return (loss, bk.matmul(dl, w, None, False, False, 1.0, None),
             bk.matmul(dl, x, None, True, False, 1.0, None))
 

@@ -374,8 +374,8 @@ LCE_CHUNK_BYTES = 1 << 26
 def linear_cross_entropy(x, w, targets, vocab_size, grad):
     """The LM head and its loss over chunks of rows, as the GPU's classifier does, so a large
     vocabulary's ``(N, Vp)`` logits are never kept whole: per chunk, the logits (BLAS), the
-    chunk's share of the mean loss and of the logits' gradient (cross_entropy(_bwd) with
-    dloss = rows / N), its rows of dx and its share of dw. One chunk is ``compose``'s op."""
+    chunk's share of the mean loss and of the logits' gradient, its rows of dx and its share
+    of dw: ``compose``'s op per chunk, with dloss = rows / N."""
     n, vp = x.shape[0], w.shape[0]
     rows = max(1, min(n, LCE_CHUNK_BYTES // max(1, vp * x.itemsize)))
     me = sys.modules[__name__]
@@ -385,13 +385,13 @@ def linear_cross_entropy(x, w, targets, vocab_size, grad):
     dx = np.empty_like(x) if grad else None
     dw = np.zeros_like(w) if grad else None
     for r0 in range(0, n, rows):
-        xs, ts = x[r0:r0 + rows], targets[r0:r0 + rows]
-        lg = matmul(xs, w, None, False, True, 1.0, None)
-        total += float(cross_entropy(lg, ts, vocab_size)) * len(ts)
+        ts = targets[r0:r0 + rows]
+        loss, dx_c, dw_c = _compose.linear_cross_entropy(me, x[r0:r0 + rows], w, ts, vocab_size,
+                                                         grad, dloss=len(ts) / n)
+        total += float(loss) * len(ts)
         if grad:
-            dl = cross_entropy_bwd(lg, ts, len(ts) / n, vocab_size)
-            dx[r0:r0 + rows] = matmul(dl, w, None, False, False, 1.0, None)
-            dw += matmul(dl, xs, None, True, False, 1.0, None)
+            dx[r0:r0 + rows] = dx_c
+            dw += dw_c
     return np.asarray(total / n, x.dtype), dx, dw
 
 
