@@ -126,7 +126,3 @@ def _checked_op(op: str):
 
 for _op in _CHECKED_OPS:
     setattr(CheckingTape, _op, _checked_op(_op))
-
-
-# ---------------------------------------------------------------------------------------------
-# The trainer

@@ -179,9 +179,3 @@ class RunLock:
         if self._f is not None:
             self._f.close()  # closing the descriptor drops the flock
             self._f = None
-
-
-# ---------------------------------------------------------------------------------------------
-# --batch-size auto
-
-

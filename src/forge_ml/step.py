@@ -68,7 +68,6 @@ class TrainStep:
             f"the {dev.type} backend cannot capture graphs"
         self._graph = None
         self.mode = "eager"
-        self.capture_error: Optional[BaseException] = None   # why the capture failed, if it did
         self._keep = None      # the memory a failed capture's real run left its tensors in
         lowp = opt.lowp
         self._accum_f32 = self.accum > 1 and lowp is not None   # bf16 grads add up in float32
@@ -133,7 +132,7 @@ class TrainStep:
             self._graph = _graph.capture(self.device, self._work, run_first=True)
             return self._graph.first
         except CaptureError as e:   # e.g. an op that waits for the device
-            cause = self.capture_error = e.__cause__ or e
+            cause = e.__cause__ or e
             self._keep, self.want_graph = e.keep, False
             self.why_eager = f"capture failed ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})"
             return e.first

@@ -150,9 +150,8 @@ def dropout(lib, x, p, seed):
     if p == 0:
         return reference.dropout(x, p, seed)           # a copy
     y = np.empty_like(x)
-    k0, k1 = _rng.seed_key(seed)
-    lib.dropout_f32(x.ctypes.data, y.ctypes.data, x.size, k0, k1, np.float32(p),
-                    _rng.dropout_scale(p))
+    pf, scale, k0, k1 = _drop_args(p, seed)
+    lib.dropout_f32(x.ctypes.data, y.ctypes.data, x.size, k0, k1, pf, scale)
     return y
 
 
