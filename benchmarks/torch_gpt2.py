@@ -47,13 +47,13 @@ def torch_gpt2(cfg, dropout: float = 0.0):
             # GPT-2's init, as nanoGPT's _init_weights: N(0, 0.02) weights and embeddings, zero
             # biases, the residual projections scaled by 1/sqrt(2 n_layer)
             for name, p in s.named_parameters():
-                if name.endswith("bias") or name.startswith("ln") or ".ln_" in name:
-                    continue
-                std = 0.02 / (2 * cfg.n_layer) ** 0.5 if name.endswith(("c_proj.weight", "c_proj2.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
-            for name, p in s.named_parameters():
-                if name.endswith("bias") and ".ln_" not in name and not name.startswith("ln"):
+                if name.startswith("ln") or ".ln_" in name:
+                    continue                                   # LayerNorm keeps ones and zeros
+                if name.endswith("bias"):
                     nn.init.zeros_(p)
+                else:
+                    std = 0.02 / (2 * cfg.n_layer) ** 0.5 if name.endswith(("c_proj.weight", "c_proj2.weight")) else 0.02
+                    nn.init.normal_(p, 0.0, std)
 
         def forward(s, idx, tg):
             x = s.drop(s.wte(idx) + s.wpe(torch.arange(idx.shape[1], device=idx.device)))

@@ -44,8 +44,7 @@ def sample_row(z, knobs, key, position, seen=None) -> int:
     1
     """
     z = np.array(z, dtype=np.float32).reshape(-1)
-    temp, k, ptop, pmin, pen = (np.float32(v) for v in np.asarray(knobs, np.float32).reshape(5))
-    k = int(k)
+    temp, _, _, _, pen = (np.float32(v) for v in np.asarray(knobs, np.float32).reshape(5))
     V = z.shape[0]
     if seen is not None and pen != np.float32(1):
         s = np.asarray(seen).reshape(-1)[:V].astype(bool)
