@@ -55,10 +55,10 @@ def _set_cublas_workspace(mib: int):
     import cupy
     from forge_ml.backends.cuda import cublas
     h = cublas._cublas_handle()
-    cublas._cublas_direct()
-    names = sorted({ln.split()[-1] for ln in open("/proc/self/maps")
-                    if "/libcublas.so" in ln and "libcublasLt" not in ln})
-    lib = ctypes.CDLL(names[0])
+    direct = cublas._cublas_direct()
+    if direct is None:
+        raise SystemExit("libcublas was not found in this process: the backend uses CuPy's wrappers")
+    lib = direct.lib                       # the libcublas the backend loaded
     lib.cublasSetWorkspace_v2.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     mem = cupy.cuda.Memory(mib << 20)
     st = lib.cublasSetWorkspace_v2(h, mem.ptr, mib << 20)

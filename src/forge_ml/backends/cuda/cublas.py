@@ -61,6 +61,7 @@ class _CublasC:
 
     def __init__(self, lib):
         import ctypes as C
+        self.lib = lib   # the loaded library, for other entry points (benchmarks/train_memory.py)
         vp, i, ll = C.c_void_p, C.c_int, C.c_longlong
         self.set_stream = lib.cublasSetStream_v2
         self.set_stream.argtypes, self.set_stream.restype = [vp, vp], i
