@@ -16,7 +16,6 @@ state goes into checkpoints, so a resumed run sees exactly the batches it would 
 """
 from __future__ import annotations
 
-import errno
 import glob
 import json
 import os
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import safe_target, user_umask
+from .runs import cannot_write
 from .errors import DataError
 
 SHARD_MAGIC = 20240520
@@ -75,9 +75,7 @@ def _atomic_write_bytes(path: Path, chunks) -> None:
             except OSError:
                 pass
         if isinstance(e, OSError):
-            why = e.strerror or str(e)
-            code = errno.errorcode.get(e.errno, "") if e.errno else ""
-            err = DataWriteError(f"cannot write {path}: {why}" + (f" ({code})" if code else ""))
+            err = DataWriteError(cannot_write(path, e))
             err.errno = e.errno
             raise err from e
         raise
