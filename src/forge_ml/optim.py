@@ -254,6 +254,21 @@ def cosine_lr(step: int, max_lr: float, warmup: int, max_steps: int, min_lr: flo
     return min_lr + coeff * (max_lr - min_lr)
 
 
+def accumulate(acc: Optional[dict], grads: dict, in_float32: bool = False) -> dict:
+    """``grads`` added into ``acc`` (None for the first micro-batch), name by name, after a cast
+    to float32 where ``in_float32`` (bf16 gradients of several micro-batches add up in
+    float32).
+
+    >>> import forge_ml as fm
+    >>> acc = accumulate(None, {"w": fm.tensor([1.0])})
+    >>> accumulate(acc, {"w": fm.tensor([2.0])})["w"].numpy().tolist()
+    [3.0]
+    """
+    if in_float32:
+        grads = {k: g.to("float32") for k, g in grads.items()}
+    return grads if acc is None else {k: ops.add(acc[k], g) for k, g in grads.items()}
+
+
 def grad_sumsq(grads: dict):
     """The sum of every (non-None) gradient's squares: ``(host float, device 0-d Tensor or
     None)``: one ``ops.sumsq`` per tensor; sums on a device are added there (no wait), sums in

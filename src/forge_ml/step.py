@@ -31,7 +31,7 @@ import numpy as np
 from . import graph as _graph
 from . import ops
 from .errors import CaptureError, ShapeError
-from .optim import AdamW, clip_on_device
+from .optim import AdamW, accumulate, clip_on_device
 from .tensor import zeros
 
 
@@ -79,9 +79,7 @@ class TrainStep:
         acc, losses = None, []
         for i in range(self.accum):
             loss, grads = self.model.grads(self.xs[i], self.ys[i], dropout_seed=self.seeds[i])
-            if self._accum_f32:
-                grads = {k: g.to("float32") for k, g in grads.items()}
-            acc = grads if acc is None else {k: ops.add(acc[k], g) for k, g in grads.items()}
+            acc = accumulate(acc, grads, self._accum_f32)
             losses.append(loss)
         check = losses[0]
         for loss in losses[1:]:

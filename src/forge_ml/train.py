@@ -62,7 +62,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from . import flags, ops
+from . import flags
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
 from .checkpoint import check_architecture, load_checkpoint, pack_tensors, save_checkpoint, unpack_tensors
 from .data import DataLoader, default_corpus, load_text, prepare, read_shard
@@ -73,7 +73,7 @@ from .errors import (CheckpointError, ConfigError, DataError, ForgeError, OutOfM
 from .inference.generate import stream_tokens
 from .inference.load import CKPT_NAME
 from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
-from .optim import AdamW, clip_grad_norm, cosine_lr
+from .optim import AdamW, accumulate, clip_grad_norm, cosine_lr
 from .runs import LOCK_NAME, RunError, RunLock, cannot_write, read_log, replace_file  # noqa: F401 (LOCK_NAME: the old import path)
 from .step import TrainStep
 from .tensor import device_has, release_cached, synchronize, tensor
@@ -677,9 +677,7 @@ class Trainer:
         acc = None
         for micro in range(2):
             _, grads = self.model.loss_and_grads(x, y, dropout_seed=dropout_seed(cfg.seed, 0, micro))
-            if self.bf16:
-                grads = {k: g.to("float32") for k, g in grads.items()}
-            acc = grads if acc is None else {k: ops.add(acc[k], g) for k, g in grads.items()}
+            acc = accumulate(acc, grads, self.bf16)
         synchronize(self.device)
         del acc, grads
 
@@ -756,9 +754,7 @@ class Trainer:
                     self._phase = None
                     raise self._bad_loss(loss, step, micro, batches[-1])
                 loss_sum += loss
-                if cfg.grad_accum > 1 and self.bf16:
-                    grads = {k: g.to("float32") for k, g in grads.items()}  # accumulate in float32
-                acc = grads if acc is None else {k: ops.add(acc[k], g) for k, g in grads.items()}
+                acc = accumulate(acc, grads, cfg.grad_accum > 1 and self.bf16)
             loss = loss_sum / cfg.grad_accum
             norm, scale = clip_grad_norm(acc, cfg.grad_clip, grad_scale=1.0 / cfg.grad_accum)
             if not math.isfinite(norm):
