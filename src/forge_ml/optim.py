@@ -186,12 +186,8 @@ class AdamW:
         >>> sorted(AdamW({"w": fm.zeros((2, 2))}).state_dict())
         ['betas', 'eps', 'lr', 'm', 'param_steps', 'step', 'v', 'weight_decay']
         """
-        return {
-            "step": self.steps, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
-            "weight_decay": self.weight_decay, "param_steps": dict(self.param_steps),
-            "m": {k: t.numpy() for k, t in self.m.items()},
-            "v": {k: t.numpy() for k, t in self.v.items()},
-        }
+        return dict(counters(self), m={k: t.numpy() for k, t in self.m.items()},
+                    v={k: t.numpy() for k, t in self.v.items()})
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s moments and step counts (hyper-parameters too where
@@ -252,6 +248,19 @@ def cosine_lr(step: int, max_lr: float, warmup: int, max_steps: int, min_lr: flo
     ratio = (step - warmup) / (max_steps - warmup)      # 0 -> 1
     coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))     # 1 -> 0
     return min_lr + coeff * (max_lr - min_lr)
+
+
+def counters(opt) -> dict:
+    """An AdamW's state but its moments (``state_dict()`` without ``m`` and ``v``): the step
+    counts and hyper-parameters, of an ``AdamW`` or anything holding the same attributes (a
+    sharded one).
+
+    >>> import forge_ml as fm
+    >>> sorted(counters(AdamW({"w": fm.zeros((2, 2))})))
+    ['betas', 'eps', 'lr', 'param_steps', 'step', 'weight_decay']
+    """
+    return {"step": opt.steps, "lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps,
+            "weight_decay": opt.weight_decay, "param_steps": dict(opt.param_steps)}
 
 
 def accumulate(acc: Optional[dict], grads: dict, in_float32: bool = False) -> dict:

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 from ..data import DataLoader
 from ..errors import ConfigError, TrainingError
 from ..models.gpt2 import GPT2, GPT2Config, param_shapes
-from ..optim import AdamW, cosine_lr
+from ..optim import AdamW, cosine_lr, counters
 from ..tensor import tensor, zeros
 from ..train import Interrupted, Trainer, TrainConfig, dropout_seed
 from .comm import CommError, Communicator
@@ -127,8 +127,7 @@ class DistributedTrainer(Trainer):
             "names": names, "dtype": opt.params[names[0]].dtype.name, "bf16": opt.lowp is not None,
             "data": str((self.data_dir / "train.bin").resolve()), "loader": self.train_loader.state_dict(),
             "step": self.step, "zero": zero, "bucket_mb": bucket_mb,
-            "optimizer": {"step": opt.steps, "lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps,
-                          "weight_decay": opt.weight_decay, "param_steps": dict(opt.param_steps)},
+            "optimizer": counters(opt),
         })
         for name in names:
             for t in (opt.params[name], opt.m[name], opt.v[name]):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .. import ops
 from ..errors import ConfigError
-from ..optim import AdamW, grad_sumsq
+from ..optim import AdamW, counters, grad_sumsq
 from .buckets import Buckets, FlatBuffer
 from .comm import Communicator
 
@@ -133,7 +133,4 @@ class ZeroAdamW:
             return None
         if self._masters is None:
             out["params"] = {k: self.compute[k].numpy() for k in bk.shapes}
-        opt = {"step": self.steps, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
-               "weight_decay": self.weight_decay, "param_steps": dict(self.param_steps),
-               "m": out["m"], "v": out["v"]}
-        return {"params": out["params"], "optimizer": opt}
+        return {"params": out["params"], "optimizer": dict(counters(self), m=out["m"], v=out["v"])}
