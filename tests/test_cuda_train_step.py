@@ -93,6 +93,33 @@ def test_the_captured_step_replays_the_op_by_op_step_bit_for_bit(dtype, accum):
         np.testing.assert_array_equal(p_graph[k], p_eager[k], err_msg=k)
 
 
+def test_release_gives_the_graphs_memory_back_and_the_step_captures_again():
+    # the trainer releases the step before an evaluation: the graph's pool must go back to
+    # the device then (it once stayed held, and the next capture doubled the step's memory)
+    model = GPT2.init(CFG, seed=3, device="cuda")
+    opt = AdamW(model.params, lr=1e-3, compute_dtype="bfloat16")
+    step = TrainStep(model, opt, batch=4, block=32, graph=True)
+    r = np.random.default_rng(1)
+    batch = lambda: [(r.integers(0, 64, (4, 32)), r.integers(0, 64, (4, 32)))]  # noqa: E731
+    for s in range(2):
+        step.run(batch(), [s], 1e-3)
+    assert step.mode == "graph"
+    captured = step._graph._captured
+    pool = captured._pool
+    held = pool.total_bytes() - pool.used_bytes()        # the intermediates' freed blocks
+    assert held > 0
+    step.release()
+    # what goes back: every free block but those that share an allocation with a block in use
+    assert pool.total_bytes() - pool.used_bytes() < held / 4
+    with pytest.raises(fm.errors.CaptureError, match="released"):
+        captured.replay()
+    modes = []
+    for s in range(2, 4):
+        assert step.run(batch(), [s], 1e-3).taken
+        modes.append(step.mode)
+    assert modes == ["eager", "graph"]
+
+
 def test_a_nan_replay_updates_nothing():
     model = GPT2.init(CFG, seed=2, device="cuda")
     opt = AdamW(model.params, lr=1e-3, compute_dtype="bfloat16")

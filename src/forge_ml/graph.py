@@ -33,6 +33,14 @@ class Graph:
         """Run the captured work again, ordered with the device's other work."""
         self._captured.replay()
 
+    def release(self) -> None:
+        """Give the graph's memory back to the device now (not when the collector finds the
+        last reference); the graph cannot be replayed after. Tensors still in use keep
+        theirs."""
+        release = getattr(self._captured, "release", None)
+        if release is not None:
+            release()
+
 
 def capture(device, fn, run_first: bool = False) -> Graph:
     """Capture the device work of ``fn()`` (which returns a Tensor, or a tuple of Tensors,

@@ -139,5 +139,7 @@ class TrainStep:
         """Drop the captured graph and give its memory back (before evaluation or sampling,
         which run op by op: they would otherwise hold a second copy beside the graph's). The
         next run captures again after one real run."""
+        if self._graph is not None:
+            self._graph.release()
         self._graph = None
         self._keep = None
