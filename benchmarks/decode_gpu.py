@@ -4,7 +4,13 @@ included), the op-by-op step, and each op of the step at decode shapes (GPU time
 captured in a CUDA graph and replayed), with torch's matrix-vector products at the same shapes
 beside forge-ml's (also in a graph).
 
-    python benchmarks/decode_gpu.py [--dtype float32|bf16] [--pos 200]
+With the step as one kernel (``decode_model.cu``, batch 1), ``--stages`` also prints where
+that kernel's time goes: each stage's work (the last block's arrival at the grid barrier after
+it, from the first departure of the barrier before) and the barrier's own latency (from the
+last arrival to the last departure), from each block's ``%globaltimer`` at every barrier,
+summed over the layers and averaged over ``--reps`` steps.
+
+    python benchmarks/decode_gpu.py [--dtype float32|bf16] [--pos 200] [--stages]
 """
 from __future__ import annotations
 
@@ -60,11 +66,48 @@ def torch_graph_ms(torch, fn, reps, inner=20):
     return start.elapsed_time(end) / n / inner
 
 
+def stage_profile(cp, model, cache, tok, pos, reps):
+    """Print the fused step's time by stage (see the module's docstring)."""
+    from forge_ml.backends.cuda import decoder
+    from forge_ml.inference.decode import DecodeStep
+    from forge_ml import flags
+    decoder.TIMING = True
+    try:
+        with flags.override(FORGE_FUSED_DECODE=True):   # opt-in (experimental)
+            step = DecodeStep(model, cache, graph=False)
+        assert step.fused, "the fused step does not take this model"
+        L = model.config.n_layer
+        names = ["A ln1+qkv", "B attention", "C merge+proj", "D ln2+fc", "E gelu+out"]
+        work, wait = np.zeros(5 * L + 1), np.zeros(5 * L + 1)
+        for _ in range(reps):
+            list(step.greedy(tok, pos, 1))
+            cp.cuda.Device().synchronize()
+            t = decoder.last_plan().times.get()[:, :5 * L + 1].astype(np.int64)  # (grid, bars, 2)
+            arrive, depart = t[:, :, 0], t[:, :, 1]
+            work[0] += arrive[:, 0].max() - arrive[:, 0].min()   # the spread of the first stage
+            work[1:] += arrive[:, 1:].max(0) - depart[:, :-1].min(0)
+            wait += depart.max(0) - arrive.max(0)
+        work, wait = work / reps / 1e3, wait / reps / 1e3
+    finally:
+        decoder.TIMING = False
+    plan = decoder.last_plan()
+    print(f"\n  the step as one kernel: {plan.grid} blocks, {plan.splits} attention splits a head, "
+          f"gemv cuts (lanes a row, K slices, rows a slice) qkv/proj/fc/out = {plan.stages}")
+    print("  stage, summed over the layers: work (first block out of the barrier before -> last "
+          "block in), barrier (last in -> last out), us")
+    for i, name in enumerate(names):
+        print(f"  {name:14s} {work[i:5 * L:5].sum():8.1f} {wait[i:5 * L:5].sum():8.1f}")
+    print(f"  {'F lm head':14s} {work[5 * L]:8.1f} {wait[5 * L]:8.1f}   (first stage's spread "
+          f"{work[0]:.1f})")
+    print(f"  {'total':14s} {work.sum():8.1f} {wait.sum():8.1f}   = {work.sum() + wait.sum():.1f} us")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bf16"])
     ap.add_argument("--pos", type=int, default=200)
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--stages", action="store_true", help="the fused step's time by stage")
     a = ap.parse_args(argv)
 
     import cupy as cp
@@ -81,6 +124,8 @@ def main(argv=None):
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, a.pos))
     model.forward_cached(fm.tensor(prompt, device="cuda"), cache)
     tok = [int(prompt[0, -1])]
+    if a.stages:
+        stage_profile(cp, model, cache, tok, a.pos, 50)
 
     def captured_step(pdl: bool):
         """A DecodeStep whose graph was captured with programmatic dependent launch on or off

@@ -7,8 +7,9 @@ tokens/s counts new tokens over the end-to-end time (prefill and the CUDA-graph 
 included), best of a few runs; by default over a whole generation from a 16-token prompt to
 position 1,024 (the decoding attention's cost grows with the position). The bandwidth line
 reads the parameters once per token (gpt-fast's measure): parameter bytes x tokens/s against
-the H200's 4.8 TB/s. forge-ml is also timed with the graph off (FORGE_CUDA_GRAPH=0,
-the decoding step op by op), the figure before the graph existed.
+the H200's 4.8 TB/s. forge-ml is also timed with the step as one kernel (FORGE_FUSED_DECODE=on,
+decode_model.cu, experimental) and with the graph off (the decoding step op by op, the figure
+before the graph existed).
 """
 from __future__ import annotations
 
@@ -49,10 +50,10 @@ def main(argv=None):
     model = cpu_model.to("cuda", dtype="bfloat16" if a.dtype == "bf16" else None)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, a.prompt_len)]
 
-    def run_forge(graph=True):
+    def run_forge(graph=True, fused=False):
         cp.cuda.Device().synchronize()
         t0 = time.perf_counter()
-        with flags.override(FORGE_CUDA_GRAPH=graph):
+        with flags.override(FORGE_CUDA_GRAPH=graph, FORGE_FUSED_DECODE=fused):
             out = list(generate(model, prompt, max_new_tokens=a.new_tokens, temperature=0))
         cp.cuda.Device().synchronize()
         return time.perf_counter() - t0, out
@@ -73,16 +74,21 @@ def main(argv=None):
         torch.cuda.synchronize()
         return time.perf_counter() - t0, out[0, len(prompt):].tolist()
 
-    run_forge(), run_hf()                             # warm-up: compile, cuBLAS handles
+    run_forge(), run_forge(fused=True), run_hf()      # warm-up: compile, cuBLAS handles
     tf = min(run_forge()[0] for _ in range(a.repeats))
-    te = min(run_forge(graph=False)[0] for _ in range(a.repeats))
+    tl = min(run_forge(fused=True)[0] for _ in range(a.repeats))
+    te = min(run_forge(graph=False, fused=False)[0] for _ in range(a.repeats))
     th = min(run_hf()[0] for _ in range(a.repeats))
     _, fo = run_forge()
+    _, lo = run_forge(fused=True)
     _, ho = run_hf()
     same = next((i for i, (x, y) in enumerate(zip(fo, ho)) if x != y), len(fo))
+    same_l = next((i for i, (x, y) in enumerate(zip(fo, lo)) if x != y), len(fo))
     n = a.new_tokens
     print(f"GPT-2 124M batch-1 greedy generation, {a.dtype}, prompt {a.prompt_len}, {n} new tokens")
-    print(f"forge-ml:      {n / tf:9.1f} tok/s")
+    print(f"forge-ml:      {n / tf:9.1f} tok/s  (~60 kernels a step, in a CUDA graph)")
+    print(f"forge-ml, one kernel a step: {n / tl:9.1f} tok/s  (FORGE_FUSED_DECODE=on, "
+          f"decode_model.cu; tokens agree with the default's for the first {same_l})")
     print(f"forge-ml, no graph: {n / te:9.1f} tok/s  (decoding step op by op)")
     print(f"transformers:  {n / th:9.1f} tok/s")
     print(f"ratio forge-ml / transformers: {th / tf:.2f}x   (greedy tokens agree for the first {same} of {n})")

@@ -15,7 +15,7 @@ True
 >>> flags.get("FORGE_NOPE")
 Traceback (most recent call last):
 ...
-forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUDA_GRAPH, FORGE_FUSED_LOSS, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH
+forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUDA_GRAPH, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH
 """
 from __future__ import annotations
 
@@ -71,6 +71,9 @@ _SWITCHES = (
     Switch("FORGE_FUSED_LOSS", "on",
            "the LM head and the training loss as one op over chunks of rows, the logits never "
            "kept whole (off: the logits, then cross_entropy)", ("on", "off")),
+    Switch("FORGE_FUSED_DECODE", "off",
+           "experimental: a batch-1 decoding step of GPT-2 as one CUDA kernel, every layer and "
+           "the LM head (not yet faster than the kernel-per-op step it replaces)", ("on", "off")),
     Switch("FORGE_GEMV", "on",
            "few-row products (decoding) on forge-ml's cluster gemv kernel on Hopper (off: cuBLAS)",
            ("on", "off")),

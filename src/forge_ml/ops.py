@@ -544,6 +544,79 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale=None) -> Tensor:
     return _wrap(qkv, y)
 
 
+def decode_gpt2_ok(wte, n_head: int, k_cache) -> bool:
+    """Whether ``decode_gpt2`` runs GPT-2's decoding step for a model whose token embedding is
+    ``wte (Vp, C)`` with ``n_head`` heads and a KV cache layer shaped like ``k_cache``: the
+    backend has the fused step (CUDA), one row, float32 or bf16, head size 64 (every GPT-2
+    size), and the FORGE_FUSED_DECODE switch on.
+
+    >>> import forge_ml as fm
+    >>> decode_gpt2_ok(fm.zeros((10, 64)), 1, fm.zeros((1, 1, 8, 64)))   # the CPU has none
+    False
+    """
+    ok = getattr(backend_of(wte.device), "decode_gpt2_ok", None)
+    return bool(ok is not None and wte.ndim == 2 and k_cache.ndim == 4
+                and ok(wte.dtype.name, wte.shape[1], int(n_head), k_cache.shape[2],
+                       k_cache.shape[0]))
+
+
+def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, vocab_size, logits,
+                out=None, row=None, greedy=False) -> None:
+    """GPT-2's whole decoding step for one row as one backend call, where ``decode_gpt2_ok``
+    says so (CUDA: one kernel for every layer and the LM head): writes ``logits (1, Vp)``
+    (float32) for token ``ids`` (int32, one element) at position ``pos`` (int32, one
+    element on the device, read by the kernel, so the step captures into a graph), and the
+    token's keys and values at that row of each layer's cache. ``layers``: each layer's 12
+    tensors in ``models.gpt2.Layer``'s order; ``caches``: each layer's ``(k, v)``, ``(1, H,
+    Tmax, 64)``; ``lnf``: the final layernorm's ``(gamma, beta)``; ``head (Vp, C)``: the LM
+    head. ``greedy``: then also ``greedy_next``'s work on those logits: ``ids = argmax(logits[0,
+    :vocab_size])`` (also into ``out``, row ``row`` of a ``(k, 1)`` buffer) and ``pos += 1``.
+    Equal to ``GPT2.decode_step`` within float32 rounding (the residual stream stays in
+    float32 between layers here).
+
+    Example (on a GPU; ``inference.decode.DecodeStep`` makes this call)::
+
+        cache = model.new_cache(1, 1024)
+        P = model.params
+        decode_gpt2(ids, pos, P["wte.weight"], P["wpe.weight"], (P["ln_f.weight"],
+                    P["ln_f.bias"]), P["wte.weight"], layers(P, model.config),
+                    list(zip(cache.k, cache.v)), 12, 1e-5, 50257, logits, greedy=True)
+    """
+    op = "decode_gpt2"
+    if not decode_gpt2_ok(wte, n_head, caches[0][0]):
+        raise DeviceError(f"{op}: the backend of {wte.device} has no fused decoding step for "
+                          f"this model (ask decode_gpt2_ok first)")
+    tensors = [ids, pos, wte, wpe, head, logits, *lnf] + [t for lw in layers for t in lw] + [
+        t for kv in caches for t in kv] + ([out] if out is not None else [])
+    for t in tensors:
+        _tensor(op, "argument", t)
+        if t.device != wte.device:
+            raise DeviceError(f"{op}: wte is on {wte.device} but an argument is on {t.device}")
+    if len(layers) != len(caches) or any(len(lw) != 12 for lw in layers):
+        raise ShapeError(f"{op}: expected 12 tensors per layer and one (k, v) per layer, got "
+                         f"{[len(lw) for lw in layers]} and {len(caches)} caches")
+    for name, t in (("ids", ids), ("pos", pos)) + ((("out", out),) if out is not None else ()):
+        if t.dtype is not _dt.int32:
+            raise DTypeError(f"{op}: {name} must be int32, got {t.dtype.name}")
+    if ids.numel != 1 or pos.numel != 1:
+        raise ShapeError(f"{op}: one row: ids and pos must hold one element, got {ids.shape} "
+                         f"and {pos.shape}")
+    Vp = head.shape[0]
+    if logits.dtype is not _dt.float32 or logits.numel != Vp:
+        raise ShapeError(f"{op}: logits must be float32 with {Vp} elements, got "
+                         f"{logits.dtype.name} {logits.shape}")
+    if not isinstance(vocab_size, int) or not 0 < vocab_size <= Vp:
+        raise ShapeError(f"{op}: vocab_size must be in 1..{Vp}, got {vocab_size!r}")
+    dst = None if out is None else _choice_out(op, out, row, 1)
+    backend_of(wte.device).decode_gpt2(
+        ids._prepare_write(), pos._prepare_write(), wte.data, wpe.data,
+        [t.data for t in lnf], head.data, [[t.data for t in lw] for lw in layers],
+        [(k._prepare_write(), v._prepare_write()) for k, v in caches], int(n_head), float(eps),
+        vocab_size, logits._prepare_write(), dst, greedy=bool(greedy))
+    if greedy:
+        ids._storage.id_range = (0, vocab_size - 1)
+
+
 def assign(dst, values) -> None:
     """In place: ``dst[...] = values`` (a NumPy array or nested list of ``dst``'s shape, cast
     to ``dst``'s dtype). Fills the fixed input buffers of a captured step; copy-on-write.

@@ -102,10 +102,18 @@ class DecodeStep:
         self._graphs = {}      # "logits", "rows": one step; ("greedy", k): k steps + choices
         self._hist = {}        # k -> the (k, B) int32 tensor of a k-step chain's tokens
         self._warm = False     # some step ran op by op: every kernel is compiled and loaded
+        # one row on a device with GPT-2's step as one kernel: that kernel, at the step's
+        # position buffer (``rows`` keeps the op-by-op step: its positions may be outside)
+        self.fused = hasattr(model, "fused_decode_ok") and model.fused_decode_ok(cache)
+        if self.fused:
+            self._fused_logits = zeros((B, model.config.padded_vocab_size), "float32", dev)
 
     def _logits(self, pos):
         """The step's device work; returns the float32 logits (B, Vp) (the bf16 -> float32
         cast is part of the captured work, so the host copies one tensor back)."""
+        if self.fused and pos is self._pos:
+            self.model.decode_step_fused(self._ids, pos, self.cache, self._fused_logits)
+            return self._fused_logits
         out = self.model.decode_step(self._ids, pos, self.cache)
         return out if out.dtype.name == "float32" else out.to("float32")
 
@@ -177,7 +185,11 @@ class DecodeStep:
         hist = self._hist[k]
         V = self.model.config.vocab_size
         for i in range(k):
-            ops.greedy_next(self._logits(self._pos), V, self._ids, self._pos, out=hist, row=i)
+            if self.fused:   # the step and its argmax in one kernel
+                self.model.decode_step_fused(self._ids, self._pos, self.cache,
+                                             self._fused_logits, out=hist, row=i, greedy=True)
+            else:
+                ops.greedy_next(self._logits(self._pos), V, self._ids, self._pos, out=hist, row=i)
         return hist
 
     def _sample_work(self, k: int):
@@ -373,7 +385,8 @@ def decoder(model, batch: int, max_len: Optional[int] = None) -> tuple:
     if not graph.available(model.device):
         cache = KVCache.empty(model, batch, max_len)
         return cache, DecodeStep(model, cache)
-    key = (batch, max_len, flags.get("FORGE_CUDA_GRAPH"), tuple(model.params))
+    key = (batch, max_len, flags.get("FORGE_CUDA_GRAPH"), flags.get("FORGE_FUSED_DECODE"),
+           tuple(model.params))
     memory = [v.memory() for v in model.params.values()]
     kept = getattr(model, "_decoder_kept", None)
     if kept is not None and kept[0] == key and _same_memory(kept[3], memory):

@@ -513,6 +513,37 @@ class GPT2:
         x = ops.layernorm(x, P["ln_f.weight"], P["ln_f.bias"], eps)
         return ops.matmul(x, _head(P, cfg), trans_b=True)                        # (B, Vp)
 
+    def fused_decode_ok(self, cache) -> bool:
+        """Whether ``decode_step_fused`` runs for this model and ``cache``: the device has
+        GPT-2's decoding step as one kernel (``ops.decode_gpt2_ok``: CUDA, one row, float32 or
+        bf16).
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=64)
+        >>> model = GPT2.init(cfg)
+        >>> model.fused_decode_ok(model.new_cache(1, 8))     # on the CPU: no
+        False
+        """
+        return ops.decode_gpt2_ok(self.params["wte.weight"], self.config.n_head, cache.k[0])
+
+    def decode_step_fused(self, ids: Tensor, pos: Tensor, cache, logits: Tensor, out=None,
+                          row=None, greedy: bool = False) -> None:
+        """``decode_step`` for one row as one kernel (``ops.decode_gpt2``), where
+        ``fused_decode_ok``: writes the float32 ``logits (1, Vp)`` of token ``ids`` at the
+        device position ``pos`` and the token's keys and values into ``cache``; with
+        ``greedy`` also ``ops.greedy_next``'s choice (``ids``, ``out[row]``, ``pos += 1``).
+
+        Example (on a GPU)::
+
+            cache = model.new_cache(1, 1024)
+            logits = zeros((1, model.config.padded_vocab_size), "float32", "cuda")
+            model.decode_step_fused(ids, pos, cache, logits)
+        """
+        cfg, P = self.config, self.params
+        ops.decode_gpt2(ids, pos, P["wte.weight"], P["wpe.weight"],
+                        (P["ln_f.weight"], P["ln_f.bias"]), _head(P, cfg), layers(P, cfg),
+                        list(zip(cache.k, cache.v)), cfg.n_head, cfg.layernorm_eps,
+                        cfg.vocab_size, logits, out=out, row=row, greedy=greedy)
+
 
 def _take_vocab(logits: Tensor, v: int) -> Tensor:
     """Drop padded vocab columns: ``(…, Vp) -> (…, V)`` (a copy)."""

@@ -20,7 +20,9 @@ The rooms, each a module beside the ``.cu`` files it launches:
   cross_entropy.cu): sum_rows, sumsq, layernorm, softmax, logsumexp, cross_entropy;
   ``layout`` (heads.cu, embedding.cu): the head permutations, embedding, scatter_add_rows;
   ``attention`` (attention.cu, flash_attention.cu): flash and composed attention, the KV
-  cache, decode_attention; ``sampling`` (greedy.cu, sample.cu): greedy_next, sample_next.
+  cache, decode_attention; ``sampling`` (greedy.cu, sample.cu): greedy_next, sample_next;
+  ``decoder`` (decode_model.cu): GPT-2's whole batch-1 decoding step as one kernel,
+  decode_gpt2.
 
 Dtypes: float32, float64 and bfloat16 (stored as 2-byte words, ``ml_dtypes.bfloat16`` on the
 CuPy side; every kernel accumulates bf16 in float32). Each kernel file holds one layer's
@@ -41,6 +43,7 @@ from .attention import (_attention_bwd_composed, _attention_composed, _flash_wan
                         attention_qkv_bwd, attention_qkv_dropout, attention_qkv_dropout_bwd,
                         decode_attention, kv_append)
 from .classifier import linear_cross_entropy
+from .decoder import decode_gpt2, decode_gpt2_ok
 from .graph import CapturedGraph, capture_graph
 from .layout import (embedding, merge_heads, scatter_add_rows, split_heads, unmerge_heads,
                      unsplit_head)
@@ -71,7 +74,7 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     "cross_entropy_bwd", "adamw_update", "attention", "attention_bwd", "attention_qkv",
     "attention_qkv_bwd", "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
     "decode_attention", "greedy_next", "sample_next", "linear_cross_entropy", "scale",
-    "dropout_at", "adamw_update_at", "clip_scale",
+    "dropout_at", "adamw_update_at", "clip_scale", "decode_gpt2", "decode_gpt2_ok",
     # private, for the GPU tests and benchmarks
     "_attention_composed", "_attention_bwd_composed", "_flash_wanted", "_qkv_flash_ok",
     "_pdl_wrote",

@@ -1,0 +1,146 @@
+"""GPT-2's whole decoding step for one row as one kernel (decode_model.cu): ``decode_gpt2``,
+experimental (the FORGE_FUSED_DECODE switch, off by default).
+
+The grid is one block per SM, resident for the whole step; the stages (per layer: LN1 and
+qkv, attention, projection, LN2 and fc, the MLP's projection; then LN_f, the LM head and the
+argmax) meet at grid-wide barriers. ``_Plan`` holds what a step needs beyond the weights: the
+geometry (how each matrix product is cut into work items), the table of every layer's
+weight and cache addresses, a float32 workspace and the barrier's counter. A plan is made
+once per set of weight and cache addresses (outside any graph capture: the first, op-by-op
+call of a ``DecodeStep`` makes it) and kept; a captured step replays the kernel with the
+same arguments. Kernels: decode_model.cu.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ... import flags
+from ...errors import ShapeError
+from .runtime import _DTYPES, BF16, F32, _dev, _float_sfx, _guarded, _i32, _launch, _sm_count, cupy
+
+_THREADS = 512        # decode_model.cu: DM_THREADS
+_WARPS = 16
+_KMAX, _CMAX, _KEYS, _HS = 6400, 1600, 1024, 64
+_SMAX = 16            # DM_SMAX: K slices, and attention splits, at most
+_BARS = 256           # DM_BARS
+TIMING = False        # record each block's barrier times in plan.times (benchmarks/decode_gpu.py)
+_VEC = {F32: 4}
+if BF16 is not None:
+    _VEC[BF16] = 8
+# decode_model.cu's enum of the geometry array
+_GEO = ("C", "H", "L", "V", "VP", "TMAX", "SPLITS",
+        "QKV_LPR", "QKV_S", "QKV_KC", "PROJ_LPR", "PROJ_S", "PROJ_KC",
+        "FC_LPR", "FC_S", "FC_KC", "OUT_LPR", "OUT_S", "OUT_KC",
+        "X", "XM", "QKVP", "ATTP", "PROJP", "FCP", "OUTP", "ARGP")
+
+
+def decode_gpt2_ok(dtype: str, C: int, H: int, Tmax: int, batch: int) -> bool:
+    """Whether ``decode_gpt2`` takes this model and cache: one row, float32 or bf16, head size
+    64, n_embd a multiple of 8 up to 1,600, an attention split of at most 1,024 keys, and
+    the FORGE_FUSED_DECODE switch on (off by default: the step is not yet faster than the
+    kernel-per-op step; benchmarks/RESULTS.md)."""
+    dt = _DTYPES.get(getattr(dtype, "name", dtype))
+    if not flags.on("FORGE_FUSED_DECODE") or batch != 1 or dt not in _VEC:
+        return False
+    if C % H or C // H != _HS or C % 8 or C > _CMAX or 4 * C > _KMAX:
+        return False
+    return -(-Tmax // _splits(H)) <= _KEYS
+
+
+def _splits(H: int) -> int:
+    """Attention items per head: the SMs shared out among the heads, at most _SMAX."""
+    return max(1, min(_SMAX, _sm_count(_dev()) // H))
+
+
+def _stage(K: int, N: int, vec: int, itemsize: int, grid: int):
+    """(lanes per row, K slices, rows per slice) of one matrix product: the cut whose busiest
+    block streams the fewest rows, counting each slice a consumer must add, and tiles narrower
+    than 64 bytes (half a DRAM burst) as dearer."""
+    best = None
+    for lpr in (8, 4, 2, 1):
+        tiles = -(-N // (lpr * vec))
+        for S in range(1, _SMAX + 1):
+            kc = -(-K // S)
+            rounds = -(-(tiles * S) // grid)
+            steps = -(-kc // (_WARPS * 32 // lpr))
+            cost = rounds * steps + 0.25 * S + (4.0 if lpr * vec * itemsize < 64 else 0.0)
+            if best is None or cost < best[0]:
+                best = (cost, lpr, S, kc)
+    return best[1:]
+
+
+class _Plan:
+    """The geometry, the address table, the workspace and the barrier counter of one model's
+    decoding step (see the module's docstring)."""
+
+    def __init__(self, dtype, C, H, L, V, Vp, Tmax, layer_ptrs):
+        grid = _sm_count(_dev())
+        vec, item = _VEC[dtype], np.dtype(dtype).itemsize
+        splits = _splits(H)
+        stages = [_stage(C, 3 * C, vec, item, grid), _stage(C, C, vec, item, grid),
+                  _stage(C, 4 * C, vec, item, grid), _stage(4 * C, C, vec, item, grid)]
+        sizes = [("X", C), ("XM", C), ("QKVP", stages[0][1] * 3 * C),
+                 ("ATTP", H * splits * (_HS + 2)), ("PROJP", stages[1][1] * C),
+                 ("FCP", stages[2][1] * 4 * C), ("OUTP", stages[3][1] * C), ("ARGP", 2 * grid)]
+        offsets, at = {}, 0
+        for name, n in sizes:
+            offsets[name] = at
+            at += -(-n // 32) * 32
+        geo = {"C": C, "H": H, "L": L, "V": V, "VP": Vp, "TMAX": Tmax, "SPLITS": splits}
+        for prefix, (lpr, S, kc) in zip(("QKV", "PROJ", "FC", "OUT"), stages):
+            geo.update({prefix + "_LPR": lpr, prefix + "_S": S, prefix + "_KC": kc})
+        geo.update(offsets)
+        self.grid, self.stages, self.splits = grid, stages, splits
+        self.geo = cupy.asarray(np.array([geo[k] for k in _GEO], np.int32))
+        self.table = cupy.asarray(np.array(layer_ptrs, np.uint64))
+        self.work = cupy.zeros(at, F32)
+        self.counter = cupy.zeros(1, np.uint64)
+        self.layers = L
+        self.times = None   # (grid, _BARS, 2) uint64 ns: each block's arrival and departure
+
+
+_plans: dict = {}
+
+
+def last_plan():
+    """The plan made last (for benchmarks: its ``times``, ``stages``, ``splits``)."""
+    return list(_plans.values())[-1] if _plans else None
+
+
+@_guarded
+def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, vocab_size, logits,
+                out=None, greedy=False):
+    """GPT-2's decoding step for one row in one kernel: ``logits (1, Vp)`` float32 for token
+    ``ids[0]`` at position ``pos[0]`` (int32 device arrays), the token's keys and values
+    written at that row of ``caches`` (per layer (k, v), (1, H, Tmax, 64)). ``layers``: per
+    layer the 12 tensors of ``models.gpt2.Layer`` in its order; ``lnf``: (gamma, beta).
+    ``greedy``: then also ``ids[0] = argmax(logits[0, :vocab_size])`` (also ``out`` (one int32 element) when given, and ``pos[0] += 1``, as ``greedy_next``."""
+    dt = wte.dtype
+    C, H, L = wte.shape[1], int(n_head), len(layers)
+    Vp, Tmax = head.shape[0], caches[0][0].shape[2]
+    if not decode_gpt2_ok(dt, C, H, Tmax, caches[0][0].shape[0]):
+        raise ShapeError("decode_gpt2: this model or cache is not one the fused step takes "
+                         "(see decode_gpt2_ok)")
+    ptrs = []
+    for t in [wte, wpe, head, logits, *lnf] + [t for lw in layers for t in lw] + [
+            t for kv in caches for t in kv]:
+        if not t.flags.c_contiguous or t.dtype != (F32 if t is logits else dt):
+            raise ShapeError(f"decode_gpt2: every weight and cache must be a contiguous {dt} "
+                             f"array (and the logits float32), got {t.dtype} {t.shape}")
+    for lw, (k, v) in zip(layers, caches):
+        ptrs.extend(int(t.data.ptr) for t in lw)
+        ptrs.extend((int(k.data.ptr), int(v.data.ptr)))
+    key = (_dev(), str(dt), C, H, L, int(vocab_size), Vp, Tmax, tuple(ptrs))
+    plan = _plans.get(key)
+    if plan is None:
+        if cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
+            raise ShapeError("decode_gpt2: the first call for a model must run outside a graph "
+                             "capture (it uploads the step's address table)")
+        plan = _plans[key] = _Plan(dt, C, H, L, int(vocab_size), Vp, Tmax, ptrs)
+    if TIMING and plan.times is None:
+        plan.times = cupy.zeros((plan.grid, _BARS, 2), np.uint64)
+    times = plan.times if TIMING else np.uint64(0)
+    _launch("decode_model", f"decode_model_{_float_sfx(wte)}", (plan.grid,), _THREADS,
+            (plan.geo, plan.table, wte, wpe, lnf[0], lnf[1], head, plan.work,
+             plan.counter, ids, pos, ids if out is None else out, _i32(0), _i32(1 if greedy else 0), np.float32(eps),
+             logits, times))

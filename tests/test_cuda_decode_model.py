@@ -1,0 +1,151 @@
+"""GPT-2's whole batch-1 decoding step as one kernel (ops.decode_gpt2, decode_model.cu):
+logits against a float64 forward of the same weights at every position (float32 and bf16),
+the keys and values it writes, its greedy choice against argmax of its logits, the captured
+chain against the op-by-op one, and the cases it leaves to the op-by-op step."""
+import numpy as np
+import pytest
+
+import forge_ml as fm
+from forge_ml import flags, ops
+from forge_ml.models import GPT2, GPT2Config
+from _gpu_checks import cuda_or_skip, round_bf16
+from test_cuda_model import _varied
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu():
+    cuda_or_skip()
+
+
+@pytest.fixture(autouse=True)
+def fused_on():
+    with flags.override(FORGE_FUSED_DECODE=True):   # opt-in while it is not yet the faster
+        yield
+
+
+# head size 64 (every GPT-2), a padded vocabulary, more positions than one attention split
+CFG = GPT2Config(vocab_size=1000, padded_vocab_size=1024, block_size=256, n_layer=3, n_head=2,
+                 n_embd=128)
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def f64_logits(cpu, ids, dtype):
+    """Float64 logits (T, V) of the sequence ``ids`` from the weights ``cpu`` holds, rounded
+    to bf16 first where the GPU model holds bf16."""
+    m = cpu.to(dtype="float64")
+    if dtype == "bfloat16":
+        m = GPT2(m.config, {k: fm.tensor(round_bf16(v.numpy())) for k, v in m.params.items()})
+    cache = m.new_cache(1, len(ids))
+    out = m.forward_cached(fm.tensor(np.asarray(ids)[None]), cache)
+    return out.numpy()[0, :, :cpu.config.vocab_size]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_step_matches_float64_at_every_position(dtype):
+    """float32: within 5e-5 of the float64 forward (as the op-by-op step); bf16 (whose KV cache rounds every key and
+    value, on either path): within the op-by-op bf16 step's error plus a quarter."""
+    from forge_ml.inference.decode import DecodeStep
+    cpu = _varied(GPT2.init(CFG, seed=11), 5)
+    gpu = cpu.to("cuda", dtype=dtype)
+    ids = np.random.default_rng(3).integers(0, CFG.vocab_size, 240)
+    want = f64_logits(cpu, ids, dtype)
+    cache = gpu.new_cache(1, 256)
+    gpu.forward_cached(fm.tensor(ids[None, :4], device="cuda"), cache)
+    step = DecodeStep(gpu, cache, graph=False)
+    assert step.fused
+    op_cache = gpu.new_cache(1, 256)
+    gpu.forward_cached(fm.tensor(ids[None, :4], device="cuda"), op_cache)
+    with flags.override(FORGE_FUSED_DECODE=False):
+        op_step = DecodeStep(gpu, op_cache, graph=False)
+    assert not op_step.fused
+    worst = worst_op = 0.0
+    for t in range(4, 240):
+        got = step(ids[t:t + 1], t)[0]
+        worst = max(worst, rel(got, want[t]))
+        worst_op = max(worst_op, rel(op_step(ids[t:t + 1], t)[0], want[t]))
+    if dtype == "float32":
+        assert worst < 5e-5 and worst_op < 5e-5, (worst, worst_op)   # both ~2e-5 on an H200
+    else:
+        assert worst < 1.25 * worst_op, (worst, worst_op)
+    # the keys and values it wrote are the op-by-op step's (within the two paths' rounding)
+    for i in range(CFG.n_layer):
+        for a, b in ((cache.k[i], op_cache.k[i]), (cache.v[i], op_cache.v[i])):
+            a = a.to("float32").numpy()[0, :, :240]
+            b = b.to("float32").numpy()[0, :, :240]
+            # bf16: two paths, each rounding its keys and values once (0.037 seen on an H200)
+            assert rel(a, b) < (1e-5 if dtype == "float32" else 6e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_greedy_chain_is_argmax_of_its_logits_and_replays_bit_for_bit(dtype):
+    from forge_ml.inference.decode import DecodeStep
+    gpu = _varied(GPT2.init(CFG, seed=12), 6).to("cuda", dtype=dtype)
+    ids = np.random.default_rng(4).integers(0, CFG.vocab_size, (1, 6))
+    caches = [gpu.new_cache(1, 256) for _ in range(3)]
+    for c in caches:
+        gpu.forward_cached(fm.tensor(ids, device="cuda"), c)
+    graph = DecodeStep(gpu, caches[0])
+    eager = DecodeStep(gpu, caches[1], graph=False)
+    assert graph.fused and eager.fused
+    g = np.stack(list(graph.greedy(ids[:, -1], 6, 200, chunk=8)))
+    assert ("greedy", 8) in graph._graphs and caches[0].pos == 206
+    e = np.stack(list(eager.greedy(ids[:, -1], 6, 200)))
+    np.testing.assert_array_equal(g, e)
+    host = DecodeStep(gpu, caches[2], graph=False)
+    tok = ids[:, -1]
+    for t in range(6, 206):
+        logits = host(tok, t)
+        tok = np.argmax(logits, axis=1)
+        np.testing.assert_array_equal(tok, g[t - 6], err_msg=str(t))
+    for i in range(CFG.n_layer):      # the replays wrote the caches as the eager kernels did
+        np.testing.assert_array_equal(caches[0].k[i].numpy(), caches[1].k[i].numpy())
+
+
+def test_fused_chain_agrees_with_the_op_by_op_chain_at_gpt2_size():
+    # GPT-2 124M's shapes (12 heads: 11 attention splits on an H200), float32, past 900
+    from forge_ml.inference.decode import DecodeStep
+    cfg = GPT2Config(n_layer=2)
+    gpu = GPT2.init(cfg, seed=0).to("cuda")
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 900))
+    fused_cache, op_cache = gpu.new_cache(1, 1024), gpu.new_cache(1, 1024)
+    for c in (fused_cache, op_cache):
+        gpu.forward_cached(fm.tensor(ids, device="cuda"), c)
+    fused = DecodeStep(gpu, fused_cache)
+    with flags.override(FORGE_FUSED_DECODE=False):
+        op = DecodeStep(gpu, op_cache)
+    assert fused.fused and not op.fused
+    for t in (900, 901, 950):
+        tok = ids[:, -1] if t == 900 else np.array([7])
+        a, b = fused(tok, t), op(tok, t)
+        assert rel(a, b) < 1e-5, t
+    a = np.stack(list(fused.greedy([3], 951, 20)))
+    b = np.stack(list(op.greedy([3], 951, 20)))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_what_the_fused_step_leaves_to_the_op_by_op_step():
+    from forge_ml.inference.decode import DecodeStep
+    gpu = GPT2.init(CFG, seed=1).to("cuda")
+    assert DecodeStep(gpu, gpu.new_cache(1, 64)).fused
+    assert not DecodeStep(gpu, gpu.new_cache(2, 64)).fused            # two rows
+    small = GPT2.init(GPT2Config(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=64),
+                      seed=1).to("cuda")
+    assert not DecodeStep(small, small.new_cache(1, 16)).fused        # head size 32
+    with flags.override(FORGE_FUSED_DECODE=False):
+        assert not DecodeStep(gpu, gpu.new_cache(1, 64)).fused
+    with pytest.raises(fm.errors.DeviceError, match="decode_gpt2_ok"):
+        small.decode_step_fused(fm.zeros((1, 1), "int32", "cuda"), fm.zeros((1,), "int32", "cuda"),
+                                small.new_cache(1, 16), fm.zeros((1, 50), "float32", "cuda"))
+    cache = gpu.new_cache(1, 64)
+    with pytest.raises(fm.errors.DTypeError, match="ids must be int32"):
+        gpu.decode_step_fused(fm.zeros((1, 1), "int64", "cuda"), fm.zeros((1,), "int32", "cuda"),
+                              cache, fm.zeros((1, 1024), "float32", "cuda"))
+    with pytest.raises(fm.errors.ShapeError, match="logits must be float32 with 1024"):
+        gpu.decode_step_fused(fm.zeros((1, 1), "int32", "cuda"), fm.zeros((1,), "int32", "cuda"),
+                              cache, fm.zeros((1, 1000), "float32", "cuda"))
+    assert not ops.decode_gpt2_ok(fm.zeros((10, 64)), 1, fm.zeros((1, 1, 8, 64)))
