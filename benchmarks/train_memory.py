@@ -14,8 +14,13 @@ for the process:
 NVML minus the pools and the graph-owned memory is the CUDA context, loaded modules and
 library workspaces. ``--workspace-mib N`` adds a third run, the graph with cuBLAS given a fixed
 workspace of N MiB first (``cublasSetWorkspace``; without one, cuBLAS 12.2+ allocates its
-workspace stream-ordered, which inside a capture is graph-owned memory). ``train_e2e.py`` measured 21.5 GiB with the graph and 17.8 GiB op by op
-(before the LM head's loss op) at GPT-2 124M, B=32: this script says which part grows.
+workspace stream-ordered, which inside a capture is graph-owned memory).
+
+What it found (GPT-2 124M, B=32, bf16, 2026-12-03): ``train_e2e.py``'s 21.5 GiB with the graph
+was the captured step's pool (9.7 GiB) still held after the trainer dropped the graph for an
+evaluation, beside the step captured again after it; the graph-owned memory was 0.06 GiB and
+a fixed cuBLAS workspace changed nothing. ``CapturedGraph.release`` now gives the pool back:
+12.2 GiB at every step, evaluation included (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
