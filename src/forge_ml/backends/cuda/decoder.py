@@ -9,6 +9,12 @@ weight and cache addresses, a float32 workspace and the barrier's counter. A pla
 once per set of weight and cache addresses (outside any graph capture: the first, op-by-op
 call of a ``DecodeStep`` makes it) and kept; a captured step replays the kernel with the
 same arguments. Kernels: decode_model.cu.
+
+Limits of the experimental path: the grid barrier needs every block resident at once, which
+one block per SM gives on a GPU the process has to itself (an MPS client limited to part of
+the SMs would wait forever: leave the switch off there); a plan lives as long as the process
+(a few hundred KB each, one per distinct set of weight and cache addresses), because a
+captured step keeps reading its workspace.
 """
 from __future__ import annotations
 
