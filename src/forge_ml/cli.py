@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import blas as _blas
 from .errors import ConfigError, DataError, ForgeError, TrainingError
 
 PROG = "forge-ml"
@@ -66,61 +67,29 @@ _TRAIN_HELP = {
 }
 
 
-# BLAS thread pools: the variables the BLAS libraries NumPy (and PyTorch) may use read.
-_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# BLAS thread pools: forge_ml.blas (the default, the run-time setter, the tuner)
 
 
 def blas_threads_default(cores=None) -> int:
-    """The BLAS threads ``forge-ml`` uses when the user has set none: half the cores this
-    process may run on, at most 8, at least 1. OpenBLAS threads spin while they wait, so a
-    pool as large as the machine slows to a crawl when another process takes a core (a
-    2-core machine: 61 ms a step alone, 222 ms beside one busy process; one thread: 75 ms);
-    half the cores leaves room for a neighbour, and the small matmuls of the default model
-    gain little beyond a few threads.
+    """The BLAS threads ``forge-ml`` starts with when the user has set none: half the cores
+    (``forge_ml.blas.default_threads``; the trainer's ``ThreadTuner`` may take more).
 
     >>> blas_threads_default(2), blas_threads_default(6), blas_threads_default(64)
     (1, 3, 8)
     """
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(8, cores // 2))
+    return _blas.default_threads(cores)
 
 
 def limit_blas_threads():
-    """Set the BLAS thread count of this process to ``blas_threads_default()``, unless the
-    user set one of OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS; returns the
-    count set, or None. The variables are set for libraries not yet loaded (and child
-    processes); NumPy's OpenBLAS, loaded with the package, is told through its
-    ``openblas_set_num_threads``."""
-    if any(os.environ.get(v) for v in _THREAD_VARS):
-        return None
-    n = blas_threads_default()
-    for v in _THREAD_VARS:
-        os.environ[v] = str(n)
-    _set_loaded_openblas_threads(n)
-    return n
+    """Set this process's BLAS threads to ``blas_threads_default()`` unless the user set one
+    of OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS; returns the count set, or
+    None (``forge_ml.blas.limit_default``)."""
+    return _blas.limit_default()
 
 
 def _set_loaded_openblas_threads(n: int) -> None:
-    """``openblas_set_num_threads(n)`` in every OpenBLAS already mapped into this process
-    (Linux: found in /proc/self/maps; elsewhere the environment variables do the work)."""
-    import ctypes
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            libs = {line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}
-    except OSError:
-        return
-    for path in libs:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn(ctypes.c_int(n))
-                break
+    """``openblas_set_num_threads(n)`` in every OpenBLAS already mapped into this process."""
+    _blas.set_threads(n)
 
 
 def _batch_size_arg(text: str):

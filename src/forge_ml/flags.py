@@ -15,7 +15,7 @@ True
 >>> flags.get("FORGE_NOPE")
 Traceback (most recent call last):
 ...
-forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUDA_GRAPH, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH
+forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUDA_GRAPH, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH
 """
 from __future__ import annotations
 
@@ -80,6 +80,9 @@ _SWITCHES = (
     Switch("FORGE_PDL", "on",
            "launch the decoding kernels with Hopper's programmatic dependent launch",
            ("on", "off")),
+    Switch("FORGE_BLAS_TUNE", "on",
+           "on the CPU, forge-ml train picks NumPy's BLAS threads (half the cores or all of "
+           "them) from its own step times (off: half the cores, as it starts)", ("on", "off")),
     Switch("FORGE_CPU_KERNELS", "auto",
            "CPU kernels: the fused C kernels if they build (auto), NumPy only (numpy), or the "
            "C kernels or an error (c)", ("auto", "numpy", "c")),

@@ -63,6 +63,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import flags
+from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
 from .checkpoint import check_architecture, load_checkpoint, pack_tensors, save_checkpoint, unpack_tensors
 from .data import DataLoader, default_corpus, load_text, prepare, read_shard
@@ -1002,17 +1003,28 @@ class Trainer:
         cfg = self.cfg
         until = cfg.max_steps if until is None else min(until, cfg.max_steps)
         threads = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+        tuner = self._thread_tuner()
+        blas_note = ""
+        if tuner is not None:
+            blas_note = f" (BLAS threads {' or '.join(map(str, tuner.counts))}, chosen from the steps' times)"
+        elif threads and device_has(self.device, "host_memory"):
+            blas_note = f" ({threads} BLAS thread{'s' if threads != '1' else ''})"
         self._say(f"model: {self.model.num_params():,} parameters ({_arch(self.model.config)}); "
-                  f"{self.train_loader.n_tokens:,} train tokens; device {self.device}"
-                  + (f" ({threads} BLAS thread{'s' if threads != '1' else ''})"
-                     if threads and device_has(self.device, "host_memory") else "")
+                  f"{self.train_loader.n_tokens:,} train tokens; device {self.device}" + blas_note
                   + f", {cfg.dtype}; batch {cfg.batch_size} x {cfg.grad_accum}; steps {self.step} -> {until}; "
                   f"out {self.out_dir}")
         self._bar = self._make_bar(until)
         first = self.step
         try:
             while self.step < until and self._stop is None:
+                if tuner is not None:
+                    tuner.before_step()
                 rec = self.train_step()
+                if tuner is not None:
+                    rec["blas_threads"] = tuner.threads or _blas.get_threads()
+                    line = tuner.after_step(rec["dt_ms"] / 1e3)
+                    if line is not None:
+                        self._say(line)
                 self.losses.append(rec["loss"])
                 self._write_log(rec)
                 s = self.step
@@ -1078,6 +1090,17 @@ class Trainer:
         self.val_loss, self.val_kind = loss, rec["val_kind"]
         self._write_log(rec)
         self._say(f"step {self.step}: val loss {loss:.4f} ({how}; perplexity {math.exp(min(loss, 50)):.2f})")
+
+    TUNES_BLAS = True   # DistributedTrainer: False (its processes share the machine's cores)
+
+    def _thread_tuner(self):
+        """On the CPU, where forge-ml chose the BLAS thread count (``forge-ml train`` with no
+        thread variable set): a ``forge_ml.blas.ThreadTuner`` over the default and every
+        core, which keeps the count the steps run faster with. None elsewhere."""
+        if not (self.TUNES_BLAS and device_has(self.device, "host_memory") and _blas.tunable()):
+            return None
+        counts = _blas.candidates()
+        return _blas.ThreadTuner(counts) if len(counts) > 1 else None
 
     def _off_graph(self, fn):
         """``_interruptible(fn)`` for work outside the training step (evaluation, samples): the

@@ -61,6 +61,8 @@ class DistributedTrainer(Trainer):
     ``Worker(comm).run()`` meanwhile (``train`` below does both).
     """
 
+    TUNES_BLAS = False   # its processes share the machine's cores
+
     def __init__(self, config, comm: Communicator, *, zero: int = 0, bucket_mb: float = 25.0,
                  resume: bool = False, overwrite: bool = False, log: Optional[Callable] = print):
         if comm.rank != 0:

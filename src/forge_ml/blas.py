@@ -1,0 +1,199 @@
+"""NumPy's BLAS thread pool (OpenBLAS), which runs the CPU backend's matrix products: how many
+threads it takes, set at run time, and ``ThreadTuner``, which picks that count while a run
+trains, from the run's own step times.
+
+Why a tuner. OpenBLAS threads spin while they wait. A pool as large as the machine is the
+fastest on a quiet machine (a 2-core VM: 45 ms a nanoGPT CPU step with 2 threads, 62 ms with
+1) and collapses beside one busy process (222 ms with 2 threads, 75 ms with 1). So
+``forge-ml train`` starts with half the cores (``limit_default``) and, on the CPU, lets a
+``ThreadTuner`` try both counts on the training steps themselves: it keeps the faster and
+tries again when the step time jumps or every few hundred steps. A matrix product's result
+does not depend on the thread count (OpenBLAS shares out the output, not the sum; the tests
+check the training step bit for bit), so the choice changes the speed only.
+
+The user's own choice wins: with OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS
+set, nothing here changes the count and no tuner runs; FORGE_BLAS_TUNE=off keeps the count
+``forge-ml train`` starts with.
+
+>>> default_threads(2), default_threads(6), default_threads(64)
+(1, 3, 8)
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import statistics
+from typing import Callable, Optional
+
+from . import flags
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+MAX_THREADS = 8          # the small products of the models trained on a CPU gain little beyond
+_chosen_here = False     # limit_default set the count (the user set none)
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def default_threads(n_cores: Optional[int] = None) -> int:
+    """The count ``forge-ml`` starts with where the user set none: half the cores, at most
+    8, at least 1 (room for a neighbour; ``ThreadTuner`` may take more)."""
+    n_cores = cores() if n_cores is None else n_cores
+    return max(1, min(MAX_THREADS, n_cores // 2))
+
+
+def _openblas_libs() -> list:
+    """Every OpenBLAS mapped into this process (Linux: /proc/self/maps), loaded by ctypes."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}
+    except OSError:
+        return []
+    libs = []
+    for path in sorted(paths):
+        try:
+            libs.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return libs
+
+
+def _symbol(lib, stem: str):
+    for name in (f"scipy_{stem}64_", f"scipy_{stem}", f"{stem}64_", stem):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            return fn
+    return None
+
+
+def set_threads(n: int) -> bool:
+    """``openblas_set_num_threads(n)`` in every OpenBLAS already loaded; whether one took it.
+
+    >>> n = get_threads()
+    >>> set_threads(n) if n else True
+    True
+    """
+    took = False
+    for lib in _openblas_libs():
+        fn = _symbol(lib, "openblas_set_num_threads")
+        if fn is not None:
+            fn(ctypes.c_int(int(n)))
+            took = True
+    return took
+
+
+def get_threads() -> Optional[int]:
+    """The thread count of the first OpenBLAS loaded, or None where there is none."""
+    for lib in _openblas_libs():
+        fn = _symbol(lib, "openblas_get_num_threads")
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            return int(fn())
+    return None
+
+
+def limit_default() -> Optional[int]:
+    """Set this process's BLAS threads to ``default_threads()`` unless the user set one of
+    ``THREAD_VARS``; returns the count set, or None. The variables are set for libraries not
+    yet loaded (and child processes); NumPy's OpenBLAS, loaded with the package, is told
+    through ``set_threads``. Afterwards ``tunable()`` is true where a tuner can change it."""
+    global _chosen_here
+    if any(os.environ.get(v) for v in THREAD_VARS):
+        return None
+    n = default_threads()
+    for v in THREAD_VARS:
+        os.environ[v] = str(n)
+    set_threads(n)
+    _chosen_here = True
+    return n
+
+
+def tunable() -> bool:
+    """Whether a ``ThreadTuner`` may choose the count: ``limit_default`` chose it (the user set
+    none), the FORGE_BLAS_TUNE switch is on, the process has at least 2 cores, and a loaded
+    OpenBLAS takes a new count."""
+    return (_chosen_here and flags.on("FORGE_BLAS_TUNE") and cores() >= 2
+            and get_threads() is not None)
+
+
+def candidates(n_cores: Optional[int] = None) -> list:
+    """The counts a tuner tries: the default (half the cores) and every core (at most 8).
+
+    >>> candidates(2), candidates(8), candidates(1)
+    ([1, 2], [4, 8], [1])
+    """
+    n_cores = cores() if n_cores is None else n_cores
+    return sorted({default_threads(n_cores), max(1, min(MAX_THREADS, n_cores))})
+
+
+class ThreadTuner:
+    """Picks the BLAS thread count from the step times of a run (see the module's docstring).
+
+    Call ``before_step()`` before each step and ``after_step(seconds)`` after it. The first
+    ``skip`` steps run as they are (a first step allocates); then each count of ``counts`` runs
+    ``trials`` steps, in turns (a load change hits every count alike), and the one with the
+    lower median stays. It tries again after ``every`` steps, or as soon as a step takes
+    ``jump`` times the median of the last ten at the chosen count (a neighbour came or went).
+    ``after_step`` returns a line for the log when it has chosen, else None; ``threads`` is the
+    count in use.
+
+    >>> told = []
+    >>> t = ThreadTuner([1, 2], set_threads=told.append, skip=0, trials=2)
+    >>> for seconds in (0.06, 0.04, 0.06, 0.04):         # 1, 2, 1, 2 threads
+    ...     t.before_step(); line = t.after_step(seconds)
+    >>> t.threads, told[-1], line
+    (2, 2, 'BLAS threads: 2 (median step 40 ms; 1 thread: 60 ms)')
+    """
+
+    def __init__(self, counts, set_threads: Callable[[int], object] = set_threads, skip: int = 2,
+                 trials: int = 3, every: int = 500, jump: float = 1.5):
+        self.counts = sorted(set(int(c) for c in counts))
+        self._set, self.trials, self.every, self.jump = set_threads, int(trials), int(every), float(jump)
+        self._skip = int(skip)
+        self.threads: Optional[int] = None
+        self._queue: list = []        # counts still to try, in order
+        self._times: dict = {}
+        self._recent: list = []       # the chosen count's last step times
+        self._since = 0               # steps since the last choice
+        if len(self.counts) > 1:
+            self._start()
+
+    def _start(self) -> None:
+        self._queue = [c for _ in range(self.trials) for c in self.counts]
+        self._times = {c: [] for c in self.counts}
+
+    def before_step(self) -> None:
+        if self._skip == 0 and self._queue and self.threads != self._queue[0]:
+            self.threads = self._queue[0]
+            self._set(self.threads)
+
+    def after_step(self, seconds: float) -> Optional[str]:
+        if self._skip > 0:
+            self._skip -= 1
+            return None
+        if self._queue:
+            self._times[self._queue.pop(0)].append(float(seconds))
+            if self._queue:
+                return None
+            med = {c: statistics.median(ts) for c, ts in self._times.items()}
+            best = min(self.counts, key=lambda c: (med[c], c))
+            if self.threads != best:
+                self.threads = best
+                self._set(best)
+            self._recent, self._since = [], 0
+            others = "; ".join(f"{c} thread{'s' if c != 1 else ''}: {med[c] * 1e3:.0f} ms"
+                               for c in self.counts if c != best)
+            return f"BLAS threads: {best} (median step {med[best] * 1e3:.0f} ms; {others})"
+        if len(self.counts) < 2:
+            return None
+        self._since += 1
+        slow = (len(self._recent) >= 5
+                and seconds > self.jump * statistics.median(self._recent))
+        self._recent = (self._recent + [float(seconds)])[-10:]
+        if slow or self._since >= self.every:
+            self._start()
+        return None
