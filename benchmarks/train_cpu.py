@@ -13,6 +13,7 @@ the warm-up, and the median over rounds of the two sides' ratio within a round.
 
     python benchmarks/train_cpu.py              # ~30 timed steps each
     python benchmarks/train_cpu.py --profile    # + where forge-ml's step time goes, per op
+    python benchmarks/train_cpu.py --cli-threads   # forge-ml with forge-ml train's BLAS threads
     python benchmarks/train_cpu.py --dropout 0.2   # the same with nanoGPT's dropout sites
                                                    # (masks differ: the losses are not compared)
 """
@@ -77,6 +78,36 @@ def torch_gpt(torch, init: dict, p_drop: float = 0.0):
     return P, loss_fn
 
 
+def make_trainer_step(args):
+    """The Trainer's step as ``forge-ml train`` runs it (the CLI's BLAS start, the run's
+    ThreadTuner), on ``args.trainer`` tokenized by characters: a function returning its loss."""
+    import tempfile
+    from forge_ml import blas
+    from forge_ml.train import TrainConfig, Trainer
+    blas.limit_default()                   # as the CLI does first (unless a thread variable is set)
+    out = tempfile.mkdtemp(prefix="train_cpu_")
+    cfg = TrainConfig(data=args.trainer, tokenizer="char", n_layer=N_LAYER, n_head=N_HEAD,
+                      n_embd=N_EMBD, block_size=T, batch_size=B, dropout=args.dropout, lr=LR,
+                      beta1=BETAS[0], beta2=BETAS[1], weight_decay=WD, grad_clip=CLIP,
+                      eval_interval=0, sample_interval=0, checkpoint_interval=0, progress=False,
+                      out_dir=out, max_steps=10 ** 6)
+    trainer = Trainer(cfg, log=lambda *_: None)
+    tuner = trainer._thread_tuner()
+    print("forge-ml: the Trainer's step; BLAS threads "
+          + (f"tuned among {tuner.counts}" if tuner else f"fixed ({blas.get_threads()})"))
+
+    def step():
+        if tuner is not None:
+            tuner.before_step()
+        rec = trainer.train_step()
+        if tuner is not None:
+            line = tuner.after_step(rec["dt_ms"] / 1e3)
+            if line:
+                print(f"forge-ml: {line}")
+        return rec["loss"]
+    return step
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
@@ -84,12 +115,25 @@ def main():
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     ap.add_argument("--profile", action="store_true", help="profile forge-ml's step by op")
     ap.add_argument("--dropout", type=float, default=0.0, help="dropout rate (default 0, nanoGPT's CPU run)")
+    ap.add_argument("--cli-threads", action="store_true",
+                    help="forge-ml with the BLAS threads `forge-ml train` starts with (half the "
+                         "cores), torch with all of them (a default PyTorch script)")
+    ap.add_argument("--trainer", metavar="TEXT", default=None,
+                    help="forge-ml's side is the Trainer's step as `forge-ml train` runs it on this "
+                         "text file (char tokens; tinyshakespeare gives the 65-token vocabulary), "
+                         "its BLAS threads chosen by the run's ThreadTuner")
     args = ap.parse_args()
 
     import torch
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # OPENBLAS_NUM_THREADS=1 (read by NumPy's BLAS at import) runs torch on one thread too.
     torch.set_num_threads(int(os.environ.get("OPENBLAS_NUM_THREADS", cores)))
+    if args.cli_threads:
+        from forge_ml.cli import _set_loaded_openblas_threads, blas_threads_default
+        _set_loaded_openblas_threads(blas_threads_default(cores))   # NumPy's OpenBLAS only
+        print(f"forge-ml BLAS threads: {blas_threads_default(cores)} (as forge-ml train starts); "
+              f"torch threads: {torch.get_num_threads()}")
+    trainer_step = make_trainer_step(args) if args.trainer else None
 
     cfg = GPT2Config(vocab_size=V, block_size=T, n_layer=N_LAYER, n_head=N_HEAD, n_embd=N_EMBD,
                      dropout=args.dropout)
@@ -109,6 +153,8 @@ def main():
     seeds = iter(range(1 << 30))
 
     def forge_step(x, y):
+        if trainer_step is not None:       # the Trainer reads its own batches
+            return trainer_step()
         loss, grads = model.loss_and_grads(fm.tensor(x), fm.tensor(y), dropout_seed=next(seeds))
         _, scale = clip_grad_norm(grads, CLIP)
         opt.step(grads, grad_scale=scale)
