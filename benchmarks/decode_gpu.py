@@ -10,7 +10,7 @@ it, from the first departure of the barrier before) and the barrier's own latenc
 last arrival to the last departure), from each block's ``%globaltimer`` at every barrier,
 summed over the layers and averaged over ``--reps`` steps.
 
-    python benchmarks/decode_gpu.py [--dtype float32|bf16] [--pos 200] [--stages]
+    python benchmarks/decode_gpu.py [--dtype float32|bf16] [--pos 200] [--batch 1] [--stages]
 """
 from __future__ import annotations
 
@@ -108,6 +108,8 @@ def main(argv=None):
     ap.add_argument("--pos", type=int, default=200)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--stages", action="store_true", help="the fused step's time by stage")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="rows decoded at once, each at position --pos (default 1)")
     a = ap.parse_args(argv)
 
     import cupy as cp
@@ -120,11 +122,12 @@ def main(argv=None):
     dt = "bfloat16" if a.dtype == "bf16" else "float32"
     model = GPT2.init(cfg, seed=0, device="cuda", dtype=dt)
     P = model.params
-    cache = model.new_cache(1, cfg.block_size)
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, a.pos))
+    Bn = a.batch
+    cache = model.new_cache(Bn, cfg.block_size)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (Bn, a.pos))
     model.forward_cached(fm.tensor(prompt, device="cuda"), cache)
-    tok = [int(prompt[0, -1])]
-    if a.stages:
+    tok = [int(t) for t in prompt[:, -1]]
+    if a.stages and Bn == 1:
         stage_profile(cp, model, cache, tok, a.pos, 50)
 
     def captured_step(pdl: bool):
@@ -164,28 +167,28 @@ def main(argv=None):
     for _ in range(20):
         eager(tok, a.pos)
     rows.append(("DecodeStep call, op by op (no graph)", (time.perf_counter() - t0) * 1e3 / 20))
-    print(f"GPT-2 124M batch-1 decoding step, {a.dtype}, position {a.pos}")
+    print(f"GPT-2 124M decoding step, batch {Bn}, {a.dtype}, position {a.pos}")
     for name, ms in rows:
         print(f"  {ms * 1e3:9.1f} us  {name}")
 
     # each op at decode shapes; n = how many per token
     rs = np.random.default_rng(1)
     C, H, L = cfg.n_embd, cfg.n_head, cfg.n_layer
-    x = fm.tensor(rs.standard_normal((1, C)).astype(np.float32), device="cuda").to(dt)
-    h4 = fm.tensor(rs.standard_normal((1, 4 * C)).astype(np.float32), device="cuda").to(dt)
-    qkv = fm.tensor(rs.standard_normal((1, 3 * C)).astype(np.float32), device="cuda").to(dt)
+    x = fm.tensor(rs.standard_normal((Bn, C)).astype(np.float32), device="cuda").to(dt)
+    h4 = fm.tensor(rs.standard_normal((Bn, 4 * C)).astype(np.float32), device="cuda").to(dt)
+    qkv = fm.tensor(rs.standard_normal((Bn, 3 * C)).astype(np.float32), device="cuda").to(dt)
     pos_t = fm.tensor(np.array([a.pos], np.int32), device="cuda")
-    ids = fm.tensor(np.array([[5]], np.int32), device="cuda")
+    ids = fm.tensor(np.full((Bn, 1), 5, np.int32), device="cuda")
     p = "h.0."
     ops_ = [
         ("embedding", 1, lambda: ops.embedding(ids, P["wte.weight"], P["wpe.weight"], pos_t)),
-        ("layernorm (1, 768), ln_f", 1, lambda: ops.layernorm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"])),
-        ("ln+linear+bias (1,768)x(768,2304)", L, lambda: ops.linear(x, P[p + "attn.c_attn.weight"], P[p + "attn.c_attn.bias"], ln=(P[p + "ln_1.weight"], P[p + "ln_1.bias"]))),
+        (f"layernorm ({Bn}, 768), ln_f", 1, lambda: ops.layernorm(x, P[p + "ln_1.weight"], P[p + "ln_1.bias"])),
+        (f"ln+linear+bias ({Bn},768)x(768,2304)", L, lambda: ops.linear(x, P[p + "attn.c_attn.weight"], P[p + "attn.c_attn.bias"], ln=(P[p + "ln_1.weight"], P[p + "ln_1.bias"]))),
         ("decode_attention", L, lambda: ops.decode_attention(qkv, cache.k[0], cache.v[0], pos_t, H)),
-        ("linear+bias+residual (1,768)x(768,768)", L, lambda: ops.linear(x, P[p + "attn.c_proj.weight"], P[p + "attn.c_proj.bias"], residual=x)),
-        ("ln+linear+bias+gelu (1,768)x(768,3072)", L, lambda: ops.linear(x, P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"], act="gelu", ln=(P[p + "ln_2.weight"], P[p + "ln_2.bias"]))),
-        ("linear+bias+residual (1,3072)x(3072,768)", L, lambda: ops.linear(h4, P[p + "mlp.c_proj.weight"], P[p + "mlp.c_proj.bias"], residual=x)),
-        ("lm head (1,768)x(50304,768)^T", 1, lambda: ops.matmul(x, P["wte.weight"], trans_b=True)),
+        (f"linear+bias+residual ({Bn},768)x(768,768)", L, lambda: ops.linear(x, P[p + "attn.c_proj.weight"], P[p + "attn.c_proj.bias"], residual=x)),
+        (f"ln+linear+bias+gelu ({Bn},768)x(768,3072)", L, lambda: ops.linear(x, P[p + "mlp.c_fc.weight"], P[p + "mlp.c_fc.bias"], act="gelu", ln=(P[p + "ln_2.weight"], P[p + "ln_2.bias"]))),
+        (f"linear+bias+residual ({Bn},3072)x(3072,768)", L, lambda: ops.linear(h4, P[p + "mlp.c_proj.weight"], P[p + "mlp.c_proj.bias"], residual=x)),
+        (f"lm head ({Bn},768)x(50304,768)^T", 1, lambda: ops.matmul(x, P["wte.weight"], trans_b=True)),
     ]
     from forge_ml.backends import load
     bk = load("cuda")
@@ -203,13 +206,13 @@ def main(argv=None):
         for k_, n_ in ((C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)):
             w = torch.randn(k_, n_, device="cuda", dtype=tdt)
             b = torch.randn(n_, device="cuda", dtype=tdt)
-            xx = torch.randn(1, k_, device="cuda", dtype=tdt)
+            xx = torch.randn(Bn, k_, device="cuda", dtype=tdt)
             ms = torch_graph_ms(torch, lambda: torch.addmm(b, xx, w), a.reps)
-            print(f"  {ms * 1e3:8.1f} us  addmm (1,{k_})x({k_},{n_})")
+            print(f"  {ms * 1e3:8.1f} us  addmm ({Bn},{k_})x({k_},{n_})")
         wte = torch.randn(cfg.padded_vocab_size, C, device="cuda", dtype=tdt)
-        xx = torch.randn(1, C, device="cuda", dtype=tdt)
+        xx = torch.randn(Bn, C, device="cuda", dtype=tdt)
         ms = torch_graph_ms(torch, lambda: xx @ wte.t(), a.reps)
-        print(f"  {ms * 1e3:8.1f} us  lm head (1,768)x(50304,768)^T")
+        print(f"  {ms * 1e3:8.1f} us  lm head ({Bn},768)x(50304,768)^T")
     except Exception as e:  # torch is only the peer here
         print(f"  torch not measured: {e}")
     nbytes = sum(v.numel * (2 if a.dtype == "bf16" else 4) for v in P.values())
