@@ -49,6 +49,10 @@ def test_the_tuner_tries_again_when_steps_slow_down_and_every_so_often():
     assert used[10:slow_from] == [2] * (slow_from - 10)
     assert set(used[slow_from + 6:]) == {1}
     assert len(said) == 2 and said[1].startswith("BLAS threads: 1 ")
+    # one slow step alone (a hiccup) is no reason to try again
+    used, said = run_tuner(lambda c, i: 0.5 if i == 30 else {1: 0.060, 2: 0.045}[c], 60,
+                           skip=0, trials=2)
+    assert len(said) == 1 and set(used[4:]) == {2}
     # steady times: a new trial every `every` steps only
     used, said = run_tuner(lambda c, i: {1: 0.060, 2: 0.045}[c], 50, skip=0, trials=1, every=20)
     assert len(said) == 3                                 # at steps 2, 24 and 46

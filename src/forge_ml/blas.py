@@ -136,8 +136,9 @@ class ThreadTuner:
     Call ``before_step()`` before each step and ``after_step(seconds)`` after it. The first
     ``skip`` steps run as they are (a first step allocates); then each count of ``counts`` runs
     ``trials`` steps, in turns (a load change hits every count alike), and the one with the
-    lower median stays. It tries again after ``every`` steps, or as soon as a step takes
-    ``jump`` times the median of the last ten at the chosen count (a neighbour came or went).
+    lower median stays. It tries again after ``every`` steps, or as soon as two steps in a row
+    take ``jump`` times the median of the last ten at the chosen count (a neighbour came; one
+    slow step, a hiccup of a shared machine, is not enough).
     ``after_step`` returns a line for the log when it has chosen, else None; ``threads`` is the
     count in use.
 
@@ -159,6 +160,7 @@ class ThreadTuner:
         self._times: dict = {}
         self._recent: list = []       # the chosen count's last step times
         self._since = 0               # steps since the last choice
+        self._slow = 0                # slow steps in a row
         if len(self.counts) > 1:
             self._start()
 
@@ -184,7 +186,7 @@ class ThreadTuner:
             if self.threads != best:
                 self.threads = best
                 self._set(best)
-            self._recent, self._since = [], 0
+            self._recent, self._since, self._slow = [], 0, 0
             others = "; ".join(f"{c} thread{'s' if c != 1 else ''}: {med[c] * 1e3:.0f} ms"
                                for c in self.counts if c != best)
             return f"BLAS threads: {best} (median step {med[best] * 1e3:.0f} ms; {others})"
@@ -193,7 +195,10 @@ class ThreadTuner:
         self._since += 1
         slow = (len(self._recent) >= 5
                 and seconds > self.jump * statistics.median(self._recent))
-        self._recent = (self._recent + [float(seconds)])[-10:]
-        if slow or self._since >= self.every:
+        self._slow = self._slow + 1 if slow else 0
+        if not slow:
+            self._recent = (self._recent + [float(seconds)])[-10:]
+        if self._slow >= 2 or self._since >= self.every:
+            self._slow = 0
             self._start()
         return None
