@@ -129,9 +129,9 @@ def main():
     # OPENBLAS_NUM_THREADS=1 (read by NumPy's BLAS at import) runs torch on one thread too.
     torch.set_num_threads(int(os.environ.get("OPENBLAS_NUM_THREADS", cores)))
     if args.cli_threads:
-        from forge_ml.cli import _set_loaded_openblas_threads, blas_threads_default
-        _set_loaded_openblas_threads(blas_threads_default(cores))   # NumPy's OpenBLAS only
-        print(f"forge-ml BLAS threads: {blas_threads_default(cores)} (as forge-ml train starts); "
+        from forge_ml import blas
+        blas.set_threads(blas.default_threads(cores))   # NumPy's OpenBLAS only
+        print(f"forge-ml BLAS threads: {blas.default_threads(cores)} (as forge-ml train starts); "
               f"torch threads: {torch.get_num_threads()}")
     trainer_step = make_trainer_step(args) if args.trainer else None
 

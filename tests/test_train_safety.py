@@ -17,7 +17,8 @@ import pytest
 
 import forge_ml.train as train_mod
 from forge_ml.checkpoint import load_checkpoint, save_checkpoint
-from forge_ml.cli import _set_loaded_openblas_threads, blas_threads_default, limit_blas_threads, main
+from forge_ml import blas
+from forge_ml.cli import main
 from forge_ml.data import DataLoader
 from forge_ml.errors import ConfigError, OutOfMemoryError, TrainingError
 from forge_ml.train import Interrupted, RunError, TrainConfig, Trainer, read_log, search_batch_size
@@ -356,37 +357,23 @@ def test_the_final_val_loss_covers_every_window(workdir):
 
 
 def test_blas_threads_leave_room_on_a_shared_machine(monkeypatch):
-    assert [blas_threads_default(c) for c in (1, 2, 4, 16, 128)] == [1, 1, 2, 8, 8]
+    assert [blas.default_threads(c) for c in (1, 2, 4, 16, 128)] == [1, 1, 2, 8, 8]
     for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(blas, "_chosen_here", blas._chosen_here)   # restored after
     monkeypatch.setenv("OMP_NUM_THREADS", "3")             # the user's choice wins
-    assert limit_blas_threads() is None and "OPENBLAS_NUM_THREADS" not in os.environ
+    assert blas.limit_default() is None and "OPENBLAS_NUM_THREADS" not in os.environ
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    get = _openblas_get_threads()
-    before = get() if get else None
+    before = blas.get_threads()
     try:
-        assert limit_blas_threads() == 1
+        assert blas.limit_default() == 1
         assert os.environ["OMP_NUM_THREADS"] == os.environ["OPENBLAS_NUM_THREADS"] == "1"
-        if get:
-            assert get() == 1                    # NumPy's OpenBLAS, already loaded, follows
+        if before is not None:
+            assert blas.get_threads() == 1       # NumPy's OpenBLAS, already loaded, follows
     finally:
-        if get:
-            _set_loaded_openblas_threads(before)
-
-
-def _openblas_get_threads():
-    import ctypes
-    try:
-        libs = {ln.split()[-1] for ln in open("/proc/self/maps") if "openblas" in ln.lower() and "/" in ln}
-    except OSError:
-        return None
-    for p in libs:
-        lib = ctypes.CDLL(p)
-        for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads"):
-            if hasattr(lib, name):
-                return getattr(lib, name)
-    return None
+        if before is not None:
+            blas.set_threads(before)
 
 
 # -- fine-tuning: --init-from ------------------------------------------------------------------------------------------

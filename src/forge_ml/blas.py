@@ -46,8 +46,13 @@ def default_threads(n_cores: Optional[int] = None) -> int:
     return max(1, min(MAX_THREADS, n_cores // 2))
 
 
+_libs: list = []    # the OpenBLAS libraries found (kept once found: a tuner asks every trial step)
+
+
 def _openblas_libs() -> list:
     """Every OpenBLAS mapped into this process (Linux: /proc/self/maps), loaded by ctypes."""
+    if _libs:
+        return _libs
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
             paths = {line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}
@@ -59,6 +64,7 @@ def _openblas_libs() -> list:
             libs.append(ctypes.CDLL(path))
         except OSError:
             continue
+    _libs[:] = libs
     return libs
 
 
@@ -114,10 +120,9 @@ def limit_default() -> Optional[int]:
 
 def tunable() -> bool:
     """Whether a ``ThreadTuner`` may choose the count: ``limit_default`` chose it (the user set
-    none), the FORGE_BLAS_TUNE switch is on, the process has at least 2 cores, and a loaded
-    OpenBLAS takes a new count."""
-    return (_chosen_here and flags.on("FORGE_BLAS_TUNE") and cores() >= 2
-            and get_threads() is not None)
+    none), the FORGE_BLAS_TUNE switch is on, and a loaded OpenBLAS takes a new count (whether
+    there are two counts to choose from is ``candidates()``'s to say)."""
+    return _chosen_here and flags.on("FORGE_BLAS_TUNE") and get_threads() is not None
 
 
 def candidates(n_cores: Optional[int] = None) -> list:

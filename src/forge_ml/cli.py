@@ -67,31 +67,6 @@ _TRAIN_HELP = {
 }
 
 
-# BLAS thread pools: forge_ml.blas (the default, the run-time setter, the tuner)
-
-
-def blas_threads_default(cores=None) -> int:
-    """The BLAS threads ``forge-ml`` starts with when the user has set none: half the cores
-    (``forge_ml.blas.default_threads``; the trainer's ``ThreadTuner`` may take more).
-
-    >>> blas_threads_default(2), blas_threads_default(6), blas_threads_default(64)
-    (1, 3, 8)
-    """
-    return _blas.default_threads(cores)
-
-
-def limit_blas_threads():
-    """Set this process's BLAS threads to ``blas_threads_default()`` unless the user set one
-    of OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS; returns the count set, or
-    None (``forge_ml.blas.limit_default``)."""
-    return _blas.limit_default()
-
-
-def _set_loaded_openblas_threads(n: int) -> None:
-    """``openblas_set_num_threads(n)`` in every OpenBLAS already mapped into this process."""
-    _blas.set_threads(n)
-
-
 def _batch_size_arg(text: str):
     """``--batch-size``: a whole number or ``auto``."""
     if text == "auto":
@@ -730,7 +705,7 @@ _COMMANDS = {"serve": _cmd_serve, "train": _cmd_train, "sample": _cmd_sample, "e
 def main(argv=None) -> int:
     """Run the ``forge-ml`` command line; returns the exit status (0 ok, 1 training failure,
     2 bad input or a file that cannot be written, 130 / 143 stopped by SIGINT / SIGTERM). The
-    BLAS thread count is set first (``limit_blas_threads``).
+    BLAS thread count is set first (``forge_ml.blas.limit_default``).
 
     >>> main(["bench", "--steps", "0"])
     2
@@ -743,7 +718,7 @@ def main(argv=None) -> int:
     if args.cmd is None:
         parser.print_help()
         return 0
-    limit_blas_threads()
+    _blas.limit_default()
     try:
         return _COMMANDS[args.cmd](args)
     except TrainingError as e:
