@@ -377,6 +377,22 @@ template <typename A> FORGE_D A warp_max(A v) {
     return v;
 }
 
+// Max over a block whose size is a multiple of 32 (at most 1024); every thread gets it.
+// `sh`: __shared__ scratch of 32 elements; safe to call several times in a row (block_sum's
+// pattern).
+template <typename A> __device__ A block_max(A v, A* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = (threadIdx.x < nwarps) ? sh[threadIdx.x] : neg_inf<A>();
+    if (warp == 0) v = warp_max(v);
+    if (threadIdx.x == 0) sh[0] = v;
+    __syncthreads();
+    return sh[0];
+}
+
 // Grid-stride loop over [0, n) with 64-bit indices.
 #define FORGE_FOR(i, n)                                                          \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \

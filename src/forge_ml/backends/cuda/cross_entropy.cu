@@ -34,6 +34,24 @@ __device__ void cross_entropy_fwd_impl(const T* logits, const I* targets,
     }
 }
 
+// A row's gradient: dr[j] = scale * (softmax(lr)[j] - [j == t]) for j < V, 0 in the padding,
+// from the row's max m and 1 / sum inv_s (the backward's, and the fused kernel's over the
+// logits themselves: dr may be lr, each element read before its thread writes it).
+template <typename T>
+__device__ void ce_grad_row(const T* lr, T* dr, int Vp, int V, typename Acc<T>::type m,
+                            typename Acc<T>::type inv_s, long long t,
+                            typename Acc<T>::type scale) {
+    typedef typename Acc<T>::type A;
+    for (int j = threadIdx.x; j < Vp; j += blockDim.x) {
+        A d = A(0);
+        if (j < V) {
+            const A p = fm_exp(A(ldf(lr[j])) - m) * inv_s;
+            d = scale * (p - (j == t ? A(1) : A(0)));
+        }
+        dr[j] = To<T>::from(d);
+    }
+}
+
 // cross_entropy_bwd: each block owns one row: recomputes (max, sum), then writes the row of
 // dlogits. `dloss` points to the upstream gradient of the mean loss (one element).
 template <typename T, typename I>
@@ -47,17 +65,7 @@ __device__ void cross_entropy_bwd_impl(const T* logits, const I* targets, T* dlo
     T* dr = dlogits + row * Vp;
     A m, s;
     row_ms(lr, V, m, s, shm, shs);
-    const A g = dloss[0] * inv_n;
-    const A inv_s = A(1) / s;
-    const long long t = (long long)targets[row];
-    for (int j = threadIdx.x; j < Vp; j += blockDim.x) {
-        A d = A(0);
-        if (j < V) {
-            const A p = fm_exp(A(ldf(lr[j])) - m) * inv_s;
-            d = g * (p - (j == t ? A(1) : A(0)));
-        }
-        dr[j] = To<T>::from(d);
-    }
+    ce_grad_row(lr, dr, Vp, V, m, A(1) / s, (long long)targets[row], dloss[0] * inv_n);
 }
 
 // cross_entropy_fused: each block owns one row: (max, sum) once, the row's loss, then the row
@@ -76,15 +84,7 @@ __device__ void cross_entropy_fused_impl(T* logits, const I* targets, typename A
     if (threadIdx.x == 0)
         loss[row] = (t >= 0 && t < V) ? m + fm_log(s) - A(ldf(lr[t])) : quiet_nan<A>();
     __syncthreads();
-    const A inv_s = A(1) / s;
-    for (int j = threadIdx.x; j < Vp; j += blockDim.x) {
-        A d = A(0);
-        if (j < V) {
-            const A p = fm_exp(A(ldf(lr[j])) - m) * inv_s;
-            d = inv_n * (p - (j == t ? A(1) : A(0)));
-        }
-        lr[j] = To<T>::from(d);
-    }
+    ce_grad_row(lr, lr, Vp, V, m, A(1) / s, t, inv_n);
 }
 
 // cross_entropy_fused_rows (bf16, Vp a multiple of 8 and at most CE_ROW_VECS * 8 * 1024): the
@@ -93,23 +93,6 @@ __device__ void cross_entropy_fused_impl(T* logits, const I* targets, typename A
 // the row's max, then the sum of exp(l - max) over its first V columns, each a block reduction.
 #define CE_ROW_THREADS 1024
 #define CE_ROW_VECS 8
-
-__device__ float block_max_f(float v, float* sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    __syncthreads();
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    v = (threadIdx.x < nwarps) ? sh[threadIdx.x] : neg_inf<float>();
-    if (warp == 0) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    }
-    if (threadIdx.x == 0) sh[0] = v;
-    __syncthreads();
-    return sh[0];
-}
 
 template <typename I>
 __device__ void cross_entropy_fused_rows_impl(bf16* logits, const I* targets, float* loss, int Vp,
@@ -133,7 +116,7 @@ __device__ void cross_entropy_fused_rows_impl(bf16* logits, const I* targets, fl
                 if (v * 8 + j < V) m = fmaxf(m, w[j]);
         }
     }
-    m = block_max_f(m, sh);
+    m = block_max(m, sh);
     float s = 0.f;
 #pragma unroll
     for (int k = 0; k < CE_ROW_VECS; ++k) {
