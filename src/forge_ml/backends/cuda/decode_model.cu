@@ -22,7 +22,8 @@
 // then the next layer's A folds outp into the residual. Finally F: LN_f, the logits
 // (float32, every padded column) and each block's argmax; with `greedy`, after one more
 // barrier block 0 picks the argmax over the blocks (NumPy's ties), writes ids[0] and
-// hist[row], and advances pos[0] by one.
+// hist[0] (a chain's record of its tokens; ids itself when there is none), and advances
+// pos[0] by one.
 //
 // A gemv stage's work items are (column tile, K slice): LPR lanes read one row's tile (16-byte
 // loads of VEC columns), the block's 16 warps 16 * 32 / LPR rows at a time; the warps meet in
@@ -107,23 +108,6 @@ FORGE_D float ldcg_f(const bf16* p) {
     bf16 h;
     h.bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
     return bf16_to_f32(h);
-}
-
-__device__ float block_max(float v, float* sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    __syncthreads();
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    v = (threadIdx.x < DM_WARPS) ? sh[threadIdx.x] : neg_inf<float>();
-    if (warp == 0) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    }
-    if (threadIdx.x == 0) sh[0] = v;
-    __syncthreads();
-    return sh[0];
 }
 
 // ---- gemv stages: P[s][n] = sum over k in slice s of xs[k] * W[k][n] ----
@@ -455,7 +439,7 @@ template <typename T>
 __device__ void decode_model_impl(const int* g, const unsigned long long* tab, const T* wte,
                                   const T* wpe, const T* lnf_w, const T* lnf_b, const T* head,
                                   float* ws, unsigned long long* bar, int* ids, int* posp,
-                                  int* hist, int row, int greedy, float eps, float* logits,
+                                  int* hist, int greedy, float eps, float* logits,
                                   unsigned long long* tim) {
     int nb = 0;  // barriers passed
     constexpr int VEC = Vec16<T>::N;
@@ -561,7 +545,7 @@ __device__ void decode_model_impl(const int* g, const unsigned long long* tab, c
     block_argmax(best, bi, sm.shv, sm.shi);
     if (tid == 0) {
         ids[0] = bi;
-        if (hist != nullptr) hist[row] = bi;
+        hist[0] = bi;
         posp[0] = pos + 1;
     }
 #undef LP
@@ -572,10 +556,10 @@ __device__ void decode_model_impl(const int* g, const unsigned long long* tab, c
         decode_model_##S(const int* g, const unsigned long long* tab, const T* wte,           \
                          const T* wpe, const T* lnf_w, const T* lnf_b, const T* head,          \
                          float* ws, unsigned long long* bar, int* ids, int* pos, int* hist,    \
-                         int row, int greedy, float eps, float* logits,                        \
+                         int greedy, float eps, float* logits,                                 \
                          unsigned long long* tim) {                                            \
         decode_model_impl<T>(g, tab, wte, wpe, lnf_w, lnf_b, head, ws, bar, ids, pos, hist,    \
-                             row, greedy, eps, logits, tim);                                   \
+                             greedy, eps, logits, tim);                                        \
     }
 FORGE_DECODE_MODEL(float, f32)
 FORGE_DECODE_MODEL(bf16, bf16)

@@ -101,7 +101,6 @@ class _Plan:
         self.table = cupy.asarray(np.array(layer_ptrs, np.uint64))
         self.work = cupy.zeros(at, F32)
         self.counter = cupy.zeros(1, np.uint64)
-        self.layers = L
         self.times = None   # (grid, _BARS, 2) uint64 ns: each block's arrival and departure
 
 
@@ -120,7 +119,8 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
     ``ids[0]`` at position ``pos[0]`` (int32 device arrays), the token's keys and values
     written at that row of ``caches`` (per layer (k, v), (1, H, Tmax, 64)). ``layers``: per
     layer the 12 tensors of ``models.gpt2.Layer`` in its order; ``lnf``: (gamma, beta).
-    ``greedy``: then also ``ids[0] = argmax(logits[0, :vocab_size])`` (also ``out`` (one int32 element) when given, and ``pos[0] += 1``, as ``greedy_next``."""
+    ``greedy``: then also ``ids[0] = argmax(logits[0, :vocab_size])`` (also into ``out``, one
+    int32 element, when given) and ``pos[0] += 1``, as ``greedy_next``."""
     dt = wte.dtype
     C, H, L = wte.shape[1], int(n_head), len(layers)
     Vp, Tmax = head.shape[0], caches[0][0].shape[2]
@@ -147,6 +147,6 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
         plan.times = cupy.zeros((plan.grid, _BARS, 2), np.uint64)
     times = plan.times if TIMING else np.uint64(0)
     _launch("decode_model", f"decode_model_{_float_sfx(wte)}", (plan.grid,), _THREADS,
-            (plan.geo, plan.table, wte, wpe, lnf[0], lnf[1], head, plan.work,
-             plan.counter, ids, pos, ids if out is None else out, _i32(0), _i32(1 if greedy else 0), np.float32(eps),
-             logits, times))
+            (plan.geo, plan.table, wte, wpe, lnf[0], lnf[1], head, plan.work, plan.counter, ids,
+             pos, ids if out is None else out, _i32(1 if greedy else 0), np.float32(eps), logits,
+             times))
