@@ -52,10 +52,11 @@ if want tests; then
   test_rc=${PIPESTATUS[0]}
 fi
 if want ops; then
-  echo "== op benchmarks (benchmarks/ops_cuda.py, attention_cuda.py)"
+  echo "== op benchmarks (benchmarks/ops_cuda.py, attention_cuda.py, epilogues_cuda.py)"
   timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/ops_cuda.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG/bench_ops.log"
   bench_rc=${PIPESTATUS[0]}
   timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/attention_cuda.py 2>&1 | tee "$LOG/bench_attention.log"
+  timeout "${BENCH_TIMEOUT:-150}" "$PY" benchmarks/epilogues_cuda.py 2>&1 | tee "$LOG/bench_epilogues.log"
 fi
 if want train; then
   echo "== training step (benchmarks/train_gpu.py)"

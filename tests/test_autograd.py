@@ -157,6 +157,8 @@ CASES = {
     "matmul_batched": (lambda t, v: t.matmul(v[0], v[1], trans_b=True, alpha=0.5),
                        [(2, 3, 5, 4), (2, 3, 6, 4)]),
     "gelu": (lambda t, v: t.gelu(v[0]), [(4, 6)]),
+    "matmul_gelu": (lambda t, v: t.matmul_gelu(v[0], v[1], v[2]), [(3, 4), (4, 5), (5,)]),
+    "matmul_add": (lambda t, v: t.matmul_add(v[0], v[1], v[2], v[3]), [(3, 4), (4, 5), (5,), (3, 5)]),
     "layernorm": (lambda t, v: t.layernorm(v[0], v[1], v[2], 1e-5), [(2, 3, 8), (8,), (8,)]),
     "softmax": (lambda t, v: t.softmax(v[0]), [(3, 7)]),
     "softmax_causal": (lambda t, v: t.softmax(v[0], causal=True, off=2), [(2, 4, 6)]),
@@ -282,10 +284,16 @@ def forge_block(tape, x, P, B, Tn, C, H, fused):
             att = tape.dropout(att, 0.0, seed=0)
             y = tape.matmul(att, v)
         y = tape.reshape(tape.merge_heads(y), B * Tn, C)
-        x = tape.add(x, tape.matmul(y, P[f"{l}.proj.w"], P[f"{l}.proj.b"]))
-        h = tape.layernorm(x, P[f"{l}.ln2.g"], P[f"{l}.ln2.b"], 1e-5)
-        h = tape.gelu(tape.matmul(h, P[f"{l}.fc.w"], P[f"{l}.fc.b"]))
-        x = tape.add(x, tape.matmul(h, P[f"{l}.fc2.w"], P[f"{l}.fc2.b"]))
+        if fused:   # the linear layers with their GELU or residual add as one node
+            x = tape.matmul_add(y, P[f"{l}.proj.w"], P[f"{l}.proj.b"], x)
+            h = tape.layernorm(x, P[f"{l}.ln2.g"], P[f"{l}.ln2.b"], 1e-5)
+            h = tape.matmul_gelu(h, P[f"{l}.fc.w"], P[f"{l}.fc.b"])
+            x = tape.matmul_add(h, P[f"{l}.fc2.w"], P[f"{l}.fc2.b"], x)
+        else:
+            x = tape.add(x, tape.matmul(y, P[f"{l}.proj.w"], P[f"{l}.proj.b"]))
+            h = tape.layernorm(x, P[f"{l}.ln2.g"], P[f"{l}.ln2.b"], 1e-5)
+            h = tape.gelu(tape.matmul(h, P[f"{l}.fc.w"], P[f"{l}.fc.b"]))
+            x = tape.add(x, tape.matmul(h, P[f"{l}.fc2.w"], P[f"{l}.fc2.b"]))
     return x
 
 
@@ -362,3 +370,14 @@ def test_a_tvar_of_another_tape_is_a_tape_error():
     assert t2.grad(w2) is not None and t2.grad(b2) is not None
     with pytest.raises(TapeError, match="expected a TVar"):
         t2.gelu(w2.t)                        # a bare Tensor is not a TVar either
+
+
+def test_matmul_gelu_without_grad_equals_gelu_of_the_product():
+    """On a tape that keeps nothing, matmul_gelu takes the inference op (no GELU input
+    written) and gives the same values as gelu(matmul)."""
+    rs = np.random.default_rng(7)
+    x, w, b = rnd(rs, 5, 6), rnd(rs, 6, 4), rnd(rs, 4)
+    t = Tape(grad=False)
+    got = t.matmul_gelu(t.leaf(T(x)), t.leaf(T(w)), t.leaf(T(b))).t.numpy()
+    want = ops.gelu(ops.matmul(T(x), T(w), T(b))).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -350,11 +350,13 @@ def test_one_rank_training_matches_the_plain_trainer(runs, name):
     # Step 1 runs the same forward on the same bf16 weights: the same loss to the last bit. After
     # that the two runs round the gradient sum differently (bucketed float32 vs per tensor), and
     # bf16 rounding differences grow step by step: the losses stay within one bf16 step, the
-    # norms (far more sensitive) within one bf16 step for the first steps and 5% later (the
-    # H200 run: 0.9% at step 7 of 10 at lr 1e-2).
+    # norms (far more sensitive) within one bf16 step for the first steps and 15% later (H200
+    # runs at lr 1e-2: 0.9% at step 7 of 10 with cuBLAS; with cuBLASLt's epilogues, which round
+    # the bias gradient in the product, the same to 1e-6 up to step 4, then 8% at step 9 while
+    # the losses still agreed to 6e-4). A wrong reduction is off by a factor, not by percents.
     assert got[0]["loss"] == want[0]["loss"], f"{name}: step 1's forward differs:\n{table}"
     for a, b in zip(want, got):
-        for key, tol in (("loss", RTOL), ("grad_norm", RTOL if a["step"] <= 3 else 0.05)):
+        for key, tol in (("loss", RTOL), ("grad_norm", RTOL if a["step"] <= 3 else 0.15)):
             assert abs(b[key] - a[key]) <= tol * abs(a[key]), (
                 f"{name}: step {a['step']} {key} {b[key]!r}, plain trainer {a[key]!r} (rtol {tol:.2e});"
                 f" plain vs {name}:\n{table}")

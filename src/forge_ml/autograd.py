@@ -150,7 +150,10 @@ class Tape:
             at, bt = sa.get(), sb.get()
             if not trans_b:
                 da = ops.matmul(dy, bt, trans_b=True, alpha=alpha)   # Y = aAB:  dA = a dY B^T
-                db = ops.matmul(at, dy, trans_a=True, alpha=alpha)   #           dB = a A^T dY
+                if ibias is not None and at.ndim == 2:               #           dB = a A^T dY
+                    db, dbias = ops.weight_grads(at, dy, alpha)      # and sum_rows(dY) at once
+                    return [(ia, da), (ib, db), (ibias, dbias)]
+                db = ops.matmul(at, dy, trans_a=True, alpha=alpha)
             else:
                 da = ops.matmul(dy, bt, alpha=alpha)                 # Y = aAB^T: dA = a dY B
                 db = ops.matmul(dy, at, trans_a=True, alpha=alpha)   #            dB = a dY^T A
@@ -158,6 +161,50 @@ class Tape:
             if ibias is not None:
                 grads.append((ibias, ops.sum_rows(dy)))
             return grads
+
+        return self._record(out, backward)
+
+    def matmul_add(self, a: TVar, b: TVar, bias: TVar, residual: TVar) -> TVar:
+        """``residual + a @ b + bias`` for 2-D ``a``: a linear layer and the residual add after
+        it as one node (``ops.linear``: on the GPU one product adds the residual in its
+        epilogue). The same values and gradients as ``add(residual, matmul(a, b, bias))``.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> a, w = t.leaf(fm.tensor(np.ones((1, 2), np.float32))), t.leaf(fm.tensor(np.ones((2, 2), np.float32)))
+        >>> y = t.matmul_add(a, w, t.leaf(fm.zeros((2,))), t.leaf(fm.tensor(np.ones((1, 2), np.float32))))
+        >>> y.t.numpy().tolist()
+        [[3.0, 3.0]]
+        """
+        self._check(a, b, bias, residual)
+        out = ops.linear(a.t, b.t, bias.t, residual=residual.t)
+        if not self.records:
+            return self._record(out, None)
+        ia, ib, ibias, ir = a.id, b.id, bias.id, residual.id
+        sa, sb = _Saved(a.t, "matmul_add"), _Saved(b.t, "matmul_add")
+
+        def backward(dy):
+            db, dbias = ops.weight_grads(sa.get(), dy)
+            return [(ia, ops.matmul(dy, sb.get(), trans_b=True)), (ib, db), (ibias, dbias),
+                    (ir, dy)]
+
+        return self._record(out, backward)
+
+    def matmul_gelu(self, a: TVar, b: TVar, bias: TVar) -> TVar:
+        """``gelu(a @ b + bias)`` for 2-D ``a``: a linear layer and its GELU as one node
+        (``ops.matmul_gelu``: on the GPU one product writes the output and GELU's input).
+        The same values and gradients as ``gelu(matmul(a, b, bias))``."""
+        self._check(a, b, bias)
+        if not self.records:   # nothing kept: GELU's input need not be written
+            return self._record(ops.linear(a.t, b.t, bias.t, act="gelu"), None)
+        out, pre = ops.matmul_gelu(a.t, b.t, bias.t)
+        ia, ib, ibias = a.id, b.id, bias.id
+        sa, sb, sp = _Saved(a.t, "matmul_gelu"), _Saved(b.t, "matmul_gelu"), _Saved(pre, "matmul_gelu")
+
+        def backward(dy):
+            dpre = ops.gelu_bwd(sp.get(), dy)
+            db, dbias = ops.weight_grads(sa.get(), dpre)
+            return [(ia, ops.matmul(dpre, sb.get(), trans_b=True)), (ib, db), (ibias, dbias)]
 
         return self._record(out, backward)
 

@@ -13,7 +13,7 @@ batch dims.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Tuple
 
 import numpy as np
 
@@ -164,6 +164,50 @@ def linear(x, w, bias=None, *, act=None, residual=None, ln=None, eps=1e-5) -> Te
     return _wrap(x, bk.linear(x.data, w.data, None if bias is None else bias.data, act,
                               None if residual is None else residual.data,
                               None if ln is None else (gamma.data, beta.data, float(eps))))
+
+
+def matmul_gelu(x, w, bias) -> Tuple[Tensor, Tensor]:
+    """A linear layer and GPT-2's GELU, for training: ``(y, pre)`` with ``pre = x @ w + bias``
+    and ``y = gelu(pre)``; ``pre`` is what ``gelu_bwd`` needs in the backward. On the GPU one
+    cuBLASLt product writes both (``GELU_AUX_BIAS``); elsewhere ``matmul`` then ``gelu``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> x = fm.tensor(np.ones((1, 2), np.float32)); w = fm.tensor(np.ones((2, 1), np.float32))
+    >>> y, pre = fm.ops.matmul_gelu(x, w, fm.tensor(np.zeros(1, np.float32)))
+    >>> pre.numpy().tolist(), round(float(y.numpy()[0, 0]), 4)
+    ([[2.0]], 1.9546)
+    """
+    op = "matmul_gelu"
+    _float(op, "x", x), _float(op, "w", w), _float(op, "bias", bias)
+    bk = _same(op, x=x, w=w, bias=bias)
+    _rank(op, "x", x, 2, 2), _rank(op, "w", w, 2, 2)
+    if x.shape[1] != w.shape[0]:
+        raise ShapeError(f"{op}: x is {x.shape} but w is {w.shape}; inner dims must agree")
+    if bias.shape != (w.shape[1],):
+        raise ShapeError(f"{op}: bias must be ({w.shape[1]},), got {bias.shape}")
+    y, pre = bk.matmul_gelu(x.data, w.data, bias.data)
+    return _wrap(x, y), _wrap(x, pre)
+
+
+def weight_grads(x, dy, alpha=1.0) -> Tuple[Tensor, Tensor]:
+    """A linear layer's weight and bias gradients: ``(alpha x^T dy, sum_rows(dy))`` for
+    ``x (M, K)`` and ``dy (M, N)``. On the GPU one cuBLASLt product also sums dy's rows
+    (``BGRADA``: dy is read once); elsewhere ``matmul`` and ``sum_rows``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> x = fm.tensor(np.ones((3, 2), np.float32)); dy = fm.tensor(np.ones((3, 1), np.float32))
+    >>> dw, db = fm.ops.weight_grads(x, dy)
+    >>> dw.numpy().tolist(), db.numpy().tolist()
+    ([[3.0], [3.0]], [3.0])
+    """
+    op = "weight_grads"
+    _float(op, "x", x), _float(op, "dy", dy)
+    bk = _same(op, x=x, dy=dy)
+    _rank(op, "x", x, 2, 2), _rank(op, "dy", dy, 2, 2)
+    if x.shape[0] != dy.shape[0]:
+        raise ShapeError(f"{op}: x is {x.shape} but dy is {dy.shape}; their rows must agree")
+    dw, db = bk.weight_grads(x.data, dy.data, float(alpha))
+    return _wrap(x, dw), _wrap(x, db)
 
 
 def add(a, b) -> Tensor:

@@ -316,6 +316,26 @@ def test_linear(bk, dt, rs, act, res, ln):
         close(host(bk, got), want, dt, f"linear ({how})")
 
 
+@pytest.mark.parametrize("M,K,N", [(3, 16, 8), (40, 24, 32)])
+def test_matmul_gelu(bk, dt, rs, M, K, N):
+    x, w, b = r(rs, M, K, dt=dt), r(rs, K, N, dt=dt, scale=0.3), r(rs, N, dt=dt)
+    pre = ref.matmul(x, w, b)
+    for how, fn in both(bk, "matmul_gelu"):
+        y, got_pre = fn(dev(bk, x), dev(bk, w), dev(bk, b))
+        close(host(bk, got_pre), pre, dt, f"matmul_gelu pre ({how})")
+        close(host(bk, y), ref.gelu(pre), dt, f"matmul_gelu y ({how})")
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_weight_grads(bk, dt, rs, alpha):
+    x, dy = r(rs, 37, 12, dt=dt), r(rs, 37, 24, dt=dt)
+    want_dw = alpha * x.astype(np.float64).T @ dy.astype(np.float64)
+    for how, fn in both(bk, "weight_grads"):
+        dw, db = fn(dev(bk, x), dev(bk, dy), alpha)
+        close(host(bk, dw), want_dw, dt, f"weight_grads dw ({how})")
+        close(host(bk, db), ref.sum_rows(dy), dt, f"weight_grads db ({how})")
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_linear_cross_entropy(bk, dt, rs, padded):
     V, C, N = 11, 8, 7

@@ -34,6 +34,18 @@ def linear(bk, x, w, bias, act, residual, ln=None):
     return y if residual is None else bk.add(residual, y)
 
 
+def matmul_gelu(bk, x, w, bias):
+    """``(gelu(x @ w + bias), x @ w + bias)``: the product and GELU one after the other, GELU's
+    input kept (its backward needs it)."""
+    pre = bk.matmul(x, w, bias, False, False, 1.0, None)
+    return bk.gelu(pre), pre
+
+
+def weight_grads(bk, x, dy, alpha):
+    """A linear layer's weight and bias gradients: ``(alpha x^T dy, sum_rows(dy))``."""
+    return bk.matmul(x, dy, None, True, False, float(alpha), None), bk.sum_rows(dy)
+
+
 def linear_cross_entropy(bk, x, w, targets, vocab_size, grad, dloss=1.0):
     """The LM head and its loss, the logits kept whole: ``logits = x @ w^T``, ``loss =
     cross_entropy(logits)``; with ``grad`` also ``dl = cross_entropy_bwd(logits, dloss)``,

@@ -174,6 +174,15 @@ class FusedKernels(Protocol):
     def linear(self, x, w, bias, act, residual, ln=None) -> Array:
         """``act(LN(x) @ w + bias) + residual`` (inference)."""
 
+    def matmul_gelu(self, x, w, bias) -> Tuple[Array, Array]:
+        """``(gelu(x @ w + bias), x @ w + bias)`` for 2-D ``x (M, K)``, ``w (K, N)``, ``bias
+        (N,)``: a linear layer and its GELU with GELU's input kept for the backward (one
+        product with its epilogue on the GPU)."""
+
+    def weight_grads(self, x, dy, alpha: float) -> Tuple[Array, Array]:
+        """``(alpha x^T dy, sum_rows(dy))`` for ``x (M, K)``, ``dy (M, N)``: a linear layer's
+        weight and bias gradients (on the GPU one product whose epilogue also sums dy's rows)."""
+
     def linear_cross_entropy(self, x, w, targets, vocab_size: int,
                              grad: bool) -> Tuple[Array, Optional[Array], Optional[Array]]:
         """The LM head and its loss: ``(loss, dx, dw)``, ``loss = cross_entropy(x @ w^T,
@@ -215,8 +224,9 @@ CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "
         "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout",
         "cross_entropy", "cross_entropy_bwd", "adamw_update")
 FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
-         "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear", "linear_cross_entropy",
-         "scale", "decode_attention", "greedy_next", "sample_next")
+         "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear", "matmul_gelu",
+         "weight_grads", "linear_cross_entropy", "scale", "decode_attention", "greedy_next",
+         "sample_next")
 CAPABILITIES = {"bf16": False, "graphs": False, "host_memory": False}
 """Capability -> the value a backend that does not declare it is taken to have."""
 GRAPH = ("dropout_at", "adamw_update_at", "clip_scale")

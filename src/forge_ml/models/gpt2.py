@@ -319,6 +319,11 @@ class GPT2:
         def drop(x):
             return tape.dropout(x, p_drop, _seed(dropout_seed, next(site))) if p_drop else x
 
+        def residual(x, h, w, b):   # x + drop(h @ w + b); one node without dropout
+            if p_drop:
+                return tape.add(x, drop(tape.matmul(h, w, b)))
+            return tape.matmul_add(h, w, b, x)
+
         x = tape.embedding(ids, leaves["wte.weight"], leaves["wpe.weight"], 0)  # (B, T, C)
         x = drop(tape.reshape(x, B * T, C))                                      # (B*T, C)
         for L in layers(leaves, cfg):
@@ -333,10 +338,10 @@ class GPT2:
                 att = drop(tape.softmax(att, causal=True))
                 y = tape.merge_heads(tape.matmul(att, v))                        # (B, T, C)
             y = tape.reshape(y, B * T, C)                                        # (B*T, C)
-            x = tape.add(x, drop(tape.matmul(y, L.proj_w, L.proj_b)))
+            x = residual(x, y, L.proj_w, L.proj_b)
             h = tape.layernorm(x, L.ln2_w, L.ln2_b, eps)
-            h = tape.gelu(tape.matmul(h, L.fc_w, L.fc_b))                        # (B*T, 4C)
-            x = tape.add(x, drop(tape.matmul(h, L.out_w, L.out_b)))
+            h = tape.matmul_gelu(h, L.fc_w, L.fc_b)                              # (B*T, 4C)
+            x = residual(x, h, L.out_w, L.out_b)
         x = tape.layernorm(x, leaves["ln_f.weight"], leaves["ln_f.bias"], eps)
         if targets is None:
             return tape.matmul(x, _head(leaves, cfg), trans_b=True), None, leaves  # (B*T, Vp)

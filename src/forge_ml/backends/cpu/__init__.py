@@ -60,7 +60,8 @@ __all__ = ["NAME", "BF16", "GRAPHS", "HOST_MEMORY", "start", "reference",
            # fused kernels
            "attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
            "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
-           "decode_attention", "greedy_next", "linear_cross_entropy", "scale",
+           "matmul_gelu", "weight_grads", "decode_attention", "greedy_next",
+           "linear_cross_entropy", "scale",
            # optional: the optimizer's step in one call
            "adamw_update_many", "sumsq_many"]
 
@@ -364,6 +365,16 @@ def linear(x, w, bias, act, residual, ln=None):
     """``act(LN(x) @ w + bias) + residual`` (act None or "gelu", ln None or (gamma, beta,
     eps)): layernorm, matmul, gelu and add (``compose.linear``)."""
     return _compose.linear(sys.modules[__name__], x, w, bias, act, residual, ln)
+
+
+def matmul_gelu(x, w, bias):
+    """``(gelu(x @ w + bias), x @ w + bias)``: BLAS, then the GELU kernel (``compose``)."""
+    return _compose.matmul_gelu(sys.modules[__name__], x, w, bias)
+
+
+def weight_grads(x, dy, alpha):
+    """``(alpha x^T dy, sum_rows(dy))``: BLAS and the column sums (``compose``)."""
+    return _compose.weight_grads(sys.modules[__name__], x, dy, alpha)
 
 
 LCE_CHUNK_BYTES = 1 << 26

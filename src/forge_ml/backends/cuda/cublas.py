@@ -5,8 +5,9 @@ cuBLAS is called through ctypes (``_CublasC``: the libcublas CuPy loaded, found 
 process's memory map), not through CuPy's wrappers: CuPy's cuBLAS wrappers refuse to run while
 a stream is being captured into a CUDA graph, and the decoding step is replayed as one; cuBLAS
 itself records its kernels into the graph. NVIDIA's maintained alternative, nvmath-python, is
-not in the GPU image, so ctypes stays here (and only here). Where libcublas cannot be found,
-CuPy's wrappers are used, and no matrix product can be captured.
+not in the GPU image, so ctypes stays here (and in cublaslt.py, for the products with an
+epilogue). Where libcublas cannot be found, CuPy's wrappers are used, and no matrix product can
+be captured.
 
 No TF32: the math mode is CUBLAS_DEFAULT_MATH, so float32 products are true float32.
 """

@@ -1,8 +1,12 @@
-"""Matrix products and the linear layer: ``matmul`` (cuBLAS through cublas.py, the bias
-broadcast first by elementwise.cu's ``bias_fill_*``) and ``linear``; for a few rows (a
-decoding step) on Hopper both go to gemv.cu instead: one kernel per layer, a thread-block
-cluster of K slices per column tile, with the layernorm prologue and the bias, GELU and
-residual epilogue fused (``_gemv``). Kernels: gemv.cu.
+"""Matrix products and the linear layer: ``matmul`` (cuBLAS through cublas.py; with a bias,
+one cuBLASLt product with the bias in its epilogue, cublaslt.py, else the bias broadcast first
+by elementwise.cu's ``bias_fill_*``), ``linear`` (a layernorm kernel, then one cuBLASLt product
+with the bias, GELU and the residual in its epilogue), and for training ``matmul_gelu`` (GELU's
+input written beside its output) and ``weight_grads`` (the bias gradient summed by the weight
+gradient's product). For a few rows (a decoding step) on Hopper ``matmul`` and ``linear`` go to
+gemv.cu instead: one kernel per layer, a thread-block cluster of K slices per column tile,
+with the layernorm prologue and the bias, GELU and residual epilogue fused (``_gemv``).
+Kernels: gemv.cu.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from ... import flags
 from ...errors import DTypeError, ShapeError
 from .. import compose as _compose
 from .cublas import _matmul_into
+from .cublaslt import lt_matmul
 from .memory import _c, _like
 from .runtime import (BF16, F32, _THREADS, _empty, _float_sfx, _grid, _guarded, _i32, _i64,
                       _launch, _launcher_ex, _package, _pdl_wrote)
@@ -85,7 +90,41 @@ def linear(x, w, bias, act, residual, ln=None):
         if ln is not None:
             ln = (_like(_c(ln[0]), x.dtype), _like(_c(ln[1]), x.dtype), float(ln[2]))
         return _gemv(x, w, bias, 1.0, M, K, N, _ACTS[act], residual, ln)
+    if act is None or (bias is not None and residual is None):
+        # cuBLASLt: D = act(x @ w + bias) [+ residual as C]; GELU applies after C is added,
+        # so GELU with a residual stays composed
+        bias = None if bias is None else _like(_c(bias), x.dtype)
+        res = None if residual is None else _like(_c(residual), x.dtype)
+        h = x if ln is None else _package().layernorm(x, _like(_c(ln[0]), x.dtype),
+                                                      _like(_c(ln[1]), x.dtype), float(ln[2]))
+        out = _empty((M, N), x.dtype)
+        epi = ("gelu_bias" if act else "bias") if bias is not None else "default"
+        if lt_matmul(h, w, out, bias=bias, epilogue=epi, c=res):
+            return out
+        return _compose.linear(_package(), h, w, bias, act, res, None)
     return _compose.linear(_package(), x, w, bias, act, residual, ln)
+
+
+@_guarded
+def matmul_gelu(x, w, bias):
+    """``(gelu(x @ w + bias), x @ w + bias)``: one cuBLASLt product (GELU_AUX_BIAS writes
+    GELU's input as its auxiliary output), else matmul then gelu."""
+    x, w, bias = _c(x), _like(_c(w), x.dtype), _like(_c(bias), x.dtype)
+    out, pre = _empty((x.shape[0], w.shape[1]), x.dtype), _empty((x.shape[0], w.shape[1]), x.dtype)
+    if out.size and lt_matmul(x, w, out, bias=bias, epilogue="gelu_aux_bias", aux=pre):
+        return out, pre
+    return _compose.matmul_gelu(_package(), x, w, bias)
+
+
+@_guarded
+def weight_grads(x, dy, alpha):
+    """``(alpha x^T dy, sum_rows(dy))``: one cuBLASLt product whose epilogue sums dy's rows
+    (BGRADA), else matmul and sum_rows."""
+    x, dy = _c(x), _like(_c(dy), x.dtype)
+    dw, db = _empty((x.shape[1], dy.shape[1]), x.dtype), _empty((dy.shape[1],), x.dtype)
+    if dw.size and lt_matmul(x, dy, dw, trans_a=True, bias=db, epilogue="bgrada", alpha=alpha):
+        return dw, db
+    return _compose.weight_grads(_package(), x, dy, alpha)
 
 
 @_guarded
@@ -122,6 +161,10 @@ def matmul(a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows=None
         return _gemv(a, b, bias, alpha, M, K, N)
     out = _empty(lead + (M, N), a.dtype)
     beta = 0.0
+    if (bias is not None and a.ndim == 2 and br == br_stored and out.size
+            and lt_matmul(a, b, out, trans_a, trans_b, bias=_like(_c(bias), a.dtype),
+                          epilogue="bias", alpha=alpha)):
+        return out
     if bias is not None:
         bias = _like(_c(bias), a.dtype)
         if bias.size != N:

@@ -1,0 +1,202 @@
+"""cuBLASLt: matrix products with their epilogue fused (``lt_matmul``). A product with a bias
+(``BIAS``), a bias and GELU (``GELU_BIAS``; ``GELU_AUX_BIAS`` also writes GELU's input, which
+the backward needs), a residual added through C (``D = A B + bias + C``, C apart from D), and
+the weight gradient with the bias gradient of the same pass (``BGRADA``: the sum over the rows
+of dY, read once). Today's path without it: ``bias_fill`` then cuBLAS with beta = 1, ``gelu``
+after, ``sum_rows`` beside the weight gradient; each of those reads or writes the whole output
+once more.
+
+Called through ctypes like ``cublas.py`` (``libcublasLt``, which libcublas loads, found in this
+process's memory map), and for the same reason: calls are recorded into CUDA graphs. A plan
+(descriptors, layouts and the algorithm cuBLASLt's heuristic picked) is made once per shape,
+dtype and epilogue and kept; a call only sets the pointers. Where the
+library, the epilogue or the shape is not available, ``lt_matmul`` returns False and the
+caller takes today's path (the ``FORGE_CUBLASLT`` switch off does the same).
+
+GELU here is cuBLASLt's tanh form, GPT-2's; float32 products are true float32 (compute type
+32F, no TF32), as in cublas.py.
+"""
+from __future__ import annotations
+
+import ctypes as C
+
+import numpy as np
+
+from ... import flags
+from ...errors import DeviceError
+from .cublas import _CUBLAS_STATUS, _cublas_direct, _cuda_type
+from .runtime import BF16, F32, _dev, _oom_error, cupy
+
+# cublasLt.h
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
+_DESC_AUX_POINTER, _DESC_AUX_LD, _DESC_BIAS_DATA_TYPE = 11, 12, 26
+_PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # A, B, C, D
+_COMPUTE_32F = 68
+_EPILOGUES = {"default": 1, "bias": 4, "gelu_bias": 36, "gelu_aux_bias": 164, "bgrada": 256}
+_WORKSPACE = 32 << 20
+_ALIGN = 16
+
+
+class _LtC:
+    """libcublasLt's entry points, through ctypes (None where the library is not found)."""
+
+    def __init__(self, lib):
+        vp, i32, u64, i64, sz = C.c_void_p, C.c_int, C.c_uint64, C.c_int64, C.c_size_t
+        sigs = {
+            "cublasLtCreate": [C.POINTER(vp)],
+            "cublasLtMatmulDescCreate": [C.POINTER(vp), i32, i32],
+            "cublasLtMatmulDescSetAttribute": [vp, i32, vp, sz],
+            "cublasLtMatrixLayoutCreate": [C.POINTER(vp), i32, u64, u64, i64],
+            "cublasLtMatmulPreferenceCreate": [C.POINTER(vp)],
+            "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
+            "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, vp, C.POINTER(i32)],
+            "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
+        }
+        for name, args in sigs.items():
+            f = getattr(lib, name)
+            f.argtypes, f.restype = args, i32
+            setattr(self, name[len("cublasLt"):].lower(), f)
+
+    @staticmethod
+    def load():
+        if _cublas_direct() is None:   # libcublas (and with it libcublasLt) not loaded
+            return None
+        paths = []
+        try:
+            with open("/proc/self/maps") as f:
+                paths = sorted({ln.split()[-1] for ln in f if "/libcublasLt.so" in ln})
+        except OSError:
+            pass
+        for name in paths + ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"]:
+            try:
+                return _LtC(C.CDLL(name))
+            except (OSError, AttributeError):
+                continue
+        return None
+
+
+_lib: list = []      # [the _LtC or None]
+_devices: dict = {}  # device -> (handle, workspace)
+_plans: dict = {}    # key -> _Plan, or None where cuBLASLt has no algorithm for it
+
+
+def _lt():
+    if not _lib:
+        _lib.append(_LtC.load())
+    return _lib[0]
+
+
+def _ok(st, what):
+    if st == 3:
+        raise _oom_error(MemoryError(f"cuBLASLt could not allocate ({what})"))
+    if st != 0:
+        raise DeviceError(f"cuBLASLt {what} failed: CUBLAS_STATUS_{_CUBLAS_STATUS.get(st, st)}")
+
+
+def _device_state(lt):
+    dev = _dev()
+    st = _devices.get(dev)
+    if st is None:
+        h = C.c_void_p()
+        _ok(lt.create(C.byref(h)), "create")
+        st = _devices[dev] = (h, cupy.empty(_WORKSPACE, np.uint8))
+    return st
+
+
+def _set(lt, desc, attr, value, ctype):
+    v = ctype(value)
+    _ok(lt.matmuldescsetattribute(desc, attr, C.byref(v), C.sizeof(v)), f"attribute {attr}")
+
+
+class _Plan:
+    """Descriptors and the chosen algorithm of one product: row-major ``out (M, N) = op(a)
+    (M, K) @ op(b) (K, N)``, asked of cuBLASLt (column-major) as ``out^T = op(b)^T op(a)^T``:
+    its A is our b, its B our a."""
+
+    def __init__(self, lt, handle, dt, M, N, K, a_shape, b_shape, trans_a, trans_b, epi,
+                 bias_dt):
+        vp = C.c_void_p
+        t = _cuda_type(dt)
+        self.desc = vp()
+        _ok(lt.matmuldesccreate(C.byref(self.desc), _COMPUTE_32F, _cuda_type(F32)), "desc")
+        _set(lt, self.desc, _DESC_TRANSA, int(trans_b), C.c_int)
+        _set(lt, self.desc, _DESC_TRANSB, int(trans_a), C.c_int)
+        _set(lt, self.desc, _DESC_EPILOGUE, _EPILOGUES[epi], C.c_int)
+        if bias_dt is not None:
+            _set(lt, self.desc, _DESC_BIAS_DATA_TYPE, _cuda_type(bias_dt), C.c_int)
+        if epi == "gelu_aux_bias":
+            _set(lt, self.desc, _DESC_AUX_LD, N, C.c_int64)
+
+        def layout(stored):   # a row-major (r, c) matrix is column-major (c, r), ld c
+            lay = vp()
+            _ok(lt.matrixlayoutcreate(C.byref(lay), t, stored[1], stored[0], stored[1]), "layout")
+            return lay
+        self.a, self.b, self.d = layout(b_shape), layout(a_shape), layout((M, N))
+        pref = vp()
+        _ok(lt.matmulpreferencecreate(C.byref(pref)), "preference")
+        ws = C.c_size_t(_WORKSPACE)
+        _ok(lt.matmulpreferencesetattribute(pref, _PREF_MAX_WORKSPACE_BYTES, C.byref(ws),
+                                            C.sizeof(ws)), "preference")
+        for attr in _PREF_MIN_ALIGNMENT:
+            al = C.c_uint32(_ALIGN)
+            _ok(lt.matmulpreferencesetattribute(pref, attr, C.byref(al), C.sizeof(al)),
+                "preference")
+        self.algo = (C.c_ubyte * 96)()    # cublasLtMatmulHeuristicResult_t; algo is its head
+        n = C.c_int(0)
+        st = lt.matmulalgogetheuristic(handle, self.desc, self.a, self.b, self.d, self.d, pref,
+                                       1, self.algo, C.byref(n))
+        self.ok = st == 0 and n.value > 0
+        self.c = self.d
+
+
+def _aligned(*arrays) -> bool:
+    """Every pointer on a 16-byte boundary: what the plans are made for. One alignment for all
+    (not the 256 bytes most allocations have) keeps the algorithm, and so the bits, the same
+    wherever an operand lives (a view into a flat buffer of parameters included)."""
+    return all(x.data.ptr % _ALIGN == 0 for x in arrays if x is not None)
+
+
+def lt_matmul(a, b, out, trans_a=False, trans_b=False, *, bias=None, epilogue="default",
+              aux=None, c=None, alpha=1.0) -> bool:
+    """``out = epilogue(alpha op(a) @ op(b) + bias + c)`` for 2-D bfloat16 or float32 operands,
+    row-major: ``epilogue`` "default", "bias", "gelu_bias", "gelu_aux_bias" (``aux`` gets
+    GELU's input, out's shape) or "bgrada": the weight gradient ``X^T dY`` (``a`` = X with
+    ``trans_a``, ``b`` = dY) that also writes ``bias`` = the sums of dY's rows. ``c``: None, or
+    an array of out's shape added (beta = 1, C apart from D). Returns False, having done
+    nothing, where cuBLASLt cannot do it here."""
+    if not flags.on("FORGE_CUBLASLT") or a.dtype not in (BF16, F32) or a.dtype != b.dtype \
+            or out.dtype != a.dtype or a.ndim != 2 or b.ndim != 2 or out.ndim != 2:
+        return False
+    if epilogue == "bgrada" and (not trans_a or trans_b):
+        return False
+    lt = _lt()
+    if lt is None:
+        return False
+    M, N = out.shape
+    K = a.shape[0] if trans_a else a.shape[1]
+    if min(M, N, K) == 0:
+        return False
+    if not _aligned(a, b, out, c, aux, bias):
+        return False
+    bias_dt = None if bias is None else bias.dtype
+    key = (_dev(), a.dtype, M, N, K, a.shape, b.shape, trans_a, trans_b, epilogue, bias_dt)
+    handle, ws = _device_state(lt)
+    plan = _plans.get(key, False)
+    if plan is False:
+        plan = _Plan(lt, handle, a.dtype, M, N, K, a.shape, b.shape, trans_a, trans_b, epilogue,
+                     bias_dt)
+        plan = _plans[key] = plan if plan.ok else None
+    if plan is None:
+        return False
+    if bias is not None:
+        _set(lt, plan.desc, _DESC_BIAS_POINTER, bias.data.ptr, C.c_void_p)
+    if aux is not None:
+        _set(lt, plan.desc, _DESC_AUX_POINTER, aux.data.ptr, C.c_void_p)
+    al, be = C.c_float(alpha), C.c_float(0.0 if c is None else 1.0)
+    cp = out if c is None else c
+    _ok(lt.matmul(handle, plan.desc, C.byref(al), b.data.ptr, plan.a, a.data.ptr, plan.b,
+                  C.byref(be), cp.data.ptr, plan.c, out.data.ptr, plan.d, plan.algo,
+                  ws.data.ptr, _WORKSPACE, cupy.cuda.get_current_stream().ptr),
+        f"matmul ({M} x {K}) @ ({K} x {N}), {epilogue}")
+    return True
