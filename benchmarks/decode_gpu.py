@@ -10,7 +10,11 @@ it, from the first departure of the barrier before) and the barrier's own latenc
 last arrival to the last departure), from each block's ``%globaltimer`` at every barrier,
 summed over the layers and averaged over ``--reps`` steps.
 
+``--splits`` times ``decode_attention`` alone with its keys split among 1, 2, 4 and 8 blocks
+per head (the choice ``_decode_split`` makes is marked), with the cache bytes it reads.
+
     python benchmarks/decode_gpu.py [--dtype float32|bf16] [--pos 200] [--batch 1] [--stages]
+                                    [--splits]
 """
 from __future__ import annotations
 
@@ -110,6 +114,8 @@ def main(argv=None):
     ap.add_argument("--stages", action="store_true", help="the fused step's time by stage")
     ap.add_argument("--batch", type=int, default=1,
                     help="rows decoded at once, each at position --pos (default 1)")
+    ap.add_argument("--splits", action="store_true",
+                    help="decode_attention alone at 1, 2, 4 and 8 blocks per head")
     a = ap.parse_args(argv)
 
     import cupy as cp
@@ -199,6 +205,23 @@ def main(argv=None):
         total += n * ms
         print(f"  {ms * 1e3:8.1f} us  x{n:<3d} {name}")
     print(f"  {total * 1e3:8.1f} us  sum over one token")
+    if a.splits:
+        import importlib
+        cuda_attention = importlib.import_module("forge_ml.backends.cuda.attention")
+        chosen = cuda_attention._decode_split(Bn, H, cfg.block_size)
+        kv = 2 * Bn * H * (a.pos + 1) * (C // H) * (2 if a.dtype == "bf16" else 4)
+        print(f"\n  decode_attention alone, keys split among P blocks per head "
+              f"(cache read: {kv / 1e6:.1f} MB; chosen P = {chosen})")
+        default = cuda_attention._decode_split
+        try:
+            for split in (1, 2, 4, 8):
+                cuda_attention._decode_split = lambda B_, H_, T_, s_=split: s_
+                ms = graph_ms(cp, bk, lambda: ops.decode_attention(qkv, cache.k[0], cache.v[0],
+                                                                   pos_t, H), a.reps)
+                print(f"  {ms * 1e3:8.1f} us  P={split}  {kv / (ms * 1e-3) / 1e12:.2f} TB/s"
+                      + ("  (chosen)" if split == chosen else ""))
+        finally:
+            cuda_attention._decode_split = default
     try:
         import torch
         tdt = torch.bfloat16 if a.dtype == "bf16" else torch.float32

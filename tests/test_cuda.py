@@ -564,6 +564,30 @@ def test_decode_attention_keys_split_among_blocks(be, rs, dtype, Tmax, pos):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_attention_a_wide_batch_takes_one_block_per_head(be, rs, dtype):
+    """A batch whose rows x heads already fill the GPU twice over does not split its keys
+    (one block per head reads a long cache whole); batch 1 still splits."""
+    import cupy
+    import importlib
+    cuda_attention = importlib.import_module("forge_ml.backends.cuda.attention")   # the module
+    from forge_ml.backends.cuda.runtime import _dev, _launcher_ex, _sm_count
+    sms = _sm_count(_dev())
+    Hn, hs, Tmax, pos = 12, 64, 300, 257
+    B = -(-2 * sms // Hn)
+    assert cuda_attention._decode_split(B, Hn, Tmax) == 1
+    assert cuda_attention._decode_split(1, Hn, Tmax) == (3 if _launcher_ex() else 1)
+    k0, v0 = values(rs, (B, Hn, Tmax, hs), dtype), values(rs, (B, Hn, Tmax, hs), dtype)
+    qkv = values(rs, (B, 3 * Hn * hs), dtype)
+    want_y, want_k, want_v = reference.decode_attention(qkv, k0, v0, pos, Hn, 0.125)
+    kc, vc = dev(be, k0, dtype), dev(be, v0, dtype)
+    y = be.decode_attention(dev(be, qkv, dtype), kc, vc, cupy.asarray(np.array([pos], np.int32)),
+                            Hn, 0.125)
+    check(f"decode_attention B={B}", host(be, y), want_y, TOL[dtype])
+    check("decode_attention v_cache", host(be, vc), want_v, 0.0)
+
+
+@cuda
 def test_decode_attention_position_out_of_range_gives_nan_and_writes_nothing(be, rs):
     import cupy
     k0 = values(rs, (1, 2, 8, 16), "float32")

@@ -30,8 +30,9 @@ from .cublas import _matmul_into
 from .layout import merge_heads, split_heads, unmerge_heads
 from .memory import _c, _like, _pos_array
 from .rows import _softmax_bwd_into, _softmax_into
-from .runtime import (BF16, F32, _SFX, _THREADS, _acc, _acc_dtype, _empty, _float_sfx, _grid,
-                      _guarded, _i32, _i64, _launch, _launcher_ex, _package, _word, cupy)
+from .runtime import (BF16, F32, _SFX, _THREADS, _acc, _acc_dtype, _dev, _empty, _float_sfx,
+                      _grid, _guarded, _i32, _i64, _launch, _launcher_ex, _package, _sm_count,
+                      _word, cupy)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -373,6 +374,17 @@ def kv_append(cache, new, pos):
 
 _DECODE_THREADS = 256
 _DECODE_SPLIT = 8  # blocks per head at most (a thread-block cluster: 8 is the portable size)
+_DECODE_WAVES = 2  # blocks wanted per SM before the keys of a head are split
+
+
+def _decode_split(B: int, H: int, Tmax: int) -> int:
+    """Blocks per (row, head) of ``decode_attention``: 1 where the B * H heads already give
+    every SM ``_DECODE_WAVES`` blocks (a batch), else up to 8 (a thread-block cluster on
+    Hopper), no more than one per 128 rows of the cache."""
+    if not _launcher_ex():
+        return 1
+    want = -(-_DECODE_WAVES * _sm_count(_dev()) // max(1, B * H))
+    return max(1, min(_DECODE_SPLIT, -(-Tmax // 128), want))
 
 
 @_guarded
@@ -391,8 +403,7 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
         raise ShapeError(f"decode_attention: head size {hs} is over the kernel's "
                          f"{_DECODE_THREADS}")
     acc = _acc_dtype(qkv.dtype)
-    # a cache of more than 128 rows: its keys split among a cluster of up to 8 blocks per head
-    P = max(1, min(_DECODE_SPLIT, -(-Tmax // 128))) if _launcher_ex() else 1
+    P = _decode_split(B, H, Tmax)
     shared = (2 * hs + -(-Tmax // P) + _DECODE_THREADS * (16 // qkv.dtype.itemsize)) * acc.itemsize
     if shared > 48 * 1024:
         raise ShapeError(f"decode_attention: a cache of {Tmax} rows needs {shared} bytes of "
