@@ -193,7 +193,15 @@ class Tape:
     def matmul_gelu(self, a: TVar, b: TVar, bias: TVar) -> TVar:
         """``gelu(a @ b + bias)`` for 2-D ``a``: a linear layer and its GELU as one node
         (``ops.matmul_gelu``: on the GPU one product writes the output and GELU's input).
-        The same values and gradients as ``gelu(matmul(a, b, bias))``."""
+        The same values and gradients as ``gelu(matmul(a, b, bias))``.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> a, w = t.leaf(fm.tensor(np.ones((1, 2), np.float32))), t.leaf(fm.tensor(np.ones((2, 1), np.float32)))
+        >>> y = t.matmul_gelu(a, w, t.leaf(fm.zeros((1,))))
+        >>> round(float(y.t.numpy()[0, 0]), 4), t.backward(y)[w.id].numpy().shape
+        (1.9546, (2, 1))
+        """
         self._check(a, b, bias)
         if not self.records:   # nothing kept: GELU's input need not be written
             return self._record(ops.linear(a.t, b.t, bias.t, act="gelu"), None)
