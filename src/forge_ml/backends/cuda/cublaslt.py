@@ -19,6 +19,7 @@ GELU here is cuBLASLt's tanh form, GPT-2's; float32 products are true float32 (c
 from __future__ import annotations
 
 import ctypes as C
+import threading
 
 import numpy as np
 
@@ -79,6 +80,7 @@ class _LtC:
 _lib: list = []      # [the _LtC or None]
 _devices: dict = {}  # device -> (handle, workspace)
 _plans: dict = {}    # key -> _Plan, or None where cuBLASLt has no algorithm for it
+_lock = threading.Lock()   # a plan's descriptor takes each call's pointers: one call at a time
 
 
 def _lt():
@@ -181,22 +183,23 @@ def lt_matmul(a, b, out, trans_a=False, trans_b=False, *, bias=None, epilogue="d
         return False
     bias_dt = None if bias is None else bias.dtype
     key = (_dev(), a.dtype, M, N, K, a.shape, b.shape, trans_a, trans_b, epilogue, bias_dt)
-    handle, ws = _device_state(lt)
-    plan = _plans.get(key, False)
-    if plan is False:
-        plan = _Plan(lt, handle, a.dtype, M, N, K, a.shape, b.shape, trans_a, trans_b, epilogue,
-                     bias_dt)
-        plan = _plans[key] = plan if plan.ok else None
-    if plan is None:
-        return False
-    if bias is not None:
-        _set(lt, plan.desc, _DESC_BIAS_POINTER, bias.data.ptr, C.c_void_p)
-    if aux is not None:
-        _set(lt, plan.desc, _DESC_AUX_POINTER, aux.data.ptr, C.c_void_p)
     al, be = C.c_float(alpha), C.c_float(0.0 if c is None else 1.0)
     cp = out if c is None else c
-    _ok(lt.matmul(handle, plan.desc, C.byref(al), b.data.ptr, plan.a, a.data.ptr, plan.b,
-                  C.byref(be), cp.data.ptr, plan.c, out.data.ptr, plan.d, plan.algo,
-                  ws.data.ptr, _WORKSPACE, cupy.cuda.get_current_stream().ptr),
-        f"matmul ({M} x {K}) @ ({K} x {N}), {epilogue}")
+    with _lock:
+        handle, ws = _device_state(lt)
+        plan = _plans.get(key, False)
+        if plan is False:
+            plan = _Plan(lt, handle, a.dtype, M, N, K, a.shape, b.shape, trans_a, trans_b,
+                         epilogue, bias_dt)
+            plan = _plans[key] = plan if plan.ok else None
+        if plan is None:
+            return False
+        if bias is not None:
+            _set(lt, plan.desc, _DESC_BIAS_POINTER, bias.data.ptr, C.c_void_p)
+        if aux is not None:
+            _set(lt, plan.desc, _DESC_AUX_POINTER, aux.data.ptr, C.c_void_p)
+        _ok(lt.matmul(handle, plan.desc, C.byref(al), b.data.ptr, plan.a, a.data.ptr, plan.b,
+                      C.byref(be), cp.data.ptr, plan.c, out.data.ptr, plan.d, plan.algo,
+                      ws.data.ptr, _WORKSPACE, cupy.cuda.get_current_stream().ptr),
+            f"matmul ({M} x {K}) @ ({K} x {N}), {epilogue}")
     return True
