@@ -79,8 +79,9 @@ _ACTS = {None: 0, "gelu": 1}
 @_guarded
 def linear(x, w, bias, act, residual, ln=None):
     """``act(LN(x) @ w + bias) + residual`` for a few rows of x: one kernel
-    (gemv.cu); otherwise layernorm, matmul, gelu and add one after the other.
-    ``ln``: None or (gamma, beta, eps)."""
+    (gemv.cu); otherwise the layernorm kernel, then one cuBLASLt product with the bias, GELU
+    and the residual in its epilogue (where cuBLASLt cannot: matmul, gelu and add one after
+    the other). ``ln``: None or (gamma, beta, eps)."""
     x, w = _c(x), _like(_c(w), x.dtype)
     M, K = x.shape
     N = w.shape[1]
@@ -95,6 +96,10 @@ def linear(x, w, bias, act, residual, ln=None):
         # so GELU with a residual stays composed
         bias = None if bias is None else _like(_c(bias), x.dtype)
         res = None if residual is None else _like(_c(residual), x.dtype)
+        if (bias is not None and bias.size != N) or (res is not None and res.shape != (M, N)):
+            raise ShapeError(f"linear: bias {None if bias is None else bias.shape} and residual "
+                             f"{None if res is None else res.shape} do not fit an output "
+                             f"of {(M, N)}")
         h = x if ln is None else _package().layernorm(x, _like(_c(ln[0]), x.dtype),
                                                       _like(_c(ln[1]), x.dtype), float(ln[2]))
         out = _empty((M, N), x.dtype)
@@ -110,6 +115,9 @@ def matmul_gelu(x, w, bias):
     """``(gelu(x @ w + bias), x @ w + bias)``: one cuBLASLt product (GELU_AUX_BIAS writes
     GELU's input as its auxiliary output), else matmul then gelu."""
     x, w, bias = _c(x), _like(_c(w), x.dtype), _like(_c(bias), x.dtype)
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or bias.size != w.shape[1]:
+        raise ShapeError(f"matmul_gelu: x {x.shape}, w {w.shape} and bias {bias.shape} do not "
+                         "fit (M, K) @ (K, N) + (N,)")
     out, pre = _empty((x.shape[0], w.shape[1]), x.dtype), _empty((x.shape[0], w.shape[1]), x.dtype)
     if out.size and lt_matmul(x, w, out, bias=bias, epilogue="gelu_aux_bias", aux=pre):
         return out, pre
@@ -121,6 +129,8 @@ def weight_grads(x, dy, alpha):
     """``(alpha x^T dy, sum_rows(dy))``: one cuBLASLt product whose epilogue sums dy's rows
     (BGRADA), else matmul and sum_rows."""
     x, dy = _c(x), _like(_c(dy), x.dtype)
+    if x.ndim != 2 or dy.ndim != 2 or x.shape[0] != dy.shape[0]:
+        raise ShapeError(f"weight_grads: x {x.shape} and dy {dy.shape} must be (M, K) and (M, N)")
     dw, db = _empty((x.shape[1], dy.shape[1]), x.dtype), _empty((dy.shape[1],), x.dtype)
     if dw.size and lt_matmul(x, dy, dw, trans_a=True, bias=db, epilogue="bgrada", alpha=alpha):
         return dw, db
@@ -161,15 +171,15 @@ def matmul(a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows=None
         return _gemv(a, b, bias, alpha, M, K, N)
     out = _empty(lead + (M, N), a.dtype)
     beta = 0.0
-    if (bias is not None and a.ndim == 2 and br == br_stored and out.size
-            and lt_matmul(a, b, out, trans_a, trans_b, bias=_like(_c(bias), a.dtype),
-                          epilogue="bias", alpha=alpha)):
-        return out
     if bias is not None:
         bias = _like(_c(bias), a.dtype)
         if bias.size != N:
             raise ShapeError(f"matmul: bias has {bias.size} elements but the output has {N} "
                              "columns")
+        if (a.ndim == 2 and br == br_stored and out.size
+                and lt_matmul(a, b, out, trans_a, trans_b, bias=bias, epilogue="bias",
+                              alpha=alpha)):
+            return out
         if out.size:
             _launch("elementwise", f"bias_fill_{_float_sfx(out)}", _grid(out.size), _THREADS,
                     (bias, out, _i64(out.size), _i32(N)))
