@@ -138,3 +138,18 @@ def test_a_captured_product_with_epilogues_replays(gpu, rs):
     g.replay()
     gpu.synchronize()
     check("replayed linear + residual", H(out[-1]), ref.matmul(x, w, b) + r, TOL["bfloat16"])
+
+
+def test_a_launch_cublaslt_declines_falls_back_to_cublas(lt_calls, rs, monkeypatch):
+    """A plan whose launch the library declines (NOT_SUPPORTED on some GPU) is dropped: that
+    call and the later ones of its shape take the old path, with the same values."""
+    import importlib
+    cublaslt = importlib.import_module("forge_ml.backends.cuda.cublaslt")
+    lt = cublaslt._lt()
+    monkeypatch.setattr(cublaslt, "_plans", {})
+    monkeypatch.setattr(lt, "matmul", lambda *args: 15)       # CUBLAS_STATUS_NOT_SUPPORTED
+    x, w, b = vals(rs, (64, 48), "bfloat16"), vals(rs, (48, 32), "bfloat16"), vals(rs, (32,), "bfloat16")
+    for _ in range(2):
+        got = ops.matmul(T(x, "bfloat16"), T(w, "bfloat16"), T(b, "bfloat16"))
+        check("matmul after a declined launch", H(got), ref.matmul(x, w, b), TOL["bfloat16"])
+    assert lt_calls == [False, False] and list(cublaslt._plans.values()) == [None]

@@ -10,8 +10,9 @@ Called through ctypes like ``cublas.py`` (``libcublasLt``, which libcublas loads
 process's memory map), and for the same reason: calls are recorded into CUDA graphs. A plan
 (descriptors, layouts and the algorithm cuBLASLt's heuristic picked) is made once per shape,
 dtype and epilogue and kept; a call only sets the pointers. Where the
-library, the epilogue or the shape is not available, ``lt_matmul`` returns False and the
-caller takes today's path (the ``FORGE_CUBLASLT`` switch off does the same).
+library, the epilogue or the shape is not available (no algorithm from the heuristic, or a
+launch the library declines), ``lt_matmul`` returns False and the caller takes today's path
+(the ``FORGE_CUBLASLT`` switch off does the same).
 
 GELU here is cuBLASLt's tanh form, GPT-2's; float32 products are true float32 (compute type
 32F, no TF32), as in cublas.py.
@@ -37,6 +38,7 @@ _COMPUTE_32F = 68
 _EPILOGUES = {"default": 1, "bias": 4, "gelu_bias": 36, "gelu_aux_bias": 164, "bgrada": 256}
 _WORKSPACE = 32 << 20
 _ALIGN = 16
+_DECLINED = (7, 8, 15)   # INVALID_VALUE, ARCH_MISMATCH, NOT_SUPPORTED: nothing was launched
 
 
 class _LtC:
@@ -198,8 +200,11 @@ def lt_matmul(a, b, out, trans_a=False, trans_b=False, *, bias=None, epilogue="d
             _set(lt, plan.desc, _DESC_BIAS_POINTER, bias.data.ptr, C.c_void_p)
         if aux is not None:
             _set(lt, plan.desc, _DESC_AUX_POINTER, aux.data.ptr, C.c_void_p)
-        _ok(lt.matmul(handle, plan.desc, C.byref(al), b.data.ptr, plan.a, a.data.ptr, plan.b,
-                      C.byref(be), cp.data.ptr, plan.c, out.data.ptr, plan.d, plan.algo,
-                      ws.data.ptr, _WORKSPACE, cupy.cuda.get_current_stream().ptr),
-            f"matmul ({M} x {K}) @ ({K} x {N}), {epilogue}")
+        st = lt.matmul(handle, plan.desc, C.byref(al), b.data.ptr, plan.a, a.data.ptr, plan.b,
+                       C.byref(be), cp.data.ptr, plan.c, out.data.ptr, plan.d, plan.algo,
+                       ws.data.ptr, _WORKSPACE, cupy.cuda.get_current_stream().ptr)
+        if st in _DECLINED:   # this GPU or library will not run the plan: cuBLAS from now on
+            _plans[key] = None
+            return False
+        _ok(st, f"matmul ({M} x {K}) @ ({K} x {N}), {epilogue}")
     return True
