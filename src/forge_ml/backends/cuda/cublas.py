@@ -76,21 +76,27 @@ class _CublasC:
 
     @staticmethod
     def load():
-        import ctypes
         _cublas().getVersion  # make sure CuPy has loaded the library
-        paths = []
+        return _open_loaded("libcublas", _CublasC)
+
+
+def _open_loaded(stem: str, wrap):
+    """``wrap(ctypes.CDLL(path))`` for the library ``stem`` (e.g. "libcublas"): the copy this
+    process has loaded (CuPy's, found in /proc/self/maps) first, then the usual sonames; None
+    where none opens or ``wrap`` finds an entry point missing (AttributeError)."""
+    import ctypes
+    paths = []
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[-1] for ln in f if f"/{stem}.so" in ln})
+    except OSError:
+        pass
+    for name in paths + [f"{stem}.so.13", f"{stem}.so.12", f"{stem}.so"]:
         try:
-            with open("/proc/self/maps") as f:
-                paths = sorted({ln.split()[-1] for ln in f
-                                if "/libcublas.so" in ln and "libcublasLt" not in ln})
-        except OSError:
-            pass
-        for name in paths + ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]:
-            try:
-                return _CublasC(ctypes.CDLL(name))
-            except (OSError, AttributeError):
-                continue
-        return None
+            return wrap(ctypes.CDLL(name))
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 _cublas_c: list = []  # [the _CublasC or None], filled on first use

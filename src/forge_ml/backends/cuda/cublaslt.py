@@ -26,7 +26,7 @@ import numpy as np
 
 from ... import flags
 from ...errors import DeviceError
-from .cublas import _CUBLAS_STATUS, _cublas_direct, _cuda_type
+from .cublas import _CUBLAS_STATUS, _cublas_direct, _cuda_type, _open_loaded
 from .runtime import BF16, F32, _dev, _oom_error, cupy
 
 # cublasLt.h
@@ -65,18 +65,7 @@ class _LtC:
     def load():
         if _cublas_direct() is None:   # libcublas (and with it libcublasLt) not loaded
             return None
-        paths = []
-        try:
-            with open("/proc/self/maps") as f:
-                paths = sorted({ln.split()[-1] for ln in f if "/libcublasLt.so" in ln})
-        except OSError:
-            pass
-        for name in paths + ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"]:
-            try:
-                return _LtC(C.CDLL(name))
-            except (OSError, AttributeError):
-                continue
-        return None
+        return _open_loaded("libcublasLt", _LtC)
 
 
 _lib: list = []      # [the _LtC or None]
@@ -151,7 +140,6 @@ class _Plan:
         st = lt.matmulalgogetheuristic(handle, self.desc, self.a, self.b, self.d, self.d, pref,
                                        1, self.algo, C.byref(n))
         self.ok = st == 0 and n.value > 0
-        self.c = self.d
 
 
 def _aligned(*arrays) -> bool:
@@ -184,7 +172,7 @@ def lt_matmul(a, b, out, trans_a=False, trans_b=False, *, bias=None, epilogue="d
     if not _aligned(a, b, out, c, aux, bias):
         return False
     bias_dt = None if bias is None else bias.dtype
-    key = (_dev(), a.dtype, M, N, K, a.shape, b.shape, trans_a, trans_b, epilogue, bias_dt)
+    key = (_dev(), a.dtype, a.shape, b.shape, trans_a, trans_b, epilogue, bias_dt)  # M, N, K follow
     al, be = C.c_float(alpha), C.c_float(0.0 if c is None else 1.0)
     cp = out if c is None else c
     with _lock:
@@ -201,7 +189,7 @@ def lt_matmul(a, b, out, trans_a=False, trans_b=False, *, bias=None, epilogue="d
         if aux is not None:
             _set(lt, plan.desc, _DESC_AUX_POINTER, aux.data.ptr, C.c_void_p)
         st = lt.matmul(handle, plan.desc, C.byref(al), b.data.ptr, plan.a, a.data.ptr, plan.b,
-                       C.byref(be), cp.data.ptr, plan.c, out.data.ptr, plan.d, plan.algo,
+                       C.byref(be), cp.data.ptr, plan.d, out.data.ptr, plan.d, plan.algo,
                        ws.data.ptr, _WORKSPACE, cupy.cuda.get_current_stream().ptr)
         if st in _DECLINED:   # this GPU or library will not run the plan: cuBLAS from now on
             _plans[key] = None
