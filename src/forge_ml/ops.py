@@ -129,6 +129,18 @@ def matmul(a, b, bias=None, *, trans_a=False, trans_b=False, alpha=1.0, b_rows=N
 # -- elementwise and reductions --------------------------------------------------------
 
 
+def _layer_check(op, x, w, bias) -> int:
+    """A linear layer's operands: ``x (M, K)``, ``w (K, N)``, ``bias`` None or ``(N,)``;
+    returns N."""
+    _rank(op, "x", x, 2, 2), _rank(op, "w", w, 2, 2)
+    if x.shape[1] != w.shape[0]:
+        raise ShapeError(f"{op}: x is {x.shape} but w is {w.shape}; inner dims must agree")
+    n = w.shape[1]
+    if bias is not None and bias.shape != (n,):
+        raise ShapeError(f"{op}: bias must be ({n},), got {bias.shape}")
+    return n
+
+
 def linear(x, w, bias=None, *, act=None, residual=None, ln=None, eps=1e-5) -> Tensor:
     """``act(LN(x) @ w + bias) + residual``: a linear layer with its prologue and epilogue,
     for inference.
@@ -149,12 +161,7 @@ def linear(x, w, bias=None, *, act=None, residual=None, ln=None, eps=1e-5) -> Te
     _float(op, "x", x), _float(op, "w", w)
     gamma, beta = (None, None) if ln is None else ln
     bk = _same(op, x=x, w=w, bias=bias, residual=residual, gamma=gamma, beta=beta)
-    _rank(op, "x", x, 2, 2), _rank(op, "w", w, 2, 2)
-    if x.shape[1] != w.shape[0]:
-        raise ShapeError(f"{op}: x is {x.shape} but w is {w.shape}; inner dims must agree")
-    n = w.shape[1]
-    if bias is not None and bias.shape != (n,):
-        raise ShapeError(f"{op}: bias must be ({n},), got {bias.shape}")
+    n = _layer_check(op, x, w, bias)
     if residual is not None and residual.shape != (x.shape[0], n):
         raise ShapeError(f"{op}: residual must be {(x.shape[0], n)}, got {residual.shape}")
     if act not in (None, "gelu"):
@@ -180,11 +187,7 @@ def matmul_gelu(x, w, bias) -> Tuple[Tensor, Tensor]:
     op = "matmul_gelu"
     _float(op, "x", x), _float(op, "w", w), _float(op, "bias", bias)
     bk = _same(op, x=x, w=w, bias=bias)
-    _rank(op, "x", x, 2, 2), _rank(op, "w", w, 2, 2)
-    if x.shape[1] != w.shape[0]:
-        raise ShapeError(f"{op}: x is {x.shape} but w is {w.shape}; inner dims must agree")
-    if bias.shape != (w.shape[1],):
-        raise ShapeError(f"{op}: bias must be ({w.shape[1]},), got {bias.shape}")
+    _layer_check(op, x, w, bias)
     y, pre = bk.matmul_gelu(x.data, w.data, bias.data)
     return _wrap(x, y), _wrap(x, pre)
 
