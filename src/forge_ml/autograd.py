@@ -62,6 +62,15 @@ class _Saved:
 BackwardFn = Callable[[Tensor], list]
 
 
+def _layer_grads(ia, ib, ibias, a: Tensor, b: Tensor, dy: Tensor, alpha: float = 1.0) -> list:
+    """The gradients of a linear layer ``Y = alpha a @ b + bias`` (2-D ``a``): ``dA = alpha dY
+    b^T`` to node ``ia``, and ``dB = alpha a^T dY`` with ``sum_rows(dY)`` from one
+    ``ops.weight_grads`` to ``ib`` and ``ibias``."""
+    da = ops.matmul(dy, b, trans_b=True, alpha=alpha)
+    db, dbias = ops.weight_grads(a, dy, alpha)
+    return [(ia, da), (ib, db), (ibias, dbias)]
+
+
 class Tape:
     """Records ops for one forward; ``backward`` returns the gradients.
 
@@ -149,11 +158,10 @@ class Tape:
         def backward(dy):
             at, bt = sa.get(), sb.get()
             if not trans_b:
+                if ibias is not None and at.ndim == 2:    # a layer: dB and sum_rows(dY) at once
+                    return _layer_grads(ia, ib, ibias, at, bt, dy, alpha)
                 da = ops.matmul(dy, bt, trans_b=True, alpha=alpha)   # Y = aAB:  dA = a dY B^T
-                if ibias is not None and at.ndim == 2:               #           dB = a A^T dY
-                    db, dbias = ops.weight_grads(at, dy, alpha)      # and sum_rows(dY) at once
-                    return [(ia, da), (ib, db), (ibias, dbias)]
-                db = ops.matmul(at, dy, trans_a=True, alpha=alpha)
+                db = ops.matmul(at, dy, trans_a=True, alpha=alpha)   #           dB = a A^T dY
             else:
                 da = ops.matmul(dy, bt, alpha=alpha)                 # Y = aAB^T: dA = a dY B
                 db = ops.matmul(dy, at, trans_a=True, alpha=alpha)   #            dB = a dY^T A
@@ -178,17 +186,10 @@ class Tape:
         """
         self._check(a, b, bias, residual)
         out = ops.linear(a.t, b.t, bias.t, residual=residual.t)
-        if not self.records:
-            return self._record(out, None)
         ia, ib, ibias, ir = a.id, b.id, bias.id, residual.id
         sa, sb = _Saved(a.t, "matmul_add"), _Saved(b.t, "matmul_add")
-
-        def backward(dy):
-            db, dbias = ops.weight_grads(sa.get(), dy)
-            return [(ia, ops.matmul(dy, sb.get(), trans_b=True)), (ib, db), (ibias, dbias),
-                    (ir, dy)]
-
-        return self._record(out, backward)
+        return self._record(out, lambda dy: _layer_grads(ia, ib, ibias, sa.get(), sb.get(), dy)
+                            + [(ir, dy)])
 
     def matmul_gelu(self, a: TVar, b: TVar, bias: TVar) -> TVar:
         """``gelu(a @ b + bias)`` for 2-D ``a``: a linear layer and its GELU as one node
@@ -209,12 +210,8 @@ class Tape:
         ia, ib, ibias = a.id, b.id, bias.id
         sa, sb, sp = _Saved(a.t, "matmul_gelu"), _Saved(b.t, "matmul_gelu"), _Saved(pre, "matmul_gelu")
 
-        def backward(dy):
-            dpre = ops.gelu_bwd(sp.get(), dy)
-            db, dbias = ops.weight_grads(sa.get(), dpre)
-            return [(ia, ops.matmul(dpre, sb.get(), trans_b=True)), (ib, db), (ibias, dbias)]
-
-        return self._record(out, backward)
+        return self._record(out, lambda dy: _layer_grads(ia, ib, ibias, sa.get(), sb.get(),
+                                                          ops.gelu_bwd(sp.get(), dy)))
 
     def gelu(self, x: TVar) -> TVar:
         """GPT-2's tanh GELU."""
