@@ -541,6 +541,22 @@ def test_decode_attention(be, rs, dtype, pos):
         check("decode_attention vs CPU backend", host(be, y), cpu_y, TOL[dtype])
 
 
+def _decode_attention_case(be, rs, dtype, B, Hn, hs, Tmax, pos, scale):
+    """Random caches (B, Hn, Tmax, hs) and a qkv row per batch row: ``(run, want_y, want_k,
+    want_v)``, ``run()`` calling the backend on fresh device copies of the caches (``(y,
+    k_cache, v_cache)``) and the rest the float64 reference's."""
+    import cupy
+    k0, v0 = values(rs, (B, Hn, Tmax, hs), dtype), values(rs, (B, Hn, Tmax, hs), dtype)
+    qkv = values(rs, (B, 3 * Hn * hs), dtype)
+
+    def run():
+        kc, vc = dev(be, k0, dtype), dev(be, v0, dtype)
+        y = be.decode_attention(dev(be, qkv, dtype), kc, vc,
+                                cupy.asarray(np.array([pos], np.int32)), Hn, scale)
+        return y, kc, vc
+    return (run,) + tuple(reference.decode_attention(qkv, k0, v0, pos, Hn, scale))
+
+
 @cuda
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("Tmax,pos", [(300, 0), (300, 131), (300, 299), (129, 128)])
@@ -548,18 +564,11 @@ def test_decode_attention_keys_split_among_blocks(be, rs, dtype, Tmax, pos):
     """Caches longer than 128 rows split their keys among several blocks per head (a
     cluster on Hopper), blocks without keys included; a head size of 20 (40-byte bf16 rows:
     no 16-byte loads) and 3 heads."""
-    import cupy
-    B, Hn, hs = 2, 3, 20
-    k0, v0 = values(rs, (B, Hn, Tmax, hs), dtype), values(rs, (B, Hn, Tmax, hs), dtype)
-    qkv = values(rs, (B, 3 * Hn * hs), dtype)
-    want_y, want_k, _ = reference.decode_attention(qkv, k0, v0, pos, Hn, 0.3)
-    kc, vc = dev(be, k0, dtype), dev(be, v0, dtype)
-    y = be.decode_attention(dev(be, qkv, dtype), kc, vc, cupy.asarray(np.array([pos], np.int32)),
-                            Hn, 0.3)
+    run, want_y, want_k, _ = _decode_attention_case(be, rs, dtype, 2, 3, 20, Tmax, pos, 0.3)
+    y, kc, _ = run()
     check(f"decode_attention Tmax={Tmax} pos={pos}", host(be, y), want_y, TOL[dtype])
     check("decode_attention k_cache", host(be, kc), want_k, 0.0)
-    again = be.decode_attention(dev(be, qkv, dtype), kc, vc, cupy.asarray(np.array([pos], np.int32)),
-                                Hn, 0.3)
+    again, _, _ = run()
     assert np.array_equal(host(be, again), host(be, y))    # same bits every run
 
 
@@ -568,7 +577,6 @@ def test_decode_attention_keys_split_among_blocks(be, rs, dtype, Tmax, pos):
 def test_decode_attention_a_wide_batch_takes_one_block_per_head(be, rs, dtype):
     """A batch whose rows x heads already fill the GPU twice over does not split its keys
     (one block per head reads a long cache whole); batch 1 still splits."""
-    import cupy
     import importlib
     cuda_attention = importlib.import_module("forge_ml.backends.cuda.attention")   # the module
     from forge_ml.backends.cuda.runtime import _dev, _launcher_ex, _sm_count
@@ -577,12 +585,8 @@ def test_decode_attention_a_wide_batch_takes_one_block_per_head(be, rs, dtype):
     B = -(-2 * sms // Hn)
     assert cuda_attention._decode_split(B, Hn, Tmax) == 1
     assert cuda_attention._decode_split(1, Hn, Tmax) == (3 if _launcher_ex() else 1)
-    k0, v0 = values(rs, (B, Hn, Tmax, hs), dtype), values(rs, (B, Hn, Tmax, hs), dtype)
-    qkv = values(rs, (B, 3 * Hn * hs), dtype)
-    want_y, want_k, want_v = reference.decode_attention(qkv, k0, v0, pos, Hn, 0.125)
-    kc, vc = dev(be, k0, dtype), dev(be, v0, dtype)
-    y = be.decode_attention(dev(be, qkv, dtype), kc, vc, cupy.asarray(np.array([pos], np.int32)),
-                            Hn, 0.125)
+    run, want_y, _, want_v = _decode_attention_case(be, rs, dtype, B, Hn, hs, Tmax, pos, 0.125)
+    y, _, vc = run()
     check(f"decode_attention B={B}", host(be, y), want_y, TOL[dtype])
     check("decode_attention v_cache", host(be, vc), want_v, 0.0)
 
