@@ -1,7 +1,10 @@
 """Checkpoints written before the house plan (forge-ml 0.1.0 as of 2026-12-03, commit 14e7f46:
 tests/fixtures/run_v0_1_0, a 4-step run of a tiny char model) still load, and resume: the
 resumed run ends with the weights a run of the new code from scratch reaches (the checkpoint
-format did not change; the float32 masters are what it holds)."""
+format did not change; the float32 masters are what it holds). The fixture's first four steps
+ran on another machine, whose float32 products may round differently from this one's (another
+NumPy, BLAS or vector width), so the weights agree to float32 rounding, not bit for bit; exact
+resume on one machine is tested in tests/test_train.py."""
 import shutil
 from pathlib import Path
 
@@ -37,4 +40,4 @@ def test_an_old_run_resumes_to_the_weights_of_a_new_run(tmp_path, capsys):
     pb, _, _ = unpack_tensors(b)
     assert set(pa) == set(pb)
     for k in pa:
-        np.testing.assert_array_equal(pa[k], pb[k], err_msg=k)
+        np.testing.assert_allclose(pa[k], pb[k], rtol=1e-4, atol=1e-6, err_msg=k)
