@@ -16,6 +16,8 @@ import statistics
 import sys
 import traceback
 
+import numpy as np
+
 B, T, C, H, V, VP = 8, 1024, 768, 12, 50257, 50304
 HS = C // H
 N = B * T
@@ -202,6 +204,29 @@ def build_cases(be, cupy, torch, F):
         tdst, tsrc = trnd((VP, C), dt), trnd((N, C), dt)
         return (lambda: be.scatter_add_rows(dst, ids, src),
                 lambda: tdst.index_add_(0, tids, tsrc))
+
+    @case
+    def scatter_add_rows_text(dt):  # ids as text has them: a newline in every 10th row, Zipf
+        r = np.random.default_rng(0)
+        h = np.minimum(r.zipf(1.3, N) - 1, V - 1)
+        h[::10] = 198
+        ids, tids = cupy.asarray(h), torch.as_tensor(h, device="cuda")
+        dst, src = rnd((VP, C), dt), rnd((N, C), dt)
+        tdst, tsrc = trnd((VP, C), dt), trnd((N, C), dt)
+        return (lambda: be.scatter_add_rows(dst, ids, src),
+                lambda: tdst.index_add_(0, tids, tsrc))
+
+    @case
+    def linear_cross_entropy(dt):  # the LM head and its loss, forward and backward
+        x, w = rnd((N, C), dt), rnd((VP, C), dt, 0.02)
+        tx, tw = trnd((N, C), dt).requires_grad_(), trnd((VP, C), dt, 0.02).requires_grad_()
+        t = cupy.random.randint(0, V, (N,)).astype(cupy.int64)
+        tt = torch.randint(0, V, (N,), device="cuda")
+
+        def ref():
+            tx.grad = tw.grad = None
+            F.cross_entropy((tx @ tw.t())[:, :V].float(), tt).backward()
+        return lambda: be.linear_cross_entropy(x, w, t, V, True), ref
 
     @case
     def dropout(dt):

@@ -32,14 +32,28 @@ def small_chunks(gpu, monkeypatch):
     return classifier
 
 
-@pytest.mark.parametrize("dtype,tol,tdt,Vp", [
-    ("float32", 1e-5, "int64", 64),
-    ("bfloat16", 2e-2, "int32", 64),     # the row in registers (Vp a multiple of 8)
-    ("bfloat16", 2e-2, "int64", 60),     # the two-pass kernel
-    ("float64", 1e-12, "int64", 64)])
+def registers_only(monkeypatch, classifier):
+    """No shared-memory room for the streaming kernel: bf16 rows go to the register kernel."""
+    monkeypatch.setattr(classifier, "_set_max_shared", lambda *a: False)
+
+
+@pytest.mark.parametrize("dtype,tol,tdt,Vp,kernel", [
+    ("float32", 1e-5, "int64", 64, "generic"),
+    ("bfloat16", 2e-2, "int32", 64, "stream"),      # rows streamed through shared memory
+    ("bfloat16", 2e-2, "int32", 64, "registers"),   # the row in registers (Vp a multiple of 8)
+    ("bfloat16", 2e-2, "int64", 60, "generic"),     # the two-pass kernel
+    ("float64", 1e-12, "int64", 64, "generic")])
 @pytest.mark.parametrize("grad", [True, False])
-def test_chunks_equal_the_float64_spec(gpu, small_chunks, rs, dtype, tol, tdt, Vp, grad):
+def test_chunks_equal_the_float64_spec(gpu, small_chunks, rs, monkeypatch, dtype, tol, tdt, Vp,
+                                       kernel, grad):
     N, C, V = 300, 48, 50
+    if kernel == "registers":
+        registers_only(monkeypatch, small_chunks)
+    sfx = {"float32": "f32", "bfloat16": "bf16", "float64": "f64"}[dtype]
+    name = small_chunks._loss_kernel(gpu.from_host(np.zeros((1, 1)), dtype),
+                                     gpu.from_host(np.zeros(1, int), tdt), Vp, 128)[0]
+    assert name.startswith({"stream": "cross_entropy_fused_stream_bf16_", "registers":
+                            "cross_entropy_fused_rows_bf16_"}.get(kernel, f"cross_entropy_fused_{sfx}_")), name
     item = {"float32": 4, "bfloat16": 2, "float64": 8}[dtype]
     assert small_chunks.chunk_rows(N, Vp, item) < N       # several chunks, the last partial
     x = round_bf16(rs.standard_normal((N, C))).astype(np.float64)
@@ -58,12 +72,16 @@ def test_chunks_equal_the_float64_spec(gpu, small_chunks, rs, dtype, tol, tdt, V
     assert np.all(got_dw[V:] == 0.0), "the padded rows of w got a gradient"
 
 
-@pytest.mark.parametrize("Vp", [50304, 50264])
-def test_gpt2_vocabulary_rows(gpu, rs, Vp):
-    """Rows of GPT-2's (padded) vocabulary in bf16: 7 vectors a thread in registers (50304),
+@pytest.mark.parametrize("Vp,kernel", [(50304, "stream"), (50304, "registers"), (50264, "generic")])
+def test_gpt2_vocabulary_rows(gpu, rs, monkeypatch, Vp, kernel):
+    """Rows of GPT-2's (padded) vocabulary in bf16: streamed through shared memory, several
+    rows a block (300 rows: more than a GPU's SMs), 7 vectors a thread in registers (50304),
     and the two-pass kernel (50264, not a multiple of 8); padding columns get no gradient."""
+    from forge_ml.backends.cuda import classifier
+    if kernel == "registers":
+        registers_only(monkeypatch, classifier)
     poison_device_memory(1 << 28)
-    N, C, V = 24, 32, 50257
+    N, C, V = 300, 32, 50257
     x = round_bf16(rs.standard_normal((N, C))).astype(np.float64)
     w = round_bf16(rs.standard_normal((Vp, C)) * 0.3).astype(np.float64)
     t = rs.integers(0, V, N)
@@ -76,6 +94,24 @@ def test_gpt2_vocabulary_rows(gpu, rs, Vp):
     got_dw = host(gpu, dw)
     check("dw", got_dw, want[2], 2e-2)
     assert np.all(got_dw[V:] == 0.0)
+
+
+@pytest.mark.parametrize("kernel", ["stream", "registers"])
+def test_a_nan_logit_makes_the_loss_nan(gpu, rs, monkeypatch, kernel):
+    """A NaN among a row's logits (one weight row NaN: that column of every row) makes the loss
+    NaN, in both bf16 kernels; a NaN in the padding columns (>= V) does not."""
+    from forge_ml.backends.cuda import classifier
+    if kernel == "registers":
+        registers_only(monkeypatch, classifier)
+    N, C, V, Vp = 200, 16, 60, 64
+    x = rs.standard_normal((N, C))
+    t = gpu.from_host(rs.integers(0, V, N), "int64")
+    for col, nan in ((7, True), (62, False)):
+        w = rs.standard_normal((Vp, C))
+        w[col] = np.nan
+        loss, _, _ = gpu.linear_cross_entropy(gpu.from_host(x, "bfloat16"), gpu.from_host(w, "bfloat16"),
+                                              t, V, True)
+        assert np.isnan(host(gpu, loss)) == nan, (col, host(gpu, loss))
 
 
 def test_scale_reads_the_value_on_the_device(gpu, rs):

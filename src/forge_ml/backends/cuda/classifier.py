@@ -5,8 +5,10 @@ its logits written over them in one pass (cross_entropy.cu's ``cross_entropy_fus
 the chunk's rows of dx and its share of dw (cuBLAS; dw accumulates in float32 for bf16). This
 is llm.c's fused classifier (the gradient in the forward, over the logits' own memory) taken
 over chunks of rows, as Liger-Kernel's fused linear cross-entropy does. Kernels:
-cross_entropy.cu (a bf16 row of up to 65,536 logits held in registers: one read and one
-write of the logits), and reduce.cu's mean.
+cross_entropy.cu (in bf16, one read and one write of the logits: persistent blocks that stream
+the rows through two shared-memory buffers, each row's load overlapping the work on the one
+before, where two rows fit in a block's shared memory (GPT-2's vocabulary does on an A100 or
+H100); else a row of up to 65,536 logits held in registers), and reduce.cu's mean.
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from ...errors import ShapeError
 from .cublas import _matmul_into
 from .memory import _c, _ids, _like, cast
 from .rows import _CE_THREADS, _sum_finish
-from .runtime import (BF16, F32, _acc, _acc_dtype, _empty, _float_sfx, _guarded, _i32, _launch,
-                      _sfx)
+from .runtime import (BF16, F32, _acc, _acc_dtype, _cc_major, _dev, _empty, _float_sfx, _guarded,
+                      _i32, _i64, _launch, _set_max_shared, _sfx, _sm_count)
 
 CHUNK_BYTES = 1 << 28
 """The logits of one chunk of rows at most (256 MiB: about 2,600 rows of GPT-2's vocabulary in
@@ -23,6 +25,21 @@ bf16); the chunk's rows are a multiple of 128 where it holds more than 128."""
 
 
 _ROW_THREADS, _ROW_VECS = 1024, 8   # cross_entropy.cu: CE_ROW_THREADS, CE_ROW_VECS
+_STREAM_THREADS = 1024               # cross_entropy.cu: CE_STREAM_THREADS
+
+
+def _loss_kernel(x, targets, Vp: int, n_rows: int):
+    """(kernel, grid, threads, shared bytes, whether it takes the row count) for a chunk of
+    ``n_rows`` rows: the streaming bf16 kernel where two rows of ``Vp`` logits fit in a block's
+    shared memory (sm_80+), else the register-row bf16 kernel, else the generic one."""
+    t = _sfx(targets.dtype)
+    if x.dtype == BF16 and Vp % 8 == 0:
+        name = f"cross_entropy_fused_stream_bf16_{t}"
+        if _cc_major(_dev()) >= 8 and _set_max_shared("cross_entropy", name, 4 * Vp):
+            return name, min(n_rows, _sm_count(_dev())), _STREAM_THREADS, 4 * Vp, True
+        if Vp <= _ROW_VECS * 8 * _ROW_THREADS:
+            return f"cross_entropy_fused_rows_bf16_{t}", n_rows, _ROW_THREADS, 0, False
+    return f"cross_entropy_fused_{_float_sfx(x)}_{t}", n_rows, _CE_THREADS, 0, False
 
 
 def chunk_rows(n_rows: int, vp: int, itemsize: int) -> int:
@@ -62,16 +79,15 @@ def linear_cross_entropy(x, w, targets, vocab_size, grad):
         losses = _empty((N,), acc)
         rows = chunk_rows(N, Vp, x.itemsize)
         buf = _empty((rows, Vp), x.dtype)
-        kernel, threads = f"cross_entropy_fused_{_float_sfx(x)}_{_sfx(targets.dtype)}", _CE_THREADS
-        if x.dtype == BF16 and Vp % 8 == 0 and Vp <= _ROW_VECS * 8 * _ROW_THREADS:
-            kernel, threads = f"cross_entropy_fused_rows_bf16_{_sfx(targets.dtype)}", _ROW_THREADS
         inv_n = _acc(acc, 1.0 / N)
         for r0 in range(0, N, rows):
             n = min(rows, N - r0)
             xs, lg = x[r0:r0 + n], buf[:n]
             _matmul_into(xs, w, lg, False, True, 1.0, None)                 # logits (n, Vp)
-            _launch("cross_entropy", kernel, (n,), threads,
-                    (lg, targets[r0:r0 + n], losses[r0:r0 + n], _i32(Vp), _i32(V), inv_n))
+            kernel, grid, threads, shared, counted = _loss_kernel(x, targets, Vp, n)
+            args = (lg, targets[r0:r0 + n], losses[r0:r0 + n]) + ((_i64(n),) if counted else ()) \
+                + (_i32(Vp), _i32(V), inv_n)
+            _launch("cross_entropy", kernel, (grid,), threads, args, shared=shared)
             if grad:                                                          # lg is dlogits now
                 _matmul_into(lg, w, dx[r0:r0 + n], False, False, 1.0, None)  # (n, Vp) @ (Vp, C)
                 _matmul_into(lg, xs, dw_acc, True, False, 1.0, None,         # (Vp, n) @ (n, C)

@@ -320,6 +320,39 @@ template <> struct Vec16<bf16> {
     }
 };
 
+// sm_80+ (flash_attention.cu, cross_entropy.cu): asynchronous copies global -> shared
+// (smem_u32 gives a shared-memory address as cp.async takes it), and bf16x2 rounding.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+FORGE_D unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared without a register round trip; when !valid nothing is read and
+// the 16 bytes are zero-filled (src-size 0).
+FORGE_D void cp_async16(unsigned dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n)
+                 : "memory");
+}
+
+FORGE_D void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N> FORGE_D void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Two floats rounded to nearest-even bf16, `lo` in the low half (cvt puts its first source
+// operand in the upper half).
+FORGE_D unsigned pack_bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+#endif
+
 // Programmatic dependent launch (Hopper and later). A kernel launched with it (the backend's
 // _launch(..., pdl=True)) may start while the previous kernel on the stream still runs: it must
 // call pdl_wait() before it reads or writes anything that kernel (or an earlier one) may touch;

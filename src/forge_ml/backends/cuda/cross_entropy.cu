@@ -167,6 +167,110 @@ __device__ void cross_entropy_fused_rows_impl(bf16* logits, const I* targets, fl
 FORGE_CE_ROWS(int, i32)
 FORGE_CE_ROWS(long long, i64)
 
+// cross_entropy_fused_stream (bf16, sm_80+, Vp a multiple of 8; 2 * Vp * 2 bytes of dynamic
+// shared memory: two rows): the same result as the _rows_ kernel, from persistent blocks of
+// CE_STREAM_THREADS threads that own rows blockIdx.x, blockIdx.x + gridDim.x, ... While a block
+// works on one row in shared memory, the next row's logits are on their way in (cp.async into
+// the other buffer). The work a logit costs is kept small, since at GPT-2's vocabulary the
+// instructions, not the bytes, bound the _rows_ kernel: exponentials as ex2.approx of a scaled
+// argument (one FFMA and one MUFU op), the 1 / sum and 1 / N folded into that argument, the
+// target column and the padding (columns >= V) handled in their own vectors only, two values
+// rounded to bf16 by one cvt. Each thread takes its max over its logits, then its sum; the
+// block merges the (max, sum) pairs once. A NaN logit among the first V makes the loss NaN.
+#define CE_STREAM_THREADS 1024
+#define CE_LOG2E 1.4426950408889634f
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+FORGE_D float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The gradient of 8 logits from column 8v: ex2(w log2e - k), less inv_n at column t, 0 at
+// columns >= V; `edge`: the vector holds the target or padding.
+FORGE_D uint4 ce_grad8(uint4 raw, int v, int V, long long t, float k, float inv_n, bool edge) {
+    float w[8];
+    Vec16<bf16>::widen(raw, w);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w[j] = ex2(fmaf(w[j], CE_LOG2E, -k));
+    if (edge) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int col = v * 8 + j;
+            w[j] = col >= V ? 0.f : (col == t ? w[j] - inv_n : w[j]);
+        }
+    }
+    return make_uint4(pack_bf16x2(w[0], w[1]), pack_bf16x2(w[2], w[3]), pack_bf16x2(w[4], w[5]),
+                      pack_bf16x2(w[6], w[7]));
+}
+
+template <typename I>
+__device__ void cross_entropy_fused_stream_impl(bf16* logits, const I* targets, float* loss,
+                                                long long n_rows, int Vp, int V, float inv_n) {
+    extern __shared__ uint4 ce_rows[];   // [2][Vp / 8]
+    __shared__ float shm[32], shs[32];
+    const int nv = Vp >> 3, full = V >> 3;   // vectors; vectors with no padding column
+    long long row = blockIdx.x;
+    auto load = [&](long long r, int buf) {
+        const uint4* src = reinterpret_cast<const uint4*>(logits + r * Vp);
+        uint4* dst = ce_rows + buf * nv;
+        for (int v = threadIdx.x; v < nv; v += blockDim.x) cp_async16(smem_u32(dst + v), src + v, true);
+        cp_async_commit();
+    };
+    if (row < n_rows) load(row, 0);
+    for (int it = 0; row < n_rows; row += gridDim.x, ++it) {
+        const int buf = it & 1;
+        if (row + gridDim.x < n_rows) {   // the buffer it fills was last read before the
+            load(row + gridDim.x, buf ^ 1);   // barrier that ended the previous row
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const uint4* rv = ce_rows + buf * nv;
+        float m = neg_inf<float>(), w[8];
+        for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+            Vec16<bf16>::widen(rv[v], w);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (v < full || v * 8 + j < V) m = fmaxf(m, w[j]);
+        }
+        const float mk = m == neg_inf<float>() ? 0.f : m * CE_LOG2E;   // -inf logits give 0
+        float s = 0.f;
+        for (int v = threadIdx.x; v < nv; v += blockDim.x) {
+            Vec16<bf16>::widen(rv[v], w);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                if (v < full || v * 8 + j < V) s += ex2(fmaf(w[j], CE_LOG2E, -mk));   // NaN stays
+        }
+        if (s != s) m = 0.f;   // a thread whose logits are all NaN: merging keeps its NaN sum
+        block_ms(m, s, shm, shs);
+        const long long t = (long long)targets[row];
+        const bool t_ok = t >= 0 && t < V;
+        if (threadIdx.x == 0)
+            loss[row] = t_ok ? m + fm_log(s) - bf16_to_f32(reinterpret_cast<const bf16*>(rv)[t])
+                             : quiet_nan<float>();
+        // inv_n exp(l - m) / s = ex2(l log2e - k)
+        const float k = m * CE_LOG2E + __log2f(s) - __log2f(inv_n);
+        const long long tv = t_ok ? t >> 3 : -1;
+        uint4* out = reinterpret_cast<uint4*>(logits + row * Vp);
+        for (int v = threadIdx.x; v < nv; v += blockDim.x)
+            out[v] = ce_grad8(rv[v], v, V, t, k, inv_n, v >= full || v == tv);
+        __syncthreads();   // every thread is done with this buffer before it is refilled
+    }
+}
+
+#define FORGE_CE_STREAM(I, SI)                                                                 \
+    extern "C" __global__ void __launch_bounds__(CE_STREAM_THREADS)                            \
+        cross_entropy_fused_stream_bf16_##SI(bf16* logits, const I* targets, float* loss,      \
+                                             long long n_rows, int Vp, int V, float inv_n) {   \
+        cross_entropy_fused_stream_impl<I>(logits, targets, loss, n_rows, Vp, V, inv_n);       \
+    }
+FORGE_CE_STREAM(int, i32)
+FORGE_CE_STREAM(long long, i64)
+#endif
+
 #define FORGE_CE(T, S, I, SI, A)                                                              \
     extern "C" __global__ void cross_entropy_fwd_##S##_##SI(const T* logits, const I* targets, \
                                                             A* loss, int Vp, int V) {          \

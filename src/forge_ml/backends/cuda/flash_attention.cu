@@ -55,28 +55,7 @@
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
 
-// ---- PTX wrappers (sm_80+: cp.async, ldmatrix, mma.sync bf16, cvt.rn.bf16x2) --------------
-
-FORGE_D unsigned smem_u32(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16 bytes global -> shared without a register round trip; when !valid nothing is read and
-// the 16 bytes are zero-filled (src-size 0).
-FORGE_D void cp_async16(unsigned dst, const void* src, bool valid) {
-    const int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n)
-                 : "memory");
-}
-
-FORGE_D void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-// Wait until at most N of this thread's committed groups are still in flight.
-template <int N> FORGE_D void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+// ---- PTX wrappers (sm_80+: ldmatrix, mma.sync bf16; cp.async, cvt.rn.bf16x2 in common.cuh)
 
 // Four 8 x 8 bf16 matrices from shared memory: lane 8m + r gives the address of row r of
 // matrix m; register m of lane l receives matrix m's (row l/4, columns 2(l%4)..+1), or with
@@ -101,14 +80,6 @@ FORGE_D void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsign
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats rounded to nearest-even bf16, `lo` in the low half (cvt puts its first source
-// operand in the upper half).
-FORGE_D unsigned pack_bf16x2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
 }
 
 FORGE_D float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
