@@ -68,34 +68,94 @@ FORGE_EMBEDDING_AT(double, f64, long long, i64)
 FORGE_EMBEDDING_AT(bf16, bf16, int, i32)
 FORGE_EMBEDDING_AT(bf16, bf16, long long, i64)
 
-// scatter_add_sorted: the ids arrive sorted (with `order`, the source row of each sorted
-// position). Each block owns one run of equal ids, the block whose index is the run's first
-// position (the others return at once); its threads own channels c, c + blockDim.x, ... and
-// add the run's src rows in sorted order in float32, then update the dst row once. No atomics:
-// the result does not depend on scheduling.
+// scatter_add_rows over ids that arrive sorted (with `order`, the source row of each sorted
+// position), in two kernels and without atomics, so the sums do not depend on scheduling:
+// - scatter_add_pieces: block p owns the sorted positions [p R, p R + R) (a piece, R =
+//   SCATTER_PIECE) and adds their src rows run by run (a run: equal ids), in sorted order, in
+//   float32 (float64 for float64), its threads owning channels c, c + blockDim.x, ... A run
+//   wholly inside the piece updates its dst row at once. A run that crosses an edge of the
+//   piece leaves its part: the part at the piece's start in part[p][0], the part at its end
+//   in part[p][1] (one run over the whole piece: part[p][0]).
+// - scatter_add_spans: block p takes the run that crosses the end of piece p and starts in it,
+//   adds its parts in piece order and updates its dst row once.
+// A frequent token (a newline in a text batch: thousands of rows) spreads over many blocks
+// instead of one block adding its rows one after another.
+#define SCATTER_PIECE 32
+
 template <typename T>
-__device__ void scatter_add_sorted_impl(T* dst, const T* src, const long long* sorted_ids,
-                                        const long long* order, long long N, int C) {
+__device__ void scatter_add_pieces_impl(T* dst, const T* src, const long long* ids,
+                                        const long long* order, typename Acc<T>::type* part,
+                                        long long N, int C) {
     typedef typename Acc<T>::type A;
-    const long long start = blockIdx.x;
-    if (start >= N) return;
-    const long long id = sorted_ids[start];
-    if (start > 0 && sorted_ids[start - 1] == id) return;
-    long long end = start + 1;
-    while (end < N && sorted_ids[end] == id) ++end;
+    __shared__ long long sid[SCATTER_PIECE + 2], sorder[SCATTER_PIECE];
+    const long long p0 = (long long)blockIdx.x * SCATTER_PIECE;
+    const int n = (int)min((long long)SCATTER_PIECE, N - p0);
+    for (int k = threadIdx.x; k < n + 2; k += blockDim.x) {   // sid[k] = ids[p0 + k - 1]
+        const long long q = p0 + k - 1;
+        sid[k] = (q >= 0 && q < N) ? ids[q] : -1;
+    }
+    for (int k = threadIdx.x; k < n; k += blockDim.x) sorder[k] = order[p0 + k];
+    __syncthreads();
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         A acc = A(0);
-        for (long long k = start; k < end; ++k) acc += ldf(src[order[k] * C + c]);
+        int first = 0;   // the current segment's first position in the piece
+        for (int k0 = 0; k0 < n; k0 += 8) {
+            A val[8];   // eight rows' loads in flight at once
+#pragma unroll
+            for (int j = 0; j < 8; ++j) val[j] = k0 + j < n ? A(ldf(src[sorder[k0 + j] * C + c])) : A(0);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int k = k0 + j;
+                if (k >= n) break;
+                acc += val[j];
+                const long long id = sid[k + 1];
+                if (k + 1 < n && sid[k + 2] == id) continue;
+                const bool starts = sid[first] != id, ends = sid[k + 2] != id;   // in this piece
+                if (starts && ends)
+                    dst[id * C + c] = To<T>::from(ldf(dst[id * C + c]) + acc);
+                else
+                    part[((long long)blockIdx.x * 2 + (first == 0 ? 0 : 1)) * C + c] = acc;
+                acc = A(0);
+                first = k + 1;
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ void scatter_add_spans_impl(T* dst, const long long* ids,
+                                       const typename Acc<T>::type* part, long long N, int C) {
+    typedef typename Acc<T>::type A;
+    const long long p = blockIdx.x, p0 = p * SCATTER_PIECE, p1 = p0 + SCATTER_PIECE;
+    if (p1 >= N) return;
+    const long long id = ids[p1 - 1];
+    if (ids[p1] != id) return;                                  // no run crosses the end
+    const bool whole = ids[p0] == id;                           // one run over the piece
+    if (whole && p0 > 0 && ids[p0 - 1] == id) return;           // it started in an earlier piece
+    long long lo = p1, hi = N;   // the run ends at hi: the first sorted position past it
+    while (lo < hi) {
+        const long long mid = (lo + hi) >> 1;
+        if (ids[mid] == id) lo = mid + 1; else hi = mid;
+    }
+    const long long q_end = (hi + SCATTER_PIECE - 1) / SCATTER_PIECE;   // pieces it reaches
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        A acc = part[(p * 2 + (whole ? 0 : 1)) * C + c];
+        for (long long q = p + 1; q < q_end; ++q) acc += part[q * 2 * C + c];
         dst[id * C + c] = To<T>::from(ldf(dst[id * C + c]) + acc);
     }
 }
 
 #define FORGE_SCATTER(T, S)                                                                  \
-    extern "C" __global__ void scatter_add_sorted_##S(T* dst, const T* src,                  \
-                                                      const long long* sorted_ids,           \
-                                                      const long long* order, long long N,   \
-                                                      int C) {                               \
-        scatter_add_sorted_impl<T>(dst, src, sorted_ids, order, N, C);                       \
+    extern "C" __global__ void scatter_add_pieces_##S(T* dst, const T* src,                  \
+                                                      const long long* ids,                  \
+                                                      const long long* order,                \
+                                                      Acc<T>::type* part, long long N, int C) { \
+        scatter_add_pieces_impl<T>(dst, src, ids, order, part, N, C);                        \
+    }                                                                                        \
+    extern "C" __global__ void scatter_add_spans_##S(T* dst, const long long* ids,           \
+                                                     const Acc<T>::type* part, long long N,  \
+                                                     int C) {                                \
+        scatter_add_spans_impl<T>(dst, ids, part, N, C);                                     \
     }
 FORGE_SCATTER(float, f32)
 FORGE_SCATTER(double, f64)

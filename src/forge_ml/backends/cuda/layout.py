@@ -11,8 +11,8 @@ import numpy as np
 
 from ...errors import ShapeError
 from .memory import _c, _ids, _like, _pos_array
-from .runtime import (_THREADS, _empty, _float_sfx, _grid, _guarded, _i32, _i64, _launch, _sfx,
-                      _word, cupy)
+from .runtime import (_THREADS, _acc_dtype, _empty, _float_sfx, _grid, _guarded, _i32, _i64,
+                      _launch, _sfx, _word, cupy)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,6 +106,9 @@ def embedding(ids, wte, wpe, pos=0):
     return out
 
 
+_SCATTER_PIECE = 32   # embedding.cu: SCATTER_PIECE, sorted rows a block adds
+
+
 @_guarded
 def scatter_add_rows(dst, ids, src):
     if not dst.flags.c_contiguous:
@@ -118,10 +121,17 @@ def scatter_add_rows(dst, ids, src):
         raise ShapeError(f"scatter_add_rows: {N} ids but src has {src.shape[0]} rows")
     if N == 0 or C == 0:
         return None
-    # Sort the ids so that each dst row is owned by one block: no atomics, deterministic.
+    # Sort the ids, then add each piece of SCATTER_PIECE sorted rows run by run, and the runs
+    # that cross pieces from their parts: no atomics, deterministic (embedding.cu).
     order = cupy.argsort(ids).astype(np.int64, copy=False)
     sorted_ids = ids[order].astype(np.int64, copy=False)
     threads = 256 if C >= 256 else 32 * max(1, -(-C // 32))
-    _launch("embedding", f"scatter_add_sorted_{_float_sfx(dst)}", (N,), threads,
-            (dst, src, sorted_ids, order, _i64(N), _i32(C)))
+    pieces = -(-N // _SCATTER_PIECE)
+    part = _empty((pieces * 2 * C,), _acc_dtype(dst.dtype))
+    sfx = _float_sfx(dst)
+    _launch("embedding", f"scatter_add_pieces_{sfx}", (pieces,), threads,
+            (dst, src, sorted_ids, order, part, _i64(N), _i32(C)))
+    if pieces > 1:
+        _launch("embedding", f"scatter_add_spans_{sfx}", (pieces,), threads,
+                (dst, sorted_ids, part, _i64(N), _i32(C)))
     return None
