@@ -405,6 +405,26 @@ def test_layernorm(be, rs, dtype):
 
 
 @cuda
+@pytest.mark.parametrize("rows,cols", [(5000, 768), (2999, 1600), (3001, 200), (600, 8), (300, 2048)])
+def test_layernorm_bf16_vector_rows(be, rs, rows, cols):
+    """bf16 rows held in 16-byte vectors (layernorm.cu's _vec and _fused kernels): widths that
+    fill every lane's vectors (768, 2048), leave some lanes a vector short (1600, 200) or hold
+    one vector (8); more rows than the grid's warps, so each warp takes several and the
+    parameters' sums run over many rows; float64 reference."""
+    eps = 1e-5
+    x = values(rs, (rows, cols), "bfloat16", scale=3.0) + 0.5
+    g, b = values(rs, (cols,), "bfloat16") + 1.0, values(rs, (cols,), "bfloat16")
+    dy = values(rs, (rows, cols), "bfloat16")
+    y = host(be, be.layernorm(dev(be, x, "bfloat16"), dev(be, g, "bfloat16"), dev(be, b, "bfloat16"), eps))
+    check("layernorm", y, reference.layernorm(x, g, b, eps), TOL["bfloat16"])
+    dx, dg, db = be.layernorm_bwd(dev(be, x, "bfloat16"), dev(be, g, "bfloat16"), dev(be, dy, "bfloat16"), eps)
+    rdx, rdg, rdb = reference.layernorm_bwd(x, g, dy, eps)
+    check("layernorm_bwd dx", host(be, dx), rdx, TOL["bfloat16"])
+    check("layernorm_bwd dgamma", host(be, dg), rdg, TOL["bfloat16"])
+    check("layernorm_bwd dbeta", host(be, db), rdb, TOL["bfloat16"])
+
+
+@cuda
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("mode", ["causal", "causal_off", "plain", "causal_long", "short"])
 def test_softmax(be, rs, dtype, mode):
@@ -673,6 +693,28 @@ def test_scatter_add_rows(be, rs, dtype):
         except NotImplementedError:
             return
         check("scatter_add_rows vs CPU backend", got, d, TOL[dtype])
+
+
+@cuda
+@pytest.mark.parametrize("pattern", ["one run", "aligned runs", "a run per piece edge"])
+def test_scatter_add_rows_runs_across_pieces(be, rs, pattern):
+    """Runs of equal ids that cross the 32-row pieces the kernels share out (embedding.cu):
+    one run over every row, runs that start and end on piece edges, and runs that end just past
+    them; float32 against float64, and the same bits on a second call."""
+    N = 1000
+    ids = {"one run": np.full(N, 5),
+           "aligned runs": np.repeat(np.arange(N // 64 + 1), 64)[:N],
+           "a run per piece edge": np.repeat(np.arange(N // 33 + 1), 33)[:N]}[pattern]
+    ids = rs.permutation(ids)
+    dst0 = values(rs, (40, C), "float32")
+    src = values(rs, (N, C), "float32")
+    got = []
+    for _ in range(2):
+        dst = dev(be, dst0, "float32")
+        be.scatter_add_rows(dst, dev(be, ids, "int64"), dev(be, src, "float32"))
+        got.append(host(be, dst))
+    check("scatter_add_rows", got[0], reference.scatter_add_rows(dst0, ids, src), TOL["float32"])
+    assert np.array_equal(got[0], got[1]), "scatter_add_rows is not deterministic"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -132,6 +132,173 @@ __device__ void layernorm_bwd_params_impl(const T* x, const T* dy,
     }
 }
 
+// ---- bf16 rows of C = 8k <= 2048: a warp per row, each lane holding NV 16-byte vectors ------
+// Lane l owns vectors l, l + 32, ..., l + 32 (NV - 1) of the row (columns 8v..8v+7), so a warp
+// reads and writes whole 512-byte spans; statistics as row_stats (two passes, over registers).
+#define LN_WARPS 8
+
+template <int NV>
+FORGE_D void ln_load(const bf16* r, int nv, uint4 (&raw)[NV]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int v = lane + 32 * j;
+        raw[j] = v < nv ? reinterpret_cast<const uint4*>(r)[v] : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// mean and rstd of the row in raw (columns past C are zeros and left out of the variance).
+template <int NV>
+FORGE_D void ln_stats(const uint4 (&raw)[NV], int nv, int C, float eps, float& mean, float& rstd) {
+    const int lane = threadIdx.x & 31;
+    float s = 0.f, w[8];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        Vec16<bf16>::widen(raw[j], w);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s += w[e];
+    }
+    mean = warp_sum(s) / float(C);
+    float v = 0.f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        if (lane + 32 * j >= nv) continue;
+        Vec16<bf16>::widen(raw[j], w);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v += (w[e] - mean) * (w[e] - mean);
+    }
+    rstd = 1.f / sqrtf(warp_sum(v) / float(C) + eps);
+}
+
+// layernorm_fwd_vec: y = (x - mean) rstd gamma + beta, each warp owning rows warp, warp + (all
+// warps of the grid), ...
+template <int NV>
+__device__ void layernorm_fwd_vec_impl(const bf16* x, const bf16* gamma, const bf16* beta, bf16* y,
+                                       long long R, int C, float eps) {
+    const int lane = threadIdx.x & 31, nv = C >> 3;
+    const long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+    for (long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); row < R;
+         row += warps) {
+        uint4 raw[NV];
+        ln_load<NV>(x + row * C, nv, raw);
+        float mean, rstd;
+        ln_stats<NV>(raw, nv, C, eps, mean, rstd);
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int v = lane + 32 * j;
+            if (v >= nv) continue;
+            float w[8], g[8], b[8];
+            Vec16<bf16>::widen(raw[j], w);
+            Vec16<bf16>::load(gamma + 8 * v, g);
+            Vec16<bf16>::load(beta + 8 * v, b);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) w[e] = (w[e] - mean) * rstd * g[e] + b[e];
+            reinterpret_cast<uint4*>(y + row * C)[v] =
+                make_uint4(pack_bf16x2(w[0], w[1]), pack_bf16x2(w[2], w[3]), pack_bf16x2(w[4], w[5]),
+                           pack_bf16x2(w[6], w[7]));
+        }
+    }
+}
+
+// layernorm_bwd_fused: dx of each row (as layernorm_bwd), and in the same pass each lane's
+// running sums of dy * xhat and dy over the rows its warp takes, in registers; at the end the
+// block adds its warps' sums in warp order and writes them to part_g[blockIdx.x], part_b[...]
+// (reduce.cu's colsum_finish adds the blocks). x and dy are read once, and no second kernel
+// reads them again for the parameters' gradients.
+template <int NV>
+__device__ void layernorm_bwd_fused_impl(const bf16* x, const bf16* gamma, const bf16* dy,
+                                         bf16* dx, float* part_g, float* part_b, long long R,
+                                         int C, float eps) {
+    __shared__ float sh[LN_WARPS][256];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nv = C >> 3;
+    const long long warps = (long long)gridDim.x * LN_WARPS;
+    float acc_g[NV][8], acc_b[NV][8];
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc_g[j][e] = acc_b[j][e] = 0.f;
+    for (long long row = (long long)blockIdx.x * LN_WARPS + warp; row < R; row += warps) {
+        uint4 rx[NV], rd[NV];
+        ln_load<NV>(x + row * C, nv, rx);
+        ln_load<NV>(dy + row * C, nv, rd);
+        float mean, rstd;
+        ln_stats<NV>(rx, nv, C, eps, mean, rstd);
+        float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int v = lane + 32 * j;
+            if (v >= nv) continue;
+            float w[8], d[8], g[8];
+            Vec16<bf16>::widen(rx[j], w);
+            Vec16<bf16>::widen(rd[j], d);
+            Vec16<bf16>::load(gamma + 8 * v, g);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float xhat = (w[e] - mean) * rstd, gdy = g[e] * d[e];
+                s1 += gdy;
+                s2 += gdy * xhat;
+                acc_g[j][e] += d[e] * xhat;
+                acc_b[j][e] += d[e];
+            }
+        }
+        const float m1 = warp_sum(s1) / float(C), m2 = warp_sum(s2) / float(C);
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int v = lane + 32 * j;
+            if (v >= nv) continue;
+            float w[8], d[8], g[8];
+            Vec16<bf16>::widen(rx[j], w);
+            Vec16<bf16>::widen(rd[j], d);
+            Vec16<bf16>::load(gamma + 8 * v, g);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) w[e] = rstd * (g[e] * d[e] - m1 - (w[e] - mean) * rstd * m2);
+            reinterpret_cast<uint4*>(dx + row * C)[v] =
+                make_uint4(pack_bf16x2(w[0], w[1]), pack_bf16x2(w[2], w[3]), pack_bf16x2(w[4], w[5]),
+                           pack_bf16x2(w[6], w[7]));
+        }
+    }
+    // the block's sums, one vector column j at a time: sh[warp][8 lane + e]
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+#pragma unroll
+        for (int which = 0; which < 2; ++which) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sh[warp][8 * lane + e] = which ? acc_b[j][e] : acc_g[j][e];
+            __syncthreads();
+            const int col = 256 * j + threadIdx.x;   // threadIdx.x < 256 = 8 lanes x 32
+            if (col < C) {
+                float t = 0.f;
+#pragma unroll
+                for (int k = 0; k < LN_WARPS; ++k) t += sh[k][threadIdx.x];
+                (which ? part_b : part_g)[(long long)blockIdx.x * C + col] = t;
+            }
+            __syncthreads();
+        }
+    }
+}
+
+#define FORGE_LN_VEC(NV)                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * LN_WARPS) layernorm_fwd_vec_bf16_##NV(   \
+        const bf16* x, const bf16* gamma, const bf16* beta, bf16* y, long long R, int C,       \
+        float eps) {                                                                            \
+        layernorm_fwd_vec_impl<NV>(x, gamma, beta, y, R, C, eps);                               \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * LN_WARPS) layernorm_bwd_fused_bf16_##NV( \
+        const bf16* x, const bf16* gamma, const bf16* dy, bf16* dx, float* part_g,             \
+        float* part_b, long long R, int C, float eps) {                                         \
+        layernorm_bwd_fused_impl<NV>(x, gamma, dy, dx, part_g, part_b, R, C, eps);              \
+    }
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+FORGE_LN_VEC(1)
+FORGE_LN_VEC(2)
+FORGE_LN_VEC(3)
+FORGE_LN_VEC(4)
+FORGE_LN_VEC(5)
+FORGE_LN_VEC(6)
+FORGE_LN_VEC(7)
+FORGE_LN_VEC(8)
+#endif
+
 #define FORGE_LAYERNORM(T, S, A)                                                              \
     extern "C" __global__ void layernorm_fwd_##S(const T* x, const T* gamma, const T* beta,   \
                                                  T* y, long long R, int C, A eps) {            \

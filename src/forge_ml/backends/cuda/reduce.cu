@@ -30,14 +30,26 @@ __device__ void sum_rows_partial_impl(const T* x, typename Acc<T>::type* part, l
     }
 }
 
-// colsum_finish: each thread owns one column: adds the S chunk partials in order, rounds once.
+// colsum_finish: each (32 x 32) block owns 32 columns: thread (tx, ty) adds chunk partials ty,
+// ty + 32, ... of column tx in order, then row ty = 0 adds the 32 sums in order and rounds once.
+// (One thread a column walking every partial left most of the GPU idle: 17 us for 768 columns
+// of 512 partials.)
 template <typename A, typename T>
 __device__ void colsum_finish_impl(const A* part, T* out, int S, int C) {
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= C) return;
+    __shared__ A sh[32][33];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int col = blockIdx.x * 32 + tx;
     A t = A(0);
-    for (int s = 0; s < S; ++s) t += part[(long long)s * C + col];
-    out[col] = To<T>::from(t);
+    if (col < C)
+        for (int s = ty; s < S; s += 32) t += part[(long long)s * C + col];
+    sh[ty][tx] = t;
+    __syncthreads();
+    if (ty == 0 && col < C) {
+        A u = A(0);
+#pragma unroll
+        for (int k = 0; k < 32; ++k) u += sh[k][tx];
+        out[col] = To<T>::from(u);
+    }
 }
 
 // sum_partial: each block owns a grid-stride share of the n elements and writes its sum (of

@@ -11,8 +11,8 @@ import numpy as np
 
 from ...errors import ShapeError
 from .memory import _c, _ids, _like, cast
-from .runtime import (_SFX, _THREADS, _acc, _acc_dtype, _dev, _empty, _float_sfx, _guarded, _i32,
-                      _i64, _launch, _sfx, _sm_count, cupy)
+from .runtime import (_SFX, _THREADS, BF16, _acc, _acc_dtype, _cc_major, _dev, _empty, _float_sfx,
+                      _guarded, _i32, _i64, _launch, _sfx, _sm_count, cupy)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -26,7 +26,7 @@ def _chunks(R: int) -> tuple[int, int]:
 
 
 def _colsum_finish(part, out, S, C):
-    _launch("reduce", f"colsum_finish_{_float_sfx(out)}", (-(-C // _THREADS),), _THREADS,
+    _launch("reduce", f"colsum_finish_{_float_sfx(out)}", (-(-C // 32),), (32, 32),
             (part, out, _i32(S), _i32(C)))
 
 
@@ -76,7 +76,7 @@ def sumsq(x):
 # LayerNorm
 # ----------------------------------------------------------------------------------------------
 
-_ROWS_PER_BLOCK = 8  # warp-per-row kernels: 8 warps, 256 threads
+_ROWS_PER_BLOCK = 8  # warp-per-row kernels: 8 warps, 256 threads (layernorm.cu: LN_WARPS)
 
 
 @_guarded
@@ -89,10 +89,21 @@ def layernorm(x, gamma, beta, eps=1e-5):
     if R and R < _sm_count(_dev()):  # a few rows (decoding): a block per row
         _launch("layernorm", f"layernorm_fwd_block_{_float_sfx(x)}", (R,), _THREADS,
                 (x, gamma, beta, y, _i32(C), _acc(x.dtype, eps)))
+    elif R and _vec_rows(x, C):
+        nv = -(-C // 256)
+        grid = min(-(-R // _ROWS_PER_BLOCK), 16 * _sm_count(_dev()))
+        _launch("layernorm", f"layernorm_fwd_vec_bf16_{nv}", (grid,), 32 * _ROWS_PER_BLOCK,
+                (x, gamma, beta, y, _i64(R), _i32(C), _acc(x.dtype, eps)))
     elif R:
         _launch("layernorm", f"layernorm_fwd_{_float_sfx(x)}", (-(-R // _ROWS_PER_BLOCK),),
                 32 * _ROWS_PER_BLOCK, (x, gamma, beta, y, _i64(R), _i32(C), _acc(x.dtype, eps)))
     return y
+
+
+def _vec_rows(x, C: int) -> bool:
+    """bf16 rows of C = 8k <= 2048 on sm_80+: layernorm.cu's kernels that hold a row in 16-byte
+    vectors (a warp a row, the lanes reading whole 512-byte spans)."""
+    return x.dtype == BF16 and C % 8 == 0 and 0 < C <= 2048 and _cc_major(_dev()) >= 8
 
 
 @_guarded
@@ -111,6 +122,16 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5):
     if R == 0:
         dgamma.data.memset_async(0, dgamma.nbytes)
         dbeta.data.memset_async(0, dbeta.nbytes)
+        return dx, dgamma, dbeta
+    if _vec_rows(x, C):   # dx and the parameters' partial sums in one pass over x and dy
+        nv = -(-C // 256)
+        S = min(-(-R // _ROWS_PER_BLOCK), (2 if nv <= 4 else 1) * _sm_count(_dev()))
+        part_g = _empty((S, C), acc)
+        part_b = _empty((S, C), acc)
+        _launch("layernorm", f"layernorm_bwd_fused_bf16_{nv}", (S,), 32 * _ROWS_PER_BLOCK,
+                (x, gamma, dy, dx, part_g, part_b, _i64(R), _i32(C), _acc(x.dtype, eps)))
+        _colsum_finish(part_g, dgamma, S, C)
+        _colsum_finish(part_b, dbeta, S, C)
         return dx, dgamma, dbeta
     mean = _empty((R,), acc)
     rstd = _empty((R,), acc)
