@@ -159,6 +159,7 @@ CASES = {
     "gelu": (lambda t, v: t.gelu(v[0]), [(4, 6)]),
     "matmul_gelu": (lambda t, v: t.matmul_gelu(v[0], v[1], v[2]), [(3, 4), (4, 5), (5,)]),
     "matmul_add": (lambda t, v: t.matmul_add(v[0], v[1], v[2], v[3]), [(3, 4), (4, 5), (5,), (3, 5)]),
+    "mlp": (lambda t, v: t.mlp(*v), [(3, 4), (4, 6), (6,), (6, 4), (4,), (3, 4)]),
     "layernorm": (lambda t, v: t.layernorm(v[0], v[1], v[2], 1e-5), [(2, 3, 8), (8,), (8,)]),
     "softmax": (lambda t, v: t.softmax(v[0]), [(3, 7)]),
     "softmax_causal": (lambda t, v: t.softmax(v[0], causal=True, off=2), [(2, 4, 6)]),

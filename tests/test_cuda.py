@@ -329,6 +329,25 @@ def test_gelu(be, rs, dtype):
 
 @cuda
 @pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("M,K,N", [(2048, 4 * C, C), (333, 40, 24), (50, 30, 8)])
+def test_matmul_dgelu(be, rs, dtype, M, K, N):
+    """GELU's backward through the product after it, with the bias gradient summed as the
+    gradient is written (gelu_bwd_colsum; K = 30 is not a multiple of 4: the composed path),
+    against float64, and the same values as the composed ops on this GPU."""
+    from forge_ml.backends import compose
+    dy, w, pre = values(rs, (M, N), dtype, 0.5), values(rs, (K, N), dtype, 0.1), values(rs, (M, K), dtype, 2.0)
+    args = (dev(be, dy, dtype), dev(be, w, dtype), dev(be, pre, dtype))
+    dpre, db = be.matmul_dgelu(*args)
+    want = reference.gelu_bwd(pre, reference.matmul(dy, w, trans_b=True))
+    check("matmul_dgelu dpre", host(be, dpre), want, TOL_MM[dtype])
+    check("matmul_dgelu db", host(be, db), want.sum(0), TOL_MM[dtype])
+    cdpre, cdb = compose.matmul_dgelu(be, *args)
+    check("matmul_dgelu vs composed", host(be, dpre), host(be, cdpre), TOL[dtype])
+    check("matmul_dgelu db vs composed", host(be, db), host(be, cdb), TOL[dtype])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
 def test_dropout_matches_rng_bit_for_bit(be, rs, dtype):
     n = 2 * T * C + 3  # not a multiple of 4
     x = values(rs, (n,), dtype)

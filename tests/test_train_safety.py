@@ -442,27 +442,29 @@ def test_a_nan_names_the_op_and_layer_that_made_it_forward(workdir):
         t.train()
     msg = str(e.value)
     assert "step 3" in msg and "(step 2)" in msg
-    assert "forward: matmul_gelu in layer 1 (h.1.mlp.c_fc.weight, h.1.mlp.c_fc.bias) produced" in msg, msg
+    assert ("forward: mlp in layer 1 (h.1.mlp.c_fc.weight, h.1.mlp.c_fc.bias, h.1.mlp.c_proj.weight, "
+            "h.1.mlp.c_proj.bias) produced") in msg, msg
     assert "from finite inputs" in msg and len(msg.splitlines()) == 1
 
 
 def test_a_nan_names_the_op_that_made_it_backward(workdir, monkeypatch):
     import forge_ml.ops as ops
     t = Trainer(_cfg("r", n_layer=2, max_steps=3), log=None)
-    real = ops.gelu_bwd
+    real = ops.matmul_dgelu
 
-    def gelu_bwd(x, dy):
-        g = real(x, dy)
-        g.data[0, 0] = np.nan
-        return g
+    def matmul_dgelu(dy, w, pre):
+        dpre, db = real(dy, w, pre)
+        dpre.data[0, 0] = np.nan
+        return dpre, db
 
-    monkeypatch.setattr(ops, "gelu_bwd", gelu_bwd)
+    monkeypatch.setattr(ops, "matmul_dgelu", matmul_dgelu)
     with pytest.raises(TrainingError) as e:
         t.train()
     msg = str(e.value)
     assert "gradient norm is nan at step 1" in msg
-    # GELU is part of the matmul_gelu node: its NaN reaches that node's input gradient
-    assert "backward of matmul_gelu in layer 1 (h.1.mlp.c_fc.weight, h.1.mlp.c_fc.bias) produced" in msg, msg
+    # GELU's backward is part of the mlp node: its NaN reaches that node's input gradient
+    assert ("backward of mlp in layer 1 (h.1.mlp.c_fc.weight, h.1.mlp.c_fc.bias, h.1.mlp.c_proj.weight, "
+            "h.1.mlp.c_proj.bias) produced") in msg, msg
     assert "gradient of its input (the output of layernorm)" in msg, msg
 
 

@@ -213,6 +213,41 @@ class Tape:
         return self._record(out, lambda dy: _layer_grads(ia, ib, ibias, sa.get(), sb.get(),
                                                           ops.gelu_bwd(sp.get(), dy)))
 
+    def mlp(self, x: TVar, w_fc: TVar, b_fc: TVar, w_proj: TVar, b_proj: TVar,
+            residual: TVar) -> TVar:
+        """``residual + gelu(x @ w_fc + b_fc) @ w_proj + b_proj`` for 2-D ``x``: GPT-2's MLP and
+        the residual add after it as one node, the same values and gradients as
+        ``matmul_add(matmul_gelu(x, w_fc, b_fc), w_proj, b_proj, residual)``. Its backward
+        takes GELU's input gradient and the first layer's bias gradient from one
+        ``ops.matmul_dgelu`` (on the GPU one product: no separate GELU backward, and no
+        second pass over that gradient for its bias).
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> one = lambda *s: t.leaf(fm.tensor(np.ones(s, np.float32)))
+        >>> y = t.mlp(one(1, 2), one(2, 3), one(3), one(3, 2), one(2), one(1, 2))
+        >>> [round(v, 4) for v in y.t.numpy()[0].tolist()], t.backward(y)[1].shape
+        ([10.9891, 10.9891], (2, 3))
+        """
+        self._check(x, w_fc, b_fc, w_proj, b_proj, residual)
+        if not self.records:
+            h = ops.linear(x.t, w_fc.t, b_fc.t, act="gelu")
+            return self._record(ops.linear(h, w_proj.t, b_proj.t, residual=residual.t), None)
+        h, pre = ops.matmul_gelu(x.t, w_fc.t, b_fc.t)
+        out = ops.linear(h, w_proj.t, b_proj.t, residual=residual.t)
+        ix, iwf, ibf, iwp, ibp, ir = x.id, w_fc.id, b_fc.id, w_proj.id, b_proj.id, residual.id
+        sx, swf, swp = _Saved(x.t, "mlp"), _Saved(w_fc.t, "mlp"), _Saved(w_proj.t, "mlp")
+        sh, sp = _Saved(h, "mlp"), _Saved(pre, "mlp")
+
+        def backward(dy):
+            dpre, dbf = ops.matmul_dgelu(dy, swp.get(), sp.get())
+            dwp, dbp = ops.weight_grads(sh.get(), dy)
+            dx = ops.matmul(dpre, swf.get(), trans_b=True)
+            dwf = ops.matmul(sx.get(), dpre, trans_a=True)
+            return [(ix, dx), (iwf, dwf), (ibf, dbf), (iwp, dwp), (ibp, dbp), (ir, dy)]
+
+        return self._record(out, backward)
+
     def gelu(self, x: TVar) -> TVar:
         """GPT-2's tanh GELU."""
         self._check(x)

@@ -192,6 +192,30 @@ def matmul_gelu(x, w, bias) -> Tuple[Tensor, Tensor]:
     return _wrap(x, y), _wrap(x, pre)
 
 
+def matmul_dgelu(dy, w, pre) -> Tuple[Tensor, Tensor]:
+    """The backward of GELU through the product after it, for training: ``(dpre, db)`` with
+    ``dpre = gelu_bwd(pre, dy @ w^T)`` (the gradient at GELU's input ``pre`` of
+    ``gelu(pre) @ w``) and ``db = sum_rows(dpre)`` (the bias gradient of the layer that made
+    ``pre``), for ``dy (M, N)``, ``w (K, N)``, ``pre (M, K)``. On the GPU one cuBLASLt
+    product (``DGELU_BGRAD``); elsewhere ``matmul``, ``gelu_bwd`` and ``sum_rows``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> dy = fm.tensor(np.ones((2, 1), np.float32)); w = fm.tensor(np.ones((1, 1), np.float32))
+    >>> dpre, db = fm.ops.matmul_dgelu(dy, w, fm.tensor(np.zeros((2, 1), np.float32)))
+    >>> dpre.numpy().tolist(), db.numpy().tolist()
+    ([[0.5], [0.5]], [1.0])
+    """
+    op = "matmul_dgelu"
+    _float(op, "dy", dy), _float(op, "w", w), _float(op, "pre", pre)
+    bk = _same(op, dy=dy, w=w, pre=pre)
+    _rank(op, "dy", dy, 2, 2), _rank(op, "w", w, 2, 2), _rank(op, "pre", pre, 2, 2)
+    if dy.shape[1] != w.shape[1] or pre.shape != (dy.shape[0], w.shape[0]):
+        raise ShapeError(f"{op}: dy {dy.shape}, w {w.shape} and pre {pre.shape} do not fit: "
+                         f"expected w (K, {dy.shape[1]}) and pre ({dy.shape[0]}, K)")
+    dpre, db = bk.matmul_dgelu(dy.data, w.data, pre.data)
+    return _wrap(dy, dpre), _wrap(dy, db)
+
+
 def weight_grads(x, dy, alpha=1.0) -> Tuple[Tensor, Tensor]:
     """A linear layer's weight and bias gradients: ``(alpha x^T dy, sum_rows(dy))`` for
     ``x (M, K)`` and ``dy (M, N)``. On the GPU one cuBLASLt product also sums dy's rows

@@ -326,6 +326,16 @@ def test_matmul_gelu(bk, dt, rs, M, K, N):
         close(host(bk, y), ref.gelu(pre), dt, f"matmul_gelu y ({how})")
 
 
+@pytest.mark.parametrize("M,K,N", [(3, 16, 8), (40, 32, 24)])
+def test_matmul_dgelu(bk, dt, rs, M, K, N):
+    dy, w, pre = r(rs, M, N, dt=dt), r(rs, K, N, dt=dt, scale=0.3), r(rs, M, K, dt=dt)
+    want = ref.gelu_bwd(pre, ref.matmul(dy, w.T))
+    for how, fn in both(bk, "matmul_dgelu"):
+        dpre, db = fn(dev(bk, dy), dev(bk, w), dev(bk, pre))
+        close(host(bk, dpre), want, dt, f"matmul_dgelu dpre ({how})")
+        close(host(bk, db), want.sum(axis=0), dt, f"matmul_dgelu db ({how})")
+
+
 @pytest.mark.parametrize("alpha", [1.0, 0.5])
 def test_weight_grads(bk, dt, rs, alpha):
     x, dy = r(rs, 37, 12, dt=dt), r(rs, 37, 24, dt=dt)

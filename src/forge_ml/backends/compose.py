@@ -41,6 +41,13 @@ def matmul_gelu(bk, x, w, bias):
     return bk.gelu(pre), pre
 
 
+def matmul_dgelu(bk, dy, w, pre):
+    """The gradient at GELU's input of ``gelu(pre) @ w`` and its sum over rows: ``dpre =
+    gelu_bwd(pre, dy @ w^T)``, ``(dpre, sum_rows(dpre))``."""
+    dpre = bk.gelu_bwd(pre, bk.matmul(dy, w, None, False, True, 1.0, None))
+    return dpre, bk.sum_rows(dpre)
+
+
 def weight_grads(bk, x, dy, alpha):
     """A linear layer's weight and bias gradients: ``(alpha x^T dy, sum_rows(dy))``."""
     return bk.matmul(x, dy, None, True, False, float(alpha), None), bk.sum_rows(dy)

@@ -179,6 +179,12 @@ class FusedKernels(Protocol):
         (N,)``: a linear layer and its GELU with GELU's input kept for the backward (one
         product with its epilogue on the GPU)."""
 
+    def matmul_dgelu(self, dy, w, pre) -> Tuple[Array, Array]:
+        """``(dpre, sum_rows(dpre))`` with ``dpre = gelu_bwd(pre, dy @ w^T)`` for ``dy (M, N)``,
+        ``w (K, N)``, ``pre (M, K)``: the gradient at GELU's input of ``gelu(pre) @ w``, and
+        the bias gradient of the layer that made ``pre`` (one product on the GPU, whose
+        epilogue applies GELU's derivative and sums the rows)."""
+
     def weight_grads(self, x, dy, alpha: float) -> Tuple[Array, Array]:
         """``(alpha x^T dy, sum_rows(dy))`` for ``x (M, K)``, ``dy (M, N)``: a linear layer's
         weight and bias gradients (on the GPU one product whose epilogue also sums dy's rows)."""
@@ -225,7 +231,7 @@ CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "
         "cross_entropy", "cross_entropy_bwd", "adamw_update")
 FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
          "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear", "matmul_gelu",
-         "weight_grads", "linear_cross_entropy", "scale", "decode_attention", "greedy_next",
+         "matmul_dgelu", "weight_grads", "linear_cross_entropy", "scale", "decode_attention", "greedy_next",
          "sample_next")
 CAPABILITIES = {"bf16": False, "graphs": False, "host_memory": False}
 """Capability -> the value a backend that does not declare it is taken to have."""

@@ -340,8 +340,11 @@ class GPT2:
             y = tape.reshape(y, B * T, C)                                        # (B*T, C)
             x = residual(x, y, L.proj_w, L.proj_b)
             h = tape.layernorm(x, L.ln2_w, L.ln2_b, eps)
-            h = tape.matmul_gelu(h, L.fc_w, L.fc_b)                              # (B*T, 4C)
-            x = residual(x, h, L.out_w, L.out_b)
+            if p_drop:
+                h = tape.matmul_gelu(h, L.fc_w, L.fc_b)                          # (B*T, 4C)
+                x = residual(x, h, L.out_w, L.out_b)
+            else:   # the MLP and its residual add as one node
+                x = tape.mlp(h, L.fc_w, L.fc_b, L.out_w, L.out_b, x)
         x = tape.layernorm(x, leaves["ln_f.weight"], leaves["ln_f.bias"], eps)
         if targets is None:
             return tape.matmul(x, _head(leaves, cfg), trans_b=True), None, leaves  # (B*T, Vp)

@@ -60,7 +60,7 @@ __all__ = ["NAME", "BF16", "GRAPHS", "HOST_MEMORY", "start", "reference",
            # fused kernels
            "attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
            "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
-           "matmul_gelu", "weight_grads", "decode_attention", "greedy_next",
+           "matmul_gelu", "matmul_dgelu", "weight_grads", "decode_attention", "greedy_next",
            "linear_cross_entropy", "scale",
            # optional: the optimizer's step in one call
            "adamw_update_many", "sumsq_many"]
@@ -370,6 +370,12 @@ def linear(x, w, bias, act, residual, ln=None):
 def matmul_gelu(x, w, bias):
     """``(gelu(x @ w + bias), x @ w + bias)``: BLAS, then the GELU kernel (``compose``)."""
     return _compose.matmul_gelu(sys.modules[__name__], x, w, bias)
+
+
+def matmul_dgelu(dy, w, pre):
+    """``(gelu_bwd(pre, dy @ w^T), its row sums)``: BLAS, the GELU kernel, the column sums
+    (``compose``)."""
+    return _compose.matmul_dgelu(sys.modules[__name__], dy, w, pre)
 
 
 def weight_grads(x, dy, alpha):

@@ -15,7 +15,7 @@ The rooms, each a module beside the ``.cu`` files it launches:
   launch), dtypes and kernel scalars; ``memory``: allocation, host copies, casts;
   ``cublas``: the matrix products; ``graph``: CUDA graphs;
 - ``linear`` (gemv.cu, and ``cublaslt`` for the products with an epilogue): matmul, linear,
-  matmul_gelu, weight_grads; ``pointwise`` (elementwise.cu, gelu.cu, dropout.cu,
+  matmul_gelu, matmul_dgelu, weight_grads; ``pointwise`` (elementwise.cu, gelu.cu, dropout.cu,
   adamw.cu): add, scale, gelu, dropout, adamw_update; ``classifier`` (cross_entropy.cu): the
   LM head and its loss over chunks of rows, linear_cross_entropy; ``rows`` (reduce.cu, layernorm.cu, softmax.cu,
   cross_entropy.cu): sum_rows, sumsq, layernorm, softmax, logsumexp, cross_entropy;
@@ -48,7 +48,7 @@ from .decoder import decode_gpt2, decode_gpt2_ok
 from .graph import CapturedGraph, capture_graph
 from .layout import (embedding, merge_heads, scatter_add_rows, split_heads, unmerge_heads,
                      unsplit_head)
-from .linear import linear, matmul, matmul_gelu, weight_grads
+from .linear import linear, matmul, matmul_dgelu, matmul_gelu, weight_grads
 from .memory import (assign, cast, copy, from_host, pinned_empty, release_cached, to_host,
                      to_host_async, zeros)
 from .pointwise import (adamw_update, adamw_update_at, add, clip_scale, dropout, dropout_at, gelu,
@@ -74,7 +74,8 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout", "cross_entropy",
     "cross_entropy_bwd", "adamw_update", "attention", "attention_bwd", "attention_qkv",
     "attention_qkv_bwd", "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
-    "matmul_gelu", "weight_grads", "decode_attention", "greedy_next", "sample_next", "linear_cross_entropy", "scale",
+    "matmul_gelu", "matmul_dgelu", "weight_grads", "decode_attention", "greedy_next", "sample_next",
+    "linear_cross_entropy", "scale",
     "dropout_at", "adamw_update_at", "clip_scale", "decode_gpt2", "decode_gpt2_ok",
     # private, for the GPU tests and benchmarks
     "_attention_composed", "_attention_bwd_composed", "_flash_wanted", "_qkv_flash_ok",

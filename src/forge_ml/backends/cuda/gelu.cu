@@ -50,12 +50,58 @@ __device__ void gelu_bwd_impl(const T* x, const T* dy, T* dx, long long n) {
     FORGE_FOR(i, n - done) dx[done + i] = To<T>::from(ldf(dy[done + i]) * gelu_d(ldf(x[done + i])));
 }
 
+// gelu_bwd_colsum: gelu_bwd of an (R, K) matrix (K a multiple of 4, rows 4-aligned) and the
+// column sums of its (rounded) result, for the bias gradient of the layer before GELU: each
+// (32 x 8) block owns 128 columns (4 a thread) over one chunk of rows, and writes that chunk's
+// sums to part[chunk, col] (reduce.cu's colsum_finish adds the chunks in order). The gradient
+// is summed as it is written, not read again.
+template <typename T>
+__device__ void gelu_bwd_colsum_impl(const T* x, const T* dy, T* dx, typename Acc<T>::type* part,
+                                     long long R, int K, long long chunk) {
+    typedef typename Acc<T>::type A;
+    __shared__ A sh[8][129];
+    const int tx = threadIdx.x, ty = threadIdx.y, c0 = (blockIdx.x * 32 + tx) * 4;
+    const long long r0 = (long long)blockIdx.y * chunk, r1 = min(R, r0 + chunk);
+    A s[4] = {A(0), A(0), A(0), A(0)};
+    if (c0 < K) {
+        for (long long r = r0 + ty; r < r1; r += 8) {
+            const long long o = r * K + c0;
+            const V4<T> a = *reinterpret_cast<const V4<T>*>(x + o);
+            const V4<T> d = *reinterpret_cast<const V4<T>*>(dy + o);
+            V4<T> g;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                g.v[k] = To<T>::from(ldf(d.v[k]) * gelu_d(ldf(a.v[k])));
+                s[k] += ldf(g.v[k]);
+            }
+            *reinterpret_cast<V4<T>*>(dx + o) = g;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) sh[ty][4 * tx + k] = s[k];
+    __syncthreads();
+    if (ty == 0 && c0 < K) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            A t = A(0);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) t += sh[j][4 * tx + k];
+            part[(long long)blockIdx.y * K + c0 + k] = t;
+        }
+    }
+}
+
 #define FORGE_GELU(T, S)                                                                      \
     extern "C" __global__ void gelu_fwd_##S(const T* x, T* y, long long n) {                \
         gelu_fwd_impl<T>(x, y, n);                                                            \
     }                                                                                         \
     extern "C" __global__ void gelu_bwd_##S(const T* x, const T* dy, T* dx, long long n) { \
         gelu_bwd_impl<T>(x, dy, dx, n);                                                       \
+    }                                                                                         \
+    extern "C" __global__ void gelu_bwd_colsum_##S(const T* x, const T* dy, T* dx,           \
+                                                   Acc<T>::type* part, long long R, int K,   \
+                                                   long long chunk) {                        \
+        gelu_bwd_colsum_impl<T>(x, dy, dx, part, R, K, chunk);                                \
     }
 FORGE_GELU(float, f32)
 FORGE_GELU(double, f64)

@@ -49,6 +49,22 @@ def sum_rows(x):
     return out
 
 
+def gelu_bwd_colsum(x, dy):
+    """``(gelu_bwd(x, dy), sum_rows of it)`` for 2-D ``x``, ``dy`` of one dtype, the sums taken
+    as the gradient is written (gelu.cu's ``gelu_bwd_colsum``); None where the kernel's 4-wide
+    vectors do not fit (columns not a multiple of 4, or an operand off a 4-element boundary)."""
+    R, K = x.shape
+    if K % 4 or R == 0 or any(a.data.ptr % (4 * a.itemsize) for a in (x, dy)):
+        return None
+    dx, db = _empty((R, K), x.dtype), _empty((K,), x.dtype)
+    chunk, S = _chunks(R)
+    part = _empty((S, K), _acc_dtype(x.dtype))
+    _launch("gelu", f"gelu_bwd_colsum_{_float_sfx(x)}", (-(-K // 128), S), (32, 8),
+            (x, dy, dx, part, _i64(R), _i32(K), _i64(chunk)))
+    _colsum_finish(part, db, S, K)
+    return dx, db
+
+
 def _sum_finish(part, out, n, scale):
     _launch("reduce", f"sum_finish_{_SFX[out.dtype]}", (1,), (1024,),
             (part, out, _i64(n), _acc(out.dtype, scale)))
