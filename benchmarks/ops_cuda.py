@@ -117,6 +117,16 @@ def build_cases(be, cupy, torch, F):
                 lambda: torch.ops.aten.gelu_backward(tdy, tx, approximate="tanh"))
 
     @case
+    def matmul_dgelu(dt):  # the MLP's backward through GELU: (dY W^T) * gelu'(pre), its row sums
+        dy, w, pre = rnd((N, C), dt), rnd((4 * C, C), dt, 0.02), rnd((N, 4 * C), dt)
+        tdy, tw, tpre = trnd((N, C), dt), trnd((4 * C, C), dt, 0.02), trnd((N, 4 * C), dt)
+
+        def ref():
+            g = torch.ops.aten.gelu_backward(tdy @ tw.t(), tpre, approximate="tanh")
+            return g, g.sum(0)
+        return lambda: be.matmul_dgelu(dy, w, pre), ref
+
+    @case
     def layernorm(dt):
         x, g, b = rnd((B, T, C), dt), rnd((C,), dt), rnd((C,), dt)
         tx, tg, tb = trnd((B, T, C), dt), trnd((C,), dt), trnd((C,), dt)
