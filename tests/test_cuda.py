@@ -444,6 +444,29 @@ def test_layernorm_bf16_vector_rows(be, rs, rows, cols):
 
 
 @cuda
+def test_layernorm_bf16_rows_off_a_16_byte_boundary(be, rs):
+    """bf16 rows that start 2 bytes into a buffer (a view, C-contiguous) cannot take the 16-byte
+    vector kernels: the warp-per-row kernels give the float64 reference's values."""
+    rows, cols, eps = 300, 768, 1e-5
+    x = values(rs, (rows, cols), "bfloat16", scale=3.0) + 0.5
+    g, b = values(rs, (cols,), "bfloat16") + 1.0, values(rs, (cols,), "bfloat16")
+    dy = values(rs, (rows, cols), "bfloat16")
+
+    def shifted(a):   # the same values, one element into a flat buffer
+        flat = dev(be, np.concatenate([[0.0], a.reshape(-1)]), "bfloat16")
+        v = flat[1:].reshape(a.shape)
+        assert v.data.ptr % 16 != 0 and v.flags.c_contiguous
+        return v
+    y = host(be, be.layernorm(shifted(x), shifted(g), shifted(b), eps))
+    check("layernorm, shifted rows", y, reference.layernorm(x, g, b, eps), TOL["bfloat16"])
+    dx, dg, db = be.layernorm_bwd(shifted(x), shifted(g), shifted(dy), eps)
+    rdx, rdg, rdb = reference.layernorm_bwd(x, g, dy, eps)
+    check("layernorm_bwd dx, shifted rows", host(be, dx), rdx, TOL["bfloat16"])
+    check("layernorm_bwd dgamma, shifted rows", host(be, dg), rdg, TOL["bfloat16"])
+    check("layernorm_bwd dbeta, shifted rows", host(be, db), rdb, TOL["bfloat16"])
+
+
+@cuda
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("mode", ["causal", "causal_off", "plain", "causal_long", "short"])
 def test_softmax(be, rs, dtype, mode):

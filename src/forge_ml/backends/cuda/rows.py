@@ -105,7 +105,7 @@ def layernorm(x, gamma, beta, eps=1e-5):
     if R and R < _sm_count(_dev()):  # a few rows (decoding): a block per row
         _launch("layernorm", f"layernorm_fwd_block_{_float_sfx(x)}", (R,), _THREADS,
                 (x, gamma, beta, y, _i32(C), _acc(x.dtype, eps)))
-    elif R and _vec_rows(x, C):
+    elif R and _vec_rows(C, x, gamma, beta):
         nv = -(-C // 256)
         grid = min(-(-R // _ROWS_PER_BLOCK), 16 * _sm_count(_dev()))
         _launch("layernorm", f"layernorm_fwd_vec_bf16_{nv}", (grid,), 32 * _ROWS_PER_BLOCK,
@@ -116,10 +116,12 @@ def layernorm(x, gamma, beta, eps=1e-5):
     return y
 
 
-def _vec_rows(x, C: int) -> bool:
-    """bf16 rows of C = 8k <= 2048 on sm_80+: layernorm.cu's kernels that hold a row in 16-byte
-    vectors (a warp a row, the lanes reading whole 512-byte spans)."""
-    return x.dtype == BF16 and C % 8 == 0 and 0 < C <= 2048 and _cc_major(_dev()) >= 8
+def _vec_rows(C: int, *arrays) -> bool:
+    """bf16 rows of C = 8k <= 2048 on sm_80+, every array on a 16-byte boundary (a view into a
+    larger buffer may not be): layernorm.cu's kernels that hold a row in 16-byte vectors (a warp
+    a row, the lanes reading whole 512-byte spans)."""
+    return (arrays[0].dtype == BF16 and C % 8 == 0 and 0 < C <= 2048 and _cc_major(_dev()) >= 8
+            and all(a.data.ptr % 16 == 0 for a in arrays))
 
 
 @_guarded
@@ -139,7 +141,7 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5):
         dgamma.data.memset_async(0, dgamma.nbytes)
         dbeta.data.memset_async(0, dbeta.nbytes)
         return dx, dgamma, dbeta
-    if _vec_rows(x, C):   # dx and the parameters' partial sums in one pass over x and dy
+    if _vec_rows(C, x, gamma, dy):   # dx and the parameters' partial sums in one pass over x and dy
         nv = -(-C // 256)
         S = min(-(-R // _ROWS_PER_BLOCK), (2 if nv <= 4 else 1) * _sm_count(_dev()))
         part_g = _empty((S, C), acc)
