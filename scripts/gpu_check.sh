@@ -5,7 +5,8 @@
 #   bash scripts/gpu_check.sh                       (from anywhere; no install needed)
 #   SECTIONS="tests generate serve" bash scripts/gpu_check.sh      (a subset)
 # Sections: tests ops train e2e memory recipe generate decode serve cli (default: all; e2e,
-# memory and recipe need E2E_DATA).
+# memory and recipe need E2E_DATA), and profile (asked for by name only; needs E2E_DATA): the
+# trainer's step kernel by kernel beside torch.compile's (benchmarks/train_profile.py).
 # Environment: E2E_DATA (a text file for e2e), E2E_ROWS (default gpt2-b32,char),
 # TEST_TIMEOUT (default 300 s), TEST_WORKERS (pytest-xdist processes sharing the
 # GPU, default 4), BENCH_TIMEOUT (150), BENCH_ARGS (e.g. "--only gelu --reps 50"), SERVE_ARGS.
@@ -79,6 +80,15 @@ if want memory; then
     echo "skipped: set E2E_DATA to a text file (tinyshakespeare)" | tee "$LOG/bench_memory.log"
   fi
 fi
+if want profile; then
+  echo "== the trainer's step kernel by kernel, beside torch.compile's (benchmarks/train_profile.py)"
+  if [ -n "${E2E_DATA:-}" ]; then
+    timeout "${PROFILE_TIMEOUT:-300}" "$PY" benchmarks/train_profile.py --data "$E2E_DATA" ${PROFILE_ARGS:-} 2>&1 \
+        | grep -v -E "UserWarning|_warn_once" | tee "$LOG/bench_profile.log"
+  else
+    echo "skipped: set E2E_DATA to a text file (tinyshakespeare)" | tee "$LOG/bench_profile.log"
+  fi
+fi
 if want recipe; then
   echo "== nanoGPT's shakespeare_char recipe, forge-ml's trainer against PyTorch eager (benchmarks/char_recipe.py)"
   if [ -n "${E2E_DATA:-}" ]; then
@@ -124,6 +134,7 @@ want train && { echo "training:"; grep -E '^(forge|torch)' "$LOG/bench_train.log
 want e2e && { echo "trainer end to end:"; tail -n 8 "$LOG/bench_e2e.log"; }
 want memory && { echo "trainer memory:"; grep -E '^\[graph' "$LOG/bench_memory.log"; }
 want recipe && { echo "char recipe:"; tail -n 5 "$LOG/bench_recipe.log"; }
+want profile && { echo "profile:"; grep -E "^(forge-ml|torch.compile|== )" "$LOG/bench_profile.log"; }
 want generate && { echo "generation:"; grep -E '^(forge|transformers|ratio|bandwidth|batch|  |flat|peaked)' "$LOG/bench_generate.log"; }
 want decode && { echo "decoding step:"; grep -E '^GPT-2|graph replay|DecodeStep call|greedy chain' "$LOG/bench_decode.log"; }
 want serve && { echo "serve: exit $serve_rc"; grep -vE '^\{' "$LOG/bench_serve.log" | tail -n 14; }

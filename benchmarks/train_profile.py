@@ -1,0 +1,162 @@
+"""Where the trainer's step goes on the GPU, kernel by kernel, beside torch.compile's step:
+the table every change to the training kernels starts from (benchmarks/RESULTS.md, sixth
+session, was made with it).
+
+    python benchmarks/train_profile.py --data shakespeare.txt [--model gpt2] [--batch 32]
+                                       [--block 1024] [--who forge,compile] [--top 40]
+
+For each side, in its own process:
+- ``forge``: forge-ml's ``Trainer`` as ``forge-ml train`` drives it (real token shards, bf16,
+  clipping, eval off). First the step as users run it (captured as one graph): the wall time
+  of ``train_step`` and the GPU time of the graph's replay alone (their difference is what the
+  host adds between steps). Then the step op by op (``FORGE_TRAIN_GRAPH=off``, so that every
+  kernel is its own activity) under ``torch.profiler`` (CUPTI sees CuPy's kernels too).
+- ``compile``: the PyTorch peer of ``train_e2e.py`` under ``torch.compile``, the same batches.
+Printed: the GPU kernel time a step, and the kernels by their time a step (name, ms, calls a
+step). The graph's kernels are the op-by-op step's: the two profiles differ only in launch
+gaps.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def kernel_table(prof, steps: int, top: int, tag: str) -> None:
+    """The CUDA activities of ``prof`` summed by name, per step, largest first."""
+    import torch
+    agg = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            agg[ev.name][0] += getattr(ev, "device_time_total", 0.0)
+            agg[ev.name][1] += 1
+    total = sum(v[0] for v in agg.values()) / steps
+    print(f"== {tag}: GPU kernel time {total / 1000:.2f} ms a step, {len(agg)} kernel names")
+    for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{us / steps / 1000:8.3f} ms {n / steps:6.1f}x  {name[:140]}")
+
+
+def forge(a, data) -> None:
+    import cupy as cp
+    from torch.profiler import ProfilerActivity, profile
+
+    from forge_ml import flags
+    from forge_ml.train import TrainConfig, Trainer
+    for mode in ("on", "off"):
+        with flags.override(FORGE_TRAIN_GRAPH=mode), tempfile.TemporaryDirectory() as out:
+            cfg = TrainConfig(data=str(data), block_size=a.block, batch_size=a.batch, dropout=0.0,
+                              device="cuda", dtype="bf16", max_steps=10 ** 6, warmup=10,
+                              eval_interval=0, sample_interval=0, checkpoint_interval=0,
+                              log_interval=1, progress=False, out_dir=out, lr=3e-4, model=a.model)
+            tr = Trainer(cfg, log=lambda *_: None)
+            for _ in range(a.warmup):
+                tr.train_step()
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                tr.train_step()
+            cp.cuda.Device().synchronize()
+            wall = (time.perf_counter() - t0) / a.steps
+            tokens = a.batch * a.block
+            if mode == "on":
+                fast = tr._fast
+                if fast is None or fast.mode != "graph":
+                    print(f"forge-ml: the step is not a graph here ({getattr(fast, 'why_eager', None)})")
+                    continue
+                s, e = cp.cuda.Event(), cp.cuda.Event()
+                s.record()
+                for _ in range(a.steps):
+                    fast._graph.replay()
+                e.record()
+                e.synchronize()
+                replay = cp.cuda.get_elapsed_time(s, e) / a.steps
+                print(f"forge-ml, the step as one graph: train_step {wall * 1e3:.2f} ms "
+                      f"({tokens / wall:,.0f} tok/s); the replay alone {replay:.2f} ms; the host "
+                      f"adds {wall * 1e3 - replay:.2f} ms")
+                continue
+            print(f"forge-ml, op by op: train_step {wall * 1e3:.2f} ms ({tokens / wall:,.0f} tok/s)")
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(a.steps):
+                    tr.train_step()
+                cp.cuda.Device().synchronize()
+            kernel_table(prof, a.steps, a.top, "forge-ml, op by op")
+
+
+def compiled(a, data) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from torch_gpt2 import torch_gpt2
+
+    from forge_ml.data import DataLoader
+    from forge_ml.models.gpt2 import PRESETS, GPT2Config
+    dims = {k: v for k, v in PRESETS[a.model].items() if k in ("n_layer", "n_head", "n_embd")}
+    cfg = GPT2Config(vocab_size=50257, block_size=a.block, dropout=0.0, **dims)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = torch_gpt2(cfg, dropout=0.0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.99), weight_decay=0.1,
+                            fused=True)
+    fwd = torch.compile(model)
+    loader = DataLoader(Path(data) / "train.bin", a.batch, a.block, seed=1337)
+
+    def step():
+        x, y = loader.next_batch()
+        x, y = torch.from_numpy(x).cuda(non_blocking=True), torch.from_numpy(y).cuda(non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fwd(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / a.steps
+    print(f"torch.compile: step {wall * 1e3:.2f} ms ({a.batch * a.block / wall:,.0f} tok/s)")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.steps):
+            step()
+        torch.cuda.synchronize()
+    kernel_table(prof, a.steps, a.top, "torch.compile")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", required=True, help="a text file (tinyshakespeare)")
+    ap.add_argument("--model", default="gpt2", help="a GPT-2 preset (gpt2, gpt2-medium, ...)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--block", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--top", type=int, default=40, help="kernels listed per side")
+    ap.add_argument("--who", default="forge,compile")
+    ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "forge_e2e_data"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    from train_e2e import prepare_data
+    data = prepare_data(a.data, "gpt2", a.cache)
+    if a.worker:
+        return (forge if a.worker == "forge" else compiled)(a, data)
+    for who in a.who.split(","):
+        if who not in ("forge", "compile"):
+            raise SystemExit(f"--who takes forge and compile, got {who!r}")
+        args = [sys.executable, __file__, "--worker", who] + [x for x in (argv or sys.argv[1:])]
+        subprocess.run(args, env=dict(os.environ), check=False)
+
+
+if __name__ == "__main__":
+    main()
