@@ -161,6 +161,10 @@ CASES = {
     "matmul_add": (lambda t, v: t.matmul_add(v[0], v[1], v[2], v[3]), [(3, 4), (4, 5), (5,), (3, 5)]),
     "mlp": (lambda t, v: t.mlp(*v), [(3, 4), (4, 6), (6,), (6, 4), (4,), (3, 4)]),
     "layernorm": (lambda t, v: t.layernorm(v[0], v[1], v[2], 1e-5), [(2, 3, 8), (8,), (8,)]),
+    # x feeds the layernorm and, after it, a gelu (swept first): the layernorm's rule adds
+    # that gradient in its own pass (GPT-2's residual stream)
+    "layernorm_residual": (lambda t, v: t.add(t.layernorm(v[0], v[1], v[2], 1e-5), t.gelu(v[0])),
+                           [(3, 8), (8,), (8,)]),
     "softmax": (lambda t, v: t.softmax(v[0]), [(3, 7)]),
     "softmax_causal": (lambda t, v: t.softmax(v[0], causal=True, off=2), [(2, 4, 6)]),
     "split_merge": (lambda t, v: t.merge_heads(t.split_heads(v[0], 2)[1]), [(2, 3, 12)]),
@@ -371,6 +375,30 @@ def test_a_tvar_of_another_tape_is_a_tape_error():
     assert t2.grad(w2) is not None and t2.grad(b2) is not None
     with pytest.raises(TapeError, match="expected a TVar"):
         t2.gelu(w2.t)                        # a bare Tensor is not a TVar either
+
+
+def test_layernorm_takes_in_the_gradient_its_input_already_has(monkeypatch):
+    """A layernorm whose input has a later use gets that use's gradient handed to its rule
+    (``ops.layernorm_bwd(add=...)``), once, and the input's gradient equals the sum of the
+    two uses' gradients computed apart."""
+    import forge_ml.ops as fops
+    rs = np.random.default_rng(3)
+    x, g, b = (T(rs.standard_normal(s)) for s in ((4, 8), (8,), (8,)))
+    real, seen = fops.layernorm_bwd, []
+
+    def spy(*a, add=None, **k):
+        seen.append(add is not None)
+        return real(*a, add=add, **k)
+    monkeypatch.setattr(fops, "layernorm_bwd", spy)
+    t = Tape()
+    xv, gv, bv = t.leaf(x), t.leaf(g), t.leaf(b)
+    y = t.add(t.layernorm(xv, gv, bv), t.gelu(xv))
+    dx = t.backward(y)[xv.id].numpy()
+    assert seen == [True]
+    ones = np.ones((4, 8))
+    ln_dx = real(x, g, T(ones))[0].numpy()
+    gelu_dx = fops.gelu_bwd(x, T(ones)).numpy()
+    np.testing.assert_allclose(dx, ln_dx + gelu_dx, rtol=1e-12, atol=1e-12)
 
 
 def test_matmul_gelu_without_grad_equals_gelu_of_the_product():

@@ -86,6 +86,7 @@ def _call_every_kernel(dtype, contiguous=True):
     g = randn((16,), 2).astype(dtype)
     cpu.gelu(x), cpu.gelu_bwd(x, x)
     cpu.layernorm(x, g, g, 1e-5), cpu.layernorm_bwd(x, g, x, 1e-5)
+    cpu.layernorm_bwd_add(x, g, x, 1e-5, x)
     q = randn((2, 5, 4), 3).astype(dtype)
     out, lse = cpu.attention(q, q, q, 0.5)
     cpu.attention_bwd(q, q, q, out, lse, q, 0.5)
@@ -103,7 +104,7 @@ def _call_every_kernel(dtype, contiguous=True):
 def test_float32_runs_the_c_kernels(spy):
     _call_every_kernel(np.float32)
     assert spy.calls == ["gelu_f32", "gelu_bwd_f32", "layernorm_f32", "layernorm_bwd_f32",
-                         "attention_f32", "attention_bwd_f32", "attention_qkv_f32",
+                         "layernorm_bwd_f32", "attention_f32", "attention_bwd_f32", "attention_qkv_f32",
                          "attention_qkv_bwd_f32", "attention_qkv_dropout_f32",
                          "attention_qkv_dropout_bwd_f32", "adamw_f32", "sumsq_f32", "dropout_f32"]
 

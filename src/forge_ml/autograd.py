@@ -95,6 +95,7 @@ class Tape:
         self._key = object()  # what this tape's TVars carry: identity, no reference to the tape
         self.records = bool(grad)
         self._unit_seed = []  # [backward's default seed (ones)], for rules that skip a "* 1"
+        self._into: dict[int, int] = {}   # node -> the parent whose gradient its rule takes in
 
     def __len__(self):
         return len(self._nodes)
@@ -106,8 +107,14 @@ class Tape:
         self._nodes.append(None)
         return TVar(len(self._nodes) - 1, t, self._key)
 
-    def _record(self, t: Tensor, f: BackwardFn) -> TVar:
+    def _record(self, t: Tensor, f: BackwardFn, into: Optional[int] = None) -> TVar:
+        """A new node with backward rule ``f``. ``into``: the id of a parent whose gradient so
+        far (from the uses of it swept before this node; None if none) the sweep hands to
+        ``f(dy, acc)``, which returns that parent's gradient with ``acc`` already added (a
+        kernel that adds it in its last pass, instead of an ``add`` after it)."""
         self._nodes.append(f if self.records else None)
+        if into is not None and self.records:
+            self._into[len(self._nodes) - 1] = into
         return TVar(len(self._nodes) - 1, t, self._key)
 
     def _check(self, *vs):
@@ -262,11 +269,11 @@ class Tape:
         ix, ig, ib = x.id, gamma.id, beta.id
         sx, sg = _Saved(x.t, "layernorm"), _Saved(gamma.t, "layernorm")
 
-        def backward(dy):
-            dx, dgamma, dbeta = ops.layernorm_bwd(sx.get(), sg.get(), dy, eps)
+        def backward(dy, acc=None):   # acc: x's gradient from its other uses (the residual)
+            dx, dgamma, dbeta = ops.layernorm_bwd(sx.get(), sg.get(), dy, eps, add=acc)
             return [(ix, dx), (ig, dgamma), (ib, dbeta)]
 
-        return self._record(out, backward)
+        return self._record(out, backward, into=ix)
 
     def softmax(self, x: TVar, causal: bool = False, off: int = 0) -> TVar:
         """Softmax over the last axis, optionally causal. Saves the output: masked outputs
@@ -424,8 +431,9 @@ class Tape:
     def backward(self, root: TVar, seed_grad: Optional[Tensor] = None) -> list:
         """Sweep from ``root`` down, seeded with ``seed_grad`` (``dL/droot``; ones by default).
 
-        Fan-in is accumulated with ``ops.add``; each interior gradient is freed as soon as its
-        node has consumed it. Returns the per-node gradient list (also ``self.grads``): leaves
+        Fan-in is accumulated with ``ops.add``, or by the rule itself where a node asked for its
+        input's gradient so far (``_record``'s ``into``: layernorm adds it in its backward's
+        last pass); each interior gradient is freed as soon as its node has consumed it. Returns the per-node gradient list (also ``self.grads``): leaves
         reached keep theirs, every other entry is None. A tape is swept once.
         """
         self._check(root)
@@ -450,7 +458,13 @@ class Tape:
                 continue  # a leaf: keep its gradient
             self._nodes[i] = None
             dy, grads[i] = grads[i], None
-            for pid, g in f(dy):
+            into = self._into.pop(i, None)
+            if into is None:
+                out = f(dy)
+            else:   # the rule adds the parent's gradient so far in its own kernel
+                out = f(dy, grads[into])
+                grads[into] = None
+            for pid, g in out:
                 acc = grads[pid]
                 grads[pid] = g if acc is None else ops.add(acc, g)
         # nodes above root were never reached; drop their closures too

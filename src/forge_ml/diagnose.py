@@ -71,17 +71,17 @@ class CheckingTape(Tape):
                               f"(a previous update or the loaded weights put them there)")
         return v
 
-    def _record(self, t, f):
+    def _record(self, t, f, into=None):
         node = len(self._nodes)
 
-        def checked(dy):
+        def checked(dy, *acc):
             if self.found is None:
                 bad = _bad_values(dy)
                 if bad:
                     op, where, _ = self._info.get(node, ("an op", "the model", []))
                     self.found = (f"backward: the gradient reaching {op}'s output in {where} held {bad} "
                                   f"(gradients of two uses of one tensor overflowed when added)")
-            grads = f(dy)
+            grads = f(dy, *acc)
             if self.found is None:
                 op, where, params = self._info.get(node, ("an op", "the model", []))
                 for pid, g in grads:
@@ -95,7 +95,7 @@ class CheckingTape(Tape):
                         break
             return grads
 
-        return super()._record(t, checked)
+        return super()._record(t, checked, into)
 
 
 def _checked_op(op: str):

@@ -293,13 +293,33 @@ def layernorm(x, gamma, beta, eps=1e-5) -> Tensor:
     return _wrap(x, bk.layernorm(x.data, gamma.data, beta.data, float(eps)))
 
 
-def layernorm_bwd(x, gamma, dy, eps=1e-5):
-    """Gradients of ``layernorm``: ``(dx, dgamma, dbeta)``."""
+def layernorm_bwd(x, gamma, dy, eps=1e-5, add=None):
+    """Gradients of ``layernorm``: ``(dx, dgamma, dbeta)``. With ``add`` (x's shape), dx comes
+    back as ``add + dx``: the gradient x already has from its other uses (the residual
+    stream's, in GPT-2), added in the backward's own last pass rather than by an ``add``
+    after it (the fused op ``layernorm_bwd_add``).
+
+    >>> import numpy as np, forge_ml as fm
+    >>> x = fm.tensor(np.array([[1.0, 2.0, 4.0]], np.float32)); g = fm.tensor(np.ones(3, np.float32))
+    >>> dy = fm.tensor(np.array([[1.0, 0.0, 0.0]], np.float32))
+    >>> dx, dgamma, _ = fm.ops.layernorm_bwd(x, g, dy)
+    >>> dxa, _, _ = fm.ops.layernorm_bwd(x, g, dy, add=fm.tensor(np.ones((1, 3), np.float32)))
+    >>> np.allclose(dxa.numpy(), dx.numpy() + 1.0), dgamma.shape
+    (True, (3,))
+    """
     _ln_check("layernorm_bwd", x, gamma)
     _float("layernorm_bwd", "dy", dy)
-    bk = _same("layernorm_bwd", x=x, gamma=gamma, dy=dy)
+    if add is None:
+        bk = _same("layernorm_bwd", x=x, gamma=gamma, dy=dy)
+    else:
+        _float("layernorm_bwd", "add", add)
+        bk = _same("layernorm_bwd", x=x, gamma=gamma, dy=dy, add=add)
+        _shape_eq("layernorm_bwd", "x", x, "add", add)
     _shape_eq("layernorm_bwd", "x", x, "dy", dy)
-    dx, dg, db = bk.layernorm_bwd(x.data, gamma.data, dy.data, float(eps))
+    if add is None:
+        dx, dg, db = bk.layernorm_bwd(x.data, gamma.data, dy.data, float(eps))
+    else:
+        dx, dg, db = bk.layernorm_bwd_add(x.data, gamma.data, dy.data, float(eps), add.data)
     return _wrap(x, dx), _wrap(x, dg), _wrap(x, db)
 
 

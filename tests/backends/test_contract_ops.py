@@ -152,6 +152,16 @@ def test_layernorm(bk, dt, rs):
         close(host(bk, gv), wv, dt, f"layernorm_bwd {name}")
 
 
+def test_layernorm_bwd_add(bk, dt, rs):
+    x, g, dy, add = r(rs, 4, 3, 16, dt=dt), r(rs, 16, dt=dt), r(rs, 4, 3, 16, dt=dt), r(rs, 4, 3, 16, dt=dt)
+    want = ref.layernorm_bwd(x, g, dy, 1e-5)
+    for how, fn in both(bk, "layernorm_bwd_add"):
+        got = fn(dev(bk, x), dev(bk, g), dev(bk, dy), 1e-5, dev(bk, add))
+        close(host(bk, got[0]), add + want[0], dt, f"layernorm_bwd_add dx ({how})")
+        close(host(bk, got[1]), want[1], dt, f"layernorm_bwd_add dgamma ({how})")
+        close(host(bk, got[2]), want[2], dt, f"layernorm_bwd_add dbeta ({how})")
+
+
 @pytest.mark.parametrize("causal,off", [(False, 0), (True, 0), (True, 3)])
 def test_softmax_and_logsumexp(bk, dt, rs, causal, off):
     x, dy = r(rs, 2, 5, 8, dt=dt, scale=3.0), r(rs, 2, 5, 8, dt=dt)

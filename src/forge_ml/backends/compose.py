@@ -41,6 +41,12 @@ def matmul_gelu(bk, x, w, bias):
     return bk.gelu(pre), pre
 
 
+def layernorm_bwd_add(bk, x, gamma, dy, eps, add):
+    """``layernorm_bwd`` with ``add`` added to dx: the backward, then ``add(add, dx)``."""
+    dx, dgamma, dbeta = bk.layernorm_bwd(x, gamma, dy, eps)
+    return bk.add(add, dx), dgamma, dbeta
+
+
 def matmul_dgelu(bk, dy, w, pre):
     """The gradient at GELU's input of ``gelu(pre) @ w`` and its sum over rows: ``dpre =
     gelu_bwd(pre, dy @ w^T)``, ``(dpre, sum_rows(dpre))``."""

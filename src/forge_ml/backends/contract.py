@@ -179,6 +179,11 @@ class FusedKernels(Protocol):
         (N,)``: a linear layer and its GELU with GELU's input kept for the backward (one
         product with its epilogue on the GPU)."""
 
+    def layernorm_bwd_add(self, x, gamma, dy, eps: float, add) -> Tuple[Array, Array, Array]:
+        """``layernorm_bwd``'s ``(dx, dgamma, dbeta)`` with ``add`` (x's shape) added to dx:
+        the gradient x already has from its other uses, folded into the kernel's last pass
+        (the residual stream's gradient in a pre-LN transformer)."""
+
     def matmul_dgelu(self, dy, w, pre) -> Tuple[Array, Array]:
         """``(dpre, sum_rows(dpre))`` with ``dpre = gelu_bwd(pre, dy @ w^T)`` for ``dy (M, N)``,
         ``w (K, N)``, ``pre (M, K)``: the gradient at GELU's input of ``gelu(pre) @ w``, and
@@ -231,7 +236,7 @@ CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "
         "cross_entropy", "cross_entropy_bwd", "adamw_update")
 FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
          "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear", "matmul_gelu",
-         "matmul_dgelu", "weight_grads", "linear_cross_entropy", "scale", "decode_attention", "greedy_next",
+         "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "linear_cross_entropy", "scale", "decode_attention", "greedy_next",
          "sample_next")
 CAPABILITIES = {"bf16": False, "graphs": False, "host_memory": False}
 """Capability -> the value a backend that does not declare it is taken to have."""

@@ -60,7 +60,7 @@ __all__ = ["NAME", "BF16", "GRAPHS", "HOST_MEMORY", "start", "reference",
            # fused kernels
            "attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
            "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
-           "matmul_gelu", "matmul_dgelu", "weight_grads", "decode_attention", "greedy_next",
+           "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "decode_attention", "greedy_next",
            "linear_cross_entropy", "scale",
            # optional: the optimizer's step in one call
            "adamw_update_many", "sumsq_many"]
@@ -180,11 +180,22 @@ def layernorm(lib, x, gamma, beta, eps):
 
 @_fused(reference.layernorm_bwd, "x", "gamma", "dy")
 def layernorm_bwd(lib, x, gamma, dy, eps):
+    return _layernorm_bwd(lib, x, gamma, dy, eps, None)
+
+
+@_fused(reference.layernorm_bwd_add, "x", "gamma", "dy", "add")
+def layernorm_bwd_add(lib, x, gamma, dy, eps, add):
+    return _layernorm_bwd(lib, x, gamma, dy, eps, add)
+
+
+def _layernorm_bwd(lib, x, gamma, dy, eps, add):
+    """The C kernel, ``add`` (or None) added to dx in its last pass over each row."""
     c = x.shape[-1]
     dx, dgamma, dbeta = np.empty_like(x), np.empty(c, np.float32), np.empty(c, np.float32)
     return _ok(lib.layernorm_bwd_f32(x.ctypes.data, gamma.ctypes.data, dy.ctypes.data,
-                                     dx.ctypes.data, dgamma.ctypes.data, dbeta.ctypes.data,
-                                     x.size // c, c, eps), (dx, dgamma, dbeta))
+                                     None if add is None else add.ctypes.data, dx.ctypes.data,
+                                     dgamma.ctypes.data, dbeta.ctypes.data, x.size // c, c, eps),
+               (dx, dgamma, dbeta))
 
 
 @_fused(reference.attention, "q", "k", "v")

@@ -107,7 +107,8 @@ void gelu_bwd_f32(const float* RESTRICT x, const float* RESTRICT dy, float* REST
    The backward is the textbook form, per row:
      dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = dy gamma,
    and dgamma = sum over rows of dy xhat, dbeta = sum of dy (float sums over blocks of 16
-   rows, added up in double).
+   rows, added up in double). With `add` (not NULL: layernorm_bwd_add) dx + add is written,
+   in the same pass.
    ---------------------------------------------------------------------------------------- */
 static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
@@ -164,8 +165,9 @@ void layernorm_f32(const float* RESTRICT x, const float* RESTRICT gamma,
 
 /* Returns 0, or -1 when the accumulators cannot be allocated. */
 int layernorm_bwd_f32(const float* RESTRICT x, const float* RESTRICT gamma,
-                      const float* RESTRICT dy, float* RESTRICT dx, float* RESTRICT dgamma,
-                      float* RESTRICT dbeta, long rows, long c, float eps) {
+                      const float* RESTRICT dy, const float* RESTRICT add, float* RESTRICT dx,
+                      float* RESTRICT dgamma, float* RESTRICT dbeta, long rows, long c,
+                      float eps) {
     double* acc = calloc((size_t)(2 * c), sizeof(double));   /* dgamma, then dbeta */
     float* blk = calloc((size_t)(2 * c), sizeof(float));     /* the same, this block */
     if (!acc || !blk) {
@@ -194,10 +196,20 @@ int layernorm_bwd_f32(const float* RESTRICT x, const float* RESTRICT gamma,
             fb[j] += dyr[j];
         }
         const float mg = sg / (float)c, mgx = sgx / (float)c;
+        if (add) {   /* dx + the gradient x already has (layernorm_bwd_add): one pass */
+            const float* ar = add + r * c;
 #pragma omp simd
-        for (long j = 0; j < c; ++j) {
-            const float xhat = (xr[j] - mean) * rstd;
-            dxr[j] = rstd * (dyr[j] * gamma[j] - mg - xhat * mgx);
+            for (long j = 0; j < c; ++j) {
+                const float xhat = (xr[j] - mean) * rstd;
+                const float d = rstd * (dyr[j] * gamma[j] - mg - xhat * mgx);
+                dxr[j] = ar[j] + d;
+            }
+        } else {
+#pragma omp simd
+            for (long j = 0; j < c; ++j) {
+                const float xhat = (xr[j] - mean) * rstd;
+                dxr[j] = rstd * (dyr[j] * gamma[j] - mg - xhat * mgx);
+            }
         }
         if (r % LN_BLOCK == LN_BLOCK - 1 || r == rows - 1) {
 #pragma omp simd

@@ -56,7 +56,7 @@ _SIGNATURES = {
     "gelu_f32": (None, [_p, _p, _c_long]),
     "gelu_bwd_f32": (None, [_p, _p, _p, _c_long]),
     "layernorm_f32": (None, [_p, _p, _p, _p, _c_long, _c_long, _c_float]),
-    "layernorm_bwd_f32": (_c_int, [_p, _p, _p, _p, _p, _p, _c_long, _c_long, _c_float]),
+    "layernorm_bwd_f32": (_c_int, [_p, _p, _p, _p, _p, _p, _p, _c_long, _c_long, _c_float]),
     "attention_f32": (_c_int, [_p, _p, _p, _p, _p, _c_long, _c_long, _c_long, _c_float]),
     "attention_bwd_f32": (_c_int, [_p] * 9 + [_c_long, _c_long, _c_long, _c_float]),
     "attention_qkv_f32": (_c_int, [_p] * 3 + [_c_long] * 4 + [_c_float]),

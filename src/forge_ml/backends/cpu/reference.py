@@ -314,6 +314,12 @@ def layernorm_bwd(x, gamma, dy, eps):
     return dx.reshape(x.shape), dgamma, dbeta
 
 
+def layernorm_bwd_add(x, gamma, dy, eps, add):
+    """``layernorm_bwd`` with ``add`` added to dx (``add + dx``, as the tape's accumulation)."""
+    dx, dgamma, dbeta = layernorm_bwd(x, gamma, dy, eps)
+    return np.add(add, dx), dgamma, dbeta
+
+
 # ---------------------------------------------------------------------------------------------
 # softmax over the last axis, optionally causal
 # ---------------------------------------------------------------------------------------------
