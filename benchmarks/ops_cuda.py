@@ -117,6 +117,21 @@ def build_cases(be, cupy, torch, F):
                 lambda: torch.ops.aten.gelu_backward(tdy, tx, approximate="tanh"))
 
     @case
+    def layernorm_bwd_add(dt):  # layernorm's backward with the residual's gradient added (rows.py)
+        import importlib
+        rows = importlib.import_module("forge_ml.backends.cuda.rows")
+        x, g, dy, add = rnd((B, T, C), dt), rnd((C,), dt), rnd((B, T, C), dt), rnd((B, T, C), dt)
+        tx, tg, tb, tdy = trnd((B, T, C), dt), trnd((C,), dt), trnd((C,), dt), trnd((B, T, C), dt)
+        tadd = trnd((B, T, C), dt)
+        _, mean, rstd = torch.ops.aten.native_layer_norm(tx, [C], tg, tb, 1e-5)
+
+        def ref():
+            dx, dgw, dgb = torch.ops.aten.native_layer_norm_backward(
+                tdy, tx, [C], mean, rstd, tg, tb, [True, True, True])
+            return tadd + dx, dgw, dgb
+        return lambda: rows.layernorm_bwd_add(x, g, dy, 1e-5, add), ref
+
+    @case
     def matmul_dgelu(dt):  # the MLP's backward through GELU: (dY W^T) * gelu'(pre), its row sums
         dy, w, pre = rnd((N, C), dt), rnd((4 * C, C), dt, 0.02), rnd((N, 4 * C), dt)
         tdy, tw, tpre = trnd((N, C), dt), trnd((4 * C, C), dt, 0.02), trnd((N, 4 * C), dt)

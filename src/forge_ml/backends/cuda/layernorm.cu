@@ -204,11 +204,13 @@ __device__ void layernorm_fwd_vec_impl(const bf16* x, const bf16* gamma, const b
 // running sums of dy * xhat and dy over the rows its warp takes, in registers; at the end the
 // block adds its warps' sums in warp order and writes them to part_g[blockIdx.x], part_b[...]
 // (reduce.cu's colsum_finish adds the blocks). x and dy are read once, and no second kernel
-// reads them again for the parameters' gradients.
-template <int NV>
+// reads them again for the parameters' gradients. ADD (the _add_ kernels): dx + add is written
+// (the gradient x already has from its other uses, rounded to bf16 once with dx:
+// layernorm_bwd_add); without it the instance is the kernel as it was before ADD existed.
+template <int NV, bool ADD>
 __device__ void layernorm_bwd_fused_impl(const bf16* x, const bf16* gamma, const bf16* dy,
-                                         bf16* dx, float* part_g, float* part_b, long long R,
-                                         int C, float eps) {
+                                         const bf16* add, bf16* dx, float* part_g,
+                                         float* part_b, long long R, int C, float eps) {
     __shared__ float sh[LN_WARPS][256];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nv = C >> 3;
     const long long warps = (long long)gridDim.x * LN_WARPS;
@@ -252,6 +254,12 @@ __device__ void layernorm_bwd_fused_impl(const bf16* x, const bf16* gamma, const
             Vec16<bf16>::load(gamma + 8 * v, g);
 #pragma unroll
             for (int e = 0; e < 8; ++e) w[e] = rstd * (g[e] * d[e] - m1 - (w[e] - mean) * rstd * m2);
+            if (ADD) {
+                float a[8];
+                Vec16<bf16>::load(add + row * C + 8 * v, a);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) w[e] = a[e] + w[e];
+            }
             reinterpret_cast<uint4*>(dx + row * C)[v] =
                 make_uint4(pack_bf16x2(w[0], w[1]), pack_bf16x2(w[2], w[3]), pack_bf16x2(w[4], w[5]),
                            pack_bf16x2(w[6], w[7]));
@@ -286,7 +294,13 @@ __device__ void layernorm_bwd_fused_impl(const bf16* x, const bf16* gamma, const
     extern "C" __global__ void __launch_bounds__(32 * LN_WARPS) layernorm_bwd_fused_bf16_##NV( \
         const bf16* x, const bf16* gamma, const bf16* dy, bf16* dx, float* part_g,             \
         float* part_b, long long R, int C, float eps) {                                         \
-        layernorm_bwd_fused_impl<NV>(x, gamma, dy, dx, part_g, part_b, R, C, eps);              \
+        layernorm_bwd_fused_impl<NV, false>(x, gamma, dy, dy, dx, part_g, part_b, R, C, eps);   \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * LN_WARPS)                                 \
+        layernorm_bwd_fused_add_bf16_##NV(const bf16* x, const bf16* gamma, const bf16* dy,    \
+                                          const bf16* add, bf16* dx, float* part_g,            \
+                                          float* part_b, long long R, int C, float eps) {      \
+        layernorm_bwd_fused_impl<NV, true>(x, gamma, dy, add, dx, part_g, part_b, R, C, eps);   \
     }
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 FORGE_LN_VEC(1)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import ShapeError
+from .. import compose as _compose
 from .memory import _c, _ids, _like, cast
-from .runtime import (_SFX, _THREADS, BF16, _acc, _acc_dtype, _cc_major, _dev, _empty, _float_sfx,
-                      _guarded, _i32, _i64, _launch, _sfx, _sm_count, cupy)
+from .runtime import (_SFX, _THREADS, BF16, F32, _acc, _acc_dtype, _cc_major, _dev, _empty,
+                      _float_sfx, _guarded, _i32, _i64, _launch, _package, _sfx, _sm_count, cupy)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,6 +117,40 @@ def layernorm(x, gamma, beta, eps=1e-5):
     return y
 
 
+def _layernorm_bwd_vec(x, gamma, dy, add, eps, dx, dgamma, dbeta):
+    """layernorm.cu's one-pass bf16 backward (``_vec_rows``), dx + ``add`` where it is given."""
+    C = x.shape[-1]
+    R = x.size // C
+    nv = -(-C // 256)
+    S = min(-(-R // _ROWS_PER_BLOCK), (2 if nv <= 4 else 1) * _sm_count(_dev()))
+    part_g = _empty((S, C), F32)
+    part_b = _empty((S, C), F32)
+    name, ins = (f"layernorm_bwd_fused_bf16_{nv}", (x, gamma, dy)) if add is None else \
+        (f"layernorm_bwd_fused_add_bf16_{nv}", (x, gamma, dy, add))
+    _launch("layernorm", name, (S,), 32 * _ROWS_PER_BLOCK,
+            ins + (dx, part_g, part_b, _i64(R), _i32(C), _acc(x.dtype, eps)))
+    _colsum_finish(part_g, dgamma, S, C)
+    _colsum_finish(part_b, dbeta, S, C)
+    return dx, dgamma, dbeta
+
+
+@_guarded
+def layernorm_bwd_add(x, gamma, dy, eps, add):
+    """``layernorm_bwd`` with ``add`` added to dx in the kernel's last pass, for the bf16 rows
+    the vector kernels take (else ``compose``: the backward, then ``add``). NOT YET an op of
+    this backend (the backend runs the composed default): written 2026-12-04 without a GPU;
+    wire it in (``backends/cuda/__init__.py``) once tests/test_cuda.py's
+    test_layernorm_bwd_add_kernel has passed on one."""
+    x = _c(x)
+    gamma, dy, add = _like(_c(gamma), x.dtype), _like(_c(dy), x.dtype), _like(_c(add), x.dtype)
+    C = x.shape[-1]
+    R = x.size // C if C else 0
+    if R and add.shape == x.shape and _vec_rows(C, x, gamma, dy, add):
+        return _layernorm_bwd_vec(x, gamma, dy, add, eps, _empty(x.shape, x.dtype),
+                                  _empty((C,), x.dtype), _empty((C,), x.dtype))
+    return _compose.layernorm_bwd_add(_package(), x, gamma, dy, eps, add)
+
+
 def _vec_rows(C: int, *arrays) -> bool:
     """bf16 rows of C = 8k <= 2048 on sm_80+, every array on a 16-byte boundary (a view into a
     larger buffer may not be): layernorm.cu's kernels that hold a row in 16-byte vectors (a warp
@@ -142,15 +177,7 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5):
         dbeta.data.memset_async(0, dbeta.nbytes)
         return dx, dgamma, dbeta
     if _vec_rows(C, x, gamma, dy):   # dx and the parameters' partial sums in one pass over x and dy
-        nv = -(-C // 256)
-        S = min(-(-R // _ROWS_PER_BLOCK), (2 if nv <= 4 else 1) * _sm_count(_dev()))
-        part_g = _empty((S, C), acc)
-        part_b = _empty((S, C), acc)
-        _launch("layernorm", f"layernorm_bwd_fused_bf16_{nv}", (S,), 32 * _ROWS_PER_BLOCK,
-                (x, gamma, dy, dx, part_g, part_b, _i64(R), _i32(C), _acc(x.dtype, eps)))
-        _colsum_finish(part_g, dgamma, S, C)
-        _colsum_finish(part_b, dbeta, S, C)
-        return dx, dgamma, dbeta
+        return _layernorm_bwd_vec(x, gamma, dy, None, eps, dx, dgamma, dbeta)
     mean = _empty((R,), acc)
     rstd = _empty((R,), acc)
     _launch("layernorm", f"layernorm_bwd_{sfx}", (-(-R // _ROWS_PER_BLOCK),),
