@@ -89,6 +89,8 @@ FORGE_D double fm_tanh(double x) { return tanh(x); }
 FORGE_D float fm_max(float a, float b) { return fmaxf(a, b); }
 FORGE_D double fm_max(double a, double b) { return fmax(a, b); }
 
+#define FORGE_LOG2E 1.4426950408889634f   // log2(e): exp(x) = exp2(x log2e)
+
 template <typename A> FORGE_D A neg_inf();
 template <> FORGE_D float neg_inf<float>() { return __int_as_float(0xff800000); }
 template <> FORGE_D double neg_inf<double>() { return __longlong_as_double(0xfff0000000000000ULL); }
@@ -350,6 +352,12 @@ FORGE_D unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+}
+
+// Eight floats rounded to bf16, as one 16-byte vector (w[0] lowest).
+FORGE_D uint4 pack8_bf16(const float (&w)[8]) {
+    return make_uint4(pack_bf16x2(w[0], w[1]), pack_bf16x2(w[2], w[3]), pack_bf16x2(w[4], w[5]),
+                      pack_bf16x2(w[6], w[7]));
 }
 #endif
 

@@ -178,7 +178,6 @@ FORGE_CE_ROWS(long long, i64)
 // rounded to bf16 by one cvt. Each thread takes its max over its logits, then its sum; the
 // block merges the (max, sum) pairs once. A NaN logit among the first V makes the loss NaN.
 #define CE_STREAM_THREADS 1024
-#define CE_LOG2E 1.4426950408889634f
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 FORGE_D float ex2(float x) {
@@ -193,7 +192,7 @@ FORGE_D uint4 ce_grad8(uint4 raw, int v, int V, long long t, float k, float inv_
     float w[8];
     Vec16<bf16>::widen(raw, w);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) w[j] = ex2(fmaf(w[j], CE_LOG2E, -k));
+    for (int j = 0; j < 8; ++j) w[j] = ex2(fmaf(w[j], FORGE_LOG2E, -k));
     if (edge) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -201,8 +200,7 @@ FORGE_D uint4 ce_grad8(uint4 raw, int v, int V, long long t, float k, float inv_
             w[j] = col >= V ? 0.f : (col == t ? w[j] - inv_n : w[j]);
         }
     }
-    return make_uint4(pack_bf16x2(w[0], w[1]), pack_bf16x2(w[2], w[3]), pack_bf16x2(w[4], w[5]),
-                      pack_bf16x2(w[6], w[7]));
+    return pack8_bf16(w);
 }
 
 template <typename I>
@@ -236,13 +234,13 @@ __device__ void cross_entropy_fused_stream_impl(bf16* logits, const I* targets, 
             for (int j = 0; j < 8; ++j)
                 if (v < full || v * 8 + j < V) m = fmaxf(m, w[j]);
         }
-        const float mk = m == neg_inf<float>() ? 0.f : m * CE_LOG2E;   // -inf logits give 0
+        const float mk = m == neg_inf<float>() ? 0.f : m * FORGE_LOG2E;   // -inf logits give 0
         float s = 0.f;
         for (int v = threadIdx.x; v < nv; v += blockDim.x) {
             Vec16<bf16>::widen(rv[v], w);
 #pragma unroll
             for (int j = 0; j < 8; ++j)
-                if (v < full || v * 8 + j < V) s += ex2(fmaf(w[j], CE_LOG2E, -mk));   // NaN stays
+                if (v < full || v * 8 + j < V) s += ex2(fmaf(w[j], FORGE_LOG2E, -mk));   // NaN stays
         }
         if (s != s) m = 0.f;   // a thread whose logits are all NaN: merging keeps its NaN sum
         block_ms(m, s, shm, shs);
@@ -252,7 +250,7 @@ __device__ void cross_entropy_fused_stream_impl(bf16* logits, const I* targets, 
             loss[row] = t_ok ? m + fm_log(s) - bf16_to_f32(reinterpret_cast<const bf16*>(rv)[t])
                              : quiet_nan<float>();
         // inv_n exp(l - m) / s = ex2(l log2e - k)
-        const float k = m * CE_LOG2E + __log2f(s) - __log2f(inv_n);
+        const float k = m * FORGE_LOG2E + __log2f(s) - __log2f(inv_n);
         const long long tv = t_ok ? t >> 3 : -1;
         uint4* out = reinterpret_cast<uint4*>(logits + row * Vp);
         for (int v = threadIdx.x; v < nv; v += blockDim.x)

@@ -52,7 +52,6 @@
 #define FA_LD 72        // shared tile row stride in bf16: 144 bytes, so the 8 rows one
                         // ldmatrix phase reads start in 8 distinct 16-byte bank groups
 #define FA_THREADS 128  // 4 warps, 16 rows each
-#define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
 
 // ---- PTX wrappers (sm_80+: ldmatrix, mma.sync bf16; cp.async, cvt.rn.bf16x2 in common.cuh)
@@ -335,7 +334,7 @@ __global__ void __launch_bounds__(FA_THREADS)
     const long long kvb = head_base(bh, H, kv_sb, kv_sh);
     const bf16* K = k + kvb;
     const bf16* V = v + kvb;
-    const float sl2 = scale * FA_LOG2E;
+    const float sl2 = scale * FORGE_LOG2E;
     const int w0 = q0 + 16 * warp;  // the warp's first row
     const int r_lo = w0 + g, r_hi = r_lo + 8;
     // the block's last row, q0 + 63, sees keys up to q0 + 63 + off
@@ -475,7 +474,7 @@ __global__ void __launch_bounds__(FA_THREADS)
     const long long qb_ = head_base(bh, H, q_sb, q_sh), ob = head_base(bh, H, o_sb, o_sh);
     const bf16* K = k + kvb;
     const bf16* V = v + kvb;
-    const float sl2 = scale * FA_LOG2E;
+    const float sl2 = scale * FORGE_LOG2E;
     const int w0 = q0 + 16 * warp;
     const int r_lo = w0 + g, r_hi = r_lo + 8;
     const int kv_end = min(Tk, q0 + FA_BLK + off);
@@ -514,11 +513,11 @@ __global__ void __launch_bounds__(FA_THREADS)
         const float* L = lse + bh * Tq;
         float* D = Dsum + bh * Tq;
         if (r_lo < Tq) {
-            l2_lo = L[r_lo] * FA_LOG2E;
+            l2_lo = L[r_lo] * FORGE_LOG2E;
             if (t == 0) D[r_lo] = d_lo;
         }
         if (r_hi < Tq) {
-            l2_hi = L[r_hi] * FA_LOG2E;
+            l2_hi = L[r_hi] * FORGE_LOG2E;
             if (t == 0) D[r_hi] = d_hi;
         }
     }
@@ -592,7 +591,7 @@ __global__ void __launch_bounds__(FA_THREADS)
     const long long kvb = head_base(bh, H, kv_sb, kv_sh);
     const float* L = lse + bh * Tq;
     const float* D = Dsum + bh * Tq;
-    const float sl2 = scale * FA_LOG2E;
+    const float sl2 = scale * FORGE_LOG2E;
     const int w0 = k0 + 16 * warp;  // the warp's first key
     const int j_lo = w0 + g, j_hi = j_lo + 8;
     // the first query that sees key k0 is i = k0 - off (k0 < Tk, so it is < Tq)
@@ -609,7 +608,7 @@ __global__ void __launch_bounds__(FA_THREADS)
         cp_async_commit();
         if (tid < FA_BLK) {
             const int i = r0 + tid;
-            sL[buf][tid] = (i < Tq) ? L[i] * FA_LOG2E : 0.f;
+            sL[buf][tid] = (i < Tq) ? L[i] * FORGE_LOG2E : 0.f;
             sD[buf][tid] = (i < Tq) ? D[i] : 0.f;
         }
     };

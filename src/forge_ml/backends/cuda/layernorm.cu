@@ -193,9 +193,7 @@ __device__ void layernorm_fwd_vec_impl(const bf16* x, const bf16* gamma, const b
             Vec16<bf16>::load(beta + 8 * v, b);
 #pragma unroll
             for (int e = 0; e < 8; ++e) w[e] = (w[e] - mean) * rstd * g[e] + b[e];
-            reinterpret_cast<uint4*>(y + row * C)[v] =
-                make_uint4(pack_bf16x2(w[0], w[1]), pack_bf16x2(w[2], w[3]), pack_bf16x2(w[4], w[5]),
-                           pack_bf16x2(w[6], w[7]));
+            reinterpret_cast<uint4*>(y + row * C)[v] = pack8_bf16(w);
         }
     }
 }
@@ -260,9 +258,7 @@ __device__ void layernorm_bwd_fused_impl(const bf16* x, const bf16* gamma, const
 #pragma unroll
                 for (int e = 0; e < 8; ++e) w[e] = a[e] + w[e];
             }
-            reinterpret_cast<uint4*>(dx + row * C)[v] =
-                make_uint4(pack_bf16x2(w[0], w[1]), pack_bf16x2(w[2], w[3]), pack_bf16x2(w[4], w[5]),
-                           pack_bf16x2(w[6], w[7]));
+            reinterpret_cast<uint4*>(dx + row * C)[v] = pack8_bf16(w);
         }
     }
     // the block's sums, one vector column j at a time: sh[warp][8 lane + e]
