@@ -433,8 +433,9 @@ class Tape:
 
         Fan-in is accumulated with ``ops.add``, or by the rule itself where a node asked for its
         input's gradient so far (``_record``'s ``into``: layernorm adds it in its backward's
-        last pass); each interior gradient is freed as soon as its node has consumed it. Returns the per-node gradient list (also ``self.grads``): leaves
-        reached keep theirs, every other entry is None. A tape is swept once.
+        last pass); each interior gradient is freed as soon as its node has consumed it.
+        Returns the per-node gradient list (also ``self.grads``): leaves reached keep theirs,
+        every other entry is None. A tape is swept once.
         """
         self._check(root)
         if not self.records:

@@ -17,9 +17,9 @@ import numpy as np
 
 from .autograd import Tape, TVar
 
-_CHECKED_OPS = ("add", "matmul", "matmul_gelu", "matmul_add", "mlp", "gelu", "layernorm", "softmax",
-                "split_heads", "merge_heads", "reshape", "attention", "attention_qkv", "embedding",
-                "dropout", "cross_entropy", "linear_cross_entropy")
+_CHECKED_OPS = ("add", "matmul", "matmul_gelu", "matmul_add", "mlp", "gelu", "layernorm",
+                "softmax", "split_heads", "merge_heads", "reshape", "attention", "attention_qkv",
+                "embedding", "dropout", "cross_entropy", "linear_cross_entropy")
 
 
 def _bad_values(t) -> Optional[str]:

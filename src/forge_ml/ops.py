@@ -196,8 +196,9 @@ def matmul_dgelu(dy, w, pre) -> Tuple[Tensor, Tensor]:
     """The backward of GELU through the product after it, for training: ``(dpre, db)`` with
     ``dpre = gelu_bwd(pre, dy @ w^T)`` (the gradient at GELU's input ``pre`` of
     ``gelu(pre) @ w``) and ``db = sum_rows(dpre)`` (the bias gradient of the layer that made
-    ``pre``), for ``dy (M, N)``, ``w (K, N)``, ``pre (M, K)``. On the GPU one cuBLASLt
-    product (``DGELU_BGRAD``); elsewhere ``matmul``, ``gelu_bwd`` and ``sum_rows``.
+    ``pre``), for ``dy (M, N)``, ``w (K, N)``, ``pre (M, K)``. On the GPU the product, then
+    one kernel that sums the bias gradient as it writes GELU's; elsewhere ``matmul``,
+    ``gelu_bwd`` and ``sum_rows``.
 
     >>> import numpy as np, forge_ml as fm
     >>> dy = fm.tensor(np.ones((2, 1), np.float32)); w = fm.tensor(np.ones((1, 1), np.float32))
@@ -309,16 +310,13 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5, add=None):
     """
     _ln_check("layernorm_bwd", x, gamma)
     _float("layernorm_bwd", "dy", dy)
-    if add is None:
-        bk = _same("layernorm_bwd", x=x, gamma=gamma, dy=dy)
-    else:
-        _float("layernorm_bwd", "add", add)
-        bk = _same("layernorm_bwd", x=x, gamma=gamma, dy=dy, add=add)
-        _shape_eq("layernorm_bwd", "x", x, "add", add)
+    bk = _same("layernorm_bwd", x=x, gamma=gamma, dy=dy, add=add)
     _shape_eq("layernorm_bwd", "x", x, "dy", dy)
     if add is None:
         dx, dg, db = bk.layernorm_bwd(x.data, gamma.data, dy.data, float(eps))
     else:
+        _float("layernorm_bwd", "add", add)
+        _shape_eq("layernorm_bwd", "x", x, "add", add)
         dx, dg, db = bk.layernorm_bwd_add(x.data, gamma.data, dy.data, float(eps), add.data)
     return _wrap(x, dx), _wrap(x, dg), _wrap(x, db)
 

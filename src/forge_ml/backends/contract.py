@@ -187,8 +187,8 @@ class FusedKernels(Protocol):
     def matmul_dgelu(self, dy, w, pre) -> Tuple[Array, Array]:
         """``(dpre, sum_rows(dpre))`` with ``dpre = gelu_bwd(pre, dy @ w^T)`` for ``dy (M, N)``,
         ``w (K, N)``, ``pre (M, K)``: the gradient at GELU's input of ``gelu(pre) @ w``, and
-        the bias gradient of the layer that made ``pre`` (one product on the GPU, whose
-        epilogue applies GELU's derivative and sums the rows)."""
+        the bias gradient of the layer that made ``pre`` (on the GPU the product, then one
+        kernel that sums the bias gradient as it writes GELU's)."""
 
     def weight_grads(self, x, dy, alpha: float) -> Tuple[Array, Array]:
         """``(alpha x^T dy, sum_rows(dy))`` for ``x (M, K)``, ``dy (M, N)``: a linear layer's
@@ -236,8 +236,8 @@ CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "
         "cross_entropy", "cross_entropy_bwd", "adamw_update")
 FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
          "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear", "matmul_gelu",
-         "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "linear_cross_entropy", "scale", "decode_attention", "greedy_next",
-         "sample_next")
+         "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "linear_cross_entropy", "scale",
+         "decode_attention", "greedy_next", "sample_next")
 CAPABILITIES = {"bf16": False, "graphs": False, "host_memory": False}
 """Capability -> the value a backend that does not declare it is taken to have."""
 GRAPH = ("dropout_at", "adamw_update_at", "clip_scale")

@@ -60,7 +60,8 @@ __all__ = ["NAME", "BF16", "GRAPHS", "HOST_MEMORY", "start", "reference",
            # fused kernels
            "attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
            "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
-           "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "decode_attention", "greedy_next",
+           "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add",
+           "decode_attention", "greedy_next",
            "linear_cross_entropy", "scale",
            # optional: the optimizer's step in one call
            "adamw_update_many", "sumsq_many"]
