@@ -96,14 +96,55 @@ def prepare_data(text, tokenizer, out):
     return d
 
 
+def forge_config(sizes, T, B, p, data_dir, out, max_steps):
+    """The ``TrainConfig`` of ``forge-ml train --device cuda --dtype bf16 --eval-interval 0
+    --sample-interval 0 --log-interval 1`` for ``sizes`` (a preset or the model's sizes)."""
+    from forge_ml.train import TrainConfig
+    return TrainConfig(data=str(data_dir), block_size=T, batch_size=B, dropout=p, device="cuda",
+                       dtype="bf16", max_steps=max_steps, warmup=10, eval_interval=0,
+                       sample_interval=0, checkpoint_interval=0, log_interval=1, progress=False,
+                       out_dir=out, lr=3e-4, **sizes)
+
+
+def torch_peer(sizes, T, B, p, data_dir, compile_):
+    """The PyTorch peer: a compact GPT-2 (bf16 autocast, SDPA, fused AdamW), eager or under
+    ``torch.compile``, fed by forge-ml's data loader. Returns ``(cfg, model, step)``; ``step()``
+    runs one training step with clipping and returns its loss, read as a logging loop reads it."""
+    import torch
+    from torch_gpt2 import torch_gpt2
+
+    from forge_ml.data import DataLoader
+    from forge_ml.models.gpt2 import PRESETS, GPT2Config
+    from forge_ml.tokenizer import tokenizer_from_dict
+    tok = tokenizer_from_dict(json.loads((Path(data_dir) / "tokenizer.json").read_text()))
+    dims = dict(PRESETS[sizes["model"]]) if "model" in sizes else dict(sizes)
+    cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=T, dropout=p,
+                     **{k: v for k, v in dims.items() if k in ("n_layer", "n_head", "n_embd")})
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = torch_gpt2(cfg, dropout=p).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.99), weight_decay=0.1,
+                            fused=True)
+    fwd = torch.compile(model) if compile_ else model
+    loader = DataLoader(Path(data_dir) / "train.bin", B, T, seed=1337)
+
+    def step():
+        x, y = loader.next_batch()
+        x, y = torch.from_numpy(x).cuda(non_blocking=True), torch.from_numpy(y).cuda(non_blocking=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fwd(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()                       # the logging loop reads the loss every step
+    return cfg, model, step
+
+
 def run_forge(row, data_dir, steps, warmup):
-    from forge_ml.train import TrainConfig, Trainer
+    from forge_ml.train import Trainer
     sizes, T, B, _, p = ROWS[row]
     with tempfile.TemporaryDirectory() as out:
-        cfg = TrainConfig(data=str(data_dir), block_size=T, batch_size=B, dropout=p,
-                          device="cuda", dtype="bf16", max_steps=warmup + steps, warmup=10,
-                          eval_interval=0, sample_interval=0, checkpoint_interval=0,
-                          log_interval=1, progress=False, out_dir=out, lr=3e-4, **sizes)
+        cfg = forge_config(sizes, T, B, p, data_dir, out, warmup + steps)
         mem = PeakMemory()
         trainer = Trainer(cfg, log=lambda *_: None)
         starts, step_peak = [], []
@@ -131,36 +172,13 @@ def run_forge(row, data_dir, steps, warmup):
 
 def run_torch(row, data_dir, steps, warmup, compile_):
     import torch
-    from torch_gpt2 import torch_gpt2
-
-    from forge_ml.data import DataLoader
-    from forge_ml.models.gpt2 import PRESETS, GPT2Config
-    from forge_ml.tokenizer import tokenizer_from_dict
     sizes, T, B, _, p = ROWS[row]
-    tok = tokenizer_from_dict(json.loads((Path(data_dir) / "tokenizer.json").read_text()))
-    dims = dict(PRESETS[sizes["model"]]) if "model" in sizes else dict(sizes)
-    cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=T, dropout=p,
-                     **{k: v for k, v in dims.items() if k in ("n_layer", "n_head", "n_embd")})
-
-    torch.backends.cuda.matmul.allow_tf32 = True
     mem = PeakMemory()
-    model = torch_gpt2(cfg, dropout=p).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.99), weight_decay=0.1,
-                            fused=True)
-    fwd = torch.compile(model) if compile_ else model
-    loader = DataLoader(Path(data_dir) / "train.bin", B, T, seed=1337)
+    cfg, model, train_step = torch_peer(sizes, T, B, p, data_dir, compile_)
     times, losses = [], []
     for step in range(warmup + steps):
         t0 = time.perf_counter()
-        x, y = loader.next_batch()
-        x, y = torch.from_numpy(x).cuda(non_blocking=True), torch.from_numpy(y).cuda(non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = fwd(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())               # the logging loop reads the loss every step
+        losses.append(train_step())
         if step >= warmup:
             times.append(time.perf_counter() - t0)
     torch.cuda.synchronize()

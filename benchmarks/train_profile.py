@@ -50,14 +50,13 @@ def forge(a, data) -> None:
     import cupy as cp
     from torch.profiler import ProfilerActivity, profile
 
+    from train_e2e import forge_config
+
     from forge_ml import flags
-    from forge_ml.train import TrainConfig, Trainer
+    from forge_ml.train import Trainer
     for mode in ("on", "off"):
         with flags.override(FORGE_TRAIN_GRAPH=mode), tempfile.TemporaryDirectory() as out:
-            cfg = TrainConfig(data=str(data), block_size=a.block, batch_size=a.batch, dropout=0.0,
-                              device="cuda", dtype="bf16", max_steps=10 ** 6, warmup=10,
-                              eval_interval=0, sample_interval=0, checkpoint_interval=0,
-                              log_interval=1, progress=False, out_dir=out, lr=3e-4, model=a.model)
+            cfg = forge_config(dict(model=a.model), a.block, a.batch, 0.0, data, out, 10 ** 6)
             tr = Trainer(cfg, log=lambda *_: None)
             for _ in range(a.warmup):
                 tr.train_step()
@@ -95,29 +94,9 @@ def forge(a, data) -> None:
 def compiled(a, data) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from torch_gpt2 import torch_gpt2
+    from train_e2e import torch_peer
 
-    from forge_ml.data import DataLoader
-    from forge_ml.models.gpt2 import PRESETS, GPT2Config
-    dims = {k: v for k, v in PRESETS[a.model].items() if k in ("n_layer", "n_head", "n_embd")}
-    cfg = GPT2Config(vocab_size=50257, block_size=a.block, dropout=0.0, **dims)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    model = torch_gpt2(cfg, dropout=0.0).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.99), weight_decay=0.1,
-                            fused=True)
-    fwd = torch.compile(model)
-    loader = DataLoader(Path(data) / "train.bin", a.batch, a.block, seed=1337)
-
-    def step():
-        x, y = loader.next_batch()
-        x, y = torch.from_numpy(x).cuda(non_blocking=True), torch.from_numpy(y).cuda(non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = fwd(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
+    _, _, step = torch_peer(dict(model=a.model), a.block, a.batch, 0.0, data, compile_=True)
     for _ in range(a.warmup):
         step()
     torch.cuda.synchronize()
