@@ -117,9 +117,7 @@ def build_cases(be, cupy, torch, F):
                 lambda: torch.ops.aten.gelu_backward(tdy, tx, approximate="tanh"))
 
     @case
-    def layernorm_bwd_add(dt):  # layernorm's backward with the residual's gradient added (rows.py)
-        import importlib
-        rows = importlib.import_module("forge_ml.backends.cuda.rows")
+    def layernorm_bwd_add(dt):  # layernorm's backward with the residual's gradient added
         x, g, dy, add = rnd((B, T, C), dt), rnd((C,), dt), rnd((B, T, C), dt), rnd((B, T, C), dt)
         tx, tg, tb, tdy = trnd((B, T, C), dt), trnd((C,), dt), trnd((C,), dt), trnd((B, T, C), dt)
         tadd = trnd((B, T, C), dt)
@@ -129,7 +127,7 @@ def build_cases(be, cupy, torch, F):
             dx, dgw, dgb = torch.ops.aten.native_layer_norm_backward(
                 tdy, tx, [C], mean, rstd, tg, tb, [True, True, True])
             return tadd + dx, dgw, dgb
-        return lambda: rows.layernorm_bwd_add(x, g, dy, 1e-5, add), ref
+        return lambda: be.layernorm_bwd_add(x, g, dy, 1e-5, add), ref
 
     @case
     def matmul_dgelu(dt):  # the MLP's backward through GELU: (dY W^T) * gelu'(pre), its row sums

@@ -446,18 +446,16 @@ def test_layernorm_bf16_vector_rows(be, rs, rows, cols):
 @cuda
 @pytest.mark.parametrize("rows,cols", [(5000, 768), (2999, 1600), (300, 200)])
 def test_layernorm_bwd_add_kernel(be, rs, rows, cols):
-    """layernorm.cu's _add_ kernels (rows.layernorm_bwd_add, not yet the backend's op): dx +
-    add in the backward's pass, against float64 and against the composed backward then add."""
-    import importlib
+    """layernorm.cu's _add_ kernels (the backend's layernorm_bwd_add): dx + add in the
+    backward's pass, against float64 and against the composed backward then add."""
     from forge_ml.backends import compose
-    rows_mod = importlib.import_module("forge_ml.backends.cuda.rows")
     eps = 1e-5
     x = values(rs, (rows, cols), "bfloat16", scale=3.0) + 0.5
     g = values(rs, (cols,), "bfloat16") + 1.0
     dy, add = values(rs, (rows, cols), "bfloat16"), values(rs, (rows, cols), "bfloat16")
     args = (dev(be, x, "bfloat16"), dev(be, g, "bfloat16"), dev(be, dy, "bfloat16"), eps,
             dev(be, add, "bfloat16"))
-    got = rows_mod.layernorm_bwd_add(*args)
+    got = be.layernorm_bwd_add(*args)
     want = reference.layernorm_bwd(x, g, dy, eps)
     check("layernorm_bwd_add dx", host(be, got[0]), add + want[0], TOL["bfloat16"])
     check("layernorm_bwd_add dgamma", host(be, got[1]), want[1], TOL["bfloat16"])

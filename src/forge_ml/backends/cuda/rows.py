@@ -137,10 +137,9 @@ def _layernorm_bwd_vec(x, gamma, dy, add, eps, dx, dgamma, dbeta):
 @_guarded
 def layernorm_bwd_add(x, gamma, dy, eps, add):
     """``layernorm_bwd`` with ``add`` added to dx in the kernel's last pass, for the bf16 rows
-    the vector kernels take (else ``compose``: the backward, then ``add``). NOT YET an op of
-    this backend (the backend runs the composed default): written 2026-12-04 without a GPU;
-    wire it in (``backends/cuda/__init__.py``) once tests/test_cuda.py's
-    test_layernorm_bwd_add_kernel has passed on one."""
+    the vector kernels take (else ``compose``: the backward, then ``add``): the residual
+    stream's gradient joins dx in the pass that writes it, instead of an ``add`` over the
+    whole stream after it."""
     x = _c(x)
     gamma, dy, add = _like(_c(gamma), x.dtype), _like(_c(dy), x.dtype), _like(_c(add), x.dtype)
     C = x.shape[-1]
