@@ -14,12 +14,9 @@ template <typename P, typename G>
 __device__ void adamw_impl(P* p, const G* g, P* m, P* v, bf16* p_lowp, int has_lowp,
                            long long n, P lr, P b1, P b2, P eps, P wd, P bc1, P bc2, P gscale) {
     FORGE_FOR(i, n) {
-        const P gi = P(ldf(g[i])) * gscale;
-        const P mi = b1 * m[i] + (P(1) - b1) * gi;
-        const P vi = b2 * v[i] + (P(1) - b2) * gi * gi;
-        P pi = p[i];
-        pi = pi - lr * wd * pi;
-        pi = pi - lr * (mi / bc1) / (fm_sqrt(vi / bc2) + eps);
+        const G gv = g[i];
+        P mi = m[i], vi = v[i], pi = p[i];
+        adamw_step<P, G>(pi, mi, vi, gv, lr, b1, b2, eps, wd, bc1, bc2, gscale);
         m[i] = mi;
         v[i] = vi;
         p[i] = pi;

@@ -434,6 +434,26 @@ template <typename A> __device__ A block_max(A v, A* sh) {
     return sh[0];
 }
 
+// One element of an AdamW step (adamw.cu, many.cu; PyTorch's AdamW order of operations): the
+// gradient scaled, the moments, the decoupled decay, then the step with bias corrections.
+// The moments' products and sums are spelled out (fm_fma, fm_mul: never contracted again), as
+// the compiler contracted them in adamw.cu's one-tensor kernel: left to it, the same
+// expression inlined in many.cu's loop was contracted the other way round (v's fma took
+// b2 v, not (1 - b2) g^2, as its product), and the two kernels' bits differed.
+FORGE_D float fm_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+FORGE_D double fm_fma(double a, double b, double c) { return __fma_rn(a, b, c); }
+FORGE_D float fm_mul(float a, float b) { return __fmul_rn(a, b); }
+FORGE_D double fm_mul(double a, double b) { return __dmul_rn(a, b); }
+template <typename P, typename G>
+FORGE_D void adamw_step(P& p, P& m, P& v, G g, P lr, P b1, P b2, P eps, P wd, P bc1, P bc2,
+                        P gscale) {
+    const P gi = fm_mul(P(ldf(g)), gscale);
+    m = fm_fma(m, b1, fm_mul(P(1) - b1, gi));              // b1 m + (1 - b1) g
+    v = fm_fma(v, b2, fm_mul(gi, fm_mul(P(1) - b2, gi)));  // b2 v + (1 - b2) g^2
+    p = p - lr * wd * p;
+    p = p - lr * (m / bc1) / (fm_sqrt(v / bc2) + eps);
+}
+
 // Grid-stride loop over [0, n) with 64-bit indices.
 #define FORGE_FOR(i, n)                                                          \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
