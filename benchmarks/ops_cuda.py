@@ -297,6 +297,39 @@ def build_cases(be, cupy, torch, F):
         return (lambda: be.adamw_update(p, g, m, v, 3e-4, 0.9, 0.95, 1e-8, 0.1, 7, 1.0, lowp),
                 ref)
 
+    def gpt2_sizes():  # GPT-2 124M's 148 parameters, as the trainer updates them
+        layer = [C, C, 3 * C * C, 3 * C, C * C, C, C, C, 4 * C * C, 4 * C, 4 * C * C, C]
+        return [V * C, T * C] + layer * 12 + [C, C]
+
+    @case
+    def adamw_many(dt):  # AdamW over 124M's 148 tensors in one launch (many.cu), from scalars
+        sizes = gpt2_sizes()
+        ps = [rnd((n,), "float32") for n in sizes]
+        ms = [rnd((n,), "float32", 0.01) for n in sizes]
+        vs = [cupy.abs(rnd((n,), "float32", 0.001)) for n in sizes]
+        gs = [rnd((n,), dt, 0.1) for n in sizes]
+        lows = [be.zeros((n,), "bfloat16") for n in sizes] if dt == "bfloat16" else None
+        wds = [0.1 if n > 4 * C else 0.0 for n in sizes]
+        scal = cupy.asarray(np.array([3e-4, 1 - 0.9 ** 7, 1 - 0.95 ** 7, 1.0, 0.0, 7.0]))
+        tps = [trnd((n,), "float32") for n in sizes]
+        tgs = [trnd((n,), "float32", 0.1) for n in sizes]
+        tms = [trnd((n,), "float32", 0.01) for n in sizes]
+        tvs = [trnd((n,), "float32", 0.001).abs() for n in sizes]
+        steps = [torch.tensor(7.0, device="cuda") for _ in sizes]
+
+        def ref():
+            torch._fused_adamw_(tps, tgs, tms, tvs, [], steps, lr=3e-4, beta1=0.9, beta2=0.95,
+                                weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+        return (lambda: be.adamw_update_many_at(ps, gs, ms, vs, 0.9, 0.95, 1e-8, wds, scal, lows),
+                ref)
+
+    @case
+    def sumsq_total(dt):  # the gradients' global sum of squares over 124M's 148 tensors
+        sizes = gpt2_sizes()
+        xs, txs = [rnd((n,), dt) for n in sizes], [trnd((n,), dt) for n in sizes]
+        return (lambda: be.sumsq_total(xs),
+                lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(txs))))
+
     @case
     def sumsq(dt):
         x, tx = rnd((124_439_808,), dt), trnd((124_439_808,), dt)

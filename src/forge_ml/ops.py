@@ -259,6 +259,39 @@ def sumsq(x) -> Tensor:
     return _wrap(x, backend_of(x.device).sumsq(x.data))
 
 
+def sumsq_total(xs) -> Tensor:
+    """The sum of squares of every element of every tensor in ``xs`` (a model's gradients:
+    clipping's global sum), a 0-d tensor on their device: float32 (float64 when any is
+    float64). One backend call where the backend has ``sumsq_total`` (the GPU's two launches
+    over a table of the tensors, the chunks' sums added in double), else ``sumsq`` each, added
+    with ``add`` in order.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> sumsq_total([fm.tensor(np.array([3.0], np.float32)), fm.tensor(np.array([4.0], np.float32))]).item()
+    25.0
+    """
+    xs = list(xs)
+    if not xs:
+        raise ShapeError("sumsq_total: expected at least one tensor, got none")
+    for i, x in enumerate(xs):
+        _float("sumsq_total", f"xs[{i}]", x)
+        if x.device != xs[0].device:
+            raise DeviceError(f"sumsq_total: xs[0] is on {xs[0].device} but xs[{i}] is on "
+                              f"{x.device}; move them to one device with .to()")
+    bk = backend_of(xs[0].device)
+    wide = any(x.dtype == _dt.float64 for x in xs)
+    many = getattr(bk, "sumsq_total", None)
+    if many is not None:
+        out = _wrap(xs[0], many([x.data for x in xs]))
+        return out.to("float64") if wide else out
+    acc = None
+    for x in xs:
+        s = sumsq(x)
+        s = s.to("float64") if wide else s
+        acc = s if acc is None else add(acc, s)
+    return acc
+
+
 def gelu(x) -> Tensor:
     """GPT-2's GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
     _float("gelu", "x", x)
@@ -1113,12 +1146,16 @@ def _adamw_check(op, p, g, m, v, p_lowp=None):
     return bk
 
 
-def adamw_update_many(ps, gs, ms, vs, *, lr, beta1, beta2, eps, weight_decays, steps,
-                      grad_scale=1.0, p_lowps=None) -> None:
+def adamw_update_many(ps, gs, ms, vs, *, lr=None, beta1, beta2, eps, weight_decays, steps=None,
+                      grad_scale=1.0, p_lowps=None, scalars=None) -> None:
     """``adamw_update`` for several parameters, each with its own weight decay and 1-based
     step (an optimizer's step over a whole model): one backend call where the backend has
     ``adamw_update_many`` (the CPU's C kernel), else one ``adamw_update`` each (always with
     ``p_lowps``, the bf16 copies that ``p_lowp`` takes one by one).
+
+    ``scalars`` (``STEP_SCALARS``, as ``adamw_update``'s) replaces ``lr``, ``steps`` and
+    ``grad_scale``: one launch over every parameter where the backend has
+    ``adamw_update_many_at`` (the GPU's table of the tensors), else ``adamw_update`` each.
 
     >>> import numpy as np, forge_ml as fm
     >>> ps = [fm.tensor(np.zeros(2, np.float32)) for _ in range(2)]
@@ -1130,14 +1167,20 @@ def adamw_update_many(ps, gs, ms, vs, *, lr, beta1, beta2, eps, weight_decays, s
     [-0.5, -0.5]
     """
     k = len(ps)
-    if not len(gs) == len(ms) == len(vs) == len(weight_decays) == len(steps) == k or (
+    if scalars is None and (lr is None or steps is None):
+        raise ShapeError("adamw_update_many: give lr and steps, or scalars")
+    nsteps = k if scalars is not None and steps is None else len(steps)
+    if not len(gs) == len(ms) == len(vs) == len(weight_decays) == nsteps == k or (
             p_lowps is not None and len(p_lowps) != k):
         raise ShapeError(f"adamw_update_many: {k} parameters but {len(gs)} gradients, {len(ms)} "
                          f"and {len(vs)} moments, {len(weight_decays)} weight decays, "
-                         f"{len(steps)} steps" + ("" if p_lowps is None else f" and {len(p_lowps)} bf16 copies"))
+                         f"{nsteps} steps" + ("" if p_lowps is None else f" and {len(p_lowps)} bf16 copies"))
     if k == 0:
         return
     bk = backend_of(ps[0].device)
+    if scalars is not None:
+        _adamw_many_at(bk, ps, gs, ms, vs, beta1, beta2, eps, weight_decays, p_lowps, scalars)
+        return
     many = getattr(bk, "adamw_update_many", None)
     if many is None or p_lowps is not None:
         for i, (p, g, m, v, wd, st) in enumerate(zip(ps, gs, ms, vs, weight_decays, steps)):
@@ -1154,6 +1197,27 @@ def adamw_update_many(ps, gs, ms, vs, *, lr, beta1, beta2, eps, weight_decays, s
          [m._prepare_write() for m in ms], [v._prepare_write() for v in vs], float(lr),
          float(beta1), float(beta2), float(eps), [float(w) for w in weight_decays], list(steps),
          float(grad_scale))
+
+def _adamw_many_at(bk, ps, gs, ms, vs, beta1, beta2, eps, weight_decays, p_lowps, scalars):
+    """``adamw_update_many`` with ``scalars``: the backend's ``adamw_update_many_at`` where it
+    has one (device memory), else ``adamw_update`` each."""
+    lows = [None] * len(ps) if p_lowps is None else list(p_lowps)
+    many = None if bk.host_memory else getattr(bk, "adamw_update_many_at", None)
+    if many is None:
+        for p, g, m, v, wd, lp in zip(ps, gs, ms, vs, weight_decays, lows):
+            adamw_update(p, g, m, v, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                         scalars=scalars, p_lowp=lp)
+        return
+    _step_scalars("adamw_update_many", scalars, ps[0].device)
+    for p, g, m, v, lp in zip(ps, gs, ms, vs, lows):
+        if _adamw_check("adamw_update_many", p, g, m, v, lp) is not bk:
+            raise DeviceError(f"adamw_update_many: parameters on {ps[0].device} and {p.device}; "
+                              "one device per call")
+    many([p._prepare_write() for p in ps], [g.data for g in gs],
+         [m._prepare_write() for m in ms], [v._prepare_write() for v in vs], float(beta1),
+         float(beta2), float(eps), [float(w) for w in weight_decays], scalars.data,
+         None if p_lowps is None else [lp._prepare_write() for lp in lows])
+
 
 def clip_scale(sumsq, scalars, max_norm: float, grad_scale: float = 1.0, check=None) -> None:
     """Global-norm clipping on the device, for a step that never waits for it: from ``sumsq``

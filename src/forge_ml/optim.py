@@ -164,14 +164,16 @@ class AdamW:
         it can be captured. Call ``advance()`` once the step is known to have been taken.
         Every parameter needs a gradient."""
         b1, b2 = self.betas
-        for name, p in self.params.items():
-            g = grads.get(name)
-            if g is None:
+        names = list(self.params)
+        for name in names:
+            if grads.get(name) is None:
                 raise ConfigError(f"AdamW.update: no gradient for {name}; a captured step updates "
                                   "every parameter (use step())")
-            ops.adamw_update(p, g, self.m[name], self.v[name], beta1=b1, beta2=b2, eps=self.eps,
-                             weight_decay=self._weight_decay(name),
-                             scalars=scalars, p_lowp=None if self._lowp is None else self._lowp[name])
+        ops.adamw_update_many(
+            [self.params[n] for n in names], [grads[n] for n in names], [self.m[n] for n in names],
+            [self.v[n] for n in names], beta1=b1, beta2=b2, eps=self.eps,
+            weight_decays=[self._weight_decay(n) for n in names], scalars=scalars,
+            p_lowps=None if self._lowp is None else [self._lowp[n] for n in names])
 
     def advance(self) -> None:
         """Count a step taken through ``update`` (the host's step counters)."""
@@ -280,8 +282,8 @@ def accumulate(acc: Optional[dict], grads: dict, in_float32: bool = False) -> di
 
 def grad_sumsq(grads: dict):
     """The sum of every (non-None) gradient's squares: ``(host float, device 0-d Tensor or
-    None)``: one ``ops.sumsq`` per tensor; sums on a device are added there (no wait), sums in
-    host memory come back for free and add in float64.
+    None)``: on one device one ``ops.sumsq_total`` (no wait); in host memory one ``ops.sumsq``
+    per tensor (or the backend's ``sumsq_many``), the sums added in float64.
 
     >>> import numpy as np, forge_ml as fm
     >>> grad_sumsq({"a": fm.tensor(np.array([3.0], np.float32))})
@@ -296,6 +298,8 @@ def grad_sumsq(grads: dict):
         for s in many([g.data for g in gs]):   # one call; added in float64 in the same order
             host += float(s)
         return host, None
+    if bk is not None and not bk.host_memory and all(g.device == gs[0].device for g in gs):
+        return host, ops.sumsq_total(gs)   # one call: the GPU's table of the tensors
     for g in gs:
         s = ops.sumsq(g)
         if backend_of(s.device).host_memory:

@@ -248,7 +248,7 @@ must have them (where arrays are host memory, ops read the values and call the p
 weight_decay, scalars, p_lowp=None)``, ``clip_scale(sumsq, check, scalars, max_norm,
 grad_scale)``."""
 OPTIONAL = ("capture_graph", "select", "start", "release_cached", "adamw_update_many",
-            "sumsq_many", "decode_gpt2", "decode_gpt2_ok")
+            "sumsq_many", "adamw_update_many_at", "sumsq_total", "decode_gpt2", "decode_gpt2_ok")
 """Members only some backends have: ``capture_graph(fn, run_first=False)`` where ``graphs``;
 ``select(index)`` makes device ``index`` current (several devices of one type); ``start()``
 runs once at load (the CPU backend's malloc tuning); ``release_cached()`` gives memory the
@@ -256,6 +256,10 @@ backend caches back to the device; ``adamw_update_many(ps, gs, ms, vs, lr, beta1
 weight_decays, steps, grad_scale)`` and ``sumsq_many(xs)`` (a 1-D array of the sums) do an
 optimizer's per-tensor ops over a whole model in one call, where each call costs host time
 (``ops.adamw_update_many`` and ``optim.grad_sumsq`` loop over the one-tensor ops otherwise);
+``adamw_update_many_at(ps, gs, ms, vs, beta1, beta2, eps, weight_decays, scalars,
+p_lowps=None)`` and ``sumsq_total(xs)`` (0-d: the sum over every array) are the same for a
+step whose values live in device memory, where each launch costs (``ops.adamw_update_many``
+with ``scalars``, ``ops.sumsq_total``);
 ``decode_gpt2(...)`` and ``decode_gpt2_ok(dtype, n_embd, n_head, cache_len, batch)``: GPT-2's
 whole decoding step for one row as one call (``ops.decode_gpt2``; elsewhere
 ``GPT2.decode_step`` runs it op by op)."""

@@ -16,7 +16,9 @@ The rooms, each a module beside the ``.cu`` files it launches:
   ``cublas``: the matrix products; ``graph``: CUDA graphs;
 - ``linear`` (gemv.cu, and ``cublaslt`` for the products with an epilogue): matmul, linear,
   matmul_gelu, matmul_dgelu, weight_grads; ``pointwise`` (elementwise.cu, gelu.cu, dropout.cu,
-  adamw.cu): add, scale, gelu, dropout, adamw_update; ``classifier`` (cross_entropy.cu): the
+  adamw.cu): add, scale, gelu, dropout, adamw_update; ``many`` (many.cu): an optimizer
+  step's per-tensor ops over a whole model in a few launches, sumsq_total and
+  adamw_update_many_at; ``classifier`` (cross_entropy.cu): the
   LM head and its loss over chunks of rows, linear_cross_entropy; ``rows`` (reduce.cu, layernorm.cu, softmax.cu,
   cross_entropy.cu): sum_rows, sumsq, layernorm, softmax, logsumexp, cross_entropy;
   ``layout`` (heads.cu, embedding.cu): the head permutations, embedding, scatter_add_rows;
@@ -49,6 +51,7 @@ from .graph import CapturedGraph, capture_graph
 from .layout import (embedding, merge_heads, scatter_add_rows, split_heads, unmerge_heads,
                      unsplit_head)
 from .linear import linear, matmul, matmul_dgelu, matmul_gelu, weight_grads
+from .many import adamw_update_many_at, sumsq_total
 from .memory import (assign, cast, copy, from_host, pinned_empty, release_cached, to_host,
                      to_host_async, zeros)
 from .pointwise import (adamw_update, adamw_update_at, add, clip_scale, dropout, dropout_at, gelu,
@@ -77,6 +80,7 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "decode_attention", "greedy_next", "sample_next",
     "linear_cross_entropy", "scale",
     "dropout_at", "adamw_update_at", "clip_scale", "decode_gpt2", "decode_gpt2_ok",
+    "adamw_update_many_at", "sumsq_total",
     # private, for the GPU tests and benchmarks
     "_attention_composed", "_attention_bwd_composed", "_flash_wanted", "_qkv_flash_ok",
     "_pdl_wrote",
