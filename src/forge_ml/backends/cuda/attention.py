@@ -14,7 +14,8 @@
   write and the attention of every head in one kernel; on Hopper a thread-block cluster per
   head splits a long cache).
 
-Kernels: attention.cu, flash_attention.cu.
+Kernels: attention.cu, flash_attention.cu, flash_hopper.cu (the forward on Hopper's wgmma:
+written, not yet the backend's path).
 """
 from __future__ import annotations
 
@@ -161,6 +162,48 @@ def _attention_flash(q, k, v, scale, Tq, Tk):
             _FLASH_THREADS, (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale))
             + _head_major(Tq, Tk) + _NO_DROP)
     return out, lse
+
+
+def _hopper_ok() -> bool:
+    """Whether flash_hopper.cu's wgmma forward can run on the current GPU (compute
+    capability 9.0: its sm_90a build)."""
+    return cupy.cuda.Device().compute_capability == "90"
+
+
+def _attention_flash_hopper(q, k, v, scale=None):
+    """``attention``'s flash forward by flash_hopper.cu (Hopper's wgmma) on head-major bf16
+    ``(..., H, T, 64)`` arrays: ``(out, lse)`` as ``_attention_flash``. NOT the backend's path
+    yet: written 2026-12-04 without a GPU, for tests/test_cuda_flash_hopper.py and
+    benchmarks/attention_cuda.py; the backend takes it once they have passed."""
+    q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
+    Tq, Tk = _attn_shapes(q, k, v)
+    if not (_flash_wanted(q, k, v) and _hopper_ok()):
+        raise ShapeError("the wgmma forward takes bf16 at head size 64 on compute capability 9.0")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    bh = math.prod(q.shape[:-2])
+    out = _empty(q.shape, q.dtype)
+    lse = _empty(q.shape[:-1], F32)
+    _launch("flash_hopper", "flash_fwd_wgmma_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
+            (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale)) + _head_major(Tq, Tk))
+    return out, lse
+
+
+def _qkv_flash_fwd_hopper(qkv, n_head, scale):
+    """``attention_qkv``'s forward by flash_hopper.cu on GPT-2's fused (B, T, 3C) rows (as
+    ``_qkv_flash_fwd`` without dropout); not the backend's path yet (see above)."""
+    qkv = _c(qkv)
+    if not (_qkv_flash_ok(qkv, n_head) and _hopper_ok()):
+        raise ShapeError("the wgmma forward takes bf16 rows of 64-wide heads on compute "
+                         "capability 9.0")
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    y = _empty((B, T, C), qkv.dtype)
+    lse = _empty((B, n_head, T), F32)
+    q, k, v = _thirds(qkv, C)
+    _launch("flash_hopper", "flash_fwd_wgmma_bf16_h64", _flash_grid(B * n_head, T),
+            _FLASH_THREADS, (q, k, v, y, lse, _i32(T), _i32(T), np.float32(scale))
+            + _fused_layout(T, C, n_head))
+    return y, lse
 
 
 def _qkv_flash_ok(qkv, n_head, *others) -> bool:

@@ -7,7 +7,8 @@
   OutOfMemoryError (``_oom_error`` says how much was asked for and how much is free), and
   other CUDA runtime failures into DeviceError.
 - Compilation: ``kernel_source(stem)`` is ``backends/cuda/<stem>.cu`` with ``common.cuh``
-  pasted in; ``compile_source`` runs NVRTC through CuPy (CompileError with the log);
+  pasted in; ``compile_source`` runs NVRTC through CuPy (CompileError with the log),
+  ``compile_for_arch`` NVRTC itself for an arch-specific target (sm_90a's wgmma);
   ``_function`` caches the loaded kernels per device; ``_set_max_shared`` opts a kernel in
   to more than 48 KB of dynamic shared memory where the device allows it.
 - Launch: ``_launch`` queues a kernel on the current stream, through CuPy, or through
@@ -209,6 +210,32 @@ def kernel_source(stem: str) -> str:
     return text.replace(_INCLUDE, (_KERNEL_DIR / "common.cuh").read_text(), 1)
 
 
+# Kernel files written for one architecture's own features, compiled for it (not through
+# CuPy, which appends its own -arch=sm_XY): flash_hopper.cu's wgmma needs sm_90a.
+_ARCH_STEMS = {"flash_hopper": ("90", "sm_90a")}
+
+
+def compile_for_arch(source: str, label: str, arch: str, options=("--std=c++17",)):
+    """Compile ``source`` with NVRTC for ``arch`` (e.g. ``"sm_90a"``, whose arch-specific
+    instructions a plain sm_90 build lacks) into a loaded module: NVRTC's own calls and the
+    driver's module loader, as CuPy's compiler would do but for CuPy's choice of -arch.
+    Not cached on disk. A compile failure raises CompileError carrying NVRTC's log."""
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(source, label, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, tuple(options) + (f"-arch={arch}",))
+        except nvrtc.NVRTCError:
+            raise CompileError(f"NVRTC could not compile {label} for {arch}:\n"
+                               f"{nvrtc.getProgramLog(prog)}") from None
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    module = cupy.cuda.function.Module()
+    module.load(cubin)
+    return module
+
+
 def _function(stem: str, name: str):
     key = (_dev(), stem, name)
     fn = _functions.get(key)
@@ -217,7 +244,16 @@ def _function(stem: str, name: str):
             mkey = key[:2]
             module = _modules.get(mkey)
             if module is None:
-                module = compile_source(kernel_source(stem), f"backends/cuda/{stem}.cu")
+                label = f"backends/cuda/{stem}.cu"
+                if stem in _ARCH_STEMS:
+                    cc, arch = _ARCH_STEMS[stem]
+                    have = cupy.cuda.Device(key[0]).compute_capability
+                    if have != cc:
+                        raise CompileError(f"{label} is written for {arch}; this GPU is "
+                                           f"compute capability {have}")
+                    module = compile_for_arch(kernel_source(stem), label, arch)
+                else:
+                    module = compile_source(kernel_source(stem), label)
                 _modules[mkey] = module
             fn = module.get_function(name)
             _functions[key] = fn

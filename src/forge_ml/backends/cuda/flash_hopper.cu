@@ -1,0 +1,259 @@
+// launched from backends/cuda/attention.py
+// flash_hopper.cu: the causal attention forward of flash_attention.cu (bf16, head size 64, the
+// same layouts, output and lse) on Hopper's warpgroup products, after FlashAttention-3 (Shah
+// et al., 2024) without its producer warps: one warpgroup (4 warps) a block of 64 query rows.
+//   S = q k^T   wgmma m64n64k16, q and k both read from shared memory (K-major tiles)
+//   O += P v    wgmma m64n64k16, P from registers (the softmax's own), v from shared memory
+//               (an MN-major tile, read transposed)
+// Why: in flash_attention.cu each warp reads every B fragment through ldmatrix itself, so the
+// four warps of a block read each k and v tile four times and the kernel waits on shared
+// memory (H200: forward 3.3 ms a 124M B=32 step against cuDNN's 2.0). A wgmma reads its B
+// operand once for the warpgroup, at the tensor cores' own rate.
+// The softmax, the masks and the epilogue are flash_fwd_bf16_h64's, on the same per-thread
+// elements (a copy: moving flash_attention.cu's inline code into a shared function changes
+// that verified kernel's generated code, so the two are merged once a GPU run checks both): the accumulator of an m64nNk16 wgmma gives warp w rows 16w..16w+15 and lane
+// (g, t) the elements mma.sync's C fragments give it, one 8-wide column tile after another.
+// No dropout here (dropout runs flash_attention.cu's kernels).
+//
+// WRITTEN WITHOUT A GPU (2026-12-04) and not launched by the backend yet: the descriptor
+// strides below are the ones tests/test_cuda_wgmma_probe.py puts to the test first, then
+// tests/test_cuda_flash_hopper.py compares this kernel with flash_fwd_bf16_h64.
+//
+// Shared tiles: 64 rows of 128 bytes (64 bf16) with the 128-byte swizzle: the 16-byte chunk c
+// of row r is stored at chunk c ^ (r % 8); each tile starts on a 1024-byte boundary.
+// Matrix descriptor (PTX ISA): bits 0-13 start address >> 4, 16-29 leading-dimension byte
+// offset >> 4, 32-45 stride-dimension byte offset >> 4, 62-63 swizzle (1: 128-byte).
+#include "common.cuh"
+
+// wgmma exists for sm_90a only: compiled for anything else (NVRTC's plain sm_90, the test that
+// compiles every kernel file) the kernel is a stub that traps. runtime.py compiles this file
+// for sm_90a (_ARCH_STEMS).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// K-major tile (rows of q or k, 64 k-values each): 8-row groups 1024 bytes apart; a 16-wide
+// k step moves the start 32 bytes (the hardware swizzles the moved address as the store did)
+#define WG_K_LBO 16
+#define WG_K_SBO 1024
+#define WG_K_STEP 32
+// MN-major tile (rows of v: row k holds the 64 n-values): 8-row groups along k 1024 bytes
+// apart; a 16-row k step moves the start 16 x 128 bytes
+#define WG_MN_LBO 16
+#define WG_MN_SBO 1024
+#define WG_MN_STEP 2048
+
+FORGE_D unsigned long long wg_desc(const void* smem, unsigned lbo_bytes, unsigned sbo_bytes) {
+    const unsigned long long a = smem_u32(smem);
+    return ((a & 0x3FFFFull) >> 4) | ((unsigned long long)((lbo_bytes >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)((sbo_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+FORGE_D void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+FORGE_D void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+FORGE_D void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// what the generic proxy wrote to shared memory (cp.async, plain stores) made visible to the
+// async proxy that wgmma reads through
+FORGE_D void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+#define WG_D32(d)                                                                              \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),          \
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),          \
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WG_REGS32                                                                              \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "   \
+    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
+// d (64 x 64, f32) += A B^T, A and B K-major shared tiles given by their descriptors.
+FORGE_D void wg_mma_ss(float (&d)[32], unsigned long long da, unsigned long long db) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_REGS32
+                 ", %32, %33, 1, 1, 1, 0, 0;\n"
+                 : WG_D32(d)
+                 : "l"(da), "l"(db));
+}
+
+// d (64 x 64, f32) += A B, A from registers (this warp's 16 rows in mma.sync's A-fragment
+// layout), B an MN-major shared tile read transposed.
+FORGE_D void wg_mma_rs_t(float (&d)[32], const unsigned (&a)[4], unsigned long long db) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_REGS32
+                 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+                 : WG_D32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// Rows r0..r0+63 of an (n, 64) bf16 matrix with row stride ld into a swizzled shared tile;
+// rows >= n become zeros. 512 chunks of 16 bytes, four a thread of the 128.
+FORGE_D void wg_load_tile(bf16* tile, const bf16* src, int r0, int n, int tid, int ld) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int c = tid + 128 * i, row = c >> 3, ch = c & 7;
+        const bool valid = r0 + row < n;
+        const bf16* p = valid ? src + (long long)(r0 + row) * ld + ch * 8 : src;
+        cp_async16(smem_u32(reinterpret_cast<char*>(tile) + row * 128 + ((ch ^ (row & 7)) << 4)),
+                   p, valid);
+    }
+}
+// ---- end of the wgmma helpers (tests/test_cuda_wgmma_probe.py pastes the lines above) ----
+
+FORGE_D long long wg_head_base(long long bh, int H, long long sb, long long sh) {
+    const int b = (int)bh / H, h = (int)bh - b * H;
+    return b * sb + h * sh;
+}
+
+// Block (blockIdx.x = bh, query rows q0..q0+63), the latest rows first, as flash_fwd_bf16_h64;
+// warp w owns rows q0+16w..+15 (this thread r_lo = q0+16w+g and r_hi = r_lo+8), element
+// 4 nt + e of s and o being (row r_lo or r_hi for e < 2 or not, column 8 nt + 2t + (e & 1)).
+extern "C" __global__ void __launch_bounds__(128)
+    flash_fwd_wgmma_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                             const bf16* __restrict__ v, bf16* __restrict__ out,
+                             float* __restrict__ lse, int Tq, int Tk, float scale, int H,
+                             long long q_sb, long long q_sh, int q_ld, long long kv_sb,
+                             long long kv_sh, int kv_ld, long long o_sb, long long o_sh,
+                             int o_ld) {
+    __shared__ __align__(1024) bf16 sQ[64 * 64];
+    __shared__ __align__(1024) bf16 sK[2][64 * 64];
+    __shared__ __align__(1024) bf16 sV[2][64 * 64];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const long long bh = blockIdx.x;
+    const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * 64;
+    const int off = Tk - Tq;
+    const bf16* Q = q + wg_head_base(bh, H, q_sb, q_sh);
+    const long long kvb = wg_head_base(bh, H, kv_sb, kv_sh);
+    const bf16* K = k + kvb;
+    const bf16* V = v + kvb;
+    const float sl2 = scale * FORGE_LOG2E;
+    const int w0 = q0 + 16 * warp;
+    const int r_lo = w0 + g, r_hi = r_lo + 8;
+    const int kv_end = min(Tk, q0 + 64 + off);
+    const int nkb = (kv_end + 63) / 64;
+
+    wg_load_tile(sQ, Q, q0, Tq, tid, q_ld);
+    wg_load_tile(sK[0], K, 0, Tk, tid, kv_ld);
+    wg_load_tile(sV[0], V, 0, Tk, tid, kv_ld);
+    cp_async_commit();
+
+    float o[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[i] = 0.f;
+    const float NEG_INF = neg_inf<float>();
+    float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
+    const unsigned long long dq = wg_desc(sQ, WG_K_LBO, WG_K_SBO);
+
+    for (int kb = 0; kb < nkb; ++kb) {
+        const int buf = kb & 1;
+        if (kb + 1 < nkb) {  // the next tiles load while this one is used
+            wg_load_tile(sK[buf ^ 1], K, (kb + 1) * 64, Tk, tid, kv_ld);
+            wg_load_tile(sV[buf ^ 1], V, (kb + 1) * 64, Tk, tid, kv_ld);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        fence_async_smem();
+        __syncthreads();
+
+        float s[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] = 0.f;
+        const unsigned long long dk = wg_desc(sK[buf], WG_K_LBO, WG_K_SBO);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wg_mma_ss(s, dq + (kk * WG_K_STEP >> 4), dk + (kk * WG_K_STEP >> 4));  // q k^T
+        wg_commit();
+        wg_wait0();
+
+        const int k0 = kb * 64;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] *= sl2;
+        if (k0 + 63 > w0 + off || k0 + 64 > Tk) {
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = k0 + 8 * nt + 2 * t + (e & 1);
+                    const int i = (e < 2) ? r_lo : r_hi;
+                    if (j > i + off || j >= Tk) s[4 * nt + e] = NEG_INF;
+                }
+        }
+        float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            mx_lo = fmaxf(mx_lo, fmaxf(s[4 * nt], s[4 * nt + 1]));
+            mx_hi = fmaxf(mx_hi, fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
+        }
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+        const float b_lo = (mx_lo == NEG_INF) ? 0.f : mx_lo;
+        const float b_hi = (mx_hi == NEG_INF) ? 0.f : mx_hi;
+        const float al_lo = exp2f(m_lo - b_lo), al_hi = exp2f(m_hi - b_hi);
+        m_lo = mx_lo;
+        m_hi = mx_hi;
+        float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            s[4 * nt] = exp2f(s[4 * nt] - b_lo);
+            s[4 * nt + 1] = exp2f(s[4 * nt + 1] - b_lo);
+            s[4 * nt + 2] = exp2f(s[4 * nt + 2] - b_hi);
+            s[4 * nt + 3] = exp2f(s[4 * nt + 3] - b_hi);
+            sum_lo += s[4 * nt] + s[4 * nt + 1];
+            sum_hi += s[4 * nt + 2] + s[4 * nt + 3];
+            o[4 * nt] *= al_lo;
+            o[4 * nt + 1] *= al_lo;
+            o[4 * nt + 2] *= al_hi;
+            o[4 * nt + 3] *= al_hi;
+        }
+        l_lo = l_lo * al_lo + sum_lo;
+        l_hi = l_hi * al_hi + sum_hi;
+
+        // P as the A operand, 16 keys a k step: (row g, keys 2t..), (g+8, 2t..), (g, 2t+8..),
+        // (g+8, 2t+8..) of key block kk, as mma_cb packs it
+        unsigned a[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            a[kk][0] = pack_bf16x2(s[8 * kk], s[8 * kk + 1]);
+            a[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+            a[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+            a[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        const unsigned long long dv = wg_desc(sV[buf], WG_MN_LBO, WG_MN_SBO);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wg_mma_rs_t(o, a[kk], dv + (kk * WG_MN_STEP >> 4));  // p v
+        wg_commit();
+        wg_wait0();
+        __syncthreads();  // every warp is done with buf before it is refilled
+    }
+
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+    bf16* O = out + wg_head_base(bh, H, o_sb, o_sh);
+    unsigned* lo = reinterpret_cast<unsigned*>(O + (long long)r_lo * o_ld);
+    unsigned* hi = lo + 8 * (long long)o_ld / 2;
+    const float il = 1.f / l_lo, ih = 1.f / l_hi;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        if (r_lo < Tq) lo[4 * nt + t] = pack_bf16x2(o[4 * nt] * il, o[4 * nt + 1] * il);
+        if (r_hi < Tq) hi[4 * nt + t] = pack_bf16x2(o[4 * nt + 2] * ih, o[4 * nt + 3] * ih);
+    }
+    if (t == 0) {
+        float* L = lse + bh * Tq;
+        if (r_lo < Tq) L[r_lo] = (m_lo + log2f(l_lo)) * 0.6931471805599453f;
+        if (r_hi < Tq) L[r_hi] = (m_hi + log2f(l_hi)) * 0.6931471805599453f;
+    }
+}
+
+#else  // not sm_90a
+
+extern "C" __global__ void flash_fwd_wgmma_bf16_h64(const bf16*, const bf16*, const bf16*, bf16*,
+                                                    float*, int, int, float, int, long long,
+                                                    long long, int, long long, long long, int,
+                                                    long long, long long, int) {
+    __trap();
+}
+
+#endif

@@ -1,0 +1,86 @@
+"""flash_hopper.cu, the causal attention forward on Hopper's wgmma (not yet the backend's path),
+against float64 NumPy and against flash_attention.cu's forward, on the shapes test_cuda_flash.py
+uses (ragged lengths, a KV-cache offset, single rows) and on GPT-2's fused (B, T, 3C) rows.
+Runs on compute capability 9.0 only; the memory pool is filled with NaN bytes first, so an
+output the kernel does not write shows up. Tolerances as test_cuda_flash.py's."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from forge_ml import flags
+
+from _gpu_checks import check, host
+from test_cuda_flash import (HS, LSE_TOL, SHAPES, TOL, _poison, bf16_values, check_abs, dev,
+                             ref_attention, rs)  # noqa: F401 (rs: the fixture)
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from _gpu_checks import cuda_or_skip
+    be = cuda_or_skip(bf16=True)
+    if not be._hopper_ok():
+        pytest.skip("the wgmma forward needs compute capability 9.0")
+    return be
+
+
+@pytest.fixture
+def be(gpu):
+    _poison()
+    with flags.override(FORGE_ATTENTION="flash"):
+        yield gpu
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_wgmma_forward_vs_reference_and_mma_sync_kernel(be, rs, shape):
+    qs, ks = SHAPES[shape]
+    scale = 1.0 / math.sqrt(HS)
+    q, k, v = bf16_values(rs, qs), bf16_values(rs, ks), bf16_values(rs, ks)
+    rout, rlse = ref_attention(q, k, v, np.zeros(qs), scale)[:2]
+    dq_, dk_, dv_ = dev(be, q), dev(be, k), dev(be, v)
+    out, lse = be._attention_flash_hopper(dq_, dk_, dv_, scale)
+    assert out.shape == qs and lse.shape == qs[:-1]
+    check("wgmma out", host(be, out), rout, TOL)
+    check_abs("wgmma lse", host(be, lse), rlse, LSE_TOL)
+    out1, lse1 = be.attention(dq_, dk_, dv_, scale)   # flash_attention.cu's kernel
+    check("wgmma out vs mma.sync", host(be, out), host(be, out1), TOL)
+    check_abs("wgmma lse vs mma.sync", host(be, lse), host(be, lse1), LSE_TOL)
+
+
+def test_wgmma_forward_peaked_softmax(be, rs):
+    """Scores x 8: the running max moves between key blocks, so the rescaling must be right."""
+    qs = ks = (1, 2, 300, HS)
+    scale = 1.0 / math.sqrt(HS)
+    q, k, v = bf16_values(rs, qs, 8.0), bf16_values(rs, ks), bf16_values(rs, ks)
+    rout, rlse = ref_attention(q, k, v, np.zeros(qs), scale)[:2]
+    out, lse = be._attention_flash_hopper(dev(be, q), dev(be, k), dev(be, v), scale)
+    check("wgmma out, peaked", host(be, out), rout, TOL)
+    check_abs("wgmma lse, peaked", host(be, lse), rlse, LSE_TOL)
+
+
+@pytest.mark.parametrize("B,T,H", [(2, 1024, 12), (1, 77, 4), (3, 130, 2)])
+def test_wgmma_forward_on_fused_rows(be, rs, B, T, H):
+    """GPT-2's (B, T, 3C) rows read in place, as attention_qkv's forward."""
+    C = H * HS
+    qkv = bf16_values(rs, (B, T, 3 * C))
+    scale = 1.0 / math.sqrt(HS)
+    heads = qkv.reshape(B, T, 3, H, HS).transpose(2, 0, 3, 1, 4)   # 3 x (B, H, T, 64)
+    rout, rlse = ref_attention(heads[0], heads[1], heads[2], np.zeros(heads[0].shape), scale)[:2]
+    y, lse = be._qkv_flash_fwd_hopper(dev(be, qkv), H, scale)
+    check("wgmma fused y", host(be, y), rout.transpose(0, 2, 1, 3).reshape(B, T, C), TOL)
+    check_abs("wgmma fused lse", host(be, lse), rlse, LSE_TOL)
+    y1, lse1 = be.attention_qkv(dev(be, qkv), H, scale)
+    check("wgmma fused y vs mma.sync", host(be, y), host(be, y1), TOL)
+
+
+def test_wgmma_forward_same_bits_every_run(be, rs):
+    qs = (2, 4, 333, HS)
+    q, k, v = (dev(be, bf16_values(rs, qs)) for _ in range(3))
+    a = be._attention_flash_hopper(q, k, v)
+    b = be._attention_flash_hopper(q, k, v)
+    for x, y in zip(a, b):
+        assert host(be, x).tobytes() == host(be, y).tobytes()
