@@ -75,6 +75,15 @@ def test_wgmma_both_operands_k_major_swizzled(module):
     assert ok[candidates[0]], f"(lbo, sbo, k step bytes) -> agrees with A B^T: {ok}"
 
 
+def test_wgmma_a_in_registers_b_k_major(module):
+    rs = np.random.default_rng(2)
+    (a, av), (b, bv) = _bf16(rs, (64, 64)), _bf16(rs, (64, 64))
+    want = av @ bv.T
+    candidates = [(16, 1024, 32), (0, 1024, 32), (16, 1024, 16)]
+    ok = {c: _close(_run(module, "probe_rk", a, b, *c), want) for c in candidates}
+    assert ok[candidates[0]], f"(lbo, sbo, k step bytes) -> agrees with A B^T: {ok}"
+
+
 def test_wgmma_a_in_registers_b_mn_major_transposed(module):
     rs = np.random.default_rng(1)
     (a, av), (b, bv) = _bf16(rs, (64, 64)), _bf16(rs, (64, 64))

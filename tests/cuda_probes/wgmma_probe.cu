@@ -7,6 +7,8 @@
 //
 //   probe_ss  C = A B^T, A (64 x 64) and B (64 x 64) both K-major in shared memory with the
 //             128-byte swizzle (the q k^T shape: rows of q and of k are K-major)
+//   probe_rk  C = A B^T, A (64 x 64) from registers, B K-major in shared memory (the
+//             backward's q k^T and dout v^T with q, dout or k, v held in registers)
 //   probe_rs  C = A B, A (64 x 64) from registers in mma.sync's A-fragment layout, B (64 x 64,
 //             row k holds the 64 n-values: the v of p v) MN-major in shared memory, swizzled,
 //             read transposed (imm-trans-b = 1)
@@ -75,18 +77,12 @@ extern "C" __global__ void __launch_bounds__(128)
 
 // A's fragments for k step kk straight from global memory (row-major 64 x 64): a0 = (g,
 // 2t..), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..) of the warp's 16 rows.
-extern "C" __global__ void __launch_bounds__(128)
-    probe_rs(const bf16* A, const bf16* B, float* C, unsigned lbo, unsigned sbo,
-             unsigned k_step_bytes) {
-    __shared__ __align__(1024) bf16 sB[64 * 64];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    float d[32];
-    probe_start(sB, B, d);
-    // every k step's fragments loaded first: the registers a wgmma reads must stay as they are
-    // until wgmma.wait_group
+// A's fragments for every k step from global memory (row-major 64 x 64): a0 = (g, 2t..),
+// a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..) of the warp's 16 rows. All are loaded
+// before the first wgmma: the registers a wgmma reads must stay as they are until it is done.
+FORGE_D void probe_a_frags(const bf16* A, unsigned (&a)[4][4], int warp, int g, int t) {
     const unsigned* lo = reinterpret_cast<const unsigned*>(A + (16 * warp + g) * 64);
     const unsigned* hi = lo + 8 * 64 / 2;
-    unsigned a[4][4];
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
         a[kk][0] = lo[8 * kk + t];
@@ -94,6 +90,35 @@ extern "C" __global__ void __launch_bounds__(128)
         a[kk][2] = lo[8 * kk + 4 + t];
         a[kk][3] = hi[8 * kk + 4 + t];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    probe_rk(const bf16* A, const bf16* B, float* C, unsigned lbo, unsigned sbo,
+             unsigned k_step_bytes) {
+    __shared__ __align__(1024) bf16 sB[64 * 64];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    float d[32];
+    probe_start(sB, B, d);
+    unsigned a[4][4];
+    probe_a_frags(A, a, warp, g, t);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+        wg_mma_rs(d, a[kk], wg_desc(reinterpret_cast<char*>(sB) + kk * k_step_bytes, lbo, sbo));
+    wg_commit();
+    wg_wait0();
+    wg_store_acc(C, d, warp, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    probe_rs(const bf16* A, const bf16* B, float* C, unsigned lbo, unsigned sbo,
+             unsigned k_step_bytes) {
+    __shared__ __align__(1024) bf16 sB[64 * 64];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    float d[32];
+    probe_start(sB, B, d);
+    unsigned a[4][4];
+    probe_a_frags(A, a, warp, g, t);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)

@@ -454,6 +454,48 @@ FORGE_D void adamw_step(P& p, P& m, P& v, G g, P lr, P b1, P b2, P eps, P wd, P 
     p = p - lr * (m / bc1) / (fm_sqrt(v / bc2) + eps);
 }
 
+// ---- causal attention's per-thread pieces (flash_attention.cu, flash_hopper.cu) -----------
+// Fragments are those of PTX's mma.m16n8k16 (g = lane / 4, t = lane % 4; a 32-bit register
+// holds two bf16, the lower column in the low half), which wgmma's register operands share.
+
+FORGE_D float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
+FORGE_D float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+
+// Where head bh's rows start in an operand of layout (sb, sh): head h of batch b at
+// b * sb + h * sh (see flash_attention.cu's top).
+FORGE_D long long head_base(long long bh, int H, long long sb, long long sh) {
+    const int b = (int)bh / H, h = (int)bh - b * H;  // bh = blockIdx.x < 2^31
+    return b * sb + h * sh;
+}
+
+// The A operands (16 rows from r0, all four 16-wide k-steps) of an (n, 64) bf16 matrix with
+// row stride ld, read straight from global memory (once per block, so no staging); rows >= n
+// are 0.
+FORGE_D void load_a_frags(unsigned (&a)[4][4], const bf16* src, int r0, int n, int g, int t,
+                          int ld) {
+    const unsigned* lo = reinterpret_cast<const unsigned*>(src + (long long)(r0 + g) * ld);
+    const unsigned* hi = lo + 8 * (long long)ld / 2;  // row r0 + g + 8
+    const bool vlo = r0 + g < n, vhi = r0 + g + 8 < n;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        a[ks][0] = vlo ? lo[8 * ks + t] : 0u;  // columns 16ks + 2t, +1
+        a[ks][1] = vhi ? hi[8 * ks + t] : 0u;
+        a[ks][2] = vlo ? lo[8 * ks + 4 + t] : 0u;  // columns 16ks + 8 + 2t, +1
+        a[ks][3] = vhi ? hi[8 * ks + 4 + t] : 0u;
+    }
+}
+
+// Max and sum over the four lanes of a quad (one row's threads); every lane gets it.
+FORGE_D float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+FORGE_D float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
 // Grid-stride loop over [0, n) with 64-bit indices.
 #define FORGE_FOR(i, n)                                                          \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \

@@ -81,16 +81,9 @@ FORGE_D void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsign
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-FORGE_D float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }
-FORGE_D float bf16_hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
 
 // ---- tiles and fragments ------------------------------------------------------------------
 
-// Where head bh's rows start in an operand of layout (sb, sh) (see the top of the file).
-FORGE_D long long head_base(long long bh, int H, long long sb, long long sh) {
-    const int b = (int)bh / H, h = (int)bh - b * H;  // bh = blockIdx.x < 2^31
-    return b * sb + h * sh;
-}
 
 // Rows r0..r0+63 of an (n, 64) bf16 matrix with row stride ld into a shared tile of row
 // stride FA_LD; rows >= n become zeros. Each of the 128 threads moves four 16-byte chunks; a
@@ -105,22 +98,6 @@ FORGE_D void load_tile(bf16* tile, const bf16* src, int r0, int n, int tid, int 
     }
 }
 
-// The A operands (16 rows from r0, all four 16-wide k-steps) of an (n, 64) bf16 matrix with
-// row stride ld, read straight from global memory (once per block, so no staging); rows >= n
-// are 0.
-FORGE_D void load_a_frags(unsigned (&a)[4][4], const bf16* src, int r0, int n, int g, int t,
-                          int ld) {
-    const unsigned* lo = reinterpret_cast<const unsigned*>(src + (long long)(r0 + g) * ld);
-    const unsigned* hi = lo + 8 * (long long)ld / 2;  // row r0 + g + 8
-    const bool vlo = r0 + g < n, vhi = r0 + g + 8 < n;
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-        a[ks][0] = vlo ? lo[8 * ks + t] : 0u;  // columns 16ks + 2t, +1
-        a[ks][1] = vhi ? hi[8 * ks + t] : 0u;
-        a[ks][2] = vlo ? lo[8 * ks + 4 + t] : 0u;  // columns 16ks + 8 + 2t, +1
-        a[ks][3] = vhi ? hi[8 * ks + 4 + t] : 0u;
-    }
-}
 
 // Byte offset of this lane's ldmatrix row address within a tile, for the two B patterns.
 //   plain: 16 x 8 B tiles whose columns are tile rows (k^T): matrix m = (tile rows 0..7,
@@ -187,15 +164,6 @@ FORGE_D void store_rows(bf16* dst, const float (&acc)[8][4], int r_lo, int n, fl
     }
 }
 
-FORGE_D float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
-FORGE_D float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
 
 // ---- dropout ------------------------------------------------------------------------------
 // forge_ml.rng's dropout stream over the (B, H, Tq, Tk) probabilities in row-major order, the

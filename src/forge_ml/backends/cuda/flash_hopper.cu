@@ -81,6 +81,15 @@ FORGE_D void wg_mma_rs_t(float (&d)[32], const unsigned (&a)[4], unsigned long l
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
+// d (64 x 64, f32) += A B^T, A from registers as above, B a K-major shared tile (the k of
+// q k^T in the backward, whose A operands stay in registers for the whole kernel).
+FORGE_D void wg_mma_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long db) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_REGS32
+                 ", {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+                 : WG_D32(d)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
 // Rows r0..r0+63 of an (n, 64) bf16 matrix with row stride ld into a swizzled shared tile;
 // rows >= n become zeros. 512 chunks of 16 bytes, four a thread of the 128.
 FORGE_D void wg_load_tile(bf16* tile, const bf16* src, int r0, int n, int tid, int ld) {
@@ -94,11 +103,6 @@ FORGE_D void wg_load_tile(bf16* tile, const bf16* src, int r0, int n, int tid, i
     }
 }
 // ---- end of the wgmma helpers (tests/test_cuda_wgmma_probe.py pastes the lines above) ----
-
-FORGE_D long long wg_head_base(long long bh, int H, long long sb, long long sh) {
-    const int b = (int)bh / H, h = (int)bh - b * H;
-    return b * sb + h * sh;
-}
 
 // Block (blockIdx.x = bh, query rows q0..q0+63), the latest rows first, as flash_fwd_bf16_h64;
 // warp w owns rows q0+16w..+15 (this thread r_lo = q0+16w+g and r_hi = r_lo+8), element
@@ -117,8 +121,8 @@ extern "C" __global__ void __launch_bounds__(128)
     const long long bh = blockIdx.x;
     const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * 64;
     const int off = Tk - Tq;
-    const bf16* Q = q + wg_head_base(bh, H, q_sb, q_sh);
-    const long long kvb = wg_head_base(bh, H, kv_sb, kv_sh);
+    const bf16* Q = q + head_base(bh, H, q_sb, q_sh);
+    const long long kvb = head_base(bh, H, kv_sb, kv_sh);
     const bf16* K = k + kvb;
     const bf16* V = v + kvb;
     const float sl2 = scale * FORGE_LOG2E;
@@ -182,10 +186,8 @@ extern "C" __global__ void __launch_bounds__(128)
             mx_lo = fmaxf(mx_lo, fmaxf(s[4 * nt], s[4 * nt + 1]));
             mx_hi = fmaxf(mx_hi, fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
         }
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+        mx_lo = quad_max(mx_lo);
+        mx_hi = quad_max(mx_hi);
         const float b_lo = (mx_lo == NEG_INF) ? 0.f : mx_lo;
         const float b_hi = (mx_hi == NEG_INF) ? 0.f : mx_hi;
         const float al_lo = exp2f(m_lo - b_lo), al_hi = exp2f(m_hi - b_hi);
@@ -227,11 +229,9 @@ extern "C" __global__ void __launch_bounds__(128)
         __syncthreads();  // every warp is done with buf before it is refilled
     }
 
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-    bf16* O = out + wg_head_base(bh, H, o_sb, o_sh);
+    l_lo = quad_sum(l_lo);
+    l_hi = quad_sum(l_hi);
+    bf16* O = out + head_base(bh, H, o_sb, o_sh);
     unsigned* lo = reinterpret_cast<unsigned*>(O + (long long)r_lo * o_ld);
     unsigned* hi = lo + 8 * (long long)o_ld / 2;
     const float il = 1.f / l_lo, ih = 1.f / l_hi;
