@@ -12,8 +12,8 @@ around one call, ``--warmup`` untimed calls first, median of ``--reps`` timed ca
 Prints one row per batch and pass: milliseconds for each, TFLOP/s of the flash kernels and of
 torch (causal FLOPs: 2 products of B H T^2 hs / 2 multiply-adds forward, 5 in the backward),
 and the ratios flash/torch, v1/torch and v1/flash (above 1: flash is faster than v1). On
-compute capability 9.0 a line per batch also times flash_hopper.cu's wgmma forward (not yet the
-backend's path) beside the mma.sync kernel and torch.
+compute capability 9.0 two lines per batch also time flash_hopper.cu's wgmma forward and
+backward (not yet the backend's path) beside the mma.sync kernels (and torch's forward).
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                 print(f"  B={B:3d} {name:8s} flash {f_ms:8.3f} ms  v1 {v_ms:8.3f} ms  "
                       f"torch {t_ms:8.3f} ms  flash/torch {f_ms / t_ms:5.2f}  "
                       f"v1/flash {v_ms / f_ms:5.2f}", flush=True)
-            if be._hopper_ok():   # flash_hopper.cu's wgmma forward (not yet the backend's path)
+            if be._hopper_ok():   # flash_hopper.cu's wgmma kernels (not yet the backend's path)
                 try:
                     out_h = np.asarray(be.to_host(be._attention_flash_hopper(q, k, v, scale)[0]),
                                        dtype=np.float64)
@@ -137,6 +137,20 @@ def main(argv=None) -> int:
                     print(f"  B={B:3d} fwd      wgmma {h_ms:8.3f} ms  mma.sync {m_ms:8.3f} ms  "
                           f"torch {t_ms:8.3f} ms  wgmma/torch {h_ms / t_ms:5.2f}  "
                           f"(out vs mma.sync {err:.2e})", flush=True)
+                    o, lse = flash_fwd()
+                    gh = be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale)
+                    gm = be.attention_bwd(q, k, v, o, lse, dout, scale)
+                    errs = [np.linalg.norm(np.asarray(be.to_host(a), np.float64)
+                                           - np.asarray(be.to_host(b), np.float64))
+                            / np.linalg.norm(np.asarray(be.to_host(b), np.float64))
+                            for a, b in zip(gh, gm)]
+                    hb = time_cupy(cupy, lambda: be._attention_bwd_flash_hopper(
+                        q, k, v, o, lse, dout, scale), args.reps, args.warmup)
+                    mb = time_cupy(cupy, lambda: be.attention_bwd(q, k, v, o, lse, dout, scale),
+                                   args.reps, args.warmup)
+                    print(f"  B={B:3d} bwd      wgmma {hb:8.3f} ms  mma.sync {mb:8.3f} ms  "
+                          f"(dq, dk, dv vs mma.sync {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e})",
+                          flush=True)
                 except Exception as e:
                     print(f"  B={B:3d} wgmma forward ERROR {type(e).__name__}: {e}", flush=True)
         except Exception as e:  # keep measuring the other sizes

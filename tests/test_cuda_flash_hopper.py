@@ -1,5 +1,5 @@
-"""flash_hopper.cu, the causal attention forward on Hopper's wgmma (not yet the backend's path),
-against float64 NumPy and against flash_attention.cu's forward, on the shapes test_cuda_flash.py
+"""flash_hopper.cu, the causal attention forward and backward on Hopper's wgmma (not yet the
+backend's path), against float64 NumPy and against flash_attention.cu's kernels, on the shapes test_cuda_flash.py
 uses (ragged lengths, a KV-cache offset, single rows) and on GPT-2's fused (B, T, 3C) rows.
 Runs on compute capability 9.0 only; the memory pool is filled with NaN bytes first, so an
 output the kernel does not write shows up. Tolerances as test_cuda_flash.py's."""
@@ -84,3 +84,35 @@ def test_wgmma_forward_same_bits_every_run(be, rs):
     b = be._attention_flash_hopper(q, k, v)
     for x, y in zip(a, b):
         assert host(be, x).tobytes() == host(be, y).tobytes()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_wgmma_backward_vs_reference_and_mma_sync_kernels(be, rs, shape):
+    """dq, dk, dv from the wgmma kernels, given the mma.sync forward's out and lse (so a wrong
+    forward cannot hide a right backward, or the other way round)."""
+    qs, ks = SHAPES[shape]
+    scale = 1.0 / math.sqrt(HS)
+    q, k, v, dout = (bf16_values(rs, qs), bf16_values(rs, ks), bf16_values(rs, ks),
+                     bf16_values(rs, qs))
+    rdq, rdk, rdv = ref_attention(q, k, v, dout, scale)[2:]
+    dq_, dk_, dv_, ddo = dev(be, q), dev(be, k), dev(be, v), dev(be, dout)
+    out, lse = be.attention(dq_, dk_, dv_, scale)
+    got = be._attention_bwd_flash_hopper(dq_, dk_, dv_, out, lse, ddo, scale)
+    want = be.attention_bwd(dq_, dk_, dv_, out, lse, ddo, scale)   # flash_attention.cu's
+    for name, g, ref, w in zip(("dq", "dk", "dv"), got, (rdq, rdk, rdv), want):
+        assert g.shape == ref.shape and str(g.dtype) == "bfloat16"
+        check(f"wgmma {name}", host(be, g), ref, TOL)
+        check(f"wgmma {name} vs mma.sync", host(be, g), host(be, w), TOL)
+
+
+@pytest.mark.parametrize("B,T,H", [(2, 1024, 12), (1, 77, 4)])
+def test_wgmma_backward_on_fused_rows_and_same_bits(be, rs, B, T, H):
+    C = H * HS
+    scale = 1.0 / math.sqrt(HS)
+    qkv, dy = dev(be, bf16_values(rs, (B, T, 3 * C))), dev(be, bf16_values(rs, (B, T, C)))
+    y, lse = be.attention_qkv(qkv, H, scale)
+    got = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale)
+    want = be.attention_qkv_bwd(qkv, y, lse, dy, H, scale)
+    check("wgmma dqkv vs mma.sync", host(be, got), host(be, want), TOL)
+    again = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale)
+    assert host(be, again).tobytes() == host(be, got).tobytes()

@@ -41,8 +41,9 @@ that a direct call with bad shapes fails with a ShapeError rather than a wild ke
 from __future__ import annotations
 
 from . import runtime as _runtime
-from .attention import (_attention_bwd_composed, _attention_composed, _attention_flash_hopper,
-                        _flash_wanted, _hopper_ok, _qkv_flash_fwd_hopper, _qkv_flash_ok, attention, attention_bwd, attention_qkv,
+from .attention import (_attention_bwd_composed, _attention_bwd_flash_hopper,
+                        _attention_composed, _attention_flash_hopper, _flash_wanted, _hopper_ok,
+                        _qkv_flash_bwd_hopper, _qkv_flash_fwd_hopper, _qkv_flash_ok, attention, attention_bwd, attention_qkv,
                         attention_qkv_bwd, attention_qkv_dropout, attention_qkv_dropout_bwd,
                         decode_attention, kv_append)
 from .classifier import linear_cross_entropy
@@ -84,4 +85,5 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     # private, for the GPU tests and benchmarks
     "_attention_composed", "_attention_bwd_composed", "_flash_wanted", "_qkv_flash_ok",
     "_pdl_wrote", "_attention_flash_hopper", "_qkv_flash_fwd_hopper", "_hopper_ok",
+    "_attention_bwd_flash_hopper", "_qkv_flash_bwd_hopper",
 ]

@@ -206,6 +206,48 @@ def _qkv_flash_fwd_hopper(qkv, n_head, scale):
     return y, lse
 
 
+def _hopper_bwd_launch(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout):
+    """flash_hopper.cu's two backward kernels (dq and D, then dk and dv), as
+    ``_attention_bwd_flash`` launches flash_attention.cu's."""
+    D = _empty(lse.shape, F32)
+    _launch("flash_hopper", "flash_bwd_dq_wgmma_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
+            (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale)) + layout)
+    _launch("flash_hopper", "flash_bwd_dkdv_wgmma_bf16_h64", _flash_grid(bh, Tk), _FLASH_THREADS,
+            (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale)) + layout)
+
+
+def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None):
+    """``attention_bwd``'s flash backward by flash_hopper.cu on head-major bf16 arrays:
+    ``(dq, dk, dv)``; not the backend's path yet (see ``_attention_flash_hopper``)."""
+    q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
+    out, dout = _like(_c(out), q.dtype), _like(_c(dout), q.dtype)
+    Tq, Tk = _attn_shapes(q, k, v)
+    if not (_flash_wanted(q, k, v, out, dout) and _hopper_ok()):
+        raise ShapeError("the wgmma backward takes bf16 at head size 64 on compute capability 9.0")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dq, dk, dv = _empty(q.shape, q.dtype), _empty(k.shape, q.dtype), _empty(v.shape, q.dtype)
+    _hopper_bwd_launch(q, k, v, out, dout, _like(_c(lse), F32), dq, dk, dv, Tq, Tk, scale,
+                       math.prod(q.shape[:-2]), _head_major(Tq, Tk))
+    return dq, dk, dv
+
+
+def _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale):
+    """``attention_qkv_bwd``'s flash backward by flash_hopper.cu on fused (B, T, 3C) rows:
+    dqkv; not the backend's path yet (see ``_attention_flash_hopper``)."""
+    qkv = _c(qkv)
+    y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
+    if not (_qkv_flash_ok(qkv, n_head, y, dy) and _hopper_ok()):
+        raise ShapeError("the wgmma backward takes bf16 rows of 64-wide heads on compute "
+                         "capability 9.0")
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    dqkv = _empty(qkv.shape, qkv.dtype)
+    (q, k, v), (dq, dk, dv) = _thirds(qkv, C), _thirds(dqkv, C)
+    _hopper_bwd_launch(q, k, v, y, dy, _like(_c(lse), F32), dq, dk, dv, T, T, scale, B * n_head,
+                       _fused_layout(T, C, n_head))
+    return dqkv
+
+
 def _qkv_flash_ok(qkv, n_head, *others) -> bool:
     """_flash_wanted for the fused layout: bfloat16, heads of 64, every array 16-byte aligned
     (the k and v thirds then are too: C * 2 bytes is a multiple of 128)."""

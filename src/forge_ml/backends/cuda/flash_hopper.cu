@@ -1,7 +1,8 @@
 // launched from backends/cuda/attention.py
-// flash_hopper.cu: the causal attention forward of flash_attention.cu (bf16, head size 64, the
-// same layouts, output and lse) on Hopper's warpgroup products, after FlashAttention-3 (Shah
-// et al., 2024) without its producer warps: one warpgroup (4 warps) a block of 64 query rows.
+// flash_hopper.cu: flash_attention.cu's causal attention, forward and backward without dropout
+// (bf16, head size 64, the same layouts, outputs and lse), on Hopper's warpgroup products,
+// after FlashAttention-3 (Shah et al., 2024) without its producer warps: one warpgroup (4
+// warps) a block of 64 rows. The forward:
 //   S = q k^T   wgmma m64n64k16, q and k both read from shared memory (K-major tiles)
 //   O += P v    wgmma m64n64k16, P from registers (the softmax's own), v from shared memory
 //               (an MN-major tile, read transposed)
@@ -13,11 +14,13 @@
 // elements (a copy: moving flash_attention.cu's inline code into a shared function changes
 // that verified kernel's generated code, so the two are merged once a GPU run checks both): the accumulator of an m64nNk16 wgmma gives warp w rows 16w..16w+15 and lane
 // (g, t) the elements mma.sync's C fragments give it, one 8-wide column tile after another.
-// No dropout here (dropout runs flash_attention.cu's kernels).
+// The backward keeps flash_attention.cu's two kernels (dq; then dk and dv), each product a
+// wgmma with the kernel's row operands in registers (see "backward" below). No dropout here
+// (dropout runs flash_attention.cu's kernels).
 //
 // WRITTEN WITHOUT A GPU (2026-12-04) and not launched by the backend yet: the descriptor
 // strides below are the ones tests/test_cuda_wgmma_probe.py puts to the test first, then
-// tests/test_cuda_flash_hopper.py compares this kernel with flash_fwd_bf16_h64.
+// tests/test_cuda_flash_hopper.py compares these kernels with flash_attention.cu's.
 //
 // Shared tiles: 64 rows of 128 bytes (64 bf16) with the 128-byte swizzle: the 16-byte chunk c
 // of row r is stored at chunk c ^ (r % 8); each tile starts on a 1024-byte boundary.
@@ -104,6 +107,38 @@ FORGE_D void wg_load_tile(bf16* tile, const bf16* src, int r0, int n, int tid, i
 }
 // ---- end of the wgmma helpers (tests/test_cuda_wgmma_probe.py pastes the lines above) ----
 
+// Rows r_lo (elements 4nt, 4nt+1) and r_lo + 8 (4nt+2, 4nt+3) of a 16 x 64 float32
+// accumulator in wgmma's layout, times `mul`, to an (n, 64) bf16 matrix with row stride ld;
+// rows >= n are skipped (flash_attention.cu's store_rows on the flat layout).
+FORGE_D void wg_store_rows(bf16* dst, const float (&acc)[32], int r_lo, int n, float mul_lo,
+                           float mul_hi, int t, int ld) {
+    unsigned* lo = reinterpret_cast<unsigned*>(dst + (long long)r_lo * ld);
+    unsigned* hi = lo + 8 * (long long)ld / 2;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        if (r_lo < n) lo[4 * nt + t] = pack_bf16x2(acc[4 * nt] * mul_lo, acc[4 * nt + 1] * mul_lo);
+        if (r_lo + 8 < n)
+            hi[4 * nt + t] = pack_bf16x2(acc[4 * nt + 2] * mul_hi, acc[4 * nt + 3] * mul_hi);
+    }
+}
+
+// A 16 x 64 float32 tile in wgmma's accumulator layout rounded to bf16 as the A operand of the
+// next product, one 16-wide k step per row of a (mma_cb's packing)
+FORGE_D void wg_pack_a(unsigned (&a)[4][4], const float (&p)[32]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        a[kk][0] = pack_bf16x2(p[8 * kk], p[8 * kk + 1]);
+        a[kk][1] = pack_bf16x2(p[8 * kk + 2], p[8 * kk + 3]);
+        a[kk][2] = pack_bf16x2(p[8 * kk + 4], p[8 * kk + 5]);
+        a[kk][3] = pack_bf16x2(p[8 * kk + 6], p[8 * kk + 7]);
+    }
+}
+
+FORGE_D void wg_zero(float (&d)[32]) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = 0.f;
+}
+
 // Block (blockIdx.x = bh, query rows q0..q0+63), the latest rows first, as flash_fwd_bf16_h64;
 // warp w owns rows q0+16w..+15 (this thread r_lo = q0+16w+g and r_hi = r_lo+8), element
 // 4 nt + e of s and o being (row r_lo or r_hi for e < 2 or not, column 8 nt + 2t + (e & 1)).
@@ -137,8 +172,7 @@ extern "C" __global__ void __launch_bounds__(128)
     cp_async_commit();
 
     float o[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) o[i] = 0.f;
+    wg_zero(o);
     const float NEG_INF = neg_inf<float>();
     float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
     const unsigned long long dq = wg_desc(sQ, WG_K_LBO, WG_K_SBO);
@@ -157,8 +191,7 @@ extern "C" __global__ void __launch_bounds__(128)
         __syncthreads();
 
         float s[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) s[i] = 0.f;
+        wg_zero(s);
         const unsigned long long dk = wg_desc(sK[buf], WG_K_LBO, WG_K_SBO);
         wg_fence();
 #pragma unroll
@@ -213,13 +246,7 @@ extern "C" __global__ void __launch_bounds__(128)
         // P as the A operand, 16 keys a k step: (row g, keys 2t..), (g+8, 2t..), (g, 2t+8..),
         // (g+8, 2t+8..) of key block kk, as mma_cb packs it
         unsigned a[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            a[kk][0] = pack_bf16x2(s[8 * kk], s[8 * kk + 1]);
-            a[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
-            a[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
-            a[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
-        }
+        wg_pack_a(a, s);
         const unsigned long long dv = wg_desc(sV[buf], WG_MN_LBO, WG_MN_SBO);
         wg_fence();
 #pragma unroll
@@ -231,20 +258,248 @@ extern "C" __global__ void __launch_bounds__(128)
 
     l_lo = quad_sum(l_lo);
     l_hi = quad_sum(l_hi);
-    bf16* O = out + head_base(bh, H, o_sb, o_sh);
-    unsigned* lo = reinterpret_cast<unsigned*>(O + (long long)r_lo * o_ld);
-    unsigned* hi = lo + 8 * (long long)o_ld / 2;
-    const float il = 1.f / l_lo, ih = 1.f / l_hi;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-        if (r_lo < Tq) lo[4 * nt + t] = pack_bf16x2(o[4 * nt] * il, o[4 * nt + 1] * il);
-        if (r_hi < Tq) hi[4 * nt + t] = pack_bf16x2(o[4 * nt + 2] * ih, o[4 * nt + 3] * ih);
-    }
+    wg_store_rows(out + head_base(bh, H, o_sb, o_sh), o, r_lo, Tq, 1.f / l_lo, 1.f / l_hi, t,
+                  o_ld);
     if (t == 0) {
         float* L = lse + bh * Tq;
         if (r_lo < Tq) L[r_lo] = (m_lo + log2f(l_lo)) * 0.6931471805599453f;
         if (r_hi < Tq) L[r_hi] = (m_hi + log2f(l_hi)) * 0.6931471805599453f;
     }
+}
+
+
+// ---- backward (flash_attention.cu's two kernels, DROP = false, on wgmma) -------------------
+// The same split and the same per-thread work as flash_bwd_dq_bf16_h64 and
+// flash_bwd_dkdv_bf16_h64: P is recomputed from the saved lse in both, so dq needs no atomics
+// and the bits are the same on every run. Each kernel keeps its row operands (q and dout, or
+// k and v) in registers as A fragments, and its products read the other side's shared tiles
+// twice over: K-major for q k^T and dout v^T, MN-major (transposed) for dS k, P^T dout and
+// dS^T q.
+
+// Block (bh, query rows q0..q0+63), latest rows first; warp w owns rows q0+16w..+15. Writes
+// D = rowsum(dout * out) for its rows (the dk/dv kernel, launched next, reads it) and dq.
+extern "C" __global__ void __launch_bounds__(128)
+    flash_bwd_dq_wgmma_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                const bf16* __restrict__ v, const bf16* __restrict__ out,
+                                const bf16* __restrict__ dout, const float* __restrict__ lse,
+                                float* __restrict__ Dsum, bf16* __restrict__ dq, int Tq, int Tk,
+                                float scale, int H, long long q_sb, long long q_sh, int q_ld,
+                                long long kv_sb, long long kv_sh, int kv_ld, long long o_sb,
+                                long long o_sh, int o_ld) {
+    __shared__ __align__(1024) bf16 sK[2][64 * 64];
+    __shared__ __align__(1024) bf16 sV[2][64 * 64];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const long long bh = blockIdx.x;
+    const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * 64;
+    const int off = Tk - Tq;
+    const long long kvb = head_base(bh, H, kv_sb, kv_sh);
+    const long long qb_ = head_base(bh, H, q_sb, q_sh), ob = head_base(bh, H, o_sb, o_sh);
+    const bf16* K = k + kvb;
+    const bf16* V = v + kvb;
+    const float sl2 = scale * FORGE_LOG2E;
+    const int w0 = q0 + 16 * warp;
+    const int r_lo = w0 + g, r_hi = r_lo + 8;
+    const int kv_end = min(Tk, q0 + 64 + off);
+    const int nkb = (kv_end + 63) / 64;
+
+    wg_load_tile(sK[0], K, 0, Tk, tid, kv_ld);
+    wg_load_tile(sV[0], V, 0, Tk, tid, kv_ld);
+    cp_async_commit();
+
+    unsigned qf[4][4], df[4][4];
+    load_a_frags(qf, q + qb_, w0, Tq, g, t, q_ld);
+    load_a_frags(df, dout + ob, w0, Tq, g, t, o_ld);
+    float d_lo = 0.f, d_hi = 0.f;
+    {
+        unsigned of[4][4];  // out at the same positions as df: D is a dot product of the two
+        load_a_frags(of, out + ob, w0, Tq, g, t, o_ld);
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+            for (int r = 0; r < 4; r += 2) {
+                d_lo += bf16_lo(of[ks][r]) * bf16_lo(df[ks][r]) +
+                        bf16_hi(of[ks][r]) * bf16_hi(df[ks][r]);
+                d_hi += bf16_lo(of[ks][r + 1]) * bf16_lo(df[ks][r + 1]) +
+                        bf16_hi(of[ks][r + 1]) * bf16_hi(df[ks][r + 1]);
+            }
+        }
+    }
+    d_lo = quad_sum(d_lo);
+    d_hi = quad_sum(d_hi);
+    float l2_lo = 0.f, l2_hi = 0.f;  // lse in log2 units
+    {
+        const float* L = lse + bh * Tq;
+        float* D = Dsum + bh * Tq;
+        if (r_lo < Tq) {
+            l2_lo = L[r_lo] * FORGE_LOG2E;
+            if (t == 0) D[r_lo] = d_lo;
+        }
+        if (r_hi < Tq) {
+            l2_hi = L[r_hi] * FORGE_LOG2E;
+            if (t == 0) D[r_hi] = d_hi;
+        }
+    }
+
+    float acc[32];
+    wg_zero(acc);
+    for (int kb = 0; kb < nkb; ++kb) {
+        const int buf = kb & 1;
+        if (kb + 1 < nkb) {
+            wg_load_tile(sK[buf ^ 1], K, (kb + 1) * 64, Tk, tid, kv_ld);
+            wg_load_tile(sV[buf ^ 1], V, (kb + 1) * 64, Tk, tid, kv_ld);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        fence_async_smem();
+        __syncthreads();
+
+        float p[32], dp[32];
+        wg_zero(p);
+        wg_zero(dp);
+        const unsigned long long kdesc = wg_desc(sK[buf], WG_K_LBO, WG_K_SBO);
+        const unsigned long long vdesc = wg_desc(sV[buf], WG_K_LBO, WG_K_SBO);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wg_mma_rs(p, qf[kk], kdesc + (kk * WG_K_STEP >> 4));
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wg_mma_rs(dp, df[kk], vdesc + (kk * WG_K_STEP >> 4));
+        wg_commit();
+        wg_wait0();
+
+        const int k0 = kb * 64;
+        const bool edge = k0 + 63 > w0 + off || k0 + 64 > Tk;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = k0 + 8 * nt + 2 * t + (e & 1);
+                const int i = (e < 2) ? r_lo : r_hi;
+                const bool masked = edge && (j > i + off || j >= Tk);
+                const int x = 4 * nt + e;
+                const float pe = masked ? 0.f : exp2f(p[x] * sl2 - ((e < 2) ? l2_lo : l2_hi));
+                p[x] = pe * (dp[x] - ((e < 2) ? d_lo : d_hi));  // dS
+            }
+        unsigned a[4][4];
+        wg_pack_a(a, p);
+        const unsigned long long kmn = wg_desc(sK[buf], WG_MN_LBO, WG_MN_SBO);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wg_mma_rs_t(acc, a[kk], kmn + (kk * WG_MN_STEP >> 4));
+        wg_commit();
+        wg_wait0();
+        __syncthreads();
+    }
+    wg_store_rows(dq + qb_, acc, r_lo, Tq, scale, scale, t, q_ld);
+}
+
+// Block (bh, keys k0..k0+63), the earliest keys (the most queries) first; warp w owns keys
+// k0+16w..+15 and works on the transposed scores S^T = k q^T, so dv and dk accumulate in
+// registers.
+extern "C" __global__ void __launch_bounds__(128)
+    flash_bwd_dkdv_wgmma_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                  const bf16* __restrict__ v, const bf16* __restrict__ dout,
+                                  const float* __restrict__ lse, const float* __restrict__ Dsum,
+                                  bf16* __restrict__ dk, bf16* __restrict__ dv, int Tq, int Tk,
+                                  float scale, int H, long long q_sb, long long q_sh, int q_ld,
+                                  long long kv_sb, long long kv_sh, int kv_ld, long long o_sb,
+                                  long long o_sh, int o_ld) {
+    __shared__ __align__(1024) bf16 sQ[2][64 * 64];
+    __shared__ __align__(1024) bf16 sO[2][64 * 64];  // dout
+    __shared__ float sL[2][64];                       // lse * log2(e), 0 past Tq
+    __shared__ float sD[2][64];                       // D, 0 past Tq
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const long long bh = blockIdx.x;
+    const int k0 = (int)blockIdx.y * 64;
+    const int off = Tk - Tq;
+    const bf16* Q = q + head_base(bh, H, q_sb, q_sh);
+    const bf16* dO = dout + head_base(bh, H, o_sb, o_sh);
+    const long long kvb = head_base(bh, H, kv_sb, kv_sh);
+    const float* L = lse + bh * Tq;
+    const float* D = Dsum + bh * Tq;
+    const float sl2 = scale * FORGE_LOG2E;
+    const int w0 = k0 + 16 * warp;
+    const int j_lo = w0 + g, j_hi = j_lo + 8;
+    const int qb0 = max(0, k0 - off) / 64;  // the first query that sees key k0
+    const int nqb = (Tq + 63) / 64;
+
+    auto stage = [&](int qb, int buf) {
+        const int r0 = qb * 64;
+        wg_load_tile(sQ[buf], Q, r0, Tq, tid, q_ld);
+        wg_load_tile(sO[buf], dO, r0, Tq, tid, o_ld);
+        cp_async_commit();
+        if (tid < 64) {
+            const int i = r0 + tid;
+            sL[buf][tid] = (i < Tq) ? L[i] * FORGE_LOG2E : 0.f;
+            sD[buf][tid] = (i < Tq) ? D[i] : 0.f;
+        }
+    };
+    stage(qb0, 0);
+
+    unsigned kf[4][4], vf[4][4];
+    load_a_frags(kf, k + kvb, w0, Tk, g, t, kv_ld);
+    load_a_frags(vf, v + kvb, w0, Tk, g, t, kv_ld);
+    float dka[32], dva[32];
+    wg_zero(dka);
+    wg_zero(dva);
+
+    for (int qb = qb0; qb < nqb; ++qb) {
+        const int buf = (qb - qb0) & 1;
+        if (qb + 1 < nqb) {
+            stage(qb + 1, buf ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        fence_async_smem();
+        __syncthreads();
+
+        float p[32], ds[32];
+        wg_zero(p);
+        wg_zero(ds);
+        const unsigned long long qk = wg_desc(sQ[buf], WG_K_LBO, WG_K_SBO);
+        const unsigned long long ok = wg_desc(sO[buf], WG_K_LBO, WG_K_SBO);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wg_mma_rs(p, kf[kk], qk + (kk * WG_K_STEP >> 4));  // S^T
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wg_mma_rs(ds, vf[kk], ok + (kk * WG_K_STEP >> 4));  // dP^T
+        wg_commit();
+        wg_wait0();
+
+        const int q0 = qb * 64;
+        // mask where some (key, query) of this warp has j > i + off, or queries run past Tq
+        const bool edge = w0 + 15 > q0 + off || q0 + 64 > Tq;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = 8 * nt + 2 * t + (e & 1);  // query column in the block
+                const int i = q0 + c;
+                const int j = (e < 2) ? j_lo : j_hi;
+                const bool masked = edge && (j > i + off || i >= Tq);
+                const int x = 4 * nt + e;
+                const float pe = masked ? 0.f : exp2f(p[x] * sl2 - sL[buf][c]);
+                p[x] = pe;
+                ds[x] = pe * (ds[x] - sD[buf][c]);
+            }
+        unsigned pa[4][4], da[4][4];
+        wg_pack_a(pa, p);
+        wg_pack_a(da, ds);
+        const unsigned long long omn = wg_desc(sO[buf], WG_MN_LBO, WG_MN_SBO);
+        const unsigned long long qmn = wg_desc(sQ[buf], WG_MN_LBO, WG_MN_SBO);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wg_mma_rs_t(dva, pa[kk], omn + (kk * WG_MN_STEP >> 4));
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wg_mma_rs_t(dka, da[kk], qmn + (kk * WG_MN_STEP >> 4));
+        wg_commit();
+        wg_wait0();
+        __syncthreads();
+    }
+    wg_store_rows(dk + kvb, dka, j_lo, Tk, scale, scale, t, kv_ld);
+    wg_store_rows(dv + kvb, dva, j_lo, Tk, 1.f, 1.f, t, kv_ld);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
