@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from forge_ml import flags
     from forge_ml.backends import get
     from forge_ml.device import Device
 
@@ -66,100 +67,107 @@ def main(argv=None) -> int:
           "warm-ups")
     rows = []
     failures = 0
-    for B in (int(b) for b in args.batch.split(",") if b):
-        shape = (B, H, T, HS)
-        try:
-            # the same bf16 values for both frameworks: rounded once on the device, then copied
-            host = [be.to_host(be.cast(cupy.random.standard_normal(shape, dtype=cupy.float32),
-                                       "bfloat16")) for _ in range(4)]
-            q, k, v, dout = (be.from_host(a, "bfloat16") for a in host)
-            tq, tk, tv, tdo = (torch.from_numpy(a).cuda().to(torch.bfloat16) for a in host)
-            tq.requires_grad_(True)
-            tk.requires_grad_(True)
-            tv.requires_grad_(True)
-            if not be._flash_wanted(q, k, v):
-                raise RuntimeError("the flash path is not taken (FORGE_ATTENTION=composed set?)")
+    # "flash" is flash_attention.cu's kernels, whatever the environment says; flash_hopper.cu's
+    # are timed on their own below
+    with flags.override(FORGE_WGMMA_ATTENTION="off"):
+        for B in (int(b) for b in args.batch.split(",") if b):
+            shape = (B, H, T, HS)
+            try:
+                # the same bf16 values for both frameworks: rounded once on the device, then copied
+                host = [be.to_host(be.cast(cupy.random.standard_normal(shape, dtype=cupy.float32),
+                                           "bfloat16")) for _ in range(4)]
+                q, k, v, dout = (be.from_host(a, "bfloat16") for a in host)
+                tq, tk, tv, tdo = (torch.from_numpy(a).cuda().to(torch.bfloat16) for a in host)
+                tq.requires_grad_(True)
+                tk.requires_grad_(True)
+                tv.requires_grad_(True)
+                if not be._flash_wanted(q, k, v):
+                    raise RuntimeError("the flash path is not taken "
+                                       "(FORGE_ATTENTION=composed set?)")
 
-            def flash_fwd():
-                return be.attention(q, k, v, scale)
+                def flash_fwd():
+                    return be.attention(q, k, v, scale)
 
-            def flash_both():
-                out, lse = be.attention(q, k, v, scale)
-                return be.attention_bwd(q, k, v, out, lse, dout, scale)
+                def flash_both():
+                    out, lse = be.attention(q, k, v, scale)
+                    return be.attention_bwd(q, k, v, out, lse, dout, scale)
 
-            def v1_fwd():
-                return be._attention_composed(q, k, v, scale)
+                def v1_fwd():
+                    return be._attention_composed(q, k, v, scale)
 
-            def v1_both():
-                out, lse = be._attention_composed(q, k, v, scale)
-                return be._attention_bwd_composed(q, k, v, out, lse, dout, scale)
+                def v1_both():
+                    out, lse = be._attention_composed(q, k, v, scale)
+                    return be._attention_bwd_composed(q, k, v, out, lse, dout, scale)
 
-            def torch_fwd():
-                with torch.no_grad(), sdpa_kernel(backends):
-                    return F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=scale)
+                def torch_fwd():
+                    with torch.no_grad(), sdpa_kernel(backends):
+                        return F.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
+                                                              scale=scale)
 
-            def torch_both():
-                with sdpa_kernel(backends):
-                    out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=scale)
-                return torch.autograd.grad(out, (tq, tk, tv), tdo)
+                def torch_both():
+                    with sdpa_kernel(backends):
+                        out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
+                                                             scale=scale)
+                    return torch.autograd.grad(out, (tq, tk, tv), tdo)
 
-            # agreement first, so a fast wrong kernel cannot pass unnoticed
-            out_f = np.asarray(be.to_host(flash_fwd()[0]), dtype=np.float64)
-            out_t = torch_fwd().float().cpu().numpy().astype(np.float64)
-            grads_f = [np.asarray(be.to_host(g), dtype=np.float64) for g in flash_both()]
-            grads_t = [g.float().cpu().numpy().astype(np.float64) for g in torch_both()]
-            agree = [np.linalg.norm(a - b) / np.linalg.norm(b)
-                     for a, b in zip([out_f] + grads_f, [out_t] + grads_t)]
-            print(f"  B={B:3d} flash vs torch, relative error: out {agree[0]:.2e}  "
-                  f"dq {agree[1]:.2e}  dk {agree[2]:.2e}  dv {agree[3]:.2e}", flush=True)
-            del out_f, out_t, grads_f, grads_t
+                # agreement first, so a fast wrong kernel cannot pass unnoticed
+                out_f = np.asarray(be.to_host(flash_fwd()[0]), dtype=np.float64)
+                out_t = torch_fwd().float().cpu().numpy().astype(np.float64)
+                grads_f = [np.asarray(be.to_host(g), dtype=np.float64) for g in flash_both()]
+                grads_t = [g.float().cpu().numpy().astype(np.float64) for g in torch_both()]
+                agree = [np.linalg.norm(a - b) / np.linalg.norm(b)
+                         for a, b in zip([out_f] + grads_f, [out_t] + grads_t)]
+                print(f"  B={B:3d} flash vs torch, relative error: out {agree[0]:.2e}  "
+                      f"dq {agree[1]:.2e}  dk {agree[2]:.2e}  dv {agree[3]:.2e}", flush=True)
+                del out_f, out_t, grads_f, grads_t
 
-            for name, passes, ff, fv, ft in (("fwd", 2, flash_fwd, v1_fwd, torch_fwd),
-                                             ("fwd+bwd", 7, flash_both, v1_both, torch_both)):
-                f_ms = time_cupy(cupy, ff, args.reps, args.warmup)
-                v_ms = time_cupy(cupy, fv, args.reps, args.warmup)
-                t_ms = time_torch(torch, ft, args.reps, args.warmup)
-                flops = causal_flops(B, passes)
-                rows.append((B, name, f_ms, v_ms, t_ms, flops / f_ms / 1e9, flops / t_ms / 1e9))
-                print(f"  B={B:3d} {name:8s} flash {f_ms:8.3f} ms  v1 {v_ms:8.3f} ms  "
-                      f"torch {t_ms:8.3f} ms  flash/torch {f_ms / t_ms:5.2f}  "
-                      f"v1/flash {v_ms / f_ms:5.2f}", flush=True)
-            if be._hopper_ok():   # flash_hopper.cu's wgmma kernels (not yet the backend's path)
-                try:
-                    out_h = np.asarray(be.to_host(be._attention_flash_hopper(q, k, v, scale)[0]),
-                                       dtype=np.float64)
-                    out_m = np.asarray(be.to_host(flash_fwd()[0]), dtype=np.float64)
-                    err = np.linalg.norm(out_h - out_m) / np.linalg.norm(out_m)
-                    h_ms = time_cupy(cupy, lambda: be._attention_flash_hopper(q, k, v, scale),
-                                     args.reps, args.warmup)
-                    m_ms = time_cupy(cupy, flash_fwd, args.reps, args.warmup)
-                    t_ms = time_torch(torch, torch_fwd, args.reps, args.warmup)
-                    print(f"  B={B:3d} fwd      wgmma {h_ms:8.3f} ms  mma.sync {m_ms:8.3f} ms  "
-                          f"torch {t_ms:8.3f} ms  wgmma/torch {h_ms / t_ms:5.2f}  "
-                          f"(out vs mma.sync {err:.2e})", flush=True)
-                    o, lse = flash_fwd()
-                    gh = be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale)
-                    gm = be.attention_bwd(q, k, v, o, lse, dout, scale)
-                    errs = [np.linalg.norm(np.asarray(be.to_host(a), np.float64)
-                                           - np.asarray(be.to_host(b), np.float64))
-                            / np.linalg.norm(np.asarray(be.to_host(b), np.float64))
-                            for a, b in zip(gh, gm)]
-                    hb = time_cupy(cupy, lambda: be._attention_bwd_flash_hopper(
-                        q, k, v, o, lse, dout, scale), args.reps, args.warmup)
-                    mb = time_cupy(cupy, lambda: be.attention_bwd(q, k, v, o, lse, dout, scale),
-                                   args.reps, args.warmup)
-                    print(f"  B={B:3d} bwd      wgmma {hb:8.3f} ms  mma.sync {mb:8.3f} ms  "
-                          f"(dq, dk, dv vs mma.sync {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e})",
-                          flush=True)
-                except Exception as e:
-                    print(f"  B={B:3d} wgmma forward ERROR {type(e).__name__}: {e}", flush=True)
-        except Exception as e:  # keep measuring the other sizes
-            failures += 1
-            print(f"  B={B:3d} ERROR {type(e).__name__}: {e}", flush=True)
-            traceback.print_exc(limit=4)
-        finally:
-            cupy.get_default_memory_pool().free_all_blocks()
-            torch.cuda.empty_cache()
+                for name, passes, ff, fv, ft in (("fwd", 2, flash_fwd, v1_fwd, torch_fwd),
+                                                 ("fwd+bwd", 7, flash_both, v1_both, torch_both)):
+                    f_ms = time_cupy(cupy, ff, args.reps, args.warmup)
+                    v_ms = time_cupy(cupy, fv, args.reps, args.warmup)
+                    t_ms = time_torch(torch, ft, args.reps, args.warmup)
+                    flops = causal_flops(B, passes)
+                    rows.append((B, name, f_ms, v_ms, t_ms, flops / f_ms / 1e9, flops / t_ms / 1e9))
+                    print(f"  B={B:3d} {name:8s} flash {f_ms:8.3f} ms  v1 {v_ms:8.3f} ms  "
+                          f"torch {t_ms:8.3f} ms  flash/torch {f_ms / t_ms:5.2f}  "
+                          f"v1/flash {v_ms / f_ms:5.2f}", flush=True)
+                if be._hopper_ok():   # flash_hopper.cu's wgmma kernels (not yet the backend's path)
+                    try:
+                        out_h = np.asarray(
+                            be.to_host(be._attention_flash_hopper(q, k, v, scale)[0]),
+                            dtype=np.float64)
+                        out_m = np.asarray(be.to_host(flash_fwd()[0]), dtype=np.float64)
+                        err = np.linalg.norm(out_h - out_m) / np.linalg.norm(out_m)
+                        h_ms = time_cupy(cupy, lambda: be._attention_flash_hopper(q, k, v, scale),
+                                         args.reps, args.warmup)
+                        m_ms = time_cupy(cupy, flash_fwd, args.reps, args.warmup)
+                        t_ms = time_torch(torch, torch_fwd, args.reps, args.warmup)
+                        print(f"  B={B:3d} fwd      wgmma {h_ms:8.3f} ms  mma.sync {m_ms:8.3f} ms  "
+                              f"torch {t_ms:8.3f} ms  wgmma/torch {h_ms / t_ms:5.2f}  "
+                              f"(out vs mma.sync {err:.2e})", flush=True)
+                        o, lse = flash_fwd()
+                        gh = be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale)
+                        gm = be.attention_bwd(q, k, v, o, lse, dout, scale)
+                        errs = [np.linalg.norm(np.asarray(be.to_host(a), np.float64)
+                                               - np.asarray(be.to_host(b), np.float64))
+                                / np.linalg.norm(np.asarray(be.to_host(b), np.float64))
+                                for a, b in zip(gh, gm)]
+                        hb = time_cupy(cupy, lambda: be._attention_bwd_flash_hopper(
+                            q, k, v, o, lse, dout, scale), args.reps, args.warmup)
+                        mb = time_cupy(cupy, lambda: be.attention_bwd(q, k, v, o, lse, dout, scale),
+                                       args.reps, args.warmup)
+                        print(f"  B={B:3d} bwd      wgmma {hb:8.3f} ms  mma.sync {mb:8.3f} ms  "
+                              f"(dq, dk, dv vs mma.sync {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e})",
+                              flush=True)
+                    except Exception as e:
+                        print(f"  B={B:3d} wgmma forward ERROR {type(e).__name__}: {e}", flush=True)
+            except Exception as e:  # keep measuring the other sizes
+                failures += 1
+                print(f"  B={B:3d} ERROR {type(e).__name__}: {e}", flush=True)
+                traceback.print_exc(limit=4)
+            finally:
+                cupy.get_default_memory_pool().free_all_blocks()
+                torch.cuda.empty_cache()
 
     print()
     print(f"{'B':>3s} {'pass':8s} {'flash ms':>9s} {'v1 ms':>9s} {'torch ms':>9s} "

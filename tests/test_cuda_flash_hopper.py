@@ -31,7 +31,8 @@ def gpu():
 @pytest.fixture
 def be(gpu):
     _poison()
-    with flags.override(FORGE_ATTENTION="flash"):
+    # the backend's own kernels stay flash_attention.cu's, whatever the environment says
+    with flags.override(FORGE_ATTENTION="flash", FORGE_WGMMA_ATTENTION="off"):
         yield gpu
 
 
@@ -116,3 +117,18 @@ def test_wgmma_backward_on_fused_rows_and_same_bits(be, rs, B, T, H):
     check("wgmma dqkv vs mma.sync", host(be, got), host(be, want), TOL)
     again = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale)
     assert host(be, again).tobytes() == host(be, got).tobytes()
+
+
+def test_the_switch_sends_the_backend_ops_to_the_wgmma_kernels(be, rs):
+    """FORGE_WGMMA_ATTENTION=on: attention, attention_bwd, attention_qkv(_bwd) without dropout
+    take flash_hopper.cu (the same bits as calling it directly); with dropout they stay on
+    flash_attention.cu's kernels."""
+    qs = (1, 2, 130, HS)
+    q, k, v, dout = (dev(be, bf16_values(rs, qs)) for _ in range(4))
+    direct = be._attention_flash_hopper(q, k, v)
+    direct_bwd = be._attention_bwd_flash_hopper(q, k, v, direct[0], direct[1], dout)
+    with flags.override(FORGE_WGMMA_ATTENTION="on"):
+        out, lse = be.attention(q, k, v)
+        grads = be.attention_bwd(q, k, v, out, lse, dout)
+    for a, b in zip((out, lse) + tuple(grads), direct + tuple(direct_bwd)):
+        assert host(be, a).tobytes() == host(be, b).tobytes()

@@ -15,7 +15,7 @@ True
 >>> flags.get("FORGE_NOPE")
 Traceback (most recent call last):
 ...
-forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH
+forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION
 """
 from __future__ import annotations
 
@@ -71,6 +71,10 @@ _SWITCHES = (
     Switch("FORGE_FUSED_LOSS", "on",
            "the LM head and the training loss as one op over chunks of rows, the logits never "
            "kept whole (off: the logits, then cross_entropy)", ("on", "off")),
+    Switch("FORGE_WGMMA_ATTENTION", "off",
+           "experimental: causal attention without dropout on Hopper's wgmma kernels "
+           "(flash_hopper.cu, forward and backward; written, not yet verified on a GPU)",
+           ("on", "off")),
     Switch("FORGE_FUSED_DECODE", "off",
            "experimental: a batch-1 decoding step of GPT-2 as one CUDA kernel, every layer and "
            "the LM head (not yet faster than the kernel-per-op step it replaces)", ("on", "off")),

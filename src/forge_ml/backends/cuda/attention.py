@@ -14,8 +14,8 @@
   write and the attention of every head in one kernel; on Hopper a thread-block cluster per
   head splits a long cache).
 
-Kernels: attention.cu, flash_attention.cu, flash_hopper.cu (the forward on Hopper's wgmma:
-written, not yet the backend's path).
+Kernels: attention.cu, flash_attention.cu, flash_hopper.cu (forward and backward without
+dropout on Hopper's wgmma: written, taken only with FORGE_WGMMA_ATTENTION=on).
 """
 from __future__ import annotations
 
@@ -154,7 +154,14 @@ def _fused_layout(T, C, n_head):
             _i32(3 * C), _i64(T * C), _i64(d), _i32(C))
 
 
+def _wgmma_on() -> bool:
+    """The FORGE_WGMMA_ATTENTION switch, on a GPU that can run flash_hopper.cu."""
+    return flags.get("FORGE_WGMMA_ATTENTION") == "on" and _hopper_ok()
+
+
 def _attention_flash(q, k, v, scale, Tq, Tk):
+    if _wgmma_on():
+        return _attention_flash_hopper(q, k, v, scale)
     bh = math.prod(q.shape[:-2])
     out = _empty(q.shape, q.dtype)  # (..., H, Tq, 64)
     lse = _empty(q.shape[:-1], F32)  # (..., H, Tq)
@@ -172,9 +179,10 @@ def _hopper_ok() -> bool:
 
 def _attention_flash_hopper(q, k, v, scale=None):
     """``attention``'s flash forward by flash_hopper.cu (Hopper's wgmma) on head-major bf16
-    ``(..., H, T, 64)`` arrays: ``(out, lse)`` as ``_attention_flash``. NOT the backend's path
-    yet: written 2026-12-04 without a GPU, for tests/test_cuda_flash_hopper.py and
-    benchmarks/attention_cuda.py; the backend takes it once they have passed."""
+    ``(..., H, T, 64)`` arrays: ``(out, lse)`` as ``_attention_flash``. The backend's path only
+    with FORGE_WGMMA_ATTENTION=on: written 2026-12-04 without a GPU, for
+    tests/test_cuda_flash_hopper.py and benchmarks/attention_cuda.py; the switch's default
+    turns on once they have passed."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
     if not (_flash_wanted(q, k, v) and _hopper_ok()):
@@ -190,7 +198,7 @@ def _attention_flash_hopper(q, k, v, scale=None):
 
 def _qkv_flash_fwd_hopper(qkv, n_head, scale):
     """``attention_qkv``'s forward by flash_hopper.cu on GPT-2's fused (B, T, 3C) rows (as
-    ``_qkv_flash_fwd`` without dropout); not the backend's path yet (see above)."""
+    ``_qkv_flash_fwd`` without dropout); see ``_attention_flash_hopper``."""
     qkv = _c(qkv)
     if not (_qkv_flash_ok(qkv, n_head) and _hopper_ok()):
         raise ShapeError("the wgmma forward takes bf16 rows of 64-wide heads on compute "
@@ -218,7 +226,7 @@ def _hopper_bwd_launch(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, l
 
 def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None):
     """``attention_bwd``'s flash backward by flash_hopper.cu on head-major bf16 arrays:
-    ``(dq, dk, dv)``; not the backend's path yet (see ``_attention_flash_hopper``)."""
+    ``(dq, dk, dv)``; see ``_attention_flash_hopper``."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     out, dout = _like(_c(out), q.dtype), _like(_c(dout), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
@@ -233,7 +241,7 @@ def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None):
 
 def _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale):
     """``attention_qkv_bwd``'s flash backward by flash_hopper.cu on fused (B, T, 3C) rows:
-    dqkv; not the backend's path yet (see ``_attention_flash_hopper``)."""
+    dqkv; see ``_attention_flash_hopper``."""
     qkv = _c(qkv)
     y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
     if not (_qkv_flash_ok(qkv, n_head, y, dy) and _hopper_ok()):
@@ -279,6 +287,8 @@ def attention_qkv(qkv, n_head, scale):
 
 def _qkv_flash_fwd(qkv, n_head, scale, drop=None):
     """The flash forward on fused rows; ``drop``: None, or _drop_args(p, seed)."""
+    if drop is None and _wgmma_on():
+        return _qkv_flash_fwd_hopper(qkv, n_head, scale)
     B, T, C3 = qkv.shape
     C = C3 // 3
     y = _empty((B, T, C), qkv.dtype)
@@ -313,6 +323,8 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
 
 def _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale, drop=None):
     """The flash backward on fused rows (dq kernel, then dk/dv): ``drop`` as _qkv_flash_fwd's."""
+    if drop is None and _wgmma_on():
+        return _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale)
     B, T, C3 = qkv.shape
     C = C3 // 3
     lse = _like(_c(lse), F32)
@@ -394,6 +406,8 @@ def attention_bwd(q, k, v, out, lse, dout, scale=None):
 
 
 def _attention_bwd_flash(q, k, v, out, lse, dout, scale, Tq, Tk):
+    if _wgmma_on():
+        return _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale)
     bh = math.prod(q.shape[:-2])
     D = _empty(lse.shape, F32)  # rowsum(dout * out): written by the dq kernel, read by dk/dv
     dq = _empty(q.shape, q.dtype)
