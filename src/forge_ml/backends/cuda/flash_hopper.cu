@@ -30,8 +30,9 @@
 
 // wgmma exists for sm_90a only: compiled for anything else (NVRTC's plain sm_90, the test that
 // compiles every kernel file) the file defines no kernel, so asking for it is a clean error
-// rather than a launch. runtime.py compiles this file for sm_90a (_ARCH_STEMS).
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// rather than a launch. runtime.py compiles this file for sm_90a (_ARCH_STEMS) with
+// FORGE_ARCH_FEATURES defined, in case NVRTC does not define nvcc's feature macro.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(FORGE_ARCH_FEATURES)
 
 // K-major tile (rows of q or k, 64 k-values each): 8-row groups 1024 bytes apart; a 16-wide
 // k step moves the start 32 bytes (the hardware swizzles the moved address as the store did)
@@ -502,4 +503,4 @@ extern "C" __global__ void __launch_bounds__(128)
     wg_store_rows(dv + kvb, dva, j_lo, Tk, 1.f, 1.f, t, kv_ld);
 }
 
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+#endif  // sm_90a

@@ -219,12 +219,14 @@ def compile_for_arch(source: str, label: str, arch: str, options=("--std=c++17",
     """Compile ``source`` with NVRTC for ``arch`` (e.g. ``"sm_90a"``, whose arch-specific
     instructions a plain sm_90 build lacks) into a loaded module: NVRTC's own calls and the
     driver's module loader, as CuPy's compiler would do but for CuPy's choice of -arch.
-    Not cached on disk. A compile failure raises CompileError carrying NVRTC's log."""
+    FORGE_ARCH_FEATURES is defined, for code that a plain build must leave out. Not cached on
+    disk. A compile failure raises CompileError carrying NVRTC's log."""
     from cupy_backends.cuda.libs import nvrtc
     prog = nvrtc.createProgram(source, label, (), ())
     try:
         try:
-            nvrtc.compileProgram(prog, tuple(options) + (f"-arch={arch}",))
+            nvrtc.compileProgram(prog, tuple(options) + (f"-arch={arch}",
+                                                         "-DFORGE_ARCH_FEATURES=1"))
         except nvrtc.NVRTCError:
             raise CompileError(f"NVRTC could not compile {label} for {arch}:\n"
                                f"{nvrtc.getProgramLog(prog)}") from None
