@@ -152,6 +152,24 @@ def test_many_in_a_graph_whose_table_is_built_while_capturing(be):
     graph.release()
 
 
+def test_a_table_a_graph_uses_is_never_evicted(be):
+    """A table made op by op and then used by a capture is kept for good, however many other
+    tables come after it (the graph reads it at every replay)."""
+    from forge_ml.backends.cuda import many
+    r = np.random.default_rng(10)
+    xs = [fm.tensor(r.standard_normal(n).astype(np.float32), device="cuda") for n in (5, 70000)]
+    many._tables.clear()
+    ops.sumsq_total(xs)                               # made op by op
+    graph = be.capture_graph(lambda: ops.sumsq_total(xs))
+    assert len(many._tables) == 1 and all(v[3] for v in many._tables.values())
+    for i in range(many._KEEP + 5):                   # enough others to evict it if it could be
+        ops.sumsq_total([fm.tensor(r.standard_normal(10 + i).astype(np.float32), device="cuda")])
+    want = sum(float((x.numpy().astype(np.float64) ** 2).sum()) for x in xs)
+    graph.replay()
+    assert abs(graph.outputs.item() - want) <= 1e-6 * want
+    graph.release()
+
+
 def test_table_cache_stays_bounded(be):
     from forge_ml.backends.cuda import many
     r = np.random.default_rng(8)

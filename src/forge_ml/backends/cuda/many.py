@@ -32,23 +32,27 @@ def _chunks(n: int) -> int:
 def _table(rows: list) -> "cupy.ndarray":
     """The device copy of ``rows`` (equal-length tuples of ints), cached by their values.
 
-    A table made while the stream is capturing a graph is kept for good: the graph's copy
-    node reads its host buffer at every replay. Others are dropped oldest first beyond
-    ``_KEEP``, once their copy has run (its event), so a host buffer is never reused early."""
+    A table made or used while the stream is capturing a graph is kept for good: the graph
+    reads it (and its host buffer, through the copy node, when it was made then) at every
+    replay. Others are dropped oldest first beyond ``_KEEP``, once their copy has run (its
+    event), so a host buffer is never reused early."""
     key = (_dev(),) + tuple(rows)
+    stream = cupy.cuda.get_current_stream()
+    capturing = stream.is_capturing()
     hit = _tables.get(key)
     if hit is not None:
+        if capturing and not hit[3]:   # a graph now reads it: never evicted from here on
+            hit = _tables[key] = hit[:3] + (True,)
         _tables.move_to_end(key)
         return hit[0]
     host = pinned_empty((len(rows), len(rows[0])), np.int64)
     host[...] = np.asarray(rows, np.int64)
     dev = cupy.empty(host.shape, np.int64)
-    stream = cupy.cuda.get_current_stream()
     # the runtime's own call: CuPy refuses any host-to-device copy while a stream captures,
     # but CUDA records one from page-locked memory as a graph node
     cupy.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, host.nbytes,
                                   cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
-    forever = stream.is_capturing()
+    forever = capturing
     event = None
     if not forever:
         event = cupy.cuda.Event(block=False, disable_timing=True)
