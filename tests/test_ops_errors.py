@@ -181,6 +181,21 @@ def test_adamw_update_many_errors():
                               steps=[1], **kw)
     with pytest.raises(fm.ShapeError, match="steps must be"):
         ops.adamw_update_many([p], [g], [f32(3, 2)], [f32(3, 2)], weight_decays=[0], steps=[0], **kw)
+    with pytest.raises(fm.ConfigError, match="lr and steps"):
+        ops.adamw_update_many([p], [g], [f32(3, 2)], [f32(3, 2)], weight_decays=[0], beta1=0.9,
+                              beta2=0.99, eps=1e-8)
+    with pytest.raises(fm.ShapeError, match="scalars"):   # the device values' layout is checked
+        ops.adamw_update_many([p], [g], [f32(3, 2)], [f32(3, 2)], weight_decays=[0], beta1=0.9,
+                              beta2=0.99, eps=1e-8, scalars=f32(3))
+
+
+def test_sumsq_total_errors():
+    with pytest.raises(fm.ShapeError, match="at least one"):
+        ops.sumsq_total([])
+    with pytest.raises(fm.DTypeError):
+        ops.sumsq_total([f32(2), fm.tensor(np.array([1, 2], np.int64))])
+    got = ops.sumsq_total([f32(2, 3), f32(4)])
+    assert got.shape == () and got.dtype.name == "float32"
 
 def test_adamw_errors():
     p = f32(3, 2)

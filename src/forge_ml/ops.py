@@ -19,7 +19,7 @@ import numpy as np
 
 from . import dtype as _dt
 from . import rng as _rng
-from .errors import DeviceError, DTypeError, ShapeError
+from .errors import ConfigError, DeviceError, DTypeError, ShapeError
 from .tensor import Tensor, backend_of
 
 # -- boundary checks -------------------------------------------------------------------
@@ -1168,7 +1168,8 @@ def adamw_update_many(ps, gs, ms, vs, *, lr=None, beta1, beta2, eps, weight_deca
     """
     k = len(ps)
     if scalars is None and (lr is None or steps is None):
-        raise ShapeError("adamw_update_many: give lr and steps, or scalars")
+        raise ConfigError("adamw_update_many: expected lr and steps (host values) or scalars "
+                          "(STEP_SCALARS in device memory); got neither")
     nsteps = k if scalars is not None and steps is None else len(steps)
     if not len(gs) == len(ms) == len(vs) == len(weight_decays) == nsteps == k or (
             p_lowps is not None and len(p_lowps) != k):
