@@ -50,7 +50,10 @@ PYEOF
 test_rc=skipped; bench_rc=0; serve_rc=skipped; wgmma_rc=skipped; wgmma_on_rc=skipped
 if want tests; then
   echo "== tests (the GPU tests, and the contract suite on every backend; addopts give -q)"
+  # flash_hopper.cu's tests run in the wgmma section: an experimental kernel that faults would
+  # take the CUDA context of a worker, and the tests after it, down with it
   timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest tests/test_cuda*.py tests/backends ${EXTRA_TESTS:-} -rfEs \
+      --ignore=tests/test_cuda_wgmma_probe.py --ignore=tests/test_cuda_flash_hopper.py \
       -p no:cacheprovider -n "${TEST_WORKERS:-4}" --durations=8 --junitxml="$LOG/tests.xml" 2>&1 | tee "$LOG/tests.log"
   test_rc=${PIPESTATUS[0]}
 fi
