@@ -53,7 +53,7 @@ if want tests; then
   # flash_hopper.cu's tests run in the wgmma section: an experimental kernel that faults would
   # take the CUDA context of a worker, and the tests after it, down with it
   timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest tests/test_cuda*.py tests/backends ${EXTRA_TESTS:-} -rfEs \
-      --ignore=tests/test_cuda_wgmma_probe.py --ignore=tests/test_cuda_flash_hopper.py \
+      --deselect tests/test_cuda_wgmma_probe.py --deselect tests/test_cuda_flash_hopper.py \
       -p no:cacheprovider -n "${TEST_WORKERS:-4}" --durations=8 --junitxml="$LOG/tests.xml" 2>&1 | tee "$LOG/tests.log"
   test_rc=${PIPESTATUS[0]}
 fi
