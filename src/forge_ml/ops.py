@@ -19,6 +19,7 @@ import numpy as np
 
 from . import dtype as _dt
 from . import rng as _rng
+from .backends import compose as _compose
 from .errors import ConfigError, DeviceError, DTypeError, ShapeError
 from .tensor import Tensor, backend_of
 
@@ -264,7 +265,7 @@ def sumsq_total(xs) -> Tensor:
     clipping's global sum), a 0-d tensor on their device: float32 (float64 when any is
     float64). One backend call where the backend has ``sumsq_total`` (the GPU's two launches
     over a table of the tensors, the chunks' sums added in double), else ``sumsq`` each, added
-    with ``add`` in order.
+    with ``add`` in order (``backends.compose.sumsq_total``).
 
     >>> import numpy as np, forge_ml as fm
     >>> sumsq_total([fm.tensor(np.array([3.0], np.float32)), fm.tensor(np.array([4.0], np.float32))]).item()
@@ -279,17 +280,9 @@ def sumsq_total(xs) -> Tensor:
             raise DeviceError(f"sumsq_total: xs[0] is on {xs[0].device} but xs[{i}] is on "
                               f"{x.device}; move them to one device with .to()")
     bk = backend_of(xs[0].device)
-    wide = any(x.dtype == _dt.float64 for x in xs)
     many = getattr(bk, "sumsq_total", None)
-    if many is not None:
-        out = _wrap(xs[0], many([x.data for x in xs]))
-        return out.to("float64") if wide else out
-    acc = None
-    for x in xs:
-        s = sumsq(x)
-        s = s.to("float64") if wide else s
-        acc = s if acc is None else add(acc, s)
-    return acc
+    arrays = [x.data for x in xs]
+    return _wrap(xs[0], many(arrays) if many is not None else _compose.sumsq_total(bk, arrays))
 
 
 def gelu(x) -> Tensor:

@@ -54,6 +54,17 @@ def matmul_dgelu(bk, dy, w, pre):
     return dpre, bk.sum_rows(dpre)
 
 
+def sumsq_total(bk, xs):
+    """The sum of squares of every element of every array in ``xs`` (0-d): ``sumsq`` each,
+    added with ``add`` in order, in float64 when any array is float64 (else float32)."""
+    acc_dt = "float64" if any(of_array(x.dtype).name == "float64" for x in xs) else "float32"
+    acc = bk.zeros((), acc_dt)
+    for x in xs:
+        s = bk.sumsq(x)
+        acc = bk.add(acc, s if of_array(s.dtype).name == acc_dt else bk.cast(s, acc_dt))
+    return acc
+
+
 def weight_grads(bk, x, dy, alpha):
     """A linear layer's weight and bias gradients: ``(alpha x^T dy, sum_rows(dy))``."""
     return bk.matmul(x, dy, None, True, False, float(alpha), None), bk.sum_rows(dy)

@@ -16,9 +16,11 @@ from collections import OrderedDict
 import numpy as np
 
 from ...errors import ShapeError
-from .memory import _c, _like, pinned_empty
+from .. import compose as _compose
+from .memory import _c, pinned_empty
 from .pointwise import _adamw_arrays, adamw_update_at
-from .runtime import BF16, F32, F64, _THREADS, _dev, _empty, _guarded, _i32, _launch, cupy
+from .runtime import (BF16, F32, F64, _THREADS, _dev, _empty, _guarded, _i32, _launch, _package,
+                      cupy)
 
 _CHUNK = 16384          # elements a block owns (many.cu: MANY_CHUNK)
 _KEEP = 64              # tables kept besides those a captured graph copies from
@@ -77,19 +79,13 @@ def _grid_of(sizes) -> tuple:
 def sumsq_total(xs):
     """The sum of squares of every element of every array in ``xs``, a 0-d float32 array: each
     chunk's sum (float32), then one block adds them all in double and rounds once. The same
-    bits on every run. float64 or mixed dtypes: ``sumsq`` each, added in order (float64 when
-    any is float64)."""
+    bits on every run. float64 or mixed dtypes: the composed default (``sumsq`` each, added in
+    order; float64 when any is float64)."""
     xs = [_c(x) for x in xs]
     dts = {x.dtype for x in xs}
     xs = [x for x in xs if x.size]
     if not xs or len(dts) != 1 or next(iter(dts)) not in (F32, BF16):
-        from .pointwise import add
-        from .rows import sumsq
-        acc_dt = F64 if F64 in dts else F32
-        acc = cupy.zeros((), acc_dt)
-        for x in xs:
-            acc = add(acc, _like(sumsq(x), acc_dt))
-        return acc
+        return _compose.sumsq_total(_package(), xs)
     first, nb = _grid_of([x.size for x in xs])
     tab = _table([(x.data.ptr, x.size, c0) for x, c0 in zip(xs, first)])
     sfx = "bf16" if xs[0].dtype == BF16 else "f32"
