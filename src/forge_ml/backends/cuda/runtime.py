@@ -249,7 +249,7 @@ def _function(stem: str, name: str):
                 label = f"backends/cuda/{stem}.cu"
                 if stem in _ARCH_STEMS:
                     cc, arch = _ARCH_STEMS[stem]
-                    have = cupy.cuda.Device(key[0]).compute_capability
+                    have = _cc(key[0])
                     if have != cc:
                         raise CompileError(f"{label} is written for {arch}; this GPU is "
                                            f"compute capability {have}")
@@ -453,8 +453,14 @@ def _pdl_on() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _cc(dev: int) -> str:
+    """Device ``dev``'s compute capability as CuPy writes it (``"90"`` on Hopper)."""
+    return cupy.cuda.Device(dev).compute_capability
+
+
+@functools.lru_cache(maxsize=None)
 def _cc_major(dev: int) -> int:
-    return int(cupy.cuda.runtime.getDeviceProperties(dev)["major"])
+    return int(_cc(dev)) // 10
 
 
 @functools.lru_cache(maxsize=None)
