@@ -31,7 +31,7 @@ from .cublas import _matmul_into
 from .layout import merge_heads, split_heads, unmerge_heads
 from .memory import _c, _like, _pos_array
 from .rows import _softmax_bwd_into, _softmax_into
-from .runtime import (BF16, F32, _SFX, _THREADS, _acc, _acc_dtype, _dev, _empty, _float_sfx,
+from .runtime import (BF16, F32, _SFX, _THREADS, _acc, _acc_dtype, _cc, _dev, _empty, _float_sfx,
                       _grid, _guarded, _i32, _i64, _launch, _launcher_ex, _package, _sm_count,
                       _word, cupy)
 
@@ -154,27 +154,66 @@ def _fused_layout(T, C, n_head):
             _i32(3 * C), _i64(T * C), _i64(d), _i32(C))
 
 
-def _wgmma_on() -> bool:
-    """The FORGE_WGMMA_ATTENTION switch, on a GPU that can run flash_hopper.cu."""
+def _fa_fwd(q, k, v, out, lse, Tq, Tk, scale, bh, layout, drop, hopper):
+    """One forward launch on layout ``layout`` (``_head_major`` or ``_fused_layout``): the
+    mma.sync kernel of flash_attention.cu (with dropout when ``drop``), or, with ``hopper``,
+    flash_hopper.cu's wgmma kernel (no dropout)."""
+    args = (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
+    if hopper:
+        _launch("flash_hopper", "flash_fwd_wgmma_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
+                args)
+    else:
+        _launch("flash_attention", _flash_kernel("flash_fwd_bf16_h64", drop is not None),
+                _flash_grid(bh, Tq), _FLASH_THREADS, args + (drop or _NO_DROP))
+
+
+def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop, hopper):
+    """The backward's two launches, dq (writing D = rowsum(dout * out)) then dk and dv (reading
+    it), as ``_fa_fwd`` chooses its kernel."""
+    D = _empty(lse.shape, F32)
+    dq_args = (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
+    kv_args = (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
+    if hopper:
+        _launch("flash_hopper", "flash_bwd_dq_wgmma_bf16_h64", _flash_grid(bh, Tq),
+                _FLASH_THREADS, dq_args)
+        _launch("flash_hopper", "flash_bwd_dkdv_wgmma_bf16_h64", _flash_grid(bh, Tk),
+                _FLASH_THREADS, kv_args)
+    else:
+        extra = drop or _NO_DROP
+        _launch("flash_attention", _flash_kernel("flash_bwd_dq_bf16_h64", drop is not None),
+                _flash_grid(bh, Tq), _FLASH_THREADS, dq_args + extra)
+        _launch("flash_attention", _flash_kernel("flash_bwd_dkdv_bf16_h64", drop is not None),
+                _flash_grid(bh, Tk), _FLASH_THREADS, kv_args + extra)
+
+
+def _wgmma(drop=None, hopper=None) -> bool:
+    """Whether a flash call takes flash_hopper.cu's kernels: ``hopper`` when given (the
+    ``*_hopper`` entry points), else the FORGE_WGMMA_ATTENTION switch on a GPU that can run
+    them; never with dropout."""
+    if drop is not None:
+        return False
+    if hopper is not None:
+        return hopper
     return flags.get("FORGE_WGMMA_ATTENTION") == "on" and _hopper_ok()
 
 
-def _attention_flash(q, k, v, scale, Tq, Tk):
-    if _wgmma_on():
-        return _attention_flash_hopper(q, k, v, scale)
-    bh = math.prod(q.shape[:-2])
+def _attention_flash(q, k, v, scale, Tq, Tk, hopper=None):
     out = _empty(q.shape, q.dtype)  # (..., H, Tq, 64)
     lse = _empty(q.shape[:-1], F32)  # (..., H, Tq)
-    _launch("flash_attention", _flash_kernel("flash_fwd_bf16_h64"), _flash_grid(bh, Tq),
-            _FLASH_THREADS, (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale))
-            + _head_major(Tq, Tk) + _NO_DROP)
+    _fa_fwd(q, k, v, out, lse, Tq, Tk, scale, math.prod(q.shape[:-2]), _head_major(Tq, Tk),
+            None, _wgmma(hopper=hopper))
     return out, lse
 
 
 def _hopper_ok() -> bool:
-    """Whether flash_hopper.cu's wgmma forward can run on the current GPU (compute
-    capability 9.0: its sm_90a build)."""
-    return cupy.cuda.Device().compute_capability == "90"
+    """Whether flash_hopper.cu's wgmma kernels can run on the current GPU (compute
+    capability 9.0: their sm_90a build)."""
+    return _cc(_dev()) == "90"
+
+
+def _hopper_check(ok: bool, what: str) -> None:
+    if not (ok and _hopper_ok()):
+        raise ShapeError(f"the wgmma {what} takes bf16 heads of 64 on compute capability 9.0")
 
 
 def _attention_flash_hopper(q, k, v, scale=None):
@@ -182,78 +221,36 @@ def _attention_flash_hopper(q, k, v, scale=None):
     ``(..., H, T, 64)`` arrays: ``(out, lse)`` as ``_attention_flash``. The backend's path only
     with FORGE_WGMMA_ATTENTION=on: written 2026-12-04 without a GPU, for
     tests/test_cuda_flash_hopper.py and benchmarks/attention_cuda.py; the switch's default
-    turns on once they have passed."""
+    turns on once they have passed. The other ``*_hopper`` functions are the same for the
+    backward and the fused rows."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
-    if not (_flash_wanted(q, k, v) and _hopper_ok()):
-        raise ShapeError("the wgmma forward takes bf16 at head size 64 on compute capability 9.0")
+    _hopper_check(_flash_wanted(q, k, v), "forward")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    bh = math.prod(q.shape[:-2])
-    out = _empty(q.shape, q.dtype)
-    lse = _empty(q.shape[:-1], F32)
-    _launch("flash_hopper", "flash_fwd_wgmma_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
-            (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale)) + _head_major(Tq, Tk))
-    return out, lse
+    return _attention_flash(q, k, v, scale, Tq, Tk, hopper=True)
 
 
 def _qkv_flash_fwd_hopper(qkv, n_head, scale):
-    """``attention_qkv``'s forward by flash_hopper.cu on GPT-2's fused (B, T, 3C) rows (as
-    ``_qkv_flash_fwd`` without dropout); see ``_attention_flash_hopper``."""
     qkv = _c(qkv)
-    if not (_qkv_flash_ok(qkv, n_head) and _hopper_ok()):
-        raise ShapeError("the wgmma forward takes bf16 rows of 64-wide heads on compute "
-                         "capability 9.0")
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    y = _empty((B, T, C), qkv.dtype)
-    lse = _empty((B, n_head, T), F32)
-    q, k, v = _thirds(qkv, C)
-    _launch("flash_hopper", "flash_fwd_wgmma_bf16_h64", _flash_grid(B * n_head, T),
-            _FLASH_THREADS, (q, k, v, y, lse, _i32(T), _i32(T), np.float32(scale))
-            + _fused_layout(T, C, n_head))
-    return y, lse
-
-
-def _hopper_bwd_launch(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout):
-    """flash_hopper.cu's two backward kernels (dq and D, then dk and dv), as
-    ``_attention_bwd_flash`` launches flash_attention.cu's."""
-    D = _empty(lse.shape, F32)
-    _launch("flash_hopper", "flash_bwd_dq_wgmma_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
-            (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale)) + layout)
-    _launch("flash_hopper", "flash_bwd_dkdv_wgmma_bf16_h64", _flash_grid(bh, Tk), _FLASH_THREADS,
-            (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale)) + layout)
+    _hopper_check(_qkv_flash_ok(qkv, n_head), "forward")
+    return _qkv_flash_fwd(qkv, n_head, scale, hopper=True)
 
 
 def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None):
-    """``attention_bwd``'s flash backward by flash_hopper.cu on head-major bf16 arrays:
-    ``(dq, dk, dv)``; see ``_attention_flash_hopper``."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     out, dout = _like(_c(out), q.dtype), _like(_c(dout), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
-    if not (_flash_wanted(q, k, v, out, dout) and _hopper_ok()):
-        raise ShapeError("the wgmma backward takes bf16 at head size 64 on compute capability 9.0")
+    _hopper_check(_flash_wanted(q, k, v, out, dout), "backward")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    dq, dk, dv = _empty(q.shape, q.dtype), _empty(k.shape, q.dtype), _empty(v.shape, q.dtype)
-    _hopper_bwd_launch(q, k, v, out, dout, _like(_c(lse), F32), dq, dk, dv, Tq, Tk, scale,
-                       math.prod(q.shape[:-2]), _head_major(Tq, Tk))
-    return dq, dk, dv
+    return _attention_bwd_flash(q, k, v, out, _like(_c(lse), F32), dout, scale, Tq, Tk,
+                                hopper=True)
 
 
 def _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale):
-    """``attention_qkv_bwd``'s flash backward by flash_hopper.cu on fused (B, T, 3C) rows:
-    dqkv; see ``_attention_flash_hopper``."""
     qkv = _c(qkv)
     y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
-    if not (_qkv_flash_ok(qkv, n_head, y, dy) and _hopper_ok()):
-        raise ShapeError("the wgmma backward takes bf16 rows of 64-wide heads on compute "
-                         "capability 9.0")
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    dqkv = _empty(qkv.shape, qkv.dtype)
-    (q, k, v), (dq, dk, dv) = _thirds(qkv, C), _thirds(dqkv, C)
-    _hopper_bwd_launch(q, k, v, y, dy, _like(_c(lse), F32), dq, dk, dv, T, T, scale, B * n_head,
-                       _fused_layout(T, C, n_head))
-    return dqkv
+    _hopper_check(_qkv_flash_ok(qkv, n_head, y, dy), "backward")
+    return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale, hopper=True)
 
 
 def _qkv_flash_ok(qkv, n_head, *others) -> bool:
@@ -285,19 +282,15 @@ def attention_qkv(qkv, n_head, scale):
     return _qkv_flash_fwd(qkv, n_head, scale)
 
 
-def _qkv_flash_fwd(qkv, n_head, scale, drop=None):
+def _qkv_flash_fwd(qkv, n_head, scale, drop=None, hopper=None):
     """The flash forward on fused rows; ``drop``: None, or _drop_args(p, seed)."""
-    if drop is None and _wgmma_on():
-        return _qkv_flash_fwd_hopper(qkv, n_head, scale)
     B, T, C3 = qkv.shape
     C = C3 // 3
     y = _empty((B, T, C), qkv.dtype)
     lse = _empty((B, n_head, T), F32)
     q, k, v = _thirds(qkv, C)
-    _launch("flash_attention", _flash_kernel("flash_fwd_bf16_h64", drop is not None),
-            _flash_grid(B * n_head, T), _FLASH_THREADS,
-            (q, k, v, y, lse, _i32(T), _i32(T), np.float32(scale)) + _fused_layout(T, C, n_head)
-            + (drop or _NO_DROP))
+    _fa_fwd(q, k, v, y, lse, T, T, scale, B * n_head, _fused_layout(T, C, n_head), drop,
+            _wgmma(drop, hopper))
     return y, lse
 
 
@@ -321,26 +314,14 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
     return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale)
 
 
-def _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale, drop=None):
+def _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale, drop=None, hopper=None):
     """The flash backward on fused rows (dq kernel, then dk/dv): ``drop`` as _qkv_flash_fwd's."""
-    if drop is None and _wgmma_on():
-        return _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale)
     B, T, C3 = qkv.shape
     C = C3 // 3
-    lse = _like(_c(lse), F32)
-    D = _empty(lse.shape, F32)  # rowsum(dy * y): written by the dq kernel, read by dk/dv
     dqkv = _empty(qkv.shape, qkv.dtype)
-    q, k, v = _thirds(qkv, C)
-    dq, dk, dv = _thirds(dqkv, C)
-    lay = _fused_layout(T, C, n_head)
-    grid = _flash_grid(B * n_head, T)
-    with_drop, dargs = drop is not None, drop or _NO_DROP
-    _launch("flash_attention", _flash_kernel("flash_bwd_dq_bf16_h64", with_drop), grid,
-            _FLASH_THREADS,
-            (q, k, v, y, dy, lse, D, dq, _i32(T), _i32(T), np.float32(scale)) + lay + dargs)
-    _launch("flash_attention", _flash_kernel("flash_bwd_dkdv_bf16_h64", with_drop), grid,
-            _FLASH_THREADS,
-            (q, k, v, dy, lse, D, dk, dv, _i32(T), _i32(T), np.float32(scale)) + lay + dargs)
+    (q, k, v), (dq, dk, dv) = _thirds(qkv, C), _thirds(dqkv, C)
+    _fa_bwd(q, k, v, y, dy, _like(_c(lse), F32), dq, dk, dv, T, T, scale, B * n_head,
+            _fused_layout(T, C, n_head), drop, _wgmma(drop, hopper))
     return dqkv
 
 
@@ -405,20 +386,10 @@ def attention_bwd(q, k, v, out, lse, dout, scale=None):
     return _attention_bwd_composed(q, k, v, out, lse, dout, scale)
 
 
-def _attention_bwd_flash(q, k, v, out, lse, dout, scale, Tq, Tk):
-    if _wgmma_on():
-        return _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale)
-    bh = math.prod(q.shape[:-2])
-    D = _empty(lse.shape, F32)  # rowsum(dout * out): written by the dq kernel, read by dk/dv
-    dq = _empty(q.shape, q.dtype)
-    _launch("flash_attention", _flash_kernel("flash_bwd_dq_bf16_h64"), _flash_grid(bh, Tq),
-            _FLASH_THREADS, (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk),
-                             np.float32(scale)) + _head_major(Tq, Tk) + _NO_DROP)
-    dk = _empty(k.shape, q.dtype)
-    dv = _empty(v.shape, q.dtype)
-    _launch("flash_attention", _flash_kernel("flash_bwd_dkdv_bf16_h64"), _flash_grid(bh, Tk),
-            _FLASH_THREADS, (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk),
-                             np.float32(scale)) + _head_major(Tq, Tk) + _NO_DROP)
+def _attention_bwd_flash(q, k, v, out, lse, dout, scale, Tq, Tk, hopper=None):
+    dq, dk, dv = _empty(q.shape, q.dtype), _empty(k.shape, q.dtype), _empty(v.shape, q.dtype)
+    _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, math.prod(q.shape[:-2]),
+            _head_major(Tq, Tk), None, _wgmma(hopper=hopper))
     return dq, dk, dv
 
 
