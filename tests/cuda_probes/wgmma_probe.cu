@@ -92,9 +92,11 @@ FORGE_D void probe_a_frags(const bf16* A, unsigned (&a)[4][4], int warp, int g, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128)
-    probe_rk(const bf16* A, const bf16* B, float* C, unsigned lbo, unsigned sbo,
-             unsigned k_step_bytes) {
+// A from registers, B in shared memory: K-major (wg_mma_rs) or, with TRANS_B, MN-major read
+// transposed (wg_mma_rs_t).
+template <bool TRANS_B>
+__device__ void probe_reg_a(const bf16* A, const bf16* B, float* C, unsigned lbo, unsigned sbo,
+                            unsigned k_step_bytes) {
     __shared__ __align__(1024) bf16 sB[64 * 64];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     float d[32];
@@ -103,27 +105,27 @@ extern "C" __global__ void __launch_bounds__(128)
     probe_a_frags(A, a, warp, g, t);
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-        wg_mma_rs(d, a[kk], wg_desc(reinterpret_cast<char*>(sB) + kk * k_step_bytes, lbo, sbo));
+    for (int kk = 0; kk < 4; ++kk) {
+        const unsigned long long db =
+            wg_desc(reinterpret_cast<char*>(sB) + kk * k_step_bytes, lbo, sbo);
+        if (TRANS_B)
+            wg_mma_rs_t(d, a[kk], db);
+        else
+            wg_mma_rs(d, a[kk], db);
+    }
     wg_commit();
     wg_wait0();
     wg_store_acc(C, d, warp, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
+    probe_rk(const bf16* A, const bf16* B, float* C, unsigned lbo, unsigned sbo,
+             unsigned k_step_bytes) {
+    probe_reg_a<false>(A, B, C, lbo, sbo, k_step_bytes);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
     probe_rs(const bf16* A, const bf16* B, float* C, unsigned lbo, unsigned sbo,
              unsigned k_step_bytes) {
-    __shared__ __align__(1024) bf16 sB[64 * 64];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    float d[32];
-    probe_start(sB, B, d);
-    unsigned a[4][4];
-    probe_a_frags(A, a, warp, g, t);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-        wg_mma_rs_t(d, a[kk], wg_desc(reinterpret_cast<char*>(sB) + kk * k_step_bytes, lbo, sbo));
-    wg_commit();
-    wg_wait0();
-    wg_store_acc(C, d, warp, lane);
+    probe_reg_a<true>(A, B, C, lbo, sbo, k_step_bytes);
 }

@@ -140,6 +140,43 @@ FORGE_D void wg_zero(float (&d)[32]) {
     for (int i = 0; i < 32; ++i) d[i] = 0.f;
 }
 
+// The four 16-wide k steps of a 64-wide product, issued (the caller fences before and commits
+// and waits after, around as many products as it batches): A and B shared (both K-major); A
+// from registers and B K-major; A from registers and B MN-major, read transposed.
+FORGE_D void wg_ss4(float (&d)[32], unsigned long long da, unsigned long long db) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+        wg_mma_ss(d, da + (kk * WG_K_STEP >> 4), db + (kk * WG_K_STEP >> 4));
+}
+
+FORGE_D void wg_rs4(float (&d)[32], const unsigned (&a)[4][4], unsigned long long db) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wg_mma_rs(d, a[kk], db + (kk * WG_K_STEP >> 4));
+}
+
+FORGE_D void wg_rs4_t(float (&d)[32], const unsigned (&a)[4][4], unsigned long long db) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wg_mma_rs_t(d, a[kk], db + (kk * WG_MN_STEP >> 4));
+}
+
+// Iteration kb of a walk over 64-row k and v tiles (double-buffered): the next pair starts
+// loading while this one is used; then this pair is waited for, made visible to wgmma and to
+// every thread.
+FORGE_D void wg_next_kv(bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64], const bf16* K,
+                        const bf16* V, int kb, int nkb, int Tk, int tid, int kv_ld) {
+    if (kb + 1 < nkb) {
+        const int buf = (kb + 1) & 1;
+        wg_load_tile(sK[buf], K, (kb + 1) * 64, Tk, tid, kv_ld);
+        wg_load_tile(sV[buf], V, (kb + 1) * 64, Tk, tid, kv_ld);
+        cp_async_commit();
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    fence_async_smem();
+    __syncthreads();
+}
+
 // Block (blockIdx.x = bh, query rows q0..q0+63), the latest rows first, as flash_fwd_bf16_h64;
 // warp w owns rows q0+16w..+15 (this thread r_lo = q0+16w+g and r_hi = r_lo+8), element
 // 4 nt + e of s and o being (row r_lo or r_hi for e < 2 or not, column 8 nt + 2t + (e & 1)).
@@ -180,24 +217,12 @@ extern "C" __global__ void __launch_bounds__(128)
 
     for (int kb = 0; kb < nkb; ++kb) {
         const int buf = kb & 1;
-        if (kb + 1 < nkb) {  // the next tiles load while this one is used
-            wg_load_tile(sK[buf ^ 1], K, (kb + 1) * 64, Tk, tid, kv_ld);
-            wg_load_tile(sV[buf ^ 1], V, (kb + 1) * 64, Tk, tid, kv_ld);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        fence_async_smem();
-        __syncthreads();
+        wg_next_kv(sK, sV, K, V, kb, nkb, Tk, tid, kv_ld);
 
         float s[32];
         wg_zero(s);
-        const unsigned long long dk = wg_desc(sK[buf], WG_K_LBO, WG_K_SBO);
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            wg_mma_ss(s, dq + (kk * WG_K_STEP >> 4), dk + (kk * WG_K_STEP >> 4));  // q k^T
+        wg_ss4(s, dq, wg_desc(sK[buf], WG_K_LBO, WG_K_SBO));  // q k^T
         wg_commit();
         wg_wait0();
 
@@ -248,10 +273,8 @@ extern "C" __global__ void __launch_bounds__(128)
         // (g+8, 2t+8..) of key block kk, as mma_cb packs it
         unsigned a[4][4];
         wg_pack_a(a, s);
-        const unsigned long long dv = wg_desc(sV[buf], WG_MN_LBO, WG_MN_SBO);
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wg_mma_rs_t(o, a[kk], dv + (kk * WG_MN_STEP >> 4));  // p v
+        wg_rs4_t(o, a, wg_desc(sV[buf], WG_MN_LBO, WG_MN_SBO));  // p v
         wg_commit();
         wg_wait0();
         __syncthreads();  // every warp is done with buf before it is refilled
@@ -345,27 +368,14 @@ extern "C" __global__ void __launch_bounds__(128)
     wg_zero(acc);
     for (int kb = 0; kb < nkb; ++kb) {
         const int buf = kb & 1;
-        if (kb + 1 < nkb) {
-            wg_load_tile(sK[buf ^ 1], K, (kb + 1) * 64, Tk, tid, kv_ld);
-            wg_load_tile(sV[buf ^ 1], V, (kb + 1) * 64, Tk, tid, kv_ld);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        fence_async_smem();
-        __syncthreads();
+        wg_next_kv(sK, sV, K, V, kb, nkb, Tk, tid, kv_ld);
 
         float p[32], dp[32];
         wg_zero(p);
         wg_zero(dp);
-        const unsigned long long kdesc = wg_desc(sK[buf], WG_K_LBO, WG_K_SBO);
-        const unsigned long long vdesc = wg_desc(sV[buf], WG_K_LBO, WG_K_SBO);
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wg_mma_rs(p, qf[kk], kdesc + (kk * WG_K_STEP >> 4));
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wg_mma_rs(dp, df[kk], vdesc + (kk * WG_K_STEP >> 4));
+        wg_rs4(p, qf, wg_desc(sK[buf], WG_K_LBO, WG_K_SBO));   // q k^T
+        wg_rs4(dp, df, wg_desc(sV[buf], WG_K_LBO, WG_K_SBO));  // dout v^T
         wg_commit();
         wg_wait0();
 
@@ -384,10 +394,8 @@ extern "C" __global__ void __launch_bounds__(128)
             }
         unsigned a[4][4];
         wg_pack_a(a, p);
-        const unsigned long long kmn = wg_desc(sK[buf], WG_MN_LBO, WG_MN_SBO);
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wg_mma_rs_t(acc, a[kk], kmn + (kk * WG_MN_STEP >> 4));
+        wg_rs4_t(acc, a, wg_desc(sK[buf], WG_MN_LBO, WG_MN_SBO));  // dq += dS k
         wg_commit();
         wg_wait0();
         __syncthreads();
@@ -459,13 +467,9 @@ extern "C" __global__ void __launch_bounds__(128)
         float p[32], ds[32];
         wg_zero(p);
         wg_zero(ds);
-        const unsigned long long qk = wg_desc(sQ[buf], WG_K_LBO, WG_K_SBO);
-        const unsigned long long ok = wg_desc(sO[buf], WG_K_LBO, WG_K_SBO);
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wg_mma_rs(p, kf[kk], qk + (kk * WG_K_STEP >> 4));  // S^T
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wg_mma_rs(ds, vf[kk], ok + (kk * WG_K_STEP >> 4));  // dP^T
+        wg_rs4(p, kf, wg_desc(sQ[buf], WG_K_LBO, WG_K_SBO));   // S^T = k q^T
+        wg_rs4(ds, vf, wg_desc(sO[buf], WG_K_LBO, WG_K_SBO));  // dP^T = v dout^T
         wg_commit();
         wg_wait0();
 
@@ -488,13 +492,9 @@ extern "C" __global__ void __launch_bounds__(128)
         unsigned pa[4][4], da[4][4];
         wg_pack_a(pa, p);
         wg_pack_a(da, ds);
-        const unsigned long long omn = wg_desc(sO[buf], WG_MN_LBO, WG_MN_SBO);
-        const unsigned long long qmn = wg_desc(sQ[buf], WG_MN_LBO, WG_MN_SBO);
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wg_mma_rs_t(dva, pa[kk], omn + (kk * WG_MN_STEP >> 4));
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wg_mma_rs_t(dka, da[kk], qmn + (kk * WG_MN_STEP >> 4));
+        wg_rs4_t(dva, pa, wg_desc(sO[buf], WG_MN_LBO, WG_MN_SBO));  // dv += P^T dout
+        wg_rs4_t(dka, da, wg_desc(sQ[buf], WG_MN_LBO, WG_MN_SBO));  // dk += dS^T q
         wg_commit();
         wg_wait0();
         __syncthreads();
