@@ -95,13 +95,7 @@ extern "C" __global__ void sumsq_many_finish(const float* part, long long n, flo
 template <typename G> struct Grad4;
 template <> struct Grad4<float> {
     enum { ALIGN = 16 };
-    static FORGE_D void load(const float* g, float (&w)[4]) {
-        const float4 v = *reinterpret_cast<const float4*>(g);
-        w[0] = v.x;
-        w[1] = v.y;
-        w[2] = v.z;
-        w[3] = v.w;
-    }
+    static FORGE_D void load(const float* g, float (&w)[4]) { Vec16<float>::load(g, w); }
 };
 template <> struct Grad4<bf16> {
     enum { ALIGN = 8 };
