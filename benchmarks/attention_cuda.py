@@ -51,6 +51,11 @@ def main(argv=None) -> int:
     from forge_ml.device import Device
 
     be = get(Device("cuda", 0))
+
+    def rel_err(a, b):
+        """||a - b|| / ||b|| of two device arrays, in float64 on the host."""
+        a, b = (np.asarray(be.to_host(x), dtype=np.float64) for x in (a, b))
+        return np.linalg.norm(a - b) / np.linalg.norm(b)
     scale = 1.0 / math.sqrt(HS)
     # torch's flash backend; should this build lack it, its default choice, and say so
     backends = [SDPBackend.FLASH_ATTENTION]
@@ -133,25 +138,18 @@ def main(argv=None) -> int:
                           f"v1/flash {v_ms / f_ms:5.2f}", flush=True)
                 if be._hopper_ok():   # flash_hopper.cu's wgmma kernels (not yet the backend's path)
                     try:
-                        out_h = np.asarray(
-                            be.to_host(be._attention_flash_hopper(q, k, v, scale)[0]),
-                            dtype=np.float64)
-                        out_m = np.asarray(be.to_host(flash_fwd()[0]), dtype=np.float64)
-                        err = np.linalg.norm(out_h - out_m) / np.linalg.norm(out_m)
+                        _, _, m_ms, _, t_ms = rows[-2][:5]   # this batch's fwd row, timed above
+                        err = rel_err(be._attention_flash_hopper(q, k, v, scale)[0],
+                                      flash_fwd()[0])
                         h_ms = time_cupy(cupy, lambda: be._attention_flash_hopper(q, k, v, scale),
                                          args.reps, args.warmup)
-                        m_ms = time_cupy(cupy, flash_fwd, args.reps, args.warmup)
-                        t_ms = time_torch(torch, torch_fwd, args.reps, args.warmup)
                         print(f"  B={B:3d} fwd      wgmma {h_ms:8.3f} ms  mma.sync {m_ms:8.3f} ms  "
                               f"torch {t_ms:8.3f} ms  wgmma/torch {h_ms / t_ms:5.2f}  "
                               f"(out vs mma.sync {err:.2e})", flush=True)
                         o, lse = flash_fwd()
-                        gh = be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale)
-                        gm = be.attention_bwd(q, k, v, o, lse, dout, scale)
-                        errs = [np.linalg.norm(np.asarray(be.to_host(a), np.float64)
-                                               - np.asarray(be.to_host(b), np.float64))
-                                / np.linalg.norm(np.asarray(be.to_host(b), np.float64))
-                                for a, b in zip(gh, gm)]
+                        errs = [rel_err(a, b) for a, b in zip(
+                            be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale),
+                            be.attention_bwd(q, k, v, o, lse, dout, scale))]
                         hb = time_cupy(cupy, lambda: be._attention_bwd_flash_hopper(
                             q, k, v, o, lse, dout, scale), args.reps, args.warmup)
                         mb = time_cupy(cupy, lambda: be.attention_bwd(q, k, v, o, lse, dout, scale),
@@ -160,7 +158,7 @@ def main(argv=None) -> int:
                               f"(dq, dk, dv vs mma.sync {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e})",
                               flush=True)
                     except Exception as e:
-                        print(f"  B={B:3d} wgmma forward ERROR {type(e).__name__}: {e}", flush=True)
+                        print(f"  B={B:3d} wgmma ERROR {type(e).__name__}: {e}", flush=True)
             except Exception as e:  # keep measuring the other sizes
                 failures += 1
                 print(f"  B={B:3d} ERROR {type(e).__name__}: {e}", flush=True)
