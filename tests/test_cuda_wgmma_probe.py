@@ -2,8 +2,11 @@
 (tests/cuda_probes/wgmma_probe.cu, with flash_hopper.cu's wrappers pasted in): the shared-memory
 descriptors, the 128-byte swizzle, the
 accumulator layout and the transposed MN-major operand that a FlashAttention-3-style kernel
-is built from. Each probe tries the candidate descriptor strides and reports which agree, so
-a failure says which guess was wrong. Runs on compute capability 9.0 only."""
+is built from. Each probe runs flash_hopper.cu's own descriptor strides (its WG_* defines);
+on a failure it tries the in-bounds alternatives and says which agree, so the message names
+the right constants. (A stride that reaches past the 8 KiB tile faults the context, so none is
+tried.) Runs on compute capability 9.0 only."""
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -43,6 +46,23 @@ def module(tmp_path_factory):
     return cupy.RawModule(path=str(out / "probe.cubin"))
 
 
+def _kernel_strides(kind):
+    """flash_hopper.cu's (lbo, sbo, k step bytes) for its K-major or MN-major tiles."""
+    from forge_ml.backends.cuda import runtime
+    text = (Path(runtime.__file__).parent / "flash_hopper.cu").read_text()
+    return tuple(int(re.search(rf"#define WG_{kind}_{name} (\d+)", text).group(1))
+                 for name in ("LBO", "SBO", "STEP"))
+
+
+def _check(module, name, a, b, want, kernel, alternatives):
+    """The kernel's strides agree with NumPy; if not, which in-bounds alternatives would."""
+    if _close(_run(module, name, a, b, *kernel), want):
+        return
+    ok = {c: _close(_run(module, name, a, b, *c), want) for c in alternatives if c != kernel}
+    pytest.fail(f"{name}: flash_hopper.cu's (lbo, sbo, k step bytes) {kernel} disagree with "
+                f"NumPy; alternatives that agree: {[c for c, v in ok.items() if v] or 'none'}")
+
+
 def _bf16(rs, shape):
     """Random bf16 values as (device uint16 bits, their float64 values)."""
     import cupy
@@ -70,25 +90,19 @@ def test_wgmma_both_operands_k_major_swizzled(module):
     rs = np.random.default_rng(0)
     (a, av), (b, bv) = _bf16(rs, (64, 64)), _bf16(rs, (64, 64))
     want = av @ bv.T
-    candidates = [(16, 1024, 32), (0, 1024, 32), (1024, 1024, 32), (16, 1024, 16)]
-    ok = {c: _close(_run(module, "probe_ss", a, b, *c), want) for c in candidates}
-    assert ok[candidates[0]], f"(lbo, sbo, k step bytes) -> agrees with A B^T: {ok}"
+    _check(module, "probe_ss", a, b, want, _kernel_strides("K"),
+           [(0, 1024, 32), (1024, 1024, 32), (16, 1024, 16)])
 
 
 def test_wgmma_a_in_registers_b_k_major(module):
     rs = np.random.default_rng(2)
     (a, av), (b, bv) = _bf16(rs, (64, 64)), _bf16(rs, (64, 64))
     want = av @ bv.T
-    candidates = [(16, 1024, 32), (0, 1024, 32), (16, 1024, 16)]
-    ok = {c: _close(_run(module, "probe_rk", a, b, *c), want) for c in candidates}
-    assert ok[candidates[0]], f"(lbo, sbo, k step bytes) -> agrees with A B^T: {ok}"
+    _check(module, "probe_rk", a, b, want, _kernel_strides("K"), [(0, 1024, 32), (16, 1024, 16)])
 
 
 def test_wgmma_a_in_registers_b_mn_major_transposed(module):
     rs = np.random.default_rng(1)
     (a, av), (b, bv) = _bf16(rs, (64, 64)), _bf16(rs, (64, 64))
     want = av @ bv
-    candidates = [(16, 1024, 2048), (1024, 1024, 2048), (8192, 1024, 2048), (16, 2048, 2048),
-                  (16, 1024, 1024)]
-    ok = {c: _close(_run(module, "probe_rs", a, b, *c), want) for c in candidates}
-    assert ok[candidates[0]], f"(lbo, sbo, k step bytes) -> agrees with A B: {ok}"
+    _check(module, "probe_rs", a, b, want, _kernel_strides("MN"), [(1024, 1024, 2048), (16, 1024, 1024)])
