@@ -3,17 +3,22 @@
 ``F.scaled_dot_product_attention(is_causal=True)`` pinned to its flash backend, measured in the
 same run on the same inputs.
 
-GPT-2 124M attention shapes: H=12, T=1024, hs=64, B in --batch (default 8,16,32). Two passes:
+GPT-2 124M attention shapes: H=12, hs=64, T in --seq (default 1024), B in --batch (default
+8,16,32). --torch-backend picks PyTorch's kernel (flash, cudnn, or default: what SDPA chooses
+itself, as the trainer's peer gets it); --no-v1 skips the composed path (its T x T scores
+dominate at long T). Two passes:
 ``fwd`` (out and lse) and ``fwd+bwd`` (then dq, dk, dv for a random dout). Timing: CUDA events
 around one call, ``--warmup`` untimed calls first, median of ``--reps`` timed calls.
 
     PYTHONPATH=src python3 benchmarks/attention_cuda.py [--batch 8,16,32] [--reps 20]
+    PYTHONPATH=src python3 benchmarks/attention_cuda.py --seq 4096 --batch 8 --no-v1 --torch-backend default
 
 Prints one row per batch and pass: milliseconds for each, TFLOP/s of the flash kernels and of
 torch (causal FLOPs: 2 products of B H T^2 hs / 2 multiply-adds forward, 5 in the backward),
 and the ratios flash/torch, v1/torch and v1/flash (above 1: flash is faster than v1). On
-compute capability 9.0 two lines per batch also time flash_hopper.cu's wgmma forward and
-backward (not yet the backend's path) beside the mma.sync kernels (and torch's forward).
+compute capability 9.0 "flash" is flash_attention.cu's mma.sync kernels (the switch held off)
+and two lines per batch time flash_hopper.cu's wgmma forward and backward (the backend's flash
+path there by default) beside them (and torch's forward).
 """
 from __future__ import annotations
 
@@ -23,13 +28,13 @@ import statistics
 import sys
 import traceback
 
-H, T, HS = 12, 1024, 64
+H, HS = 12, 64
 
 # the CUDA-event timers are ops_cuda.py's (this folder is on sys.path when a script here runs)
 from ops_cuda import time_cupy, time_torch  # noqa: E402
 
 
-def causal_flops(B, passes):
+def causal_flops(B, T, passes):
     """Multiply-adds x 2 of the matrix products, counting only the unmasked half."""
     return passes * 2.0 * B * H * T * T * HS / 2
 
@@ -39,7 +44,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default="8,16,32")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=1024, help="T, the sequence length")
+    ap.add_argument("--torch-backend", choices=("flash", "cudnn", "default"), default="flash")
+    ap.add_argument("--no-v1", action="store_true", help="skip the composed path")
     args = ap.parse_args(argv)
+    T = args.seq
 
     import cupy
     import numpy as np
@@ -57,18 +66,21 @@ def main(argv=None) -> int:
         a, b = (np.asarray(be.to_host(x), dtype=np.float64) for x in (a, b))
         return np.linalg.norm(a - b) / np.linalg.norm(b)
     scale = 1.0 / math.sqrt(HS)
-    # torch's flash backend; should this build lack it, its default choice, and say so
-    backends = [SDPBackend.FLASH_ATTENTION]
+    # torch's chosen backend; should this build lack it, its default choice, and say so
+    every = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    backends = {"flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION],
+                "default": every}[args.torch_backend]
     try:
         x = torch.randn(1, 1, 64, HS, device="cuda", dtype=torch.bfloat16)
         with sdpa_kernel(backends):
             F.scaled_dot_product_attention(x, x, x, is_causal=True)
     except RuntimeError as e:
-        print(f"note: torch's flash backend is not usable here ({e}); torch picks its own")
-        backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        print(f"note: torch's {args.torch_backend} backend is not usable here ({e}); "
+              "torch picks its own")
+        backends = every
     print(f"device: {be.device_name()}; cupy {cupy.__version__}; torch {torch.__version__}; "
-          f"bfloat16, H={H} T={T} hs={HS}, causal; median of {args.reps} after {args.warmup} "
+          f"bfloat16, H={H} T={T} hs={HS}, causal, torch {args.torch_backend}; median of {args.reps} after {args.warmup} "
           "warm-ups")
     rows = []
     failures = 0
@@ -129,14 +141,14 @@ def main(argv=None) -> int:
                 for name, passes, ff, fv, ft in (("fwd", 2, flash_fwd, v1_fwd, torch_fwd),
                                                  ("fwd+bwd", 7, flash_both, v1_both, torch_both)):
                     f_ms = time_cupy(cupy, ff, args.reps, args.warmup)
-                    v_ms = time_cupy(cupy, fv, args.reps, args.warmup)
+                    v_ms = math.nan if args.no_v1 else time_cupy(cupy, fv, args.reps, args.warmup)
                     t_ms = time_torch(torch, ft, args.reps, args.warmup)
-                    flops = causal_flops(B, passes)
+                    flops = causal_flops(B, T, passes)
                     rows.append((B, name, f_ms, v_ms, t_ms, flops / f_ms / 1e9, flops / t_ms / 1e9))
                     print(f"  B={B:3d} {name:8s} flash {f_ms:8.3f} ms  v1 {v_ms:8.3f} ms  "
                           f"torch {t_ms:8.3f} ms  flash/torch {f_ms / t_ms:5.2f}  "
                           f"v1/flash {v_ms / f_ms:5.2f}", flush=True)
-                if be._hopper_ok():   # flash_hopper.cu's wgmma kernels (not yet the backend's path)
+                if be._hopper_ok():   # flash_hopper.cu's wgmma kernels (the default flash path there)
                     try:
                         _, _, m_ms, _, t_ms = rows[-2][:5]   # this batch's fwd row, timed above
                         err = rel_err(be._attention_flash_hopper(q, k, v, scale)[0],
