@@ -1,5 +1,5 @@
-"""flash_hopper.cu, the causal attention forward and backward on Hopper's wgmma (not yet the
-backend's path), against float64 NumPy and against flash_attention.cu's kernels, on the shapes test_cuda_flash.py
+"""flash_hopper.cu, the causal attention forward and backward on Hopper's wgmma (the backend's
+flash path there unless FORGE_WGMMA_ATTENTION=off), against float64 NumPy and against flash_attention.cu's kernels, on the shapes test_cuda_flash.py
 uses (ragged lengths, a KV-cache offset, single rows) and on GPT-2's fused (B, T, 3C) rows.
 Runs on compute capability 9.0 only; the memory pool is filled with NaN bytes first, so an
 output the kernel does not write shows up. Tolerances as test_cuda_flash.py's."""
@@ -132,3 +132,30 @@ def test_the_switch_sends_the_backend_ops_to_the_wgmma_kernels(be, rs):
         grads = be.attention_bwd(q, k, v, out, lse, dout)
     for a, b in zip((out, lse) + tuple(grads), direct + tuple(direct_bwd)):
         assert host(be, a).tobytes() == host(be, b).tobytes()
+
+
+def test_the_sm_90a_build_is_kept_on_disk_and_a_damaged_copy_is_rebuilt(be, tmp_path):
+    """compile_for_arch writes the cubin under FORGE_CACHE_DIR/cuda, loads it from there in a
+    later call, and compiles again over a damaged file."""
+    from forge_ml import flags
+    from forge_ml.backends.cuda import runtime
+    src = ('extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.f; }\n'
+           f"// {tmp_path.name}\n")   # a source no earlier run has cached
+
+    def run(module):
+        import cupy
+        x = cupy.arange(4, dtype=cupy.float32)
+        module.get_function("twice")((1,), (4,), (x,))
+        return x.get().tolist()
+
+    with flags.override(FORGE_CACHE_DIR=str(tmp_path)):
+        assert run(runtime.compile_for_arch(src, "probe_twice.cu", "sm_90a")) == [0, 2, 4, 6]
+        kept = list((tmp_path / "cuda").glob("probe_twice-sm_90a-*.cubin"))
+        assert len(kept) == 1 and kept[0].stat().st_size > 0
+        stamp = kept[0].stat().st_mtime_ns
+        assert run(runtime.compile_for_arch(src, "probe_twice.cu", "sm_90a")) == [0, 2, 4, 6]
+        assert kept[0].stat().st_mtime_ns == stamp            # loaded, not written again
+        kept[0].write_bytes(b"not a cubin")
+        assert run(runtime.compile_for_arch(src, "probe_twice.cu", "sm_90a")) == [0, 2, 4, 6]
+        assert kept[0].read_bytes() != b"not a cubin"           # rebuilt and replaced
+        assert not list((tmp_path / "cuda").glob("*.tmp"))

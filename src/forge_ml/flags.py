@@ -71,10 +71,10 @@ _SWITCHES = (
     Switch("FORGE_FUSED_LOSS", "on",
            "the LM head and the training loss as one op over chunks of rows, the logits never "
            "kept whole (off: the logits, then cross_entropy)", ("on", "off")),
-    Switch("FORGE_WGMMA_ATTENTION", "off",
-           "experimental: causal attention without dropout on Hopper's wgmma kernels "
-           "(flash_hopper.cu, forward and backward; written, not yet verified on a GPU)",
-           ("on", "off")),
+    Switch("FORGE_WGMMA_ATTENTION", "on",
+           "causal bf16 attention without dropout on Hopper (compute capability 9.0) through "
+           "flash_hopper.cu's wgmma kernels (off: flash_attention.cu's mma.sync kernels, which "
+           "other GPUs and dropout always run)", ("on", "off")),
     Switch("FORGE_FUSED_DECODE", "off",
            "experimental: a batch-1 decoding step of GPT-2 as one CUDA kernel, every layer and "
            "the LM head (not yet faster than the kernel-per-op step it replaces)", ("on", "off")),
@@ -97,8 +97,8 @@ _SWITCHES = (
            "glibc malloc thresholds raised at CPU backend start-up so activations reuse freed "
            "memory (tuned), or left alone (default)", ("tuned", "default")),
     Switch("FORGE_CACHE_DIR", "",
-           "where built C kernels are kept (default: $XDG_CACHE_HOME/forge-ml, "
-           "~/.cache/forge-ml)"),
+           "where built C kernels and sm_90a CUDA kernels are kept (default: "
+           "$XDG_CACHE_HOME/forge-ml, ~/.cache/forge-ml)"),
     Switch("FORGE_API_KEY", "",
            "the key `forge-ml serve` requires as `Authorization: Bearer KEY` (as --api-key)"),
 )
@@ -137,6 +137,21 @@ def on(name: str) -> bool:
     True
     """
     return get(name) == "on"
+
+
+def cache_root(sub: str):
+    """The folder ``sub`` of forge-ml's build cache: ``$FORGE_CACHE_DIR/sub``, else
+    ``$XDG_CACHE_HOME/forge-ml/sub``, else ``~/.cache/forge-ml/sub`` (not created here).
+
+    >>> cache_root("cpu").name
+    'cpu'
+    """
+    from pathlib import Path
+    root = get("FORGE_CACHE_DIR")
+    if root:
+        return Path(root) / sub
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "forge-ml" / sub
 
 
 def _switch(name: str) -> Switch:

@@ -174,12 +174,7 @@ def compiler() -> str | None:
 
 def cache_dir() -> Path:
     """Where built libraries are kept (see the module docstring)."""
-    root = flags.get("FORGE_CACHE_DIR")
-    if root:
-        return Path(root) / "cpu"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "forge-ml" / "cpu"
+    return flags.cache_root("cpu")
 
 
 def _cpu_flags() -> str:

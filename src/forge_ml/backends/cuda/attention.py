@@ -15,7 +15,8 @@
   head splits a long cache).
 
 Kernels: attention.cu, flash_attention.cu, flash_hopper.cu (forward and backward without
-dropout on Hopper's wgmma: written, taken only with FORGE_WGMMA_ATTENTION=on).
+dropout on Hopper's wgmma: the flash path on compute capability 9.0 unless
+FORGE_WGMMA_ATTENTION=off; the same bits as flash_attention.cu's kernels on the H200).
 """
 from __future__ import annotations
 
@@ -218,11 +219,10 @@ def _hopper_check(ok: bool, what: str) -> None:
 
 def _attention_flash_hopper(q, k, v, scale=None):
     """``attention``'s flash forward by flash_hopper.cu (Hopper's wgmma) on head-major bf16
-    ``(..., H, T, 64)`` arrays: ``(out, lse)`` as ``_attention_flash``. The backend's path only
-    with FORGE_WGMMA_ATTENTION=on: written 2026-12-04 without a GPU, for
-    tests/test_cuda_flash_hopper.py and benchmarks/attention_cuda.py; the switch's default
-    turns on once they have passed. The other ``*_hopper`` functions are the same for the
-    backward and the fused rows."""
+    ``(..., H, T, 64)`` arrays: ``(out, lse)`` as ``_attention_flash``, whatever the
+    FORGE_WGMMA_ATTENTION switch says (the backend's flash path takes these kernels while it is
+    on, its default), for tests/test_cuda_flash_hopper.py and benchmarks/attention_cuda.py.
+    The other ``*_hopper`` functions are the same for the backward and the fused rows."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
     _hopper_check(_flash_wanted(q, k, v), "forward")

@@ -18,9 +18,11 @@
 // wgmma with the kernel's row operands in registers (see "backward" below). No dropout here
 // (dropout runs flash_attention.cu's kernels).
 //
-// WRITTEN WITHOUT A GPU (2026-12-04) and not launched by the backend yet: the descriptor
-// strides below are the ones tests/test_cuda_wgmma_probe.py puts to the test first, then
-// tests/test_cuda_flash_hopper.py compares these kernels with flash_attention.cu's.
+// Written without a GPU (2026-12-04), verified on the H200 on 2026-12-04 (eighth session):
+// tests/test_cuda_wgmma_probe.py checks the descriptor strides below on one tile against
+// NumPy, tests/test_cuda_flash_hopper.py these kernels against float64 and against
+// flash_attention.cu's (the same bits there). The backend's flash path on compute capability
+// 9.0 unless FORGE_WGMMA_ATTENTION=off.
 //
 // Shared tiles: 64 rows of 128 bytes (64 bf16) with the 128-byte swizzle: the 16-byte chunk c
 // of row r is stored at chunk c ^ (r % 8); each tile starts on a 1024-byte boundary.

@@ -219,20 +219,39 @@ def compile_for_arch(source: str, label: str, arch: str, options=("--std=c++17",
     """Compile ``source`` with NVRTC for ``arch`` (e.g. ``"sm_90a"``, whose arch-specific
     instructions a plain sm_90 build lacks) into a loaded module: NVRTC's own calls and the
     driver's module loader, as CuPy's compiler would do but for CuPy's choice of -arch.
-    FORGE_ARCH_FEATURES is defined, for code that a plain build must leave out. Not cached on
-    disk. A compile failure raises CompileError carrying NVRTC's log."""
+    FORGE_ARCH_FEATURES is defined, for code that a plain build must leave out. The cubin is
+    kept in ``flags.cache_root("cuda")`` under a hash of the source, the options and NVRTC's
+    version, so a later process loads it instead of compiling (an unwritable cache only costs
+    the compile). A compile failure raises CompileError carrying NVRTC's log."""
+    import hashlib
+    import os
     from cupy_backends.cuda.libs import nvrtc
+    opts = tuple(options) + (f"-arch={arch}", "-DFORGE_ARCH_FEATURES=1")
+    key = hashlib.sha256(repr((source, opts, nvrtc.getVersion())).encode()).hexdigest()[:24]
+    cached = flags.cache_root("cuda") / f"{Path(label).stem}-{arch}-{key}.cubin"
+    module = cupy.cuda.function.Module()
+    try:
+        module.load(cached.read_bytes())
+        return module
+    except Exception:   # none kept yet, or unreadable: compile
+        pass
     prog = nvrtc.createProgram(source, label, (), ())
     try:
         try:
-            nvrtc.compileProgram(prog, tuple(options) + (f"-arch={arch}",
-                                                         "-DFORGE_ARCH_FEATURES=1"))
+            nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError:
             raise CompileError(f"NVRTC could not compile {label} for {arch}:\n"
                                f"{nvrtc.getProgramLog(prog)}") from None
         cubin = nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
+    try:   # whole or not at all: another process may be reading the same name
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        os.replace(tmp, cached)
+    except OSError:
+        pass
     module = cupy.cuda.function.Module()
     module.load(cubin)
     return module
