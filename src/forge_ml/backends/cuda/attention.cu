@@ -75,6 +75,8 @@ FORGE_KV_APPEND(unsigned long long, b64)
 // pos is read from device memory, so a CUDA graph captured once replays at every position:
 // one element for every row, or one per row (npos = B: rows at their own positions); a pos
 // outside 0..Tmax-1 writes nothing and makes that row's outputs NaN.
+#define DECODE_MAX_GROUPS 256  // key groups a block of the one-pass path may have
+
 template <typename T>
 __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos_p, T* y,
                                       int H, int Tmax, int hs, typename Acc<T>::type scale,
@@ -114,102 +116,186 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
     const T* kb = kc + base + (long long)j0 * hs;
     const T* vb = vc + base + (long long)j0 * hs;
     const int RK = hs / V;  // lanes reading one key row together (16-byte loads each)
-    if (vec && RK <= 32 && (RK & (RK - 1)) == 0) {
-        // The scores, coalesced: RK lanes read one key row (a warp reads 32 / RK whole rows
-        // per load), each a partial dot product over its V channels, summed over the RK
-        // lanes by a butterfly (the same order every run); 4 rows a group in flight.
+    A m, l;                 // this block's m_p and l_p; o[d] its o_p
+#ifndef FORGE_DECODE_TWO_PASS
+    if (vec && RK <= 32 && (RK & (RK - 1)) == 0 && nw * (32 / RK) <= DECODE_MAX_GROUPS) {
+        // One pass: group g (RK lanes) reads key row j and value row j together, U rows in
+        // flight, scores summed by a butterfly over the RK lanes, and keeps its own running
+        // max mg, sum lg and outputs acc (its V channels), rescaled when mg grows (online
+        // softmax). Then the groups meet in group order.
+        constexpr int U = 4;
+        __shared__ A gml[2][DECODE_MAX_GROUPS];
         const int gpw = 32 / RK, G1 = nw * gpw, g = warp * gpw + lane / RK, r = lane % RK;
-        A qr[V];
+        A qr[V], acc[V];
 #pragma unroll
-        for (int i = 0; i < V; ++i) qr[i] = q[r * V + i];
-        for (int j0 = 0; j0 < cnt; j0 += 4 * G1) {  // uniform over the warp: shuffles are safe
-            A acc[4];
+        for (int i = 0; i < V; ++i) {
+            qr[i] = q[r * V + i];
+            acc[i] = A(0);
+        }
+        A mg = neg_inf<A>(), lg = A(0);
+        for (int jb = 0; jb < cnt; jb += U * G1) {  // uniform over the warp: shuffles are safe
+            uint4 kr[U], vr[U];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const int j = j0 + u * G1 + g;
-                acc[u] = A(0);
+            for (int u = 0; u < U; ++u) {
+                const int j = jb + u * G1 + g;
+                kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
                 if (j < cnt) {
-                    A w[V];
-                    Vec16<T>::load(kb + (long long)j * hs + r * V, w);
-#pragma unroll
-                    for (int i = 0; i < V; ++i) acc[u] += qr[i] * w[i];
+                    kr[u] = Vec16<T>::raw(kb + (long long)j * hs + r * V);
+                    vr[u] = Vec16<T>::raw(vb + (long long)j * hs + r * V);
                 }
             }
+            A sc[U];
+            A mx = mg;
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                for (int off = RK >> 1; off > 0; off >>= 1)
-                    acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], off);
-                const int j = j0 + u * G1 + g;
-                if (r == 0 && j < cnt) s[j] = acc[u];
-            }
-        }
-    } else {
-        for (int j = t; j < cnt; j += blockDim.x) {  // a thread per key row
-            const T* kr = kb + (long long)j * hs;
-            A acc = A(0);
-            if (vec) {
-#pragma unroll 16
-                for (int d0 = 0; d0 < hs; d0 += V) {
-                    A w[V];
-                    Vec16<T>::load(kr + d0, w);
-#pragma unroll
-                    for (int i = 0; i < V; ++i) acc += q[d0 + i] * w[i];
-                }
-            } else {
-                for (int d = 0; d < hs; ++d) acc += q[d] * ldf(kr[d]);
-            }
-            s[j] = acc;
-        }
-    }
-    __syncthreads();
-    A m = neg_inf<A>();
-    for (int j = t; j < cnt; j += blockDim.x) m = fm_max(m, s[j]);
-    m = warp_max(m);
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    m = red[0];
-    for (int w = 1; w < nw; ++w) m = fm_max(m, red[w]);
-    A l = A(0);
-    for (int j = t; j < cnt; j += blockDim.x) {
-        const A e = fm_exp(s[j] - m);
-        s[j] = e;
-        l += e;
-    }
-    l = block_sum(l, red);  // its barriers also publish the s[j] writes
-    int G;  // key groups; part[g * hs + d] is group g's sum for channel d
-    if (vec) {
-        const int R = hs / V;
-        G = blockDim.x / R;
-        const int r = t % R, g = t / R;
-        if (g < G) {
-            A acc[V];
-#pragma unroll
-            for (int i = 0; i < V; ++i) acc[i] = A(0);
-#pragma unroll 8
-            for (int j = g; j < cnt; j += G) {
+            for (int u = 0; u < U; ++u) {
                 A w[V];
-                Vec16<T>::load(vb + (long long)j * hs + r * V, w);
-                const A pj = s[j];
+                Vec16<T>::widen(kr[u], w);
+                A d = A(0);
 #pragma unroll
-                for (int i = 0; i < V; ++i) acc[i] += pj * w[i];
+                for (int i = 0; i < V; ++i) d += qr[i] * w[i];
+                for (int off = RK >> 1; off > 0; off >>= 1)
+                    d += __shfl_xor_sync(0xffffffffu, d, off);
+                sc[u] = (jb + u * G1 + g < cnt) ? d : neg_inf<A>();
+                mx = fm_max(mx, sc[u]);
             }
+            if (!(mx == neg_inf<A>())) {  // -inf: no key of this group yet
+                const A c = (mg == neg_inf<A>()) ? A(0) : fm_exp(mg - mx);
+                lg *= c;
 #pragma unroll
-            for (int i = 0; i < V; ++i) part[g * hs + r * V + i] = acc[i];
+                for (int i = 0; i < V; ++i) acc[i] *= c;
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const A pj = (sc[u] == neg_inf<A>()) ? A(0) : fm_exp(sc[u] - mx);
+                    A w[V];
+                    Vec16<T>::widen(vr[u], w);
+                    lg += pj;
+#pragma unroll
+                    for (int i = 0; i < V; ++i) acc[i] += pj * w[i];
+                }
+                mg = mx;
+            }
         }
-    } else {
-        G = blockDim.x / hs;  // hs <= blockDim.x
-        const int d = t % hs, g = t / hs;
-        if (g < G) {
-            A acc = A(0);
-            for (int j = g; j < cnt; j += G) acc += s[j] * ldf(vb[(long long)j * hs + d]);
-            part[g * hs + d] = acc;
+        if (r == 0) {
+            gml[0][g] = mg;
+            gml[1][g] = lg;
         }
-    }
-    __syncthreads();
-    for (int d = t; d < hs; d += blockDim.x) {
-        A a = A(0);
-        for (int k = 0; k < G; ++k) a += part[k * hs + d];
-        o[d] = a;
+        __syncthreads();
+        m = neg_inf<A>();
+        for (int k = 0; k < G1; ++k) m = fm_max(m, gml[0][k]);
+        const A f = (mg == neg_inf<A>()) ? A(0) : fm_exp(mg - m);
+#pragma unroll
+        for (int i = 0; i < V; ++i) part[g * hs + r * V + i] = acc[i] * f;
+        l = A(0);
+        for (int k = 0; k < G1; ++k) {
+            const A mk = gml[0][k];
+            l += (mk == neg_inf<A>()) ? A(0) : gml[1][k] * fm_exp(mk - m);
+        }
+        __syncthreads();
+        for (int d = t; d < hs; d += blockDim.x) {
+            A a = A(0);
+            for (int k = 0; k < G1; ++k) a += part[k * hs + d];
+            o[d] = a;
+        }
+    } else
+#endif
+    {
+        if (vec && RK <= 32 && (RK & (RK - 1)) == 0) {
+            // The scores, coalesced: RK lanes read one key row (a warp reads 32 / RK whole rows
+            // per load), each a partial dot product over its V channels, summed over the RK
+            // lanes by a butterfly (the same order every run); 4 rows a group in flight.
+            const int gpw = 32 / RK, G1 = nw * gpw, g = warp * gpw + lane / RK, r = lane % RK;
+            A qr[V];
+#pragma unroll
+            for (int i = 0; i < V; ++i) qr[i] = q[r * V + i];
+            for (int j0 = 0; j0 < cnt; j0 += 4 * G1) {  // uniform over the warp: shuffles are safe
+                A acc[4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int j = j0 + u * G1 + g;
+                    acc[u] = A(0);
+                    if (j < cnt) {
+                        A w[V];
+                        Vec16<T>::load(kb + (long long)j * hs + r * V, w);
+#pragma unroll
+                        for (int i = 0; i < V; ++i) acc[u] += qr[i] * w[i];
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    for (int off = RK >> 1; off > 0; off >>= 1)
+                        acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], off);
+                    const int j = j0 + u * G1 + g;
+                    if (r == 0 && j < cnt) s[j] = acc[u];
+                }
+            }
+        } else {
+            for (int j = t; j < cnt; j += blockDim.x) {  // a thread per key row
+                const T* kr = kb + (long long)j * hs;
+                A acc = A(0);
+                if (vec) {
+#pragma unroll 16
+                    for (int d0 = 0; d0 < hs; d0 += V) {
+                        A w[V];
+                        Vec16<T>::load(kr + d0, w);
+#pragma unroll
+                        for (int i = 0; i < V; ++i) acc += q[d0 + i] * w[i];
+                    }
+                } else {
+                    for (int d = 0; d < hs; ++d) acc += q[d] * ldf(kr[d]);
+                }
+                s[j] = acc;
+            }
+        }
+        __syncthreads();
+        m = neg_inf<A>();
+        for (int j = t; j < cnt; j += blockDim.x) m = fm_max(m, s[j]);
+        m = warp_max(m);
+        if (lane == 0) red[warp] = m;
+        __syncthreads();
+        m = red[0];
+        for (int w = 1; w < nw; ++w) m = fm_max(m, red[w]);
+        l = A(0);
+        for (int j = t; j < cnt; j += blockDim.x) {
+            const A e = fm_exp(s[j] - m);
+            s[j] = e;
+            l += e;
+        }
+        l = block_sum(l, red);  // its barriers also publish the s[j] writes
+        int G;  // key groups; part[g * hs + d] is group g's sum for channel d
+        if (vec) {
+            const int R = hs / V;
+            G = blockDim.x / R;
+            const int r = t % R, g = t / R;
+            if (g < G) {
+                A acc[V];
+#pragma unroll
+                for (int i = 0; i < V; ++i) acc[i] = A(0);
+#pragma unroll 8
+                for (int j = g; j < cnt; j += G) {
+                    A w[V];
+                    Vec16<T>::load(vb + (long long)j * hs + r * V, w);
+                    const A pj = s[j];
+#pragma unroll
+                    for (int i = 0; i < V; ++i) acc[i] += pj * w[i];
+                }
+#pragma unroll
+                for (int i = 0; i < V; ++i) part[g * hs + r * V + i] = acc[i];
+            }
+        } else {
+            G = blockDim.x / hs;  // hs <= blockDim.x
+            const int d = t % hs, g = t / hs;
+            if (g < G) {
+                A acc = A(0);
+                for (int j = g; j < cnt; j += G) acc += s[j] * ldf(vb[(long long)j * hs + d]);
+                part[g * hs + d] = acc;
+            }
+        }
+        __syncthreads();
+        for (int d = t; d < hs; d += blockDim.x) {
+            A a = A(0);
+            for (int k = 0; k < G; ++k) a += part[k * hs + d];
+            o[d] = a;
+        }
     }
     if (P == 1) {
         __syncthreads();

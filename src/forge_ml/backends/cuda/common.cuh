@@ -300,6 +300,11 @@ template <> struct Vec16<float> {
 };
 template <> struct Vec16<double> {
     enum { N = 2 };
+    static FORGE_D uint4 raw(const double* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+    static FORGE_D void widen(uint4 v, double (&w)[2]) {
+        w[0] = __hiloint2double((int)v.y, (int)v.x);
+        w[1] = __hiloint2double((int)v.w, (int)v.z);
+    }
     static FORGE_D void load(const double* p, double (&w)[2]) {
         const double2 v = *reinterpret_cast<const double2*>(p);
         w[0] = v.x;
