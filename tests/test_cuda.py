@@ -657,6 +657,26 @@ def test_decode_attention_keys_split_among_blocks(be, rs, dtype, Tmax, pos):
 
 
 @cuda
+@pytest.mark.parametrize("dtype,hs", [("bfloat16", 128), ("float32", 8), ("bfloat16", 8),
+                                      ("float64", 64), ("bfloat16", 48), ("float32", 256)])
+@pytest.mark.parametrize("Tmax,pos,scale", [(300, 257, 0.125), (1030, 1029, 2.0), (64, 0, 1.0)])
+def test_decode_attention_one_pass_and_two_pass_head_sizes(be, rs, dtype, hs, Tmax, pos, scale):
+    """Head sizes whose rows are 16-byte multiples of 32 chunks or fewer take the one-pass
+    kernel (16, 2 and 1 lanes a key row: 16 to 256 key groups a block; float64 too); 48 bf16
+    (6 lanes) and 256 float32 (64 chunks) take the two-pass one. A large scale makes the
+    running maximum of the one-pass groups jump (their sums rescaled many times); position 0
+    leaves the split blocks but one without keys."""
+    run, want_y, want_k, want_v = _decode_attention_case(be, rs, dtype, 2, 3, hs, Tmax, pos,
+                                                         scale)
+    y, kc, vc = run()
+    check(f"decode_attention hs={hs} Tmax={Tmax} pos={pos}", host(be, y), want_y, TOL[dtype])
+    check("decode_attention k_cache", host(be, kc), want_k, 0.0)
+    check("decode_attention v_cache", host(be, vc), want_v, 0.0)
+    again, _, _ = run()
+    assert np.array_equal(host(be, again), host(be, y))    # same bits every run
+
+
+@cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_attention_a_wide_batch_takes_one_block_per_head(be, rs, dtype):
     """A batch whose rows x heads already fill the GPU twice over does not split its keys
