@@ -78,6 +78,9 @@ FORGE_KV_APPEND(unsigned long long, b64)
 // one element for every row, or one per row (npos = B: rows at their own positions); a pos
 // outside 0..Tmax-1 writes nothing and makes that row's outputs NaN.
 #define DECODE_MAX_GROUPS 256  // key groups a block of the one-pass path may have
+#ifndef DECODE_ROWS_IN_FLIGHT
+#define DECODE_ROWS_IN_FLIGHT 4  // key and value rows a group of the one-pass path loads at once
+#endif
 
 template <typename T>
 __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos_p, T* y,
@@ -124,7 +127,7 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
         // flight, scores summed by a butterfly over the RK lanes, and keeps its own running
         // max mg, sum lg and outputs acc (its V channels), rescaled when mg grows (online
         // softmax). Then the groups meet in group order.
-        constexpr int U = 4;
+        constexpr int U = DECODE_ROWS_IN_FLIGHT;
         __shared__ A gml[2][DECODE_MAX_GROUPS];
         const int gpw = 32 / RK, G1 = nw * gpw, g = warp * gpw + lane / RK, r = lane % RK;
         A qr[V], acc[V];
