@@ -11,7 +11,8 @@ dominate at long T). Two passes:
 around one call, ``--warmup`` untimed calls first, median of ``--reps`` timed calls.
 
     PYTHONPATH=src python3 benchmarks/attention_cuda.py [--batch 8,16,32] [--reps 20]
-    PYTHONPATH=src python3 benchmarks/attention_cuda.py --seq 4096 --batch 8 --no-v1 --torch-backend default
+    PYTHONPATH=src python3 benchmarks/attention_cuda.py --seq 4096 --batch 8 --no-v1 \
+        --torch-backend default
 
 Prints one row per batch and pass: milliseconds for each, TFLOP/s of the flash kernels and of
 torch (causal FLOPs: 2 products of B H T^2 hs / 2 multiply-adds forward, 5 in the backward),
@@ -80,7 +81,8 @@ def main(argv=None) -> int:
               "torch picks its own")
         backends = every
     print(f"device: {be.device_name()}; cupy {cupy.__version__}; torch {torch.__version__}; "
-          f"bfloat16, H={H} T={T} hs={HS}, causal, torch {args.torch_backend}; median of {args.reps} after {args.warmup} "
+          f"bfloat16, H={H} T={T} hs={HS}, causal, torch {args.torch_backend}; "
+          f"median of {args.reps} after {args.warmup} "
           "warm-ups")
     rows = []
     failures = 0
@@ -148,7 +150,7 @@ def main(argv=None) -> int:
                     print(f"  B={B:3d} {name:8s} flash {f_ms:8.3f} ms  v1 {v_ms:8.3f} ms  "
                           f"torch {t_ms:8.3f} ms  flash/torch {f_ms / t_ms:5.2f}  "
                           f"v1/flash {v_ms / f_ms:5.2f}", flush=True)
-                if be._hopper_ok():   # flash_hopper.cu's wgmma kernels (the default flash path there)
+                if be._hopper_ok():   # flash_hopper.cu's wgmma kernels (the flash path there)
                     try:
                         _, _, m_ms, _, t_ms = rows[-2][:5]   # this batch's fwd row, timed above
                         err = rel_err(be._attention_flash_hopper(q, k, v, scale)[0],
@@ -168,6 +170,17 @@ def main(argv=None) -> int:
                                        args.reps, args.warmup)
                         print(f"  B={B:3d} bwd      wgmma {hb:8.3f} ms  mma.sync {mb:8.3f} ms  "
                               f"(dq, dk, dv vs mma.sync {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e})",
+                              flush=True)
+                        # the dk/dv kernel with k and v in shared memory (not yet the default)
+                        errs = [rel_err(a, b) for a, b in zip(
+                            be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale,
+                                                           kv_shared=True),
+                            be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale))]
+                        kb = time_cupy(cupy, lambda: be._attention_bwd_flash_hopper(
+                            q, k, v, o, lse, dout, scale, kv_shared=True), args.reps, args.warmup)
+                        print(f"  B={B:3d} bwd      wgmma k,v shared {kb:8.3f} ms  "
+                              f"wgmma {hb:8.3f} ms  "
+                              f"(dq, dk, dv vs wgmma {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e})",
                               flush=True)
                     except Exception as e:
                         print(f"  B={B:3d} wgmma ERROR {type(e).__name__}: {e}", flush=True)

@@ -33,8 +33,8 @@ from .layout import merge_heads, split_heads, unmerge_heads
 from .memory import _c, _like, _pos_array
 from .rows import _softmax_bwd_into, _softmax_into
 from .runtime import (BF16, F32, _SFX, _THREADS, _acc, _acc_dtype, _cc, _dev, _empty, _float_sfx,
-                      _grid, _guarded, _i32, _i64, _launch, _launcher_ex, _package, _sm_count,
-                      _word, cupy)
+                      _grid, _guarded, _i32, _i64, _launch, _launcher_ex, _package,
+                      _set_max_shared, _sm_count, _word, cupy)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,17 +168,34 @@ def _fa_fwd(q, k, v, out, lse, Tq, Tk, scale, bh, layout, drop, hopper):
                 _flash_grid(bh, Tq), _FLASH_THREADS, args + (drop or _NO_DROP))
 
 
+# flash_hopper.cu's dk/dv kernel with k and v in shared memory (162 registers: three blocks an
+# SM instead of two): written 2026-12-04 without a GPU, taken only where asked for
+# (``hopper="kv_shared"``: tests, benchmarks) until a GPU run has compared and timed it; then
+# this turns on. Its dynamic shared memory: six 8 KiB tiles, lse and D rows, and 1 KiB to
+# align the tiles.
+_DKDV_KV_SHARED = False
+_DKDV_KVS_SMEM = 6 * 64 * 64 * 2 + 4 * 64 * 4 + 1024
+
+
 def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop, hopper):
     """The backward's two launches, dq (writing D = rowsum(dout * out)) then dk and dv (reading
-    it), as ``_fa_fwd`` chooses its kernel."""
+    it), as ``_fa_fwd`` chooses its kernel; ``hopper="kv_shared"`` takes the dk/dv kernel that
+    keeps k and v in shared memory."""
     D = _empty(lse.shape, F32)
     dq_args = (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
     kv_args = (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
     if hopper:
         _launch("flash_hopper", "flash_bwd_dq_wgmma_bf16_h64", _flash_grid(bh, Tq),
                 _FLASH_THREADS, dq_args)
-        _launch("flash_hopper", "flash_bwd_dkdv_wgmma_bf16_h64", _flash_grid(bh, Tk),
-                _FLASH_THREADS, kv_args)
+        if hopper == "kv_shared" or (hopper is True and _DKDV_KV_SHARED):
+            name = "flash_bwd_dkdv_wgmma_kvs_bf16_h64"
+            if not _set_max_shared("flash_hopper", name, _DKDV_KVS_SMEM):
+                raise ShapeError(f"{name} needs {_DKDV_KVS_SMEM} bytes of shared memory a block")
+            _launch("flash_hopper", name, _flash_grid(bh, Tk), _FLASH_THREADS, kv_args,
+                    shared=_DKDV_KVS_SMEM)
+        else:
+            _launch("flash_hopper", "flash_bwd_dkdv_wgmma_bf16_h64", _flash_grid(bh, Tk),
+                    _FLASH_THREADS, kv_args)
     else:
         extra = drop or _NO_DROP
         _launch("flash_attention", _flash_kernel("flash_bwd_dq_bf16_h64", drop is not None),
@@ -187,10 +204,11 @@ def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop
                 _flash_grid(bh, Tk), _FLASH_THREADS, kv_args + extra)
 
 
-def _wgmma(drop=None, hopper=None) -> bool:
+def _wgmma(drop=None, hopper=None):
     """Whether a flash call takes flash_hopper.cu's kernels: ``hopper`` when given (the
-    ``*_hopper`` entry points), else the FORGE_WGMMA_ATTENTION switch on a GPU that can run
-    them; never with dropout."""
+    ``*_hopper`` entry points: True, or ``"kv_shared"`` for the backward's dk/dv kernel with k
+    and v in shared memory), else the FORGE_WGMMA_ATTENTION switch on a GPU that can run them;
+    never with dropout."""
     if drop is not None:
         return False
     if hopper is not None:
@@ -236,21 +254,24 @@ def _qkv_flash_fwd_hopper(qkv, n_head, scale):
     return _qkv_flash_fwd(qkv, n_head, scale, hopper=True)
 
 
-def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None):
+def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None, kv_shared=False):
+    """``_attention_flash_hopper``'s backward: ``(dq, dk, dv)``; ``kv_shared``: the dk/dv kernel
+    with k and v in shared memory (not yet the backend's path)."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     out, dout = _like(_c(out), q.dtype), _like(_c(dout), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
     _hopper_check(_flash_wanted(q, k, v, out, dout), "backward")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _attention_bwd_flash(q, k, v, out, _like(_c(lse), F32), dout, scale, Tq, Tk,
-                                hopper=True)
+                                hopper="kv_shared" if kv_shared else True)
 
 
-def _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale):
+def _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale, kv_shared=False):
     qkv = _c(qkv)
     y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
     _hopper_check(_qkv_flash_ok(qkv, n_head, y, dy), "backward")
-    return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale, hopper=True)
+    return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale,
+                          hopper="kv_shared" if kv_shared else True)
 
 
 def _qkv_flash_ok(qkv, n_head, *others) -> bool:

@@ -407,19 +407,22 @@ extern "C" __global__ void __launch_bounds__(128)
 
 // Block (bh, keys k0..k0+63), the earliest keys (the most queries) first; warp w owns keys
 // k0+16w..+15 and works on the transposed scores S^T = k q^T, so dv and dk accumulate in
-// registers.
-extern "C" __global__ void __launch_bounds__(128)
-    flash_bwd_dkdv_wgmma_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                  const bf16* __restrict__ v, const bf16* __restrict__ dout,
-                                  const float* __restrict__ lse, const float* __restrict__ Dsum,
-                                  bf16* __restrict__ dk, bf16* __restrict__ dv, int Tq, int Tk,
-                                  float scale, int H, long long q_sb, long long q_sh, int q_ld,
-                                  long long kv_sb, long long kv_sh, int kv_ld, long long o_sb,
-                                  long long o_sh, int o_ld) {
-    __shared__ __align__(1024) bf16 sQ[2][64 * 64];
-    __shared__ __align__(1024) bf16 sO[2][64 * 64];  // dout
-    __shared__ float sL[2][64];                       // lse * log2(e), 0 past Tq
-    __shared__ float sD[2][64];                       // D, 0 past Tq
+// registers. KV_SHARED = false: k and v are A fragments in registers (as
+// flash_bwd_dkdv_bf16_h64 holds them); true: k and v are shared tiles sK, sV (both products
+// of the scores read A and B from shared memory), which frees 32 registers a thread.
+#define DKDV_PARAMS                                                                              \
+    const bf16 *__restrict__ q, const bf16 *__restrict__ k, const bf16 *__restrict__ v,          \
+        const bf16 *__restrict__ dout, const float *__restrict__ lse,                            \
+        const float *__restrict__ Dsum, bf16 *__restrict__ dk, bf16 *__restrict__ dv, int Tq,    \
+        int Tk, float scale, int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,   \
+        long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld
+#define DKDV_ARGS                                                                                \
+    q, k, v, dout, lse, Dsum, dk, dv, Tq, Tk, scale, H, q_sb, q_sh, q_ld, kv_sb, kv_sh, kv_ld,    \
+        o_sb, o_sh, o_ld
+
+template <bool KV_SHARED>
+FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64],
+                        float (&sL)[2][64], float (&sD)[2][64], bf16* sK, bf16* sV) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const long long bh = blockIdx.x;
     const int k0 = (int)blockIdx.y * 64;
@@ -449,8 +452,14 @@ extern "C" __global__ void __launch_bounds__(128)
     stage(qb0, 0);
 
     unsigned kf[4][4], vf[4][4];
-    load_a_frags(kf, k + kvb, w0, Tk, g, t, kv_ld);
-    load_a_frags(vf, v + kvb, w0, Tk, g, t, kv_ld);
+    if constexpr (KV_SHARED) {  // waited for with the first q / dout tiles
+        wg_load_tile(sK, k + kvb, k0, Tk, tid, kv_ld);
+        wg_load_tile(sV, v + kvb, k0, Tk, tid, kv_ld);
+        cp_async_commit();
+    } else {
+        load_a_frags(kf, k + kvb, w0, Tk, g, t, kv_ld);
+        load_a_frags(vf, v + kvb, w0, Tk, g, t, kv_ld);
+    }
     float dka[32], dva[32];
     wg_zero(dka);
     wg_zero(dva);
@@ -470,8 +479,13 @@ extern "C" __global__ void __launch_bounds__(128)
         wg_zero(p);
         wg_zero(ds);
         wg_fence();
-        wg_rs4(p, kf, wg_desc(sQ[buf], WG_K_LBO, WG_K_SBO));   // S^T = k q^T
-        wg_rs4(ds, vf, wg_desc(sO[buf], WG_K_LBO, WG_K_SBO));  // dP^T = v dout^T
+        if constexpr (KV_SHARED) {
+            wg_ss4(p, wg_desc(sK, WG_K_LBO, WG_K_SBO), wg_desc(sQ[buf], WG_K_LBO, WG_K_SBO));
+            wg_ss4(ds, wg_desc(sV, WG_K_LBO, WG_K_SBO), wg_desc(sO[buf], WG_K_LBO, WG_K_SBO));
+        } else {
+            wg_rs4(p, kf, wg_desc(sQ[buf], WG_K_LBO, WG_K_SBO));   // S^T = k q^T
+            wg_rs4(ds, vf, wg_desc(sO[buf], WG_K_LBO, WG_K_SBO));  // dP^T = v dout^T
+        }
         wg_commit();
         wg_wait0();
 
@@ -503,6 +517,33 @@ extern "C" __global__ void __launch_bounds__(128)
     }
     wg_store_rows(dk + kvb, dka, j_lo, Tk, scale, scale, t, kv_ld);
     wg_store_rows(dv + kvb, dva, j_lo, Tk, 1.f, 1.f, t, kv_ld);
+}
+
+extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wgmma_bf16_h64(DKDV_PARAMS) {
+    __shared__ __align__(1024) bf16 sQ[2][64 * 64];
+    __shared__ __align__(1024) bf16 sO[2][64 * 64];  // dout
+    __shared__ float sL[2][64];                       // lse * log2(e), 0 past Tq
+    __shared__ float sD[2][64];                       // D, 0 past Tq
+    dkdv_block<false>(DKDV_ARGS, sQ, sO, sL, sD, nullptr, nullptr);
+}
+
+// The same with k and v in shared memory: 162 registers instead of 226, so three blocks an SM
+// instead of two. Its tiles are 49 KiB, over the 48 KiB of static shared memory, so they are
+// dynamic: launched with 1 KiB more than they take (attention.py's _DKDV_KVS_SMEM), the
+// tiles starting at the first 1024-byte boundary (the swizzle's alignment).
+// WRITTEN WITHOUT A GPU (2026-12-04, eighth session): not yet the backend's path.
+extern "C" __global__ void __launch_bounds__(128, 3) flash_bwd_dkdv_wgmma_kvs_bf16_h64(DKDV_PARAMS) {
+    extern __shared__ unsigned char dkdv_smem_raw[];
+    unsigned char* dkdv_smem = dkdv_smem_raw + ((1024 - (smem_u32(dkdv_smem_raw) & 1023)) & 1023);
+    typedef bf16 Tiles[2][64 * 64];
+    typedef float Rows[2][64];
+    Tiles& sQ = *reinterpret_cast<Tiles*>(dkdv_smem);
+    Tiles& sO = *reinterpret_cast<Tiles*>(dkdv_smem + sizeof(Tiles));
+    bf16* sK = reinterpret_cast<bf16*>(dkdv_smem + 2 * sizeof(Tiles));
+    bf16* sV = sK + 64 * 64;
+    Rows& sL = *reinterpret_cast<Rows*>(dkdv_smem + 3 * sizeof(Tiles));
+    Rows& sD = *reinterpret_cast<Rows*>(dkdv_smem + 3 * sizeof(Tiles) + sizeof(Rows));
+    dkdv_block<true>(DKDV_ARGS, sQ, sO, sL, sD, sK, sV);
 }
 
 #endif  // sm_90a

@@ -299,7 +299,9 @@ def _set_max_shared(stem: str, name: str, nbytes: int) -> bool:
         fn = _function(stem, name)
         props = cupy.cuda.runtime.getDeviceProperties(key[0])
         limit = int(props.get("sharedMemPerBlockOptin", props["sharedMemPerBlock"]))
-        room = _shared_room.setdefault(key, [limit - int(fn.shared_size_bytes), 0])
+        static = (fn.shared_size_bytes if hasattr(fn, "shared_size_bytes") else   # a RawKernel
+                  cupy.cuda.driver.funcGetAttribute(1, fn.ptr))  # compile_for_arch's Function
+        room = _shared_room.setdefault(key, [limit - int(static), 0])
     if nbytes > room[0]:
         return False
     if nbytes > room[1]:
@@ -307,7 +309,10 @@ def _set_max_shared(stem: str, name: str, nbytes: int) -> bool:
         with _lock:
             if nbytes > room[1]:
                 try:
-                    fn.max_dynamic_shared_size_bytes = int(nbytes)
+                    if hasattr(fn, "max_dynamic_shared_size_bytes"):
+                        fn.max_dynamic_shared_size_bytes = int(nbytes)
+                    else:   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                        cupy.cuda.driver.funcSetAttribute(fn.ptr, 8, int(nbytes))
                 except cupy.cuda.driver.CUDADriverError:  # refused: take what it had
                     room[0] = room[1]
                     return False
