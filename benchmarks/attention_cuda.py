@@ -171,17 +171,21 @@ def main(argv=None) -> int:
                         print(f"  B={B:3d} bwd      wgmma {hb:8.3f} ms  mma.sync {mb:8.3f} ms  "
                               f"(dq, dk, dv vs mma.sync {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e})",
                               flush=True)
-                        # the dk/dv kernel with k and v in shared memory (not yet the default)
-                        errs = [rel_err(a, b) for a, b in zip(
-                            be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale,
-                                                           kv_shared=True),
-                            be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale))]
-                        kb = time_cupy(cupy, lambda: be._attention_bwd_flash_hopper(
-                            q, k, v, o, lse, dout, scale, kv_shared=True), args.reps, args.warmup)
-                        print(f"  B={B:3d} bwd      wgmma k,v shared {kb:8.3f} ms  "
-                              f"wgmma {hb:8.3f} ms  "
-                              f"(dq, dk, dv vs wgmma {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e})",
-                              flush=True)
+                        # the kernels reading their own operands from shared memory (not yet
+                        # the default): dq's q and dout, dk/dv's k and v, and both
+                        for qd, kv in ((True, False), (False, True), (True, True)):
+                            errs = [rel_err(a, b) for a, b in zip(
+                                be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale,
+                                                               qd_shared=qd, kv_shared=kv),
+                                be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale))]
+                            sb = time_cupy(cupy, lambda: be._attention_bwd_flash_hopper(
+                                q, k, v, o, lse, dout, scale, qd_shared=qd, kv_shared=kv),
+                                args.reps, args.warmup)
+                            label = {(True, False): "q,dout", (False, True): "k,v",
+                                     (True, True): "both"}[(qd, kv)]
+                            print(f"  B={B:3d} bwd      wgmma {label:6s} shared {sb:8.3f} ms  "
+                                  f"wgmma {hb:8.3f} ms  (dq, dk, dv vs wgmma "
+                                  f"{errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e})", flush=True)
                     except Exception as e:
                         print(f"  B={B:3d} wgmma ERROR {type(e).__name__}: {e}", flush=True)
             except Exception as e:  # keep measuring the other sizes

@@ -87,12 +87,16 @@ def test_wgmma_forward_same_bits_every_run(be, rs):
         assert host(be, x).tobytes() == host(be, y).tobytes()
 
 
-@pytest.mark.parametrize("kv_shared", [False, True])
+# (qd_shared, kv_shared): the backward's kernels with the block's own operands in registers, or
+# in shared memory (dq's q and dout, dk/dv's k and v)
+SHARED = [(False, False), (False, True), (True, False), (True, True)]
+
+
+@pytest.mark.parametrize("qd_shared,kv_shared", SHARED)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_wgmma_backward_vs_reference_and_mma_sync_kernels(be, rs, shape, kv_shared):
+def test_wgmma_backward_vs_reference_and_mma_sync_kernels(be, rs, shape, qd_shared, kv_shared):
     """dq, dk, dv from the wgmma kernels, given the mma.sync forward's out and lse (so a wrong
-    forward cannot hide a right backward, or the other way round); ``kv_shared``: the dk/dv
-    kernel with k and v in shared memory."""
+    forward cannot hide a right backward, or the other way round)."""
     qs, ks = SHAPES[shape]
     scale = 1.0 / math.sqrt(HS)
     q, k, v, dout = (bf16_values(rs, qs), bf16_values(rs, ks), bf16_values(rs, ks),
@@ -101,7 +105,7 @@ def test_wgmma_backward_vs_reference_and_mma_sync_kernels(be, rs, shape, kv_shar
     dq_, dk_, dv_, ddo = dev(be, q), dev(be, k), dev(be, v), dev(be, dout)
     out, lse = be.attention(dq_, dk_, dv_, scale)
     got = be._attention_bwd_flash_hopper(dq_, dk_, dv_, out, lse, ddo, scale,
-                                         kv_shared=kv_shared)
+                                         qd_shared=qd_shared, kv_shared=kv_shared)
     want = be.attention_bwd(dq_, dk_, dv_, out, lse, ddo, scale)   # flash_attention.cu's
     for name, g, ref, w in zip(("dq", "dk", "dv"), got, (rdq, rdk, rdv), want):
         assert g.shape == ref.shape and str(g.dtype) == "bfloat16"
@@ -109,21 +113,25 @@ def test_wgmma_backward_vs_reference_and_mma_sync_kernels(be, rs, shape, kv_shar
         check(f"wgmma {name} vs mma.sync", host(be, g), host(be, w), TOL)
 
 
-@pytest.mark.parametrize("kv_shared", [False, True])
+@pytest.mark.parametrize("qd_shared,kv_shared", SHARED)
 @pytest.mark.parametrize("B,T,H", [(2, 1024, 12), (1, 77, 4)])
-def test_wgmma_backward_on_fused_rows_and_same_bits(be, rs, B, T, H, kv_shared):
+def test_wgmma_backward_on_fused_rows_and_same_bits(be, rs, B, T, H, qd_shared, kv_shared):
     C = H * HS
     scale = 1.0 / math.sqrt(HS)
     qkv, dy = dev(be, bf16_values(rs, (B, T, 3 * C))), dev(be, bf16_values(rs, (B, T, C)))
     y, lse = be.attention_qkv(qkv, H, scale)
-    got = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, kv_shared=kv_shared)
+    got = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, qd_shared, kv_shared)
     want = be.attention_qkv_bwd(qkv, y, lse, dy, H, scale)
     check("wgmma dqkv vs mma.sync", host(be, got), host(be, want), TOL)
-    again = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, kv_shared=kv_shared)
+    again = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, qd_shared, kv_shared)
     assert host(be, again).tobytes() == host(be, got).tobytes()
-    if kv_shared:   # dq comes from the same kernel either way
-        other = host(be, be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale))
-        assert other[..., :C].tobytes() == host(be, got)[..., :C].tobytes()
+    # a kernel the variant leaves as it is gives the default's bits: dq (the first third) or
+    # dk and dv (the other two)
+    plain, got = host(be, be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale)), host(be, got)
+    if not qd_shared:
+        assert plain[..., :C].tobytes() == got[..., :C].tobytes()
+    if not kv_shared:
+        assert plain[..., C:].tobytes() == got[..., C:].tobytes()
 
 
 def test_the_switch_sends_the_backend_ops_to_the_wgmma_kernels(be, rs):

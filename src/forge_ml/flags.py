@@ -15,7 +15,7 @@ True
 >>> flags.get("FORGE_NOPE")
 Traceback (most recent call last):
 ...
-forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION
+forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD_SHARED
 """
 from __future__ import annotations
 
@@ -75,6 +75,10 @@ _SWITCHES = (
            "causal bf16 attention without dropout on Hopper (compute capability 9.0) through "
            "flash_hopper.cu's wgmma kernels (off: flash_attention.cu's mma.sync kernels, which "
            "other GPUs and dropout always run)", ("on", "off")),
+    Switch("FORGE_WGMMA_BWD_SHARED", "none",
+           "experimental: the wgmma attention backward's kernels that read their block's own "
+           "operands from shared memory (more blocks an SM): dq's q and dout (qd), dk/dv's k "
+           "and v (kv), or both (written, not yet run on a GPU)", ("none", "qd", "kv", "both")),
     Switch("FORGE_FUSED_DECODE", "off",
            "experimental: a batch-1 decoding step of GPT-2 as one CUDA kernel, every layer and "
            "the LM head (not yet faster than the kernel-per-op step it replaces)", ("on", "off")),

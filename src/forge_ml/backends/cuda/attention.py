@@ -168,26 +168,37 @@ def _fa_fwd(q, k, v, out, lse, Tq, Tk, scale, bh, layout, drop, hopper):
                 _flash_grid(bh, Tq), _FLASH_THREADS, args + (drop or _NO_DROP))
 
 
-# flash_hopper.cu's dk/dv kernel with k and v in shared memory (162 registers: three blocks an
-# SM instead of two): written 2026-12-04 without a GPU, taken only where asked for
-# (``hopper="kv_shared"``: tests, benchmarks) until a GPU run has compared and timed it; then
-# this turns on. Its dynamic shared memory: six 8 KiB tiles, lse and D rows, and 1 KiB to
-# align the tiles.
-_DKDV_KV_SHARED = False
+# flash_hopper.cu's backward kernels that read the block's own operands from shared memory
+# instead of registers: dq with q and dout shared ("qd": 128 registers, four blocks an SM
+# instead of three), dk/dv with k and v shared ("kv": 162 registers, three instead of two).
+# Written 2026-12-04 without a GPU; taken only where asked for (the ``*_hopper`` entry points'
+# qd_shared / kv_shared: tests, benchmarks; the FORGE_WGMMA_BWD_SHARED switch, default none)
+# until a GPU run has compared and timed them. The dk/dv one's dynamic shared memory: six
+# 8 KiB tiles, lse and D rows, and 1 KiB to align the tiles.
+_BWD_SHARED = {"none": frozenset(), "qd": frozenset({"qd"}), "kv": frozenset({"kv"}),
+               "both": frozenset({"qd", "kv"})}
 _DKDV_KVS_SMEM = 6 * 64 * 64 * 2 + 4 * 64 * 4 + 1024
+
+
+def _hopper_bwd(qd_shared=False, kv_shared=False):
+    """The ``hopper`` value asking ``_fa_bwd`` for the shared-operand kernels: True (as the
+    FORGE_WGMMA_BWD_SHARED switch says), or the set of those asked for."""
+    return frozenset(n for n, on in (("qd", qd_shared), ("kv", kv_shared)) if on) or True
 
 
 def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop, hopper):
     """The backward's two launches, dq (writing D = rowsum(dout * out)) then dk and dv (reading
-    it), as ``_fa_fwd`` chooses its kernel; ``hopper="kv_shared"`` takes the dk/dv kernel that
-    keeps k and v in shared memory."""
+    it), as ``_fa_fwd`` chooses its kernel; ``hopper`` a set (``_hopper_bwd``) names the
+    shared-operand wgmma kernels to take."""
     D = _empty(lse.shape, F32)
     dq_args = (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
     kv_args = (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
     if hopper:
-        _launch("flash_hopper", "flash_bwd_dq_wgmma_bf16_h64", _flash_grid(bh, Tq),
-                _FLASH_THREADS, dq_args)
-        if hopper == "kv_shared" or (hopper is True and _DKDV_KV_SHARED):
+        shared = (hopper if isinstance(hopper, frozenset) else
+                  _BWD_SHARED[flags.get("FORGE_WGMMA_BWD_SHARED")])
+        _launch("flash_hopper", "flash_bwd_dq_wgmma_qds_bf16_h64" if "qd" in shared else
+                "flash_bwd_dq_wgmma_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS, dq_args)
+        if "kv" in shared:
             name = "flash_bwd_dkdv_wgmma_kvs_bf16_h64"
             if not _set_max_shared("flash_hopper", name, _DKDV_KVS_SMEM):
                 raise ShapeError(f"{name} needs {_DKDV_KVS_SMEM} bytes of shared memory a block")
@@ -206,9 +217,8 @@ def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop
 
 def _wgmma(drop=None, hopper=None):
     """Whether a flash call takes flash_hopper.cu's kernels: ``hopper`` when given (the
-    ``*_hopper`` entry points: True, or ``"kv_shared"`` for the backward's dk/dv kernel with k
-    and v in shared memory), else the FORGE_WGMMA_ATTENTION switch on a GPU that can run them;
-    never with dropout."""
+    ``*_hopper`` entry points: True, or ``_hopper_bwd``'s set for the backward), else the
+    FORGE_WGMMA_ATTENTION switch on a GPU that can run them; never with dropout."""
     if drop is not None:
         return False
     if hopper is not None:
@@ -254,24 +264,26 @@ def _qkv_flash_fwd_hopper(qkv, n_head, scale):
     return _qkv_flash_fwd(qkv, n_head, scale, hopper=True)
 
 
-def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None, kv_shared=False):
-    """``_attention_flash_hopper``'s backward: ``(dq, dk, dv)``; ``kv_shared``: the dk/dv kernel
-    with k and v in shared memory (not yet the backend's path)."""
+def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None, qd_shared=False,
+                                kv_shared=False):
+    """``_attention_flash_hopper``'s backward: ``(dq, dk, dv)``; ``qd_shared`` / ``kv_shared``:
+    the dq kernel with q and dout in shared memory / the dk/dv kernel with k and v there (not
+    yet the backend's path)."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     out, dout = _like(_c(out), q.dtype), _like(_c(dout), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
     _hopper_check(_flash_wanted(q, k, v, out, dout), "backward")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _attention_bwd_flash(q, k, v, out, _like(_c(lse), F32), dout, scale, Tq, Tk,
-                                hopper="kv_shared" if kv_shared else True)
+                                hopper=_hopper_bwd(qd_shared, kv_shared))
 
 
-def _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale, kv_shared=False):
+def _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale, qd_shared=False, kv_shared=False):
     qkv = _c(qkv)
     y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
     _hopper_check(_qkv_flash_ok(qkv, n_head, y, dy), "backward")
     return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale,
-                          hopper="kv_shared" if kv_shared else True)
+                          hopper=_hopper_bwd(qd_shared, kv_shared))
 
 
 def _qkv_flash_ok(qkv, n_head, *others) -> bool:

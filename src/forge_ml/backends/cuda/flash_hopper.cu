@@ -304,16 +304,21 @@ extern "C" __global__ void __launch_bounds__(128)
 
 // Block (bh, query rows q0..q0+63), latest rows first; warp w owns rows q0+16w..+15. Writes
 // D = rowsum(dout * out) for its rows (the dk/dv kernel, launched next, reads it) and dq.
-extern "C" __global__ void __launch_bounds__(128)
-    flash_bwd_dq_wgmma_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                const bf16* __restrict__ v, const bf16* __restrict__ out,
-                                const bf16* __restrict__ dout, const float* __restrict__ lse,
-                                float* __restrict__ Dsum, bf16* __restrict__ dq, int Tq, int Tk,
-                                float scale, int H, long long q_sb, long long q_sh, int q_ld,
-                                long long kv_sb, long long kv_sh, int kv_ld, long long o_sb,
-                                long long o_sh, int o_ld) {
-    __shared__ __align__(1024) bf16 sK[2][64 * 64];
-    __shared__ __align__(1024) bf16 sV[2][64 * 64];
+// QD_SHARED = false: q and dout are A fragments in registers; true: shared tiles sQ, sO (the
+// scores' products read both operands from shared memory), freeing 32 registers a thread.
+#define DQ_PARAMS                                                                                \
+    const bf16 *__restrict__ q, const bf16 *__restrict__ k, const bf16 *__restrict__ v,          \
+        const bf16 *__restrict__ out, const bf16 *__restrict__ dout,                             \
+        const float *__restrict__ lse, float *__restrict__ Dsum, bf16 *__restrict__ dq, int Tq,  \
+        int Tk, float scale, int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,   \
+        long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld
+#define DQ_ARGS                                                                                  \
+    q, k, v, out, dout, lse, Dsum, dq, Tq, Tk, scale, H, q_sb, q_sh, q_ld, kv_sb, kv_sh, kv_ld,   \
+        o_sb, o_sh, o_ld
+
+template <bool QD_SHARED>
+FORGE_D void dq_block(DQ_PARAMS, bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64], bf16* sQ,
+                      bf16* sO) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const long long bh = blockIdx.x;
     const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * 64;
@@ -331,10 +336,15 @@ extern "C" __global__ void __launch_bounds__(128)
     wg_load_tile(sK[0], K, 0, Tk, tid, kv_ld);
     wg_load_tile(sV[0], V, 0, Tk, tid, kv_ld);
     cp_async_commit();
+    if constexpr (QD_SHARED) {  // this block's q and dout rows, waited for with the first k, v
+        wg_load_tile(sQ, q + qb_, q0, Tq, tid, q_ld);
+        wg_load_tile(sO, dout + ob, q0, Tq, tid, o_ld);
+        cp_async_commit();
+    }
 
     unsigned qf[4][4], df[4][4];
-    load_a_frags(qf, q + qb_, w0, Tq, g, t, q_ld);
-    load_a_frags(df, dout + ob, w0, Tq, g, t, o_ld);
+    if constexpr (!QD_SHARED) load_a_frags(qf, q + qb_, w0, Tq, g, t, q_ld);
+    load_a_frags(df, dout + ob, w0, Tq, g, t, o_ld);  // for D; with QD_SHARED not kept
     float d_lo = 0.f, d_hi = 0.f;
     {
         unsigned of[4][4];  // out at the same positions as df: D is a dot product of the two
@@ -376,8 +386,13 @@ extern "C" __global__ void __launch_bounds__(128)
         wg_zero(p);
         wg_zero(dp);
         wg_fence();
-        wg_rs4(p, qf, wg_desc(sK[buf], WG_K_LBO, WG_K_SBO));   // q k^T
-        wg_rs4(dp, df, wg_desc(sV[buf], WG_K_LBO, WG_K_SBO));  // dout v^T
+        if constexpr (QD_SHARED) {
+            wg_ss4(p, wg_desc(sQ, WG_K_LBO, WG_K_SBO), wg_desc(sK[buf], WG_K_LBO, WG_K_SBO));
+            wg_ss4(dp, wg_desc(sO, WG_K_LBO, WG_K_SBO), wg_desc(sV[buf], WG_K_LBO, WG_K_SBO));
+        } else {
+            wg_rs4(p, qf, wg_desc(sK[buf], WG_K_LBO, WG_K_SBO));   // q k^T
+            wg_rs4(dp, df, wg_desc(sV[buf], WG_K_LBO, WG_K_SBO));  // dout v^T
+        }
         wg_commit();
         wg_wait0();
 
@@ -403,6 +418,23 @@ extern "C" __global__ void __launch_bounds__(128)
         __syncthreads();
     }
     wg_store_rows(dq + qb_, acc, r_lo, Tq, scale, scale, t, q_ld);
+}
+
+
+extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_wgmma_bf16_h64(DQ_PARAMS) {
+    __shared__ __align__(1024) bf16 sK[2][64 * 64];
+    __shared__ __align__(1024) bf16 sV[2][64 * 64];
+    dq_block<false>(DQ_ARGS, sK, sV, nullptr, nullptr);
+}
+
+// The same with q and dout in shared memory: four blocks an SM (48 KiB of tiles each) instead
+// of three. WRITTEN WITHOUT A GPU (2026-12-04, eighth session): not yet the backend's path.
+extern "C" __global__ void __launch_bounds__(128, 4) flash_bwd_dq_wgmma_qds_bf16_h64(DQ_PARAMS) {
+    __shared__ __align__(1024) bf16 sK[2][64 * 64];
+    __shared__ __align__(1024) bf16 sV[2][64 * 64];
+    __shared__ __align__(1024) bf16 sQ[64 * 64];
+    __shared__ __align__(1024) bf16 sO[64 * 64];
+    dq_block<true>(DQ_ARGS, sK, sV, sQ, sO);
 }
 
 // Block (bh, keys k0..k0+63), the earliest keys (the most queries) first; warp w owns keys
