@@ -62,10 +62,14 @@ def test_logits_match(pair):
         want = theirs(torch.from_numpy(ids)).logits.numpy()                    # (2, 16, V)
     got = ours.logits(fm.tensor(ids)).numpy()
     assert got.shape == want.shape
-    assert_close(got, want, 1e-5, "logits")
+    # 1e-4 of the largest logit: with these large random weights float32's summation order
+    # alone (which BLAS kernel a buffer's alignment and the thread count pick, on either side)
+    # moves a logit by up to ~2e-4 of 10 (one CI run of 2026-12-04 failed at 1e-5 that way;
+    # a typical run differs by 9e-6); a wrong op or layout moves them by far more.
+    assert_close(got, want, 1e-4, "logits")
     cache = ours.new_cache(2)
     cached = ours.forward_cached(fm.tensor(ids), cache).numpy()[..., :V]
-    assert_close(cached, want, 1e-5, "KV-cache logits")
+    assert_close(cached, want, 1e-4, "KV-cache logits")
 
 
 def test_loss_and_every_gradient_match(pair):
