@@ -179,16 +179,20 @@ FORGE_D void wg_next_kv(bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64], const bf
     __syncthreads();
 }
 
+// Every kernel's lengths, scale and layout (attention.py's _head_major / _fused_layout): the
+// (batch, head) strides and row stride of q, of k and v, and of out and dout.
+#define WG_SHAPE_PARAMS                                                                          \
+    int Tq, int Tk, float scale, int H, long long q_sb, long long q_sh, int q_ld,                \
+        long long kv_sb, long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld
+#define WG_SHAPE_ARGS Tq, Tk, scale, H, q_sb, q_sh, q_ld, kv_sb, kv_sh, kv_ld, o_sb, o_sh, o_ld
+
 // Block (blockIdx.x = bh, query rows q0..q0+63), the latest rows first, as flash_fwd_bf16_h64;
 // warp w owns rows q0+16w..+15 (this thread r_lo = q0+16w+g and r_hi = r_lo+8), element
 // 4 nt + e of s and o being (row r_lo or r_hi for e < 2 or not, column 8 nt + 2t + (e & 1)).
 extern "C" __global__ void __launch_bounds__(128)
     flash_fwd_wgmma_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
                              const bf16* __restrict__ v, bf16* __restrict__ out,
-                             float* __restrict__ lse, int Tq, int Tk, float scale, int H,
-                             long long q_sb, long long q_sh, int q_ld, long long kv_sb,
-                             long long kv_sh, int kv_ld, long long o_sb, long long o_sh,
-                             int o_ld) {
+                             float* __restrict__ lse, WG_SHAPE_PARAMS) {
     __shared__ __align__(1024) bf16 sQ[64 * 64];
     __shared__ __align__(1024) bf16 sK[2][64 * 64];
     __shared__ __align__(1024) bf16 sV[2][64 * 64];
@@ -309,12 +313,9 @@ extern "C" __global__ void __launch_bounds__(128)
 #define DQ_PARAMS                                                                                \
     const bf16 *__restrict__ q, const bf16 *__restrict__ k, const bf16 *__restrict__ v,          \
         const bf16 *__restrict__ out, const bf16 *__restrict__ dout,                             \
-        const float *__restrict__ lse, float *__restrict__ Dsum, bf16 *__restrict__ dq, int Tq,  \
-        int Tk, float scale, int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,   \
-        long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld
-#define DQ_ARGS                                                                                  \
-    q, k, v, out, dout, lse, Dsum, dq, Tq, Tk, scale, H, q_sb, q_sh, q_ld, kv_sb, kv_sh, kv_ld,   \
-        o_sb, o_sh, o_ld
+        const float *__restrict__ lse, float *__restrict__ Dsum, bf16 *__restrict__ dq,          \
+        WG_SHAPE_PARAMS
+#define DQ_ARGS q, k, v, out, dout, lse, Dsum, dq, WG_SHAPE_ARGS
 
 template <bool QD_SHARED>
 FORGE_D void dq_block(DQ_PARAMS, bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64], bf16* sQ,
@@ -445,12 +446,9 @@ extern "C" __global__ void __launch_bounds__(128, 4) flash_bwd_dq_wgmma_qds_bf16
 #define DKDV_PARAMS                                                                              \
     const bf16 *__restrict__ q, const bf16 *__restrict__ k, const bf16 *__restrict__ v,          \
         const bf16 *__restrict__ dout, const float *__restrict__ lse,                            \
-        const float *__restrict__ Dsum, bf16 *__restrict__ dk, bf16 *__restrict__ dv, int Tq,    \
-        int Tk, float scale, int H, long long q_sb, long long q_sh, int q_ld, long long kv_sb,   \
-        long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld
-#define DKDV_ARGS                                                                                \
-    q, k, v, dout, lse, Dsum, dk, dv, Tq, Tk, scale, H, q_sb, q_sh, q_ld, kv_sb, kv_sh, kv_ld,    \
-        o_sb, o_sh, o_ld
+        const float *__restrict__ Dsum, bf16 *__restrict__ dk, bf16 *__restrict__ dv,            \
+        WG_SHAPE_PARAMS
+#define DKDV_ARGS q, k, v, dout, lse, Dsum, dk, dv, WG_SHAPE_ARGS
 
 template <bool KV_SHARED>
 FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64],
