@@ -23,6 +23,7 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from .errors import ConfigError
@@ -150,7 +151,6 @@ def cache_root(sub: str):
     >>> cache_root("cpu").name
     'cpu'
     """
-    from pathlib import Path
     root = get("FORGE_CACHE_DIR")
     if root:
         return Path(root) / sub

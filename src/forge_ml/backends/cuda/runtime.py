@@ -22,6 +22,8 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import re
 import sys
 import threading
@@ -223,8 +225,6 @@ def compile_for_arch(source: str, label: str, arch: str, options=("--std=c++17",
     kept in ``flags.cache_root("cuda")`` under a hash of the source, the options and NVRTC's
     version, so a later process loads it instead of compiling (an unwritable cache only costs
     the compile). A compile failure raises CompileError carrying NVRTC's log."""
-    import hashlib
-    import os
     from cupy_backends.cuda.libs import nvrtc
     opts = tuple(options) + (f"-arch={arch}", "-DFORGE_ARCH_FEATURES=1")
     key = hashlib.sha256(repr((source, opts, nvrtc.getVersion())).encode()).hexdigest()[:24]
