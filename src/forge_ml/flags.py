@@ -76,10 +76,10 @@ _SWITCHES = (
            "causal bf16 attention without dropout on Hopper (compute capability 9.0) through "
            "flash_hopper.cu's wgmma kernels (off: flash_attention.cu's mma.sync kernels, which "
            "other GPUs and dropout always run)", ("on", "off")),
-    Switch("FORGE_WGMMA_BWD_SHARED", "none",
-           "experimental: the wgmma attention backward's kernels that read their block's own "
-           "operands from shared memory (more blocks an SM): dq's q and dout (qd), dk/dv's k "
-           "and v (kv), or both (written, not yet run on a GPU)", ("none", "qd", "kv", "both")),
+    Switch("FORGE_WGMMA_BWD_SHARED", "both",
+           "the wgmma attention backward's kernels that read their block's own operands from "
+           "shared memory (more blocks an SM, the same bits): dq's q and dout (qd), dk/dv's k "
+           "and v (kv), both, or none (the register kernels)", ("none", "qd", "kv", "both")),
     Switch("FORGE_FUSED_DECODE", "off",
            "experimental: a batch-1 decoding step of GPT-2 as one CUDA kernel, every layer and "
            "the LM head (not yet faster than the kernel-per-op step it replaces)", ("on", "off")),
