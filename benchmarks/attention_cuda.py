@@ -18,8 +18,9 @@ Prints one row per batch and pass: milliseconds for each, TFLOP/s of the flash k
 torch (causal FLOPs: 2 products of B H T^2 hs / 2 multiply-adds forward, 5 in the backward),
 and the ratios flash/torch, v1/torch and v1/flash (above 1: flash is faster than v1). On
 compute capability 9.0 "flash" is flash_attention.cu's mma.sync kernels (the switch held off)
-and two lines per batch time flash_hopper.cu's wgmma forward and backward (the backend's flash
-path there by default) beside them (and torch's forward).
+and more lines per batch time flash_hopper.cu's wgmma forward (64 and 128 query rows a block)
+and backward (its kernel variants; the backend's flash path there by default) beside them (and
+torch's forward).
 """
 from __future__ import annotations
 
@@ -153,39 +154,34 @@ def main(argv=None) -> int:
                 if be._hopper_ok():   # flash_hopper.cu's wgmma kernels (the flash path there)
                     try:
                         _, _, m_ms, _, t_ms = rows[-2][:5]   # this batch's fwd row, timed above
-                        err = rel_err(be._attention_flash_hopper(q, k, v, scale)[0],
-                                      flash_fwd()[0])
-                        h_ms = time_cupy(cupy, lambda: be._attention_flash_hopper(q, k, v, scale),
-                                         args.reps, args.warmup)
-                        print(f"  B={B:3d} fwd      wgmma {h_ms:8.3f} ms  mma.sync {m_ms:8.3f} ms  "
-                              f"torch {t_ms:8.3f} ms  wgmma/torch {h_ms / t_ms:5.2f}  "
-                              f"(out vs mma.sync {err:.2e})", flush=True)
+                        for r in (64, 128):   # query rows a block: one warpgroup or two
+                            err = rel_err(be._attention_flash_hopper(q, k, v, scale, rows=r)[0],
+                                          flash_fwd()[0])
+                            h_ms = time_cupy(cupy, lambda: be._attention_flash_hopper(
+                                q, k, v, scale, rows=r), args.reps, args.warmup)
+                            print(f"  B={B:3d} fwd      wgmma r{r:<3d} {h_ms:8.3f} ms  mma.sync "
+                                  f"{m_ms:8.3f} ms  torch {t_ms:8.3f} ms  wgmma/torch "
+                                  f"{h_ms / t_ms:5.2f}  (out vs mma.sync {err:.2e})", flush=True)
                         o, lse = flash_fwd()
-                        errs = [rel_err(a, b) for a, b in zip(
-                            be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale),
-                            be.attention_bwd(q, k, v, o, lse, dout, scale))]
-                        hb = time_cupy(cupy, lambda: be._attention_bwd_flash_hopper(
-                            q, k, v, o, lse, dout, scale), args.reps, args.warmup)
                         mb = time_cupy(cupy, lambda: be.attention_bwd(q, k, v, o, lse, dout, scale),
                                        args.reps, args.warmup)
-                        print(f"  B={B:3d} bwd      wgmma {hb:8.3f} ms  mma.sync {mb:8.3f} ms  "
-                              f"(dq, dk, dv vs mma.sync {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e})",
-                              flush=True)
-                        # the kernels reading their own operands from shared memory (not yet
-                        # the default): dq's q and dout, dk/dv's k and v, and both
-                        for qd, kv in ((True, False), (False, True), (True, True)):
-                            errs = [rel_err(a, b) for a, b in zip(
-                                be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale,
-                                                               qd_shared=qd, kv_shared=kv),
-                                be._attention_bwd_flash_hopper(q, k, v, o, lse, dout, scale))]
-                            sb = time_cupy(cupy, lambda: be._attention_bwd_flash_hopper(
-                                q, k, v, o, lse, dout, scale, qd_shared=qd, kv_shared=kv),
-                                args.reps, args.warmup)
-                            label = {(True, False): "q,dout", (False, True): "k,v",
-                                     (True, True): "both"}[(qd, kv)]
-                            print(f"  B={B:3d} bwd      wgmma {label:6s} shared {sb:8.3f} ms  "
-                                  f"wgmma {hb:8.3f} ms  (dq, dk, dv vs wgmma "
-                                  f"{errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e})", flush=True)
+                        want = be.attention_bwd(q, k, v, o, lse, dout, scale)
+                        # the kernels' variants: operands in registers or shared memory (dq's q
+                        # and dout, dk/dv's k and v), and 64 or 128 query rows a dq block
+                        for qd, kv, r, label in ((False, False, 64, "registers"),
+                                                 (True, False, 64, "q,dout shared"),
+                                                 (False, True, 64, "k,v shared"),
+                                                 (True, True, 64, "both shared"),
+                                                 (True, True, 128, "both, dq r128")):
+                            def bwd():
+                                return be._attention_bwd_flash_hopper(
+                                    q, k, v, o, lse, dout, scale, qd_shared=qd, kv_shared=kv,
+                                    rows=r)
+                            errs = [rel_err(x, y) for x, y in zip(bwd(), want)]
+                            sb = time_cupy(cupy, bwd, args.reps, args.warmup)
+                            print(f"  B={B:3d} bwd      wgmma {label:14s} {sb:8.3f} ms  mma.sync "
+                                  f"{mb:8.3f} ms  (dq, dk, dv vs mma.sync {errs[0]:.1e} "
+                                  f"{errs[1]:.1e} {errs[2]:.1e})", flush=True)
                     except Exception as e:
                         print(f"  B={B:3d} wgmma ERROR {type(e).__name__}: {e}", flush=True)
             except Exception as e:  # keep measuring the other sizes

@@ -36,14 +36,19 @@ def be(gpu):
         yield gpu
 
 
+# query rows a block of the forward and of the dq kernel: one warpgroup or two on a k, v tile
+ROWS = [64, 128]
+
+
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_wgmma_forward_vs_reference_and_mma_sync_kernel(be, rs, shape):
+def test_wgmma_forward_vs_reference_and_mma_sync_kernel(be, rs, shape, rows):
     qs, ks = SHAPES[shape]
     scale = 1.0 / math.sqrt(HS)
     q, k, v = bf16_values(rs, qs), bf16_values(rs, ks), bf16_values(rs, ks)
     rout, rlse = ref_attention(q, k, v, np.zeros(qs), scale)[:2]
     dq_, dk_, dv_ = dev(be, q), dev(be, k), dev(be, v)
-    out, lse = be._attention_flash_hopper(dq_, dk_, dv_, scale)
+    out, lse = be._attention_flash_hopper(dq_, dk_, dv_, scale, rows=rows)
     assert out.shape == qs and lse.shape == qs[:-1]
     check("wgmma out", host(be, out), rout, TOL)
     check_abs("wgmma lse", host(be, lse), rlse, LSE_TOL)
@@ -52,49 +57,58 @@ def test_wgmma_forward_vs_reference_and_mma_sync_kernel(be, rs, shape):
     check_abs("wgmma lse vs mma.sync", host(be, lse), host(be, lse1), LSE_TOL)
 
 
-def test_wgmma_forward_peaked_softmax(be, rs):
+@pytest.mark.parametrize("rows", ROWS)
+def test_wgmma_forward_peaked_softmax(be, rs, rows):
     """Scores x 8: the running max moves between key blocks, so the rescaling must be right."""
     qs = ks = (1, 2, 300, HS)
     scale = 1.0 / math.sqrt(HS)
     q, k, v = bf16_values(rs, qs, 8.0), bf16_values(rs, ks), bf16_values(rs, ks)
     rout, rlse = ref_attention(q, k, v, np.zeros(qs), scale)[:2]
-    out, lse = be._attention_flash_hopper(dev(be, q), dev(be, k), dev(be, v), scale)
+    out, lse = be._attention_flash_hopper(dev(be, q), dev(be, k), dev(be, v), scale, rows=rows)
     check("wgmma out, peaked", host(be, out), rout, TOL)
     check_abs("wgmma lse, peaked", host(be, lse), rlse, LSE_TOL)
 
 
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("B,T,H", [(2, 1024, 12), (1, 77, 4), (3, 130, 2)])
-def test_wgmma_forward_on_fused_rows(be, rs, B, T, H):
+def test_wgmma_forward_on_fused_rows(be, rs, B, T, H, rows):
     """GPT-2's (B, T, 3C) rows read in place, as attention_qkv's forward."""
     C = H * HS
     qkv = bf16_values(rs, (B, T, 3 * C))
     scale = 1.0 / math.sqrt(HS)
     heads = qkv.reshape(B, T, 3, H, HS).transpose(2, 0, 3, 1, 4)   # 3 x (B, H, T, 64)
     rout, rlse = ref_attention(heads[0], heads[1], heads[2], np.zeros(heads[0].shape), scale)[:2]
-    y, lse = be._qkv_flash_fwd_hopper(dev(be, qkv), H, scale)
+    y, lse = be._qkv_flash_fwd_hopper(dev(be, qkv), H, scale, rows=rows)
     check("wgmma fused y", host(be, y), rout.transpose(0, 2, 1, 3).reshape(B, T, C), TOL)
     check_abs("wgmma fused lse", host(be, lse), rlse, LSE_TOL)
     y1, lse1 = be.attention_qkv(dev(be, qkv), H, scale)
     check("wgmma fused y vs mma.sync", host(be, y), host(be, y1), TOL)
 
 
-def test_wgmma_forward_same_bits_every_run(be, rs):
-    qs = (2, 4, 333, HS)
-    q, k, v = (dev(be, bf16_values(rs, qs)) for _ in range(3))
-    a = be._attention_flash_hopper(q, k, v)
-    b = be._attention_flash_hopper(q, k, v)
-    for x, y in zip(a, b):
+@pytest.mark.parametrize("shape", [(2, 4, 333, HS), (1, 3, 64, HS), (2, 2, 200, HS)])
+def test_wgmma_forward_same_bits_every_run_and_for_either_rows_a_block(be, rs, shape):
+    """Each row sees the same key tiles in the same order whichever block holds it, so the
+    128-row kernel gives the 64-row one's bits."""
+    q, k, v = (dev(be, bf16_values(rs, shape)) for _ in range(3))
+    a = be._attention_flash_hopper(q, k, v, rows=64)
+    b = be._attention_flash_hopper(q, k, v, rows=64)
+    c = be._attention_flash_hopper(q, k, v, rows=128)
+    for x, y, z in zip(a, b, c):
         assert host(be, x).tobytes() == host(be, y).tobytes()
+        assert host(be, x).tobytes() == host(be, z).tobytes()
 
 
-# (qd_shared, kv_shared): the backward's kernels with the block's own operands in registers, or
-# in shared memory (dq's q and dout, dk/dv's k and v)
-SHARED = [(False, False), (False, True), (True, False), (True, True)]
+# (qd_shared, kv_shared, rows): the backward's kernels with the block's own operands in
+# registers, or in shared memory (dq's q and dout, dk/dv's k and v); the dq kernel of 128 rows
+# (two warpgroups) exists with q and dout shared
+SHARED = [(False, False, 64), (False, True, 64), (True, False, 64), (True, True, 64),
+          (True, False, 128), (True, True, 128)]
 
 
-@pytest.mark.parametrize("qd_shared,kv_shared", SHARED)
+@pytest.mark.parametrize("qd_shared,kv_shared,rows", SHARED)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_wgmma_backward_vs_reference_and_mma_sync_kernels(be, rs, shape, qd_shared, kv_shared):
+def test_wgmma_backward_vs_reference_and_mma_sync_kernels(be, rs, shape, qd_shared, kv_shared,
+                                                          rows):
     """dq, dk, dv from the wgmma kernels, given the mma.sync forward's out and lse (so a wrong
     forward cannot hide a right backward, or the other way round)."""
     qs, ks = SHAPES[shape]
@@ -105,7 +119,7 @@ def test_wgmma_backward_vs_reference_and_mma_sync_kernels(be, rs, shape, qd_shar
     dq_, dk_, dv_, ddo = dev(be, q), dev(be, k), dev(be, v), dev(be, dout)
     out, lse = be.attention(dq_, dk_, dv_, scale)
     got = be._attention_bwd_flash_hopper(dq_, dk_, dv_, out, lse, ddo, scale,
-                                         qd_shared=qd_shared, kv_shared=kv_shared)
+                                         qd_shared=qd_shared, kv_shared=kv_shared, rows=rows)
     want = be.attention_bwd(dq_, dk_, dv_, out, lse, ddo, scale)   # flash_attention.cu's
     for name, g, ref, w in zip(("dq", "dk", "dv"), got, (rdq, rdk, rdv), want):
         assert g.shape == ref.shape and str(g.dtype) == "bfloat16"
@@ -113,17 +127,18 @@ def test_wgmma_backward_vs_reference_and_mma_sync_kernels(be, rs, shape, qd_shar
         check(f"wgmma {name} vs mma.sync", host(be, g), host(be, w), TOL)
 
 
-@pytest.mark.parametrize("qd_shared,kv_shared", SHARED)
+@pytest.mark.parametrize("qd_shared,kv_shared,rows", SHARED)
 @pytest.mark.parametrize("B,T,H", [(2, 1024, 12), (1, 77, 4)])
-def test_wgmma_backward_on_fused_rows_and_same_bits(be, rs, B, T, H, qd_shared, kv_shared):
+def test_wgmma_backward_on_fused_rows_and_same_bits(be, rs, B, T, H, qd_shared, kv_shared,
+                                                    rows):
     C = H * HS
     scale = 1.0 / math.sqrt(HS)
     qkv, dy = dev(be, bf16_values(rs, (B, T, 3 * C))), dev(be, bf16_values(rs, (B, T, C)))
     y, lse = be.attention_qkv(qkv, H, scale)
-    got = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, qd_shared, kv_shared)
+    got = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, qd_shared, kv_shared, rows)
     want = be.attention_qkv_bwd(qkv, y, lse, dy, H, scale)
     check("wgmma dqkv vs mma.sync", host(be, got), host(be, want), TOL)
-    again = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, qd_shared, kv_shared)
+    again = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, qd_shared, kv_shared, rows)
     assert host(be, again).tobytes() == host(be, got).tobytes()
     # a kernel the variant leaves as it is gives the default's bits: dq (the first third) or
     # dk and dv (the other two)

@@ -15,7 +15,7 @@ True
 >>> flags.get("FORGE_NOPE")
 Traceback (most recent call last):
 ...
-forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD_SHARED
+forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD_SHARED, FORGE_WGMMA_ROWS
 """
 from __future__ import annotations
 
@@ -80,6 +80,10 @@ _SWITCHES = (
            "the wgmma attention backward's kernels that read their block's own operands from "
            "shared memory (more blocks an SM, the same bits): dq's q and dout (qd), dk/dv's k "
            "and v (kv), both, or none (the register kernels)", ("none", "qd", "kv", "both")),
+    Switch("FORGE_WGMMA_ROWS", "64",
+           "query rows a block of the wgmma attention's forward and dq kernels: 128 runs two "
+           "warpgroups on each k and v tile (half the k and v reads; the dq kernel with "
+           "FORGE_WGMMA_BWD_SHARED qd or both)", ("64", "128")),
     Switch("FORGE_FUSED_DECODE", "off",
            "experimental: a batch-1 decoding step of GPT-2 as one CUDA kernel, every layer and "
            "the LM head (not yet faster than the kernel-per-op step it replaces)", ("on", "off")),

@@ -158,14 +158,24 @@ def _fused_layout(T, C, n_head):
 def _fa_fwd(q, k, v, out, lse, Tq, Tk, scale, bh, layout, drop, hopper):
     """One forward launch on layout ``layout`` (``_head_major`` or ``_fused_layout``): the
     mma.sync kernel of flash_attention.cu (with dropout when ``drop``), or, with ``hopper``,
-    flash_hopper.cu's wgmma kernel (no dropout)."""
+    flash_hopper.cu's wgmma kernel (no dropout) of 64 or 128 query rows a block
+    (``_hopper_opts``)."""
     args = (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
     if hopper:
-        _launch("flash_hopper", "flash_fwd_wgmma_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
-                args)
+        if "r128" in _hopper_opts(hopper):
+            _launch("flash_hopper", "flash_fwd_wgmma_r128_bf16_h64", _rows_grid(bh, Tq, 128),
+                    2 * _FLASH_THREADS, args)
+        else:
+            _launch("flash_hopper", "flash_fwd_wgmma_bf16_h64", _flash_grid(bh, Tq),
+                    _FLASH_THREADS, args)
     else:
         _launch("flash_attention", _flash_kernel("flash_fwd_bf16_h64", drop is not None),
                 _flash_grid(bh, Tq), _FLASH_THREADS, args + (drop or _NO_DROP))
+
+
+def _rows_grid(bh: int, rows: int, per_block: int):
+    """(bh, blocks of ``per_block`` rows), as _flash_grid."""
+    return (bh, -(-rows // per_block))
 
 
 # flash_hopper.cu's backward kernels that read the block's own operands from shared memory
@@ -180,12 +190,27 @@ def _fa_fwd(q, k, v, out, lse, Tq, Tk, scale, bh, layout, drop, hopper):
 _BWD_SHARED = {"none": frozenset(), "qd": frozenset({"qd"}), "kv": frozenset({"kv"}),
                "both": frozenset({"qd", "kv"})}
 _DKDV_KVS_SMEM = 6 * 64 * 64 * 2 + 4 * 64 * 4 + 1024
+# The forward and the dq kernel (with q and dout shared) for 128 query rows a block, two
+# warpgroups sharing each k and v tile (FORGE_WGMMA_ROWS=128): half the k and v bytes a query
+# row reads from L2. The dq one's eight 8 KiB tiles and 1 KiB to align them.
+_DQ_R128_SMEM = 8 * 64 * 64 * 2 + 1024
 
 
-def _hopper_bwd(qd_shared=False, kv_shared=False):
-    """The ``hopper`` value asking ``_fa_bwd`` for the shared-operand kernels: True (as the
-    FORGE_WGMMA_BWD_SHARED switch says), or the set of those asked for."""
-    return frozenset(n for n, on in (("qd", qd_shared), ("kv", kv_shared)) if on) or True
+def _hopper_bwd(qd_shared=False, kv_shared=False, rows=64):
+    """The ``hopper`` value asking ``_fa_fwd`` / ``_fa_bwd`` for given kernels whatever the
+    switches say: the set of the shared-operand ones asked for and the rows a block ("r64" or
+    "r128")."""
+    names = {n for n, on in (("qd", qd_shared), ("kv", kv_shared)) if on}
+    return frozenset(names | {f"r{int(rows)}"})
+
+
+def _hopper_opts(hopper):
+    """The options of flash_hopper.cu's kernels: ``hopper`` itself when a set
+    (``_hopper_bwd``), else what FORGE_WGMMA_BWD_SHARED and FORGE_WGMMA_ROWS say."""
+    if isinstance(hopper, frozenset):
+        return hopper
+    return _BWD_SHARED[flags.get("FORGE_WGMMA_BWD_SHARED")] | {
+        "r" + flags.get("FORGE_WGMMA_ROWS")}
 
 
 def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop, hopper):
@@ -196,10 +221,16 @@ def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop
     dq_args = (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
     kv_args = (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
     if hopper:
-        shared = (hopper if isinstance(hopper, frozenset) else
-                  _BWD_SHARED[flags.get("FORGE_WGMMA_BWD_SHARED")])
-        _launch("flash_hopper", "flash_bwd_dq_wgmma_qds_bf16_h64" if "qd" in shared else
-                "flash_bwd_dq_wgmma_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS, dq_args)
+        shared = _hopper_opts(hopper)
+        if "qd" in shared and "r128" in shared:   # 128 rows: the shared-operand kernel only
+            name = "flash_bwd_dq_wgmma_qds_r128_bf16_h64"
+            if not _set_max_shared("flash_hopper", name, _DQ_R128_SMEM):
+                raise ShapeError(f"{name} needs {_DQ_R128_SMEM} bytes of shared memory a block")
+            _launch("flash_hopper", name, _rows_grid(bh, Tq, 128), 2 * _FLASH_THREADS, dq_args,
+                    shared=_DQ_R128_SMEM)
+        else:
+            _launch("flash_hopper", "flash_bwd_dq_wgmma_qds_bf16_h64" if "qd" in shared else
+                    "flash_bwd_dq_wgmma_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS, dq_args)
         if "kv" in shared:
             name = "flash_bwd_dkdv_wgmma_kvs_bf16_h64"
             if not _set_max_shared("flash_hopper", name, _DKDV_KVS_SMEM):
@@ -219,7 +250,7 @@ def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop
 
 def _wgmma(drop=None, hopper=None):
     """Whether a flash call takes flash_hopper.cu's kernels: ``hopper`` when given (the
-    ``*_hopper`` entry points: True, or ``_hopper_bwd``'s set for the backward), else the
+    ``*_hopper`` entry points: True, or ``_hopper_bwd``'s set of kernel options), else the
     FORGE_WGMMA_ATTENTION switch on a GPU that can run them; never with dropout."""
     if drop is not None:
         return False
@@ -247,45 +278,53 @@ def _hopper_check(ok: bool, what: str) -> None:
         raise ShapeError(f"the wgmma {what} takes bf16 heads of 64 on compute capability 9.0")
 
 
-def _attention_flash_hopper(q, k, v, scale=None):
+def _attention_flash_hopper(q, k, v, scale=None, rows=None):
     """``attention``'s flash forward by flash_hopper.cu (Hopper's wgmma) on head-major bf16
     ``(..., H, T, 64)`` arrays: ``(out, lse)`` as ``_attention_flash``, whatever the
     FORGE_WGMMA_ATTENTION switch says (the backend's flash path takes these kernels while it is
     on, its default), for tests/test_cuda_flash_hopper.py and benchmarks/attention_cuda.py.
+    ``rows``: 64 or 128 query rows a block (None: as FORGE_WGMMA_ROWS says).
     The other ``*_hopper`` functions are the same for the backward and the fused rows."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
     _hopper_check(_flash_wanted(q, k, v), "forward")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _attention_flash(q, k, v, scale, Tq, Tk, hopper=True)
+    return _attention_flash(q, k, v, scale, Tq, Tk, hopper=_fwd_rows(rows))
 
 
-def _qkv_flash_fwd_hopper(qkv, n_head, scale):
+def _fwd_rows(rows):
+    """The forward's ``hopper`` value for ``rows`` (None: the switches')."""
+    return True if rows is None else _hopper_bwd(rows=rows)
+
+
+def _qkv_flash_fwd_hopper(qkv, n_head, scale, rows=None):
     qkv = _c(qkv)
     _hopper_check(_qkv_flash_ok(qkv, n_head), "forward")
-    return _qkv_flash_fwd(qkv, n_head, scale, hopper=True)
+    return _qkv_flash_fwd(qkv, n_head, scale, hopper=_fwd_rows(rows))
 
 
 def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None, qd_shared=False,
-                                kv_shared=False):
-    """``_attention_flash_hopper``'s backward: ``(dq, dk, dv)``; ``qd_shared`` / ``kv_shared``:
-    the dq kernel with q and dout in shared memory / the dk/dv kernel with k and v there (not
-    yet the backend's path)."""
+                                kv_shared=False, rows=64):
+    """``_attention_flash_hopper``'s backward: ``(dq, dk, dv)``, whatever the switches say;
+    ``qd_shared`` / ``kv_shared``: the dq kernel with q and dout in shared memory / the dk/dv
+    kernel with k and v there (false: their operands in registers); ``rows`` 128: the dq
+    kernel of 128 rows a block (with ``qd_shared``)."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     out, dout = _like(_c(out), q.dtype), _like(_c(dout), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
     _hopper_check(_flash_wanted(q, k, v, out, dout), "backward")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _attention_bwd_flash(q, k, v, out, _like(_c(lse), F32), dout, scale, Tq, Tk,
-                                hopper=_hopper_bwd(qd_shared, kv_shared))
+                                hopper=_hopper_bwd(qd_shared, kv_shared, rows))
 
 
-def _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale, qd_shared=False, kv_shared=False):
+def _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale, qd_shared=False, kv_shared=False,
+                          rows=64):
     qkv = _c(qkv)
     y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
     _hopper_check(_qkv_flash_ok(qkv, n_head, y, dy), "backward")
     return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale,
-                          hopper=_hopper_bwd(qd_shared, kv_shared))
+                          hopper=_hopper_bwd(qd_shared, kv_shared, rows))
 
 
 def _qkv_flash_ok(qkv, n_head, *others) -> bool:

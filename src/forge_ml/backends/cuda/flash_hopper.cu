@@ -97,11 +97,12 @@ FORGE_D void wg_mma_rs(float (&d)[32], const unsigned (&a)[4], unsigned long lon
 }
 
 // Rows r0..r0+63 of an (n, 64) bf16 matrix with row stride ld into a swizzled shared tile;
-// rows >= n become zeros. 512 chunks of 16 bytes, four a thread of the 128.
+// rows >= n become zeros. 512 chunks of 16 bytes, 512 / NT a thread of the NT (thread tid).
+template <int NT = 128>
 FORGE_D void wg_load_tile(bf16* tile, const bf16* src, int r0, int n, int tid, int ld) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int c = tid + 128 * i, row = c >> 3, ch = c & 7;
+    for (int i = 0; i < 512 / NT; ++i) {
+        const int c = tid + NT * i, row = c >> 3, ch = c & 7;
         const bool valid = r0 + row < n;
         const bf16* p = valid ? src + (long long)(r0 + row) * ld + ch * 8 : src;
         cp_async16(smem_u32(reinterpret_cast<char*>(tile) + row * 128 + ((ch ^ (row & 7)) << 4)),
@@ -161,15 +162,16 @@ FORGE_D void wg_rs4_t(float (&d)[32], const unsigned (&a)[4][4], unsigned long l
     for (int kk = 0; kk < 4; ++kk) wg_mma_rs_t(d, a[kk], db + (kk * WG_MN_STEP >> 4));
 }
 
-// Iteration kb of a walk over 64-row k and v tiles (double-buffered): the next pair starts
-// loading while this one is used; then this pair is waited for, made visible to wgmma and to
-// every thread.
+// Iteration kb of a walk over 64-row k and v tiles (double-buffered), by the block's NT
+// threads: the next pair starts loading while this one is used; then this pair is waited for,
+// made visible to wgmma and to every thread.
+template <int NT = 128>
 FORGE_D void wg_next_kv(bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64], const bf16* K,
                         const bf16* V, int kb, int nkb, int Tk, int tid, int kv_ld) {
     if (kb + 1 < nkb) {
         const int buf = (kb + 1) & 1;
-        wg_load_tile(sK[buf], K, (kb + 1) * 64, Tk, tid, kv_ld);
-        wg_load_tile(sV[buf], V, (kb + 1) * 64, Tk, tid, kv_ld);
+        wg_load_tile<NT>(sK[buf], K, (kb + 1) * 64, Tk, tid, kv_ld);
+        wg_load_tile<NT>(sV[buf], V, (kb + 1) * 64, Tk, tid, kv_ld);
         cp_async_commit();
         cp_async_wait<1>();
     } else {
@@ -186,103 +188,112 @@ FORGE_D void wg_next_kv(bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64], const bf
         long long kv_sb, long long kv_sh, int kv_ld, long long o_sb, long long o_sh, int o_ld
 #define WG_SHAPE_ARGS Tq, Tk, scale, H, q_sb, q_sh, q_ld, kv_sb, kv_sh, kv_ld, o_sb, o_sh, o_ld
 
-// Block (blockIdx.x = bh, query rows q0..q0+63), the latest rows first, as flash_fwd_bf16_h64;
-// warp w owns rows q0+16w..+15 (this thread r_lo = q0+16w+g and r_hi = r_lo+8), element
+// Block (blockIdx.x = bh, query rows q0..q0+64 NW-1), the latest rows first, as
+// flash_fwd_bf16_h64; NW warpgroups, warpgroup wg owning rows qw = q0+64wg..+63 and its own q
+// tile, the k and v tiles loaded once for all of them (NW = 2 halves the k and v bytes each
+// query row costs: the NW = 1 kernel at T=4096 streams about 4 TB/s of them from L2). Warp w of
+// a warpgroup owns rows qw+16w..+15 (this thread r_lo = qw+16w+g and r_hi = r_lo+8), element
 // 4 nt + e of s and o being (row r_lo or r_hi for e < 2 or not, column 8 nt + 2t + (e & 1)).
-extern "C" __global__ void __launch_bounds__(128)
-    flash_fwd_wgmma_bf16_h64(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                             const bf16* __restrict__ v, bf16* __restrict__ out,
-                             float* __restrict__ lse, WG_SHAPE_PARAMS) {
-    __shared__ __align__(1024) bf16 sQ[64 * 64];
-    __shared__ __align__(1024) bf16 sK[2][64 * 64];
-    __shared__ __align__(1024) bf16 sV[2][64 * 64];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+// A warpgroup skips the products of a key tile wholly after its rows (its last one, NW = 2).
+#define FWD_PARAMS                                                                               \
+    const bf16 *__restrict__ q, const bf16 *__restrict__ k, const bf16 *__restrict__ v,          \
+        bf16 *__restrict__ out, float *__restrict__ lse, WG_SHAPE_PARAMS
+#define FWD_ARGS q, k, v, out, lse, WG_SHAPE_ARGS
+
+template <int NW>
+FORGE_D void fwd_block(FWD_PARAMS, bf16* sQ, bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64]) {
+    constexpr int NT = 128 * NW;
+    const int tid = threadIdx.x, wg = NW == 1 ? 0 : tid >> 7, wtid = tid & 127;
+    const int warp = wtid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const long long bh = blockIdx.x;
-    const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * 64;
+    const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * 64 * NW;
+    const int qw = q0 + 64 * wg;
     const int off = Tk - Tq;
     const bf16* Q = q + head_base(bh, H, q_sb, q_sh);
     const long long kvb = head_base(bh, H, kv_sb, kv_sh);
     const bf16* K = k + kvb;
     const bf16* V = v + kvb;
     const float sl2 = scale * FORGE_LOG2E;
-    const int w0 = q0 + 16 * warp;
+    const int w0 = qw + 16 * warp;
     const int r_lo = w0 + g, r_hi = r_lo + 8;
-    const int kv_end = min(Tk, q0 + 64 + off);
+    const int kv_end = min(Tk, q0 + 64 * NW + off);
     const int nkb = (kv_end + 63) / 64;
+    bf16* myQ = sQ + 64 * 64 * wg;
 
-    wg_load_tile(sQ, Q, q0, Tq, tid, q_ld);
-    wg_load_tile(sK[0], K, 0, Tk, tid, kv_ld);
-    wg_load_tile(sV[0], V, 0, Tk, tid, kv_ld);
+    wg_load_tile(myQ, Q, qw, Tq, wtid, q_ld);
+    wg_load_tile<NT>(sK[0], K, 0, Tk, tid, kv_ld);
+    wg_load_tile<NT>(sV[0], V, 0, Tk, tid, kv_ld);
     cp_async_commit();
 
     float o[32];
     wg_zero(o);
     const float NEG_INF = neg_inf<float>();
     float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
-    const unsigned long long dq = wg_desc(sQ, WG_K_LBO, WG_K_SBO);
+    const unsigned long long dq = wg_desc(myQ, WG_K_LBO, WG_K_SBO);
 
     for (int kb = 0; kb < nkb; ++kb) {
         const int buf = kb & 1;
-        wg_next_kv(sK, sV, K, V, kb, nkb, Tk, tid, kv_ld);
-
-        float s[32];
-        wg_zero(s);
-        wg_fence();
-        wg_ss4(s, dq, wg_desc(sK[buf], WG_K_LBO, WG_K_SBO));  // q k^T
-        wg_commit();
-        wg_wait0();
-
+        wg_next_kv<NT>(sK, sV, K, V, kb, nkb, Tk, tid, kv_ld);
         const int k0 = kb * 64;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) s[i] *= sl2;
-        if (k0 + 63 > w0 + off || k0 + 64 > Tk) {
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = k0 + 8 * nt + 2 * t + (e & 1);
-                    const int i = (e < 2) ? r_lo : r_hi;
-                    if (j > i + off || j >= Tk) s[4 * nt + e] = NEG_INF;
-                }
-        }
-        float mx_lo = m_lo, mx_hi = m_hi;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            mx_lo = fmaxf(mx_lo, fmaxf(s[4 * nt], s[4 * nt + 1]));
-            mx_hi = fmaxf(mx_hi, fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
-        }
-        mx_lo = quad_max(mx_lo);
-        mx_hi = quad_max(mx_hi);
-        const float b_lo = (mx_lo == NEG_INF) ? 0.f : mx_lo;
-        const float b_hi = (mx_hi == NEG_INF) ? 0.f : mx_hi;
-        const float al_lo = exp2f(m_lo - b_lo), al_hi = exp2f(m_hi - b_hi);
-        m_lo = mx_lo;
-        m_hi = mx_hi;
-        float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-            s[4 * nt] = exp2f(s[4 * nt] - b_lo);
-            s[4 * nt + 1] = exp2f(s[4 * nt + 1] - b_lo);
-            s[4 * nt + 2] = exp2f(s[4 * nt + 2] - b_hi);
-            s[4 * nt + 3] = exp2f(s[4 * nt + 3] - b_hi);
-            sum_lo += s[4 * nt] + s[4 * nt + 1];
-            sum_hi += s[4 * nt + 2] + s[4 * nt + 3];
-            o[4 * nt] *= al_lo;
-            o[4 * nt + 1] *= al_lo;
-            o[4 * nt + 2] *= al_hi;
-            o[4 * nt + 3] *= al_hi;
-        }
-        l_lo = l_lo * al_lo + sum_lo;
-        l_hi = l_hi * al_hi + sum_hi;
+        if (NW == 1 || k0 <= qw + 63 + off) {
+            float s[32];
+            wg_zero(s);
+            wg_fence();
+            wg_ss4(s, dq, wg_desc(sK[buf], WG_K_LBO, WG_K_SBO));  // q k^T
+            wg_commit();
+            wg_wait0();
 
-        // P as the A operand, 16 keys a k step: (row g, keys 2t..), (g+8, 2t..), (g, 2t+8..),
-        // (g+8, 2t+8..) of key block kk, as mma_cb packs it
-        unsigned a[4][4];
-        wg_pack_a(a, s);
-        wg_fence();
-        wg_rs4_t(o, a, wg_desc(sV[buf], WG_MN_LBO, WG_MN_SBO));  // p v
-        wg_commit();
-        wg_wait0();
+#pragma unroll
+            for (int i = 0; i < 32; ++i) s[i] *= sl2;
+            if (k0 + 63 > w0 + off || k0 + 64 > Tk) {
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int j = k0 + 8 * nt + 2 * t + (e & 1);
+                        const int i = (e < 2) ? r_lo : r_hi;
+                        if (j > i + off || j >= Tk) s[4 * nt + e] = NEG_INF;
+                    }
+            }
+            float mx_lo = m_lo, mx_hi = m_hi;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+                mx_lo = fmaxf(mx_lo, fmaxf(s[4 * nt], s[4 * nt + 1]));
+                mx_hi = fmaxf(mx_hi, fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
+            }
+            mx_lo = quad_max(mx_lo);
+            mx_hi = quad_max(mx_hi);
+            const float b_lo = (mx_lo == NEG_INF) ? 0.f : mx_lo;
+            const float b_hi = (mx_hi == NEG_INF) ? 0.f : mx_hi;
+            const float al_lo = exp2f(m_lo - b_lo), al_hi = exp2f(m_hi - b_hi);
+            m_lo = mx_lo;
+            m_hi = mx_hi;
+            float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+                s[4 * nt] = exp2f(s[4 * nt] - b_lo);
+                s[4 * nt + 1] = exp2f(s[4 * nt + 1] - b_lo);
+                s[4 * nt + 2] = exp2f(s[4 * nt + 2] - b_hi);
+                s[4 * nt + 3] = exp2f(s[4 * nt + 3] - b_hi);
+                sum_lo += s[4 * nt] + s[4 * nt + 1];
+                sum_hi += s[4 * nt + 2] + s[4 * nt + 3];
+                o[4 * nt] *= al_lo;
+                o[4 * nt + 1] *= al_lo;
+                o[4 * nt + 2] *= al_hi;
+                o[4 * nt + 3] *= al_hi;
+            }
+            l_lo = l_lo * al_lo + sum_lo;
+            l_hi = l_hi * al_hi + sum_hi;
+
+            // P as the A operand, 16 keys a k step: (row g, keys 2t..), (g+8, 2t..), (g, 2t+8..),
+            // (g+8, 2t+8..) of key block kk, as mma_cb packs it
+            unsigned a[4][4];
+            wg_pack_a(a, s);
+            wg_fence();
+            wg_rs4_t(o, a, wg_desc(sV[buf], WG_MN_LBO, WG_MN_SBO));  // p v
+            wg_commit();
+            wg_wait0();
+        }
         __syncthreads();  // every warp is done with buf before it is refilled
     }
 
@@ -295,6 +306,22 @@ extern "C" __global__ void __launch_bounds__(128)
         if (r_lo < Tq) L[r_lo] = (m_lo + log2f(l_lo)) * 0.6931471805599453f;
         if (r_hi < Tq) L[r_hi] = (m_hi + log2f(l_hi)) * 0.6931471805599453f;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(128) flash_fwd_wgmma_bf16_h64(FWD_PARAMS) {
+    __shared__ __align__(1024) bf16 sQ[64 * 64];
+    __shared__ __align__(1024) bf16 sK[2][64 * 64];
+    __shared__ __align__(1024) bf16 sV[2][64 * 64];
+    fwd_block<1>(FWD_ARGS, sQ, sK, sV);
+}
+
+// 128 query rows a block, two warpgroups (attention.py's _fwd_rows): 48 KiB of tiles, at most
+// 128 registers a thread, so two blocks (four warpgroups) an SM as the kernel above has.
+extern "C" __global__ void __launch_bounds__(256, 2) flash_fwd_wgmma_r128_bf16_h64(FWD_PARAMS) {
+    __shared__ __align__(1024) bf16 sQ[2][64 * 64];
+    __shared__ __align__(1024) bf16 sK[2][64 * 64];
+    __shared__ __align__(1024) bf16 sV[2][64 * 64];
+    fwd_block<2>(FWD_ARGS, sQ[0], sK, sV);
 }
 
 
@@ -317,12 +344,16 @@ extern "C" __global__ void __launch_bounds__(128)
         WG_SHAPE_PARAMS
 #define DQ_ARGS q, k, v, out, dout, lse, Dsum, dq, WG_SHAPE_ARGS
 
-template <bool QD_SHARED>
+// NW warpgroups a block as fwd_block: warpgroup wg owns rows q0+64wg..+63 (its own q and dout
+// tiles, sQ + 4096 wg and sO + 4096 wg, with QD_SHARED), the k and v tiles loaded once for all.
+template <bool QD_SHARED, int NW = 1>
 FORGE_D void dq_block(DQ_PARAMS, bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64], bf16* sQ,
                       bf16* sO) {
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    constexpr int NT = 128 * NW;
+    const int tid = threadIdx.x, wg = NW == 1 ? 0 : tid >> 7, wtid = tid & 127;
+    const int warp = wtid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const long long bh = blockIdx.x;
-    const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * 64;
+    const int q0 = (int)(gridDim.y - 1 - blockIdx.y) * 64 * NW + 64 * wg;  // this warpgroup's
     const int off = Tk - Tq;
     const long long kvb = head_base(bh, H, kv_sb, kv_sh);
     const long long qb_ = head_base(bh, H, q_sb, q_sh), ob = head_base(bh, H, o_sb, o_sh);
@@ -331,15 +362,20 @@ FORGE_D void dq_block(DQ_PARAMS, bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64],
     const float sl2 = scale * FORGE_LOG2E;
     const int w0 = q0 + 16 * warp;
     const int r_lo = w0 + g, r_hi = r_lo + 8;
-    const int kv_end = min(Tk, q0 + 64 + off);
+    // the block's last key tile: that of its last warpgroup
+    const int kv_end = min(Tk, q0 + 64 * (NW - wg) + off);
     const int nkb = (kv_end + 63) / 64;
+    if constexpr (QD_SHARED) {
+        sQ += 64 * 64 * wg;
+        sO += 64 * 64 * wg;
+    }
 
-    wg_load_tile(sK[0], K, 0, Tk, tid, kv_ld);
-    wg_load_tile(sV[0], V, 0, Tk, tid, kv_ld);
+    wg_load_tile<NT>(sK[0], K, 0, Tk, tid, kv_ld);
+    wg_load_tile<NT>(sV[0], V, 0, Tk, tid, kv_ld);
     cp_async_commit();
-    if constexpr (QD_SHARED) {  // this block's q and dout rows, waited for with the first k, v
-        wg_load_tile(sQ, q + qb_, q0, Tq, tid, q_ld);
-        wg_load_tile(sO, dout + ob, q0, Tq, tid, o_ld);
+    if constexpr (QD_SHARED) {  // this warpgroup's q and dout rows, waited for with the first k, v
+        wg_load_tile(sQ, q + qb_, q0, Tq, wtid, q_ld);
+        wg_load_tile(sO, dout + ob, q0, Tq, wtid, o_ld);
         cp_async_commit();
     }
 
@@ -381,41 +417,42 @@ FORGE_D void dq_block(DQ_PARAMS, bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64],
     wg_zero(acc);
     for (int kb = 0; kb < nkb; ++kb) {
         const int buf = kb & 1;
-        wg_next_kv(sK, sV, K, V, kb, nkb, Tk, tid, kv_ld);
-
-        float p[32], dp[32];
-        wg_zero(p);
-        wg_zero(dp);
-        wg_fence();
-        if constexpr (QD_SHARED) {
-            wg_ss4(p, wg_desc(sQ, WG_K_LBO, WG_K_SBO), wg_desc(sK[buf], WG_K_LBO, WG_K_SBO));
-            wg_ss4(dp, wg_desc(sO, WG_K_LBO, WG_K_SBO), wg_desc(sV[buf], WG_K_LBO, WG_K_SBO));
-        } else {
-            wg_rs4(p, qf, wg_desc(sK[buf], WG_K_LBO, WG_K_SBO));   // q k^T
-            wg_rs4(dp, df, wg_desc(sV[buf], WG_K_LBO, WG_K_SBO));  // dout v^T
-        }
-        wg_commit();
-        wg_wait0();
-
+        wg_next_kv<NT>(sK, sV, K, V, kb, nkb, Tk, tid, kv_ld);
         const int k0 = kb * 64;
-        const bool edge = k0 + 63 > w0 + off || k0 + 64 > Tk;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int j = k0 + 8 * nt + 2 * t + (e & 1);
-                const int i = (e < 2) ? r_lo : r_hi;
-                const bool masked = edge && (j > i + off || j >= Tk);
-                const int x = 4 * nt + e;
-                const float pe = masked ? 0.f : exp2f(p[x] * sl2 - ((e < 2) ? l2_lo : l2_hi));
-                p[x] = pe * (dp[x] - ((e < 2) ? d_lo : d_hi));  // dS
+        if (NW == 1 || k0 <= q0 + 63 + off) {  // a key tile wholly after the rows: nothing
+            float p[32], dp[32];
+            wg_zero(p);
+            wg_zero(dp);
+            wg_fence();
+            if constexpr (QD_SHARED) {
+                wg_ss4(p, wg_desc(sQ, WG_K_LBO, WG_K_SBO), wg_desc(sK[buf], WG_K_LBO, WG_K_SBO));
+                wg_ss4(dp, wg_desc(sO, WG_K_LBO, WG_K_SBO), wg_desc(sV[buf], WG_K_LBO, WG_K_SBO));
+            } else {
+                wg_rs4(p, qf, wg_desc(sK[buf], WG_K_LBO, WG_K_SBO));   // q k^T
+                wg_rs4(dp, df, wg_desc(sV[buf], WG_K_LBO, WG_K_SBO));  // dout v^T
             }
-        unsigned a[4][4];
-        wg_pack_a(a, p);
-        wg_fence();
-        wg_rs4_t(acc, a, wg_desc(sK[buf], WG_MN_LBO, WG_MN_SBO));  // dq += dS k
-        wg_commit();
-        wg_wait0();
+            wg_commit();
+            wg_wait0();
+
+            const bool edge = k0 + 63 > w0 + off || k0 + 64 > Tk;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = k0 + 8 * nt + 2 * t + (e & 1);
+                    const int i = (e < 2) ? r_lo : r_hi;
+                    const bool masked = edge && (j > i + off || j >= Tk);
+                    const int x = 4 * nt + e;
+                    const float pe = masked ? 0.f : exp2f(p[x] * sl2 - ((e < 2) ? l2_lo : l2_hi));
+                    p[x] = pe * (dp[x] - ((e < 2) ? d_lo : d_hi));  // dS
+                }
+            unsigned a[4][4];
+            wg_pack_a(a, p);
+            wg_fence();
+            wg_rs4_t(acc, a, wg_desc(sK[buf], WG_MN_LBO, WG_MN_SBO));  // dq += dS k
+            wg_commit();
+            wg_wait0();
+        }
         __syncthreads();
     }
     wg_store_rows(dq + qb_, acc, r_lo, Tq, scale, scale, t, q_ld);
@@ -437,6 +474,21 @@ extern "C" __global__ void __launch_bounds__(128, 4) flash_bwd_dq_wgmma_qds_bf16
     __shared__ __align__(1024) bf16 sQ[64 * 64];
     __shared__ __align__(1024) bf16 sO[64 * 64];
     dq_block<true>(DQ_ARGS, sK, sV, sQ, sO);
+}
+
+// The same for 128 query rows, two warpgroups (attention.py's _bwd_dq_rows): its 64 KiB of
+// tiles are dynamic shared memory (_DQ_R128_SMEM: 1 KiB more, the tiles starting at the first
+// 1024-byte boundary); at most 128 registers a thread, two blocks an SM.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    flash_bwd_dq_wgmma_qds_r128_bf16_h64(DQ_PARAMS) {
+    extern __shared__ unsigned char dq_smem_raw[];
+    unsigned char* dq_smem = dq_smem_raw + ((1024 - (smem_u32(dq_smem_raw) & 1023)) & 1023);
+    typedef bf16 Tiles[2][64 * 64];
+    Tiles& sK = *reinterpret_cast<Tiles*>(dq_smem);
+    Tiles& sV = *reinterpret_cast<Tiles*>(dq_smem + sizeof(Tiles));
+    bf16* sQ = reinterpret_cast<bf16*>(dq_smem + 2 * sizeof(Tiles));
+    bf16* sO = reinterpret_cast<bf16*>(dq_smem + 3 * sizeof(Tiles));
+    dq_block<true, 2>(DQ_ARGS, sK, sV, sQ, sO);
 }
 
 // Block (bh, keys k0..k0+63), the earliest keys (the most queries) first; warp w owns keys
