@@ -10,8 +10,8 @@
 # wgmma: flash_hopper.cu's probe and kernel tests (each in its own process), the flash, model
 # and step tests with FORGE_WGMMA_ATTENTION=off (the mma.sync kernels other GPUs run; the
 # tests section runs the default, wgmma on Hopper), the model and step tests with
-# FORGE_WGMMA_BWD_SHARED=none (the register backward kernels; the default is both), and the
-# wgmma kernels' timings.
+# FORGE_WGMMA_BWD_SHARED=none and FORGE_WGMMA_ROWS=64 (the register backward kernels and one
+# warpgroup a block; the defaults are both and 128), and the wgmma kernels' timings.
 # Environment: E2E_DATA (a text file for e2e), E2E_ROWS (default gpt2-b32,char),
 # TEST_TIMEOUT (default 300 s), TEST_WORKERS (pytest-xdist processes sharing the
 # GPU, default 4), BENCH_TIMEOUT (150), BENCH_ARGS (e.g. "--only gelu --reps 50"), SERVE_ARGS.
@@ -112,7 +112,7 @@ if want wgmma; then
   wgmma_off_rc=${PIPESTATUS[0]}
   # the register backward kernels (the default reads the block's operands from shared memory)
   # through the model and the trainer's graph
-  FORGE_WGMMA_BWD_SHARED=none timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest tests/test_cuda_model.py \
+  FORGE_WGMMA_BWD_SHARED=none FORGE_WGMMA_ROWS=64 timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest tests/test_cuda_model.py \
       tests/test_cuda_train_step.py tests/test_attention_qkv.py -rfEs -p no:cacheprovider \
       -n "${TEST_WORKERS:-4}" 2>&1 | tee "$LOG/wgmma_bwd_regs_tests.log"
   [ "${PIPESTATUS[0]}" = 0 ] || wgmma_off_rc=1
@@ -165,7 +165,7 @@ want e2e && { echo "trainer end to end:"; tail -n 8 "$LOG/bench_e2e.log"; }
 want memory && { echo "trainer memory:"; grep -E '^\[graph' "$LOG/bench_memory.log"; }
 want recipe && { echo "char recipe:"; tail -n 5 "$LOG/bench_recipe.log"; }
 want profile && { echo "profile:"; grep -E "^(forge-ml|torch.compile|== )" "$LOG/bench_profile.log"; }
-want wgmma && { echo "wgmma: kernel tests exit $wgmma_rc, the flash suites with the switch off and with FORGE_WGMMA_BWD_SHARED=none exit $wgmma_off_rc"; \
+want wgmma && { echo "wgmma: kernel tests exit $wgmma_rc, the flash suites with the switch off and with FORGE_WGMMA_BWD_SHARED=none FORGE_WGMMA_ROWS=64 exit $wgmma_off_rc"; \
   tail -n 1 "$LOG/wgmma_tests.log" "$LOG/wgmma_off_tests.log" "$LOG/wgmma_bwd_regs_tests.log"; grep -E "wgmma|^ *B=" "$LOG/bench_wgmma.log"; }
 want generate && { echo "generation:"; grep -E '^(forge|transformers|ratio|bandwidth|batch|  |flat|peaked)' "$LOG/bench_generate.log"; }
 want decode && { echo "decoding step:"; grep -E '^GPT-2|graph replay|DecodeStep call|greedy chain' "$LOG/bench_decode.log"; }

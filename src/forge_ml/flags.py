@@ -80,7 +80,7 @@ _SWITCHES = (
            "the wgmma attention backward's kernels that read their block's own operands from "
            "shared memory (more blocks an SM, the same bits): dq's q and dout (qd), dk/dv's k "
            "and v (kv), both, or none (the register kernels)", ("none", "qd", "kv", "both")),
-    Switch("FORGE_WGMMA_ROWS", "64",
+    Switch("FORGE_WGMMA_ROWS", "128",
            "query rows a block of the wgmma attention's forward and dq kernels: 128 runs two "
            "warpgroups on each k and v tile (half the k and v reads; the dq kernel with "
            "FORGE_WGMMA_BWD_SHARED qd or both)", ("64", "128")),
