@@ -164,6 +164,18 @@ def test_the_switch_sends_the_backend_ops_to_the_wgmma_kernels(be, rs):
         assert host(be, a).tobytes() == host(be, b).tobytes()
 
 
+def test_a_scale_that_is_not_positive_runs_the_mma_sync_forward(be, rs):
+    """The wgmma forward scales each tile's max, so it takes scale > 0; the backend's forward
+    with FORGE_WGMMA_ATTENTION=on still gives the reference for a negative scale."""
+    qs = (1, 2, 100, HS)
+    q, k, v = bf16_values(rs, qs), bf16_values(rs, qs), bf16_values(rs, qs)
+    rout, rlse = ref_attention(q, k, v, np.zeros(qs), -0.125)[:2]
+    with flags.override(FORGE_WGMMA_ATTENTION="on"):
+        out, lse = be.attention(dev(be, q), dev(be, k), dev(be, v), -0.125)
+    check("out, scale < 0", host(be, out), rout, TOL)
+    check_abs("lse, scale < 0", host(be, lse), rlse, LSE_TOL)
+
+
 def test_the_sm_90a_build_is_kept_on_disk_and_a_damaged_copy_is_rebuilt(be, tmp_path):
     """compile_for_arch writes the cubin under FORGE_CACHE_DIR/cuda, loads it from there in a
     later call, and compiles again over a damaged file."""

@@ -159,9 +159,10 @@ def _fa_fwd(q, k, v, out, lse, Tq, Tk, scale, bh, layout, drop, hopper):
     """One forward launch on layout ``layout`` (``_head_major`` or ``_fused_layout``): the
     mma.sync kernel of flash_attention.cu (with dropout when ``drop``), or, with ``hopper``,
     flash_hopper.cu's wgmma kernel (no dropout) of 64 or 128 query rows a block
-    (``_hopper_opts``)."""
+    (``_hopper_opts``). The wgmma kernel scales each tile's max instead of every score, which
+    takes a positive scale: any other scale runs the mma.sync kernel."""
     args = (q, k, v, out, lse, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
-    if hopper:
+    if hopper and scale > 0:
         if "r128" in _hopper_opts(hopper):
             _launch("flash_hopper", "flash_fwd_wgmma_r128_bf16_h64", _rows_grid(bh, Tq, 128),
                     2 * _FLASH_THREADS, args)

@@ -10,10 +10,13 @@
 // four warps of a block read each k and v tile four times and the kernel waits on shared
 // memory (H200: forward 3.3 ms a 124M B=32 step against cuDNN's 2.0). A wgmma reads its B
 // operand once for the warpgroup, at the tensor cores' own rate.
-// The softmax, the masks and the epilogue are flash_fwd_bf16_h64's, on the same per-thread
-// elements (a copy: moving flash_attention.cu's inline code into a shared function changes
-// that verified kernel's generated code, so the two are merged once a GPU run checks both): the accumulator of an m64nNk16 wgmma gives warp w rows 16w..16w+15 and lane
-// (g, t) the elements mma.sync's C fragments give it, one 8-wide column tile after another.
+// The masks and the epilogue are flash_fwd_bf16_h64's, on the same per-thread elements: the
+// accumulator of an m64nNk16 wgmma gives warp w rows 16w..16w+15 and lane (g, t) the elements
+// mma.sync's C fragments give it, one 8-wide column tile after another. The softmax has fewer
+// instructions than flash_fwd_bf16_h64's (the forward issues an instruction on most cycles):
+// the tile's max is scaled instead of each score, each exponent is one fma, and 2^x is the
+// bare MUFU instruction (wg_exp2). So the outputs are within rounding of the mma.sync kernels',
+// no longer their bits.
 // The backward keeps flash_attention.cu's two kernels (dq; then dk and dv), each product a
 // wgmma with the kernel's row operands in registers (see "backward" below). No dropout here
 // (dropout runs flash_attention.cu's kernels).
@@ -138,6 +141,16 @@ FORGE_D void wg_pack_a(unsigned (&a)[4][4], const float (&p)[32]) {
     }
 }
 
+// 2^x by the MUFU unit alone, subnormal results flushed to zero (PTX ex2.approx.ftz): exp2f
+// adds a range test and two predicated multiplies around it for subnormal results, which for
+// probabilities below 2^-126 change nothing a bf16 output or a gradient can hold. A quarter of
+// the forward's instructions were those (Nsight Compute, ninth session).
+FORGE_D float wg_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 FORGE_D void wg_zero(float (&d)[32]) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) d[i] = 0.f;
@@ -243,8 +256,8 @@ FORGE_D void fwd_block(FWD_PARAMS, bf16* sQ, bf16 (&sK)[2][64 * 64], bf16 (&sV)[
             wg_commit();
             wg_wait0();
 
-#pragma unroll
-            for (int i = 0; i < 32; ++i) s[i] *= sl2;
+            // the scores stay unscaled: the tile's max is scaled once (scale > 0, which
+            // attention.py's _fa_fwd checks) and each exponent is one fma
             if (k0 + 63 > w0 + off || k0 + 64 > Tk) {
 #pragma unroll
                 for (int nt = 0; nt < 8; ++nt)
@@ -255,26 +268,26 @@ FORGE_D void fwd_block(FWD_PARAMS, bf16* sQ, bf16 (&sK)[2][64 * 64], bf16 (&sV)[
                         if (j > i + off || j >= Tk) s[4 * nt + e] = NEG_INF;
                     }
             }
-            float mx_lo = m_lo, mx_hi = m_hi;
+            float mx_lo = NEG_INF, mx_hi = NEG_INF;
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) {
                 mx_lo = fmaxf(mx_lo, fmaxf(s[4 * nt], s[4 * nt + 1]));
                 mx_hi = fmaxf(mx_hi, fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
             }
-            mx_lo = quad_max(mx_lo);
-            mx_hi = quad_max(mx_hi);
+            mx_lo = fmaxf(m_lo, quad_max(mx_lo) * sl2);  // the running max, in log2 units
+            mx_hi = fmaxf(m_hi, quad_max(mx_hi) * sl2);
             const float b_lo = (mx_lo == NEG_INF) ? 0.f : mx_lo;
             const float b_hi = (mx_hi == NEG_INF) ? 0.f : mx_hi;
-            const float al_lo = exp2f(m_lo - b_lo), al_hi = exp2f(m_hi - b_hi);
+            const float al_lo = wg_exp2(m_lo - b_lo), al_hi = wg_exp2(m_hi - b_hi);
             m_lo = mx_lo;
             m_hi = mx_hi;
             float sum_lo = 0.f, sum_hi = 0.f;
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt) {
-                s[4 * nt] = exp2f(s[4 * nt] - b_lo);
-                s[4 * nt + 1] = exp2f(s[4 * nt + 1] - b_lo);
-                s[4 * nt + 2] = exp2f(s[4 * nt + 2] - b_hi);
-                s[4 * nt + 3] = exp2f(s[4 * nt + 3] - b_hi);
+                s[4 * nt] = wg_exp2(fmaf(s[4 * nt], sl2, -b_lo));
+                s[4 * nt + 1] = wg_exp2(fmaf(s[4 * nt + 1], sl2, -b_lo));
+                s[4 * nt + 2] = wg_exp2(fmaf(s[4 * nt + 2], sl2, -b_hi));
+                s[4 * nt + 3] = wg_exp2(fmaf(s[4 * nt + 3], sl2, -b_hi));
                 sum_lo += s[4 * nt] + s[4 * nt + 1];
                 sum_hi += s[4 * nt + 2] + s[4 * nt + 3];
                 o[4 * nt] *= al_lo;
@@ -443,7 +456,7 @@ FORGE_D void dq_block(DQ_PARAMS, bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64],
                     const int i = (e < 2) ? r_lo : r_hi;
                     const bool masked = edge && (j > i + off || j >= Tk);
                     const int x = 4 * nt + e;
-                    const float pe = masked ? 0.f : exp2f(p[x] * sl2 - ((e < 2) ? l2_lo : l2_hi));
+                    const float pe = masked ? 0.f : wg_exp2(fmaf(p[x], sl2, -((e < 2) ? l2_lo : l2_hi)));
                     p[x] = pe * (dp[x] - ((e < 2) ? d_lo : d_hi));  // dS
                 }
             unsigned a[4][4];
@@ -584,7 +597,7 @@ FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 
                 const int j = (e < 2) ? j_lo : j_hi;
                 const bool masked = edge && (j > i + off || i >= Tq);
                 const int x = 4 * nt + e;
-                const float pe = masked ? 0.f : exp2f(p[x] * sl2 - sL[buf][c]);
+                const float pe = masked ? 0.f : wg_exp2(fmaf(p[x], sl2, -sL[buf][c]));
                 p[x] = pe;
                 ds[x] = pe * (ds[x] - sD[buf][c]);
             }
