@@ -55,7 +55,7 @@ def test_chunks_equal_the_float64_spec(gpu, small_chunks, rs, monkeypatch, dtype
     assert name.startswith({"stream": "cross_entropy_fused_stream_bf16_", "registers":
                             "cross_entropy_fused_rows_bf16_"}.get(kernel, f"cross_entropy_fused_{sfx}_")), name
     item = {"float32": 4, "bfloat16": 2, "float64": 8}[dtype]
-    assert small_chunks.chunk_rows(N, Vp, item) < N       # several chunks, the last partial
+    assert small_chunks.chunk_rows(N, Vp, item) < N       # several chunks
     x = round_bf16(rs.standard_normal((N, C))).astype(np.float64)
     w = round_bf16(rs.standard_normal((Vp, C)) * 0.5).astype(np.float64)
     t = rs.integers(0, V, N)

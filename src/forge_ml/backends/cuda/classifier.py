@@ -19,9 +19,11 @@ from .rows import _CE_THREADS, _sum_finish
 from .runtime import (BF16, F32, _acc, _acc_dtype, _cc_major, _dev, _empty, _float_sfx, _guarded,
                       _i32, _i64, _launch, _set_max_shared, _sfx, _sm_count)
 
-CHUNK_BYTES = 1 << 28
-"""The logits of one chunk of rows at most (256 MiB: about 2,600 rows of GPT-2's vocabulary in
-bf16); the chunk's rows are a multiple of 128 where it holds more than 128."""
+CHUNK_BYTES = 1 << 30
+"""The logits of one chunk of rows at most (1 GiB: about 10,600 rows of GPT-2's vocabulary in
+bf16). Fewer, larger chunks: dw's float32 sum is read and written once a chunk (308 MB at
+GPT-2's vocabulary), and each chunk is three products; 256 MiB chunks cost about 1 ms a step
+more at 124M, B=32, T=1024 on an H200 (benchmarks/RESULTS.md, tenth session)."""
 
 
 _ROW_THREADS, _ROW_VECS = 1024, 8   # cross_entropy.cu: CE_ROW_THREADS, CE_ROW_VECS
@@ -43,13 +45,25 @@ def _loss_kernel(x, targets, Vp: int, n_rows: int):
 
 
 def chunk_rows(n_rows: int, vp: int, itemsize: int) -> int:
-    """Rows per chunk for ``n_rows`` rows of ``vp`` logits of ``itemsize`` bytes.
+    """Rows per chunk for ``n_rows`` rows of ``vp`` logits of ``itemsize`` bytes: as few
+    chunks as ``CHUNK_BYTES`` allows, of equal size (a multiple of 128 rows where a chunk holds
+    more than 128), so the last chunk is not a sliver.
 
     >>> chunk_rows(32768, 50304, 2), chunk_rows(100, 50304, 2), chunk_rows(16384, 65, 4)
-    (2560, 100, 16384)
+    (8192, 100, 16384)
+    >>> chunk_rows(20000, 50304, 2)     # two chunks of 10,000 rows, rounded up to 128
+    10112
     """
-    rows = max(1, min(n_rows, CHUNK_BYTES // max(1, vp * itemsize)))
-    return rows if rows == n_rows or rows < 128 else rows - rows % 128
+    cap = max(1, min(n_rows, CHUNK_BYTES // max(1, vp * itemsize)))
+    if cap == n_rows:
+        return n_rows
+    if cap >= 128:
+        cap -= cap % 128
+    chunks = -(-n_rows // cap)
+    rows = -(-n_rows // chunks)
+    if rows >= 128:
+        rows = min(cap, -(-rows // 128) * 128)
+    return rows
 
 
 @_guarded

@@ -1,0 +1,200 @@
+"""How much the trainer's products would gain from timing cuBLASLt's candidate algorithms
+instead of taking its heuristic's first: every product of one training step as ``forge-ml
+train`` runs it (recorded from a real step of the model, op by op), each timed with the
+heuristic's first algorithm and with each of its next candidates (up to ``--algos``), on
+random operands of the recorded shapes. Products that go to plain cuBLAS (``cublasGemmEx``)
+are timed that way and as a cuBLASLt product with the same candidates.
+
+    python benchmarks/gemm_algos_cuda.py --data shakespeare.txt [--model gpt2] [--batch 32]
+                                         [--block 1024] [--algos 16] [--reps 10]
+
+Prints, per distinct product: the calls a step, the time of today's path, the best candidate's
+time and index, and at the end what a step would save. A measurement for deciding whether an
+autotuner is worth building; it changes nothing in the library.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes as C
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def record_products(a, data):
+    """One op-by-op training step; returns (lt calls, cublas calls) as Counters of keys."""
+    from train_e2e import forge_config
+
+    from forge_ml import flags
+    from forge_ml.backends.cuda import cublas, cublaslt, linear, classifier
+    from forge_ml.train import Trainer
+    lt_calls, gemm_calls = collections.Counter(), collections.Counter()
+    real_lt, real_gemm = cublaslt.lt_matmul, cublas._gemm
+    on = [False]
+
+    def lt_spy(x, w, out, trans_a=False, trans_b=False, *, bias=None, epilogue="default",
+               aux=None, c=None, alpha=1.0):
+        ok = real_lt(x, w, out, trans_a, trans_b, bias=bias, epilogue=epilogue, aux=aux, c=c,
+                     alpha=alpha)
+        if on[0] and ok:
+            lt_calls[(x.shape, w.shape, out.shape, trans_a, trans_b, epilogue, bias is not None,
+                      c is not None, str(x.dtype))] += 1
+        return ok
+
+    def gemm_spy(x, w, out, M, N, K, trans_a, trans_b, batch, sa, sb, alpha, beta):
+        if on[0] and batch == 1:
+            gemm_calls[(x.shape, w.shape, out.shape, trans_a, trans_b, float(beta), str(x.dtype),
+                        str(out.dtype))] += 1
+        return real_gemm(x, w, out, M, N, K, trans_a, trans_b, batch, sa, sb, alpha, beta)
+
+    for mod in (cublaslt, linear, classifier):
+        if hasattr(mod, "lt_matmul"):
+            mod.lt_matmul = lt_spy
+    cublas._gemm = gemm_spy
+    # every cuBLASLt plan is made at its first call: the plans say which products went there
+    plans = []
+    real_init = cublaslt._Plan.__init__
+
+    def plan_spy(self, lt, handle, dt, M, N, K, a_shape, b_shape, trans_a, trans_b, epi, bias_dt):
+        plans.append((a_shape, b_shape, (M, N), trans_a, trans_b, epi, bias_dt is not None,
+                      str(dt)))
+        real_init(self, lt, handle, dt, M, N, K, a_shape, b_shape, trans_a, trans_b, epi, bias_dt)
+    cublaslt._Plan.__init__ = plan_spy
+    with flags.override(FORGE_TRAIN_GRAPH="off"), tempfile.TemporaryDirectory() as out:
+        cfg = forge_config(dict(model=a.model), a.block, a.batch, 0.0, data, out, 10 ** 6)
+        tr = Trainer(cfg, log=lambda *_: None)
+        tr.train_step()
+        on[0] = True
+        tr.train_step()
+        on[0] = False
+    cublaslt._Plan.__init__ = real_init
+    if not lt_calls:   # the calls were not seen (a reference the spy missed): one call a layer
+        print(f"(cuBLASLt calls counted from its {len(plans)} plans, {tr.model.config.n_layer} "
+              "calls each)")
+        for xs, ws_, os_, ta, tb, epi, has_b, dt in plans:
+            lt_calls[(xs, ws_, os_, ta, tb, epi, has_b, False, dt)] += tr.model.config.n_layer
+    return lt_calls, gemm_calls
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--model", default="gpt2")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--block", type=int, default=1024)
+    ap.add_argument("--algos", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "forge_e2e_data"))
+    a = ap.parse_args(argv)
+    import cupy as cp
+    from train_e2e import prepare_data
+
+    from forge_ml.backends.cuda import cublas, cublaslt as L
+    data = prepare_data(a.data, "gpt2", a.cache)
+    lt_calls, gemm_calls = record_products(a, data)
+    lt = L._lt()
+    handle, ws = L._device_state(lt)
+    rs = np.random.default_rng(0)
+
+    def arr(shape, dt):
+        return cp.asarray(rs.standard_normal(shape, dtype=np.float32) * 0.05).astype(dt)
+
+    def timed(fn):
+        for _ in range(2):
+            fn()
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        s.record()
+        for _ in range(a.reps):
+            fn()
+        e.record()
+        e.synchronize()
+        return cp.cuda.get_elapsed_time(s, e) / a.reps
+
+    def candidates(plan):
+        """cuBLASLt's heuristic results for the plan's descriptors, up to a.algos."""
+        vp = C.c_void_p
+        pref = vp()
+        L._ok(lt.matmulpreferencecreate(C.byref(pref)), "preference")
+        wsz = C.c_size_t(L._WORKSPACE)
+        L._ok(lt.matmulpreferencesetattribute(pref, L._PREF_MAX_WORKSPACE_BYTES, C.byref(wsz),
+                                              C.sizeof(wsz)), "preference")
+        for attr in L._PREF_MIN_ALIGNMENT:
+            al = C.c_uint32(L._ALIGN)
+            L._ok(lt.matmulpreferencesetattribute(pref, attr, C.byref(al), C.sizeof(al)), "pref")
+        res = (C.c_ubyte * (96 * a.algos))()
+        n = C.c_int(0)
+        lt.matmulalgogetheuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref,
+                                  a.algos, res, C.byref(n))
+        return [(C.c_ubyte * 96).from_buffer(res, 96 * i) for i in range(n.value)]
+
+    def lt_times(x, w, out, ta, tb, epi, bias, aux, c, alpha=1.0):
+        M, N = out.shape
+        K = x.shape[0] if ta else x.shape[1]
+        plan = L._Plan(lt, handle, x.dtype, M, N, K, x.shape, w.shape, ta, tb, epi,
+                       None if bias is None else bias.dtype)
+        if bias is not None:
+            L._set(lt, plan.desc, L._DESC_BIAS_POINTER, bias.data.ptr, C.c_void_p)
+        if aux is not None:
+            L._set(lt, plan.desc, L._DESC_AUX_POINTER, aux.data.ptr, C.c_void_p)
+        al, be = C.c_float(alpha), C.c_float(0.0 if c is None else 1.0)
+        cc = out if c is None else c
+        times = []
+        for algo in candidates(plan):
+            def run(algo=algo):
+                st = lt.matmul(handle, plan.desc, C.byref(al), w.data.ptr, plan.a, x.data.ptr,
+                               plan.b, C.byref(be), cc.data.ptr, plan.d, out.data.ptr, plan.d,
+                               algo, ws.data.ptr, L._WORKSPACE,
+                               cp.cuda.get_current_stream().ptr)
+                if st != 0:
+                    raise RuntimeError(st)
+            try:
+                times.append(timed(run))
+            except RuntimeError:
+                times.append(float("inf"))
+        return times
+
+    total_now = total_best = 0.0
+    print(f"{'calls':>5} {'product':<64} {'today ms':>9} {'best ms':>8} {'index':>5}  candidates")
+    for key, n in sorted(lt_calls.items(), key=lambda kv: -kv[1]):
+        xs, wsh, osh, ta, tb, epi, has_b, has_c, dt = key
+        x, w, out = arr(xs, dt), arr(wsh, dt), arr(osh, dt)
+        bias = arr((xs[1] if epi == "bgrada" else osh[1],), dt) if has_b else None
+        if epi == "bgrada":
+            bias = arr((wsh[1],), dt)
+        aux = arr(osh, dt) if epi == "gelu_aux_bias" else None
+        c = arr(osh, dt) if has_c else None
+        t = lt_times(x, w, out, ta, tb, epi, bias, aux, c)
+        best = min(t)
+        total_now += n * t[0]
+        total_best += n * best
+        print(f"{n:5d} lt {str(xs):>13}{'^T' if ta else '  '} @ {str(wsh):>12}{'^T' if tb else '  '} "
+              f"{epi:<13}{'+C' if has_c else '  '} {t[0]:9.3f} {best:8.3f} {t.index(best):5d}  "
+              + " ".join(f"{v:.3f}" for v in t[:8]))
+    for key, n in sorted(gemm_calls.items(), key=lambda kv: -kv[1]):
+        xs, wsh, osh, ta, tb, beta, dt, odt = key
+        x, w, out = arr(xs, dt), arr(wsh, dt), arr(osh, odt)
+        M, N = osh
+        K = xs[0] if ta else xs[1]
+        now = timed(lambda: cublas._gemm(x, w, out, M, N, K, ta, tb, 1, 0, 0, 1.0, beta))
+        t = []
+        if dt == odt and beta == 0.0:
+            t = lt_times(x, w, out, ta, tb, "default", None, None, None)
+        best = min([now] + t)
+        total_now += n * now
+        total_best += n * best
+        print(f"{n:5d} gemm {str(xs):>11}{'^T' if ta else '  '} @ {str(wsh):>12}{'^T' if tb else '  '} "
+              f"beta {beta:g} {odt:<9} {now:9.3f} {best:8.3f} {'lt' + str(t.index(best)) if best in t else 'cublas':>5}  "
+              + " ".join(f"{v:.3f}" for v in t[:8]))
+    print(f"a step's products: today {total_now:.2f} ms, each at its best candidate "
+          f"{total_best:.2f} ms (-{total_now - total_best:.2f} ms)")
+
+
+if __name__ == "__main__":
+    main()
