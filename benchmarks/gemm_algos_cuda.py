@@ -32,9 +32,13 @@ def record_products(a, data):
     """One op-by-op training step; returns (lt calls, cublas calls) as Counters of keys."""
     from train_e2e import forge_config
 
+    import importlib
+
     from forge_ml import flags
-    from forge_ml.backends.cuda import cublas, cublaslt, linear, classifier
     from forge_ml.train import Trainer
+    # the modules themselves (the package exports a function named linear over its module)
+    cublas, cublaslt, linear, classifier = (importlib.import_module(f"forge_ml.backends.cuda.{m}")
+                                            for m in ("cublas", "cublaslt", "linear", "classifier"))
     lt_calls, gemm_calls = collections.Counter(), collections.Counter()
     real_lt, real_gemm = cublaslt.lt_matmul, cublas._gemm
     on = [False]
