@@ -11,6 +11,12 @@ difference of 20-step means (bf16 rounds differently on the two paths, so single
 wander; the curve should not) and the final 20-step means.
 
     python benchmarks/loss_curve.py --data shakespeare.txt [--steps 200] [--batch 8] [--tiny]
+                                    [--json now.json] [--against earlier.json]
+
+``--against``: a ``--json`` file of an earlier run (another commit, the same seed, batch and
+steps): this run's fast curve is also compared with both of its curves, in 20-step means, so
+a kernel change that moves the numbers (the wgmma attention's own rounding, say) is checked
+against the path the earlier code ran.
 """
 from __future__ import annotations
 
@@ -57,6 +63,7 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--cache", default=None, help="where the token shards go (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write both curves here")
+    ap.add_argument("--against", default=None, help="an earlier run's --json file to compare with")
     ap.add_argument("--tiny", action="store_true",
                     help="a 2-layer, 64-channel model on the CPU, T=64 (checks the script only)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -88,6 +95,24 @@ def main(argv=None):
           f"means {np.abs(mf - me).max():.4f}; final {w}-step means {mf[-1]:.4f} / {me[-1]:.4f}")
     if a.json:
         Path(a.json).write_text(json.dumps({k: v.tolist() for k, v in curves.items()}))
+    if a.against:
+        compare_with(a.against, f, w)
+
+
+def compare_with(path: str, fast: np.ndarray, w: int) -> None:
+    """This run's fast curve against each curve of an earlier run's --json file."""
+    try:
+        old = {k: np.asarray(v, dtype=np.float64) for k, v in json.loads(Path(path).read_text()).items()}
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--against {path}: not a --json file of this script ({e})")
+    mf = np.convolve(fast, np.ones(w) / w, "valid")
+    for k, c in sorted(old.items()):
+        if len(c) != len(fast):
+            raise SystemExit(f"--against {path}: its {k} curve has {len(c)} steps, this run {len(fast)}")
+        mc = np.convolve(c, np.ones(w) / w, "valid")
+        print(f"against {path}'s {k}: largest difference of {w}-step means {np.abs(mf - mc).max():.4f} "
+              f"({np.abs(mf - mc).max() / mc[-1]:.2%} of its final mean); final {w}-step means "
+              f"{mf[-1]:.4f} / {mc[-1]:.4f}")
 
 
 if __name__ == "__main__":

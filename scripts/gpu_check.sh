@@ -5,8 +5,10 @@
 #   bash scripts/gpu_check.sh                       (from anywhere; no install needed)
 #   SECTIONS="tests generate serve" bash scripts/gpu_check.sh      (a subset)
 # Sections: tests wgmma ops train e2e memory recipe generate decode serve cli (default: all;
-# e2e, memory and recipe need E2E_DATA), and profile (asked for by name only; needs E2E_DATA):
-# the trainer's step kernel by kernel beside torch.compile's (benchmarks/train_profile.py).
+# e2e, memory and recipe need E2E_DATA), and profile and curve (asked for by name only; need
+# E2E_DATA): the trainer's step kernel by kernel beside torch.compile's
+# (benchmarks/train_profile.py); the 200-step loss curve of the fast path against the op-by-op
+# path and against the sixth session's committed run (benchmarks/loss_curve.py --against).
 # wgmma: flash_hopper.cu's probe and kernel tests (each in its own process), the flash, model
 # and step tests with FORGE_WGMMA_ATTENTION=off (the mma.sync kernels other GPUs run; the
 # tests section runs the default, wgmma on Hopper), the model and step tests with
@@ -95,6 +97,15 @@ if want profile; then
         | grep -v -E "UserWarning|_warn_once" | tee "$LOG/bench_profile.log"
   else
     echo "skipped: set E2E_DATA to a text file (tinyshakespeare)" | tee "$LOG/bench_profile.log"
+  fi
+fi
+if want curve; then
+  echo "== the 200-step loss curve (benchmarks/loss_curve.py, 124M, B=16): fast against op by op, and against results/gpu-2026-12-04-s6/curve.json"
+  if [ -n "${E2E_DATA:-}" ]; then
+    timeout "${CURVE_TIMEOUT:-500}" "$PY" benchmarks/loss_curve.py --data "$E2E_DATA" --batch 16 --steps 200 \
+        --json "$LOG/curve.json" --against results/gpu-2026-12-04-s6/curve.json 2>&1 | tee "$LOG/bench_curve.log"
+  else
+    echo "skipped: set E2E_DATA to a text file (tinyshakespeare)" | tee "$LOG/bench_curve.log"
   fi
 fi
 if want wgmma; then
