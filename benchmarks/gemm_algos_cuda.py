@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes as C
+import importlib
 import sys
 import tempfile
 from pathlib import Path
@@ -32,13 +33,11 @@ def record_products(a, data):
     """One op-by-op training step; returns (lt calls, cublas calls) as Counters of keys."""
     from train_e2e import forge_config
 
-    import importlib
-
     from forge_ml import flags
     from forge_ml.train import Trainer
     # the modules themselves (the package exports a function named linear over its module)
-    cublas, cublaslt, linear, classifier = (importlib.import_module(f"forge_ml.backends.cuda.{m}")
-                                            for m in ("cublas", "cublaslt", "linear", "classifier"))
+    cublas, cublaslt, linear = (importlib.import_module(f"forge_ml.backends.cuda.{m}")
+                                for m in ("cublas", "cublaslt", "linear"))
     lt_calls, gemm_calls = collections.Counter(), collections.Counter()
     real_lt, real_gemm = cublaslt.lt_matmul, cublas._gemm
     on = [False]
@@ -58,19 +57,8 @@ def record_products(a, data):
                         str(out.dtype))] += 1
         return real_gemm(x, w, out, M, N, K, trans_a, trans_b, batch, sa, sb, alpha, beta)
 
-    for mod in (cublaslt, linear, classifier):
-        if hasattr(mod, "lt_matmul"):
-            mod.lt_matmul = lt_spy
+    linear.lt_matmul = lt_spy   # linear.py makes every cuBLASLt call
     cublas._gemm = gemm_spy
-    # every cuBLASLt plan is made at its first call: the plans say which products went there
-    plans = []
-    real_init = cublaslt._Plan.__init__
-
-    def plan_spy(self, lt, handle, dt, M, N, K, a_shape, b_shape, trans_a, trans_b, epi, bias_dt):
-        plans.append((a_shape, b_shape, (M, N), trans_a, trans_b, epi, bias_dt is not None,
-                      str(dt)))
-        real_init(self, lt, handle, dt, M, N, K, a_shape, b_shape, trans_a, trans_b, epi, bias_dt)
-    cublaslt._Plan.__init__ = plan_spy
     with flags.override(FORGE_TRAIN_GRAPH="off"), tempfile.TemporaryDirectory() as out:
         cfg = forge_config(dict(model=a.model), a.block, a.batch, 0.0, data, out, 10 ** 6)
         tr = Trainer(cfg, log=lambda *_: None)
@@ -78,12 +66,8 @@ def record_products(a, data):
         on[0] = True
         tr.train_step()
         on[0] = False
-    cublaslt._Plan.__init__ = real_init
-    if not lt_calls:   # the calls were not seen (a reference the spy missed): one call a layer
-        print(f"(cuBLASLt calls counted from its {len(plans)} plans, {tr.model.config.n_layer} "
-              "calls each)")
-        for xs, ws_, os_, ta, tb, epi, has_b, dt in plans:
-            lt_calls[(xs, ws_, os_, ta, tb, epi, has_b, False, dt)] += tr.model.config.n_layer
+    if not lt_calls:
+        print("no cuBLASLt product was recorded (FORGE_CUBLASLT off, or no GPU cuBLASLt here)")
     return lt_calls, gemm_calls
 
 
@@ -98,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "forge_e2e_data"))
     a = ap.parse_args(argv)
     import cupy as cp
+    from ops_cuda import time_cupy
     from train_e2e import prepare_data
 
     from forge_ml.backends.cuda import cublas, cublaslt as L
@@ -111,30 +96,14 @@ def main(argv=None):
         return cp.asarray(rs.standard_normal(shape, dtype=np.float32) * 0.05).astype(dt)
 
     def timed(fn):
-        for _ in range(2):
-            fn()
-        s, e = cp.cuda.Event(), cp.cuda.Event()
-        s.record()
-        for _ in range(a.reps):
-            fn()
-        e.record()
-        e.synchronize()
-        return cp.cuda.get_elapsed_time(s, e) / a.reps
+        return time_cupy(cp, fn, a.reps, 2)
 
     def candidates(plan):
-        """cuBLASLt's heuristic results for the plan's descriptors, up to a.algos."""
-        vp = C.c_void_p
-        pref = vp()
-        L._ok(lt.matmulpreferencecreate(C.byref(pref)), "preference")
-        wsz = C.c_size_t(L._WORKSPACE)
-        L._ok(lt.matmulpreferencesetattribute(pref, L._PREF_MAX_WORKSPACE_BYTES, C.byref(wsz),
-                                              C.sizeof(wsz)), "preference")
-        for attr in L._PREF_MIN_ALIGNMENT:
-            al = C.c_uint32(L._ALIGN)
-            L._ok(lt.matmulpreferencesetattribute(pref, attr, C.byref(al), C.sizeof(al)), "pref")
+        """cuBLASLt's heuristic results for the plan's descriptors and preference, up to
+        a.algos (the first is the one the library's plan takes)."""
         res = (C.c_ubyte * (96 * a.algos))()
         n = C.c_int(0)
-        lt.matmulalgogetheuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, pref,
+        lt.matmulalgogetheuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, plan.pref,
                                   a.algos, res, C.byref(n))
         return [(C.c_ubyte * 96).from_buffer(res, 96 * i) for i in range(n.value)]
 
@@ -169,9 +138,8 @@ def main(argv=None):
     for key, n in sorted(lt_calls.items(), key=lambda kv: -kv[1]):
         xs, wsh, osh, ta, tb, epi, has_b, has_c, dt = key
         x, w, out = arr(xs, dt), arr(wsh, dt), arr(osh, dt)
-        bias = arr((xs[1] if epi == "bgrada" else osh[1],), dt) if has_b else None
-        if epi == "bgrada":
-            bias = arr((wsh[1],), dt)
+        # the bias (or BGRADA's bias gradient) has one value per output column
+        bias = arr((osh[1],), dt) if has_b else None
         aux = arr(osh, dt) if epi == "gelu_aux_bias" else None
         c = arr(osh, dt) if has_c else None
         t = lt_times(x, w, out, ta, tb, epi, bias, aux, c)

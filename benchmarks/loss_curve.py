@@ -83,8 +83,7 @@ def main(argv=None):
             curves[mode] = np.array(json.loads(out.stdout.strip().splitlines()[-1])["losses"])
     f, e = curves["fast"], curves["eager"]
     w = 20
-    mf = np.convolve(f, np.ones(w) / w, "valid")
-    me = np.convolve(e, np.ones(w) / w, "valid")
+    mf, me = means(f, w), means(e, w)
     what = "a 2-layer model on the CPU, float32, T=64" if a.tiny else "GPT-2 124M, bf16, T=1024"
     print(f"{what}, B={a.batch}, {a.steps} steps on real tokens; fast = one graph + the loss "
           "op, eager = op by op + logits and cross_entropy")
@@ -99,17 +98,22 @@ def main(argv=None):
         compare_with(a.against, f, w)
 
 
+def means(curve: np.ndarray, w: int) -> np.ndarray:
+    """The ``w``-step moving means of a curve."""
+    return np.convolve(curve, np.ones(w) / w, "valid")
+
+
 def compare_with(path: str, fast: np.ndarray, w: int) -> None:
     """This run's fast curve against each curve of an earlier run's --json file."""
     try:
         old = {k: np.asarray(v, dtype=np.float64) for k, v in json.loads(Path(path).read_text()).items()}
     except (OSError, ValueError) as e:
         raise SystemExit(f"--against {path}: not a --json file of this script ({e})")
-    mf = np.convolve(fast, np.ones(w) / w, "valid")
+    mf = means(fast, w)
     for k, c in sorted(old.items()):
         if len(c) != len(fast):
             raise SystemExit(f"--against {path}: its {k} curve has {len(c)} steps, this run {len(fast)}")
-        mc = np.convolve(c, np.ones(w) / w, "valid")
+        mc = means(c, w)
         print(f"against {path}'s {k}: largest difference of {w}-step means {np.abs(mf - mc).max():.4f} "
               f"({np.abs(mf - mc).max() / mc[-1]:.2%} of its final mean); final {w}-step means "
               f"{mf[-1]:.4f} / {mc[-1]:.4f}")

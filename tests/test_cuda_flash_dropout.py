@@ -9,8 +9,8 @@ default (``backends.compose``) on the GPU, in bf16 and in float32, with the same
 y, lse and backward dqkv; T = 64, 200, 256 and T not a multiple of 4 (130, 131: each element
 draws its own Philox call there) or of the tile; an int seed and a seed in device memory
 (``(base, site)``, ``ops.SeedAt``), also inside a CUDA graph replayed with a new base; p = 0
-gives the mma.sync kernels without dropout bit for bit (and the default within tolerance); GPT-2 with dropout 0.2, fused against
-``fused_attention=False``.
+gives the mma.sync kernels without dropout bit for bit (and the default within tolerance);
+GPT-2 with dropout 0.2, fused against ``fused_attention=False``.
 
 Every test skips where CuPy or a GPU is missing. Outputs are allocated from a pool refilled with
 NaN bytes, so an element a kernel forgets to write shows up. Tolerances (‖got - ref‖ / ‖ref‖)

@@ -358,8 +358,7 @@ class DataLoader:
         A window inside one shard is one gather through a strided view of it (the trainer asks
         for a batch every step: 32 windows of 1,025 tokens took 0.4 ms one by one); a window
         across a shard boundary goes through ``_window``."""
-        out = np.empty((len(offsets), length), dtype=self.shards[0].dtype if len(self.shards) == 1
-                       else np.int64)
+        out = np.empty((len(offsets), length), dtype=np.result_type(*(s.dtype for s in self.shards)))
         shard = np.searchsorted(self._starts, offsets, side="right") - 1
         done = np.zeros(len(offsets), dtype=bool)
         for i, s in enumerate(self.shards):

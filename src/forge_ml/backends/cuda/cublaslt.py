@@ -126,7 +126,7 @@ class _Plan:
             _ok(lt.matrixlayoutcreate(C.byref(lay), t, stored[1], stored[0], stored[1]), "layout")
             return lay
         self.a, self.b, self.d = layout(b_shape), layout(a_shape), layout((M, N))
-        pref = vp()
+        self.pref = pref = vp()   # kept: benchmarks/gemm_algos_cuda.py asks it for more candidates
         _ok(lt.matmulpreferencecreate(C.byref(pref)), "preference")
         ws = C.c_size_t(_WORKSPACE)
         _ok(lt.matmulpreferencesetattribute(pref, _PREF_MAX_WORKSPACE_BYTES, C.byref(ws),
