@@ -77,12 +77,21 @@ def _symbol(lib, stem: str):
 
 
 def set_threads(n: int) -> bool:
-    """``openblas_set_num_threads(n)`` in every OpenBLAS already loaded; whether one took it.
+    """The CPU backend's thread count: its C kernels' pool (``backends.cpu.native``), which
+    also runs the matrix products where it found OpenBLAS's sgemm (OpenBLAS then keeps one
+    thread of its own), else OpenBLAS's pool. Whether an OpenBLAS took it.
 
     >>> n = get_threads()
     >>> set_threads(n) if n else True
     True
     """
+    from .backends.cpu import native          # the CPU kernels' own threads
+    native.set_threads(n)
+    return openblas_set_threads(1 if native.owns_products() else n)
+
+
+def openblas_set_threads(n: int) -> bool:
+    """``openblas_set_num_threads(n)`` in every OpenBLAS already loaded; whether one took it."""
     took = False
     for lib in _openblas_libs():
         fn = _symbol(lib, "openblas_set_num_threads")
@@ -93,12 +102,32 @@ def set_threads(n: int) -> bool:
 
 
 def get_threads() -> Optional[int]:
+    """The CPU backend's thread count (``set_threads``): the C kernels' pool where it runs
+    the products, else the first OpenBLAS's count; None where there is neither."""
+    from .backends.cpu import native
+    if native.owns_products():
+        return native.threads()
+    return openblas_threads()
+
+
+def openblas_threads() -> Optional[int]:
     """The thread count of the first OpenBLAS loaded, or None where there is none."""
     for lib in _openblas_libs():
         fn = _symbol(lib, "openblas_get_num_threads")
         if fn is not None:
             fn.restype = ctypes.c_int
             return int(fn())
+    return None
+
+
+def sgemm() -> Optional[tuple]:
+    """``(address, ilp64)`` of the first loaded OpenBLAS's ``cblas_sgemm`` (ilp64: its integer
+    arguments are 64-bit, as in NumPy's wheels), or None."""
+    for lib in _openblas_libs():
+        for name in ("scipy_cblas_sgemm64_", "cblas_sgemm64_", "scipy_cblas_sgemm", "cblas_sgemm"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                return ctypes.cast(fn, ctypes.c_void_p).value, name.endswith("64_")
     return None
 
 

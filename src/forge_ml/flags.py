@@ -15,7 +15,7 @@ True
 >>> flags.get("FORGE_NOPE")
 Traceback (most recent call last):
 ...
-forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD_SHARED, FORGE_WGMMA_ROWS
+forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_GEMM, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD_SHARED, FORGE_WGMMA_ROWS
 """
 from __future__ import annotations
 
@@ -102,6 +102,10 @@ _SWITCHES = (
     Switch("FORGE_CPU_KERNELS", "auto",
            "CPU kernels: the fused C kernels if they build (auto), NumPy only (numpy), or the "
            "C kernels or an error (c)", ("auto", "numpy", "c")),
+    Switch("FORGE_CPU_GEMM", "pool",
+           "CPU float32 matrix products: on the C kernels' thread pool, one single-threaded "
+           "OpenBLAS call per block of rows (pool), or by OpenBLAS's own threads (openblas)",
+           ("pool", "openblas")),
     Switch("FORGE_CPU_MALLOC", "tuned",
            "glibc malloc thresholds raised at CPU backend start-up so activations reuse freed "
            "memory (tuned), or left alone (default)", ("tuned", "default")),

@@ -38,7 +38,7 @@ from . import native as _native
 from . import reference
 from .reference import (add, assign, cast, copy, cross_entropy, cross_entropy_bwd,
                         decode_attention, embedding, from_host, greedy_next,
-                        kv_append, logsumexp, matmul, merge_heads, pinned_empty,
+                        kv_append, logsumexp, merge_heads, pinned_empty,
                         scatter_add_rows, softmax, softmax_bwd, split_heads, sum_rows,
                         synchronize, to_host, to_host_async, unmerge_heads, unsplit_head,
                         zeros)
@@ -373,20 +373,102 @@ def sumsq_many(xs):
 # composed on this backend's own ops (so that its layernorm and gelu run in C)
 # ---------------------------------------------------------------------------------------------
 
+def _gemm_lib():
+    """The C library when its pool runs the float32 products (``native.owns_products``)."""
+    lib = _native.lib()
+    return lib if lib is not None and _native.owns_products() else None
+
+
+_EPI = {None: 0, "gelu": 1, "dgelu": 2}
+
+
+def _gemm(lib, a, b, trans_a=False, trans_b=False, alpha=1.0, bias=None, res=None, epi=None,
+          aux=None):
+    """``alpha op(a) op(b) (+ res + bias)`` on the kernels' pool (``gemm_f32``), with its
+    epilogue (``epi`` "gelu": gelu of the result into ``aux``; "dgelu": the result becomes
+    ``gelu_bwd(aux, result)``): the (M, N) result, or _DECLINED where the arrays do not suit
+    (not 2-D float32 C-contiguous, an empty dimension, a bias or residual of another shape)."""
+    if a.ndim != 2 or b.ndim != 2:
+        return _DECLINED
+    m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    kb, n = (b.shape[1], b.shape[0]) if trans_b else b.shape
+    extra = [x for x in (bias, res, aux) if x is not None]
+    if (k != kb or not (m and n and k) or not _native.f32(a, b, *extra)
+            or (bias is not None and bias.shape != (n,))
+            or any(x.shape != (m, n) for x in (res, aux) if x is not None)):
+        return _DECLINED
+    out = np.empty((m, n), np.float32)
+    ptr = lambda x: None if x is None else x.ctypes.data    # noqa: E731
+    status = lib.gemm_f32(int(trans_a), int(trans_b), m, n, k, alpha, a.ctypes.data, a.shape[1],
+                          b.ctypes.data, b.shape[1], ptr(bias), ptr(res), _EPI[epi], ptr(aux),
+                          out.ctypes.data, n)
+    return _ok(status, out)
+
+
+@_fused(reference.matmul, "a", "b")
+def matmul(lib, a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows=None):
+    lib = _gemm_lib()
+    if lib is None or b_rows is not None or b.ndim != 2 or (a.ndim > 2 and trans_a):
+        return _DECLINED
+    if a.ndim == 2:
+        return _gemm(lib, a, b, trans_a, trans_b, alpha, bias)
+    out = _gemm(lib, a.reshape(-1, a.shape[-1]), b, False, trans_b, alpha, bias)
+    return out if out is _DECLINED else out.reshape(*a.shape[:-1], out.shape[-1])
+
+
+def _rows(x):
+    """x as 2-D rows (a view of a C-contiguous array), or x itself when it is not one."""
+    return x.reshape(-1, x.shape[-1]) if x.ndim > 2 and x.flags.c_contiguous else x
+
+
 def linear(x, w, bias, act, residual, ln=None):
     """``act(LN(x) @ w + bias) + residual`` (act None or "gelu", ln None or (gamma, beta,
-    eps)): layernorm, matmul, gelu and add (``compose.linear``)."""
+    eps)): layernorm, then one product on the kernels' pool with the residual and bias added
+    in it (``gemm_f32``) or GELU applied to each block of rows as it is written; else
+    ``compose.linear`` (layernorm, matmul, gelu and add)."""
+    lib = _gemm_lib()
+    if lib is not None and not (act is not None and residual is not None):
+        xn = layernorm(x, ln[0], ln[1], ln[2]) if ln is not None else x
+        x2 = _rows(xn)
+        shape = (*xn.shape[:-1], w.shape[-1])
+        if act is None:
+            out = _gemm(lib, x2, w, bias=bias, res=None if residual is None else _rows(residual))
+            if out is not _DECLINED:
+                return out.reshape(shape)
+        else:
+            y = np.empty((x2.shape[0], w.shape[-1]), np.float32)
+            out = _gemm(lib, x2, w, bias=bias, epi="gelu", aux=y)
+            if out is not _DECLINED:
+                return y.reshape(shape)
+        return _compose.linear(sys.modules[__name__], xn, w, bias, act, residual, None)
     return _compose.linear(sys.modules[__name__], x, w, bias, act, residual, ln)
 
 
 def matmul_gelu(x, w, bias):
-    """``(gelu(x @ w + bias), x @ w + bias)``: BLAS, then the GELU kernel (``compose``)."""
+    """``(gelu(x @ w + bias), x @ w + bias)``: one product on the kernels' pool, the bias added
+    in it and GELU applied to each block of rows as it is written (``gemm_f32``); else BLAS,
+    then the GELU kernel (``compose``)."""
+    lib = _gemm_lib()
+    if lib is not None:
+        x2 = _rows(x)
+        y = np.empty((x2.shape[0], w.shape[-1]), np.float32)
+        pre = _gemm(lib, x2, w, bias=bias, epi="gelu", aux=y)
+        if pre is not _DECLINED:
+            shape = (*x.shape[:-1], w.shape[-1])
+            return y.reshape(shape), pre.reshape(shape)
     return _compose.matmul_gelu(sys.modules[__name__], x, w, bias)
 
 
 def matmul_dgelu(dy, w, pre):
-    """``(gelu_bwd(pre, dy @ w^T), its row sums)``: BLAS, the GELU kernel, the column sums
-    (``compose``)."""
+    """``(gelu_bwd(pre, dy @ w^T), its row sums)``: one product on the kernels' pool with GELU's
+    backward applied to each block of rows as it is written (``gemm_f32``), then the column
+    sums; else BLAS, the GELU kernel, the column sums (``compose``)."""
+    lib = _gemm_lib()
+    if lib is not None and pre.flags.c_contiguous:
+        dpre = _gemm(lib, _rows(dy), w, trans_b=True, epi="dgelu", aux=_rows(pre))
+        if dpre is not _DECLINED:
+            dpre = dpre.reshape(pre.shape)
+            return dpre, sum_rows(dpre)
     return _compose.matmul_dgelu(sys.modules[__name__], dy, w, pre)
 
 

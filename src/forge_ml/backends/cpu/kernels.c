@@ -3,9 +3,11 @@
    NumPy runs one C loop per ufunc, so a GELU or a layernorm is 7-16 passes over memory; these
    functions do each op in one or two passes. They compute exactly what the NumPy kernels in
    reference.py compute (those stay the readable reference and the fallback); __init__.py
-   calls them only for C-contiguous float32 arrays. No threads, no global state; every
-   function owns a flat range of elements or whole rows (one head, one layernorm row) and
-   allocates nothing but small per-call scratch.
+   calls them only for C-contiguous float32 arrays. The larger kernels share their work
+   (heads, blocks of rows, chunks of elements) among a small pool of threads (below) whose
+   size follows NumPy's OpenBLAS; an item's arithmetic never depends on which thread takes it,
+   so every result is the same bits for every thread count. Nothing is allocated but small
+   per-call scratch.
 
    Built with -O3 -ffp-contract=fast (FMA) -fno-math-errno -fno-trapping-math -fopenmp-simd
    and -march=native where the compiler takes it (native.py), never -ffast-math: loops
@@ -13,11 +15,174 @@
    is written to vectorise without changing IEEE semantics (-fno-trapping-math lets its
    clamps become blends). */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define RESTRICT __restrict__
+
+/* ----------------------------------------------------------------------------------------
+   The thread pool. A job is `count` items (heads, blocks of rows, chunks of elements) taken
+   `grain` at a time from a shared counter by the caller and the workers alike, so a worker
+   that wakes late only takes fewer. Every kernel below makes an item's result independent of
+   the thread that computes it (per-item scratch, per-block partial sums added up in order by
+   the caller afterwards), so the thread count never changes a bit.
+   Where the pool runs the matrix products too (gemm_f32; OpenBLAS keeps one thread), a worker
+   spins for POOL_SPIN_NS between jobs, then sleeps on a condition variable; beside
+   OpenBLAS's own threads it sleeps at once (two pools, each spinning while the other works,
+   fought over a small machine's cores). The caller, once the counter is
+   spent, waits only for the workers that joined (they are busy with their last items). A job
+   that finds the pool in use (two Python threads at once) runs on its caller alone; a child
+   of fork() starts with no workers. forge_set_threads sets the size (the caller included).
+   ---------------------------------------------------------------------------------------- */
+#define POOL_MAX 16
+
+static void* sgemm_ptr;             /* the BLAS's cblas_sgemm when the pool runs the products */
+static int sgemm_ilp64;
+
+typedef struct {
+    long count, grain;
+    long next;                      /* the next item (atomic) */
+} work_t;
+
+typedef void (*task_fn)(void* ctx, work_t* work);
+
+/* The next `grain` items [*begin, *end), or 0 when none are left. */
+static int work_take(work_t* w, long* begin, long* end) {
+    const long b = __atomic_fetch_add(&w->next, w->grain, __ATOMIC_RELAXED);
+    if (b >= w->count) return 0;
+    *begin = b;
+    *end = b + w->grain < w->count ? b + w->grain : w->count;
+    return 1;
+}
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    int threads;                    /* the size asked for, the caller included */
+    int started;                    /* workers running */
+    int forked_hook;                /* pthread_atfork registered */
+    unsigned long job;              /* bumped once per job */
+    task_fn fn;                     /* the open job (NULL once its caller has finished) */
+    void* ctx;
+    work_t* work;
+    int helpers;                    /* workers asked to join the open job */
+    int joined;                     /* workers that joined it */
+    int left;                       /* atomic: joined workers still working */
+    int busy;                       /* atomic: a caller owns the pool */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 1, 0, 0, 0, NULL, NULL, NULL,
+          0, 0, 0, 0};
+
+/* How long a worker spins for the next job before it sleeps: a training step's kernels come
+   tens to hundreds of microseconds apart, and a wake from sleep costs about 10 us a job. */
+#define POOL_SPIN_NS 200000L
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long)t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void* pool_worker(void* arg) {
+    const int id = (int)(intptr_t)arg;                     /* 1, 2, ... */
+    pthread_mutex_lock(&pool.mu);
+    unsigned long seen = pool.job;
+    for (;;) {
+        pthread_mutex_unlock(&pool.mu);
+        const long until = now_ns() + POOL_SPIN_NS;
+        for (int i = 1; sgemm_ptr && __atomic_load_n(&pool.job, __ATOMIC_ACQUIRE) == seen; ++i) {
+            cpu_relax();
+            if (i % 256 == 0 && now_ns() > until) break;
+        }
+        pthread_mutex_lock(&pool.mu);
+        while (pool.job == seen) pthread_cond_wait(&pool.wake, &pool.mu);
+        seen = pool.job;
+        if (pool.fn == NULL || id > pool.helpers) continue;
+        const task_fn fn = pool.fn;
+        void* ctx = pool.ctx;
+        work_t* work = pool.work;
+        pool.joined++;
+        pthread_mutex_unlock(&pool.mu);
+        fn(ctx, work);
+        __atomic_fetch_sub(&pool.left, 1, __ATOMIC_RELEASE);
+        pthread_mutex_lock(&pool.mu);
+    }
+    return NULL;
+}
+
+/* In a fork()ed child: the workers are the parent's; start again with none. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.started = 0;
+    pool.fn = NULL;
+    pool.busy = 0;
+}
+
+/* The pool's size, the caller included (1: every job runs on its caller). */
+void forge_set_threads(int n) {
+    pool.threads = n < 1 ? 1 : n > POOL_MAX ? POOL_MAX : n;
+}
+
+int forge_get_threads(void) { return pool.threads; }
+
+/* Run `fn` on the caller and up to threads - 1 workers over count items, grain at a time. */
+static void pool_run(task_fn fn, void* ctx, long count, long grain) {
+    work_t work = {count, grain < 1 ? 1 : grain, 0};
+    const long chunks = (count + work.grain - 1) / work.grain;
+    int helpers = pool.threads - 1;
+    if (helpers > chunks - 1) helpers = (int)(chunks - 1);
+    if (helpers <= 0 || __atomic_exchange_n(&pool.busy, 1, __ATOMIC_ACQUIRE)) {
+        fn(ctx, &work);
+        return;
+    }
+    pthread_mutex_lock(&pool.mu);
+    if (!pool.forked_hook) {
+        pthread_atfork(NULL, NULL, pool_after_fork);
+        pool.forked_hook = 1;
+    }
+    while (pool.started < helpers) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&t, &attr, pool_worker, (void*)(intptr_t)(pool.started + 1));
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        pool.started++;
+    }
+    if (helpers > pool.started) helpers = pool.started;
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.work = &work;
+    pool.helpers = helpers;
+    pool.joined = 0;
+    __atomic_store_n(&pool.left, 0, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&pool.job, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
+    fn(ctx, &work);                                         /* the caller's share */
+    pthread_mutex_lock(&pool.mu);
+    pool.fn = NULL;                                         /* closed to late workers */
+    const int joined = pool.joined;
+    pthread_mutex_unlock(&pool.mu);
+    /* the joined workers decrement `left` from 0: wait until it reaches -joined */
+    while (__atomic_load_n(&pool.left, __ATOMIC_ACQUIRE) != -joined) sched_yield();
+    __atomic_store_n(&pool.busy, 0, __ATOMIC_RELEASE);
+}
+
+/* A task's failure (its scratch could not be allocated): the kernel returns -1 and the
+   reference runs instead. */
+static void task_failed(int* flag) { __atomic_store_n(flag, 1, __ATOMIC_RELAXED); }
 
 /* 8-float vectors (GCC/Clang vector extension; two SSE registers where AVX is absent) */
 typedef float v8f __attribute__((vector_size(32)));
@@ -75,12 +240,14 @@ void exp_f32_array(const float* RESTRICT x, float* RESTRICT y, long n) {
      gelu(x) = x s,   gelu'(x) = s (1 + (1 - s) w),  1 - s = E s,  w = x (2k + 6kc x^2).
    exp_f32 clamps -2u at 88.4, so E stays finite and dx finite far left (the NumPy kernels
    clamp at 80 to the same effect).
-   Each call owns the flat range [0, n).
+   The pool's items are chunks of ELEMS_GRAIN elements (a multiple of 64: every chunk but the
+   last starts and ends on the vector loop's own boundaries).
    ---------------------------------------------------------------------------------------- */
 #define GELU_K 0.7978845608028654f   /* sqrt(2/pi) */
 #define GELU_C 0.044715f
+#define ELEMS_GRAIN 16384
 
-void gelu_f32(const float* RESTRICT x, float* RESTRICT y, long n) {
+static void gelu_span(const float* RESTRICT x, float* RESTRICT y, long n) {
 #pragma omp simd
     for (long i = 0; i < n; ++i) {
         float v = x[i];
@@ -89,8 +256,8 @@ void gelu_f32(const float* RESTRICT x, float* RESTRICT y, long n) {
     }
 }
 
-void gelu_bwd_f32(const float* RESTRICT x, const float* RESTRICT dy, float* RESTRICT dx,
-                  long n) {
+static void gelu_bwd_span(const float* RESTRICT x, const float* RESTRICT dy, float* RESTRICT dx,
+                          long n) {
 #pragma omp simd
     for (long i = 0; i < n; ++i) {
         float v = x[i], v2 = v * v;
@@ -99,6 +266,139 @@ void gelu_bwd_f32(const float* RESTRICT x, const float* RESTRICT dy, float* REST
         float w = v * (2.0f * GELU_K + 6.0f * GELU_K * GELU_C * v2);
         dx[i] = dy[i] * s * (1.0f + e * s * w);
     }
+}
+
+typedef struct { const float *x, *dy; float* out; } gelu_ctx;
+
+static void gelu_task(void* vctx, work_t* w) {
+    const gelu_ctx* g = vctx;
+    long b, e;
+    while (work_take(w, &b, &e)) gelu_span(g->x + b, g->out + b, e - b);
+}
+
+static void gelu_bwd_task(void* vctx, work_t* w) {
+    const gelu_ctx* g = vctx;
+    long b, e;
+    while (work_take(w, &b, &e)) gelu_bwd_span(g->x + b, g->dy + b, g->out + b, e - b);
+}
+
+void gelu_f32(const float* RESTRICT x, float* RESTRICT y, long n) {
+    gelu_ctx g = {x, NULL, y};
+    pool_run(gelu_task, &g, n, ELEMS_GRAIN);
+}
+
+void gelu_bwd_f32(const float* RESTRICT x, const float* RESTRICT dy, float* RESTRICT dx,
+                  long n) {
+    gelu_ctx g = {x, dy, dx};
+    pool_run(gelu_bwd_task, &g, n, ELEMS_GRAIN);
+}
+
+/* ----------------------------------------------------------------------------------------
+   Matrix products on the pool's threads: C = alpha op(A) op(B) (+ P), row-major, by one
+   single-threaded BLAS sgemm call per block of C's rows (forge_set_sgemm gives the BLAS, and
+   native.py keeps that BLAS at one thread of its own). Each of C's elements is the same sum
+   in the same order whichever block holds it, so the split never changes a bit. Per block:
+     P, the prologue: with `bias` and/or `res` (not NULL) C's rows are first set to
+        res + bias (either alone) and the product is added to them (beta 1), as torch's
+        addmm adds its bias: no extra pass over C;
+     the epilogue, on the block while it is in cache: EPI_GELU writes gelu(C) to `aux`
+        (C keeps GELU's input); EPI_DGELU turns C into gelu_bwd(aux, C) (aux is GELU's
+        input; C was the gradient at GELU's output).
+   ---------------------------------------------------------------------------------------- */
+typedef void (*sgemm64_fn)(int, int, int, int64_t, int64_t, int64_t, float, const float*, int64_t,
+                           const float*, int64_t, float, float*, int64_t);
+typedef void (*sgemm32_fn)(int, int, int, int, int, int, float, const float*, int, const float*,
+                           int, float, float*, int);
+
+/* The BLAS's cblas_sgemm (ilp64: 64-bit integer arguments), or NULL. */
+void forge_set_sgemm(void* fn, int ilp64) {
+    sgemm_ptr = fn;
+    sgemm_ilp64 = ilp64;
+}
+
+enum { EPI_NONE = 0, EPI_GELU = 1, EPI_DGELU = 2 };
+
+typedef struct {
+    int ta, tb, epi;
+    long m, n, k, lda, ldb, ldc;
+    float alpha;
+    const float *a, *b, *bias, *res;
+    float *c, *aux;
+} gemm_ctx;
+
+/* g = gelu_bwd(x, g) in place (gelu_bwd_span's arithmetic). */
+static void dgelu_inplace(const float* RESTRICT x, float* g, long n) {
+#pragma omp simd
+    for (long i = 0; i < n; ++i) {
+        float v = x[i], v2 = v * v;
+        const float e = exp_f32(v * (-2.0f * GELU_K - 2.0f * GELU_K * GELU_C * v2));
+        float s = 1.0f / (1.0f + e);
+        float w = v * (2.0f * GELU_K + 6.0f * GELU_K * GELU_C * v2);
+        g[i] = g[i] * s * (1.0f + e * s * w);
+    }
+}
+
+static void gemm_task(void* vctx, work_t* w) {
+    const gemm_ctx* g = vctx;
+    const long n = g->n, ldc = g->ldc;
+    long r0, r1;
+    while (work_take(w, &r0, &r1)) {
+        const float* a = g->ta ? g->a + r0 : g->a + r0 * g->lda;
+        float* c = g->c + r0 * ldc;
+        float beta = 0.0f;
+        if (g->bias || g->res) {
+            for (long r = 0; r < r1 - r0; ++r) {
+                float* RESTRICT cr = c + r * ldc;
+                const float* RESTRICT bias = g->bias;
+                const float* RESTRICT rr = g->res ? g->res + (r0 + r) * n : NULL;
+                if (rr && bias) {
+#pragma omp simd
+                    for (long j = 0; j < n; ++j) cr[j] = rr[j] + bias[j];
+                } else {
+                    memcpy(cr, rr ? rr : bias, sizeof(float) * (size_t)n);
+                }
+            }
+            beta = 1.0f;
+        }
+        const int ta = g->ta ? 112 : 111, tb = g->tb ? 112 : 111;   /* CblasTrans, CblasNoTrans */
+        if (sgemm_ilp64)
+            ((sgemm64_fn)sgemm_ptr)(101, ta, tb, r1 - r0, n, g->k, g->alpha, a, g->lda, g->b,
+                                    g->ldb, beta, c, ldc);
+        else
+            ((sgemm32_fn)sgemm_ptr)(101, ta, tb, (int)(r1 - r0), (int)n, (int)g->k, g->alpha, a,
+                                    (int)g->lda, g->b, (int)g->ldb, beta, c, (int)ldc);
+        if (g->epi == EPI_GELU)
+            for (long r = 0; r < r1 - r0; ++r) gelu_span(c + r * ldc, g->aux + (r0 + r) * n, n);
+        else if (g->epi == EPI_DGELU)
+            for (long r = 0; r < r1 - r0; ++r) dgelu_inplace(g->aux + (r0 + r) * n, c + r * ldc, n);
+    }
+}
+
+/* Blocks of rows per product: the cores the process may use (forge_set_gemm_blocks, set once
+   at load), never the thread count. BLAS may take another code path, and another rounding,
+   for another block height, so blocks sized by the thread count changed bits (a 100-row
+   product on 1 and 2 threads); with blocks sized by the cores, the ThreadTuner's choice
+   changes no bit. More blocks than cores cost: each block repacks op(B), and the nanoGPT CPU
+   step took 4% longer with 4 blocks than with 2 on a 2-core VM, 6% with 8. */
+static long gemm_blocks = 1;
+
+void forge_set_gemm_blocks(long blocks) { gemm_blocks = blocks < 1 ? 1 : blocks; }
+
+static long gemm_rows(long m) {
+    const long rows = ((m + gemm_blocks - 1) / gemm_blocks + 15) / 16 * 16;
+    return rows < 16 ? 16 : rows;
+}
+
+/* C (m x n, row stride ldc) = alpha op(A) op(B) [+ res + bias], then the epilogue (above);
+   op(A) is m x k, op(B) k x n; res and aux are (m x n) contiguous. Returns -1 when no sgemm
+   was given. */
+int gemm_f32(int ta, int tb, long m, long n, long k, float alpha, const float* a, long lda,
+             const float* b, long ldb, const float* bias, const float* res, int epi, float* aux,
+             float* c, long ldc) {
+    if (!sgemm_ptr) return -1;
+    gemm_ctx g = {ta, tb, epi, m, n, k, lda, ldb, ldc, alpha, a, b, bias, res, c, aux};
+    pool_run(gemm_task, &g, m, gemm_rows(m));
+    return 0;
 }
 
 /* ----------------------------------------------------------------------------------------
@@ -146,86 +446,116 @@ static inline void row_stats(const float* RESTRICT xr, long c, float eps, float*
     *rstd_out = 1.0f / sqrtf(ss / (float)c + eps);
 }
 
+typedef struct {
+    const float *x, *gamma, *beta, *dy, *add;
+    float *y, *partial;             /* forward: y; backward: dx, and per-block dgamma, dbeta */
+    long rows, c;
+    float eps;
+} ln_ctx;
+
+/* Rows per pool item: about ELEMS_GRAIN elements. */
+static long rows_grain(long c) { return c >= ELEMS_GRAIN ? 1 : ELEMS_GRAIN / c; }
+
+static void layernorm_task(void* vctx, work_t* w) {
+    const ln_ctx* a = vctx;
+    const long c = a->c;
+    long r0, r1;
+    while (work_take(w, &r0, &r1))
+        for (long r = r0; r < r1; ++r) {
+            const float* xr = a->x + r * c;
+            float* yr = a->y + r * c;
+            float mean, rstd;
+            row_stats(xr, c, a->eps, &mean, &rstd);
+#pragma omp simd
+            for (long j = 0; j < c; ++j) yr[j] = (xr[j] - mean) * rstd * a->gamma[j] + a->beta[j];
+        }
+}
+
 void layernorm_f32(const float* RESTRICT x, const float* RESTRICT gamma,
                    const float* RESTRICT beta, float* RESTRICT y, long rows, long c,
                    float eps) {
-    for (long r = 0; r < rows; ++r) {
-        const float* xr = x + r * c;
-        float* yr = y + r * c;
-        float mean, rstd;
-        row_stats(xr, c, eps, &mean, &rstd);
-#pragma omp simd
-        for (long j = 0; j < c; ++j) yr[j] = (xr[j] - mean) * rstd * gamma[j] + beta[j];
-    }
+    ln_ctx a = {x, gamma, beta, NULL, NULL, y, NULL, rows, c, eps};
+    pool_run(layernorm_task, &a, rows, rows_grain(c));
 }
 
-/* dgamma, dbeta: float partial sums over blocks of LN_BLOCK rows, added into double sums
-   (per-element double accumulation cost 4 read-modify-writes per 8 elements). */
+/* dgamma, dbeta: float partial sums over blocks of LN_BLOCK rows (the pool's items), added
+   into double sums in block order by the caller (per-element double accumulation cost 4
+   read-modify-writes per 8 elements). */
 #define LN_BLOCK 16
 
-/* Returns 0, or -1 when the accumulators cannot be allocated. */
+static void layernorm_bwd_task(void* vctx, work_t* w) {
+    const ln_ctx* a = vctx;
+    const long c = a->c;
+    long b0, b1;
+    while (work_take(w, &b0, &b1))
+        for (long blk = b0; blk < b1; ++blk) {
+            float* RESTRICT fg = a->partial + blk * 2 * c;      /* this block's dgamma */
+            float* RESTRICT fb = fg + c;                        /* and dbeta */
+            const long r_end = (blk + 1) * LN_BLOCK < a->rows ? (blk + 1) * LN_BLOCK : a->rows;
+            for (long r = blk * LN_BLOCK; r < r_end; ++r) {
+                const float* xr = a->x + r * c;
+                const float* dyr = a->dy + r * c;
+                const float* RESTRICT gamma = a->gamma;
+                float* dxr = a->y + r * c;
+                float mean, rstd;
+                row_stats(xr, c, a->eps, &mean, &rstd);
+                float sg = 0.0f, sgx = 0.0f;
+#pragma omp simd reduction(+:sg, sgx)
+                for (long j = 0; j < c; ++j) {
+                    const float xhat = (xr[j] - mean) * rstd;
+                    const float g = dyr[j] * gamma[j];
+                    sg += g;
+                    sgx += g * xhat;
+                    fg[j] += dyr[j] * xhat;
+                    fb[j] += dyr[j];
+                }
+                const float mg = sg / (float)c, mgx = sgx / (float)c;
+                if (a->add) {   /* dx + the gradient x already has (layernorm_bwd_add): one pass */
+                    const float* ar = a->add + r * c;
+#pragma omp simd
+                    for (long j = 0; j < c; ++j) {
+                        const float xhat = (xr[j] - mean) * rstd;
+                        const float d = rstd * (dyr[j] * gamma[j] - mg - xhat * mgx);
+                        dxr[j] = ar[j] + d;
+                    }
+                } else {
+#pragma omp simd
+                    for (long j = 0; j < c; ++j) {
+                        const float xhat = (xr[j] - mean) * rstd;
+                        dxr[j] = rstd * (dyr[j] * gamma[j] - mg - xhat * mgx);
+                    }
+                }
+            }
+        }
+}
+
+/* Returns 0, or -1 when the block sums cannot be allocated. */
 int layernorm_bwd_f32(const float* RESTRICT x, const float* RESTRICT gamma,
                       const float* RESTRICT dy, const float* RESTRICT add, float* RESTRICT dx,
                       float* RESTRICT dgamma, float* RESTRICT dbeta, long rows, long c,
                       float eps) {
-    double* acc = calloc((size_t)(2 * c), sizeof(double));   /* dgamma, then dbeta */
-    float* blk = calloc((size_t)(2 * c), sizeof(float));     /* the same, this block */
-    if (!acc || !blk) {
+    const long blocks = (rows + LN_BLOCK - 1) / LN_BLOCK;
+    double* acc = calloc((size_t)(2 * c), sizeof(double));             /* dgamma, then dbeta */
+    float* partial = calloc((size_t)(blocks * 2 * c), sizeof(float));  /* per block, the same */
+    if (!acc || !partial) {
         free(acc);
-        free(blk);
+        free(partial);
         return -1;
     }
-    double* RESTRICT ag = acc;
-    double* RESTRICT ab = acc + c;
-    float* RESTRICT fg = blk;
-    float* RESTRICT fb = blk + c;
-    for (long r = 0; r < rows; ++r) {
-        const float* xr = x + r * c;
-        const float* dyr = dy + r * c;
-        float* dxr = dx + r * c;
-        float mean, rstd;
-        row_stats(xr, c, eps, &mean, &rstd);
-        float sg = 0.0f, sgx = 0.0f;
-#pragma omp simd reduction(+:sg, sgx)
-        for (long j = 0; j < c; ++j) {
-            const float xhat = (xr[j] - mean) * rstd;
-            const float g = dyr[j] * gamma[j];
-            sg += g;
-            sgx += g * xhat;
-            fg[j] += dyr[j] * xhat;
-            fb[j] += dyr[j];
-        }
-        const float mg = sg / (float)c, mgx = sgx / (float)c;
-        if (add) {   /* dx + the gradient x already has (layernorm_bwd_add): one pass */
-            const float* ar = add + r * c;
+    ln_ctx a = {x, gamma, NULL, dy, add, dx, partial, rows, c, eps};
+    const long grain = rows_grain(c) / LN_BLOCK > 1 ? rows_grain(c) / LN_BLOCK : 1;
+    pool_run(layernorm_bwd_task, &a, blocks, grain);
+    for (long blk = 0; blk < blocks; ++blk) {
+        const float* RESTRICT fg = partial + blk * 2 * c;
 #pragma omp simd
-            for (long j = 0; j < c; ++j) {
-                const float xhat = (xr[j] - mean) * rstd;
-                const float d = rstd * (dyr[j] * gamma[j] - mg - xhat * mgx);
-                dxr[j] = ar[j] + d;
-            }
-        } else {
-#pragma omp simd
-            for (long j = 0; j < c; ++j) {
-                const float xhat = (xr[j] - mean) * rstd;
-                dxr[j] = rstd * (dyr[j] * gamma[j] - mg - xhat * mgx);
-            }
-        }
-        if (r % LN_BLOCK == LN_BLOCK - 1 || r == rows - 1) {
-#pragma omp simd
-            for (long j = 0; j < c; ++j) {
-                ag[j] += fg[j];
-                ab[j] += fb[j];
-                fg[j] = fb[j] = 0.0f;
-            }
-        }
+        for (long j = 0; j < 2 * c; ++j) acc[j] += fg[j];
     }
     for (long j = 0; j < c; ++j) {
-        dgamma[j] = (float)ag[j];
-        dbeta[j] = (float)ab[j];
+        dgamma[j] = (float)acc[j];
+        dbeta[j] = (float)acc[c + j];
     }
     free(acc);
-    free(blk);
+    free(partial);
     return 0;
 }
 
@@ -522,81 +852,122 @@ static void attention_bwd_head(const float* q, long lq, const float* k, const fl
     }
 }
 
+/* The pool's attention jobs: one item per head. Head-major (BH, T, hs) arrays (fused == 0:
+   q, k, v, out, dout; lse (BH, T)) or GPT-2's fused rows (fused == 1: qkv (B, T, 3C), head h
+   of q, k, v at channels h*hs, C + h*hs, 2C + h*hs; y, dy (B, T, C); lse (B, H, T)). Each
+   thread allocates its own scratch. */
+typedef struct {
+    const float *q, *k, *v, *out, *lse, *dout;     /* fused: q is qkv, out is y, dout is dy */
+    float *o, *lse_out, *dq, *dk, *dv;            /* fused: dq is dqkv */
+    long nh, t, hs;                                /* nh: heads per batch row (fused) */
+    int fused;
+    float scale;
+    const drop_t* drop;
+    int failed;
+} attn_ctx;
+
+/* Head `bh`'s dropout stream: element (i, j) of its P is index ((b H + h) t + i) t + j. */
+static const drop_t* head_drop(const attn_ctx* a, long bh, drop_t* d) {
+    if (!a->drop) return NULL;
+    *d = *a->drop;
+    d->base = (uint64_t)(bh * a->t) * (uint64_t)a->t;
+    return d;
+}
+
+static void attention_task(void* vctx, work_t* w) {
+    attn_ctx* a = vctx;
+    const long t = a->t, hs = a->hs, c = a->nh * hs;
+    float* scratch = calloc((size_t)fwd_scratch(t, hs), sizeof(float));
+    if (!scratch) {
+        task_failed(&a->failed);
+        return;
+    }
+    long h0, h1;
+    while (work_take(w, &h0, &h1))
+        for (long bh = h0; bh < h1; ++bh) {
+            drop_t d;
+            const drop_t* dp = head_drop(a, bh, &d);
+            if (a->fused) {
+                const long b = bh / a->nh, h = bh % a->nh;
+                const float* q = a->q + b * t * 3 * c + h * hs;
+                attention_head(q, 3 * c, q + c, 3 * c, q + 2 * c, 3 * c, a->o + b * t * c + h * hs,
+                               c, a->lse_out + bh * t, t, hs, a->scale, scratch, dp);
+            } else {
+                const long off = bh * t * hs;
+                attention_head(a->q + off, hs, a->k + off, hs, a->v + off, hs, a->o + off, hs,
+                               a->lse_out + bh * t, t, hs, a->scale, scratch, dp);
+            }
+        }
+    free(scratch);
+}
+
+static void attention_bwd_task(void* vctx, work_t* w) {
+    attn_ctx* a = vctx;
+    const long t = a->t, hs = a->hs, c = a->nh * hs;
+    float* scratch = calloc((size_t)bwd_scratch(t, hs), sizeof(float));
+    if (!scratch) {
+        task_failed(&a->failed);
+        return;
+    }
+    long h0, h1;
+    while (work_take(w, &h0, &h1))
+        for (long bh = h0; bh < h1; ++bh) {
+            drop_t d;
+            const drop_t* dp = head_drop(a, bh, &d);
+            if (a->fused) {
+                const long b = bh / a->nh, h = bh % a->nh;
+                const long iq = b * t * 3 * c + h * hs, io = b * t * c + h * hs;
+                attention_bwd_head(a->q + iq, 3 * c, a->q + iq + c, a->q + iq + 2 * c, 3 * c,
+                                   a->out + io, a->dout + io, c, a->lse + bh * t, a->dq + iq,
+                                   a->dq + iq + c, a->dq + iq + 2 * c, t, hs, a->scale, scratch,
+                                   dp);
+            } else {
+                const long off = bh * t * hs;
+                attention_bwd_head(a->q + off, hs, a->k + off, a->v + off, hs, a->out + off,
+                                   a->dout + off, hs, a->lse + bh * t, a->dq + off, a->dk + off,
+                                   a->dv + off, t, hs, a->scale, scratch, dp);
+            }
+        }
+    free(scratch);
+}
+
 /* Head-major (BH, T, hs) q, k, v, out; lse (BH, T). */
 int attention_f32(const float* RESTRICT q, const float* RESTRICT k, const float* RESTRICT v,
                   float* RESTRICT out, float* RESTRICT lse, long nbh, long t, long hs,
                   float scale) {
-    float* scratch = calloc((size_t)fwd_scratch(t, hs), sizeof(float));
-    if (!scratch) return -1;
-    for (long b = 0; b < nbh; ++b) {
-        const long off = b * t * hs;
-        attention_head(q + off, hs, k + off, hs, v + off, hs, out + off, hs, lse + b * t, t, hs,
-                       scale, scratch, NULL);
-    }
-    free(scratch);
-    return 0;
+    attn_ctx a = {q, k, v, NULL, NULL, NULL, out, lse, NULL, NULL, NULL, 1, t, hs, 0, scale,
+                  NULL, 0};
+    pool_run(attention_task, &a, nbh, 1);
+    return a.failed ? -1 : 0;
 }
 
 int attention_bwd_f32(const float* RESTRICT q, const float* RESTRICT k, const float* RESTRICT v,
                       const float* RESTRICT out, const float* RESTRICT lse,
                       const float* RESTRICT dout, float* RESTRICT dq, float* RESTRICT dk,
                       float* RESTRICT dv, long nbh, long t, long hs, float scale) {
-    float* scratch = calloc((size_t)bwd_scratch(t, hs), sizeof(float));
-    if (!scratch) return -1;
-    for (long b = 0; b < nbh; ++b) {
-        const long off = b * t * hs;
-        attention_bwd_head(q + off, hs, k + off, v + off, hs, out + off, dout + off, hs,
-                           lse + b * t, dq + off, dk + off, dv + off, t, hs, scale, scratch,
-                           NULL);
-    }
-    free(scratch);
-    return 0;
+    attn_ctx a = {q, k, v, out, lse, dout, NULL, NULL, dq, dk, dv, 1, t, hs, 0, scale, NULL, 0};
+    pool_run(attention_bwd_task, &a, nbh, 1);
+    return a.failed ? -1 : 0;
 }
 
-/* GPT-2's fused rows: qkv (B, T, 3C), head h of q, k, v at channels h*hs, C + h*hs,
-   2C + h*hs; y (B, T, C); lse (B, H, T). The _dropout_ forms apply dropout at rate p (scale
-   1/(1-p), Philox key (k0, k1)) to the probabilities, the mask of forge_ml.rng over (B, H, T, T). */
+/* GPT-2's fused rows (above). The _dropout_ forms apply dropout at rate p (scale 1/(1-p),
+   Philox key (k0, k1)) to the probabilities, the mask of forge_ml.rng over (B, H, T, T). */
 static int attention_qkv_run(const float* RESTRICT qkv, float* RESTRICT y, float* RESTRICT lse,
                              long nb, long t, long nh, long hs, float scale, const drop_t* drop) {
-    const long c = nh * hs;
-    float* scratch = calloc((size_t)fwd_scratch(t, hs), sizeof(float));
-    if (!scratch) return -1;
-    for (long b = 0; b < nb; ++b)
-        for (long h = 0; h < nh; ++h) {
-            const float* q = qkv + b * t * 3 * c + h * hs;
-            drop_t d;
-            if (drop) {
-                d = *drop;
-                d.base = (uint64_t)((b * nh + h) * t) * (uint64_t)t;
-            }
-            attention_head(q, 3 * c, q + c, 3 * c, q + 2 * c, 3 * c, y + b * t * c + h * hs, c,
-                           lse + (b * nh + h) * t, t, hs, scale, scratch, drop ? &d : NULL);
-        }
-    free(scratch);
-    return 0;
+    attn_ctx a = {qkv, NULL, NULL, NULL, NULL, NULL, y, lse, NULL, NULL, NULL, nh, t, hs, 1,
+                  scale, drop, 0};
+    pool_run(attention_task, &a, nb * nh, 1);
+    return a.failed ? -1 : 0;
 }
 
 static int attention_qkv_bwd_run(const float* RESTRICT qkv, const float* RESTRICT y,
                                  const float* RESTRICT lse, const float* RESTRICT dy,
                                  float* RESTRICT dqkv, long nb, long t, long nh, long hs,
                                  float scale, const drop_t* drop) {
-    const long c = nh * hs;
-    float* scratch = calloc((size_t)bwd_scratch(t, hs), sizeof(float));
-    if (!scratch) return -1;
-    for (long b = 0; b < nb; ++b)
-        for (long h = 0; h < nh; ++h) {
-            const long iq = b * t * 3 * c + h * hs, io = b * t * c + h * hs;
-            drop_t d;
-            if (drop) {
-                d = *drop;
-                d.base = (uint64_t)((b * nh + h) * t) * (uint64_t)t;
-            }
-            attention_bwd_head(qkv + iq, 3 * c, qkv + iq + c, qkv + iq + 2 * c, 3 * c, y + io,
-                               dy + io, c, lse + (b * nh + h) * t, dqkv + iq, dqkv + iq + c,
-                               dqkv + iq + 2 * c, t, hs, scale, scratch, drop ? &d : NULL);
-        }
-    free(scratch);
-    return 0;
+    attn_ctx a = {qkv, NULL, NULL, y, lse, dy, NULL, NULL, dqkv, NULL, NULL, nh, t, hs, 1, scale,
+                  drop, 0};
+    pool_run(attention_bwd_task, &a, nb * nh, 1);
+    return a.failed ? -1 : 0;
 }
 
 int attention_qkv_f32(const float* RESTRICT qkv, float* RESTRICT y, float* RESTRICT lse, long nb,
@@ -671,17 +1042,65 @@ void adamw_f32(float* RESTRICT p, const float* RESTRICT g, float* RESTRICT m,
    rounded to float, into out[k]. Pointers come as 64-bit integers. The same arithmetic as the
    one-tensor calls, so the same bits.
    ---------------------------------------------------------------------------------------- */
+typedef struct {
+    const int64_t *p, *g, *m, *v, *n;
+    long count;
+    long* first;                    /* the first chunk of tensor k; first[count] = all chunks */
+    float b1, c1, b2, c2;
+    const float *a, *c, *decay;
+    int update;
+    float* out;                     /* sumsq_many */
+} many_ctx;
+
+/* The pool's items for AdamW: chunks of ELEMS_GRAIN elements, each inside one tensor. */
+static void adamw_many_task(void* vctx, work_t* w) {
+    const many_ctx* x = vctx;
+    long i0, i1;
+    while (work_take(w, &i0, &i1))
+        for (long i = i0; i < i1; ++i) {
+            long lo = 0, hi = x->count - 1;         /* the tensor k with first[k] <= i < first[k+1] */
+            while (lo < hi) {
+                const long mid = (lo + hi + 1) / 2;
+                if (x->first[mid] <= i) lo = mid; else hi = mid - 1;
+            }
+            const long k = lo, off = (i - x->first[k]) * ELEMS_GRAIN;
+            const long n = (long)x->n[k] - off < ELEMS_GRAIN ? (long)x->n[k] - off : ELEMS_GRAIN;
+            adamw_f32((float*)(intptr_t)x->p[k] + off, (const float*)(intptr_t)x->g[k] + off,
+                      (float*)(intptr_t)x->m[k] + off, (float*)(intptr_t)x->v[k] + off, n,
+                      x->b1, x->c1, x->b2, x->c2, x->a[k], x->c[k], x->decay[k], x->update);
+        }
+}
+
 void adamw_many_f32(long count, const int64_t* p, const int64_t* g, const int64_t* m,
                     const int64_t* v, const int64_t* n, float b1, float c1, float b2, float c2,
                     const float* a, const float* c, const float* decay, int update) {
-    for (long k = 0; k < count; ++k)
-        adamw_f32((float*)(intptr_t)p[k], (const float*)(intptr_t)g[k], (float*)(intptr_t)m[k],
-                  (float*)(intptr_t)v[k], (long)n[k], b1, c1, b2, c2, a[k], c[k], decay[k],
-                  update);
+    long* first = malloc(sizeof(long) * (size_t)(count + 1));
+    if (!first) {              /* one tensor after another on this thread */
+        for (long k = 0; k < count; ++k)
+            adamw_f32((float*)(intptr_t)p[k], (const float*)(intptr_t)g[k], (float*)(intptr_t)m[k],
+                      (float*)(intptr_t)v[k], (long)n[k], b1, c1, b2, c2, a[k], c[k], decay[k],
+                      update);
+        return;
+    }
+    first[0] = 0;
+    for (long k = 0; k < count; ++k) first[k + 1] = first[k] + ((long)n[k] + ELEMS_GRAIN - 1) / ELEMS_GRAIN;
+    many_ctx x = {p, g, m, v, n, count, first, b1, c1, b2, c2, a, c, decay, update, NULL};
+    pool_run(adamw_many_task, &x, first[count], 1);
+    free(first);
+}
+
+/* sumsq_many's items: whole tensors (a split would change the order of the sum). */
+static void sumsq_many_task(void* vctx, work_t* w) {
+    const many_ctx* x = vctx;
+    long k0, k1;
+    while (work_take(w, &k0, &k1))
+        for (long k = k0; k < k1; ++k)
+            x->out[k] = (float)sumsq_f32((const float*)(intptr_t)x->p[k], (long)x->n[k]);
 }
 
 void sumsq_many_f32(long count, const int64_t* x, const int64_t* n, float* out) {
-    for (long k = 0; k < count; ++k) out[k] = (float)sumsq_f32((const float*)(intptr_t)x[k], (long)n[k]);
+    many_ctx c = {x, NULL, NULL, NULL, n, count, NULL, 0, 0, 0, 0, NULL, NULL, NULL, 0, out};
+    pool_run(sumsq_many_task, &c, count, 1);
 }
 
 /* ----------------------------------------------------------------------------------------

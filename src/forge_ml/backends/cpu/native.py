@@ -41,7 +41,7 @@ from ...errors import ForgeError
 
 SOURCE = Path(__file__).with_name("kernels.c")
 _BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu99", "-ffp-contract=fast", "-fno-math-errno",
-               "-fno-trapping-math", "-fopenmp-simd")
+               "-fno-trapping-math", "-fopenmp-simd", "-pthread")
 # Tried in order until one compiles. -march=native: AVX2/FMA where the CPU has them.
 # -fno-thread-jumps: GCC otherwise clones gelu's loop body for exp_f32's clamped inputs,
 # which costs a second division per element (gelu 0.76 -> 0.24 ms on (768, 512)).
@@ -70,6 +70,12 @@ _SIGNATURES = {
     "adamw_many_f32": (None, [_c_long] + [_p] * 5 + [_c_float] * 4 + [_p] * 3 + [_c_int]),
     "sumsq_many_f32": (None, [_c_long, _p, _p, _p]),
     "dropout_f32": (None, [_p, _p, _c_long, ctypes.c_uint32, ctypes.c_uint32, _c_float, _c_float]),
+    "forge_set_threads": (None, [_c_int]),
+    "forge_set_sgemm": (None, [_p, _c_int]),
+    "forge_set_gemm_blocks": (None, [_c_long]),
+    "gemm_f32": (_c_int, [_c_int, _c_int, _c_long, _c_long, _c_long, _c_float, _p, _c_long, _p,
+                          _c_long, _p, _p, _c_int, _p, _p, _c_long]),
+    "forge_get_threads": (_c_int, []),
 }
 
 
@@ -78,7 +84,9 @@ class NativeKernelError(ForgeError):
 
 
 _lock = threading.Lock()
-_state = {"lib": None, "tried": False, "why": None}   # one load attempt per process
+_state = {"lib": None, "tried": False, "why": None,   # one load attempt per process
+          "threads": None,                               # set_threads before the load
+          "products": False}                             # gemm_f32 has an sgemm
 
 
 def mode() -> str:
@@ -110,7 +118,10 @@ def _load(m):
         if _state["tried"]:
             return
         try:
-            _state["lib"] = _open()
+            cdll = _open()
+            _take_products(cdll)
+            _state["lib"] = cdll
+            set_threads(_state["threads"] or _blas_threads())
         except (OSError, AttributeError, NativeKernelError, subprocess.SubprocessError) as e:
             _state["why"] = str(e)
             if m != "c":  # stacklevel 4: the caller of the backend op that asked for lib()
@@ -118,6 +129,64 @@ def _load(m):
                               f"instead (FORGE_CPU_KERNELS=numpy silences this): {e}",
                               RuntimeWarning, stacklevel=4)
         _state["tried"] = True
+
+
+def _blas_threads() -> int:
+    """The thread count of NumPy's OpenBLAS (1 where none is found): the kernels' pool starts
+    with it."""
+    from ... import blas
+    return blas.openblas_threads() or 1
+
+
+GEMM_BLOCKS_MAX = 16
+"""A product is split into this many blocks of rows at most: one per core the process may use
+when the library loads (``gemm_f32``; the thread count never changes the split, so never a
+bit)."""
+
+
+def _take_products(cdll) -> None:
+    """Give the library OpenBLAS's ``cblas_sgemm`` (``gemm_f32`` calls it on the pool's
+    threads, one block of rows each), unless ``FORGE_CPU_GEMM=openblas``. Two pools of
+    threads on one small machine fight: OpenBLAS's idle threads spin for a while after each
+    product and, on a 2-core VM, took the core the kernels' second thread was woken on (the
+    attention's backward gained nothing from a second thread until OpenBLAS's had none)."""
+    from ... import blas
+    found = blas.sgemm() if flags.get("FORGE_CPU_GEMM") == "pool" else None
+    if found is not None:
+        cdll.forge_set_sgemm(found[0], int(found[1]))
+        cdll.forge_set_gemm_blocks(min(GEMM_BLOCKS_MAX, blas.cores()))
+        _state["products"] = True
+
+
+def owns_products() -> bool:
+    """Whether the kernels' pool runs the float32 matrix products (``gemm_f32``): the library
+    is loaded and found OpenBLAS's sgemm. OpenBLAS then keeps one thread of its own."""
+    return _state["lib"] is not None and _state["products"]
+
+
+def set_threads(n: int) -> None:
+    """The size of the kernels' thread pool, the calling thread included (``blas.set_threads``
+    sets it, so the ThreadTuner's choice holds for every kernel). Results do not depend on it.
+    Before the library is loaded, the count is kept for the load; where the pool runs the
+    products, OpenBLAS is kept at one thread.
+
+    >>> before = threads(); set_threads(1); threads()
+    1
+    >>> set_threads(before)
+    """
+    _state["threads"] = max(1, int(n))
+    if _state["lib"] is not None:
+        _state["lib"].forge_set_threads(_state["threads"])
+        if _state["products"]:
+            from ... import blas
+            blas.openblas_set_threads(1)
+
+
+def threads() -> int:
+    """The kernels' pool size (the count the library will start with, before it is loaded)."""
+    if _state["lib"] is not None:
+        return int(_state["lib"].forge_get_threads())
+    return _state["threads"] or _blas_threads()
 
 
 def _open():

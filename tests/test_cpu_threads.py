@@ -1,0 +1,273 @@
+"""The CPU kernels' thread pool (backends/cpu/kernels.c) and the matrix products it runs
+(``gemm_f32``: one single-threaded OpenBLAS sgemm per block of rows, a bias or residual added
+inside the product, GELU or its backward applied to each block as it is written).
+
+Two promises are checked. The products and their epilogues agree with float64 (tests/
+reference.py) for every transpose, odd shapes and fused extras. And the thread count never
+changes a bit: every threaded kernel gives the same bits on 1, 2 and 3 threads, including
+kernels that sum across their items (layernorm's dgamma, the optimizer's chunks). The pool's
+corners: two Python threads calling kernels at once, a fork()ed child, ``blas.set_threads``
+driving both the pool and OpenBLAS.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import numpy as np
+import pytest
+
+import reference as ref
+from forge_ml import blas, flags
+from forge_ml.backends import cpu
+from forge_ml.backends.cpu import native
+
+
+@pytest.fixture(autouse=True)
+def c_kernels():
+    if native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    with flags.override(FORGE_CPU_KERNELS="c"):
+        native.lib()
+        before = native.threads()
+        yield
+        native.set_threads(before)
+
+
+@pytest.fixture
+def pool_gemm(c_kernels):
+    if not native.owns_products():
+        pytest.skip("the kernels' pool does not run the products here (no OpenBLAS sgemm "
+                    "found, or FORGE_CPU_GEMM=openblas)")
+
+
+needs_pool_gemm = pytest.mark.usefixtures("pool_gemm")
+
+
+def randn(shape, seed, scale=1.0):
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
+
+
+def on_threads(fn, counts=(1, 2, 3)):
+    """``fn()`` with the pool at each count: the list of its results."""
+    out = []
+    for n in counts:
+        native.set_threads(n)
+        out.append(fn())
+    return out
+
+
+def same_bits(results):
+    first = results[0]
+    for other in results[1:]:
+        for a, b in zip(first if isinstance(first, tuple) else (first,),
+                        other if isinstance(other, tuple) else (other,)):
+            np.testing.assert_array_equal(a, b)
+
+
+# ============================================================================== products
+
+SHAPES = [(1, 1, 1), (5, 3, 7), (17, 33, 65), (100, 128, 129), (768, 128, 512), (37, 512, 16)]
+
+
+@needs_pool_gemm
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True),
+                                             (True, True)])
+def test_matmul_on_the_pool_vs_float64(m, k, n, trans_a, trans_b):
+    a = randn((k, m) if trans_a else (m, k), 1)
+    b = randn((n, k) if trans_b else (k, n), 2)
+    bias = randn((n,), 3)
+    for kw in (dict(), dict(bias=bias, alpha=0.5)):
+        got = on_threads(lambda: cpu.matmul(a, b, trans_a=trans_a, trans_b=trans_b, **kw))
+        same_bits(got)
+        np.testing.assert_allclose(got[0], ref.matmul(a, b, trans_a=trans_a, trans_b=trans_b, **kw),
+                                   rtol=2e-5, atol=2e-5 * np.sqrt(k))
+
+
+@needs_pool_gemm
+def test_matmul_rows_of_a_batch_and_what_the_pool_declines(monkeypatch):
+    a, b = randn((2, 7, 5), 1), randn((5, 3), 2)
+    np.testing.assert_allclose(cpu.matmul(a, b), ref.matmul(a, b), rtol=1e-5, atol=1e-5)
+    calls = []
+    real = native.lib()
+    spy = type("Spy", (), {"__getattr__": lambda self, name: (calls.append(name),
+                                                              getattr(real, name))[1]})()
+    monkeypatch.setattr(native, "lib", lambda: spy)
+    cases = [(a.astype(np.float64), b),                        # float64: NumPy
+             (np.asfortranarray(randn((7, 5), 3)), b),          # strided: NumPy
+             (randn((4, 7, 5), 4), randn((4, 5, 3), 5)),        # batched b: NumPy
+             (randn((7, 0), 6), randn((0, 3), 7))]              # empty k: NumPy
+    for x, y in cases:
+        np.testing.assert_allclose(cpu.matmul(x, y), ref.matmul(x, y), rtol=1e-5, atol=1e-5)
+    assert "gemm_f32" not in calls
+    cpu.matmul(randn((7, 5), 8), b)
+    assert "gemm_f32" in calls
+
+
+@needs_pool_gemm
+@pytest.mark.parametrize("shape", [(3, 5, 8), (64, 128, 512), (33, 16, 100)])
+def test_linear_with_residual_and_gelu_epilogues(shape):
+    rows, k, n = shape
+    x, w, bias, res = randn((rows, k), 1), randn((k, n), 2, 0.2), randn((n,), 3), randn((rows, n), 4)
+    pre = ref.matmul(x, w, bias)
+    cases = {
+        "bias + residual": (lambda: cpu.linear(x, w, bias, None, res), pre + res),
+        "residual only": (lambda: cpu.linear(x, w, None, None, res), ref.matmul(x, w) + res),
+        "gelu": (lambda: cpu.linear(x, w, bias, "gelu", None), ref.gelu(pre)),
+        "3-D rows": (lambda: cpu.linear(x.reshape(1, rows, k), w, bias, None,
+                                        res.reshape(1, rows, n)), (pre + res).reshape(1, rows, n)),
+    }
+    for name, (fn, want) in cases.items():
+        got = on_threads(fn)
+        same_bits(got)
+        assert got[0].shape == want.shape, name
+        np.testing.assert_allclose(got[0], want, rtol=3e-5, atol=3e-5, err_msg=name)
+
+
+@needs_pool_gemm
+def test_matmul_gelu_and_its_backward_on_the_pool():
+    rows, k, n = 70, 48, 96
+    x, w, bias = randn((rows, k), 1), randn((k, n), 2, 0.3), randn((n,), 3)
+    got = on_threads(lambda: cpu.matmul_gelu(x, w, bias))
+    same_bits(got)
+    y, pre = got[0]
+    want_pre = ref.matmul(x, w, bias)
+    np.testing.assert_allclose(pre, want_pre, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(y, ref.gelu(want_pre), rtol=2e-5, atol=2e-5)
+    dy = randn((rows, k), 4)                   # the gradient at the product gelu(pre) @ w^T's output
+    w2 = randn((n, k), 5, 0.3)                 # gelu(pre) (rows, n) @ w2 (n, k)
+    got = on_threads(lambda: cpu.matmul_dgelu(dy, w2, pre))
+    same_bits(got)
+    dpre, dsum = got[0]
+    want = ref.gelu_bwd(pre, ref.matmul(dy, w2, trans_b=True))
+    np.testing.assert_allclose(dpre, want, rtol=3e-5, atol=3e-5)
+    np.testing.assert_allclose(dsum, want.sum(0), rtol=1e-4, atol=1e-4)
+
+
+# ============================================================================== every threaded kernel
+
+def test_threaded_kernels_give_the_same_bits_on_any_thread_count():
+    rng_x = randn((333, 96), 1)
+    gamma, beta = randn((96,), 2), randn((96,), 3)
+    dy = randn((333, 96), 4)
+    same_bits(on_threads(lambda: cpu.layernorm(rng_x, gamma, beta, 1e-5)))
+    same_bits(on_threads(lambda: cpu.layernorm_bwd(rng_x, gamma, dy, 1e-5)))
+    same_bits(on_threads(lambda: cpu.layernorm_bwd_add(rng_x, gamma, dy, 1e-5, rng_x)))
+    big = randn((100_003,), 5, 3.0)
+    same_bits(on_threads(lambda: cpu.gelu(big)))
+    same_bits(on_threads(lambda: cpu.gelu_bwd(big, big)))
+    q = randn((12, 37, 16), 6)
+    out, lse = cpu.attention(q, q * 0.5, q, 0.25)
+    same_bits(on_threads(lambda: cpu.attention(q, q * 0.5, q, 0.25)))
+    same_bits(on_threads(lambda: cpu.attention_bwd(q, q * 0.5, q, out, lse, q, 0.25)))
+    qkv = randn((3, 64, 3 * 64), 7)
+    y, lse = cpu.attention_qkv(qkv, 4, 0.25)
+    same_bits(on_threads(lambda: cpu.attention_qkv(qkv, 4, 0.25)))
+    same_bits(on_threads(lambda: cpu.attention_qkv_bwd(qkv, y, lse, y, 4, 0.25)))
+    same_bits(on_threads(lambda: cpu.attention_qkv_dropout(qkv, 4, 0.25, 0.2, 11)))
+    same_bits(on_threads(lambda: cpu.attention_qkv_dropout_bwd(qkv, y, lse, y, 4, 0.25, 0.2, 11)))
+    xs = [randn(sh, 10 + i) for i, sh in enumerate([(7,), (300, 170), (40_000,), (3, 5)])]
+    same_bits(on_threads(lambda: cpu.sumsq_many(xs)))
+
+
+def test_layernorm_bwd_on_threads_vs_float64():
+    x, gamma, dy = randn((1000, 64), 1, 2.0), randn((64,), 2), randn((1000, 64), 3)
+    native.set_threads(3)
+    dx, dgamma, dbeta = cpu.layernorm_bwd(x, gamma, dy, 1e-5)
+    want = ref.layernorm_bwd(x, gamma, dy, 1e-5)
+    for got, exp in zip((dx, dgamma, dbeta), want):
+        np.testing.assert_allclose(got, exp, rtol=1e-4, atol=1e-4)
+
+
+def test_adamw_many_in_chunks_is_the_one_tensor_op_on_any_thread_count():
+    """Tensors of several 16,384-element chunks, the chunks shared among threads: the bits
+    of one adamw_update per tensor."""
+    shapes = [(40_000,), (5,), (128, 300), (16_384,)]
+
+    def run():
+        ps = [randn(sh, i) for i, sh in enumerate(shapes)]
+        ms = [np.abs(randn(sh, 10 + i, 0.1)) for i, sh in enumerate(shapes)]
+        vs = [np.abs(randn(sh, 20 + i, 0.1)) for i, sh in enumerate(shapes)]
+        gs = [randn(sh, 30 + i) for i, sh in enumerate(shapes)]
+        cpu.adamw_update_many(ps, gs, ms, vs, 1e-2, 0.9, 0.95, 1e-8, [0.1, 0.0, 0.1, 0.05],
+                              [3, 1, 3, 7], 0.5)
+        return tuple(ps + ms + vs)
+
+    results = on_threads(run)
+    same_bits(results)
+    ps = [randn(sh, i) for i, sh in enumerate(shapes)]
+    ms = [np.abs(randn(sh, 10 + i, 0.1)) for i, sh in enumerate(shapes)]
+    vs = [np.abs(randn(sh, 20 + i, 0.1)) for i, sh in enumerate(shapes)]
+    for i, sh in enumerate(shapes):
+        cpu.adamw_update(ps[i], randn(sh, 30 + i), ms[i], vs[i], 1e-2, 0.9, 0.95, 1e-8,
+                         [0.1, 0.0, 0.1, 0.05][i], [3, 1, 3, 7][i], 0.5)
+    same_bits([results[0], tuple(ps + ms + vs)])
+
+
+# ============================================================================== the pool's corners
+
+def test_two_python_threads_at_once_get_their_own_results():
+    """A job that finds the pool busy runs on its caller alone; both callers' results are
+    right."""
+    native.set_threads(2)
+    qkvs = [randn((4, 64, 3 * 64), 40 + i) for i in range(2)]
+    want = [cpu.attention_qkv(q, 4, 0.25) for q in qkvs]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(30):
+                y, lse = cpu.attention_qkv(qkvs[i], 4, 0.25)
+                np.testing.assert_array_equal(y, want[i][0])
+                np.testing.assert_array_equal(lse, want[i][1])
+        except AssertionError as e:          # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def _child_attention(q, conn):
+    from forge_ml.backends import cpu as child_cpu
+    conn.send(child_cpu.attention(q, q, q, 0.5))
+    conn.close()
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork()")
+def test_a_forked_child_starts_its_own_workers():
+    native.set_threads(2)
+    q = randn((16, 40, 16), 50)
+    want = cpu.attention(q, q, q, 0.5)           # the parent's workers are running
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child_attention, args=(q, child))
+    p.start()
+    got = parent.recv() if parent.poll(60) else None
+    p.join(60)
+    assert got is not None, "the child hung (its pool waited on the parent's workers)"
+    same_bits([want, got])
+
+
+def test_blas_set_threads_drives_the_pool_and_openblas():
+    before = blas.get_threads()
+    try:
+        blas.set_threads(3)
+        assert native.threads() == 3 and blas.get_threads() == 3
+        if native.owns_products():
+            assert blas.openblas_threads() in (1, None)   # the pool runs the products
+        elif blas.openblas_threads() is not None:
+            assert blas.openblas_threads() == 3
+    finally:
+        blas.set_threads(before)
+
+
+def test_pool_size_is_clamped():
+    native.set_threads(0)
+    assert native.threads() == 1
+    native.set_threads(1000)
+    assert native.threads() == 16
