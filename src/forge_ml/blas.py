@@ -1,15 +1,18 @@
-"""NumPy's BLAS thread pool (OpenBLAS), which runs the CPU backend's matrix products: how many
-threads it takes, set at run time, and ``ThreadTuner``, which picks that count while a run
-trains, from the run's own step times.
+"""The CPU backend's threads: how many its kernels and matrix products take, set at run time,
+and ``ThreadTuner``, which picks that count while a run trains, from the run's own step times.
+The count is the C kernels' pool's (``backends/cpu/native.py``), which also runs the float32
+products where it found NumPy's OpenBLAS (OpenBLAS then keeps one thread); without the C
+kernels it is OpenBLAS's own pool.
 
-Why a tuner. OpenBLAS threads spin while they wait. A pool as large as the machine is the
-fastest on a quiet machine (a 2-core VM: 45 ms a nanoGPT CPU step with 2 threads, 62 ms with
-1) and collapses beside one busy process (222 ms with 2 threads, 75 ms with 1). So
+Why a tuner. Idle threads spin for a while, waiting for the next job. A pool as large as the
+machine is the fastest on a quiet machine (a 2-core VM: 45 ms a nanoGPT CPU step with 2
+threads, 62 ms with 1) and collapses beside one busy process (222 ms with 2 threads, 75 ms
+with 1). So
 ``forge-ml train`` starts with half the cores (``limit_default``) and, on the CPU, lets a
 ``ThreadTuner`` try both counts on the training steps themselves: it keeps the faster and
-tries again when the step time jumps or every few hundred steps. A matrix product's result
-does not depend on the thread count (OpenBLAS shares out the output, not the sum; the tests
-check the training step bit for bit), so the choice changes the speed only.
+tries again when the step time jumps or every few hundred steps. No result depends on the
+thread count (the threads share out outputs, never a sum; the tests check the training step
+bit for bit), so the choice changes the speed only.
 
 The user's own choice wins: with OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS
 set, nothing here changes the count and no tuner runs; FORGE_BLAS_TUNE=off keeps the count
