@@ -1,6 +1,7 @@
 """The CPU kernels' thread pool (backends/cpu/kernels.c) and the matrix products it runs
-(``gemm_f32``: one single-threaded OpenBLAS sgemm per block of rows, a bias or residual added
-inside the product, GELU or its backward applied to each block as it is written).
+(``gemm_f32``: one single-threaded OpenBLAS call per block of rows, or of columns for a few
+rows (sgemv for one), a bias or residual added inside the product, GELU or its backward
+applied to each block as it is written).
 
 Two promises are checked. The products and their epilogues agree with float64 (tests/
 reference.py) for every transpose, odd shapes and fused extras. And the thread count never
@@ -67,7 +68,8 @@ def same_bits(results):
 
 # ============================================================================== products
 
-SHAPES = [(1, 1, 1), (5, 3, 7), (17, 33, 65), (100, 128, 129), (768, 128, 512), (37, 512, 16)]
+SHAPES = [(1, 1, 1), (1, 64, 1000), (3, 40, 200), (5, 3, 7), (17, 33, 65), (100, 128, 129),
+          (768, 128, 512), (37, 512, 16)]
 
 
 @needs_pool_gemm
@@ -106,7 +108,7 @@ def test_matmul_rows_of_a_batch_and_what_the_pool_declines(monkeypatch):
 
 
 @needs_pool_gemm
-@pytest.mark.parametrize("shape", [(3, 5, 8), (64, 128, 512), (33, 16, 100)])
+@pytest.mark.parametrize("shape", [(1, 24, 300), (3, 5, 8), (64, 128, 512), (33, 16, 100)])
 def test_linear_with_residual_and_gelu_epilogues(shape):
     rows, k, n = shape
     x, w, bias, res = randn((rows, k), 1), randn((k, n), 2, 0.2), randn((n,), 3), randn((rows, n), 4)

@@ -124,13 +124,14 @@ def openblas_threads() -> Optional[int]:
 
 
 def sgemm() -> Optional[tuple]:
-    """``(address, ilp64)`` of the first loaded OpenBLAS's ``cblas_sgemm`` (ilp64: its integer
-    arguments are 64-bit, as in NumPy's wheels), or None."""
+    """``(sgemm address, sgemv address, ilp64)`` of the first loaded OpenBLAS's
+    ``cblas_sgemm`` and ``cblas_sgemv`` (ilp64: their integer arguments are 64-bit, as in
+    NumPy's wheels), or None where there is no such pair."""
     for lib in _openblas_libs():
-        for name in ("scipy_cblas_sgemm64_", "cblas_sgemm64_", "scipy_cblas_sgemm", "cblas_sgemm"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                return ctypes.cast(fn, ctypes.c_void_p).value, name.endswith("64_")
+        for prefix, suffix in (("scipy_", "64_"), ("", "64_"), ("scipy_", ""), ("", "")):
+            fns = [getattr(lib, f"{prefix}cblas_{name}{suffix}", None) for name in ("sgemm", "sgemv")]
+            if all(fn is not None for fn in fns):
+                return (*(ctypes.cast(fn, ctypes.c_void_p).value for fn in fns), suffix == "64_")
     return None
 
 

@@ -71,7 +71,7 @@ _SIGNATURES = {
     "sumsq_many_f32": (None, [_c_long, _p, _p, _p]),
     "dropout_f32": (None, [_p, _p, _c_long, ctypes.c_uint32, ctypes.c_uint32, _c_float, _c_float]),
     "forge_set_threads": (None, [_c_int]),
-    "forge_set_sgemm": (None, [_p, _c_int]),
+    "forge_set_blas": (None, [_p, _p, _c_int]),
     "forge_set_gemm_blocks": (None, [_c_long]),
     "gemm_f32": (_c_int, [_c_int, _c_int, _c_long, _c_long, _c_long, _c_float, _p, _c_long, _p,
                           _c_long, _p, _p, _c_int, _p, _p, _c_long]),
@@ -145,15 +145,15 @@ bit)."""
 
 
 def _take_products(cdll) -> None:
-    """Give the library OpenBLAS's ``cblas_sgemm`` (``gemm_f32`` calls it on the pool's
-    threads, one block of rows each), unless ``FORGE_CPU_GEMM=openblas``. Two pools of
+    """Give the library OpenBLAS's ``cblas_sgemm`` and ``cblas_sgemv`` (``gemm_f32`` calls them
+    on the pool's threads, one block of C each), unless ``FORGE_CPU_GEMM=openblas``. Two pools of
     threads on one small machine fight: OpenBLAS's idle threads spin for a while after each
     product and, on a 2-core VM, took the core the kernels' second thread was woken on (the
     attention's backward gained nothing from a second thread until OpenBLAS's had none)."""
     from ... import blas
     found = blas.sgemm() if flags.get("FORGE_CPU_GEMM") == "pool" else None
     if found is not None:
-        cdll.forge_set_sgemm(found[0], int(found[1]))
+        cdll.forge_set_blas(*found)
         cdll.forge_set_gemm_blocks(min(GEMM_BLOCKS_MAX, blas.cores()))
         _state["products"] = True
 
