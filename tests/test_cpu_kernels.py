@@ -541,3 +541,81 @@ def test_corrupt_cached_library_that_cannot_be_rebuilt_warns_once(tmp_path):
     assert r.stdout.startswith("numpy") and "refusing" in r.stdout
     assert r.stderr.count("C CPU kernels are unavailable") == 1
     assert _built(cache) == []                      # the bad file is gone, no temporaries left
+
+
+# ============================================================================== cross-entropy, scatter
+
+@pytest.mark.parametrize("n,vp,v", [(1, 1, 1), (7, 65, 65), (12, 128, 65), (5, 3000, 2999)])
+def test_cross_entropy_vs_reference(path, n, vp, v):
+    """The loss and its gradient (a random dloss, the padded columns zero) against float64."""
+    logits = randn((n, vp), n + vp, scale=4.0)
+    t = np.random.default_rng(v).integers(0, v, n)
+    vocab = None if v == vp else v
+    loss = cpu.cross_entropy(logits, t, vocab)
+    assert loss.dtype == np.float32 and loss.shape == ()
+    np.testing.assert_allclose(float(loss), ref.cross_entropy(logits, t, vocab), rtol=2e-6, atol=2e-6)
+    dloss = 0.37
+    close(cpu.cross_entropy_bwd(logits, t, dloss, vocab), ref.cross_entropy_bwd(logits, t, dloss, vocab))
+
+
+def test_cross_entropy_large_logits_stay_finite(path):
+    logits = np.array([[1e4, -1e4, 0.0], [-3e4, -3e4 + 1.0, -3e4 - 2.0]], np.float32)
+    t = np.array([1, 0])
+    loss = cpu.cross_entropy(logits, t, None)
+    np.testing.assert_allclose(float(loss), ref.cross_entropy(logits, t), rtol=1e-6)
+    dl = cpu.cross_entropy_bwd(logits, t, 1.0, None)
+    assert np.isfinite(dl).all()
+    close(dl, ref.cross_entropy_bwd(logits, t))
+
+
+def test_cross_entropy_target_outside_the_vocabulary_is_the_references_behaviour():
+    """The C kernel declines a target outside [0, V): the NumPy reference runs and decides (an
+    IndexError past the padded row), the same on both paths."""
+    logits, t = randn((3, 8), 1), np.array([0, 9, 2])
+    for mode in ("c", "numpy"):
+        with flags.override(FORGE_CPU_KERNELS=mode):
+            with pytest.raises(IndexError):
+                cpu.cross_entropy(logits, t, 6)
+            with pytest.raises(IndexError):
+                cpu.cross_entropy_bwd(logits, t, 1.0, 6)
+
+
+@pytest.mark.parametrize("rows,n,c", [(65, 768, 128), (5, 3, 1), (50, 50, 7), (1000, 4, 64)])
+def test_scatter_add_rows_c_and_numpy_agree(rows, n, c):
+    """Repeated ids summed first, then added, on both paths (NumPy's reduceat sums pairwise,
+    the C kernel in order: the same to float rounding), both against float64."""
+    ids = np.random.default_rng(rows).integers(0, rows, n)
+    src = randn((n, c), 2)
+    out = {}
+    for mode in ("c", "numpy"):
+        dst = randn((rows, c), 3)
+        with flags.override(FORGE_CPU_KERNELS=mode):
+            assert cpu.scatter_add_rows(dst, ids.astype(np.int32), src) is None
+        out[mode] = dst
+    np.testing.assert_allclose(out["c"], out["numpy"], rtol=1e-6, atol=1e-5)
+    close(out["c"], ref.scatter_add_rows(randn((rows, c), 3), ids, src))
+
+
+def test_scatter_add_rows_bad_id_leaves_dst_to_the_reference():
+    dst, src = randn((4, 3), 1), randn((2, 3), 2)
+    before = dst.copy()
+    with flags.override(FORGE_CPU_KERNELS="c"), pytest.raises(IndexError):
+        cpu.scatter_add_rows(dst, np.array([1, 7]), src)
+    np.testing.assert_array_equal(dst, before)     # nothing added before the error
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 5])
+def test_linear_cross_entropy_vs_reference(path, monkeypatch, chunk_rows):
+    n, c, vp, v = 23, 16, 72, 65
+    x, w = randn((n, c), 1), randn((vp, c), 2, 0.5)
+    t = np.random.default_rng(3).integers(0, v, n)
+    if chunk_rows:
+        monkeypatch.setattr(cpu, "LCE_CHUNK_BYTES", chunk_rows * vp * 4)
+    loss, dx, dw = cpu.linear_cross_entropy(x, w, t, v, True)
+    e_loss, e_dx, e_dw = ref.linear_cross_entropy(x, w, t, v)
+    np.testing.assert_allclose(float(loss), e_loss, rtol=2e-6, atol=2e-6)
+    close(dx, e_dx)
+    close(dw, e_dw)
+    loss_only, none_dx, none_dw = cpu.linear_cross_entropy(x, w, t, v, False)
+    assert none_dx is None and none_dw is None
+    np.testing.assert_allclose(float(loss_only), e_loss, rtol=2e-6, atol=2e-6)

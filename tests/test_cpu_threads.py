@@ -273,3 +273,19 @@ def test_pool_size_is_clamped():
     assert native.threads() == 1
     native.set_threads(1000)
     assert native.threads() == 16
+
+
+def test_loss_and_scatter_give_the_same_bits_on_any_thread_count():
+    logits, t = randn((300, 515), 60, 3.0), np.random.default_rng(61).integers(0, 500, 300)
+    same_bits(on_threads(lambda: cpu.cross_entropy(logits, t, 500)))
+    same_bits(on_threads(lambda: cpu.cross_entropy_bwd(logits, t, 1.0, 500)))
+    x, w = randn((300, 32), 62), randn((515, 32), 63, 0.3)
+    same_bits(on_threads(lambda: cpu.linear_cross_entropy(x, w, t, 500, True)))
+    ids, src = np.random.default_rng(64).integers(0, 90, 5000), randn((5000, 24), 65)
+
+    def scatter():
+        dst = randn((90, 24), 66)
+        cpu.scatter_add_rows(dst, ids, src)
+        return dst
+
+    same_bits(on_threads(scatter))

@@ -283,6 +283,56 @@ def attention_qkv_dropout_bwd(lib, qkv, y, lse, dy, n_head, scale, p, seed):
                  dqkv)
 
 
+def _targets(targets, n):
+    """The targets as the C kernels' int64 vector of n, or None where they are not n ints."""
+    t = np.asarray(targets)
+    if t.dtype.kind not in "iu" or t.size != n:
+        return None
+    return np.ascontiguousarray(t.reshape(-1), np.int64)
+
+
+def _xent(lib, logits, targets, vocab_size, scale, row_loss, dl):
+    """``xent_f32`` on 2-D logits: its status, or -1 where the arguments do not suit."""
+    n, vp = logits.shape
+    v = vp if vocab_size is None else int(vocab_size)
+    t = _targets(targets, n)
+    if t is None or not 0 < v <= vp:
+        return -1
+    return lib.xent_f32(logits.ctypes.data, t.ctypes.data, n, vp, v, scale,
+                        None if row_loss is None else row_loss.ctypes.data,
+                        None if dl is None else dl.ctypes.data)
+
+
+@_fused(reference.cross_entropy, "logits")
+def cross_entropy(lib, logits, targets, vocab_size):
+    if logits.ndim != 2:
+        return _DECLINED
+    rows = np.empty(logits.shape[0], np.float32)
+    if _xent(lib, logits, targets, vocab_size, 0.0, rows, None) != 0:
+        return _DECLINED                   # e.g. a target out of range: the reference says so
+    return np.asarray(np.sum(rows, dtype=np.float64) / len(rows), np.float32)
+
+
+@_fused(reference.cross_entropy_bwd, "logits")
+def cross_entropy_bwd(lib, logits, targets, dloss, vocab_size):
+    if logits.ndim != 2:
+        return _DECLINED
+    dl = np.empty_like(logits)
+    scale = float(np.float32(float(dloss) / logits.shape[0]))
+    return _ok(_xent(lib, logits, targets, vocab_size, scale, None, dl), dl)
+
+
+@_fused(reference.scatter_add_rows, "dst", "src")
+def scatter_add_rows(lib, dst, ids, src):
+    c = dst.shape[-1]
+    t = _targets(ids, np.asarray(ids).size)
+    if dst.ndim != 2 or t is None or src.size != t.size * c:
+        return _DECLINED
+    status = lib.scatter_add_rows_f32(dst.ctypes.data, dst.shape[0], t.ctypes.data, src.ctypes.data,
+                                      t.size, c)
+    return None if status == 0 else _DECLINED
+
+
 @_fused(reference.adamw_update, "p", "g", "m", "v")
 def adamw_update(lib, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
                  p_lowp=None):
@@ -483,11 +533,17 @@ LCE_CHUNK_BYTES = 1 << 26
 
 def linear_cross_entropy(x, w, targets, vocab_size, grad):
     """The LM head and its loss over chunks of rows, as the GPU's classifier does, so a large
-    vocabulary's ``(N, Vp)`` logits are never kept whole: per chunk, the logits (BLAS), the
-    chunk's share of the mean loss and of the logits' gradient, its rows of dx and its share
-    of dw: ``compose``'s op per chunk, with dloss = rows / N."""
+    vocabulary's ``(N, Vp)`` logits are never kept whole: per chunk, the logits, the chunk's
+    share of the mean loss and of the logits' gradient, its rows of dx and its share of dw:
+    on the kernels' pool (the loss and gradient in one C pass over the logits), else
+    ``compose``'s op per chunk, with dloss = rows / N."""
     n, vp = x.shape[0], w.shape[0]
     rows = max(1, min(n, LCE_CHUNK_BYTES // max(1, vp * x.itemsize)))
+    lib = _gemm_lib()
+    if lib is not None and x.ndim == 2 and _native.f32(x, w) and x.size and w.size:
+        out = _linear_cross_entropy_pool(lib, x, w, targets, vocab_size, grad, rows)
+        if out is not _DECLINED:
+            return out
     me = sys.modules[__name__]
     if rows >= n:
         return _compose.linear_cross_entropy(me, x, w, targets, vocab_size, grad)
@@ -500,6 +556,35 @@ def linear_cross_entropy(x, w, targets, vocab_size, grad):
                                                          grad, dloss=len(ts) / n)
         total += float(loss) * len(ts)
         if grad:
+            dx[r0:r0 + rows] = dx_c
+            dw += dw_c
+    return np.asarray(total / n, x.dtype), dx, dw
+
+
+def _linear_cross_entropy_pool(lib, x, w, targets, vocab_size, grad, rows):
+    """``linear_cross_entropy`` by chunks of ``rows`` on the kernels' pool: the logits (one
+    product), the loss and the logits' gradient in one pass written over them (``xent_f32``),
+    dx and dw (two products); or _DECLINED."""
+    n = x.shape[0]
+    t = _targets(targets, n)
+    if t is None:
+        return _DECLINED
+    scale = float(np.float32(1.0 / n))            # dloss = 1, the mean over all n rows
+    total = 0.0
+    dx = np.empty_like(x) if grad else None
+    dw = np.zeros_like(w) if grad else None
+    for r0 in range(0, n, rows):
+        xc = x[r0:r0 + rows]
+        logits = _gemm(lib, xc, w, trans_b=True)                        # (rows, Vp)
+        losses = np.empty(len(xc), np.float32)
+        if logits is _DECLINED or _xent(lib, logits, t[r0:r0 + rows], vocab_size, scale, losses,
+                                        logits if grad else None) != 0:
+            return _DECLINED
+        total += float(np.sum(losses, dtype=np.float64))
+        if grad:                                                        # logits now hold dl
+            dx_c, dw_c = _gemm(lib, logits, w), _gemm(lib, logits, xc, trans_a=True)
+            if dx_c is _DECLINED or dw_c is _DECLINED:
+                return _DECLINED
             dx[r0:r0 + rows] = dx_c
             dw += dw_c
     return np.asarray(total / n, x.dtype), dx, dw

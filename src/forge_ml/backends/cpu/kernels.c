@@ -1027,6 +1027,143 @@ int attention_qkv_dropout_bwd_f32(const float* RESTRICT qkv, const float* RESTRI
 }
 
 /* ----------------------------------------------------------------------------------------
+   cross-entropy over rows of vp logits whose first v columns are the vocabulary, as
+   reference.py's cross_entropy and cross_entropy_bwd, per row with m its max over [0, v):
+     row_loss = log(sum_j exp(l_j - m)) - (l_t - m)                       (row_loss not NULL)
+     dl_j = exp(l_j - m) (scale / sum) for j < v, 0 beyond; dl_t -= scale   (dl not NULL)
+   dl may be the logits themselves (each row is read whole before it is written). Items:
+   rows. Returns -1 (nothing to trust) when a target is outside [0, v).
+   ---------------------------------------------------------------------------------------- */
+typedef struct {
+    const float* logits;
+    const int64_t* targets;
+    long vp, v;
+    float scale;
+    float *row_loss, *dl;
+    int failed;
+} xent_ctx;
+
+static void xent_task(void* vctx, work_t* w) {
+    xent_ctx* x = vctx;
+    const long vp = x->vp, v = x->v;
+    long r0, r1;
+    while (work_take(w, &r0, &r1))
+        for (long r = r0; r < r1; ++r) {
+            const float* l = x->logits + r * vp;
+            const int64_t t = x->targets[r];
+            if (t < 0 || t >= v) {
+                task_failed(&x->failed);
+                continue;
+            }
+            float m = -INFINITY;
+#pragma omp simd reduction(max:m)
+            for (long j = 0; j < v; ++j) m = l[j] > m ? l[j] : m;
+            const float lt = l[t];
+            float s = 0.0f;
+            if (x->dl) {
+                float* d = x->dl + r * vp;
+#pragma omp simd reduction(+:s)
+                for (long j = 0; j < v; ++j) {
+                    const float e = exp_f32(l[j] - m);
+                    d[j] = e;
+                    s += e;
+                }
+                const float k = x->scale / s;
+#pragma omp simd
+                for (long j = 0; j < v; ++j) d[j] *= k;
+                for (long j = v; j < vp; ++j) d[j] = 0.0f;
+                d[t] -= x->scale;
+            } else {
+#pragma omp simd reduction(+:s)
+                for (long j = 0; j < v; ++j) s += exp_f32(l[j] - m);
+            }
+            if (x->row_loss) x->row_loss[r] = logf(s) - (lt - m);
+        }
+}
+
+int xent_f32(const float* logits, const int64_t* targets, long n, long vp, long v, float scale,
+             float* row_loss, float* dl) {
+    xent_ctx x = {logits, targets, vp, v, scale, row_loss, dl, 0};
+    pool_run(xent_task, &x, n, rows_grain(v));
+    return x.failed ? -1 : 0;
+}
+
+/* ----------------------------------------------------------------------------------------
+   dst[ids[i]] += src[i] for rows of c, as reference.py's scatter_add_rows: the rows of a
+   repeated id are summed first (here in order of i; NumPy's reduceat sums them pairwise),
+   then added, so each row of dst is written once. ids are grouped by a stable counting sort; items: the distinct ids. Returns -1, with
+   dst untouched, when an id is outside [0, rows) or the scratch cannot be allocated (every
+   allocation comes before the first write: a fallback after a partial add would add twice).
+   ---------------------------------------------------------------------------------------- */
+typedef struct {
+    float* dst;
+    const float* src;
+    const int64_t* ids;
+    const long *order, *start;      /* rows of src grouped by id; group g is order[start[g]..start[g+1]) */
+    long c;
+    float* sums;                    /* POOL_MAX rows of c: one per task, for a group's sum */
+    int next_sum;                   /* atomic: the next free row of sums */
+} scatter_ctx;
+
+static void scatter_task(void* vctx, work_t* w) {
+    scatter_ctx* s = vctx;
+    const long c = s->c;
+    float* tmp = s->sums + __atomic_fetch_add(&s->next_sum, 1, __ATOMIC_RELAXED) * c;
+    long g0, g1;
+    while (work_take(w, &g0, &g1))
+        for (long g = g0; g < g1; ++g) {
+            const long* o = s->order + s->start[g];
+            const long count = s->start[g + 1] - s->start[g];
+            float* RESTRICT d = s->dst + s->ids[o[0]] * c;
+            const float* RESTRICT first = s->src + o[0] * c;
+            if (count == 1) {
+#pragma omp simd
+                for (long j = 0; j < c; ++j) d[j] += first[j];
+                continue;
+            }
+            memcpy(tmp, first, sizeof(float) * (size_t)c);
+            for (long i = 1; i < count; ++i) {
+                const float* RESTRICT row = s->src + o[i] * c;
+#pragma omp simd
+                for (long j = 0; j < c; ++j) tmp[j] += row[j];
+            }
+#pragma omp simd
+            for (long j = 0; j < c; ++j) d[j] += tmp[j];
+        }
+}
+
+int scatter_add_rows_f32(float* dst, long rows, const int64_t* ids, const float* src, long n, long c) {
+    for (long i = 0; i < n; ++i)
+        if (ids[i] < 0 || ids[i] >= rows) return -1;
+    long* count = calloc((size_t)rows + 1, sizeof(long));
+    long* order = malloc(sizeof(long) * (size_t)(n > 0 ? n : 1));
+    long* start = malloc(sizeof(long) * (size_t)(n + 1));
+    float* sums = malloc(sizeof(float) * (size_t)(POOL_MAX * c));   /* before any write to dst */
+    if (!count || !order || !start || !sums) {
+        free(count);
+        free(order);
+        free(start);
+        free(sums);
+        return -1;
+    }
+    for (long i = 0; i < n; ++i) count[ids[i] + 1]++;
+    long groups = 0;
+    for (long r = 0; r < rows; ++r) {            /* count[r] becomes id r's first slot */
+        if (count[r + 1]) start[groups++] = count[r];
+        count[r + 1] += count[r];
+    }
+    start[groups] = n;
+    for (long i = 0; i < n; ++i) order[count[ids[i]]++] = i;   /* stable */
+    scatter_ctx s = {dst, src, ids, order, start, c, sums, 0};
+    pool_run(scatter_task, &s, groups, groups / 64 > 1 ? groups / 64 : 1);
+    free(count);
+    free(order);
+    free(start);
+    free(sums);
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------------------
    sum of squares for global-norm clipping: each square of a float32 is exact in double, and
    the sum runs in double over 8 lanes. One call owns the flat range [0, n).
    ---------------------------------------------------------------------------------------- */

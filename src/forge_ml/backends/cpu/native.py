@@ -71,6 +71,8 @@ _SIGNATURES = {
     "sumsq_many_f32": (None, [_c_long, _p, _p, _p]),
     "dropout_f32": (None, [_p, _p, _c_long, ctypes.c_uint32, ctypes.c_uint32, _c_float, _c_float]),
     "forge_set_threads": (None, [_c_int]),
+    "xent_f32": (_c_int, [_p, _p, _c_long, _c_long, _c_long, _c_float, _p, _p]),
+    "scatter_add_rows_f32": (_c_int, [_p, _c_long, _p, _p, _c_long, _c_long]),
     "forge_set_blas": (None, [_p, _p, _c_int]),
     "forge_set_gemm_blocks": (None, [_c_long]),
     "gemm_f32": (_c_int, [_c_int, _c_int, _c_long, _c_long, _c_long, _c_float, _p, _c_long, _p,
