@@ -97,8 +97,9 @@ _SWITCHES = (
            "launch the decoding kernels with Hopper's programmatic dependent launch",
            ("on", "off")),
     Switch("FORGE_BLAS_TUNE", "on",
-           "on the CPU, forge-ml train picks NumPy's BLAS threads (half the cores or all of "
-           "them) from its own step times (off: half the cores, as it starts)", ("on", "off")),
+           "on the CPU, forge-ml train picks its threads (kernels and products; half the "
+           "cores or all of them) from its own step times (off: half the cores, as it starts)",
+           ("on", "off")),
     Switch("FORGE_CPU_KERNELS", "auto",
            "CPU kernels: the fused C kernels if they build (auto), NumPy only (numpy), or the "
            "C kernels or an error (c)", ("auto", "numpy", "c")),
