@@ -1,14 +1,16 @@
 """The CPU backend: the module the registry (``backends/__init__.py``) loads for ``cpu``.
 
-Three files: ``reference.py`` holds a NumPy kernel for every op of the contract (the
-reference, and the fallback); ``kernels.c`` holds fused float32 C loops for gelu, layernorm,
-attention (forward and backward, also on GPT-2's fused qkv rows), AdamW and sumsq, 1.3x to
-4x faster than chains of ufuncs on the nanoGPT CPU model's shapes; ``native.py`` builds,
-caches and loads it. This module decides, op by op, which one runs: the C kernel when the
-library is loaded (``FORGE_CPU_KERNELS``: auto, numpy, c) and every array it reads is a
-non-empty C-contiguous float32 array; otherwise, or when the kernel declines (its scratch
-allocation failed), the reference. That decision is ``_fused``, written once; every other op
-is the reference's own function.
+The rooms: ``reference.py`` holds a NumPy kernel for every op of the contract (the
+reference, and the fallback); the C files hold fused float32 loops, 1.3x to 4x faster than
+chains of ufuncs on the nanoGPT CPU model's shapes, sharing one thread pool (``pool.c``):
+the matrix products with their bias, residual and GELU (``gemm.c``), attention forward and
+backward, also on GPT-2's fused qkv rows (``attention.c``), and gelu, layernorm,
+cross-entropy, scatter_add_rows, AdamW, sumsq and dropout (``kernels.c``); ``native.py``
+builds, caches and loads them as one library. This module decides, op by op, which one
+runs: the C kernel when the library is loaded (``FORGE_CPU_KERNELS``: auto, numpy, c) and
+every array it reads is a non-empty C-contiguous float32 array; otherwise, or when the kernel
+declines (its scratch allocation failed, an argument it does not take), the reference. That
+decision is ``_fused``, written once; every other op is the reference's own function.
 
 Capabilities: no bfloat16, no graphs, arrays in host memory. ``start()`` is the start-up step
 the registry runs once at load (glibc malloc tuning, ``FORGE_CPU_MALLOC``).

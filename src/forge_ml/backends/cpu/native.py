@@ -1,4 +1,5 @@
-"""Fused float32 CPU kernels in C (``kernels.c``), compiled on first use, loaded by ctypes.
+"""Fused float32 CPU kernels in C (``pool.c``, ``gemm.c``, ``attention.c``, ``kernels.c``; what
+they share in ``cpu_kernels.h``), compiled on first use into one library, loaded by ctypes.
 
 The backend (``backends/cpu/__init__.py``) asks ``lib()`` for the loaded library and calls it
 for C-contiguous float32 arrays; everything else (float64 gradient checks, a machine without
@@ -12,7 +13,7 @@ a C compiler, a failed compile) runs ``reference.py``'s NumPy kernels. The switc
 The shared library is built with ``$CC`` (else ``cc``, else ``gcc``) at -O3, never
 -ffast-math, with -march=native where the compiler takes it, into
 ``$FORGE_CACHE_DIR/cpu`` (default ``$XDG_CACHE_HOME/forge-ml/cpu``, ``~/.cache/forge-ml/cpu``),
-named by a hash of the source, the compiler's version, the flags and the CPU's feature
+named by a hash of the sources, the compiler's version, the flags and the CPU's feature
 flags. It is written to a private temporary name and renamed into place, so concurrent
 processes (``pytest -n 2``) never load a half-written file; that library is the only file a
 build leaves. A cached library that does not load (truncated, overwritten) is deleted and
@@ -39,7 +40,10 @@ from pathlib import Path
 from ... import flags
 from ...errors import ForgeError
 
-SOURCE = Path(__file__).with_name("kernels.c")
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / name for name in ("pool.c", "gemm.c", "attention.c", "kernels.c"))
+"""The C files built together into one library; ``HEADERS`` are part of its cache key."""
+HEADERS = (HERE / "cpu_kernels.h",)
 _BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu99", "-ffp-contract=fast", "-fno-math-errno",
                "-fno-trapping-math", "-fopenmp-simd", "-pthread")
 # Tried in order until one compiles. -march=native: AVX2/FMA where the CPU has them.
@@ -266,7 +270,7 @@ def _run(cmd):
 
 
 def build() -> tuple:
-    """Compile ``kernels.c``, or find it already built: ``(path of the library, whether it
+    """Compile the C files into one library, or find it already built: ``(path of the library, whether it
     was found in the cache)``."""
     cc = compiler()
     if cc is None:
@@ -275,7 +279,7 @@ def build() -> tuple:
         version = _run([cc, "--version"]).stdout
     except OSError as e:
         raise NativeKernelError(f"the C compiler {cc} cannot run: {e}") from None
-    source = SOURCE.read_bytes()
+    source = b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES + HEADERS)
     out_dir = cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     last_err = ""
@@ -289,7 +293,7 @@ def build() -> tuple:
         fd, tmp = tempfile.mkstemp(prefix=f".kernels-{key}.", suffix=".so.tmp", dir=out_dir)
         os.close(fd)
         try:
-            res = _run([cc, *cflags, "-o", tmp, str(SOURCE), "-lm"])
+            res = _run([cc, *cflags, "-o", tmp, *map(str, SOURCES), "-lm"])
             if res.returncode == 0:
                 os.replace(tmp, path)
                 return path, False
@@ -297,7 +301,7 @@ def build() -> tuple:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    raise NativeKernelError(f"{cc} could not compile {SOURCE.name}:\n{last_err}")
+    raise NativeKernelError(f"{cc} could not compile {', '.join(p.name for p in SOURCES)}:\n{last_err}")
 
 
 def f32(*arrays) -> bool:

@@ -1,0 +1,148 @@
+/* cpu_kernels.h: what the CPU backend's C files share. native.py builds pool.c, gemm.c,
+   attention.c and kernels.c together into one library (behind backends/cpu/__init__.py):
+
+     pool.c       the thread pool every larger kernel shares its items among
+     gemm.c       float32 matrix products on the pool (OpenBLAS, one block each)
+     attention.c  causal attention, one head at a time, forward and backward
+     kernels.c    gelu, layernorm, cross-entropy, scatter_add_rows, AdamW, sumsq, dropout
+
+   Built with -O3 -ffp-contract=fast (FMA) -fno-math-errno -fno-trapping-math -fopenmp-simd
+   -pthread and -march=native where the compiler takes it (native.py), never -ffast-math:
+   loops vectorise through `#pragma omp simd` on the reductions and through exp_f32 below,
+   which is written to vectorise without changing IEEE semantics (-fno-trapping-math lets its
+   clamps become blends). INTERNAL functions are shared between the files, not exported. */
+#ifndef FORGE_CPU_KERNELS_H
+#define FORGE_CPU_KERNELS_H
+
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define RESTRICT __restrict__
+#define INTERNAL __attribute__((visibility("hidden")))
+
+/* ---- the thread pool (pool.c) ------------------------------------------------------------ */
+#define POOL_MAX 16
+
+typedef struct {
+    long count, grain;
+    long next;                      /* the next item (atomic) */
+} work_t;
+
+typedef void (*task_fn)(void* ctx, work_t* work);
+
+/* The next `grain` items [*begin, *end), or 0 when none are left. */
+static inline int work_take(work_t* w, long* begin, long* end) {
+    const long b = __atomic_fetch_add(&w->next, w->grain, __ATOMIC_RELAXED);
+    if (b >= w->count) return 0;
+    *begin = b;
+    *end = b + w->grain < w->count ? b + w->grain : w->count;
+    return 1;
+}
+
+/* Run `fn` on the caller and up to threads - 1 workers over count items, grain at a time. */
+INTERNAL void pool_run(task_fn fn, void* ctx, long count, long grain);
+
+/* Whether workers spin between jobs (gemm.c turns it on when the pool runs the products). */
+INTERNAL void pool_spin_between_jobs(int on);
+
+/* A task's failure (its scratch could not be allocated): the kernel returns -1 and the
+   reference runs instead. */
+static inline void task_failed(int* flag) { __atomic_store_n(flag, 1, __ATOMIC_RELAXED); }
+
+/* ---- 8-float vectors and exp ------------------------------------------------------------- */
+/* 8-float vectors (GCC/Clang vector extension; two SSE registers where AVX is absent) */
+typedef float v8f __attribute__((vector_size(32)));
+
+static inline v8f load8(const float* p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof v); }
+
+static inline v8f bcast8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+/* exp(x) in float32 without a libm call, so that loops around it vectorise: Cephes' expf
+   (S. Moshier): x = n ln2 + r with ln2 split in two (n ln2_hi exact), |r| <= ln2/2, e^r by
+   a degree-6 polynomial, 2^n built in the exponent bits. About 1 ulp (max 1.4e-7 relative)
+   on [-87.3, 88.3]; x is clamped to that range first, so far left it gives e^-87.3 =
+   1.2e-38 instead of 0 and far right 2.4e38 instead of inf; NaN stays NaN (the clamps are
+   max/min that pass a NaN x). n = round(x / ln2) by the 1.5 * 2^23 trick (round to
+   nearest, the FPU's default mode), which needs no SSE4.1 round instruction. */
+static inline float exp_f32(float x) {
+    const float magic = 12582912.0f;                 /* 1.5 * 2^23, bits 0x4B400000 */
+    x = x < -87.3365447504f ? -87.3365447504f : x;
+    x = 88.3762626647949f < x ? 88.3762626647949f : x;
+    const float t = x * 1.44269504088896341f + magic;   /* magic + round(x / ln2) */
+    const float n = t - magic;
+    int32_t ni;
+    memcpy(&ni, &t, sizeof ni);
+    ni -= 0x4B400000;                                /* round(x / ln2) as an int */
+    float r = x - n * 0.693359375f;                  /* ln2_hi: n * ln2_hi is exact */
+    r = r - n * -2.12194440e-4f;                     /* ln2_lo */
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (ni + 127) << 23;           /* 2^n, n in -126..127 */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* ---- GELU's loops (kernels.c's gelu ops, gemm.c's epilogues) ------------------------------ */
+/* gelu: GPT-2's tanh approximation in the sigmoid form of reference.py's _gelu_block /
+   _gelu_bwd_block: with u = k (x + c x^3), E = exp(-2u), s = 1 / (1 + E) = sigmoid(2u):
+     gelu(x) = x s,   gelu'(x) = s (1 + (1 - s) w),  1 - s = E s,  w = x (2k + 6kc x^2).
+   exp_f32 clamps -2u at 88.4, so E stays finite and dx finite far left (the NumPy kernels
+   clamp at 80 to the same effect). */
+#define GELU_K 0.7978845608028654f   /* sqrt(2/pi) */
+#define GELU_C 0.044715f
+#define ELEMS_GRAIN 16384            /* elements per pool item in elementwise kernels */
+
+static inline void gelu_span(const float* RESTRICT x, float* RESTRICT y, long n) {
+#pragma omp simd
+    for (long i = 0; i < n; ++i) {
+        float v = x[i];
+        const float m2u = v * (-2.0f * GELU_K - 2.0f * GELU_K * GELU_C * v * v);   /* -2u */
+        y[i] = v / (1.0f + exp_f32(m2u));
+    }
+}
+
+static inline void gelu_bwd_span(const float* RESTRICT x, const float* RESTRICT dy, float* RESTRICT dx,
+                          long n) {
+#pragma omp simd
+    for (long i = 0; i < n; ++i) {
+        float v = x[i], v2 = v * v;
+        const float e = exp_f32(v * (-2.0f * GELU_K - 2.0f * GELU_K * GELU_C * v2));  /* E */
+        float s = 1.0f / (1.0f + e);
+        float w = v * (2.0f * GELU_K + 6.0f * GELU_K * GELU_C * v2);
+        dx[i] = dy[i] * s * (1.0f + e * s * w);
+    }
+}
+
+/* Rows per pool item: about ELEMS_GRAIN elements. */
+static inline long rows_grain(long c) { return c >= ELEMS_GRAIN ? 1 : ELEMS_GRAIN / c; }
+
+/* ---- dropout's Philox stream (kernels.c; the attention applies it to P) ------------------ */
+/* Attention dropout (forge_ml.rng's stream over the (B, H, T, T) probabilities): head (b, h)'s
+   element (i, j) is stream index base + i t + j, base = ((b H + h) t) t. */
+typedef struct {
+    uint64_t base;          /* the head's first element index */
+    uint32_t k0, k1;        /* the Philox key (seed lo, hi) */
+    float p, scale;         /* the rate, and 1/(1-p) rounded to float */
+} drop_t;
+
+/* y[j] = keep(first + j) ? x[j] scale : 0 for j in [0, n) (x == y allowed). */
+INTERNAL void dropout_span(const float* x, float* y, long n, uint64_t first, const drop_t* d);
+
+#endif
