@@ -171,6 +171,7 @@ def test_threaded_kernels_give_the_same_bits_on_any_thread_count():
     same_bits(on_threads(lambda: cpu.attention_qkv_dropout_bwd(qkv, y, lse, y, 4, 0.25, 0.2, 11)))
     xs = [randn(sh, 10 + i) for i, sh in enumerate([(7,), (300, 170), (40_000,), (3, 5)])]
     same_bits(on_threads(lambda: cpu.sumsq_many(xs)))
+    same_bits(on_threads(lambda: cpu.dropout(big, 0.3, 12)))
 
 
 def test_layernorm_bwd_on_threads_vs_float64():

@@ -482,8 +482,9 @@ static inline void philox_lanes(uint32_t* RESTRICT c0, uint32_t* RESTRICT c1,
    (x == y is allowed: the attention applies it to a row of P in place). */
 void dropout_span(const float* x, float* y, long n, uint64_t first, const drop_t* d) {
     uint32_t c0[PHILOX_LANES], c1[PHILOX_LANES], c2[PHILOX_LANES], c3[PHILOX_LANES];
-    const uint64_t g_first = first / 4, g_last = (first + (uint64_t)n - 1) / 4;
-    for (uint64_t g0 = g_first; g0 <= g_last; g0 += PHILOX_LANES) {
+    uint32_t words[4 * PHILOX_LANES];                 /* the block's words in element order */
+    const uint64_t end = first + (uint64_t)n;
+    for (uint64_t g0 = first / 4; 4 * g0 < end; g0 += PHILOX_LANES) {
         for (int l = 0; l < PHILOX_LANES; ++l) {       /* counter of group g0 + l */
             const uint64_t g = g0 + (uint64_t)l;
             c0[l] = (uint32_t)(g & 0xffffffffu);
@@ -492,23 +493,37 @@ void dropout_span(const float* x, float* y, long n, uint64_t first, const drop_t
             c3[l] = 0u;
         }
         philox_lanes(c0, c1, c2, c3, d->k0, d->k1);
-        for (int l = 0; l < PHILOX_LANES && g0 + (uint64_t)l <= g_last; ++l) {
-            const uint32_t w[4] = {c0[l], c1[l], c2[l], c3[l]};
-            for (int q = 0; q < 4; ++q) {
-                const uint64_t e = 4 * (g0 + (uint64_t)l) + (uint64_t)q;
-                if (e < first || e >= first + (uint64_t)n) continue;
-                const float u = (float)(w[q] >> 8) * 5.9604644775390625e-08f;   /* 2^-24 */
-                const long j = (long)(e - first);
-                y[j] = u >= d->p ? x[j] * d->scale : 0.0f;
-            }
+        for (int l = 0; l < PHILOX_LANES; ++l) {
+            words[4 * l] = c0[l];
+            words[4 * l + 1] = c1[l];
+            words[4 * l + 2] = c2[l];
+            words[4 * l + 3] = c3[l];
+        }
+        /* the span's elements among the block's 4 * PHILOX_LANES, [e0 + lo, e0 + hi) */
+        const uint64_t e0 = 4 * g0;
+        const long lo = first > e0 ? (long)(first - e0) : 0;
+        const long hi = end < e0 + 4 * PHILOX_LANES ? (long)(end - e0) : 4 * PHILOX_LANES;
+        const long shift = (long)e0 - (long)first;    /* element e0 + i is x[i + shift] */
+        const float p = d->p, scale = d->scale;
+#pragma omp simd
+        for (long i = lo; i < hi; ++i) {
+            const float u = (float)(words[i] >> 8) * 5.9604644775390625e-08f;   /* 2^-24 */
+            y[i + shift] = u >= p ? x[i + shift] * scale : 0.0f;
         }
     }
 }
 
+typedef struct { const float* x; float* y; drop_t d; } dropout_ctx;
 
-void dropout_f32(const float* RESTRICT x, float* RESTRICT y, long n, uint32_t k0, uint32_t k1,
-                 float p, float scale) {
-    const drop_t d = {0, k0, k1, p, scale};
-    if (n > 0) dropout_span(x, y, n, 0, &d);
+static void dropout_task(void* vctx, work_t* w) {
+    const dropout_ctx* c = vctx;
+    long b, e;
+    while (work_take(w, &b, &e)) dropout_span(c->x + b, c->y + b, e - b, (uint64_t)b, &c->d);
 }
 
+/* Items: chunks of ELEMS_GRAIN elements; an element's keep bit depends on its index alone. */
+void dropout_f32(const float* RESTRICT x, float* RESTRICT y, long n, uint32_t k0, uint32_t k1,
+                 float p, float scale) {
+    const dropout_ctx c = {x, y, {0, k0, k1, p, scale}};
+    if (n > 0) pool_run(dropout_task, (void*)&c, n, ELEMS_GRAIN);
+}
