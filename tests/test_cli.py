@@ -138,6 +138,24 @@ def test_bench_builtin_and_list(capsys):
     assert main(["bench", "--list"]) == 0
 
 
+def test_bench_chooses_the_cpu_threads_as_train_does(monkeypatch, capsys):
+    """Where forge-ml sets the count, the built-in bench runs the trainer's ThreadTuner on its
+    untimed first steps and times the count it chose (it had timed half the cores)."""
+    from forge_ml import blas
+    import re
+    before = blas.get_threads()
+    monkeypatch.setattr(blas, "tunable", lambda: True)
+    monkeypatch.setattr(blas, "candidates", lambda n_cores=None: [1, 2])
+    try:
+        assert main(["bench", "--steps", "2"]) == 0
+        out = capsys.readouterr().out
+        chosen = re.search(r"BLAS threads: (\d) \(median step \d+ ms; (\d) threads?: \d+ ms\)", out)
+        assert chosen and {chosen[1], chosen[2]} == {"1", "2"}, out
+        assert f"cpu, {chosen[1]} thread(s): median" in out and blas.get_threads() == int(chosen[1])
+    finally:
+        blas.set_threads(before or 1)
+
+
 # -- bad input: one line on stderr, exit status 2 ------------------------------------------------
 
 

@@ -662,12 +662,14 @@ def _cmd_bench(args) -> int:
 
 
 def _builtin_bench(steps: int, device: str) -> int:
-    """Median time of a forge-ml training step (forward + backward + AdamW) on nanoGPT's CPU model."""
+    """Median time of a forge-ml training step (forward + backward + AdamW) on nanoGPT's CPU
+    model. On the CPU the thread count is chosen first as ``forge-ml train`` chooses it (a
+    ``ThreadTuner`` over the untimed first steps, where forge-ml set the count)."""
     import numpy as np
 
     from .models.gpt2 import GPT2, GPT2Config
     from .optim import AdamW, clip_grad_norm
-    from .tensor import synchronize, tensor
+    from .tensor import device_has, synchronize, tensor
 
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
@@ -676,8 +678,8 @@ def _builtin_bench(steps: int, device: str) -> int:
     opt = AdamW(model.params, lr=1e-3)
     rng = np.random.default_rng(0)
     B, T = 12, 64
-    times = []
-    for i in range(steps + 2):
+
+    def step():
         x = tensor(rng.integers(0, 65, (B, T)), device=device)
         y = tensor(rng.integers(0, 65, (B, T)), device=device)
         t0 = time.perf_counter()
@@ -685,10 +687,25 @@ def _builtin_bench(steps: int, device: str) -> int:
         _, scale = clip_grad_norm(grads, 1.0)
         opt.step(grads, grad_scale=scale)
         synchronize(device)  # the step's kernels may still run on a GPU
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0, loss
+
+    counts = _blas.candidates() if device_has(device, "host_memory") and _blas.tunable() else []
+    if len(counts) > 1:          # untimed steps until the tuner has chosen, as the trainer does
+        tuner = _blas.ThreadTuner(counts, skip=1)
+        for _ in range(1 + tuner.trials * len(counts)):
+            tuner.before_step()
+            line = tuner.after_step(step()[0])
+            if line:
+                print(line)
+    for _ in range(2):
+        step()
+    times, loss = [], None
+    for _ in range(steps):
+        dt, loss = step()
+        times.append(dt)
     med = float(np.median(times))
-    print(f"forge-ml training step, 4 layers x 128 channels, batch {B} x {T}, {device}: "
+    threads = f", {_blas.get_threads()} thread(s)" if device_has(device, "host_memory") else ""
+    print(f"forge-ml training step, 4 layers x 128 channels, batch {B} x {T}, {device}{threads}: "
           f"median {med * 1e3:.1f} ms over {steps} steps ({B * T / med:,.0f} tokens/s); loss {loss:.3f}")
     return 0
 
