@@ -81,9 +81,9 @@ static inline float exp_f32(float x) {
     x = 88.3762626647949f < x ? 88.3762626647949f : x;
     const float t = x * 1.44269504088896341f + magic;   /* magic + round(x / ln2) */
     const float n = t - magic;
-    int32_t ni;
+    uint32_t ni;                                     /* unsigned: a NaN's bits wrap, not overflow */
     memcpy(&ni, &t, sizeof ni);
-    ni -= 0x4B400000;                                /* round(x / ln2) as an int */
+    ni -= 0x4B400000u;                               /* round(x / ln2) as an int */
     float r = x - n * 0.693359375f;                  /* ln2_hi: n * ln2_hi is exact */
     r = r - n * -2.12194440e-4f;                     /* ln2_lo */
     float p = 1.9875691500e-4f;
@@ -93,7 +93,7 @@ static inline float exp_f32(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const int32_t bits = (ni + 127) << 23;           /* 2^n, n in -126..127 */
+    const uint32_t bits = (ni + 127u) << 23;         /* 2^n, n in -126..127 */
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
