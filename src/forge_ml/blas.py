@@ -82,15 +82,15 @@ def _symbol(lib, stem: str):
 def set_threads(n: int) -> bool:
     """The CPU backend's thread count: its C kernels' pool (``backends.cpu.native``), which
     also runs the matrix products where it found OpenBLAS's sgemm (OpenBLAS then keeps one
-    thread of its own), else OpenBLAS's pool. Whether an OpenBLAS took it.
+    thread of its own), else OpenBLAS's pool. Whether the pool or an OpenBLAS took it.
 
     >>> n = get_threads()
     >>> set_threads(n) if n else True
     True
     """
     from .backends.cpu import native          # the CPU kernels' own threads
-    native.set_threads(n)
-    return openblas_set_threads(1 if native.owns_products() else n)
+    native.set_threads(n)                     # (it keeps OpenBLAS at one where it runs the products)
+    return native.owns_products() or openblas_set_threads(n)
 
 
 def openblas_set_threads(n: int) -> bool:
@@ -166,6 +166,16 @@ def candidates(n_cores: Optional[int] = None) -> list:
     """
     n_cores = cores() if n_cores is None else n_cores
     return sorted({default_threads(n_cores), max(1, min(MAX_THREADS, n_cores))})
+
+
+def tuner(**kw) -> Optional["ThreadTuner"]:
+    """A ``ThreadTuner`` over ``candidates()`` (``kw`` goes to it) where ``tunable()`` and there
+    are two counts to try; else None. What ``forge-ml train`` and ``forge-ml bench`` run on the
+    CPU."""
+    if not tunable():
+        return None
+    counts = candidates()
+    return ThreadTuner(counts, **kw) if len(counts) > 1 else None
 
 
 class ThreadTuner:

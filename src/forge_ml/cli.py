@@ -689,10 +689,9 @@ def _builtin_bench(steps: int, device: str) -> int:
         synchronize(device)  # the step's kernels may still run on a GPU
         return time.perf_counter() - t0, loss
 
-    counts = _blas.candidates() if device_has(device, "host_memory") and _blas.tunable() else []
-    if len(counts) > 1:          # untimed steps until the tuner has chosen, as the trainer does
-        tuner = _blas.ThreadTuner(counts, skip=1)
-        for _ in range(1 + tuner.trials * len(counts)):
+    tuner = _blas.tuner(skip=1) if device_has(device, "host_memory") else None
+    if tuner is not None:        # untimed steps until the tuner has chosen, as the trainer does
+        for _ in range(1 + tuner.trials * len(tuner.counts)):
             tuner.before_step()
             line = tuner.after_step(step()[0])
             if line:

@@ -1097,10 +1097,9 @@ class Trainer:
         """On the CPU, where forge-ml chose the BLAS thread count (``forge-ml train`` with no
         thread variable set): a ``forge_ml.blas.ThreadTuner`` over the default and every
         core, which keeps the count the steps run faster with. None elsewhere."""
-        if not (self.TUNES_BLAS and device_has(self.device, "host_memory") and _blas.tunable()):
+        if not (self.TUNES_BLAS and device_has(self.device, "host_memory")):
             return None
-        counts = _blas.candidates()
-        return _blas.ThreadTuner(counts) if len(counts) > 1 else None
+        return _blas.tuner()
 
     def _off_graph(self, fn):
         """``_interruptible(fn)`` for work outside the training step (evaluation, samples): the

@@ -457,8 +457,7 @@ def _gemm(lib, a, b, trans_a=False, trans_b=False, alpha=1.0, bias=None, res=Non
 
 @_fused(reference.matmul, "a", "b")
 def matmul(lib, a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows=None):
-    lib = _gemm_lib()
-    if lib is None or b_rows is not None or b.ndim != 2 or (a.ndim > 2 and trans_a):
+    if not _native.owns_products() or b_rows is not None or b.ndim != 2 or (a.ndim > 2 and trans_a):
         return _DECLINED
     if a.ndim == 2:
         return _gemm(lib, a, b, trans_a, trans_b, alpha, bias)

@@ -231,80 +231,57 @@ static void attention_bwd_head(const float* q, long lq, const float* k, const fl
     }
 }
 
-/* The pool's attention jobs: one item per head. Head-major (BH, T, hs) arrays (fused == 0:
-   q, k, v, out, dout; lse (BH, T)) or GPT-2's fused rows (fused == 1: qkv (B, T, 3C), head h
-   of q, k, v at channels h*hs, C + h*hs, 2C + h*hs; y, dy (B, T, C); lse (B, H, T)). Each
-   thread allocates its own scratch. */
+/* The pool's attention jobs: one item per head, forward or backward (bwd). Head-major
+   (BH, T, hs) arrays (fused == 0: q, k, v, out, dout and the gradients; lse (BH, T)) or
+   GPT-2's fused rows (fused == 1: qkv (B, T, 3C) in q, head h of q, k, v at channels h*hs,
+   C + h*hs, 2C + h*hs, dqkv likewise in dq; y, dy (B, T, C) in out / o and dout; lse
+   (B, H, T)). Each thread allocates its own scratch. */
 typedef struct {
     const float *q, *k, *v, *out, *lse, *dout;     /* fused: q is qkv, out is y, dout is dy */
     float *o, *lse_out, *dq, *dk, *dv;            /* fused: dq is dqkv */
     long nh, t, hs;                                /* nh: heads per batch row (fused) */
-    int fused;
+    int fused, bwd;
     float scale;
     const drop_t* drop;
     int failed;
 } attn_ctx;
 
-/* Head `bh`'s dropout stream: element (i, j) of its P is index ((b H + h) t + i) t + j. */
-static const drop_t* head_drop(const attn_ctx* a, long bh, drop_t* d) {
-    if (!a->drop) return NULL;
-    *d = *a->drop;
-    d->base = (uint64_t)(bh * a->t) * (uint64_t)a->t;
-    return d;
-}
-
 static void attention_task(void* vctx, work_t* w) {
     attn_ctx* a = vctx;
     const long t = a->t, hs = a->hs, c = a->nh * hs;
-    float* scratch = calloc((size_t)fwd_scratch(t, hs), sizeof(float));
+    float* scratch = calloc((size_t)(a->bwd ? bwd_scratch(t, hs) : fwd_scratch(t, hs)),
+                            sizeof(float));
     if (!scratch) {
         task_failed(&a->failed);
         return;
     }
-    long h0, h1;
+    long h0 = 0, h1 = 0;
     while (work_take(w, &h0, &h1))
         for (long bh = h0; bh < h1; ++bh) {
-            drop_t d;
-            const drop_t* dp = head_drop(a, bh, &d);
-            if (a->fused) {
-                const long b = bh / a->nh, h = bh % a->nh;
-                const float* q = a->q + b * t * 3 * c + h * hs;
-                attention_head(q, 3 * c, q + c, 3 * c, q + 2 * c, 3 * c, a->o + b * t * c + h * hs,
-                               c, a->lse_out + bh * t, t, hs, a->scale, scratch, dp);
-            } else {
-                const long off = bh * t * hs;
-                attention_head(a->q + off, hs, a->k + off, hs, a->v + off, hs, a->o + off, hs,
-                               a->lse_out + bh * t, t, hs, a->scale, scratch, dp);
+            /* head bh's first row: iq in q, k, v and their gradients (row stride lq), io in
+               the output, dout and y (row stride lo) */
+            const long b = bh / a->nh, h = bh % a->nh;
+            const long iq = a->fused ? b * t * 3 * c + h * hs : bh * t * hs;
+            const long io = a->fused ? b * t * c + h * hs : bh * t * hs;
+            const long lq = a->fused ? 3 * c : hs, lo = a->fused ? c : hs;
+            const float* q = a->q + iq;
+            const float* k = a->fused ? q + c : a->k + iq;
+            const float* v = a->fused ? q + 2 * c : a->v + iq;
+            drop_t d;                 /* element (i, j) of the head's P: ((b H + h) t + i) t + j */
+            if (a->drop) {
+                d = *a->drop;
+                d.base = (uint64_t)(bh * t) * (uint64_t)t;
             }
-        }
-    free(scratch);
-}
-
-static void attention_bwd_task(void* vctx, work_t* w) {
-    attn_ctx* a = vctx;
-    const long t = a->t, hs = a->hs, c = a->nh * hs;
-    float* scratch = calloc((size_t)bwd_scratch(t, hs), sizeof(float));
-    if (!scratch) {
-        task_failed(&a->failed);
-        return;
-    }
-    long h0, h1;
-    while (work_take(w, &h0, &h1))
-        for (long bh = h0; bh < h1; ++bh) {
-            drop_t d;
-            const drop_t* dp = head_drop(a, bh, &d);
-            if (a->fused) {
-                const long b = bh / a->nh, h = bh % a->nh;
-                const long iq = b * t * 3 * c + h * hs, io = b * t * c + h * hs;
-                attention_bwd_head(a->q + iq, 3 * c, a->q + iq + c, a->q + iq + 2 * c, 3 * c,
-                                   a->out + io, a->dout + io, c, a->lse + bh * t, a->dq + iq,
-                                   a->dq + iq + c, a->dq + iq + 2 * c, t, hs, a->scale, scratch,
-                                   dp);
+            const drop_t* dp = a->drop ? &d : NULL;
+            if (a->bwd) {
+                float* dq = a->dq + iq;
+                float* dk = a->fused ? dq + c : a->dk + iq;
+                float* dv = a->fused ? dq + 2 * c : a->dv + iq;
+                attention_bwd_head(q, lq, k, v, lq, a->out + io, a->dout + io, lo, a->lse + bh * t,
+                                   dq, dk, dv, t, hs, a->scale, scratch, dp);
             } else {
-                const long off = bh * t * hs;
-                attention_bwd_head(a->q + off, hs, a->k + off, a->v + off, hs, a->out + off,
-                                   a->dout + off, hs, a->lse + bh * t, a->dq + off, a->dk + off,
-                                   a->dv + off, t, hs, a->scale, scratch, dp);
+                attention_head(q, lq, k, lq, v, lq, a->o + io, lo, a->lse_out + bh * t, t, hs,
+                               a->scale, scratch, dp);
             }
         }
     free(scratch);
@@ -314,7 +291,7 @@ static void attention_bwd_task(void* vctx, work_t* w) {
 int attention_f32(const float* RESTRICT q, const float* RESTRICT k, const float* RESTRICT v,
                   float* RESTRICT out, float* RESTRICT lse, long nbh, long t, long hs,
                   float scale) {
-    attn_ctx a = {q, k, v, NULL, NULL, NULL, out, lse, NULL, NULL, NULL, 1, t, hs, 0, scale,
+    attn_ctx a = {q, k, v, NULL, NULL, NULL, out, lse, NULL, NULL, NULL, 1, t, hs, 0, 0, scale,
                   NULL, 0};
     pool_run(attention_task, &a, nbh, 1);
     return a.failed ? -1 : 0;
@@ -324,8 +301,9 @@ int attention_bwd_f32(const float* RESTRICT q, const float* RESTRICT k, const fl
                       const float* RESTRICT out, const float* RESTRICT lse,
                       const float* RESTRICT dout, float* RESTRICT dq, float* RESTRICT dk,
                       float* RESTRICT dv, long nbh, long t, long hs, float scale) {
-    attn_ctx a = {q, k, v, out, lse, dout, NULL, NULL, dq, dk, dv, 1, t, hs, 0, scale, NULL, 0};
-    pool_run(attention_bwd_task, &a, nbh, 1);
+    attn_ctx a = {q, k, v, out, lse, dout, NULL, NULL, dq, dk, dv, 1, t, hs, 0, 1, scale, NULL,
+                  0};
+    pool_run(attention_task, &a, nbh, 1);
     return a.failed ? -1 : 0;
 }
 
@@ -333,7 +311,7 @@ int attention_bwd_f32(const float* RESTRICT q, const float* RESTRICT k, const fl
    Philox key (k0, k1)) to the probabilities, the mask of forge_ml.rng over (B, H, T, T). */
 static int attention_qkv_run(const float* RESTRICT qkv, float* RESTRICT y, float* RESTRICT lse,
                              long nb, long t, long nh, long hs, float scale, const drop_t* drop) {
-    attn_ctx a = {qkv, NULL, NULL, NULL, NULL, NULL, y, lse, NULL, NULL, NULL, nh, t, hs, 1,
+    attn_ctx a = {qkv, NULL, NULL, NULL, NULL, NULL, y, lse, NULL, NULL, NULL, nh, t, hs, 1, 0,
                   scale, drop, 0};
     pool_run(attention_task, &a, nb * nh, 1);
     return a.failed ? -1 : 0;
@@ -343,9 +321,9 @@ static int attention_qkv_bwd_run(const float* RESTRICT qkv, const float* RESTRIC
                                  const float* RESTRICT lse, const float* RESTRICT dy,
                                  float* RESTRICT dqkv, long nb, long t, long nh, long hs,
                                  float scale, const drop_t* drop) {
-    attn_ctx a = {qkv, NULL, NULL, y, lse, dy, NULL, NULL, dqkv, NULL, NULL, nh, t, hs, 1, scale,
-                  drop, 0};
-    pool_run(attention_bwd_task, &a, nb * nh, 1);
+    attn_ctx a = {qkv, NULL, NULL, y, lse, dy, NULL, NULL, dqkv, NULL, NULL, nh, t, hs, 1, 1,
+                  scale, drop, 0};
+    pool_run(attention_task, &a, nb * nh, 1);
     return a.failed ? -1 : 0;
 }
 

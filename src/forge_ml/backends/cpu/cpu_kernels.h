@@ -118,8 +118,8 @@ static inline void gelu_span(const float* RESTRICT x, float* RESTRICT y, long n)
     }
 }
 
-static inline void gelu_bwd_span(const float* RESTRICT x, const float* RESTRICT dy, float* RESTRICT dx,
-                          long n) {
+/* dx = gelu'(x) dy; dx may be dy itself (gemm.c's epilogue works in place). */
+static inline void gelu_bwd_span(const float* RESTRICT x, const float* dy, float* dx, long n) {
 #pragma omp simd
     for (long i = 0; i < n; ++i) {
         float v = x[i], v2 = v * v;

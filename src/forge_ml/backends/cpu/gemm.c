@@ -53,18 +53,6 @@ typedef struct {
     float *c, *aux;
 } gemm_ctx;
 
-/* g = gelu_bwd(x, g) in place (gelu_bwd_span's arithmetic). */
-static void dgelu_inplace(const float* RESTRICT x, float* g, long n) {
-#pragma omp simd
-    for (long i = 0; i < n; ++i) {
-        float v = x[i], v2 = v * v;
-        const float e = exp_f32(v * (-2.0f * GELU_K - 2.0f * GELU_K * GELU_C * v2));
-        float s = 1.0f / (1.0f + e);
-        float w = v * (2.0f * GELU_K + 6.0f * GELU_K * GELU_C * v2);
-        g[i] = g[i] * s * (1.0f + e * s * w);
-    }
-}
-
 /* C[r0:r1, c0:c1] (+ its prologue and epilogue). */
 static void gemm_block(const gemm_ctx* g, long r0, long r1, long c0, long c1) {
     const long n = g->n, ldc = g->ldc, rows = r1 - r0, cols = c1 - c0;
@@ -106,7 +94,10 @@ static void gemm_block(const gemm_ctx* g, long r0, long r1, long c0, long c1) {
     if (g->epi == EPI_GELU)
         for (long r = 0; r < rows; ++r) gelu_span(c + r * ldc, g->aux + (r0 + r) * n + c0, cols);
     else if (g->epi == EPI_DGELU)
-        for (long r = 0; r < rows; ++r) dgelu_inplace(g->aux + (r0 + r) * n + c0, c + r * ldc, cols);
+        for (long r = 0; r < rows; ++r) {
+            float* cr = c + r * ldc;
+            gelu_bwd_span(g->aux + (r0 + r) * n + c0, cr, cr, cols);
+        }
 }
 
 static void gemm_task(void* vctx, work_t* w) {
