@@ -35,9 +35,9 @@ def main(argv) -> int:
         print("no C compiler (set CC)")
         return 2
     out = Path(tempfile.mkdtemp(prefix="forge_ubsan_")) / "kernels_ubsan.so"
-    flags = ["-O1", "-g", "-fPIC", "-shared", "-std=gnu99", "-ffp-contract=fast", "-fno-math-errno",
-             "-fno-trapping-math", "-fopenmp-simd", "-pthread", "-fsanitize=undefined",
-             "-fno-sanitize-recover=all"]
+    # the library's own flags (native._BASE_FLAGS) at -O1 with debug lines, plus the sanitizer
+    flags = [f for f in native._BASE_FLAGS if f != "-O3"] + ["-O1", "-g", "-fsanitize=undefined",
+                                                             "-fno-sanitize-recover=all"]
     res = subprocess.run([cc, *flags, "-o", str(out), *map(str, native.SOURCES), "-lm"],
                          capture_output=True, text=True)
     if res.returncode != 0:
