@@ -216,3 +216,24 @@ def test_sample_generation_options(trained, capsys):
 ])
 def test_sample_generation_options_are_checked(trained, capsys, argv, needle):
     _fails(capsys, ["sample", "--ckpt", "run", "--prompt", "to be", *argv], needle)
+
+
+def test_gpus_without_the_gpus_is_one_error_before_any_rank_starts(workdir, capsys, monkeypatch):
+    """``--gpus 2`` on a machine that cannot run two NCCL ranks says so once, before spawning."""
+    from forge_ml.distributed import launch
+    started = []
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: started.append(a) or 0)
+    for var in ("WORLD_SIZE", "RANK", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    line = _fails(capsys, ["train", "--gpus", "100000", "--max-steps", "1", *TINY], "--gpus 100000"
+                  if _has_cupy() else "NCCL")
+    assert not started, line
+    assert not (workdir / "runs").exists()
+
+
+def _has_cupy() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True

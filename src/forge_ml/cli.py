@@ -321,6 +321,7 @@ def _cmd_train(args) -> int:
         from .distributed import launch
         env = launch.process_env()
         if args.gpus > 1 and env.launcher == "single":   # start the N processes here
+            launch.preflight(args.gpus)
             return launch.spawn(args.gpus, [sys.executable, "-m", "forge_ml", *sys.argv[1:]])
         comm = launch.init_process_group()
         if comm.rank > 0:                                 # rank 0 drives; the others follow

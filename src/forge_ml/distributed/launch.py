@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..device import Device
-from ..errors import ConfigError
+from ..errors import ConfigError, DeviceError
 from ..tensor import backend_of
 from .comm import CommError, CommTimeout, Communicator, NcclCommunicator, ThreadGroup, _cupy_nccl
 
@@ -361,6 +361,27 @@ def _describe_exit(code: int) -> str:
             name = f"signal {-code}"
         return f"was killed by {name}"
     return f"exited with status {code}"
+
+
+def preflight(n: int) -> None:
+    """Check, before ``forge-ml train --gpus N`` starts its ``n`` processes, that this
+    machine can run them: CuPy with NCCL imports and at least ``n`` GPUs are visible. A
+    DeviceError says what is missing, once, instead of one failure a rank.
+
+    >>> try:
+    ...     preflight(10**6)           # no machine has that many: CuPy or the count says so
+    ... except DeviceError as e:
+    ...     print(type(e).__name__)
+    DeviceError
+    """
+    cupy, _ = _cupy_nccl()
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as e:          # no driver or no device: CUDA's own error names it
+        raise DeviceError(f"--gpus {n} needs {n} NVIDIA GPUs, but CUDA finds none here ({e})") from None
+    if count < n:
+        raise DeviceError(f"--gpus {n} needs {n} GPUs, but this machine has {count} "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
 
 
 def spawn(n: int, argv: list, *, env: Optional[dict] = None, master_port: Optional[int] = None,
