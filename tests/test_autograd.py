@@ -410,3 +410,23 @@ def test_matmul_gelu_without_grad_equals_gelu_of_the_product():
     got = t.matmul_gelu(t.leaf(T(x)), t.leaf(T(w)), t.leaf(T(b))).t.numpy()
     want = ops.gelu(ops.matmul(T(x), T(w), T(b))).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: np.ones((2, 3), np.float32),                       # a NumPy array, not a Tensor
+    lambda: fm.tensor(np.ones((2, 3), np.float64)),            # another dtype than the root's
+    lambda: fm.tensor(np.ones((2, 3), np.int64)),              # an integer cotangent
+])
+def test_a_bad_seed_grad_is_refused_before_the_sweep(bad):
+    """A seed_grad that does not match the root is a clear TapeError naming backward, and the
+    tape is left unswept: the same backward with a good seed still works."""
+    rs = np.random.default_rng(11)
+    x = rs.standard_normal((2, 3)).astype(np.float32)
+    r = rs.standard_normal((2, 3)).astype(np.float32)
+    tape = Tape()
+    xv = tape.leaf(fm.tensor(x))
+    y = tape.gelu(xv)
+    with pytest.raises(fm.TapeError, match="backward: seed_grad"):
+        tape.backward(y, bad())
+    g = tape.backward(y, fm.tensor(r))[xv.id].numpy()
+    np.testing.assert_allclose(g, ops.gelu_bwd(fm.tensor(x), fm.tensor(r)).numpy(), rtol=0, atol=0)

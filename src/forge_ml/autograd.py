@@ -446,8 +446,17 @@ class Tape:
         if seed_grad is None:
             seed_grad = ones_like(root.t)
             self._unit_seed.append(seed_grad)
+        # Checked before the sweep starts: a wrong seed found by the first rule would leave
+        # the tape swept, its closures gone, and name an op the caller never called.
+        if not isinstance(seed_grad, Tensor):
+            raise TapeError(f"backward: seed_grad must be a forge_ml Tensor like the root "
+                            f"({root.t.dtype.name} {root.t.shape} on {root.t.device}), got "
+                            f"{type(seed_grad).__name__}")
         if seed_grad.shape != root.t.shape:
             raise ShapeError(f"backward: seed_grad is {seed_grad.shape} but root is {root.t.shape}")
+        if seed_grad.dtype != root.t.dtype or seed_grad.device != root.t.device:
+            raise TapeError(f"backward: seed_grad is {seed_grad.dtype.name} on {seed_grad.device} "
+                            f"but root is {root.t.dtype.name} on {root.t.device}; they must agree")
         self._swept = True
         grads: list[Optional[Tensor]] = [None] * len(self._nodes)
         grads[root.id] = seed_grad
