@@ -430,3 +430,35 @@ def test_a_bad_seed_grad_is_refused_before_the_sweep(bad):
         tape.backward(y, bad())
     g = tape.backward(y, fm.tensor(r))[xv.id].numpy()
     np.testing.assert_allclose(g, ops.gelu_bwd(fm.tensor(x), fm.tensor(r)).numpy(), rtol=0, atol=0)
+
+
+def _edit_ids(t):
+    ops.assign(t, np.zeros(t.shape, np.int64))
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy", "linear_cross_entropy_eval",
+                                "embedding", "dropout_seed_at"])
+def test_in_place_edit_of_targets_ids_or_a_seed_is_caught(op):
+    """The integer inputs a backward reads again (targets, token ids, a SeedAt's base) are
+    watched like the saved activations: rewritten between forward and backward, the backward
+    is a TapeError, not a gradient of another loss."""
+    rs = np.random.default_rng(12)
+    tape = Tape()
+    if op == "embedding":
+        ids = fm.tensor(np.array([[1, 2, 3]]))
+        y = tape.embedding(ids, tape.leaf(T(rnd(rs, 5, 2))), tape.leaf(T(rnd(rs, 4, 2))))
+        watched = ids
+    elif op == "dropout_seed_at":
+        watched = fm.tensor(np.array([7], np.int64))
+        y = tape.dropout(tape.leaf(T(rnd(rs, 16))), 0.5, ops.SeedAt(watched, 3))
+    else:
+        watched = fm.tensor(np.array([1, 2, 3, 4]))
+        if op == "cross_entropy":
+            y = tape.cross_entropy(tape.leaf(T(rnd(rs, 4, 5))), watched)
+        else:
+            y = tape.linear_cross_entropy(tape.leaf(T(rnd(rs, 4, 3))), tape.leaf(T(rnd(rs, 5, 3))),
+                                          watched, grad=op == "linear_cross_entropy")
+    _edit_ids(watched)
+    cot = fm.tensor(np.asarray(rs.standard_normal(y.shape)))
+    with pytest.raises(fm.TapeError, match="modified in place"):
+        tape.backward(y, cot)

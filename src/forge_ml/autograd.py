@@ -62,6 +62,13 @@ class _Saved:
 BackwardFn = Callable[[Tensor], list]
 
 
+def _saved_seed(seed, what: str) -> Optional[_Saved]:
+    """The base tensor of an ``ops.SeedAt`` dropout seed, kept as a ``_Saved``: a backward
+    draws the mask again from it, so a base rewritten in between would draw another mask.
+    None for an int seed (a value, nothing to watch)."""
+    return _Saved(seed.base, what) if isinstance(seed, ops.SeedAt) else None
+
+
 def _layer_grads(ia, ib, ibias, a: Tensor, b: Tensor, dy: Tensor, alpha: float = 1.0) -> list:
     """The gradients of a linear layer ``Y = alpha a @ b + bias`` (2-D ``a``): ``dA = alpha dY
     b^T`` to node ``ia``, and ``dB = alpha a^T dY`` with ``sum_rows(dY)`` from one
@@ -344,9 +351,12 @@ class Tape:
             out, lse = ops.attention_qkv(qkv.t, n_head, scale)
         iq = qkv.id
         saved = [_Saved(t, "attention_qkv") for t in (qkv.t, out, lse)]
+        sseed = _saved_seed(seed, "attention_qkv") if p else None
 
         def backward(dy):
             qt, ot, lt = (s.get() for s in saved)
+            if sseed is not None:
+                sseed.get()
             if p:
                 return [(iq, ops.attention_qkv_dropout_bwd(qt, ot, lt, dy, n_head, p, seed, scale))]
             return [(iq, ops.attention_qkv_bwd(qt, ot, lt, dy, n_head, scale))]
@@ -359,13 +369,14 @@ class Tape:
         self._check(wte, wpe)
         out = ops.embedding(ids, wte.t, wpe.t, pos)
         iw, ip = wte.id, wpe.id
+        sids = _Saved(ids, "embedding")
         wte_shape, (n_ctx, c) = wte.t.shape, wpe.t.shape
         t = ids.shape[-1]
         dev, dt = wte.t.device, wte.t.dtype
 
         def backward(dy):
             dwte = zeros(wte_shape, dt, dev)
-            ops.scatter_add_rows(dwte, ids, dy)
+            ops.scatter_add_rows(dwte, sids.get(), dy)
             rows = dy.reshape(-1, t * c)                               # (B, T*C)
             rows = ops.sum_rows(rows) if rows.shape[0] > 1 else rows    # (T*C,) summed over B
             dwpe3 = zeros((1, n_ctx, c), dt, dev)
@@ -380,16 +391,23 @@ class Tape:
         if p == 0.0:
             return x
         out = ops.dropout(x.t, p, seed)
-        ix = x.id
-        return self._record(out, lambda dy: [(ix, ops.dropout(dy, p, seed))])
+        ix, sseed = x.id, _saved_seed(seed, "dropout")
+
+        def backward(dy):
+            if sseed is not None:
+                sseed.get()
+            return [(ix, ops.dropout(dy, p, seed))]
+
+        return self._record(out, backward)
 
     def cross_entropy(self, logits: TVar, targets: Tensor, vocab_size: Optional[int] = None) -> TVar:
         """Mean token cross-entropy (a 0-d float32 node); fused softmax + NLL backward."""
         self._check(logits)
         out = ops.cross_entropy(logits.t, targets, vocab_size)
         il, sl = logits.id, _Saved(logits.t, "cross_entropy")
+        st = _Saved(targets, "cross_entropy")
         return self._record(
-            out, lambda dy: [(il, ops.cross_entropy_bwd(sl.get(), targets, dy, vocab_size))])
+            out, lambda dy: [(il, ops.cross_entropy_bwd(sl.get(), st.get(), dy, vocab_size))])
 
 
     def linear_cross_entropy(self, x: TVar, w: TVar, targets: Tensor,
@@ -414,14 +432,15 @@ class Tape:
         loss, dx, dw = ops.linear_cross_entropy(x.t, w.t, targets, vocab_size, grad=grad)
         ix, iw = x.id, w.id
         sx, sw = _Saved(x.t, "linear_cross_entropy"), _Saved(w.t, "linear_cross_entropy")
+        st = _Saved(targets, "linear_cross_entropy")
         unit = self._unit_seed   # the list, not the tape: a closure must not keep the tape alive
 
         def backward(dy):
             gx, gw = dx, dw
             if gx is None:   # evaluation's forward: the gradients now
-                _, gx, gw = ops.linear_cross_entropy(sx.get(), sw.get(), targets, vocab_size)
-            else:            # computed in the forward: x and w must be the forward's still
-                sx.get(), sw.get()
+                _, gx, gw = ops.linear_cross_entropy(sx.get(), sw.get(), st.get(), vocab_size)
+            else:            # computed in the forward: x, w, targets must be the forward's still
+                sx.get(), sw.get(), st.get()
             if unit and dy is unit[0]:   # the loss is the root, seeded with 1: nothing to scale
                 return [(ix, gx), (iw, gw)]
             return [(ix, ops.scale(gx, dy)), (iw, ops.scale(gw, dy))]
