@@ -66,6 +66,19 @@ def test_none_gradient_skips_its_parameter():
     assert not np.allclose(p["w"].numpy(), 1.0)
 
 
+def test_a_gradient_under_an_unknown_name_is_refused():
+    """A gradient keyed by a name the optimizer does not hold (a typo) is a ConfigError naming
+    it, and nothing moves: before, it was dropped and its parameter silently not updated."""
+    p = {"w": fm.tensor(np.ones((2, 2), np.float32))}
+    opt = AdamW(p, lr=0.1)
+    with pytest.raises(ConfigError, match="'W'"):
+        opt.step({"W": fm.tensor(np.ones((2, 2), np.float32))})
+    assert np.array_equal(p["w"].numpy(), np.ones((2, 2), np.float32))
+    assert opt.steps == 0 and opt.param_steps == {"w": 0}
+    with pytest.raises(ConfigError, match="'W'"):
+        opt.update({"w": fm.zeros((2, 2)), "W": fm.zeros((2, 2))}, opt.prepare())
+
+
 def test_state_dict_round_trip_continues_bit_for_bit():
     rng = np.random.default_rng(2)
     grads = [_grads(rng) for _ in range(6)]

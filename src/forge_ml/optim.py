@@ -99,6 +99,18 @@ class AdamW:
     def _weight_decay(self, name: str) -> float:
         return self.weight_decay if self.decays(name) else 0.0
 
+    def _known(self, grads: dict, what: str) -> None:
+        """Every gradient names a parameter: one under another name (a typo, another model's
+        dict) would leave its parameter without an update and no word of it."""
+        if not isinstance(grads, dict):
+            raise ConfigError(f"AdamW.{what}: expected a dict of gradients by parameter name, "
+                              f"got {type(grads).__name__}")
+        unknown = [k for k in grads if k not in self.params]
+        if unknown:
+            raise ConfigError(f"AdamW.{what}: gradients for {len(unknown)} name(s) that are not "
+                              f"parameters of this optimizer: {sorted(map(str, unknown))[:5]}; "
+                              f"parameters are e.g. {list(self.params)[:5]}")
+
     def step(self, grads: dict, lr: Optional[float] = None, grad_scale: float = 1.0) -> None:
         """One update of every parameter that has a gradient (a None gradient skips its
         parameter, moments and step count untouched, as torch does). Gradients are
@@ -111,6 +123,7 @@ class AdamW:
         >>> round(p["w"].item(), 4)
         -0.5
         """
+        self._known(grads, "step")
         lr = self.lr if lr is None else float(lr)
         self.steps += 1
         b1, b2 = self.betas
@@ -163,6 +176,7 @@ class AdamW:
         factor perhaps rewritten by ``ops.clip_scale``): launches only, nothing read back, so
         it can be captured. Call ``advance()`` once the step is known to have been taken.
         Every parameter needs a gradient."""
+        self._known(grads, "update")
         b1, b2 = self.betas
         names = list(self.params)
         for name in names:
