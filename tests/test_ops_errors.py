@@ -156,6 +156,19 @@ def test_cross_entropy_errors():
 
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_cross_entropy_of_no_rows_is_a_shape_error(dtype):
+    """An empty batch has no mean loss: each loss op says so instead of an IndexError or a
+    ZeroDivisionError from inside the backend."""
+    none = fm.tensor(np.zeros(0, np.int64))
+    with pytest.raises(fm.ShapeError, match="no rows"):
+        ops.cross_entropy(fm.zeros((0, 5), dtype), none)
+    with pytest.raises(fm.ShapeError, match="no rows"):
+        ops.cross_entropy_bwd(fm.zeros((0, 5), dtype), none)
+    with pytest.raises(fm.ShapeError, match="no rows"):
+        ops.linear_cross_entropy(fm.zeros((0, 3), dtype), fm.zeros((5, 3), dtype), none)
+
+
 def test_linear_cross_entropy_and_scale_errors():
     with pytest.raises(fm.ShapeError, match=r"w must be \(vocab, 3\)"):
         ops.linear_cross_entropy(f32(2, 3), f32(5, 4), i64(0, 1))

@@ -1000,6 +1000,9 @@ def _ce_targets(op, name, shape, vp, targets, vocab_size):
     n = shape[0]
     if targets.shape != (n,):
         raise ShapeError(f"{op}: targets must be ({n},) for {name} {shape}, got {targets.shape}")
+    if n == 0:
+        raise ShapeError(f"{op}: {name} {shape} has no rows; the mean loss of an empty batch is "
+                         "undefined: expected at least one row")
     v = vp if vocab_size is None else vocab_size
     if not isinstance(v, int) or not (0 < v <= vp):
         raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
