@@ -52,7 +52,10 @@ class AdamW:
                  weight_decay: float = 0.1, compute_dtype=None, lowp: Optional[dict] = None):
         if not params:
             raise ConfigError("AdamW: expected at least one parameter, got an empty dict")
-        b1, b2 = (float(b) for b in betas)
+        try:
+            b1, b2 = (float(b) for b in betas)
+        except (TypeError, ValueError):
+            raise ConfigError(f"AdamW: betas must be two numbers (beta1, beta2), got {betas!r}") from None
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ConfigError(f"AdamW: betas must be in [0, 1), got {tuple(betas)}")
         if lr < 0 or eps <= 0 or weight_decay < 0:
