@@ -218,3 +218,27 @@ def test_adamw_errors():
     with pytest.raises(fm.ShapeError, match="step"):
         ops.adamw_update(p, f32(3, 2), f32(3, 2), f32(3, 2), lr=1e-3, beta1=0.9, beta2=0.99,
                          eps=1e-8, weight_decay=0.0, step=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_ops_over_an_empty_axis_match_torch(dtype):
+    """An op over an axis of length 0 gives torch's result (an empty tensor of the right shape),
+    not a NumPy error from a reduction; a head size of 0 is a ShapeError."""
+    torch = pytest.importorskip("torch")
+    z = lambda *s: fm.zeros(s, dtype)                                      # noqa: E731
+    tz = lambda *s: torch.zeros(s, dtype=getattr(torch, dtype))             # noqa: E731
+    assert ops.softmax(z(2, 0)).shape == tuple(torch.softmax(tz(2, 0), -1).shape)
+    ln = ops.layernorm(z(2, 0), z(0), z(0))
+    assert ln.shape == tuple(torch.nn.functional.layer_norm(tz(2, 0), (0,)).shape)
+    assert [t.shape for t in ops.layernorm_bwd(z(2, 0), z(0), z(2, 0))] == [(2, 0), (0,), (0,)]
+    assert ops.sum_rows(z(2, 0)).shape == tuple(tz(2, 0).sum(0).shape)
+    out, lse = ops.attention(z(1, 0, 4), z(1, 0, 4), z(1, 0, 4))
+    ref = torch.nn.functional.scaled_dot_product_attention(tz(1, 0, 4), tz(1, 0, 4), tz(1, 0, 4),
+                                                           is_causal=True)
+    assert out.shape == tuple(ref.shape) and lse.shape == (1, 0)
+    y, lse = ops.attention_qkv(z(1, 0, 6), 1)
+    assert y.shape == (1, 0, 2) and lse.shape == (1, 1, 0)
+    with pytest.raises(fm.ShapeError, match="head size"):
+        ops.attention(z(1, 2, 0), z(1, 2, 0), z(1, 2, 0))
+    with pytest.raises(fm.ShapeError, match="head size"):
+        ops.attention_qkv(z(1, 2, 0), 1)

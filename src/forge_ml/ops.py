@@ -87,6 +87,17 @@ def _wrap(x, arr):
     return Tensor(arr, x.device)
 
 
+def _empty(x, shape, dtype=None) -> Tensor:
+    """A tensor of ``shape`` (one with no elements) on x's device, x's dtype unless given: the
+    result of an op over an empty axis, which the kernels' reductions are never asked for."""
+    return Tensor(backend_of(x.device).zeros(tuple(shape), dtype or x.dtype.name), x.device)
+
+
+def _stats_dtype(x) -> str:
+    """The dtype of a row statistic (``lse``) of x: float64 for float64, else float32."""
+    return "float64" if x.dtype == _dt.float64 else "float32"
+
+
 # -- matmul ------------------------------------------------------------------------------
 
 
@@ -251,6 +262,8 @@ def sum_rows(x) -> Tensor:
     """Sum over every axis but the last: ``(…, C) -> (C,)`` (the bias gradient)."""
     _float("sum_rows", "x", x)
     _rank("sum_rows", "x", x, 1)
+    if x.numel == 0:
+        return _empty(x, x.shape[-1:])
     return _wrap(x, backend_of(x.device).sum_rows(x.data))
 
 
@@ -317,6 +330,8 @@ def layernorm(x, gamma, beta, eps=1e-5) -> Tensor:
     """Layer norm over the last axis (biased variance): ``(x - mean) / sqrt(var + eps) * gamma + beta``."""
     _ln_check("layernorm", x, gamma, beta)
     bk = _same("layernorm", x=x, gamma=gamma, beta=beta)
+    if x.numel == 0:
+        return _empty(x, x.shape)
     return _wrap(x, bk.layernorm(x.data, gamma.data, beta.data, float(eps)))
 
 
@@ -338,6 +353,12 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5, add=None):
     _float("layernorm_bwd", "dy", dy)
     bk = _same("layernorm_bwd", x=x, gamma=gamma, dy=dy, add=add)
     _shape_eq("layernorm_bwd", "x", x, "dy", dy)
+    if x.numel == 0:
+        if add is not None:
+            _float("layernorm_bwd", "add", add)
+            _shape_eq("layernorm_bwd", "x", x, "add", add)
+        c = x.shape[-1:]
+        return _empty(x, x.shape), _empty(x, c), _empty(x, c)
     if add is None:
         dx, dg, db = bk.layernorm_bwd(x.data, gamma.data, dy.data, float(eps))
     else:
@@ -364,6 +385,8 @@ def softmax(x, causal=False, off=0) -> Tensor:
         raise ShapeError(f"softmax: off must be a non-negative int, got {off!r}")
     if causal and x.shape[-2] + off > x.shape[-1] and x.shape[-1] < 1:
         raise ShapeError(f"softmax: causal rows need at least one column, got {x.shape}")
+    if x.numel == 0:
+        return _empty(x, x.shape)
     return _wrap(x, backend_of(x.device).softmax(x.data, bool(causal), int(off)))
 
 
@@ -427,6 +450,8 @@ def _attn_check(op, q, k, v):
         _rank(op, n, t, 3)
     _shape_eq(op, "q", q, "k", k)
     _shape_eq(op, "q", q, "v", v)
+    if q.shape[-1] == 0:
+        raise ShapeError(f"{op}: q, k, v {q.shape} have a head size of 0; expected at least 1")
 
 
 def attention(q, k, v, scale=None):
@@ -438,6 +463,8 @@ def attention(q, k, v, scale=None):
     """
     _attn_check("attention", q, k, v)
     bk = _same("attention", q=q, k=k, v=v)
+    if q.numel == 0:
+        return _empty(q, q.shape), _empty(q, q.shape[:-1], _stats_dtype(q))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = bk.attention(q.data, k.data, v.data, scale)
     return _wrap(q, out), _wrap(q, lse)
@@ -461,8 +488,9 @@ def _qkv_check(op, qkv, n_head):
     _float(op, "qkv", qkv)
     _rank(op, "qkv", qkv, 3, 3)
     c3 = qkv.shape[-1]
-    if not isinstance(n_head, int) or n_head <= 0 or c3 % (3 * n_head):
-        raise ShapeError(f"{op}: qkv's last dim {c3} is not 3 * n_head ({n_head}) * head size")
+    if not isinstance(n_head, int) or n_head <= 0 or c3 % (3 * n_head) or c3 == 0:
+        raise ShapeError(f"{op}: qkv's last dim {c3} is not 3 * n_head ({n_head}) * head size "
+                         "(a head size of at least 1)")
     return c3 // (3 * n_head)
 
 
@@ -483,6 +511,9 @@ def attention_qkv(qkv, n_head, scale=None):
     """
     hs = _qkv_check("attention_qkv", qkv, n_head)
     bk = backend_of(qkv.device)
+    if qkv.numel == 0:
+        B, T, c3 = qkv.shape
+        return _empty(qkv, (B, T, c3 // 3)), _empty(qkv, (B, n_head, T), _stats_dtype(qkv))
     scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
     y, lse = bk.attention_qkv(qkv.data, n_head, scale)
     return _wrap(qkv, y), _wrap(qkv, lse)
