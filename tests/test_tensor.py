@@ -16,6 +16,19 @@ def test_constructors_and_dtypes():
     assert fm.full((2,), 4.0).numpy().tolist() == [4.0, 4.0]
 
 
+def test_integer_tensors_from_other_values():
+    """NaN or inf cannot become an integer (torch refuses too); integers cast to a narrower
+    type keep the values the tensor holds, and the id checks see those values."""
+    with pytest.raises(fm.DTypeError, match="NaN or inf"):
+        fm.tensor([1.0, float("nan")], dtype="int64")
+    with pytest.raises(fm.DTypeError, match="NaN or inf"):
+        fm.tensor(np.array([np.inf]), dtype="int32")
+    ids = fm.tensor(np.array([2**32 + 5]), dtype="int32")   # wraps to 5, as torch's does
+    assert ids.numpy().tolist() == [5]
+    wte = fm.zeros((8, 2))
+    assert ops.embedding(ids, wte, fm.zeros((4, 2))).shape == (1, 2)
+
+
 def test_from_numpy_copies():
     a = np.arange(6, dtype=np.float32)
     t = fm.from_numpy(a)

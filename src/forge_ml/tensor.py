@@ -239,9 +239,14 @@ def tensor(data, dtype=None, device="cpu") -> Tensor:
             dt = _default_dtype(a, dtype)
     dev = Device.parse(device)
     a = np.asarray(a, order="C")
-    t = Tensor(backend_of(dev).from_host(a, dt.name), dev)
+    ints = None
     if not dt.is_float and a.size:
-        t._storage.id_range = (int(a.min()), int(a.max()))
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise DTypeError(f"tensor: cannot store NaN or inf as {dt.name}")
+        ints = a if a.dtype == np.dtype(dt.name) else a.astype(dt.name)   # the values kept
+    t = Tensor(backend_of(dev).from_host(a, dt.name), dev)
+    if ints is not None:
+        t._storage.id_range = (int(ints.min()), int(ints.max()))
     return t
 
 
