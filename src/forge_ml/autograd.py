@@ -27,7 +27,14 @@ class TVar:
     """A tensor tracked on a tape: ``id`` is its node, ``t`` its value, ``tape_key`` the key of
     the tape that recorded it (node ids are per tape, so a TVar means nothing on another).
     The key is not the tape itself: a TVar kept after its forward (a loss, logits) must not
-    keep the tape's saved activations alive."""
+    keep the tape's saved activations alive.
+
+    >>> import forge_ml as fm
+    >>> tape = fm.Tape()
+    >>> x = tape.leaf(fm.zeros((2, 3)))
+    >>> x.id, x.shape, tape.gelu(x).id
+    (0, (2, 3), 1)
+    """
 
     __slots__ = ("id", "t", "tape_key")
 
@@ -108,7 +115,14 @@ class Tape:
         return len(self._nodes)
 
     def leaf(self, t: Tensor) -> TVar:
-        """Register a leaf (parameter or input); ``backward`` keeps its gradient."""
+        """Register a leaf (parameter or input); ``backward`` keeps its gradient.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> w = t.leaf(fm.tensor([2.0]))
+        >>> t.backward(t.gelu(w))[w.id] is t.grad(w)
+        True
+        """
         if not isinstance(t, Tensor):
             raise TapeError(f"leaf: expected a Tensor, got {type(t).__name__}")
         self._nodes.append(None)
@@ -148,7 +162,15 @@ class Tape:
 
     # -- ops -------------------------------------------------------------------------------
     def add(self, a: TVar, b: TVar) -> TVar:
-        """``a + b`` (same shape); the gradient flows to both unchanged."""
+        """``a + b`` (same shape); the gradient flows to both unchanged.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> a, b = t.leaf(fm.tensor([1.0])), t.leaf(fm.tensor([2.0]))
+        >>> g = t.backward(t.add(a, b), fm.tensor([5.0]))
+        >>> g[a.id].numpy().tolist(), g[b.id].numpy().tolist()
+        ([5.0], [5.0])
+        """
         self._check(a, b)
         out = ops.add(a.t, b.t)
         ia, ib = a.id, b.id
@@ -159,6 +181,13 @@ class Tape:
         """``alpha * a @ op(b) + bias`` for equal-rank operands (2-D, or batched rank >= 3).
 
         ``trans_a`` and ``b_rows`` are backward-only specs and are not taken here.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> a, w = t.leaf(fm.tensor([[1.0, 2.0]])), t.leaf(fm.tensor([[3.0, 4.0]]))
+        >>> y = t.matmul(a, w, trans_b=True, alpha=2.0)               # 2 * a @ w^T = [[22]]
+        >>> y.t.numpy().tolist(), t.backward(y)[w.id].numpy().tolist()
+        ([[22.0]], [[2.0, 4.0]])
         """
         self._check(a, b, bias)
         if a.t.ndim != b.t.ndim:
@@ -263,14 +292,29 @@ class Tape:
         return self._record(out, backward)
 
     def gelu(self, x: TVar) -> TVar:
-        """GPT-2's tanh GELU."""
+        """GPT-2's tanh GELU.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> x = t.leaf(fm.tensor([0.0]))
+        >>> t.backward(t.gelu(x), fm.tensor([4.0]))[x.id].numpy().tolist()
+        [2.0]
+        """
         self._check(x)
         out = ops.gelu(x.t)
         ix, sx = x.id, _Saved(x.t, "gelu")
         return self._record(out, lambda dy: [(ix, ops.gelu_bwd(sx.get(), dy))])
 
     def layernorm(self, x: TVar, gamma: TVar, beta: TVar, eps: float = 1e-5) -> TVar:
-        """Layer norm over the last axis."""
+        """Layer norm over the last axis (``ops.layernorm``).
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> x = t.leaf(fm.tensor([[1.0, 3.0]]))
+        >>> y = t.layernorm(x, t.leaf(fm.tensor([1.0, 1.0])), t.leaf(fm.tensor([0.0, 0.0])), 0.0)
+        >>> y.t.numpy().tolist(), t.backward(y, fm.tensor([[1.0, 1.0]]))[x.id].numpy().tolist()
+        ([[-1.0, 1.0]], [[0.0, 0.0]])
+        """
         self._check(x, gamma, beta)
         out = ops.layernorm(x.t, gamma.t, beta.t, eps)
         ix, ig, ib = x.id, gamma.id, beta.id
@@ -284,14 +328,29 @@ class Tape:
 
     def softmax(self, x: TVar, causal: bool = False, off: int = 0) -> TVar:
         """Softmax over the last axis, optionally causal. Saves the output: masked outputs
-        are exact zeros, so the backward needs no mask."""
+        are exact zeros, so the backward needs no mask.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> x = t.leaf(fm.zeros((2, 2)))
+        >>> y = t.softmax(x, causal=True)
+        >>> y.t.numpy().tolist(), t.backward(y, fm.tensor([[1.0, 0.0], [1.0, 0.0]]))[x.id].numpy()[1].tolist()
+        ([[1.0, 0.0], [0.5, 0.5]], [0.25, -0.25])
+        """
         self._check(x)
         out = ops.softmax(x.t, causal, off)
         ix, sy = x.id, _Saved(out, "softmax")
         return self._record(out, lambda dy: [(ix, ops.softmax_bwd(sy.get(), dy))])
 
     def split_heads(self, qkv: TVar, n_head: int):
-        """``(…, T, 3C) -> q, k, v`` of ``(…, H, T, hs)``: three nodes, as in the original."""
+        """``(…, T, 3C) -> q, k, v`` of ``(…, H, T, hs)``: three nodes, as in the original.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> qkv = t.leaf(fm.zeros((5, 12)))
+        >>> [v.shape for v in t.split_heads(qkv, 2)]
+        [(2, 5, 2), (2, 5, 2), (2, 5, 2)]
+        """
         self._check(qkv)
         q, k, v = ops.split_heads(qkv.t, n_head)
         iq = qkv.id
@@ -302,7 +361,13 @@ class Tape:
         return self._record(q, mk(0)), self._record(k, mk(1)), self._record(v, mk(2))
 
     def merge_heads(self, x: TVar) -> TVar:
-        """``(…, H, T, hs) -> (…, T, C)``."""
+        """``(…, H, T, hs) -> (…, T, C)``.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> t.merge_heads(t.leaf(fm.zeros((2, 5, 3)))).shape
+        (5, 6)
+        """
         self._check(x)
         h = x.t.shape[-3]
         out = ops.merge_heads(x.t)
@@ -310,7 +375,15 @@ class Tape:
         return self._record(out, lambda dy: [(ix, ops.unmerge_heads(dy, h))])
 
     def reshape(self, x: TVar, *shape) -> TVar:
-        """A view with another shape; the gradient is reshaped back."""
+        """A view with another shape; the gradient is reshaped back.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> x = t.leaf(fm.zeros((2, 3)))
+        >>> y = t.reshape(x, 3, -1)
+        >>> y.shape, t.backward(y)[x.id].shape
+        ((3, 2), (2, 3))
+        """
         self._check(x)
         out = x.t.reshape(*shape)
         ix, old = x.id, x.t.shape
@@ -318,7 +391,15 @@ class Tape:
 
     def attention(self, q: TVar, k: TVar, v: TVar, scale: Optional[float] = None) -> TVar:
         """Fused causal self-attention over ``(…, H, T, hs)``; saves q, k, v, out and the
-        per-row log-sum-exp, never the T x T probabilities."""
+        per-row log-sum-exp, never the T x T probabilities.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> q, k, v = (t.leaf(fm.zeros((2, 4, 8))) for _ in range(3))    # (H, T, hs)
+        >>> y = t.attention(q, k, v)
+        >>> y.shape, t.backward(y)[v.id].shape
+        ((2, 4, 8), (2, 4, 8))
+        """
         self._check(q, k, v)
         scale = 1.0 / math.sqrt(q.t.shape[-1]) if scale is None else float(scale)
         out, lse = ops.attention(q.t, k.t, v.t, scale)
@@ -341,6 +422,13 @@ class Tape:
         ``p > 0``: dropout on the attention probabilities with the mask of ``seed`` (an int or
         an ``ops.SeedAt``), the one ``dropout`` after ``softmax`` would draw
         (``ops.attention_qkv_dropout``); the backward draws the mask again.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> qkv = t.leaf(fm.zeros((1, 4, 24)))                       # (B, T, 3C), C = 8
+        >>> y = t.attention_qkv(qkv, n_head=2, p=0.1, seed=3)
+        >>> y.shape, t.backward(y)[qkv.id].shape
+        ((1, 4, 8), (1, 4, 24))
         """
         self._check(qkv)
         if p and seed is None:
@@ -365,7 +453,16 @@ class Tape:
 
     def embedding(self, ids: Tensor, wte: TVar, wpe: TVar, pos: int = 0) -> TVar:
         """Token + position embedding. ``dwte`` is a scatter-add over the ids; ``dwpe`` the
-        upstream gradient (summed over the batch) placed at rows ``pos…``."""
+        upstream gradient (summed over the batch) placed at rows ``pos…``.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> wte, wpe = t.leaf(fm.zeros((5, 1))), t.leaf(fm.zeros((4, 1)))
+        >>> y = t.embedding(fm.tensor([[3, 3]]), wte, wpe, pos=1)
+        >>> g = t.backward(y)
+        >>> g[wte.id].numpy().ravel().tolist(), g[wpe.id].numpy().ravel().tolist()
+        ([0.0, 0.0, 0.0, 2.0, 0.0], [0.0, 1.0, 1.0, 0.0])
+        """
         self._check(wte, wpe)
         out = ops.embedding(ids, wte.t, wpe.t, pos)
         iw, ip = wte.id, wpe.id
@@ -386,7 +483,15 @@ class Tape:
         return self._record(out, backward)
 
     def dropout(self, x: TVar, p: float, seed: int) -> TVar:
-        """Inverted dropout; backward regenerates the mask from ``seed``, nothing is saved."""
+        """Inverted dropout; backward regenerates the mask from ``seed``, nothing is saved.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> x = t.leaf(fm.tensor(np.ones(4, np.float32)))
+        >>> y = t.dropout(x, 0.5, seed=7)
+        >>> y.t.numpy().tolist(), t.backward(y)[x.id].numpy().tolist()
+        ([2.0, 2.0, 0.0, 0.0], [2.0, 2.0, 0.0, 0.0])
+        """
         self._check(x)
         if p == 0.0:
             return x
@@ -401,7 +506,16 @@ class Tape:
         return self._record(out, backward)
 
     def cross_entropy(self, logits: TVar, targets: Tensor, vocab_size: Optional[int] = None) -> TVar:
-        """Mean token cross-entropy (a 0-d float32 node); fused softmax + NLL backward."""
+        """Mean token cross-entropy (a 0-d node: float32, float64 for float64 logits); fused
+        softmax + NLL backward.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> tape = fm.Tape()
+        >>> logits = tape.leaf(fm.zeros((2, 4)))
+        >>> loss = tape.cross_entropy(logits, fm.tensor([1, 3]))
+        >>> round(loss.t.item(), 4), tape.backward(loss)[logits.id].numpy()[0].tolist()
+        (1.3863, [0.125, -0.375, 0.125, 0.125])
+        """
         self._check(logits)
         out = ops.cross_entropy(logits.t, targets, vocab_size)
         il, sl = logits.id, _Saved(logits.t, "cross_entropy")
@@ -454,7 +568,16 @@ class Tape:
         input's gradient so far (``_record``'s ``into``: layernorm adds it in its backward's
         last pass); each interior gradient is freed as soon as its node has consumed it.
         Returns the per-node gradient list (also ``self.grads``): leaves reached keep theirs,
-        every other entry is None. A tape is swept once.
+        every other entry is None. A tape is swept once. Unlike torch, a root of any shape
+        takes the default seed (ones: the gradient of the sum of the root's elements).
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> x = t.leaf(fm.tensor([1.0, 2.0]))
+        >>> y = t.add(x, x)
+        >>> grads = t.backward(y, fm.tensor([1.0, 10.0]))
+        >>> grads[x.id].numpy().tolist(), grads[y.id]                # interior entries: None
+        ([2.0, 20.0], None)
         """
         self._check(root)
         if not self.records:
@@ -503,6 +626,14 @@ class Tape:
         return grads
 
     def grad(self, v: TVar) -> Optional[Tensor]:
-        """The gradient ``backward`` left for ``v`` (a leaf), or None if it was not reached."""
+        """The gradient ``backward`` left for ``v`` (a leaf), or None if it was not reached.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> t = fm.Tape()
+        >>> x, unused = t.leaf(fm.tensor([0.0])), t.leaf(fm.tensor([0.0]))
+        >>> _ = t.backward(t.gelu(x))
+        >>> t.grad(x).numpy().tolist(), t.grad(unused)
+        ([0.5], None)
+        """
         self._check(v)
         return self.grads[v.id] if v.id < len(self.grads) else None

@@ -17,14 +17,22 @@ from .errors import DeviceError
 @dataclass(frozen=True)
 class Device:
     """A device: ``type`` is a registered backend name ("cpu", "cuda", ...), ``index`` the
-    ordinal of a device of that type (0 for cpu)."""
+    ordinal of a device of that type (0 for cpu).
+
+    >>> Device.parse("cpu"), Device.parse("cpu") == Device("cpu", 0)
+    (Device('cpu'), True)
+    """
 
     type: str
     index: int = 0
 
     @staticmethod
     def parse(d) -> "Device":
-        """Accept a Device, or "TYPE" / "TYPE:N" for a registered TYPE ("cpu", "cuda:1")."""
+        """Accept a Device, or "TYPE" / "TYPE:N" for a registered TYPE ("cpu", "cuda:1").
+
+        >>> Device.parse("cpu").type
+        'cpu'
+        """
         if isinstance(d, Device):
             return d
         if not isinstance(d, str):

@@ -251,7 +251,12 @@ def weight_grads(x, dy, alpha=1.0) -> Tuple[Tensor, Tensor]:
 
 
 def add(a, b) -> Tensor:
-    """Elementwise ``a + b`` of two tensors of one shape."""
+    """Elementwise ``a + b`` of two tensors of one shape (no broadcasting).
+
+    >>> import forge_ml as fm
+    >>> add(fm.tensor([1.0, 2.0]), fm.tensor([10.0, 20.0])).numpy().tolist()
+    [11.0, 22.0]
+    """
     _float("add", "a", a), _float("add", "b", b)
     bk = _same("add", a=a, b=b)
     _shape_eq("add", "a", a, "b", b)
@@ -259,7 +264,12 @@ def add(a, b) -> Tensor:
 
 
 def sum_rows(x) -> Tensor:
-    """Sum over every axis but the last: ``(…, C) -> (C,)`` (the bias gradient)."""
+    """Sum over every axis but the last: ``(…, C) -> (C,)`` (the bias gradient).
+
+    >>> import forge_ml as fm
+    >>> sum_rows(fm.tensor([[1.0, 2.0], [3.0, 4.0]])).numpy().tolist()
+    [4.0, 6.0]
+    """
     _float("sum_rows", "x", x)
     _rank("sum_rows", "x", x, 1)
     if x.numel == 0:
@@ -268,7 +278,12 @@ def sum_rows(x) -> Tensor:
 
 
 def sumsq(x) -> Tensor:
-    """Sum of squares of every element, a 0-d float32 tensor (float64 for float64 input)."""
+    """Sum of squares of every element, a 0-d float32 tensor (float64 for float64 input).
+
+    >>> import forge_ml as fm
+    >>> sumsq(fm.tensor([[3.0], [4.0]])).item()
+    25.0
+    """
     _float("sumsq", "x", x)
     return _wrap(x, backend_of(x.device).sumsq(x.data))
 
@@ -299,13 +314,23 @@ def sumsq_total(xs) -> Tensor:
 
 
 def gelu(x) -> Tensor:
-    """GPT-2's GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+    """GPT-2's GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
+
+    >>> import forge_ml as fm
+    >>> [round(v, 4) for v in gelu(fm.tensor([-1.0, 0.0, 1.0])).numpy().tolist()]
+    [-0.1588, 0.0, 0.8412]
+    """
     _float("gelu", "x", x)
     return _wrap(x, backend_of(x.device).gelu(x.data))
 
 
 def gelu_bwd(x, dy) -> Tensor:
-    """``dL/dx`` of ``gelu`` given ``x`` and ``dL/dy``."""
+    """``dL/dx`` of ``gelu`` given ``x`` and ``dL/dy``.
+
+    >>> import forge_ml as fm
+    >>> gelu_bwd(fm.tensor([0.0]), fm.tensor([2.0])).numpy().tolist()   # gelu'(0) = 1/2
+    [1.0]
+    """
     _float("gelu_bwd", "x", x), _float("gelu_bwd", "dy", dy)
     bk = _same("gelu_bwd", x=x, dy=dy)
     _shape_eq("gelu_bwd", "x", x, "dy", dy)
@@ -327,7 +352,13 @@ def _ln_check(op, x, gamma, beta=None):
 
 
 def layernorm(x, gamma, beta, eps=1e-5) -> Tensor:
-    """Layer norm over the last axis (biased variance): ``(x - mean) / sqrt(var + eps) * gamma + beta``."""
+    """Layer norm over the last axis (biased variance): ``(x - mean) / sqrt(var + eps) * gamma + beta``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> y = layernorm(fm.tensor([[1.0, 3.0]]), fm.tensor([1.0, 1.0]), fm.tensor([0.0, 0.5]), eps=0.0)
+    >>> y.numpy().tolist()
+    [[-1.0, 1.5]]
+    """
     _ln_check("layernorm", x, gamma, beta)
     bk = _same("layernorm", x=x, gamma=gamma, beta=beta)
     if x.numel == 0:
@@ -391,7 +422,12 @@ def softmax(x, causal=False, off=0) -> Tensor:
 
 
 def softmax_bwd(y, dy) -> Tensor:
-    """``dL/dx`` of ``softmax`` from its output ``y``: ``y * (dy - sum(y * dy))``."""
+    """``dL/dx`` of ``softmax`` from its output ``y``: ``y * (dy - sum(y * dy))``.
+
+    >>> import forge_ml as fm
+    >>> softmax_bwd(fm.tensor([[0.5, 0.5]]), fm.tensor([[1.0, 0.0]])).numpy().tolist()
+    [[0.25, -0.25]]
+    """
     _float("softmax_bwd", "y", y), _float("softmax_bwd", "dy", dy)
     bk = _same("softmax_bwd", y=y, dy=dy)
     _shape_eq("softmax_bwd", "y", y, "dy", dy)
@@ -402,7 +438,13 @@ def softmax_bwd(y, dy) -> Tensor:
 
 
 def split_heads(qkv, n_head):
-    """``(…, T, 3C) -> q, k, v`` each ``(…, H, T, hs)``."""
+    """``(…, T, 3C) -> q, k, v`` each ``(…, H, T, hs)``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> q, k, v = split_heads(fm.tensor(np.arange(12, dtype=np.float32).reshape(1, 12)), 2)
+    >>> q.shape, q.numpy()[:, 0].tolist(), v.numpy()[1, 0].tolist()
+    ((2, 1, 2), [[0.0, 1.0], [2.0, 3.0]], [10.0, 11.0])
+    """
     _float("split_heads", "qkv", qkv)
     _rank("split_heads", "qkv", qkv, 2)
     if not isinstance(n_head, int) or n_head <= 0:
@@ -417,7 +459,12 @@ def split_heads(qkv, n_head):
 
 def unsplit_head(dy, which) -> Tensor:
     """Gradient of one ``split_heads`` output: ``(…, H, T, hs) -> (…, T, 3C)``, zeros outside
-    the ``which`` (0 = q, 1 = k, 2 = v) third."""
+    the ``which`` (0 = q, 1 = k, 2 = v) third.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> unsplit_head(fm.tensor(np.ones((1, 1, 2), np.float32)), 1).numpy().tolist()
+    [[0.0, 0.0, 1.0, 1.0, 0.0, 0.0]]
+    """
     _float("unsplit_head", "dy", dy)
     _rank("unsplit_head", "dy", dy, 3)
     if which not in (0, 1, 2):
@@ -426,14 +473,24 @@ def unsplit_head(dy, which) -> Tensor:
 
 
 def merge_heads(x) -> Tensor:
-    """``(…, H, T, hs) -> (…, T, H * hs)``."""
+    """``(…, H, T, hs) -> (…, T, H * hs)``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> merge_heads(fm.tensor(np.arange(4, dtype=np.float32).reshape(2, 1, 2))).numpy().tolist()
+    [[0.0, 1.0, 2.0, 3.0]]
+    """
     _float("merge_heads", "x", x)
     _rank("merge_heads", "x", x, 3)
     return _wrap(x, backend_of(x.device).merge_heads(x.data))
 
 
 def unmerge_heads(dy, h) -> Tensor:
-    """``(…, T, C) -> (…, H, T, C / H)``: the gradient of ``merge_heads``."""
+    """``(…, T, C) -> (…, H, T, C / H)``: the gradient of ``merge_heads``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> unmerge_heads(fm.tensor(np.arange(4, dtype=np.float32).reshape(1, 4)), 2).numpy().tolist()
+    [[[0.0, 1.0]], [[2.0, 3.0]]]
+    """
     _float("unmerge_heads", "dy", dy)
     _rank("unmerge_heads", "dy", dy, 2)
     if not isinstance(h, int) or h <= 0 or dy.shape[-1] % h:
@@ -460,6 +517,12 @@ def attention(q, k, v, scale=None):
     Returns ``(out, lse)``: ``lse`` ``(…, H, T)`` float32 is the log-sum-exp of each query
     row's scaled, masked scores, which ``attention_bwd`` uses to rebuild the probabilities.
     ``scale`` defaults to ``1 / sqrt(hs)``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> v = fm.tensor(np.array([[[1.0], [3.0]]], np.float32))       # (H=1, T=2, hs=1)
+    >>> out, lse = attention(fm.zeros((1, 2, 1)), fm.zeros((1, 2, 1)), v)
+    >>> out.numpy().ravel().tolist(), [round(x, 4) for x in lse.numpy().ravel().tolist()]
+    ([1.0, 2.0], [0.0, 0.6931])
     """
     _attn_check("attention", q, k, v)
     bk = _same("attention", q=q, k=k, v=v)
@@ -471,7 +534,15 @@ def attention(q, k, v, scale=None):
 
 
 def attention_bwd(q, k, v, out, lse, dout, scale=None):
-    """Gradients ``(dq, dk, dv)`` of ``attention`` given its output, ``lse`` and ``dL/dout``."""
+    """Gradients ``(dq, dk, dv)`` of ``attention`` given its output, ``lse`` and ``dL/dout``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> q = k = fm.zeros((1, 2, 1)); v = fm.tensor(np.array([[[1.0], [3.0]]], np.float32))
+    >>> out, lse = attention(q, k, v)
+    >>> dq, dk, dv = attention_bwd(q, k, v, out, lse, fm.tensor(np.ones((1, 2, 1), np.float32)))
+    >>> dv.numpy().ravel().tolist()        # row 0 sees v0; row 1 splits evenly over v0, v1
+    [1.5, 0.5]
+    """
     _attn_check("attention_bwd", q, k, v)
     _float("attention_bwd", "out", out), _float("attention_bwd", "dout", dout)
     bk = _same("attention_bwd", q=q, k=k, v=v, out=out, dout=dout)
@@ -521,7 +592,14 @@ def attention_qkv(qkv, n_head, scale=None):
 
 def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale=None) -> Tensor:
     """``dL/dqkv (B, T, 3C)`` of ``attention_qkv`` given its output ``y``, ``lse`` and
-    ``dL/dy``."""
+    ``dL/dy``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> qkv = fm.tensor(np.random.default_rng(0).standard_normal((1, 3, 6)).astype(np.float32))
+    >>> y, lse = attention_qkv(qkv, 1)
+    >>> attention_qkv_bwd(qkv, y, lse, fm.tensor(np.ones((1, 3, 2), np.float32)), 1).shape
+    (1, 3, 6)
+    """
     op = "attention_qkv_bwd"
     scale, bk = _qkv_bwd_check(op, qkv, y, lse, dy, n_head, scale)
     return _wrap(qkv, bk.attention_qkv_bwd(qkv.data, y.data, lse.data, dy.data, n_head, scale))
@@ -567,7 +645,15 @@ def attention_qkv_dropout(qkv, n_head, p, seed, scale=None):
 
 def attention_qkv_dropout_bwd(qkv, y, lse, dy, n_head, p, seed, scale=None) -> Tensor:
     """``dL/dqkv (B, T, 3C)`` of ``attention_qkv_dropout`` (same ``p`` and ``seed``: the mask
-    is drawn again, not stored) given its output ``y``, ``lse`` and ``dL/dy``."""
+    is drawn again, not stored) given its output ``y``, ``lse`` and ``dL/dy``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> qkv = fm.tensor(np.random.default_rng(0).standard_normal((1, 3, 6)).astype(np.float32))
+    >>> y, lse = attention_qkv_dropout(qkv, 1, 0.5, 7)
+    >>> dy = fm.tensor(np.ones((1, 3, 2), np.float32))
+    >>> attention_qkv_dropout_bwd(qkv, y, lse, dy, 1, 0.5, 7).shape
+    (1, 3, 6)
+    """
     op = "attention_qkv_dropout_bwd"
     scale, bk = _qkv_bwd_check(op, qkv, y, lse, dy, n_head, scale)
     p, seed = _dropout_args(op, p, seed, qkv.device, bk)
@@ -609,6 +695,12 @@ def embedding(ids, wte, wpe, pos=0) -> Tensor:
     different positions: continuous batching). A device position past the table raises where
     memory is the host's (the CPU), and gives NaN rows on a device (checking it there would
     wait for the device).
+
+    >>> import numpy as np, forge_ml as fm
+    >>> wte = fm.tensor(np.array([[1.0], [2.0], [3.0]], np.float32))
+    >>> wpe = fm.tensor(np.array([[10.0], [20.0], [30.0]], np.float32))
+    >>> embedding(fm.tensor([[2, 0]]), wte, wpe, pos=1).numpy().tolist()
+    [[[23.0], [31.0]]]
     """
     _int("embedding", "ids", ids)
     _float("embedding", "wte", wte), _float("embedding", "wpe", wpe)
@@ -942,6 +1034,12 @@ def scatter_add_rows(dst, ids, src) -> None:
 
     ``dst (V, C)``, ``ids (…,)``, ``src (…, C)``. Copy-on-write: views of ``dst`` taken before
     the call keep their values.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> dst = fm.zeros((3, 1))
+    >>> scatter_add_rows(dst, fm.tensor([2, 0, 2]), fm.tensor(np.ones((3, 1), np.float32)))
+    >>> dst.numpy().ravel().tolist()
+    [1.0, 0.0, 2.0]
     """
     _float("scatter_add_rows", "dst", dst), _int("scatter_add_rows", "ids", ids)
     _float("scatter_add_rows", "src", src)
@@ -958,6 +1056,12 @@ def kv_append(cache, new, pos) -> None:
     """In place: write ``new (…, Tn, hs)`` into ``cache (…, Tmax, hs)`` at rows ``pos…``.
 
     Copy-on-write: views of ``cache`` taken before the call keep their values.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> cache = fm.zeros((3, 1))
+    >>> kv_append(cache, fm.tensor(np.array([[5.0], [6.0]], np.float32)), 1)
+    >>> cache.numpy().ravel().tolist()
+    [0.0, 5.0, 6.0]
     """
     _float("kv_append", "cache", cache), _float("kv_append", "new", new)
     bk = _same("kv_append", cache=cache, new=new)
@@ -1042,16 +1146,29 @@ def _ce_targets(op, name, shape, vp, targets, vocab_size):
 
 
 def cross_entropy(logits, targets, vocab_size=None) -> Tensor:
-    """Mean over rows of ``-log softmax(logits[:, :V])[target]``; a 0-d float32 tensor.
+    """Mean over rows of ``-log softmax(logits[:, :V])[target]``; a 0-d float32 tensor
+    (float64 for float64 logits).
 
     ``logits (N, Vp)``, ``targets (N,)``; columns ``>= vocab_size`` (padding) are ignored.
+    Every target must be a class in ``0..V-1`` (no ignore index).
+
+    >>> import numpy as np, forge_ml as fm
+    >>> logits = fm.tensor(np.array([[0.0, 0.0, 9.0]], np.float32))   # column 2 is padding
+    >>> round(cross_entropy(logits, fm.tensor([1]), vocab_size=2).item(), 4)
+    0.6931
     """
     v = _ce_check("cross_entropy", logits, targets, vocab_size)
     return _wrap(logits, backend_of(logits.device).cross_entropy(logits.data, targets.data, v))
 
 
 def cross_entropy_bwd(logits, targets, dloss=1.0, vocab_size=None) -> Tensor:
-    """``dL/dlogits = dloss * (softmax(logits[:, :V]) - onehot(targets)) / N``; zero past ``V``."""
+    """``dL/dlogits = dloss * (softmax(logits[:, :V]) - onehot(targets)) / N``; zero past ``V``.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> logits = fm.tensor(np.array([[0.0, 0.0, 9.0]], np.float32))
+    >>> cross_entropy_bwd(logits, fm.tensor([1]), 2.0, vocab_size=2).numpy().tolist()
+    [[1.0, -1.0, 0.0]]
+    """
     v = _ce_check("cross_entropy_bwd", logits, targets, vocab_size)
     bk = backend_of(logits.device)
     if isinstance(dloss, Tensor):

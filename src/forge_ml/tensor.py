@@ -53,7 +53,12 @@ class _Storage:
 
 
 class Tensor:
-    """An n-d array on a device. Build one with ``tensor``, ``from_numpy`` or ``zeros``."""
+    """An n-d array on a device. Build one with ``tensor``, ``from_numpy`` or ``zeros``.
+
+    >>> t = tensor([[1.0, 2.0, 3.0]])
+    >>> t.shape, t.ndim, t.numel, t.dtype.name, t.numpy().tolist()
+    ((1, 3), 2, 3, 'float32', [[1.0, 2.0, 3.0]])
+    """
 
     __slots__ = ("_data", "_device", "_dtype", "_storage", "_version", "__weakref__")
 
@@ -125,7 +130,12 @@ class Tensor:
         return Tensor(self._data.reshape(shape), self._device, _views=self._storage)
 
     def clone(self) -> "Tensor":
-        """A copy with its own memory."""
+        """A copy with its own memory.
+
+        >>> a = tensor([1.0]); b = a.clone()
+        >>> b.memory() is a.memory(), b.numpy().tolist()
+        (False, [1.0])
+        """
         return Tensor(backend_of(self._device).copy(self._data), self._device)
 
     def to(self, target) -> "Tensor":
@@ -153,11 +163,19 @@ class Tensor:
         return Tensor(backend_of(dev).from_host(host, self._dtype.name), dev)
 
     def numpy(self) -> np.ndarray:
-        """A host copy as a NumPy array (bfloat16 comes back as float32)."""
+        """A host copy as a NumPy array (bfloat16 comes back as float32).
+
+        >>> tensor([[1, 2]]).numpy()
+        array([[1, 2]])
+        """
         return backend_of(self._device).to_host(self._data)
 
     def item(self) -> float:
-        """The value of a one-element tensor as a Python number."""
+        """The value of a one-element tensor as a Python number.
+
+        >>> tensor([[2.5]]).item(), tensor([7]).item()
+        (2.5, 7)
+        """
         if self.numel != 1:
             raise ShapeError(f"item: expected a tensor with one element, got shape {self.shape}")
         v = self.numpy().reshape(-1)[0]
@@ -193,7 +211,11 @@ class Tensor:
     def memory(self):
         """An opaque handle on the memory this tensor holds now, for identity checks only: a
         CUDA graph captured while ``t.memory() is h`` may be replayed while that still holds
-        (an in-place op keeps the memory; copy-on-write moves it)."""
+        (an in-place op keeps the memory; copy-on-write moves it).
+
+        >>> t = zeros((2,)); t.memory() is t.memory(), t.clone().memory() is t.memory()
+        (True, False)
+        """
         return self._data
 
     def __repr__(self) -> str:
@@ -288,7 +310,11 @@ def full(shape, value, dtype="float32", device="cpu") -> Tensor:
 
 
 def ones_like(t: Tensor) -> Tensor:
-    """A tensor of ones with the shape, dtype and device of ``t``."""
+    """A tensor of ones with the shape, dtype and device of ``t``.
+
+    >>> ones_like(zeros((2,), "float64")).numpy().tolist(), ones_like(zeros((1,))).dtype
+    ([1.0, 1.0], forge_ml.float32)
+    """
     return full(t.shape, 1.0, t.dtype, t.device)
 
 
