@@ -462,3 +462,20 @@ def test_in_place_edit_of_targets_ids_or_a_seed_is_caught(op):
     cot = fm.tensor(np.asarray(rs.standard_normal(y.shape)))
     with pytest.raises(fm.TapeError, match="modified in place"):
         tape.backward(y, cot)
+
+
+def test_embedding_with_a_device_position_and_a_missing_root_are_tape_errors():
+    """The tape's embedding backward places dwpe at an int position: a tensor position is
+    refused at the forward (it used to pass and fail mid-backward with a TypeError, the tape
+    left swept); a Tape(grad=False) still takes one. backward(None) is a TapeError."""
+    pos = fm.tensor(np.array([1], np.int32))
+    ids = fm.tensor(np.array([[1, 2]]))
+    tape = Tape()
+    wte, wpe = tape.leaf(fm.zeros((5, 2))), tape.leaf(fm.zeros((4, 2)))
+    with pytest.raises(fm.TapeError, match="int position"):
+        tape.embedding(ids, wte, wpe, pos=pos)
+    with pytest.raises(fm.TapeError, match="root must be a TVar"):
+        tape.backward(None)
+    ev = Tape(grad=False)
+    y = ev.embedding(ids, ev.leaf(fm.zeros((5, 2))), ev.leaf(fm.zeros((4, 2))), pos=pos)
+    assert y.shape == (1, 2, 2)

@@ -464,6 +464,10 @@ class Tape:
         ([0.0, 0.0, 0.0, 2.0, 0.0], [0.0, 1.0, 1.0, 0.0])
         """
         self._check(wte, wpe)
+        if self.records and not isinstance(pos, int):
+            raise TapeError(f"embedding: the tape takes an int position, got {type(pos).__name__} "
+                            "(a device position is for inference: ops.embedding, or a "
+                            "Tape(grad=False))")
         out = ops.embedding(ids, wte.t, wpe.t, pos)
         iw, ip = wte.id, wpe.id
         sids = _Saved(ids, "embedding")
@@ -579,6 +583,8 @@ class Tape:
         >>> grads[x.id].numpy().tolist(), grads[y.id]                # interior entries: None
         ([2.0, 20.0], None)
         """
+        if not isinstance(root, TVar):
+            raise TapeError(f"backward: root must be a TVar of this tape, got {type(root).__name__}")
         self._check(root)
         if not self.records:
             raise TapeError("backward: this tape was made with grad=False and recorded nothing to "
