@@ -114,6 +114,9 @@ def test_load_state_dict_rejects_mismatched_moments():
 def test_bad_hyper_parameters():
     with pytest.raises(ConfigError, match="betas"):
         AdamW({"w": fm.zeros((2, 2))}, betas=(0.9, 1.0))
+    tied = fm.zeros((2, 2))
+    with pytest.raises(ConfigError, match="same tensor"):
+        AdamW({"wte": tied, "lm_head": tied})       # would be updated twice a step
     for betas in ((0.9,), (0.9, 0.95, 0.99), 0.9, ("a", 0.9)):
         with pytest.raises(ConfigError, match="betas must be two numbers"):
             AdamW({"w": fm.zeros((2, 2))}, betas=betas)

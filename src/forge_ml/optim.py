@@ -61,10 +61,15 @@ class AdamW:
         if lr < 0 or eps <= 0 or weight_decay < 0:
             raise ConfigError(f"AdamW: expected lr >= 0, eps > 0, weight_decay >= 0; got lr={lr}, "
                               f"eps={eps}, weight_decay={weight_decay}")
+        seen = {}
         for name, p in params.items():
             if not isinstance(p, Tensor) or p.dtype.name not in ("float32", "float64"):
                 what = p.dtype.name if isinstance(p, Tensor) else type(p).__name__
                 raise ConfigError(f"AdamW: parameter {name} must be a float32 master Tensor, got {what}")
+            if id(p) in seen:   # one tensor, two moments, two updates a step
+                raise ConfigError(f"AdamW: parameters {seen[id(p)]} and {name} are the same tensor; "
+                                  "give a tied weight once")
+            seen[id(p)] = name
         self.params = dict(params)          # the float32 masters
         self.compute = params               # what the model computes with
         if lowp is not None:
