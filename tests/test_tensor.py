@@ -4,6 +4,7 @@ import pytest
 
 import forge_ml as fm
 from forge_ml import ops
+from forge_ml.errors import ShapeError
 
 
 def test_constructors_and_dtypes():
@@ -130,3 +131,12 @@ def test_id_range_cache_follows_writes():
     dst.data[0, 0] = 50
     with pytest.raises(fm.ShapeError, match="token id 50"):
         ops.embedding(dst.reshape(2), fm.zeros((10, 2)), fm.zeros((4, 2)))
+
+
+@pytest.mark.parametrize("shape", [(2.5,), (True, 2), ("3",), None, (-1, 2)])
+def test_zeros_and_full_refuse_a_shape_that_is_not_ints(shape):
+    """A float size was truncated (zeros((2.5,)) had 2 elements); now a ShapeError."""
+    with pytest.raises(ShapeError, match="shape"):
+        fm.zeros(shape)
+    with pytest.raises(ShapeError, match="shape"):
+        fm.full(shape, 1.0)

@@ -289,13 +289,25 @@ def zeros(shape, dtype="float32", device="cpu") -> Tensor:
     >>> float(zeros((2, 3)).numpy().sum())
     0.0
     """
-    if isinstance(shape, int):
-        shape = (shape,)
-    shape = tuple(int(s) for s in shape)
-    if any(s < 0 for s in shape):
-        raise ShapeError(f"zeros: negative dimension in shape {shape}")
+    shape = _shape("zeros", shape)
     dev = Device.parse(device)
     return Tensor(backend_of(dev).zeros(shape, _dt.get(dtype).name), dev)
+
+
+def _shape(op: str, shape) -> tuple:
+    """``shape`` (an int or a sequence of ints, NumPy's included) as a tuple of non-negative
+    ints, or a ShapeError naming what came: a float or bool size is refused, not truncated."""
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else shape
+    try:
+        dims = tuple(dims)
+    except TypeError:
+        raise ShapeError(f"{op}: shape must be an int or a sequence of ints, got {shape!r}") from None
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) for d in dims):
+        raise ShapeError(f"{op}: shape must hold ints, got {shape!r}")
+    dims = tuple(int(d) for d in dims)
+    if any(d < 0 for d in dims):
+        raise ShapeError(f"{op}: negative dimension in shape {dims}")
+    return dims
 
 
 def full(shape, value, dtype="float32", device="cpu") -> Tensor:
@@ -305,7 +317,7 @@ def full(shape, value, dtype="float32", device="cpu") -> Tensor:
     [3.0, 3.0]
     """
     dt = _dt.get(dtype)
-    host = np.full(tuple(shape), value, dtype=np.float32 if dt.name == "bfloat16" else dt.name)
+    host = np.full(_shape("full", shape), value, dtype=np.float32 if dt.name == "bfloat16" else dt.name)
     return tensor(host, dtype=dt, device=device)
 
 
