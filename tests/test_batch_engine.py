@@ -125,6 +125,41 @@ def test_choose_tokens_matches_the_reference():
                 assert [lp for _, lp in got[r][2]] == pytest.approx([lps[t] for t in top], abs=1e-5)
 
 
+EXTREME = [dict(temperature=1e-40), dict(temperature=1e-46), dict(temperature=5e-324),
+           dict(repetition_penalty=1e-300), dict(repetition_penalty=1e300),
+           dict(temperature=1e-40, repetition_penalty=1e-40),
+           dict(temperature=1e-300, repetition_penalty=1e300), dict(temperature=1e300)]
+
+
+@pytest.mark.parametrize("kw", EXTREME, ids=range(len(EXTREME)))
+def test_temperatures_and_penalties_that_overflow_float32_give_the_limit_not_nan(kw):
+    """A temperature or repetition penalty so far from 1 that ``z / T`` or ``z / penalty``
+    overflows float32 still draws from the limit distribution (the argmax of the penalised
+    logits as T goes to 0, uniform as T grows), with no NaN log-probability."""
+    rng = np.random.default_rng(2)
+    V = 30
+    logits = (rng.standard_normal((5, V)) * 3).astype(np.float32)
+    seen = [rng.integers(0, V, 8).tolist() for _ in range(5)]
+    u = rng.random(5)
+    params = [SamplingParams(logprobs=4, **kw)] * 5
+    got = choose_tokens(logits, params, seen, u)
+    for r, (tok, lp, top) in enumerate(got):
+        z = logits[r].astype(np.float64)
+        pen = params[r].repetition_penalty
+        for t in set(seen[r]):
+            z[t] = z[t] / pen if z[t] > 0 else z[t] * pen
+        if params[r].temperature > 1e100:
+            assert tok == int(u[r] * V) and lp == pytest.approx(-np.log(V))
+        elif params[r].temperature < 1e-30:
+            assert tok == int(np.argmax(z)) and lp == 0.0
+        else:       # temperature 1: the penalised softmax, seen tokens at its extremes
+            w = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+            assert tok == int(np.searchsorted(np.cumsum(w), u[r], side="right"))
+            assert lp == pytest.approx(np.log(w[tok]), abs=1e-5)
+        assert not np.isnan(lp) and all(not np.isnan(v) for _, v in top)
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+
+
 def test_greedy_takes_the_lowest_id_on_ties_and_top_k_one_is_greedy():
     logits = np.array([[0.0, 2.0, 2.0, 1.0]] * 2)
     ps = [SamplingParams(temperature=0), SamplingParams(top_k=1)]

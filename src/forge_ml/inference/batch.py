@@ -58,6 +58,8 @@ log = logging.getLogger("forge_ml.inference")
 _WIDTHS = (8.0, 16.0, 32.0)
 _W_THRESHOLDS = tuple(float(np.float32(np.exp(-d))) for d in _WIDTHS)   # on exp(z - max z)
 _DRAW_BLOCK = 1024
+_F32_MAX = float(np.finfo(np.float32).max)
+_PEN_RANGE = (1e-30, 1e30)
 
 
 def choose_tokens(logits, params: Sequence[SamplingParams], seen: Sequence, u) -> list:
@@ -72,7 +74,9 @@ def choose_tokens(logits, params: Sequence[SamplingParams], seen: Sequence, u) -
     lower id), top-p (the smallest most likely set whose probability, renormalised after
     top-k, reaches p; at least one token; ties by lower id), min-p (drop tokens less likely
     than min_p times the most likely), and the draw: the first token whose cumulative kept
-    probability exceeds ``u`` times their sum. In float32 (running sums in float64); the passes
+    probability exceeds ``u`` times their sum. A temperature or penalty so far from 1 that
+    the float32 logits would overflow gives the limit (at a vanishing temperature, the argmax:
+    other tokens' log-probabilities are -inf). In float32 (running sums in float64); the passes
     over the whole vocabulary run for all rows at once, and each row's result depends on its
     own inputs only.
 
@@ -87,16 +91,26 @@ def choose_tokens(logits, params: Sequence[SamplingParams], seen: Sequence, u) -
         raise ConfigError(f"choose_tokens: expected logits (B, V) with one SamplingParams per "
                           f"row, got {z.shape} and {len(params)}")
     penalised = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0 and len(seen[r])]
-    temp = np.array([p.temperature if p.temperature > 0 else 1.0 for p in params], np.float32)
+    with np.errstate(over="ignore"):        # a temperature past float32's range: inf, uniform
+        temp = np.array([p.temperature if p.temperature > 0 else 1.0 for p in params], np.float32)
     if penalised or (temp != 1.0).any():
         z = z.copy()
     for r in penalised:
-        pen = np.float32(params[r].repetition_penalty)
+        # a penalty past 1e30 (or under 1e-30) changes no draw in float32, but would overflow
+        pen = np.float32(min(max(params[r].repetition_penalty, _PEN_RANGE[0]), _PEN_RANGE[1]))
         idx = np.unique(np.asarray(seen[r], dtype=np.int64))
         v = z[r, idx]
-        z[r, idx] = np.where(v > 0, v / pen, v * pen)
+        with np.errstate(over="ignore"):
+            z[r, idx] = np.clip(np.where(v > 0, v / pen, v * pen), -_F32_MAX, _F32_MAX)
     if (temp != 1.0).any():
-        z /= temp[:, None]
+        # a temperature so low that z / T overflows float32: (z - max z) / T in float64 for
+        # that row, the same distribution with its top at 0 and no inf - inf
+        low = {r: (z[r].astype(np.float64), params[r].temperature) for r in np.flatnonzero(temp < 1)
+               if float(np.abs(z[r]).max()) >= float(temp[r]) * (_F32_MAX / 2)}
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            z /= temp[:, None]
+            for r, (zr, t) in low.items():
+                z[r] = (zr - zr.max()) / t
     # the softmax, only for the rows that sample or report log-probabilities
     soft = [r for r, p in enumerate(params) if not p.greedy or p.logprobs is not None]
     row_of = {r: i for i, r in enumerate(soft)}
