@@ -221,6 +221,24 @@ def test_logprobs(client, engine, tok):
         assert all(v <= 0 for v in top.values())
 
 
+def test_a_vanishing_temperature_gives_the_greedy_text_and_json_logprobs(http):
+    """A temperature so low that the float32 logits overflow gives the greedy text; the
+    tokens it makes impossible get OpenAI's -9999.0, not a 500 for -inf (or -Infinity in a
+    stream, which is not JSON)."""
+    kw = dict(prompt="hi there", max_tokens=6, logprobs=5)
+    greedy = complete(http, temperature=0, **kw)["choices"][0]["text"]
+    for t in (1e-40, 1e-300):
+        c = complete(http, temperature=t, seed=1, **kw)["choices"][0]
+        chunks = sse(http, temperature=t, seed=1, **kw)
+        assert c["text"] == greedy
+        assert "".join(ch["choices"][0]["text"] for ch in chunks) == greedy
+        lps = [c["logprobs"]] + [ch["choices"][0]["logprobs"] for ch in chunks]
+        assert all(v == 0.0 for lp in lps for v in lp["token_logprobs"])
+        tops = [top for lp in lps for top in lp["top_logprobs"]]
+        assert all(len(top) == 5 and all(-9999.0 <= v <= 0.0 for v in top.values())
+                   for top in tops)
+
+
 def test_echo_and_prompt_scoring(client, http, engine):
     kw = dict(model="tiny", prompt="abc de", temperature=0)
     plain = client.completions.create(max_tokens=5, **kw).choices[0].text
