@@ -24,7 +24,7 @@ import uvicorn
 import forge_ml as fm
 from forge_ml.inference.batch import BatchEngine
 from forge_ml.inference.engine import SamplingParams, Stream, TokenOut
-from forge_ml.models.gpt2 import GPT2, GPT2Config
+from forge_ml.models.gpt2 import GPT2, GPT2Config, param_shapes
 from forge_ml.serve.app import create_app
 from forge_ml.serve.protocol import parse_completion
 from forge_ml.tokenizer import CharTokenizer, GPT2Tokenizer
@@ -478,6 +478,35 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_model_with_ids_past_the_tokenizer_never_chooses_them(tok):
+    """A model whose vocabulary is larger than its tokenizer's (a Hugging Face export padded
+    to 50304 for GPT-2's 50257 tokens, say) never chooses an id the tokenizer cannot decode,
+    even where the model makes those ids the most likely: no 500, no stream cut short; a
+    prompt with such an id is refused like any id out of range."""
+    cfg = GPT2Config(vocab_size=tok.vocab_size + 8, block_size=32, n_layer=1, n_head=1,
+                     n_embd=16)
+    rng = np.random.default_rng(0)
+    host = {k: (rng.standard_normal(s) * 0.5).astype(np.float32)
+            for k, s in param_shapes(cfg).items()}
+    host["wte.weight"][tok.vocab_size:] *= 20         # the extra ids dominate every step
+    eng = BatchEngine(GPT2(cfg, {k: fm.tensor(v) for k, v in host.items()}), tok, slots=2)
+    srv = Server(create_app(eng, "padded"))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as h:
+            kw = dict(model="padded", prompt="abc", max_tokens=20, seed=1, logprobs=3)
+            c = complete(h, **kw)["choices"][0]
+            assert c["finish_reason"] == "length" and len(c["logprobs"]["tokens"]) == 20
+            assert len(c["text"]) == 20 and all(ch in CHARS for ch in c["text"])
+            chunks = sse(h, **kw)
+            assert "".join(ch["choices"][0]["text"] for ch in chunks) == c["text"]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            r = h.post("/v1/completions", json={"prompt": [1, tok.vocab_size + 2]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    finally:
+        srv.stop()
+        eng.close()
 
 
 def test_forge_ml_serve_command(tmp_path):

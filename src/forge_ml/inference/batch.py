@@ -262,9 +262,10 @@ class BatchEngine:
     """Serves requests by continuous batching over ``slots`` rows (see the module docstring).
 
     ``model``: a ``GPT2`` (on cpu or cuda); ``tokenizer``: kept for the server (the engine
-    works in token ids); ``slots``: rows per step (default 64 on cuda, else 8); ``max_len``:
-    the context a request may fill, prompt and new tokens together (default and at most the
-    model's ``block_size``). ``submit`` checks a request and queues it; ``close()`` stops
+    works in token ids, but neither takes nor chooses an id past the tokenizer's vocabulary,
+    as a model whose vocabulary was padded past it has); ``slots``: rows per step (default 64
+    on cuda, else 8); ``max_len``: the context a request may fill, prompt and new tokens
+    together (default and at most the model's ``block_size``). ``submit`` checks a request and queues it; ``close()`` stops
     the thread and ends every open stream with ``EngineClosedError``.
     """
 
@@ -282,6 +283,9 @@ class BatchEngine:
                               f"(the model's block_size), got {max_len!r}")
         self.model, self.tokenizer = model, tokenizer
         self.slots, self.max_len, self.vocab_size = slots, max_len, cfg.vocab_size
+        n_tok = getattr(tokenizer, "vocab_size", None)
+        if isinstance(n_tok, int) and 0 < n_tok < cfg.vocab_size:
+            self.vocab_size = n_tok     # the model's ids past the tokenizer's are no tokens
         make = row_step if row_step is not None else _row_step_fallback
         self._step, self._cache = make(model, batch=slots, max_len=max_len)
         self._cond = threading.Condition()
@@ -390,7 +394,7 @@ class BatchEngine:
             if rq is not None:
                 tokens[s] = rq.next_token()
                 positions[s] = rq.fed
-        logits = self._step(tokens, positions)                   # (S, V) float32
+        logits = self._step(tokens, positions)[:, :self.vocab_size]   # (S, V) float32
         self.steps += 1
         rows = []
         for s, rq in enumerate(batch):
