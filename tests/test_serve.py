@@ -509,6 +509,48 @@ def test_a_model_with_ids_past_the_tokenizer_never_chooses_them(tok):
         eng.close()
 
 
+class FailingTokenizer:
+    """``tok`` whose ``decode`` fails from its ``n``-th call on: a stand-in for any bug."""
+
+    def __init__(self, tok, n):
+        self.tok, self.n, self.vocab_size = tok, n, tok.vocab_size
+
+    def encode(self, text):
+        return self.tok.encode(text)
+
+    def decode(self, ids):
+        self.n -= 1
+        if self.n <= 0:
+            raise RuntimeError("decode failed")
+        return self.tok.decode(ids)
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_not_a_done(tok):
+    """A choice that fails after some tokens sends an OpenAI error event (the client raises),
+    not a [DONE] that passes the cut text off as a whole completion."""
+    cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=1, n_embd=16)
+    eng = BatchEngine(make_model(cfg, seed=1), FailingTokenizer(tok, 4), slots=2)
+    srv = Server(create_app(eng, "failing"))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as h:
+            with h.stream("POST", "/v1/completions",
+                          json={"prompt": "ab", "max_tokens": 10, "stream": True}) as r:
+                events = [json.loads(ln[6:]) for ln in r.iter_lines()
+                          if ln.startswith("data: {")]
+        assert len(events) == 4 and all("choices" in e for e in events[:3])
+        err = events[3]["error"]
+        assert err["type"] == "server_error" and "RuntimeError" in err["message"]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0)
+        eng.tokenizer.n = 2
+        with pytest.raises(openai.APIError):
+            list(client.completions.create(model="failing", prompt="ab", max_tokens=10,
+                                           stream=True))
+        assert eng.running
+    finally:
+        srv.stop()
+        eng.close()
+
+
 def test_forge_ml_serve_command(tmp_path):
     from forge_ml.checkpoint import save_checkpoint
 

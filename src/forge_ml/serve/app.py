@@ -2,9 +2,10 @@
 
 Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/completions`` (whole responses, or
 server-sent events with ``"stream": true``: one ``data: {json}`` chunk per token, the last
-one of each choice with its ``finish_reason``, then ``data: [DONE]``). Every choice of a
-request is one engine request; with ``n`` > 1 and a ``seed``, choice ``j`` of a prompt draws
-with ``seed + j``. A client that disconnects cancels its requests, which frees their slots.
+one of each choice with its ``finish_reason``, or an OpenAI error body for a choice that
+fails, then ``data: [DONE]``). Every choice of a request is one engine request; with ``n``
+> 1 and a ``seed``, choice ``j`` of a prompt draws with ``seed + j``. A client that
+disconnects cancels its requests, which frees their slots.
 
 Text: tokens are decoded incrementally (a GPT-2 byte token that splits a UTF-8 character
 adds no text until the character is whole), and text that could begin a ``stop`` string is
@@ -368,6 +369,11 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                     await queue.put(chunk(c, text, lp, finish))
             except EngineClosedError as e:
                 err = APIError(str(e), status=503, type="server_error")
+                await queue.put(f"data: {_json(error_body(err))}\n\n")
+            except Exception as e:             # said, not passed off as a finished choice
+                log.exception("forge-ml serve: a streamed choice failed")
+                err = APIError(f"internal server error: {type(e).__name__}", status=500,
+                               type="server_error")
                 await queue.put(f"data: {_json(error_body(err))}\n\n")
             finally:
                 await queue.put(None)
