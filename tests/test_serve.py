@@ -289,6 +289,7 @@ BAD = [
     ({"prompt": "ab", "seed": -1}, 400, "seed"),
     ({"prompt": "ab", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"prompt": "ab", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "ab", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "ab", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "ab " * 10_000}, 413, None),
 ]

@@ -202,6 +202,9 @@ def parse_completion(body) -> CompletionRequest:
             raise APIError(f"stream_options must be an object with include_usage, got {opts!r:.60}",
                            param="stream_options")
         req.include_usage = _bool("stream_options.include_usage", opts.get("include_usage", False))
+        if not req.stream:
+            raise APIError("stream_options is only allowed with \"stream\": true",
+                           param="stream_options")
     best_of = body.get("best_of")
     if best_of is not None and best_of != req.n:
         raise APIError(f"best_of must equal n ({req.n}) here; this server returns every choice "
