@@ -127,6 +127,10 @@ def test_models_and_health(http, client):
     assert [m["id"] for m in r.json()["data"]] == ["tiny"]
     assert r.json()["data"][0]["max_model_len"] == 64
     assert [m.id for m in client.models.list()] == ["tiny"]
+    m = client.models.retrieve("tiny")                      # GET /v1/models/tiny
+    assert (m.id, m.object, m.owned_by) == ("tiny", "model", "forge-ml")
+    r = http.get("/v1/models/other")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     h = http.get("/health").json()
     assert h["status"] == "ok" and h["slots"] == 4 and h["model"] == "tiny"
 

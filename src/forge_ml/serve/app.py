@@ -1,7 +1,7 @@
 """The ASGI app of ``forge-ml serve``: OpenAI's completions API over a ``BatchEngine``.
 
-Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/completions`` (whole responses, or
-server-sent events with ``"stream": true``: one ``data: {json}`` chunk per token, the last
+Endpoints: ``GET /v1/models`` (and ``/v1/models/{model}``), ``GET /health``,
+``POST /v1/completions`` (whole responses, or server-sent events with ``"stream": true``: one ``data: {json}`` chunk per token, the last
 one of each choice with its ``finish_reason``, or an OpenAI error body for a choice that
 fails, then ``data: [DONE]``). Every choice of a request is one engine request; with ``n``
 > 1 and a ``seed``, choice ``j`` of a prompt draws with ``seed + j``. A client that
@@ -401,6 +401,13 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     async def models(request: Request) -> Response:
         return JSONResponse(models_body(model_id, started, engine.max_len))
 
+    async def model(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != model_id:
+            raise APIError(f"the model {name!r} does not exist; this server serves {model_id!r}",
+                           status=404, param="model", code="model_not_found")
+        return JSONResponse(models_body(model_id, started, engine.max_len)["data"][0])
+
     async def health(request: Request) -> Response:
         ok = engine.running
         body = {"status": "ok" if ok else "stopped", "model": model_id, **engine.stats()}
@@ -417,7 +424,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     async def on_http_error(request: Request, e: HTTPException) -> Response:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         msg = {404: f"no route {request.method} {request.url.path}; this server has GET "
-                    "/v1/models, GET /health and POST /v1/completions",
+                    "/v1/models, GET /v1/models/{model}, GET /health and POST /v1/completions",
                405: f"method {request.method} is not allowed on {request.url.path}"}
         return _error_response(APIError(msg.get(e.status_code, str(e.detail)),
                                         status=e.status_code, type=kind))
@@ -428,6 +435,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                                         status=500, type="server_error"))
 
     routes = [Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{name:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/v1/completions", completions, methods=["POST"])]
     middleware = [Middleware(_APIKey, key=api_key)] if api_key else []

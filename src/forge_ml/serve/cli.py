@@ -37,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "serve", help="serve a checkpoint over HTTP with OpenAI's completions API",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Serve a forge-ml checkpoint, a run folder, or a Hugging Face GPT-2 folder "
-                    "over HTTP, compatible with OpenAI's API (GET /v1/models, GET /health, POST "
+                    "over HTTP, compatible with OpenAI's API (GET /v1/models[/MODEL], GET /health, POST "
                     "/v1/completions, streaming by server-sent events). Concurrent requests "
                     "share the decode steps (continuous batching). Needs the serve extra: "
                     "pip install 'forge-ml[serve]'.",
