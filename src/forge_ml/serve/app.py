@@ -1,9 +1,10 @@
 """The ASGI app of ``forge-ml serve``: OpenAI's completions API over a ``BatchEngine``.
 
 Endpoints: ``GET /v1/models`` (and ``/v1/models/{model}``), ``GET /health``,
-``POST /v1/completions`` (whole responses, or server-sent events with ``"stream": true``: one ``data: {json}`` chunk per token, the last
-one of each choice with its ``finish_reason``, or an OpenAI error body for a choice that
-fails, then ``data: [DONE]``). Every choice of a request is one engine request; with ``n``
+``POST /v1/completions`` (whole responses, or server-sent events with ``"stream": true``:
+one ``data: {json}`` chunk per token, the last one of each choice with its
+``finish_reason``, or an OpenAI error body for a choice that fails, then
+``data: [DONE]``). Every choice of a request is one engine request; with ``n``
 > 1 and a ``seed``, choice ``j`` of a prompt draws with ``seed + j``. A client that
 disconnects cancels its requests, which frees their slots.
 
