@@ -256,6 +256,32 @@ def test_options_are_checked_before_any_work(workdir, capsys):
     assert meta["train_config"]["tokenizer"] == "char" and meta["step"] == 2
 
 
+def test_overwrite_with_data_too_short_keeps_the_earlier_run(workdir, capsys):
+    """A text whose train or val part holds no window of --block-size, is refused
+    before --overwrite removes anything, and a new folder gets no data/ that would block the
+    next try."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]) == 0
+    before = _snapshot("r")
+    Path("short.txt").write_text("abcdefghij" * 10)                # 100 tokens: 90 train, 10 val
+    _fails(capsys, ["train", "--data", "short.txt", "--out", "r", *TINY, "--overwrite"],
+           "val part of short.txt", "holds 10 tokens", "block_size=16", "--val-fraction")
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--overwrite", "--block-size", "5000"],
+           "train part of t.txt", "block_size=5000")
+    Path("three.txt").write_text("abc")
+    _fails(capsys, ["train", "--data", "three.txt", "--out", "r", *TINY, "--overwrite"], "0 for val")
+    Path("empty.txt").write_text("")
+    _fails(capsys, ["train", "--data", "empty.txt", "--out", "r", *TINY, "--overwrite"], "empty.txt is empty")
+    assert _snapshot("r") == before
+    Path("prep").mkdir()
+    assert main(["prepare", "short.txt", "--out", "prep"]) == 0
+    capsys.readouterr()
+    _fails(capsys, ["train", "--data", "prep", "--out", "r", *TINY, "--overwrite"], "val.bin holds 10 tokens")
+    assert _snapshot("r") == before
+    _fails(capsys, ["train", "--data", "short.txt", "--out", "new", *TINY], "val part of short.txt")
+    assert not Path("new").exists()
+    assert main(["train", "--data", "short.txt", "--out", "new", *TINY, "--block-size", "8", "--max-steps", "1"]) == 0
+
+
 # -- full disk, read-only folders: one line, the last good checkpoint kept ---------------------------------------
 
 

@@ -222,27 +222,44 @@ def prepare(text_path, out_dir, tokenizer="char", val_fraction: float = 0.1) -> 
     if not text:
         raise DataError(f"prepare: {text_path} is empty")
     tok = load_tokenizer(tokenizer, text=text)
-    if tok.vocab_size > 65536:
-        raise DataError(
-            f"prepare: the tokenizer has {tok.vocab_size} ids but shards hold uint16 (at most 65536)"
-        )
-    ids = np.asarray(tok.encode(text), dtype=np.int64)
+    train, val = split_tokens(tok.encode(text), val_fraction, text_path)
+    return write_prepared(out_dir, train, val, tok)
+
+
+def split_tokens(ids, val_fraction: float, source="the text") -> tuple:
+    """``(train, val)``: ``ids`` as int64, the last ``val_fraction`` of them for validation;
+    a DataError naming ``source`` when either part would be empty.
+
+    >>> [len(a) for a in split_tokens(range(20), 0.1)]
+    [18, 2]
+    """
+    ids = np.asarray(ids, dtype=np.int64)
     n = ids.size
     n_val = int(n * val_fraction)
     n_train = n - n_val
     if n_val < 1 or n_train < 1:
         raise DataError(
-            f"prepare: {text_path} gives {n} tokens; with val_fraction={val_fraction} that leaves "
+            f"prepare: {source} gives {n} tokens; with val_fraction={val_fraction} that leaves "
             f"{n_train} for train and {n_val} for val; expected at least 1 each"
+        )
+    return ids[:n_train], ids[n_train:]
+
+
+def write_prepared(out_dir, train, val, tok) -> dict:
+    """Write the token ids ``train`` and ``val`` as ``train.bin`` and ``val.bin`` and ``tok`` as
+    ``tokenizer.json`` in ``out_dir`` (each file atomically); returns what ``prepare`` returns."""
+    if tok.vocab_size > 65536:
+        raise DataError(
+            f"prepare: the tokenizer has {tok.vocab_size} ids but shards hold uint16 (at most 65536)"
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_shard(out / "train.bin", ids[:n_train])
-    write_shard(out / "val.bin", ids[n_train:])
+    write_shard(out / "train.bin", train)
+    write_shard(out / "val.bin", val)
     _atomic_write_bytes(out / "tokenizer.json", [json.dumps(tok.to_dict(), indent=1).encode("utf-8")])
     return {
-        "train_tokens": int(n_train),
-        "val_tokens": int(n_val),
+        "train_tokens": int(len(train)),
+        "val_tokens": int(len(val)),
         "vocab_size": int(tok.vocab_size),
         "tokenizer": tok.to_dict()["kind"],
         "train_path": str(out / "train.bin"),

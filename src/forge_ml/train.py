@@ -66,7 +66,7 @@ from . import flags
 from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
 from .checkpoint import check_architecture, load_checkpoint, pack_tensors, save_checkpoint, unpack_tensors
-from .data import DataLoader, default_corpus, load_text, prepare, read_shard
+from .data import DataLoader, default_corpus, load_text, read_shard, split_tokens, write_prepared
 from .diagnose import CheckingTape
 from .device import Device
 from .errors import (CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
@@ -455,10 +455,6 @@ class Trainer:
             self._clear_run()
         if write_data is not None:
             write_data()
-        ids_max = int(np.max(read_shard(self.data_dir / "train.bin"), initial=0))
-        if ids_max >= self.tokenizer.vocab_size:
-            raise DataError(f"{self.data_dir}/train.bin holds token {ids_max} but the tokenizer has "
-                            f"{self.tokenizer.vocab_size} ids; the shards and tokenizer.json disagree")
 
         # -- model and optimizer ------------------------------------------------------------
         if ckpt is not None:
@@ -548,9 +544,25 @@ class Trainer:
         except (ValueError, UnicodeDecodeError) as e:
             raise DataError(f"{p}: not a tokenizer file ({e}); prepare the data again") from None
 
+    def _check_shards(self, d: Path, tok) -> None:
+        """The shards in ``d`` hold a window of ``block_size`` tokens each, and only ids of ``tok``."""
+        for name in ("train.bin", "val.bin"):
+            self._check_length(len(read_shard(d / name)), f"token shard {d / name}")
+        ids_max = int(np.max(read_shard(d / "train.bin"), initial=0))
+        if ids_max >= tok.vocab_size:
+            raise DataError(f"{d}/train.bin holds token {ids_max} but the tokenizer has "
+                            f"{tok.vocab_size} ids; the shards and tokenizer.json disagree")
+
+    def _check_length(self, n: int, what: str) -> None:
+        T = self.cfg.block_size
+        if n < T + 1:
+            raise DataError(f"{what} holds {n} tokens; block_size={T} needs at least {T + 1} (one window "
+                            f"plus its next-token target)")
+
     def _plan_data(self, resume: bool, source):
         """``(data folder, tokenizer, write)``: where the shards are, their tokenizer, and the
-        function that prepares them (None when they exist). Reads, never writes."""
+        function that prepares them (None when they exist). Reads, never writes: a text too
+        short for a window of ``block_size`` in its train or val part is refused here."""
         cfg = self.cfg
         src_tok = source[1] if source is not None else None
         if cfg.data and Path(cfg.data).is_dir():
@@ -563,10 +575,13 @@ class Trainer:
             if src_tok is not None and tok.to_dict() != src_tok.to_dict():
                 raise DataError(f"{d}/tokenizer.json is not the tokenizer of --init-from {cfg.init_from} "
                                 f"({src_tok.kind}); give a text file, which is tokenized with the source's tokenizer")
+            self._check_shards(d, tok)
             return d, tok, None
         d = self.out_dir / DATA_NAME
         if resume and all((d / f).is_file() for f in DATA_FILES):
-            return d, self._read_tokenizer(d), None  # the exact tokens the run started with
+            tok = self._read_tokenizer(d)
+            self._check_shards(d, tok)
+            return d, tok, None  # the exact tokens the run started with
         if cfg.data:
             src = Path(cfg.data)
             if not src.is_file():
@@ -575,6 +590,9 @@ class Trainer:
         else:
             src = d / CORPUS_NAME
             text = default_corpus(cfg.corpus_bytes)
+        what = src if cfg.data else "the default corpus"
+        if not text:
+            raise DataError(f"text file {src} is empty; expected text to train on")
         tok = src_tok if src_tok is not None else load_tokenizer(cfg.tokenizer, text=text)
         if src_tok is not None and tok.kind == "char":
             extra = sorted(set(text) - set(tok.chars))
@@ -582,6 +600,10 @@ class Trainer:
                 raise DataError(f"{src if cfg.data else 'the default corpus'} holds {len(extra)} character(s) that the "
                                 f"char tokenizer of --init-from {cfg.init_from} lacks ({''.join(extra[:20])!r}); "
                                 f"fine-tune on text written with its characters")
+        train, val = split_tokens(tok.encode(text), cfg.val_fraction, what)
+        frac = f"the last {cfg.val_fraction:g} of {len(train) + len(val):,} tokens"
+        self._check_length(len(train), f"the train part of {what} (all but {frac})")
+        self._check_length(len(val), f"the val part of {what} ({frac}; see --val-fraction)")
 
         def write():
             if not cfg.data:
@@ -590,7 +612,7 @@ class Trainer:
                     replace_file(src, text)
                 except OSError as e:
                     raise RunError(cannot_write(src, e)) from None
-            info = prepare(src, d, tokenizer=tok, val_fraction=cfg.val_fraction)
+            info = write_prepared(d, train, val, tok)
             self._say(f"prepared {src}: {info['train_tokens']:,} train + {info['val_tokens']:,} val tokens, "
                       f"{info['vocab_size']} {info['tokenizer']} tokens in the vocabulary -> {d}")
 
