@@ -257,7 +257,7 @@ def test_options_are_checked_before_any_work(workdir, capsys):
 
 
 def test_overwrite_with_data_too_short_keeps_the_earlier_run(workdir, capsys):
-    """A text whose train or val part holds no window of --block-size, is refused
+    """A text whose train or val part holds no window of --block-size, or a bad seed, is refused
     before --overwrite removes anything, and a new folder gets no data/ that would block the
     next try."""
     assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]) == 0
@@ -271,6 +271,8 @@ def test_overwrite_with_data_too_short_keeps_the_earlier_run(workdir, capsys):
     _fails(capsys, ["train", "--data", "three.txt", "--out", "r", *TINY, "--overwrite"], "0 for val")
     Path("empty.txt").write_text("")
     _fails(capsys, ["train", "--data", "empty.txt", "--out", "r", *TINY, "--overwrite"], "empty.txt is empty")
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--overwrite", "--seed", "-1"],
+           "seed must be >= 0")
     assert _snapshot("r") == before
     Path("prep").mkdir()
     assert main(["prepare", "short.txt", "--out", "prep"]) == 0
@@ -280,6 +282,12 @@ def test_overwrite_with_data_too_short_keeps_the_earlier_run(workdir, capsys):
     _fails(capsys, ["train", "--data", "short.txt", "--out", "new", *TINY], "val part of short.txt")
     assert not Path("new").exists()
     assert main(["train", "--data", "short.txt", "--out", "new", *TINY, "--block-size", "8", "--max-steps", "1"]) == 0
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--min-lr", "--weight-decay", "--grad-clip"])
+def test_an_infinite_rate_is_refused_before_any_work(workdir, capsys, flag):
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, flag, "inf"], "finite numbers >= 0", "inf")
+    assert not Path("r").exists()
 
 
 # -- full disk, read-only folders: one line, the last good checkpoint kept ---------------------------------------
