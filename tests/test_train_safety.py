@@ -387,6 +387,19 @@ def test_the_final_val_loss_covers_every_window(workdir):
     assert any(f"every window of the val shard: {n_windows:,} x 16 tokens" in s for s in said)
 
 
+def test_forge_ml_eval_covers_every_window_as_the_final_val_loss_does(workdir, capsys):
+    """``forge-ml eval`` on the run's val shard gives the trainer's final ("full") val loss: the
+    windows past the last whole batch count too."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]) == 0
+    full = [r for r in read_log("r/log.jsonl")[0] if r.get("val_kind") == "full"][-1]
+    assert full["val_windows"] % 8 != 0                                   # eval's default batch of 8
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", "r", "--data", "r/data/val.bin"]) == 0
+    line = capsys.readouterr().out
+    assert f"{full['val_windows']} windows of 16" in line, line
+    assert float(line.split()[1]) == pytest.approx(full["val_loss"], abs=1e-4)
+
+
 # -- BLAS threads ---------------------------------------------------------------------------------------------------
 
 

@@ -568,18 +568,22 @@ def _cmd_eval(args) -> int:
         T = min(cfg.block_size, n_tokens - 1)
         B = max(1, min(args.batch_size, (n_tokens - 1) // T))
         loader = DataLoader(path, B, T)
-        n = (n_tokens - 1) // T // B
-        if args.max_batches is not None:
-            n = min(n, args.max_batches)
-        total, t0 = 0.0, time.perf_counter()
-        for x, y in loader.eval_batches(n):
-            total += model.loss(tensor(x, device=args.device), tensor(y, device=args.device)).item()
-        loss = total / n
+        if args.max_batches is None:  # every window: those past the last whole batch come as a smaller one
+            batches = loader.eval_batches(tail=True)
+        else:
+            batches = loader.eval_batches(min((n_tokens - 1) // T // B, args.max_batches))
+        total, windows, n, t0 = 0.0, 0, 0, time.perf_counter()
+        for x, y in batches:  # a batch's loss is the mean over its windows
+            total += model.loss(tensor(x, device=args.device), tensor(y, device=args.device)).item() * len(x)
+            windows += len(x)
+            n += 1
+        loss = total / windows
     finally:
         if tmp is not None:
             tmp.cleanup()
     print(f"loss {loss:.4f}  perplexity {math.exp(min(loss, 700)):.3f}  "
-          f"({n * B * T:,} tokens: {n} batches of {B} x {T}, {time.perf_counter() - t0:.1f} s)")
+          f"({windows * T:,} tokens: {windows:,} windows of {T} in {n} batches of {B}, "
+          f"{time.perf_counter() - t0:.1f} s)")
     return 0
 
 
