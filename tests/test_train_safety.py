@@ -290,6 +290,22 @@ def test_an_infinite_rate_is_refused_before_any_work(workdir, capsys, flag):
     assert not Path("r").exists()
 
 
+def test_resume_with_another_text_is_refused(workdir, capsys):
+    """--resume keeps the tokens the run was prepared from: --data naming another text is an
+    error (it was ignored, while the checkpoint recorded it), the same text by another path is not."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]) == 0
+    before = _snapshot("r")
+    Path("other.txt").write_text("a new text to fine-tune on\n" * 100)
+    _fails(capsys, ["train", "--data", "other.txt", "--out", "r", "--resume", "--max-steps", "4"],
+           "trained on t.txt", "drop --data other.txt", "--init-from r")
+    assert _snapshot("r") == before
+    Path("sub").mkdir()
+    Path("sub/copy.txt").write_text(TEXT)
+    assert main(["train", "--data", str(workdir / "t.txt"), "--out", "r", "--resume", "--max-steps", "3"]) == 0
+    assert main(["train", "--data", "sub/copy.txt", "--out", "r", "--resume", "--max-steps", "4"]) == 0
+    assert load_checkpoint(Path("r") / "ckpt")[1]["step"] == 4
+
+
 # -- full disk, read-only folders: one line, the last good checkpoint kept ---------------------------------------
 
 

@@ -436,6 +436,13 @@ class Trainer:
             if was and was != cfg.tokenizer and not (cfg.data and Path(cfg.data).is_dir()):
                 raise ConfigError(f"the run in {self.out_dir} was trained with the {was} tokenizer; a resumed "
                                   f"run keeps it (drop --tokenizer {cfg.tokenizer}, or start a new run elsewhere)")
+            was = (meta.get("train_config") or {}).get("data", "")
+            own = all((self.out_dir / DATA_NAME / f).is_file() for f in DATA_FILES)
+            if own and cfg.data and not Path(cfg.data).is_dir() and not self._same_text(cfg.data, was):
+                raise ConfigError(f"the run in {self.out_dir} was trained on {was or 'the default corpus'}, whose "
+                                  f"tokens in {self.out_dir / DATA_NAME} a resumed run keeps; drop --data "
+                                  f"{cfg.data}, or train on the new text in a new run: --init-from "
+                                  f"{self.out_dir} --data {cfg.data} --out NEW_FOLDER")
         else:
             held = self._run_files()
             if held and not overwrite:
@@ -477,6 +484,19 @@ class Trainer:
         self.val_loader = DataLoader(self.data_dir / "val.bin", B, T, seed=cfg.seed)
         if ckpt is not None:
             self._restore_state(ckpt)
+
+    def _same_text(self, data: str, was: str) -> bool:
+        """Whether the text file ``data`` is the text the run in the folder was prepared from:
+        the path it recorded, or a file whose tokens are those of its shards."""
+        if _same_path(data, was):
+            return True
+        d = self.out_dir / DATA_NAME
+        try:
+            ids = self._read_tokenizer(d).encode(load_text(data))
+            train, val = read_shard(d / "train.bin"), read_shard(d / "val.bin")
+        except (ForgeError, OSError):
+            return False
+        return len(ids) == len(train) + len(val) and np.array_equal(ids, np.concatenate([train, val]))
 
     def _run_files(self) -> list:
         """What of a run the folder holds: ``ckpt/``, ``log.jsonl``, ``data/``."""
@@ -1187,6 +1207,17 @@ class Trainer:
         finally:
             plt.close(fig)
         return path
+
+
+def _same_path(a: str, b: str) -> bool:
+    """Whether two ``data`` settings name the same file ("" is the default corpus).
+
+    >>> _same_path("t.txt", "./t.txt"), _same_path("t.txt", "")
+    (True, False)
+    """
+    if not a or not b:
+        return a == b
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _val_words(kind: Optional[str]) -> str:
