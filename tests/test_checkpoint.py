@@ -368,3 +368,15 @@ def test_checkpoint_files_get_the_users_umask(tmp_path):
         os.umask(old)
     for name in ("model.safetensors", "state.json"):
         assert stat.S_IMODE(os.stat(tmp_path / "ckpt" / name).st_mode) == 0o644, name
+
+
+def test_equal_checkpoints_are_equal_files(tmp_path):
+    """The same tensors and meta saved again give the same bytes (safetensors wrote its
+    metadata keys in a hash map's order, different from one save to the next)."""
+    tensors = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "opt.m.w": np.zeros((2, 3), np.float32)}
+    files = set()
+    for i in range(12):
+        save_checkpoint(tmp_path / f"c{i}", tensors, {"step": 1})
+        files.add((tmp_path / f"c{i}" / "model.safetensors").read_bytes())
+        assert load_checkpoint(tmp_path / f"c{i}")[1] == {"step": 1}
+    assert len(files) == 1

@@ -112,6 +112,7 @@ def write_safetensors(path, arrays: dict, metadata: dict) -> None:
 
     try:
         save_file(arrays, str(path), metadata=metadata)
+        _sort_metadata(path)
         os.chmod(path, 0o666 & ~user_umask())  # save_file makes a 0600 file: the user's umask
     except OSError:
         raise
@@ -121,6 +122,32 @@ def write_safetensors(path, arrays: dict, metadata: dict) -> None:
             code = int(m.group(1))
             raise OSError(code, os.strerror(code), str(path)) from None
         raise CheckpointError(f"{path}: cannot write safetensors: {e}") from None
+
+
+def _sort_metadata(path) -> None:
+    """Put the header's ``__metadata__`` keys in sorted order, in place (the same bytes long).
+    safetensors writes them in the order of a Rust hash map, which changes from one save to the
+    next, so that equal tensors made files that differ.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.safetensors")
+    >>> write_safetensors(p, {"w": np.zeros(1, np.float32)}, {"b": "2", "a": "1"})
+    >>> b'"__metadata__":{"a":"1","b":"2"}' in open(p, "rb").read()
+    True
+    """
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = f.read(n)
+        meta = dict(json.loads(head, object_pairs_hook=list)).get("__metadata__")
+        if not meta or len(meta) < 2:
+            return
+        key = b'"__metadata__":'
+        was = key + json.dumps(dict(meta), separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        now = key + json.dumps(dict(sorted(meta)), separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        i = head.find(was)
+        if was != now and i >= 0 and head.find(was, i + 1) < 0:
+            f.seek(8 + i)
+            f.write(now)
 
 
 def _fsync_path(path: Path, directory: bool = False) -> None:
