@@ -306,6 +306,13 @@ def test_resume_with_another_text_is_refused(workdir, capsys):
     assert load_checkpoint(Path("r") / "ckpt")[1]["step"] == 4
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_special_file_as_data_is_not_called_missing(workdir, capsys):
+    os.mkfifo("pipe")
+    _fails(capsys, ["train", "--data", "pipe", "--out", "r", *TINY], "expected a text file", "pipe", "special file")
+    assert not Path("r").exists()
+
+
 # -- full disk, read-only folders: one line, the last good checkpoint kept ---------------------------------------
 
 

@@ -607,9 +607,7 @@ class Trainer:
             return d, tok, None  # the exact tokens the run started with
         if cfg.data:
             src = Path(cfg.data)
-            if not src.is_file():
-                raise DataError(f"text file not found: {src}")
-            text = load_text(src)
+            text = load_text(src)  # a missing file, a special file or bytes that are not UTF-8: one line each
         else:
             src = d / CORPUS_NAME
             text = default_corpus(cfg.corpus_bytes)
