@@ -618,3 +618,9 @@ def test_shard_writers_never_replace_special_files(tmp_path):
     assert fifo.is_fifo()
     with pytest.raises(DataError, match="not a regular file"):
         write_shard(tmp_path, [1, 2, 3])
+
+
+def test_out_naming_a_file_says_so(workdir, capsys):
+    Path("notes.txt").write_text("mine")
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "notes.txt", *TINY], "notes.txt exists and is not a folder")
+    assert Path("notes.txt").read_text() == "mine"

@@ -119,6 +119,10 @@ class RunLock:
         try:
             missing = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
             self.folder.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            what = (f"is a link to {os.readlink(self.folder)}, which does not exist" if self.folder.is_symlink()
+                    and not self.folder.exists() else "exists and is not a folder")
+            raise RunError(f"{self.folder} {what}; expected a run folder (or a new path) for --out") from None
         except OSError as e:
             raise RunError(cannot_write(self.folder, e)) from None
         self._made = missing
