@@ -237,3 +237,17 @@ def _has_cupy() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_prepare_refuses_to_replace_shards_without_force(workdir, capsys):
+    """`prepare` into a folder holding shards (here a run's own data/) had silently replaced
+    them, so the run resumed on other tokens; now one line, and --force replaces them."""
+    assert main(["train", "--data", "t.txt", "--out", "run", "--max-steps", "1", *TINY]) == 0
+    before = (workdir / "run" / "data" / "train.bin").read_bytes()
+    (workdir / "other.txt").write_text("abc " * 400)
+    capsys.readouterr()
+    _fails(capsys, ["prepare", "other.txt", "--out", "run/data"], "run/data already holds train.bin",
+           "the run in run", "--force")
+    assert (workdir / "run" / "data" / "train.bin").read_bytes() == before
+    assert main(["prepare", "other.txt", "--out", "run/data", "--force"]) == 0
+    assert (workdir / "run" / "data" / "train.bin").read_bytes() != before

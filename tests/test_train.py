@@ -159,3 +159,17 @@ def test_nan_before_any_checkpoint(text_file, tmp_path):
     t.model.params["wte.weight"].data[:] = np.nan
     with pytest.raises(TrainingError, match="step 1.*No checkpoint was saved yet"):
         t.train()
+
+
+def test_min_lr_defaults_to_a_tenth_of_lr_and_may_not_exceed_it():
+    """A fine-tune's --lr 5e-5 had a cosine that climbed to the fixed default min_lr 1e-4."""
+    from forge_ml.errors import ConfigError
+    from forge_ml.optim import cosine_lr
+    cfg = TrainConfig(lr=5e-5, max_steps=100, warmup=0)
+    assert cfg.min_lr == pytest.approx(5e-6)
+    lrs = [cosine_lr(s, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr) for s in range(101)]
+    assert all(b <= a for a, b in zip(lrs, lrs[1:])) and lrs[-1] == pytest.approx(5e-6)
+    assert TrainConfig().min_lr == pytest.approx(1e-4)               # the default run: as before
+    assert TrainConfig.from_dict(cfg.to_dict()).min_lr == cfg.min_lr  # a checkpoint keeps it
+    with pytest.raises(ConfigError, match="min_lr 0.0001 is above lr 5e-05"):
+        TrainConfig(lr=5e-5, min_lr=1e-4)

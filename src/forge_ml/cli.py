@@ -59,7 +59,7 @@ _TRAIN_HELP = {
     "progress": "show a progress bar on a terminal", "seed": "seed of init, data order and dropout",
     "device": "cpu, cuda or cuda:N", "dtype": "float32, or bf16 (GPU mixed precision)",
     "max_steps": "optimizer steps to train for", "grad_accum": "micro-batches per step",
-    "lr": "peak learning rate", "min_lr": "final learning rate of the cosine",
+    "lr": "peak learning rate", "min_lr": "final learning rate of the cosine (default: lr / 10)",
     "warmup": "linear warmup steps", "lr_decay_steps": "step where the cosine ends (0: max-steps)",
     "grad_clip": "max global gradient norm (0: off)", "eval_interval": "steps between val evals (0: off)",
     "sample_interval": "steps between samples (0: off)", "checkpoint_interval": "steps between checkpoints",
@@ -148,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainConfig):
         flag = _TRAIN_ALIASES.get(f.name, "--" + f.name.replace("_", "-"))
         ftype = f.type if isinstance(f.type, str) else f.type.__name__
+        ftype = ftype[len("Optional["):-1] if ftype.startswith("Optional[") else ftype
         hlp = _TRAIN_HELP.get(f.name, "")
         if "default" not in hlp:
             hlp += f" (default: {f.default!r})"
@@ -225,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", required=True, help="output folder")
     pr.add_argument("--tokenizer", default="char", choices=["char", "gpt2"], help="char (default) or gpt2")
     pr.add_argument("--val-fraction", type=float, metavar="F", default=0.1, help="share of tokens for val (default 0.1)")
+    pr.add_argument("--force", action="store_true",
+                    help="replace the shards OUT already holds (without it, such an OUT is refused)")
 
     # -- convert --------------------------------------------------------------------------------
     c = sub.add_parser(
@@ -590,6 +593,13 @@ def _cmd_eval(args) -> int:
 def _cmd_prepare(args) -> int:
     from .data import prepare
 
+    out = Path(args.out)
+    held = [f for f in ("train.bin", "val.bin", "tokenizer.json") if (out / f).exists()]
+    if held and not args.force:
+        run = " (the prepared data of the run in " + str(out.parent) + ")" \
+            if out.name == "data" and (out.parent / "log.jsonl").exists() else ""
+        raise DataError(f"{out} already holds {', '.join(held)}{run}; give another --out, or "
+                        f"--force to replace them")
     info = prepare(args.text, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction)
     print(f"{info['train_tokens']:,} train tokens -> {info['train_path']}")
     print(f"{info['val_tokens']:,} val tokens -> {info['val_path']}")

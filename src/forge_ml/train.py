@@ -149,7 +149,7 @@ class TrainConfig:
                                      # sets grad_accum = total_batch_size / batch_size
     max_steps: int = 2000
     lr: float = 1e-3
-    min_lr: float = 1e-4
+    min_lr: Optional[float] = None   # where the cosine ends; None: lr / 10 (nanoGPT's rule)
     warmup: int = 100
     lr_decay_steps: int = 0          # where the cosine reaches min_lr; 0 = max_steps
     weight_decay: float = 0.1
@@ -174,6 +174,8 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f.name, f.type, getattr(self, f.name)))
         auto = self.batch_size == "auto"
+        if self.min_lr is None:
+            self.min_lr = self.lr / 10
         checks = [
             (auto or self.batch_size >= 1, "batch_size must be >= 1 (or 'auto' on a GPU)"),
             (self.block_size >= 1, "block_size must be >= 1"),
@@ -182,6 +184,9 @@ class TrainConfig:
             (self.max_steps >= 0, "max_steps must be >= 0"),
             (0 <= self.lr < math.inf and 0 <= self.min_lr < math.inf,
              f"lr and min_lr must be finite numbers >= 0, got {self.lr} and {self.min_lr}"),
+            (self.min_lr <= self.lr or not math.isfinite(self.lr),
+             f"min_lr {self.min_lr} is above lr {self.lr}: the cosine would raise the rate as it "
+             f"goes; give a min_lr <= lr (or leave it out: lr / 10)"),
             (self.warmup >= 0 and self.lr_decay_steps >= 0, "warmup and lr_decay_steps must be >= 0"),
             (0.0 <= self.dropout < 1.0, "dropout must be in [0, 1)"),
             (0.0 < self.val_fraction < 1.0, "val_fraction must be in (0, 1)"),
@@ -262,6 +267,10 @@ def _coerce(name, typ, value):
     """Check a TrainConfig value against its annotated type (ints are accepted as floats;
     ``batch_size`` also takes "auto")."""
     typ = typ if isinstance(typ, str) else typ.__name__
+    if typ.startswith("Optional["):          # None stands for a default worked out from others
+        if value is None:
+            return None
+        typ = typ[len("Optional["):-1]
     if name == "batch_size" and value == "auto":
         return "auto"
     if typ == "bool":
