@@ -213,6 +213,7 @@ def test_sample_generation_options(trained, capsys):
     (["--num-beams", "0"], "--num-beams must be >= 1"),
     (["--num-beams", "2", "--num-return-sequences", "3"], "--num-return-sequences must be in 1..--num-beams"),
     (["--num-beams", "2", "--logprobs", "1"], "use one or the other"),
+    (["--num-beams", "2", "--repetition-penalty", "1.3"], "beam search (--num-beams) does not take it"),
 ])
 def test_sample_generation_options_are_checked(trained, capsys, argv, needle):
     _fails(capsys, ["sample", "--ckpt", "run", "--prompt", "to be", *argv], needle)

@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--logprobs", type=int, metavar="N", default=None,
                    help="after the text, each token's log-probability and the N most likely alternatives")
     s.add_argument("--num-beams", type=int, metavar="K", default=None,
-                   help="beam search with K beams (deterministic; ignores temperature, top-k, top-p, min-p)")
+                   help="beam search with K beams (deterministic; ignores temperature, top-k, top-p, min-p; "
+                        "no repetition penalty)")
     s.add_argument("--length-penalty", type=float, metavar="L", default=1.0,
                    help="with --num-beams: scores are divided by length**L (> 0 favours longer sequences)")
     s.add_argument("--early-stopping", choices=["false", "true", "never"], default="false",
@@ -458,6 +459,10 @@ def _check_sample_args(args) -> None:
     if args.num_beams is not None and args.logprobs is not None:
         raise ConfigError("--logprobs reports sampled or greedy tokens; beam search (--num-beams) "
                           "scores whole sequences: use one or the other")
+    if args.num_beams is not None and args.repetition_penalty != 1.0:
+        raise ConfigError(f"--repetition-penalty applies to sampled or greedy tokens; beam search "
+                          f"(--num-beams) does not take it: drop one or the other, got "
+                          f"--repetition-penalty {args.repetition_penalty}")
 
 
 def _cmd_sample(args) -> int:
