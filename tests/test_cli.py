@@ -207,6 +207,22 @@ def test_sample_generation_options(trained, capsys):
     assert ("to be" + tok.decode(seqs[0])) in out
 
 
+def test_sample_logprobs_and_beams_say_when_the_context_cuts_them_short(trained, capsys):
+    """--logprobs and --num-beams have no sliding window: past the context (16 here) they stop,
+    and say so on stderr; a prompt that fills the context leaves beam search no room."""
+    base = ["sample", "--ckpt", "run", "--prompt", "to be", "--max-new-tokens", "30", "--temperature", "0"]
+    assert main(base + ["--logprobs", "1"]) == 0
+    cap = capsys.readouterr()
+    assert len(cap.out.split("--- log-probabilities")[1].strip().splitlines()[1:]) == 16 - 5
+    assert "no sliding window" in cap.err and "holds 11 new tokens" in cap.err and "30 asked" in cap.err
+    assert main(base + ["--num-beams", "2"]) == 0
+    assert "holds 11 new tokens" in capsys.readouterr().err
+    assert main(base[:5] + ["--max-new-tokens", "11", "--logprobs", "1"]) == 0
+    assert capsys.readouterr().err == ""                         # it fits: no note
+    full = ["sample", "--ckpt", "run", "--prompt", "to be or not to ", "--max-new-tokens", "5"]
+    _fails(capsys, full + ["--num-beams", "2"], "fill the model's context of 16 tokens")
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
     (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),

@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_fmt(),
         description="Generate text from a forge-ml checkpoint, a run folder, or a Hugging Face GPT-2 "
                     "folder (config.json + model.safetensors). Past the context length, generation goes "
-                    "on from the last half context.",
+                    "on from the last half context (not with --logprobs or --num-beams, which stop "
+                    "there, with a note on stderr).",
         epilog="examples:\n"
                "  forge-ml sample --ckpt runs/default --prompt 'def main(' --max-new-tokens 300\n"
                "  forge-ml sample --ckpt ~/gpt2 --prompt 'Hello, I am' --top-k 40 --seed 1\n"
@@ -477,6 +478,14 @@ def _cmd_sample(args) -> int:
     if len(ids) > block:
         raise ShapeError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block} tokens")
     stop = (tok.eot_token,) if tok.kind == "gpt2" else ()
+    if (args.num_beams is not None or args.logprobs is not None) and args.max_new_tokens > block - len(ids):
+        what = "--num-beams" if args.num_beams is not None else "--logprobs"
+        if args.num_beams is not None and len(ids) == block:
+            raise ShapeError(f"the prompt's {len(ids)} tokens fill the model's context of {block} tokens; "
+                             f"{what} has no sliding window and needs room for at least one new token")
+        print(f"forge-ml sample: note: {what} has no sliding window: the model's context of {block} tokens "
+              f"holds {block - len(ids)} new tokens after the prompt's {len(ids)}, not the "
+              f"{args.max_new_tokens} asked", file=sys.stderr, flush=True)
     out = sys.stdout
     if args.num_beams is not None:
         return _sample_beams(args, model, tok, ids, stop, out)
