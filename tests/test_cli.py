@@ -223,6 +223,13 @@ def test_sample_logprobs_and_beams_say_when_the_context_cuts_them_short(trained,
     _fails(capsys, full + ["--num-beams", "2"], "fill the model's context of 16 tokens")
 
 
+def test_sample_logprobs_past_the_vocabulary_fail_before_any_output(trained, capsys):
+    vocab = len(sorted(set(TEXT)))
+    assert main(["sample", "--ckpt", "run", "--prompt", "to be", "--logprobs", str(vocab + 1)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and f"--logprobs must be in 0..{vocab}" in cap.err
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
     (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),

@@ -477,6 +477,9 @@ def _cmd_sample(args) -> int:
     block = model.config.block_size
     if len(ids) > block:
         raise ShapeError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block} tokens")
+    if args.logprobs is not None and args.logprobs > model.config.vocab_size:
+        raise ConfigError(f"--logprobs must be in 0..{model.config.vocab_size} (the model's vocabulary), "
+                          f"got {args.logprobs}")
     stop = (tok.eot_token,) if tok.kind == "gpt2" else ()
     if (args.num_beams is not None or args.logprobs is not None) and args.max_new_tokens > block - len(ids):
         what = "--num-beams" if args.num_beams is not None else "--logprobs"
