@@ -375,6 +375,16 @@ def test_generate_text_and_stream_tokens_take_the_new_options(model):
     assert got == list(generate(model, ids, max_new_tokens=10, temperature=0))
 
 
+def test_stream_tokens_takes_one_stop_token_as_generate_does(model):
+    ids = [1, 2, 3]
+    want = list(generate(model, ids, max_new_tokens=10, temperature=0))
+    stop = want[3]
+    cut = want[: want.index(stop) + 1]
+    assert list(generate(model, ids, max_new_tokens=10, temperature=0, stop_tokens=stop)) == cut
+    assert list(stream_tokens(model, ids, 10, temperature=0, stop_tokens=stop)) == cut
+    assert list(stream_tokens(model, ids, 10, temperature=0, stop_tokens=[stop])) == cut
+
+
 def test_bad_new_arguments(model):
     for bad in (dict(min_p=-0.1), dict(min_p=1.5), dict(min_p="x"),
                 dict(repetition_penalty=0), dict(repetition_penalty=-1.0),

@@ -550,6 +550,8 @@ def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, to
     >>> len(list(stream_tokens(m, [1, 2], 10, temperature=0)))
     10
     """
+    if isinstance(stop_tokens, numbers.Integral):
+        stop_tokens = (stop_tokens,)        # one id, as generate takes it
     block = model.config.block_size
     ctx = list(ids)[-block:]
     made, chunk = 0, 0
