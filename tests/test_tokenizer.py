@@ -142,6 +142,9 @@ def test_gpt2_special_token_handling(gpt2):
     assert special == gpt2.encode("a") + [50256] + gpt2.encode("b")
     assert gpt2.encode(text, allowed_special={"<|endoftext|>"}) == special
     assert gpt2.encode(text, allowed_special="all") == special
+    assert gpt2.encode(text, allowed_special="<|endoftext|>") == special   # one name
+    with pytest.raises(TokenizerError, match=r"unknown special tokens \['<\|pad\|>'\]"):
+        gpt2.encode(text, allowed_special="<|pad|>")
     with pytest.raises(TokenizerError, match="unknown special"):
         gpt2.encode(text, allowed_special={"<|pad|>"})
 

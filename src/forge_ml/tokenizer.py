@@ -298,7 +298,8 @@ class GPT2Tokenizer:
         if allowed_special is True or allowed_special == "all":
             allowed = {GPT2_EOT}
         else:
-            allowed = set(allowed_special)
+            # a str is one token's name, not a set of characters
+            allowed = {allowed_special} if isinstance(allowed_special, str) else set(allowed_special)
             unknown = allowed - {GPT2_EOT}
             if unknown:
                 raise TokenizerError(
