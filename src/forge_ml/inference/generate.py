@@ -18,7 +18,10 @@ Rows share one position counter: the first ``min(len(p))`` tokens
 of every prompt are prefilled together, then the batch steps one token at a time, and a row
 still inside its prompt is fed its next prompt token instead of a sampled one. So every row
 sees exactly the positions and keys it would see alone, and its tokens equal those of the
-same prompt run alone (greedy; sampling too, since each row has its own random stream).
+same prompt run alone when greedy. Sampling draws from the row's own random stream, keyed
+by ``(seed, row index)``: a row's tokens do not depend on the other rows' prompts, and row 0
+draws what the prompt alone (with the same seed) draws; row ``r`` equals the prompt run as
+row ``r`` of any batch.
 
 Next-token choice, per row (``next_token_probs``), on the first ``vocab_size`` logits (the
 padded columns are never sampled), in transformers' order (``GenerationMixin.
