@@ -400,6 +400,25 @@ def test_bad_new_arguments(model):
         generate(model, [1, 2], top_n=3)
 
 
+@pytest.mark.parametrize("bad", [dict(stop_tokens="5"), dict(stop_tokens=[1.7]),
+                                 dict(stop_tokens=["a"]), dict(stop_tokens=[True]),
+                                 dict(stop_strings=[5]), dict(stop_strings=b"x"),
+                                 dict(stop_strings=[""])])
+def test_bad_stop_arguments_are_config_errors_at_the_call(model, bad):
+    # "5" and [1.7] used to become stop token 5 and 1; [5] as a stop string failed mid-stream
+    tok = CharTokenizer("abcdefghijklmnopqrstuvw")
+    with pytest.raises(ConfigError, match="stop_"):
+        generate(model, [1, 2], max_new_tokens=3, tokenizer=tok, **bad)
+    with pytest.raises(ConfigError, match="stop_"):
+        generate_text(model, tok, "ab", max_new_tokens=3, **bad)
+
+
+def test_stop_arguments_may_be_none(model):
+    want = list(generate(model, [1, 2], max_new_tokens=3, temperature=0))
+    assert list(generate(model, [1, 2], max_new_tokens=3, temperature=0, stop_tokens=None,
+                         stop_strings=None)) == want
+
+
 @pytest.mark.cuda
 def test_new_options_on_the_gpu_equal_the_cpu(model):
     try:

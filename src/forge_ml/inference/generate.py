@@ -79,6 +79,7 @@ A row finishes (``TokenEvent.finish`` says why) after
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -253,6 +254,38 @@ def _as_prompts(prompts) -> tuple[list, bool]:
     return rows, False
 
 
+def _stop_args(stop_tokens, stop_strings) -> tuple[tuple, tuple]:
+    """``(stop token ids, stop strings)`` as tuples: an id or a list of ids, a string or a list
+    of non-empty strings (None: none); anything else is a ConfigError.
+
+    >>> _stop_args(5, "END")
+    ((5,), ('END',))
+    >>> _stop_args(["5"], ())
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: generate: stop_tokens must be a token id or a list of token ids, got ['5']
+    """
+    if stop_tokens is None:
+        stop_tokens = ()
+    elif _is_int(stop_tokens):
+        stop_tokens = (stop_tokens,)
+    if not isinstance(stop_tokens, (str, bytes)) and isinstance(stop_tokens, Iterable):
+        stop_tokens = list(stop_tokens)                  # once: it may be an iterator
+    if not isinstance(stop_tokens, list) or not all(_is_int(t) for t in stop_tokens):
+        raise ConfigError(f"generate: stop_tokens must be a token id or a list of token ids, "
+                          f"got {stop_tokens!r:.80}")
+    if stop_strings is None:
+        stop_strings = ()
+    elif isinstance(stop_strings, str):
+        stop_strings = (stop_strings,)
+    if not isinstance(stop_strings, bytes) and isinstance(stop_strings, Iterable):
+        stop_strings = list(stop_strings)
+    if not isinstance(stop_strings, list) or not all(isinstance(x, str) and x for x in stop_strings):
+        raise ConfigError(f"generate: stop_strings must be a string or a list of non-empty "
+                          f"strings, got {stop_strings!r:.80}")
+    return tuple(int(t) for t in stop_tokens), tuple(stop_strings)
+
+
 def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
                 tokenizer, min_p=None, repetition_penalty=1.0, logprobs=None, single=False):
     cfg = model.config
@@ -330,16 +363,13 @@ def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1
     if kw:
         raise TypeError(f"generate: unexpected keyword arguments {sorted(kw)}")
     rows, single = _as_prompts(prompts)
+    stop_tokens, stop_strings = _stop_args(stop_tokens, stop_strings)
     _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
                 tokenizer, min_p, repetition_penalty, logprobs, single)
-    if isinstance(stop_tokens, numbers.Integral):
-        stop_tokens = (stop_tokens,)
-    if isinstance(stop_strings, str):
-        stop_strings = (stop_strings,)
     choice = _Choice(float(temperature), top_k, top_p, min_p, float(repetition_penalty),
                      logprobs)
-    steps = _steps(model, rows, max_new_tokens, choice, seed,
-                   frozenset(int(t) for t in stop_tokens), tuple(stop_strings), tokenizer)
+    steps = _steps(model, rows, max_new_tokens, choice, seed, frozenset(stop_tokens),
+                   stop_strings, tokenizer)
     if single:
         return (ev.token for events in steps for ev in events)
     return steps
@@ -528,10 +558,7 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kwa
     (5, True)
     """
     ids = tokenizer.encode(prompt)
-    stop_tokens = kwargs.get("stop_tokens", ())
-    stop_tokens = {stop_tokens} if isinstance(stop_tokens, numbers.Integral) else set(stop_tokens)
-    stop_strings = kwargs.get("stop_strings", ())
-    stop_strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+    stop_tokens, stop_strings = _stop_args(kwargs.get("stop_tokens"), kwargs.get("stop_strings"))
     kwargs["tokenizer"] = tokenizer
     out = list(generate(model, ids, max_new_tokens, **kwargs))
     if out and out[-1] in stop_tokens:
@@ -553,8 +580,7 @@ def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, to
     >>> len(list(stream_tokens(m, [1, 2], 10, temperature=0)))
     10
     """
-    if isinstance(stop_tokens, numbers.Integral):
-        stop_tokens = (stop_tokens,)        # one id, as generate takes it
+    stop_tokens, _ = _stop_args(stop_tokens, ())     # one id too, as generate takes it
     block = model.config.block_size
     ctx = list(ids)[-block:]
     made, chunk = 0, 0
