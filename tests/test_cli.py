@@ -132,6 +132,18 @@ def test_sample_from_a_gpt2_vocab_hf_folder(workdir, capsys):
     assert capsys.readouterr().out.startswith("Hello")
 
 
+def test_sample_refuses_a_hf_folder_whose_vocabulary_is_not_its_tokenizers(workdir, capsys):
+    # a third-party GPT-2 with its own 97-token vocabulary is read with GPT-2's tokenizer: an
+    # empty prompt used to fail on 'token id 50256 in the prompt', a short one to print GPT-2
+    # text for the model's unrelated ids
+    from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
+    cfg = {"vocab_size": 97, "block_size": 16, "n_layer": 1, "n_head": 1, "n_embd": 8}
+    save_hf_gpt2("small", cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
+    for argv in ([], ["--prompt", "!"], ["--prompt", "!", "--num-beams", "2"]):
+        _fails(capsys, ["sample", "--ckpt", "small", "--max-new-tokens", "3", *argv],
+               "the model has 97 tokens but its tokenizer (gpt2) has 50257")
+
+
 def test_bench_builtin_and_list(capsys):
     assert main(["bench", "--steps", "1"]) == 0
     assert "ms over 1 steps" in capsys.readouterr().out
