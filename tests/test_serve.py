@@ -600,3 +600,16 @@ def test_serve_parser_defaults():
     sub = argparse.ArgumentParser().add_subparsers()
     a = add_parser(sub).parse_args(["--ckpt", "x", "--dtype", "bf16", "--api-key", "k"])
     assert (a.host, a.port, a.dtype, a.api_key, a.slots) == ("127.0.0.1", 8000, "bf16", "k", None)
+
+
+def test_serve_refuses_a_model_whose_vocabulary_is_not_its_tokenizers(tmp_path):
+    """A Hugging Face folder with its own 97-token vocabulary is read with GPT-2's tokenizer:
+    serve refuses it at start, as sample does, instead of failing request by request."""
+    from forge_ml.errors import ConfigError
+    from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
+    from forge_ml.serve.cli import _load
+
+    cfg = {"vocab_size": 97, "block_size": 16, "n_layer": 1, "n_head": 1, "n_embd": 8}
+    save_hf_gpt2(tmp_path / "small", cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
+    with pytest.raises(ConfigError, match="the model has 97 tokens but its tokenizer"):
+        _load(str(tmp_path / "small"), "cpu", "float32")

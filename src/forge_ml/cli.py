@@ -469,14 +469,12 @@ def _check_sample_args(args) -> None:
 def _cmd_sample(args) -> int:
     from .errors import ShapeError
     from .inference import load_model, stream_tokens
+    from .inference.load import check_tokenizer_fits
 
     _check_sample_args(args)
     dtype = "bfloat16" if args.dtype in ("bf16", "bfloat16") else "float32"
     model, tok, _ = load_model(args.ckpt, device=args.device, dtype=dtype)
-    if tok.vocab_size > model.config.vocab_size:
-        raise ConfigError(f"{args.ckpt}: the model has {model.config.vocab_size} tokens but its tokenizer "
-                          f"({tok.kind}) has {tok.vocab_size}; the ids would not be the model's (a Hugging "
-                          f"Face folder is read with GPT-2's tokenizer unless forge-ml exported it)")
+    check_tokenizer_fits(model, tok, args.ckpt)
     ids = _prompt_ids(tok, args.prompt)
     block = model.config.block_size
     if len(ids) > block:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ..checkpoint import load_checkpoint, unpack_tensors
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..hf import HF_TOKENIZER_FILE  # a non-GPT-2 tokenizer kept in an exported HF folder
 from ..models.gpt2 import GPT2, GPT2Config
 from ..tokenizer import tokenizer_from_dict
@@ -84,6 +84,26 @@ def load_model(path, device="cpu", dtype="float32"):
     model = GPT2.from_state_dict(cfg, params, device=device, dtype=dtype)
     tok = hf_tokenizer_dict(p)
     return model, tokenizer_from_dict(tok), {"config": cfg.to_dict(), "tokenizer": tok}
+
+
+def check_tokenizer_fits(model, tok, where) -> None:
+    """A ConfigError when ``tok`` has more ids than ``model``'s vocabulary: its ids would not be
+    the model's (a Hugging Face folder is read with GPT-2's tokenizer unless forge-ml exported
+    it, so a model with its own smaller vocabulary gets one that does not fit). What ``forge-ml
+    sample`` and ``forge-ml serve`` check before they turn text into ids.
+
+    >>> from forge_ml.tokenizer import tokenizer_from_dict
+    >>> model = GPT2.init(GPT2Config(vocab_size=4, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    >>> check_tokenizer_fits(model, tokenizer_from_dict({"kind": "char", "chars": "abc\\n"}), "m")
+    >>> check_tokenizer_fits(model, tokenizer_from_dict({"kind": "gpt2"}), "m")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: m: the model has 4 tokens but its tokenizer (gpt2) has 50257; ...
+    """
+    if tok.vocab_size > model.config.vocab_size:
+        raise ConfigError(f"{where}: the model has {model.config.vocab_size} tokens but its tokenizer "
+                          f"({tok.kind}) has {tok.vocab_size}; the ids would not be the model's (a Hugging "
+                          f"Face folder is read with GPT-2's tokenizer unless forge-ml exported it)")
 
 
 def hf_tokenizer_dict(hf_dir) -> dict:

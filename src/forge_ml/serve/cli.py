@@ -14,7 +14,6 @@ runs it; ``python -m forge_ml.serve.cli ...`` runs it alone. The server listens 
 from __future__ import annotations
 
 import argparse
-import inspect
 import ipaddress
 import sys
 from pathlib import Path
@@ -65,17 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load(ckpt: str, device: str, dtype: str):
-    try:
-        from ..inference.load import load_model
-    except ImportError:        # an older tree: the loader lived in the trainer
-        from ..train import load_model
-    kw = {"device": device}
-    if "dtype" in inspect.signature(load_model).parameters:
-        kw["dtype"] = dtype
-    elif dtype != "float32":
-        print(f"forge-ml serve: this load_model has no dtype; serving float32, not {dtype}",
-              file=sys.stderr)
-    return load_model(ckpt, **kw)
+    from ..inference.load import check_tokenizer_fits, load_model
+    model, tok, meta = load_model(ckpt, device=device, dtype=dtype)
+    check_tokenizer_fits(model, tok, ckpt)
+    return model, tok, meta
 
 
 def run(args) -> int:
