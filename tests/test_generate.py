@@ -439,3 +439,18 @@ def test_new_options_on_the_gpu_equal_the_cpu(model):
                 [(e.row, e.token, e.finish) for e in want]
             np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in want],
                                        atol=1e-4)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1e-40), dict(temperature=1.0, repetition_penalty=1e-40),
+                                dict(temperature=0.7, repetition_penalty=1e-300, top_k=5)])
+def test_knobs_past_float32s_range_choose_the_top_logprob(kw):
+    """A temperature or penalty that overflows float32 sampled from weights of exp(0 * inf)
+    (or between float32 ties of logits float64 keeps apart): the chosen token was not the one
+    the reported log-probabilities put all the mass on. Now it is, with no warning."""
+    import warnings
+    model = GPT2.init(GPT2Config(vocab_size=50, block_size=16, n_layer=1, n_head=1, n_embd=8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        events = [e[0] for e in generate(model, [[1, 2, 3]], max_new_tokens=6, seed=1, logprobs=2, **kw)]
+    assert [e.token for e in events] == [e.top_logprobs[0][0] for e in events]
+    assert all(e.logprob == 0.0 for e in events)

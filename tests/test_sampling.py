@@ -52,3 +52,22 @@ def test_same_key_and_position_same_token_and_the_penalty():
     z2[3] = np.nan                                                       # a NaN row: argmax (numpy's)
     assert sample_row(z2, knobs, (1, 2), 5) == 3
     assert sample_row(z, [1.0, 1, 1.0, 0, 1.0], (9, 9), 3) == 39         # top_k=1
+
+
+@pytest.mark.parametrize("knobs,seen_ids,want", [
+    ([1e-40, 0, 1.0, 0.0, 1.0], [], 39),          # 1 / T overflows float32: the limit, the argmax
+    ([3e-39, 5, 0.9, 0.0, 1.0], [], 39),
+    ([1.0, 0, 1.0, 0.0, 1e-40], [30, 35], 30),    # z / penalty = inf for seen positive logits:
+    ([0.8, 0, 0.9, 0.1, 1e-40], [35, 30], 30),    # the lowest such id, as argmax has it
+])
+def test_a_row_past_float32s_range_takes_the_argmax(knobs, seen_ids, want):
+    """A temperature so small that 1 / T is infinite (or a penalty that makes a logit
+    infinite) made the top weight exp(0 * inf) = NaN, cast to an integer: 0 on the GPU (every
+    weight 0, and the draw chose id V, outside the vocabulary), 2^31 on x86 hosts, and after
+    a penalty's inf - inf, 0 here too. Now the limit of the draw, on every backend: the argmax."""
+    z = np.linspace(-1, 1, 40).astype(np.float32)
+    seen = np.zeros(40, bool)
+    seen[seen_ids] = True
+    for q in range(20):
+        assert sample_row(z, knobs, (7, 8), q, seen) == want
+    assert sample_row(z, [1e-30, 0, 1.0, 0.0, 1.0], (7, 8), 3) == 39   # 1 / T finite: the draw, argmax too

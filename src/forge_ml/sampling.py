@@ -28,7 +28,9 @@ def sample_row(z, knobs, key, position, seen=None) -> int:
     backend implements bit for bit (sums in integers, so no order of addition matters).
 
     1. A seen token (``seen[j]``) gets ``z/penalty`` when ``z > 0``, ``z*penalty`` otherwise.
-    2. Temperature 0 (or a NaN logit): the argmax, the lowest id among equal maxima.
+    2. Temperature 0, a NaN logit, or a row past float32's range (``1 / T`` or the largest
+       penalised logit infinite: the limit of the draw): the argmax, the lowest id among
+       equal maxima.
     3. ``w_j = uint32(exp((z_j - max z) / T) * 2^24)``: the most likely token weighs 2^24.
     4. top-k (``0 < k < V``): keep ``w >= `` the k-th largest w (ties at the cut all kept);
        top-p (``0 < p < 1``): keep ``w >= t`` for the largest t whose kept mass reaches
@@ -48,10 +50,12 @@ def sample_row(z, knobs, key, position, seen=None) -> int:
     V = z.shape[0]
     if seen is not None and pen != np.float32(1):
         s = np.asarray(seen).reshape(-1)[:V].astype(bool)
-        z[s] = np.where(z[s] > 0, z[s] / pen, z[s] * pen).astype(np.float32)
-    if not temp > 0 or np.isnan(z).any():
+        with np.errstate(over="ignore", under="ignore", divide="ignore"):
+            z[s] = np.where(z[s] > 0, z[s] / pen, z[s] * pen).astype(np.float32)
+    with np.errstate(over="ignore", divide="ignore"):
+        inv_t = np.float32(1) / temp if temp > 0 else np.float32(0)
+    if not temp > 0 or np.isnan(z).any() or not (np.isfinite(inv_t) and np.isfinite(z.max())):
         return int(np.argmax(z))
-    inv_t = np.float32(1) / temp
     with np.errstate(under="ignore"):
         w = (np.exp((z - z.max()) * inv_t) * np.float32(_W_ONE)).astype(np.uint32)
     return choose_from_weights(w, knobs, key, position)

@@ -410,7 +410,14 @@ class _Choice:
         if self.temperature > 0:
             knobs = self.knobs()
             knobs[4] = 1.0                                 # the penalty is applied already
-            tok = sample_row(np.asarray(z, np.float32), knobs, key, position)
+            with np.errstate(over="ignore"):
+                z32 = np.asarray(z, np.float32)
+            if (np.isinf(z32) & np.isfinite(z)).any():
+                # a penalty past float32's range: the float64 logits are this far apart, so
+                # all the mass is on their argmax (float32 would tie the overflowed ones)
+                tok = int(np.argmax(z))
+            else:
+                tok = sample_row(z32, knobs, key, position)
         else:
             tok = int(np.argmax(z))
         if self.logprobs is None:

@@ -413,7 +413,9 @@ FORGE_D void sample_block(const float* logits, int V, int Vp, const float* knobs
     int bi;
     row_argmax(row, V, STAGED && temp > 0.0f ? sw : nullptr, best, bi, sv, si);
     int token = bi;
-    if (temp > 0.0f && best == best) {  // sampled (a NaN row falls back to the argmax)
+    // sampled, unless a NaN row or one past float32's range (1 / T or the largest logit
+    // infinite): those fall back to the argmax (sampling.sample_row's step 2)
+    if (temp > 0.0f && best == best && isfinite(best) && isfinite(1.0f / temp)) {
         row.m = best;
         row.inv_t = 1.0f / temp;
         if constexpr (STAGED) {
@@ -480,7 +482,7 @@ extern "C" __global__ void sample_weights_f32(const float* logits, int V, int Vp
     float best;
     int bi;
     row_argmax(row, V, nullptr, best, bi, sv, si);
-    const bool sampled = temp > 0.0f && best == best;
+    const bool sampled = temp > 0.0f && best == best && isfinite(best) && isfinite(1.0f / temp);
     row.m = best;
     row.inv_t = sampled ? 1.0f / temp : 1.0f;
     for (int j = threadIdx.x; j < V; j += blockDim.x)
