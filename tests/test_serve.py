@@ -193,6 +193,9 @@ def test_n_choices_and_seeds(client):
     assert len(set(alone)) > 1
     assert client.completions.create(n=3, seed=11, **kw).choices[2].text == alone[2]
     assert r.usage.completion_tokens == 30 and r.usage.prompt_tokens == 5
+    # a negative seed (OpenAI's seeds are int64) is a seed like any other: reproducible
+    neg = [client.completions.create(seed=-7, **kw).choices[0].text for _ in range(2)]
+    assert neg[0] == neg[1]
 
 
 def test_prompt_forms(client, tok):
@@ -290,7 +293,7 @@ BAD = [
     ({"prompt": "ab", "top_p": 0}, 400, "top_p"),
     ({"prompt": "ab", "logprobs": 50}, 400, "logprobs"),
     ({"prompt": "ab", "stop": ""}, 400, "stop"),
-    ({"prompt": "ab", "seed": -1}, 400, "seed"),
+    ({"prompt": "ab", "seed": 1 << 63}, 400, "seed"),            # past OpenAI's int64
     ({"prompt": "ab", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"prompt": "ab", "best_of": 3}, 400, "best_of"),
     ({"prompt": "ab", "stream_options": {"include_usage": True}}, 400, "stream_options"),

@@ -300,7 +300,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     def submit(req: CompletionRequest) -> tuple:
         """Every choice's engine request; ``(choices, prompt token count)``."""
         prompts = [prompt_ids(p) for p in req.prompt]
-        base = secrets.randbits(62) if req.seed is None else req.seed
+        base = secrets.randbits(62) if req.seed is None else req.seed % (1 << 64)  # int64 as unsigned
         stop_tokens = () if eot is None or req.ignore_eos else (eot,)
         choices = []
         try:

@@ -151,7 +151,7 @@ _FIELDS = {
     "top_p": lambda v: _num("top_p", v, lo=0, lo_open=True, hi=1),
     "n": lambda v: _int("n", v, lo=1, hi=MAX_N),
     "stop": _stop,
-    "seed": lambda v: _int("seed", v, lo=0),
+    "seed": lambda v: _int("seed", v, lo=-(1 << 63), hi=(1 << 63) - 1),   # OpenAI's int64
     "logprobs": lambda v: _int("logprobs", v, lo=0, hi=MAX_LOGPROBS),
     "echo": lambda v: _bool("echo", v),
     "stream": lambda v: _bool("stream", v),
