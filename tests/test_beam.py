@@ -100,6 +100,9 @@ def test_num_return_sequences_and_other_prompts(pair, eos):
         np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-5)
         best, best_score = beam_search(ours, prompt, NEW, 3, eos_token_id=eos)
         assert best == got[:1] and best_score == scores[:1]
+        if eos is not None:     # the ids as a NumPy array, as transformers takes a tensor
+            arr = np.atleast_1d(np.asarray(eos, np.int64))
+            assert beam_search(ours, prompt, NEW, 3, eos_token_id=arr, num_return_sequences=2) == (got, scores)
 
 
 def test_the_cases_cover_every_stopping_rule(pair, eos, monkeypatch):

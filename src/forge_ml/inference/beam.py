@@ -143,8 +143,10 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
         eos = ()
     elif _is_int(eos_token_id):
         eos = (int(eos_token_id),)
-    elif isinstance(eos_token_id, Sequence) and all(_is_int(t) for t in eos_token_id):
-        eos = tuple(int(t) for t in eos_token_id)
+    elif (isinstance(eos_token_id, Sequence) or (isinstance(eos_token_id, np.ndarray)
+                                                  and eos_token_id.ndim == 1)) \
+            and all(_is_int(t) for t in eos_token_id):
+        eos = tuple(int(t) for t in eos_token_id)      # a list, a tuple or a 1-d array of ids
     else:
         raise ConfigError(f"beam_search: eos_token_id must be None, an int or a list of ints, "
                           f"got {eos_token_id!r}")
