@@ -18,14 +18,16 @@ def test_constructors_and_dtypes():
 
 
 def test_integer_tensors_from_other_values():
-    """NaN or inf cannot become an integer (torch refuses too); integers cast to a narrower
-    type keep the values the tensor holds, and the id checks see those values."""
+    """NaN or inf cannot become an integer (torch refuses too), nor can a value past the
+    integer type's range; floats are truncated, and the id checks see the values kept."""
     with pytest.raises(fm.DTypeError, match="NaN or inf"):
         fm.tensor([1.0, float("nan")], dtype="int64")
     with pytest.raises(fm.DTypeError, match="NaN or inf"):
         fm.tensor(np.array([np.inf]), dtype="int32")
-    ids = fm.tensor(np.array([2**32 + 5]), dtype="int32")   # wraps to 5, as torch's does
-    assert ids.numpy().tolist() == [5]
+    with pytest.raises(fm.DTypeError, match="do not fit int32"):   # it wrapped to id 5
+        fm.tensor(np.array([2**32 + 5]), dtype="int32")
+    ids = fm.tensor(np.array([7.9]), dtype="int32")          # truncated, as torch does
+    assert ids.numpy().tolist() == [7]
     wte = fm.zeros((8, 2))
     assert ops.embedding(ids, wte, fm.zeros((4, 2))).shape == (1, 2)
 
@@ -140,3 +142,21 @@ def test_zeros_and_full_refuse_a_shape_that_is_not_ints(shape):
         fm.zeros(shape)
     with pytest.raises(ShapeError, match="shape"):
         fm.full(shape, 1.0)
+
+
+@pytest.mark.parametrize("data,dtype", [
+    (np.array([2 ** 40], np.int64), "int32"),           # wrapped to 0
+    (np.array([2 ** 63 + 5], np.uint64), "int64"),      # wrapped to a negative id
+    (np.array([1e20]), "int64"), (np.array([2.0 ** 31]), "int32"),
+    ([2 ** 70], None), ([[1, 2], [3]], None),           # NumPy's OverflowError / ValueError
+])
+def test_values_that_do_not_fit_the_integer_dtype_are_refused(data, dtype):
+    from forge_ml.errors import DTypeError
+    with pytest.raises(DTypeError, match="tensor:"):
+        fm.tensor(data, dtype=dtype)
+
+
+def test_integer_edges_and_float_truncation_are_kept():
+    assert fm.tensor(np.array([2 ** 31 - 1, -2 ** 31]), dtype="int32").numpy().tolist() == [2 ** 31 - 1, -2 ** 31]
+    assert fm.tensor(np.array([2 ** 63 - 1]), dtype="int64").numpy().tolist() == [2 ** 63 - 1]
+    assert fm.tensor(np.array([3.7, -2.2]), dtype="int32").numpy().tolist() == [3, -2]   # as torch

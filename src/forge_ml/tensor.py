@@ -252,7 +252,13 @@ def tensor(data, dtype=None, device="cpu") -> Tensor:
         a = data
         dt = _default_dtype(a, dtype)
     else:
-        a = np.asarray(data)
+        try:
+            a = np.asarray(data)
+        except (OverflowError, ValueError):
+            a = None
+        if a is None or a.dtype == object:     # e.g. a Python int past 64 bits, ragged lists
+            raise DTypeError(f"tensor: expected numbers of one shape (ints within 64 bits), got "
+                             f"{str(data):.60}")
         if dtype is None and a.dtype.kind == "f":
             dt = _dt.float32
         elif dtype is None and a.dtype.kind in "iub":
@@ -265,6 +271,16 @@ def tensor(data, dtype=None, device="cpu") -> Tensor:
     if not dt.is_float and a.size:
         if a.dtype.kind == "f" and not np.isfinite(a).all():
             raise DTypeError(f"tensor: cannot store NaN or inf as {dt.name}")
+        if a.dtype.kind in "iuf":   # a value past the integer type's range would wrap silently
+            info = np.iinfo(dt.name)
+            lo, hi = a.min(), a.max()
+            if a.dtype.kind == "f":      # truncated toward 0, as torch does: inside (min - 1, max + 1)
+                bad = float(lo) <= float(info.min) - 1 or float(hi) >= float(info.max) + 1
+            else:
+                bad = int(lo) < info.min or int(hi) > info.max
+            if bad:
+                raise DTypeError(f"tensor: values {lo}..{hi} do not fit {dt.name} "
+                                 f"({info.min}..{info.max})")
         ints = a if a.dtype == np.dtype(dt.name) else a.astype(dt.name)   # the values kept
     t = Tensor(backend_of(dev).from_host(a, dt.name), dev)
     if ints is not None:
