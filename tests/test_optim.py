@@ -172,3 +172,18 @@ def test_non_finite_norm_is_reported_as_nan():
     g = {"w": fm.tensor(np.array([[np.inf, 1.0]], np.float32))}
     norm, scale = clip_grad_norm(g, 1.0)
     assert math.isnan(norm) and scale == 1.0
+
+
+@pytest.mark.parametrize("bad", [dict(betas=(0.9,)), dict(betas=(0.9, 1.5)), dict(eps=0.0),
+                                 dict(lr=float("inf")), dict(weight_decay="x")])
+def test_load_state_dict_checks_the_hyper_parameters_before_changing_anything(bad):
+    """A state with one beta had loaded (and failed at the next step); now refused as the
+    constructor refuses it, with the optimizer left as it was."""
+    import forge_ml as fm
+    opt = AdamW({"w": fm.zeros((2, 2))})
+    state = opt.state_dict()
+    state["m"] = {"w": np.ones((2, 2), np.float32)}
+    state.update(bad)
+    with pytest.raises(ConfigError, match="AdamW.load_state_dict"):
+        opt.load_state_dict(state)
+    assert opt.betas == (0.9, 0.95) and float(opt.m["w"].numpy().sum()) == 0.0

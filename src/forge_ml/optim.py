@@ -27,6 +27,24 @@ from .errors import ConfigError, ShapeError
 from .tensor import Tensor, backend_of, tensor, zeros
 
 
+def _hyper(who: str, lr, betas, eps, weight_decay) -> tuple:
+    """``(lr, (beta1, beta2), eps, weight_decay)`` as floats, or a ConfigError naming ``who``
+    and what came: betas two numbers in [0, 1), lr >= 0, eps > 0, weight_decay >= 0, all finite."""
+    try:
+        b1, b2 = (float(b) for b in betas)
+        lr, eps, weight_decay = float(lr), float(eps), float(weight_decay)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{who}: betas must be two numbers (beta1, beta2) and lr, eps, weight_decay "
+                          f"numbers; got betas={betas!r}, lr={lr!r}, eps={eps!r}, "
+                          f"weight_decay={weight_decay!r}") from None
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ConfigError(f"{who}: betas must be in [0, 1), got {(b1, b2)}")
+    if not (0 <= lr < math.inf and 0 < eps < math.inf and 0 <= weight_decay < math.inf):
+        raise ConfigError(f"{who}: expected finite lr >= 0, eps > 0, weight_decay >= 0; got lr={lr}, "
+                          f"eps={eps}, weight_decay={weight_decay}")
+    return lr, (b1, b2), eps, weight_decay
+
+
 class AdamW:
     """AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019) over a dict
     of parameters, with torch.optim.AdamW's update rule.
@@ -52,15 +70,7 @@ class AdamW:
                  weight_decay: float = 0.1, compute_dtype=None, lowp: Optional[dict] = None):
         if not params:
             raise ConfigError("AdamW: expected at least one parameter, got an empty dict")
-        try:
-            b1, b2 = (float(b) for b in betas)
-        except (TypeError, ValueError):
-            raise ConfigError(f"AdamW: betas must be two numbers (beta1, beta2), got {betas!r}") from None
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ConfigError(f"AdamW: betas must be in [0, 1), got {tuple(betas)}")
-        if lr < 0 or eps <= 0 or weight_decay < 0:
-            raise ConfigError(f"AdamW: expected lr >= 0, eps > 0, weight_decay >= 0; got lr={lr}, "
-                              f"eps={eps}, weight_decay={weight_decay}")
+        lr, (b1, b2), eps, weight_decay = _hyper("AdamW", lr, betas, eps, weight_decay)
         seen = {}
         for name, p in params.items():
             if not isinstance(p, Tensor) or p.dtype.name not in ("float32", "float64"):
@@ -223,6 +233,8 @@ class AdamW:
         >>> a.load_state_dict(s); a.steps, a.param_steps["w"]
         (5, 5)
         """
+        _hyper("AdamW.load_state_dict", state.get("lr", self.lr), state.get("betas", self.betas),
+               state.get("eps", self.eps), state.get("weight_decay", self.weight_decay))
         for key in ("m", "v"):
             saved = state.get(key)
             if not isinstance(saved, dict):
@@ -244,14 +256,9 @@ class AdamW:
         self.steps = int(state.get("step", 0))
         saved_steps = state.get("param_steps") or {}
         self.param_steps = {k: int(saved_steps.get(k, self.steps)) for k in self.params}
-        if "lr" in state:
-            self.lr = float(state["lr"])
-        if "betas" in state:
-            self.betas = tuple(float(b) for b in state["betas"])
-        if "eps" in state:
-            self.eps = float(state["eps"])
-        if "weight_decay" in state:
-            self.weight_decay = float(state["weight_decay"])
+        self.lr, self.betas, self.eps, self.weight_decay = _hyper(
+            "AdamW.load_state_dict", state.get("lr", self.lr), state.get("betas", self.betas),
+            state.get("eps", self.eps), state.get("weight_decay", self.weight_decay))
 
 
 def cosine_lr(step: int, max_lr: float, warmup: int, max_steps: int, min_lr: float) -> float:
