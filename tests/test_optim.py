@@ -124,6 +124,31 @@ def test_bad_hyper_parameters():
         AdamW({})
 
 
+def test_non_finite_hyper_parameters_are_refused_not_turned_into_nan_weights():
+    """A NaN or infinite lr, eps or weight decay (in the constructor, or as step()'s lr, or a
+    non-finite grad_scale) is a ConfigError naming it; the weights are left as they were
+    (torch.optim.AdamW refuses a NaN lr, eps or weight decay too)."""
+    w = np.ones((2, 2), np.float32)
+    for kw in ({"lr": math.nan}, {"lr": math.inf}, {"eps": math.nan}, {"eps": math.inf},
+               {"weight_decay": math.nan}, {"weight_decay": math.inf}):
+        name = next(iter(kw))
+        with pytest.raises(ConfigError, match=name):
+            AdamW({"w": fm.tensor(w)}, **kw)
+    p = {"w": fm.tensor(w)}
+    opt = AdamW(p, lr=0.1)
+    g = {"w": fm.tensor(np.full((2, 2), 0.5, np.float32))}
+    for kw in ({"lr": math.nan}, {"lr": math.inf}, {"lr": -0.1}, {"grad_scale": math.nan},
+               {"grad_scale": math.inf}):
+        with pytest.raises(ConfigError, match=next(iter(kw))):
+            opt.step(g, **kw)
+        with pytest.raises(ConfigError, match=next(iter(kw))):
+            opt.prepare(**kw)
+    assert opt.steps == 0 and opt.param_steps["w"] == 0
+    np.testing.assert_array_equal(p["w"].numpy(), w)
+    opt.step(g, lr=0.0)                 # lr 0 (a warmup's start) is fine
+    np.testing.assert_array_equal(p["w"].numpy(), w)
+
+
 def test_cosine_schedule_values():
     max_lr, min_lr, warmup, total = 1e-3, 1e-4, 10, 110
     lrs = [cosine_lr(s, max_lr, warmup, total, min_lr) for s in range(130)]

@@ -39,9 +39,10 @@ def _hyper(who: str, lr, betas, eps, weight_decay) -> tuple:
                           f"weight_decay={weight_decay!r}") from None
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
         raise ConfigError(f"{who}: betas must be in [0, 1), got {(b1, b2)}")
-    if not (0 <= lr < math.inf and 0 < eps < math.inf and 0 <= weight_decay < math.inf):
-        raise ConfigError(f"{who}: expected finite lr >= 0, eps > 0, weight_decay >= 0; got lr={lr}, "
-                          f"eps={eps}, weight_decay={weight_decay}")
+    bad = [f"{k}={v}" for k, v, ok in (("lr", lr, 0 <= lr < math.inf), ("eps", eps, 0 < eps < math.inf),
+                                         ("weight_decay", weight_decay, 0 <= weight_decay < math.inf)) if not ok]
+    if bad:     # a NaN or inf would turn every weight into NaN at the first step
+        raise ConfigError(f"{who}: expected finite lr >= 0, eps > 0, weight_decay >= 0; got {', '.join(bad)}")
     return lr, (b1, b2), eps, weight_decay
 
 
@@ -142,7 +143,8 @@ class AdamW:
         -0.5
         """
         self._known(grads, "step")
-        lr = self.lr if lr is None else float(lr)
+        lr = self.lr if lr is None else _step_value("step", "lr", lr)
+        grad_scale = _step_value("step", "grad_scale", grad_scale, signed=True)
         self.steps += 1
         b1, b2 = self.betas
         names = [n for n in self.params if grads.get(n) is not None]
@@ -175,8 +177,10 @@ class AdamW:
                               "bias corrections needs them equal; use step()")
         step = counts.pop() + 1
         b1, b2 = self.betas
-        values = np.array([self.lr if lr is None else float(lr), 1.0 - b1 ** step, 1.0 - b2 ** step,
-                           float(grad_scale), float("nan"), float(step)], np.float64)
+        lr = self.lr if lr is None else _step_value("prepare", "lr", lr)
+        grad_scale = _step_value("prepare", "grad_scale", grad_scale, signed=True)
+        values = np.array([lr, 1.0 - b1 ** step, 1.0 - b2 ** step,
+                           grad_scale, float("nan"), float(step)], np.float64)
         first = next(iter(self.params.values()))
         if self._scalars is None:
             self._scalars = tensor(values, device=first.device)
@@ -259,6 +263,28 @@ class AdamW:
         self.lr, self.betas, self.eps, self.weight_decay = _hyper(
             "AdamW.load_state_dict", state.get("lr", self.lr), state.get("betas", self.betas),
             state.get("eps", self.eps), state.get("weight_decay", self.weight_decay))
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
+
+
+def _step_value(where: str, name: str, value, signed: bool = False) -> float:
+    """``value`` as a float: finite, and >= 0 unless ``signed``; else a ConfigError (a NaN
+    or infinite learning rate or factor would write NaN into every weight).
+
+    >>> _step_value("step", "lr", float("nan"))
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: AdamW.step: lr must be a finite number >= 0, got nan
+    """
+    if not _finite(value) or (not signed and float(value) < 0):
+        raise ConfigError(f"AdamW.{where}: {name} must be a finite number{'' if signed else ' >= 0'}, "
+                          f"got {value!r}")
+    return float(value)
 
 
 def cosine_lr(step: int, max_lr: float, warmup: int, max_steps: int, min_lr: float) -> float:
