@@ -173,3 +173,16 @@ def test_min_lr_defaults_to_a_tenth_of_lr_and_may_not_exceed_it():
     assert TrainConfig.from_dict(cfg.to_dict()).min_lr == cfg.min_lr  # a checkpoint keeps it
     with pytest.raises(ConfigError, match="min_lr 0.0001 is above lr 5e-05"):
         TrainConfig(lr=5e-5, min_lr=1e-4)
+
+
+def test_evaluate_is_the_mean_over_its_batches_and_refuses_a_bad_count(text_file, tmp_path):
+    """``evaluate(n)`` is the plain mean of the loss over the first ``n`` validation batches;
+    a count that is not an int >= 1 is a ConfigError (it had divided by it: 2.5 batches gave
+    two batches' sum / 2.5, -1 gave -0.0, 0 a ZeroDivisionError)."""
+    from forge_ml import tensor
+    with Trainer(_cfg(text_file, tmp_path / "run"), log=None) as t:
+        want = np.mean([t.model.loss(tensor(x), tensor(y)).item() for x, y in t.val_loader.eval_batches(3)])
+        assert t.evaluate(3) == pytest.approx(want, rel=1e-12)
+        for bad in (2.5, 0, -1, True, "3"):
+            with pytest.raises(ConfigError, match="evaluate"):
+                t.evaluate(bad)

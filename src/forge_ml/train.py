@@ -917,8 +917,11 @@ class Trainer:
 
     def evaluate(self, iters: Optional[int] = None) -> float:
         """Mean loss over the first ``iters`` validation batches (no dropout): an estimate,
-        the same windows at every call, so comparable across a run and across a resume."""
+        the same windows at every call, so comparable across a run and across a resume.
+        ``iters`` must be an int >= 1 (a ConfigError otherwise)."""
         iters = self.cfg.eval_iters if iters is None else iters
+        if isinstance(iters, bool) or not isinstance(iters, (int, np.integer)) or iters < 1:
+            raise ConfigError(f"Trainer.evaluate: iters must be an int >= 1 (validation batches), got {iters!r}")
         total = 0.0
         for x, y in self.val_loader.eval_batches(iters):
             total += self.model.loss(tensor(x, device=self.device), tensor(y, device=self.device)).item()
