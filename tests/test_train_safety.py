@@ -476,6 +476,23 @@ def test_init_from_a_checkpoint_starts_a_new_run(workdir, capsys):
     assert not Path("y/data").exists()
 
 
+def test_the_context_defaults_to_the_sources_and_the_presets(workdir, capsys):
+    """Without --block-size a fine-tune trained on 64-token windows whatever the source's
+    context (GPT-2's 1024 included), and --model gpt2 on 64-token windows; now the source's
+    context, the preset's (1024), else 64."""
+    from forge_ml.train import TrainConfig
+    assert (TrainConfig().block_size, TrainConfig(model="gpt2").block_size,
+            TrainConfig(model="gpt2-xl", block_size=256).block_size) == (64, 1024, 256)
+    tiny = [a for a in TINY]
+    at = tiny.index("--block-size")
+    del tiny[at:at + 2]
+    Path("long.txt").write_text(TEXT * 3)
+    assert main(["train", "--data", "long.txt", "--out", "base", *tiny, "--block-size", "96", "--max-steps", "1"]) == 0
+    assert main(["train", "--init-from", "base", "--data", "long.txt", "--out", "ft", *tiny, "--max-steps", "1"]) == 0
+    assert load_checkpoint(Path("ft") / "ckpt")[1]["train_config"]["block_size"] == 96
+    capsys.readouterr()
+
+
 def test_init_from_a_hugging_face_folder(workdir, capsys):
     from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
     cfg = {"vocab_size": 50257, "block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 8}

@@ -41,7 +41,8 @@ _TRAIN_HELP = {
     "model": "a preset: nano-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl",
     "n_layer": "transformer blocks (default: the preset's, else 4)",
     "n_head": "attention heads (default: the preset's, else 4)",
-    "n_embd": "channels (default: the preset's, else 128)", "block_size": "context length in tokens",
+    "n_embd": "channels (default: the preset's, else 128)",
+    "block_size": "context length in tokens (default: --init-from's context, the preset's: 1024 for gpt2*, else 64)",
     "val_fraction": "share of a text file's tokens kept for validation",
     "corpus_bytes": "size of the default corpus", "dropout": "dropout probability",
     "batch_size": "sequences per micro-batch, or auto: the largest that fits the GPU, measured at the start "

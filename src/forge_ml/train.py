@@ -88,6 +88,7 @@ PLOT_NAME = "loss.png"
 
 # The model used when neither a preset nor sizes are given: nanoGPT's CPU configuration.
 DEFAULT_SIZES = dict(n_layer=4, n_head=4, n_embd=128)
+DEFAULT_BLOCK = 64   # the context without a preset or a source
 
 
 class Interrupted(KeyboardInterrupt):
@@ -137,7 +138,7 @@ class TrainConfig:
     n_layer: int = 0
     n_head: int = 0
     n_embd: int = 0
-    block_size: int = 64
+    block_size: Optional[int] = None  # context; None: --init-from's source's, the preset's, else 64
     dropout: float = 0.0
     # where and how
     device: str = "cpu"
@@ -176,9 +177,11 @@ class TrainConfig:
         auto = self.batch_size == "auto"
         if self.min_lr is None:
             self.min_lr = self.lr / 10
+        if self.block_size is None and not self.init_from:   # a source's is read when it loads
+            self.block_size = PRESETS.get(self.model, {}).get("block_size", DEFAULT_BLOCK)
         checks = [
             (auto or self.batch_size >= 1, "batch_size must be >= 1 (or 'auto' on a GPU)"),
-            (self.block_size >= 1, "block_size must be >= 1"),
+            (self.block_size is None or self.block_size >= 1, "block_size must be >= 1"),
             (self.grad_accum >= 1, "grad_accum must be >= 1"),
             (self.total_batch_size >= 0, "total_batch_size must be >= 0"),
             (self.max_steps >= 0, "max_steps must be >= 0"),
@@ -559,7 +562,9 @@ class Trainer:
                 raise ConfigError(f"--init-from {cfg.init_from} has {k} {getattr(src, k)}, but {v} was asked; "
                                   f"the architecture comes from the source (drop --{k.replace('_', '-')}"
                                   + (" and --model" if cfg.model else "") + ")")
-        if cfg.block_size > src.block_size:  # windows longer than the source's context cannot be trained on
+        if cfg.block_size is None:   # not given: the source's own context
+            cfg.block_size = src.block_size
+        elif cfg.block_size > src.block_size:  # windows longer than the source's context cannot be trained on
             self._say(f"note: block_size {cfg.block_size} is longer than the {src.block_size}-token context of "
                       f"{cfg.init_from}; training on windows of {src.block_size} tokens")
             cfg.block_size = src.block_size
