@@ -459,13 +459,32 @@ def test_compile_failure_falls_back_and_says_why(tmp_path):
     assert "pretend error" in r.stderr
 
 
-def test_unwritable_cache_falls_back(tmp_path):
+def test_unwritable_cache_builds_for_the_process(tmp_path):
+    """A cache that cannot be written (a read-only home) costs a build per process, not the C
+    kernels: the library is built in a temporary folder, removed at exit, with one warning."""
+    if native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
-    r = _fresh(_GELU_CHECK, FORGE_CACHE_DIR=str(blocker))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = _fresh(_GELU_CHECK, FORGE_CACHE_DIR=str(blocker), TMPDIR=str(tmp))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("lib None"), r.stdout
+    assert r.stderr.count("cannot be written") == 1 and "FORGE_CACHE_DIR" in r.stderr
+    assert "unavailable" not in r.stderr
+    assert list(tmp.iterdir()) == []          # the temporary build is gone
+
+
+def test_unwritable_cache_and_temp_fall_back(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    no_temp = f"import tempfile; tempfile.tempdir = {str(blocker / 'tmp')!r}\n"
+    r = _fresh(no_temp + _GELU_CHECK, FORGE_CACHE_DIR=str(blocker))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("numpy")
     assert r.stderr.count("C CPU kernels are unavailable") == 1
+    assert "nor a temporary folder" in r.stderr
 
 
 def test_mode_c_without_compiler_is_an_error(tmp_path):

@@ -16,8 +16,10 @@ The shared library is built with ``$CC`` (else ``cc``, else ``gcc``) at -O3, nev
 named by a hash of the sources, the compiler's version, the flags and the CPU's feature
 flags. It is written to a private temporary name and renamed into place, so concurrent
 processes (``pytest -n 2``) never load a half-written file; that library is the only file a
-build leaves. A cached library that does not load (truncated, overwritten) is deleted and
-built again, once; only if that fails too does NumPy run, with one warning.
+build leaves. Where the cache cannot be written (a read-only home), the library is built in a
+temporary folder for this process alone, removed at exit, with one warning. A cached library
+that does not load (truncated, overwritten) is deleted and built again, once; only if that
+fails too does NumPy run, with one warning.
 
 >>> from forge_ml.backends.cpu import native
 >>> native.mode() in ("auto", "numpy", "c")
@@ -25,6 +27,7 @@ True
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
@@ -271,7 +274,8 @@ def _run(cmd):
 
 def build() -> tuple:
     """Compile the C files into one library, or find it already built: ``(path of the library, whether it
-    was found in the cache)``."""
+    was found in the cache)``. Where the cache cannot be written, the library is built in a
+    temporary folder, removed at exit, with one warning."""
     cc = compiler()
     if cc is None:
         raise NativeKernelError("no C compiler found (set CC, or install cc/gcc)")
@@ -281,7 +285,27 @@ def build() -> tuple:
         raise NativeKernelError(f"the C compiler {cc} cannot run: {e}") from None
     source = b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES + HEADERS)
     out_dir = cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return _build_in(out_dir, cc, version, source)
+    except OSError as e:         # the cache cannot be written (read-only home, a file in the way)
+        why = f"{type(e).__name__}: {e}"
+    try:
+        tmp_dir = tempfile.mkdtemp(prefix="forge-ml-cpu-")
+    except OSError as e:
+        raise NativeKernelError(f"the kernel cache {out_dir} cannot be written ({why}), nor a "
+                                f"temporary folder ({e}); set FORGE_CACHE_DIR to a writable "
+                                f"folder") from None
+    atexit.register(shutil.rmtree, tmp_dir, ignore_errors=True)
+    warnings.warn(f"forge-ml: the kernel cache {out_dir} cannot be written ({why}); the C CPU "
+                  f"kernels are built for this process only (set FORGE_CACHE_DIR to a writable "
+                  f"folder to keep them)", RuntimeWarning, stacklevel=7)
+    return _build_in(Path(tmp_dir), cc, version, source)
+
+
+def _build_in(out_dir: Path, cc: str, version: str, source: bytes) -> tuple:
+    """``build`` in the folder ``out_dir``: the cached library if it is there, else a new
+    one (an OSError where the folder cannot be written)."""
     last_err = ""
     for cflags in _FLAG_CHOICES:
         key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(),
