@@ -235,6 +235,17 @@ def test_eval_max_batches_must_be_at_least_one(run, capsys, n):
 # -- bench ---------------------------------------------------------------------------------------
 
 
+def test_bench_without_a_benchmarks_folder_says_where_it_looked(tmp_path, capsys, monkeypatch):
+    """An installed package has no benchmarks/ (they come with a clone): the error names the
+    folders looked in and says so, instead of "available: none found"."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("forge_ml.cli._bench_dirs", lambda: [tmp_path / "benchmarks"])
+    fails(capsys, ["bench", "train_cpu"], "'train_cpu'", str(tmp_path / "benchmarks"),
+          "clone")
+    assert main(["bench", "--list"]) == 0
+    assert str(tmp_path / "benchmarks") in capsys.readouterr().out
+
+
 def test_bench_with_a_missing_dependency_names_the_module(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "benchmarks").mkdir()

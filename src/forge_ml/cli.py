@@ -671,17 +671,22 @@ def _cmd_bench(args) -> int:
         if d.is_dir():
             for f in sorted(d.glob("*.py")):
                 found.setdefault(f.stem, f)
+    where = " nor ".join(str(d) for d in _bench_dirs())
+    none_found = (f"no benchmarks folder: neither {where} exists (the benchmarks come with a "
+                  f"clone of forge-ml's repository, not with the installed package: run "
+                  f"forge-ml bench from the clone)")
     if args.list:
         for name, f in found.items():
             print(f"{name:<28} {f}")
         if not found:
-            print("no benchmarks/ folder found here or next to the package")
+            print(none_found)
         return 0
     if args.name:
         name = args.name[:-3] if args.name.endswith(".py") else args.name
+        if not found:
+            raise ConfigError(f"unknown benchmark {args.name!r}: {none_found}")
         if name not in found:
-            known = ", ".join(found) or "none found"
-            raise ConfigError(f"unknown benchmark {args.name!r}; available: {known}")
+            raise ConfigError(f"unknown benchmark {args.name!r}; available: {', '.join(found)}")
         sys.argv = [str(found[name])]
         try:
             runpy.run_path(str(found[name]), run_name="__main__")
