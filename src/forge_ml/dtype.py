@@ -18,7 +18,13 @@ from .errors import DTypeError
 
 @dataclass(frozen=True)
 class DType:
-    """A named element type; ``np`` is the NumPy dtype name used on the CPU."""
+    """A named element type: its ``name``, ``itemsize`` in bytes and whether it ``is_float``;
+    ``get`` turns a name or a NumPy dtype into one.
+
+    >>> import forge_ml as fm
+    >>> fm.bfloat16.name, fm.bfloat16.itemsize, fm.bfloat16.is_float, fm.int64.is_float
+    ('bfloat16', 2, True, False)
+    """
 
     name: str
     itemsize: int

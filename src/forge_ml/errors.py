@@ -11,19 +11,49 @@ True
 
 
 class ForgeError(Exception):
-    """Base class of every error forge-ml raises on purpose."""
+    """Base class of every error forge-ml raises on purpose: ``except ForgeError`` catches
+    bad input of every kind, and nothing else.
+
+    >>> import forge_ml as fm
+    >>> try:
+    ...     fm.dtype.get("float16")
+    ... except fm.ForgeError as e:
+    ...     print(type(e).__name__)
+    DTypeError
+    """
 
 
 class ShapeError(ForgeError, ValueError):
-    """A tensor has the wrong rank or size for the op it was given to."""
+    """A tensor has the wrong rank or size for the op it was given to.
+
+    >>> import forge_ml as fm
+    >>> fm.ops.matmul(fm.zeros((2, 3)), fm.zeros((4, 5)))
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ShapeError: matmul: op(a) is (2, 3) but op(b) is (4, 5); inner dims must agree (a (2, 3), b (4, 5), trans_a=False, trans_b=False)
+    """
 
 
 class DTypeError(ForgeError, TypeError):
-    """A tensor has a dtype the op does not accept (or dtypes that disagree)."""
+    """A tensor has a dtype the op does not accept (or dtypes that disagree).
+
+    >>> import forge_ml as fm
+    >>> fm.dtype.get("float16")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.DTypeError: unknown dtype 'float16'; expected one of ['bfloat16', 'float32', 'float64', 'int32', 'int64']
+    """
 
 
 class DeviceError(ForgeError, RuntimeError):
-    """A device is unknown or unavailable, or tensors sit on different devices."""
+    """A device is unknown or unavailable, or tensors sit on different devices.
+
+    >>> import forge_ml as fm
+    >>> fm.Device.parse("tpu")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.DeviceError: unknown device 'tpu'; expected one of 'cpu', 'cuda', optionally with an index (e.g. 'cuda:1')
+    """
 
 
 class CaptureError(DeviceError):
@@ -36,32 +66,83 @@ class CaptureError(DeviceError):
 
 
 class OutOfMemoryError(DeviceError, MemoryError):
-    """The device could not hold an allocation; says how much was asked and how much is free."""
+    """The device could not hold an allocation; says how much was asked and how much is free.
+    It is also a MemoryError, so code written for NumPy's out-of-memory catches it.
+
+    >>> issubclass(OutOfMemoryError, MemoryError) and issubclass(OutOfMemoryError, DeviceError)
+    True
+    """
 
 
 class CompileError(DeviceError):
-    """A CUDA kernel failed to compile; the message carries the NVRTC log."""
+    """A CUDA kernel failed to compile; the message carries the NVRTC log.
+
+    >>> issubclass(CompileError, DeviceError)
+    True
+    """
 
 
 class ConfigError(ForgeError, ValueError):
-    """A configuration has an unknown key or a value out of range."""
+    """A configuration has an unknown key or a value out of range.
+
+    >>> from forge_ml.models import GPT2Config
+    >>> GPT2Config(vocab_size=65, n_embd=30, n_head=4)
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: GPT2Config: n_embd 30 must be divisible by n_head 4
+    """
 
 
 class CheckpointError(ForgeError):
-    """A checkpoint is missing, truncated, corrupted or of another architecture."""
+    """A checkpoint is missing, truncated, corrupted or of another architecture.
+
+    >>> from forge_ml.checkpoint import load_checkpoint
+    >>> load_checkpoint("/nonexistent/ckpt")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.CheckpointError: checkpoint not found: /nonexistent/ckpt does not exist
+    """
 
 
 class DataError(ForgeError, ValueError):
-    """A token shard or text file is malformed (wrong magic, size mismatch, ...)."""
+    """A token shard or text file is malformed (wrong magic, size mismatch, ...).
+
+    >>> from forge_ml.data import read_shard
+    >>> read_shard("/nonexistent/val.bin")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.DataError: token shard not found: /nonexistent/val.bin
+    """
 
 
 class TokenizerError(ForgeError, ValueError):
-    """Text or ids that a tokenizer cannot encode or decode."""
+    """Text or ids that a tokenizer cannot encode or decode.
+
+    >>> from forge_ml.tokenizer import CharTokenizer
+    >>> CharTokenizer.from_text("ab").encode("abc")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.TokenizerError: CharTokenizer: character 'c' at position 2 is not in the vocabulary of 2 characters
+    """
 
 
 class TapeError(ForgeError, RuntimeError):
-    """The tape was misused: backward twice, a saved tensor modified in place, ..."""
+    """The tape was misused: backward twice, a saved tensor modified in place, ...
+
+    >>> import forge_ml as fm
+    >>> tape = fm.Tape()
+    >>> y = tape.gelu(tape.leaf(fm.tensor([1.0])))
+    >>> _ = tape.backward(y, fm.tensor([1.0]))
+    >>> tape.backward(y, fm.tensor([1.0]))
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.TapeError: backward: this tape was already swept; record a new forward
+    """
 
 
 class TrainingError(ForgeError, RuntimeError):
-    """Training cannot go on, e.g. the loss became NaN or inf."""
+    """Training cannot go on, e.g. the loss became NaN or inf.
+
+    >>> issubclass(TrainingError, RuntimeError)
+    True
+    """
