@@ -53,6 +53,22 @@ def test_upper_layers_import_no_backend():
     assert bad == []
 
 
+def test_upper_layers_ask_capabilities_not_device_types():
+    """docs/architecture.md: the upper layers ask ``tensor.device_has(device, ...)``, never
+    ``device.type == "cuda"`` (a new backend must not need edits there)."""
+    bad = []
+    for name, path in _modules():
+        rel = str(path.relative_to(PKG))
+        if any(rel == u or rel.startswith(u + "/") for u in UPPER):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute)
+                        and node.left.attr == "type"
+                        and any(isinstance(c, ast.Constant) and c.value in ("cpu", "cuda")
+                                for c in ast.walk(node))):
+                    bad.append(f"{rel}:{node.lineno} compares a device type")
+    assert bad == []
+
+
 def test_no_import_cycles_at_module_level():
     mods = dict(_modules())
     graph = {n: {m for m in _imports(n, p, top_level_only=True) if m in mods and m != n}

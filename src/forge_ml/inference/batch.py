@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError
+from ..tensor import device_has
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
                      check_prompt)
 
@@ -264,7 +265,7 @@ class BatchEngine:
     ``model``: a ``GPT2`` (on cpu or cuda); ``tokenizer``: kept for the server (the engine
     works in token ids, but neither takes nor chooses an id past the tokenizer's vocabulary,
     as a model whose vocabulary was padded past it has); ``slots``: rows per step (default 64
-    on cuda, else 8); ``max_len``: the context a request may fill, prompt and new tokens
+    on a device with its own memory (a GPU), 8 on host memory); ``max_len``: the context a request may fill, prompt and new tokens
     together (default and at most the model's ``block_size``). ``submit`` checks a request and queues it; ``close()`` stops
     the thread and ends every open stream with ``EngineClosedError``.
     """
@@ -273,7 +274,7 @@ class BatchEngine:
                  max_len: Optional[int] = None):
         cfg = model.config
         if slots is None:
-            slots = 64 if model.device.type == "cuda" else 8
+            slots = 8 if device_has(model.device, "host_memory") else 64
         if not (isinstance(slots, int) and slots >= 1):
             raise ConfigError(f"BatchEngine: slots must be an int >= 1, got {slots!r}")
         if max_len is None:
