@@ -27,7 +27,8 @@ def _tracked() -> list:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """(tracked files, sdist member names, wheel member names), built from a clean copy."""
+    """(tracked files, sdist member names, wheel member names, the wheel's METADATA), built
+    from a clean copy."""
     files = _tracked()
     src = tmp_path_factory.mktemp("src")
     for p in files:
@@ -43,12 +44,14 @@ def built(tmp_path_factory):
     with tarfile.open(out / sdist_name) as t:
         top = sdist_name[: -len(".tar.gz")] + "/"
         sdist = {m.name[len(top):] for m in t.getmembers() if m.isfile()}
-    wheel = set(zipfile.ZipFile(out / wheel_name).namelist())
-    return files, sdist, wheel
+    with zipfile.ZipFile(out / wheel_name) as z:
+        wheel = set(z.namelist())
+        meta = [z.read(n).decode() for n in wheel if n.endswith(".dist-info/METADATA")]
+    return files, sdist, wheel, meta[0] if meta else ""
 
 
 def test_the_wheel_carries_every_package_file(built):
-    files, _, wheel = built
+    files, _, wheel, _ = built
     package = {p[len("src/"):] for p in files if p.startswith("src/forge_ml/")}
     assert {"forge_ml/backends/cpu/gemm.c", "forge_ml/backends/cpu/cpu_kernels.h",
             "forge_ml/backends/cuda/common.cuh", "forge_ml/backends/cuda/sample.cu"} <= package
@@ -58,10 +61,19 @@ def test_the_wheel_carries_every_package_file(built):
 
 
 def test_the_sdist_carries_the_tests_docs_benchmarks_and_scripts(built):
-    files, sdist, _ = built
+    files, sdist, _, _ = built
     wanted = {p for p in files if p.split("/")[0] in ("src", "tests", "docs", "benchmarks",
                                                        "scripts")}
     wanted |= {"README.md", "pyproject.toml", "conftest.py"}
     assert {"tests/reference.py", "tests/backends/core_numpy.py"} <= wanted
     assert sorted(wanted - sdist) == []
     assert not [n for n in sdist if "__pycache__" in n or n.endswith(".pyc")]
+
+
+def test_the_wheel_carries_the_license_and_the_one_version(built):
+    """The licence text pyproject names ships in the wheel and the sdist, and the version is
+    written once (forge_ml.__version__, read by setuptools)."""
+    import forge_ml
+    files, sdist, wheel, metadata = built
+    assert "LICENSE" in sdist and any(n.endswith(".dist-info/licenses/LICENSE") for n in wheel), wheel
+    assert f"\nVersion: {forge_ml.__version__}\n" in metadata
