@@ -181,6 +181,30 @@ def test_prepare_errors(tmp_path):
         prepare(tmp_path / "empty.txt", tmp_path / "o")
 
 
+@pytest.mark.parametrize("fail_at", [1, 2, 3])  # the write of train.bin, val.bin, tokenizer.json
+def test_prepare_over_an_earlier_one_on_a_full_disk_keeps_the_earlier_set(tmp_path, monkeypatch, fail_at):
+    import errno
+    (tmp_path / "a.txt").write_text("abcdefgh" * 40, encoding="utf-8")
+    (tmp_path / "b.txt").write_text("XYZ" * 80, encoding="utf-8")
+    out = tmp_path / "out"
+    prepare(tmp_path / "a.txt", out)
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    real, calls = os.fsync, []
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == fail_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+
+    monkeypatch.setattr(data.os, "fsync", fsync)
+    with pytest.raises(DataError, match="No space left on device"):
+        prepare(tmp_path / "b.txt", out)
+    monkeypatch.undo()
+    # never the new train.bin beside the old tokenizer.json (ids read with another vocabulary)
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+
+
 # ---------------------------------------------------------------------------------------------
 # DataLoader
 

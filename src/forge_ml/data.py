@@ -55,21 +55,40 @@ def _atomic_write_bytes(path: Path, chunks) -> None:
     >>> oct(os.stat(p).st_mode & 0o777) == oct(0o666 & ~user_umask())
     True
     """
-    path = safe_target(path, DataError)
-    tmp = None
+    _atomic_write_files([(path, chunks)])
+
+
+def _atomic_write_files(files) -> None:
+    """``_atomic_write_bytes`` for several files that belong together (``files``: pairs of a
+    path and its chunks): every file is written to its temporary name first, and only when
+    all are written are they renamed into place, so a full disk leaves the old set whole
+    rather than new files beside old ones.
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> _atomic_write_files([(os.path.join(d, "a"), [b"1"]), (os.path.join(d, "b"), [b"2"])])
+    >>> sorted(os.listdir(d))
+    ['a', 'b']
+    """
+    files = [(safe_target(path, DataError), chunks) for path, chunks in files]
+    done = []  # (temporary name, path) of the files written
+    path = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        if hasattr(os, "fchmod"):
-            os.fchmod(fd, 0o666 & ~user_umask())
-        with os.fdopen(fd, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        for path, chunks in files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            done.append((tmp, path))
+            if hasattr(os, "fchmod"):
+                os.fchmod(fd, 0o666 & ~user_umask())
+            with os.fdopen(fd, "wb") as f:
+                for c in chunks:
+                    f.write(c)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, path in done:
+            os.replace(tmp, path)
     except BaseException as e:
-        if tmp is not None:
+        for tmp, _ in done:
             try:
                 os.unlink(tmp)
             except OSError:
@@ -93,6 +112,12 @@ def write_shard(path, tokens) -> None:
     >>> write_shard(p, [1, 2, 3]); os.path.getsize(p)
     1030
     """
+    _atomic_write_bytes(Path(path), _shard_bytes(path, tokens))
+
+
+def _shard_bytes(path, tokens) -> list:
+    """The header and the tokens of a shard, as the chunks ``write_shard`` writes (``path``
+    names the file in errors)."""
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise DataError(f"write_shard: tokens must be 1-D, got shape {arr.shape} for {path}")
@@ -109,7 +134,7 @@ def write_shard(path, tokens) -> None:
             )
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, arr.size
-    _atomic_write_bytes(Path(path), [header.tobytes(), arr.astype(_TOKEN_DTYPE).tobytes()])
+    return [header.tobytes(), arr.astype(_TOKEN_DTYPE).tobytes()]
 
 
 def read_shard(path) -> np.ndarray:
@@ -247,16 +272,18 @@ def split_tokens(ids, val_fraction: float, source="the text") -> tuple:
 
 def write_prepared(out_dir, train, val, tok) -> dict:
     """Write the token ids ``train`` and ``val`` as ``train.bin`` and ``val.bin`` and ``tok`` as
-    ``tokenizer.json`` in ``out_dir`` (each file atomically); returns what ``prepare`` returns."""
+    ``tokenizer.json`` in ``out_dir``; returns what ``prepare`` returns. The three are written
+    together (``_atomic_write_files``): a failed write keeps the earlier set as it was, never
+    a new ``train.bin`` beside an old ``tokenizer.json``."""
     if tok.vocab_size > 65536:
         raise DataError(
             f"prepare: the tokenizer has {tok.vocab_size} ids but shards hold uint16 (at most 65536)"
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_shard(out / "train.bin", train)
-    write_shard(out / "val.bin", val)
-    _atomic_write_bytes(out / "tokenizer.json", [json.dumps(tok.to_dict(), indent=1).encode("utf-8")])
+    _atomic_write_files([(out / "train.bin", _shard_bytes(out / "train.bin", train)),
+                         (out / "val.bin", _shard_bytes(out / "val.bin", val)),
+                         (out / "tokenizer.json", [json.dumps(tok.to_dict(), indent=1).encode("utf-8")])])
     return {
         "train_tokens": int(len(train)),
         "val_tokens": int(len(val)),
