@@ -365,6 +365,24 @@ def test_a_read_only_data_folder_is_one_line(workdir, capsys, monkeypatch):
     _fails(capsys, ["prepare", "t.txt", "--out", "d"], "cannot write", "Read-only file system")
 
 
+@pytest.mark.parametrize("data", [[], ["--data", "t.txt"]])  # the default corpus (data/corpus.txt) or a text
+def test_a_full_disk_while_preparing_the_data_leaves_nothing_to_refuse_the_next_try(workdir, capsys, monkeypatch, data):
+    import forge_ml.data as data_mod
+    real = data_mod.tempfile.mkstemp
+
+    def mkstemp(*a, **kw):  # the corpus is written, the shards are not
+        if kw.get("prefix", "").startswith(".train.bin"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*a, **kw)
+
+    argv = ["train", *data, "--corpus-bytes", "20000", "--out", "r", *TINY, "--max-steps", "1"]
+    with monkeypatch.context() as m:
+        m.setattr(data_mod.tempfile, "mkstemp", mkstemp)
+        _fails(capsys, argv, "cannot write", "train.bin", "No space left on device")
+    assert not Path("r").exists()
+    assert main(argv) == 0, capsys.readouterr().err  # space freed: the same command trains
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_run_folder_is_one_line(workdir, capsys):
     Path("r").mkdir()

@@ -641,13 +641,24 @@ class Trainer:
         self._check_length(len(val), f"the val part of {what} ({frac}; see --val-fraction)")
 
         def write():
-            if not cfg.data:
-                try:
-                    d.mkdir(parents=True, exist_ok=True)
-                    replace_file(src, text)
-                except OSError as e:
-                    raise RunError(cannot_write(src, e)) from None
-            info = write_prepared(d, train, val, tok)
+            # what this write makes is taken back when it fails (a full disk), so that the
+            # same command, run again, is not refused as a run that already holds data/
+            fresh = [p for p in ((src, d) if not cfg.data else (d,)) if not p.exists()]
+            try:
+                if not cfg.data:
+                    try:
+                        d.mkdir(parents=True, exist_ok=True)
+                        replace_file(src, text)
+                    except OSError as e:
+                        raise RunError(cannot_write(src, e)) from None
+                info = write_prepared(d, train, val, tok)
+            except BaseException:
+                for p in fresh:  # the corpus first, then the folder (only when left empty)
+                    try:
+                        p.rmdir() if p == d else p.unlink()
+                    except OSError:
+                        pass
+                raise
             self._say(f"prepared {src}: {info['train_tokens']:,} train + {info['val_tokens']:,} val tokens, "
                       f"{info['vocab_size']} {info['tokenizer']} tokens in the vocabulary -> {d}")
 
