@@ -383,6 +383,25 @@ def test_a_full_disk_while_preparing_the_data_leaves_nothing_to_refuse_the_next_
     assert main(argv) == 0, capsys.readouterr().err  # space freed: the same command trains
 
 
+def test_resuming_a_run_that_died_before_its_first_checkpoint_says_what_works(workdir, capsys, monkeypatch):
+    real_open = open
+
+    def full_open(path, mode="r", *a, **kw):  # the disk fills at step 3, before any checkpoint
+        if str(path).endswith("log.jsonl") and "a" in mode and len(_train_losses("r")) >= 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, mode, *a, **kw)
+
+    argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "4"]
+    with monkeypatch.context() as m:
+        m.setattr(train_mod, "open", full_open, raising=False)
+        _fails(capsys, argv, "cannot write r/log.jsonl", "no checkpoint was saved yet")
+    _fails(capsys, argv, "holds a run", "--overwrite")
+    # --resume must not send the user back to the command just refused
+    line = _fails(capsys, argv + ["--resume"], "cannot resume", "no checkpoint", "--overwrite")
+    assert "without --resume" not in line
+    assert main(argv + ["--overwrite"]) == 0
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_run_folder_is_one_line(workdir, capsys):
     Path("r").mkdir()

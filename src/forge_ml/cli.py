@@ -318,7 +318,7 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from .train import CKPT_NAME, Interrupted, TrainConfig, Trainer
+    from .train import CKPT_NAME, DATA_NAME, LOG_NAME, Interrupted, TrainConfig, Trainer, no_checkpoint
 
     comm = None
     if args.gpus < 0:
@@ -349,8 +349,10 @@ def _cmd_train(args) -> int:
             if (Path(out_dir) / "state.json").is_file() or (Path(out_dir) / "config.json").is_file():
                 raise ConfigError(f"{out_dir} is a model (a checkpoint or a Hugging Face folder), not a run folder; "
                                   f"fine-tune it in a new run with --init-from {out_dir} --out NEW_FOLDER")
-            raise ConfigError(f"cannot resume: no checkpoint in {ckpt}; train without --resume first "
-                              f"(or point --out at the run to resume)")
+            data = Path(out_dir) / DATA_NAME
+            held = ([LOG_NAME] if (Path(out_dir) / LOG_NAME).exists() else []) \
+                + ([DATA_NAME + "/"] if data.is_dir() and any(data.iterdir()) else [])
+            raise ConfigError(no_checkpoint(out_dir, held))
         _, meta = load_checkpoint(ckpt)
         if "optimizer" not in meta or "train_config" not in meta:
             raise ConfigError(f"{ckpt} holds a model only (no optimizer state or data position, as `forge-ml "

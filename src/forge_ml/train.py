@@ -436,8 +436,7 @@ class Trainer:
         ckpt = source = None
         if resume:
             if not (self.ckpt_dir / "state.json").is_file() and not self.ckpt_dir.with_name(CKPT_NAME + ".old").is_dir():
-                raise CheckpointError(f"cannot resume: no checkpoint in {self.ckpt_dir}; train without "
-                                      f"--resume first (or point --out at the run to resume)")
+                raise CheckpointError(no_checkpoint(self.out_dir, self._run_files()))
             ckpt = load_checkpoint(self.ckpt_dir)
             meta = ckpt[1]
             if "optimizer" not in meta or "data" not in meta or "step" not in meta:
@@ -1233,6 +1232,20 @@ class Trainer:
         finally:
             plt.close(fig)
         return path
+
+
+def no_checkpoint(out_dir, held) -> str:
+    """Why a run in ``out_dir`` cannot be resumed when it has no checkpoint; ``held``: the
+    run's files the folder holds (then training without --resume is refused too).
+
+    >>> no_checkpoint("runs/a", ["log.jsonl"])  # doctest: +ELLIPSIS
+    'cannot resume: runs/a holds a run (log.jsonl) but no checkpoint in runs/a/ckpt ...; start it over with --overwrite'
+    """
+    ckpt = Path(out_dir) / CKPT_NAME
+    if held:
+        return (f"cannot resume: {out_dir} holds a run ({', '.join(held)}) but no checkpoint in {ckpt} (it "
+                f"stopped before saving one); start it over with --overwrite")
+    return f"cannot resume: no checkpoint in {ckpt}; train without --resume first (or point --out at the run to resume)"
 
 
 def _same_path(a: str, b: str) -> bool:
