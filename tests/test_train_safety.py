@@ -208,6 +208,31 @@ def test_a_dead_trainers_lock_is_not_stale(workdir, capsys):
     assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1"]) == 0
 
 
+def test_a_full_disk_at_the_lock_file_is_a_run_error_that_leaves_nothing(workdir, monkeypatch):
+    import forge_ml.runs as runs_mod
+    real = runs_mod.os.fdopen
+
+    class Full:  # a buffered file on a full disk: writes are kept, flush and close fail
+        def __init__(self, f):
+            self.f = f
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def close(self):
+            self.f.close()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(runs_mod.os, "fdopen", lambda *a, **kw: Full(real(*a, **kw)))
+    with pytest.raises(RunError, match="cannot write r/sub/train.lock: No space left on device"):
+        Trainer(_cfg("r/sub", max_steps=1), log=None)
+    monkeypatch.undo()
+    assert not Path("r").exists()
+
+
 # -- 5. log.jsonl is a record, never a reason to stop ------------------------------------------------------
 
 

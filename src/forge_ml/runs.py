@@ -165,7 +165,11 @@ class RunLock:
                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             f.flush()
         except OSError as e:
-            f.close()
+            try:
+                f.close()  # flushes again, and fails again: the cause is ``e``
+            except OSError:
+                pass
+            self.release(undo=True)  # the lock file and the folders made for it
             raise RunError(cannot_write(self.path, e)) from None
         self._f = f
 
