@@ -427,6 +427,47 @@ def test_resuming_a_run_that_died_before_its_first_checkpoint_says_what_works(wo
     assert main(argv + ["--overwrite"]) == 0
 
 
+def test_a_full_disk_at_loss_png_keeps_the_earlier_plot(workdir, monkeypatch):
+    import builtins
+    import forge_ml.runs as runs_mod
+    pytest.importorskip("matplotlib")
+    said = []
+    t = Trainer(_cfg("r", max_steps=2), log=said.append)
+    t.train()
+    before = Path("r/loss.png").read_bytes()
+
+    class Full:  # a file on a disk that fills after 100 bytes
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, b):
+            if self.n + len(b) > 100:
+                self.f.write(b[:100 - self.n])
+                self.f.flush()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.n += len(b)
+            return self.f.write(b)
+
+    real_open, real_fdopen = builtins.open, runs_mod.os.fdopen
+    with monkeypatch.context() as m:  # however loss.png is written, the disk fills
+        m.setattr(builtins, "open", lambda p, mode="r", *a, **kw: Full(real_open(p, mode, *a, **kw))
+                  if str(p).endswith("loss.png") and "w" in mode else real_open(p, mode, *a, **kw))
+        m.setattr(runs_mod.os, "fdopen", lambda *a, **kw: Full(real_fdopen(*a, **kw)))
+        assert t.plot() is None
+    assert "cannot write r/loss.png: No space left on device" in said[-1]
+    assert Path("r/loss.png").read_bytes() == before
+    assert sorted(os.listdir("r")) == ["ckpt", "data", "log.jsonl", "loss.png", "train.lock"]
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_run_folder_is_one_line(workdir, capsys):
     Path("r").mkdir()

@@ -38,14 +38,15 @@ def cannot_write(path, e: OSError, after: str = "") -> str:
             + (f"; {after}" if after else ""))
 
 
-def replace_file(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path`` and rename it over ``path`` (with the
-    user's umask): a crash leaves the old file or the new one."""
+def replace_file(path: Path, text) -> None:
+    """Write ``text`` (str, or bytes) to a temporary file beside ``path`` and rename it over
+    ``path`` (with the user's umask): a crash or a full disk leaves the old file or the new one."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         if hasattr(os, "fchmod"):
             os.fchmod(fd, 0o666 & ~user_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        binary = isinstance(text, (bytes, bytearray))
+        with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

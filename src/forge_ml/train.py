@@ -49,6 +49,7 @@ rewrites (``AdamW(..., compute_dtype="bfloat16")``).
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -1225,7 +1226,9 @@ class Trainer:
         ax.legend()
         path = self.out_dir / PLOT_NAME
         try:
-            fig.savefig(path, dpi=100, bbox_inches="tight")
+            png = io.BytesIO()
+            fig.savefig(png, format="png", dpi=100, bbox_inches="tight")
+            replace_file(path, png.getvalue())  # a failed write keeps the earlier plot whole
         except OSError as e:
             self._say(f"warning: {cannot_write(path, e)}; the checkpoint and log are saved")
             return None
