@@ -468,6 +468,21 @@ def test_a_full_disk_at_loss_png_keeps_the_earlier_plot(workdir, monkeypatch):
     assert sorted(os.listdir("r")) == ["ckpt", "data", "log.jsonl", "loss.png", "train.lock"]
 
 
+def test_a_run_on_a_prepared_folder_resumes_from_another_folder(workdir, capsys, monkeypatch):
+    assert main(["prepare", "t.txt", "--out", "p"]) == 0
+    assert main(["train", "--data", "p", "--out", "r", *TINY, "--max-steps", "4", "--checkpoint-interval", "2"]) == 0
+    assert main(["train", "--data", "p", "--out", "whole", *TINY, "--max-steps", "6"]) == 0
+    Path("elsewhere").mkdir()
+    monkeypatch.chdir("elsewhere")  # --data p, as recorded, names nothing from here
+    assert main(["train", "--out", "../r", "--resume", "--max-steps", "6"]) == 0, capsys.readouterr().err
+    monkeypatch.chdir("..")
+    _same_checkpoints("r", "whole")
+    os.rename("p", "moved")
+    line = _fails(capsys, ["train", "--out", "r", "--resume", "--max-steps", "8"], "cannot resume", "p", "--data")
+    assert "text file" not in line
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "8", "--data", "moved"]) == 0
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_run_folder_is_one_line(workdir, capsys):
     Path("r").mkdir()

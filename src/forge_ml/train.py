@@ -450,6 +450,15 @@ class Trainer:
                                   f"run keeps it (drop --tokenizer {cfg.tokenizer}, or start a new run elsewhere)")
             was = (meta.get("train_config") or {}).get("data", "")
             own = all((self.out_dir / DATA_NAME / f).is_file() for f in DATA_FILES)
+            if not own and cfg.data and cfg.data == was and not os.path.exists(cfg.data):
+                # the run's own --data, named relative to the folder it was started from
+                data_dir = meta.get("data_dir")
+                if isinstance(data_dir, str) and all((Path(data_dir) / f).is_file() for f in DATA_FILES):
+                    cfg.data = data_dir
+                else:
+                    raise DataError(f"cannot resume: the run in {self.out_dir} was trained on --data {was}, which "
+                                    f"is not found from {os.getcwd()}" + (f" (nor at {data_dir})" if data_dir else "")
+                                    + "; give its place with --data PATH")
             if own and cfg.data and not Path(cfg.data).is_dir() and not self._same_text(cfg.data, was):
                 raise ConfigError(f"the run in {self.out_dir} was trained on {was or 'the default corpus'}, whose "
                                   f"tokens in {self.out_dir / DATA_NAME} a resumed run keeps; drop --data "
