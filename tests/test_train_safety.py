@@ -378,6 +378,41 @@ def test_a_full_disk_at_a_log_write_stops_with_one_line(workdir, capsys, monkeyp
     assert meta["step"] == 2
 
 
+def test_training_on_after_a_failed_log_write_loses_no_record(workdir, monkeypatch):
+    real_open = open
+
+    class Torn:  # a disk that fills 20 bytes into the record
+        def __init__(self, f):
+            self.f = f
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[:20])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    t = Trainer(_cfg("r", max_steps=6), log=None)
+    t.train(until=2)
+    with monkeypatch.context() as m:
+        m.setattr(train_mod, "open", lambda p, mode="r", *a, **kw: Torn(real_open(p, mode, *a, **kw))
+                  if str(p).endswith("log.jsonl") else real_open(p, mode, *a, **kw), raising=False)
+        for _ in range(2):
+            with pytest.raises(RunError, match="No space left on device"):
+                t.train()
+    t.train()  # space freed: the same Trainer goes on
+    records, bad = read_log("r/log.jsonl")
+    assert bad == []
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
 def test_a_read_only_data_folder_is_one_line(workdir, capsys, monkeypatch):
     import forge_ml.data as data_mod
 

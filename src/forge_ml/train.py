@@ -406,6 +406,8 @@ class Trainer:
         self.elapsed = 0.0          # training seconds before this process (from the checkpoint)
         self.last_ckpt_step = None
         self.losses: list = []        # this process's per-step training losses
+        self._unlogged: list = []   # log records a failed write did not land, and where the log
+        self._log_end: Optional[int] = None  # ended before it (``_write_log``)
         self.val_loss: Optional[float] = None
         self.val_kind: Optional[str] = None
         self._fast = None           # the captured step (step.TrainStep) on a graph-capable device
@@ -796,11 +798,20 @@ class Trainer:
             raise RunError(cannot_write(self.log_path, e, self._kept())) from None
 
     def _write_log(self, record: dict) -> None:
+        """Append ``record`` to log.jsonl. A failed write (a full disk) raises a RunError and
+        keeps the record: the next write (``train()`` called again) first takes back the torn
+        part the failed one left, then writes the records that did not land."""
+        self._unlogged.append(record)
         try:
             with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+                if self._log_end is None:
+                    self._log_end = f.tell()
+                else:
+                    f.truncate(self._log_end)
+                f.write("".join(json.dumps(r) + "\n" for r in self._unlogged))
         except OSError as e:
             raise RunError(cannot_write(self.log_path, e, self._kept())) from None
+        self._unlogged, self._log_end = [], None
 
     # -- the pieces of a step -------------------------------------------------------------------
     def _batch(self):
