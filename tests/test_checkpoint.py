@@ -285,6 +285,27 @@ def test_a_save_never_replaces_a_folder_it_did_not_write(tmp_path, monkeypatch):
     assert tree(tmp_path) == before
 
 
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symbolic links")
+def test_a_checkpoint_moved_to_another_disk_and_linked_back_is_replaced_there(tmp_path):
+    (tmp_path / "big").mkdir()
+    save_checkpoint(tmp_path / "big" / "ckpt", make_tensors(0), make_meta(1))
+    try:
+        os.symlink(tmp_path / "big" / "ckpt", tmp_path / "ckpt")
+    except OSError:
+        pytest.skip("cannot make symbolic links here")
+    save_checkpoint(tmp_path / "ckpt", make_tensors(1), make_meta(2))
+    assert os.path.islink(tmp_path / "ckpt")  # the link stays and names the new checkpoint
+    assert load_checkpoint(tmp_path / "big" / "ckpt")[1]["step"] == 2
+    assert sorted(os.listdir(tmp_path / "big")) == ["ckpt"]
+    # a link to a folder that is not a checkpoint is refused, as the folder itself is
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "thesis.tex").write_text("mine")
+    os.symlink(tmp_path / "notes", tmp_path / "c2")
+    with pytest.raises(CheckpointError, match="is not a checkpoint that forge-ml wrote"):
+        save_checkpoint(tmp_path / "c2", make_tensors(1), make_meta(2))
+    assert os.listdir(tmp_path / "notes") == ["thesis.tex"]
+
+
 def test_a_users_folder_named_like_the_temporary_one_is_kept(tmp_path):
     (tmp_path / "ckpt.tmp").mkdir()
     (tmp_path / "ckpt.tmp" / "thesis.tex").write_text("mine")

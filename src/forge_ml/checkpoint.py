@@ -262,7 +262,8 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder"):
     left as it was and the temporary directory is removed.
 
     ``path`` may be new, an empty folder, or a folder this writer wrote before: nothing but
-    regular files named in ``files``, and ``marker(path)`` true when a marker is given.
+    regular files named in ``files``, and ``marker(path)`` true when a marker is given; a
+    link to such a folder replaces the folder it links to (the link stays).
     Anything else raises a CheckpointError before anything is written. An OSError (a full
     disk, a read-only filesystem, a permission) becomes a one-line CheckpointError that names
     the file and the cause; ``path`` is then unchanged.
@@ -281,6 +282,8 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder"):
     forge_ml.errors.CheckpointError: ... is not empty and is not a folder that forge-ml wrote (it holds a.txt, notes.txt); ...
     """
     path = Path(os.path.abspath(path))  # "." and ".." have no name to put a suffix on
+    if path.is_symlink() and path.is_dir():
+        path = Path(os.path.realpath(path))  # moved elsewhere (another disk) and linked back: replaced there
     if not path.name:
         raise CheckpointError(f"cannot write {path}: expected a path to a folder, not the filesystem root")
     files = None if files is None else frozenset(files)
@@ -493,7 +496,7 @@ def save_checkpoint(dir, tensors: dict, meta: dict) -> None:
 
 
 def _resolve_dir(dir) -> Path:
-    path = Path(dir)
+    path = Path(os.path.realpath(dir)) if Path(dir).is_symlink() else Path(dir)
     if path.is_dir():
         return path
     _, old = _side_paths(path)
