@@ -306,6 +306,25 @@ def test_a_checkpoint_moved_to_another_disk_and_linked_back_is_replaced_there(tm
     assert os.listdir(tmp_path / "notes") == ["thesis.tex"]
 
 
+def test_an_unreadable_state_json_is_not_called_someone_elses_folder(tmp_path, monkeypatch):
+    d = tmp_path / "ckpt"
+    save_checkpoint(d, make_tensors(0), make_meta(1))
+    real = open
+
+    def eio(path, *a, **kw):
+        if str(path).endswith("state.json"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return real(path, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(ck, "open", eio, raising=False)
+        with pytest.raises(CheckpointError) as e:
+            save_checkpoint(d, make_tensors(1), make_meta(2))
+    assert "Input/output error" in str(e.value) and "state.json" in str(e.value)
+    assert "not a checkpoint that forge-ml wrote" not in str(e.value)
+    assert load_checkpoint(d)[1]["step"] == 1
+
+
 def test_a_users_folder_named_like_the_temporary_one_is_kept(tmp_path):
     (tmp_path / "ckpt.tmp").mkdir()
     (tmp_path / "ckpt.tmp" / "thesis.tex").write_text("mine")

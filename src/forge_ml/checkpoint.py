@@ -449,8 +449,8 @@ def is_checkpoint_dir(path, kind: str | None = None) -> bool:
     try:
         with open(p / STATE_FILE, "rb") as f:
             state = json.loads(f.read())
-    except (OSError, ValueError):
-        return False
+    except (FileNotFoundError, ValueError):
+        return False  # an OSError else (a failing disk) is raised: it says nothing of who wrote the folder
     if not isinstance(state, dict) or state.get("format") != FORMAT_NAME:
         return False
     return kind is None or (isinstance(state.get("meta"), dict) and state["meta"].get("kind") == kind)
