@@ -52,7 +52,7 @@ class DeviceError(ForgeError, RuntimeError):
     >>> fm.Device.parse("tpu")
     Traceback (most recent call last):
     ...
-    forge_ml.errors.DeviceError: unknown device 'tpu'; expected one of 'cpu', 'cuda', optionally with an index (e.g. 'cuda:1')
+    forge_ml.errors.DeviceError: unknown device 'tpu'; expected one of 'cpu', 'cuda', ...optionally with an index (e.g. 'cuda:1')
     """
 
 
