@@ -124,7 +124,8 @@ def test_convert_writes_a_new_or_empty_folder_and_replaces_its_own_export_with_f
     assert main(["convert", "--to-hf", "run", "--out", "run/hf"]) == 0  # a new folder inside the run
     capsys.readouterr()
     hf = run.parent / "new" / "hf"
-    assert sorted(os.listdir(hf)) == ["config.json", "forge_ml_tokenizer.json", "model.safetensors"]
+    assert sorted(os.listdir(hf)) == ["config.json", "forge_ml_tokenizer.json", "model.safetensors",
+                                      "tokenizer.json", "tokenizer_config.json"]
     before = tree(run.parent)
     fails(capsys, ["convert", "--to-hf", "run", "--out", "new/hf"], "earlier Hugging Face export", "--force")
     assert tree(run.parent) == before

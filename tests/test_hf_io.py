@@ -267,6 +267,40 @@ def test_save_accepts_gpt2config_dataclass(saved, tmp_path):
         np.testing.assert_array_equal(params2[k], params[k])
 
 
+@pytest.mark.parametrize("tokenizer, text", [
+    ({"kind": "gpt2"}, "Hello world, it's  a test.\n\u00e9 \u65e5\u672c"),
+    ({"kind": "char", "chars": "\n !,.:?EGIMORiorst"}, "ROMEO:\nGo, sir. Is it?"),
+])
+def test_an_export_carries_its_tokenizer_for_transformers(tmp_path, tokenizer, text):
+    """AutoTokenizer and pipeline("text-generation") on an exported folder, offline: the ids of
+    forge-ml's tokenizer, and the greedy text of forge-ml's generate. (Without tokenizer files
+    transformers builds an empty GPT-2 tokenizer: every text is no ids at all.)"""
+    from forge_ml.inference import generate
+    from forge_ml.models.gpt2 import GPT2, GPT2Config
+    from forge_ml.tokenizer import tokenizer_from_dict
+
+    tok = tokenizer_from_dict(tokenizer)
+    cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16)
+    model = GPT2.init(cfg, seed=1)
+    save_hf_gpt2(tmp_path / "x", cfg, model.state_dict(), tokenizer=tokenizer)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "x")
+    ids = tok.encode(text)
+    assert len(hf_tok) == tok.vocab_size
+    assert hf_tok(text).input_ids == ids
+    assert hf_tok.decode(ids) == text
+    pipe = transformers.pipeline("text-generation", model=str(tmp_path / "x"))
+    got = pipe(text, max_new_tokens=6, do_sample=False)[0]["generated_text"]
+    assert got == text + tok.decode(list(generate(model, ids, max_new_tokens=6, temperature=0)))
+
+
+def test_an_export_writes_no_tokenizer_that_is_not_the_models(tmp_path):
+    """GPT-2's 50257 ids for a 100-token model: its ids would index past the embedding."""
+    cfg = dict(vocab_size=100, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    params = {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()}
+    save_hf_gpt2(tmp_path / "x", cfg, params, tokenizer={"kind": "gpt2"})
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["config.json", "model.safetensors"]
+
+
 # -- what an export may replace; unreadable files ------------------------------------------------
 
 

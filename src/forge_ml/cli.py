@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_fmt(),
         description="Convert a Hugging Face GPT-2 folder (config.json + model.safetensors) into a "
                     "forge-ml checkpoint, or a forge-ml checkpoint into a folder that "
-                    "transformers' GPT2LMHeadModel.from_pretrained loads.",
+                    "transformers' GPT2LMHeadModel.from_pretrained loads, with its tokenizer's files "
+                    "for AutoTokenizer (and so pipeline(\"text-generation\", model=OUT)).",
         epilog="examples:\n  forge-ml convert --from-hf ~/gpt2 --out ckpt/gpt2\n"
                "  forge-ml convert --to-hf runs/default --out hf/default --force   # replace an earlier export")
     g = c.add_mutually_exclusive_group(required=True)
@@ -632,7 +633,8 @@ def _cmd_prepare(args) -> int:
 def _cmd_convert(args) -> int:
     from .checkpoint import check_output_dir, is_checkpoint_dir, save_checkpoint
     from .errors import CheckpointError
-    from .hf import HF_TOKENIZER_FILE, is_hf_export, load_hf_gpt2, save_hf_gpt2
+    from .hf import (HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, is_hf_export, load_hf_gpt2,
+                     save_hf_gpt2)
     from .inference.load import hf_tokenizer_dict, load_model, resolve_checkpoint
 
     # Every check before any work: the output folder is new, empty, or (with --force) an
@@ -655,10 +657,13 @@ def _cmd_convert(args) -> int:
     check_output_dir(args.out, reads=[args.to_hf, ckpt, ckpt.with_name(ckpt.name + ".old")],
                      is_own=is_hf_export, force=args.force, what="Hugging Face export")
     model, tok, _ = load_model(args.to_hf)
-    save_hf_gpt2(args.out, model.config.to_dict(), model.state_dict(),
-                 tokenizer=None if tok.kind == "gpt2" else tok.to_dict())
+    save_hf_gpt2(args.out, model.config.to_dict(), model.state_dict(), tokenizer=tok.to_dict())
+    tok_files = [f for f in TRANSFORMERS_TOKENIZER_FILES if (Path(args.out) / f).is_file()]
     print(f"exported {args.to_hf} -> {args.out} (config.json + model.safetensors"
-          + (f" + {HF_TOKENIZER_FILE}: a {tok.kind} tokenizer, not GPT-2's)" if tok.kind != "gpt2" else ")"))
+          + (f" + {HF_TOKENIZER_FILE}: a {tok.kind} tokenizer, not GPT-2's" if tok.kind != "gpt2" else "")
+          + (f"; {' + '.join(tok_files)} for transformers' AutoTokenizer)" if tok_files else
+             f"; no tokenizer for transformers: the {tok.kind} tokenizer has {tok.vocab_size} ids, "
+             f"the model {model.config.vocab_size})"))
     return 0
 
 

@@ -37,7 +37,11 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 HF_PREFIX = "transformer."
 HF_TOKENIZER_FILE = "forge_ml_tokenizer.json"  # a non-GPT-2 tokenizer kept in an exported folder
-EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, HF_TOKENIZER_FILE})
+# The tokenizer files transformers' AutoTokenizer reads: GPT-2's vocab.json + merges.txt, or a
+# tokenizer.json (the tokenizers library's format) for a char tokenizer; tokenizer_config.json
+# names the class.
+TRANSFORMERS_TOKENIZER_FILES = ("tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.json")
+EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, HF_TOKENIZER_FILE, *TRANSFORMERS_TOKENIZER_FILES})
 # The key save_hf_gpt2 writes into config.json, as transformers writes "transformers_version":
 # it lets a later export replace this folder and nothing else. (Not in model.safetensors'
 # metadata: safetensors writes a metadata dict in a random order, so the file would differ
@@ -299,12 +303,65 @@ def _has_export_mark(d: Path) -> bool:
     return isinstance(cfg, dict) and EXPORT_MARK in cfg and "transformers_version" not in cfg
 
 
+def transformers_tokenizer_files(tokenizer: dict, vocab_size: int, block_size: int) -> dict:
+    """``{file name: text}``: the files that let transformers' ``AutoTokenizer.from_pretrained``
+    (and so ``pipeline("text-generation", model=dir)``) load a forge-ml tokenizer offline, the
+    same ids both ways. GPT-2's: its ``vocab.json`` and ``merges.txt`` (OpenAI's
+    ``encoder.json`` and ``vocab.bpe``, as the Hugging Face ``gpt2`` repository holds them). A
+    char tokenizer: a ``tokenizer.json`` of one word-level token per character. Empty when the
+    tokenizer has more ids than the model's ``vocab_size`` (it is not the model's).
+
+    Without these, transformers builds an empty GPT-2 tokenizer for any ``model_type: gpt2``
+    folder, which encodes every text as no ids at all.
+
+    >>> files = transformers_tokenizer_files({"kind": "char", "chars": "ab"}, 2, 8)
+    >>> sorted(files), json.loads(files["tokenizer.json"])["model"]["vocab"]
+    (['tokenizer.json', 'tokenizer_config.json'], {'a': 0, 'b': 1})
+    >>> transformers_tokenizer_files({"kind": "gpt2"}, 65, 8)
+    {}
+    """
+    from .tokenizer import GPT2_EOT, tokenizer_from_dict
+
+    tok = tokenizer_from_dict(tokenizer)
+    if tok.vocab_size > int(vocab_size):
+        return {}
+    common = {"model_max_length": int(block_size), "clean_up_tokenization_spaces": False}
+    if tok.kind == "gpt2":
+        data = tok.data_dir
+        eot = {"content": GPT2_EOT, "lstrip": False, "normalized": True, "rstrip": False,
+               "single_word": False, "special": True}
+        cfg = dict(common, tokenizer_class="GPT2Tokenizer", add_prefix_space=False,
+                   bos_token=GPT2_EOT, eos_token=GPT2_EOT, unk_token=GPT2_EOT,
+                   added_tokens_decoder={str(tok.eot_token): eot})
+        return {"vocab.json": (data / "encoder.json").read_text(encoding="utf-8"),
+                "merges.txt": (data / "vocab.bpe").read_text(encoding="utf-8"),
+                "tokenizer_config.json": json.dumps(cfg, indent=2) + "\n"}
+    if tok.kind == "char":
+        spec = {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+            "normalizer": None,
+            # every character its own piece (\s\S: newlines too), looked up whole
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"},
+                              "behavior": "Isolated", "invert": False},
+            "post_processor": None,
+            "decoder": {"type": "Fuse"},  # pieces joined with nothing between them
+            "model": {"type": "WordLevel", "vocab": {c: i for i, c in enumerate(tok.chars)},
+                      "unk_token": "<unk>"},
+        }
+        cfg = dict(common, tokenizer_class="PreTrainedTokenizerFast")
+        return {"tokenizer.json": json.dumps(spec, ensure_ascii=False, indent=2) + "\n",
+                "tokenizer_config.json": json.dumps(cfg, indent=2) + "\n"}
+    return {}
+
+
 def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None) -> None:
     """Write ``params`` (forge-ml names, NumPy arrays) as a directory that transformers'
     ``GPT2LMHeadModel.from_pretrained`` loads: ``config.json`` and ``model.safetensors`` with
     the ``transformer.`` prefix, as transformers' own ``save_pretrained`` writes it, and the
-    vocabulary padding removed. ``tokenizer`` (a tokenizer's ``to_dict()``), when given, goes
-    to ``forge_ml_tokenizer.json`` beside them (transformers ignores it; forge-ml reads it).
+    vocabulary padding removed. ``tokenizer`` (a tokenizer's ``to_dict()``), when given, is
+    written as the files ``AutoTokenizer.from_pretrained`` reads (``transformers_tokenizer_files``),
+    and one that is not GPT-2's also goes to ``forge_ml_tokenizer.json`` (transformers ignores
+    it; forge-ml reads it).
 
     The directory is replaced atomically as a whole, and only when it is new, empty, or an
     earlier export (``is_hf_export``); anything else is a CheckpointError and is left alone.
@@ -375,10 +432,13 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None) -> No
     if tokenizer is not None and not isinstance(tokenizer, dict):
         raise CheckpointError(f"save_hf_gpt2: tokenizer must be a dict (a tokenizer's to_dict()), "
                               f"got {type(tokenizer).__name__}")
+    tok_files = {} if tokenizer is None else transformers_tokenizer_files(tokenizer, V, config["block_size"])
     with atomic_directory(dir, EXPORT_FILES, _has_export_mark, "Hugging Face export") as tmp:
         # The metadata save_pretrained writes; transformers 4.x refuses a file whose "format"
         # names no framework it knows.
         write_safetensors(tmp / WEIGHTS_FILE, tensors, {"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
-        if tokenizer is not None:
+        if tokenizer is not None and tokenizer.get("kind") != "gpt2":
             (tmp / HF_TOKENIZER_FILE).write_text(json.dumps(tokenizer), encoding="utf-8")
+        for name, text in tok_files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
