@@ -671,6 +671,17 @@ def test_init_from_a_hugging_face_folder(workdir, capsys):
         Trainer(_cfg("imported"), resume=True, log=None)
 
 
+def test_init_from_a_hugging_face_folder_of_another_vocabulary_is_refused_at_once(workdir, capsys):
+    """A 65-token HF model read with GPT-2's tokenizer (50257 ids): refused before any data is
+    prepared, not at the first step with a token id out of range."""
+    from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
+    cfg = {"vocab_size": 65, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 8}
+    save_hf_gpt2("hf", cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
+    _fails(capsys, ["train", "--init-from", "hf", "--data", "t.txt", "--out", "ft", "--max-steps", "1",
+                    "--batch-size", "2", "--no-progress"], "65 tokens", "(gpt2) has 50257")
+    assert not Path("ft").exists()
+
+
 # -- a NaN names its origin ----------------------------------------------------------------------------------------------
 
 

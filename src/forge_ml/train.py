@@ -561,9 +561,10 @@ class Trainer:
 
     def _load_source(self):
         """``(model, tokenizer, meta)`` of ``init_from``, with the sizes asked checked against it."""
-        from .inference.load import load_model
+        from .inference.load import check_tokenizer_fits, load_model
         cfg = self.cfg
         model, tok, meta = load_model(cfg.init_from, device=self.device)
+        check_tokenizer_fits(model, tok, f"--init-from {cfg.init_from}")  # before any data is prepared
         src = model.config
         asked = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k)}
         if cfg.model:
