@@ -1,6 +1,7 @@
 """Hugging Face GPT-2 interchange against transformers' own save_pretrained / from_pretrained."""
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -212,6 +213,26 @@ def test_unsupported_gpt2_variants(saved, tmp_path, over, match):
     cfg = json.loads((d / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps(dict(cfg, **over)))
     with pytest.raises(CheckpointError, match=match):
+        load_hf_gpt2(bad)
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"layer_norm_epsilon": None}, "positive number 'layer_norm_epsilon', got None"),
+    ({"layer_norm_epsilon": "1e-5"}, "positive number 'layer_norm_epsilon', got '1e-5'"),
+    ({"layer_norm_epsilon": -1e-5}, "positive number 'layer_norm_epsilon', got -1e-05"),
+    ({"tie_word_embeddings": "false"}, "true or false for 'tie_word_embeddings', got 'false'"),
+    ({"scale_attn_weights": None}, "true or false for 'scale_attn_weights', got None"),
+    ({"n_layer": True}, "positive integer 'n_layer', got True"),
+])
+def test_malformed_config_values_are_clear_errors(saved, tmp_path, over, match):
+    """Not a TypeError from float(None), nor the string "false" read as true."""
+    d, _ = saved
+    bad = tmp_path / "malformed"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    cfg = json.loads((d / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, **over)))
+    with pytest.raises(CheckpointError, match=re.escape(match)):
         load_hf_gpt2(bad)
 
 

@@ -194,8 +194,15 @@ def _forge_config(hf: dict, path: Path, padded_vocab: int | None) -> dict:
             f"{hf.get('architectures')}); expected 'gpt2'"
         )
     for key in ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size"):
-        if not isinstance(hf.get(key), int) or hf[key] < 1:
+        if not isinstance(hf.get(key), int) or isinstance(hf[key], bool) or hf[key] < 1:
             raise CheckpointError(f"{path}: expected a positive integer {key!r}, got {hf.get(key)!r}")
+    for key in ("tie_word_embeddings", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+                "reorder_and_upcast_attn", "add_cross_attention"):
+        if key in hf and not isinstance(hf[key], bool):  # a string "false" would read as true
+            raise CheckpointError(f"{path}: expected true or false for {key!r}, got {hf[key]!r}")
+    eps = hf.get("layer_norm_epsilon", 1e-5)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+        raise CheckpointError(f"{path}: expected a positive number 'layer_norm_epsilon', got {eps!r}")
     C, H = hf["n_embd"], hf["n_head"]
     if C % H:
         raise CheckpointError(f"{path}: n_embd={C} is not divisible by n_head={H}")
@@ -226,7 +233,7 @@ def _forge_config(hf: dict, path: Path, padded_vocab: int | None) -> dict:
         "n_embd": C,
         "dropout": 0.0,
         "tied_head": bool(hf.get("tie_word_embeddings", True)),
-        "layernorm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
+        "layernorm_eps": float(eps),
     }
 
 
