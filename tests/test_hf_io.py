@@ -322,6 +322,35 @@ def test_an_export_writes_no_tokenizer_that_is_not_the_models(tmp_path):
     assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["config.json", "model.safetensors"]
 
 
+def test_a_folder_whose_tokenizer_is_not_gpt2s_is_refused(tmp_path):
+    """A GPT-2 model trained with another BPE vocabulary of >= 50257 tokens (another
+    language's) was read with GPT-2's tokenizer: wrong text, silently. Its vocab.json or
+    tokenizer.json now says so; GPT-2's own (with tokens added after 50256) is read as before."""
+    import shutil
+
+    from forge_ml.inference.load import hf_tokenizer_dict, load_model
+    from forge_ml.tokenizer import gpt2_data_dir
+
+    cfg = dict(vocab_size=50260, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    d = tmp_path / "hf"
+    save_hf_gpt2(d, cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
+    gpt2 = json.loads((gpt2_data_dir() / "encoder.json").read_text(encoding="utf-8"))
+    (d / "vocab.json").write_text(json.dumps(dict(gpt2, **{"<pad>": 50257})))
+    assert hf_tokenizer_dict(d) == {"kind": "gpt2"}
+    (d / "vocab.json").unlink()
+    (d / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": gpt2, "merges": []}}))
+    assert hf_tokenizer_dict(d) == {"kind": "gpt2"}
+    other = dict(gpt2, **{"Hello": gpt2["world"], "world": gpt2["Hello"]})  # two ids swapped
+    (d / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": other, "merges": []}}))
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: this model's tokenizer is not GPT-2's"):
+        load_model(d)
+    (d / "tokenizer.json").unlink()
+    (d / "vocab.json").write_text(json.dumps(other))
+    with pytest.raises(CheckpointError, match=r"vocab\.json: this model's tokenizer is not GPT-2's"):
+        hf_tokenizer_dict(d)
+    shutil.rmtree(d)
+
+
 # -- what an export may replace; unreadable files ------------------------------------------------
 
 

@@ -120,4 +120,42 @@ def hf_tokenizer_dict(hf_dir) -> dict:
             return json.loads(f.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
+    _check_gpt2_vocabulary(Path(hf_dir))
     return {"kind": "gpt2"}
+
+
+def _check_gpt2_vocabulary(d: Path) -> None:
+    """A CheckpointError when the folder carries a tokenizer (``vocab.json``, or a
+    ``tokenizer.json``) whose ids are not GPT-2's: a GPT-2 model trained with another
+    vocabulary (another language's BPE) read with GPT-2's tokenizer gives wrong text. Tokens
+    added after GPT-2's 50257 are allowed.
+
+    >>> import tempfile, json, os
+    >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "vocab.json"), "w").write('{"a": 0}')
+    >>> _check_gpt2_vocabulary(Path(d))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.CheckpointError: .../vocab.json: this model's tokenizer is not GPT-2's (1 tokens, ...
+    """
+    for name in ("vocab.json", "tokenizer.json"):
+        f = d / name
+        if not f.is_file():
+            continue
+        try:
+            spec = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
+        vocab = spec
+        if name == "tokenizer.json":
+            model = spec.get("model") if isinstance(spec, dict) else None
+            vocab = model.get("vocab") if isinstance(model, dict) else None
+        from ..tokenizer import gpt2_data_dir
+        gpt2 = json.loads((gpt2_data_dir() / "encoder.json").read_text(encoding="utf-8"))
+        ok = isinstance(vocab, dict) and all(vocab.get(t) == i for t, i in gpt2.items())
+        if not ok:
+            n = len(vocab) if isinstance(vocab, (dict, list)) else "?"
+            raise CheckpointError(
+                f"{f}: this model's tokenizer is not GPT-2's ({n} tokens, not GPT-2's ids for the same "
+                f"tokens); forge-ml reads a Hugging Face folder with GPT-2's tokenizer (or the one in "
+                f"{HF_TOKENIZER_FILE}, which a forge-ml export writes), so its text would be wrong")
+        return
