@@ -351,6 +351,23 @@ def test_a_folder_whose_tokenizer_is_not_gpt2s_is_refused(tmp_path):
     shutil.rmtree(d)
 
 
+@pytest.mark.parametrize("text", ['[1, 2]', '{"kind": "bpe"}', '{"kind": "char", "chars": "aa"}'])
+def test_a_broken_forge_ml_tokenizer_file_is_refused_at_import(tmp_path, capsys, text):
+    """Not taken into the checkpoint by convert --from-hf, to fail, without the file's name,
+    at the first sample."""
+    from forge_ml.cli import main
+    from forge_ml.hf import HF_TOKENIZER_FILE
+
+    cfg = dict(vocab_size=4, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    d = tmp_path / "hf"
+    save_hf_gpt2(d, cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()},
+                 tokenizer={"kind": "char", "chars": "abc\n"})
+    (d / HF_TOKENIZER_FILE).write_text(text)
+    assert main(["convert", "--from-hf", str(d), "--out", str(tmp_path / "ck")]) == 2
+    assert f"{HF_TOKENIZER_FILE}: not a forge-ml tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "ck").exists()
+
+
 # -- what an export may replace; unreadable files ------------------------------------------------
 
 

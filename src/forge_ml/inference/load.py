@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from ..checkpoint import load_checkpoint, unpack_tensors
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, TokenizerError
 from ..hf import HF_TOKENIZER_FILE  # a non-GPT-2 tokenizer kept in an exported HF folder
 from ..models.gpt2 import GPT2, GPT2Config
 from ..tokenizer import tokenizer_from_dict
@@ -117,9 +117,14 @@ def hf_tokenizer_dict(hf_dir) -> dict:
     f = Path(hf_dir) / HF_TOKENIZER_FILE
     if f.is_file():
         try:
-            return json.loads(f.read_text(encoding="utf-8"))
+            d = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
+        try:
+            tokenizer_from_dict(d)  # checked here, not when a checkpoint converted from it is used
+        except TokenizerError as e:
+            raise CheckpointError(f"{f}: not a forge-ml tokenizer ({e})") from None
+        return d
     _check_gpt2_vocabulary(Path(hf_dir))
     return {"kind": "gpt2"}
 
