@@ -236,6 +236,17 @@ def test_malformed_config_values_are_clear_errors(saved, tmp_path, over, match):
         load_hf_gpt2(bad)
 
 
+def test_a_forge_ml_checkpoint_given_as_a_hugging_face_folder_points_to_to_hf(tmp_path):
+    """convert --from-hf on a checkpoint or a run folder (the other direction): not just
+    "config.json is missing"."""
+    cfg = dict(vocab_size=4, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    params = {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()}
+    save_checkpoint(tmp_path / "run" / "ckpt", params, {"config": cfg})
+    for d in (tmp_path / "run", tmp_path / "run" / "ckpt"):
+        with pytest.raises(CheckpointError, match=rf"{d} is a forge-ml checkpoint .* convert --to-hf {d} "):
+            load_hf_gpt2(d)
+
+
 def test_shape_mismatch_and_missing_files(saved, tmp_path):
     d, _ = saved
     bad = tmp_path / "mismatch"

@@ -256,6 +256,10 @@ def load_hf_gpt2(dir, padded_vocab: int | None = None) -> tuple[dict, dict]:
     if not d.is_dir():
         raise CheckpointError(f"Hugging Face model directory not found: {d}")
     cfg_path = d / CONFIG_FILE
+    if not cfg_path.exists() and any((d / sub / "state.json").is_file() for sub in (".", "ckpt")):
+        raise CheckpointError(f"{d} is a forge-ml checkpoint (or a run folder holding one), not a Hugging "
+                              f"Face folder ({CONFIG_FILE} + {WEIGHTS_FILE}); to write it as one: "
+                              f"forge-ml convert --to-hf {d} --out NEW_FOLDER")
     config = _forge_config(_read_json(cfg_path), cfg_path, padded_vocab)
     raw = _read_weights(_weight_files(d))
 
