@@ -276,6 +276,16 @@ def test_shape_mismatch_and_missing_files(saved, tmp_path):
         load_hf_gpt2(tmp_path / "nope")
 
 
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "pytorch_model.bin.index.json"])
+def test_pytorch_pickle_weights_name_the_way_to_safetensors(saved, tmp_path, name):
+    d = tmp_path / "bin"
+    d.mkdir()
+    (d / "config.json").write_text((saved[0] / "config.json").read_text())
+    (d / name).write_bytes(b"pickle")
+    with pytest.raises(CheckpointError, match=rf"found {re.escape(name)}: .*save_pretrained\(new_dir"):
+        load_hf_gpt2(d)
+
+
 def test_save_rejects_wrong_params(saved, tmp_path):
     config, params = load_hf_gpt2(saved[0], padded_vocab=128)
     broken = dict(params)

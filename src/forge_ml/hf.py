@@ -179,9 +179,11 @@ def _weight_files(d: Path) -> list[Path]:
             raise CheckpointError(f"{index}: missing key 'weight_map'")
         return [d / f for f in sorted(set(weight_map.values()))]
     hint = ""
-    if (d / "pytorch_model.bin").is_file():
-        hint = (" (found pytorch_model.bin: re-save it with transformers' "
-                "save_pretrained(dir, safe_serialization=True))")
+    found = [f for f in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (d / f).is_file()]
+    if found:
+        hint = (f" (found {found[0]}: PyTorch's pickle format, which forge-ml does not read; re-save it "
+                "as safetensors with transformers: GPT2LMHeadModel.from_pretrained(dir).save_pretrained(new_dir, "
+                "safe_serialization=True))")
     raise CheckpointError(f"{single} is missing; expected {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{hint}")
 
 
