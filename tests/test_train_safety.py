@@ -378,31 +378,39 @@ def test_a_full_disk_at_a_log_write_stops_with_one_line(workdir, capsys, monkeyp
     assert meta["step"] == 2
 
 
+class _Filling:
+    """A file on a disk that fills after ``room`` bytes: what fits is written and flushed,
+    then the write raises ENOSPC (a torn record, a truncated file)."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def write(self, data):
+        if len(data) > self.room:
+            self.f.write(data[:self.room])
+            self.f.flush()
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+
 def test_training_on_after_a_failed_log_write_loses_no_record(workdir, monkeypatch):
     real_open = open
-
-    class Torn:  # a disk that fills 20 bytes into the record
-        def __init__(self, f):
-            self.f = f
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, text):
-            self.f.write(text[:20])
-            self.f.flush()
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     t = Trainer(_cfg("r", max_steps=6), log=None)
     t.train(until=2)
     with monkeypatch.context() as m:
-        m.setattr(train_mod, "open", lambda p, mode="r", *a, **kw: Torn(real_open(p, mode, *a, **kw))
+        m.setattr(train_mod, "open", lambda p, mode="r", *a, **kw: _Filling(real_open(p, mode, *a, **kw), 20)
                   if str(p).endswith("log.jsonl") else real_open(p, mode, *a, **kw), raising=False)
         for _ in range(2):
             with pytest.raises(RunError, match="No space left on device"):
@@ -471,32 +479,11 @@ def test_a_full_disk_at_loss_png_keeps_the_earlier_plot(workdir, monkeypatch):
     t.train()
     before = Path("r/loss.png").read_bytes()
 
-    class Full:  # a file on a disk that fills after 100 bytes
-        def __init__(self, f):
-            self.f, self.n = f, 0
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, b):
-            if self.n + len(b) > 100:
-                self.f.write(b[:100 - self.n])
-                self.f.flush()
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            self.n += len(b)
-            return self.f.write(b)
-
     real_open, real_fdopen = builtins.open, runs_mod.os.fdopen
     with monkeypatch.context() as m:  # however loss.png is written, the disk fills
-        m.setattr(builtins, "open", lambda p, mode="r", *a, **kw: Full(real_open(p, mode, *a, **kw))
+        m.setattr(builtins, "open", lambda p, mode="r", *a, **kw: _Filling(real_open(p, mode, *a, **kw), 100)
                   if str(p).endswith("loss.png") and "w" in mode else real_open(p, mode, *a, **kw))
-        m.setattr(runs_mod.os, "fdopen", lambda *a, **kw: Full(real_fdopen(*a, **kw)))
+        m.setattr(runs_mod.os, "fdopen", lambda *a, **kw: _Filling(real_fdopen(*a, **kw), 100))
         assert t.plot() is None
     assert "cannot write r/loss.png: No space left on device" in said[-1]
     assert Path("r/loss.png").read_bytes() == before
