@@ -35,9 +35,11 @@ PROG = "forge-ml"
 # Flags whose name differs from the TrainConfig key they set.
 _TRAIN_ALIASES = {"out_dir": "--out"}
 _TRAIN_HELP = {
-    "data": "text file to train on (prepared into OUT/data), or a folder from `forge-ml prepare`; "
-            "default: the Python standard library's source",
-    "tokenizer": "tokenizer for a text file: char or gpt2",
+    "data": "text file to train on (prepared into OUT/data), a folder from `forge-ml prepare`, or a folder "
+            "of llm.c token shards (its sorted *train*.bin and *val*.bin; GPT-2 ids unless a tokenizer.json "
+            "is beside them); default: the Python standard library's source",
+    "tokenizer": "tokenizer for a text file: char or gpt2 (default: char; a data folder's tokenizer.json, "
+                 "else GPT-2 for llm.c shards, where char is refused)",
     "model": "a preset: nano-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl",
     "n_layer": "transformer blocks (default: the preset's, else 4)",
     "n_head": "attention heads (default: the preset's, else 4)",
@@ -55,6 +57,9 @@ _TRAIN_HELP = {
     "weight_decay": "AdamW weight decay (2-D weights only)",
     "beta1": "AdamW beta1", "beta2": "AdamW beta2",
     "eval_iters": "val batches of the periodic estimate (the final evaluation covers the whole val shard)",
+    "final_eval_windows": "the final evaluation covers every window of the val shards up to this many, "
+                          "else the first this many (val_kind capped in log.jsonl); 0: every window "
+                          "(default: 10000)",
     "sample_tokens": "tokens per sample", "sample_prompt": "text each sample starts from",
     "sample_temperature": "sampling temperature", "log_interval": "steps between log lines",
     "progress": "show a progress bar on a terminal", "seed": "seed of init, data order and dropout",
@@ -129,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  forge-ml train --data book.txt --tokenizer gpt2 --model gpt2 --block-size 256 "
                "--device cuda --dtype bf16\n"
                "  forge-ml train --init-from ~/gpt2 --data my.txt --out runs/ft --lr 1e-4 --max-steps 500\n"
+               "  forge-ml train --data dev/data/fineweb10B --model gpt2 --block-size 1024 --device cuda  "
+               "# llm.c shards\n"
                "  forge-ml train --device cuda --batch-size auto --total-batch-size 64\n"
                "  forge-ml train --model gpt2 --gpus 8 --zero 1 --dtype bf16 --data book.txt --tokenizer gpt2\n"
                "Ctrl-C (or SIGTERM) finishes the step in flight, saves a checkpoint and exits 130 (143);\n"
@@ -208,11 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
         "eval", help="loss and perplexity of a checkpoint on a token shard or a text file",
         formatter_class=_fmt(),
         description="Mean next-token loss and perplexity over consecutive, non-overlapping windows of "
-                    "one context length. DATA is an llm.c .bin shard or a text file (tokenized with the "
-                    "checkpoint's tokenizer).",
+                    "one context length. DATA is an llm.c .bin shard, a data folder (its val shards: "
+                    "val.bin, or llm.c's *val*.bin) or a text file (tokenized with the checkpoint's tokenizer).",
         epilog="example:\n  forge-ml eval --ckpt runs/default --data runs/default/data/val.bin")
     e.add_argument("--ckpt", required=True, help="checkpoint folder, run folder or HF GPT-2 folder")
-    e.add_argument("--data", required=True, help="a .bin token shard or a text file")
+    e.add_argument("--data", required=True, help="a .bin token shard, a data folder (its val shards) or a text file")
     e.add_argument("--batch-size", type=int, default=8, metavar="N", help="windows per batch (default 8)")
     e.add_argument("--max-batches", type=int, metavar="N", default=None,
                    help="stop after this many batches (>= 1; default: every window)")
@@ -550,7 +557,7 @@ def _sample_beams(args, model, tok, ids, stop, out) -> int:
 def _cmd_eval(args) -> int:
     import numpy as np
 
-    from .data import DataLoader, load_text, read_shard, write_shard
+    from .data import DataLoader, load_text, read_shard, shard_folder, write_shard
     from .inference import load_model
     from .tensor import tensor
 
@@ -562,18 +569,24 @@ def _cmd_eval(args) -> int:
     path = Path(args.data)
     if not path.exists():
         raise DataError(f"--data {path}: no such file")
-    if not path.is_file():
-        raise DataError(f"--data {path}: expected a .bin token shard or a text file, got a folder "
-                        f"or special file")
-    try:  # before the model loads: a file that cannot be read is said at once
-        with open(path, "rb") as f:
-            f.read(1)
-    except OSError as e:
-        raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
+    shards = None
+    if path.is_dir():  # a data folder: its val shards
+        shards = shard_folder(path, need=("val",)).val
+        for p in shards:
+            read_shard(p)  # every header, before the model loads
+    elif not path.is_file():
+        raise DataError(f"--data {path}: expected a .bin token shard, a data folder or a text file, got a "
+                        f"special file")
+    else:
+        try:  # before the model loads: a file that cannot be read is said at once
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
     model, tok, _ = load_model(args.ckpt, device=args.device)
     cfg = model.config
     tmp = None
-    if path.suffix != ".bin":  # a text file: tokenize it with the checkpoint's tokenizer
+    if shards is None and path.suffix != ".bin":  # a text file: tokenize it with the checkpoint's tokenizer
         import tempfile
         try:
             text = load_text(path)
@@ -584,16 +597,18 @@ def _cmd_eval(args) -> int:
         path = Path(tmp.name) / "eval.bin"
         write_shard(path, ids)
     try:
-        n_tokens = len(read_shard(path))
+        paths = shards if shards is not None else [path]
+        n_tokens = sum(len(read_shard(p)) for p in paths)
         if n_tokens < 2:
             raise DataError(f"{args.data} holds {n_tokens} tokens; evaluation needs at least 2")
-        hi = int(np.max(read_shard(path)))
-        if hi >= cfg.vocab_size:
-            raise DataError(f"{args.data} holds token {hi} but the model's vocabulary has {cfg.vocab_size} "
-                            f"tokens; the shard was made with another tokenizer")
+        for p in paths:
+            hi = int(np.max(read_shard(p), initial=0))
+            if hi >= cfg.vocab_size:
+                raise DataError(f"{p if shards is not None else args.data} holds token {hi} but the model's "
+                                f"vocabulary has {cfg.vocab_size} tokens; the shard was made with another tokenizer")
         T = min(cfg.block_size, n_tokens - 1)
         B = max(1, min(args.batch_size, (n_tokens - 1) // T))
-        loader = DataLoader(path, B, T)
+        loader = DataLoader(paths, B, T)
         if args.max_batches is None:  # every window: those past the last whole batch come as a smaller one
             batches = loader.eval_batches(tail=True)
         else:
@@ -607,8 +622,9 @@ def _cmd_eval(args) -> int:
     finally:
         if tmp is not None:
             tmp.cleanup()
+    where = "" if shards is None else f" of {len(shards)} val shard{'s' * (len(shards) > 1)} in {path}"
     print(f"loss {loss:.4f}  perplexity {math.exp(min(loss, 700)):.3f}  "
-          f"({windows * T:,} tokens: {windows:,} windows of {T} in {n} batches of {B}, "
+          f"({windows * T:,} tokens{where}: {windows:,} windows of {T} in {n} batches of {B}, "
           f"{time.perf_counter() - t0:.1f} s)")
     return 0
 

@@ -4,7 +4,15 @@ Shard layout (llm.c's ``.bin``, version 1): a header of 256 little-endian int32,
 ``[0]`` is the magic 20240520, ``[1]`` the version 1 and ``[2]`` the token count N; then N
 little-endian uint16 tokens. Nothing else follows.
 
+Only version 1 is read: another version (or magic) in a header is a DataError naming the file,
+never tokens read with the wrong width.
+
 ``prepare`` turns a text file into ``train.bin``, ``val.bin`` and ``tokenizer.json``.
+``shard_folder`` finds the shards of a data folder: that layout, or llm.c's
+(``dev/data/fineweb10B/fineweb_train_000001.bin ... fineweb_val_000000.bin``,
+``tiny_shakespeare_train.bin``, ``tiny_shakespeare_val.bin``): the sorted ``*train*.bin`` are
+the train shards and the sorted ``*val*.bin`` the val shards; without a ``tokenizer.json``
+beside them they hold GPT-2 token ids, as llm.c's do.
 ``DataLoader`` memory-maps shards and draws random windows from a seeded PCG64 generator whose
 state goes into checkpoints, so a resumed run sees exactly the batches it would have seen.
 
@@ -20,7 +28,9 @@ import glob
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -296,6 +306,79 @@ def write_prepared(out_dir, train, val, tok) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Data folders
+
+PREPARED_FILES = ("train.bin", "val.bin", "tokenizer.json")   # what ``prepare`` writes
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class ShardFolder:
+    """The shards of a data folder (``shard_folder``): ``train`` and ``val`` (sorted paths),
+    ``tokenizer`` (``folder/tokenizer.json``, or None: the shards hold GPT-2 ids, as llm.c's
+    do) and ``prepared`` (the folder is ``prepare``'s train.bin, val.bin and tokenizer.json)."""
+    folder: Path
+    train: list
+    val: list
+    tokenizer: Optional[Path]
+    prepared: bool
+
+    def fingerprint(self) -> dict:
+        """The shards' file names and sizes (what a checkpoint records, so that a resumed run can
+        tell that it sees the same shards).
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp(); write_shard(os.path.join(d, "a_train.bin"), [1, 2])
+        >>> write_shard(os.path.join(d, "a_val.bin"), [3])
+        >>> shard_folder(d).fingerprint()
+        {'train': [['a_train.bin', 1028]], 'val': [['a_val.bin', 1026]]}
+        """
+        return {k: [[p.name, p.stat().st_size] for p in getattr(self, k)] for k in ("train", "val")}
+
+
+def shard_folder(folder, need=("train", "val")) -> ShardFolder:
+    """The shards of ``folder``: ``prepare``'s ``train.bin``, ``val.bin`` and
+    ``tokenizer.json`` when it holds all three; else llm.c's layout, the sorted ``*train*.bin``
+    files for training and the sorted ``*val*.bin`` files for validation, with
+    ``tokenizer.json`` if the folder has one (None: GPT-2 token ids). A folder with no train
+    or no val shard (of those ``need`` names: evaluation needs only "val") is a DataError
+    saying what it holds and what was expected. The shards' headers are not read here
+    (``read_shard`` checks them).
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> for n in ("x_train_000002.bin", "x_train_000001.bin", "x_val_000000.bin"):
+    ...     write_shard(os.path.join(d, n), range(10))
+    >>> f = shard_folder(d); [p.name for p in f.train], [p.name for p in f.val], f.tokenizer
+    (['x_train_000001.bin', 'x_train_000002.bin'], ['x_val_000000.bin'], None)
+    """
+    d = Path(folder)
+    if not d.is_dir():
+        raise DataError(f"data folder not found: {d}")
+    if all((d / f).is_file() for f in PREPARED_FILES):
+        return ShardFolder(d, [d / "train.bin"], [d / "val.bin"], d / TOKENIZER_FILE, True)
+    train = sorted(p for p in d.glob("*train*.bin") if p.is_file())
+    val = sorted(p for p in d.glob("*val*.bin") if p.is_file())
+    both = sorted(set(p.name for p in train) & set(p.name for p in val))
+    if both:
+        raise DataError(f"data folder {d}: {', '.join(both)} match both *train*.bin and *val*.bin; "
+                        f"rename them so that each shard is a train or a val shard")
+    lacking = [w for w, got in (("train", train), ("val", val)) if w in need and not got]
+    if lacking:
+        try:
+            names = sorted(os.listdir(d))
+        except OSError as e:
+            raise DataError(f"data folder {d}: cannot list it: {e.strerror or e}") from None
+        held = ", ".join(names[:12]) + (f", ... ({len(names)} entries)" if len(names) > 12 else "")
+        lack = " or ".join(lacking)
+        raise DataError(f"data folder {d} has no {lack} shard; it holds {held or 'nothing'}; expected "
+                        f"`forge-ml prepare`'s train.bin, val.bin and tokenizer.json, or llm.c's token shards "
+                        f"named *train*.bin and *val*.bin (e.g. fineweb_train_000001.bin, fineweb_val_000000.bin)")
+    tok = d / TOKENIZER_FILE
+    return ShardFolder(d, train, val, tok if tok.is_file() else None, False)
+
+
+# ---------------------------------------------------------------------------------------------
 # Loader
 
 
@@ -405,7 +488,8 @@ class DataLoader:
         out = np.empty((len(offsets), length), dtype=np.result_type(*(s.dtype for s in self.shards)))
         shard = np.searchsorted(self._starts, offsets, side="right") - 1
         done = np.zeros(len(offsets), dtype=bool)
-        for i, s in enumerate(self.shards):
+        for i in np.unique(shard):   # the shards the batch touches (of maybe hundreds)
+            s = self.shards[i]
             lo = offsets - self._starts[i]
             inside = (shard == i) & (lo + length <= len(s))
             if inside.any():

@@ -14,7 +14,9 @@ given), builds, resumes or fine-tunes (``init_from``) the model and optimizer, a
   PCG64 state: so N steps equal N/2 steps, a checkpoint, a resume and N/2 more, bit for bit;
 - an eval loss every ``eval_interval`` steps on the first ``eval_iters`` validation batches
   (an estimate, ``"val_kind": "sampled"`` in the log) and, at the end, on every window of the
-  validation shard (``"val_kind": "full"``, what ``forge-ml eval`` computes); a sample every
+  validation shards (``"val_kind": "full"``, what ``forge-ml eval`` computes), or on their
+  first ``final_eval_windows`` windows when they hold more (``"val_kind": "capped"``, with
+  ``val_windows`` and ``val_windows_total``: a large val set is not read whole); a sample every
   ``sample_interval``; a JSON-lines log (``log.jsonl``) of every step, ``loss.png`` at the
   end, and a checkpoint in ``<out_dir>/ckpt`` every ``checkpoint_interval`` steps and at the end;
 - SIGINT (Ctrl-C) and SIGTERM are handled at step boundaries: the step in flight finishes
@@ -67,7 +69,8 @@ from . import flags
 from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
 from .checkpoint import check_architecture, load_checkpoint, pack_tensors, save_checkpoint, unpack_tensors
-from .data import DataLoader, default_corpus, load_text, read_shard, split_tokens, write_prepared
+from .data import (SHARD_MAGIC, DataLoader, ShardFolder, default_corpus, load_text, read_shard, shard_folder,
+                   split_tokens, write_prepared)
 from .diagnose import CheckingTape
 from .device import Device
 from .errors import (CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
@@ -85,6 +88,9 @@ DATA_NAME = "data"          # <out_dir>/data: shards prepared from a text file
 DATA_FILES = ("train.bin", "val.bin", "tokenizer.json")
 CORPUS_NAME = "corpus.txt"  # <out_dir>/data/corpus.txt: the default corpus, as trained on
 LOG_NAME = "log.jsonl"
+# val_kind of the final evaluation: "full" (every window of the val shards) or "capped" (the
+# first final_eval_windows of them; the periodic estimates are "sampled")
+FINAL_VAL_KINDS = ("full", "capped")
 PLOT_NAME = "loss.png"
 
 # The model used when neither a preset nor sizes are given: nanoGPT's CPU configuration.
@@ -126,9 +132,13 @@ class TrainConfig:
     """
 
     # data: a text file (prepared into <out_dir>/data), a folder holding train.bin, val.bin and
-    # tokenizer.json, or "" for data.default_corpus() (the standard library's source)
+    # tokenizer.json (`forge-ml prepare`), a folder of llm.c shards (the sorted *train*.bin and
+    # *val*.bin; GPT-2 token ids unless a tokenizer.json is beside them), or "" for
+    # data.default_corpus() (the standard library's source)
     data: str = ""
-    tokenizer: str = "char"          # how a text file is tokenized: "char" or "gpt2"
+    # how a text file is tokenized: "char" or "gpt2"; None: char for a text, and a folder's own
+    # (its tokenizer.json, else GPT-2 for llm.c shards). The run records the one it used.
+    tokenizer: Optional[str] = None
     val_fraction: float = 0.1
     corpus_bytes: int = 3_000_000    # size of the default corpus
     # fine-tuning: a forge-ml checkpoint (or run folder) or a Hugging Face GPT-2 folder whose
@@ -161,6 +171,9 @@ class TrainConfig:
     # monitoring
     eval_interval: int = 250         # 0 disables periodic eval (the final one still runs)
     eval_iters: int = 20
+    # the final evaluation covers every window of the val shards when they hold at most this
+    # many windows of block_size, else only the first this many ("val_kind": "capped"); 0: all
+    final_eval_windows: int = 10_000
     sample_interval: int = 250       # 0 disables samples during training
     sample_tokens: int = 200
     sample_prompt: str = ""
@@ -199,12 +212,13 @@ class TrainConfig:
              f"weight_decay and grad_clip must be finite numbers >= 0, got {self.weight_decay} and {self.grad_clip}"),
             (self.seed >= 0, f"seed must be >= 0, got {self.seed}"),
             (self.eval_iters >= 1, "eval_iters must be >= 1"),
+            (self.final_eval_windows >= 0, "final_eval_windows must be >= 0 (0: every window)"),
             (self.sample_temperature >= 0 and math.isfinite(self.sample_temperature),
              f"sample_temperature must be a number >= 0 (0 is greedy), got {self.sample_temperature}"),
             (min(self.eval_interval, self.sample_interval, self.checkpoint_interval,
                  self.sample_tokens, self.log_interval, self.n_layer, self.n_head, self.n_embd) >= 0,
              "intervals, counts and sizes must be >= 0"),
-            (self.tokenizer in ("char", "gpt2"), f"tokenizer must be 'char' or 'gpt2', got {self.tokenizer!r}"),
+            (self.tokenizer in (None, "char", "gpt2"), f"tokenizer must be 'char' or 'gpt2', got {self.tokenizer!r}"),
             (self.dtype in ("float32", "bf16", "bfloat16"), f"dtype must be 'float32' or 'bf16', got {self.dtype!r}"),
             (self.model == "" or self.model in PRESETS,
              f"unknown model preset {self.model!r}; expected one of {', '.join(PRESETS)}"),
@@ -447,6 +461,8 @@ class Trainer:
                                f"`forge-ml convert` writes), so there is no run to resume; start a new run "
                                f"from it with --init-from {self.ckpt_dir} --out NEW_FOLDER")
             was = (meta.get("train_config") or {}).get("tokenizer")
+            if cfg.tokenizer is None:
+                cfg.tokenizer = was
             if was and was != cfg.tokenizer and not (cfg.data and Path(cfg.data).is_dir()):
                 raise ConfigError(f"the run in {self.out_dir} was trained with the {was} tokenizer; a resumed "
                                   f"run keeps it (drop --tokenizer {cfg.tokenizer}, or start a new run elsewhere)")
@@ -455,7 +471,7 @@ class Trainer:
             if not own and cfg.data and cfg.data == was and not os.path.exists(cfg.data):
                 # the run's own --data, named relative to the folder it was started from
                 data_dir = meta.get("data_dir")
-                if isinstance(data_dir, str) and all((Path(data_dir) / f).is_file() for f in DATA_FILES):
+                if isinstance(data_dir, str) and _is_shard_folder(data_dir):
                     cfg.data = data_dir
                 else:
                     raise DataError(f"cannot resume: the run in {self.out_dir} was trained on --data {was}, which "
@@ -475,7 +491,11 @@ class Trainer:
                 source = self._load_source()
 
         # -- data and tokenizer (nothing written yet) ---------------------------------------
-        self.data_dir, self.tokenizer, write_data = self._plan_data(resume, source)
+        self.shards, self.tokenizer, write_data = self._plan_data(resume, source)
+        self.data_dir = self.shards.folder
+        cfg.tokenizer = self.tokenizer.kind   # recorded in the checkpoint: what the run trains with
+        if ckpt is not None and write_data is None:
+            self._check_same_shards(ckpt[1])
         if cfg.sample_prompt:
             try:
                 self.tokenizer.encode(cfg.sample_prompt)
@@ -503,8 +523,9 @@ class Trainer:
         if cfg.batch_size == "auto":
             self._auto_batch_size()
         B, T = cfg.batch_size, cfg.block_size
-        self.train_loader = DataLoader(self.data_dir / "train.bin", B, T, seed=cfg.seed)
-        self.val_loader = DataLoader(self.data_dir / "val.bin", B, T, seed=cfg.seed)
+        self.shard_names = self.shards.fingerprint()   # as the loaders see them (checkpoints record it)
+        self.train_loader = DataLoader(self.shards.train, B, T, seed=cfg.seed)
+        self.val_loader = DataLoader(self.shards.val, B, T, seed=cfg.seed)
         if ckpt is not None:
             self._restore_state(ckpt)
 
@@ -593,14 +614,80 @@ class Trainer:
         except (ValueError, UnicodeDecodeError) as e:
             raise DataError(f"{p}: not a tokenizer file ({e}); prepare the data again") from None
 
-    def _check_shards(self, d: Path, tok) -> None:
-        """The shards in ``d`` hold a window of ``block_size`` tokens each, and only ids of ``tok``."""
-        for name in ("train.bin", "val.bin"):
-            self._check_length(len(read_shard(d / name)), f"token shard {d / name}")
-        ids_max = int(np.max(read_shard(d / "train.bin"), initial=0))
-        if ids_max >= tok.vocab_size:
-            raise DataError(f"{d}/train.bin holds token {ids_max} but the tokenizer has "
-                            f"{tok.vocab_size} ids; the shards and tokenizer.json disagree")
+    def _check_shards(self, sf: ShardFolder, tok) -> tuple:
+        """Every shard of ``sf`` has a good header (``read_shard``) and a window of ``block_size``
+        tokens, and its val shards and first train shard hold only ids of ``tok``; returns the
+        train and val token counts.
+
+        Only the first train shard's ids are checked: the largest id of every shard means
+        reading all of them, 20 GB for llm.c's fineweb10B (100 shards of 100M tokens), minutes
+        before the first step; shards made with another tokenizer show in their first shard."""
+        counts = {}
+        for which in ("train", "val"):
+            counts[which] = 0
+            for p in getattr(sf, which):
+                n = len(read_shard(p))
+                self._check_length(n, f"token shard {p}")
+                counts[which] += n
+        whose = f"{sf.tokenizer.name}" if sf.tokenizer is not None else "GPT-2's tokenizer"
+        for p in sf.val + sf.train[:1]:
+            ids_max = int(np.max(read_shard(p), initial=0))
+            if ids_max >= tok.vocab_size:
+                raise DataError(f"{p} holds token {ids_max} but the tokenizer ({whose}) has "
+                                f"{tok.vocab_size} ids; the shards and {whose} disagree")
+        return counts["train"], counts["val"]
+
+    def _folder_tokenizer(self, sf: ShardFolder, src_tok):
+        """The tokenizer of the shards in ``sf``: its tokenizer.json, else (llm.c's shards)
+        GPT-2's; ``src_tok``: --init-from's, which must be the same."""
+        cfg, d = self.cfg, sf.folder
+        if sf.tokenizer is not None:
+            tok = self._read_tokenizer(d)
+            if src_tok is not None and tok.to_dict() != src_tok.to_dict():
+                raise DataError(f"{d}/tokenizer.json is not the tokenizer of --init-from {cfg.init_from} "
+                                f"({src_tok.kind}); give a text file, which is tokenized with the source's tokenizer")
+            return tok
+        # no tokenizer.json: token shards as llm.c writes them, of GPT-2 ids
+        if src_tok is not None:
+            if src_tok.kind != "gpt2":
+                raise DataError(f"data folder {d} has no tokenizer.json, so its shards are read as GPT-2 token ids "
+                                f"(llm.c's), but --init-from {cfg.init_from} has a {src_tok.kind} tokenizer; "
+                                f"give a text file, which is tokenized with the source's tokenizer")
+            return src_tok
+        if cfg.tokenizer == "char":
+            raise ConfigError(f"--tokenizer char: data folder {d} holds token shards and no tokenizer.json, and a "
+                              f"char tokenizer cannot be guessed from token ids; drop --tokenizer (shards without "
+                              f"a tokenizer.json are read as GPT-2 ids, as llm.c writes them), or prepare a "
+                              f"char run's shards with `forge-ml prepare TEXT --out FOLDER`")
+        named = sorted(p.name for p in sf.train + sf.val if p.name in DATA_FILES)
+        if named and cfg.tokenizer != "gpt2":
+            raise DataError(f"data folder {d} lacks tokenizer.json beside {', '.join(named)}; expected the output "
+                            f"of `forge-ml prepare TEXT --out {d}` (or give a text file); if the shards hold "
+                            f"GPT-2 token ids, add --tokenizer gpt2")
+        return load_tokenizer("gpt2")
+
+    def _check_same_shards(self, meta: dict) -> None:
+        """A resumed run sees the shards the checkpoint's run was trained on: the same file names
+        and sizes (its data position indexes them)."""
+        was = meta.get("shards")
+        if not isinstance(was, dict):
+            return   # a checkpoint from before shards were recorded: the loader's token count is checked
+        now = self.shards.fingerprint()
+        diffs = []
+        for which in ("train", "val"):
+            old = {n: z for n, z in was.get(which, [])}
+            new = {n: z for n, z in now[which]}
+            gone, added = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+            resized = [f"{n} ({old[n]:,} -> {new[n]:,} bytes)" for n in sorted(set(old) & set(new)) if old[n] != new[n]]
+            for what, names in (("missing", gone), ("new", added), ("changed size", resized)):
+                if names:
+                    more = f", ... ({len(names)})" if len(names) > 4 else ""
+                    diffs.append(f"{which} shards {what}: {', '.join(names[:4])}{more}")
+        if diffs:
+            raise DataError(f"cannot resume: the shards in {self.data_dir} are not those the run in {self.out_dir} "
+                            f"was trained on ({'; '.join(diffs)}); a resumed run must see the same shards to go on "
+                            f"exactly. Put them back as they were, or start a new run from this one: --init-from "
+                            f"{self.out_dir} --data {self.data_dir} --out NEW_FOLDER")
 
     def _check_length(self, n: int, what: str) -> None:
         T = self.cfg.block_size
@@ -609,30 +696,38 @@ class Trainer:
                             f"plus its next-token target)")
 
     def _plan_data(self, resume: bool, source):
-        """``(data folder, tokenizer, write)``: where the shards are, their tokenizer, and the
-        function that prepares them (None when they exist). Reads, never writes: a text too
-        short for a window of ``block_size`` in its train or val part is refused here."""
+        """``(shards, tokenizer, write)``: the data folder's ``ShardFolder``, its tokenizer, and
+        the function that prepares the shards (None when they exist). Reads, never writes: a
+        text too short for a window of ``block_size`` in its train or val part is refused here."""
         cfg = self.cfg
         src_tok = source[1] if source is not None else None
         if cfg.data and Path(cfg.data).is_dir():
-            d = Path(cfg.data)
-            missing = [f for f in DATA_FILES if not (d / f).is_file()]
-            if missing:
-                raise DataError(f"data folder {d} lacks {', '.join(missing)}; expected the output of "
-                                f"`forge-ml prepare TEXT --out {d}` (or give a text file)")
-            tok = self._read_tokenizer(d)
-            if src_tok is not None and tok.to_dict() != src_tok.to_dict():
-                raise DataError(f"{d}/tokenizer.json is not the tokenizer of --init-from {cfg.init_from} "
-                                f"({src_tok.kind}); give a text file, which is tokenized with the source's tokenizer")
-            self._check_shards(d, tok)
-            return d, tok, None
+            sf = shard_folder(cfg.data)
+            tok = self._folder_tokenizer(sf, src_tok)
+            n_train, n_val = self._check_shards(sf, tok)
+            if not sf.prepared:
+                whose = (f"{sf.tokenizer}" if sf.tokenizer is not None else
+                         "GPT-2's BPE (no tokenizer.json in the folder: llm.c's shards hold GPT-2 ids)")
+                self._say(f"data: {len(sf.train)} train shard{'s' * (len(sf.train) > 1)} ({n_train:,} tokens) and "
+                          f"{len(sf.val)} val shard{'s' * (len(sf.val) > 1)} ({n_val:,} tokens) in {sf.folder}; "
+                          f"tokenizer {whose}")
+            return sf, tok, None
+        if cfg.data and any(c in cfg.data for c in "*?[") and not os.path.exists(cfg.data):
+            raise DataError(f"--data {cfg.data}: a pattern is not taken; give the folder that holds the shards "
+                            f"(--data {os.path.dirname(cfg.data) or '.'}): its *train*.bin are the train shards "
+                            f"and its *val*.bin the val shards")
         d = self.out_dir / DATA_NAME
         if resume and all((d / f).is_file() for f in DATA_FILES):
+            sf = shard_folder(d)
             tok = self._read_tokenizer(d)
-            self._check_shards(d, tok)
-            return d, tok, None  # the exact tokens the run started with
+            self._check_shards(sf, tok)
+            return sf, tok, None  # the exact tokens the run started with
         if cfg.data:
             src = Path(cfg.data)
+            if _is_shard_file(src):
+                raise DataError(f"--data {src} is a token shard; give the folder that holds the train and val "
+                                f"shards (--data {src.parent}): its *train*.bin are the train shards and its "
+                                f"*val*.bin the val shards")
             text = load_text(src)  # a missing file, a special file or bytes that are not UTF-8: one line each
         else:
             src = d / CORPUS_NAME
@@ -640,7 +735,7 @@ class Trainer:
         what = src if cfg.data else "the default corpus"
         if not text:
             raise DataError(f"text file {src} is empty; expected text to train on")
-        tok = src_tok if src_tok is not None else load_tokenizer(cfg.tokenizer, text=text)
+        tok = src_tok if src_tok is not None else load_tokenizer(cfg.tokenizer or "char", text=text)
         if src_tok is not None and tok.kind == "char":
             extra = sorted(set(text) - set(tok.chars))
             if extra:
@@ -674,7 +769,7 @@ class Trainer:
             self._say(f"prepared {src}: {info['train_tokens']:,} train + {info['val_tokens']:,} val tokens, "
                       f"{info['vocab_size']} {info['tokenizer']} tokens in the vocabulary -> {d}")
 
-        return d, tok, write
+        return ShardFolder(d, [d / "train.bin"], [d / "val.bin"], d / "tokenizer.json", True), tok, write
 
     def _architecture(self, ckpt, source) -> GPT2Config:
         """The model's config: the source's (init_from), the checkpoint's for a resumed
@@ -703,8 +798,10 @@ class Trainer:
                 raise CheckpointError(f"{self.ckpt_dir} holds another architecture: its {k} is "
                                       f"{getattr(saved, k)}, this run asks for {getattr(want, k)}")
         if meta.get("tokenizer") and meta["tokenizer"] != self.tokenizer.to_dict():
-            raise CheckpointError(f"{self.ckpt_dir} was trained with another tokenizer than the one in "
-                                  f"{self.data_dir}/tokenizer.json")
+            whose = (f"{self.shards.tokenizer}" if self.shards.tokenizer is not None else
+                     f"GPT-2's, which {self.data_dir} (no tokenizer.json) is read with")
+            raise CheckpointError(f"{self.ckpt_dir} was trained with another tokenizer "
+                                  f"({meta['tokenizer'].get('kind')}) than the data's, {whose}")
         return GPT2.from_state_dict(want, params, device=self.device)
 
     def _restore_state(self, ckpt) -> None:
@@ -964,14 +1061,19 @@ class Trainer:
             total += self.model.loss(tensor(x, device=self.device), tensor(y, device=self.device)).item()
         return total / iters
 
-    def evaluate_full(self) -> tuple:
+    def evaluate_full(self, max_windows: Optional[int] = None) -> tuple:
         """``(mean loss, windows)`` over every window of ``block_size`` tokens of the validation
-        shard (no dropout): the figure ``forge-ml eval`` gives for the shard."""
+        shards (no dropout): the figure ``forge-ml eval`` gives for them; with ``max_windows``,
+        over the first ``max_windows`` windows only (in order, the same at every call)."""
         total, windows = 0.0, 0
         for x, y in self.val_loader.eval_batches(tail=True):
+            if max_windows is not None:
+                x, y = x[:max_windows - windows], y[:max_windows - windows]
             loss = self.model.loss(tensor(x, device=self.device), tensor(y, device=self.device))
             total += loss.item() * len(x)   # a batch's loss is the mean over its windows
             windows += len(x)
+            if max_windows is not None and windows >= max_windows:
+                break
         return total / windows, windows
 
     def sample(self, n_tokens: Optional[int] = None, prompt: Optional[str] = None, seed: int = 0) -> str:
@@ -1011,6 +1113,7 @@ class Trainer:
             "optimizer": opt_state,
             "data": self.train_loader.state_dict(),
             "data_dir": str(self.data_dir.resolve()),
+            "shards": self.shard_names,
             "rng": {"seed": cfg.seed, "dropout_seed": "splitmix64(seed, step, micro_step)",
                     "next_step": self.step},
             "tokenizer": self.tokenizer.to_dict(),
@@ -1138,7 +1241,7 @@ class Trainer:
                     self.save()
             if self._stop is None:
                 self._close_bar()
-                if self.step > first or self.val_loss is None or self.val_kind != "full":
+                if self.step > first or self.val_loss is None or self.val_kind not in FINAL_VAL_KINDS:
                     self._eval_and_log(full=True)
                 if cfg.sample_interval and self.step > first:
                     self._sample_and_show()
@@ -1166,13 +1269,19 @@ class Trainer:
     def _eval_and_log(self, full: bool) -> None:
         cfg = self.cfg
         if full:
-            got = self._off_graph(self.evaluate_full)
+            total = (self.val_loader.n_tokens - 1) // cfg.block_size
+            cap = cfg.final_eval_windows if 0 < cfg.final_eval_windows < total else None
+            got = self._off_graph(lambda: self.evaluate_full(cap))
             if got is None:
                 return
             loss, windows = got
-            rec = {"step": self.step, "val_loss": loss, "val_kind": "full", "val_windows": windows,
-                   "val_tokens": windows * cfg.block_size}
+            rec = {"step": self.step, "val_loss": loss, "val_kind": "full" if cap is None else "capped",
+                   "val_windows": windows, "val_tokens": windows * cfg.block_size}
             how = f"every window of the val shard: {windows:,} x {cfg.block_size} tokens"
+            if cap is not None:
+                rec["val_windows_total"] = total
+                how = (f"the first {windows:,} of the val shards' {total:,} windows (--final-eval-windows): "
+                       f"{windows:,} x {cfg.block_size} tokens")
         else:
             loss = self._off_graph(self.evaluate)
             if loss is None:
@@ -1231,8 +1340,10 @@ class Trainer:
             return None
         records, _ = read_log(self.log_path)
         train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-        sampled = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r and r.get("val_kind") != "full"]
+        sampled = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r
+                   and r.get("val_kind") not in FINAL_VAL_KINDS]
         full = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r and r.get("val_kind") == "full"]
+        capped = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r and r.get("val_kind") == "capped"]
         fig, ax = plt.subplots(figsize=(7, 4))
         if train:
             ax.plot(*zip(*train), lw=0.8, label="train")
@@ -1240,6 +1351,8 @@ class Trainer:
             ax.plot(*zip(*sampled), "o-", label=f"val ({self.cfg.eval_iters} batches)")
         if full:
             ax.plot(*zip(*full), "s", label="val (whole shard)")
+        if capped:
+            ax.plot(*zip(*capped), "D", label=f"val (first {self.cfg.final_eval_windows:,} windows)")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.set_title(f"forge-ml: {_arch(self.model.config)}")
@@ -1283,9 +1396,31 @@ def _same_path(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def _is_shard_folder(path) -> bool:
+    """Whether ``path`` is a data folder ``data.shard_folder`` takes."""
+    try:
+        shard_folder(path)
+        return True
+    except DataError:
+        return False
+
+
+def _is_shard_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file (never a FIFO, which would block) that starts with an
+    llm.c shard's magic."""
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return len(head) == 4 and int.from_bytes(head, "little", signed=True) == SHARD_MAGIC
+
+
 def _val_words(kind: Optional[str]) -> str:
-    return {"full": "every window of the val shard", "sampled": "an estimate on a few val batches"}.get(
-        kind, "from the checkpoint")
+    return {"full": "every window of the val shard", "sampled": "an estimate on a few val batches",
+            "capped": "the first --final-eval-windows windows of the val shards"}.get(kind, "from the checkpoint")
 
 
 def _arch(c: GPT2Config) -> str:

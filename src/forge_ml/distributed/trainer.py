@@ -127,7 +127,7 @@ class DistributedTrainer(Trainer):
         self._send({
             "cmd": "run", "train_config": self.cfg.to_dict(), "model": self.model.config.to_dict(),
             "names": names, "dtype": opt.params[names[0]].dtype.name, "bf16": opt.lowp is not None,
-            "data": str((self.data_dir / "train.bin").resolve()), "loader": self.train_loader.state_dict(),
+            "data": [str(p.resolve()) for p in self.shards.train], "loader": self.train_loader.state_dict(),
             "step": self.step, "zero": zero, "bucket_mb": bucket_mb,
             "optimizer": counters(opt),
         })
