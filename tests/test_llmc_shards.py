@@ -52,7 +52,7 @@ def test_train_on_llmc_shards_and_resume_exactly(llmc, capsys):
     assert ma["tokenizer"] == {"kind": "gpt2"} and ma["train_config"]["tokenizer"] == "gpt2"
     assert ma["config"]["vocab_size"] == 50257
     assert [n for n, _ in ma["shards"]["train"]] == [f"fw_train_{i:06d}.bin" for i in (1, 2, 3)]
-    assert ma["shards"]["val"] == [["fw_val_000000.bin", 1024 + 2 * 250]]
+    assert ma["shards"]["val"] == [["fw_val_000000.bin", 1024 + 2 * 250]] and mb["shards"] == ma["shards"]
 
 
 @pytest.mark.parametrize("change", ["add", "remove", "resize"])
