@@ -633,6 +633,18 @@ def test_the_context_defaults_to_the_sources_and_the_presets(workdir, capsys):
     capsys.readouterr()
 
 
+def test_a_fine_tune_resumed_from_python_keeps_the_sources_context(workdir):
+    """Trainer(TrainConfig(init_from=..., block_size left out), resume=True), the same config
+    the run was started with, failed with a TypeError (None + 1): the source is not loaded on a
+    resume, so the context stayed None. It is now the context the run recorded."""
+    Trainer(_cfg("base", block_size=24, max_steps=1), log=None).train()
+    ft = dict(init_from="base", n_layer=0, n_head=0, n_embd=0, block_size=None)
+    Trainer(_cfg("ft", max_steps=2, **ft), log=None).train()
+    t = Trainer(_cfg("ft", max_steps=4, **ft), resume=True, log=None)
+    assert (t.cfg.block_size, t.train()["step"]) == (24, 4)
+    assert load_checkpoint(Path("ft") / "ckpt")[1]["train_config"]["block_size"] == 24
+
+
 def test_init_from_a_hugging_face_folder(workdir, capsys):
     from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
     cfg = {"vocab_size": 50257, "block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 8}

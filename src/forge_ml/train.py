@@ -460,6 +460,10 @@ class Trainer:
                 raise RunError(f"{self.ckpt_dir} holds a model only (no optimizer state or data position, as "
                                f"`forge-ml convert` writes), so there is no run to resume; start a new run "
                                f"from it with --init-from {self.ckpt_dir} --out NEW_FOLDER")
+            if cfg.block_size is None:   # an init_from run resumed: the context it was trained with
+                was = (meta.get("train_config") or {}).get("block_size")
+                cfg.block_size = was if isinstance(was, int) and was >= 1 else \
+                    (meta.get("config") or {}).get("block_size", DEFAULT_BLOCK)
             was = (meta.get("train_config") or {}).get("tokenizer")
             if cfg.tokenizer is None:
                 cfg.tokenizer = was
