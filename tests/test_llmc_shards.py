@@ -107,6 +107,22 @@ def test_eval_on_an_llmc_folder_covers_its_val_shards(llmc, capsys):
     _fails(capsys, ["eval", "--ckpt", "r", "--data", "fw"], "data folder fw has no val shard", "*val*.bin")
 
 
+def test_eval_refuses_a_folder_made_with_another_tokenizer(llmc, capsys):
+    """eval --data FOLDER read the folder's val shards whatever its tokenizer.json said: a char
+    run evaluated on a folder prepared from other text (ids that fit its vocabulary, other
+    characters) got a loss, silently wrong. Now the folder's tokenizer must be the checkpoint's
+    (and llm.c's shards, GPT-2 ids, need a GPT-2 model)."""
+    Path("a.txt").write_text("to be or not to be, that is the question\n" * 60)
+    Path("b.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 60)
+    assert main(["prepare", "a.txt", "--out", "pa"]) == 0 and main(["prepare", "b.txt", "--out", "pb"]) == 0
+    assert main(["train", "--data", "pb", "--out", "r", "--max-steps", "1", *TINY]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", "r", "--data", "pb"]) == 0
+    capsys.readouterr()
+    _fails(capsys, ["eval", "--ckpt", "r", "--data", "pa"], "pa/tokenizer.json", "another tokenizer", "char")
+    _fails(capsys, ["eval", "--ckpt", "r", "--data", "fw"], "no tokenizer.json", "GPT-2 ids", "char tokenizer")
+
+
 def test_a_run_on_llmc_shards_resumes_from_another_folder(llmc, capsys, monkeypatch):
     """The run recorded --data fw (relative); resumed from elsewhere, it finds the folder it recorded."""
     assert main(["train", "--data", "fw", "--out", "r", "--max-steps", "1", *TINY]) == 0

@@ -569,9 +569,10 @@ def _cmd_eval(args) -> int:
     path = Path(args.data)
     if not path.exists():
         raise DataError(f"--data {path}: no such file")
-    shards = None
+    shards = folder = None
     if path.is_dir():  # a data folder: its val shards
-        shards = shard_folder(path, need=("val",)).val
+        folder = shard_folder(path, need=("val",))
+        shards = folder.val
         for p in shards:
             read_shard(p)  # every header, before the model loads
     elif not path.is_file():
@@ -585,6 +586,8 @@ def _cmd_eval(args) -> int:
             raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
     model, tok, _ = load_model(args.ckpt, device=args.device)
     cfg = model.config
+    if folder is not None:
+        _check_folder_tokenizer(folder, tok, args.ckpt)
     tmp = None
     if shards is None and path.suffix != ".bin":  # a text file: tokenize it with the checkpoint's tokenizer
         import tempfile
@@ -627,6 +630,29 @@ def _cmd_eval(args) -> int:
           f"({windows * T:,} tokens{where}: {windows:,} windows of {T} in {n} batches of {B}, "
           f"{time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def _check_folder_tokenizer(folder, tok, ckpt) -> None:
+    """A DataError when the shards of a data folder were made with another tokenizer than the
+    checkpoint's: its tokenizer.json, or (none: llm.c's shards) GPT-2's. Ids that fit the
+    model's vocabulary would otherwise be read as other tokens and give a wrong loss."""
+    from .tokenizer import tokenizer_from_dict
+
+    if folder.tokenizer is None:
+        if tok.kind != "gpt2":
+            raise DataError(f"data folder {folder.folder} has no tokenizer.json, so its shards hold GPT-2 ids "
+                            f"(llm.c's), but {ckpt} has a {tok.kind} tokenizer; give a text file, which is "
+                            f"tokenized with the checkpoint's tokenizer")
+        return
+    try:
+        theirs = tokenizer_from_dict(json.loads(folder.tokenizer.read_text(encoding="utf-8")))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{folder.tokenizer}: not a tokenizer file ({e}); prepare the data again") from None
+    if theirs.to_dict() != tok.to_dict():
+        raise DataError(f"the shards in {folder.folder} were made with another tokenizer ({folder.tokenizer}: "
+                        f"{theirs.kind}, {theirs.vocab_size} ids) than {ckpt}'s ({tok.kind}, {tok.vocab_size} "
+                        f"ids), so their ids are other tokens; give a text file, which is tokenized with the "
+                        f"checkpoint's tokenizer")
 
 
 def _cmd_prepare(args) -> int:
