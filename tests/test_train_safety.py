@@ -804,3 +804,15 @@ def test_out_naming_a_file_says_so(workdir, capsys):
     Path("notes.txt").write_text("mine")
     _fails(capsys, ["train", "--data", "t.txt", "--out", "notes.txt", *TINY], "notes.txt exists and is not a folder")
     assert Path("notes.txt").read_text() == "mine"
+
+
+def test_resume_with_a_lower_lr_names_the_runs_recorded_min_lr(workdir, capsys):
+    """A run started without --min-lr records lr / 10; resumed with a lower --lr, it was refused
+    with 'give a min_lr <= lr (or leave it out: lr / 10)', though --min-lr had been left out.
+    The error now says the min_lr is the run's recorded one and to give --min-lr."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1"]) == 0
+    capsys.readouterr()
+    line = _fails(capsys, ["train", "--out", "r", "--resume", "--max-steps", "2", "--lr", "5e-5"],
+                  "min_lr 0.0001", "recorded in its checkpoint", "--min-lr")
+    assert "leave it out" not in line
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "2", "--lr", "5e-5", "--min-lr", "5e-6"]) == 0

@@ -370,6 +370,12 @@ def _cmd_train(args) -> int:
     if args.config:
         values.update(_read_json_config(args.config))
     values.update(explicit)
+    was_min = (meta or {}).get("train_config", {}).get("min_lr")
+    if (meta is not None and "lr" in explicit and values.get("min_lr") == was_min and isinstance(was_min, (int, float))
+            and isinstance(values.get("lr"), (int, float)) and was_min > values["lr"]):
+        raise ConfigError(f"--lr {values['lr']:g}: the run in {out_dir} has min_lr {was_min:g} (recorded in its "
+                          f"checkpoint), above the new lr, so the cosine would raise the rate as it goes; give "
+                          f"--min-lr too (e.g. --min-lr {values['lr'] / 10:g})")
     cfg = TrainConfig.from_dict(values)
     if meta is not None:
         was = meta["train_config"].get("tokenizer")
