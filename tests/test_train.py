@@ -186,3 +186,19 @@ def test_evaluate_is_the_mean_over_its_batches_and_refuses_a_bad_count(text_file
         for bad in (2.5, 0, -1, True, "3"):
             with pytest.raises(ConfigError, match="evaluate"):
                 t.evaluate(bad)
+
+
+def test_a_copy_with_another_lr_or_preset_works_its_defaults_out_again():
+    """min_lr (lr / 10) and block_size (the preset's) were worked out once: a copy made with
+    dataclasses.replace(cfg, lr=5e-5) kept min_lr 1e-4 and was refused as 'above lr (or leave
+    it out: lr / 10)', lr=3e-4 kept 1e-4, and model="gpt2" kept a 64-token context. A copy now
+    gets what TrainConfig(...) with the same values gets; values given stay as given."""
+    import dataclasses
+    base = TrainConfig(n_layer=1, max_steps=2)
+    for kw in (dict(lr=5e-5), dict(lr=3e-4), dict(model="gpt2"), dict(model="gpt2", lr=2e-4)):
+        got, want = dataclasses.replace(base, **kw), TrainConfig(n_layer=1, max_steps=2, **kw)
+        assert (got.min_lr, got.block_size) == (want.min_lr, want.block_size), kw
+    given = TrainConfig(min_lr=2e-4, block_size=32)
+    assert (dataclasses.replace(given, lr=5e-4, model="gpt2").min_lr,
+            dataclasses.replace(given, model="gpt2").block_size) == (2e-4, 32)
+    assert json.loads(json.dumps(base.to_dict()))["min_lr"] == pytest.approx(1e-4)

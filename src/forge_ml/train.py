@@ -186,13 +186,16 @@ class TrainConfig:
     checkpoint_interval: int = 500   # 0: only at the end
 
     def __post_init__(self):
+        for name in ("min_lr", "block_size"):   # worked out from others before (dataclasses.replace
+            if isinstance(getattr(self, name), (_DerivedFloat, _DerivedInt)):   # passes it on): again
+                setattr(self, name, None)
         for f in dataclasses.fields(self):
             setattr(self, f.name, _coerce(f.name, f.type, getattr(self, f.name)))
         auto = self.batch_size == "auto"
         if self.min_lr is None:
-            self.min_lr = self.lr / 10
+            self.min_lr = _DerivedFloat(self.lr / 10)
         if self.block_size is None and not self.init_from:   # a source's is read when it loads
-            self.block_size = PRESETS.get(self.model, {}).get("block_size", DEFAULT_BLOCK)
+            self.block_size = _DerivedInt(PRESETS.get(self.model, {}).get("block_size", DEFAULT_BLOCK))
         checks = [
             (auto or self.batch_size >= 1, "batch_size must be >= 1 (or 'auto' on a GPU)"),
             (self.block_size is None or self.block_size >= 1, "block_size must be >= 1"),
@@ -279,6 +282,20 @@ class TrainConfig:
             if getattr(self, k):
                 base[k] = getattr(self, k)
         return base
+
+
+class _DerivedFloat(float):
+    """A TrainConfig value worked out from others (``min_lr``: lr / 10), not given: a copy made
+    with ``dataclasses.replace(cfg, lr=...)`` works it out again, as ``TrainConfig(lr=...)`` does.
+
+    >>> c = dataclasses.replace(TrainConfig(), lr=3e-4, model="gpt2")
+    >>> round(c.min_lr, 12), c.block_size
+    (3e-05, 1024)
+    """
+
+
+class _DerivedInt(int):
+    """``block_size`` worked out from the preset (see ``_DerivedFloat``)."""
 
 
 def _coerce(name, typ, value):
