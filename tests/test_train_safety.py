@@ -816,3 +816,28 @@ def test_resume_with_a_lower_lr_names_the_runs_recorded_min_lr(workdir, capsys):
                   "min_lr 0.0001", "recorded in its checkpoint", "--min-lr")
     assert "leave it out" not in line
     assert main(["train", "--out", "r", "--resume", "--max-steps", "2", "--lr", "5e-5", "--min-lr", "5e-6"]) == 0
+
+
+def test_a_tokenizer_asked_against_the_datas_or_the_sources_is_refused(workdir, capsys):
+    """--tokenizer gpt2 on a folder prepared with the char tokenizer, or on --init-from a char
+    model, was silently ignored: the run trained with the char tokenizer. It is now refused
+    before anything is written; the same tokenizer named, or none, trains as before."""
+    assert main(["prepare", "t.txt", "--out", "pc"]) == 0
+    assert main(["train", "--data", "t.txt", "--out", "src", *TINY, "--max-steps", "1"]) == 0
+    capsys.readouterr()
+    _fails(capsys, ["train", "--data", "pc", "--tokenizer", "gpt2", "--out", "a", *TINY],
+           "--tokenizer gpt2", "pc/tokenizer.json: char", "drop --tokenizer")
+    _fails(capsys, ["train", "--init-from", "src", "--data", "t.txt", "--tokenizer", "gpt2", "--out", "b",
+                    "--max-steps", "1", "--no-progress"], "--tokenizer gpt2", "char tokenizer", "drop --tokenizer")
+    assert not Path("a").exists() and not Path("b").exists()
+    assert main(["train", "--data", "pc", "--tokenizer", "char", "--out", "c", *TINY, "--max-steps", "1"]) == 0
+    assert main(["train", "--init-from", "src", "--data", "t.txt", "--tokenizer", "char", "--out", "d",
+                 "--max-steps", "1", "--no-progress", "--batch-size", "4"]) == 0
+    # a run on a GPT-2 folder from before the tokenizer was worked out from the data recorded the
+    # default, char, as its tokenizer: it resumes as it did
+    assert main(["prepare", "t.txt", "--out", "pg", "--tokenizer", "gpt2"]) == 0
+    assert main(["train", "--data", "pg", "--out", "old", *TINY, "--max-steps", "1"]) == 0
+    tensors, meta = load_checkpoint(Path("old/ckpt"))
+    meta["train_config"]["tokenizer"] = "char"
+    save_checkpoint(Path("old/ckpt"), tensors, meta)
+    assert main(["train", "--out", "old", "--resume", "--max-steps", "2", "--no-progress"]) == 0

@@ -624,6 +624,9 @@ class Trainer:
             cfg.block_size = src.block_size
         # recorded in the checkpoint, so that --resume rebuilds the same run
         cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.model = src.n_layer, src.n_head, src.n_embd, ""
+        if cfg.tokenizer not in (None, tok.kind):
+            raise ConfigError(f"--tokenizer {cfg.tokenizer}: --init-from {cfg.init_from} has a {tok.kind} tokenizer, "
+                              f"which a fine-tune keeps (its embeddings are its tokens'); drop --tokenizer")
         cfg.tokenizer = tok.kind
         self._say(f"init from {cfg.init_from}: {_arch(src)}, {tok.kind} tokenizer; fresh optimizer, step 0")
         return model, tok, meta
@@ -658,12 +661,18 @@ class Trainer:
                                 f"{tok.vocab_size} ids; the shards and {whose} disagree")
         return counts["train"], counts["val"]
 
-    def _folder_tokenizer(self, sf: ShardFolder, src_tok):
+    def _folder_tokenizer(self, sf: ShardFolder, src_tok, resume: bool = False):
         """The tokenizer of the shards in ``sf``: its tokenizer.json, else (llm.c's shards)
-        GPT-2's; ``src_tok``: --init-from's, which must be the same."""
+        GPT-2's; ``src_tok``: --init-from's, which must be the same, as must a tokenizer asked
+        for a new run (a resumed one's is the one it recorded: before the tokenizer was worked
+        out from the data, a run on a GPT-2 folder recorded the default, char)."""
         cfg, d = self.cfg, sf.folder
         if sf.tokenizer is not None:
             tok = self._read_tokenizer(d)
+            if src_tok is None and not resume and cfg.tokenizer not in (None, tok.kind):
+                raise ConfigError(f"--tokenizer {cfg.tokenizer}: data folder {d} holds token ids of its own "
+                                  f"tokenizer ({sf.tokenizer}: {tok.kind}), which the run trains with; drop "
+                                  f"--tokenizer, or give the text file to tokenize it with {cfg.tokenizer}")
             if src_tok is not None and tok.to_dict() != src_tok.to_dict():
                 raise DataError(f"{d}/tokenizer.json is not the tokenizer of --init-from {cfg.init_from} "
                                 f"({src_tok.kind}); give a text file, which is tokenized with the source's tokenizer")
@@ -724,7 +733,7 @@ class Trainer:
         src_tok = source[1] if source is not None else None
         if cfg.data and Path(cfg.data).is_dir():
             sf = shard_folder(cfg.data)
-            tok = self._folder_tokenizer(sf, src_tok)
+            tok = self._folder_tokenizer(sf, src_tok, resume)
             n_train, n_val = self._check_shards(sf, tok)
             if not sf.prepared:
                 whose = (f"{sf.tokenizer}" if sf.tokenizer is not None else
