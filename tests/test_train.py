@@ -188,6 +188,19 @@ def test_evaluate_is_the_mean_over_its_batches_and_refuses_a_bad_count(text_file
                 t.evaluate(bad)
 
 
+def test_evaluate_full_refuses_a_bad_window_count(text_file, tmp_path):
+    """evaluate_full(max_windows) took -1 as 'all but the last window of the first batch' and
+    gave that loss silently (2.5 a TypeError, 0 a ShapeError); a count that is not None or an
+    int >= 1 is now a ConfigError, and a good one is the mean over that many windows."""
+    from forge_ml import tensor
+    with Trainer(_cfg(text_file, tmp_path / "run"), log=None) as t:
+        x, y = next(iter(t.val_loader.eval_batches(1)))
+        assert t.evaluate_full(3) == (pytest.approx(t.model.loss(tensor(x[:3]), tensor(y[:3])).item(), rel=1e-6), 3)
+        for bad in (-1, 0, 2.5, True, "3"):
+            with pytest.raises(ConfigError, match="evaluate_full"):
+                t.evaluate_full(bad)
+
+
 def test_a_copy_with_another_lr_or_preset_works_its_defaults_out_again():
     """min_lr (lr / 10) and block_size (the preset's) were worked out once: a copy made with
     dataclasses.replace(cfg, lr=5e-5) kept min_lr 1e-4 and was refused as 'above lr (or leave

@@ -1094,7 +1094,12 @@ class Trainer:
     def evaluate_full(self, max_windows: Optional[int] = None) -> tuple:
         """``(mean loss, windows)`` over every window of ``block_size`` tokens of the validation
         shards (no dropout): the figure ``forge-ml eval`` gives for them; with ``max_windows``,
-        over the first ``max_windows`` windows only (in order, the same at every call)."""
+        over the first ``max_windows`` windows only (in order, the same at every call), an int
+        >= 1 (a ConfigError otherwise)."""
+        if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(
+                max_windows, (int, np.integer)) or max_windows < 1):
+            raise ConfigError(f"Trainer.evaluate_full: max_windows must be None (every window) or an int >= 1, "
+                              f"got {max_windows!r}")
         total, windows = 0.0, 0
         for x, y in self.val_loader.eval_batches(tail=True):
             if max_windows is not None:
