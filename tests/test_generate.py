@@ -454,3 +454,18 @@ def test_knobs_past_float32s_range_choose_the_top_logprob(kw):
         events = [e[0] for e in generate(model, [[1, 2, 3]], max_new_tokens=6, seed=1, logprobs=2, **kw)]
     assert [e.token for e in events] == [e.top_logprobs[0][0] for e in events]
     assert all(e.logprob == 0.0 for e in events)
+
+
+def test_prompts_as_integer_tensors():
+    """An int Tensor prompt (1-d: one prompt, 2-d: a batch) is taken as its ids, as transformers
+    takes input_ids; stream_tokens gave a TypeError traceback and generate a ShapeError."""
+    model = GPT2.init(GPT2Config(vocab_size=50, block_size=16, n_layer=1, n_head=1, n_embd=8))
+    want = list(generate(model, [1, 2, 3], max_new_tokens=3, temperature=0))
+    assert list(generate(model, fm.tensor([1, 2, 3]), max_new_tokens=3, temperature=0)) == want
+    assert list(stream_tokens(model, fm.tensor([1, 2, 3]), 3, temperature=0)) == want
+    batch = [e[0].token for e in generate(model, fm.tensor([[1, 2, 3]]), max_new_tokens=3, temperature=0)]
+    assert batch == want
+    with pytest.raises(ShapeError, match="one prompt"):
+        list(stream_tokens(model, [[1, 2], [3, 4]], 2))
+    with pytest.raises(ShapeError, match="prompts must be"):
+        list(generate(model, fm.tensor([1.0, 2.0]), max_new_tokens=2))

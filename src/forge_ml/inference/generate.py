@@ -87,7 +87,7 @@ import numpy as np
 
 from ..errors import ConfigError, ShapeError
 from ..sampling import sample_row
-from ..tensor import tensor
+from ..tensor import Tensor, tensor
 from .decode import decoder
 
 FINISH_REASONS = ("stop_token", "stop_string", "max_new_tokens", "context_full")
@@ -230,7 +230,10 @@ def _is_int(x) -> bool:
 
 
 def _as_prompts(prompts) -> tuple[list, bool]:
-    """``(list of prompts as lists of ints, single)``; ``single`` when one prompt was given."""
+    """``(list of prompts as lists of ints, single)``; ``single`` when one prompt was given
+    (a list, a NumPy array or an integer Tensor: 1-d for one prompt, 2-d for a batch)."""
+    if isinstance(prompts, Tensor) and not prompts.dtype.is_float:
+        prompts = prompts.numpy()
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist()
     if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
@@ -589,7 +592,10 @@ def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, to
     """
     stop_tokens, _ = _stop_args(stop_tokens, ())     # one id too, as generate takes it
     block = model.config.block_size
-    ctx = list(ids)[-block:]
+    prompts, single = _as_prompts(ids)
+    if not single:
+        raise ShapeError(f"stream_tokens: expected one prompt (a list of token ids), got {len(prompts)}")
+    ctx = prompts[0][-block:]
     made, chunk = 0, 0
     while made < max_new_tokens:
         if len(ctx) >= block:
