@@ -610,7 +610,10 @@ def test_init_from_a_checkpoint_starts_a_new_run(workdir, capsys):
     assert load_checkpoint(Path("ft") / "ckpt")[1]["step"] == 3
     # the architecture comes from the source; text outside its characters is refused at once
     _fails(capsys, ["train", "--init-from", "base", "--data", "more.txt", "--out", "x", "--n-layer", "2"],
-           "n_layer 1", "drop --n-layer")
+           "n_layer 1", "drop --n-layer)")
+    # a preset's size: the preset is what to drop (it said "drop --n-layer", never given)
+    _fails(capsys, ["train", "--init-from", "base", "--data", "more.txt", "--out", "x", "--model", "gpt2"],
+           "but 12 was asked (by --model gpt2)", "(drop --model)")
     Path("odd.txt").write_text("QQQ zzz\n" * 100)
     _fails(capsys, ["train", "--init-from", "base", "--data", "odd.txt", "--out", "y"], "characters", "init-from")
     assert not Path("y/data").exists()

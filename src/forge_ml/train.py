@@ -608,14 +608,17 @@ class Trainer:
         model, tok, meta = load_model(cfg.init_from, device=self.device)
         check_tokenizer_fits(model, tok, f"--init-from {cfg.init_from}")  # before any data is prepared
         src = model.config
-        asked = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k)}
+        given = {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd") if getattr(cfg, k)}
+        asked = dict(given)
         if cfg.model:
-            asked = dict({k: v for k, v in PRESETS[cfg.model].items() if k in DEFAULT_SIZES}, **asked)
+            asked = dict({k: v for k, v in PRESETS[cfg.model].items() if k in DEFAULT_SIZES}, **given)
         for k, v in asked.items():
             if v != getattr(src, k):
-                raise ConfigError(f"--init-from {cfg.init_from} has {k} {getattr(src, k)}, but {v} was asked; "
-                                  f"the architecture comes from the source (drop --{k.replace('_', '-')}"
-                                  + (" and --model" if cfg.model else "") + ")")
+                drop = [f"--{k.replace('_', '-')}"] if k in given else []
+                drop += ["--model"] if cfg.model else []
+                raise ConfigError(f"--init-from {cfg.init_from} has {k} {getattr(src, k)}, but {v} was asked"
+                                  + (f" (by --model {cfg.model})" if k not in given else "")
+                                  + f"; the architecture comes from the source (drop {' and '.join(drop)})")
         if cfg.block_size is None:   # not given: the source's own context
             cfg.block_size = src.block_size
         elif cfg.block_size > src.block_size:  # windows longer than the source's context cannot be trained on
