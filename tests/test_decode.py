@@ -275,3 +275,27 @@ def test_decode_step_refuses_an_id_in_the_vocab_padding():
     with pytest.raises(ShapeError, match=r"220.*0\.\.210"):
         m.decode_step(fm.tensor(np.array([[5], [220]])), 0, cache)
     assert m.decode_step(fm.tensor(np.array([[5], [210]])), 0, cache).shape == (2, 256)
+
+
+@pytest.mark.parametrize("other", [dict(n_layer=1), dict(n_layer=3), dict(n_head=4),
+                                   dict(n_embd=32, n_head=4), dict(block_size=40)])
+def test_a_cache_of_another_model_is_refused(model, other):
+    """A cache made for another model (fewer layers: an IndexError; more layers: silently
+    the first ones; other heads or widths: a kernel's message) is refused by every entry."""
+    cfg = GPT2Config(**{**CFG.to_dict(), "padded_vocab_size": 0, **other})
+    cache = GPT2.init(cfg).new_cache(2, cfg.block_size)
+    ids = fm.tensor(np.array([[1], [2]]))
+    for call in (lambda: model.forward_cached(ids, cache),
+                 lambda: model.decode_step(ids, 0, cache),
+                 lambda: DecodeStep(model, cache)):
+        with pytest.raises(ShapeError, match="make it with model.new_cache"):
+            call()
+    assert cache.pos == 0
+
+
+def test_a_cache_of_another_dtype_is_refused(model):
+    cache = model.to(dtype="float64").new_cache(2, 8)
+    with pytest.raises(DTypeError, match="the cache is float64 but the model's parameters are float32"):
+        model.forward_cached(fm.tensor([[1], [2]]), cache)
+    with pytest.raises(DTypeError, match="the cache is float64"):
+        DecodeStep(model, cache)

@@ -87,6 +87,8 @@ class DecodeStep:
             graph_ = kw.pop("graph")
         if kw:
             raise TypeError(f"DecodeStep: unexpected keyword arguments {sorted(kw)}")
+        if hasattr(model, "check_cache"):
+            model.check_cache("DecodeStep", cache)
         self.model, self.cache = model, cache
         dev = model.device
         self.device = dev

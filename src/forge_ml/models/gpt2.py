@@ -30,7 +30,7 @@ import numpy as np
 from .. import flags, ops, rng
 from ..autograd import Tape
 from ..device import Device
-from ..errors import ConfigError, ShapeError
+from ..errors import ConfigError, DeviceError, DTypeError, ShapeError
 from ..tensor import Tensor, tensor
 
 
@@ -273,6 +273,49 @@ class GPT2:
         ``vocab_size..padded_vocab_size-1``) are not tokens."""
         ops.check_ids(where, ids, self.config.vocab_size)
 
+    def check_cache(self, where: str, cache) -> None:
+        """``cache`` must be one made for this model (``new_cache``): one key and one value
+        tensor per layer, each ``(B, n_head, T, head_size)`` with ``T <= block_size``, in the
+        parameters' dtype and on their device; a ShapeError, DTypeError or DeviceError naming
+        ``where`` otherwise (a cache of another model would be read out of step, or past its
+        last layer).
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=2, n_head=1, n_embd=4)
+        >>> other = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> GPT2.init(cfg).check_cache("decode_step", other.new_cache(1))
+        Traceback (most recent call last):
+        ...
+        forge_ml.errors.ShapeError: decode_step: the cache holds 1 layers of keys and 1 of values, but the model has 2 layers; make it with model.new_cache(...)
+        """
+        cfg = self.config
+        k, v = getattr(cache, "k", None), getattr(cache, "v", None)
+        if not (isinstance(k, list) and isinstance(v, list)):
+            raise ShapeError(f"{where}: expected a KVCache (model.new_cache(...)), got "
+                             f"{type(cache).__name__}")
+        if len(k) != cfg.n_layer or len(v) != cfg.n_layer:
+            raise ShapeError(f"{where}: the cache holds {len(k)} layers of keys and {len(v)} of "
+                             f"values, but the model has {cfg.n_layer} layers; make it with "
+                             f"model.new_cache(...)")
+        first = k[0].shape if isinstance(k[0], Tensor) else None
+        for t in k + v:
+            if not isinstance(t, Tensor):
+                raise ShapeError(f"{where}: the cache must hold Tensors, got {type(t).__name__}")
+            shape = t.shape
+            if (len(shape) != 4 or shape != first or shape[1] != cfg.n_head
+                    or shape[3] != cfg.head_size or not 1 <= shape[2] <= cfg.block_size):
+                raise ShapeError(f"{where}: the cache's keys and values must all be (B, "
+                                 f"{cfg.n_head}, T <= {cfg.block_size}, {cfg.head_size}) for "
+                                 f"this model (n_head {cfg.n_head}, head size {cfg.head_size}, "
+                                 f"block_size {cfg.block_size}), got {shape}; make it with "
+                                 f"model.new_cache(...)")
+            if t.dtype != self.dtype:
+                raise DTypeError(f"{where}: the cache is {t.dtype.name} but the model's "
+                                 f"parameters are {self.dtype.name}; make it with "
+                                 f"model.new_cache(...)")
+            if t.device != self.device:
+                raise DeviceError(f"{where}: the cache is on {t.device} but the model is on "
+                                  f"{self.device}")
+
     # -- training forward on the tape ----------------------------------------------------
     def forward(self, tape: Tape, ids: Tensor, targets: Optional[Tensor] = None, *,
                 train: bool = True, dropout_seed=0,
@@ -445,6 +488,7 @@ class GPT2:
         if ids.ndim != 2:
             raise ShapeError(f"forward_cached: ids must be (B, Tn), got {ids.shape}")
         B, Tn = ids.shape
+        self.check_cache("forward_cached", cache)
         if B != cache.batch:
             raise ShapeError(f"forward_cached: ids have {B} rows but the cache was made for "
                              f"{cache.batch}")
@@ -504,6 +548,7 @@ class GPT2:
         if ids.ndim != 2 or ids.shape[1] != 1:
             raise ShapeError(f"decode_step: ids must be (B, 1), one token per row, got {ids.shape}")
         B = ids.shape[0]
+        self.check_cache("decode_step", cache)
         if B != cache.batch:
             raise ShapeError(f"decode_step: ids have {B} rows but the cache was made for "
                              f"{cache.batch}")
