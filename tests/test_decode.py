@@ -299,3 +299,32 @@ def test_a_cache_of_another_dtype_is_refused(model):
         model.forward_cached(fm.tensor([[1], [2]]), cache)
     with pytest.raises(DTypeError, match="the cache is float64"):
         DecodeStep(model, cache)
+
+
+def test_decode_step_refuses_float_tokens_and_positions(model):
+    """Float tokens and positions were truncated to ints (1.5 fed token 1, greedy from
+    position 1.5 overwrote row 1 and left cache.pos 2.5); a string was a ValueError."""
+    cache = model.new_cache(2, 8)
+    model.forward_cached(fm.tensor([[1, 2], [3, 4]]), cache)
+    step = DecodeStep(model, cache)
+    before = cache.k[0].numpy().copy()
+    with pytest.raises(DTypeError, match="token ids must be integers"):
+        step([1.5, 2], 2)
+    with pytest.raises(DTypeError, match="token ids must be integers"):
+        step(["a", 2], 2)
+    with pytest.raises(DTypeError, match="positions must be integers"):
+        step.rows([1, 2], [1.5, 2])
+    with pytest.raises(ShapeError, match="position True does not fit"):
+        step([1, 2], True)
+    with pytest.raises(ShapeError, match="pos must be an int, got 1.5"):
+        list(step.greedy([1, 2], 1.5, 2))
+    with pytest.raises(ShapeError, match="knobs must be \\(2, 5\\)"):
+        list(step.sample([1, 2], 2, 2, [[0.8, 0, 1, 0, 1]], [[1, 2], [3, 4]]))
+    with pytest.raises(ShapeError, match="keys must be \\(2, 2\\)"):
+        list(step.sample([1, 2], 2, 2, [[0.8, 0, 1, 0, 1]] * 2, [[1, 2]]))
+    np.testing.assert_array_equal(cache.k[0].numpy(), before)
+    assert cache.pos == 2
+    # NumPy integers and an integer Tensor are ids like ints
+    want = step([1, 2], 2)
+    np.testing.assert_array_equal(step(np.array([1, 2], np.uint8), np.int32(2)), want)
+    np.testing.assert_array_equal(step(fm.tensor([1, 2]), 2), want)

@@ -23,8 +23,9 @@ from typing import Optional
 import numpy as np
 
 from .. import flags, graph, ops
-from ..errors import ShapeError
-from ..tensor import host_buffer, tensor, zeros
+from ..sampling import SAMPLE_KNOBS
+from ..errors import DTypeError, ShapeError
+from ..tensor import Tensor, host_buffer, tensor, zeros
 
 
 @dataclass
@@ -122,8 +123,8 @@ class DecodeStep:
     def __call__(self, tokens, pos: int) -> np.ndarray:
         B = self.cache.batch
         tokens = self._checked_tokens(tokens)
-        if not (isinstance(pos, (int, np.integer)) and 0 <= pos < self.cache.capacity):
-            raise ShapeError(f"DecodeStep: position {pos} does not fit the cache's "
+        if not (_is_int(pos) and 0 <= pos < self.cache.capacity):
+            raise ShapeError(f"DecodeStep: position {pos!r} does not fit the cache's "
                              f"{self.cache.capacity} rows")
         ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
         ops.assign(self._pos, np.array([pos], np.int32))
@@ -144,7 +145,7 @@ class DecodeStep:
         """
         B = self.cache.batch
         tokens = self._checked_tokens(tokens)
-        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        positions = _int_array("DecodeStep.rows", "positions", positions)
         if positions.shape != (B,):
             raise ShapeError(f"DecodeStep.rows: expected {B} positions, got {positions.shape[0]}")
         cap = self.cache.capacity
@@ -249,8 +250,20 @@ class DecodeStep:
     def _sampling_inputs(self, knobs, keys, seen) -> None:
         """Write ``sample``'s knobs, keys and seen-token marks into the step's device buffers."""
         B = self.cache.batch
-        knobs = np.asarray(knobs, np.float32).reshape(B, 5)
-        keys = (np.asarray(keys, np.int64).reshape(B, 2) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+        V = self.model.config.vocab_size
+        knobs = np.asarray(knobs, np.float32)
+        if knobs.shape not in ((B, 5), (B * 5,)):
+            raise ShapeError(f"DecodeStep: knobs must be ({B}, 5), one row of "
+                             f"{', '.join(SAMPLE_KNOBS)} per cache row, got {knobs.shape}")
+        keys = _int_array("DecodeStep", "keys", keys)
+        if keys.size != 2 * B:
+            raise ShapeError(f"DecodeStep: keys must be ({B}, 2), two uint32 words per cache "
+                             f"row, got {keys.shape}")
+        if seen is not None and np.shape(seen) != (B, V):
+            raise ShapeError(f"DecodeStep: seen must be ({B}, {V}) bool marks (None: no "
+                             f"penalty), got {np.shape(seen)}")
+        knobs = knobs.reshape(B, 5)
+        keys = (keys.reshape(B, 2) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
         if self._knobs is None:
             self._knobs = zeros((B, 5), "float32", self.device)
             self._keys = zeros((B, 2), "int32", self.device)
@@ -282,6 +295,9 @@ class DecodeStep:
         """
         B = self.cache.batch
         V = self.model.config.vocab_size
+        if not (_is_int(pos) and pos >= 1):
+            raise ShapeError(f"DecodeStep.choose: pos must be an int >= 1 (the position whose "
+                             f"token is chosen), got {pos!r}")
         logits = logits.reshape(B, -1)
         if logits.dtype.name != "float32":
             logits = logits.to("float32")
@@ -298,19 +314,24 @@ class DecodeStep:
         """Yield ``n`` steps of ``work(k)`` (k steps and their on-device choices), chunks of
         ``chunk`` per graph replay, ``lookahead`` steps queued ahead of the host."""
         B = self.cache.batch
-        if not (isinstance(n, (int, np.integer)) and n >= 0):
+        if not (_is_int(n) and n >= 0):
             raise ShapeError(f"DecodeStep.{kind}: n must be an int >= 0, got {n!r}")
+        if not _is_int(pos):
+            raise ShapeError(f"DecodeStep.{kind}: pos must be an int, got {pos!r}")
+        if not (_is_int(lookahead) and lookahead >= 0):
+            raise ShapeError(f"DecodeStep.{kind}: lookahead must be an int >= 0, got {lookahead!r}")
         if n and not 0 <= pos <= pos + n - 1 < self.cache.capacity:
             raise ShapeError(f"DecodeStep.{kind}: positions {pos}..{pos + n - 1} do not fit the "
                              f"cache's {self.cache.capacity} rows")
         if chunk is None:
             chunk = 8 if self.graph else 1
-        if not (isinstance(chunk, (int, np.integer)) and chunk >= 1):
+        if not (_is_int(chunk) and chunk >= 1):
             raise ShapeError(f"DecodeStep.{kind}: chunk must be an int >= 1, got {chunk!r}")
         if n == 0:
             return
         tokens = self._checked_tokens(tokens)
         ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
+        pos = int(pos)
         ops.assign(self._pos, np.array([pos], np.int32))
         # whole chunks, then single steps: every launch writes only rows pos..pos+n-1
         sizes = [int(chunk)] * (n // chunk) + [1] * (n % chunk)
@@ -355,7 +376,7 @@ class DecodeStep:
 
     def _checked_tokens(self, tokens) -> np.ndarray:
         B = self.cache.batch
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        tokens = _int_array("DecodeStep", "token ids", tokens)
         if tokens.shape != (B,):
             raise ShapeError(f"DecodeStep: expected {B} tokens (one per row), got {tokens.shape[0]}")
         V = self.model.config.vocab_size
@@ -363,6 +384,28 @@ class DecodeStep:
             raise ShapeError(f"DecodeStep: token ids must be in 0..{V - 1}, got "
                              f"{int(tokens.min())}..{int(tokens.max())}")
         return tokens
+
+
+def _is_int(x) -> bool:
+    """An int or a NumPy integer, not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _int_array(where: str, what: str, values) -> np.ndarray:
+    """``values`` (ints, NumPy integers, an integer array or Tensor) flattened to int64; a
+    float, a bool, a string or an int past int64 is a DTypeError, not a truncated id.
+
+    >>> _int_array("step", "token ids", [1, 2.5])
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.DTypeError: step: token ids must be integers, got [1, 2.5]
+    """
+    if isinstance(values, Tensor):
+        values = values.numpy()
+    a = np.asarray(values)
+    if a.dtype.kind not in "iu" or (a.dtype.kind == "u" and a.size and a.max() > 2**63 - 1):
+        raise DTypeError(f"{where}: {what} must be integers, got {values!r:.80}")
+    return a.astype(np.int64).reshape(-1)
 
 
 def _same_memory(a: list, b: list) -> bool:
