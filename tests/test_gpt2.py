@@ -290,3 +290,20 @@ def test_ids_in_the_vocab_padding_are_refused(entry):
     with pytest.raises(ShapeError, match=r"220.*0\.\.210"):
         calls[entry]()
     model.loss_and_grads(good, good)  # the last real id, 210, is fine
+
+
+def test_kv_cache_forwards_refuse_ids_that_are_not_a_tensor_or_hold_no_tokens():
+    """A list of ids was an AttributeError ('list' object has no attribute 'ndim'); no tokens
+    at position 0 an internal matmul message."""
+    from forge_ml.errors import DTypeError
+    model = GPT2.init(GPT2Config(**TINY))
+    cache = model.new_cache(1, 4)
+    for call in (lambda: model.forward_cached([[1, 2]], cache),
+                 lambda: model.decode_step([[1]], 0, cache),
+                 lambda: model.logits([[1, 2]])):
+        with pytest.raises(DTypeError, match="ids must be a forge_ml Tensor of token ids"):
+            call()
+    with pytest.raises(ShapeError, match="hold no tokens"):
+        model.forward_cached(fm.tensor(np.zeros((1, 0), np.int64)), cache)
+    assert cache.pos == 0
+    model.new_cache(np.int64(1), np.int32(4))           # NumPy integers are sizes too

@@ -39,13 +39,26 @@ class KVCache:
     @classmethod
     def empty(cls, model, batch: int, max_len: Optional[int] = None) -> "KVCache":
         """A cache for ``batch`` rows and up to ``max_len`` (<= block_size) tokens of ``model``,
-        in its parameters' dtype and on its device."""
+        in its parameters' dtype and on its device.
+
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=2, n_head=1, n_embd=4))
+        >>> c = KVCache.empty(model, 3, np.int64(5))
+        >>> len(c.k), c.batch, c.capacity, c.pos
+        (2, 3, 5, 0)
+        >>> KVCache.empty(model, 1, 9)
+        Traceback (most recent call last):
+        ...
+        forge_ml.errors.ShapeError: new_cache: max_len must be an int in 1..8 (the model's block_size), got 9
+        """
         cfg = model.config
         max_len = cfg.block_size if max_len is None else max_len
-        if not (isinstance(max_len, int) and 0 < max_len <= cfg.block_size):
-            raise ShapeError(f"new_cache: max_len must be in 1..{cfg.block_size}, got {max_len}")
-        if not (isinstance(batch, int) and batch > 0):
+        if not (_is_int(max_len) and 0 < max_len <= cfg.block_size):
+            raise ShapeError(f"new_cache: max_len must be an int in 1..{cfg.block_size} (the "
+                             f"model's block_size), got {max_len!r}")
+        if not (_is_int(batch) and batch > 0):
             raise ShapeError(f"new_cache: batch must be a positive int, got {batch!r}")
+        batch, max_len = int(batch), int(max_len)
         ref = model.params["wte.weight"]
         shape = (batch, cfg.n_head, max_len, cfg.head_size)
         mk = lambda: [zeros(shape, ref.dtype, ref.device) for _ in range(cfg.n_layer)]  # noqa: E731

@@ -268,6 +268,13 @@ class GPT2:
         """Parameter count (padded vocab rows included)."""
         return sum(v.numel for v in self.params.values())
 
+    @staticmethod
+    def _ids_tensor(where: str, ids) -> None:
+        """``ids`` must be a Tensor (an AttributeError on ``.ndim`` otherwise)."""
+        if not isinstance(ids, Tensor):
+            raise DTypeError(f"{where}: ids must be a forge_ml Tensor of token ids "
+                             f"(forge_ml.tensor([[...]])), got {type(ids).__name__}")
+
     def _check_ids(self, where: str, ids: Tensor) -> None:
         """Token ids must be real vocabulary entries: the padded rows of ``wte`` (ids
         ``vocab_size..padded_vocab_size-1``) are not tokens."""
@@ -441,6 +448,7 @@ class GPT2:
     def logits(self, ids: Tensor, **kw) -> Tensor:
         """Full-sequence logits ``(B, T, V)`` (padding columns dropped), no KV cache, no
         dropout."""
+        self._ids_tensor("GPT2.logits", ids)
         if ids.ndim == 1:
             ids = ids.reshape(1, -1)
         B, T = ids.shape
@@ -483,11 +491,15 @@ class GPT2:
         _params_kw("GPT2.forward_cached", kw)
         cfg = self.config
         P = self.params
+        self._ids_tensor("forward_cached", ids)
         if ids.ndim == 1:
             ids = ids.reshape(1, -1)
         if ids.ndim != 2:
             raise ShapeError(f"forward_cached: ids must be (B, Tn), got {ids.shape}")
         B, Tn = ids.shape
+        if Tn == 0:
+            raise ShapeError(f"forward_cached: ids {ids.shape} hold no tokens; give at least "
+                             f"one per row")
         self.check_cache("forward_cached", cache)
         if B != cache.batch:
             raise ShapeError(f"forward_cached: ids have {B} rows but the cache was made for "
@@ -543,6 +555,7 @@ class GPT2:
         _params_kw("GPT2.decode_step", kw)
         cfg = self.config
         P = self.params
+        self._ids_tensor("decode_step", ids)
         if ids.ndim == 1:
             ids = ids.reshape(-1, 1)
         if ids.ndim != 2 or ids.shape[1] != 1:
