@@ -331,6 +331,8 @@ def test_async_iteration(model, expected):
     ([-1], {}, "prompt"),
     ([], {}, "prompt"),
     ("abc", {}, "prompt"),
+    (None, {}, "prompt"),                                     # not a list (was a TypeError)
+    (5, {}, "prompt"),
     ([1], {"stop_tokens": (99,)}, "stop_tokens"),
 ])
 def test_bad_requests_are_refused_at_submit(model, prompt, kw, param):
@@ -363,6 +365,16 @@ def test_close_ends_open_streams_and_refuses_new_ones(model):
     with pytest.raises(EngineClosedError):
         engine.submit([1], SamplingParams())
     assert not engine.running
+
+
+def test_a_prompt_given_as_an_iterator_array_or_tensor(model):
+    """An iterator was spent by the check and refused as 'the prompt is empty'."""
+    with BatchEngine(model, slots=2) as engine:
+        want = tokens_of(engine.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0)))
+        for prompt in (iter([1, 2, 3]), (t for t in [1, 2, 3]), np.array([1, 2, 3]),
+                       fm.tensor([1, 2, 3])):
+            got = tokens_of(engine.submit(prompt, SamplingParams(max_tokens=3, temperature=0)))
+            assert got == want, prompt
 
 
 def test_a_failing_step_ends_the_streams_with_its_error(model):

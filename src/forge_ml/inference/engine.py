@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import collections.abc
 import math
 import numbers
 import threading
@@ -138,8 +139,19 @@ def check_prompt(prompt_ids, params: SamplingParams, vocab_size: int, max_len: i
     Traceback (most recent call last):
     ...
     forge_ml.inference.engine.RequestError: the prompt's 2 tokens plus max_tokens 3 exceed the context of 4 tokens; ask for at most 2 new tokens
+    >>> check_prompt(5, SamplingParams(), vocab_size=5, max_len=4)
+    Traceback (most recent call last):
+    ...
+    forge_ml.inference.engine.RequestError: the prompt must be a list of int token ids, got 5
     """
-    if isinstance(prompt_ids, (str, bytes)) or not all(_is_int(t) for t in prompt_ids):
+    if hasattr(prompt_ids, "numpy") and not isinstance(prompt_ids, collections.abc.Sequence):
+        prompt_ids = prompt_ids.numpy()             # a Tensor of ids
+    if hasattr(prompt_ids, "tolist") and getattr(prompt_ids, "ndim", 1) == 1:
+        prompt_ids = prompt_ids.tolist()            # a NumPy array of ids
+    if isinstance(prompt_ids, collections.abc.Iterator):
+        prompt_ids = list(prompt_ids)               # once: iterating it spends it
+    if (isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, collections.abc.Iterable)
+            or not all(_is_int(t) for t in prompt_ids)):
         raise RequestError(f"the prompt must be a list of int token ids, got {prompt_ids!r:.80}",
                            "prompt")
     ids = [int(t) for t in prompt_ids]
