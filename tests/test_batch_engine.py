@@ -364,6 +364,8 @@ def test_close_ends_open_streams_and_refuses_new_ones(model):
             list(s)
     with pytest.raises(EngineClosedError):
         engine.submit([1], SamplingParams())
+    with pytest.raises(EngineClosedError):          # was a stream ending 'length'
+        engine.submit([1], SamplingParams(max_tokens=0))
     assert not engine.running
 
 

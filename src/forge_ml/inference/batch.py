@@ -308,12 +308,12 @@ class BatchEngine:
                                f"{type(params).__name__}", "params")
         ids = check_prompt(prompt_ids, params, self.vocab_size, self.max_len)
         stream = Stream(ids, params, on_cancel=self._wake)
-        if params.max_tokens == 0 and (params.prompt_logprobs is None or len(ids) == 1):
-            stream._end("length")       # nothing to compute
-            return stream
         with self._cond:
             if self._closed:
                 raise EngineClosedError(self._error or "the engine is closed", None)
+            if params.max_tokens == 0 and (params.prompt_logprobs is None or len(ids) == 1):
+                stream._end("length")       # nothing to compute
+                return stream
             self._pending.append(stream)
             self._cond.notify_all()
         return stream
