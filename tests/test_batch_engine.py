@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import forge_ml as fm
+from forge_ml.errors import ConfigError
 from forge_ml.inference import batch as batch_mod
 from forge_ml.inference.batch import BatchEngine, choose_tokens
 from forge_ml.inference.engine import (EngineClosedError, RequestError, SamplingParams,
@@ -400,3 +401,16 @@ def test_stream_from_another_thread_sees_every_token():
     t.start()
     assert [x.token for x in s] == list(range(100))
     t.join()
+
+
+def test_engine_sizes_may_be_numpy_integers_but_not_bools(model):
+    """slots=np.int64(2) was refused as 'must be an int >= 1, got np.int64(2)'; slots=True
+    was taken into a new_cache ShapeError."""
+    engine = BatchEngine(model, slots=np.int64(2), max_len=np.int32(16))
+    try:
+        assert engine.stats()["slots"] == 2 and type(engine.slots) is int and engine.max_len == 16
+        assert len(tokens_of(engine.submit([1], SamplingParams(max_tokens=2)))) == 2
+    finally:
+        engine.close()
+    with pytest.raises(ConfigError, match="slots must be an int >= 1, got True"):
+        BatchEngine(model, slots=True)

@@ -38,7 +38,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..tensor import device_has
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
-                     check_prompt)
+                     _is_int, check_prompt)
 
 try:
     from .decode import row_step
@@ -275,13 +275,14 @@ class BatchEngine:
         cfg = model.config
         if slots is None:
             slots = 8 if device_has(model.device, "host_memory") else 64
-        if not (isinstance(slots, int) and slots >= 1):
+        if not (_is_int(slots) and slots >= 1):
             raise ConfigError(f"BatchEngine: slots must be an int >= 1, got {slots!r}")
         if max_len is None:
             max_len = cfg.block_size
-        if not (isinstance(max_len, int) and 1 <= max_len <= cfg.block_size):
+        if not (_is_int(max_len) and 1 <= max_len <= cfg.block_size):
             raise ConfigError(f"BatchEngine: max_len must be an int in 1..{cfg.block_size} "
                               f"(the model's block_size), got {max_len!r}")
+        slots, max_len = int(slots), int(max_len)
         self.model, self.tokenizer = model, tokenizer
         self.slots, self.max_len, self.vocab_size = slots, max_len, cfg.vocab_size
         n_tok = getattr(tokenizer, "vocab_size", None)
