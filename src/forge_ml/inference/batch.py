@@ -268,6 +268,19 @@ class BatchEngine:
     on a device with its own memory (a GPU), 8 on host memory); ``max_len``: the context a request may fill, prompt and new tokens
     together (default and at most the model's ``block_size``). ``submit`` checks a request and queues it; ``close()`` stops
     the thread and ends every open stream with ``EngineClosedError``.
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))
+    >>> engine = BatchEngine(model, slots=2)
+    >>> [t.finish for t in engine.submit([1, 2], SamplingParams(max_tokens=2))]
+    [None, 'length']
+    >>> engine.stats()["slots"], engine.running
+    (2, True)
+    >>> engine.close()
+    >>> engine.submit([1], SamplingParams(max_tokens=1))
+    Traceback (most recent call last):
+    ...
+    forge_ml.inference.engine.EngineClosedError: the engine is closed
     """
 
     def __init__(self, model, tokenizer=None, slots: Optional[int] = None,

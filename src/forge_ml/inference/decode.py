@@ -66,10 +66,12 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
+        """The most positions a row holds (``max_len``)."""
         return self.k[0].shape[-2]
 
     @property
     def batch(self) -> int:
+        """The number of rows."""
         return self.k[0].shape[0]
 
 
@@ -192,7 +194,15 @@ class DecodeStep:
 
     @property
     def captured(self) -> bool:
-        """Whether the step now replays a graph."""
+        """Whether the step now replays a graph (never on the CPU, which has none).
+
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> step = DecodeStep(model, model.new_cache(1, 8))
+        >>> _ = step([1], 0), step([2], 1)
+        >>> step.captured
+        False
+        """
         return "logits" in self._graphs
 
     def _greedy_work(self, k: int):

@@ -248,7 +248,13 @@ class Stream:
     def cancel(self) -> None:
         """Stop the request: iteration ends at once (tokens not yet read are dropped) and its
         slot is freed at the engine's next step. Safe from any thread; ``finish`` stays
-        None unless the request had finished before."""
+        None unless the request had finished before.
+
+        >>> s = Stream([1], SamplingParams())
+        >>> s._push(TokenOut(7)); s.cancel()
+        >>> list(s), s.done, s.finish
+        ([], True, None)
+        """
         with self._cond:
             was_open = not self._ended
             self.cancelled = self.cancelled or was_open

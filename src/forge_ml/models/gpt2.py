@@ -447,7 +447,15 @@ class GPT2:
 
     def logits(self, ids: Tensor, **kw) -> Tensor:
         """Full-sequence logits ``(B, T, V)`` (padding columns dropped), no KV cache, no
-        dropout."""
+        dropout: the reference the cached forwards equal.
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+        >>> model = GPT2.init(cfg)
+        >>> full = model.logits(tensor([[1, 2, 3]])).numpy()
+        >>> cached = model.forward_cached(tensor([[1, 2, 3]]), model.new_cache(1)).numpy()
+        >>> full.shape, bool(np.allclose(full, cached, atol=1e-6))
+        ((1, 3, 10), True)
+        """
         self._ids_tensor("GPT2.logits", ids)
         if ids.ndim == 1:
             ids = ids.reshape(1, -1)
@@ -459,7 +467,13 @@ class GPT2:
     # -- inference with a KV cache ----------------------------------------------------------
     def new_cache(self, batch: int, max_len: Optional[int] = None, **kw):
         """An empty KV cache (``forge_ml.inference.decode.KVCache``) for ``batch`` rows and up
-        to ``max_len`` (<= block_size) tokens, in the parameters' dtype."""
+        to ``max_len`` (<= block_size, its default) tokens, in the parameters' dtype.
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=2, n_head=1, n_embd=4)
+        >>> cache = GPT2.init(cfg).to(dtype="float64").new_cache(3)
+        >>> cache.batch, cache.capacity, len(cache.k), cache.k[0].dtype
+        (3, 8, 2, forge_ml.float64)
+        """
         _params_kw("GPT2.new_cache", kw)
         from ..inference.decode import KVCache
         return KVCache.empty(self, batch, max_len)
