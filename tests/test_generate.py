@@ -469,3 +469,12 @@ def test_prompts_as_integer_tensors():
         list(stream_tokens(model, [[1, 2], [3, 4]], 2))
     with pytest.raises(ShapeError, match="prompts must be"):
         list(generate(model, fm.tensor([1.0, 2.0]), max_new_tokens=2))
+
+
+def test_numpy_integer_max_new_tokens(model):
+    """generate accepts a NumPy integer max_new_tokens, but the KV cache it sized from it
+    refused the size ('new_cache: max_len must be in 1..20, got 4')."""
+    want = list(generate(model, [1, 2], 3, temperature=0))
+    assert list(generate(model, [1, 2], np.int64(3), temperature=0)) == want
+    from forge_ml.inference.beam import beam_search
+    assert beam_search(model, [1, 2], np.int64(3), num_beams=2) == beam_search(model, [1, 2], 3, num_beams=2)
