@@ -322,6 +322,8 @@ def test_decode_step_refuses_float_tokens_and_positions(model):
         list(step.sample([1, 2], 2, 2, [[0.8, 0, 1, 0, 1]], [[1, 2], [3, 4]]))
     with pytest.raises(ShapeError, match="keys must be \\(2, 2\\)"):
         list(step.sample([1, 2], 2, 2, [[0.8, 0, 1, 0, 1]] * 2, [[1, 2]]))
+    with pytest.raises(ShapeError, match="must fit int64"):     # was an OverflowError
+        step([2**70, 1], 2)
     np.testing.assert_array_equal(cache.k[0].numpy(), before)
     assert cache.pos == 2
     # NumPy integers and an integer Tensor are ids like ints

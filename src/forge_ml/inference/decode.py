@@ -426,7 +426,10 @@ def _int_array(where: str, what: str, values) -> np.ndarray:
     if isinstance(values, Tensor):
         values = values.numpy()
     a = np.asarray(values)
-    if a.dtype.kind not in "iu" or (a.dtype.kind == "u" and a.size and a.max() > 2**63 - 1):
+    if a.dtype.kind == "O" and all(_is_int(x) for x in a.reshape(-1)) or (
+            a.dtype.kind == "u" and a.size and a.max() > 2**63 - 1):
+        raise ShapeError(f"{where}: {what} must fit int64, got {values!r:.80}")
+    if a.dtype.kind not in "iu":
         raise DTypeError(f"{where}: {what} must be integers, got {values!r:.80}")
     return a.astype(np.int64).reshape(-1)
 
