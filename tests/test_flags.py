@@ -48,3 +48,37 @@ def test_no_forge_switch_is_read_outside_flags():
                  and "FORGE_" in "".join(ln for ln in p.read_text(encoding="utf-8").splitlines()
                                          if "os.environ" in ln)]
     assert offenders == []
+
+
+@pytest.fixture
+def bad_switch(monkeypatch):
+    """FORGE_CUDA_GRAPH=x in the environment, not yet read (a CPU run never asks for it)."""
+    monkeypatch.setenv("FORGE_CUDA_GRAPH", "x")
+    monkeypatch.delitem(flags._values, "FORGE_CUDA_GRAPH", raising=False)
+
+
+def test_a_bad_switch_fails_the_command_before_any_work(bad_switch, tmp_path, capsys):
+    """Not after the run (the final sample used to be the first to read FORGE_CUDA_GRAPH, and
+    the run ended with no checkpoint), nor after --overwrite removed the earlier run."""
+    from forge_ml.cli import main
+    (tmp_path / "t.txt").write_text("to be or not to be\n" * 100)
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / "log.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    argv = ["train", "--data", str(tmp_path / "t.txt"), "--out", str(run), "--overwrite",
+            "--max-steps", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
+            "--block-size", "16", "--batch-size", "2", "--eval-interval", "0", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "FORGE_CUDA_GRAPH='x' is not one of on|off (or 1/0)" in err and "Traceback" not in err
+    assert (run / "log.jsonl").read_text() == '{"step": 1, "loss": 4.0}\n'
+    assert main(["bench", "--steps", "1"]) == 2
+
+
+def test_a_bad_switch_fails_a_trainer_when_made(bad_switch, tmp_path):
+    from forge_ml.train import TrainConfig, Trainer
+    (tmp_path / "t.txt").write_text("ab\n" * 500)
+    with pytest.raises(ConfigError, match="FORGE_CUDA_GRAPH='x' is not one of on|off"):
+        Trainer(TrainConfig(data=str(tmp_path / "t.txt"), out_dir=str(tmp_path / "r"), n_layer=1,
+                            n_head=1, n_embd=8, block_size=8, max_steps=2, progress=False), log=None)
+    assert not (tmp_path / "r").exists()

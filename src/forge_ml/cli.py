@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from . import blas as _blas
+from . import flags
 from .errors import ConfigError, DataError, ForgeError, TrainingError
 
 PROG = "forge-ml"
@@ -829,8 +830,9 @@ def main(argv=None) -> int:
     if args.cmd is None:
         parser.print_help()
         return 0
-    _blas.limit_default()
     try:
+        flags.check_environment()   # a bad FORGE_* value fails before any work, not midway
+        _blas.limit_default()
         return _COMMANDS[args.cmd](args)
     except TrainingError as e:
         print(f"{PROG} {args.cmd}: error: {e}", file=sys.stderr)

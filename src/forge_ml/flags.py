@@ -1,7 +1,8 @@
 """The switchboard: every ``FORGE_*`` environment switch, declared once and parsed once.
 
 Each switch has a type (a set of named values, or a path), a default and a one-line meaning.
-The environment is read the first time a switch is asked for, checked (a value outside the
+The environment is read the first time a switch is asked for (``forge-ml`` and a Trainer ask
+for every one before any work: ``check_environment``), checked (a value outside the
 switch's choices is a ConfigError that lists them), and kept: code on a hot path asks
 ``flags.get`` and pays a dict lookup. Tests and benchmarks change a switch for a block with
 ``flags.override``, never by writing ``os.environ``.
@@ -142,6 +143,17 @@ def get(name: str) -> str:
         with _lock:
             _values[name] = v
     return v
+
+
+def check_environment() -> None:
+    """Read and check every switch now: a value outside a switch's list is a ConfigError before
+    any work starts, not when (or whether) a code path first asks for it. ``forge-ml`` calls
+    it before running a command, a Trainer when it is made.
+
+    >>> check_environment()
+    """
+    for name in SWITCHES:
+        get(name)
 
 
 def on(name: str) -> bool:

@@ -413,6 +413,7 @@ class Trainer:
         if isinstance(config, dict):
             config = TrainConfig.from_dict(config)
         cfg = self.cfg = config
+        flags.check_environment()   # a bad FORGE_* value fails here, not after the run
         self._log = log
         self._bar = None
         self._stop: Optional[int] = None   # the signal that asked to stop
