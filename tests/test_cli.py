@@ -197,6 +197,38 @@ def test_check_compares_devices_with_float64(capsys):
     assert main(["check", "--device", "tpu"]) == 2
 
 
+def _wrong_cpu_kernel(monkeypatch, name, wrong):
+    """The CPU backend's ``name`` with ``wrong`` applied to its float32 results (the float64
+    reference keeps the right ones)."""
+    from forge_ml.backends import load
+    bk = load("cpu")
+    right = getattr(bk, name)
+
+    def kernel(*args, **kw):
+        out = right(*args, **kw)
+        return wrong(out) if args[0].dtype == np.float32 else out
+
+    monkeypatch.setattr(bk, name, kernel)
+
+
+def _nan_dgamma(out):
+    dx, dgamma, dbeta = out
+    dgamma = dgamma.copy()
+    dgamma[3] = np.nan
+    return dx, dgamma, dbeta
+
+
+@pytest.mark.parametrize("name, wrong, needle", [
+    ("attention_qkv_bwd", lambda dqkv: dqkv * np.float32(1.01), "e-02 (h."),     # 1% off
+    ("layernorm_bwd_add", _nan_dgamma, "error inf (h."),           # a NaN in one gradient
+])
+def test_check_fails_on_a_wrong_kernel(monkeypatch, capsys, name, wrong, needle):
+    _wrong_cpu_kernel(monkeypatch, name, wrong)
+    assert main(["check", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("cpu      FAIL") and needle in out, out
+
+
 def test_sample_generation_options(trained, capsys):
     """sample's HF-style options: min-p, repetition penalty, log-probabilities, beam search."""
     base = ["sample", "--ckpt", "run", "--prompt", "to be", "--max-new-tokens", "6", "--seed", "3"]

@@ -292,6 +292,21 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands
 
 
+def _rel_error(got, want) -> float:
+    """The largest difference of ``got`` from ``want``, relative to ``want``'s largest value;
+    inf where ``got`` holds a NaN or an infinity (a NaN must never pass as a small error).
+
+    >>> import numpy as np
+    >>> _rel_error(np.array([1.0, 2.0]), np.array([1.0, 4.0])), _rel_error(np.array([np.nan, 1.0]), np.ones(2))
+    (0.5, inf)
+    """
+    import numpy as np
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
+
+
 def _cmd_check(args) -> int:
     """Compare a small GPT's float32 loss and gradients on each device with float64 on the CPU."""
     import numpy as np
@@ -317,12 +332,13 @@ def _cmd_check(args) -> int:
                 raise
             print(f"{dev:8s} not available: {e}")
             continue
-        worst = max(float(np.abs(grads[k].numpy() - g64[k].numpy()).max()
-                          / max(float(np.abs(g64[k].numpy()).max()), 1e-30)) for k in g64)
-        ok = abs(loss - l64) / abs(l64) < 1e-5 and worst < 1e-3
+        errs = {k: _rel_error(grads[k].numpy(), g64[k].numpy()) for k in g64}
+        worst_k = max(errs, key=errs.get)
+        worst = errs[worst_k]
+        ok = abs(loss - l64) / abs(l64) < 1e-5 and worst < 1e-3   # False for a NaN loss
         bad += not ok
         print(f"{dev:8s} {'ok  ' if ok else 'FAIL'} loss {loss:.6f} (float64 {l64:.6f}), "
-              f"worst gradient relative error {worst:.1e}")
+              f"worst gradient relative error {worst:.1e} ({worst_k})")
     return 0 if bad == 0 else 1
 
 
