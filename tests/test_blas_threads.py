@@ -85,6 +85,7 @@ def test_a_tuned_run_trains_to_the_bits_of_a_run_at_one_count(tmp_path, monkeypa
                 monkeypatch.delenv(v, raising=False)
             if env:
                 monkeypatch.setenv("OPENBLAS_NUM_THREADS", env)   # the user's count: no tuner
+                blas.set_threads(int(env))      # as a process started with it has (OpenBLAS reads it at load)
             monkeypatch.setattr(blas, "_chosen_here", False)
             with flags.override(FORGE_BLAS_TUNE=True):
                 assert main(["train", "--data", "t.txt", "--out", name, *TINY]) == 0
@@ -113,3 +114,25 @@ def test_a_tuned_run_trains_to_the_bits_of_a_run_at_one_count(tmp_path, monkeypa
         blas.set_threads(before)
         for v in absent:                      # limit_default set them; monkeypatch did not
             os.environ.pop(v, None)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "2.5"])
+def test_a_thread_variable_that_is_not_a_count_is_one_error(monkeypatch, capsys, value):
+    """OpenBLAS would quietly take its own count for it (and the trainer's line said
+    "(abc BLAS threads)")."""
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    assert main(["bench", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"OMP_NUM_THREADS={value!r} is not a thread count: expected a whole number >= 1" in err
+
+
+@pytest.mark.skipif(blas.get_threads() is None, reason="needs NumPy's OpenBLAS")
+def test_the_trainer_says_the_thread_count_in_use(tmp_path, monkeypatch, capsys):
+    """Not the variable's text: OpenBLAS caps a count above its own limit."""
+    (tmp_path / "t.txt").write_text("to be or not to be that is the question\n" * 80)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1000")
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY[:-2], "--max-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    n = blas.get_threads()
+    assert f"({n} BLAS thread{'s' if n != 1 else ''}; OMP_NUM_THREADS=1000)" in out, out

@@ -29,6 +29,7 @@ import statistics
 from typing import Callable, Optional
 
 from . import flags
+from .errors import ConfigError
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 MAX_THREADS = 8          # the small products of the models trained on a CPU gain little beyond
@@ -135,13 +136,32 @@ def sgemm() -> Optional[tuple]:
     return None
 
 
+def user_threads() -> Optional[tuple]:
+    """``(variable, value)`` of the first of ``THREAD_VARS`` the user set, or None; a value that
+    is not a thread count (a whole number >= 1; OpenMP's list form ``4,2`` sets the first) is
+    a ConfigError, not a count OpenBLAS would quietly replace with its own.
+
+    >>> import os; os.environ.get("OMP_NUM_THREADS") is None or user_threads() is not None
+    True
+    """
+    for var in THREAD_VARS:
+        raw = os.environ.get(var, "")
+        if raw.strip():
+            head = raw.split(",")[0].strip()
+            if not (head.isascii() and head.isdigit() and int(head) >= 1):
+                raise ConfigError(f"{var}={raw!r} is not a thread count: expected a whole number "
+                                  f">= 1 (or unset it, and forge-ml chooses)")
+            return var, raw.strip()
+    return None
+
+
 def limit_default() -> Optional[int]:
     """Set this process's BLAS threads to ``default_threads()`` unless the user set one of
     ``THREAD_VARS``; returns the count set, or None. The variables are set for libraries not
     yet loaded (and child processes); NumPy's OpenBLAS, loaded with the package, is told
     through ``set_threads``. Afterwards ``tunable()`` is true where a tuner can change it."""
     global _chosen_here
-    if any(os.environ.get(v) for v in THREAD_VARS):
+    if user_threads() is not None:
         return None
     n = default_threads()
     for v in THREAD_VARS:

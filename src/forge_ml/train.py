@@ -1236,13 +1236,16 @@ class Trainer:
     def _train(self, until: Optional[int]) -> dict:
         cfg = self.cfg
         until = cfg.max_steps if until is None else min(until, cfg.max_steps)
-        threads = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
         tuner = self._thread_tuner()
         blas_note = ""
         if tuner is not None:
             blas_note = f" (BLAS threads {' or '.join(map(str, tuner.counts))}, chosen from the steps' times)"
-        elif threads and device_has(self.device, "host_memory"):
-            blas_note = f" ({threads} BLAS thread{'s' if threads != '1' else ''})"
+        elif device_has(self.device, "host_memory") and _blas.user_threads() is not None:
+            var, asked = _blas.user_threads()
+            n = _blas.get_threads()          # the count in use (OpenBLAS caps what it is asked)
+            n = asked.split(",")[0] if n is None else str(n)
+            blas_note = (f" ({n} BLAS thread{'s' if n != '1' else ''}"
+                         + ("" if n == asked else f"; {var}={asked}") + ")")
         self._say(f"model: {self.model.num_params():,} parameters ({_arch(self.model.config)}); "
                   f"{self.train_loader.n_tokens:,} train tokens; device {self.device}" + blas_note
                   + f", {cfg.dtype}; batch {cfg.batch_size} x {cfg.grad_accum}; steps {self.step} -> {until}; "
