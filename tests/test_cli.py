@@ -150,6 +150,20 @@ def test_bench_builtin_and_list(capsys):
     assert main(["bench", "--list"]) == 0
 
 
+def test_bench_name_takes_the_arguments_after_it(workdir, capsys):
+    """They go to benchmarks/NAME.py (they were an argparse error, and --steps was ignored);
+    the built-in timing's --steps before NAME is an error, not ignored."""
+    (workdir / "benchmarks").mkdir()
+    (workdir / "benchmarks" / "echo_args.py").write_text(
+        "import sys\nprint('args', sys.argv[1:])\nsys.exit(3 if '--fail' in sys.argv else 0)\n")
+    assert main(["bench", "echo_args", "--steps", "5", "--rounds", "1"]) == 0
+    assert "args ['--steps', '5', '--rounds', '1']" in capsys.readouterr().out
+    assert main(["bench", "echo_args", "--fail"]) == 3
+    capsys.readouterr()
+    _fails(capsys, ["bench", "--steps", "5", "echo_args"], "--steps before echo_args",
+           "after it")
+
+
 def test_bench_chooses_the_cpu_threads_as_train_does(monkeypatch, capsys):
     """Where forge-ml sets the count, the built-in bench runs the trainer's ThreadTuner on its
     untimed first steps and times the count it chose (it had timed half the cores)."""

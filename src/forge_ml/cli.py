@@ -263,12 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="run a benchmark from benchmarks/ or a built-in training-step timing",
         formatter_class=_fmt(),
         description="Without NAME: time forge-ml training steps of nanoGPT's CPU model (4 layers, "
-                    "128 channels, context 64, batch 12). With NAME: run benchmarks/NAME.py.",
-        epilog="examples:\n  forge-ml bench\n  forge-ml bench train_cpu\n  forge-ml bench --list")
+                    "128 channels, context 64, batch 12). With NAME: run benchmarks/NAME.py, with "
+                    "the arguments after NAME (NAME --help lists its own).",
+        epilog="examples:\n  forge-ml bench\n  forge-ml bench train_cpu\n"
+               "  forge-ml bench train_cpu --steps 5 --rounds 1\n  forge-ml bench --list")
     b.add_argument("name", nargs="?", help="a benchmark in benchmarks/ (e.g. train_cpu)")
     b.add_argument("--list", action="store_true", help="list the benchmarks found")
-    b.add_argument("--steps", type=int, metavar="N", default=20, help="timed steps of the built-in timing (default 20)")
-    b.add_argument("--device", default="cpu", help="device of the built-in timing")
+    b.add_argument("--steps", type=int, metavar="N", default=None, help="timed steps of the built-in timing (default 20)")
+    b.add_argument("--device", default=None, help="device of the built-in timing (default cpu)")
+    b.add_argument("script_args", nargs=argparse.REMAINDER, metavar="...",
+                   help="after NAME: the arguments of benchmarks/NAME.py")
 
     # -- serve ----------------------------------------------------------------------------------
     from .serve.cli import add_parser as _add_serve
@@ -759,9 +763,16 @@ def _cmd_bench(args) -> int:
             raise ConfigError(f"unknown benchmark {args.name!r}: {none_found}")
         if name not in found:
             raise ConfigError(f"unknown benchmark {args.name!r}; available: {', '.join(found)}")
-        sys.argv = [str(found[name])]
+        mine = [o for o, v in (("--steps", args.steps), ("--device", args.device)) if v is not None]
+        if mine:
+            raise ConfigError(f"{' and '.join(mine)} before {name} set the built-in timing, which "
+                              f"does not run with a NAME; give {name}'s own arguments after it "
+                              f"(forge-ml bench {name} --help lists them)")
+        argv, sys.argv = sys.argv, [str(found[name]), *args.script_args]
         try:
             runpy.run_path(str(found[name]), run_name="__main__")
+        except SystemExit as e:    # the script's sys.exit, or its --help: its status
+            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except ModuleNotFoundError as e:
             missing = (e.name or str(e)).split(".")[0]
             if missing == "forge_ml":
@@ -769,8 +780,10 @@ def _cmd_bench(args) -> int:
             raise ConfigError(f"benchmark {name} needs the Python module {missing!r}, which is not "
                               f"installed; install it (the benchmarks' peers come with the test "
                               f"extra: pip install -e '.[test]')") from None
+        finally:
+            sys.argv = argv
         return 0
-    return _builtin_bench(args.steps, args.device)
+    return _builtin_bench(20 if args.steps is None else args.steps, args.device or "cpu")
 
 
 def _builtin_bench(steps: int, device: str) -> int:
