@@ -82,3 +82,13 @@ def test_a_bad_switch_fails_a_trainer_when_made(bad_switch, tmp_path):
         Trainer(TrainConfig(data=str(tmp_path / "t.txt"), out_dir=str(tmp_path / "r"), n_layer=1,
                             n_head=1, n_embd=8, block_size=8, max_steps=2, progress=False), log=None)
     assert not (tmp_path / "r").exists()
+
+
+def test_cache_dir_expands_a_leading_tilde(monkeypatch, tmp_path):
+    """Not a folder named '~' in the working folder (FORGE_CACHE_DIR=~/x from a .env file)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    with flags.override(FORGE_CACHE_DIR="~/kernels"):
+        assert flags.cache_root("cpu") == tmp_path / "home" / "kernels" / "cpu"
+    with flags.override(FORGE_CACHE_DIR="rel"):
+        assert flags.cache_root("cpu") == tmp_path / "rel" / "cpu"

@@ -168,13 +168,19 @@ def on(name: str) -> bool:
 def cache_root(sub: str):
     """The folder ``sub`` of forge-ml's build cache: ``$FORGE_CACHE_DIR/sub``, else
     ``$XDG_CACHE_HOME/forge-ml/sub``, else ``~/.cache/forge-ml/sub`` (not created here).
+    A leading ``~`` of FORGE_CACHE_DIR is the home folder (as in a shell, which does not
+    expand it inside a .env file or a Dockerfile's ENV); a relative one is taken from the
+    working folder.
 
     >>> cache_root("cpu").name
     'cpu'
+    >>> with override(FORGE_CACHE_DIR="~/kernels"):
+    ...     cache_root("cpu") == Path.home() / "kernels" / "cpu"
+    True
     """
     root = get("FORGE_CACHE_DIR")
     if root:
-        return Path(root) / sub
+        return Path(os.path.abspath(os.path.expanduser(root))) / sub
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "forge-ml" / sub
 
