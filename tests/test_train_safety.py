@@ -738,6 +738,27 @@ def test_a_nan_in_the_lm_head_loss_is_named(workdir, monkeypatch):
     msg = str(e.value)
     assert "forward: linear_cross_entropy in the LM head (wte.weight) produced 1 NaN" in msg, msg
 
+def test_a_nan_in_the_unfused_loss_is_named_in_the_lm_head(workdir, monkeypatch):
+    """cross_entropy uses no parameter: it belongs where the op before it (the LM head's
+    product) does, not with the embeddings that share wte.weight."""
+    import forge_ml.ops as ops
+    from forge_ml import flags
+    real = ops.cross_entropy
+
+    def cross_entropy(*args, **kw):
+        loss = real(*args, **kw)
+        loss.data[...] = np.nan
+        return loss
+
+    monkeypatch.setattr(ops, "cross_entropy", cross_entropy)
+    with flags.override(FORGE_FUSED_LOSS="off"):
+        t = Trainer(_cfg("r", n_layer=2, max_steps=3), log=None)
+        with pytest.raises(TrainingError) as e:
+            t.train()
+    msg = str(e.value)
+    assert "forward: cross_entropy in the LM head produced 1 NaN" in msg, msg
+
+
 def test_a_nan_in_the_weights_is_named(workdir):
     t = Trainer(_cfg("r", max_steps=3), log=None)
     t.model.params["ln_f.weight"].data[1] = np.inf

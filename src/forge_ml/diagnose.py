@@ -34,7 +34,13 @@ def _bad_values(t) -> Optional[str]:
 
 
 def _where(op: str, params: list) -> str:
-    """The part of GPT-2 an op belongs to, from the parameters it (or the op before it) used."""
+    """The part of GPT-2 an op belongs to, from the parameters it used (an op without any
+    belongs where the last op with some did: the loss after the LM head's product, the
+    attention after its layer's qkv product).
+
+    >>> _where("embedding", ["wte.weight", "wpe.weight"]), _where("matmul", ["wte.weight"])
+    ('the embeddings', 'the LM head')
+    """
     if not params:
         return "the model"
     p = params[0]
@@ -57,7 +63,7 @@ class CheckingTape(Tape):
         self._param_of = {}         # leaf node id -> parameter name
         self._info = {}             # node id -> (op, where, parameter names)
         self._names = names
-        self._last = []             # the parameters of the last op that used some
+        self._last = "the model"    # where the last op that used parameters belongs
         self.found: Optional[str] = None
 
     def leaf(self, t) -> TVar:
@@ -105,10 +111,10 @@ def _checked_op(op: str):
         params = [self._param_of[a.id] for a in list(args) + list(kw.values())
                   if isinstance(a, TVar) and a.id in self._param_of]
         if params:
-            self._last = params
+            self._last = _where(op, params)
+        where = self._last          # an op without parameters belongs where the last one with some did
         first = len(self._nodes)
         out = base(self, *args, **kw)
-        where = _where(op, params or self._last)
         for v in (out if isinstance(out, tuple) else (out,)):
             if v.id < first:
                 continue  # not a new node (dropout with p = 0 returns its input)
