@@ -207,8 +207,19 @@ def test_check_compares_devices_with_float64(capsys):
     from forge_ml.cli import main
     assert main(["check", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("cpu") and " ok " in out
+    assert out.startswith("cpu") and " ok " in out and ("; C kernels" in out or "; NumPy kernels (" in out)
     assert main(["check", "--device", "tpu"]) == 2
+
+
+def test_check_says_when_the_cpu_ran_numpy_not_the_c_kernels(monkeypatch, capsys):
+    """A failed build of the C kernels printed 'cpu ok' as if they had been checked."""
+    from forge_ml.backends.cpu import native
+    monkeypatch.setattr(native, "lib", lambda: None)
+    monkeypatch.setitem(native._state, "why", "no C compiler found (set CC, or install cc/gcc)")
+    assert main(["check", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("; NumPy kernels (the C kernels are unavailable: no C compiler found "
+                                 "(set CC, or install cc/gcc))"), out
 
 
 def _wrong_cpu_kernel(monkeypatch, name, wrong):

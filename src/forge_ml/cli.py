@@ -311,6 +311,20 @@ def _rel_error(got, want) -> float:
     return float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
 
 
+def _cpu_kernels_note(dev) -> str:
+    """For a CPU device, which kernels ``forge-ml check`` just checked: the C kernels, or
+    NumPy and why (a failed build must not pass as a checked install)."""
+    from .device import Device
+    from .tensor import device_has
+    if not device_has(Device.parse(dev), "host_memory"):
+        return ""
+    from .backends.cpu import native
+    if native.lib() is not None:
+        return "; C kernels"
+    why = "FORGE_CPU_KERNELS=numpy" if native.mode() == "numpy" else f"the C kernels are unavailable: {native.why_not()}"
+    return f"; NumPy kernels ({why})"
+
+
 def _cmd_check(args) -> int:
     """Compare a small GPT's float32 loss and gradients on each device with float64 on the CPU."""
     import numpy as np
@@ -342,7 +356,7 @@ def _cmd_check(args) -> int:
         ok = abs(loss - l64) / abs(l64) < 1e-5 and worst < 1e-3   # False for a NaN loss
         bad += not ok
         print(f"{dev:8s} {'ok  ' if ok else 'FAIL'} loss {loss:.6f} (float64 {l64:.6f}), "
-              f"worst gradient relative error {worst:.1e} ({worst_k})")
+              f"worst gradient relative error {worst:.1e} ({worst_k})" + _cpu_kernels_note(dev))
     return 0 if bad == 0 else 1
 
 
