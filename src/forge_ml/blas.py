@@ -270,3 +270,18 @@ class ThreadTuner:
             self._slow = 0
             self._start()
         return None
+
+
+def cpu_kernels() -> str:
+    """Which kernels the CPU backend runs: "C kernels", or "NumPy kernels (why)" where the C
+    kernels are switched off or could not be built (``forge-ml check`` says which it checked).
+
+    >>> cpu_kernels().split(" ")[0] in ("C", "NumPy")
+    True
+    """
+    from .backends.cpu import native
+    if native.lib() is not None:
+        return "C kernels"
+    why = ("FORGE_CPU_KERNELS=numpy" if native.mode() == "numpy"
+           else f"the C kernels are unavailable: {native.why_not()}")
+    return f"NumPy kernels ({why})"

@@ -318,11 +318,7 @@ def _cpu_kernels_note(dev) -> str:
     from .tensor import device_has
     if not device_has(Device.parse(dev), "host_memory"):
         return ""
-    from .backends.cpu import native
-    if native.lib() is not None:
-        return "; C kernels"
-    why = "FORGE_CPU_KERNELS=numpy" if native.mode() == "numpy" else f"the C kernels are unavailable: {native.why_not()}"
-    return f"; NumPy kernels ({why})"
+    return "; " + _blas.cpu_kernels()
 
 
 def _cmd_check(args) -> int:
