@@ -865,3 +865,16 @@ def test_a_tokenizer_asked_against_the_datas_or_the_sources_is_refused(workdir, 
     meta["train_config"]["tokenizer"] = "char"
     save_checkpoint(Path("old/ckpt"), tensors, meta)
     assert main(["train", "--out", "old", "--resume", "--max-steps", "2", "--no-progress"]) == 0
+
+
+@pytest.mark.parametrize("where", ["evaluate_full", "sample"])
+def test_a_failed_final_eval_or_sample_keeps_the_steps_trained(workdir, monkeypatch, where):
+    """The final evaluation and sample ran before the final save: an error there (the GPU out
+    of memory, say) lost every step since the last checkpoint. Now they are saved first."""
+    def boom(self, *a, **kw):
+        raise OutOfMemoryError("out of device memory in the final " + where)
+    monkeypatch.setattr(Trainer, where, boom)
+    t = Trainer(_cfg("r", max_steps=5, checkpoint_interval=2, sample_interval=5), log=None)
+    with pytest.raises(OutOfMemoryError, match="final " + where):
+        t.train()
+    assert load_checkpoint(Path("r/ckpt"))[1]["step"] == 5

@@ -1283,10 +1283,17 @@ class Trainer:
                     self.save()
             if self._stop is None:
                 self._close_bar()
-                if self.step > first or self.val_loss is None or self.val_kind not in FINAL_VAL_KINDS:
-                    self._eval_and_log(full=True)
-                if cfg.sample_interval and self.step > first:
-                    self._sample_and_show()
+                try:
+                    if self.step > first or self.val_loss is None or self.val_kind not in FINAL_VAL_KINDS:
+                        self._eval_and_log(full=True)
+                    if cfg.sample_interval and self.step > first:
+                        self._sample_and_show()
+                except Exception:
+                    # the final evaluation or sample failed (out of memory, say): the steps
+                    # trained since the last checkpoint are saved before the error goes up
+                    if self.step != self.last_ckpt_step:
+                        self.save()
+                    raise
         except KeyboardInterrupt:
             # a step given up (a second signal), or an interrupt without our handler
             self._close_bar()
