@@ -9,7 +9,7 @@ import pytest
 
 from forge_ml.cli import main
 
-SUBCOMMANDS = ["train", "sample", "eval", "prepare", "convert", "bench"]
+SUBCOMMANDS = ["train", "sample", "eval", "prepare", "convert", "bench", "serve", "check"]
 TEXT = ("to be or not to be that is the question\n" * 120)
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
         "--eval-iters", "2", "--eval-interval", "0", "--sample-interval", "0", "--no-progress"]
@@ -50,6 +50,8 @@ def test_every_subcommand_has_help_with_an_example(cmd, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: forge-ml {cmd}")
     assert "example" in out and f"forge-ml {cmd}" in out.split("example", 1)[1]
+    text = out.split("\nexample", 1)[0]          # usage, description and options: filled to 100
+    assert max(map(len, text.splitlines())) <= 100, text
 
 
 def test_top_level_help_and_no_argument(capsys):

@@ -32,9 +32,10 @@ EPILOG = """examples:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``serve`` to ``subparsers`` (from ``ArgumentParser.add_subparsers``); returns it."""
+    from ..cli import _fmt   # the other subcommands' layout: the description filled, examples as written
     p = subparsers.add_parser(
         "serve", help="serve a checkpoint over HTTP with OpenAI's completions API",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_fmt(),
         description="Serve a forge-ml checkpoint, a run folder, or a Hugging Face GPT-2 folder "
                     "over HTTP, compatible with OpenAI's API (GET /v1/models[/MODEL], GET /health, POST "
                     "/v1/completions, streaming by server-sent events). Concurrent requests "
