@@ -1,4 +1,4 @@
-"""The ``forge-ml`` command: train | sample | eval | prepare | convert | bench.
+"""The ``forge-ml`` command: train | sample | eval | prepare | convert | bench | serve | check.
 
 ``forge-ml train`` with no argument trains a small character-level GPT for a few minutes on
 the CPU, on the Python standard library's own source, printing samples as it learns and
@@ -39,8 +39,9 @@ _TRAIN_HELP = {
     "data": "text file to train on (prepared into OUT/data), a folder from `forge-ml prepare`, or a folder "
             "of llm.c token shards (its sorted *train*.bin and *val*.bin; GPT-2 ids unless a tokenizer.json "
             "is beside them); default: the Python standard library's source",
-    "tokenizer": "tokenizer for a text file: char or gpt2 (default: char; a data folder's tokenizer.json, "
-                 "else GPT-2 for llm.c shards, where char is refused)",
+    "tokenizer": "tokenizer for a text file: char or gpt2 (default: the --init-from source's; a data "
+                 "folder's own: its tokenizer.json, else GPT-2 for llm.c shards, where char is refused; "
+                 "else char)",
     "model": "a preset: nano-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl",
     "n_layer": "transformer blocks (default: the preset's, else 4)",
     "n_head": "attention heads (default: the preset's, else 4)",

@@ -136,8 +136,8 @@ class TrainConfig:
     # *val*.bin; GPT-2 token ids unless a tokenizer.json is beside them), or "" for
     # data.default_corpus() (the standard library's source)
     data: str = ""
-    # how a text file is tokenized: "char" or "gpt2"; None: char for a text, and a folder's own
-    # (its tokenizer.json, else GPT-2 for llm.c shards). The run records the one it used.
+    # how a text file is tokenized: "char" or "gpt2"; None: the init_from source's, a folder's own
+    # (its tokenizer.json, else GPT-2 for llm.c shards), else char. The run records the one it used.
     tokenizer: Optional[str] = None
     val_fraction: float = 0.1
     corpus_bytes: int = 3_000_000    # size of the default corpus
