@@ -5,9 +5,9 @@ products where it found NumPy's OpenBLAS (OpenBLAS then keeps one thread); witho
 kernels it is OpenBLAS's own pool.
 
 Why a tuner. Idle threads spin for a while, waiting for the next job. A pool as large as the
-machine is the fastest on a quiet machine (a 2-core VM: 45 ms a nanoGPT CPU step with 2
-threads, 62 ms with 1) and collapses beside one busy process (222 ms with 2 threads, 75 ms
-with 1). So
+machine is the fastest on a quiet machine (a 2-core VM, 2026-12-03, before the kernels' own
+pool: 45 ms a nanoGPT CPU step with 2 threads, 62 ms with 1) and collapses beside one busy
+process (222 ms with 2 threads, 75 ms with 1). So
 ``forge-ml train`` starts with half the cores (``limit_default``) and, on the CPU, lets a
 ``ThreadTuner`` try both counts on the training steps themselves: it keeps the faster and
 tries again when the step time jumps or every few hundred steps. No result depends on the

@@ -3,7 +3,7 @@
 Pure NumPy, json and safetensors: importing this module never imports torch or transformers.
 
 Names: forge-ml's parameter names are HF's ``GPT2LMHeadModel`` names without the
-``transformer.`` prefix (notes/API.md). HF's ``Conv1D`` (transformers/pytorch_utils.py) keeps
+``transformer.`` prefix. HF's ``Conv1D`` (transformers/pytorch_utils.py) keeps
 its weight as ``(nx, nf)`` = (in, out) and computes ``addmm(bias, x, weight)``, i.e.
 ``x @ W + b``, which is exactly forge-ml's Linear layout, so c_attn, c_proj and c_fc weights
 cross over without a transpose.

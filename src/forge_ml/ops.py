@@ -1,8 +1,9 @@
 """The op set: one public function per op. Each checks shapes, dtypes and devices, says
 what it expected and what it got, then dispatches to the backend of its inputs' device.
 
-Semantics are DESIGN.md's op contract; ``forge_ml.backends`` lists the kernel behind each
-op. Shapes: ``T`` tokens, ``C`` channels, ``H`` heads, ``hs = C / H``, optional leading
+Each op's docstring is its contract, and its float64 formula in ``tests/reference.py`` the
+specification every kernel is tested against; ``forge_ml.backends`` lists the kernel behind
+each op. Shapes: ``T`` tokens, ``C`` channels, ``H`` heads, ``hs = C / H``, optional leading
 batch dims.
 
 >>> import numpy as np, forge_ml as fm

@@ -15,7 +15,7 @@ a backend only computes. Arrays are C-contiguous. The four groups:
 - **capabilities**: attributes that code above the backends asks instead of testing a
   device's name (``bf16`` storage, CUDA-graph ``graphs``, ``host_memory``).
 
-The semantics of each op are DESIGN.md's op contract and ``tests/reference.py`` (the float64
+The semantics of each op are its docstring in ``ops.py`` and ``tests/reference.py`` (the float64
 specification); ``tests/backends/`` runs every op of every available backend against it.
 
 >>> sorted(set(CORE) & set(FUSED))

@@ -1,7 +1,8 @@
 """Sampling from a GPT-2: a streaming generator over one prompt or a batch of prompts.
 
-``generate`` yields tokens as they are produced. For one prompt (a list of ints) it yields
-ints. For a batch (a list of lists, lengths may differ) it yields, once per decoding step,
+``generate`` yields tokens as they are produced. For one prompt (a list of ints, or a 1-d
+integer Tensor) it yields ints. For a batch (a list of lists, lengths may differ, or a 2-d
+integer Tensor) it yields, once per decoding step,
 a list of ``TokenEvent``\\ s: one for every row that produced a token in that step. A row that
 has finished yields nothing more; the generator ends when every row has finished.
 
