@@ -1,4 +1,5 @@
 """The forge-ml command line, end to end in a temporary folder, through ``main([...])``."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -7,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from forge_ml.cli import main
+from forge_ml.cli import build_parser, main
 
 SUBCOMMANDS = ["train", "sample", "eval", "prepare", "convert", "bench", "serve", "check"]
 TEXT = ("to be or not to be that is the question\n" * 120)
@@ -52,6 +53,14 @@ def test_every_subcommand_has_help_with_an_example(cmd, capsys):
     assert "example" in out and f"forge-ml {cmd}" in out.split("example", 1)[1]
     text = out.split("\nexample", 1)[0]          # usage, description and options: filled to 100
     assert max(map(len, text.splitlines())) <= 100, text
+
+
+def test_every_train_flag_says_its_default():
+    from forge_ml.train import TrainConfig
+    helps = {a.dest: a.help for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}
+    for f in dataclasses.fields(TrainConfig):
+        assert "default" in helps[f.name] and "default:" in helps[f.name], (f.name, helps[f.name])
+    assert "(default: 3000000)" in helps["corpus_bytes"]
 
 
 def test_top_level_help_and_no_argument(capsys):

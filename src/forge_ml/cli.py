@@ -58,7 +58,8 @@ _TRAIN_HELP = {
                  "Hugging Face GPT-2 folder: its weights, architecture and tokenizer (default: none)",
     "weight_decay": "AdamW weight decay (2-D weights only)",
     "beta1": "AdamW beta1", "beta2": "AdamW beta2",
-    "eval_iters": "val batches of the periodic estimate (the final evaluation covers the whole val shard)",
+    "eval_iters": "val batches of the periodic estimate (the final evaluation covers every window, up to "
+                  "--final-eval-windows)",
     "final_eval_windows": "the final evaluation covers every window of the val shards up to this many, "
                           "else the first this many (val_kind capped in log.jsonl); 0: every window "
                           "(default: 10000)",
@@ -160,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         ftype = f.type if isinstance(f.type, str) else f.type.__name__
         ftype = ftype[len("Optional["):-1] if ftype.startswith("Optional[") else ftype
         hlp = _TRAIN_HELP.get(f.name, "")
-        if "default" not in hlp:
+        if "default:" not in hlp:
             hlp += f" (default: {f.default!r})"
         if ftype == "bool":
             t.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=hlp)
