@@ -42,7 +42,7 @@ _TRAIN_HELP = {
     "tokenizer": "tokenizer for a text file: char or gpt2 (default: the --init-from source's; a data "
                  "folder's own: its tokenizer.json, else GPT-2 for llm.c shards, where char is refused; "
                  "else char)",
-    "model": "a preset: nano-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl",
+    "model": "a preset: nano-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl (default: none; the sizes below)",
     "n_layer": "transformer blocks (default: the preset's, else 4)",
     "n_head": "attention heads (default: the preset's, else 4)",
     "n_embd": "channels (default: the preset's, else 128)",
