@@ -136,3 +136,21 @@ def test_the_trainer_says_the_thread_count_in_use(tmp_path, monkeypatch, capsys)
     out = capsys.readouterr().out
     n = blas.get_threads()
     assert f"({n} BLAS thread{'s' if n != 1 else ''}; OMP_NUM_THREADS=1000)" in out, out
+
+
+@pytest.mark.skipif(blas.cores() < 2 or blas.get_threads() is None,
+                    reason="needs 2 cores and NumPy's OpenBLAS")
+def test_a_users_count_is_applied_even_from_mkl_num_threads(monkeypatch):
+    """MKL_NUM_THREADS=1 alone turned the tuner off but NumPy's OpenBLAS does not read it, so
+    the run took every core untuned; a count the user set is now applied as it is."""
+    before = blas.get_threads()
+    try:
+        blas.set_threads(2)
+        for v in blas.THREAD_VARS:
+            monkeypatch.delenv(v, raising=False)
+        monkeypatch.setenv("MKL_NUM_THREADS", "1")
+        monkeypatch.setattr(blas, "_chosen_here", False)
+        assert blas.limit_default() is None and not blas.tunable()
+        assert blas.get_threads() == 1
+    finally:
+        blas.set_threads(before)

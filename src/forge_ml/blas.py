@@ -159,9 +159,13 @@ def limit_default() -> Optional[int]:
     """Set this process's BLAS threads to ``default_threads()`` unless the user set one of
     ``THREAD_VARS``; returns the count set, or None. The variables are set for libraries not
     yet loaded (and child processes); NumPy's OpenBLAS, loaded with the package, is told
-    through ``set_threads``. Afterwards ``tunable()`` is true where a tuner can change it."""
+    through ``set_threads``. Afterwards ``tunable()`` is true where a tuner can change it.
+    A count the user set is applied as it is (``MKL_NUM_THREADS`` alone too, which NumPy's
+    OpenBLAS does not read), and no tuner runs."""
     global _chosen_here
-    if user_threads() is not None:
+    asked = user_threads()
+    if asked is not None:
+        set_threads(int(asked[1].split(",")[0]))
         return None
     n = default_threads()
     for v in THREAD_VARS:
