@@ -355,3 +355,10 @@ def test_prepare_refuses_to_replace_shards_without_force(workdir, capsys):
     assert (workdir / "run" / "data" / "train.bin").read_bytes() == before
     assert main(["prepare", "other.txt", "--out", "run/data", "--force"]) == 0
     assert (workdir / "run" / "data" / "train.bin").read_bytes() != before
+
+
+def test_val_fraction_with_a_data_folder_is_refused(trained, capsys):
+    """--val-fraction was silently ignored for a folder (its shards are split already)."""
+    _fails(capsys, ["train", "--data", "data", "--out", "r2", "--val-fraction", "0.3", *TINY],
+           "--val-fraction splits a text file", "data")
+    assert not (trained / "r2").exists()

@@ -378,6 +378,9 @@ def _cmd_train(args) -> int:
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     explicit = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    if "val_fraction" in explicit and explicit.get("data") and Path(explicit["data"]).is_dir():
+        raise ConfigError(f"--val-fraction splits a text file; the data folder {explicit['data']} holds its "
+                          f"train and val shards already (drop --val-fraction, or give the text file)")
     values: dict = {}
     out_dir = explicit.get("out_dir", TrainConfig.out_dir)
     meta = None
