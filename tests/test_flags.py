@@ -92,3 +92,23 @@ def test_cache_dir_expands_a_leading_tilde(monkeypatch, tmp_path):
         assert flags.cache_root("cpu") == tmp_path / "home" / "kernels" / "cpu"
     with flags.override(FORGE_CACHE_DIR="rel"):
         assert flags.cache_root("cpu") == tmp_path / "rel" / "cpu"
+
+
+def test_a_misspelled_switch_is_named_once_and_other_tools_names_are_left_alone(monkeypatch, capsys):
+    """FORGE_CUDA_GRAPHS=off (a typo of FORGE_CUDA_GRAPH) changed nothing, silently."""
+    import warnings
+
+    from forge_ml.cli import main
+    monkeypatch.setattr(flags, "_reported", set())
+    monkeypatch.setenv("FORGE_CUDA_GRAPHS", "off")
+    monkeypatch.setenv("FORGE_EMAIL", "me@example.com")      # another tool's variable
+    assert main(["bench", "--list"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("FORGE_CUDA_GRAPHS is not a forge-ml switch") == 1 and "FORGE_CUDA_GRAPH?" in err
+    assert "FORGE_EMAIL" not in err
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flags.check_environment()          # said once already: no second warning
+    monkeypatch.setattr(flags, "_reported", set())
+    with pytest.warns(RuntimeWarning, match="did you mean FORGE_CUDA_GRAPH"):
+        flags.check_environment()          # a library user (a Trainer) is told through warnings

@@ -875,7 +875,10 @@ def main(argv=None) -> int:
         parser.print_help()
         return 0
     try:
-        flags.check_environment()   # a bad FORGE_* value fails before any work, not midway
+        flags.check_environment(warn=False)   # a bad FORGE_* value fails before any work, not midway
+        for name, near in flags.unreported_misspellings():
+            print(f"{PROG}: warning: {name} is not a forge-ml switch and is ignored; did you mean {near}?",
+                  file=sys.stderr)
         _blas.limit_default()
         return _COMMANDS[args.cmd](args)
     except TrainingError as e:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -145,15 +146,57 @@ def get(name: str) -> str:
     return v
 
 
-def check_environment() -> None:
+def check_environment(warn: bool = True) -> None:
     """Read and check every switch now: a value outside a switch's list is a ConfigError before
     any work starts, not when (or whether) a code path first asks for it. ``forge-ml`` calls
     it before running a command, a Trainer when it is made.
+
+    A ``FORGE_*`` variable that is not a switch but nearly names one (``FORGE_CUDA_GRAPHS``)
+    gets a RuntimeWarning naming the switch: a typo would otherwise change nothing, silently.
+    Other ``FORGE_*`` names (another tool's) are left alone. ``warn=False``: no warning (the
+    command line prints its own line from ``misspelled()``).
 
     >>> check_environment()
     """
     for name in SWITCHES:
         get(name)
+    for name, near in unreported_misspellings() if warn else ():
+        warnings.warn(f"{name} is not a forge-ml switch and is ignored; did you mean {near}?",
+                      RuntimeWarning, stacklevel=2)
+
+
+def unreported_misspellings() -> list:
+    """``misspelled()``'s pairs not yet reported in this process, marked reported: each typo
+    is said once, by the command line or by the first Trainer."""
+    with _lock:
+        new = [(n, near) for n, near in misspelled() if n not in _reported]
+        _reported.update(n for n, _ in new)
+    return new
+
+
+_reported: set = set()
+
+
+def misspelled(environ=None) -> list:
+    """``(variable, switch)`` for each ``FORGE_*`` variable set that is no switch but close to
+    one (difflib's ratio >= 0.85).
+
+    >>> misspelled({"FORGE_CUDA_GRAPHS": "off", "FORGE_EMAIL": "a@b", "FORGE_PDL": "on"})
+    [('FORGE_CUDA_GRAPHS', 'FORGE_CUDA_GRAPH')]
+    """
+    import difflib
+    environ = os.environ if environ is None else environ
+    known = set(SWITCHES) | _OTHER_NAMES
+    out = []
+    for name in sorted(environ):
+        if name.startswith("FORGE_") and name not in known:
+            near = difflib.get_close_matches(name, sorted(SWITCHES), n=1, cutoff=0.85)
+            if near:
+                out.append((name, near[0]))
+    return out
+
+
+_OTHER_NAMES = frozenset({"FORGE_NVRTC"})   # read by scripts/nvrtc_check.py, not a switch
 
 
 def on(name: str) -> bool:
