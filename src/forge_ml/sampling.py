@@ -54,10 +54,11 @@ def sample_row(z, knobs, key, position, seen=None) -> int:
             z[s] = np.where(z[s] > 0, z[s] / pen, z[s] * pen).astype(np.float32)
     with np.errstate(over="ignore", divide="ignore"):
         inv_t = np.float32(1) / temp if temp > 0 else np.float32(0)
-    if not temp > 0 or np.isnan(z).any() or not (np.isfinite(inv_t) and np.isfinite(z.max())):
+    m = z.max()                     # NaN when any logit is NaN
+    if not (temp > 0 and np.isfinite(inv_t) and np.isfinite(m)):
         return int(np.argmax(z))
     with np.errstate(under="ignore", over="ignore"):   # -inf: weight 0, as on the GPU
-        w = (np.exp((z - z.max()) * inv_t) * np.float32(_W_ONE)).astype(np.uint32)
+        w = (np.exp((z - m) * inv_t) * np.float32(_W_ONE)).astype(np.uint32)
     return choose_from_weights(w, knobs, key, position)
 
 
