@@ -401,6 +401,59 @@ def test_layernorm_takes_in_the_gradient_its_input_already_has(monkeypatch):
     np.testing.assert_allclose(dx, ln_dx + gelu_dx, rtol=1e-12, atol=1e-12)
 
 
+def _bias_sums_case(first_use_is_layernorm):
+    """A linear layer with a residual (``matmul_add``) whose output a layernorm reads, and a
+    gelu of that output recorded before the layernorm (``first_use_is_layernorm`` False) or
+    after it. Returns the gradients of every leaf for a random cotangent, and the ``dy_sums``
+    each ``weight_grads`` call was handed."""
+    import forge_ml.ops as fops
+    rs = np.random.default_rng(5)
+    a, w, bias, res = (T(rs.standard_normal(s)) for s in ((6, 4), (4, 8), (8,), (6, 8)))
+    g, b = T(rs.standard_normal(8)), T(rs.standard_normal(8))
+    cot = T(rs.standard_normal((6, 8)))
+    t = Tape()
+    leaves = [t.leaf(v) for v in (a, w, bias, res, g, b)]
+    av, wv, biasv, resv, gv, bv = leaves
+    y = t.matmul_add(av, wv, biasv, resv)
+    if first_use_is_layernorm:
+        h = t.layernorm(y, gv, bv)
+        out = t.add(h, t.gelu(y))
+    else:
+        z = t.gelu(y)
+        out = t.add(t.layernorm(y, gv, bv), z)
+    handed = []
+    real = fops.weight_grads
+
+    def spy(x, dy, alpha=1.0, dy_sums=None):
+        handed.append(dy_sums)
+        return real(x, dy, alpha, dy_sums=dy_sums)
+    fops.weight_grads = spy
+    try:
+        grads = t.backward(out, cot)
+    finally:
+        fops.weight_grads = real
+    return [grads[v.id].numpy() for v in leaves], handed
+
+
+@pytest.mark.parametrize("first_use_is_layernorm", [True, False])
+def test_a_layernorm_sums_the_bias_gradient_of_the_layer_before_it(first_use_is_layernorm):
+    """The layernorm backward that writes a linear layer's whole output gradient also sums it
+    over rows, and the sweep hands that sum to the layer as its bias gradient; where another
+    use's gradient is added after the layernorm's (a use recorded before it), the layer sums
+    its own. Every gradient equals the switch-off tape's (the layer summing dy itself) and the
+    bias gradient equals the row sums of the output's whole gradient, float64 by hand."""
+    from forge_ml import flags
+    got, handed = _bias_sums_case(first_use_is_layernorm)
+    with flags.override(FORGE_BIAS_SUMS="off"):
+        want, handed_off = _bias_sums_case(first_use_is_layernorm)
+    assert handed_off == [None]
+    assert (handed[0] is not None) == first_use_is_layernorm
+    for gv, wv in zip(got, want):
+        np.testing.assert_allclose(gv, wv, rtol=1e-12, atol=1e-12)
+    # the bias gradient is the row sums of y's gradient; y's gradient is the residual's
+    np.testing.assert_allclose(got[2], got[3].sum(axis=0), rtol=1e-12, atol=1e-12)
+
+
 def test_matmul_gelu_without_grad_equals_gelu_of_the_product():
     """On a tape that keeps nothing, matmul_gelu takes the inference op (no GELU input
     written) and gives the same values as gelu(matmul)."""

@@ -62,8 +62,10 @@ def test_capabilities_and_contract():
     from forge_ml.backends import load
     bk = load("cpu")
     assert all(callable(getattr(bk, n)) for n in contract.FUSED)
-    # the sampling rule runs through the host (compose's default is the rule itself)
-    assert bk.composed == ["sample_next"]
+    # the sampling rule runs through the host (compose's default is the rule itself); the
+    # layernorm backward with dx's row sums is the backward, then sum_rows (the same two
+    # passes the layer's weight_grads made before: nothing to fuse on the host)
+    assert bk.composed == ["layernorm_bwd_sums", "sample_next"]
     assert cpu.synchronize() is None
 
 

@@ -466,6 +466,30 @@ def test_layernorm_bwd_add_kernel(be, rs, rows, cols):
 
 
 @cuda
+@pytest.mark.parametrize("rows,cols,with_add", [(5000, 768, True), (2999, 1600, True),
+                                                (3001, 200, False), (300, 2048, False)])
+def test_layernorm_bwd_sums_kernel(be, rs, rows, cols, with_add):
+    """layernorm.cu's _sums kernels (the backend's layernorm_bwd_sums): dx (+ add) and the
+    parameters' gradients as the kernels without sums give them, bit for bit, and dx's row
+    sums: against float64, and against sum_rows of the dx the kernel wrote (the sums are of
+    the rounded values the linear layer's backward reads) within one bf16 rounding."""
+    eps = 1e-5
+    x = values(rs, (rows, cols), "bfloat16", scale=3.0) + 0.5
+    g = values(rs, (cols,), "bfloat16") + 1.0
+    dy, add = values(rs, (rows, cols), "bfloat16"), values(rs, (rows, cols), "bfloat16")
+    args = (dev(be, x, "bfloat16"), dev(be, g, "bfloat16"), dev(be, dy, "bfloat16"), eps)
+    a = dev(be, add, "bfloat16") if with_add else None
+    got = be.layernorm_bwd_sums(*args, a)
+    plain = be.layernorm_bwd_add(*args, a) if with_add else be.layernorm_bwd(*args)
+    for name, u, v in zip(("dx", "dgamma", "dbeta"), got, plain):
+        assert np.array_equal(host(be, u), host(be, v)), f"{name} differs from the kernel without sums"
+    want_dx = reference.layernorm_bwd(x, g, dy, eps)[0] + (add if with_add else 0.0)
+    check("layernorm_bwd_sums sums", host(be, got[3]), reference.sum_rows(want_dx), TOL["bfloat16"])
+    written = host(be, be.sum_rows(got[0]))
+    np.testing.assert_allclose(host(be, got[3]), written, rtol=1e-2, atol=1e-2 * np.abs(written).max())
+
+
+@cuda
 def test_layernorm_bf16_rows_off_a_16_byte_boundary(be, rs):
     """bf16 rows that start 2 bytes into a buffer (a view, C-contiguous) cannot take the 16-byte
     vector kernels: the warp-per-row kernels give the float64 reference's values."""

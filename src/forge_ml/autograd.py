@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
-from . import ops
+from . import flags, ops
 from .errors import ShapeError, TapeError
 from .tensor import Tensor, ones_like, zeros
 
@@ -76,12 +76,13 @@ def _saved_seed(seed, what: str) -> Optional[_Saved]:
     return _Saved(seed.base, what) if isinstance(seed, ops.SeedAt) else None
 
 
-def _layer_grads(ia, ib, ibias, a: Tensor, b: Tensor, dy: Tensor, alpha: float = 1.0) -> list:
+def _layer_grads(ia, ib, ibias, a: Tensor, b: Tensor, dy: Tensor, alpha: float = 1.0,
+                 sums: Optional[Tensor] = None) -> list:
     """The gradients of a linear layer ``Y = alpha a @ b + bias`` (2-D ``a``): ``dA = alpha dY
     b^T`` to node ``ia``, and ``dB = alpha a^T dY`` with ``sum_rows(dY)`` from one
-    ``ops.weight_grads`` to ``ib`` and ``ibias``."""
+    ``ops.weight_grads`` to ``ib`` and ``ibias`` (``sums``: that sum, made already)."""
     da = ops.matmul(dy, b, trans_b=True, alpha=alpha)
-    db, dbias = ops.weight_grads(a, dy, alpha)
+    db, dbias = ops.weight_grads(a, dy, alpha, dy_sums=sums)
     return [(ia, da), (ib, db), (ibias, dbias)]
 
 
@@ -110,6 +111,10 @@ class Tape:
         self.records = bool(grad)
         self._unit_seed = []  # [backward's default seed (ones)], for rules that skip a "* 1"
         self._into: dict[int, int] = {}   # node -> the parent whose gradient its rule takes in
+        # nodes whose rule takes ``sums=`` (sum_rows of its dy where a layernorm backward made
+        # it: _record's ``sums``), and node -> (that dy, its sums) once the layernorm has run
+        self._sums_to: set[int] = set()
+        self._sums: dict[int, tuple] = {}
 
     def __len__(self):
         return len(self._nodes)
@@ -128,15 +133,22 @@ class Tape:
         self._nodes.append(None)
         return TVar(len(self._nodes) - 1, t, self._key)
 
-    def _record(self, t: Tensor, f: BackwardFn, into: Optional[int] = None) -> TVar:
+    def _record(self, t: Tensor, f: BackwardFn, into: Optional[int] = None,
+                sums: bool = False) -> TVar:
         """A new node with backward rule ``f``. ``into``: the id of a parent whose gradient so
         far (from the uses of it swept before this node; None if none) the sweep hands to
         ``f(dy, acc)``, which returns that parent's gradient with ``acc`` already added (a
-        kernel that adds it in its last pass, instead of an ``add`` after it)."""
+        kernel that adds it in its last pass, instead of an ``add`` after it). ``sums``: the
+        rule is ``f(dy, sums=s)``, ``s`` None or ``sum_rows(dy)`` already made by the
+        layernorm backward that wrote dy (a linear layer's bias gradient; see
+        ``layernorm``)."""
         self._nodes.append(f if self.records else None)
+        node = len(self._nodes) - 1
         if into is not None and self.records:
-            self._into[len(self._nodes) - 1] = into
-        return TVar(len(self._nodes) - 1, t, self._key)
+            self._into[node] = into
+        if sums and self.records:
+            self._sums_to.add(node)
+        return TVar(node, t, self._key)
 
     def _check(self, *vs):
         """Every operand is a TVar that this tape recorded. A TVar of another tape would name
@@ -231,8 +243,8 @@ class Tape:
         out = ops.linear(a.t, b.t, bias.t, residual=residual.t)
         ia, ib, ibias, ir = a.id, b.id, bias.id, residual.id
         sa, sb = _Saved(a.t, "matmul_add"), _Saved(b.t, "matmul_add")
-        return self._record(out, lambda dy: _layer_grads(ia, ib, ibias, sa.get(), sb.get(), dy)
-                            + [(ir, dy)])
+        return self._record(out, lambda dy, sums=None: _layer_grads(
+            ia, ib, ibias, sa.get(), sb.get(), dy, sums=sums) + [(ir, dy)], sums=True)
 
     def matmul_gelu(self, a: TVar, b: TVar, bias: TVar) -> TVar:
         """``gelu(a @ b + bias)`` for 2-D ``a``: a linear layer and its GELU as one node
@@ -282,14 +294,14 @@ class Tape:
         sx, swf, swp = _Saved(x.t, "mlp"), _Saved(w_fc.t, "mlp"), _Saved(w_proj.t, "mlp")
         sh, sp = _Saved(h, "mlp"), _Saved(pre, "mlp")
 
-        def backward(dy):
+        def backward(dy, sums=None):
             dpre, dbf = ops.matmul_dgelu(dy, swp.get(), sp.get())
-            dwp, dbp = ops.weight_grads(sh.get(), dy)
+            dwp, dbp = ops.weight_grads(sh.get(), dy, dy_sums=sums)
             dx = ops.matmul(dpre, swf.get(), trans_b=True)
             dwf = ops.matmul(sx.get(), dpre, trans_a=True)
             return [(ix, dx), (iwf, dwf), (ibf, dbf), (iwp, dwp), (ibp, dbp), (ir, dy)]
 
-        return self._record(out, backward)
+        return self._record(out, backward, sums=True)
 
     def gelu(self, x: TVar) -> TVar:
         """GPT-2's tanh GELU.
@@ -319,9 +331,18 @@ class Tape:
         out = ops.layernorm(x.t, gamma.t, beta.t, eps)
         ix, ig, ib = x.id, gamma.id, beta.id
         sx, sg = _Saved(x.t, "layernorm"), _Saved(gamma.t, "layernorm")
+        # x made by a linear layer with a bias (matmul_add, mlp): this backward also sums the
+        # dx it writes over rows, and the sweep hands the sums to that layer's rule when dx
+        # is still x's whole gradient there (nothing added to it in between)
+        sums = ix in self._sums_to and flags.on("FORGE_BIAS_SUMS")
 
         def backward(dy, acc=None):   # acc: x's gradient from its other uses (the residual)
-            dx, dgamma, dbeta = ops.layernorm_bwd(sx.get(), sg.get(), dy, eps, add=acc)
+            if sums:
+                dx, dgamma, dbeta, s = ops.layernorm_bwd(sx.get(), sg.get(), dy, eps, add=acc,
+                                                         sums=True)
+                self._sums[ix] = (dx, s)
+            else:
+                dx, dgamma, dbeta = ops.layernorm_bwd(sx.get(), sg.get(), dy, eps, add=acc)
             return [(ix, dx), (ig, dgamma), (ib, dbeta)]
 
         return self._record(out, backward, into=ix)
@@ -617,14 +638,22 @@ class Tape:
             self._nodes[i] = None
             dy, grads[i] = grads[i], None
             into = self._into.pop(i, None)
+            kw = {}
+            if i in self._sums_to:   # dy's row sums, if a layernorm wrote dy as it is now
+                made = self._sums.pop(i, None)
+                kw["sums"] = made[1] if made is not None and made[0] is dy else None
             if into is None:
-                out = f(dy)
+                out = f(dy, **kw)
             else:   # the rule adds the parent's gradient so far in its own kernel
-                out = f(dy, grads[into])
+                out = f(dy, grads[into], **kw)
                 grads[into] = None
             for pid, g in out:
                 acc = grads[pid]
-                grads[pid] = g if acc is None else ops.add(acc, g)
+                if acc is None:
+                    grads[pid] = g
+                else:
+                    grads[pid] = ops.add(acc, g)
+                    self._sums.pop(pid, None)   # sums of the old gradient: no longer its own (frees it)
         # nodes above root were never reached; drop their closures too
         for i in range(root.id + 1, len(self._nodes)):
             self._nodes[i] = None

@@ -77,17 +77,17 @@ class CheckingTape(Tape):
                               f"(a previous update or the loaded weights put them there)")
         return v
 
-    def _record(self, t, f, into=None):
+    def _record(self, t, f, into=None, sums=False):
         node = len(self._nodes)
 
-        def checked(dy, *acc):
+        def checked(dy, *acc, **kw):
             if self.found is None:
                 bad = _bad_values(dy)
                 if bad:
                     op, where, _ = self._info.get(node, ("an op", "the model", []))
                     self.found = (f"backward: the gradient reaching {op}'s output in {where} held {bad} "
                                   f"(gradients of two uses of one tensor overflowed when added)")
-            grads = f(dy, *acc)
+            grads = f(dy, *acc, **kw)
             if self.found is None:
                 op, where, params = self._info.get(node, ("an op", "the model", []))
                 for pid, g in grads:
@@ -101,7 +101,7 @@ class CheckingTape(Tape):
                         break
             return grads
 
-        return super()._record(t, checked, into)
+        return super()._record(t, checked, into, sums)
 
 
 def _checked_op(op: str):

@@ -230,10 +230,12 @@ def matmul_dgelu(dy, w, pre) -> Tuple[Tensor, Tensor]:
     return _wrap(dy, dpre), _wrap(dy, db)
 
 
-def weight_grads(x, dy, alpha=1.0) -> Tuple[Tensor, Tensor]:
+def weight_grads(x, dy, alpha=1.0, dy_sums=None) -> Tuple[Tensor, Tensor]:
     """A linear layer's weight and bias gradients: ``(alpha x^T dy, sum_rows(dy))`` for
     ``x (M, K)`` and ``dy (M, N)``. On the GPU one cuBLASLt product also sums dy's rows
-    (``BGRADA``: dy is read once); elsewhere ``matmul`` and ``sum_rows``.
+    (``BGRADA``: dy is read once); elsewhere ``matmul`` and ``sum_rows``. ``dy_sums``:
+    ``sum_rows(dy)`` already made by the kernel that wrote dy (``layernorm_bwd(...,
+    sums=True)``); then only the product runs, and dy_sums is the bias gradient.
 
     >>> import numpy as np, forge_ml as fm
     >>> x = fm.tensor(np.ones((3, 2), np.float32)); dy = fm.tensor(np.ones((3, 1), np.float32))
@@ -247,6 +249,12 @@ def weight_grads(x, dy, alpha=1.0) -> Tuple[Tensor, Tensor]:
     _rank(op, "x", x, 2, 2), _rank(op, "dy", dy, 2, 2)
     if x.shape[0] != dy.shape[0]:
         raise ShapeError(f"{op}: x is {x.shape} but dy is {dy.shape}; their rows must agree")
+    if dy_sums is not None:
+        _same(op, x=x, dy_sums=dy_sums)
+        if dy_sums.shape != (dy.shape[1],) or dy_sums.dtype != dy.dtype:
+            raise ShapeError(f"{op}: dy_sums must be dy's row sums, {dy.dtype.name} "
+                             f"{(dy.shape[1],)}; got {dy_sums.dtype.name} {dy_sums.shape}")
+        return matmul(x, dy, trans_a=True, alpha=alpha), dy_sums
     dw, db = bk.weight_grads(x.data, dy.data, float(alpha))
     return _wrap(x, dw), _wrap(x, db)
 
@@ -367,11 +375,14 @@ def layernorm(x, gamma, beta, eps=1e-5) -> Tensor:
     return _wrap(x, bk.layernorm(x.data, gamma.data, beta.data, float(eps)))
 
 
-def layernorm_bwd(x, gamma, dy, eps=1e-5, add=None):
+def layernorm_bwd(x, gamma, dy, eps=1e-5, add=None, sums=False):
     """Gradients of ``layernorm``: ``(dx, dgamma, dbeta)``. With ``add`` (x's shape), dx comes
     back as ``add + dx``: the gradient x already has from its other uses (the residual
     stream's, in GPT-2), added in the backward's own last pass rather than by an ``add``
-    after it (the fused op ``layernorm_bwd_add``).
+    after it (the fused op ``layernorm_bwd_add``). With ``sums``, a fourth value:
+    ``sum_rows(dx)`` (of the dx returned), summed as dx is written on the GPU (the fused op
+    ``layernorm_bwd_sums``): the bias gradient of the linear layer whose output x is, when dx
+    is x's whole gradient (the tape hands it to that layer's ``weight_grads``).
 
     >>> import numpy as np, forge_ml as fm
     >>> x = fm.tensor(np.array([[1.0, 2.0, 4.0]], np.float32)); g = fm.tensor(np.ones(3, np.float32))
@@ -380,22 +391,29 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5, add=None):
     >>> dxa, _, _ = fm.ops.layernorm_bwd(x, g, dy, add=fm.tensor(np.ones((1, 3), np.float32)))
     >>> np.allclose(dxa.numpy(), dx.numpy() + 1.0), dgamma.shape
     (True, (3,))
+    >>> fm.ops.layernorm_bwd(x, g, dy, add=fm.tensor(np.ones((1, 3), np.float32)), sums=True)[3].shape
+    (3,)
     """
     _ln_check("layernorm_bwd", x, gamma)
     _float("layernorm_bwd", "dy", dy)
     bk = _same("layernorm_bwd", x=x, gamma=gamma, dy=dy, add=add)
     _shape_eq("layernorm_bwd", "x", x, "dy", dy)
+    if add is not None:
+        _float("layernorm_bwd", "add", add)
+        _shape_eq("layernorm_bwd", "x", x, "add", add)
     if x.numel == 0:
-        if add is not None:
-            _float("layernorm_bwd", "add", add)
-            _shape_eq("layernorm_bwd", "x", x, "add", add)
         c = x.shape[-1:]
-        return _empty(x, x.shape), _empty(x, c), _empty(x, c)
+        out = (_empty(x, x.shape), _empty(x, c), _empty(x, c))
+        if sums:   # no rows: the sums are zeros (sum_rows' rule); no columns: empty
+            out += (sum_rows(out[0].reshape(-1, c[0])) if c[0] else _empty(x, c),)
+        return out
+    if sums:
+        dx, dg, db, ds = bk.layernorm_bwd_sums(x.data, gamma.data, dy.data, float(eps),
+                                               None if add is None else add.data)
+        return _wrap(x, dx), _wrap(x, dg), _wrap(x, db), _wrap(x, ds)
     if add is None:
         dx, dg, db = bk.layernorm_bwd(x.data, gamma.data, dy.data, float(eps))
     else:
-        _float("layernorm_bwd", "add", add)
-        _shape_eq("layernorm_bwd", "x", x, "add", add)
         dx, dg, db = bk.layernorm_bwd_add(x.data, gamma.data, dy.data, float(eps), add.data)
     return _wrap(x, dx), _wrap(x, dg), _wrap(x, db)
 

@@ -162,6 +162,21 @@ def test_layernorm_bwd_add(bk, dt, rs):
         close(host(bk, got[2]), want[2], dt, f"layernorm_bwd_add dbeta ({how})")
 
 
+@pytest.mark.parametrize("with_add", [False, True])
+def test_layernorm_bwd_sums(bk, dt, rs, with_add):
+    """dx (+ add) and the parameters' gradients as layernorm_bwd(_add)'s, and the row sums of
+    the dx returned (the bias gradient of the layer before the layernorm)."""
+    x, g, dy, add = r(rs, 4, 3, 16, dt=dt), r(rs, 16, dt=dt), r(rs, 4, 3, 16, dt=dt), r(rs, 4, 3, 16, dt=dt)
+    want = ref.layernorm_bwd(x, g, dy, 1e-5)
+    want_dx = want[0] + (add if with_add else 0.0)
+    for how, fn in both(bk, "layernorm_bwd_sums"):
+        got = fn(dev(bk, x), dev(bk, g), dev(bk, dy), 1e-5, dev(bk, add) if with_add else None)
+        close(host(bk, got[0]), want_dx, dt, f"layernorm_bwd_sums dx ({how})")
+        close(host(bk, got[1]), want[1], dt, f"layernorm_bwd_sums dgamma ({how})")
+        close(host(bk, got[2]), want[2], dt, f"layernorm_bwd_sums dbeta ({how})")
+        close(host(bk, got[3]), ref.sum_rows(want_dx), dt, f"layernorm_bwd_sums sums ({how})")
+
+
 @pytest.mark.parametrize("causal,off", [(False, 0), (True, 0), (True, 3)])
 def test_softmax_and_logsumexp(bk, dt, rs, causal, off):
     x, dy = r(rs, 2, 5, 8, dt=dt, scale=3.0), r(rs, 2, 5, 8, dt=dt)

@@ -47,6 +47,16 @@ def layernorm_bwd_add(bk, x, gamma, dy, eps, add):
     return bk.add(add, dx), dgamma, dbeta
 
 
+def layernorm_bwd_sums(bk, x, gamma, dy, eps, add):
+    """``(dx, dgamma, dbeta, sum_rows(dx))``: ``layernorm_bwd`` (``layernorm_bwd_add`` where
+    ``add`` is not None), then ``sum_rows`` of the dx it gave."""
+    if add is None:
+        dx, dgamma, dbeta = bk.layernorm_bwd(x, gamma, dy, eps)
+    else:
+        dx, dgamma, dbeta = bk.layernorm_bwd_add(x, gamma, dy, eps, add)
+    return dx, dgamma, dbeta, bk.sum_rows(dx)
+
+
 def matmul_dgelu(bk, dy, w, pre):
     """The gradient at GELU's input of ``gelu(pre) @ w`` and its sum over rows: ``dpre =
     gelu_bwd(pre, dy @ w^T)``, ``(dpre, sum_rows(dpre))``."""

@@ -184,6 +184,12 @@ class FusedKernels(Protocol):
         the gradient x already has from its other uses, folded into the kernel's last pass
         (the residual stream's gradient in a pre-LN transformer)."""
 
+    def layernorm_bwd_sums(self, x, gamma, dy, eps: float, add) -> Tuple[Array, Array, Array, Array]:
+        """``(dx, dgamma, dbeta, sum_rows(dx))``, dx with ``add`` added where ``add`` is not
+        None (``layernorm_bwd_add``'s): the backward that writes x's whole gradient also sums
+        it over rows, the bias gradient of the linear layer whose output x is (the GPU sums
+        the dx it writes, as rounded to x's dtype, in the same pass)."""
+
     def matmul_dgelu(self, dy, w, pre) -> Tuple[Array, Array]:
         """``(dpre, sum_rows(dpre))`` with ``dpre = gelu_bwd(pre, dy @ w^T)`` for ``dy (M, N)``,
         ``w (K, N)``, ``pre (M, K)``: the gradient at GELU's input of ``gelu(pre) @ w``, and
@@ -236,7 +242,8 @@ CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "
         "cross_entropy", "cross_entropy_bwd", "adamw_update")
 FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
          "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear", "matmul_gelu",
-         "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "linear_cross_entropy", "scale",
+         "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "layernorm_bwd_sums",
+         "linear_cross_entropy", "scale",
          "decode_attention", "greedy_next", "sample_next")
 CAPABILITIES = {"bf16": False, "graphs": False, "host_memory": False}
 """Capability -> the value a backend that does not declare it is taken to have."""

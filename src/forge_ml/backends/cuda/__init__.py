@@ -58,6 +58,7 @@ from .memory import (assign, cast, copy, from_host, pinned_empty, release_cached
 from .pointwise import (adamw_update, adamw_update_at, add, clip_scale, dropout, dropout_at, gelu,
                         gelu_bwd, scale)
 from .rows import (cross_entropy, cross_entropy_bwd, layernorm, layernorm_bwd, layernorm_bwd_add,
+                   layernorm_bwd_sums,
                    logsumexp, softmax, softmax_bwd, sum_rows, sumsq)
 from .runtime import (_pdl_wrote, compile_source, device_name, kernel_source, select,
                       synchronize, use_device)
@@ -78,7 +79,8 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout", "cross_entropy",
     "cross_entropy_bwd", "adamw_update", "attention", "attention_bwd", "attention_qkv",
     "attention_qkv_bwd", "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
-    "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "decode_attention", "greedy_next", "sample_next",
+    "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "layernorm_bwd_sums",
+    "decode_attention", "greedy_next", "sample_next",
     "linear_cross_entropy", "scale",
     "dropout_at", "adamw_update_at", "clip_scale", "decode_gpt2", "decode_gpt2_ok",
     "adamw_update_many_at", "sumsq_total",

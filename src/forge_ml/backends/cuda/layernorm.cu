@@ -205,18 +205,27 @@ __device__ void layernorm_fwd_vec_impl(const bf16* x, const bf16* gamma, const b
 // reads them again for the parameters' gradients. ADD (the _add_ kernels): dx + add is written
 // (the gradient x already has from its other uses, rounded to bf16 once with dx:
 // layernorm_bwd_add); without it the instance is the kernel as it was before ADD existed.
-template <int NV, bool ADD>
+// SUMS (the _sums kernels): a third running sum, of the dx written (as rounded to bf16), to
+// part_o: the bias gradient of the linear layer whose output x is, when this backward writes
+// x's whole gradient (layernorm_bwd_sums: the tape hands it to that layer's backward, so no
+// kernel reads the gradient again for it).
+template <int NV, bool ADD, bool SUMS>
 __device__ void layernorm_bwd_fused_impl(const bf16* x, const bf16* gamma, const bf16* dy,
                                          const bf16* add, bf16* dx, float* part_g,
-                                         float* part_b, long long R, int C, float eps) {
+                                         float* part_b, float* part_o, long long R, int C,
+                                         float eps) {
     __shared__ float sh[LN_WARPS][256];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nv = C >> 3;
     const long long warps = (long long)gridDim.x * LN_WARPS;
-    float acc_g[NV][8], acc_b[NV][8];
+    float acc_g[NV][8], acc_b[NV][8], acc_o[SUMS ? NV : 1][8];
 #pragma unroll
     for (int j = 0; j < NV; ++j)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc_g[j][e] = acc_b[j][e] = 0.f;
+#pragma unroll
+    for (int j = 0; j < (SUMS ? NV : 1); ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc_o[j][e] = 0.f;
     for (long long row = (long long)blockIdx.x * LN_WARPS + warp; row < R; row += warps) {
         uint4 rx[NV], rd[NV];
         ln_load<NV>(x + row * C, nv, rx);
@@ -258,23 +267,31 @@ __device__ void layernorm_bwd_fused_impl(const bf16* x, const bf16* gamma, const
 #pragma unroll
                 for (int e = 0; e < 8; ++e) w[e] = a[e] + w[e];
             }
-            reinterpret_cast<uint4*>(dx + row * C)[v] = pack8_bf16(w);
+            const uint4 packed = pack8_bf16(w);
+            reinterpret_cast<uint4*>(dx + row * C)[v] = packed;
+            if (SUMS) {
+                Vec16<bf16>::widen(packed, w);   // the values written, as the layer reads them
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc_o[SUMS ? j : 0][e] += w[e];
+            }
         }
     }
     // the block's sums, one vector column j at a time: sh[warp][8 lane + e]
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
 #pragma unroll
-        for (int which = 0; which < 2; ++which) {
+        for (int which = 0; which < (SUMS ? 3 : 2); ++which) {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) sh[warp][8 * lane + e] = which ? acc_b[j][e] : acc_g[j][e];
+            for (int e = 0; e < 8; ++e)
+                sh[warp][8 * lane + e] = which == 2 ? acc_o[SUMS ? j : 0][e]
+                                                    : (which ? acc_b[j][e] : acc_g[j][e]);
             __syncthreads();
             const int col = 256 * j + threadIdx.x;   // threadIdx.x < 256 = 8 lanes x 32
             if (col < C) {
                 float t = 0.f;
 #pragma unroll
                 for (int k = 0; k < LN_WARPS; ++k) t += sh[k][threadIdx.x];
-                (which ? part_b : part_g)[(long long)blockIdx.x * C + col] = t;
+                (which == 2 ? part_o : (which ? part_b : part_g))[(long long)blockIdx.x * C + col] = t;
             }
             __syncthreads();
         }
@@ -290,13 +307,30 @@ __device__ void layernorm_bwd_fused_impl(const bf16* x, const bf16* gamma, const
     extern "C" __global__ void __launch_bounds__(32 * LN_WARPS) layernorm_bwd_fused_bf16_##NV( \
         const bf16* x, const bf16* gamma, const bf16* dy, bf16* dx, float* part_g,             \
         float* part_b, long long R, int C, float eps) {                                         \
-        layernorm_bwd_fused_impl<NV, false>(x, gamma, dy, dy, dx, part_g, part_b, R, C, eps);   \
+        layernorm_bwd_fused_impl<NV, false, false>(x, gamma, dy, dy, dx, part_g, part_b, part_b, \
+                                                   R, C, eps);                                  \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * LN_WARPS)                                 \
         layernorm_bwd_fused_add_bf16_##NV(const bf16* x, const bf16* gamma, const bf16* dy,    \
                                           const bf16* add, bf16* dx, float* part_g,            \
                                           float* part_b, long long R, int C, float eps) {      \
-        layernorm_bwd_fused_impl<NV, true>(x, gamma, dy, add, dx, part_g, part_b, R, C, eps);   \
+        layernorm_bwd_fused_impl<NV, true, false>(x, gamma, dy, add, dx, part_g, part_b, part_b, \
+                                                  R, C, eps);                                   \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * LN_WARPS)                                 \
+        layernorm_bwd_fused_sums_bf16_##NV(const bf16* x, const bf16* gamma, const bf16* dy,   \
+                                           bf16* dx, float* part_g, float* part_b,             \
+                                           float* part_o, long long R, int C, float eps) {     \
+        layernorm_bwd_fused_impl<NV, false, true>(x, gamma, dy, dy, dx, part_g, part_b, part_o, \
+                                                  R, C, eps);                                   \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * LN_WARPS)                                 \
+        layernorm_bwd_fused_add_sums_bf16_##NV(const bf16* x, const bf16* gamma,               \
+                                               const bf16* dy, const bf16* add, bf16* dx,      \
+                                               float* part_g, float* part_b, float* part_o,    \
+                                               long long R, int C, float eps) {                \
+        layernorm_bwd_fused_impl<NV, true, true>(x, gamma, dy, add, dx, part_g, part_b, part_o, \
+                                                 R, C, eps);                                    \
     }
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 FORGE_LN_VEC(1)

@@ -33,10 +33,13 @@ __device__ void sum_rows_partial_impl(const T* x, typename Acc<T>::type* part, l
 // colsum_finish: each (32 x 32) block owns 32 columns: thread (tx, ty) adds chunk partials ty,
 // ty + 32, ... of column tx in order, then row ty = 0 adds the 32 sums in order and rounds once.
 // (One thread a column walking every partial left most of the GPU idle: 17 us for 768 columns
-// of 512 partials.)
+// of 512 partials.) blockIdx.y picks one of a stack of jobs, partials (S, C) and output (C,)
+// each, one after the other in part and out (layernorm's parameter gradients in one launch).
 template <typename A, typename T>
 __device__ void colsum_finish_impl(const A* part, T* out, int S, int C) {
     __shared__ A sh[32][33];
+    part += (long long)blockIdx.y * S * C;
+    out += (long long)blockIdx.y * C;
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int col = blockIdx.x * 32 + tx;
     A t = A(0);

@@ -26,8 +26,9 @@ def _chunks(R: int) -> tuple[int, int]:
     return chunk, max(1, -(-R // chunk))
 
 
-def _colsum_finish(part, out, S, C):
-    _launch("reduce", f"colsum_finish_{_float_sfx(out)}", (-(-C // 32),), (32, 32),
+def _colsum_finish(part, out, S, C, jobs=1):
+    """out[j] = the column sums of part[j] (S, C), j < jobs (a stack of them in one launch)."""
+    _launch("reduce", f"colsum_finish_{_float_sfx(out)}", (-(-C // 32), jobs), (32, 32),
             (part, out, _i32(S), _i32(C)))
 
 
@@ -117,21 +118,25 @@ def layernorm(x, gamma, beta, eps=1e-5):
     return y
 
 
-def _layernorm_bwd_vec(x, gamma, dy, add, eps, dx, dgamma, dbeta):
-    """layernorm.cu's one-pass bf16 backward (``_vec_rows``), dx + ``add`` where it is given."""
+def _layernorm_bwd_vec(x, gamma, dy, add, eps, dx, sums=False):
+    """layernorm.cu's one-pass bf16 backward (``_vec_rows``), dx + ``add`` where it is given:
+    ``(dx, dgamma, dbeta)``, and with ``sums`` also dx's column sums (the _sums kernels). The
+    parameters' gradients (and the sums) are rows of one (2 or 3, C) array, finished by one
+    launch."""
     C = x.shape[-1]
     R = x.size // C
     nv = -(-C // 256)
     S = min(-(-R // _ROWS_PER_BLOCK), (2 if nv <= 4 else 1) * _sm_count(_dev()))
-    part_g = _empty((S, C), F32)
-    part_b = _empty((S, C), F32)
-    name, ins = (f"layernorm_bwd_fused_bf16_{nv}", (x, gamma, dy)) if add is None else \
-        (f"layernorm_bwd_fused_add_bf16_{nv}", (x, gamma, dy, add))
-    _launch("layernorm", name, (S,), 32 * _ROWS_PER_BLOCK,
-            ins + (dx, part_g, part_b, _i64(R), _i32(C), _acc(x.dtype, eps)))
-    _colsum_finish(part_g, dgamma, S, C)
-    _colsum_finish(part_b, dbeta, S, C)
-    return dx, dgamma, dbeta
+    jobs = 3 if sums else 2
+    part = _empty((jobs, S, C), F32)
+    outs = _empty((jobs, C), x.dtype)
+    name = "layernorm_bwd_fused" + ("_add" if add is not None else "") + ("_sums" if sums else "")
+    ins = (x, gamma, dy) if add is None else (x, gamma, dy, add)
+    _launch("layernorm", f"{name}_bf16_{nv}", (S,), 32 * _ROWS_PER_BLOCK,
+            ins + (dx, part[0], part[1]) + ((part[2],) if sums else ())
+            + (_i64(R), _i32(C), _acc(x.dtype, eps)))
+    _colsum_finish(part, outs, S, C, jobs)
+    return (dx,) + tuple(outs[j] for j in range(jobs))
 
 
 @_guarded
@@ -145,9 +150,25 @@ def layernorm_bwd_add(x, gamma, dy, eps, add):
     C = x.shape[-1]
     R = x.size // C if C else 0
     if R and add.shape == x.shape and _vec_rows(C, x, gamma, dy, add):
-        return _layernorm_bwd_vec(x, gamma, dy, add, eps, _empty(x.shape, x.dtype),
-                                  _empty((C,), x.dtype), _empty((C,), x.dtype))
+        return _layernorm_bwd_vec(x, gamma, dy, add, eps, _empty(x.shape, x.dtype))
     return _compose.layernorm_bwd_add(_package(), x, gamma, dy, eps, add)
+
+
+@_guarded
+def layernorm_bwd_sums(x, gamma, dy, eps, add=None):
+    """``(dx, dgamma, dbeta, sum_rows(dx))``, dx with ``add`` added where it is given: the
+    vector kernels sum the dx they write (as rounded to x's dtype) in the same pass, for the
+    bias gradient of the layer that made x (else ``compose``: the backward, then
+    ``sum_rows``)."""
+    x = _c(x)
+    gamma, dy = _like(_c(gamma), x.dtype), _like(_c(dy), x.dtype)
+    add = None if add is None else _like(_c(add), x.dtype)
+    C = x.shape[-1]
+    R = x.size // C if C else 0
+    if (R and (add is None or add.shape == x.shape)
+            and _vec_rows(C, x, gamma, dy, *(() if add is None else (add,)))):
+        return _layernorm_bwd_vec(x, gamma, dy, add, eps, _empty(x.shape, x.dtype), sums=True)
+    return _compose.layernorm_bwd_sums(_package(), x, gamma, dy, eps, add)
 
 
 def _vec_rows(C: int, *arrays) -> bool:
@@ -176,7 +197,7 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5):
         dbeta.data.memset_async(0, dbeta.nbytes)
         return dx, dgamma, dbeta
     if _vec_rows(C, x, gamma, dy):   # dx and the parameters' partial sums in one pass over x and dy
-        return _layernorm_bwd_vec(x, gamma, dy, None, eps, dx, dgamma, dbeta)
+        return _layernorm_bwd_vec(x, gamma, dy, None, eps, dx)
     mean = _empty((R,), acc)
     rstd = _empty((R,), acc)
     _launch("layernorm", f"layernorm_bwd_{sfx}", (-(-R // _ROWS_PER_BLOCK),),
