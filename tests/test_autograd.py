@@ -443,7 +443,8 @@ def test_a_layernorm_sums_the_bias_gradient_of_the_layer_before_it(first_use_is_
     its own. Every gradient equals the switch-off tape's (the layer summing dy itself) and the
     bias gradient equals the row sums of the output's whole gradient, float64 by hand."""
     from forge_ml import flags
-    got, handed = _bias_sums_case(first_use_is_layernorm)
+    with flags.override(FORGE_BIAS_SUMS="on"):
+        got, handed = _bias_sums_case(first_use_is_layernorm)
     with flags.override(FORGE_BIAS_SUMS="off"):
         want, handed_off = _bias_sums_case(first_use_is_layernorm)
     assert handed_off == [None]
@@ -532,3 +533,35 @@ def test_embedding_with_a_device_position_and_a_missing_root_are_tape_errors():
     ev = Tape(grad=False)
     y = ev.embedding(ids, ev.leaf(fm.zeros((5, 2))), ev.leaf(fm.zeros((4, 2))), pos=pos)
     assert y.shape == (1, 2, 2)
+
+
+def test_gpt2_gradients_with_the_layernorm_bias_sums_equal_the_layers_own():
+    """A GPT-2 block stack on the tape with FORGE_BIAS_SUMS on (the layernorm backwards sum
+    the projections' bias gradients) gives every gradient the switch-off tape gives, and the
+    sums were handed to the layers (2 a layer: attention's projection and the MLP's)."""
+    import forge_ml.ops as fops
+    from forge_ml import flags
+    from forge_ml.models import GPT2, GPT2Config
+    cfg = GPT2Config(vocab_size=50, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    model = GPT2.init(cfg, seed=1)
+    rs = np.random.default_rng(2)
+    ids = fm.tensor(rs.integers(0, 50, (2, 8)))
+    tgt = fm.tensor(rs.integers(0, 50, (2, 8)))
+    real, handed = fops.weight_grads, []
+
+    def spy(x, dy, alpha=1.0, dy_sums=None):
+        handed.append(dy_sums is not None)
+        return real(x, dy, alpha, dy_sums=dy_sums)
+    fops.weight_grads = spy
+    try:
+        with flags.override(FORGE_BIAS_SUMS="on"):
+            _, on = model.loss_and_grads(ids, tgt)
+        assert sum(handed) == 2 * cfg.n_layer
+        handed.clear()
+        with flags.override(FORGE_BIAS_SUMS="off"):
+            _, off = model.loss_and_grads(ids, tgt)
+        assert not any(handed)
+    finally:
+        fops.weight_grads = real
+    for k in on:
+        np.testing.assert_array_equal(on[k].numpy(), off[k].numpy(), err_msg=k)
