@@ -159,7 +159,7 @@ def check_environment(warn: bool = True) -> None:
     A ``FORGE_*`` variable that is not a switch but nearly names one (``FORGE_CUDA_GRAPHS``)
     gets a RuntimeWarning naming the switch: a typo would otherwise change nothing, silently.
     Other ``FORGE_*`` names (another tool's) are left alone. ``warn=False``: no warning (the
-    command line prints its own line from ``misspelled()``).
+    command line prints its own line from ``unreported_misspellings()``).
 
     >>> check_environment()
     """

@@ -403,10 +403,7 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5, add=None, sums=False):
         _shape_eq("layernorm_bwd", "x", x, "add", add)
     if x.numel == 0:
         c = x.shape[-1:]
-        out = (_empty(x, x.shape), _empty(x, c), _empty(x, c))
-        if sums:   # no rows: the sums are zeros (sum_rows' rule); no columns: empty
-            out += (sum_rows(out[0].reshape(-1, c[0])) if c[0] else _empty(x, c),)
-        return out
+        return (_empty(x, x.shape), _empty(x, c), _empty(x, c)) + ((_empty(x, c),) if sums else ())
     if sums:
         dx, dg, db, ds = bk.layernorm_bwd_sums(x.data, gamma.data, dy.data, float(eps),
                                                None if add is None else add.data)

@@ -118,7 +118,7 @@ def layernorm(x, gamma, beta, eps=1e-5):
     return y
 
 
-def _layernorm_bwd_vec(x, gamma, dy, add, eps, dx, sums=False):
+def _layernorm_bwd_vec(x, gamma, dy, add, eps, sums=False):
     """layernorm.cu's one-pass bf16 backward (``_vec_rows``), dx + ``add`` where it is given:
     ``(dx, dgamma, dbeta)``, and with ``sums`` also dx's column sums (the _sums kernels);
     with ``sums`` the three are rows of one (3, C) array, finished by one launch."""
@@ -126,6 +126,7 @@ def _layernorm_bwd_vec(x, gamma, dy, add, eps, dx, sums=False):
     R = x.size // C
     nv = -(-C // 256)
     S = min(-(-R // _ROWS_PER_BLOCK), (2 if nv <= 4 else 1) * _sm_count(_dev()))
+    dx = _empty(x.shape, x.dtype)
     jobs = 3 if sums else 2
     part = _empty((jobs, S, C), F32)
     outs = _empty((jobs, C), x.dtype) if sums else None
@@ -144,19 +145,25 @@ def _layernorm_bwd_vec(x, gamma, dy, add, eps, dx, sums=False):
     return (dx,) + tuple(outs[j] for j in range(jobs))
 
 
+def _layernorm_bwd_fused(x, gamma, dy, eps, add, sums, composed):
+    """The vector kernels for the bf16 rows they take (``add`` None or x's shape), else
+    ``composed`` (compose's op of the same name), on the operands in x's dtype."""
+    x = _c(x)
+    gamma, dy = _like(_c(gamma), x.dtype), _like(_c(dy), x.dtype)
+    add = None if add is None else _like(_c(add), x.dtype)
+    if (x.size and (add is None or add.shape == x.shape)
+            and _vec_rows(x.shape[-1], *(a for a in (x, gamma, dy, add) if a is not None))):
+        return _layernorm_bwd_vec(x, gamma, dy, add, eps, sums=sums)
+    return composed(_package(), x, gamma, dy, eps, add)
+
+
 @_guarded
 def layernorm_bwd_add(x, gamma, dy, eps, add):
     """``layernorm_bwd`` with ``add`` added to dx in the kernel's last pass, for the bf16 rows
     the vector kernels take (else ``compose``: the backward, then ``add``): the residual
     stream's gradient joins dx in the pass that writes it, instead of an ``add`` over the
     whole stream after it."""
-    x = _c(x)
-    gamma, dy, add = _like(_c(gamma), x.dtype), _like(_c(dy), x.dtype), _like(_c(add), x.dtype)
-    C = x.shape[-1]
-    R = x.size // C if C else 0
-    if R and add.shape == x.shape and _vec_rows(C, x, gamma, dy, add):
-        return _layernorm_bwd_vec(x, gamma, dy, add, eps, _empty(x.shape, x.dtype))
-    return _compose.layernorm_bwd_add(_package(), x, gamma, dy, eps, add)
+    return _layernorm_bwd_fused(x, gamma, dy, eps, add, False, _compose.layernorm_bwd_add)
 
 
 @_guarded
@@ -165,15 +172,7 @@ def layernorm_bwd_sums(x, gamma, dy, eps, add=None):
     vector kernels sum the dx they write (as rounded to x's dtype) in the same pass, for the
     bias gradient of the layer that made x (else ``compose``: the backward, then
     ``sum_rows``)."""
-    x = _c(x)
-    gamma, dy = _like(_c(gamma), x.dtype), _like(_c(dy), x.dtype)
-    add = None if add is None else _like(_c(add), x.dtype)
-    C = x.shape[-1]
-    R = x.size // C if C else 0
-    if (R and (add is None or add.shape == x.shape)
-            and _vec_rows(C, x, gamma, dy, *(() if add is None else (add,)))):
-        return _layernorm_bwd_vec(x, gamma, dy, add, eps, _empty(x.shape, x.dtype), sums=True)
-    return _compose.layernorm_bwd_sums(_package(), x, gamma, dy, eps, add)
+    return _layernorm_bwd_fused(x, gamma, dy, eps, add, True, _compose.layernorm_bwd_sums)
 
 
 def _vec_rows(C: int, *arrays) -> bool:
@@ -192,6 +191,8 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5):
     R = x.size // C if C else 0
     sfx = _float_sfx(x)
     acc = _acc_dtype(x.dtype)
+    if R and _vec_rows(C, x, gamma, dy):   # dx and the parameters' partial sums in one pass
+        return _layernorm_bwd_vec(x, gamma, dy, None, eps)
     dx = _empty(x.shape, x.dtype)
     dgamma = _empty((C,), x.dtype)
     dbeta = _empty((C,), x.dtype)
@@ -201,8 +202,6 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5):
         dgamma.data.memset_async(0, dgamma.nbytes)
         dbeta.data.memset_async(0, dbeta.nbytes)
         return dx, dgamma, dbeta
-    if _vec_rows(C, x, gamma, dy):   # dx and the parameters' partial sums in one pass over x and dy
-        return _layernorm_bwd_vec(x, gamma, dy, None, eps, dx)
     mean = _empty((R,), acc)
     rstd = _empty((R,), acc)
     _launch("layernorm", f"layernorm_bwd_{sfx}", (-(-R // _ROWS_PER_BLOCK),),
