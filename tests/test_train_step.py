@@ -166,3 +166,127 @@ def test_a_step_built_for_one_shape_refuses_another():
     with pytest.raises(fm.errors.ShapeError, match="expected 1 micro-batches"):
         step.run(_batches(r, 2), [0, 1], 1e-3)
     assert o.steps == 0
+
+
+# -- the trainer through the step: the host's work between steps runs while the device works ----
+
+
+@pytest.fixture
+def through_step(monkeypatch):
+    """Every Trainer takes its steps through a TrainStep (on the CPU: the same step, run eagerly),
+    as a GPU's trainer does through its captured graph."""
+    made = []
+
+    def fast_step(self):
+        if self._fast is None:
+            c = self.cfg
+            self._fast = TrainStep(self.model, self.opt, c.batch_size, c.block_size, c.grad_accum, c.grad_clip)
+            made.append(self._fast)
+        return self._fast
+
+    monkeypatch.setattr(Trainer, "_fast_step", fast_step)
+    return made
+
+
+def _saves(monkeypatch):
+    """Wrap Trainer.save: what the loader and the log held at each checkpoint."""
+    seen, inner = [], Trainer.save
+
+    def save(self):
+        out = inner(self)
+        from forge_ml.runs import read_log
+        from forge_ml.checkpoint import load_checkpoint
+        _, meta = load_checkpoint(self.ckpt_dir)
+        steps = [r["step"] for r in read_log(self.log_path)[0] if "loss" in r]
+        seen.append((self.step, meta["data"]["batches_drawn"], steps))
+        return out
+
+    monkeypatch.setattr(Trainer, "save", save)
+    return seen
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(dropout=0.1, grad_accum=2)], ids=["plain", "dropout+accum"])
+def test_the_step_path_resumes_bit_exact_with_the_loader_and_log_of_each_checkpoint(
+        text_file, tmp_path, monkeypatch, through_step, extra):
+    """The step draws the next step's batches while the device runs and writes the log one step
+    late: every checkpoint still holds the loader as of its step (not after the batches drawn
+    ahead) and a log through its step, and a resumed run equals an uninterrupted one."""
+    n = 6
+    full = Trainer(_cfg(text_file, tmp_path / "full", max_steps=n, **extra), log=None)
+    full_losses = full.train()["losses"]
+    seen = _saves(monkeypatch)
+    half = Trainer(_cfg(text_file, tmp_path / "half", max_steps=n, checkpoint_interval=2, **extra), log=None)
+    first = half.train(until=n // 2)["losses"]
+    resumed = Trainer(_cfg(text_file, tmp_path / "half", max_steps=n, checkpoint_interval=2, **extra),
+                      resume=True, log=None)
+    second = resumed.train()["losses"]
+    assert len(through_step) == 3 and all(s.mode == "eager" for s in through_step)
+    assert first + second == full_losses
+    for k in full.model.params:
+        np.testing.assert_array_equal(full.model.params[k].numpy(), resumed.model.params[k].numpy(), err_msg=k)
+    accum = extra.get("grad_accum", 1)
+    assert [s for s, _, _ in seen] == [2, 3, 4, 6]
+    for step, drawn, logged in seen:
+        assert drawn == step * accum and logged == list(range(1, step + 1)), (step, drawn, logged)
+
+
+def test_a_signal_stops_the_step_path_at_the_step_it_reached(text_file, tmp_path, monkeypatch, through_step):
+    """SIGINT while the device runs a step: the step ends, the checkpoint is of that step with
+    the loader as of it (the next step's batches, drawn already, are given back); a resume is
+    exact."""
+    import signal
+    from forge_ml.checkpoint import load_checkpoint
+    from forge_ml.train import Interrupted
+    full = Trainer(_cfg(text_file, tmp_path / "full", max_steps=6), log=None)
+    full_losses = full.train()["losses"]
+    t = Trainer(_cfg(text_file, tmp_path / "cut", max_steps=6), log=None)
+    inner = TrainStep.submit
+
+    def submit(self, *a, **kw):
+        out = inner(self, *a, **kw)
+        if t.step == 2:                          # step 3 is on the device
+            t._on_signal(signal.SIGINT, None)
+        return out
+
+    monkeypatch.setattr(TrainStep, "submit", submit)
+    with pytest.raises(Interrupted) as e:
+        t.train()
+    assert e.value.step == 3
+    _, meta = load_checkpoint(tmp_path / "cut" / "ckpt")
+    assert meta["step"] == 3 and meta["data"]["batches_drawn"] == 3
+    resumed = Trainer(_cfg(text_file, tmp_path / "cut", max_steps=6), resume=True, log=None)
+    assert t.losses + resumed.train()["losses"] == full_losses
+
+
+def test_the_step_path_loses_no_log_record_to_a_full_disk(text_file, tmp_path, monkeypatch, through_step):
+    """A log write that fails while the device runs a step is tried again after the step and
+    raises there; training on once there is room again loses no record."""
+    import forge_ml.train as train_mod
+    from forge_ml.runs import RunError, read_log
+    from test_train_safety import _Filling
+    real_open = open
+    t = Trainer(_cfg(text_file, tmp_path / "r", max_steps=6), log=None)
+    t.train(until=2)
+    with monkeypatch.context() as m:
+        m.setattr(train_mod, "open", lambda p, mode="r", *a, **kw: _Filling(real_open(p, mode, *a, **kw), 20)
+                  if str(p).endswith("log.jsonl") else real_open(p, mode, *a, **kw), raising=False)
+        with pytest.raises(RunError, match="No space left on device"):
+            t.train()
+        assert t.step == 4          # the record of step 3 failed inside step 4, raised after it
+        with pytest.raises(RunError, match="No space left on device"):
+            t.train()
+    t.train()
+    records, bad = read_log(tmp_path / "r" / "log.jsonl")
+    assert bad == [] and [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert t.train_loader.batches_drawn == 6
+
+
+def test_a_step_that_is_not_taken_gives_back_the_batches_drawn_ahead(text_file, tmp_path, through_step):
+    t = Trainer(_cfg(text_file, tmp_path / "r", max_steps=4), log=None)
+    t.train_step()
+    w = t.model.params["wpe.weight"].numpy().copy()
+    w[:] = np.inf
+    ops.assign(t.model.params["wpe.weight"], w)
+    with pytest.raises(TrainingError):
+        t.train_step()
+    assert t.step == 1 and t.train_loader.batches_drawn == 2 and t._staged is None

@@ -20,6 +20,13 @@ kernels skip), so the caller can stop with the model untouched, as the eager ste
 >>> out = step.run([(x, (x + 1) % 16)], seeds=[0], lr=1e-2)
 >>> out.taken, opt.steps, step.mode
 (True, 1, 'eager')
+
+``submit`` queues a step and returns at once, so the host can prepare the next one while the
+device works; its ``result()`` waits (``run`` is the two together):
+
+>>> pending = step.submit([(x, (x + 1) % 16)], seeds=[1], lr=1e-2)
+>>> pending.result().taken, opt.steps
+(True, 2)
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ from . import graph as _graph
 from . import ops
 from .errors import CaptureError, ShapeError
 from .optim import AdamW, accumulate, clip_on_device
-from .tensor import zeros
+from .tensor import host_buffer, zeros
 
 
 class StepResult(NamedTuple):
@@ -41,6 +48,35 @@ class StepResult(NamedTuple):
     losses: List[float]
     norm: float
     taken: bool
+
+
+class PendingStep:
+    """A step queued on the device by ``TrainStep.submit``. ``result()`` waits for it, once:
+    the losses and the step's norm and verdict were queued to host memory behind the step, so
+    that is one wait for all of them. ``TrainStep.submit`` reads a step nobody read first."""
+
+    def __init__(self, owner: "TrainStep", losses, copies):
+        self._owner, self._losses, self._copies = owner, losses, copies
+        self._result: Optional[StepResult] = None
+
+    def result(self) -> StepResult:
+        """Wait for the step and read it: the ``StepResult``. A step taken counts in the
+        optimizer's step counters from then on (``AdamW.advance``)."""
+        if self._result is None:
+            for c in self._copies:
+                if c is not None:
+                    c.synchronize()
+            owner = self._owner
+            values = [float(buf[0]) if buf is not None else float(t.item())
+                      for t, buf in zip(self._losses, owner._loss_host)]
+            s = owner._scalars_host
+            taken = math.isfinite(float(s[3]))
+            if taken:
+                owner.opt.advance()
+            self._result = StepResult(values, float(s[4]), taken)
+            if owner._pending is self:
+                owner._pending = None
+        return self._result
 
 
 class TrainStep:
@@ -71,6 +107,12 @@ class TrainStep:
         self._keep = None      # the memory a failed capture's real run left its tensors in
         lowp = opt.lowp
         self._accum_f32 = self.accum > 1 and lowp is not None   # bf16 grads add up in float32
+        # where the step's results land on the host (page-locked on the GPU: the copies run
+        # behind the step, and one wait covers them); made at the first step, when the
+        # losses' dtype is known. Only one step is in flight, so one set serves every step.
+        self._loss_host: Optional[list] = None
+        self._scalars_host = host_buffer((6,), "float64", dev)
+        self._pending: Optional[PendingStep] = None
 
     # -- the work -----------------------------------------------------------------------------
     def _work(self):
@@ -102,11 +144,14 @@ class TrainStep:
             ops.assign(self.seeds[i], np.array([int(seeds[i])], np.uint64).view(np.int64))
         self.opt.prepare(lr, grad_scale=1.0 / self.accum)
 
-    def run(self, batches: Sequence, seeds: Sequence[int], lr: float) -> StepResult:
-        """One step: ``batches`` are ``accum`` pairs of host ``(ids, targets)`` arrays,
-        ``seeds`` the micro-batches' dropout seeds (``train.dropout_seed``). Waits for the
-        step to finish and reads back the losses and the norm. ``taken`` False: a loss or the
-        norm was not finite and nothing was updated (the optimizer's step count too)."""
+    def submit(self, batches: Sequence, seeds: Sequence[int], lr: float) -> PendingStep:
+        """Queue one step and return without waiting for the device: ``batches`` are
+        ``accum`` pairs of host ``(ids, targets)`` arrays, ``seeds`` the micro-batches' dropout
+        seeds (``train.dropout_seed``). The host is free while the step runs (the trainer draws
+        the next batches then); ``result()`` of what comes back waits and reads the step. A
+        step still unread when the next is submitted is read first (its optimizer count)."""
+        if self._pending is not None:
+            self._pending.result()
         self._load(batches, seeds, lr)
         if self._graph is not None:
             self._graph.replay()
@@ -115,12 +160,19 @@ class TrainStep:
             losses, self.mode = self._capture(), "eager"   # a real run, then captured
         else:
             losses, self.mode = self._work(), "eager"
-        values = [float(t.item()) for t in losses]
-        s = self.opt.scalars.numpy()
-        taken = math.isfinite(float(s[3]))
-        if taken:
-            self.opt.advance()
-        return StepResult(values, float(s[4]), taken)
+        if self._loss_host is None:
+            self._loss_host = [host_buffer((1,), t.dtype.name, self.device)
+                               if t.dtype.name in ("float32", "float64") else None for t in losses]
+        copies = [t.copy_to_host(buf) for t, buf in zip(losses, self._loss_host) if buf is not None]
+        copies.append(self.opt.scalars.copy_to_host(self._scalars_host))
+        self._pending = PendingStep(self, losses, copies)
+        return self._pending
+
+    def run(self, batches: Sequence, seeds: Sequence[int], lr: float) -> StepResult:
+        """One step, waited for: ``submit(batches, seeds, lr).result()``. ``taken`` False: a
+        loss or the norm was not finite and nothing was updated (the optimizer's step count
+        too)."""
+        return self.submit(batches, seeds, lr).result()
 
     def _capture(self):
         """Run the step for real and capture it (``graph.capture(run_first=True)``); returns
@@ -139,6 +191,8 @@ class TrainStep:
         """Drop the captured graph and give its memory back (before evaluation or sampling,
         which run op by op: they would otherwise hold a second copy beside the graph's). The
         next run captures again after one real run."""
+        if self._pending is not None:   # a step still running reads the graph's memory
+            self._pending.result()
         if self._graph is not None:
             self._graph.release()
         self._graph = None

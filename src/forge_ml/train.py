@@ -443,6 +443,7 @@ class Trainer:
         self.val_loss: Optional[float] = None
         self.val_kind: Optional[str] = None
         self._fast = None           # the captured step (step.TrainStep) on a graph-capable device
+        self._staged = None         # (loader state, batches) drawn for the next captured step
         self._said_eager = False
         self.lock = RunLock(self.out_dir)
         self.lock.acquire()
@@ -929,11 +930,21 @@ class Trainer:
         except OSError as e:
             raise RunError(cannot_write(self.log_path, e, self._kept())) from None
 
-    def _write_log(self, record: dict) -> None:
+    def _write_log(self, record: dict, later: bool = False) -> None:
         """Append ``record`` to log.jsonl. A failed write (a full disk) raises a RunError and
         keeps the record: the next write (``train()`` called again) first takes back the torn
-        part the failed one left, then writes the records that did not land."""
+        part the failed one left, then writes the records that did not land. ``later``: the
+        record may wait for the next write (the captured step writes it while the device runs
+        the next step) unless others are waiting already."""
+        later = later and not self._unlogged
         self._unlogged.append(record)
+        if not later:
+            self._flush_log()
+
+    def _flush_log(self) -> None:
+        """Write the records ``_write_log`` holds (see there); nothing when none waits."""
+        if not self._unlogged:
+            return
         try:
             with open(self.log_path, "a", encoding="utf-8") as f:
                 if self._log_end is None:
@@ -1027,15 +1038,29 @@ class Trainer:
 
     def _graph_step(self, fast, lr: float, t0: float) -> dict:
         """``train_step`` through ``fast``: the same step, its values written to the device
-        first, replayed as one graph. A loss or norm that is not finite has updated nothing."""
+        first, replayed as one graph. A loss or norm that is not finite has updated nothing.
+
+        While the device runs the step, the host does the work that would otherwise stand
+        between two steps: it writes the last step's log record and draws the next step's
+        batches (``_stage``; a checkpoint puts the loader back to before them first)."""
         cfg, step = self.cfg, self.step
-        loader_state = self.train_loader.state_dict()
-        batches = [self.train_loader.next_batch() for _ in range(cfg.grad_accum)]
+        loader_state, batches = self._staged or (self.train_loader.state_dict(), None)
+        self._staged = None
+        if batches is None:
+            batches = [self.train_loader.next_batch() for _ in range(cfg.grad_accum)]
         seeds = [dropout_seed(cfg.seed, step, micro) for micro in range(cfg.grad_accum)]
         self._phase = "update"
         try:
-            res = fast.run(batches, seeds, lr)
+            pending = fast.submit(batches, seeds, lr)
+            if self._unlogged:
+                try:
+                    self._flush_log()
+                except RunError:
+                    pass   # the record stays queued; the next write, after this step, raises
+            self._stage()
+            res = pending.result()
         except KeyboardInterrupt:
+            self._staged = None
             self.train_loader.load_state_dict(loader_state)
             raise
         finally:
@@ -1045,6 +1070,7 @@ class Trainer:
             self._say(f"note: the training step runs op by op: {fast.why_eager}")
         loss = sum(res.losses) / cfg.grad_accum     # added in order, as the op-by-op step does
         if not res.taken:
+            self._unstage()
             dev = [(tensor(x, device=self.device), tensor(y, device=self.device)) for x, y in batches]
             bad = [i for i, v in enumerate(res.losses) if not math.isfinite(v)]
             if bad:
@@ -1052,6 +1078,20 @@ class Trainer:
             raise self._bad_norm(res.norm, loss, step, dev)
         self.step += 1
         return self._step_record(lr, loss, res.norm, t0)
+
+    def _stage(self) -> None:
+        """Draw the next step's batches now (the loader's state before them kept with them):
+        the step through the captured graph takes them instead of drawing its own."""
+        if self._staged is None:
+            state = self.train_loader.state_dict()
+            self._staged = (state, [self.train_loader.next_batch() for _ in range(self.cfg.grad_accum)])
+
+    def _unstage(self) -> None:
+        """Give back batches drawn for a step that has not run: the loader goes back to before
+        them (a checkpoint, the end of ``train()``, a step that stopped the run)."""
+        if self._staged is not None:
+            state, self._staged = self._staged[0], None
+            self.train_loader.load_state_dict(state)
 
     def _origin(self, step: int, batches: list, micro0: int, grads: Optional[dict] = None) -> str:
         """Re-run the step's micro-batches with a check after every op, forward and backward:
@@ -1136,6 +1176,11 @@ class Trainer:
         """Write the checkpoint of the current step to ``<out_dir>/ckpt`` (atomically). A
         failed write (full disk, read-only folder) keeps the previous checkpoint and raises a
         one-line CheckpointError that says so."""
+        self._unstage()       # the loader's state is saved as of this step
+        try:
+            self._flush_log()     # a record the captured step held back
+        except RunError:
+            pass                  # the checkpoint matters more; the next write raises
         masters = {k: t.numpy() for k, t in self.opt.params.items()}   # float32, also in bf16 runs
         return self._write_checkpoint(masters, self.opt.state_dict())
 
@@ -1228,9 +1273,14 @@ class Trainer:
         try:
             return self._train(until)
         finally:
+            self._unstage()
             for s, h in old.items():
                 signal.signal(s, h)
             self._close_bar()
+            try:
+                self._flush_log()
+            except RunError:
+                pass   # the records stay queued: the next write tries them first
             self.lock.release()
 
     def _train(self, until: Optional[int]) -> dict:
@@ -1263,7 +1313,7 @@ class Trainer:
                     if line is not None:
                         self._say(line)
                 self.losses.append(rec["loss"])
-                self._write_log(rec)
+                self._write_log(rec, later=self._fast is not None)
                 s = self.step
                 if self._bar is not None:
                     self._bar.update(1)
