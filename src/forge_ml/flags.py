@@ -71,10 +71,10 @@ _SWITCHES = (
     Switch("FORGE_TRAIN_GRAPH", "on",
            "run the trainer's whole step (forward, backward, clipping, AdamW) as one replayed "
            "CUDA graph (off: op by op)", ("on", "off")),
-    Switch("FORGE_BIAS_SUMS", "off",
-           "experimental (not yet run on a GPU): a linear layer's bias gradient summed by the "
-           "layernorm backward that writes its output's whole gradient, as it writes it (off: "
-           "by the layer's own weight-gradient pass, cuBLASLt's BGRADA epilogue on the GPU)",
+    Switch("FORGE_BIAS_SUMS", "on",
+           "a linear layer's bias gradient summed by the layernorm backward that writes its "
+           "output's whole gradient, as it writes it (off: by the layer's own weight-gradient "
+           "pass, cuBLASLt's BGRADA epilogue on the GPU)",
            ("on", "off")),
     Switch("FORGE_FUSED_LOSS", "on",
            "the LM head and the training loss as one op over chunks of rows, the logits never "

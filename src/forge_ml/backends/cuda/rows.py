@@ -120,8 +120,8 @@ def layernorm(x, gamma, beta, eps=1e-5):
 
 def _layernorm_bwd_vec(x, gamma, dy, add, eps, sums=False):
     """layernorm.cu's one-pass bf16 backward (``_vec_rows``), dx + ``add`` where it is given:
-    ``(dx, dgamma, dbeta)``, and with ``sums`` also dx's column sums (the _sums kernels);
-    with ``sums`` the three are rows of one (3, C) array, finished by one launch."""
+    ``(dx, dgamma, dbeta)``, and with ``sums`` also dx's column sums (the _sums kernels). The
+    parameters' gradients (and the sums) are rows of one array, finished by one launch."""
     C = x.shape[-1]
     R = x.size // C
     nv = -(-C // 256)
@@ -129,18 +129,12 @@ def _layernorm_bwd_vec(x, gamma, dy, add, eps, sums=False):
     dx = _empty(x.shape, x.dtype)
     jobs = 3 if sums else 2
     part = _empty((jobs, S, C), F32)
-    outs = _empty((jobs, C), x.dtype) if sums else None
+    outs = _empty((jobs, C), x.dtype)
     name = "layernorm_bwd_fused" + ("_add" if add is not None else "") + ("_sums" if sums else "")
     ins = (x, gamma, dy) if add is None else (x, gamma, dy, add)
     _launch("layernorm", f"{name}_bf16_{nv}", (S,), 32 * _ROWS_PER_BLOCK,
             ins + (dx, part[0], part[1]) + ((part[2],) if sums else ())
             + (_i64(R), _i32(C), _acc(x.dtype, eps)))
-    if not sums:   # the parameters' gradients as separate arrays, two launches (the path
-        # run on the GPU before FORGE_BIAS_SUMS; the stacked launch below is for the sums)
-        dgamma, dbeta = _empty((C,), x.dtype), _empty((C,), x.dtype)
-        _colsum_finish(part[0], dgamma, S, C)
-        _colsum_finish(part[1], dbeta, S, C)
-        return dx, dgamma, dbeta
     _colsum_finish(part, outs, S, C, jobs)
     return (dx,) + tuple(outs[j] for j in range(jobs))
 
