@@ -290,3 +290,57 @@ def test_a_step_that_is_not_taken_gives_back_the_batches_drawn_ahead(text_file, 
     with pytest.raises(TrainingError):
         t.train_step()
     assert t.step == 1 and t.train_loader.batches_drawn == 2 and t._staged is None
+
+
+def test_preload_queues_the_next_steps_values_and_submit_then_writes_none(monkeypatch):
+    """``preload`` behind a step in flight, then ``submit`` of the same batches: the same steps
+    as ``run`` bit for bit, with no ``_load`` after the first; a preload that does not match
+    what is submitted (or follows a step not taken) is not used."""
+    (m1, o1), (m2, o2) = _pair()
+    a, b = TrainStep(m1, o1, batch=3, block=8, accum=2, max_norm=0.5), \
+        TrainStep(m2, o2, batch=3, block=8, accum=2, max_norm=0.5)
+    r = np.random.default_rng(4)
+    steps = [(_batches(r, 2), [dropout_seed(5, s, i) for i in range(2)], 1e-3 * (s + 1)) for s in range(4)]
+    loads = []
+    inner = TrainStep._load
+    monkeypatch.setattr(TrainStep, "_load", lambda self, *x: (loads.append(self), inner(self, *x))[1])
+    want = [a.run(*st) for st in steps]
+    loads.clear()
+    pending = b.submit(*steps[0])
+    got = []
+    for nxt in steps[1:]:
+        b.preload(*nxt)
+        got.append(pending.result())
+        pending = b.submit(*nxt)
+    got.append(pending.result())
+    assert got == want and loads == [b]          # only the first step wrote its own values
+    for k in m1.params:
+        np.testing.assert_array_equal(m1.params[k].numpy(), m2.params[k].numpy(), err_msg=k)
+    assert o1.param_steps == o2.param_steps
+    b.preload(*steps[0])
+    b.submit(steps[1][0], steps[1][1], steps[1][2])   # not what was preloaded: written again
+    assert loads == [b, b]
+
+
+def test_a_step_not_taken_drops_the_preload_of_the_next():
+    (m, o), _ = _pair()
+    step = TrainStep(m, o, batch=3, block=8, max_norm=1.0)
+    r = np.random.default_rng(1)
+    step.run(_batches(r, 1), [1], 1e-3)
+    bad = m.params["h.0.ln_1.weight"].numpy().copy()
+    bad[3] = np.nan
+    ops.assign(m.params["h.0.ln_1.weight"], bad)
+    pending = step.submit(_batches(r, 1), [2], 1e-3)
+    nxt = _batches(r, 1)
+    step.preload(nxt, [3], 1e-3)          # written as if the step in flight were taken
+    assert not pending.result().taken and step._preloaded is None
+
+
+def test_the_trainer_through_the_step_writes_each_steps_values_behind_the_step_before(
+        text_file, tmp_path, monkeypatch, through_step):
+    loads = []
+    inner = TrainStep._load
+    monkeypatch.setattr(TrainStep, "_load", lambda self, *x: (loads.append(1), inner(self, *x))[1])
+    t = Trainer(_cfg(text_file, tmp_path / "r", max_steps=6, checkpoint_interval=3, dropout=0.1), log=None)
+    t.train()
+    assert len(loads) == 2   # step 1, and step 4 (the checkpoint gave the drawn batches back)

@@ -169,24 +169,29 @@ class AdamW:
         >>> [round(x, 4) for x in opt.prepare().numpy().tolist()[:3]]
         [0.1, 0.1, 0.01]
         """
-        counts = set(self.param_steps.values())
-        if len(counts) != 1:
-            late = sorted(k for k, n in self.param_steps.items() if n != max(counts))[:3]
-            raise ConfigError(f"AdamW.prepare: parameters have taken different numbers of steps "
-                              f"({min(counts)}..{max(counts)}; e.g. {late}): a step with shared "
-                              "bias corrections needs them equal; use step()")
-        step = counts.pop() + 1
-        b1, b2 = self.betas
-        lr = self.lr if lr is None else _step_value("prepare", "lr", lr)
-        grad_scale = _step_value("prepare", "grad_scale", grad_scale, signed=True)
-        values = np.array([lr, 1.0 - b1 ** step, 1.0 - b2 ** step,
-                           grad_scale, float("nan"), float(step)], np.float64)
+        values = self._step_values(lr, grad_scale)
         first = next(iter(self.params.values()))
         if self._scalars is None:
             self._scalars = tensor(values, device=first.device)
         else:
             ops.assign(self._scalars, values)
         return self._scalars
+
+    def _step_values(self, lr: Optional[float], grad_scale: float, ahead: int = 0) -> np.ndarray:
+        """``prepare``'s values (float64, ``ops.STEP_SCALARS``) for the step ``ahead`` steps
+        after the next (a step queued and not yet counted by ``advance``)."""
+        counts = set(self.param_steps.values())
+        if len(counts) != 1:
+            late = sorted(k for k, n in self.param_steps.items() if n != max(counts))[:3]
+            raise ConfigError(f"AdamW.prepare: parameters have taken different numbers of steps "
+                              f"({min(counts)}..{max(counts)}; e.g. {late}): a step with shared "
+                              "bias corrections needs them equal; use step()")
+        step = counts.pop() + 1 + int(ahead)
+        b1, b2 = self.betas
+        lr = self.lr if lr is None else _step_value("prepare", "lr", lr)
+        grad_scale = _step_value("prepare", "grad_scale", grad_scale, signed=True)
+        return np.array([lr, 1.0 - b1 ** step, 1.0 - b2 ** step,
+                         grad_scale, float("nan"), float(step)], np.float64)
 
     @property
     def scalars(self) -> Optional[Tensor]:

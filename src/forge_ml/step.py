@@ -73,6 +73,8 @@ class PendingStep:
             taken = math.isfinite(float(s[3]))
             if taken:
                 owner.opt.advance()
+            else:   # a preload's values were for the step after a taken one
+                owner._preloaded = None
             self._result = StepResult(values, float(s[4]), taken)
             if owner._pending is self:
                 owner._pending = None
@@ -113,6 +115,10 @@ class TrainStep:
         self._loss_host: Optional[list] = None
         self._scalars_host = host_buffer((6,), "float64", dev)
         self._pending: Optional[PendingStep] = None
+        # preload's page-locked copies of a step's values, two sets used in turn: the set a
+        # preload writes was last read by the copies before the step before the one in flight
+        self._host_in: list = []
+        self._preloaded = None   # (batches, seeds, lr) whose values are queued for the device
 
     # -- the work -----------------------------------------------------------------------------
     def _work(self):
@@ -130,19 +136,55 @@ class TrainStep:
         self.opt.update(acc, scalars)
         return tuple(losses)
 
-    def _load(self, batches: Sequence, seeds: Sequence[int], lr: float) -> None:
+    def _arrays(self, batches: Sequence, seeds: Sequence[int]) -> list:
+        """The micro-batches as ``(x, y, seed)`` int64 host arrays, checked against the step."""
         if len(batches) != self.accum or len(seeds) != self.accum:
             raise ShapeError(f"TrainStep.run: expected {self.accum} micro-batches and seeds, got "
                              f"{len(batches)} and {len(seeds)}")
+        out = []
         for i, (x, y) in enumerate(batches):
             x, y = np.asarray(x), np.asarray(y)
             if x.shape != self.shape or y.shape != self.shape:
                 raise ShapeError(f"TrainStep.run: micro-batch {i} is {x.shape}/{y.shape}; this "
                                  f"step was built for {self.shape}")
+            out.append((x, y, np.array([int(seeds[i])], np.uint64).view(np.int64)))
+        return out
+
+    def _load(self, batches: Sequence, seeds: Sequence[int], lr: float) -> None:
+        for i, (x, y, seed) in enumerate(self._arrays(batches, seeds)):
             ops.assign(self.xs[i], x)
             ops.assign(self.ys[i], y)
-            ops.assign(self.seeds[i], np.array([int(seeds[i])], np.uint64).view(np.int64))
+            ops.assign(self.seeds[i], seed)
         self.opt.prepare(lr, grad_scale=1.0 / self.accum)
+
+    def preload(self, batches: Sequence, seeds: Sequence[int], lr: float) -> None:
+        """Queue the next step's values (``submit``'s arguments) behind the step in flight:
+        they reach the device as that step ends, with no wait on the host, and ``submit`` of
+        the same ``batches`` object, seeds and lr then writes nothing. The values are those of
+        the step after a taken one: a step in flight that is not taken drops the preload (its
+        ``submit`` then writes the values itself)."""
+        arrays = self._arrays(batches, seeds)
+        if self.opt.scalars is None:
+            self.opt.prepare(lr, grad_scale=1.0 / self.accum)
+        if not self._host_in:
+            def one_set():
+                return ([(host_buffer(self.shape, "int64", self.device), host_buffer(self.shape, "int64", self.device),
+                          host_buffer((1,), "int64", self.device)) for _ in range(self.accum)],
+                        host_buffer((6,), "float64", self.device))
+            self._host_in = [one_set(), one_set()]
+        self._host_in.reverse()
+        micro, scalars = self._host_in[0]
+        ahead = int(self._pending is not None and self._pending._result is None)
+        np.copyto(scalars, self.opt._step_values(lr, 1.0 / self.accum, ahead))
+        for (x, y, seed), (hx, hy, hs), tx, ty, ts in zip(arrays, micro, self.xs, self.ys, self.seeds):
+            np.copyto(hx, x)
+            np.copyto(hy, y)
+            np.copyto(hs, seed)
+            tx.copy_from_host(hx)
+            ty.copy_from_host(hy)
+            ts.copy_from_host(hs)
+        self.opt.scalars.copy_from_host(scalars)
+        self._preloaded = (batches, tuple(int(v) for v in seeds), float(lr))
 
     def submit(self, batches: Sequence, seeds: Sequence[int], lr: float) -> PendingStep:
         """Queue one step and return without waiting for the device: ``batches`` are
@@ -152,7 +194,9 @@ class TrainStep:
         step still unread when the next is submitted is read first (its optimizer count)."""
         if self._pending is not None:
             self._pending.result()
-        self._load(batches, seeds, lr)
+        pre, self._preloaded = self._preloaded, None
+        if pre is None or pre[0] is not batches or pre[1:] != (tuple(int(v) for v in seeds), float(lr)):
+            self._load(batches, seeds, lr)
         if self._graph is not None:
             self._graph.replay()
             losses, self.mode = self._graph.outputs, "graph"

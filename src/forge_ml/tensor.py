@@ -208,6 +208,23 @@ class Tensor:
                              f"not fit a host array of {out.dtype} {out.shape}")
         return backend_of(self._device).to_host_async(self._data, out)
 
+    def copy_from_host(self, src: np.ndarray) -> None:
+        """Queue a copy of the host array ``src`` (from ``host_buffer``: this tensor's size
+        and dtype) into this tensor, in place, behind the device work queued before it: the
+        host goes on at once, and may write ``src`` again once the work after the copy has
+        started (a later step's wait). Not for bfloat16 tensors (``ops.assign`` rounds those).
+
+        >>> t = zeros((2,), "int64"); src = host_buffer((2,), "int64"); src[:] = [3, 4]
+        >>> t.copy_from_host(src); t.numpy().tolist()
+        [3, 4]
+        """
+        if src.size != self.numel or np.dtype(src.dtype).name != self._dtype.name:
+            raise ShapeError(f"copy_from_host: a host array of {src.dtype} {src.shape} does not "
+                             f"fit a {self._dtype.name} tensor of {self.shape}")
+        backend_of(self._device).from_host_async(self._prepare_write(), src)
+        if self._dtype in _dt.INTS and src.size:
+            self._storage.id_range = (int(src.min()), int(src.max()))
+
     def memory(self):
         """An opaque handle on the memory this tensor holds now, for identity checks only: a
         CUDA graph captured while ``t.memory() is h`` may be replayed while that still holds

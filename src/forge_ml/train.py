@@ -1041,8 +1041,9 @@ class Trainer:
         first, replayed as one graph. A loss or norm that is not finite has updated nothing.
 
         While the device runs the step, the host does the work that would otherwise stand
-        between two steps: it writes the last step's log record and draws the next step's
-        batches (``_stage``; a checkpoint puts the loader back to before them first)."""
+        between two steps: it writes the last step's log record, draws the next step's
+        batches (``_stage``; a checkpoint puts the loader back to before them first) and
+        queues them, with that step's lr and seeds, behind this step (``TrainStep.preload``)."""
         cfg, step = self.cfg, self.step
         loader_state, batches = self._staged or (self.train_loader.state_dict(), None)
         self._staged = None
@@ -1058,6 +1059,9 @@ class Trainer:
                 except RunError:
                     pass   # the record stays queued; the next write, after this step, raises
             self._stage()
+            nxt = step + 1   # its values queued behind this step: no copy between the two
+            fast.preload(self._staged[1], [dropout_seed(cfg.seed, nxt, m) for m in range(cfg.grad_accum)],
+                         cosine_lr(nxt, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr))
             res = pending.result()
         except KeyboardInterrupt:
             self._staged = None

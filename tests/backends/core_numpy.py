@@ -73,6 +73,10 @@ def to_host_async(a, out):
     np.copyto(out, np.asarray(a).reshape(out.shape))
 
 
+def from_host_async(dst, src):
+    np.copyto(dst, np.asarray(src).reshape(dst.shape))
+
+
 # -- core kernels ----------------------------------------------------------------------------
 def matmul(a, b, bias, trans_a, trans_b, alpha, b_rows):
     if b_rows is not None:

@@ -95,6 +95,22 @@ def test_every_backend_meets_the_contract(bk):
         assert isinstance(getattr(bk, cap), bool)
 
 
+def test_from_host_async_is_ordered_behind_the_work_before_it(bk, dt, rs):
+    """A copy from host memory queued after a kernel that reads the array: the kernel sees the
+    old values, the work after the copy the new ones (a training step's next batch is queued
+    behind the step that still reads the last)."""
+    old, new = r(rs, 512, 256, dt=dt), r(rs, 512, 256, dt=dt)
+    x = dev(bk, old)
+    src = bk.pinned_empty(old.shape, np.dtype(dt))
+    src[...] = new
+    y = bk.add(x, x)                   # reads x before the copy lands
+    bk.from_host_async(x, src)
+    z = bk.add(x, x)
+    close(host(bk, y), 2 * old.astype(np.float64), dt, "before")
+    close(host(bk, z), 2 * new.astype(np.float64), dt, "after")
+    assert np.array_equal(host(bk, x), new.astype(np.float64))
+
+
 def test_corenp_has_only_core_ops():
     bk = load("corenp")
     assert sorted(bk.composed) == sorted(contract.FUSED)

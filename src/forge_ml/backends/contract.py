@@ -62,6 +62,12 @@ class Memory(Protocol):
         """Copy ``array`` into the host array ``out``; returns None when the copy is done
         already, else a handle whose ``synchronize()`` waits for it."""
 
+    def from_host_async(self, dst: Array, src) -> None:
+        """Copy the host array ``src`` (from ``pinned_empty``, ``dst``'s size and dtype, not
+        bfloat16) into ``dst``, ordered with the kernels: queued behind the work before it
+        (so ``dst`` may still be in use by that work), done before the work after it. The
+        host must not write ``src`` until that later work has started; returns None."""
+
 
 @runtime_checkable
 class CoreKernels(Protocol):
@@ -235,7 +241,7 @@ class Capabilities(Protocol):
 
 
 MEMORY = ("zeros", "from_host", "to_host", "cast", "copy", "assign", "synchronize",
-          "pinned_empty", "to_host_async")
+          "pinned_empty", "to_host_async", "from_host_async")
 CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "layernorm_bwd",
         "softmax", "softmax_bwd", "logsumexp", "split_heads", "unsplit_head", "merge_heads",
         "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout",

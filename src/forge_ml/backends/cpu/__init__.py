@@ -38,7 +38,7 @@ from ... import rng as _rng
 from .. import compose as _compose
 from . import native as _native
 from . import reference
-from .reference import (add, assign, cast, copy, decode_attention, embedding, from_host,
+from .reference import (add, assign, cast, copy, decode_attention, embedding, from_host, from_host_async,
                         greedy_next, kv_append, logsumexp, merge_heads, pinned_empty, softmax,
                         softmax_bwd, split_heads, sum_rows, synchronize, to_host, to_host_async,
                         unmerge_heads, unsplit_head, zeros)
@@ -51,7 +51,7 @@ HOST_MEMORY = True  # arrays are NumPy arrays: reading one costs no device wait
 __all__ = ["NAME", "BF16", "GRAPHS", "HOST_MEMORY", "start", "reference",
            # memory
            "zeros", "from_host", "to_host", "cast", "copy", "assign", "synchronize",
-           "pinned_empty", "to_host_async",
+           "pinned_empty", "to_host_async", "from_host_async",
            # core kernels
            "matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm",
            "layernorm_bwd", "softmax", "softmax_bwd", "logsumexp", "split_heads",

@@ -100,6 +100,11 @@ def to_host_async(array, out):
     np.copyto(out, array.reshape(out.shape))
 
 
+def from_host_async(dst, src):
+    """Copy ``src`` into ``dst`` now (every earlier kernel has finished on the CPU)."""
+    np.copyto(dst, src.reshape(dst.shape))
+
+
 # ---------------------------------------------------------------------------------------------
 # matmul (its backward is matmul again, with trans_a / trans_b)
 # ---------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from .layout import (embedding, merge_heads, scatter_add_rows, split_heads, unme
                      unsplit_head)
 from .linear import linear, matmul, matmul_dgelu, matmul_gelu, weight_grads
 from .many import adamw_update_many_at, sumsq_total
-from .memory import (assign, cast, copy, from_host, pinned_empty, release_cached, to_host,
+from .memory import (assign, cast, copy, from_host, from_host_async, pinned_empty, release_cached, to_host,
                      to_host_async, zeros)
 from .pointwise import (adamw_update, adamw_update_at, add, clip_scale, dropout, dropout_at, gelu,
                         gelu_bwd, scale)
@@ -73,6 +73,7 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     "NAME", "BF16", "GRAPHS", "HOST_MEMORY", "select", "use_device", "device_name",
     "synchronize", "compile_source", "kernel_source", "CapturedGraph", "capture_graph",
     "zeros", "from_host", "to_host", "cast", "copy", "assign", "pinned_empty", "to_host_async",
+    "from_host_async",
     "release_cached",
     "matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "layernorm_bwd",
     "softmax", "softmax_bwd", "logsumexp", "split_heads", "unsplit_head", "merge_heads",

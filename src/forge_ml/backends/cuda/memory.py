@@ -109,6 +109,21 @@ def assign(dst, values):
         dst.set(np.ascontiguousarray(values, dtype=dst.dtype))
 
 
+@_guarded
+def from_host_async(dst, src):
+    """Queue a copy of the host array ``src`` (pinned, ``dst``'s size and dtype) into ``dst``
+    on the current stream: it runs after the work queued before it, and the host returns at
+    once (``src`` must stay as it is until the copy has run)."""
+    if not dst.flags.c_contiguous or dst.dtype == BF16:
+        raise ShapeError("from_host_async: dst must be C-contiguous and not bfloat16")
+    if src.nbytes != dst.nbytes or src.dtype != dst.dtype:
+        raise ShapeError(f"from_host_async: {src.dtype} {src.shape} into {dst.dtype} {dst.shape}")
+    if dst.nbytes:
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, dst.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice,
+                                      cupy.cuda.get_current_stream().ptr)
+
+
 class _Copy:
     """A device-to-host copy in flight: ``synchronize()`` waits for it."""
 
