@@ -27,6 +27,15 @@ device works; its ``result()`` waits (``run`` is the two together):
 >>> pending = step.submit([(x, (x + 1) % 16)], seeds=[1], lr=1e-2)
 >>> pending.result().taken, opt.steps
 (True, 2)
+
+``preload`` queues the next step's values behind the step in flight, so that nothing is
+copied between the two (``submit`` of the same batches then writes nothing):
+
+>>> nxt = [(x, (x + 2) % 16)]
+>>> pending = step.submit([(x, (x + 1) % 16)], seeds=[2], lr=1e-2)
+>>> step.preload(nxt, seeds=[3], lr=1e-2)
+>>> pending.result().taken, step.submit(nxt, seeds=[3], lr=1e-2).result().taken, opt.steps
+(True, True, 4)
 """
 from __future__ import annotations
 
