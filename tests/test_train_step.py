@@ -77,21 +77,29 @@ def test_a_non_finite_step_updates_nothing():
         np.testing.assert_array_equal(o.v[k].numpy(), moments[k], err_msg=k)
 
 
+def _use_step(monkeypatch, target) -> list:
+    """``target`` (a Trainer, or the class: every Trainer) takes its steps through a TrainStep;
+    returns the list of the TrainSteps made."""
+    made = []
+
+    def fast_step(self):
+        if self._fast is None:
+            c = self.cfg
+            self._fast = TrainStep(self.model, self.opt, c.batch_size, c.block_size, c.grad_accum, c.grad_clip)
+            made.append(self._fast)
+        return self._fast
+
+    monkeypatch.setattr(target, "_fast_step", fast_step if isinstance(target, type)
+                        else types.MethodType(fast_step, target))
+    return made
+
+
 def test_the_trainer_through_the_step_logs_what_the_op_by_op_trainer_logs(text_file, tmp_path, monkeypatch):
     kw = dict(dropout=0.1, grad_accum=2, max_steps=5, grad_clip=0.05)
     plain = Trainer(_cfg(text_file, tmp_path / "a", **kw), log=None)
     out_a = plain.train()
     fast = Trainer(_cfg(text_file, tmp_path / "b", **kw), log=None)
-    made = []
-
-    def fast_step():
-        if fast._fast is None:
-            c = fast.cfg
-            fast._fast = TrainStep(fast.model, fast.opt, c.batch_size, c.block_size, c.grad_accum, c.grad_clip)
-            made.append(fast._fast)
-        return fast._fast
-
-    monkeypatch.setattr(fast, "_fast_step", fast_step)
+    made = _use_step(monkeypatch, fast)
     out_b = fast.train()
     assert made and out_a["losses"] == out_b["losses"] and out_a["val_loss"] == out_b["val_loss"]
     for k in plain.model.params:
@@ -175,17 +183,7 @@ def test_a_step_built_for_one_shape_refuses_another():
 def through_step(monkeypatch):
     """Every Trainer takes its steps through a TrainStep (on the CPU: the same step, run eagerly),
     as a GPU's trainer does through its captured graph."""
-    made = []
-
-    def fast_step(self):
-        if self._fast is None:
-            c = self.cfg
-            self._fast = TrainStep(self.model, self.opt, c.batch_size, c.block_size, c.grad_accum, c.grad_clip)
-            made.append(self._fast)
-        return self._fast
-
-    monkeypatch.setattr(Trainer, "_fast_step", fast_step)
-    return made
+    return _use_step(monkeypatch, Trainer)
 
 
 def _saves(monkeypatch):
