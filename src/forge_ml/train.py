@@ -966,7 +966,10 @@ class Trainer:
 
         A KeyboardInterrupt while the gradients are computed gives the step up: the data
         loader goes back to where the step began, and the model is untouched. The optimizer
-        update itself is never interrupted by ``train()``'s signal handlers."""
+        update itself is never interrupted by ``train()``'s signal handlers. Through the
+        captured step (a GPU) the loader has then drawn the next step's batches already;
+        ``save()`` and the end of ``train()`` give them back, so a checkpoint's data position
+        is this step's."""
         cfg, step = self.cfg, self.step
         t0 = time.perf_counter()
         lr = cosine_lr(step, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr)
