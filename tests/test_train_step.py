@@ -342,3 +342,22 @@ def test_the_trainer_through_the_step_writes_each_steps_values_behind_the_step_b
     t = Trainer(_cfg(text_file, tmp_path / "r", max_steps=6, checkpoint_interval=3, dropout=0.1), log=None)
     t.train()
     assert len(loads) == 2   # step 1, and step 4 (the checkpoint gave the drawn batches back)
+
+
+def test_a_failure_drawing_ahead_leaves_the_step_counted_and_raises_at_the_next(
+        text_file, tmp_path, monkeypatch, through_step):
+    """The next step's batches drawn during a step fail to come (a shard unreadable): the step
+    on the device still counts, and the error comes when the next step draws for itself."""
+    from forge_ml.errors import DataError
+    t = Trainer(_cfg(text_file, tmp_path / "r", max_steps=4), log=None)
+    t.train_step()
+
+    def next_batch():
+        raise DataError("shard unreadable")
+
+    t.train_loader.next_batch = next_batch   # step 2's batches were drawn in step 1; step 3's fail
+    t.train_step()
+    assert t.step == 2 and t.opt.steps == 2 and t._staged is None and t.train_loader.batches_drawn == 2
+    with pytest.raises(DataError, match="shard unreadable"):
+        t.train_step()
+    assert t.step == 2 and t.opt.steps == 2

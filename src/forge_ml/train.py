@@ -1061,10 +1061,15 @@ class Trainer:
                     self._flush_log()
                 except RunError:
                     pass   # the record stays queued; the next write, after this step, raises
-            self._stage()
-            nxt = step + 1   # its values queued behind this step: no copy between the two
-            fast.preload(self._staged[1], [dropout_seed(cfg.seed, nxt, m) for m in range(cfg.grad_accum)],
-                         cosine_lr(nxt, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr))
+            try:
+                self._stage()
+                nxt = step + 1   # its values queued behind this step: no copy between the two
+                fast.preload(self._staged[1], [dropout_seed(cfg.seed, nxt, m) for m in range(cfg.grad_accum)],
+                             cosine_lr(nxt, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr))
+            except Exception:
+                # this step is on the device and counts; the next one draws its own batches
+                # (and meets the same error there, with the model and the counters agreeing)
+                self._unstage()
             res = pending.result()
         except KeyboardInterrupt:
             self._staged = None
