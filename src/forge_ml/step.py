@@ -122,7 +122,7 @@ class TrainStep:
         # behind the step, and one wait covers them); made at the first step, when the
         # losses' dtype is known. Only one step is in flight, so one set serves every step.
         self._loss_host: Optional[list] = None
-        self._scalars_host = host_buffer((6,), "float64", dev)
+        self._scalars_host = host_buffer((len(ops.STEP_SCALARS),), "float64", dev)
         self._pending: Optional[PendingStep] = None
         # preload's page-locked copies of a step's values, two sets used in turn: the set a
         # preload writes was last read by the copies before the step before the one in flight
@@ -179,7 +179,7 @@ class TrainStep:
             def one_set():
                 return ([(host_buffer(self.shape, "int64", self.device), host_buffer(self.shape, "int64", self.device),
                           host_buffer((1,), "int64", self.device)) for _ in range(self.accum)],
-                        host_buffer((6,), "float64", self.device))
+                        host_buffer((len(ops.STEP_SCALARS),), "float64", self.device))
             self._host_in = [one_set(), one_set()]
         self._host_in.reverse()
         micro, scalars = self._host_in[0]
@@ -193,7 +193,12 @@ class TrainStep:
             ty.copy_from_host(hy)
             ts.copy_from_host(hs)
         self.opt.scalars.copy_from_host(scalars)
-        self._preloaded = (batches, tuple(int(v) for v in seeds), float(lr))
+        self._preloaded = self._key(batches, seeds, lr)
+
+    @staticmethod
+    def _key(batches, seeds, lr) -> tuple:
+        """What a preload is matched on: the batches object itself, the seeds and the lr."""
+        return batches, tuple(int(v) for v in seeds), float(lr)
 
     def submit(self, batches: Sequence, seeds: Sequence[int], lr: float) -> PendingStep:
         """Queue one step and return without waiting for the device: ``batches`` are
@@ -204,7 +209,8 @@ class TrainStep:
         if self._pending is not None:
             self._pending.result()
         pre, self._preloaded = self._preloaded, None
-        if pre is None or pre[0] is not batches or pre[1:] != (tuple(int(v) for v in seeds), float(lr)):
+        key = self._key(batches, seeds, lr)
+        if pre is None or pre[0] is not batches or pre[1:] != key[1:]:
             self._load(batches, seeds, lr)
         if self._graph is not None:
             self._graph.replay()

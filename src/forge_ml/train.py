@@ -941,8 +941,10 @@ class Trainer:
         if not later:
             self._flush_log()
 
-    def _flush_log(self) -> None:
-        """Write the records ``_write_log`` holds (see there); nothing when none waits."""
+    def _flush_log(self, quiet: bool = False) -> None:
+        """Write the records ``_write_log`` holds (see there); nothing when none waits.
+        ``quiet``: a failed write raises nothing; the records stay held, and the next write
+        tries them first (and raises)."""
         if not self._unlogged:
             return
         try:
@@ -953,6 +955,8 @@ class Trainer:
                     f.truncate(self._log_end)
                 f.write("".join(json.dumps(r) + "\n" for r in self._unlogged))
         except OSError as e:
+            if quiet:
+                return
             raise RunError(cannot_write(self.log_path, e, self._kept())) from None
         self._unlogged, self._log_end = [], None
 
@@ -1056,11 +1060,7 @@ class Trainer:
         self._phase = "update"
         try:
             pending = fast.submit(batches, seeds, lr)
-            if self._unlogged:
-                try:
-                    self._flush_log()
-                except RunError:
-                    pass   # the record stays queued; the next write, after this step, raises
+            self._flush_log(quiet=True)   # a failure raises at the next write, after this step
             try:
                 self._stage()
                 nxt = step + 1   # its values queued behind this step: no copy between the two
@@ -1189,10 +1189,7 @@ class Trainer:
         failed write (full disk, read-only folder) keeps the previous checkpoint and raises a
         one-line CheckpointError that says so."""
         self._unstage()       # the loader's state is saved as of this step
-        try:
-            self._flush_log()     # a record the captured step held back
-        except RunError:
-            pass                  # the checkpoint matters more; the next write raises
+        self._flush_log(quiet=True)   # a record the captured step held back (the checkpoint matters more)
         masters = {k: t.numpy() for k, t in self.opt.params.items()}   # float32, also in bf16 runs
         return self._write_checkpoint(masters, self.opt.state_dict())
 
@@ -1289,10 +1286,7 @@ class Trainer:
             for s, h in old.items():
                 signal.signal(s, h)
             self._close_bar()
-            try:
-                self._flush_log()
-            except RunError:
-                pass   # the records stay queued: the next write tries them first
+            self._flush_log(quiet=True)
             self.lock.release()
 
     def _train(self, until: Optional[int]) -> dict:
