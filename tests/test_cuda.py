@@ -490,6 +490,27 @@ def test_layernorm_bwd_sums_kernel(be, rs, rows, cols, with_add):
 
 
 @cuda
+@pytest.mark.parametrize("rows,cols", [(4096, 3072), (1000, 264), (37, 16), (5, 8)])
+def test_gelu_bwd_colsum_16_byte_kernel(be, rs, rows, cols):
+    """gelu.cu's gelu_bwd_colsum8_bf16 (bf16, K a multiple of 8: GPT-2's MLP backward): dx
+    against float64 within bf16's rounding (its tanh is 1 - 2 / (1 + e^2u), not tanhf), the
+    same dx as the 4-wide kernel within one bf16 step, and db the sums of the dx it wrote."""
+    from forge_ml.backends.cuda import rows as cuda_rows
+    x = values(rs, (rows, cols), "bfloat16", scale=2.0)
+    dy = values(rs, (rows, cols), "bfloat16", scale=0.5)
+    xd, dyd = dev(be, x, "bfloat16"), dev(be, dy, "bfloat16")
+    dx, db = cuda_rows.gelu_bwd_colsum(xd, dyd)
+    got = host(be, dx)
+    check("gelu_bwd_colsum8 dx", got, reference.gelu_bwd(x, dy), TOL["bfloat16"])
+    written = got.sum(0)
+    np.testing.assert_allclose(host(be, db), written, rtol=1e-2, atol=1e-2 * np.abs(written).max())
+    old = host(be, be.gelu_bwd(xd, dyd))   # the elementwise kernel: tanhf
+    # one bf16 step apart, or (where tanh is within float32's spacing of -1, x < -5 or so,
+    # and both forms are inexact) a few 1e-7 of the largest value
+    assert np.all(np.abs(got - old) <= 2.0 ** -7 * np.abs(old) + 1e-6 * np.abs(old).max())
+
+
+@cuda
 def test_layernorm_bf16_rows_off_a_16_byte_boundary(be, rs):
     """bf16 rows that start 2 bytes into a buffer (a view, C-contiguous) cannot take the 16-byte
     vector kernels: the warp-per-row kernels give the float64 reference's values."""

@@ -53,12 +53,24 @@ def sum_rows(x):
 
 def gelu_bwd_colsum(x, dy):
     """``(gelu_bwd(x, dy), sum_rows of it)`` for 2-D ``x``, ``dy`` of one dtype, the sums taken
-    as the gradient is written (gelu.cu's ``gelu_bwd_colsum``); None where the kernel's 4-wide
+    as the gradient is written (gelu.cu's ``gelu_bwd_colsum``, and for bf16 rows of a multiple
+    of 8 columns on 16-byte boundaries ``gelu_bwd_colsum8_bf16``); None where the 4-wide
     vectors do not fit (columns not a multiple of 4, or an operand off a 4-element boundary)."""
     R, K = x.shape
     if K % 4 or R == 0 or any(a.data.ptr % (4 * a.itemsize) for a in (x, dy)):
         return None
     dx, db = _empty((R, K), x.dtype), _empty((K,), x.dtype)
+    if x.dtype == BF16 and K % 8 == 0 and not any(a.data.ptr % 16 for a in (x, dy, dx)):
+        # the 16-byte kernel: chunks of rows for about four blocks an SM, one wave
+        cols = -(-K // 256)
+        S = max(1, min(-(-R // 16), 4 * _sm_count(_dev()) // cols))
+        chunk = -(-(-(-R // S)) // 16) * 16
+        S = -(-R // chunk)
+        part = _empty((S, K), F32)
+        _launch("gelu", "gelu_bwd_colsum8_bf16", (cols, S), (32, 8),
+                (x, dy, dx, part, _i64(R), _i32(K), _i64(chunk)))
+        _colsum_finish(part, db, S, K)
+        return dx, db
     chunk, S = _chunks(R)
     part = _empty((S, K), _acc_dtype(x.dtype))
     _launch("gelu", f"gelu_bwd_colsum_{_float_sfx(x)}", (-(-K // 128), S), (32, 8),
