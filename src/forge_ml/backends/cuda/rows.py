@@ -63,8 +63,8 @@ def gelu_bwd_colsum(x, dy):
     if x.dtype == BF16 and K % 8 == 0 and not any(a.data.ptr % 16 for a in (x, dy, dx)):
         # the 16-byte kernel: chunks of rows for about four blocks an SM, one wave
         cols = -(-K // 256)
-        S = max(1, min(-(-R // 16), 4 * _sm_count(_dev()) // cols))
-        chunk = -(-(-(-R // S)) // 16) * 16
+        want = max(1, min(-(-R // 16), 4 * _sm_count(_dev()) // cols))   # chunks wanted
+        chunk = 16 * -(-R // (16 * want))                                  # rows, a multiple of 16
         S = -(-R // chunk)
         part = _empty((S, K), F32)
         _launch("gelu", "gelu_bwd_colsum8_bf16", (cols, S), (32, 8),
