@@ -537,8 +537,9 @@ def test_embedding_with_a_device_position_and_a_missing_root_are_tape_errors():
 
 def test_gpt2_gradients_with_the_layernorm_bias_sums_equal_the_layers_own():
     """A GPT-2 block stack on the tape with FORGE_BIAS_SUMS on (the layernorm backwards sum
-    the projections' bias gradients) gives every gradient the switch-off tape gives, and the
-    sums were handed to the layers (2 a layer: attention's projection and the MLP's)."""
+    the projections' bias gradients, the attention backward c_attn's) gives every gradient the
+    switch-off tape gives, and the sums were handed to the layers (3 a layer: c_attn through
+    the reshape to (B, T, 3C), attention's projection and the MLP's)."""
     import forge_ml.ops as fops
     from forge_ml import flags
     from forge_ml.models import GPT2, GPT2Config
@@ -556,7 +557,7 @@ def test_gpt2_gradients_with_the_layernorm_bias_sums_equal_the_layers_own():
     try:
         with flags.override(FORGE_BIAS_SUMS="on"):
             _, on = model.loss_and_grads(ids, tgt)
-        assert sum(handed) == 2 * cfg.n_layer
+        assert sum(handed) == 3 * cfg.n_layer
         handed.clear()
         with flags.override(FORGE_BIAS_SUMS="off"):
             _, off = model.loss_and_grads(ids, tgt)
@@ -565,3 +566,39 @@ def test_gpt2_gradients_with_the_layernorm_bias_sums_equal_the_layers_own():
         fops.weight_grads = real
     for k in on:
         np.testing.assert_array_equal(on[k].numpy(), off[k].numpy(), err_msg=k)
+
+
+@pytest.mark.parametrize("shape,through", [((2, 2, 6), True), ((2, 12), False)])
+def test_bias_sums_pass_a_reshape_only_when_it_keeps_the_last_axis(shape, through):
+    """A layer's output reshaped, then a layernorm: its backward's row sums reach the layer's
+    weight_grads through a reshape that keeps the last axis (the same rows, grouped), and not
+    through one that changes it (other columns: the sums would be another vector). The
+    gradients equal the switch-off tape's either way."""
+    import forge_ml.ops as fops
+    from forge_ml import flags
+    rs = np.random.default_rng(5)
+    a0, w0, b0 = (rs.standard_normal(s).astype(np.float32) for s in ((4, 3), (3, 6), (6,)))
+    g0, be0 = rs.standard_normal(shape[-1:]).astype(np.float32), np.zeros(shape[-1:], np.float32)
+    dy0 = rs.standard_normal(shape).astype(np.float32)
+    real, handed = fops.weight_grads, []
+
+    def spy(x, dy, alpha=1.0, dy_sums=None):
+        handed.append(dy_sums is not None)
+        return real(x, dy, alpha, dy_sums=dy_sums)
+
+    def grads(switch):
+        with flags.override(FORGE_BIAS_SUMS=switch):
+            t = Tape()
+            a, w, b, g, be = (t.leaf(fm.tensor(v)) for v in (a0, w0, b0, g0, be0))
+            y = t.layernorm(t.reshape(t.matmul(a, w, b), *shape), g, be)
+            got = t.backward(y, fm.tensor(dy0))
+            return [got[v.id].numpy() for v in (a, w, b)]
+    fops.weight_grads = spy
+    try:
+        on = grads("on")
+        assert handed == [through]
+        off = grads("off")
+    finally:
+        fops.weight_grads = real
+    for x, y in zip(on, off):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)

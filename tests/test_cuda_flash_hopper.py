@@ -149,6 +149,36 @@ def test_wgmma_backward_on_fused_rows_and_same_bits(be, rs, B, T, H, qd_shared, 
         assert plain[..., C:].tobytes() == got[..., C:].tobytes()
 
 
+@pytest.mark.parametrize("qd_shared,kv_shared,rows", SHARED)
+@pytest.mark.parametrize("B,T,H", [(2, 1024, 12), (3, 77, 4), (1, 64, 2)])
+def test_wgmma_backward_column_sums(be, rs, B, T, H, qd_shared, kv_shared, rows):
+    """With sums the kernels also sum the dq, dk and dv they write over rows (GPT-2's c_attn
+    bias gradient): dqkv keeps its bits, the sums are those of the dqkv written (float64 over
+    its bf16 values) within bf16's rounding of the result (the pool's NaN bytes show a partial
+    row left unwritten; T = 64 with 128 rows a block has a warpgroup past the last row), and
+    the backend's attention_qkv_bwd_sums takes them when the switch says wgmma."""
+    C = H * HS
+    scale = 1.0 / math.sqrt(HS)
+    qkv, dy = dev(be, bf16_values(rs, (B, T, 3 * C))), dev(be, bf16_values(rs, (B, T, C)))
+    y, lse = be.attention_qkv(qkv, H, scale)
+    plain = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, qd_shared, kv_shared, rows)
+    dqkv, sums = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, qd_shared, kv_shared, rows,
+                                          sums=True)
+    assert host(be, dqkv).tobytes() == host(be, plain).tobytes()
+    d = host(be, dqkv).astype(np.float64).reshape(-1, 3 * C)
+    want, got = d.sum(axis=0), host(be, sums).astype(np.float64)
+    assert got.shape == (3 * C,) and str(sums.dtype) == "bfloat16"
+    err = np.abs(got - want)
+    bound = np.abs(want) * 2.0 ** -8 + 1e-5 * np.abs(d).sum(axis=0)
+    assert np.all(err <= bound), (f"column sums: worst {err.max():.3g} at column "
+                                  f"{int(np.argmax(err - bound))}")
+    with flags.override(FORGE_WGMMA_ATTENTION="on"):
+        d2, s2 = be.attention_qkv_bwd_sums(qkv, y, lse, dy, H, scale)
+    default = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, True, True, 128, sums=True)
+    assert host(be, d2).tobytes() == host(be, default[0]).tobytes()
+    assert host(be, s2).tobytes() == host(be, default[1]).tobytes()
+
+
 def test_the_switch_sends_the_backend_ops_to_the_wgmma_kernels(be, rs):
     """FORGE_WGMMA_ATTENTION=on: attention, attention_bwd, attention_qkv(_bwd) without dropout
     take flash_hopper.cu (the same bits as calling it directly); with dropout they stay on

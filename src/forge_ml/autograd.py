@@ -209,12 +209,15 @@ class Tape:
         ia, ib = a.id, b.id
         ibias = None if bias is None else bias.id
         sa, sb = _Saved(a.t, "matmul"), _Saved(b.t, "matmul")
+        # a layer (2-D a, a bias): dB and sum_rows(dY) at once, or sum_rows(dY) as made by the
+        # backward that wrote dY (``sums``: an attention backward, through a reshape)
+        layer = ibias is not None and a.t.ndim == 2 and not trans_b
 
-        def backward(dy):
+        def backward(dy, sums=None):
             at, bt = sa.get(), sb.get()
             if not trans_b:
-                if ibias is not None and at.ndim == 2:    # a layer: dB and sum_rows(dY) at once
-                    return _layer_grads(ia, ib, ibias, at, bt, dy, alpha)
+                if layer:
+                    return _layer_grads(ia, ib, ibias, at, bt, dy, alpha, sums=sums)
                 da = ops.matmul(dy, bt, trans_b=True, alpha=alpha)   # Y = aAB:  dA = a dY B^T
                 db = ops.matmul(at, dy, trans_a=True, alpha=alpha)   #           dB = a A^T dY
             else:
@@ -225,7 +228,7 @@ class Tape:
                 grads.append((ibias, ops.sum_rows(dy)))
             return grads
 
-        return self._record(out, backward)
+        return self._record(out, backward, sums=layer)
 
     def matmul_add(self, a: TVar, b: TVar, bias: TVar, residual: TVar) -> TVar:
         """``residual + a @ b + bias`` for 2-D ``a``: a linear layer and the residual add after
@@ -408,7 +411,17 @@ class Tape:
         self._check(x)
         out = x.t.reshape(*shape)
         ix, old = x.id, x.t.shape
-        return self._record(out, lambda dy: [(ix, dy.reshape(old))])
+        # the last axis kept and x a layer's output whose rule takes its gradient's row sums:
+        # sums made for this node's gradient are those of x's too, and pass through
+        through = ix in self._sums_to and old[-1:] == out.shape[-1:] and len(old) > 0
+
+        def backward(dy, sums=None):
+            dx = dy.reshape(old)
+            if sums is not None:
+                self._sums[ix] = (dx, sums)
+            return [(ix, dx)]
+
+        return self._record(out, backward, sums=through)
 
     def attention(self, q: TVar, k: TVar, v: TVar, scale: Optional[float] = None) -> TVar:
         """Fused causal self-attention over ``(…, H, T, hs)``; saves q, k, v, out and the
@@ -461,6 +474,10 @@ class Tape:
         iq = qkv.id
         saved = [_Saved(t, "attention_qkv") for t in (qkv.t, out, lse)]
         sseed = _saved_seed(seed, "attention_qkv") if p else None
+        # qkv made by a linear layer with a bias (GPT-2's c_attn, through a reshape): as
+        # layernorm's backward, this one also sums the dqkv it writes, for that layer's bias
+        # gradient
+        sums = not p and iq in self._sums_to and flags.on("FORGE_BIAS_SUMS")
 
         def backward(dy):
             qt, ot, lt = (s.get() for s in saved)
@@ -468,6 +485,10 @@ class Tape:
                 sseed.get()
             if p:
                 return [(iq, ops.attention_qkv_dropout_bwd(qt, ot, lt, dy, n_head, p, seed, scale))]
+            if sums:
+                dqkv, s = ops.attention_qkv_bwd(qt, ot, lt, dy, n_head, scale, sums=True)
+                self._sums[iq] = (dqkv, s)
+                return [(iq, dqkv)]
             return [(iq, ops.attention_qkv_bwd(qt, ot, lt, dy, n_head, scale))]
 
         return self._record(out, backward)

@@ -606,18 +606,30 @@ def attention_qkv(qkv, n_head, scale=None):
     return _wrap(qkv, y), _wrap(qkv, lse)
 
 
-def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale=None) -> Tensor:
+def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale=None, sums=False):
     """``dL/dqkv (B, T, 3C)`` of ``attention_qkv`` given its output ``y``, ``lse`` and
-    ``dL/dy``.
+    ``dL/dy``. With ``sums``, ``(dqkv, sum_rows(dqkv))`` (the fused op
+    ``attention_qkv_bwd_sums``; on the GPU the kernels sum what they write): the bias gradient
+    of the linear layer whose output qkv is, when dqkv is qkv's whole gradient (the tape hands
+    it to that layer's ``weight_grads``).
 
     >>> import numpy as np, forge_ml as fm
     >>> qkv = fm.tensor(np.random.default_rng(0).standard_normal((1, 3, 6)).astype(np.float32))
     >>> y, lse = attention_qkv(qkv, 1)
-    >>> attention_qkv_bwd(qkv, y, lse, fm.tensor(np.ones((1, 3, 2), np.float32)), 1).shape
+    >>> dy = fm.tensor(np.ones((1, 3, 2), np.float32))
+    >>> attention_qkv_bwd(qkv, y, lse, dy, 1).shape
     (1, 3, 6)
+    >>> dqkv, s = attention_qkv_bwd(qkv, y, lse, dy, 1, sums=True)
+    >>> s.shape, bool(np.allclose(s.numpy(), dqkv.numpy().sum(axis=(0, 1)), atol=1e-6))
+    ((6,), True)
     """
     op = "attention_qkv_bwd"
     scale, bk = _qkv_bwd_check(op, qkv, y, lse, dy, n_head, scale)
+    if sums:
+        if qkv.numel == 0:
+            return _empty(qkv, qkv.shape), _empty(qkv, qkv.shape[-1:])
+        dqkv, s = bk.attention_qkv_bwd_sums(qkv.data, y.data, lse.data, dy.data, n_head, scale)
+        return _wrap(qkv, dqkv), _wrap(qkv, s)
     return _wrap(qkv, bk.attention_qkv_bwd(qkv.data, y.data, lse.data, dy.data, n_head, scale))
 
 

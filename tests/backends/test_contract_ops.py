@@ -299,6 +299,11 @@ def test_attention_qkv(bk, dt, rs):
     for how, fn in both(bk, "attention_qkv_bwd"):
         close(host(bk, fn(dev(bk, qkv), y, lse, dev(bk, dy), H, 0.5)), dqkv_ref, dt,
               f"attention_qkv_bwd ({how})")
+    # with the row sums of dqkv (the bias gradient of the layer that made qkv)
+    for how, fn in both(bk, "attention_qkv_bwd_sums"):
+        got = fn(dev(bk, qkv), y, lse, dev(bk, dy), H, 0.5)
+        close(host(bk, got[0]), dqkv_ref, dt, f"attention_qkv_bwd_sums dqkv ({how})")
+        close(host(bk, got[1]), ref.sum_rows(dqkv_ref), dt, f"attention_qkv_bwd_sums sums ({how})")
 
 
 @pytest.mark.parametrize("seed_form", ["int", "at"])

@@ -149,6 +149,13 @@ def attention_qkv_bwd(bk, qkv, y, lse, dy, n_head, scale):
     return bk.add(dqkv, bk.unsplit_head(dv, 2))
 
 
+def attention_qkv_bwd_sums(bk, qkv, y, lse, dy, n_head, scale):
+    """``(dqkv, sum_rows(dqkv))``: ``attention_qkv_bwd``, then ``sum_rows`` of the dqkv it
+    gave."""
+    dqkv = bk.attention_qkv_bwd(qkv, y, lse, dy, n_head, scale)
+    return dqkv, bk.sum_rows(dqkv)
+
+
 def _dropout(bk, x, p, seed):
     """``dropout(x, p, seed)`` for a seed of either form: an int, or ``(base, site)`` (the stream
     ``rng.mix(base[0], site)``): ``dropout_at`` where the backend has it (``contract.GRAPH``),

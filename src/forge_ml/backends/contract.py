@@ -164,6 +164,13 @@ class FusedKernels(Protocol):
     def attention_qkv_bwd(self, qkv, y, lse, dy, n_head: int, scale: float) -> Array:
         """``dqkv (B, T, 3C)``."""
 
+    def attention_qkv_bwd_sums(self, qkv, y, lse, dy, n_head: int,
+                               scale: float) -> Tuple[Array, Array]:
+        """``(dqkv, sum_rows(dqkv))``: the backward that writes qkv's whole gradient also sums
+        it over rows, the bias gradient of the linear layer whose output qkv is (GPT-2's
+        c_attn; on the GPU the kernels sum the dq, dk and dv they write, as rounded to qkv's
+        dtype)."""
+
     def attention_qkv_dropout(self, qkv, n_head: int, scale: float, p: float,
                               seed) -> Tuple[Array, Array]:
         """``attention_qkv`` with inverted dropout at rate ``p`` on the probabilities: ``y =
@@ -247,7 +254,7 @@ CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "
         "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout",
         "cross_entropy", "cross_entropy_bwd", "adamw_update")
 FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
-         "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear", "matmul_gelu",
+         "attention_qkv_bwd_sums", "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear", "matmul_gelu",
          "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "layernorm_bwd_sums",
          "linear_cross_entropy", "scale",
          "decode_attention", "greedy_next", "sample_next")

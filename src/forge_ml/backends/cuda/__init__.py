@@ -44,7 +44,8 @@ from . import runtime as _runtime
 from .attention import (_attention_bwd_composed, _attention_bwd_flash_hopper,
                         _attention_composed, _attention_flash_hopper, _flash_wanted, _hopper_ok,
                         _qkv_flash_bwd_hopper, _qkv_flash_fwd_hopper, _qkv_flash_ok, attention, attention_bwd, attention_qkv,
-                        attention_qkv_bwd, attention_qkv_dropout, attention_qkv_dropout_bwd,
+                        attention_qkv_bwd, attention_qkv_bwd_sums, attention_qkv_dropout,
+                        attention_qkv_dropout_bwd,
                         decode_attention, kv_append)
 from .classifier import linear_cross_entropy
 from .decoder import decode_gpt2, decode_gpt2_ok
@@ -79,7 +80,8 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     "softmax", "softmax_bwd", "logsumexp", "split_heads", "unsplit_head", "merge_heads",
     "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout", "cross_entropy",
     "cross_entropy_bwd", "adamw_update", "attention", "attention_bwd", "attention_qkv",
-    "attention_qkv_bwd", "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
+    "attention_qkv_bwd", "attention_qkv_bwd_sums", "attention_qkv_dropout",
+    "attention_qkv_dropout_bwd", "linear",
     "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "layernorm_bwd_sums",
     "decode_attention", "greedy_next", "sample_next",
     "linear_cross_entropy", "scale",

@@ -31,7 +31,7 @@ from .. import compose as _compose
 from .cublas import _matmul_into
 from .layout import merge_heads, split_heads, unmerge_heads
 from .memory import _c, _like, _pos_array
-from .rows import _softmax_bwd_into, _softmax_into
+from .rows import _colsum_finish, _softmax_bwd_into, _softmax_into
 from .runtime import (BF16, F32, _SFX, _THREADS, _acc, _acc_dtype, _cc, _dev, _empty, _float_sfx,
                       _grid, _guarded, _i32, _i64, _launch, _launcher_ex, _package,
                       _set_max_shared, _sm_count, _word, cupy)
@@ -216,14 +216,25 @@ def _hopper_opts(hopper):
         "r" + flags.get("FORGE_WGMMA_ROWS")}
 
 
-def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop, hopper):
+def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop, hopper,
+            part=None):
     """The backward's two launches, dq (writing D = rowsum(dout * out)) then dk and dv (reading
     it), as ``_fa_fwd`` chooses its kernel; ``hopper`` a set (``_hopper_bwd``) names the
-    shared-operand wgmma kernels to take."""
+    shared-operand wgmma kernels to take. ``part`` (wgmma kernels on the fused layout only):
+    a float32 ``(B * ceil(T / 64), 3C)`` array the kernels fill with the column sums of dq, dk
+    and dv (each 64 rows of a batch a row; ``_qkv_flash_bwd`` adds them)."""
     D = _empty(lse.shape, F32)
     dq_args = (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
     kv_args = (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
     if hopper:
+        if part is None:   # part_ld 0: no sums (the pointers then only need to be valid)
+            sums_q, sums_kv = (D, _i32(0)), (D, D, _i32(0))
+        else:
+            flat, C = part.reshape(-1), part.shape[1] // 3
+            sums_q = (flat, _i32(part.shape[1]))
+            sums_kv = (flat[C:], flat[2 * C:], _i32(part.shape[1]))
+        dq_args = dq_args[:8] + sums_q + dq_args[8:]
+        kv_args = kv_args[:8] + sums_kv + kv_args[8:]
         shared = _hopper_opts(hopper)
         if "qd" in shared and "r128" in shared:   # 128 rows: the shared-operand kernel only
             name = "flash_bwd_dq_wgmma_qds_r128_bf16_h64"
@@ -244,6 +255,8 @@ def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop
             _launch("flash_hopper", "flash_bwd_dkdv_wgmma_bf16_h64", _flash_grid(bh, Tk),
                     _FLASH_THREADS, kv_args)
     else:
+        if part is not None:
+            raise ShapeError("the column sums of the attention backward need the wgmma kernels")
         extra = drop or _NO_DROP
         _launch("flash_attention", _flash_kernel("flash_bwd_dq_bf16_h64", drop is not None),
                 _flash_grid(bh, Tq), _FLASH_THREADS, dq_args + extra)
@@ -322,12 +335,14 @@ def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None, qd_shared=F
 
 
 def _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale, qd_shared=False, kv_shared=False,
-                          rows=64):
+                          rows=64, sums=False):
+    """``attention_qkv_bwd`` (``(dqkv, its column sums)`` with ``sums``) on the wgmma kernels
+    ``_attention_bwd_flash_hopper``'s options name, whatever the switches say."""
     qkv = _c(qkv)
     y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
     _hopper_check(_qkv_flash_ok(qkv, n_head, y, dy), "backward")
     return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale,
-                          hopper=_hopper_bwd(qd_shared, kv_shared, rows))
+                          hopper=_hopper_bwd(qd_shared, kv_shared, rows), sums=sums)
 
 
 def _qkv_flash_ok(qkv, n_head, *others) -> bool:
@@ -391,15 +406,35 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
     return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale)
 
 
-def _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale, drop=None, hopper=None):
-    """The flash backward on fused rows (dq kernel, then dk/dv): ``drop`` as _qkv_flash_fwd's."""
+@_guarded
+def attention_qkv_bwd_sums(qkv, y, lse, dy, n_head, scale):
+    """``(dqkv, sum_rows(dqkv))``: ``attention_qkv_bwd`` and dqkv's column sums, the bias
+    gradient of the layer that made qkv (GPT-2's c_attn). flash_hopper.cu's kernels sum the
+    dq, dk and dv they write (as rounded to bf16) in their last pass, so no kernel reads dqkv
+    again for it; elsewhere the backward, then ``sum_rows``."""
+    qkv = _c(qkv)
+    y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
+    if _qkv_flash_ok(qkv, n_head, y, dy) and _wgmma():
+        return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale, sums=True)
+    return _compose.attention_qkv_bwd_sums(_package(), qkv, y, lse, dy, n_head, scale)
+
+
+def _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale, drop=None, hopper=None, sums=False):
+    """The flash backward on fused rows (dq kernel, then dk/dv): ``drop`` as _qkv_flash_fwd's;
+    ``sums`` (the wgmma kernels): ``(dqkv, its column sums)``, the kernels' partial sums of
+    each 64 rows added by one colsum_finish."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     dqkv = _empty(qkv.shape, qkv.dtype)
     (q, k, v), (dq, dk, dv) = _thirds(qkv, C), _thirds(dqkv, C)
+    part = _empty((B * -(-T // 64), C3), F32) if sums else None
     _fa_bwd(q, k, v, y, dy, _like(_c(lse), F32), dq, dk, dv, T, T, scale, B * n_head,
-            _fused_layout(T, C, n_head), drop, _wgmma(drop, hopper))
-    return dqkv
+            _fused_layout(T, C, n_head), drop, _wgmma(drop, hopper), part)
+    if not sums:
+        return dqkv
+    out = _empty((C3,), qkv.dtype)
+    _colsum_finish(part, out, part.shape[0], C3)
+    return dqkv, out
 
 
 @_guarded

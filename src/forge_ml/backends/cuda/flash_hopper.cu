@@ -129,6 +129,40 @@ FORGE_D void wg_store_rows(bf16* dst, const float (&acc)[32], int r_lo, int n, f
     }
 }
 
+// The column sums of what wg_store_rows writes from acc (each value as rounded to bf16, rows
+// >= n left out), over the warpgroup's 64 rows: the lanes of a column meet by shuffles, then
+// the four warps add in warp order through red (256 floats of shared memory that this
+// warpgroup may use), and part[c], c < 64, is written when `write`. One row of the partial
+// sums that reduce.cu's colsum_finish adds (the bias gradient of the layer whose output the
+// rows are: attention.py's backward with sums). Every thread of the block calls it (it
+// holds a __syncthreads()).
+FORGE_D void wg_colsum_rows(float* part, bool write, float* red, const float (&acc)[32], int r_lo,
+                            int n, float mul, int t, int warp, int lane, int wtid) {
+    float s[16];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+        const unsigned lo = pack_bf16x2(acc[4 * nt] * mul, acc[4 * nt + 1] * mul);
+        const unsigned hi = pack_bf16x2(acc[4 * nt + 2] * mul, acc[4 * nt + 3] * mul);
+        s[2 * nt] = (r_lo < n ? bf16_lo(lo) : 0.f) + (r_lo + 8 < n ? bf16_lo(hi) : 0.f);
+        s[2 * nt + 1] = (r_lo < n ? bf16_hi(lo) : 0.f) + (r_lo + 8 < n ? bf16_hi(hi) : 0.f);
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {  // over g = lane >> 2: the warp's 16 rows
+        s[i] += __shfl_xor_sync(0xffffffffu, s[i], 4);
+        s[i] += __shfl_xor_sync(0xffffffffu, s[i], 8);
+        s[i] += __shfl_xor_sync(0xffffffffu, s[i], 16);
+    }
+    if (lane < 4) {
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            red[64 * warp + 8 * nt + 2 * t] = s[2 * nt];
+            red[64 * warp + 8 * nt + 2 * t + 1] = s[2 * nt + 1];
+        }
+    }
+    __syncthreads();
+    if (write && wtid < 64) part[wtid] = ((red[wtid] + red[64 + wtid]) + red[128 + wtid]) + red[192 + wtid];
+}
+
 // A 16 x 64 float32 tile in wgmma's accumulator layout rounded to bf16 as the A operand of the
 // next product, one 16-wide k step per row of a (mma_cb's packing)
 FORGE_D void wg_pack_a(unsigned (&a)[4][4], const float (&p)[32]) {
@@ -350,12 +384,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) flash_fwd_wgmma_r128_bf16_h
 // D = rowsum(dout * out) for its rows (the dk/dv kernel, launched next, reads it) and dq.
 // QD_SHARED = false: q and dout are A fragments in registers; true: shared tiles sQ, sO (the
 // scores' products read both operands from shared memory), freeing 32 registers a thread.
+// part_ld > 0: dq's column sums too (wg_colsum_rows), a row of `part` (row stride part_ld) for
+// each 64 rows of each batch, head h's at columns 64h..: row b * ceil(Tq / 64) + (rows' first)
+// / 64 (GPT-2's c_attn bias gradient, finished by colsum_finish); part_ld = 0: none.
 #define DQ_PARAMS                                                                                \
     const bf16 *__restrict__ q, const bf16 *__restrict__ k, const bf16 *__restrict__ v,          \
         const bf16 *__restrict__ out, const bf16 *__restrict__ dout,                             \
         const float *__restrict__ lse, float *__restrict__ Dsum, bf16 *__restrict__ dq,          \
-        WG_SHAPE_PARAMS
-#define DQ_ARGS q, k, v, out, dout, lse, Dsum, dq, WG_SHAPE_ARGS
+        float *__restrict__ part, int part_ld, WG_SHAPE_PARAMS
+#define DQ_ARGS q, k, v, out, dout, lse, Dsum, dq, part, part_ld, WG_SHAPE_ARGS
 
 // NW warpgroups a block as fwd_block: warpgroup wg owns rows q0+64wg..+63 (its own q and dout
 // tiles, sQ + 4096 wg and sO + 4096 wg, with QD_SHARED), the k and v tiles loaded once for all.
@@ -469,6 +506,12 @@ FORGE_D void dq_block(DQ_PARAMS, bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64],
         __syncthreads();
     }
     wg_store_rows(dq + qb_, acc, r_lo, Tq, scale, scale, t, q_ld);
+    if (part_ld > 0) {  // the k and v tiles are no longer read (the loop's last __syncthreads)
+        const int b = (int)bh / H, h = (int)bh - b * H;
+        float* row = part + ((long long)b * ((Tq + 63) / 64) + q0 / 64) * part_ld + 64 * h;
+        wg_colsum_rows(row, q0 < Tq, reinterpret_cast<float*>(sK[0]) + 256 * wg, acc, r_lo, Tq,
+                       scale, t, warp, lane, wtid);
+    }
 }
 
 
@@ -509,12 +552,14 @@ extern "C" __global__ void __launch_bounds__(256, 2)
 // registers. KV_SHARED = false: k and v are A fragments in registers (as
 // flash_bwd_dkdv_bf16_h64 holds them); true: k and v are shared tiles sK, sV (both products
 // of the scores read A and B from shared memory), which frees 32 registers a thread.
+// part_ld > 0: dk's and dv's column sums too, rows of part_k and part_v as dq's of part
+// (row b * ceil(Tk / 64) + k0 / 64, head h's at columns 64h..).
 #define DKDV_PARAMS                                                                              \
     const bf16 *__restrict__ q, const bf16 *__restrict__ k, const bf16 *__restrict__ v,          \
         const bf16 *__restrict__ dout, const float *__restrict__ lse,                            \
         const float *__restrict__ Dsum, bf16 *__restrict__ dk, bf16 *__restrict__ dv,            \
-        WG_SHAPE_PARAMS
-#define DKDV_ARGS q, k, v, dout, lse, Dsum, dk, dv, WG_SHAPE_ARGS
+        float *__restrict__ part_k, float *__restrict__ part_v, int part_ld, WG_SHAPE_PARAMS
+#define DKDV_ARGS q, k, v, dout, lse, Dsum, dk, dv, part_k, part_v, part_ld, WG_SHAPE_ARGS
 
 template <bool KV_SHARED>
 FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64],
@@ -613,6 +658,13 @@ FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 
     }
     wg_store_rows(dk + kvb, dka, j_lo, Tk, scale, scale, t, kv_ld);
     wg_store_rows(dv + kvb, dva, j_lo, Tk, 1.f, 1.f, t, kv_ld);
+    if (part_ld > 0) {  // the q and dout tiles are no longer read (the loop's last __syncthreads)
+        const int b = (int)bh / H, h = (int)bh - b * H;
+        const long long at = ((long long)b * ((Tk + 63) / 64) + k0 / 64) * part_ld + 64 * h;
+        float* red = reinterpret_cast<float*>(sQ[0]);
+        wg_colsum_rows(part_k + at, true, red, dka, j_lo, Tk, scale, t, warp, lane, tid);
+        wg_colsum_rows(part_v + at, true, red + 256, dva, j_lo, Tk, 1.f, t, warp, lane, tid);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wgmma_bf16_h64(DKDV_PARAMS) {
