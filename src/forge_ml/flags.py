@@ -72,9 +72,10 @@ _SWITCHES = (
            "run the trainer's whole step (forward, backward, clipping, AdamW) as one replayed "
            "CUDA graph (off: op by op)", ("on", "off")),
     Switch("FORGE_BIAS_SUMS", "on",
-           "a linear layer's bias gradient summed by the layernorm backward that writes its "
-           "output's whole gradient, as it writes it (off: by the layer's own weight-gradient "
-           "pass, cuBLASLt's BGRADA epilogue on the GPU)",
+           "a linear layer's bias gradient summed by the backward that writes its output's "
+           "whole gradient, as it writes it: the layernorm's, and the attention's for c_attn "
+           "(off: by the layer's own weight-gradient pass, cuBLASLt's BGRADA epilogue on the "
+           "GPU)",
            ("on", "off")),
     Switch("FORGE_FUSED_LOSS", "on",
            "the LM head and the training loss as one op over chunks of rows, the logits never "
