@@ -254,10 +254,10 @@ CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "
         "unmerge_heads", "embedding", "scatter_add_rows", "kv_append", "dropout",
         "cross_entropy", "cross_entropy_bwd", "adamw_update")
 FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
-         "attention_qkv_bwd_sums", "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear", "matmul_gelu",
-         "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "layernorm_bwd_sums",
-         "linear_cross_entropy", "scale",
-         "decode_attention", "greedy_next", "sample_next")
+         "attention_qkv_bwd_sums", "attention_qkv_dropout", "attention_qkv_dropout_bwd",
+         "linear", "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add",
+         "layernorm_bwd_sums", "linear_cross_entropy", "scale", "decode_attention",
+         "greedy_next", "sample_next")
 CAPABILITIES = {"bf16": False, "graphs": False, "host_memory": False}
 """Capability -> the value a backend that does not declare it is taken to have."""
 GRAPH = ("dropout_at", "adamw_update_at", "clip_scale")
