@@ -130,12 +130,20 @@ def main(argv=None):
 
     def candidates(plan):
         """cuBLASLt's heuristic results for the plan's descriptors and preference, up to
-        a.algos (the first is the one the library's plan takes)."""
+        a.algos (the first is the one the library's plan takes): (algorithm, the workspace it
+        asks for in bytes). cublasLtMatmulHeuristicResult_t is the 64-byte algorithm, then its
+        size_t workspaceSize; a candidate that asks for workspace splits K (its partial
+        products are added by a second kernel, after a memset)."""
         res = (C.c_ubyte * (96 * a.algos))()
         n = C.c_int(0)
         lt.matmulalgogetheuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, plan.pref,
                                   a.algos, res, C.byref(n))
-        return [(C.c_ubyte * 96).from_buffer(res, 96 * i) for i in range(n.value)]
+        return [((C.c_ubyte * 96).from_buffer(res, 96 * i),
+                 C.c_size_t.from_buffer(res, 96 * i + 64).value) for i in range(n.value)]
+
+    def show(times, spaces):
+        """The candidates' times, a * after one that uses workspace (split K)."""
+        return " ".join(f"{v:.3f}{'*' if w else ' '}" for v, w in zip(times[:8], spaces[:8]))
 
     def lt_times(x, w, out, ta, tb, epi, bias, aux, c, alpha=1.0):
         M, N = out.shape
@@ -148,8 +156,9 @@ def main(argv=None):
             L._set(lt, plan.desc, L._DESC_AUX_POINTER, aux.data.ptr, C.c_void_p)
         al, be = C.c_float(alpha), C.c_float(0.0 if c is None else 1.0)
         cc = out if c is None else c
-        times = []
-        for algo in candidates(plan):
+        times, spaces = [], []
+        for algo, space in candidates(plan):
+            spaces.append(space)
             def run(algo=algo):
                 st = lt.matmul(handle, plan.desc, C.byref(al), w.data.ptr, plan.a, x.data.ptr,
                                plan.b, C.byref(be), cc.data.ptr, plan.d, out.data.ptr, plan.d,
@@ -161,10 +170,11 @@ def main(argv=None):
                 times.append(timed(run))
             except RuntimeError:
                 times.append(float("inf"))
-        return times
+        return times, spaces
 
     total_now = total_best = 0.0
-    print(f"{'calls':>5} {'product':<64} {'today ms':>9} {'best ms':>8} {'index':>5}  candidates")
+    print(f"{'calls':>5} {'product':<64} {'today ms':>9} {'best ms':>8} {'index':>5}  candidates"
+          " (* asks for workspace: K split)")
     for key, n in sorted(lt_calls.items(), key=lambda kv: -kv[1]):
         xs, wsh, osh, ta, tb, epi, has_b, has_c, dt = key
         x, w, out = arr(xs, dt), arr(wsh, dt), arr(osh, dt)
@@ -172,28 +182,28 @@ def main(argv=None):
         bias = arr((osh[1],), dt) if has_b else None
         aux = arr(osh, dt) if epi == "gelu_aux_bias" else None
         c = arr(osh, dt) if has_c else None
-        t = lt_times(x, w, out, ta, tb, epi, bias, aux, c)
+        t, spaces = lt_times(x, w, out, ta, tb, epi, bias, aux, c)
         best = min(t)
         total_now += n * t[0]
         total_best += n * best
         print(f"{n:5d} lt {str(xs):>13}{'^T' if ta else '  '} @ {str(wsh):>12}{'^T' if tb else '  '} "
               f"{epi:<13}{'+C' if has_c else '  '} {t[0]:9.3f} {best:8.3f} {t.index(best):5d}  "
-              + " ".join(f"{v:.3f}" for v in t[:8]))
+              + show(t, spaces))
     for key, n in sorted(gemm_calls.items(), key=lambda kv: -kv[1]):
         xs, wsh, osh, ta, tb, beta, dt, odt = key
         x, w, out = arr(xs, dt), arr(wsh, dt), arr(osh, odt)
         M, N = osh
         K = xs[0] if ta else xs[1]
         now = timed(lambda: cublas._gemm(x, w, out, M, N, K, ta, tb, 1, 0, 0, 1.0, beta))
-        t = []
+        t, spaces = [], []
         if dt == odt and beta == 0.0:
-            t = lt_times(x, w, out, ta, tb, "default", None, None, None)
+            t, spaces = lt_times(x, w, out, ta, tb, "default", None, None, None)
         best = min([now] + t)
         total_now += n * now
         total_best += n * best
         print(f"{n:5d} gemm {str(xs):>11}{'^T' if ta else '  '} @ {str(wsh):>12}{'^T' if tb else '  '} "
               f"beta {beta:g} {odt:<9} {now:9.3f} {best:8.3f} {'lt' + str(t.index(best)) if best in t else 'cublas':>5}  "
-              + " ".join(f"{v:.3f}" for v in t[:8]))
+              + show(t, spaces))
     print(f"a step's products: today {total_now:.2f} ms, each at its best candidate "
           f"{total_best:.2f} ms (-{total_now - total_best:.2f} ms)")
 
