@@ -9,6 +9,10 @@
 # E2E_DATA): the trainer's step kernel by kernel beside torch.compile's
 # (benchmarks/train_profile.py); the 200-step loss curve of the fast path against the op-by-op
 # path and against the sixth session's committed run (benchmarks/loss_curve.py --against).
+# Also by name only: algos (benchmarks/gemm_algos_cuda.py, cuBLASLt's candidates for every
+# product of a step, timed in graphs; needs E2E_DATA; ALGOS_ARGS) and ab (scripts/ab_train.sh
+# with AB_TREES, comma-separated folders of other versions, against this tree; AB_ROWS,
+# AB_ROUNDS): SECTIONS="ab" AB_TREES=.scratch/base,.scratch/x E2E_DATA=... bash ...
 # wgmma: flash_hopper.cu's probe and kernel tests (each in its own process), the flash, model
 # and step tests with FORGE_WGMMA_ATTENTION=off (the mma.sync kernels other GPUs run; the
 # tests section runs the default, wgmma on Hopper), the model and step tests with
@@ -99,6 +103,24 @@ if want profile; then
     echo "skipped: set E2E_DATA to a text file (tinyshakespeare)" | tee "$LOG/bench_profile.log"
   fi
 fi
+if want algos; then
+  echo "== cuBLASLt's candidate algorithms for every product of a step, timed in CUDA graphs (benchmarks/gemm_algos_cuda.py)"
+  if [ -n "${E2E_DATA:-}" ]; then
+    timeout "${ALGOS_TIMEOUT:-300}" "$PY" benchmarks/gemm_algos_cuda.py --data "$E2E_DATA" ${ALGOS_ARGS:---algos 8 --reps 5} \
+        2>&1 | tee "$LOG/bench_algos.log"
+  else
+    echo "skipped: set E2E_DATA to a text file (tinyshakespeare)" | tee "$LOG/bench_algos.log"
+  fi
+fi
+if want ab; then
+  echo "== the trainer from other trees of the code against this one (scripts/ab_train.sh)"
+  if [ -n "${AB_TREES:-}" ]; then
+    OUT="$LOG/ab" DATA="${E2E_DATA:-.data/tinyshakespeare.txt}" timeout "${AB_TIMEOUT:-500}" \
+        bash scripts/ab_train.sh "$AB_TREES" "${AB_ROWS:-gpt2-b32}" "${AB_ROUNDS:-2}" 2>&1 | tee "$LOG/bench_ab.log"
+  else
+    echo "skipped: set AB_TREES to the trees (git archive REV src benchmarks | tar -x -C DIR)" | tee "$LOG/bench_ab.log"
+  fi
+fi
 if want curve; then
   echo "== the 200-step loss curve (benchmarks/loss_curve.py, 124M, B=16): fast against op by op, and against results/gpu-2026-12-04-s6/curve.json"
   if [ -n "${E2E_DATA:-}" ]; then
@@ -175,6 +197,8 @@ want train && { echo "training:"; grep -E '^(forge|torch)' "$LOG/bench_train.log
 want e2e && { echo "trainer end to end:"; tail -n 8 "$LOG/bench_e2e.log"; }
 want memory && { echo "trainer memory:"; grep -E '^\[graph' "$LOG/bench_memory.log"; }
 want recipe && { echo "char recipe:"; tail -n 5 "$LOG/bench_recipe.log"; }
+want algos && { echo "gemm algorithms:"; tail -n 1 "$LOG/bench_algos.log"; }
+want ab && { echo "A/B:"; cat "$LOG/bench_ab.log"; }
 want profile && { echo "profile:"; grep -E "^(forge-ml|torch.compile|== )" "$LOG/bench_profile.log"; }
 want wgmma && { echo "wgmma: kernel tests exit $wgmma_rc, the flash suites with the switch off and with FORGE_WGMMA_BWD_SHARED=none FORGE_WGMMA_ROWS=64 exit $wgmma_off_rc"; \
   tail -n 1 "$LOG/wgmma_tests.log" "$LOG/wgmma_off_tests.log" "$LOG/wgmma_bwd_regs_tests.log"; grep -E "wgmma|^ *B=" "$LOG/bench_wgmma.log"; }
