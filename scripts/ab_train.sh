@@ -8,7 +8,8 @@
 #
 # BASE_TREE: a folder holding src/ and benchmarks/ of the other version, made before the call
 # (the device copies the working tree, not .git); more trees, comma-separated, run in turn
-# after it (named by their folder), and the working tree ("new") last:
+# after it, and the working tree last. Each run is named by its tree's folder, the working
+# tree "this" (scripts/ab_trees.sh makes trees from git revisions):
 #   git archive <commit> src benchmarks | tar -x -C .scratch/base      (.scratch is gitignored)
 #   bash scripts/ab_train.sh .scratch/base gpt2-b32,char 2
 #   bash scripts/ab_train.sh .scratch/base,.scratch/gelu,.scratch/attn gpt2-b32 2
@@ -40,12 +41,8 @@ if ls .whl/serve/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH="/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 for r in $(seq 1 "$rounds"); do
-  first=1
   for tree in ${trees//,/ } .; do
-    if [ "$tree" = . ]; then name=new
-    elif [ $first = 1 ]; then name=base
-    else name=$(basename "$tree"); fi
-    first=0
+    name=$([ "$tree" = . ] && echo this || basename "$tree")
     for row in ${rows//,/ }; do
       f="$log/${name}_${row}_$r.log"
       # train_e2e.py puts its own tree's src first on sys.path
