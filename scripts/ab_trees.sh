@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Trees of other versions of the code for scripts/ab_train.sh (and gpu_check.sh's ab section):
-# `git archive` of each revision's src/ and benchmarks/ into .scratch/<name> (.scratch is
-# gitignored, and the device tool carries it when asked: carry [".scratch", ...]). Prints the
-# AB_TREES value, the first revision first (the A/B's base).
+# `git archive` of each revision's src/, benchmarks/, tests/ and scripts/ (with conftest.py and
+# pyproject.toml: the branch's own GPU tests run from its tree) into .scratch/<name>
+# (.scratch is gitignored, and the device tool carries it when asked: carry [".scratch", ...]).
+# Prints the AB_TREES value, the first revision first (about 2.5 MB a tree).
 #
 #   bash scripts/ab_trees.sh main s15-lt-dw s15-dkdv-ovl
 #   -> AB_TREES=.scratch/main,.scratch/s15-lt-dw,.scratch/s15-dkdv-ovl
@@ -16,7 +17,7 @@ for rev in "$@"; do
   dir=".scratch/$name"
   rm -rf "$dir"
   mkdir -p "$dir"
-  git archive "$rev" src benchmarks | tar -x -C "$dir"
+  git archive "$rev" src benchmarks tests scripts conftest.py pyproject.toml | tar -x -C "$dir"
   trees="${trees:+$trees,}$dir"
 done
 echo "AB_TREES=$trees"
