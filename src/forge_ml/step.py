@@ -177,15 +177,18 @@ class TrainStep:
             self.opt.prepare(lr, grad_scale=1.0 / self.accum)
         if not self._host_in:
             def one_set():
-                return ([(host_buffer(self.shape, "int64", self.device), host_buffer(self.shape, "int64", self.device),
-                          host_buffer((1,), "int64", self.device)) for _ in range(self.accum)],
-                        host_buffer((len(ops.STEP_SCALARS),), "float64", self.device))
+                def buf(shape, dtype):
+                    return host_buffer(shape, dtype, self.device)
+                return ([(buf(self.shape, "int64"), buf(self.shape, "int64"), buf((1,), "int64"))
+                         for _ in range(self.accum)],
+                        buf((len(ops.STEP_SCALARS),), "float64"))
             self._host_in = [one_set(), one_set()]
         self._host_in.reverse()
         micro, scalars = self._host_in[0]
         ahead = int(self._pending is not None and self._pending._result is None)
         np.copyto(scalars, self.opt._step_values(lr, 1.0 / self.accum, ahead))
-        for (x, y, seed), (hx, hy, hs), tx, ty, ts in zip(arrays, micro, self.xs, self.ys, self.seeds):
+        for (x, y, seed), (hx, hy, hs), tx, ty, ts in zip(arrays, micro, self.xs, self.ys,
+                                                          self.seeds):
             np.copyto(hx, x)
             np.copyto(hy, y)
             np.copyto(hs, seed)

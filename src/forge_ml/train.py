@@ -1052,10 +1052,8 @@ class Trainer:
         batches (``_stage``; a checkpoint puts the loader back to before them first) and
         queues them, with that step's lr and seeds, behind this step (``TrainStep.preload``)."""
         cfg, step = self.cfg, self.step
-        loader_state, batches = self._staged or (self.train_loader.state_dict(), None)
-        self._staged = None
-        if batches is None:
-            batches = [self.train_loader.next_batch() for _ in range(cfg.grad_accum)]
+        self._stage()   # this step's batches: drawn during the step before, or now
+        (loader_state, batches), self._staged = self._staged, None
         seeds = [dropout_seed(cfg.seed, step, micro) for micro in range(cfg.grad_accum)]
         self._phase = "update"
         try:
@@ -1064,7 +1062,8 @@ class Trainer:
             try:
                 self._stage()
                 nxt = step + 1   # its values queued behind this step: no copy between the two
-                fast.preload(self._staged[1], [dropout_seed(cfg.seed, nxt, m) for m in range(cfg.grad_accum)],
+                fast.preload(self._staged[1],
+                             [dropout_seed(cfg.seed, nxt, m) for m in range(cfg.grad_accum)],
                              cosine_lr(nxt, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr))
             except Exception:
                 # this step is on the device and counts; the next one draws its own batches
@@ -1092,11 +1091,12 @@ class Trainer:
         return self._step_record(lr, loss, res.norm, t0)
 
     def _stage(self) -> None:
-        """Draw the next step's batches now (the loader's state before them kept with them):
-        the step through the captured graph takes them instead of drawing its own."""
+        """Draw a step's batches unless drawn already (the loader's state before them kept
+        with them): ``_graph_step`` takes them, drawn during the step before or just now."""
         if self._staged is None:
             state = self.train_loader.state_dict()
-            self._staged = (state, [self.train_loader.next_batch() for _ in range(self.cfg.grad_accum)])
+            batches = [self.train_loader.next_batch() for _ in range(self.cfg.grad_accum)]
+            self._staged = (state, batches)
 
     def _unstage(self) -> None:
         """Give back batches drawn for a step that has not run: the loader goes back to before
@@ -1189,7 +1189,8 @@ class Trainer:
         failed write (full disk, read-only folder) keeps the previous checkpoint and raises a
         one-line CheckpointError that says so."""
         self._unstage()       # the loader's state is saved as of this step
-        self._flush_log(quiet=True)   # a record the captured step held back (the checkpoint matters more)
+        self._flush_log(quiet=True)   # a record the captured step held back (the checkpoint
+                                      # matters more: a failed write raises at the next one)
         masters = {k: t.numpy() for k, t in self.opt.params.items()}   # float32, also in bf16 runs
         return self._write_checkpoint(masters, self.opt.state_dict())
 

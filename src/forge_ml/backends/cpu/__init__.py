@@ -38,10 +38,10 @@ from ... import rng as _rng
 from .. import compose as _compose
 from . import native as _native
 from . import reference
-from .reference import (add, assign, cast, copy, decode_attention, embedding, from_host, from_host_async,
-                        greedy_next, kv_append, logsumexp, merge_heads, pinned_empty, softmax,
-                        softmax_bwd, split_heads, sum_rows, synchronize, to_host, to_host_async,
-                        unmerge_heads, unsplit_head, zeros)
+from .reference import (add, assign, cast, copy, decode_attention, embedding, from_host,
+                        from_host_async, greedy_next, kv_append, logsumexp, merge_heads,
+                        pinned_empty, softmax, softmax_bwd, split_heads, sum_rows, synchronize,
+                        to_host, to_host_async, unmerge_heads, unsplit_head, zeros)
 
 NAME = "cpu"
 BF16 = False        # bfloat16 is a GPU storage type; here float32 and float64
