@@ -224,17 +224,16 @@ def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop
     a float32 ``(B * ceil(T / 64), 3C)`` array the kernels fill with the column sums of dq, dk
     and dv (each 64 rows of a batch a row; ``_qkv_flash_bwd`` adds them)."""
     D = _empty(lse.shape, F32)
-    dq_args = (q, k, v, out, dout, lse, D, dq, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
-    kv_args = (q, k, v, dout, lse, D, dk, dv, _i32(Tq), _i32(Tk), np.float32(scale)) + layout
-    if hopper:
+    head_q, head_kv = (q, k, v, out, dout, lse, D, dq), (q, k, v, dout, lse, D, dk, dv)
+    tail = (_i32(Tq), _i32(Tk), np.float32(scale)) + layout
+    if hopper:   # the wgmma kernels take the sums' pointers and row stride after the outputs
         if part is None:   # part_ld 0: no sums (the pointers then only need to be valid)
             sums_q, sums_kv = (D, _i32(0)), (D, D, _i32(0))
         else:
             flat, C = part.reshape(-1), part.shape[1] // 3
             sums_q = (flat, _i32(part.shape[1]))
             sums_kv = (flat[C:], flat[2 * C:], _i32(part.shape[1]))
-        dq_args = dq_args[:8] + sums_q + dq_args[8:]
-        kv_args = kv_args[:8] + sums_kv + kv_args[8:]
+        dq_args, kv_args = head_q + sums_q + tail, head_kv + sums_kv + tail
         shared = _hopper_opts(hopper)
         if "qd" in shared and "r128" in shared:   # 128 rows: the shared-operand kernel only
             name = "flash_bwd_dq_wgmma_qds_r128_bf16_h64"
@@ -257,6 +256,7 @@ def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop
     else:
         if part is not None:
             raise ShapeError("the column sums of the attention backward need the wgmma kernels")
+        dq_args, kv_args = head_q + tail, head_kv + tail
         extra = drop or _NO_DROP
         _launch("flash_attention", _flash_kernel("flash_bwd_dq_bf16_h64", drop is not None),
                 _flash_grid(bh, Tq), _FLASH_THREADS, dq_args + extra)
