@@ -11,6 +11,9 @@ For each side, in its own process:
   of ``train_step`` and the GPU time of the graph's replay alone (their difference is what the
   host adds between steps). Then the step op by op (``FORGE_TRAIN_GRAPH=off``, so that every
   kernel is its own activity) under ``torch.profiler`` (CUPTI sees CuPy's kernels too).
+  With ``--gaps``, the graph's replays are profiled too (CUPTI records the kernels inside a
+  graph one by one): their kernel table, and the GPU's idle time between kernels, summed by
+  the pair of kernels around each gap (what the graph loses beyond its kernels' time).
 - ``compile``: the PyTorch peer of ``train_e2e.py`` under ``torch.compile``, the same batches.
 Printed: the GPU kernel time a step, and the kernels by their time a step (name, ms, calls a
 step). The graph's kernels are the op-by-op step's: the two profiles differ only in launch
@@ -44,6 +47,37 @@ def kernel_table(prof, steps: int, top: int, tag: str) -> None:
     print(f"== {tag}: GPU kernel time {total / 1000:.2f} ms a step, {len(agg)} kernel names")
     for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"{us / steps / 1000:8.3f} ms {n / steps:6.1f}x  {name[:140]}")
+
+
+def gap_table(prof, steps: int, top: int, tag: str) -> None:
+    """Where the GPU waits inside ``steps`` replays of a graph: the CUDA activities of ``prof``
+    in start order (one stream: the graph is a chain), the idle time before each kernel summed
+    by the pair (the kernel before, the kernel that started late), per step, largest first.
+    Busy plus idle is the replays' span; the kernel table of the same profile comes first."""
+    import torch
+    evs = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA
+                  and not ev.name.startswith("Memcpy")),
+                 key=lambda ev: ev.time_range.start)
+    if not evs:
+        print(f"== {tag}: the profiler saw no kernel inside the graph's replays")
+        return
+    pairs = collections.defaultdict(lambda: [0.0, 0])
+    busy, end = 0.0, evs[0].time_range.start
+    for prev, ev in zip([None] + evs[:-1], evs):
+        start, stop = ev.time_range.start, ev.time_range.end
+        if prev is not None and start > end:
+            key = (prev.name[:48], ev.name[:48])
+            pairs[key][0] += start - end
+            pairs[key][1] += 1
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - evs[0].time_range.start
+    print(f"== {tag}: {span / steps / 1000:.2f} ms a step from the first kernel to the last, "
+          f"{busy / steps / 1000:.2f} busy, {(span - busy) / steps / 1000:.2f} idle "
+          f"({len(evs) / steps:.0f} kernels a step)")
+    print("idle ms a step   gaps a step   us a gap   after -> before")
+    for (a_, b_), (us, n) in sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{us / steps / 1000:14.3f} {n / steps:13.1f} {us / n:10.2f}   {a_} -> {b_}")
 
 
 def forge(a, data) -> None:
@@ -82,6 +116,13 @@ def forge(a, data) -> None:
                 print(f"forge-ml, the step as one graph: train_step {wall * 1e3:.2f} ms "
                       f"({tokens / wall:,.0f} tok/s); the replay alone {replay:.2f} ms; the host "
                       f"adds {wall * 1e3 - replay:.2f} ms")
+                if a.gaps:
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(a.steps):
+                            fast._graph.replay()
+                        cp.cuda.Device().synchronize()
+                    kernel_table(prof, a.steps, a.top, "forge-ml, the graph's replays")
+                    gap_table(prof, a.steps, a.top, "forge-ml, the graph's replays")
                 continue
             print(f"forge-ml, op by op: train_step {wall * 1e3:.2f} ms ({tokens / wall:,.0f} tok/s)")
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -123,6 +164,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--top", type=int, default=40, help="kernels listed per side")
     ap.add_argument("--who", default="forge,compile")
+    ap.add_argument("--gaps", action="store_true",
+                    help="also profile the graph's replays: their kernels, and the GPU's idle "
+                         "time between two kernels by the pair")
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "forge_e2e_data"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
