@@ -2,6 +2,7 @@
 transformers' ``generate`` on the same random weights, in the same run.
 
     python benchmarks/generate_gpu.py [--new-tokens 1008] [--prompt-len 16] [--dtype float32|bf16]
+                                      [--paths forge,fused,nograph,hf] [--sampling [--batch 64]]
 
 tokens/s counts new tokens over the end-to-end time (prefill and the CUDA-graph capture
 included), best of a few runs; by default over a whole generation from a 16-token prompt to
@@ -9,7 +10,8 @@ position 1,024 (the decoding attention's cost grows with the position). The band
 reads the parameters once per token (gpt-fast's measure): parameter bytes x tokens/s against
 the H200's 4.8 TB/s. forge-ml is also timed with the step as one kernel (FORGE_FUSED_DECODE=on,
 decode_model.cu, experimental) and with the graph off (the decoding step op by op, the figure
-before the graph existed).
+before the graph existed). ``--paths forge`` times the default path alone (an A/B between
+trees of the code in a few seconds a run: scripts/ab_trees.sh).
 """
 from __future__ import annotations
 
@@ -35,7 +37,13 @@ def main(argv=None):
     ap.add_argument("--sampling", action="store_true",
                     help="also time every sampling mode against greedy at batch 1 and --batch")
     ap.add_argument("--batch", type=int, default=64, help="the larger batch of --sampling")
+    ap.add_argument("--paths", default="forge,fused,nograph,hf",
+                    help="what is timed: forge (the default path), fused (one kernel a step), "
+                         "nograph (op by op), hf (transformers)")
     a = ap.parse_args(argv)
+    paths = set(a.paths.split(","))
+    if not paths <= {"forge", "fused", "nograph", "hf"} or "forge" not in paths:
+        raise SystemExit(f"--paths takes forge (always) and any of fused, nograph, hf; got {a.paths!r}")
 
     import cupy as cp
     import torch
@@ -58,10 +66,11 @@ def main(argv=None):
         cp.cuda.Device().synchronize()
         return time.perf_counter() - t0, out
 
-    with tempfile.TemporaryDirectory() as d:
-        hf.save_hf_gpt2(d, cfg, cpu_model.state_dict())
-        tdtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-        hm = transformers.GPT2LMHeadModel.from_pretrained(d, dtype=tdtype).cuda().eval()
+    if "hf" in paths:
+        with tempfile.TemporaryDirectory() as d:
+            hf.save_hf_gpt2(d, cfg, cpu_model.state_dict())
+            tdtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+            hm = transformers.GPT2LMHeadModel.from_pretrained(d, dtype=tdtype).cuda().eval()
     ids = torch.tensor([prompt], device="cuda")
 
     def run_hf():
@@ -74,24 +83,32 @@ def main(argv=None):
         torch.cuda.synchronize()
         return time.perf_counter() - t0, out[0, len(prompt):].tolist()
 
-    run_forge(), run_forge(fused=True), run_hf()      # warm-up: compile, cuBLAS handles
+    run_forge()      # warm-up: compile, cuBLAS handles
+    if "fused" in paths:
+        run_forge(fused=True)
+    if "hf" in paths:
+        run_hf()
     tf = min(run_forge()[0] for _ in range(a.repeats))
-    tl = min(run_forge(fused=True)[0] for _ in range(a.repeats))
-    te = min(run_forge(graph=False, fused=False)[0] for _ in range(a.repeats))
-    th = min(run_hf()[0] for _ in range(a.repeats))
     _, fo = run_forge()
-    _, lo = run_forge(fused=True)
-    _, ho = run_hf()
-    same = next((i for i, (x, y) in enumerate(zip(fo, ho)) if x != y), len(fo))
-    same_l = next((i for i, (x, y) in enumerate(zip(fo, lo)) if x != y), len(fo))
     n = a.new_tokens
     print(f"GPT-2 124M batch-1 greedy generation, {a.dtype}, prompt {a.prompt_len}, {n} new tokens")
     print(f"forge-ml:      {n / tf:9.1f} tok/s  (~60 kernels a step, in a CUDA graph)")
-    print(f"forge-ml, one kernel a step: {n / tl:9.1f} tok/s  (FORGE_FUSED_DECODE=on, "
-          f"decode_model.cu; tokens agree with the default's for the first {same_l})")
-    print(f"forge-ml, no graph: {n / te:9.1f} tok/s  (decoding step op by op)")
-    print(f"transformers:  {n / th:9.1f} tok/s")
-    print(f"ratio forge-ml / transformers: {th / tf:.2f}x   (greedy tokens agree for the first {same} of {n})")
+    if "fused" in paths:
+        tl = min(run_forge(fused=True)[0] for _ in range(a.repeats))
+        _, lo = run_forge(fused=True)
+        same_l = next((i for i, (x, y) in enumerate(zip(fo, lo)) if x != y), len(fo))
+        print(f"forge-ml, one kernel a step: {n / tl:9.1f} tok/s  (FORGE_FUSED_DECODE=on, "
+              f"decode_model.cu; tokens agree with the default's for the first {same_l})")
+    if "nograph" in paths:
+        te = min(run_forge(graph=False, fused=False)[0] for _ in range(a.repeats))
+        print(f"forge-ml, no graph: {n / te:9.1f} tok/s  (decoding step op by op)")
+    if "hf" in paths:
+        th = min(run_hf()[0] for _ in range(a.repeats))
+        _, ho = run_hf()
+        same = next((i for i, (x, y) in enumerate(zip(fo, ho)) if x != y), len(fo))
+        print(f"transformers:  {n / th:9.1f} tok/s")
+        print(f"ratio forge-ml / transformers: {th / tf:.2f}x   (greedy tokens agree for the first "
+              f"{same} of {n})")
     nbytes = sum(t.numel * t.dtype.itemsize for t in model.params.values())
     print(f"bandwidth: {nbytes / 1e6:.0f} MB of parameters x {n / tf:.0f} tok/s = "
           f"{nbytes * n / tf / 1e12:.2f} TB/s, {nbytes * n / tf / PEAK_BW:.1%} of {PEAK_BW / 1e12:.1f} TB/s")
