@@ -2,7 +2,8 @@
 transformers' ``generate`` on the same random weights, in the same run.
 
     python benchmarks/generate_gpu.py [--new-tokens 1008] [--prompt-len 16] [--dtype float32|bf16]
-                                      [--paths forge,fused,nograph,hf] [--sampling [--batch 64]]
+                                      [--paths forge,fused,nograph,hf] [--sampling [--batch 64]
+                                      [--modes greedy,top-k,top-p,min-p,penalty]]
 
 tokens/s counts new tokens over the end-to-end time (prefill and the CUDA-graph capture
 included), best of a few runs; by default over a whole generation from a 16-token prompt to
@@ -10,8 +11,9 @@ position 1,024 (the decoding attention's cost grows with the position). The band
 reads the parameters once per token (gpt-fast's measure): parameter bytes x tokens/s against
 the H200's 4.8 TB/s. forge-ml is also timed with the step as one kernel (FORGE_FUSED_DECODE=on,
 decode_model.cu, experimental) and with the graph off (the decoding step op by op, the figure
-before the graph existed). ``--paths forge`` times the default path alone (an A/B between
-trees of the code in a few seconds a run: scripts/ab_trees.sh).
+before the graph existed). ``--paths forge`` times the default path alone, and
+``--sampling --modes greedy`` greedy at batch 1 and ``--batch`` alone (an A/B between trees of
+the code in seconds a run: scripts/ab_trees.sh).
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def main(argv=None):
     ap.add_argument("--sampling", action="store_true",
                     help="also time every sampling mode against greedy at batch 1 and --batch")
     ap.add_argument("--batch", type=int, default=64, help="the larger batch of --sampling")
+    ap.add_argument("--modes", default="greedy,top-k,top-p,min-p,penalty",
+                    help="the sampling modes --sampling times (greedy always)")
     ap.add_argument("--paths", default="forge,fused,nograph,hf",
                     help="what is timed: forge (the default path), fused (one kernel a step), "
                          "nograph (op by op), hf (transformers)")
@@ -115,10 +119,15 @@ def main(argv=None):
     if not a.sampling:
         return
     # every sampling mode against greedy, at batch 1 and batch --batch, over the same length
-    modes = {"greedy": dict(temperature=0), "temperature 0.8 + top-k 40": dict(temperature=0.8, top_k=40),
-             "temperature 0.8 + top-p 0.9": dict(temperature=0.8, top_p=0.9),
-             "min-p 0.05": dict(temperature=1.0, min_p=0.05),
-             "repetition penalty 1.2": dict(temperature=0.8, repetition_penalty=1.2)}
+    every = {"greedy": ("greedy", dict(temperature=0)),
+             "top-k": ("temperature 0.8 + top-k 40", dict(temperature=0.8, top_k=40)),
+             "top-p": ("temperature 0.8 + top-p 0.9", dict(temperature=0.8, top_p=0.9)),
+             "min-p": ("min-p 0.05", dict(temperature=1.0, min_p=0.05)),
+             "penalty": ("repetition penalty 1.2", dict(temperature=0.8, repetition_penalty=1.2))}
+    asked = set(a.modes.split(",")) | {"greedy"}
+    if not asked <= set(every):
+        raise SystemExit(f"--modes takes {', '.join(every)}; got {a.modes!r}")
+    modes = dict(every[m] for m in every if m in asked)
     for B in (1, a.batch):
         prompts = [prompt] * B if B > 1 else prompt
         times = {}
