@@ -47,7 +47,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     paths = set(a.paths.split(","))
     if not paths <= {"forge", "fused", "nograph", "hf"} or "forge" not in paths:
-        raise SystemExit(f"--paths takes forge (always) and any of fused, nograph, hf; got {a.paths!r}")
+        raise SystemExit("--paths takes forge (always) and any of fused, nograph, hf; "
+                         f"got {a.paths!r}")
 
     import cupy as cp
     import torch
