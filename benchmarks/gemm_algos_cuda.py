@@ -85,9 +85,11 @@ def main(argv=None):
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "forge_e2e_data"))
     a = ap.parse_args(argv)
     import cupy as cp
+    from sampling_cuda import time_graph
     from train_e2e import prepare_data
 
     from forge_ml.backends.cuda import cublas, cublaslt as L
+    from forge_ml.backends.cuda.graph import capture_graph
     data = prepare_data(a.data, "gpt2", a.cache)
     lt_calls, gemm_calls = record_products(a, data)
     lt = L._lt()
@@ -104,29 +106,8 @@ def main(argv=None):
         Python launch path's: the GPU waited for the host between the two events (the
         fourteenth session's H100 run gave cuBLAS 0.138 ms where its kernel takes ~0.06)."""
         fn()                                  # plans, algorithms and kernels made outside the capture
-        cp.cuda.Device().synchronize()
-        stream = cp.cuda.Stream(non_blocking=True)
-        with stream:
-            stream.begin_capture()
-            try:
-                for _ in range(a.calls):
-                    fn()
-            finally:
-                graph = stream.end_capture()
-        return _replays(graph, stream)
-
-    def _replays(graph, stream):
-        graph.launch(stream)
-        stream.synchronize()
-        times = []
-        for _ in range(a.reps):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) / a.calls)
-        return float(np.median(times))
+        graph = capture_graph(lambda: [fn() for _ in range(a.calls)])
+        return time_graph(cp, graph, a.calls, a.reps, 1) / 1000.0
 
     def candidates(plan):
         """cuBLASLt's heuristic results for the plan's descriptors and preference, up to
