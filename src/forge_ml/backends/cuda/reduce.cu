@@ -117,7 +117,6 @@ extern "C" __global__ void sum_finish_f64(const double* part, double* out, long 
 extern "C" __global__ void __launch_bounds__(256)
     sum_rows8_partial_bf16(const bf16* __restrict__ x, float* __restrict__ part, long long R,
                            int C, long long chunk) {
-    __shared__ float sh[8][257];
     const int tx = threadIdx.x, ty = threadIdx.y, c0 = (blockIdx.x * 32 + tx) * 8;
     const long long r0 = (long long)blockIdx.y * chunk, r1 = min(R, r0 + chunk);
     float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -139,14 +138,5 @@ extern "C" __global__ void __launch_bounds__(256)
             for (int k = 0; k < 8; ++k) s[k] += v[k];
         }
     }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) sh[ty][8 * tx + k] = s[k];
-    __syncthreads();
-    const int c = ty * 32 + tx, col = blockIdx.x * 256 + c;   // a thread finishes one column
-    if (col < C) {
-        float t = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) t += sh[j][c];
-        part[(long long)blockIdx.y * C + col] = t;
-    }
+    colsum8_block_finish(s, part, C);
 }
