@@ -3,9 +3,9 @@
 the backward needs), a residual added through C (``D = A B + bias + C``, C apart from D), and
 the weight gradient with the bias gradient of the same pass (``BGRADA``: the sum over the rows
 of dY, read once), and GELU's backward applied to a product (``DGELU``: the derivative at the
-input ``GELU_AUX_BIAS`` kept). Today's path without it: ``bias_fill`` then cuBLAS with beta = 1, ``gelu``
-after, ``sum_rows`` beside the weight gradient; each of those reads or writes the whole output
-once more.
+input ``GELU_AUX_BIAS`` kept). Today's path without it: ``bias_fill`` then cuBLAS with
+beta = 1, ``gelu`` after, ``sum_rows`` beside the weight gradient; each of those reads or
+writes the whole output once more.
 
 Called through ctypes like ``cublas.py`` (``libcublasLt``, which libcublas loads, found in this
 process's memory map), and for the same reason: calls are recorded into CUDA graphs. A plan
@@ -156,8 +156,9 @@ def lt_matmul(a, b, out, trans_a=False, trans_b=False, *, bias=None, epilogue="d
     """``out = epilogue(alpha op(a) @ op(b) + bias + c)`` for 2-D bfloat16 or float32 operands,
     row-major: ``epilogue`` "default", "bias", "gelu_bias", "gelu_aux_bias" (``aux`` gets
     GELU's input, out's shape), "dgelu" (``out`` = GELU's derivative at ``aux``, GELU's input
-    as "gelu_aux_bias" wrote it, times the product) or "bgrada": the weight gradient ``X^T dY`` (``a`` = X with
-    ``trans_a``, ``b`` = dY) that also writes ``bias`` = the sums of dY's rows. ``c``: None, or
+    as "gelu_aux_bias" wrote it, times the product) or "bgrada": the weight gradient
+    ``X^T dY`` (``a`` = X with ``trans_a``, ``b`` = dY) that also writes ``bias`` = the sums
+    of dY's rows. ``c``: None, or
     an array of out's shape added (beta = 1, C apart from D). Returns False, having done
     nothing, where cuBLASLt cannot do it here."""
     if not flags.on("FORGE_CUBLASLT") or a.dtype not in (BF16, F32) or a.dtype != b.dtype \
