@@ -298,6 +298,23 @@ def test_sum_rows(be, rs, dtype):
 
 
 @cuda
+@pytest.mark.parametrize("rows,cols", [(4096, 3072), (1000, 264), (37, 16), (5, 8), (17, 2056)])
+def test_sum_rows_16_byte_kernel(be, rs, rows, cols):
+    """reduce.cu's sum_rows8_partial_bf16 (bf16 rows of a multiple of 8 columns on a 16-byte
+    boundary: the MLP's bias gradient after the DGELU product): against float64 (row counts
+    that leave a lone last row and partial chunks; column counts that leave part of a block),
+    and a view 2 bytes into its buffer (the scalar kernel) gives the same sums within rounding."""
+    x = values(rs, (rows + 1, cols), "bfloat16", scale=2.0)
+    xd = dev(be, x, "bfloat16")
+    got = host(be, be.sum_rows(xd[:rows]))
+    check("sum_rows8", got, reference.sum_rows(x[:rows]), TOL["bfloat16"])
+    flat = xd.reshape(-1)
+    off = flat[1:1 + rows * cols].reshape(rows, cols)   # rows 2 bytes off a 16-byte boundary
+    want = reference.sum_rows(x.reshape(-1)[1:1 + rows * cols].reshape(rows, cols))
+    check("sum_rows unaligned", host(be, be.sum_rows(off)), want, TOL["bfloat16"])
+
+
+@cuda
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_sumsq(be, rs, dtype):
     x = values(rs, (C, 4 * C + 3), dtype)
@@ -344,6 +361,34 @@ def test_matmul_dgelu(be, rs, dtype, M, K, N):
     cdpre, cdb = compose.matmul_dgelu(be, *args)
     check("matmul_dgelu vs composed", host(be, dpre), host(be, cdpre), TOL[dtype])
     check("matmul_dgelu db vs composed", host(be, db), host(be, cdb), TOL[dtype])
+
+
+@cuda
+def test_matmul_dgelu_takes_cublaslt_dgelu_epilogue(be, rs, monkeypatch):
+    """At GPT-2's MLP shape in bf16 the product and GELU's derivative are one cuBLASLt call
+    (the DGELU epilogue, reading GELU's input as aux) and the bias gradient is the sums of what
+    it wrote; where this GPU's cuBLASLt declines, the two-pass path runs (skip)."""
+    from forge_ml.backends.cuda import linear
+    calls = []
+    real = linear.lt_matmul
+
+    def spy(*a, **k):
+        ok = real(*a, **k)
+        calls.append((k.get("epilogue"), ok))
+        return ok
+    monkeypatch.setattr(linear, "lt_matmul", spy)
+    M, K, N = 512, 4 * C, C
+    dy, w = values(rs, (M, N), "bfloat16", 0.5), values(rs, (K, N), "bfloat16", 0.1)
+    pre = values(rs, (M, K), "bfloat16", 2.0)
+    dpre, db = be.matmul_dgelu(*(dev(be, a, "bfloat16") for a in (dy, w, pre)))
+    assert [e for e, _ in calls] == ["dgelu"], calls
+    if not calls[0][1]:
+        pytest.skip("this GPU's cuBLASLt has no DGELU algorithm for the shape")
+    got = host(be, dpre)
+    check("dgelu epilogue", got, reference.gelu_bwd(pre, reference.matmul(dy, w, trans_b=True)),
+          TOL_MM["bfloat16"])
+    np.testing.assert_allclose(host(be, db), got.sum(0), rtol=1e-2,
+                               atol=1e-2 * np.abs(got.sum(0)).max())
 
 
 @cuda

@@ -366,6 +366,25 @@ FORGE_D uint4 pack8_bf16(const float (&w)[8]) {
 }
 #endif
 
+// The last step of the 16-byte column-sum kernels (gelu.cu's gelu_bwd_colsum8_bf16, reduce.cu's
+// sum_rows8_partial_bf16): a (32 x 8) block whose lane (tx, ty) holds the sums s of columns
+// 8 tx.. of 256 over its row group ty adds the 8 row groups in order, one thread a column, and
+// writes the chunk's sums to part[blockIdx.y * K + column] (colsum_finish adds the chunks).
+FORGE_D void colsum8_block_finish(const float (&s)[8], float* __restrict__ part, int K) {
+    __shared__ float sh[8][257];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) sh[ty][8 * tx + k] = s[k];
+    __syncthreads();
+    const int c = ty * 32 + tx, col = blockIdx.x * 256 + c;
+    if (col < K) {
+        float t = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) t += sh[j][c];
+        part[(long long)blockIdx.y * K + col] = t;
+    }
+}
+
 // Programmatic dependent launch (Hopper and later). A kernel launched with it (the backend's
 // _launch(..., pdl=True)) may start while the previous kernel on the stream still runs: it must
 // call pdl_wait() before it reads or writes anything that kernel (or an earlier one) may touch;

@@ -2,9 +2,10 @@
 (``BIAS``), a bias and GELU (``GELU_BIAS``; ``GELU_AUX_BIAS`` also writes GELU's input, which
 the backward needs), a residual added through C (``D = A B + bias + C``, C apart from D), and
 the weight gradient with the bias gradient of the same pass (``BGRADA``: the sum over the rows
-of dY, read once). Today's path without it: ``bias_fill`` then cuBLAS with beta = 1, ``gelu``
-after, ``sum_rows`` beside the weight gradient; each of those reads or writes the whole output
-once more.
+of dY, read once), and GELU's backward applied to a product (``DGELU``: the derivative at the
+input ``GELU_AUX_BIAS`` kept). Today's path without it: ``bias_fill`` then cuBLAS with
+beta = 1, ``gelu`` after, ``sum_rows`` beside the weight gradient; each of those reads or
+writes the whole output once more.
 
 Called through ctypes like ``cublas.py`` (``libcublasLt``, which libcublas loads, found in this
 process's memory map), and for the same reason: calls are recorded into CUDA graphs. A plan
@@ -35,7 +36,8 @@ _DESC_AUX_POINTER, _DESC_AUX_LD, _DESC_BIAS_DATA_TYPE = 11, 12, 26
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # A, B, C, D
 _COMPUTE_32F = 68
-_EPILOGUES = {"default": 1, "bias": 4, "gelu_bias": 36, "gelu_aux_bias": 164, "bgrada": 256}
+_EPILOGUES = {"default": 1, "bias": 4, "gelu_bias": 36, "gelu_aux_bias": 164, "dgelu": 192,
+              "bgrada": 256}
 _WORKSPACE = 32 << 20
 _ALIGN = 16
 _DECLINED = (7, 8, 15)   # INVALID_VALUE, ARCH_MISMATCH, NOT_SUPPORTED: nothing was launched
@@ -118,7 +120,7 @@ class _Plan:
         _set(lt, self.desc, _DESC_EPILOGUE, _EPILOGUES[epi], C.c_int)
         if bias_dt is not None:
             _set(lt, self.desc, _DESC_BIAS_DATA_TYPE, _cuda_type(bias_dt), C.c_int)
-        if epi == "gelu_aux_bias":
+        if epi in ("gelu_aux_bias", "dgelu"):   # GELU's input: written, or read
             _set(lt, self.desc, _DESC_AUX_LD, N, C.c_int64)
 
         def layout(stored):   # a row-major (r, c) matrix is column-major (c, r), ld c
@@ -153,8 +155,10 @@ def lt_matmul(a, b, out, trans_a=False, trans_b=False, *, bias=None, epilogue="d
               aux=None, c=None, alpha=1.0) -> bool:
     """``out = epilogue(alpha op(a) @ op(b) + bias + c)`` for 2-D bfloat16 or float32 operands,
     row-major: ``epilogue`` "default", "bias", "gelu_bias", "gelu_aux_bias" (``aux`` gets
-    GELU's input, out's shape) or "bgrada": the weight gradient ``X^T dY`` (``a`` = X with
-    ``trans_a``, ``b`` = dY) that also writes ``bias`` = the sums of dY's rows. ``c``: None, or
+    GELU's input, out's shape), "dgelu" (``out`` = GELU's derivative at ``aux``, GELU's input
+    as "gelu_aux_bias" wrote it, times the product) or "bgrada": the weight gradient
+    ``X^T dY`` (``a`` = X with ``trans_a``, ``b`` = dY) that also writes ``bias`` = the sums
+    of dY's rows. ``c``: None, or
     an array of out's shape added (beta = 1, C apart from D). Returns False, having done
     nothing, where cuBLASLt cannot do it here."""
     if not flags.on("FORGE_CUBLASLT") or a.dtype not in (BF16, F32) or a.dtype != b.dtype \

@@ -135,7 +135,6 @@ extern "C" __global__ void __launch_bounds__(256)
     gelu_bwd_colsum8_bf16(const bf16* __restrict__ x, const bf16* __restrict__ dy,
                           bf16* __restrict__ dx, float* __restrict__ part, long long R, int K,
                           long long chunk) {
-    __shared__ float sh[8][257];
     const int tx = threadIdx.x, ty = threadIdx.y, c0 = (blockIdx.x * 32 + tx) * 8;
     const long long r0 = (long long)blockIdx.y * chunk, r1 = min(R, r0 + chunk);
     float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -156,16 +155,7 @@ extern "C" __global__ void __launch_bounds__(256)
                           *reinterpret_cast<const uint4*>(dy + o), dx + o, s);
         }
     }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) sh[ty][8 * tx + k] = s[k];
-    __syncthreads();
-    const int c = ty * 32 + tx, col = blockIdx.x * 256 + c;   // a thread finishes one column
-    if (col < K) {
-        float t = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) t += sh[j][c];
-        part[(long long)blockIdx.y * K + col] = t;
-    }
+    colsum8_block_finish(s, part, K);
 }
 #endif
 

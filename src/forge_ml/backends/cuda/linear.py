@@ -18,7 +18,7 @@ from .. import compose as _compose
 from .cublas import _matmul_into
 from .cublaslt import lt_matmul
 from .memory import _c, _like
-from .rows import gelu_bwd_colsum
+from .rows import gelu_bwd_colsum, sum_rows
 from .runtime import (BF16, F32, _THREADS, _empty, _float_sfx, _grid, _guarded, _i32, _i64,
                       _launch, _launcher_ex, _package, _pdl_wrote)
 
@@ -127,17 +127,22 @@ def matmul_gelu(x, w, bias):
 
 @_guarded
 def matmul_dgelu(dy, w, pre):
-    """``(gelu_bwd(pre, dy @ w^T), its row sums)``: cuBLAS for the product, then one kernel for
-    GELU's derivative that sums the bias gradient as it writes (gelu.cu's gelu_bwd_colsum), so
-    the gradient is not read again for its sums (cuBLASLt's DGELU_BGRAD epilogue ran here as
-    a separate kernel, 0.65 ms a GPT-2 124M layer at B=32: slower than the two passes)."""
+    """``(gelu_bwd(pre, dy @ w^T), its row sums)``: one cuBLASLt product whose DGELU epilogue
+    applies GELU's derivative at ``pre`` to the product as it writes it, then ``sum_rows`` of
+    the result (16-byte rows); where cuBLASLt cannot, cuBLAS for the product, then one kernel
+    for GELU's derivative that sums the bias gradient as it writes (gelu.cu's
+    gelu_bwd_colsum). (cuBLASLt's DGELU_BGRAD epilogue, the sums too, ran as a separate
+    kernel, 0.65 ms a GPT-2 124M layer at B=32: slower than the two passes.)"""
     dy, w, pre = _c(dy), _like(_c(w), dy.dtype), _like(_c(pre), dy.dtype)
     if dy.ndim != 2 or w.ndim != 2 or pre.ndim != 2 or dy.shape[1] != w.shape[1] \
             or pre.shape != (dy.shape[0], w.shape[0]):
         raise ShapeError(f"matmul_dgelu: dy {dy.shape}, w {w.shape} and pre {pre.shape} do not "
                          "fit (M, N) @ (K, N)^T = (M, K)")
     if pre.size:
-        dh = _empty(pre.shape, dy.dtype)
+        dpre = _empty(pre.shape, dy.dtype)
+        if lt_matmul(dy, w, dpre, trans_b=True, epilogue="dgelu", aux=pre):
+            return dpre, sum_rows(dpre)
+        dh = dpre
         _matmul_into(dy, w, dh, False, True, 1.0, None)
         got = gelu_bwd_colsum(pre, dh)
         if got is not None:

@@ -107,3 +107,36 @@ extern "C" __global__ void sum_finish_f64(const double* part, double* out, long 
                                           double scale) {
     sum_finish_impl<double>(part, out, n, scale);
 }
+
+// sum_rows8_partial_bf16: sum_rows_partial for bf16 rows whose C is a multiple of 8 and whose
+// start is 16-byte aligned (the MLP's (B*T, 4C) gradient after cuBLASLt's DGELU epilogue):
+// gelu.cu's gelu_bwd_colsum8_bf16 without GELU and without the write. 16-byte loads, a lane
+// owning 8 columns and two rows in flight (r, r + 8); a (32 x 8) block owns 256 columns over
+// one chunk of rows (sized by the caller for about one wave). A lane adds its rows in order
+// and the 8 row groups are added in order; colsum_finish adds the chunks.
+extern "C" __global__ void __launch_bounds__(256)
+    sum_rows8_partial_bf16(const bf16* __restrict__ x, float* __restrict__ part, long long R,
+                           int C, long long chunk) {
+    const int tx = threadIdx.x, ty = threadIdx.y, c0 = (blockIdx.x * 32 + tx) * 8;
+    const long long r0 = (long long)blockIdx.y * chunk, r1 = min(R, r0 + chunk);
+    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (c0 < C) {
+        long long r = r0 + ty;
+        for (; r + 8 < r1; r += 16) {
+            const uint4 a = *reinterpret_cast<const uint4*>(x + r * C + c0);
+            const uint4 b = *reinterpret_cast<const uint4*>(x + (r + 8) * C + c0);
+            float va[8], vb[8];
+            Vec16<bf16>::widen(a, va);
+            Vec16<bf16>::widen(b, vb);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) s[k] = (s[k] + va[k]) + vb[k];
+        }
+        if (r < r1) {
+            float v[8];
+            Vec16<bf16>::widen(*reinterpret_cast<const uint4*>(x + r * C + c0), v);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) s[k] += v[k];
+        }
+    }
+    colsum8_block_finish(s, part, C);
+}

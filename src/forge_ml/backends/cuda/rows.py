@@ -43,12 +43,30 @@ def sum_rows(x):
     if R == 0:
         out.data.memset_async(0, out.nbytes)
         return out
+    if x.dtype == BF16 and C % 8 == 0 and x.data.ptr % 16 == 0:
+        # 16-byte rows (sum_rows8_partial_bf16): chunks of rows for about four blocks an SM
+        chunk, S = _rows8_chunks(R, C)
+        part = _empty((S, C), F32)
+        _launch("reduce", "sum_rows8_partial_bf16", (-(-C // 256), S), (32, 8),
+                (x, part, _i64(R), _i32(C), _i64(chunk)))
+        _colsum_finish(part, out, S, C)
+        return out
     chunk, S = _chunks(R)
     part = _empty((S, C), _acc_dtype(x.dtype))
     _launch("reduce", f"sum_rows_partial_{_float_sfx(x)}", (-(-C // 32), S), (32, 8),
             (x, part, _i64(R), _i32(C), _i64(chunk)))
     _colsum_finish(part, out, S, C)
     return out
+
+
+def _rows8_chunks(R: int, C: int) -> tuple[int, int]:
+    """(rows per chunk, chunks) for the 16-byte column-sum kernels (gelu_bwd_colsum8_bf16,
+    sum_rows8_partial_bf16; 256 columns a block): about four blocks an SM, one wave, the
+    chunk a multiple of 16 rows."""
+    cols = -(-C // 256)
+    want = max(1, min(-(-R // 16), 4 * _sm_count(_dev()) // cols))
+    chunk = 16 * -(-R // (16 * want))
+    return chunk, -(-R // chunk)
 
 
 def gelu_bwd_colsum(x, dy):
@@ -62,12 +80,9 @@ def gelu_bwd_colsum(x, dy):
     dx, db = _empty((R, K), x.dtype), _empty((K,), x.dtype)
     if x.dtype == BF16 and K % 8 == 0 and not any(a.data.ptr % 16 for a in (x, dy, dx)):
         # the 16-byte kernel: chunks of rows for about four blocks an SM, one wave
-        cols = -(-K // 256)
-        want = max(1, min(-(-R // 16), 4 * _sm_count(_dev()) // cols))   # chunks wanted
-        chunk = 16 * -(-R // (16 * want))                                  # rows, a multiple of 16
-        S = -(-R // chunk)
+        chunk, S = _rows8_chunks(R, K)
         part = _empty((S, K), F32)
-        _launch("gelu", "gelu_bwd_colsum8_bf16", (cols, S), (32, 8),
+        _launch("gelu", "gelu_bwd_colsum8_bf16", (-(-K // 256), S), (32, 8),
                 (x, dy, dx, part, _i64(R), _i32(K), _i64(chunk)))
         _colsum_finish(part, db, S, K)
         return dx, db
