@@ -12,6 +12,7 @@ Tolerances (‖got - ref‖ / ‖ref‖): float32 1e-5 (products through cuBLAS 
 """
 from __future__ import annotations
 
+import importlib
 import math
 
 import numpy as np
@@ -368,7 +369,8 @@ def test_matmul_dgelu_takes_cublaslt_dgelu_epilogue(be, rs, monkeypatch):
     """At GPT-2's MLP shape in bf16 the product and GELU's derivative are one cuBLASLt call
     (the DGELU epilogue, reading GELU's input as aux) and the bias gradient is the sums of what
     it wrote; where this GPU's cuBLASLt declines, the two-pass path runs (skip)."""
-    from forge_ml.backends.cuda import linear
+    # the module (the package's name `linear` is its function)
+    linear = importlib.import_module("forge_ml.backends.cuda.linear")
     calls = []
     real = linear.lt_matmul
 
