@@ -269,6 +269,30 @@ def test_gemv_waits_for_a_weight_the_previous_kernel_wrote(be, rs):
         check(f"first gemv, round {i}", host(be, y1), (x * i) @ w0, TOL_MM["float32"])
 
 
+@cuda
+def test_gemv_waits_for_a_bias_or_layernorm_weight_the_previous_kernel_wrote(be, rs):
+    """The gemv also loads its first bias values and the layernorm's gamma and beta before the
+    previous kernel has finished; where that kernel wrote them (here rows of the previous
+    gemv's output, different every round), it waits first."""
+    x, w0 = values(rs, (4, C), "float32"), values(rs, (C, 2 * C), "float32", 0.05)
+    w1, z = values(rs, (C, 256), "float32", 0.05), values(rs, (2, C), "float32")
+    dw0, dw1, dz = dev(be, w0, "float32"), dev(be, w1, "float32"), dev(be, z, "float32")
+    for i in range(1, 20):
+        xi = x * i
+        y1 = be.matmul(dev(be, xi, "float32"), dw0)             # (4, 2C), gemv
+        want1 = xi @ w0
+        assert be._pdl_wrote(y1[0])
+        got = be.linear(dz, dw1, y1[0, :256], None, None, None)   # bias = y1's row: waits
+        check(f"bias from the previous gemv, round {i}", host(be, got), z @ w1 + want1[0, :256],
+              TOL_MM["float32"])
+        y1 = be.matmul(dev(be, xi, "float32"), dw0)
+        gamma, beta = y1[1, :C], y1[2, C:]
+        got = be.linear(dz, dw1, None, None, None, (gamma, beta, 1e-5))   # gamma, beta: waits
+        want = reference.layernorm(z, want1[1, :C], want1[2, C:], 1e-5) @ w1
+        check(f"layernorm weights from the previous gemv, round {i}", host(be, got), want,
+              TOL_MM["float32"])
+
+
 # ----------------------------------------------------------------------------------------------
 # Elementwise and reductions
 # ----------------------------------------------------------------------------------------------

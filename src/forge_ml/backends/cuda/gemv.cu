@@ -12,10 +12,14 @@
 // lanes read one row's tile, each one 16-byte load of VEC columns (4 float32 or 8 bf16), so a
 // warp reads 32 / LPR rows at a time and the block's 8 warps 8 * 32 / LPR rows. Each lane keeps
 // M x VEC float32 sums.
-//   1. Every lane loads its first GEMV_PF rows of W into registers, then waits for the
-//      previous kernel (pdl_wait, common.cuh): on Hopper the weight loads overlap the previous
-//      kernel's tail. `early` = 0 (W may be what the previous kernel wrote) waits first; the
-//      backend then also launches it without programmatic dependent launch.
+//   1. Every lane loads its first GEMV_PF rows of W into registers, and its first gamma and
+//      beta of x's slice (GEMV_XPF) and bias of the columns it finishes (GEMV_EPF), then waits
+//      for the previous kernel (pdl_wait, common.cuh): on Hopper these weight loads overlap
+//      the previous kernel's tail, and none of them stands between the wait and the output.
+//      `early` = 0 (W, the bias or the layernorm's parameters may be what the previous kernel
+//      wrote) waits first; the backend then also launches it without programmatic dependent
+//      launch. Right after the wait the lane loads its residual values, which the previous
+//      kernels wrote, so their latency passes under steps 2 and 3.
 //   2. With LN, the block computes the rows' mean and rstd (two passes over x, float32, as
 //      layernorm.cu); x's slice, normalised, goes to shared memory.
 //   3. Multiply-add over the slice; the lanes of a row group meet by shuffles (in a fixed
@@ -31,6 +35,16 @@
 #define GEMV_PF 8     // row groups per lane loaded before waiting for the previous kernel
 #define GEMV_KC 1024  // rows of a block's K slice at most (x's slice is staged in shared memory)
 #define GEMV_TILE 128 // columns of a tile at most (LPR * VEC)
+#define GEMV_XPF 2    // passes of the x-slice fill whose gamma and beta are loaded before the
+                      // wait: every pass where M * kchunk <= 2 * 256 (GPT-2 124M: 384)
+#define GEMV_EPF 1    // passes of the epilogue whose bias and residual are loaded early:
+                      // every pass where M * (the block's columns) <= 256 (at most 4 * 16)
+
+// a weight element loaded before pdl_wait: through L2 only (ld.global.cg), as Vec16::raw
+FORGE_D float ldcg_f(const float* p) { return __ldcg(p); }
+FORGE_D float ldcg_f(const bf16* p) {
+    return bits_f32(((unsigned int)__ldcg(reinterpret_cast<const unsigned short*>(p))) << 16);
+}
 
 // acc[m][:] += xs[m][kk] * (the VEC weights in w), for the M rows.
 template <typename T, int VEC>
@@ -66,7 +80,10 @@ __device__ void gemv_impl(const T* x, const T* W, const T* gamma, const T* beta,
     const int k0 = s * kchunk, kn = max(0, min(K, k0 + kchunk) - k0);
     const int r0 = warp * RW + rg;  // this lane's first row of the slice; then r0 + BR, ...
     const bool col = n0 < N;
-    // 1. the first rows of W
+    // the columns this block finishes in step 4: [c0, c1) of the tile
+    const int share = (TILE + S - 1) / S, c0 = s * share, c1 = min(TILE, c0 + share);
+    const int cw = max(0, c1 - c0);
+    // 1. the first rows of W, gamma and beta of the slice, the bias of the finished columns
     if (!early) pdl_wait();
     uint4 wp[GEMV_PF];
 #pragma unroll
@@ -75,8 +92,38 @@ __device__ void gemv_impl(const T* x, const T* W, const T* gamma, const T* beta,
         wp[i] = (col && kk < kn) ? Vec16<T>::raw(W + (long long)(k0 + kk) * N + n0)
                                  : make_uint4(0u, 0u, 0u, 0u);
     }
+    float gpf[GEMV_XPF], bpf[GEMV_XPF], biaspf[GEMV_EPF];
+#pragma unroll
+    for (int j = 0; j < GEMV_XPF; ++j) {
+        const int i = tid + j * GEMV_WARPS * 32;
+        gpf[j] = bpf[j] = 0.f;
+        if (has_ln && i < M * kn) {
+            const int k = k0 + i % kn;
+            gpf[j] = ldcg_f(gamma + k);
+            bpf[j] = ldcg_f(beta + k);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < GEMV_EPF; ++j) {
+        const int i = tid + j * GEMV_WARPS * 32;
+        biaspf[j] = 0.f;
+        if (has_bias && cw > 0 && i < M * cw) {
+            const int n = blockIdx.x * TILE + c0 + i % cw;
+            if (n < N) biaspf[j] = ldcg_f(bias + n);
+        }
+    }
     pdl_wait();
     pdl_launch_dependents();
+    float respf[GEMV_EPF];
+#pragma unroll
+    for (int j = 0; j < GEMV_EPF; ++j) {
+        const int i = tid + j * GEMV_WARPS * 32;
+        respf[j] = 0.f;
+        if (has_res && cw > 0 && i < M * cw) {
+            const int m = i / cw, n = blockIdx.x * TILE + c0 + i % cw;
+            if (n < N) respf[j] = ldf(residual[(long long)m * N + n]);
+        }
+    }
     // 2. LN statistics, x's slice in shared memory
     if (has_ln) {
         for (int m = 0; m < M; ++m) {
@@ -97,11 +144,21 @@ __device__ void gemv_impl(const T* x, const T* W, const T* gamma, const T* beta,
         }
         __syncthreads();
     }
-    for (int i = tid; i < M * kn; i += blockDim.x) {
-        const int m = i / kn, kk = i - m * kn, k = k0 + kk;
-        float v = ldf(x[(long long)m * K + k]);
-        if (has_ln) v = (v - stat[0][m]) * stat[1][m] * ldf(gamma[k]) + ldf(beta[k]);
+    // element i of the slice (row m, column kk) with gamma g and beta b
+    auto fill = [&](int i, float g, float b) {
+        const int m = i / kn, kk = i - m * kn;
+        float v = ldf(x[(long long)m * K + k0 + kk]);
+        if (has_ln) v = (v - stat[0][m]) * stat[1][m] * g + b;
         xs[m][kk] = v;
+    };
+#pragma unroll
+    for (int j = 0; j < GEMV_XPF; ++j) {   // the passes whose gamma and beta came early
+        const int i = tid + j * GEMV_WARPS * 32;
+        if (i < M * kn) fill(i, gpf[j], bpf[j]);
+    }
+    for (int i = tid + GEMV_XPF * GEMV_WARPS * 32; i < M * kn; i += blockDim.x) {
+        const int k = k0 + i % kn;
+        fill(i, has_ln ? ldf(gamma[k]) : 0.f, has_ln ? ldf(beta[k]) : 0.f);
     }
     __syncthreads();
     // 3. multiply-add: the prefetched rows, then the rest of the slice
@@ -147,11 +204,10 @@ __device__ void gemv_impl(const T* x, const T* W, const T* gamma, const T* beta,
     } else {
         __syncthreads();
     }
-    const int share = (TILE + S - 1) / S, c0 = s * share, c1 = min(TILE, c0 + share);
-    const int cw = max(0, c1 - c0);
-    for (int i = tid; i < M * cw; i += blockDim.x) {
+    // output i of the block's share (row m, tile column c) with its bias and residual value
+    auto finish = [&](int i, float bias_v, float res_v) {
         const int m = i / cw, c = c0 + (i - m * cw), n = blockIdx.x * TILE + c;
-        if (n >= N) continue;
+        if (n >= N) return;
         float a = 0.f;
         if (S > 1) {
             for (int r = 0; r < S; ++r) a += ld_cluster(&bpart[m][c], (unsigned)r);
@@ -159,16 +215,27 @@ __device__ void gemv_impl(const T* x, const T* W, const T* gamma, const T* beta,
             a = bpart[m][c];
         }
         a *= alpha;
-        if (has_bias) a += ldf(bias[n]);
+        if (has_bias) a += bias_v;
         if (act == 1) a = gelu_f(a);
-        if (has_res) a += ldf(residual[(long long)m * N + n]);
+        if (has_res) a += res_v;
         y[(long long)m * N + n] = To<T>::from(a);
+    };
+#pragma unroll
+    for (int j = 0; j < GEMV_EPF; ++j) {   // the passes whose bias and residual came early
+        const int i = tid + j * GEMV_WARPS * 32;
+        if (i < M * cw) finish(i, biaspf[j], respf[j]);
+    }
+    for (int i = tid + GEMV_EPF * GEMV_WARPS * 32; i < M * cw; i += blockDim.x) {
+        const int m = i / cw, n = blockIdx.x * TILE + c0 + (i - m * cw);
+        const bool in = n < N;
+        finish(i, has_bias && in ? ldf(bias[n]) : 0.f,
+               has_res && in ? ldf(residual[(long long)m * N + n]) : 0.f);
     }
     if (S > 1) cluster_sync();  // no block leaves while another may still read its bpart
 }
 
 #define FORGE_GEMV(T, S, VEC, LPR)                                                           \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)                        \
         gemv_##S##_##LPR(const T* x, const T* W, const T* gamma, const T* beta, int has_ln,  \
                          float eps, const T* bias, int has_bias, const T* res, int has_res,  \
                          int act, T* y, int M, int K, int N, int kc, float alpha,            \

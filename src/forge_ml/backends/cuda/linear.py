@@ -60,9 +60,11 @@ def _gemv_shape(dt, K, N):
 
 def _gemv(a, b, bias, alpha, M, K, N, act=0, residual=None, ln=None):
     lpr, tiles, slices, kchunk = _gemv_shape(a.dtype, K, N)
-    # W written by the kernel before: a plain launch (on the H200 a programmatic launch read
-    # such a W stale through the read-only cache, even with its pdl_wait() before the loads)
-    early = not _pdl_wrote(b)
+    # W (or the bias, gamma, beta: every weight the kernel loads before its pdl_wait) written
+    # by the kernel before: a plain launch (on the H200 a programmatic launch read such a W
+    # stale through the read-only cache, even with its pdl_wait() before the loads)
+    early = not any(_pdl_wrote(t) for t in (b, bias) + (() if ln is None else ln[:2])
+                    if t is not None)
     out = _empty((M, N), a.dtype)
     gamma, beta, eps = (out, out, 0.0) if ln is None else ln
     _launch("gemv", f"gemv_{_float_sfx(a)}_{lpr}", (tiles, slices), _GEMV_THREADS,
