@@ -11,6 +11,9 @@ FORGE_ARCH_FEATURES defined). NVRTC alone is enough, no driver or toolkit:
     pip install nvidia-cuda-nvrtc-cu12                 # or set FORGE_NVRTC=/path/libnvrtc.so
     python scripts/nvrtc_check.py                      # every kernel file
     python scripts/nvrtc_check.py flash_hopper --ptxas # one file, with ptxas's resource report
+    python scripts/nvrtc_check.py gelu --ptx /tmp/a    # also write gelu.ptx there: a refactor
+                                                       # that should not change the code can be
+                                                       # diffed against the PTX from before it
 
 The NVRTC found may be older or newer than the device's (CuPy 14's NVRTC 13 on the H200
 machine); the exit status is 1 when a file does not compile.
@@ -71,7 +74,8 @@ class Nvrtc:
             raise RuntimeError(f"{what}: {self.lib.nvrtcGetErrorString(status).decode()}")
 
     def compile(self, source: str, name: str, options: list) -> tuple:
-        """``(compiled, log)``: whether NVRTC compiled ``source``, and its log."""
+        """``(compiled, log, ptx)``: whether NVRTC compiled ``source``, its log, and the PTX
+        (an empty string where it did not compile)."""
         prog = ctypes.c_void_p()
         self._ok(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(),
                                              0, None, None), "nvrtcCreateProgram")
@@ -82,7 +86,13 @@ class Nvrtc:
             self._ok(self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "log size")
             log = ctypes.create_string_buffer(size.value)
             self._ok(self.lib.nvrtcGetProgramLog(prog, log), "log")
-            return status == 0, log.value.decode(errors="replace").strip()
+            ptx = ""
+            if status == 0:
+                self._ok(self.lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "PTX size")
+                buf = ctypes.create_string_buffer(size.value)
+                self._ok(self.lib.nvrtcGetPTX(prog, buf), "PTX")
+                ptx = buf.value.decode(errors="replace")
+            return status == 0, log.value.decode(errors="replace").strip(), ptx
         finally:
             self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -91,6 +101,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("stems", nargs="*", help="kernel files by stem (default: every backends/cuda/*.cu)")
     ap.add_argument("--ptxas", action="store_true", help="print ptxas's registers/spills/shared memory")
+    ap.add_argument("--ptx", metavar="DIR", help="write each file's PTX to DIR/<stem>.ptx")
     args = ap.parse_args(argv)
     include, arch_stems = runtime_constants()
     common = (CUDA_DIR / "common.cuh").read_text()
@@ -115,7 +126,10 @@ def main(argv=None) -> int:
             options.append("-DFORGE_ARCH_FEATURES=1")
         if args.ptxas:
             options.append("--ptxas-options=-v")
-        ok, log = nvrtc.compile(source, f"{stem}.cu", options)
+        ok, log, ptx = nvrtc.compile(source, f"{stem}.cu", options)
+        if ok and args.ptx:
+            Path(args.ptx).mkdir(parents=True, exist_ok=True)
+            (Path(args.ptx) / f"{stem}.ptx").write_text(ptx)
         print(f"{stem}.cu ({arch}): {'ok' if ok else 'FAILED'}")
         if log and (not ok or args.ptxas):
             print("  " + log.replace("\n", "\n  "))
