@@ -366,6 +366,25 @@ FORGE_D uint4 pack8_bf16(const float (&w)[8]) {
 }
 #endif
 
+// The row walk of the 16-byte column-sum kernels (gelu.cu's gelu_bwd_colsum8_bf16, reduce.cu's
+// sum_rows8_partial_bf16): lane (tx, ty) of a (32 x 8) block owns the 8 columns from
+// c0 = 8 (32 blockIdx.x + tx) of a row-major (R, K) array, over the rows ty, ty + 8, ... of the
+// block's chunk [blockIdx.y chunk, + chunk). Two rows are in flight at a time: pair(o, o8) gets
+// the element offsets of rows r and r + 8 (at column c0), one(o) a last row without its pair.
+// The lane's rows reach pair and one in order, so sums taken there keep a fixed order.
+template <class Pair, class One>
+FORGE_D void colsum8_rows(long long R, int K, long long chunk, Pair pair, One one) {
+    const int c0 = (blockIdx.x * 32 + threadIdx.x) * 8;
+    const long long r0 = (long long)blockIdx.y * chunk, r1 = min(R, r0 + chunk);
+    if (c0 >= K) return;
+    long long r = r0 + threadIdx.y;
+    for (; r + 8 < r1; r += 16) {
+        const long long o = r * K + c0;
+        pair(o, o + 8LL * K);
+    }
+    if (r < r1) one(r * K + c0);
+}
+
 // The last step of the 16-byte column-sum kernels (gelu.cu's gelu_bwd_colsum8_bf16, reduce.cu's
 // sum_rows8_partial_bf16): a (32 x 8) block whose lane (tx, ty) holds the sums s of columns
 // 8 tx.. of 256 over its row group ty adds the 8 row groups in order, one thread a column, and

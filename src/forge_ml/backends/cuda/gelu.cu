@@ -135,26 +135,21 @@ extern "C" __global__ void __launch_bounds__(256)
     gelu_bwd_colsum8_bf16(const bf16* __restrict__ x, const bf16* __restrict__ dy,
                           bf16* __restrict__ dx, float* __restrict__ part, long long R, int K,
                           long long chunk) {
-    const int tx = threadIdx.x, ty = threadIdx.y, c0 = (blockIdx.x * 32 + tx) * 8;
-    const long long r0 = (long long)blockIdx.y * chunk, r1 = min(R, r0 + chunk);
     float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (c0 < K) {
-        long long r = r0 + ty;
-        for (; r + 8 < r1; r += 16) {
-            const long long o0 = r * K + c0, o1 = o0 + 8LL * K;
+    colsum8_rows(
+        R, K, chunk,
+        [&](long long o0, long long o1) {
             const uint4 a0 = *reinterpret_cast<const uint4*>(x + o0);
             const uint4 d0 = *reinterpret_cast<const uint4*>(dy + o0);
             const uint4 a1 = *reinterpret_cast<const uint4*>(x + o1);
             const uint4 d1 = *reinterpret_cast<const uint4*>(dy + o1);
             gelu_bwd_row8(a0, d0, dx + o0, s);
             gelu_bwd_row8(a1, d1, dx + o1, s);
-        }
-        if (r < r1) {
-            const long long o = r * K + c0;
+        },
+        [&](long long o) {
             gelu_bwd_row8(*reinterpret_cast<const uint4*>(x + o),
                           *reinterpret_cast<const uint4*>(dy + o), dx + o, s);
-        }
-    }
+        });
     colsum8_block_finish(s, part, K);
 }
 #endif

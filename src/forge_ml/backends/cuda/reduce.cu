@@ -117,26 +117,23 @@ extern "C" __global__ void sum_finish_f64(const double* part, double* out, long 
 extern "C" __global__ void __launch_bounds__(256)
     sum_rows8_partial_bf16(const bf16* __restrict__ x, float* __restrict__ part, long long R,
                            int C, long long chunk) {
-    const int tx = threadIdx.x, ty = threadIdx.y, c0 = (blockIdx.x * 32 + tx) * 8;
-    const long long r0 = (long long)blockIdx.y * chunk, r1 = min(R, r0 + chunk);
     float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (c0 < C) {
-        long long r = r0 + ty;
-        for (; r + 8 < r1; r += 16) {
-            const uint4 a = *reinterpret_cast<const uint4*>(x + r * C + c0);
-            const uint4 b = *reinterpret_cast<const uint4*>(x + (r + 8) * C + c0);
+    colsum8_rows(
+        R, C, chunk,
+        [&](long long o0, long long o1) {
+            const uint4 a = *reinterpret_cast<const uint4*>(x + o0);
+            const uint4 b = *reinterpret_cast<const uint4*>(x + o1);
             float va[8], vb[8];
             Vec16<bf16>::widen(a, va);
             Vec16<bf16>::widen(b, vb);
 #pragma unroll
             for (int k = 0; k < 8; ++k) s[k] = (s[k] + va[k]) + vb[k];
-        }
-        if (r < r1) {
+        },
+        [&](long long o) {
             float v[8];
-            Vec16<bf16>::widen(*reinterpret_cast<const uint4*>(x + r * C + c0), v);
+            Vec16<bf16>::widen(*reinterpret_cast<const uint4*>(x + o), v);
 #pragma unroll
             for (int k = 0; k < 8; ++k) s[k] += v[k];
-        }
-    }
+        });
     colsum8_block_finish(s, part, C);
 }
