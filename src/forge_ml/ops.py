@@ -209,9 +209,9 @@ def matmul_dgelu(dy, w, pre) -> Tuple[Tensor, Tensor]:
     """The backward of GELU through the product after it, for training: ``(dpre, db)`` with
     ``dpre = gelu_bwd(pre, dy @ w^T)`` (the gradient at GELU's input ``pre`` of
     ``gelu(pre) @ w``) and ``db = sum_rows(dpre)`` (the bias gradient of the layer that made
-    ``pre``), for ``dy (M, N)``, ``w (K, N)``, ``pre (M, K)``. On the GPU the product, then
-    one kernel that sums the bias gradient as it writes GELU's; elsewhere ``matmul``,
-    ``gelu_bwd`` and ``sum_rows``.
+    ``pre``), for ``dy (M, N)``, ``w (K, N)``, ``pre (M, K)``. On the GPU one cuBLASLt
+    product that applies GELU's derivative as it writes (its DGELU epilogue), then the row
+    sums; elsewhere ``matmul``, ``gelu_bwd`` and ``sum_rows``.
 
     >>> import numpy as np, forge_ml as fm
     >>> dy = fm.tensor(np.ones((2, 1), np.float32)); w = fm.tensor(np.ones((1, 1), np.float32))
