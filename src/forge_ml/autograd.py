@@ -277,8 +277,8 @@ class Tape:
         the residual add after it as one node, the same values and gradients as
         ``matmul_add(matmul_gelu(x, w_fc, b_fc), w_proj, b_proj, residual)``. Its backward
         takes GELU's input gradient and the first layer's bias gradient from one
-        ``ops.matmul_dgelu`` (on the GPU one product: no separate GELU backward, and no
-        second pass over that gradient for its bias).
+        ``ops.matmul_dgelu`` (on the GPU one product that applies GELU's backward as it
+        writes, then one pass of 16-byte row sums for the bias).
 
         >>> import numpy as np, forge_ml as fm
         >>> t = fm.Tape()
