@@ -2,7 +2,8 @@
 # A/B of generation between trees of forge-ml, on the GPU machine: benchmarks/generate_gpu.py
 # (forge-ml's default path only, greedy bf16 from a 16-token prompt to position 1,024, at batch
 # 1 and at BATCH) from each tree in turn, alternated ROUNDS times, so that all see the same
-# machine state. Prints the tree and the tokens/s lines of each run.
+# machine state. Prints one line a run: the tree, the default path's tokens/s, and greedy's at batch
+# 1 and at BATCH (the logs keep the whole output).
 #
 #   bash scripts/ab_generate.sh BASE_TREE[,TREE...] [ROUNDS] [BATCH]
 #
@@ -31,7 +32,11 @@ for r in $(seq 1 "$rounds"); do
     # generate_gpu.py puts its own tree's src first on sys.path
     timeout 300 python3 "$tree/benchmarks/generate_gpu.py" --dtype bf16 --paths forge --sampling \
       --modes greedy --batch "$batch" --repeats 2 ${GEN_ARGS:-} > "$f" 2>&1
-    lines=$(grep -E "^forge-ml: |^batch |^  greedy " "$f" | tr -s ' ' | tr '\n' ';')
-    echo "$name round $r: ${lines:-FAILED (see $f)}"
+    # one line a run: the default path's figure, then greedy's at batch 1 and at BATCH
+    line=$(awk '/^forge-ml: / {d = $2}
+                /^batch / {b = $2; sub(",", "", b)}
+                /^  greedy / {g = g sprintf(" | batch %s greedy %s tok/s", b, $2)}
+                END {if (d != "") printf "default %s tok/s%s", d, g}' "$f")
+    echo "$name round $r: ${line:-FAILED (see $f)}"
   done
 done
