@@ -2,8 +2,8 @@
 # A/B of generation between trees of forge-ml, on the GPU machine: benchmarks/generate_gpu.py
 # (forge-ml's default path only, greedy bf16 from a 16-token prompt to position 1,024, at batch
 # 1 and at BATCH) from each tree in turn, alternated ROUNDS times, so that all see the same
-# machine state. Prints one line a run: the tree, the default path's tokens/s, and greedy's at batch
-# 1 and at BATCH (the logs keep the whole output).
+# machine state. Prints one line a run: the tree, the default path's tokens/s, and greedy's at
+# batch 1 and at BATCH (the logs keep the whole output).
 #
 #   bash scripts/ab_generate.sh BASE_TREE[,TREE...] [ROUNDS] [BATCH]
 #
