@@ -44,12 +44,7 @@ def sum_rows(x):
         out.data.memset_async(0, out.nbytes)
         return out
     if x.dtype == BF16 and C % 8 == 0 and x.data.ptr % 16 == 0:
-        # 16-byte rows (sum_rows8_partial_bf16): chunks of rows for about four blocks an SM
-        chunk, S = _rows8_chunks(R, C)
-        part = _empty((S, C), F32)
-        _launch("reduce", "sum_rows8_partial_bf16", (-(-C // 256), S), (32, 8),
-                (x, part, _i64(R), _i32(C), _i64(chunk)))
-        _colsum_finish(part, out, S, C)
+        _colsum8("reduce", "sum_rows8_partial_bf16", (x,), out, R, C)   # 16-byte rows
         return out
     chunk, S = _chunks(R)
     part = _empty((S, C), _acc_dtype(x.dtype))
@@ -59,14 +54,19 @@ def sum_rows(x):
     return out
 
 
-def _rows8_chunks(R: int, C: int) -> tuple[int, int]:
-    """(rows per chunk, chunks) for the 16-byte column-sum kernels (gelu_bwd_colsum8_bf16,
-    sum_rows8_partial_bf16; 256 columns a block): about four blocks an SM, one wave, the
-    chunk a multiple of 16 rows."""
-    cols = -(-C // 256)
-    want = max(1, min(-(-R // 16), 4 * _sm_count(_dev()) // cols))
+def _colsum8(module: str, kernel: str, ins: tuple, out, R: int, C: int) -> None:
+    """One of the 16-byte column-sum kernels (gelu.cu's gelu_bwd_colsum8_bf16, reduce.cu's
+    sum_rows8_partial_bf16) over ``R`` bf16 rows of ``C`` columns, a multiple of 8: ``ins``,
+    then its float32 partial sums, a (32 x 8) block 256 columns over a chunk of rows (about
+    four blocks an SM, one wave, a chunk a multiple of 16 rows); then ``colsum_finish`` adds
+    the chunks into ``out``."""
+    want = max(1, min(-(-R // 16), 4 * _sm_count(_dev()) // -(-C // 256)))   # chunks wanted
     chunk = 16 * -(-R // (16 * want))
-    return chunk, -(-R // chunk)
+    S = -(-R // chunk)
+    part = _empty((S, C), F32)
+    _launch(module, kernel, (-(-C // 256), S), (32, 8),
+            ins + (part, _i64(R), _i32(C), _i64(chunk)))
+    _colsum_finish(part, out, S, C)
 
 
 def gelu_bwd_colsum(x, dy):
@@ -79,12 +79,7 @@ def gelu_bwd_colsum(x, dy):
         return None
     dx, db = _empty((R, K), x.dtype), _empty((K,), x.dtype)
     if x.dtype == BF16 and K % 8 == 0 and not any(a.data.ptr % 16 for a in (x, dy, dx)):
-        # the 16-byte kernel: chunks of rows for about four blocks an SM, one wave
-        chunk, S = _rows8_chunks(R, K)
-        part = _empty((S, K), F32)
-        _launch("gelu", "gelu_bwd_colsum8_bf16", (-(-K // 256), S), (32, 8),
-                (x, dy, dx, part, _i64(R), _i32(K), _i64(chunk)))
-        _colsum_finish(part, db, S, K)
+        _colsum8("gelu", "gelu_bwd_colsum8_bf16", (x, dy, dx), db, R, K)   # the 16-byte kernel
         return dx, db
     chunk, S = _chunks(R)
     part = _empty((S, K), _acc_dtype(x.dtype))
