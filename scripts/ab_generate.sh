@@ -19,24 +19,19 @@ rounds="${2:-2}"
 batch="${3:-64}"
 log="${OUT:-/tmp/forge_ab_generate}"
 mkdir -p "$log"
-for tree in ${trees//,/ }; do
-  if ! grep -q -- "--modes" "$tree/benchmarks/generate_gpu.py" 2>/dev/null; then
-    echo "ab_generate.sh: $tree must hold benchmarks/generate_gpu.py with --paths and --modes"
-    exit 2
-  fi
-done
-for r in $(seq 1 "$rounds"); do
-  for tree in ${trees//,/ } .; do
-    name=$([ "$tree" = . ] && echo this || basename "$tree")
-    f="$log/${name}_$r.log"
-    # generate_gpu.py puts its own tree's src first on sys.path
-    timeout 300 python3 "$tree/benchmarks/generate_gpu.py" --dtype bf16 --paths forge --sampling \
-      --modes greedy --batch "$batch" --repeats 2 ${GEN_ARGS:-} > "$f" 2>&1
-    # one line a run: the default path's figure, then greedy's at batch 1 and at BATCH
-    line=$(awk '/^forge-ml: / {d = $2}
-                /^batch / {b = $2; sub(",", "", b)}
-                /^  greedy / {g = g sprintf(" | batch %s greedy %s tok/s", b, $2)}
-                END {if (d != "") printf "default %s tok/s%s", d, g}' "$f")
-    echo "$name round $r: ${line:-FAILED (see $f)}"
-  done
-done
+. scripts/ab_common.sh
+has_modes() { grep -q -- "--modes" "$1/benchmarks/generate_gpu.py" 2>/dev/null; }
+ab_check "$trees" "benchmarks/generate_gpu.py with --paths and --modes" has_modes
+run() {   # tree, name, round
+  local f="$log/${2}_$3.log" line
+  # generate_gpu.py puts its own tree's src first on sys.path
+  timeout 300 python3 "$1/benchmarks/generate_gpu.py" --dtype bf16 --paths forge --sampling \
+    --modes greedy --batch "$batch" --repeats 2 ${GEN_ARGS:-} > "$f" 2>&1
+  # one line a run: the default path's figure, then greedy's at batch 1 and at BATCH
+  line=$(awk '/^forge-ml: / {d = $2}
+              /^batch / {b = $2; sub(",", "", b)}
+              /^  greedy / {g = g sprintf(" | batch %s greedy %s tok/s", b, $2)}
+              END {if (d != "") printf "default %s tok/s%s", d, g}' "$f")
+  echo "$2 round $3: ${line:-FAILED (see $f)}"
+}
+ab_rounds "$trees" "$rounds" run

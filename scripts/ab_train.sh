@@ -26,12 +26,9 @@ steps="${4:-20}"
 data="${DATA:-.data/tinyshakespeare.txt}"
 log="${OUT:-/tmp/forge_ab}"
 mkdir -p "$log"
-for tree in ${trees//,/ }; do
-  if [ ! -f "$tree/benchmarks/train_e2e.py" ] || [ ! -d "$tree/src/forge_ml" ]; then
-    echo "ab_train.sh: $tree must hold src/forge_ml and benchmarks/train_e2e.py (git archive REV src benchmarks)"
-    exit 2
-  fi
-done
+. scripts/ab_common.sh
+has_trainer() { [ -f "$1/benchmarks/train_e2e.py" ] && [ -d "$1/src/forge_ml" ]; }
+ab_check "$trees" "src/forge_ml and benchmarks/train_e2e.py (git archive REV src benchmarks)" has_trainer
 if [ ! -f "$data" ]; then
   echo "ab_train.sh: no text at $data (set DATA)"
   exit 2
@@ -40,16 +37,15 @@ if ls .whl/serve/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/forge_site .whl/serve/*.whl >/dev/null 2>&1 \
     && export PYTHONPATH="/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-for r in $(seq 1 "$rounds"); do
-  for tree in ${trees//,/ } .; do
-    name=$([ "$tree" = . ] && echo this || basename "$tree")
-    for row in ${rows//,/ }; do
-      f="$log/${name}_${row}_$r.log"
-      # train_e2e.py puts its own tree's src first on sys.path
-      timeout 120 python3 "$tree/benchmarks/train_e2e.py" --data "$data" --rows "$row" --peers forge \
-        --steps "$steps" > "$f" 2>&1
-      line=$(grep -E "^$row +forge +[0-9,]+ tok/s" "$f" | head -1)
-      echo "$name round $r: ${line:-FAILED (see $f)}"
-    done
+run() {   # tree, name, round
+  local row f line
+  for row in ${rows//,/ }; do
+    f="$log/${2}_${row}_$3.log"
+    # train_e2e.py puts its own tree's src first on sys.path
+    timeout 120 python3 "$1/benchmarks/train_e2e.py" --data "$data" --rows "$row" --peers forge \
+      --steps "$steps" > "$f" 2>&1
+    line=$(grep -E "^$row +forge +[0-9,]+ tok/s" "$f" | head -1)
+    echo "$2 round $3: ${line:-FAILED (see $f)}"
   done
-done
+}
+ab_rounds "$trees" "$rounds" run
