@@ -28,13 +28,15 @@ log="${OUT:-/tmp/forge_ab}"
 mkdir -p "$log"
 . scripts/ab_common.sh
 has_trainer() { [ -f "$1/benchmarks/train_e2e.py" ] && [ -d "$1/src/forge_ml" ]; }
-ab_check "$trees" "src/forge_ml and benchmarks/train_e2e.py (git archive REV src benchmarks)" has_trainer
+ab_check "$trees" "src/forge_ml and benchmarks/train_e2e.py (git archive REV src benchmarks)" \
+  has_trainer
 if [ ! -f "$data" ]; then
   echo "ab_train.sh: no text at $data (set DATA)"
   exit 2
 fi
 if ls .whl/serve/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/forge_site .whl/serve/*.whl >/dev/null 2>&1 \
+  python3 -m pip install -q --no-index --no-deps --target /tmp/forge_site .whl/serve/*.whl \
+    >/dev/null 2>&1 \
     && export PYTHONPATH="/tmp/forge_site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 run() {   # tree, name, round
