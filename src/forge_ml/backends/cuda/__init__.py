@@ -54,8 +54,8 @@ from .layout import (embedding, merge_heads, scatter_add_rows, split_heads, unme
                      unsplit_head)
 from .linear import linear, matmul, matmul_dgelu, matmul_gelu, weight_grads
 from .many import adamw_update_many_at, sumsq_total
-from .memory import (assign, cast, copy, from_host, from_host_async, pinned_empty, release_cached, to_host,
-                     to_host_async, zeros)
+from .memory import (assign, cast, copy, from_host, from_host_async, pinned_empty, release_cached,
+                     to_host, to_host_async, zeros)
 from .pointwise import (adamw_update, adamw_update_at, add, clip_scale, dropout, dropout_at, gelu,
                         gelu_bwd, scale)
 from .rows import (cross_entropy, cross_entropy_bwd, layernorm, layernorm_bwd, layernorm_bwd_add,
