@@ -78,6 +78,7 @@ FORGE_KV_APPEND(unsigned long long, b64)
 // one element for every row, or one per row (npos = B: rows at their own positions); a pos
 // outside 0..Tmax-1 writes nothing and makes that row's outputs NaN.
 #define DECODE_MAX_GROUPS 256  // key groups a block of the one-pass path may have
+#define DECODE_PREFETCH_ROWS 64  // key and value rows of a block asked of L2 before pdl_wait
 #ifndef DECODE_ROWS_IN_FLIGHT
 #define DECODE_ROWS_IN_FLIGHT 4  // key and value rows a group of the one-pass path loads at once
 #endif
@@ -96,6 +97,22 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
     __shared__ A red[32];
     __shared__ A ml[2];                      // m_p, l_p
     const int h = blockIdx.x / P, p = blockIdx.x % P, b = blockIdx.y, C = H * hs, t = threadIdx.x;
+    {   // Before waiting for the previous kernel: ask L2 for the first DECODE_PREFETCH_ROWS
+        // key and value rows of this block's split, so that DRAM works under that kernel's
+        // tail. Only a hint: pos is read without waiting (a stale value prefetches other
+        // lines), nothing read here is used, and L2 is where every SM's writes meet.
+        const int hint = min(max(pos_p[npos == 1 ? 0 : b], 0), Tmax - 1) + 1;
+        const int hch = (hint + P - 1) / P, hj0 = p * hch, hcnt = max(0, min(hint, hj0 + hch) - hj0);
+        const long long hbase = ((long long)b * H + h) * Tmax * hs + (long long)hj0 * hs;
+        const int lines = (hs * (int)sizeof(T) + 127) / 128;   // 128-byte lines a row
+        const int n = min(hcnt, DECODE_PREFETCH_ROWS) * lines;
+        for (int i = t; i < n; i += blockDim.x) {
+            const long long at = hbase + (long long)(i / lines) * hs;
+            const int ln = (i % lines) * (128 / (int)sizeof(T));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(kc + at + ln));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(vc + at + ln));
+        }
+    }
     pdl_wait();  // everything below comes from earlier kernels (common.cuh)
     pdl_launch_dependents();
     const int pos = pos_p[npos == 1 ? 0 : b];  // one position, or one per row
