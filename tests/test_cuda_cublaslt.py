@@ -153,3 +153,65 @@ def test_a_launch_cublaslt_declines_falls_back_to_cublas(lt_calls, rs, monkeypat
         got = ops.matmul(T(x, "bfloat16"), T(w, "bfloat16"), T(b, "bfloat16"))
         check("matmul after a declined launch", H(got), ref.matmul(x, w, b), TOL["bfloat16"])
     assert lt_calls == [False, False] and list(cublaslt._plans.values()) == [None]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gemm_tune_times_once_then_keeps_the_choice(lt_calls, rs, dtype, tmp_path, monkeypatch):
+    """FORGE_GEMM_TUNE=on: a new plan times the heuristic's candidates once (the product is
+    still right), writes its choice to the cache folder, and a later plan of the same product
+    takes it from there without timing: the same algorithm, so the same bits. A damaged cache
+    file is an empty cache and is written whole again."""
+    import importlib
+    import json
+    L = importlib.import_module("forge_ml.backends.cuda.cublaslt")
+    x, w, b = vals(rs, (256, 768), dtype), vals(rs, (768, 2304), dtype, 0.05), vals(rs, (2304,), dtype)
+    timed = []
+    real_pick = L._tune_pick
+    monkeypatch.setattr(L, "_tune_pick", lambda t: timed.append(t) or real_pick(t))
+    monkeypatch.setattr(L, "_TUNE_MIN_ROWS", 256)     # this product counts as training-sized
+    monkeypatch.setattr(L, "_TUNE_MIN_WORK", 256 * 768 * 2304)
+    saved = dict(L._plans)
+    try:
+        with flags.override(FORGE_GEMM_TUNE="on", FORGE_CACHE_DIR=str(tmp_path)):
+            L._plans.clear()
+            first = ops.matmul(T(x, dtype), T(w, dtype), T(b, dtype))
+            check("tuned matmul + bias", H(first), ref.matmul(x, w, b), TOL[dtype])
+            assert len(timed) == 1 and all(t > 0 for t in timed[0])
+            path = tmp_path / "gemm" / "lt_algos.json"
+            data = json.loads(path.read_text())
+            assert len(data) == 1 and len(next(iter(data.values()))) == 128
+            L._plans.clear()
+            again = ops.matmul(T(x, dtype), T(w, dtype), T(b, dtype))
+            assert len(timed) == 1                       # from the cache: no timing
+            assert H(again).tobytes() == H(first).tobytes()
+            path.write_text("{not json")
+            L._plans.clear()
+            third = ops.matmul(T(x, dtype), T(w, dtype), T(b, dtype))
+            assert len(timed) == 2 and json.loads(path.read_text()).keys() == data.keys()
+            check("re-tuned matmul + bias", H(third), ref.matmul(x, w, b), TOL[dtype])
+    finally:
+        L._plans.clear()
+        L._plans.update(saved)
+
+
+def test_gemm_tune_leaves_decoding_products_alone(lt_calls, rs, tmp_path, monkeypatch):
+    """FORGE_GEMM_TUNE=on times training's products only: a 64-row product (batch-64 decoding)
+    keeps the heuristic's first algorithm and writes no cache entry."""
+    import importlib
+    L = importlib.import_module("forge_ml.backends.cuda.cublaslt")
+    timed = []
+    monkeypatch.setattr(L, "_tune_pick", lambda t: timed.append(t) or 0)
+    x, w, b = vals(rs, (64, 768), "bfloat16"), vals(rs, (768, 2304), "bfloat16", 0.05), \
+        vals(rs, (2304,), "bfloat16")
+    saved = dict(L._plans)
+    try:
+        with flags.override(FORGE_GEMM_TUNE="on", FORGE_CACHE_DIR=str(tmp_path)):
+            L._plans.clear()
+            got = ops.matmul(T(x, "bfloat16"), T(w, "bfloat16"), T(b, "bfloat16"))
+            check("untuned matmul + bias", H(got), ref.matmul(x, w, b), TOL["bfloat16"])
+            assert timed == [] and not (tmp_path / "gemm" / "lt_algos.json").exists()
+            plan = next(p for p in L._plans.values() if p is not None)
+            assert plan.algo is plan.candidates[0]
+    finally:
+        L._plans.clear()
+        L._plans.update(saved)

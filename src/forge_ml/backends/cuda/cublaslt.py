@@ -21,6 +21,9 @@ GELU here is cuBLASLt's tanh form, GPT-2's; float32 products are true float32 (c
 from __future__ import annotations
 
 import ctypes as C
+import json
+import os
+import tempfile
 import threading
 
 import numpy as np
@@ -40,6 +43,14 @@ _EPILOGUES = {"default": 1, "bias": 4, "gelu_bias": 36, "gelu_aux_bias": 164, "d
               "bgrada": 256}
 _WORKSPACE = 32 << 20
 _ALIGN = 16
+_CANDIDATES = 8     # heuristic results a plan keeps (FORGE_GEMM_TUNE times them)
+_TUNE_CALLS = 5     # back-to-back calls between a candidate's two events
+_TUNE_MARGIN = 0.03  # another candidate replaces the heuristic's first only if this much faster
+# Products FORGE_GEMM_TUNE times: training's, at least this many rows and M * N * K. Timed back to
+# back, a product of a few microseconds ranks the candidates by what a warm L2 favours: at M = 64
+# (batch-64 decoding) the picks cost generation 7.8% (the seventeenth session, an H100).
+_TUNE_MIN_ROWS = 4096
+_TUNE_MIN_WORK = 1 << 33
 _DECLINED = (7, 8, 15)   # INVALID_VALUE, ARCH_MISMATCH, NOT_SUPPORTED: nothing was launched
 
 
@@ -137,11 +148,125 @@ class _Plan:
             al = C.c_uint32(_ALIGN)
             _ok(lt.matmulpreferencesetattribute(pref, attr, C.byref(al), C.sizeof(al)),
                 "preference")
-        self.algo = (C.c_ubyte * 96)()    # cublasLtMatmulHeuristicResult_t; algo is its head
+        # cublasLtMatmulHeuristicResult_t (96 bytes): the 64-byte algorithm is its head
+        res = (C.c_ubyte * (96 * _CANDIDATES))()
         n = C.c_int(0)
         st = lt.matmulalgogetheuristic(handle, self.desc, self.a, self.b, self.d, self.d, pref,
-                                       1, self.algo, C.byref(n))
+                                       _CANDIDATES, res, C.byref(n))
         self.ok = st == 0 and n.value > 0
+        self.candidates = [(C.c_ubyte * 96).from_buffer_copy(res, 96 * i)
+                           for i in range(n.value if self.ok else 0)]
+        self.algo = self.candidates[0] if self.ok else (C.c_ubyte * 96)()
+        self.tuned = False   # FORGE_GEMM_TUNE: the algorithm chosen (from the cache or timed)
+
+
+def _tune_key(dt, M, N, K, trans_a, trans_b, epi, bias_dt, beta) -> str:
+    """The tuning cache's key of a product: the GPU's name and cuBLASLt's version (another
+    library or card ranks the candidates anew), then what the plan depends on.
+
+    >>> _tune_key("bfloat16", 8, 16, 32, True, False, "bgrada", "bfloat16", 0.0).split("|", 2)[2]
+    'bfloat16|8,16,32|TN|bgrada|bias bfloat16|beta 0'
+    """
+    try:
+        dev = cupy.cuda.runtime.getDeviceProperties(_dev())["name"]
+        dev = dev.decode() if isinstance(dev, bytes) else str(dev)
+        ver = str(cupy.cuda.runtime.runtimeGetVersion())
+    except Exception:   # no GPU (the doctest): the key's other fields still apply
+        dev, ver = "?", "?"
+    return (f"{dev}|cuda {ver}|{dt}|{M},{N},{K}|{'T' if trans_a else 'N'}"
+            f"{'T' if trans_b else 'N'}|{epi}|bias {bias_dt}|beta {float(beta):g}")
+
+
+def _tune_file():
+    return flags.cache_root("gemm") / "lt_algos.json"
+
+
+def _tune_load() -> dict:
+    """The cache of chosen algorithms (key -> the 64 bytes as hex); an unreadable or
+    malformed file is an empty cache (it is rewritten on the next choice)."""
+    try:
+        data = json.loads(_tune_file().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} \
+        if isinstance(data, dict) else {}
+
+
+def _tune_store(key: str, algo_hex: str) -> None:
+    """Add one choice to the cache file: read, update, written whole to a temporary file and
+    renamed over it (a reader never sees half a file; two processes racing keep one whole
+    file, each choice still in use in its own process). A folder that cannot be written is
+    skipped: the choice holds for this process."""
+    path = _tune_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _tune_load()
+        data[key] = algo_hex
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".lt_algos.")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _tune_pick(times) -> int:
+    """The candidate to keep: the fastest, unless the heuristic's first (index 0) is within
+    _TUNE_MARGIN of it (timing noise should not move a product off the library's choice).
+
+    >>> _tune_pick([1.0, 0.99, 1.2]), _tune_pick([1.0, 0.9, 0.95]), _tune_pick([float("inf"), 2.0])
+    (0, 1, 1)
+    """
+    best = min(range(len(times)), key=lambda i: (times[i], i))
+    return 0 if times[0] <= times[best] * (1.0 + _TUNE_MARGIN) else best
+
+
+def _tunable(M: int, N: int, K: int) -> bool:
+    """Whether FORGE_GEMM_TUNE times a product of (M, K) @ (K, N): training's sizes only.
+
+    >>> _tunable(32768, 768, 768), _tunable(64, 50304, 768), _tunable(16384, 384, 384)
+    (True, False, False)
+    """
+    return M >= _TUNE_MIN_ROWS and M * N * K >= _TUNE_MIN_WORK
+
+
+def _tune(plan, key: str, run) -> None:
+    """FORGE_GEMM_TUNE: set ``plan.algo`` to the cached choice for ``key`` if it is still one
+    of the heuristic's candidates, else time each candidate (``run(algo)`` launches the
+    product; _TUNE_CALLS calls back to back between two events, best of two, on the call's own
+    operands: every candidate writes the same outputs) and keep ``_tune_pick``'s. Not while the
+    stream is being captured into a graph (the plan keeps the heuristic's first until a call
+    outside a capture)."""
+    stream = cupy.cuda.get_current_stream()
+    if stream.is_capturing():
+        return
+    plan.tuned = True
+    if len(plan.candidates) < 2:
+        return
+    heads = [bytes(c)[:64].hex() for c in plan.candidates]
+    cached = _tune_load().get(key)
+    if cached in heads:
+        plan.algo = plan.candidates[heads.index(cached)]
+        return
+    times = []
+    for algo in plan.candidates:
+        try:
+            run(algo)   # the first call of a kernel loads it
+            best = float("inf")
+            for _ in range(2):
+                start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(stream)
+                for _ in range(_TUNE_CALLS):
+                    run(algo)
+                end.record(stream)
+                end.synchronize()
+                best = min(best, cupy.cuda.get_elapsed_time(start, end) / _TUNE_CALLS)
+        except DeviceError:
+            best = float("inf")
+        times.append(best)
+    pick = _tune_pick(times)
+    plan.algo = plan.candidates[pick]
+    _tune_store(key, heads[pick])
 
 
 def _aligned(*arrays) -> bool:
@@ -192,6 +317,17 @@ def lt_matmul(a, b, out, trans_a=False, trans_b=False, *, bias=None, epilogue="d
             _set(lt, plan.desc, _DESC_BIAS_POINTER, bias.data.ptr, C.c_void_p)
         if aux is not None:
             _set(lt, plan.desc, _DESC_AUX_POINTER, aux.data.ptr, C.c_void_p)
+
+        def run(algo):
+            st = lt.matmul(handle, plan.desc, C.byref(al), b.data.ptr, plan.a, a.data.ptr,
+                           plan.b, C.byref(be), cp.data.ptr, plan.d, out.data.ptr, plan.d, algo,
+                           ws.data.ptr, _WORKSPACE, cupy.cuda.get_current_stream().ptr)
+            if st != 0:
+                raise DeviceError(f"cuBLASLt candidate: status {st}")
+
+        if not plan.tuned and flags.on("FORGE_GEMM_TUNE") and _tunable(M, N, K):
+            _tune(plan, _tune_key(a.dtype, M, N, K, trans_a, trans_b, epilogue, bias_dt,
+                                  0.0 if c is None else 1.0), run)
         st = lt.matmul(handle, plan.desc, C.byref(al), b.data.ptr, plan.a, a.data.ptr, plan.b,
                        C.byref(be), cp.data.ptr, plan.d, out.data.ptr, plan.d, plan.algo,
                        ws.data.ptr, _WORKSPACE, cupy.cuda.get_current_stream().ptr)

@@ -199,6 +199,11 @@ def matmul(a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows=None
         return _gemv(a, b, bias, alpha, M, K, N)
     out = _empty(lead + (M, N), a.dtype)
     beta = 0.0
+    # every 2-D product without a bias through cuBLASLt's heuristic (as the products with a
+    # bias or an epilogue go) rather than cublasGemmEx's choice
+    if (bias is None and a.ndim == 2 and br == br_stored and out.size
+            and lt_matmul(a, b, out, trans_a, trans_b, alpha=alpha)):
+        return out
     if bias is not None:
         bias = _like(_c(bias), a.dtype)
         if bias.size != N:
