@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from . import blas as _blas
 from . import flags
@@ -630,6 +631,11 @@ def _cmd_eval(args) -> int:
     cfg = model.config
     if folder is not None:
         _check_folder_tokenizer(folder, tok, args.ckpt)
+    elif path.suffix == ".bin":  # one shard: the tokenizer.json beside it, as a folder's
+        beside = path.parent / "tokenizer.json"
+        _check_folder_tokenizer(SimpleNamespace(folder=path.parent,
+                                                tokenizer=beside if beside.is_file() else None),
+                                tok, args.ckpt, what=f"the shard {path}")
     tmp = None
     if shards is None and path.suffix != ".bin":  # a text file: tokenize it with the checkpoint's tokenizer
         import tempfile
@@ -674,16 +680,18 @@ def _cmd_eval(args) -> int:
     return 0
 
 
-def _check_folder_tokenizer(folder, tok, ckpt) -> None:
-    """A DataError when the shards of a data folder were made with another tokenizer than the
-    checkpoint's: its tokenizer.json, or (none: llm.c's shards) GPT-2's. Ids that fit the
-    model's vocabulary would otherwise be read as other tokens and give a wrong loss."""
+def _check_folder_tokenizer(folder, tok, ckpt, what=None) -> None:
+    """A DataError when the shards of a data folder (``folder.folder``; ``what`` names one shard
+    of it) were made with another tokenizer than the checkpoint's: its tokenizer.json, or (none:
+    llm.c's shards) GPT-2's. Ids that fit the model's vocabulary would otherwise be read as
+    other tokens and give a wrong loss."""
     from .tokenizer import tokenizer_from_dict
 
+    what = what or f"the shards in {folder.folder}"
     if folder.tokenizer is None:
         if tok.kind != "gpt2":
-            raise DataError(f"data folder {folder.folder} has no tokenizer.json, so its shards hold GPT-2 ids "
-                            f"(llm.c's), but {ckpt} has a {tok.kind} tokenizer; give a text file, which is "
+            raise DataError(f"{what}: GPT-2 ids (llm.c's; {folder.folder} has no tokenizer.json), but "
+                            f"{ckpt} has a {tok.kind} tokenizer; give a text file, which is "
                             f"tokenized with the checkpoint's tokenizer")
         return
     try:
@@ -691,7 +699,7 @@ def _check_folder_tokenizer(folder, tok, ckpt) -> None:
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{folder.tokenizer}: not a tokenizer file ({e}); prepare the data again") from None
     if theirs.to_dict() != tok.to_dict():
-        raise DataError(f"the shards in {folder.folder} were made with another tokenizer ({folder.tokenizer}: "
+        raise DataError(f"{what}: made with another tokenizer ({folder.tokenizer}: "
                         f"{theirs.kind}, {theirs.vocab_size} ids) than {ckpt}'s ({tok.kind}, {tok.vocab_size} "
                         f"ids), so their ids are other tokens; give a text file, which is tokenized with the "
                         f"checkpoint's tokenizer")
