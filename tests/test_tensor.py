@@ -12,6 +12,9 @@ def test_constructors_and_dtypes():
     assert fm.tensor([1, 2]).dtype == fm.int64
     assert fm.tensor(np.zeros(3, np.float64)).dtype == fm.float64
     assert fm.tensor(np.zeros(3, np.int32)).dtype == fm.int32
+    big = fm.tensor(np.array([2**32 - 1], np.uint32))    # int32 cannot hold it: int64
+    assert big.dtype == fm.int64 and big.numpy().tolist() == [2**32 - 1]
+    assert fm.tensor(np.array([7], np.uint16)).dtype == fm.int32
     t = fm.zeros((2, 3), "float64")
     assert t.shape == (2, 3) and t.dtype == fm.float64 and str(t.device) == "cpu"
     assert fm.full((2,), 4.0).numpy().tolist() == [4.0, 4.0]

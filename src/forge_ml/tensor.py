@@ -266,8 +266,9 @@ def _default_dtype(a: np.ndarray, given) -> _dt.DType:
         return _dt.get(given)
     if a.dtype.kind == "f":
         return _dt.float64 if a.dtype == np.float64 else _dt.float32
-    if a.dtype.kind in "iub":
-        return _dt.int64 if a.dtype.itemsize > 4 else _dt.int32
+    if a.dtype.kind in "iub":   # uint32 into int64: int32 cannot hold its upper half
+        return _dt.int64 if a.dtype.itemsize > 4 or (a.dtype.kind == "u" and a.dtype.itemsize == 4) \
+            else _dt.int32
     raise DTypeError(f"tensor: cannot make a tensor from data of dtype {a.dtype}")
 
 
