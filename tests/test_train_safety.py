@@ -921,6 +921,16 @@ def test_resume_with_a_config_file_resumes_the_files_run(workdir, capsys):
     assert other["step"] == 2        # the other run was left alone
 
 
+def test_a_missing_relative_text_file_names_the_folder_it_was_looked_for_in(workdir, capsys):
+    """A --config file's relative "data" is taken from the current folder, not the file's; the
+    error said only "text file not found: t2.txt"."""
+    Path("sub").mkdir()
+    Path("sub/c.json").write_text(json.dumps({"data": "t2.txt", "max_steps": 1}))
+    _fails(capsys, ["train", "--config", "sub/c.json", "--out", "r"], "text file not found: t2.txt",
+           f"relative to the current folder, {Path.cwd()}")
+    assert not Path("r").exists()
+
+
 def test_new_betas_on_resume_take_effect(workdir):
     """--beta2 on resume was recorded in the new checkpoint's train_config while the optimizer
     kept the checkpoint's betas (the weights came out bit-identical to a resume without it)."""
