@@ -324,6 +324,10 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(http, body, statu
     assert len(err["message"]) > 10
     assert http.get("/health").json()["status"] == "ok"
     assert complete(http, prompt="ab", max_tokens=2)["usage"]["completion_tokens"] == 2
+    if body in ({"prompt": "a" * 65}, {"prompt": "ab", "max_tokens": 63}):
+        # OpenAI's code for both: a prompt past the context, or one whose max_tokens runs past
+        # it (the second had code null)
+        assert err["code"] == "context_length_exceeded", err
 
 
 def test_bad_input_through_the_openai_client(client):

@@ -427,7 +427,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     async def on_request_error(request: Request, e: RequestError) -> Response:
         if isinstance(e, EngineClosedError):
             return _error_response(APIError(str(e), status=503, type="server_error"))
-        return _error_response(APIError(str(e), param=e.param))
+        return _error_response(APIError(str(e), param=e.param, code=e.code))
 
     async def on_http_error(request: Request, e: HTTPException) -> Response:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
