@@ -176,6 +176,23 @@ def test_bench_name_takes_the_arguments_after_it(workdir, capsys):
            "after it")
 
 
+def test_bench_scripts_import_their_sibling_modules(workdir, capsys):
+    """attention_cuda.py imports its sibling ops_cuda.py: under forge-ml bench (runpy) that
+    was 'needs the Python module ops_cuda, which is not installed', even for --help. A missing
+    CuPy names the extra that brings it."""
+    import sys
+    (workdir / "benchmarks").mkdir()
+    (workdir / "benchmarks" / "helper_mod.py").write_text("VALUE = 41\n")
+    (workdir / "benchmarks" / "uses_helper.py").write_text("import helper_mod\nprint('got', helper_mod.VALUE + 1)\n")
+    (workdir / "benchmarks" / "needs_cupy.py").write_text("import cupy_is_not_here_module as cupy\n")
+    before = list(sys.path)
+    assert main(["bench", "uses_helper"]) == 0
+    assert "got 42" in capsys.readouterr().out and sys.path == before
+    line = _fails(capsys, ["bench", "needs_cupy"], "cupy_is_not_here_module", "not installed")
+    assert "[test]" in line
+    sys.modules.pop("helper_mod", None)
+
+
 def test_bench_chooses_the_cpu_threads_as_train_does(monkeypatch, capsys):
     """Where forge-ml sets the count, the built-in bench runs the trainer's ThreadTuner on its
     untimed first steps and times the count it chose (it had timed half the cores)."""

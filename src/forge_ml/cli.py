@@ -633,6 +633,8 @@ def _cmd_eval(args) -> int:
     if args.max_batches is not None and args.max_batches < 1:
         raise ConfigError(f"--max-batches must be >= 1 (leave it out to evaluate every window), "
                           f"got {args.max_batches}")
+    if not args.data.strip():
+        raise DataError(f"--data is empty ({args.data!r}); give a text file, a .bin token shard or a data folder")
     path = Path(args.data)
     if not path.exists():
         raise DataError(f"--data {path}: no such file")
@@ -651,17 +653,18 @@ def _cmd_eval(args) -> int:
                 f.read(1)
         except OSError as e:
             raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
+    shard = shards is None and (path.suffix == ".bin" or _starts_like_a_shard(path))  # one named *.dat too
     model, tok, _ = load_model(args.ckpt, device=args.device)
     cfg = model.config
     if folder is not None:
         _check_shards_tokenizer(folder.folder, folder.tokenizer, tok, args.ckpt)
-    elif path.suffix == ".bin" and (path.parent / "tokenizer.json").is_file():
+    elif shard and (path.parent / "tokenizer.json").is_file():
         # one shard of a prepared folder: the tokenizer.json beside it counts as the folder's (a
         # loose shard with none beside it is taken as it is: only its ids' range is checked)
         _check_shards_tokenizer(path.parent, path.parent / "tokenizer.json", tok, args.ckpt,
                                 what=f"the shard {path}")
     tmp = None
-    if shards is None and path.suffix != ".bin":  # a text file: tokenize it with the checkpoint's tokenizer
+    if shards is None and not shard:  # a text file: tokenize it with the checkpoint's tokenizer
         import tempfile
         try:
             text = load_text(path)
@@ -684,10 +687,12 @@ def _cmd_eval(args) -> int:
         T = min(cfg.block_size, n_tokens - 1)
         B = max(1, min(args.batch_size, (n_tokens - 1) // T))
         loader = DataLoader(paths, B, T)
-        if args.max_batches is None:  # every window: those past the last whole batch come as a smaller one
+        if args.max_batches is None or args.max_batches > (n_tokens - 1) // T // B:
+            # every window: those past the last whole batch come as a smaller one (a cap past
+            # the whole batches changes nothing)
             batches = loader.eval_batches(tail=True)
         else:
-            batches = loader.eval_batches(min((n_tokens - 1) // T // B, args.max_batches))
+            batches = loader.eval_batches(args.max_batches)
         total, windows, n, t0 = 0.0, 0, 0, time.perf_counter()
         for x, y in batches:  # a batch's loss is the mean over its windows
             total += model.loss(tensor(x, device=args.device), tensor(y, device=args.device)).item() * len(x)
@@ -701,8 +706,21 @@ def _cmd_eval(args) -> int:
     print(f"loss {loss:.4f}  perplexity {math.exp(min(loss, 700)):.3f}  "
           f"({windows * T:,} tokens{where}: {windows:,} window{'s' * (windows != 1)} of {T} in {n} "
           f"batch{'es' * (n != 1)} of {B}, "
-          f"{time.perf_counter() - t0:.1f} s)")
+          f"{time.perf_counter() - t0:.1f} s)"
+          + (f"; the windows are shorter than the model's context of {cfg.block_size}: the data holds "
+             f"{n_tokens:,} tokens, so this loss is not comparable with a run's val loss"
+             if T < cfg.block_size else ""))
     return 0
+
+
+def _starts_like_a_shard(path) -> bool:
+    """Whether the file begins with llm.c's shard magic (a shard not named ``*.bin``)."""
+    from .data import SHARD_MAGIC
+    try:
+        with open(path, "rb") as f:
+            return int.from_bytes(f.read(4), "little") == SHARD_MAGIC
+    except OSError:
+        return False
 
 
 def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, what=None) -> None:
@@ -733,6 +751,9 @@ def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, what=None) -> Non
 def _cmd_prepare(args) -> int:
     from .data import prepare
 
+    if not args.out.strip():
+        raise DataError(f"--out is empty ({args.out!r}); give the folder for train.bin, val.bin and "
+                        f"tokenizer.json (e.g. --out data/mine)")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a folder; expected a folder for train.bin, val.bin "
@@ -820,6 +841,8 @@ def _cmd_bench(args) -> int:
                               f"does not run with a NAME; give {name}'s own arguments after it "
                               f"(forge-ml bench {name} --help lists them)")
         argv, sys.argv = sys.argv, [str(found[name]), *args.script_args]
+        path0 = list(sys.path)
+        sys.path.insert(0, str(found[name].parent))   # its sibling modules, as `python SCRIPT` has them
         try:
             runpy.run_path(str(found[name]), run_name="__main__")
         except SystemExit as e:    # the script's sys.exit, or its --help: its status
@@ -828,11 +851,13 @@ def _cmd_bench(args) -> int:
             missing = (e.name or str(e)).split(".")[0]
             if missing == "forge_ml":
                 raise
+            extra = ("CuPy comes with the cuda12 extra: pip install -e '.[cuda12]'" if missing == "cupy" else
+                     "the benchmarks' peers come with the test extra: pip install -e '.[test]'")
             raise ConfigError(f"benchmark {name} needs the Python module {missing!r}, which is not "
-                              f"installed; install it (the benchmarks' peers come with the test "
-                              f"extra: pip install -e '.[test]')") from None
+                              f"installed; install it ({extra})") from None
         finally:
             sys.argv = argv
+            sys.path[:] = path0
         return 0
     return _builtin_bench(20 if args.steps is None else args.steps, args.device or "cpu")
 

