@@ -358,6 +358,37 @@ def test_an_export_carries_its_tokenizer_for_transformers(tmp_path, tokenizer, t
     assert got == text + tok.decode(list(generate(model, ids, max_new_tokens=6, temperature=0)))
 
 
+def test_tokens_added_to_gpt2s_are_read_matched_and_written_back(tmp_path):
+    """A Hugging Face GPT-2 whose tokenizer added a pad token and whose embeddings were resized
+    (50,258 ids): forge-ml ignored the added token. Its text was split into BPE pieces (HF: one
+    id), sample failed when the model chose it, serve never chose it, and an export dropped it.
+    Now its ids and text are transformers', both ways, through an export and an import."""
+    from forge_ml.cli import main
+    from forge_ml.inference import load_model
+    from forge_ml.models.gpt2 import GPT2, GPT2Config
+
+    cfg = GPT2Config(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=16)
+    save_hf_gpt2(tmp_path / "base", cfg, GPT2.init(cfg, seed=1).state_dict(), tokenizer={"kind": "gpt2"})
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "base")
+    hf_tok.add_special_tokens({"pad_token": "<|pad|>"})
+    m = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
+    m.resize_token_embeddings(len(hf_tok), mean_resizing=False)
+    m.save_pretrained(tmp_path / "added")
+    hf_tok.save_pretrained(tmp_path / "added")
+    model, tok, _ = load_model(tmp_path / "added")
+    text = "a<|pad|>b <|pad|><|pad|> c"
+    assert tok.vocab_size == 50258 == model.config.vocab_size
+    assert tok.encode(text) == hf_tok(text).input_ids
+    assert tok.decode(tok.encode(text)) == text == hf_tok.decode(hf_tok(text).input_ids)
+    assert tok.decode_bytes([64, 50257]) == b"a<|pad|>"
+    # through forge-ml's checkpoint and back to a Hugging Face folder: the token is kept
+    assert main(["convert", "--from-hf", str(tmp_path / "added"), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back")]) == 0
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+    assert len(back) == 50258 and back(text).input_ids == hf_tok(text).input_ids
+    assert load_model(tmp_path / "back")[1].encode(text) == tok.encode(text)
+
+
 def test_an_export_writes_no_tokenizer_that_is_not_the_models(tmp_path):
     """GPT-2's 50257 ids for a 100-token model: its ids would index past the embedding."""
     cfg = dict(vocab_size=100, block_size=8, n_layer=1, n_head=1, n_embd=4)

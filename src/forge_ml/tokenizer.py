@@ -21,6 +21,7 @@ import functools
 import importlib.util
 import json
 import numbers
+import re
 from pathlib import Path
 
 import numpy as np
@@ -275,6 +276,29 @@ def _gpt2_encoding(data_dir: str):
     )
 
 
+def _check_added(added) -> dict:
+    """``{content: id}`` of the tokens added after GPT-2's: non-empty texts, ids 50257 on in
+    turn (an embedding row each); a TokenizerError names what is wrong.
+
+    >>> _check_added({"<a>": 50258})
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.TokenizerError: GPT-2 tokenizer: the added tokens' ids must be 50257.. in turn (one embedding row each), got [50258]
+    """
+    if not added:
+        return {}
+    if not isinstance(added, dict) or not all(isinstance(c, str) and c and isinstance(i, int)
+                                              and not isinstance(i, bool) for c, i in added.items()):
+        raise TokenizerError(f"GPT-2 tokenizer: added tokens must be a dict of non-empty text -> id, got {added!r:.80}")
+    ids = sorted(added.values())
+    if ids != list(range(GPT2_VOCAB_SIZE, GPT2_VOCAB_SIZE + len(ids))):
+        raise TokenizerError(f"GPT-2 tokenizer: the added tokens' ids must be {GPT2_VOCAB_SIZE}.. in turn (one "
+                             f"embedding row each), got {ids[:8]}")
+    if GPT2_EOT in added:
+        raise TokenizerError(f"GPT-2 tokenizer: {GPT2_EOT} is GPT-2's own token {GPT2_EOT_ID}, not an added one")
+    return dict(added)
+
+
 class GPT2Tokenizer:
     """GPT-2's byte-level BPE (50,257 tokens, ``<|endoftext|>`` = 50256), fully offline.
 
@@ -289,18 +313,32 @@ class GPT2Tokenizer:
     [64, 50256]
     >>> tok.decode([15496, 995])
     'Hello world'
+
+    ``added``: tokens a Hugging Face tokenizer added after GPT-2's 50,257 (a pad token, say,
+    with the model's embeddings resized): ``{content: id}``, ids 50257, 50258, ... in turn.
+    As transformers does, each is matched whole wherever its text appears (before the BPE),
+    and decodes to its text.
+
+    >>> tok = GPT2Tokenizer(added={"<|pad|>": 50257})
+    >>> tok.vocab_size, tok.encode("a<|pad|>b"), tok.decode([64, 50257, 65])
+    (50258, [64, 50257, 65], 'a<|pad|>b')
     """
 
     kind = "gpt2"
     eot_token = GPT2_EOT_ID
 
-    def __init__(self, data_dir: str | Path | None = None):
+    def __init__(self, data_dir: str | Path | None = None, added: dict | None = None):
         self.data_dir = Path(data_dir) if data_dir is not None else gpt2_data_dir()
         self._enc = _gpt2_encoding(str(self.data_dir.resolve()))
+        self.added = _check_added(added)
+        self._added_text = {i: c.encode("utf-8") for c, i in self.added.items()}
+        # the added tokens' texts, longest first: a text that holds another is matched whole
+        self._split = re.compile("(" + "|".join(re.escape(c) for c in sorted(self.added, key=len, reverse=True))
+                                 + ")") if self.added else None
 
     @property
     def vocab_size(self) -> int:
-        return GPT2_VOCAB_SIZE
+        return GPT2_VOCAB_SIZE + len(self.added)
 
     def encode(self, text: str, allowed_special=False) -> list[int]:
         """BPE ids of ``text``; see the class docstring for ``allowed_special``.
@@ -311,7 +349,7 @@ class GPT2Tokenizer:
         if not isinstance(text, str):
             raise TokenizerError(f"GPT2Tokenizer.encode: expected a str, got {type(text).__name__}")
         if allowed_special is False or allowed_special is None:
-            return self._enc.encode_ordinary(text)
+            return self._pieces(text, self._enc.encode_ordinary)
         if allowed_special is True or allowed_special == "all":
             allowed = {GPT2_EOT}
         elif not isinstance(allowed_special, (str, set, frozenset, list, tuple)):
@@ -326,10 +364,22 @@ class GPT2Tokenizer:
                     f"GPT2Tokenizer.encode: unknown special tokens {sorted(unknown)}; "
                     f"GPT-2 has only {GPT2_EOT!r}"
                 )
-        return self._enc.encode(text, allowed_special=allowed, disallowed_special=())
+        return self._pieces(text, lambda t: self._enc.encode(t, allowed_special=allowed, disallowed_special=()))
+
+    def _pieces(self, text: str, bpe) -> list[int]:
+        """``bpe`` of the text between the added tokens, and the added tokens' ids."""
+        if self._split is None:
+            return bpe(text)
+        out = []
+        for k, piece in enumerate(self._split.split(text)):
+            if k % 2:                   # re.split's odd items are the separators matched
+                out.append(self.added[piece])
+            elif piece:
+                out.extend(bpe(piece))
+        return out
 
     def _check_ids(self, ids) -> list[int]:
-        return _id_list(ids, GPT2_VOCAB_SIZE, "GPT2Tokenizer",
+        return _id_list(ids, self.vocab_size, "GPT2Tokenizer",
                         hint=" (ids from a padded vocabulary are not tokens)")
 
     def decode(self, ids) -> str:
@@ -338,7 +388,9 @@ class GPT2Tokenizer:
         >>> GPT2Tokenizer().decode([50256])
         '<|endoftext|>'
         """
-        return self._enc.decode(self._check_ids(ids), errors="replace")
+        if not self.added:
+            return self._enc.decode(self._check_ids(ids), errors="replace")
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def decode_bytes(self, ids) -> bytes:
         """Raw bytes of ``ids`` (lossless even when a character is split across tokens).
@@ -346,7 +398,21 @@ class GPT2Tokenizer:
         >>> GPT2Tokenizer().decode_bytes([15496])
         b'Hello'
         """
-        return self._enc.decode_bytes(self._check_ids(ids))
+        ids = self._check_ids(ids)
+        if not self.added:
+            return self._enc.decode_bytes(ids)
+        out, run = [], []
+        for i in ids:
+            if i < GPT2_VOCAB_SIZE:
+                run.append(i)
+                continue
+            if run:
+                out.append(self._enc.decode_bytes(run))
+                run = []
+            out.append(self._added_text[i])
+        if run:
+            out.append(self._enc.decode_bytes(run))
+        return b"".join(out)
 
     def to_dict(self) -> dict:
         """JSON-able description: ``{"kind": "gpt2"}``.
@@ -354,10 +420,10 @@ class GPT2Tokenizer:
         >>> GPT2Tokenizer().to_dict()
         {'kind': 'gpt2'}
         """
-        return {"kind": "gpt2"}
+        return {"kind": "gpt2", **({"added": dict(self.added)} if self.added else {})}
 
     def __repr__(self) -> str:
-        return "GPT2Tokenizer(vocab_size=50257)"
+        return f"GPT2Tokenizer(vocab_size={self.vocab_size})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +442,7 @@ def tokenizer_from_dict(d: dict):
     if kind == "char":
         return CharTokenizer.from_dict(d)
     if kind == "gpt2":
-        return GPT2Tokenizer()
+        return GPT2Tokenizer(added=d.get("added"))
     raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'char' or 'gpt2'")
 
 

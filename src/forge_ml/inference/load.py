@@ -136,7 +136,53 @@ def hf_tokenizer_dict(hf_dir) -> dict:
             raise CheckpointError(f"{f}: not a forge-ml tokenizer ({e})") from None
         return d
     _check_gpt2_vocabulary(Path(hf_dir))
+    added = _hf_added_tokens(Path(hf_dir))
+    if added:
+        try:
+            tokenizer_from_dict({"kind": "gpt2", "added": added})
+        except TokenizerError as e:
+            raise CheckpointError(f"{hf_dir}: its tokenizer's added tokens cannot be read: {e}") from None
+        return {"kind": "gpt2", "added": added}
     return {"kind": "gpt2"}
+
+
+def _hf_added_tokens(d: Path) -> dict:
+    """``{content: id}`` of the tokens a Hugging Face GPT-2 tokenizer added after GPT-2's
+    50,257 (``tokenizer.json``'s ``added_tokens``, ``tokenizer_config.json``'s
+    ``added_tokens_decoder``, ``added_tokens.json``): a pad token, say, that the model's
+    embeddings were resized for. Before, they were ignored: the text of one was split into
+    BPE pieces, and the id, when the model chose it, could not be decoded."""
+    found = {}
+
+    def take(content, i):
+        if isinstance(content, str) and isinstance(i, int) and not isinstance(i, bool) and i >= 50257:
+            if found.get(content, i) != i:
+                raise CheckpointError(f"{d}: the added token {content!r} has two ids ({found[content]} and {i}) "
+                                      f"in the tokenizer's files")
+            found[content] = i
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "added_tokens.json"):
+        f = d / name
+        if not f.is_file():
+            continue
+        try:
+            spec = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
+        if not isinstance(spec, dict):
+            continue
+        if name == "tokenizer.json":
+            for t in spec.get("added_tokens") or []:
+                if isinstance(t, dict):
+                    take(t.get("content"), t.get("id"))
+        elif name == "tokenizer_config.json":
+            for i, t in (spec.get("added_tokens_decoder") or {}).items():
+                if isinstance(t, dict) and str(i).isdigit():
+                    take(t.get("content"), int(i))
+        else:
+            for content, i in spec.items():
+                take(content, i)
+    return found
 
 
 def _check_gpt2_vocabulary(d: Path) -> None:
