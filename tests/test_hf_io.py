@@ -389,6 +389,33 @@ def test_tokens_added_to_gpt2s_are_read_matched_and_written_back(tmp_path):
     assert load_model(tmp_path / "back")[1].encode(text) == tok.encode(text)
 
 
+def test_a_tokenizer_that_adds_a_prefix_space_is_read_as_such(tmp_path):
+    """add_prefix_space=True (a setting of Hugging Face's GPT-2 tokenizer) was not read: the
+    folder's text got GPT-2's plain ids ("Hello" 15496 where transformers gives " Hello"
+    18435) and greedy text differed. The ids are transformers', with an added token too, and an
+    export keeps the setting."""
+    from forge_ml.cli import main
+    from forge_ml.inference import load_model
+    from forge_ml.models.gpt2 import GPT2, GPT2Config
+
+    cfg = GPT2Config(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=16)
+    save_hf_gpt2(tmp_path / "base", cfg, GPT2.init(cfg, seed=1).state_dict(), tokenizer={"kind": "gpt2"})
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "base", add_prefix_space=True)
+    hf_tok.add_special_tokens({"pad_token": "<|pad|>"})
+    m = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
+    m.resize_token_embeddings(len(hf_tok), mean_resizing=False)
+    m.save_pretrained(tmp_path / "ps")
+    hf_tok.save_pretrained(tmp_path / "ps")
+    tok = load_model(tmp_path / "ps")[1]
+    for text in ("Hello world", " Hello", "a<|pad|>b", "a<|pad|> b", "\nHi", ""):
+        assert tok.encode(text) == hf_tok(text).input_ids, text
+        assert tok.decode(tok.encode(text)) == hf_tok.decode(hf_tok(text).input_ids)
+    assert main(["convert", "--from-hf", str(tmp_path / "ps"), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back")]) == 0
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+    assert back("Hello world").input_ids == [18435, 995] == load_model(tmp_path / "back")[1].encode("Hello world")
+
+
 def test_an_export_writes_no_tokenizer_that_is_not_the_models(tmp_path):
     """GPT-2's 50257 ids for a 100-token model: its ids would index past the embedding."""
     cfg = dict(vocab_size=100, block_size=8, n_layer=1, n_head=1, n_embd=4)

@@ -322,12 +322,23 @@ class GPT2Tokenizer:
     >>> tok = GPT2Tokenizer(added={"<|pad|>": 50257})
     >>> tok.vocab_size, tok.encode("a<|pad|>b"), tok.decode([64, 50257, 65])
     (50258, [64, 50257, 65], 'a<|pad|>b')
+
+    ``add_prefix_space``: a Hugging Face tokenizer's setting of that name: a space before
+    each piece of text (between added tokens) that does not begin with one, so that the first
+    word is tokenized as a word inside a sentence is ("Hello" -> " Hello"); decoding keeps it.
+
+    >>> GPT2Tokenizer(add_prefix_space=True).encode("Hello world")
+    [18435, 995]
     """
 
     kind = "gpt2"
     eot_token = GPT2_EOT_ID
 
-    def __init__(self, data_dir: str | Path | None = None, added: dict | None = None):
+    def __init__(self, data_dir: str | Path | None = None, added: dict | None = None,
+                 add_prefix_space: bool = False):
+        if not isinstance(add_prefix_space, bool):
+            raise TokenizerError(f"GPT2Tokenizer: add_prefix_space must be True or False, got {add_prefix_space!r:.40}")
+        self.add_prefix_space = add_prefix_space
         self.data_dir = Path(data_dir) if data_dir is not None else gpt2_data_dir()
         self._enc = _gpt2_encoding(str(self.data_dir.resolve()))
         self.added = _check_added(added)
@@ -368,8 +379,11 @@ class GPT2Tokenizer:
 
     def _pieces(self, text: str, bpe) -> list[int]:
         """``bpe`` of the text between the added tokens, and the added tokens' ids."""
+        if self.add_prefix_space:
+            plain = bpe
+            bpe = lambda t: plain(t if t.startswith(" ") else " " + t)   # noqa: E731
         if self._split is None:
-            return bpe(text)
+            return bpe(text) if text else []
         out = []
         for k, piece in enumerate(self._split.split(text)):
             if k % 2:                   # re.split's odd items are the separators matched
@@ -420,7 +434,8 @@ class GPT2Tokenizer:
         >>> GPT2Tokenizer().to_dict()
         {'kind': 'gpt2'}
         """
-        return {"kind": "gpt2", **({"added": dict(self.added)} if self.added else {})}
+        return {"kind": "gpt2", **({"added": dict(self.added)} if self.added else {}),
+                **({"add_prefix_space": True} if self.add_prefix_space else {})}
 
     def __repr__(self) -> str:
         return f"GPT2Tokenizer(vocab_size={self.vocab_size})"
@@ -442,7 +457,7 @@ def tokenizer_from_dict(d: dict):
     if kind == "char":
         return CharTokenizer.from_dict(d)
     if kind == "gpt2":
-        return GPT2Tokenizer(added=d.get("added"))
+        return GPT2Tokenizer(added=d.get("added"), add_prefix_space=d.get("add_prefix_space", False))
     raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'char' or 'gpt2'")
 
 

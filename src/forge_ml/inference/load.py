@@ -136,14 +136,42 @@ def hf_tokenizer_dict(hf_dir) -> dict:
             raise CheckpointError(f"{f}: not a forge-ml tokenizer ({e})") from None
         return d
     _check_gpt2_vocabulary(Path(hf_dir))
+    d = {"kind": "gpt2"}
     added = _hf_added_tokens(Path(hf_dir))
     if added:
+        d["added"] = added
+    if _hf_prefix_space(Path(hf_dir)):
+        d["add_prefix_space"] = True
+    try:
+        tokenizer_from_dict(d)
+    except TokenizerError as e:
+        raise CheckpointError(f"{hf_dir}: its tokenizer cannot be read: {e}") from None
+    return d
+
+
+def _hf_prefix_space(d: Path) -> bool:
+    """A Hugging Face GPT-2 tokenizer's ``add_prefix_space``: ``tokenizer_config.json``'s (what
+    transformers passes on), else that of ``tokenizer.json``'s ByteLevel pre-tokenizer. It was
+    not read: such a folder's text got GPT-2's plain ids ("Hello" 15496 where HF gives " Hello"
+    18435)."""
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        f = d / name
         try:
-            tokenizer_from_dict({"kind": "gpt2", "added": added})
-        except TokenizerError as e:
-            raise CheckpointError(f"{hf_dir}: its tokenizer's added tokens cannot be read: {e}") from None
-        return {"kind": "gpt2", "added": added}
-    return {"kind": "gpt2"}
+            spec = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
+        if not isinstance(spec, dict):
+            continue
+        if name == "tokenizer_config.json":
+            if isinstance(spec.get("add_prefix_space"), bool):
+                return spec["add_prefix_space"]
+            continue
+        pre = spec.get("pre_tokenizer")
+        steps = pre.get("pretokenizers", []) if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+        for p in steps:
+            if isinstance(p, dict) and p.get("type") == "ByteLevel":
+                return bool(p.get("add_prefix_space", False))
+    return False
 
 
 def _hf_added_tokens(d: Path) -> dict:
