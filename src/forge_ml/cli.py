@@ -670,7 +670,8 @@ def _cmd_eval(args) -> int:
             text = load_text(path)
         except OSError as e:
             raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
-        ids = tok.encode(text)
+        from .data import encode_array
+        ids = encode_array(tok, text)
         tmp = tempfile.TemporaryDirectory()
         path = Path(tmp.name) / "eval.bin"
         write_shard(path, ids)

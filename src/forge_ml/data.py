@@ -152,7 +152,7 @@ def _shard_bytes(path, tokens) -> list:
             )
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, arr.size
-    return [header.tobytes(), arr.astype(_TOKEN_DTYPE).tobytes()]
+    return [header.tobytes(), np.ascontiguousarray(arr, dtype=_TOKEN_DTYPE).tobytes()]   # (one copy)
 
 
 def read_shard(path) -> np.ndarray:
@@ -273,8 +273,20 @@ def prepare(text_path, out_dir, tokenizer="char", val_fraction: float = 0.1) -> 
     if not text:
         raise DataError(f"prepare: {text_path} is empty")
     tok = load_tokenizer(tokenizer, text=text)
-    train, val = split_tokens(tok.encode(text), val_fraction, text_path)
+    train, val = split_tokens(encode_array(tok, text), val_fraction, text_path)
     return write_prepared(out_dir, train, val, tok)
+
+
+def encode_array(tok, text: str) -> np.ndarray:
+    """``tok``'s ids of ``text`` as an integer array: its ``encode_array`` (4 bytes a token)
+    where it has one, else its ``encode`` list as int64.
+
+    >>> from forge_ml.tokenizer import CharTokenizer
+    >>> encode_array(CharTokenizer("ab"), "ba").tolist()
+    [1, 0]
+    """
+    fn = getattr(tok, "encode_array", None)
+    return fn(text) if fn is not None else np.asarray(tok.encode(text), np.int64)
 
 
 def _check_val_fraction(v, who: str) -> None:
@@ -283,14 +295,17 @@ def _check_val_fraction(v, who: str) -> None:
 
 
 def split_tokens(ids, val_fraction: float, source="the text") -> tuple:
-    """``(train, val)``: ``ids`` as int64, the last ``val_fraction`` of them for validation;
+    """``(train, val)``: ``ids`` (an integer array keeps its dtype, anything else becomes
+    int64), the last ``val_fraction`` of them for validation;
     a DataError naming ``source`` when either part would be empty.
 
     >>> [len(a) for a in split_tokens(range(20), 0.1)], [len(a) for a in split_tokens(range(100), 0.29)]
     ([18, 2], [71, 29])
     """
     _check_val_fraction(val_fraction, "split_tokens")
-    ids = np.asarray(ids, dtype=np.int64)
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu" or ids.dtype == np.uint64:   # an integer array keeps its width
+        ids = np.asarray(ids, dtype=np.int64)
     n = ids.size
     # the floor of n * val_fraction, where the float product may land just under a whole number
     # (100 * 0.29 = 28.999999999999996 gave 28 val tokens, not 29)

@@ -108,6 +108,11 @@ class CharTokenizer:
             seen[c] = i
         self.chars = chars
         self._stoi = seen
+        # for encode_array: the code points in ascending order and the id of each
+        codes = np.frombuffer(chars.encode("utf-32-le", "surrogatepass"), np.uint32)
+        order = np.argsort(codes, kind="stable")
+        self._codes = codes[order]
+        self._code_ids = order.astype(np.uint16 if len(chars) <= 65536 else np.uint32)
 
     @classmethod
     def from_text(cls, text: str) -> "CharTokenizer":
@@ -147,6 +152,29 @@ class CharTokenizer:
                     f"of {len(self.chars)} characters"
                 ) from None
         raise AssertionError("unreachable")
+
+    def encode_array(self, text: str, chunk: int = 1 << 20) -> np.ndarray:
+        """``encode(text)`` as a uint16 array (uint32 past 65,536 characters), in chunks of
+        characters: 2 bytes a character, where the list of ints ``encode`` builds takes 8 and
+        more (``prepare`` of a 33 MB text peaked at 628 MB).
+
+        >>> CharTokenizer("abc").encode_array("cab").tolist()
+        [2, 0, 1]
+        """
+        if not isinstance(text, str):
+            raise TokenizerError(f"CharTokenizer.encode: expected a str, got {type(text).__name__}")
+        out = np.empty(len(text), self._code_ids.dtype)
+        last = len(self._codes) - 1
+        for i in range(0, len(text), chunk):
+            c = np.frombuffer(text[i:i + chunk].encode("utf-32-le", "surrogatepass"), np.uint32)
+            j = np.minimum(np.searchsorted(self._codes, c), last)
+            bad = self._codes[j] != c
+            if bad.any():
+                pos = i + int(np.argmax(bad))
+                raise TokenizerError(f"CharTokenizer: character {text[pos]!r} at position {pos} is not in the "
+                                     f"vocabulary of {len(self.chars)} characters")
+            out[i:i + len(c)] = self._code_ids[j]
+        return out
 
     def decode(self, ids) -> str:
         """The text of ``ids`` (any iterable of ints, e.g. a list or a 1-D NumPy array).
@@ -376,6 +404,25 @@ class GPT2Tokenizer:
                     f"GPT-2 has only {GPT2_EOT!r}"
                 )
         return self._pieces(text, lambda t: self._enc.encode(t, allowed_special=allowed, disallowed_special=()))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """``encode(text)`` (``allowed_special`` off) as a uint32 array: 4 bytes a token, where
+        the list of ints ``encode`` builds takes about 36 (``prepare`` of a 33 MB text peaked
+        at 489 MB).
+
+        >>> GPT2Tokenizer().encode_array(" the").tolist()
+        [262]
+        """
+        if not isinstance(text, str):
+            raise TokenizerError(f"GPT2Tokenizer.encode: expected a str, got {type(text).__name__}")
+        if self.added or self.add_prefix_space:
+            return np.asarray(self.encode(text), np.uint32)
+        try:
+            a = self._enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        except UnicodeEncodeError:    # a lone surrogate: U+FFFD, as encode (tiktoken's) takes it
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            a = self._enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        return a.astype(np.uint32, copy=False)
 
     def _pieces(self, text: str, bpe) -> list[int]:
         """``bpe`` of the text between the added tokens, and the added tokens' ids."""

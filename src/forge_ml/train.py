@@ -71,8 +71,8 @@ from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
 from .checkpoint import (check_architecture, check_checkpoint_target, load_checkpoint, pack_tensors,
                          save_checkpoint, unpack_tensors)
-from .data import (SHARD_MAGIC, DataLoader, ShardFolder, default_corpus, load_text, read_shard, shard_folder,
-                   split_tokens, write_prepared)
+from .data import (SHARD_MAGIC, DataLoader, ShardFolder, default_corpus, encode_array, load_text, read_shard,
+                   shard_folder, split_tokens, write_prepared)
 from .diagnose import CheckingTape
 from .device import Device
 from .errors import (CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
@@ -596,7 +596,7 @@ class Trainer:
             return True
         d = self.out_dir / DATA_NAME
         try:
-            ids = self._read_tokenizer(d).encode(load_text(data))
+            ids = encode_array(self._read_tokenizer(d), load_text(data))
             train, val = read_shard(d / "train.bin"), read_shard(d / "val.bin")
         except (ForgeError, OSError):
             return False
@@ -831,7 +831,7 @@ class Trainer:
                 raise DataError(f"{src if cfg.data else 'the default corpus'} holds {len(extra)} character(s) that the "
                                 f"char tokenizer of --init-from {cfg.init_from} lacks ({''.join(extra[:20])!r}); "
                                 f"fine-tune on text written with its characters")
-        train, val = split_tokens(tok.encode(text), cfg.val_fraction, what)
+        train, val = split_tokens(encode_array(tok, text), cfg.val_fraction, what)
         self._prepared = (train, val)
         frac = f"the last {cfg.val_fraction:g} of {len(train) + len(val):,} tokens"
         self._check_length(len(train), f"the train part of {what} (all but {frac})")
