@@ -498,8 +498,17 @@ class _Detok:
     def __init__(self, tok):
         self.tok = tok
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if tok.kind == "gpt2" else None
+        self.said = False
 
     def __call__(self, t: int) -> str:
+        if t >= self.tok.vocab_size:
+            # an embedding row past the tokenizer (a vocabulary padded to a multiple of 64):
+            # no text, as transformers decodes it; said once (sample failed here, code 2)
+            if not self.said:
+                self.said = True
+                print(f"{PROG} sample: note: the model chose id {t}, an embedding row past its tokenizer's "
+                      f"{self.tok.vocab_size} tokens; it has no text", file=sys.stderr)
+            return ""
         if self.utf8 is None:
             return self.tok.decode([t])
         return self.utf8.decode(self.tok.decode_bytes([t]))
@@ -590,8 +599,9 @@ def _cmd_sample(args) -> int:
         out.write(detok.flush() + "\n")
         out.write(f"--- log-probabilities: token, its log-probability, the {args.logprobs} most likely ---\n")
         for e in events:
-            alts = " | ".join(f"{tok.decode([i])!r} {lp:.3f}" for i, lp in (e.top_logprobs or ()))
-            out.write(f"{tok.decode([e.token])!r:>16} {e.logprob:9.3f}   {alts}\n")
+            text = lambda i: tok.decode([i]) if i < tok.vocab_size else f"<id {i}>"   # noqa: E731
+            alts = " | ".join(f"{text(i)!r} {lp:.3f}" for i, lp in (e.top_logprobs or ()))
+            out.write(f"{text(e.token)!r:>16} {e.logprob:9.3f}   {alts}\n")
         out.flush()
         return 0
     for t in stream_tokens(model, ids, args.max_new_tokens, stop_tokens=stop, **kw):
@@ -613,7 +623,7 @@ def _sample_beams(args, model, tok, ids, stop, out) -> int:
                                early_stopping=early, eos_token_id=list(stop) or None,
                                num_return_sequences=args.num_return_sequences)
     for i, (seq, score) in enumerate(zip(seqs, scores)):
-        text = tok.decode([t for t in seq if t not in stop])
+        text = tok.decode([t for t in seq if t not in stop and t < tok.vocab_size])
         if len(seqs) > 1:
             out.write(f"--- sequence {i + 1} of {len(seqs)}, score {score:.4f} ---\n")
         out.write(args.prompt + text + "\n")
@@ -778,6 +788,7 @@ def _cmd_convert(args) -> int:
     from .hf import (HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, is_hf_export, load_hf_gpt2,
                      save_hf_gpt2)
     from .inference.load import hf_tokenizer_dict, load_model, resolve_checkpoint
+    from .tokenizer import tokenizer_from_dict
 
     # Every check before any work: the output folder is new, empty, or (with --force) an
     # earlier conversion of the same kind, and never the folder read from.
@@ -789,7 +800,12 @@ def _cmd_convert(args) -> int:
         check_output_dir(args.out, reads=[src], is_own=lambda d: is_checkpoint_dir(d, kind="forge-ml-model"),
                          force=args.force, what="forge-ml checkpoint")  # never a run's checkpoint
         config, params = load_hf_gpt2(src)
-        meta = {"kind": "forge-ml-model", "config": config, "tokenizer": hf_tokenizer_dict(src),
+        tok_dict = hf_tokenizer_dict(src)
+        tok = tokenizer_from_dict(tok_dict)
+        if tok.vocab_size > config["vocab_size"]:   # as sample, serve and train refuse it (later)
+            raise ConfigError(f"--from-hf {src}: the model has {config['vocab_size']} tokens but its tokenizer "
+                              f"({tok.kind}) has {tok.vocab_size}; the ids would not be the model's")
+        meta = {"kind": "forge-ml-model", "config": config, "tokenizer": tok_dict,
                 "source": str(src.resolve())}
         save_checkpoint(args.out, params, meta)
         print(f"imported {len(params)} tensors ({config['n_layer']} layers, {config['n_embd']} channels) "

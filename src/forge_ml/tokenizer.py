@@ -304,27 +304,66 @@ def _gpt2_encoding(data_dir: str):
     )
 
 
+_ADDED_FLAGS = ("lstrip", "rstrip", "single_word", "special")
+
+
 def _check_added(added) -> dict:
-    """``{content: id}`` of the tokens added after GPT-2's: non-empty texts, ids 50257 on in
-    turn (an embedding row each); a TokenizerError names what is wrong.
+    """``{content: record}`` of a Hugging Face tokenizer's added tokens, each record
+    ``{"id", "lstrip", "rstrip", "single_word", "special"}`` (a plain id stands for all four
+    False). Ids past GPT-2's run 50257, 50258, ... in turn (an embedding row each); an id below
+    names the GPT-2 token the text stands for (a pad token "!", say). A TokenizerError names
+    what is wrong.
 
     >>> _check_added({"<a>": 50258})
     Traceback (most recent call last):
     ...
-    forge_ml.errors.TokenizerError: GPT-2 tokenizer: the added tokens' ids must be 50257.. in turn (one embedding row each), got [50258]
+    forge_ml.errors.TokenizerError: GPT-2 tokenizer: the added tokens' new ids must be 50257.. in turn (one embedding row each), got [50258]
     """
     if not added:
         return {}
-    if not isinstance(added, dict) or not all(isinstance(c, str) and c and isinstance(i, int)
-                                              and not isinstance(i, bool) for c, i in added.items()):
-        raise TokenizerError(f"GPT-2 tokenizer: added tokens must be a dict of non-empty text -> id, got {added!r:.80}")
-    ids = sorted(added.values())
-    if ids != list(range(GPT2_VOCAB_SIZE, GPT2_VOCAB_SIZE + len(ids))):
-        raise TokenizerError(f"GPT-2 tokenizer: the added tokens' ids must be {GPT2_VOCAB_SIZE}.. in turn (one "
-                             f"embedding row each), got {ids[:8]}")
-    if GPT2_EOT in added:
-        raise TokenizerError(f"GPT-2 tokenizer: {GPT2_EOT} is GPT-2's own token {GPT2_EOT_ID}, not an added one")
-    return dict(added)
+    if not isinstance(added, dict):
+        raise TokenizerError(f"GPT-2 tokenizer: added tokens must be a dict of text -> id, got {added!r:.80}")
+    out = {}
+    for c, r in added.items():
+        rec = {"id": r} if not isinstance(r, dict) else dict(r)
+        i = rec.get("id")
+        ok = (isinstance(c, str) and c and isinstance(i, int) and not isinstance(i, bool) and i >= 0
+              and set(rec) <= {"id", *_ADDED_FLAGS} and all(isinstance(rec.get(f, False), bool) for f in _ADDED_FLAGS))
+        if not ok:
+            raise TokenizerError(f"GPT-2 tokenizer: added token {c!r:.40}: expected a non-empty text and an id >= 0 "
+                                 f"(with true/false {', '.join(_ADDED_FLAGS)}), got {r!r:.80}")
+        if c == GPT2_EOT:
+            raise TokenizerError(f"GPT-2 tokenizer: {GPT2_EOT} is GPT-2's own token {GPT2_EOT_ID}, not an added one")
+        out[c] = {"id": i, **{f: bool(rec.get(f, False)) for f in _ADDED_FLAGS}}
+    ids = [r["id"] for r in out.values()]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise TokenizerError(f"GPT-2 tokenizer: two added tokens have id {dup} "
+                             f"({', '.join(repr(c) for c, r in out.items() if r['id'] == dup)})")
+    new = sorted(i for i in ids if i >= GPT2_VOCAB_SIZE)
+    if new != list(range(GPT2_VOCAB_SIZE, GPT2_VOCAB_SIZE + len(new))):
+        raise TokenizerError(f"GPT-2 tokenizer: the added tokens' new ids must be {GPT2_VOCAB_SIZE}.. in turn (one "
+                             f"embedding row each), got {new[:8]}")
+    return out
+
+
+def _added_pattern(tokens: list):
+    """One regex over the added tokens ``[(content, record), ...]``: the leftmost match, the
+    longest text there (transformers' rule); group ``t<k>`` is token k. ``lstrip``/``rstrip``
+    take the whitespace beside the token with it, ``single_word`` matches only outside words."""
+    if not tokens:
+        return None
+    alts = []
+    for k, (c, r) in sorted(enumerate(tokens), key=lambda kt: -len(kt[1][0])):
+        body = re.escape(c)
+        if r["lstrip"]:
+            body = r"\s*" + body
+        if r["rstrip"]:
+            body = body + r"\s*"
+        if r["single_word"]:
+            body = r"(?<!\w)" + body + r"(?!\w)"
+        alts.append(f"(?P<t{k}>{body})")
+    return re.compile("|".join(alts))
 
 
 class GPT2Tokenizer:
@@ -363,21 +402,38 @@ class GPT2Tokenizer:
     eot_token = GPT2_EOT_ID
 
     def __init__(self, data_dir: str | Path | None = None, added: dict | None = None,
-                 add_prefix_space: bool = False):
+                 add_prefix_space: bool = False, roles: dict | None = None):
         if not isinstance(add_prefix_space, bool):
             raise TokenizerError(f"GPT2Tokenizer: add_prefix_space must be True or False, got {add_prefix_space!r:.40}")
         self.add_prefix_space = add_prefix_space
         self.data_dir = Path(data_dir) if data_dir is not None else gpt2_data_dir()
         self._enc = _gpt2_encoding(str(self.data_dir.resolve()))
         self.added = _check_added(added)
-        self._added_text = {i: c.encode("utf-8") for c, i in self.added.items()}
-        # the added tokens' texts, longest first: a text that holds another is matched whole
-        self._split = re.compile("(" + "|".join(re.escape(c) for c in sorted(self.added, key=len, reverse=True))
-                                 + ")") if self.added else None
+        # the special-token roles transformers gives added tokens (``{"pad_token": "<|pad|>"}``):
+        # kept, so that an export names them again
+        roles = dict(roles or {})
+
+        def role_ok(k, v) -> bool:
+            if k.endswith("_token"):
+                return isinstance(v, str) and v in self.added
+            return k.endswith("_tokens") and isinstance(v, list) and all(isinstance(t, str) and t in self.added for t in v)
+        if not all(isinstance(k, str) and role_ok(k, v) for k, v in roles.items()):
+            raise TokenizerError(f"GPT2Tokenizer: roles must map names like 'pad_token' (or a list name like "
+                                 f"'additional_special_tokens') to added tokens' texts, got {roles!r:.80}")
+        self.roles = roles
+        self._added_text = {r["id"]: c.encode("utf-8") for c, r in self.added.items() if r["id"] >= GPT2_VOCAB_SIZE}
+        # transformers splits the special added tokens out first, then the others in what is
+        # left; with allowed_special, <|endoftext|> joins the special ones
+        special = [(c, r) for c, r in self.added.items() if r["special"]]
+        plain = [(c, r) for c, r in self.added.items() if not r["special"]]
+        eot = (GPT2_EOT, {"id": GPT2_EOT_ID, "lstrip": False, "rstrip": False, "single_word": False, "special": True})
+        self._stages = {allow: [(pat, toks) for toks in ((special + [eot]) if allow else special, plain)
+                                if (pat := _added_pattern(toks)) is not None]
+                        for allow in (False, True)}
 
     @property
     def vocab_size(self) -> int:
-        return GPT2_VOCAB_SIZE + len(self.added)
+        return GPT2_VOCAB_SIZE + len(self._added_text)
 
     def encode(self, text: str, allowed_special=False) -> list[int]:
         """BPE ids of ``text``; see the class docstring for ``allowed_special``.
@@ -388,7 +444,7 @@ class GPT2Tokenizer:
         if not isinstance(text, str):
             raise TokenizerError(f"GPT2Tokenizer.encode: expected a str, got {type(text).__name__}")
         if allowed_special is False or allowed_special is None:
-            return self._pieces(text, self._enc.encode_ordinary)
+            return self._pieces(text, self._enc.encode_ordinary, False)
         if allowed_special is True or allowed_special == "all":
             allowed = {GPT2_EOT}
         elif not isinstance(allowed_special, (str, set, frozenset, list, tuple)):
@@ -403,7 +459,7 @@ class GPT2Tokenizer:
                     f"GPT2Tokenizer.encode: unknown special tokens {sorted(unknown)}; "
                     f"GPT-2 has only {GPT2_EOT!r}"
                 )
-        return self._pieces(text, lambda t: self._enc.encode(t, allowed_special=allowed, disallowed_special=()))
+        return self._pieces(text, self._enc.encode_ordinary, True)
 
     def encode_array(self, text: str) -> np.ndarray:
         """``encode(text)`` (``allowed_special`` off) as a uint32 array: 4 bytes a token, where
@@ -424,19 +480,31 @@ class GPT2Tokenizer:
             a = self._enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
         return a.astype(np.uint32, copy=False)
 
-    def _pieces(self, text: str, bpe) -> list[int]:
-        """``bpe`` of the text between the added tokens, and the added tokens' ids."""
+    def _pieces(self, text: str, bpe, allow_eot: bool) -> list[int]:
+        """The ids of ``text``: the added tokens (and, with ``allow_eot``, <|endoftext|>)
+        split out stage by stage, ``bpe`` of the pieces between them (each given its prefix
+        space where the tokenizer adds one)."""
         if self.add_prefix_space:
             plain = bpe
             bpe = lambda t: plain(t if t.startswith(" ") else " " + t)   # noqa: E731
-        if self._split is None:
-            return bpe(text) if text else []
-        out = []
-        for k, piece in enumerate(self._split.split(text)):
-            if k % 2:                   # re.split's odd items are the separators matched
-                out.append(self.added[piece])
-            elif piece:
+        out: list = []
+
+        def split(piece: str, stage: int) -> None:
+            if stage == len(self._stages[allow_eot]):
                 out.extend(bpe(piece))
+                return
+            pat, toks = self._stages[allow_eot][stage]
+            at = 0
+            for m in pat.finditer(piece):
+                if m.start() > at:
+                    split(piece[at:m.start()], stage + 1)
+                out.append(toks[int(m.lastgroup[1:])][1]["id"])
+                at = m.end()
+            if at < len(piece):
+                split(piece[at:], stage + 1)
+
+        if text:
+            split(text, 0)
         return out
 
     def _check_ids(self, ids) -> list[int]:
@@ -481,8 +549,10 @@ class GPT2Tokenizer:
         >>> GPT2Tokenizer().to_dict()
         {'kind': 'gpt2'}
         """
-        return {"kind": "gpt2", **({"added": dict(self.added)} if self.added else {}),
-                **({"add_prefix_space": True} if self.add_prefix_space else {})}
+        added = {c: (r["id"] if not any(r[f] for f in _ADDED_FLAGS) else dict(r)) for c, r in self.added.items()}
+        return {"kind": "gpt2", **({"added": added} if added else {}),
+                **({"add_prefix_space": True} if self.add_prefix_space else {}),
+                **({"roles": dict(self.roles)} if self.roles else {})}
 
     def __repr__(self) -> str:
         return f"GPT2Tokenizer(vocab_size={self.vocab_size})"
@@ -504,7 +574,8 @@ def tokenizer_from_dict(d: dict):
     if kind == "char":
         return CharTokenizer.from_dict(d)
     if kind == "gpt2":
-        return GPT2Tokenizer(added=d.get("added"), add_prefix_space=d.get("add_prefix_space", False))
+        return GPT2Tokenizer(added=d.get("added"), add_prefix_space=d.get("add_prefix_space", False),
+                             roles=d.get("roles"))
     raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'char' or 'gpt2'")
 
 
