@@ -1123,3 +1123,73 @@ def test_small_resume_and_out_mistakes_are_one_line(workdir, capsys):
         _fails(capsys, ["train", "--out", "busy", "--resume"], "in use by another trainer")
     finally:
         holder.close()
+
+
+def test_a_stop_after_the_final_evaluation_is_finished_by_resume(workdir, capsys, monkeypatch):
+    """A signal during the final sample (after the final evaluation), or a crash before the
+    loss curve was drawn: the resume said the run was finished, and no command drew loss.png."""
+    pytest.importorskip("matplotlib")
+    argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "3", "--sample-interval", "3",
+            "--sample-tokens", "4"]      # the one sample is the final one, after the final evaluation
+    real = Trainer.sample
+
+    def cut(self, *a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Trainer, "sample", cut)
+    assert main(argv) == 130
+    monkeypatch.setattr(Trainer, "sample", real)
+    assert load_checkpoint("r/ckpt")[1]["val_kind"] == "full"
+    assert not Path("r/loss.png").exists() and "--resume" in capsys.readouterr().err
+    assert main(["train", "--out", "r", "--resume"]) == 0
+    assert "finishing it: its loss curve" in capsys.readouterr().err and Path("r/loss.png").is_file()
+    _fails(capsys, ["train", "--out", "r", "--resume"], "is finished")
+
+
+def test_extending_a_finished_run_does_not_evaluate_its_last_step_again(workdir):
+    kw = dict(eval_interval=2, checkpoint_interval=2)
+    Trainer(_cfg("r", max_steps=4, **kw), log=None).train()
+    Trainer(_cfg("r", max_steps=6, lr_decay_steps=6, **kw), resume=True, log=None).train()
+    vals = [(r["step"], r["val_kind"]) for r in read_log("r/log.jsonl")[0] if "val_loss" in r]
+    assert vals == [(2, "sampled"), (4, "full"), (6, "full")]
+
+
+def test_resuming_a_fine_tune_whose_data_is_gone_tokenizes_with_the_runs_alphabet(workdir):
+    """A char fine-tune from a source whose alphabet is larger than the text's: with data/
+    deleted, the resume prepared the text with the text's own alphabet (other ids) and then
+    said the text was edited."""
+    Path("src.txt").write_text(TEXT + "XYZ\n")
+    Trainer(_cfg("source", data="src.txt", max_steps=2), log=None).train()
+    kw = dict(init_from="source", max_steps=4, checkpoint_interval=2)
+    Trainer(_cfg("ft", **kw), log=None).train(until=2)
+    shutil.rmtree("ft/data")
+    Trainer(_cfg("ft", **kw), resume=True, log=None).train()
+    assert load_checkpoint("ft/ckpt")[1]["step"] == 4
+
+
+def test_a_shard_folder_run_records_its_tokens_digest(workdir, capsys):
+    """Finding 7 for --data FOLDER: the shards prepared again from an edited text of the same
+    length (prepare --force) were trained on without a word."""
+    Path("s.txt").write_text(TEXT)
+    assert main(["prepare", "s.txt", "--out", "pf"]) == 0
+    argv = ["train", "--data", "pf", "--out", "r", *TINY]
+    assert main(argv + ["--max-steps", "2"]) == 0
+    assert isinstance(load_checkpoint("r/ckpt")[1]["tokens_sha256"], str)
+    Path("s.txt").write_text(TEXT.replace("to be", "be to"))
+    assert main(["prepare", "s.txt", "--out", "pf", "--force"]) == 0
+    capsys.readouterr()
+    _fails(capsys, ["train", "--out", "r", "--resume", "--max-steps", "4"], "cannot resume", "tokens")
+
+
+def test_a_resume_probe_or_a_damaged_lock_leaves_the_folder_as_it_was(workdir, capsys):
+    """--resume into a folder without a run left a train.lock behind; a run's own lock file
+    zero-filled (a power loss) was refused as a user's file."""
+    Path("uf").mkdir()
+    Path("uf/notes.txt").write_text("mine")
+    _fails(capsys, ["train", "--out", "uf", "--resume"], "cannot resume")
+    assert os.listdir("uf") == ["notes.txt"]
+    argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2", "--checkpoint-interval", "1"]
+    assert main(argv) == 0
+    Path("r/train.lock").write_bytes(b"\0" * 40)
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "3"]) == 0
+    Path("r/train.lock").write_text("\nnot a lock line\n")
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "4"]) == 0

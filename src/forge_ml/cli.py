@@ -406,7 +406,7 @@ def _cmd_train(args) -> int:
             if Path(out_dir).is_dir():   # a trainer still before its first checkpoint: say so
                 probe = RunLock(out_dir)
                 probe.acquire()
-                probe.release()
+                probe.release(undo=True)   # a lock file the probe made goes again
             data = Path(out_dir) / DATA_NAME
             held = ([LOG_NAME] if (Path(out_dir) / LOG_NAME).exists() else []) \
                 + ([DATA_NAME + "/"] if data.is_dir() and any(data.iterdir()) else [])
@@ -442,10 +442,15 @@ def _cmd_train(args) -> int:
                                      resume=args.resume, overwrite=args.overwrite)
     else:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
-    unfinished = trainer.val_kind not in FINAL_VAL_KINDS   # a signal during the final evaluation
+    # a signal during the final evaluation, or after it (the final sample), or a crash before
+    # the loss curve was drawn: the resume finishes what is left
+    import importlib.util
+    no_plot = not (Path(out_dir) / "loss.png").is_file() and importlib.util.find_spec("matplotlib") is not None
+    unfinished = trainer.val_kind not in FINAL_VAL_KINDS or no_plot
     if args.resume and trainer.step >= cfg.max_steps and unfinished:
+        left = "its final evaluation" if trainer.val_kind not in FINAL_VAL_KINDS else "its loss curve"
         print(f"{PROG}: the run in {out_dir} reached step {trainer.step} of --max-steps {cfg.max_steps}; "
-              f"finishing it: its final evaluation", file=sys.stderr)
+              f"finishing it: {left}", file=sys.stderr)
     elif args.resume and trainer.step >= cfg.max_steps:  # checked after the checkpoint fits the config
         trainer.close()
         done = trainer.step

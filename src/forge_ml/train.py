@@ -531,7 +531,13 @@ class Trainer:
                 source = self._load_source()
 
         # -- data and tokenizer (nothing written yet) ---------------------------------------
-        self.shards, self.tokenizer, write_data = self._plan_data(resume, source)
+        ckpt_tok = None
+        if ckpt is not None and isinstance(ckpt[1].get("tokenizer"), dict):
+            try:   # a resume that prepares the text again tokenizes it as the run did
+                ckpt_tok = tokenizer_from_dict(ckpt[1]["tokenizer"])
+            except TokenizerError as e:
+                raise CheckpointError(f"{self.ckpt_dir}: its tokenizer cannot be read: {e}") from None
+        self.shards, self.tokenizer, write_data = self._plan_data(resume, source, ckpt_tok)
         self.data_dir = self.shards.folder
         cfg.tokenizer = self.tokenizer.kind   # recorded in the checkpoint: what the run trains with
         if ckpt is not None and write_data is None:
@@ -762,10 +768,11 @@ class Trainer:
                             f"{self.out_dir} --data {self.data_dir} --out NEW_FOLDER")
 
     def _check_same_tokens(self, meta: Optional[dict]) -> None:
-        """The digest of the tokens the trainer prepared from a text file (None for a shard
-        folder): recorded in the checkpoints, and on a resume compared with the run's, so that
-        a run whose ``data/`` was prepared again (from an edited text, the same length) or
-        replaced (``prepare --force``) is refused rather than trained on other tokens."""
+        """The digest of the run's tokens (a text the trainer prepared, or a shard folder of at
+        most DIGEST_MAX_BYTES; None for a larger one, whose shards' names and sizes are checked):
+        recorded in the checkpoints, and on a resume compared with the run's, so that shards
+        prepared again (from an edited text, the same length) or replaced (``prepare --force``)
+        are refused rather than trained on."""
         prepared, self._prepared = self._prepared, None
         self.tokens_sha256 = None if prepared is None else tokens_digest(*prepared)
         was = None if meta is None else meta.get("tokens_sha256")
@@ -783,7 +790,7 @@ class Trainer:
             raise DataError(f"{what} holds {n} tokens; block_size={T} needs at least {T + 1} (one window "
                             f"plus its next-token target)")
 
-    def _plan_data(self, resume: bool, source):
+    def _plan_data(self, resume: bool, source, ckpt_tok=None):
         """``(shards, tokenizer, write)``: the data folder's ``ShardFolder``, its tokenizer, and
         the function that prepares the shards (None when they exist). Reads, never writes: a
         text too short for a window of ``block_size`` in its train or val part is refused here."""
@@ -793,6 +800,8 @@ class Trainer:
             sf = shard_folder(cfg.data)
             tok = self._folder_tokenizer(sf, src_tok, resume)
             n_train, n_val = self._check_shards(sf, tok)
+            if sum(p.stat().st_size for p in sf.train + sf.val) <= DIGEST_MAX_BYTES:   # (checked in _setup)
+                self._prepared = ([read_shard(p) for p in sf.train], [read_shard(p) for p in sf.val])
             if not sf.prepared:
                 whose = (f"{sf.tokenizer}" if sf.tokenizer is not None else
                          "GPT-2's BPE (no tokenizer.json in the folder: llm.c's shards hold GPT-2 ids)")
@@ -824,12 +833,16 @@ class Trainer:
         what = src if cfg.data else "the default corpus"
         if not text:
             raise DataError(f"text file {src} is empty; expected text to train on")
-        tok = src_tok if src_tok is not None else load_tokenizer(cfg.tokenizer or "char", text=text)
-        if src_tok is not None and tok.kind == "char":
+        # a resume preparing the text again takes the run's tokenizer (a fine-tune's char
+        # alphabet is its source's, not the text's: built from the text, the ids differed)
+        given = src_tok if src_tok is not None else ckpt_tok
+        tok = given if given is not None else load_tokenizer(cfg.tokenizer or "char", text=text)
+        if given is not None and tok.kind == "char":
             extra = sorted(set(text) - set(tok.chars))
             if extra:
+                whose = f"--init-from {cfg.init_from}" if src_tok is not None else f"the run in {self.out_dir}"
                 raise DataError(f"{src if cfg.data else 'the default corpus'} holds {len(extra)} character(s) that the "
-                                f"char tokenizer of --init-from {cfg.init_from} lacks ({''.join(extra[:20])!r}); "
+                                f"char tokenizer of {whose} lacks ({''.join(extra[:20])!r}); "
                                 f"fine-tune on text written with its characters")
         train, val = split_tokens(encode_array(tok, text), cfg.val_fraction, what)
         self._prepared = (train, val)
@@ -920,8 +933,7 @@ class Trainer:
         every = self.cfg.eval_interval
         self._eval_due = bool(kept is not None and every and self.step % every == 0
                               and 0 < self.step < self.cfg.max_steps
-                              and not any(r["step"] == self.step and r.get("val_kind") == "sampled"
-                                          for r in kept))
+                              and not any(r["step"] == self.step and "val_loss" in r for r in kept))
 
     def _auto_batch_size(self) -> None:
         """--batch-size auto: the largest micro-batch that a measured trial step fits in the
@@ -1551,18 +1563,24 @@ class Trainer:
         return path
 
 
+DIGEST_MAX_BYTES = 2 << 30   # a shard folder up to this size gets a token digest (about 1 s a GB)
+
+
 def tokens_digest(train, val, chunk: int = 1 << 20) -> str:
     """sha256 of the train then val token ids, each as little-endian int64 (in chunks: a
-    shard of uint16 ids is not widened whole).
+    shard of uint16 ids is not widened whole); ``train`` and ``val`` are arrays or lists of
+    arrays (shards, joined in order).
 
-    >>> tokens_digest([1, 2], [3]) == tokens_digest(np.array([1, 2], np.uint16), [3])
+    >>> tokens_digest([1, 2], [3]) == tokens_digest([np.array([1], np.uint16), np.array([2])], [3])
     True
     """
     h = hashlib.sha256()
     for part in (train, val):
-        a = np.asarray(part)
-        for i in range(0, len(a), chunk):
-            h.update(np.ascontiguousarray(a[i:i + chunk], dtype="<i8").tobytes())
+        arrays = part if isinstance(part, list) and part and isinstance(part[0], np.ndarray) else [part]
+        for a in arrays:
+            a = np.asarray(a)
+            for i in range(0, len(a), chunk):
+                h.update(np.ascontiguousarray(a[i:i + chunk], dtype="<i8").tobytes())
         h.update(b"|")
     return h.hexdigest()
 
