@@ -151,6 +151,17 @@ def hf_tokenizer_dict(hf_dir) -> dict:
     return d
 
 
+def _tokenizer_file(f: Path):
+    """The JSON of a tokenizer file of a Hugging Face folder, or None when the folder has
+    none; a CheckpointError names a file that cannot be read or parsed."""
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
+
+
 def _hf_prefix_space(d: Path) -> bool:
     """A Hugging Face GPT-2 tokenizer's ``add_prefix_space``, read as transformers reads it:
     a ``tokenizer_config.json`` whose ``tokenizer_class`` is GPT-2's passes its own setting on
@@ -159,11 +170,7 @@ def _hf_prefix_space(d: Path) -> bool:
     got GPT-2's plain ids ("Hello" 15496 where HF gives " Hello" 18435)."""
     specs = {}
     for name in ("tokenizer_config.json", "tokenizer.json"):
-        f = d / name
-        try:
-            spec = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
+        spec = _tokenizer_file(d / name)
         specs[name] = spec if isinstance(spec, dict) else None
     cfg, fast = specs["tokenizer_config.json"], specs["tokenizer.json"]
     if cfg is not None and (fast is None or cfg.get("tokenizer_class") in ("GPT2Tokenizer", "GPT2TokenizerFast")):
@@ -210,13 +217,7 @@ def _hf_added_tokens(d: Path) -> tuple:
 
     roles = {}
     for name in ("tokenizer.json", "tokenizer_config.json", "added_tokens.json"):
-        f = d / name
-        if not f.is_file():
-            continue
-        try:
-            spec = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
+        spec = _tokenizer_file(d / name)
         if not isinstance(spec, dict):
             continue
         if name == "tokenizer.json":
@@ -257,12 +258,9 @@ def _check_gpt2_vocabulary(d: Path) -> None:
     """
     for name in ("vocab.json", "tokenizer.json"):
         f = d / name
-        if not f.is_file():
+        spec = _tokenizer_file(f)
+        if spec is None:
             continue
-        try:
-            spec = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
         vocab = spec
         if name == "tokenizer.json":
             model = spec.get("model") if isinstance(spec, dict) else None
