@@ -1193,3 +1193,21 @@ def test_a_resume_probe_or_a_damaged_lock_leaves_the_folder_as_it_was(workdir, c
     assert main(["train", "--out", "r", "--resume", "--max-steps", "3"]) == 0
     Path("r/train.lock").write_text("\nnot a lock line\n")
     assert main(["train", "--out", "r", "--resume", "--max-steps", "4"]) == 0
+
+
+def test_train_flag_mistakes_found_by_a_new_user_are_refused(workdir, capsys):
+    """An explicit --grad-accum 1 against --total-batch-size was overridden in silence (1 is
+    also the default); val_fraction in a --config file was taken with a data folder (the flag
+    is refused); --corpus-bytes -5, --n-layer 0 (silently the default) and --bucket-mb -3 were
+    accepted."""
+    base = ["train", "--out", "r", *TINY, "--max-steps", "1"]
+    _fails(capsys, base + ["--data", "t.txt", "--grad-accum", "1", "--total-batch-size", "12"],
+           "--grad-accum 1 x --batch-size 4 is not --total-batch-size 12")
+    assert main(["prepare", "t.txt", "--out", "pf"]) == 0
+    Path("c.json").write_text(json.dumps({"data": "pf", "val_fraction": 0.3}))
+    _fails(capsys, base + ["--config", "c.json"], "val_fraction (in c.json)")
+    _fails(capsys, base + ["--corpus-bytes", "-5"], "corpus_bytes must be >= 1")
+    _fails(capsys, base + ["--data", "t.txt", "--n-layer", "0"], "--n-layer must be >= 1")
+    _fails(capsys, base + ["--data", "t.txt", "--bucket-mb", "-3"], "--bucket-mb must be a size")
+    assert not Path("r").exists()
+    assert main(base + ["--data", "t.txt", "--grad-accum", "3", "--total-batch-size", "12"]) == 0

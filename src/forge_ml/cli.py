@@ -65,16 +65,20 @@ _TRAIN_HELP = {
                           "else the first this many (val_kind capped in log.jsonl); 0: every window "
                           "(default: 10000)",
     "sample_tokens": "tokens per sample", "sample_prompt": "text each sample starts from",
-    "sample_temperature": "sampling temperature", "log_interval": "steps between log lines",
+    "sample_temperature": "sampling temperature",
+    "log_interval": "steps between log lines (0: none; the first step's is always printed; on a terminal "
+                    "the progress bar shows the steps instead: add --no-progress for the lines)",
     "progress": "show a progress bar on a terminal", "seed": "seed of init, data order and dropout",
     "device": "cpu, cuda or cuda:N", "dtype": "float32, or bf16 (GPU mixed precision)",
     "max_steps": "optimizer steps to train for", "grad_accum": "micro-batches per step",
-    "lr": "peak learning rate", "min_lr": "final learning rate of the cosine (default: lr / 10)",
+    "lr": "peak learning rate",
+    "min_lr": "final learning rate of the cosine (default: lr / 10; a resumed run keeps the min-lr it "
+              "recorded)",
     "warmup": "linear warmup steps",
     "lr_decay_steps": "step where the cosine ends (0: max-steps; fix it to extend a run by --resume "
                       "--max-steps as one longer run would have trained)",
     "grad_clip": "max global gradient norm (0: off)", "eval_interval": "steps between val evals (0: off)",
-    "sample_interval": "steps between samples (0: off)", "checkpoint_interval": "steps between checkpoints",
+    "sample_interval": "steps between samples (0: off)", "checkpoint_interval": "steps between checkpoints (0: only at the end)",
     "out_dir": "run folder for checkpoints, log.jsonl and loss.png",
 }
 
@@ -383,6 +387,12 @@ def _cmd_train(args) -> int:
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     explicit = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    for k in ("n_layer", "n_head", "n_embd"):     # 0 is TrainConfig's "not given": not a size
+        if explicit.get(k) is not None and explicit[k] < 1:
+            raise ConfigError(f"--{k.replace('_', '-')} must be >= 1, got {explicit[k]}")
+    if not args.bucket_mb > 0 or math.isinf(args.bucket_mb):
+        raise ConfigError(f"--bucket-mb must be a size in MB > 0, got {args.bucket_mb}")
+
     if "val_fraction" in explicit and explicit.get("data") and Path(explicit["data"]).is_dir():
         raise ConfigError(f"--val-fraction splits a text file; the data folder {explicit['data']} holds its "
                           f"train and val shards already (drop --val-fraction, or give the text file)")
@@ -419,6 +429,15 @@ def _cmd_train(args) -> int:
         values.update(meta.get("train_config", {}))
     values.update(from_file)
     values.update(explicit)
+    b = values.get("batch_size", TrainConfig.batch_size)
+    if "grad_accum" in explicit and values.get("total_batch_size") and isinstance(b, int) \
+            and explicit["grad_accum"] * b != values["total_batch_size"]:
+        # (TrainConfig takes grad_accum 1 as "not given", so an explicit 1 was overridden)
+        raise ConfigError(f"--grad-accum {explicit['grad_accum']} x --batch-size {b} is not --total-batch-size "
+                          f"{values['total_batch_size']}; give one of --grad-accum and --total-batch-size")
+    if "val_fraction" in from_file and values.get("data") and Path(values["data"]).is_dir():
+        raise ConfigError(f"val_fraction (in {args.config}) splits a text file; the data folder {values['data']} "
+                          f"holds its train and val shards already (drop val_fraction from the file)")
     was_min = (meta or {}).get("train_config", {}).get("min_lr")
     if (meta is not None and "lr" in explicit and values.get("min_lr") == was_min and isinstance(was_min, (int, float))
             and isinstance(values.get("lr"), (int, float)) and was_min > values["lr"]):

@@ -218,6 +218,7 @@ class TrainConfig:
              f"weight_decay and grad_clip must be finite numbers >= 0, got {self.weight_decay} and {self.grad_clip}"),
             (self.seed >= 0, f"seed must be >= 0, got {self.seed}"),
             (bool(str(self.out_dir).strip()), f"out_dir is empty ({self.out_dir!r}); give the run folder"),
+            (self.corpus_bytes >= 1, f"corpus_bytes must be >= 1, got {self.corpus_bytes}"),
             (self.eval_iters >= 1, "eval_iters must be >= 1"),
             (self.final_eval_windows >= 0, "final_eval_windows must be >= 0 (0: every window)"),
             (self.sample_temperature >= 0 and math.isfinite(self.sample_temperature),
