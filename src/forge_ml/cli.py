@@ -59,8 +59,9 @@ _TRAIN_HELP = {
                  "Hugging Face GPT-2 folder: its weights, architecture and tokenizer (default: none)",
     "weight_decay": "AdamW weight decay (2-D weights only)",
     "beta1": "AdamW beta1", "beta2": "AdamW beta2",
-    "eval_iters": "val batches of the periodic estimate (the final evaluation covers every window, up to "
-                  "--final-eval-windows)",
+    "eval_iters": "val batches of the periodic estimate: the first ones, the same at every evaluation "
+                  "(nanoGPT draws random ones; none at step 0); the final evaluation covers every window, "
+                  "up to --final-eval-windows",
     "final_eval_windows": "the final evaluation covers every window of the val shards up to this many, "
                           "else the first this many (val_kind capped in log.jsonl); 0: every window "
                           "(default: 10000)",
@@ -70,11 +71,13 @@ _TRAIN_HELP = {
                     "the progress bar shows the steps instead: add --no-progress for the lines)",
     "progress": "show a progress bar on a terminal", "seed": "seed of init, data order and dropout",
     "device": "cpu, cuda or cuda:N", "dtype": "float32, or bf16 (GPU mixed precision)",
-    "max_steps": "optimizer steps to train for", "grad_accum": "micro-batches per step",
+    "max_steps": "optimizer steps to train for (nanoGPT's max_iters N runs N + 1)",
+    "grad_accum": "micro-batches per step",
     "lr": "peak learning rate",
     "min_lr": "final learning rate of the cosine (default: lr / 10; a resumed run keeps the min-lr it "
               "recorded)",
-    "warmup": "linear warmup steps",
+    "warmup": "linear warmup steps: step s (from 0) runs at lr (s + 1) / warmup (llm.c's; nanoGPT's "
+              "divides by warmup + 1)",
     "lr_decay_steps": "step where the cosine ends (0: max-steps; fix it to extend a run by --resume "
                       "--max-steps as one longer run would have trained)",
     "grad_clip": "max global gradient norm (0: off)", "eval_interval": "steps between val evals (0: off)",
@@ -192,9 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
                "  forge-ml sample --ckpt ~/gpt2 --prompt 'The' --temperature 0.9 --min-p 0.05 "
                "--repetition-penalty 1.2 --logprobs 3\n"
                "  forge-ml sample --ckpt ~/gpt2 --prompt 'The' --num-beams 4 --num-return-sequences 2 "
-               "--max-new-tokens 30")
+               "--max-new-tokens 30\n"
+               "  forge-ml sample --ckpt runs/default --prompt-file prompt.txt --num-samples 3")
     s.add_argument("--ckpt", required=True, help="checkpoint folder, run folder or HF GPT-2 folder")
     s.add_argument("--prompt", default="", help="text to continue (default: a newline / end-of-text)")
+    s.add_argument("--prompt-file", metavar="PATH", default=None,
+                   help="read the prompt from a UTF-8 text file, as it is (nanoGPT's start='FILE:...')")
+    s.add_argument("--num-samples", type=int, metavar="N", default=1,
+                   help="N samples, the i-th drawn with --seed + i, each after a '---' line when N > 1 "
+                        "(default 1)")
     s.add_argument("--max-new-tokens", type=int, metavar="N", default=200, help="tokens to generate (default 200)")
     s.add_argument("--temperature", type=float, metavar="T", default=0.8, help="0 is greedy (default 0.8)")
     s.add_argument("--top-k", type=int, metavar="K", default=None, help="sample among the k most likely tokens")
@@ -543,6 +552,16 @@ class _Detok:
 
 def _check_sample_args(args) -> None:
     """``sample``'s options, checked before any work (and before the prompt is printed)."""
+    if args.prompt_file is not None:
+        if args.prompt:
+            raise ConfigError("give --prompt or --prompt-file, not both")
+        from .data import load_text
+        args.prompt = load_text(args.prompt_file)
+    if args.num_samples < 1:
+        raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.num_samples > 1 and args.num_beams is not None:
+        raise ConfigError("--num-samples draws samples; beam search (--num-beams) is deterministic: "
+                          "use --num-return-sequences for its best sequences")
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.temperature >= 0 or math.isinf(args.temperature):  # NaN fails >= too
@@ -579,7 +598,7 @@ def _check_sample_args(args) -> None:
 
 def _cmd_sample(args) -> int:
     from .errors import ShapeError
-    from .inference import load_model, stream_tokens
+    from .inference import load_model
     from .inference.load import check_tokenizer_fits
 
     _check_sample_args(args)
@@ -605,10 +624,21 @@ def _cmd_sample(args) -> int:
     out = sys.stdout
     if args.num_beams is not None:
         return _sample_beams(args, model, tok, ids, stop, out)
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            out.write(f"--- sample {i + 1} of {args.num_samples} (seed {args.seed + i}) ---\n")
+        _sample_one(args, model, tok, ids, stop, out, args.seed + i)
+    return 0
+
+
+def _sample_one(args, model, tok, ids, stop, out, seed: int) -> None:
+    """One sample of ``sample``: the prompt, the tokens as they come (and the log-probabilities)."""
+    from .inference import stream_tokens
+    block = model.config.block_size
     out.write(args.prompt)
     out.flush()
     detok = _Detok(tok)
-    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
               min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     if args.logprobs is not None:    # the batch form reports them; no sliding window past the context
         from .inference import generate
@@ -627,7 +657,7 @@ def _cmd_sample(args) -> int:
             alts = " | ".join(f"{text(i)!r} {lp:.3f}" for i, lp in (e.top_logprobs or ()))
             out.write(f"{text(e.token)!r:>16} {e.logprob:9.3f}   {alts}\n")
         out.flush()
-        return 0
+        return
     for t in stream_tokens(model, ids, args.max_new_tokens, stop_tokens=stop, **kw):
         if t in stop:
             break
@@ -635,7 +665,6 @@ def _cmd_sample(args) -> int:
         out.flush()
     out.write(detok.flush() + "\n")
     out.flush()
-    return 0
 
 
 def _sample_beams(args, model, tok, ids, stop, out) -> int:

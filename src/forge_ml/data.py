@@ -212,6 +212,16 @@ def load_text(path) -> str:
     if not path.is_file():
         raise DataError(f"expected a text file, but {path} is a directory or special file")
     raw = path.read_bytes()
+    if raw[:4] == SHARD_MAGIC.to_bytes(4, "little"):
+        raise DataError(f"{path} is an llm.c token shard, not a text file; give the folder that holds the "
+                        f"train and val shards")
+    nul = raw.count(0)
+    if nul and (path.suffix == ".bin" or nul * 100 > len(raw)):
+        # nanoGPT's prepare.py writes raw uint16 ids (no header): as UTF-8 they often decode,
+        # and a run trained on their bytes as characters, in silence
+        raise DataError(f"{path} holds token ids, not text ({nul:,} NUL bytes); nanoGPT's train.bin and "
+                        f"val.bin are raw uint16 ids without llm.c's header: write them as shards with "
+                        f"forge_ml.data.write_shard (the README shows how), or give the text file")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
