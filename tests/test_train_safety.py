@@ -1211,3 +1211,25 @@ def test_train_flag_mistakes_found_by_a_new_user_are_refused(workdir, capsys):
     _fails(capsys, base + ["--data", "t.txt", "--bucket-mb", "-3"], "--bucket-mb must be a size")
     assert not Path("r").exists()
     assert main(base + ["--data", "t.txt", "--grad-accum", "3", "--total-batch-size", "12"]) == 0
+
+
+def test_keep_best_keeps_the_model_of_the_lowest_val_loss(workdir, capsys):
+    """nanoGPT's always_save_checkpoint=False: the checkpoint of the best val loss, which a run
+    could not keep (one ckpt/, the last). --keep-best writes OUT/best, a model checkpoint that
+    sample and eval read, kept across a resume and removed by --overwrite."""
+    argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--eval-interval", "2", "--keep-best",
+            "--lr", "3e-2", "--checkpoint-interval", "4"]
+    assert main(argv + ["--max-steps", "4"]) == 0
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "8", "--lr-decay-steps", "8"]) == 0
+    vals = [r for r in read_log("r/log.jsonl")[0] if "val_loss" in r]
+    bests = [r for r in vals if r.get("best")]
+    assert bests and all(b["val_loss"] < a["val_loss"] for a, b in zip(bests, bests[1:]))
+    low = min(r["val_loss"] for r in vals)
+    tensors, meta = load_checkpoint("r/best")
+    assert meta["kind"] == "forge-ml-model" and meta["val_loss"] == low == bests[-1]["val_loss"]
+    assert meta["step"] == bests[-1]["step"] and "opt.m.wte.weight" not in tensors
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", "r/best", "--prompt", "to", "--max-new-tokens", "4"]) == 0
+    assert main(["eval", "--ckpt", "r/best", "--data", "r/data/val.bin"]) == 0
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1", "--overwrite"]) == 0
+    assert not Path("r/best").exists()

@@ -83,6 +83,9 @@ _TRAIN_HELP = {
     "grad_clip": "max global gradient norm (0: off)", "eval_interval": "steps between val evals (0: off)",
     "sample_interval": "steps between samples (0: off)", "checkpoint_interval": "steps between checkpoints (0: only at the end)",
     "out_dir": "run folder for checkpoints, log.jsonl and loss.png",
+    "keep_best": "also keep the model of the lowest val loss so far in OUT/best (a model checkpoint: "
+                 "sample, eval, convert and --init-from read it), as nanoGPT's always_save_checkpoint=False "
+                 "does; the periodic val loss is over the first --eval-iters batches (default: off)",
 }
 
 

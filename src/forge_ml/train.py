@@ -69,8 +69,8 @@ import numpy as np
 from . import flags
 from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
-from .checkpoint import (check_architecture, check_checkpoint_target, load_checkpoint, pack_tensors,
-                         save_checkpoint, unpack_tensors)
+from .checkpoint import (check_architecture, check_checkpoint_target, is_checkpoint_dir, load_checkpoint,
+                         pack_tensors, save_checkpoint, unpack_tensors)
 from .data import (SHARD_MAGIC, DataLoader, ShardFolder, default_corpus, encode_array, load_text, read_shard,
                    shard_folder, split_tokens, write_prepared)
 from .diagnose import CheckingTape
@@ -94,6 +94,7 @@ LOG_NAME = "log.jsonl"
 # first final_eval_windows of them; the periodic estimates are "sampled")
 FINAL_VAL_KINDS = ("full", "capped")
 PLOT_NAME = "loss.png"
+BEST_NAME = "best"          # <out_dir>/best: with keep_best, the model of the lowest val loss
 _PLOT_MARK = b"forge-ml train"   # the PNG text (Software) of the loss curves a run draws
 
 # The model used when neither a preset nor sizes are given: nanoGPT's CPU configuration.
@@ -187,6 +188,7 @@ class TrainConfig:
     seed: int = 1337
     out_dir: str = "runs/default"
     checkpoint_interval: int = 500   # 0: only at the end
+    keep_best: bool = False          # also keep the model of the lowest val loss in <out_dir>/best
 
     def __post_init__(self):
         for name in ("min_lr", "block_size"):   # worked out from others before (dataclasses.replace
@@ -439,6 +441,8 @@ class Trainer:
                 raise ConfigError("a resumed run keeps the batch size it was started with; drop --batch-size auto")
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_dir = self.out_dir / CKPT_NAME
+        self.best_dir = self.out_dir / BEST_NAME
+        self.best_val: Optional[float] = None   # keep_best: the val loss of the model in best_dir
         self.log_path = self.out_dir / LOG_NAME
         self.step = 0
         self.elapsed = 0.0          # training seconds before this process (from the checkpoint)
@@ -553,6 +557,8 @@ class Trainer:
         # the checkpoint's place (a file or a user's folder at ckpt, or in the way at ckpt.tmp
         # or ckpt.old) is refused now, not at the first save after training to it
         check_checkpoint_target(self.ckpt_dir)
+        if cfg.keep_best:
+            check_checkpoint_target(self.best_dir)
         self._check_plot_target(held=resume or bool(self._run_files()))
 
         # -- from here on, files are written ------------------------------------------------------
@@ -616,6 +622,8 @@ class Trainer:
         ck = [out / CKPT_NAME, out / (CKPT_NAME + ".old")]
         if any(p.is_dir() and any(p.iterdir()) or p.is_file() for p in ck):
             held.append(CKPT_NAME + "/")
+        if is_checkpoint_dir(out / BEST_NAME, "forge-ml-model"):
+            held.append(BEST_NAME + "/")
         if self.log_path.exists():
             held.append(LOG_NAME)
         d = out / DATA_NAME
@@ -628,7 +636,10 @@ class Trainer:
         """--overwrite: remove the files an earlier run wrote (only those)."""
         from .checkpoint import MODEL_FILE, STATE_FILE
         out = self.out_dir
-        targets = [(out / n, (MODEL_FILE, STATE_FILE)) for n in (CKPT_NAME, CKPT_NAME + ".old", CKPT_NAME + ".tmp")]
+        names = [CKPT_NAME, CKPT_NAME + ".old", CKPT_NAME + ".tmp"]
+        if is_checkpoint_dir(out / BEST_NAME, "forge-ml-model"):     # keep_best's, never a user's "best"
+            names += [BEST_NAME, BEST_NAME + ".old", BEST_NAME + ".tmp"]
+        targets = [(out / n, (MODEL_FILE, STATE_FILE)) for n in names]
         given = self.cfg.data and Path(self.cfg.data).is_dir() and Path(self.cfg.data).resolve() == (out / DATA_NAME).resolve()
         if not given:
             targets.append((out / DATA_NAME, DATA_FILES + (CORPUS_NAME,)))
@@ -927,6 +938,9 @@ class Trainer:
         if rng.get("seed", self.cfg.seed) != self.cfg.seed:
             raise CheckpointError(f"{self.ckpt_dir} was trained with seed {rng['seed']}, this run asks for "
                                   f"{self.cfg.seed}; resume with the same seed")
+        if self.cfg.keep_best and is_checkpoint_dir(self.best_dir, "forge-ml-model"):
+            was = load_checkpoint(self.best_dir)[1].get("val_loss")
+            self.best_val = float(was) if isinstance(was, (int, float)) else None
         kept = self._truncate_log(self.step)
         # a signal during the periodic evaluation of this step stopped it before its record:
         # the resumed run evaluates first (the same windows), so that its log has every record
@@ -1481,8 +1495,32 @@ class Trainer:
             rec = {"step": self.step, "val_loss": loss, "val_kind": "sampled", "val_batches": cfg.eval_iters}
             how = f"an estimate on {cfg.eval_iters} val batches"
         self.val_loss, self.val_kind = loss, rec["val_kind"]
+        best = cfg.keep_best and math.isfinite(loss) and (self.best_val is None or loss < self.best_val)
+        if best:
+            rec["best"] = True
         self._write_log(rec)
-        self._say(f"step {self.step}: val loss {loss:.4f} ({how}; perplexity {math.exp(min(loss, 50)):.2f})")
+        self._say(f"step {self.step}: val loss {loss:.4f} ({how}; perplexity {math.exp(min(loss, 50)):.2f})"
+                  + (f"; the lowest so far: its model kept in {self.best_dir}" if best else ""))
+        if best:
+            self._save_best(loss, rec["val_kind"])
+
+    def _best_params(self) -> dict:
+        """Name -> float32 array of the model's master weights (DistributedTrainer gathers them)."""
+        return {k: t.numpy() for k, t in self.opt.params.items()}
+
+    def _save_best(self, loss: float, kind: str) -> None:
+        """keep_best: the model (no optimizer state: a model checkpoint, as `forge-ml convert`
+        writes) of the lowest val loss so far, to ``best_dir``, atomically."""
+        meta = {"kind": "forge-ml-model", "config": self.model.config.to_dict(),
+                "tokenizer": self.tokenizer.to_dict(), "step": self.step, "val_loss": loss, "val_kind": kind,
+                "source": str(self.out_dir.resolve())}
+        try:
+            save_checkpoint(self.best_dir, self._best_params(), meta)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; training stopped at step {self.step}; {self._kept()}") from None
+        except OSError as e:
+            raise RunError(cannot_write(e.filename or self.best_dir, e, self._kept())) from None
+        self.best_val = loss
 
     TUNES_BLAS = True   # DistributedTrainer: False (its processes share the machine's cores)
 
