@@ -1233,3 +1233,70 @@ def test_keep_best_keeps_the_model_of_the_lowest_val_loss(workdir, capsys):
     assert main(["eval", "--ckpt", "r/best", "--data", "r/data/val.bin"]) == 0
     assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1", "--overwrite"]) == 0
     assert not Path("r/best").exists()
+
+
+def test_a_hangup_or_a_closed_stdout_stops_the_run_with_a_checkpoint(workdir):
+    """From a new user's test in hostile environments: SIGHUP (an SSH session dropping) killed
+    the run without a save; `forge-ml train | head` ended the run at the pipe's end with exit 0,
+    the steps since the last checkpoint lost. Both now stop at a step boundary with a checkpoint
+    of that step, as SIGINT does (exit 129, 141)."""
+    env = dict(os.environ, PYTHONPATH=SRC, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    args = [sys.executable, "-m", "forge_ml", "train", "--data", "t.txt", *TINY, "--max-steps", "100000",
+            "--log-interval", "1", "--checkpoint-interval", "50"]
+    for how, status in (("hup", 129), ("pipe", 141)):
+        run = f"run_{how}"
+        p = subprocess.Popen(args + ["--out", run], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        seen = 0
+        for line in p.stdout:
+            seen += line.startswith(b"step")
+            if seen >= 8:
+                break
+        if how == "hup":
+            p.send_signal(signal.SIGHUP)
+            p.stdout.read()
+        else:
+            p.stdout.close()         # the reader goes away, as `| head` does
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == status, err
+        step = load_checkpoint(Path(run) / "ckpt")[1]["step"]
+        assert step >= 8 and max(r["step"] for r in read_log(Path(run) / "log.jsonl")[0]) == step
+        assert "Traceback" not in err and "--resume" in err
+
+
+def test_a_stdout_that_cannot_encode_the_text_does_not_end_the_run(workdir):
+    """PYTHONIOENCODING=ascii (or a POSIX locale) and a sample with non-ASCII text: a
+    UnicodeEncodeError ended the run at its first sample, before any checkpoint."""
+    Path("u.txt").write_text("h\u00e9llo w\u00f6rld \U0001F600 \u65e5\u672c " * 200)
+    env = dict(os.environ, PYTHONPATH=SRC, PYTHONIOENCODING="ascii")
+    r = subprocess.run([sys.executable, "-m", "forge_ml", "train", "--data", "u.txt", "--out", "r\u00e9", *TINY,
+                        "--max-steps", "4", "--sample-interval", "2", "--sample-tokens", "20"],
+                       env=env, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"\\u" in r.stdout or b"\\x" in r.stdout                # escaped, not an error
+    r = subprocess.run([sys.executable, "-m", "forge_ml", "sample", "--ckpt", "r\u00e9", "--prompt",
+                        "h\u00e9", "--max-new-tokens", "5"], env=env, capture_output=True, timeout=120)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode()
+
+
+def test_no_home_folder_a_tilde_path_and_memory_errors(workdir, monkeypatch, capsys):
+    """No HOME and no passwd entry (a container's uid): Path.home() raised and every command
+    gave a traceback. --out=~/x made a folder named '~'. A MemoryError was a NumPy traceback."""
+    from forge_ml import flags
+    import forge_ml.cli as cli_mod
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("FORGE_CACHE_DIR", raising=False)
+
+    def no_home(cls=None):
+        raise RuntimeError("Could not determine home directory")
+    monkeypatch.setattr(Path, "home", classmethod(no_home))
+    assert "forge-ml-cache" in str(flags.cache_root("cpu"))
+    monkeypatch.undo()
+    monkeypatch.chdir(workdir)
+    monkeypatch.setenv("HOME", str(workdir / "home"))
+    assert main(["train", "--data", "t.txt", "--out=~/r", *TINY, "--max-steps", "1"]) == 0
+    assert (workdir / "home" / "r" / "ckpt").is_dir() and not Path("~").exists()
+
+    def oom(args):
+        raise MemoryError("Unable to allocate 38.1 GiB for an array")
+    monkeypatch.setitem(cli_mod._COMMANDS, "eval", oom)
+    _fails(capsys, ["eval", "--ckpt", "x", "--data", "t.txt"], "out of memory", "38.1 GiB", "--batch-size")

@@ -992,6 +992,11 @@ _COMMANDS = {"serve": _cmd_serve, "train": _cmd_train, "sample": _cmd_sample, "e
              "convert": _cmd_convert, "bench": _cmd_bench, "check": _cmd_check}
 
 
+# the arguments that name files or folders (a leading ~ is the home folder in each)
+_PATH_ARGS = ("out", "out_dir", "data", "ckpt", "init_from", "text", "config", "from_hf", "to_hf",
+              "prompt_file")
+
+
 def main(argv=None) -> int:
     """Run the ``forge-ml`` command line; returns the exit status (0 ok, 1 training failure,
     2 bad input or a file that cannot be written, 130 / 143 stopped by SIGINT / SIGTERM). The
@@ -1008,6 +1013,18 @@ def main(argv=None) -> int:
     if args.cmd is None:
         parser.print_help()
         return 0
+    for stream in (sys.stdout, sys.stderr):
+        # a stream that cannot encode all text (PYTHONIOENCODING=ascii, a POSIX locale): what
+        # it cannot carry is written as escapes, not a UnicodeEncodeError that ended a run
+        try:
+            if (stream.encoding or "").lower().replace("-", "").replace("_", "") != "utf8":
+                stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):
+            pass
+    for name in _PATH_ARGS:      # --out=~/x reaches us unexpanded (the shell expands ~ only
+        v = getattr(args, name, None)        # at a word's start)
+        if isinstance(v, str) and v.startswith("~"):
+            setattr(args, name, os.path.expanduser(v))
     try:
         flags.check_environment(warn=False)   # a bad FORGE_* value fails before any work, not midway
         for name, near in flags.unreported_misspellings():
@@ -1027,6 +1044,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except MemoryError as e:   # NumPy's _ArrayMemoryError on the CPU: one line, no traceback
+        print(f"{PROG} {args.cmd}: error: out of memory: {e or 'the host could not allocate more'}; use a "
+              f"smaller --batch-size, --block-size or model", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `forge-ml sample ... | head`
         try:
             sys.stdout = open(os.devnull, "w")

@@ -455,6 +455,7 @@ class Trainer:
         self._fast = None           # the captured step (step.TrainStep) on a graph-capable device
         self._staged = None         # (loader state, batches) drawn for the next captured step
         self._eval_due = False      # resumed at an eval step whose evaluation a signal cut short
+        self._pipe_closed = False   # stdout's reader went away (_say)
         self._prepared = None       # (train, val) tokens of a text the trainer prepared (_plan_data)
         self.tokens_sha256 = None   # their digest (tokens_digest), recorded in the checkpoints
         self._said_eager = False
@@ -992,10 +993,23 @@ class Trainer:
     def _say(self, msg: str) -> None:
         if self._log is None:
             return
-        if self._bar is not None:
-            self._bar.write(msg)
-        else:
-            self._log(msg)
+        try:
+            if self._bar is not None:
+                self._bar.write(msg)
+            else:
+                self._log(msg)
+        except BrokenPipeError:
+            # stdout's reader is gone (`forge-ml train | head`): the run stops at the next step
+            # boundary with a checkpoint, as on SIGPIPE's default, but nothing trained is lost
+            # (the pipe's end was taken for a finished run, exit 0, the steps since the last
+            # checkpoint lost)
+            self._pipe_closed = True
+            if self._stop is None:
+                self._stop = signal.SIGPIPE
+            try:
+                sys.stdout = open(os.devnull, "w")
+            except OSError:
+                pass
 
     def _kept(self) -> str:
         if self.last_ckpt_step is None:
@@ -1335,7 +1349,8 @@ class Trainer:
         old = {}
         if threading.current_thread() is not threading.main_thread():
             return old  # only the main thread takes signals; a KeyboardInterrupt is then handled as one
-        for s in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too: a dropped SSH session ends the run with a checkpoint, not killed mid-way
+        for s in (signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])):
             try:
                 old[s] = signal.signal(s, self._on_signal)
             except (ValueError, OSError):
@@ -1375,7 +1390,7 @@ class Trainer:
         when this returns or raises.
         """
         self.lock.acquire()
-        self._stop = None
+        self._stop = signal.SIGPIPE if self._pipe_closed else None
         old = self._install_handlers()
         try:
             return self._train(until)
