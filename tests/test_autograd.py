@@ -535,6 +535,39 @@ def test_embedding_with_a_device_position_and_a_missing_root_are_tape_errors():
     assert y.shape == (1, 2, 2)
 
 
+def test_tape_shape_errors_come_from_the_ops_checks():
+    """The tape read shapes before the op checked them: merge_heads of a 2-D input raised an
+    IndexError, attention with a head size of 0 a ZeroDivisionError, with 0-d inputs an
+    IndexError. Now the ops' own ShapeErrors; no positions (T = 0) is empty both ways."""
+    tape = Tape()
+    with pytest.raises(fm.ShapeError, match="merge_heads"):
+        tape.merge_heads(tape.leaf(fm.zeros((4, 6))))
+    with pytest.raises(fm.ShapeError, match="attention"):
+        tape.attention(*(tape.leaf(fm.zeros(())) for _ in range(3)))
+    with pytest.raises(fm.ShapeError, match="head size of 0"):
+        tape.attention(*(tape.leaf(fm.zeros((2, 3, 0))) for _ in range(3)))
+    tape = Tape()
+    q, k, v = (tape.leaf(fm.zeros((2, 0, 4))) for _ in range(3))
+    y = tape.attention(q, k, v)
+    g = tape.backward(y, fm.zeros((2, 0, 4)))
+    assert y.shape == (2, 0, 4) and g[q.id].shape == g[v.id].shape == (2, 0, 4)
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 3)])
+def test_embedding_of_no_ids_has_zero_gradients(shape):
+    """ids of shape (2, 0) or (0, 3) passed the forward, then the backward failed on a reshape
+    the user never called, the tape left swept; torch gives zero gradients."""
+    tape = Tape()
+    rng = np.random.default_rng(0)
+    wte = tape.leaf(fm.tensor(rng.standard_normal((5, 2))))
+    wpe = tape.leaf(fm.tensor(rng.standard_normal((4, 2))))
+    y = tape.embedding(fm.tensor(np.zeros(shape, np.int64)), wte, wpe)
+    assert y.shape == shape + (2,)
+    g = tape.backward(y, fm.zeros(shape + (2,), "float64"))
+    assert g[wte.id].numpy().tolist() == [[0.0, 0.0]] * 5
+    assert g[wpe.id].numpy().tolist() == [[0.0, 0.0]] * 4
+
+
 def test_gpt2_gradients_with_the_layernorm_bias_sums_equal_the_layers_own():
     """A GPT-2 block stack on the tape with FORGE_BIAS_SUMS on (the layernorm backwards sum
     the projections' bias gradients, the attention backward c_attn's) gives every gradient the

@@ -14,6 +14,17 @@ from forge_ml.checkpoint import (
 )
 from forge_ml.data import DataLoader, write_shard
 from forge_ml.errors import CheckpointError
+
+
+def test_a_0d_tensor_comes_back_0d(tmp_path):
+    """A scalar parameter (a learnable temperature) came back (1,): ascontiguousarray makes
+    every array at least 1-d, and check_architecture then refused the checkpoint."""
+    t = {"logit_scale": np.array(2.5, np.float32), "w": np.ones((2, 3), np.float64).T}
+    save_checkpoint(tmp_path / "c", t, make_meta())
+    back, _ = load_checkpoint(tmp_path / "c")
+    assert back["logit_scale"].shape == () and float(back["logit_scale"]) == 2.5
+    np.testing.assert_array_equal(back["w"], t["w"])
+    check_architecture({k: v.shape for k, v in t.items()}, back)
 from test_cli_files import denied_open, tree  # the file-system test helpers
 
 

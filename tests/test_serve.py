@@ -500,6 +500,16 @@ def test_a_gpt2_tokenizer_server_streams_whole_characters():
             want = complete(h, prompt=[tok.eot_token], **kw)["choices"][0]["text"]
             assert want and complete(h, **kw)["choices"][0]["text"] == want
             assert complete(h, prompt="", **kw)["choices"][0]["text"] == want
+            # the <|endoftext|> an empty prompt starts from is not the client's: not echoed,
+            # not counted in text_offset (the echo began "<|endoftext|>", the offsets at 13);
+            # one the client sends is echoed
+            for echo in (False, True):
+                got = complete(h, prompt="", echo=echo, logprobs=1, **kw)["choices"][0]
+                assert got["text"] == want
+                assert got["logprobs"]["text_offset"][0] == 0
+                assert "".join(got["logprobs"]["tokens"]) == want
+            sent = complete(h, prompt=[tok.eot_token], echo=True, **kw)["choices"][0]["text"]
+            assert sent == "<|endoftext|>" + want
             prompt = tok.encode("Hello 🦜")
             kw = dict(model="gpt2-tiny", prompt=prompt, max_tokens=20, temperature=1.0, seed=3,
                       echo=True, ignore_eos=True)

@@ -48,6 +48,42 @@ def test_casts_to_an_integer_dtype_are_checked_as_tensor_is():
     assert fm.full((2,), 3, "int64").numpy().tolist() == [3, 3]
 
 
+def test_integer_narrowing_and_assign_refuse_values_that_would_wrap():
+    """int64 -> int32 wrapped silently (2**32 + 3 became 3, an embedding read row 3), and
+    ops.assign stored the wrapped value while caching the range before the cast (the next
+    embedding named an id the tensor did not hold)."""
+    big = fm.tensor([[2**32 + 3]])
+    with pytest.raises(fm.DTypeError, match="do not fit int32"):
+        big.to("int32")
+    big._storage.id_range = None          # no cached range: the values are read
+    with pytest.raises(fm.DTypeError, match="do not fit int32"):
+        big.to("int32")
+    assert fm.tensor([[5, -7]]).to("int32").numpy().tolist() == [[5, -7]]
+    buf = fm.zeros((1, 1), "int32")
+    with pytest.raises(fm.DTypeError, match="assign: values 4294967297..4294967297 do not fit int32"):
+        ops.assign(buf, [[2**32 + 1]])
+    assert buf.numpy().tolist() == [[0]]           # nothing written
+    ops.assign(buf, np.array([[6.0]]))
+    assert buf._storage.id_range == (6, 6) and buf.numpy().tolist() == [[6]]
+
+
+def test_numpy_scalars_and_foreign_arrays_keep_their_dtype():
+    """tensor(np.float64(x)) and tensor(a float64 torch tensor) became float32, rounded; a
+    torch tensor that requires grad raised torch's own RuntimeError."""
+    torch = pytest.importorskip("torch")
+    x = 0.1 + 1e-12
+    for data in (np.float64(x), torch.tensor(x, dtype=torch.float64)):
+        t = fm.tensor(data)
+        assert t.dtype == fm.float64 and t.shape == () and t.item() == x
+    assert fm.tensor(np.int32(7)).dtype == fm.int32
+    assert fm.tensor(torch.ones(2, 3, dtype=torch.float64)).shape == (2, 3)
+    assert fm.tensor(1.5).dtype == fm.float32 and fm.tensor(True).dtype == fm.int64
+    with pytest.raises(fm.DTypeError, match="cannot read a Tensor as an array"):
+        fm.tensor(torch.ones(2, requires_grad=True))
+    # a 0-d big-endian array stays 0-d (copied to native order)
+    assert fm.Tensor(np.array(2.0, ">f4"), fm.Device.parse("cpu")).shape == ()
+
+
 def test_the_constructor_takes_any_numpy_layout_and_refuses_other_data():
     """Tensor(array, device) with a Fortran-ordered or big-endian array: the C kernels read the
     memory as C-ordered native floats and gave wrong values (up to 1e17) without an error."""

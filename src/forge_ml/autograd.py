@@ -15,7 +15,6 @@ serves every backend). Recording order is a topological order: no sort is needed
 """
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Callable, Optional
 
@@ -394,8 +393,8 @@ class Tape:
         (5, 6)
         """
         self._check(x)
+        out = ops.merge_heads(x.t)      # its shape checks first (a 2-D x raised an IndexError)
         h = x.t.shape[-3]
-        out = ops.merge_heads(x.t)
         ix = x.id
         return self._record(out, lambda dy: [(ix, ops.unmerge_heads(dy, h))])
 
@@ -436,7 +435,8 @@ class Tape:
         ((2, 4, 8), (2, 4, 8))
         """
         self._check(q, k, v)
-        scale = 1.0 / math.sqrt(q.t.shape[-1]) if scale is None else float(scale)
+        # scale goes to the ops as given: their checks come first (the default computed here
+        # raised a ZeroDivisionError at a head size of 0, an IndexError for 0-d inputs)
         out, lse = ops.attention(q.t, k.t, v.t, scale)
         iq, ik, iv = q.id, k.id, v.id
         saved = [_Saved(t, "attention") for t in (q.t, k.t, v.t, out, lse)]
@@ -522,6 +522,8 @@ class Tape:
 
         def backward(dy):
             dwte = zeros(wte_shape, dt, dev)
+            if dy.numel == 0:          # no ids (B or T of 0): no gradient to place
+                return [(iw, dwte), (ip, zeros((n_ctx, c), dt, dev))]
             ops.scatter_add_rows(dwte, sids.get(), dy)
             rows = dy.reshape(-1, t * c)                               # (B, T*C)
             rows = ops.sum_rows(rows) if rows.shape[0] > 1 else rows    # (T*C,) summed over B

@@ -456,7 +456,9 @@ def _check_tensors(tensors: dict) -> dict:
             )
         if a.dtype.kind not in _ALLOWED_KINDS:
             raise CheckpointError(f"save_checkpoint: {name} has dtype {a.dtype}; expected a float, int or bool array")
-        out[name] = np.ascontiguousarray(a)
+        # np.require keeps a 0-d array 0-d (ascontiguousarray made it (1,), and the model that
+        # wrote the checkpoint then refused it)
+        out[name] = np.require(a, requirements="C")
     return out
 
 

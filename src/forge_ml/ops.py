@@ -23,7 +23,7 @@ from . import dtype as _dt
 from . import rng as _rng
 from .backends import compose as _compose
 from .errors import ConfigError, DeviceError, DTypeError, ShapeError
-from .tensor import Tensor, backend_of
+from .tensor import Tensor, _check_fits, backend_of
 
 # -- boundary checks -------------------------------------------------------------------
 
@@ -554,7 +554,8 @@ def _attn_check(op, q, k, v):
 def attention(q, k, v, scale=None):
     """Causal self-attention ``softmax(mask(q k^T * scale)) v`` over ``(…, H, T, hs)``.
 
-    Returns ``(out, lse)``: ``lse`` ``(…, H, T)`` float32 is the log-sum-exp of each query
+    Returns ``(out, lse)``: ``lse`` ``(…, H, T)`` float32 (float64 for float64 inputs) is the
+    log-sum-exp of each query
     row's scaled, masked scores, which ``attention_bwd`` uses to rebuild the probabilities.
     ``scale`` defaults to ``1 / sqrt(hs)``.
 
@@ -590,6 +591,8 @@ def attention_bwd(q, k, v, out, lse, dout, scale=None):
     _shape_eq("attention_bwd", "q", q, "dout", dout)
     if lse.shape != q.shape[:-1]:
         raise ShapeError(f"attention_bwd: lse must be {q.shape[:-1]}, got {lse.shape}")
+    if q.numel == 0:                   # as attention's forward: nothing to compute
+        return _empty(q, q.shape), _empty(q, q.shape), _empty(q, q.shape)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _num("attention_bwd", "scale", scale)
     dq, dk, dv = bk.attention_bwd(q.data, k.data, v.data, out.data, lse.data, dout.data, scale)
     return _wrap(q, dq), _wrap(q, dk), _wrap(q, dv)
@@ -925,10 +928,15 @@ def assign(dst, values) -> None:
     arr = np.asarray(values)
     if arr.shape != dst.shape:
         raise ShapeError(f"assign: dst is {dst.shape} but the values are {arr.shape}")
+    if dst.dtype in _dt.INTS and arr.size:
+        # as tensor(...) refuses them: a value past the dtype's range wrapped silently, and
+        # the range cached for check_ids was the one before the cast
+        _check_fits(arr, dst.dtype, "assign")
     bk = backend_of(dst.device)
     bk.assign(dst._prepare_write(), arr)
     if dst.dtype in _dt.INTS and arr.size:
-        dst._storage.id_range = (int(arr.min()), int(arr.max()))
+        kept = arr if arr.dtype == np.dtype(dst.dtype.name) else arr.astype(dst.dtype.name)
+        dst._storage.id_range = (int(kept.min()), int(kept.max()))
 
 
 def check_ids(op, ids, n_rows) -> None:

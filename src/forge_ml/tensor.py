@@ -68,7 +68,7 @@ class Tensor:
             # the CPU kernels read a tensor's memory as a C-ordered, native-endian block: a
             # Fortran-ordered or big-endian array given here is copied into that form (it gave
             # wrong values silently)
-            data = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("="))
+            data = np.require(data, data.dtype.newbyteorder("="), "C")   # 0-d stays 0-d
         # Every live tensor sharing this memory (the tensor and its reshape views) is counted
         # in one _Storage; __del__ uncounts it. (A WeakSet per tensor cost ~3 us each.)
         storage = _views if _views is not None else _Storage()
@@ -171,10 +171,13 @@ class Tensor:
             dt = _dt.get(target)
             if dt == self._dtype:
                 return self
-            if self._dtype.is_float and not dt.is_float and self.numel:
+            if not dt.is_float and self.numel and (
+                    self._dtype.is_float or np.iinfo(dt.name).max < np.iinfo(self._dtype.name).max):
                 # as tensor(...) checks: NaN, inf or a value past the integer type's range
-                # would wrap silently (one look at the values; on a GPU, a wait)
-                _check_fits(self.numpy(), dt, "to")
+                # would wrap silently (one look at the values, or the cached id range; on a
+                # GPU, a wait); int64 to int32 too
+                known = None if self._dtype.is_float else self._storage.id_range
+                _check_fits(np.array(known) if known else self.numpy(), dt, "to")
             return Tensor(backend_of(self._device).cast(self._data, dt.name), self._device)
         dev = Device.parse(target)
         if dev == self._device:
@@ -278,15 +281,25 @@ def _default_dtype(a: np.ndarray, given) -> _dt.DType:
 def tensor(data, dtype=None, device="cpu") -> Tensor:
     """A new tensor holding a copy of ``data`` (a list, a number or an array).
 
-    Python floats become float32, Python ints int64; NumPy arrays keep their dtype
-    unless ``dtype`` is given (float16, which forge-ml has no kernels for, becomes float32;
-    int8, int16 and uint16 int32; uint32 and uint64 int64).
+    Python floats become float32, Python ints int64; NumPy arrays and scalars, and other
+    arrays (a torch tensor, say) keep their dtype unless ``dtype`` is given (float16, which
+    forge-ml has no kernels for, becomes float32; int8, int16 and uint16 int32; uint32 and
+    uint64 int64).
 
-    >>> tensor([1, 2, 3]).dtype
-    forge_ml.int64
+    >>> tensor([1, 2, 3]).dtype, tensor(np.float64(0.1)).dtype
+    (forge_ml.int64, forge_ml.float64)
     """
     if isinstance(data, Tensor):
         data = data.numpy()
+    if isinstance(data, np.generic) or (
+            not isinstance(data, (list, tuple, numbers.Number)) and hasattr(data, "__array__")):
+        # a NumPy scalar or a foreign array: its dtype kept, as for an ndarray (a float64 one
+        # became float32)
+        try:
+            data = np.asarray(data)
+        except Exception as e:       # e.g. a torch tensor that requires grad
+            raise DTypeError(f"tensor: cannot read a {type(data).__name__} as an array: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if isinstance(data, np.ndarray):
         a = data
         dt = _default_dtype(a, dtype)

@@ -14,8 +14,10 @@ and their logits are ignored: that writes only their own row 0, which the next r
 the slot writes again at its first step, before any step reads it.
 
 Per request reproducible: a request draws its uniforms from its own generator, seeded with
-``(seed, 0)``, and a row's logits do not depend on the other rows, so a request gives the
-same tokens whatever else shares the batch.
+``(seed, 0)``, and a row's logits depend on the other rows only through rounding (a product
+over more rows may sum in another order: its log-probabilities move by about 1e-6), so a
+request gives the same tokens whatever else shares the batch, except where two tokens' scores
+tie within that rounding. Alone, or with the same company, it is exact.
 
 >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
 >>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))

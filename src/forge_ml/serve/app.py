@@ -6,7 +6,9 @@ one ``data: {json}`` chunk per token, the last one of each choice with its
 ``finish_reason``, or an OpenAI error body for a choice that fails, then
 ``data: [DONE]``). Every choice of a request is one engine request; with a ``seed``,
 choice ``j`` of each prompt draws with ``seed + j`` (a prompt gives the text it gives alone
-with that seed), and without one every choice draws its own. A client that
+with that seed, unless scores tie within rounding: see ``inference.batch``), and without one
+every choice draws its own. An empty prompt starts a new document from ``<|endoftext|>``
+(counted in ``usage.prompt_tokens``, but neither echoed nor counted in ``text_offset``). A client that
 disconnects cancels its requests, which frees their slots.
 
 Text: tokens are decoded incrementally (a GPT-2 byte token that splits a UTF-8 character
@@ -146,15 +148,20 @@ class _Choice:
     """One choice of a request: its engine stream and the text and log-probabilities built
     from its tokens."""
 
-    def __init__(self, index: int, stream, tokenizer, req: CompletionRequest, eot: Optional[int]):
+    def __init__(self, index: int, stream, tokenizer, req: CompletionRequest, eot: Optional[int],
+                 hidden: int = 0):
         self.index, self.stream, self.tokenizer = index, stream, tokenizer
+        # hidden: the prompt's first tokens that the client did not send (the <|endoftext|> an
+        # empty prompt starts from): not echoed, and not counted in text_offset
+        self.hidden = hidden
         self.detok = Detokenizer(tokenizer)
         self.stop = StopText(req.stop)
         self.eot = eot
         self.want_logprobs = req.logprobs is not None
         # text_offset counts characters from the start of the prompt, as OpenAI's API does,
         # echo or not (it counted from the completion's start without echo)
-        self.offset = 0 if req.echo or not self.want_logprobs else len(tokenizer.decode(stream.prompt))
+        self.offset = (0 if req.echo or not self.want_logprobs
+                       else len(tokenizer.decode(stream.prompt[hidden:])))
         self.n_tokens = 0          # generated tokens, the end-of-text token included
         self.finish: Optional[str] = None
 
@@ -190,6 +197,8 @@ class _Choice:
         prompt = self.stream.prompt
         scores = self.stream.prompt_logprobs
         for i, t in enumerate(prompt):
+            if i < self.hidden:
+                continue
             if lp is not None:
                 logprob, top = (None, None) if i == 0 else scores[i - 1]
                 self._logprob_part(lp, t, logprob, top, self.offset)
@@ -297,6 +306,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
             raise APIError("the request body is nested too deeply to be a completions request") from None
 
     def prompt_ids(prompt) -> list:
+        """The prompt's token ids; an empty prompt is ``[eot]`` (see ``hidden``)."""
         if isinstance(prompt, str):
             try:
                 ids = tokenizer.encode(prompt)
@@ -342,7 +352,8 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                         logprobs=req.logprobs, stop_tokens=stop_tokens,
                         prompt_logprobs=req.logprobs if req.echo else None)
                     stream = engine.submit(ids, params)
-                    choices.append(_Choice(i * req.n + j, stream, tokenizer, req, eot))
+                    choices.append(_Choice(i * req.n + j, stream, tokenizer, req, eot,
+                                           hidden=int(len(req.prompt[i]) == 0)))
         except BaseException:
             for c in choices:
                 c.stream.cancel()
