@@ -591,6 +591,120 @@ def test_corrupt_cached_library_that_cannot_be_rebuilt_warns_once(tmp_path):
     assert _built(cache) == []                      # the bad file is gone, no temporaries left
 
 
+def _wrapper(tmp_path, body):
+    """A compiler wrapper script around the real compiler: ``body`` is shell run first, with
+    ``$REAL`` the compiler and ``$LOG`` a file each call is appended to."""
+    real = native.compiler()
+    if real is None:
+        pytest.skip("no C compiler on this machine")
+    cc = tmp_path / "cc-wrapper"
+    cc.write_text(f'#!/bin/sh\nREAL="{real}"\nLOG="{tmp_path / "calls.log"}"\n'
+                  f'echo "$*" >> "$LOG"\n{body}\nexec "$REAL" "$@"\n')
+    cc.chmod(0o755)
+    return cc
+
+
+def test_cc_may_be_a_command_line(tmp_path):
+    """CC="ccache gcc" (or "gcc -m64") was taken as one program's name: "cannot run", NumPy."""
+    cc = _wrapper(tmp_path, "")
+    r = _fresh(_GELU_CHECK, CC=f"env FORGE_WRAPPED=1 {cc}", FORGE_CACHE_DIR=str(tmp_path / "c"),
+               FORGE_CPU_KERNELS="c")
+    assert r.returncode == 0 and r.stdout.startswith("lib None"), r.stderr
+    assert "-O3" in (tmp_path / "calls.log").read_text()
+
+
+def test_a_library_cached_under_a_later_flag_set_is_found_before_compiling(tmp_path):
+    """A compiler that refuses the first flag set was asked again at every start (2 s a start
+    for a slow one) before the cache was looked in for the second set's library."""
+    cc = _wrapper(tmp_path, 'case "$*" in *-fno-thread-jumps*) exit 1;; esac')
+    env = dict(CC=str(cc), FORGE_CACHE_DIR=str(tmp_path / "c"), FORGE_CPU_KERNELS="c")
+    r = _fresh(_GELU_CHECK, **env)
+    assert r.returncode == 0 and r.stdout.startswith("lib None"), r.stderr
+    (so,) = _built(tmp_path / "c")
+    assert so.stat().st_mode & 0o777 == 0o755          # other users of a shared cache load it
+    (tmp_path / "calls.log").write_text("")
+    r = _fresh(_GELU_CHECK, **env)
+    assert r.returncode == 0 and r.stdout.startswith("lib None"), r.stderr
+    assert (tmp_path / "calls.log").read_text().split("\n")[:-1] == ["--version"]
+
+
+def test_a_cached_library_that_loads_but_lacks_a_kernel_is_replaced(tmp_path):
+    """The rebuilt library, at the path of the one already loaded, was never used: the
+    loader handed back the first (an 'undefined symbol', then NumPy)."""
+    real = native.compiler()
+    if real is None:
+        pytest.skip("no C compiler on this machine")
+    r = _fresh(_GELU_CHECK, FORGE_CACHE_DIR=str(tmp_path), FORGE_CPU_KERNELS="c")
+    assert r.returncode == 0, r.stderr
+    (so,) = _built(tmp_path)
+    stub = tmp_path / "stub.c"
+    stub.write_text("int forge_stub(void) { return 1; }\n")
+    subprocess.run([*native._argv(real), "-shared", "-fPIC", "-o", str(so), str(stub)], check=True)
+    r = _fresh(_GELU_CHECK, FORGE_CACHE_DIR=str(tmp_path), FORGE_CPU_KERNELS="c")
+    assert r.returncode == 0 and r.stdout.startswith("lib None"), r.stderr
+    assert "Warning" not in r.stderr
+    assert _built(tmp_path) == [so] and b"gelu_f32" in so.read_bytes()   # the cache mended
+
+
+_NOT_MINE = """
+import pathlib
+from forge_ml.backends.cpu import native
+# another user's library in a shared cache: this user may neither read nor delete it
+real_whole, real_unlink = native._whole, pathlib.Path.unlink
+def whole(path):
+    if path.parent.name == "cpu" and "forge-ml-cpu-" not in str(path):
+        raise PermissionError(13, "Permission denied", str(path))
+    return real_whole(path)
+def unlink(self, missing_ok=False):
+    raise PermissionError(13, "Permission denied", str(self))
+native._whole, pathlib.Path.unlink = whole, unlink
+"""
+
+
+def test_another_users_library_in_a_shared_cache_is_built_for_the_process(tmp_path):
+    """A library this user cannot read (another user's, mode 0711 as it was written) gave
+    'Permission denied' and NumPy kernels; now this process builds its own, with one warning."""
+    if native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    r = _fresh(_GELU_CHECK, FORGE_CACHE_DIR=str(tmp_path), FORGE_CPU_KERNELS="c")
+    assert r.returncode == 0, r.stderr
+    (so,) = _built(tmp_path)
+    r = _fresh(_NOT_MINE + _GELU_CHECK, FORGE_CACHE_DIR=str(tmp_path), FORGE_CPU_KERNELS="c")
+    assert r.returncode == 0 and r.stdout.startswith("lib None"), r.stderr
+    assert r.stderr.count("neither load nor replace") == 1
+    assert _built(tmp_path) == [so]
+
+
+def test_the_temporary_cache_is_used_only_while_it_is_this_users_alone(tmp_path, monkeypatch):
+    """With no home folder the cache was /tmp/forge-ml-cache-<uid>, used whoever made it:
+    another user could plant a library there that forge-ml then loaded."""
+    import tempfile
+    from forge_ml import flags
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(flags, "_process_cache", [])
+    shared = tmp_path / f"forge-ml-cache-{os.getuid()}"
+    assert flags._private_temp_cache() == shared
+    assert shared.stat().st_mode & 0o777 == 0o700
+    shared.chmod(0o777)                        # open to others: not trusted
+    own = flags._private_temp_cache()
+    assert own != shared and own.is_dir() and own.parent == tmp_path
+    shared.rmdir()
+    shared.symlink_to(own)                     # a link planted there is not followed
+    assert flags._private_temp_cache() == own
+
+
+def test_a_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
+    """The XDG spec says to ignore a relative XDG_CACHE_HOME; the cache went under the
+    working folder, wherever that was."""
+    from forge_ml import flags
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relcache")
+    monkeypatch.delenv("FORGE_CACHE_DIR", raising=False)
+    assert flags.cache_root("cpu") == tmp_path / "home" / ".cache" / "forge-ml" / "cpu"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert flags.cache_root("cpu") == tmp_path / "x" / "forge-ml" / "cpu"
+
+
 # ============================================================================== cross-entropy, scatter
 
 @pytest.mark.parametrize("n,vp,v", [(1, 1, 1), (7, 65, 65), (12, 128, 65), (5, 3000, 2999)])

@@ -222,10 +222,12 @@ def on(name: str) -> bool:
 
 def cache_root(sub: str):
     """The folder ``sub`` of forge-ml's build cache: ``$FORGE_CACHE_DIR/sub``, else
-    ``$XDG_CACHE_HOME/forge-ml/sub``, else ``~/.cache/forge-ml/sub`` (not created here).
-    A leading ``~`` of FORGE_CACHE_DIR is the home folder (as in a shell, which does not
-    expand it inside a .env file or a Dockerfile's ENV); a relative one is taken from the
-    working folder.
+    ``$XDG_CACHE_HOME/forge-ml/sub`` (an absolute one: the XDG spec says to ignore a relative
+    one), else ``~/.cache/forge-ml/sub`` (not created here), else, with no home folder,
+    ``forge-ml-cache-<uid>`` in the temporary folder where it is this user's alone (see
+    ``_private_temp_cache``). A leading ``~`` of FORGE_CACHE_DIR is the home folder (as in a
+    shell, which does not expand it inside a .env file or a Dockerfile's ENV); a relative one
+    is taken from the working folder.
 
     >>> cache_root("cpu").name
     'cpu'
@@ -237,14 +239,51 @@ def cache_root(sub: str):
     if root:
         return Path(os.path.abspath(os.path.expanduser(root))) / sub
     xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
+    if xdg and os.path.isabs(xdg):
         return Path(xdg) / "forge-ml" / sub
     try:
         return Path.home() / ".cache" / "forge-ml" / sub
     except RuntimeError:   # no HOME and no passwd entry (a container's arbitrary uid, env -i)
-        import tempfile
-        uid = os.getuid() if hasattr(os, "getuid") else "user"
-        return Path(tempfile.gettempdir()) / f"forge-ml-cache-{uid}" / sub
+        return _private_temp_cache() / sub
+
+
+_process_cache: list = []
+
+
+def _private_temp_cache() -> Path:
+    """The cache with no home folder: ``forge-ml-cache-<uid>`` in the temporary folder, made
+    ``0700`` here, used only while it is a folder of this user's that no one else may write
+    (forge-ml loads the code it finds in its cache: a folder another user made first in a
+    shared /tmp would let them plant a library). Otherwise a folder of this process's own,
+    removed at exit, or where none can be made, a place no folder can be (under os.devnull:
+    the builds then say to set FORGE_CACHE_DIR).
+
+    >>> _private_temp_cache().name.startswith("forge-ml-cache-")
+    True
+    """
+    import stat
+    import tempfile
+    if not hasattr(os, "getuid"):
+        return Path(tempfile.gettempdir()) / "forge-ml-cache-user"
+    uid = os.getuid()
+    shared = Path(tempfile.gettempdir()) / f"forge-ml-cache-{uid}"
+    try:
+        shared.mkdir(mode=0o700, exist_ok=True)
+        st = shared.lstat()                  # lstat: a link planted there is not followed
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o022:
+            return shared
+    except OSError:
+        pass
+    if not _process_cache:
+        import atexit
+        import shutil
+        try:
+            own = tempfile.mkdtemp(prefix="forge-ml-cache-")
+        except OSError:
+            return Path(os.devnull) / "forge-ml-cache"
+        atexit.register(shutil.rmtree, own, ignore_errors=True)
+        _process_cache.append(Path(own))
+    return _process_cache[0]
 
 
 def _switch(name: str) -> Switch:

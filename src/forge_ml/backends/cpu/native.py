@@ -10,16 +10,19 @@ a C compiler, a failed compile) runs ``reference.py``'s NumPy kernels. The switc
     numpy  NumPy only; the C source is never compiled
     c      the C kernels or an error (for tests and benchmarks that must not fall back)
 
-The shared library is built with ``$CC`` (else ``cc``, else ``gcc``) at -O3, never
+The shared library is built with ``$CC`` (a command line: ``ccache gcc`` or ``gcc -m64`` are
+split into words, as make does; else ``cc``, else ``gcc``) at -O3, never
 -ffast-math, with -march=native where the compiler takes it, into
 ``$FORGE_CACHE_DIR/cpu`` (default ``$XDG_CACHE_HOME/forge-ml/cpu``, ``~/.cache/forge-ml/cpu``),
 named by a hash of the sources, the compiler's version, the flags and the CPU's feature
-flags. It is written to a private temporary name and renamed into place, so concurrent
-processes (``pytest -n 2``) never load a half-written file; that library is the only file a
-build leaves. Where the cache cannot be written (a read-only home), the library is built in a
-temporary folder for this process alone, removed at exit, with one warning. A cached library
-that does not load (truncated, overwritten) is deleted and built again, once; only if that
-fails too does NumPy run, with one warning.
+flags; a library cached under any of the flag sets is looked for before anything is compiled.
+It is written to a private temporary name and renamed into place (mode 0755, so that a cache
+shared by several users serves them all), so concurrent processes (``pytest -n 2``) never load
+a half-written file; that library is the only file a build leaves. Where the cache cannot be
+written (a read-only home), or holds a library this user can neither read nor replace (another
+user's), the library is built in a temporary folder for this process alone, removed at exit,
+with one warning. A cached library that does not load (truncated, overwritten) is deleted and
+built again, once; only if that fails too does NumPy run, with one warning.
 
 >>> from forge_ml.backends.cpu import native
 >>> native.mode() in ("auto", "numpy", "c")
@@ -31,6 +34,7 @@ import atexit
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import struct
 import subprocess
@@ -201,17 +205,37 @@ def threads() -> int:
 def _open():
     """Build (or find) the library and load it. A cached library that is cut short or does
     not load (OSError; AttributeError for a kernel it lacks) is deleted and built again,
-    once; a second failure propagates."""
+    once; a second failure propagates. One this user may not read, or not replace (another
+    user's, in a shared cache), is built again for this process alone."""
     path, cached = build()
     if cached:
+        loaded = False
         try:
             if _whole(path):
-                return _bind(ctypes.CDLL(str(path)))
+                cdll = ctypes.CDLL(str(path))
+                loaded = True
+                return _bind(cdll)
+        except PermissionError:       # _whole's read: a library this user may not read
+            return _bind(ctypes.CDLL(str(build(private=True)[0])))
         except (OSError, AttributeError):
             pass
-        path.unlink(missing_ok=True)  # another process may have removed it first
+        try:
+            path.unlink(missing_ok=True)  # another process may have removed it first
+        except PermissionError:
+            return _bind(ctypes.CDLL(str(build(private=True)[0])))
         path, _ = build()
+        if loaded:
+            # the loader hands back the library it already loaded from a path, not the file
+            # built there again: this process loads a copy of the new one under another name
+            path = _process_copy(path)
     return _bind(ctypes.CDLL(str(path)))
+
+
+def _process_copy(path: Path) -> Path:
+    """A copy of the library ``path`` in a temporary folder of this process, removed at exit."""
+    tmp_dir = tempfile.mkdtemp(prefix="forge-ml-cpu-")
+    atexit.register(shutil.rmtree, tmp_dir, ignore_errors=True)
+    return Path(shutil.copy(path, tmp_dir))
 
 
 def _whole(path: Path) -> bool:
@@ -243,11 +267,29 @@ def _bind(cdll):
 
 
 def compiler() -> str | None:
-    """The C compiler to use: ``$CC``, else ``cc``, else ``gcc`` on PATH; None if none."""
+    """The C compiler to use: ``$CC``, else ``cc``, else ``gcc`` on PATH; None if none.
+    ``$CC`` may be a command line (``ccache gcc``, ``gcc -m64``): its program is looked up.
+
+    >>> import os
+    >>> old = os.environ.get("CC"); os.environ["CC"] = "no-such-wrapper gcc -m64"
+    >>> compiler()
+    'no-such-wrapper gcc -m64'
+    >>> _ = os.environ.pop("CC") if old is None else os.environ.update(CC=old)
+    """
     cc = os.environ.get("CC")
     if cc:
-        return shutil.which(cc) or cc
+        if os.path.exists(cc):              # a program whose path holds a space
+            return cc
+        words = shlex.split(cc)
+        if not words:
+            return None
+        return shlex.join([shutil.which(words[0]) or words[0], *words[1:]])
     return shutil.which("cc") or shutil.which("gcc")
+
+
+def _argv(cc: str) -> list:
+    """The compiler command ``compiler()`` gave, as the words to run."""
+    return [cc] if os.path.exists(cc) else shlex.split(cc)
 
 
 def cache_dir() -> Path:
@@ -272,24 +314,29 @@ def _run(cmd):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
-def build() -> tuple:
+def build(private: bool = False) -> tuple:
     """Compile the C files into one library, or find it already built: ``(path of the library, whether it
-    was found in the cache)``. Where the cache cannot be written, the library is built in a
-    temporary folder, removed at exit, with one warning."""
+    was found in the cache)``. Where the cache cannot be written, or ``private`` (its library
+    cannot be used: see ``_open``), the library is built in a temporary folder, removed at
+    exit, with one warning."""
     cc = compiler()
     if cc is None:
         raise NativeKernelError("no C compiler found (set CC, or install cc/gcc)")
+    argv = _argv(cc)
     try:
-        version = _run([cc, "--version"]).stdout
+        version = _run([*argv, "--version"]).stdout
     except OSError as e:
         raise NativeKernelError(f"the C compiler {cc} cannot run: {e}") from None
     source = b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES + HEADERS)
     out_dir = cache_dir()
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        return _build_in(out_dir, cc, version, source)
-    except OSError as e:         # the cache cannot be written (read-only home, a file in the way)
-        why = f"{type(e).__name__}: {e}"
+    if private:
+        why = "it holds a library this user can neither load nor replace"
+    else:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            return _build_in(out_dir, argv, version, source)
+        except OSError as e:     # the cache cannot be written (read-only home, a file in the way)
+            why = f"{type(e).__name__}: {e}"
     try:
         tmp_dir = tempfile.mkdtemp(prefix="forge-ml-cpu-")
     except OSError as e:
@@ -300,32 +347,38 @@ def build() -> tuple:
     warnings.warn(f"forge-ml: the kernel cache {out_dir} cannot be written ({why}); the C CPU "
                   f"kernels are built for this process only (set FORGE_CACHE_DIR to a writable "
                   f"folder to keep them)", RuntimeWarning, stacklevel=7)
-    return _build_in(Path(tmp_dir), cc, version, source)
+    return _build_in(Path(tmp_dir), argv, version, source)
 
 
-def _build_in(out_dir: Path, cc: str, version: str, source: bytes) -> tuple:
-    """``build`` in the folder ``out_dir``: the cached library if it is there, else a new
+def _build_in(out_dir: Path, argv: list, version: str, source: bytes) -> tuple:
+    """``build`` in the folder ``out_dir``: the cached library if it is there (under any flag
+    set: a compiler that refuses the first set is not asked again at every start), else a new
     one (an OSError where the folder cannot be written)."""
-    last_err = ""
+    cpu = _cpu_flags().encode()
+    paths = []
     for cflags in _FLAG_CHOICES:
-        key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(),
-                                         " ".join(cflags).encode(), _cpu_flags().encode(),
+        key = hashlib.sha256(b"\0".join([source, shlex.join(argv).encode(), version.encode(),
+                                         " ".join(cflags).encode(), cpu,
                                          sys.platform.encode()])).hexdigest()[:20]
-        path = out_dir / f"kernels-{key}.so"
+        paths.append((cflags, key, out_dir / f"kernels-{key}.so"))
+    for _, _, path in paths:
         if path.exists():
             return path, True
+    last_err = ""
+    for cflags, key, path in paths:
         fd, tmp = tempfile.mkstemp(prefix=f".kernels-{key}.", suffix=".so.tmp", dir=out_dir)
         os.close(fd)
         try:
-            res = _run([cc, *cflags, "-o", tmp, *map(str, SOURCES), "-lm"])
+            res = _run([*argv, *cflags, "-o", tmp, *map(str, SOURCES), "-lm"])
             if res.returncode == 0:
+                os.chmod(tmp, 0o755)     # mkstemp's 0600: other users of a shared cache
                 os.replace(tmp, path)
                 return path, False
             last_err = (res.stderr or res.stdout).strip()[-2000:]
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    raise NativeKernelError(f"{cc} could not compile {', '.join(p.name for p in SOURCES)}:\n{last_err}")
+    raise NativeKernelError(f"{shlex.join(argv)} could not compile {', '.join(p.name for p in SOURCES)}:\n{last_err}")
 
 
 def f32(*arrays) -> bool:
