@@ -1210,6 +1210,9 @@ def test_train_flag_mistakes_found_by_a_new_user_are_refused(workdir, capsys):
     _fails(capsys, base + ["--data", "t.txt", "--n-layer", "0"], "--n-layer must be >= 1")
     _fails(capsys, base + ["--data", "t.txt", "--bucket-mb", "-3"], "--bucket-mb must be a size")
     assert not Path("r").exists()
+    # 0 is one bucket per parameter (the session that refused -3 refused 0 too, and the GPU
+    # suite's torchrun run, which passes 0, failed)
+    assert main(base + ["--data", "t.txt", "--bucket-mb", "0", "--out", "r0"]) == 0
     assert main(base + ["--data", "t.txt", "--grad-accum", "3", "--total-batch-size", "12"]) == 0
 
 

@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--zero", type=int, choices=[0, 1], default=0,
                    help="with several GPUs: 1 shards the AdamW state and master weights (ZeRO-1)")
     t.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
-                   help="with several GPUs: gradients are all-reduced in buckets of this size")
+                   help="with several GPUs: gradients are all-reduced in buckets of this size "
+                        "(0: one bucket per parameter)")
     for f in dataclasses.fields(TrainConfig):
         flag = _TRAIN_ALIASES.get(f.name, "--" + f.name.replace("_", "-"))
         ftype = f.type if isinstance(f.type, str) else f.type.__name__
@@ -403,8 +404,10 @@ def _cmd_train(args) -> int:
     for k in ("n_layer", "n_head", "n_embd"):     # 0 is TrainConfig's "not given": not a size
         if explicit.get(k) is not None and explicit[k] < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1, got {explicit[k]}")
-    if not args.bucket_mb > 0 or math.isinf(args.bucket_mb):
-        raise ConfigError(f"--bucket-mb must be a size in MB > 0, got {args.bucket_mb}")
+    if not args.bucket_mb >= 0 or math.isinf(args.bucket_mb):
+        # 0 is one bucket per parameter (Buckets' meaning; the GPU suite's torchrun run uses it)
+        raise ConfigError(f"--bucket-mb must be a size in MB >= 0 (0: one bucket per "
+                          f"parameter), got {args.bucket_mb}")
 
     if "val_fraction" in explicit and explicit.get("data") and Path(explicit["data"]).is_dir():
         raise ConfigError(f"--val-fraction splits a text file; the data folder {explicit['data']} holds its "
