@@ -495,6 +495,30 @@ def test_layernorm(be, rs, dtype):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("rows", [3, 5000])
+def test_layernorm_of_a_constant_row_is_beta(be, rs, dtype, rows):
+    """Constant rows (values near 1000 and 1e5 too): the corrected two-pass statistics
+    (common.cuh's ln_correct, as the CPU backend's) centre them to zeros, so y is beta exactly,
+    and dgamma is 0, as torch gives; the plain mean's rounding error, times 1/sqrt(eps), left y
+    off beta by up to 0.2. A few rows take the block-per-row kernel, many rows the warp-per-row
+    kernel (bf16: the vector kernels), forward and backward."""
+    eps, cols = 1e-5, 768
+    g, b = values(rs, (cols,), dtype) + 1.0, values(rs, (cols,), dtype)
+    for v in (0.1, 123.456, 1000.1, 1e5 + 0.3):
+        x = np.zeros((rows, cols), np.float64)
+        x[:] = v * (1.0 + np.arange(rows)[:, None] % 3)           # each row its own constant
+        if dtype == "bfloat16":
+            x = round_bf16(x)
+        y = host(be, be.layernorm(dev(be, x, dtype), dev(be, g, dtype), dev(be, b, dtype), eps))
+        want = np.broadcast_to(host(be, dev(be, b, dtype)), y.shape)
+        np.testing.assert_array_equal(y, want, err_msg=f"{dtype} rows of {v}")
+        dy = values(rs, (rows, cols), dtype)
+        dx, dg, db = be.layernorm_bwd(dev(be, x, dtype), dev(be, g, dtype), dev(be, dy, dtype), eps)
+        assert np.isfinite(host(be, dx)).all() and not host(be, dg).any()
+
+
+@cuda
 @pytest.mark.parametrize("rows,cols", [(5000, 768), (2999, 1600), (3001, 200), (600, 8), (300, 2048)])
 def test_layernorm_bf16_vector_rows(be, rs, rows, cols):
     """bf16 rows held in 16-byte vectors (layernorm.cu's _vec and _fused kernels): widths that
