@@ -371,6 +371,37 @@ def test_gelu(be, rs, dtype):
 
 @cuda
 @pytest.mark.parametrize("dtype", FLOATS)
+def test_gelu_far_out_takes_the_limits(be, dtype):
+    """|x| from 1e6 to 3e38 (bf16 too): gelu -0 far left and x far right, gelu' 0 and 1, as the
+    CPU kernels give; the elementwise kernels (gelu_d: 0 * inf NaN past |x| = 1.8e19) and the
+    16-byte bf16 kernel (gelu_d_fast: its clamped exponential gave 3600 at 1e13 and -360 at
+    -1e13); a NaN stays NaN."""
+    from forge_ml.backends.cuda import rows as cuda_rows
+    mags = [1e6, 1e11, 1e12, 2e12, 1e13, 1e20, 1e30, 3e38]
+    x = np.array([-m for m in mags] + mags + [np.nan] * 8, np.float64)
+    if dtype == "bfloat16":
+        x = round_bf16(x).astype(np.float64)
+    x = np.tile(x, (4, 1))                                  # (4, 24): 16-byte rows for bf16
+    dy = np.tile(np.linspace(0.5, 2.0, 24), (4, 1))
+    if dtype == "bfloat16":
+        dy = round_bf16(dy).astype(np.float64)
+    n = len(mags)
+    want_y = np.concatenate([np.zeros(n), x[0, n:2 * n], np.full(8, np.nan)])
+    want_dx = np.concatenate([np.zeros(n), dy[0, n:2 * n], np.full(8, np.nan)])
+    xd, dyd = dev(be, x, dtype), dev(be, dy, dtype)
+    y = host(be, be.gelu(xd))
+    np.testing.assert_array_equal(y, np.broadcast_to(want_y, y.shape))
+    assert np.signbit(y[:, :n]).all()
+    outs = [host(be, be.gelu_bwd(xd, dyd))]
+    colsum = cuda_rows.gelu_bwd_colsum(xd, dyd)
+    if colsum is not None:
+        outs.append(host(be, colsum[0]))
+    for dx in outs:
+        np.testing.assert_array_equal(dx, np.broadcast_to(want_dx, dx.shape))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("M,K,N", [(2048, 4 * C, C), (333, 40, 24), (50, 30, 8)])
 def test_matmul_dgelu(be, rs, dtype, M, K, N):
     """GELU's backward through the product after it, with the bias gradient summed as the
@@ -492,6 +523,30 @@ def test_layernorm(be, rs, dtype):
     for i, name in enumerate(("dx", "dgamma", "dbeta")):
         cpu_check("layernorm_bwd", cpu_args64([x, g, dy], dtype) + [eps],
                   host(be, (dx, dg, db)[i]), TOL[dtype], pick=lambda o, i=i: o[i])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("rows", [3, 5000])
+def test_layernorm_of_a_constant_row_is_beta(be, rs, dtype, rows):
+    """Constant rows (values near 1000 and 1e5 too): the corrected two-pass statistics
+    (common.cuh's ln_correct, as the CPU backend's) centre them to zeros, so y is beta exactly,
+    and dgamma is 0, as torch gives; the plain mean's rounding error, times 1/sqrt(eps), left y
+    off beta by up to 0.2. A few rows take the block-per-row kernel, many rows the warp-per-row
+    kernel (bf16: the vector kernels), forward and backward."""
+    eps, cols = 1e-5, 768
+    g, b = values(rs, (cols,), dtype) + 1.0, values(rs, (cols,), dtype)
+    for v in (0.1, 123.456, 1000.1, 1e5 + 0.3):
+        x = np.zeros((rows, cols), np.float64)
+        x[:] = v * (1.0 + np.arange(rows)[:, None] % 3)           # each row its own constant
+        if dtype == "bfloat16":
+            x = round_bf16(x)
+        y = host(be, be.layernorm(dev(be, x, dtype), dev(be, g, dtype), dev(be, b, dtype), eps))
+        want = np.broadcast_to(host(be, dev(be, b, dtype)), y.shape)
+        np.testing.assert_array_equal(y, want, err_msg=f"{dtype} rows of {v}")
+        dy = values(rs, (rows, cols), dtype)
+        dx, dg, db = be.layernorm_bwd(dev(be, x, dtype), dev(be, g, dtype), dev(be, dy, dtype), eps)
+        assert np.isfinite(host(be, dx)).all() and not host(be, dg).any()
 
 
 @cuda

@@ -136,6 +136,18 @@ template <typename A> __device__ A block_sum(A v, A* sh) {
     return sh[0];
 }
 
+// LayerNorm's corrected two-pass statistics (Chan, Golub and LeVeque), as the CPU backend's:
+// m0 the plain mean of a row of C values, sd and ss the sums of d = x - m0 and of d^2 over the
+// row. mean = m0 + sd / C and var = ss / C - (sd / C)^2 take m0's rounding error out of both,
+// so that a constant row gets var = 0 exactly and its layernorm is beta (m0 alone left a residue
+// that 1 / sqrt(eps) made 0.2 at values near 1000).
+template <typename A> FORGE_D void ln_correct(A m0, A sd, A ss, int C, A eps, A& mean, A& rstd) {
+    const A cd = sd / A(C);
+    const A var = ss / A(C) - cd * cd;
+    mean = m0 + cd;
+    rstd = A(1) / fm_sqrt((var > A(0) ? var : A(0)) + eps);
+}
+
 // numpy.argmax's order: whether (v, i) beats (best, bi). A NaN beats every number (the lowest
 // id among NaNs), otherwise the larger value wins and the lowest id among equal values.
 FORGE_D bool argmax_better(float v, int i, float best, int bi) {

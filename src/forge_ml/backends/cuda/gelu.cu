@@ -5,11 +5,15 @@
 #include "common.cuh"
 
 // gelu_f(v), the forward, is in common.cuh (gemv.cu's fused epilogue uses it too).
+// Past |u| = 40 the limits, 0 far left and 1 far right (the CPU kernels' too): the formula's
+// 0 * inf was NaN once x^2 overflowed (|x| > 1.8e19 in float32). A NaN x stays NaN.
 template <typename A> FORGE_D A gelu_d(A v) {
     const A k0 = A(0.7978845608028654), k1 = A(0.044715);
-    const A t = fm_tanh(k0 * (v + k1 * v * v * v));
+    const A u = k0 * (v + k1 * v * v * v);
+    const A t = fm_tanh(u);
     const A du = k0 * (A(1) + A(3) * k1 * v * v);
-    return A(0.5) * (A(1) + t) + A(0.5) * v * (A(1) - t * t) * du;
+    const A g = A(0.5) * (A(1) + t) + A(0.5) * v * (A(1) - t * t) * du;
+    return u >= A(40) ? A(1) : (u <= A(-40) ? A(0) : g);
 }
 
 // gelu_fwd: each thread owns groups of 4 consecutive elements (one vector load when aligned),
@@ -105,16 +109,20 @@ __device__ void gelu_bwd_colsum_impl(const T* x, const T* dy, T* dx, typename Ac
 // the 4-wide kernel does; colsum_finish adds the chunks.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 // 1 + tanh(u) = 2e / (1 + e) and 1 - tanh(u) = 2 / (1 + e), e = exp(2u), each without the
-// cancellation of 1 +- t where tanh(u) is near -1 or 1 (u clamped to +-40: e stays finite,
-// and the far side is within 1e-34 of its limit).
+// cancellation of 1 +- t where tanh(u) is near -1 or 1 (u clamped to +-40: e stays finite).
+// Past |u| = 40 the limits, 0 far left and 1 far right, as gelu_d: the clamped e, times x du,
+// gave gelu'(1e13) = 3600 and gelu'(-1e13) = -360. fmaxf drops a NaN, so the test is on the
+// unclamped u: a NaN x stays NaN.
 FORGE_D float gelu_d_fast(float v) {
     const float k0 = 0.7978845608028654f, k1 = 0.044715f;
     const float v2 = v * v;
-    const float u = fminf(fmaxf(k0 * fmaf(k1 * v2, v, v), -40.f), 40.f);  // k0 (v + k1 v^3)
+    const float u0 = k0 * fmaf(k1 * v2, v, v);                           // k0 (v + k1 v^3)
+    const float u = fminf(fmaxf(u0, -40.f), 40.f);
     const float e = __expf(2.f * u), r = __fdividef(2.f, 1.f + e);
     const float up = e * r, dn = r;                                      // 1 + t, 1 - t
     const float du = k0 * fmaf(3.f * k1, v2, 1.f);
-    return 0.5f * fmaf(v * dn * du, up, up);
+    const float g = 0.5f * fmaf(v * dn * du, up, up);
+    return u0 >= 40.f ? 1.f : (u0 <= -40.f ? 0.f : g);
 }
 
 // one row's 8 columns: dx = dy * gelu'(x) rounded to bf16, its rounded values added to s

@@ -3,7 +3,8 @@
 //   y = (x - mean) * rstd * gamma + beta,  rstd = 1 / sqrt(var + eps)   (biased variance)
 //   dx = rstd * (g dy - mean(g dy) - xhat * mean(g dy xhat)),  xhat = (x - mean) * rstd
 //   dgamma = sum over rows of dy * xhat,  dbeta = sum over rows of dy
-// Statistics are accumulated in float32 (float64 for float64 data), two-pass for the variance.
+// Statistics are accumulated in float32 (float64 for float64 data), two passes
+// (the corrected form, common.cuh's ln_correct: a constant row's layernorm is beta exactly).
 #include "common.cuh"
 
 // Mean and rstd of one row, computed by the 32 lanes of a warp (all lanes get both).
@@ -12,13 +13,14 @@ __device__ __forceinline__ void row_stats(const T* xr, int C, A eps, A& mean, A&
     const int lane = threadIdx.x & 31;
     A s = A(0);
     for (int c = lane; c < C; c += 32) s += ldf(xr[c]);
-    mean = warp_sum(s) / A(C);
-    A v = A(0);
+    const A m0 = warp_sum(s) / A(C);
+    A v = A(0), sd = A(0);
     for (int c = lane; c < C; c += 32) {
-        const A d = ldf(xr[c]) - mean;
+        const A d = ldf(xr[c]) - m0;
         v += d * d;
+        sd += d;
     }
-    rstd = A(1) / fm_sqrt(warp_sum(v) / A(C) + eps);
+    ln_correct(m0, warp_sum(sd), warp_sum(v), C, eps, mean, rstd);
 }
 
 // layernorm_fwd: each warp owns one row of C elements (blockDim.x / 32 rows per block).
@@ -47,13 +49,16 @@ __device__ void layernorm_fwd_block_impl(const T* x, const T* gamma, const T* be
     T* yr = y + (long long)blockIdx.x * C;
     A s = A(0);
     for (int c = threadIdx.x; c < C; c += blockDim.x) s += ldf(xr[c]);
-    const A mean = block_sum(s, sh) / A(C);
-    A v = A(0);
+    const A m0 = block_sum(s, sh) / A(C);
+    A v = A(0), sd = A(0);
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        const A d = ldf(xr[c]) - mean;
+        const A d = ldf(xr[c]) - m0;
         v += d * d;
+        sd += d;
     }
-    const A rstd = A(1) / fm_sqrt(block_sum(v, sh) / A(C) + eps);
+    const A ss = block_sum(v, sh);
+    A mean, rstd;
+    ln_correct(m0, block_sum(sd, sh), ss, C, eps, mean, rstd);
     for (int c = threadIdx.x; c < C; c += blockDim.x)
         yr[c] = To<T>::from((ldf(xr[c]) - mean) * rstd * ldf(gamma[c]) + ldf(beta[c]));
 }
@@ -158,16 +163,20 @@ FORGE_D void ln_stats(const uint4 (&raw)[NV], int nv, int C, float eps, float& m
 #pragma unroll
         for (int e = 0; e < 8; ++e) s += w[e];
     }
-    mean = warp_sum(s) / float(C);
-    float v = 0.f;
+    const float m0 = warp_sum(s) / float(C);
+    float v = 0.f, sd = 0.f;
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
         if (lane + 32 * j >= nv) continue;
         Vec16<bf16>::widen(raw[j], w);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) v += (w[e] - mean) * (w[e] - mean);
+        for (int e = 0; e < 8; ++e) {
+            const float d = w[e] - m0;
+            v += d * d;
+            sd += d;
+        }
     }
-    rstd = 1.f / sqrtf(warp_sum(v) / float(C) + eps);
+    ln_correct(m0, warp_sum(sd), warp_sum(v), C, eps, mean, rstd);
 }
 
 // layernorm_fwd_vec: y = (x - mean) rstd gamma + beta, each warp owning rows warp, warp + (all
