@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import stat
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,56 @@ from forge_ml.checkpoint import (
 )
 from forge_ml.data import DataLoader, write_shard
 from forge_ml.errors import CheckpointError
+
+
+_KILLED_MID_DELETE = """
+import os, shutil, sys
+import numpy as np
+from forge_ml.checkpoint import save_checkpoint
+from forge_ml.hf import save_hf_gpt2
+d, which = sys.argv[1], sys.argv[2]
+def write(n):
+    if which == "ckpt":
+        save_checkpoint(d, {"w": np.full(3, n, np.float32)}, {"step": n})
+    else:
+        from forge_ml.models import GPT2Config
+        cfg = GPT2Config(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=4)
+        from forge_ml.models import GPT2
+        save_hf_gpt2(d, cfg, GPT2.init(cfg, seed=n).state_dict())
+write(1)
+real = shutil.rmtree
+def killed(path, *a, **k):        # the old copy's marker file goes first, then the process dies
+    names = sorted(os.listdir(path), key=lambda n: n not in ("state.json", "config.json"))
+    os.unlink(os.path.join(path, names[0]))
+    os._exit(9)
+shutil.rmtree = killed
+write(2)
+"""
+
+
+@pytest.mark.parametrize("which", ["ckpt", "hf"])
+def test_a_kill_while_the_old_copy_is_deleted_blocks_nothing(tmp_path, which):
+    """Killed between the deletions of <dir>.old's files, a save left <dir>.old holding only
+    model.safetensors, and every later save (every --resume) refused it as a folder forge-ml
+    did not write. The old copy is now deleted under <dir>.tmp, scratch the next save removes."""
+    import subprocess
+    import sys
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    d = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-c", _KILLED_MID_DELETE, str(d), which], timeout=120,
+                       env=dict(os.environ, PYTHONPATH=src), capture_output=True, text=True)
+    assert r.returncode == 9, r.stderr
+    assert not (tmp_path / "out.old").exists()
+    if which == "ckpt":
+        assert load_checkpoint(d)[1]["step"] == 2          # the new one is in place
+        save_checkpoint(d, {"w": np.full(3, 3, np.float32)}, {"step": 3})
+        assert load_checkpoint(d)[1]["step"] == 3
+    else:
+        from forge_ml.hf import save_hf_gpt2
+        from forge_ml.models import GPT2, GPT2Config
+        cfg = GPT2Config(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=4)
+        save_hf_gpt2(d, cfg, GPT2.init(cfg, seed=3).state_dict())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def test_a_0d_tensor_comes_back_0d(tmp_path):

@@ -378,13 +378,12 @@ def test_gelu_far_out_takes_the_limits(be, dtype):
     -1e13); a NaN stays NaN."""
     from forge_ml.backends.cuda import rows as cuda_rows
     mags = [1e6, 1e11, 1e12, 2e12, 1e13, 1e20, 1e30, 3e38]
-    x = np.array([-m for m in mags] + mags + [np.nan] * 8, np.float64)
-    if dtype == "bfloat16":
-        x = round_bf16(x).astype(np.float64)
+    # the values the device holds: rounded to bf16 or float32 (1e11 is 99999997952 in float32)
+    held = {"bfloat16": lambda a: round_bf16(a).astype(np.float64),
+            "float32": lambda a: a.astype(np.float32).astype(np.float64)}.get(dtype, lambda a: a)
+    x = held(np.array([-m for m in mags] + mags + [np.nan] * 8, np.float64))
     x = np.tile(x, (4, 1))                                  # (4, 24): 16-byte rows for bf16
-    dy = np.tile(np.linspace(0.5, 2.0, 24), (4, 1))
-    if dtype == "bfloat16":
-        dy = round_bf16(dy).astype(np.float64)
+    dy = held(np.tile(np.linspace(0.5, 2.0, 24), (4, 1)))
     n = len(mags)
     want_y = np.concatenate([np.zeros(n), x[0, n:2 * n], np.full(8, np.nan)])
     want_dx = np.concatenate([np.zeros(n), dy[0, n:2 * n], np.full(8, np.nan)])

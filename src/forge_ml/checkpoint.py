@@ -14,7 +14,8 @@ and comes back unchanged from ``load_checkpoint``.
 
 Saving is crash-safe: both files are written and fsynced into ``<dir>.tmp`` next to the
 target, then the old checkpoint is renamed to ``<dir>.old``, the new one renamed to ``<dir>``,
-and the old one deleted. A crash at any point leaves either the previous checkpoint or the
+and the old one renamed to ``<dir>.tmp`` and deleted (a crash midway through that deletion
+leaves scratch that the next save removes). A crash at any point leaves either the previous checkpoint or the
 new one complete; if it struck between the two renames, ``load_checkpoint`` (and the next
 ``save_checkpoint``) picks up ``<dir>.old``. A save replaces only a checkpoint: a folder
 that holds anything else (a run folder, a user's notes) is refused before anything is
@@ -220,12 +221,19 @@ def _recover(path: Path, files=None, marker=None) -> None:
         os.rename(old, path)
 
 
+def _discard(old: Path, tmp: Path) -> None:
+    """Delete the outdated ``<path>.old`` through the name ``<path>.tmp`` (free by then): a kill
+    midway through the deletion leaves a part of it as ``<path>.tmp``, scratch that the next
+    write removes, never a ``<path>.old`` that has lost the file that marks it as this
+    writer's (every later save refused it as a user's folder)."""
+    os.rename(old, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _swap_in(tmp: Path, path: Path) -> None:
     """Replace ``path`` by the complete directory ``tmp``: old aside, new in, old deleted.
-    ``atomic_directory`` has checked that ``path`` and a stale ``<path>.old`` may go."""
+    ``atomic_directory`` has removed a stale ``<path>.old``."""
     _, old = _side_paths(path)
-    if old.exists():
-        shutil.rmtree(old)  # stale: ``path`` exists (``_recover`` ran), so ``old`` is outdated
     had_old = path.exists()
     if had_old:
         os.rename(path, old)
@@ -237,7 +245,7 @@ def _swap_in(tmp: Path, path: Path) -> None:
         raise
     _fsync_path(path.parent, directory=True)
     if had_old:
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old, tmp)
 
 
 def _check_replaceable(path: Path, files, marker, what: str) -> None:
@@ -324,6 +332,9 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder"):
         _recover(path, files, marker)
         if tmp.exists():
             shutil.rmtree(tmp)  # left by a save that crashed before its swap (checked: ours)
+        if os.path.lexists(_side_paths(path)[1]):
+            # stale: ``path`` exists (``_recover`` ran), so ``<path>.old`` is outdated
+            _discard(_side_paths(path)[1], tmp)
         tmp.mkdir()
         made = True
         yield tmp
