@@ -208,6 +208,22 @@ def test_a_second_trainer_on_the_same_folder_is_refused(workdir, capsys):
     assert main(["train", "--out", "r", "--resume", "--max-steps", "3", "--no-progress"]) == 0
 
 
+def test_a_deleted_lock_file_does_not_let_a_second_trainer_in(workdir, capsys):
+    """train.lock stays after a run and looks stale: a user who deleted it while a trainer ran
+    let a second one in (an --overwrite deleted the running trainer's checkpoint and log, a
+    --resume interleaved the log). The folder itself is flocked too."""
+    first = Trainer(_cfg("r", max_steps=2), log=None)
+    os.unlink("r/train.lock")
+    before = _snapshot("r")
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--overwrite"],
+           "in use by another trainer (holder unknown)")
+    with pytest.raises(RunError, match="in use"):
+        Trainer(_cfg("r", max_steps=2), log=None, overwrite=True)
+    assert _snapshot("r") == before                 # not even a new lock file
+    first.train()
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "3", "--no-progress"]) == 0
+
+
 def test_a_dead_trainers_lock_is_not_stale(workdir, capsys):
     Path("r").mkdir()
     code = ("import fcntl, os, sys, time\n"
@@ -1244,6 +1260,49 @@ def test_keep_best_keeps_the_model_of_the_lowest_val_loss(workdir, capsys):
     shutil.copytree("other_best", "r/best")
     _fails(capsys, ["train", "--out", "r", "--resume", "--max-steps", "2", "--keep-best"],
            "a model that this run did not keep")
+
+
+_KILL_AT_CHECKPOINT = """
+import os, sys
+from forge_ml import train
+from forge_ml.cli import main
+step = int(sys.argv[1])
+real = train.Trainer._save
+def save(self, where, *a, **k):       # killed after best/ of this step, before its checkpoint
+    if os.path.basename(str(where)) == "ckpt" and self.step == step:
+        os._exit(9)
+    return real(self, where, *a, **k)
+train.Trainer._save = save
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_keep_best_after_a_stop_between_best_and_checkpoint_and_under_overwrite(workdir, capsys):
+    """From a kill-and-resume campaign: a kill after best/ was kept at step s but before step s's
+    checkpoint made the resume compare step s's val loss with best/'s, its own future: the log
+    lost s's "best" mark. And --overwrite refused every run that had kept a best/."""
+    argv = ["train", "--data", "t.txt", *TINY, "--eval-interval", "2", "--keep-best", "--lr", "3e-2",
+            "--checkpoint-interval", "2", "--max-steps", "8"]
+    assert main(argv + ["--out", "ref"]) == 0
+    want = read_log("ref/log.jsonl")[0]
+    best_steps = [r["step"] for r in want if r.get("best")]
+    assert len(best_steps) >= 2 and best_steps[-1] < 8, want
+    last = best_steps[-1]
+    env = dict(os.environ, PYTHONPATH=SRC, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", _KILL_AT_CHECKPOINT, str(last), *argv, "--out", "r"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9, r.stderr
+    assert load_checkpoint("r/best")[1]["step"] == last > load_checkpoint("r/ckpt")[1]["step"]
+    capsys.readouterr()
+    assert main(["train", "--out", "r", "--resume"]) == 0
+    got = read_log("r/log.jsonl")[0]
+    same = lambda rs: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "time", "dt_ms")}
+                       for r in rs]
+    assert [r["step"] for r in got if r.get("best")] == best_steps
+    assert same(got) == same(want)
+    # --overwrite starts over (and removes the earlier run's best/)
+    assert main(argv + ["--out", "r", "--overwrite"]) == 0
+    assert read_log("r/log.jsonl")[0][0]["step"] == 1
 
 
 def test_a_hangup_or_a_closed_stdout_stops_the_run_with_a_checkpoint(workdir):

@@ -97,7 +97,9 @@ class RunLock:
     """An exclusive lock on a run folder: ``<folder>/train.lock``, held with ``flock`` while a
     trainer uses the folder, and holding the holder's pid, host and start time. The kernel
     drops a flock when its process dies, so a crashed trainer's lock is never stale; the file
-    itself stays. Where ``fcntl`` is missing (Windows) it locks nothing.
+    itself stays. The folder itself is flocked too: a user who deletes the lock file (it looks
+    stale once a run has ended) does not let a second trainer into a running folder. Where
+    ``fcntl`` is missing (Windows) it locks nothing.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp(); a = RunLock(d); a.acquire()
@@ -112,6 +114,7 @@ class RunLock:
         self.folder = Path(folder)
         self.path = self.folder / LOCK_NAME
         self._f = None
+        self._dir_fd = None   # the folder's own descriptor, flocked while the lock is held
         self._made = []  # what acquire() created: the folder (and its parents), the lock file
 
     @property
@@ -135,6 +138,37 @@ class RunLock:
             import fcntl
         except ImportError:  # no flock on this platform
             return
+        try:
+            dir_fd = os.open(self.folder, os.O_RDONLY)
+        except OSError as e:
+            raise RunError(cannot_write(self.folder, e)) from None
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(dir_fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise RunError(f"cannot lock {self.folder}: {e.strerror or e}") from None
+            holder = ""
+            try:
+                holder = (self.path.read_text(errors="replace")[:400].strip().splitlines() or [""])[0]
+            except OSError:
+                pass
+            raise RunError(f"{self.folder} is in use by another trainer ({holder or 'holder unknown'}); "
+                           f"wait for it to finish, stop it, or choose another --out") from None
+        self._dir_fd = dir_fd
+        try:
+            self._lock_file(fcntl)
+        except BaseException:
+            self._drop_dir_lock()
+            raise
+
+    def _drop_dir_lock(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)     # closing the descriptor drops the flock
+            self._dir_fd = None
+
+    def _lock_file(self, fcntl) -> None:
+        """The lock file's flock, and the holder's line written into it."""
         if not self.path.exists():
             self._made.insert(0, self.path)
         while True:
@@ -204,3 +238,4 @@ class RunLock:
         if self._f is not None:
             self._f.close()  # closing the descriptor drops the flock
             self._f = None
+        self._drop_dir_lock()

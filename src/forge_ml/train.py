@@ -567,12 +567,15 @@ class Trainer:
             check_checkpoint_target(self.best_dir, "forge-ml-model")
             if is_checkpoint_dir(self.best_dir, "forge-ml-model"):
                 theirs = load_checkpoint(self.best_dir)[1]
-                if not resume or theirs.get("run_id") != self.run_id:
+                # --overwrite starts over from a keep_best model (a run id) of the run it
+                # replaces, and removes it (it refused every run that had kept one)
+                earlier = overwrite and not resume and bool(theirs.get("run_id"))
+                if not earlier and (not resume or theirs.get("run_id") != self.run_id):
                     raise RunError(f"{self.best_dir} holds a model that this run did not keep (another run's "
                                    f"best, copied here?); --keep-best writes this run's there: move it "
                                    f"away or choose another --out")
-                was = theirs.get("val_loss")    # the lowest so far, that a resumed run goes on from
-                self.best_val = float(was) if isinstance(was, (int, float)) else None
+                if resume:
+                    self.best_val = self._best_before(theirs, ckpt[1].get("step"))
         self._check_plot_target(held=resume or bool(held))
 
         # -- from here on, files are written ------------------------------------------------------
@@ -645,6 +648,20 @@ class Trainer:
         if d.is_dir() and any(d.iterdir()) and not given:
             held.append(DATA_NAME + "/")
         return held
+
+    def _best_before(self, best_meta: dict, step) -> Optional[float]:
+        """The lowest val loss a resumed run goes on from: best/'s, unless best/ was kept at a
+        step after the checkpoint (a stop between that save and the step's checkpoint), which
+        the run trains again: then the lowest the log marks up to the checkpoint (with best/'s,
+        the replayed step did not beat it, and the log lost its "best" mark)."""
+        was = best_meta.get("val_loss")
+        at = best_meta.get("step")
+        if not (isinstance(at, int) and isinstance(step, int) and at > step):
+            return float(was) if isinstance(was, (int, float)) else None
+        records, _ = read_log(self.log_path) if self.log_path.is_file() else ([], 0)
+        kept = [r["val_loss"] for r in records if r.get("best") and isinstance(r.get("step"), int)
+                and r["step"] <= step and isinstance(r.get("val_loss"), (int, float))]
+        return float(min(kept)) if kept else None
 
     def _clear_run(self) -> None:
         """--overwrite: remove the files an earlier run wrote (only those)."""
