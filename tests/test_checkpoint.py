@@ -67,6 +67,35 @@ def test_a_kill_while_the_old_copy_is_deleted_blocks_nothing(tmp_path, which):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+_SAVE_MANY = """
+import sys
+import numpy as np
+from forge_ml.checkpoint import save_checkpoint
+d, n = sys.argv[1], int(sys.argv[2])
+for i in range(40):
+    save_checkpoint(d, {"w": np.full(20000, n, np.float32)}, {"step": n})
+"""
+
+
+def test_two_processes_writing_one_folder_take_turns(tmp_path):
+    """Two writers of one folder (two `convert --force` to one --out) shared <dir>.tmp: one
+    deleted the other's scratch midway, saves failed, and the folder could be left empty or
+    holding a stray temporary file that refused every later write. A lock beside the folder
+    makes them take turns."""
+    import subprocess
+    import sys
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    d = tmp_path / "out"
+    procs = [subprocess.Popen([sys.executable, "-c", _SAVE_MANY, str(d), str(n)], text=True,
+                              env=dict(os.environ, PYTHONPATH=src), stderr=subprocess.PIPE)
+             for n in (1, 2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    tensors, meta = load_checkpoint(d)
+    assert meta["step"] in (1, 2) and (tensors["w"] == meta["step"]).all()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]        # no lock, .tmp or .old left
+
+
 def test_a_0d_tensor_comes_back_0d(tmp_path):
     """A scalar parameter (a learnable temperature) came back (1,): ascontiguousarray makes
     every array at least 1-d, and check_architecture then refused the checkpoint."""

@@ -1305,6 +1305,20 @@ def test_keep_best_after_a_stop_between_best_and_checkpoint_and_under_overwrite(
     assert read_log("r/log.jsonl")[0][0]["step"] == 1
 
 
+def test_convert_force_does_not_replace_a_runs_kept_best(workdir, capsys):
+    """convert --from-hf X --out RUN/best --force replaced the model --keep-best kept (both are
+    model checkpoints); --force replaces only an earlier conversion."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--eval-interval", "2", "--keep-best",
+                 "--max-steps", "4"]) == 0
+    assert main(["convert", "--to-hf", "r", "--out", "hf"]) == 0
+    before = _snapshot("r/best")
+    _fails(capsys, ["convert", "--from-hf", "hf", "--out", "r/best", "--force"],
+           "holds the model a training run kept")
+    assert _snapshot("r/best") == before
+    assert main(["convert", "--from-hf", "hf", "--out", "conv"]) == 0
+    assert main(["convert", "--from-hf", "hf", "--out", "conv", "--force"]) == 0     # its own
+
+
 def test_a_hangup_or_a_closed_stdout_stops_the_run_with_a_checkpoint(workdir):
     """From a new user's test in hostile environments: SIGHUP (an SSH session dropping) killed
     the run without a save; `forge-ml train | head` ended the run at the pipe's end with exit 0,

@@ -32,12 +32,14 @@ the previous checkpoint.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import stat
+import time
 from pathlib import Path
 
 import numpy as np
@@ -292,6 +294,61 @@ def check_checkpoint_target(path, kind: str | None = None) -> None:
     _check_replaceable(path, CHECKPOINT_FILES, lambda p: is_checkpoint_dir(p, kind), "checkpoint")
 
 
+def _write_error(path: Path, e: OSError) -> CheckpointError:
+    """The one-line error of a write of ``path`` that failed with ``e``."""
+    where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+    kept = f"{path} is unchanged" if path.is_dir() else "nothing was written"
+    return CheckpointError(f"cannot write {path}: {e.strerror or e}{where}; {kept}")
+
+
+WRITE_LOCK_WAIT = 120.0
+"""Seconds a writer waits for another process writing the same folder before it gives up."""
+
+
+@contextlib.contextmanager
+def _write_lock(path: Path, what: str):
+    """An exclusive lock on writing ``path``, held through ``.<name>.lock`` beside it (flock,
+    dropped by the kernel when its process dies; the file is removed on release): two writers
+    of one folder (two ``convert --force`` to one ``--out``) took turns with each other's
+    ``<path>.tmp``, and could leave the folder empty. The second waits for the first, up to
+    ``WRITE_LOCK_WAIT`` seconds. Where ``fcntl`` is missing (Windows) it locks nothing."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    lock = path.with_name(f".{path.name}.lock")
+    deadline = time.monotonic() + WRITE_LOCK_WAIT
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"cannot write {path}: another forge-ml process has been writing "
+                                      f"that {what} for {WRITE_LOCK_WAIT:.0f} s (its lock: {lock})") from None
+            time.sleep(0.05)
+            continue
+        try:   # the file locked must still be the one at the path (a releaser removes it)
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_directory(path, files=None, marker=None, what: str = "folder"):
     """Yield an empty temporary directory next to ``path``; when the block ends normally it
@@ -325,10 +382,17 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder"):
         raise CheckpointError(f"cannot write {path}: expected a path to a folder, not the filesystem root")
     files = None if files is None else frozenset(files)
     tmp, _ = _side_paths(path)
-    made = False
     try:
         _check_replaceable(path, files, marker, what)
         path.parent.mkdir(parents=True, exist_ok=True)
+        lock = _write_lock(path, what)
+        lock.__enter__()
+    except OSError as e:
+        raise _write_error(path, e) from None
+    made = False
+    try:     # under the lock: the scratch removed on failure is this writer's own
+        # checked again: another writer may have swapped its folder in meanwhile
+        _check_replaceable(path, files, marker, what)
         _recover(path, files, marker)
         if tmp.exists():
             shutil.rmtree(tmp)  # left by a save that crashed before its swap (checked: ours)
@@ -345,13 +409,13 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder"):
     except OSError as e:
         if made:
             shutil.rmtree(tmp, ignore_errors=True)
-        where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
-        kept = f"{path} is unchanged" if path.is_dir() else "nothing was written"
-        raise CheckpointError(f"cannot write {path}: {e.strerror or e}{where}; {kept}") from None
+        raise _write_error(path, e) from None
     except BaseException:
         if made:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        lock.__exit__(None, None, None)
 
 
 def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str = "output") -> Path:

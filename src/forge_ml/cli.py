@@ -831,6 +831,18 @@ def _cmd_prepare(args) -> int:
     return 0
 
 
+def _kept_by_a_run(folder) -> bool:
+    """Whether the model checkpoint in ``folder`` is one a trainer kept (its meta names a run)."""
+    import json
+
+    from .checkpoint import STATE_FILE
+    try:
+        meta = json.loads((Path(folder) / STATE_FILE).read_text()).get("meta")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(meta, dict) and bool(meta.get("run_id"))
+
+
 def _cmd_convert(args) -> int:
     from .checkpoint import check_output_dir, is_checkpoint_dir, save_checkpoint
     from .errors import CheckpointError
@@ -846,8 +858,13 @@ def _cmd_convert(args) -> int:
         if not src.is_dir():
             raise CheckpointError(f"Hugging Face model directory not found: {src}"
                                   if not src.exists() else f"--from-hf {src}: expected a folder")
+        # never a run's checkpoint, nor the model a run kept with --keep-best (a run id in it)
+        if is_checkpoint_dir(args.out, kind="forge-ml-model") and _kept_by_a_run(args.out):
+            raise CheckpointError(f"{args.out} holds the model a training run kept (--keep-best); "
+                                  f"--force replaces only an earlier conversion: write into a new or "
+                                  f"empty folder")
         check_output_dir(args.out, reads=[src], is_own=lambda d: is_checkpoint_dir(d, kind="forge-ml-model"),
-                         force=args.force, what="forge-ml checkpoint")  # never a run's checkpoint
+                         force=args.force, what="forge-ml checkpoint")
         config, params = load_hf_gpt2(src)
         tok_dict = hf_tokenizer_dict(src)
         tok = tokenizer_from_dict(tok_dict)
