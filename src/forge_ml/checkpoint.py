@@ -383,15 +383,16 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder"):
     files = None if files is None else frozenset(files)
     tmp, _ = _side_paths(path)
     try:
-        _check_replaceable(path, files, marker, what)
+        # (where the parent is new, nothing is at the path or beside it: the check below
+        # refuses nothing that this mkdir made)
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = _write_lock(path, what)
         lock.__enter__()
     except OSError as e:
         raise _write_error(path, e) from None
     made = False
-    try:     # under the lock: the scratch removed on failure is this writer's own
-        # checked again: another writer may have swapped its folder in meanwhile
+    try:     # under the lock: no other writer is midway through a swap at this path, and the
+        # scratch removed on failure is this writer's own
         _check_replaceable(path, files, marker, what)
         _recover(path, files, marker)
         if tmp.exists():
