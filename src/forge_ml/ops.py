@@ -2,9 +2,11 @@
 what it expected and what it got, then dispatches to the backend of its inputs' device.
 
 Each op's docstring is its contract, and its float64 formula in ``tests/reference.py`` the
-specification every kernel is tested against; ``forge_ml.backends`` lists the kernel behind
-each op. Shapes: ``T`` tokens, ``C`` channels, ``H`` heads, ``hs = C / H``, optional leading
-batch dims.
+specification every kernel is tested against. The backend functions the ops call are named
+in ``forge_ml.backends.contract`` (``CORE``: every backend has its own; ``FUSED``: a default
+in ``backends/compose.py`` where a backend has none); which file of each backend holds the
+kernel is ``docs/architecture.md``'s account. Shapes: ``T`` tokens, ``C`` channels, ``H``
+heads, ``hs = C / H``, optional leading batch dims.
 
 >>> import numpy as np, forge_ml as fm
 >>> a = fm.tensor(np.ones((2, 3), np.float32)); b = fm.tensor(np.ones((3, 4), np.float32))

@@ -3,17 +3,36 @@
 A backend is a module (or package) of plain functions that take and return arrays of its
 own kind (NumPy on ``cpu``, CuPy on ``cuda``), never Tensors, and never know the tape.
 ``forge_ml.ops`` has checked shapes, dtypes and devices before a backend function runs, so
-a backend only computes. Arrays are C-contiguous. The four groups:
+a backend only computes. Arrays are C-contiguous.
 
-- **memory**: allocation, host copies, in-place assignment, ``synchronize``;
-- **core kernels**: every op of the op set and its backward. A backend must have each one;
-  loading a backend that lacks one is an error naming it;
-- **fused kernels**: ops that a backend may run as one kernel (flash attention, a linear
-  layer with its prologue and epilogue, the LM head with its loss, a decoding step's
-  attention, the device-side argmax). Each has a composed default in ``backends/compose.py``, written with memory and
-  core ops only; a backend that lacks a fused kernel gets that default;
-- **capabilities**: attributes that code above the backends asks instead of testing a
-  device's name (``bf16`` storage, CUDA-graph ``graphs``, ``host_memory``).
+Six groups. Each is a name tuple at the end of this file (``CAPABILITIES`` a dict), and the
+tuples are the contract: ``backends.Backend`` reads them and nothing else. The first four
+are also written out below as ``Protocol`` classes, one docstring per member; those classes
+are documentation, never read by the loader, so a new op goes into its tuple (and its class:
+``tests/test_docs_contract.py`` checks that they agree).
+
+- **memory** (``MEMORY``, ``Memory``): allocation, host copies, in-place assignment,
+  ``synchronize``. Required;
+- **core kernels** (``CORE``, ``CoreKernels``): the ops every backend computes itself (the
+  fused ops' defaults are written with them), with the backward of each whose backward is
+  not made of other ops (``add``'s, ``matmul``'s, ``embedding``'s and ``dropout``'s are).
+  Required: loading a backend that lacks one is an error naming it, for every backend
+  (``cpu``, ``cuda``, the contract suite's ``corenp``), so a new core op lands with every
+  backend's kernel;
+- **fused kernels** (``FUSED``, ``FusedKernels``): ops that a backend may run as one kernel
+  (flash attention, a linear layer with its prologue and epilogue, the LM head with its loss,
+  a decoding step's attention, the device-side argmax). Each has a composed default in
+  ``backends/compose.py``, written with memory and core ops only; a backend that lacks a
+  fused kernel gets that default;
+- **capabilities** (``CAPABILITIES``, ``Capabilities``): attributes that code above the
+  backends asks instead of testing a device's name (``bf16`` storage, CUDA-graph
+  ``graphs``, ``host_memory``), each False where a backend does not declare it;
+- **step values in device memory** (``GRAPH``): the forms a captured training step replays;
+  required of a backend with ``graphs`` and without ``host_memory``;
+- **optional members** (``OPTIONAL``): ``select``, ``start``, ``capture_graph``, the
+  whole-model optimizer ops, ...; each is None on a backend that lacks it.
+
+``docs/architecture.md`` ("Add an op") lists every file a new op touches.
 
 The semantics of each op are its docstring in ``ops.py`` and ``tests/reference.py`` (the float64
 specification); ``tests/backends/`` runs every op of every available backend against it.
@@ -247,6 +266,9 @@ class Capabilities(Protocol):
     host_memory: bool    # arrays live in host memory: reading a value costs no device wait
 
 
+# The contract proper: the loader (backends.Backend) reads these names, not the Protocol
+# classes above. A new op goes into CORE or FUSED here, and into its Protocol class and
+# docs/architecture.md's contract table (tests/test_docs_contract.py checks all three).
 MEMORY = ("zeros", "from_host", "to_host", "cast", "copy", "assign", "synchronize",
           "pinned_empty", "to_host_async", "from_host_async")
 CORE = ("matmul", "add", "sum_rows", "sumsq", "gelu", "gelu_bwd", "layernorm", "layernorm_bwd",
