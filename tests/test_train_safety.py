@@ -1319,6 +1319,36 @@ def test_convert_force_does_not_replace_a_runs_kept_best(workdir, capsys):
     assert main(["convert", "--from-hf", "hf", "--out", "conv", "--force"]) == 0     # its own
 
 
+def test_a_failed_or_killed_data_preparation_leaves_a_folder_the_same_command_takes(workdir, capsys,
+                                                                                   monkeypatch):
+    """From a kill-and-resume campaign: a full disk at val.bin's rename, after train.bin's, left
+    data/train.bin, and the same command was then refused ("holds a run (data/)"); a kill
+    midway through a write left .train.bin.XXXXXXXX.tmp (and the log's, the plot's) for good,
+    and data/ holding only that was refused as a run's data too."""
+    import errno as _errno
+    real = os.replace
+
+    def full(src, dst, *a, **k):
+        if str(dst).endswith("val.bin"):
+            raise OSError(_errno.ENOSPC, "No space left on device", str(dst))
+        return real(src, dst, *a, **k)
+    argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", full)
+        _fails(capsys, argv, "No space left on device")
+    assert not Path("r/data/train.bin").exists()
+    assert main(argv) == 0
+    shutil.rmtree("r")
+    Path("r/data").mkdir(parents=True)
+    for f in ("r/data/.train.bin.a1b2c3d4.tmp", "r/.log.jsonl.Zz09_xyQ.tmp", "r/.loss.png.abcdefgh.tmp"):
+        Path(f).write_bytes(b"partial")
+    Path("r/notes.tmp").write_text("a user's")
+    assert main(argv) == 0
+    assert sorted(p.name for p in Path("r").iterdir() if p.name.startswith(".")) == []
+    assert not any(p.name.endswith(".tmp") for p in Path("r/data").iterdir())
+    assert Path("r/notes.tmp").read_text() == "a user's"
+
+
 def test_a_hangup_or_a_closed_stdout_stops_the_run_with_a_checkpoint(workdir):
     """From a new user's test in hostile environments: SIGHUP (an SSH session dropping) killed
     the run without a save; `forge-ml train | head` ended the run at the pipe's end with exit 0,

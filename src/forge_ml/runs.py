@@ -39,6 +39,34 @@ def cannot_write(path, e: OSError, after: str = "") -> str:
             + (f"; {after}" if after else ""))
 
 
+def stray_temps(folder, names) -> list:
+    """The temporary files that a killed ``replace_file`` (or ``data.write_shard``) of one of
+    ``names`` left in ``folder``: ``.<name>.XXXXXXXX.tmp`` (``mkstemp``'s names), nothing else.
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> for n in (".log.jsonl.k3_9abZq.tmp", ".log.jsonl.mine.tmp", "log.jsonl"):
+    ...     _ = open(os.path.join(d, n), "w").write("")
+    >>> [p.name for p in stray_temps(d, ["log.jsonl"])]
+    ['.log.jsonl.k3_9abZq.tmp']
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    pattern = re.compile(r"\.(%s)\.[A-Za-z0-9_]{8}\.tmp" % "|".join(re.escape(n) for n in names))
+    return sorted(folder / n for n in os.listdir(folder)
+                  if pattern.fullmatch(n) and (folder / n).is_file() and not (folder / n).is_symlink())
+
+
+def remove_stray_temps(folder, names) -> None:
+    """Remove ``stray_temps(folder, names)`` (what a kill midway through a write left)."""
+    for p in stray_temps(folder, names):
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
 def replace_file(path: Path, text) -> None:
     """Write ``text`` (str, or bytes) to a temporary file beside ``path`` and rename it over
     ``path`` (with the user's umask): a crash or a full disk leaves the old file or the new one."""

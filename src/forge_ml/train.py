@@ -82,7 +82,8 @@ from .inference.generate import stream_tokens
 from .inference.load import CKPT_NAME
 from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
 from .optim import AdamW, accumulate, clip_grad_norm, cosine_lr
-from .runs import LOCK_NAME, RunError, RunLock, cannot_write, read_log, replace_file  # noqa: F401 (LOCK_NAME: the old import path)
+from .runs import (LOCK_NAME, RunError, RunLock, cannot_write, read_log,  # noqa: F401 (LOCK_NAME: the old import path)
+                   remove_stray_temps, replace_file, stray_temps)
 from .step import TrainStep
 from .tensor import device_has, release_cached, synchronize, tensor
 from .tokenizer import load_tokenizer, tokenizer_from_dict
@@ -579,6 +580,10 @@ class Trainer:
         self._check_plot_target(held=resume or bool(held))
 
         # -- from here on, files are written ------------------------------------------------------
+        # what a kill midway through a write left (.log.jsonl.XXXXXXXX.tmp, the plot's, the
+        # shards'): the run's own scratch, never read
+        remove_stray_temps(self.out_dir, (LOG_NAME, PLOT_NAME))
+        remove_stray_temps(self.out_dir / DATA_NAME, DATA_FILES + (CORPUS_NAME,))
         if not resume and overwrite:
             self._clear_run()
         if write_data is not None:
@@ -645,7 +650,8 @@ class Trainer:
             held.append(LOG_NAME)
         d = out / DATA_NAME
         given = self.cfg.data and Path(self.cfg.data).is_dir() and Path(self.cfg.data).resolve() == d.resolve()
-        if d.is_dir() and any(d.iterdir()) and not given:
+        # (what a killed write left, .train.bin.XXXXXXXX.tmp, is no run's data)
+        if d.is_dir() and not given and set(d.iterdir()) - set(stray_temps(d, DATA_FILES + (CORPUS_NAME,))):
             held.append(DATA_NAME + "/")
         return held
 
@@ -898,6 +904,9 @@ class Trainer:
             # what this write makes is taken back when it fails (a full disk), so that the
             # same command, run again, is not refused as a run that already holds data/
             fresh = [p for p in ((src, d) if not cfg.data else (d,)) if not p.exists()]
+            # and the shards it writes: a failure after train.bin (a full disk at val.bin)
+            # left data/ holding it, and the same command was refused ("holds a run (data/)")
+            had = set(os.listdir(d)) if d.is_dir() else set()
             try:
                 if not cfg.data:
                     try:
@@ -907,6 +916,12 @@ class Trainer:
                         raise RunError(cannot_write(src, e)) from None
                 info = write_prepared(d, train, val, tok)
             except BaseException:
+                for name in DATA_FILES:
+                    if name not in had and (d / name).is_file():
+                        try:
+                            (d / name).unlink()
+                        except OSError:
+                            pass
                 for p in fresh:  # the corpus first, then the folder (only when left empty)
                     try:
                         p.rmdir() if p == d else p.unlink()
