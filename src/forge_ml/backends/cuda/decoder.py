@@ -242,6 +242,9 @@ def _decode_layers(key, ids, pos, wte, wpe, lnf, head, layers, caches, H, eps, V
     model's shapes and addresses, as the one-kernel step's)."""
     dt = wte.dtype
     C, Vp, Tmax = wte.shape[1], head.shape[0], caches[0][0].shape[2]
+    if any(p % 16 for p in key[-1] + (int(head.data.ptr),)):   # cp.async, 16-byte loads
+        raise ShapeError("decode_gpt2: FORGE_FUSED_DECODE=layers needs every weight and cache "
+                         "on a 16-byte boundary; one is not (a view into a larger array?)")
     plan = _layer_plans.get(key)
     if plan is None:
         if cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
@@ -264,4 +267,5 @@ def _decode_layers(key, ids, pos, wte, wpe, lnf, head, layers, caches, H, eps, V
     _launch("decode_layers", f"decode_head_{sfx}", (plan.grid_head,), _DL_HEAD_THREADS,
             (plan.xb, layers[-1][11], plan.partB, _i32(plan.SB), lnf[0], lnf[1], head, logits,
              _i32(C), _i32(Vp), _i32(V), epsf, _i32(1 if greedy else 0), ids, pos, hist,
-             plan.argp, plan.counter), pdl=True, writes=(logits, ids, pos, hist, plan.argp))
+             plan.argp, plan.counter), pdl=True,
+            writes=(logits, ids, pos, hist, plan.argp, plan.counter))
