@@ -164,7 +164,8 @@ def test_gemm_tune_times_once_then_keeps_the_choice(lt_calls, rs, dtype, tmp_pat
     import importlib
     import json
     L = importlib.import_module("forge_ml.backends.cuda.cublaslt")
-    x, w, b = vals(rs, (256, 768), dtype), vals(rs, (768, 2304), dtype, 0.05), vals(rs, (2304,), dtype)
+    x, w = vals(rs, (256, 768), dtype), vals(rs, (768, 2304), dtype, 0.05)
+    b = vals(rs, (2304,), dtype)
     timed = []
     real_pick = L._tune_pick
     monkeypatch.setattr(L, "_tune_pick", lambda t: timed.append(t) or real_pick(t))

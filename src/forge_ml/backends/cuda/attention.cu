@@ -102,7 +102,8 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
         // tail. Only a hint: pos is read without waiting (a stale value prefetches other
         // lines), nothing read here is used, and L2 is where every SM's writes meet.
         const int hint = min(max(pos_p[npos == 1 ? 0 : b], 0), Tmax - 1) + 1;
-        const int hch = (hint + P - 1) / P, hj0 = p * hch, hcnt = max(0, min(hint, hj0 + hch) - hj0);
+        const int hch = (hint + P - 1) / P, hj0 = p * hch;
+        const int hcnt = max(0, min(hint, hj0 + hch) - hj0);
         const long long hbase = ((long long)b * H + h) * Tmax * hs + (long long)hj0 * hs;
         const int lines = (hs * (int)sizeof(T) + 127) / 128;   // 128-byte lines a row
         const int n = min(hcnt, DECODE_PREFETCH_ROWS) * lines;
