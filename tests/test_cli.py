@@ -317,9 +317,20 @@ def test_sample_logprobs_past_the_vocabulary_fail_before_any_output(trained, cap
     (["--num-beams", "2", "--num-return-sequences", "3"], "--num-return-sequences must be in 1..--num-beams"),
     (["--num-beams", "2", "--logprobs", "1"], "use one or the other"),
     (["--num-beams", "2", "--repetition-penalty", "1.3"], "beam search (--num-beams) does not take it"),
+    (["--length-penalty", "2"], "--length-penalty applies to beam search; add --num-beams"),   # was ignored
+    (["--early-stopping", "true"], "--early-stopping applies to beam search"),
 ])
 def test_sample_generation_options_are_checked(trained, capsys, argv, needle):
     _fails(capsys, ["sample", "--ckpt", "run", "--prompt", "to be", *argv], needle)
+
+
+def test_a_run_folder_without_a_checkpoint_says_so(trained, capsys):
+    """A run that has prepared its data but saved no checkpoint yet (stopped early, or a failed
+    start) got the generic "neither a forge-ml checkpoint ... nor a Hugging Face folder"."""
+    Path("early").mkdir()
+    Path("early/log.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    for cmd in (["sample", "--ckpt", "early", "--prompt", "to"], ["eval", "--ckpt", "early", "--data", "t.txt"]):
+        _fails(capsys, cmd, "early is a run folder without a checkpoint yet", "--checkpoint-interval")
 
 
 def test_gpus_without_the_gpus_is_one_error_before_any_rank_starts(workdir, capsys, monkeypatch):
@@ -355,6 +366,11 @@ def test_prepare_refuses_to_replace_shards_without_force(workdir, capsys):
     assert (workdir / "run" / "data" / "train.bin").read_bytes() == before
     assert main(["prepare", "other.txt", "--out", "run/data", "--force"]) == 0
     assert (workdir / "run" / "data" / "train.bin").read_bytes() != before
+    # --out naming a file (the text itself, say): one line, as train and convert say it (it was
+    # the system's "File exists (EEXIST)"), and the file is kept
+    _fails(capsys, ["prepare", "other.txt", "--out", "other.txt"], "--out other.txt exists and is not a "
+           "folder", "train.bin")
+    assert (workdir / "other.txt").read_text() == "abc " * 400
 
 
 def test_val_fraction_with_a_data_folder_is_refused(trained, capsys):

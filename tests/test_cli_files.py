@@ -230,7 +230,7 @@ def test_eval_max_batches_must_be_at_least_one(run, capsys, n):
     fails(capsys, ["eval", "--ckpt", "run", "--data", "run/data/val.bin", "--max-batches", n],
           "--max-batches must be >= 1", n)
     assert main(["eval", "--ckpt", "run", "--data", "run/data/val.bin", "--max-batches", "1"]) == 0
-    assert "1 batches" in capsys.readouterr().out
+    assert "in 1 batch of" in capsys.readouterr().out
 
 
 # -- bench ---------------------------------------------------------------------------------------

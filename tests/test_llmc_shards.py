@@ -121,6 +121,12 @@ def test_eval_refuses_a_folder_made_with_another_tokenizer(llmc, capsys):
     capsys.readouterr()
     _fails(capsys, ["eval", "--ckpt", "r", "--data", "pa"], "pa/tokenizer.json", "another tokenizer", "char")
     _fails(capsys, ["eval", "--ckpt", "r", "--data", "fw"], "no tokenizer.json", "GPT-2 ids", "char tokenizer")
+    # one shard, as the README writes it (--data FOLDER/val.bin): the tokenizer.json beside it
+    # counts as the folder's did (a new user got a loss from the other text's ids, no error)
+    assert main(["eval", "--ckpt", "r", "--data", "pb/val.bin"]) == 0
+    capsys.readouterr()
+    _fails(capsys, ["eval", "--ckpt", "r", "--data", "pa/val.bin"], "the shard pa/val.bin",
+           "another tokenizer", "char")
 
 
 def test_a_run_on_llmc_shards_resumes_from_another_folder(llmc, capsys, monkeypatch):

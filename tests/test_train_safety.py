@@ -168,6 +168,24 @@ def test_training_into_a_run_without_resume_touches_nothing(workdir, capsys):
     _fails(capsys, ["train", "--out", "r", "--resume", "--overwrite"], "not allowed with")
 
 
+def test_a_device_that_cannot_load_is_said_before_the_run_folder_is_made(workdir, capsys):
+    """--device cuda without CuPy: the text was prepared into OUT/data before the device failed,
+    and the same command on the CPU was then refused as a run that holds data/ (a new user's
+    test). The backend loads first now: no folder, and the retry needs no flag."""
+    from forge_ml.backends import get
+    from forge_ml.device import Device
+    from forge_ml.errors import DeviceError
+    try:
+        get(Device("cuda", 0))
+        pytest.skip("the CUDA backend loads here")
+    except DeviceError:
+        pass
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", "--device", "cuda", *TINY,
+                    "--max-steps", "1"], "device cuda", "cannot load")
+    assert not Path("r").exists()
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1"]) == 0
+
+
 def test_a_new_run_in_an_empty_or_new_folder_needs_no_flag(workdir):
     Path("empty").mkdir()
     assert Trainer(_cfg("empty", max_steps=1), log=None).train()["step"] == 1

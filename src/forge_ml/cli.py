@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from . import blas as _blas
 from . import flags
@@ -48,7 +49,8 @@ _TRAIN_HELP = {
     "n_embd": "channels (default: the preset's, else 128)",
     "block_size": "context length in tokens (default: --init-from's context, the preset's: 1024 for gpt2*, else 64)",
     "val_fraction": "share of a text file's tokens kept for validation",
-    "corpus_bytes": "size of the default corpus", "dropout": "dropout probability",
+    "corpus_bytes": "size of the default corpus, at least (whole standard-library files are taken until "
+                    "it is reached)", "dropout": "dropout probability",
     "batch_size": "sequences per micro-batch, or auto: the largest that fits the GPU, measured at the start "
                   "(default: 12)",
     "total_batch_size": "sequences per optimizer step; sets grad-accum to this / batch-size (with "
@@ -510,6 +512,9 @@ def _check_sample_args(args) -> None:
                                          and args.num_return_sequences > (args.num_beams or 1)):
         raise ConfigError(f"--num-return-sequences must be in 1..--num-beams ({args.num_beams or 1}), "
                           f"got {args.num_return_sequences}")
+    if args.num_beams is None and (args.length_penalty != 1.0 or args.early_stopping != "false"):
+        given = "--length-penalty" if args.length_penalty != 1.0 else "--early-stopping"
+        raise ConfigError(f"{given} applies to beam search; add --num-beams K (it was ignored)")
     if args.num_beams is not None and args.logprobs is not None:
         raise ConfigError("--logprobs reports sampled or greedy tokens; beam search (--num-beams) "
                           "scores whole sequences: use one or the other")
@@ -630,6 +635,11 @@ def _cmd_eval(args) -> int:
     cfg = model.config
     if folder is not None:
         _check_folder_tokenizer(folder, tok, args.ckpt)
+    elif path.suffix == ".bin" and (path.parent / "tokenizer.json").is_file():
+        # one shard of a prepared folder: the tokenizer.json beside it counts as the folder's (a
+        # loose shard with none beside it is taken as it is: only its ids' range is checked)
+        _check_folder_tokenizer(SimpleNamespace(folder=path.parent, tokenizer=path.parent / "tokenizer.json"),
+                                tok, args.ckpt, what=f"the shard {path}")
     tmp = None
     if shards is None and path.suffix != ".bin":  # a text file: tokenize it with the checkpoint's tokenizer
         import tempfile
@@ -669,21 +679,24 @@ def _cmd_eval(args) -> int:
             tmp.cleanup()
     where = "" if shards is None else f" of {len(shards)} val shard{'s' * (len(shards) > 1)} in {path}"
     print(f"loss {loss:.4f}  perplexity {math.exp(min(loss, 700)):.3f}  "
-          f"({windows * T:,} tokens{where}: {windows:,} windows of {T} in {n} batches of {B}, "
+          f"({windows * T:,} tokens{where}: {windows:,} window{'s' * (windows != 1)} of {T} in {n} "
+          f"batch{'es' * (n != 1)} of {B}, "
           f"{time.perf_counter() - t0:.1f} s)")
     return 0
 
 
-def _check_folder_tokenizer(folder, tok, ckpt) -> None:
-    """A DataError when the shards of a data folder were made with another tokenizer than the
-    checkpoint's: its tokenizer.json, or (none: llm.c's shards) GPT-2's. Ids that fit the
-    model's vocabulary would otherwise be read as other tokens and give a wrong loss."""
+def _check_folder_tokenizer(folder, tok, ckpt, what=None) -> None:
+    """A DataError when the shards of a data folder (``folder.folder``; ``what`` names one shard
+    of it) were made with another tokenizer than the checkpoint's: its tokenizer.json, or (none:
+    llm.c's shards) GPT-2's. Ids that fit the model's vocabulary would otherwise be read as
+    other tokens and give a wrong loss."""
     from .tokenizer import tokenizer_from_dict
 
+    what = what or f"the shards in {folder.folder}"
     if folder.tokenizer is None:
         if tok.kind != "gpt2":
-            raise DataError(f"data folder {folder.folder} has no tokenizer.json, so its shards hold GPT-2 ids "
-                            f"(llm.c's), but {ckpt} has a {tok.kind} tokenizer; give a text file, which is "
+            raise DataError(f"{what}: GPT-2 ids (llm.c's; {folder.folder} has no tokenizer.json), but "
+                            f"{ckpt} has a {tok.kind} tokenizer; give a text file, which is "
                             f"tokenized with the checkpoint's tokenizer")
         return
     try:
@@ -691,7 +704,7 @@ def _check_folder_tokenizer(folder, tok, ckpt) -> None:
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{folder.tokenizer}: not a tokenizer file ({e}); prepare the data again") from None
     if theirs.to_dict() != tok.to_dict():
-        raise DataError(f"the shards in {folder.folder} were made with another tokenizer ({folder.tokenizer}: "
+        raise DataError(f"{what}: made with another tokenizer ({folder.tokenizer}: "
                         f"{theirs.kind}, {theirs.vocab_size} ids) than {ckpt}'s ({tok.kind}, {tok.vocab_size} "
                         f"ids), so their ids are other tokens; give a text file, which is tokenized with the "
                         f"checkpoint's tokenizer")
@@ -701,6 +714,9 @@ def _cmd_prepare(args) -> int:
     from .data import prepare
 
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} exists and is not a folder; expected a folder for train.bin, val.bin "
+                        f"and tokenizer.json")
     held = [f for f in ("train.bin", "val.bin", "tokenizer.json") if (out / f).exists()]
     if held and not args.force:
         run = " (the prepared data of the run in " + str(out.parent) + ")" \

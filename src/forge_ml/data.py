@@ -167,7 +167,8 @@ def read_shard(path) -> np.ndarray:
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     magic, version, n = int(header[0]), int(header[1]), int(header[2])
     if magic != SHARD_MAGIC:
-        raise DataError(f"expected magic {SHARD_MAGIC}, got {magic} in file {path}")
+        raise DataError(f"{path} is not a token shard: expected magic {SHARD_MAGIC} in its first 4 bytes "
+                        f"(llm.c's .bin format, which forge-ml prepare writes), got {magic}")
     if version != SHARD_VERSION:
         raise DataError(
             f"expected shard version {SHARD_VERSION} (uint16 tokens), got {version} in file {path}"

@@ -419,6 +419,7 @@ class Trainer:
         self._stop: Optional[int] = None   # the signal that asked to stop
         self._phase: Optional[str] = None  # "step", "extra" (eval, sample) or "update"
         self.device = Device.parse(cfg.device)
+        device_has(self.device, "bf16")   # loads the backend: one that cannot is said before any write
         self.bf16 = cfg.dtype in ("bf16", "bfloat16")
         if self.bf16 and not device_has(self.device, "bf16"):
             raise ConfigError(f"dtype bf16 is mixed precision on a device with bf16 storage; the "

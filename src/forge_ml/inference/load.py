@@ -47,6 +47,10 @@ def resolve_checkpoint(path) -> Path:
         return p / CKPT_NAME       # load_checkpoint recovers the previous one from ckpt.old
     if not p.exists():
         raise CheckpointError(f"checkpoint not found: {p} does not exist")
+    if (p / "log.jsonl").is_file() or (p / "data" / "train.bin").is_file():
+        raise CheckpointError(f"{p} is a run folder without a checkpoint yet ({CKPT_NAME}/ is written every "
+                              f"--checkpoint-interval steps and when training ends); train it further, or give "
+                              f"another checkpoint")
     raise CheckpointError(f"{p} is neither a forge-ml checkpoint (state.json + model.safetensors), "
                           f"a run folder with {CKPT_NAME}/ inside, nor a Hugging Face GPT-2 "
                           "folder (config.json)")
