@@ -77,6 +77,24 @@ FORGE_D void dl_stats(const float (&x)[DL_XPT], int C, float eps, float* sh, flo
     rstd = 1.f / sqrtf(block_sum(v, sh) / float(C) + eps);
 }
 
+// The sum over s < S of P[s][c] (rows written by the previous kernel, read through L2), eight
+// rows' loads in flight at once (a plain loop would wait for each load before the next: S
+// round trips to L2), in a fixed order: the same bits every run.
+FORGE_D float dl_sum_rows(const float* P, int S, int C, int c) {
+    float acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+    for (int s0 = 0; s0 < S; s0 += 8) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (s0 + j < S) acc[j] += __ldcg(P + (long long)(s0 + j) * C + c);
+    }
+    float a = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a += acc[j];
+    return a;
+}
+
 // x[i] = base[c] + bias[c] + sum over s < S of P[s][c], c = threadIdx.x + i * DL_THREADS
 template <typename T>
 FORGE_D void dl_gather(float (&x)[DL_XPT], const float* base, const T* bias, const float* P,
@@ -84,12 +102,7 @@ FORGE_D void dl_gather(float (&x)[DL_XPT], const float* base, const T* bias, con
 #pragma unroll
     for (int i = 0; i < DL_XPT; ++i) {
         const int c = threadIdx.x + i * DL_THREADS;
-        x[i] = 0.f;
-        if (c < C) {
-            float a = __ldcg(base + c) + ldf(bias[c]);
-            for (int s = 0; s < S; ++s) a += __ldcg(P + (long long)s * C + c);
-            x[i] = a;
-        }
+        x[i] = c < C ? __ldcg(base + c) + ldf(bias[c]) + dl_sum_rows(P, S, C, c) : 0.f;
     }
 }
 
@@ -542,11 +555,8 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     pdl_wait();
     pdl_launch_dependents();
-    for (int c = tid; c < C; c += NT) {
-        float a = __ldcg(xb + c) + ldf(bias[c]);
-        for (int s = 0; s < SB; ++s) a += __ldcg(partB + (long long)s * C + c);
-        xs[c] = a;
-    }
+    for (int c = tid; c < C; c += NT)
+        xs[c] = __ldcg(xb + c) + ldf(bias[c]) + dl_sum_rows(partB, SB, C, c);
     __syncthreads();
     float a = 0.f;
     for (int c = tid; c < C; c += NT) a += xs[c];
