@@ -242,3 +242,28 @@ def test_ops_over_an_empty_axis_match_torch(dtype):
         ops.attention(z(1, 2, 0), z(1, 2, 0), z(1, 2, 0))
     with pytest.raises(fm.ShapeError, match="head size"):
         ops.attention_qkv(z(1, 2, 0), 1)
+
+
+def test_plain_python_mistakes_get_forge_errors():
+    """A new user's mistakes that came out as bare TypeError, ValueError or AttributeError from
+    inside the library (or NaN with no error): each is one forge_ml error naming what came."""
+    from forge_ml.errors import ConfigError, TokenizerError
+    from forge_ml.models import GPT2, GPT2Config
+    from forge_ml.tokenizer import CharTokenizer
+    p, m, v = (f32(2, 2) for _ in range(3))
+    with pytest.raises(ConfigError, match="expected lr and step"):
+        ops.adamw_update(p, f32(2, 2), m, v, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0,
+                         step=1)
+    with pytest.raises(fm.DTypeError, match="scale: s must be a number"):
+        ops.scale(f32(2), "a")
+    with pytest.raises(ConfigError, match="layernorm: eps must be >= 0, got -10"):
+        ops.layernorm(f32(2, 3), f32(3), f32(3), eps=-10.0)     # NaN everywhere before
+    with pytest.raises(ConfigError, match="layernorm_eps must be a number >= 0"):
+        GPT2Config(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=4, layernorm_eps=-1.0)
+    model = GPT2.init(GPT2Config(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=4))
+    for call in (lambda: model.loss([[1, 2]], [[2, 3]]), lambda: model.grads([[1, 2]], [[2, 3]]),
+                 lambda: model.loss(fm.tensor([[1, 2]]), [[2, 3]])):
+        with pytest.raises(fm.DTypeError, match="must be a forge_ml Tensor of token ids"):
+            call()
+    with pytest.raises(TokenizerError, match="CharTokenizer.encode: expected a str, got int"):
+        CharTokenizer("abc").encode(123)

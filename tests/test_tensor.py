@@ -12,6 +12,9 @@ def test_constructors_and_dtypes():
     assert fm.tensor([1, 2]).dtype == fm.int64
     assert fm.tensor(np.zeros(3, np.float64)).dtype == fm.float64
     assert fm.tensor(np.zeros(3, np.int32)).dtype == fm.int32
+    big = fm.tensor(np.array([2**32 - 1], np.uint32))    # int32 cannot hold it: int64
+    assert big.dtype == fm.int64 and big.numpy().tolist() == [2**32 - 1]
+    assert fm.tensor(np.array([7], np.uint16)).dtype == fm.int32
     t = fm.zeros((2, 3), "float64")
     assert t.shape == (2, 3) and t.dtype == fm.float64 and str(t.device) == "cpu"
     assert fm.full((2,), 4.0).numpy().tolist() == [4.0, 4.0]
@@ -30,6 +33,32 @@ def test_integer_tensors_from_other_values():
     assert ids.numpy().tolist() == [7]
     wte = fm.zeros((8, 2))
     assert ops.embedding(ids, wte, fm.zeros((4, 2))).shape == (1, 2)
+
+
+def test_casts_to_an_integer_dtype_are_checked_as_tensor_is():
+    """.to("int32") of NaN or 1e20 gave -2147483648 (a NumPy warning at most), and so did
+    full(..., nan, "int32"); tensor(...) refused both. Now all three refuse."""
+    with pytest.raises(fm.DTypeError, match="to: cannot store NaN or inf as int32"):
+        fm.tensor([1.0, float("nan")]).to("int32")
+    with pytest.raises(fm.DTypeError, match="do not fit int32"):
+        fm.tensor([1e20]).to("int32")
+    with pytest.raises(fm.DTypeError, match="NaN or inf"):
+        fm.full((2,), float("nan"), "int32")
+    assert fm.tensor([7.9, -3.5]).to("int32").numpy().tolist() == [7, -3]   # truncated
+    assert fm.full((2,), 3, "int64").numpy().tolist() == [3, 3]
+
+
+def test_the_constructor_takes_any_numpy_layout_and_refuses_other_data():
+    """Tensor(array, device) with a Fortran-ordered or big-endian array: the C kernels read the
+    memory as C-ordered native floats and gave wrong values (up to 1e17) without an error."""
+    dev = fm.Device.parse("cpu")
+    a = np.random.default_rng(0).standard_normal((6, 5)).astype(np.float32)
+    want = ops.gelu(fm.tensor(a.T.copy())).numpy()
+    np.testing.assert_array_equal(ops.gelu(fm.Tensor(a.T, dev)).numpy(), want)
+    b = a.T.astype(">f4")
+    np.testing.assert_array_equal(ops.gelu(fm.Tensor(b, dev)).numpy(), want)
+    with pytest.raises(fm.DTypeError, match="takes a NumPy or CuPy array, got list"):
+        fm.Tensor([1.0], dev)
 
 
 def test_from_numpy_copies():

@@ -372,6 +372,8 @@ def layernorm(x, gamma, beta, eps=1e-5) -> Tensor:
     bk = _same("layernorm", x=x, gamma=gamma, beta=beta)
     if x.numel == 0:
         return _empty(x, x.shape)
+    if not float(eps) >= 0.0:   # a negative eps makes var + eps negative: NaN, silently
+        raise ConfigError(f"layernorm: eps must be >= 0, got {eps}")
     return _wrap(x, bk.layernorm(x.data, gamma.data, beta.data, float(eps)))
 
 
@@ -1249,6 +1251,9 @@ def scale(x, s) -> Tensor:
     if isinstance(s, Tensor):
         _one_value("scale", "s", s, x.device)
         return _wrap(x, bk.scale(x.data, s.data))
+    if isinstance(s, (str, bytes)) or not hasattr(s, "__float__"):
+        raise DTypeError(f"scale: s must be a number or a one-element Tensor, got "
+                         f"{type(s).__name__} {s!r:.40}")
     return _wrap(x, bk.scale(x.data, float(s)))
 
 
@@ -1294,6 +1299,9 @@ def adamw_update(p, g, m, v, *, lr=None, beta1, beta2, eps, weight_decay, step=N
                 p._prepare_write(), g.data, m._prepare_write(), v._prepare_write(), float(beta1),
                 float(beta2), float(eps), float(weight_decay), scalars.data, lowp)
             return
+    if lr is None:
+        raise ConfigError("adamw_update: expected lr and step (host values) or scalars (a device "
+                          "Tensor laid out as STEP_SCALARS), got neither")
     if not isinstance(step, int) or step < 1:
         raise ShapeError(f"adamw_update: step must be an int >= 1, got {step!r}")
     bk.adamw_update(p._prepare_write(), g.data, m._prepare_write(), v._prepare_write(),

@@ -63,6 +63,11 @@ class Tensor:
     __slots__ = ("_data", "_device", "_dtype", "_storage", "_version", "__weakref__")
 
     def __init__(self, data, device: Device, _views=None):
+        if type(data) is np.ndarray and not (data.flags.c_contiguous and data.dtype.isnative):
+            # the CPU kernels read a tensor's memory as a C-ordered, native-endian block: a
+            # Fortran-ordered or big-endian array given here is copied into that form (it gave
+            # wrong values silently)
+            data = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("="))
         # Every live tensor sharing this memory (the tensor and its reshape views) is counted
         # in one _Storage; __del__ uncounts it. (A WeakSet per tensor cost ~3 us each.)
         storage = _views if _views is not None else _Storage()
@@ -70,11 +75,19 @@ class Tensor:
         self._storage = storage
         self._data = data
         self._device = device
-        self._dtype = _dt.of_array(data.dtype)
+        try:
+            self._dtype = _dt.of_array(data.dtype)
+        except AttributeError:
+            raise DTypeError(f"Tensor(data, device) takes a NumPy or CuPy array, got "
+                             f"{type(data).__name__}; build a tensor from other data with "
+                             f"forge_ml.tensor(data, device=...)") from None
         self._version = 0
 
     def __del__(self):
-        self._storage.live -= 1
+        try:
+            self._storage.live -= 1
+        except AttributeError:   # __init__ refused its data
+            pass
 
     # -- properties -------------------------------------------------------------------
     @property
@@ -155,6 +168,10 @@ class Tensor:
             dt = _dt.get(target)
             if dt == self._dtype:
                 return self
+            if self._dtype.is_float and not dt.is_float and self.numel:
+                # as tensor(...) checks: NaN, inf or a value past the integer type's range
+                # would wrap silently (one look at the values; on a GPU, a wait)
+                _check_fits(self.numpy(), dt, "to")
             return Tensor(backend_of(self._device).cast(self._data, dt.name), self._device)
         dev = Device.parse(target)
         if dev == self._device:
@@ -249,8 +266,9 @@ def _default_dtype(a: np.ndarray, given) -> _dt.DType:
         return _dt.get(given)
     if a.dtype.kind == "f":
         return _dt.float64 if a.dtype == np.float64 else _dt.float32
-    if a.dtype.kind in "iub":
-        return _dt.int64 if a.dtype.itemsize > 4 else _dt.int32
+    if a.dtype.kind in "iub":   # uint32 into int64: int32 cannot hold its upper half
+        return _dt.int64 if a.dtype.itemsize > 4 or (a.dtype.kind == "u" and a.dtype.itemsize == 4) \
+            else _dt.int32
     raise DTypeError(f"tensor: cannot make a tensor from data of dtype {a.dtype}")
 
 
@@ -286,18 +304,7 @@ def tensor(data, dtype=None, device="cpu") -> Tensor:
     a = np.asarray(a, order="C")
     ints = None
     if not dt.is_float and a.size:
-        if a.dtype.kind == "f" and not np.isfinite(a).all():
-            raise DTypeError(f"tensor: cannot store NaN or inf as {dt.name}")
-        if a.dtype.kind in "iuf":   # a value past the integer type's range would wrap silently
-            info = np.iinfo(dt.name)
-            lo, hi = a.min(), a.max()
-            if a.dtype.kind == "f":      # truncated toward 0, as torch does: inside (min - 1, max + 1)
-                bad = float(lo) <= float(info.min) - 1 or float(hi) >= float(info.max) + 1
-            else:
-                bad = int(lo) < info.min or int(hi) > info.max
-            if bad:
-                raise DTypeError(f"tensor: values {lo}..{hi} do not fit {dt.name} "
-                                 f"({info.min}..{info.max})")
+        _check_fits(a, dt, "tensor")
         ints = a if a.dtype == np.dtype(dt.name) else a.astype(dt.name)   # the values kept
     t = Tensor(backend_of(dev).from_host(a, dt.name), dev)
     if ints is not None:
@@ -343,6 +350,31 @@ def _shape(op: str, shape) -> tuple:
     return dims
 
 
+def _check_fits(a: np.ndarray, dt, what: str) -> None:
+    """A DTypeError where the host values ``a`` cannot become the integer dtype ``dt``: NaN or
+    inf, or a value past its range (which would wrap silently); floats are truncated toward 0,
+    as torch does.
+
+    >>> _check_fits(np.array([7.9, -3.0]), _dt.int32, "to")
+    >>> _check_fits(np.array([np.nan]), _dt.int32, "to")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.DTypeError: to: cannot store NaN or inf as int32
+    """
+    if a.dtype.kind == "f" and not np.isfinite(a).all():
+        raise DTypeError(f"{what}: cannot store NaN or inf as {dt.name}")
+    if a.dtype.kind in "iuf":
+        info = np.iinfo(dt.name)
+        lo, hi = a.min(), a.max()
+        if a.dtype.kind == "f":      # truncated toward 0: inside (min - 1, max + 1)
+            bad = float(lo) <= float(info.min) - 1 or float(hi) >= float(info.max) + 1
+        else:
+            bad = int(lo) < info.min or int(hi) > info.max
+        if bad:
+            raise DTypeError(f"{what}: values {lo}..{hi} do not fit {dt.name} "
+                             f"({info.min}..{info.max})")
+
+
 def full(shape, value, dtype="float32", device="cpu") -> Tensor:
     """A tensor filled with ``value``.
 
@@ -350,7 +382,9 @@ def full(shape, value, dtype="float32", device="cpu") -> Tensor:
     [3.0, 3.0]
     """
     dt = _dt.get(dtype)
-    host = np.full(_shape("full", shape), value, dtype=np.float32 if dt.name == "bfloat16" else dt.name)
+    # an integer dtype: the value as NumPy reads it, so that tensor() checks it (NaN, range)
+    host = np.full(_shape("full", shape), value, dtype=np.float32 if dt.name == "bfloat16" else
+                   dt.name if dt.is_float else None)
     return tensor(host, dtype=dt, device=device)
 
 

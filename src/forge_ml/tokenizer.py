@@ -107,6 +107,8 @@ class CharTokenizer:
         >>> CharTokenizer("abc").encode("cab")
         [2, 0, 1]
         """
+        if not isinstance(text, str):
+            raise TokenizerError(f"CharTokenizer.encode: expected a str, got {type(text).__name__}")
         stoi = self._stoi
         try:
             return [stoi[c] for c in text]

@@ -58,8 +58,10 @@ def resolve_checkpoint(path) -> Path:
 
 def load_model(path, device="cpu", dtype="float32"):
     """``(model, tokenizer, meta)`` from a forge-ml checkpoint (or a run folder holding one) or
-    a Hugging Face GPT-2 folder (``config.json`` + ``model.safetensors``; GPT-2's tokenizer).
-    ``dtype="bfloat16"`` gives a bf16 model on the GPU (weights rounded once at load).
+    a Hugging Face GPT-2 folder (``config.json`` + ``model.safetensors``; its forge-ml export's
+    tokenizer, else GPT-2's, which may have more ids than the model: ``check_tokenizer_fits``
+    says so before text is turned into ids). ``dtype="bfloat16"`` gives a bf16 model on the
+    GPU (weights rounded once at load).
 
     >>> import tempfile, numpy as np
     >>> from forge_ml.checkpoint import save_checkpoint

@@ -73,6 +73,9 @@ class GPT2Config:
                               f"n_head {self.n_head}")
         if not (0.0 <= self.dropout < 1.0):
             raise ConfigError(f"GPT2Config: dropout must be in [0, 1), got {self.dropout}")
+        eps = self.layernorm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 <= eps < math.inf):
+            raise ConfigError(f"GPT2Config: layernorm_eps must be a number >= 0, got {eps!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPT2Config":
@@ -350,6 +353,9 @@ class GPT2:
         """
         _params_kw("GPT2.forward", kw)
         cfg = self.config
+        self._ids_tensor("GPT2.forward", ids)   # loss and grads come here with a list too
+        if targets is not None:
+            self._ids_tensor("GPT2.forward (targets)", targets)
         if ids.ndim == 1:
             ids = ids.reshape(1, -1)
         if ids.ndim != 2:
