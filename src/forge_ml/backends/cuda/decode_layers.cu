@@ -37,19 +37,6 @@
 
 FORGE_D int dl_cdiv(int a, int b) { return (a + b - 1) / b; }
 
-// The cluster barrier in two halves: arrive (release) after the last read of another block's
-// shared memory, wait (acquire) before this block's shared memory may go (its exit).
-FORGE_D void cluster_arrive() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-#endif
-}
-FORGE_D void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
 // 16 bytes of T at p (global or shared), widened
 template <typename T> FORGE_D void dl_load(const T* p, float (&w)[Vec16<T>::N]) {
     Vec16<T>::widen(*reinterpret_cast<const uint4*>(p), w);
@@ -547,12 +534,12 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
                                  const T* gf, const T* bf, const T* head, float* logits, int C,
                                  int Vp, int V, float eps, int greedy, int* ids, int* posp,
                                  int* hist, float* argp, unsigned* counter) {
-    constexpr int VEC = Vec16<T>::N, NT = DL_HEAD_WARPS * 32;
+    constexpr int NT = DL_HEAD_WARPS * 32;
     __shared__ float xs[DL_CMAX];
     __shared__ float sh[32], sv[32];
     __shared__ int si[32];
     __shared__ int last;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     pdl_wait();
     pdl_launch_dependents();
     for (int c = tid; c < C; c += NT)
@@ -571,37 +558,7 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
     __syncthreads();
     float best = neg_inf<float>();
     int bi = 0x7fffffff;
-    const int nv = C / VEC, gw = blockIdx.x * DL_HEAD_WARPS + warp, nw = gridDim.x * DL_HEAD_WARPS;
-    for (int r0 = gw * DL_HEAD_ROWS; r0 < Vp; r0 += nw * DL_HEAD_ROWS) {
-        float acc[DL_HEAD_ROWS];
-#pragma unroll
-        for (int r = 0; r < DL_HEAD_ROWS; ++r) acc[r] = 0.f;
-        for (int i = lane; i < nv; i += 32) {
-            uint4 w16[DL_HEAD_ROWS];
-#pragma unroll
-            for (int r = 0; r < DL_HEAD_ROWS; ++r)
-                w16[r] = r0 + r < Vp
-                             ? __ldg(reinterpret_cast<const uint4*>(head + (long long)(r0 + r) * C)
-                                     + i)
-                             : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-            for (int r = 0; r < DL_HEAD_ROWS; ++r) {
-                float w[VEC];
-                Vec16<T>::widen(w16[r], w);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[r] += xs[i * VEC + e] * w[e];
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < DL_HEAD_ROWS; ++r) {
-            const float s = warp_sum(acc[r]);
-            const int n = r0 + r;
-            if (lane == 0 && n < Vp) {
-                __stcg(logits + n, s);
-                if (n < V) argmax_take(s, n, best, bi);
-            }
-        }
-    }
+    lm_head_rows<T, DL_HEAD_ROWS, DL_HEAD_WARPS>(xs, head, C, Vp, V, logits, best, bi);
     if (!greedy) return;
     block_argmax(best, bi, sv, si);
     if (tid == 0) {
@@ -644,7 +601,7 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
                       float* xb, float* partB, int C, float eps) {                             \
         layer_mlp_impl<T>(xa, bproj, partA, H, g2, b2, Wfc, bfc, Wfc2, xb, partB, C, eps);     \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(DL_HEAD_WARPS * 32, 1)                       \
+    extern "C" __global__ void __launch_bounds__(DL_HEAD_WARPS * 32, 2)                       \
         decode_head_##S(const float* xb, const T* bias, const float* partB, int SB,           \
                         const T* gf, const T* bf, const T* head, float* logits, int C,         \
                         int Vp, int V, float eps, int greedy, int* ids, int* posp, int* hist,  \
