@@ -4,7 +4,7 @@
 #
 #   bash scripts/tree_tests.sh TREE "PYTEST ARGS" [TREE "PYTEST ARGS" ...]
 #   bash scripts/tree_tests.sh .scratch/s18-layers "tests/test_cuda_decode_model.py" \
-#                              .scratch/s18-skinny "tests/test_cuda.py -k skinny"
+#                              .scratch/s18-skinny "tests/test_cuda.py -k 'skinny or tensor_cores'"
 #
 # The trees are scripts/ab_trees.sh's (git archive of a revision, with its tests and conftest).
 # For each pair: pytest with the tree's src first on PYTHONPATH, 4 workers, a timeout
@@ -24,10 +24,11 @@ while [ $# -ge 2 ]; do
     echo "$name: no src/forge_ml in $tree (make it with scripts/ab_trees.sh)"; bad=$((bad + 1)); continue
   fi
   f="$log/tests_$name.log"
+  eval "pyargs=($args)"   # the shell's quoting inside ARGS: -k 'a or b' stays one argument
   # -o addopts= : the tree's pyproject asks for -q, which with ours would hide the counts
-  # shellcheck disable=SC2086
   (cd "$tree" && PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" timeout "${TREE_TIMEOUT:-150}" \
-      python3 -m pytest $args -o addopts= -q -n "${TREE_WORKERS:-4}" -p no:cacheprovider -rfE) > "$f" 2>&1
+      python3 -m pytest "${pyargs[@]}" -o addopts= -q -n "${TREE_WORKERS:-4}" -p no:cacheprovider \
+      -rfE) > "$f" 2>&1
   rc=$?
   [ $rc -eq 0 ] || bad=$((bad + 1))
   counts=$(tail -n 1 "$f")   # pytest's summary line (passed, failed, deselected, no tests ran)

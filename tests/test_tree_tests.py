@@ -25,7 +25,8 @@ def _tree(root: Path, name: str, body: str) -> Path:
 def test_each_tree_runs_its_own_tests_and_the_exit_counts_the_failures(tmp_path):
     ok = _tree(tmp_path, "good", "import forge_ml\n\ndef test_from_here():\n"
                                  "    assert 'good' in forge_ml.WHERE\n")
-    bad = _tree(tmp_path, "bad", "def test_fails():\n    assert 1 == 2\n")
+    bad = _tree(tmp_path, "bad", "def test_fails():\n    assert 1 == 2\n\n"
+                                 "def test_left_out():\n    pass\n")
     env = dict(os.environ, OUT=str(tmp_path / "logs"), TREE_WORKERS="1")
     bindir = tmp_path / "bin"                # python3 here is the interpreter running the tests
     bindir.mkdir()
@@ -33,12 +34,13 @@ def test_each_tree_runs_its_own_tests_and_the_exit_counts_the_failures(tmp_path)
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')   # packages by its own path
     shim.chmod(0o755)
     env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
-    r = subprocess.run(["bash", str(SCRIPT), str(ok), "tests/test_one.py", str(bad), "tests"],
+    r = subprocess.run(["bash", str(SCRIPT), str(ok), "tests/test_one.py", str(bad),
+                        "tests -k 'fails or nothing_else'"],       # a quoted -k stays one argument
                        capture_output=True, text=True, env=env, timeout=120)
     lines = r.stdout.splitlines()
     assert r.returncode == 1, r.stdout + r.stderr
     assert lines[0].startswith("good (exit 0): 1 passed"), lines
-    assert lines[1].startswith("bad (exit 1): 1 failed"), lines
+    assert lines[1].startswith("bad (exit 1): 1 failed") and "passed" not in lines[1], lines
     assert "FAILED tests/test_one.py::test_fails" in lines[2], lines
     assert (tmp_path / "logs" / "tests_bad.log").is_file()
     r = subprocess.run(["bash", str(SCRIPT), str(ok)], capture_output=True, text=True, env=env)
