@@ -6,6 +6,7 @@ whole validation shard, BLAS threads, fine-tuning with --init-from, the origin o
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -896,3 +897,48 @@ def test_a_failed_final_eval_or_sample_keeps_the_steps_trained(workdir, monkeypa
     with pytest.raises(OutOfMemoryError, match="final " + where):
         t.train()
     assert load_checkpoint(Path("r/ckpt"))[1]["step"] == 5
+
+
+def test_resume_with_a_config_file_resumes_the_files_run(workdir, capsys):
+    """--resume --config FILE took the run folder from the flags only: with the file's out_dir
+    elsewhere, it loaded runs/default's checkpoint settings (another run's lr, dropout, decay)
+    and laid them over the file's run. The file's out_dir names the run now."""
+    cfg = {"data": "t.txt", "out_dir": "cfgrun", "n_layer": 1, "n_head": 2, "n_embd": 16,
+           "block_size": 16, "batch_size": 4, "eval_iters": 2, "eval_interval": 0,
+           "sample_interval": 0, "checkpoint_interval": 0, "progress": False, "seed": 3,
+           "max_steps": 2}
+    Path("c2.json").write_text(json.dumps(cfg))
+    Path("c4.json").write_text(json.dumps(dict(cfg, max_steps=4)))
+    assert main(["train", "--config", "c2.json"]) == 0
+    # another run in the default folder, with other settings, must not be what is resumed
+    assert main(["train", "--data", "t.txt", "--out", "runs/default", *TINY, "--max-steps", "2",
+                 "--lr", "0.02", "--dropout", "0.3"]) == 0
+    assert main(["train", "--resume", "--config", "c4.json"]) == 0
+    _, meta = load_checkpoint(Path("cfgrun") / "ckpt")
+    assert meta["step"] == 4 and meta["train_config"]["dropout"] == 0.0
+    assert meta["train_config"]["lr"] != 0.02
+    _, other = load_checkpoint(Path("runs/default") / "ckpt")
+    assert other["step"] == 2        # the other run was left alone
+
+
+def test_a_missing_relative_text_file_names_the_folder_it_was_looked_for_in(workdir, capsys):
+    """A --config file's relative "data" is taken from the current folder, not the file's; the
+    error said only "text file not found: t2.txt"."""
+    Path("sub").mkdir()
+    Path("sub/c.json").write_text(json.dumps({"data": "t2.txt", "max_steps": 1}))
+    _fails(capsys, ["train", "--config", "sub/c.json", "--out", "r"], "text file not found: t2.txt",
+           f"relative to the current folder, {Path.cwd()}")
+    assert not Path("r").exists()
+
+
+def test_new_betas_on_resume_take_effect(workdir):
+    """--beta2 on resume was recorded in the new checkpoint's train_config while the optimizer
+    kept the checkpoint's betas (the weights came out bit-identical to a resume without it)."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]) == 0
+    shutil.copytree("r", "r2")
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "4", "--no-progress"]) == 0
+    assert main(["train", "--out", "r2", "--resume", "--max-steps", "4", "--no-progress",
+                 "--beta2", "0.5"]) == 0
+    (a, ma), (b, mb) = load_checkpoint(Path("r") / "ckpt"), load_checkpoint(Path("r2") / "ckpt")
+    assert list(mb["optimizer"]["betas"]) == [mb["train_config"]["beta1"], 0.5]
+    assert any(not np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a if not k.startswith("opt."))

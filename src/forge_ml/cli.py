@@ -71,7 +71,9 @@ _TRAIN_HELP = {
     "device": "cpu, cuda or cuda:N", "dtype": "float32, or bf16 (GPU mixed precision)",
     "max_steps": "optimizer steps to train for", "grad_accum": "micro-batches per step",
     "lr": "peak learning rate", "min_lr": "final learning rate of the cosine (default: lr / 10)",
-    "warmup": "linear warmup steps", "lr_decay_steps": "step where the cosine ends (0: max-steps)",
+    "warmup": "linear warmup steps",
+    "lr_decay_steps": "step where the cosine ends (0: max-steps; fix it to extend a run by --resume "
+                      "--max-steps as one longer run would have trained)",
     "grad_clip": "max global gradient norm (0: off)", "eval_interval": "steps between val evals (0: off)",
     "sample_interval": "steps between samples (0: off)", "checkpoint_interval": "steps between checkpoints",
     "out_dir": "run folder for checkpoints, log.jsonl and loss.png",
@@ -384,7 +386,10 @@ def _cmd_train(args) -> int:
         raise ConfigError(f"--val-fraction splits a text file; the data folder {explicit['data']} holds its "
                           f"train and val shards already (drop --val-fraction, or give the text file)")
     values: dict = {}
-    out_dir = explicit.get("out_dir", TrainConfig.out_dir)
+    from_file = _read_json_config(args.config) if args.config else {}
+    # the run folder: the flag's, else the config file's (a --resume --config FILE resumed
+    # runs/default with the file's other settings laid over that run's), else the default
+    out_dir = explicit.get("out_dir", from_file.get("out_dir", TrainConfig.out_dir))
     meta = None
     if args.resume:
         from .checkpoint import load_checkpoint
@@ -405,8 +410,7 @@ def _cmd_train(args) -> int:
                               f"convert` writes), so there is no run to resume; start a new run from it with "
                               f"--init-from {ckpt} --out NEW_FOLDER")
         values.update(meta.get("train_config", {}))
-    if args.config:
-        values.update(_read_json_config(args.config))
+    values.update(from_file)
     values.update(explicit)
     was_min = (meta or {}).get("train_config", {}).get("min_lr")
     if (meta is not None and "lr" in explicit and values.get("min_lr") == was_min and isinstance(was_min, (int, float))

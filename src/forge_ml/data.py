@@ -196,7 +196,8 @@ def load_text(path) -> str:
     """
     path = Path(path)
     if not path.exists():
-        raise DataError(f"text file not found: {path}")
+        where = "" if path.is_absolute() else f" (relative to the current folder, {Path.cwd()})"
+        raise DataError(f"text file not found: {path}{where}")
     if not path.is_file():
         raise DataError(f"expected a text file, but {path} is a directory or special file")
     raw = path.read_bytes()

@@ -844,7 +844,11 @@ class Trainer:
         tensors, meta = ckpt
         _, m, v = unpack_tensors(tensors)
         self.opt.load_state_dict(dict(meta["optimizer"], m=m, v=v))
+        # the run's settings over the checkpoint's (the same unless a flag changed them on
+        # resume): lr, weight decay and betas (betas were kept from the checkpoint, so a
+        # --beta2 on resume did nothing while the new checkpoint recorded it)
         self.opt.lr, self.opt.weight_decay = self.cfg.lr, self.cfg.weight_decay
+        self.opt.betas = (float(self.cfg.beta1), float(self.cfg.beta2))
         self.train_loader.load_state_dict(meta["data"])
         self.step = int(meta["step"])
         self.elapsed = float(meta.get("elapsed", 0.0))
