@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from forge_ml import data
-from forge_ml.data import DataLoader, default_corpus, load_text, prepare, read_shard, write_shard
+from forge_ml.data import DataLoader, default_corpus, load_text, prepare, read_shard, split_tokens, write_shard
 from forge_ml.errors import DataError
 from forge_ml.tokenizer import CharTokenizer, tokenizer_from_dict
 
@@ -71,20 +71,22 @@ def test_write_shard_is_atomic(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["s.bin"]  # no temp file left
 
 
-def test_read_shard_bad_magic(tmp_path):
-    p = shard(tmp_path, [1, 2, 3])
+def _with_header_int(p, i, value):
+    """The shard ``p`` with int32 ``i`` of its header set to ``value``."""
     raw = bytearray(p.read_bytes())
-    raw[0:4] = np.int32(12345).tobytes()
+    raw[4 * i:4 * i + 4] = np.int32(value).tobytes()
     p.write_bytes(bytes(raw))
+    return p
+
+
+def test_read_shard_bad_magic(tmp_path):
+    p = _with_header_int(shard(tmp_path, [1, 2, 3]), 0, 12345)
     with pytest.raises(DataError, match=f"{p} is not a token shard: expected magic 20240520 .* got 12345"):
         read_shard(p)
 
 
 def test_read_shard_bad_version(tmp_path):
-    p = shard(tmp_path, [1, 2, 3])
-    raw = bytearray(p.read_bytes())
-    raw[4:8] = np.int32(2).tobytes()
-    p.write_bytes(bytes(raw))
+    p = _with_header_int(shard(tmp_path, [1, 2, 3]), 1, 2)
     with pytest.raises(DataError, match="version 1.*got 2"):
         read_shard(p)
 
@@ -325,3 +327,18 @@ def test_eval_batches_wrap_when_asked_for_more(tmp_path):
     dl = DataLoader(p, batch_size=3, block_size=10)
     starts = np.concatenate([x[:, 0] for x, _ in dl.eval_batches(2)])
     np.testing.assert_array_equal(starts, [0, 10, 20, 30, 0, 10])
+
+
+def test_shard_edges_a_new_user_met(tmp_path):
+    """llm.c's llama-3 shards are named as such (they were 'not a token shard'); 2^31 tokens, past
+    the header's int32 count, are refused before anything is written (an OverflowError); the
+    val split is the floor of n * fraction even where the float product lands just under it."""
+    p = _with_header_int(shard(tmp_path, [1, 2, 3]), 0, 20240801)
+    with pytest.raises(DataError, match="llama-3 shards .* uint32"):
+        read_shard(p)
+    big = np.broadcast_to(np.uint16(1), (2**31,))
+    with pytest.raises(DataError, match="2,147,483,648 tokens do not fit one shard"):
+        write_shard(tmp_path / "big.bin", big)
+    assert not (tmp_path / "big.bin").exists()
+    assert [len(a) for a in split_tokens(range(100), 0.29)] == [71, 29]
+    assert [len(a) for a in split_tokens(range(100), 0.57)] == [43, 57]

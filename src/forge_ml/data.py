@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from .runs import cannot_write
 from .errors import DataError
 
 SHARD_MAGIC = 20240520
+LLAMA3_MAGIC = 20240801   # llm.c's llama-3 shards (uint32 tokens), which forge-ml does not read
 SHARD_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -131,6 +133,10 @@ def _shard_bytes(path, tokens) -> list:
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise DataError(f"write_shard: tokens must be 1-D, got shape {arr.shape} for {path}")
+    if arr.size >= 2**31:   # the header's count is an int32 (llm.c asserts the same)
+        raise DataError(f"write_shard: {arr.size:,} tokens do not fit one shard (its header counts "
+                        f"them in an int32: fewer than 2,147,483,648); split them over several "
+                        f"shards for {path}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise DataError(f"write_shard: tokens must be integers, got dtype {arr.dtype} for {path}")
     if arr.size:
@@ -166,6 +172,9 @@ def read_shard(path) -> np.ndarray:
         )
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     magic, version, n = int(header[0]), int(header[1]), int(header[2])
+    if magic == LLAMA3_MAGIC:
+        raise DataError(f"{path} is one of llm.c's llama-3 shards (magic {LLAMA3_MAGIC}, uint32 tokens), "
+                        f"which forge-ml does not read; it reads GPT-2's (magic {SHARD_MAGIC}, uint16)")
     if magic != SHARD_MAGIC:
         raise DataError(f"{path} is not a token shard: expected magic {SHARD_MAGIC} in its first 4 bytes "
                         f"(llm.c's .bin format, which forge-ml prepare writes), got {magic}")
@@ -267,12 +276,14 @@ def split_tokens(ids, val_fraction: float, source="the text") -> tuple:
     """``(train, val)``: ``ids`` as int64, the last ``val_fraction`` of them for validation;
     a DataError naming ``source`` when either part would be empty.
 
-    >>> [len(a) for a in split_tokens(range(20), 0.1)]
-    [18, 2]
+    >>> [len(a) for a in split_tokens(range(20), 0.1)], [len(a) for a in split_tokens(range(100), 0.29)]
+    ([18, 2], [71, 29])
     """
     ids = np.asarray(ids, dtype=np.int64)
     n = ids.size
-    n_val = int(n * val_fraction)
+    # the floor of n * val_fraction, where the float product may land just under a whole number
+    # (100 * 0.29 = 28.999999999999996 gave 28 val tokens, not 29)
+    n_val = math.floor(n * val_fraction + 1e-9)
     n_train = n - n_val
     if n_val < 1 or n_train < 1:
         raise DataError(
