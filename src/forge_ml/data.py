@@ -283,7 +283,7 @@ def split_tokens(ids, val_fraction: float, source="the text") -> tuple:
     n = ids.size
     # the floor of n * val_fraction, where the float product may land just under a whole number
     # (100 * 0.29 = 28.999999999999996 gave 28 val tokens, not 29)
-    n_val = math.floor(n * val_fraction + 1e-9)
+    n_val = math.floor(round(n * val_fraction, 6))
     n_train = n - n_val
     if n_val < 1 or n_train < 1:
         raise DataError(
