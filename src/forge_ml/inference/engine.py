@@ -38,9 +38,9 @@ class RequestError(ConfigError):
     """A request the engine refuses: a field out of range, a prompt that does not fit the
     context or the vocabulary. ``param`` names the field (OpenAI's error ``param``)."""
 
-    def __init__(self, message: str, param: Optional[str] = None):
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class EngineClosedError(RequestError):
@@ -163,11 +163,11 @@ def check_prompt(prompt_ids, params: SamplingParams, vocab_size: int, max_len: i
                            f"0..{vocab_size - 1}", "prompt")
     if len(ids) > max_len:
         raise RequestError(f"the prompt has {len(ids)} tokens, longer than the context of "
-                           f"{max_len} tokens", "prompt")
+                           f"{max_len} tokens", "prompt", "context_length_exceeded")
     if len(ids) + params.max_tokens > max_len:
         raise RequestError(f"the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} "
                            f"exceed the context of {max_len} tokens; ask for at most "
-                           f"{max_len - len(ids)} new tokens", "max_tokens")
+                           f"{max_len - len(ids)} new tokens", "max_tokens", "context_length_exceeded")
     bad = [t for t in params.stop_tokens if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"stop token {bad[0]} is out of range; ids must be in "

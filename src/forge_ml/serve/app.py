@@ -4,8 +4,9 @@ Endpoints: ``GET /v1/models`` (and ``/v1/models/{model}``), ``GET /health``,
 ``POST /v1/completions`` (whole responses, or server-sent events with ``"stream": true``:
 one ``data: {json}`` chunk per token, the last one of each choice with its
 ``finish_reason``, or an OpenAI error body for a choice that fails, then
-``data: [DONE]``). Every choice of a request is one engine request; with ``n``
-> 1 and a ``seed``, choice ``j`` of a prompt draws with ``seed + j``. A client that
+``data: [DONE]``). Every choice of a request is one engine request; with a ``seed``,
+choice ``j`` of each prompt draws with ``seed + j`` (a prompt gives the text it gives alone
+with that seed), and without one every choice draws its own. A client that
 disconnects cancels its requests, which frees their slots.
 
 Text: tokens are decoded incrementally (a GPT-2 byte token that splits a UTF-8 character
@@ -300,7 +301,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     def submit(req: CompletionRequest) -> tuple:
         """Every choice's engine request; ``(choices, prompt token count)``."""
         prompts = [prompt_ids(p) for p in req.prompt]
-        base = secrets.randbits(62) if req.seed is None else req.seed % (1 << 64)  # int64 as unsigned
+        base = None if req.seed is None else req.seed % (1 << 64)  # int64 as unsigned
         stop_tokens = () if eot is None or req.ignore_eos else (eot,)
         choices = []
         try:
@@ -313,7 +314,10 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                     params = SamplingParams(
                         max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
                         top_p=req.top_p, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
-                        seed=base + j, logprobs=req.logprobs, stop_tokens=stop_tokens,
+                        # no seed: every choice its own draw (one base a request gave the same
+                        # prompt twice in a list the same text); a seed: seed + j, as documented
+                        seed=secrets.randbits(62) if base is None else base + j,
+                        logprobs=req.logprobs, stop_tokens=stop_tokens,
                         prompt_logprobs=req.logprobs if req.echo else None)
                     stream = engine.submit(ids, params)
                     choices.append(_Choice(i * req.n + j, stream, tokenizer, req, eot))
@@ -340,6 +344,9 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
             done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
             if collect not in done:            # the client left: free the slots
                 collect.cancel()
+                # its cancellation read here: left unread, asyncio logged a "_GatheringFuture
+                # exception was never retrieved" traceback for every client that left
+                await asyncio.gather(collect, return_exceptions=True)
                 return Response(status_code=499)
             bodies = collect.result()
         finally:
@@ -420,7 +427,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     async def on_request_error(request: Request, e: RequestError) -> Response:
         if isinstance(e, EngineClosedError):
             return _error_response(APIError(str(e), status=503, type="server_error"))
-        return _error_response(APIError(str(e), param=e.param))
+        return _error_response(APIError(str(e), param=e.param, code=e.code))
 
     async def on_http_error(request: Request, e: HTTPException) -> Response:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"

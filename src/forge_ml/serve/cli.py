@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context per request, prompt and new tokens (default: the model's)")
     p.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model id clients ask for (default: the checkpoint folder's name)")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish "
+                        "before they are cut (new connections are refused at once; default 5)")
 
 
 def _load(ckpt: str, device: str, dtype: str):
@@ -83,6 +86,8 @@ def run(args) -> int:
     dtype = "bfloat16" if args.dtype in ("bf16", "bfloat16") else "float32"
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     api_key = args.api_key or flags.get("FORGE_API_KEY") or None
     model, tokenizer, _ = _load(args.ckpt, args.device, dtype)
     engine = BatchEngine(model, tokenizer, slots=args.slots, max_len=args.max_len)
@@ -97,7 +102,7 @@ def run(args) -> int:
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=args.shutdown_timeout)
     except SystemExit as e:   # uvicorn exits when it cannot bind; it has said why
         return e.code if isinstance(e.code, int) else 1
     finally:
