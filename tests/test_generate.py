@@ -478,3 +478,26 @@ def test_numpy_integer_max_new_tokens(model):
     assert list(generate(model, [1, 2], np.int64(3), temperature=0)) == want
     from forge_ml.inference.beam import beam_search
     assert beam_search(model, [1, 2], np.int64(3), num_beams=2) == beam_search(model, [1, 2], 3, num_beams=2)
+
+
+@pytest.mark.filterwarnings("ignore:DecodeStep")
+def test_two_generators_interleaved_never_share_a_kept_decoder(monkeypatch):
+    """Where the backend captures graphs (the GPU), generate takes a kept (cache, step) pair and
+    the next call of the same shape got that pair back, emptied, while the first generator
+    still used it: resumed, the first went on from the second prompt's keys (wrong tokens, or
+    a ShapeError). A running generator now holds its pair; the other call gets its own. The
+    CPU is made to take the graph path here (its captures fail and it runs op by op)."""
+    import forge_ml.inference.decode as D
+    monkeypatch.setattr(D.graph, "available", lambda dev: True)
+    cfg = GPT2Config(vocab_size=37, block_size=24, n_layer=2, n_head=2, n_embd=32)
+    sd = GPT2.init(cfg, seed=6).state_dict()   # weights scaled up: the next token hangs on the prefix
+    m = GPT2.from_state_dict(cfg, {k: v * 25 if v.ndim == 2 else v for k, v in sd.items()})
+    alone = list(generate(m, [1, 2, 3, 4], 10, temperature=0))
+    other = list(generate(m, [9, 8, 7, 6], 10, temperature=0))
+    a = generate(m, [1, 2, 3, 4], 10, temperature=0)
+    got = [next(a)]
+    assert list(generate(m, [9, 8, 7, 6], 10, temperature=0)) == other
+    got += list(a)
+    assert got == alone
+    assert list(generate(m, [1, 2, 3, 4], 10, temperature=0)) == alone   # the kept pair again
+    assert not m._decoder_kept[2].held

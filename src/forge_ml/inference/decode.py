@@ -106,6 +106,7 @@ class DecodeStep:
         if hasattr(model, "check_cache"):
             model.check_cache("DecodeStep", cache)
         self.model, self.cache = model, cache
+        self.held = False    # a running generate uses it (decoder() then hands out another)
         dev = model.device
         self.device = dev
         B = cache.batch
@@ -445,7 +446,10 @@ def decoder(model, batch: int, max_len: Optional[int] = None) -> tuple:
     its ``DecodeStep``. Where the backend captures graphs, the pair and its graphs are kept
     and handed out again (emptied: ``pos`` 0) to the next call with the same batch, length
     and parameter tensors, so repeated generation pays the capture once; elsewhere every call
-    makes a new pair.
+    makes a new pair. A kept pair that a running ``generate`` holds (``held``: set while its
+    generator is alive) is not handed out: that call gets a new pair of its own, so two
+    generators interleaved never share a cache. A pair taken here directly is the caller's
+    until the next call of the same shape.
 
     >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
     >>> cache, step = decoder(GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1,
@@ -461,12 +465,34 @@ def decoder(model, batch: int, max_len: Optional[int] = None) -> tuple:
     memory = [v.memory() for v in model.params.values()]
     kept = getattr(model, "_decoder_kept", None)
     if kept is not None and kept[0] == key and _same_memory(kept[3], memory):
-        kept[1].pos = 0
-        return kept[1], kept[2]
+        if not kept[2].held:
+            kept[1].pos = 0
+            return kept[1], kept[2]
+        cache = KVCache.empty(model, batch, max_len)   # a running generate holds the kept pair
+        return cache, DecodeStep(model, cache)
     cache = KVCache.empty(model, batch, max_len)
     step = DecodeStep(model, cache)
     model._decoder_kept = (key, cache, step, memory)
     return cache, step
+
+
+class Hold:
+    """Marks ``step`` held (``DecodeStep.held``) for this object's life: a generator keeps one
+    as a local, so the mark goes when the generator ends, is closed or is collected."""
+
+    def __init__(self, step):
+        self.step = step
+        step.held = True
+
+    def __del__(self):
+        self.step.held = False
+
+
+def held_decoder(model, batch: int, max_len: Optional[int] = None) -> tuple:
+    """``decoder``'s pair and a ``Hold`` on its step: ``(cache, step, hold)``. Keep ``hold`` as
+    long as the pair is in use (``generate``'s loop keeps it in its generator's frame)."""
+    cache, step = decoder(model, batch, max_len)
+    return cache, step, Hold(step)
 
 
 def row_step(model, batch: int, max_len: Optional[int] = None) -> tuple:

@@ -89,7 +89,7 @@ import numpy as np
 from ..errors import ConfigError, ShapeError
 from ..sampling import sample_row
 from ..tensor import Tensor, tensor
-from .decode import decoder
+from .decode import held_decoder
 
 FINISH_REASONS = ("stop_token", "stop_string", "max_new_tokens", "context_full")
 
@@ -462,7 +462,9 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
     # max(len) + max_new - 1 positions, and never more than the context.
     capacity = min(cfg.block_size, max(lengths) + max_new - 1)
     dev = model.device
-    cache, step = decoder(model, B, capacity)  # kept for the next call where graphs pay
+    # kept for the next call where graphs pay; held while this generator lives, so that no
+    # other call hands it out meanwhile
+    cache, step, held = held_decoder(model, B, capacity)
 
     def seen_marks():
         """The repetition penalty's tokens per row on the device (prompt and generated so far),
