@@ -151,6 +151,29 @@ def test_untied_head(tmp_path):
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
+def test_a_tied_config_with_another_stored_head_is_refused(saved, tmp_path):
+    """tie_word_embeddings true and a stored lm_head.weight unlike wte: the loader dropped the
+    head silently (logits off by up to 35 against transformers 5, which keeps the stored head;
+    transformers 4 keeps wte). Such a folder is refused; one whose stored head equals wte loads."""
+    from safetensors.numpy import load_file, save_file
+
+    d, model = saved
+    state = {k: v.copy() for k, v in load_file(str(d / "model.safetensors")).items()}
+    wte = next(k for k in state if k.endswith("wte.weight"))
+    for name, head, ok in (("same", state[wte].copy(), True),
+                           ("other", state[wte] + np.float32(0.5), False)):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "config.json").write_text((d / "config.json").read_text())
+        save_file(dict(state, **{"lm_head.weight": head}), str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+        if ok:
+            assert load_hf_gpt2(out)[0]["tied_head"] is True
+        else:
+            with pytest.raises(CheckpointError, match="tie_word_embeddings .* lm_head.weight that differs"):
+                load_hf_gpt2(out)
+
+
 def test_old_style_keys_without_prefix_and_buffers(saved, tmp_path):
     """Checkpoints like the original openai-community/gpt2 upload: no "transformer." prefix,
     attn.bias / attn.masked_bias buffers, lm_head stored though tied, float16 weights."""

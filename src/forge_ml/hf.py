@@ -244,8 +244,9 @@ def load_hf_gpt2(dir, padded_vocab: int | None = None) -> tuple[dict, dict]:
     (float32 arrays, ``wte`` zero-padded to ``padded_vocab`` rows, by default
     ``default_padded_vocab(vocab_size)``, e.g. 50257 -> 50304).
 
-    With tied embeddings HF uses ``wte`` as the head and ignores any stored ``lm_head.weight``;
-    so does this loader.
+    With tied embeddings the head is ``wte``; a stored ``lm_head.weight`` equal to it is dropped,
+    and one that differs is refused (transformers 4 ties the two and keeps ``wte``, 5 unties
+    them and keeps the stored head: no single reading is the model's).
 
     >>> import tempfile, os, numpy as np
     >>> cfg = {"vocab_size": 5, "block_size": 4, "n_layer": 1, "n_head": 1, "n_embd": 2}
@@ -266,7 +267,13 @@ def load_hf_gpt2(dir, padded_vocab: int | None = None) -> tuple[dict, dict]:
     raw = _read_weights(_weight_files(d))
 
     if config["tied_head"]:
-        raw.pop("lm_head.weight", None)
+        head, wte = raw.pop("lm_head.weight", None), raw.get("wte.weight")
+        if head is not None and wte is not None and (
+                np.shape(head) != np.shape(wte) or not np.array_equal(np.asarray(head), np.asarray(wte))):
+            raise CheckpointError(f"{cfg_path} says tie_word_embeddings (the head is wte), but the weights "
+                                  f"hold an lm_head.weight that differs from wte; transformers 4 would use wte "
+                                  f"and transformers 5 the stored head, so the model is not one thing: set "
+                                  f"tie_word_embeddings to false to keep the stored head, or drop lm_head.weight")
     unpadded = dict(config, padded_vocab_size=config["vocab_size"])
     try:
         check_architecture(gpt2_param_shapes(unpadded), raw, ignore_prefixes=())
