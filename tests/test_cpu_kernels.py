@@ -237,6 +237,18 @@ def test_layernorm_bwd_many_rows_accumulates_accurately(path):
     close(dbeta, edbeta)
 
 
+def test_layernorm_of_a_constant_row_is_beta(path):
+    """A constant (or near-constant) row: the plain mean's rounding error, times 1/sqrt(eps),
+    gave y off beta by 0.2 (C) and 1.1 (NumPy) at values near 1000, where torch gives beta
+    exactly. The corrected two-pass statistics centre such a row to zeros."""
+    gamma, beta = randn((768,), 3), randn((768,), 4)
+    for v in (0.1, 123.456, 1000.1, 1e5 + 0.3):
+        x = np.full((3, 768), v, np.float32)
+        np.testing.assert_array_equal(cpu.layernorm(x, gamma, beta, 1e-5), np.broadcast_to(beta, x.shape))
+        dx, dgamma, _ = cpu.layernorm_bwd(x, gamma, randn((3, 768), 5), 1e-5)
+        assert np.all(np.isfinite(dx)) and not dgamma.any()   # xhat is 0: no gamma gradient
+
+
 def test_layernorm_large_mean_is_stable(path):
     x = (1000.0 + randn((4, 64), 1)).astype(np.float32)
     gamma, beta = np.ones(64, np.float32), np.zeros(64, np.float32)

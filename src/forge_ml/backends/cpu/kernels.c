@@ -47,8 +47,8 @@ void gelu_bwd_f32(const float* RESTRICT x, const float* RESTRICT dy, float* REST
 }
 
 /* ----------------------------------------------------------------------------------------
-   layernorm over rows of c, biased variance, two passes for the statistics (mean, then
-   sum of (x - mean)^2), as reference.py's _layernorm_stats. Each loop iteration owns one row.
+   layernorm over rows of c, biased variance, two passes for the statistics (mean, then the
+   corrected sums of x - mean), as reference.py's _layernorm_stats. Each loop iteration owns one row.
    The backward is the textbook form, per row:
      dx = rstd (g - mean(g) - xhat mean(g xhat)),  g = dy gamma,
    and dgamma = sum over rows of dy xhat, dbeta = sum of dy (float sums over blocks of 16
@@ -74,8 +74,13 @@ static inline void row_stats(const float* RESTRICT xr, long c, float eps, float*
     }
     float s = hsum8((a0 + a1) + (a2 + a3));
     for (long j = c32; j < c; ++j) s += xr[j];
-    const float mean = s / (float)c;
-    const v8f m = bcast8(mean);
+    const float m0 = s / (float)c;
+    /* the second pass sums d = x - m0 and d^2; the corrected two-pass form (Chan, Golub and
+       LeVeque) takes the rounding error of m0 out of both the mean and the variance: a
+       constant row gets mean = its value and var = 0 exactly (its y is beta), where m0 alone
+       left a residue that 1/sqrt(eps) made 0.2 at values near 1000 */
+    const v8f m = bcast8(m0);
+    v8f b0 = bcast8(0.0f), b1 = b0, b2 = b0, b3 = b0;
     a0 = a1 = a2 = a3 = bcast8(0.0f);
     for (long j = 0; j < c32; j += 32) {
         const v8f d0 = load8(xr + j) - m, d1 = load8(xr + j + 8) - m;
@@ -84,11 +89,21 @@ static inline void row_stats(const float* RESTRICT xr, long c, float eps, float*
         a1 += d1 * d1;
         a2 += d2 * d2;
         a3 += d3 * d3;
+        b0 += d0;
+        b1 += d1;
+        b2 += d2;
+        b3 += d3;
     }
-    float ss = hsum8((a0 + a1) + (a2 + a3));
-    for (long j = c32; j < c; ++j) ss += (xr[j] - mean) * (xr[j] - mean);
-    *mean_out = mean;
-    *rstd_out = 1.0f / sqrtf(ss / (float)c + eps);
+    float ss = hsum8((a0 + a1) + (a2 + a3)), sd = hsum8((b0 + b1) + (b2 + b3));
+    for (long j = c32; j < c; ++j) {
+        const float d = xr[j] - m0;
+        ss += d * d;
+        sd += d;
+    }
+    const float cd = sd / (float)c;
+    const float var = ss / (float)c - cd * cd;
+    *mean_out = m0 + cd;
+    *rstd_out = 1.0f / sqrtf((var > 0.0f ? var : 0.0f) + eps);
 }
 
 typedef struct {

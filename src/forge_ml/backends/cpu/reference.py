@@ -259,13 +259,30 @@ def gelu_bwd(x, dy):
 # layernorm over the last axis, biased variance (as torch.nn.LayerNorm)
 # ---------------------------------------------------------------------------------------------
 
+def _centred(x):
+    """``(x - mean, sum of its squares)`` over the last axis, ``(..., C)`` and ``(..., 1)``: the
+    corrected two-pass form (Chan, Golub and LeVeque): ``m0`` the plain mean, then the mean of
+    ``d = x - m0`` added back, so that m0's rounding error leaves neither the mean nor the
+    variance (a constant row is centred to exact zeros: its layernorm is beta)."""
+    c = x.shape[-1]
+    f = x.dtype.type
+    m0 = _row_sums(x)[..., None]                              # (..., 1)
+    m0 /= f(c)
+    d = np.subtract(x, m0)                                    # (..., C)
+    cd = _row_sums(d)[..., None]
+    cd /= f(c)
+    ss = np.vecdot(d, d)[..., None]                           # (..., 1)
+    ss -= f(c) * cd * cd                                      # sum (d - cd)^2
+    np.maximum(ss, f(0), out=ss)
+    m0 += cd                                                  # the mean, rounded once
+    np.subtract(x, m0, out=d)                                 # x - mean, rounded once (as the C kernel)
+    return d, ss
+
+
 def _layernorm_stats(x, eps):
     """xhat = (x - mean) * rstd (a new array) and rstd (..., 1); two passes, for accuracy."""
     c = x.shape[-1]
-    mean = _row_sums(x)[..., None]                            # (..., 1)
-    mean /= x.dtype.type(c)
-    xhat = np.subtract(x, mean)                               # (..., C)
-    var = np.vecdot(xhat, xhat)[..., None]                    # (..., 1)
+    xhat, var = _centred(x)
     var /= x.dtype.type(c)
     var += x.dtype.type(eps)
     rstd = np.sqrt(var, out=var)
@@ -294,16 +311,15 @@ def layernorm_bwd(x, gamma, dy, eps):
     f = x.dtype.type
     c = x.shape[-1]
     xs, dys = x.reshape(-1, c), dy.reshape(-1, c)                # (R, C)
-    mean = np.matmul(xs, _ones(c, x.dtype.str))[:, None]         # (R, 1)
-    mean /= f(c)
-    xc = np.subtract(xs, mean)                                   # (R, C) x - mean
-    rstd = np.vecdot(xc, xc)[:, None]                            # (R, 1)
+    xc, rstd = _centred(xs)                                      # (R, C) x - mean; (R, 1)
     rstd /= f(c)
     rstd += f(eps)
     np.sqrt(rstd, out=rstd)
     np.reciprocal(rstd, out=rstd)
     p = np.multiply(dys, xc)                                     # (R, C)
-    dgamma = np.matmul(rstd[:, 0], p)                            # sum over rows of dy * xhat
+    # the sum over rows of dy * xhat, in float64 as the C kernel's (a float32 sum over
+    # thousands of rows drifts past 1e-5)
+    dgamma = np.matmul(rstd[:, 0], p, dtype=np.float64).astype(f)
     dbeta = sum_rows(dys)
     a = np.matmul(p, gamma)[:, None]                             # (R, 1) C mean(g xhat) / rstd
     a *= rstd * rstd * rstd
