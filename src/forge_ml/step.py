@@ -97,6 +97,16 @@ class TrainStep:
     runs for real, compiling every kernel, and is then captured; every later run replays).
     ``mode`` says which ran last (``"eager"`` or ``"graph"``); ``why_eager`` why a wanted
     graph is not used (a capture that failed: the step stays eager, nothing is lost).
+
+    >>> import numpy as np
+    >>> from forge_ml.models import GPT2, GPT2Config
+    >>> from forge_ml.optim import AdamW
+    >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    >>> step = TrainStep(model, AdamW(model.params, lr=1e-2), batch=2, block=4)
+    >>> ids = np.arange(8).reshape(2, 4) % 10
+    >>> r = step.run([(ids, (ids + 1) % 10)], seeds=[0], lr=1e-2)
+    >>> len(r.losses), r.taken, step.mode
+    (1, True, 'eager')
     """
 
     def __init__(self, model, opt: AdamW, batch: int, block: int, accum: int = 1,

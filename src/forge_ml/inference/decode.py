@@ -30,7 +30,16 @@ from ..tensor import Tensor, host_buffer, tensor, zeros
 
 @dataclass
 class KVCache:
-    """Per-layer key and value caches ``(B, H, Tmax, hs)``, allocated once; ``pos`` rows filled."""
+    """Per-layer key and value caches ``(B, H, Tmax, hs)``, allocated once; ``pos`` rows filled.
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> from forge_ml.tensor import tensor
+    >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+    >>> cache = model.new_cache(1)
+    >>> _ = model.forward_cached(tensor([[1, 2, 3]]), cache)
+    >>> cache.pos, cache.k[0].shape
+    (3, (1, 1, 8, 4))
+    """
 
     k: list
     v: list
