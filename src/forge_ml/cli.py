@@ -26,7 +26,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 from . import blas as _blas
 from . import flags
@@ -638,12 +637,12 @@ def _cmd_eval(args) -> int:
     model, tok, _ = load_model(args.ckpt, device=args.device)
     cfg = model.config
     if folder is not None:
-        _check_folder_tokenizer(folder, tok, args.ckpt)
+        _check_shards_tokenizer(folder.folder, folder.tokenizer, tok, args.ckpt)
     elif path.suffix == ".bin" and (path.parent / "tokenizer.json").is_file():
         # one shard of a prepared folder: the tokenizer.json beside it counts as the folder's (a
         # loose shard with none beside it is taken as it is: only its ids' range is checked)
-        _check_folder_tokenizer(SimpleNamespace(folder=path.parent, tokenizer=path.parent / "tokenizer.json"),
-                                tok, args.ckpt, what=f"the shard {path}")
+        _check_shards_tokenizer(path.parent, path.parent / "tokenizer.json", tok, args.ckpt,
+                                what=f"the shard {path}")
     tmp = None
     if shards is None and path.suffix != ".bin":  # a text file: tokenize it with the checkpoint's tokenizer
         import tempfile
@@ -689,26 +688,26 @@ def _cmd_eval(args) -> int:
     return 0
 
 
-def _check_folder_tokenizer(folder, tok, ckpt, what=None) -> None:
-    """A DataError when the shards of a data folder (``folder.folder``; ``what`` names one shard
-    of it) were made with another tokenizer than the checkpoint's: its tokenizer.json, or (none:
+def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, what=None) -> None:
+    """A DataError when the shards of the data folder ``folder`` (``what`` names one shard of
+    it) were made with another tokenizer than the checkpoint's: ``tokenizer_file``, or (None:
     llm.c's shards) GPT-2's. Ids that fit the model's vocabulary would otherwise be read as
     other tokens and give a wrong loss."""
     from .tokenizer import tokenizer_from_dict
 
-    what = what or f"the shards in {folder.folder}"
-    if folder.tokenizer is None:
+    what = what or f"the shards in {folder}"
+    if tokenizer_file is None:
         if tok.kind != "gpt2":
-            raise DataError(f"{what}: GPT-2 ids (llm.c's; {folder.folder} has no tokenizer.json), but "
+            raise DataError(f"{what}: GPT-2 ids (llm.c's; {folder} has no tokenizer.json), but "
                             f"{ckpt} has a {tok.kind} tokenizer; give a text file, which is "
                             f"tokenized with the checkpoint's tokenizer")
         return
     try:
-        theirs = tokenizer_from_dict(json.loads(folder.tokenizer.read_text(encoding="utf-8")))
+        theirs = tokenizer_from_dict(json.loads(tokenizer_file.read_text(encoding="utf-8")))
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{folder.tokenizer}: not a tokenizer file ({e}); prepare the data again") from None
+        raise DataError(f"{tokenizer_file}: not a tokenizer file ({e}); prepare the data again") from None
     if theirs.to_dict() != tok.to_dict():
-        raise DataError(f"{what}: made with another tokenizer ({folder.tokenizer}: "
+        raise DataError(f"{what}: made with another tokenizer ({tokenizer_file}: "
                         f"{theirs.kind}, {theirs.vocab_size} ids) than {ckpt}'s ({tok.kind}, {tok.vocab_size} "
                         f"ids), so their ids are other tokens; give a text file, which is tokenized with the "
                         f"checkpoint's tokenizer")

@@ -419,9 +419,9 @@ class Trainer:
         self._stop: Optional[int] = None   # the signal that asked to stop
         self._phase: Optional[str] = None  # "step", "extra" (eval, sample) or "update"
         self.device = Device.parse(cfg.device)
-        device_has(self.device, "bf16")   # loads the backend: one that cannot is said before any write
+        has_bf16 = device_has(self.device, "bf16")   # loads the backend: before any write
         self.bf16 = cfg.dtype in ("bf16", "bfloat16")
-        if self.bf16 and not device_has(self.device, "bf16"):
+        if self.bf16 and not has_bf16:
             raise ConfigError(f"dtype bf16 is mixed precision on a device with bf16 storage; the "
                               f"{self.device.type} backend computes in float32 (use --device cuda)")
         if resume and overwrite:

@@ -62,6 +62,16 @@ FORGE_D float ldf(float x) { return x; }
 FORGE_D double ldf(double x) { return x; }
 FORGE_D float ldf(bf16 x) { return bf16_to_f32(x); }
 
+// One stored value read through L2 only (ld.global.cg, as Vec16::raw), widened to float: what
+// another SM wrote during the kernel (decode_model.cu), or a weight loaded before pdl_wait
+// (gemv.cu).
+FORGE_D float ldcg_f(const float* p) { return __ldcg(p); }
+FORGE_D float ldcg_f(const bf16* p) {
+    bf16 h;
+    h.bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    return bf16_to_f32(h);
+}
+
 // To<T>::from(a): narrow an accumulated value back to storage type T (rounding once).
 template <typename T> struct To;
 template <> struct To<float> {

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import ctypes as C
 import json
-import os
-import tempfile
 import threading
 
 import numpy as np
@@ -193,19 +191,17 @@ def _tune_load() -> dict:
 
 
 def _tune_store(key: str, algo_hex: str) -> None:
-    """Add one choice to the cache file: read, update, written whole to a temporary file and
-    renamed over it (a reader never sees half a file; two processes racing keep one whole
-    file, each choice still in use in its own process). A folder that cannot be written is
-    skipped: the choice holds for this process."""
+    """Add one choice to the cache file: read, update, written whole (``runs.replace_file``: a
+    reader never sees half a file; two processes racing keep one whole file, each choice still
+    in use in its own process). A folder that cannot be written is skipped: the choice holds
+    for this process."""
+    from ...runs import replace_file
     path = _tune_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _tune_load()
         data[key] = algo_hex
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".lt_algos.")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=0, sort_keys=True)
-        os.replace(tmp, path)
+        replace_file(path, json.dumps(data, indent=0, sort_keys=True))
     except OSError:
         pass
 

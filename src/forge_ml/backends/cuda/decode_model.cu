@@ -102,13 +102,6 @@ FORGE_D void prefetch_l2(const void* p) {
 
 FORGE_D int cdiv(int a, int b) { return (a + b - 1) / b; }
 
-// one stored value read through L2 only, widened to float
-FORGE_D float ldcg_f(const float* p) { return __ldcg(p); }
-FORGE_D float ldcg_f(const bf16* p) {
-    bf16 h;
-    h.bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
-    return bf16_to_f32(h);
-}
 
 // ---- gemv stages: P[s][n] = sum over k in slice s of xs[k] * W[k][n] ----
 struct Gemv {

@@ -40,11 +40,6 @@
 #define GEMV_EPF 1    // passes of the epilogue whose bias and residual are loaded early:
                       // every pass where M * (the block's columns) <= 256 (at most 4 * 16)
 
-// a weight element loaded before pdl_wait: through L2 only (ld.global.cg), as Vec16::raw
-FORGE_D float ldcg_f(const float* p) { return __ldcg(p); }
-FORGE_D float ldcg_f(const bf16* p) {
-    return bits_f32(((unsigned int)__ldcg(reinterpret_cast<const unsigned short*>(p))) << 16);
-}
 
 // acc[m][:] += xs[m][kk] * (the VEC weights in w), for the M rows.
 template <typename T, int VEC>
