@@ -13,6 +13,7 @@ import pytest
 import forge_ml as fm
 from forge_ml.errors import ConfigError
 from forge_ml.inference import batch as batch_mod
+from forge_ml import sampling
 from forge_ml.inference.batch import BatchEngine, choose_tokens
 from forge_ml.inference.engine import (EngineClosedError, RequestError, SamplingParams,
                                        TokenOut)
@@ -42,19 +43,19 @@ def ref_probs(logits, p: SamplingParams, seen=()):
     probs = np.exp(lps)
     order = sorted(range(V), key=lambda i: (-probs[i], i))       # most likely, ties by id
     keep = set(range(V))
-    if p.top_k:
-        keep = set(order[:p.top_k])
-    if p.top_p < 1:
+    if p.top_k:      # the k most likely and every token tied with the k-th (transformers' rule)
+        keep = {i for i in range(V) if probs[i] >= probs[order[min(p.top_k, V) - 1]]}
+    if p.top_p < 1:  # the shortest head reaching p, and every token tied with its last
         total = sum(probs[i] for i in keep)
-        kept, cum = set(), 0.0
+        cum, last = 0.0, None
         for i in order:
             if i not in keep:
                 continue
-            kept.add(i)
+            last = i
             cum += probs[i] / total
             if cum >= p.top_p:
                 break
-        keep = kept
+        keep = {i for i in keep if probs[i] >= probs[last]}
     if p.min_p:
         best = max(probs[i] for i in keep)
         keep = {i for i in keep if probs[i] >= p.min_p * best}
@@ -164,7 +165,24 @@ def test_temperatures_and_penalties_that_overflow_float32_give_the_limit_not_nan
 def test_greedy_takes_the_lowest_id_on_ties_and_top_k_one_is_greedy():
     logits = np.array([[0.0, 2.0, 2.0, 1.0]] * 2)
     ps = [SamplingParams(temperature=0), SamplingParams(top_k=1)]
-    assert [t for t, _, _ in choose_tokens(logits, ps, [(), ()], [0.0, 0.999])] == [1, 1]
+    assert [t for t, _, _ in choose_tokens(logits, ps, [(), ()], [0.0, 0.999])] == [1, 2]
+    logits = np.array([[0.0, 2.0, 3.0, 1.0]])        # no tie: top-k 1 is the argmax
+    assert choose_tokens(logits, [SamplingParams(top_k=1)], [()], [0.999])[0][0] == 2
+
+
+@pytest.mark.parametrize("cut", [dict(top_k=3), dict(top_p=0.5), dict(top_k=2, top_p=0.05)])
+def test_the_cuts_keep_every_token_tied_at_the_cut_as_generate_does(cut):
+    """99 tokens tied just under the top: top-k 3 keeps all 100 (transformers' TopKLogitsWarper
+    and ``sampling.sample_row`` do), and a nucleus ending inside the tie keeps the whole tie;
+    uniforms over [0, 1) reach every kept token, the server drew only ids 0, 2 and 3 before."""
+    V = 120
+    logits = np.full(V, -30.0, np.float32)
+    logits[0], logits[2:101] = 1.0, 0.0
+    p = SamplingParams(**cut)
+    toks = {choose_tokens(logits[None], [p], [()], [x])[0][0] for x in (np.arange(4000) + 0.5) / 4000}
+    knobs = [1.0, p.top_k, p.top_p, p.min_p, 1.0]
+    want = {sampling.sample_row(logits, knobs, (5, s), 0) for s in range(3000)}
+    assert toks == want == {0, *range(2, 101)}
 
 
 def test_the_draw_follows_the_cut_distribution():

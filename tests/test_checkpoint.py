@@ -420,3 +420,16 @@ def test_equal_checkpoints_are_equal_files(tmp_path):
         files.add((tmp_path / f"c{i}" / "model.safetensors").read_bytes())
         assert load_checkpoint(tmp_path / f"c{i}")[1] == {"step": 1}
     assert len(files) == 1
+
+
+def test_weights_stored_as_integers_are_refused_by_name(tmp_path):
+    """A (hand-made) checkpoint of int32 weights loaded without a word, and a run on it
+    trained nothing."""
+    from forge_ml.inference.load import load_model
+    from forge_ml.models.gpt2 import GPT2, GPT2Config
+    cfg = GPT2Config(vocab_size=4, block_size=8, n_layer=1, n_head=1, n_embd=8)
+    state = GPT2.init(cfg).state_dict()
+    state["wte.weight"] = state["wte.weight"].astype(np.int32)
+    save_checkpoint(tmp_path / "c", state, {"config": cfg.to_dict(), "tokenizer": {"kind": "char", "chars": "abc\n"}})
+    with pytest.raises(CheckpointError, match=r"1 not floating point: wte.weight \(int32\)"):
+        load_model(tmp_path / "c")

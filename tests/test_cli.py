@@ -1,6 +1,7 @@
 """The forge-ml command line, end to end in a temporary folder, through ``main([...])``."""
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -331,6 +332,16 @@ def test_a_run_folder_without_a_checkpoint_says_so(trained, capsys):
     Path("early/log.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
     for cmd in (["sample", "--ckpt", "early", "--prompt", "to"], ["eval", "--ckpt", "early", "--data", "t.txt"]):
         _fails(capsys, cmd, "early is a run folder without a checkpoint yet", "--checkpoint-interval")
+
+
+def test_a_checkpoint_without_its_state_json_says_so(trained, capsys):
+    """ckpt/model.safetensors there, state.json gone: sample, eval, convert and serve called it
+    'a run folder without a checkpoint yet' (train --resume named the missing file)."""
+    shutil.copytree("run", "lost")
+    Path("lost/ckpt/state.json").unlink()
+    for cmd in (["sample", "--ckpt", "lost", "--prompt", "to"], ["eval", "--ckpt", "lost", "--data", "t.txt"],
+                ["sample", "--ckpt", "lost/ckpt", "--prompt", "to"]):
+        _fails(capsys, cmd, "lost/ckpt/state.json is missing")
 
 
 def test_gpus_without_the_gpus_is_one_error_before_any_rank_starts(workdir, capsys, monkeypatch):

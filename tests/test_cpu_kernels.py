@@ -205,6 +205,23 @@ def test_gelu_extremes(path):
     np.testing.assert_allclose(dx, ref.gelu_bwd(x, dy), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gelu_far_out_takes_the_limits(path, dtype):
+    """|x| from 1e6 to float32's largest: gelu is -0 far left and x far right, gelu' 0 and 1
+    (float64 reference, torch's values). The clamped exp gave gelu(-3e38) = -1.2 and
+    gelu'(-1e13) = -0.9, gelu'(1e13) = 3.5 (C), gelu'(-1e13) = -3863 and NaN past 1.2e13
+    (NumPy)."""
+    mags = np.array([1e6, 1e11, 1e12, 2e12, 1e13, 1e20, 1e30, 3e38], np.float32)
+    x = np.concatenate([-mags, mags]).astype(dtype)
+    dy = np.linspace(0.5, 2.0, x.size).astype(dtype)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):   # and no warning on the way
+        y, dx = cpu.gelu(x), cpu.gelu_bwd(x, dy)
+    n = mags.size
+    assert np.all(y[:n] == 0) and np.all(np.signbit(y[:n]))
+    np.testing.assert_array_equal(y[n:], x[n:])
+    np.testing.assert_array_equal(dx, np.concatenate([np.zeros(n), dy[n:]]).astype(dtype))
+
+
 def test_gelu_nan_propagates(path):
     x = np.array([1.0, np.nan, -2.0], np.float32)
     assert np.isnan(cpu.gelu(x)).tolist() == [False, True, False]

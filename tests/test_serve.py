@@ -149,6 +149,12 @@ def test_max_tokens_defaults_to_16_or_what_the_context_leaves(http):
     assert complete(http, prompt="ab")["usage"]["completion_tokens"] == 16
     r = complete(http, prompt="a" * 60)
     assert r["usage"]["completion_tokens"] == 4 and r["choices"][0]["finish_reason"] == "length"
+    # a prompt that fills the context leaves no room: refused as max_tokens 1 would be (it
+    # was a 200 with no text)
+    for extra in ({}, {"max_tokens": 1}):
+        r = http.post("/v1/completions", json={"prompt": "a" * 64, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_streamed_response_matches_the_whole_one(client, http):
@@ -483,6 +489,12 @@ def test_a_gpt2_tokenizer_server_streams_whole_characters():
     srv = Server(create_app(eng, "gpt2-tiny"))
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as h:
+            # no prompt, or an empty one: a new document, from <|endoftext|>, as OpenAI's API
+            # documents (a char tokenizer, with no such token, refuses it: the bad-input test)
+            kw = dict(model="gpt2-tiny", max_tokens=6, temperature=0, ignore_eos=True)
+            want = complete(h, prompt=[tok.eot_token], **kw)["choices"][0]["text"]
+            assert want and complete(h, **kw)["choices"][0]["text"] == want
+            assert complete(h, prompt="", **kw)["choices"][0]["text"] == want
             prompt = tok.encode("Hello 🦜")
             kw = dict(model="gpt2-tiny", prompt=prompt, max_tokens=20, temperature=1.0, seed=3,
                       echo=True, ignore_eos=True)

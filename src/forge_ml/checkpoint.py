@@ -176,12 +176,20 @@ def _entries(d: Path) -> list[str]:
         return ["?"]
 
 
-def _only_files(d: Path, files) -> bool:
-    """``d`` is a directory holding nothing but regular files named in ``files``."""
+# safetensors writes a file through a temporary one named like this in the same folder (Rust's
+# tempfile: ".tmp" and 6 characters); a write killed midway leaves it in ``<dir>.tmp``
+_STRAY_TEMP = re.compile(r"\.tmp[A-Za-z0-9_]{6}")
+
+
+def _only_files(d: Path, files, scratch: bool = False) -> bool:
+    """``d`` is a directory holding nothing but regular files named in ``files`` (and, for
+    ``scratch``, a write's ``<dir>.tmp``, the temporary files a killed write left there)."""
     if not d.is_dir() or d.is_symlink():
         return False
     for name in _entries(d):
-        if files is None or name not in files or not (d / name).is_file() or (d / name).is_symlink():
+        if not (d / name).is_file() or (d / name).is_symlink():
+            return False
+        if not (files is not None and name in files or scratch and _STRAY_TEMP.fullmatch(name)):
             return False
     return True
 
@@ -247,12 +255,32 @@ def _check_replaceable(path: Path, files, marker, what: str) -> None:
     for side, complete in ((tmp, False), (old, True)):
         if side.exists() or side.is_symlink():
             names = _entries(side) if side.is_dir() else ["?"]
-            ours = _only_files(side, files) and (not complete or marker is None or marker(side))
+            ours = _only_files(side, files, scratch=not complete) and (
+                not complete or marker is None or marker(side))
             if names and not ours:
                 raise CheckpointError(
                     f"{side} is in the way: forge-ml keeps the {what} it writes to {path.name} "
                     f"there while swapping it in, but it holds {_listing(names)}, which forge-ml "
                     f"did not write; move it away")
+
+
+def check_checkpoint_target(path) -> None:
+    """Raise the CheckpointError that ``save_checkpoint(path, ...)`` would raise for the place
+    itself (a file or a user's folder at ``path``, or in the way at ``<path>.tmp`` or
+    ``<path>.old``), without writing anything: a trainer asks before its first step, not
+    after training to its first checkpoint.
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "ckpt"), "w").write("mine")
+    >>> check_checkpoint_target(os.path.join(d, "ckpt"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.CheckpointError: ...ckpt exists and is not a directory; expected a checkpoint directory (or a new path)
+    """
+    path = Path(os.path.abspath(path))
+    if path.is_symlink() and path.is_dir():
+        path = Path(os.path.realpath(path))
+    _check_replaceable(path, CHECKPOINT_FILES, is_checkpoint_dir, "checkpoint")
 
 
 @contextlib.contextmanager
@@ -525,9 +553,33 @@ def load_checkpoint(dir) -> tuple[dict, dict]:
     >>> t, meta = load_checkpoint(d); list(t), meta
     (['opt.m.w'], {'step': 3})
     """
+    for attempt in range(3):
+        path = _resolve_dir(dir)
+        before = _inode(path)
+        try:
+            got = _load_once(path)
+        except CheckpointError:
+            if attempt == 2 or _inode(path) == before:
+                raise
+            continue   # a trainer swapped a new checkpoint in while this read: read that one
+        if _inode(path) == before:
+            return got
+    return got
+
+
+def _inode(path: Path):
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _load_once(path: Path) -> tuple[dict, dict]:
+    """``load_checkpoint`` of the folder ``path``, read once (a concurrent save can swap the
+    folder between the reads of its two files: the caller compares the folder before and
+    after)."""
     from safetensors.numpy import load_file
 
-    path = _resolve_dir(dir)
     state_path = path / STATE_FILE
     model_path = path / MODEL_FILE
     if not state_path.is_file():
@@ -613,6 +665,9 @@ def check_architecture(expected_shapes: dict, tensors: dict, ignore_prefixes=(OP
         f"{k}: checkpoint has {have[k]}, model expects {want[k]}"
         for k in want if k in have and have[k] != want[k]
     ]
+    # weights stored as integers (a hand-made file): a model of them trains nothing
+    not_float = [f"{k} ({tensors[k].dtype})" for k in want if k in have and hasattr(tensors[k], "dtype")
+                 and np.dtype(tensors[k].dtype).kind in "iub"]
 
     def listing(items, limit=12):
         shown = ", ".join(items[:limit])
@@ -625,5 +680,7 @@ def check_architecture(expected_shapes: dict, tensors: dict, ignore_prefixes=(OP
         problems.append(f"{len(unexpected)} unexpected: {listing(unexpected)}")
     if mismatched:
         problems.append(f"{len(mismatched)} mismatched shape(s): {listing(mismatched, 8)}")
+    if not_float:
+        problems.append(f"{len(not_float)} not floating point: {listing(not_float, 8)}")
     if problems:
         raise CheckpointError("checkpoint does not fit the model: " + "; ".join(problems))

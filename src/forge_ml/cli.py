@@ -362,7 +362,9 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from .train import CKPT_NAME, DATA_NAME, LOG_NAME, Interrupted, TrainConfig, Trainer, no_checkpoint
+    from .runs import RunLock
+    from .train import (CKPT_NAME, DATA_NAME, FINAL_VAL_KINDS, LOG_NAME, Interrupted, TrainConfig, Trainer,
+                        no_checkpoint)
 
     comm = None
     if args.gpus < 0:
@@ -389,6 +391,8 @@ def _cmd_train(args) -> int:
     # the run folder: the flag's, else the config file's (a --resume --config FILE resumed
     # runs/default with the file's other settings laid over that run's), else the default
     out_dir = explicit.get("out_dir", from_file.get("out_dir", TrainConfig.out_dir))
+    if not str(out_dir).strip():
+        raise ConfigError(f"--out is empty ({out_dir!r}); give the run folder (e.g. --out runs/mine)")
     meta = None
     if args.resume:
         from .checkpoint import load_checkpoint
@@ -399,6 +403,10 @@ def _cmd_train(args) -> int:
             if (Path(out_dir) / "state.json").is_file() or (Path(out_dir) / "config.json").is_file():
                 raise ConfigError(f"{out_dir} is a model (a checkpoint or a Hugging Face folder), not a run folder; "
                                   f"fine-tune it in a new run with --init-from {out_dir} --out NEW_FOLDER")
+            if Path(out_dir).is_dir():   # a trainer still before its first checkpoint: say so
+                probe = RunLock(out_dir)
+                probe.acquire()
+                probe.release()
             data = Path(out_dir) / DATA_NAME
             held = ([LOG_NAME] if (Path(out_dir) / LOG_NAME).exists() else []) \
                 + ([DATA_NAME + "/"] if data.is_dir() and any(data.iterdir()) else [])
@@ -423,13 +431,22 @@ def _cmd_train(args) -> int:
         if "tokenizer" in explicit and was and explicit["tokenizer"] != was:
             raise ConfigError(f"--tokenizer {explicit['tokenizer']}: the run in {out_dir} was trained with the "
                               f"{was} tokenizer, which a resumed run keeps; drop --tokenizer")
+        was = meta["train_config"].get("val_fraction")
+        if "val_fraction" in explicit and was is not None and explicit["val_fraction"] != was:
+            raise ConfigError(f"--val-fraction {explicit['val_fraction']:g}: the run in {out_dir} split its "
+                              f"text with --val-fraction {was:g}, and a resumed run keeps its shards; drop "
+                              f"--val-fraction")
     if comm is not None:
         from .distributed.trainer import DistributedTrainer
         trainer = DistributedTrainer(cfg, comm, zero=args.zero, bucket_mb=args.bucket_mb,
                                      resume=args.resume, overwrite=args.overwrite)
     else:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
-    if args.resume and trainer.step >= cfg.max_steps:  # checked after the checkpoint fits the config
+    unfinished = trainer.val_kind not in FINAL_VAL_KINDS   # a signal during the final evaluation
+    if args.resume and trainer.step >= cfg.max_steps and unfinished:
+        print(f"{PROG}: the run in {out_dir} reached step {trainer.step} of --max-steps {cfg.max_steps}; "
+              f"finishing it: its final evaluation", file=sys.stderr)
+    elif args.resume and trainer.step >= cfg.max_steps:  # checked after the checkpoint fits the config
         trainer.close()
         done = trainer.step
         raise ConfigError(f"the run in {out_dir} is finished: it reached step {done} of --max-steps "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import socket
 import tempfile
 import time
@@ -89,6 +90,9 @@ def read_log(path) -> tuple:
     return records, bad
 
 
+_LOCK_LINE = re.compile(r"pid \d+ on .* since ")   # what acquire() writes
+
+
 class RunLock:
     """An exclusive lock on a run folder: ``<folder>/train.lock``, held with ``flock`` while a
     trainer uses the folder, and holding the holder's pid, host and start time. The kernel
@@ -159,6 +163,15 @@ class RunLock:
             if same:
                 break
             f.close()
+        try:
+            was = f.read(400)
+        except (OSError, ValueError):   # not text: not a lock line either
+            was = "?"
+        if was.strip() and not _LOCK_LINE.match(was):
+            f.close()
+            self.release(undo=True)
+            raise RunError(f"{self.path} is not a lock file that forge-ml wrote (it begins {was[:40]!r}), and a "
+                           f"trainer keeps its lock there; move it away or choose another --out")
         try:
             f.seek(0)
             f.truncate()

@@ -51,6 +51,7 @@ rewrites (``AdamW(..., compute_dtype="bfloat16")``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import math
@@ -68,7 +69,8 @@ import numpy as np
 from . import flags
 from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
-from .checkpoint import check_architecture, load_checkpoint, pack_tensors, save_checkpoint, unpack_tensors
+from .checkpoint import (check_architecture, check_checkpoint_target, load_checkpoint, pack_tensors,
+                         save_checkpoint, unpack_tensors)
 from .data import (SHARD_MAGIC, DataLoader, ShardFolder, default_corpus, load_text, read_shard, shard_folder,
                    split_tokens, write_prepared)
 from .diagnose import CheckingTape
@@ -92,6 +94,7 @@ LOG_NAME = "log.jsonl"
 # first final_eval_windows of them; the periodic estimates are "sampled")
 FINAL_VAL_KINDS = ("full", "capped")
 PLOT_NAME = "loss.png"
+_PLOT_MARK = b"forge-ml train"   # the PNG text (Software) of the loss curves a run draws
 
 # The model used when neither a preset nor sizes are given: nanoGPT's CPU configuration.
 DEFAULT_SIZES = dict(n_layer=4, n_head=4, n_embd=128)
@@ -214,6 +217,7 @@ class TrainConfig:
             (0 <= self.weight_decay < math.inf and 0 <= self.grad_clip < math.inf,
              f"weight_decay and grad_clip must be finite numbers >= 0, got {self.weight_decay} and {self.grad_clip}"),
             (self.seed >= 0, f"seed must be >= 0, got {self.seed}"),
+            (bool(str(self.out_dir).strip()), f"out_dir is empty ({self.out_dir!r}); give the run folder"),
             (self.eval_iters >= 1, "eval_iters must be >= 1"),
             (self.final_eval_windows >= 0, "final_eval_windows must be >= 0 (0: every window)"),
             (self.sample_temperature >= 0 and math.isfinite(self.sample_temperature),
@@ -445,6 +449,9 @@ class Trainer:
         self.val_kind: Optional[str] = None
         self._fast = None           # the captured step (step.TrainStep) on a graph-capable device
         self._staged = None         # (loader state, batches) drawn for the next captured step
+        self._eval_due = False      # resumed at an eval step whose evaluation a signal cut short
+        self._prepared = None       # (train, val) tokens of a text the trainer prepared (_plan_data)
+        self.tokens_sha256 = None   # their digest (tokens_digest), recorded in the checkpoints
         self._said_eager = False
         self.lock = RunLock(self.out_dir)
         self.lock.acquire()
@@ -480,6 +487,15 @@ class Trainer:
                 raise RunError(f"{self.ckpt_dir} holds a model only (no optimizer state or data position, as "
                                f"`forge-ml convert` writes), so there is no run to resume; start a new run "
                                f"from it with --init-from {self.ckpt_dir} --out NEW_FOLDER")
+            step = meta["step"]
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise CheckpointError(f"{self.ckpt_dir / 'state.json'}: step must be an integer >= 0, got "
+                                      f"{step!r:.40}; the file was altered or damaged")
+            was_b = meta["data"].get("batch_size") if isinstance(meta["data"], dict) else None
+            if isinstance(was_b, int) and isinstance(cfg.batch_size, int) and cfg.batch_size != was_b:
+                raise ConfigError(f"--batch-size {cfg.batch_size}: the run in {self.out_dir} draws batches of "
+                                  f"{was_b} sequences, and its data position counts them; a resumed run keeps "
+                                  f"--batch-size {was_b} (--grad-accum changes the batch of a step)")
             if cfg.block_size is None:   # an init_from run resumed: the context it was trained with
                 was = (meta.get("train_config") or {}).get("block_size")
                 cfg.block_size = was if isinstance(was, int) and was >= 1 else \
@@ -520,12 +536,17 @@ class Trainer:
         cfg.tokenizer = self.tokenizer.kind   # recorded in the checkpoint: what the run trains with
         if ckpt is not None and write_data is None:
             self._check_same_shards(ckpt[1])
+        self._check_same_tokens(ckpt[1] if ckpt is not None else None)
         if cfg.sample_prompt:
             try:
                 self.tokenizer.encode(cfg.sample_prompt)
             except TokenizerError as e:
                 raise ConfigError(f"--sample-prompt {cfg.sample_prompt!r} cannot be encoded: {e}") from None
         want = self._architecture(ckpt, source)
+        # the checkpoint's place (a file or a user's folder at ckpt, or in the way at ckpt.tmp
+        # or ckpt.old) is refused now, not at the first save after training to it
+        check_checkpoint_target(self.ckpt_dir)
+        self._check_plot_target(held=resume or bool(self._run_files()))
 
         # -- from here on, files are written ------------------------------------------------------
         if not resume and overwrite:
@@ -552,6 +573,21 @@ class Trainer:
         self.val_loader = DataLoader(self.shards.val, B, T, seed=cfg.seed)
         if ckpt is not None:
             self._restore_state(ckpt)
+
+    def _check_plot_target(self, held: bool) -> None:
+        """A ``loss.png`` in a folder that holds no run is a user's file: refused rather than
+        replaced at the end of the run (one this trainer drew says so in its PNG text)."""
+        path = self.out_dir / PLOT_NAME
+        if held or not (path.exists() or path.is_symlink()):
+            return
+        try:
+            with open(path, "rb") as f:
+                ours = _PLOT_MARK in f.read(4096)
+        except OSError:
+            ours = False
+        if not ours:
+            raise RunError(f"{path} is not a loss curve that forge-ml drew, and a run draws its own there; "
+                           f"move it away or choose another --out")
 
     def _same_text(self, data: str, was: str) -> bool:
         """Whether the text file ``data`` is the text the run in the folder was prepared from:
@@ -725,6 +761,22 @@ class Trainer:
                             f"exactly. Put them back as they were, or start a new run from this one: --init-from "
                             f"{self.out_dir} --data {self.data_dir} --out NEW_FOLDER")
 
+    def _check_same_tokens(self, meta: Optional[dict]) -> None:
+        """The digest of the tokens the trainer prepared from a text file (None for a shard
+        folder): recorded in the checkpoints, and on a resume compared with the run's, so that
+        a run whose ``data/`` was prepared again (from an edited text, the same length) or
+        replaced (``prepare --force``) is refused rather than trained on other tokens."""
+        prepared, self._prepared = self._prepared, None
+        self.tokens_sha256 = None if prepared is None else tokens_digest(*prepared)
+        was = None if meta is None else meta.get("tokens_sha256")
+        if not isinstance(was, str) or self.tokens_sha256 is None or was == self.tokens_sha256:
+            return
+        raise DataError(f"cannot resume: the tokens in {self.data_dir} are not those the run in {self.out_dir} was "
+                        f"trained on (their digest differs; the text was edited, or the folder prepared again "
+                        f"from another text); a resumed run must see the same tokens to go on exactly. Put the "
+                        f"text or {self.data_dir} back as they were, or start a new run from this one: "
+                        f"--init-from {self.out_dir} --data TEXT --out NEW_FOLDER")
+
     def _check_length(self, n: int, what: str) -> None:
         T = self.cfg.block_size
         if n < T + 1:
@@ -757,6 +809,7 @@ class Trainer:
             sf = shard_folder(d)
             tok = self._read_tokenizer(d)
             self._check_shards(sf, tok)
+            self._prepared = (read_shard(d / "train.bin"), read_shard(d / "val.bin"))   # checked in _setup
             return sf, tok, None  # the exact tokens the run started with
         if cfg.data:
             src = Path(cfg.data)
@@ -779,6 +832,7 @@ class Trainer:
                                 f"char tokenizer of --init-from {cfg.init_from} lacks ({''.join(extra[:20])!r}); "
                                 f"fine-tune on text written with its characters")
         train, val = split_tokens(tok.encode(text), cfg.val_fraction, what)
+        self._prepared = (train, val)
         frac = f"the last {cfg.val_fraction:g} of {len(train) + len(val):,} tokens"
         self._check_length(len(train), f"the train part of {what} (all but {frac})")
         self._check_length(len(val), f"the val part of {what} ({frac}; see --val-fraction)")
@@ -859,7 +913,15 @@ class Trainer:
         if rng.get("seed", self.cfg.seed) != self.cfg.seed:
             raise CheckpointError(f"{self.ckpt_dir} was trained with seed {rng['seed']}, this run asks for "
                                   f"{self.cfg.seed}; resume with the same seed")
-        self._truncate_log(self.step)
+        kept = self._truncate_log(self.step)
+        # a signal during the periodic evaluation of this step stopped it before its record:
+        # the resumed run evaluates first (the same windows), so that its log has every record
+        # an uninterrupted run's has
+        every = self.cfg.eval_interval
+        self._eval_due = bool(kept is not None and every and self.step % every == 0
+                              and 0 < self.step < self.cfg.max_steps
+                              and not any(r["step"] == self.step and r.get("val_kind") == "sampled"
+                                          for r in kept))
 
     def _auto_batch_size(self) -> None:
         """--batch-size auto: the largest micro-batch that a measured trial step fits in the
@@ -913,27 +975,29 @@ class Trainer:
             return f"no checkpoint was saved yet in {self.ckpt_dir}"
         return f"the last good checkpoint, {self.ckpt_dir} (step {self.last_ckpt_step}), is kept"
 
-    def _truncate_log(self, step: int) -> None:
+    def _truncate_log(self, step: int) -> Optional[list]:
         """Drop log records past ``step`` (from a run that went on after its last checkpoint)
-        and damaged lines (one warning); the log is rewritten atomically."""
+        and damaged lines (one warning); the log is rewritten atomically. Returns the records
+        kept (None when there is no log to read)."""
         if not self.log_path.is_file():
-            return
+            return None
         try:
             records, bad = read_log(self.log_path)
         except OSError as e:
             self._say(f"warning: cannot read {self.log_path} ({e.strerror or e}); it is left as it is")
-            return
+            return None
         if bad:
             self._say(f"warning: {self.log_path}: dropped {len(bad)} damaged line(s) (line "
                       f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''}); the log is a record "
                       f"only, training goes on from the checkpoint")
         keep = [r for r in records if r["step"] <= step]
         if not bad and len(keep) == len(records):
-            return
+            return keep
         try:
             replace_file(self.log_path, "".join(json.dumps(r) + "\n" for r in keep))
         except OSError as e:
             raise RunError(cannot_write(self.log_path, e, self._kept())) from None
+        return keep
 
     def _write_log(self, record: dict, later: bool = False) -> None:
         """Append ``record`` to log.jsonl. A failed write (a full disk) raises a RunError and
@@ -1213,6 +1277,7 @@ class Trainer:
             "data": self.train_loader.state_dict(),
             "data_dir": str(self.data_dir.resolve()),
             "shards": self.shard_names,
+            "tokens_sha256": self.tokens_sha256,
             "rng": {"seed": cfg.seed, "dropout_seed": "splitmix64(seed, step, micro_step)",
                     "next_step": self.step},
             "tokenizer": self.tokenizer.to_dict(),
@@ -1315,6 +1380,9 @@ class Trainer:
         self._bar = self._make_bar(until)
         first = self.step
         try:
+            if self._eval_due and self.step < until:
+                self._eval_due = False
+                self._eval_and_log(full=False)
             while self.step < until and self._stop is None:
                 if tuner is not None:
                     tuner.before_step()
@@ -1472,7 +1540,8 @@ class Trainer:
         path = self.out_dir / PLOT_NAME
         try:
             png = io.BytesIO()
-            fig.savefig(png, format="png", dpi=100, bbox_inches="tight")
+            fig.savefig(png, format="png", dpi=100, bbox_inches="tight",
+                        metadata={"Software": _PLOT_MARK.decode()})
             replace_file(path, png.getvalue())  # a failed write keeps the earlier plot whole
         except OSError as e:
             self._say(f"warning: {cannot_write(path, e)}; the checkpoint and log are saved")
@@ -1480,6 +1549,22 @@ class Trainer:
         finally:
             plt.close(fig)
         return path
+
+
+def tokens_digest(train, val, chunk: int = 1 << 20) -> str:
+    """sha256 of the train then val token ids, each as little-endian int64 (in chunks: a
+    shard of uint16 ids is not widened whole).
+
+    >>> tokens_digest([1, 2], [3]) == tokens_digest(np.array([1, 2], np.uint16), [3])
+    True
+    """
+    h = hashlib.sha256()
+    for part in (train, val):
+        a = np.asarray(part)
+        for i in range(0, len(a), chunk):
+            h.update(np.ascontiguousarray(a[i:i + chunk], dtype="<i8").tobytes())
+        h.update(b"|")
+    return h.hexdigest()
 
 
 def no_checkpoint(out_dir, held) -> str:

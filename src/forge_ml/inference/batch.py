@@ -71,10 +71,11 @@ def choose_tokens(logits, params: Sequence[SamplingParams], seen: Sequence, u) -
     for the repetition penalty); ``u[r]``: a uniform in [0, 1) (unused on greedy rows). Per
     row, in this order: the repetition penalty (a seen token's positive logit divided by it,
     a negative one multiplied), the temperature (0: the argmax, lowest id on ties), the
-    log-softmax (the log-probabilities returned), then top-k (the k most likely, ties by
-    lower id), top-p (the smallest most likely set whose probability, renormalised after
-    top-k, reaches p; at least one token; ties by lower id), min-p (drop tokens less likely
-    than min_p times the most likely), and the draw: the first token whose cumulative kept
+    log-softmax (the log-probabilities returned), then top-k (the k most likely, and every
+    token tied with the k-th), top-p (the smallest most likely set whose probability,
+    renormalised after top-k, reaches p, at least one token, and every token tied with its
+    least likely), min-p (drop tokens less likely than min_p times the most likely), and the
+    draw (the cuts keep ties as ``sampling.sample_row`` and transformers' warpers do): the first token whose cumulative kept
     probability exceeds ``u`` times their sum. A temperature or penalty so far from 1 that
     the float32 logits would overflow gives the limit (at a vanishing temperature, the argmax:
     other tokens' log-probabilities are -inf). In float32 (running sums in float64); the passes
@@ -157,17 +158,17 @@ def _cut(w: np.ndarray, total: float, top_k: int, top_p: float, min_p: float):
     V = w.shape[0]
     kept = None
     if 0 < top_k < V:
-        kept = _largest(w, top_k, _W_THRESHOLDS)
+        kept = _at_least_kth(w, top_k, _W_THRESHOLDS)
         total = float(w[kept].sum(dtype=np.float64))
     if top_p < 1.0:
-        # the nucleus: the shortest head of the ids sorted by probability (ties by id)
-        # whose probability reaches top_p
+        # the nucleus: the shortest head of the ids sorted by probability whose probability
+        # reaches top_p, and every id tied with its last
         cand = kept if kept is not None else _head(
             w, _W_THRESHOLDS, lambda ids: w[ids].sum(dtype=np.float64) >= top_p * total)
         order = cand[np.argsort(-w[cand], kind="stable")]
         cum = np.cumsum(w[order], dtype=np.float64) / total
         n_keep = min(int(np.searchsorted(cum, top_p, side="left")) + 1, len(order))
-        kept = np.sort(order[:n_keep])
+        kept = cand[w[cand] >= w[order[n_keep - 1]]]            # ascending, as cand
     if min_p > 0.0:
         # the most likely token (w = 1) survives every cut, so min_p times it is min_p
         kept = np.flatnonzero(w >= min_p) if kept is None else kept[w[kept] >= min_p]
@@ -204,6 +205,14 @@ def _top_ids(lps: np.ndarray, n: int) -> np.ndarray:
     top = float(lps.max())
     ids = _largest(lps, n, [top - d for d in _WIDTHS])
     return ids[np.argsort(-lps[ids], kind="stable")]
+
+
+def _at_least_kth(v: np.ndarray, k: int, thresholds) -> np.ndarray:
+    """Ascending ids of the ``v`` at least the ``k``-th largest: the k largest and every id
+    tied with the k-th (``_head`` first)."""
+    ids = _head(v, thresholds, lambda ids: len(ids) >= k)
+    vals = v[ids]
+    return ids[vals >= np.partition(vals, len(ids) - k)[len(ids) - k]]
 
 
 def _largest(v: np.ndarray, k: int, thresholds) -> np.ndarray:

@@ -149,9 +149,10 @@ def token_logprobs(logits, temperature: float = 1.0, *, repetition_penalty: floa
     [0.5, 0.25, 0.25]
     """
     z = apply_repetition_penalty(logits, repetition_penalty, context)
+    z = z - z.max()                 # before the temperature: a vanishing one gives -inf, not inf - inf
     if temperature > 0:
-        z = z / temperature
-    z = z - z.max()
+        with np.errstate(over="ignore"):
+            z = z / temperature
     return z - np.log(np.exp(z).sum())
 
 

@@ -47,6 +47,10 @@ def resolve_checkpoint(path) -> Path:
         return p / CKPT_NAME       # load_checkpoint recovers the previous one from ckpt.old
     if not p.exists():
         raise CheckpointError(f"checkpoint not found: {p} does not exist")
+    for d in (p, p / CKPT_NAME):
+        if (d / "model.safetensors").is_file():     # its state.json deleted or lost
+            raise CheckpointError(f"{d / 'state.json'} is missing; a forge-ml checkpoint holds state.json "
+                                  f"and model.safetensors (a Hugging Face folder: config.json)")
     if (p / "log.jsonl").is_file() or (p / "data" / "train.bin").is_file():
         raise CheckpointError(f"{p} is a run folder without a checkpoint yet ({CKPT_NAME}/ is written every "
                               f"--checkpoint-interval steps and when training ends); train it further, or give "

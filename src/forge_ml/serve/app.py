@@ -295,7 +295,12 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
             raise APIError(f"the prompt has {len(ids)} tokens; this server takes at most "
                            f"{max_prompt}", param="prompt", code="context_length_exceeded")
         if not ids:
-            raise APIError("the prompt is empty; give at least one token", param="prompt")
+            # OpenAI's empty prompt: the model writes as from the start of a new document
+            if eot is None:
+                raise APIError("the prompt is empty, and this model's tokenizer has no "
+                               "<|endoftext|> to start a new document from; give at least "
+                               "one token", param="prompt")
+            ids = [eot]
         return ids
 
     def submit(req: CompletionRequest) -> tuple:
@@ -309,7 +314,11 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                 # no max_tokens: OpenAI's 16, or what the context leaves if that is less
                 max_tokens = req.max_tokens
                 if max_tokens is None:
-                    max_tokens = max(0, min(DEFAULT_MAX_TOKENS, engine.max_len - len(ids)))
+                    if len(ids) >= engine.max_len:      # as max_tokens 1 would be refused
+                        raise APIError(f"the prompt's {len(ids)} tokens fill the context of "
+                                       f"{engine.max_len} tokens: no room for a completion",
+                                       param="prompt", code="context_length_exceeded")
+                    max_tokens = min(DEFAULT_MAX_TOKENS, engine.max_len - len(ids))
                 for j in range(req.n):
                     params = SamplingParams(
                         max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,

@@ -58,8 +58,10 @@ def _is_num(x) -> bool:
 @dataclass
 class CompletionRequest:
     """A checked ``POST /v1/completions`` body. ``prompt``: a list of prompts, each a str or
-    a list of token ids; ``stop``: a list of strings; ``seed`` None means a fresh random one;
-    ``max_tokens`` None means OpenAI's default, 16, or less where the context ends sooner."""
+    a list of token ids (no prompt is ``[""]``: as OpenAI's API, the model writes a new
+    document, from ``<|endoftext|>`` where the tokenizer has it); ``stop``: a list of strings;
+    ``seed`` None means a fresh random one; ``max_tokens`` None means OpenAI's default, 16, or
+    less where the context ends sooner."""
 
     prompt: list
     model: Optional[str] = None
@@ -185,9 +187,8 @@ def parse_completion(body) -> CompletionRequest:
     if unknown:
         raise APIError(f"unknown field {unknown[0]!r}; known fields: {', '.join(sorted(_FIELDS))}",
                        param=unknown[0])
-    if body.get("prompt") is None:
-        raise APIError("prompt is required", param="prompt")
-    kw = {}
+    # no prompt: OpenAI's default, a new document (the server starts it from <|endoftext|>)
+    kw = {"prompt": [""]}
     for name, value in body.items():
         if value is None:
             continue

@@ -103,8 +103,12 @@ static inline float exp_f32(float x) {
 /* gelu: GPT-2's tanh approximation in the sigmoid form of reference.py's _gelu_block /
    _gelu_bwd_block: with u = k (x + c x^3), E = exp(-2u), s = 1 / (1 + E) = sigmoid(2u):
      gelu(x) = x s,   gelu'(x) = s (1 + (1 - s) w),  1 - s = E s,  w = x (2k + 6kc x^2).
-   exp_f32 clamps -2u at 88.4, so E stays finite and dx finite far left (the NumPy kernels
-   clamp at 80 to the same effect). */
+   Past exp_f32's clamps (-2u outside [-87.3, 88.4]: |x| over about 10.5) the limits are taken:
+   far left gelu = -0 and gelu' = 0, far right gelu' = 1. The clamped E, times x or w, gave
+   gelu(-3e38) = -1.2, gelu'(-1e13) = -0.9 and gelu'(1e13) = 3.5 (the NumPy kernels take the
+   same limits). */
+#define GELU_EXP_HI 88.3762626647949f   /* exp_f32's clamps */
+#define GELU_EXP_LO -87.3365447504f
 #define GELU_K 0.7978845608028654f   /* sqrt(2/pi) */
 #define GELU_C 0.044715f
 #define ELEMS_GRAIN 16384            /* elements per pool item in elementwise kernels */
@@ -114,7 +118,8 @@ static inline void gelu_span(const float* RESTRICT x, float* RESTRICT y, long n)
     for (long i = 0; i < n; ++i) {
         float v = x[i];
         const float m2u = v * (-2.0f * GELU_K - 2.0f * GELU_K * GELU_C * v * v);   /* -2u */
-        y[i] = v / (1.0f + exp_f32(m2u));
+        const float g = v / (1.0f + exp_f32(m2u));
+        y[i] = m2u >= GELU_EXP_HI ? v * 0.0f : g;       /* far left: -0 (NaN at -inf) */
     }
 }
 
@@ -123,10 +128,14 @@ static inline void gelu_bwd_span(const float* RESTRICT x, const float* dy, float
 #pragma omp simd
     for (long i = 0; i < n; ++i) {
         float v = x[i], v2 = v * v;
-        const float e = exp_f32(v * (-2.0f * GELU_K - 2.0f * GELU_K * GELU_C * v2));  /* E */
+        const float m2u = v * (-2.0f * GELU_K - 2.0f * GELU_K * GELU_C * v2);      /* -2u */
+        const float e = exp_f32(m2u);                                              /* E */
         float s = 1.0f / (1.0f + e);
         float w = v * (2.0f * GELU_K + 6.0f * GELU_K * GELU_C * v2);
-        dx[i] = dy[i] * s * (1.0f + e * s * w);
+        float g = s * (1.0f + e * s * w);
+        g = m2u >= GELU_EXP_HI ? 0.0f : g;              /* the limits past the clamps; */
+        g = m2u <= GELU_EXP_LO ? 1.0f : g;              /* NaN x: neither, g is NaN */
+        dx[i] = dy[i] * g;
     }
 }
 

@@ -198,14 +198,14 @@ def _gelu_block(x, y):
     """y = gelu(x) as x * sigmoid(2u) = x / (1 + exp(-2u)): the same function, since
     0.5 (1 + tanh u) = sigmoid(2u), one pass shorter, and no 1 + tanh cancellation for x < 0."""
     f = x.dtype.type
-    np.multiply(x, x, out=y)           # x^2
-    y *= f(-2.0 * _GELU_K * _GELU_C)
-    y -= f(2.0 * _GELU_K)
-    y *= x                             # -2u
-    with np.errstate(over="ignore"):   # exp -> inf far left, where y = x / inf = -0.0 is right
-        np.exp(y, out=y)
-    y += f(1.0)
-    np.divide(x, y, out=y)
+    with np.errstate(over="ignore", invalid="ignore"):   # x^3 past float's range is inf
+        np.multiply(x, x, out=y)       # x^2
+        y *= f(-2.0 * _GELU_K * _GELU_C)
+        y -= f(2.0 * _GELU_K)
+        y *= x                         # -2u
+        np.exp(y, out=y)   # exp -> inf far left, where y = x / inf = -0.0 is right (-inf: NaN)
+        y += f(1.0)
+        np.divide(x, y, out=y)
 
 
 def _gelu_bwd_block(x, dy, dx, s, e):
@@ -213,23 +213,32 @@ def _gelu_bwd_block(x, dy, dx, s, e):
     1 - s = E s (no cancellation),
         gelu'(x) = s + 2 x s (1 - s) du/dx = s (1 + (1 - s) w),  w = x (2k + 6kc x^2).
     One exp and no tanh (NumPy's float32 tanh costs 1.6x its exp); ``s``, ``e`` are scratch.
-    -2u is clamped below exp's overflow, so far left s = exp(-clamp) and dx stays finite."""
+    -2u is clamped below exp's overflow; past +-the clamp the limits are taken: gelu' = 0 far
+    left, 1 far right (the clamped E times w gave -3863 at x = -1e13, and 0 * inf NaN past
+    x = 1.2e13), as the C kernel's."""
     f = x.dtype.type
-    np.multiply(x, x, out=dx)                       # x^2
-    np.multiply(dx, f(-2.0 * _GELU_K * _GELU_C), out=e)
-    e -= f(2.0 * _GELU_K)
-    e *= x                                          # -2u
-    np.minimum(e, f(_EXP_MAX[x.dtype.char]), out=e)
+    lim = f(_EXP_MAX[x.dtype.char])
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.multiply(x, x, out=dx)                   # x^2
+        np.multiply(dx, f(-2.0 * _GELU_K * _GELU_C), out=e)
+        e -= f(2.0 * _GELU_K)
+        e *= x                                      # -2u
+    far = np.flatnonzero(np.abs(e) >= lim)          # (NaN: not far)
+    far_right = e[far] < 0
+    np.minimum(e, lim, out=e)
     np.exp(e, out=e)                                # E
     np.add(e, f(1.0), out=s)
     np.reciprocal(s, out=s)                         # s = 1 / (1 + E)
     e *= s                                          # 1 - s
-    dx *= f(6.0 * _GELU_K * _GELU_C)
-    dx += f(2.0 * _GELU_K)
-    dx *= x                                         # w = 2 x du/dx
-    dx *= e
-    dx += f(1.0)
-    dx *= s
+    with np.errstate(over="ignore", invalid="ignore"):   # w past float's range: far right
+        dx *= f(6.0 * _GELU_K * _GELU_C)
+        dx += f(2.0 * _GELU_K)
+        dx *= x                                     # w = 2 x du/dx
+        dx *= e
+        dx += f(1.0)
+        dx *= s
+    if far.size:
+        dx[far] = far_right
     dx *= dy
 
 
