@@ -6,10 +6,12 @@ The configuration of nanoGPT's README for a CPU ("4 layers, 4 heads, 128 channel
 2000 after 100 warmup steps, AdamW betas (0.9, 0.99), weight decay 0.1, grad clip 1.0. The
 text is ``../shared/data/tinyshakespeare.txt`` next to the repository (skipped with a message
 if absent), character-level, 90% train / 10% val as nanoGPT splits it. The val loss held to
-the target is nanoGPT's kind of figure, an estimate: the mean over the first ``--eval-iters``
-batches of consecutive validation windows. The trainer's own last evaluation, over every
-window of the validation shard, is printed beside it (since the issue-13 trainer it is what
-``summary["val_loss"]`` holds; 1.9042 against the estimate's 1.8822 on 2026-12-05).
+the target is nanoGPT's own figure, its ``estimate_loss``: the mean over ``--eval-iters``
+batches of windows drawn at random from the validation shard (seeded). Printed beside it: the
+trainer's last evaluation, over every window of the validation shard (what
+``summary["val_loss"]`` holds), and the mean over the first ``--eval-iters`` batches, the
+trainer's periodic estimate. (Until 2026-12-05 the target was held to that fixed subset,
+1.8822 there, which reads low: nanoGPT's estimate gives 1.906 and the whole set 1.904.)
 
     python benchmarks/converge_shakespeare.py          # ~10 min on a laptop CPU
     nohup python benchmarks/converge_shakespeare.py > /tmp/converge.log 2>&1 &
@@ -33,6 +35,21 @@ from forge_ml.train import TrainConfig, Trainer  # noqa: E402
 
 DEFAULT_TEXT = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 TARGET = 1.90
+
+
+def _random_estimate(trainer, iters: int, seed: int = 1337) -> float:
+    """nanoGPT's ``estimate_loss`` on the validation shard: the mean loss of ``iters`` batches
+    of windows drawn at random (seeded), with the run's batch size and context."""
+    from forge_ml.data import DataLoader
+    from forge_ml.tensor import tensor
+
+    cfg = trainer.cfg
+    loader = DataLoader(trainer.shards.val, cfg.batch_size, cfg.block_size, seed=seed)
+    total = 0.0
+    for _ in range(iters):
+        x, y = loader.next_batch()
+        total += trainer.model.loss(tensor(x, device=trainer.device), tensor(y, device=trainer.device)).item()
+    return total / iters
 
 
 def main():
@@ -67,7 +84,8 @@ def main():
     summary = trainer.train()
     wall = time.perf_counter() - t0
     full = summary["val_loss"]                   # the trainer's last evaluation: every val window
-    val = trainer.evaluate(args.eval_iters)      # nanoGPT's kind of figure: an estimate on batches
+    fixed = trainer.evaluate(args.eval_iters)    # the trainer's periodic estimate: the first batches
+    val = _random_estimate(trainer, args.eval_iters)   # nanoGPT's estimate_loss: random batches
     sample = trainer.sample(seed=0)
     verdict = "PASS" if val <= TARGET else "FAIL"
     report = (
@@ -76,9 +94,9 @@ def main():
         f"{trainer.model.num_params():,} parameters; {args.device} {args.dtype}\n"
         f"lr 1e-3 -> 1e-4 (warmup 100, decay to 2000), AdamW (0.9, 0.99) wd 0.1, clip 1.0, seed 1337\n"
         f"steps {summary['step']}; final train loss {summary['loss']:.4f}; "
-        f"val loss {val:.4f} over the first {args.eval_iters} val batches, nanoGPT's kind of estimate "
+        f"val loss {val:.4f} over {args.eval_iters} random val batches, nanoGPT's estimate_loss "
         f"(target <= {TARGET}): {verdict}; over every window of the val shard ({summary['val_kind']}): "
-        f"{full:.4f}\n"
+        f"{full:.4f}; over the first {args.eval_iters} batches (the trainer's periodic estimate): {fixed:.4f}\n"
         f"wall {wall / 60:.1f} min ({1e3 * trainer.elapsed / max(1, summary['step']):.0f} ms/step in training); "
         f"{platform.machine()}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} cores, "
         f"python {platform.python_version()}\n"

@@ -176,6 +176,23 @@ def test_bench_name_takes_the_arguments_after_it(workdir, capsys):
            "after it")
 
 
+def test_bench_scripts_import_their_sibling_modules(workdir, capsys):
+    """attention_cuda.py imports its sibling ops_cuda.py: under forge-ml bench (runpy) that
+    was 'needs the Python module ops_cuda, which is not installed', even for --help. A missing
+    CuPy names the extra that brings it."""
+    import sys
+    (workdir / "benchmarks").mkdir()
+    (workdir / "benchmarks" / "helper_mod.py").write_text("VALUE = 41\n")
+    (workdir / "benchmarks" / "uses_helper.py").write_text("import helper_mod\nprint('got', helper_mod.VALUE + 1)\n")
+    (workdir / "benchmarks" / "needs_cupy.py").write_text("import cupy_is_not_here_module as cupy\n")
+    before = list(sys.path)
+    assert main(["bench", "uses_helper"]) == 0
+    assert "got 42" in capsys.readouterr().out and sys.path == before
+    line = _fails(capsys, ["bench", "needs_cupy"], "cupy_is_not_here_module", "not installed")
+    assert "[test]" in line
+    sys.modules.pop("helper_mod", None)
+
+
 def test_bench_chooses_the_cpu_threads_as_train_does(monkeypatch, capsys):
     """Where forge-ml sets the count, the built-in bench runs the trainer's ThreadTuner on its
     untimed first steps and times the count it chose (it had timed half the cores)."""
@@ -389,3 +406,32 @@ def test_val_fraction_with_a_data_folder_is_refused(trained, capsys):
     _fails(capsys, ["train", "--data", "data", "--out", "r2", "--val-fraction", "0.3", *TINY],
            "--val-fraction splits a text file", "data")
     assert not (trained / "r2").exists()
+
+
+def test_sample_prompt_file_and_num_samples(trained, capsys):
+    """nanoGPT's sample.py reads a prompt from a file (start='FILE:...') and draws num_samples;
+    --prompt "$(cat f)" lost the file's last newline, and there was no way to draw several."""
+    Path("p.txt").write_text("to be\n")
+    assert main(["sample", "--ckpt", "run", "--prompt-file", "p.txt", "--num-samples", "3",
+                 "--max-new-tokens", "8", "--seed", "5"]) == 0
+    out = capsys.readouterr().out
+    parts = out.split("--- sample ")[1:]
+    assert len(parts) == 3 and all(p.split("---\n", 1)[1].startswith("to be\n") for p in parts)
+    assert main(["sample", "--ckpt", "run", "--prompt", "to be\n", "--max-new-tokens", "8", "--seed", "6"]) == 0
+    assert capsys.readouterr().out == parts[1].split("---\n", 1)[1]          # sample 2 is seed 5 + 1
+    _fails(capsys, ["sample", "--ckpt", "run", "--prompt", "a", "--prompt-file", "p.txt"], "not both")
+    _fails(capsys, ["sample", "--ckpt", "run", "--num-samples", "0"], "--num-samples must be >= 1")
+
+
+def test_nanogpt_token_files_are_not_read_as_text(workdir, capsys):
+    """nanoGPT's prepare.py writes train.bin as raw uint16 ids (no llm.c header): given as
+    --data, its bytes were trained on as characters without a word (eval refused it)."""
+    import numpy as np
+    ids = np.array([ord(c) % 65 for c in TEXT], np.uint16)
+    ids.tofile("train.bin")
+    ids.tofile("ids.dat")
+    for name in ("train.bin", "ids.dat"):
+        _fails(capsys, ["train", "--data", name, "--out", "r", *TINY, "--max-steps", "1"],
+               f"{name} holds token ids, not text", "write_shard")
+        _fails(capsys, ["prepare", name, "--out", "d"], "holds token ids, not text")
+    assert not Path("r").exists() and not Path("d").exists()

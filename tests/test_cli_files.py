@@ -4,6 +4,7 @@ earlier output, never the folder it reads; a full disk, a read-only filesystem, 
 or a bad option is one line on stderr and exit status 2, with nothing touched."""
 import errno
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -231,6 +232,28 @@ def test_eval_max_batches_must_be_at_least_one(run, capsys, n):
           "--max-batches must be >= 1", n)
     assert main(["eval", "--ckpt", "run", "--data", "run/data/val.bin", "--max-batches", "1"]) == 0
     assert "in 1 batch of" in capsys.readouterr().out
+
+
+def test_eval_cap_past_the_data_a_shard_named_otherwise_and_short_data(run, capsys):
+    """A --max-batches past the whole batches dropped the tail windows (a cap never reached
+    changed the loss); a shard not named *.bin was read as text ('not UTF-8 ... iconv'); data
+    shorter than the model's context gave shorter windows without saying so; --data '' and
+    prepare --out '' took the working folder."""
+    base = ["eval", "--ckpt", "run", "--data", "run/data/val.bin", "--batch-size", "7"]
+    assert main(base) == 0
+    whole = capsys.readouterr().out
+    assert main(base + ["--max-batches", "100000"]) == 0
+    assert capsys.readouterr().out.split(",")[0] == whole.split(",")[0]
+    shutil.copy("run/data/val.bin", "val.dat")
+    assert main(["eval", "--ckpt", "run", "--data", "val.dat", "--batch-size", "7"]) == 0
+    assert capsys.readouterr().out.split("(")[0] == whole.split("(")[0]
+    with open("short.txt", "w") as f:
+        f.write("to be or")
+    assert main(["eval", "--ckpt", "run", "--data", "short.txt"]) == 0
+    assert "shorter than the model's context of 16" in capsys.readouterr().out
+    fails(capsys, ["eval", "--ckpt", "run", "--data", ""], "--data is empty")
+    fails(capsys, ["prepare", "t.txt", "--out", ""], "--out is empty")
+    assert not os.path.exists("train.bin")
 
 
 # -- bench ---------------------------------------------------------------------------------------

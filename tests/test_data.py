@@ -342,3 +342,48 @@ def test_shard_edges_a_new_user_met(tmp_path):
     assert not (tmp_path / "big.bin").exists()
     assert [len(a) for a in split_tokens(range(100), 0.29)] == [71, 29]
     assert [len(a) for a in split_tokens(range(100), 0.57)] == [43, 57]
+
+
+def test_the_data_api_refuses_plain_mistakes_in_words(tmp_path):
+    """From a new user's test: these were a bare TypeError, FileExistsError or ValueError, a
+    misleading 'must be 1-D, got shape ()' for a generator, or a silent truncation (a batch
+    size of 1.5 became 1)."""
+    from forge_ml.errors import TokenizerError
+    from forge_ml.tokenizer import GPT2Tokenizer
+    p = tmp_path / "t.txt"
+    p.write_text("abcd" * 50)
+    for bad in ("0.1", None, float("nan"), True):
+        with pytest.raises(DataError, match="val_fraction must be a number in"):
+            prepare(p, tmp_path / "out", val_fraction=bad)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DataError, match="exists and is not a folder"):
+        prepare(p, tmp_path / "afile")
+    with pytest.raises(DataError, match="val_fraction must be a number in"):
+        split_tokens(range(10), float("nan"))
+    with pytest.raises(TokenizerError, match="allowed_special must be"):
+        GPT2Tokenizer().encode("a", allowed_special=1)
+    write_shard(tmp_path / "g.bin", (i for i in range(3)))              # a generator of ids
+    assert read_shard(tmp_path / "g.bin").tolist() == [0, 1, 2]
+    for bad in (1.5, "2", True):
+        with pytest.raises(DataError, match="batch_size must be a whole number"):
+            DataLoader(tmp_path / "g.bin", batch_size=bad, block_size=1)
+    assert DataLoader(tmp_path / "g.bin", batch_size=np.int64(1), block_size=1).B == 1
+
+
+def test_decoding_checks_every_id_at_numpys_speed():
+    """The per-id loop took 0.5 s for a million GPT-2 ids (17x tiktoken); the array check
+    refuses the same ids with the same message, and bools are still not ids."""
+    from forge_ml.errors import TokenizerError
+    from forge_ml.tokenizer import GPT2Tokenizer
+    tok = GPT2Tokenizer()
+    ids = tok.encode("hello world, the quick brown fox")
+    assert tok.decode(np.array(ids, np.uint16)) == tok.decode(ids) == "hello world, the quick brown fox"
+    for bad, needle in (([1, 50257], "id 50257 at position 1 is out of range"),
+                        (np.array([3, -1]), "id -1 at position 1"), ([True, 2], "id True at position 0"),
+                        ([1, 2.0], "id 2.0 at position 1 is not an integer")):
+        with pytest.raises(TokenizerError, match=needle):
+            tok.decode(bad)
+    c = CharTokenizer("abc")
+    assert c.decode(np.array([2, 0, 1], np.int8)) == "cab"
+    with pytest.raises(TokenizerError, match="id 3 at position 0 is out of range; expected 0 <= id < vocab_size=3"):
+        c.decode([3])

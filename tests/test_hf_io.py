@@ -358,6 +358,143 @@ def test_an_export_carries_its_tokenizer_for_transformers(tmp_path, tokenizer, t
     assert got == text + tok.decode(list(generate(model, ids, max_new_tokens=6, temperature=0)))
 
 
+def test_tokens_added_to_gpt2s_are_read_matched_and_written_back(tmp_path):
+    """A Hugging Face GPT-2 whose tokenizer added a pad token and whose embeddings were resized
+    (50,258 ids): forge-ml ignored the added token. Its text was split into BPE pieces (HF: one
+    id), sample failed when the model chose it, serve never chose it, and an export dropped it.
+    Now its ids and text are transformers', both ways, through an export and an import."""
+    from forge_ml.cli import main
+    from forge_ml.inference import load_model
+    from forge_ml.models.gpt2 import GPT2, GPT2Config
+
+    cfg = GPT2Config(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=16)
+    save_hf_gpt2(tmp_path / "base", cfg, GPT2.init(cfg, seed=1).state_dict(), tokenizer={"kind": "gpt2"})
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "base")
+    hf_tok.add_special_tokens({"pad_token": "<|pad|>"})
+    m = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
+    m.resize_token_embeddings(len(hf_tok), mean_resizing=False)
+    m.save_pretrained(tmp_path / "added")
+    hf_tok.save_pretrained(tmp_path / "added")
+    model, tok, _ = load_model(tmp_path / "added")
+    text = "a<|pad|>b <|pad|><|pad|> c"
+    assert tok.vocab_size == 50258 == model.config.vocab_size
+    assert tok.encode(text) == hf_tok(text).input_ids
+    assert tok.decode(tok.encode(text)) == text == hf_tok.decode(hf_tok(text).input_ids)
+    assert tok.decode_bytes([64, 50257]) == b"a<|pad|>"
+    # through forge-ml's checkpoint and back to a Hugging Face folder: the token is kept
+    assert main(["convert", "--from-hf", str(tmp_path / "added"), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back")]) == 0
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+    assert len(back) == 50258 and back(text).input_ids == hf_tok(text).input_ids
+    assert load_model(tmp_path / "back")[1].encode(text) == tok.encode(text)
+
+
+def test_a_tokenizer_that_adds_a_prefix_space_is_read_as_such(tmp_path):
+    """add_prefix_space=True (a setting of Hugging Face's GPT-2 tokenizer) was not read: the
+    folder's text got GPT-2's plain ids ("Hello" 15496 where transformers gives " Hello"
+    18435) and greedy text differed. The ids are transformers', with an added token too, and an
+    export keeps the setting."""
+    from forge_ml.cli import main
+    from forge_ml.inference import load_model
+    from forge_ml.models.gpt2 import GPT2, GPT2Config
+
+    cfg = GPT2Config(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=16)
+    save_hf_gpt2(tmp_path / "base", cfg, GPT2.init(cfg, seed=1).state_dict(), tokenizer={"kind": "gpt2"})
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "base", add_prefix_space=True)
+    hf_tok.add_special_tokens({"pad_token": "<|pad|>"})
+    m = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "base")
+    m.resize_token_embeddings(len(hf_tok), mean_resizing=False)
+    m.save_pretrained(tmp_path / "ps")
+    hf_tok.save_pretrained(tmp_path / "ps")
+    tok = load_model(tmp_path / "ps")[1]
+    for text in ("Hello world", " Hello", "a<|pad|>b", "a<|pad|> b", "\nHi", ""):
+        assert tok.encode(text) == hf_tok(text).input_ids, text
+        assert tok.decode(tok.encode(text)) == hf_tok.decode(hf_tok(text).input_ids)
+    assert main(["convert", "--from-hf", str(tmp_path / "ps"), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back")]) == 0
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+    assert back("Hello world").input_ids == [18435, 995] == load_model(tmp_path / "back")[1].encode("Hello world")
+
+
+def _hf_tokenizer_folder(tmp_path, name, edit, **kw):
+    """A Hugging Face GPT-2 folder (tiny random model, GPT-2's tokenizer from a forge-ml export)
+    whose tokenizer ``edit`` changed, the model resized to it."""
+    from forge_ml.models.gpt2 import GPT2, GPT2Config
+
+    base = tmp_path / "base"
+    if not base.exists():
+        cfg = GPT2Config(vocab_size=50257, block_size=32, n_layer=1, n_head=2, n_embd=16)
+        save_hf_gpt2(base, cfg, GPT2.init(cfg, seed=1).state_dict(), tokenizer={"kind": "gpt2"})
+    hf_tok = transformers.AutoTokenizer.from_pretrained(base, **kw)
+    edit(hf_tok)
+    m = transformers.GPT2LMHeadModel.from_pretrained(base)
+    m.resize_token_embeddings(len(hf_tok), mean_resizing=False)
+    m.save_pretrained(tmp_path / name)
+    hf_tok.save_pretrained(tmp_path / name)
+    return tmp_path / name, transformers.AutoTokenizer.from_pretrained(tmp_path / name)
+
+
+def _tokens(*a, **kw):
+    return transformers.AddedToken(*a, **kw)
+
+
+@pytest.mark.parametrize("case", ["low ids", "strip flags", "single word", "special first", "roles"])
+def test_added_token_details_match_transformers(tmp_path, case):
+    """From a new user's test of the added tokens: tokens with ids below 50257 (add_tokens of a
+    GPT-2 word, a pad token "!") were ignored; lstrip/rstrip/single_word were ignored; special
+    tokens were not split out before the others; an export lost which tokens are special and
+    the pad/additional roles."""
+    from forge_ml.cli import main
+    from forge_ml.inference import load_model
+
+    edits = {
+        "low ids": lambda t: (t.add_tokens(["hello"]), t.add_special_tokens({"pad_token": "!"})),
+        "strip flags": lambda t: t.add_special_tokens({"mask_token": _tokens("<mask>", lstrip=True, rstrip=True)}),
+        "single word": lambda t: t.add_tokens([_tokens("zqx", single_word=True)]),
+        "special first": lambda t: (t.add_tokens(["x<"]), t.add_special_tokens({"pad_token": "<|pad|>"})),
+        "roles": lambda t: (t.add_special_tokens({"pad_token": "<|pad|>", "additional_special_tokens": ["<|sep|>"]}),
+                            t.add_tokens(["mytok"])),
+    }
+    folder, hf_tok = _hf_tokenizer_folder(tmp_path, "f", edits[case])
+    tok = load_model(folder)[1]
+    texts = ["Say hello", "helloworld", "Hi!!", "?!", "a <mask> b", " <mask> ", "a zqx b", "azqx", "zqx",
+             "x<|pad|>", "ax<|pad|>b", "Hi<|pad|>mytok<|sep|>x", "plain text, no tokens\n"]
+    for text in texts:
+        assert tok.encode(text) == hf_tok(text).input_ids, (case, text)
+    assert main(["convert", "--from-hf", str(folder), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back")]) == 0
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
+    for text in texts:
+        if case == "special first" and "x<|" in text:
+            continue    # transformers builds the export's tokenizer from vocab.json and merges.txt, and
+            # then splits the non-special "x<" first (forge-ml reads the export as the original)
+        assert back(text).input_ids == hf_tok(text).input_ids, (case, text)
+    assert load_model(tmp_path / "back")[1].encode("ax<|pad|>b") == hf_tok("ax<|pad|>b").input_ids
+    assert sorted(back.all_special_ids) == sorted(hf_tok.all_special_ids) and back.pad_token == hf_tok.pad_token
+
+
+@pytest.mark.parametrize("config, fast, cls, want", [
+    (None, True, "GPT2Tokenizer", [15496, 995]), (True, False, "PreTrainedTokenizerFast", [15496, 995]),
+    (False, True, "PreTrainedTokenizerFast", [18435, 995]), (True, False, "GPT2Tokenizer", [18435, 995])])
+def test_conflicting_prefix_space_settings_are_read_as_transformers_reads_them(tmp_path, config, fast, cls, want):
+    """tokenizer_config.json's add_prefix_space rules for GPT-2's tokenizer class, tokenizer.json's
+    pre-tokenizer for PreTrainedTokenizerFast (forge-ml took the config's first in every case)."""
+    from forge_ml.inference import load_model
+
+    folder, _ = _hf_tokenizer_folder(tmp_path, "p", lambda t: t.add_special_tokens({"pad_token": "<|pad|>"}))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.pop("add_prefix_space", None)
+    if config is not None:
+        cfg["add_prefix_space"] = config
+    cfg["tokenizer_class"] = cls
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["add_prefix_space"] = fast
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    assert transformers.AutoTokenizer.from_pretrained(folder)("Hello world").input_ids == want
+    assert load_model(folder)[1].encode("Hello world") == want
+
+
 def test_an_export_writes_no_tokenizer_that_is_not_the_models(tmp_path):
     """GPT-2's 50257 ids for a 100-token model: its ids would index past the embedding."""
     cfg = dict(vocab_size=100, block_size=8, n_layer=1, n_head=1, n_embd=4)

@@ -267,3 +267,88 @@ def test_plain_python_mistakes_get_forge_errors():
             call()
     with pytest.raises(TokenizerError, match="CharTokenizer.encode: expected a str, got int"):
         CharTokenizer("abc").encode(123)
+
+
+def test_numpy_integers_are_taken_and_bools_strings_floats_refused():
+    """From a new user's test: np.int64 arguments (shape arithmetic) were refused with messages
+    that contradicted themselves ('vocab_size must be in 1..3, got 3'), while True passed as
+    vocab_size 1 (loss 0.0), off=True, alpha='2', p='0.5' and reshape(2.5, 3) went through,
+    and a string eps or scale was a bare ValueError."""
+    from forge_ml.models import GPT2Config
+    n = np.int64
+    logits = fm.tensor(np.array([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]], np.float32))
+    want = ops.cross_entropy(logits, i64(0, 0), 3).item()
+    assert ops.cross_entropy(logits, i64(0, 0), n(3)).item() == want
+    assert ops.attention_qkv(f32(1, 2, 6), n(1))[0].shape == (1, 2, 2)
+    cache = f32(3, 2)
+    ops.kv_append(cache, fm.tensor(np.full((1, 2), 7.0, np.float32)), n(1))   # in place
+    assert cache.numpy()[1].tolist() == [7.0, 7.0]
+    assert ops.embedding(i64(0), f32(3, 2), f32(4, 2), n(1)).shape == (1, 2)
+    t = fm.Tape()
+    assert t.embedding(i64(0), t.leaf(f32(3, 2)), t.leaf(f32(4, 2)), n(0)).t.shape == (1, 2)
+    assert GPT2Config(vocab_size=n(10), n_embd=8, n_head=n(2)).to_dict()["n_head"] == 2
+    refused = [(lambda: ops.cross_entropy(logits, i64(0, 0), True), "vocab_size must be in 1..3, got True"),
+               (lambda: ops.softmax(f32(2, 3), True, True), "off must be"),
+               (lambda: ops.matmul(f32(1, 1), f32(1, 1), alpha="2"), "alpha must be a number"),
+               (lambda: t.dropout(t.leaf(f32(4)), "0.5", 1), "p must be a number"),
+               (lambda: fm.zeros((2, 3)).reshape(2.5, 3), "sizes must be whole numbers"),
+               (lambda: ops.layernorm(f32(2, 3), f32(3), f32(3), "x"), "eps must be a number"),
+               (lambda: ops.attention(f32(1, 2, 2), f32(1, 2, 2), f32(1, 2, 2), "x"), "scale must be a number"),
+               (lambda: ops.sumsq_total(f32(2)), "a list of tensors, got one Tensor")]
+    for fn, needle in refused:
+        with pytest.raises(fm.ForgeError, match=needle):
+            fn()
+
+
+def test_optimizer_and_model_api_mistakes_are_forge_errors():
+    """accumulate dropped a name a later micro-batch lacked (and a new name was a KeyError);
+    clip_grad_norm and AdamW gave AttributeErrors for lists and NumPy gradients, and took a NaN
+    max_norm as no clipping; a params dict missing a name failed at the first forward; a 0-d
+    float64 parameter crashed AdamW inside NumPy."""
+    from forge_ml.models import GPT2, GPT2Config
+    from forge_ml.optim import AdamW, accumulate, clip_grad_norm
+    one = lambda: fm.tensor(np.ones(2, np.float32))  # noqa: E731
+    acc = accumulate(accumulate(None, {"w": one(), "b": one()}), {"w": one(), "c": one(), "d": None})
+    assert sorted(acc) == ["b", "c", "w"] and acc["w"].numpy().tolist() == [2.0, 2.0]
+    assert acc["b"].numpy().tolist() == [1.0, 1.0] and acc["c"].numpy().tolist() == [1.0, 1.0]
+    for fn, needle in [(lambda: clip_grad_norm([one()], 1.0), "expected a dict"),
+                       (lambda: clip_grad_norm({"g": np.ones(2)}, 1.0), "is a ndarray"),
+                       (lambda: clip_grad_norm({"g": one()}, float("nan")), "max_norm must be a number"),
+                       (lambda: clip_grad_norm({"g": one()}, None), "max_norm must be a number"),
+                       (lambda: AdamW([one()]), "params must be a dict"),
+                       (lambda: GPT2(GPT2Config(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4), {}),
+                        "do not fit the config: 16 missing")]:
+        with pytest.raises(fm.ForgeError, match=needle):
+            fn()
+    p = fm.tensor(np.array(1.0))                       # 0-d float64
+    opt = AdamW({"scale": p}, lr=0.1, weight_decay=0.0)
+    opt.step({"scale": fm.tensor(np.array(1.0))})
+    assert p.numpy().shape == () and p.numpy() < 1.0
+
+
+def test_trainstep_refuses_float_ids_and_odd_seeds():
+    """Float ids were cast and trained on in silence (model.grads refuses them), a seed of 1.5
+    became 1, -1 was an OverflowError, batch=2.5 became 2 and max_norm=nan turned clipping off."""
+    from forge_ml.models import GPT2, GPT2Config
+    from forge_ml.optim import AdamW
+    from forge_ml.step import TrainStep
+    model = GPT2.init(GPT2Config(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    step = TrainStep(model, AdamW(model.params, lr=1e-2), batch=2, block=8)
+    x = np.arange(16).reshape(2, 8) % 16
+    for batches, seeds, needle in [([(x + 0.9, x)], [1], "ids are float64; expected integer"),
+                                   ([(x, x)], [1.5], "seed 0 must be a whole number"),
+                                   ([(x, x)], [-1], "seed 0 must be a whole number")]:
+        with pytest.raises(fm.ForgeError, match=needle):
+            step.run(batches, seeds=seeds, lr=1e-2)
+    assert step.run([(x, x)], seeds=[np.int64(3)], lr=1e-2).taken
+    for kw, needle in [(dict(batch=2.5, block=8), "batch must be a whole number"),
+                       (dict(batch=2, block=8, max_norm=float("nan")), "max_norm must be a number")]:
+        with pytest.raises(fm.ForgeError, match=needle):
+            TrainStep(model, AdamW(model.params, lr=1e-2), **kw)
+
+
+def test_a_big_endian_float64_array_stays_float64():
+    a = np.array([0.1, 1 / 3], dtype=">f8")
+    for t in (fm.tensor(a), fm.from_numpy(a)):
+        assert t.dtype == fm.float64 and t.numpy().tolist() == a.tolist()
+    assert fm.tensor(np.array([0.5], np.float16)).dtype == fm.float32

@@ -232,7 +232,7 @@ def test_logprobs(client, engine, tok):
     c = r.choices[0]
     lp = c.logprobs
     assert "".join(lp.tokens) == c.text and len(lp.tokens) == 6
-    assert lp.text_offset == list(range(6))
+    assert lp.text_offset == list(range(8, 14))   # from the prompt's start, as OpenAI counts
     want = list(engine.submit(tok.encode("hi there"),
                               SamplingParams(max_tokens=6, temperature=0, logprobs=3)))
     for i, t in enumerate(want):
@@ -288,6 +288,11 @@ def test_echo_and_prompt_scoring(client, http, engine):
 
 
 BAD = [
+    (b"[" * 5000 + b"]" * 5000, 400, None),                    # nested past Python's recursion
+    ({"prompt": "ab", "suffix": 0}, 400, "suffix"),            # wrong types were taken as unset
+    ({"prompt": "ab", "logit_bias": False}, 400, "logit_bias"),
+    ({"prompt": "ab", "presence_penalty": False}, 400, "presence_penalty"),
+    ({"prompt": "ab", "best_of": "x"}, 400, "best_of"),
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
     ({"prompt": "ab", "max_tokenz": 3}, 400, "max_tokenz"),
@@ -500,6 +505,18 @@ def test_a_gpt2_tokenizer_server_streams_whole_characters():
                       echo=True, ignore_eos=True)
             whole = complete(h, **kw)["choices"][0]["text"]
             chunks = sse(h, **kw)
+            # half a character is "bytes:\\xNN" in tokens and top_logprobs, as OpenAI writes it
+            # (as U+FFFD every such token had one key: top_logprobs lost entries); text_offset
+            # counts from the prompt's start, echo or not
+            scored = complete(h, model="gpt2-tiny", prompt="a🦜🦜", max_tokens=0, echo=True,
+                              logprobs=3)["choices"][0]["logprobs"]
+            byte_tokens = [t for t in scored["tokens"] if t.startswith("bytes:\\x")]
+            assert len(byte_tokens) >= 2 and all("\ufffd" not in t for t in scored["tokens"])
+            for top in scored["top_logprobs"][1:]:
+                assert len(top) >= 3                 # no entry lost to another
+            gen = complete(h, model="gpt2-tiny", prompt="Hello 🦜", max_tokens=3, logprobs=1,
+                           temperature=0, ignore_eos=True)["choices"][0]["logprobs"]
+            assert gen["text_offset"][0] == len("Hello 🦜")
         texts = [c["choices"][0]["text"] for c in chunks]
         assert texts[0] == "Hello 🦜"
         assert "".join(texts) == whole

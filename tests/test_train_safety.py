@@ -1123,3 +1123,180 @@ def test_small_resume_and_out_mistakes_are_one_line(workdir, capsys):
         _fails(capsys, ["train", "--out", "busy", "--resume"], "in use by another trainer")
     finally:
         holder.close()
+
+
+def test_a_stop_after_the_final_evaluation_is_finished_by_resume(workdir, capsys, monkeypatch):
+    """A signal during the final sample (after the final evaluation), or a crash before the
+    loss curve was drawn: the resume said the run was finished, and no command drew loss.png."""
+    pytest.importorskip("matplotlib")
+    argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "3", "--sample-interval", "3",
+            "--sample-tokens", "4"]      # the one sample is the final one, after the final evaluation
+    real = Trainer.sample
+
+    def cut(self, *a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Trainer, "sample", cut)
+    assert main(argv) == 130
+    monkeypatch.setattr(Trainer, "sample", real)
+    assert load_checkpoint("r/ckpt")[1]["val_kind"] == "full"
+    assert not Path("r/loss.png").exists() and "--resume" in capsys.readouterr().err
+    assert main(["train", "--out", "r", "--resume"]) == 0
+    assert "finishing it: its loss curve" in capsys.readouterr().err and Path("r/loss.png").is_file()
+    _fails(capsys, ["train", "--out", "r", "--resume"], "is finished")
+
+
+def test_extending_a_finished_run_does_not_evaluate_its_last_step_again(workdir):
+    kw = dict(eval_interval=2, checkpoint_interval=2)
+    Trainer(_cfg("r", max_steps=4, **kw), log=None).train()
+    Trainer(_cfg("r", max_steps=6, lr_decay_steps=6, **kw), resume=True, log=None).train()
+    vals = [(r["step"], r["val_kind"]) for r in read_log("r/log.jsonl")[0] if "val_loss" in r]
+    assert vals == [(2, "sampled"), (4, "full"), (6, "full")]
+
+
+def test_resuming_a_fine_tune_whose_data_is_gone_tokenizes_with_the_runs_alphabet(workdir):
+    """A char fine-tune from a source whose alphabet is larger than the text's: with data/
+    deleted, the resume prepared the text with the text's own alphabet (other ids) and then
+    said the text was edited."""
+    Path("src.txt").write_text(TEXT + "XYZ\n")
+    Trainer(_cfg("source", data="src.txt", max_steps=2), log=None).train()
+    kw = dict(init_from="source", max_steps=4, checkpoint_interval=2)
+    Trainer(_cfg("ft", **kw), log=None).train(until=2)
+    shutil.rmtree("ft/data")
+    Trainer(_cfg("ft", **kw), resume=True, log=None).train()
+    assert load_checkpoint("ft/ckpt")[1]["step"] == 4
+
+
+def test_a_shard_folder_run_records_its_tokens_digest(workdir, capsys):
+    """Finding 7 for --data FOLDER: the shards prepared again from an edited text of the same
+    length (prepare --force) were trained on without a word."""
+    Path("s.txt").write_text(TEXT)
+    assert main(["prepare", "s.txt", "--out", "pf"]) == 0
+    argv = ["train", "--data", "pf", "--out", "r", *TINY]
+    assert main(argv + ["--max-steps", "2"]) == 0
+    assert isinstance(load_checkpoint("r/ckpt")[1]["tokens_sha256"], str)
+    Path("s.txt").write_text(TEXT.replace("to be", "be to"))
+    assert main(["prepare", "s.txt", "--out", "pf", "--force"]) == 0
+    capsys.readouterr()
+    _fails(capsys, ["train", "--out", "r", "--resume", "--max-steps", "4"], "cannot resume", "tokens")
+
+
+def test_a_resume_probe_or_a_damaged_lock_leaves_the_folder_as_it_was(workdir, capsys):
+    """--resume into a folder without a run left a train.lock behind; a run's own lock file
+    zero-filled (a power loss) was refused as a user's file."""
+    Path("uf").mkdir()
+    Path("uf/notes.txt").write_text("mine")
+    _fails(capsys, ["train", "--out", "uf", "--resume"], "cannot resume")
+    assert os.listdir("uf") == ["notes.txt"]
+    argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2", "--checkpoint-interval", "1"]
+    assert main(argv) == 0
+    Path("r/train.lock").write_bytes(b"\0" * 40)
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "3"]) == 0
+    Path("r/train.lock").write_text("\nnot a lock line\n")
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "4"]) == 0
+
+
+def test_train_flag_mistakes_found_by_a_new_user_are_refused(workdir, capsys):
+    """An explicit --grad-accum 1 against --total-batch-size was overridden in silence (1 is
+    also the default); val_fraction in a --config file was taken with a data folder (the flag
+    is refused); --corpus-bytes -5, --n-layer 0 (silently the default) and --bucket-mb -3 were
+    accepted."""
+    base = ["train", "--out", "r", *TINY, "--max-steps", "1"]
+    _fails(capsys, base + ["--data", "t.txt", "--grad-accum", "1", "--total-batch-size", "12"],
+           "--grad-accum 1 x --batch-size 4 is not --total-batch-size 12")
+    assert main(["prepare", "t.txt", "--out", "pf"]) == 0
+    Path("c.json").write_text(json.dumps({"data": "pf", "val_fraction": 0.3}))
+    _fails(capsys, base + ["--config", "c.json"], "val_fraction (in c.json)")
+    _fails(capsys, base + ["--corpus-bytes", "-5"], "corpus_bytes must be >= 1")
+    _fails(capsys, base + ["--data", "t.txt", "--n-layer", "0"], "--n-layer must be >= 1")
+    _fails(capsys, base + ["--data", "t.txt", "--bucket-mb", "-3"], "--bucket-mb must be a size")
+    assert not Path("r").exists()
+    assert main(base + ["--data", "t.txt", "--grad-accum", "3", "--total-batch-size", "12"]) == 0
+
+
+def test_keep_best_keeps_the_model_of_the_lowest_val_loss(workdir, capsys):
+    """nanoGPT's always_save_checkpoint=False: the checkpoint of the best val loss, which a run
+    could not keep (one ckpt/, the last). --keep-best writes OUT/best, a model checkpoint that
+    sample and eval read, kept across a resume and removed by --overwrite."""
+    argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--eval-interval", "2", "--keep-best",
+            "--lr", "3e-2", "--checkpoint-interval", "4"]
+    assert main(argv + ["--max-steps", "4"]) == 0
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "8", "--lr-decay-steps", "8"]) == 0
+    vals = [r for r in read_log("r/log.jsonl")[0] if "val_loss" in r]
+    bests = [r for r in vals if r.get("best")]
+    assert bests and all(b["val_loss"] < a["val_loss"] for a, b in zip(bests, bests[1:]))
+    low = min(r["val_loss"] for r in vals)
+    tensors, meta = load_checkpoint("r/best")
+    assert meta["kind"] == "forge-ml-model" and meta["val_loss"] == low == bests[-1]["val_loss"]
+    assert meta["step"] == bests[-1]["step"] and "opt.m.wte.weight" not in tensors
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", "r/best", "--prompt", "to", "--max-new-tokens", "4"]) == 0
+    assert main(["eval", "--ckpt", "r/best", "--data", "r/data/val.bin"]) == 0
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1", "--overwrite"]) == 0
+    assert not Path("r/best").exists()
+
+
+def test_a_hangup_or_a_closed_stdout_stops_the_run_with_a_checkpoint(workdir):
+    """From a new user's test in hostile environments: SIGHUP (an SSH session dropping) killed
+    the run without a save; `forge-ml train | head` ended the run at the pipe's end with exit 0,
+    the steps since the last checkpoint lost. Both now stop at a step boundary with a checkpoint
+    of that step, as SIGINT does (exit 129, 141)."""
+    env = dict(os.environ, PYTHONPATH=SRC, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    args = [sys.executable, "-m", "forge_ml", "train", "--data", "t.txt", *TINY, "--max-steps", "100000",
+            "--log-interval", "1", "--checkpoint-interval", "50"]
+    for how, status in (("hup", 129), ("pipe", 141)):
+        run = f"run_{how}"
+        p = subprocess.Popen(args + ["--out", run], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        seen = 0
+        for line in p.stdout:
+            seen += line.startswith(b"step")
+            if seen >= 8:
+                break
+        if how == "hup":
+            p.send_signal(signal.SIGHUP)
+            p.stdout.read()
+        else:
+            p.stdout.close()         # the reader goes away, as `| head` does
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == status, err
+        step = load_checkpoint(Path(run) / "ckpt")[1]["step"]
+        assert step >= 8 and max(r["step"] for r in read_log(Path(run) / "log.jsonl")[0]) == step
+        assert "Traceback" not in err and "--resume" in err
+
+
+def test_a_stdout_that_cannot_encode_the_text_does_not_end_the_run(workdir):
+    """PYTHONIOENCODING=ascii (or a POSIX locale) and a sample with non-ASCII text: a
+    UnicodeEncodeError ended the run at its first sample, before any checkpoint."""
+    Path("u.txt").write_text("h\u00e9llo w\u00f6rld \U0001F600 \u65e5\u672c " * 200)
+    env = dict(os.environ, PYTHONPATH=SRC, PYTHONIOENCODING="ascii")
+    r = subprocess.run([sys.executable, "-m", "forge_ml", "train", "--data", "u.txt", "--out", "r\u00e9", *TINY,
+                        "--max-steps", "4", "--sample-interval", "2", "--sample-tokens", "20"],
+                       env=env, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"\\u" in r.stdout or b"\\x" in r.stdout                # escaped, not an error
+    r = subprocess.run([sys.executable, "-m", "forge_ml", "sample", "--ckpt", "r\u00e9", "--prompt",
+                        "h\u00e9", "--max-new-tokens", "5"], env=env, capture_output=True, timeout=120)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode()
+
+
+def test_no_home_folder_a_tilde_path_and_memory_errors(workdir, monkeypatch, capsys):
+    """No HOME and no passwd entry (a container's uid): Path.home() raised and every command
+    gave a traceback. --out=~/x made a folder named '~'. A MemoryError was a NumPy traceback."""
+    from forge_ml import flags
+    import forge_ml.cli as cli_mod
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("FORGE_CACHE_DIR", raising=False)
+
+    def no_home(cls=None):
+        raise RuntimeError("Could not determine home directory")
+    monkeypatch.setattr(Path, "home", classmethod(no_home))
+    assert "forge-ml-cache" in str(flags.cache_root("cpu"))
+    monkeypatch.undo()
+    monkeypatch.chdir(workdir)
+    monkeypatch.setenv("HOME", str(workdir / "home"))
+    assert main(["train", "--data", "t.txt", "--out=~/r", *TINY, "--max-steps", "1"]) == 0
+    assert (workdir / "home" / "r" / "ckpt").is_dir() and not Path("~").exists()
+
+    def oom(args):
+        raise MemoryError("Unable to allocate 38.1 GiB for an array")
+    monkeypatch.setitem(cli_mod._COMMANDS, "eval", oom)
+    _fails(capsys, ["eval", "--ckpt", "x", "--data", "t.txt"], "out of memory", "38.1 GiB", "--batch-size")

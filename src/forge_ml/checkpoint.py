@@ -666,8 +666,8 @@ def check_architecture(expected_shapes: dict, tensors: dict, ignore_prefixes=(OP
         for k in want if k in have and have[k] != want[k]
     ]
     # weights stored as integers (a hand-made file): a model of them trains nothing
-    not_float = [f"{k} ({tensors[k].dtype})" for k in want if k in have and hasattr(tensors[k], "dtype")
-                 and np.dtype(tensors[k].dtype).kind in "iub"]
+    not_float = [f"{k} ({tensors[k].dtype})" for k in want if k in have and isinstance(tensors[k], np.ndarray)
+                 and tensors[k].dtype.kind in "iub"]
 
     def listing(items, limit=12):
         shown = ", ".join(items[:limit])

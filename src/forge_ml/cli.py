@@ -59,23 +59,33 @@ _TRAIN_HELP = {
                  "Hugging Face GPT-2 folder: its weights, architecture and tokenizer (default: none)",
     "weight_decay": "AdamW weight decay (2-D weights only)",
     "beta1": "AdamW beta1", "beta2": "AdamW beta2",
-    "eval_iters": "val batches of the periodic estimate (the final evaluation covers every window, up to "
-                  "--final-eval-windows)",
+    "eval_iters": "val batches of the periodic estimate: the first ones, the same at every evaluation "
+                  "(nanoGPT draws random ones; none at step 0); the final evaluation covers every window, "
+                  "up to --final-eval-windows",
     "final_eval_windows": "the final evaluation covers every window of the val shards up to this many, "
                           "else the first this many (val_kind capped in log.jsonl); 0: every window "
                           "(default: 10000)",
     "sample_tokens": "tokens per sample", "sample_prompt": "text each sample starts from",
-    "sample_temperature": "sampling temperature", "log_interval": "steps between log lines",
+    "sample_temperature": "sampling temperature",
+    "log_interval": "steps between log lines (0: none; the first step's is always printed; on a terminal "
+                    "the progress bar shows the steps instead: add --no-progress for the lines)",
     "progress": "show a progress bar on a terminal", "seed": "seed of init, data order and dropout",
     "device": "cpu, cuda or cuda:N", "dtype": "float32, or bf16 (GPU mixed precision)",
-    "max_steps": "optimizer steps to train for", "grad_accum": "micro-batches per step",
-    "lr": "peak learning rate", "min_lr": "final learning rate of the cosine (default: lr / 10)",
-    "warmup": "linear warmup steps",
+    "max_steps": "optimizer steps to train for (nanoGPT's max_iters N runs N + 1)",
+    "grad_accum": "micro-batches per step",
+    "lr": "peak learning rate",
+    "min_lr": "final learning rate of the cosine (default: lr / 10; a resumed run keeps the min-lr it "
+              "recorded)",
+    "warmup": "linear warmup steps: step s (from 0) runs at lr (s + 1) / warmup (llm.c's; nanoGPT's "
+              "divides by warmup + 1)",
     "lr_decay_steps": "step where the cosine ends (0: max-steps; fix it to extend a run by --resume "
                       "--max-steps as one longer run would have trained)",
     "grad_clip": "max global gradient norm (0: off)", "eval_interval": "steps between val evals (0: off)",
-    "sample_interval": "steps between samples (0: off)", "checkpoint_interval": "steps between checkpoints",
+    "sample_interval": "steps between samples (0: off)", "checkpoint_interval": "steps between checkpoints (0: only at the end)",
     "out_dir": "run folder for checkpoints, log.jsonl and loss.png",
+    "keep_best": "also keep the model of the lowest val loss so far in OUT/best (a model checkpoint: "
+                 "sample, eval, convert and --init-from read it), as nanoGPT's always_save_checkpoint=False "
+                 "does; the periodic val loss is over the first --eval-iters batches (default: off)",
 }
 
 
@@ -188,9 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
                "  forge-ml sample --ckpt ~/gpt2 --prompt 'The' --temperature 0.9 --min-p 0.05 "
                "--repetition-penalty 1.2 --logprobs 3\n"
                "  forge-ml sample --ckpt ~/gpt2 --prompt 'The' --num-beams 4 --num-return-sequences 2 "
-               "--max-new-tokens 30")
+               "--max-new-tokens 30\n"
+               "  forge-ml sample --ckpt runs/default --prompt-file prompt.txt --num-samples 3")
     s.add_argument("--ckpt", required=True, help="checkpoint folder, run folder or HF GPT-2 folder")
     s.add_argument("--prompt", default="", help="text to continue (default: a newline / end-of-text)")
+    s.add_argument("--prompt-file", metavar="PATH", default=None,
+                   help="read the prompt from a UTF-8 text file, as it is (nanoGPT's start='FILE:...')")
+    s.add_argument("--num-samples", type=int, metavar="N", default=1,
+                   help="N samples, the i-th drawn with --seed + i, each after a '---' line when N > 1 "
+                        "(default 1)")
     s.add_argument("--max-new-tokens", type=int, metavar="N", default=200, help="tokens to generate (default 200)")
     s.add_argument("--temperature", type=float, metavar="T", default=0.8, help="0 is greedy (default 0.8)")
     s.add_argument("--top-k", type=int, metavar="K", default=None, help="sample among the k most likely tokens")
@@ -383,6 +399,12 @@ def _cmd_train(args) -> int:
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     explicit = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    for k in ("n_layer", "n_head", "n_embd"):     # 0 is TrainConfig's "not given": not a size
+        if explicit.get(k) is not None and explicit[k] < 1:
+            raise ConfigError(f"--{k.replace('_', '-')} must be >= 1, got {explicit[k]}")
+    if not args.bucket_mb > 0 or math.isinf(args.bucket_mb):
+        raise ConfigError(f"--bucket-mb must be a size in MB > 0, got {args.bucket_mb}")
+
     if "val_fraction" in explicit and explicit.get("data") and Path(explicit["data"]).is_dir():
         raise ConfigError(f"--val-fraction splits a text file; the data folder {explicit['data']} holds its "
                           f"train and val shards already (drop --val-fraction, or give the text file)")
@@ -406,7 +428,7 @@ def _cmd_train(args) -> int:
             if Path(out_dir).is_dir():   # a trainer still before its first checkpoint: say so
                 probe = RunLock(out_dir)
                 probe.acquire()
-                probe.release()
+                probe.release(undo=True)   # a lock file the probe made goes again
             data = Path(out_dir) / DATA_NAME
             held = ([LOG_NAME] if (Path(out_dir) / LOG_NAME).exists() else []) \
                 + ([DATA_NAME + "/"] if data.is_dir() and any(data.iterdir()) else [])
@@ -419,6 +441,15 @@ def _cmd_train(args) -> int:
         values.update(meta.get("train_config", {}))
     values.update(from_file)
     values.update(explicit)
+    b = values.get("batch_size", TrainConfig.batch_size)
+    if "grad_accum" in explicit and values.get("total_batch_size") and isinstance(b, int) \
+            and explicit["grad_accum"] * b != values["total_batch_size"]:
+        # (TrainConfig takes grad_accum 1 as "not given", so an explicit 1 was overridden)
+        raise ConfigError(f"--grad-accum {explicit['grad_accum']} x --batch-size {b} is not --total-batch-size "
+                          f"{values['total_batch_size']}; give one of --grad-accum and --total-batch-size")
+    if "val_fraction" in from_file and values.get("data") and Path(values["data"]).is_dir():
+        raise ConfigError(f"val_fraction (in {args.config}) splits a text file; the data folder {values['data']} "
+                          f"holds its train and val shards already (drop val_fraction from the file)")
     was_min = (meta or {}).get("train_config", {}).get("min_lr")
     if (meta is not None and "lr" in explicit and values.get("min_lr") == was_min and isinstance(was_min, (int, float))
             and isinstance(values.get("lr"), (int, float)) and was_min > values["lr"]):
@@ -442,10 +473,15 @@ def _cmd_train(args) -> int:
                                      resume=args.resume, overwrite=args.overwrite)
     else:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
-    unfinished = trainer.val_kind not in FINAL_VAL_KINDS   # a signal during the final evaluation
+    # a signal during the final evaluation, or after it (the final sample), or a crash before
+    # the loss curve was drawn: the resume finishes what is left
+    import importlib.util
+    no_plot = not (Path(out_dir) / "loss.png").is_file() and importlib.util.find_spec("matplotlib") is not None
+    unfinished = trainer.val_kind not in FINAL_VAL_KINDS or no_plot
     if args.resume and trainer.step >= cfg.max_steps and unfinished:
+        left = "its final evaluation" if trainer.val_kind not in FINAL_VAL_KINDS else "its loss curve"
         print(f"{PROG}: the run in {out_dir} reached step {trainer.step} of --max-steps {cfg.max_steps}; "
-              f"finishing it: its final evaluation", file=sys.stderr)
+              f"finishing it: {left}", file=sys.stderr)
     elif args.resume and trainer.step >= cfg.max_steps:  # checked after the checkpoint fits the config
         trainer.close()
         done = trainer.step
@@ -498,8 +534,17 @@ class _Detok:
     def __init__(self, tok):
         self.tok = tok
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if tok.kind == "gpt2" else None
+        self.said = False
 
     def __call__(self, t: int) -> str:
+        if t >= self.tok.vocab_size:
+            # an embedding row past the tokenizer (a vocabulary padded to a multiple of 64):
+            # no text, as transformers decodes it; said once (sample failed here, code 2)
+            if not self.said:
+                self.said = True
+                print(f"{PROG} sample: note: the model chose id {t}, an embedding row past its tokenizer's "
+                      f"{self.tok.vocab_size} tokens; it has no text", file=sys.stderr)
+            return ""
         if self.utf8 is None:
             return self.tok.decode([t])
         return self.utf8.decode(self.tok.decode_bytes([t]))
@@ -510,6 +555,16 @@ class _Detok:
 
 def _check_sample_args(args) -> None:
     """``sample``'s options, checked before any work (and before the prompt is printed)."""
+    if args.prompt_file is not None:
+        if args.prompt:
+            raise ConfigError("give --prompt or --prompt-file, not both")
+        from .data import load_text
+        args.prompt = load_text(args.prompt_file)
+    if args.num_samples < 1:
+        raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.num_samples > 1 and args.num_beams is not None:
+        raise ConfigError("--num-samples draws samples; beam search (--num-beams) is deterministic: "
+                          "use --num-return-sequences for its best sequences")
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.temperature >= 0 or math.isinf(args.temperature):  # NaN fails >= too
@@ -546,7 +601,7 @@ def _check_sample_args(args) -> None:
 
 def _cmd_sample(args) -> int:
     from .errors import ShapeError
-    from .inference import load_model, stream_tokens
+    from .inference import load_model
     from .inference.load import check_tokenizer_fits
 
     _check_sample_args(args)
@@ -572,10 +627,21 @@ def _cmd_sample(args) -> int:
     out = sys.stdout
     if args.num_beams is not None:
         return _sample_beams(args, model, tok, ids, stop, out)
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            out.write(f"--- sample {i + 1} of {args.num_samples} (seed {args.seed + i}) ---\n")
+        _sample_one(args, model, tok, ids, stop, out, args.seed + i)
+    return 0
+
+
+def _sample_one(args, model, tok, ids, stop, out, seed: int) -> None:
+    """One sample of ``sample``: the prompt, the tokens as they come (and the log-probabilities)."""
+    from .inference import stream_tokens
+    block = model.config.block_size
     out.write(args.prompt)
     out.flush()
     detok = _Detok(tok)
-    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+    kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
               min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     if args.logprobs is not None:    # the batch form reports them; no sliding window past the context
         from .inference import generate
@@ -590,10 +656,11 @@ def _cmd_sample(args) -> int:
         out.write(detok.flush() + "\n")
         out.write(f"--- log-probabilities: token, its log-probability, the {args.logprobs} most likely ---\n")
         for e in events:
-            alts = " | ".join(f"{tok.decode([i])!r} {lp:.3f}" for i, lp in (e.top_logprobs or ()))
-            out.write(f"{tok.decode([e.token])!r:>16} {e.logprob:9.3f}   {alts}\n")
+            text = lambda i: tok.decode([i]) if i < tok.vocab_size else f"<id {i}>"   # noqa: E731
+            alts = " | ".join(f"{text(i)!r} {lp:.3f}" for i, lp in (e.top_logprobs or ()))
+            out.write(f"{text(e.token)!r:>16} {e.logprob:9.3f}   {alts}\n")
         out.flush()
-        return 0
+        return
     for t in stream_tokens(model, ids, args.max_new_tokens, stop_tokens=stop, **kw):
         if t in stop:
             break
@@ -601,7 +668,6 @@ def _cmd_sample(args) -> int:
         out.flush()
     out.write(detok.flush() + "\n")
     out.flush()
-    return 0
 
 
 def _sample_beams(args, model, tok, ids, stop, out) -> int:
@@ -613,7 +679,7 @@ def _sample_beams(args, model, tok, ids, stop, out) -> int:
                                early_stopping=early, eos_token_id=list(stop) or None,
                                num_return_sequences=args.num_return_sequences)
     for i, (seq, score) in enumerate(zip(seqs, scores)):
-        text = tok.decode([t for t in seq if t not in stop])
+        text = tok.decode([t for t in seq if t not in stop and t < tok.vocab_size])
         if len(seqs) > 1:
             out.write(f"--- sequence {i + 1} of {len(seqs)}, score {score:.4f} ---\n")
         out.write(args.prompt + text + "\n")
@@ -633,6 +699,8 @@ def _cmd_eval(args) -> int:
     if args.max_batches is not None and args.max_batches < 1:
         raise ConfigError(f"--max-batches must be >= 1 (leave it out to evaluate every window), "
                           f"got {args.max_batches}")
+    if not args.data.strip():
+        raise DataError(f"--data is empty ({args.data!r}); give a text file, a .bin token shard or a data folder")
     path = Path(args.data)
     if not path.exists():
         raise DataError(f"--data {path}: no such file")
@@ -651,23 +719,25 @@ def _cmd_eval(args) -> int:
                 f.read(1)
         except OSError as e:
             raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
+    shard = shards is None and (path.suffix == ".bin" or _starts_like_a_shard(path))  # one named *.dat too
     model, tok, _ = load_model(args.ckpt, device=args.device)
     cfg = model.config
     if folder is not None:
         _check_shards_tokenizer(folder.folder, folder.tokenizer, tok, args.ckpt)
-    elif path.suffix == ".bin" and (path.parent / "tokenizer.json").is_file():
+    elif shard and (path.parent / "tokenizer.json").is_file():
         # one shard of a prepared folder: the tokenizer.json beside it counts as the folder's (a
         # loose shard with none beside it is taken as it is: only its ids' range is checked)
         _check_shards_tokenizer(path.parent, path.parent / "tokenizer.json", tok, args.ckpt,
                                 what=f"the shard {path}")
     tmp = None
-    if shards is None and path.suffix != ".bin":  # a text file: tokenize it with the checkpoint's tokenizer
+    if shards is None and not shard:  # a text file: tokenize it with the checkpoint's tokenizer
         import tempfile
         try:
             text = load_text(path)
         except OSError as e:
             raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
-        ids = tok.encode(text)
+        from .data import encode_array
+        ids = encode_array(tok, text)
         tmp = tempfile.TemporaryDirectory()
         path = Path(tmp.name) / "eval.bin"
         write_shard(path, ids)
@@ -684,10 +754,12 @@ def _cmd_eval(args) -> int:
         T = min(cfg.block_size, n_tokens - 1)
         B = max(1, min(args.batch_size, (n_tokens - 1) // T))
         loader = DataLoader(paths, B, T)
-        if args.max_batches is None:  # every window: those past the last whole batch come as a smaller one
+        if args.max_batches is None or args.max_batches > (n_tokens - 1) // T // B:
+            # every window: those past the last whole batch come as a smaller one (a cap past
+            # the whole batches changes nothing)
             batches = loader.eval_batches(tail=True)
         else:
-            batches = loader.eval_batches(min((n_tokens - 1) // T // B, args.max_batches))
+            batches = loader.eval_batches(args.max_batches)
         total, windows, n, t0 = 0.0, 0, 0, time.perf_counter()
         for x, y in batches:  # a batch's loss is the mean over its windows
             total += model.loss(tensor(x, device=args.device), tensor(y, device=args.device)).item() * len(x)
@@ -701,8 +773,21 @@ def _cmd_eval(args) -> int:
     print(f"loss {loss:.4f}  perplexity {math.exp(min(loss, 700)):.3f}  "
           f"({windows * T:,} tokens{where}: {windows:,} window{'s' * (windows != 1)} of {T} in {n} "
           f"batch{'es' * (n != 1)} of {B}, "
-          f"{time.perf_counter() - t0:.1f} s)")
+          f"{time.perf_counter() - t0:.1f} s)"
+          + (f"; the windows are shorter than the model's context of {cfg.block_size}: the data holds "
+             f"{n_tokens:,} tokens, so this loss is not comparable with a run's val loss"
+             if T < cfg.block_size else ""))
     return 0
+
+
+def _starts_like_a_shard(path) -> bool:
+    """Whether the file begins with llm.c's shard magic (a shard not named ``*.bin``)."""
+    from .data import SHARD_MAGIC
+    try:
+        with open(path, "rb") as f:
+            return int.from_bytes(f.read(4), "little") == SHARD_MAGIC
+    except OSError:
+        return False
 
 
 def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, what=None) -> None:
@@ -733,6 +818,9 @@ def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, what=None) -> Non
 def _cmd_prepare(args) -> int:
     from .data import prepare
 
+    if not args.out.strip():
+        raise DataError(f"--out is empty ({args.out!r}); give the folder for train.bin, val.bin and "
+                        f"tokenizer.json (e.g. --out data/mine)")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a folder; expected a folder for train.bin, val.bin "
@@ -756,6 +844,7 @@ def _cmd_convert(args) -> int:
     from .hf import (HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, is_hf_export, load_hf_gpt2,
                      save_hf_gpt2)
     from .inference.load import hf_tokenizer_dict, load_model, resolve_checkpoint
+    from .tokenizer import tokenizer_from_dict
 
     # Every check before any work: the output folder is new, empty, or (with --force) an
     # earlier conversion of the same kind, and never the folder read from.
@@ -767,7 +856,12 @@ def _cmd_convert(args) -> int:
         check_output_dir(args.out, reads=[src], is_own=lambda d: is_checkpoint_dir(d, kind="forge-ml-model"),
                          force=args.force, what="forge-ml checkpoint")  # never a run's checkpoint
         config, params = load_hf_gpt2(src)
-        meta = {"kind": "forge-ml-model", "config": config, "tokenizer": hf_tokenizer_dict(src),
+        tok_dict = hf_tokenizer_dict(src)
+        tok = tokenizer_from_dict(tok_dict)
+        if tok.vocab_size > config["vocab_size"]:   # as sample, serve and train refuse it (later)
+            raise ConfigError(f"--from-hf {src}: the model has {config['vocab_size']} tokens but its tokenizer "
+                              f"({tok.kind}) has {tok.vocab_size}; the ids would not be the model's")
+        meta = {"kind": "forge-ml-model", "config": config, "tokenizer": tok_dict,
                 "source": str(src.resolve())}
         save_checkpoint(args.out, params, meta)
         print(f"imported {len(params)} tensors ({config['n_layer']} layers, {config['n_embd']} channels) "
@@ -820,6 +914,8 @@ def _cmd_bench(args) -> int:
                               f"does not run with a NAME; give {name}'s own arguments after it "
                               f"(forge-ml bench {name} --help lists them)")
         argv, sys.argv = sys.argv, [str(found[name]), *args.script_args]
+        path0 = list(sys.path)
+        sys.path.insert(0, str(found[name].parent))   # its sibling modules, as `python SCRIPT` has them
         try:
             runpy.run_path(str(found[name]), run_name="__main__")
         except SystemExit as e:    # the script's sys.exit, or its --help: its status
@@ -828,11 +924,13 @@ def _cmd_bench(args) -> int:
             missing = (e.name or str(e)).split(".")[0]
             if missing == "forge_ml":
                 raise
+            extra = ("CuPy comes with the cuda12 extra: pip install -e '.[cuda12]'" if missing == "cupy" else
+                     "the benchmarks' peers come with the test extra: pip install -e '.[test]'")
             raise ConfigError(f"benchmark {name} needs the Python module {missing!r}, which is not "
-                              f"installed; install it (the benchmarks' peers come with the test "
-                              f"extra: pip install -e '.[test]')") from None
+                              f"installed; install it ({extra})") from None
         finally:
             sys.argv = argv
+            sys.path[:] = path0
         return 0
     return _builtin_bench(20 if args.steps is None else args.steps, args.device or "cpu")
 
@@ -894,6 +992,11 @@ _COMMANDS = {"serve": _cmd_serve, "train": _cmd_train, "sample": _cmd_sample, "e
              "convert": _cmd_convert, "bench": _cmd_bench, "check": _cmd_check}
 
 
+# the arguments that name files or folders (a leading ~ is the home folder in each)
+_PATH_ARGS = ("out", "out_dir", "data", "ckpt", "init_from", "text", "config", "from_hf", "to_hf",
+              "prompt_file")
+
+
 def main(argv=None) -> int:
     """Run the ``forge-ml`` command line; returns the exit status (0 ok, 1 training failure,
     2 bad input or a file that cannot be written, 130 / 143 stopped by SIGINT / SIGTERM). The
@@ -910,6 +1013,18 @@ def main(argv=None) -> int:
     if args.cmd is None:
         parser.print_help()
         return 0
+    for stream in (sys.stdout, sys.stderr):
+        # a stream that cannot encode all text (PYTHONIOENCODING=ascii, a POSIX locale): what
+        # it cannot carry is written as escapes, not a UnicodeEncodeError that ended a run
+        try:
+            if (stream.encoding or "").lower().replace("-", "").replace("_", "") != "utf8":
+                stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):
+            pass
+    for name in _PATH_ARGS:      # --out=~/x reaches us unexpanded (the shell expands ~ only
+        v = getattr(args, name, None)        # at a word's start)
+        if isinstance(v, str) and v.startswith("~"):
+            setattr(args, name, os.path.expanduser(v))
     try:
         flags.check_environment(warn=False)   # a bad FORGE_* value fails before any work, not midway
         for name, near in flags.unreported_misspellings():
@@ -929,6 +1044,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except MemoryError as e:   # NumPy's _ArrayMemoryError on the CPU: one line, no traceback
+        print(f"{PROG} {args.cmd}: error: out of memory: {e or 'the host could not allocate more'}; use a "
+              f"smaller --batch-size, --block-size or model", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `forge-ml sample ... | head`
         try:
             sys.stdout = open(os.devnull, "w")

@@ -130,6 +130,8 @@ def write_shard(path, tokens) -> None:
 def _shard_bytes(path, tokens) -> list:
     """The header and the tokens of a shard, as the chunks ``write_shard`` writes (``path``
     names the file in errors)."""
+    if not hasattr(tokens, "__len__"):       # a generator or another iterable of ids
+        tokens = list(tokens)
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise DataError(f"write_shard: tokens must be 1-D, got shape {arr.shape} for {path}")
@@ -150,7 +152,7 @@ def _shard_bytes(path, tokens) -> list:
             )
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, arr.size
-    return [header.tobytes(), arr.astype(_TOKEN_DTYPE).tobytes()]
+    return [header.tobytes(), np.ascontiguousarray(arr, dtype=_TOKEN_DTYPE).tobytes()]   # (one copy)
 
 
 def read_shard(path) -> np.ndarray:
@@ -210,6 +212,16 @@ def load_text(path) -> str:
     if not path.is_file():
         raise DataError(f"expected a text file, but {path} is a directory or special file")
     raw = path.read_bytes()
+    if raw[:4] == SHARD_MAGIC.to_bytes(4, "little"):
+        raise DataError(f"{path} is an llm.c token shard, not a text file; give the folder that holds the "
+                        f"train and val shards")
+    nul = raw.count(0)
+    if nul and (path.suffix == ".bin" or nul * 100 > len(raw)):
+        # nanoGPT's prepare.py writes raw uint16 ids (no header): as UTF-8 they often decode,
+        # and a run trained on their bytes as characters, in silence
+        raise DataError(f"{path} holds token ids, not text ({nul:,} NUL bytes); nanoGPT's train.bin and "
+                        f"val.bin are raw uint16 ids without llm.c's header: write them as shards with "
+                        f"forge_ml.data.write_shard (the README shows how), or give the text file")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -262,24 +274,48 @@ def prepare(text_path, out_dir, tokenizer="char", val_fraction: float = 0.1) -> 
     """
     from .tokenizer import load_tokenizer
 
-    if not (0.0 < val_fraction < 1.0):
-        raise DataError(f"prepare: val_fraction must be in (0, 1), got {val_fraction}")
+    _check_val_fraction(val_fraction, "prepare")
+    out = Path(out_dir)
+    if not str(out_dir).strip() or (out.exists() and not out.is_dir()):
+        what = "is empty" if not str(out_dir).strip() else "exists and is not a folder"
+        raise DataError(f"prepare: out_dir {str(out_dir)!r} {what}; expected the folder to write the shards in")
     text = load_text(text_path)
     if not text:
         raise DataError(f"prepare: {text_path} is empty")
     tok = load_tokenizer(tokenizer, text=text)
-    train, val = split_tokens(tok.encode(text), val_fraction, text_path)
+    train, val = split_tokens(encode_array(tok, text), val_fraction, text_path)
     return write_prepared(out_dir, train, val, tok)
 
 
+def encode_array(tok, text: str) -> np.ndarray:
+    """``tok``'s ids of ``text`` as an integer array: its ``encode_array`` (4 bytes a token)
+    where it has one, else its ``encode`` list as int64.
+
+    >>> from forge_ml.tokenizer import CharTokenizer
+    >>> encode_array(CharTokenizer("ab"), "ba").tolist()
+    [1, 0]
+    """
+    fn = getattr(tok, "encode_array", None)
+    return fn(text) if fn is not None else np.asarray(tok.encode(text), np.int64)
+
+
+def _check_val_fraction(v, who: str) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or not 0.0 < v < 1.0:
+        raise DataError(f"{who}: val_fraction must be a number in (0, 1), got {v!r}")
+
+
 def split_tokens(ids, val_fraction: float, source="the text") -> tuple:
-    """``(train, val)``: ``ids`` as int64, the last ``val_fraction`` of them for validation;
+    """``(train, val)``: ``ids`` (an integer array keeps its dtype, anything else becomes
+    int64), the last ``val_fraction`` of them for validation;
     a DataError naming ``source`` when either part would be empty.
 
     >>> [len(a) for a in split_tokens(range(20), 0.1)], [len(a) for a in split_tokens(range(100), 0.29)]
     ([18, 2], [71, 29])
     """
-    ids = np.asarray(ids, dtype=np.int64)
+    _check_val_fraction(val_fraction, "split_tokens")
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu" or ids.dtype == np.uint64:   # an integer array keeps its width
+        ids = np.asarray(ids, dtype=np.int64)
     n = ids.size
     # the floor of n * val_fraction, where the float product may land just under a whole number
     # (100 * 0.29 = 28.999999999999996 gave 28 val tokens, not 29)
@@ -448,6 +484,9 @@ class DataLoader:
     """
 
     def __init__(self, path_or_paths, batch_size: int, block_size: int, seed: int = 0):
+        for name, v in (("batch_size", batch_size), ("block_size", block_size)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise DataError(f"DataLoader: {name} must be a whole number, got {v!r}")
         if int(batch_size) < 1 or int(block_size) < 1:
             raise DataError(
                 f"DataLoader: batch_size and block_size must be >= 1, got {batch_size} and {block_size}"

@@ -239,7 +239,14 @@ def cache_root(sub: str):
     if root:
         return Path(os.path.abspath(os.path.expanduser(root))) / sub
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "forge-ml" / sub
+    if xdg:
+        return Path(xdg) / "forge-ml" / sub
+    try:
+        return Path.home() / ".cache" / "forge-ml" / sub
+    except RuntimeError:   # no HOME and no passwd entry (a container's arbitrary uid, env -i)
+        import tempfile
+        uid = os.getuid() if hasattr(os, "getuid") else "user"
+        return Path(tempfile.gettempdir()) / f"forge-ml-cache-{uid}" / sub
 
 
 def _switch(name: str) -> Switch:

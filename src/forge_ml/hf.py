@@ -350,9 +350,12 @@ def transformers_tokenizer_files(tokenizer: dict, vocab_size: int, block_size: i
         data = tok.data_dir
         eot = {"content": GPT2_EOT, "lstrip": False, "normalized": True, "rstrip": False,
                "single_word": False, "special": True}
-        cfg = dict(common, tokenizer_class="GPT2Tokenizer", add_prefix_space=False,
+        added = {str(r["id"]): dict(eot, content=c, normalized=False, lstrip=r["lstrip"], rstrip=r["rstrip"],
+                                    single_word=r["single_word"], special=r["special"])
+                 for c, r in tok.added.items()}
+        cfg = dict(common, tokenizer_class="GPT2Tokenizer", add_prefix_space=tok.add_prefix_space,
                    bos_token=GPT2_EOT, eos_token=GPT2_EOT, unk_token=GPT2_EOT,
-                   added_tokens_decoder={str(tok.eot_token): eot})
+                   added_tokens_decoder={str(tok.eot_token): eot, **added}, **tok.roles)
         return {"vocab.json": (data / "encoder.json").read_text(encoding="utf-8"),
                 "merges.txt": (data / "vocab.bpe").read_text(encoding="utf-8"),
                 "tokenizer_config.json": json.dumps(cfg, indent=2) + "\n"}

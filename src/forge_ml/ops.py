@@ -14,6 +14,7 @@ batch dims.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple, Tuple
 
 import numpy as np
@@ -25,6 +26,21 @@ from .errors import ConfigError, DeviceError, DTypeError, ShapeError
 from .tensor import Tensor, backend_of
 
 # -- boundary checks -------------------------------------------------------------------
+
+
+def _as_int(x):
+    """A NumPy integer (shape arithmetic, np.argmax) as the int it is; anything else as it came,
+    so that the caller's ``type(x) is int`` refuses a bool, a float and a string by their value."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        return int(x)
+    return x
+
+
+def _num(op, name, v) -> float:
+    """``v`` as a float: a real number (a NumPy one too), not a bool or a string."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ConfigError(f"{op}: {name} must be a number, got {v!r:.40}")
+    return float(v)
 
 
 def _tensor(op, name, x):
@@ -122,7 +138,8 @@ def matmul(a, b, bias=None, *, trans_a=False, trans_b=False, alpha=1.0, b_rows=N
                          "equal-rank batched operands with equal leading dims")
     rows_b = b.shape[-2]
     if b_rows is not None:
-        if not (isinstance(b_rows, int) and 0 < b_rows <= rows_b):
+        b_rows = _as_int(b_rows)
+        if not (type(b_rows) is int and 0 < b_rows <= rows_b):
             raise ShapeError(f"matmul: b_rows must be in 1..{rows_b} (b is {b.shape}), got {b_rows}")
         rows_b = b_rows
     m, k = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
@@ -135,7 +152,7 @@ def matmul(a, b, bias=None, *, trans_a=False, trans_b=False, alpha=1.0, b_rows=N
     if bias is not None and bias.shape != (n,):
         raise ShapeError(f"matmul: bias must be ({n},) for an output of {n} columns, got {bias.shape}")
     out = bk.matmul(a.data, b.data, None if bias is None else bias.data,
-                    bool(trans_a), bool(trans_b), float(alpha), b_rows)
+                    bool(trans_a), bool(trans_b), _num("matmul", "alpha", alpha), b_rows)
     return _wrap(a, out)
 
 
@@ -183,7 +200,7 @@ def linear(x, w, bias=None, *, act=None, residual=None, ln=None, eps=1e-5) -> Te
         _ln_check(op, x, gamma, beta)
     return _wrap(x, bk.linear(x.data, w.data, None if bias is None else bias.data, act,
                               None if residual is None else residual.data,
-                              None if ln is None else (gamma.data, beta.data, float(eps))))
+                              None if ln is None else (gamma.data, beta.data, _num("linear", "eps", eps))))
 
 
 def matmul_gelu(x, w, bias) -> Tuple[Tensor, Tensor]:
@@ -255,7 +272,7 @@ def weight_grads(x, dy, alpha=1.0, dy_sums=None) -> Tuple[Tensor, Tensor]:
             raise ShapeError(f"{op}: dy_sums must be dy's row sums, {dy.dtype.name} "
                              f"{(dy.shape[1],)}; got {dy_sums.dtype.name} {dy_sums.shape}")
         return matmul(x, dy, trans_a=True, alpha=alpha), dy_sums
-    dw, db = bk.weight_grads(x.data, dy.data, float(alpha))
+    dw, db = bk.weight_grads(x.data, dy.data, _num("weight_grads", "alpha", alpha))
     return _wrap(x, dw), _wrap(x, db)
 
 
@@ -308,6 +325,8 @@ def sumsq_total(xs) -> Tensor:
     >>> sumsq_total([fm.tensor(np.array([3.0], np.float32)), fm.tensor(np.array([4.0], np.float32))]).item()
     25.0
     """
+    if isinstance(xs, Tensor):
+        raise ShapeError("sumsq_total: expected a list of tensors, got one Tensor (give [x], or use sumsq)")
     xs = list(xs)
     if not xs:
         raise ShapeError("sumsq_total: expected at least one tensor, got none")
@@ -372,9 +391,9 @@ def layernorm(x, gamma, beta, eps=1e-5) -> Tensor:
     bk = _same("layernorm", x=x, gamma=gamma, beta=beta)
     if x.numel == 0:
         return _empty(x, x.shape)
-    if not float(eps) >= 0.0:   # a negative eps makes var + eps negative: NaN, silently
+    if not _num("layernorm", "eps", eps) >= 0.0:   # a negative eps makes var + eps negative: NaN, silently
         raise ConfigError(f"layernorm: eps must be >= 0, got {eps}")
-    return _wrap(x, bk.layernorm(x.data, gamma.data, beta.data, float(eps)))
+    return _wrap(x, bk.layernorm(x.data, gamma.data, beta.data, _num("layernorm", "eps", eps)))
 
 
 def layernorm_bwd(x, gamma, dy, eps=1e-5, add=None, sums=False):
@@ -407,13 +426,13 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5, add=None, sums=False):
         c = x.shape[-1:]
         return (_empty(x, x.shape), _empty(x, c), _empty(x, c)) + ((_empty(x, c),) if sums else ())
     if sums:
-        dx, dg, db, ds = bk.layernorm_bwd_sums(x.data, gamma.data, dy.data, float(eps),
+        dx, dg, db, ds = bk.layernorm_bwd_sums(x.data, gamma.data, dy.data, _num("layernorm_bwd", "eps", eps),
                                                None if add is None else add.data)
         return _wrap(x, dx), _wrap(x, dg), _wrap(x, db), _wrap(x, ds)
     if add is None:
-        dx, dg, db = bk.layernorm_bwd(x.data, gamma.data, dy.data, float(eps))
+        dx, dg, db = bk.layernorm_bwd(x.data, gamma.data, dy.data, _num("layernorm_bwd", "eps", eps))
     else:
-        dx, dg, db = bk.layernorm_bwd_add(x.data, gamma.data, dy.data, float(eps), add.data)
+        dx, dg, db = bk.layernorm_bwd_add(x.data, gamma.data, dy.data, _num("layernorm_bwd", "eps", eps), add.data)
     return _wrap(x, dx), _wrap(x, dg), _wrap(x, db)
 
 
@@ -430,7 +449,8 @@ def softmax(x, causal=False, off=0) -> Tensor:
     """
     _float("softmax", "x", x)
     _rank("softmax", "x", x, 2 if causal else 1)
-    if not isinstance(off, int) or off < 0:
+    off = _as_int(off)
+    if type(off) is not int or off < 0:
         raise ShapeError(f"softmax: off must be a non-negative int, got {off!r}")
     if causal and x.shape[-2] + off > x.shape[-1] and x.shape[-1] < 1:
         raise ShapeError(f"softmax: causal rows need at least one column, got {x.shape}")
@@ -465,7 +485,8 @@ def split_heads(qkv, n_head):
     """
     _float("split_heads", "qkv", qkv)
     _rank("split_heads", "qkv", qkv, 2)
-    if not isinstance(n_head, int) or n_head <= 0:
+    n_head = _as_int(n_head)
+    if type(n_head) is not int or n_head <= 0:
         raise ShapeError(f"split_heads: n_head must be a positive int, got {n_head!r}")
     c3 = qkv.shape[-1]
     if c3 % (3 * n_head):
@@ -511,7 +532,8 @@ def unmerge_heads(dy, h) -> Tensor:
     """
     _float("unmerge_heads", "dy", dy)
     _rank("unmerge_heads", "dy", dy, 2)
-    if not isinstance(h, int) or h <= 0 or dy.shape[-1] % h:
+    h = _as_int(h)
+    if type(h) is not int or h <= 0 or dy.shape[-1] % h:
         raise ShapeError(f"unmerge_heads: C={dy.shape[-1]} of {dy.shape} must be divisible by h={h!r}")
     return _wrap(dy, backend_of(dy.device).unmerge_heads(dy.data, h))
 
@@ -546,7 +568,7 @@ def attention(q, k, v, scale=None):
     bk = _same("attention", q=q, k=k, v=v)
     if q.numel == 0:
         return _empty(q, q.shape), _empty(q, q.shape[:-1], _stats_dtype(q))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _num("attention", "scale", scale)
     out, lse = bk.attention(q.data, k.data, v.data, scale)
     return _wrap(q, out), _wrap(q, lse)
 
@@ -568,7 +590,7 @@ def attention_bwd(q, k, v, out, lse, dout, scale=None):
     _shape_eq("attention_bwd", "q", q, "dout", dout)
     if lse.shape != q.shape[:-1]:
         raise ShapeError(f"attention_bwd: lse must be {q.shape[:-1]}, got {lse.shape}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _num("attention_bwd", "scale", scale)
     dq, dk, dv = bk.attention_bwd(q.data, k.data, v.data, out.data, lse.data, dout.data, scale)
     return _wrap(q, dq), _wrap(q, dk), _wrap(q, dv)
 
@@ -577,7 +599,8 @@ def _qkv_check(op, qkv, n_head):
     _float(op, "qkv", qkv)
     _rank(op, "qkv", qkv, 3, 3)
     c3 = qkv.shape[-1]
-    if not isinstance(n_head, int) or n_head <= 0 or c3 % (3 * n_head) or c3 == 0:
+    n_head = _as_int(n_head)
+    if type(n_head) is not int or n_head <= 0 or c3 % (3 * n_head) or c3 == 0:
         raise ShapeError(f"{op}: qkv's last dim {c3} is not 3 * n_head ({n_head}) * head size "
                          "(a head size of at least 1)")
     return c3 // (3 * n_head)
@@ -603,7 +626,7 @@ def attention_qkv(qkv, n_head, scale=None):
     if qkv.numel == 0:
         B, T, c3 = qkv.shape
         return _empty(qkv, (B, T, c3 // 3)), _empty(qkv, (B, n_head, T), _stats_dtype(qkv))
-    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(hs) if scale is None else _num("attention_qkv", "scale", scale)
     y, lse = bk.attention_qkv(qkv.data, n_head, scale)
     return _wrap(qkv, y), _wrap(qkv, lse)
 
@@ -647,7 +670,7 @@ def _qkv_bwd_check(op, qkv, y, lse, dy, n_head, scale):
     _shape_eq(op, "y", y, "dy", dy)
     if lse.shape != (B, n_head, T):
         raise ShapeError(f"{op}: lse must be {(B, n_head, T)}, got {lse.shape}")
-    return (1.0 / math.sqrt(hs) if scale is None else float(scale)), bk
+    return (1.0 / math.sqrt(hs) if scale is None else _num("attention_qkv_bwd", "scale", scale)), bk
 
 
 def attention_qkv_dropout(qkv, n_head, p, seed, scale=None):
@@ -668,7 +691,7 @@ def attention_qkv_dropout(qkv, n_head, p, seed, scale=None):
     hs = _qkv_check(op, qkv, n_head)
     bk = backend_of(qkv.device)
     p, seed = _dropout_args(op, p, seed, qkv.device, bk)
-    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(hs) if scale is None else _num("attention_qkv_dropout", "scale", scale)
     y, lse = bk.attention_qkv_dropout(qkv.data, n_head, scale, p, seed)
     return _wrap(qkv, y), _wrap(qkv, lse)
 
@@ -695,7 +718,7 @@ def _dropout_args(op, p, seed, device, bk):
     """``(p, seed)`` of a dropout op as backends take them: ``p`` a float in [0, 1); the seed an
     int, or for a ``SeedAt`` ``(base array, site)``, except where arrays are host memory: there
     the base is read now and the seed is ``rng.mix(base[0], site)``."""
-    if not (0.0 <= float(p) < 1.0):
+    if not (0.0 <= _num("dropout", "p", p) < 1.0):
         raise ShapeError(f"{op}: p must be in [0, 1), got {p}")
     if isinstance(seed, SeedAt):
         base, site = seed
@@ -703,12 +726,14 @@ def _dropout_args(op, p, seed, device, bk):
             raise ShapeError(f"{op}: SeedAt.base must be a one-element int64 Tensor, got {base!r}")
         if base.device != device:
             raise DeviceError(f"{op}: the tensors are on {device} but the seed is on {base.device}")
-        if not isinstance(site, int) or not 0 <= site < 1 << 64:
+        site = _as_int(site)
+        if type(site) is not int or not 0 <= site < 1 << 64:
             raise ShapeError(f"{op}: SeedAt.site must be an int in [0, 2**64), got {site!r}")
         if bk.host_memory:      # reading the seed costs nothing here
             return float(p), _rng.mix(int(base.data.reshape(-1)[0]) & 0xFFFFFFFFFFFFFFFF, site)
         return float(p), (base.data, site)
-    if not isinstance(seed, int) or not (0 <= seed < 1 << 64):
+    seed = _as_int(seed)
+    if type(seed) is not int or not (0 <= seed < 1 << 64):
         raise ShapeError(f"{op}: seed must be an int in [0, 2**64) or a SeedAt, got {seed!r}")
     return float(p), seed
 
@@ -742,7 +767,8 @@ def embedding(ids, wte, wpe, pos=0) -> Tensor:
     t = ids.shape[-1]
     rows = ids.shape[0] if ids.ndim == 2 else 1
     at = _device_pos("embedding", pos, wte, rows) if isinstance(pos, Tensor) else pos
-    if not isinstance(at, int) or at < 0 or at + t > wpe.shape[0]:
+    at = _as_int(at)
+    if type(at) is not int or at < 0 or at + t > wpe.shape[0]:
         raise ShapeError(f"embedding: positions {at}..{at + t - 1} do not fit the "
                          f"{wpe.shape[0]} rows of wpe (context length {wpe.shape[0]})")
     _check_ids("embedding", ids, wte.shape[0])
@@ -804,9 +830,10 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale=None) -> Tensor:
         raise ShapeError(f"{op}: qkv must be (B, 3C) = {(B, 3 * H * hs)} for caches "
                          f"{k_cache.shape}, got {qkv.shape}")
     at = _device_pos(op, pos, qkv, B) if isinstance(pos, Tensor) else pos
-    if not isinstance(at, int) or not 0 <= at < tmax:
+    at = _as_int(at)
+    if type(at) is not int or not 0 <= at < tmax:
         raise ShapeError(f"{op}: position {at} does not fit a cache of {tmax} rows")
-    scale = 1.0 / math.sqrt(hs) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(hs) if scale is None else _num("decode_attention", "scale", scale)
     y = bk.decode_attention(qkv.data, k_cache._prepare_write(), v_cache._prepare_write(),
                             pos.data if isinstance(pos, Tensor) else pos, n_head, scale)
     return _wrap(qkv, y)
@@ -873,13 +900,14 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
     if logits.dtype is not _dt.float32 or logits.numel != Vp:
         raise ShapeError(f"{op}: logits must be float32 with {Vp} elements, got "
                          f"{logits.dtype.name} {logits.shape}")
-    if not isinstance(vocab_size, int) or not 0 < vocab_size <= Vp:
+    vocab_size = _as_int(vocab_size)
+    if type(vocab_size) is not int or not 0 < vocab_size <= Vp:
         raise ShapeError(f"{op}: vocab_size must be in 1..{Vp}, got {vocab_size!r}")
     dst = None if out is None else _choice_out(op, out, row, 1)
     backend_of(wte.device).decode_gpt2(
         ids._prepare_write(), pos._prepare_write(), wte.data, wpe.data,
         [t.data for t in lnf], head.data, [[t.data for t in lw] for lw in layers],
-        [(k._prepare_write(), v._prepare_write()) for k, v in caches], int(n_head), float(eps),
+        [(k._prepare_write(), v._prepare_write()) for k, v in caches], int(n_head), _num("decode_gpt2", "eps", eps),
         vocab_size, logits._prepare_write(), dst, greedy=bool(greedy))
     if greedy:
         ids._storage.id_range = (0, vocab_size - 1)
@@ -926,7 +954,8 @@ def take_rows(x, t) -> Tensor:
     """
     _tensor("take_rows", "x", x)
     _rank("take_rows", "x", x, 3, 3)
-    if not isinstance(t, int) or not 0 <= t < x.shape[1]:
+    t = _as_int(t)
+    if type(t) is not int or not 0 <= t < x.shape[1]:
         raise ShapeError(f"take_rows: row {t!r} is not in 0..{x.shape[1] - 1} of {x.shape}")
     return _wrap(x, backend_of(x.device).copy(x.data[:, t]))
 
@@ -939,7 +968,8 @@ def take_columns(x, n) -> Tensor:
     (1, 3)
     """
     _tensor("take_columns", "x", x)
-    if not isinstance(n, int) or not 0 < n <= x.shape[-1]:
+    n = _as_int(n)
+    if type(n) is not int or not 0 < n <= x.shape[-1]:
         raise ShapeError(f"take_columns: n must be in 1..{x.shape[-1]}, got {n!r}")
     return _wrap(x, backend_of(x.device).copy(x.data[..., :n]))
 
@@ -1001,7 +1031,8 @@ def greedy_next(logits, vocab_size, ids, pos, out=None, row=None) -> None:
     if ids.numel != B or pos.numel not in (1, B):
         raise ShapeError(f"{op}: ids must hold {B} elements and pos 1 or {B}, got {ids.shape} "
                          f"and {pos.shape}")
-    if not isinstance(vocab_size, int) or not 0 < vocab_size <= vp:
+    vocab_size = _as_int(vocab_size)
+    if type(vocab_size) is not int or not 0 < vocab_size <= vp:
         raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
     dst = _choice_out(op, out, row, B)
     bk = backend_of(logits.device)
@@ -1050,7 +1081,8 @@ def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None, 
                          f"{knobs.shape}, {keys.shape}")
     if seen is not None and seen.shape != (B, vp):
         raise ShapeError(f"{op}: seen must be {(B, vp)} like the logits, got {seen.shape}")
-    if not isinstance(vocab_size, int) or not 0 < vocab_size <= vp:
+    vocab_size = _as_int(vocab_size)
+    if type(vocab_size) is not int or not 0 < vocab_size <= vp:
         raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
     dst = _choice_out(op, out, row, B)
     bk = backend_of(logits.device)
@@ -1100,7 +1132,8 @@ def kv_append(cache, new, pos) -> None:
         raise ShapeError(f"kv_append: new {new.shape} does not match cache {cache.shape} "
                          "outside the row axis")
     tn, tmax = new.shape[-2], cache.shape[-2]
-    if not isinstance(pos, int) or pos < 0 or pos + tn > tmax:
+    pos = _as_int(pos)
+    if type(pos) is not int or pos < 0 or pos + tn > tmax:
         raise ShapeError(f"kv_append: rows {pos}..{pos + tn - 1} do not fit a cache of {tmax} rows")
     bk.kv_append(cache._prepare_write(), new.data, pos)
 
@@ -1169,7 +1202,8 @@ def _ce_targets(op, name, shape, vp, targets, vocab_size):
         raise ShapeError(f"{op}: {name} {shape} has no rows; the mean loss of an empty batch is "
                          "undefined: expected at least one row")
     v = vp if vocab_size is None else vocab_size
-    if not isinstance(v, int) or not (0 < v <= vp):
+    v = _as_int(v)
+    if type(v) is not int or not (0 < v <= vp):
         raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
     _check_ids(op, targets, v)
     return v
@@ -1297,15 +1331,16 @@ def adamw_update(p, g, m, v, *, lr=None, beta1, beta2, eps, weight_decay, step=N
         else:
             _graph_member(bk, "adamw_update_at")(
                 p._prepare_write(), g.data, m._prepare_write(), v._prepare_write(), float(beta1),
-                float(beta2), float(eps), float(weight_decay), scalars.data, lowp)
+                float(beta2), _num("adamw_update", "eps", eps), float(weight_decay), scalars.data, lowp)
             return
     if lr is None:
         raise ConfigError("adamw_update: expected lr and step (host values) or scalars (a device "
                           "Tensor laid out as STEP_SCALARS), got neither")
-    if not isinstance(step, int) or step < 1:
+    step = _as_int(step)
+    if type(step) is not int or step < 1:
         raise ShapeError(f"adamw_update: step must be an int >= 1, got {step!r}")
     bk.adamw_update(p._prepare_write(), g.data, m._prepare_write(), v._prepare_write(),
-                    float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                    float(lr), float(beta1), float(beta2), _num("adamw_update", "eps", eps), float(weight_decay),
                     step, float(grad_scale), lowp)
 
 
@@ -1372,11 +1407,12 @@ def adamw_update_many(ps, gs, ms, vs, *, lr=None, beta1, beta2, eps, weight_deca
         if _adamw_check("adamw_update_many", p, g, m, v) is not bk:
             raise DeviceError(f"adamw_update_many: parameters on {ps[0].device} and {p.device}; "
                               "one device per call")
-        if not isinstance(st, int) or st < 1:
+        st = _as_int(st)
+        if type(st) is not int or st < 1:
             raise ShapeError(f"adamw_update_many: steps must be ints >= 1, got {st!r}")
     many([p._prepare_write() for p in ps], [g.data for g in gs],
          [m._prepare_write() for m in ms], [v._prepare_write() for v in vs], float(lr),
-         float(beta1), float(beta2), float(eps), [float(w) for w in weight_decays], list(steps),
+         float(beta1), float(beta2), _num("adamw_update_many", "eps", eps), [float(w) for w in weight_decays], list(steps),
          float(grad_scale))
 
 def _adamw_many_at(bk, ps, gs, ms, vs, beta1, beta2, eps, weight_decays, p_lowps, scalars):
@@ -1396,7 +1432,7 @@ def _adamw_many_at(bk, ps, gs, ms, vs, beta1, beta2, eps, weight_decays, p_lowps
                               "one device per call")
     many([p._prepare_write() for p in ps], [g.data for g in gs],
          [m._prepare_write() for m in ms], [v._prepare_write() for v in vs], float(beta1),
-         float(beta2), float(eps), [float(w) for w in weight_decays], scalars.data,
+         float(beta2), _num("adamw_update_many", "eps", eps), [float(w) for w in weight_decays], scalars.data,
          None if p_lowps is None else [lp._prepare_write() for lp in lows])
 
 

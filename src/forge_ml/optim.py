@@ -16,6 +16,7 @@ separate pass that rescales every gradient.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import Optional
 
@@ -69,6 +70,9 @@ class AdamW:
 
     def __init__(self, params: dict, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.1, compute_dtype=None, lowp: Optional[dict] = None):
+        if not isinstance(params, dict):
+            raise ConfigError(f"AdamW: params must be a dict of name -> Tensor (model.params), got "
+                              f"{type(params).__name__}")
         if not params:
             raise ConfigError("AdamW: expected at least one parameter, got an empty dict")
         lr, (b1, b2), eps, weight_decay = _hyper("AdamW", lr, betas, eps, weight_decay)
@@ -334,10 +338,24 @@ def accumulate(acc: Optional[dict], grads: dict, in_float32: bool = False) -> di
     >>> acc = accumulate(None, {"w": fm.tensor([1.0])})
     >>> accumulate(acc, {"w": fm.tensor([2.0])})["w"].numpy().tolist()
     [3.0]
+
+    A name missing from (or None in) a micro-batch's ``grads`` keeps its sum so far; a name
+    new in it is added (the union of the names, as torch's ``.grad`` accumulates).
     """
+    if not isinstance(grads, dict) or not (acc is None or isinstance(acc, dict)):
+        raise ConfigError(f"accumulate: expected dicts of name -> gradient, got {type(acc).__name__} and "
+                          f"{type(grads).__name__}")
     if in_float32:
-        grads = {k: g.to("float32") for k, g in grads.items()}
-    return grads if acc is None else {k: ops.add(acc[k], g) for k, g in grads.items()}
+        grads = {k: None if g is None else g.to("float32") for k, g in grads.items()}
+    if acc is None:
+        return dict(grads)
+    # a name without a gradient in this micro-batch keeps its sum; a name new in it starts one
+    # (the first form kept only this micro-batch's names: an earlier sum was dropped)
+    out = dict(acc)
+    for k, g in grads.items():
+        if g is not None:
+            out[k] = g if out.get(k) is None else ops.add(out[k], g)
+    return out
 
 
 def grad_sumsq(grads: dict):
@@ -416,4 +434,12 @@ def clip_grad_norm(grads: dict, max_norm: float, grad_scale: float = 1.0) -> tup
     >>> norm, round(scale, 6)
     (5.0, 0.2)
     """
+    if not isinstance(grads, dict):
+        raise ConfigError(f"clip_grad_norm: expected a dict of name -> gradient Tensor, got {type(grads).__name__}")
+    bad = next((k for k, g in grads.items() if g is not None and not isinstance(g, Tensor)), None)
+    if bad is not None:
+        raise ConfigError(f"clip_grad_norm: gradient {bad!r} is a {type(grads[bad]).__name__}; expected a "
+                          f"forge_ml Tensor (fm.tensor(array))")
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or math.isnan(max_norm):
+        raise ConfigError(f"clip_grad_norm: max_norm must be a number (<= 0: no clipping), got {max_norm!r}")
     return ops.clip_from_sumsq(_total_sumsq(grads), max_norm, grad_scale)

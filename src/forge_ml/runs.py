@@ -167,7 +167,10 @@ class RunLock:
             was = f.read(400)
         except (OSError, ValueError):   # not text: not a lock line either
             was = "?"
-        if was.strip() and not _LOCK_LINE.match(was):
+        # a user's file of that name, in a folder that holds no run (a run's own lock file,
+        # zero-filled by a power loss, is the run's: it is rewritten)
+        holds_run = any((self.folder / n).exists() for n in ("log.jsonl", "ckpt", "ckpt.old"))
+        if was.strip("\x00 \n\t") and not _LOCK_LINE.match(was) and not holds_run:
             f.close()
             self.release(undo=True)
             raise RunError(f"{self.path} is not a lock file that forge-ml wrote (it begins {was[:40]!r}), and a "

@@ -40,13 +40,14 @@ copied between the two (``submit`` of the same batches then writes nothing):
 from __future__ import annotations
 
 import math
+import numbers
 from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from . import graph as _graph
 from . import ops
-from .errors import CaptureError, ShapeError
+from .errors import CaptureError, ConfigError, DTypeError, ShapeError
 from .optim import AdamW, accumulate, clip_on_device
 from .tensor import host_buffer, zeros
 
@@ -111,8 +112,13 @@ class TrainStep:
 
     def __init__(self, model, opt: AdamW, batch: int, block: int, accum: int = 1,
                  max_norm: float = 1.0, graph: bool = False):
+        for name, v in (("batch", batch), ("block", block), ("accum", accum)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise ShapeError(f"TrainStep: {name} must be a whole number, got {v!r}")
         if batch < 1 or block < 1 or accum < 1:
             raise ShapeError(f"TrainStep: batch, block and accum must be >= 1, got {batch}, {block}, {accum}")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or math.isnan(max_norm):
+            raise ConfigError(f"TrainStep: max_norm must be a number (<= 0: no clipping), got {max_norm!r}")
         self.model, self.opt = model, opt
         self.shape, self.accum, self.max_norm = (int(batch), int(block)), int(accum), float(max_norm)
         dev = next(iter(opt.params.values())).device
@@ -166,7 +172,14 @@ class TrainStep:
             if x.shape != self.shape or y.shape != self.shape:
                 raise ShapeError(f"TrainStep.run: micro-batch {i} is {x.shape}/{y.shape}; this "
                                  f"step was built for {self.shape}")
-            out.append((x, y, np.array([int(seeds[i])], np.uint64).view(np.int64)))
+            for name, a in (("ids", x), ("targets", y)):
+                if a.dtype.kind not in "iu":     # float ids were cast, and trained on, in silence
+                    raise DTypeError(f"TrainStep.run: micro-batch {i}'s {name} are {a.dtype}; expected "
+                                     f"integer token ids")
+            seed = seeds[i]
+            if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 1 << 64:
+                raise ConfigError(f"TrainStep.run: seed {i} must be a whole number in [0, 2**64), got {seed!r}")
+            out.append((x, y, np.array([int(seed)], np.uint64).view(np.int64)))
         return out
 
     def _load(self, batches: Sequence, seeds: Sequence[int], lr: float) -> None:

@@ -15,6 +15,7 @@ changed through a hidden alias.
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -129,6 +130,8 @@ class Tensor:
         """
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
+        if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in shape):
+            raise ShapeError(f"reshape: sizes must be whole numbers, got {shape} for a tensor of shape {self.shape}")
         shape = tuple(int(s) for s in shape)
         n = self.numel
         if shape.count(-1) > 1 or any(s < -1 for s in shape):
@@ -264,8 +267,8 @@ class Tensor:
 def _default_dtype(a: np.ndarray, given) -> _dt.DType:
     if given is not None:
         return _dt.get(given)
-    if a.dtype.kind == "f":
-        return _dt.float64 if a.dtype == np.float64 else _dt.float32
+    if a.dtype.kind == "f":   # by width: a big-endian float64 (>f8) is float64 too
+        return _dt.float64 if a.dtype.itemsize >= 8 else _dt.float32
     if a.dtype.kind in "iub":   # uint32 into int64: int32 cannot hold its upper half
         return _dt.int64 if a.dtype.itemsize > 4 or (a.dtype.kind == "u" and a.dtype.itemsize == 4) \
             else _dt.int32
@@ -276,7 +279,8 @@ def tensor(data, dtype=None, device="cpu") -> Tensor:
     """A new tensor holding a copy of ``data`` (a list, a number or an array).
 
     Python floats become float32, Python ints int64; NumPy arrays keep their dtype
-    unless ``dtype`` is given.
+    unless ``dtype`` is given (float16, which forge-ml has no kernels for, becomes float32;
+    int8, int16 and uint16 int32; uint32 and uint64 int64).
 
     >>> tensor([1, 2, 3]).dtype
     forge_ml.int64

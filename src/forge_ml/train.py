@@ -69,10 +69,10 @@ import numpy as np
 from . import flags
 from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
-from .checkpoint import (check_architecture, check_checkpoint_target, load_checkpoint, pack_tensors,
-                         save_checkpoint, unpack_tensors)
-from .data import (SHARD_MAGIC, DataLoader, ShardFolder, default_corpus, load_text, read_shard, shard_folder,
-                   split_tokens, write_prepared)
+from .checkpoint import (check_architecture, check_checkpoint_target, is_checkpoint_dir, load_checkpoint,
+                         pack_tensors, save_checkpoint, unpack_tensors)
+from .data import (SHARD_MAGIC, DataLoader, ShardFolder, default_corpus, encode_array, load_text, read_shard,
+                   shard_folder, split_tokens, write_prepared)
 from .diagnose import CheckingTape
 from .device import Device
 from .errors import (CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
@@ -94,6 +94,7 @@ LOG_NAME = "log.jsonl"
 # first final_eval_windows of them; the periodic estimates are "sampled")
 FINAL_VAL_KINDS = ("full", "capped")
 PLOT_NAME = "loss.png"
+BEST_NAME = "best"          # <out_dir>/best: with keep_best, the model of the lowest val loss
 _PLOT_MARK = b"forge-ml train"   # the PNG text (Software) of the loss curves a run draws
 
 # The model used when neither a preset nor sizes are given: nanoGPT's CPU configuration.
@@ -187,6 +188,7 @@ class TrainConfig:
     seed: int = 1337
     out_dir: str = "runs/default"
     checkpoint_interval: int = 500   # 0: only at the end
+    keep_best: bool = False          # also keep the model of the lowest val loss in <out_dir>/best
 
     def __post_init__(self):
         for name in ("min_lr", "block_size"):   # worked out from others before (dataclasses.replace
@@ -218,6 +220,7 @@ class TrainConfig:
              f"weight_decay and grad_clip must be finite numbers >= 0, got {self.weight_decay} and {self.grad_clip}"),
             (self.seed >= 0, f"seed must be >= 0, got {self.seed}"),
             (bool(str(self.out_dir).strip()), f"out_dir is empty ({self.out_dir!r}); give the run folder"),
+            (self.corpus_bytes >= 1, f"corpus_bytes must be >= 1, got {self.corpus_bytes}"),
             (self.eval_iters >= 1, "eval_iters must be >= 1"),
             (self.final_eval_windows >= 0, "final_eval_windows must be >= 0 (0: every window)"),
             (self.sample_temperature >= 0 and math.isfinite(self.sample_temperature),
@@ -438,6 +441,8 @@ class Trainer:
                 raise ConfigError("a resumed run keeps the batch size it was started with; drop --batch-size auto")
         self.out_dir = Path(cfg.out_dir)
         self.ckpt_dir = self.out_dir / CKPT_NAME
+        self.best_dir = self.out_dir / BEST_NAME
+        self.best_val: Optional[float] = None   # keep_best: the val loss of the model in best_dir
         self.log_path = self.out_dir / LOG_NAME
         self.step = 0
         self.elapsed = 0.0          # training seconds before this process (from the checkpoint)
@@ -450,6 +455,7 @@ class Trainer:
         self._fast = None           # the captured step (step.TrainStep) on a graph-capable device
         self._staged = None         # (loader state, batches) drawn for the next captured step
         self._eval_due = False      # resumed at an eval step whose evaluation a signal cut short
+        self._pipe_closed = False   # stdout's reader went away (_say)
         self._prepared = None       # (train, val) tokens of a text the trainer prepared (_plan_data)
         self.tokens_sha256 = None   # their digest (tokens_digest), recorded in the checkpoints
         self._said_eager = False
@@ -531,7 +537,13 @@ class Trainer:
                 source = self._load_source()
 
         # -- data and tokenizer (nothing written yet) ---------------------------------------
-        self.shards, self.tokenizer, write_data = self._plan_data(resume, source)
+        ckpt_tok = None
+        if ckpt is not None and isinstance(ckpt[1].get("tokenizer"), dict):
+            try:   # a resume that prepares the text again tokenizes it as the run did
+                ckpt_tok = tokenizer_from_dict(ckpt[1]["tokenizer"])
+            except TokenizerError as e:
+                raise CheckpointError(f"{self.ckpt_dir}: its tokenizer cannot be read: {e}") from None
+        self.shards, self.tokenizer, write_data = self._plan_data(resume, source, ckpt_tok)
         self.data_dir = self.shards.folder
         cfg.tokenizer = self.tokenizer.kind   # recorded in the checkpoint: what the run trains with
         if ckpt is not None and write_data is None:
@@ -546,6 +558,8 @@ class Trainer:
         # the checkpoint's place (a file or a user's folder at ckpt, or in the way at ckpt.tmp
         # or ckpt.old) is refused now, not at the first save after training to it
         check_checkpoint_target(self.ckpt_dir)
+        if cfg.keep_best:
+            check_checkpoint_target(self.best_dir)
         self._check_plot_target(held=resume or bool(self._run_files()))
 
         # -- from here on, files are written ------------------------------------------------------
@@ -596,7 +610,7 @@ class Trainer:
             return True
         d = self.out_dir / DATA_NAME
         try:
-            ids = self._read_tokenizer(d).encode(load_text(data))
+            ids = encode_array(self._read_tokenizer(d), load_text(data))
             train, val = read_shard(d / "train.bin"), read_shard(d / "val.bin")
         except (ForgeError, OSError):
             return False
@@ -609,6 +623,8 @@ class Trainer:
         ck = [out / CKPT_NAME, out / (CKPT_NAME + ".old")]
         if any(p.is_dir() and any(p.iterdir()) or p.is_file() for p in ck):
             held.append(CKPT_NAME + "/")
+        if is_checkpoint_dir(out / BEST_NAME, "forge-ml-model"):
+            held.append(BEST_NAME + "/")
         if self.log_path.exists():
             held.append(LOG_NAME)
         d = out / DATA_NAME
@@ -621,7 +637,10 @@ class Trainer:
         """--overwrite: remove the files an earlier run wrote (only those)."""
         from .checkpoint import MODEL_FILE, STATE_FILE
         out = self.out_dir
-        targets = [(out / n, (MODEL_FILE, STATE_FILE)) for n in (CKPT_NAME, CKPT_NAME + ".old", CKPT_NAME + ".tmp")]
+        names = [CKPT_NAME, CKPT_NAME + ".old", CKPT_NAME + ".tmp"]
+        if is_checkpoint_dir(out / BEST_NAME, "forge-ml-model"):     # keep_best's, never a user's "best"
+            names += [BEST_NAME, BEST_NAME + ".old", BEST_NAME + ".tmp"]
+        targets = [(out / n, (MODEL_FILE, STATE_FILE)) for n in names]
         given = self.cfg.data and Path(self.cfg.data).is_dir() and Path(self.cfg.data).resolve() == (out / DATA_NAME).resolve()
         if not given:
             targets.append((out / DATA_NAME, DATA_FILES + (CORPUS_NAME,)))
@@ -762,10 +781,11 @@ class Trainer:
                             f"{self.out_dir} --data {self.data_dir} --out NEW_FOLDER")
 
     def _check_same_tokens(self, meta: Optional[dict]) -> None:
-        """The digest of the tokens the trainer prepared from a text file (None for a shard
-        folder): recorded in the checkpoints, and on a resume compared with the run's, so that
-        a run whose ``data/`` was prepared again (from an edited text, the same length) or
-        replaced (``prepare --force``) is refused rather than trained on other tokens."""
+        """The digest of the run's tokens (a text the trainer prepared, or a shard folder of at
+        most DIGEST_MAX_BYTES; None for a larger one, whose shards' names and sizes are checked):
+        recorded in the checkpoints, and on a resume compared with the run's, so that shards
+        prepared again (from an edited text, the same length) or replaced (``prepare --force``)
+        are refused rather than trained on."""
         prepared, self._prepared = self._prepared, None
         self.tokens_sha256 = None if prepared is None else tokens_digest(*prepared)
         was = None if meta is None else meta.get("tokens_sha256")
@@ -783,7 +803,7 @@ class Trainer:
             raise DataError(f"{what} holds {n} tokens; block_size={T} needs at least {T + 1} (one window "
                             f"plus its next-token target)")
 
-    def _plan_data(self, resume: bool, source):
+    def _plan_data(self, resume: bool, source, ckpt_tok=None):
         """``(shards, tokenizer, write)``: the data folder's ``ShardFolder``, its tokenizer, and
         the function that prepares the shards (None when they exist). Reads, never writes: a
         text too short for a window of ``block_size`` in its train or val part is refused here."""
@@ -793,6 +813,8 @@ class Trainer:
             sf = shard_folder(cfg.data)
             tok = self._folder_tokenizer(sf, src_tok, resume)
             n_train, n_val = self._check_shards(sf, tok)
+            if sum(p.stat().st_size for p in sf.train + sf.val) <= DIGEST_MAX_BYTES:   # (checked in _setup)
+                self._prepared = ([read_shard(p) for p in sf.train], [read_shard(p) for p in sf.val])
             if not sf.prepared:
                 whose = (f"{sf.tokenizer}" if sf.tokenizer is not None else
                          "GPT-2's BPE (no tokenizer.json in the folder: llm.c's shards hold GPT-2 ids)")
@@ -824,14 +846,18 @@ class Trainer:
         what = src if cfg.data else "the default corpus"
         if not text:
             raise DataError(f"text file {src} is empty; expected text to train on")
-        tok = src_tok if src_tok is not None else load_tokenizer(cfg.tokenizer or "char", text=text)
-        if src_tok is not None and tok.kind == "char":
+        # a resume preparing the text again takes the run's tokenizer (a fine-tune's char
+        # alphabet is its source's, not the text's: built from the text, the ids differed)
+        given = src_tok if src_tok is not None else ckpt_tok
+        tok = given if given is not None else load_tokenizer(cfg.tokenizer or "char", text=text)
+        if given is not None and tok.kind == "char":
             extra = sorted(set(text) - set(tok.chars))
             if extra:
+                whose = f"--init-from {cfg.init_from}" if src_tok is not None else f"the run in {self.out_dir}"
                 raise DataError(f"{src if cfg.data else 'the default corpus'} holds {len(extra)} character(s) that the "
-                                f"char tokenizer of --init-from {cfg.init_from} lacks ({''.join(extra[:20])!r}); "
+                                f"char tokenizer of {whose} lacks ({''.join(extra[:20])!r}); "
                                 f"fine-tune on text written with its characters")
-        train, val = split_tokens(tok.encode(text), cfg.val_fraction, what)
+        train, val = split_tokens(encode_array(tok, text), cfg.val_fraction, what)
         self._prepared = (train, val)
         frac = f"the last {cfg.val_fraction:g} of {len(train) + len(val):,} tokens"
         self._check_length(len(train), f"the train part of {what} (all but {frac})")
@@ -913,6 +939,9 @@ class Trainer:
         if rng.get("seed", self.cfg.seed) != self.cfg.seed:
             raise CheckpointError(f"{self.ckpt_dir} was trained with seed {rng['seed']}, this run asks for "
                                   f"{self.cfg.seed}; resume with the same seed")
+        if self.cfg.keep_best and is_checkpoint_dir(self.best_dir, "forge-ml-model"):
+            was = load_checkpoint(self.best_dir)[1].get("val_loss")
+            self.best_val = float(was) if isinstance(was, (int, float)) else None
         kept = self._truncate_log(self.step)
         # a signal during the periodic evaluation of this step stopped it before its record:
         # the resumed run evaluates first (the same windows), so that its log has every record
@@ -920,8 +949,7 @@ class Trainer:
         every = self.cfg.eval_interval
         self._eval_due = bool(kept is not None and every and self.step % every == 0
                               and 0 < self.step < self.cfg.max_steps
-                              and not any(r["step"] == self.step and r.get("val_kind") == "sampled"
-                                          for r in kept))
+                              and not any(r["step"] == self.step and "val_loss" in r for r in kept))
 
     def _auto_batch_size(self) -> None:
         """--batch-size auto: the largest micro-batch that a measured trial step fits in the
@@ -965,10 +993,23 @@ class Trainer:
     def _say(self, msg: str) -> None:
         if self._log is None:
             return
-        if self._bar is not None:
-            self._bar.write(msg)
-        else:
-            self._log(msg)
+        try:
+            if self._bar is not None:
+                self._bar.write(msg)
+            else:
+                self._log(msg)
+        except BrokenPipeError:
+            # stdout's reader is gone (`forge-ml train | head`): the run stops at the next step
+            # boundary with a checkpoint, as on SIGPIPE's default, but nothing trained is lost
+            # (the pipe's end was taken for a finished run, exit 0, the steps since the last
+            # checkpoint lost)
+            self._pipe_closed = True
+            if self._stop is None:
+                self._stop = signal.SIGPIPE
+            try:
+                sys.stdout = open(os.devnull, "w")
+            except OSError:
+                pass
 
     def _kept(self) -> str:
         if self.last_ckpt_step is None:
@@ -1308,7 +1349,8 @@ class Trainer:
         old = {}
         if threading.current_thread() is not threading.main_thread():
             return old  # only the main thread takes signals; a KeyboardInterrupt is then handled as one
-        for s in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too: a dropped SSH session ends the run with a checkpoint, not killed mid-way
+        for s in (signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])):
             try:
                 old[s] = signal.signal(s, self._on_signal)
             except (ValueError, OSError):
@@ -1348,7 +1390,7 @@ class Trainer:
         when this returns or raises.
         """
         self.lock.acquire()
-        self._stop = None
+        self._stop = signal.SIGPIPE if self._pipe_closed else None
         old = self._install_handlers()
         try:
             return self._train(until)
@@ -1468,8 +1510,32 @@ class Trainer:
             rec = {"step": self.step, "val_loss": loss, "val_kind": "sampled", "val_batches": cfg.eval_iters}
             how = f"an estimate on {cfg.eval_iters} val batches"
         self.val_loss, self.val_kind = loss, rec["val_kind"]
+        best = cfg.keep_best and math.isfinite(loss) and (self.best_val is None or loss < self.best_val)
+        if best:
+            rec["best"] = True
         self._write_log(rec)
-        self._say(f"step {self.step}: val loss {loss:.4f} ({how}; perplexity {math.exp(min(loss, 50)):.2f})")
+        self._say(f"step {self.step}: val loss {loss:.4f} ({how}; perplexity {math.exp(min(loss, 50)):.2f})"
+                  + (f"; the lowest so far: its model kept in {self.best_dir}" if best else ""))
+        if best:
+            self._save_best(loss, rec["val_kind"])
+
+    def _best_params(self) -> dict:
+        """Name -> float32 array of the model's master weights (DistributedTrainer gathers them)."""
+        return {k: t.numpy() for k, t in self.opt.params.items()}
+
+    def _save_best(self, loss: float, kind: str) -> None:
+        """keep_best: the model (no optimizer state: a model checkpoint, as `forge-ml convert`
+        writes) of the lowest val loss so far, to ``best_dir``, atomically."""
+        meta = {"kind": "forge-ml-model", "config": self.model.config.to_dict(),
+                "tokenizer": self.tokenizer.to_dict(), "step": self.step, "val_loss": loss, "val_kind": kind,
+                "source": str(self.out_dir.resolve())}
+        try:
+            save_checkpoint(self.best_dir, self._best_params(), meta)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}; training stopped at step {self.step}; {self._kept()}") from None
+        except OSError as e:
+            raise RunError(cannot_write(e.filename or self.best_dir, e, self._kept())) from None
+        self.best_val = loss
 
     TUNES_BLAS = True   # DistributedTrainer: False (its processes share the machine's cores)
 
@@ -1551,18 +1617,24 @@ class Trainer:
         return path
 
 
+DIGEST_MAX_BYTES = 2 << 30   # a shard folder up to this size gets a token digest (about 1 s a GB)
+
+
 def tokens_digest(train, val, chunk: int = 1 << 20) -> str:
     """sha256 of the train then val token ids, each as little-endian int64 (in chunks: a
-    shard of uint16 ids is not widened whole).
+    shard of uint16 ids is not widened whole); ``train`` and ``val`` are arrays or lists of
+    arrays (shards, joined in order).
 
-    >>> tokens_digest([1, 2], [3]) == tokens_digest(np.array([1, 2], np.uint16), [3])
+    >>> tokens_digest([1, 2], [3]) == tokens_digest([np.array([1], np.uint16), np.array([2])], [3])
     True
     """
     h = hashlib.sha256()
     for part in (train, val):
-        a = np.asarray(part)
-        for i in range(0, len(a), chunk):
-            h.update(np.ascontiguousarray(a[i:i + chunk], dtype="<i8").tobytes())
+        arrays = part if isinstance(part, list) and part and isinstance(part[0], np.ndarray) else [part]
+        for a in arrays:
+            a = np.asarray(a)
+            for i in range(0, len(a), chunk):
+                h.update(np.ascontiguousarray(a[i:i + chunk], dtype="<i8").tobytes())
         h.update(b"|")
     return h.hexdigest()
 

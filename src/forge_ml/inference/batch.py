@@ -352,9 +352,12 @@ class BatchEngine:
         """Whether the loop is alive (not closed, not failed)."""
         return not self._closed and self._thread.is_alive()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop the loop (after the step in flight) and end every open stream."""
+    def close(self, timeout: float = 10.0, reason: Optional[str] = None) -> None:
+        """Stop the loop (after the step in flight) and end every open stream (with an
+        EngineClosedError that says ``reason``, when given)."""
         with self._cond:
+            if reason is not None and self._error is None:
+                self._error = reason
             self._closed = True
             self._cond.notify_all()
         if threading.current_thread() is not self._thread:

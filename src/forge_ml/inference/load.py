@@ -136,7 +136,111 @@ def hf_tokenizer_dict(hf_dir) -> dict:
             raise CheckpointError(f"{f}: not a forge-ml tokenizer ({e})") from None
         return d
     _check_gpt2_vocabulary(Path(hf_dir))
-    return {"kind": "gpt2"}
+    d = {"kind": "gpt2"}
+    added, roles = _hf_added_tokens(Path(hf_dir))
+    if added:
+        d["added"] = added
+    if roles:
+        d["roles"] = roles
+    if _hf_prefix_space(Path(hf_dir)):
+        d["add_prefix_space"] = True
+    try:
+        tokenizer_from_dict(d)
+    except TokenizerError as e:
+        raise CheckpointError(f"{hf_dir}: its tokenizer cannot be read: {e}") from None
+    return d
+
+
+def _tokenizer_file(f: Path):
+    """The JSON of a tokenizer file of a Hugging Face folder, or None when the folder has
+    none; a CheckpointError names a file that cannot be read or parsed."""
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
+
+
+def _hf_prefix_space(d: Path) -> bool:
+    """A Hugging Face GPT-2 tokenizer's ``add_prefix_space``, read as transformers reads it:
+    a ``tokenizer_config.json`` whose ``tokenizer_class`` is GPT-2's passes its own setting on
+    (False when it has none) over ``tokenizer.json``'s; another class (``PreTrainedTokenizerFast``)
+    takes ``tokenizer.json``'s ByteLevel pre-tokenizer's. It was not read: such a folder's text
+    got GPT-2's plain ids ("Hello" 15496 where HF gives " Hello" 18435)."""
+    specs = {}
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        spec = _tokenizer_file(d / name)
+        specs[name] = spec if isinstance(spec, dict) else None
+    cfg, fast = specs["tokenizer_config.json"], specs["tokenizer.json"]
+    if cfg is not None and (fast is None or cfg.get("tokenizer_class") in ("GPT2Tokenizer", "GPT2TokenizerFast")):
+        return cfg.get("add_prefix_space") is True
+    if fast is not None:
+        pre = fast.get("pre_tokenizer")
+        steps = pre.get("pretokenizers", []) if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+        for p in steps:
+            if isinstance(p, dict) and p.get("type") == "ByteLevel":
+                return bool(p.get("add_prefix_space", False))
+    return False
+
+
+def _hf_added_tokens(d: Path) -> tuple:
+    """``(added, roles)`` of a Hugging Face GPT-2 tokenizer: its added tokens as
+    ``GPT2Tokenizer(added=...)`` takes them (``tokenizer.json``'s ``added_tokens``,
+    ``tokenizer_config.json``'s ``added_tokens_decoder``, ``added_tokens.json``, with their
+    ``lstrip``/``rstrip``/``single_word``/``special``), and the special-token roles
+    (``pad_token`` ...) that name one of them. <|endoftext|> is left out (a literal one in a
+    text stays text, as documented), and so is a token whose text is a GPT-2 token of another
+    id (transformers does not use it). Before, added tokens were ignored."""
+    from ..tokenizer import GPT2_EOT, GPT2Tokenizer
+
+    base = GPT2Tokenizer()._enc
+    found: dict = {}
+
+    def take(content, i, flags):
+        if not (isinstance(content, str) and content and isinstance(i, int) and not isinstance(i, bool)) \
+                or content == GPT2_EOT or i < 0:
+            return
+        try:
+            own = base.encode_single_token(content.encode("utf-8"))
+        except KeyError:
+            own = None
+        if own is not None and own != i:
+            return
+        if content in found:
+            if found[content]["id"] != i:
+                raise CheckpointError(f"{d}: the added token {content!r} has two ids ({found[content]['id']} and "
+                                      f"{i}) in the tokenizer's files")
+            return          # the first file's flags (tokenizer.json, what transformers loads)
+        found[content] = {"id": i, **{f: bool(flags.get(f, False)) for f in ("lstrip", "rstrip", "single_word",
+                                                                              "special")}}
+
+    roles = {}
+    for name in ("tokenizer.json", "tokenizer_config.json", "added_tokens.json"):
+        spec = _tokenizer_file(d / name)
+        if not isinstance(spec, dict):
+            continue
+        if name == "tokenizer.json":
+            for t in spec.get("added_tokens") or []:
+                if isinstance(t, dict):
+                    take(t.get("content"), t.get("id"), t)
+        elif name == "tokenizer_config.json":
+            for i, t in (spec.get("added_tokens_decoder") or {}).items():
+                if isinstance(t, dict) and str(i).isdigit():
+                    take(t.get("content"), int(i), t)
+            for k, v in spec.items():
+                text = lambda t: t.get("content") if isinstance(t, dict) else t   # noqa: E731
+                if k.endswith("_token") and isinstance(text(v), str):
+                    roles[k] = text(v)
+                elif k in ("additional_special_tokens", "extra_special_tokens") and isinstance(v, list):
+                    roles[k] = [text(t) for t in v if isinstance(text(t), str)]
+        else:
+            for content, i in spec.items():
+                take(content, i, {})
+    kept = {k: v for k, v in roles.items() if isinstance(v, str) and v in found}
+    kept.update({k: [t for t in v if t in found] for k, v in roles.items() if isinstance(v, list)
+                 and any(t in found for t in v)})
+    return found, kept
 
 
 def _check_gpt2_vocabulary(d: Path) -> None:
@@ -154,12 +258,9 @@ def _check_gpt2_vocabulary(d: Path) -> None:
     """
     for name in ("vocab.json", "tokenizer.json"):
         f = d / name
-        if not f.is_file():
+        spec = _tokenizer_file(f)
+        if spec is None:
             continue
-        try:
-            spec = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
         vocab = spec
         if name == "tokenizer.json":
             model = spec.get("model") if isinstance(spec, dict) else None

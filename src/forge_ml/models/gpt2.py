@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -58,6 +59,10 @@ class GPT2Config:
     layernorm_eps: float = 1e-5
 
     def __post_init__(self):
+        for k in ("vocab_size", "padded_vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            val = getattr(self, k)   # a NumPy integer (shape arithmetic) as the int it is
+            if isinstance(val, numbers.Integral) and not isinstance(val, (bool, int)):
+                setattr(self, k, int(val))
         if self.padded_vocab_size == 0:
             v = self.vocab_size
             self.padded_vocab_size = v if v < 1024 else (v + 127) // 128 * 128
@@ -220,6 +225,23 @@ class GPT2:
 
     config: GPT2Config
     params: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        # a params dict missing a name (or of another size) failed at the first forward, deep
+        # inside, with a KeyError or a shape error of some op
+        if not isinstance(self.params, dict):
+            raise ConfigError(f"GPT2: params must be a dict of name -> Tensor, got {type(self.params).__name__}")
+        bad = next((k for k, v in self.params.items() if not isinstance(v, Tensor)), None)
+        if bad is not None:
+            raise ConfigError(f"GPT2: parameter {bad!r} is a {type(self.params[bad]).__name__}; expected a "
+                              f"Tensor (GPT2.from_state_dict takes NumPy arrays)")
+        from ..checkpoint import check_architecture
+        from ..errors import CheckpointError
+        try:
+            check_architecture(param_shapes(self.config), self.params)
+        except CheckpointError as e:
+            raise ConfigError(str(e).replace("checkpoint does not fit the model", "GPT2: the params do not "
+                                             "fit the config").replace("checkpoint has", "params have")) from None
 
     # -- construction ---------------------------------------------------------------------
     @classmethod

@@ -152,11 +152,22 @@ class _Choice:
         self.stop = StopText(req.stop)
         self.eot = eot
         self.want_logprobs = req.logprobs is not None
-        self.offset = 0            # characters of text decoded so far (the text_offset base)
+        # text_offset counts characters from the start of the prompt, as OpenAI's API does,
+        # echo or not (it counted from the completion's start without echo)
+        self.offset = 0 if req.echo or not self.want_logprobs else len(tokenizer.decode(stream.prompt))
         self.n_tokens = 0          # generated tokens, the end-of-text token included
         self.finish: Optional[str] = None
 
     def _token_str(self, t: int) -> str:
+        """A token's text for ``tokens`` and ``top_logprobs``; a byte token that is not whole
+        UTF-8 (half a character) is ``"bytes:\\xNN..."``, as OpenAI's API writes it (as U+FFFD,
+        every such token had one key: ``top_logprobs`` lost entries to each other)."""
+        if hasattr(self.tokenizer, "decode_bytes") and t < getattr(self.tokenizer, "vocab_size", t + 1):
+            b = self.tokenizer.decode_bytes([t])
+            try:
+                return b.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
         return self.tokenizer.decode([t])
 
     def _logprob_part(self, lp: dict, tok: int, logprob, top, offset: int) -> None:
@@ -282,6 +293,8 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
             return json.loads(body, parse_constant=_no_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:     # a body nested thousands deep: a 400, not a 500 and a traceback
+            raise APIError("the request body is nested too deeply to be a completions request") from None
 
     def prompt_ids(prompt) -> list:
         if isinstance(prompt, str):

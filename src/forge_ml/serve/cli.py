@@ -101,13 +101,38 @@ def run(args) -> int:
           f"{dtype}), {engine.slots} slots, context {engine.max_len}; "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                               timeout_graceful_shutdown=args.shutdown_timeout), engine).run()
     except SystemExit as e:   # uvicorn exits when it cannot bind; it has said why
         return e.code if isinstance(e.code, int) else 1
     finally:
         engine.close()
     return 0
+
+
+class _Server:
+    """uvicorn's server, which on SIGTERM or Ctrl-C also ends the requests still running a
+    moment before its own grace period does (``engine.close``): each gets OpenAI's error body
+    (a 503, or an error event and ``[DONE]`` in a stream) where uvicorn's cut gave a plain-text
+    500, a truncated stream and a traceback a request."""
+
+    def __new__(cls, config, engine):
+        import threading
+
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                if not self.should_exit:
+                    grace = config.timeout_graceful_shutdown or 0.0
+                    timer = threading.Timer(max(0.0, grace - min(1.0, grace / 2)), engine.close,
+                                            kwargs={"reason": "the server is shutting down; this request "
+                                                              "was cut before it finished"})
+                    timer.daemon = True
+                    timer.start()
+                super().handle_exit(sig, frame)
+
+        return Server(config)
 
 
 def _loopback(host: str) -> bool:

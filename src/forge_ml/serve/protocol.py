@@ -138,8 +138,14 @@ def _stop(v) -> tuple:
     return tuple(stops)
 
 
-def _zero_or_none(name, v, what):
-    if v is None or v == 0 or v == {}:
+def _zero_or_none(name, v, what, kind):
+    """A field this server takes only at its neutral value: the right type first (``kind``: a
+    number, an object or a string; false or 0 were taken as unset for any of them), then the
+    value."""
+    want = {"number": (int, float), "object": dict, "string": str}[kind]
+    if v is not None and (isinstance(v, bool) or not isinstance(v, want)):
+        _raise_type(name, f"a{'n' if kind[0] == 'o' else ''} {kind}", v)
+    if v is None or v == 0 or v == {} or v == "":
         return
     raise APIError(f"{name} is not supported by this server ({what}); got {v!r:.60}", param=name)
 
@@ -164,11 +170,11 @@ _FIELDS = {
     "ignore_eos": lambda v: _bool("ignore_eos", v),
     "user": lambda v: v if isinstance(v, str) else _raise_type("user", "a string", v),
     "best_of": None,
-    "presence_penalty": lambda v: _zero_or_none("presence_penalty", v, "only 0"),
+    "presence_penalty": lambda v: _zero_or_none("presence_penalty", v, "only 0", "number"),
     "frequency_penalty": lambda v: _zero_or_none("frequency_penalty", v, "only 0; "
-                                                 "see repetition_penalty"),
-    "logit_bias": lambda v: _zero_or_none("logit_bias", v, "only empty"),
-    "suffix": lambda v: _zero_or_none("suffix", v or None, "no insertion"),
+                                                 "see repetition_penalty", "number"),
+    "logit_bias": lambda v: _zero_or_none("logit_bias", v, "only empty", "object"),
+    "suffix": lambda v: _zero_or_none("suffix", v, "no insertion", "string"),
 }
 _ONLY_CHECKED = {"user", "presence_penalty", "frequency_penalty", "logit_bias", "suffix",
                  "stream_options", "best_of"}
@@ -207,6 +213,8 @@ def parse_completion(body) -> CompletionRequest:
             raise APIError("stream_options is only allowed with \"stream\": true",
                            param="stream_options")
     best_of = body.get("best_of")
+    if best_of is not None:
+        _int("best_of", best_of, lo=1, hi=MAX_N)
     if best_of is not None and best_of != req.n:
         raise APIError(f"best_of must equal n ({req.n}) here; this server returns every choice "
                        f"it draws, got {best_of!r:.60}", param="best_of")

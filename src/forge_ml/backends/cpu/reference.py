@@ -680,7 +680,8 @@ def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, grad_sca
     f = p.dtype.type
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
-    scratch = np.multiply(g, f((1.0 - beta1) * grad_scale), dtype=p.dtype)
+    scratch = np.empty_like(p)                     # (np.multiply of a 0-d array is a scalar)
+    np.multiply(g, f((1.0 - beta1) * grad_scale), out=scratch, dtype=p.dtype)
     m *= f(beta1)
     m += scratch                                   # m = b1 m + (1 - b1) g'
     np.multiply(g, g, out=scratch, dtype=p.dtype)
