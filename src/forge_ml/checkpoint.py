@@ -264,11 +264,12 @@ def _check_replaceable(path: Path, files, marker, what: str) -> None:
                     f"did not write; move it away")
 
 
-def check_checkpoint_target(path) -> None:
+def check_checkpoint_target(path, kind: str | None = None) -> None:
     """Raise the CheckpointError that ``save_checkpoint(path, ...)`` would raise for the place
     itself (a file or a user's folder at ``path``, or in the way at ``<path>.tmp`` or
-    ``<path>.old``), without writing anything: a trainer asks before its first step, not
-    after training to its first checkpoint.
+    ``<path>.old``; with ``kind``, also a checkpoint of another kind), without writing
+    anything: a trainer asks before its first step, not after training to its first
+    checkpoint.
 
     >>> import tempfile, os
     >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "ckpt"), "w").write("mine")
@@ -280,7 +281,7 @@ def check_checkpoint_target(path) -> None:
     path = Path(os.path.abspath(path))
     if path.is_symlink() and path.is_dir():
         path = Path(os.path.realpath(path))
-    _check_replaceable(path, CHECKPOINT_FILES, is_checkpoint_dir, "checkpoint")
+    _check_replaceable(path, CHECKPOINT_FILES, lambda p: is_checkpoint_dir(p, kind), "checkpoint")
 
 
 @contextlib.contextmanager

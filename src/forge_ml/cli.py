@@ -999,7 +999,8 @@ _PATH_ARGS = ("out", "out_dir", "data", "ckpt", "init_from", "text", "config", "
 
 def main(argv=None) -> int:
     """Run the ``forge-ml`` command line; returns the exit status (0 ok, 1 training failure,
-    2 bad input or a file that cannot be written, 130 / 143 stopped by SIGINT / SIGTERM). The
+    2 bad input or a file that cannot be written, 130 / 143 / 129 stopped by SIGINT / SIGTERM /
+    SIGHUP, 141 a trainer whose stdout's reader went away). The
     BLAS thread count is set first (``forge_ml.blas.limit_default``).
 
     >>> main(["bench", "--steps", "0"])

@@ -179,7 +179,9 @@ def read_shard(path) -> np.ndarray:
                         f"which forge-ml does not read; it reads GPT-2's (magic {SHARD_MAGIC}, uint16)")
     if magic != SHARD_MAGIC:
         raise DataError(f"{path} is not a token shard: expected magic {SHARD_MAGIC} in its first 4 bytes "
-                        f"(llm.c's .bin format, which forge-ml prepare writes), got {magic}")
+                        f"(llm.c's .bin format, which forge-ml prepare writes), got {magic}; nanoGPT's "
+                        f"prepare.py writes raw uint16 ids without that header: the README's 'Coming from "
+                        f"nanoGPT' shows how to write them as shards")
     if version != SHARD_VERSION:
         raise DataError(
             f"expected shard version {SHARD_VERSION} (uint16 tokens), got {version} in file {path}"

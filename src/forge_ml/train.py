@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import uuid
 import io
 import json
 import math
@@ -458,6 +459,7 @@ class Trainer:
         self._pipe_closed = False   # stdout's reader went away (_say)
         self._prepared = None       # (train, val) tokens of a text the trainer prepared (_plan_data)
         self.tokens_sha256 = None   # their digest (tokens_digest), recorded in the checkpoints
+        self.run_id = None          # the run's identity, kept across resumes (its best/ is its own)
         self._said_eager = False
         self.lock = RunLock(self.out_dir)
         self.lock.acquire()
@@ -558,8 +560,17 @@ class Trainer:
         # the checkpoint's place (a file or a user's folder at ckpt, or in the way at ckpt.tmp
         # or ckpt.old) is refused now, not at the first save after training to it
         check_checkpoint_target(self.ckpt_dir)
+        self.run_id = (ckpt[1].get("run_id") if ckpt is not None else None) or uuid.uuid4().hex
         if cfg.keep_best:
-            check_checkpoint_target(self.best_dir)
+            # best/ is replaced only when it is this run's (a training checkpoint copied there,
+            # or another run's best, was replaced, or taken as this run's lowest val loss)
+            check_checkpoint_target(self.best_dir, "forge-ml-model")
+            if is_checkpoint_dir(self.best_dir, "forge-ml-model"):
+                theirs = load_checkpoint(self.best_dir)[1].get("run_id")
+                if not resume or theirs != self.run_id:
+                    raise RunError(f"{self.best_dir} holds a model that this run did not keep (another run's "
+                                   f"best, copied here?); --keep-best writes this run's there: move it "
+                                   f"away or choose another --out")
         self._check_plot_target(held=resume or bool(self._run_files()))
 
         # -- from here on, files are written ------------------------------------------------------
@@ -621,8 +632,8 @@ class Trainer:
         out = self.out_dir
         held = []
         ck = [out / CKPT_NAME, out / (CKPT_NAME + ".old")]
-        if any(p.is_dir() and any(p.iterdir()) or p.is_file() for p in ck):
-            held.append(CKPT_NAME + "/")
+        if any(is_checkpoint_dir(p) or p.is_dir() and (p / "state.json").exists() for p in ck):
+            held.append(CKPT_NAME + "/")     # (a user's file or folder there is refused as such)
         if is_checkpoint_dir(out / BEST_NAME, "forge-ml-model"):
             held.append(BEST_NAME + "/")
         if self.log_path.exists():
@@ -1319,6 +1330,7 @@ class Trainer:
             "data_dir": str(self.data_dir.resolve()),
             "shards": self.shard_names,
             "tokens_sha256": self.tokens_sha256,
+            "run_id": self.run_id,
             "rng": {"seed": cfg.seed, "dropout_seed": "splitmix64(seed, step, micro_step)",
                     "next_step": self.step},
             "tokenizer": self.tokenizer.to_dict(),
@@ -1510,7 +1522,10 @@ class Trainer:
             rec = {"step": self.step, "val_loss": loss, "val_kind": "sampled", "val_batches": cfg.eval_iters}
             how = f"an estimate on {cfg.eval_iters} val batches"
         self.val_loss, self.val_kind = loss, rec["val_kind"]
-        best = cfg.keep_best and math.isfinite(loss) and (self.best_val is None or loss < self.best_val)
+        # the periodic estimates compete with each other (the final evaluation, over every
+        # window, only where there are none: it reads higher than the first batches' estimate)
+        best = (cfg.keep_best and math.isfinite(loss) and (not full or not cfg.eval_interval)
+                and (self.best_val is None or loss < self.best_val))
         if best:
             rec["best"] = True
         self._write_log(rec)
@@ -1528,7 +1543,7 @@ class Trainer:
         writes) of the lowest val loss so far, to ``best_dir``, atomically."""
         meta = {"kind": "forge-ml-model", "config": self.model.config.to_dict(),
                 "tokenizer": self.tokenizer.to_dict(), "step": self.step, "val_loss": loss, "val_kind": kind,
-                "source": str(self.out_dir.resolve())}
+                "source": str(self.out_dir.resolve()), "run_id": self.run_id}
         try:
             save_checkpoint(self.best_dir, self._best_params(), meta)
         except CheckpointError as e:
