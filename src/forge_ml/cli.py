@@ -18,6 +18,7 @@ import argparse
 import codecs
 import dataclasses
 import errno
+import importlib.util
 import json
 import math
 import os
@@ -379,8 +380,8 @@ def _cmd_check(args) -> int:
 
 def _cmd_train(args) -> int:
     from .runs import RunLock
-    from .train import (CKPT_NAME, DATA_NAME, FINAL_VAL_KINDS, LOG_NAME, Interrupted, TrainConfig, Trainer,
-                        no_checkpoint)
+    from .train import (CKPT_NAME, DATA_NAME, FINAL_VAL_KINDS, LOG_NAME, PLOT_NAME, Interrupted, TrainConfig,
+                        Trainer, no_checkpoint)
 
     comm = None
     if args.gpus < 0:
@@ -475,8 +476,7 @@ def _cmd_train(args) -> int:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
     # a signal during the final evaluation, or after it (the final sample), or a crash before
     # the loss curve was drawn: the resume finishes what is left
-    import importlib.util
-    no_plot = not (Path(out_dir) / "loss.png").is_file() and importlib.util.find_spec("matplotlib") is not None
+    no_plot = not (Path(out_dir) / PLOT_NAME).is_file() and importlib.util.find_spec("matplotlib") is not None
     unfinished = trainer.val_kind not in FINAL_VAL_KINDS or no_plot
     if args.resume and trainer.step >= cfg.max_steps and unfinished:
         left = "its final evaluation" if trainer.val_kind not in FINAL_VAL_KINDS else "its loss curve"
@@ -690,7 +690,7 @@ def _sample_beams(args, model, tok, ids, stop, out) -> int:
 def _cmd_eval(args) -> int:
     import numpy as np
 
-    from .data import DataLoader, load_text, read_shard, shard_folder, write_shard
+    from .data import DataLoader, is_shard_file, load_text, read_shard, shard_folder, write_shard
     from .inference import load_model
     from .tensor import tensor
 
@@ -719,7 +719,7 @@ def _cmd_eval(args) -> int:
                 f.read(1)
         except OSError as e:
             raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
-    shard = shards is None and (path.suffix == ".bin" or _starts_like_a_shard(path))  # one named *.dat too
+    shard = shards is None and (path.suffix == ".bin" or is_shard_file(path))  # one named *.dat too
     model, tok, _ = load_model(args.ckpt, device=args.device)
     cfg = model.config
     if folder is not None:
@@ -778,16 +778,6 @@ def _cmd_eval(args) -> int:
              f"{n_tokens:,} tokens, so this loss is not comparable with a run's val loss"
              if T < cfg.block_size else ""))
     return 0
-
-
-def _starts_like_a_shard(path) -> bool:
-    """Whether the file begins with llm.c's shard magic (a shard not named ``*.bin``)."""
-    from .data import SHARD_MAGIC
-    try:
-        with open(path, "rb") as f:
-            return int.from_bytes(f.read(4), "little") == SHARD_MAGIC
-    except OSError:
-        return False
 
 
 def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, what=None) -> None:

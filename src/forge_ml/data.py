@@ -199,6 +199,25 @@ def read_shard(path) -> np.ndarray:
 # Text
 
 
+def is_shard_file(path) -> bool:
+    """Whether ``path`` is a regular file (never a FIFO, which would block) that starts with an
+    llm.c shard's magic (one named otherwise than ``*.bin`` too).
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "s.dat"); write_shard(p, [1, 2])
+    >>> is_shard_file(p), is_shard_file(os.path.dirname(p))
+    (True, False)
+    """
+    path = Path(path)
+    if not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            return int.from_bytes(f.read(4), "little", signed=True) == SHARD_MAGIC
+    except OSError:
+        return False
+
+
 def load_text(path) -> str:
     """The UTF-8 text of a file, with a DataError that says what went wrong.
 

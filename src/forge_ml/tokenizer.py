@@ -517,7 +517,7 @@ class GPT2Tokenizer:
         >>> GPT2Tokenizer().decode([50256])
         '<|endoftext|>'
         """
-        if not self.added:
+        if not self._added_text:    # no token past GPT-2's: tiktoken alone
             return self._enc.decode(self._check_ids(ids), errors="replace")
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
@@ -528,7 +528,7 @@ class GPT2Tokenizer:
         b'Hello'
         """
         ids = self._check_ids(ids)
-        if not self.added:
+        if not self._added_text:    # no token past GPT-2's: tiktoken alone
             return self._enc.decode_bytes(ids)
         out, run = [], []
         for i in ids:

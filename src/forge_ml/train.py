@@ -72,7 +72,7 @@ from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
 from .checkpoint import (check_architecture, check_checkpoint_target, is_checkpoint_dir, load_checkpoint,
                          pack_tensors, save_checkpoint, unpack_tensors)
-from .data import (SHARD_MAGIC, DataLoader, ShardFolder, default_corpus, encode_array, load_text, read_shard,
+from .data import (DataLoader, ShardFolder, default_corpus, encode_array, is_shard_file, load_text, read_shard,
                    shard_folder, split_tokens, write_prepared)
 from .diagnose import CheckingTape
 from .device import Device
@@ -457,7 +457,6 @@ class Trainer:
         self._staged = None         # (loader state, batches) drawn for the next captured step
         self._eval_due = False      # resumed at an eval step whose evaluation a signal cut short
         self._pipe_closed = False   # stdout's reader went away (_say)
-        self._prepared = None       # (train, val) tokens of a text the trainer prepared (_plan_data)
         self.tokens_sha256 = None   # their digest (tokens_digest), recorded in the checkpoints
         self.run_id = None          # the run's identity, kept across resumes (its best/ is its own)
         self._said_eager = False
@@ -486,6 +485,7 @@ class Trainer:
         and tokenizer, the prompt and the architecture."""
         cfg = self.cfg
         ckpt = source = None
+        held = []
         if resume:
             if not (self.ckpt_dir / "state.json").is_file() and not self.ckpt_dir.with_name(CKPT_NAME + ".old").is_dir():
                 raise CheckpointError(no_checkpoint(self.out_dir, self._run_files()))
@@ -545,12 +545,12 @@ class Trainer:
                 ckpt_tok = tokenizer_from_dict(ckpt[1]["tokenizer"])
             except TokenizerError as e:
                 raise CheckpointError(f"{self.ckpt_dir}: its tokenizer cannot be read: {e}") from None
-        self.shards, self.tokenizer, write_data = self._plan_data(resume, source, ckpt_tok)
+        self.shards, self.tokenizer, write_data, tokens = self._plan_data(resume, source, ckpt_tok)
         self.data_dir = self.shards.folder
         cfg.tokenizer = self.tokenizer.kind   # recorded in the checkpoint: what the run trains with
         if ckpt is not None and write_data is None:
             self._check_same_shards(ckpt[1])
-        self._check_same_tokens(ckpt[1] if ckpt is not None else None)
+        self._check_same_tokens(ckpt[1] if ckpt is not None else None, tokens)
         if cfg.sample_prompt:
             try:
                 self.tokenizer.encode(cfg.sample_prompt)
@@ -566,12 +566,14 @@ class Trainer:
             # or another run's best, was replaced, or taken as this run's lowest val loss)
             check_checkpoint_target(self.best_dir, "forge-ml-model")
             if is_checkpoint_dir(self.best_dir, "forge-ml-model"):
-                theirs = load_checkpoint(self.best_dir)[1].get("run_id")
-                if not resume or theirs != self.run_id:
+                theirs = load_checkpoint(self.best_dir)[1]
+                if not resume or theirs.get("run_id") != self.run_id:
                     raise RunError(f"{self.best_dir} holds a model that this run did not keep (another run's "
                                    f"best, copied here?); --keep-best writes this run's there: move it "
                                    f"away or choose another --out")
-        self._check_plot_target(held=resume or bool(self._run_files()))
+                was = theirs.get("val_loss")    # the lowest so far, that a resumed run goes on from
+                self.best_val = float(was) if isinstance(was, (int, float)) else None
+        self._check_plot_target(held=resume or bool(held))
 
         # -- from here on, files are written ------------------------------------------------------
         if not resume and overwrite:
@@ -791,14 +793,13 @@ class Trainer:
                             f"exactly. Put them back as they were, or start a new run from this one: --init-from "
                             f"{self.out_dir} --data {self.data_dir} --out NEW_FOLDER")
 
-    def _check_same_tokens(self, meta: Optional[dict]) -> None:
+    def _check_same_tokens(self, meta: Optional[dict], tokens: Optional[tuple]) -> None:
         """The digest of the run's tokens (a text the trainer prepared, or a shard folder of at
         most DIGEST_MAX_BYTES; None for a larger one, whose shards' names and sizes are checked):
         recorded in the checkpoints, and on a resume compared with the run's, so that shards
         prepared again (from an edited text, the same length) or replaced (``prepare --force``)
         are refused rather than trained on."""
-        prepared, self._prepared = self._prepared, None
-        self.tokens_sha256 = None if prepared is None else tokens_digest(*prepared)
+        self.tokens_sha256 = None if tokens is None else tokens_digest(*tokens)
         was = None if meta is None else meta.get("tokens_sha256")
         if not isinstance(was, str) or self.tokens_sha256 is None or was == self.tokens_sha256:
             return
@@ -815,8 +816,10 @@ class Trainer:
                             f"plus its next-token target)")
 
     def _plan_data(self, resume: bool, source, ckpt_tok=None):
-        """``(shards, tokenizer, write)``: the data folder's ``ShardFolder``, its tokenizer, and
-        the function that prepares the shards (None when they exist). Reads, never writes: a
+        """``(shards, tokenizer, write, tokens)``: the data folder's ``ShardFolder``, its
+        tokenizer, the function that prepares the shards (None when they exist), and the run's
+        tokens for ``tokens_digest`` (train shards, val shards; None for a shard folder over
+        DIGEST_MAX_BYTES). Reads, never writes: a
         text too short for a window of ``block_size`` in its train or val part is refused here."""
         cfg = self.cfg
         src_tok = source[1] if source is not None else None
@@ -824,15 +827,16 @@ class Trainer:
             sf = shard_folder(cfg.data)
             tok = self._folder_tokenizer(sf, src_tok, resume)
             n_train, n_val = self._check_shards(sf, tok)
-            if sum(p.stat().st_size for p in sf.train + sf.val) <= DIGEST_MAX_BYTES:   # (checked in _setup)
-                self._prepared = ([read_shard(p) for p in sf.train], [read_shard(p) for p in sf.val])
+            tokens = None   # (a larger folder's shards: their names and sizes are checked)
+            if sum(p.stat().st_size for p in sf.train + sf.val) <= DIGEST_MAX_BYTES:
+                tokens = ([read_shard(p) for p in sf.train], [read_shard(p) for p in sf.val])
             if not sf.prepared:
                 whose = (f"{sf.tokenizer}" if sf.tokenizer is not None else
                          "GPT-2's BPE (no tokenizer.json in the folder: llm.c's shards hold GPT-2 ids)")
                 self._say(f"data: {len(sf.train)} train shard{'s' * (len(sf.train) > 1)} ({n_train:,} tokens) and "
                           f"{len(sf.val)} val shard{'s' * (len(sf.val) > 1)} ({n_val:,} tokens) in {sf.folder}; "
                           f"tokenizer {whose}")
-            return sf, tok, None
+            return sf, tok, None, tokens
         if cfg.data and any(c in cfg.data for c in "*?[") and not os.path.exists(cfg.data):
             raise DataError(f"--data {cfg.data}: a pattern is not taken; give the folder that holds the shards "
                             f"(--data {os.path.dirname(cfg.data) or '.'}): its *train*.bin are the train shards "
@@ -842,11 +846,11 @@ class Trainer:
             sf = shard_folder(d)
             tok = self._read_tokenizer(d)
             self._check_shards(sf, tok)
-            self._prepared = (read_shard(d / "train.bin"), read_shard(d / "val.bin"))   # checked in _setup
-            return sf, tok, None  # the exact tokens the run started with
+            tokens = ([read_shard(d / "train.bin")], [read_shard(d / "val.bin")])
+            return sf, tok, None, tokens  # the exact tokens the run started with
         if cfg.data:
             src = Path(cfg.data)
-            if _is_shard_file(src):
+            if is_shard_file(src):
                 raise DataError(f"--data {src} is a token shard; give the folder that holds the train and val "
                                 f"shards (--data {src.parent}): its *train*.bin are the train shards and its "
                                 f"*val*.bin the val shards")
@@ -869,7 +873,6 @@ class Trainer:
                                 f"char tokenizer of {whose} lacks ({''.join(extra[:20])!r}); "
                                 f"fine-tune on text written with its characters")
         train, val = split_tokens(encode_array(tok, text), cfg.val_fraction, what)
-        self._prepared = (train, val)
         frac = f"the last {cfg.val_fraction:g} of {len(train) + len(val):,} tokens"
         self._check_length(len(train), f"the train part of {what} (all but {frac})")
         self._check_length(len(val), f"the val part of {what} ({frac}; see --val-fraction)")
@@ -896,7 +899,8 @@ class Trainer:
             self._say(f"prepared {src}: {info['train_tokens']:,} train + {info['val_tokens']:,} val tokens, "
                       f"{info['vocab_size']} {info['tokenizer']} tokens in the vocabulary -> {d}")
 
-        return ShardFolder(d, [d / "train.bin"], [d / "val.bin"], d / "tokenizer.json", True), tok, write
+        return (ShardFolder(d, [d / "train.bin"], [d / "val.bin"], d / "tokenizer.json", True), tok, write,
+                ([train], [val]))
 
     def _architecture(self, ckpt, source) -> GPT2Config:
         """The model's config: the source's (init_from), the checkpoint's for a resumed
@@ -950,9 +954,6 @@ class Trainer:
         if rng.get("seed", self.cfg.seed) != self.cfg.seed:
             raise CheckpointError(f"{self.ckpt_dir} was trained with seed {rng['seed']}, this run asks for "
                                   f"{self.cfg.seed}; resume with the same seed")
-        if self.cfg.keep_best and is_checkpoint_dir(self.best_dir, "forge-ml-model"):
-            was = load_checkpoint(self.best_dir)[1].get("val_loss")
-            self.best_val = float(was) if isinstance(was, (int, float)) else None
         kept = self._truncate_log(self.step)
         # a signal during the periodic evaluation of this step stopped it before its record:
         # the resumed run evaluates first (the same windows), so that its log has every record
@@ -1312,8 +1313,7 @@ class Trainer:
         self._unstage()       # the loader's state is saved as of this step
         self._flush_log(quiet=True)   # a record the captured step held back (the checkpoint
                                       # matters more: a failed write raises at the next one)
-        masters = {k: t.numpy() for k, t in self.opt.params.items()}   # float32, also in bf16 runs
-        return self._write_checkpoint(masters, self.opt.state_dict())
+        return self._write_checkpoint(self._masters(), self.opt.state_dict())
 
     def _write_checkpoint(self, masters: dict, opt_state: dict) -> Path:
         """``save`` from host arrays: ``masters`` name -> float32 array, ``opt_state``
@@ -1338,14 +1338,19 @@ class Trainer:
             "val_loss": self.val_loss,
             "val_kind": self.val_kind,
         }
+        self._save(self.ckpt_dir, tensors, meta)
+        self.last_ckpt_step = self.step
+        return self.ckpt_dir
+
+    def _save(self, folder: Path, tensors: dict, meta: dict) -> None:
+        """``save_checkpoint`` of the run's: a failure is one line that says where training
+        stopped and which checkpoint is kept."""
         try:
-            save_checkpoint(self.ckpt_dir, tensors, meta)
+            save_checkpoint(folder, tensors, meta)
         except CheckpointError as e:
             raise CheckpointError(f"{e}; training stopped at step {self.step}; {self._kept()}") from None
         except OSError as e:
-            raise RunError(cannot_write(e.filename or self.ckpt_dir, e, self._kept())) from None
-        self.last_ckpt_step = self.step
-        return self.ckpt_dir
+            raise RunError(cannot_write(e.filename or folder, e, self._kept())) from None
 
     # -- signals ------------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -1534,8 +1539,9 @@ class Trainer:
         if best:
             self._save_best(loss, rec["val_kind"])
 
-    def _best_params(self) -> dict:
-        """Name -> float32 array of the model's master weights (DistributedTrainer gathers them)."""
+    def _masters(self) -> dict:
+        """Name -> float32 array of the master weights (also in bf16 runs; DistributedTrainer
+        gathers them from its ranks)."""
         return {k: t.numpy() for k, t in self.opt.params.items()}
 
     def _save_best(self, loss: float, kind: str) -> None:
@@ -1544,12 +1550,7 @@ class Trainer:
         meta = {"kind": "forge-ml-model", "config": self.model.config.to_dict(),
                 "tokenizer": self.tokenizer.to_dict(), "step": self.step, "val_loss": loss, "val_kind": kind,
                 "source": str(self.out_dir.resolve()), "run_id": self.run_id}
-        try:
-            save_checkpoint(self.best_dir, self._best_params(), meta)
-        except CheckpointError as e:
-            raise CheckpointError(f"{e}; training stopped at step {self.step}; {self._kept()}") from None
-        except OSError as e:
-            raise RunError(cannot_write(e.filename or self.best_dir, e, self._kept())) from None
+        self._save(self.best_dir, self._masters(), meta)
         self.best_val = loss
 
     TUNES_BLAS = True   # DistributedTrainer: False (its processes share the machine's cores)
@@ -1635,18 +1636,17 @@ class Trainer:
 DIGEST_MAX_BYTES = 2 << 30   # a shard folder up to this size gets a token digest (about 1 s a GB)
 
 
-def tokens_digest(train, val, chunk: int = 1 << 20) -> str:
+def tokens_digest(train: list, val: list, chunk: int = 1 << 20) -> str:
     """sha256 of the train then val token ids, each as little-endian int64 (in chunks: a
-    shard of uint16 ids is not widened whole); ``train`` and ``val`` are arrays or lists of
-    arrays (shards, joined in order).
+    shard of uint16 ids is not widened whole); ``train`` and ``val`` are lists of id arrays
+    (shards), joined in order.
 
-    >>> tokens_digest([1, 2], [3]) == tokens_digest([np.array([1], np.uint16), np.array([2])], [3])
+    >>> tokens_digest([[1, 2]], [[3]]) == tokens_digest([np.array([1], np.uint16), np.array([2])], [[3]])
     True
     """
     h = hashlib.sha256()
     for part in (train, val):
-        arrays = part if isinstance(part, list) and part and isinstance(part[0], np.ndarray) else [part]
-        for a in arrays:
+        for a in part:
             a = np.asarray(a)
             for i in range(0, len(a), chunk):
                 h.update(np.ascontiguousarray(a[i:i + chunk], dtype="<i8").tobytes())
@@ -1686,19 +1686,6 @@ def _is_shard_folder(path) -> bool:
         return True
     except DataError:
         return False
-
-
-def _is_shard_file(path: Path) -> bool:
-    """Whether ``path`` is a regular file (never a FIFO, which would block) that starts with an
-    llm.c shard's magic."""
-    if not path.is_file():
-        return False
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError:
-        return False
-    return len(head) == 4 and int.from_bytes(head, "little", signed=True) == SHARD_MAGIC
 
 
 def _val_words(kind: Optional[str]) -> str:

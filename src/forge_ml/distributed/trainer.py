@@ -165,7 +165,7 @@ class DistributedTrainer(Trainer):
                 return f"{why} (rank 0's micro-step {j + 1})"
         return "rank 0's micro-batches re-ran finite: the value came from another rank's"
 
-    def _best_params(self) -> dict:
+    def _masters(self) -> dict:
         """keep_best: the master weights, gathered from every rank (collective, as ``save``)."""
         self._send({"cmd": "save"})
         return self.dp.gather_state(root=0)["params"]
