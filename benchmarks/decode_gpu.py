@@ -14,11 +14,15 @@ summed over the layers and averaged over ``--reps`` steps.
 per head (the choice ``_decode_split`` makes is marked), with the cache bytes it reads.
 
     python benchmarks/decode_gpu.py [--dtype float32|bf16] [--pos 200] [--batch 1] [--stages]
-                                    [--splits]
+                                    [--splits] [--fused off|on|layers]
+
+``--fused on`` or ``layers`` times the step's rows (the replay, a call, the greedy chain) with
+the step as one kernel or as two kernels a layer (``decode_layers.cu``).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -116,6 +120,10 @@ def main(argv=None):
                     help="rows decoded at once, each at position --pos (default 1)")
     ap.add_argument("--splits", action="store_true",
                     help="decode_attention alone at 1, 2, 4 and 8 blocks per head")
+    ap.add_argument("--fused", default="off", choices=["off", "on", "layers"],
+                    help="the step's timings (replay, call, chain) with FORGE_FUSED_DECODE at this "
+                         "value: on, one kernel (decode_model.cu); layers, two a layer "
+                         "(decode_layers.cu); batch 1 only")
     a = ap.parse_args(argv)
 
     import cupy as cp
@@ -147,6 +155,8 @@ def main(argv=None):
         return s
 
     rows = []
+    fused = contextlib.ExitStack()   # FORGE_FUSED_DECODE for the step's rows (not the ops')
+    fused.enter_context(flags.override(FORGE_FUSED_DECODE=a.fused))
     nopdl = captured_step(False)
     step = captured_step(True)
     rows.append(("graph replay (GPU time per step)",
@@ -172,8 +182,12 @@ def main(argv=None):
     t0 = time.perf_counter()
     for _ in range(20):
         eager(tok, a.pos)
-    rows.append(("DecodeStep call, op by op (no graph)", (time.perf_counter() - t0) * 1e3 / 20))
-    print(f"GPT-2 124M decoding step, batch {Bn}, {a.dtype}, position {a.pos}")
+    rows.append(("DecodeStep call, op by op (no graph)" if not eager.fused else
+                 "DecodeStep call, fused, no graph", (time.perf_counter() - t0) * 1e3 / 20))
+    assert eager.fused == (a.fused != "off"), "the fused step does not take this model or batch"
+    fused.close()
+    print(f"GPT-2 124M decoding step, batch {Bn}, {a.dtype}, position {a.pos}, "
+          f"FORGE_FUSED_DECODE={a.fused}")
     for name, ms in rows:
         print(f"  {ms * 1e3:9.1f} us  {name}")
 

@@ -2,7 +2,8 @@
 transformers' ``generate`` on the same random weights, in the same run.
 
     python benchmarks/generate_gpu.py [--new-tokens 1008] [--prompt-len 16] [--dtype float32|bf16]
-                                      [--paths forge,fused,nograph,hf] [--sampling [--batch 64]
+                                      [--paths forge,fused,layers,nograph,hf]
+                                      [--sampling [--batch 64]
                                       [--modes greedy,top-k,top-p,min-p,penalty]]
 
 tokens/s counts new tokens over the end-to-end time (prefill and the CUDA-graph capture
@@ -10,7 +11,8 @@ included), best of a few runs; by default over a whole generation from a 16-toke
 position 1,024 (the decoding attention's cost grows with the position). The bandwidth line
 reads the parameters once per token (gpt-fast's measure): parameter bytes x tokens/s against
 the H200's 4.8 TB/s. forge-ml is also timed with the step as one kernel (FORGE_FUSED_DECODE=on,
-decode_model.cu, experimental) and with the graph off (the decoding step op by op, the figure
+decode_model.cu, experimental), as two kernels a layer (FORGE_FUSED_DECODE=layers,
+decode_layers.cu, experimental) and with the graph off (the decoding step op by op, the figure
 before the graph existed). ``--paths forge`` times the default path alone, and
 ``--sampling --modes greedy`` greedy at batch 1 and ``--batch`` alone (an A/B between trees of
 the code in seconds a run: scripts/ab_trees.sh).
@@ -41,13 +43,13 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64, help="the larger batch of --sampling")
     ap.add_argument("--modes", default="greedy,top-k,top-p,min-p,penalty",
                     help="the sampling modes --sampling times (greedy always)")
-    ap.add_argument("--paths", default="forge,fused,nograph,hf",
+    ap.add_argument("--paths", default="forge,fused,layers,nograph,hf",
                     help="what is timed: forge (the default path), fused (one kernel a step), "
-                         "nograph (op by op), hf (transformers)")
+                         "layers (two kernels a layer), nograph (op by op), hf (transformers)")
     a = ap.parse_args(argv)
     paths = set(a.paths.split(","))
-    if not paths <= {"forge", "fused", "nograph", "hf"} or "forge" not in paths:
-        raise SystemExit("--paths takes forge (always) and any of fused, nograph, hf; "
+    if not paths <= {"forge", "fused", "layers", "nograph", "hf"} or "forge" not in paths:
+        raise SystemExit("--paths takes forge (always) and any of fused, layers, nograph, hf; "
                          f"got {a.paths!r}")
 
     import cupy as cp
@@ -91,6 +93,8 @@ def main(argv=None):
     run_forge()      # warm-up: compile, cuBLAS handles
     if "fused" in paths:
         run_forge(fused=True)
+    if "layers" in paths:
+        run_forge(fused="layers")
     if "hf" in paths:
         run_hf()
     tf = min(run_forge()[0] for _ in range(a.repeats))
@@ -104,6 +108,12 @@ def main(argv=None):
         same_l = next((i for i, (x, y) in enumerate(zip(fo, lo)) if x != y), len(fo))
         print(f"forge-ml, one kernel a step: {n / tl:9.1f} tok/s  (FORGE_FUSED_DECODE=on, "
               f"decode_model.cu; tokens agree with the default's for the first {same_l})")
+    if "layers" in paths:
+        tl = min(run_forge(fused="layers")[0] for _ in range(a.repeats))
+        _, lo = run_forge(fused="layers")
+        same_l = next((i for i, (x, y) in enumerate(zip(fo, lo)) if x != y), len(fo))
+        print(f"forge-ml, two kernels a layer: {n / tl:9.1f} tok/s  (FORGE_FUSED_DECODE=layers, "
+              f"decode_layers.cu; tokens agree with the default's for the first {same_l})")
     if "nograph" in paths:
         te = min(run_forge(graph=False, fused=False)[0] for _ in range(a.repeats))
         print(f"forge-ml, no graph: {n / te:9.1f} tok/s  (decoding step op by op)")

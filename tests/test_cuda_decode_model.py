@@ -1,7 +1,8 @@
-"""GPT-2's whole batch-1 decoding step as one kernel (ops.decode_gpt2, decode_model.cu):
-logits against a float64 forward of the same weights at every position (float32 and bf16),
-the keys and values it writes, its greedy choice against argmax of its logits, the captured
-chain against the op-by-op one, and the cases it leaves to the op-by-op step."""
+"""GPT-2's whole batch-1 decoding step as one kernel (ops.decode_gpt2, decode_model.cu;
+FORGE_FUSED_DECODE=on) and as two kernels a layer (decode_layers.cu; =layers), every test in
+both modes: logits against a float64 forward of the same weights at every position (float32
+and bf16), the keys and values it writes, its greedy choice against argmax of its logits, the
+captured chain against the op-by-op one, and the cases it leaves to the op-by-op step."""
 import numpy as np
 import pytest
 
@@ -19,10 +20,10 @@ def gpu():
     cuda_or_skip()
 
 
-@pytest.fixture(autouse=True)
-def fused_on():
-    with flags.override(FORGE_FUSED_DECODE=True):   # opt-in while it is not yet the faster
-        yield
+@pytest.fixture(autouse=True, params=["on", "layers"])
+def fused_on(request):
+    with flags.override(FORGE_FUSED_DECODE=request.param):   # opt-in: experimental
+        yield request.param
 
 
 # head size 64 (every GPT-2), a padded vocabulary, more positions than one attention split

@@ -23,6 +23,10 @@ def test_environment_values_are_parsed_once_and_checked(monkeypatch):
     assert flags.SWITCHES["FORGE_ATTENTION"].parse("v1") == "composed"   # the old spelling
     with pytest.raises(ConfigError, match="FORGE_ATTENTION='fast' is not one of flash|composed"):
         flags.SWITCHES["FORGE_ATTENTION"].parse("fast")
+    fused = flags.SWITCHES["FORGE_FUSED_DECODE"]   # on/off with a third value: 1/0 still work
+    assert [fused.parse(v) for v in ("1", "no", "Layers", "on")] == ["on", "off", "layers", "on"]
+    with pytest.raises(ConfigError, match="not one of on|off|layers"):
+        fused.parse("two")
     monkeypatch.setitem(flags._values, "FORGE_PDL", "off")
     monkeypatch.setenv("FORGE_PDL", "1")                  # read once: a later change is not seen
     assert flags.on("FORGE_PDL") is False

@@ -94,7 +94,9 @@ _SWITCHES = (
            "FORGE_WGMMA_BWD_SHARED qd or both)", ("64", "128")),
     Switch("FORGE_FUSED_DECODE", "off",
            "experimental: a batch-1 decoding step of GPT-2 as one CUDA kernel, every layer and "
-           "the LM head (not yet faster than the kernel-per-op step it replaces)", ("on", "off")),
+           "the LM head (on; not yet faster than the kernel-per-op step it replaces), or as two "
+           "kernels a layer (layers)", ("on", "off", "layers"),
+           aliases=tuple((v, "on") for v in _ON) + tuple((v, "off") for v in _OFF)),
     Switch("FORGE_GEMV", "on",
            "few-row products (decoding) on forge-ml's cluster gemv kernel on Hopper (off: cuBLAS)",
            ("on", "off")),

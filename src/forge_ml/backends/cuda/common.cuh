@@ -453,6 +453,19 @@ FORGE_D void cluster_sync() {
                  ::: "memory");
 #endif
 }
+// The same barrier in two halves: cluster_arrive() after the last read of another block's
+// shared memory, cluster_wait() before this block's shared memory may go (its exit), with work
+// of the block's own between.
+FORGE_D void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+FORGE_D void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
 FORGE_D unsigned cluster_addr(const void* p, unsigned rank) {
     unsigned r = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -565,5 +578,46 @@ FORGE_D float quad_sum(float v) {
 #define FORGE_FOR(i, n)                                                          \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
          i += (long long)gridDim.x * blockDim.x)
+
+// The logits of an LM head: logits[n] = xs . head[n] for every row n < Vp of head (Vp, C)
+// (16-byte rows), a warp per row, ROWS rows in flight, the block's WARPS warps and the grid's
+// blocks taking rows in turn; the thread's running argmax over n < V (NumPy's ties) in best,
+// bi (decode_model.cu, decode_layers.cu).
+template <typename T, int ROWS, int WARPS>
+__device__ void lm_head_rows(const float* xs, const T* head, int C, int Vp, int V, float* logits,
+                             float& best, int& bi) {
+    constexpr int VEC = Vec16<T>::N;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nv = C / VEC;
+    const int gw = blockIdx.x * WARPS + warp, nw = gridDim.x * WARPS;
+    for (int n0 = gw * ROWS; n0 < Vp; n0 += nw * ROWS) {
+        float a[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) a[r] = 0.f;
+        for (int i = lane; i < nv; i += 32) {
+            uint4 w16[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r)
+                w16[r] = n0 + r < Vp
+                             ? __ldg(reinterpret_cast<const uint4*>(head + (long long)(n0 + r) * C) + i)
+                             : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                float w[VEC];
+                Vec16<T>::widen(w16[r], w);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) a[r] += xs[i * VEC + e] * w[e];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const float v = warp_sum(a[r]);
+            const int n = n0 + r;
+            if (lane == 0 && n < Vp) {
+                __stcg(logits + n, v);
+                if (n < V) argmax_take(v, n, best, bi);
+            }
+        }
+    }
+}
 
 #endif  // FORGE_COMMON_CUH

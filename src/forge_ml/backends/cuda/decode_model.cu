@@ -378,37 +378,7 @@ __device__ void merge_heads(DmShared& sm, const float* attp, int splits, int k0,
 template <typename T>
 __device__ void lm_head(DmShared& sm, const T* head, int C, int Vp, int V, float* logits,
                         float& best, int& bi) {
-    constexpr int VEC = Vec16<T>::N;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nv = C / VEC;
-    const int gw = blockIdx.x * DM_WARPS + warp, nw = gridDim.x * DM_WARPS;
-    for (int n0 = gw * DM_ROWS; n0 < Vp; n0 += nw * DM_ROWS) {
-        float a[DM_ROWS];
-#pragma unroll
-        for (int r = 0; r < DM_ROWS; ++r) a[r] = 0.f;
-        for (int i = lane; i < nv; i += 32) {
-            uint4 w16[DM_ROWS];
-#pragma unroll
-            for (int r = 0; r < DM_ROWS; ++r)
-                w16[r] = n0 + r < Vp ? __ldg(reinterpret_cast<const uint4*>(head + (long long)(n0 + r) * C) + i)
-                                     : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-            for (int r = 0; r < DM_ROWS; ++r) {
-                float w[VEC];
-                Vec16<T>::widen(w16[r], w);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) a[r] += sm.xs[i * VEC + e] * w[e];
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < DM_ROWS; ++r) {
-            const float v = warp_sum(a[r]);
-            const int n = n0 + r;
-            if (lane == 0 && n < Vp) {
-                __stcg(logits + n, v);
-                if (n < V) argmax_take(v, n, best, bi);
-            }
-        }
-    }
+    lm_head_rows<T, DM_ROWS, DM_WARPS>(sm.xs, head, C, Vp, V, logits, best, bi);
 }
 
 template <typename T>

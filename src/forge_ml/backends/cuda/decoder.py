@@ -1,5 +1,6 @@
-"""GPT-2's whole decoding step for one row as one kernel (decode_model.cu): ``decode_gpt2``,
-experimental (the FORGE_FUSED_DECODE switch, off by default).
+"""GPT-2's whole decoding step for one row as one kernel (decode_model.cu) or as two kernels a
+layer (decode_layers.cu): ``decode_gpt2``, experimental (the FORGE_FUSED_DECODE switch: on, the
+one kernel; layers, the two a layer; off by default).
 
 The grid is one block per SM, resident for the whole step; the stages (per layer: LN1 and
 qkv, attention, projection, LN2 and fc, the MLP's projection; then LN_f, the LM head and the
@@ -9,6 +10,13 @@ weight and cache addresses, a float32 workspace and the barrier's counter. A pla
 once per set of weight and cache addresses (outside any graph capture: the first, op-by-op
 call of a ``DecodeStep`` makes it) and kept; a captured step replays the kernel with the
 same arguments. Kernels: decode_model.cu.
+
+FORGE_FUSED_DECODE=layers (``_decode_layers``): per layer ``layer_attn`` (a cluster of 8
+blocks a head: LN1, the head's q, k and v, its attention, its rows of the projection) and
+``layer_mlp`` (LN2, the MLP in column slices, clusters of 8 summing their partial rows), then
+``decode_head`` (LN_f, the logits, the greedy argmax); 2 L + 1 kernels with programmatic
+dependent launch, each loading its weights into shared memory before it waits. No grid
+barrier: no residency condition.
 
 Limits of the experimental path: the grid barrier needs every block resident at once, which
 one block per SM gives on a GPU the process has to itself (an MPS client limited to part of
@@ -22,7 +30,8 @@ import numpy as np
 
 from ... import flags
 from ...errors import ShapeError
-from .runtime import _DTYPES, BF16, F32, _dev, _float_sfx, _guarded, _i32, _launch, _sm_count, cupy
+from .runtime import (_DTYPES, _SFX, BF16, F32, _dev, _float_sfx, _guarded, _i32, _launch,
+                      _launcher_ex, _set_max_shared, _sm_count, cupy)
 
 _THREADS = 512        # decode_model.cu: DM_THREADS
 _WARPS = 16
@@ -46,10 +55,13 @@ def decode_gpt2_ok(dtype: str, C: int, H: int, Tmax: int, batch: int) -> bool:
     the FORGE_FUSED_DECODE switch on (off by default: the step is not yet faster than the
     kernel-per-op step; benchmarks/RESULTS.md)."""
     dt = _DTYPES.get(getattr(dtype, "name", dtype))
-    if not flags.on("FORGE_FUSED_DECODE") or batch != 1 or dt not in _VEC:
+    mode = flags.get("FORGE_FUSED_DECODE")
+    if mode == "off" or batch != 1 or dt not in _VEC:
         return False
     if C % H or C // H != _HS or C % 8 or C > _CMAX or 4 * C > _KMAX:
         return False
+    if mode == "layers":
+        return _layers_ok(dt, C)
     return -(-Tmax // _splits(H)) <= _KEYS
 
 
@@ -137,6 +149,10 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
         ptrs.extend(int(t.data.ptr) for t in lw)
         ptrs.extend((int(k.data.ptr), int(v.data.ptr)))
     key = (_dev(), str(dt), C, H, L, int(vocab_size), Vp, Tmax, tuple(ptrs))
+    if flags.get("FORGE_FUSED_DECODE") == "layers":
+        _decode_layers(key, ids, pos, wte, wpe, lnf, head, layers, caches, H, eps,
+                       int(vocab_size), logits, ids if out is None else out, greedy)
+        return
     plan = _plans.get(key)
     if plan is None:
         if cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
@@ -150,3 +166,106 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
             (plan.geo, plan.table, wte, wpe, lnf[0], lnf[1], head, plan.work, plan.counter, ids,
              pos, ids if out is None else out, _i32(1 if greedy else 0), np.float32(eps), logits,
              times))
+
+
+# ---- FORGE_FUSED_DECODE=layers: decode_layers.cu ----------------------------------------------
+
+_DL_THREADS, _DL_P, _DL_HEAD_THREADS = 256, 8, 512
+
+
+def _attn_shared(dt, C: int) -> int:
+    """Dynamic shared bytes of ``layer_attn`` (decode_layers.cu's dl_attn_shared, the same
+    sum).
+
+    >>> _attn_shared(BF16, 768) if BF16 is not None else 63504
+    63504
+    """
+    vec, item = _VEC[dt], np.dtype(dt).itemsize
+    kq = np_ = C // _DL_P
+    nv = 3 * _HS // vec
+    rg = _DL_THREADS // nv
+    g1 = (_DL_THREADS // 32) * (32 // (_HS // vec))
+    nvp = np_ // vec
+    dg = _DL_THREADS // nvp
+    scr = max(rg * 3 * _HS, g1 * _HS, dg * np_)
+    at = kq * 3 * _HS * item + _HS * np_ * item + 2 * _HS * item
+    at = -(-at // 16) * 16
+    return at + 4 * (C + kq + 3 * _HS + 3 * _HS + 68 + _HS + 32 + 32 + scr + 32)
+
+
+def _mlp_shared(dt, C: int) -> int:
+    """Dynamic shared bytes of ``layer_mlp`` (decode_layers.cu's dl_mlp_shared).
+
+    >>> _mlp_shared(BF16, 768) if BF16 is not None else 105728
+    105728
+    """
+    vec, item = _VEC[dt], np.dtype(dt).itemsize
+    nh = 4 * vec
+    return 2 * C * nh * item + 4 * (C + (_DL_THREADS // 32) * nh + nh + C + 32)
+
+
+def _layers_ok(dt, C: int) -> bool:
+    """Whether decode_layers.cu takes n_embd ``C``: a GPU with thread-block clusters (Hopper and
+    later, ``_launcher_ex``), C a multiple of 64 (8 blocks a head, 16-byte rows) up to 1,600,
+    and both kernels' shared memory within the device's."""
+    if C % 64 or C > _CMAX or not _launcher_ex():
+        return False
+    sfx = _SFX[np.dtype(dt)]
+    return (_set_max_shared("decode_layers", f"layer_attn_{sfx}", _attn_shared(dt, C))
+            and _set_max_shared("decode_layers", f"layer_mlp_{sfx}", _mlp_shared(dt, C)))
+
+
+class _LayersPlan:
+    """The float32 workspace of one model's two-kernels-a-layer step: x after the attention
+    (xa) and after the MLP (xb), each head's partial projection row (partA, H x C), each MLP
+    cluster's partial row (partB), the head kernel's per-block argmax and its counter."""
+
+    def __init__(self, dt, C: int, H: int):
+        self.grid_mlp = C // _VEC[dt]                 # blocks of layer_mlp
+        self.SB = self.grid_mlp // _DL_P              # its clusters: partB's rows
+        self.grid_head = 2 * _sm_count(_dev())
+        self.xa = cupy.zeros(C, F32)
+        self.xb = cupy.zeros(C, F32)
+        self.partA = cupy.zeros((H, C), F32)
+        self.partB = cupy.zeros((self.SB, C), F32)
+        self.argp = cupy.zeros(2 * self.grid_head, F32)
+        self.counter = cupy.zeros(1, np.uint32)
+        self.attn_shared, self.mlp_shared = _attn_shared(dt, C), _mlp_shared(dt, C)
+
+
+_layer_plans: dict = {}
+
+
+def _decode_layers(key, ids, pos, wte, wpe, lnf, head, layers, caches, H, eps, V, logits, hist,
+                   greedy):
+    """``decode_gpt2`` as 2 L + 1 kernels (decode_layers.cu); ``key`` names the plan (the
+    model's shapes and addresses, as the one-kernel step's)."""
+    dt = wte.dtype
+    C, Vp, Tmax = wte.shape[1], head.shape[0], caches[0][0].shape[2]
+    if any(p % 16 for p in key[-1] + (int(head.data.ptr),)):   # cp.async, 16-byte loads
+        raise ShapeError("decode_gpt2: FORGE_FUSED_DECODE=layers needs every weight and cache "
+                         "on a 16-byte boundary; one is not (a view into a larger array?)")
+    plan = _layer_plans.get(key)
+    if plan is None:
+        if cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
+            raise ShapeError("decode_gpt2: the first call for a model must run outside a graph "
+                             "capture (it makes the step's workspace)")
+        plan = _layer_plans[key] = _LayersPlan(dt, C, H)
+    sfx, epsf = _float_sfx(wte), np.float32(eps)
+    for i, (lw, (kc, vc)) in enumerate(zip(layers, caches)):
+        g1, b1, wqkv, bqkv, wproj, bproj, g2, b2, wfc, bfc, wfc2, bfc2 = lw
+        bprev = layers[i - 1][11] if i else bfc2      # the MLP bias x' still lacks (unused at 0)
+        _launch("decode_layers", f"layer_attn_{sfx}", (H * _DL_P,), _DL_THREADS,
+                (ids, pos, wte, wpe, _i32(1 if i == 0 else 0), plan.xb, bprev, plan.partB,
+                 _i32(plan.SB), g1, b1, wqkv, bqkv, wproj, kc, vc, plan.xa, plan.partA, _i32(C),
+                 _i32(Tmax), epsf), shared=plan.attn_shared, pdl=True,
+                writes=(kc, vc, plan.xa, plan.partA), cluster=(_DL_P, 1, 1))
+        _launch("decode_layers", f"layer_mlp_{sfx}", (plan.grid_mlp,), _DL_THREADS,
+                (plan.xa, bproj, plan.partA, _i32(H), g2, b2, wfc, bfc, wfc2, plan.xb, plan.partB,
+                 _i32(C), epsf), shared=plan.mlp_shared, pdl=True, writes=(plan.xb, plan.partB),
+                cluster=(_DL_P, 1, 1))
+    _launch("decode_layers", f"decode_head_{sfx}", (plan.grid_head,), _DL_HEAD_THREADS,
+            (plan.xb, layers[-1][11], plan.partB, _i32(plan.SB), lnf[0], lnf[1], head, logits,
+             _i32(C), _i32(Vp), _i32(V), epsf, _i32(1 if greedy else 0), ids, pos, hist,
+             plan.argp, plan.counter), pdl=True,
+            writes=(logits, ids, pos, hist, plan.argp, plan.counter))

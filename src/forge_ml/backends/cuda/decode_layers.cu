@@ -1,0 +1,613 @@
+// launched from backends/cuda/decoder.py
+// decode_layers.cu: GPT-2's decoding step for one row (batch 1) in two kernels a layer and one
+// for the head (FORGE_FUSED_DECODE=layers), 2 L + 1 kernels where the kernel-per-op step has
+// 5 L + 3. At batch 1 every kernel of the step waits on latency, not on bandwidth (about 5 us
+// each for a few MB of weights), so the step's time follows the number of dependent stages.
+//
+// Every block loads its weights into shared memory (cp.async) before it waits for the previous
+// kernel (programmatic dependent launch, common.cuh's pdl_wait): they arrive under that
+// kernel's tail. Vectors between kernels are float32 in a workspace; sums over blocks are
+// partial rows summed by the consumer in a fixed order (no atomics: the same bits every run).
+//
+//   layer_attn (H clusters of 8 blocks, one cluster a head):
+//     x = the embedding (layer 0), else x' + c_proj bias of the MLP + the rows of partB;
+//     LN1(x); block p: the head's q, k, v over its eighth of the rows of c_attn's weight,
+//     summed over the cluster (distributed shared memory) and rounded to the weights' type as
+//     the kernel-per-op step's qkv is; block 0 writes k and v at row pos of the caches;
+//     attention over the keys 0..pos, block p the p-th eighth of them (the new row from the
+//     cluster's sums, not the cache); the 8 parts merged (online softmax) in every block, y
+//     rounded; block p: y @ c_proj's weight for its eighth of the columns -> partA[head].
+//   layer_mlp (C / VEC blocks in clusters of 8, block b owning 4 VEC columns of c_fc):
+//     x' = x + c_proj bias + the H rows of partA; LN2(x'); its columns of GELU(LN2 @ W_fc +
+//     b), rounded; their rows of the MLP's projection -> a partial row of C, summed over the
+//     cluster -> partB[cluster].
+//   head: x'' = x' + bias + partB's rows; LN_f; the logits (float32, every padded column);
+//     with `greedy`, the argmax (NumPy's ties) over the blocks by the last block to finish:
+//     ids[0], hist[0], pos[0] += 1.
+#include "common.cuh"
+
+#define DL_THREADS 256
+#define DL_WARPS 8
+#define DL_P 8          // blocks of a cluster
+#define DL_HS 64        // head size
+#define DL_XPT 8        // x values a thread holds (C <= DL_XPT * DL_THREADS)
+#define DL_HEAD_WARPS 16
+#define DL_HEAD_ROWS 8  // LM head rows a warp has in flight
+#define DL_CMAX 1600
+
+FORGE_D int dl_cdiv(int a, int b) { return (a + b - 1) / b; }
+
+// 16 bytes of T at p (global or shared), widened
+template <typename T> FORGE_D void dl_load(const T* p, float (&w)[Vec16<T>::N]) {
+    Vec16<T>::widen(*reinterpret_cast<const uint4*>(p), w);
+}
+
+// v rounded to T and widened back: where the kernel-per-op step stores a bf16 tensor
+template <typename T> FORGE_D float dl_round(float v) { return ldf(To<T>::from(v)); }
+
+// mean and rstd of the C values x[i] (thread t holds x[t + i * DL_THREADS]), float32, two
+// passes as layernorm.cu; every thread gets both
+FORGE_D void dl_stats(const float (&x)[DL_XPT], int C, float eps, float* sh, float& mean,
+                      float& rstd) {
+    float a = 0.f;
+#pragma unroll
+    for (int i = 0; i < DL_XPT; ++i)
+        if (threadIdx.x + i * DL_THREADS < C) a += x[i];
+    mean = block_sum(a, sh) / float(C);
+    float v = 0.f;
+#pragma unroll
+    for (int i = 0; i < DL_XPT; ++i)
+        if (threadIdx.x + i * DL_THREADS < C) {
+            const float d = x[i] - mean;
+            v += d * d;
+        }
+    rstd = 1.f / sqrtf(block_sum(v, sh) / float(C) + eps);
+}
+
+// The sum over s < S of P[s][c] (rows written by the previous kernel, read through L2), eight
+// rows' loads in flight at once (a plain loop would wait for each load before the next: S
+// round trips to L2), in a fixed order: the same bits every run.
+FORGE_D float dl_sum_rows(const float* P, int S, int C, int c) {
+    float acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+    for (int s0 = 0; s0 < S; s0 += 8) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            if (s0 + j < S) acc[j] += __ldcg(P + (long long)(s0 + j) * C + c);
+    }
+    float a = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a += acc[j];
+    return a;
+}
+
+// x[i] = base[c] + bias[c] + sum over s < S of P[s][c], c = threadIdx.x + i * DL_THREADS
+template <typename T>
+FORGE_D void dl_gather(float (&x)[DL_XPT], const float* base, const T* bias, const float* P,
+                       int S, int C) {
+#pragma unroll
+    for (int i = 0; i < DL_XPT; ++i) {
+        const int c = threadIdx.x + i * DL_THREADS;
+        x[i] = c < C ? __ldcg(base + c) + ldf(bias[c]) + dl_sum_rows(P, S, C, c) : 0.f;
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// layer_attn. Dynamic shared memory, in this order (dl_attn_shared gives the byte offsets;
+// decoder.py's _attn_shared the same total):
+//   wq  T[KQ][3 * 64]   c_attn's weight, rows [p KQ, (p + 1) KQ), the head's q, k, v columns
+//   wp  T[64][NP]       c_proj's weight, the head's 64 rows, columns [p NP, (p + 1) NP)
+//   kn, vn T[64] each   the new key and value row, as the cache holds them
+//   xf  float[C]        x
+//   xs  float[KQ]       LN1(x), this block's rows
+//   part float[192]     this block's partial q, k, v (read by the cluster)
+//   qkv float[192]      q (times 1/8), k, v
+//   mlo float[68]       this block's m, l and 64 unnormalised outputs (read by the cluster)
+//   yv  float[64]       the head's attention output
+//   gm, gl float[32]    the key groups' m and l
+//   scr float[SCR]      scratch: the row groups' qkv sums, the key groups' outputs, the proj
+//                       sums
+//   sh  float[32]
+// KQ = NP = C / 8 (C a multiple of 64).
+struct AttnSm {
+    int wq, wp, kn, vn, xf, xs, part, qkv, mlo, yv, gm, gl, scr, sh, total;
+};
+
+template <typename T> FORGE_D AttnSm dl_attn_shared(int C) {
+    constexpr int VEC = Vec16<T>::N;
+    const int KQ = C / DL_P, NP = C / DL_P;
+    const int nv = 3 * DL_HS / VEC, rg = DL_THREADS / nv;           // qkv: row groups
+    const int g1 = DL_WARPS * (32 / (DL_HS / VEC));                  // attention: key groups
+    const int nvp = NP / VEC, dg = DL_THREADS / nvp;                 // proj: row groups
+    const int scr = max(max(rg * 3 * DL_HS, g1 * DL_HS), dg * NP);
+    AttnSm s;
+    int at = 0;
+    s.wq = at; at += KQ * 3 * DL_HS * (int)sizeof(T);
+    s.wp = at; at += DL_HS * NP * (int)sizeof(T);
+    s.kn = at; at += DL_HS * (int)sizeof(T);
+    s.vn = at; at += DL_HS * (int)sizeof(T);
+    at = (at + 15) & ~15;
+    s.xf = at; at += C * 4;
+    s.xs = at; at += KQ * 4;
+    s.part = at; at += 3 * DL_HS * 4;
+    s.qkv = at; at += 3 * DL_HS * 4;
+    s.mlo = at; at += 68 * 4;
+    s.yv = at; at += DL_HS * 4;
+    s.gm = at; at += 32 * 4;
+    s.gl = at; at += 32 * 4;
+    s.scr = at; at += scr * 4;
+    s.sh = at; at += 32 * 4;
+    s.total = at;
+    return s;
+}
+
+template <typename T>
+__device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, const T* wpe,
+                                int first, const float* xres, const T* bprev, const float* partB,
+                                int SB, const T* g1, const T* b1, const T* Wqkv, const T* bqkv,
+                                const T* Wproj, T* kc, T* vc, float* xa, float* partA, int C,
+                                int Tmax, float eps) {
+    constexpr int VEC = Vec16<T>::N;
+    extern __shared__ __align__(16) unsigned char dl_raw[];
+    const AttnSm L = dl_attn_shared<T>(C);
+    T* wq = reinterpret_cast<T*>(dl_raw + L.wq);
+    T* wp = reinterpret_cast<T*>(dl_raw + L.wp);
+    T* kn = reinterpret_cast<T*>(dl_raw + L.kn);
+    T* vn = reinterpret_cast<T*>(dl_raw + L.vn);
+    float* xf = reinterpret_cast<float*>(dl_raw + L.xf);
+    float* xs = reinterpret_cast<float*>(dl_raw + L.xs);
+    float* part = reinterpret_cast<float*>(dl_raw + L.part);
+    float* qkv = reinterpret_cast<float*>(dl_raw + L.qkv);
+    float* mlo = reinterpret_cast<float*>(dl_raw + L.mlo);
+    float* yv = reinterpret_cast<float*>(dl_raw + L.yv);
+    float* gm = reinterpret_cast<float*>(dl_raw + L.gm);
+    float* gl = reinterpret_cast<float*>(dl_raw + L.gl);
+    float* scr = reinterpret_cast<float*>(dl_raw + L.scr);
+    float* sh = reinterpret_cast<float*>(dl_raw + L.sh);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int h = blockIdx.x / DL_P, p = blockIdx.x % DL_P;
+    const int KQ = C / DL_P, NP = C / DL_P, k0 = p * KQ, n0 = p * NP;
+    // 1. the block's weights into shared memory, and an L2 hint for its keys and values,
+    //    before the previous kernel ends (weights only: no kernel writes them)
+    {
+        constexpr int PER = 16 / (int)sizeof(T);   // elements a 16-byte copy
+        const int segs = DL_HS / PER;              // copies a row of one of q, k, v
+        for (int i = tid; i < KQ * 3 * segs; i += DL_THREADS) {
+            const int r = i / (3 * segs), w = (i / segs) % 3, sg = i % segs;
+            cp_async16(smem_u32(wq + (long long)r * 3 * DL_HS + w * DL_HS + sg * PER),
+                       Wqkv + (long long)(k0 + r) * 3 * C + w * C + h * DL_HS + sg * PER, true);
+        }
+        const int psegs = NP / PER;
+        for (int i = tid; i < DL_HS * psegs; i += DL_THREADS) {
+            const int r = i / psegs, sg = i % psegs;
+            cp_async16(smem_u32(wp + (long long)r * NP + sg * PER),
+                       Wproj + (long long)(h * DL_HS + r) * C + n0 + sg * PER, true);
+        }
+        cp_async_commit();
+        // a hint only: pos read without waiting (a stale value asks for other lines)
+        const int hint = min(max(__ldcg(posp), 0), Tmax - 1) + 1;
+        const int ch = dl_cdiv(hint, DL_P), j0 = p * ch, cnt = max(0, min(hint, j0 + ch) - j0);
+        const int lines = DL_HS * (int)sizeof(T) / 128;   // 128-byte lines a row (1 or 2)
+        const long long hb = (long long)h * Tmax * DL_HS;
+        for (int i = tid; i < cnt * lines; i += DL_THREADS) {
+            const long long at = hb + (long long)(j0 + i / lines) * DL_HS +
+                                 (i % lines) * (128 / (int)sizeof(T));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(kc + at));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(vc + at));
+        }
+    }
+    pdl_wait();
+    pdl_launch_dependents();
+    const int pos_raw = __ldcg(posp);
+    const bool bad = pos_raw < 0 || pos_raw >= Tmax;   // outputs NaN, nothing written
+    const int pos = bad ? 0 : pos_raw;
+    // 2. x, its layernorm, this block's rows of it
+    float x[DL_XPT];
+    if (first) {
+        const int id = __ldcg(ids);
+#pragma unroll
+        for (int i = 0; i < DL_XPT; ++i) {
+            const int c = tid + i * DL_THREADS;
+            x[i] = c < C ? ldf(wte[(long long)id * C + c]) + ldf(wpe[(long long)pos * C + c]) : 0.f;
+        }
+    } else {
+        dl_gather<T>(x, xres, bprev, partB, SB, C);
+    }
+#pragma unroll
+    for (int i = 0; i < DL_XPT; ++i) {
+        const int c = tid + i * DL_THREADS;
+        if (c < C) {
+            xf[c] = x[i];
+            if (blockIdx.x == 0) __stcg(xa + c, x[i]);
+        }
+    }
+    float mean, rstd;
+    dl_stats(x, C, eps, sh, mean, rstd);   // its barriers publish xf
+    for (int k = tid; k < KQ; k += DL_THREADS)
+        xs[k] = (xf[k0 + k] - mean) * rstd * ldf(g1[k0 + k]) + ldf(b1[k0 + k]);
+    cp_async_wait<0>();
+    __syncthreads();
+    // 3. q, k, v over this block's rows: nv column vectors, rg row groups
+    {
+        const int nv = 3 * DL_HS / VEC, rg = DL_THREADS / nv;
+        const int cv = tid % nv, g = tid / nv;
+        if (g < rg) {
+            float acc[VEC];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
+            for (int k = g; k < KQ; k += rg) {
+                float w[VEC];
+                dl_load<T>(wq + (long long)k * 3 * DL_HS + cv * VEC, w);
+                const float xv = xs[k];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[e] += xv * w[e];
+            }
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) scr[g * 3 * DL_HS + cv * VEC + e] = acc[e];
+        }
+        __syncthreads();
+        if (tid < 3 * DL_HS) {
+            float a = 0.f;
+            for (int r = 0; r < rg; ++r) a += scr[r * 3 * DL_HS + tid];
+            part[tid] = a;
+        }
+    }
+    cluster_sync();   // every block's part is written
+    if (tid < 3 * DL_HS) {
+        const int w = tid / DL_HS, d = tid % DL_HS;
+        float a = ldf(bqkv[w * C + h * DL_HS + d]);
+        for (int r = 0; r < DL_P; ++r) a += ld_cluster(&part[tid], (unsigned)r);
+        const T t = To<T>::from(a);
+        qkv[tid] = w == 0 ? ldf(t) * 0.125f : ldf(t);   // 1 / sqrt(64)
+        if (w == 1) kn[d] = t;
+        if (w == 2) vn[d] = t;
+        if (w > 0 && p == 0 && !bad)
+            (w == 1 ? kc : vc)[(long long)h * Tmax * DL_HS + (long long)pos * DL_HS + d] = t;
+    }
+    __syncthreads();
+    // 4. attention over this block's keys [j0, j0 + cnt): groups of RK lanes read a key and a
+    //    value row together (16-byte loads), online softmax per group, then the groups meet
+    {
+        constexpr int RK = DL_HS / VEC, GPW = 32 / RK, G1 = DL_WARPS * GPW;
+        const int n = pos + 1, ch = dl_cdiv(n, DL_P), j0 = p * ch;
+        const int cnt = max(0, min(n, j0 + ch) - j0);
+        const int g = warp * GPW + lane / RK, r = lane % RK;
+        const long long hb = (long long)h * Tmax * DL_HS;
+        float qr[VEC], acc[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            qr[e] = qkv[r * VEC + e];
+            acc[e] = 0.f;
+        }
+        float mg = neg_inf<float>(), lg = 0.f;
+        for (int jb = 0; jb < cnt; jb += 2 * G1) {   // uniform over the warp: shuffles are safe
+            float sc[2], kv[2][VEC];
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int j = jb + u * G1 + g, jj = j0 + j;
+                float kw[VEC];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) kw[e] = kv[u][e] = 0.f;
+                if (j < cnt) {
+                    if (jj == pos) {
+                        dl_load<T>(kn + r * VEC, kw);
+                        dl_load<T>(vn + r * VEC, kv[u]);
+                    } else {
+                        const long long at = hb + (long long)jj * DL_HS + r * VEC;
+                        Vec16<T>::widen(Vec16<T>::raw(kc + at), kw);
+                        Vec16<T>::widen(Vec16<T>::raw(vc + at), kv[u]);
+                    }
+                }
+                float d = 0.f;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) d += qr[e] * kw[e];
+                for (int off = RK >> 1; off > 0; off >>= 1)
+                    d += __shfl_xor_sync(0xffffffffu, d, off);
+                sc[u] = j < cnt ? d : neg_inf<float>();
+            }
+            const float mx = fmaxf(mg, fmaxf(sc[0], sc[1]));
+            if (mx != neg_inf<float>()) {
+                const float c = mg == neg_inf<float>() ? 0.f : __expf(mg - mx);
+                lg *= c;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[e] *= c;
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    const float pj = sc[u] == neg_inf<float>() ? 0.f : __expf(sc[u] - mx);
+                    lg += pj;
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) acc[e] += pj * kv[u][e];
+                }
+                mg = mx;
+            }
+        }
+        if (r == 0) {
+            gm[g] = mg;
+            gl[g] = lg;
+        }
+        __syncthreads();
+        float m = neg_inf<float>();
+        for (int k = 0; k < G1; ++k) m = fmaxf(m, gm[k]);
+        const float f = mg == neg_inf<float>() ? 0.f : __expf(mg - m);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) scr[g * DL_HS + r * VEC + e] = acc[e] * f;
+        __syncthreads();
+        if (tid < DL_HS) {
+            float o = 0.f;
+            for (int k = 0; k < G1; ++k) o += scr[k * DL_HS + tid];
+            mlo[4 + tid] = o;
+        }
+        if (tid == 0) {
+            float l = 0.f;
+            for (int k = 0; k < G1; ++k)
+                l += gm[k] == neg_inf<float>() ? 0.f : gl[k] * __expf(gm[k] - m);
+            mlo[0] = m;
+            mlo[1] = l;
+        }
+    }
+    cluster_sync();   // every block's m, l and outputs are written
+    if (tid < DL_HS) {   // the 8 parts merged, in block order
+        float M = neg_inf<float>();
+        for (int r = 0; r < DL_P; ++r) M = fmaxf(M, ld_cluster(&mlo[0], (unsigned)r));
+        float Ls = 0.f, y = 0.f;
+        for (int r = 0; r < DL_P; ++r) {
+            const float mr = ld_cluster(&mlo[0], (unsigned)r);
+            if (mr == neg_inf<float>()) continue;   // a part with no keys
+            const float w = __expf(mr - M);
+            Ls += w * ld_cluster(&mlo[1], (unsigned)r);
+            y += w * ld_cluster(&mlo[4 + tid], (unsigned)r);
+        }
+        yv[tid] = bad ? quiet_nan<float>() : dl_round<T>(y / Ls);
+    }
+    cluster_arrive();   // this block reads no other block's shared memory from here on
+    __syncthreads();
+    // 5. y @ c_proj's weight, this block's NP columns -> partA[h][n0 ..)
+    {
+        const int nvp = NP / VEC, dg = DL_THREADS / nvp;
+        const int cv = tid % nvp, g = tid / nvp;
+        if (g < dg) {
+            float acc[VEC];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
+            for (int d = g; d < DL_HS; d += dg) {
+                float w[VEC];
+                dl_load<T>(wp + (long long)d * NP + cv * VEC, w);
+                const float yd = yv[d];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[e] += yd * w[e];
+            }
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) scr[g * NP + cv * VEC + e] = acc[e];
+        }
+        __syncthreads();
+        for (int c = tid; c < NP; c += DL_THREADS) {
+            float a = 0.f;
+            for (int r = 0; r < dg; ++r) a += scr[r * NP + c];
+            __stcg(partA + (long long)h * C + n0 + c, a);
+        }
+    }
+    cluster_wait();   // no block leaves while another may still read its mlo
+}
+
+// ------------------------------------------------------------------------------------------
+// layer_mlp. Dynamic shared memory (dl_mlp_shared; decoder.py's _mlp_shared):
+//   wf  T[C][NH]   c_fc's weight, the block's NH = 4 VEC columns
+//   w2  T[NH][C]   the MLP projection's weight, the same NH rows
+//   xs  float[C]   LN2(x')
+//   red float[DL_WARPS][NH]
+//   hv  float[NH]  GELU(...), rounded
+//   ob  float[C]   this block's partial row (read by the cluster)
+//   sh  float[32]
+struct MlpSm {
+    int wf, w2, xs, red, hv, ob, sh, total;
+};
+
+template <typename T> FORGE_D MlpSm dl_mlp_shared(int C) {
+    constexpr int NH = 4 * Vec16<T>::N;
+    MlpSm s;
+    int at = 0;
+    s.wf = at; at += C * NH * (int)sizeof(T);
+    s.w2 = at; at += NH * C * (int)sizeof(T);
+    s.xs = at; at += C * 4;
+    s.red = at; at += DL_WARPS * NH * 4;
+    s.hv = at; at += NH * 4;
+    s.ob = at; at += C * 4;
+    s.sh = at; at += 32 * 4;
+    s.total = at;
+    return s;
+}
+
+template <typename T>
+__device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* partA, int H,
+                               const T* g2, const T* b2, const T* Wfc, const T* bfc,
+                               const T* Wfc2, float* xb, float* partB, int C, float eps) {
+    constexpr int VEC = Vec16<T>::N, NH = 4 * VEC, PER = 16 / (int)sizeof(T);
+    extern __shared__ __align__(16) unsigned char dl_raw[];
+    const MlpSm L = dl_mlp_shared<T>(C);
+    T* wf = reinterpret_cast<T*>(dl_raw + L.wf);
+    T* w2 = reinterpret_cast<T*>(dl_raw + L.w2);
+    float* xs = reinterpret_cast<float*>(dl_raw + L.xs);
+    float* red = reinterpret_cast<float*>(dl_raw + L.red);
+    float* hv = reinterpret_cast<float*>(dl_raw + L.hv);
+    float* ob = reinterpret_cast<float*>(dl_raw + L.ob);
+    float* sh = reinterpret_cast<float*>(dl_raw + L.sh);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x;
+    const int F = 4 * C, c0 = b * NH;   // this block's columns of c_fc: [c0, c0 + NH)
+    // 1. the block's weights, before the previous kernel ends
+    for (int i = tid; i < C * (NH / PER); i += DL_THREADS) {
+        const int k = i / (NH / PER), sg = i % (NH / PER);
+        cp_async16(smem_u32(wf + (long long)k * NH + sg * PER),
+                   Wfc + (long long)k * F + c0 + sg * PER, true);
+    }
+    for (int i = tid; i < NH * (C / PER); i += DL_THREADS) {
+        const int j = i / (C / PER), sg = i % (C / PER);
+        cp_async16(smem_u32(w2 + (long long)j * C + sg * PER),
+                   Wfc2 + (long long)(c0 + j) * C + sg * PER, true);
+    }
+    cp_async_commit();
+    pdl_wait();
+    pdl_launch_dependents();
+    // 2. x' and its layernorm
+    float x[DL_XPT];
+    dl_gather<T>(x, xa, bproj, partA, H, C);
+    if (b == 0) {
+#pragma unroll
+        for (int i = 0; i < DL_XPT; ++i)
+            if (tid + i * DL_THREADS < C) __stcg(xb + tid + i * DL_THREADS, x[i]);
+    }
+    float mean, rstd;
+    dl_stats(x, C, eps, sh, mean, rstd);
+#pragma unroll
+    for (int i = 0; i < DL_XPT; ++i) {
+        const int c = tid + i * DL_THREADS;
+        if (c < C) xs[c] = (x[i] - mean) * rstd * ldf(g2[c]) + ldf(b2[c]);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    // 3. the block's NH columns of c_fc: 4 column vectors, 64 row groups (the lanes of a warp
+    //    with the same column vector meet by shuffles, the warps in shared memory)
+    {
+        const int cv = tid & 3, g = tid >> 2;
+        float acc[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
+        for (int k = g; k < C; k += DL_THREADS / 4) {
+            float w[VEC];
+            dl_load<T>(wf + (long long)k * NH + cv * VEC, w);
+            const float xv = xs[k];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[e] += xv * w[e];
+        }
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], o);
+        if (lane < 4) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) red[warp * NH + cv * VEC + e] = acc[e];
+        }
+        __syncthreads();
+        if (tid < NH) {
+            float a = ldf(bfc[c0 + tid]);
+            for (int w = 0; w < DL_WARPS; ++w) a += red[w * NH + tid];
+            hv[tid] = dl_round<T>(gelu_f(a));
+        }
+        __syncthreads();
+    }
+    // 4. those NH rows of the projection: a partial row of C
+    for (int cv = tid; cv < C / VEC; cv += DL_THREADS) {
+        float acc[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
+#pragma unroll 4
+        for (int j = 0; j < NH; ++j) {
+            float w[VEC];
+            dl_load<T>(w2 + (long long)j * C + cv * VEC, w);
+            const float hj = hv[j];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[e] += hj * w[e];
+        }
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) ob[cv * VEC + e] = acc[e];
+    }
+    cluster_sync();   // every block's partial row is written
+    // 5. block r of the cluster sums the columns [r C / 8, (r + 1) C / 8) over its 8 blocks
+    {
+        const int r = b % DL_P, cl = b / DL_P, w = C / DL_P;
+        for (int c = tid; c < w; c += DL_THREADS) {
+            const int n = r * w + c;
+            float a = 0.f;
+            for (int q = 0; q < DL_P; ++q) a += ld_cluster(&ob[n], (unsigned)q);
+            __stcg(partB + (long long)cl * C + n, a);
+        }
+    }
+    cluster_sync();   // no block leaves while another may still read its ob
+}
+
+// ------------------------------------------------------------------------------------------
+// head: LN_f of x'' and the logits (a warp per DL_HEAD_ROWS rows at a time), then with
+// `greedy` the argmax by the last block to finish (each block's (best, index) in argp, a
+// counter that the last block resets to 0).
+template <typename T>
+__device__ void decode_head_impl(const float* xb, const T* bias, const float* partB, int SB,
+                                 const T* gf, const T* bf, const T* head, float* logits, int C,
+                                 int Vp, int V, float eps, int greedy, int* ids, int* posp,
+                                 int* hist, float* argp, unsigned* counter) {
+    constexpr int NT = DL_HEAD_WARPS * 32;
+    __shared__ float xs[DL_CMAX];
+    __shared__ float sh[32], sv[32];
+    __shared__ int si[32];
+    __shared__ int last;
+    const int tid = threadIdx.x;
+    pdl_wait();
+    pdl_launch_dependents();
+    for (int c = tid; c < C; c += NT)
+        xs[c] = __ldcg(xb + c) + ldf(bias[c]) + dl_sum_rows(partB, SB, C, c);
+    __syncthreads();
+    float a = 0.f;
+    for (int c = tid; c < C; c += NT) a += xs[c];
+    const float mean = block_sum(a, sh) / float(C);
+    float v = 0.f;
+    for (int c = tid; c < C; c += NT) {
+        const float d = xs[c] - mean;
+        v += d * d;
+    }
+    const float rstd = 1.f / sqrtf(block_sum(v, sh) / float(C) + eps);
+    for (int c = tid; c < C; c += NT) xs[c] = (xs[c] - mean) * rstd * ldf(gf[c]) + ldf(bf[c]);
+    __syncthreads();
+    float best = neg_inf<float>();
+    int bi = 0x7fffffff;
+    lm_head_rows<T, DL_HEAD_ROWS, DL_HEAD_WARPS>(xs, head, C, Vp, V, logits, best, bi);
+    if (!greedy) return;
+    block_argmax(best, bi, sv, si);
+    if (tid == 0) {
+        __stcg(argp + 2 * blockIdx.x, best);
+        __stcg(reinterpret_cast<int*>(argp) + 2 * blockIdx.x + 1, bi);
+        __threadfence();
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    best = neg_inf<float>();
+    bi = 0x7fffffff;
+    for (int k = tid; k < (int)gridDim.x; k += NT)
+        argmax_take(__ldcg(argp + 2 * k), __ldcg(reinterpret_cast<const int*>(argp) + 2 * k + 1),
+                    best, bi);
+    block_argmax(best, bi, sv, si);
+    if (tid == 0) {
+        const int pos = __ldcg(posp);
+        ids[0] = bi;
+        hist[0] = bi;
+        posp[0] = pos + 1;
+        *counter = 0u;
+    }
+}
+
+#define FORGE_DECODE_LAYERS(T, S)                                                              \
+    extern "C" __global__ void __launch_bounds__(DL_THREADS, 1)                               \
+        layer_attn_##S(const int* ids, const int* posp, const T* wte, const T* wpe, int first, \
+                       const float* xres, const T* bprev, const float* partB, int SB,          \
+                       const T* g1, const T* b1, const T* Wqkv, const T* bqkv,                 \
+                       const T* Wproj, T* kc, T* vc, float* xa, float* partA, int C,           \
+                       int Tmax, float eps) {                                                  \
+        layer_attn_impl<T>(ids, posp, wte, wpe, first, xres, bprev, partB, SB, g1, b1, Wqkv,   \
+                           bqkv, Wproj, kc, vc, xa, partA, C, Tmax, eps);                      \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(DL_THREADS, 1)                               \
+        layer_mlp_##S(const float* xa, const T* bproj, const float* partA, int H,             \
+                      const T* g2, const T* b2, const T* Wfc, const T* bfc, const T* Wfc2,     \
+                      float* xb, float* partB, int C, float eps) {                             \
+        layer_mlp_impl<T>(xa, bproj, partA, H, g2, b2, Wfc, bfc, Wfc2, xb, partB, C, eps);     \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(DL_HEAD_WARPS * 32, 2)                       \
+        decode_head_##S(const float* xb, const T* bias, const float* partB, int SB,           \
+                        const T* gf, const T* bf, const T* head, float* logits, int C,         \
+                        int Vp, int V, float eps, int greedy, int* ids, int* posp, int* hist,  \
+                        float* argp, unsigned* counter) {                                      \
+        decode_head_impl<T>(xb, bias, partB, SB, gf, bf, head, logits, C, Vp, V, eps, greedy, \
+                            ids, posp, hist, argp, counter);                                   \
+    }
+FORGE_DECODE_LAYERS(float, f32)
+FORGE_DECODE_LAYERS(bf16, bf16)
