@@ -95,7 +95,8 @@ _SWITCHES = (
     Switch("FORGE_FUSED_DECODE", "off",
            "experimental: a batch-1 decoding step of GPT-2 as one CUDA kernel, every layer and "
            "the LM head (on; not yet faster than the kernel-per-op step it replaces), or as two "
-           "kernels a layer (layers)", ("on", "off", "layers"),
+           "kernels a layer (layers: +15% at batch 1 in bf16 on an H100, 2,595 against 2,253 "
+           "tok/s; its tests pass there, not yet the default)", ("on", "off", "layers"),
            aliases=tuple((v, "on") for v in _ON) + tuple((v, "off") for v in _OFF)),
     Switch("FORGE_GEMV", "on",
            "few-row products (decoding) on forge-ml's cluster gemv kernel on Hopper (off: cuBLAS)",
