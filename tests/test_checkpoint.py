@@ -96,6 +96,21 @@ def test_two_processes_writing_one_folder_take_turns(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]        # no lock, .tmp or .old left
 
 
+def test_the_write_lock_follows_no_link_and_fits_a_long_name(tmp_path):
+    """From a re-test: a link planted at .<name>.lock was followed (its target created, as
+    the writer); a folder name of 250 characters failed ('File name too long': the lock's
+    name is six longer) where it had been written before."""
+    target = tmp_path / "elsewhere"
+    (tmp_path / ".c.lock").symlink_to(target)
+    with pytest.raises(CheckpointError, match="cannot write"):
+        save_checkpoint(tmp_path / "c", make_tensors(0), make_meta(1))
+    assert not target.exists() and not (tmp_path / "c").exists()
+    long = tmp_path / ("x" * 250)
+    save_checkpoint(long, make_tensors(0), make_meta(1))
+    assert load_checkpoint(long)[1]["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".c.lock", "x" * 250]
+
+
 def test_a_0d_tensor_comes_back_0d(tmp_path):
     """A scalar parameter (a learnable temperature) came back (1,): ascontiguousarray makes
     every array at least 1-d, and check_architecture then refused the checkpoint."""

@@ -1340,13 +1340,58 @@ def test_a_failed_or_killed_data_preparation_leaves_a_folder_the_same_command_ta
     assert main(argv) == 0
     shutil.rmtree("r")
     Path("r/data").mkdir(parents=True)
-    for f in ("r/data/.train.bin.a1b2c3d4.tmp", "r/.log.jsonl.Zz09_xyQ.tmp", "r/.loss.png.abcdefgh.tmp"):
+    for f in ("r/data/.train.bin.a1b2c3d4.tmp", "r/.log.jsonl.zz09_xyq.tmp", "r/.loss.png.abcdefgh.tmp"):
         Path(f).write_bytes(b"partial")
     Path("r/notes.tmp").write_text("a user's")
+    Path("r/.log.jsonl.BACKUP01.tmp").write_text("a user's")   # not a name mkstemp makes
     assert main(argv) == 0
-    assert sorted(p.name for p in Path("r").iterdir() if p.name.startswith(".")) == []
+    assert sorted(p.name for p in Path("r").iterdir() if p.name.startswith(".")) == [".log.jsonl.BACKUP01.tmp"]
     assert not any(p.name.endswith(".tmp") for p in Path("r/data").iterdir())
     assert Path("r/notes.tmp").read_text() == "a user's"
+
+
+def test_a_folder_that_cannot_be_flocked_falls_back_to_the_lock_file(workdir, monkeypatch):
+    """From a re-test: on NFS, flock of a folder opened for reading fails with EBADF (a
+    byte-range lock wants a descriptor open for writing), and every trainer stopped there.
+    The lock file alone guards the folder then, as before."""
+    import errno as _errno
+    import fcntl
+    import stat as _stat
+    real = fcntl.flock
+
+    def nfs(fd, op):
+        if _stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(_errno.EBADF, "Bad file descriptor")
+        return real(fd, op)
+    monkeypatch.setattr(fcntl, "flock", nfs)
+    first = Trainer(_cfg("r", max_steps=2), log=None)
+    with pytest.raises(RunError, match="in use"):            # the lock file still guards it
+        Trainer(_cfg("r", max_steps=2), log=None, overwrite=True)
+    assert first.train()["step"] == 2
+
+
+def test_keep_best_is_this_folders_only(workdir, capsys):
+    """From a re-test: --overwrite --keep-best deleted another run's best/ moved into the
+    folder, and a plain --overwrite a user's conversion written to RUN/best; convert --from-hf
+    without --force replaced RUN/best (or RUN/ckpt) when a kill had left only its .old copy."""
+    keep = ["--eval-interval", "2", "--keep-best"]
+    assert main(["train", "--data", "t.txt", "--out", "a", *TINY, *keep, "--max-steps", "4"]) == 0
+    assert main(["train", "--data", "t.txt", "--out", "b", *TINY, "--max-steps", "2"]) == 0
+    shutil.copytree("a/best", "b/best")                        # another run's best, moved here
+    before = _snapshot("b/best")
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "b", *TINY, *keep, "--max-steps", "2",
+                    "--overwrite"], "a model that this run did not keep")
+    assert main(["train", "--data", "t.txt", "--out", "b", *TINY, "--max-steps", "2", "--overwrite"]) == 0
+    assert _snapshot("b/best") == before                       # not this folder's: kept
+    # a kill between the two renames of a save: only best.old (and ckpt.old) are there
+    assert main(["convert", "--to-hf", "a", "--out", "hf"]) == 0
+    for name in ("best", "ckpt"):
+        os.rename(f"a/{name}", f"a/{name}.old")
+        kept = _snapshot(f"a/{name}.old")
+        _fails(capsys, ["convert", "--from-hf", "hf", "--out", f"a/{name}"], f"a/{name}")
+        assert _snapshot(f"a/{name}.old") == kept and not Path(f"a/{name}").exists()
+        os.rename(f"a/{name}.old", f"a/{name}")
+    assert main(["train", "--out", "a", "--resume", "--max-steps", "5"]) == 0
 
 
 def test_a_hangup_or_a_closed_stdout_stops_the_run_with_a_checkpoint(workdir):
@@ -1398,12 +1443,14 @@ def test_no_home_folder_a_tilde_path_and_memory_errors(workdir, monkeypatch, cap
     from forge_ml import flags
     import forge_ml.cli as cli_mod
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    monkeypatch.delenv("FORGE_CACHE_DIR", raising=False)
 
     def no_home(cls=None):
         raise RuntimeError("Could not determine home directory")
     monkeypatch.setattr(Path, "home", classmethod(no_home))
-    assert "forge-ml-cache" in str(flags.cache_root("cpu"))
+    # FORGE_CACHE_DIR unset: flags.get reads the environment once and keeps the value, so
+    # deleting the variable here changed nothing where it was set; an override is read first
+    with flags.override(FORGE_CACHE_DIR=""):
+        assert "forge-ml-cache" in str(flags.cache_root("cpu"))
     monkeypatch.undo()
     monkeypatch.chdir(workdir)
     monkeypatch.setenv("HOME", str(workdir / "home"))

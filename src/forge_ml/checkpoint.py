@@ -317,10 +317,14 @@ def _write_lock(path: Path, what: str):
     except ImportError:
         yield
         return
-    lock = path.with_name(f".{path.name}.lock")
+    name = f".{path.name}.lock"
+    if len(name.encode()) > 255:     # a folder name near the limit: a hashed lock name
+        name = f".{hashlib.sha256(path.name.encode()).hexdigest()[:32]}.lock"
+    lock = path.with_name(name)
     deadline = time.monotonic() + WRITE_LOCK_WAIT
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a link planted at the lock's name is not followed (it made its target)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -449,6 +453,11 @@ def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str 
     if holds(os.getcwd()):
         raise CheckpointError(f"refusing to write {out}: it is or holds the current folder; "
                               f"write into a new or empty folder")
+    _, old = _side_paths(path)
+    if not (path.exists() or path.is_symlink()) and old.is_dir() and not old.is_symlink():
+        # a save that died between its two renames: <out>.old is what <out> holds, and the
+        # next write puts it back first (a run's checkpoint or kept model was replaced so)
+        path = old
     if path.exists() or path.is_symlink():
         if not path.is_dir():
             raise CheckpointError(f"{out} exists and is not a folder; expected a new or empty folder")
@@ -460,7 +469,7 @@ def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str 
             else:
                 raise CheckpointError(f"{out} is not empty (it holds {_listing(names)}); write into a "
                                       f"new or empty folder")
-    return path
+    return Path(os.path.abspath(out))
 
 
 def sha256_file(path, chunk: int = 1 << 22) -> str:

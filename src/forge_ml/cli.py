@@ -859,7 +859,8 @@ def _cmd_convert(args) -> int:
             raise CheckpointError(f"Hugging Face model directory not found: {src}"
                                   if not src.exists() else f"--from-hf {src}: expected a folder")
         # never a run's checkpoint, nor the model a run kept with --keep-best (a run id in it)
-        if is_checkpoint_dir(args.out, kind="forge-ml-model") and _kept_by_a_run(args.out):
+        if any(is_checkpoint_dir(d, kind="forge-ml-model") and _kept_by_a_run(d)
+               for d in (args.out, str(args.out).rstrip("/\\") + ".old")):
             raise CheckpointError(f"{args.out} holds the model a training run kept (--keep-best); "
                                   f"--force replaces only an earlier conversion: write into a new or "
                                   f"empty folder")

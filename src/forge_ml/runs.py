@@ -45,15 +45,17 @@ def stray_temps(folder, names) -> list:
 
     >>> import tempfile, os
     >>> d = tempfile.mkdtemp()
-    >>> for n in (".log.jsonl.k3_9abZq.tmp", ".log.jsonl.mine.tmp", "log.jsonl"):
+    >>> for n in (".log.jsonl.k3_9abzq.tmp", ".log.jsonl.BACKUP01.tmp", "log.jsonl"):
     ...     _ = open(os.path.join(d, n), "w").write("")
     >>> [p.name for p in stray_temps(d, ["log.jsonl"])]
-    ['.log.jsonl.k3_9abZq.tmp']
+    ['.log.jsonl.k3_9abzq.tmp']
     """
     folder = Path(folder)
     if not folder.is_dir():
         return []
-    pattern = re.compile(r"\.(%s)\.[A-Za-z0-9_]{8}\.tmp" % "|".join(re.escape(n) for n in names))
+    # mkstemp's eight characters are lowercase letters, digits and "_" (never a user's
+    # ".log.jsonl.BACKUP01.tmp")
+    pattern = re.compile(r"\.(%s)\.[a-z0-9_]{8}\.tmp" % "|".join(re.escape(n) for n in names))
     return sorted(folder / n for n in os.listdir(folder)
                   if pattern.fullmatch(n) and (folder / n).is_file() and not (folder / n).is_symlink())
 
@@ -126,8 +128,10 @@ class RunLock:
     trainer uses the folder, and holding the holder's pid, host and start time. The kernel
     drops a flock when its process dies, so a crashed trainer's lock is never stale; the file
     itself stays. The folder itself is flocked too: a user who deletes the lock file (it looks
-    stale once a run has ended) does not let a second trainer into a running folder. Where
-    ``fcntl`` is missing (Windows) it locks nothing.
+    stale once a run has ended) does not let a second trainer into a running folder (where the
+    filesystem cannot lock a folder, as NFS, the lock file alone). So ``flock RUN cmd`` around
+    a trainer of RUN refuses it: wrap it with a lock on another path. Where ``fcntl`` is
+    missing (Windows) it locks nothing.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp(); a = RunLock(d); a.acquire()
@@ -174,8 +178,14 @@ class RunLock:
             fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             os.close(dir_fd)
+            dir_fd = None
             if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise RunError(f"cannot lock {self.folder}: {e.strerror or e}") from None
+                # a filesystem that cannot lock a folder opened for reading (NFS turns flock
+                # into a byte-range lock, which wants a descriptor open for writing: EBADF):
+                # the lock file alone guards the folder there, as it did before
+                self._dir_fd = None
+                self._lock_file(fcntl)
+                return
             holder = ""
             try:
                 holder = (self.path.read_text(errors="replace")[:400].strip().splitlines() or [""])[0]

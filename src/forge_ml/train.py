@@ -570,7 +570,7 @@ class Trainer:
                 theirs = load_checkpoint(self.best_dir)[1]
                 # --overwrite starts over from a keep_best model (a run id) of the run it
                 # replaces, and removes it (it refused every run that had kept one)
-                earlier = overwrite and not resume and bool(theirs.get("run_id"))
+                earlier = overwrite and not resume and self._kept_here(theirs)
                 if not earlier and (not resume or theirs.get("run_id") != self.run_id):
                     raise RunError(f"{self.best_dir} holds a model that this run did not keep (another run's "
                                    f"best, copied here?); --keep-best writes this run's there: move it "
@@ -655,6 +655,20 @@ class Trainer:
             held.append(DATA_NAME + "/")
         return held
 
+    def _kept_here(self, meta: Optional[dict] = None) -> bool:
+        """Whether best/ (its ``meta``, else read) holds a model that keep_best kept for a run
+        in this folder: a run id, and this folder as its source (a conversion written there
+        has no run id; another run's best moved here names its own folder)."""
+        if meta is None:
+            if not is_checkpoint_dir(self.out_dir / BEST_NAME, "forge-ml-model"):
+                return False
+            try:
+                meta = json.loads((self.out_dir / BEST_NAME / "state.json").read_text()).get("meta")
+            except (OSError, ValueError, AttributeError):
+                return False
+        return (isinstance(meta, dict) and bool(meta.get("run_id"))
+                and meta.get("source") == str(self.out_dir.resolve()))
+
     def _best_before(self, best_meta: dict, step) -> Optional[float]:
         """The lowest val loss a resumed run goes on from: best/'s, unless best/ was kept at a
         step after the checkpoint (a stop between that save and the step's checkpoint), which
@@ -674,7 +688,7 @@ class Trainer:
         from .checkpoint import MODEL_FILE, STATE_FILE
         out = self.out_dir
         names = [CKPT_NAME, CKPT_NAME + ".old", CKPT_NAME + ".tmp"]
-        if is_checkpoint_dir(out / BEST_NAME, "forge-ml-model"):     # keep_best's, never a user's "best"
+        if self._kept_here():     # keep_best's in this folder, never a user's "best" or another run's
             names += [BEST_NAME, BEST_NAME + ".old", BEST_NAME + ".tmp"]
         targets = [(out / n, (MODEL_FILE, STATE_FILE)) for n in names]
         given = self.cfg.data and Path(self.cfg.data).is_dir() and Path(self.cfg.data).resolve() == (out / DATA_NAME).resolve()

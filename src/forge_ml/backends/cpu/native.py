@@ -280,7 +280,10 @@ def compiler() -> str | None:
     if cc:
         if os.path.exists(cc):              # a program whose path holds a space
             return cc
-        words = shlex.split(cc)
+        try:
+            words = shlex.split(cc)
+        except ValueError:                  # an unclosed quote: one name, which cannot run
+            return cc
         if not words:
             return None
         return shlex.join([shutil.which(words[0]) or words[0], *words[1:]])
@@ -289,7 +292,10 @@ def compiler() -> str | None:
 
 def _argv(cc: str) -> list:
     """The compiler command ``compiler()`` gave, as the words to run."""
-    return [cc] if os.path.exists(cc) else shlex.split(cc)
+    try:
+        return [cc] if os.path.exists(cc) else shlex.split(cc)
+    except ValueError:                      # an unclosed quote: "cannot run", not a traceback
+        return [cc]
 
 
 def cache_dir() -> Path:
