@@ -245,13 +245,38 @@ def test_layernorm_vs_reference(path, shape):
 
 
 def test_layernorm_bwd_many_rows_accumulates_accurately(path):
-    """dgamma and dbeta sum 8192 rows: float32 running sums would drift past 1e-5."""
-    x, dy = randn((8192, 16), 1, scale=2.0), randn((8192, 16), 2) + 0.25
-    gamma = randn((16,), 3)
+    """dgamma and dbeta sum 65,536 rows. The rows repeat one block of 16, so every block's
+    partial sums are equal and a float32 running sum over the 4,096 blocks rounds the same way
+    at each addition: its error grows with the number of blocks (kernels.c adding its blocks
+    in float misses dgamma by 9 times the bound, dbeta by 15), where the blocks' float sums
+    added in double stay within a few units of roundoff u (30 to 45 times below the bounds).
+    The bound is what double accumulation gives (ACC_K of tests/backends/error_bounds.py):
+    64u of the sum of |dy xhat|, plus xhat's own float32 error in each term ((C/2 + 6) u |xhat|
+    and (C + 1) u rstd mean|x|). dbeta is held as tightly on the C path; the NumPy path sums it
+    with sum_rows, a float32 BLAS product whose running sums grow the same way, so there only
+    to the bound of a sum in any order, (rows + 1) u sum |dy|."""
+    c, blk, reps = 16, 16, 4096
+    rs = np.random.default_rng(5)
+    base = rs.permutation(np.linspace(-1.5, 1.5, c))         # one sign per column: little cancels
+    xb = (base + 0.3 * rs.standard_normal((blk, c))).astype(np.float32)
+    dyb = (rs.standard_normal(c) + 0.1 * rs.standard_normal((blk, c))).astype(np.float32)
+    gamma = randn((c,), 3)
+    x, dy = np.tile(xb, (reps, 1)), np.tile(dyb, (reps, 1))
     _, dgamma, dbeta = cpu.layernorm_bwd(x, gamma, dy, 1e-5)
-    _, edgamma, edbeta = ref.layernorm_bwd(x, gamma, dy, 1e-5)
-    close(dgamma, edgamma)
-    close(dbeta, edbeta)
+    _, edgamma, edbeta = ref.layernorm_bwd(xb, gamma, dyb, 1e-5)   # one block; reps = 2^12: exact
+    xb64, ady = xb.astype(np.float64), np.abs(dyb.astype(np.float64))   # the bounds, per block
+    mu = xb64.mean(-1, keepdims=True)
+    rstd = 1 / np.sqrt(((xb64 - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+    axhat = np.abs(xb64 - mu) * rstd
+    e_xhat = axhat * (c / 2 + 6) + rstd * np.abs(xb64).mean(-1, keepdims=True) * (c + 1)
+    u = 2.0 ** -24
+    bound_g = reps * u * (64 * (ady * axhat).sum(0) + (ady * e_xhat).sum(0))
+    bound_b = reps * u * (64 if path == "c" else blk * reps + 1) * ady.sum(0)
+    for name, got, want, bound in (("dgamma", dgamma, edgamma * reps, bound_g),
+                                   ("dbeta", dbeta, edbeta * reps, bound_b)):
+        err = np.abs(got.astype(np.float64) - want)
+        assert np.all(err <= bound), (f"{name}: error {err.max():.3g}, "
+                                      f"{(err / bound).max():.3g} x the bound")
 
 
 def test_layernorm_of_a_constant_row_is_beta(path):
