@@ -172,8 +172,9 @@ class RunLock:
             return
         try:
             dir_fd = os.open(self.folder, os.O_RDONLY)
-        except OSError as e:
-            raise RunError(cannot_write(self.folder, e)) from None
+        except OSError:      # a folder this user may write but not list: the lock file alone
+            self._lock_file(fcntl)
+            return
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
