@@ -1392,6 +1392,11 @@ def test_keep_best_is_this_folders_only(workdir, capsys):
         assert _snapshot(f"a/{name}.old") == kept and not Path(f"a/{name}").exists()
         os.rename(f"a/{name}.old", f"a/{name}")
     assert main(["train", "--out", "a", "--resume", "--max-steps", "5"]) == 0
+    # a run folder moved as a whole: its best/ names the old folder, its checkpoint the run
+    os.rename("a", "moved")
+    assert main(["train", "--data", "t.txt", "--out", "moved", *TINY, *keep, "--max-steps", "2",
+                 "--overwrite"]) == 0
+    assert not Path("moved/best").exists()                     # the earlier run's, removed
 
 
 def test_a_hangup_or_a_closed_stdout_stops_the_run_with_a_checkpoint(workdir):

@@ -657,17 +657,25 @@ class Trainer:
 
     def _kept_here(self, meta: Optional[dict] = None) -> bool:
         """Whether best/ (its ``meta``, else read) holds a model that keep_best kept for a run
-        in this folder: a run id, and this folder as its source (a conversion written there
-        has no run id; another run's best moved here names its own folder)."""
+        in this folder: a run id, and this folder as its source or the run id of the folder's
+        checkpoint (a folder moved as a whole). A conversion written there has no run id;
+        another run's best moved here names its own folder and run."""
+        def meta_of(d):
+            try:
+                m = json.loads((self.out_dir / d / "state.json").read_text()).get("meta")
+            except (OSError, ValueError, AttributeError):
+                return None
+            return m if isinstance(m, dict) else None
         if meta is None:
             if not is_checkpoint_dir(self.out_dir / BEST_NAME, "forge-ml-model"):
                 return False
-            try:
-                meta = json.loads((self.out_dir / BEST_NAME / "state.json").read_text()).get("meta")
-            except (OSError, ValueError, AttributeError):
-                return False
-        return (isinstance(meta, dict) and bool(meta.get("run_id"))
-                and meta.get("source") == str(self.out_dir.resolve()))
+            meta = meta_of(BEST_NAME)
+        if not (isinstance(meta, dict) and meta.get("run_id")):
+            return False
+        if meta.get("source") == str(self.out_dir.resolve()):
+            return True
+        ckpt = meta_of(CKPT_NAME)
+        return ckpt is not None and ckpt.get("run_id") == meta["run_id"]
 
     def _best_before(self, best_meta: dict, step) -> Optional[float]:
         """The lowest val loss a resumed run goes on from: best/'s, unless best/ was kept at a
