@@ -224,6 +224,36 @@ def test_a_deleted_lock_file_does_not_let_a_second_trainer_in(workdir, capsys):
     assert main(["train", "--out", "r", "--resume", "--max-steps", "3", "--no-progress"]) == 0
 
 
+def test_notebook_reruns_an_old_trainer_a_dropped_one_and_the_plot_backend(workdir):
+    """From a notebook user's test: an older Trainer object trained again after a newer one had
+    taken the run further rolled its checkpoint back (and logged its steps twice), and so did
+    its save(); a Trainer dropped without close() kept the folder locked until the kernel
+    restarted (the folder's own descriptor was never closed); plot() switched matplotlib to
+    Agg for the whole process (a notebook's inline plots stopped)."""
+    import gc
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("svg")
+    old = Trainer(_cfg("r", max_steps=8), log=None)
+    old.train(until=4)
+    assert matplotlib.get_backend() == "svg"
+    newer = Trainer(_cfg("r", max_steps=8), log=None, resume=True)
+    with pytest.raises(RunError, match="a Trainer of this process: close"):
+        Trainer(_cfg("r", max_steps=8), log=None, resume=True)
+    newer.train()
+    before = _snapshot("r")
+    with pytest.raises(RunError, match="moved on since this Trainer last held it .its checkpoint is now "
+                                       "at step 8; this Trainer is at step 4"):
+        old.train(until=6)
+    with pytest.raises(RunError, match="moved on"):
+        old.save()
+    assert _snapshot("r") == before
+    assert newer.train(until=8)["step"] == 8           # its own checkpoint: no complaint
+    held = Trainer(_cfg("r2", max_steps=2), log=None)  # built, never trained, then dropped
+    del held
+    gc.collect()
+    assert Trainer(_cfg("r2", max_steps=2), log=None, overwrite=True).train()["step"] == 2
+
+
 def test_a_dead_trainers_lock_is_not_stale(workdir, capsys):
     Path("r").mkdir()
     code = ("import fcntl, os, sys, time\n"
