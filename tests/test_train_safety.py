@@ -248,6 +248,9 @@ def test_notebook_reruns_an_old_trainer_a_dropped_one_and_the_plot_backend(workd
         old.save()
     assert _snapshot("r") == before
     assert newer.train(until=8)["step"] == 8           # its own checkpoint: no complaint
+    with pytest.raises(ConfigError, match="log must be a function"):   # before data/ is written
+        Trainer(_cfg("r3", max_steps=2), log="yes")
+    assert not Path("r3").exists()
     held = Trainer(_cfg("r2", max_steps=2), log=None)  # built, never trained, then dropped
     del held
     gc.collect()

@@ -423,6 +423,9 @@ class Trainer:
             config = TrainConfig.from_dict(config)
         cfg = self.cfg = config
         flags.check_environment()   # a bad FORGE_* value fails here, not after the run
+        if log is not None and not callable(log):   # before data/ is written, not after
+            raise ConfigError(f"Trainer: log must be a function of one line (print, a list's "
+                              f"append) or None, got {type(log).__name__} {log!r:.40}")
         self._log = log
         self._bar = None
         self._stop: Optional[int] = None   # the signal that asked to stop
