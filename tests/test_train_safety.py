@@ -257,6 +257,29 @@ def test_notebook_reruns_an_old_trainer_a_dropped_one_and_the_plot_backend(workd
     assert Trainer(_cfg("r2", max_steps=2), log=None, overwrite=True).train()["step"] == 2
 
 
+def test_a_broken_pipe_in_a_log_function_stops_that_run_only(workdir):
+    """From a notebook user's test: a BrokenPipeError from a log function of the user's replaced
+    sys.stdout with /dev/null for good (every later print vanished) and left the Trainer
+    unable to train (each later train() stopped at once)."""
+    from forge_ml.train import Interrupted
+    lines, broken = [], [True]
+
+    def log(msg):
+        if broken[0] and msg.startswith("step"):
+            broken[0] = False
+            raise BrokenPipeError(32, "Broken pipe")
+        lines.append(msg)
+    stdout = sys.stdout
+    t = Trainer(_cfg("r", max_steps=6, log_interval=1), log=log)
+    with pytest.raises(Interrupted):
+        t.train()
+    assert sys.stdout is stdout
+    stopped = t.step
+    assert 1 <= stopped < 6
+    assert t.train()["step"] == 6                      # the next call trains on
+    t.close()
+
+
 def test_a_dead_trainers_lock_is_not_stale(workdir, capsys):
     Path("r").mkdir()
     code = ("import fcntl, os, sys, time\n"

@@ -1080,9 +1080,10 @@ class Trainer:
     def _say(self, msg: str) -> None:
         if self._log is None:
             return
+        to_stdout = self._log is print
         try:
-            if self._bar is not None:
-                self._bar.write(msg)
+            if self._bar is not None and to_stdout:   # (a log function of the user's gets
+                self._bar.write(msg)                  # every line, bar or not)
             else:
                 self._log(msg)
         except BrokenPipeError:
@@ -1090,9 +1091,11 @@ class Trainer:
             # boundary with a checkpoint, as on SIGPIPE's default, but nothing trained is lost
             # (the pipe's end was taken for a finished run, exit 0, the steps since the last
             # checkpoint lost)
-            self._pipe_closed = True
             if self._stop is None:
                 self._stop = signal.SIGPIPE
+            if not to_stdout:
+                return      # a log function of the user's: this run stops; stdout is not touched
+            self._pipe_closed = True
             try:
                 sys.stdout = open(os.devnull, "w")
             except OSError:
