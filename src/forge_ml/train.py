@@ -589,7 +589,7 @@ class Trainer:
             # or another run's best, was replaced, or taken as this run's lowest val loss)
             check_checkpoint_target(self.best_dir, "forge-ml-model")
             if is_checkpoint_dir(self.best_dir, "forge-ml-model"):
-                theirs = load_checkpoint(self.best_dir)[1]
+                theirs = read_state(self.best_dir)["meta"]   # the meta alone, not the weights
                 # --overwrite starts over from a keep_best model (a run id) of the run it
                 # replaces, and removes it (it refused every run that had kept one)
                 earlier = overwrite and not resume and self._kept_here(theirs)
@@ -1523,7 +1523,7 @@ class Trainer:
                   f"out {self.out_dir}")
         self._bar = self._make_bar(until)
         first = self.step
-        self._call_losses = len(self.losses)   # where this call's losses begin
+        mine = len(self.losses)   # where this call's losses begin
         try:
             if self._eval_due and self.step < until:
                 self._eval_due = False
@@ -1588,7 +1588,7 @@ class Trainer:
                   f"checkpoint {self.ckpt_dir}" + (f"; loss curve {plot}" if plot else ""))
         return {"step": self.step, "loss": self.losses[-1] if self.losses else None,
                 "val_loss": self.val_loss, "val_kind": self.val_kind,
-                "losses": self.losses[getattr(self, "_call_losses", 0):],   # of this call (as documented)
+                "losses": self.losses[mine:],   # of this call (as documented)
                 "checkpoint": str(self.ckpt_dir)}
 
     def _eval_and_log(self, full: bool) -> None:
