@@ -1086,6 +1086,20 @@ def test_all_kernel_files_compile(be):
 
 
 @cuda
+def test_lineinfo_switch_compiles_with_line_table(be):
+    """FORGE_CUDA_LINEINFO=on asks NVRTC for -lineinfo (a profiler's source page); its kernels
+    compile and run as without it."""
+    from forge_ml import flags
+    from forge_ml.backends.cuda import runtime
+    assert "-lineinfo" not in runtime._compile_options()
+    with flags.override(FORGE_CUDA_LINEINFO="on"):
+        opts = runtime._compile_options()
+        assert "-lineinfo" in opts
+        mod = be.compile_source(be.kernel_source("elementwise"), "backends/cuda/elementwise.cu", opts)
+        assert mod is not None
+
+
+@cuda
 def test_unknown_device_index(be):
     from forge_ml.backends import get
     with pytest.raises(DeviceError, match="cuda:99"):

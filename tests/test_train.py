@@ -123,6 +123,28 @@ def test_resume_is_bit_exact(text_file, tmp_path, extra):
     assert [r["step"] for r in log if "loss" in r] == list(range(1, n + 1))
 
 
+def test_resume_under_other_kernels_says_it_is_not_bit_exact(text_file, tmp_path):
+    """A checkpoint records the kernels its steps ran (here the C kernels' use, which
+    FORGE_CPU_KERNELS changes); a resume under others goes on, with a note; under the same,
+    none."""
+    from forge_ml import flags
+    from forge_ml.backends.cpu import native
+    if native.lib() is None:
+        pytest.skip("the C kernels do not build here: nothing else to switch to")
+    t = Trainer(_cfg(text_file, tmp_path / "run", max_steps=4), log=None)
+    t.train(until=2)
+    t.close()
+    assert load_checkpoint(tmp_path / "run" / "ckpt")[1]["numerics"]["cpu_kernels"] == "c"
+    said = []
+    Trainer(_cfg(text_file, tmp_path / "run", max_steps=4), resume=True, log=said.append).close()
+    assert not [s for s in said if "not bit for bit" in s], said
+    said.clear()
+    with flags.override(FORGE_CPU_KERNELS="numpy"):
+        Trainer(_cfg(text_file, tmp_path / "run", max_steps=4), resume=True, log=said.append).close()
+    notes = [s for s in said if "not bit for bit" in s]
+    assert len(notes) == 1 and "cpu_kernels: c before, numpy now" in notes[0], said
+
+
 def test_resume_without_a_checkpoint(text_file, tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint"):
         Trainer(_cfg(text_file, tmp_path / "empty"), resume=True, log=None)

@@ -16,7 +16,7 @@ True
 >>> flags.get("FORGE_NOPE")
 Traceback (most recent call last):
 ...
-forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BIAS_SUMS, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_GEMM, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMM_TUNE, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD_SHARED, FORGE_WGMMA_ROWS
+forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BIAS_SUMS, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_GEMM, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_CUDA_LINEINFO, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMM_TUNE, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD_SHARED, FORGE_WGMMA_ROWS
 """
 from __future__ import annotations
 
@@ -107,6 +107,10 @@ _SWITCHES = (
     Switch("FORGE_PDL", "on",
            "launch the decoding kernels with Hopper's programmatic dependent launch",
            ("on", "off")),
+    Switch("FORGE_CUDA_LINEINFO", "off",
+           "compile forge-ml's CUDA kernels with NVRTC's -lineinfo, so a profiler (Nsight "
+           "Compute's source page) maps its samples to lines of the .cu files (on: for "
+           "profiling only; the kernels are otherwise the same)", ("on", "off")),
     Switch("FORGE_GEMM_TUNE", "on",
            "on the GPU, each training-sized cuBLASLt product's algorithm (at least 4,096 "
            "rows and 2^33 multiply-adds) chosen by timing the heuristic's first 8 candidates "

@@ -433,6 +433,7 @@ class Trainer:
         self._phase: Optional[str] = None  # "step", "extra" (eval, sample) or "update"
         self.device = Device.parse(cfg.device)
         has_bf16 = device_has(self.device, "bf16")   # loads the backend: before any write
+        self._numerics = numerics(self.device)   # recorded in checkpoints; a resume compares
         self.bf16 = cfg.dtype in ("bf16", "bfloat16")
         if self.bf16 and not has_bf16:
             raise ConfigError(f"dtype bf16 is mixed precision on a device with bf16 storage; the "
@@ -1027,6 +1028,10 @@ class Trainer:
         if rng.get("seed", self.cfg.seed) != self.cfg.seed:
             raise CheckpointError(f"{self.ckpt_dir} was trained with seed {rng['seed']}, this run asks for "
                                   f"{self.cfg.seed}; resume with the same seed")
+        changed = numerics_changed(meta.get("numerics"), self._numerics)
+        if changed:
+            self._say(f"note: this resume computes with other kernels than the run so far ({'; '.join(changed)}); "
+                      f"it goes on from step {self.step}, but not bit for bit as the uninterrupted run would")
         kept = self._truncate_log(self.step)
         # a signal during the periodic evaluation of this step stopped it before its record:
         # the resumed run evaluates first (the same windows), so that its log has every record
@@ -1419,6 +1424,7 @@ class Trainer:
             "elapsed": self.elapsed,
             "val_loss": self.val_loss,
             "val_kind": self.val_kind,
+            "numerics": self._numerics,
         }
         self._save(self.ckpt_dir, tensors, meta)
         self._ckpt_seen = _ckpt_id(self.ckpt_dir)
@@ -1761,6 +1767,56 @@ def tokens_digest(train: list, val: list, chunk: int = 1 << 20) -> str:
                 h.update(np.ascontiguousarray(a[i:i + chunk], dtype="<i8").tobytes())
         h.update(b"|")
     return h.hexdigest()
+
+
+# The FORGE_* switches that change a training step's arithmetic on each device kind (the
+# kernels or the order of their sums); the rest (logging, caches, decoding) do not.
+_NUMERIC_SWITCHES = {
+    "cpu": ("FORGE_CPU_GEMM",),
+    "cuda": ("FORGE_ATTENTION", "FORGE_FUSED_LOSS", "FORGE_TRAIN_GRAPH", "FORGE_WGMMA_ATTENTION",
+             "FORGE_WGMMA_BWD_SHARED", "FORGE_WGMMA_ROWS", "FORGE_CUBLASLT", "FORGE_GEMM_TUNE",
+             "FORGE_BIAS_SUMS"),
+}
+
+
+def numerics(device) -> dict:
+    """What decides a training step's bits besides the run's config: the device kind (and a
+    GPU's name), the CPU kernels in use (``c`` or ``numpy``: FORGE_CPU_KERNELS=auto falls
+    back to NumPy where the C kernels do not build) and the switches that pick kernels. A
+    checkpoint records it; a resume under other values goes on, but not bit for bit as the
+    uninterrupted run would, and says so.
+
+    >>> sorted(numerics(Device.parse("cpu")))
+    ['FORGE_CPU_GEMM', 'cpu_kernels', 'device']
+    """
+    dev = Device.parse(device) if isinstance(device, str) else device
+    out = {"device": dev.type}
+    if dev.type == "cpu":
+        from .backends.cpu import native
+        out["cpu_kernels"] = "c" if native.lib() is not None else "numpy"
+    else:
+        from .backends import get as backend
+        name = getattr(backend(dev), "device_name", None)
+        if name is not None:
+            out["device"] = f"{dev.type} ({name()})"
+    for k in _NUMERIC_SWITCHES.get(dev.type, ()):
+        out[k] = flags.get(k)
+    return out
+
+
+def numerics_changed(was: Optional[dict], now: dict) -> list:
+    """``"KEY: BEFORE before, AFTER now"`` for each entry of a checkpoint's ``numerics``
+    (``was``; None for one written before they were recorded: nothing to compare) that
+    differs from ``now``.
+
+    >>> numerics_changed({"device": "cpu", "cpu_kernels": "c"}, {"device": "cpu", "cpu_kernels": "numpy"})
+    ['cpu_kernels: c before, numpy now']
+    """
+    if not isinstance(was, dict):
+        return []
+    keys = sorted(set(was) | set(now), key=lambda k: (k != "device", k))
+    return [f"{k}: {was.get(k, 'unset')} before, {now.get(k, 'unset')} now"
+            for k in keys if was.get(k) != now.get(k)]
 
 
 def no_checkpoint(out_dir, held) -> str:

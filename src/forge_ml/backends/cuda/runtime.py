@@ -257,6 +257,12 @@ def compile_for_arch(source: str, label: str, arch: str, options=("--std=c++17",
     return module
 
 
+def _compile_options() -> tuple:
+    """NVRTC's options for forge-ml's kernel files: C++17, and ``-lineinfo`` under
+    FORGE_CUDA_LINEINFO=on (a profiler's source page then names .cu lines)."""
+    return ("--std=c++17",) + (("-lineinfo",) if flags.on("FORGE_CUDA_LINEINFO") else ())
+
+
 def _function(stem: str, name: str):
     key = (_dev(), stem, name)
     fn = _functions.get(key)
@@ -266,15 +272,16 @@ def _function(stem: str, name: str):
             module = _modules.get(mkey)
             if module is None:
                 label = f"backends/cuda/{stem}.cu"
+                opts = _compile_options()
                 if stem in _ARCH_STEMS:
                     cc, arch = _ARCH_STEMS[stem]
                     have = _cc(key[0])
                     if have != cc:
                         raise CompileError(f"{label} is written for {arch}; this GPU is "
                                            f"compute capability {have}")
-                    module = compile_for_arch(kernel_source(stem), label, arch)
+                    module = compile_for_arch(kernel_source(stem), label, arch, opts)
                 else:
-                    module = compile_source(kernel_source(stem), label)
+                    module = compile_source(kernel_source(stem), label, opts)
                 _modules[mkey] = module
             fn = module.get_function(name)
             _functions[key] = fn
