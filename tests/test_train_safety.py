@@ -169,6 +169,24 @@ def test_training_into_a_run_without_resume_touches_nothing(workdir, capsys):
     _fails(capsys, ["train", "--out", "r", "--resume", "--overwrite"], "not allowed with")
 
 
+def test_the_library_names_its_own_arguments_and_the_command_its_flags(workdir, capsys):
+    """The same refusal through Trainer (a notebook) says resume=True / overwrite=True, the
+    names its user typed; through forge-ml train it says --resume / --overwrite (a notebook
+    user's report: the library's errors spoke the command line's flags)."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]) == 0
+    capsys.readouterr()
+    with pytest.raises(RunError) as info:
+        Trainer(TrainConfig(data="t.txt", out_dir="r", n_layer=1, n_head=2, n_embd=16, block_size=16,
+                            batch_size=4, max_steps=2, progress=False), log=None)
+    msg = str(info.value)
+    assert "resume=True" in msg and "overwrite=True" in msg and "--resume" not in msg, msg
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"],
+           "holds a run", "--resume", "--overwrite")
+    with pytest.raises(RunError, match="resume=True"):   # main() gives the library its words back
+        Trainer(TrainConfig(data="t.txt", out_dir="r", n_layer=1, n_head=2, n_embd=16, block_size=16,
+                            batch_size=4, max_steps=2, progress=False), log=None)
+
+
 def test_a_device_that_cannot_load_is_said_before_the_run_folder_is_made(workdir, capsys):
     """--device cuda without CuPy: the text was prepared into OUT/data before the device failed,
     and the same command on the CPU was then refused as a run that holds data/ (a new user's

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from . import blas as _blas
 from . import flags
-from .errors import ConfigError, DataError, ForgeError, TrainingError
+from .errors import CLI_WORDS, ConfigError, DataError, ForgeError, TrainingError
 
 PROG = "forge-ml"
 
@@ -1038,7 +1038,11 @@ def main(argv=None) -> int:
             print(f"{PROG}: warning: {name} is not a forge-ml switch and is ignored; did you mean {near}?",
                   file=sys.stderr)
         _blas.limit_default()
-        return _COMMANDS[args.cmd](args)
+        words = CLI_WORDS.set(True)   # the trainer's errors name this command's flags
+        try:
+            return _COMMANDS[args.cmd](args)
+        finally:   # main() called from Python (a test, a notebook): the library's names again
+            CLI_WORDS.reset(words)
     except TrainingError as e:
         print(f"{PROG} {args.cmd}: error: {e}", file=sys.stderr)
         return 1

@@ -8,6 +8,12 @@ what it expected and what it got, e.g.
 >>> issubclass(ShapeError, ForgeError)
 True
 """
+import contextvars
+
+CLI_WORDS = contextvars.ContextVar("forge_ml_cli_words", default=False)
+"""True where the ``forge-ml`` command line runs (it sets it for its process): the trainer's
+errors then name the command's flags (``--max-steps``); else the library's names
+(``max_steps``), which a notebook's user typed."""
 
 
 class ForgeError(Exception):

@@ -51,6 +51,7 @@ rewrites (``AdamW(..., compute_dtype="bfloat16")``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import uuid
 import io
@@ -58,6 +59,7 @@ import json
 import numbers
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -77,7 +79,7 @@ from .data import (DataLoader, ShardFolder, default_corpus, encode_array, is_sha
                    shard_folder, split_tokens, write_prepared)
 from .diagnose import CheckingTape
 from .device import Device
-from .errors import (CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
+from .errors import (CLI_WORDS, CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
                      TokenizerError, TrainingError)
 from .inference.generate import stream_tokens
 from .inference.load import CKPT_NAME
@@ -399,6 +401,49 @@ def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int =
 # The trainer
 
 
+# Errors speak forge-ml train's flags where the command line runs (errors.CLI_WORDS), else
+# the library's names (TrainConfig's fields, Trainer's arguments), which a notebook user typed.
+_FLAG_WORDS = {"--resume": "resume=True", "--overwrite": "overwrite=True", "--out": "out_dir"}
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+
+
+def library_words(msg: str) -> str:
+    """``msg`` (an error written in forge-ml train's flags) in the library's names: each flag
+    that is a TrainConfig field becomes the field, ``--resume`` and ``--overwrite`` Trainer's
+    arguments, ``--out`` ``out_dir``; a flag inside a quoted command (``forge-ml train ...``)
+    and any other flag stay as they are.
+
+    >>> library_words("add --resume to go on, or --overwrite; drop --init-from (forge-ml train --resume)")
+    'add resume=True to go on, or overwrite=True; drop init_from (forge-ml train --resume)'
+    """
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+
+    def word(m):
+        before = msg[max(0, m.start() - 60):m.start()]
+        cmd = before.rfind("forge-ml ")
+        if cmd >= 0 and not any(c in before[cmd:] for c in ");"):
+            return m.group(0)          # part of a command line the message quotes
+        flag = m.group(0)
+        name = flag[2:].replace("-", "_")
+        return _FLAG_WORDS.get(flag, name if name in fields else flag)
+
+    return _FLAG.sub(word, msg)
+
+
+def _library_errors(fn):
+    """``fn``'s ForgeErrors in the library's names unless the command line runs it
+    (``CLI_WORDS``)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ForgeError as e:
+            if not CLI_WORDS.get() and e.args and isinstance(e.args[0], str):
+                e.args = (library_words(e.args[0]),) + e.args[1:]
+            raise
+    return wrapper
+
+
 class Trainer:
     """Builds (or resumes) a run from a ``TrainConfig`` and trains it with ``train()``.
 
@@ -418,6 +463,7 @@ class Trainer:
     >>> t.close()
     """
 
+    @_library_errors
     def __init__(self, config: TrainConfig, resume: bool = False, log: Optional[Callable] = print,
                  overwrite: bool = False):
         if isinstance(config, dict):
@@ -1487,6 +1533,7 @@ class Trainer:
         raise Interrupted(self._stop, self.step, True)
 
     # -- the loop -------------------------------------------------------------------------------
+    @_library_errors
     def train(self, until: Optional[int] = None) -> dict:
         """Train from the current step up to ``until`` (default ``max_steps``) steps, then
         evaluate on the whole validation shard, checkpoint and plot. Returns a summary
