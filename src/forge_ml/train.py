@@ -1603,7 +1603,10 @@ class Trainer:
                               f"{rec['dt_ms']:.0f} ms/step")
                 if self._stop is not None:
                     break
-                if cfg.eval_interval and s % cfg.eval_interval == 0 and s < until:
+                # keep_best: the last step's model is estimated too, so that it competes (the
+                # final evaluation over every window reads higher and does not compete)
+                if cfg.eval_interval and ((s % cfg.eval_interval == 0 and s < until)
+                                          or (s == until and cfg.keep_best)):
                     self._eval_and_log(full=False)
                 if cfg.sample_interval and s % cfg.sample_interval == 0 and s < until:
                     self._sample_and_show()
