@@ -240,6 +240,24 @@ def test_check_compares_devices_with_float64(capsys):
     assert main(["check", "--device", "tpu"]) == 2
 
 
+def test_check_without_devices_does_not_say_one_was_asked_for(capsys):
+    """`forge-ml check` alone tries cpu and cuda; where cuda cannot load it says why, not that
+    cuda "was asked for" (a docs check: nobody asked)."""
+    from forge_ml.backends import get
+    from forge_ml.cli import main
+    from forge_ml.device import Device
+    from forge_ml.errors import DeviceError
+    try:
+        get(Device("cuda", 0))
+        pytest.skip("the CUDA backend loads here")
+    except DeviceError:
+        pass
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("cuda"))
+    assert "not available" in line and "asked for" not in line, line
+
+
 def test_check_says_when_the_cpu_ran_numpy_not_the_c_kernels(monkeypatch, capsys):
     """A failed build of the C kernels printed 'cpu ok' as if they had been checked."""
     from forge_ml.backends.cpu import native
@@ -333,6 +351,7 @@ def test_sample_logprobs_past_the_vocabulary_fail_before_any_output(trained, cap
     (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
     (["--num-beams", "0"], "--num-beams must be >= 1"),
     (["--num-beams", "2", "--num-return-sequences", "3"], "--num-return-sequences must be in 1..--num-beams"),
+    (["--num-return-sequences", "2"], "add --num-beams K (K >= 2)"),   # named a flag not given
     (["--num-beams", "2", "--logprobs", "1"], "use one or the other"),
     (["--num-beams", "2", "--repetition-penalty", "1.3"], "beam search (--num-beams) does not take it"),
     (["--length-penalty", "2"], "--length-penalty applies to beam search; add --num-beams"),   # was ignored

@@ -85,6 +85,17 @@ def test_architecture_table_lists_the_contract(group, names):
         f"{only_docs}, only in contract.py {only_code}")
 
 
+def test_architecture_table_lists_the_optional_members():
+    """Every OPTIONAL member is named in the table's capabilities row or one of its optional
+    rows (a docs check found decode_gpt2 in none)."""
+    listed = set()
+    for group in ("capabilities", "whole-model optimizer ops (optional)", "whole-step decoding (optional)"):
+        rows = [line for line in ARCH.read_text(encoding="utf-8").splitlines() if line.startswith(f"| {group} |")]
+        assert len(rows) == 1, f"docs/architecture.md: expected one table row '| {group} |'"
+        listed |= set(re.findall(r"`(\w+)", rows[0].strip("|").split(" | ")[1]))
+    assert not sorted(set(contract.OPTIONAL) - listed), sorted(set(contract.OPTIONAL) - listed)
+
+
 def test_readme_op_list_names_ops():
     """README's "the op set (...)" list (the public ops, core and fused) names functions of
     ``forge_ml.ops``: an op renamed or dropped there fails here."""

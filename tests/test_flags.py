@@ -13,6 +13,7 @@ def test_readme_lists_every_switch_as_declared():
     text = README.read_text(encoding="utf-8")
     for row in flags.table().splitlines():
         assert row in text, f"README.md lacks or differs on the row: {row}"
+    assert flags.table() in text, "README.md's switch rows are not in flags.table()'s order"
     listed = {ln.split("`")[1] for ln in text.splitlines() if ln.startswith("| `FORGE_")}
     assert listed == set(flags.SWITCHES)
 

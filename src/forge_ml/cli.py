@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with several GPUs: 1 shards the AdamW state and master weights (ZeRO-1)")
     t.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
                    help="with several GPUs: gradients are all-reduced in buckets of this size "
-                        "(0: one bucket per parameter)")
+                        "(0: one bucket per parameter; default 25)")
     for f in dataclasses.fields(TrainConfig):
         flag = _TRAIN_ALIASES.get(f.name, "--" + f.name.replace("_", "-"))
         ftype = f.type if isinstance(f.type, str) else f.type.__name__
@@ -217,20 +217,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop tokens less likely than P times the most likely one (0..1)")
     s.add_argument("--repetition-penalty", type=float, metavar="R", default=1.0,
                    help="divide the logits of tokens already in the context by R (> 1 discourages "
-                        "repeats; 1 is off)")
+                        "repeats; 1 is off, the default)")
     s.add_argument("--logprobs", type=int, metavar="N", default=None,
                    help="after the text, each token's log-probability and the N most likely alternatives")
     s.add_argument("--num-beams", type=int, metavar="K", default=None,
                    help="beam search with K beams (deterministic; ignores temperature, top-k, top-p, min-p; "
                         "no repetition penalty)")
     s.add_argument("--length-penalty", type=float, metavar="L", default=1.0,
-                   help="with --num-beams: scores are divided by length**L (> 0 favours longer sequences)")
+                   help="with --num-beams: scores are divided by length**L (> 0 favours longer sequences; "
+                        "default 1.0)")
     s.add_argument("--early-stopping", choices=["false", "true", "never"], default="false",
                    help="with --num-beams: when to stop, as in transformers (default false)")
     s.add_argument("--num-return-sequences", type=int, metavar="N", default=1,
                    help="with --num-beams: print the N best sequences (default 1)")
     s.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
-    s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bf16", "bfloat16"],
                    help="float32, or bf16 weights on the GPU (default float32)")
 
@@ -247,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=8, metavar="N", help="windows per batch (default 8)")
     e.add_argument("--max-batches", type=int, metavar="N", default=None,
                    help="stop after this many batches (>= 1; default: every window)")
-    e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
 
     # -- prepare --------------------------------------------------------------------------------
     pr = sub.add_parser(
@@ -367,7 +368,9 @@ def _cmd_check(args) -> int:
         except DeviceError as e:
             if args.device:
                 raise
-            print(f"{dev:8s} not available: {e}")
+            # the backend's words ("device cuda was asked for but ...") for a device nobody named
+            why = str(e).replace(f"device {dev} was asked for but its backend cannot load: ", "", 1)
+            print(f"{dev:8s} not available: {why}")
             continue
         errs = {k: _rel_error(grads[k].numpy(), g64[k].numpy()) for k in g64}
         worst_k = max(errs, key=errs.get)
@@ -586,8 +589,10 @@ def _check_sample_args(args) -> None:
         raise ConfigError(f"--logprobs must be >= 0, got {args.logprobs}")
     if args.num_beams is not None and args.num_beams < 1:
         raise ConfigError(f"--num-beams must be >= 1, got {args.num_beams}")
-    if args.num_return_sequences < 1 or (args.num_return_sequences > 1
-                                         and args.num_return_sequences > (args.num_beams or 1)):
+    if args.num_return_sequences > 1 and args.num_beams is None:
+        raise ConfigError(f"--num-return-sequences {args.num_return_sequences} returns beam search's best "
+                          f"sequences; add --num-beams K (K >= {args.num_return_sequences})")
+    if args.num_return_sequences < 1 or args.num_return_sequences > (args.num_beams or 1):
         raise ConfigError(f"--num-return-sequences must be in 1..--num-beams ({args.num_beams or 1}), "
                           f"got {args.num_return_sequences}")
     if args.num_beams is None and (args.length_penalty != 1.0 or args.early_stopping != "false"):

@@ -919,14 +919,19 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
 
 
 def assign(dst, values) -> None:
-    """In place: ``dst[...] = values`` (a NumPy array or nested list of ``dst``'s shape, cast
-    to ``dst``'s dtype). Fills the fixed input buffers of a captured step; copy-on-write.
+    """In place: ``dst[...] = values`` (a NumPy array, a nested list or a Tensor of ``dst``'s
+    shape, cast to ``dst``'s dtype; a Tensor's values go through the host). Fills the fixed
+    input buffers of a captured step; copy-on-write.
 
     >>> import forge_ml as fm
     >>> t = fm.zeros((2,), "int32"); fm.ops.assign(t, [3, 4]); t.numpy().tolist()
     [3, 4]
+    >>> fm.ops.assign(t, fm.tensor([5, 6])); t.numpy().tolist()
+    [5, 6]
     """
     _tensor("assign", "dst", dst)
+    if isinstance(values, Tensor):   # np.asarray of a Tensor is a 0-d object array
+        values = values.numpy()
     arr = np.asarray(values)
     if arr.shape != dst.shape:
         raise ShapeError(f"assign: dst is {dst.shape} but the values are {arr.shape}")
