@@ -145,6 +145,58 @@ def test_resume_under_other_kernels_says_it_is_not_bit_exact(text_file, tmp_path
     assert len(notes) == 1 and "cpu_kernels: c before, numpy now" in notes[0], said
 
 
+def test_an_error_in_the_loop_saves_the_steps_trained_and_the_resume_is_exact(text_file, tmp_path, monkeypatch):
+    """A notebook user's report: an ordinary exception in the loop (their log function, a step
+    out of memory) lost every step since the last checkpoint; only a stop saved them. Now the
+    last finished step is saved (and a resume goes on bit for bit), except where an optimizer
+    update was cut short."""
+    from forge_ml.optim import AdamW
+    n = 6
+    full = Trainer(_cfg(text_file, tmp_path / "full", max_steps=n), log=None)
+    full_losses = full.train()["losses"]
+
+    def log(line):   # a user's log function that fails at step 3's line
+        if line.startswith("step      3/"):
+            raise ValueError("the notebook's widget went away")
+    t = Trainer(_cfg(text_file, tmp_path / "a", max_steps=n, log_interval=1), log=log)
+    with pytest.raises(ValueError, match="widget"):
+        t.train()
+    assert load_checkpoint(tmp_path / "a" / "ckpt")[1]["step"] == 3
+    resumed = Trainer(_cfg(text_file, tmp_path / "a", max_steps=n), resume=True, log=None)
+    assert t.losses[:3] + resumed.train()["losses"] == full_losses
+
+    # a step that fails before the update (out of memory in the backward): steps 1-2 saved
+    real = type(t.model).loss_and_grads
+    calls = []
+    def failing(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("no room for the backward")
+        return real(self, *a, **k)
+    monkeypatch.setattr(type(t.model), "loss_and_grads", failing)
+    b = Trainer(_cfg(text_file, tmp_path / "b", max_steps=n), log=None)
+    with pytest.raises(MemoryError):
+        b.train()
+    monkeypatch.setattr(type(t.model), "loss_and_grads", real)
+    assert load_checkpoint(tmp_path / "b" / "ckpt")[1]["step"] == 2
+    resumed = Trainer(_cfg(text_file, tmp_path / "b", max_steps=n), resume=True, log=None)
+    assert b.losses[:2] + resumed.train()["losses"] == full_losses
+
+    # an update cut short: nothing saved after it
+    real_step = AdamW.step
+    ups = []
+    def torn(self, *a, **k):
+        ups.append(1)
+        if len(ups) == 3:
+            raise RuntimeError("cut short")
+        return real_step(self, *a, **k)
+    monkeypatch.setattr(AdamW, "step", torn)
+    c = Trainer(_cfg(text_file, tmp_path / "c", max_steps=n), log=None)
+    with pytest.raises(RuntimeError, match="cut short"):
+        c.train()
+    assert not (tmp_path / "c" / "ckpt").exists()
+
+
 def test_resume_without_a_checkpoint(text_file, tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint"):
         Trainer(_cfg(text_file, tmp_path / "empty"), resume=True, log=None)

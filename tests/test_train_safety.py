@@ -785,7 +785,7 @@ def test_init_from_a_hugging_face_folder(workdir, capsys):
     save_checkpoint(Path("imported") / "ckpt", {k: v.numpy() for k, v in src.params.items()},
                     {"kind": "forge-ml-model", "config": src.config.to_dict(), "tokenizer": {"kind": "gpt2"}})
     _fails(capsys, ["train", "--out", "imported", "--resume"], "model only", "--init-from")
-    with pytest.raises(RunError, match="--init-from"):
+    with pytest.raises(RunError, match="init_from=imported/ckpt out_dir=NEW_FOLDER"):
         Trainer(_cfg("imported"), resume=True, log=None)
 
 

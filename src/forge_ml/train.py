@@ -404,17 +404,20 @@ def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int =
 # Errors speak forge-ml train's flags where the command line runs (errors.CLI_WORDS), else
 # the library's names (TrainConfig's fields, Trainer's arguments), which a notebook user typed.
 _FLAG_WORDS = {"--resume": "resume=True", "--overwrite": "overwrite=True", "--out": "out_dir"}
-_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?: (?=[^\s]*[\d./~_A-Z])[^\s,;:)]+)?")
 
 
 def library_words(msg: str) -> str:
     """``msg`` (an error written in forge-ml train's flags) in the library's names: each flag
-    that is a TrainConfig field becomes the field, ``--resume`` and ``--overwrite`` Trainer's
+    that is a TrainConfig field becomes the field (``field=VALUE`` where a value follows that
+    is a number, a path or a placeholder), ``--resume`` and ``--overwrite`` Trainer's
     arguments, ``--out`` ``out_dir``; a flag inside a quoted command (``forge-ml train ...``)
     and any other flag stay as they are.
 
     >>> library_words("add --resume to go on, or --overwrite; drop --init-from (forge-ml train --resume)")
     'add resume=True to go on, or overwrite=True; drop init_from (forge-ml train --resume)'
+    >>> library_words("start from it with --init-from runs/a --out NEW_FOLDER, or a --lr 3e-4: so")
+    'start from it with init_from=runs/a out_dir=NEW_FOLDER, or a lr=3e-4: so'
     """
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
 
@@ -423,9 +426,14 @@ def library_words(msg: str) -> str:
         cmd = before.rfind("forge-ml ")
         if cmd >= 0 and not any(c in before[cmd:] for c in ");"):
             return m.group(0)          # part of a command line the message quotes
-        flag = m.group(0)
+        flag, _, value = m.group(0).partition(" ")
         name = flag[2:].replace("-", "_")
-        return _FLAG_WORDS.get(flag, name if name in fields else flag)
+        if flag in _FLAG_WORDS and not value:
+            return _FLAG_WORDS[flag]
+        name = "out_dir" if flag == "--out" else name
+        if name not in fields:
+            return m.group(0)
+        return f"{name}={value}" if value else name
 
     return _FLAG.sub(word, msg)
 
@@ -462,6 +470,8 @@ class Trainer:
     (3, 0)
     >>> t.close()
     """
+
+    _saves_after_error = True   # an error in the loop saves the steps since the last checkpoint
 
     @_library_errors
     def __init__(self, config: TrainConfig, resume: bool = False, log: Optional[Callable] = print,
@@ -508,6 +518,7 @@ class Trainer:
         self._fast = None           # the captured step (step.TrainStep) on a graph-capable device
         self._staged = None         # (loader state, batches) drawn for the next captured step
         self._eval_due = False      # resumed at an eval step whose evaluation a signal cut short
+        self._torn = False          # an error cut an optimizer update short: no checkpoint after it
         self._pipe_closed = False   # stdout's reader went away (_say)
         self.tokens_sha256 = None   # their digest (tokens_digest), recorded in the checkpoints
         self.run_id = None          # the run's identity, kept across resumes (its best/ is its own)
@@ -1248,7 +1259,7 @@ class Trainer:
             if not math.isfinite(norm):
                 self._phase = None
                 raise self._bad_norm(norm, loss, step, batches, acc)
-        except KeyboardInterrupt:
+        except BaseException:
             self.train_loader.load_state_dict(loader_state)   # the step is given up
             raise
         finally:
@@ -1257,6 +1268,9 @@ class Trainer:
         try:
             self.opt.step(acc, lr=lr, grad_scale=scale)
             self.step += 1
+        except BaseException:
+            self._torn = True    # some tensors updated, others not: nothing may be saved
+            raise
         finally:
             self._phase = None
         return self._step_record(lr, loss, norm, t0)
@@ -1322,6 +1336,9 @@ class Trainer:
         except KeyboardInterrupt:
             self._staged = None
             self.train_loader.load_state_dict(loader_state)
+            raise
+        except BaseException:
+            self._torn = True    # the device may have run the update: nothing may be saved
             raise
         finally:
             self._phase = None
@@ -1523,6 +1540,32 @@ class Trainer:
         finally:
             self._phase = None
 
+    def _save_after_error(self, e: Exception) -> None:
+        """An error ended the loop (a user's log function, a sample, a step that ran out of
+        memory): the steps trained since the last checkpoint are saved, as a stop saves
+        them, where the state is whole: not after a NaN (TrainingError names the last good
+        checkpoint), not when the error cut an optimizer update short, not while the log
+        cannot be written (a full disk: the checkpoint would be ahead of it), and not
+        across processes (a DistributedTrainer's save is a collective that the others may not
+        reach). A save that fails too is said, and the first error goes up."""
+        if (isinstance(e, TrainingError) or self._torn or not self._saves_after_error
+                or self.step == self.last_ckpt_step or self.step == 0):
+            return
+        self._flush_log(quiet=True)
+        if self._unlogged:   # the log cannot be written: a checkpoint past it would resume a run
+            return           # whose log lacks steps
+        self._close_bar()
+        try:
+            self.save()
+            line = (f"error at step {self.step}: {type(e).__name__}; the checkpoint of step {self.step} "
+                    f"(the last one finished) saved in {self.ckpt_dir} (resume with --resume)")
+        except Exception as e2:
+            line = f"error at step {self.step}; the checkpoint could not be saved either ({e2}); {self._kept()}"
+        try:
+            self._say(line)
+        except Exception:   # the user's log function was the error
+            pass
+
     def _stopped(self) -> None:
         """After a signal: save the checkpoint of the step reached, say so, raise Interrupted."""
         name = signal.Signals(self._stop).name
@@ -1625,6 +1668,9 @@ class Trainer:
                     if self.step != self.last_ckpt_step:
                         self.save()
                     raise
+        except Exception as e:
+            self._save_after_error(e)
+            raise
         except KeyboardInterrupt:
             # a step given up (a second signal), or an interrupt without our handler
             self._close_bar()

@@ -61,6 +61,8 @@ class DistributedTrainer(Trainer):
     ``Worker(comm).run()`` meanwhile (``train`` below does both).
     """
 
+    _saves_after_error = False   # a save gathers from every rank: not after one rank's error
+
     TUNES_BLAS = False   # its processes share the machine's cores
 
     def __init__(self, config, comm: Communicator, *, zero: int = 0, bucket_mb: float = 25.0,
