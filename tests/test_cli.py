@@ -154,6 +154,11 @@ def test_sample_refuses_a_hf_folder_whose_vocabulary_is_not_its_tokenizers(workd
     for argv in ([], ["--prompt", "!"], ["--prompt", "!", "--num-beams", "2"]):
         _fails(capsys, ["sample", "--ckpt", "small", "--max-new-tokens", "3", *argv],
                "the model has 97 tokens but its tokenizer (gpt2) has 50257")
+    # eval of a text file tokenized with that tokenizer: it printed a loss over the wrong ids
+    # whenever every id of the text happened to be below 97 (a fine-tuning user's report)
+    Path("letters.txt").write_text("!\"#$%&'()*+,-./" * 20)
+    _fails(capsys, ["eval", "--ckpt", "small", "--data", "letters.txt"],
+           "the model has 97 tokens but its tokenizer (gpt2) has 50257")
 
 
 def test_bench_builtin_and_list(capsys):

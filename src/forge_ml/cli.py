@@ -740,6 +740,9 @@ def _cmd_eval(args) -> int:
     tmp = None
     if shards is None and not shard:  # a text file: tokenize it with the checkpoint's tokenizer
         import tempfile
+
+        from .inference.load import check_tokenizer_fits
+        check_tokenizer_fits(model, tok, args.ckpt)   # as sample and serve do: else a loss over wrong ids
         try:
             text = load_text(path)
         except OSError as e:
