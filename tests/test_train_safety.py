@@ -780,6 +780,17 @@ def test_init_from_a_hugging_face_folder(workdir, capsys):
     src, _, _ = load_model("hf")
     for k, v in src.params.items():
         assert np.array_equal(v.numpy(), tf[k]), k
+    # a resumed fine-tune keeps the source's sizes: another --n-layer or --model is refused (it
+    # was ignored, and recorded in the checkpoint's train_config: a fine-tuning user's report)
+    before = _snapshot("ft")
+    _fails(capsys, ["train", "--out", "ft", "--resume", "--max-steps", "2", "--n-layer", "4"],
+           "--n-layer: the run in ft fine-tunes a model with n_layer 1, not 4", "drop --n-layer")
+    _fails(capsys, ["train", "--out", "ft", "--resume", "--max-steps", "2", "--model", "gpt2"],
+           "--model: the run in ft fine-tunes a model with n_layer 1, not 12")
+    _fails(capsys, ["train", "--out", "ft", "--resume", "--max-steps", "2", "--block-size", "8"],
+           "--block-size 8: the run in ft was trained on windows of 16 tokens", "drop --block-size")
+    assert _snapshot("ft") == before
+    assert main(["train", "--out", "ft", "--resume", "--max-steps", "2", "--no-progress"]) == 0
     # --resume on an HF folder or a model-only checkpoint points to --init-from
     _fails(capsys, ["train", "--out", "hf", "--resume"], "--init-from hf")
     save_checkpoint(Path("imported") / "ckpt", {k: v.numpy() for k, v in src.params.items()},

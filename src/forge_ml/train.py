@@ -1040,7 +1040,17 @@ class Trainer:
         if source is not None:
             return dataclasses.replace(source[0].config, dropout=cfg.dropout)
         if ckpt is not None and cfg.init_from and "config" in ckpt[1]:
-            return GPT2Config.from_dict(dict(ckpt[1]["config"], dropout=cfg.dropout))
+            saved = GPT2Config.from_dict(dict(ckpt[1]["config"], dropout=cfg.dropout))
+            # the run recorded the source's sizes and no preset: a preset or another size is the
+            # user's, which the checkpoint's model cannot take
+            for k in ("n_layer", "n_head", "n_embd"):
+                for flag, asked in ((f"--{k.replace('_', '-')}", getattr(cfg, k)),
+                                    ("--model", PRESETS[cfg.model].get(k) if cfg.model else None)):
+                    if asked and asked != getattr(saved, k):
+                        raise ConfigError(f"{flag}: the run in {self.out_dir} fine-tunes a model with {k} "
+                                          f"{getattr(saved, k)}, not {asked}, which a resumed run keeps; "
+                                          f"drop {flag}")
+            return saved
         return GPT2Config(vocab_size=self.tokenizer.vocab_size, block_size=cfg.block_size, dropout=cfg.dropout,
                           **cfg.model_sizes())
 
@@ -1075,6 +1085,11 @@ class Trainer:
         # --beta2 on resume did nothing while the new checkpoint recorded it)
         self.opt.lr, self.opt.weight_decay = self.cfg.lr, self.cfg.weight_decay
         self.opt.betas = (float(self.cfg.beta1), float(self.cfg.beta2))
+        was_t = meta["data"].get("block_size") if isinstance(meta["data"], dict) else None
+        if isinstance(was_t, int) and was_t != self.cfg.block_size:
+            raise ConfigError(f"--block-size {self.cfg.block_size}: the run in {self.out_dir} was trained on windows "
+                              f"of {was_t} tokens, which a resumed run keeps (its data position counts them); "
+                              f"drop --block-size")
         self.train_loader.load_state_dict(meta["data"])
         self.step = int(meta["step"])
         self.elapsed = float(meta.get("elapsed", 0.0))
