@@ -780,6 +780,16 @@ def test_init_from_a_hugging_face_folder(workdir, capsys):
     src, _, _ = load_model("hf")
     for k, v in src.params.items():
         assert np.array_equal(v.numpy(), tf[k]), k
+    # eval of the run's checkpoint on its val data reads the run's windows (16 of the model's 32):
+    # the run's final val loss (a fine-tuning user's report: eval took windows of the context)
+    final = [r for r in read_log("ft/log.jsonl")[0] if r.get("val_kind") == "full"][-1]
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", "ft", "--data", "ft/data"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"loss {final['val_loss']:.4f} ") and " of 16 in " in out, (out, final)
+    assert main(["eval", "--ckpt", "ft", "--data", "ft/data", "--block-size", "32"]) == 0
+    assert " of 32 in " in capsys.readouterr().out
+    _fails(capsys, ["eval", "--ckpt", "ft", "--data", "ft/data", "--block-size", "33"], "--block-size must be in 1..32")
     # a resumed fine-tune keeps the source's sizes: another --n-layer or --model is refused (it
     # was ignored, and recorded in the checkpoint's train_config: a fine-tuning user's report)
     before = _snapshot("ft")

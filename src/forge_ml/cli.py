@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  forge-ml eval --ckpt runs/default --data runs/default/data/val.bin")
     e.add_argument("--ckpt", required=True, help="checkpoint folder, run folder or HF GPT-2 folder")
     e.add_argument("--data", required=True, help="a .bin token shard, a data folder (its val shards) or a text file")
+    e.add_argument("--block-size", type=int, default=None, metavar="T",
+                   help="tokens a window, at most the model's context (default: the windows the run was "
+                        "trained on where the checkpoint records them, else the model's context)")
     e.add_argument("--batch-size", type=int, default=8, metavar="N", help="windows per batch (default 8)")
     e.add_argument("--max-batches", type=int, metavar="N", default=None,
                    help="stop after this many batches (>= 1; default: every window)")
@@ -728,8 +731,15 @@ def _cmd_eval(args) -> int:
         except OSError as e:
             raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
     shard = shards is None and (path.suffix == ".bin" or is_shard_file(path))  # one named *.dat too
-    model, tok, _ = load_model(args.ckpt, device=args.device)
+    model, tok, meta = load_model(args.ckpt, device=args.device)
     cfg = model.config
+    # a run's own windows (a fine-tune may train on fewer tokens than the model's context), so
+    # that eval of its checkpoint gives the run's final val loss
+    trained_t = ((meta or {}).get("train_config") or {}).get("block_size")
+    window = args.block_size or (trained_t if isinstance(trained_t, int) and 0 < trained_t < cfg.block_size
+                                 else cfg.block_size)
+    if args.block_size is not None and not 1 <= args.block_size <= cfg.block_size:
+        raise ConfigError(f"--block-size must be in 1..{cfg.block_size} (the model's context), got {args.block_size}")
     if folder is not None:
         _check_shards_tokenizer(folder.folder, folder.tokenizer, tok, args.ckpt)
     elif shard and (path.parent / "tokenizer.json").is_file():
@@ -762,7 +772,7 @@ def _cmd_eval(args) -> int:
             if hi >= cfg.vocab_size:
                 raise DataError(f"{p if shards is not None else args.data} holds token {hi} but the model's "
                                 f"vocabulary has {cfg.vocab_size} tokens; the shard was made with another tokenizer")
-        T = min(cfg.block_size, n_tokens - 1)
+        T = min(window, n_tokens - 1)
         B = max(1, min(args.batch_size, (n_tokens - 1) // T))
         loader = DataLoader(paths, B, T)
         if args.max_batches is None or args.max_batches > (n_tokens - 1) // T // B:
@@ -785,9 +795,9 @@ def _cmd_eval(args) -> int:
           f"({windows * T:,} tokens{where}: {windows:,} window{'s' * (windows != 1)} of {T} in {n} "
           f"batch{'es' * (n != 1)} of {B}, "
           f"{time.perf_counter() - t0:.1f} s)"
-          + (f"; the windows are shorter than the model's context of {cfg.block_size}: the data holds "
+          + (f"; the windows are shorter than asked ({window}): the data holds "
              f"{n_tokens:,} tokens, so this loss is not comparable with a run's val loss"
-             if T < cfg.block_size else ""))
+             if T < window else ""))
     return 0
 
 
