@@ -795,7 +795,9 @@ def _cmd_eval(args) -> int:
           f"({windows * T:,} tokens{where}: {windows:,} window{'s' * (windows != 1)} of {T} in {n} "
           f"batch{'es' * (n != 1)} of {B}, "
           f"{time.perf_counter() - t0:.1f} s)"
-          + (f"; the windows are shorter than asked ({window}): the data holds "
+          + (f"; the windows are shorter than "
+             + (f"the model's context of {cfg.block_size}" if window == cfg.block_size else f"{window} tokens")
+             + f": the data holds "
              f"{n_tokens:,} tokens, so this loss is not comparable with a run's val loss"
              if T < window else ""))
     return 0
