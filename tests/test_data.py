@@ -123,6 +123,16 @@ def test_load_text_errors(tmp_path):
         load_text(bad)
     with pytest.raises(DataError, match="directory"):
         load_text(tmp_path)
+    # UTF-16 (with its byte-order mark or without) is said as such: it was taken for token ids
+    for enc in ("utf-16", "utf-16-le", "utf-16-be"):
+        u = tmp_path / f"{enc}.txt"
+        u.write_bytes("To be, or not to be\n".encode(enc))
+        with pytest.raises(DataError, match="UTF-16 text.*iconv -f utf-16"):
+            load_text(u)
+    ids = tmp_path / "ids.txt"     # raw uint16 ids: still token ids
+    ids.write_bytes(np.array([15496, 11, 995, 7, 200], np.uint16).tobytes() * 20)
+    with pytest.raises(DataError, match="holds token ids"):
+        load_text(ids)
     good = tmp_path / "ok.txt"
     good.write_text("naïve 🎉", encoding="utf-8")
     assert load_text(good) == "naïve 🎉"

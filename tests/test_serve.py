@@ -616,6 +616,18 @@ def test_a_stream_that_fails_midway_ends_with_an_error_not_a_done(tok):
         eng.close()
 
 
+def test_a_runs_checkpoint_is_served_under_the_runs_name(tmp_path):
+    """serve --ckpt runs/my-run/ckpt answered to model "ckpt" (a fine-tuning user's report);
+    a folder named ckpt that is not in a run keeps its name."""
+    from forge_ml.serve.cli import model_id
+    run = tmp_path / "my-run"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "log.jsonl").write_text("")
+    assert model_id(run / "ckpt") == model_id(run / "best") == model_id(run) == "my-run"
+    (tmp_path / "loose" / "ckpt").mkdir(parents=True)
+    assert model_id(tmp_path / "loose" / "ckpt") == "ckpt"
+
+
 def test_forge_ml_serve_command(tmp_path):
     from forge_ml.checkpoint import save_checkpoint
 

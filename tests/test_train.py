@@ -197,6 +197,18 @@ def test_an_error_in_the_loop_saves_the_steps_trained_and_the_resume_is_exact(te
     assert not (tmp_path / "c" / "ckpt").exists()
 
 
+def test_a_warmup_longer_than_the_run_is_said(text_file, tmp_path):
+    """A short fine-tune (20 steps) under the default 100-step warmup never reached --lr, in
+    silence (a fine-tuning user's report)."""
+    said = []
+    Trainer(_cfg(text_file, tmp_path / "a", max_steps=4, warmup=10, lr=1e-2), log=said.append).train()
+    note = [x for x in said if "--warmup 10 is longer than the run's 4 steps" in x]
+    assert len(note) == 1 and "climbs to 4.00e-03" in note[0] and "--warmup 1" in note[0], said
+    said.clear()
+    Trainer(_cfg(text_file, tmp_path / "b", max_steps=4, warmup=2), log=said.append).train()
+    assert not [x for x in said if "longer than the run" in x], said
+
+
 def test_resume_without_a_checkpoint(text_file, tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint"):
         Trainer(_cfg(text_file, tmp_path / "empty"), resume=True, log=None)

@@ -218,6 +218,24 @@ def is_shard_file(path) -> bool:
         return False
 
 
+def _utf16_without_bom(head: bytes) -> bool:
+    """Whether ``head`` reads as UTF-16 text of (mostly) ASCII characters: a NUL in every other
+    byte and printable characters or whitespace in the rest (raw uint16 token ids have NULs
+    beside bytes of any value).
+
+    >>> _utf16_without_bom("hello\\n".encode("utf-16-le")), _utf16_without_bom(bytes([7, 0, 200, 0, 3, 1]))
+    (True, False)
+    """
+    if len(head) < 4:
+        return False
+    for zeros, chars in ((head[1::2], head[0::2]), (head[0::2], head[1::2])):
+        if zeros.count(0) >= 0.9 * len(zeros):
+            printable = sum(32 <= c < 127 or c in (9, 10, 13) for c in chars)
+            if printable >= 0.9 * len(chars):
+                return True
+    return False
+
+
 def load_text(path) -> str:
     """The UTF-8 text of a file, with a DataError that says what went wrong.
 
@@ -236,6 +254,11 @@ def load_text(path) -> str:
     if raw[:4] == SHARD_MAGIC.to_bytes(4, "little"):
         raise DataError(f"{path} is an llm.c token shard, not a text file; give the folder that holds the "
                         f"train and val shards")
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff") or _utf16_without_bom(raw[:4000]):
+        # UTF-16 (a Windows editor's "Unicode"): a NUL every other byte, which the check for
+        # token ids below would take for ids
+        raise DataError(f"{path} looks like UTF-16 text (a NUL every other byte), not UTF-8; convert it "
+                        f"first, e.g. iconv -f utf-16 -t utf-8 {path.name} > {path.stem}-utf8{path.suffix}")
     nul = raw.count(0)
     if nul and (path.suffix == ".bin" or nul * 100 > len(raw)):
         # nanoGPT's prepare.py writes raw uint16 ids (no header): as UTF-8 they often decode,

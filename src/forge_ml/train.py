@@ -1632,6 +1632,11 @@ class Trainer:
                   f"{self.train_loader.n_tokens:,} train tokens; device {self.device}" + blas_note
                   + f", {cfg.dtype}; batch {cfg.batch_size} x {cfg.grad_accum}; steps {self.step} -> {until}; "
                   f"out {self.out_dir}")
+        if cfg.lr > 0 and cfg.warmup > cfg.decay_steps and self.step == 0:
+            peak = cosine_lr(cfg.decay_steps - 1, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr)
+            self._say(f"note: --warmup {cfg.warmup} is longer than the run's {cfg.decay_steps} steps: the learning "
+                      f"rate climbs to {peak:.2e}, never to --lr {cfg.lr:g} (give a shorter --warmup, e.g. "
+                      f"--warmup {max(1, cfg.decay_steps // 10)})")
         self._bar = self._make_bar(until)
         first = self.step
         mine = len(self.losses)   # where this call's losses begin

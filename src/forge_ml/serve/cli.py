@@ -46,6 +46,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+
+def model_id(ckpt) -> str:
+    """The model id a server of ``ckpt`` answers to: the folder's name, or the run's for a
+    run's ``ckpt`` or ``best`` folder (beside the run's ``log.jsonl``: clients ask for
+    ``my-run``, not ``ckpt``).
+
+    >>> model_id("runs/my-run"), model_id("~/gpt2")
+    ('my-run', 'gpt2')
+    """
+    where = Path(ckpt).expanduser().resolve()
+    if where.name in ("ckpt", "best") and (where.parent / "log.jsonl").is_file():
+        where = where.parent
+    return where.name or "default"
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True, help="checkpoint folder, run folder or HF GPT-2 folder")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -61,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=None, metavar="N",
                    help="context per request, prompt and new tokens (default: the model's)")
     p.add_argument("--model-name", default=None, metavar="NAME",
-                   help="the model id clients ask for (default: the checkpoint folder's name)")
+                   help="the model id clients ask for (default: the checkpoint folder's name; a run's for RUN/ckpt)")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish "
                         "before they are cut (new connections are refused at once; default 5)")
@@ -91,7 +105,7 @@ def run(args) -> int:
     api_key = args.api_key or flags.get("FORGE_API_KEY") or None
     model, tokenizer, _ = _load(args.ckpt, args.device, dtype)
     engine = BatchEngine(model, tokenizer, slots=args.slots, max_len=args.max_len)
-    name = args.model_name or Path(args.ckpt).expanduser().resolve().name or "default"
+    name = args.model_name or model_id(args.ckpt)
     app = create_app(engine, name, api_key=api_key)
     if api_key is None and not _loopback(args.host):
         print(f"forge-ml serve: warning: listening on {args.host} without an API key; anyone "
