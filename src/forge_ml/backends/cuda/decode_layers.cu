@@ -82,14 +82,43 @@ FORGE_D float dl_sum_rows(const float* P, int S, int C, int c) {
     return a;
 }
 
-// x[i] = base[c] + bias[c] + sum over s < S of P[s][c], c = threadIdx.x + i * DL_THREADS
+// xs[c] = base[c] + bias[c] + the sum over s < S of P[s][c], for every c < C, in shared
+// memory (a __syncthreads later, every thread may read any of it). A thread takes a column of
+// four (16-byte loads) and asks for all its S rows at once, 16 at a time: one round trip to L2
+// for S <= 16, where a thread's DL_XPT columns one after the other, eight rows at a time, made
+// six (S = 12). The sum's order is dl_sum_rows': row s into accumulator s % 8, in order, then
+// the accumulators 0..7, then base + bias + that: the same bits.
 template <typename T>
-FORGE_D void dl_gather(float (&x)[DL_XPT], const float* base, const T* bias, const float* P,
-                       int S, int C) {
+FORGE_D void dl_gather(float* xs, const float* base, const T* bias, const float* P, int S, int C) {
+    const float4* P4 = reinterpret_cast<const float4*>(P);
+    const int G = C / 4;
+    for (int g = threadIdx.x; g < G; g += DL_THREADS) {
+        float4 acc[8];
 #pragma unroll
-    for (int i = 0; i < DL_XPT; ++i) {
-        const int c = threadIdx.x + i * DL_THREADS;
-        x[i] = c < C ? __ldcg(base + c) + ldf(bias[c]) + dl_sum_rows(P, S, C, c) : 0.f;
+        for (int j = 0; j < 8; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s0 = 0; s0 < S; s0 += 16) {
+            float4 v[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j)
+                v[j] = s0 + j < S ? __ldcg(P4 + (long long)(s0 + j) * G + g) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int j = 0; j < 16; ++j)
+                if (s0 + j < S) {
+                    float4& a = acc[j & 7];
+                    a.x += v[j].x; a.y += v[j].y; a.z += v[j].z; a.w += v[j].w;
+                }
+        }
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            a.x += acc[j].x; a.y += acc[j].y; a.z += acc[j].z; a.w += acc[j].w;
+        }
+        const float4 b = __ldcg(reinterpret_cast<const float4*>(base) + g);
+        const int c = 4 * g;
+        xs[c] = b.x + ldf(bias[c]) + a.x;
+        xs[c + 1] = b.y + ldf(bias[c + 1]) + a.y;
+        xs[c + 2] = b.z + ldf(bias[c + 2]) + a.z;
+        xs[c + 3] = b.w + ldf(bias[c + 3]) + a.w;
     }
 }
 
@@ -212,7 +241,13 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
             x[i] = c < C ? ldf(wte[(long long)id * C + c]) + ldf(wpe[(long long)pos * C + c]) : 0.f;
         }
     } else {
-        dl_gather<T>(x, xres, bprev, partB, SB, C);
+        dl_gather<T>(xf, xres, bprev, partB, SB, C);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < DL_XPT; ++i) {
+            const int c = tid + i * DL_THREADS;
+            x[i] = c < C ? xf[c] : 0.f;
+        }
     }
 #pragma unroll
     for (int i = 0; i < DL_XPT; ++i) {
@@ -256,8 +291,12 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
     cluster_sync();   // every block's part is written
     if (tid < 3 * DL_HS) {
         const int w = tid / DL_HS, d = tid % DL_HS;
+        float pr[DL_P];
+#pragma unroll
+        for (int r = 0; r < DL_P; ++r) pr[r] = ld_cluster(&part[tid], (unsigned)r);
         float a = ldf(bqkv[w * C + h * DL_HS + d]);
-        for (int r = 0; r < DL_P; ++r) a += ld_cluster(&part[tid], (unsigned)r);
+#pragma unroll
+        for (int r = 0; r < DL_P; ++r) a += pr[r];
         const T t = To<T>::from(a);
         qkv[tid] = w == 0 ? ldf(t) * 0.125f : ldf(t);   // 1 / sqrt(64)
         if (w == 1) kn[d] = t;
@@ -347,16 +386,25 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
         }
     }
     cluster_sync();   // every block's m, l and outputs are written
-    if (tid < DL_HS) {   // the 8 parts merged, in block order
-        float M = neg_inf<float>();
-        for (int r = 0; r < DL_P; ++r) M = fmaxf(M, ld_cluster(&mlo[0], (unsigned)r));
-        float Ls = 0.f, y = 0.f;
+    if (tid < DL_HS) {   // the 8 parts merged, in block order; every part's values asked for
+                         // first (a branch on each part's m made each wait for the one before)
+        float mr[DL_P], lr[DL_P], yr[DL_P];
+#pragma unroll
         for (int r = 0; r < DL_P; ++r) {
-            const float mr = ld_cluster(&mlo[0], (unsigned)r);
-            if (mr == neg_inf<float>()) continue;   // a part with no keys
-            const float w = __expf(mr - M);
-            Ls += w * ld_cluster(&mlo[1], (unsigned)r);
-            y += w * ld_cluster(&mlo[4 + tid], (unsigned)r);
+            mr[r] = ld_cluster(&mlo[0], (unsigned)r);
+            lr[r] = ld_cluster(&mlo[1], (unsigned)r);
+            yr[r] = ld_cluster(&mlo[4 + tid], (unsigned)r);
+        }
+        float M = neg_inf<float>();
+#pragma unroll
+        for (int r = 0; r < DL_P; ++r) M = fmaxf(M, mr[r]);
+        float Ls = 0.f, y = 0.f;
+#pragma unroll
+        for (int r = 0; r < DL_P; ++r) {
+            if (mr[r] == neg_inf<float>()) continue;   // a part with no keys
+            const float w = __expf(mr[r] - M);
+            Ls += w * lr[r];
+            y += w * yr[r];
         }
         yv[tid] = bad ? quiet_nan<float>() : dl_round<T>(y / Ls);
     }
@@ -450,7 +498,13 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
     pdl_launch_dependents();
     // 2. x' and its layernorm
     float x[DL_XPT];
-    dl_gather<T>(x, xa, bproj, partA, H, C);
+    dl_gather<T>(xs, xa, bproj, partA, H, C);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < DL_XPT; ++i) {
+        const int c = tid + i * DL_THREADS;
+        x[i] = c < C ? xs[c] : 0.f;
+    }
     if (b == 0) {
 #pragma unroll
         for (int i = 0; i < DL_XPT; ++i)
@@ -517,8 +571,12 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
         const int r = b % DL_P, cl = b / DL_P, w = C / DL_P;
         for (int c = tid; c < w; c += DL_THREADS) {
             const int n = r * w + c;
+            float pq[DL_P];
+#pragma unroll
+            for (int q = 0; q < DL_P; ++q) pq[q] = ld_cluster(&ob[n], (unsigned)q);
             float a = 0.f;
-            for (int q = 0; q < DL_P; ++q) a += ld_cluster(&ob[n], (unsigned)q);
+#pragma unroll
+            for (int q = 0; q < DL_P; ++q) a += pq[q];
             __stcg(partB + (long long)cl * C + n, a);
         }
     }
@@ -586,7 +644,7 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
 }
 
 #define FORGE_DECODE_LAYERS(T, S)                                                              \
-    extern "C" __global__ void __launch_bounds__(DL_THREADS, 1)                               \
+    extern "C" __global__ void __launch_bounds__(DL_THREADS, 2)                               \
         layer_attn_##S(const int* ids, const int* posp, const T* wte, const T* wpe, int first, \
                        const float* xres, const T* bprev, const float* partB, int SB,          \
                        const T* g1, const T* b1, const T* Wqkv, const T* bqkv,                 \
@@ -595,7 +653,7 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
         layer_attn_impl<T>(ids, posp, wte, wpe, first, xres, bprev, partB, SB, g1, b1, Wqkv,   \
                            bqkv, Wproj, kc, vc, xa, partA, C, Tmax, eps);                      \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(DL_THREADS, 1)                               \
+    extern "C" __global__ void __launch_bounds__(DL_THREADS, 2)                               \
         layer_mlp_##S(const float* xa, const T* bproj, const float* partA, int H,             \
                       const T* g2, const T* b2, const T* Wfc, const T* bfc, const T* Wfc2,     \
                       float* xb, float* partB, int C, float eps) {                             \
