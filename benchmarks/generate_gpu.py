@@ -2,7 +2,7 @@
 transformers' ``generate`` on the same random weights, in the same run.
 
     python benchmarks/generate_gpu.py [--new-tokens 1008] [--prompt-len 16] [--dtype float32|bf16]
-                                      [--paths forge,fused,layers,nograph,hf]
+                                      [--paths forge,perop,fused,layers,nograph,hf]
                                       [--sampling [--batch 64]
                                       [--modes greedy,top-k,top-p,min-p,penalty]]
 
@@ -13,7 +13,8 @@ reads the parameters once per token (gpt-fast's measure): parameter bytes x toke
 the H200's 4.8 TB/s. forge-ml is also timed with the step as one kernel (FORGE_FUSED_DECODE=on,
 decode_model.cu, experimental), as two kernels a layer (FORGE_FUSED_DECODE=layers,
 decode_layers.cu, experimental) and with the graph off (the decoding step op by op, the figure
-before the graph existed). ``--paths forge`` times the default path alone, and
+before the graph existed); perop: FORGE_FUSED_DECODE=off, the kernel-per-op step in a graph (the
+default before 2026-12-06). ``--paths forge`` times the default path alone, and
 ``--sampling --modes greedy`` greedy at batch 1 and ``--batch`` alone (an A/B between trees of
 the code in seconds a run: scripts/ab_trees.sh).
 """
@@ -43,13 +44,14 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64, help="the larger batch of --sampling")
     ap.add_argument("--modes", default="greedy,top-k,top-p,min-p,penalty",
                     help="the sampling modes --sampling times (greedy always)")
-    ap.add_argument("--paths", default="forge,fused,layers,nograph,hf",
-                    help="what is timed: forge (the default path), fused (one kernel a step), "
-                         "layers (two kernels a layer), nograph (op by op), hf (transformers)")
+    ap.add_argument("--paths", default="forge,perop,fused,layers,nograph,hf",
+                    help="what is timed: forge (the default path), perop (the kernel-per-op step), "
+                         "fused (one kernel a step), layers (two kernels a layer), nograph (op by "
+                         "op), hf (transformers)")
     a = ap.parse_args(argv)
     paths = set(a.paths.split(","))
-    if not paths <= {"forge", "fused", "layers", "nograph", "hf"} or "forge" not in paths:
-        raise SystemExit("--paths takes forge (always) and any of fused, layers, nograph, hf; "
+    if not paths <= {"forge", "perop", "fused", "layers", "nograph", "hf"} or "forge" not in paths:
+        raise SystemExit("--paths takes forge (always) and any of perop, fused, layers, nograph, hf; "
                          f"got {a.paths!r}")
 
     import cupy as cp
@@ -65,10 +67,11 @@ def main(argv=None):
     model = cpu_model.to("cuda", dtype="bfloat16" if a.dtype == "bf16" else None)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, a.prompt_len)]
 
-    def run_forge(graph=True, fused=False):
+    def run_forge(graph=True, fused=None):   # fused None: the switch as the user has it
         cp.cuda.Device().synchronize()
         t0 = time.perf_counter()
-        with flags.override(FORGE_CUDA_GRAPH=graph, FORGE_FUSED_DECODE=fused):
+        over = {} if fused is None else {"FORGE_FUSED_DECODE": fused}
+        with flags.override(FORGE_CUDA_GRAPH=graph, **over):
             out = list(generate(model, prompt, max_new_tokens=a.new_tokens, temperature=0))
         cp.cuda.Device().synchronize()
         return time.perf_counter() - t0, out
@@ -101,7 +104,14 @@ def main(argv=None):
     _, fo = run_forge()
     n = a.new_tokens
     print(f"GPT-2 124M batch-1 greedy generation, {a.dtype}, prompt {a.prompt_len}, {n} new tokens")
-    print(f"forge-ml:      {n / tf:9.1f} tok/s  (~60 kernels a step, in a CUDA graph)")
+    print(f"forge-ml:      {n / tf:9.1f} tok/s  (the default path: FORGE_FUSED_DECODE="
+          f"{flags.get('FORGE_FUSED_DECODE')}, in a CUDA graph)")
+    if "perop" in paths:
+        tk = min(run_forge(fused="off")[0] for _ in range(a.repeats))
+        _, ko = run_forge(fused="off")
+        same_k = next((i for i, (x, y) in enumerate(zip(fo, ko)) if x != y), len(fo))
+        print(f"forge-ml, kernel per op: {n / tk:9.1f} tok/s  (FORGE_FUSED_DECODE=off, ~60 kernels a "
+              f"step in a CUDA graph; tokens agree with the default's for the first {same_k})")
     if "fused" in paths:
         tl = min(run_forge(fused=True)[0] for _ in range(a.repeats))
         _, lo = run_forge(fused=True)
@@ -115,7 +125,7 @@ def main(argv=None):
         print(f"forge-ml, two kernels a layer: {n / tl:9.1f} tok/s  (FORGE_FUSED_DECODE=layers, "
               f"decode_layers.cu; tokens agree with the default's for the first {same_l})")
     if "nograph" in paths:
-        te = min(run_forge(graph=False, fused=False)[0] for _ in range(a.repeats))
+        te = min(run_forge(graph=False, fused="off")[0] for _ in range(a.repeats))
         print(f"forge-ml, no graph: {n / te:9.1f} tok/s  (decoding step op by op)")
     if "hf" in paths:
         th = min(run_hf()[0] for _ in range(a.repeats))

@@ -92,11 +92,11 @@ _SWITCHES = (
            "query rows a block of the wgmma attention's forward and dq kernels: 128 runs two "
            "warpgroups on each k and v tile (half the k and v reads; the dq kernel with "
            "FORGE_WGMMA_BWD_SHARED qd or both)", ("64", "128")),
-    Switch("FORGE_FUSED_DECODE", "off",
-           "experimental: a batch-1 decoding step of GPT-2 as one CUDA kernel, every layer and "
-           "the LM head (on; not yet faster than the kernel-per-op step it replaces), or as two "
-           "kernels a layer (layers: +15% at batch 1 in bf16 on an H100, 2,595 against 2,253 "
-           "tok/s; its tests pass there, not yet the default)", ("on", "off", "layers"),
+    Switch("FORGE_FUSED_DECODE", "layers",
+           "GPT-2's batch-1 decoding step on a GPU with thread-block clusters (Hopper): two CUDA "
+           "kernels a layer and one for the head (layers, the default: 4,097 against 2,459 "
+           "tok/s in bf16 on an H200), the kernel-per-op step (off), or the experimental "
+           "whole step as one kernel (on, not faster than off)", ("on", "off", "layers"),
            aliases=tuple((v, "on") for v in _ON) + tuple((v, "off") for v in _OFF)),
     Switch("FORGE_GEMV", "on",
            "few-row products (decoding) on forge-ml's cluster gemv kernel on Hopper (off: cuBLAS)",
