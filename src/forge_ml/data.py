@@ -220,8 +220,9 @@ def is_shard_file(path) -> bool:
 
 def _utf16_without_bom(head: bytes) -> bool:
     """Whether ``head`` reads as UTF-16 text of (mostly) ASCII characters: a NUL in every other
-    byte and printable characters or whitespace in the rest (raw uint16 token ids have NULs
-    beside bytes of any value).
+    byte, printable characters or whitespace in the rest, and half of those lowercase letters
+    or spaces, as prose has (raw uint16 token ids have NULs beside bytes of any value; a
+    character vocabulary's ids, below 128, fall mostly on punctuation and capitals).
 
     >>> _utf16_without_bom("hello\\n".encode("utf-16-le")), _utf16_without_bom(bytes([7, 0, 200, 0, 3, 1]))
     (True, False)
@@ -231,7 +232,8 @@ def _utf16_without_bom(head: bytes) -> bool:
     for zeros, chars in ((head[1::2], head[0::2]), (head[0::2], head[1::2])):
         if zeros.count(0) >= 0.9 * len(zeros):
             printable = sum(32 <= c < 127 or c in (9, 10, 13) for c in chars)
-            if printable >= 0.9 * len(chars):
+            prose = sum(97 <= c <= 122 or c == 32 for c in chars)
+            if printable >= 0.9 * len(chars) and prose >= 0.5 * len(chars):
                 return True
     return False
 
@@ -254,7 +256,7 @@ def load_text(path) -> str:
     if raw[:4] == SHARD_MAGIC.to_bytes(4, "little"):
         raise DataError(f"{path} is an llm.c token shard, not a text file; give the folder that holds the "
                         f"train and val shards")
-    if raw[:2] in (b"\xff\xfe", b"\xfe\xff") or _utf16_without_bom(raw[:4000]):
+    if path.suffix != ".bin" and (raw[:2] in (b"\xff\xfe", b"\xfe\xff") or _utf16_without_bom(raw[:4000])):
         # UTF-16 (a Windows editor's "Unicode"): a NUL every other byte, which the check for
         # token ids below would take for ids
         raise DataError(f"{path} looks like UTF-16 text (a NUL every other byte), not UTF-8; convert it "

@@ -438,6 +438,19 @@ def device_has(device, capability: str) -> bool:
     return bool(getattr(backend_of(Device.parse(device)), capability))
 
 
+def device_numerics(device) -> dict:
+    """What decides ``device``'s arithmetic besides an op's inputs: its type and what its
+    backend's optional ``numerics()`` says (the CPU's kernels, a GPU's name, the switches that
+    pick kernels). Two runs with the same values compute the same bits.
+
+    >>> sorted(device_numerics("cpu"))
+    ['FORGE_CPU_GEMM', 'cpu_kernels', 'device']
+    """
+    dev = Device.parse(device)
+    bk = backend_of(dev)
+    return dict({"device": dev.type}, **(bk.numerics() if bk.numerics is not None else {}))
+
+
 def release_cached(device) -> None:
     """Give the device memory a backend caches for reuse back to the device (CuPy's pool on the
     GPU; nothing on the CPU).

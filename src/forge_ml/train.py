@@ -88,7 +88,7 @@ from .optim import AdamW, accumulate, clip_grad_norm, cosine_lr
 from .runs import (LOCK_NAME, RunError, RunLock, cannot_write, read_log,  # noqa: F401 (LOCK_NAME: the old import path)
                    remove_stray_temps, replace_file, stray_temps)
 from .step import TrainStep
-from .tensor import device_has, release_cached, synchronize, tensor
+from .tensor import device_has, device_numerics, release_cached, synchronize, tensor
 from .tokenizer import load_tokenizer, tokenizer_from_dict
 
 DATA_NAME = "data"          # <out_dir>/data: shards prepared from a text file
@@ -489,7 +489,7 @@ class Trainer:
         self._phase: Optional[str] = None  # "step", "extra" (eval, sample) or "update"
         self.device = Device.parse(cfg.device)
         has_bf16 = device_has(self.device, "bf16")   # loads the backend: before any write
-        self._numerics = numerics(self.device)   # recorded in checkpoints; a resume compares
+        self._numerics = device_numerics(self.device)   # recorded in checkpoints; a resume compares
         self.bf16 = cfg.dtype in ("bf16", "bfloat16")
         if self.bf16 and not has_bf16:
             raise ConfigError(f"dtype bf16 is mixed precision on a device with bf16 storage; the "
@@ -1883,41 +1883,6 @@ def tokens_digest(train: list, val: list, chunk: int = 1 << 20) -> str:
                 h.update(np.ascontiguousarray(a[i:i + chunk], dtype="<i8").tobytes())
         h.update(b"|")
     return h.hexdigest()
-
-
-# The FORGE_* switches that change a training step's arithmetic on each device kind (the
-# kernels or the order of their sums); the rest (logging, caches, decoding) do not.
-_NUMERIC_SWITCHES = {
-    "cpu": ("FORGE_CPU_GEMM",),
-    "cuda": ("FORGE_ATTENTION", "FORGE_FUSED_LOSS", "FORGE_TRAIN_GRAPH", "FORGE_WGMMA_ATTENTION",
-             "FORGE_WGMMA_BWD_SHARED", "FORGE_WGMMA_ROWS", "FORGE_CUBLASLT", "FORGE_GEMM_TUNE",
-             "FORGE_BIAS_SUMS"),
-}
-
-
-def numerics(device) -> dict:
-    """What decides a training step's bits besides the run's config: the device kind (and a
-    GPU's name), the CPU kernels in use (``c`` or ``numpy``: FORGE_CPU_KERNELS=auto falls
-    back to NumPy where the C kernels do not build) and the switches that pick kernels. A
-    checkpoint records it; a resume under other values goes on, but not bit for bit as the
-    uninterrupted run would, and says so.
-
-    >>> sorted(numerics(Device.parse("cpu")))
-    ['FORGE_CPU_GEMM', 'cpu_kernels', 'device']
-    """
-    dev = Device.parse(device) if isinstance(device, str) else device
-    out = {"device": dev.type}
-    if dev.type == "cpu":
-        from .backends.cpu import native
-        out["cpu_kernels"] = "c" if native.lib() is not None else "numpy"
-    else:
-        from .backends import get as backend
-        name = getattr(backend(dev), "device_name", None)
-        if name is not None:
-            out["device"] = f"{dev.type} ({name()})"
-    for k in _NUMERIC_SWITCHES.get(dev.type, ()):
-        out[k] = flags.get(k)
-    return out
 
 
 def numerics_changed(was: Optional[dict], now: dict) -> list:

@@ -290,7 +290,8 @@ must have them (where arrays are host memory, ops read the values and call the p
 weight_decay, scalars, p_lowp=None)``, ``clip_scale(sumsq, check, scalars, max_norm,
 grad_scale)``."""
 OPTIONAL = ("capture_graph", "select", "start", "release_cached", "adamw_update_many",
-            "sumsq_many", "adamw_update_many_at", "sumsq_total", "decode_gpt2", "decode_gpt2_ok")
+            "sumsq_many", "adamw_update_many_at", "sumsq_total", "decode_gpt2", "decode_gpt2_ok",
+            "numerics")
 """Members only some backends have: ``capture_graph(fn, run_first=False)`` where ``graphs``;
 ``select(index)`` makes device ``index`` current (several devices of one type); ``start()``
 runs once at load (the CPU backend's malloc tuning); ``release_cached()`` gives memory the
@@ -304,7 +305,10 @@ step whose values live in device memory, where each launch costs (``ops.adamw_up
 with ``scalars``, ``ops.sumsq_total``);
 ``decode_gpt2(...)`` and ``decode_gpt2_ok(dtype, n_embd, n_head, cache_len, batch)``: GPT-2's
 whole decoding step for one row as one call (``ops.decode_gpt2``; elsewhere
-``GPT2.decode_step`` runs it op by op)."""
+``GPT2.decode_step`` runs it op by op); ``numerics()``: a dict of what decides the backend's
+arithmetic besides an op's inputs (the CPU's kernels, a GPU's name, the switches that pick
+kernels), which training checkpoints record so that a resume under others is said
+(``tensor.device_numerics``)."""
 
 
 def missing(module) -> list:

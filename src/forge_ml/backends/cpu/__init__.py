@@ -63,8 +63,8 @@ __all__ = ["NAME", "BF16", "GRAPHS", "HOST_MEMORY", "start", "reference",
            "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add",
            "decode_attention", "greedy_next",
            "linear_cross_entropy", "scale",
-           # optional: the optimizer's step in one call
-           "adamw_update_many", "sumsq_many"]
+           # optional: the optimizer's step in one call; what decides the arithmetic
+           "adamw_update_many", "sumsq_many", "numerics"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +94,14 @@ def start() -> None:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     mallopt(_M_MMAP_THRESHOLD, 32 << 20)
     mallopt(_M_TRIM_THRESHOLD, 256 << 20)
+
+
+def numerics() -> dict:
+    """What decides this backend's arithmetic besides an op's inputs: the kernels that run (the
+    C kernels, or NumPy's where they do not build or FORGE_CPU_KERNELS=numpy) and how float32
+    products are shared out (FORGE_CPU_GEMM). Training checkpoints record it."""
+    return {"cpu_kernels": "c" if _native.lib() is not None else "numpy",
+            "FORGE_CPU_GEMM": flags.get("FORGE_CPU_GEMM")}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -65,6 +65,20 @@ from .runtime import (_pdl_wrote, compile_source, device_name, kernel_source, se
                       synchronize, use_device)
 from .sampling import greedy_next, sample_next
 
+# the switches that pick a training step's kernels (or the order of their sums)
+_NUMERIC_SWITCHES = ("FORGE_ATTENTION", "FORGE_FUSED_LOSS", "FORGE_TRAIN_GRAPH",
+                     "FORGE_WGMMA_ATTENTION", "FORGE_WGMMA_BWD_SHARED", "FORGE_WGMMA_ROWS",
+                     "FORGE_CUBLASLT", "FORGE_GEMM_TUNE", "FORGE_BIAS_SUMS")
+
+
+def numerics() -> dict:
+    """What decides this backend's arithmetic besides an op's inputs: the GPU (its kernels and
+    cuBLAS's choices differ by model) and the switches that pick kernels. Training
+    checkpoints record it."""
+    from ... import flags
+    return dict({"gpu": device_name()}, **{k: flags.get(k) for k in _NUMERIC_SWITCHES})
+
+
 NAME = "cuda"
 BF16 = _runtime.BF16 is not None   # bfloat16 storage: CuPy can hold it (ml_dtypes)
 GRAPHS = True                      # capture_graph
@@ -86,7 +100,7 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     "decode_attention", "greedy_next", "sample_next",
     "linear_cross_entropy", "scale",
     "dropout_at", "adamw_update_at", "clip_scale", "decode_gpt2", "decode_gpt2_ok",
-    "adamw_update_many_at", "sumsq_total",
+    "adamw_update_many_at", "sumsq_total", "numerics",
     # private, for the GPU tests and benchmarks
     "_attention_composed", "_attention_bwd_composed", "_flash_wanted", "_qkv_flash_ok",
     "_pdl_wrote", "_attention_flash_hopper", "_qkv_flash_fwd_hopper", "_hopper_ok",
