@@ -318,6 +318,9 @@ def test_sample_generation_options(trained, capsys):
     assert len(table) == 6 and all(len(r.split("|")) == 2 for r in table)
     lps = [float(r.split()[1]) for r in table]
     assert all(lp <= 0 for lp in lps)
+    assert main(base + ["--temperature", "0", "--logprobs", "0"]) == 0   # no alternatives: none said
+    head, rows = capsys.readouterr().out.split("--- log-probabilities")[1].split("\n", 1)
+    assert "most likely" not in head and all(r == r.rstrip() for r in rows.splitlines()), (head, rows)
     assert main(base + ["--num-beams", "3", "--num-return-sequences", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- sequence") == 2 and out.count("to be") == 2

@@ -219,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="divide the logits of tokens already in the context by R (> 1 discourages "
                         "repeats; 1 is off, the default)")
     s.add_argument("--logprobs", type=int, metavar="N", default=None,
-                   help="after the text, each token's log-probability and the N most likely alternatives")
+                   help="after the text, each token's log-probability and the N most likely alternatives "
+                        "(of the distribution drawn from: at --temperature and --repetition-penalty, "
+                        "before top-k, top-p and min-p)")
     s.add_argument("--num-beams", type=int, metavar="K", default=None,
                    help="beam search with K beams (deterministic; ignores temperature, top-k, top-p, min-p; "
                         "no repetition penalty)")
@@ -665,11 +667,12 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int) -> None:
                     out.write(detok(e.token))
                     out.flush()
         out.write(detok.flush() + "\n")
-        out.write(f"--- log-probabilities: token, its log-probability, the {args.logprobs} most likely ---\n")
+        most = f", the {args.logprobs} most likely" if args.logprobs else ""
+        out.write(f"--- log-probabilities: token, its log-probability{most} ---\n")
         for e in events:
             text = lambda i: tok.decode([i]) if i < tok.vocab_size else f"<id {i}>"   # noqa: E731
             alts = " | ".join(f"{text(i)!r} {lp:.3f}" for i, lp in (e.top_logprobs or ()))
-            out.write(f"{text(e.token)!r:>16} {e.logprob:9.3f}   {alts}\n")
+            out.write(f"{text(e.token)!r:>16} {e.logprob:9.3f}" + (f"   {alts}" if alts else "") + "\n")
         out.flush()
         return
     for t in stream_tokens(model, ids, args.max_new_tokens, stop_tokens=stop, **kw):
