@@ -95,7 +95,7 @@ def main(argv=None):
 
     run_forge()      # warm-up: compile, cuBLAS handles
     if "fused" in paths:
-        run_forge(fused=True)
+        run_forge(fused="on")
     if "layers" in paths:
         run_forge(fused="layers")
     if "hf" in paths:
@@ -106,24 +106,17 @@ def main(argv=None):
     print(f"GPT-2 124M batch-1 greedy generation, {a.dtype}, prompt {a.prompt_len}, {n} new tokens")
     print(f"forge-ml:      {n / tf:9.1f} tok/s  (the default path: FORGE_FUSED_DECODE="
           f"{flags.get('FORGE_FUSED_DECODE')}, in a CUDA graph)")
-    if "perop" in paths:
-        tk = min(run_forge(fused="off")[0] for _ in range(a.repeats))
-        _, ko = run_forge(fused="off")
-        same_k = next((i for i, (x, y) in enumerate(zip(fo, ko)) if x != y), len(fo))
-        print(f"forge-ml, kernel per op: {n / tk:9.1f} tok/s  (FORGE_FUSED_DECODE=off, ~60 kernels a "
-              f"step in a CUDA graph; tokens agree with the default's for the first {same_k})")
-    if "fused" in paths:
-        tl = min(run_forge(fused=True)[0] for _ in range(a.repeats))
-        _, lo = run_forge(fused=True)
-        same_l = next((i for i, (x, y) in enumerate(zip(fo, lo)) if x != y), len(fo))
-        print(f"forge-ml, one kernel a step: {n / tl:9.1f} tok/s  (FORGE_FUSED_DECODE=on, "
-              f"decode_model.cu; tokens agree with the default's for the first {same_l})")
-    if "layers" in paths:
-        tl = min(run_forge(fused="layers")[0] for _ in range(a.repeats))
-        _, lo = run_forge(fused="layers")
-        same_l = next((i for i, (x, y) in enumerate(zip(fo, lo)) if x != y), len(fo))
-        print(f"forge-ml, two kernels a layer: {n / tl:9.1f} tok/s  (FORGE_FUSED_DECODE=layers, "
-              f"decode_layers.cu; tokens agree with the default's for the first {same_l})")
+    def other(path, fused, what):   # another forge-ml path against the default's tokens
+        if path in paths:
+            t = min(run_forge(fused=fused)[0] for _ in range(a.repeats))
+            _, got = run_forge(fused=fused)
+            same = next((i for i, (x, y) in enumerate(zip(fo, got)) if x != y), len(fo))
+            print(f"forge-ml, {what[0]}: {n / t:9.1f} tok/s  ({what[1]}; tokens agree with the "
+                  f"default's for the first {same})")
+
+    other("perop", "off", ("kernel per op", "FORGE_FUSED_DECODE=off, ~60 kernels a step in a CUDA graph"))
+    other("fused", "on", ("one kernel a step", "FORGE_FUSED_DECODE=on, decode_model.cu"))
+    other("layers", "layers", ("two kernels a layer", "FORGE_FUSED_DECODE=layers, decode_layers.cu"))
     if "nograph" in paths:
         te = min(run_forge(graph=False, fused="off")[0] for _ in range(a.repeats))
         print(f"forge-ml, no graph: {n / te:9.1f} tok/s  (decoding step op by op)")

@@ -89,7 +89,8 @@ FORGE_D float dl_sum_rows(const float* P, int S, int C, int c) {
 // six (S = 12). The sum's order is dl_sum_rows': row s into accumulator s % 8, in order, then
 // the accumulators 0..7, then base + bias + that: the same bits.
 template <typename T>
-FORGE_D void dl_gather(float* xs, const float* base, const T* bias, const float* P, int S, int C) {
+FORGE_D void dl_gather_rows(float* xs, const float* base, const T* bias, const float* P, int S,
+                            int C) {
     const float4* P4 = reinterpret_cast<const float4*>(P);
     const int G = C / 4;
     for (int g = threadIdx.x; g < G; g += DL_THREADS) {
@@ -119,6 +120,19 @@ FORGE_D void dl_gather(float* xs, const float* base, const T* bias, const float*
         xs[c + 1] = b.y + ldf(bias[c + 1]) + a.y;
         xs[c + 2] = b.z + ldf(bias[c + 2]) + a.z;
         xs[c + 3] = b.w + ldf(bias[c + 3]) + a.w;
+    }
+}
+
+// dl_gather_rows into xs, then each thread's x[i] = xs[tid + i * DL_THREADS] (0 past C)
+template <typename T>
+FORGE_D void dl_gather(float (&x)[DL_XPT], float* xs, const float* base, const T* bias,
+                       const float* P, int S, int C) {
+    dl_gather_rows<T>(xs, base, bias, P, S, C);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < DL_XPT; ++i) {
+        const int c = threadIdx.x + i * DL_THREADS;
+        x[i] = c < C ? xs[c] : 0.f;
     }
 }
 
@@ -241,13 +255,7 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
             x[i] = c < C ? ldf(wte[(long long)id * C + c]) + ldf(wpe[(long long)pos * C + c]) : 0.f;
         }
     } else {
-        dl_gather<T>(xf, xres, bprev, partB, SB, C);
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < DL_XPT; ++i) {
-            const int c = tid + i * DL_THREADS;
-            x[i] = c < C ? xf[c] : 0.f;
-        }
+        dl_gather<T>(x, xf, xres, bprev, partB, SB, C);
     }
 #pragma unroll
     for (int i = 0; i < DL_XPT; ++i) {
@@ -498,13 +506,7 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
     pdl_launch_dependents();
     // 2. x' and its layernorm
     float x[DL_XPT];
-    dl_gather<T>(xs, xa, bproj, partA, H, C);
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < DL_XPT; ++i) {
-        const int c = tid + i * DL_THREADS;
-        x[i] = c < C ? xs[c] : 0.f;
-    }
+    dl_gather<T>(x, xs, xa, bproj, partA, H, C);
     if (b == 0) {
 #pragma unroll
         for (int i = 0; i < DL_XPT; ++i)
