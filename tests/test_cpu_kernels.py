@@ -597,13 +597,8 @@ def test_corrupt_cached_library_is_rebuilt(tmp_path, damage):
 
 def test_corrupt_cached_library_that_cannot_be_rebuilt_warns_once(tmp_path):
     """The rebuild fails too (the compiler now refuses): NumPy runs, with one warning."""
-    real = native.compiler()
-    if real is None:
-        pytest.skip("no C compiler on this machine")
-    cc = tmp_path / "cc-wrapper"
-    cc.write_text(f'#!/bin/sh\nif [ -n "$REFUSE" ] && [ "$1" != "--version" ]; then\n'
-                  f'  echo "cc-wrapper: refusing" >&2; exit 1\nfi\nexec {real} "$@"\n')
-    cc.chmod(0o755)
+    cc = _wrapper(tmp_path, 'if [ -n "$REFUSE" ] && [ "$1" != "--version" ]; then\n'
+                            '  echo "cc-wrapper: refusing" >&2; exit 1\nfi')
     cache = tmp_path / "cache"
     r = _fresh(_GELU_CHECK, CC=str(cc), FORGE_CACHE_DIR=str(cache), FORGE_CPU_KERNELS="c")
     assert r.returncode == 0 and r.stdout.startswith("lib"), r.stderr
@@ -627,6 +622,15 @@ def _wrapper(tmp_path, body):
                   f'echo "$*" >> "$LOG"\n{body}\nexec "$REAL" "$@"\n')
     cc.chmod(0o755)
     return cc
+
+
+def test_cc_with_an_unclosed_quote_warns(tmp_path):
+    """CC="gcc 'x" raised shlex's ValueError from the first kernel, a traceback; now the
+    compiler 'cannot run' and NumPy runs, with one warning, as for any compiler that fails."""
+    r = _fresh(_GELU_CHECK, CC="gcc 'x", FORGE_CACHE_DIR=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("numpy") and "cannot run" in r.stdout
+    assert r.stderr.count("C CPU kernels are unavailable") == 1
 
 
 def test_cc_may_be_a_command_line(tmp_path):

@@ -224,6 +224,62 @@ def test_a_deleted_lock_file_does_not_let_a_second_trainer_in(workdir, capsys):
     assert main(["train", "--out", "r", "--resume", "--max-steps", "3", "--no-progress"]) == 0
 
 
+def test_notebook_reruns_an_old_trainer_a_dropped_one_and_the_plot_backend(workdir):
+    """From a notebook user's test: an older Trainer object trained again after a newer one had
+    taken the run further rolled its checkpoint back (and logged its steps twice), and so did
+    its save(); a Trainer dropped without close() kept the folder locked until the kernel
+    restarted (the folder's own descriptor was never closed); plot() switched matplotlib to
+    Agg for the whole process (a notebook's inline plots stopped)."""
+    import gc
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("svg")
+    old = Trainer(_cfg("r", max_steps=8), log=None)
+    old.train(until=4)
+    assert matplotlib.get_backend() == "svg"
+    newer = Trainer(_cfg("r", max_steps=8), log=None, resume=True)
+    with pytest.raises(RunError, match="a Trainer of this process: close"):
+        Trainer(_cfg("r", max_steps=8), log=None, resume=True)
+    newer.train()
+    before = _snapshot("r")
+    with pytest.raises(RunError, match="moved on since this Trainer last held it .its checkpoint is now "
+                                       "at step 8; this Trainer is at step 4"):
+        old.train(until=6)
+    with pytest.raises(RunError, match="moved on"):
+        old.save()
+    assert _snapshot("r") == before
+    assert newer.train(until=8)["step"] == 8           # its own checkpoint: no complaint
+    with pytest.raises(ConfigError, match="log must be a function"):   # before data/ is written
+        Trainer(_cfg("r3", max_steps=2), log="yes")
+    assert not Path("r3").exists()
+    held = Trainer(_cfg("r2", max_steps=2), log=None)  # built, never trained, then dropped
+    del held
+    gc.collect()
+    assert Trainer(_cfg("r2", max_steps=2), log=None, overwrite=True).train()["step"] == 2
+
+
+def test_a_broken_pipe_in_a_log_function_stops_that_run_only(workdir):
+    """From a notebook user's test: a BrokenPipeError from a log function of the user's replaced
+    sys.stdout with /dev/null for good (every later print vanished) and left the Trainer
+    unable to train (each later train() stopped at once)."""
+    from forge_ml.train import Interrupted
+    lines, broken = [], [True]
+
+    def log(msg):
+        if broken[0] and msg.startswith("step"):
+            broken[0] = False
+            raise BrokenPipeError(32, "Broken pipe")
+        lines.append(msg)
+    stdout = sys.stdout
+    t = Trainer(_cfg("r", max_steps=6, log_interval=1), log=log)
+    with pytest.raises(Interrupted):
+        t.train()
+    assert sys.stdout is stdout
+    stopped = t.step
+    assert 1 <= stopped < 6
+    assert t.train()["step"] == 6                      # the next call trains on
+    t.close()
+
+
 def test_a_dead_trainers_lock_is_not_stale(workdir, capsys):
     Path("r").mkdir()
     code = ("import fcntl, os, sys, time\n"
@@ -1392,6 +1448,11 @@ def test_keep_best_is_this_folders_only(workdir, capsys):
         assert _snapshot(f"a/{name}.old") == kept and not Path(f"a/{name}").exists()
         os.rename(f"a/{name}.old", f"a/{name}")
     assert main(["train", "--out", "a", "--resume", "--max-steps", "5"]) == 0
+    # a run folder moved as a whole: its best/ names the old folder, its checkpoint the run
+    os.rename("a", "moved")
+    assert main(["train", "--data", "t.txt", "--out", "moved", *TINY, *keep, "--max-steps", "2",
+                 "--overwrite"]) == 0
+    assert not Path("moved/best").exists()                     # the earlier run's, removed
 
 
 def test_a_hangup_or_a_closed_stdout_stops_the_run_with_a_checkpoint(workdir):

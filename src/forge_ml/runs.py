@@ -172,8 +172,9 @@ class RunLock:
             return
         try:
             dir_fd = os.open(self.folder, os.O_RDONLY)
-        except OSError as e:
-            raise RunError(cannot_write(self.folder, e)) from None
+        except OSError:      # a folder this user may write but not list: the lock file alone
+            self._lock_file(fcntl)
+            return
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -191,8 +192,11 @@ class RunLock:
                 holder = (self.path.read_text(errors="replace")[:400].strip().splitlines() or [""])[0]
             except OSError:
                 pass
+            mine = holder.startswith(f"pid {os.getpid()} ")
             raise RunError(f"{self.folder} is in use by another trainer ({holder or 'holder unknown'}); "
-                           f"wait for it to finish, stop it, or choose another --out") from None
+                           + ("it is a Trainer of this process: close() it, or make Trainers with "
+                              "`with Trainer(...) as t:`" if mine else
+                              "wait for it to finish, stop it, or choose another --out")) from None
         self._dir_fd = dir_fd
         try:
             self._lock_file(fcntl)
@@ -261,6 +265,14 @@ class RunLock:
             self.release(undo=True)  # the lock file and the folders made for it
             raise RunError(cannot_write(self.path, e)) from None
         self._f = f
+
+    def __del__(self):
+        # a Trainer dropped without close() (a notebook cell run again) lets the folder go
+        # when it is collected: the folder's descriptor is a raw one, not a file object
+        try:
+            self.release()
+        except Exception:
+            pass
 
     def release(self, undo: bool = False) -> None:
         """Drop the lock. ``undo``: also remove the lock file and the folders that

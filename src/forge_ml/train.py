@@ -423,6 +423,9 @@ class Trainer:
             config = TrainConfig.from_dict(config)
         cfg = self.cfg = config
         flags.check_environment()   # a bad FORGE_* value fails here, not after the run
+        if log is not None and not callable(log):   # before data/ is written, not after
+            raise ConfigError(f"Trainer: log must be a function of one line (print, a list's "
+                              f"append) or None, got {type(log).__name__} {log!r:.40}")
         self._log = log
         self._bar = None
         self._stop: Optional[int] = None   # the signal that asked to stop
@@ -469,10 +472,28 @@ class Trainer:
             self.lock.release(undo=True)
             raise
         self.lock._made = []  # the folder is the run's now
+        self._ckpt_seen = _ckpt_id(self.ckpt_dir)   # the checkpoint as this object knows it
 
     def close(self) -> None:
         """Release the run folder (``train()`` does when it returns)."""
         self.lock.release()
+
+    def _hold_folder(self) -> None:
+        """Take the run folder again (train() or save() after it was released), refusing when
+        it has moved on meanwhile: an older Trainer object, run again in a notebook after a
+        newer one trained the run further, rolled its checkpoint back and logged its steps
+        twice."""
+        if self.lock.held:
+            return
+        self.lock.acquire()
+        now = _ckpt_id(self.ckpt_dir)
+        if now != self._ckpt_seen:
+            self.lock.release()
+            where = (f"its checkpoint is now at step {now[1]}" if now is not None
+                     else "its checkpoint is gone")
+            raise RunError(f"the run in {self.out_dir} has moved on since this Trainer last held it "
+                           f"({where}; this Trainer is at step {self.step}); make a new one with "
+                           f"resume=True (forge-ml train --resume)")
 
     def __enter__(self):
         return self
@@ -657,17 +678,25 @@ class Trainer:
 
     def _kept_here(self, meta: Optional[dict] = None) -> bool:
         """Whether best/ (its ``meta``, else read) holds a model that keep_best kept for a run
-        in this folder: a run id, and this folder as its source (a conversion written there
-        has no run id; another run's best moved here names its own folder)."""
+        in this folder: a run id, and this folder as its source or the run id of the folder's
+        checkpoint (a folder moved as a whole). A conversion written there has no run id;
+        another run's best moved here names its own folder and run."""
+        def meta_of(d):
+            try:
+                m = json.loads((self.out_dir / d / "state.json").read_text()).get("meta")
+            except (OSError, ValueError, AttributeError):
+                return None
+            return m if isinstance(m, dict) else None
         if meta is None:
             if not is_checkpoint_dir(self.out_dir / BEST_NAME, "forge-ml-model"):
                 return False
-            try:
-                meta = json.loads((self.out_dir / BEST_NAME / "state.json").read_text()).get("meta")
-            except (OSError, ValueError, AttributeError):
-                return False
-        return (isinstance(meta, dict) and bool(meta.get("run_id"))
-                and meta.get("source") == str(self.out_dir.resolve()))
+            meta = meta_of(BEST_NAME)
+        if not (isinstance(meta, dict) and meta.get("run_id")):
+            return False
+        if meta.get("source") == str(self.out_dir.resolve()):
+            return True
+        ckpt = meta_of(CKPT_NAME)
+        return ckpt is not None and ckpt.get("run_id") == meta["run_id"]
 
     def _best_before(self, best_meta: dict, step) -> Optional[float]:
         """The lowest val loss a resumed run goes on from: best/'s, unless best/ was kept at a
@@ -1051,9 +1080,10 @@ class Trainer:
     def _say(self, msg: str) -> None:
         if self._log is None:
             return
+        to_stdout = self._log is print
         try:
-            if self._bar is not None:
-                self._bar.write(msg)
+            if self._bar is not None and to_stdout:   # (a log function of the user's gets
+                self._bar.write(msg)                  # every line, bar or not)
             else:
                 self._log(msg)
         except BrokenPipeError:
@@ -1061,9 +1091,11 @@ class Trainer:
             # boundary with a checkpoint, as on SIGPIPE's default, but nothing trained is lost
             # (the pipe's end was taken for a finished run, exit 0, the steps since the last
             # checkpoint lost)
-            self._pipe_closed = True
             if self._stop is None:
                 self._stop = signal.SIGPIPE
+            if not to_stdout:
+                return      # a log function of the user's: this run stops; stdout is not touched
+            self._pipe_closed = True
             try:
                 sys.stdout = open(os.devnull, "w")
             except OSError:
@@ -1356,10 +1388,16 @@ class Trainer:
         """Write the checkpoint of the current step to ``<out_dir>/ckpt`` (atomically). A
         failed write (full disk, read-only folder) keeps the previous checkpoint and raises a
         one-line CheckpointError that says so."""
-        self._unstage()       # the loader's state is saved as of this step
-        self._flush_log(quiet=True)   # a record the captured step held back (the checkpoint
-                                      # matters more: a failed write raises at the next one)
-        return self._write_checkpoint(self._masters(), self.opt.state_dict())
+        held = self.lock.held
+        self._hold_folder()    # never beside another Trainer of the folder
+        try:
+            self._unstage()       # the loader's state is saved as of this step
+            self._flush_log(quiet=True)   # a record the captured step held back (the
+                                          # checkpoint matters more: a failed write raises at the next one)
+            return self._write_checkpoint(self._masters(), self.opt.state_dict())
+        finally:
+            if not held:
+                self.lock.release()
 
     def _write_checkpoint(self, masters: dict, opt_state: dict) -> Path:
         """``save`` from host arrays: ``masters`` name -> float32 array, ``opt_state``
@@ -1385,6 +1423,7 @@ class Trainer:
             "val_kind": self.val_kind,
         }
         self._save(self.ckpt_dir, tensors, meta)
+        self._ckpt_seen = _ckpt_id(self.ckpt_dir)
         self.last_ckpt_step = self.step
         return self.ckpt_dir
 
@@ -1452,7 +1491,7 @@ class Trainer:
         with a checkpoint of that step and raise ``Interrupted``. The run folder is released
         when this returns or raises.
         """
-        self.lock.acquire()
+        self._hold_folder()
         self._stop = signal.SIGPIPE if self._pipe_closed else None
         old = self._install_handlers()
         try:
@@ -1639,10 +1678,9 @@ class Trainer:
     def plot(self) -> Optional[Path]:
         """Draw ``loss.png`` (train loss per step, val loss points) from the log; returns its
         path, or None when matplotlib is missing or the file cannot be written (a warning)."""
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+        try:   # a Figure on its own canvas: pyplot's backend (a notebook's inline one) untouched
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
         except ImportError:
             return None
         records, _ = read_log(self.log_path)
@@ -1651,7 +1689,9 @@ class Trainer:
                    and r.get("val_kind") not in FINAL_VAL_KINDS]
         full = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r and r.get("val_kind") == "full"]
         capped = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r and r.get("val_kind") == "capped"]
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig = Figure(figsize=(7, 4))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
         if train:
             ax.plot(*zip(*train), lw=0.8, label="train")
         if sampled:
@@ -1674,9 +1714,17 @@ class Trainer:
         except OSError as e:
             self._say(f"warning: {cannot_write(path, e)}; the checkpoint and log are saved")
             return None
-        finally:
-            plt.close(fig)
         return path
+
+
+def _ckpt_id(folder: Path):
+    """``(model file sha256, step)`` of the checkpoint in ``folder`` as its state.json says,
+    or None where there is none (a Trainer tells its own checkpoint from a newer one so)."""
+    try:
+        state = json.loads((folder / "state.json").read_text())
+        return state["model_file"]["sha256"], state["meta"].get("step")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 DIGEST_MAX_BYTES = 2 << 30   # a shard folder up to this size gets a token digest (about 1 s a GB)
