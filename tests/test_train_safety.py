@@ -248,6 +248,11 @@ def test_notebook_reruns_an_old_trainer_a_dropped_one_and_the_plot_backend(workd
         old.save()
     assert _snapshot("r") == before
     assert newer.train(until=8)["step"] == 8           # its own checkpoint: no complaint
+    for bad in (-1, "5", 2.5):
+        with pytest.raises(ConfigError, match="until must be an integer >= 0"):
+            newer.train(until=bad)
+    with pytest.raises(ConfigError, match="n_tokens must be an integer >= 0"):
+        newer.sample(n_tokens=-1)
     with pytest.raises(ConfigError, match="log must be a function"):   # before data/ is written
         Trainer(_cfg("r3", max_steps=2), log="yes")
     assert not Path("r3").exists()

@@ -55,6 +55,7 @@ import hashlib
 import uuid
 import io
 import json
+import numbers
 import math
 import os
 import signal
@@ -1369,7 +1370,7 @@ class Trainer:
 
     def sample(self, n_tokens: Optional[int] = None, prompt: Optional[str] = None, seed: int = 0) -> str:
         """Text the model writes after ``prompt`` (default: the config's, or a newline)."""
-        n_tokens = self.cfg.sample_tokens if n_tokens is None else n_tokens
+        n_tokens = self.cfg.sample_tokens if n_tokens is None else _count("sample", "n_tokens", n_tokens)
         prompt = self.cfg.sample_prompt if prompt is None else prompt
         tok = self.tokenizer
         if prompt:
@@ -1491,6 +1492,8 @@ class Trainer:
         with a checkpoint of that step and raise ``Interrupted``. The run folder is released
         when this returns or raises.
         """
+        if until is not None:
+            until = _count("train", "until", until)   # not after taking the folder
         self._hold_folder()
         self._stop = signal.SIGPIPE if self._pipe_closed else None
         old = self._install_handlers()
@@ -1715,6 +1718,19 @@ class Trainer:
             self._say(f"warning: {cannot_write(path, e)}; the checkpoint and log are saved")
             return None
         return path
+
+
+def _count(what: str, name: str, v) -> int:
+    """``v`` as a count (an int >= 0, a NumPy integer included), else a ConfigError.
+
+    >>> _count("train", "until", -1)
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: train: until must be an integer >= 0, got -1
+    """
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+        raise ConfigError(f"{what}: {name} must be an integer >= 0, got {v!r:.40}")
+    return int(v)
 
 
 def _ckpt_id(folder: Path):
