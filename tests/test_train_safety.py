@@ -281,7 +281,9 @@ def test_a_broken_pipe_in_a_log_function_stops_that_run_only(workdir):
     assert sys.stdout is stdout
     stopped = t.step
     assert 1 <= stopped < 6
-    assert t.train()["step"] == 6                      # the next call trains on
+    summary = t.train()
+    assert summary["step"] == 6                        # the next call trains on
+    assert len(summary["losses"]) == 6 - stopped       # the losses of this call, as documented
     t.close()
 
 

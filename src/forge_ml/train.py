@@ -453,7 +453,7 @@ class Trainer:
         self.step = 0
         self.elapsed = 0.0          # training seconds before this process (from the checkpoint)
         self.last_ckpt_step = None
-        self.losses: list = []        # this process's per-step training losses
+        self.losses: list = []        # the per-step training losses of this object's train() calls
         self._unlogged: list = []   # log records a failed write did not land, and where the log
         self._log_end: Optional[int] = None  # ended before it (``_write_log``)
         self.val_loss: Optional[float] = None
@@ -1526,6 +1526,7 @@ class Trainer:
                   f"out {self.out_dir}")
         self._bar = self._make_bar(until)
         first = self.step
+        self._call_losses = len(self.losses)   # where this call's losses begin
         try:
             if self._eval_due and self.step < until:
                 self._eval_due = False
@@ -1589,7 +1590,8 @@ class Trainer:
         self._say(f"done: step {self.step}, val loss {self.val_loss:.4f} ({_val_words(self.val_kind)}); "
                   f"checkpoint {self.ckpt_dir}" + (f"; loss curve {plot}" if plot else ""))
         return {"step": self.step, "loss": self.losses[-1] if self.losses else None,
-                "val_loss": self.val_loss, "val_kind": self.val_kind, "losses": list(self.losses),
+                "val_loss": self.val_loss, "val_kind": self.val_kind,
+                "losses": self.losses[getattr(self, "_call_losses", 0):],   # of this call (as documented)
                 "checkpoint": str(self.ckpt_dir)}
 
     def _eval_and_log(self, full: bool) -> None:
