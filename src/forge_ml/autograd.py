@@ -15,7 +15,6 @@ serves every backend). Recording order is a topological order: no sort is needed
 """
 from __future__ import annotations
 
-import numbers
 from typing import Callable, Optional
 
 from . import flags, ops
@@ -507,8 +506,7 @@ class Tape:
         ([0.0, 0.0, 0.0, 2.0, 0.0], [0.0, 1.0, 1.0, 0.0])
         """
         self._check(wte, wpe)
-        if isinstance(pos, numbers.Integral) and not isinstance(pos, bool):
-            pos = int(pos)          # a NumPy integer
+        pos = ops._as_int(pos)      # a NumPy integer as the int it is (the ops' own rule)
         if self.records and not isinstance(pos, int):
             raise TapeError(f"embedding: the tape takes an int position, got {type(pos).__name__} "
                             "(a device position is for inference: ops.embedding, or a "

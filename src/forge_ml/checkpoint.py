@@ -301,6 +301,31 @@ def _write_error(path: Path, e: OSError) -> CheckpointError:
     return CheckpointError(f"cannot write {path}: {e.strerror or e}{where}; {kept}")
 
 
+def flock_file(path: Path, mode: int = 0o666, follow: bool = True):
+    """A descriptor of the file at ``path`` (made with ``mode`` if missing) that holds its
+    exclusive flock, or None while another holds it. The file locked is the one at ``path``
+    when this returns (a holder that removes its lock file on release leaves the next locker
+    an unlinked one: it opens the path again). ``follow=False`` opens no link. Other failures
+    (of the open, or of flock itself) raise their OSError; POSIX only (fcntl)."""
+    import fcntl
+    flags = os.O_RDWR | os.O_CREAT | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
+    while True:
+        fd = os.open(path, flags, mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                return None
+            raise
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
 WRITE_LOCK_WAIT = 120.0
 """Seconds a writer waits for another process writing the same folder before it gives up."""
 
@@ -313,7 +338,7 @@ def _write_lock(path: Path, what: str):
     ``<path>.tmp``, and could leave the folder empty. The second waits for the first, up to
     ``WRITE_LOCK_WAIT`` seconds. Where ``fcntl`` is missing (Windows) it locks nothing."""
     try:
-        import fcntl
+        import fcntl  # noqa: F401 (flock_file's)
     except ImportError:
         yield
         return
@@ -322,27 +347,12 @@ def _write_lock(path: Path, what: str):
         name = f".{hashlib.sha256(path.name.encode()).hexdigest()[:32]}.lock"
     lock = path.with_name(name)
     deadline = time.monotonic() + WRITE_LOCK_WAIT
-    while True:
-        # O_NOFOLLOW: a link planted at the lock's name is not followed (it made its target)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise
-            if time.monotonic() > deadline:
-                raise CheckpointError(f"cannot write {path}: another forge-ml process has been writing "
-                                      f"that {what} for {WRITE_LOCK_WAIT:.0f} s (its lock: {lock})") from None
-            time.sleep(0.05)
-            continue
-        try:   # the file locked must still be the one at the path (a releaser removes it)
-            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
+    # follow=False: a link planted at the lock's name is not followed (it made its target)
+    while (fd := flock_file(lock, 0o644, follow=False)) is None:
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"cannot write {path}: another forge-ml process has been writing "
+                                  f"that {what} for {WRITE_LOCK_WAIT:.0f} s (its lock: {lock})")
+        time.sleep(0.05)
     try:
         yield
     finally:
@@ -385,42 +395,35 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder"):
     if not path.name:
         raise CheckpointError(f"cannot write {path}: expected a path to a folder, not the filesystem root")
     files = None if files is None else frozenset(files)
-    tmp, _ = _side_paths(path)
+    tmp, old = _side_paths(path)
+    made = False
     try:
         # (where the parent is new, nothing is at the path or beside it: the check below
         # refuses nothing that this mkdir made)
         path.parent.mkdir(parents=True, exist_ok=True)
-        lock = _write_lock(path, what)
-        lock.__enter__()
+        with _write_lock(path, what):
+            # under the lock: no other writer is midway through a swap at this path, and the
+            # scratch removed on failure is this writer's own
+            try:
+                _check_replaceable(path, files, marker, what)
+                _recover(path, files, marker)
+                if tmp.exists():
+                    shutil.rmtree(tmp)  # left by a save that crashed before its swap (checked: ours)
+                if os.path.lexists(old):
+                    _discard(old, tmp)  # stale: ``path`` exists (``_recover`` ran), so ``old`` is outdated
+                tmp.mkdir()
+                made = True
+                yield tmp
+                for f in tmp.iterdir():
+                    _fsync_path(f)
+                _fsync_path(tmp, directory=True)
+                _swap_in(tmp, path)
+            except BaseException:
+                if made:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
     except OSError as e:
         raise _write_error(path, e) from None
-    made = False
-    try:     # under the lock: no other writer is midway through a swap at this path, and the
-        # scratch removed on failure is this writer's own
-        _check_replaceable(path, files, marker, what)
-        _recover(path, files, marker)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a save that crashed before its swap (checked: ours)
-        if os.path.lexists(_side_paths(path)[1]):
-            # stale: ``path`` exists (``_recover`` ran), so ``<path>.old`` is outdated
-            _discard(_side_paths(path)[1], tmp)
-        tmp.mkdir()
-        made = True
-        yield tmp
-        for f in tmp.iterdir():
-            _fsync_path(f)
-        _fsync_path(tmp, directory=True)
-        _swap_in(tmp, path)
-    except OSError as e:
-        if made:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise _write_error(path, e) from None
-    except BaseException:
-        if made:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        lock.__exit__(None, None, None)
 
 
 def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str = "output") -> Path:
@@ -545,6 +548,23 @@ def _check_tensors(tensors: dict) -> dict:
         # wrote the checkpoint then refused it)
         out[name] = np.require(a, requirements="C")
     return out
+
+
+def read_state(dir) -> dict | None:
+    """The ``state.json`` of the checkpoint in ``dir`` as a dict (its ``meta`` inside), without
+    reading the weights; None where there is none or it does not parse.
+
+    >>> import tempfile, os, numpy as np
+    >>> d = os.path.join(tempfile.mkdtemp(), "c")
+    >>> save_checkpoint(d, {"w": np.zeros(1, np.float32)}, {"step": 3})
+    >>> read_state(d)["meta"]["step"], read_state(os.path.dirname(d))
+    (3, None)
+    """
+    try:
+        state = json.loads((Path(dir) / STATE_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
 
 
 def is_checkpoint_dir(path, kind: str | None = None) -> bool:

@@ -833,13 +833,8 @@ def _cmd_prepare(args) -> int:
 
 def _kept_by_a_run(folder) -> bool:
     """Whether the model checkpoint in ``folder`` is one a trainer kept (its meta names a run)."""
-    import json
-
-    from .checkpoint import STATE_FILE
-    try:
-        meta = json.loads((Path(folder) / STATE_FILE).read_text()).get("meta")
-    except (OSError, ValueError, AttributeError):
-        return False
+    from .checkpoint import read_state
+    meta = (read_state(folder) or {}).get("meta")
     return isinstance(meta, dict) and bool(meta.get("run_id"))
 
 

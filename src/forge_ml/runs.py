@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .checkpoint import user_umask
+from .checkpoint import flock_file, user_umask
 from .errors import ForgeError
 
 LOCK_NAME = "train.lock"    # <out_dir>/train.lock: held (flock) by the trainer using the folder
@@ -173,7 +173,7 @@ class RunLock:
         try:
             dir_fd = os.open(self.folder, os.O_RDONLY)
         except OSError:      # a folder this user may write but not list: the lock file alone
-            self._lock_file(fcntl)
+            self._lock_file()
             return
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -184,22 +184,12 @@ class RunLock:
                 # a filesystem that cannot lock a folder opened for reading (NFS turns flock
                 # into a byte-range lock, which wants a descriptor open for writing: EBADF):
                 # the lock file alone guards the folder there, as it did before
-                self._dir_fd = None
-                self._lock_file(fcntl)
+                self._lock_file()
                 return
-            holder = ""
-            try:
-                holder = (self.path.read_text(errors="replace")[:400].strip().splitlines() or [""])[0]
-            except OSError:
-                pass
-            mine = holder.startswith(f"pid {os.getpid()} ")
-            raise RunError(f"{self.folder} is in use by another trainer ({holder or 'holder unknown'}); "
-                           + ("it is a Trainer of this process: close() it, or make Trainers with "
-                              "`with Trainer(...) as t:`" if mine else
-                              "wait for it to finish, stop it, or choose another --out")) from None
+            raise self._in_use() from None
         self._dir_fd = dir_fd
         try:
-            self._lock_file(fcntl)
+            self._lock_file()
         except BaseException:
             self._drop_dir_lock()
             raise
@@ -209,36 +199,31 @@ class RunLock:
             os.close(self._dir_fd)     # closing the descriptor drops the flock
             self._dir_fd = None
 
-    def _lock_file(self, fcntl) -> None:
+    def _in_use(self) -> RunError:
+        """The error for a folder another trainer holds, naming the holder its lock file names."""
+        holder = ""
+        try:
+            holder = (self.path.read_text(errors="replace")[:400].strip().splitlines() or [""])[0]
+        except OSError:
+            pass
+        mine = holder.startswith(f"pid {os.getpid()} ")
+        return RunError(f"{self.folder} is in use by another trainer ({holder or 'holder unknown'}); "
+                        + ("it is a Trainer of this process: close() it, or make Trainers with "
+                           "`with Trainer(...) as t:`" if mine else
+                           "wait for it to finish, stop it, or choose another --out"))
+
+    def _lock_file(self) -> None:
         """The lock file's flock, and the holder's line written into it."""
         if not self.path.exists():
             self._made.insert(0, self.path)
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-            except OSError as e:
-                raise RunError(cannot_write(self.path, e)) from None
-            f = os.fdopen(fd, "r+", encoding="utf-8")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                holder = ""
-                try:
-                    holder = (f.read(400).strip().splitlines() or [""])[0]
-                except (OSError, ValueError):
-                    pass
-                f.close()
-                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise RunError(f"cannot lock {self.path}: {e.strerror or e}") from None
-                raise RunError(f"{self.folder} is in use by another trainer ({holder or 'holder unknown'}); "
-                               f"wait for it to finish, stop it, or choose another --out") from None
-            try:  # the file we locked must still be the one at the path
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            f.close()
+        try:
+            fd = flock_file(self.path)
+        except OSError as e:     # the open names the file; flock itself does not
+            raise RunError(cannot_write(self.path, e) if e.filename else
+                           f"cannot lock {self.path}: {e.strerror or e}") from None
+        if fd is None:
+            raise self._in_use()
+        f = os.fdopen(fd, "r+", encoding="utf-8")
         try:
             was = f.read(400)
         except (OSError, ValueError):   # not text: not a lock line either

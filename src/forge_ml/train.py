@@ -72,7 +72,7 @@ from . import flags
 from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
 from .checkpoint import (check_architecture, check_checkpoint_target, is_checkpoint_dir, load_checkpoint,
-                         pack_tensors, save_checkpoint, unpack_tensors)
+                         pack_tensors, read_state, save_checkpoint, unpack_tensors)
 from .data import (DataLoader, ShardFolder, default_corpus, encode_array, is_shard_file, load_text, read_shard,
                    shard_folder, split_tokens, write_prepared)
 from .diagnose import CheckingTape
@@ -589,7 +589,7 @@ class Trainer:
             # or another run's best, was replaced, or taken as this run's lowest val loss)
             check_checkpoint_target(self.best_dir, "forge-ml-model")
             if is_checkpoint_dir(self.best_dir, "forge-ml-model"):
-                theirs = load_checkpoint(self.best_dir)[1]
+                theirs = read_state(self.best_dir)["meta"]   # the meta alone, not the weights
                 # --overwrite starts over from a keep_best model (a run id) of the run it
                 # replaces, and removes it (it refused every run that had kept one)
                 earlier = overwrite and not resume and self._kept_here(theirs)
@@ -683,10 +683,7 @@ class Trainer:
         checkpoint (a folder moved as a whole). A conversion written there has no run id;
         another run's best moved here names its own folder and run."""
         def meta_of(d):
-            try:
-                m = json.loads((self.out_dir / d / "state.json").read_text()).get("meta")
-            except (OSError, ValueError, AttributeError):
-                return None
+            m = (read_state(self.out_dir / d) or {}).get("meta")
             return m if isinstance(m, dict) else None
         if meta is None:
             if not is_checkpoint_dir(self.out_dir / BEST_NAME, "forge-ml-model"):
@@ -1526,7 +1523,7 @@ class Trainer:
                   f"out {self.out_dir}")
         self._bar = self._make_bar(until)
         first = self.step
-        self._call_losses = len(self.losses)   # where this call's losses begin
+        mine = len(self.losses)   # where this call's losses begin
         try:
             if self._eval_due and self.step < until:
                 self._eval_due = False
@@ -1591,7 +1588,7 @@ class Trainer:
                   f"checkpoint {self.ckpt_dir}" + (f"; loss curve {plot}" if plot else ""))
         return {"step": self.step, "loss": self.losses[-1] if self.losses else None,
                 "val_loss": self.val_loss, "val_kind": self.val_kind,
-                "losses": self.losses[getattr(self, "_call_losses", 0):],   # of this call (as documented)
+                "losses": self.losses[mine:],   # of this call (as documented)
                 "checkpoint": str(self.ckpt_dir)}
 
     def _eval_and_log(self, full: bool) -> None:
@@ -1738,10 +1735,10 @@ def _count(what: str, name: str, v) -> int:
 def _ckpt_id(folder: Path):
     """``(model file sha256, step)`` of the checkpoint in ``folder`` as its state.json says,
     or None where there is none (a Trainer tells its own checkpoint from a newer one so)."""
+    state = read_state(folder)
     try:
-        state = json.loads((folder / "state.json").read_text())
         return state["model_file"]["sha256"], state["meta"].get("step")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError):
         return None
 
 

@@ -278,23 +278,23 @@ def compiler() -> str | None:
     """
     cc = os.environ.get("CC")
     if cc:
-        if os.path.exists(cc):              # a program whose path holds a space
-            return cc
-        try:
-            words = shlex.split(cc)
-        except ValueError:                  # an unclosed quote: one name, which cannot run
-            return cc
+        words = _argv(cc)
         if not words:
             return None
-        return shlex.join([shutil.which(words[0]) or words[0], *words[1:]])
+        prog = shutil.which(words[0]) or words[0]
+        return prog if len(words) == 1 else shlex.join([prog, *words[1:]])
     return shutil.which("cc") or shutil.which("gcc")
 
 
 def _argv(cc: str) -> list:
-    """The compiler command ``compiler()`` gave, as the words to run."""
+    """A compiler command (``$CC``, or what ``compiler()`` gave) as the words to run: one
+    program whose path holds a space, else the words a shell would split it into (an unclosed
+    quote: one name, which then 'cannot run', not a traceback)."""
+    if os.path.exists(cc):
+        return [cc]
     try:
-        return [cc] if os.path.exists(cc) else shlex.split(cc)
-    except ValueError:                      # an unclosed quote: "cannot run", not a traceback
+        return shlex.split(cc)
+    except ValueError:
         return [cc]
 
 
