@@ -197,15 +197,45 @@ def test_an_error_in_the_loop_saves_the_steps_trained_and_the_resume_is_exact(te
     assert not (tmp_path / "c" / "ckpt").exists()
 
 
+def _vals(out):
+    return [(r["step"], r.get("val_kind"), r.get("best")) for r in
+            (json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()) if "val_loss" in r]
+
+
+def test_keep_best_survives_an_error_or_a_stop_at_an_evaluation(text_file, tmp_path):
+    """A re-test of the day's fixes: a log function failing on an evaluation's line left a "best"
+    record whose model was never kept (best/ was written after the line), and the checkpoint
+    saved after the error then skipped that evaluation on resume; a stop on the last step's line
+    lost its estimate, which the resume never made up."""
+    C = dict(keep_best=True, eval_interval=3, max_steps=8, lr=3e-2, checkpoint_interval=0)
+    ref = tmp_path / "ref"
+    Trainer(_cfg(text_file, ref, **C), log=None).train()
+    want = _vals(ref)
+    assert want[-2] == (8, "sampled", True)   # the last step's estimate competes, and wins here
+
+    class Boom(Exception):
+        pass
+    for at in ("step 3: val loss", "step      8/8"):
+        out = tmp_path / at.split()[1]
+        def log(line, at=at):
+            if line.startswith(at):
+                raise Boom(line)
+        with pytest.raises(Boom):
+            Trainer(_cfg(text_file, out, log_interval=1, **C), log=log).train()
+        Trainer(_cfg(text_file, out, **C), resume=True, log=None).train()
+        assert _vals(out) == want, at
+        assert load_checkpoint(out / "best")[1]["step"] == load_checkpoint(ref / "best")[1]["step"] == 8
+
+
 def test_a_warmup_longer_than_the_run_is_said(text_file, tmp_path):
     """A short fine-tune (20 steps) under the default 100-step warmup never reached --lr, in
     silence (a fine-tuning user's report)."""
     said = []
     Trainer(_cfg(text_file, tmp_path / "a", max_steps=4, warmup=10, lr=1e-2), log=said.append).train()
-    note = [x for x in said if "--warmup 10 is longer than the run's 4 steps" in x]
-    assert len(note) == 1 and "climbs to 4.00e-03" in note[0] and "--warmup 1" in note[0], said
-    said.clear()
-    Trainer(_cfg(text_file, tmp_path / "b", max_steps=4, warmup=2), log=said.append).train()
+    note = [x for x in said if "warmup=10 is longer than the run's 4 steps" in x]   # the library's words
+    assert len(note) == 1 and "climbs to 4.00e-03" in note[0] and "warmup=1)" in note[0], said
+    said.clear()   # a decay shorter than the warmup does not cut the ramp (a re-test's finding)
+    Trainer(_cfg(text_file, tmp_path / "b", max_steps=4, warmup=2, lr_decay_steps=1), log=said.append).train()
     assert not [x for x in said if "longer than the run" in x], said
 
 

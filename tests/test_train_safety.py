@@ -787,6 +787,13 @@ def test_init_from_a_hugging_face_folder(workdir, capsys):
     assert main(["eval", "--ckpt", "ft", "--data", "ft/data"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"loss {final['val_loss']:.4f} ") and " of 16 in " in out, (out, final)
+    # best/ (a model checkpoint) records the windows too (a re-test's finding)
+    assert main(["train", "--init-from", "hf", "--data", "t.txt", "--out", "ft2", "--max-steps", "2",
+                 "--block-size", "16", "--batch-size", "2", "--eval-iters", "1", "--eval-interval", "1",
+                 "--keep-best", "--sample-interval", "0", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", "ft2/best", "--data", "ft2/data"]) == 0
+    assert " of 16 in " in capsys.readouterr().out
     assert main(["eval", "--ckpt", "ft", "--data", "ft/data", "--block-size", "32"]) == 0
     assert " of 32 in " in capsys.readouterr().out
     _fails(capsys, ["eval", "--ckpt", "ft", "--data", "ft/data", "--block-size", "33"], "--block-size must be in 1..32")
@@ -799,6 +806,10 @@ def test_init_from_a_hugging_face_folder(workdir, capsys):
            "--model: the run in ft fine-tunes a model with n_layer 1, not 12")
     _fails(capsys, ["train", "--out", "ft", "--resume", "--max-steps", "2", "--block-size", "8"],
            "--block-size 8: the run in ft was trained on windows of 16 tokens", "drop --block-size")
+    # the library's resume with another init_from (the CLI refuses --init-from with --resume): the
+    # source was ignored and recorded (a re-test's finding); the same source is the run's own
+    with pytest.raises(ConfigError, match="init_from=t.txt: the run in ft fine-tunes hf, which a resumed run keeps"):
+        Trainer(_cfg("ft", init_from="t.txt", max_steps=2), resume=True, log=None)
     assert _snapshot("ft") == before
     assert main(["train", "--out", "ft", "--resume", "--max-steps", "2", "--no-progress"]) == 0
     # --resume on an HF folder or a model-only checkpoint points to --init-from

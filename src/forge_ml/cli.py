@@ -738,7 +738,8 @@ def _cmd_eval(args) -> int:
     cfg = model.config
     # a run's own windows (a fine-tune may train on fewer tokens than the model's context), so
     # that eval of its checkpoint gives the run's final val loss
-    trained_t = ((meta or {}).get("train_config") or {}).get("block_size")
+    trained_t = (((meta or {}).get("train_config") or {}).get("block_size")
+                 or (meta or {}).get("train_block_size"))   # a run's ckpt/, or its best/
     window = args.block_size or (trained_t if isinstance(trained_t, int) and 0 < trained_t < cfg.block_size
                                  else cfg.block_size)
     if args.block_size is not None and not 1 <= args.block_size <= cfg.block_size:
@@ -798,10 +799,9 @@ def _cmd_eval(args) -> int:
           f"({windows * T:,} tokens{where}: {windows:,} window{'s' * (windows != 1)} of {T} in {n} "
           f"batch{'es' * (n != 1)} of {B}, "
           f"{time.perf_counter() - t0:.1f} s)"
-          + (f"; the windows are shorter than "
+          + ("; the windows are shorter than "
              + (f"the model's context of {cfg.block_size}" if window == cfg.block_size else f"{window} tokens")
-             + f": the data holds "
-             f"{n_tokens:,} tokens, so this loss is not comparable with a run's val loss"
+             + f": the data holds {n_tokens:,} tokens, so this loss is not comparable with a run's val loss"
              if T < window else ""))
     return 0
 

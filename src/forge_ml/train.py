@@ -404,7 +404,7 @@ def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int =
 # Errors speak forge-ml train's flags where the command line runs (errors.CLI_WORDS), else
 # the library's names (TrainConfig's fields, Trainer's arguments), which a notebook user typed.
 _FLAG_WORDS = {"--resume": "resume=True", "--overwrite": "overwrite=True", "--out": "out_dir"}
-_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?: (?=[^\s]*[\d./~_A-Z])[^\s,;:)]+)?")
+_FLAG = re.compile(r"(?<![\w./~-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?: (?=[^\s]*[\d./~_A-Z])[^\s,;:)]+)?")
 
 
 def library_words(msg: str) -> str:
@@ -418,11 +418,13 @@ def library_words(msg: str) -> str:
     'add resume=True to go on, or overwrite=True; drop init_from (forge-ml train --resume)'
     >>> library_words("start from it with --init-from runs/a --out NEW_FOLDER, or a --lr 3e-4: so")
     'start from it with init_from=runs/a out_dir=NEW_FOLDER, or a lr=3e-4: so'
+    >>> library_words("text file not found: r/--data/x.txt")   # a path is no flag
+    'text file not found: r/--data/x.txt'
     """
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
 
     def word(m):
-        before = msg[max(0, m.start() - 60):m.start()]
+        before = msg[:m.start()]
         cmd = before.rfind("forge-ml ")
         if cmd >= 0 and not any(c in before[cmd:] for c in ");"):
             return m.group(0)          # part of a command line the message quotes
@@ -576,6 +578,12 @@ class Trainer:
                 raise RunError(f"{self.ckpt_dir} holds a model only (no optimizer state or data position, as "
                                f"`forge-ml convert` writes), so there is no run to resume; start a new run "
                                f"from it with --init-from {self.ckpt_dir} --out NEW_FOLDER")
+            was_src = (meta.get("train_config") or {}).get("init_from") or ""
+            if cfg.init_from and not _same_path(str(cfg.init_from), str(was_src)):
+                # the checkpoint's weights go on; another source would only be recorded
+                raise ConfigError(f"--init-from {cfg.init_from}: the run in {self.out_dir} "
+                                  + (f"fine-tunes {was_src}" if was_src else "was not started from a model")
+                                  + ", which a resumed run keeps; drop --init-from")
             step = meta["step"]
             if isinstance(step, bool) or not isinstance(step, int) or step < 0:
                 raise CheckpointError(f"{self.ckpt_dir / 'state.json'}: step must be an integer >= 0, got "
@@ -1108,9 +1116,11 @@ class Trainer:
         # a signal during the periodic evaluation of this step stopped it before its record:
         # the resumed run evaluates first (the same windows), so that its log has every record
         # an uninterrupted run's has
-        every = self.cfg.eval_interval
-        self._eval_due = bool(kept is not None and every and self.step % every == 0
-                              and 0 < self.step < self.cfg.max_steps
+        # (keep_best: the last step's estimate too, which a stop on its log line cut short)
+        every, last = self.cfg.eval_interval, self.cfg.max_steps
+        due = (self.step % every == 0 and 0 < self.step < last) if every else False
+        due = due or bool(every and self.cfg.keep_best and 0 < self.step == last)
+        self._eval_due = bool(kept is not None and due
                               and not any(r["step"] == self.step and "val_loss" in r for r in kept))
 
     def _auto_batch_size(self) -> None:
@@ -1155,6 +1165,8 @@ class Trainer:
     def _say(self, msg: str) -> None:
         if self._log is None:
             return
+        if not CLI_WORDS.get():   # a line about flags, in the names a library user typed
+            msg = library_words(msg)
         to_stdout = self._log is print
         try:
             if self._bar is not None and to_stdout:   # (a log function of the user's gets
@@ -1632,29 +1644,31 @@ class Trainer:
                   f"{self.train_loader.n_tokens:,} train tokens; device {self.device}" + blas_note
                   + f", {cfg.dtype}; batch {cfg.batch_size} x {cfg.grad_accum}; steps {self.step} -> {until}; "
                   f"out {self.out_dir}")
-        if cfg.lr > 0 and cfg.warmup > cfg.decay_steps and self.step == 0:
-            peak = cosine_lr(cfg.decay_steps - 1, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr)
-            self._say(f"note: --warmup {cfg.warmup} is longer than the run's {cfg.decay_steps} steps: the learning "
+        if cfg.lr > 0 and cfg.warmup > cfg.max_steps and self.step == 0:
+            # the ramp (lr (s + 1) / warmup at step s) is cut off by the run's end
+            peak = cosine_lr(cfg.max_steps - 1, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr)
+            self._say(f"note: --warmup {cfg.warmup} is longer than the run's {cfg.max_steps} steps: the learning "
                       f"rate climbs to {peak:.2e}, never to --lr {cfg.lr:g} (give a shorter --warmup, e.g. "
-                      f"--warmup {max(1, cfg.decay_steps // 10)})")
+                      f"--warmup {max(1, cfg.max_steps // 10)})")
         self._bar = self._make_bar(until)
         first = self.step
         mine = len(self.losses)   # where this call's losses begin
         try:
-            if self._eval_due and self.step < until:
+            if self._eval_due and (self.step < until or cfg.keep_best):
                 self._eval_due = False
                 self._eval_and_log(full=False)
             while self.step < until and self._stop is None:
                 if tuner is not None:
                     tuner.before_step()
                 rec = self.train_step()
+                line = None
                 if tuner is not None:
                     rec["blas_threads"] = tuner.threads or _blas.get_threads()
                     line = tuner.after_step(rec["dt_ms"] / 1e3)
-                    if line is not None:
-                        self._say(line)
                 self.losses.append(rec["loss"])
                 self._write_log(rec, later=self._fast is not None)
+                if line is not None:   # after the step's record: a failing log function loses none
+                    self._say(line)
                 s = self.step
                 if self._bar is not None:
                     self._bar.update(1)
@@ -1740,13 +1754,12 @@ class Trainer:
         # window, only where there are none: it reads higher than the first batches' estimate)
         best = (cfg.keep_best and math.isfinite(loss) and (not full or not cfg.eval_interval)
                 and (self.best_val is None or loss < self.best_val))
-        if best:
+        if best:   # best/ first: a record that says "best" always has its model kept
             rec["best"] = True
+            self._save_best(loss, rec["val_kind"])
         self._write_log(rec)
         self._say(f"step {self.step}: val loss {loss:.4f} ({how}; perplexity {math.exp(min(loss, 50)):.2f})"
                   + (f"; the lowest so far: its model kept in {self.best_dir}" if best else ""))
-        if best:
-            self._save_best(loss, rec["val_kind"])
 
     def _masters(self) -> dict:
         """Name -> float32 array of the master weights (also in bf16 runs; DistributedTrainer
@@ -1758,7 +1771,8 @@ class Trainer:
         writes) of the lowest val loss so far, to ``best_dir``, atomically."""
         meta = {"kind": "forge-ml-model", "config": self.model.config.to_dict(),
                 "tokenizer": self.tokenizer.to_dict(), "step": self.step, "val_loss": loss, "val_kind": kind,
-                "source": str(self.out_dir.resolve()), "run_id": self.run_id}
+                "source": str(self.out_dir.resolve()), "run_id": self.run_id,
+                "train_block_size": self.cfg.block_size}   # the windows its val loss was read on
         self._save(self.best_dir, self._masters(), meta)
         self.best_val = loss
 
