@@ -159,6 +159,11 @@ def test_sample_refuses_a_hf_folder_whose_vocabulary_is_not_its_tokenizers(workd
     Path("letters.txt").write_text("!\"#$%&'()*+,-./" * 20)
     _fails(capsys, ["eval", "--ckpt", "small", "--data", "letters.txt"],
            "the model has 97 tokens but its tokenizer (gpt2) has 50257")
+    # shards of another tokenizer: the way out is not the text file just refused (a re-test)
+    from forge_ml.data import prepare
+    prepare("letters.txt", "chars", tokenizer="char")
+    _fails(capsys, ["eval", "--ckpt", "small", "--data", "chars"],
+           "does not fit its 97-token model either: give shards made for this model")
 
 
 def test_bench_builtin_and_list(capsys):

@@ -745,12 +745,12 @@ def _cmd_eval(args) -> int:
     if args.block_size is not None and not 1 <= args.block_size <= cfg.block_size:
         raise ConfigError(f"--block-size must be in 1..{cfg.block_size} (the model's context), got {args.block_size}")
     if folder is not None:
-        _check_shards_tokenizer(folder.folder, folder.tokenizer, tok, args.ckpt)
+        _check_shards_tokenizer(folder.folder, folder.tokenizer, tok, args.ckpt, model_vocab=cfg.vocab_size)
     elif shard and (path.parent / "tokenizer.json").is_file():
         # one shard of a prepared folder: the tokenizer.json beside it counts as the folder's (a
         # loose shard with none beside it is taken as it is: only its ids' range is checked)
         _check_shards_tokenizer(path.parent, path.parent / "tokenizer.json", tok, args.ckpt,
-                                what=f"the shard {path}")
+                                what=f"the shard {path}", model_vocab=cfg.vocab_size)
     tmp = None
     if shards is None and not shard:  # a text file: tokenize it with the checkpoint's tokenizer
         import tempfile
@@ -806,7 +806,7 @@ def _cmd_eval(args) -> int:
     return 0
 
 
-def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, what=None) -> None:
+def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, what=None, model_vocab=None) -> None:
     """A DataError when the shards of the data folder ``folder`` (``what`` names one shard of
     it) were made with another tokenizer than the checkpoint's: ``tokenizer_file``, or (None:
     llm.c's shards) GPT-2's. Ids that fit the model's vocabulary would otherwise be read as
@@ -814,11 +814,16 @@ def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, what=None) -> Non
     from .tokenizer import tokenizer_from_dict
 
     what = what or f"the shards in {folder}"
+    # the way out: a text file, unless the checkpoint's tokenizer does not fit its model either
+    # (eval refuses a text file then)
+    advice = ("give a text file, which is tokenized with the checkpoint's tokenizer"
+              if model_vocab is None or tok.vocab_size <= model_vocab else
+              f"and the checkpoint's own tokenizer ({tok.kind}, {tok.vocab_size} ids) does not fit its "
+              f"{model_vocab}-token model either: give shards made for this model")
     if tokenizer_file is None:
         if tok.kind != "gpt2":
             raise DataError(f"{what}: GPT-2 ids (llm.c's; {folder} has no tokenizer.json), but "
-                            f"{ckpt} has a {tok.kind} tokenizer; give a text file, which is "
-                            f"tokenized with the checkpoint's tokenizer")
+                            f"{ckpt} has a {tok.kind} tokenizer; {advice}")
         return
     try:
         theirs = tokenizer_from_dict(json.loads(tokenizer_file.read_text(encoding="utf-8")))
@@ -827,8 +832,7 @@ def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, what=None) -> Non
     if theirs.to_dict() != tok.to_dict():
         raise DataError(f"{what}: made with another tokenizer ({tokenizer_file}: "
                         f"{theirs.kind}, {theirs.vocab_size} ids) than {ckpt}'s ({tok.kind}, {tok.vocab_size} "
-                        f"ids), so their ids are other tokens; give a text file, which is tokenized with the "
-                        f"checkpoint's tokenizer")
+                        f"ids), so their ids are other tokens; {advice}")
 
 
 def _cmd_prepare(args) -> int:
