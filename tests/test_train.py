@@ -9,7 +9,7 @@ import pytest
 from forge_ml.checkpoint import load_checkpoint
 from forge_ml.errors import CheckpointError, ConfigError, TrainingError
 from forge_ml.inference import load_model
-from forge_ml.train import TrainConfig, Trainer, dropout_seed
+from forge_ml.train import Interrupted, RunError, TrainConfig, Trainer, dropout_seed
 
 TEXT = "".join(f"{w} " for w in ("the cat sat on the mat and the dog ran to the cat " * 60).split()) + "\n"
 
@@ -195,6 +195,26 @@ def test_an_error_in_the_loop_saves_the_steps_trained_and_the_resume_is_exact(te
     with pytest.raises(RuntimeError, match="cut short"):
         c.train()
     assert not (tmp_path / "c" / "ckpt").exists()
+    # the half-updated Trainer saves nothing and trains no more (a review's finding)
+    with pytest.raises(RunError, match="half updated"):
+        c.save()
+    with pytest.raises(RunError, match="half updated"):
+        c.train()
+    assert not (tmp_path / "c" / "ckpt").exists()
+
+    # a KeyboardInterrupt inside the update (no signal handler can defer it: a worker thread,
+    # code that raises it): nothing saved, said so (the branch that says it had been dead)
+    ups.clear()
+    def interrupted(self, *a, **k):
+        ups.append(1)
+        if len(ups) == 3:
+            raise KeyboardInterrupt
+        return real_step(self, *a, **k)
+    monkeypatch.setattr(AdamW, "step", interrupted)
+    d = Trainer(_cfg(text_file, tmp_path / "d", max_steps=n, checkpoint_interval=1), log=None)
+    with pytest.raises(Interrupted) as info:
+        d.train()
+    assert not info.value.saved and load_checkpoint(tmp_path / "d" / "ckpt")[1]["step"] == 2
 
 
 def _vals(out):
@@ -225,6 +245,14 @@ def test_keep_best_survives_an_error_or_a_stop_at_an_evaluation(text_file, tmp_p
         Trainer(_cfg(text_file, out, **C), resume=True, log=None).train()
         assert _vals(out) == want, at
         assert load_checkpoint(out / "best")[1]["step"] == load_checkpoint(ref / "best")[1]["step"] == 8
+    # training in chunks estimates at the same steps as one call (the last step's estimate is
+    # the run's last step's, not each call's: a review's finding)
+    chunks = tmp_path / "chunks"
+    t = Trainer(_cfg(text_file, chunks, **C), log=None)
+    t.train(until=4)
+    t.train()
+    sampled = lambda vals: [v for v in vals if v[1] == "sampled"]   # noqa: E731
+    assert sampled(_vals(chunks)) == sampled(want)
 
 
 def test_a_warmup_longer_than_the_run_is_said(text_file, tmp_path):

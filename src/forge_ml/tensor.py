@@ -444,7 +444,7 @@ def device_numerics(device) -> dict:
     pick kernels). Two runs with the same values compute the same bits.
 
     >>> sorted(device_numerics("cpu"))
-    ['FORGE_CPU_GEMM', 'cpu_kernels', 'device']
+    ['FORGE_CPU_GEMM', 'cpu_kernels', 'device', 'numpy']
     """
     dev = Device.parse(device)
     bk = backend_of(dev)

@@ -521,6 +521,7 @@ class Trainer:
         self._staged = None         # (loader state, batches) drawn for the next captured step
         self._eval_due = False      # resumed at an eval step whose evaluation a signal cut short
         self._torn = False          # an error cut an optimizer update short: no checkpoint after it
+        self._save_failed = False   # the last save raised (the after-error save does not retry it)
         self._pipe_closed = False   # stdout's reader went away (_say)
         self.tokens_sha256 = None   # their digest (tokens_digest), recorded in the checkpoints
         self.run_id = None          # the run's identity, kept across resumes (its best/ is its own)
@@ -1162,10 +1163,12 @@ class Trainer:
         del acc, grads
 
     # -- output helpers ---------------------------------------------------------------------
-    def _say(self, msg: str) -> None:
+    def _say(self, msg: str, verbatim: bool = False) -> None:
+        """A line to the log function; the trainer's own words (not ``verbatim``: a sample is
+        the model's text) in the library's names where no command line runs."""
         if self._log is None:
             return
-        if not CLI_WORDS.get():   # a line about flags, in the names a library user typed
+        if not verbatim and not CLI_WORDS.get():
             msg = library_words(msg)
         to_stdout = self._log is print
         try:
@@ -1346,6 +1349,7 @@ class Trainer:
         (loader_state, batches), self._staged = self._staged, None
         seeds = [dropout_seed(cfg.seed, step, micro) for micro in range(cfg.grad_accum)]
         self._phase = "update"
+        pending = None
         try:
             pending = fast.submit(batches, seeds, lr)
             self._flush_log(quiet=True)   # a failure raises at the next write, after this step
@@ -1360,12 +1364,14 @@ class Trainer:
                 # (and meets the same error there, with the model and the counters agreeing)
                 self._unstage()
             res = pending.result()
-        except KeyboardInterrupt:
-            self._staged = None
-            self.train_loader.load_state_dict(loader_state)
-            raise
         except BaseException:
-            self._torn = True    # the device may have run the update: nothing may be saved
+            if pending is not None:
+                # the update is queued on the device: whether it ran is not known here, so
+                # nothing may be saved after this (a Trainer made with resume=True goes on)
+                self._torn = True
+            else:   # nothing reached the device (a capture out of memory, say): the step is given up
+                self._staged = None
+                self.train_loader.load_state_dict(loader_state)
             raise
         finally:
             self._phase = None
@@ -1388,7 +1394,11 @@ class Trainer:
         with them): ``_graph_step`` takes them, drawn during the step before or just now."""
         if self._staged is None:
             state = self.train_loader.state_dict()
-            batches = [self.train_loader.next_batch() for _ in range(self.cfg.grad_accum)]
+            try:
+                batches = [self.train_loader.next_batch() for _ in range(self.cfg.grad_accum)]
+            except BaseException:   # part-way: the loader goes back to before the step
+                self.train_loader.load_state_dict(state)
+                raise
             self._staged = (state, batches)
 
     def _unstage(self) -> None:
@@ -1481,13 +1491,20 @@ class Trainer:
         """Write the checkpoint of the current step to ``<out_dir>/ckpt`` (atomically). A
         failed write (full disk, read-only folder) keeps the previous checkpoint and raises a
         one-line CheckpointError that says so."""
+        if self._torn:
+            raise RunError(f"this Trainer's step {self.step + 1} was cut short inside the optimizer update, so its "
+                           f"model is half updated and is not saved; {self._kept()}: go on from it with a new "
+                           f"Trainer and resume=True")
         held = self.lock.held
         self._hold_folder()    # never beside another Trainer of the folder
         try:
             self._unstage()       # the loader's state is saved as of this step
             self._flush_log(quiet=True)   # a record the captured step held back (the
                                           # checkpoint matters more: a failed write raises at the next one)
-            return self._write_checkpoint(self._masters(), self.opt.state_dict())
+            self._save_failed = True
+            out = self._write_checkpoint(self._masters(), self.opt.state_dict())
+            self._save_failed = False
+            return out
         finally:
             if not held:
                 self.lock.release()
@@ -1576,7 +1593,7 @@ class Trainer:
         across processes (a DistributedTrainer's save is a collective that the others may not
         reach). A save that fails too is said, and the first error goes up."""
         if (isinstance(e, TrainingError) or self._torn or not self._saves_after_error
-                or self.step == self.last_ckpt_step or self.step == 0):
+                or self.step == self.last_ckpt_step or self.step == 0 or self._save_failed):
             return
         self._flush_log(quiet=True)
         if self._unlogged:   # the log cannot be written: a checkpoint past it would resume a run
@@ -1614,6 +1631,10 @@ class Trainer:
         """
         if until is not None:
             until = _count("train", "until", until)   # not after taking the folder
+        if self._torn:
+            raise RunError(f"this Trainer's step {self.step + 1} was cut short inside the optimizer update, so its "
+                           f"model is half updated; {self._kept()}: go on from it with a new Trainer and "
+                           f"resume=True")
         self._hold_folder()
         self._stop = signal.SIGPIPE if self._pipe_closed else None
         old = self._install_handlers()
@@ -1683,7 +1704,7 @@ class Trainer:
                 # keep_best: the last step's model is estimated too, so that it competes (the
                 # final evaluation over every window reads higher and does not compete)
                 if cfg.eval_interval and ((s % cfg.eval_interval == 0 and s < until)
-                                          or (s == until and cfg.keep_best)):
+                                          or (s == until == cfg.max_steps and cfg.keep_best)):
                     self._eval_and_log(full=False)
                 if cfg.sample_interval and s % cfg.sample_interval == 0 and s < until:
                     self._sample_and_show()
@@ -1710,8 +1731,7 @@ class Trainer:
             self._close_bar()
             if self._stop is None:
                 self._stop = signal.SIGINT
-            if self._phase == "update":  # only without our handler: the model is half updated
-                self._phase = None
+            if self._torn:  # only without our handler: the model is half updated
                 self._say(f"{signal.Signals(self._stop).name}: interrupted inside the optimizer update of step "
                           f"{self.step + 1}; nothing saved, {self._kept()}")
                 raise Interrupted(self._stop, self.last_ckpt_step or 0, False) from None
@@ -1800,7 +1820,7 @@ class Trainer:
     def _sample_and_show(self) -> None:
         text = self._off_graph(lambda: self.sample(seed=self.cfg.seed + self.step))
         if text is not None:
-            self._say(f"---- sample at step {self.step} ----\n{text}\n" + "-" * 36)
+            self._say(f"---- sample at step {self.step} ----\n{text}\n" + "-" * 36, verbatim=True)
 
     def _make_bar(self, until: int):
         if not (self.cfg.progress and self._log is not None and sys.stderr.isatty()):

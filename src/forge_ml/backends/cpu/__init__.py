@@ -101,6 +101,7 @@ def numerics() -> dict:
     C kernels, or NumPy's where they do not build or FORGE_CPU_KERNELS=numpy) and how float32
     products are shared out (FORGE_CPU_GEMM). Training checkpoints record it."""
     return {"cpu_kernels": "c" if _native.lib() is not None else "numpy",
+            "numpy": np.__version__,   # its OpenBLAS runs the float32 products
             "FORGE_CPU_GEMM": flags.get("FORGE_CPU_GEMM")}
 
 

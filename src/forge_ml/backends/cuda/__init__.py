@@ -76,7 +76,12 @@ def numerics() -> dict:
     cuBLAS's choices differ by model) and the switches that pick kernels. Training
     checkpoints record it."""
     from ... import flags
-    return dict({"gpu": device_name()}, **{k: flags.get(k) for k in _NUMERIC_SWITCHES})
+    try:   # cuBLAS's choices come with its CUDA version (a record: what cannot be read is left out)
+        libs = {"cupy": str(_runtime.cupy.__version__),
+                "cuda_runtime": int(_runtime.cupy.cuda.runtime.runtimeGetVersion())}
+    except Exception:
+        libs = {}
+    return dict({"gpu": device_name()}, **libs, **{k: flags.get(k) for k in _NUMERIC_SWITCHES})
 
 
 NAME = "cuda"

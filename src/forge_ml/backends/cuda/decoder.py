@@ -30,9 +30,9 @@ from __future__ import annotations
 import numpy as np
 
 from ... import flags
-from ...errors import ShapeError
-from .runtime import (_DTYPES, _SFX, BF16, F32, _dev, _float_sfx, _guarded, _i32, _launch,
-                      _launcher_ex, _set_max_shared, _sm_count, cupy)
+from ...errors import CompileError, ShapeError
+from .runtime import (_DTYPES, _SFX, BF16, F32, _cc_major, _dev, _float_sfx, _guarded, _i32,
+                      _launch, _launcher_ex, _set_max_shared, _sm_count, cupy)
 
 _THREADS = 512        # decode_model.cu: DM_THREADS
 _WARPS = 16
@@ -206,14 +206,19 @@ def _mlp_shared(dt, C: int) -> int:
 
 
 def _layers_ok(dt, C: int) -> bool:
-    """Whether decode_layers.cu takes n_embd ``C``: a GPU with thread-block clusters (Hopper and
-    later, ``_launcher_ex``), C a multiple of 64 (8 blocks a head, 16-byte rows) up to 1,600,
-    and both kernels' shared memory within the device's."""
-    if C % 64 or C > _CMAX or not _launcher_ex():
+    """Whether decode_layers.cu takes n_embd ``C``: a Hopper GPU (compute capability 9.x: thread-
+    block clusters, ``_launcher_ex``, and the GPUs its tests and timings ran on), C a multiple
+    of 64 (8 blocks a head, 16-byte rows) up to 1,600, and both kernels' shared memory within
+    the device's. A kernel file that does not compile here is a no: the kernel-per-op step
+    runs (it is the default path, so it must not fail where the step it replaces works)."""
+    if C % 64 or C > _CMAX or _cc_major(_dev()) != 9 or not _launcher_ex():
         return False
     sfx = _SFX[np.dtype(dt)]
-    return (_set_max_shared("decode_layers", f"layer_attn_{sfx}", _attn_shared(dt, C))
-            and _set_max_shared("decode_layers", f"layer_mlp_{sfx}", _mlp_shared(dt, C)))
+    try:
+        return (_set_max_shared("decode_layers", f"layer_attn_{sfx}", _attn_shared(dt, C))
+                and _set_max_shared("decode_layers", f"layer_mlp_{sfx}", _mlp_shared(dt, C)))
+    except CompileError:
+        return False
 
 
 class _LayersPlan:
