@@ -1346,10 +1346,9 @@ class Trainer:
         queues them, with that step's lr and seeds, behind this step (``TrainStep.preload``)."""
         cfg, step = self.cfg, self.step
         self._stage()   # this step's batches: drawn during the step before, or now
-        (loader_state, batches), self._staged = self._staged, None
+        (_, batches), self._staged = self._staged, None   # (the loader state: _unstage's)
         seeds = [dropout_seed(cfg.seed, step, micro) for micro in range(cfg.grad_accum)]
         self._phase = "update"
-        pending = None
         try:
             pending = fast.submit(batches, seeds, lr)
             self._flush_log(quiet=True)   # a failure raises at the next write, after this step
@@ -1365,13 +1364,10 @@ class Trainer:
                 self._unstage()
             res = pending.result()
         except BaseException:
-            if pending is not None:
-                # the update is queued on the device: whether it ran is not known here, so
-                # nothing may be saved after this (a Trainer made with resume=True goes on)
-                self._torn = True
-            else:   # nothing reached the device (a capture out of memory, say): the step is given up
-                self._staged = None
-                self.train_loader.load_state_dict(loader_state)
+            # the device may have run the update, or part of it (a capture after the step's
+            # real run, say): nothing may be saved after this; a Trainer made with resume=True
+            # goes on from the last checkpoint
+            self._torn = True
             raise
         finally:
             self._phase = None
