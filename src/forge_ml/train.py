@@ -1581,8 +1581,8 @@ class Trainer:
             self._phase = None
 
     def _save_after_error(self, e: Exception) -> None:
-        """An error ended the loop (a user's log function, a sample, a step that ran out of
-        memory): the steps trained since the last checkpoint are saved, as a stop saves
+        """An error ended the loop (a user's log function, a sample, an op-by-op step that ran
+        out of memory): the steps trained since the last checkpoint are saved, as a stop saves
         them, where the state is whole: not after a NaN (TrainingError names the last good
         checkpoint), not when the error cut an optimizer update short, not while the log
         cannot be written (a full disk: the checkpoint would be ahead of it), and not
