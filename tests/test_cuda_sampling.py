@@ -140,6 +140,7 @@ def _edge_knobs(V):
         [0.7, 3, 0.5, 0.01, 1.3],       # every cut at once, the penalty too
         [3.0, max(1, V // 2), 0.95, 0, 1],   # top-p after a top-k that keeps half the row
         [0.05, 0, 0.9, 0, 1],           # sharp: one weight of 2^24, nearly every other 0
+        [1.0, 0, 1, 1.5, 1],            # min-p past 1: its floor is 2^24, the top token kept
     ]
 
 

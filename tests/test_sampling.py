@@ -71,3 +71,22 @@ def test_a_row_past_float32s_range_takes_the_argmax(knobs, seen_ids, want):
     for q in range(20):
         assert sample_row(z, knobs, (7, 8), q, seen) == want
     assert sample_row(z, [1e-30, 0, 1.0, 0.0, 1.0], (7, 8), 3) == 39   # 1 / T finite: the draw, argmax too
+
+
+def test_min_p_above_one_keeps_the_top_token():
+    """min_p is not checked where the knobs live on the device (ops.sample_next): above 1 it
+    kept nothing, and the kernels then returned an id past the vocabulary and marked it seen
+    past the row (a review's finding). The floor is 2^24 at most: the top token (and its ties)
+    is kept, on the host rule as on the device."""
+    import forge_ml as fm
+    from forge_ml import ops
+    z = np.array([0.5, 3.0, 1.0, 3.0, -2.0], np.float32)
+    for pmin in (1.0, 1.5, 1e9):
+        for pos in range(20):
+            tok = sample_row(z, [1.0, 0, 1, pmin, 1], (3, 4), pos)
+            assert tok in (1, 3), (pmin, pos, tok)
+    ids, p = fm.tensor(np.zeros(1, np.int32)), fm.tensor(np.array([4], np.int32))
+    seen = fm.tensor(np.zeros((1, 5), np.int32))
+    ops.sample_next(fm.tensor(z[None]), 5, ids, p, fm.tensor(np.array([[1.0, 0, 1, 2.0, 1]], np.float32)),
+                    fm.tensor(np.array([[3, 4]], np.int32)), seen)
+    assert int(ids.numpy()[0]) in (1, 3) and int(seen.numpy().sum()) == 1

@@ -34,7 +34,7 @@ def sample_row(z, knobs, key, position, seen=None) -> int:
     3. ``w_j = uint32(exp((z_j - max z) / T) * 2^24)``: the most likely token weighs 2^24.
     4. top-k (``0 < k < V``): keep ``w >= `` the k-th largest w (ties at the cut all kept);
        top-p (``0 < p < 1``): keep ``w >= t`` for the largest t whose kept mass reaches
-       ``ceil(p K)``, K the mass top-k kept; min-p: keep ``w >= ceil(min_p 2^24)``.
+       ``ceil(p K)``, K the mass top-k kept; min-p: keep ``w >= ceil(min(min_p, 1) 2^24)``.
     5. ``word`` = the first word of Philox4x32-10 at counter ``(position, 0, 0, 0)`` with
        ``key``; the token is the first id whose running kept mass exceeds
        ``floor(total * word / 2^32)``.
@@ -87,8 +87,8 @@ def choose_from_weights(w, knobs, key, position) -> int:
                 break
         top = np.sort(top)[::-1]
         floor = max(floor, int(top[int(np.searchsorted(np.cumsum(top), need, side="left"))]))
-    if pmin > 0:
-        floor = max(floor, math.ceil(float(pmin) * _W_ONE))
+    if pmin > 0:   # at most 1: the most likely token (weight 2^24) is always kept
+        floor = max(floor, math.ceil(min(float(pmin), 1.0) * _W_ONE))
     mass = np.where(w >= floor, w, 0).astype(np.uint64)
     cum = np.cumsum(mass)
     word = int(rng.philox4x32_10([int(position), 0, 0, 0], key)[0, 0])

@@ -9,7 +9,7 @@
 //   top-k (0 < k < V): keep w >= the k-th largest w (equal weights at the cut all kept);
 //   top-p (0 < p < 1): keep w >= the largest t whose kept mass sum(w >= t) reaches
 //           ceil(p * K), K the mass kept by top-k;
-//   min-p (p > 0): keep w >= ceil(min_p * 2^24);
+//   min-p (p > 0): keep w >= ceil(min(min_p, 1) * 2^24) (the top token always kept);
 //   draw: word = Philox4x32-10((pos + 1, 0, 0, 0), key[b]).x (pos + 1: the position of the
 //           token chosen, pos the one fed), target = floor(total * word / 2^32)
 //           over the kept mass `total`; the token is the first id whose running kept mass
@@ -278,7 +278,8 @@ FORGE_D int draw_token(const Src& src, int V, int k, float ptop, float pmin, int
         const unsigned tp = radix_select<true>(src, V, floor_, need, h);
         floor_ = max(floor_, tp);
     }
-    if (pmin > 0.0f) floor_ = max(floor_, (unsigned)ceil((double)pmin * 16777216.0));
+    // min_p above 1 (not checked on the device) keeps the top token still: the floor is 2^24 at most
+    if (pmin > 0.0f) floor_ = max(floor_, (unsigned)ceil(fmin((double)pmin, 1.0) * 16777216.0));
     // pass 10: each warp owns a contiguous range of ids; its kept mass, then a scan over warps
     const int R = (V + nw - 1) / nw, lo = warp * R, hi = min(V, lo + R);
     unsigned long long mine = 0;
