@@ -120,12 +120,12 @@ def test_fused_chain_agrees_with_the_op_by_op_chain_at_gpt2_size():
     with flags.override(FORGE_FUSED_DECODE=False):
         op = DecodeStep(gpu, op_cache)
     assert fused.fused and not op.fused
-    for t in (900, 901, 950):
+    for t in (900, 901, 902):   # (a step past the filled rows is refused: DecodeStep._check_filled)
         tok = ids[:, -1] if t == 900 else np.array([7])
         a, b = fused(tok, t), op(tok, t)
         assert rel(a, b) < 1e-5, t
-    a = np.stack(list(fused.greedy([3], 951, 20)))
-    b = np.stack(list(op.greedy([3], 951, 20)))
+    a = np.stack(list(fused.greedy([3], 903, 20)))
+    b = np.stack(list(op.greedy([3], 903, 20)))
     np.testing.assert_array_equal(a, b)
 
 

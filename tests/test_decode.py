@@ -330,3 +330,24 @@ def test_decode_step_refuses_float_tokens_and_positions(model):
     want = step([1, 2], 2)
     np.testing.assert_array_equal(step(np.array([1, 2], np.uint8), np.int32(2)), want)
     np.testing.assert_array_equal(step(fm.tensor([1, 2]), 2), want)
+
+
+def test_a_step_past_the_filled_cache_is_refused():
+    """DecodeStep at a position past the cache's filled rows attended over rows that hold
+    nothing and returned logits of no context, in silence (a library user's report); it is
+    refused, and positions fed in order (or again, from an earlier one) still work."""
+    import forge_ml as fm
+    from forge_ml.inference.decode import DecodeStep
+    from forge_ml.models.gpt2 import GPT2, GPT2Config
+    model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=8))
+    cache = model.new_cache(1, 16)
+    st = DecodeStep(model, cache)
+    with pytest.raises(ShapeError, match="position 3 is past the cache's 0 filled rows"):
+        st([5], 3)
+    with pytest.raises(ShapeError, match="past the cache's 0 filled rows"):
+        list(st.greedy([5], 2, 3))
+    model.forward_cached(fm.tensor(np.array([[1, 2, 3]])), cache)
+    assert cache.pos == 3
+    st([4], 3)
+    st([4], 3)                 # the same position again: its rows rewritten
+    assert len(list(st.greedy([4], 4, 3))) == 3 and cache.pos == 7

@@ -145,12 +145,22 @@ class DecodeStep:
         out = self.model.decode_step(self._ids, pos, self.cache)
         return out if out.dtype.name == "float32" else out.to("float32")
 
+    def _check_filled(self, who: str, pos: int) -> None:
+        """A step at ``pos`` attends over the cache's rows ``0..pos-1``: they must hold keys and
+        values (``cache.pos`` rows are filled); past them it would attend over empty rows and
+        give logits of no context, in silence."""
+        if pos > self.cache.pos:
+            raise ShapeError(f"{who}: position {pos} is past the cache's {self.cache.pos} filled rows, so "
+                             f"it would attend over rows that hold nothing; feed the positions in order "
+                             f"(the prompt first: model.prefill, or a step a token from position 0)")
+
     def __call__(self, tokens, pos: int) -> np.ndarray:
         B = self.cache.batch
         tokens = self._checked_tokens(tokens)
         if not (_is_int(pos) and 0 <= pos < self.cache.capacity):
             raise ShapeError(f"DecodeStep: position {pos!r} does not fit the cache's "
                              f"{self.cache.capacity} rows")
+        self._check_filled("DecodeStep", pos)
         ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
         ops.assign(self._pos, np.array([pos], np.int32))
         out = self._run("logits", lambda: self._logits(self._pos))
@@ -356,6 +366,8 @@ class DecodeStep:
         if n and not 0 <= pos <= pos + n - 1 < self.cache.capacity:
             raise ShapeError(f"DecodeStep.{kind}: positions {pos}..{pos + n - 1} do not fit the "
                              f"cache's {self.cache.capacity} rows")
+        if n:
+            self._check_filled(f"DecodeStep.{kind}", pos)
         if chunk is None:
             chunk = 8 if self.graph else 1
         if not (_is_int(chunk) and chunk >= 1):
