@@ -502,3 +502,27 @@ def test_two_generators_interleaved_never_share_a_kept_decoder(monkeypatch):
     assert got == alone
     assert list(generate(m, [1, 2, 3, 4], 10, temperature=0)) == alone   # the kept pair again
     assert not m._decoder_kept[2].held
+
+
+def test_generation_arguments_are_checked_at_the_call():
+    """A library user's findings: stream_tokens checked its arguments at the first next() (and
+    looped forever on a 1-token context), a stop id past the vocabulary could never fire and
+    ran to max_new_tokens in silence, and an int dtype truncated every weight at init."""
+    from forge_ml.errors import ConfigError, DTypeError
+    from forge_ml.inference.generate import generate, stream_tokens
+    from forge_ml.models.gpt2 import GPT2, GPT2Config
+    m = GPT2.init(GPT2Config(vocab_size=50, block_size=8, n_layer=1, n_head=1, n_embd=4))
+    for kw in (dict(max_new_tokens=None), dict(max_new_tokens=-5), dict(max_new_tokens=3, temperature=-1)):
+        with pytest.raises(ConfigError):
+            stream_tokens(m, [1, 2, 3], **kw)          # no next() needed
+    one = GPT2.init(GPT2Config(vocab_size=5, block_size=1, n_layer=1, n_head=1, n_embd=4))
+    with pytest.raises(ConfigError, match="needs at least 2"):
+        stream_tokens(one, [1], 3)
+    for stop in ([50256], -1):
+        with pytest.raises(ConfigError, match="out of range"):
+            list(generate(m, [1, 2, 3], 10, stop_tokens=stop))
+        with pytest.raises(ConfigError, match="out of range"):
+            stream_tokens(m, [1, 2, 3], 10, stop_tokens=stop)
+    assert len(list(stream_tokens(m, [1, 2], 20, temperature=0))) == 20   # the window still slides
+    with pytest.raises(DTypeError, match="float32, float64 or bfloat16"):
+        GPT2.init(GPT2Config(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4), dtype="int32")

@@ -291,6 +291,17 @@ def _stop_args(stop_tokens, stop_strings) -> tuple[tuple, tuple]:
     return tuple(int(t) for t in stop_tokens), tuple(stop_strings)
 
 
+def _check_stop_ids(model, stop_tokens) -> None:
+    """Stop ids must be the model's: one past its vocabulary can never be generated, so a run
+    would go on to max_new_tokens in silence (GPT-2's 50256 given to a small model), as
+    beam_search's eos_token_id refuses."""
+    V = model.config.vocab_size
+    bad = [t for t in stop_tokens if not 0 <= t < V]
+    if bad:
+        raise ConfigError(f"generate: stop token {bad[0]} is out of range: the model's ids are "
+                          f"0..{V - 1}, so it could never be generated")
+
+
 def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
                 tokenizer, min_p=None, repetition_penalty=1.0, logprobs=None, single=False):
     cfg = model.config
@@ -371,6 +382,7 @@ def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1
     stop_tokens, stop_strings = _stop_args(stop_tokens, stop_strings)
     _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
                 tokenizer, min_p, repetition_penalty, logprobs, single)
+    _check_stop_ids(model, stop_tokens)
     choice = _Choice(float(temperature), top_k, top_p, min_p, float(repetition_penalty),
                      logprobs)
     steps = _steps(model, rows, max_new_tokens, choice, seed, frozenset(stop_tokens),
@@ -599,7 +611,22 @@ def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, to
     prompts, single = _as_prompts(ids)
     if not single:
         raise ShapeError(f"stream_tokens: expected one prompt (a list of token ids), got {len(prompts)}")
+    if block < 2:   # the window of the context kept would fill it: nothing could be generated
+        raise ConfigError(f"stream_tokens: the model's context is {block} token; the sliding window "
+                          f"needs at least 2 (block_size)")
     ctx = prompts[0][-block:]
+    # every argument checked now, at the call (a generator would say it at the first next())
+    _check_args(model, [ctx], max_new_tokens, temperature, top_k, top_p, seed, (), None, min_p,
+                repetition_penalty)
+    _check_stop_ids(model, stop_tokens)
+    return _stream(model, ctx, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, min_p,
+                   repetition_penalty)
+
+
+def _stream(model, ctx, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, min_p,
+            repetition_penalty):
+    """stream_tokens' generator, its arguments checked."""
+    block = model.config.block_size
     made, chunk = 0, 0
     while made < max_new_tokens:
         if len(ctx) >= block:
