@@ -351,3 +351,19 @@ def test_a_step_past_the_filled_cache_is_refused():
     st([4], 3)
     st([4], 3)                 # the same position again: its rows rewritten
     assert len(list(st.greedy([4], 4, 3))) == 3 and cache.pos == 7
+
+
+@pytest.mark.parametrize("row,name", [([-1.0, 0, 1, 0, 1], "temperature"), ([float("nan"), 0, 1, 0, 1], "temperature"),
+                                      ([1.0, 2.5, 1, 0, 1], "top_k"), ([1.0, 0, -0.1, 0, 1], "top_p"),
+                                      ([1.0, 0, 1, -1, 1], "min_p"), ([1.0, 0, 1, 0, 0], "repetition_penalty")])
+def test_decode_step_knobs_are_checked_on_the_host(row, name):
+    """The knobs go to the device, where nothing checks them: a negative or NaN temperature was
+    taken as greedy, a top_p below 0 as no cut (a library user's report)."""
+    import forge_ml as fm
+    from forge_ml.errors import ConfigError
+    from forge_ml.inference.decode import DecodeStep
+    from forge_ml.models.gpt2 import GPT2, GPT2Config
+    model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=8))
+    st = DecodeStep(model, model.new_cache(1, 16))
+    with pytest.raises(ConfigError, match=f"knobs row 0 has {name}"):
+        st.choose(fm.tensor(np.zeros((1, 16), np.float32)), 1, [row], [[1, 2]])

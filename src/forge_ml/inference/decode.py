@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import flags, graph, ops
 from ..sampling import SAMPLE_KNOBS
-from ..errors import DTypeError, ShapeError
+from ..errors import ConfigError, DTypeError, ShapeError
 from ..tensor import Tensor, host_buffer, tensor, zeros
 
 
@@ -82,6 +82,29 @@ class KVCache:
     def batch(self) -> int:
         """The number of rows."""
         return self.k[0].shape[0]
+
+
+def _check_knobs(knobs: np.ndarray) -> None:
+    """The (B, 5) knob rows of DecodeStep.sample / choose, on the host before they go to the
+    device (where nothing checks them): a NaN, a negative temperature (taken as greedy), a
+    top_k that is no whole number >= 0, a top_p outside [0, 1] (0 and 1: no cut), a negative
+    min_p or a repetition penalty <= 0 is a ConfigError naming the row.
+
+    >>> _check_knobs(np.array([[0.8, 40, 0.9, 0.0, 1.2]], np.float32))
+    >>> _check_knobs(np.array([[-1.0, 0, 1, 0, 1]], np.float32))
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: DecodeStep: knobs row 0 has temperature -1.0; expected >= 0 (0: greedy)
+    """
+    rules = (("temperature", lambda v: v >= 0, ">= 0 (0: greedy)"),
+             ("top_k", lambda v: v >= 0 and v == int(v), "a whole number >= 0 (0: off)"),
+             ("top_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 or 1: off)"),
+             ("min_p", lambda v: v >= 0, ">= 0 (0: off)"),
+             ("repetition_penalty", lambda v: v > 0, "> 0 (1: off)"))
+    for r, row in enumerate(np.asarray(knobs, np.float64).reshape(-1, 5)):
+        for (name, ok, want), v in zip(rules, row):
+            if not (v == v and ok(v)):
+                raise ConfigError(f"DecodeStep: knobs row {r} has {name} {float(v)!r}; expected {want}")
 
 
 class DecodeStep:
@@ -306,6 +329,7 @@ class DecodeStep:
             raise ShapeError(f"DecodeStep: seen must be ({B}, {V}) bool marks (None: no "
                              f"penalty), got {np.shape(seen)}")
         knobs = knobs.reshape(B, 5)
+        _check_knobs(knobs)
         keys = (keys.reshape(B, 2) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
         if self._knobs is None:
             self._knobs = zeros((B, 5), "float32", self.device)
