@@ -526,3 +526,22 @@ def test_generation_arguments_are_checked_at_the_call():
     assert len(list(stream_tokens(m, [1, 2], 20, temperature=0))) == 20   # the window still slides
     with pytest.raises(DTypeError, match="float32, float64 or bfloat16"):
         GPT2.init(GPT2Config(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4), dtype="int32")
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda f: f.next_token_probs(np.log([0.5, 0.3, 0.2]), -1), "temperature must be >= 0"),
+    (lambda f: f.next_token_probs(np.log([0.5, 0.3, 0.2]), 1, min_p=2), "min_p must be None or in"),
+    (lambda f: f.next_token_probs(np.log([0.5, 0.3, 0.2]), 1, top_k=0), "top_k must be None or an int >= 1"),
+    (lambda f: f.next_token_probs(np.log([0.5, 0.3, 0.2]), 1, top_p=0), "top_p must be None or in"),
+    (lambda f: f.token_logprobs(np.log([0.5, 0.3, 0.2]), -1), "temperature must be >= 0"),
+    (lambda f: f.token_logprobs(np.zeros(3), float("nan")), "temperature must be >= 0"),
+    (lambda f: f.apply_repetition_penalty(np.ones(3), 2.0, [-1]), "negative"),
+])
+def test_the_exported_sampling_helpers_check_their_arguments(call, match):
+    """The helpers generate is written with are public (and next_token_probs is the reference
+    the tests draw against): a negative temperature inverted the distribution, min_p 2 gave
+    NaNs, top_k 0 a raw NumPy error, id -1 penalised the last token (a library user's report)."""
+    from forge_ml.errors import ConfigError
+    import forge_ml.inference as g   # the package exports them
+    with pytest.raises(ConfigError, match=match):
+        call(g)

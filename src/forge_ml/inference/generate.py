@@ -133,6 +133,8 @@ def apply_repetition_penalty(logits, penalty: float, context) -> np.ndarray:
     if penalty == 1.0 or len(context) == 0:
         return z
     ids = np.unique(np.asarray(context, dtype=np.int64))
+    if ids.size and ids[0] < 0:   # NumPy would take -1 for the last id
+        raise ConfigError(f"apply_repetition_penalty: token id {int(ids[0])} in the context is negative")
     ids = ids[ids < z.shape[0]]                       # ids past the logits cannot be chosen
     seen = z[ids]
     z[ids] = np.where(seen < 0, seen * penalty, seen / penalty)
@@ -148,6 +150,7 @@ def token_logprobs(logits, temperature: float = 1.0, *, repetition_penalty: floa
     >>> np.round(np.exp(token_logprobs(np.log([0.5, 0.25, 0.25]))), 3).tolist()
     [0.5, 0.25, 0.25]
     """
+    _check_choice("token_logprobs", temperature, repetition_penalty=repetition_penalty)
     z = apply_repetition_penalty(logits, repetition_penalty, context)
     z = z - z.max()                 # before the temperature: a vanishing one gives -inf, not inf - inf
     if temperature > 0:
@@ -196,6 +199,7 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = No
     ...                  context=[0]).tolist()
     [0.0, 1.0]
     """
+    _check_choice("next_token_probs", temperature, top_k, top_p, min_p, repetition_penalty)
     z = apply_repetition_penalty(logits, repetition_penalty, context)  # (V,)
     v = z.shape[0]
     probs = np.zeros(v, np.float64)
@@ -291,6 +295,35 @@ def _stop_args(stop_tokens, stop_strings) -> tuple[tuple, tuple]:
     return tuple(int(t) for t in stop_tokens), tuple(stop_strings)
 
 
+def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
+    """The next-token knobs as generate, next_token_probs and token_logprobs take them: a
+    ConfigError naming ``who`` and the knob otherwise (a negative temperature inverted the
+    distribution, a min_p of 2 gave NaNs, a top_k of 0 a raw NumPy error).
+
+    >>> _check_choice("f", 0.8, 40, 0.9, 0.05, 1.2)
+    >>> _check_choice("f", -1)
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: f: temperature must be >= 0 (0 = greedy), got -1
+    """
+    def real(v):
+        return isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v
+
+    if not (real(temperature) and temperature >= 0):
+        raise ConfigError(f"{who}: temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        raise ConfigError(f"{who}: top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not (real(top_p) and 0 < top_p <= 1):
+        raise ConfigError(f"{who}: top_p must be None or in (0, 1], got {top_p!r}")
+    if min_p is not None and not (real(min_p) and 0 <= min_p <= 1):
+        raise ConfigError(f"{who}: min_p must be None or in [0, 1] (a fraction of the most "
+                          f"likely token's probability), got {min_p!r}")
+    rp = repetition_penalty
+    if not (real(rp) and 0 < rp < float("inf")):
+        raise ConfigError(f"{who}: repetition_penalty must be a number > 0 (1 = off, > 1 "
+                          f"discourages repeats), got {repetition_penalty!r}")
+
+
 def _check_stop_ids(model, stop_tokens) -> None:
     """Stop ids must be the model's: one past its vocabulary can never be generated, so a run
     would go on to max_new_tokens in silence (GPT-2's 50256 given to a small model), as
@@ -316,24 +349,12 @@ def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, st
                              f"be in 0..{cfg.vocab_size - 1}")
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise ConfigError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not (isinstance(temperature, numbers.Real) and temperature >= 0):
-        raise ConfigError(f"generate: temperature must be >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (not _is_int(top_k) or top_k < 1):
-        raise ConfigError(f"generate: top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, numbers.Real) and 0 < top_p <= 1):
-        raise ConfigError(f"generate: top_p must be None or in (0, 1], got {top_p!r}")
+    _check_choice("generate", temperature, top_k, top_p, min_p, repetition_penalty)
     if not _is_int(seed) or seed < 0:
         raise ConfigError(f"generate: seed must be an int >= 0, got {seed!r}")
     if stop_strings and tokenizer is None:
         raise ConfigError("generate: stop_strings need a tokenizer to decode the generated text; "
                           "pass tokenizer=")
-    if min_p is not None and not (isinstance(min_p, numbers.Real) and 0 <= min_p <= 1):
-        raise ConfigError(f"generate: min_p must be None or in [0, 1] (a fraction of the most "
-                          f"likely token's probability), got {min_p!r}")
-    rp = repetition_penalty
-    if not (isinstance(rp, numbers.Real) and not isinstance(rp, bool) and 0 < rp < float("inf")):
-        raise ConfigError(f"generate: repetition_penalty must be a number > 0 (1 = off, > 1 "
-                          f"discourages repeats), got {repetition_penalty!r}")
     if logprobs is not None:
         if not _is_int(logprobs) or not 0 <= logprobs <= cfg.vocab_size:
             raise ConfigError(f"generate: logprobs must be None or an int in 0.."
