@@ -69,7 +69,9 @@ A row finishes (``TokenEvent.finish`` says why) after
     - ``max_new_tokens`` tokens ("max_new_tokens"),
     - a full context: a row's prompt plus its generated tokens never exceed ``block_size``
       positions, so a prompt of ``n`` tokens gets at most ``block_size - n`` new ones
-      ("context_full"; there is no sliding window).
+      ("context_full"; there is no sliding window). A row with nothing to generate (a prompt
+      that fills the context, or ``max_new_tokens=0``) yields no event at all, so no finish
+      reason either: its prompt is its whole text.
 
 >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
 >>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))
