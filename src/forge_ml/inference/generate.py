@@ -153,7 +153,12 @@ def token_logprobs(logits, temperature: float = 1.0, *, repetition_penalty: floa
     [0.5, 0.25, 0.25]
     """
     _check_choice("token_logprobs", temperature, repetition_penalty=repetition_penalty)
-    z = apply_repetition_penalty(logits, repetition_penalty, context)
+    return _log_softmax(apply_repetition_penalty(logits, repetition_penalty, context), temperature)
+
+
+def _log_softmax(z, temperature: float) -> np.ndarray:
+    """``token_logprobs`` of logits ``z`` that carry their penalty already, the temperature
+    taken as checked (generate's per-token path)."""
     z = z - z.max()                 # before the temperature: a vanishing one gives -inf, not inf - inf
     if temperature > 0:
         with np.errstate(over="ignore"):
@@ -462,7 +467,7 @@ class _Choice:
             tok = int(np.argmax(z))
         if self.logprobs is None:
             return tok, None, None
-        logp = token_logprobs(z, self.temperature)       # z is penalised already
+        logp = _log_softmax(z, self.temperature)          # z is penalised already
         return tok, float(logp[tok]), _top_logprobs(logp, self.logprobs)
 
 
