@@ -403,7 +403,7 @@ def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int =
 
 # Errors speak forge-ml train's flags where the command line runs (errors.CLI_WORDS), else
 # the library's names (TrainConfig's fields, Trainer's arguments), which a notebook user typed.
-_FLAG_WORDS = {"--resume": "resume=True", "--overwrite": "overwrite=True", "--out": "out_dir"}
+_FLAG_WORDS = {"--resume": "resume=True", "--overwrite": "overwrite=True"}
 _FLAG = re.compile(r"(?<![\w./~-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?: (?=[^\s]*[\d./~_A-Z])[^\s,;:)]+)?")
 
 
@@ -421,7 +421,7 @@ def library_words(msg: str) -> str:
     >>> library_words("text file not found: r/--data/x.txt")   # a path is no flag
     'text file not found: r/--data/x.txt'
     """
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = _config_fields()
 
     def word(m):
         before = msg[:m.start()]
@@ -438,6 +438,11 @@ def library_words(msg: str) -> str:
         return f"{name}={value}" if value else name
 
     return _FLAG.sub(word, msg)
+
+
+@functools.lru_cache(maxsize=None)
+def _config_fields() -> frozenset:
+    return frozenset(f.name for f in dataclasses.fields(TrainConfig))
 
 
 def _library_errors(fn):
@@ -598,6 +603,11 @@ class Trainer:
                 was = (meta.get("train_config") or {}).get("block_size")
                 cfg.block_size = was if isinstance(was, int) and was >= 1 else \
                     (meta.get("config") or {}).get("block_size", DEFAULT_BLOCK)
+            was_t = meta["data"].get("block_size") if isinstance(meta["data"], dict) else None
+            if isinstance(was_t, int) and was_t != cfg.block_size:   # before any write, as the batch's
+                raise ConfigError(f"--block-size {cfg.block_size}: the run in {self.out_dir} was trained on windows "
+                                  f"of {was_t} tokens, which a resumed run keeps (its data position counts them); "
+                                  f"drop --block-size")
             was = (meta.get("train_config") or {}).get("tokenizer")
             if cfg.tokenizer is None:
                 cfg.tokenizer = was
@@ -1094,11 +1104,6 @@ class Trainer:
         # --beta2 on resume did nothing while the new checkpoint recorded it)
         self.opt.lr, self.opt.weight_decay = self.cfg.lr, self.cfg.weight_decay
         self.opt.betas = (float(self.cfg.beta1), float(self.cfg.beta2))
-        was_t = meta["data"].get("block_size") if isinstance(meta["data"], dict) else None
-        if isinstance(was_t, int) and was_t != self.cfg.block_size:
-            raise ConfigError(f"--block-size {self.cfg.block_size}: the run in {self.out_dir} was trained on windows "
-                              f"of {was_t} tokens, which a resumed run keeps (its data position counts them); "
-                              f"drop --block-size")
         self.train_loader.load_state_dict(meta["data"])
         self.step = int(meta["step"])
         self.elapsed = float(meta.get("elapsed", 0.0))
@@ -1118,10 +1123,7 @@ class Trainer:
         # the resumed run evaluates first (the same windows), so that its log has every record
         # an uninterrupted run's has
         # (keep_best: the last step's estimate too, which a stop on its log line cut short)
-        every, last = self.cfg.eval_interval, self.cfg.max_steps
-        due = (self.step % every == 0 and 0 < self.step < last) if every else False
-        due = due or bool(every and self.cfg.keep_best and 0 < self.step == last)
-        self._eval_due = bool(kept is not None and due
+        self._eval_due = bool(kept is not None and self._estimates_at(self.step, self.cfg.max_steps)
                               and not any(r["step"] == self.step and "val_loss" in r for r in kept))
 
     def _auto_batch_size(self) -> None:
@@ -1487,10 +1489,7 @@ class Trainer:
         """Write the checkpoint of the current step to ``<out_dir>/ckpt`` (atomically). A
         failed write (full disk, read-only folder) keeps the previous checkpoint and raises a
         one-line CheckpointError that says so."""
-        if self._torn:
-            raise RunError(f"this Trainer's step {self.step + 1} was cut short inside the optimizer update, so its "
-                           f"model is half updated and is not saved; {self._kept()}: go on from it with a new "
-                           f"Trainer and resume=True")
+        self._refuse_if_torn("and is not saved")
         held = self.lock.held
         self._hold_folder()    # never beside another Trainer of the folder
         try:
@@ -1580,6 +1579,14 @@ class Trainer:
         finally:
             self._phase = None
 
+    def _refuse_if_torn(self, what: str = "") -> None:
+        """A RunError once an error cut this Trainer's optimizer update short: its model is
+        half updated, so it neither saves nor trains on."""
+        if self._torn:
+            raise RunError(f"this Trainer's step {self.step + 1} was cut short inside the optimizer update, so its "
+                           f"model is half updated{' ' + what if what else ''}; {self._kept()}: go on from it with a "
+                           f"new Trainer and resume=True")
+
     def _save_after_error(self, e: Exception) -> None:
         """An error ended the loop (a user's log function, a sample, an op-by-op step that ran
         out of memory): the steps trained since the last checkpoint are saved, as a stop saves
@@ -1627,10 +1634,7 @@ class Trainer:
         """
         if until is not None:
             until = _count("train", "until", until)   # not after taking the folder
-        if self._torn:
-            raise RunError(f"this Trainer's step {self.step + 1} was cut short inside the optimizer update, so its "
-                           f"model is half updated; {self._kept()}: go on from it with a new Trainer and "
-                           f"resume=True")
+        self._refuse_if_torn()
         self._hold_folder()
         self._stop = signal.SIGPIPE if self._pipe_closed else None
         old = self._install_handlers()
@@ -1699,8 +1703,7 @@ class Trainer:
                     break
                 # keep_best: the last step's model is estimated too, so that it competes (the
                 # final evaluation over every window reads higher and does not compete)
-                if cfg.eval_interval and ((s % cfg.eval_interval == 0 and s < until)
-                                          or (s == until == cfg.max_steps and cfg.keep_best)):
+                if self._estimates_at(s, until):
                     self._eval_and_log(full=False)
                 if cfg.sample_interval and s % cfg.sample_interval == 0 and s < until:
                     self._sample_and_show()
@@ -1742,6 +1745,14 @@ class Trainer:
                 "val_loss": self.val_loss, "val_kind": self.val_kind,
                 "losses": self.losses[mine:],   # of this call (as documented)
                 "checkpoint": str(self.ckpt_dir)}
+
+    def _estimates_at(self, s: int, until: int) -> bool:
+        """Whether step ``s`` (of a call training up to ``until``) ends with a periodic val
+        estimate: every ``eval_interval`` steps before the call's last (the final evaluation
+        follows that one), and with keep_best the run's last step too, so its model competes."""
+        every = self.cfg.eval_interval
+        return bool(every and s > 0 and ((s % every == 0 and s < until)
+                                         or (s == until == self.cfg.max_steps and self.cfg.keep_best)))
 
     def _eval_and_log(self, full: bool) -> None:
         cfg = self.cfg
