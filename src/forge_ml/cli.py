@@ -373,8 +373,9 @@ def _cmd_check(args) -> int:
         except DeviceError as e:
             if args.device:
                 raise
-            # the backend's words ("device cuda was asked for but ...") for a device nobody named
-            why = str(e).replace(f"device {dev} was asked for but its backend cannot load: ", "", 1)
+            # why the backend cannot load, not the registry's "device cuda was asked for" around
+            # it (nobody named the device)
+            why = e.__cause__ if isinstance(e.__cause__, DeviceError) else e
             print(f"{dev:8s} not available: {why}")
             continue
         errs = {k: _rel_error(grads[k].numpy(), g64[k].numpy()) for k in g64}
@@ -745,12 +746,12 @@ def _cmd_eval(args) -> int:
     if args.block_size is not None and not 1 <= args.block_size <= cfg.block_size:
         raise ConfigError(f"--block-size must be in 1..{cfg.block_size} (the model's context), got {args.block_size}")
     if folder is not None:
-        _check_shards_tokenizer(folder.folder, folder.tokenizer, tok, args.ckpt, model_vocab=cfg.vocab_size)
+        _check_shards_tokenizer(folder.folder, folder.tokenizer, tok, args.ckpt, cfg.vocab_size)
     elif shard and (path.parent / "tokenizer.json").is_file():
         # one shard of a prepared folder: the tokenizer.json beside it counts as the folder's (a
         # loose shard with none beside it is taken as it is: only its ids' range is checked)
         _check_shards_tokenizer(path.parent, path.parent / "tokenizer.json", tok, args.ckpt,
-                                what=f"the shard {path}", model_vocab=cfg.vocab_size)
+                                cfg.vocab_size, what=f"the shard {path}")
     tmp = None
     if shards is None and not shard:  # a text file: tokenize it with the checkpoint's tokenizer
         import tempfile
@@ -806,7 +807,7 @@ def _cmd_eval(args) -> int:
     return 0
 
 
-def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, what=None, model_vocab=None) -> None:
+def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, model_vocab: int, what=None) -> None:
     """A DataError when the shards of the data folder ``folder`` (``what`` names one shard of
     it) were made with another tokenizer than the checkpoint's: ``tokenizer_file``, or (None:
     llm.c's shards) GPT-2's. Ids that fit the model's vocabulary would otherwise be read as
@@ -817,7 +818,7 @@ def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, what=None, model_
     # the way out: a text file, unless the checkpoint's tokenizer does not fit its model either
     # (eval refuses a text file then)
     advice = ("give a text file, which is tokenized with the checkpoint's tokenizer"
-              if model_vocab is None or tok.vocab_size <= model_vocab else
+              if tok.vocab_size <= model_vocab else
               f"and the checkpoint's own tokenizer ({tok.kind}, {tok.vocab_size} ids) does not fit its "
               f"{model_vocab}-token model either: give shards made for this model")
     if tokenizer_file is None:

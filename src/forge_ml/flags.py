@@ -49,7 +49,7 @@ class Switch:
         v = raw.strip().lower() if self.choices is not None else raw.strip()
         if self.choices is None:
             return v
-        if self.choices == ("on", "off"):
+        if {"on", "off"} <= set(self.choices):   # 1/0, true/false, yes/no for every on/off switch
             if v in _ON:
                 return "on"
             if v in _OFF:
@@ -96,8 +96,7 @@ _SWITCHES = (
            "GPT-2's batch-1 decoding step on a GPU with thread-block clusters (Hopper): two CUDA "
            "kernels a layer and one for the head (layers, the default: 4,097 against 2,459 "
            "tok/s in bf16 on an H200), the kernel-per-op step (off), or the experimental "
-           "whole step as one kernel (on, not faster than off)", ("on", "off", "layers"),
-           aliases=tuple((v, "on") for v in _ON) + tuple((v, "off") for v in _OFF)),
+           "whole step as one kernel (on, not faster than off)", ("on", "off", "layers")),
     Switch("FORGE_GEMV", "on",
            "few-row products (decoding) on forge-ml's cluster gemv kernel on Hopper (off: cuBLAS)",
            ("on", "off")),

@@ -96,15 +96,16 @@ def _check_knobs(knobs: np.ndarray) -> None:
     ...
     forge_ml.errors.ConfigError: DecodeStep: knobs row 0 has temperature -1.0; expected >= 0 (0: greedy)
     """
-    rules = (("temperature", lambda v: v >= 0, ">= 0 (0: greedy)"),
-             ("top_k", lambda v: v >= 0 and v == int(v), "a whole number >= 0 (0: off)"),
-             ("top_p", lambda v: 0 <= v <= 1, "in [0, 1] (0 or 1: off)"),
-             ("min_p", lambda v: v >= 0, ">= 0 (0: off)"),
-             ("repetition_penalty", lambda v: v > 0, "> 0 (1: off)"))
-    for r, row in enumerate(np.asarray(knobs, np.float64).reshape(-1, 5)):
-        for (name, ok, want), v in zip(rules, row):
-            if not (v == v and ok(v)):
-                raise ConfigError(f"DecodeStep: knobs row {r} has {name} {float(v)!r}; expected {want}")
+    k = np.asarray(knobs, np.float64).reshape(-1, 5)
+    t, top_k, top_p, min_p, pen = k.T          # NaN fails every comparison below
+    with np.errstate(invalid="ignore"):
+        ok = np.stack([t >= 0, (top_k >= 0) & (top_k == np.floor(top_k)), (top_p >= 0) & (top_p <= 1),
+                       min_p >= 0, pen > 0], axis=1)
+    if not ok.all():
+        r, c = (int(i) for i in np.argwhere(~ok)[0])   # the first, row by row
+        want = (">= 0 (0: greedy)", "a whole number >= 0 (0: off)", "in [0, 1] (0 or 1: off)", ">= 0 (0: off)",
+                "> 0 (1: off)")[c]
+        raise ConfigError(f"DecodeStep: knobs row {r} has {SAMPLE_KNOBS[c]} {float(k[r, c])!r}; expected {want}")
 
 
 class DecodeStep:

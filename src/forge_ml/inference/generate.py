@@ -242,6 +242,11 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _is_real(x) -> bool:
+    """A real number, not a bool or a NaN (infinities pass: each knob's range says)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == x
+
+
 def _as_prompts(prompts) -> tuple[list, bool]:
     """``(list of prompts as lists of ints, single)``; ``single`` when one prompt was given
     (a list, a NumPy array or an integer Tensor: 1-d for one prompt, 2-d for a batch)."""
@@ -313,20 +318,17 @@ def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetiti
     ...
     forge_ml.errors.ConfigError: f: temperature must be >= 0 (0 = greedy), got -1
     """
-    def real(v):
-        return isinstance(v, numbers.Real) and not isinstance(v, bool) and v == v
-
-    if not (real(temperature) and temperature >= 0):
+    if not (_is_real(temperature) and temperature >= 0):
         raise ConfigError(f"{who}: temperature must be >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (not _is_int(top_k) or top_k < 1):
         raise ConfigError(f"{who}: top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and not (real(top_p) and 0 < top_p <= 1):
+    if top_p is not None and not (_is_real(top_p) and 0 < top_p <= 1):
         raise ConfigError(f"{who}: top_p must be None or in (0, 1], got {top_p!r}")
-    if min_p is not None and not (real(min_p) and 0 <= min_p <= 1):
+    if min_p is not None and not (_is_real(min_p) and 0 <= min_p <= 1):
         raise ConfigError(f"{who}: min_p must be None or in [0, 1] (a fraction of the most "
                           f"likely token's probability), got {min_p!r}")
     rp = repetition_penalty
-    if not (real(rp) and 0 < rp < float("inf")):
+    if not (_is_real(rp) and 0 < rp < float("inf")):
         raise ConfigError(f"{who}: repetition_penalty must be a number > 0 (1 = off, > 1 "
                           f"discourages repeats), got {repetition_penalty!r}")
 

@@ -235,7 +235,7 @@ class GPT2:
         if bad is not None:
             raise ConfigError(f"GPT2: parameter {bad!r} is a {type(self.params[bad]).__name__}; expected a "
                               f"Tensor (GPT2.from_state_dict takes NumPy arrays)")
-        bad = next((k for k, v in self.params.items() if v.dtype.name not in ("float32", "float64", "bfloat16")), None)
+        bad = next((k for k, v in self.params.items() if not v.dtype.is_float), None)
         if bad is not None:   # an int dtype asked for at init or load truncated every weight
             raise DTypeError(f"GPT2: parameter {bad!r} is {self.params[bad].dtype.name}; a model computes in "
                              f"float32, float64 or bfloat16 (dtype=)")
