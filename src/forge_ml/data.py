@@ -84,6 +84,7 @@ def _atomic_write_files(files) -> None:
     """
     files = [(safe_target(path, DataError), chunks) for path, chunks in files]
     done = []  # (temporary name, path) of the files written
+    new, placed = set(), []   # the paths that held no file before; those renamed into place
     path = None
     try:
         for path, chunks in files:
@@ -97,14 +98,24 @@ def _atomic_write_files(files) -> None:
                     f.write(c)
                 f.flush()
                 os.fsync(f.fileno())
+        new = {p for _, p in done if not p.exists()}
         for tmp, path in done:
             os.replace(tmp, path)
+            placed.append(path)
     except BaseException as e:
         for tmp, _ in done:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+        # a rename that failed after others (a full disk, a kill's signal): the files this
+        # call made where there were none go again, so no set is left half new
+        for p in placed:
+            if p in new:
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
         if isinstance(e, OSError):
             err = DataWriteError(cannot_write(path, e))
             err.errno = e.errno

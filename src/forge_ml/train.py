@@ -1021,10 +1021,8 @@ class Trainer:
         def write():
             # what this write makes is taken back when it fails (a full disk), so that the
             # same command, run again, is not refused as a run that already holds data/
+            # (the shards take themselves back: write_prepared's files are written together)
             fresh = [p for p in ((src, d) if not cfg.data else (d,)) if not p.exists()]
-            # and the shards it writes: a failure after train.bin (a full disk at val.bin)
-            # left data/ holding it, and the same command was refused ("holds a run (data/)")
-            had = set(os.listdir(d)) if d.is_dir() else set()
             try:
                 if not cfg.data:
                     try:
@@ -1034,12 +1032,6 @@ class Trainer:
                         raise RunError(cannot_write(src, e)) from None
                 info = write_prepared(d, train, val, tok)
             except BaseException:
-                for name in DATA_FILES:
-                    if name not in had and (d / name).is_file():
-                        try:
-                            (d / name).unlink()
-                        except OSError:
-                            pass
                 for p in fresh:  # the corpus first, then the folder (only when left empty)
                     try:
                         p.rmdir() if p == d else p.unlink()
