@@ -567,6 +567,20 @@ def read_state(dir) -> dict | None:
     return state if isinstance(state, dict) else None
 
 
+def read_meta(dir) -> dict | None:
+    """The ``meta`` of the checkpoint in ``dir`` (``read_state``'s), or None where there is no
+    checkpoint or its meta is no dict.
+
+    >>> import tempfile, os, numpy as np
+    >>> d = os.path.join(tempfile.mkdtemp(), "c")
+    >>> save_checkpoint(d, {"w": np.zeros(1, np.float32)}, {"step": 3, "run_id": "r"})
+    >>> read_meta(d)["run_id"], read_meta(os.path.dirname(d))
+    ('r', None)
+    """
+    meta = (read_state(dir) or {}).get("meta")
+    return meta if isinstance(meta, dict) else None
+
+
 def is_checkpoint_dir(path, kind: str | None = None) -> bool:
     """Whether ``path`` is a folder holding a forge-ml checkpoint's ``state.json`` (and at most
     its ``model.safetensors`` beside it): one that ``save_checkpoint`` may replace. With

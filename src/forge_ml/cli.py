@@ -861,9 +861,8 @@ def _cmd_prepare(args) -> int:
 
 def _kept_by_a_run(folder) -> bool:
     """Whether the model checkpoint in ``folder`` is one a trainer kept (its meta names a run)."""
-    from .checkpoint import read_state
-    meta = (read_state(folder) or {}).get("meta")
-    return isinstance(meta, dict) and bool(meta.get("run_id"))
+    from .checkpoint import read_meta
+    return bool((read_meta(folder) or {}).get("run_id"))
 
 
 def _cmd_convert(args) -> int:

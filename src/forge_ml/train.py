@@ -74,7 +74,7 @@ from . import flags
 from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
 from .checkpoint import (check_architecture, check_checkpoint_target, is_checkpoint_dir, load_checkpoint,
-                         pack_tensors, read_state, save_checkpoint, unpack_tensors)
+                         pack_tensors, read_meta, read_state, save_checkpoint, unpack_tensors)
 from .data import (DataLoader, ShardFolder, default_corpus, encode_array, is_shard_file, load_text, read_shard,
                    shard_folder, split_tokens, write_prepared)
 from .diagnose import CheckingTape
@@ -666,7 +666,7 @@ class Trainer:
             # or another run's best, was replaced, or taken as this run's lowest val loss)
             check_checkpoint_target(self.best_dir, "forge-ml-model")
             if is_checkpoint_dir(self.best_dir, "forge-ml-model"):
-                theirs = read_state(self.best_dir)["meta"]   # the meta alone, not the weights
+                theirs = read_meta(self.best_dir)   # the meta alone, not the weights
                 # --overwrite starts over from a keep_best model (a run id) of the run it
                 # replaces, and removes it (it refused every run that had kept one)
                 earlier = overwrite and not resume and self._kept_here(theirs)
@@ -759,18 +759,15 @@ class Trainer:
         in this folder: a run id, and this folder as its source or the run id of the folder's
         checkpoint (a folder moved as a whole). A conversion written there has no run id;
         another run's best moved here names its own folder and run."""
-        def meta_of(d):
-            m = (read_state(self.out_dir / d) or {}).get("meta")
-            return m if isinstance(m, dict) else None
         if meta is None:
             if not is_checkpoint_dir(self.out_dir / BEST_NAME, "forge-ml-model"):
                 return False
-            meta = meta_of(BEST_NAME)
+            meta = read_meta(self.out_dir / BEST_NAME)
         if not (isinstance(meta, dict) and meta.get("run_id")):
             return False
         if meta.get("source") == str(self.out_dir.resolve()):
             return True
-        ckpt = meta_of(CKPT_NAME)
+        ckpt = read_meta(self.out_dir / CKPT_NAME)
         return ckpt is not None and ckpt.get("run_id") == meta["run_id"]
 
     def _best_before(self, best_meta: dict, step) -> Optional[float]:
