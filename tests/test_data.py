@@ -1,6 +1,9 @@
 """Token shards (llm.c layout), text loading, prepare, and the loader's determinism/resume."""
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -312,6 +315,44 @@ def test_loader_small_shard_names_file(tmp_path):
     DataLoader(p, 2, 15)  # exactly T + 1 is enough
     with pytest.raises(DataError, match="no token shards match"):
         DataLoader(str(tmp_path / "*.nope"), 2, 4)
+
+
+_TRUNCATE = """
+import os, sys
+import numpy as np
+from forge_ml.data import DataLoader, write_shard
+from forge_ml.errors import DataError
+a, b = sys.argv[1:3]
+write_shard(a, np.arange(100_000) % 500)     # 50 pages of tokens: a truncation leaves most unmapped
+write_shard(b, np.arange(100_000) % 500)
+dl = DataLoader([a, b], batch_size=8, block_size=64, seed=0)
+dl.next_batch()
+os.truncate(a, 4096)                          # another process cuts the shard short
+for what, read in (("batch", dl.next_batch), ("eval", lambda: next(dl.eval_batches(4)))):
+    try:
+        read()
+    except DataError as e:
+        print(what, "|", e)
+"""
+
+
+def test_a_shard_truncated_while_read_is_a_data_error_not_a_sigbus(tmp_path):
+    """A shard file cut short while a loader had it memory-mapped killed the process with SIGBUS
+    at the next read of its tokens; each read checks the file's size first and says what it
+    expected and what it found. Run in a child process, which a SIGBUS would kill (not pytest)."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    a, b = tmp_path / "a_train.bin", tmp_path / "b_train.bin"
+    r = subprocess.run([sys.executable, "-c", _TRUNCATE, str(a), str(b)], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=src))
+    assert r.returncode == 0, (r.returncode, r.stderr)   # -7: killed by SIGBUS
+    lines = r.stdout.strip().splitlines()
+    assert [ln.split(" |")[0] for ln in lines] == ["batch", "eval"], r.stdout
+    for ln in lines:
+        assert (f"token shard {a} changed while it was read: expected 201,024 bytes (its 100,000 tokens), "
+                f"the file now holds 4,096") in ln, ln
+    # an intact shard reads as before
+    x, y = DataLoader(b, 8, 64, seed=0).next_batch()
+    np.testing.assert_array_equal(y[:, :-1], x[:, 1:])
 
 
 def test_eval_batches_sequential_and_fixed(tmp_path):

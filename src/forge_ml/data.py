@@ -27,6 +27,7 @@ from __future__ import annotations
 import glob
 import json
 import math
+import mmap
 import os
 import tempfile
 from dataclasses import dataclass
@@ -567,12 +568,30 @@ class DataLoader:
         self.batches_drawn = 0
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
 
+    def _check_size(self, i: int) -> None:
+        """Shard ``i``'s file still has the size it had when mapped (an fstat through the
+        mapping): a read past the end of a file truncated meanwhile would kill the process
+        with SIGBUS; a DataError says what was expected and what is there instead."""
+        s = self.shards[i]
+        if not isinstance(s.base, mmap.mmap):
+            return
+        want = HEADER_BYTES + 2 * len(s)
+        try:
+            got = s.base.size()
+        except (OSError, ValueError):
+            return
+        if got != want:
+            raise DataError(f"token shard {self.paths[i]} changed while it was read: expected {want:,} bytes "
+                            f"(its {len(s):,} tokens), the file now holds {got:,}; it was truncated or rewritten "
+                            f"in place (write a new shard beside it and rename it over the old one instead)")
+
     def _window(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the concatenation, as int64."""
         out = np.empty(length, dtype=np.int64)
         i = int(np.searchsorted(self._starts, start, side="right")) - 1
         filled = 0
         while filled < length:
+            self._check_size(i)
             s = self.shards[i]
             lo = start + filled - int(self._starts[i])
             take = min(length - filled, len(s) - lo)
@@ -598,6 +617,7 @@ class DataLoader:
         shard = np.searchsorted(self._starts, offsets, side="right") - 1
         done = np.zeros(len(offsets), dtype=bool)
         for i in np.unique(shard):   # the shards the batch touches (of maybe hundreds)
+            self._check_size(i)
             s = self.shards[i]
             lo = offsets - self._starts[i]
             inside = (shard == i) & (lo + length <= len(s))
