@@ -217,6 +217,34 @@ def test_an_error_in_the_loop_saves_the_steps_trained_and_the_resume_is_exact(te
     assert not info.value.saved and load_checkpoint(tmp_path / "d" / "ckpt")[1]["step"] == 2
 
 
+def test_a_failed_save_in_one_call_does_not_skip_a_later_calls_error_save(text_file, tmp_path, monkeypatch):
+    """A checkpoint that failed (a full disk) in one train() call kept the flag that stops the
+    after-error save from retrying it: an error in a later call, the disk free again, then
+    lost every step that call had trained. Within a call, the failed save is still not retried."""
+    import errno
+    import forge_ml.train as train_mod
+    real, calls, full = train_mod.save_checkpoint, [], [True]
+
+    def save(folder, *a, **k):
+        calls.append(folder)
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device", str(folder))
+        return real(folder, *a, **k)
+
+    def log(line):   # a user's log function that fails at step 4's line
+        if line.startswith("step      4/"):
+            raise ValueError("the notebook's widget went away")
+    monkeypatch.setattr(train_mod, "save_checkpoint", save)
+    t = Trainer(_cfg(text_file, tmp_path / "run", max_steps=6, checkpoint_interval=2, log_interval=1), log=log)
+    with pytest.raises(RunError, match="No space left on device"):
+        t.train(until=3)            # the checkpoint of step 2 fails
+    assert len(calls) == 1 and t.step == 2
+    full[0] = False                 # room again
+    with pytest.raises(ValueError, match="widget"):
+        t.train()
+    assert load_checkpoint(tmp_path / "run" / "ckpt")[1]["step"] == 4
+
+
 def _vals(out):
     return [(r["step"], r.get("val_kind"), r.get("best")) for r in
             (json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()) if "val_loss" in r]

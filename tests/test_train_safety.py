@@ -1434,6 +1434,37 @@ def test_keep_best_after_a_stop_between_best_and_checkpoint_and_under_overwrite(
     assert read_log("r/log.jsonl")[0][0]["step"] == 1
 
 
+def test_a_resume_that_ends_before_its_best_steps_is_refused(workdir, capsys):
+    """A kill after best/ was kept at step 8 but before step 8's checkpoint (step 6), then a
+    resume with --max-steps 6: the run ended at step 6 with best/ holding step 8's model, from
+    steps it gave up, and a log that never names it (at 7 an estimate replaced it in silence).
+    Such a resume is refused before any write, naming the steps and --max-steps; --max-steps 8
+    trains step 8 again, and with best/ moved away the run ends at step 6."""
+    argv = ["train", "--data", "t.txt", *TINY, "--eval-interval", "2", "--keep-best", "--lr", "3e-2",
+            "--checkpoint-interval", "2", "--max-steps", "8"]
+    env = dict(os.environ, PYTHONPATH=SRC, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", _KILL_AT_CHECKPOINT, "8", *argv, "--out", "r"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9, r.stderr
+    assert load_checkpoint("r/best")[1]["step"] == 8 and load_checkpoint("r/ckpt")[1]["step"] == 6
+    shutil.copytree("r", "r2")
+    before = _snapshot("r")
+    capsys.readouterr()
+    for more in (["--max-steps", "6"], ["--max-steps", "7"], ["--max-steps", "7", "--no-keep-best"]):
+        _fails(capsys, ["train", "--out", "r", "--resume", *more],
+               f"--max-steps {more[1]}: r/best holds the model of step 8", "last checkpoint (step 6)",
+               "--max-steps 8 or more", "move r/best away")
+    cfg = TrainConfig.from_dict(dict(load_checkpoint("r/ckpt")[1]["train_config"], max_steps=7))
+    with pytest.raises(ConfigError, match=r"max_steps=7: r/best holds the model of step 8.*max_steps=8 or more"):
+        Trainer(cfg, resume=True, log=None)
+    assert _snapshot("r") == before
+    assert main(["train", "--out", "r", "--resume"]) == 0
+    assert load_checkpoint("r/best")[1]["step"] == 8 == load_checkpoint("r/ckpt")[1]["step"]
+    shutil.move("r2/best", "best8")
+    assert main(["train", "--out", "r2", "--resume", "--max-steps", "6"]) == 0
+    assert load_checkpoint("r2/ckpt")[1]["step"] == 6 and not Path("r2/best").exists()
+
+
 def test_convert_force_does_not_replace_a_runs_kept_best(workdir, capsys):
     """convert --from-hf X --out RUN/best --force replaced the model --keep-best kept (both are
     model checkpoints); --force replaces only an earlier conversion."""

@@ -676,6 +676,8 @@ class Trainer:
                                    f"away or choose another --out")
                 if resume:
                     self.best_val = self._best_before(theirs, ckpt[1].get("step"))
+        if resume:
+            self._check_best_reached(step)
         self._check_plot_target(held=resume or bool(held))
 
         # -- from here on, files are written ------------------------------------------------------
@@ -783,6 +785,23 @@ class Trainer:
         kept = [r["val_loss"] for r in records if r.get("best") and isinstance(r.get("step"), int)
                 and r["step"] <= step and isinstance(r.get("val_loss"), (int, float))]
         return float(min(kept)) if kept else None
+
+    def _check_best_reached(self, step: int) -> None:
+        """A resume from the checkpoint of ``step`` that ends (max_steps) before the step of the
+        run's best/, kept after that checkpoint (a kill between the two saves), is refused: the
+        run would not train that step again, and best/ would stay a model of abandoned steps,
+        or be replaced by an earlier step's in silence."""
+        meta = read_meta(self.best_dir) if is_checkpoint_dir(self.best_dir, "forge-ml-model") else None
+        at = meta.get("step") if meta and meta.get("run_id") == self.run_id else None
+        if isinstance(at, bool) or not isinstance(at, int) or at <= max(step, self.cfg.max_steps):
+            return
+        loss = meta.get("val_loss")
+        loss = f", val loss {loss:.4f}" if isinstance(loss, float) else ""
+        raise ConfigError(f"--max-steps {self.cfg.max_steps}: {self.best_dir} holds the model of step {at}{loss}, "
+                          f"kept by --keep-best after the run's last checkpoint (step {step}); a resumed run that "
+                          f"ends at step {self.cfg.max_steps} never trains step {at} again, so that model would "
+                          f"be from steps the run gave up. Resume with --max-steps {at} or more, or move "
+                          f"{self.best_dir} away (a model of its own) to end the run at step {self.cfg.max_steps}")
 
     def _clear_run(self) -> None:
         """--overwrite: remove the files an earlier run wrote (only those)."""
@@ -1626,6 +1645,7 @@ class Trainer:
         self._refuse_if_torn()
         self._hold_folder()
         self._stop = signal.SIGPIPE if self._pipe_closed else None
+        self._save_failed = False   # an earlier call's (or a direct save()'s) failure is not this call's
         old = self._install_handlers()
         try:
             return self._train(until)
