@@ -779,6 +779,20 @@ def test_decode_attention_per_row_positions(dtype):
         check(y[b], spec[0][0], dtype)
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_decode_attention_per_row_stale_nonfinite_past_position_does_not_leak(dtype, bad):
+    """A NaN or inf left in a row's caches past its position (a slot's earlier request) is
+    masked: that row's y equals the one from finite caches (0 * NaN is NaN, so it is skipped)."""
+    qkv, k0, v0 = _decode_setup(dtype)
+    pos = np.array([2, 7, 3, 5], np.int32)
+    want = cpu.decode_attention(qkv, k0.copy(), v0.copy(), pos, 2, 0.5)
+    kc, vc = k0.copy(), v0.copy()
+    kc[0, :, 5], vc[0, :, 5], vc[2, 1, 6, 0] = bad, bad, bad
+    y = cpu.decode_attention(qkv, kc, vc, pos, 2, 0.5)
+    np.testing.assert_allclose(y, want, **TOL[dtype])
+
+
 def test_decode_attention_per_row_out_of_range_writes_nothing_and_gives_nan():
     qkv, k0, v0 = _decode_setup(np.float64)
     kc, vc = k0.copy(), v0.copy()

@@ -384,6 +384,49 @@ def test_attention_nan_stays_in_its_rows(path):
     assert np.isfinite(out[0, rows]).all() and np.isfinite(lse[0, rows]).all()
 
 
+# Where a NaN or inf at position tf must not reach (the causal mask hides it), by which input
+# holds it: the rows of out, lse, dq and of dk, dv that equal the spec's on finite inputs. A key
+# or value at tf is masked for every earlier query; a query or cotangent row at tf for every
+# later key. (dv does not read v, so it is the spec's everywhere when v holds the value.)
+_UNREACHED = {"k": dict(out="<", lse="<", dq="<", dk="", dv=""),
+              "v": dict(out="<", lse="all", dq="<", dk="", dv="all"),
+              "q": dict(out="!=", lse="!=", dq="!=", dk=">", dv=">"),
+              "dout": dict(out="all", lse="all", dq="!=", dk=">", dv=">")}
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 16, 16), (1, 2, 7, 5), (1, 1, 300, 8)])
+@pytest.mark.parametrize("which", sorted(_UNREACHED))
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+def test_attention_masked_nonfinite_does_not_leak(path, shape, which, bad, dt):
+    """A masked entry is skipped, not multiplied by its zero probability (0 * NaN is NaN):
+    forward and backward, the rows that cannot see the bad value equal the float64 spec's
+    on finite inputs. tf is inside a 4-row block of the C kernel (not its first row) and, at
+    T = 300, inside the reference's second row chunk; float64 runs the reference."""
+    t = shape[-2]
+    tf = t // 8 * 4 + 2
+    scale = 1.0 / math.sqrt(shape[-1])
+    clean = {n: randn(shape, s).astype(dt) for n, s in (("q", 1), ("k", 2), ("v", 3), ("dout", 4))}
+    given = {n: a.copy() for n, a in clean.items()}
+    given[which][..., tf, 1] = bad
+    out, lse = cpu.attention(given["q"], given["k"], given["v"], scale)
+    got = dict(zip(("dq", "dk", "dv"), cpu.attention_bwd(given["q"], given["k"], given["v"], out,
+                                                         lse, given["dout"], scale)))
+    got.update(out=out, lse=lse)
+    want = dict(zip(("out", "lse"), ref.attention(clean["q"], clean["k"], clean["v"], scale)))
+    want.update(zip(("dq", "dk", "dv"), ref.attention_bwd(clean["q"], clean["k"], clean["v"],
+                                                          clean["dout"], scale)))
+    idx = np.arange(t)
+    rows = {"<": idx < tf, "!=": idx != tf, ">": idx > tf, "all": idx >= 0, "": idx < 0}
+    tol = F32_TOL if dt == np.float32 else dict(rtol=1e-10, atol=1e-10)
+    for name, where in _UNREACHED[which].items():
+        keep = rows[where]
+        mine = got[name][..., keep] if name == "lse" else got[name][..., keep, :]
+        spec = want[name][..., keep] if name == "lse" else want[name][..., keep, :]
+        assert mine.dtype == dt
+        np.testing.assert_allclose(np.asarray(mine, np.float64), spec, **tol, err_msg=name)
+
+
 # ============================================================================== AdamW
 
 @pytest.mark.parametrize("lr, wd, grad_scale", [(1e-2, 0.1, 0.5), (3e-4, 0.0, 1.0), (0.0, 0.1, 2.0)])

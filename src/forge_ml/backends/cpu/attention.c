@@ -9,8 +9,11 @@
      backward (FlashAttention, Dao et al. 2022, alg. 4): P = exp(scale S - lse),
        dP = dO v^T, D = rowsum(dO * O), dS = scale P (dP - D),
        dQ = dS k, dK = dS^T q, dV = P^T dO.
-   Row i of P and dS is valid on columns [0, round_up(i + 1, 8)), zero right of i; every
-   product reads only there. The pool's items are heads; each thread has its own scratch.
+   Row i of P and dS is valid on columns [0, round_up(i + 1, 8)), zero right of i. The
+   products over positions (P v, dS k, P^T dO, dS^T q) skip the masked entries of the
+   diagonal blocks rather than multiply them by that zero: 0 * inf or NaN is NaN, so a
+   non-finite value at a masked position would reach rows that cannot see it.
+   The pool's items are heads; each thread has its own scratch.
 */
 #include "cpu_kernels.h"
 
@@ -25,11 +28,28 @@
 
 static inline long round_up(long n, long m) { return (n + m - 1) / m * m; }
 
-/* C[0..4, 0..16) = sum over k in [k0, k1) of A[r, k] B[k, 0..16), A[r, k] = a[r * ars + k * aks]. */
+/* Which k (and, for scores, which output columns) a row block [r, r + 4) needs. */
+enum { K_ALL, K_UPTO_ROW, K_FROM_ROW };
+
+/* C[0..4, 0..16) = sum over k in [k0, k1) of A[r, k] B[k, 0..16), A[r, k] = a[r * ars + k * aks],
+   plus the causal triangle k in [kd, kd + nd): row r takes k only where k - kd <= r
+   (K_UPTO_ROW) or k - kd >= r (K_FROM_ROW), skipping the others, not multiplying them by 0. */
 static inline void tile_4x16(const float* RESTRICT a, long ars, long aks, const float* RESTRICT b,
-                             long ldb, float* RESTRICT c, long ldc, long k0, long k1) {
+                             long ldb, float* RESTRICT c, long ldc, long k0, long k1, int kind,
+                             long kd, long nd) {
     v8f c00 = bcast8(0.0f), c01 = c00, c10 = c00, c11 = c00;
     v8f c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+    const int upto = kind == K_UPTO_ROW;
+    for (long s = 0; kind == K_FROM_ROW && s < nd; ++s) {      /* the triangle before k0 */
+        const long k = kd + s;
+        const v8f b0 = load8(b + k * ldb), b1 = load8(b + k * ldb + 8);
+        const float* ak = a + k * aks;
+        const v8f a0 = bcast8(ak[0]);
+        c00 += a0 * b0; c01 += a0 * b1;
+        if (s >= 1) { const v8f a1 = bcast8(ak[ars]); c10 += a1 * b0; c11 += a1 * b1; }
+        if (s >= 2) { const v8f a2 = bcast8(ak[2 * ars]); c20 += a2 * b0; c21 += a2 * b1; }
+        if (s >= 3) { const v8f a3 = bcast8(ak[3 * ars]); c30 += a3 * b0; c31 += a3 * b1; }
+    }
     for (long k = k0; k < k1; ++k) {
         v8f b0 = load8(b + k * ldb), b1 = load8(b + k * ldb + 8);
         IN_REGISTER(b0);
@@ -42,28 +62,37 @@ static inline void tile_4x16(const float* RESTRICT a, long ars, long aks, const 
         c20 += a2 * b0; c21 += a2 * b1;
         c30 += a3 * b0; c31 += a3 * b1;
     }
+    for (long s = 0; upto && s < nd; ++s) {                    /* the triangle after k1 */
+        const long k = kd + s;
+        const v8f b0 = load8(b + k * ldb), b1 = load8(b + k * ldb + 8);
+        const float* ak = a + k * aks;
+        const v8f a3 = bcast8(ak[3 * ars]);
+        c30 += a3 * b0; c31 += a3 * b1;
+        if (s <= 2) { const v8f a2 = bcast8(ak[2 * ars]); c20 += a2 * b0; c21 += a2 * b1; }
+        if (s <= 1) { const v8f a1 = bcast8(ak[ars]); c10 += a1 * b0; c11 += a1 * b1; }
+        if (s <= 0) { const v8f a0 = bcast8(ak[0]); c00 += a0 * b0; c01 += a0 * b1; }
+    }
     store8(c, c00); store8(c + 8, c01);
     store8(c + ldc, c10); store8(c + ldc + 8, c11);
     store8(c + 2 * ldc, c20); store8(c + 2 * ldc + 8, c21);
     store8(c + 3 * ldc, c30); store8(c + 3 * ldc + 8, c31);
 }
 
-/* Which k (and, for scores, which output columns) a row block [r, r + 4) needs. */
-enum { K_ALL, K_UPTO_ROW, K_FROM_ROW };
-
 /* C (m4 x n16) = A (m4 x K) B (K x n16) in 4 x 16 tiles; A[r, k] = a[r * ars + k * aks].
    K_ALL: k in [0, kn), and only the column tiles at or left of the block's last row (the
-   causal S and dP). K_UPTO_ROW: k in [0, r + 4) (A is P or dS, zero right of the diagonal).
-   K_FROM_ROW: k in [r, kn) (A is P^T or dS^T, zero left of it). */
+   causal S and dP). K_UPTO_ROW: row i takes k in [0, i] (A is P or dS, zero right of the
+   diagonal). K_FROM_ROW: row i takes k in [i, kn) (A is P^T or dS^T, zero left of it). */
 static inline void gemm_tiles(const float* a, long ars, long aks, const float* b, long ldb,
                               float* c, long ldc, long m4, long n16, long kn, int kind) {
     for (long r = 0; r < m4; r += 4) {
         long k0 = 0, k1 = kn, ncols = n16;
+        const long nd = kind == K_ALL ? 0 : (kn - r < 4 ? kn - r : 4);   /* the triangle */
         if (kind == K_ALL) ncols = round_up(r + 4, 16) < n16 ? round_up(r + 4, 16) : n16;
-        if (kind == K_UPTO_ROW) k1 = r + 4;
-        if (kind == K_FROM_ROW) k0 = r;
+        if (kind == K_UPTO_ROW) k1 = r;
+        if (kind == K_FROM_ROW) k0 = r + 4 < kn ? r + 4 : kn;
         for (long j = 0; j < ncols; j += 16)
-            tile_4x16(a + r * ars, ars, aks, b + j, ldb, c + r * ldc + j, ldc, k0, k1);
+            tile_4x16(a + r * ars, ars, aks, b + j, ldb, c + r * ldc + j, ldc, k0, k1, kind, r,
+                      nd);
     }
 }
 
@@ -210,7 +239,7 @@ static void attention_bwd_head(const float* q, long lq, const float* k, const fl
                 const float pj = j <= i ? exp_f32(pi[j] * scale - li) : 0.0f;
                 const float mj = j <= i ? mi[j] : 0.0f;
                 pi[j] = pj * mj;
-                dsi[j] = scale * pj * (dsi[j] * mj - di);
+                dsi[j] = j <= i ? scale * pj * (dsi[j] * mj - di) : 0.0f;
             }
             continue;
         }
@@ -218,7 +247,7 @@ static void attention_bwd_head(const float* q, long lq, const float* k, const fl
         for (long j = 0; j < n8; ++j) {
             const float pj = j <= i ? exp_f32(pi[j] * scale - li) : 0.0f;
             pi[j] = pj;
-            dsi[j] = scale * pj * (dsi[j] - di);
+            dsi[j] = j <= i ? scale * pj * (dsi[j] - di) : 0.0f;    /* dP_ij may be NaN there */
         }
     }
     gemm_tiles(ds, tp, 1, ka, sk, dqc, lq_out, t4, hp, t, K_UPTO_ROW);    /* dS k */

@@ -449,6 +449,9 @@ def unmerge_heads(dy, h):
 # Queries are taken in row chunks; chunk [r0, r1) sees keys [0, r1) only (the rest is masked),
 # which skips most of the masked triangle. The backward is FlashAttention's (Dao et al. 2022,
 # alg. 4): P = exp(S - lse), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O), dS = P (dP - D).
+# The chunk's products multiply the masked entries by their zero, exact only while what they
+# read is finite (0 * inf or NaN is NaN): the rows that come out non-finite are computed again
+# from their unmasked entries alone, so a non-finite value at a masked position reaches no row.
 # ---------------------------------------------------------------------------------------------
 
 _ATTN_CHUNK_ROWS = 256  # short sequences run as one chunk
@@ -495,7 +498,23 @@ def attention(q, k, v, scale):
         np.log(l, out=l)
         l += m
         lse[..., r0:r1] = l[..., 0]
+    for i in _nonfinite_rows(out):
+        s = np.matmul(q[..., i:i + 1, :] * q.dtype.type(scale), k[..., :i + 1, :].swapaxes(-1, -2))
+        m = s.max(axis=-1, keepdims=True)                   # (..., H, 1, 1)
+        s -= m
+        np.exp(s, out=s)
+        l = _row_sums(s)[..., None]
+        np.multiply(np.matmul(s, v[..., :i + 1, :]), np.reciprocal(l), out=out[..., i:i + 1, :])
+        lse[..., i] = (np.log(l) + m)[..., 0, 0]
     return out, lse
+
+
+def _nonfinite_rows(x):
+    """The rows i of x (..., T, hs) that are not finite in some head."""
+    fin = np.isfinite(x)
+    if fin.all():
+        return ()
+    return np.flatnonzero(~fin.all(axis=tuple(range(x.ndim - 2)) + (-1,)))
 
 
 def attention_bwd(q, k, v, out, lse, dout, scale):
@@ -528,6 +547,20 @@ def attention_bwd(q, k, v, out, lse, dout, scale):
             np.matmul(ds.swapaxes(-1, -2), q_scaled, out=dk)
         else:
             dk[..., :r1, :] += np.matmul(ds.swapaxes(-1, -2), q_scaled)
+    for i in _nonfinite_rows(dq):        # row i of P and dS over keys [0, i]
+        p = np.matmul(q[..., i:i + 1, :] * f(scale), k[..., :i + 1, :].swapaxes(-1, -2))
+        np.exp(p - lse[..., i:i + 1, None], out=p)                       # (..., H, 1, i+1)
+        ds = (np.matmul(dout[..., i:i + 1, :], v[..., :i + 1, :].swapaxes(-1, -2))
+              - d[..., i:i + 1, :]) * p
+        np.matmul(ds, k[..., :i + 1, :], out=dq[..., i:i + 1, :])
+        dq[..., i:i + 1, :] *= f(scale)
+    for j in np.union1d(_nonfinite_rows(dk), _nonfinite_rows(dv)).astype(np.intp):
+        q_scaled = q[..., j:, :] * f(scale)                              # column j: queries [j, T)
+        p = np.matmul(q_scaled, k[..., j:j + 1, :].swapaxes(-1, -2))
+        np.exp(p - lse[..., j:, None], out=p)                            # (..., H, T-j, 1)
+        np.matmul(p.swapaxes(-1, -2), dout[..., j:, :], out=dv[..., j:j + 1, :])
+        ds = (np.matmul(dout[..., j:, :], v[..., j:j + 1, :].swapaxes(-1, -2)) - d[..., j:, :]) * p
+        np.matmul(ds.swapaxes(-1, -2), q_scaled, out=dk[..., j:j + 1, :])
     return dq, dk, dv
 
 
@@ -736,7 +769,8 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale):
 def _decode_attention_rows(qkv, k_cache, v_cache, pos, scale):
     """decode_attention with row b at position pos[b]: keys past a row's own position are
     masked out of its scores (exp(-inf) = 0), so every row runs in one batched product over
-    the longest row's keys."""
+    the longest row's keys; a row that comes out non-finite is computed again over its own
+    keys alone (0 * a stale NaN or inf value past its position is NaN)."""
     B, H, tmax, hs = k_cache.shape
     if pos.size != B:
         raise ShapeError(f"decode_attention: pos has {pos.size} positions but qkv has {B} rows; "
@@ -760,7 +794,10 @@ def _decode_attention_rows(qkv, k_cache, v_cache, pos, scale):
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
-    y[rows] = np.matmul(s[:, :, None, :], values)[:, :, 0].reshape(-1, H * hs)  # (R, H, hs)
+    yr = np.matmul(s[:, :, None, :], values)[:, :, 0]               # (R, H, hs)
+    for r in np.flatnonzero(~np.isfinite(yr).all(axis=(1, 2)) & (at < n - 1)):
+        yr[r] = np.matmul(s[r, :, None, :at[r] + 1], values[r, :, :at[r] + 1])[:, 0]
+    y[rows] = yr.reshape(-1, H * hs)
     return y
 
 
