@@ -200,6 +200,32 @@ def test_id_range_cache_follows_writes():
         ops.embedding(dst.reshape(2), fm.zeros((10, 2)), fm.zeros((4, 2)))
 
 
+def test_id_range_cache_is_not_trusted_once_the_raw_array_is_handed_out():
+    """A write through ``t.data`` went past the cached range: an int64 id of 2**40 narrowed to
+    int32 unchecked (it became 0), and ids out of the vocabulary passed the check, also when
+    written through an array held from before a later write cached a range again, or through
+    a view's array. The ops' own reads keep the cache trusted (no device wait)."""
+    t = fm.tensor([1, 2, 3])
+    t.data[0] = 2**40
+    with pytest.raises(fm.DTypeError, match="values 2..1099511627776 do not fit int32"):
+        t.to("int32")
+    ids = fm.tensor([[1, 2]], dtype="int32")
+    raw = ids.data
+    ops.assign(ids, [[3, 4]])          # one view: written in place, its range cached
+    raw[0, 0] = -1
+    with pytest.raises(ShapeError, match="token id -1 is out of range; ids must be in 0..7"):
+        ops.check_ids("forward", ids, 8)
+    viewed = fm.tensor([[1, 2]])
+    viewed.reshape(2).data[1] = 9
+    with pytest.raises(ShapeError, match="embedding: token id 9 is out of range"):
+        ops.embedding(viewed, fm.zeros((8, 2)), fm.zeros((4, 2)))
+    fresh = fm.tensor([[1, 2]])
+    ops.embedding(fresh, fm.zeros((8, 2)), fm.zeros((4, 2)))
+    ops.scatter_add_rows(fm.zeros((8, 2)), fresh.reshape(2), fm.zeros((2, 2)))
+    ops.cross_entropy(fm.zeros((2, 8)), fresh.reshape(2))
+    assert fresh._id_range() == (1, 2)
+
+
 @pytest.mark.parametrize("shape", [(2.5,), (True, 2), ("3",), None, (-1, 2)])
 def test_zeros_and_full_refuse_a_shape_that_is_not_ints(shape):
     """A float size was truncated (zeros((2.5,)) had 2 elements); now a ShapeError."""

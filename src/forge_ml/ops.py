@@ -777,7 +777,7 @@ def embedding(ids, wte, wpe, pos=0) -> Tensor:
         raise ShapeError(f"embedding: positions {at}..{at + t - 1} do not fit the "
                          f"{wpe.shape[0]} rows of wpe (context length {wpe.shape[0]})")
     _check_ids("embedding", ids, wte.shape[0])
-    return _wrap(wte, bk.embedding(ids.data, wte.data, wpe.data,
+    return _wrap(wte, bk.embedding(ids._data, wte.data, wpe.data,
                                    pos.data if isinstance(pos, Tensor) else pos))
 
 
@@ -992,11 +992,11 @@ def take_columns(x, n) -> Tensor:
 def _check_ids(op, ids, n_rows):
     if ids.numel == 0:
         return
-    rng = ids._storage.id_range
+    rng = ids._id_range()
     if rng is None:
         # min/max work on NumPy and CuPy arrays alike (on the GPU this is one small sync);
         # ids made from host data carry their range already (Tensor's storage caches it).
-        rng = ids._storage.id_range = (int(ids.data.min()), int(ids.data.max()))
+        rng = ids._storage.id_range = (int(ids._data.min()), int(ids._data.max()))
     lo, hi = rng
     if lo < 0 or hi >= n_rows:
         bad = hi if hi >= n_rows else lo
@@ -1126,7 +1126,7 @@ def scatter_add_rows(dst, ids, src) -> None:
         raise ShapeError(f"scatter_add_rows: src must be ids.shape + (C,) = "
                          f"{ids.shape + (dst.shape[1],)}, got {src.shape}")
     _check_ids("scatter_add_rows", ids, dst.shape[0])
-    bk.scatter_add_rows(dst._prepare_write(), ids.data, src.data)
+    bk.scatter_add_rows(dst._prepare_write(), ids._data, src.data)
 
 
 def kv_append(cache, new, pos) -> None:
@@ -1237,7 +1237,7 @@ def cross_entropy(logits, targets, vocab_size=None) -> Tensor:
     0.6931
     """
     v = _ce_check("cross_entropy", logits, targets, vocab_size)
-    return _wrap(logits, backend_of(logits.device).cross_entropy(logits.data, targets.data, v))
+    return _wrap(logits, backend_of(logits.device).cross_entropy(logits.data, targets._data, v))
 
 
 def cross_entropy_bwd(logits, targets, dloss=1.0, vocab_size=None) -> Tensor:
@@ -1253,9 +1253,9 @@ def cross_entropy_bwd(logits, targets, dloss=1.0, vocab_size=None) -> Tensor:
     if isinstance(dloss, Tensor):
         _one_value("cross_entropy_bwd", "dloss", dloss, logits.device)
         if not bk.host_memory:   # the kernel reads it where it is: no wait for the forward
-            return _wrap(logits, bk.cross_entropy_bwd(logits.data, targets.data, dloss.data, v))
+            return _wrap(logits, bk.cross_entropy_bwd(logits.data, targets._data, dloss.data, v))
         dloss = dloss.item()
-    return _wrap(logits, bk.cross_entropy_bwd(logits.data, targets.data, float(dloss), v))
+    return _wrap(logits, bk.cross_entropy_bwd(logits.data, targets._data, float(dloss), v))
 
 
 
@@ -1281,7 +1281,7 @@ def linear_cross_entropy(x, w, targets, vocab_size=None, *, grad=True):
     if w.shape[1] != x.shape[1]:
         raise ShapeError(f"{op}: x is {x.shape} but w is {w.shape}; w must be (vocab, {x.shape[1]})")
     v = _ce_targets(op, "x", x.shape, w.shape[0], targets, vocab_size)
-    loss, dx, dw = bk.linear_cross_entropy(x.data, w.data, targets.data, v, bool(grad))
+    loss, dx, dw = bk.linear_cross_entropy(x.data, w.data, targets._data, v, bool(grad))
     if not grad:
         return _wrap(x, loss), None, None
     return _wrap(x, loss), _wrap(x, dx), _wrap(x, dw)

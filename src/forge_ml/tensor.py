@@ -43,14 +43,16 @@ class _Storage:
 
     ``id_range`` caches ``(min, max)`` of integer data known without a device round trip
     (ids made from host data), so the ops' token-id range checks cost no GPU sync; any
-    in-place write clears it.
+    in-place write clears it. ``shared``: ``Tensor.data`` has handed the raw array out, and
+    its holder may write it unseen, so the cache is no longer trusted (``Tensor._id_range``).
     """
 
-    __slots__ = ("live", "id_range")
+    __slots__ = ("live", "id_range", "shared")
 
     def __init__(self):
         self.live = 0
         self.id_range = None
+        self.shared = False
 
 
 class Tensor:
@@ -93,7 +95,10 @@ class Tensor:
     # -- properties -------------------------------------------------------------------
     @property
     def data(self):
-        """The raw NumPy/CuPy array. Read it; write only through ops (copy-on-write)."""
+        """The raw NumPy/CuPy array. Read it; write only through ops (copy-on-write). Handing
+        it out ends the trust in the cached integer range (a write here goes unseen): checks
+        look at the values again. The ops read ``_data``."""
+        self._storage.shared = True
         return self._data
 
     @property
@@ -176,7 +181,7 @@ class Tensor:
                 # as tensor(...) checks: NaN, inf or a value past the integer type's range
                 # would wrap silently (one look at the values, or the cached id range; on a
                 # GPU, a wait); int64 to int32 too
-                known = None if self._dtype.is_float else self._storage.id_range
+                known = None if self._dtype.is_float else self._id_range()
                 _check_fits(np.array(known) if known else self.numpy(), dt, "to")
             return Tensor(backend_of(self._device).cast(self._data, dt.name), self._device)
         dev = Device.parse(target)
@@ -203,6 +208,12 @@ class Tensor:
             raise ShapeError(f"item: expected a tensor with one element, got shape {self.shape}")
         v = self.numpy().reshape(-1)[0]
         return v.item()
+
+    def _id_range(self):
+        """The cached ``(min, max)`` of integer data, or None: not known, or the raw array has
+        been handed out (``data``) and may have been written since."""
+        s = self._storage
+        return None if s.shared else s.id_range
 
     # -- in-place writes go through here (ops only) ---------------------------------------
     def _prepare_write(self):
