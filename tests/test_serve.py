@@ -300,6 +300,7 @@ BAD = [
     ({"prompt": "ab", "max_tokens": 2.5}, 400, "max_tokens"),
     ({"prompt": "ab", "temperature": -0.1}, 400, "temperature"),
     ({"prompt": "ab", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "ab", "temperature": 2.5}, 400, "temperature"),      # past OpenAI's 0..2
     ({"prompt": "ab", "stream": "yes"}, 400, "stream"),
     ({"prompt": "a" * 65}, 400, "prompt"),
     ({"prompt": "ab", "max_tokens": 63}, 400, "max_tokens"),
@@ -314,6 +315,7 @@ BAD = [
     ({"prompt": "ab", "logprobs": 50}, 400, "logprobs"),
     ({"prompt": "ab", "stop": ""}, 400, "stop"),
     ({"prompt": "ab", "seed": 1 << 63}, 400, "seed"),            # past OpenAI's int64
+    ({"prompt": "ab", "seed": 1 << 64}, 400, "seed"),
     ({"prompt": "ab", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"prompt": "ab", "best_of": 3}, 400, "best_of"),
     ({"prompt": "ab", "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -339,6 +341,27 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(http, body, statu
         # OpenAI's code for both: a prompt past the context, or one whose max_tokens runs past
         # it (the second had code null)
         assert err["code"] == "context_length_exceeded", err
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("seed", 1 << 64, f"seed must be an integer in [-2**63, 2**63) (OpenAI's int64), got {1 << 64}"),
+    ("seed", -(1 << 63) - 1, "seed must be an integer in [-2**63, 2**63) (OpenAI's int64), got "
+                             f"{-(1 << 63) - 1}"),
+    ("temperature", 2.5, "temperature must be >= 0 and <= 2, got 2.5"),
+    ("temperature", 1e6, "temperature must be >= 0 and <= 2, got 1000000.0"),
+    ("temperature", -0.5, "temperature must be >= 0 and <= 2, got -0.5"),
+    ("top_p", 1.5, "top_p must be > 0 and <= 1, got 1.5"),
+])
+def test_sampling_fields_outside_openais_ranges_get_a_400_naming_the_range(http, field, value,
+                                                                          message):
+    """OpenAI documents temperature in 0..2, top_p in 0..1 and an int64 seed, and answers 400
+    outside them; a temperature above 2 was taken, and the seed's error named one bound. The
+    error names the range and the value given; temperature 2 itself is taken."""
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "ab", field: value})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"error": {"message": message, "type": "invalid_request_error",
+                                  "param": field, "code": None}}
+    assert complete(http, prompt="ab", max_tokens=2, temperature=2)["usage"]["completion_tokens"] == 2
 
 
 def test_bad_input_through_the_openai_client(client):

@@ -15,8 +15,8 @@ same way rather than ignored. Extra fields, as vLLM takes them: ``top_k`` (0 or 
 Traceback (most recent call last):
 ...
 forge_ml.serve.protocol.APIError: unknown field 'max_token'; known fields: best_of, echo, frequency_penalty, ignore_eos, logit_bias, logprobs, max_tokens, min_p, model, n, presence_penalty, prompt, repetition_penalty, seed, stop, stream, stream_options, suffix, temperature, top_k, top_p, user
->>> error_body(APIError("temperature must be >= 0, got -1", param="temperature"))
-{'error': {'message': 'temperature must be >= 0, got -1', 'type': 'invalid_request_error', 'param': 'temperature', 'code': None}}
+>>> error_body(APIError("temperature must be >= 0 and <= 2, got -1", param="temperature"))
+{'error': {'message': 'temperature must be >= 0 and <= 2, got -1', 'type': 'invalid_request_error', 'param': 'temperature', 'code': None}}
 """
 from __future__ import annotations
 
@@ -82,22 +82,31 @@ class CompletionRequest:
 
 
 def _num(name, v, lo=None, lo_open=False, hi=None):
+    """A finite number within the bounds given; the error names all of them."""
     if not _is_num(v):
         raise APIError(f"{name} must be a number, got {v!r:.60}", param=name)
-    if lo is not None and (v < lo or (lo_open and v == lo)):
-        raise APIError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v!r}", param=name)
-    if hi is not None and v > hi:
-        raise APIError(f"{name} must be <= {hi}, got {v!r}", param=name)
+    if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+        want = [f"{'>' if lo_open else '>='} {lo}"] if lo is not None else []
+        want += [f"<= {hi}"] if hi is not None else []
+        raise APIError(f"{name} must be {' and '.join(want)}, got {v!r}", param=name)
     return float(v)
 
 
 def _int(name, v, lo=None, hi=None):
+    """An integer within the bounds given; the error names all of them."""
     if not _is_int(v):
         raise APIError(f"{name} must be an integer, got {v!r:.60}", param=name)
-    if lo is not None and v < lo:
-        raise APIError(f"{name} must be >= {lo}, got {v}", param=name)
-    if hi is not None and v > hi:
-        raise APIError(f"{name} must be <= {hi}, got {v}", param=name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        want = ([f">= {lo}"] if lo is not None else []) + ([f"<= {hi}"] if hi is not None else [])
+        raise APIError(f"{name} must be {' and '.join(want)}, got {v}", param=name)
+    return int(v)
+
+
+def _seed(v):
+    """OpenAI's int64: a negative seed is its unsigned twin (``% 2**64``), so none aliases."""
+    if not _is_int(v) or not -(1 << 63) <= v < 1 << 63:
+        raise APIError(f"seed must be an integer in [-2**63, 2**63) (OpenAI's int64), got "
+                       f"{v!r:.60}", param="seed")
     return int(v)
 
 
@@ -155,11 +164,11 @@ _FIELDS = {
     "model": lambda v: v if isinstance(v, str) else _raise_type("model", "a string", v),
     "prompt": _prompt,
     "max_tokens": lambda v: _int("max_tokens", v, lo=0),
-    "temperature": lambda v: _num("temperature", v, lo=0),
+    "temperature": lambda v: _num("temperature", v, lo=0, hi=2),        # OpenAI's range
     "top_p": lambda v: _num("top_p", v, lo=0, lo_open=True, hi=1),
     "n": lambda v: _int("n", v, lo=1, hi=MAX_N),
     "stop": _stop,
-    "seed": lambda v: _int("seed", v, lo=-(1 << 63), hi=(1 << 63) - 1),   # OpenAI's int64
+    "seed": _seed,
     "logprobs": lambda v: _int("logprobs", v, lo=0, hi=MAX_LOGPROBS),
     "echo": lambda v: _bool("echo", v),
     "stream": lambda v: _bool("stream", v),
