@@ -369,6 +369,12 @@ def test_sample_logprobs_past_the_vocabulary_fail_before_any_output(trained, cap
     (["--num-beams", "2", "--repetition-penalty", "1.3"], "beam search (--num-beams) does not take it"),
     (["--length-penalty", "2"], "--length-penalty applies to beam search; add --num-beams"),   # was ignored
     (["--early-stopping", "true"], "--early-stopping applies to beam search"),
+    # a seed is 64 bits: 2**64 drew seed 0's sample
+    (["--seed", str(1 << 64)], f"--seed must be in [0, 2**64), got {1 << 64}"),
+    (["--seed", "-1"], "--seed must be in [0, 2**64), got -1"),
+    (["--seed", str((1 << 64) - 2), "--num-samples", "3"],
+     f"would draw with seeds up to {(1 << 64)}; seeds must be in [0, 2**64): give --seed <= "
+     f"{(1 << 64) - 3}"),
 ])
 def test_sample_generation_options_are_checked(trained, capsys, argv, needle):
     _fails(capsys, ["sample", "--ckpt", "run", "--prompt", "to be", *argv], needle)

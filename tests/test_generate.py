@@ -2,6 +2,8 @@
 top-k, top-p and min-p, the repetition penalty, log-probabilities, stop tokens and strings,
 batches of different lengths, the context limit, the errors, and one KV cache per call.
 (tests/test_sampling_hf.py checks the choice against transformers' processors.)"""
+import re
+
 import numpy as np
 import pytest
 
@@ -63,6 +65,23 @@ def test_same_seed_same_tokens_other_seed_other_tokens(model):
     assert run(5) == run(5)
     assert run(5) != run(6)
     assert all(0 <= t < CFG.vocab_size for t in run(5))
+
+
+def test_seeds_outside_64_bits_are_refused_not_aliased(model):
+    """The seed becomes a 64-bit Philox key: 2**64 drew seed 0's tokens and 2**64 + 5 seed
+    5's. Every entry point refuses it, naming the range and the value; 2**64 - 1 is taken,
+    and a sliding window's seed + 1 past it wraps rather than fail mid-stream."""
+    for bad in (1 << 64, (1 << 64) + 5, -1, 1 << 80):
+        msg = re.escape(f"generate: seed must be an int in [0, 2**64), got {bad}")
+        with pytest.raises(ConfigError, match=msg):
+            generate(model, [2, 7], max_new_tokens=4, seed=bad)
+        with pytest.raises(ConfigError, match=msg):
+            stream_tokens(model, [2, 7], 4, seed=bad)
+        with pytest.raises(ConfigError, match=msg):
+            generate_text(model, CharTokenizer("abcdefghijklmnopqrstuvw"), "ab", 4, seed=bad)
+    top = (1 << 64) - 1
+    assert len(list(generate(model, [2, 7], max_new_tokens=4, seed=top))) == 4
+    assert len(list(stream_tokens(model, [2, 7], CFG.block_size + 4, seed=top))) == CFG.block_size + 4
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(model):

@@ -585,8 +585,12 @@ def _check_sample_args(args) -> None:
         raise ConfigError(f"--top-k must be >= 1, got {args.top_k}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.seed < 0:
-        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed < 1 << 64:
+        raise ConfigError(f"--seed must be in [0, 2**64), got {args.seed}")
+    if args.seed + args.num_samples - 1 >= 1 << 64:       # sample i draws with seed + i
+        raise ConfigError(f"--seed {args.seed} with --num-samples {args.num_samples} would draw with "
+                          f"seeds up to {args.seed + args.num_samples - 1}; seeds must be in "
+                          f"[0, 2**64): give --seed <= {(1 << 64) - args.num_samples}")
     if args.min_p is not None and not 0 <= args.min_p <= 1:
         raise ConfigError(f"--min-p must be in [0, 1], got {args.min_p}")
     if not args.repetition_penalty > 0 or math.isinf(args.repetition_penalty):

@@ -359,8 +359,8 @@ def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, st
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
         raise ConfigError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     _check_choice("generate", temperature, top_k, top_p, min_p, repetition_penalty)
-    if not _is_int(seed) or seed < 0:
-        raise ConfigError(f"generate: seed must be an int >= 0, got {seed!r}")
+    if not _is_int(seed) or not 0 <= seed < 1 << 64:     # row_key keeps 64 bits: 2**64 was 0
+        raise ConfigError(f"generate: seed must be an int in [0, 2**64), got {seed!r}")
     if stop_strings and tokenizer is None:
         raise ConfigError("generate: stop_strings need a tokenizer to decode the generated text; "
                           "pass tokenizer=")
@@ -661,9 +661,10 @@ def _stream(model, ctx, max_new_tokens, temperature, top_k, top_p, seed, stop_to
     while made < max_new_tokens:
         if len(ctx) >= block:
             ctx = ctx[-max(1, block // 2):]
+        # each window its own stream, seed + chunk kept in generate's [0, 2**64)
         for t in generate(model, ctx, max_new_tokens - made, temperature=temperature, top_k=top_k,
-                          top_p=top_p, seed=seed + chunk, stop_tokens=stop_tokens, min_p=min_p,
-                          repetition_penalty=repetition_penalty):
+                          top_p=top_p, seed=(seed + chunk) % (1 << 64), stop_tokens=stop_tokens,
+                          min_p=min_p, repetition_penalty=repetition_penalty):
             yield t
             made += 1
             ctx.append(t)
