@@ -59,10 +59,13 @@ def _rows(rs, B, V, Vp, trial):
 
 
 def _sample(be, logits, V, knobs, keys, pos, seen, staged, monkeypatch):
-    """One sample_next on fresh copies; (ids, out, pos, seen) on the host."""
+    """One sample_next on fresh copies; (ids, out, pos, seen) on the host. ``staged``: True
+    (one block a row, staged), False (the global-memory kernel) or "cluster" (8 blocks a row,
+    whatever the batch)."""
     import cupy
     from forge_ml.backends.cuda import sampling
-    monkeypatch.setattr(sampling, "_STAGE", staged)
+    monkeypatch.setattr(sampling, "_STAGE", bool(staged))
+    monkeypatch.setattr(sampling, "_CLUSTER_ROWS", 1 << 30 if staged == "cluster" else 0)
     B = logits.shape[0]
     ids = cupy.zeros(B, np.int32)
     out = cupy.full(B, -1, np.int32)
@@ -96,6 +99,11 @@ def test_staged_and_fallback_choose_the_same_tokens(be, monkeypatch, V, Vp, pena
         for what, x, y in zip(("ids", "out", "pos", "seen"), staged, fallback):
             if x is not None:
                 np.testing.assert_array_equal(x, y, err_msg=f"{what}, trial {trial}")
+        if _cluster_runs(V):
+            cluster = _sample(be, logits, V, KNOBS, keys, pos, seen, "cluster", monkeypatch)
+            for what, x, y in zip(("ids", "out", "pos", "seen"), cluster, staged):
+                if x is not None:
+                    np.testing.assert_array_equal(x, y, err_msg=f"cluster {what}, trial {trial}")
         got = staged[0].astype(np.int64)
         assert (got < V).all() and (staged[1] == staged[0]).all()
         for b in range(B):
@@ -170,14 +178,22 @@ def _shaped_row(rs, shape, V, Vp):
     return z
 
 
+def _cluster_runs(V):
+    """Whether this GPU runs the cluster kernel for rows of V (Hopper, its part fitting)."""
+    from forge_ml.backends.cuda import sampling
+    return bool(sampling._cluster(1, V))
+
+
 @pytest.mark.parametrize("V,Vp", [(7, 8), (50, 64), (1000, 1024), (4099, 4104), (50257, 50304)])
-@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("staged", [True, False, "cluster"])
 def test_cuts_and_draw_are_exact_on_the_kernels_weights(be, monkeypatch, V, Vp, staged):
     import cupy
     from forge_ml.backends.cuda import sampling
-    if staged and sampling._sample_kernel(V)[0] != "sample_next_smem_f32":
+    if staged is True and sampling._sample_kernel(V)[0] != "sample_next_smem_f32":
         pytest.skip(f"this GPU cannot give a block {4 * V} bytes of shared memory")
-    rs = np.random.default_rng(V + 7 * staged)
+    if staged == "cluster" and not _cluster_runs(V):
+        pytest.skip("this GPU has no thread-block clusters")
+    rs = np.random.default_rng(V + 7 * (staged is True))
     knob_rows = _edge_knobs(V)
     rows = [(shape, kn) for shape in SHAPES for kn in knob_rows]
     B = len(rows)
@@ -197,7 +213,7 @@ def test_cuts_and_draw_are_exact_on_the_kernels_weights(be, monkeypatch, V, Vp, 
     assert (out == ids).all() and (p == pos + 1).all() and (s[np.arange(B), ids] == 1).all()
 
 
-@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("staged", [True, False, "cluster"])
 def test_a_shared_position_holds_for_more_rows_than_the_gpu_runs_at_once(be, monkeypatch,
                                                                          staged):
     """Rows past the blocks the GPU holds at once start when earlier rows end; each must still
@@ -206,6 +222,8 @@ def test_a_shared_position_holds_for_more_rows_than_the_gpu_runs_at_once(be, mon
     one: the same tokens as with one position per row."""
     import cupy
     V, Vp = 50257, 50304
+    if staged == "cluster" and not _cluster_runs(V):
+        pytest.skip("this GPU has no thread-block clusters")
     B = 2 * int(cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]) + 3
     rs = np.random.default_rng(11)
     logits = (rs.standard_normal((B, Vp)) * 3).astype(np.float32)
@@ -246,3 +264,41 @@ def test_a_vocabulary_too_large_for_shared_memory_falls_back(be, monkeypatch):
     for b in range(B):
         key = tuple(int(k) for k in keys[b].view(np.uint32))
         assert int(ids[b]) == choose_from_weights(w[b], knobs[b], key, int(pos[b]) + 1), b
+
+
+def test_a_batch_of_one_samples_with_a_cluster_and_chooses_the_one_block_token(be, monkeypatch):
+    """Batch 1 (generate's default) goes to the cluster kernel by default on Hopper; with one
+    position for the row, the cluster advances it itself (no sample_advance_pos), and every
+    knob row gives the one-block kernel's token, seen mark and position."""
+    import cupy
+    from forge_ml.backends.cuda import runtime, sampling
+    V, Vp = 50257, 50304
+    if not _cluster_runs(V):
+        pytest.skip("this GPU has no thread-block clusters")
+    launched = []
+    real = runtime._launch
+
+    def spy(stem, name, *a, **k):
+        launched.append(name)
+        return real(stem, name, *a, **k)
+
+    rs = np.random.default_rng(5)
+    for i, kn in enumerate(KNOBS + _edge_knobs(V)):
+        z = (rs.standard_normal((1, Vp)) * (3 if i % 2 else 0.5)).astype(np.float32)
+        seen = (rs.random((1, Vp)) < 0.1).astype(np.int32)
+        keys = rs.integers(0, 1 << 32, (1, 2)).astype(np.uint32).view(np.int32)
+        pos = np.array([int(rs.integers(0, 1000))], np.int32)
+        one = _sample(be, z, V, [kn], keys, pos, seen, True, monkeypatch)
+        monkeypatch.setattr(sampling, "_STAGE", True)
+        monkeypatch.setattr(sampling, "_CLUSTER_ROWS", 16)   # the default
+        monkeypatch.setattr(sampling, "_launch", spy)
+        ids, out, p = cupy.zeros(1, np.int32), cupy.full(1, -1, np.int32), cupy.asarray(pos)
+        s = cupy.asarray(seen)
+        be.sample_next(cupy.asarray(z), V, ids, p, cupy.asarray(np.array([kn], np.float32)),
+                       cupy.asarray(keys), s, out)
+        monkeypatch.setattr(sampling, "_launch", real)
+        assert launched[-1] == "sample_next_cluster_f32", launched
+        got = (cupy.asnumpy(ids), cupy.asnumpy(out), cupy.asnumpy(p), cupy.asnumpy(s))
+        for what, x, y in zip(("ids", "out", "pos", "seen"), got, one):
+            np.testing.assert_array_equal(x, y, err_msg=f"{what}, knobs {kn}")
+        assert int(got[2][0]) == int(pos[0]) + 1

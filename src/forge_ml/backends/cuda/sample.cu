@@ -121,12 +121,9 @@ FORGE_D unsigned long long block_sum_u64(unsigned long long v, unsigned long lon
 // The histogram of one pass: bin d's count or mass is (hi[d] << 32) + lo[d]. A 64-bit
 // atomicAdd on shared memory compiles to a compare-and-swap loop on sm_90; a 32-bit one is one
 // instruction, and the high word takes the carries (so the sum is exact at any row length).
-// pick_digit leaves its answer in `digit` and `above`, and the bins cleared for the next pass.
 struct Hist {
     unsigned lo[SN_BINS];
     unsigned hi[SN_BINS];
-    unsigned long long above;  // the count or mass of the bins above the digit picked
-    unsigned digit;
 };
 
 // bin d += the weight w, exactly: the low word's atomicAdd returns what it held, and an add
@@ -163,19 +160,24 @@ FORGE_D void bin_add(Hist& h, bool counted, unsigned d, unsigned w) {
     }
 }
 
+// The digit a pass picked and what the bins above it hold (pick_digit's answer).
+struct Pick {
+    unsigned long long above;
+    unsigned digit;
+};
+
 // Warp 0: the largest digit d >= 1 whose bins d, d + 1, ... hold at least `remaining` (the
-// digit is 0 when none does, so bin 0 is never read), into h.digit, and what the bins above
-// d hold, into h.above; every bin is cleared on the way. Lane l owns the 9 bins from
+// digit is 0 when none does, so bin 0 is never read), and what the bins above d hold, into
+// `out`. bins(i) gives bin i's count or mass (and may clear it). Lane l owns the 9 bins from
 // SN_BINS - 1 - 9 l down (lane 0 the largest digits): its own sum, a scan over the lanes, and
 // the first lane whose running sum reaches `remaining` walks its 9 bins.
-FORGE_D void pick_digit(Hist& h, unsigned long long remaining) {
+template <class Bins>
+FORGE_D void pick_digit(const Bins& bins, unsigned long long remaining, Pick& out) {
     const int lane = threadIdx.x & 31, top = SN_BINS - 1 - 9 * lane;
     unsigned long long bin[9], mine = 0;
 #pragma unroll
     for (int i = 0; i < 9; ++i) {
-        bin[i] = ((unsigned long long)h.hi[top - i] << 32) | h.lo[top - i];
-        h.lo[top - i] = 0u;
-        h.hi[top - i] = 0u;
+        bin[i] = bins(top - i);
         mine += bin[i];
     }
     unsigned long long incl = mine;  // what lanes 0..lane hold
@@ -187,8 +189,8 @@ FORGE_D void pick_digit(Hist& h, unsigned long long remaining) {
     const unsigned reach = __ballot_sync(0xffffffffu, incl >= remaining);
     if (reach == 0) {
         if (lane == 31) {
-            h.digit = 0u;
-            h.above = incl;  // every counted bin
+            out.digit = 0u;
+            out.above = incl;  // every counted bin
         }
     } else if (lane == __ffs(reach) - 1) {
         unsigned long long above = incl - mine;
@@ -205,38 +207,193 @@ FORGE_D void pick_digit(Hist& h, unsigned long long remaining) {
                 }
             }
         }
-        h.digit = (unsigned)d;
-        h.above = above;
+        out.digit = (unsigned)d;
+        out.above = above;
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Teams: the blocks that share one row, and how they meet. Every pass below runs over the ids
+// [0, n) of this block's part of the row (src.weight(j): the weight of id `first + j`); a team
+// adds the parts up.
+//   Solo: one block owns the whole row (first 0, n = V); its meetings are __syncthreads.
+//   Cluster: a thread-block cluster of SC_BLOCKS blocks owns the row, block r the ids from
+//     r * part on; each block counts its part into its own histogram, and after a cluster
+//     barrier every block reads every block's (distributed shared memory) and picks the same
+//     digit from the same sums. A pass's histogram is one of two, taken in turn: a block
+//     clears the one the next pass counts into once the barrier says every block has read it
+//     (the pass before), so a pass needs one cluster barrier.
+// ---------------------------------------------------------------------------------------------
+
+struct Solo {
+    Hist* h;
+    unsigned long long* red;   // 32 words of block_sum_u64's scratch
+    Pick* pk;
+    int first, n;              // this block's ids: all of the row
+    static constexpr int ranks = 1;
+    FORGE_D unsigned rank() const { return 0u; }
+    FORGE_D Hist& hist() { return *h; }
+    FORGE_D void argmax(float&, int&) {}   // the block's argmax is the row's
+    // the pass's digit: the block's counts are in once every thread is past the barrier
+    FORGE_D Pick pick(unsigned long long remaining) {
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            Hist& hh = *h;
+            pick_digit([&hh](int i) {   // read and clear: the next pass counts into it
+                const unsigned long long v = ((unsigned long long)hh.hi[i] << 32) | hh.lo[i];
+                hh.lo[i] = 0u;
+                hh.hi[i] = 0u;
+                return v;
+            }, remaining, *pk);
+        }
+        __syncthreads();
+        return *pk;
+    }
+    FORGE_D unsigned long long sum(unsigned long long v) { return block_sum_u64(v, red); }
+    // the kept mass of each rank's part (this block's, mine): published, then read by thread 0
+    FORGE_D void publish_mass(unsigned long long) {}
+    FORGE_D unsigned long long mass_of(unsigned, unsigned long long mine) const { return mine; }
+    FORGE_D void done() {}
+};
+
+#define SC_BLOCKS 8     // sample_next_cluster_f32: the blocks of a row's cluster
+#define SC_THREADS 512  // and their threads (16 warps: 8 gather histograms while 8 clear)
+
+// A generic address of the same shared-memory variable in block `rank` of the cluster.
+template <class T> FORGE_D const T* cluster_map(const T* p, unsigned rank) {
+    unsigned long long r = reinterpret_cast<unsigned long long>(p);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mapa.u64 %0, %1, %2;" : "=l"(r) : "l"(r), "r"(rank));
+#endif
+    return reinterpret_cast<const T*>(r);
+}
+
+// What the blocks of a cluster read from each other.
+struct ClusterShared {
+    Hist h[2];                     // the passes' histograms, in turn
+    Pick pk;
+    unsigned long long total;      // a sum's result, for the whole block
+    unsigned long long K, mass;    // this block's part of the top-p mass, of the kept mass
+    float best;                    // this block's (max, argmax) of the row
+    int bi;
+};
+
+struct Cluster {
+    ClusterShared* s;
+    unsigned long long* table;     // (SC_BLOCKS, SN_BINS): every block's bins of this pass
+    unsigned long long* red;
+    int first, n, pass;
+    static constexpr int ranks = SC_BLOCKS;
+    FORGE_D unsigned rank() const {
+        unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+        return r;
+    }
+    FORGE_D Hist& hist() { return s->h[pass & 1]; }
+    // every block gets the row's (max, argmax) from every block's, folded in rank order
+    FORGE_D void argmax(float& best, int& bi) {
+        if (threadIdx.x == 0) {
+            s->best = best;
+            s->bi = bi;
+        }
+        cluster_sync();
+        best = neg_inf<float>();
+        bi = 0x7fffffff;
+#pragma unroll
+        for (unsigned r = 0; r < SC_BLOCKS; ++r)
+            argmax_take(*cluster_map(&s->best, r), *cluster_map(&s->bi, r), best, bi);
+    }
+    FORGE_D Pick pick(unsigned long long remaining) {
+        cluster_sync();   // every block's counts of this pass are in
+        const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+        if (warp < SC_BLOCKS) {   // warp r copies block r's bins (the bins warp 0 reads)
+            const Hist* rh = cluster_map(&s->h[pass & 1], (unsigned)warp);
+            unsigned lo[9], hi[9];
+#pragma unroll
+            for (int i = 0; i < 9; ++i) {
+                lo[i] = rh->lo[9 * lane + i];
+                hi[i] = rh->hi[9 * lane + i];
+            }
+#pragma unroll
+            for (int i = 0; i < 9; ++i)
+                table[warp * SN_BINS + 9 * lane + i] = ((unsigned long long)hi[i] << 32) | lo[i];
+        } else {   // the others clear the next pass's histogram: every block has read it
+            Hist& nx = s->h[(pass + 1) & 1];
+            for (int i = t - 32 * SC_BLOCKS; i < SN_BINS; i += SC_THREADS - 32 * SC_BLOCKS)
+                nx.lo[i] = nx.hi[i] = 0u;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            const unsigned long long* tb = table;
+            pick_digit([tb](int i) {
+                unsigned long long v = 0;
+#pragma unroll
+                for (int r = 0; r < SC_BLOCKS; ++r) v += tb[r * SN_BINS + i];
+                return v;
+            }, remaining, s->pk);
+        }
+        __syncthreads();
+        ++pass;
+        return s->pk;
+    }
+    // the row's sum of every block's v (top-p's K: once a row)
+    FORGE_D unsigned long long sum(unsigned long long v) {
+        v = block_sum_u64(v, red);
+        unsigned long long* mine = &s->K;
+        if (threadIdx.x == 0) *mine = v;
+        cluster_sync();
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
+            unsigned long long x = lane < SC_BLOCKS ? *cluster_map(mine, (unsigned)lane) : 0ull;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+            if (lane == 0) s->total = x;
+        }
+        __syncthreads();
+        return s->total;
+    }
+    FORGE_D void publish_mass(unsigned long long mine) {
+        if (threadIdx.x == 0) s->mass = mine;
+        cluster_sync();
+    }
+    FORGE_D unsigned long long mass_of(unsigned r, unsigned long long) const {
+        return *cluster_map(&s->mass, r);
+    }
+    // no block leaves while another may still read its shared memory
+    FORGE_D void done() { cluster_sync(); }
+};
+
 // The largest value v of the kept weights (w >= floor_) such that the kept weights >= v
 // count at least `need` (BY_MASS false: top-k) or weigh at least `need` (BY_MASS true: top-p),
-// over src's weights w_j, j < V. Three passes over the row; `h` must come in cleared (and
-// goes out cleared). Every thread returns v.
-template <bool BY_MASS, class Src>
-FORGE_D unsigned radix_select(const Src& src, int V, unsigned floor_, unsigned long long need,
-                              Hist& h) {
+// over the row's weights; this block counts its part, src.weight(j) for j < team.n. Three
+// passes; the team's histogram comes in cleared (and goes out cleared). Every thread returns v.
+template <bool BY_MASS, class Src, class Team>
+FORGE_D unsigned radix_select(const Src& src, unsigned floor_, unsigned long long need,
+                              Team& team) {
+    const int n = team.n;
     unsigned prefix = 0;                   // the digits picked so far, in their bits
     unsigned long long remaining = need;   // what the candidates still have to provide
 #pragma unroll
     for (int pass = 0; pass < 3; ++pass) {
         const int shift = 16 - 8 * pass;   // the digit: bits 16-24, then 8-15, then 0-7
         const unsigned fixed = pass == 0 ? 0u : ~0u << (shift + 8);  // the bits picked before
+        Hist& h = team.hist();
         // count: every kept weight that agrees with the prefix on the bits picked before adds
         // 1 or itself to the bin of its digit (digit 0 skipped: pick_digit does not read it).
         // Thread t takes ids 4t..4t+3, then 4(t + blockDim.x)..; a warp with nothing to count
         // in its 128 ids moves on after one vote.
-        for (int j0 = 0; j0 < V; j0 += 4 * blockDim.x) {  // every thread takes every iteration
+        for (int j0 = 0; j0 < n; j0 += 4 * blockDim.x) {  // every thread takes every iteration
             const int j = j0 + 4 * threadIdx.x;
             unsigned w[4], d[4];
             bool counted[4], some = false;
-            src.weights4(j, V, w);
+            src.weights4(j, n, w);
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 // min(): w <= 2^24 always; the clamp only keeps a bad weight in the histogram
                 d[u] = pass == 0 ? min(w[u] >> 16, 256u) : (w[u] >> shift) & 255u;
-                counted[u] = j + u < V && w[u] >= floor_ && (w[u] & fixed) == prefix && d[u] != 0u;
+                counted[u] = j + u < n && w[u] >= floor_ && (w[u] & fixed) == prefix && d[u] != 0u;
                 some = some || counted[u];
             }
             if (__any_sync(0xffffffffu, some)) {
@@ -244,44 +401,44 @@ FORGE_D unsigned radix_select(const Src& src, int V, unsigned floor_, unsigned l
                 for (int u = 0; u < 4; ++u) bin_add<BY_MASS>(h, counted[u], d[u], w[u]);
             }
         }
-        __syncthreads();
         // pick: the digit of v, and what the candidates above it provide
-        if (threadIdx.x < 32) pick_digit(h, remaining);
-        __syncthreads();
-        prefix |= h.digit << shift;
-        remaining -= h.above;
+        const Pick pk = team.pick(remaining);
+        prefix |= pk.digit << shift;
+        remaining -= pk.above;
     }
     return prefix;
 }
 
 // Passes 3 to 11 of a sampled row: the cuts (top-k, top-p, min-p) and the draw over the
-// weights src.weight(j), j < V; `key`: the row's two Philox key words. `h` comes in cleared.
-// Every thread of the block returns the token.
-template <class Src>
+// row's weights (this block's part: src.weight(j), id team.first + j, j < team.n); `key`: the
+// row's two Philox key words. The team's histogram comes in cleared. Returns the token in the
+// block whose part holds it (every thread of it), -1 in the others.
+template <class Src, class Team>
 FORGE_D int draw_token(const Src& src, int V, int k, float ptop, float pmin, int p_at,
-                       const unsigned* key, Hist& h, unsigned long long* red, unsigned* sel,
+                       const unsigned* key, Team& team, unsigned long long* red, unsigned* sel,
                        unsigned long long* goal_) {
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5;
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5, n = team.n;
     unsigned floor_ = 0;
     // passes 3-5, top-k: the k-th largest weight
-    if (k > 0 && k < V) floor_ = radix_select<false>(src, V, 0u, (unsigned long long)k, h);
+    if (k > 0 && k < V) floor_ = radix_select<false>(src, 0u, (unsigned long long)k, team);
     if (ptop > 0.0f && ptop < 1.0f) {
         // pass 6, top-p: K, the mass the top-k cut keeps
         unsigned long long K = 0;
-        for (int j = t; j < V; j += blockDim.x) {
+        for (int j = t; j < n; j += blockDim.x) {
             const unsigned w = src.weight(j);
             if (w >= floor_) K += w;
         }
-        K = block_sum_u64(K, red);
+        K = team.sum(K);
         // passes 7-9: the largest cut whose kept mass reaches ceil(p K)
         const unsigned long long need = (unsigned long long)ceil((double)ptop * (double)K);
-        const unsigned tp = radix_select<true>(src, V, floor_, need, h);
+        const unsigned tp = radix_select<true>(src, floor_, need, team);
         floor_ = max(floor_, tp);
     }
     // min_p above 1 (not checked on the device) keeps the top token still: the floor is 2^24 at most
     if (pmin > 0.0f) floor_ = max(floor_, (unsigned)ceil(fmin((double)pmin, 1.0) * 16777216.0));
-    // pass 10: each warp owns a contiguous range of ids; its kept mass, then a scan over warps
-    const int R = (V + nw - 1) / nw, lo = warp * R, hi = min(V, lo + R);
+    // pass 10: each warp owns a contiguous range of the block's ids; its kept mass, then the
+    // block's, then (a cluster) every block's
+    const int R = (n + nw - 1) / nw, lo = warp * R, hi = min(n, lo + R);
     unsigned long long mine = 0;
     for (int j = lo + lane; j < hi; j += 32) {
         const unsigned w = src.weight(j);
@@ -291,13 +448,27 @@ FORGE_D int draw_token(const Src& src, int V, int k, float ptop, float pmin, int
     for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
     if (lane == 0) red[warp] = mine;
     __syncthreads();
+    unsigned long long block_mass = 0;
+    for (int w = 0; w < nw; ++w) block_mass += red[w];
+    team.publish_mass(block_mass);
+    // the draw, over the row's kept mass: the part (block) that holds the target, and in it
+    // the warp; a block whose part does not hold it is done
     if (t == 0) {
         unsigned long long total = 0;
-        for (int w = 0; w < nw; ++w) total += red[w];
-        const u32x4 r = philox4x32_10(u32x4{(unsigned)p_at, 0u, 0u, 0u}, key[0], key[1]);
-        const unsigned long long word = r.x, th = total >> 32, tl = total & 0xffffffffull;
+        for (unsigned r = 0; r < Team::ranks; ++r) total += team.mass_of(r, block_mass);
+        const u32x4 x = philox4x32_10(u32x4{(unsigned)p_at, 0u, 0u, 0u}, key[0], key[1]);
+        const unsigned long long word = x.x, th = total >> 32, tl = total & 0xffffffffull;
         const unsigned long long target = th * word + ((tl * word) >> 32);
         unsigned long long base = 0;
+        unsigned rsel = Team::ranks - 1;
+        for (unsigned r = 0; r < Team::ranks; ++r) {
+            const unsigned long long m = team.mass_of(r, block_mass);
+            if (base + m > target) {
+                rsel = r;
+                break;
+            }
+            base += m;
+        }
         int wsel = nw - 1;
         for (int w = 0; w < nw; ++w) {
             if (base + red[w] > target) {
@@ -307,9 +478,11 @@ FORGE_D int draw_token(const Src& src, int V, int k, float ptop, float pmin, int
             base += red[w];
         }
         sel[0] = (unsigned)wsel;
+        sel[2] = rsel == team.rank() ? 1u : 0u;
         *goal_ = target - base;  // the target within the chosen warp's range
     }
     __syncthreads();
+    if (!sel[2]) return -1;
     // pass 11: the chosen warp scans its range, 32 ids at a time, for the first id whose
     // running kept mass passes the target
     if (warp == (int)sel[0]) {
@@ -326,15 +499,15 @@ FORGE_D int draw_token(const Src& src, int V, int k, float ptop, float pmin, int
             unsigned long long inc = w;  // inclusive scan over the lanes
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
-                const unsigned long long n = __shfl_up_sync(0xffffffffu, inc, o);
-                if (lane >= o) inc += n;
+                const unsigned long long m = __shfl_up_sync(0xffffffffu, inc, o);
+                if (lane >= o) inc += m;
             }
             const bool past = run + inc > goal && w > 0;
             const unsigned hit = __ballot_sync(0xffffffffu, past);
             if (hit) found = j0 + __ffs(hit) - 1;
             run += __shfl_sync(0xffffffffu, inc, 31);
         }
-        if (lane == 0) sel[1] = (unsigned)(found < 0 ? lo : found);
+        if (lane == 0) sel[1] = (unsigned)(team.first + (found < 0 ? lo : found));
     }
     __syncthreads();
     return (int)sel[1];
@@ -353,67 +526,69 @@ FORGE_D Row row_of(const float* logits, int Vp, const float* knobs, const int* s
     return row;
 }
 
-// Pass 1 (global memory): the maximum and the argmax (numpy's order) of the row's logits with
-// the penalty applied, into every thread's (best, bi); with `sw`, each logit's bits are also
-// kept in sw[j] for pass 2. Thread t takes ids t, t + blockDim.x, ... in that order, P at a
-// time: their loads first, all in flight together (one block reads the row, so latency, not
-// bandwidth, bounds this pass), the ids past V reading id V - 1 and then skipped.
-FORGE_D void row_argmax(const Row& row, int V, unsigned* sw, float& best, int& bi, float* sv,
-                        int* si) {
+// Pass 1 (global memory): the maximum and the argmax (numpy's order) of this block's part of
+// the row, ids first .. first + n - 1, with the penalty applied, into every thread's (best,
+// bi); with `sw`, each logit's bits are also kept in sw[j - first] for pass 2. Thread t takes
+// ids first + t, first + t + blockDim.x, ... in that order, P at a time: their loads first, all
+// in flight together (one block reads its part, so latency, not bandwidth, bounds this pass),
+// the ids past the part reading its last id and then skipped.
+FORGE_D void row_argmax(const Row& row, int first, int n, unsigned* sw, float& best, int& bi,
+                        float* sv, int* si) {
     constexpr int P = 8;
     const int t = threadIdx.x, nt = blockDim.x;
     const bool pen_on = row.penalized();
     best = neg_inf<float>();
     bi = 0x7fffffff;
-    for (int j0 = t; j0 < V; j0 += P * nt) {
+    for (int j0 = t; j0 < n; j0 += P * nt) {
         float v[P];
         int s[P];
 #pragma unroll
         for (int u = 0; u < P; ++u) {
-            const int j = min(j0 + u * nt, V - 1);
+            const int j = first + min(j0 + u * nt, n - 1);
             v[u] = row.z[j];
             s[u] = pen_on ? row.seen[j] : 0;
         }
 #pragma unroll
         for (int u = 0; u < P; ++u) {
             const int j = j0 + u * nt;
-            if (j < V) {
-                const float x = row.penalty(v[u], s[u]);  // row.logit(j)
+            if (j < n) {
+                const float x = row.penalty(v[u], s[u]);  // row.logit(first + j)
                 if (sw != nullptr) sw[j] = __float_as_uint(x);
-                argmax_take(x, j, best, bi);
+                argmax_take(x, first + j, best, bi);
             }
         }
     }
-    block_argmax(best, bi, sv, si);  // every thread gets the row's (max, argmax)
+    block_argmax(best, bi, sv, si);  // every thread gets the part's (max, argmax)
 }
 
-// Row b = blockIdx.x's choice. STAGED: the row goes through `sw`, V words of dynamic shared
-// memory (sample_next_smem_f32); else every pass reads global memory (sw unused).
-template <bool STAGED>
-FORGE_D void sample_block(const float* logits, int V, int Vp, const float* knobs,
-                          const unsigned* keys, int* seen, int has_seen, int* ids, int* out,
-                          int* pos, int npos, unsigned* sw) {
+// Row b's choice by this block's team (its part of the row: team.first, team.n). STAGED: the
+// part goes through `sw`, team.n words of dynamic shared memory; else every pass reads global
+// memory (sw unused; Solo only). The block whose part holds the token writes it; rank 0
+// advances the position once the team is done.
+template <bool STAGED, class Team>
+FORGE_D void sample_row(const float* logits, int V, int Vp, const float* knobs,
+                        const unsigned* keys, int* seen, int has_seen, int* ids, int* out,
+                        int* pos, int npos, unsigned* sw, int b, Team& team) {
     __shared__ float sv[32];
     __shared__ int si[32];
-    __shared__ Hist hist;
-    __shared__ unsigned long long red[32];
     __shared__ unsigned long long goal;
     __shared__ unsigned sel[4];
-    const int b = blockIdx.x, t = threadIdx.x;
+    const int t = threadIdx.x, n = team.n;
+    pdl_wait();   // the logits (and ids, pos, seen) come from the kernels before
+    pdl_launch_dependents();
     const float* kn = knobs + (long long)b * 5;
     const float temp = kn[0], ptop = kn[2], pmin = kn[3];
     const int k = (int)kn[1];
     Row row = row_of(logits, Vp, knobs, seen, has_seen, b);
     const int p_at = pos[npos == 1 ? 0 : b] + 1;  // the position of the token chosen
-    // radix_select's histogram starts cleared (the barriers of pass 1 order this before it)
-    for (int i = t; i < SN_BINS; i += blockDim.x) hist.lo[i] = hist.hi[i] = 0u;
 
     // pass 1; staged, each thread also keeps its logits for pass 2 (a greedy row needs no
     // weights)
     float best;
     int bi;
-    row_argmax(row, V, STAGED && temp > 0.0f ? sw : nullptr, best, bi, sv, si);
-    int token = bi;
+    row_argmax(row, team.first, n, STAGED && temp > 0.0f ? sw : nullptr, best, bi, sv, si);
+    team.argmax(best, bi);
+    int token = team.rank() == 0 ? bi : -1;
     // sampled, unless a NaN row or one past float32's range (1 / T or the largest logit
     // infinite): those fall back to the argmax (sampling.sample_row's step 2)
     if (temp > 0.0f && best == best && isfinite(best) && isfinite(1.0f / temp)) {
@@ -422,27 +597,45 @@ FORGE_D void sample_block(const float* logits, int V, int Vp, const float* knobs
         if constexpr (STAGED) {
             // pass 2 (shared memory): each thread turns the logits it kept (the same ids as
             // in pass 1) into their weights, in place; then the block reads them all
-            for (int j = t; j < V; j += blockDim.x)
+            for (int j = t; j < n; j += blockDim.x)
                 sw[j] = weight_of(__uint_as_float(sw[j]), row.m, row.inv_t);
             __syncthreads();
-            token = draw_token(StagedRow{sw}, V, k, ptop, pmin, p_at, keys + 2 * b, hist, red,
-                               sel, &goal);
+            token = draw_token(StagedRow{sw}, V, k, ptop, pmin, p_at, keys + 2 * b, team,
+                               team.red, sel, &goal);
         } else {
-            token = draw_token(row, V, k, ptop, pmin, p_at, keys + 2 * b, hist, red, sel,
+            token = draw_token(row, V, k, ptop, pmin, p_at, keys + 2 * b, team, team.red, sel,
                                &goal);
         }
     }
-    if (t == 0) {
+    if (t == 0 && token >= 0) {
         ids[b] = token;
         out[b] = token;
         if (has_seen) seen[(long long)b * Vp + token] = 1;
-        // the position: a row's own (npos B) here; a shared one (npos 1) here only when this
-        // block is the grid's only one, else by sample_advance_pos after this kernel (a block
-        // that advanced it could do so before a later block read it: rows past the blocks the
-        // GPU holds at once start when earlier ones end)
-        if (npos > 1) pos[b] += 1;
-        else if (gridDim.x == 1) *pos += 1;
     }
+    team.done();
+    // the position: a row's own (npos B) here; a shared one (npos 1) here only when this
+    // team is the grid's only one, else by sample_advance_pos after this kernel (a team that
+    // advanced it could do so before a later one read it: rows past the blocks the GPU holds
+    // at once start when earlier ones end)
+    if (t == 0 && team.rank() == 0) {
+        if (npos > 1) pos[b] += 1;
+        else if (gridDim.x == Team::ranks) *pos += 1;
+    }
+}
+
+// One block a row (row b = blockIdx.x): the whole row's passes in one block.
+template <bool STAGED>
+FORGE_D void sample_solo(const float* logits, int V, int Vp, const float* knobs,
+                         const unsigned* keys, int* seen, int has_seen, int* ids, int* out,
+                         int* pos, int npos, unsigned* sw) {
+    __shared__ Hist hist;
+    __shared__ unsigned long long red[32];
+    __shared__ Pick pk;
+    // radix_select's histogram starts cleared (the barriers of pass 1 order this before it)
+    for (int i = threadIdx.x; i < SN_BINS; i += blockDim.x) hist.lo[i] = hist.hi[i] = 0u;
+    Solo team{&hist, red, &pk, 0, V};
+    sample_row<STAGED>(logits, V, Vp, knobs, keys, seen, has_seen, ids, out, pos, npos, sw,
+                       (int)blockIdx.x, team);
 }
 
 // The fallback: every pass over the row reads the logits from global memory.
@@ -450,8 +643,8 @@ extern "C" __global__ void sample_next_f32(const float* logits, int V, int Vp,
                                            const float* knobs, const unsigned* keys,
                                            int* seen, int has_seen, int* ids,
                                            int* out, int* pos, int npos) {
-    sample_block<false>(logits, V, Vp, knobs, keys, seen, has_seen, ids, out, pos, npos,
-                        nullptr);
+    sample_solo<false>(logits, V, Vp, knobs, keys, seen, has_seen, ids, out, pos, npos,
+                       nullptr);
 }
 
 // The row staged in shared memory: launched with 4 V bytes of dynamic shared memory (the
@@ -461,8 +654,33 @@ extern "C" __global__ void sample_next_smem_f32(const float* logits, int V, int 
                                                 int* seen, int has_seen, int* ids,
                                                 int* out, int* pos, int npos) {
     extern __shared__ __align__(16) unsigned row_smem[];  // 16: weights4 reads 4 words at once
-    sample_block<true>(logits, V, Vp, knobs, keys, seen, has_seen, ids, out, pos, npos,
-                       row_smem);
+    sample_solo<true>(logits, V, Vp, knobs, keys, seen, has_seen, ids, out, pos, npos,
+                      row_smem);
+}
+
+// A cluster of SC_BLOCKS blocks (SC_THREADS threads each) a row: row b = blockIdx.x /
+// SC_BLOCKS; block r of the cluster stages ids r * part .. (r + 1) * part - 1 (part: V /
+// SC_BLOCKS rounded up to a multiple of 4) in its dynamic shared memory, after the table of
+// every block's histogram bins: SC_BLOCKS x SN_BINS x 8 + 4 part bytes (43 KB for GPT-2's
+// 50,257 ids). Every pass then reads an eighth of the row per block, and each cut's digit
+// costs one cluster barrier; the same token as one block a row (the same integer sums, and
+// the parts in id order).
+extern "C" __global__ void __launch_bounds__(SC_THREADS)
+sample_next_cluster_f32(const float* logits, int V, int Vp, const float* knobs,
+                        const unsigned* keys, int* seen, int has_seen, int* ids, int* out,
+                        int* pos, int npos) {
+    extern __shared__ __align__(16) unsigned char cl_smem[];
+    __shared__ ClusterShared cs;
+    __shared__ unsigned long long red[32];
+    for (int i = threadIdx.x; i < SN_BINS; i += blockDim.x)
+        cs.h[0].lo[i] = cs.h[0].hi[i] = cs.h[1].lo[i] = cs.h[1].hi[i] = 0u;
+    Cluster team{&cs, reinterpret_cast<unsigned long long*>(cl_smem), red, 0, 0, 0};
+    const int part = ((V + SC_BLOCKS - 1) / SC_BLOCKS + 3) & ~3;
+    team.first = (int)team.rank() * part;
+    team.n = max(0, min(V, team.first + part) - team.first);
+    unsigned* sw = reinterpret_cast<unsigned*>(cl_smem + SC_BLOCKS * SN_BINS * 8);
+    sample_row<true>(logits, V, Vp, knobs, keys, seen, has_seen, ids, out, pos, npos, sw,
+                     (int)(blockIdx.x / SC_BLOCKS), team);
 }
 
 // The shared position (one int32) of a batch of rows: sample_next advances it once every row
@@ -482,7 +700,7 @@ extern "C" __global__ void sample_weights_f32(const float* logits, int V, int Vp
     Row row = row_of(logits, Vp, knobs, seen, has_seen, b);
     float best;
     int bi;
-    row_argmax(row, V, nullptr, best, bi, sv, si);
+    row_argmax(row, 0, V, nullptr, best, bi, sv, si);
     const bool sampled = temp > 0.0f && best == best && isfinite(best) && isfinite(1.0f / temp);
     row.m = best;
     row.inv_t = sampled ? 1.0f / temp : 1.0f;

@@ -4,18 +4,22 @@ rule of ``forge_ml.sampling.sample_row``), each written into the next step's ids
 chain's token buffer) with the position advanced, so that captured steps chain without the
 host. Kernels: greedy.cu, sample.cu (the row staged in shared memory where it fits,
 ``sample_next_smem_f32``; else ``sample_next_f32``, every pass over global memory;
-``sample_advance_pos``, a position shared by several rows advanced after they all read it;
-and ``sample_weights_f32``, the integer weights both draw from, for tests).
+``sample_next_cluster_f32``, a thread-block cluster of 8 blocks a row, each with an eighth of
+it staged, for batches of up to 16 rows on Hopper; ``sample_advance_pos``, a position shared
+by several rows advanced after they all read it; and ``sample_weights_f32``, the integer
+weights every kernel draws from, for tests). All three choose the same token.
 
 One block of 1024 threads per row; the staged kernel's block takes a whole SM's shared memory,
 so up to one row per SM (132 on an H200) runs at once: nothing in a call grows with the
-batch below that, and each further 132 rows take another round.
+batch below that, and each further 132 rows take another round. A small batch leaves most
+SMs idle and a row's passes one block's latency each: the cluster kernel splits each row over
+8 SMs (a batch of one: 8 blocks), which meet once a cut's digit.
 """
 from __future__ import annotations
 
-from ...errors import ShapeError
+from ...errors import CompileError, ShapeError
 from .memory import _c, _pos_array
-from .runtime import F32, _guarded, _i32, _launch, _set_max_shared, cupy
+from .runtime import F32, _dev, _guarded, _i32, _launch, _launcher_ex, _set_max_shared, cupy
 
 
 @_guarded
@@ -40,6 +44,41 @@ def greedy_next(logits, vocab_size, ids, pos, out=None):
 
 _SAMPLE_THREADS = 1024   # sample.cu: one block of 1024 threads per row
 _STAGE = True            # tests set it False to run the global-memory kernel on the same rows
+_CLUSTER_BLOCKS, _CLUSTER_THREADS, _BINS = 8, 512, 288   # sample.cu: SC_BLOCKS, SC_THREADS, SN_BINS
+_CLUSTER_ROWS = 16       # batches up to this many rows sample with a cluster a row (tests change it)
+_cluster_ok: dict = {}   # (device, vocab_size) -> the cluster kernel's shared memory, or 0
+
+
+def _cluster_shared(vocab_size) -> int:
+    """``sample_next_cluster_f32``'s dynamic shared memory for rows of ``vocab_size``: the
+    table of every block's histogram bins, then the block's part of the row (4 bytes an id,
+    V / 8 rounded up to a multiple of 4).
+
+    >>> _cluster_shared(50257)
+    43568
+    """
+    part = (-(-int(vocab_size) // _CLUSTER_BLOCKS) + 3) & ~3
+    return _CLUSTER_BLOCKS * _BINS * 8 + 4 * part
+
+
+def _cluster(B, vocab_size) -> int:
+    """The dynamic shared memory of ``sample_next_cluster_f32`` where it samples these rows,
+    else 0: at most ``_CLUSTER_ROWS`` rows (a batch of one, where a row's one block is the whole
+    call: 8 blocks read and cut an eighth of the row each), a GPU with thread-block clusters
+    (Hopper), ``_STAGE`` on and the part fitting a block's shared memory. A kernel file that
+    does not compile here is a no (the one-block kernels choose the same tokens)."""
+    if B > _CLUSTER_ROWS or not _STAGE or vocab_size <= 0 or not _launcher_ex():
+        return 0
+    key = (_dev(), int(vocab_size))
+    got = _cluster_ok.get(key)
+    if got is None:
+        nbytes = _cluster_shared(vocab_size)
+        try:
+            fits = _set_max_shared("sample", "sample_next_cluster_f32", nbytes)
+        except CompileError:
+            fits = False
+        got = _cluster_ok[key] = nbytes if fits else 0
+    return got
 
 
 def _sample_kernel(vocab_size):
@@ -74,11 +113,17 @@ def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None):
         raise ShapeError(f"sample_next: out must be {B} contiguous {ids.dtype} values, got "
                          f"{out.dtype} {out.shape}")
     pos = _pos_array(pos, B)
-    name, shared = _sample_kernel(vocab_size)
-    _launch("sample", name, (B,), _SAMPLE_THREADS,
-            (_c(logits), _i32(vocab_size), _i32(Vp), _c(knobs), _c(keys),
-             ids if seen is None else seen, _i32(seen is not None), ids, out, pos,
-             _i32(pos.size)), shared=shared)
+    args = (_c(logits), _i32(vocab_size), _i32(Vp), _c(knobs), _c(keys),
+            ids if seen is None else seen, _i32(seen is not None), ids, out, pos, _i32(pos.size))
+    writes = (ids, out, pos) + (() if seen is None else (seen,))
+    shared = _cluster(B, vocab_size)
+    if shared:
+        _launch("sample", "sample_next_cluster_f32", (B * _CLUSTER_BLOCKS,), _CLUSTER_THREADS,
+                args, shared=shared, pdl=True, writes=writes, cluster=(_CLUSTER_BLOCKS, 1, 1))
+    else:
+        name, shared = _sample_kernel(vocab_size)
+        _launch("sample", name, (B,), _SAMPLE_THREADS, args, shared=shared, pdl=True,
+                writes=writes)
     if pos.size == 1 and B > 1:   # every row reads the shared position: advanced after them all
         _launch("sample", "sample_advance_pos", (1,), 1, (pos,))
 
