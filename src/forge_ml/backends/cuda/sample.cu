@@ -19,23 +19,27 @@
 // (a position shared by several rows: by sample_advance_pos, after every row has read it).
 // seen: int32 (B, Vp), 1 where the row has seen the token (the penalty's context).
 //
-// One block (1024 threads) owns one row. Two kernels run the same passes with the same
-// arithmetic and the same reductions, so they choose the same token:
-//   sample_next_smem_f32: the row is read from global memory once (pass 1), each thread
-//     keeping its logits in dynamic shared memory (4 V bytes: 201 KB for GPT-2's 50,257,
-//     which an H100/H200 block may take once opted in); pass 2 turns them into their weights
-//     in place, and every later pass reads the weights from there (no expf, no global load);
+// Three kernels run the same passes with the same arithmetic and the same integer sums, so
+// they choose the same token:
+//   sample_next_smem_f32: one block (1024 threads) a row, read from global memory once (pass
+//     1), each thread keeping its logits in dynamic shared memory (4 V bytes: 201 KB for
+//     GPT-2's 50,257, which an H100/H200 block may take once opted in); pass 2 turns them into
+//     their weights in place, and every later pass reads the weights from there (no expf, no
+//     global load);
 //   sample_next_f32: where 4 V bytes do not fit (a large vocabulary, a smaller GPU), every
 //     pass reads the logits from global memory and recomputes the weights (a row of 50,257
-//     weights does not fit a block's registers).
+//     weights does not fit a block's registers);
+//   sample_next_cluster_f32 (Hopper, small batches): a cluster of 8 blocks a row, each with an
+//     eighth of the row staged; the blocks meet once a cut's digit (see the teams below).
 // sampling.py picks the kernel. The passes over a sampled row (V elements each):
 //   1      the max and the argmax of z (global memory; staged, z is also kept);
 //   2      staged only: z_j -> w_j, in place in shared memory;
 //   3-5    top-k: the k-th largest weight, a radix descent of 3 passes (radix_select);
-//   6      top-p: K, the mass the top-k cut keeps;
-//   7-9    top-p: the cut, 3 more radix passes;
-//   10     the kept mass of each warp's range of ids;
-//   11     the chosen warp alone scans its range (1/32 of the row) for the token.
+//   6-8    top-p: the cut, 3 more radix passes, the first also weighing K (the mass the top-k
+//          cut keeps), which the cut's need is made of at the first pick;
+//   9      the kept mass of each thread's contiguous ids, scanned over the threads (and the
+//          cluster's blocks);
+//   10     the one thread whose ids hold the target scans them for the token.
 // A cut that is off skips its passes; T = 0 (or a NaN) stops after pass 1.
 // sample_weights_f32 (tests only) writes the weights w_j that the passes from 2 on read.
 #include "common.cuh"
@@ -116,7 +120,7 @@ FORGE_D unsigned long long block_sum_u64(unsigned long long v, unsigned long lon
 // was what the selection cost before.
 // ---------------------------------------------------------------------------------------------
 
-#define SN_BINS 288  // 9 bins per lane of the warp that picks the digit; a digit uses 257 at most
+#define SN_BINS 288  // 9 warps' lanes, a bin each, in pick_digit; a digit uses 257 at most
 
 // The histogram of one pass: bin d's count or mass is (hi[d] << 32) + lo[d]. A 64-bit
 // atomicAdd on shared memory compiles to a compare-and-swap loop on sm_90; a 32-bit one is one
@@ -152,7 +156,13 @@ FORGE_D void bin_add(Hist& h, bool counted, unsigned d, unsigned w) {
         const int first = __ffs(any) - 1;
         const unsigned d0 = __shfl_sync(all, d, first);
         if (__all_sync(all, !counted || d == d0)) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
             const unsigned sum = __reduce_add_sync(all, counted ? w : 0u);
+#else
+            unsigned sum = counted ? w : 0u;   // __reduce_add_sync is sm_80+
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(all, sum, o);
+#endif
             if ((int)(threadIdx.x & 31) == first) mass_add(h, d0, sum);
         } else if (counted) {
             mass_add(h, d, w);
@@ -166,50 +176,62 @@ struct Pick {
     unsigned digit;
 };
 
-// Warp 0: the largest digit d >= 1 whose bins d, d + 1, ... hold at least `remaining` (the
-// digit is 0 when none does, so bin 0 is never read), and what the bins above d hold, into
-// `out`. bins(i) gives bin i's count or mass (and may clear it). Lane l owns the 9 bins from
-// SN_BINS - 1 - 9 l down (lane 0 the largest digits): its own sum, a scan over the lanes, and
-// the first lane whose running sum reaches `remaining` walks its 9 bins.
-template <class Bins>
-FORGE_D void pick_digit(const Bins& bins, unsigned long long remaining, Pick& out) {
-    const int lane = threadIdx.x & 31, top = SN_BINS - 1 - 9 * lane;
-    unsigned long long bin[9], mine = 0;
-#pragma unroll
-    for (int i = 0; i < 9; ++i) {
-        bin[i] = bins(top - i);
-        mine += bin[i];
-    }
-    unsigned long long incl = mine;  // what lanes 0..lane hold
+#define SN_PICK_WARPS (SN_BINS / 32)   // 9: warp w holds bins 32 w .. 32 w + 31, a bin a lane
+
+// The largest digit d >= 1 whose bins d, d + 1, ... hold at least `remaining` (>= 1), and what
+// the bins above d hold; the digit is 0 when none does (bin 0 is never counted, so it holds 0
+// and "above" is then every counted bin). Every thread calls it; a thread of warps 0..8 brings
+// v, the count or mass of bin 32 warp + lane (the others 0). Each warp sums its bins from each
+// lane's up (a suffix scan), warp w adds the warps above it (wsum: SN_PICK_WARPS words of
+// shared memory), and the one bin where the running sum first reaches `remaining` writes the
+// answer to `out`. Two __syncthreads; every thread returns the answer.
+FORGE_D Pick pick_digit(unsigned long long v, unsigned long long remaining,
+                        unsigned long long* wsum, Pick& out) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    unsigned long long suf = v;   // bins 32 warp + lane .. 32 warp + 31
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-        const unsigned long long n = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += n;
+        const unsigned long long n = __shfl_down_sync(0xffffffffu, suf, o);
+        if (lane + o < 32) suf += n;
     }
-    const unsigned reach = __ballot_sync(0xffffffffu, incl >= remaining);
-    if (reach == 0) {
-        if (lane == 31) {
-            out.digit = 0u;
-            out.above = incl;  // every counted bin
+    if (warp < SN_PICK_WARPS && lane == 0) wsum[warp] = suf;
+    __syncthreads();
+    if (warp < SN_PICK_WARPS) {
+        unsigned long long at = suf;   // bins from this lane's up, over every warp
+        for (int w = warp + 1; w < SN_PICK_WARPS; ++w) at += wsum[w];
+        const unsigned long long above = at - v;
+        const int d = 32 * warp + lane;
+        if ((d >= 1 && at >= remaining && above < remaining) || (d == 0 && at < remaining)) {
+            out.digit = d >= 1 ? (unsigned)d : 0u;
+            out.above = d >= 1 ? above : at;
         }
-    } else if (lane == __ffs(reach) - 1) {
-        unsigned long long above = incl - mine;
-        int d = top - 8;
-        bool found = false;
+    }
+    __syncthreads();
+    return out;
+}
+
+// A block's exclusive scan of one value a thread, in thread order (thread t's `excl`: threads
+// 0..t-1), and the block's total; `sh` holds 32 words of shared memory. Two __syncthreads.
+FORGE_D unsigned long long block_scan_u64(unsigned long long v, unsigned long long& excl,
+                                          unsigned long long* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    unsigned long long inc = v;
 #pragma unroll
-        for (int i = 0; i < 9; ++i) {
-            if (!found) {
-                if (above + bin[i] >= remaining) {
-                    found = true;
-                    d = top - i;
-                } else {
-                    above += bin[i];
-                }
-            }
-        }
-        out.digit = (unsigned)d;
-        out.above = above;
+    for (int o = 1; o < 32; o <<= 1) {
+        const unsigned long long n = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += n;
     }
+    __syncthreads();   // an earlier call's readers are done with sh
+    if (lane == 31) sh[warp] = inc;
+    __syncthreads();
+    unsigned long long before = 0, total = 0;
+    for (int w = 0; w < nw; ++w) {
+        const unsigned long long x = sh[w];
+        before += w < warp ? x : 0ull;
+        total += x;
+    }
+    excl = before + inc - v;
+    return total;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -219,45 +241,49 @@ FORGE_D void pick_digit(const Bins& bins, unsigned long long remaining, Pick& ou
 //   Solo: one block owns the whole row (first 0, n = V); its meetings are __syncthreads.
 //   Cluster: a thread-block cluster of SC_BLOCKS blocks owns the row, block r the ids from
 //     r * part on; each block counts its part into its own histogram, and after a cluster
-//     barrier every block reads every block's (distributed shared memory) and picks the same
-//     digit from the same sums. A pass's histogram is one of two, taken in turn: a block
+//     barrier every block reads every block's bins (distributed shared memory) and picks the
+//     same digit from the same sums. A pass's histogram is one of two, taken in turn: a block
 //     clears the one the next pass counts into once the barrier says every block has read it
 //     (the pass before), so a pass needs one cluster barrier.
+// A team's pick may also sum a value over the row at the same meeting (top-p's K, the mass its
+// first pass weighs: `need` gives the cut's need from it).
 // ---------------------------------------------------------------------------------------------
 
 struct Solo {
     Hist* h;
-    unsigned long long* red;   // 32 words of block_sum_u64's scratch
+    unsigned long long* red;   // 32 words: block sums and scans
     Pick* pk;
     int first, n;              // this block's ids: all of the row
     static constexpr int ranks = 1;
     FORGE_D unsigned rank() const { return 0u; }
     FORGE_D Hist& hist() { return *h; }
     FORGE_D void argmax(float&, int&) {}   // the block's argmax is the row's
-    // the pass's digit: the block's counts are in once every thread is past the barrier
-    FORGE_D Pick pick(unsigned long long remaining) {
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            Hist& hh = *h;
-            pick_digit([&hh](int i) {   // read and clear: the next pass counts into it
-                const unsigned long long v = ((unsigned long long)hh.hi[i] << 32) | hh.lo[i];
-                hh.lo[i] = 0u;
-                hh.hi[i] = 0u;
-                return v;
-            }, remaining, *pk);
+    // the pass's digit once every thread has counted; with K (mine: this thread's part of
+    // it), `remaining` becomes need(the row's K) first. The bins are cleared as read.
+    template <class Need>
+    FORGE_D Pick pick(unsigned long long& remaining, bool with_k, unsigned long long mine,
+                      const Need& need) {
+        if (with_k) remaining = need(block_sum_u64(mine, red));
+        else __syncthreads();
+        const int t = threadIdx.x;
+        unsigned long long v = 0;
+        if (t < SN_BINS) {
+            v = ((unsigned long long)h->hi[t] << 32) | h->lo[t];
+            h->lo[t] = 0u;   // the next pass counts into it
+            h->hi[t] = 0u;
         }
-        __syncthreads();
-        return *pk;
+        return pick_digit(v, remaining, red, *pk);
     }
-    FORGE_D unsigned long long sum(unsigned long long v) { return block_sum_u64(v, red); }
-    // the kept mass of each rank's part (this block's, mine): published, then read by thread 0
-    FORGE_D void publish_mass(unsigned long long) {}
-    FORGE_D unsigned long long mass_of(unsigned, unsigned long long mine) const { return mine; }
+    // the kept mass of the parts before this block's, and the row's (one part: 0 and mine)
+    FORGE_D unsigned long long parts(unsigned long long mine, unsigned long long& before) {
+        before = 0;
+        return mine;
+    }
     FORGE_D void done() {}
 };
 
 #define SC_BLOCKS 8     // sample_next_cluster_f32: the blocks of a row's cluster
-#define SC_THREADS 512  // and their threads (16 warps: 8 gather histograms while 8 clear)
+#define SC_THREADS 512  // and their threads (16 warps: 9 read the bins, 1 a sum, 6 clear)
 
 // A generic address of the same shared-memory variable in block `rank` of the cluster.
 template <class T> FORGE_D const T* cluster_map(const T* p, unsigned rank) {
@@ -268,19 +294,18 @@ template <class T> FORGE_D const T* cluster_map(const T* p, unsigned rank) {
     return reinterpret_cast<const T*>(r);
 }
 
-// What the blocks of a cluster read from each other.
+// What the blocks of a cluster read from each other, and the block's own meeting results.
 struct ClusterShared {
     Hist h[2];                     // the passes' histograms, in turn
     Pick pk;
-    unsigned long long total;      // a sum's result, for the whole block
-    unsigned long long K, mass;    // this block's part of the top-p mass, of the kept mass
-    float best;                    // this block's (max, argmax) of the row
-    int bi;
+    unsigned long long K, mass;    // this block's part of top-p's K, of the kept mass
+    unsigned long long total;      // the row's K, for the whole block
+    float best, row_best;          // this block's (max, argmax) of the row, and the row's
+    int bi, row_bi;
 };
 
 struct Cluster {
     ClusterShared* s;
-    unsigned long long* table;     // (SC_BLOCKS, SN_BINS): every block's bins of this pass
     unsigned long long* red;
     int first, n, pass;
     static constexpr int ranks = SC_BLOCKS;
@@ -292,74 +317,90 @@ struct Cluster {
         return r;
     }
     FORGE_D Hist& hist() { return s->h[pass & 1]; }
-    // every block gets the row's (max, argmax) from every block's, folded in rank order
+    // every block gets the row's (max, argmax): warp 0's lane r brings block r's, and a
+    // butterfly folds them (numpy's order is a total order: any fold gives the same)
     FORGE_D void argmax(float& best, int& bi) {
         if (threadIdx.x == 0) {
             s->best = best;
             s->bi = bi;
         }
         cluster_sync();
-        best = neg_inf<float>();
-        bi = 0x7fffffff;
-#pragma unroll
-        for (unsigned r = 0; r < SC_BLOCKS; ++r)
-            argmax_take(*cluster_map(&s->best, r), *cluster_map(&s->bi, r), best, bi);
-    }
-    FORGE_D Pick pick(unsigned long long remaining) {
-        cluster_sync();   // every block's counts of this pass are in
-        const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
-        if (warp < SC_BLOCKS) {   // warp r copies block r's bins (the bins warp 0 reads)
-            const Hist* rh = cluster_map(&s->h[pass & 1], (unsigned)warp);
-            unsigned lo[9], hi[9];
-#pragma unroll
-            for (int i = 0; i < 9; ++i) {
-                lo[i] = rh->lo[9 * lane + i];
-                hi[i] = rh->hi[9 * lane + i];
+        if (threadIdx.x < 32) {
+            const unsigned lane = threadIdx.x;
+            float b = neg_inf<float>();
+            int i = 0x7fffffff;
+            if (lane < SC_BLOCKS) {
+                b = *cluster_map(&s->best, lane);
+                i = *cluster_map(&s->bi, lane);
             }
 #pragma unroll
-            for (int i = 0; i < 9; ++i)
-                table[warp * SN_BINS + 9 * lane + i] = ((unsigned long long)hi[i] << 32) | lo[i];
+            for (int o = 4; o > 0; o >>= 1) {
+                const float b2 = __shfl_xor_sync(0xffffffffu, b, o);
+                const int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+                argmax_take(b2, i2, b, i);
+            }
+            if (lane == 0) {
+                s->row_best = b;
+                s->row_bi = i;
+            }
+        }
+        __syncthreads();
+        best = s->row_best;
+        bi = s->row_bi;
+    }
+    template <class Need>
+    FORGE_D Pick pick(unsigned long long& remaining, bool with_k, unsigned long long mine,
+                      const Need& need) {
+        if (with_k) {
+            mine = block_sum_u64(mine, red);
+            if (threadIdx.x == 0) s->K = mine;
+        }
+        cluster_sync();   // every block's counts of this pass (and its K) are in
+        const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+        unsigned long long v = 0;
+        if (warp < SN_PICK_WARPS) {   // bin t over every block: its 16 words in flight at once
+            unsigned lo[SC_BLOCKS], hi[SC_BLOCKS];
+#pragma unroll
+            for (int r = 0; r < SC_BLOCKS; ++r) {
+                const Hist* rh = cluster_map(&s->h[pass & 1], (unsigned)r);
+                lo[r] = rh->lo[t];
+                hi[r] = rh->hi[t];
+            }
+#pragma unroll
+            for (int r = 0; r < SC_BLOCKS; ++r) v += ((unsigned long long)hi[r] << 32) | lo[r];
+        } else if (warp == SN_PICK_WARPS) {   // the row's K
+            if (with_k) {
+                unsigned long long x = lane < SC_BLOCKS ? *cluster_map(&s->K, (unsigned)lane) : 0ull;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+                if (lane == 0) s->total = x;
+            }
         } else {   // the others clear the next pass's histogram: every block has read it
             Hist& nx = s->h[(pass + 1) & 1];
-            for (int i = t - 32 * SC_BLOCKS; i < SN_BINS; i += SC_THREADS - 32 * SC_BLOCKS)
+            for (int i = t - 32 * (SN_PICK_WARPS + 1); i < SN_BINS; i += SC_THREADS - 32 * (SN_PICK_WARPS + 1))
                 nx.lo[i] = nx.hi[i] = 0u;
         }
-        __syncthreads();
-        if (warp == 0) {
-            const unsigned long long* tb = table;
-            pick_digit([tb](int i) {
-                unsigned long long v = 0;
-#pragma unroll
-                for (int r = 0; r < SC_BLOCKS; ++r) v += tb[r * SN_BINS + i];
-                return v;
-            }, remaining, s->pk);
-        }
-        __syncthreads();
         ++pass;
-        return s->pk;
-    }
-    // the row's sum of every block's v (top-p's K: once a row)
-    FORGE_D unsigned long long sum(unsigned long long v) {
-        v = block_sum_u64(v, red);
-        unsigned long long* mine = &s->K;
-        if (threadIdx.x == 0) *mine = v;
-        cluster_sync();
-        if (threadIdx.x < 32) {
-            const int lane = threadIdx.x;
-            unsigned long long x = lane < SC_BLOCKS ? *cluster_map(mine, (unsigned)lane) : 0ull;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-            if (lane == 0) s->total = x;
-        }
+        if (!with_k) return pick_digit(v, remaining, red, s->pk);
         __syncthreads();
-        return s->total;
+        remaining = need(s->total);
+        return pick_digit(v, remaining, red, s->pk);
     }
-    FORGE_D void publish_mass(unsigned long long mine) {
+    // every block's kept mass: lane r of each warp brings block r's (every thread needs both
+    // sums); the parts before this block's and the row's
+    FORGE_D unsigned long long parts(unsigned long long mine, unsigned long long& before) {
         if (threadIdx.x == 0) s->mass = mine;
         cluster_sync();
-    }
-    FORGE_D unsigned long long mass_of(unsigned r, unsigned long long) const {
-        return *cluster_map(&s->mass, r);
+        const unsigned lane = threadIdx.x & 31, me = rank();
+        unsigned long long m = lane < SC_BLOCKS ? *cluster_map(&s->mass, lane) : 0ull;
+        unsigned long long b = lane < me ? m : 0ull;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            m += __shfl_xor_sync(0xffffffffu, m, o);
+            b += __shfl_xor_sync(0xffffffffu, b, o);
+        }
+        before = b;
+        return m;
     }
     // no block leaves while another may still read its shared memory
     FORGE_D void done() { cluster_sync(); }
@@ -368,10 +409,12 @@ struct Cluster {
 // The largest value v of the kept weights (w >= floor_) such that the kept weights >= v
 // count at least `need` (BY_MASS false: top-k) or weigh at least `need` (BY_MASS true: top-p),
 // over the row's weights; this block counts its part, src.weight(j) for j < team.n. Three
-// passes; the team's histogram comes in cleared (and goes out cleared). Every thread returns v.
+// passes; the team's histogram comes in cleared (and goes out cleared). Top-p (ptop > 0):
+// `need` is ceil(ptop K), K the kept mass, which the first pass weighs as it counts. Every
+// thread returns v.
 template <bool BY_MASS, class Src, class Team>
 FORGE_D unsigned radix_select(const Src& src, unsigned floor_, unsigned long long need,
-                              Team& team) {
+                              float ptop, Team& team) {
     const int n = team.n;
     unsigned prefix = 0;                   // the digits picked so far, in their bits
     unsigned long long remaining = need;   // what the candidates still have to provide
@@ -379,6 +422,8 @@ FORGE_D unsigned radix_select(const Src& src, unsigned floor_, unsigned long lon
     for (int pass = 0; pass < 3; ++pass) {
         const int shift = 16 - 8 * pass;   // the digit: bits 16-24, then 8-15, then 0-7
         const unsigned fixed = pass == 0 ? 0u : ~0u << (shift + 8);  // the bits picked before
+        const bool with_k = BY_MASS && pass == 0 && ptop > 0.0f;
+        unsigned long long kmass = 0;      // with_k: this thread's kept mass
         Hist& h = team.hist();
         // count: every kept weight that agrees with the prefix on the bits picked before adds
         // 1 or itself to the bin of its digit (digit 0 skipped: pick_digit does not read it).
@@ -393,7 +438,9 @@ FORGE_D unsigned radix_select(const Src& src, unsigned floor_, unsigned long lon
             for (int u = 0; u < 4; ++u) {
                 // min(): w <= 2^24 always; the clamp only keeps a bad weight in the histogram
                 d[u] = pass == 0 ? min(w[u] >> 16, 256u) : (w[u] >> shift) & 255u;
-                counted[u] = j + u < n && w[u] >= floor_ && (w[u] & fixed) == prefix && d[u] != 0u;
+                const bool kept = j + u < n && w[u] >= floor_;
+                if (with_k && kept) kmass += w[u];
+                counted[u] = kept && (w[u] & fixed) == prefix && d[u] != 0u;
                 some = some || counted[u];
             }
             if (__any_sync(0xffffffffu, some)) {
@@ -402,112 +449,64 @@ FORGE_D unsigned radix_select(const Src& src, unsigned floor_, unsigned long lon
             }
         }
         // pick: the digit of v, and what the candidates above it provide
-        const Pick pk = team.pick(remaining);
+        const Pick pk = team.pick(remaining, with_k, kmass, [ptop](unsigned long long K) {
+            return (unsigned long long)ceil((double)ptop * (double)K);
+        });
         prefix |= pk.digit << shift;
         remaining -= pk.above;
     }
     return prefix;
 }
 
-// Passes 3 to 11 of a sampled row: the cuts (top-k, top-p, min-p) and the draw over the
+// Passes 3 to 10 of a sampled row: the cuts (top-k, top-p, min-p) and the draw over the
 // row's weights (this block's part: src.weight(j), id team.first + j, j < team.n); `key`: the
 // row's two Philox key words. The team's histogram comes in cleared. Returns the token in the
 // block whose part holds it (every thread of it), -1 in the others.
 template <class Src, class Team>
 FORGE_D int draw_token(const Src& src, int V, int k, float ptop, float pmin, int p_at,
-                       const unsigned* key, Team& team, unsigned long long* red, unsigned* sel,
-                       unsigned long long* goal_) {
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = blockDim.x >> 5, n = team.n;
+                       const unsigned* key, Team& team, unsigned* sel) {
+    const int t = threadIdx.x, n = team.n;
     unsigned floor_ = 0;
     // passes 3-5, top-k: the k-th largest weight
-    if (k > 0 && k < V) floor_ = radix_select<false>(src, 0u, (unsigned long long)k, team);
-    if (ptop > 0.0f && ptop < 1.0f) {
-        // pass 6, top-p: K, the mass the top-k cut keeps
-        unsigned long long K = 0;
-        for (int j = t; j < n; j += blockDim.x) {
-            const unsigned w = src.weight(j);
-            if (w >= floor_) K += w;
-        }
-        K = team.sum(K);
-        // passes 7-9: the largest cut whose kept mass reaches ceil(p K)
-        const unsigned long long need = (unsigned long long)ceil((double)ptop * (double)K);
-        const unsigned tp = radix_select<true>(src, floor_, need, team);
-        floor_ = max(floor_, tp);
-    }
+    if (k > 0 && k < V) floor_ = radix_select<false>(src, 0u, (unsigned long long)k, 0.0f, team);
+    // passes 6-8, top-p: the largest cut whose kept mass reaches ceil(p K), K the mass the
+    // top-k cut keeps (weighed by pass 6)
+    if (ptop > 0.0f && ptop < 1.0f) floor_ = max(floor_, radix_select<true>(src, floor_, 0ull, ptop, team));
     // min_p above 1 (not checked on the device) keeps the top token still: the floor is 2^24 at most
     if (pmin > 0.0f) floor_ = max(floor_, (unsigned)ceil(fmin((double)pmin, 1.0) * 16777216.0));
-    // pass 10: each warp owns a contiguous range of the block's ids; its kept mass, then the
-    // block's, then (a cluster) every block's
-    const int R = (n + nw - 1) / nw, lo = warp * R, hi = min(n, lo + R);
+    // pass 9: thread t owns the contiguous ids [t c, t c + c) of the block's part; its kept
+    // mass, a scan over the block's threads, and (a cluster) over the blocks' parts
+    const int c = (n + (int)blockDim.x - 1) / (int)blockDim.x, lo = min(n, t * c), hi = min(n, lo + c);
     unsigned long long mine = 0;
-    for (int j = lo + lane; j < hi; j += 32) {
+    for (int j = lo; j < hi; ++j) {
         const unsigned w = src.weight(j);
         if (w >= floor_) mine += w;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
-    if (lane == 0) red[warp] = mine;
+    unsigned long long excl;
+    const unsigned long long block_mass = block_scan_u64(mine, excl, team.red);
+    unsigned long long before;
+    const unsigned long long total = team.parts(block_mass, before);
+    // the draw, over the row's kept mass: the part (block) that holds the target, in it the
+    // thread, which scans its ids (pass 10) for the first whose running kept mass passes it
+    const u32x4 x = philox4x32_10(u32x4{(unsigned)p_at, 0u, 0u, 0u}, key[0], key[1]);
+    const unsigned long long word = x.x, th = total >> 32, tl = total & 0xffffffffull;
+    const unsigned long long target = th * word + ((tl * word) >> 32);
+    if (t == 0) sel[1] = 0xffffffffu;
     __syncthreads();
-    unsigned long long block_mass = 0;
-    for (int w = 0; w < nw; ++w) block_mass += red[w];
-    team.publish_mass(block_mass);
-    // the draw, over the row's kept mass: the part (block) that holds the target, and in it
-    // the warp; a block whose part does not hold it is done
-    if (t == 0) {
-        unsigned long long total = 0;
-        for (unsigned r = 0; r < Team::ranks; ++r) total += team.mass_of(r, block_mass);
-        const u32x4 x = philox4x32_10(u32x4{(unsigned)p_at, 0u, 0u, 0u}, key[0], key[1]);
-        const unsigned long long word = x.x, th = total >> 32, tl = total & 0xffffffffull;
-        const unsigned long long target = th * word + ((tl * word) >> 32);
-        unsigned long long base = 0;
-        unsigned rsel = Team::ranks - 1;
-        for (unsigned r = 0; r < Team::ranks; ++r) {
-            const unsigned long long m = team.mass_of(r, block_mass);
-            if (base + m > target) {
-                rsel = r;
-                break;
+    if (mine > 0 && before + excl <= target && target < before + excl + mine) {
+        unsigned long long run = before + excl;
+        int found = hi - 1;
+        for (int j = lo; j < hi; ++j) {
+            const unsigned w = src.weight(j);
+            if (w >= floor_) {
+                run += w;
+                if (run > target) {
+                    found = j;
+                    break;
+                }
             }
-            base += m;
         }
-        int wsel = nw - 1;
-        for (int w = 0; w < nw; ++w) {
-            if (base + red[w] > target) {
-                wsel = w;
-                break;
-            }
-            base += red[w];
-        }
-        sel[0] = (unsigned)wsel;
-        sel[2] = rsel == team.rank() ? 1u : 0u;
-        *goal_ = target - base;  // the target within the chosen warp's range
-    }
-    __syncthreads();
-    if (!sel[2]) return -1;
-    // pass 11: the chosen warp scans its range, 32 ids at a time, for the first id whose
-    // running kept mass passes the target
-    if (warp == (int)sel[0]) {
-        const unsigned long long goal = *goal_;
-        unsigned long long run = 0;
-        int found = -1;
-        for (int j0 = lo; j0 < hi && found < 0; j0 += 32) {
-            const int j = j0 + lane;
-            unsigned long long w = 0;
-            if (j < hi) {
-                const unsigned wj = src.weight(j);
-                w = wj >= floor_ ? wj : 0u;
-            }
-            unsigned long long inc = w;  // inclusive scan over the lanes
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const unsigned long long m = __shfl_up_sync(0xffffffffu, inc, o);
-                if (lane >= o) inc += m;
-            }
-            const bool past = run + inc > goal && w > 0;
-            const unsigned hit = __ballot_sync(0xffffffffu, past);
-            if (hit) found = j0 + __ffs(hit) - 1;
-            run += __shfl_sync(0xffffffffu, inc, 31);
-        }
-        if (lane == 0) sel[1] = (unsigned)(team.first + (found < 0 ? lo : found));
+        sel[1] = (unsigned)(team.first + found);
     }
     __syncthreads();
     return (int)sel[1];
@@ -571,8 +570,7 @@ FORGE_D void sample_row(const float* logits, int V, int Vp, const float* knobs,
                         int* pos, int npos, unsigned* sw, int b, Team& team) {
     __shared__ float sv[32];
     __shared__ int si[32];
-    __shared__ unsigned long long goal;
-    __shared__ unsigned sel[4];
+    __shared__ unsigned sel[2];
     const int t = threadIdx.x, n = team.n;
     pdl_wait();   // the logits (and ids, pos, seen) come from the kernels before
     pdl_launch_dependents();
@@ -600,11 +598,9 @@ FORGE_D void sample_row(const float* logits, int V, int Vp, const float* knobs,
             for (int j = t; j < n; j += blockDim.x)
                 sw[j] = weight_of(__uint_as_float(sw[j]), row.m, row.inv_t);
             __syncthreads();
-            token = draw_token(StagedRow{sw}, V, k, ptop, pmin, p_at, keys + 2 * b, team,
-                               team.red, sel, &goal);
+            token = draw_token(StagedRow{sw}, V, k, ptop, pmin, p_at, keys + 2 * b, team, sel);
         } else {
-            token = draw_token(row, V, k, ptop, pmin, p_at, keys + 2 * b, team, team.red, sel,
-                               &goal);
+            token = draw_token(row, V, k, ptop, pmin, p_at, keys + 2 * b, team, sel);
         }
     }
     if (t == 0 && token >= 0) {
@@ -639,7 +635,7 @@ FORGE_D void sample_solo(const float* logits, int V, int Vp, const float* knobs,
 }
 
 // The fallback: every pass over the row reads the logits from global memory.
-extern "C" __global__ void sample_next_f32(const float* logits, int V, int Vp,
+extern "C" __global__ void __launch_bounds__(SN_THREADS) sample_next_f32(const float* logits, int V, int Vp,
                                            const float* knobs, const unsigned* keys,
                                            int* seen, int has_seen, int* ids,
                                            int* out, int* pos, int npos) {
@@ -649,7 +645,7 @@ extern "C" __global__ void sample_next_f32(const float* logits, int V, int Vp,
 
 // The row staged in shared memory: launched with 4 V bytes of dynamic shared memory (the
 // launcher opts the kernel in above the default 48 KB).
-extern "C" __global__ void sample_next_smem_f32(const float* logits, int V, int Vp,
+extern "C" __global__ void __launch_bounds__(SN_THREADS) sample_next_smem_f32(const float* logits, int V, int Vp,
                                                 const float* knobs, const unsigned* keys,
                                                 int* seen, int has_seen, int* ids,
                                                 int* out, int* pos, int npos) {
@@ -660,26 +656,24 @@ extern "C" __global__ void sample_next_smem_f32(const float* logits, int V, int 
 
 // A cluster of SC_BLOCKS blocks (SC_THREADS threads each) a row: row b = blockIdx.x /
 // SC_BLOCKS; block r of the cluster stages ids r * part .. (r + 1) * part - 1 (part: V /
-// SC_BLOCKS rounded up to a multiple of 4) in its dynamic shared memory, after the table of
-// every block's histogram bins: SC_BLOCKS x SN_BINS x 8 + 4 part bytes (43 KB for GPT-2's
-// 50,257 ids). Every pass then reads an eighth of the row per block, and each cut's digit
-// costs one cluster barrier; the same token as one block a row (the same integer sums, and
-// the parts in id order).
+// SC_BLOCKS rounded up to a multiple of 4) in 4 part bytes of dynamic shared memory (25 KB for
+// GPT-2's 50,257 ids). Every pass then reads an eighth of the row per block, and each cut's
+// digit costs one cluster barrier; the same token as one block a row (the same integer sums,
+// and the parts in id order).
 extern "C" __global__ void __launch_bounds__(SC_THREADS)
 sample_next_cluster_f32(const float* logits, int V, int Vp, const float* knobs,
                         const unsigned* keys, int* seen, int has_seen, int* ids, int* out,
                         int* pos, int npos) {
-    extern __shared__ __align__(16) unsigned char cl_smem[];
+    extern __shared__ __align__(16) unsigned cl_smem[];   // 16: weights4 reads 4 words at once
     __shared__ ClusterShared cs;
     __shared__ unsigned long long red[32];
     for (int i = threadIdx.x; i < SN_BINS; i += blockDim.x)
         cs.h[0].lo[i] = cs.h[0].hi[i] = cs.h[1].lo[i] = cs.h[1].hi[i] = 0u;
-    Cluster team{&cs, reinterpret_cast<unsigned long long*>(cl_smem), red, 0, 0, 0};
+    Cluster team{&cs, red, 0, 0, 0};
     const int part = ((V + SC_BLOCKS - 1) / SC_BLOCKS + 3) & ~3;
     team.first = (int)team.rank() * part;
     team.n = max(0, min(V, team.first + part) - team.first);
-    unsigned* sw = reinterpret_cast<unsigned*>(cl_smem + SC_BLOCKS * SN_BINS * 8);
-    sample_row<true>(logits, V, Vp, knobs, keys, seen, has_seen, ids, out, pos, npos, sw,
+    sample_row<true>(logits, V, Vp, knobs, keys, seen, has_seen, ids, out, pos, npos, cl_smem,
                      (int)(blockIdx.x / SC_BLOCKS), team);
 }
 

@@ -44,21 +44,19 @@ def greedy_next(logits, vocab_size, ids, pos, out=None):
 
 _SAMPLE_THREADS = 1024   # sample.cu: one block of 1024 threads per row
 _STAGE = True            # tests set it False to run the global-memory kernel on the same rows
-_CLUSTER_BLOCKS, _CLUSTER_THREADS, _BINS = 8, 512, 288   # sample.cu: SC_BLOCKS, SC_THREADS, SN_BINS
+_CLUSTER_BLOCKS, _CLUSTER_THREADS = 8, 512   # sample.cu: SC_BLOCKS, SC_THREADS
 _CLUSTER_ROWS = 16       # batches up to this many rows sample with a cluster a row (tests change it)
 _cluster_ok: dict = {}   # (device, vocab_size) -> the cluster kernel's shared memory, or 0
 
 
 def _cluster_shared(vocab_size) -> int:
     """``sample_next_cluster_f32``'s dynamic shared memory for rows of ``vocab_size``: the
-    table of every block's histogram bins, then the block's part of the row (4 bytes an id,
-    V / 8 rounded up to a multiple of 4).
+    block's part of the row, 4 bytes an id (V / 8 rounded up to a multiple of 4).
 
     >>> _cluster_shared(50257)
-    43568
+    25136
     """
-    part = (-(-int(vocab_size) // _CLUSTER_BLOCKS) + 3) & ~3
-    return _CLUSTER_BLOCKS * _BINS * 8 + 4 * part
+    return 4 * ((-(-int(vocab_size) // _CLUSTER_BLOCKS) + 3) & ~3)
 
 
 def _cluster(B, vocab_size) -> int:
