@@ -9,6 +9,7 @@ import asyncio
 import gc
 import json
 import os
+import logging
 import socket
 import subprocess
 import sys
@@ -483,6 +484,27 @@ def test_a_client_that_leaves_a_whole_request_frees_its_slot(slow_server, caplog
     time.sleep(0.2)
     gc.collect()
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_not_an_internal_error(server, http,
+                                                                             caplog):
+    """A client that sends half a body and hangs up: no traceback in the log ("internal
+    error", "Exception in ASGI application"), and the server goes on serving."""
+    host, port = server.url.rsplit("/", 1)[1].split(":")
+    with caplog.at_level(logging.INFO):
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+        time.sleep(0.2)
+        s.close()
+        deadline = time.time() + 5
+        while time.time() < deadline and not [r for r in caplog.records if "left" in r.getMessage()]:
+            time.sleep(0.02)
+    said = [r for r in caplog.records if r.name.startswith(("forge_ml", "uvicorn"))]
+    assert [r for r in said if "left before its request arrived" in r.getMessage()]
+    assert not [r for r in said if r.exc_info or r.levelno >= logging.ERROR], \
+        [r.getMessage() for r in said]
+    assert complete(http, prompt="ab", max_tokens=3)["choices"][0]["finish_reason"] == "length"
 
 
 # -- GPT-2's byte tokens ---------------------------------------------------------------------

@@ -50,7 +50,7 @@ from typing import Optional
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -470,6 +470,12 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
         return _error_response(APIError(msg.get(e.status_code, str(e.detail)),
                                         status=e.status_code, type=kind))
 
+    async def on_client_gone(request: Request, e: ClientDisconnect) -> Response:
+        # the client left while sending its request: nothing to answer, nothing went wrong
+        log.info("forge-ml serve: the client of %s left before its request arrived",
+                 request.url.path)
+        return Response(status_code=400)
+
     async def on_server_error(request: Request, e: Exception) -> Response:
         log.exception("forge-ml serve: internal error on %s", request.url.path)
         return _error_response(APIError(f"internal server error: {type(e).__name__}",
@@ -482,7 +488,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     middleware = [Middleware(_APIKey, key=api_key)] if api_key else []
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
         APIError: on_api_error, RequestError: on_request_error, HTTPException: on_http_error,
-        Exception: on_server_error})
+        ClientDisconnect: on_client_gone, Exception: on_server_error})
 
 
 def _no_constant(name: str):
