@@ -9,6 +9,7 @@ import asyncio
 import gc
 import json
 import os
+import argparse
 import logging
 import socket
 import subprocess
@@ -737,3 +738,22 @@ def test_serve_refuses_a_model_whose_vocabulary_is_not_its_tokenizers(tmp_path):
     save_hf_gpt2(tmp_path / "small", cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
     with pytest.raises(ConfigError, match="the model has 97 tokens but its tokenizer"):
         _load(str(tmp_path / "small"), "cpu", "float32")
+
+
+def test_serve_names_its_flags_for_bad_slots_and_max_len(tmp_path):
+    """--slots 0 and --max-len past the context said "BatchEngine: slots/max_len ..."; the
+    command's own flags are named, with the model's context."""
+    from forge_ml.checkpoint import save_checkpoint
+    from forge_ml.errors import ConfigError
+    from forge_ml.serve.cli import add_arguments, run
+
+    cfg = GPT2Config(vocab_size=len(CHARS), block_size=32, n_layer=1, n_head=1, n_embd=8)
+    save_checkpoint(tmp_path / "ckpt", GPT2.init(cfg).state_dict(),
+                    {"config": cfg.to_dict(), "tokenizer": {"kind": "char", "chars": CHARS},
+                     "step": 1})
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(ConfigError, match=r"^--slots must be >= 1 .*got 0"):
+        run(p.parse_args(["--ckpt", str(tmp_path / "ckpt"), "--slots", "0"]))
+    with pytest.raises(ConfigError, match=r"^--max-len must be in 1\.\.32 \(the model's context\), got 100"):
+        run(p.parse_args(["--ckpt", str(tmp_path / "ckpt"), "--max-len", "100"]))

@@ -102,8 +102,13 @@ def run(args) -> int:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
     if not 0 <= args.shutdown_timeout < float("inf"):
         raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
+    if args.slots is not None and args.slots < 1:
+        raise ConfigError(f"--slots must be >= 1 (requests decoded together), got {args.slots}")
     api_key = args.api_key or flags.get("FORGE_API_KEY") or None
     model, tokenizer, _ = _load(args.ckpt, args.device, dtype)
+    if args.max_len is not None and not 1 <= args.max_len <= model.config.block_size:
+        raise ConfigError(f"--max-len must be in 1..{model.config.block_size} (the model's "
+                          f"context), got {args.max_len}")
     engine = BatchEngine(model, tokenizer, slots=args.slots, max_len=args.max_len)
     name = args.model_name or model_id(args.ckpt)
     app = create_app(engine, name, api_key=api_key)
