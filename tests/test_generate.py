@@ -75,13 +75,27 @@ def test_seeds_outside_64_bits_are_refused_not_aliased(model):
         msg = re.escape(f"generate: seed must be an int in [0, 2**64), got {bad}")
         with pytest.raises(ConfigError, match=msg):
             generate(model, [2, 7], max_new_tokens=4, seed=bad)
-        with pytest.raises(ConfigError, match=msg):
-            stream_tokens(model, [2, 7], 4, seed=bad)
+        with pytest.raises(ConfigError, match=msg.replace("generate", "stream_tokens")):
+            stream_tokens(model, [2, 7], 4, seed=bad)   # its errors name it
         with pytest.raises(ConfigError, match=msg):
             generate_text(model, CharTokenizer("abcdefghijklmnopqrstuvw"), "ab", 4, seed=bad)
     top = (1 << 64) - 1
     assert len(list(generate(model, [2, 7], max_new_tokens=4, seed=top))) == 4
     assert len(list(stream_tokens(model, [2, 7], CFG.block_size + 4, seed=top))) == CFG.block_size + 4
+
+
+def test_knobs_past_float32_and_logprobs_in_generate_text_are_refused_clearly(model):
+    """An infinite temperature (or one past float32, which the device's knobs are: 1e308
+    printed NumPy's cast warning) is refused as the command line refuses it; generate_text's
+    logprobs name generate's batch form, and stream_tokens' errors name stream_tokens."""
+    for t in (float("inf"), 1e308):
+        with pytest.raises(ConfigError, match="temperature must be >= 0 .* finite in float32"):
+            generate(model, [2, 7], max_new_tokens=2, temperature=t)
+    assert len(list(generate(model, [2, 7], max_new_tokens=2, temperature=3e38))) == 2
+    with pytest.raises(ConfigError, match=r"generate_text returns text alone; .*logprobs=n"):
+        generate_text(model, CharTokenizer("abcdefghijklmnopqrstuvw"), "ab", 4, logprobs=2)
+    with pytest.raises(ConfigError, match="^stream_tokens: temperature must be >= 0"):
+        stream_tokens(model, [2, 7], 4, temperature=-1)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(model):

@@ -307,6 +307,9 @@ def _stop_args(stop_tokens, stop_strings) -> tuple[tuple, tuple]:
     return tuple(int(t) for t in stop_tokens), tuple(stop_strings)
 
 
+_T_MAX = float(np.finfo(np.float32).max)   # the knobs reach the device as float32
+
+
 def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
     """The next-token knobs as generate, next_token_probs and token_logprobs take them: a
     ConfigError naming ``who`` and the knob otherwise (a negative temperature inverted the
@@ -316,10 +319,11 @@ def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetiti
     >>> _check_choice("f", -1)
     Traceback (most recent call last):
     ...
-    forge_ml.errors.ConfigError: f: temperature must be >= 0 (0 = greedy), got -1
+    forge_ml.errors.ConfigError: f: temperature must be >= 0 (0 = greedy) and finite in float32 (at most 3.403e+38), got -1
     """
-    if not (_is_real(temperature) and temperature >= 0):
-        raise ConfigError(f"{who}: temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if not (_is_real(temperature) and 0 <= temperature <= _T_MAX):
+        raise ConfigError(f"{who}: temperature must be >= 0 (0 = greedy) and finite in float32 "
+                          f"(at most {_T_MAX:.4g}), got {temperature!r}")
     if top_k is not None and (not _is_int(top_k) or top_k < 1):
         raise ConfigError(f"{who}: top_k must be None or an int >= 1, got {top_k!r}")
     if top_p is not None and not (_is_real(top_p) and 0 < top_p <= 1):
@@ -345,31 +349,32 @@ def _check_stop_ids(model, stop_tokens) -> None:
 
 
 def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
-                tokenizer, min_p=None, repetition_penalty=1.0, logprobs=None, single=False):
+                tokenizer, min_p=None, repetition_penalty=1.0, logprobs=None, single=False,
+                who="generate"):
     cfg = model.config
     for r, p in enumerate(rows):
         where = "the prompt" if len(rows) == 1 else f"prompt {r}"
         if len(p) > cfg.block_size:
-            raise ShapeError(f"generate: {where} has {len(p)} tokens, longer than the model's "
+            raise ShapeError(f"{who}: {where} has {len(p)} tokens, longer than the model's "
                              f"context of {cfg.block_size} tokens (block_size)")
         bad = [t for t in p if not 0 <= t < cfg.vocab_size]
         if bad:
-            raise ShapeError(f"generate: token id {bad[0]} in {where} is out of range; ids must "
+            raise ShapeError(f"{who}: token id {bad[0]} in {where} is out of range; ids must "
                              f"be in 0..{cfg.vocab_size - 1}")
     if not _is_int(max_new_tokens) or max_new_tokens < 0:
-        raise ConfigError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    _check_choice("generate", temperature, top_k, top_p, min_p, repetition_penalty)
+        raise ConfigError(f"{who}: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    _check_choice(who, temperature, top_k, top_p, min_p, repetition_penalty)
     if not _is_int(seed) or not 0 <= seed < 1 << 64:     # row_key keeps 64 bits: 2**64 was 0
-        raise ConfigError(f"generate: seed must be an int in [0, 2**64), got {seed!r}")
+        raise ConfigError(f"{who}: seed must be an int in [0, 2**64), got {seed!r}")
     if stop_strings and tokenizer is None:
-        raise ConfigError("generate: stop_strings need a tokenizer to decode the generated text; "
+        raise ConfigError(f"{who}: stop_strings need a tokenizer to decode the generated text; "
                           "pass tokenizer=")
     if logprobs is not None:
         if not _is_int(logprobs) or not 0 <= logprobs <= cfg.vocab_size:
-            raise ConfigError(f"generate: logprobs must be None or an int in 0.."
+            raise ConfigError(f"{who}: logprobs must be None or an int in 0.."
                               f"{cfg.vocab_size} (how many top tokens to report), got {logprobs!r}")
         if single:
-            raise ConfigError("generate: logprobs need the batch form, which yields TokenEvents "
+            raise ConfigError(f"{who}: logprobs need the batch form, which yields TokenEvents "
                               "(a single prompt yields plain ints): pass [prompt]")
 
 
@@ -613,6 +618,10 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kwa
     >>> len(text), set(text) <= set("abc ")
     (5, True)
     """
+    if kwargs.get("logprobs") is not None:
+        raise ConfigError("generate_text returns text alone; for log-probabilities call "
+                          "generate(model, [tokenizer.encode(prompt)], ..., logprobs=n), whose "
+                          "TokenEvents carry them")
     ids = tokenizer.encode(prompt)
     stop_tokens, stop_strings = _stop_args(kwargs.get("stop_tokens"), kwargs.get("stop_strings"))
     kwargs["tokenizer"] = tokenizer
@@ -629,7 +638,8 @@ def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, to
     """Yield up to ``max_new_tokens`` sampled ids after ``ids`` through ``generate``; once the
     context is full, generation goes on from the last ``block_size // 2`` tokens (a sliding
     window, recomputed), so a sample may be longer than the context. The repetition
-    penalty's context is then the window.
+    penalty's context is then the window. A prompt longer than the context starts from its
+    last ``block_size`` tokens (``generate`` refuses it).
 
     >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
     >>> m = GPT2.init(GPT2Config(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4))
@@ -647,7 +657,7 @@ def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, to
     ctx = prompts[0][-block:]
     # every argument checked now, at the call (a generator would say it at the first next())
     _check_args(model, [ctx], max_new_tokens, temperature, top_k, top_p, seed, (), None, min_p,
-                repetition_penalty)
+                repetition_penalty, who="stream_tokens")
     _check_stop_ids(model, stop_tokens)
     return _stream(model, ctx, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, min_p,
                    repetition_penalty)
