@@ -1465,6 +1465,30 @@ def test_a_resume_that_ends_before_its_best_steps_is_refused(workdir, capsys):
     assert load_checkpoint("r2/ckpt")[1]["step"] == 6 and not Path("r2/best").exists()
 
 
+def test_a_resume_that_trains_past_its_best_otherwise_says_best_is_not_its_model(workdir, capsys):
+    """A QA report: kill after best/ was kept at step 8 but before step 8's checkpoint (6),
+    then a resume to step 8 with another lr: its estimates did not beat the best up to step 6,
+    so best/ kept the stopped attempt's step-8 model, a model of steps this run trained
+    otherwise, and nothing said so. The run says it at the end; the same flags reproduce step
+    8, replace best/ and say nothing."""
+    argv = ["train", "--data", "t.txt", *TINY, "--eval-interval", "2", "--keep-best", "--lr", "3e-2",
+            "--checkpoint-interval", "2", "--max-steps", "8"]
+    env = dict(os.environ, PYTHONPATH=SRC, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", _KILL_AT_CHECKPOINT, "8", *argv, "--out", "r"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9, r.stderr
+    shutil.copytree("r", "r2")
+    orphan = _snapshot("r/best")
+    capsys.readouterr()
+    assert main(["train", "--out", "r", "--resume", "--lr", "1e-12", "--min-lr", "0"]) == 0
+    out = capsys.readouterr().out
+    assert _snapshot("r/best") == orphan                 # nothing of this run beat the best before
+    assert "r/best still holds the model of step 8" in out and "not one of this run's" in out, out
+    assert main(["train", "--out", "r2", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert load_checkpoint("r2/best")[1]["step"] == 8 and "still holds" not in out, out
+
+
 def test_convert_force_does_not_replace_a_runs_kept_best(workdir, capsys):
     """convert --from-hf X --out RUN/best --force replaced the model --keep-best kept (both are
     model checkpoints); --force replaces only an earlier conversion."""

@@ -513,6 +513,9 @@ class Trainer:
         self.ckpt_dir = self.out_dir / CKPT_NAME
         self.best_dir = self.out_dir / BEST_NAME
         self.best_val: Optional[float] = None   # keep_best: the val loss of the model in best_dir
+        # keep_best on resume: (step, val loss) of a best/ kept after the checkpoint (a stop
+        # between the two saves), a model of steps the run trains again; None once replaced
+        self._orphan_best: Optional[tuple] = None
         self.log_path = self.out_dir / LOG_NAME
         self.step = 0
         self.elapsed = 0.0          # training seconds before this process (from the checkpoint)
@@ -676,6 +679,9 @@ class Trainer:
                                    f"away or choose another --out")
                 if resume:
                     self.best_val = self._best_before(theirs, ckpt[1].get("step"))
+                    at, was = theirs.get("step"), theirs.get("val_loss")
+                    if isinstance(at, int) and isinstance(step, int) and at > step and isinstance(was, (int, float)):
+                        self._orphan_best = (at, float(was))
         if resume:
             self._check_best_reached(step)
         self._check_plot_target(held=resume or bool(held))
@@ -1747,6 +1753,7 @@ class Trainer:
         if self._stop is not None:
             self._stopped()
         self.save()
+        self._say_orphan_best()
         plot = self.plot()
         self._say(f"done: step {self.step}, val loss {self.val_loss:.4f} ({_val_words(self.val_kind)}); "
                   f"checkpoint {self.ckpt_dir}" + (f"; loss curve {plot}" if plot else ""))
@@ -1754,6 +1761,18 @@ class Trainer:
                 "val_loss": self.val_loss, "val_kind": self.val_kind,
                 "losses": self.losses[mine:],   # of this call (as documented)
                 "checkpoint": str(self.ckpt_dir)}
+
+    def _say_orphan_best(self) -> None:
+        """keep_best: a best/ kept after the resumed checkpoint that the run trained past
+        without keeping another (its steps went otherwise: another lr or schedule) is a model of
+        the stopped attempt, not of this run's steps: said, not left to pass as this run's."""
+        if self._orphan_best is None or self.step < self._orphan_best[0]:
+            return
+        at, was = self._orphan_best
+        self._say(f"note: {self.best_dir} still holds the model of step {at} (val loss {was:.4f}) from the "
+                  f"attempt that stopped before its checkpoint; this run trained those steps again and none "
+                  f"of its estimates beat {self.best_val if self.best_val is not None else was:.4f}, so that "
+                  f"model is not one of this run's: move it away to keep it as a model of its own")
 
     def _estimates_at(self, s: int, until: int) -> bool:
         """Whether step ``s`` (of a call training up to ``until``) ends with a periodic val
@@ -1811,6 +1830,7 @@ class Trainer:
                 "train_block_size": self.cfg.block_size}   # the windows its val loss was read on
         self._save(self.best_dir, self._masters(), meta)
         self.best_val = loss
+        self._orphan_best = None
 
     TUNES_BLAS = True   # DistributedTrainer: False (its processes share the machine's cores)
 
