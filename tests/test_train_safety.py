@@ -1489,6 +1489,20 @@ def test_a_resume_that_trains_past_its_best_otherwise_says_best_is_not_its_model
     assert load_checkpoint("r2/best")[1]["step"] == 8 and "still holds" not in out, out
 
 
+def test_a_resumed_run_refuses_a_preset_of_other_sizes(workdir, capsys):
+    """A QA report: --resume --model gpt2 on a 1-layer run from scratch trained the 1-layer
+    model and recorded model "gpt2" in its checkpoint; it is refused as --n-layer is, with
+    nothing written, and the run's own preset (or none) still resumes."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]) == 0
+    before = _snapshot("r")
+    capsys.readouterr()
+    _fails(capsys, ["train", "--out", "r", "--resume", "--max-steps", "3", "--model", "gpt2"],
+           "--model gpt2: the run in r trains a model with n_layer", "drop --model")
+    assert _snapshot("r") == before
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "3"]) == 0
+    assert load_checkpoint("r/ckpt")[1]["train_config"]["model"] in ("", None)
+
+
 def test_convert_force_does_not_replace_a_runs_kept_best(workdir, capsys):
     """convert --from-hf X --out RUN/best --force replaced the model --keep-best kept (both are
     model checkpoints); --force replaces only an earlier conversion."""

@@ -1084,6 +1084,15 @@ class Trainer:
                                           f"{getattr(saved, k)}, not {asked}, which a resumed run keeps; "
                                           f"drop {flag}")
             return saved
+        if ckpt is not None and cfg.model and isinstance(ckpt[1].get("config"), dict):
+            # a preset on a resumed run: its sizes must be the run's (the run's own sizes took
+            # precedence, and the preset's name was recorded for a model it is not)
+            saved = ckpt[1]["config"]
+            for k in ("n_layer", "n_head", "n_embd"):
+                asked = PRESETS[cfg.model].get(k)
+                if asked and saved.get(k) is not None and asked != saved[k]:
+                    raise ConfigError(f"--model {cfg.model}: the run in {self.out_dir} trains a model with {k} "
+                                      f"{saved[k]}, not {asked}, which a resumed run keeps; drop --model")
         return GPT2Config(vocab_size=self.tokenizer.vocab_size, block_size=cfg.block_size, dropout=cfg.dropout,
                           **cfg.model_sizes())
 
