@@ -473,3 +473,16 @@ def test_nanogpt_token_files_are_not_read_as_text(workdir, capsys):
                f"{name} holds token ids, not text", "write_shard")
         _fails(capsys, ["prepare", name, "--out", "d"], "holds token ids, not text")
     assert not Path("r").exists() and not Path("d").exists()
+
+
+def test_a_commands_error_does_not_repeat_the_commands_name(tmp_path, capsys):
+    """forge-ml prepare on an empty file said "forge-ml prepare: error: prepare: ... is empty";
+    a one-token text said "gives 1 tokens"."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "one.txt").write_text("a")
+    assert main(["prepare", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("forge-ml prepare: error: ") and "error: prepare:" not in err, err
+    assert main(["prepare", str(tmp_path / "one.txt"), "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err
+    assert "gives 1 token;" in err, err

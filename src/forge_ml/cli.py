@@ -1034,6 +1034,17 @@ _PATH_ARGS = ("out", "out_dir", "data", "ckpt", "init_from", "text", "config", "
               "prompt_file")
 
 
+def _unprefixed(e: Exception, cmd: str) -> str:
+    """An error's message without the library function's own name where it is the command's
+    (``prepare: x is empty`` under ``forge-ml prepare: error:``).
+
+    >>> _unprefixed(ValueError("prepare: t.txt is empty"), "prepare")
+    't.txt is empty'
+    """
+    msg = str(e)
+    return msg[len(cmd) + 2:] if msg.startswith(cmd + ": ") else msg
+
+
 def main(argv=None) -> int:
     """Run the ``forge-ml`` command line; returns the exit status (0 ok, 1 training failure,
     2 bad input or a file that cannot be written, 130 / 143 / 129 stopped by SIGINT / SIGTERM /
@@ -1075,10 +1086,10 @@ def main(argv=None) -> int:
         finally:   # main() called from Python (a test, a notebook): the library's names again
             CLI_WORDS.reset(words)
     except TrainingError as e:
-        print(f"{PROG} {args.cmd}: error: {e}", file=sys.stderr)
+        print(f"{PROG} {args.cmd}: error: {_unprefixed(e, args.cmd)}", file=sys.stderr)
         return 1
     except ForgeError as e:
-        print(f"{PROG} {args.cmd}: error: {e}", file=sys.stderr)
+        print(f"{PROG} {args.cmd}: error: {_unprefixed(e, args.cmd)}", file=sys.stderr)
         return 2
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"{PROG} {args.cmd}: error: {e.strerror}: {e.filename}", file=sys.stderr)

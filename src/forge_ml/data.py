@@ -381,7 +381,7 @@ def split_tokens(ids, val_fraction: float, source="the text") -> tuple:
     n_train = n - n_val
     if n_val < 1 or n_train < 1:
         raise DataError(
-            f"prepare: {source} gives {n} tokens; with val_fraction={val_fraction} that leaves "
+            f"prepare: {source} gives {n} token{'' if n == 1 else 's'}; with val_fraction={val_fraction} that leaves "
             f"{n_train} for train and {n_val} for val; expected at least 1 each"
         )
     return ids[:n_train], ids[n_train:]
