@@ -1503,6 +1503,21 @@ def test_a_resumed_run_refuses_a_preset_of_other_sizes(workdir, capsys):
     assert load_checkpoint("r/ckpt")[1]["train_config"]["model"] in ("", None)
 
 
+def test_a_resume_to_a_step_before_the_checkpoints_is_refused(workdir, capsys):
+    """A QA report: --resume --max-steps 1 on a run at step 3 said "steps 3 -> 1", evaluated
+    and rewrote the checkpoint recording max_steps 1; it is refused with nothing written."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "3"]) == 0
+    before = _snapshot("r")
+    capsys.readouterr()
+    _fails(capsys, ["train", "--out", "r", "--resume", "--max-steps", "1"],
+           "--max-steps 1: the run in r is at step 3 already", "--max-steps 4 or more")
+    assert _snapshot("r") == before
+    cfg = TrainConfig.from_dict(dict(load_checkpoint("r/ckpt")[1]["train_config"], max_steps=2))
+    with pytest.raises(ConfigError, match="max_steps=2: the run in r is at step 3 already"):
+        Trainer(cfg, resume=True, log=None)
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "4"]) == 0
+
+
 def test_convert_force_does_not_replace_a_runs_kept_best(workdir, capsys):
     """convert --from-hf X --out RUN/best --force replaced the model --keep-best kept (both are
     model checkpoints); --force replaces only an earlier conversion."""

@@ -597,6 +597,10 @@ class Trainer:
             if isinstance(step, bool) or not isinstance(step, int) or step < 0:
                 raise CheckpointError(f"{self.ckpt_dir / 'state.json'}: step must be an integer >= 0, got "
                                       f"{step!r:.40}; the file was altered or damaged")
+            if isinstance(cfg.max_steps, int) and cfg.max_steps < step:
+                raise ConfigError(f"--max-steps {cfg.max_steps}: the run in {self.out_dir} is at step {step} "
+                                  f"already; give --max-steps {step + 1} or more to train on (eval and sample "
+                                  f"read its checkpoint as it is)")
             was_b = meta["data"].get("batch_size") if isinstance(meta["data"], dict) else None
             if isinstance(was_b, int) and isinstance(cfg.batch_size, int) and cfg.batch_size != was_b:
                 raise ConfigError(f"--batch-size {cfg.batch_size}: the run in {self.out_dir} draws batches of "
