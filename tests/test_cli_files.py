@@ -277,3 +277,29 @@ def test_bench_with_a_missing_dependency_names_the_module(tmp_path, capsys, monk
     monkeypatch.setitem(sys.modules, "torch", None)      # as if torch were not installed
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     fails(capsys, ["bench", "peer_demo"], "peer_demo", "'torch'", "not installed")
+
+
+def test_eval_of_a_loose_shard_takes_a_hf_folder_whose_tokenizer_is_not_gpt2s(tmp_path, capsys):
+    """A QA report: a transformers folder with its own 97-token vocabulary (vocab.json not
+    GPT-2's) was refused by eval on a token shard, "its text would be wrong", though a shard is
+    ids alone; it evaluates now (the loss of the same weights under an unreadable tokenizer and
+    a readable one agree), while text data is still refused."""
+    import json as _json
+
+    from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
+
+    cfg = {"vocab_size": 97, "block_size": 16, "n_layer": 1, "n_head": 1, "n_embd": 8}
+    rs = np.random.default_rng(0)
+    w = {k: (rs.standard_normal(s) * 0.1).astype(np.float32) for k, s in gpt2_param_shapes(cfg).items()}
+    save_hf_gpt2(tmp_path / "plain", cfg, w)
+    save_hf_gpt2(tmp_path / "own", cfg, w)
+    (tmp_path / "own" / "vocab.json").write_text(_json.dumps({chr(65 + i): i for i in range(97)}))
+    write_shard(tmp_path / "ids.bin", rs.integers(0, 97, 500))
+    (tmp_path / "t.txt").write_text("hello there\n" * 20)
+    losses = []
+    for d in ("plain", "own"):
+        assert main(["eval", "--ckpt", str(tmp_path / d), "--data", str(tmp_path / "ids.bin")]) == 0
+        losses.append(capsys.readouterr().out)
+    assert losses[0] == losses[1].replace(str(tmp_path / "own"), str(tmp_path / "plain")), losses
+    assert main(["eval", "--ckpt", str(tmp_path / "own"), "--data", str(tmp_path / "t.txt")]) == 2
+    assert "not GPT-2's" in capsys.readouterr().err

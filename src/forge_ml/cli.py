@@ -739,7 +739,10 @@ def _cmd_eval(args) -> int:
         except OSError as e:
             raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
     shard = shards is None and (path.suffix == ".bin" or is_shard_file(path))  # one named *.dat too
-    model, tok, meta = load_model(args.ckpt, device=args.device)
+    # a loose shard is ids alone: a Hugging Face folder whose tokenizer forge-ml cannot read
+    # still evaluates on it (its tokenizer is never used)
+    loose = shard and folder is None and not (path.parent / "tokenizer.json").is_file()
+    model, tok, meta = load_model(args.ckpt, device=args.device, tokenizer=not loose)
     cfg = model.config
     # a run's own windows (a fine-tune may train on fewer tokens than the model's context), so
     # that eval of its checkpoint gives the run's final val loss

@@ -60,12 +60,14 @@ def resolve_checkpoint(path) -> Path:
                           "folder (config.json)")
 
 
-def load_model(path, device="cpu", dtype="float32"):
+def load_model(path, device="cpu", dtype="float32", tokenizer=True):
     """``(model, tokenizer, meta)`` from a forge-ml checkpoint (or a run folder holding one) or
     a Hugging Face GPT-2 folder (``config.json`` + ``model.safetensors``; its forge-ml export's
     tokenizer, else GPT-2's, which may have more ids than the model: ``check_tokenizer_fits``
     says so before text is turned into ids). ``dtype="bfloat16"`` gives a bf16 model on the
-    GPU (weights rounded once at load).
+    GPU (weights rounded once at load). ``tokenizer=False``: a Hugging Face folder whose
+    tokenizer forge-ml cannot read gives None for it instead of an error (token ids alone: eval
+    of a shard).
 
     >>> import tempfile, numpy as np
     >>> from forge_ml.checkpoint import save_checkpoint
@@ -92,7 +94,12 @@ def load_model(path, device="cpu", dtype="float32"):
     config, params = load_hf_gpt2(p)
     cfg = GPT2Config.from_dict(config)
     model = GPT2.from_state_dict(cfg, params, device=device, dtype=dtype)
-    tok = hf_tokenizer_dict(p)
+    try:
+        tok = hf_tokenizer_dict(p)
+    except CheckpointError:
+        if tokenizer:
+            raise
+        return model, None, {"config": cfg.to_dict(), "tokenizer": None}
     return model, tokenizer_from_dict(tok), {"config": cfg.to_dict(), "tokenizer": tok}
 
 
