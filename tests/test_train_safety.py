@@ -1434,18 +1434,24 @@ def test_keep_best_after_a_stop_between_best_and_checkpoint_and_under_overwrite(
     assert read_log("r/log.jsonl")[0][0]["step"] == 1
 
 
-def test_a_resume_that_ends_before_its_best_steps_is_refused(workdir, capsys):
-    """A kill after best/ was kept at step 8 but before step 8's checkpoint (step 6), then a
-    resume with --max-steps 6: the run ended at step 6 with best/ holding step 8's model, from
-    steps it gave up, and a log that never names it (at 7 an estimate replaced it in silence).
-    Such a resume is refused before any write, naming the steps and --max-steps; --max-steps 8
-    trains step 8 again, and with best/ moved away the run ends at step 6."""
+def _killed_after_best_at_8() -> None:
+    """Run r (keep_best, estimates and checkpoints every 2 steps, 8 steps) killed at step 8's
+    checkpoint: best/ holds step 8's model, ckpt/ step 6's."""
     argv = ["train", "--data", "t.txt", *TINY, "--eval-interval", "2", "--keep-best", "--lr", "3e-2",
             "--checkpoint-interval", "2", "--max-steps", "8"]
     env = dict(os.environ, PYTHONPATH=SRC, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", _KILL_AT_CHECKPOINT, "8", *argv, "--out", "r"],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 9, r.stderr
+
+
+def test_a_resume_that_ends_before_its_best_steps_is_refused(workdir, capsys):
+    """A kill after best/ was kept at step 8 but before step 8's checkpoint (step 6), then a
+    resume with --max-steps 6: the run ended at step 6 with best/ holding step 8's model, from
+    steps it gave up, and a log that never names it (at 7 an estimate replaced it in silence).
+    Such a resume is refused before any write, naming the steps and --max-steps; --max-steps 8
+    trains step 8 again, and with best/ moved away the run ends at step 6."""
+    _killed_after_best_at_8()
     assert load_checkpoint("r/best")[1]["step"] == 8 and load_checkpoint("r/ckpt")[1]["step"] == 6
     shutil.copytree("r", "r2")
     before = _snapshot("r")
@@ -1471,12 +1477,7 @@ def test_a_resume_that_trains_past_its_best_otherwise_says_best_is_not_its_model
     so best/ kept the stopped attempt's step-8 model, a model of steps this run trained
     otherwise, and nothing said so. The run says it at the end; the same flags reproduce step
     8, replace best/ and say nothing."""
-    argv = ["train", "--data", "t.txt", *TINY, "--eval-interval", "2", "--keep-best", "--lr", "3e-2",
-            "--checkpoint-interval", "2", "--max-steps", "8"]
-    env = dict(os.environ, PYTHONPATH=SRC, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", _KILL_AT_CHECKPOINT, "8", *argv, "--out", "r"],
-                       env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 9, r.stderr
+    _killed_after_best_at_8()
     shutil.copytree("r", "r2")
     orphan = _snapshot("r/best")
     capsys.readouterr()
