@@ -486,3 +486,15 @@ def test_a_commands_error_does_not_repeat_the_commands_name(tmp_path, capsys):
     assert main(["prepare", str(tmp_path / "one.txt"), "--out", str(tmp_path / "q")]) == 2
     err = capsys.readouterr().err
     assert "gives 1 token;" in err, err
+
+
+def test_an_interrupt_before_the_command_runs_is_one_line(monkeypatch, capsys):
+    """A QA report: Ctrl-C 50 ms after `forge-ml train` started (inside building the parser,
+    an import) printed a KeyboardInterrupt traceback; it is the one line a later one gives."""
+    import forge_ml.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err == "forge-ml: interrupted\n"

@@ -1057,6 +1057,15 @@ def main(argv=None) -> int:
     >>> main(["bench", "--steps", "0"])
     2
     """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:   # before the command runs (its own handler says more there)
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv) -> int:
+    """``main``'s body: parse, check the environment, run the command."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
