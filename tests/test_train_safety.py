@@ -1519,6 +1519,21 @@ def test_a_resume_to_a_step_before_the_checkpoints_is_refused(workdir, capsys):
     assert main(["train", "--out", "r", "--resume", "--max-steps", "4"]) == 0
 
 
+def test_a_first_save_cut_before_its_rename_is_named_not_advised_away(workdir, capsys):
+    """A QA report: a run whose first save wrote ckpt.tmp whole but stopped before renaming
+    it to ckpt/ said "start it over with --overwrite", which removes that checkpoint. The
+    message names ckpt.tmp and the rename; renamed, it resumes (its sha256 checked)."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]) == 0
+    os.replace("r/ckpt", "r/ckpt.tmp")
+    capsys.readouterr()
+    _fails(capsys, ["train", "--out", "r", "--resume", "--max-steps", "3"],
+           "r/ckpt.tmp holds one whose save stopped before its last rename", "rename it to r/ckpt",
+           "--overwrite would remove it")
+    assert Path("r/ckpt.tmp/state.json").is_file()
+    os.replace("r/ckpt.tmp", "r/ckpt")
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "3"]) == 0
+
+
 def test_convert_force_does_not_replace_a_runs_kept_best(workdir, capsys):
     """convert --from-hf X --out RUN/best --force replaced the model --keep-best kept (both are
     model checkpoints); --force replaces only an earlier conversion."""

@@ -1991,6 +1991,13 @@ def no_checkpoint(out_dir, held) -> str:
     'cannot resume: runs/a holds a run (log.jsonl) but no checkpoint in runs/a/ckpt ...; start it over with --overwrite'
     """
     ckpt = Path(out_dir) / CKPT_NAME
+    tmp = ckpt.with_name(CKPT_NAME + ".tmp")
+    if (tmp / "state.json").is_file():
+        # a first save stopped between writing its last file and its rename: its state.json is
+        # written last and records the weights' sha256, which a load checks
+        return (f"cannot resume: {out_dir} has no checkpoint in {ckpt}, but {tmp} holds one whose save stopped "
+                f"before its last rename; to go on from it, rename it to {ckpt} and resume (the weights are "
+                f"checked against the sha256 it recorded); --overwrite would remove it and start over")
     if held:
         return (f"cannot resume: {out_dir} holds a run ({', '.join(held)}) but no checkpoint in {ckpt} (it "
                 f"stopped before saving one); start it over with --overwrite")
