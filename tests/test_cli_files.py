@@ -141,7 +141,8 @@ def test_convert_writes_a_new_or_empty_folder_and_replaces_its_own_export_with_f
     # an export the user added a file to is theirs now
     (hf / "README.md").write_text("my model card")
     before = tree(run.parent)
-    fails(capsys, ["convert", "--to-hf", "run", "--out", "new/hf", "--force"], "not empty", "README.md")
+    fails(capsys, ["convert", "--to-hf", "run", "--out", "new/hf", "--force"], "not empty", "README.md",
+          "--force replaces only an earlier Hugging Face export: a folder of its files alone")
     assert tree(run.parent) == before
 
 

@@ -470,8 +470,10 @@ def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str 
                 if not force:
                     raise CheckpointError(f"{out} holds an earlier {what}; add --force to replace it")
             else:
+                why = (f"; --force replaces only an earlier {what}: a folder of its files alone (a file "
+                       f"of yours beside them keeps it)" if force and is_own is not None else "")
                 raise CheckpointError(f"{out} is not empty (it holds {_listing(names)}); write into a "
-                                      f"new or empty folder")
+                                      f"new or empty folder{why}")
     return Path(os.path.abspath(out))
 
 
