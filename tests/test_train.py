@@ -145,6 +145,19 @@ def test_resume_under_other_kernels_says_it_is_not_bit_exact(text_file, tmp_path
     assert len(notes) == 1 and "cpu_kernels: c before, numpy now" in notes[0], said
 
 
+
+def _raising_at_call(n, real, error):
+    """A stand-in for method ``real`` that raises ``error`` at its n-th call, else calls it."""
+    calls = []
+
+    def method(self, *a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            raise error
+        return real(self, *a, **k)
+    return method
+
+
 def test_an_error_in_the_loop_saves_the_steps_trained_and_the_resume_is_exact(text_file, tmp_path, monkeypatch):
     """A notebook user's report: an ordinary exception in the loop (their log function, a step
     out of memory) lost every step since the last checkpoint; only a stop saved them. Now the
@@ -167,13 +180,8 @@ def test_an_error_in_the_loop_saves_the_steps_trained_and_the_resume_is_exact(te
 
     # a step that fails before the update (out of memory in the backward): steps 1-2 saved
     real = type(t.model).loss_and_grads
-    calls = []
-    def failing(self, *a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            raise MemoryError("no room for the backward")
-        return real(self, *a, **k)
-    monkeypatch.setattr(type(t.model), "loss_and_grads", failing)
+    monkeypatch.setattr(type(t.model), "loss_and_grads",
+                        _raising_at_call(3, real, MemoryError("no room for the backward")))
     b = Trainer(_cfg(text_file, tmp_path / "b", max_steps=n), log=None)
     with pytest.raises(MemoryError):
         b.train()
@@ -184,13 +192,7 @@ def test_an_error_in_the_loop_saves_the_steps_trained_and_the_resume_is_exact(te
 
     # an update cut short: nothing saved after it
     real_step = AdamW.step
-    ups = []
-    def torn(self, *a, **k):
-        ups.append(1)
-        if len(ups) == 3:
-            raise RuntimeError("cut short")
-        return real_step(self, *a, **k)
-    monkeypatch.setattr(AdamW, "step", torn)
+    monkeypatch.setattr(AdamW, "step", _raising_at_call(3, real_step, RuntimeError("cut short")))
     c = Trainer(_cfg(text_file, tmp_path / "c", max_steps=n), log=None)
     with pytest.raises(RuntimeError, match="cut short"):
         c.train()
@@ -204,13 +206,7 @@ def test_an_error_in_the_loop_saves_the_steps_trained_and_the_resume_is_exact(te
 
     # a KeyboardInterrupt inside the update (no signal handler can defer it: a worker thread,
     # code that raises it): nothing saved, said so (the branch that says it had been dead)
-    ups.clear()
-    def interrupted(self, *a, **k):
-        ups.append(1)
-        if len(ups) == 3:
-            raise KeyboardInterrupt
-        return real_step(self, *a, **k)
-    monkeypatch.setattr(AdamW, "step", interrupted)
+    monkeypatch.setattr(AdamW, "step", _raising_at_call(3, real_step, KeyboardInterrupt()))
     d = Trainer(_cfg(text_file, tmp_path / "d", max_steps=n, checkpoint_interval=1), log=None)
     with pytest.raises(Interrupted) as info:
         d.train()
