@@ -145,7 +145,6 @@ def test_resume_under_other_kernels_says_it_is_not_bit_exact(text_file, tmp_path
     assert len(notes) == 1 and "cpu_kernels: c before, numpy now" in notes[0], said
 
 
-
 def _raising_at_call(n, real, error):
     """A stand-in for method ``real`` that raises ``error`` at its n-th call, else calls it."""
     calls = []
