@@ -44,8 +44,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64, help="the larger batch of --sampling")
     ap.add_argument("--modes", default="greedy,top-k,top-p,min-p,penalty",
                     help="the sampling modes --sampling times (greedy always)")
-    ap.add_argument("--paths", default="forge,perop,fused,layers,nograph,hf",
-                    help="what is timed: forge (the default path), perop (the kernel-per-op step), "
+    ap.add_argument("--paths", default="forge,perop,fused,nograph,hf",
+                    help="what is timed: forge (the default path: layers where it runs), perop (the "
+                         "kernel-per-op step), "
                          "fused (one kernel a step), layers (two kernels a layer), nograph (op by "
                          "op), hf (transformers)")
     a = ap.parse_args(argv)

@@ -30,8 +30,7 @@ tree, stay near the blocks' own rounding; a float32 running sum over thousands o
 not (its error grows with its length: ~1000u over 4096 equal blocks)."""
 
 
-def f64(x):
-    return np.asarray(x, dtype=np.float64)
+f64 = ref.f64
 
 
 def sum_k(n: int) -> int:
