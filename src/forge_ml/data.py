@@ -85,7 +85,7 @@ def _atomic_write_files(files) -> None:
     """
     files = [(safe_target(path, DataError), chunks) for path, chunks in files]
     done = []  # (temporary name, path) of the files written
-    new, placed = set(), []   # the paths that held no file before; those renamed into place
+    made = []  # the paths renamed into place where no file was before
     path = None
     try:
         for path, chunks in files:
@@ -99,10 +99,11 @@ def _atomic_write_files(files) -> None:
                     f.write(c)
                 f.flush()
                 os.fsync(f.fileno())
-        new = {p for _, p in done if not p.exists()}
         for tmp, path in done:
+            fresh = not path.exists()
             os.replace(tmp, path)
-            placed.append(path)
+            if fresh:
+                made.append(path)
     except BaseException as e:
         for tmp, _ in done:
             try:
@@ -111,12 +112,11 @@ def _atomic_write_files(files) -> None:
                 pass
         # a rename that failed after others (a full disk, a kill's signal): the files this
         # call made where there were none go again, so no set is left half new
-        for p in placed:
-            if p in new:
-                try:
-                    p.unlink()
-                except OSError:
-                    pass
+        for p in made:
+            try:
+                p.unlink()
+            except OSError:
+                pass
         if isinstance(e, OSError):
             err = DataWriteError(cannot_write(path, e))
             err.errno = e.errno
