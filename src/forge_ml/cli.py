@@ -34,8 +34,6 @@ from .errors import CLI_WORDS, ConfigError, DataError, ForgeError, TrainingError
 
 PROG = "forge-ml"
 
-# Flags whose name differs from the TrainConfig key they set.
-_TRAIN_ALIASES = {"out_dir": "--out"}
 _TRAIN_HELP = {
     "data": "text file to train on (prepared into OUT/data), a folder from `forge-ml prepare`, or a folder "
             "of llm.c token shards (its sorted *train*.bin and *val*.bin; GPT-2 ids unless a tokenizer.json "
@@ -126,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     >>> build_parser().parse_args(["sample", "--ckpt", "runs/default"]).max_new_tokens
     200
     """
-    from .train import TrainConfig
+    from .train import TRAIN_FLAGS, TrainConfig
 
     p = _Parser(prog=PROG, formatter_class=_fmt(),
                 description="forge-ml: train and run GPT-2 class models on the CPU and NVIDIA GPUs.",
@@ -172,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with several GPUs: gradients are all-reduced in buckets of this size "
                         "(0: one bucket per parameter; default 25)")
     for f in dataclasses.fields(TrainConfig):
-        flag = _TRAIN_ALIASES.get(f.name, "--" + f.name.replace("_", "-"))
+        flag = TRAIN_FLAGS.get(f.name, "--" + f.name.replace("_", "-"))
         ftype = f.type if isinstance(f.type, str) else f.type.__name__
         ftype = ftype[len("Optional["):-1] if ftype.startswith("Optional[") else ftype
         hlp = _TRAIN_HELP.get(f.name, "")
@@ -754,7 +752,7 @@ def _cmd_eval(args) -> int:
         raise ConfigError(f"--block-size must be in 1..{cfg.block_size} (the model's context), got {args.block_size}")
     if folder is not None:
         _check_shards_tokenizer(folder.folder, folder.tokenizer, tok, args.ckpt, cfg.vocab_size)
-    elif shard and (path.parent / "tokenizer.json").is_file():
+    elif shard and not loose:
         # one shard of a prepared folder: the tokenizer.json beside it counts as the folder's (a
         # loose shard with none beside it is taken as it is: only its ids' range is checked)
         _check_shards_tokenizer(path.parent, path.parent / "tokenizer.json", tok, args.ckpt,

@@ -404,6 +404,7 @@ def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int =
 # Errors speak forge-ml train's flags where the command line runs (errors.CLI_WORDS), else
 # the library's names (TrainConfig's fields, Trainer's arguments), which a notebook user typed.
 _FLAG_WORDS = {"--resume": "resume=True", "--overwrite": "overwrite=True"}
+TRAIN_FLAGS = {"out_dir": "--out"}   # forge-ml train's flags named otherwise than their field
 _FLAG = re.compile(r"(?<![\w./~-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?: (?=[^\s]*[\d./~_A-Z])[^\s,;:)]+)?")
 
 
@@ -432,7 +433,7 @@ def library_words(msg: str) -> str:
         name = flag[2:].replace("-", "_")
         if flag in _FLAG_WORDS and not value:
             return _FLAG_WORDS[flag]
-        name = "out_dir" if flag == "--out" else name
+        name = next((f for f, fl in TRAIN_FLAGS.items() if fl == flag), name)
         if name not in fields:
             return m.group(0)
         return f"{name}={value}" if value else name
@@ -683,9 +684,6 @@ class Trainer:
                                    f"away or choose another --out")
                 if resume:
                     self.best_val = self._best_before(theirs, ckpt[1].get("step"))
-                    at, was = theirs.get("step"), theirs.get("val_loss")
-                    if isinstance(at, int) and isinstance(step, int) and at > step and isinstance(was, (int, float)):
-                        self._orphan_best = (at, float(was))
         if resume:
             self._check_best_reached(step)
         self._check_plot_target(held=resume or bool(held))
@@ -800,10 +798,16 @@ class Trainer:
         """A resume from the checkpoint of ``step`` that ends (max_steps) before the step of the
         run's best/, kept after that checkpoint (a kill between the two saves), is refused: the
         run would not train that step again, and best/ would stay a model of abandoned steps,
-        or be replaced by an earlier step's in silence."""
+        or be replaced by an earlier step's in silence. One the run trains past is noted
+        (``_orphan_best``), to be said if none of its estimates replaces it."""
         meta = read_meta(self.best_dir) if is_checkpoint_dir(self.best_dir, "forge-ml-model") else None
         at = meta.get("step") if meta and meta.get("run_id") == self.run_id else None
-        if isinstance(at, bool) or not isinstance(at, int) or at <= max(step, self.cfg.max_steps):
+        if isinstance(at, bool) or not isinstance(at, int) or at <= step:
+            return
+        if at <= self.cfg.max_steps:
+            was = meta.get("val_loss")
+            if self.cfg.keep_best and isinstance(was, (int, float)):
+                self._orphan_best = (at, float(was))
             return
         loss = meta.get("val_loss")
         loss = f", val loss {loss:.4f}" if isinstance(loss, float) else ""
