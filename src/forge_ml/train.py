@@ -405,6 +405,7 @@ def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int =
 # the library's names (TrainConfig's fields, Trainer's arguments), which a notebook user typed.
 _FLAG_WORDS = {"--resume": "resume=True", "--overwrite": "overwrite=True"}
 TRAIN_FLAGS = {"out_dir": "--out"}   # forge-ml train's flags named otherwise than their field
+_SIZES = ("n_layer", "n_head", "n_embd")
 _FLAG = re.compile(r"(?<![\w./~-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?: (?=[^\s]*[\d./~_A-Z])[^\s,;:)]+)?")
 
 
@@ -1084,25 +1085,27 @@ class Trainer:
             saved = GPT2Config.from_dict(dict(ckpt[1]["config"], dropout=cfg.dropout))
             # the run recorded the source's sizes and no preset: a preset or another size is the
             # user's, which the checkpoint's model cannot take
-            for k in ("n_layer", "n_head", "n_embd"):
-                for flag, asked in ((f"--{k.replace('_', '-')}", getattr(cfg, k)),
-                                    ("--model", PRESETS[cfg.model].get(k) if cfg.model else None)):
-                    if asked and asked != getattr(saved, k):
-                        raise ConfigError(f"{flag}: the run in {self.out_dir} fine-tunes a model with {k} "
-                                          f"{getattr(saved, k)}, not {asked}, which a resumed run keeps; "
-                                          f"drop {flag}")
+            preset = PRESETS[cfg.model] if cfg.model else {}
+            self._refuse_other_sizes({k: getattr(saved, k) for k in _SIZES}, "fine-tunes",
+                                     lambda k: ((f"--{k.replace('_', '-')}", getattr(cfg, k)),
+                                                ("--model", preset.get(k))))
             return saved
         if ckpt is not None and cfg.model and isinstance(ckpt[1].get("config"), dict):
             # a preset on a resumed run: its sizes must be the run's (the run's own sizes took
             # precedence, and the preset's name was recorded for a model it is not)
-            saved = ckpt[1]["config"]
-            for k in ("n_layer", "n_head", "n_embd"):
-                asked = PRESETS[cfg.model].get(k)
-                if asked and saved.get(k) is not None and asked != saved[k]:
-                    raise ConfigError(f"--model {cfg.model}: the run in {self.out_dir} trains a model with {k} "
-                                      f"{saved[k]}, not {asked}, which a resumed run keeps; drop --model")
+            self._refuse_other_sizes(ckpt[1]["config"], "trains",
+                                     lambda k: ((f"--model {cfg.model}", PRESETS[cfg.model].get(k)),))
         return GPT2Config(vocab_size=self.tokenizer.vocab_size, block_size=cfg.block_size, dropout=cfg.dropout,
                           **cfg.model_sizes())
+
+    def _refuse_other_sizes(self, have: dict, verb: str, asks) -> None:
+        """A resumed run keeps its model's sizes (``have``): the first size a flag asks
+        (``asks(k)``: its (flag, value) pairs) that is not the run's is refused."""
+        for k in _SIZES:
+            for flag, asked in asks(k):
+                if asked and have.get(k) is not None and asked != have[k]:
+                    raise ConfigError(f"{flag}: the run in {self.out_dir} {verb} a model with {k} {have[k]}, "
+                                      f"not {asked}, which a resumed run keeps; drop {flag.split()[0]}")
 
     def _restore_model(self, ckpt, want: GPT2Config) -> GPT2:
         tensors, meta = ckpt
