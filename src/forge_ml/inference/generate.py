@@ -337,20 +337,9 @@ def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetiti
                           f"discourages repeats), got {repetition_penalty!r}")
 
 
-def _check_stop_ids(model, stop_tokens) -> None:
-    """Stop ids must be the model's: one past its vocabulary can never be generated, so a run
-    would go on to max_new_tokens in silence (GPT-2's 50256 given to a small model), as
-    beam_search's eos_token_id refuses."""
-    V = model.config.vocab_size
-    bad = [t for t in stop_tokens if not 0 <= t < V]
-    if bad:
-        raise ConfigError(f"generate: stop token {bad[0]} is out of range: the model's ids are "
-                          f"0..{V - 1}, so it could never be generated")
-
-
 def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
                 tokenizer, min_p=None, repetition_penalty=1.0, logprobs=None, single=False,
-                who="generate"):
+                who="generate", stop_tokens=()):
     cfg = model.config
     for r, p in enumerate(rows):
         where = "the prompt" if len(rows) == 1 else f"prompt {r}"
@@ -376,6 +365,13 @@ def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, st
         if single:
             raise ConfigError(f"{who}: logprobs need the batch form, which yields TokenEvents "
                               "(a single prompt yields plain ints): pass [prompt]")
+    # stop ids must be the model's: one past its vocabulary can never be generated, so a run
+    # would go on to max_new_tokens in silence (GPT-2's 50256 given to a small model), as
+    # beam_search's eos_token_id refuses
+    bad = [t for t in stop_tokens if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ConfigError(f"{who}: stop token {bad[0]} is out of range: the model's ids are "
+                          f"0..{cfg.vocab_size - 1}, so it could never be generated")
 
 
 # -- the sampling loop ---------------------------------------------------------------------
@@ -416,8 +412,7 @@ def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1
     rows, single = _as_prompts(prompts)
     stop_tokens, stop_strings = _stop_args(stop_tokens, stop_strings)
     _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
-                tokenizer, min_p, repetition_penalty, logprobs, single)
-    _check_stop_ids(model, stop_tokens)
+                tokenizer, min_p, repetition_penalty, logprobs, single, stop_tokens=stop_tokens)
     choice = _Choice(float(temperature), top_k, top_p, min_p, float(repetition_penalty),
                      logprobs)
     steps = _steps(model, rows, max_new_tokens, choice, seed, frozenset(stop_tokens),
@@ -657,8 +652,7 @@ def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, to
     ctx = prompts[0][-block:]
     # every argument checked now, at the call (a generator would say it at the first next())
     _check_args(model, [ctx], max_new_tokens, temperature, top_k, top_p, seed, (), None, min_p,
-                repetition_penalty, who="stream_tokens")
-    _check_stop_ids(model, stop_tokens)
+                repetition_penalty, who="stream_tokens", stop_tokens=stop_tokens)
     return _stream(model, ctx, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, min_p,
                    repetition_penalty)
 
@@ -670,7 +664,7 @@ def _stream(model, ctx, max_new_tokens, temperature, top_k, top_p, seed, stop_to
     made, chunk = 0, 0
     while made < max_new_tokens:
         if len(ctx) >= block:
-            ctx = ctx[-max(1, block // 2):]
+            ctx = ctx[-(block // 2):]   # stream_tokens refused block_size < 2
         # each window its own stream, seed + chunk kept in generate's [0, 2**64)
         for t in generate(model, ctx, max_new_tokens - made, temperature=temperature, top_k=top_k,
                           top_p=top_p, seed=(seed + chunk) % (1 << 64), stop_tokens=stop_tokens,
