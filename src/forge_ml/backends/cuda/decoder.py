@@ -1,7 +1,7 @@
 """GPT-2's whole decoding step for one row as one kernel (decode_model.cu) or as two kernels a
 layer (decode_layers.cu): ``decode_gpt2`` (the FORGE_FUSED_DECODE switch: layers, the two a
-layer, the default on a GPU with clusters; on, the one kernel, experimental; off, neither: the
-kernel-per-op step).
+layer, the default on a Hopper GPU (compute capability 9); on, the one kernel, experimental;
+off, neither: the kernel-per-op step).
 
 The grid is one block per SM, resident for the whole step; the stages (per layer: LN1 and
 qkv, attention, projection, LN2 and fc, the MLP's projection; then LN_f, the LM head and the
@@ -53,8 +53,8 @@ _GEO = ("C", "H", "L", "V", "VP", "TMAX", "SPLITS",
 def decode_gpt2_ok(dtype: str, C: int, H: int, Tmax: int, batch: int) -> bool:
     """Whether ``decode_gpt2`` takes this model and cache: one row, float32 or bf16, head size
     64, n_embd a multiple of 8 up to 1,600, an attention split of at most 1,024 keys, and
-    the FORGE_FUSED_DECODE switch not off: ``layers`` (the default; a GPU with thread-block
-    clusters, n_embd a multiple of 64) or ``on`` (the one-kernel step, experimental)."""
+    the FORGE_FUSED_DECODE switch not off: ``layers`` (the default; a Hopper GPU, compute
+    capability 9, n_embd a multiple of 64) or ``on`` (the one-kernel step, experimental)."""
     dt = _DTYPES.get(getattr(dtype, "name", dtype))
     mode = flags.get("FORGE_FUSED_DECODE")
     if mode == "off" or batch != 1 or dt not in _VEC:
