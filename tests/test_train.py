@@ -49,6 +49,32 @@ def test_config_rejects_unknown_keys_and_bad_values():
     assert TrainConfig(model="gpt2", n_layer=2).model_sizes()["n_layer"] == 2
 
 
+def test_config_refuses_a_seed_outside_64_bits(text_file, tmp_path):
+    """A run's seed is 64 bits (dropout_seed keeps 64, as rng.seed_key and generate's row_key
+    do): 2**64 trained with seed 0's dropout. It is refused before the folder is made, through
+    TrainConfig, a dict and Trainer alike, in the library's words."""
+    for bad in (1 << 64, (1 << 64) + 7, -1):
+        want = f"TrainConfig: seed must be in [0, 2**64), got {bad}"
+        with pytest.raises(ConfigError) as e:
+            TrainConfig(seed=bad)
+        assert str(e.value) == want
+        with pytest.raises(ConfigError) as e:
+            Trainer({**_cfg(text_file, tmp_path / "r").to_dict(), "seed": bad}, log=None)
+        assert str(e.value) == want
+    assert not (tmp_path / "r").exists()
+    assert TrainConfig(seed=(1 << 64) - 1).seed == (1 << 64) - 1 and TrainConfig(seed=0).seed == 0
+
+
+def test_the_largest_seed_trains_and_samples(text_file, tmp_path):
+    """Seed 2**64 - 1 is a seed: the samples during training (drawn with seed + step) go on
+    past 2**64 by wrapping, as generate's windows do, not stopping the run at its first sample."""
+    lines = []
+    t = Trainer(_cfg(text_file, tmp_path / "r", seed=(1 << 64) - 1, max_steps=2, sample_interval=1,
+                     sample_tokens=4), log=lines.append)
+    assert t.train()["step"] == 2
+    assert sum("sample at step" in line for line in lines) == 2, lines
+
+
 def test_bf16_needs_a_gpu(text_file, tmp_path):
     with pytest.raises(ConfigError, match="cuda"):
         Trainer(_cfg(text_file, tmp_path / "r", dtype="bf16"), log=None)

@@ -397,6 +397,19 @@ def test_options_are_checked_before_any_work(workdir, capsys):
     assert meta["train_config"]["tokenizer"] == "char" and meta["step"] == 2
 
 
+@pytest.mark.parametrize("seed", [str(1 << 64), str((1 << 64) + 3), "-1"])
+def test_train_refuses_a_seed_outside_64_bits(workdir, capsys, seed):
+    """forge-ml train --seed is refused outside [0, 2**64) as forge-ml sample --seed is (2**64
+    trained with seed 0's dropout), naming the flag, before the folder is made; a config
+    file's seed in TrainConfig's words."""
+    line = _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--seed", seed])
+    assert line == f"forge-ml train: error: --seed must be in [0, 2**64), got {seed}"
+    Path("c.json").write_text(json.dumps({"seed": int(seed)}))
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY[:-2], "--config", "c.json"],
+           f"seed must be in [0, 2**64), got {seed}")
+    assert not Path("r").exists()
+
+
 def test_overwrite_with_data_too_short_keeps_the_earlier_run(workdir, capsys):
     """A text whose train or val part holds no window of --block-size, or a bad seed, is refused
     before --overwrite removes anything, and a new folder gets no data/ that would block the
@@ -413,7 +426,7 @@ def test_overwrite_with_data_too_short_keeps_the_earlier_run(workdir, capsys):
     Path("empty.txt").write_text("")
     _fails(capsys, ["train", "--data", "empty.txt", "--out", "r", *TINY, "--overwrite"], "empty.txt is empty")
     _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--overwrite", "--seed", "-1"],
-           "seed must be >= 0")
+           "--seed must be in [0, 2**64), got -1")
     assert _snapshot("r") == before
     Path("prep").mkdir()
     assert main(["prepare", "short.txt", "--out", "prep"]) == 0

@@ -411,6 +411,8 @@ def _cmd_train(args) -> int:
     for k in ("n_layer", "n_head", "n_embd"):     # 0 is TrainConfig's "not given": not a size
         if explicit.get(k) is not None and explicit[k] < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1, got {explicit[k]}")
+    if "seed" in explicit and not 0 <= explicit["seed"] < 1 << 64:   # as sample's --seed (TrainConfig's range)
+        raise ConfigError(f"--seed must be in [0, 2**64), got {explicit['seed']}")
     if not args.bucket_mb >= 0 or math.isinf(args.bucket_mb):
         # 0 is one bucket per parameter (Buckets' meaning; the GPU suite's torchrun run uses it)
         raise ConfigError(f"--bucket-mb must be a size in MB >= 0 (0: one bucket per "

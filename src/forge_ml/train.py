@@ -223,7 +223,8 @@ class TrainConfig:
             (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0, "beta1 and beta2 must be in [0, 1)"),
             (0 <= self.weight_decay < math.inf and 0 <= self.grad_clip < math.inf,
              f"weight_decay and grad_clip must be finite numbers >= 0, got {self.weight_decay} and {self.grad_clip}"),
-            (self.seed >= 0, f"seed must be >= 0, got {self.seed}"),
+            # 64 bits, as dropout_seed, rng.seed_key and generate keep (2**64 was seed 0's dropout)
+            (0 <= self.seed < 1 << 64, f"seed must be in [0, 2**64), got {self.seed}"),
             (bool(str(self.out_dir).strip()), f"out_dir is empty ({self.out_dir!r}); give the run folder"),
             (self.corpus_bytes >= 1, f"corpus_bytes must be >= 1, got {self.corpus_bytes}"),
             (self.eval_iters >= 1, "eval_iters must be >= 1"),
@@ -1874,7 +1875,8 @@ class Trainer:
             release_cached(self.device)
 
     def _sample_and_show(self) -> None:
-        text = self._off_graph(lambda: self.sample(seed=self.cfg.seed + self.step))
+        # wrapped into generate's [0, 2**64), as its windows' seeds are: seed 2**64 - 1 samples too
+        text = self._off_graph(lambda: self.sample(seed=(self.cfg.seed + self.step) % (1 << 64)))
         if text is not None:
             self._say(f"---- sample at step {self.step} ----\n{text}\n" + "-" * 36, verbatim=True)
 
