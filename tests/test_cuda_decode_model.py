@@ -107,6 +107,38 @@ def test_fused_greedy_chain_is_argmax_of_its_logits_and_replays_bit_for_bit(dtyp
         np.testing.assert_array_equal(caches[0].k[i].numpy(), caches[1].k[i].numpy())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layers_head_gives_the_same_bits_for_any_grid(dtype, fused_on, monkeypatch):
+    """decode_layers.cu's head: its grid (how the vocabulary's rows are dealt out: one round or
+    many, every warp busy or not) changes no bit of the logits or of the greedy chain."""
+    if fused_on != "layers":
+        pytest.skip("decode_layers.cu's head kernel")
+    from forge_ml.backends.cuda import decoder
+    from forge_ml.inference.decode import DecodeStep
+    gpu = _varied(GPT2.init(CFG, seed=13), 7).to("cuda", dtype=dtype)
+    ids = np.random.default_rng(5).integers(0, CFG.vocab_size, (1, 8))
+
+    def run(grid):
+        monkeypatch.setattr(decoder, "_layer_plans", {})     # a plan made with this grid
+        monkeypatch.setattr(decoder, "_head_grid", lambda Vp, sms: grid)
+        cache = gpu.new_cache(1, 256)
+        gpu.forward_cached(fm.tensor(ids, device="cuda"), cache)
+        step = DecodeStep(gpu, cache, graph=False)
+        assert step.fused
+        logits = np.stack([step(np.array([t % CFG.vocab_size]), t) for t in range(8, 40)])
+        chain = np.stack(list(step.greedy([3], 40, 30)))
+        assert len(decoder._layer_plans) == 1
+        assert next(iter(decoder._layer_plans.values())).grid_head == grid
+        return logits, chain
+
+    want = run(decoder._head_grid(CFG.padded_vocab_size, 132))   # 8: one round a warp
+    for grid in (1, 5, 9, 264):
+        got = run(grid)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=f"logits, grid {grid}")
+        np.testing.assert_array_equal(got[1], want[1], err_msg=f"greedy, grid {grid}")
+    assert np.isfinite(want[0]).all() and len(set(want[1].ravel().tolist())) > 1
+
+
 def test_fused_chain_agrees_with_the_op_by_op_chain_at_gpt2_size():
     # GPT-2 124M's shapes (12 heads: 11 attention splits on an H200), float32, past 900
     from forge_ml.inference.decode import DecodeStep

@@ -24,7 +24,8 @@ The rooms, each a module beside the ``.cu`` files it launches:
   ``layout`` (heads.cu, embedding.cu): the head permutations, embedding, scatter_add_rows;
   ``attention`` (attention.cu, flash_attention.cu): flash and composed attention, the KV
   cache, decode_attention; ``sampling`` (greedy.cu, sample.cu): greedy_next, sample_next;
-  ``decoder`` (decode_model.cu): GPT-2's whole batch-1 decoding step as one kernel,
+  ``decoder`` (decode_model.cu, decode_layers.cu): GPT-2's batch-1 decoding step as one kernel
+  or two a layer,
   decode_gpt2.
 
 Dtypes: float32, float64 and bfloat16 (stored as 2-byte words, ``ml_dtypes.bfloat16`` on the

@@ -64,36 +64,18 @@ FORGE_D void dl_stats(const float (&x)[DL_XPT], int C, float eps, float* sh, flo
     rstd = 1.f / sqrtf(block_sum(v, sh) / float(C) + eps);
 }
 
-// The sum over s < S of P[s][c] (rows written by the previous kernel, read through L2), eight
-// rows' loads in flight at once (a plain loop would wait for each load before the next: S
-// round trips to L2), in a fixed order: the same bits every run.
-FORGE_D float dl_sum_rows(const float* P, int S, int C, int c) {
-    float acc[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] = 0.f;
-    for (int s0 = 0; s0 < S; s0 += 8) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-            if (s0 + j < S) acc[j] += __ldcg(P + (long long)(s0 + j) * C + c);
-    }
-    float a = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) a += acc[j];
-    return a;
-}
-
 // xs[c] = base[c] + bias[c] + the sum over s < S of P[s][c], for every c < C, in shared
 // memory (a __syncthreads later, every thread may read any of it). A thread takes a column of
 // four (16-byte loads) and asks for all its S rows at once, 16 at a time: one round trip to L2
 // for S <= 16, where a thread's DL_XPT columns one after the other, eight rows at a time, made
-// six (S = 12). The sum's order is dl_sum_rows': row s into accumulator s % 8, in order, then
-// the accumulators 0..7, then base + bias + that: the same bits.
-template <typename T>
+// six (S = 12). The sum's order is fixed: row s into accumulator s % 8, in order, then the
+// accumulators 0..7, then base + bias + that: the same bits every run. NT: the block's threads.
+template <typename T, int NT = DL_THREADS>
 FORGE_D void dl_gather_rows(float* xs, const float* base, const T* bias, const float* P, int S,
                             int C) {
     const float4* P4 = reinterpret_cast<const float4*>(P);
     const int G = C / 4;
-    for (int g = threadIdx.x; g < G; g += DL_THREADS) {
+    for (int g = threadIdx.x; g < G; g += NT) {
         float4 acc[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -588,7 +570,7 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
 // ------------------------------------------------------------------------------------------
 // head: LN_f of x'' and the logits (a warp per DL_HEAD_ROWS rows at a time), then with
 // `greedy` the argmax by the last block to finish (each block's (best, index) in argp, a
-// counter that the last block resets to 0).
+// counter that the last block resets to 0). decoder.py's _head_grid sizes the grid.
 template <typename T>
 __device__ void decode_head_impl(const float* xb, const T* bias, const float* partB, int SB,
                                  const T* gf, const T* bf, const T* head, float* logits, int C,
@@ -602,8 +584,7 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
     const int tid = threadIdx.x;
     pdl_wait();
     pdl_launch_dependents();
-    for (int c = tid; c < C; c += NT)
-        xs[c] = __ldcg(xb + c) + ldf(bias[c]) + dl_sum_rows(partB, SB, C, c);
+    dl_gather_rows<T, NT>(xs, xb, bias, partB, SB, C);
     __syncthreads();
     float a = 0.f;
     for (int c = tid; c < C; c += NT) a += xs[c];
