@@ -22,6 +22,7 @@ from forge_ml import blas
 from forge_ml.cli import main
 from forge_ml.data import DataLoader
 from forge_ml.errors import ConfigError, OutOfMemoryError, TrainingError
+from forge_ml.runs import RunLock
 from forge_ml.train import Interrupted, RunError, TrainConfig, Trainer, read_log, search_batch_size
 from test_cli import _fails  # main(argv) exits 2 with one line, no traceback
 
@@ -209,6 +210,148 @@ def test_a_new_run_in_an_empty_or_new_folder_needs_no_flag(workdir):
     Path("empty").mkdir()
     assert Trainer(_cfg("empty", max_steps=1), log=None).train()["step"] == 1
     assert Trainer(_cfg("new/deep", max_steps=1), log=None).train()["step"] == 1
+
+
+class _CtrlC:
+    """A Ctrl-C at one change to the files: ``os.unlink``, ``remove``, ``rmdir``, ``rename`` and
+    ``replace`` (what Path's methods, shutil.rmtree and replace_file call) made inside
+    ``Trainer._setup`` are counted (``calls``), and the ``at``-th raises KeyboardInterrupt
+    before it is made, or (``after``) once it is; the calls after it go through."""
+
+    def __init__(self, mp, at=0, after=False):
+        self.calls, self.at, self.after, self.armed = 0, at, after, False
+        for name in ("unlink", "remove", "rmdir", "rename", "replace"):
+            mp.setattr(os, name, self._wrap(getattr(os, name)))
+        setup = Trainer._setup
+
+        def armed(trainer, *args, **kwargs):
+            self.armed = True
+            try:
+                return setup(trainer, *args, **kwargs)
+            finally:
+                self.armed = False
+        mp.setattr(Trainer, "_setup", armed)
+
+    def _wrap(self, fn):
+        def call(*args, **kwargs):
+            if not self.armed:
+                return fn(*args, **kwargs)
+            self.calls += 1
+            if self.calls == self.at and not self.after:
+                raise KeyboardInterrupt
+            out = fn(*args, **kwargs)
+            if self.calls == self.at:
+                raise KeyboardInterrupt
+            return out
+        return call
+
+
+def _names(folder):
+    return sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*"))
+
+
+def test_ctrl_c_during_overwrite_leaves_the_earlier_run_whole_or_gone(workdir, capsys):
+    """A Ctrl-C at any change --overwrite makes (removing the earlier run, then writing the new
+    run's data) left a half-removed run: a checkpoint without its weights, a log without its
+    checkpoint. Now the earlier run is whole (a Ctrl-C as its files go: they come back) or
+    wholly gone, the user's files stay, the lock is free, --resume says in one line why it
+    cannot go on, and the next --overwrite starts cleanly, leaving nothing of the earlier run."""
+    argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2", "--keep-best",
+            "--eval-interval", "1"]
+    assert main(argv) == 0
+    Path("r/notes.txt").write_text("mine")
+    Path("r/data/notes.txt").write_text("mine too")
+    shutil.copytree("r", "pristine")                       # (copy2: the same mtimes)
+    capsys.readouterr()
+
+    def restore():
+        shutil.rmtree("r")
+        shutil.copytree("pristine", "r")
+        return _snapshot("r")
+
+    def overwrite_setup():        # the next --overwrite, as far as its setup (the run is tested below)
+        with Trainer(_cfg("r", max_steps=2, keep_best=True, eval_interval=1), log=None, overwrite=True) as t:
+            assert t.step == 0
+        return _names("r")
+
+    with pytest.MonkeyPatch.context() as mp:
+        count = _CtrlC(mp)
+        clean = overwrite_setup()
+    assert count.calls >= 5 and "ckpt" not in clean and "notes.txt" in clean, (count.calls, clean)
+    whole = []
+    for at in range(1, count.calls + 1):
+        for after in (False, True):
+            where = f"Ctrl-C at change {at} of {count.calls}" + (" (after it)" if after else "")
+            before = restore()
+            with pytest.MonkeyPatch.context() as mp:
+                _CtrlC(mp, at, after)
+                code = main(argv + ["--overwrite"])
+            err = capsys.readouterr().err
+            assert code == 130 and "Traceback" not in err and len(err.strip().splitlines()) == 1, (where, err)
+            lock = RunLock("r")
+            lock.acquire()                                 # free: a RunError if still held
+            lock.release()
+            now = _snapshot("r")
+            assert now["r/notes.txt"] == before["r/notes.txt"], where
+            assert now["r/data/notes.txt"] == before["r/data/notes.txt"], where
+            left = sorted(f for f in before if "notes" not in f and now.get(f) == before[f])
+            if now == before:
+                whole.append((at, after))
+            else:
+                assert left == [], (where, left)           # none of the earlier run's files, or all
+                _fails(capsys, ["train", "--out", "r", "--resume"], "cannot resume")
+            assert overwrite_setup() == clean, where
+    # a Ctrl-C as the earlier run's files go brings them back
+    assert (1, False) in whole and (1, True) in whole and (2, True) in whole, whole
+    # and a whole run after one
+    restore()
+    with pytest.MonkeyPatch.context() as mp:
+        _CtrlC(mp, count.calls - 1, True)
+        assert main(argv + ["--overwrite"]) == 130
+    assert main(argv + ["--overwrite"]) == 0
+    assert [r["step"] for r in read_log("r/log.jsonl")[0] if "loss" in r] == [1, 2]
+    assert _names("r") == sorted(set(_names("pristine")) | {"train.lock"})
+
+
+_REAL_SIGNAL = """
+import os, signal, sys
+from forge_ml.cli import main
+fn, sig = sys.argv[1], getattr(signal, sys.argv[2])
+real, sent = getattr(os, fn), []
+def once(*args, **kwargs):
+    out = real(*args, **kwargs)
+    if not sent:
+        sent.append(1)
+        os.kill(os.getpid(), sig)
+    return out
+setattr(os, fn, once)
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="signals are held with pthread_sigmask")
+def test_real_signals_during_overwrite_are_undone_or_wait(workdir):
+    """The same with real signals, in a process of their own: a SIGINT sent as the earlier
+    run's first file is moved aside lands there and the file is put back; one sent as the first
+    is deleted waits until all are (SIGINT held), so no trash folder is left behind; a SIGTERM
+    (which ends the process) waits until the files are all gone."""
+    env = dict(os.environ, PYTHONPATH=SRC, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]
+    assert main(argv) == 0
+    before = _snapshot("r")
+    for fn, sig in (("rename", "SIGINT"), ("unlink", "SIGINT"), ("rename", "SIGTERM")):
+        r = subprocess.run([sys.executable, "-c", _REAL_SIGNAL, fn, sig, *argv, "--overwrite"], env=env,
+                           capture_output=True, text=True, timeout=120)
+        if sig == "SIGTERM":
+            assert r.returncode == -signal.SIGTERM, r.stderr
+        else:
+            assert r.returncode == 130 and r.stderr.strip().splitlines()[-1:] == ["forge-ml: interrupted"], r.stderr
+        if fn == "rename" and sig == "SIGINT":
+            assert _snapshot("r") == before
+        else:
+            assert _names("r") == ["train.lock"], (fn, sig)
+            assert main(argv + ["--overwrite"]) == 0
+            before = _snapshot("r")
 
 
 # -- 4. one trainer per run folder --------------------------------------------------------------------

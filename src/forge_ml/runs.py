@@ -1,17 +1,21 @@
 """The run folder: its lock (``RunLock``: one trainer at a time), its append-only log
-(``read_log``: a damaged line is left out, never raised about), and writes that leave the old
-file or the new one (``replace_file``), with one-line messages for writes that fail
-(``cannot_write``). The trainer (``forge_ml.train``) uses them; nothing here trains.
+(``read_log``: a damaged line is left out, never raised about), writes that leave the old
+file or the new one (``replace_file``), removals that take all the files or none
+(``remove_together``), with one-line messages for writes that fail (``cannot_write``). The
+trainer (``forge_ml.train``) uses them; nothing here trains.
 
 >>> cannot_write("runs/a/log.jsonl", OSError(28, "No space left on device"))
 'cannot write runs/a/log.jsonl: No space left on device (ENOSPC)'
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
+import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -21,6 +25,9 @@ from .checkpoint import flock_file, user_umask
 from .errors import ForgeError
 
 LOCK_NAME = "train.lock"    # <out_dir>/train.lock: held (flock) by the trainer using the folder
+# <out_dir>/.overwrite.XXXXXXXX.tmp: the files remove_together takes away, while they go
+TRASH_PREFIX, TRASH_SUFFIX = ".overwrite.", ".tmp"
+_TRASH = re.compile(re.escape(TRASH_PREFIX) + "[a-z0-9_]{8}" + re.escape(TRASH_SUFFIX))   # (mkdtemp's eight)
 
 
 class RunError(ForgeError):
@@ -67,6 +74,110 @@ def remove_stray_temps(folder, names) -> None:
             p.unlink()
         except OSError:
             pass
+
+
+_KILLS = ("SIGTERM", "SIGHUP")   # what ends a process unless it is held
+
+
+@contextlib.contextmanager
+def signals_held(names=("SIGINT",) + _KILLS):
+    """The signals ``names`` held back while the block runs and delivered when it ends (a
+    Ctrl-C lands after it), where the platform can (``pthread_sigmask``); nothing is held
+    elsewhere."""
+    mask = getattr(signal, "pthread_sigmask", None)
+    was = mask(signal.SIG_BLOCK, {getattr(signal, n) for n in names if hasattr(signal, n)}) if mask else None
+    try:
+        yield
+    finally:
+        if mask:
+            mask(signal.SIG_SETMASK, was)
+
+
+def remove_together(folder, files=(), dirs=()) -> None:
+    """Remove, all or none, the ``files`` (paths in ``folder``) and of each ``(path, names)``
+    of ``dirs`` (folders in ``folder``) the files ``names``, and the folder itself when nothing
+    else is in it (a user's file there stays, with its folder). Each is first moved into one
+    trash folder in ``folder`` (``.overwrite.XXXXXXXX.tmp``); whatever stops the moves (a
+    Ctrl-C, an OSError, which is raised) moves them back first, so every file is where it was.
+    Then the trash folder is removed with SIGINT held (a Ctrl-C lands after it). SIGTERM and
+    SIGHUP are held throughout (they would end the process midway). A SIGKILL or a power loss
+    leaves the trash folder, holding nothing but what was to go, for ``remove_trash``.
+
+    >>> import tempfile, os
+    >>> d = Path(tempfile.mkdtemp()); (d / "ckpt").mkdir()
+    >>> for n in ("log.jsonl", "ckpt/model.safetensors", "notes.txt"):
+    ...     _ = (d / n).write_text("x")
+    >>> remove_together(d, [d / "log.jsonl"], [(d / "ckpt", ("model.safetensors", "state.json"))])
+    >>> sorted(os.listdir(d))
+    ['notes.txt']
+    """
+    folder = Path(folder)
+    plan = []   # (a file or folder to go, its place in the trash)
+    for d, names in dirs:
+        if d.is_dir() and not d.is_symlink():
+            ours = [n for n in names if (d / n).is_file()]
+            if set(os.listdir(d)) <= set(ours):
+                plan.append((d, d.name))                          # the folder with its files
+            else:
+                plan += [(d / n, os.path.join(d.name, n)) for n in ours]
+    plan += [(f, f.name) for f in files if f.is_file()]
+    if not plan:
+        return
+    trash, moved = None, []
+    with signals_held(_KILLS):
+        try:
+            trash = Path(tempfile.mkdtemp(prefix=TRASH_PREFIX, suffix=TRASH_SUFFIX, dir=folder))
+            for src, rel in plan:
+                dst = trash / rel
+                if dst.parent != trash:
+                    dst.parent.mkdir(exist_ok=True)
+                moved.append((src, dst))   # before the rename: one stopped right after it is undone too
+                os.rename(src, dst)
+        except BaseException:
+            with signals_held():
+                _put_back(moved, trash)
+            raise
+        # every file is in the trash: from here on the earlier files are gone, so a Ctrl-C waits
+        with signals_held():
+            shutil.rmtree(trash)
+
+
+def _put_back(moved: list, trash) -> None:
+    """``remove_together``'s moves undone, last first, and its trash folder removed when empty."""
+    for src, dst in reversed(moved):
+        if (dst.exists() or dst.is_symlink()) and not (src.exists() or src.is_symlink()):
+            try:
+                os.rename(dst, src)
+            except OSError:
+                pass   # it stays in the trash folder, which then stays too
+    if trash is not None:
+        for d, _, _ in sorted(os.walk(trash), key=lambda w: -len(w[0])):   # innermost first
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+
+
+def trash_folders(folder) -> list:
+    """The trash folders (``remove_together``'s) that a kill left in ``folder``.
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp(); os.mkdir(os.path.join(d, ".overwrite.k3_9abzq.tmp"))
+    >>> [p.name for p in trash_folders(d)]
+    ['.overwrite.k3_9abzq.tmp']
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(folder / n for n in os.listdir(folder)
+                  if _TRASH.fullmatch(n) and (folder / n).is_dir() and not (folder / n).is_symlink())
+
+
+def remove_trash(folder) -> None:
+    """Remove ``trash_folders(folder)``: files that a stopped ``remove_together`` was removing."""
+    for t in trash_folders(folder):
+        with signals_held():
+            shutil.rmtree(t, ignore_errors=True)
 
 
 def replace_file(path: Path, text) -> None:

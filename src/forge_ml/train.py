@@ -86,7 +86,8 @@ from .inference.load import CKPT_NAME
 from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
 from .optim import AdamW, accumulate, clip_grad_norm, cosine_lr
 from .runs import (LOCK_NAME, RunError, RunLock, cannot_write, read_log,  # noqa: F401 (LOCK_NAME: the old import path)
-                   remove_stray_temps, replace_file, stray_temps)
+                   remove_stray_temps, remove_together, remove_trash, replace_file, stray_temps,
+                   trash_folders)
 from .step import TrainStep
 from .tensor import device_has, device_numerics, release_cached, synchronize, tensor
 from .tokenizer import load_tokenizer, tokenizer_from_dict
@@ -695,6 +696,8 @@ class Trainer:
         # shards'): the run's own scratch, never read
         remove_stray_temps(self.out_dir, (LOG_NAME, PLOT_NAME))
         remove_stray_temps(self.out_dir / DATA_NAME, DATA_FILES + (CORPUS_NAME,))
+        if not resume:   # what an --overwrite stopped as it removed the earlier run left (no run)
+            remove_trash(self.out_dir)
         if not resume and overwrite:
             self._clear_run()
         if write_data is not None:
@@ -820,7 +823,8 @@ class Trainer:
                           f"{self.best_dir} away (a model of its own) to end the run at step {self.cfg.max_steps}")
 
     def _clear_run(self) -> None:
-        """--overwrite: remove the files an earlier run wrote (only those)."""
+        """--overwrite: remove the files an earlier run wrote (only those), all or none
+        (``remove_together``: a Ctrl-C as they go leaves the earlier run whole)."""
         from .checkpoint import MODEL_FILE, STATE_FILE
         out = self.out_dir
         names = [CKPT_NAME, CKPT_NAME + ".old", CKPT_NAME + ".tmp"]
@@ -831,16 +835,7 @@ class Trainer:
         if not given:
             targets.append((out / DATA_NAME, DATA_FILES + (CORPUS_NAME,)))
         try:
-            for d, names in targets:
-                if d.is_dir() and not d.is_symlink():
-                    for n in names:
-                        if (d / n).is_file():
-                            (d / n).unlink()
-                    if not any(d.iterdir()):
-                        d.rmdir()
-            for f in (self.log_path, out / PLOT_NAME):
-                if f.is_file():
-                    f.unlink()
+            remove_together(out, [self.log_path, out / PLOT_NAME], targets)
         except OSError as e:
             raise RunError(cannot_write(e.filename or out, e)) from None
         self._say(f"--overwrite: removed the earlier run's checkpoint, log and data in {out}")
@@ -2001,6 +1996,11 @@ def no_checkpoint(out_dir, held) -> str:
     """
     ckpt = Path(out_dir) / CKPT_NAME
     tmp = ckpt.with_name(CKPT_NAME + ".tmp")
+    trash = trash_folders(out_dir)
+    if trash and not ckpt.exists():
+        return (f"cannot resume: no checkpoint in {ckpt}: an --overwrite was stopped as it removed the earlier "
+                f"run (what was left of it is in {trash[0]}, which the next run removes); start over with "
+                f"--overwrite")
     if (tmp / "state.json").is_file():
         # a first save stopped between writing its last file and its rename: its state.json is
         # written last and records the weights' sha256, which a load checks
