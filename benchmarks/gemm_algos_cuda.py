@@ -9,6 +9,11 @@ GPU's time, not the Python launch path's.
 
     python benchmarks/gemm_algos_cuda.py --data shakespeare.txt [--model gpt2] [--batch 32]
                                          [--block 1024] [--algos 16] [--reps 10] [--calls 10]
+    python benchmarks/gemm_algos_cuda.py --decode 64 [--pos 512] [--algos 32]
+
+``--decode B`` records the products of one bf16 decoding step of GPT-2 124M at batch B instead
+(the kernel-per-op step, ``FORGE_FUSED_DECODE=off``, at position ``--pos``; random weights):
+the decoding products' few rows leave most of cuBLASLt's candidates' tiles empty.
 
 Prints, per distinct product: the calls a step, the time of today's path, the best candidate's
 time and index, and at the end what a step would save. A measurement for deciding whether an
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes as C
 import importlib
 import sys
@@ -31,12 +37,10 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def record_products(a, data):
-    """One op-by-op training step; returns (lt calls, cublas calls) as Counters of keys."""
-    from train_e2e import forge_config
-
-    from forge_ml import flags
-    from forge_ml.train import Trainer
+@contextlib.contextmanager
+def spying():
+    """Every cuBLASLt and cuBLAS product made while ``on[0]`` is true, counted by its shapes and
+    kind: yields (lt calls, cublas calls, on), the library's functions put back after."""
     # the modules themselves (the package exports a function named linear over its module)
     cublas, cublaslt, linear = (importlib.import_module(f"forge_ml.backends.cuda.{m}")
                                 for m in ("cublas", "cublaslt", "linear"))
@@ -61,21 +65,58 @@ def record_products(a, data):
 
     linear.lt_matmul = lt_spy   # linear.py makes every cuBLASLt call
     cublas._gemm = gemm_spy
-    with flags.override(FORGE_TRAIN_GRAPH="off"), tempfile.TemporaryDirectory() as out:
+    try:
+        yield lt_calls, gemm_calls, on
+    finally:
+        linear.lt_matmul, cublas._gemm = real_lt, real_gemm
+    if not lt_calls:
+        print("no cuBLASLt product was recorded (FORGE_CUBLASLT off, or no GPU cuBLASLt here)")
+
+
+def record_products(a, data):
+    """One op-by-op training step; returns (lt calls, cublas calls) as Counters of keys."""
+    from train_e2e import forge_config
+
+    from forge_ml import flags
+    from forge_ml.train import Trainer
+    with spying() as (lt_calls, gemm_calls, on), flags.override(FORGE_TRAIN_GRAPH="off"), \
+            tempfile.TemporaryDirectory() as out:
         cfg = forge_config(dict(model=a.model), a.block, a.batch, 0.0, data, out, 10 ** 6)
         tr = Trainer(cfg, log=lambda *_: None)
         tr.train_step()
         on[0] = True
         tr.train_step()
         on[0] = False
-    if not lt_calls:
-        print("no cuBLASLt product was recorded (FORGE_CUBLASLT off, or no GPU cuBLASLt here)")
+    return lt_calls, gemm_calls
+
+
+def record_decode(a):
+    """record_products for one decoding step at batch ``a.decode`` (see the module's docstring)."""
+    from forge_ml import flags, tensor
+    from forge_ml.inference.decode import DecodeStep
+    from forge_ml.models import GPT2, GPT2Config
+    cfg = GPT2Config()
+    model = GPT2.init(cfg, seed=0).to("cuda", dtype="bfloat16")
+    B = a.decode
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, a.pos))
+    with spying() as (lt_calls, gemm_calls, on), \
+            flags.override(FORGE_CUDA_GRAPH=False, FORGE_FUSED_DECODE="off"):
+        cache = model.new_cache(B, a.pos + 2)
+        model.forward_cached(tensor(ids, device="cuda"), cache)
+        step = DecodeStep(model, cache, graph=False)
+        step(ids[:, -1], a.pos)
+        on[0] = True
+        step(ids[:, -1], a.pos + 1)
+        on[0] = False
     return lt_calls, gemm_calls
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", help="a text file (training's products; not with --decode)")
+    ap.add_argument("--decode", type=int, default=0, metavar="B",
+                    help="a decoding step's products at batch B instead of training's")
+    ap.add_argument("--pos", type=int, default=512, help="--decode's position")
     ap.add_argument("--model", default="gpt2")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--block", type=int, default=1024)
@@ -90,8 +131,12 @@ def main(argv=None):
 
     from forge_ml.backends.cuda import cublas, cublaslt as L
     from forge_ml.backends.cuda.graph import capture_graph
-    data = prepare_data(a.data, "gpt2", a.cache)
-    lt_calls, gemm_calls = record_products(a, data)
+    if a.decode:
+        lt_calls, gemm_calls = record_decode(a)
+    elif a.data:
+        lt_calls, gemm_calls = record_products(a, prepare_data(a.data, "gpt2", a.cache))
+    else:
+        raise SystemExit("gemm_algos_cuda.py: give --data (training's products) or --decode B")
     lt = L._lt()
     handle, ws = L._device_state(lt)
     rs = np.random.default_rng(0)
