@@ -52,9 +52,9 @@ def test_module_does_not_import_torch():
 def test_load_matches_state_dict_exactly(saved):
     d, model = saved
     config, params = load_hf_gpt2(d, padded_vocab=128)
-    assert config == {
+    assert config == {   # dropout: transformers' default 0.1 for its three rates
         "vocab_size": 100, "padded_vocab_size": 128, "block_size": 64, "n_layer": 2, "n_head": 2,
-        "n_embd": 32, "dropout": 0.0, "tied_head": True, "layernorm_eps": 1e-5,
+        "n_embd": 32, "dropout": 0.1, "tied_head": True, "layernorm_eps": 1e-5,
     }
     want = hf_state(model)
     assert set(params) == {k.removeprefix("transformer.") for k in want} - {"lm_head.weight"}
@@ -115,6 +115,56 @@ def test_round_trip_load_save_load_exact(saved, tmp_path):
     tensors, meta = load_checkpoint(tmp_path / "ck")
     save_hf_gpt2(tmp_path / "b", meta["config"], tensors)
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout")
+
+
+@pytest.mark.parametrize("rates, forge_rate", [
+    (dict(resid_pdrop=0.05, embd_pdrop=0.15, attn_pdrop=0.25, summary_first_dropout=0.35), 0.05),
+    (dict(resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2, summary_first_dropout=0.0), 0.2)])
+def test_convert_round_trip_keeps_the_dropout_rates(tmp_path, rates, forge_rate):
+    """convert --from-hf, then --to-hf: the export wrote 0 for resid_pdrop, embd_pdrop and
+    attn_pdrop and left summary_first_dropout out (transformers' 0.1), so the config came back
+    other than given (the weights and logits were the same). A save_pretrained folder's rates,
+    three differing ones or one shared, come back as given; forge-ml's one dropout rate is the
+    shared one, or resid_pdrop where they differ."""
+    from forge_ml.cli import main
+
+    torch.manual_seed(3)
+    given_cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32, vocab_size=50257,
+                                        **rates)
+    model = transformers.GPT2LMHeadModel(given_cfg).eval()
+    model.save_pretrained(tmp_path / "given", safe_serialization=True)
+    given = json.loads((tmp_path / "given" / "config.json").read_text())
+    assert all(given[k] == v for k, v in rates.items())
+    assert main(["convert", "--from-hf", str(tmp_path / "given"), "--out", str(tmp_path / "ck")]) == 0
+    assert load_checkpoint(tmp_path / "ck")[1]["config"]["dropout"] == forge_rate
+    assert main(["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back")]) == 0
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: back.get(k) for k in DROPOUT_KEYS} == {k: given[k] for k in DROPOUT_KEYS}
+    theirs = transformers.GPT2Config.from_pretrained(tmp_path / "back")
+    assert {k: getattr(theirs, k) for k in DROPOUT_KEYS} == rates
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back").eval()
+    ids = torch.randint(0, 50257, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_export_of_a_checkpoint_writes_its_dropout_rate(tmp_path):
+    """A forge-ml checkpoint (no Hugging Face rates in its meta): convert --to-hf writes the
+    dropout rate its config records as HF's three (it wrote 0: the model loaded for the export
+    has none), and transformers' default summary_first_dropout."""
+    from forge_ml.cli import main
+    from forge_ml.models.gpt2 import GPT2, GPT2Config
+
+    cfg = GPT2Config(vocab_size=50257, block_size=16, n_layer=1, n_head=2, n_embd=8, dropout=0.2)
+    save_checkpoint(tmp_path / "ck", GPT2.init(cfg, seed=0).state_dict(),
+                    {"config": cfg.to_dict(), "tokenizer": {"kind": "gpt2"}})
+    assert main(["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
+    back = transformers.GPT2Config.from_pretrained(tmp_path / "hf")
+    assert {k: getattr(back, k) for k in DROPOUT_KEYS} == dict(
+        resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2, summary_first_dropout=0.1)
 
 
 def test_written_files_look_like_save_pretrained(saved, tmp_path):
@@ -246,6 +296,9 @@ def test_unsupported_gpt2_variants(saved, tmp_path, over, match):
     ({"tie_word_embeddings": "false"}, "true or false for 'tie_word_embeddings', got 'false'"),
     ({"scale_attn_weights": None}, "true or false for 'scale_attn_weights', got None"),
     ({"n_layer": True}, "positive integer 'n_layer', got True"),
+    ({"attn_pdrop": "0.1"}, "number in [0, 1] for 'attn_pdrop', got '0.1'"),
+    ({"summary_first_dropout": 1.5}, "number in [0, 1] for 'summary_first_dropout', got 1.5"),
+    ({"resid_pdrop": None}, "number in [0, 1] for 'resid_pdrop', got None"),
 ])
 def test_malformed_config_values_are_clear_errors(saved, tmp_path, over, match):
     """Not a TypeError from float(None), nor the string "false" read as true."""

@@ -875,8 +875,8 @@ def _kept_by_a_run(folder) -> bool:
 def _cmd_convert(args) -> int:
     from .checkpoint import check_output_dir, is_checkpoint_dir, save_checkpoint
     from .errors import CheckpointError
-    from .hf import (HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, is_hf_export, load_hf_gpt2,
-                     save_hf_gpt2)
+    from .hf import (HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, is_hf_export, load_hf_dropout,
+                     load_hf_gpt2, save_hf_gpt2)
     from .inference.load import hf_tokenizer_dict, load_model, resolve_checkpoint
     from .tokenizer import tokenizer_from_dict
 
@@ -901,8 +901,9 @@ def _cmd_convert(args) -> int:
         if tok.vocab_size > config["vocab_size"]:   # as sample, serve and train refuse it (later)
             raise ConfigError(f"--from-hf {src}: the model has {config['vocab_size']} tokens but its tokenizer "
                               f"({tok.kind}) has {tok.vocab_size}; the ids would not be the model's")
+        # HF's four dropout rates as given (the config holds forge-ml's one): the export's
         meta = {"kind": "forge-ml-model", "config": config, "tokenizer": tok_dict,
-                "source": str(src.resolve())}
+                "source": str(src.resolve()), "hf_dropout": load_hf_dropout(src)}
         save_checkpoint(args.out, params, meta)
         print(f"imported {len(params)} tensors ({config['n_layer']} layers, {config['n_embd']} channels) "
               f"from {args.from_hf} -> {args.out}")
@@ -910,8 +911,11 @@ def _cmd_convert(args) -> int:
     ckpt = Path(os.path.abspath(resolve_checkpoint(args.to_hf)))
     check_output_dir(args.out, reads=[args.to_hf, ckpt, ckpt.with_name(ckpt.name + ".old")],
                      is_own=is_hf_export, force=args.force, what="Hugging Face export")
-    model, tok, _ = load_model(args.to_hf)
-    save_hf_gpt2(args.out, model.config.to_dict(), model.state_dict(), tokenizer=tok.to_dict())
+    model, tok, meta = load_model(args.to_hf)
+    # the checkpoint's dropout rate (load_model's model has none) and, from an import, HF's rates
+    config = dict(model.config.to_dict(), dropout=(meta.get("config") or {}).get("dropout", 0.0))
+    save_hf_gpt2(args.out, config, model.state_dict(), tokenizer=tok.to_dict(),
+                 dropout_rates=meta.get("hf_dropout"))
     tok_files = [f for f in TRANSFORMERS_TOKENIZER_FILES if (Path(args.out) / f).is_file()]
     print(f"exported {args.to_hf} -> {args.out} (config.json + model.safetensors"
           + (f" + {HF_TOKENIZER_FILE}: a {tok.kind} tokenizer, not GPT-2's" if tok.kind != "gpt2" else "")

@@ -11,6 +11,15 @@ cross over without a transpose.
 Vocabulary padding: forge-ml pads ``wte`` (and an untied ``lm_head``) to ``padded_vocab_size``
 rows, the extra rows zero; HF files hold exactly ``vocab_size`` rows.
 
+Dropout: HF's GPT-2 has four rates (``DROPOUT_KEYS``: ``resid_pdrop``, ``embd_pdrop``,
+``attn_pdrop``, and ``summary_first_dropout`` of its classification heads, which forge-ml
+lacks), forge-ml one (``GPT2Config.dropout``, at the embeddings, the attention probabilities
+and the residual branches). An import maps the three rates of the model to forge-ml's one:
+the rate they share, or ``resid_pdrop`` where they differ (a rate of 1, which forge-ml's config
+cannot hold, as 0). The four as given are ``load_hf_dropout``'s, which ``forge-ml convert``
+keeps in the checkpoint (``meta["hf_dropout"]``) and hands back to ``save_hf_gpt2``, so an
+import followed by an export writes the rates it read.
+
 >>> import tempfile, os, numpy as np
 >>> cfg = {"vocab_size": 10, "block_size": 8, "n_layer": 1, "n_head": 2, "n_embd": 4}
 >>> params = {k: np.random.rand(*s).astype(np.float32) for k, s in gpt2_param_shapes(cfg).items()}
@@ -47,6 +56,10 @@ EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, HF_TOKENIZER_FILE, *TRANSFO
 # metadata: safetensors writes a metadata dict in a random order, so the file would differ
 # from one export of the same weights to the next.)
 EXPORT_MARK = "forge_ml_version"
+
+# HF GPT2Config's dropout rates, and its default for each (transformers' GPT2Config: 0.1).
+DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout")
+HF_DEFAULT_DROPOUT = 0.1
 
 # Non-parameter buffers that older GPT-2 checkpoints carry: the causal mask and its fill value.
 _BUFFER_RE = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
@@ -187,6 +200,48 @@ def _weight_files(d: Path) -> list[Path]:
     raise CheckpointError(f"{single} is missing; expected {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{hint}")
 
 
+def _dropout_rates(given: dict, where) -> dict:
+    """The four rates of ``DROPOUT_KEYS`` from ``given`` (a config.json's dict), transformers'
+    default 0.1 for one it lacks; a rate that is not a number in [0, 1] (as torch's Dropout
+    takes) is a CheckpointError naming ``where``."""
+    rates = {}
+    for key in DROPOUT_KEYS:
+        r = given.get(key, HF_DEFAULT_DROPOUT)
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise CheckpointError(f"{where}: expected a number in [0, 1] for {key!r}, got {r!r}")
+        rates[key] = r
+    return rates
+
+
+def forge_dropout(rates: dict) -> float:
+    """forge-ml's one dropout rate for HF's rates: resid_pdrop, which is the rate resid_pdrop,
+    embd_pdrop and attn_pdrop share where they agree; 0.0 for a rate of 1 (GPT2Config takes
+    [0, 1)).
+
+    >>> forge_dropout({"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1})
+    0.1
+    >>> forge_dropout({"resid_pdrop": 0.05, "embd_pdrop": 0.15, "attn_pdrop": 0.25})
+    0.05
+    """
+    r = float(rates["resid_pdrop"])
+    return r if r < 1 else 0.0
+
+
+def load_hf_dropout(dir) -> dict:
+    """The dropout rates of a Hugging Face GPT-2 folder's config.json, as given (``DROPOUT_KEYS``;
+    transformers' default 0.1 for one it lacks): what ``save_hf_gpt2(..., dropout_rates=)``
+    writes back.
+
+    >>> import tempfile, os, json
+    >>> d = tempfile.mkdtemp()
+    >>> _ = open(os.path.join(d, "config.json"), "w").write(json.dumps({"attn_pdrop": 0.25}))
+    >>> load_hf_dropout(d)["attn_pdrop"], load_hf_dropout(d)["resid_pdrop"]
+    (0.25, 0.1)
+    """
+    path = Path(dir) / CONFIG_FILE
+    return _dropout_rates(_read_json(path), path)
+
+
 def _forge_config(hf: dict, path: Path, padded_vocab: int | None) -> dict:
     """forge-ml GPT2Config fields from an HF config, refusing features forge-ml lacks."""
     model_type = hf.get("model_type")
@@ -233,7 +288,7 @@ def _forge_config(hf: dict, path: Path, padded_vocab: int | None) -> dict:
         "n_layer": hf["n_layer"],
         "n_head": H,
         "n_embd": C,
-        "dropout": 0.0,
+        "dropout": forge_dropout(_dropout_rates(hf, path)),
         "tied_head": bool(hf.get("tie_word_embeddings", True)),
         "layernorm_eps": float(eps),
     }
@@ -377,7 +432,8 @@ def transformers_tokenizer_files(tokenizer: dict, vocab_size: int, block_size: i
     return {}
 
 
-def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None) -> None:
+def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
+                 dropout_rates: dict | None = None) -> None:
     """Write ``params`` (forge-ml names, NumPy arrays) as a directory that transformers'
     ``GPT2LMHeadModel.from_pretrained`` loads: ``config.json`` and ``model.safetensors`` with
     the ``transformer.`` prefix, as transformers' own ``save_pretrained`` writes it, and the
@@ -391,7 +447,11 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None) -> No
 
     ``config`` is a dict or dataclass with forge-ml's GPT2Config fields (``vocab_size``,
     ``block_size``, ``n_layer``, ``n_head``, ``n_embd``; optional ``padded_vocab_size``,
-    ``tied_head``, ``layernorm_eps``, ``dropout``); other fields are ignored.
+    ``tied_head``, ``layernorm_eps``, ``dropout``); other fields are ignored. The dropout
+    rates written: ``dropout_rates`` where given (HF's names, ``DROPOUT_KEYS``, as
+    ``load_hf_dropout`` read them; a key it lacks as below), else ``config``'s dropout as
+    ``resid_pdrop``, ``embd_pdrop`` and ``attn_pdrop``, and transformers' default 0.1 as
+    ``summary_first_dropout``.
 
     >>> import tempfile, os, numpy as np
     >>> cfg = {"vocab_size": 5, "block_size": 4, "n_layer": 1, "n_head": 1, "n_embd": 2}
@@ -427,12 +487,18 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None) -> No
         tensors[key] = np.ascontiguousarray(a, dtype=np.float32)
 
     dropout = float(config.get("dropout", 0.0))
+    if dropout_rates is not None and (not isinstance(dropout_rates, dict)
+                                      or not set(dropout_rates) <= set(DROPOUT_KEYS)):
+        raise CheckpointError(f"save_hf_gpt2: dropout_rates must be a dict of {', '.join(DROPOUT_KEYS)}, "
+                              f"got {dropout_rates!r}")
+    rates = _dropout_rates(dict({"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout},
+                                **(dropout_rates or {})), "save_hf_gpt2")
     hf_config = {
         "activation_function": "gelu_new",
         "architectures": ["GPT2LMHeadModel"],
-        "attn_pdrop": dropout,
+        "attn_pdrop": rates["attn_pdrop"],
         "bos_token_id": 50256 if V > 50256 else None,
-        "embd_pdrop": dropout,
+        "embd_pdrop": rates["embd_pdrop"],
         "eos_token_id": 50256 if V > 50256 else None,
         "initializer_range": 0.02,
         "layer_norm_epsilon": float(config.get("layernorm_eps", 1e-5)),
@@ -443,9 +509,10 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None) -> No
         "n_layer": int(config["n_layer"]),
         "n_positions": int(config["block_size"]),
         "reorder_and_upcast_attn": False,
-        "resid_pdrop": dropout,
+        "resid_pdrop": rates["resid_pdrop"],
         "scale_attn_by_inverse_layer_idx": False,
         "scale_attn_weights": True,
+        "summary_first_dropout": rates["summary_first_dropout"],
         "tie_word_embeddings": tied,
         "dtype": "float32",
         "use_cache": True,
