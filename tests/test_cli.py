@@ -78,6 +78,50 @@ def test_python_dash_m_forge_ml():
     assert r.returncode == 0 and "--max-new-tokens" in r.stdout
 
 
+# a Ctrl-C while a module loads (the finder raises it as the import of ``stop`` begins), then
+# the forge-ml command started as the console script (``from MODULE import FUNC``, what pip
+# writes from pyproject's [project.scripts]) or as ``python -m forge_ml``
+_CTRL_C_AT_IMPORT = """
+import importlib, runpy, sys
+stop, how = sys.argv[1], sys.argv[2]
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == stop:
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["forge-ml", "--help"]
+if how == "-m":
+    runpy.run_module("forge_ml", run_name="__main__", alter_sys=True)
+else:
+    module, func = how.split(":")
+    sys.exit(getattr(importlib.import_module(module), func)())
+"""
+
+
+@pytest.mark.parametrize("stop", ["forge_ml.cli", "forge_ml.blas"])   # the module, or one it imports
+@pytest.mark.parametrize("how", ["script", "-m"])
+def test_ctrl_c_while_the_cli_loads_is_one_line_and_130(how, stop):
+    """A Ctrl-C while the forge-ml command loads its CLI (before main() runs, whose own
+    handler says "interrupted") printed a traceback: the console script imported
+    forge_ml.cli at its top. Its entry point now imports it inside a handler."""
+    root = Path(__file__).resolve().parents[1]
+    if how == "script":
+        import re
+        how = re.search(r'^forge-ml = "([\w.]+:\w+)"', (root / "pyproject.toml").read_text(), re.M).group(1)
+    r = subprocess.run([sys.executable, "-c", _CTRL_C_AT_IMPORT, stop, how], capture_output=True, text=True,
+                       env={"PYTHONPATH": str(root / "src"), "PATH": ""}, timeout=60)
+    assert (r.returncode, r.stderr, r.stdout) == (130, "forge-ml: interrupted\n", ""), (how, r.stderr)
+
+
+def test_the_console_entry_runs_the_cli(monkeypatch, capsys):
+    """Uninterrupted, the console script's function is main's: its argv, its exit status."""
+    from forge_ml.__main__ import entry
+    monkeypatch.setattr(sys, "argv", ["forge-ml", "bench", "--steps", "0"])
+    assert entry() == main(["bench", "--steps", "0"]) == 2
+    monkeypatch.setattr(sys, "argv", ["forge-ml", "--help"])
+    assert entry() == 0 and "usage: forge-ml" in capsys.readouterr().out
+
+
 def test_prepare_train_sample_eval_end_to_end(trained, capsys):
     run = trained / "run"
     assert (run / "ckpt" / "state.json").is_file() and (run / "log.jsonl").is_file()
