@@ -110,7 +110,12 @@ def scale(bk, x, s):
 def attention(bk, q, k, v, scale):
     """Causal attention over ``(..., H, T, hs)``: the scores ``S = scale q k^T`` (T x T per
     head, kept in memory), ``P = softmax(S, causal)``, ``out = P v``; ``lse`` is the
-    log-sum-exp of each row of masked S."""
+    log-sum-exp of each row of masked S.
+
+    Known limit: a masked probability is a zero that the products still multiply, so a NaN or
+    inf at a future position (in k, v, or in the backward q or the cotangent) reaches earlier
+    rows (0 * NaN is NaN); the backends' own attention kernels and the float64 reference skip
+    masked entries. No op of the set can skip them here (that needs a causal product)."""
     s = bk.matmul(q, k, None, False, True, float(scale), None)     # (..., H, T, T)
     p = bk.softmax(s, True, 0)
     out = bk.matmul(p, v, None, False, False, 1.0, None)            # (..., H, T, hs)
