@@ -145,18 +145,21 @@ def main(argv=None):
     modes = dict(every[m] for m in every if m in asked)
     for B in (1, a.batch):
         prompts = [prompt] * B if B > 1 else prompt
-        times = {}
-        for name, kw in modes.items():
-            run = lambda: list(generate(model, prompts, max_new_tokens=n, seed=1, **kw))  # noqa: E731
+        runs = {name: (lambda kw=kw: list(generate(model, prompts, max_new_tokens=n, seed=1, **kw)))
+                for name, kw in modes.items()}
+        for run in runs.values():   # warm-up: graphs captured, kernels loaded
             run()
-            cp.cuda.Device().synchronize()
-            best = float("inf")
-            for _ in range(a.repeats):
+        cp.cuda.Device().synchronize()
+        # the modes in turn, a.repeats rounds, the best of each: a slow spell of the machine
+        # (batch 64's runs varied by 10% for seconds at a time) falls on every mode alike,
+        # where a mode's repeats back to back could each land in it
+        times = dict.fromkeys(runs, float("inf"))
+        for _ in range(a.repeats):
+            for name, run in runs.items():
                 t0 = time.perf_counter()
                 run()
                 cp.cuda.Device().synchronize()
-                best = min(best, time.perf_counter() - t0)
-            times[name] = best
+                times[name] = min(times[name], time.perf_counter() - t0)
         print(f"\nbatch {B}, {a.dtype}: generated tokens/s by sampling mode (ratio to greedy)")
         for name, t in times.items():
             print(f"  {name:30s} {B * n / t:10.1f} tok/s   {times['greedy'] / t:5.2f}")
