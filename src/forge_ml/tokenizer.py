@@ -1,6 +1,7 @@
-"""Tokenizers: character-level, and GPT-2's byte-level BPE that works offline.
+"""Tokenizers: character-level, GPT-2's byte-level BPE that works offline, and a Hugging Face
+model's own ``tokenizer.json`` (kind "hf", run by the ``tokenizers`` package when installed).
 
-Both kinds share one small interface: ``encode(text) -> list[int]``, ``decode(ids) -> str``,
+The kinds share one small interface: ``encode(text) -> list[int]``, ``decode(ids) -> str``,
 ``vocab_size``, and ``to_dict()``, a JSON-able description saved next to every checkpoint
 and token shard so that ``tokenizer_from_dict`` rebuilds the same tokenizer later.
 
@@ -559,6 +560,294 @@ class GPT2Tokenizer:
 
 
 # ---------------------------------------------------------------------------------------------
+# A Hugging Face tokenizer.json, run by the tokenizers library
+
+
+_TOKENIZERS_HINT = "install it with: pip install tokenizers"
+# transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES)
+HF_SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_HF_GPT2_CLASSES = ("GPT2Tokenizer", "GPT2TokenizerFast")
+
+
+def _tokenizers():
+    """The ``tokenizers`` package (Hugging Face's Rust tokenizer), imported on first use: it
+    is needed only for a tokenizer of kind "hf", and is not a dependency of forge-ml."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise TokenizerError("this model's tokenizer (a Hugging Face tokenizer.json) needs the package "
+                             f"tokenizers, which is not installed; {_TOKENIZERS_HINT}") from None
+    return tokenizers
+
+
+def _role_text(v):
+    """A special token's text as tokenizer_config.json writes it: a str, or an AddedToken dict."""
+    v = v.get("content") if isinstance(v, dict) else v
+    return v if isinstance(v, str) and v else None
+
+
+def _hf_ids(v) -> list:
+    """An ``eos_token_id`` / ``bos_token_id`` of a config: an int, a list of them, or None."""
+    v = v if isinstance(v, list) else [v]
+    return [i for i in v if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' ``clean_up_tokenization`` (the spaces before punctuation and contractions).
+
+    >>> _clean_up_tokenization("a , b . I 'm")
+    "a, b. I'm"
+    """
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                 (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(a, b)
+    return text
+
+
+def hf_tokenizer_spec(tokenizer_json: dict, tokenizer_config: dict | None = None, model_config: dict | None = None,
+                      generation_config: dict | None = None, where: str = "tokenizer.json") -> dict:
+    """The ``HFTokenizer.to_dict()`` of a Hugging Face folder's tokenizer: its ``tokenizer.json``
+    (parsed) as transformers' ``AutoTokenizer`` sets it up from ``tokenizer_config.json``
+    (transformers 5's rules, the same as 4's for a byte-level BPE):
+
+    - no truncation nor padding (``tokenizer(text)`` pads and truncates nothing);
+    - the class ``GPT2Tokenizer``/``GPT2TokenizerFast`` (or none named: the model type's) rebuilds a plain byte-level BPE from the
+      file's vocabulary and merges, ``add_prefix_space`` from the config, and takes
+      ``<|endoftext|>`` for the bos, eos and unk tokens the config does not name;
+    - the tokens of ``added_tokens_decoder`` and the named special tokens (``eos_token`` ...,
+      ``additional_special_tokens``) that are not added tokens yet are added, special;
+    - the file's post-processor adds what it adds (transformers 5 ignores ``add_bos_token`` and
+      ``add_eos_token`` there, and so does this);
+    - ``clean_up_tokenization_spaces`` at decoding, which transformers 5 ignores for a BPE model.
+
+    The end of text (``eos_token_id``, what ``generate`` stops on) and the start of an empty
+    prompt (``bos_token_id``): ``generation_config.json``'s, else ``config.json``'s, else the
+    tokenizer's eos/bos token. A TokenizerError names ``where`` when the file cannot be read.
+    """
+    tk = _tokenizers()
+    if not isinstance(tokenizer_json, dict):
+        raise TokenizerError(f"{where}: expected a JSON object (a tokenizers library file), got "
+                             f"{type(tokenizer_json).__name__}")
+    cfg = dict(tokenizer_config or {})
+    spec = dict(tokenizer_json)
+    # no class named: AutoTokenizer takes the model type's (GPT-2's) class
+    gpt2_class = cfg.get("tokenizer_class") in (None, *_HF_GPT2_CLASSES)
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+    if gpt2_class and model.get("type", "BPE") == "BPE":
+        aps = cfg.get("add_prefix_space") is True
+        spec["normalizer"] = None
+        spec["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": aps, "trim_offsets": True, "use_regex": True}
+        spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+        spec["model"] = dict(model, type="BPE", dropout=None, unk_token=None, continuing_subword_prefix="",
+                             end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+        for role in ("unk_token", "bos_token", "eos_token"):
+            cfg.setdefault(role, GPT2_EOT)
+    try:
+        tok = tk.Tokenizer.from_str(json.dumps(spec))
+    except Exception as e:   # tokenizers' own Exception for a file it cannot parse
+        raise TokenizerError(f"{where}: the tokenizers library cannot read it ({str(e)[:200]})") from None
+    tok.no_truncation()
+    tok.no_padding()
+
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}
+    to_add = []
+    decoder = cfg.get("added_tokens_decoder")
+    for i, t in sorted(((int(i), t) for i, t in (decoder or {}).items() if str(i).isdigit() and isinstance(t, dict)),
+                       key=lambda it: it[0]):
+        c = t.get("content")
+        if isinstance(c, str) and c and c not in added:
+            to_add.append(tk.AddedToken(c, **{f: bool(t[f]) for f in ("single_word", "lstrip", "rstrip", "normalized",
+                                                                         "special") if f in t}))
+            added.add(c)
+    roles: dict = {}
+    for role in HF_SPECIAL_ROLES:
+        if _role_text(cfg.get(role)) is not None:
+            roles[role] = _role_text(cfg[role])
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        v = cfg.get(key)
+        v = list(v.values()) if isinstance(v, dict) else v
+        if isinstance(v, list) and any(_role_text(t) for t in v):
+            roles[key] = [_role_text(t) for t in v if _role_text(t)]
+    for v in roles.values():
+        for c in (v if isinstance(v, list) else [v]):
+            if c not in added:
+                to_add.append(tk.AddedToken(c, special=True, normalized=False))
+                added.add(c)
+    if to_add:
+        tok.add_tokens(to_add)
+
+    def token_id(role):
+        return tok.token_to_id(roles[role]) if role in roles else None
+
+    clean = cfg.get("clean_up_tokenization_spaces") is True and (
+        spec["model"].get("type") != "BPE"
+        or cfg.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output") is True)
+    out = {"kind": "hf", "tokenizer": json.loads(tok.to_str())}
+    n = _hf_vocab_size(tok)
+    for key, role in (("eos_token_id", "eos_token"), ("bos_token_id", "bos_token")):
+        ids = None
+        for conf in (generation_config, model_config):
+            if isinstance(conf, dict) and conf.get(key) is not None:
+                ids = _hf_ids(conf[key])
+                break
+        if ids is None:
+            ids = _hf_ids(token_id(role))
+        ids = [i for i in ids if i < n]     # an id past the vocabulary is never generated
+        if ids:
+            out[key] = ids[0] if len(ids) == 1 else ids
+    if roles:
+        out["roles"] = roles
+    if clean:
+        out["clean_up_tokenization_spaces"] = True
+    if cfg.get("split_special_tokens") is True:
+        out["split_special_tokens"] = True
+    return out
+
+
+def _hf_vocab_size(tok) -> int:
+    """One past the largest id of a tokenizers ``Tokenizer`` (its added tokens included)."""
+    v = tok.get_vocab(with_added_tokens=True)
+    return max(v.values()) + 1 if v else 0
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer (a ``tokenizer.json`` of the tokenizers library: a GPT-2 model
+    trained with its own byte-level BPE, say), run by the ``tokenizers`` package (imported on
+    first use) as transformers' fast tokenizers run it: the same ids as ``tokenizer(text)
+    ["input_ids"]`` (its special tokens matched in the text, its post-processor's bos/eos
+    added) and the same text as ``tokenizer.decode(ids)`` (special tokens kept).
+
+    ``to_dict()`` holds the whole tokenizer (``hf_tokenizer_spec`` builds it from a folder), so
+    a checkpoint or a token shard folder rebuilds it without the folder it came from.
+    ``eot_token``: the end-of-text id that generation stops on (None where the model has
+    none); ``bos_token``: the id an empty prompt starts from.
+    """
+
+    kind = "hf"
+
+    def __init__(self, spec: dict):
+        if not isinstance(spec, dict) or spec.get("kind") != "hf" or not isinstance(spec.get("tokenizer"), dict):
+            raise TokenizerError(f"HFTokenizer: expected {{'kind': 'hf', 'tokenizer': <tokenizer.json>, ...}}, "
+                                 f"got {spec!r:.120}")
+        known = {"kind", "tokenizer", "eos_token_id", "bos_token_id", "roles", "clean_up_tokenization_spaces",
+                 "split_special_tokens"}
+        if set(spec) - known:
+            raise TokenizerError(f"HFTokenizer: unknown keys {sorted(set(spec) - known)}; expected {sorted(known)}")
+        tk = _tokenizers()
+        try:
+            self._tok = tk.Tokenizer.from_str(json.dumps(spec["tokenizer"]))
+        except Exception as e:   # tokenizers' own Exception
+            raise TokenizerError(f"HFTokenizer: the tokenizers library cannot read the tokenizer ({str(e)[:200]})") from None
+        self._tok.encode_special_tokens = spec.get("split_special_tokens") is True
+        self._spec = spec
+        self._n = _hf_vocab_size(self._tok)
+        stops = _hf_ids(spec.get("eos_token_id"))
+        if any(i >= self._n for i in stops) or _hf_ids(spec.get("bos_token_id")) and \
+                _hf_ids(spec.get("bos_token_id"))[0] >= self._n:
+            raise TokenizerError(f"HFTokenizer: eos_token_id {spec.get('eos_token_id')!r} / bos_token_id "
+                                 f"{spec.get('bos_token_id')!r} past the tokenizer's {self._n} ids")
+        self.stop_tokens = tuple(stops)
+        self.eot_token = stops[0] if stops else None
+        bos = _hf_ids(spec.get("bos_token_id"))
+        self.bos_token = bos[0] if bos else self.eot_token
+        self.roles = dict(spec.get("roles") or {})
+        self._clean = spec.get("clean_up_tokenization_spaces") is True
+        dec = spec["tokenizer"].get("decoder")
+        self._byte_level = isinstance(dec, dict) and dec.get("type") == "ByteLevel"
+        self._token_bytes = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n
+
+    def encode(self, text: str) -> list[int]:
+        """The ids transformers' ``tokenizer(text)["input_ids"]`` gives."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"HFTokenizer.encode: expected a str, got {type(text).__name__}")
+        try:
+            return self._tok.encode(text).ids
+        except Exception as e:   # a lone surrogate, which Rust's strings cannot hold
+            raise TokenizerError(f"HFTokenizer.encode: the tokenizers library cannot encode the text ({str(e)[:120]})") from None
+
+    def _chunkable(self) -> bool:
+        """Whether a text split before a line that starts with a non-space character encodes as
+        the parts do: a plain byte-level BPE (GPT-2's regex, no prefix space, no normalizer, a
+        post-processor that adds nothing, no added token that takes the space before it)."""
+        j = self._spec["tokenizer"]
+        pre = j.get("pre_tokenizer") or {}
+        pp = self._tok.post_processor
+        return (j.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+                and not pre.get("add_prefix_space") and (pp is None or pp.num_special_tokens_to_add(False) == 0)
+                and not any(t.lstrip or any(c.isspace() for c in t.content)
+                            for t in self._tok.get_added_tokens_decoder().values()))
+
+    def encode_array(self, text: str, chunk: int = 1 << 20) -> np.ndarray:
+        """``encode(text)`` as a uint32 array; a long text of a plain byte-level BPE is cut
+        into pieces of about ``chunk`` characters before lines (where its pre-tokenizer cuts
+        anyway), which the library encodes in parallel."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"HFTokenizer.encode: expected a str, got {type(text).__name__}")
+        if len(text) <= chunk or not self._chunkable():
+            return np.asarray(self.encode(text), np.uint32)
+        pieces, at = [], 0
+        cut = re.compile(r"\n(?=\S)")
+        while at < len(text):
+            m = cut.search(text, at + chunk) if at + chunk < len(text) else None
+            end = m.end() if m else len(text)
+            pieces.append(text[at:end])
+            at = end
+        try:
+            fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+            encs = fast(pieces)
+        except Exception as e:
+            raise TokenizerError(f"HFTokenizer.encode: the tokenizers library cannot encode the text ({str(e)[:120]})") from None
+        return np.concatenate([np.asarray(e.ids, np.uint32) for e in encs])
+
+    def _check_ids(self, ids) -> list[int]:
+        return _id_list(ids, self._n, "HFTokenizer", hint=" (ids from a padded vocabulary are not tokens)")
+
+    def decode(self, ids) -> str:
+        """The text transformers' ``tokenizer.decode(ids)`` gives (special tokens kept)."""
+        text = self._tok.decode(self._check_ids(ids), skip_special_tokens=False)
+        return _clean_up_tokenization(text) if self._clean else text
+
+    def decode_bytes(self, ids) -> bytes:
+        """The bytes of ``ids`` for streaming (a character may be cut between two tokens):
+        a byte-level tokenizer's token bytes, as its decoder takes them; another's text."""
+        ids = self._check_ids(ids)
+        if not self._byte_level:
+            return self.decode(ids).encode("utf-8")
+        if self._token_bytes is None:
+            table = {u: b for b, u in _gpt2_byte_to_unicode().items()}
+            out = [b""] * self._n
+            for t, i in self._tok.get_vocab(with_added_tokens=True).items():
+                try:
+                    out[i] = bytes(table[c] for c in t)
+                except KeyError:     # a character outside the byte alphabet: the token's own text
+                    out[i] = t.encode("utf-8")
+            self._token_bytes = out
+        return b"".join(self._token_bytes[i] for i in ids)
+
+    def empty_prompt(self) -> list[int]:
+        """The ids an empty prompt starts from: the bos token (``generate``'s start), else eos."""
+        if self.bos_token is None:
+            raise TokenizerError("HFTokenizer: the model names no bos or eos token to start an empty prompt "
+                                 "from; give a prompt")
+        return [self.bos_token]
+
+    def to_dict(self) -> dict:
+        """JSON-able description: ``{"kind": "hf", "tokenizer": <tokenizer.json>, ...}``."""
+        return self._spec
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HFTokenizer":
+        return cls(d)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size})"
+
+
+# ---------------------------------------------------------------------------------------------
 # Factories
 
 
@@ -569,14 +858,16 @@ def tokenizer_from_dict(d: dict):
     2
     """
     if not isinstance(d, dict) or "kind" not in d:
-        raise TokenizerError(f"tokenizer dict must have a 'kind' key ('char' or 'gpt2'), got {d!r:.200}")
+        raise TokenizerError(f"tokenizer dict must have a 'kind' key ('char', 'gpt2' or 'hf'), got {d!r:.200}")
     kind = d["kind"]
     if kind == "char":
         return CharTokenizer.from_dict(d)
     if kind == "gpt2":
         return GPT2Tokenizer(added=d.get("added"), add_prefix_space=d.get("add_prefix_space", False),
                              roles=d.get("roles"))
-    raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'char' or 'gpt2'")
+    if kind == "hf":
+        return HFTokenizer.from_dict(d)
+    raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'char', 'gpt2' or 'hf'")
 
 
 def load_tokenizer(name_or_dict, text: str | None = None):
@@ -588,7 +879,7 @@ def load_tokenizer(name_or_dict, text: str | None = None):
     >>> load_tokenizer("gpt2").vocab_size
     50257
     """
-    if isinstance(name_or_dict, (CharTokenizer, GPT2Tokenizer)):
+    if isinstance(name_or_dict, (CharTokenizer, GPT2Tokenizer, HFTokenizer)):
         return name_or_dict
     if isinstance(name_or_dict, dict):
         return tokenizer_from_dict(name_or_dict)
@@ -598,4 +889,7 @@ def load_tokenizer(name_or_dict, text: str | None = None):
         return CharTokenizer.from_text(text)
     if name_or_dict == "gpt2":
         return GPT2Tokenizer()
+    if name_or_dict == "hf":
+        raise TokenizerError("load_tokenizer('hf'): a Hugging Face tokenizer comes from its model's folder "
+                             "(--init-from DIR), not from a name")
     raise TokenizerError(f"unknown tokenizer {name_or_dict!r}; expected 'char', 'gpt2' or a tokenizer dict")
