@@ -531,21 +531,24 @@ def _read_json_config(path) -> dict:
 
 
 def _prompt_ids(tok, prompt: str) -> list:
-    """Token ids of ``prompt``; an empty prompt starts from a newline (char) or end-of-text (gpt2)."""
+    """Token ids of ``prompt``; an empty prompt starts from a newline (char), end-of-text (gpt2)
+    or the model's bos token (hf, as transformers' generate starts)."""
     if prompt:
         return tok.encode(prompt)
     if tok.kind == "gpt2":
         return [tok.eot_token]
+    if tok.kind == "hf":
+        return tok.empty_prompt()
     return tok.encode("\n") if "\n" in tok.chars else [0]
 
 
 class _Detok:
-    """Turns a stream of ids into text pieces; GPT-2 bytes go through an incremental UTF-8
-    decoder so a character split across tokens prints whole."""
+    """Turns a stream of ids into text pieces; byte-level BPE bytes (gpt2, hf) go through an
+    incremental UTF-8 decoder so a character split across tokens prints whole."""
 
     def __init__(self, tok):
         self.tok = tok
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if tok.kind == "gpt2" else None
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if tok.kind in ("gpt2", "hf") else None
         self.said = False
 
     def __call__(self, t: int) -> str:
@@ -633,7 +636,7 @@ def _cmd_sample(args) -> int:
     if args.logprobs is not None and args.logprobs > model.config.vocab_size:
         raise ConfigError(f"--logprobs must be in 0..{model.config.vocab_size} (the model's vocabulary), "
                           f"got {args.logprobs}")
-    stop = (tok.eot_token,) if tok.kind == "gpt2" else ()
+    stop = (tok.eot_token,) if tok.kind == "gpt2" else tuple(getattr(tok, "stop_tokens", ()))
     if (args.num_beams is not None or args.logprobs is not None) and args.max_new_tokens > block - len(ids):
         what = "--num-beams" if args.num_beams is not None else "--logprobs"
         if args.num_beams is not None and len(ids) == block:

@@ -235,7 +235,8 @@ class TrainConfig:
             (min(self.eval_interval, self.sample_interval, self.checkpoint_interval,
                  self.sample_tokens, self.log_interval, self.n_layer, self.n_head, self.n_embd) >= 0,
              "intervals, counts and sizes must be >= 0"),
-            (self.tokenizer in (None, "char", "gpt2"), f"tokenizer must be 'char' or 'gpt2', got {self.tokenizer!r}"),
+            # "hf": recorded by a run whose --init-from folder has its own Hugging Face tokenizer
+            (self.tokenizer in (None, "char", "gpt2", "hf"), f"tokenizer must be 'char' or 'gpt2', got {self.tokenizer!r}"),
             (self.dtype in ("float32", "bf16", "bfloat16"), f"dtype must be 'float32' or 'bf16', got {self.dtype!r}"),
             (self.model == "" or self.model in PRESETS,
              f"unknown model preset {self.model!r}; expected one of {', '.join(PRESETS)}"),
@@ -1507,6 +1508,8 @@ class Trainer:
             ids = tok.encode(prompt)
         elif tok.kind == "gpt2":
             ids = [tok.eot_token]
+        elif tok.kind == "hf":
+            ids = tok.empty_prompt()
         else:
             ids = tok.encode("\n") if "\n" in tok.chars else [0]
         # from the float32 masters, as a float32 run computes

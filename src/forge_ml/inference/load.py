@@ -63,8 +63,9 @@ def resolve_checkpoint(path) -> Path:
 def load_model(path, device="cpu", dtype="float32", tokenizer=True):
     """``(model, tokenizer, meta)`` from a forge-ml checkpoint (or a run folder holding one) or
     a Hugging Face GPT-2 folder (``config.json`` + ``model.safetensors``; its forge-ml export's
-    tokenizer, else GPT-2's, which may have more ids than the model: ``check_tokenizer_fits``
-    says so before text is turned into ids). ``dtype="bfloat16"`` gives a bf16 model on the
+    tokenizer, else its own ``tokenizer.json`` where that is not GPT-2's, else GPT-2's, which
+    may have more ids than the model: ``check_tokenizer_fits`` says so before text is turned
+    into ids; ``hf_tokenizer_dict``). ``dtype="bfloat16"`` gives a bf16 model on the
     GPU (weights rounded once at load). ``tokenizer=False``: a Hugging Face folder whose
     tokenizer forge-ml cannot read gives None for it instead of an error (token ids alone: eval
     of a shard).
@@ -105,8 +106,8 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
 
 def check_tokenizer_fits(model, tok, where) -> None:
     """A ConfigError when ``tok`` has more ids than ``model``'s vocabulary: its ids would not be
-    the model's (a Hugging Face folder is read with GPT-2's tokenizer unless forge-ml exported
-    it, so a model with its own smaller vocabulary gets one that does not fit). What ``forge-ml
+    the model's (a Hugging Face folder without a tokenizer of its own is read with GPT-2's, so
+    a model with a smaller vocabulary gets one that does not fit). What ``forge-ml
     sample`` and ``forge-ml serve`` check before they turn text into ids.
 
     >>> from forge_ml.tokenizer import tokenizer_from_dict
@@ -120,12 +121,15 @@ def check_tokenizer_fits(model, tok, where) -> None:
     if tok.vocab_size > model.config.vocab_size:
         raise ConfigError(f"{where}: the model has {model.config.vocab_size} tokens but its tokenizer "
                           f"({tok.kind}) has {tok.vocab_size}; the ids would not be the model's (a Hugging "
-                          f"Face folder is read with GPT-2's tokenizer unless forge-ml exported it)")
+                          f"Face folder without a tokenizer of its own is read with GPT-2's)")
 
 
 def hf_tokenizer_dict(hf_dir) -> dict:
-    """The tokenizer of a Hugging Face GPT-2 folder: GPT-2's, unless forge-ml exported the
-    folder from a model with another tokenizer (``forge_ml_tokenizer.json``).
+    """The tokenizer of a Hugging Face GPT-2 folder: the one forge-ml exported with it
+    (``forge_ml_tokenizer.json``); else GPT-2's (kind "gpt2", tiktoken) where the folder holds
+    GPT-2's vocabulary or none; else the folder's own (kind "hf", run by the ``tokenizers``
+    package): its ``tokenizer.json``, or a byte-level BPE of its ``vocab.json`` and
+    ``merges.txt``, set up as transformers' ``AutoTokenizer`` sets it up (``hf_tokenizer_spec``).
 
     >>> import tempfile
     >>> hf_tokenizer_dict(tempfile.mkdtemp())
@@ -142,7 +146,9 @@ def hf_tokenizer_dict(hf_dir) -> dict:
         except TokenizerError as e:
             raise CheckpointError(f"{f}: not a forge-ml tokenizer ({e})") from None
         return d
-    _check_gpt2_vocabulary(Path(hf_dir))
+    own = _not_gpt2_vocabulary(Path(hf_dir))
+    if own is not None:
+        return _hf_own_tokenizer(Path(hf_dir), own)
     d = {"kind": "gpt2"}
     added, roles = _hf_added_tokens(Path(hf_dir))
     if added:
@@ -250,18 +256,16 @@ def _hf_added_tokens(d: Path) -> tuple:
     return found, kept
 
 
-def _check_gpt2_vocabulary(d: Path) -> None:
-    """A CheckpointError when the folder carries a tokenizer (``vocab.json``, or a
-    ``tokenizer.json``) whose ids are not GPT-2's: a GPT-2 model trained with another
-    vocabulary (another language's BPE) read with GPT-2's tokenizer gives wrong text. Tokens
-    added after GPT-2's 50257 are allowed.
+def _not_gpt2_vocabulary(d: Path):
+    """The tokenizer file of the folder (``vocab.json``, else ``tokenizer.json``) whose ids are
+    not GPT-2's, or None where the first one found holds GPT-2's ids (tokens added after
+    GPT-2's 50257 allowed) or there is none: a GPT-2 model trained with another vocabulary
+    (another language's BPE) read with GPT-2's tokenizer would give wrong text.
 
     >>> import tempfile, json, os
     >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "vocab.json"), "w").write('{"a": 0}')
-    >>> _check_gpt2_vocabulary(Path(d))  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    forge_ml.errors.CheckpointError: .../vocab.json: this model's tokenizer is not GPT-2's (1 tokens, ...
+    >>> _not_gpt2_vocabulary(Path(d)).name, _not_gpt2_vocabulary(Path(tempfile.mkdtemp()))
+    ('vocab.json', None)
     """
     for name in ("vocab.json", "tokenizer.json"):
         f = d / name
@@ -275,10 +279,57 @@ def _check_gpt2_vocabulary(d: Path) -> None:
         from ..tokenizer import gpt2_data_dir
         gpt2 = json.loads((gpt2_data_dir() / "encoder.json").read_text(encoding="utf-8"))
         ok = isinstance(vocab, dict) and all(vocab.get(t) == i for t, i in gpt2.items())
-        if not ok:
+        return None if ok else f
+    return None
+
+
+def _hf_own_tokenizer(d: Path, own: Path) -> dict:
+    """The "hf" tokenizer dict of a folder whose vocabulary (in ``own``) is not GPT-2's: its
+    ``tokenizer.json``, else its ``vocab.json`` + ``merges.txt`` as the byte-level BPE that
+    transformers' GPT2Tokenizer builds of them; a CheckpointError says what is missing.
+
+    >>> import tempfile, os
+    >>> d = Path(tempfile.mkdtemp()); _ = (d / "vocab.json").write_text('{"a": 0}')
+    >>> _hf_own_tokenizer(d, d / "vocab.json")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.CheckpointError: .../vocab.json: this model's tokenizer is not GPT-2's (1 tokens, ...
+    """
+    from ..tokenizer import hf_tokenizer_spec
+
+    cfg = _tokenizer_file(d / "tokenizer_config.json")
+    cfg = dict(cfg) if isinstance(cfg, dict) else {}
+    if not isinstance(cfg.get("added_tokens_decoder"), dict):
+        # transformers' legacy special_tokens_map.json (read where added_tokens_decoder is not)
+        smap = _tokenizer_file(d / "special_tokens_map.json")
+        cfg.update(smap if isinstance(smap, dict) else {})
+    spec = _tokenizer_file(d / "tokenizer.json")
+    where = d / "tokenizer.json"
+    if spec is None:
+        vocab, merges = _tokenizer_file(d / "vocab.json"), d / "merges.txt"
+        if not (isinstance(vocab, dict) and merges.is_file()) or cfg.get("tokenizer_class") not in (
+                None, "GPT2Tokenizer", "GPT2TokenizerFast"):
             n = len(vocab) if isinstance(vocab, (dict, list)) else "?"
             raise CheckpointError(
-                f"{f}: this model's tokenizer is not GPT-2's ({n} tokens, not GPT-2's ids for the same "
-                f"tokens); forge-ml reads a Hugging Face folder with GPT-2's tokenizer (or the one in "
-                f"{HF_TOKENIZER_FILE}, which a forge-ml export writes), so its text would be wrong")
-        return
+                f"{own}: this model's tokenizer is not GPT-2's ({n} tokens, not GPT-2's ids for the same tokens), "
+                f"and the folder has no tokenizer.json (nor a GPT-2 style merges.txt beside vocab.json) to read "
+                f"it from; add the tokenizer files the model was trained with (transformers writes them: "
+                f"AutoTokenizer.from_pretrained(...).save_pretrained(\"{d}\"))")
+        try:
+            lines = merges.read_text(encoding="utf-8").split("\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{merges}: unreadable tokenizer file ({e})") from None
+        extra = _tokenizer_file(d / "added_tokens.json")
+        added = [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
+                  "normalized": True, "special": False}
+                 for c, i in (extra.items() if isinstance(extra, dict) else ()) if isinstance(i, int)]
+        spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+                "pre_tokenizer": None, "post_processor": None, "decoder": None,
+                "model": {"type": "BPE", "vocab": vocab,
+                          "merges": [ln for ln in lines if ln.strip() and not ln.startswith("#version")]}}
+        where = merges
+    try:
+        return hf_tokenizer_spec(spec, cfg, _tokenizer_file(d / "config.json"),
+                                 _tokenizer_file(d / "generation_config.json"), where=str(where))
+    except TokenizerError as e:
+        raise CheckpointError(f"{d}: its own tokenizer (not GPT-2's) cannot be read: {e}") from None
