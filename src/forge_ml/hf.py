@@ -47,7 +47,7 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 HF_PREFIX = "transformer."
 HF_TOKENIZER_FILE = "forge_ml_tokenizer.json"  # a non-GPT-2 tokenizer kept in an exported folder
 # The tokenizer files transformers' AutoTokenizer reads: GPT-2's vocab.json + merges.txt, or a
-# tokenizer.json (the tokenizers library's format) for a char tokenizer; tokenizer_config.json
+# tokenizer.json (the tokenizers library's format) for a char or an "hf" tokenizer; tokenizer_config.json
 # names the class.
 TRANSFORMERS_TOKENIZER_FILES = ("tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.json")
 EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, HF_TOKENIZER_FILE, *TRANSFORMERS_TOKENIZER_FILES})
@@ -383,7 +383,9 @@ def transformers_tokenizer_files(tokenizer: dict, vocab_size: int, block_size: i
     (and so ``pipeline("text-generation", model=dir)``) load a forge-ml tokenizer offline, the
     same ids both ways. GPT-2's: its ``vocab.json`` and ``merges.txt`` (OpenAI's
     ``encoder.json`` and ``vocab.bpe``, as the Hugging Face ``gpt2`` repository holds them). A
-    char tokenizer: a ``tokenizer.json`` of one word-level token per character. Empty when the
+    char tokenizer: a ``tokenizer.json`` of one word-level token per character. A Hugging Face
+    tokenizer (kind "hf"): its ``tokenizer.json``, with a ``tokenizer_config.json`` naming
+    ``PreTrainedTokenizerFast`` and its special tokens (the eos token ...). Empty when the
     tokenizer has more ids than the model's ``vocab_size`` (it is not the model's).
 
     Without these, transformers builds an empty GPT-2 tokenizer for any ``model_type: gpt2``
@@ -429,6 +431,18 @@ def transformers_tokenizer_files(tokenizer: dict, vocab_size: int, block_size: i
         cfg = dict(common, tokenizer_class="PreTrainedTokenizerFast")
         return {"tokenizer.json": json.dumps(spec, ensure_ascii=False, indent=2) + "\n",
                 "tokenizer_config.json": json.dumps(cfg, indent=2) + "\n"}
+    if tok.kind == "hf":
+        # the tokenizer.json as the import set it up (its special tokens added, no truncation),
+        # which PreTrainedTokenizerFast runs as it is; the special tokens' roles named again
+        spec = tokenizer
+        cfg = dict(common, tokenizer_class="PreTrainedTokenizerFast", **(spec.get("roles") or {}),
+                   clean_up_tokenization_spaces=spec.get("clean_up_tokenization_spaces") is True)
+        if spec.get("clean_up_tokenization_spaces") is True:
+            cfg["clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"] = True
+        if spec.get("split_special_tokens") is True:
+            cfg["split_special_tokens"] = True
+        return {"tokenizer.json": json.dumps(spec["tokenizer"], ensure_ascii=False) + "\n",
+                "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False) + "\n"}
     return {}
 
 
@@ -440,7 +454,8 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
     vocabulary padding removed. ``tokenizer`` (a tokenizer's ``to_dict()``), when given, is
     written as the files ``AutoTokenizer.from_pretrained`` reads (``transformers_tokenizer_files``),
     and one that is not GPT-2's also goes to ``forge_ml_tokenizer.json`` (transformers ignores
-    it; forge-ml reads it).
+    it; forge-ml reads it). A Hugging Face tokenizer (kind "hf") gives ``config.json`` its
+    ``eos_token_id`` and ``bos_token_id`` (else GPT-2's 50256 where the vocabulary holds it).
 
     The directory is replaced atomically as a whole, and only when it is new, empty, or an
     earlier export (``is_hf_export``); anything else is a CheckpointError and is left alone.
@@ -493,13 +508,16 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
                               f"got {dropout_rates!r}")
     rates = _dropout_rates(dict({"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout},
                                 **(dropout_rates or {})), "save_hf_gpt2")
+    # a Hugging Face tokenizer's end of text and start (what generate stops on and starts from)
+    special_ids = {k: tokenizer[k] for k in ("bos_token_id", "eos_token_id")
+                   if isinstance(tokenizer, dict) and tokenizer.get("kind") == "hf" and k in tokenizer}
     hf_config = {
         "activation_function": "gelu_new",
         "architectures": ["GPT2LMHeadModel"],
         "attn_pdrop": rates["attn_pdrop"],
-        "bos_token_id": 50256 if V > 50256 else None,
+        "bos_token_id": special_ids.get("bos_token_id", 50256 if V > 50256 else None),
         "embd_pdrop": rates["embd_pdrop"],
-        "eos_token_id": 50256 if V > 50256 else None,
+        "eos_token_id": special_ids.get("eos_token_id", 50256 if V > 50256 else None),
         "initializer_range": 0.02,
         "layer_norm_epsilon": float(config.get("layernorm_eps", 1e-5)),
         "model_type": "gpt2",
