@@ -1,0 +1,236 @@
+"""A Hugging Face GPT-2 folder with its own byte-level BPE (tokenizer.json, not GPT-2's
+vocabulary): read with that tokenizer (kind "hf", the tokenizers library), the same ids and
+text as transformers, through import, sampling, export and training. It was refused ("this
+model's tokenizer is not GPT-2's")."""
+import builtins
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+
+from forge_ml.cli import main
+from forge_ml.errors import CheckpointError, TokenizerError
+
+tokenizers = pytest.importorskip("tokenizers")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+CORPUS = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
+          "Ünïcödé wörds, 日本語のテキスト, emoji 🦜🦜 and café crème; def f(x):\n    return x + 1\n") * 20
+
+TEXTS = ["", "Hello world", "  two leading spaces", "trailing  ", "a   b\n\n c\n\n\n", "\t\ttabs\r\n",
+         "héllo wörld 日本語 🦜🦜🙂", "x<|endoftext|>y", "<|endoftext|>", " , . I 'm n't they 're",
+         "ﬁne ① ＡＢＣ", "def f(x):\n    return x + 1\n"]
+
+
+def _hf_folder(path, seed=0):
+    """A byte-level BPE of 300 tokens trained on CORPUS and a small random GPT-2 with it,
+    saved by transformers (as the task's reproduction writes it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([CORPUS], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=tok.get_vocab_size(), n_positions=64, n_layer=1, n_head=2, n_embd=16,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():   # logits far apart: greedy choices that float rounding cannot flip
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hfdir(tmp_path_factory):
+    return _hf_folder(tmp_path_factory.mktemp("hf") / "hfsmall")
+
+
+_EOT = {"content": "<|endoftext|>", "lstrip": False, "normalized": True, "rstrip": False, "single_word": False,
+        "special": True}
+CONFIGS = {
+    "as saved": None,
+    # what transformers 4 wrote for a GPT2TokenizerFast (the class most Hub GPT-2 folders name)
+    "GPT2Tokenizer": {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": {"0": _EOT},
+                      "bos_token": "<|endoftext|>", "clean_up_tokenization_spaces": True,
+                      "eos_token": "<|endoftext|>", "errors": "replace", "model_max_length": 1024,
+                      "pad_token": None, "tokenizer_class": "GPT2Tokenizer", "unk_token": "<|endoftext|>"},
+    "GPT2 prefix space": {"tokenizer_class": "GPT2TokenizerFast", "add_prefix_space": True},
+    # a pad token that is not in the tokenizer: transformers adds it (id 300)
+    "new pad token": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                      "pad_token": "<pad>", "clean_up_tokenization_spaces": True},
+    "no tokenizer_config": "delete",
+}
+
+
+def _variant(hfdir, tmp_path, name):
+    d = tmp_path / "v"
+    shutil.copytree(hfdir, d)
+    cfg = CONFIGS[name]
+    if cfg == "delete":
+        (d / "tokenizer_config.json").unlink()
+    elif cfg is not None:
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_encode_and_decode_match_transformers(hfdir, tmp_path, name):
+    from forge_ml.inference.load import hf_tokenizer_dict
+    from forge_ml.tokenizer import tokenizer_from_dict
+
+    d = _variant(hfdir, tmp_path, name)
+    spec = hf_tokenizer_dict(d)
+    assert spec["kind"] == "hf"
+    tok = tokenizer_from_dict(json.loads(json.dumps(spec)))   # as a checkpoint's meta holds it
+    theirs = transformers.AutoTokenizer.from_pretrained(d)
+    assert tok.vocab_size == len(theirs)
+    for text in TEXTS + [CORPUS]:
+        ids = theirs(text)["input_ids"]
+        assert tok.encode(text) == ids, text
+        assert tok.encode_array(text).tolist() == ids
+        assert tok.decode(ids) == theirs.decode(ids), text
+        assert tok.decode_bytes(ids).decode("utf-8", "replace") == theirs.decode(ids)
+    assert 0 in theirs("a<|endoftext|>b")["input_ids"]      # the special token matched in the text
+    assert tok.eot_token == 0 and tok.to_dict() == spec
+
+
+def test_long_text_is_encoded_in_parallel_pieces_with_the_same_ids(hfdir):
+    from forge_ml.data import encode_array
+    from forge_ml.inference.load import hf_tokenizer_dict
+    from forge_ml.tokenizer import tokenizer_from_dict
+
+    tok = tokenizer_from_dict(hf_tokenizer_dict(hfdir))
+    text = CORPUS * 5 + "x<|endoftext|>y\n" + CORPUS
+    whole = tok.encode(text)
+    assert tok._chunkable()
+    assert tok.encode_array(text, chunk=500).tolist() == whole     # dozens of pieces
+    assert encode_array(tok, text).dtype == np.uint32
+
+
+def test_a_folder_of_vocab_json_and_merges_txt_matches_transformers(hfdir, tmp_path):
+    """No tokenizer.json: the byte-level BPE that transformers' GPT2Tokenizer builds of them."""
+    from forge_ml.inference.load import hf_tokenizer_dict
+    from forge_ml.tokenizer import tokenizer_from_dict
+
+    spec = json.loads((hfdir / "tokenizer.json").read_text(encoding="utf-8"))
+    d = tmp_path / "vm"
+    shutil.copytree(hfdir, d)
+    (d / "tokenizer.json").unlink()
+    (d / "tokenizer_config.json").unlink()
+    (d / "vocab.json").write_text(json.dumps(spec["model"]["vocab"]), encoding="utf-8")
+    (d / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in spec["model"]["merges"]) + "\n",
+                                  encoding="utf-8")
+    tok = tokenizer_from_dict(hf_tokenizer_dict(d))
+    theirs = transformers.AutoTokenizer.from_pretrained(d)
+    for text in TEXTS:
+        ids = theirs(text)["input_ids"]
+        assert tok.encode(text) == ids, text
+        assert tok.decode(ids) == theirs.decode(ids)
+    (d / "merges.txt").unlink()          # vocab.json alone: refused, saying what is missing
+    with pytest.raises(CheckpointError, match="not GPT-2's.*no tokenizer.json.*merges.txt"):
+        hf_tokenizer_dict(d)
+
+
+def test_convert_then_sample_gives_transformers_greedy_tokens(hfdir, tmp_path, capsys):
+    from forge_ml.inference import load_model, stream_tokens
+
+    out = tmp_path / "f"
+    assert main(["convert", "--from-hf", str(hfdir), "--out", str(out)]) == 0
+    theirs_tok = transformers.AutoTokenizer.from_pretrained(hfdir)
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(hfdir).eval()
+    prompt = "Speak, speak"
+    ids = theirs_tok(prompt)["input_ids"]
+    with torch.no_grad():
+        want = theirs.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                               pad_token_id=0)[0, len(ids):].tolist()
+    for src in (out, hfdir):     # the converted checkpoint, and the folder itself
+        model, tok, _ = load_model(src)
+        assert tok.kind == "hf" and tok.encode(prompt) == ids
+        got = []
+        for t in stream_tokens(model, ids, 12, temperature=0, stop_tokens=tok.stop_tokens):
+            got.append(t)
+            if t in tok.stop_tokens:
+                break
+        assert got == want
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", str(out), "--prompt", prompt, "--max-new-tokens", "12",
+                 "--temperature", "0"]) == 0
+    text = capsys.readouterr().out
+    assert text == prompt + theirs_tok.decode([t for t in want if t != 0]) + "\n"
+    assert len(want) >= 3
+
+
+def test_export_round_trip_loads_in_transformers_with_the_same_ids_and_logits(hfdir, tmp_path):
+    from forge_ml.inference.load import hf_tokenizer_dict
+
+    f, back = tmp_path / "f", tmp_path / "back"
+    assert main(["convert", "--from-hf", str(hfdir), "--out", str(f)]) == 0
+    assert main(["convert", "--to-hf", str(f), "--out", str(back)]) == 0
+    cfg = json.loads((back / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and cfg["eos_token"] == "<|endoftext|>"
+    assert json.loads((back / "config.json").read_text())["eos_token_id"] == 0
+    a = transformers.AutoTokenizer.from_pretrained(hfdir)
+    b = transformers.AutoTokenizer.from_pretrained(back)
+    for text in TEXTS + [CORPUS]:
+        assert a(text)["input_ids"] == b(text)["input_ids"], text
+        assert a.decode(a(text)["input_ids"]) == b.decode(b(text)["input_ids"])
+    x = torch.tensor([a(CORPUS[:200])["input_ids"][:64]])
+    with torch.no_grad():
+        la = transformers.GPT2LMHeadModel.from_pretrained(hfdir).eval()(x).logits
+        lb = transformers.GPT2LMHeadModel.from_pretrained(back).eval()(x).logits
+    assert torch.equal(la, lb)
+    (back / "forge_ml_tokenizer.json").unlink()    # read back through its tokenizer.json alone
+    assert hf_tokenizer_dict(back) == hf_tokenizer_dict(hfdir)
+
+
+def test_training_from_the_folder_keeps_its_tokenizer(hfdir, tmp_path, capsys):
+    from forge_ml.checkpoint import read_meta
+    from forge_ml.data import read_shard
+    from forge_ml.tokenizer import tokenizer_from_dict
+
+    src = tmp_path / "src"
+    shutil.copytree(hfdir, src)
+    want = transformers.AutoTokenizer.from_pretrained(src)
+    (tmp_path / "t.txt").write_text(CORPUS, encoding="utf-8")
+    run = tmp_path / "run"
+    assert main(["train", "--init-from", str(src), "--data", str(tmp_path / "t.txt"), "--out", str(run),
+                 "--max-steps", "3", "--batch-size", "2", "--block-size", "32", "--eval-interval", "0",
+                 "--sample-interval", "0", "--log-interval", "0", "--final-eval-windows", "2"]) == 0
+    assert "hf tokenizer" in capsys.readouterr().out
+    shutil.rmtree(src)               # the checkpoint and the shards need nothing of the folder
+    ids = want(CORPUS)["input_ids"]
+    shards = np.concatenate([read_shard(run / "data" / "train.bin"), read_shard(run / "data" / "val.bin")])
+    assert shards.tolist() == ids
+    for d in (read_meta(run / "ckpt")["tokenizer"],
+              json.loads((run / "data" / "tokenizer.json").read_text(encoding="utf-8"))):
+        tok = tokenizer_from_dict(d)
+        assert tok.kind == "hf" and tok.encode(CORPUS) == ids and tok.decode(ids) == want.decode(ids)
+    assert main(["sample", "--ckpt", str(run), "--prompt", "", "--max-new-tokens", "4"]) == 0
+
+
+def test_without_the_tokenizers_package_one_line_says_to_install_it(hfdir, tmp_path, monkeypatch, capsys):
+    from forge_ml.inference.load import hf_tokenizer_dict
+    from forge_ml.tokenizer import tokenizer_from_dict
+
+    spec = hf_tokenizer_dict(hfdir)
+    real = builtins.__import__
+
+    def no_tokenizers(name, *args, **kwargs):
+        if name == "tokenizers" or name.startswith("tokenizers."):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tokenizers)
+    with pytest.raises(TokenizerError, match=r"needs the package tokenizers.*pip install tokenizers"):
+        tokenizer_from_dict(spec)
+    assert main(["sample", "--ckpt", str(hfdir), "--prompt", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install tokenizers" in err, err
