@@ -273,7 +273,8 @@ def test_bad_input_exits_2_with_one_line(trained, capsys):
     _fails(capsys, ["train", "--data", "missing.txt", "--out", "r9"], "missing.txt")
     _fails(capsys, ["sample", "--ckpt", "nowhere"], "nowhere")
     _fails(capsys, ["eval", "--ckpt", "run", "--data", "nope.bin"], "nope.bin")
-    _fails(capsys, ["sample", "--ckpt", "run", "--prompt", "to be " * 10], "longer than", "context of 16")
+    _fails(capsys, ["sample", "--ckpt", "run", "--prompt", "to be " * 10, "--num-beams", "2"], "longer than",
+           "context of 16")
     _fails(capsys, ["sample", "--ckpt", "run", "--prompt", "XYZ"], "'X'", "not in the vocabulary")
     _fails(capsys, ["train", "--out", "run", "--resume", "--n-layer", "2"], "another architecture")
     _fails(capsys, ["train", "--out", "nothing-here", "--resume"], "no checkpoint")
@@ -394,6 +395,24 @@ def test_sample_logprobs_and_beams_say_when_the_context_cuts_them_short(trained,
     assert capsys.readouterr().err == ""                         # it fits: no note
     full = ["sample", "--ckpt", "run", "--prompt", "to be or not to ", "--max-new-tokens", "5"]
     _fails(capsys, full + ["--num-beams", "2"], "fill the model's context of 16 tokens")
+
+
+def test_sample_takes_a_prompt_longer_than_the_context_from_its_end(trained, capsys):
+    """nanoGPT's sample.py crops its context to the model's last block_size tokens, and
+    stream_tokens starts a long prompt from its end; sample refused such a prompt (a long
+    --prompt-file). --logprobs and --num-beams, which have no sliding window, still refuse it."""
+    from forge_ml.inference import load_model, stream_tokens
+    long = "question that is " * 3                     # 51 characters, the context is 16
+    argv = ["sample", "--ckpt", "run", "--prompt", long, "--max-new-tokens", "6", "--temperature", "0"]
+    assert main(argv) == 0
+    cap = capsys.readouterr()
+    assert "longer than the model's context of 16" in cap.err and "its last 16 tokens" in cap.err
+    model, tok, _ = load_model("run")
+    want = tok.decode(list(stream_tokens(model, tok.encode(long), 6, temperature=0)))
+    assert cap.out == long + want + "\n"
+    assert want == tok.decode(list(stream_tokens(model, tok.encode(long[-16:]), 6, temperature=0)))
+    for extra, what in ((["--logprobs", "1"], "--logprobs"), (["--num-beams", "2"], "--num-beams")):
+        _fails(capsys, argv + extra, f"the prompt is {len(long)} tokens", f"{what} has no sliding window")
 
 
 def test_sample_logprobs_past_the_vocabulary_fail_before_any_output(trained, capsys):

@@ -632,7 +632,14 @@ def _cmd_sample(args) -> int:
     ids = _prompt_ids(tok, args.prompt)
     block = model.config.block_size
     if len(ids) > block:
-        raise ShapeError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block} tokens")
+        if args.num_beams is not None or args.logprobs is not None:
+            what = "--num-beams" if args.num_beams is not None else "--logprobs"
+            raise ShapeError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block} "
+                             f"tokens; {what} has no sliding window (without it, sample starts from the "
+                             f"prompt's last {block} tokens)")
+        # as nanoGPT's sample.py crops its context: the model sees the last block tokens
+        print(f"forge-ml sample: note: the prompt is {len(ids)} tokens, longer than the model's context "
+              f"of {block}: generation starts from its last {block} tokens", file=sys.stderr, flush=True)
     if args.logprobs is not None and args.logprobs > model.config.vocab_size:
         raise ConfigError(f"--logprobs must be in 0..{model.config.vocab_size} (the model's vocabulary), "
                           f"got {args.logprobs}")
