@@ -20,9 +20,15 @@ of every prompt are prefilled together, then the batch steps one token at a time
 still inside its prompt is fed its next prompt token instead of a sampled one. So every row
 sees exactly the positions and keys it would see alone, and its tokens equal those of the
 same prompt run alone when greedy. Sampling draws from the row's own random stream, keyed
-by ``(seed, row index)``: a row's tokens do not depend on the other rows' prompts, and row 0
-draws what the prompt alone (with the same seed) draws; row ``r`` equals the prompt run as
-row ``r`` of any batch.
+by ``(seed, row index)``: the other rows' prompts do not change a row's random numbers, and
+row 0 draws with the numbers the prompt alone (with the same seed) draws with; row ``r`` with
+those of row ``r`` of any batch. The logits are another matter: a batch of another make-up
+computes them with products of other shapes (and prefills another number of positions at
+once), which sum in another order, so they can differ in the last bits, and a token that sits
+on a cut (top-k's or top-p's edge, the draw's boundary between two tokens) can then go the
+other way: rarely (one row in 40 over 38 tokens, top-p 0.9, in a test on the CPU), but from
+there on that row differs. The same batch (the same prompts in the same rows) with the same
+seed gives the same tokens.
 
 Next-token choice, per row (``next_token_probs``), on the first ``vocab_size`` logits (the
 padded columns are never sampled), in transformers' order (``GenerationMixin.
@@ -47,7 +53,7 @@ top-k, top-p, min-p):
 The draw is ``forge_ml.sampling.sample_row``'s rule, the one the GPU's sampling kernel runs:
 the kept probabilities as integer weights (the most likely token's 2^24), and one Philox
 word at the counter of the position being chosen, with row ``r``'s key from ``(seed, r)``.
-The same seed gives the same tokens, and a row's tokens do not depend on the other rows.
+The same seed gives the same tokens for the same batch (see above for another batch).
 ``next_token_probs`` is the distribution written out (the reference the tests draw against).
 
 Log-probabilities (``logprobs=n``, batch form only): each TokenEvent carries ``logprob``, the
