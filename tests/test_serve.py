@@ -379,6 +379,10 @@ def test_unknown_routes_and_methods(http):
     assert r.status_code == 404 and "/v1/completions" in r.json()["error"]["message"]
     r = http.get("/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    # RFC 9110: a 405 names the methods the resource takes (it came without the header)
+    assert r.headers["allow"] == "POST" and "it takes POST" in r.json()["error"]["message"]
+    r = http.post("/v1/models")
+    assert r.status_code == 405 and "GET" in r.headers["allow"]
 
 
 def test_api_key(locked):

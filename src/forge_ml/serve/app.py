@@ -464,11 +464,16 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
 
     async def on_http_error(request: Request, e: HTTPException) -> Response:
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        allow = (e.headers or {}).get("Allow")     # Starlette names the route's methods on a 405
         msg = {404: f"no route {request.method} {request.url.path}; this server has GET "
                     "/v1/models, GET /v1/models/{model}, GET /health and POST /v1/completions",
-               405: f"method {request.method} is not allowed on {request.url.path}"}
-        return _error_response(APIError(msg.get(e.status_code, str(e.detail)),
-                                        status=e.status_code, type=kind))
+               405: f"method {request.method} is not allowed on {request.url.path}"
+                    + (f"; it takes {allow}" if allow else "")}
+        response = _error_response(APIError(msg.get(e.status_code, str(e.detail)),
+                                            status=e.status_code, type=kind))
+        if e.headers:   # HTTP's Allow header (RFC 9110: a 405 must send it)
+            response.headers.update(e.headers)
+        return response
 
     async def on_client_gone(request: Request, e: ClientDisconnect) -> Response:
         # the client left while sending its request: nothing to answer, nothing went wrong
