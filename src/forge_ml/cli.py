@@ -533,13 +533,7 @@ def _read_json_config(path) -> dict:
 def _prompt_ids(tok, prompt: str) -> list:
     """Token ids of ``prompt``; an empty prompt starts from a newline (char), end-of-text (gpt2)
     or the model's bos token (hf, as transformers' generate starts)."""
-    if prompt:
-        return tok.encode(prompt)
-    if tok.kind == "gpt2":
-        return [tok.eot_token]
-    if tok.kind == "hf":
-        return tok.empty_prompt()
-    return tok.encode("\n") if "\n" in tok.chars else [0]
+    return tok.encode(prompt) if prompt else tok.empty_prompt()
 
 
 class _Detok:

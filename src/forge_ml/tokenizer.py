@@ -186,6 +186,14 @@ class CharTokenizer:
         chars = self.chars
         return "".join([chars[i] for i in _id_list(ids, len(chars), "CharTokenizer", "vocab_size=")])
 
+    def empty_prompt(self) -> list[int]:
+        """The ids an empty prompt starts from: a newline where the alphabet has one, else id 0.
+
+        >>> CharTokenizer("ab\\n").empty_prompt(), CharTokenizer("ab").empty_prompt()
+        ([2], [0])
+        """
+        return self.encode("\n") if "\n" in self.chars else [0]
+
     def to_dict(self) -> dict:
         """JSON-able description: ``{"kind": "char", "chars": ...}``.
 
@@ -543,6 +551,14 @@ class GPT2Tokenizer:
         if run:
             out.append(self._enc.decode_bytes(run))
         return b"".join(out)
+
+    def empty_prompt(self) -> list[int]:
+        """The ids an empty prompt starts from: end-of-text, as GPT-2's unconditional samples.
+
+        >>> GPT2Tokenizer().empty_prompt()
+        [50256]
+        """
+        return [self.eot_token]
 
     def to_dict(self) -> dict:
         """JSON-able description: ``{"kind": "gpt2"}``.

@@ -1504,14 +1504,7 @@ class Trainer:
         n_tokens = self.cfg.sample_tokens if n_tokens is None else _count("sample", "n_tokens", n_tokens)
         prompt = self.cfg.sample_prompt if prompt is None else prompt
         tok = self.tokenizer
-        if prompt:
-            ids = tok.encode(prompt)
-        elif tok.kind == "gpt2":
-            ids = [tok.eot_token]
-        elif tok.kind == "hf":
-            ids = tok.empty_prompt()
-        else:
-            ids = tok.encode("\n") if "\n" in tok.chars else [0]
+        ids = tok.encode(prompt) if prompt else tok.empty_prompt()
         # from the float32 masters, as a float32 run computes
         masters = GPT2(self.model.config, self.opt.params)
         out = list(stream_tokens(masters, ids, n_tokens, temperature=self.cfg.sample_temperature,
