@@ -1,6 +1,9 @@
 """Token shards (llm.c layout), text loading, prepare, and the loader's determinism/resume."""
 import json
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +142,39 @@ def test_load_text_errors(tmp_path):
     good = tmp_path / "ok.txt"
     good.write_text("naïve 🎉", encoding="utf-8")
     assert load_text(good) == "naïve 🎉"
+
+
+# A UTF-16 or UTF-32 file (with its byte-order mark or without) and a Latin-1 file: each is named
+# as such, and the iconv command the message suggests names the file by the path given (quoted
+# for a shell) and writes beside it; run as printed, it gives UTF-8 that load_text reads.
+_UNICODE_CASES = [("utf-32", "UTF-32", "utf-32"), ("utf-32-le", "UTF-32", "utf-32le"),
+                  ("utf-32-be", "UTF-32", "utf-32be"), ("utf-16", "UTF-16", "utf-16"),
+                  ("utf-16-le", "UTF-16", "utf-16le"), ("utf-16-be", "UTF-16", "utf-16be"),
+                  ("latin-1", "not UTF-8", "latin1")]
+
+
+@pytest.mark.parametrize("enc,said,iconv_from", _UNICODE_CASES)
+@pytest.mark.parametrize("rel", ["enc/u.txt", "my files/it's.txt"])
+def test_load_text_names_the_encoding_and_its_iconv_command_works(tmp_path, monkeypatch, enc, said, iconv_from, rel):
+    text = "hello world, to be or not to be\n" if enc != "latin-1" else "café au lait, to be or not\n"
+    monkeypatch.chdir(tmp_path)
+    p = Path(rel)
+    p.parent.mkdir(parents=True)
+    p.write_bytes(text.encode(enc))
+    with pytest.raises(DataError) as e:
+        load_text(rel)
+    msg = str(e.value)
+    assert "\n" not in msg and said in msg, msg
+    out = p.with_name(p.stem + "-utf8" + p.suffix)
+    cmd = f"iconv -f {iconv_from} -t utf-8 {shlex.quote(rel)} > {shlex.quote(str(out))}"
+    assert msg.endswith(cmd), msg
+    if enc.startswith("utf-32"):
+        assert "UTF-16" not in msg and "token ids" not in msg, msg
+    if shutil.which("iconv") is None:
+        return
+    run = re.search(r"iconv -f .*$", msg).group(0)
+    subprocess.run(run, shell=True, check=True, cwd=tmp_path)
+    assert load_text(out) == text
 
 
 def test_default_corpus_is_deterministic_and_sized():

@@ -29,6 +29,7 @@ import json
 import math
 import mmap
 import os
+import shlex
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,24 +231,63 @@ def is_shard_file(path) -> bool:
         return False
 
 
-def _utf16_without_bom(head: bytes) -> bool:
-    """Whether ``head`` reads as UTF-16 text of (mostly) ASCII characters: a NUL in every other
-    byte, printable characters or whitespace in the rest, and half of those lowercase letters
-    or spaces, as prose has (raw uint16 token ids have NULs beside bytes of any value; a
-    character vocabulary's ids, below 128, fall mostly on punctuation and capitals).
+def _nul_padded(head: bytes, width: int) -> Optional[str]:
+    """Which byte order (``"le"``, ``"be"``) ``head`` reads in as UTF-16 (``width`` 2) or UTF-32
+    (``width`` 4) text of (mostly) ASCII characters, or None: NULs in all bytes of each
+    ``width``-byte unit but one, printable characters or whitespace in that one, and half of
+    those lowercase letters or spaces, as prose has (raw uint16 token ids have NULs beside bytes
+    of any value; a character vocabulary's ids, below 128, fall mostly on punctuation and
+    capitals).
 
-    >>> _utf16_without_bom("hello\\n".encode("utf-16-le")), _utf16_without_bom(bytes([7, 0, 200, 0, 3, 1]))
-    (True, False)
+    >>> _nul_padded("hello\\n".encode("utf-16-le"), 2), _nul_padded(bytes([7, 0, 200, 0, 3, 1]), 2)
+    ('le', None)
+    >>> _nul_padded("hello\\n".encode("utf-32-be"), 4), _nul_padded("hello\\n".encode("utf-32-le"), 2)
+    ('be', None)
     """
-    if len(head) < 4:
-        return False
-    for zeros, chars in ((head[1::2], head[0::2]), (head[0::2], head[1::2])):
+    head = head[:len(head) // width * width]
+    if len(head) < 2 * width:
+        return None
+    for order, at in (("le", 0), ("be", width - 1)):
+        chars = head[at::width]
+        zeros = [b for i in range(width) if i != at for b in head[i::width]]
         if zeros.count(0) >= 0.9 * len(zeros):
             printable = sum(32 <= c < 127 or c in (9, 10, 13) for c in chars)
             prose = sum(97 <= c <= 122 or c == 32 for c in chars)
             if printable >= 0.9 * len(chars) and prose >= 0.5 * len(chars):
-                return True
-    return False
+                return order
+    return None
+
+
+def _wide_unicode(raw: bytes) -> Optional[tuple]:
+    """``(name, iconv's name for it, what shows it)`` where ``raw`` is UTF-32 or UTF-16 text,
+    else None: a byte-order mark, or ASCII characters padded with NULs (three a character in
+    UTF-32, one in UTF-16). Without a mark, iconv's name says the byte order, which iconv
+    would otherwise take as the machine's.
+
+    >>> _wide_unicode("hi there\\n".encode("utf-32"))[:2], _wide_unicode("hi there\\n".encode("utf-16-be"))[:2]
+    (('UTF-32', 'utf-32'), ('UTF-16', 'utf-16be'))
+    """
+    if raw[:4] in (b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff"):
+        return "UTF-32", "utf-32", "it starts with a UTF-32 byte-order mark"
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return "UTF-16", "utf-16", "it starts with a UTF-16 byte-order mark"
+    for width, name, pattern in ((4, "UTF-32", "three NULs beside each ASCII character"),
+                                 (2, "UTF-16", "a NUL every other byte")):
+        order = _nul_padded(raw[:4000], width)
+        if order:
+            return name, f"{name.lower()}{order}", pattern
+    return None
+
+
+def _iconv_hint(path: Path, from_encoding: str) -> str:
+    """An iconv command that converts ``path`` (as the user gave it, quoted for a shell) to
+    UTF-8 in a file beside it.
+
+    >>> _iconv_hint(Path("enc/my file.txt"), "latin1")
+    "iconv -f latin1 -t utf-8 'enc/my file.txt' > 'enc/my file-utf8.txt'"
+    """
+    out = path.with_name(f"{path.stem}-utf8{path.suffix}")
+    return f"iconv -f {from_encoding} -t utf-8 {shlex.quote(str(path))} > {shlex.quote(str(out))}"
 
 
 def load_text(path) -> str:
@@ -268,11 +308,13 @@ def load_text(path) -> str:
     if raw[:4] == SHARD_MAGIC.to_bytes(4, "little"):
         raise DataError(f"{path} is an llm.c token shard, not a text file; give the folder that holds the "
                         f"train and val shards")
-    if path.suffix != ".bin" and (raw[:2] in (b"\xff\xfe", b"\xfe\xff") or _utf16_without_bom(raw[:4000])):
-        # UTF-16 (a Windows editor's "Unicode"): a NUL every other byte, which the check for
-        # token ids below would take for ids
-        raise DataError(f"{path} looks like UTF-16 text (a NUL every other byte), not UTF-8; convert it "
-                        f"first, e.g. iconv -f utf-16 -t utf-8 {path.name} > {path.stem}-utf8{path.suffix}")
+    wide = _wide_unicode(raw) if path.suffix != ".bin" else None
+    if wide:
+        # UTF-16 (a Windows editor's "Unicode") or UTF-32: NULs beside each ASCII character,
+        # which the check for token ids below would take for ids
+        name, iconv_name, why = wide
+        raise DataError(f"{path} looks like {name} text ({why}), not UTF-8; convert it first, e.g. "
+                        f"{_iconv_hint(path, iconv_name)}")
     nul = raw.count(0)
     if nul and (path.suffix == ".bin" or nul * 100 > len(raw)):
         # nanoGPT's prepare.py writes raw uint16 ids (no header): as UTF-8 they often decode,
@@ -285,7 +327,7 @@ def load_text(path) -> str:
     except UnicodeDecodeError as e:
         raise DataError(
             f"{path} is not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} ({e.reason}); "
-            f"convert it first, e.g. iconv -f latin1 -t utf-8"
+            f"convert it first, e.g. {_iconv_hint(path, 'latin1')}"
         ) from None
 
 
