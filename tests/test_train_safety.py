@@ -1853,3 +1853,36 @@ def test_no_home_folder_a_tilde_path_and_memory_errors(workdir, monkeypatch, cap
         raise MemoryError("Unable to allocate 38.1 GiB for an array")
     monkeypatch.setitem(cli_mod._COMMANDS, "eval", oom)
     _fails(capsys, ["eval", "--ckpt", "x", "--data", "t.txt"], "out of memory", "38.1 GiB", "--batch-size")
+
+
+# -- QA re-test: the run folder's own sources, inherited ignored signals, nested runs ----------------
+
+
+def test_overwrite_refuses_an_init_from_inside_the_run_folder(workdir, capsys):
+    """From a QA test: `--init-from runs/a --out runs/a --overwrite` removed runs/a's run (its
+    own source model) before training from it: a Ctrl-C after the removal left nothing. Now
+    refused before anything is removed, for the folder, its ckpt/ and best/, by a relative
+    path or through a link; the library names init_from / out_dir."""
+    keep = ["--eval-interval", "2", "--keep-best"]
+    assert main(["train", "--data", "t.txt", "--out", "a", *TINY, *keep, "--max-steps", "4"]) == 0
+    os.symlink("a", "link")
+    before = _snapshot("a")
+    capsys.readouterr()
+    for src in ("a", "a/", "./a/ckpt", "a/best", "link", "link/best", str(workdir / "a")):
+        line = _fails(capsys, ["train", "--data", "t.txt", "--out", "a", *TINY, *keep, "--max-steps", "2",
+                               "--init-from", src, "--overwrite"], f"--init-from {src}", "--out", "--overwrite",
+                      "copy")
+        assert _snapshot("a") == before, (src, line)
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "link", *TINY, "--max-steps", "2",
+                    "--init-from", "a/ckpt", "--overwrite"], "--init-from a/ckpt")
+    assert _snapshot("a") == before
+    with pytest.raises(ConfigError) as e:
+        Trainer(_cfg("a", max_steps=2, init_from="a/best"), log=None, overwrite=True)
+    assert "init_from" in str(e.value) and "out_dir" in str(e.value) and "--init-from" not in str(e.value)
+    assert _snapshot("a") == before
+    # elsewhere, and without --overwrite (refused as a run the folder holds), as before
+    shutil.copytree("a/best", "mine")
+    assert main(["train", "--data", "t.txt", "--out", "a", *TINY, "--max-steps", "2", "--init-from", "mine",
+                 "--overwrite"]) == 0
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "a", *TINY, "--max-steps", "2", "--init-from", "a"],
+           "holds a run")

@@ -647,6 +647,12 @@ class Trainer:
             if held and not overwrite:
                 raise RunError(f"{self.out_dir} holds a run ({', '.join(held)}); add --resume to continue it "
                                f"or --overwrite to start over (which replaces it)")
+            if cfg.init_from and overwrite and _inside(cfg.init_from, self.out_dir):
+                # --overwrite removes the folder's run (ckpt/, best/) before the source is read
+                # again, and a stop after the removal left no model at all
+                raise ConfigError(f"--init-from {cfg.init_from} is in the run folder that --overwrite clears "
+                                  f"(--out {cfg.out_dir}), so it would remove the model it starts from; copy "
+                                  f"the model elsewhere first and --init-from the copy, or pick another --out")
             if cfg.init_from:
                 source = self._load_source()
 
@@ -2018,6 +2024,16 @@ def _same_path(a: str, b: str) -> bool:
     if not a or not b:
         return a == b
     return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _inside(path, folder) -> bool:
+    """Whether ``path`` is ``folder`` or inside it, links and relative parts resolved.
+
+    >>> _inside("runs/a/./ckpt", "runs/a/"), _inside("runs/ab", "runs/a")
+    (True, False)
+    """
+    p, f = (Path(os.path.realpath(os.path.expanduser(str(x)))) for x in (path, folder))
+    return p == f or f in p.parents
 
 
 def _is_shard_folder(path) -> bool:
