@@ -524,6 +524,32 @@ def test_sample_prompt_file_and_num_samples(trained, capsys):
     _fails(capsys, ["sample", "--ckpt", "run", "--num-samples", "0"], "--num-samples must be >= 1")
 
 
+def test_a_leading_utf8_bom_is_not_text_for_train_sample_or_eval(trained, capsys):
+    """A UTF-8 byte-order mark at a file's start was read as a character: train's text path
+    put U+FEFF in the vocabulary, --prompt-file's BOM was a character the model never saw, and
+    eval of a text file counted one more token. Each now reads the file as without it."""
+    bom = b"\xef\xbb\xbf"
+    Path("b.txt").write_bytes(bom + TEXT.encode("utf-8"))
+    for data, out in (("t.txt", "plain"), ("b.txt", "withbom")):
+        assert main(["train", "--data", data, "--out", out, "--max-steps", "2", *TINY]) == 0
+    logs = [[json.loads(x).get("loss") for x in Path(o, "log.jsonl").read_text().splitlines()]
+            for o in ("plain", "withbom")]
+    assert logs[0] == logs[1]
+    Path("p.txt").write_text("to be\n")
+    Path("pb.txt").write_bytes(bom + b"to be\n")
+    outs = []
+    for prompt in ("p.txt", "pb.txt"):
+        capsys.readouterr()
+        assert main(["sample", "--ckpt", "run", "--prompt-file", prompt, "--max-new-tokens", "8", "--seed", "3"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[1].startswith("to be\n")
+    evals = []
+    for data in ("t.txt", "b.txt"):
+        assert main(["eval", "--ckpt", "run", "--data", data, "--max-batches", "2"]) == 0
+        evals.append(capsys.readouterr().out)
+    assert evals[0] == evals[1]
+
+
 def test_nanogpt_token_files_are_not_read_as_text(workdir, capsys):
     """nanoGPT's prepare.py writes train.bin as raw uint16 ids (no llm.c header): given as
     --data, its bytes were trained on as characters without a word (eval refused it)."""

@@ -177,6 +177,30 @@ def test_load_text_names_the_encoding_and_its_iconv_command_works(tmp_path, monk
     assert load_text(out) == text
 
 
+def test_a_leading_utf8_bom_is_not_text(tmp_path):
+    """A UTF-8 byte-order mark at a file's start (Notepad writes one) became a character of the
+    text: U+FEFF in a char vocabulary and one more token, or gpt2 tokens. Python's utf-8-sig
+    and most tools drop it; a U+FEFF further on is text and stays."""
+    text = "To be, or not to be\n" * 20
+    (tmp_path / "plain.txt").write_bytes(text.encode("utf-8"))
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    assert load_text(tmp_path / "bom.txt") == text
+    (tmp_path / "mid.txt").write_bytes(b"\xef\xbb\xbf" + "a\ufeffb".encode("utf-8"))
+    assert load_text(tmp_path / "mid.txt") == "a\ufeffb"
+    (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbf" + "café".encode("latin-1"))  # the offset is the file's
+    with pytest.raises(DataError, match=r"not UTF-8: byte 0xe9 at offset 6 "):
+        load_text(tmp_path / "bad.txt")
+    (tmp_path / "only.txt").write_bytes(b"\xef\xbb\xbf")
+    with pytest.raises(DataError, match="is empty"):
+        prepare(tmp_path / "only.txt", tmp_path / "o_only")
+    for kind in ("char", "gpt2"):
+        a, b = prepare(tmp_path / "plain.txt", tmp_path / f"a_{kind}", kind), prepare(tmp_path / "bom.txt", tmp_path / f"b_{kind}", kind)
+        counts = ("train_tokens", "val_tokens", "vocab_size")
+        assert [a[k] for k in counts] == [b[k] for k in counts], (kind, a, b)
+        for f in ("train.bin", "val.bin", "tokenizer.json"):
+            assert (tmp_path / f"a_{kind}" / f).read_bytes() == (tmp_path / f"b_{kind}" / f).read_bytes(), (kind, f)
+
+
 def test_default_corpus_is_deterministic_and_sized():
     a = default_corpus()
     assert a == default_corpus()

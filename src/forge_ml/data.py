@@ -291,7 +291,8 @@ def _iconv_hint(path: Path, from_encoding: str) -> str:
 
 
 def load_text(path) -> str:
-    """The UTF-8 text of a file, with a DataError that says what went wrong.
+    """The UTF-8 text of a file, with a DataError that says what went wrong. A UTF-8
+    byte-order mark at its start is not text (as Python's utf-8-sig reads it): it is dropped.
 
     >>> import tempfile, os
     >>> p = os.path.join(tempfile.mkdtemp(), "a.txt"); _ = open(p, "w").write("hi")
@@ -305,10 +306,13 @@ def load_text(path) -> str:
     if not path.is_file():
         raise DataError(f"expected a text file, but {path} is a directory or special file")
     raw = path.read_bytes()
-    if raw[:4] == SHARD_MAGIC.to_bytes(4, "little"):
+    # a UTF-8 byte-order mark (Notepad's) is not a character of the text: skipped, without a
+    # copy of the file's bytes
+    start = 3 if raw[:3] == b"\xef\xbb\xbf" else 0
+    if raw[start:start + 4] == SHARD_MAGIC.to_bytes(4, "little"):
         raise DataError(f"{path} is an llm.c token shard, not a text file; give the folder that holds the "
                         f"train and val shards")
-    wide = _wide_unicode(raw) if path.suffix != ".bin" else None
+    wide = _wide_unicode(raw[start:start + 4000]) if path.suffix != ".bin" else None
     if wide:
         # UTF-16 (a Windows editor's "Unicode") or UTF-32: NULs beside each ASCII character,
         # which the check for token ids below would take for ids
@@ -323,10 +327,10 @@ def load_text(path) -> str:
                         f"val.bin are raw uint16 ids without llm.c's header: write them as shards with "
                         f"forge_ml.data.write_shard (the README shows how), or give the text file")
     try:
-        return raw.decode("utf-8")
+        return str(memoryview(raw)[start:], "utf-8")
     except UnicodeDecodeError as e:
         raise DataError(
-            f"{path} is not UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} ({e.reason}); "
+            f"{path} is not UTF-8: byte 0x{raw[start + e.start]:02x} at offset {start + e.start} ({e.reason}); "
             f"convert it first, e.g. {_iconv_hint(path, 'latin1')}"
         ) from None
 
