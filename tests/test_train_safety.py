@@ -1886,3 +1886,36 @@ def test_overwrite_refuses_an_init_from_inside_the_run_folder(workdir, capsys):
                  "--overwrite"]) == 0
     _fails(capsys, ["train", "--data", "t.txt", "--out", "a", *TINY, "--max-steps", "2", "--init-from", "a"],
            "holds a run")
+
+
+_IGNORING = """
+import os, signal, sys
+for name in sys.argv[1].split(","):            # as nohup (SIGHUP) or a shell's background job (SIGINT)
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
+os.execv(sys.executable, [sys.executable, "-m", "forge_ml", *sys.argv[2:]])
+"""
+
+
+def test_a_signal_the_process_inherited_as_ignored_stays_ignored(workdir):
+    """From a QA test: `nohup forge-ml train ... &` and a logout stopped the run: train()
+    put its own handler over the SIGHUP that nohup ignores (and over the SIGINT a
+    non-interactive shell's background job ignores). A signal ignored when train() starts
+    stays ignored; SIGTERM, not ignored, still stops the run with a checkpoint."""
+    env = dict(os.environ, PYTHONPATH=SRC, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    args = ["train", "--data", "t.txt", *TINY, "--max-steps", "300", "--log-interval", "1"]
+    for ignored, sent, status in (("SIGHUP,SIGINT", ("SIGHUP", "SIGINT"), 0), ("SIGHUP", ("SIGTERM",), 143)):
+        run = f"run_{sent[0]}"
+        p = subprocess.Popen([sys.executable, "-c", _IGNORING, ignored, *args, "--out", run], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in p.stdout:
+            if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 5:
+                for s in sent:
+                    p.send_signal(getattr(signal, s))
+                break
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == status, (ignored, out[-500:], err)
+        step = load_checkpoint(Path(run) / "ckpt")[1]["step"]
+        if status == 0:
+            assert step == 300 and "done: step 300" in out and "stopped" not in err, (out[-500:], err)
+        else:
+            assert 5 <= step < 300 and "stopped by SIGTERM" in err, err

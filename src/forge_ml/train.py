@@ -1589,10 +1589,13 @@ class Trainer:
         old = {}
         if threading.current_thread() is not threading.main_thread():
             return old  # only the main thread takes signals; a KeyboardInterrupt is then handled as one
-        # SIGHUP too: a dropped SSH session ends the run with a checkpoint, not killed mid-way
+        # SIGHUP too: a dropped SSH session ends the run with a checkpoint, not killed mid-way.
+        # A signal the process inherited as ignored stays ignored (nohup's SIGHUP, the SIGINT
+        # of a non-interactive shell's background job), as Python leaves an ignored SIGINT
         for s in (signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])):
             try:
-                old[s] = signal.signal(s, self._on_signal)
+                if signal.getsignal(s) is not signal.SIG_IGN:
+                    old[s] = signal.signal(s, self._on_signal)
             except (ValueError, OSError):
                 pass
         return old
@@ -1660,8 +1663,9 @@ class Trainer:
         """Train from the current step up to ``until`` (default ``max_steps``) steps, then
         evaluate on the whole validation shard, checkpoint and plot. Returns a summary
         (``step``, ``loss``, ``val_loss``, ``val_kind``, ``losses`` of this call,
-        ``checkpoint``). SIGINT and SIGTERM (and a KeyboardInterrupt) stop at a step boundary
-        with a checkpoint of that step and raise ``Interrupted``. The run folder is released
+        ``checkpoint``). SIGINT, SIGTERM and SIGHUP (and a KeyboardInterrupt) stop at a step
+        boundary with a checkpoint of that step and raise ``Interrupted``; one that the process
+        ignores when this starts (nohup's SIGHUP) stays ignored. The run folder is released
         when this returns or raises.
         """
         if until is not None:
