@@ -212,7 +212,7 @@ def test_sample_refuses_a_hf_folder_whose_vocabulary_is_not_its_tokenizers(workd
 
 def test_bench_builtin_and_list(capsys):
     assert main(["bench", "--steps", "1"]) == 0
-    assert "ms over 1 steps" in capsys.readouterr().out
+    assert "ms over 1 step (" in capsys.readouterr().out          # not "1 steps"
     assert main(["bench", "--list"]) == 0
 
 
@@ -260,7 +260,8 @@ def test_bench_chooses_the_cpu_threads_as_train_does(monkeypatch, capsys):
         out = capsys.readouterr().out
         chosen = re.search(r"BLAS threads: (\d) \(median step \d+ ms; (\d) threads?: \d+ ms\)", out)
         assert chosen and {chosen[1], chosen[2]} == {"1", "2"}, out
-        assert f"cpu, {chosen[1]} thread(s): median" in out and blas.get_threads() == int(chosen[1])
+        threads = "1 thread" if chosen[1] == "1" else f"{chosen[1]} threads"       # not "thread(s)"
+        assert f"cpu, {threads}: median" in out and blas.get_threads() == int(chosen[1])
     finally:
         blas.set_threads(before or 1)
 
@@ -395,6 +396,16 @@ def test_sample_logprobs_and_beams_say_when_the_context_cuts_them_short(trained,
     assert capsys.readouterr().err == ""                         # it fits: no note
     full = ["sample", "--ckpt", "run", "--prompt", "to be or not to ", "--max-new-tokens", "5"]
     _fails(capsys, full + ["--num-beams", "2"], "fill the model's context of 16 tokens")
+
+
+def test_counts_of_one_are_singular_in_sample_and_eval(trained, capsys):
+    """"holds 1 tokens", "holds 1 new tokens": a count of one takes the singular noun."""
+    base = ["sample", "--ckpt", "run", "--prompt", "to be or not to", "--max-new-tokens", "5", "--temperature", "0"]
+    assert main(base + ["--logprobs", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "holds 1 new token after the prompt's 15," in err, err
+    Path("one.txt").write_text("t")
+    _fails(capsys, ["eval", "--ckpt", "run", "--data", "one.txt"], "one.txt holds 1 token; evaluation needs at least 2")
 
 
 def test_sample_takes_a_prompt_longer_than_the_context_from_its_end(trained, capsys):

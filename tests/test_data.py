@@ -116,6 +116,37 @@ def test_read_shard_short_or_missing(tmp_path):
         read_shard(tmp_path / "nope.bin")
 
 
+def test_counts_of_one_are_singular(tmp_path):
+    """"holds 1 tokens", "is 1 bytes": a count of one takes the singular noun (and verb)."""
+    one = tmp_path / "one.bin"
+    one.write_bytes(b"\x01")
+    with pytest.raises(DataError, match=r"is 1 byte, shorter than"):
+        read_shard(one)
+    p = shard(tmp_path, [7], "p.bin")
+    _with_header_int(p, 2, 1)
+    p.write_bytes(p.read_bytes()[:data.HEADER_BYTES + 2])
+    assert read_shard(p).tolist() == [7]
+    p.write_bytes(p.read_bytes()[:data.HEADER_BYTES] + b"\x07\x00\x08\x00")   # 2 tokens, the header says 1
+    with pytest.raises(DataError, match=r"header says 1 token but file holds 2 tokens"):
+        read_shard(p)
+    _with_header_int(p, 2, 3)
+    p.write_bytes(p.read_bytes()[:data.HEADER_BYTES + 2])
+    with pytest.raises(DataError, match=r"header says 3 tokens but file holds 1 token:"):
+        read_shard(p)
+    with pytest.raises(DataError, match=r"holds 1 token; block_size=4 needs at least 5"):
+        DataLoader(shard(tmp_path, [3], "one_token.bin"), 2, 4)
+    with pytest.raises(DataError, match=r"eval_batches: 6 tokens give 1 window of 4; one batch needs 2"):
+        list(DataLoader(shard(tmp_path, [1] * 6, "six.bin"), 2, 4).eval_batches())
+    with pytest.raises(DataError, match=r"eval_batches: 1 token gives 0 windows of 4"):
+        loader = DataLoader(shard(tmp_path, [1] * 6, "six2.bin"), 2, 4)
+        loader.n_tokens = 1
+        list(loader.eval_batches())
+    ids = tmp_path / "ids.bin"
+    ids.write_bytes(b"abc\x00def")
+    with pytest.raises(DataError, match=r"\(1 NUL byte\)"):
+        load_text(ids)
+
+
 # ---------------------------------------------------------------------------------------------
 # Text
 
@@ -194,7 +225,8 @@ def test_a_leading_utf8_bom_is_not_text(tmp_path):
     with pytest.raises(DataError, match="is empty"):
         prepare(tmp_path / "only.txt", tmp_path / "o_only")
     for kind in ("char", "gpt2"):
-        a, b = prepare(tmp_path / "plain.txt", tmp_path / f"a_{kind}", kind), prepare(tmp_path / "bom.txt", tmp_path / f"b_{kind}", kind)
+        a = prepare(tmp_path / "plain.txt", tmp_path / f"a_{kind}", kind)
+        b = prepare(tmp_path / "bom.txt", tmp_path / f"b_{kind}", kind)
         counts = ("train_tokens", "val_tokens", "vocab_size")
         assert [a[k] for k in counts] == [b[k] for k in counts], (kind, a, b)
         for f in ("train.bin", "val.bin", "tokenizer.json"):

@@ -49,6 +49,16 @@ HEADER_BYTES = HEADER_INTS * 4
 _TOKEN_DTYPE = np.dtype("<u2")
 
 
+def plural(n: int, noun: str, nouns: Optional[str] = None) -> str:
+    """``noun`` for a count ``n`` of one, else its plural (``nouns``, or ``noun`` + "s"): for
+    messages' counts, "1 token" and "2 tokens".
+
+    >>> f"{1} {plural(1, 'token')}, {3} {plural(3, 'batch', 'batches')}, {0} {plural(0, 'window')}"
+    '1 token, 3 batches, 0 windows'
+    """
+    return noun if n == 1 else (nouns if nouns is not None else noun + "s")
+
+
 class DataWriteError(DataError, OSError):
     """A shard or tokenizer file could not be written (full disk, read-only or forbidden
     folder): a DataError whose message names the file and the cause, and an OSError whose
@@ -182,7 +192,7 @@ def read_shard(path) -> np.ndarray:
     size = path.stat().st_size
     if size < HEADER_BYTES:
         raise DataError(
-            f"token shard {path} is {size} bytes, shorter than the {HEADER_BYTES}-byte header; "
+            f"token shard {path} is {size} {plural(size, 'byte')}, shorter than the {HEADER_BYTES}-byte header; "
             f"the file is truncated or not a shard"
         )
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
@@ -201,8 +211,8 @@ def read_shard(path) -> np.ndarray:
         )
     body = size - HEADER_BYTES
     if n < 0 or body != 2 * n:
-        held = f"{body // 2} tokens" + (" and a stray byte" if body % 2 else "")
-        raise DataError(f"header says {n} tokens but file holds {held}: {path}")
+        held = f"{body // 2} {plural(body // 2, 'token')}" + (" and a stray byte" if body % 2 else "")
+        raise DataError(f"header says {n} {plural(n, 'token')} but file holds {held}: {path}")
     if n == 0:
         return np.zeros(0, dtype=np.uint16)
     return np.memmap(path, dtype=_TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(n,))
@@ -323,9 +333,9 @@ def load_text(path) -> str:
     if nul and (path.suffix == ".bin" or nul * 100 > len(raw)):
         # nanoGPT's prepare.py writes raw uint16 ids (no header): as UTF-8 they often decode,
         # and a run trained on their bytes as characters, in silence
-        raise DataError(f"{path} holds token ids, not text ({nul:,} NUL bytes); nanoGPT's train.bin and "
-                        f"val.bin are raw uint16 ids without llm.c's header: write them as shards with "
-                        f"forge_ml.data.write_shard (the README shows how), or give the text file")
+        raise DataError(f"{path} holds token ids, not text ({nul:,} NUL {plural(nul, 'byte')}); nanoGPT's "
+                        f"train.bin and val.bin are raw uint16 ids without llm.c's header: write them as shards "
+                        f"with forge_ml.data.write_shard (the README shows how), or give the text file")
     try:
         return str(memoryview(raw)[start:], "utf-8")
     except UnicodeDecodeError as e:
@@ -604,7 +614,7 @@ class DataLoader:
             s = read_shard(p)
             if len(s) < self.T + 1:
                 raise DataError(
-                    f"token shard {p} holds {len(s)} tokens; block_size={self.T} needs at least "
+                    f"token shard {p} holds {len(s)} {plural(len(s), 'token')}; block_size={self.T} needs at least "
                     f"{self.T + 1} (one window plus its next-token target)"
                 )
             self.shards.append(s)
@@ -628,8 +638,9 @@ class DataLoader:
             return
         if got != want:
             raise DataError(f"token shard {self.paths[i]} changed while it was read: expected {want:,} bytes "
-                            f"(its {len(s):,} tokens), the file now holds {got:,}; it was truncated or rewritten "
-                            f"in place (write a new shard beside it and rename it over the old one instead)")
+                            f"(its {len(s):,} {plural(len(s), 'token')}), the file now holds {got:,}; it was "
+                            f"truncated or rewritten in place (write a new shard beside it and rename it over "
+                            f"the old one instead)")
 
     def _window(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the concatenation, as int64."""
@@ -702,7 +713,8 @@ class DataLoader:
             rest = n_windows - n * B if tail else 0
             if n == 0 and rest == 0:
                 raise DataError(
-                    f"eval_batches: {self.n_tokens} tokens give {n_windows} windows of {T}; "
+                    f"eval_batches: {self.n_tokens} {plural(self.n_tokens, 'token gives', 'tokens give')} "
+                    f"{n_windows} {plural(n_windows, 'window')} of {T}; "
                     f"one batch needs {B}"
                 )
         for k in range(int(n)):
