@@ -1919,3 +1919,28 @@ def test_a_signal_the_process_inherited_as_ignored_stays_ignored(workdir):
             assert step == 300 and "done: step 300" in out and "stopped" not in err, (out[-500:], err)
         else:
             assert 5 <= step < 300 and "stopped by SIGTERM" in err, err
+
+
+def test_out_inside_another_runs_ckpt_best_or_data_is_refused(workdir, capsys):
+    """From a QA test: `--out runs/r/ckpt` wrote a run into run r's checkpoint folder, and r's
+    --resume then failed with a message about a folder that is not a checkpoint. An --out
+    inside another run's ckpt/, best/ or data/ is refused in one line naming that run, before
+    anything is written (new, --overwrite or --resume)."""
+    keep = ["--eval-interval", "2", "--keep-best"]
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, *keep, "--max-steps", "2"]) == 0
+    before = _snapshot("r")
+    capsys.readouterr()
+    for out in ("r/ckpt", "r/best", "r/data", "r/data/sub/x", "./r/ckpt/", str(workdir / "r" / "best")):
+        for more in ([], ["--overwrite"]):
+            run = str(workdir / "r") if out.startswith("/") else "r"
+            _fails(capsys, ["train", "--data", "t.txt", "--out", out, *TINY, "--max-steps", "2", *more],
+                   f"--out {out}", f"inside the run in {run} (its ")
+            assert _snapshot("r") == before, out
+        assert not (Path(out) / "train.lock").exists()
+    with pytest.raises(RunError) as e:
+        Trainer(_cfg("r/ckpt", max_steps=2), log=None)
+    assert "out_dir" in str(e.value) and "--out" not in str(e.value)
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "3"]) == 0   # r is whole
+    # beside the run, or a folder of the run's own that is none of those: as before
+    assert main(["train", "--data", "t.txt", "--out", "r/more", *TINY, "--max-steps", "1"]) == 0
+    assert main(["train", "--data", "t.txt", "--out", "ckpt", *TINY, "--max-steps", "1"]) == 0

@@ -234,6 +234,37 @@ def read_log(path) -> tuple:
 _LOCK_LINE = re.compile(r"pid \d+ on .* since ")   # what acquire() writes
 
 
+def holds_run(folder) -> bool:
+    """Whether ``folder`` holds a forge-ml run: its lock file (a trainer's line in it), a
+    ``log.jsonl`` that begins with a step's record, or a training checkpoint in ``ckpt/``.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()); holds_run(d)
+    False
+    >>> _ = (d / "log.jsonl").write_text('{"step": 1, "loss": 2.5}\\n'); holds_run(d)
+    True
+    """
+    from .checkpoint import is_checkpoint_dir
+    folder = Path(folder)
+    try:
+        with open(folder / LOCK_NAME, "rb") as f:
+            if _LOCK_LINE.match(f.read(400).decode("utf-8", "replace")):
+                return True
+    except OSError:
+        pass
+    try:
+        with open(folder / "log.jsonl", "rb") as f:
+            first = json.loads(f.readline(4096).decode("utf-8", "replace"))
+        if isinstance(first, dict) and isinstance(first.get("step"), int):
+            return True
+    except (OSError, ValueError):
+        pass
+    try:
+        return is_checkpoint_dir(folder / "ckpt", "forge-ml-train")
+    except OSError:
+        return False
+
+
 class RunLock:
     """An exclusive lock on a run folder: ``<folder>/train.lock``, held with ``flock`` while a
     trainer uses the folder, and holding the holder's pid, host and start time. The kernel

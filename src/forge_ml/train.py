@@ -85,7 +85,7 @@ from .inference.generate import stream_tokens
 from .inference.load import CKPT_NAME
 from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
 from .optim import AdamW, accumulate, clip_grad_norm, cosine_lr
-from .runs import (LOCK_NAME, RunError, RunLock, cannot_write, read_log,  # noqa: F401 (LOCK_NAME: the old import path)
+from .runs import (LOCK_NAME, RunError, RunLock, cannot_write, holds_run, read_log,  # noqa: F401 (LOCK_NAME: the old import path)
                    remove_stray_temps, remove_together, remove_trash, replace_file, stray_temps,
                    trash_folders)
 from .step import TrainStep
@@ -539,6 +539,10 @@ class Trainer:
         self.tokens_sha256 = None   # their digest (tokens_digest), recorded in the checkpoints
         self.run_id = None          # the run's identity, kept across resumes (its best/ is its own)
         self._said_eager = False
+        nest = _enclosing_run(self.out_dir)
+        if nest is not None:   # before the folder is made: that run replaces its ckpt/ as it saves
+            raise RunError(f"--out {cfg.out_dir} is inside the run in {nest[0]} (its {nest[1]}/ folder, which "
+                           f"that run writes and replaces); choose a folder outside it")
         self.lock = RunLock(self.out_dir)
         self.lock.acquire()
         try:
@@ -2038,6 +2042,23 @@ def _inside(path, folder) -> bool:
     """
     p, f = (Path(os.path.realpath(os.path.expanduser(str(x)))) for x in (path, folder))
     return p == f or f in p.parents
+
+
+# the folders of a run that it writes and replaces: no place for another run
+_RUN_PARTS = tuple(n + x for n in (CKPT_NAME, BEST_NAME) for x in ("", ".old", ".tmp")) + (DATA_NAME,)
+
+
+def _enclosing_run(out) -> Optional[tuple]:
+    """``(run folder, part)`` when ``out`` is in a run's ``ckpt/``, ``best/`` or ``data/``
+    (``_RUN_PARTS``), as written or with its links resolved; else None."""
+    p = Path(os.path.expanduser(str(out)))
+    for path in (p, Path(os.path.realpath(p))):
+        for child in (path, *path.parents):
+            if child.parent == child:
+                break
+            if child.name in _RUN_PARTS and holds_run(child.parent):
+                return child.parent, child.name
+    return None
 
 
 def _is_shard_folder(path) -> bool:
