@@ -167,6 +167,32 @@ def test_train_config_file_and_unknown_key(workdir, capsys):
     _fails(capsys, ["train", "--config", "bad.json", "--data", "t.txt"], "unknown key 'max_step'", "max_steps")
 
 
+def test_train_config_that_is_a_folder_python_yaml_or_toml(workdir, capsys):
+    """--config FOLDER said "config file not found"; a nanoGPT config/*.py, a YAML or a TOML
+    file said only "not valid JSON". Each now says what it is and that --config reads JSON; a
+    nanoGPT config's `key = value` lines are flags (the README maps them)."""
+    Path("runs").mkdir()
+    _fails(capsys, ["train", "--config", "runs"], "runs is a folder, not a config file", "JSON")
+    _fails(capsys, ["train", "--config", "gone.json"], "config file not found: gone.json")
+    Path("train_shakespeare_char.py").write_text('out_dir = "out-shakespeare-char"\nlearning_rate = 1e-3\n'
+                                                 'max_iters = 5000\n')
+    line = _fails(capsys, ["train", "--config", "train_shakespeare_char.py"], "train_shakespeare_char.py",
+                  "reads JSON", "a Python file", "key = value", "--lr", "--max-steps", "README")
+    assert "not valid JSON (" not in line, line
+    for name, kind in (("c.yaml", "a YAML file"), ("c.yml", "a YAML file"), ("c.toml", "a TOML file")):
+        Path(name).write_text("lr: 0.001\n" if "y" in name else "lr = 0.001\n")
+        line = _fails(capsys, ["train", "--config", name], name, kind, "reads JSON")
+        assert "nanoGPT" not in line, line
+    Path("typo.json").write_text('{"max_steps": 1,}')
+    _fails(capsys, ["train", "--config", "typo.json"], "typo.json: not valid JSON (", "line 1")
+    # no suffix, but nanoGPT's `key = value` lines: said as such
+    Path("cfg").write_text("# a comment\nbatch_size = 12\n")
+    _fails(capsys, ["train", "--config", "cfg"], "cfg looks like a Python file", "key = value", "--lr")
+    # a JSON file saved with a UTF-8 byte-order mark (Notepad's) is read as JSON
+    Path("bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"max_step": 1}).encode())
+    _fails(capsys, ["train", "--config", "bom.json", "--data", "t.txt"], "unknown key 'max_step'")
+
+
 def test_convert_both_ways(trained, capsys):
     assert main(["convert", "--to-hf", "run", "--out", "hf"]) == 0
     assert (trained / "hf" / "config.json").is_file() and (trained / "hf" / "model.safetensors").is_file()

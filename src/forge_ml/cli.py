@@ -22,6 +22,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import runpy
 import signal
 import sys
@@ -524,13 +525,47 @@ def _cmd_train(args) -> int:
     return 0
 
 
+_CONFIG_KINDS = {".py": "a Python file", ".yaml": "a YAML file", ".yml": "a YAML file", ".toml": "a TOML file"}
+
+
+def _config_kind(p: Path, text: str) -> str | None:
+    """What a --config file that is not JSON looks like: its suffix's kind (.py, .yaml, .yml,
+    .toml), else "a Python file" where its first line of code is ``key = value`` (nanoGPT's
+    config/*.py, named otherwise), else None."""
+    kind = _CONFIG_KINDS.get(p.suffix.lower())
+    if kind is None:
+        code = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+        if code and re.match(r"\s*[A-Za-z_]\w*\s*=[^=]", code[0]):
+            kind = "a Python file"
+    return kind
+
+
 def _read_json_config(path) -> dict:
+    """``--config``'s JSON object of TrainConfig keys; a ConfigError that says what the file is
+    where it is not one (a folder; a nanoGPT Python config, YAML or TOML: --config reads JSON)."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--config {p} is a folder, not a config file; give a JSON file of TrainConfig keys")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        d = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = p.read_text(encoding="utf-8-sig")   # a byte-order mark (Notepad's) is not JSON's
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON (it is not UTF-8 text: {e})") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        kind = _config_kind(p, text)
+        verb = "is" if p.suffix.lower() in _CONFIG_KINDS else "looks like"
+        if kind == "a Python file":
+            raise ConfigError(
+                f"{p} {verb} a Python file, but --config reads JSON only (an object of TrainConfig keys); a nanoGPT "
+                f"config's `key = value` lines map to forge-ml train's flags (learning_rate is --lr, max_iters "
+                f"--max-steps; the README's \"Coming from nanoGPT\" lists them): give them as flags, or as a "
+                f"JSON object such as {{\"lr\": 0.001, \"max_steps\": 5000}}") from None
+        if kind is not None:
+            raise ConfigError(f"{p} {verb} {kind}, but --config reads JSON only (an object of TrainConfig keys); "
+                              f"write its settings as JSON, e.g. {{\"lr\": 0.001, \"max_steps\": 5000}}") from None
         raise ConfigError(f"{p}: not valid JSON ({e})") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{p}: expected a JSON object of TrainConfig keys, got {type(d).__name__}")
