@@ -334,7 +334,8 @@ def test_real_signals_during_overwrite_are_undone_or_wait(workdir):
     """The same with real signals, in a process of their own: a SIGINT sent as the earlier
     run's first file is moved aside lands there and the file is put back; one sent as the first
     is deleted waits until all are (SIGINT held), so no trash folder is left behind; a SIGTERM
-    (which ends the process) waits until the files are all gone."""
+    waits until the files are all gone, then stops the setup as a Ctrl-C does (exit 143, one
+    line; it ended the process there, status -15)."""
     env = dict(os.environ, PYTHONPATH=SRC, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]
     assert main(argv) == 0
@@ -343,7 +344,8 @@ def test_real_signals_during_overwrite_are_undone_or_wait(workdir):
         r = subprocess.run([sys.executable, "-c", _REAL_SIGNAL, fn, sig, *argv, "--overwrite"], env=env,
                            capture_output=True, text=True, timeout=120)
         if sig == "SIGTERM":
-            assert r.returncode == -signal.SIGTERM, r.stderr
+            assert r.returncode == 143 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+            assert "stopped by SIGTERM during setup" in r.stderr, r.stderr
         else:
             assert r.returncode == 130 and r.stderr.strip().splitlines()[-1:] == ["forge-ml: interrupted"], r.stderr
         if fn == "rename" and sig == "SIGINT":
@@ -1944,3 +1946,53 @@ def test_out_inside_another_runs_ckpt_best_or_data_is_refused(workdir, capsys):
     # beside the run, or a folder of the run's own that is none of those: as before
     assert main(["train", "--data", "t.txt", "--out", "r/more", *TINY, "--max-steps", "1"]) == 0
     assert main(["train", "--data", "t.txt", "--out", "ckpt", *TINY, "--max-steps", "1"]) == 0
+
+
+_SIGNAL_IN_SETUP = """
+import os, signal, sys
+fn, sig, how = sys.argv[1], getattr(signal, sys.argv[2]), sys.argv[3]
+real, sent = getattr(os, fn), []
+def once(*args, **kwargs):
+    out = real(*args, **kwargs)
+    if not sent:
+        sent.append(1)
+        os.kill(os.getpid(), sig)
+    return out
+setattr(os, fn, once)
+if how == "cli":
+    from forge_ml.cli import main
+    sys.exit(main(sys.argv[4:]))
+from forge_ml.train import Interrupted, TrainConfig, Trainer
+try:
+    Trainer(TrainConfig(data="t.txt", out_dir="r", n_layer=1, n_head=2, n_embd=16, block_size=16,
+                        max_steps=2, progress=False), log=None)
+except Interrupted as e:
+    print("Interrupted", e.signum, e.step, e.saved, e.exit_status, signal.getsignal(sig) is signal.SIG_DFL)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="SIGHUP is POSIX")
+def test_sigterm_or_sighup_during_setup_cleans_up_as_sigint_does(workdir):
+    """From a QA test: a SIGTERM while the trainer prepared a large text killed the process
+    (status -15) and left data/.train.bin.XXXXXXXX.tmp and train.lock, where a SIGINT at the
+    same moment exits 130 and leaves nothing. SIGTERM and SIGHUP during setup now do as SIGINT
+    does: the temporaries, the lock and the folder made go, one line, exit 143 / 129; the
+    library raises Interrupted (saved False) and puts the earlier handler back."""
+    env = dict(os.environ, PYTHONPATH=SRC, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]
+    for sig, status in (("SIGINT", 130), ("SIGTERM", 143), ("SIGHUP", 129)):
+        # os.fsync: the first is the train shard's temporary file, written but not renamed
+        r = subprocess.run([sys.executable, "-c", _SIGNAL_IN_SETUP, "fsync", sig, "cli", *argv], env=env,
+                           capture_output=True, text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == status and len(lines) == 1 and "Traceback" not in r.stderr, (sig, r.stderr)
+        if sig != "SIGINT":
+            assert sig in lines[0] and "before the first step" in lines[0], lines
+        assert not Path("r").exists(), (sig, _names("r"))    # no data/, no temporary, no lock
+    r = subprocess.run([sys.executable, "-c", _SIGNAL_IN_SETUP, "fsync", "SIGTERM", "lib"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3 and r.stdout.split() == ["Interrupted", "15", "0", "False", "143", "True"], \
+        (r.stdout, r.stderr)
+    assert not Path("r").exists()
+    assert main(argv) == 0

@@ -109,17 +109,23 @@ DEFAULT_BLOCK = 64   # the context without a preset or a source
 
 
 class Interrupted(KeyboardInterrupt):
-    """``Trainer.train()`` stopped on SIGINT or SIGTERM at a step boundary. ``signum``,
-    ``step`` (the step reached), ``saved`` (whether a checkpoint of that step was written);
-    ``exit_status`` is the shell's 128 + signal number (130, 143).
+    """``Trainer.train()`` stopped on SIGINT, SIGTERM or SIGHUP at a step boundary, or
+    ``Trainer()`` on SIGTERM or SIGHUP during its setup (``setup``: what it wrote is taken
+    back, as a Ctrl-C's KeyboardInterrupt there does). ``signum``, ``step`` (the step
+    reached), ``saved`` (whether a checkpoint of that step was written); ``exit_status`` is
+    the shell's 128 + signal number (130, 143, 129).
 
     >>> Interrupted(signal.SIGTERM, 7, True).exit_status
     143
+    >>> str(Interrupted(signal.SIGTERM, 0, False, setup=True))
+    'interrupted by SIGTERM during setup, before the first step'
     """
 
-    def __init__(self, signum: int, step: int, saved: bool):
-        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}")
-        self.signum, self.step, self.saved = int(signum), int(step), bool(saved)
+    def __init__(self, signum: int, step: int, saved: bool, setup: bool = False):
+        name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {name} during setup, before the first step" if setup
+                         else f"interrupted by {name} at step {step}")
+        self.signum, self.step, self.saved, self.setup = int(signum), int(step), bool(saved), bool(setup)
 
     @property
     def exit_status(self) -> int:
@@ -544,13 +550,28 @@ class Trainer:
             raise RunError(f"--out {cfg.out_dir} is inside the run in {nest[0]} (its {nest[1]}/ folder, which "
                            f"that run writes and replaces); choose a folder outside it")
         self.lock = RunLock(self.out_dir)
-        self.lock.acquire()
+        # SIGTERM and SIGHUP (where they would end the process) do here what a Ctrl-C does:
+        # they raise, and what the setup wrote (the shards' temporary files, the lock, the
+        # folder it made) is taken back; a kill left them, the lock file too
+        old = _take_signals(self._on_setup_signal, _ENDING_SIGNALS, default_only=True)
         try:
-            self._setup(resume, overwrite)
-        except BaseException:
-            self.lock.release(undo=True)
-            raise
-        self.lock._made = []  # the folder is the run's now
+            self.lock.acquire()
+            try:
+                self._setup(resume, overwrite)
+            except BaseException:
+                self.lock.release(undo=True)
+                raise
+            self.lock._made = []  # the folder is the run's now
+        except Interrupted as e:
+            if not CLI_WORDS.get():
+                raise
+            # forge-ml train's exit status for the signal (its handler of a KeyboardInterrupt
+            # around the command says 130)
+            print(f"forge-ml: stopped by {signal.Signals(e.signum).name} during setup, before the first step; "
+                  f"the same command starts it again", file=sys.stderr)
+            raise SystemExit(e.exit_status) from None
+        finally:
+            _give_back_signals(old)
         self._ckpt_seen = _ckpt_id(self.ckpt_dir)   # the checkpoint as this object knows it
 
     def close(self) -> None:
@@ -1589,20 +1610,13 @@ class Trainer:
         if self._phase == "extra" or (self._phase == "step" and again):
             raise KeyboardInterrupt
 
+    def _on_setup_signal(self, signum, frame) -> None:
+        """SIGTERM / SIGHUP during the setup: raise, as SIGINT does there."""
+        raise Interrupted(signum, getattr(self, "step", 0), False, setup=True)
+
     def _install_handlers(self) -> dict:
-        old = {}
-        if threading.current_thread() is not threading.main_thread():
-            return old  # only the main thread takes signals; a KeyboardInterrupt is then handled as one
-        # SIGHUP too: a dropped SSH session ends the run with a checkpoint, not killed mid-way.
-        # A signal the process inherited as ignored stays ignored (nohup's SIGHUP, the SIGINT
-        # of a non-interactive shell's background job), as Python leaves an ignored SIGINT
-        for s in (signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])):
-            try:
-                if signal.getsignal(s) is not signal.SIG_IGN:
-                    old[s] = signal.signal(s, self._on_signal)
-            except (ValueError, OSError):
-                pass
-        return old
+        # SIGHUP too: a dropped SSH session ends the run with a checkpoint, not killed mid-way
+        return _take_signals(self._on_signal, (signal.SIGINT,) + _ENDING_SIGNALS)
 
     def _interruptible(self, fn):
         """Run eval or sampling work that a signal cuts short: fn()'s value, or None."""
@@ -1683,8 +1697,7 @@ class Trainer:
             return self._train(until)
         finally:
             self._unstage()
-            for s, h in old.items():
-                signal.signal(s, h)
+            _give_back_signals(old)
             self._close_bar()
             self._flush_log(quiet=True)
             self.lock.release()
@@ -1936,6 +1949,35 @@ class Trainer:
             self._say(f"warning: {cannot_write(path, e)}; the checkpoint and log are saved")
             return None
         return path
+
+
+# the signals that end a process by default, which a run stops at a step boundary instead
+_ENDING_SIGNALS = (signal.SIGTERM,) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
+
+
+def _take_signals(handler, signums, default_only: bool = False) -> dict:
+    """``handler`` for each of ``signums`` (on the main thread: only it takes signals; a
+    KeyboardInterrupt elsewhere is handled as one); returns the handlers it replaced, for
+    ``_give_back_signals``. A signal the process inherited as ignored stays ignored (nohup's
+    SIGHUP, the SIGINT of a non-interactive shell's background job), as Python leaves an
+    ignored SIGINT; ``default_only``: so does one with a handler of its own."""
+    old = {}
+    if threading.current_thread() is not threading.main_thread():
+        return old
+    for s in signums:
+        try:
+            was = signal.getsignal(s)
+            if was is None or was is signal.SIG_IGN or (default_only and was is not signal.SIG_DFL):
+                continue     # (None: a handler set outside Python, which could not be put back)
+            old[s] = signal.signal(s, handler)
+        except (ValueError, OSError):
+            pass
+    return old
+
+
+def _give_back_signals(old: dict) -> None:
+    for s, h in old.items():
+        signal.signal(s, h)
 
 
 def _count(what: str, name: str, v) -> int:
