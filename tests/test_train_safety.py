@@ -530,7 +530,7 @@ def test_options_are_checked_before_any_work(workdir, capsys):
     _fails(capsys, ["train", "--data", "missing.txt", "--out", "deep/er"], "missing.txt")
     assert not Path("deep").exists()
     _fails(capsys, ["train", "--data", "t.txt", "--out", "q", *TINY, "--sample-temperature", "-0.5"],
-           "sample_temperature", ">= 0")
+           "--sample-temperature", ">= 0")
     assert not Path("q").exists()
     assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]) == 0
     _fails(capsys, ["train", "--out", "r", "--resume", "--tokenizer", "gpt2", "--max-steps", "4"],
@@ -585,7 +585,7 @@ def test_overwrite_with_data_too_short_keeps_the_earlier_run(workdir, capsys):
 
 @pytest.mark.parametrize("flag", ["--lr", "--min-lr", "--weight-decay", "--grad-clip"])
 def test_an_infinite_rate_is_refused_before_any_work(workdir, capsys, flag):
-    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, flag, "inf"], "finite numbers >= 0", "inf")
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, flag, "inf"], f"{flag} must be a finite number >= 0", "inf")
     assert not Path("r").exists()
 
 
@@ -1493,7 +1493,7 @@ def test_train_flag_mistakes_found_by_a_new_user_are_refused(workdir, capsys):
     assert main(["prepare", "t.txt", "--out", "pf"]) == 0
     Path("c.json").write_text(json.dumps({"data": "pf", "val_fraction": 0.3}))
     _fails(capsys, base + ["--config", "c.json"], "val_fraction (in c.json)")
-    _fails(capsys, base + ["--corpus-bytes", "-5"], "corpus_bytes must be >= 1")
+    _fails(capsys, base + ["--corpus-bytes", "-5"], "--corpus-bytes must be >= 1")
     _fails(capsys, base + ["--data", "t.txt", "--n-layer", "0"], "--n-layer must be >= 1")
     _fails(capsys, base + ["--data", "t.txt", "--bucket-mb", "-3"], "--bucket-mb must be a size")
     assert not Path("r").exists()
@@ -1996,3 +1996,23 @@ def test_sigterm_or_sighup_during_setup_cleans_up_as_sigint_does(workdir):
         (r.stdout, r.stderr)
     assert not Path("r").exists()
     assert main(argv) == 0
+
+
+def test_a_bad_number_names_its_own_flag(workdir, capsys):
+    """From a QA test: --log-interval -3 (and --checkpoint-interval -1, --sample-tokens -1) said
+    "TrainConfig: intervals, counts and sizes must be >= 0", naming none; --lr -1 spoke of a
+    min_lr never given; --eval-iters 0 and --max-steps -5 named the fields, not the flags. Each
+    names its one flag on the command line, and its field (TrainConfig's) in the library."""
+    base = ["train", "--data", "t.txt", "--out", "r", *TINY]
+    for flag, value in (("--log-interval", "-3"), ("--checkpoint-interval", "-1"), ("--sample-tokens", "-1"),
+                        ("--eval-interval", "-2"), ("--sample-interval", "-1"), ("--lr", "-1"),
+                        ("--eval-iters", "0"), ("--max-steps", "-5"), ("--warmup", "-1"),
+                        ("--lr-decay-steps", "-1"), ("--beta2", "1"), ("--grad-clip", "-1")):
+        line = _fails(capsys, base + [flag, value], f"error: {flag} must be", f"got {float(value):g}"[:6])
+        assert "TrainConfig" not in line and "min_lr" not in line and "--min-lr" not in line, line
+        assert "_" not in line.split("must")[0], line
+    assert not Path("r").exists()
+    for field, value in (("log_interval", -3), ("lr", -1.0), ("eval_iters", 0), ("max_steps", -5)):
+        with pytest.raises(ConfigError) as e:
+            TrainConfig(**{field: value})
+        assert str(e.value).startswith(f"TrainConfig: {field} must be") and f"got {value}" in str(e.value), e.value

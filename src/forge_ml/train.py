@@ -213,52 +213,63 @@ class TrainConfig:
             self.min_lr = _DerivedFloat(self.lr / 10)
         if self.block_size is None and not self.init_from:   # a source's is read when it loads
             self.block_size = _DerivedInt(PRESETS.get(self.model, {}).get("block_size", DEFAULT_BLOCK))
+        w = _field_word        # a field as forge-ml train's flag on the command line, else its name
         checks = [
-            (auto or self.batch_size >= 1, "batch_size must be >= 1 (or 'auto' on a GPU)"),
-            (self.block_size is None or self.block_size >= 1, "block_size must be >= 1"),
-            (self.grad_accum >= 1, "grad_accum must be >= 1"),
-            (self.total_batch_size >= 0, "total_batch_size must be >= 0"),
-            (self.max_steps >= 0, "max_steps must be >= 0"),
-            (0 <= self.lr < math.inf and 0 <= self.min_lr < math.inf,
-             f"lr and min_lr must be finite numbers >= 0, got {self.lr} and {self.min_lr}"),
-            (self.min_lr <= self.lr or not math.isfinite(self.lr),
-             f"min_lr {self.min_lr} is above lr {self.lr}: the cosine would raise the rate as it "
-             f"goes; give a min_lr <= lr (or leave it out: lr / 10)"),
-            (self.warmup >= 0 and self.lr_decay_steps >= 0, "warmup and lr_decay_steps must be >= 0"),
-            (0.0 <= self.dropout < 1.0, "dropout must be in [0, 1)"),
-            (0.0 < self.val_fraction < 1.0, "val_fraction must be in (0, 1)"),
-            (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0, "beta1 and beta2 must be in [0, 1)"),
-            (0 <= self.weight_decay < math.inf and 0 <= self.grad_clip < math.inf,
-             f"weight_decay and grad_clip must be finite numbers >= 0, got {self.weight_decay} and {self.grad_clip}"),
+            (auto or self.batch_size >= 1, f"{w('batch_size')} must be >= 1 (or 'auto' on a GPU)"),
+            (self.block_size is None or self.block_size >= 1, f"{w('block_size')} must be >= 1"),
+            (self.grad_accum >= 1, f"{w('grad_accum')} must be >= 1, got {self.grad_accum}"),
+            (self.total_batch_size >= 0, f"{w('total_batch_size')} must be >= 0, got {self.total_batch_size}"),
+            (self.max_steps >= 0, f"{w('max_steps')} must be >= 0, got {self.max_steps}"),
+            # lr first: a min_lr not given is lr / 10, and an error about it named what was not typed
+            (0 <= self.lr < math.inf, f"{w('lr')} must be a finite number >= 0, got {self.lr}"),
+            (0 <= self.min_lr < math.inf, f"{w('min_lr')} must be a finite number >= 0, got {self.min_lr}"),
+            (self.min_lr <= self.lr,
+             f"{w('min_lr')} {self.min_lr} is above {w('lr')} {self.lr}: the cosine would raise the rate as it "
+             f"goes; give a {w('min_lr')} <= {w('lr')} (or leave it out: {w('lr')} / 10)"),
+            (self.warmup >= 0, f"{w('warmup')} must be >= 0, got {self.warmup}"),
+            (self.lr_decay_steps >= 0, f"{w('lr_decay_steps')} must be >= 0, got {self.lr_decay_steps}"),
+            (0.0 <= self.dropout < 1.0, f"{w('dropout')} must be in [0, 1)"),
+            (0.0 < self.val_fraction < 1.0, f"{w('val_fraction')} must be in (0, 1)"),
+            (0.0 <= self.beta1 < 1.0, f"{w('beta1')} must be in [0, 1), got {self.beta1}"),
+            (0.0 <= self.beta2 < 1.0, f"{w('beta2')} must be in [0, 1), got {self.beta2}"),
+            (0 <= self.weight_decay < math.inf,
+             f"{w('weight_decay')} must be a finite number >= 0, got {self.weight_decay}"),
+            (0 <= self.grad_clip < math.inf, f"{w('grad_clip')} must be a finite number >= 0, got {self.grad_clip}"),
             # 64 bits, as dropout_seed, rng.seed_key and generate keep (2**64 was seed 0's dropout)
-            (0 <= self.seed < 1 << 64, f"seed must be in [0, 2**64), got {self.seed}"),
-            (bool(str(self.out_dir).strip()), f"out_dir is empty ({self.out_dir!r}); give the run folder"),
-            (self.corpus_bytes >= 1, f"corpus_bytes must be >= 1, got {self.corpus_bytes}"),
-            (self.eval_iters >= 1, "eval_iters must be >= 1"),
-            (self.final_eval_windows >= 0, "final_eval_windows must be >= 0 (0: every window)"),
+            (0 <= self.seed < 1 << 64, f"{w('seed')} must be in [0, 2**64), got {self.seed}"),
+            (bool(str(self.out_dir).strip()), f"{w('out_dir')} is empty ({self.out_dir!r}); give the run folder"),
+            (self.corpus_bytes >= 1, f"{w('corpus_bytes')} must be >= 1, got {self.corpus_bytes}"),
+            (self.eval_iters >= 1, f"{w('eval_iters')} must be >= 1 (the val batches of each estimate), "
+                                   f"got {self.eval_iters}"),
+            (self.final_eval_windows >= 0, f"{w('final_eval_windows')} must be >= 0 (0: every window)"),
             (self.sample_temperature >= 0 and math.isfinite(self.sample_temperature),
-             f"sample_temperature must be a number >= 0 (0 is greedy), got {self.sample_temperature}"),
-            (min(self.eval_interval, self.sample_interval, self.checkpoint_interval,
-                 self.sample_tokens, self.log_interval, self.n_layer, self.n_head, self.n_embd) >= 0,
-             "intervals, counts and sizes must be >= 0"),
+             f"{w('sample_temperature')} must be a number >= 0 (0 is greedy), got {self.sample_temperature}"),
+            *((getattr(self, k) >= 0, f"{w(k)} must be >= 0{zero}, got {getattr(self, k)}")
+              for k, zero in (("eval_interval", " (0: only the final evaluation)"),
+                              ("sample_interval", " (0: no samples)"), ("checkpoint_interval", " (0: only at the end)"),
+                              ("sample_tokens", ""), ("log_interval", " (0: only the first step's line)"),
+                              *((k, " (0: the preset's or the default)") for k in _SIZES))),
             # "hf": recorded by a run whose --init-from folder has its own Hugging Face tokenizer
-            (self.tokenizer in (None, "char", "gpt2", "hf"), f"tokenizer must be 'char' or 'gpt2', got {self.tokenizer!r}"),
-            (self.dtype in ("float32", "bf16", "bfloat16"), f"dtype must be 'float32' or 'bf16', got {self.dtype!r}"),
+            (self.tokenizer in (None, "char", "gpt2", "hf"),
+             f"{w('tokenizer')} must be 'char' or 'gpt2', got {self.tokenizer!r}"),
+            (self.dtype in ("float32", "bf16", "bfloat16"),
+             f"{w('dtype')} must be 'float32' or 'bf16', got {self.dtype!r}"),
             (self.model == "" or self.model in PRESETS,
              f"unknown model preset {self.model!r}; expected one of {', '.join(PRESETS)}"),
         ]
+        where = "" if CLI_WORDS.get() else "TrainConfig: "
         for ok, msg in checks:
             if not ok:
-                raise ConfigError(f"TrainConfig: {msg}")
+                raise ConfigError(where + msg)
         if self.total_batch_size and not auto:
             accum, rest = divmod(self.total_batch_size, self.batch_size)
             if rest or accum < 1:
-                raise ConfigError(f"TrainConfig: total_batch_size {self.total_batch_size} is not a multiple "
-                                  f"of batch_size {self.batch_size}")
+                raise ConfigError(f"{where}{w('total_batch_size')} {self.total_batch_size} is not a multiple "
+                                  f"of {w('batch_size')} {self.batch_size}")
             if self.grad_accum not in (1, accum):
-                raise ConfigError(f"TrainConfig: grad_accum {self.grad_accum} x batch_size {self.batch_size} "
-                                  f"is not total_batch_size {self.total_batch_size}; give one of "
-                                  f"grad_accum and total_batch_size")
+                raise ConfigError(f"{where}{w('grad_accum')} {self.grad_accum} x {w('batch_size')} {self.batch_size} "
+                                  f"is not {w('total_batch_size')} {self.total_batch_size}; give one of "
+                                  f"{w('grad_accum')} and {w('total_batch_size')}")
             self.grad_accum = accum
 
     @classmethod
@@ -449,6 +460,18 @@ def library_words(msg: str) -> str:
         return f"{name}={value}" if value else name
 
     return _FLAG.sub(word, msg)
+
+
+def _field_word(name: str) -> str:
+    """A TrainConfig field as errors name it: forge-ml train's flag where the command line
+    runs (``CLI_WORDS``), else the field's own name.
+
+    >>> _field_word("log_interval")
+    'log_interval'
+    """
+    if not CLI_WORDS.get():
+        return name
+    return TRAIN_FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
 @functools.lru_cache(maxsize=None)
