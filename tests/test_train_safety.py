@@ -2016,3 +2016,20 @@ def test_a_bad_number_names_its_own_flag(workdir, capsys):
         with pytest.raises(ConfigError) as e:
             TrainConfig(**{field: value})
         assert str(e.value).startswith(f"TrainConfig: {field} must be") and f"got {value}" in str(e.value), e.value
+
+
+def test_resume_with_another_size_says_drop_the_flag(workdir, capsys):
+    """From a QA test: --resume --n-embd 128 on a run trained from scratch at 16 listed ~30
+    tensor shapes; now one line, as a fine-tune's resume says it ("drop --n-embd")."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "2"]) == 0
+    before = _snapshot("r")
+    capsys.readouterr()
+    for flag, value, have in (("--n-embd", "32", "n_embd 16"), ("--n-layer", "3", "n_layer 1"),
+                              ("--n-head", "4", "n_head 2")):
+        line = _fails(capsys, ["train", "--out", "r", "--resume", "--max-steps", "4", flag, value],
+                      f"{flag}:", have, f"not {value}", f"drop {flag}")
+        assert "shape" not in line and len(line) < 250, line
+    assert _snapshot("r") == before
+    with pytest.raises(ConfigError, match=r"^n_embd: .* n_embd 16, not 32.* drop n_embd$"):
+        Trainer(_cfg("r", n_embd=32), resume=True, log=None)
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "3", "--n-embd", "16"]) == 0

@@ -1141,11 +1141,14 @@ class Trainer:
                                      lambda k: ((f"--{k.replace('_', '-')}", getattr(cfg, k)),
                                                 ("--model", preset.get(k))))
             return saved
-        if ckpt is not None and cfg.model and isinstance(ckpt[1].get("config"), dict):
-            # a preset on a resumed run: its sizes must be the run's (the run's own sizes took
-            # precedence, and the preset's name was recorded for a model it is not)
+        if ckpt is not None and isinstance(ckpt[1].get("config"), dict):
+            # a size or a preset on a resumed run: its sizes must be the run's (a size given was
+            # found out by the checkpoint's tensor shapes, a list of them; the run's own sizes
+            # took precedence over a preset, whose name was recorded for a model it is not)
+            preset = ((f"--model {cfg.model}", PRESETS[cfg.model]),) if cfg.model else ()
             self._refuse_other_sizes(ckpt[1]["config"], "trains",
-                                     lambda k: ((f"--model {cfg.model}", PRESETS[cfg.model].get(k)),))
+                                     lambda k: ((f"--{k.replace('_', '-')}", getattr(cfg, k)),
+                                                *((flag, p.get(k)) for flag, p in preset)))
         return GPT2Config(vocab_size=self.tokenizer.vocab_size, block_size=cfg.block_size, dropout=cfg.dropout,
                           **cfg.model_sizes())
 
@@ -1156,7 +1159,8 @@ class Trainer:
             for flag, asked in asks(k):
                 if asked and have.get(k) is not None and asked != have[k]:
                     raise ConfigError(f"{flag}: the run in {self.out_dir} {verb} a model with {k} {have[k]}, "
-                                      f"not {asked}, which a resumed run keeps; drop {flag.split()[0]}")
+                                      f"not {asked} (another architecture), which a resumed run keeps; drop "
+                                      f"{flag.split()[0]}")
 
     def _restore_model(self, ckpt, want: GPT2Config) -> GPT2:
         tensors, meta = ckpt
