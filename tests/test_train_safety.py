@@ -2033,3 +2033,15 @@ def test_resume_with_another_size_says_drop_the_flag(workdir, capsys):
     with pytest.raises(ConfigError, match=r"^n_embd: .* n_embd 16, not 32.* drop n_embd$"):
         Trainer(_cfg("r", n_embd=32), resume=True, log=None)
     assert main(["train", "--out", "r", "--resume", "--max-steps", "3", "--n-embd", "16"]) == 0
+
+
+def test_overwrite_of_a_folder_without_a_run_says_nothing_was_removed(workdir, capsys):
+    """From a QA test: --overwrite on a folder holding only a user's file printed
+    "--overwrite: removed the earlier run's checkpoint, log and data" though nothing was."""
+    Path("r").mkdir()
+    Path("r/notes.txt").write_text("mine")
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1", "--overwrite"]) == 0
+    assert "removed" not in capsys.readouterr().out
+    assert Path("r/notes.txt").read_text() == "mine"
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1", "--overwrite"]) == 0
+    assert "--overwrite: removed the earlier run's" in capsys.readouterr().out

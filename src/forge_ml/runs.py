@@ -93,7 +93,7 @@ def signals_held(names=("SIGINT",) + _KILLS):
             mask(signal.SIG_SETMASK, was)
 
 
-def remove_together(folder, files=(), dirs=()) -> None:
+def remove_together(folder, files=(), dirs=()) -> bool:
     """Remove, all or none, the ``files`` (paths in ``folder``) and of each ``(path, names)``
     of ``dirs`` (folders in ``folder``) the files ``names``, and the folder itself when nothing
     else is in it (a user's file there stays, with its folder). Each is first moved into one
@@ -102,14 +102,16 @@ def remove_together(folder, files=(), dirs=()) -> None:
     Then the trash folder is removed with SIGINT held (a Ctrl-C lands after it). SIGTERM and
     SIGHUP are held throughout (they would end the process midway). A SIGKILL or a power loss
     leaves the trash folder, holding nothing but what was to go, for ``remove_trash``.
+    Returns whether there was anything to remove.
 
     >>> import tempfile, os
     >>> d = Path(tempfile.mkdtemp()); (d / "ckpt").mkdir()
     >>> for n in ("log.jsonl", "ckpt/model.safetensors", "notes.txt"):
     ...     _ = (d / n).write_text("x")
     >>> remove_together(d, [d / "log.jsonl"], [(d / "ckpt", ("model.safetensors", "state.json"))])
-    >>> sorted(os.listdir(d))
-    ['notes.txt']
+    True
+    >>> sorted(os.listdir(d)), remove_together(d, [d / "log.jsonl"])
+    (['notes.txt'], False)
     """
     folder = Path(folder)
     plan = []   # (a file or folder to go, its place in the trash)
@@ -122,7 +124,7 @@ def remove_together(folder, files=(), dirs=()) -> None:
                 plan += [(d / n, os.path.join(d.name, n)) for n in ours]
     plan += [(f, f.name) for f in files if f.is_file()]
     if not plan:
-        return
+        return False
     trash, moved = None, []
     with signals_held(_KILLS):
         try:
@@ -140,6 +142,7 @@ def remove_together(folder, files=(), dirs=()) -> None:
         # every file is in the trash: from here on the earlier files are gone, so a Ctrl-C waits
         with signals_held():
             shutil.rmtree(trash)
+    return True
 
 
 def _put_back(moved: list, trash) -> None:

@@ -890,10 +890,11 @@ class Trainer:
         if not given:
             targets.append((out / DATA_NAME, DATA_FILES + (CORPUS_NAME,)))
         try:
-            remove_together(out, [self.log_path, out / PLOT_NAME], targets)
+            removed = remove_together(out, [self.log_path, out / PLOT_NAME], targets)
         except OSError as e:
             raise RunError(cannot_write(e.filename or out, e)) from None
-        self._say(f"--overwrite: removed the earlier run's checkpoint, log and data in {out}")
+        if removed:   # (a folder that held no run: nothing to say)
+            self._say(f"--overwrite: removed the earlier run's checkpoint, log and data in {out}")
 
     def _load_source(self):
         """``(model, tokenizer, meta)`` of ``init_from``, with the sizes asked checked against it."""
