@@ -2045,3 +2045,26 @@ def test_overwrite_of_a_folder_without_a_run_says_nothing_was_removed(workdir, c
     assert Path("r/notes.txt").read_text() == "mine"
     assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1", "--overwrite"]) == 0
     assert "--overwrite: removed the earlier run's" in capsys.readouterr().out
+
+
+def test_a_file_or_folder_in_the_way_of_the_runs_own_is_named(workdir, capsys):
+    """From a QA test: a file named data in the run folder gave a bare "File exists (EEXIST)";
+    a folder named log.jsonl made --resume fail and advise --overwrite, which removed the
+    earlier run's checkpoint and then failed the same way. Both are refused before any write,
+    in one line naming the path in the way."""
+    Path("d").mkdir()
+    Path("d/data").write_text("mine")
+    for more in ([], ["--overwrite"]):
+        _fails(capsys, ["train", "--data", "t.txt", "--out", "d", *TINY, "--max-steps", "1", *more],
+               "d/data is a file", "move it away")
+    assert _names("d") == ["data"]
+    assert main(["train", "--data", "t.txt", "--out", "e", *TINY, "--max-steps", "2"]) == 0
+    os.unlink("e/log.jsonl")
+    os.mkdir("e/log.jsonl")
+    before = _snapshot("e")
+    for argv in (["--resume", "--max-steps", "3"], ["--data", "t.txt", *TINY, "--max-steps", "3", "--overwrite"]):
+        line = _fails(capsys, ["train", "--out", "e", *argv], "e/log.jsonl is a folder", "move it away")
+        assert "--overwrite" not in line.split("move it away")[1], line
+        assert _snapshot("e") == before
+    os.rmdir("e/log.jsonl")
+    assert main(["train", "--out", "e", "--resume", "--max-steps", "3"]) == 0

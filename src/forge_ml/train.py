@@ -631,6 +631,7 @@ class Trainer:
         cfg = self.cfg
         ckpt = source = None
         held = []
+        self._check_in_the_way()
         if resume:
             if not (self.ckpt_dir / "state.json").is_file() and not self.ckpt_dir.with_name(CKPT_NAME + ".old").is_dir():
                 raise CheckpointError(no_checkpoint(self.out_dir, self._run_files()))
@@ -777,6 +778,21 @@ class Trainer:
         self.val_loader = DataLoader(self.shards.val, B, T, seed=cfg.seed)
         if ckpt is not None:
             self._restore_state(ckpt)
+
+    def _check_in_the_way(self) -> None:
+        """A folder at the log's place, or a file at data/'s (where a text is prepared), is
+        refused before any write: the write failed after --overwrite had removed the earlier
+        run (a bare EEXIST, or --resume advising the --overwrite that failed the same way)."""
+        log, data = self.log_path, self.out_dir / DATA_NAME
+        if (log.exists() or log.is_symlink()) and not log.is_file():
+            what = "a folder" if log.is_dir() else "not a regular file"
+            raise RunError(f"{log} is {what}, where the run writes its log (a file); move it away or "
+                           f"choose another --out")
+        prepares = not (self.cfg.data and Path(self.cfg.data).is_dir())
+        if prepares and (data.exists() or data.is_symlink()) and not data.is_dir():
+            what = "a file" if data.is_file() else "not a folder"
+            raise RunError(f"{data} is {what}, where the run keeps the data it prepares (a folder); move it "
+                           f"away or choose another --out")
 
     def _check_plot_target(self, held: bool) -> None:
         """A ``loss.png`` in a folder that holds no run is a user's file: refused rather than
