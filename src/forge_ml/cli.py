@@ -488,12 +488,17 @@ def _cmd_train(args) -> int:
             raise ConfigError(f"--val-fraction {explicit['val_fraction']:g}: the run in {out_dir} split its "
                               f"text with --val-fraction {was:g}, and a resumed run keeps its shards; drop "
                               f"--val-fraction")
-    if comm is not None:
-        from .distributed.trainer import DistributedTrainer
-        trainer = DistributedTrainer(cfg, comm, zero=args.zero, bucket_mb=args.bucket_mb,
-                                     resume=args.resume, overwrite=args.overwrite)
-    else:
-        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+    try:
+        if comm is not None:
+            from .distributed.trainer import DistributedTrainer
+            trainer = DistributedTrainer(cfg, comm, zero=args.zero, bucket_mb=args.bucket_mb,
+                                         resume=args.resume, overwrite=args.overwrite)
+        else:
+            trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+    except Interrupted as e:   # SIGTERM or SIGHUP during the setup (a Ctrl-C there says 130 in main)
+        print(f"{PROG}: stopped by {signal.Signals(e.signum).name} during setup, before the first step; "
+              f"the same command starts it again", file=sys.stderr)
+        return e.exit_status
     # a signal during the final evaluation, or after it (the final sample), or a crash before
     # the loss curve was drawn: the resume finishes what is left
     no_plot = not (Path(out_dir) / PLOT_NAME).is_file() and importlib.util.find_spec("matplotlib") is not None

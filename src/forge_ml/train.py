@@ -585,14 +585,6 @@ class Trainer:
                 self.lock.release(undo=True)
                 raise
             self.lock._made = []  # the folder is the run's now
-        except Interrupted as e:
-            if not CLI_WORDS.get():
-                raise
-            # forge-ml train's exit status for the signal (its handler of a KeyboardInterrupt
-            # around the command says 130)
-            print(f"forge-ml: stopped by {signal.Signals(e.signum).name} during setup, before the first step; "
-                  f"the same command starts it again", file=sys.stderr)
-            raise SystemExit(e.exit_status) from None
         finally:
             _give_back_signals(old)
         self._ckpt_seen = _ckpt_id(self.ckpt_dir)   # the checkpoint as this object knows it
