@@ -730,3 +730,29 @@ def test_the_trainer_over_the_nccl_communicator(fake_nccl, tmp_path, zero):
     got = _nccl_threads(2, lambda c: dp_train(cfg, c, zero=zero, bucket_mb=0.002, log=None), fake_nccl)
     assert got[1]["losses"] == got[0]["losses"]
     np.testing.assert_allclose(got[0]["losses"], ref, rtol=1e-6, atol=0)
+
+
+def test_a_worker_leaves_a_signal_inherited_as_ignored_ignored():
+    """nohup's SIGHUP and a background job's SIGINT stay ignored on every rank, as on rank 0
+    (Trainer.train); a worker put its handler over an ignored SIGINT (the rank stopped), and
+    its own handler takes a SIGTERM left at the default."""
+    import signal
+
+    seen = []
+
+    class Comm:   # rank 0's one command: done, after the worker's handlers are in place
+        def broadcast_object(self, obj, root=0):
+            seen.append((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
+            return {"cmd": "done"}
+
+    w = dtrainer.Worker.__new__(dtrainer.Worker)
+    w.comm, w.step, w.losses = Comm(), 0, []
+    was = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        assert w.run() == {"step": 0, "losses": []}
+        assert seen[0][0] is signal.SIG_IGN and seen[0][1] == w._on_signal
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN            # given back
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, was[0])
+        signal.signal(signal.SIGTERM, was[1])

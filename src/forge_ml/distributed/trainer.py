@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import signal
-import threading
 import time
 from typing import Callable, Optional
 
@@ -37,7 +36,8 @@ from ..errors import ConfigError, TrainingError
 from ..models.gpt2 import GPT2, GPT2Config, param_shapes
 from ..optim import AdamW, cosine_lr, counters
 from ..tensor import tensor, zeros
-from ..train import Interrupted, Trainer, TrainConfig, dropout_seed
+from ..train import (Interrupted, Trainer, TrainConfig, _give_back_signals, _take_signals,
+                     dropout_seed)
 from .comm import CommError, Communicator
 from .ddp import DataParallel, rank_batches
 
@@ -236,9 +236,8 @@ class Worker:
     def run(self) -> dict:
         """Follow rank 0's commands until ``done``; raises CommError on ``abort`` and
         TrainingError on a non-finite loss or norm (rank 0 raises it too, with its cause)."""
-        old = {}
-        if threading.current_thread() is threading.main_thread():
-            old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # (a signal inherited as ignored stays ignored: nohup, a background job's SIGINT)
+        old = _take_signals(self._on_signal, (signal.SIGINT, signal.SIGTERM))
         try:
             while True:
                 msg = self.comm.broadcast_object(None, root=0)
@@ -262,8 +261,7 @@ class Worker:
                 else:
                     raise CommError(f"rank {self.comm.rank}: unknown command from rank 0: {msg!r}")
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+            _give_back_signals(old)
 
 
 def train(config, comm: Communicator, *, zero: int = 0, bucket_mb: float = 25.0, resume: bool = False,
