@@ -75,8 +75,8 @@ from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
 from .checkpoint import (check_architecture, check_checkpoint_target, is_checkpoint_dir, load_checkpoint,
                          pack_tensors, read_meta, read_state, save_checkpoint, unpack_tensors)
-from .data import (DataLoader, ShardFolder, default_corpus, encode_array, is_shard_file, load_text, read_shard,
-                   shard_folder, split_tokens, write_prepared)
+from .data import (DataLoader, ShardFolder, default_corpus, encode_array, is_shard_file, load_text, plural,
+                   read_shard, shard_folder, split_tokens, write_prepared)
 from .diagnose import CheckingTape
 from .device import Device
 from .errors import (CLI_WORDS, CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
@@ -1044,7 +1044,7 @@ class Trainer:
     def _check_length(self, n: int, what: str) -> None:
         T = self.cfg.block_size
         if n < T + 1:
-            raise DataError(f"{what} holds {n} tokens; block_size={T} needs at least {T + 1} (one window "
+            raise DataError(f"{what} holds {n} {plural(n, 'token')}; block_size={T} needs at least {T + 1} (one window "
                             f"plus its next-token target)")
 
     def _plan_data(self, resume: bool, source, ckpt_tok=None):
@@ -1878,7 +1878,7 @@ class Trainer:
             if loss is None:
                 return
             rec = {"step": self.step, "val_loss": loss, "val_kind": "sampled", "val_batches": cfg.eval_iters}
-            how = f"an estimate on {cfg.eval_iters} val batches"
+            how = f"an estimate on {cfg.eval_iters} val {plural(cfg.eval_iters, 'batch', 'batches')}"
         self.val_loss, self.val_kind = loss, rec["val_kind"]
         # the periodic estimates compete with each other (the final evaluation, over every
         # window, only where there are none: it reads higher than the first batches' estimate)
@@ -2154,7 +2154,13 @@ def _val_words(kind: Optional[str]) -> str:
 
 
 def _arch(c: GPT2Config) -> str:
-    return f"{c.n_layer} layers, {c.n_head} heads, {c.n_embd} channels, context {c.block_size}, vocab {c.vocab_size}"
+    """The model's sizes in words, for the trainer's messages.
+
+    >>> _arch(GPT2Config(vocab_size=65, block_size=64, n_layer=1, n_head=1, n_embd=32))
+    '1 layer, 1 head, 32 channels, context 64, vocab 65'
+    """
+    return (f"{c.n_layer} {plural(c.n_layer, 'layer')}, {c.n_head} {plural(c.n_head, 'head')}, "
+            f"{c.n_embd} channels, context {c.block_size}, vocab {c.vocab_size}")
 
 
 _MOVED = {"load_model": "load", "resolve_checkpoint": "load", "hf_tokenizer_dict": "load",
