@@ -313,9 +313,11 @@ def test_ctrl_c_during_overwrite_leaves_the_earlier_run_whole_or_gone(workdir, c
     assert _names("r") == sorted(set(_names("pristine")) | {"train.lock"})
 
 
-_REAL_SIGNAL = """
+# A child's script: after the first call of os.<argv[1]> it sends itself the signal argv[2]
+_SEND_ONCE = """
 import os, signal, sys
 from forge_ml.cli import main
+from forge_ml.train import Interrupted, TrainConfig, Trainer
 fn, sig = sys.argv[1], getattr(signal, sys.argv[2])
 real, sent = getattr(os, fn), []
 def once(*args, **kwargs):
@@ -325,8 +327,8 @@ def once(*args, **kwargs):
         os.kill(os.getpid(), sig)
     return out
 setattr(os, fn, once)
-sys.exit(main(sys.argv[3:]))
 """
+_REAL_SIGNAL = _SEND_ONCE + "sys.exit(main(sys.argv[3:]))\n"
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="signals are held with pthread_sigmask")
@@ -1948,21 +1950,9 @@ def test_out_inside_another_runs_ckpt_best_or_data_is_refused(workdir, capsys):
     assert main(["train", "--data", "t.txt", "--out", "ckpt", *TINY, "--max-steps", "1"]) == 0
 
 
-_SIGNAL_IN_SETUP = """
-import os, signal, sys
-fn, sig, how = sys.argv[1], getattr(signal, sys.argv[2]), sys.argv[3]
-real, sent = getattr(os, fn), []
-def once(*args, **kwargs):
-    out = real(*args, **kwargs)
-    if not sent:
-        sent.append(1)
-        os.kill(os.getpid(), sig)
-    return out
-setattr(os, fn, once)
-if how == "cli":
-    from forge_ml.cli import main
+_SIGNAL_IN_SETUP = _SEND_ONCE + """
+if sys.argv[3] == "cli":
     sys.exit(main(sys.argv[4:]))
-from forge_ml.train import Interrupted, TrainConfig, Trainer
 try:
     Trainer(TrainConfig(data="t.txt", out_dir="r", n_layer=1, n_head=2, n_embd=16, block_size=16,
                         max_steps=2, progress=False), log=None)
