@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -82,15 +83,36 @@ _KILLS = ("SIGTERM", "SIGHUP")   # what ends a process unless it is held
 @contextlib.contextmanager
 def signals_held(names=("SIGINT",) + _KILLS):
     """The signals ``names`` held back while the block runs and delivered when it ends (a
-    Ctrl-C lands after it), where the platform can (``pthread_sigmask``); nothing is held
-    elsewhere."""
-    mask = getattr(signal, "pthread_sigmask", None)
-    was = mask(signal.SIG_BLOCK, {getattr(signal, n) for n in names if hasattr(signal, n)}) if mask else None
+    Ctrl-C lands after it): each one's handler is swapped for one that only notes it, and the
+    first noted is raised again, to the handler it would have reached, once the block is done.
+    Handlers, not the thread's signal mask: the OS may hand a signal sent to the process to
+    any of its threads (NumPy's BLAS threads), and Python runs its handler on the main thread
+    whichever took it, so a mask held nothing there. A signal ignored stays ignored; off the
+    main thread (which cannot set handlers) nothing is held.
+
+    >>> import signal, os
+    >>> with signals_held(("SIGTERM",)):
+    ...     h = signal.getsignal(signal.SIGTERM)
+    >>> h is signal.getsignal(signal.SIGTERM)
+    False
+    """
+    noted, old = [], {}
+    if threading.current_thread() is threading.main_thread():
+        for name in names:
+            s = getattr(signal, name, None)
+            if s is None:
+                continue
+            was = signal.getsignal(s)
+            if was is None or was is signal.SIG_IGN:   # (None: set outside Python, not put back)
+                continue
+            old[s] = signal.signal(s, lambda signum, frame: noted.append(signum))
     try:
         yield
     finally:
-        if mask:
-            mask(signal.SIG_SETMASK, was)
+        for s, h in old.items():
+            signal.signal(s, h)
+        if noted:
+            signal.raise_signal(noted[0])
 
 
 def remove_together(folder, files=(), dirs=()) -> bool:
