@@ -1889,10 +1889,15 @@ def test_overwrite_refuses_an_init_from_inside_the_run_folder(workdir, capsys):
         Trainer(_cfg("a", max_steps=2, init_from="a/best"), log=None, overwrite=True)
     assert "init_from" in str(e.value) and "out_dir" in str(e.value) and "--init-from" not in str(e.value)
     assert _snapshot("a") == before
-    # elsewhere, and without --overwrite (refused as a run the folder holds), as before
+    # elsewhere, or a copy of the user's own inside the run folder, which --overwrite keeps
+    # (the refusal took every model in the folder), and without --overwrite (refused as a run
+    # the folder holds), as before
     shutil.copytree("a/best", "mine")
-    assert main(["train", "--data", "t.txt", "--out", "a", *TINY, "--max-steps", "2", "--init-from", "mine",
-                 "--overwrite"]) == 0
+    shutil.copytree("a/best", "a/mine")
+    for src in ("mine", "a/mine"):
+        assert main(["train", "--data", "t.txt", "--out", "a", *TINY, "--max-steps", "2", "--init-from", src,
+                     "--overwrite"]) == 0, src
+    assert Path("a/mine/model.safetensors").is_file()
     _fails(capsys, ["train", "--data", "t.txt", "--out", "a", *TINY, "--max-steps", "2", "--init-from", "a"],
            "holds a run")
 
@@ -1953,6 +1958,9 @@ def test_out_inside_another_runs_ckpt_best_or_data_is_refused(workdir, capsys):
     # beside the run, or a folder of the run's own that is none of those: as before
     assert main(["train", "--data", "t.txt", "--out", "r/more", *TINY, "--max-steps", "1"]) == 0
     assert main(["train", "--data", "t.txt", "--out", "ckpt", *TINY, "--max-steps", "1"]) == 0
+    # a path through the run's ckpt/ that leads out of it (r/ckpt/../sub is r/sub)
+    assert main(["train", "--data", "t.txt", "--out", "r/ckpt/../sub", *TINY, "--max-steps", "1"]) == 0
+    assert Path("r/sub/log.jsonl").is_file()
 
 
 _SIGNAL_IN_SETUP = _SEND_ONCE + """
@@ -2040,6 +2048,10 @@ def test_overwrite_of_a_folder_without_a_run_says_nothing_was_removed(workdir, c
     assert Path("r/notes.txt").read_text() == "mine"
     assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1", "--overwrite"]) == 0
     assert "--overwrite: removed the earlier run's" in capsys.readouterr().out
+    # an empty ckpt/ is no run either (remove_together counted its folder as a removal)
+    Path("e/ckpt").mkdir(parents=True)
+    assert main(["train", "--data", "t.txt", "--out", "e", *TINY, "--max-steps", "1", "--overwrite"]) == 0
+    assert "removed" not in capsys.readouterr().out
 
 
 def test_a_file_or_folder_in_the_way_of_the_runs_own_is_named(workdir, capsys):

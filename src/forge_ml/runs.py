@@ -124,7 +124,7 @@ def remove_together(folder, files=(), dirs=()) -> bool:
     Then the trash folder is removed with SIGINT held (a Ctrl-C lands after it). SIGTERM and
     SIGHUP are held throughout (they would end the process midway). A SIGKILL or a power loss
     leaves the trash folder, holding nothing but what was to go, for ``remove_trash``.
-    Returns whether there was anything to remove.
+    Returns whether a file was removed (an empty folder of ``dirs`` goes too, unsaid).
 
     >>> import tempfile, os
     >>> d = Path(tempfile.mkdtemp()); (d / "ckpt").mkdir()
@@ -134,17 +134,24 @@ def remove_together(folder, files=(), dirs=()) -> bool:
     True
     >>> sorted(os.listdir(d)), remove_together(d, [d / "log.jsonl"])
     (['notes.txt'], False)
+    >>> (d / "ckpt").mkdir(); remove_together(d, [], [(d / "ckpt", ("model.safetensors",))])
+    False
+    >>> sorted(os.listdir(d))
+    ['notes.txt']
     """
     folder = Path(folder)
     plan = []   # (a file or folder to go, its place in the trash)
+    nfiles = 0
     for d, names in dirs:
         if d.is_dir() and not d.is_symlink():
             ours = [n for n in names if (d / n).is_file()]
+            nfiles += len(ours)
             if set(os.listdir(d)) <= set(ours):
                 plan.append((d, d.name))                          # the folder with its files
             else:
                 plan += [(d / n, os.path.join(d.name, n)) for n in ours]
     plan += [(f, f.name) for f in files if f.is_file()]
+    nfiles += sum(1 for f in files if f.is_file())
     if not plan:
         return False
     trash, moved = None, []
@@ -164,7 +171,7 @@ def remove_together(folder, files=(), dirs=()) -> bool:
         # every file is in the trash: from here on the earlier files are gone, so a Ctrl-C waits
         with signals_held():
             shutil.rmtree(trash)
-    return True
+    return nfiles > 0
 
 
 def _put_back(moved: list, trash) -> None:

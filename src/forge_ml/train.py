@@ -688,7 +688,7 @@ class Trainer:
             if held and not overwrite:
                 raise RunError(f"{self.out_dir} holds a run ({', '.join(held)}); add --resume to continue it "
                                f"or --overwrite to start over (which replaces it)")
-            if cfg.init_from and overwrite and _inside(cfg.init_from, self.out_dir):
+            if cfg.init_from and overwrite and self._cleared_by_overwrite(cfg.init_from):
                 # --overwrite removes the folder's run (ckpt/, best/) before the source is read
                 # again, and a stop after the removal left no model at all
                 raise ConfigError(f"--init-from {cfg.init_from} is in the run folder that --overwrite clears "
@@ -885,15 +885,29 @@ class Trainer:
                           f"be from steps the run gave up. Resume with --max-steps {at} or more, or move "
                           f"{self.best_dir} away (a model of its own) to end the run at step {self.cfg.max_steps}")
 
+    def _cleared_names(self) -> list:
+        """The checkpoint folders of this run folder that --overwrite removes (``_clear_run``)."""
+        names = [CKPT_NAME, CKPT_NAME + ".old", CKPT_NAME + ".tmp"]
+        if self._kept_here():     # keep_best's in this folder, never a user's "best" or another run's
+            names += [BEST_NAME, BEST_NAME + ".old", BEST_NAME + ".tmp"]
+        return names
+
+    def _cleared_by_overwrite(self, path) -> bool:
+        """Whether the model ``path`` names (a run folder: its ckpt/) is one --overwrite removes;
+        a model of the user's own elsewhere in the folder is not."""
+        from .inference.load import resolve_checkpoint
+        try:
+            ckpt = resolve_checkpoint(path)
+        except ForgeError:      # no model there: _load_source says so
+            ckpt = Path(path)
+        return any(_inside(ckpt, self.out_dir / n) for n in self._cleared_names())
+
     def _clear_run(self) -> None:
         """--overwrite: remove the files an earlier run wrote (only those), all or none
         (``remove_together``: a Ctrl-C as they go leaves the earlier run whole)."""
         from .checkpoint import MODEL_FILE, STATE_FILE
         out = self.out_dir
-        names = [CKPT_NAME, CKPT_NAME + ".old", CKPT_NAME + ".tmp"]
-        if self._kept_here():     # keep_best's in this folder, never a user's "best" or another run's
-            names += [BEST_NAME, BEST_NAME + ".old", BEST_NAME + ".tmp"]
-        targets = [(out / n, (MODEL_FILE, STATE_FILE)) for n in names]
+        targets = [(out / n, (MODEL_FILE, STATE_FILE)) for n in self._cleared_names()]
         given = self.cfg.data and Path(self.cfg.data).is_dir() and Path(self.cfg.data).resolve() == (out / DATA_NAME).resolve()
         if not given:
             targets.append((out / DATA_NAME, DATA_FILES + (CORPUS_NAME,)))
@@ -2130,7 +2144,8 @@ def _enclosing_run(out) -> Optional[tuple]:
     """``(run folder, part)`` when ``out`` is in a run's ``ckpt/``, ``best/`` or ``data/``
     (``_RUN_PARTS``), as written or with its links resolved; else None."""
     p = Path(os.path.expanduser(str(out)))
-    for path in (p, Path(os.path.realpath(p))):
+    # as written (its ".." parts taken away: r/ckpt/../sub is r/sub) and with links resolved
+    for path in (Path(os.path.normpath(p)), Path(os.path.realpath(p))):
         for child in (path, *path.parents):
             if child.parent == child:
                 break
