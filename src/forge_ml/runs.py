@@ -404,8 +404,9 @@ class RunLock:
             was = "?"
         # a user's file of that name, in a folder that holds no run (a run's own lock file,
         # zero-filled by a power loss, is the run's: it is rewritten)
-        holds_run = any((self.folder / n).exists() for n in ("log.jsonl", "ckpt", "ckpt.old"))
-        if was.strip("\x00 \n\t") and not _LOCK_LINE.match(was) and not holds_run:
+        # (any trace of a run: looser than holds_run, which reads the files)
+        run_here = any((self.folder / n).exists() for n in ("log.jsonl", "ckpt", "ckpt.old"))
+        if was.strip("\x00 \n\t") and not _LOCK_LINE.match(was) and not run_here:
             f.close()
             self.release(undo=True)
             raise RunError(f"{self.path} is not a lock file that forge-ml wrote (it begins {was[:40]!r}), and a "
