@@ -234,3 +234,47 @@ def test_without_the_tokenizers_package_one_line_says_to_install_it(hfdir, tmp_p
     assert main(["sample", "--ckpt", str(hfdir), "--prompt", "Hi"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install tokenizers" in err, err
+
+
+def _bpe_with_newline_merges():
+    """A byte-level BPE (GPT-2's regex) trained on text with "\\n\\n    " and " \\n" before
+    letters, so that it has the merges ĊĊ and ĠĊ of GPT-2-style vocabularies."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    corpus = ("def f(x):\n\n    return x\n \nsome text \n\nmore text \n\n    end 's café\n\tx\n") * 50
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([corpus], trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    vocab = tok.get_vocab()
+    assert "ĊĊ" in vocab and "ĠĊ" in vocab
+    return tok
+
+
+def test_parallel_pieces_are_cut_only_where_the_whole_text_is_cut(tmp_path):
+    """A piece ending in "\\n\\n" or " \\n" is pre-tokenized apart from what follows, where the
+    whole text's regex (``\\s+(?!\\S)|\\s+``) splits "\\n\\n    x" as "\\n\\n   " + " x": the pieces
+    are cut only after a non-space character."""
+    import random
+
+    from forge_ml.inference.load import hf_tokenizer_dict
+    from forge_ml.tokenizer import tokenizer_from_dict
+
+    tok = _bpe_with_newline_merges()
+    d = tmp_path / "nl"
+    d.mkdir()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(d)
+    ours = tokenizer_from_dict(hf_tokenizer_dict(d))
+    theirs = transformers.AutoTokenizer.from_pretrained(d)
+    assert ours._chunkable()
+    text = "def f(x):\n\n    return x\n \nsome text \nmore\n\n\nend\n" * 40
+    pieces = ours._pieces(text, 10)
+    assert len(pieces) > 20 and "".join(pieces) == text
+    assert ours.encode_array(text, chunk=10).tolist() == ours.encode(text) == theirs(text)["input_ids"]
+    rng = random.Random(0)
+    parts = ["\n\n", " \n", "\t", "'s", "é", "<|endoftext|>", "a", "b c", "\n", " ", "x\n", "  ", "\n\n\n  y"]
+    for _ in range(300):
+        t = "".join(rng.choice(parts) for _ in range(rng.randrange(1, 40)))
+        assert ours.encode_array(t, chunk=rng.choice([1, 2, 5, 10])).tolist() == ours.encode(t) == \
+            theirs(t)["input_ids"], repr(t)
