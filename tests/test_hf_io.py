@@ -167,6 +167,24 @@ def test_export_of_a_checkpoint_writes_its_dropout_rate(tmp_path):
         resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2, summary_first_dropout=0.1)
 
 
+def test_a_loaded_hugging_face_folder_has_no_dropout(tmp_path):
+    """load_model of a Hugging Face folder gives a model without dropout, as of a checkpoint
+    (model.forward(tape, x) trains by default: a loaded GPT-2 dropped 10% of its activations);
+    its rates stay in the meta, which convert --to-hf writes back."""
+    from forge_ml.cli import main
+    from forge_ml.inference import load_model
+
+    model = hf_model(resid_pdrop=0.1, embd_pdrop=0.2, attn_pdrop=0.3)
+    model.save_pretrained(tmp_path / "given", safe_serialization=True)
+    ours, _, meta = load_model(tmp_path / "given")
+    assert ours.config.dropout == 0.0
+    assert meta["config"]["dropout"] == 0.1
+    assert main(["convert", "--to-hf", str(tmp_path / "given"), "--out", str(tmp_path / "back")]) == 0
+    back = transformers.GPT2Config.from_pretrained(tmp_path / "back")
+    assert {k: getattr(back, k) for k in DROPOUT_KEYS} == dict(
+        resid_pdrop=0.1, embd_pdrop=0.2, attn_pdrop=0.3, summary_first_dropout=0.1)
+
+
 def test_written_files_look_like_save_pretrained(saved, tmp_path):
     d, _ = saved
     config, params = load_hf_gpt2(d)

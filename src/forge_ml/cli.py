@@ -975,8 +975,9 @@ def _cmd_convert(args) -> int:
     check_output_dir(args.out, reads=[args.to_hf, ckpt, ckpt.with_name(ckpt.name + ".old")],
                      is_own=is_hf_export, force=args.force, what="Hugging Face export")
     model, tok, meta = load_model(args.to_hf)
-    # the checkpoint's dropout rate (load_model's model has none) and, from an import, HF's rates
-    config = dict(model.config.to_dict(), dropout=(meta.get("config") or {}).get("dropout", 0.0))
+    # the recorded dropout rate (load_model's model has none) and, from an import or a Hugging
+    # Face folder, HF's four rates
+    config = dict(model.config.to_dict(), dropout=meta["config"].get("dropout", 0.0))
     save_hf_gpt2(args.out, config, model.state_dict(), tokenizer=tok.to_dict(),
                  dropout_rates=meta.get("hf_dropout"))
     tok_files = [f for f in TRANSFORMERS_TOKENIZER_FILES if (Path(args.out) / f).is_file()]

@@ -65,8 +65,9 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
     a Hugging Face GPT-2 folder (``config.json`` + ``model.safetensors``; its forge-ml export's
     tokenizer, else its own ``tokenizer.json`` where that is not GPT-2's, else GPT-2's, which
     may have more ids than the model: ``check_tokenizer_fits`` says so before text is turned
-    into ids; ``hf_tokenizer_dict``). ``dtype="bfloat16"`` gives a bf16 model on the
-    GPU (weights rounded once at load). ``tokenizer=False``: a Hugging Face folder whose
+    into ids; ``hf_tokenizer_dict``). The model has no dropout (``meta["config"]`` keeps the
+    rate recorded, and ``meta["hf_dropout"]`` a Hugging Face folder's four). ``dtype="bfloat16"``
+    gives a bf16 model on the GPU (weights rounded once at load). ``tokenizer=False``: a Hugging Face folder whose
     tokenizer forge-ml cannot read gives None for it instead of an error (token ids alone: eval
     of a shard).
 
@@ -91,17 +92,19 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
         model = GPT2.from_state_dict(cfg, params, device=device, dtype=dtype)
         tok = tokenizer_from_dict(meta.get("tokenizer") or {"kind": "gpt2"})
         return model, tok, meta
-    from ..hf import load_hf_gpt2
+    from ..hf import load_hf_dropout, load_hf_gpt2
     config, params = load_hf_gpt2(p)
-    cfg = GPT2Config.from_dict(config)
-    model = GPT2.from_state_dict(cfg, params, device=device, dtype=dtype)
+    # no dropout in the model, as for a checkpoint; the folder's rates are the meta's (convert)
+    meta = {"config": GPT2Config.from_dict(config).to_dict(), "hf_dropout": load_hf_dropout(p)}
+    model = GPT2.from_state_dict(GPT2Config.from_dict(dict(config, dropout=0.0)), params, device=device,
+                                 dtype=dtype)
     try:
         tok = hf_tokenizer_dict(p)
     except CheckpointError:
         if tokenizer:
             raise
-        return model, None, {"config": cfg.to_dict(), "tokenizer": None}
-    return model, tokenizer_from_dict(tok), {"config": cfg.to_dict(), "tokenizer": tok}
+        return model, None, dict(meta, tokenizer=None)
+    return model, tokenizer_from_dict(tok), dict(meta, tokenizer=tok)
 
 
 def check_tokenizer_fits(model, tok, where) -> None:
