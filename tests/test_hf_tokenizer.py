@@ -278,3 +278,50 @@ def test_parallel_pieces_are_cut_only_where_the_whole_text_is_cut(tmp_path):
         t = "".join(rng.choice(parts) for _ in range(rng.randrange(1, 40)))
         assert ours.encode_array(t, chunk=rng.choice([1, 2, 5, 10])).tolist() == ours.encode(t) == \
             theirs(t)["input_ids"], repr(t)
+
+
+def _wordlevel_json():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2, "<|endoftext|>": 3}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return json.loads(tok.to_str())
+
+
+@pytest.mark.parametrize("cls, model", [
+    ("LlamaTokenizerFast", None), ("LlamaTokenizer", None), ("T5TokenizerFast", None), ("BertTokenizer", None),
+    (None, "WordLevel"), ("GPT2TokenizerFast", "WordLevel")])
+def test_a_tokenizer_class_that_transformers_rebuilds_otherwise_is_refused(hfdir, tmp_path, cls, model):
+    """transformers 5 rebuilds the pipeline of a named class (Llama's, T5's) from the file's
+    vocabulary, and GPT-2's (the class of a folder that names none) as a byte-level BPE: other
+    ids than the file run as is (2 of 12 texts for Llama, 5 of 12 for T5). Refused, in one line,
+    naming the class; PreTrainedTokenizerFast and TokenizersBackend run the file as is."""
+    from forge_ml.inference.load import hf_tokenizer_dict, load_model
+
+    d = tmp_path / "c"
+    shutil.copytree(hfdir, d)
+    if model == "WordLevel":
+        (d / "tokenizer.json").write_text(json.dumps(_wordlevel_json()))
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": cls} if cls else {}))
+    with pytest.raises(CheckpointError) as e:
+        hf_tokenizer_dict(d)
+    msg = str(e.value)
+    assert "\n" not in msg and (cls or "no tokenizer class") in msg, msg
+    assert "PreTrainedTokenizerFast" in msg and "GPT-2's" in msg, msg
+    with pytest.raises(CheckpointError):
+        load_model(d)
+
+
+@pytest.mark.parametrize("cls", ["PreTrainedTokenizerFast", "TokenizersBackend"])
+def test_a_generic_tokenizer_class_runs_the_file_as_is(hfdir, tmp_path, cls):
+    from forge_ml.inference.load import hf_tokenizer_dict
+    from forge_ml.tokenizer import tokenizer_from_dict
+
+    d = tmp_path / "g"
+    shutil.copytree(hfdir, d)
+    (d / "tokenizer.json").write_text(json.dumps(_wordlevel_json()))
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": cls, "eos_token": "<|endoftext|>"}))
+    tok = tokenizer_from_dict(hf_tokenizer_dict(d))
+    theirs = transformers.AutoTokenizer.from_pretrained(d)
+    for text in ("a b", "a c b", "b<|endoftext|>a", ""):
+        assert tok.encode(text) == theirs(text)["input_ids"], text
+        assert tok.decode(tok.encode(text)) == theirs.decode(theirs(text)["input_ids"])

@@ -582,7 +582,10 @@ class GPT2Tokenizer:
 _TOKENIZERS_HINT = "install it with: pip install tokenizers"
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES)
 HF_SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_HF_GPT2_CLASSES = ("GPT2Tokenizer", "GPT2TokenizerFast")
+# the tokenizer classes of tokenizer_config.json that transformers sets up as GPT-2's byte-level
+# BPE, and the generic ones that run a tokenizer.json as it is (transformers 5: TokenizersBackend)
+HF_GPT2_CLASSES = ("GPT2Tokenizer", "GPT2TokenizerFast")
+HF_GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def _tokenizers():
@@ -627,9 +630,12 @@ def hf_tokenizer_spec(tokenizer_json: dict, tokenizer_config: dict | None = None
     (transformers 5's rules, the same as 4's for a byte-level BPE):
 
     - no truncation nor padding (``tokenizer(text)`` pads and truncates nothing);
-    - the class ``GPT2Tokenizer``/``GPT2TokenizerFast`` (or none named: the model type's) rebuilds a plain byte-level BPE from the
-      file's vocabulary and merges, ``add_prefix_space`` from the config, and takes
-      ``<|endoftext|>`` for the bos, eos and unk tokens the config does not name;
+    - the class ``GPT2Tokenizer``/``GPT2TokenizerFast`` (or none named: the model type's)
+      rebuilds a plain byte-level BPE from the file's vocabulary and merges, ``add_prefix_space`` from the config, and takes
+      ``<|endoftext|>`` for the bos, eos and unk tokens the config does not name; the generic
+      ``PreTrainedTokenizerFast`` (transformers 5: ``TokenizersBackend``) runs the file as is;
+      another class (Llama's, T5's), or GPT-2's with a model that is not a BPE, is refused
+      (transformers rebuilds its pipeline its own way);
     - the tokens of ``added_tokens_decoder`` and the named special tokens (``eos_token`` ...,
       ``additional_special_tokens``) that are not added tokens yet are added, special;
     - the file's post-processor adds what it adds (transformers 5 ignores ``add_bos_token`` and
@@ -647,9 +653,17 @@ def hf_tokenizer_spec(tokenizer_json: dict, tokenizer_config: dict | None = None
     cfg = dict(tokenizer_config or {})
     spec = dict(tokenizer_json)
     # no class named: AutoTokenizer takes the model type's (GPT-2's) class
-    gpt2_class = cfg.get("tokenizer_class") in (None, *_HF_GPT2_CLASSES)
+    cls = cfg.get("tokenizer_class")
+    gpt2_class = cls in (None, *HF_GPT2_CLASSES)
     model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
-    if gpt2_class and model.get("type", "BPE") == "BPE":
+    if not (cls in HF_GENERIC_CLASSES or gpt2_class and model.get("type", "BPE") == "BPE"):
+        # transformers rebuilds another class's pipeline (Llama's, T5's) from the file's
+        # vocabulary, and GPT-2's as a byte-level BPE: other ids than the file's
+        named = (f"the tokenizer class {cls}" if cls is not None else "no tokenizer class") + (
+            f" with a {model.get('type')} model" if gpt2_class else "")
+        raise TokenizerError(f"{where}: {named}, which transformers sets up otherwise than the file; forge-ml "
+                             f"reads GPT-2's tokenizers, PreTrainedTokenizerFast and plain tokenizer.json folders")
+    if gpt2_class:
         aps = cfg.get("add_prefix_space") is True
         spec["normalizer"] = None
         spec["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": aps, "trim_offsets": True, "use_regex": True}

@@ -15,7 +15,7 @@ from ..checkpoint import load_checkpoint, unpack_tensors
 from ..errors import CheckpointError, ConfigError, TokenizerError
 from ..hf import HF_TOKENIZER_FILE  # a non-GPT-2 tokenizer kept in an exported HF folder
 from ..models.gpt2 import GPT2, GPT2Config
-from ..tokenizer import tokenizer_from_dict
+from ..tokenizer import HF_GPT2_CLASSES, tokenizer_from_dict
 
 CKPT_NAME = "ckpt"          # <run>/ckpt: a run's latest checkpoint
 
@@ -189,7 +189,7 @@ def _hf_prefix_space(d: Path) -> bool:
         spec = _tokenizer_file(d / name)
         specs[name] = spec if isinstance(spec, dict) else None
     cfg, fast = specs["tokenizer_config.json"], specs["tokenizer.json"]
-    if cfg is not None and (fast is None or cfg.get("tokenizer_class") in ("GPT2Tokenizer", "GPT2TokenizerFast")):
+    if cfg is not None and (fast is None or cfg.get("tokenizer_class") in HF_GPT2_CLASSES):
         return cfg.get("add_prefix_space") is True
     if fast is not None:
         pre = fast.get("pre_tokenizer")
@@ -311,7 +311,7 @@ def _hf_own_tokenizer(d: Path, own: Path) -> dict:
     if spec is None:
         vocab, merges = _tokenizer_file(d / "vocab.json"), d / "merges.txt"
         if not (isinstance(vocab, dict) and merges.is_file()) or cfg.get("tokenizer_class") not in (
-                None, "GPT2Tokenizer", "GPT2TokenizerFast"):
+                None, *HF_GPT2_CLASSES):
             n = len(vocab) if isinstance(vocab, (dict, list)) else "?"
             raise CheckpointError(
                 f"{own}: this model's tokenizer is not GPT-2's ({n} tokens, not GPT-2's ids for the same tokens), "
