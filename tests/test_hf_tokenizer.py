@@ -325,3 +325,34 @@ def test_a_generic_tokenizer_class_runs_the_file_as_is(hfdir, tmp_path, cls):
     for text in ("a b", "a c b", "b<|endoftext|>a", ""):
         assert tok.encode(text) == theirs(text)["input_ids"], text
         assert tok.decode(tok.encode(text)) == theirs.decode(theirs(text)["input_ids"])
+
+
+def test_sample_streams_a_metaspace_tokenizer_with_its_spaces(tmp_path, capsys):
+    """forge-ml sample of a model whose tokenizer is not byte-level (Metaspace, as Llama-style
+    ones): the text printed is the prompt and what decode gives after it (the tokens decoded
+    one by one lost their spaces: "▁is" alone is "is"); it stops on any of its eos ids."""
+    from test_generate import make_model
+    from test_serve import metaspace_tokenizer
+
+    from forge_ml.checkpoint import save_checkpoint
+    from forge_ml.inference import stream_tokens
+    from forge_ml.models.gpt2 import GPT2Config
+
+    tok = metaspace_tokenizer()
+    cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16)
+    model = make_model(cfg, seed=0)
+    save_checkpoint(tmp_path / "ck", model.state_dict(), {"config": cfg.to_dict(), "tokenizer": tok.to_dict()})
+    assert tok.stop_tokens == (1, 2)
+    for prompt in ("Hello world", ""):
+        ids = tok.encode(prompt) if prompt else tok.empty_prompt()
+        gen = []
+        for t in stream_tokens(model, ids, 30, temperature=0, stop_tokens=tok.stop_tokens):
+            if t in tok.stop_tokens:
+                break
+            gen.append(t)
+        want = tok.decode(ids + gen)[len(tok.decode(ids)):]
+        assert main(["sample", "--ckpt", str(tmp_path / "ck"), "--prompt", prompt, "--max-new-tokens", "30",
+                     "--temperature", "0"]) == 0
+        out = capsys.readouterr().out
+        assert out == prompt + want + "\n"
+        assert len(gen) >= 5 and " " in want.strip()

@@ -761,3 +761,83 @@ def test_serve_names_its_flags_for_bad_slots_and_max_len(tmp_path):
         run(p.parse_args(["--ckpt", str(tmp_path / "ckpt"), "--slots", "0"]))
     with pytest.raises(ConfigError, match=r"^--max-len must be in 1\.\.32 \(the model's context\), got 100"):
         run(p.parse_args(["--ckpt", str(tmp_path / "ckpt"), "--max-len", "100"]))
+
+
+# -- a Hugging Face tokenizer (kind "hf") ----------------------------------------------------
+
+
+def metaspace_tokenizer():
+    """An "hf" tokenizer that is not byte-level (a Metaspace BPE, as Llama-style tokenizers
+    are): bos <s> (0), two eos ids (</s> 1 and <pad> 2, as a generation_config lists them)."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from forge_ml.tokenizer import HFTokenizer, hf_tokenizer_spec
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.decoder = decoders.Metaspace()
+    t.train_from_iterator(["Hello world, this is the test of a metaspace tokenizer; héllo again."] * 20,
+                          trainers.BpeTrainer(vocab_size=90, special_tokens=["<s>", "</s>", "<pad>"],
+                                              show_progress=False))
+    spec = hf_tokenizer_spec(json.loads(t.to_str()), {"tokenizer_class": "PreTrainedTokenizerFast",
+                                                      "bos_token": "<s>", "eos_token": "</s>"},
+                             {"bos_token_id": 0, "eos_token_id": [1, 2]})
+    return HFTokenizer(spec)
+
+
+def test_an_hf_tokenizer_server_starts_from_bos_and_stops_on_its_eos_ids():
+    """An empty prompt starts from the tokenizer's empty_prompt() (its bos token, as
+    transformers' generate), not from the end-of-text id; every eos id stops, and none is text."""
+    from forge_ml.serve.app import _Choice, _events
+
+    tok = metaspace_tokenizer()
+    assert tok.stop_tokens == (1, 2) and tok.empty_prompt() == [0]
+    cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=1, n_embd=16)
+    eng = BatchEngine(make_model(cfg, seed=0), tok, slots=2)
+    seen = []
+    submit = eng.submit
+
+    def spy(ids, params):
+        seen.append((list(ids), params.stop_tokens))
+        return submit(ids, params)
+
+    eng.submit = spy
+    srv = Server(create_app(eng, "hf-tiny"))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as h:
+            kw = dict(model="hf-tiny", max_tokens=6, temperature=0)
+            got = complete(h, prompt="", **kw)["choices"][0]["text"]
+            assert seen[-1] == ([0], (1, 2))
+            assert got == complete(h, prompt=[0], **kw)["choices"][0]["text"]
+            complete(h, prompt="", ignore_eos=True, **kw)
+            assert seen[-1] == ([0], ())
+    finally:
+        srv.stop()
+        eng.close()
+    # the second eos id ends the choice with no text of its own
+    req = parse_completion({"prompt": "a"})
+    stream = Stream([5], SamplingParams())
+    ids = tok.encode("this is")
+    for t in ids:
+        stream._push(TokenOut(t))
+    stream._push(TokenOut(2, finish="stop"))
+
+    async def run():
+        return [x async for x in _events(_Choice(0, stream, tok, req, tok.stop_tokens), req)]
+
+    events = asyncio.run(run())
+    assert "".join(t for t, _, _ in events) == tok.decode([5] + ids)[len(tok.decode([5])):]
+    assert "<pad>" not in "".join(t for t, _, _ in events) and events[-1][2] == "stop"
+
+
+def test_a_tokenizer_that_is_not_byte_level_streams_its_spaces():
+    """A Metaspace tokenizer's tokens decoded one by one lose their spaces ("▁is" alone is
+    "is"); the stream gives the text decode gives, after the prompt's."""
+    from forge_ml.serve.app import Detokenizer
+
+    tok = metaspace_tokenizer()
+    prompt, ids = tok.encode("Hello"), tok.encode("Hello world, this is a test")[1:]
+    d = Detokenizer(tok, prompt)
+    text = "".join(d.feed(t) for t in ids) + d.flush()
+    assert text == tok.decode(prompt + ids)[len(tok.decode(prompt)):] and text.count(" ") >= 4

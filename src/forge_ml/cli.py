@@ -15,7 +15,6 @@ usage: forge-ml prepare ...
 from __future__ import annotations
 
 import argparse
-import codecs
 import dataclasses
 import errno
 import importlib.util
@@ -584,12 +583,14 @@ def _prompt_ids(tok, prompt: str) -> list:
 
 
 class _Detok:
-    """Turns a stream of ids into text pieces; byte-level BPE bytes (gpt2, hf) go through an
-    incremental UTF-8 decoder so a character split across tokens prints whole."""
+    """Turns a stream of ids into text pieces, the text ``decode`` gives after the prompt's
+    (``tokenizer.TextStream``: a character split across byte-level tokens prints whole, a
+    Metaspace token keeps its space); an id past the tokenizer has no text (said once)."""
 
-    def __init__(self, tok):
+    def __init__(self, tok, prefix=()):
+        from .tokenizer import TextStream
         self.tok = tok
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if tok.kind in ("gpt2", "hf") else None
+        self.text = TextStream(tok, prefix)
         self.said = False
 
     def __call__(self, t: int) -> str:
@@ -602,12 +603,10 @@ class _Detok:
                       f"{self.tok.vocab_size} {_plural(self.tok.vocab_size, 'token')}; it has no text",
                       file=sys.stderr)
             return ""
-        if self.utf8 is None:
-            return self.tok.decode([t])
-        return self.utf8.decode(self.tok.decode_bytes([t]))
+        return self.text.feed(t)
 
     def flush(self) -> str:
-        return self.utf8.decode(b"", final=True) if self.utf8 is not None else ""
+        return self.text.flush()
 
 
 def _check_sample_args(args) -> None:
@@ -686,7 +685,7 @@ def _cmd_sample(args) -> int:
     if args.logprobs is not None and args.logprobs > model.config.vocab_size:
         raise ConfigError(f"--logprobs must be in 0..{model.config.vocab_size} (the model's vocabulary), "
                           f"got {args.logprobs}")
-    stop = (tok.eot_token,) if tok.kind == "gpt2" else tuple(getattr(tok, "stop_tokens", ()))
+    stop = tuple(tok.stop_tokens)
     if (args.num_beams is not None or args.logprobs is not None) and args.max_new_tokens > block - len(ids):
         what = "--num-beams" if args.num_beams is not None else "--logprobs"
         if args.num_beams is not None and len(ids) == block:
@@ -713,7 +712,7 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int) -> None:
     block = model.config.block_size
     out.write(args.prompt)
     out.flush()
-    detok = _Detok(tok)
+    detok = _Detok(tok, ids)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
               min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     if args.logprobs is not None:    # the batch form reports them; no sliding window past the context

@@ -18,6 +18,7 @@ BPE) built from those files.
 """
 from __future__ import annotations
 
+import codecs
 import functools
 import importlib.util
 import json
@@ -93,6 +94,7 @@ class CharTokenizer:
     """
 
     kind = "char"
+    stop_tokens: tuple = ()      # the ids generation stops on: none (no end-of-text token)
 
     def __init__(self, chars: str):
         if not isinstance(chars, str):
@@ -409,6 +411,7 @@ class GPT2Tokenizer:
 
     kind = "gpt2"
     eot_token = GPT2_EOT_ID
+    stop_tokens = (GPT2_EOT_ID,)   # the ids generation stops on
 
     def __init__(self, data_dir: str | Path | None = None, added: dict | None = None,
                  add_prefix_space: bool = False, roles: dict | None = None):
@@ -867,6 +870,22 @@ class HFTokenizer:
             self._token_bytes = out
         return b"".join(self._token_bytes[i] for i in ids)
 
+    def decode_stream(self, prefix=()):
+        """A function that takes the next id and gives the text it adds to ``decode(prefix +
+        ids so far)`` (``tokenizers``' ``DecodeStream``), for a tokenizer that is not
+        byte-level (Metaspace, WordPiece: a token decoded alone loses the space before it);
+        None for a byte-level one, whose ``decode_bytes`` streams exactly."""
+        if self._byte_level:
+            return None
+        ids = self._check_ids(prefix)
+        stream = _tokenizers().decoders.DecodeStream(skip_special_tokens=False)
+        if ids:
+            stream.step(self._tok, ids)
+
+        def step(t: int) -> str:
+            return stream.step(self._tok, self._check_ids([t])[0]) or ""
+        return step
+
     def empty_prompt(self) -> list[int]:
         """The ids an empty prompt starts from: the bos token (``generate``'s start), else eos."""
         if self.bos_token is None:
@@ -884,6 +903,37 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size})"
+
+
+class TextStream:
+    """Token ids to text, one token at a time, never emitting half a UTF-8 character: what
+    ``decode(prefix + ids)`` adds to ``decode(prefix)``. A byte-level tokenizer (``decode_bytes``:
+    gpt2, a byte-level hf) goes through an incremental UTF-8 decoder; an hf tokenizer that is
+    not byte-level through its ``decode_stream``; others decode token by token (char).
+    ``forge-ml sample`` and ``forge-ml serve`` stream with it.
+
+    >>> tok = GPT2Tokenizer()
+    >>> d = TextStream(tok)
+    >>> [d.feed(t) for t in tok.encode("a🦜")], d.feed(8582), d.flush()
+    (['a', '', '', '🦜'], '', '\ufffd')
+    """
+
+    def __init__(self, tokenizer, prefix=()):
+        self.tokenizer = tokenizer
+        self._step = tokenizer.decode_stream(prefix) if hasattr(tokenizer, "decode_stream") else None
+        self._bytes = self._step is None and hasattr(tokenizer, "decode_bytes")
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> str:
+        if self._step is not None:
+            return self._step(token)
+        if self._bytes:
+            return self._dec.decode(self.tokenizer.decode_bytes([token]))
+        return self.tokenizer.decode([token])
+
+    def flush(self) -> str:
+        """The text of an unfinished character at the end (as U+FFFD), else ''."""
+        return self._dec.decode(b"", final=True) if self._bytes else ""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,7 +38,6 @@ tokens get 400; every refusal has OpenAI's error body and the server keeps servi
 from __future__ import annotations
 
 import asyncio
-import codecs
 import hmac
 import json
 import logging
@@ -56,6 +55,7 @@ from starlette.routing import Route
 
 from ..errors import ConfigError, TokenizerError
 from ..inference.batch import BatchEngine
+from ..tokenizer import TextStream
 from ..inference.engine import EngineClosedError, RequestError, SamplingParams, TokenOut
 from .protocol import (APIError, CompletionRequest, chunk_body, choice_body, completion_body,
                        error_body, logprobs_body, models_body, parse_completion, usage_body)
@@ -80,31 +80,8 @@ def _error_response(e: APIError) -> JSONResponse:
 # -- text ------------------------------------------------------------------------------------
 
 
-class Detokenizer:
-    """Token ids to text, one token at a time, never emitting half a UTF-8 character: a
-    tokenizer with ``decode_bytes`` (GPT-2's byte-level BPE) goes through an incremental
-    UTF-8 decoder; others decode token by token.
-
-    >>> from forge_ml.tokenizer import GPT2Tokenizer
-    >>> tok = GPT2Tokenizer()
-    >>> d = Detokenizer(tok)
-    >>> [d.feed(t) for t in tok.encode("a🦜")], d.feed(8582), d.flush()
-    (['a', '', '', '🦜'], '', '�')
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._bytes = hasattr(tokenizer, "decode_bytes")
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, token: int) -> str:
-        if self._bytes:
-            return self._dec.decode(self.tokenizer.decode_bytes([token]))
-        return self.tokenizer.decode([token])
-
-    def flush(self) -> str:
-        """The text of an unfinished character at the end (as U+FFFD), else ''."""
-        return self._dec.decode(b"", final=True) if self._bytes else ""
+# token ids to text, one token at a time (shared with forge-ml sample)
+Detokenizer = TextStream
 
 
 class StopText:
@@ -148,15 +125,18 @@ class _Choice:
     """One choice of a request: its engine stream and the text and log-probabilities built
     from its tokens."""
 
-    def __init__(self, index: int, stream, tokenizer, req: CompletionRequest, eot: Optional[int],
+    def __init__(self, index: int, stream, tokenizer, req: CompletionRequest, stop_ids=(),
                  hidden: int = 0):
         self.index, self.stream, self.tokenizer = index, stream, tokenizer
-        # hidden: the prompt's first tokens that the client did not send (the <|endoftext|> an
-        # empty prompt starts from): not echoed, and not counted in text_offset
+        # hidden: the prompt's first tokens that the client did not send (the <|endoftext|> or
+        # bos an empty prompt starts from): not echoed, and not counted in text_offset
         self.hidden = hidden
-        self.detok = Detokenizer(tokenizer)
+        # the text follows the prompt's (a Metaspace token's space depends on what precedes
+        # it): the prompt decoded before, or its hidden start where echo feeds the rest
+        self.detok = Detokenizer(tokenizer, stream.prompt[:hidden] if req.echo else stream.prompt)
         self.stop = StopText(req.stop)
-        self.eot = eot
+        # the ids that end the choice with no text (an int: the one end-of-text id)
+        self.stop_ids = (stop_ids,) if isinstance(stop_ids, int) else tuple(stop_ids or ())
         self.want_logprobs = req.logprobs is not None
         # text_offset counts characters from the start of the prompt, as OpenAI's API does,
         # echo or not (it counted from the completion's start without echo)
@@ -212,7 +192,7 @@ class _Choice:
         self.n_tokens += 1
         lp = logprobs_body() if self.want_logprobs else None
         text, stopped = "", False
-        if out.token != self.eot or out.finish != "stop":
+        if out.token not in self.stop_ids or out.finish != "stop":
             if lp is not None:
                 self._logprob_part(lp, out.token, out.logprob, out.top_logprobs, self.offset)
             piece = self.detok.feed(out.token)
@@ -286,6 +266,10 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                           "tokenizer)) to serve text")
     max_prompt = engine.max_len if max_prompt_tokens is None else max_prompt_tokens
     eot = getattr(tokenizer, "eot_token", None)
+    # the ids generation stops on (an hf tokenizer may have several), and those an empty
+    # prompt starts from: a new document, from <|endoftext|> (gpt2) or the bos token (hf)
+    stop_ids = tuple(getattr(tokenizer, "stop_tokens", () if eot is None else (eot,)))
+    new_document = getattr(tokenizer, "kind", None) in ("gpt2", "hf") and hasattr(tokenizer, "empty_prompt")
     started = int(time.time())
 
     async def read_json(request: Request):
@@ -306,7 +290,8 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
             raise APIError("the request body is nested too deeply to be a completions request") from None
 
     def prompt_ids(prompt) -> list:
-        """The prompt's token ids; an empty prompt is ``[eot]`` (see ``hidden``)."""
+        """The prompt's token ids; an empty prompt is the tokenizer's start of a new document
+        (``[eot]``, or an hf tokenizer's bos: ``empty_prompt()``; see ``hidden``)."""
         if isinstance(prompt, str):
             try:
                 ids = tokenizer.encode(prompt)
@@ -319,6 +304,11 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                            f"{max_prompt}", param="prompt", code="context_length_exceeded")
         if not ids:
             # OpenAI's empty prompt: the model writes as from the start of a new document
+            if new_document:
+                try:
+                    return tokenizer.empty_prompt()
+                except TokenizerError as e:
+                    raise APIError(f"the prompt is empty: {e}", param="prompt") from None
             if eot is None:
                 raise APIError("the prompt is empty, and this model's tokenizer has no "
                                "<|endoftext|> to start a new document from; give at least "
@@ -330,7 +320,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
         """Every choice's engine request; ``(choices, prompt token count)``."""
         prompts = [prompt_ids(p) for p in req.prompt]
         base = None if req.seed is None else req.seed % (1 << 64)  # int64 as unsigned
-        stop_tokens = () if eot is None or req.ignore_eos else (eot,)
+        stop_tokens = () if req.ignore_eos else stop_ids
         choices = []
         try:
             for i, ids in enumerate(prompts):
@@ -352,8 +342,8 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                         logprobs=req.logprobs, stop_tokens=stop_tokens,
                         prompt_logprobs=req.logprobs if req.echo else None)
                     stream = engine.submit(ids, params)
-                    choices.append(_Choice(i * req.n + j, stream, tokenizer, req, eot,
-                                           hidden=int(len(req.prompt[i]) == 0)))
+                    choices.append(_Choice(i * req.n + j, stream, tokenizer, req, stop_ids,
+                                           hidden=len(ids) if len(req.prompt[i]) == 0 else 0))
         except BaseException:
             for c in choices:
                 c.stream.cancel()
