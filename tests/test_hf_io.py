@@ -574,7 +574,7 @@ def test_an_export_writes_no_tokenizer_that_is_not_the_models(tmp_path):
     assert sorted(p.name for p in (tmp_path / "x").iterdir()) == ["config.json", "model.safetensors"]
 
 
-def test_a_folder_whose_tokenizer_is_not_gpt2s_is_refused(tmp_path):
+def test_a_folder_whose_tokenizer_is_not_gpt2s_is_read_with_its_tokenizer_json_or_refused(tmp_path):
     """A GPT-2 model trained with another BPE vocabulary of >= 50257 tokens (another
     language's) was read with GPT-2's tokenizer: wrong text, silently. A vocab.json alone now
     says so, and a tokenizer.json is read as the model's own tokenizer (kind "hf"); GPT-2's own

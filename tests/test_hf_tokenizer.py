@@ -98,7 +98,9 @@ def test_encode_and_decode_match_transformers(hfdir, tmp_path, name):
         assert tok.encode_array(text).tolist() == ids
         assert tok.decode(ids) == theirs.decode(ids), text
         assert tok.decode_bytes(ids).decode("utf-8", "replace") == theirs.decode(ids)
-    assert 0 in theirs("a<|endoftext|>b")["input_ids"]      # the special token matched in the text
+    # the special token matched in the text
+    assert 0 in theirs("a<|endoftext|>b")["input_ids"] and tok.encode("a<|endoftext|>b") == \
+        theirs("a<|endoftext|>b")["input_ids"]
     assert tok.eot_token == 0 and tok.to_dict() == spec
 
 
@@ -356,3 +358,33 @@ def test_sample_streams_a_metaspace_tokenizer_with_its_spaces(tmp_path, capsys):
         out = capsys.readouterr().out
         assert out == prompt + want + "\n"
         assert len(gen) >= 5 and " " in want.strip()
+
+
+def test_an_added_token_id_that_is_not_a_decimal_number_is_skipped(hfdir, tmp_path):
+    """"²".isdigit() is true and int("²") raises: an added_tokens_decoder key like it stopped
+    the folder's reading with a ValueError traceback; it is skipped, as any other non-number."""
+    from forge_ml.inference.load import _hf_added_tokens, hf_tokenizer_dict
+
+    d = tmp_path / "sq"
+    shutil.copytree(hfdir, d)
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+           "added_tokens_decoder": {"²": dict(_EOT, content="<x>"), "0": _EOT}}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert hf_tokenizer_dict(d)["kind"] == "hf"
+    assert _hf_added_tokens(d)[0] == {}
+
+
+def test_the_tokenizer_fit_message_names_the_tokenizer_it_read(hfdir):
+    """A model with fewer ids than its own "hf" tokenizer: the message did not say that a
+    folder without a tokenizer is read with GPT-2's, which is not this case."""
+    from forge_ml.errors import ConfigError
+    from forge_ml.inference.load import check_tokenizer_fits, hf_tokenizer_dict
+    from forge_ml.models.gpt2 import GPT2, GPT2Config
+    from forge_ml.tokenizer import tokenizer_from_dict
+
+    model = GPT2.init(GPT2Config(vocab_size=8, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    with pytest.raises(ConfigError) as e:
+        check_tokenizer_fits(model, tokenizer_from_dict(hf_tokenizer_dict(hfdir)), "m")
+    assert "GPT-2's" not in str(e.value) and "(hf)" in str(e.value)
+    with pytest.raises(ConfigError, match="without a tokenizer of its own is read with GPT-2's"):
+        check_tokenizer_fits(model, tokenizer_from_dict({"kind": "gpt2"}), "m")

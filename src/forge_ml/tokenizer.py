@@ -685,7 +685,7 @@ def hf_tokenizer_spec(tokenizer_json: dict, tokenizer_config: dict | None = None
     added = {t.content for t in tok.get_added_tokens_decoder().values()}
     to_add = []
     decoder = cfg.get("added_tokens_decoder")
-    for i, t in sorted(((int(i), t) for i, t in (decoder or {}).items() if str(i).isdigit() and isinstance(t, dict)),
+    for i, t in sorted(((int(i), t) for i, t in (decoder or {}).items() if str(i).isdecimal() and isinstance(t, dict)),
                        key=lambda it: it[0]):
         c = t.get("content")
         if isinstance(c, str) and c and c not in added:
@@ -783,7 +783,6 @@ class HFTokenizer:
         self.eot_token = stops[0] if stops else None
         bos = _hf_ids(spec.get("bos_token_id"))
         self.bos_token = bos[0] if bos else self.eot_token
-        self.roles = dict(spec.get("roles") or {})
         self._clean = spec.get("clean_up_tokenization_spaces") is True
         dec = spec["tokenizer"].get("decoder")
         self._byte_level = isinstance(dec, dict) and dec.get("type") == "ByteLevel"

@@ -110,7 +110,8 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
 def check_tokenizer_fits(model, tok, where) -> None:
     """A ConfigError when ``tok`` has more ids than ``model``'s vocabulary: its ids would not be
     the model's (a Hugging Face folder without a tokenizer of its own is read with GPT-2's, so
-    a model with a smaller vocabulary gets one that does not fit). What ``forge-ml
+    a model with a smaller vocabulary gets one that does not fit; the message says so for a
+    gpt2 tokenizer). What ``forge-ml
     sample`` and ``forge-ml serve`` check before they turn text into ids.
 
     >>> from forge_ml.tokenizer import tokenizer_from_dict
@@ -122,9 +123,10 @@ def check_tokenizer_fits(model, tok, where) -> None:
     forge_ml.errors.ConfigError: m: the model has 4 tokens but its tokenizer (gpt2) has 50257; ...
     """
     if tok.vocab_size > model.config.vocab_size:
+        why = (" (a Hugging Face folder without a tokenizer of its own is read with GPT-2's)" if tok.kind == "gpt2"
+               else "")
         raise ConfigError(f"{where}: the model has {model.config.vocab_size} tokens but its tokenizer "
-                          f"({tok.kind}) has {tok.vocab_size}; the ids would not be the model's (a Hugging "
-                          f"Face folder without a tokenizer of its own is read with GPT-2's)")
+                          f"({tok.kind}) has {tok.vocab_size}; the ids would not be the model's{why}")
 
 
 def hf_tokenizer_dict(hf_dir) -> dict:
@@ -242,7 +244,7 @@ def _hf_added_tokens(d: Path) -> tuple:
                     take(t.get("content"), t.get("id"), t)
         elif name == "tokenizer_config.json":
             for i, t in (spec.get("added_tokens_decoder") or {}).items():
-                if isinstance(t, dict) and str(i).isdigit():
+                if isinstance(t, dict) and str(i).isdecimal():     # "²".isdigit(), and int() fails
                     take(t.get("content"), int(i), t)
             for k, v in spec.items():
                 text = lambda t: t.get("content") if isinstance(t, dict) else t   # noqa: E731
