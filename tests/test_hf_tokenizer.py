@@ -26,16 +26,23 @@ TEXTS = ["", "Hello world", "  two leading spaces", "trailing  ", "a   b\n\n c\n
          "ﬁne ① ＡＢＣ", "def f(x):\n    return x + 1\n"]
 
 
-def _hf_folder(path, seed=0):
-    """A byte-level BPE of 300 tokens trained on CORPUS and a small random GPT-2 with it,
-    saved by transformers (as the task's reproduction writes it)."""
+def _byte_level_bpe(text: str, size: int):
+    """A byte-level BPE (GPT-2's pre-tokenizer and decoder) of ``size`` tokens trained on
+    ``text`` by the tokenizers library, <|endoftext|> its special token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([CORPUS], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
+    return tok
+
+
+def _hf_folder(path, seed=0):
+    """A byte-level BPE of 300 tokens trained on CORPUS and a small random GPT-2 with it,
+    saved by transformers (as the task's reproduction writes it)."""
+    tok = _byte_level_bpe(CORPUS, 300)
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(vocab_size=tok.get_vocab_size(), n_positions=64, n_layer=1, n_head=2, n_embd=16,
                                   bos_token_id=0, eos_token_id=0)
@@ -241,14 +248,8 @@ def test_without_the_tokenizers_package_one_line_says_to_install_it(hfdir, tmp_p
 def _bpe_with_newline_merges():
     """A byte-level BPE (GPT-2's regex) trained on text with "\\n\\n    " and " \\n" before
     letters, so that it has the merges ĊĊ and ĠĊ of GPT-2-style vocabularies."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     corpus = ("def f(x):\n\n    return x\n \nsome text \n\nmore text \n\n    end 's café\n\tx\n") * 50
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([corpus], trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok = _byte_level_bpe(corpus, 320)
     vocab = tok.get_vocab()
     assert "ĊĊ" in vocab and "ĠĊ" in vocab
     return tok
