@@ -21,6 +21,7 @@ the code in seconds a run: scripts/ab_trees.sh).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -150,19 +151,26 @@ def main(argv=None):
         for run in runs.values():   # warm-up: graphs captured, kernels loaded
             run()
         cp.cuda.Device().synchronize()
-        # the modes in turn, a.repeats rounds, the best of each: a slow spell of the machine
-        # (batch 64's runs varied by 10% for seconds at a time) falls on every mode alike,
-        # where a mode's repeats back to back could each land in it
+        # the modes in turn, a.repeats rounds, the best of each, each run from a fresh start of
+        # Python's garbage collector: a batch-64 run keeps 64K TokenEvents, enough to set off a
+        # full (generation 2) collection, about 0.1 s in a process holding torch and
+        # transformers (session 23, on the CPU); the collector's phase repeats each round, so
+        # without gc.collect() one mode could pay it in every round and come out 10% slow
         times = dict.fromkeys(runs, float("inf"))
+        full = dict.fromkeys(runs, 0)
         for _ in range(a.repeats):
             for name, run in runs.items():
+                gc.collect()
+                was = gc.get_stats()[2]["collections"]
                 t0 = time.perf_counter()
                 run()
                 cp.cuda.Device().synchronize()
                 times[name] = min(times[name], time.perf_counter() - t0)
-        print(f"\nbatch {B}, {a.dtype}: generated tokens/s by sampling mode (ratio to greedy)")
+                full[name] += gc.get_stats()[2]["collections"] - was
+        print(f"\nbatch {B}, {a.dtype}: generated tokens/s by sampling mode (ratio to greedy; full "
+              f"garbage collections during its {a.repeats} runs)")
         for name, t in times.items():
-            print(f"  {name:30s} {B * n / t:10.1f} tok/s   {times['greedy'] / t:5.2f}")
+            print(f"  {name:30s} {B * n / t:10.1f} tok/s   {times['greedy'] / t:5.2f}   ({full[name]})")
 
 
 if __name__ == "__main__":
