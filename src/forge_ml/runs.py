@@ -77,11 +77,38 @@ def remove_stray_temps(folder, names) -> None:
             pass
 
 
-_KILLS = ("SIGTERM", "SIGHUP")   # what ends a process unless it is held
+# the signals that end a process by default (a run stops at a step boundary instead)
+ENDING_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+def take_signals(handler, signums, default_only: bool = False) -> dict:
+    """``handler`` for each of ``signums`` (on the main thread: only it takes signals; a
+    KeyboardInterrupt elsewhere is handled as one); returns the handlers it replaced, for
+    ``give_back_signals``. A signal the process inherited as ignored stays ignored (nohup's
+    SIGHUP, the SIGINT of a non-interactive shell's background job), as Python leaves an
+    ignored SIGINT; ``default_only``: so does one with a handler of its own."""
+    old = {}
+    if threading.current_thread() is not threading.main_thread():
+        return old
+    for s in signums:
+        try:
+            was = signal.getsignal(s)
+            if was is None or was is signal.SIG_IGN or (default_only and was is not signal.SIG_DFL):
+                continue     # (None: a handler set outside Python, which could not be put back)
+            old[s] = signal.signal(s, handler)
+        except (ValueError, OSError):
+            pass
+    return old
+
+
+def give_back_signals(old: dict) -> None:
+    """The handlers ``take_signals`` replaced, put back."""
+    for s, h in old.items():
+        signal.signal(s, h)
 
 
 @contextlib.contextmanager
-def signals_held(names=("SIGINT",) + _KILLS):
+def signals_held(names=("SIGINT", "SIGTERM", "SIGHUP")):
     """The signals ``names`` held back while the block runs and delivered when it ends (a
     Ctrl-C lands after it): each one's handler is swapped for one that only notes it, and the
     first noted is raised again, to the handler it would have reached, once the block is done.
@@ -96,21 +123,13 @@ def signals_held(names=("SIGINT",) + _KILLS):
     >>> h is signal.getsignal(signal.SIGTERM)
     False
     """
-    noted, old = [], {}
-    if threading.current_thread() is threading.main_thread():
-        for name in names:
-            s = getattr(signal, name, None)
-            if s is None:
-                continue
-            was = signal.getsignal(s)
-            if was is None or was is signal.SIG_IGN:   # (None: set outside Python, not put back)
-                continue
-            old[s] = signal.signal(s, lambda signum, frame: noted.append(signum))
+    noted = []
+    old = take_signals(lambda signum, frame: noted.append(signum),
+                       [getattr(signal, n) for n in names if hasattr(signal, n)])
     try:
         yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        give_back_signals(old)
         if noted:
             signal.raise_signal(noted[0])
 
@@ -155,7 +174,7 @@ def remove_together(folder, files=(), dirs=()) -> bool:
     if not plan:
         return False
     trash, moved = None, []
-    with signals_held(_KILLS):
+    with signals_held(("SIGTERM", "SIGHUP")):
         try:
             trash = Path(tempfile.mkdtemp(prefix=TRASH_PREFIX, suffix=TRASH_SUFFIX, dir=folder))
             for src, rel in plan:
@@ -165,11 +184,11 @@ def remove_together(folder, files=(), dirs=()) -> bool:
                 moved.append((src, dst))   # before the rename: one stopped right after it is undone too
                 os.rename(src, dst)
         except BaseException:
-            with signals_held():
+            with signals_held(("SIGINT",)):   # (the others are held already)
                 _put_back(moved, trash)
             raise
         # every file is in the trash: from here on the earlier files are gone, so a Ctrl-C waits
-        with signals_held():
+        with signals_held(("SIGINT",)):
             shutil.rmtree(trash)
     return nfiles > 0
 

@@ -62,7 +62,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,9 +84,9 @@ from .inference.generate import stream_tokens
 from .inference.load import CKPT_NAME
 from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
 from .optim import AdamW, accumulate, clip_grad_norm, cosine_lr
-from .runs import (LOCK_NAME, RunError, RunLock, cannot_write, holds_run, read_log,  # noqa: F401 (LOCK_NAME: the old import path)
-                   remove_stray_temps, remove_together, remove_trash, replace_file, stray_temps,
-                   trash_folders)
+from .runs import (ENDING_SIGNALS, LOCK_NAME, RunError, RunLock, cannot_write,  # noqa: F401 (LOCK_NAME: the old import path)
+                   give_back_signals, holds_run, read_log, remove_stray_temps, remove_together,
+                   remove_trash, replace_file, stray_temps, take_signals, trash_folders)
 from .step import TrainStep
 from .tensor import device_has, device_numerics, release_cached, synchronize, tensor
 from .tokenizer import load_tokenizer, tokenizer_from_dict
@@ -576,7 +575,7 @@ class Trainer:
         # SIGTERM and SIGHUP (where they would end the process) do here what a Ctrl-C does:
         # they raise, and what the setup wrote (the shards' temporary files, the lock, the
         # folder it made) is taken back; a kill left them, the lock file too
-        old = _take_signals(self._on_setup_signal, _ENDING_SIGNALS, default_only=True)
+        old = take_signals(self._on_setup_signal, ENDING_SIGNALS, default_only=True)
         try:
             self.lock.acquire()
             try:
@@ -586,7 +585,7 @@ class Trainer:
                 raise
             self.lock._made = []  # the folder is the run's now
         finally:
-            _give_back_signals(old)
+            give_back_signals(old)
         self._ckpt_seen = _ckpt_id(self.ckpt_dir)   # the checkpoint as this object knows it
 
     def close(self) -> None:
@@ -1666,7 +1665,7 @@ class Trainer:
 
     def _install_handlers(self) -> dict:
         # SIGHUP too: a dropped SSH session ends the run with a checkpoint, not killed mid-way
-        return _take_signals(self._on_signal, (signal.SIGINT,) + _ENDING_SIGNALS)
+        return take_signals(self._on_signal, (signal.SIGINT,) + ENDING_SIGNALS)
 
     def _interruptible(self, fn):
         """Run eval or sampling work that a signal cuts short: fn()'s value, or None."""
@@ -1747,7 +1746,7 @@ class Trainer:
             return self._train(until)
         finally:
             self._unstage()
-            _give_back_signals(old)
+            give_back_signals(old)
             self._close_bar()
             self._flush_log(quiet=True)
             self.lock.release()
@@ -1999,35 +1998,6 @@ class Trainer:
             self._say(f"warning: {cannot_write(path, e)}; the checkpoint and log are saved")
             return None
         return path
-
-
-# the signals that end a process by default, which a run stops at a step boundary instead
-_ENDING_SIGNALS = (signal.SIGTERM,) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
-
-
-def _take_signals(handler, signums, default_only: bool = False) -> dict:
-    """``handler`` for each of ``signums`` (on the main thread: only it takes signals; a
-    KeyboardInterrupt elsewhere is handled as one); returns the handlers it replaced, for
-    ``_give_back_signals``. A signal the process inherited as ignored stays ignored (nohup's
-    SIGHUP, the SIGINT of a non-interactive shell's background job), as Python leaves an
-    ignored SIGINT; ``default_only``: so does one with a handler of its own."""
-    old = {}
-    if threading.current_thread() is not threading.main_thread():
-        return old
-    for s in signums:
-        try:
-            was = signal.getsignal(s)
-            if was is None or was is signal.SIG_IGN or (default_only and was is not signal.SIG_DFL):
-                continue     # (None: a handler set outside Python, which could not be put back)
-            old[s] = signal.signal(s, handler)
-        except (ValueError, OSError):
-            pass
-    return old
-
-
-def _give_back_signals(old: dict) -> None:
-    for s, h in old.items():
-        signal.signal(s, h)
 
 
 def _count(what: str, name: str, v) -> int:

@@ -36,8 +36,8 @@ from ..errors import ConfigError, TrainingError
 from ..models.gpt2 import GPT2, GPT2Config, param_shapes
 from ..optim import AdamW, cosine_lr, counters
 from ..tensor import tensor, zeros
-from ..train import (Interrupted, Trainer, TrainConfig, _give_back_signals, _take_signals,
-                     dropout_seed)
+from ..runs import give_back_signals, take_signals
+from ..train import Interrupted, Trainer, TrainConfig, dropout_seed
 from .comm import CommError, Communicator
 from .ddp import DataParallel, rank_batches
 
@@ -237,7 +237,7 @@ class Worker:
         """Follow rank 0's commands until ``done``; raises CommError on ``abort`` and
         TrainingError on a non-finite loss or norm (rank 0 raises it too, with its cause)."""
         # (a signal inherited as ignored stays ignored: nohup, a background job's SIGINT)
-        old = _take_signals(self._on_signal, (signal.SIGINT, signal.SIGTERM))
+        old = take_signals(self._on_signal, (signal.SIGINT, signal.SIGTERM))
         try:
             while True:
                 msg = self.comm.broadcast_object(None, root=0)
@@ -261,7 +261,7 @@ class Worker:
                 else:
                     raise CommError(f"rank {self.comm.rank}: unknown command from rank 0: {msg!r}")
         finally:
-            _give_back_signals(old)
+            give_back_signals(old)
 
 
 def train(config, comm: Communicator, *, zero: int = 0, bucket_mb: float = 25.0, resume: bool = False,
