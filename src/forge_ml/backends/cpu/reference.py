@@ -482,30 +482,29 @@ def _attention_scores(q, k, scale, r0, r1):
     return s
 
 
+def _attention_rows(q, k, v, scale, r0, r1, out, lse):
+    """Writes out[..., r0:r1, :] and lse[..., r0:r1]: query rows [r0, r1) over keys [0, r1)."""
+    s = _attention_scores(q, k, scale, r0, r1)   # (..., H, r, r1)
+    m = s.max(axis=-1, keepdims=True)            # (..., H, r, 1)
+    s -= m
+    np.exp(s, out=s)
+    l = _row_sums(s)[..., None]                  # (..., H, r, 1)
+    o = np.matmul(s, v[..., :r1, :])             # (..., H, r, hs), not yet normalized
+    np.multiply(o, np.reciprocal(l), out=out[..., r0:r1, :])
+    np.log(l, out=l)
+    l += m
+    lse[..., r0:r1] = l[..., 0]
+
+
 def attention(q, k, v, scale):
     """Causal self-attention of (..., H, T, hs): (out (..., H, T, hs), lse (..., H, T))."""
     t = q.shape[-2]
     out = np.empty_like(q)
     lse = np.empty(q.shape[:-1], dtype=q.dtype)  # (..., H, T)
     for r0, r1 in _attention_chunks(t):
-        s = _attention_scores(q, k, scale, r0, r1)   # (..., H, r, r1)
-        m = s.max(axis=-1, keepdims=True)            # (..., H, r, 1)
-        s -= m
-        np.exp(s, out=s)
-        l = _row_sums(s)[..., None]                  # (..., H, r, 1)
-        o = np.matmul(s, v[..., :r1, :])             # (..., H, r, hs), not yet normalized
-        np.multiply(o, np.reciprocal(l), out=out[..., r0:r1, :])
-        np.log(l, out=l)
-        l += m
-        lse[..., r0:r1] = l[..., 0]
-    for i in _nonfinite_rows(out):
-        s = np.matmul(q[..., i:i + 1, :] * q.dtype.type(scale), k[..., :i + 1, :].swapaxes(-1, -2))
-        m = s.max(axis=-1, keepdims=True)                   # (..., H, 1, 1)
-        s -= m
-        np.exp(s, out=s)
-        l = _row_sums(s)[..., None]
-        np.multiply(np.matmul(s, v[..., :i + 1, :]), np.reciprocal(l), out=out[..., i:i + 1, :])
-        lse[..., i] = (np.log(l) + m)[..., 0, 0]
+        _attention_rows(q, k, v, scale, r0, r1, out, lse)
+    for i in _nonfinite_rows(out):               # row i alone: keys [0, i], none masked
+        _attention_rows(q, k, v, scale, i, i + 1, out, lse)
     return out, lse
 
 
