@@ -426,6 +426,16 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder"):
         raise _write_error(path, e) from None
 
 
+def is_inside(path, folder) -> bool:
+    """Whether ``path`` is ``folder`` or inside it, ``~``, links and relative parts resolved.
+
+    >>> is_inside("runs/a/./ckpt", "runs/a/"), is_inside("runs/ab", "runs/a")
+    (True, False)
+    """
+    p, f = (Path(os.path.realpath(os.path.expanduser(str(x)))) for x in (path, folder))
+    return p == f or f in p.parents
+
+
 def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str = "output") -> Path:
     """The rule of every command that writes a folder, checked before any work: ``out`` may be
     new or an empty folder; a folder that ``is_own`` recognises as this command's earlier
@@ -444,16 +454,12 @@ def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str 
     """
     path = Path(os.path.abspath(out))
     real = Path(os.path.realpath(path))
-    def holds(inner) -> bool:
-        inner = Path(os.path.realpath(inner))
-        return inner == real or real in inner.parents
-
     for src in reads:
-        if holds(src):
+        if is_inside(src, real):
             rel = (f"is {src}, the folder this command reads from" if Path(os.path.realpath(src)) == real
                    else f"holds {src}, which this command reads from")
             raise CheckpointError(f"refusing to write {out}: it {rel}; write into a new or empty folder")
-    if holds(os.getcwd()):
+    if is_inside(os.getcwd(), real):
         raise CheckpointError(f"refusing to write {out}: it is or holds the current folder; "
                               f"write into a new or empty folder")
     _, old = _side_paths(path)

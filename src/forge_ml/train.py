@@ -72,8 +72,9 @@ import numpy as np
 from . import flags
 from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
-from .checkpoint import (check_architecture, check_checkpoint_target, is_checkpoint_dir, load_checkpoint,
-                         pack_tensors, read_meta, read_state, save_checkpoint, unpack_tensors)
+from .checkpoint import (check_architecture, check_checkpoint_target, is_checkpoint_dir, is_inside,
+                         load_checkpoint, pack_tensors, read_meta, read_state, save_checkpoint,
+                         unpack_tensors)
 from .data import (DataLoader, ShardFolder, default_corpus, encode_array, is_shard_file, load_text, plural,
                    read_shard, shard_folder, split_tokens, write_prepared)
 from .diagnose import CheckingTape
@@ -899,7 +900,7 @@ class Trainer:
             ckpt = resolve_checkpoint(path)
         except ForgeError:      # no model there: _load_source says so
             ckpt = Path(path)
-        return any(_inside(ckpt, self.out_dir / n) for n in self._cleared_names())
+        return any(is_inside(ckpt, self.out_dir / n) for n in self._cleared_names())
 
     def _clear_run(self) -> None:
         """--overwrite: remove the files an earlier run wrote (only those), all or none
@@ -2094,16 +2095,6 @@ def _same_path(a: str, b: str) -> bool:
     if not a or not b:
         return a == b
     return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _inside(path, folder) -> bool:
-    """Whether ``path`` is ``folder`` or inside it, links and relative parts resolved.
-
-    >>> _inside("runs/a/./ckpt", "runs/a/"), _inside("runs/ab", "runs/a")
-    (True, False)
-    """
-    p, f = (Path(os.path.realpath(os.path.expanduser(str(x)))) for x in (path, folder))
-    return p == f or f in p.parents
 
 
 # the folders of a run that it writes and replaces: no place for another run
