@@ -99,12 +99,12 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
     model = GPT2.from_state_dict(GPT2Config.from_dict(dict(config, dropout=0.0)), params, device=device,
                                  dtype=dtype)
     try:
-        tok = hf_tokenizer_dict(p)
+        tok, built = _hf_tokenizer(p)
     except CheckpointError:
         if tokenizer:
             raise
         return model, None, dict(meta, tokenizer=None)
-    return model, tokenizer_from_dict(tok), dict(meta, tokenizer=tok)
+    return model, (built if built is not None else tokenizer_from_dict(tok)), dict(meta, tokenizer=tok)
 
 
 def check_tokenizer_fits(model, tok, where) -> None:
@@ -140,6 +140,12 @@ def hf_tokenizer_dict(hf_dir) -> dict:
     >>> hf_tokenizer_dict(tempfile.mkdtemp())
     {'kind': 'gpt2'}
     """
+    return _hf_tokenizer(hf_dir)[0]
+
+
+def _hf_tokenizer(hf_dir) -> tuple:
+    """``(hf_tokenizer_dict(hf_dir), tokenizer)``: the tokenizer built to check the dict (a
+    folder's own "hf" one is not built here: None, built by whoever uses it)."""
     f = Path(hf_dir) / HF_TOKENIZER_FILE
     if f.is_file():
         try:
@@ -147,13 +153,13 @@ def hf_tokenizer_dict(hf_dir) -> dict:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
         try:
-            tokenizer_from_dict(d)  # checked here, not when a checkpoint converted from it is used
+            tok = tokenizer_from_dict(d)  # checked here, not when a checkpoint converted from it is used
         except TokenizerError as e:
             raise CheckpointError(f"{f}: not a forge-ml tokenizer ({e})") from None
-        return d
-    own = _not_gpt2_vocabulary(Path(hf_dir))
+        return d, tok
+    own = _not_gpt2_file(Path(hf_dir))
     if own is not None:
-        return _hf_own_tokenizer(Path(hf_dir), own)
+        return _hf_own_tokenizer(Path(hf_dir), *own), None
     d = {"kind": "gpt2"}
     added, roles = _hf_added_tokens(Path(hf_dir))
     if added:
@@ -163,10 +169,10 @@ def hf_tokenizer_dict(hf_dir) -> dict:
     if _hf_prefix_space(Path(hf_dir)):
         d["add_prefix_space"] = True
     try:
-        tokenizer_from_dict(d)
+        tok = tokenizer_from_dict(d)
     except TokenizerError as e:
         raise CheckpointError(f"{hf_dir}: its tokenizer cannot be read: {e}") from None
-    return d
+    return d, tok
 
 
 def _tokenizer_file(f: Path):
@@ -272,6 +278,12 @@ def _not_gpt2_vocabulary(d: Path):
     >>> _not_gpt2_vocabulary(Path(d)).name, _not_gpt2_vocabulary(Path(tempfile.mkdtemp()))
     ('vocab.json', None)
     """
+    own = _not_gpt2_file(d)
+    return None if own is None else own[0]
+
+
+def _not_gpt2_file(d: Path):
+    """``(file, its parsed JSON)`` of ``_not_gpt2_vocabulary(d)``, or None."""
     for name in ("vocab.json", "tokenizer.json"):
         f = d / name
         spec = _tokenizer_file(f)
@@ -284,14 +296,15 @@ def _not_gpt2_vocabulary(d: Path):
         from ..tokenizer import gpt2_data_dir
         gpt2 = json.loads((gpt2_data_dir() / "encoder.json").read_text(encoding="utf-8"))
         ok = isinstance(vocab, dict) and all(vocab.get(t) == i for t, i in gpt2.items())
-        return None if ok else f
+        return None if ok else (f, spec)
     return None
 
 
-def _hf_own_tokenizer(d: Path, own: Path) -> dict:
+def _hf_own_tokenizer(d: Path, own: Path, own_json=None) -> dict:
     """The "hf" tokenizer dict of a folder whose vocabulary (in ``own``) is not GPT-2's: its
     ``tokenizer.json``, else its ``vocab.json`` + ``merges.txt`` as the byte-level BPE that
     transformers' GPT2Tokenizer builds of them; a CheckpointError says what is missing.
+    ``own_json``: ``own`` parsed already (not read again).
 
     >>> import tempfile, os
     >>> d = Path(tempfile.mkdtemp()); _ = (d / "vocab.json").write_text('{"a": 0}')
@@ -302,16 +315,19 @@ def _hf_own_tokenizer(d: Path, own: Path) -> dict:
     """
     from ..tokenizer import hf_tokenizer_spec
 
+    def read(f: Path):
+        return own_json if own_json is not None and f == own else _tokenizer_file(f)
+
     cfg = _tokenizer_file(d / "tokenizer_config.json")
     cfg = dict(cfg) if isinstance(cfg, dict) else {}
     if not isinstance(cfg.get("added_tokens_decoder"), dict):
         # transformers' legacy special_tokens_map.json (read where added_tokens_decoder is not)
         smap = _tokenizer_file(d / "special_tokens_map.json")
         cfg.update(smap if isinstance(smap, dict) else {})
-    spec = _tokenizer_file(d / "tokenizer.json")
+    spec = read(d / "tokenizer.json")
     where = d / "tokenizer.json"
     if spec is None:
-        vocab, merges = _tokenizer_file(d / "vocab.json"), d / "merges.txt"
+        vocab, merges = read(d / "vocab.json"), d / "merges.txt"
         if not (isinstance(vocab, dict) and merges.is_file()) or cfg.get("tokenizer_class") not in (
                 None, *HF_GPT2_CLASSES):
             n = len(vocab) if isinstance(vocab, (dict, list)) else "?"
