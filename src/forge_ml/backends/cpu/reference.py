@@ -509,11 +509,23 @@ def attention(q, k, v, scale):
 
 
 def _nonfinite_rows(x):
-    """The rows i of x (..., T, hs) that are not finite in some head."""
-    fin = np.isfinite(x)
-    if fin.all():
-        return ()
-    return np.flatnonzero(~fin.all(axis=tuple(range(x.ndim - 2)) + (-1,)))
+    """The rows i of x (..., T, hs) that are not finite in some head (intp)."""
+    return np.flatnonzero(~np.isfinite(x).all(axis=tuple(range(x.ndim - 2)) + (-1,)))
+
+
+def _attention_bwd_rows(q, k, v, lse, dout, d, scale, r0, r1, dq):
+    """P and dS = P (dP - D), unscaled, of query rows [r0, r1) over keys [0, r1), each
+    (..., H, r, r1); writes dq[..., r0:r1, :] = scale dS k."""
+    p = _attention_scores(q, k, scale, r0, r1)         # (..., H, r, r1)
+    p -= lse[..., r0:r1, None]
+    np.exp(p, out=p)                                   # P; masked entries exp(-inf) = 0
+    ds = np.matmul(dout[..., r0:r1, :], v[..., :r1, :].swapaxes(-1, -2))  # dP (..., H, r, r1)
+    ds -= d[..., r0:r1, :]
+    ds *= p                                            # dS = P (dP - D), unscaled
+    dq_rows = dq[..., r0:r1, :]
+    np.matmul(ds, k[..., :r1, :], out=dq_rows)
+    dq_rows *= q.dtype.type(scale)                     # scale the (r, hs) side, not (r, r1)
+    return p, ds
 
 
 def attention_bwd(q, k, v, out, lse, dout, scale):
@@ -527,33 +539,18 @@ def attention_bwd(q, k, v, out, lse, dout, scale):
     dv = np.empty_like(v) if one else np.zeros_like(v)
     d = np.vecdot(dout, out)[..., None]                    # (..., H, T, 1) = rowsum(dO * O)
     for r0, r1 in chunks:
-        p = _attention_scores(q, k, scale, r0, r1)         # (..., H, r, r1)
-        p -= lse[..., r0:r1, None]
-        np.exp(p, out=p)                                   # P; masked entries exp(-inf) = 0
+        p, ds = _attention_bwd_rows(q, k, v, lse, dout, d, scale, r0, r1, dq)
         do = dout[..., r0:r1, :]                           # (..., H, r, hs)
-        if one:
-            np.matmul(p.swapaxes(-1, -2), do, out=dv)
-        else:
-            dv[..., :r1, :] += np.matmul(p.swapaxes(-1, -2), do)
-        ds = np.matmul(do, v[..., :r1, :].swapaxes(-1, -2))  # dP (..., H, r, r1)
-        ds -= d[..., r0:r1, :]
-        ds *= p                                            # dS = P (dP - D), unscaled
-        dq_rows = dq[..., r0:r1, :]
-        np.matmul(ds, k[..., :r1, :], out=dq_rows)
-        dq_rows *= f(scale)                                # scale the (r, hs) side, not (r, r1)
         q_scaled = q[..., r0:r1, :] * f(scale)
         if one:
+            np.matmul(p.swapaxes(-1, -2), do, out=dv)
             np.matmul(ds.swapaxes(-1, -2), q_scaled, out=dk)
         else:
+            dv[..., :r1, :] += np.matmul(p.swapaxes(-1, -2), do)
             dk[..., :r1, :] += np.matmul(ds.swapaxes(-1, -2), q_scaled)
-    for i in _nonfinite_rows(dq):        # row i of P and dS over keys [0, i]
-        p = np.matmul(q[..., i:i + 1, :] * f(scale), k[..., :i + 1, :].swapaxes(-1, -2))
-        np.exp(p - lse[..., i:i + 1, None], out=p)                       # (..., H, 1, i+1)
-        ds = (np.matmul(dout[..., i:i + 1, :], v[..., :i + 1, :].swapaxes(-1, -2))
-              - d[..., i:i + 1, :]) * p
-        np.matmul(ds, k[..., :i + 1, :], out=dq[..., i:i + 1, :])
-        dq[..., i:i + 1, :] *= f(scale)
-    for j in np.union1d(_nonfinite_rows(dk), _nonfinite_rows(dv)).astype(np.intp):
+    for i in _nonfinite_rows(dq):        # row i of P and dS over keys [0, i], none masked
+        _attention_bwd_rows(q, k, v, lse, dout, d, scale, i, i + 1, dq)
+    for j in np.union1d(_nonfinite_rows(dk), _nonfinite_rows(dv)):
         q_scaled = q[..., j:, :] * f(scale)                              # column j: queries [j, T)
         p = np.matmul(q_scaled, k[..., j:j + 1, :].swapaxes(-1, -2))
         np.exp(p - lse[..., j:, None], out=p)                            # (..., H, T-j, 1)
