@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from .checkpoint import flock_file, user_umask
+from .checkpoint import flock_file, is_checkpoint_dir, user_umask
 from .errors import ForgeError
 
 LOCK_NAME = "train.lock"    # <out_dir>/train.lock: held (flock) by the trainer using the folder
@@ -169,8 +169,9 @@ def remove_together(folder, files=(), dirs=()) -> bool:
                 plan.append((d, d.name))                          # the folder with its files
             else:
                 plan += [(d / n, os.path.join(d.name, n)) for n in ours]
-    plan += [(f, f.name) for f in files if f.is_file()]
-    nfiles += sum(1 for f in files if f.is_file())
+    present = [f for f in files if f.is_file()]
+    plan += [(f, f.name) for f in present]
+    nfiles += len(present)
     if not plan:
         return False
     trash, moved = None, []
@@ -295,7 +296,6 @@ def holds_run(folder) -> bool:
     >>> _ = (d / "log.jsonl").write_text('{"step": 1, "loss": 2.5}\\n'); holds_run(d)
     True
     """
-    from .checkpoint import is_checkpoint_dir
     folder = Path(folder)
     try:
         with open(folder / LOCK_NAME, "rb") as f:

@@ -110,8 +110,8 @@ DEFAULT_BLOCK = 64   # the context without a preset or a source
 
 class Interrupted(KeyboardInterrupt):
     """``Trainer.train()`` stopped on SIGINT, SIGTERM or SIGHUP at a step boundary, or
-    ``Trainer()`` on SIGTERM or SIGHUP during its setup (``setup``: what it wrote is taken
-    back, as a Ctrl-C's KeyboardInterrupt there does). ``signum``, ``step`` (the step
+    ``Trainer()`` on SIGTERM or SIGHUP during its setup (``setup``, which words the message:
+    what it wrote is taken back, as a Ctrl-C's KeyboardInterrupt there does). ``signum``, ``step`` (the step
     reached), ``saved`` (whether a checkpoint of that step was written); ``exit_status`` is
     the shell's 128 + signal number (130, 143, 129).
 
@@ -125,7 +125,7 @@ class Interrupted(KeyboardInterrupt):
         name = signal.Signals(signum).name
         super().__init__(f"interrupted by {name} during setup, before the first step" if setup
                          else f"interrupted by {name} at step {step}")
-        self.signum, self.step, self.saved, self.setup = int(signum), int(step), bool(saved), bool(setup)
+        self.signum, self.step, self.saved = int(signum), int(step), bool(saved)
 
     @property
     def exit_status(self) -> int:
@@ -1662,7 +1662,7 @@ class Trainer:
 
     def _on_setup_signal(self, signum, frame) -> None:
         """SIGTERM / SIGHUP during the setup: raise, as SIGINT does there."""
-        raise Interrupted(signum, getattr(self, "step", 0), False, setup=True)
+        raise Interrupted(signum, self.step, False, setup=True)
 
     def _install_handlers(self) -> dict:
         # SIGHUP too: a dropped SSH session ends the run with a checkpoint, not killed mid-way
