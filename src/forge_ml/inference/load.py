@@ -8,6 +8,7 @@ forge_ml.errors.CheckpointError: checkpoint not found: runs/none does not exist
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -95,9 +96,9 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
     from ..hf import load_hf_dropout, load_hf_gpt2
     config, params = load_hf_gpt2(p)
     # no dropout in the model, as for a checkpoint; the folder's rates are the meta's (convert)
-    meta = {"config": GPT2Config.from_dict(config).to_dict(), "hf_dropout": load_hf_dropout(p)}
-    model = GPT2.from_state_dict(GPT2Config.from_dict(dict(config, dropout=0.0)), params, device=device,
-                                 dtype=dtype)
+    cfg = GPT2Config.from_dict(config)
+    meta = {"config": cfg.to_dict(), "hf_dropout": load_hf_dropout(p)}
+    model = GPT2.from_state_dict(dataclasses.replace(cfg, dropout=0.0), params, device=device, dtype=dtype)
     try:
         tok, built = _hf_tokenizer(p)
     except CheckpointError:
