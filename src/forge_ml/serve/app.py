@@ -265,10 +265,9 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
         raise ConfigError("create_app: the engine needs a tokenizer (BatchEngine(model, "
                           "tokenizer)) to serve text")
     max_prompt = engine.max_len if max_prompt_tokens is None else max_prompt_tokens
-    eot = getattr(tokenizer, "eot_token", None)
     # the ids generation stops on (an hf tokenizer may have several), and those an empty
     # prompt starts from: a new document, from <|endoftext|> (gpt2) or the bos token (hf)
-    stop_ids = tuple(getattr(tokenizer, "stop_tokens", () if eot is None else (eot,)))
+    stop_ids = tuple(getattr(tokenizer, "stop_tokens", ()))
     new_document = getattr(tokenizer, "kind", None) in ("gpt2", "hf") and hasattr(tokenizer, "empty_prompt")
     started = int(time.time())
 
@@ -304,16 +303,14 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                            f"{max_prompt}", param="prompt", code="context_length_exceeded")
         if not ids:
             # OpenAI's empty prompt: the model writes as from the start of a new document
-            if new_document:
-                try:
-                    return tokenizer.empty_prompt()
-                except TokenizerError as e:
-                    raise APIError(f"the prompt is empty: {e}", param="prompt") from None
-            if eot is None:
+            if not new_document:
                 raise APIError("the prompt is empty, and this model's tokenizer has no "
                                "<|endoftext|> to start a new document from; give at least "
                                "one token", param="prompt")
-            ids = [eot]
+            try:
+                return tokenizer.empty_prompt()
+            except TokenizerError as e:
+                raise APIError(f"the prompt is empty: {e}", param="prompt") from None
         return ids
 
     def submit(req: CompletionRequest) -> tuple:
