@@ -30,16 +30,10 @@ from pathlib import Path
 
 from . import blas as _blas
 from . import flags
-from .errors import CLI_WORDS, ConfigError, DataError, ForgeError, TrainingError
+from .errors import CLI_WORDS, ConfigError, DataError, ForgeError, TrainingError, plural
 
 PROG = "forge-ml"
 
-
-def _plural(n: int, noun: str, nouns=None) -> str:
-    """data.plural (imported when a message needs it, not as the command starts): ``noun`` for
-    a count of one, else its plural."""
-    from .data import plural
-    return plural(n, noun, nouns)
 
 _TRAIN_HELP = {
     "data": "text file to train on (prepared into OUT/data), a folder from `forge-ml prepare`, or a folder "
@@ -600,7 +594,7 @@ class _Detok:
             if not self.said:
                 self.said = True
                 print(f"{PROG} sample: note: the model chose id {t}, an embedding row past its tokenizer's "
-                      f"{self.tok.vocab_size} {_plural(self.tok.vocab_size, 'token')}; it has no text",
+                      f"{self.tok.vocab_size} {plural(self.tok.vocab_size, 'token')}; it has no text",
                       file=sys.stderr)
             return ""
         return self.text.feed(t)
@@ -676,11 +670,11 @@ def _cmd_sample(args) -> int:
         if args.num_beams is not None or args.logprobs is not None:
             what = "--num-beams" if args.num_beams is not None else "--logprobs"
             raise ShapeError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block} "
-                             f"{_plural(block, 'token')}; {what} has no sliding window (without it, sample starts "
-                             f"from the prompt's last {block} {_plural(block, 'token')})")
+                             f"{plural(block, 'token')}; {what} has no sliding window (without it, sample starts "
+                             f"from the prompt's last {block} {plural(block, 'token')})")
         # as nanoGPT's sample.py crops its context: the model sees the last block tokens
         print(f"forge-ml sample: note: the prompt is {len(ids)} tokens, longer than the model's context "
-              f"of {block}: generation starts from its last {block} {_plural(block, 'token')}",
+              f"of {block}: generation starts from its last {block} {plural(block, 'token')}",
               file=sys.stderr, flush=True)
     if args.logprobs is not None and args.logprobs > model.config.vocab_size:
         raise ConfigError(f"--logprobs must be in 0..{model.config.vocab_size} (the model's vocabulary), "
@@ -689,11 +683,11 @@ def _cmd_sample(args) -> int:
     if (args.num_beams is not None or args.logprobs is not None) and args.max_new_tokens > block - len(ids):
         what = "--num-beams" if args.num_beams is not None else "--logprobs"
         if args.num_beams is not None and len(ids) == block:
-            raise ShapeError(f"the prompt's {len(ids)} {_plural(len(ids), 'token fills', 'tokens fill')} the "
-                             f"model's context of {block} {_plural(block, 'token')}; "
+            raise ShapeError(f"the prompt's {len(ids)} {plural(len(ids), 'token fills', 'tokens fill')} the "
+                             f"model's context of {block} {plural(block, 'token')}; "
                              f"{what} has no sliding window and needs room for at least one new token")
         print(f"forge-ml sample: note: {what} has no sliding window: the model's context of {block} "
-              f"{_plural(block, 'token')} holds {block - len(ids)} new {_plural(block - len(ids), 'token')} "
+              f"{plural(block, 'token')} holds {block - len(ids)} new {plural(block - len(ids), 'token')} "
               f"after the prompt's {len(ids)}, not the "
               f"{args.max_new_tokens} asked", file=sys.stderr, flush=True)
     out = sys.stdout
@@ -832,12 +826,12 @@ def _cmd_eval(args) -> int:
         paths = shards if shards is not None else [path]
         n_tokens = sum(len(read_shard(p)) for p in paths)
         if n_tokens < 2:
-            raise DataError(f"{args.data} holds {n_tokens} {_plural(n_tokens, 'token')}; evaluation needs at least 2")
+            raise DataError(f"{args.data} holds {n_tokens} {plural(n_tokens, 'token')}; evaluation needs at least 2")
         for p in paths:
             hi = int(np.max(read_shard(p), initial=0))
             if hi >= cfg.vocab_size:
                 raise DataError(f"{p if shards is not None else args.data} holds token {hi} but the model's "
-                                f"vocabulary has {cfg.vocab_size} {_plural(cfg.vocab_size, 'token')}; the shard "
+                                f"vocabulary has {cfg.vocab_size} {plural(cfg.vocab_size, 'token')}; the shard "
                                 f"was made with another tokenizer")
         T = min(window, n_tokens - 1)
         B = max(1, min(args.batch_size, (n_tokens - 1) // T))
@@ -857,16 +851,16 @@ def _cmd_eval(args) -> int:
     finally:
         if tmp is not None:
             tmp.cleanup()
-    where = "" if shards is None else f" of {len(shards)} val shard{'s' * (len(shards) > 1)} in {path}"
+    where = "" if shards is None else f" of {len(shards)} val {plural(len(shards), 'shard')} in {path}"
     print(f"loss {loss:.4f}  perplexity {math.exp(min(loss, 700)):.3f}  "
-          f"({windows * T:,} {_plural(windows * T, 'token')}{where}: "
-          f"{windows:,} window{'s' * (windows != 1)} of {T} in {n} "
-          f"batch{'es' * (n != 1)} of {B}, "
+          f"({windows * T:,} {plural(windows * T, 'token')}{where}: "
+          f"{windows:,} {plural(windows, 'window')} of {T} in {n} "
+          f"{plural(n, 'batch', 'batches')} of {B}, "
           f"{time.perf_counter() - t0:.1f} s)"
           + ("; the windows are shorter than "
              + (f"the model's context of {cfg.block_size}" if window == cfg.block_size
-                else f"{window} {_plural(window, 'token')}")
-             + f": the data holds {n_tokens:,} {_plural(n_tokens, 'token')}, so this loss is not comparable "
+                else f"{window} {plural(window, 'token')}")
+             + f": the data holds {n_tokens:,} {plural(n_tokens, 'token')}, so this loss is not comparable "
                f"with a run's val loss"
              if T < window else ""))
     return 0
@@ -884,7 +878,7 @@ def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, model_vocab: int,
     # (eval refuses a text file then)
     advice = ("give a text file, which is tokenized with the checkpoint's tokenizer"
               if tok.vocab_size <= model_vocab else
-              f"and the checkpoint's own tokenizer ({tok.kind}, {tok.vocab_size} {_plural(tok.vocab_size, 'id')}) "
+              f"and the checkpoint's own tokenizer ({tok.kind}, {tok.vocab_size} {plural(tok.vocab_size, 'id')}) "
               f"does not fit its "
               f"{model_vocab}-token model either: give shards made for this model")
     if tokenizer_file is None:
@@ -898,9 +892,9 @@ def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, model_vocab: int,
         raise DataError(f"{tokenizer_file}: not a tokenizer file ({e}); prepare the data again") from None
     if theirs.to_dict() != tok.to_dict():
         raise DataError(f"{what}: made with another tokenizer ({tokenizer_file}: "
-                        f"{theirs.kind}, {theirs.vocab_size} {_plural(theirs.vocab_size, 'id')}) than "
+                        f"{theirs.kind}, {theirs.vocab_size} {plural(theirs.vocab_size, 'id')}) than "
                         f"{ckpt}'s ({tok.kind}, "
-                        f"{tok.vocab_size} {_plural(tok.vocab_size, 'id')}), so their ids are other tokens; {advice}")
+                        f"{tok.vocab_size} {plural(tok.vocab_size, 'id')}), so their ids are other tokens; {advice}")
 
 
 def _cmd_prepare(args) -> int:
@@ -960,13 +954,13 @@ def _cmd_convert(args) -> int:
         tok = tokenizer_from_dict(tok_dict)
         if tok.vocab_size > config["vocab_size"]:   # as sample, serve and train refuse it (later)
             raise ConfigError(f"--from-hf {src}: the model has {config['vocab_size']} "
-                              f"{_plural(config['vocab_size'], 'token')} but its tokenizer "
+                              f"{plural(config['vocab_size'], 'token')} but its tokenizer "
                               f"({tok.kind}) has {tok.vocab_size}; the ids would not be the model's")
         # HF's four dropout rates as given (the config holds forge-ml's one): the export's
         meta = {"kind": "forge-ml-model", "config": config, "tokenizer": tok_dict,
                 "source": str(src.resolve()), "hf_dropout": load_hf_dropout(src)}
         save_checkpoint(args.out, params, meta)
-        print(f"imported {len(params)} tensors ({config['n_layer']} {_plural(config['n_layer'], 'layer')}, "
+        print(f"imported {len(params)} tensors ({config['n_layer']} {plural(config['n_layer'], 'layer')}, "
               f"{config['n_embd']} channels) "
               f"from {args.from_hf} -> {args.out}")
         return 0
@@ -984,7 +978,7 @@ def _cmd_convert(args) -> int:
           + (f" + {HF_TOKENIZER_FILE}: a {tok.kind} tokenizer, not GPT-2's" if tok.kind != "gpt2" else "")
           + (f"; {' + '.join(tok_files)} for transformers' AutoTokenizer)" if tok_files else
              f"; no tokenizer for transformers: the {tok.kind} tokenizer has {tok.vocab_size} "
-             f"{_plural(tok.vocab_size, 'id')}, "
+             f"{plural(tok.vocab_size, 'id')}, "
              f"the model {model.config.vocab_size})"))
     return 0
 
@@ -1088,9 +1082,9 @@ def _builtin_bench(steps: int, device: str) -> int:
     threads = ""
     if device_has(device, "host_memory"):
         n_threads = _blas.get_threads()
-        threads = f", {n_threads} {_plural(n_threads, 'thread')}"
+        threads = f", {n_threads} {plural(n_threads, 'thread')}"
     print(f"forge-ml training step, 4 layers x 128 channels, batch {B} x {T}, {device}{threads}: "
-          f"median {med * 1e3:.1f} ms over {steps} {_plural(steps, 'step')} ({B * T / med:,.0f} tokens/s); "
+          f"median {med * 1e3:.1f} ms over {steps} {plural(steps, 'step')} ({B * T / med:,.0f} tokens/s); "
           f"loss {loss:.3f}")
     return 0
 

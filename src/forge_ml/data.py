@@ -39,7 +39,7 @@ import numpy as np
 
 from .checkpoint import safe_target, user_umask
 from .runs import cannot_write
-from .errors import DataError
+from .errors import DataError, plural
 
 SHARD_MAGIC = 20240520
 LLAMA3_MAGIC = 20240801   # llm.c's llama-3 shards (uint32 tokens), which forge-ml does not read
@@ -47,16 +47,6 @@ SHARD_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 _TOKEN_DTYPE = np.dtype("<u2")
-
-
-def plural(n: int, noun: str, nouns: Optional[str] = None) -> str:
-    """``noun`` for a count ``n`` of one, else its plural (``nouns``, or ``noun`` + "s"): for
-    messages' counts, "1 token" and "2 tokens".
-
-    >>> f"{1} {plural(1, 'token')}, {3} {plural(3, 'batch', 'batches')}, {0} {plural(0, 'window')}"
-    '1 token, 3 batches, 0 windows'
-    """
-    return noun if n == 1 else (nouns if nouns is not None else noun + "s")
 
 
 class DataWriteError(DataError, OSError):
@@ -437,7 +427,7 @@ def split_tokens(ids, val_fraction: float, source="the text") -> tuple:
     n_train = n - n_val
     if n_val < 1 or n_train < 1:
         raise DataError(
-            f"prepare: {source} gives {n} token{'' if n == 1 else 's'}; with val_fraction={val_fraction} that leaves "
+            f"prepare: {source} gives {n} {plural(n, 'token')}; with val_fraction={val_fraction} that leaves "
             f"{n_train} for train and {n_val} for val; expected at least 1 each"
         )
     return ids[:n_train], ids[n_train:]

@@ -9,6 +9,7 @@ what it expected and what it got, e.g.
 True
 """
 import contextvars
+from typing import Optional
 
 CLI_WORDS = contextvars.ContextVar("forge_ml_cli_words", default=False)
 """True where the ``forge-ml`` command line runs (it sets it for its process): the trainer's
@@ -152,3 +153,13 @@ class TrainingError(ForgeError, RuntimeError):
     >>> issubclass(TrainingError, RuntimeError)
     True
     """
+
+
+def plural(n: int, noun: str, nouns: Optional[str] = None) -> str:
+    """``noun`` for a count ``n`` of one, else its plural (``nouns``, or ``noun`` + "s"): for
+    messages' counts, "1 token" and "2 tokens".
+
+    >>> f"{1} {plural(1, 'token')}, {3} {plural(3, 'batch', 'batches')}, {0} {plural(0, 'window')}"
+    '1 token, 3 batches, 0 windows'
+    """
+    return noun if n == 1 else (nouns if nouns is not None else noun + "s")

@@ -75,12 +75,12 @@ from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older s
 from .checkpoint import (check_architecture, check_checkpoint_target, is_checkpoint_dir, is_inside,
                          load_checkpoint, pack_tensors, read_meta, read_state, save_checkpoint,
                          unpack_tensors)
-from .data import (DataLoader, ShardFolder, default_corpus, encode_array, is_shard_file, load_text, plural,
-                   read_shard, shard_folder, split_tokens, write_prepared)
+from .data import (DataLoader, ShardFolder, default_corpus, encode_array, is_shard_file, load_text, read_shard,
+                   shard_folder, split_tokens, write_prepared)
 from .diagnose import CheckingTape
 from .device import Device
 from .errors import (CLI_WORDS, CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
-                     TokenizerError, TrainingError)
+                     TokenizerError, TrainingError, plural)
 from .inference.generate import stream_tokens
 from .inference.load import CKPT_NAME
 from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
@@ -1079,8 +1079,8 @@ class Trainer:
             if not sf.prepared:
                 whose = (f"{sf.tokenizer}" if sf.tokenizer is not None else
                          "GPT-2's BPE (no tokenizer.json in the folder: llm.c's shards hold GPT-2 ids)")
-                self._say(f"data: {len(sf.train)} train shard{'s' * (len(sf.train) > 1)} ({n_train:,} tokens) and "
-                          f"{len(sf.val)} val shard{'s' * (len(sf.val) > 1)} ({n_val:,} tokens) in {sf.folder}; "
+                self._say(f"data: {len(sf.train)} train {plural(len(sf.train), 'shard')} ({n_train:,} tokens) and "
+                          f"{len(sf.val)} val {plural(len(sf.val), 'shard')} ({n_val:,} tokens) in {sf.folder}; "
                           f"tokenizer {whose}")
             return sf, tok, None, tokens
         if cfg.data and any(c in cfg.data for c in "*?[") and not os.path.exists(cfg.data):
