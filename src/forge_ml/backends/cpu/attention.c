@@ -9,10 +9,11 @@
      backward (FlashAttention, Dao et al. 2022, alg. 4): P = exp(scale S - lse),
        dP = dO v^T, D = rowsum(dO * O), dS = scale P (dP - D),
        dQ = dS k, dK = dS^T q, dV = P^T dO.
-   Row i of P and dS is valid on columns [0, round_up(i + 1, 8)), zero right of i. The
-   products over positions (P v, dS k, P^T dO, dS^T q) skip the masked entries of the
-   diagonal blocks rather than multiply them by that zero: 0 * inf or NaN is NaN, so a
-   non-finite value at a masked position would reach rows that cannot see it.
+   Row i of P and dS is written on columns [0, round_up(i + 1, 8)): P is zero right of i,
+   dS there is scale 0 (dP - D), NaN where dP is. The products over positions (P v, dS k,
+   P^T dO, dS^T q) skip the masked entries of the diagonal blocks rather than multiply them
+   by that zero: 0 * inf or NaN is NaN, so a non-finite value at a masked position would
+   reach rows that cannot see it.
    The pool's items are heads; each thread has its own scratch.
 */
 #include "cpu_kernels.h"
@@ -239,7 +240,7 @@ static void attention_bwd_head(const float* q, long lq, const float* k, const fl
                 const float pj = j <= i ? exp_f32(pi[j] * scale - li) : 0.0f;
                 const float mj = j <= i ? mi[j] : 0.0f;
                 pi[j] = pj * mj;
-                dsi[j] = j <= i ? scale * pj * (dsi[j] * mj - di) : 0.0f;
+                dsi[j] = scale * pj * (dsi[j] * mj - di);
             }
             continue;
         }
@@ -247,7 +248,7 @@ static void attention_bwd_head(const float* q, long lq, const float* k, const fl
         for (long j = 0; j < n8; ++j) {
             const float pj = j <= i ? exp_f32(pi[j] * scale - li) : 0.0f;
             pi[j] = pj;
-            dsi[j] = j <= i ? scale * pj * (dsi[j] - di) : 0.0f;    /* dP_ij may be NaN there */
+            dsi[j] = scale * pj * (dsi[j] - di);
         }
     }
     gemm_tiles(ds, tp, 1, ka, sk, dqc, lq_out, t4, hp, t, K_UPTO_ROW);    /* dS k */
