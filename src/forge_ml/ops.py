@@ -778,7 +778,7 @@ def embedding(ids, wte, wpe, pos=0) -> Tensor:
                          f"{wpe.shape[0]} rows of wpe (context length {wpe.shape[0]})")
     _check_ids("embedding", ids, wte.shape[0])
     return _wrap(wte, bk.embedding(ids._data, wte.data, wpe.data,
-                                   pos.data if isinstance(pos, Tensor) else pos))
+                                   pos._data if isinstance(pos, Tensor) else pos))
 
 
 def _device_pos(op, pos, like, rows) -> int:
@@ -793,7 +793,7 @@ def _device_pos(op, pos, like, rows) -> int:
                           f"{like.device}; move them to one device with .to()")
     if pos.numel > 1 or not backend_of(pos.device).host_memory:
         return 0   # the kernel checks each row; a row out of range gives NaN on every backend
-    vals = pos.data.reshape(-1)
+    vals = pos._data.reshape(-1)
     lo, hi = int(vals.min()), int(vals.max())
     return lo if lo < 0 else hi
 
@@ -840,7 +840,7 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale=None) -> Tensor:
         raise ShapeError(f"{op}: position {at} does not fit a cache of {tmax} rows")
     scale = 1.0 / math.sqrt(hs) if scale is None else _num("decode_attention", "scale", scale)
     y = bk.decode_attention(qkv.data, k_cache._prepare_write(), v_cache._prepare_write(),
-                            pos.data if isinstance(pos, Tensor) else pos, n_head, scale)
+                            pos._data if isinstance(pos, Tensor) else pos, n_head, scale)
     return _wrap(qkv, y)
 
 
@@ -995,8 +995,11 @@ def _check_ids(op, ids, n_rows):
     rng = ids._id_range()
     if rng is None:
         # min/max work on NumPy and CuPy arrays alike (on the GPU this is one small sync);
-        # ids made from host data carry their range already (Tensor's storage caches it).
-        rng = ids._storage.id_range = (int(ids._data.min()), int(ids._data.max()))
+        # ids made from host data carry their range already (Tensor's storage caches it;
+        # not once its array has been handed out, when the range is never read).
+        rng = (int(ids._data.min()), int(ids._data.max()))
+        if not ids._storage.shared:
+            ids._storage.id_range = rng
     lo, hi = rng
     if lo < 0 or hi >= n_rows:
         bad = hi if hi >= n_rows else lo
