@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     >>> build_parser().parse_args(["sample", "--ckpt", "runs/default"]).max_new_tokens
     200
     """
-    from .train import TRAIN_FLAGS, TrainConfig
+    from .train import TrainConfig, train_flag
 
     p = _Parser(prog=PROG, formatter_class=_fmt(),
                 description="forge-ml: train and run GPT-2 class models on the CPU and NVIDIA GPUs.",
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with several GPUs: gradients are all-reduced in buckets of this size "
                         "(0: one bucket per parameter; default 25)")
     for f in dataclasses.fields(TrainConfig):
-        flag = TRAIN_FLAGS.get(f.name, "--" + f.name.replace("_", "-"))
+        flag = train_flag(f.name)
         ftype = f.type if isinstance(f.type, str) else f.type.__name__
         ftype = ftype[len("Optional["):-1] if ftype.startswith("Optional[") else ftype
         hlp = _TRAIN_HELP.get(f.name, "")

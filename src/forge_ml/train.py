@@ -425,6 +425,17 @@ def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int =
 # the library's names (TrainConfig's fields, Trainer's arguments), which a notebook user typed.
 _FLAG_WORDS = {"--resume": "resume=True", "--overwrite": "overwrite=True"}
 TRAIN_FLAGS = {"out_dir": "--out"}   # forge-ml train's flags named otherwise than their field
+
+
+def train_flag(name: str) -> str:
+    """forge-ml train's flag for the TrainConfig field ``name``.
+
+    >>> train_flag("n_layer"), train_flag("out_dir")
+    ('--n-layer', '--out')
+    """
+    return TRAIN_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
 _SIZES = ("n_layer", "n_head", "n_embd")
 _FLAG = re.compile(r"(?<![\w./~-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?: (?=[^\s]*[\d./~_A-Z])[^\s,;:)]+)?")
 
@@ -469,9 +480,7 @@ def _field_word(name: str) -> str:
     >>> _field_word("log_interval")
     'log_interval'
     """
-    if not CLI_WORDS.get():
-        return name
-    return TRAIN_FLAGS.get(name, "--" + name.replace("_", "-"))
+    return train_flag(name) if CLI_WORDS.get() else name
 
 
 @functools.lru_cache(maxsize=None)
@@ -931,7 +940,7 @@ class Trainer:
             asked = dict({k: v for k, v in PRESETS[cfg.model].items() if k in DEFAULT_SIZES}, **given)
         for k, v in asked.items():
             if v != getattr(src, k):
-                drop = [f"--{k.replace('_', '-')}"] if k in given else []
+                drop = [train_flag(k)] if k in given else []
                 drop += ["--model"] if cfg.model else []
                 raise ConfigError(f"--init-from {cfg.init_from} has {k} {getattr(src, k)}, but {v} was asked"
                                   + (f" (by --model {cfg.model})" if k not in given else "")
@@ -1159,27 +1168,23 @@ class Trainer:
             saved = GPT2Config.from_dict(dict(ckpt[1]["config"], dropout=cfg.dropout))
             # the run recorded the source's sizes and no preset: a preset or another size is the
             # user's, which the checkpoint's model cannot take
-            preset = PRESETS[cfg.model] if cfg.model else {}
-            self._refuse_other_sizes({k: getattr(saved, k) for k in _SIZES}, "fine-tunes",
-                                     lambda k: ((f"--{k.replace('_', '-')}", getattr(cfg, k)),
-                                                ("--model", preset.get(k))))
+            self._refuse_other_sizes({k: getattr(saved, k) for k in _SIZES}, "fine-tunes", "--model")
             return saved
         if ckpt is not None and isinstance(ckpt[1].get("config"), dict):
             # a size or a preset on a resumed run: its sizes must be the run's (a size given was
             # found out by the checkpoint's tensor shapes, a list of them; the run's own sizes
             # took precedence over a preset, whose name was recorded for a model it is not)
-            preset = ((f"--model {cfg.model}", PRESETS[cfg.model]),) if cfg.model else ()
-            self._refuse_other_sizes(ckpt[1]["config"], "trains",
-                                     lambda k: ((f"--{k.replace('_', '-')}", getattr(cfg, k)),
-                                                *((flag, p.get(k)) for flag, p in preset)))
+            self._refuse_other_sizes(ckpt[1]["config"], "trains", f"--model {cfg.model}")
         return GPT2Config(vocab_size=self.tokenizer.vocab_size, block_size=cfg.block_size, dropout=cfg.dropout,
                           **cfg.model_sizes())
 
-    def _refuse_other_sizes(self, have: dict, verb: str, asks) -> None:
-        """A resumed run keeps its model's sizes (``have``): the first size a flag asks
-        (``asks(k)``: its (flag, value) pairs) that is not the run's is refused."""
+    def _refuse_other_sizes(self, have: dict, verb: str, model_flag: str) -> None:
+        """A resumed run keeps its model's sizes (``have``): the first size asked that is not
+        the run's is refused, by its flag (``--n-layer`` ...) or by the preset's
+        (``model_flag``, how the message names ``--model``)."""
+        preset = PRESETS[self.cfg.model] if self.cfg.model else {}
         for k in _SIZES:
-            for flag, asked in asks(k):
+            for flag, asked in ((train_flag(k), getattr(self.cfg, k)), (model_flag, preset.get(k))):
                 if asked and have.get(k) is not None and asked != have[k]:
                     raise ConfigError(f"{flag}: the run in {self.out_dir} {verb} a model with {k} {have[k]}, "
                                       f"not {asked} (another architecture), which a resumed run keeps; drop "
