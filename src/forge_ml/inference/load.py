@@ -217,7 +217,7 @@ def _hf_added_tokens(d: Path) -> tuple:
     (``pad_token`` ...) that name one of them. <|endoftext|> is left out (a literal one in a
     text stays text, as documented), and so is a token whose text is a GPT-2 token of another
     id (transformers does not use it). Before, added tokens were ignored."""
-    from ..tokenizer import GPT2_EOT, GPT2Tokenizer
+    from ..tokenizer import GPT2_EOT, GPT2Tokenizer, _role_text
 
     base = GPT2Tokenizer()._enc
     found: dict = {}
@@ -253,12 +253,11 @@ def _hf_added_tokens(d: Path) -> tuple:
             for i, t in (spec.get("added_tokens_decoder") or {}).items():
                 if isinstance(t, dict) and str(i).isdecimal():     # "²".isdigit(), and int() fails
                     take(t.get("content"), int(i), t)
-            for k, v in spec.items():
-                text = lambda t: t.get("content") if isinstance(t, dict) else t   # noqa: E731
-                if k.endswith("_token") and isinstance(text(v), str):
-                    roles[k] = text(v)
+            for k, v in spec.items():   # an empty text is no added token: _role_text's None
+                if k.endswith("_token") and (c := _role_text(v)) is not None:
+                    roles[k] = c
                 elif k in ("additional_special_tokens", "extra_special_tokens") and isinstance(v, list):
-                    roles[k] = [text(t) for t in v if isinstance(text(t), str)]
+                    roles[k] = [c for c in map(_role_text, v) if c is not None]
         else:
             for content, i in spec.items():
                 take(content, i, {})
