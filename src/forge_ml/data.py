@@ -707,12 +707,14 @@ class DataLoader:
                     f"{n_windows} {plural(n_windows, 'window')} of {T}; "
                     f"one batch needs {B}"
                 )
+        # each batch through _windows: one gather a shard and one size check a shard touched
+        # (window by window, the size check was an fstat a window)
         for k in range(int(n)):
-            wins = [((k * B + b) % n_windows) * T for b in range(B)]
-            buf = np.stack([self._window(w, T + 1) for w in wins])  # (B, T+1)
+            wins = (np.arange(k * B, (k + 1) * B, dtype=np.int64) % n_windows) * T
+            buf = self._windows(wins, T + 1).astype(np.int64)   # (B, T+1)
             yield buf[:, :-1].copy(), buf[:, 1:].copy()
         if rest:
-            buf = np.stack([self._window((n * B + b) * T, T + 1) for b in range(rest)])  # (rest, T+1)
+            buf = self._windows(np.arange(n * B, n * B + rest, dtype=np.int64) * T, T + 1).astype(np.int64)
             yield buf[:, :-1].copy(), buf[:, 1:].copy()
 
     def state_dict(self) -> dict:
