@@ -269,6 +269,12 @@ def _gpt2_byte_to_unicode() -> dict[int, str]:
     return out
 
 
+@functools.lru_cache(None)
+def _gpt2_unicode_to_byte() -> dict[str, int]:
+    """The inverse of ``_gpt2_byte_to_unicode`` (built once; not to be changed)."""
+    return {u: b for b, u in _gpt2_byte_to_unicode().items()}
+
+
 @functools.lru_cache(maxsize=4)
 def _gpt2_encoding(data_dir: str):
     """Build (once per folder) the tiktoken Encoding for GPT-2 from encoder.json and vocab.bpe."""
@@ -288,7 +294,7 @@ def _gpt2_encoding(data_dir: str):
             f"GPT-2 tokenizer: {d / 'encoder.json'} has {len(encoder)} entries and "
             f"{GPT2_EOT}={encoder.get(GPT2_EOT)}; expected {GPT2_VOCAB_SIZE} and {GPT2_EOT_ID}"
         )
-    unicode_to_byte = {u: b for b, u in _gpt2_byte_to_unicode().items()}
+    unicode_to_byte = _gpt2_unicode_to_byte()
     ranks: dict[bytes, int] = {}
     for token, idx in encoder.items():
         if token == GPT2_EOT:
@@ -859,7 +865,7 @@ class HFTokenizer:
         if not self._byte_level:
             return self.decode(ids).encode("utf-8")
         if self._token_bytes is None:
-            table = {u: b for b, u in _gpt2_byte_to_unicode().items()}
+            table = _gpt2_unicode_to_byte()
             out = [b""] * self._n
             for t, i in self._tok.get_vocab(with_added_tokens=True).items():
                 try:
