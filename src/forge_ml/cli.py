@@ -789,7 +789,7 @@ def _cmd_eval(args) -> int:
     shard = shards is None and (path.suffix == ".bin" or is_shard_file(path))  # one named *.dat too
     # a loose shard is ids alone: a Hugging Face folder whose tokenizer forge-ml cannot read
     # still evaluates on it (its tokenizer is never used)
-    loose = shard and folder is None and not (path.parent / "tokenizer.json").is_file()
+    loose = shard and not (path.parent / "tokenizer.json").is_file()   # (shard: no data folder)
     model, tok, meta = load_model(args.ckpt, device=args.device, tokenizer=not loose)
     cfg = model.config
     # a run's own windows (a fine-tune may train on fewer tokens than the model's context), so
