@@ -588,7 +588,6 @@ class GPT2Tokenizer:
 # A Hugging Face tokenizer.json, run by the tokenizers library
 
 
-_TOKENIZERS_HINT = "install it with: pip install tokenizers"
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES)
 HF_SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # the tokenizer classes of tokenizer_config.json that transformers sets up as GPT-2's byte-level
@@ -604,7 +603,7 @@ def _tokenizers():
         import tokenizers
     except ImportError:
         raise TokenizerError("this model's tokenizer (a Hugging Face tokenizer.json) needs the package "
-                             f"tokenizers, which is not installed; {_TOKENIZERS_HINT}") from None
+                             "tokenizers, which is not installed; install it with: pip install tokenizers") from None
     return tokenizers
 
 
@@ -700,13 +699,14 @@ def hf_tokenizer_spec(tokenizer_json: dict, tokenizer_config: dict | None = None
             added.add(c)
     roles: dict = {}
     for role in HF_SPECIAL_ROLES:
-        if _role_text(cfg.get(role)) is not None:
-            roles[role] = _role_text(cfg[role])
+        if (c := _role_text(cfg.get(role))) is not None:
+            roles[role] = c
     for key in ("additional_special_tokens", "extra_special_tokens"):
         v = cfg.get(key)
         v = list(v.values()) if isinstance(v, dict) else v
-        if isinstance(v, list) and any(_role_text(t) for t in v):
-            roles[key] = [_role_text(t) for t in v if _role_text(t)]
+        texts = [c for c in map(_role_text, v) if c is not None] if isinstance(v, list) else []
+        if texts:
+            roles[key] = texts
     for v in roles.values():
         for c in (v if isinstance(v, list) else [v]):
             if c not in added:
@@ -781,13 +781,12 @@ class HFTokenizer:
         self._spec = spec
         self._n = _hf_vocab_size(self._tok)
         stops = _hf_ids(spec.get("eos_token_id"))
-        if any(i >= self._n for i in stops) or _hf_ids(spec.get("bos_token_id")) and \
-                _hf_ids(spec.get("bos_token_id"))[0] >= self._n:
+        bos = _hf_ids(spec.get("bos_token_id"))
+        if any(i >= self._n for i in stops) or bos and bos[0] >= self._n:
             raise TokenizerError(f"HFTokenizer: eos_token_id {spec.get('eos_token_id')!r} / bos_token_id "
                                  f"{spec.get('bos_token_id')!r} past the tokenizer's {self._n} ids")
         self.stop_tokens = tuple(stops)
         self.eot_token = stops[0] if stops else None
-        bos = _hf_ids(spec.get("bos_token_id"))
         self.bos_token = bos[0] if bos else self.eot_token
         self._clean = spec.get("clean_up_tokenization_spaces") is True
         dec = spec["tokenizer"].get("decoder")
