@@ -434,14 +434,14 @@ def transformers_tokenizer_files(tokenizer: dict, vocab_size: int, block_size: i
     if tok.kind == "hf":
         # the tokenizer.json as the import set it up (its special tokens added, no truncation),
         # which PreTrainedTokenizerFast runs as it is; the special tokens' roles named again
-        spec = tokenizer
-        cfg = dict(common, tokenizer_class="PreTrainedTokenizerFast", **(spec.get("roles") or {}),
-                   clean_up_tokenization_spaces=spec.get("clean_up_tokenization_spaces") is True)
-        if spec.get("clean_up_tokenization_spaces") is True:
+        clean = tokenizer.get("clean_up_tokenization_spaces") is True
+        cfg = dict(common, tokenizer_class="PreTrainedTokenizerFast", **(tokenizer.get("roles") or {}),
+                   clean_up_tokenization_spaces=clean)
+        if clean:
             cfg["clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"] = True
-        if spec.get("split_special_tokens") is True:
+        if tokenizer.get("split_special_tokens") is True:
             cfg["split_special_tokens"] = True
-        return {"tokenizer.json": json.dumps(spec["tokenizer"], ensure_ascii=False) + "\n",
+        return {"tokenizer.json": json.dumps(tokenizer["tokenizer"], ensure_ascii=False) + "\n",
                 "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False) + "\n"}
     return {}
 
@@ -508,9 +508,12 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
                               f"got {dropout_rates!r}")
     rates = _dropout_rates(dict({"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout},
                                 **(dropout_rates or {})), "save_hf_gpt2")
+    if tokenizer is not None and not isinstance(tokenizer, dict):
+        raise CheckpointError(f"save_hf_gpt2: tokenizer must be a dict (a tokenizer's to_dict()), "
+                              f"got {type(tokenizer).__name__}")
     # a Hugging Face tokenizer's end of text and start (what generate stops on and starts from)
     special_ids = {k: tokenizer[k] for k in ("bos_token_id", "eos_token_id")
-                   if isinstance(tokenizer, dict) and tokenizer.get("kind") == "hf" and k in tokenizer}
+                   if tokenizer is not None and tokenizer.get("kind") == "hf" and k in tokenizer}
     hf_config = {
         "activation_function": "gelu_new",
         "architectures": ["GPT2LMHeadModel"],
@@ -537,9 +540,6 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
         "vocab_size": V,
         EXPORT_MARK: _forge_version(),
     }
-    if tokenizer is not None and not isinstance(tokenizer, dict):
-        raise CheckpointError(f"save_hf_gpt2: tokenizer must be a dict (a tokenizer's to_dict()), "
-                              f"got {type(tokenizer).__name__}")
     tok_files = {} if tokenizer is None else transformers_tokenizer_files(tokenizer, V, config["block_size"])
     with atomic_directory(dir, EXPORT_FILES, _has_export_mark, "Hugging Face export") as tmp:
         # The metadata save_pretrained writes; transformers 4.x refuses a file whose "format"
