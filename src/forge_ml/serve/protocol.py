@@ -81,14 +81,19 @@ class CompletionRequest:
     ignore_eos: bool = False
 
 
+def _out_of_range(name, got: str, lo=None, hi=None, lo_open=False) -> APIError:
+    """The error of a value (``got``, as written) outside its bounds: it names all of them."""
+    want = [f"{'>' if lo_open else '>='} {lo}"] if lo is not None else []
+    want += [f"<= {hi}"] if hi is not None else []
+    return APIError(f"{name} must be {' and '.join(want)}, got {got}", param=name)
+
+
 def _num(name, v, lo=None, lo_open=False, hi=None):
     """A finite number within the bounds given; the error names all of them."""
     if not _is_num(v):
         raise APIError(f"{name} must be a number, got {v!r:.60}", param=name)
     if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
-        want = [f"{'>' if lo_open else '>='} {lo}"] if lo is not None else []
-        want += [f"<= {hi}"] if hi is not None else []
-        raise APIError(f"{name} must be {' and '.join(want)}, got {v!r}", param=name)
+        raise _out_of_range(name, repr(v), lo, hi, lo_open)
     return float(v)
 
 
@@ -97,8 +102,7 @@ def _int(name, v, lo=None, hi=None):
     if not _is_int(v):
         raise APIError(f"{name} must be an integer, got {v!r:.60}", param=name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        want = ([f">= {lo}"] if lo is not None else []) + ([f"<= {hi}"] if hi is not None else [])
-        raise APIError(f"{name} must be {' and '.join(want)}, got {v}", param=name)
+        raise _out_of_range(name, str(v), lo, hi)
     return int(v)
 
 
