@@ -931,7 +931,7 @@ def _cmd_convert(args) -> int:
     from .errors import CheckpointError
     from .hf import (HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, is_hf_export, load_hf_dropout,
                      load_hf_gpt2, save_hf_gpt2)
-    from .inference.load import hf_tokenizer_dict, load_model, resolve_checkpoint
+    from .inference.load import _hf_tokenizer, load_model, resolve_checkpoint
     from .tokenizer import tokenizer_from_dict
 
     # Every check before any work: the output folder is new, empty, or (with --force) an
@@ -950,8 +950,8 @@ def _cmd_convert(args) -> int:
         check_output_dir(args.out, reads=[src], is_own=lambda d: is_checkpoint_dir(d, kind="forge-ml-model"),
                          force=args.force, what="forge-ml checkpoint")
         config, params = load_hf_gpt2(src)
-        tok_dict = hf_tokenizer_dict(src)
-        tok = tokenizer_from_dict(tok_dict)
+        tok_dict, tok = _hf_tokenizer(src)   # (the one built to check the dict, where it was)
+        tok = tokenizer_from_dict(tok_dict) if tok is None else tok
         if tok.vocab_size > config["vocab_size"]:   # as sample, serve and train refuse it (later)
             raise ConfigError(f"--from-hf {src}: the model has {config['vocab_size']} "
                               f"{plural(config['vocab_size'], 'token')} but its tokenizer "
