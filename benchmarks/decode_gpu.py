@@ -10,11 +10,18 @@ it, from the first departure of the barrier before) and the barrier's own latenc
 last arrival to the last departure), from each block's ``%globaltimer`` at every barrier,
 summed over the layers and averaged over ``--reps`` steps.
 
+``--trace`` (with ``--fused layers``, batch 1) builds decode_layers.cu with its marks
+(``-DDL_TRACE``: thread 0 of every block notes ``%globaltimer`` at each phase) and prints, per
+kernel of the layers step averaged over the layers and ``--reps`` replays, how long each phase
+took (the mean over the blocks, and how far the last block to get there moved), and the
+release: from the last block of the kernel before leaving to the first block of this one
+passing its wait (programmatic dependent launch's hand-over).
+
 ``--splits`` times ``decode_attention`` alone with its keys split among 1, 2, 4 and 8 blocks
 per head (the choice ``_decode_split`` makes is marked), with the cache bytes it reads.
 
     python benchmarks/decode_gpu.py [--dtype float32|bf16] [--pos 200] [--batch 1] [--stages]
-                                    [--splits] [--fused off|on|layers]
+                                    [--splits] [--fused off|on|layers] [--trace]
 
 ``--fused on`` or ``layers`` times the step's rows (the replay, a call, the greedy chain) with
 the step as one kernel or as two kernels a layer (``decode_layers.cu``).
@@ -110,6 +117,82 @@ def stage_profile(cp, model, cache, tok, pos, reps):
     print(f"  {'total':14s} {work.sum():8.1f} {wait.sum():8.1f}   = {work.sum() + wait.sum():.1f} us")
 
 
+_TRACE_PHASES = {   # decode_layers.cu's dl_mark(i): the phase that ends at mark i
+    "layer_attn": ["", "issue weights", "wait (PDL)", "gather x", "ln1", "cp.async wait",
+                   "qkv rows", "cluster sync 1", "qkv sum, cache", "attention",
+                   "cluster sync 2", "merge", "proj rows", "cluster wait"],
+    "layer_mlp": ["", "issue weights", "wait (PDL)", "gather x'", "ln2", "cp.async wait",
+                  "fc + gelu", "proj partial", "cluster sync 1", "sum, store", "cluster sync 2"],
+    "decode_head": ["", "", "wait (PDL)", "gather x''", "ln_f", "logit rows", "argmax",
+                    "last block"],
+}
+
+
+def trace_module(cp):
+    """decode_layers.cu compiled with DL_TRACE, put in the backend's module cache in place of
+    the package's build (before any of its kernels is asked for)."""
+    from forge_ml.backends.cuda import runtime
+    dev = runtime._dev()
+    src = "#define DL_TRACE 1\n" + runtime.kernel_source("decode_layers")
+    mod = runtime.compile_source(src, "backends/cuda/decode_layers.cu (DL_TRACE)",
+                                 runtime._compile_options())
+    runtime._modules[(dev, "decode_layers")] = mod
+    for k in [k for k in runtime._functions if k[:2] == (dev, "decode_layers")]:
+        del runtime._functions[k]
+    return mod
+
+
+def layers_trace(cp, mod, step, L, reps):
+    """Print the layers step's phases from its marks (see the module's docstring)."""
+    from forge_ml.backends.cuda import decoder
+    nb, runs, marks = 512, 64, 16
+    count = cp.ndarray((3 * nb,), cp.uint32, mod.get_global("dl_trace_count"))
+    buf = cp.ndarray((3, nb, runs, marks), cp.uint64, mod.get_global("dl_trace_buf"))
+    plan = list(decoder._layer_plans.values())[-1]
+    blocks = {0: 8 * (plan.partA.shape[0]), 1: plan.grid_mlp, 2: plan.grid_head}
+    names = ("layer_attn", "layer_mlp", "decode_head")
+    acc = {n: {"mean": np.zeros(marks), "last": np.zeros(marks), "release": 0.0, "whole": 0.0,
+               "n": 0} for n in names}
+    step_us = 0.0
+    for _ in range(reps):
+        count.fill(0)
+        cp.cuda.Device().synchronize()
+        step._graphs["logits"].replay()
+        cp.cuda.Device().synchronize()
+        b = buf.get().astype(np.int64)
+        seq = [(k, l) for l in range(L) for k in (0, 1)] + [(2, 0)]
+        prev_exit = None
+        first = None
+        for k, l in seq:
+            m = b[k, :blocks[k], l, :].astype(np.float64)   # (blocks, marks), ns; 0 = none
+            reached = [i for i in range(marks) if (m[:, i] > 0).all()]
+            a = acc[names[k]]
+            for j, i in zip(reached, reached[1:]):
+                a["mean"][i] += (m[:, i] - m[:, j]).mean()
+                a["last"][i] += m[:, i].max() - m[:, j].max()
+            end = m[:, reached[-1]].max()
+            if prev_exit is not None:
+                a["release"] += m[:, 2].min() - prev_exit
+            a["whole"] += end - m[:, 2].min()
+            a["n"] += 1
+            first = m[:, 2].min() if first is None else first
+            prev_exit = end
+        step_us += (prev_exit - first) / 1e3
+    print(f"\n  the layers step's phases (DL_TRACE; {reps} replays, mean a kernel over the layers), "
+          f"us: the blocks' mean / the last block's advance")
+    for n in names:
+        a = acc[n]
+        k = max(a["n"], 1)
+        print(f"  {n} (x{k // reps}): whole {a['whole'] / k / 1e3:.2f} (first wait passed -> last "
+              f"block out), release {a['release'] / k / 1e3:.2f} (the kernel before's last block "
+              f"out -> first wait passed)")
+        for i, phase in enumerate(_TRACE_PHASES[n]):
+            if phase and (a["mean"][i] or a["last"][i]):
+                print(f"    {phase:18s} {a['mean'][i] / k / 1e3:7.2f} {a['last'][i] / k / 1e3:7.2f}")
+    print(f"  the step, first layer_attn's wait passed -> the head's last block: "
+          f"{step_us / reps:.1f} us")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bf16"])
@@ -124,7 +207,12 @@ def main(argv=None):
                     help="the step's timings (replay, call, chain) with FORGE_FUSED_DECODE at this "
                          "value: on, one kernel (decode_model.cu); layers, two a layer "
                          "(decode_layers.cu); batch 1 only")
+    ap.add_argument("--trace", action="store_true",
+                    help="with --fused layers: each phase of the layers step's kernels, from "
+                         "decode_layers.cu built with its marks (DL_TRACE)")
     a = ap.parse_args(argv)
+    if a.trace and (a.fused != "layers" or a.batch != 1):
+        ap.error("--trace times the layers step: give --fused layers (batch 1)")
 
     import cupy as cp
     import forge_ml as fm
@@ -132,6 +220,7 @@ def main(argv=None):
     from forge_ml.models import GPT2, GPT2Config
     from forge_ml.inference.decode import DecodeStep
 
+    traced = trace_module(cp) if a.trace else None
     cfg = GPT2Config()
     dt = "bfloat16" if a.dtype == "bf16" else "float32"
     model = GPT2.init(cfg, seed=0, device="cuda", dtype=dt)
@@ -163,6 +252,8 @@ def main(argv=None):
                  events_ms(cp, step._graphs["logits"].replay, a.reps)))
     rows.append(("graph replay, no programmatic dependent launch",
                  events_ms(cp, nopdl._graphs["logits"].replay, a.reps)))
+    if traced is not None:
+        layers_trace(cp, traced, step, cfg.n_layer, 50)
     cp.cuda.Device().synchronize()
     t0 = time.perf_counter()
     for _ in range(a.reps):

@@ -14,6 +14,7 @@ FORGE_ARCH_FEATURES defined). NVRTC alone is enough, no driver or toolkit:
     python scripts/nvrtc_check.py gelu --ptx /tmp/a    # also write gelu.ptx there: a refactor
                                                        # that should not change the code can be
                                                        # diffed against the PTX from before it
+    python scripts/nvrtc_check.py decode_layers -D DL_TRACE   # a build with a macro defined
 
 The NVRTC found may be older or newer than the device's (CuPy 14's NVRTC 13 on the H200
 machine); the exit status is 1 when a file does not compile.
@@ -102,6 +103,9 @@ def main(argv=None) -> int:
     ap.add_argument("stems", nargs="*", help="kernel files by stem (default: every backends/cuda/*.cu)")
     ap.add_argument("--ptxas", action="store_true", help="print ptxas's registers/spills/shared memory")
     ap.add_argument("--ptx", metavar="DIR", help="write each file's PTX to DIR/<stem>.ptx")
+    ap.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME[=VALUE]",
+                    help="a macro defined for every file (e.g. -D DL_TRACE: decode_layers.cu's "
+                         "marks, as decode_gpu.py --trace builds it)")
     args = ap.parse_args(argv)
     include, arch_stems = runtime_constants()
     common = (CUDA_DIR / "common.cuh").read_text()
@@ -124,6 +128,7 @@ def main(argv=None) -> int:
         options = ["--std=c++17", f"-arch={arch}"]
         if stem in arch_stems:
             options.append("-DFORGE_ARCH_FEATURES=1")
+        options += [f"-D{d}" for d in args.defines]
         if args.ptxas:
             options.append("--ptxas-options=-v")
         ok, log, ptx = nvrtc.compile(source, f"{stem}.cu", options)

@@ -443,6 +443,13 @@ FORGE_D void pdl_launch_dependents() {
 #endif
 }
 
+// The GPU's global nanosecond clock (%globaltimer; comparable between SMs), for timings
+FORGE_D unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 // Thread-block clusters (sm_90): cluster_sync() is a barrier of every thread of every block of
 // the cluster (shared-memory writes before it are seen by the cluster's blocks after it);
 // ld_cluster(p, r) reads the value at the shared-memory address of p in block r of the

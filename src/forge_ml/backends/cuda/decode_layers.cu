@@ -37,6 +37,37 @@
 
 FORGE_D int dl_cdiv(int a, int b) { return (a + b - 1) / b; }
 
+// Under DL_TRACE (benchmarks/decode_gpu.py --trace compiles its own copy with it; the
+// package's build leaves every mark out), thread 0 of each block notes the global clock at each
+// dl_mark(i) in shared memory and dl_trace_out writes the marks into the slot of the block's
+// next launch of its kind (0 layer_attn, 1 layer_mlp, 2 decode_head): dl_trace_buf[kind][block]
+// [launch % DL_TRACE_RUNS][mark], 0 for a mark not reached.
+#ifdef DL_TRACE
+#define DL_TRACE_MARKS 16
+#define DL_TRACE_RUNS 64
+#define DL_TRACE_BLOCKS 512
+__device__ unsigned dl_trace_count[3 * DL_TRACE_BLOCKS];
+__device__ unsigned long long dl_trace_buf[3 * DL_TRACE_BLOCKS * DL_TRACE_RUNS * DL_TRACE_MARKS];
+__shared__ unsigned long long dl_marks[DL_TRACE_MARKS];
+FORGE_D void dl_mark(int i) {
+    if (threadIdx.x == 0) {
+        if (i == 0)
+            for (int k = 1; k < DL_TRACE_MARKS; ++k) dl_marks[k] = 0ull;
+        dl_marks[i] = global_ns();
+    }
+}
+FORGE_D void dl_trace_out(int kind) {
+    if (threadIdx.x != 0 || blockIdx.x >= DL_TRACE_BLOCKS) return;
+    const unsigned at = kind * DL_TRACE_BLOCKS + blockIdx.x;
+    const unsigned run = atomicAdd(&dl_trace_count[at], 1u) % DL_TRACE_RUNS;
+    for (int k = 0; k < DL_TRACE_MARKS; ++k)
+        dl_trace_buf[((unsigned long long)at * DL_TRACE_RUNS + run) * DL_TRACE_MARKS + k] = dl_marks[k];
+}
+#else
+FORGE_D void dl_mark(int) {}
+FORGE_D void dl_trace_out(int) {}
+#endif
+
 // 16 bytes of T at p (global or shared), widened
 template <typename T> FORGE_D void dl_load(const T* p, float (&w)[Vec16<T>::N]) {
     Vec16<T>::widen(*reinterpret_cast<const uint4*>(p), w);
@@ -193,6 +224,7 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int h = blockIdx.x / DL_P, p = blockIdx.x % DL_P;
     const int KQ = C / DL_P, NP = C / DL_P, k0 = p * KQ, n0 = p * NP;
+    dl_mark(0);
     // 1. the block's weights into shared memory, and an L2 hint for its keys and values,
     //    before the previous kernel ends (weights only: no kernel writes them)
     {
@@ -222,7 +254,9 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
             asm volatile("prefetch.global.L2 [%0];" ::"l"(vc + at));
         }
     }
+    dl_mark(1);
     pdl_wait();
+    dl_mark(2);
     pdl_launch_dependents();
     const int pos_raw = __ldcg(posp);
     const bool bad = pos_raw < 0 || pos_raw >= Tmax;   // outputs NaN, nothing written
@@ -247,12 +281,15 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
             if (blockIdx.x == 0) __stcg(xa + c, x[i]);
         }
     }
+    dl_mark(3);
     float mean, rstd;
     dl_stats(x, C, eps, sh, mean, rstd);   // its barriers publish xf
     for (int k = tid; k < KQ; k += DL_THREADS)
         xs[k] = (xf[k0 + k] - mean) * rstd * ldf(g1[k0 + k]) + ldf(b1[k0 + k]);
+    dl_mark(4);
     cp_async_wait<0>();
     __syncthreads();
+    dl_mark(5);
     // 3. q, k, v over this block's rows: nv column vectors, rg row groups
     {
         const int nv = 3 * DL_HS / VEC, rg = DL_THREADS / nv;
@@ -278,7 +315,9 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
             part[tid] = a;
         }
     }
+    dl_mark(6);
     cluster_sync();   // every block's part is written
+    dl_mark(7);
     if (tid < 3 * DL_HS) {
         const int w = tid / DL_HS, d = tid % DL_HS;
         float pr[DL_P];
@@ -295,6 +334,7 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
             (w == 1 ? kc : vc)[(long long)h * Tmax * DL_HS + (long long)pos * DL_HS + d] = t;
     }
     __syncthreads();
+    dl_mark(8);
     // 4. attention over this block's keys [j0, j0 + cnt): groups of RK lanes read a key and a
     //    value row together (16-byte loads), online softmax per group, then the groups meet
     {
@@ -375,7 +415,9 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
             mlo[1] = l;
         }
     }
+    dl_mark(9);
     cluster_sync();   // every block's m, l and outputs are written
+    dl_mark(10);
     if (tid < DL_HS) {   // the 8 parts merged, in block order; every part's values asked for
                          // first (a branch on each part's m made each wait for the one before)
         float mr[DL_P], lr[DL_P], yr[DL_P];
@@ -400,6 +442,7 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
     }
     cluster_arrive();   // this block reads no other block's shared memory from here on
     __syncthreads();
+    dl_mark(11);
     // 5. y @ c_proj's weight, this block's NP columns -> partA[h][n0 ..)
     {
         const int nvp = NP / VEC, dg = DL_THREADS / nvp;
@@ -425,7 +468,10 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
             __stcg(partA + (long long)h * C + n0 + c, a);
         }
     }
+    dl_mark(12);
     cluster_wait();   // no block leaves while another may still read its mlo
+    dl_mark(13);
+    dl_trace_out(0);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -472,6 +518,7 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
     float* sh = reinterpret_cast<float*>(dl_raw + L.sh);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x;
     const int F = 4 * C, c0 = b * NH;   // this block's columns of c_fc: [c0, c0 + NH)
+    dl_mark(0);
     // 1. the block's weights, before the previous kernel ends
     for (int i = tid; i < C * (NH / PER); i += DL_THREADS) {
         const int k = i / (NH / PER), sg = i % (NH / PER);
@@ -484,11 +531,14 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
                    Wfc2 + (long long)(c0 + j) * C + sg * PER, true);
     }
     cp_async_commit();
+    dl_mark(1);
     pdl_wait();
+    dl_mark(2);
     pdl_launch_dependents();
     // 2. x' and its layernorm
     float x[DL_XPT];
     dl_gather<T>(x, xs, xa, bproj, partA, H, C);
+    dl_mark(3);
     if (b == 0) {
 #pragma unroll
         for (int i = 0; i < DL_XPT; ++i)
@@ -501,8 +551,10 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
         const int c = tid + i * DL_THREADS;
         if (c < C) xs[c] = (x[i] - mean) * rstd * ldf(g2[c]) + ldf(b2[c]);
     }
+    dl_mark(4);
     cp_async_wait<0>();
     __syncthreads();
+    dl_mark(5);
     // 3. the block's NH columns of c_fc: 4 column vectors, 64 row groups (the lanes of a warp
     //    with the same column vector meet by shuffles, the warps in shared memory)
     {
@@ -533,6 +585,7 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
         }
         __syncthreads();
     }
+    dl_mark(6);
     // 4. those NH rows of the projection: a partial row of C
     for (int cv = tid; cv < C / VEC; cv += DL_THREADS) {
         float acc[VEC];
@@ -549,7 +602,9 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
 #pragma unroll
         for (int e = 0; e < VEC; ++e) ob[cv * VEC + e] = acc[e];
     }
+    dl_mark(7);
     cluster_sync();   // every block's partial row is written
+    dl_mark(8);
     // 5. block r of the cluster sums the columns [r C / 8, (r + 1) C / 8) over its 8 blocks
     {
         const int r = b % DL_P, cl = b / DL_P, w = C / DL_P;
@@ -564,7 +619,10 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
             __stcg(partB + (long long)cl * C + n, a);
         }
     }
+    dl_mark(9);
     cluster_sync();   // no block leaves while another may still read its ob
+    dl_mark(10);
+    dl_trace_out(1);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -582,10 +640,14 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
     __shared__ int si[32];
     __shared__ int last;
     const int tid = threadIdx.x;
+    dl_mark(0);
+    dl_mark(1);
     pdl_wait();
+    dl_mark(2);
     pdl_launch_dependents();
     dl_gather_rows<T, NT>(xs, xb, bias, partB, SB, C);
     __syncthreads();
+    dl_mark(3);
     float a = 0.f;
     for (int c = tid; c < C; c += NT) a += xs[c];
     const float mean = block_sum(a, sh) / float(C);
@@ -597,10 +659,15 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
     const float rstd = 1.f / sqrtf(block_sum(v, sh) / float(C) + eps);
     for (int c = tid; c < C; c += NT) xs[c] = (xs[c] - mean) * rstd * ldf(gf[c]) + ldf(bf[c]);
     __syncthreads();
+    dl_mark(4);
     float best = neg_inf<float>();
     int bi = 0x7fffffff;
     lm_head_rows<T, DL_HEAD_ROWS, DL_HEAD_WARPS>(xs, head, C, Vp, V, logits, best, bi);
-    if (!greedy) return;
+    dl_mark(5);
+    if (!greedy) {
+        dl_trace_out(2);
+        return;
+    }
     block_argmax(best, bi, sv, si);
     if (tid == 0) {
         __stcg(argp + 2 * blockIdx.x, best);
@@ -609,7 +676,11 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
         last = atomicAdd(counter, 1u) == gridDim.x - 1;
     }
     __syncthreads();
-    if (!last) return;
+    dl_mark(6);
+    if (!last) {
+        dl_trace_out(2);
+        return;
+    }
     __threadfence();
     best = neg_inf<float>();
     bi = 0x7fffffff;
@@ -624,6 +695,8 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
         posp[0] = pos + 1;
         *counter = 0u;
     }
+    dl_mark(7);
+    dl_trace_out(2);
 }
 
 #define FORGE_DECODE_LAYERS(T, S)                                                              \

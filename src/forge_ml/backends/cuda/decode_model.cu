@@ -69,12 +69,6 @@ struct DmShared {
 
 // Every block arrives, then waits for all: a counter that only grows (each launch adds
 // gridDim.x per barrier, so between launches it is a multiple of gridDim.x).
-FORGE_D unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 // `tim` (null: off): each block's arrival and departure time at barrier `nb`, in ns, for the
 // stage profile of benchmarks/decode_gpu.py
 FORGE_D void grid_barrier(unsigned long long* ctr, unsigned long long* tim, int& nb) {
