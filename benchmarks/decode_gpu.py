@@ -15,7 +15,7 @@ summed over the layers and averaged over ``--reps`` steps.
 kernel of the layers step averaged over the layers and ``--reps`` replays, how long each phase
 took (the mean over the blocks, and how far the last block to get there moved), and the
 release: from the last block of the kernel before leaving to the first block of this one
-passing its wait (programmatic dependent launch's hand-over).
+passing its wait (programmatic dependent launch's hand-over); the per-op table is left out.
 
 ``--splits`` times ``decode_attention`` alone with its keys split among 1, 2, 4 and 8 blocks
 per head (the choice ``_decode_split`` makes is marked), with the cache bytes it reads.
@@ -281,6 +281,8 @@ def main(argv=None):
           f"FORGE_FUSED_DECODE={a.fused}")
     for name, ms in rows:
         print(f"  {ms * 1e3:9.1f} us  {name}")
+    if traced is not None:
+        return   # the phases only (the per-op rows would time the marked build)
 
     # each op at decode shapes; n = how many per token
     rs = np.random.default_rng(1)
