@@ -155,6 +155,9 @@ FORGE_D void dl_gather(float (&x)[DL_XPT], float* xs, const float* base, const T
 //   wq  T[KQ][3 * 64]   c_attn's weight, rows [p KQ, (p + 1) KQ), the head's q, k, v columns
 //   wp  T[64][NP]       c_proj's weight, the head's 64 rows, columns [p NP, (p + 1) NP)
 //   kn, vn T[64] each   the new key and value row, as the cache holds them
+//   bpv T[C]            the previous MLP's projection bias (layers after the first)
+//   g1s, b1s T[KQ]      LN1's weight and bias, this block's rows
+//   bq  T[192]          c_attn's bias, the head's q, k, v columns
 //   xf  float[C]        x
 //   xs  float[KQ]       LN1(x), this block's rows
 //   part float[192]     this block's partial q, k, v (read by the cluster)
@@ -167,7 +170,7 @@ FORGE_D void dl_gather(float (&x)[DL_XPT], float* xs, const float* base, const T
 //   sh  float[32]
 // KQ = NP = C / 8 (C a multiple of 64).
 struct AttnSm {
-    int wq, wp, kn, vn, xf, xs, part, qkv, mlo, yv, gm, gl, scr, sh, total;
+    int wq, wp, kn, vn, bpv, g1s, b1s, bq, xf, xs, part, qkv, mlo, yv, gm, gl, scr, sh, total;
 };
 
 template <typename T> FORGE_D AttnSm dl_attn_shared(int C) {
@@ -183,6 +186,10 @@ template <typename T> FORGE_D AttnSm dl_attn_shared(int C) {
     s.wp = at; at += DL_HS * NP * (int)sizeof(T);
     s.kn = at; at += DL_HS * (int)sizeof(T);
     s.vn = at; at += DL_HS * (int)sizeof(T);
+    s.bpv = at; at += C * (int)sizeof(T);
+    s.g1s = at; at += KQ * (int)sizeof(T);
+    s.b1s = at; at += KQ * (int)sizeof(T);
+    s.bq = at; at += 3 * DL_HS * (int)sizeof(T);
     at = (at + 15) & ~15;
     s.xf = at; at += C * 4;
     s.xs = at; at += KQ * 4;
@@ -211,6 +218,10 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
     T* wp = reinterpret_cast<T*>(dl_raw + L.wp);
     T* kn = reinterpret_cast<T*>(dl_raw + L.kn);
     T* vn = reinterpret_cast<T*>(dl_raw + L.vn);
+    T* bpv = reinterpret_cast<T*>(dl_raw + L.bpv);
+    T* g1s = reinterpret_cast<T*>(dl_raw + L.g1s);
+    T* b1s = reinterpret_cast<T*>(dl_raw + L.b1s);
+    T* bq = reinterpret_cast<T*>(dl_raw + L.bq);
     float* xf = reinterpret_cast<float*>(dl_raw + L.xf);
     float* xs = reinterpret_cast<float*>(dl_raw + L.xs);
     float* part = reinterpret_cast<float*>(dl_raw + L.part);
@@ -226,10 +237,26 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
     const int KQ = C / DL_P, NP = C / DL_P, k0 = p * KQ, n0 = p * NP;
     dl_mark(0);
     // 1. the block's weights into shared memory, and an L2 hint for its keys and values,
-    //    before the previous kernel ends (weights only: no kernel writes them)
+    //    before the previous kernel ends (weights only: no kernel writes them). The vectors
+    //    read first after the wait (the gather's bias, LN1's, c_attn's bias) are a group of
+    //    their own, waited for then; the matrices' group is waited for after LN1.
     {
         constexpr int PER = 16 / (int)sizeof(T);   // elements a 16-byte copy
         const int segs = DL_HS / PER;              // copies a row of one of q, k, v
+        if (!first)
+            for (int i = tid; i < C / PER; i += DL_THREADS)
+                cp_async16(smem_u32(bpv + i * PER), bprev + i * PER, true);
+        for (int i = tid; i < 2 * (KQ / PER); i += DL_THREADS) {
+            const int half = i / (KQ / PER), sg = i % (KQ / PER);
+            cp_async16(smem_u32((half ? b1s : g1s) + sg * PER), (half ? b1 : g1) + k0 + sg * PER,
+                       true);
+        }
+        for (int i = tid; i < 3 * segs; i += DL_THREADS) {
+            const int w = i / segs, sg = i % segs;
+            cp_async16(smem_u32(bq + w * DL_HS + sg * PER),
+                       bqkv + (long long)w * C + h * DL_HS + sg * PER, true);
+        }
+        cp_async_commit();
         for (int i = tid; i < KQ * 3 * segs; i += DL_THREADS) {
             const int r = i / (3 * segs), w = (i / segs) % 3, sg = i % segs;
             cp_async16(smem_u32(wq + (long long)r * 3 * DL_HS + w * DL_HS + sg * PER),
@@ -261,6 +288,8 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
     const int pos_raw = __ldcg(posp);
     const bool bad = pos_raw < 0 || pos_raw >= Tmax;   // outputs NaN, nothing written
     const int pos = bad ? 0 : pos_raw;
+    cp_async_wait<1>();   // the vectors (every group but the matrices')
+    __syncthreads();
     // 2. x, its layernorm, this block's rows of it
     float x[DL_XPT];
     if (first) {
@@ -271,7 +300,7 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
             x[i] = c < C ? ldf(wte[(long long)id * C + c]) + ldf(wpe[(long long)pos * C + c]) : 0.f;
         }
     } else {
-        dl_gather<T>(x, xf, xres, bprev, partB, SB, C);
+        dl_gather<T>(x, xf, xres, bpv, partB, SB, C);
     }
 #pragma unroll
     for (int i = 0; i < DL_XPT; ++i) {
@@ -285,7 +314,7 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
     float mean, rstd;
     dl_stats(x, C, eps, sh, mean, rstd);   // its barriers publish xf
     for (int k = tid; k < KQ; k += DL_THREADS)
-        xs[k] = (xf[k0 + k] - mean) * rstd * ldf(g1[k0 + k]) + ldf(b1[k0 + k]);
+        xs[k] = (xf[k0 + k] - mean) * rstd * ldf(g1s[k]) + ldf(b1s[k]);
     dl_mark(4);
     cp_async_wait<0>();
     __syncthreads();
@@ -323,7 +352,7 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
         float pr[DL_P];
 #pragma unroll
         for (int r = 0; r < DL_P; ++r) pr[r] = ld_cluster(&part[tid], (unsigned)r);
-        float a = ldf(bqkv[w * C + h * DL_HS + d]);
+        float a = ldf(bq[tid]);
 #pragma unroll
         for (int r = 0; r < DL_P; ++r) a += pr[r];
         const T t = To<T>::from(a);
@@ -478,13 +507,16 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
 // layer_mlp. Dynamic shared memory (dl_mlp_shared; decoder.py's _mlp_shared):
 //   wf  T[C][NH]   c_fc's weight, the block's NH = 4 VEC columns
 //   w2  T[NH][C]   the MLP projection's weight, the same NH rows
+//   vs  T[3][C]    the attention's projection bias, LN2's weight and bias
+//   bfs T[NH]      c_fc's bias, the block's columns
 //   xs  float[C]   LN2(x')
 //   red float[DL_WARPS][NH]
 //   hv  float[NH]  GELU(...), rounded
-//   ob  float[C]   this block's partial row (read by the cluster)
+//   ob  float[C]   this block's partial row (read by the cluster): xs's room, which step 3
+//                  has done with (so float32 at C = 1,600 fits in 227 KB)
 //   sh  float[32]
 struct MlpSm {
-    int wf, w2, xs, red, hv, ob, sh, total;
+    int wf, w2, vs, bfs, xs, red, hv, ob, sh, total;
 };
 
 template <typename T> FORGE_D MlpSm dl_mlp_shared(int C) {
@@ -493,10 +525,12 @@ template <typename T> FORGE_D MlpSm dl_mlp_shared(int C) {
     int at = 0;
     s.wf = at; at += C * NH * (int)sizeof(T);
     s.w2 = at; at += NH * C * (int)sizeof(T);
+    s.vs = at; at += 3 * C * (int)sizeof(T);
+    s.bfs = at; at += NH * (int)sizeof(T);
     s.xs = at; at += C * 4;
     s.red = at; at += DL_WARPS * NH * 4;
     s.hv = at; at += NH * 4;
-    s.ob = at; at += C * 4;
+    s.ob = s.xs;
     s.sh = at; at += 32 * 4;
     s.total = at;
     return s;
@@ -511,6 +545,8 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
     const MlpSm L = dl_mlp_shared<T>(C);
     T* wf = reinterpret_cast<T*>(dl_raw + L.wf);
     T* w2 = reinterpret_cast<T*>(dl_raw + L.w2);
+    T* vs = reinterpret_cast<T*>(dl_raw + L.vs);
+    T* bfs = reinterpret_cast<T*>(dl_raw + L.bfs);
     float* xs = reinterpret_cast<float*>(dl_raw + L.xs);
     float* red = reinterpret_cast<float*>(dl_raw + L.red);
     float* hv = reinterpret_cast<float*>(dl_raw + L.hv);
@@ -519,7 +555,15 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x;
     const int F = 4 * C, c0 = b * NH;   // this block's columns of c_fc: [c0, c0 + NH)
     dl_mark(0);
-    // 1. the block's weights, before the previous kernel ends
+    // 1. the block's weights, before the previous kernel ends: the vectors (read first after
+    //    the wait) a group of their own, then the matrices (waited for after LN2)
+    for (int i = tid; i < 3 * (C / PER); i += DL_THREADS) {
+        const int v = i / (C / PER), sg = i % (C / PER);
+        cp_async16(smem_u32(vs + v * C + sg * PER), (v == 0 ? bproj : v == 1 ? g2 : b2) + sg * PER,
+                   true);
+    }
+    if (tid < NH / PER) cp_async16(smem_u32(bfs + tid * PER), bfc + c0 + tid * PER, true);
+    cp_async_commit();
     for (int i = tid; i < C * (NH / PER); i += DL_THREADS) {
         const int k = i / (NH / PER), sg = i % (NH / PER);
         cp_async16(smem_u32(wf + (long long)k * NH + sg * PER),
@@ -535,9 +579,11 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
     pdl_wait();
     dl_mark(2);
     pdl_launch_dependents();
+    cp_async_wait<1>();   // the vectors
+    __syncthreads();
     // 2. x' and its layernorm
     float x[DL_XPT];
-    dl_gather<T>(x, xs, xa, bproj, partA, H, C);
+    dl_gather<T>(x, xs, xa, vs, partA, H, C);
     dl_mark(3);
     if (b == 0) {
 #pragma unroll
@@ -549,7 +595,7 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
 #pragma unroll
     for (int i = 0; i < DL_XPT; ++i) {
         const int c = tid + i * DL_THREADS;
-        if (c < C) xs[c] = (x[i] - mean) * rstd * ldf(g2[c]) + ldf(b2[c]);
+        if (c < C) xs[c] = (x[i] - mean) * rstd * ldf(vs[C + c]) + ldf(vs[2 * C + c]);
     }
     dl_mark(4);
     cp_async_wait<0>();
@@ -579,7 +625,7 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
         }
         __syncthreads();
         if (tid < NH) {
-            float a = ldf(bfc[c0 + tid]);
+            float a = ldf(bfs[tid]);
             for (int w = 0; w < DL_WARPS; ++w) a += red[w * NH + tid];
             hv[tid] = dl_round<T>(gelu_f(a));
         }
@@ -635,17 +681,27 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
                                  int Vp, int V, float eps, int greedy, int* ids, int* posp,
                                  int* hist, float* argp, unsigned* counter) {
     constexpr int NT = DL_HEAD_WARPS * 32;
+    constexpr int PER = 16 / (int)sizeof(T);
     __shared__ float xs[DL_CMAX];
+    __shared__ __align__(16) T vs[3 * DL_CMAX];   // the MLP's projection bias, LN_f's weight, bias
     __shared__ float sh[32], sv[32];
     __shared__ int si[32];
     __shared__ int last;
     const int tid = threadIdx.x;
     dl_mark(0);
+    for (int i = tid; i < 3 * (C / PER); i += NT) {   // weights: before the wait
+        const int v = i / (C / PER), sg = i % (C / PER);
+        cp_async16(smem_u32(vs + v * C + sg * PER), (v == 0 ? bias : v == 1 ? gf : bf) + sg * PER,
+                   true);
+    }
+    cp_async_commit();
     dl_mark(1);
     pdl_wait();
     dl_mark(2);
     pdl_launch_dependents();
-    dl_gather_rows<T, NT>(xs, xb, bias, partB, SB, C);
+    cp_async_wait<0>();
+    __syncthreads();
+    dl_gather_rows<T, NT>(xs, xb, vs, partB, SB, C);
     __syncthreads();
     dl_mark(3);
     float a = 0.f;
@@ -657,7 +713,7 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
         v += d * d;
     }
     const float rstd = 1.f / sqrtf(block_sum(v, sh) / float(C) + eps);
-    for (int c = tid; c < C; c += NT) xs[c] = (xs[c] - mean) * rstd * ldf(gf[c]) + ldf(bf[c]);
+    for (int c = tid; c < C; c += NT) xs[c] = (xs[c] - mean) * rstd * ldf(vs[C + c]) + ldf(vs[2 * C + c]);
     __syncthreads();
     dl_mark(4);
     float best = neg_inf<float>();

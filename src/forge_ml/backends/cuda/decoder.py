@@ -192,8 +192,8 @@ def _attn_shared(dt, C: int) -> int:
     """Dynamic shared bytes of ``layer_attn`` (decode_layers.cu's dl_attn_shared, the same
     sum).
 
-    >>> _attn_shared(BF16, 768) if BF16 is not None else 63504
-    63504
+    >>> _attn_shared(BF16, 768) if BF16 is not None else 65808
+    65808
     """
     vec, item = _VEC[dt], np.dtype(dt).itemsize
     kq = np_ = C // _DL_P
@@ -203,7 +203,7 @@ def _attn_shared(dt, C: int) -> int:
     nvp = np_ // vec
     dg = _DL_THREADS // nvp
     scr = max(rg * 3 * _HS, g1 * _HS, dg * np_)
-    at = kq * 3 * _HS * item + _HS * np_ * item + 2 * _HS * item
+    at = kq * 3 * _HS * item + _HS * np_ * item + 2 * _HS * item + (C + 2 * kq + 3 * _HS) * item
     at = -(-at // 16) * 16
     return at + 4 * (C + kq + 3 * _HS + 3 * _HS + 68 + _HS + 32 + 32 + scr + 32)
 
@@ -211,12 +211,12 @@ def _attn_shared(dt, C: int) -> int:
 def _mlp_shared(dt, C: int) -> int:
     """Dynamic shared bytes of ``layer_mlp`` (decode_layers.cu's dl_mlp_shared).
 
-    >>> _mlp_shared(BF16, 768) if BF16 is not None else 105728
-    105728
+    >>> _mlp_shared(BF16, 768) if BF16 is not None else 107328
+    107328
     """
     vec, item = _VEC[dt], np.dtype(dt).itemsize
     nh = 4 * vec
-    return 2 * C * nh * item + 4 * (C + (_DL_THREADS // 32) * nh + nh + C + 32)
+    return (2 * C * nh + 3 * C + nh) * item + 4 * (C + (_DL_THREADS // 32) * nh + nh + 32)
 
 
 _layers_known: dict = {}
