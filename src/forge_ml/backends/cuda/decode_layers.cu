@@ -33,6 +33,7 @@
 #define DL_XPT 8        // x values a thread holds (C <= DL_XPT * DL_THREADS)
 #define DL_HEAD_WARPS 16
 #define DL_HEAD_ROWS 8  // LM head rows a warp has in flight
+#define DL_KU 4         // keys a lane group of the attention has in flight
 #define DL_CMAX 1600
 
 FORGE_D int dl_cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -76,15 +77,29 @@ template <typename T> FORGE_D void dl_load(const T* p, float (&w)[Vec16<T>::N]) 
 // v rounded to T and widened back: where the kernel-per-op step stores a bf16 tensor
 template <typename T> FORGE_D float dl_round(float v) { return ldf(To<T>::from(v)); }
 
+// The sum of v over a block of NW warps with one barrier: each warp's total into its slot of
+// sh (NW floats, written once a kernel), then every thread adds the slots in order (the same
+// bits in every thread), where block_sum has a second round of shuffles and two more barriers
+// on the path of every kernel of the step.
+template <int NW = DL_WARPS> FORGE_D float dl_block_sum(float v, float* sh) {
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) t += sh[w];
+    return t;
+}
+
 // mean and rstd of the C values x[i] (thread t holds x[t + i * DL_THREADS]), float32, two
-// passes as layernorm.cu; every thread gets both
+// passes as layernorm.cu; every thread gets both. sh: 2 DL_WARPS floats, once a kernel.
 FORGE_D void dl_stats(const float (&x)[DL_XPT], int C, float eps, float* sh, float& mean,
                       float& rstd) {
     float a = 0.f;
 #pragma unroll
     for (int i = 0; i < DL_XPT; ++i)
         if (threadIdx.x + i * DL_THREADS < C) a += x[i];
-    mean = block_sum(a, sh) / float(C);
+    mean = dl_block_sum(a, sh) / float(C);
     float v = 0.f;
 #pragma unroll
     for (int i = 0; i < DL_XPT; ++i)
@@ -92,13 +107,13 @@ FORGE_D void dl_stats(const float (&x)[DL_XPT], int C, float eps, float* sh, flo
             const float d = x[i] - mean;
             v += d * d;
         }
-    rstd = 1.f / sqrtf(block_sum(v, sh) / float(C) + eps);
+    rstd = 1.f / sqrtf(dl_block_sum(v, sh + DL_WARPS) / float(C) + eps);
 }
 
 // xs[c] = base[c] + bias[c] + the sum over s < S of P[s][c], for every c < C, in shared
 // memory (a __syncthreads later, every thread may read any of it). A thread takes a column of
-// four (16-byte loads) and asks for all its S rows at once, 16 at a time: one round trip to L2
-// for S <= 16, where a thread's DL_XPT columns one after the other, eight rows at a time, made
+// four (16-byte loads) and asks for base's and all its S rows at once, 16 at a time: one round
+// trip to L2 for S <= 16 (base read after the rows' loop was a second one), where a thread's DL_XPT columns one after the other, eight rows at a time, made
 // six (S = 12). The sum's order is fixed: row s into accumulator s % 8, in order, then the
 // accumulators 0..7, then base + bias + that: the same bits every run. NT: the block's threads.
 template <typename T, int NT = DL_THREADS>
@@ -107,6 +122,7 @@ FORGE_D void dl_gather_rows(float* xs, const float* base, const T* bias, const f
     const float4* P4 = reinterpret_cast<const float4*>(P);
     const int G = C / 4;
     for (int g = threadIdx.x; g < G; g += NT) {
+        const float4 b = __ldcg(reinterpret_cast<const float4*>(base) + g);   // with the rows
         float4 acc[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -127,7 +143,6 @@ FORGE_D void dl_gather_rows(float* xs, const float* base, const T* bias, const f
         for (int j = 0; j < 8; ++j) {
             a.x += acc[j].x; a.y += acc[j].y; a.z += acc[j].z; a.w += acc[j].w;
         }
-        const float4 b = __ldcg(reinterpret_cast<const float4*>(base) + g);
         const int c = 4 * g;
         xs[c] = b.x + ldf(bias[c]) + a.x;
         xs[c + 1] = b.y + ldf(bias[c + 1]) + a.y;
@@ -164,9 +179,8 @@ FORGE_D void dl_gather(float (&x)[DL_XPT], float* xs, const float* base, const T
 //   qkv float[192]      q (times 1/8), k, v
 //   mlo float[68]       this block's m, l and 64 unnormalised outputs (read by the cluster)
 //   yv  float[64]       the head's attention output
-//   gm, gl float[32]    the key groups' m and l
-//   scr float[SCR]      scratch: the row groups' qkv sums, the key groups' outputs, the proj
-//                       sums
+//   gm, gl float[32]    the warps' m and l
+//   scr float[SCR]      scratch: the row groups' qkv sums, the warps' outputs, the proj sums
 //   sh  float[32]
 // KQ = NP = C / 8 (C a multiple of 64).
 struct AttnSm {
@@ -177,9 +191,8 @@ template <typename T> FORGE_D AttnSm dl_attn_shared(int C) {
     constexpr int VEC = Vec16<T>::N;
     const int KQ = C / DL_P, NP = C / DL_P;
     const int nv = 3 * DL_HS / VEC, rg = DL_THREADS / nv;           // qkv: row groups
-    const int g1 = DL_WARPS * (32 / (DL_HS / VEC));                  // attention: key groups
     const int nvp = NP / VEC, dg = DL_THREADS / nvp;                 // proj: row groups
-    const int scr = max(max(rg * 3 * DL_HS, g1 * DL_HS), dg * NP);
+    const int scr = max(max(rg * 3 * DL_HS, DL_WARPS * DL_HS), dg * NP);
     AttnSm s;
     int at = 0;
     s.wq = at; at += KQ * 3 * DL_HS * (int)sizeof(T);
@@ -365,9 +378,11 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
     __syncthreads();
     dl_mark(8);
     // 4. attention over this block's keys [j0, j0 + cnt): groups of RK lanes read a key and a
-    //    value row together (16-byte loads), online softmax per group, then the groups meet
+    //    value row together (16-byte loads), DL_KU keys a group at once (every load of a round
+    //    in flight before any is used: one round at GPT-2's 1,024 positions in bf16), online
+    //    softmax per group; the groups of a warp meet by shuffles, the warps in shared memory
     {
-        constexpr int RK = DL_HS / VEC, GPW = 32 / RK, G1 = DL_WARPS * GPW;
+        constexpr int RK = DL_HS / VEC, GPW = 32 / RK, G1 = DL_WARPS * GPW, U = DL_KU;
         const int n = pos + 1, ch = dl_cdiv(n, DL_P), j0 = p * ch;
         const int cnt = max(0, min(n, j0 + ch) - j0);
         const int g = warp * GPW + lane / RK, r = lane % RK;
@@ -379,69 +394,93 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
             acc[e] = 0.f;
         }
         float mg = neg_inf<float>(), lg = 0.f;
-        for (int jb = 0; jb < cnt; jb += 2 * G1) {   // uniform over the warp: shuffles are safe
-            float sc[2], kv[2][VEC];
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        for (int jb = 0; jb < cnt; jb += U * G1) {   // uniform over the warp: shuffles are safe
+            uint4 kr[U], vr[U];
 #pragma unroll
-            for (int u = 0; u < 2; ++u) {
+            for (int u = 0; u < U; ++u) {
                 const int j = jb + u * G1 + g, jj = j0 + j;
-                float kw[VEC];
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) kw[e] = kv[u][e] = 0.f;
+                kr[u] = vr[u] = zero;
                 if (j < cnt) {
                     if (jj == pos) {
-                        dl_load<T>(kn + r * VEC, kw);
-                        dl_load<T>(vn + r * VEC, kv[u]);
+                        kr[u] = *reinterpret_cast<const uint4*>(kn + r * VEC);
+                        vr[u] = *reinterpret_cast<const uint4*>(vn + r * VEC);
                     } else {
                         const long long at = hb + (long long)jj * DL_HS + r * VEC;
-                        Vec16<T>::widen(Vec16<T>::raw(kc + at), kw);
-                        Vec16<T>::widen(Vec16<T>::raw(vc + at), kv[u]);
+                        kr[u] = Vec16<T>::raw(kc + at);
+                        vr[u] = Vec16<T>::raw(vc + at);
                     }
                 }
+            }
+            float sc[U];
+            float mx = mg;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                float kw[VEC];
+                Vec16<T>::widen(kr[u], kw);
                 float d = 0.f;
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) d += qr[e] * kw[e];
+#pragma unroll
                 for (int off = RK >> 1; off > 0; off >>= 1)
                     d += __shfl_xor_sync(0xffffffffu, d, off);
-                sc[u] = j < cnt ? d : neg_inf<float>();
+                sc[u] = jb + u * G1 + g < cnt ? d : neg_inf<float>();
+                mx = fmaxf(mx, sc[u]);
             }
-            const float mx = fmaxf(mg, fmaxf(sc[0], sc[1]));
             if (mx != neg_inf<float>()) {
                 const float c = mg == neg_inf<float>() ? 0.f : __expf(mg - mx);
                 lg *= c;
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) acc[e] *= c;
 #pragma unroll
-                for (int u = 0; u < 2; ++u) {
+                for (int u = 0; u < U; ++u) {
                     const float pj = sc[u] == neg_inf<float>() ? 0.f : __expf(sc[u] - mx);
+                    float vw[VEC];
+                    Vec16<T>::widen(vr[u], vw);
                     lg += pj;
 #pragma unroll
-                    for (int e = 0; e < VEC; ++e) acc[e] += pj * kv[u][e];
+                    for (int e = 0; e < VEC; ++e) acc[e] += pj * vw[e];
                 }
                 mg = mx;
             }
         }
-        if (r == 0) {
-            gm[g] = mg;
-            gl[g] = lg;
-        }
-        __syncthreads();
-        float m = neg_inf<float>();
-        for (int k = 0; k < G1; ++k) m = fmaxf(m, gm[k]);
-        const float f = mg == neg_inf<float>() ? 0.f : __expf(mg - m);
+        // the warp's groups to the warp's max, summed by shuffles (lanes r of each group)
+        const float mw = warp_max(mg);
+        const float f = mg == neg_inf<float>() ? 0.f : __expf(mg - mw);
+        lg *= f;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) scr[g * DL_HS + r * VEC + e] = acc[e] * f;
-        __syncthreads();
-        if (tid < DL_HS) {
-            float o = 0.f;
-            for (int k = 0; k < G1; ++k) o += scr[k * DL_HS + tid];
-            mlo[4 + tid] = o;
+        for (int e = 0; e < VEC; ++e) acc[e] *= f;
+#pragma unroll
+        for (int off = RK; off < 32; off <<= 1) {
+            lg += __shfl_xor_sync(0xffffffffu, lg, off);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
         }
-        if (tid == 0) {
-            float l = 0.f;
-            for (int k = 0; k < G1; ++k)
-                l += gm[k] == neg_inf<float>() ? 0.f : gl[k] * __expf(gm[k] - m);
-            mlo[0] = m;
-            mlo[1] = l;
+        if (lane < RK) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) scr[warp * DL_HS + r * VEC + e] = acc[e];
+        }
+        if (lane == 0) {
+            gm[warp] = mw;
+            gl[warp] = lg;
+        }
+        __syncthreads();
+        if (tid < DL_HS) {   // the warps, in order
+            float m = neg_inf<float>(), wf[DL_WARPS];
+#pragma unroll
+            for (int w = 0; w < DL_WARPS; ++w) m = fmaxf(m, gm[w]);
+            float o = 0.f, l = 0.f;
+#pragma unroll
+            for (int w = 0; w < DL_WARPS; ++w) {
+                wf[w] = gm[w] == neg_inf<float>() ? 0.f : __expf(gm[w] - m);
+                o += scr[w * DL_HS + tid] * wf[w];
+                l += gl[w] * wf[w];
+            }
+            mlo[4 + tid] = o;
+            if (tid == 0) {
+                mlo[0] = m;
+                mlo[1] = l;
+            }
         }
     }
     dl_mark(9);
@@ -706,13 +745,13 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
     dl_mark(3);
     float a = 0.f;
     for (int c = tid; c < C; c += NT) a += xs[c];
-    const float mean = block_sum(a, sh) / float(C);
+    const float mean = dl_block_sum<DL_HEAD_WARPS>(a, sh) / float(C);
     float v = 0.f;
     for (int c = tid; c < C; c += NT) {
         const float d = xs[c] - mean;
         v += d * d;
     }
-    const float rstd = 1.f / sqrtf(block_sum(v, sh) / float(C) + eps);
+    const float rstd = 1.f / sqrtf(dl_block_sum<DL_HEAD_WARPS>(v, sh + DL_HEAD_WARPS) / float(C) + eps);
     for (int c = tid; c < C; c += NT) xs[c] = (xs[c] - mean) * rstd * ldf(vs[C + c]) + ldf(vs[2 * C + c]);
     __syncthreads();
     dl_mark(4);

@@ -192,17 +192,16 @@ def _attn_shared(dt, C: int) -> int:
     """Dynamic shared bytes of ``layer_attn`` (decode_layers.cu's dl_attn_shared, the same
     sum).
 
-    >>> _attn_shared(BF16, 768) if BF16 is not None else 65808
-    65808
+    >>> _attn_shared(BF16, 768) if BF16 is not None else 65680
+    65680
     """
     vec, item = _VEC[dt], np.dtype(dt).itemsize
     kq = np_ = C // _DL_P
     nv = 3 * _HS // vec
     rg = _DL_THREADS // nv
-    g1 = (_DL_THREADS // 32) * (32 // (_HS // vec))
     nvp = np_ // vec
     dg = _DL_THREADS // nvp
-    scr = max(rg * 3 * _HS, g1 * _HS, dg * np_)
+    scr = max(rg * 3 * _HS, (_DL_THREADS // 32) * _HS, dg * np_)
     at = kq * 3 * _HS * item + _HS * np_ * item + 2 * _HS * item + (C + 2 * kq + 3 * _HS) * item
     at = -(-at // 16) * 16
     return at + 4 * (C + kq + 3 * _HS + 3 * _HS + 68 + _HS + 32 + 32 + scr + 32)
