@@ -120,9 +120,9 @@ def stage_profile(cp, model, cache, tok, pos, reps):
 _TRACE_PHASES = {   # decode_layers.cu's dl_mark(i): the phase that ends at mark i
     "layer_attn": ["", "issue weights", "wait (PDL)", "gather x", "ln1", "cp.async wait",
                    "qkv rows", "cluster sync 1", "qkv sum, cache", "attention",
-                   "cluster sync 2", "merge", "proj rows", "cluster wait"],
+                   "cluster sync 2", "merge", "proj rows"],
     "layer_mlp": ["", "issue weights", "wait (PDL)", "gather x'", "ln2", "cp.async wait",
-                  "fc + gelu", "proj partial", "cluster sync 1", "sum, store", "cluster sync 2"],
+                  "fc + gelu", "proj partial", "cluster sync", "sum, store"],
     "decode_head": ["", "", "wait (PDL)", "gather x''", "ln_f", "logit rows", "argmax",
                     "last block"],
 }

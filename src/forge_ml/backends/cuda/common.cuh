@@ -496,6 +496,21 @@ FORGE_D double ld_cluster(const double* p, unsigned rank) {
     return v;
 }
 
+// st_cluster(p, r, v): v stored at the shared-memory address of p in block r of the cluster
+// (seen there after a cluster barrier: its arrive releases the store); st_cluster4 four floats
+// at a 16-byte aligned p.
+FORGE_D void st_cluster(float* p, unsigned rank, float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_addr(p, rank)), "f"(v) : "memory");
+#endif
+}
+FORGE_D void st_cluster4(float* p, unsigned rank, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(cluster_addr(p, rank)),
+                 "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+#endif
+}
+
 // Max over the 32 lanes of a warp; every lane gets it.
 template <typename A> FORGE_D A warp_max(A v) {
 #pragma unroll

@@ -173,18 +173,20 @@ FORGE_D void dl_gather(float (&x)[DL_XPT], float* xs, const float* base, const T
 //   bpv T[C]            the previous MLP's projection bias (layers after the first)
 //   g1s, b1s T[KQ]      LN1's weight and bias, this block's rows
 //   bq  T[192]          c_attn's bias, the head's q, k, v columns
-//   xf  float[C]        x
 //   xs  float[KQ]       LN1(x), this block's rows
 //   part float[192]     this block's partial q, k, v (read by the cluster)
 //   qkv float[192]      q (times 1/8), k, v
-//   mlo float[68]       this block's m, l and 64 unnormalised outputs (read by the cluster)
 //   yv  float[64]       the head's attention output
 //   gm, gl float[32]    the warps' m and l
-//   scr float[SCR]      scratch: the row groups' qkv sums, the warps' outputs, the proj sums
+//   scr float[SCR]      scratch: x (xf, until LN1), the row groups' qkv sums, the warps'
+//                       outputs, the proj sums
+//   mr  float[8][68]    block q's m, l and 64 unnormalised outputs at slot q, stored there by
+//                       block q: wq's room (every block is done with wq once the cluster has
+//                       met after the qkv rows, and only then does any block store here)
 //   sh  float[32]
 // KQ = NP = C / 8 (C a multiple of 64).
 struct AttnSm {
-    int wq, wp, kn, vn, bpv, g1s, b1s, bq, xf, xs, part, qkv, mlo, yv, gm, gl, scr, sh, total;
+    int wq, wp, kn, vn, bpv, g1s, b1s, bq, xf, xs, part, qkv, mr, yv, gm, gl, scr, sh, total;
 };
 
 template <typename T> FORGE_D AttnSm dl_attn_shared(int C) {
@@ -192,7 +194,7 @@ template <typename T> FORGE_D AttnSm dl_attn_shared(int C) {
     const int KQ = C / DL_P, NP = C / DL_P;
     const int nv = 3 * DL_HS / VEC, rg = DL_THREADS / nv;           // qkv: row groups
     const int nvp = NP / VEC, dg = DL_THREADS / nvp;                 // proj: row groups
-    const int scr = max(max(rg * 3 * DL_HS, DL_WARPS * DL_HS), dg * NP);
+    const int scr = max(max(rg * 3 * DL_HS, DL_WARPS * DL_HS), max(dg * NP, C));
     AttnSm s;
     int at = 0;
     s.wq = at; at += KQ * 3 * DL_HS * (int)sizeof(T);
@@ -204,15 +206,15 @@ template <typename T> FORGE_D AttnSm dl_attn_shared(int C) {
     s.b1s = at; at += KQ * (int)sizeof(T);
     s.bq = at; at += 3 * DL_HS * (int)sizeof(T);
     at = (at + 15) & ~15;
-    s.xf = at; at += C * 4;
     s.xs = at; at += KQ * 4;
     s.part = at; at += 3 * DL_HS * 4;
     s.qkv = at; at += 3 * DL_HS * 4;
-    s.mlo = at; at += 68 * 4;
     s.yv = at; at += DL_HS * 4;
     s.gm = at; at += 32 * 4;
     s.gl = at; at += 32 * 4;
     s.scr = at; at += scr * 4;
+    s.xf = s.scr;
+    s.mr = s.wq;
     s.sh = at; at += 32 * 4;
     s.total = at;
     return s;
@@ -239,7 +241,7 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
     float* xs = reinterpret_cast<float*>(dl_raw + L.xs);
     float* part = reinterpret_cast<float*>(dl_raw + L.part);
     float* qkv = reinterpret_cast<float*>(dl_raw + L.qkv);
-    float* mlo = reinterpret_cast<float*>(dl_raw + L.mlo);
+    float* mr = reinterpret_cast<float*>(dl_raw + L.mr);
     float* yv = reinterpret_cast<float*>(dl_raw + L.yv);
     float* gm = reinterpret_cast<float*>(dl_raw + L.gm);
     float* gl = reinterpret_cast<float*>(dl_raw + L.gl);
@@ -476,39 +478,44 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
                 o += scr[w * DL_HS + tid] * wf[w];
                 l += gl[w] * wf[w];
             }
-            mlo[4 + tid] = o;
+            float* to = mr + p * 68;   // this block's slot in every block of the cluster
+#pragma unroll
+            for (int q = 0; q < DL_P; ++q) st_cluster(to + 4 + tid, (unsigned)q, o);
             if (tid == 0) {
-                mlo[0] = m;
-                mlo[1] = l;
+#pragma unroll
+                for (int q = 0; q < DL_P; ++q) {
+                    st_cluster(to, (unsigned)q, m);
+                    st_cluster(to + 1, (unsigned)q, l);
+                }
             }
         }
     }
     dl_mark(9);
-    cluster_sync();   // every block's m, l and outputs are written
+    cluster_sync();   // every block's m, l and outputs are in every block's mr (the last meeting:
+                      // no block touches another's shared memory after it)
     dl_mark(10);
-    if (tid < DL_HS) {   // the 8 parts merged, in block order; every part's values asked for
-                         // first (a branch on each part's m made each wait for the one before)
-        float mr[DL_P], lr[DL_P], yr[DL_P];
+    if (tid < DL_HS) {   // the 8 parts merged, in block order; every part's values read first
+                         // (a branch on each part's m made each wait for the one before)
+        float mp[DL_P], lp[DL_P], yp[DL_P];
 #pragma unroll
         for (int r = 0; r < DL_P; ++r) {
-            mr[r] = ld_cluster(&mlo[0], (unsigned)r);
-            lr[r] = ld_cluster(&mlo[1], (unsigned)r);
-            yr[r] = ld_cluster(&mlo[4 + tid], (unsigned)r);
+            mp[r] = mr[r * 68];
+            lp[r] = mr[r * 68 + 1];
+            yp[r] = mr[r * 68 + 4 + tid];
         }
         float M = neg_inf<float>();
 #pragma unroll
-        for (int r = 0; r < DL_P; ++r) M = fmaxf(M, mr[r]);
+        for (int r = 0; r < DL_P; ++r) M = fmaxf(M, mp[r]);
         float Ls = 0.f, y = 0.f;
 #pragma unroll
         for (int r = 0; r < DL_P; ++r) {
-            if (mr[r] == neg_inf<float>()) continue;   // a part with no keys
-            const float w = __expf(mr[r] - M);
-            Ls += w * lr[r];
-            y += w * yr[r];
+            if (mp[r] == neg_inf<float>()) continue;   // a part with no keys
+            const float w = __expf(mp[r] - M);
+            Ls += w * lp[r];
+            y += w * yp[r];
         }
         yv[tid] = bad ? quiet_nan<float>() : dl_round<T>(y / Ls);
     }
-    cluster_arrive();   // this block reads no other block's shared memory from here on
     __syncthreads();
     dl_mark(11);
     // 5. y @ c_proj's weight, this block's NP columns -> partA[h][n0 ..)
@@ -537,8 +544,6 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
         }
     }
     dl_mark(12);
-    cluster_wait();   // no block leaves while another may still read its mlo
-    dl_mark(13);
     dl_trace_out(0);
 }
 
@@ -551,11 +556,11 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
 //   xs  float[C]   LN2(x')
 //   red float[DL_WARPS][NH]
 //   hv  float[NH]  GELU(...), rounded
-//   ob  float[C]   this block's partial row (read by the cluster): xs's room, which step 3
-//                  has done with (so float32 at C = 1,600 fits in 227 KB)
+//   rv  float[8][C / 8]  the eighth of the MLP's output row this block sums: block q's
+//                  partial at slot q, stored there by block q
 //   sh  float[32]
 struct MlpSm {
-    int wf, w2, vs, bfs, xs, red, hv, ob, sh, total;
+    int wf, w2, vs, bfs, xs, red, hv, rv, sh, total;
 };
 
 template <typename T> FORGE_D MlpSm dl_mlp_shared(int C) {
@@ -569,7 +574,7 @@ template <typename T> FORGE_D MlpSm dl_mlp_shared(int C) {
     s.xs = at; at += C * 4;
     s.red = at; at += DL_WARPS * NH * 4;
     s.hv = at; at += NH * 4;
-    s.ob = s.xs;
+    s.rv = at; at += C * 4;
     s.sh = at; at += 32 * 4;
     s.total = at;
     return s;
@@ -589,7 +594,7 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
     float* xs = reinterpret_cast<float*>(dl_raw + L.xs);
     float* red = reinterpret_cast<float*>(dl_raw + L.red);
     float* hv = reinterpret_cast<float*>(dl_raw + L.hv);
-    float* ob = reinterpret_cast<float*>(dl_raw + L.ob);
+    float* rv = reinterpret_cast<float*>(dl_raw + L.rv);
     float* sh = reinterpret_cast<float*>(dl_raw + L.sh);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x;
     const int F = 4 * C, c0 = b * NH;   // this block's columns of c_fc: [c0, c0 + NH)
@@ -671,7 +676,9 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
         __syncthreads();
     }
     dl_mark(6);
-    // 4. those NH rows of the projection: a partial row of C
+    // 4. those NH rows of the projection: a partial row of C, each eighth of it stored straight
+    //    into the block of the cluster that sums that eighth (its rv, at this block's slot)
+    const int rank = b % DL_P, w8 = C / DL_P;   // w8 a multiple of 8: a vector is in one eighth
     for (int cv = tid; cv < C / VEC; cv += DL_THREADS) {
         float acc[VEC];
 #pragma unroll
@@ -684,29 +691,28 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
 #pragma unroll
             for (int e = 0; e < VEC; ++e) acc[e] += hj * w[e];
         }
+        const int c = cv * VEC, q = c / w8;
+        float* to = rv + rank * w8 + (c - q * w8);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) ob[cv * VEC + e] = acc[e];
+        for (int e = 0; e < VEC; e += 4)
+            st_cluster4(to + e, (unsigned)q, acc[e], acc[e + 1], acc[e + 2], acc[e + 3]);
     }
     dl_mark(7);
-    cluster_sync();   // every block's partial row is written
+    cluster_sync();   // every block's eighths are in (the last meeting: no block touches another's
+                      // shared memory after it)
     dl_mark(8);
-    // 5. block r of the cluster sums the columns [r C / 8, (r + 1) C / 8) over its 8 blocks
+    // 5. this block's eighth, columns [rank C / 8, (rank + 1) C / 8), summed over the cluster's
+    //    8 blocks in block order -> partB[cluster]
     {
-        const int r = b % DL_P, cl = b / DL_P, w = C / DL_P;
-        for (int c = tid; c < w; c += DL_THREADS) {
-            const int n = r * w + c;
-            float pq[DL_P];
-#pragma unroll
-            for (int q = 0; q < DL_P; ++q) pq[q] = ld_cluster(&ob[n], (unsigned)q);
+        const int cl = b / DL_P;
+        for (int c = tid; c < w8; c += DL_THREADS) {
             float a = 0.f;
 #pragma unroll
-            for (int q = 0; q < DL_P; ++q) a += pq[q];
-            __stcg(partB + (long long)cl * C + n, a);
+            for (int q = 0; q < DL_P; ++q) a += rv[q * w8 + c];
+            __stcg(partB + (long long)cl * C + rank * w8 + c, a);
         }
     }
     dl_mark(9);
-    cluster_sync();   // no block leaves while another may still read its ob
-    dl_mark(10);
     dl_trace_out(1);
 }
 

@@ -192,8 +192,8 @@ def _attn_shared(dt, C: int) -> int:
     """Dynamic shared bytes of ``layer_attn`` (decode_layers.cu's dl_attn_shared, the same
     sum).
 
-    >>> _attn_shared(BF16, 768) if BF16 is not None else 65680
-    65680
+    >>> _attn_shared(BF16, 768) if BF16 is not None else 62336
+    62336
     """
     vec, item = _VEC[dt], np.dtype(dt).itemsize
     kq = np_ = C // _DL_P
@@ -201,21 +201,21 @@ def _attn_shared(dt, C: int) -> int:
     rg = _DL_THREADS // nv
     nvp = np_ // vec
     dg = _DL_THREADS // nvp
-    scr = max(rg * 3 * _HS, (_DL_THREADS // 32) * _HS, dg * np_)
+    scr = max(rg * 3 * _HS, (_DL_THREADS // 32) * _HS, dg * np_, C)
     at = kq * 3 * _HS * item + _HS * np_ * item + 2 * _HS * item + (C + 2 * kq + 3 * _HS) * item
     at = -(-at // 16) * 16
-    return at + 4 * (C + kq + 3 * _HS + 3 * _HS + 68 + _HS + 32 + 32 + scr + 32)
+    return at + 4 * (kq + 3 * _HS + 3 * _HS + _HS + 32 + 32 + scr + 32)
 
 
 def _mlp_shared(dt, C: int) -> int:
     """Dynamic shared bytes of ``layer_mlp`` (decode_layers.cu's dl_mlp_shared).
 
-    >>> _mlp_shared(BF16, 768) if BF16 is not None else 107328
-    107328
+    >>> _mlp_shared(BF16, 768) if BF16 is not None else 110400
+    110400
     """
     vec, item = _VEC[dt], np.dtype(dt).itemsize
     nh = 4 * vec
-    return (2 * C * nh + 3 * C + nh) * item + 4 * (C + (_DL_THREADS // 32) * nh + nh + 32)
+    return (2 * C * nh + 3 * C + nh) * item + 4 * (C + (_DL_THREADS // 32) * nh + nh + C + 32)
 
 
 _layers_known: dict = {}
