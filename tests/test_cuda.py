@@ -1076,6 +1076,40 @@ def test_compile_error_carries_the_log(be):
 
 
 @cuda
+def test_a_kernel_file_that_does_not_compile_is_compiled_once(be, monkeypatch):
+    """runtime._function keeps a failed compile: asked again, the same CompileError at once, no
+    second NVRTC run; runtime._takes (the layers step's and the cluster sampler's check, asked
+    on every step) says no. The layers step and the sampler fall back on it."""
+    from forge_ml.backends.cuda import decoder, runtime
+    real_source, real_compile = runtime.kernel_source, runtime.compile_source
+    broken = {"decode_layers", "forge_test_broken"}
+    compiles = []
+
+    def source(stem):
+        if stem in broken:
+            return 'extern "C" __global__ void k(float* x) { x[0] = not_declared_here; }'
+        return real_source(stem)
+
+    def compile_source(src, label, *a, **k):
+        compiles.append(label)
+        return real_compile(src, label, *a, **k)
+
+    monkeypatch.setattr(runtime, "kernel_source", source)
+    monkeypatch.setattr(runtime, "compile_source", compile_source)
+    monkeypatch.setattr(runtime, "_modules", {})
+    monkeypatch.setattr(runtime, "_functions", {})
+    monkeypatch.setattr(runtime, "_shared_room", {})
+    for _ in range(2):
+        with pytest.raises(CompileError, match="not_declared_here"):
+            runtime._function("forge_test_broken", "k")
+    assert compiles == ["backends/cuda/forge_test_broken.cu"], compiles
+    assert runtime._takes("forge_test_broken", "k", 0) is False
+    for _ in range(3):   # the layers step's check: no, and decode_layers.cu compiled once
+        assert decoder._layers_ok(runtime.F32, 768) is False
+    assert compiles.count("backends/cuda/decode_layers.cu") <= 1, compiles
+
+
+@cuda
 def test_all_kernel_files_compile(be):
     from pathlib import Path
     kdir = Path(be.__file__).parent       # the .cu files sit beside their launcher modules

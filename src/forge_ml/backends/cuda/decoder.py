@@ -30,9 +30,9 @@ from __future__ import annotations
 import numpy as np
 
 from ... import flags
-from ...errors import CompileError, ShapeError
+from ...errors import ShapeError
 from .runtime import (_DTYPES, _SFX, BF16, F32, _cc_major, _dev, _float_sfx, _guarded, _i32,
-                      _launch, _launcher_ex, _set_max_shared, _sm_count, cupy)
+                      _launch, _launcher_ex, _sm_count, _takes, cupy)
 
 _THREADS = 512        # decode_model.cu: DM_THREADS
 _WARPS = 16
@@ -218,30 +218,19 @@ def _mlp_shared(dt, C: int) -> int:
     return (2 * C * nh + 3 * C + nh) * item + 4 * (C + (_DL_THREADS // 32) * nh + nh + C + 32)
 
 
-_layers_known: dict = {}
-
-
 def _layers_ok(dt, C: int) -> bool:
     """Whether decode_layers.cu takes n_embd ``C`` (``decode_gpt2_ok`` has checked the rest: C =
     64 H, at most 1,600): a Hopper GPU (compute capability 9.x: thread-block clusters,
     ``_launcher_ex``, and the GPUs its tests and timings ran on) and both kernels' shared
-    memory within the device's. A kernel file that does not compile here is a no: the
+    memory within the device's. A kernel file that does not compile here is a no
+    (``runtime._takes``; the failure is kept, not compiled again on the next step): the
     kernel-per-op step runs (it is the default path, so it must not fail where the step it
-    replaces works). Asked on every op-by-op step, so the answer is kept per device, dtype and
-    C (a failed compile is not tried again)."""
-    key = (_dev(), str(np.dtype(dt)), C)
-    ok = _layers_known.get(key)
-    if ok is None:
-        ok = False
-        if _cc_major(_dev()) == 9 and _launcher_ex():
-            sfx = _SFX[np.dtype(dt)]
-            try:
-                ok = (_set_max_shared("decode_layers", f"layer_attn_{sfx}", _attn_shared(dt, C))
-                      and _set_max_shared("decode_layers", f"layer_mlp_{sfx}", _mlp_shared(dt, C)))
-            except CompileError:
-                ok = False
-        _layers_known[key] = ok
-    return ok
+    replaces works)."""
+    if _cc_major(_dev()) != 9 or not _launcher_ex():
+        return False
+    sfx = _SFX[np.dtype(dt)]
+    return (_takes("decode_layers", f"layer_attn_{sfx}", _attn_shared(dt, C))
+            and _takes("decode_layers", f"layer_mlp_{sfx}", _mlp_shared(dt, C)))
 
 
 class _LayersPlan:

@@ -264,24 +264,33 @@ def _compile_options() -> tuple:
 
 
 def _function(stem: str, name: str):
+    """Kernel ``name`` of backends/cuda/<stem>.cu on the current device, the file compiled on
+    first use. A file that does not compile raises CompileError, and the same error again at
+    once when asked again (its failure is kept: no second compile)."""
     key = (_dev(), stem, name)
     fn = _functions.get(key)
     if fn is None:
         with _lock:
             mkey = key[:2]
             module = _modules.get(mkey)
+            if isinstance(module, CompileError):
+                raise module
             if module is None:
                 label = f"backends/cuda/{stem}.cu"
                 opts = _compile_options()
-                if stem in _ARCH_STEMS:
-                    cc, arch = _ARCH_STEMS[stem]
-                    have = _cc(key[0])
-                    if have != cc:
-                        raise CompileError(f"{label} is written for {arch}; this GPU is "
-                                           f"compute capability {have}")
-                    module = compile_for_arch(kernel_source(stem), label, arch, opts)
-                else:
-                    module = compile_source(kernel_source(stem), label, opts)
+                try:
+                    if stem in _ARCH_STEMS:
+                        cc, arch = _ARCH_STEMS[stem]
+                        have = _cc(key[0])
+                        if have != cc:
+                            raise CompileError(f"{label} is written for {arch}; this GPU is "
+                                               f"compute capability {have}")
+                        module = compile_for_arch(kernel_source(stem), label, arch, opts)
+                    else:
+                        module = compile_source(kernel_source(stem), label, opts)
+                except CompileError as e:
+                    _modules[mkey] = e
+                    raise
                 _modules[mkey] = module
             fn = module.get_function(name)
             _functions[key] = fn
@@ -325,6 +334,17 @@ def _set_max_shared(stem: str, name: str, nbytes: int) -> bool:
                     return False
                 room[1] = int(nbytes)
     return True
+
+
+def _takes(stem: str, name: str, nbytes: int) -> bool:
+    """Whether kernel ``name`` of <stem>.cu compiles here and may be launched with ``nbytes``
+    of dynamic shared memory (``_set_max_shared``); a file that does not compile is a no, at
+    once after the first try (``_function`` keeps the failure). For a fast path's own kernel,
+    where a slower path that works elsewhere must run instead of failing."""
+    try:
+        return _set_max_shared(stem, name, nbytes)
+    except CompileError:
+        return False
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ SMs idle and a row's passes one block's latency each: the cluster kernel splits 
 """
 from __future__ import annotations
 
-from ...errors import CompileError, ShapeError
+from ...errors import ShapeError
 from .memory import _c, _pos_array
-from .runtime import F32, _dev, _guarded, _i32, _launch, _launcher_ex, _set_max_shared, cupy
+from .runtime import F32, _guarded, _i32, _launch, _launcher_ex, _set_max_shared, _takes, cupy
 
 
 @_guarded
@@ -46,7 +46,6 @@ _SAMPLE_THREADS = 1024   # sample.cu: one block of 1024 threads per row
 _STAGE = True            # tests set it False to run the global-memory kernel on the same rows
 _CLUSTER_BLOCKS, _CLUSTER_THREADS = 8, 512   # sample.cu: SC_BLOCKS, SC_THREADS
 _CLUSTER_ROWS = 16       # batches up to this many rows sample with a cluster a row (tests change it)
-_cluster_ok: dict = {}   # (device, vocab_size) -> the cluster kernel's shared memory, or 0
 
 
 def _cluster_shared(vocab_size) -> int:
@@ -64,19 +63,12 @@ def _cluster(B, vocab_size) -> int:
     else 0: at most ``_CLUSTER_ROWS`` rows (a batch of one, where a row's one block is the whole
     call: 8 blocks read and cut an eighth of the row each), a GPU with thread-block clusters
     (Hopper), ``_STAGE`` on and the part fitting a block's shared memory. A kernel file that
-    does not compile here is a no (the one-block kernels choose the same tokens)."""
+    does not compile here is a no (``runtime._takes``; the one-block kernels choose the same
+    tokens)."""
     if B > _CLUSTER_ROWS or not _STAGE or vocab_size <= 0 or not _launcher_ex():
         return 0
-    key = (_dev(), int(vocab_size))
-    got = _cluster_ok.get(key)
-    if got is None:
-        nbytes = _cluster_shared(vocab_size)
-        try:
-            fits = _set_max_shared("sample", "sample_next_cluster_f32", nbytes)
-        except CompileError:
-            fits = False
-        got = _cluster_ok[key] = nbytes if fits else 0
-    return got
+    nbytes = _cluster_shared(vocab_size)
+    return nbytes if _takes("sample", "sample_next_cluster_f32", nbytes) else 0
 
 
 def _sample_kernel(vocab_size):
