@@ -481,6 +481,23 @@ FORGE_D unsigned cluster_addr(const void* p, unsigned rank) {
 #endif
     return r;
 }
+// A generic address of the same shared-memory variable in block `rank` of the cluster (plain
+// loads through it read that block's shared memory: structs, arrays).
+template <class T> FORGE_D const T* cluster_map(const T* p, unsigned rank) {
+    unsigned long long r = reinterpret_cast<unsigned long long>(p);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mapa.u64 %0, %1, %2;" : "=l"(r) : "l"(r), "r"(rank));
+#endif
+    return reinterpret_cast<const T*>(r);
+}
+// This block's rank in its cluster (blockIdx.x % the cluster's size for clusters along x)
+FORGE_D unsigned cluster_rank() {
+    unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
 FORGE_D float ld_cluster(const float* p, unsigned rank) {
     float v = 0.f;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

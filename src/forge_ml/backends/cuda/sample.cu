@@ -93,8 +93,7 @@ struct StagedRow {
 
 FORGE_D unsigned long long block_sum_u64(unsigned long long v, unsigned long long* sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = warp_sum(v);
     __syncthreads();
     if (lane == 0) sh[warp] = v;
     __syncthreads();
@@ -159,9 +158,7 @@ FORGE_D void bin_add(Hist& h, bool counted, unsigned d, unsigned w) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
             const unsigned sum = __reduce_add_sync(all, counted ? w : 0u);
 #else
-            unsigned sum = counted ? w : 0u;   // __reduce_add_sync is sm_80+
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(all, sum, o);
+            const unsigned sum = warp_sum(counted ? w : 0u);   // __reduce_add_sync is sm_80+
 #endif
             if ((int)(threadIdx.x & 31) == first) mass_add(h, d0, sum);
         } else if (counted) {
@@ -285,15 +282,6 @@ struct Solo {
 #define SC_BLOCKS 8     // sample_next_cluster_f32: the blocks of a row's cluster
 #define SC_THREADS 512  // and their threads (16 warps: 9 read the bins, 1 a sum, 6 clear)
 
-// A generic address of the same shared-memory variable in block `rank` of the cluster.
-template <class T> FORGE_D const T* cluster_map(const T* p, unsigned rank) {
-    unsigned long long r = reinterpret_cast<unsigned long long>(p);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm("mapa.u64 %0, %1, %2;" : "=l"(r) : "l"(r), "r"(rank));
-#endif
-    return reinterpret_cast<const T*>(r);
-}
-
 // What the blocks of a cluster read from each other, and the block's own meeting results.
 struct ClusterShared {
     Hist h[2];                     // the passes' histograms, in turn
@@ -309,13 +297,7 @@ struct Cluster {
     unsigned long long* red;
     int first, n, pass;
     static constexpr int ranks = SC_BLOCKS;
-    FORGE_D unsigned rank() const {
-        unsigned r = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-        return r;
-    }
+    FORGE_D unsigned rank() const { return cluster_rank(); }
     FORGE_D Hist& hist() { return s->h[pass & 1]; }
     // every block gets the row's (max, argmax): warp 0's lane r brings block r's, and a
     // butterfly folds them (numpy's order is a total order: any fold gives the same)
@@ -370,9 +352,8 @@ struct Cluster {
             for (int r = 0; r < SC_BLOCKS; ++r) v += ((unsigned long long)hi[r] << 32) | lo[r];
         } else if (warp == SN_PICK_WARPS) {   // the row's K
             if (with_k) {
-                unsigned long long x = lane < SC_BLOCKS ? *cluster_map(&s->K, (unsigned)lane) : 0ull;
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+                const unsigned long long x =
+                    warp_sum(lane < SC_BLOCKS ? *cluster_map(&s->K, (unsigned)lane) : 0ull);
                 if (lane == 0) s->total = x;
             }
         } else {   // the others clear the next pass's histogram: every block has read it
@@ -392,15 +373,9 @@ struct Cluster {
         if (threadIdx.x == 0) s->mass = mine;
         cluster_sync();
         const unsigned lane = threadIdx.x & 31, me = rank();
-        unsigned long long m = lane < SC_BLOCKS ? *cluster_map(&s->mass, lane) : 0ull;
-        unsigned long long b = lane < me ? m : 0ull;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            m += __shfl_xor_sync(0xffffffffu, m, o);
-            b += __shfl_xor_sync(0xffffffffu, b, o);
-        }
-        before = b;
-        return m;
+        const unsigned long long m = lane < SC_BLOCKS ? *cluster_map(&s->mass, lane) : 0ull;
+        before = warp_sum(lane < me ? m : 0ull);
+        return warp_sum(m);
     }
     // no block leaves while another may still read its shared memory
     FORGE_D void done() { cluster_sync(); }
