@@ -91,15 +91,12 @@ template <int NW = DL_WARPS> FORGE_D float dl_block_sum(float v, float* sh) {
     return t;
 }
 
-// mean and rstd of the C values x[i] (thread t holds x[t + i * DL_THREADS]), float32, two
-// passes as layernorm.cu; every thread gets both. sh: 2 DL_WARPS floats, once a kernel.
-FORGE_D void dl_stats(const float (&x)[DL_XPT], int C, float eps, float* sh, float& mean,
-                      float& rstd) {
-    float a = 0.f;
-#pragma unroll
-    for (int i = 0; i < DL_XPT; ++i)
-        if (threadIdx.x + i * DL_THREADS < C) a += x[i];
-    mean = dl_block_sum(a, sh) / float(C);
+// mean and rstd of the C values x[i] (thread t holds x[t + i * DL_THREADS]) whose sum over
+// the block is `sum` (from the barrier that published them: dl_gather's), float32, two passes
+// as layernorm.cu; every thread gets both. sh: DL_WARPS floats, once a kernel.
+FORGE_D void dl_stats(const float (&x)[DL_XPT], int C, float eps, float sum, float* sh,
+                      float& mean, float& rstd) {
+    mean = sum / float(C);
     float v = 0.f;
 #pragma unroll
     for (int i = 0; i < DL_XPT; ++i)
@@ -107,7 +104,7 @@ FORGE_D void dl_stats(const float (&x)[DL_XPT], int C, float eps, float* sh, flo
             const float d = x[i] - mean;
             v += d * d;
         }
-    rstd = 1.f / sqrtf(dl_block_sum(v, sh + DL_WARPS) / float(C) + eps);
+    rstd = 1.f / sqrtf(dl_block_sum(v, sh) / float(C) + eps);
 }
 
 // xs[c] = base[c] + bias[c] + the sum over s < S of P[s][c], for every c < C, in shared
@@ -116,11 +113,13 @@ FORGE_D void dl_stats(const float (&x)[DL_XPT], int C, float eps, float* sh, flo
 // trip to L2 for S <= 16 (base read after the rows' loop was a second one), where a thread's DL_XPT columns one after the other, eight rows at a time, made
 // six (S = 12). The sum's order is fixed: row s into accumulator s % 8, in order, then the
 // accumulators 0..7, then base + bias + that: the same bits every run. NT: the block's threads.
+// Returns the thread's sum of the values it wrote (the layernorm's mean needs their sum).
 template <typename T, int NT = DL_THREADS>
-FORGE_D void dl_gather_rows(float* xs, const float* base, const T* bias, const float* P, int S,
-                            int C) {
+FORGE_D float dl_gather_rows(float* xs, const float* base, const T* bias, const float* P, int S,
+                             int C) {
     const float4* P4 = reinterpret_cast<const float4*>(P);
     const int G = C / 4;
+    float part = 0.f;
     for (int g = threadIdx.x; g < G; g += NT) {
         const float4 b = __ldcg(reinterpret_cast<const float4*>(base) + g);   // with the rows
         float4 acc[8];
@@ -144,24 +143,30 @@ FORGE_D void dl_gather_rows(float* xs, const float* base, const T* bias, const f
             a.x += acc[j].x; a.y += acc[j].y; a.z += acc[j].z; a.w += acc[j].w;
         }
         const int c = 4 * g;
-        xs[c] = b.x + ldf(bias[c]) + a.x;
-        xs[c + 1] = b.y + ldf(bias[c + 1]) + a.y;
-        xs[c + 2] = b.z + ldf(bias[c + 2]) + a.z;
-        xs[c + 3] = b.w + ldf(bias[c + 3]) + a.w;
+        const float v0 = b.x + ldf(bias[c]) + a.x, v1 = b.y + ldf(bias[c + 1]) + a.y;
+        const float v2 = b.z + ldf(bias[c + 2]) + a.z, v3 = b.w + ldf(bias[c + 3]) + a.w;
+        xs[c] = v0;
+        xs[c + 1] = v1;
+        xs[c + 2] = v2;
+        xs[c + 3] = v3;
+        part += v0 + v1 + v2 + v3;
     }
+    return part;
 }
 
-// dl_gather_rows into xs, then each thread's x[i] = xs[tid + i * DL_THREADS] (0 past C)
+// dl_gather_rows into xs, then each thread's x[i] = xs[tid + i * DL_THREADS] (0 past C);
+// returns the C values' sum over the block, whose barrier publishes xs (sh: DL_WARPS floats,
+// once a kernel)
 template <typename T>
-FORGE_D void dl_gather(float (&x)[DL_XPT], float* xs, const float* base, const T* bias,
-                       const float* P, int S, int C) {
-    dl_gather_rows<T>(xs, base, bias, P, S, C);
-    __syncthreads();
+FORGE_D float dl_gather(float (&x)[DL_XPT], float* xs, const float* base, const T* bias,
+                        const float* P, int S, int C, float* sh) {
+    const float sum = dl_block_sum(dl_gather_rows<T>(xs, base, bias, P, S, C), sh);
 #pragma unroll
     for (int i = 0; i < DL_XPT; ++i) {
         const int c = threadIdx.x + i * DL_THREADS;
         x[i] = c < C ? xs[c] : 0.f;
     }
+    return sum;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -306,28 +311,29 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
     cp_async_wait<1>();   // the vectors (every group but the matrices')
     __syncthreads();
     // 2. x, its layernorm, this block's rows of it
-    float x[DL_XPT];
+    float x[DL_XPT], sum;
     if (first) {
         const int id = __ldcg(ids);
+        float a = 0.f;
 #pragma unroll
         for (int i = 0; i < DL_XPT; ++i) {
             const int c = tid + i * DL_THREADS;
             x[i] = c < C ? ldf(wte[(long long)id * C + c]) + ldf(wpe[(long long)pos * C + c]) : 0.f;
+            if (c < C) xf[c] = x[i];
+            a += x[i];
         }
+        sum = dl_block_sum(a, sh);   // its barrier publishes xf
     } else {
-        dl_gather<T>(x, xf, xres, bpv, partB, SB, C);
+        sum = dl_gather<T>(x, xf, xres, bpv, partB, SB, C, sh);
     }
+    if (blockIdx.x == 0) {
 #pragma unroll
-    for (int i = 0; i < DL_XPT; ++i) {
-        const int c = tid + i * DL_THREADS;
-        if (c < C) {
-            xf[c] = x[i];
-            if (blockIdx.x == 0) __stcg(xa + c, x[i]);
-        }
+        for (int i = 0; i < DL_XPT; ++i)
+            if (tid + i * DL_THREADS < C) __stcg(xa + tid + i * DL_THREADS, x[i]);
     }
     dl_mark(3);
     float mean, rstd;
-    dl_stats(x, C, eps, sh, mean, rstd);   // its barriers publish xf
+    dl_stats(x, C, eps, sum, sh + DL_WARPS, mean, rstd);
     for (int k = tid; k < KQ; k += DL_THREADS)
         xs[k] = (xf[k0 + k] - mean) * rstd * ldf(g1s[k]) + ldf(b1s[k]);
     dl_mark(4);
@@ -627,7 +633,7 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
     __syncthreads();
     // 2. x' and its layernorm
     float x[DL_XPT];
-    dl_gather<T>(x, xs, xa, vs, partA, H, C);
+    const float sum = dl_gather<T>(x, xs, xa, vs, partA, H, C, sh);
     dl_mark(3);
     if (b == 0) {
 #pragma unroll
@@ -635,7 +641,7 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
             if (tid + i * DL_THREADS < C) __stcg(xb + tid + i * DL_THREADS, x[i]);
     }
     float mean, rstd;
-    dl_stats(x, C, eps, sh, mean, rstd);
+    dl_stats(x, C, eps, sum, sh + DL_WARPS, mean, rstd);
 #pragma unroll
     for (int i = 0; i < DL_XPT; ++i) {
         const int c = tid + i * DL_THREADS;
@@ -746,12 +752,10 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
     pdl_launch_dependents();
     cp_async_wait<0>();
     __syncthreads();
-    dl_gather_rows<T, NT>(xs, xb, vs, partB, SB, C);
-    __syncthreads();
+    // the mean from the gather's own sums; their barrier publishes xs
+    const float mean =
+        dl_block_sum<DL_HEAD_WARPS>(dl_gather_rows<T, NT>(xs, xb, vs, partB, SB, C), sh) / float(C);
     dl_mark(3);
-    float a = 0.f;
-    for (int c = tid; c < C; c += NT) a += xs[c];
-    const float mean = dl_block_sum<DL_HEAD_WARPS>(a, sh) / float(C);
     float v = 0.f;
     for (int c = tid; c < C; c += NT) {
         const float d = xs[c] - mean;
