@@ -6,8 +6,12 @@
 //
 // Every block loads its weights into shared memory (cp.async) before it waits for the previous
 // kernel (programmatic dependent launch, common.cuh's pdl_wait): they arrive under that
-// kernel's tail. Vectors between kernels are float32 in a workspace; sums over blocks are
+// kernel's tail, the small vectors (biases, layernorm weights) as a group of their own that is
+// waited for first. Vectors between kernels are float32 in a workspace; sums over blocks are
 // partial rows summed by the consumer in a fixed order (no atomics: the same bits every run).
+// Within a cluster, a block stores what another block sums straight into that block's shared
+// memory (st.shared::cluster) before the cluster meets, so each meeting is the last touch of
+// that data. benchmarks/decode_gpu.py --trace times each phase (the DL_TRACE build below).
 //
 //   layer_attn (H clusters of 8 blocks, one cluster a head):
 //     x = the embedding (layer 0), else x' + c_proj bias of the MLP + the rows of partB;
@@ -15,12 +19,13 @@
 //     summed over the cluster (distributed shared memory) and rounded to the weights' type as
 //     the kernel-per-op step's qkv is; block 0 writes k and v at row pos of the caches;
 //     attention over the keys 0..pos, block p the p-th eighth of them (the new row from the
-//     cluster's sums, not the cache); the 8 parts merged (online softmax) in every block, y
-//     rounded; block p: y @ c_proj's weight for its eighth of the columns -> partA[head].
+//     cluster's sums, not the cache); each block's (m, l, outputs) stored into every block,
+//     the 8 parts merged (online softmax) in every block, y rounded; block p: y @ c_proj's
+//     weight for its eighth of the columns -> partA[head].
 //   layer_mlp (C / VEC blocks in clusters of 8, block b owning 4 VEC columns of c_fc):
 //     x' = x + c_proj bias + the H rows of partA; LN2(x'); its columns of GELU(LN2 @ W_fc +
-//     b), rounded; their rows of the MLP's projection -> a partial row of C, summed over the
-//     cluster -> partB[cluster].
+//     b), rounded; their rows of the MLP's projection -> a partial row of C, each eighth of it
+//     stored into the cluster's block that sums it -> partB[cluster].
 //   head: x'' = x' + bias + partB's rows; LN_f; the logits (float32, every padded column);
 //     with `greedy`, the argmax (NumPy's ties) over the blocks by the last block to finish:
 //     ids[0], hist[0], pos[0] += 1.
