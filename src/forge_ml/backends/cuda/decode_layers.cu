@@ -610,6 +610,8 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, b = blockIdx.x;
     const int F = 4 * C, c0 = b * NH;   // this block's columns of c_fc: [c0, c0 + NH)
     dl_mark(0);
+    cluster_arrive();   // started: with the cluster_wait before step 4's stores into other
+                        // blocks (a block's shared memory is there to store into once it runs)
     // 1. the block's weights, before the previous kernel ends: the vectors (read first after
     //    the wait) a group of their own, then the matrices (waited for after LN2)
     for (int i = tid; i < 3 * (C / PER); i += DL_THREADS) {
@@ -690,6 +692,7 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
     // 4. those NH rows of the projection: a partial row of C, each eighth of it stored straight
     //    into the block of the cluster that sums that eighth (its rv, at this block's slot)
     const int rank = b % DL_P, w8 = C / DL_P;   // w8 a multiple of 8: a vector is in one eighth
+    cluster_wait();   // every block of the cluster has started (long since: no wait in practice)
     for (int cv = tid; cv < C / VEC; cv += DL_THREADS) {
         float acc[VEC];
 #pragma unroll
