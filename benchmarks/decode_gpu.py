@@ -142,55 +142,77 @@ def trace_module(cp):
     return mod
 
 
+_TRACE_KINDS = ("layer_attn", "layer_mlp", "decode_head")
+
+
+def trace_phases(marks, blocks, L):
+    """One replay's phases from its marks: ``marks`` (3, blocks, launches, 16) ns as
+    decode_layers.cu's DL_TRACE build writes them (kind 0 layer_attn, 1 layer_mlp, 2
+    decode_head; a block's launches of a kind in order; 0 where a mark was not reached),
+    ``blocks`` each kind's grid, ``L`` the layers. Returns ``(kinds, step)``: per kind name
+    ``{"mean", "last"}`` (16 sums over its launches, ns, of the phase ending at each mark:
+    the blocks' mean time from their mark before, and how far the last block to reach it
+    moved), ``"whole"`` (first block past its wait -> last block's last mark), ``"release"``
+    (the kernel before's last block out -> this kernel's first block past its wait; the first
+    layer_attn has none), ``"n"`` launches and ``"n_release"``; ``step``, ns from the first
+    layer_attn's wait to the head's last block."""
+    marks = np.asarray(marks, np.float64)
+    kinds = {n: {"mean": np.zeros(marks.shape[-1]), "last": np.zeros(marks.shape[-1]),
+                 "release": 0.0, "whole": 0.0, "n": 0, "n_release": 0} for n in _TRACE_KINDS}
+    prev_exit = first = None
+    for k, l in [(k, l) for l in range(L) for k in (0, 1)] + [(2, 0)]:
+        m = marks[k, :blocks[k], l, :]   # (blocks, marks)
+        reached = [i for i in range(m.shape[1]) if (m[:, i] > 0).all()]
+        a = kinds[_TRACE_KINDS[k]]
+        for j, i in zip(reached, reached[1:]):
+            a["mean"][i] += (m[:, i] - m[:, j]).mean()
+            a["last"][i] += m[:, i].max() - m[:, j].max()
+        end = m[:, reached[-1]].max()
+        if prev_exit is not None:
+            a["release"] += m[:, 2].min() - prev_exit
+            a["n_release"] += 1
+        a["whole"] += end - m[:, 2].min()
+        a["n"] += 1
+        first = m[:, 2].min() if first is None else first
+        prev_exit = end
+    return kinds, prev_exit - first
+
+
 def layers_trace(cp, mod, step, L, reps):
     """Print the layers step's phases from its marks (see the module's docstring)."""
     from forge_ml.backends.cuda import decoder
-    nb, runs, marks = 512, 64, 16
+    nb, runs, nmarks = 512, 64, 16
     count = cp.ndarray((3 * nb,), cp.uint32, mod.get_global("dl_trace_count"))
-    buf = cp.ndarray((3, nb, runs, marks), cp.uint64, mod.get_global("dl_trace_buf"))
+    buf = cp.ndarray((3, nb, runs, nmarks), cp.uint64, mod.get_global("dl_trace_buf"))
     plan = list(decoder._layer_plans.values())[-1]
-    blocks = {0: 8 * (plan.partA.shape[0]), 1: plan.grid_mlp, 2: plan.grid_head}
-    names = ("layer_attn", "layer_mlp", "decode_head")
-    acc = {n: {"mean": np.zeros(marks), "last": np.zeros(marks), "release": 0.0, "whole": 0.0,
-               "n": 0} for n in names}
-    step_us = 0.0
+    blocks = (8 * plan.partA.shape[0], plan.grid_mlp, plan.grid_head)
+    acc, step_ns = None, 0.0
     for _ in range(reps):
         count.fill(0)
         cp.cuda.Device().synchronize()
         step._graphs["logits"].replay()
         cp.cuda.Device().synchronize()
-        b = buf.get().astype(np.int64)
-        seq = [(k, l) for l in range(L) for k in (0, 1)] + [(2, 0)]
-        prev_exit = None
-        first = None
-        for k, l in seq:
-            m = b[k, :blocks[k], l, :].astype(np.float64)   # (blocks, marks), ns; 0 = none
-            reached = [i for i in range(marks) if (m[:, i] > 0).all()]
-            a = acc[names[k]]
-            for j, i in zip(reached, reached[1:]):
-                a["mean"][i] += (m[:, i] - m[:, j]).mean()
-                a["last"][i] += m[:, i].max() - m[:, j].max()
-            end = m[:, reached[-1]].max()
-            if prev_exit is not None:
-                a["release"] += m[:, 2].min() - prev_exit
-            a["whole"] += end - m[:, 2].min()
-            a["n"] += 1
-            first = m[:, 2].min() if first is None else first
-            prev_exit = end
-        step_us += (prev_exit - first) / 1e3
+        kinds, ns = trace_phases(buf.get(), blocks, L)
+        step_ns += ns
+        if acc is None:
+            acc = kinds
+        else:
+            for n, a in kinds.items():
+                for key, v in a.items():
+                    acc[n][key] = acc[n][key] + v
     print(f"\n  the layers step's phases (DL_TRACE; {reps} replays, mean a kernel over the layers), "
           f"us: the blocks' mean / the last block's advance")
-    for n in names:
+    for n in _TRACE_KINDS:
         a = acc[n]
-        k = max(a["n"], 1)
+        k, kr = max(a["n"], 1), max(a["n_release"], 1)
         print(f"  {n} (x{k // reps}): whole {a['whole'] / k / 1e3:.2f} (first wait passed -> last "
-              f"block out), release {a['release'] / k / 1e3:.2f} (the kernel before's last block "
+              f"block out), release {a['release'] / kr / 1e3:.2f} (the kernel before's last block "
               f"out -> first wait passed)")
         for i, phase in enumerate(_TRACE_PHASES[n]):
             if phase and (a["mean"][i] or a["last"][i]):
                 print(f"    {phase:18s} {a['mean'][i] / k / 1e3:7.2f} {a['last'][i] / k / 1e3:7.2f}")
     print(f"  the step, first layer_attn's wait passed -> the head's last block: "
-          f"{step_us / reps:.1f} us")
+          f"{step_ns / reps / 1e3:.1f} us")
 
 
 def main(argv=None):
