@@ -97,8 +97,9 @@ template <int NW = DL_WARPS> FORGE_D float dl_block_sum(float v, float* sh) {
 }
 
 // mean and rstd of the C values x[i] (thread t holds x[t + i * DL_THREADS]) whose sum over
-// the block is `sum` (from the barrier that published them: dl_gather's), float32, two passes
-// as layernorm.cu; every thread gets both. sh: DL_WARPS floats, once a kernel.
+// the block is `sum` (from the barrier that published them: dl_gather's, each thread's four
+// adjacent columns), float32; the variance a second pass over the values, as layernorm.cu's;
+// every thread gets both. sh: DL_WARPS floats, once a kernel.
 FORGE_D void dl_stats(const float (&x)[DL_XPT], int C, float eps, float sum, float* sh,
                       float& mean, float& rstd) {
     mean = sum / float(C);
@@ -115,8 +116,8 @@ FORGE_D void dl_stats(const float (&x)[DL_XPT], int C, float eps, float sum, flo
 // xs[c] = base[c] + bias[c] + the sum over s < S of P[s][c], for every c < C, in shared
 // memory (a __syncthreads later, every thread may read any of it). A thread takes a column of
 // four (16-byte loads) and asks for base's and all its S rows at once, 16 at a time: one round
-// trip to L2 for S <= 16 (base read after the rows' loop was a second one), where a thread's DL_XPT columns one after the other, eight rows at a time, made
-// six (S = 12). The sum's order is fixed: row s into accumulator s % 8, in order, then the
+// trip to L2 for S <= 16 (base read after the rows' loop was a second one), where a thread's
+// DL_XPT columns one after the other, eight rows at a time, made six (S = 12). The sum's order is fixed: row s into accumulator s % 8, in order, then the
 // accumulators 0..7, then base + bias + that: the same bits every run. NT: the block's threads.
 // Returns the thread's sum of the values it wrote (the layernorm's mean needs their sum).
 template <typename T, int NT = DL_THREADS>
