@@ -12,7 +12,7 @@ summed over the layers and averaged over ``--reps`` steps.
 
 ``--trace`` (with ``--fused layers``, batch 1) builds decode_layers.cu with its marks
 (``-DDL_TRACE``: thread 0 of every block notes ``%globaltimer`` at each phase) and prints, per
-kernel of the layers step averaged over the layers and ``--reps`` replays, how long each phase
+kernel of the layers step averaged over the layers and 50 replays, how long each phase
 took (the mean over the blocks, and how far the last block to get there moved), and the
 release: from the last block of the kernel before leaving to the first block of this one
 passing its wait (programmatic dependent launch's hand-over); the per-op table is left out.
@@ -137,8 +137,9 @@ def trace_module(cp):
     mod = runtime.compile_source(src, "backends/cuda/decode_layers.cu (DL_TRACE)",
                                  runtime._compile_options())
     runtime._modules[(dev, "decode_layers")] = mod
-    for k in [k for k in runtime._functions if k[:2] == (dev, "decode_layers")]:
-        del runtime._functions[k]
+    for cache in (runtime._functions, runtime._shared_room):   # nothing of the package's build
+        for k in [k for k in cache if k[:2] == (dev, "decode_layers")]:
+            del cache[k]
     return mod
 
 

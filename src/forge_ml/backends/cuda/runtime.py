@@ -265,19 +265,22 @@ def _compile_options() -> tuple:
 
 def _function(stem: str, name: str):
     """Kernel ``name`` of backends/cuda/<stem>.cu on the current device, the file compiled on
-    first use. A file that does not compile raises CompileError, and the same error again at
-    once when asked again (its failure is kept: no second compile)."""
+    first use. A file that NVRTC does not compile (or one written for another architecture)
+    raises CompileError, and a new CompileError with the same message at once when asked again
+    (the failure's message is kept: no second compile). A source file that cannot be read is
+    not kept: the next call tries again."""
     key = (_dev(), stem, name)
     fn = _functions.get(key)
     if fn is None:
         with _lock:
             mkey = key[:2]
             module = _modules.get(mkey)
-            if isinstance(module, CompileError):
-                raise module
+            if isinstance(module, str):   # a failed compile's message: a fresh error each time
+                raise CompileError(module)
             if module is None:
                 label = f"backends/cuda/{stem}.cu"
                 opts = _compile_options()
+                source = kernel_source(stem)   # unreadable: CompileError, not kept
                 try:
                     if stem in _ARCH_STEMS:
                         cc, arch = _ARCH_STEMS[stem]
@@ -285,11 +288,11 @@ def _function(stem: str, name: str):
                         if have != cc:
                             raise CompileError(f"{label} is written for {arch}; this GPU is "
                                                f"compute capability {have}")
-                        module = compile_for_arch(kernel_source(stem), label, arch, opts)
+                        module = compile_for_arch(source, label, arch, opts)
                     else:
-                        module = compile_source(kernel_source(stem), label, opts)
+                        module = compile_source(source, label, opts)
                 except CompileError as e:
-                    _modules[mkey] = e
+                    _modules[mkey] = str(e)
                     raise
                 _modules[mkey] = module
             fn = module.get_function(name)

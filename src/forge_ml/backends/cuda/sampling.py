@@ -62,9 +62,9 @@ def _cluster(B, vocab_size) -> int:
     """The dynamic shared memory of ``sample_next_cluster_f32`` where it samples these rows,
     else 0: at most ``_CLUSTER_ROWS`` rows (a batch of one, where a row's one block is the whole
     call: 8 blocks read and cut an eighth of the row each), a GPU with thread-block clusters
-    (Hopper), ``_STAGE`` on and the part fitting a block's shared memory. A kernel file that
-    does not compile here is a no (``runtime._takes``; the one-block kernels choose the same
-    tokens)."""
+    (Hopper), ``_STAGE`` on and the part fitting a block's shared memory (``runtime._takes``;
+    sample.cu not compiling is a no here too, but its one-block kernels then fail as well).
+    Where it is 0 the one-block kernels choose the same tokens."""
     if B > _CLUSTER_ROWS or not _STAGE or vocab_size <= 0 or not _launcher_ex():
         return 0
     nbytes = _cluster_shared(vocab_size)
