@@ -714,6 +714,26 @@ def test_forge_ml_serve_command(tmp_path):
     assert proc.returncode in (0, -15)
 
 
+def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path, capsys):
+    """uvicorn announced http://host:port/v1 as if the server were up, then printed its bind
+    error among six lines of log, exit 3; now one line before the model loads, exit 2."""
+    import socket
+
+    from forge_ml.serve.cli import main
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        assert main(["--ckpt", str(tmp_path / "no_such_ckpt"), "--port", str(port)]) == 2
+    finally:
+        busy.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"forge-ml serve: error: cannot listen on 127.0.0.1:{port}: port {port} is in "
+                   "use (another server? choose another with --port)"], err
+
+
 def test_serve_parser_defaults():
     import argparse
 

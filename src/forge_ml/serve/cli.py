@@ -14,6 +14,7 @@ runs it; ``python -m forge_ml.serve.cli ...`` runs it alone. The server listens 
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import sys
 from pathlib import Path
@@ -105,6 +106,14 @@ def run(args) -> int:
     if args.slots is not None and args.slots < 1:
         raise ConfigError(f"--slots must be >= 1 (requests decoded together), got {args.slots}")
     api_key = args.api_key or flags.get("FORGE_API_KEY") or None
+    sock = _listen_socket(args.host, args.port)   # before the model loads: a busy port fails fast
+    try:
+        return _serve(args, sock, uvicorn, BatchEngine, create_app, dtype, api_key)
+    finally:
+        sock.close()
+
+
+def _serve(args, sock, uvicorn, BatchEngine, create_app, dtype, api_key) -> int:
     model, tokenizer, _ = _load(args.ckpt, args.device, dtype)
     if args.max_len is not None and not 1 <= args.max_len <= model.config.block_size:
         raise ConfigError(f"--max-len must be in 1..{model.config.block_size} (the model's "
@@ -116,17 +125,49 @@ def run(args) -> int:
         print(f"forge-ml serve: warning: listening on {args.host} without an API key; anyone "
               "who reaches this port can use the model (set --api-key or FORGE_API_KEY)",
               file=sys.stderr)
+    port = sock.getsockname()[1]   # --port 0: the one the system chose
+    host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"forge-ml serve: model {name!r} ({model.num_params():,} parameters, {model.device}, "
           f"{dtype}), {engine.slots} slots, context {engine.max_len}; "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+          f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
     try:
-        _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                               timeout_graceful_shutdown=args.shutdown_timeout), engine).run()
-    except SystemExit as e:   # uvicorn exits when it cannot bind; it has said why
+        _Server(uvicorn.Config(app, host=args.host, port=port, log_level="info",
+                               timeout_graceful_shutdown=args.shutdown_timeout),
+                engine).run(sockets=[sock])
+    except SystemExit as e:   # uvicorn exits on an error of its own; it has said why
         return e.code if isinstance(e.code, int) else 1
     finally:
         engine.close()
     return 0
+
+
+def _listen_socket(host: str, port: int):
+    """A TCP socket bound to ``host``:``port`` (uvicorn listens on it), or a one-line
+    ConfigError that says why not (a port in use, an address this machine does not have),
+    where uvicorn announced the address and then printed its error among six lines of log.
+
+    >>> s = _listen_socket("127.0.0.1", 0); s.getsockname()[1] > 0; s.close()
+    True
+    """
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn's own bind
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        why = e.strerror or str(e)
+        if e.errno == errno.EADDRINUSE:
+            why = f"port {port} is in use (another server? choose another with --port)"
+        raise ConfigError(f"cannot listen on {host}:{port}: {why}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 class _Server:
