@@ -2021,6 +2021,23 @@ def test_a_bad_number_names_its_own_flag(workdir, capsys):
         assert str(e.value).startswith(f"TrainConfig: {field} must be") and f"got {value}" in str(e.value), e.value
 
 
+def test_sizes_and_a_short_text_name_the_flags(workdir, capsys):
+    """From a QA run of the README: --n-head 3 (with the default 128 channels) said
+    "GPT2Config: n_embd 128 must be divisible by n_head 3", and a 4-character text "prepare:
+    ... with val_fraction=0.1 ..."; forge-ml train names its flags, the library its fields."""
+    line = _fails(capsys, ["train", "--data", "t.txt", "--out", "r", "--n-head", "3", "--n-embd", "16",
+                           "--max-steps", "1"], "--n-embd 16 must be divisible by --n-head 3")
+    assert "GPT2Config" not in line and "n_embd" not in line, line
+    Path("tiny.txt").write_text("abcd")
+    line = _fails(capsys, ["train", "--data", "tiny.txt", "--out", "r2", *TINY, "--max-steps", "1"],
+                  "tiny.txt gives 4 tokens; with --val-fraction 0.1 that leaves 4 for train and 0")
+    assert "prepare" not in line and "val_fraction" not in line, line
+    with pytest.raises(ConfigError, match="^n_embd 16 must be divisible by n_head 3"):
+        Trainer(TrainConfig(data="t.txt", out_dir="r3", n_layer=1, n_head=3, n_embd=16, block_size=16,
+                            batch_size=4, max_steps=1, progress=False), log=None)
+    assert not any(Path(p).exists() for p in ("r", "r2", "r3"))
+
+
 def test_resume_with_another_size_says_drop_the_flag(workdir, capsys):
     """From a QA test: --resume --n-embd 128 on a run trained from scratch at 16 listed ~30
     tensor shapes; now one line, as a fine-tune's resume says it ("drop --n-embd")."""

@@ -387,7 +387,7 @@ def prepare(text_path, out_dir, tokenizer="char", val_fraction: float = 0.1) -> 
     if not text:
         raise DataError(f"prepare: {text_path} is empty")
     tok = load_tokenizer(tokenizer, text=text)
-    train, val = split_tokens(encode_array(tok, text), val_fraction, text_path)
+    train, val = split_tokens(encode_array(tok, text), val_fraction, f"prepare: {text_path}")
     return write_prepared(out_dir, train, val, tok)
 
 
@@ -408,10 +408,11 @@ def _check_val_fraction(v, who: str) -> None:
         raise DataError(f"{who}: val_fraction must be a number in (0, 1), got {v!r}")
 
 
-def split_tokens(ids, val_fraction: float, source="the text") -> tuple:
+def split_tokens(ids, val_fraction: float, source="the text", fraction="val_fraction") -> tuple:
     """``(train, val)``: ``ids`` (an integer array keeps its dtype, anything else becomes
     int64), the last ``val_fraction`` of them for validation;
-    a DataError naming ``source`` when either part would be empty.
+    a DataError naming ``source`` when either part would be empty (``fraction``: how it names
+    the fraction, e.g. forge-ml train's ``--val-fraction``).
 
     >>> [len(a) for a in split_tokens(range(20), 0.1)], [len(a) for a in split_tokens(range(100), 0.29)]
     ([18, 2], [71, 29])
@@ -427,7 +428,7 @@ def split_tokens(ids, val_fraction: float, source="the text") -> tuple:
     n_train = n - n_val
     if n_val < 1 or n_train < 1:
         raise DataError(
-            f"prepare: {source} gives {n} {plural(n, 'token')}; with val_fraction={val_fraction} that leaves "
+            f"{source} gives {n} {plural(n, 'token')}; with {fraction} {val_fraction:g} that leaves "
             f"{n_train} for train and {n_val} for val; expected at least 1 each"
         )
     return ids[:n_train], ids[n_train:]

@@ -1127,7 +1127,8 @@ class Trainer:
                 raise DataError(f"{src if cfg.data else 'the default corpus'} holds {len(extra)} character(s) that the "
                                 f"char tokenizer of {whose} lacks ({''.join(extra[:20])!r}); "
                                 f"fine-tune on text written with its characters")
-        train, val = split_tokens(encode_array(tok, text), cfg.val_fraction, what)
+        train, val = split_tokens(encode_array(tok, text), cfg.val_fraction, what,
+                                  fraction=_field_word("val_fraction"))
         frac = f"the last {cfg.val_fraction:g} of {len(train) + len(val):,} tokens"
         self._check_length(len(train), f"the train part of {what} (all but {frac})")
         self._check_length(len(val), f"the val part of {what} ({frac}; see --val-fraction)")
@@ -1175,8 +1176,14 @@ class Trainer:
             # found out by the checkpoint's tensor shapes, a list of them; the run's own sizes
             # took precedence over a preset, whose name was recorded for a model it is not)
             self._refuse_other_sizes(ckpt[1]["config"], "trains", f"--model {cfg.model}")
+        sizes = cfg.model_sizes()
+        if sizes["n_embd"] % sizes["n_head"]:   # GPT2Config's own error named its fields
+            w = _field_word
+            raise ConfigError(f"{w('n_embd')} {sizes['n_embd']} must be divisible by {w('n_head')} "
+                              f"{sizes['n_head']} (each head takes an equal share of the "
+                              f"{sizes['n_embd']} channels)")
         return GPT2Config(vocab_size=self.tokenizer.vocab_size, block_size=cfg.block_size, dropout=cfg.dropout,
-                          **cfg.model_sizes())
+                          **sizes)
 
     def _refuse_other_sizes(self, have: dict, verb: str, model_flag: str) -> None:
         """A resumed run keeps its model's sizes (``have``): the first size asked that is not
