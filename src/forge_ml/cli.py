@@ -510,8 +510,9 @@ def _cmd_train(args) -> int:
         trainer.train()
     except Interrupted as e:
         if e.saved:
-            print(f"{PROG}: stopped by {signal.Signals(e.signum).name} at step {e.step}; continue with: "
-                  f"{PROG} train --out {cfg.out_dir} --resume", file=sys.stderr)
+            print(f"{PROG}: stopped by {signal.Signals(e.signum).name} at step {e.step}; checkpoint of "
+                  f"step {e.step} saved in {trainer.ckpt_dir}; continue with: {PROG} train --out "
+                  f"{cfg.out_dir} --resume", file=sys.stderr)
         else:
             print(f"{PROG}: stopped by {signal.Signals(e.signum).name}; the last checkpoint in {cfg.out_dir} is kept",
                   file=sys.stderr)

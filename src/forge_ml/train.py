@@ -1733,8 +1733,9 @@ class Trainer:
         name = signal.Signals(self._stop).name
         if self.last_ckpt_step != self.step:
             self.save()
-        self._say(f"{name}: stopped at step {self.step}; checkpoint of step {self.step} saved in {self.ckpt_dir}"
-                  f" (resume with --resume)")
+        if not CLI_WORDS.get():   # forge-ml train says it in one line of its own, with the command
+            self._say(f"{name}: stopped at step {self.step}; checkpoint of step {self.step} saved in "
+                      f"{self.ckpt_dir} (resume with --resume)")
         raise Interrupted(self._stop, self.step, True)
 
     # -- the loop -------------------------------------------------------------------------------
