@@ -175,6 +175,35 @@ def test_load_text_errors(tmp_path):
     assert load_text(good) == "naïve 🎉"
 
 
+
+@pytest.mark.parametrize("head, said", [
+    (b"\x7fELF\x02\x01\x01\x00" + bytes(200), "is a program (ELF), not text; give a UTF-8 text file"),
+    (b"PK\x03\x04\x14\x00\x00\x00" + bytes(50), "is a zip archive"),
+    (b"\x1f\x8b\x08\x00\xf3\x9e", "is gzip-compressed, not text; decompress it first (gunzip -k "),
+    (b"\x93NUMPY\x01\x00v\x00{'descr'", "is a NumPy array (.npy), not text"),
+    (b"\x80\x04\x95\x0b\x00\x00\x00", "is a Python pickle"),
+    (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n", "is a PDF, not text; extract its text first"),
+])
+def test_a_known_binary_file_is_named_not_taken_for_token_ids(tmp_path, head, said):
+    """From a QA run: forge-ml prepare on a program said it held token ids and pointed to
+    nanoGPT's train.bin; a gzip file was "not UTF-8" with an iconv hint. A file that is not text
+    (NULs, or not UTF-8) whose first bytes are a known binary kind's is named as that kind."""
+    f = tmp_path / "thing"
+    f.write_bytes(head + b"more \xff\xfe bytes")
+    with pytest.raises(DataError, match="^" + re.escape(f"{f} {said}")) as e:
+        load_text(f)
+    assert "holds token ids" not in str(e.value) and "iconv" not in str(e.value)
+
+
+def test_a_text_that_begins_like_a_binary_file_is_read(tmp_path):
+    """Only a file that is not text already is asked what binary kind it is: a text starting
+    "MZ", "BZh" or "%PDF" is text."""
+    for start in ("MZ is a name", "BZh, said he", "%PDF is a comment here"):
+        f = tmp_path / "t.txt"
+        f.write_text(start + "\nand more text\n", encoding="utf-8")
+        assert load_text(f).startswith(start)
+
+
 # A UTF-16 or UTF-32 file (with its byte-order mark or without) and a Latin-1 file: each is named
 # as such, and the iconv command the message suggests names the file by the path given (quoted
 # for a shell) and writes beside it; run as printed, it gives UTF-8 that load_text reads.
