@@ -256,6 +256,21 @@ def test_bench_name_takes_the_arguments_after_it(workdir, capsys):
            "after it")
 
 
+def test_an_unknown_flag_is_said_by_its_subcommand_with_the_nearest_flag(capsys):
+    """From a QA run: forge-ml train --reusme said "forge-ml: error: unrecognized arguments:
+    --reusme", naming neither the subcommand nor the flag meant."""
+    for argv, said in (
+            (["train", "--reusme"], "forge-ml train: error: unrecognized argument --reusme (did you mean --resume?)"),
+            (["train", "--max-iters", "5"], "forge-ml train: error: unrecognized arguments --max-iters 5 "
+                                            "(did you mean --max-steps?)"),
+            (["sample", "--ckpt", "x", "--max_new_tokens=3"], "(did you mean --max-new-tokens?)"),
+            (["train", "stray"], "forge-ml train: error: unrecognized argument stray (see forge-ml train --help)"),
+            (["--bogus"], "forge-ml: error: unrecognized argument --bogus (see forge-ml --help)")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], (argv, err)
+
+
 def test_bench_scripts_import_their_sibling_modules(workdir, capsys):
     """attention_cuda.py imports its sibling ops_cuda.py: under forge-ml bench (runpy) that
     was 'needs the Python module ops_cuda, which is not installed', even for --help. A missing

@@ -1131,11 +1131,30 @@ def main(argv=None) -> int:
         return 130
 
 
+def _unrecognized(parser, cmd, extra) -> None:
+    """argparse's "forge-ml: error: unrecognized arguments: --reusme", said by the subcommand
+    that was given them, with its nearest flag: "forge-ml train: error: unrecognized argument
+    --reusme (did you mean --resume?)". Exits 2."""
+    import difflib
+
+    sub = parser._subparsers._group_actions[0].choices.get(cmd) if cmd else None
+    target = sub if sub is not None else parser
+    flags_ = [o for o in target._option_string_actions if o.startswith("--")]
+    first = extra[0]
+    near = difflib.get_close_matches(first.split("=", 1)[0], flags_, n=1, cutoff=0.7) \
+        if first.startswith("-") else []
+    hint = f" (did you mean {near[0]}?)" if near else f" (see {target.prog} --help)"
+    what = f"argument {first}" if len(extra) == 1 else f"arguments {' '.join(extra)}"
+    target.error(f"unrecognized {what}{hint}")
+
+
 def _main(argv) -> int:
     """``main``'s body: parse, check the environment, run the command."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            _unrecognized(parser, args.cmd, extra)
     except SystemExit as e:  # --help, --version, or a usage error (already printed)
         return e.code if isinstance(e.code, int) else 2
     if args.cmd is None:

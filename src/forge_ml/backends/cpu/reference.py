@@ -37,7 +37,8 @@ from ... import dtype as _dtype
 from ... import rng
 from ...errors import DTypeError, ShapeError
 
-BF16_MESSAGE = "bfloat16 is a GPU storage type; the cpu backend computes in float32/float64"
+BF16_MESSAGE = ("bfloat16 is a GPU storage type; the cpu backend computes in float32/float64 (use a "
+                "GPU, --device cuda, or leave bf16 out)")
 
 # Multi-pass elementwise kernels (gelu, cross-entropy) walk big arrays in blocks of this many
 # elements (1 MB of float32), so that pass after pass reads from cache, not memory.
