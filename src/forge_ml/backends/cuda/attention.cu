@@ -166,36 +166,7 @@ __device__ void decode_attention_impl(const T* qkv, T* kc, T* vc, const int* pos
                     vr[u] = Vec16<T>::raw(vb + (long long)j * hs + r * V);
                 }
             }
-            A sc[U];
-            A mx = mg;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                A w[V];
-                Vec16<T>::widen(kr[u], w);
-                A d = A(0);
-#pragma unroll
-                for (int i = 0; i < V; ++i) d += qr[i] * w[i];
-                for (int off = RK >> 1; off > 0; off >>= 1)
-                    d += __shfl_xor_sync(0xffffffffu, d, off);
-                sc[u] = (jb + u * G1 + g < cnt) ? d : neg_inf<A>();
-                mx = fm_max(mx, sc[u]);
-            }
-            if (!(mx == neg_inf<A>())) {  // -inf: no key of this group yet
-                const A c = (mg == neg_inf<A>()) ? A(0) : fm_exp(mg - mx);
-                lg *= c;
-#pragma unroll
-                for (int i = 0; i < V; ++i) acc[i] *= c;
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const A pj = (sc[u] == neg_inf<A>()) ? A(0) : fm_exp(sc[u] - mx);
-                    A w[V];
-                    Vec16<T>::widen(vr[u], w);
-                    lg += pj;
-#pragma unroll
-                    for (int i = 0; i < V; ++i) acc[i] += pj * w[i];
-                }
-                mg = mx;
-            }
+            decode_keys_round<T, A, U, false>(kr, vr, jb + g, G1, cnt, RK, qr, mg, lg, acc);
         }
         if (r == 0) {
             gml[0][g] = mg;

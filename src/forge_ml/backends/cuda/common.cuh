@@ -349,6 +349,54 @@ template <> struct Vec16<bf16> {
     }
 };
 
+// One round of the decoding attention's keys for a group of RK lanes (a power of two; lane r of
+// the group holds elements [r V, (r + 1) V) of a row, V = Vec16<T>::N): the U key rows kr and
+// value rows vr as loaded (16 bytes raw each; zeros where the group has no row), row u counted
+// where first + u * stride < cnt. Each row's score against qr (the lane's part of q, scaled) is
+// summed over the group by a butterfly (the caller's loop is uniform over the warp), and the
+// group's running max mg, sum lg and outputs acc take the round in (online softmax, rescaled
+// where the max grows). FAST: __expf (decode_layers.cu), else fm_exp (attention.cu).
+template <bool FAST, typename A> FORGE_D A keys_exp(A x) {
+    if constexpr (FAST) return __expf(x);
+    else return fm_exp(x);
+}
+template <typename T, typename A, int U, bool FAST>
+FORGE_D void decode_keys_round(const uint4 (&kr)[U], const uint4 (&vr)[U], int first, int stride,
+                               int cnt, int RK, const A (&qr)[Vec16<T>::N], A& mg, A& lg,
+                               A (&acc)[Vec16<T>::N]) {
+    constexpr int V = Vec16<T>::N;
+    A sc[U];
+    A mx = mg;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        A w[V];
+        Vec16<T>::widen(kr[u], w);
+        A d = A(0);
+#pragma unroll
+        for (int i = 0; i < V; ++i) d += qr[i] * w[i];
+        for (int off = RK >> 1; off > 0; off >>= 1)
+            d += __shfl_xor_sync(0xffffffffu, d, off);
+        sc[u] = (first + u * stride < cnt) ? d : neg_inf<A>();
+        mx = fm_max(mx, sc[u]);
+    }
+    if (!(mx == neg_inf<A>())) {   // -inf: no key of this group yet
+        const A c = (mg == neg_inf<A>()) ? A(0) : keys_exp<FAST>(mg - mx);
+        lg *= c;
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] *= c;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const A pj = (sc[u] == neg_inf<A>()) ? A(0) : keys_exp<FAST>(sc[u] - mx);
+            A w[V];
+            Vec16<T>::widen(vr[u], w);
+            lg += pj;
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc[i] += pj * w[i];
+        }
+        mg = mx;
+    }
+}
+
 // sm_80+ (flash_attention.cu, cross_entropy.cu): asynchronous copies global -> shared
 // (smem_u32 gives a shared-memory address as cp.async takes it), and bf16x2 rounding.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800

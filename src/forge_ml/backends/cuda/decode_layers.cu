@@ -426,37 +426,7 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
                     }
                 }
             }
-            float sc[U];
-            float mx = mg;
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                float kw[VEC];
-                Vec16<T>::widen(kr[u], kw);
-                float d = 0.f;
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) d += qr[e] * kw[e];
-#pragma unroll
-                for (int off = RK >> 1; off > 0; off >>= 1)
-                    d += __shfl_xor_sync(0xffffffffu, d, off);
-                sc[u] = jb + u * G1 + g < cnt ? d : neg_inf<float>();
-                mx = fmaxf(mx, sc[u]);
-            }
-            if (mx != neg_inf<float>()) {
-                const float c = mg == neg_inf<float>() ? 0.f : __expf(mg - mx);
-                lg *= c;
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[e] *= c;
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const float pj = sc[u] == neg_inf<float>() ? 0.f : __expf(sc[u] - mx);
-                    float vw[VEC];
-                    Vec16<T>::widen(vr[u], vw);
-                    lg += pj;
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) acc[e] += pj * vw[e];
-                }
-                mg = mx;
-            }
+            decode_keys_round<T, float, U, true>(kr, vr, jb + g, G1, cnt, RK, qr, mg, lg, acc);
         }
         // the warp's groups to the warp's max, summed by shuffles (lanes r of each group)
         const float mw = warp_max(mg);
