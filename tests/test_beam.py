@@ -141,6 +141,31 @@ def test_one_beam_without_eos_is_greedy(pair):
         assert score == pytest.approx(sum(e.logprob for e in events) / NEW, rel=1e-6)
 
 
+@pytest.mark.parametrize("length_penalty, early_stopping", [(1.0, False), (2.0, "never"), (0.5, True)])
+def test_one_beam_is_transformers_greedy_search(pair, length_penalty, early_stopping):
+    """transformers' generate(num_beams=1) is greedy search: it stops at the first eos, whatever
+    length_penalty and early_stopping say. One beam of beam search went on past an eos that
+    early_stopping="never" with a positive length penalty let it outscore (a known difference
+    until now); num_beams=1 is greedy search here too."""
+    ours, theirs = pair
+    for prompt in (PROMPT, [7], [40, 2, 2, 9, 30, 11]):
+        greedy = list(generate(ours, prompt, max_new_tokens=NEW, temperature=0))
+        e = greedy[2]                          # an eos the greedy sequence meets early
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            out = theirs.generate(x, attention_mask=torch.ones_like(x), do_sample=False, num_beams=1,
+                                  length_penalty=length_penalty, early_stopping=early_stopping,
+                                  max_new_tokens=NEW, eos_token_id=e, pad_token_id=0)
+        want = out[0, len(prompt):].tolist()
+        want = want[:want.index(e) + 1] if e in want else want
+        (got,), (score,) = beam_search(ours, prompt, NEW, 1, length_penalty, early_stopping, e)
+        assert got == want == greedy[:greedy.index(e) + 1], (prompt, got, want)
+        events = [ev for s in generate(ours, [prompt], max_new_tokens=NEW, temperature=0,
+                                       logprobs=0, stop_tokens=[e]) for ev in s]
+        assert score == pytest.approx(sum(ev.logprob for ev in events) / len(got) ** length_penalty,
+                                      rel=1e-6)
+
+
 def test_beam_search_arguments_are_checked(pair):
     ours, _ = pair
     with pytest.raises(ShapeError, match="empty"):

@@ -33,6 +33,9 @@ layer's keys and values is replaced by the row of the beam it continues (through
 correct on every backend, and a host round trip of the cache per step; a device gather op is
 the fix where speed matters).
 
+``num_beams=1`` is greedy search, as transformers' ``generate(num_beams=1)`` runs it (to the
+first end-of-sequence id; ``early_stopping`` has nothing to stop), scored as a hypothesis.
+
 ``generate`` does not route to this: it streams tokens as they are chosen, and beam search
 knows its sequences only at the end.
 
@@ -54,6 +57,19 @@ from .. import ops
 from ..errors import ConfigError, ShapeError
 from ..tensor import tensor
 from .decode import DecodeStep, KVCache
+
+
+def _greedy(model, prompt, max_new_tokens, length_penalty, eos) -> tuple[list, list]:
+    """``beam_search``'s answer for one beam: greedy search, as transformers' ``generate``
+    runs ``num_beams=1`` (to the first end-of-sequence id, included, or ``max_new_tokens``;
+    ``early_stopping`` has nothing to stop), scored as a hypothesis: its summed
+    log-probability over its length ** ``length_penalty``."""
+    from .generate import generate
+    events = [e for step in generate(model, [prompt], max_new_tokens=max_new_tokens,
+                                     temperature=0, logprobs=0, stop_tokens=list(eos) or None)
+              for e in step]
+    tokens = [e.token for e in events]
+    return [tokens], [sum(e.logprob for e in events) / len(tokens) ** length_penalty]
 
 
 def _is_int(x) -> bool:
@@ -152,6 +168,8 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
                           f"got {eos_token_id!r}")
     _check(model, prompt, max_new_tokens, num_beams, length_penalty, early_stopping, eos,
            num_return_sequences)
+    if num_beams == 1:   # transformers' generate(num_beams=1) is greedy search, not one beam
+        return _greedy(model, prompt, max_new_tokens, length_penalty, eos)
 
     cfg = model.config
     V, B, L = cfg.vocab_size, num_beams, len(prompt)
