@@ -734,6 +734,34 @@ def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path, capsys):
                    "use (another server? choose another with --port)"], err
 
 
+def test_serve_listens_before_its_model_loads(tmp_path, capsys):
+    """A review found that two servers on one port both bound it (SO_REUSEADDR, neither
+    listening yet) and the first died with a traceback once its model had loaded: the sockets
+    listen at once, so the second is refused in one line. A host name binds every address it
+    resolves to on one port; a mistyped host is one line, not a traceback."""
+    from forge_ml.errors import ConfigError
+    from forge_ml.serve.cli import _listen_sockets, main
+
+    first = _listen_sockets("127.0.0.1", 0)
+    port = first[0].getsockname()[1]
+    try:
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}: port {port} is in use"):
+            _listen_sockets("127.0.0.1", port)
+    finally:
+        for sock in first:
+            sock.close()
+    every = _listen_sockets("", 0)    # "": all interfaces, every family on the same port
+    try:
+        assert len({sock.getsockname()[1] for sock in every}) == 1
+    finally:
+        for sock in every:
+            sock.close()
+    assert main(["--ckpt", str(tmp_path / "none"), "--host", "127..0.1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("forge-ml serve: error: --host 127..0.1: not an "
+                                               "address of this machine"), err
+
+
 def test_serve_parser_defaults():
     import argparse
 

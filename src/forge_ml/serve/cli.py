@@ -106,14 +106,15 @@ def run(args) -> int:
     if args.slots is not None and args.slots < 1:
         raise ConfigError(f"--slots must be >= 1 (requests decoded together), got {args.slots}")
     api_key = args.api_key or flags.get("FORGE_API_KEY") or None
-    sock = _listen_socket(args.host, args.port)   # before the model loads: a busy port fails fast
+    socks = _listen_sockets(args.host, args.port)   # before the model loads: a busy port fails fast
     try:
-        return _serve(args, sock, uvicorn, BatchEngine, create_app, dtype, api_key)
+        return _serve(args, socks, uvicorn, BatchEngine, create_app, dtype, api_key)
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
 
 
-def _serve(args, sock, uvicorn, BatchEngine, create_app, dtype, api_key) -> int:
+def _serve(args, socks, uvicorn, BatchEngine, create_app, dtype, api_key) -> int:
     model, tokenizer, _ = _load(args.ckpt, args.device, dtype)
     if args.max_len is not None and not 1 <= args.max_len <= model.config.block_size:
         raise ConfigError(f"--max-len must be in 1..{model.config.block_size} (the model's "
@@ -125,7 +126,7 @@ def _serve(args, sock, uvicorn, BatchEngine, create_app, dtype, api_key) -> int:
         print(f"forge-ml serve: warning: listening on {args.host} without an API key; anyone "
               "who reaches this port can use the model (set --api-key or FORGE_API_KEY)",
               file=sys.stderr)
-    port = sock.getsockname()[1]   # --port 0: the one the system chose
+    port = socks[0].getsockname()[1]   # --port 0: the one the system chose
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"forge-ml serve: model {name!r} ({model.num_params():,} parameters, {model.device}, "
           f"{dtype}), {engine.slots} slots, context {engine.max_len}; "
@@ -133,7 +134,7 @@ def _serve(args, sock, uvicorn, BatchEngine, create_app, dtype, api_key) -> int:
     try:
         _Server(uvicorn.Config(app, host=args.host, port=port, log_level="info",
                                timeout_graceful_shutdown=args.shutdown_timeout),
-                engine).run(sockets=[sock])
+                engine).run(sockets=socks)
     except SystemExit as e:   # uvicorn exits on an error of its own; it has said why
         return e.code if isinstance(e.code, int) else 1
     finally:
@@ -141,33 +142,49 @@ def _serve(args, sock, uvicorn, BatchEngine, create_app, dtype, api_key) -> int:
     return 0
 
 
-def _listen_socket(host: str, port: int):
-    """A TCP socket bound to ``host``:``port`` (uvicorn listens on it), or a one-line
-    ConfigError that says why not (a port in use, an address this machine does not have),
-    where uvicorn announced the address and then printed its error among six lines of log.
+def _listen_sockets(host: str, port: int) -> list:
+    """Listening TCP sockets for ``host``:``port``, one an address the name resolves to (all
+    interfaces for "", as asyncio has it), uvicorn's to serve; or a one-line ConfigError that
+    says why not (a port in use, an address this machine does not have), where uvicorn
+    announced the address, then printed its error among six lines of log. They listen at
+    once, so a second server on the port fails here, not after this one's model has loaded.
 
-    >>> s = _listen_socket("127.0.0.1", 0); s.getsockname()[1] > 0; s.close()
+    >>> socks = _listen_sockets("127.0.0.1", 0); socks[0].getsockname()[1] > 0
     True
+    >>> for s in socks: s.close()
     """
     import socket
 
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ConfigError(f"--host {host}: not an address of this machine ({e.strerror})") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError, ValueError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise ConfigError(f"--host {host}: not an address of this machine ({why})") from None
+    socks, seen = [], set()
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn's own bind
-        sock.bind(addr)
+        for family, _, _, _, addr in infos:
+            if (family, addr[0]) in seen:
+                continue
+            seen.add((family, addr[0]))
+            if socks:   # --port 0: every address on the port the first one got
+                addr = (addr[0], socks[0].getsockname()[1]) + tuple(addr[2:])
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn's own bind
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)   # as asyncio's
+            sock.bind(addr)
+            sock.listen(2048)
     except OSError as e:
-        sock.close()
+        for sock in socks:
+            sock.close()
         why = e.strerror or str(e)
         if e.errno == errno.EADDRINUSE:
             why = f"port {port} is in use (another server? choose another with --port)"
-        raise ConfigError(f"cannot listen on {host}:{port}: {why}") from None
-    sock.set_inheritable(True)
-    return sock
+        raise ConfigError(f"cannot listen on {where}: {why}") from None
+    return socks
 
 
 class _Server:
