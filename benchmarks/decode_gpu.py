@@ -157,7 +157,10 @@ def trace_phases(marks, blocks, L):
     (the kernel before's last block out -> this kernel's first block past its wait; the first
     layer_attn has none), ``"n"`` launches and ``"n_release"``; ``step``, ns from the first
     layer_attn's wait to the head's last block."""
-    marks = np.asarray(marks, np.float64)
+    raw = np.asarray(marks, np.int64)   # %globaltimer counts from the epoch: ~1.8e18 ns, where
+    # float64 steps by 256 ns; the marks are made relative to the first one before any float
+    t0 = raw[raw > 0].min() if (raw > 0).any() else 0
+    marks = np.where(raw > 0, raw - t0 + 1, 0).astype(np.float64)
     kinds = {n: {"mean": np.zeros(marks.shape[-1]), "last": np.zeros(marks.shape[-1]),
                  "release": 0.0, "whole": 0.0, "n": 0, "n_release": 0} for n in _TRACE_KINDS}
     prev_exit = first = None

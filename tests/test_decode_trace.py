@@ -66,6 +66,23 @@ def test_trace_phases_gives_back_the_times_it_was_made_of(dg):
     np.testing.assert_allclose(step, whole + rel)
 
 
+def test_trace_phases_keeps_nanoseconds_on_the_epoch_clock(dg):
+    """%globaltimer counts nanoseconds from the epoch (about 1.8e18): as float64 that steps by
+    256 ns, which rounded 30 and 100 ns phases to 0 (a review's find). The marks come as uint64,
+    as the device writes them."""
+    L, blocks = 2, (16, 8, 4)
+    phases = ([30.0, 100.0, 7.0], [100.0, 3.0], [250.0, 1000.0, 30.0])
+    m = _replay(L, blocks, phases, 700.0, 10.0)
+    epoch = np.where(m > 0, m.astype(np.uint64) + np.uint64(1_780_000_000_000_000_000), 0).astype(np.uint64)
+    kinds, step = dg.trace_phases(epoch, blocks, L)
+    want, want_step = dg.trace_phases(m, blocks, L)
+    for name in dg._TRACE_KINDS:
+        np.testing.assert_allclose(kinds[name]["mean"], want[name]["mean"])
+        np.testing.assert_allclose(kinds[name]["release"], want[name]["release"])
+    np.testing.assert_allclose(kinds["layer_attn"]["mean"][3:6], L * np.array(phases[0]))
+    assert step == want_step
+
+
 def test_trace_phases_skips_a_mark_some_block_did_not_reach(dg):
     """The head's blocks that are not the last leave before mark 7 (greedy): its phase is not
     counted, and the whole kernel ends at the last mark every block reached."""
