@@ -195,6 +195,19 @@ def test_a_known_binary_file_is_named_not_taken_for_token_ids(tmp_path, head, sa
     assert "holds token ids" not in str(e.value) and "iconv" not in str(e.value)
 
 
+def test_token_ids_and_latin1_text_that_begin_like_a_binary_kind_keep_their_messages(tmp_path):
+    """A review's finds: nanoGPT's uint16 ids whose first token is 640 (bytes 80 02, a pickle's
+    start) were called a pickle, and a Latin-1 text beginning "MZ" a Windows program."""
+    ids = tmp_path / "train.bin"
+    ids.write_bytes(np.array([640, 11, 995, 7, 200], np.uint16).tobytes() * 20)
+    with pytest.raises(DataError, match="holds token ids"):
+        load_text(ids)
+    latin = tmp_path / "old.txt"
+    latin.write_bytes("MZ caf\u00e9 au lait\n".encode("latin-1") * 5)
+    with pytest.raises(DataError, match="is not UTF-8.*iconv"):
+        load_text(latin)
+
+
 def test_a_text_that_begins_like_a_binary_file_is_read(tmp_path):
     """Only a file that is not text already is asked what binary kind it is: a text starting
     "MZ", "BZh" or "%PDF" is text."""

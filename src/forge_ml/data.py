@@ -323,14 +323,14 @@ def load_text(path) -> str:
     if nul and (path.suffix == ".bin" or nul * 100 > len(raw)):
         # nanoGPT's prepare.py writes raw uint16 ids (no header): as UTF-8 they often decode,
         # and a run trained on their bytes as characters, in silence
-        _refuse_binary(path, raw[start:start + 16])   # a program, an archive: said as such
+        _refuse_binary(path, raw[start:start + 4096])   # a program, an archive: said as such
         raise DataError(f"{path} holds token ids, not text ({nul:,} NUL {plural(nul, 'byte')}); nanoGPT's "
                         f"train.bin and val.bin are raw uint16 ids without llm.c's header: write them as shards "
                         f"with forge_ml.data.write_shard (the README shows how), or give the text file")
     try:
         return str(memoryview(raw)[start:], "utf-8")
     except UnicodeDecodeError as e:
-        _refuse_binary(path, raw[start:start + 16])
+        _refuse_binary(path, raw[start:start + 4096])
         raise DataError(
             f"{path} is not UTF-8: byte 0x{raw[start + e.start]:02x} at offset {start + e.start} ({e.reason}); "
             f"convert it first, e.g. {_iconv_hint(path, 'latin1')}"
@@ -339,10 +339,10 @@ def load_text(path) -> str:
 
 # the first bytes of files that are not text: what to call them, and what to do instead
 _TEXT = "give a UTF-8 text file"
-_MAGIC = ((b"\x7fELF", "a program (ELF)", _TEXT), (b"MZ", "a Windows program", _TEXT),
+_MAGIC = ((b"\x7fELF", "a program (ELF)", _TEXT), (b"MZ", "a Windows program", _TEXT, True),
           (b"PK\x03\x04", "a zip archive (a .zip, an office document or a PyTorch checkpoint)", _TEXT),
           (b"\x1f\x8b", "gzip-compressed", "decompress it first (gunzip -k {path})"),
-          (b"BZh", "bzip2-compressed", "decompress it first (bunzip2 -k {path})"),
+          (b"BZh", "bzip2-compressed", "decompress it first (bunzip2 -k {path})", True),
           (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first (unxz -k {path})"),
           (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first (unzstd {path})"),
           (b"%PDF", "a PDF", "extract its text first (e.g. pdftotext {path})"),
@@ -352,30 +352,37 @@ _MAGIC = ((b"\x7fELF", "a program (ELF)", _TEXT), (b"MZ", "a Windows program", _
 
 
 def _refuse_binary(path, head: bytes) -> None:
-    """A DataError naming what ``path`` is where its first bytes are a known binary kind's
-    (asked only of a file that is not text already: NUL bytes, or not UTF-8, so that a text
-    that happens to begin "MZ" or "%PDF" is read)."""
-    binary = _binary_kind(head)
-    if binary:
-        raise DataError(f"{path} is {binary[0]}, not text; {binary[1].format(path=path)}")
+    """A DataError naming what ``path`` is where its first bytes (``head``, up to 4 KB) are a
+    known binary kind's; asked only of a file that is not text already (NUL bytes, or not
+    UTF-8), so that a text that happens to begin "MZ" or "%PDF" is read. A ``.bin`` file is
+    left to the token-id message (nanoGPT's ids can begin like a pickle), and a magic of two
+    or three letters ("MZ", "BZh") counts only with a NUL byte in ``head`` (a Latin-1 text
+    may begin so)."""
+    if Path(path).suffix == ".bin":
+        return
+    binary = _binary_kind(head[:16])
+    if binary is None or (binary[2] and 0 not in head):
+        return
+    raise DataError(f"{path} is {binary[0]}, not text; {binary[1].format(path=path)}")
 
 
 def _binary_kind(head: bytes):
-    """``(what, advice)`` for a file starting with ``head`` when it is a known kind of binary
-    file (a program, an archive, compressed, a PDF, an image, a NumPy array, a pickle,
-    safetensors), else None; ``advice`` may hold ``{path}``.
+    """``(what, advice, weak)`` for a file starting with ``head`` when it is a known kind of
+    binary file (a program, an archive, compressed, a PDF, an image, a NumPy array, a pickle,
+    safetensors), else None; ``advice`` may hold ``{path}``; ``weak``: a magic a text may begin
+    with.
 
     >>> _binary_kind(b"\x7fELF\x02\x01"), _binary_kind(b"hello")
-    (('a program (ELF)', 'give a UTF-8 text file'), None)
+    (('a program (ELF)', 'give a UTF-8 text file', False), None)
     """
-    for magic, kind, advice in _MAGIC:
+    for magic, kind, advice, *weak in _MAGIC:
         if head.startswith(magic):
-            return kind, advice
+            return kind, advice, bool(weak)
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
-        return "a Python pickle (a PyTorch or NumPy file?)", _TEXT
+        return "a Python pickle (a PyTorch or NumPy file?)", _TEXT, False
     if len(head) >= 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") < 1 << 27:
         return "a safetensors file (model weights)", ("give a UTF-8 text file (forge-ml convert "
-                                                      "--from-hf takes a Hugging Face folder)")
+                                                      "--from-hf takes a Hugging Face folder)"), False
     return None
 
 
