@@ -123,6 +123,42 @@ def test_the_library_says_where_a_signal_stopped_it(workdir):
                     f"{Path('lib') / 'ckpt'} (resume with resume=True)"], said
 
 
+def test_a_signal_whose_checkpoint_cannot_be_saved_is_still_its_stop(workdir, monkeypatch, capsys):
+    """A review's find: SIGTERM with a full disk said only "No space left on device" (exit 2),
+    neither the signal nor that the checkpoint was not saved. It is the signal's stop (its exit
+    status) with the reason, and the earlier checkpoint kept; in the library and the CLI."""
+    real = train_mod.save_checkpoint
+    saves = []
+
+    def full_disk_after_one(folder, tensors, meta):
+        saves.append(meta.get("step"))
+        if len(saves) > 1:                         # step 2's checkpoint saves, the stop's does not
+            raise OSError(errno.ENOSPC, "No space left on device", str(folder))
+        real(folder, tensors, meta)
+
+    say = Trainer._say
+
+    def say_and_stop(self, msg, verbatim=False):   # SIGTERM during step 3's line
+        if msg.split()[:2] == ["step", "3/50"]:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return say(self, msg, verbatim)
+
+    monkeypatch.setattr(train_mod, "save_checkpoint", full_disk_after_one)
+    monkeypatch.setattr(Trainer, "_say", say_and_stop)
+    t = Trainer(_cfg("lib", max_steps=50, checkpoint_interval=2, log_interval=1), log=lambda m: None)
+    with pytest.raises(Interrupted) as info:
+        t.train()
+    e = info.value
+    assert e.exit_status == 143 and not e.saved and "No space left on device (ENOSPC)" in e.reason, e
+    assert "the last good checkpoint" in e.reason and "(step 2)" in e.reason, e.reason
+    saves.clear()
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY[:-4], "--checkpoint-interval", "2",
+                 "--max-steps", "50", "--seed", "3", "--log-interval", "1"]) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("forge-ml: stopped by SIGTERM at step ") \
+        and "its checkpoint could not be saved: cannot write" in err[0] and "(step 2)" in err[0], err
+
+
 def test_a_second_signal_gives_up_the_step_in_flight(workdir):
     """The second signal during a step's forward/backward discards that step: the loader goes
     back, the checkpoint is the previous step's, and the resumed run is still exact."""

@@ -513,6 +513,9 @@ def _cmd_train(args) -> int:
             print(f"{PROG}: stopped by {signal.Signals(e.signum).name} at step {e.step}; checkpoint of "
                   f"step {e.step} saved in {trainer.ckpt_dir}; continue with: {PROG} train --out "
                   f"{cfg.out_dir} --resume", file=sys.stderr)
+        elif e.reason:
+            print(f"{PROG}: stopped by {signal.Signals(e.signum).name} at step {e.step}; its checkpoint "
+                  f"could not be saved: {e.reason}", file=sys.stderr)
         else:
             print(f"{PROG}: stopped by {signal.Signals(e.signum).name}; the last checkpoint in {cfg.out_dir} is kept",
                   file=sys.stderr)

@@ -112,8 +112,9 @@ class Interrupted(KeyboardInterrupt):
     """``Trainer.train()`` stopped on SIGINT, SIGTERM or SIGHUP at a step boundary, or
     ``Trainer()`` on SIGTERM or SIGHUP during its setup (``setup``, which words the message:
     what it wrote is taken back, as a Ctrl-C's KeyboardInterrupt there does). ``signum``, ``step`` (the step
-    reached), ``saved`` (whether a checkpoint of that step was written); ``exit_status`` is
-    the shell's 128 + signal number (130, 143, 129).
+    reached), ``saved`` (whether a checkpoint of that step was written), ``reason`` (why not,
+    where saving it failed); ``exit_status`` is the shell's 128 + signal number (130, 143,
+    129).
 
     >>> Interrupted(signal.SIGTERM, 7, True).exit_status
     143
@@ -121,11 +122,12 @@ class Interrupted(KeyboardInterrupt):
     'interrupted by SIGTERM during setup, before the first step'
     """
 
-    def __init__(self, signum: int, step: int, saved: bool, setup: bool = False):
+    def __init__(self, signum: int, step: int, saved: bool, setup: bool = False, reason: str = ""):
         name = signal.Signals(signum).name
         super().__init__(f"interrupted by {name} during setup, before the first step" if setup
-                         else f"interrupted by {name} at step {step}")
+                         else f"interrupted by {name} at step {step}" + (f": {reason}" if reason else ""))
         self.signum, self.step, self.saved = int(signum), int(step), bool(saved)
+        self.reason = reason
 
     @property
     def exit_status(self) -> int:
@@ -1732,7 +1734,13 @@ class Trainer:
         """After a signal: save the checkpoint of the step reached, say so, raise Interrupted."""
         name = signal.Signals(self._stop).name
         if self.last_ckpt_step != self.step:
-            self.save()
+            try:
+                self.save()
+            except ForgeError as e:   # a full disk: still the signal's stop, its exit status
+                if not CLI_WORDS.get():
+                    self._say(f"{name}: stopped at step {self.step}; its checkpoint could not be "
+                              f"saved: {e}")
+                raise Interrupted(self._stop, self.step, False, reason=str(e)) from None
         if not CLI_WORDS.get():   # forge-ml train says it in one line of its own, with the command
             self._say(f"{name}: stopped at step {self.step}; checkpoint of step {self.step} saved in "
                       f"{self.ckpt_dir} (resume with --resume)")
