@@ -1,21 +1,15 @@
 """benchmarks/decode_gpu.py --trace's arithmetic (``trace_phases``) on marks made up here: a
 replay of the layers step with known phase times, as decode_layers.cu's DL_TRACE build would
 write them. Runs without a GPU."""
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_gpu.py"
+import _scripts
 
 
 @pytest.fixture(scope="module")
 def dg():
-    spec = importlib.util.spec_from_file_location("decode_gpu_for_tests", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _scripts.load("benchmarks/decode_gpu.py")
 
 
 def _replay(L, blocks, phases, release, skew):

@@ -1,19 +1,13 @@
 """scripts/ptx_same.py: the check that a CUDA refactor changed nothing the GPU runs (two PTX
 files the same code up to register names). Runs without a GPU."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "ptx_same.py"
+import _scripts
 
 
 @pytest.fixture(scope="module")
 def ps():
-    spec = importlib.util.spec_from_file_location("ptx_same_for_tests", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _scripts.load("scripts/ptx_same.py")
 
 
 BEFORE = """.visible .entry k(
