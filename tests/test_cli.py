@@ -265,7 +265,8 @@ def test_an_unknown_flag_is_said_by_its_subcommand_with_the_nearest_flag(capsys)
                                             "(did you mean --max-steps?)"),
             (["sample", "--ckpt", "x", "--max_new_tokens=3"], "(did you mean --max-new-tokens?)"),
             (["train", "stray"], "forge-ml train: error: unrecognized argument stray (see forge-ml train --help)"),
-            (["--bogus"], "forge-ml: error: unrecognized argument --bogus (see forge-ml --help)")):
+            (["--bogus"], "forge-ml: error: unrecognized argument --bogus (see forge-ml --help)"),
+            (["--bogus", "train"], "forge-ml: error: unrecognized argument --bogus (see forge-ml --help)")):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], (argv, err)

@@ -1134,17 +1134,19 @@ def main(argv=None) -> int:
         return 130
 
 
-def _unrecognized(parser, cmd, extra) -> None:
+def _unrecognized(parser, cmd, extra, argv) -> None:
     """argparse's "forge-ml: error: unrecognized arguments: --reusme", said by the subcommand
     that was given them, with its nearest flag: "forge-ml train: error: unrecognized argument
     --reusme (did you mean --resume?)". Exits 2."""
     import difflib
 
     sub = parser._subparsers._group_actions[0].choices.get(cmd) if cmd else None
+    if sub is not None and cmd in argv and extra[0] in argv[:argv.index(cmd)]:
+        sub = None   # given before the subcommand: forge-ml's own
     target = sub if sub is not None else parser
     flags_ = [o for o in target._option_string_actions if o.startswith("--")]
     first = extra[0]
-    near = difflib.get_close_matches(first.split("=", 1)[0], flags_, n=1, cutoff=0.7) \
+    near = difflib.get_close_matches(first.split("=", 1)[0], flags_, n=1, cutoff=0.8) \
         if first.startswith("-") else []
     hint = f" (did you mean {near[0]}?)" if near else f" (see {target.prog} --help)"
     what = f"argument {first}" if len(extra) == 1 else f"arguments {' '.join(extra)}"
@@ -1157,7 +1159,7 @@ def _main(argv) -> int:
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:
-            _unrecognized(parser, args.cmd, extra)
+            _unrecognized(parser, args.cmd, extra, sys.argv[1:] if argv is None else list(argv))
     except SystemExit as e:  # --help, --version, or a usage error (already printed)
         return e.code if isinstance(e.code, int) else 2
     if args.cmd is None:
