@@ -2086,6 +2086,10 @@ def test_sizes_and_a_short_text_name_the_flags(workdir, capsys):
     line = _fails(capsys, ["train", "--data", "t.txt", "--out", "r", "--n-head", "3", "--n-embd", "16",
                            "--max-steps", "1"], "--n-embd 16 must be divisible by --n-head 3")
     assert "GPT2Config" not in line and "n_embd" not in line, line
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", "--model", "gpt2", "--n-head", "7"],
+           "--n-embd 768 (from --model gpt2) must be divisible by --n-head 7")
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", "--n-head", "3"],
+           "--n-embd 128 (the default) must be divisible by --n-head 3")
     Path("tiny.txt").write_text("abcd")
     line = _fails(capsys, ["train", "--data", "tiny.txt", "--out", "r2", *TINY, "--max-steps", "1"],
                   "tiny.txt gives 4 tokens; with --val-fraction 0.1 that leaves 4 for train and 0")

@@ -1181,9 +1181,13 @@ class Trainer:
         sizes = cfg.model_sizes()
         if sizes["n_embd"] % sizes["n_head"]:   # GPT2Config's own error named its fields
             w = _field_word
-            raise ConfigError(f"{w('n_embd')} {sizes['n_embd']} must be divisible by {w('n_head')} "
-                              f"{sizes['n_head']} (each head takes an equal share of the "
-                              f"{sizes['n_embd']} channels)")
+
+            def said(k):   # a size not given comes from the preset or the default
+                where = ("" if getattr(cfg, k) else f" (from {w('model')} {cfg.model})" if cfg.model
+                         else " (the default)")
+                return f"{w(k)} {sizes[k]}{where}"
+            raise ConfigError(f"{said('n_embd')} must be divisible by {said('n_head')} (each head "
+                              f"takes an equal share of the {sizes['n_embd']} channels)")
         return GPT2Config(vocab_size=self.tokenizer.vocab_size, block_size=cfg.block_size, dropout=cfg.dropout,
                           **sizes)
 
