@@ -628,9 +628,9 @@ def test_overwrite_with_data_too_short_keeps_the_earlier_run(workdir, capsys):
     before = _snapshot("r")
     Path("short.txt").write_text("abcdefghij" * 10)                # 100 tokens: 90 train, 10 val
     _fails(capsys, ["train", "--data", "short.txt", "--out", "r", *TINY, "--overwrite"],
-           "val part of short.txt", "holds 10 tokens", "block_size=16", "--val-fraction")
+           "val part of short.txt", "holds 10 tokens", "--block-size 16", "--val-fraction")
     _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--overwrite", "--block-size", "5000"],
-           "train part of t.txt", "block_size=5000")
+           "train part of t.txt", "--block-size 5000")
     Path("three.txt").write_text("abc")
     _fails(capsys, ["train", "--data", "three.txt", "--out", "r", *TINY, "--overwrite"], "0 for val")
     Path("empty.txt").write_text("")
@@ -2087,7 +2087,10 @@ def test_sizes_and_a_short_text_name_the_flags(workdir, capsys):
                            "--max-steps", "1"], "--n-embd 16 must be divisible by --n-head 3")
     assert "GPT2Config" not in line and "n_embd" not in line, line
     _fails(capsys, ["train", "--data", "t.txt", "--out", "r", "--model", "gpt2", "--n-head", "7"],
-           "--n-embd 768 (from --model gpt2) must be divisible by --n-head 7")
+           "holds 480 tokens; --block-size 1024 needs at least 1025 (one window plus its next-token "
+           "target): give a smaller --block-size or a longer text")
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", "--model", "gpt2", "--n-head", "7",
+                    "--block-size", "16"], "--n-embd 768 (from --model gpt2) must be divisible by --n-head 7")
     _fails(capsys, ["train", "--data", "t.txt", "--out", "r", "--n-head", "3"],
            "--n-embd 128 (the default) must be divisible by --n-head 3")
     Path("tiny.txt").write_text("abcd")

@@ -1069,8 +1069,10 @@ class Trainer:
     def _check_length(self, n: int, what: str) -> None:
         T = self.cfg.block_size
         if n < T + 1:
-            raise DataError(f"{what} holds {n} {plural(n, 'token')}; block_size={T} needs at least {T + 1} (one window "
-                            f"plus its next-token target)")
+            w = _field_word
+            raise DataError(f"{what} holds {n} {plural(n, 'token')}; {w('block_size')} {T} needs at least "
+                            f"{T + 1} (one window plus its next-token target): give a smaller "
+                            f"{w('block_size')} or a longer text")
 
     def _plan_data(self, resume: bool, source, ckpt_tok=None):
         """``(shards, tokenizer, write, tokens)``: the data folder's ``ShardFolder``, its
