@@ -290,7 +290,7 @@ def test_bad_prompts_and_arguments(model):
         generate(model, [1, CFG.vocab_size])
     with pytest.raises(ConfigError, match="tokenizer"):
         generate(model, [1], stop_strings=["x"])
-    for bad in (dict(temperature=-1), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5),
+    for bad in (dict(temperature=-1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
                 dict(max_new_tokens=-1), dict(seed=-3)):
         with pytest.raises(ConfigError):
             generate(model, [1], **bad)
@@ -564,7 +564,7 @@ def test_generation_arguments_are_checked_at_the_call():
 @pytest.mark.parametrize("call,match", [
     (lambda f: f.next_token_probs(np.log([0.5, 0.3, 0.2]), -1), "temperature must be >= 0"),
     (lambda f: f.next_token_probs(np.log([0.5, 0.3, 0.2]), 1, min_p=2), "min_p must be None or in"),
-    (lambda f: f.next_token_probs(np.log([0.5, 0.3, 0.2]), 1, top_k=0), "top_k must be None or an int >= 1"),
+    (lambda f: f.next_token_probs(np.log([0.5, 0.3, 0.2]), 1, top_k=-1), "top_k must be None or an int >= 0"),
     (lambda f: f.next_token_probs(np.log([0.5, 0.3, 0.2]), 1, top_p=0), "top_p must be None or in"),
     (lambda f: f.token_logprobs(np.log([0.5, 0.3, 0.2]), -1), "temperature must be >= 0"),
     (lambda f: f.token_logprobs(np.zeros(3), float("nan")), "temperature must be >= 0"),

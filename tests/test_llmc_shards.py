@@ -169,7 +169,7 @@ def test_a_tokenizer_json_beside_llmc_shards_is_used(tmp_path, monkeypatch, caps
 def test_each_shard_is_checked_at_the_start(llmc, capsys):
     write_shard(llmc / "fw_train_000002.bin", _gpt2_ids(10, 2))
     _fails(capsys, ["train", "--data", "fw", "--out", "r", *TINY], "fw_train_000002.bin holds 10 tokens",
-           "block_size=16")
+           "--block-size 16")
     raw = bytearray((llmc / "fw_train_000003.bin").read_bytes())
     raw[4:8] = (2).to_bytes(4, "little")   # another shard version
     (llmc / "fw_train_000003.bin").write_bytes(bytes(raw))

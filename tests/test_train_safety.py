@@ -2088,7 +2088,7 @@ def test_sizes_and_a_short_text_name_the_flags(workdir, capsys):
     assert "GPT2Config" not in line and "n_embd" not in line, line
     _fails(capsys, ["train", "--data", "t.txt", "--out", "r", "--model", "gpt2", "--n-head", "7"],
            "holds 480 tokens; --block-size 1024 needs at least 1025 (one window plus its next-token "
-           "target): give a smaller --block-size or a longer text")
+           "target): give a smaller --block-size or more tokens")
     _fails(capsys, ["train", "--data", "t.txt", "--out", "r", "--model", "gpt2", "--n-head", "7",
                     "--block-size", "16"], "--n-embd 768 (from --model gpt2) must be divisible by --n-head 7")
     _fails(capsys, ["train", "--data", "t.txt", "--out", "r", "--n-head", "3"],

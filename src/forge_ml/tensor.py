@@ -341,7 +341,8 @@ def tensor(data, dtype=None, device="cpu") -> Tensor:
 
 
 def from_numpy(a: np.ndarray, device="cpu") -> Tensor:
-    """A tensor holding a copy of a NumPy array, same dtype.
+    """A tensor holding a copy of a NumPy array, in the dtype ``tensor`` gives it (float32 and
+    float64 kept, float16 widened to float32, small integers and bool to int32, uint32 to int64).
 
     >>> from_numpy(np.zeros((2, 3), np.float32)).shape
     (2, 3)

@@ -1072,7 +1072,7 @@ class Trainer:
             w = _field_word
             raise DataError(f"{what} holds {n} {plural(n, 'token')}; {w('block_size')} {T} needs at least "
                             f"{T + 1} (one window plus its next-token target): give a smaller "
-                            f"{w('block_size')} or a longer text")
+                            f"{w('block_size')} or more tokens")
 
     def _plan_data(self, resume: bool, source, ckpt_tok=None):
         """``(shards, tokenizer, write, tokens)``: the data folder's ``ShardFolder``, its
@@ -1765,6 +1765,10 @@ class Trainer:
         """
         if until is not None:
             until = _count("train", "until", until)   # not after taking the folder
+            if until > self.cfg.max_steps:   # it ran nothing and returned as if done
+                raise ConfigError(f"train(until={until}) is past max_steps {self.cfg.max_steps}, where the "
+                                  f"run's learning-rate schedule ends; give until <= {self.cfg.max_steps}, "
+                                  f"or train a run with a larger max_steps")
         self._refuse_if_torn()
         self._hold_folder()
         self._stop = signal.SIGPIPE if self._pipe_closed else None

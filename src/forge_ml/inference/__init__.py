@@ -6,6 +6,7 @@ continuous-batching engine the server drives (``batch``, ``engine``).
 >>> callable(generate), callable(load_model)
 (True, True)
 """
+from .batch import BatchEngine
 from .beam import beam_search
 from .decode import DecodeStep, KVCache, decoder, row_step
 from .generate import (FINISH_REASONS, TokenEvent, apply_repetition_penalty, generate, generate_text,
@@ -15,4 +16,4 @@ from .load import hf_tokenizer_dict, load_model, resolve_checkpoint
 __all__ = ["DecodeStep", "KVCache", "decoder", "row_step", "generate", "generate_text",
            "next_token_probs", "stream_tokens", "TokenEvent", "FINISH_REASONS", "beam_search",
            "token_logprobs", "apply_repetition_penalty", "load_model",
-           "resolve_checkpoint", "hf_tokenizer_dict"]
+           "resolve_checkpoint", "hf_tokenizer_dict", "BatchEngine"]

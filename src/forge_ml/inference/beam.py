@@ -55,7 +55,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import ConfigError, ShapeError
-from ..tensor import tensor
+from ..tensor import Tensor, tensor
 from .decode import DecodeStep, KVCache
 
 
@@ -149,7 +149,9 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
     >>> len(seqs), len(seqs[0]), scores[0] <= 0
     (1, 3, True)
     """
-    if isinstance(prompt_ids, np.ndarray):
+    if isinstance(prompt_ids, Tensor):   # as generate takes one
+        prompt_ids = prompt_ids.numpy()
+    if isinstance(prompt_ids, np.ndarray) and prompt_ids.ndim == 1:
         prompt_ids = prompt_ids.tolist()
     if not isinstance(prompt_ids, Sequence) or not all(_is_int(t) for t in prompt_ids):
         raise ShapeError(f"beam_search: prompt_ids must be a list of int token ids, got "

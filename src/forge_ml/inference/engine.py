@@ -59,12 +59,14 @@ def _is_num(x) -> bool:
 class SamplingParams:
     """How one request chooses its tokens (OpenAI's completion fields, plus the usual extras).
 
-    temperature 0 is greedy; top_k 0 and top_p 1.0 and min_p 0.0 switch those cuts off;
+    temperature 0 is greedy; top_k 0 (or None) and top_p 1.0 and min_p 0.0 switch those cuts
+    off;
     repetition_penalty 1.0 is none (HF/CTRL's rule: a seen token's positive logit is divided
     by it, a negative one multiplied); logprobs None returns no log-probabilities, n >= 0
     returns the chosen token's and the n most likely tokens' log-probabilities (after the
     temperature, before the cuts; at temperature 0, of the logits as they are);
-    stop_tokens end the request when drawn (the token is returned with finish "stop").
+    stop_tokens (a tuple or list of ids) end the request when drawn (the token is returned with
+    finish "stop").
     ``prompt_logprobs`` (None or n >= 0) also scores the prompt: ``Stream.prompt_logprobs``
     gets, for each prompt token after the first, its log-probability and the n most likely
     tokens' under the model's plain distribution (temperature 1, no penalty); with it,
@@ -91,6 +93,10 @@ class SamplingParams:
         def bad(name, want):
             raise RequestError(f"{name} must be {want}, got {getattr(self, name)!r}", name)
 
+        if self.top_k is None:          # generate's "off": 0 here
+            object.__setattr__(self, "top_k", 0)
+        if isinstance(self.stop_tokens, list):   # generate takes a list: a tuple here
+            object.__setattr__(self, "stop_tokens", tuple(self.stop_tokens))
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
             bad("max_tokens", "an int >= 0")
         if not _is_num(self.temperature) or self.temperature < 0:
@@ -110,7 +116,7 @@ class SamplingParams:
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 bad(name, f"None or an int in 0..{MAX_LOGPROBS}")
         if not isinstance(self.stop_tokens, tuple) or not all(_is_int(t) for t in self.stop_tokens):
-            bad("stop_tokens", "a tuple of token ids")
+            bad("stop_tokens", "a tuple or list of token ids")
 
     @property
     def greedy(self) -> bool:

@@ -221,7 +221,7 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = No
         return probs
     z = z / temperature
     keep = np.ones(v, bool)
-    if top_k is not None and top_k < v:
+    if top_k and top_k < v:                              # None and 0: off
         kth = np.partition(z, v - top_k)[v - top_k]      # the k-th largest logit
         keep = z >= kth                                  # ties with it stay
     z = np.where(keep, z, -np.inf)
@@ -319,7 +319,8 @@ _T_MAX = float(np.finfo(np.float32).max)   # the knobs reach the device as float
 def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
     """The next-token knobs as generate, next_token_probs and token_logprobs take them: a
     ConfigError naming ``who`` and the knob otherwise (a negative temperature inverted the
-    distribution, a min_p of 2 gave NaNs, a top_k of 0 a raw NumPy error).
+    distribution, a min_p of 2 gave NaNs). A top_k of 0 is off, as None (transformers' and
+    the engine's 0).
 
     >>> _check_choice("f", 0.8, 40, 0.9, 0.05, 1.2)
     >>> _check_choice("f", -1)
@@ -330,8 +331,9 @@ def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetiti
     if not (_is_real(temperature) and 0 <= temperature <= _T_MAX):
         raise ConfigError(f"{who}: temperature must be >= 0 (0 = greedy) and finite in float32 "
                           f"(at most {_T_MAX:.4g}), got {temperature!r}")
-    if top_k is not None and (not _is_int(top_k) or top_k < 1):
-        raise ConfigError(f"{who}: top_k must be None or an int >= 1, got {top_k!r}")
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        raise ConfigError(f"{who}: top_k must be None or an int >= 0 (None and 0 are off), got "
+                          f"{top_k!r}")
     if top_p is not None and not (_is_real(top_p) and 0 < top_p <= 1):
         raise ConfigError(f"{who}: top_p must be None or in (0, 1], got {top_p!r}")
     if min_p is not None and not (_is_real(min_p) and 0 <= min_p <= 1):
@@ -419,7 +421,7 @@ def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1
     stop_tokens, stop_strings = _stop_args(stop_tokens, stop_strings)
     _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
                 tokenizer, min_p, repetition_penalty, logprobs, single, stop_tokens=stop_tokens)
-    choice = _Choice(float(temperature), top_k, top_p, min_p, float(repetition_penalty),
+    choice = _Choice(float(temperature), top_k or None, top_p, min_p, float(repetition_penalty),
                      logprobs)
     steps = _steps(model, rows, max_new_tokens, choice, seed, frozenset(stop_tokens),
                    stop_strings, tokenizer)

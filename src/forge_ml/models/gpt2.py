@@ -63,13 +63,16 @@ class GPT2Config:
             val = getattr(self, k)   # a NumPy integer (shape arithmetic) as the int it is
             if isinstance(val, numbers.Integral) and not isinstance(val, (bool, int)):
                 setattr(self, k, int(val))
+        for k in ("vocab_size", "padded_vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            val = getattr(self, k)   # (a type first: vocab_size "11" met `<` below as a TypeError)
+            if not isinstance(val, int) or isinstance(val, bool) or (val <= 0 and k != "padded_vocab_size"):
+                raise ConfigError(f"GPT2Config: {k} must be a positive int, got {val!r}")
         if self.padded_vocab_size == 0:
             v = self.vocab_size
             self.padded_vocab_size = v if v < 1024 else (v + 127) // 128 * 128
-        for k in ("vocab_size", "padded_vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            val = getattr(self, k)
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-                raise ConfigError(f"GPT2Config: {k} must be a positive int, got {val!r}")
+        if self.padded_vocab_size <= 0:
+            raise ConfigError(f"GPT2Config: padded_vocab_size must be a positive int, got "
+                              f"{self.padded_vocab_size!r}")
         if self.padded_vocab_size < self.vocab_size:
             raise ConfigError(f"GPT2Config: padded_vocab_size {self.padded_vocab_size} < "
                               f"vocab_size {self.vocab_size}")
@@ -260,8 +263,10 @@ class GPT2:
 
     @classmethod
     def from_state_dict(cls, config: GPT2Config, state: dict, device="cpu", dtype="float32") -> "GPT2":
-        """A model from NumPy arrays; names and shapes must match the config exactly."""
+        """A model from NumPy arrays (or forge-ml tensors, as ``params`` holds them); names and
+        shapes must match the config exactly."""
         from ..checkpoint import check_architecture
+        state = {k: v.numpy() if isinstance(v, Tensor) else v for k, v in state.items()}
         check_architecture(param_shapes(config), state)
         return cls(config, {k: tensor(np.asarray(state[k]), dtype=dtype, device=device)
                             for k in param_shapes(config)})
