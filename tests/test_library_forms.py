@@ -30,6 +30,23 @@ def test_top_k_zero_is_off_as_none_in_every_api(model):
         list(generate(model, [1], top_k=-1))
 
 
+def test_forge_ml_sample_takes_top_k_zero_as_off(tmp_path, capsys):
+    """--top-k 0 was "must be >= 1", where generate now takes 0 as off (transformers' 0)."""
+    from forge_ml.checkpoint import save_checkpoint
+    from forge_ml.cli import main
+    chars = "abcdefghijk"
+    save_checkpoint(tmp_path / "ck", GPT2.init(CFG, seed=1).state_dict(),
+                    {"config": CFG.to_dict(), "tokenizer": {"kind": "char", "chars": chars}, "step": 1})
+    outs = []
+    for k in ([], ["--top-k", "0"]):
+        assert main(["sample", "--ckpt", str(tmp_path / "ck"), "--prompt", "abc", "--max-new-tokens", "8",
+                     "--seed", "3", *k]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
+    assert main(["sample", "--ckpt", str(tmp_path / "ck"), "--top-k", "-1"]) == 2
+    assert "--top-k must be >= 0 (0 is off), got -1" in capsys.readouterr().err
+
+
 def test_stop_tokens_as_a_list_and_ids_as_a_tensor(model):
     """SamplingParams took stop_tokens only as a tuple (generate takes a list); beam_search and
     a tokenizer's decode refused a forge-ml tensor of ids (generate takes one)."""

@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 1)")
     s.add_argument("--max-new-tokens", type=int, metavar="N", default=200, help="tokens to generate (default 200)")
     s.add_argument("--temperature", type=float, metavar="T", default=0.8, help="0 is greedy (default 0.8)")
-    s.add_argument("--top-k", type=int, metavar="K", default=None, help="sample among the k most likely tokens")
+    s.add_argument("--top-k", type=int, metavar="K", default=None, help="sample among the k most likely tokens (0: all, as without it)")
     s.add_argument("--top-p", type=float, metavar="P", default=None, help="nucleus sampling probability")
     s.add_argument("--min-p", type=float, metavar="P", default=None,
                    help="drop tokens less likely than P times the most likely one (0..1)")
@@ -623,8 +623,8 @@ def _check_sample_args(args) -> None:
         raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.temperature >= 0 or math.isinf(args.temperature):  # NaN fails >= too
         raise ConfigError(f"--temperature must be a number >= 0 (0 is greedy), got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        raise ConfigError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_k is not None and args.top_k < 0:
+        raise ConfigError(f"--top-k must be >= 0 (0 is off), got {args.top_k}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if not 0 <= args.seed < 1 << 64:
