@@ -179,7 +179,7 @@ def test_load_text_errors(tmp_path):
 @pytest.mark.parametrize("head, said", [
     (b"\x7fELF\x02\x01\x01\x00" + bytes(200), "is a program (ELF), not text; give a UTF-8 text file"),
     (b"PK\x03\x04\x14\x00\x00\x00" + bytes(50), "is a zip archive"),
-    (b"\x1f\x8b\x08\x00\xf3\x9e", "is gzip-compressed, not text; decompress it first (gunzip -k "),
+    (b"\x1f\x8b\x08\x00\xf3\x9e", "is gzip-compressed, not text; decompress it first: gzip -dc "),
     (b"\x93NUMPY\x01\x00v\x00{'descr'", "is a NumPy array (.npy), not text"),
     (b"\x80\x04\x95\x0b\x00\x00\x00", "is a Python pickle"),
     (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n", "is a PDF, not text; extract its text first"),

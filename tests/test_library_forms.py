@@ -72,7 +72,8 @@ def test_a_mistyped_config_field_is_one_config_error():
 
 
 def test_train_until_past_max_steps_is_refused(tmp_path):
-    """It ran nothing and returned a summary as if done (loss None)."""
+    """It was cut to max_steps without a word (and at max_steps ran nothing, returning a summary
+    as if done: loss None)."""
     from forge_ml.train import TrainConfig, Trainer
     text = tmp_path / "t.txt"
     text.write_text("hello world, " * 300)

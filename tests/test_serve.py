@@ -750,6 +750,19 @@ def test_serve_listens_before_its_model_loads(tmp_path, capsys):
     finally:
         for sock in first:
             sock.close()
+    import socket
+    from unittest import mock
+    real = socket.getaddrinfo
+
+    def with_a_missing_address(host, port, *a, **k):   # ::1 where IPv6 is off, say
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("2001:db8::1", port, 0, 0))] + \
+            real("127.0.0.1", port, *a, **k)
+
+    with mock.patch("socket.getaddrinfo", with_a_missing_address):   # skipped, as asyncio does
+        kept = _listen_sockets("localhost", 0)
+    assert [sock.getsockname()[0] for sock in kept] == ["127.0.0.1"]
+    for sock in kept:
+        sock.close()
     every = _listen_sockets("", 0)    # "": all interfaces, every family on the same port
     try:
         assert len({sock.getsockname()[1] for sock in every}) == 1

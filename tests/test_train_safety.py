@@ -156,7 +156,8 @@ def test_a_signal_whose_checkpoint_cannot_be_saved_is_still_its_stop(workdir, mo
                  "--max-steps", "50", "--seed", "3", "--log-interval", "1"]) == 143
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("forge-ml: stopped by SIGTERM at step ") \
-        and "its checkpoint could not be saved: cannot write" in err[0] and "(step 2)" in err[0], err
+        and "its checkpoint could not be saved: cannot write" in err[0] and "(step 2)" in err[0] \
+        and err[0].endswith("continue from the kept one with: forge-ml train --out r --resume"), err
 
 
 def test_a_second_signal_gives_up_the_step_in_flight(workdir):

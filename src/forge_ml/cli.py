@@ -514,8 +514,10 @@ def _cmd_train(args) -> int:
                   f"step {e.step} saved in {trainer.ckpt_dir}; continue with: {PROG} train --out "
                   f"{cfg.out_dir} --resume", file=sys.stderr)
         elif e.reason:
+            go_on = (f"; continue from the kept one with: {PROG} train --out {cfg.out_dir} --resume"
+                     if trainer.last_ckpt_step is not None else "")
             print(f"{PROG}: stopped by {signal.Signals(e.signum).name} at step {e.step}; its checkpoint "
-                  f"could not be saved: {e.reason}", file=sys.stderr)
+                  f"could not be saved: {e.reason}{go_on}", file=sys.stderr)
         else:
             print(f"{PROG}: stopped by {signal.Signals(e.signum).name}; the last checkpoint in {cfg.out_dir} is kept",
                   file=sys.stderr)

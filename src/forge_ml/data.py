@@ -341,11 +341,12 @@ def load_text(path) -> str:
 _TEXT = "give a UTF-8 text file"
 _MAGIC = ((b"\x7fELF", "a program (ELF)", _TEXT), (b"MZ", "a Windows program", _TEXT, True),
           (b"PK\x03\x04", "a zip archive (a .zip, an office document or a PyTorch checkpoint)", _TEXT),
-          (b"\x1f\x8b", "gzip-compressed", "decompress it first (gunzip -k {path})"),
-          (b"BZh", "bzip2-compressed", "decompress it first (bunzip2 -k {path})", True),
-          (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first (unxz -k {path})"),
-          (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first (unzstd {path})"),
-          (b"%PDF", "a PDF", "extract its text first (e.g. pdftotext {path})"),
+          (b"\x1f\x8b", "gzip-compressed", "decompress it first: gzip -dc {path} > {out}"),
+          (b"BZh", "bzip2-compressed", "decompress it first: bzip2 -dc {path} > {out}", True),
+          (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first: xz -dc {path} > {out}"),
+          (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: zstd -dc {path} > {out}"),
+          (b"%PDF-1", "a PDF", "extract its text first (e.g. pdftotext {path} {out})"),
+          (b"%PDF-2", "a PDF", "extract its text first (e.g. pdftotext {path} {out})"),
           (b"\x89PNG", "a PNG image", _TEXT), (b"\xff\xd8\xff", "a JPEG image", _TEXT),
           (b"\x93NUMPY", "a NumPy array (.npy)",
            "give a UTF-8 text file (token ids are written as shards with forge_ml.data.write_shard)"))
@@ -363,7 +364,12 @@ def _refuse_binary(path, head: bytes) -> None:
     binary = _binary_kind(head[:16])
     if binary is None or (binary[2] and 0 not in head):
         return
-    raise DataError(f"{path} is {binary[0]}, not text; {binary[1].format(path=path)}")
+    p = Path(path)   # the text beside it: the name less a compressed suffix, else .txt added
+    out = p.with_suffix("") if p.suffix in (".gz", ".bz2", ".xz", ".zst", ".tgz") else p.with_name(p.name + ".txt")
+    if p.suffix == ".pdf":
+        out = p.with_suffix(".txt")
+    advice = binary[1].format(path=shlex.quote(str(p)), out=shlex.quote(str(out)))
+    raise DataError(f"{path} is {binary[0]}, not text; {advice}")
 
 
 def _binary_kind(head: bytes):

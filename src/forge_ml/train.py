@@ -1765,7 +1765,7 @@ class Trainer:
         """
         if until is not None:
             until = _count("train", "until", until)   # not after taking the folder
-            if until > self.cfg.max_steps:   # it ran nothing and returned as if done
+            if until > self.cfg.max_steps:   # it was cut to max_steps without a word (nothing, at it)
                 raise ConfigError(f"train(until={until}) is past max_steps {self.cfg.max_steps}, where the "
                                   f"run's learning-rate schedule ends; give until <= {self.cfg.max_steps}, "
                                   f"or train a run with a larger max_steps")

@@ -123,11 +123,11 @@ def _serve(args, socks, uvicorn, BatchEngine, create_app, dtype, api_key) -> int
     name = args.model_name or model_id(args.ckpt)
     app = create_app(engine, name, api_key=api_key)
     if api_key is None and not _loopback(args.host):
-        print(f"forge-ml serve: warning: listening on {args.host} without an API key; anyone "
-              "who reaches this port can use the model (set --api-key or FORGE_API_KEY)",
-              file=sys.stderr)
+        print(f"forge-ml serve: warning: listening on {args.host or 'every interface'} without an "
+              "API key; anyone who reaches this port can use the model (set --api-key or "
+              "FORGE_API_KEY)", file=sys.stderr)
     port = socks[0].getsockname()[1]   # --port 0: the one the system chose
-    host = f"[{args.host}]" if ":" in args.host else args.host
+    host = f"[{args.host}]" if ":" in args.host else (args.host or "0.0.0.0")
     print(f"forge-ml serve: model {name!r} ({model.num_params():,} parameters, {model.device}, "
           f"{dtype}), {engine.slots} slots, context {engine.max_len}; "
           f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
@@ -155,14 +155,14 @@ def _listen_sockets(host: str, port: int) -> list:
     """
     import socket
 
-    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    where = f"[{host}]:{port}" if ":" in host else f"{host or '0.0.0.0'}:{port}"
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError, ValueError) as e:
         why = getattr(e, "strerror", None) or str(e)
         raise ConfigError(f"--host {host}: not an address of this machine ({why})") from None
-    socks, seen = [], set()
+    socks, seen, missing = [], set(), None
     try:
         for family, _, _, _, addr in infos:
             if (family, addr[0]) in seen:
@@ -170,13 +170,26 @@ def _listen_sockets(host: str, port: int) -> list:
             seen.add((family, addr[0]))
             if socks:   # --port 0: every address on the port the first one got
                 addr = (addr[0], socks[0].getsockname()[1]) + tuple(addr[2:])
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock = socket.socket(family, socket.SOCK_STREAM)
+            except OSError as e:   # a family this machine lacks (IPv6 switched off)
+                missing = missing or e
+                continue
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn's own bind
             if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)   # as asyncio's
-            sock.bind(addr)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                    raise
+                socks.pop().close()   # an address this machine lacks: skipped, as asyncio does
+                missing = missing or e
+                continue
             sock.listen(2048)
+        if not socks:
+            raise missing or OSError(errno.EADDRNOTAVAIL, "no address to listen on")
     except OSError as e:
         for sock in socks:
             sock.close()
