@@ -207,7 +207,7 @@ def test_sample_missing_checkpoint(run, capsys):
 
 @pytest.mark.parametrize("opt,needle", [
     (["--temperature", "-0.5"], "--temperature"), (["--temperature", "nan"], "--temperature"),
-    (["--top-k", "0"], "--top-k"), (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
+    (["--top-k", "-1"], "--top-k"), (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
     (["--max-new-tokens", "-1"], "--max-new-tokens"), (["--seed", "-3"], "--seed"),
     (["--prompt", "to be ZZ"], "'Z'"),
 ])
