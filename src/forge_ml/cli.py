@@ -412,8 +412,6 @@ def _cmd_train(args) -> int:
     for k in ("n_layer", "n_head", "n_embd"):     # 0 is TrainConfig's "not given": not a size
         if explicit.get(k) is not None and explicit[k] < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1, got {explicit[k]}")
-    if "seed" in explicit and not 0 <= explicit["seed"] < 1 << 64:   # as sample's --seed (TrainConfig's range)
-        raise ConfigError(f"--seed must be in [0, 2**64), got {explicit['seed']}")
     if not args.bucket_mb >= 0 or math.isinf(args.bucket_mb):
         # 0 is one bucket per parameter (Buckets' meaning; the GPU suite's torchrun run uses it)
         raise ConfigError(f"--bucket-mb must be a size in MB >= 0 (0: one bucket per "
@@ -672,9 +670,9 @@ def _cmd_sample(args) -> int:
     check_tokenizer_fits(model, tok, args.ckpt)
     ids = _prompt_ids(tok, args.prompt)
     block = model.config.block_size
+    what = "--num-beams" if args.num_beams is not None else "--logprobs"   # (with no sliding window)
     if len(ids) > block:
         if args.num_beams is not None or args.logprobs is not None:
-            what = "--num-beams" if args.num_beams is not None else "--logprobs"
             raise ShapeError(f"the prompt is {len(ids)} tokens, longer than the model's context of {block} "
                              f"{plural(block, 'token')}; {what} has no sliding window (without it, sample starts "
                              f"from the prompt's last {block} {plural(block, 'token')})")
@@ -687,7 +685,6 @@ def _cmd_sample(args) -> int:
                           f"got {args.logprobs}")
     stop = tuple(tok.stop_tokens)
     if (args.num_beams is not None or args.logprobs is not None) and args.max_new_tokens > block - len(ids):
-        what = "--num-beams" if args.num_beams is not None else "--logprobs"
         if args.num_beams is not None and len(ids) == block:
             raise ShapeError(f"the prompt's {len(ids)} {plural(len(ids), 'token fills', 'tokens fill')} the "
                              f"model's context of {block} {plural(block, 'token')}; "

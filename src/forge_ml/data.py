@@ -767,13 +767,12 @@ class DataLoader:
                 )
         # each batch through _windows: one gather a shard and one size check a shard touched
         # (window by window, the size check was an fstat a window)
-        for k in range(int(n)):
-            wins = (np.arange(k * B, (k + 1) * B, dtype=np.int64) % n_windows) * T
-            buf = self._windows(wins, T + 1).astype(np.int64)   # (B, T+1)
-            yield buf[:, :-1].copy(), buf[:, 1:].copy()
+        starts = [(np.arange(k * B, (k + 1) * B, dtype=np.int64) % n_windows) * T for k in range(int(n))]
         if rest:
-            buf = self._windows(np.arange(n * B, n * B + rest, dtype=np.int64) * T, T + 1).astype(np.int64)
-            yield buf[:, :-1].copy(), buf[:, 1:].copy()
+            starts.append(np.arange(n * B, n * B + rest, dtype=np.int64) * T)
+        for wins in starts:
+            buf = self._windows(wins, T + 1)   # (B, T+1), in the shard's dtype
+            yield buf[:, :-1].astype(np.int64), buf[:, 1:].astype(np.int64)   # as next_batch
 
     def state_dict(self) -> dict:
         """JSON-able position of the random stream (big ints stored as decimal strings)."""

@@ -108,8 +108,8 @@ def give_back_signals(old: dict) -> None:
 
 
 @contextlib.contextmanager
-def signals_held(names=("SIGINT", "SIGTERM", "SIGHUP")):
-    """The signals ``names`` held back while the block runs and delivered when it ends (a
+def signals_held(signums=None):
+    """The signals ``signums`` (default SIGINT and ``ENDING_SIGNALS``) held back while the block runs and delivered when it ends (a
     Ctrl-C lands after it): each one's handler is swapped for one that only notes it, and the
     first noted is raised again, to the handler it would have reached, once the block is done.
     Handlers, not the thread's signal mask: the OS may hand a signal sent to the process to
@@ -118,14 +118,14 @@ def signals_held(names=("SIGINT", "SIGTERM", "SIGHUP")):
     main thread (which cannot set handlers) nothing is held.
 
     >>> import signal, os
-    >>> with signals_held(("SIGTERM",)):
+    >>> with signals_held((signal.SIGTERM,)):
     ...     h = signal.getsignal(signal.SIGTERM)
     >>> h is signal.getsignal(signal.SIGTERM)
     False
     """
     noted = []
     old = take_signals(lambda signum, frame: noted.append(signum),
-                       [getattr(signal, n) for n in names if hasattr(signal, n)])
+                       (signal.SIGINT,) + ENDING_SIGNALS if signums is None else signums)
     try:
         yield
     finally:
@@ -175,7 +175,7 @@ def remove_together(folder, files=(), dirs=()) -> bool:
     if not plan:
         return False
     trash, moved = None, []
-    with signals_held(("SIGTERM", "SIGHUP")):
+    with signals_held(ENDING_SIGNALS):
         try:
             trash = Path(tempfile.mkdtemp(prefix=TRASH_PREFIX, suffix=TRASH_SUFFIX, dir=folder))
             for src, rel in plan:
@@ -185,11 +185,11 @@ def remove_together(folder, files=(), dirs=()) -> bool:
                 moved.append((src, dst))   # before the rename: one stopped right after it is undone too
                 os.rename(src, dst)
         except BaseException:
-            with signals_held(("SIGINT",)):   # (the others are held already)
+            with signals_held((signal.SIGINT,)):   # (the others are held already)
                 _put_back(moved, trash)
             raise
         # every file is in the trash: from here on the earlier files are gone, so a Ctrl-C waits
-        with signals_held(("SIGINT",)):
+        with signals_held((signal.SIGINT,)):
             shutil.rmtree(trash)
     return nfiles > 0
 
