@@ -3,17 +3,11 @@ runtime.py's source (importing runtime.py needs CuPy), and says what to install 
 missing. (With NVRTC it compiles every kernel file; that run is a developer's, not CI's.)"""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "nvrtc_check.py"
+import _scripts
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("nvrtc_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _scripts.load("scripts/nvrtc_check.py")
 
 
 def test_reads_the_backends_include_line_and_arch_targets():

@@ -996,10 +996,8 @@ def _check_ids(op, ids, n_rows):
     if rng is None:
         # min/max work on NumPy and CuPy arrays alike (on the GPU this is one small sync);
         # ids made from host data carry their range already (Tensor's storage caches it;
-        # not once its array has been handed out, when the range is never read).
-        rng = (int(ids._data.min()), int(ids._data.max()))
-        if not ids._storage.shared:
-            ids._storage.id_range = rng
+        # _id_range never reads it once the array has been handed out).
+        rng = ids._storage.id_range = (int(ids._data.min()), int(ids._data.max()))
     lo, hi = rng
     if lo < 0 or hi >= n_rows:
         bad = hi if hi >= n_rows else lo

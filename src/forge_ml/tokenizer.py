@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import TokenizerError
+from .tensor import Tensor
 
 GPT2_VOCAB_SIZE = 50257
 GPT2_EOT = "<|endoftext|>"
@@ -46,7 +47,6 @@ def _id_list(ids, n: int, who: str, bound: str = "", hint: str = "") -> list:
     """``ids`` as a list of ints, each in ``0 <= id < n``: at NumPy's speed for an integer
     array or a list of ints (decoding a million ids spent 0.5 s in the per-id loop), else the
     per-id check of ``_token_ids`` with its message for the first bad one."""
-    from .tensor import Tensor
     if isinstance(ids, Tensor):   # a forge-ml tensor of ids (generate's and the ops' own kind)
         ids = ids.numpy()
     # (a list of exactly ints: True is an int to NumPy, not a token id)

@@ -66,7 +66,7 @@ def _greedy(model, prompt, max_new_tokens, length_penalty, eos) -> tuple[list, l
     log-probability over its length ** ``length_penalty``."""
     from .generate import generate
     events = [e for step in generate(model, [prompt], max_new_tokens=max_new_tokens,
-                                     temperature=0, logprobs=0, stop_tokens=list(eos) or None)
+                                     temperature=0, logprobs=0, stop_tokens=eos)
               for e in step]
     tokens = [e.token for e in events]
     return [tokens], [sum(e.logprob for e in events) / len(tokens) ** length_penalty]

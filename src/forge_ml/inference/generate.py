@@ -421,7 +421,7 @@ def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1
     stop_tokens, stop_strings = _stop_args(stop_tokens, stop_strings)
     _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
                 tokenizer, min_p, repetition_penalty, logprobs, single, stop_tokens=stop_tokens)
-    choice = _Choice(float(temperature), top_k or None, top_p, min_p, float(repetition_penalty),
+    choice = _Choice(float(temperature), top_k, top_p, min_p, float(repetition_penalty),
                      logprobs)
     steps = _steps(model, rows, max_new_tokens, choice, seed, frozenset(stop_tokens),
                    stop_strings, tokenizer)

@@ -267,23 +267,18 @@ def _hf_added_tokens(d: Path) -> tuple:
     return found, kept
 
 
-def _not_gpt2_vocabulary(d: Path):
-    """The tokenizer file of the folder (``vocab.json``, else ``tokenizer.json``) whose ids are
-    not GPT-2's, or None where the first one found holds GPT-2's ids (tokens added after
-    GPT-2's 50257 allowed) or there is none: a GPT-2 model trained with another vocabulary
-    (another language's BPE) read with GPT-2's tokenizer would give wrong text.
+def _not_gpt2_file(d: Path):
+    """``(file, its parsed JSON)`` of the folder's tokenizer file (``vocab.json``, else
+    ``tokenizer.json``) whose ids are not GPT-2's, or None where the first one found holds
+    GPT-2's ids (tokens added after GPT-2's 50257 allowed) or there is none: a GPT-2 model
+    trained with another vocabulary (another language's BPE) read with GPT-2's tokenizer would
+    give wrong text.
 
     >>> import tempfile, json, os
     >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "vocab.json"), "w").write('{"a": 0}')
-    >>> _not_gpt2_vocabulary(Path(d)).name, _not_gpt2_vocabulary(Path(tempfile.mkdtemp()))
+    >>> _not_gpt2_file(Path(d))[0].name, _not_gpt2_file(Path(tempfile.mkdtemp()))
     ('vocab.json', None)
     """
-    own = _not_gpt2_file(d)
-    return None if own is None else own[0]
-
-
-def _not_gpt2_file(d: Path):
-    """``(file, its parsed JSON)`` of ``_not_gpt2_vocabulary(d)``, or None."""
     for name in ("vocab.json", "tokenizer.json"):
         f = d / name
         spec = _tokenizer_file(f)

@@ -65,15 +65,13 @@ class GPT2Config:
                 setattr(self, k, int(val))
         for k in ("vocab_size", "padded_vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             val = getattr(self, k)   # (a type first: vocab_size "11" met `<` below as a TypeError)
-            if not isinstance(val, int) or isinstance(val, bool) or (val <= 0 and k != "padded_vocab_size"):
-                want = "an int >= 0 (0: vocab_size rounded up)" if k == "padded_vocab_size" else "a positive int"
+            padded = k == "padded_vocab_size"   # 0: vocab_size rounded up
+            if not isinstance(val, int) or isinstance(val, bool) or val < (0 if padded else 1):
+                want = "an int >= 0 (0: vocab_size rounded up)" if padded else "a positive int"
                 raise ConfigError(f"GPT2Config: {k} must be {want}, got {val!r}")
         if self.padded_vocab_size == 0:
             v = self.vocab_size
             self.padded_vocab_size = v if v < 1024 else (v + 127) // 128 * 128
-        if self.padded_vocab_size <= 0:
-            raise ConfigError(f"GPT2Config: padded_vocab_size must be an int >= 0 (0: vocab_size "
-                              f"rounded up), got {self.padded_vocab_size!r}")
         if self.padded_vocab_size < self.vocab_size:
             raise ConfigError(f"GPT2Config: padded_vocab_size {self.padded_vocab_size} < "
                               f"vocab_size {self.vocab_size}")

@@ -14,6 +14,7 @@ runs it; ``python -m forge_ml.serve.cli ...`` runs it alone. The server listens 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import ipaddress
 import sys
@@ -106,40 +107,44 @@ def run(args) -> int:
     if args.slots is not None and args.slots < 1:
         raise ConfigError(f"--slots must be >= 1 (requests decoded together), got {args.slots}")
     api_key = args.api_key or flags.get("FORGE_API_KEY") or None
-    socks = _listen_sockets(args.host, args.port)   # before the model loads: a busy port fails fast
-    try:
-        return _serve(args, socks, uvicorn, BatchEngine, create_app, dtype, api_key)
-    finally:
+    with contextlib.ExitStack() as held:   # the sockets close however this ends
+        socks = _listen_sockets(args.host, args.port)   # before the model loads: a busy port fails fast
         for sock in socks:
-            sock.close()
+            held.enter_context(sock)
+        model, tokenizer, _ = _load(args.ckpt, args.device, dtype)
+        if args.max_len is not None and not 1 <= args.max_len <= model.config.block_size:
+            raise ConfigError(f"--max-len must be in 1..{model.config.block_size} (the model's "
+                              f"context), got {args.max_len}")
+        engine = BatchEngine(model, tokenizer, slots=args.slots, max_len=args.max_len)
+        name = args.model_name or model_id(args.ckpt)
+        app = create_app(engine, name, api_key=api_key)
+        if api_key is None and not _loopback(args.host):
+            print(f"forge-ml serve: warning: listening on {args.host or 'every interface'} without an "
+                  "API key; anyone who reaches this port can use the model (set --api-key or "
+                  "FORGE_API_KEY)", file=sys.stderr)
+        port = socks[0].getsockname()[1]   # --port 0: the one the system chose
+        print(f"forge-ml serve: model {name!r} ({model.num_params():,} parameters, {model.device}, "
+              f"{dtype}), {engine.slots} slots, context {engine.max_len}; "
+              f"http://{_address(args.host, port)}/v1", file=sys.stderr, flush=True)
+        try:
+            _Server(uvicorn.Config(app, host=args.host, port=port, log_level="info",
+                                   timeout_graceful_shutdown=args.shutdown_timeout),
+                    engine).run(sockets=socks)
+        except SystemExit as e:   # uvicorn exits on an error of its own; it has said why
+            return e.code if isinstance(e.code, int) else 1
+        finally:
+            engine.close()
+        return 0
 
 
-def _serve(args, socks, uvicorn, BatchEngine, create_app, dtype, api_key) -> int:
-    model, tokenizer, _ = _load(args.ckpt, args.device, dtype)
-    if args.max_len is not None and not 1 <= args.max_len <= model.config.block_size:
-        raise ConfigError(f"--max-len must be in 1..{model.config.block_size} (the model's "
-                          f"context), got {args.max_len}")
-    engine = BatchEngine(model, tokenizer, slots=args.slots, max_len=args.max_len)
-    name = args.model_name or model_id(args.ckpt)
-    app = create_app(engine, name, api_key=api_key)
-    if api_key is None and not _loopback(args.host):
-        print(f"forge-ml serve: warning: listening on {args.host or 'every interface'} without an "
-              "API key; anyone who reaches this port can use the model (set --api-key or "
-              "FORGE_API_KEY)", file=sys.stderr)
-    port = socks[0].getsockname()[1]   # --port 0: the one the system chose
-    host = f"[{args.host}]" if ":" in args.host else (args.host or "0.0.0.0")
-    print(f"forge-ml serve: model {name!r} ({model.num_params():,} parameters, {model.device}, "
-          f"{dtype}), {engine.slots} slots, context {engine.max_len}; "
-          f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
-    try:
-        _Server(uvicorn.Config(app, host=args.host, port=port, log_level="info",
-                               timeout_graceful_shutdown=args.shutdown_timeout),
-                engine).run(sockets=socks)
-    except SystemExit as e:   # uvicorn exits on an error of its own; it has said why
-        return e.code if isinstance(e.code, int) else 1
-    finally:
-        engine.close()
-    return 0
+def _address(host: str, port: int) -> str:
+    """``host:port`` as a URL and an error name it: an IPv6 address in brackets, "" (every
+    interface) as 0.0.0.0.
+
+    >>> _address("::1", 8000), _address("", 80)
+    ('[::1]:8000', '0.0.0.0:80')
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host or '0.0.0.0'}:{port}"
 
 
 def _listen_sockets(host: str, port: int) -> list:
@@ -155,7 +160,7 @@ def _listen_sockets(host: str, port: int) -> list:
     """
     import socket
 
-    where = f"[{host}]:{port}" if ":" in host else f"{host or '0.0.0.0'}:{port}"
+    where = _address(host, port)
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
