@@ -138,10 +138,10 @@ def test_a_signal_whose_checkpoint_cannot_be_saved_is_still_its_stop(workdir, mo
 
     say = Trainer._say
 
-    def say_and_stop(self, msg, verbatim=False):   # SIGTERM during step 3's line
+    def say_and_stop(self, msg, **kw):   # SIGTERM during step 3's line
         if msg.split()[:2] == ["step", "3/50"]:
             os.kill(os.getpid(), signal.SIGTERM)
-        return say(self, msg, verbatim)
+        return say(self, msg, **kw)
 
     monkeypatch.setattr(train_mod, "save_checkpoint", full_disk_after_one)
     monkeypatch.setattr(Trainer, "_say", say_and_stop)

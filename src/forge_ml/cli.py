@@ -574,11 +574,6 @@ def _read_json_config(path) -> dict:
     return d
 
 
-def _prompt_ids(tok, prompt: str) -> list:
-    """Token ids of ``prompt``; an empty prompt starts from a newline (char), end-of-text (gpt2)
-    or the model's bos token (hf, as transformers' generate starts)."""
-    return tok.encode(prompt) if prompt else tok.empty_prompt()
-
 
 class _Detok:
     """Turns a stream of ids into text pieces, the text ``decode`` gives after the prompt's
@@ -663,12 +658,13 @@ def _cmd_sample(args) -> int:
     from .errors import ShapeError
     from .inference import load_model
     from .inference.load import check_tokenizer_fits
+    from .tokenizer import prompt_ids
 
     _check_sample_args(args)
     dtype = "bfloat16" if args.dtype in ("bf16", "bfloat16") else "float32"
     model, tok, _ = load_model(args.ckpt, device=args.device, dtype=dtype)
     check_tokenizer_fits(model, tok, args.ckpt)
-    ids = _prompt_ids(tok, args.prompt)
+    ids = prompt_ids(tok, args.prompt)
     block = model.config.block_size
     what = "--num-beams" if args.num_beams is not None else "--logprobs"   # (with no sliding window)
     if len(ids) > block:
@@ -934,8 +930,7 @@ def _cmd_convert(args) -> int:
     from .errors import CheckpointError
     from .hf import (HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, is_hf_export, load_hf_dropout,
                      load_hf_gpt2, save_hf_gpt2)
-    from .inference.load import _hf_tokenizer, load_model, resolve_checkpoint
-    from .tokenizer import tokenizer_from_dict
+    from .inference.load import _hf_tokenizer_built, load_model, resolve_checkpoint
 
     # Every check before any work: the output folder is new, empty, or (with --force) an
     # earlier conversion of the same kind, and never the folder read from.
@@ -953,8 +948,7 @@ def _cmd_convert(args) -> int:
         check_output_dir(args.out, reads=[src], is_own=lambda d: is_checkpoint_dir(d, kind="forge-ml-model"),
                          force=args.force, what="forge-ml checkpoint")
         config, params = load_hf_gpt2(src)
-        tok_dict, tok = _hf_tokenizer(src)   # (the one built to check the dict, where it was)
-        tok = tokenizer_from_dict(tok_dict) if tok is None else tok
+        tok_dict, tok = _hf_tokenizer_built(src)
         if tok.vocab_size > config["vocab_size"]:   # as sample, serve and train refuse it (later)
             raise ConfigError(f"--from-hf {src}: the model has {config['vocab_size']} "
                               f"{plural(config['vocab_size'], 'token')} but its tokenizer "

@@ -273,7 +273,7 @@ def _wide_unicode(raw: bytes) -> Optional[tuple]:
         return "UTF-16", "utf-16", "it starts with a UTF-16 byte-order mark"
     for width, name, pattern in ((4, "UTF-32", "three NULs beside each ASCII character"),
                                  (2, "UTF-16", "a NUL every other byte")):
-        order = _nul_padded(raw[:4000], width)
+        order = _nul_padded(raw, width)
         if order:
             return name, f"{name.lower()}{order}", pattern
     return None
@@ -359,15 +359,15 @@ def _refuse_binary(path, head: bytes) -> None:
     left to the token-id message (nanoGPT's ids can begin like a pickle), and a magic of two
     or three letters ("MZ", "BZh") counts only with a NUL byte in ``head`` (a Latin-1 text
     may begin so)."""
-    if Path(path).suffix == ".bin":
+    p = Path(path)
+    if p.suffix == ".bin":
         return
     binary = _binary_kind(head[:16])
     if binary is None or (binary[2] and 0 not in head):
         return
-    p = Path(path)   # the text beside it: the name less a compressed suffix, else .txt added
-    out = p.with_suffix("") if p.suffix in (".gz", ".bz2", ".xz", ".zst", ".tgz") else p.with_name(p.name + ".txt")
-    if p.suffix == ".pdf":
-        out = p.with_suffix(".txt")
+    # the text beside it: a compressed suffix dropped, a PDF's made .txt, else .txt added
+    out = (p.with_suffix("") if p.suffix in (".gz", ".bz2", ".xz", ".zst", ".tgz")
+           else p.with_suffix(".txt") if p.suffix == ".pdf" else p.with_name(p.name + ".txt"))
     advice = binary[1].format(path=shlex.quote(str(p)), out=shlex.quote(str(out)))
     raise DataError(f"{path} is {binary[0]}, not text; {advice}")
 

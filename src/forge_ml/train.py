@@ -90,7 +90,7 @@ from .runs import (ENDING_SIGNALS, LOCK_NAME, RunError, RunLock, cannot_write,  
                    remove_trash, replace_file, stray_temps, take_signals, trash_folders)
 from .step import TrainStep
 from .tensor import device_has, device_numerics, release_cached, synchronize, tensor
-from .tokenizer import load_tokenizer, tokenizer_from_dict
+from .tokenizer import load_tokenizer, prompt_ids, tokenizer_from_dict
 
 DATA_NAME = "data"          # <out_dir>/data: shards prepared from a text file
 DATA_FILES = ("train.bin", "val.bin", "tokenizer.json")
@@ -1297,10 +1297,11 @@ class Trainer:
         del acc, grads
 
     # -- output helpers ---------------------------------------------------------------------
-    def _say(self, msg: str, verbatim: bool = False) -> None:
+    def _say(self, msg: str, verbatim: bool = False, library_only: bool = False) -> None:
         """A line to the log function; the trainer's own words (not ``verbatim``: a sample is
-        the model's text) in the library's names where no command line runs."""
-        if self._log is None:
+        the model's text) in the library's names where no command line runs. ``library_only``:
+        a line that forge-ml train says in its own words (a signal's stop), left out there."""
+        if self._log is None or (library_only and CLI_WORDS.get()):
             return
         if not verbatim and not CLI_WORDS.get():
             msg = library_words(msg)
@@ -1605,7 +1606,7 @@ class Trainer:
         n_tokens = self.cfg.sample_tokens if n_tokens is None else _count("sample", "n_tokens", n_tokens)
         prompt = self.cfg.sample_prompt if prompt is None else prompt
         tok = self.tokenizer
-        ids = tok.encode(prompt) if prompt else tok.empty_prompt()
+        ids = prompt_ids(tok, prompt)
         # from the float32 masters, as a float32 run computes
         masters = GPT2(self.model.config, self.opt.params)
         out = list(stream_tokens(masters, ids, n_tokens, temperature=self.cfg.sample_temperature,
@@ -1743,13 +1744,11 @@ class Trainer:
             try:
                 self.save()
             except ForgeError as e:   # a full disk: still the signal's stop, its exit status
-                if not CLI_WORDS.get():
-                    self._say(f"{name}: stopped at step {self.step}; its checkpoint could not be "
-                              f"saved: {e}")
+                self._say(f"{name}: stopped at step {self.step}; its checkpoint could not be "
+                          f"saved: {e}", library_only=True)
                 raise Interrupted(self._stop, self.step, False, reason=str(e)) from None
-        if not CLI_WORDS.get():   # forge-ml train says it in one line of its own, with the command
-            self._say(f"{name}: stopped at step {self.step}; checkpoint of step {self.step} saved in "
-                      f"{self.ckpt_dir} (resume with --resume)")
+        self._say(f"{name}: stopped at step {self.step}; checkpoint of step {self.step} saved in "
+                  f"{self.ckpt_dir} (resume with --resume)", library_only=True)
         raise Interrupted(self._stop, self.step, True)
 
     # -- the loop -------------------------------------------------------------------------------

@@ -100,12 +100,12 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
     meta = {"config": cfg.to_dict(), "hf_dropout": load_hf_dropout(p)}
     model = GPT2.from_state_dict(dataclasses.replace(cfg, dropout=0.0), params, device=device, dtype=dtype)
     try:
-        tok, built = _hf_tokenizer(p)
+        tok, built = _hf_tokenizer_built(p)
     except CheckpointError:
         if tokenizer:
             raise
         return model, None, dict(meta, tokenizer=None)
-    return model, (built if built is not None else tokenizer_from_dict(tok)), dict(meta, tokenizer=tok)
+    return model, built, dict(meta, tokenizer=tok)
 
 
 def check_tokenizer_fits(model, tok, where) -> None:
@@ -174,6 +174,13 @@ def _hf_tokenizer(hf_dir) -> tuple:
     except TokenizerError as e:
         raise CheckpointError(f"{hf_dir}: its tokenizer cannot be read: {e}") from None
     return d, tok
+
+
+def _hf_tokenizer_built(hf_dir) -> tuple:
+    """``_hf_tokenizer(hf_dir)`` with the tokenizer always built (a folder's own "hf" one
+    too): what a model's user needs (load_model, convert)."""
+    d, tok = _hf_tokenizer(hf_dir)
+    return d, (tokenizer_from_dict(d) if tok is None else tok)
 
 
 def _tokenizer_file(f: Path):
