@@ -128,18 +128,15 @@ _TRACE_PHASES = {   # decode_layers.cu's dl_mark(i): the phase that ends at mark
 }
 
 
-def trace_module(cp):
-    """decode_layers.cu compiled with DL_TRACE, put in the backend's module cache in place of
-    the package's build (before any of its kernels is asked for)."""
+def trace_module():
+    """decode_layers.cu compiled with -DDL_TRACE, put in the backend's module cache in place
+    of the package's build; called before any of its kernels is asked for (main's first
+    step), so no function or shared-memory opt-in of the package's build is cached yet."""
     from forge_ml.backends.cuda import runtime
-    dev = runtime._dev()
-    src = "#define DL_TRACE 1\n" + runtime.kernel_source("decode_layers")
-    mod = runtime.compile_source(src, "backends/cuda/decode_layers.cu (DL_TRACE)",
-                                 runtime._compile_options())
-    runtime._modules[(dev, "decode_layers")] = mod
-    for cache in (runtime._functions, runtime._shared_room):   # nothing of the package's build
-        for k in [k for k in cache if k[:2] == (dev, "decode_layers")]:
-            del cache[k]
+    mod = runtime.compile_source(runtime.kernel_source("decode_layers"),
+                                 "backends/cuda/decode_layers.cu (DL_TRACE)",
+                                 runtime._compile_options() + ("-DDL_TRACE",))
+    runtime._modules[(runtime._dev(), "decode_layers")] = mod
     return mod
 
 
@@ -185,11 +182,11 @@ def trace_phases(marks, blocks, L):
 def layers_trace(cp, mod, step, L, reps):
     """Print the layers step's phases from its marks (see the module's docstring)."""
     from forge_ml.backends.cuda import decoder
-    nb, runs, nmarks = 512, 64, 16
+    nb, runs, nmarks = 512, 64, 16   # decode_layers.cu: DL_TRACE_BLOCKS, _RUNS, _MARKS
     count = cp.ndarray((3 * nb,), cp.uint32, mod.get_global("dl_trace_count"))
     buf = cp.ndarray((3, nb, runs, nmarks), cp.uint64, mod.get_global("dl_trace_buf"))
     plan = list(decoder._layer_plans.values())[-1]
-    blocks = (8 * plan.partA.shape[0], plan.grid_mlp, plan.grid_head)
+    blocks = (decoder._DL_P * plan.partA.shape[0], plan.grid_mlp, plan.grid_head)
     acc, step_ns = None, 0.0
     for _ in range(reps):
         count.fill(0)
@@ -246,7 +243,7 @@ def main(argv=None):
     from forge_ml.models import GPT2, GPT2Config
     from forge_ml.inference.decode import DecodeStep
 
-    traced = trace_module(cp) if a.trace else None
+    traced = trace_module() if a.trace else None
     cfg = GPT2Config()
     dt = "bfloat16" if a.dtype == "bf16" else "float32"
     model = GPT2.init(cfg, seed=0, device="cuda", dtype=dt)

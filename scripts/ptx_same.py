@@ -53,11 +53,11 @@ def differences(a: list, b: list, most: int = 10) -> list:
             fwd, bwd, start = {}, {}, {}
         if LABEL.sub("L", REG.sub("R", x)) != LABEL.sub("L", REG.sub("R", y)):
             bad.append(f"{x} | {y}")
-        elif x == y and CONST.match(x):   # a constant's register: its name is settled by its uses
-            start.setdefault(CONST.match(x).group(1), CONST.match(x).group(2))
+        elif x == y and (m := CONST.match(x)):   # a constant's register: settled by its uses
+            start.setdefault(m.group(1), m.group(2))
             continue
-        elif x == y and COPY.match(x) and COPY.match(x).group(2) in start:
-            start.setdefault(COPY.match(x).group(1), start[COPY.match(x).group(2)])
+        elif x == y and (m := COPY.match(x)) and m.group(2) in start:
+            start.setdefault(m.group(1), start[m.group(2)])
             continue
         else:
             for rx, ry in zip(REG.findall(x), REG.findall(y)):

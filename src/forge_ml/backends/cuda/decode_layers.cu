@@ -39,6 +39,7 @@
 #define DL_HEAD_WARPS 16
 #define DL_HEAD_ROWS 8  // LM head rows a warp has in flight
 #define DL_KU 4         // keys a lane group of the attention has in flight
+#define DL_MR (4 + DL_HS)   // a block's (m, l, 2 unused, 64 outputs) in layer_attn's mr
 #define DL_CMAX 1600
 
 FORGE_D int dl_cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -160,6 +161,16 @@ FORGE_D float dl_gather_rows(float* xs, const float* base, const T* bias, const 
     return part;
 }
 
+// vs[0 .. 3 C) = a, b, c (C each, 16-byte aligned) by cp.async, NT threads (the caller commits)
+template <typename T, int NT>
+FORGE_D void dl_stage3(T* vs, const T* a, const T* b, const T* c, int C) {
+    constexpr int PER = 16 / (int)sizeof(T);
+    for (int i = threadIdx.x; i < 3 * (C / PER); i += NT) {
+        const int v = i / (C / PER), sg = i % (C / PER);
+        cp_async16(smem_u32(vs + v * C + sg * PER), (v == 0 ? a : v == 1 ? b : c) + sg * PER, true);
+    }
+}
+
 // dl_gather_rows into xs, then each thread's x[i] = xs[tid + i * DL_THREADS] (0 past C);
 // returns the C values' sum over the block, whose barrier publishes xs (sh: DL_WARPS floats,
 // once a kernel)
@@ -191,7 +202,7 @@ FORGE_D float dl_gather(float (&x)[DL_XPT], float* xs, const float* base, const 
 //   gm, gl float[32]    the warps' m and l
 //   scr float[SCR]      scratch: x (xf, until LN1), the row groups' qkv sums, the warps'
 //                       outputs, the proj sums
-//   mr  float[8][68]    block q's m, l and 64 unnormalised outputs at slot q, stored there by
+//   mr  float[8][DL_MR] block q's m, l and 64 unnormalised outputs at slot q, stored there by
 //                       block q: wq's room (every block is done with wq once the cluster has
 //                       met after the qkv rows, and only then does any block store here)
 //   sh  float[32]
@@ -460,7 +471,7 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
                 o += scr[w * DL_HS + tid] * wf[w];
                 l += gl[w] * wf[w];
             }
-            float* to = mr + p * 68;   // this block's slot in every block of the cluster
+            float* to = mr + p * DL_MR;   // this block's slot in every block of the cluster
 #pragma unroll
             for (int q = 0; q < DL_P; ++q) st_cluster(to + 4 + tid, (unsigned)q, o);
             if (tid == 0) {
@@ -481,9 +492,9 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
         float mp[DL_P], lp[DL_P], yp[DL_P];
 #pragma unroll
         for (int r = 0; r < DL_P; ++r) {
-            mp[r] = mr[r * 68];
-            lp[r] = mr[r * 68 + 1];
-            yp[r] = mr[r * 68 + 4 + tid];
+            mp[r] = mr[r * DL_MR];
+            lp[r] = mr[r * DL_MR + 1];
+            yp[r] = mr[r * DL_MR + 4 + tid];
         }
         float M = neg_inf<float>();
 #pragma unroll
@@ -585,11 +596,7 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
                         // blocks (a block's shared memory is there to store into once it runs)
     // 1. the block's weights, before the previous kernel ends: the vectors (read first after
     //    the wait) a group of their own, then the matrices (waited for after LN2)
-    for (int i = tid; i < 3 * (C / PER); i += DL_THREADS) {
-        const int v = i / (C / PER), sg = i % (C / PER);
-        cp_async16(smem_u32(vs + v * C + sg * PER), (v == 0 ? bproj : v == 1 ? g2 : b2) + sg * PER,
-                   true);
-    }
+    dl_stage3<T, DL_THREADS>(vs, bproj, g2, b2, C);
     if (tid < NH / PER) cp_async16(smem_u32(bfs + tid * PER), bfc + c0 + tid * PER, true);
     cp_async_commit();
     for (int i = tid; i < C * (NH / PER); i += DL_THREADS) {
@@ -711,7 +718,6 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
                                  int Vp, int V, float eps, int greedy, int* ids, int* posp,
                                  int* hist, float* argp, unsigned* counter) {
     constexpr int NT = DL_HEAD_WARPS * 32;
-    constexpr int PER = 16 / (int)sizeof(T);
     __shared__ float xs[DL_CMAX];
     __shared__ __align__(16) T vs[3 * DL_CMAX];   // the MLP's projection bias, LN_f's weight, bias
     __shared__ float sh[32], sv[32];
@@ -719,11 +725,7 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
     __shared__ int last;
     const int tid = threadIdx.x;
     dl_mark(0);
-    for (int i = tid; i < 3 * (C / PER); i += NT) {   // weights: before the wait
-        const int v = i / (C / PER), sg = i % (C / PER);
-        cp_async16(smem_u32(vs + v * C + sg * PER), (v == 0 ? bias : v == 1 ? gf : bf) + sg * PER,
-                   true);
-    }
+    dl_stage3<T, NT>(vs, bias, gf, bf, C);   // weights: before the wait
     cp_async_commit();
     dl_mark(1);
     pdl_wait();

@@ -172,7 +172,7 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
 # ---- FORGE_FUSED_DECODE=layers: decode_layers.cu ----------------------------------------------
 
 _DL_THREADS, _DL_P, _DL_HEAD_THREADS = 256, 8, 512
-_DL_HEAD_ROWS = 16 * 8   # decode_layers.cu: DL_HEAD_WARPS x DL_HEAD_ROWS, a block's rows a round
+_DL_HEAD_BLOCK_ROWS = (_DL_HEAD_THREADS // 32) * 8   # decode_layers.cu: DL_HEAD_WARPS x DL_HEAD_ROWS
 
 
 def _head_grid(Vp: int, sms: int) -> int:
@@ -184,8 +184,8 @@ def _head_grid(Vp: int, sms: int) -> int:
     >>> _head_grid(50304, 132), _head_grid(1024, 132)
     (197, 8)
     """
-    rounds = -(-Vp // (2 * sms * _DL_HEAD_ROWS))
-    return -(-Vp // (rounds * _DL_HEAD_ROWS))
+    rounds = -(-Vp // (2 * sms * _DL_HEAD_BLOCK_ROWS))
+    return -(-Vp // (rounds * _DL_HEAD_BLOCK_ROWS))
 
 
 def _attn_shared(dt, C: int) -> int:

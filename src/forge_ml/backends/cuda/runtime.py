@@ -341,12 +341,14 @@ def _set_max_shared(stem: str, name: str, nbytes: int) -> bool:
 
 def _takes(stem: str, name: str, nbytes: int) -> bool:
     """Whether kernel ``name`` of <stem>.cu compiles here and may be launched with ``nbytes``
-    of dynamic shared memory (``_set_max_shared``); a file that does not compile is a no, at
-    once after the first try (``_function`` keeps the failure). For a fast path's own kernel,
-    where a slower path that works elsewhere must run instead of failing."""
+    of dynamic shared memory (``_set_max_shared``); a file that does not compile is a no, and
+    after the first try a dict lookup (its room is kept as none: no error raised and caught on
+    every step). For a fast path's own kernel, where a slower path that works elsewhere must
+    run instead of failing."""
     try:
         return _set_max_shared(stem, name, nbytes)
     except CompileError:
+        _shared_room[(_dev(), stem, name)] = [-1, 0]   # fits nothing (_function keeps the error)
         return False
 
 
