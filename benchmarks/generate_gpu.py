@@ -1,7 +1,9 @@
-"""Batch-1 greedy generation of GPT-2 124M on one GPU: forge-ml against Hugging Face
-transformers' ``generate`` on the same random weights, in the same run.
+"""Batch-1 greedy generation of GPT-2 (124M unless --model says another size) on one GPU:
+forge-ml against Hugging Face transformers' ``generate`` on the same random weights, in the
+same run.
 
-    python benchmarks/generate_gpu.py [--new-tokens 1008] [--prompt-len 16] [--dtype float32|bf16]
+    python benchmarks/generate_gpu.py [--model gpt2|gpt2-medium|gpt2-large|gpt2-xl]
+                                      [--new-tokens 1008] [--prompt-len 16] [--dtype float32|bf16]
                                       [--paths forge,perop,fused,layers,nograph,hf]
                                       [--sampling [--batch 64]
                                       [--modes greedy,top-k,top-p,min-p,penalty]]
@@ -36,6 +38,9 @@ PEAK_BW = 4.8e12   # H200 HBM3e bytes/s
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="gpt2",
+                    choices=["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"],
+                    help="the GPT-2 size (random weights of its shapes)")
     ap.add_argument("--new-tokens", type=int, default=1008)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
@@ -63,8 +68,9 @@ def main(argv=None):
     from forge_ml import flags, hf
     from forge_ml.inference import generate
     from forge_ml.models import GPT2, GPT2Config
+    from forge_ml.models.gpt2 import PRESETS
 
-    cfg = GPT2Config()
+    cfg = GPT2Config(**PRESETS[a.model])
     cpu_model = GPT2.init(cfg, seed=0)
     model = cpu_model.to("cuda", dtype="bfloat16" if a.dtype == "bf16" else None)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, a.prompt_len)]
@@ -105,7 +111,7 @@ def main(argv=None):
     tf = min(run_forge()[0] for _ in range(a.repeats))
     _, fo = run_forge()
     n = a.new_tokens
-    print(f"GPT-2 124M batch-1 greedy generation, {a.dtype}, prompt {a.prompt_len}, {n} new tokens")
+    print(f"{a.model} batch-1 greedy generation, {a.dtype}, prompt {a.prompt_len}, {n} new tokens")
     print(f"forge-ml:      {n / tf:9.1f} tok/s  (the default path: FORGE_FUSED_DECODE="
           f"{flags.get('FORGE_FUSED_DECODE')}, in a CUDA graph)")
     def other(path, fused, what):   # another forge-ml path against the default's tokens
