@@ -65,6 +65,13 @@ if want tests; then
       --deselect tests/test_cuda_wgmma_probe.py --deselect tests/test_cuda_flash_hopper.py \
       -p no:cacheprovider -n "${TEST_WORKERS:-4}" --durations=8 --junitxml="$LOG/tests.xml" 2>&1 | tee "$LOG/tests.log"
   test_rc=${PIPESTATUS[0]}
+  # the GPU twins of CPU tests (marked cuda) in the other test files: generation, beam search,
+  # the batch engine on the device (test_serve.py needs the openai client: the serve section)
+  timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest tests -m cuda --ignore-glob='tests/test_cuda*' \
+      --ignore=tests/backends --ignore=tests/cuda_probes --ignore=tests/test_serve.py -rfEs -p no:cacheprovider \
+      -n "${TEST_WORKERS:-4}" 2>&1 | tee "$LOG/tests_twins.log"
+  twins_rc=${PIPESTATUS[0]}
+  [ "$test_rc" = 0 ] && test_rc=$twins_rc
 fi
 if want ops; then
   echo "== op benchmarks (benchmarks/ops_cuda.py, attention_cuda.py, epilogues_cuda.py)"
@@ -190,7 +197,8 @@ echo "================ gpu_check summary ================"
 echo "gpu:        $(sed -n 2p "$LOG/gpu.txt")"
 if want tests; then
   echo "tests:      exit $test_rc ($( [ "$test_rc" = 0 ] && echo PASS || { [ "$test_rc" = 124 ] && echo TIMEOUT || echo FAIL; } )): $(grep -E '(passed|failed|error|skipped)' "$LOG/tests.log" | tail -n 1)"
-  grep -E '^(FAILED|ERROR) ' "$LOG/tests.log" | head -n 40
+  [ -f "$LOG/tests_twins.log" ] && echo "  their GPU twins in the other files: $(grep -E '(passed|failed|error|skipped)' "$LOG/tests_twins.log" | tail -n 1)"
+  grep -hE '^(FAILED|ERROR) ' "$LOG/tests.log" "$LOG/tests_twins.log" 2>/dev/null | head -n 40
 fi
 want ops && echo "op benchmarks: exit $bench_rc: $(grep -E '^geometric mean' "$LOG/bench_ops.log" | tail -n 1)"
 want train && { echo "training:"; grep -E '^(forge|torch)' "$LOG/bench_train.log"; }
