@@ -432,3 +432,19 @@ def test_engine_sizes_may_be_numpy_integers_but_not_bools(model):
         engine.close()
     with pytest.raises(ConfigError, match="slots must be an int >= 1, got True"):
         BatchEngine(model, slots=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_an_engine_refuses_a_model_whose_weights_hold_nan(device):
+    """A model with NaN weights was served: every request got id 0 at every step. The engine
+    now takes one step at its start and refuses the model, naming the weight."""
+    from forge_ml.errors import ModelError
+    from test_generate import _cuda_or_cpu
+    _cuda_or_cpu(device)
+    m = make_model()
+    m.params["h.0.ln_2.bias"].data[5] = np.nan
+    with pytest.raises(ModelError, match=r"BatchEngine \(a first step on token 0\): the model's "
+                                         r"logits .* its parameter h.0.ln_2.bias holds 1 NaN of 16"):
+        BatchEngine(m.to(device), slots=2)
+    with BatchEngine(make_model().to(device), slots=2) as engine:     # a healthy one serves
+        assert len(list(engine.submit([1, 2], SamplingParams(max_tokens=3)))) == 3

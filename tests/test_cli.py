@@ -640,3 +640,23 @@ def test_an_interrupt_before_the_command_runs_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert main(["train"]) == 130
     assert capsys.readouterr().err == "forge-ml: interrupted\n"
+
+
+def test_sample_from_weights_with_nan_says_which_not_id_0(workdir, capsys):
+    # a checkpoint whose weights hold NaN printed the prompt followed by id 0's text, once per
+    # new token, greedy or sampled (a library user's report): now one line naming the weight
+    from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
+    cfg = {"vocab_size": 50257, "block_size": 16, "n_layer": 1, "n_head": 1, "n_embd": 8}
+    rng = np.random.default_rng(0)
+    w = {k: (0.02 * rng.standard_normal(s)).astype(np.float32)
+         for k, s in gpt2_param_shapes(cfg).items()}
+    w["h.0.mlp.c_proj.weight"][1, 2] = np.nan
+    save_hf_gpt2("nan", cfg, w)
+    for argv in ([], ["--temperature", "0"], ["--num-beams", "2"], ["--logprobs", "2"],
+                 ["--num-samples", "2"]):
+        assert main(["sample", "--ckpt", "nan", "--prompt", "Hi", "--max-new-tokens", "3", *argv]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""                    # the error comes before the prompt is printed
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert "the model's logits for the prompt hold NaN or inf" in err
+        assert "h.0.mlp.c_proj.weight holds 1 NaN of 256 values" in err

@@ -578,3 +578,44 @@ def test_the_exported_sampling_helpers_check_their_arguments(call, match):
     import forge_ml.inference as g   # the package exports them
     with pytest.raises(ConfigError, match=match):
         call(g)
+
+
+def _cuda_or_cpu(device):
+    if device == "cuda":
+        from _gpu_checks import cuda_or_skip
+        cuda_or_skip()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_weights_with_nan_or_inf_are_named_not_generated_from(device):
+    """A model whose weights hold NaN gave id 0 at every step, greedy or sampled (the argmax of
+    NaN logits), on both backends, where transformers' sampling raises (a library user's
+    report): now generate and beam_search refuse it at the prompt, naming the parameter."""
+    from forge_ml.errors import ModelError
+    from forge_ml.inference import beam_search
+    _cuda_or_cpu(device)
+    for name, value, what in (("h.1.attn.c_proj.weight", np.nan, "holds 3 NaN of 256 values"),
+                              ("ln_f.bias", np.inf, "holds 3 inf of 16 values")):
+        m = make_model()
+        m.params[name].data[:3] = value           # (a row of a matrix: 3 x 16 values)
+        if m.params[name].data.ndim == 2:
+            m.params[name].data[:, :] = 0.0
+            m.params[name].data[0, :3] = value
+        m = m.to(device)
+        needle = f"the model's logits for the prompt hold NaN or inf, so no token can be chosen: " \
+                 f"its parameter {name} {what}"
+        for kw in (dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(logprobs=2)):
+            prompts = [[1, 2, 3], [4, 5]] if "logprobs" in kw else [1, 2, 3]
+            with pytest.raises(ModelError, match=re.escape("generate: " + needle)):
+                list(generate(m, prompts, max_new_tokens=4, **kw))
+        with pytest.raises(ModelError, match=re.escape("beam_search: " + needle)):
+            beam_search(m, [1, 2, 3], max_new_tokens=4, num_beams=2)
+        with pytest.raises(ModelError, match=re.escape("generate: " + needle)):
+            beam_search(m, [1, 2, 3], max_new_tokens=4, num_beams=1)
+    # finite weights whose logits overflow: said as such, not blamed on a parameter
+    m = make_model()
+    m.params["ln_f.weight"].data[:] = 3e38
+    with pytest.raises(ModelError, match="every parameter is finite, so an activation overflowed"):
+        list(generate(m.to(device), [1, 2, 3], max_new_tokens=2, temperature=0))
+    # and a healthy model still generates on the device the check reads from
+    assert len(list(generate(make_model().to(device), [1, 2, 3], max_new_tokens=4))) == 4

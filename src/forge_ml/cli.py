@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import errno
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -27,6 +28,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 from . import blas as _blas
 from . import flags
@@ -693,18 +695,25 @@ def _cmd_sample(args) -> int:
     if args.num_beams is not None:
         return _sample_beams(args, model, tok, ids, stop, out)
     for i in range(args.num_samples):
-        if args.num_samples > 1:
-            out.write(f"--- sample {i + 1} of {args.num_samples} (seed {args.seed + i}) ---\n")
-        _sample_one(args, model, tok, ids, stop, out, args.seed + i)
+        head = (f"--- sample {i + 1} of {args.num_samples} (seed {args.seed + i}) ---\n"
+                if args.num_samples > 1 else "")
+        _sample_one(args, model, tok, ids, stop, out, args.seed + i, head)
     return 0
 
 
-def _sample_one(args, model, tok, ids, stop, out, seed: int) -> None:
-    """One sample of ``sample``: the prompt, the tokens as they come (and the log-probabilities)."""
+def _started(tokens) -> Iterator:
+    """The iterator ``tokens`` with its first item already drawn: the prompt's forward pass
+    runs (and a model that cannot generate, e.g. one with NaN weights, fails) before anything
+    is printed."""
+    tokens = iter(tokens)
+    return itertools.chain(list(itertools.islice(tokens, 1)), tokens)
+
+
+def _sample_one(args, model, tok, ids, stop, out, seed: int, head: str) -> None:
+    """One sample of ``sample``: ``head``, the prompt, the tokens as they come (and the
+    log-probabilities)."""
     from .inference import stream_tokens
     block = model.config.block_size
-    out.write(args.prompt)
-    out.flush()
     detok = _Detok(tok, ids)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
               min_p=args.min_p, repetition_penalty=args.repetition_penalty)
@@ -712,7 +721,10 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int) -> None:
         from .inference import generate
         n_new = min(args.max_new_tokens, block - len(ids))
         events = []
-        for step in generate(model, [ids], n_new, stop_tokens=stop, logprobs=args.logprobs, **kw):
+        steps = _started(generate(model, [ids], n_new, stop_tokens=stop, logprobs=args.logprobs, **kw))
+        out.write(head + args.prompt)
+        out.flush()
+        for step in steps:
             for e in step:
                 events.append(e)
                 if e.token not in stop:
@@ -727,7 +739,10 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int) -> None:
             out.write(f"{text(e.token)!r:>16} {e.logprob:9.3f}" + (f"   {alts}" if alts else "") + "\n")
         out.flush()
         return
-    for t in stream_tokens(model, ids, args.max_new_tokens, stop_tokens=stop, **kw):
+    tokens = _started(stream_tokens(model, ids, args.max_new_tokens, stop_tokens=stop, **kw))
+    out.write(head + args.prompt)
+    out.flush()
+    for t in tokens:
         if t in stop:
             break
         out.write(detok(t))

@@ -147,6 +147,15 @@ class TapeError(ForgeError, RuntimeError):
     """
 
 
+class ModelError(ForgeError, ValueError):
+    """A model cannot run as it is: e.g. its weights hold NaN or inf, so its logits do and no
+    token can be chosen from them. The message names the first such parameter.
+
+    >>> issubclass(ModelError, ValueError)
+    True
+    """
+
+
 class TrainingError(ForgeError, RuntimeError):
     """Training cannot go on, e.g. the loss became NaN or inf.
 

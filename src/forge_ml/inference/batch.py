@@ -39,6 +39,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..tensor import device_has
+from .decode import check_finite_logits
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
                      _is_int, check_prompt)
 
@@ -314,6 +315,10 @@ class BatchEngine:
             self.vocab_size = n_tok     # the model's ids past the tokenizer's are no tokens
         make = row_step if row_step is not None else _row_step_fallback
         self._step, self._cache = make(model, batch=slots, max_len=max_len)
+        # one step on token 0 (every slot idle: each is rewritten when a request takes it):
+        # a model whose logits are NaN or inf is refused here, not served as id 0 at every step
+        check_finite_logits(model, self._step(np.zeros(slots, np.int64), np.zeros(slots, np.int32))[:1],
+                            "BatchEngine (a first step on token 0)")
         self._cond = threading.Condition()
         self._pending: collections.deque = collections.deque()
         self._active: list = [None] * slots

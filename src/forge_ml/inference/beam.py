@@ -56,7 +56,7 @@ import numpy as np
 from .. import ops
 from ..errors import ConfigError, ShapeError
 from ..tensor import Tensor, tensor
-from .decode import DecodeStep, KVCache
+from .decode import DecodeStep, KVCache, check_finite_logits
 
 
 def _greedy(model, prompt, max_new_tokens, length_penalty, eos) -> tuple[list, list]:
@@ -182,6 +182,7 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
     cache = model.new_cache(B, L + max_new_tokens - 1)
     logits = model.forward_cached(tensor([prompt] * B, device=model.device), cache,
                                   last_only=True).numpy()[:, -1, :V]        # (B, V)
+    check_finite_logits(model, logits, "beam_search")
     step = DecodeStep(model, cache)
     memory = [t.memory() for t in cache.k + cache.v]
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import flags, graph, ops
 from ..sampling import SAMPLE_KNOBS
-from ..errors import ConfigError, DTypeError, ShapeError
+from ..errors import ConfigError, DTypeError, ModelError, ShapeError
 from ..tensor import Tensor, host_buffer, tensor, zeros
 
 
@@ -479,6 +479,42 @@ def _int_array(where: str, what: str, values) -> np.ndarray:
     if a.dtype.kind not in "iu":
         raise DTypeError(f"{where}: {what} must be integers, got {values!r:.80}")
     return a.astype(np.int64).reshape(-1)
+
+
+def check_finite_logits(model, logits, who: str) -> None:
+    """Raise a ModelError when the first ``vocab_size`` logits of a prompt's forward pass
+    (``logits``: a Tensor or array (B, ..., padded_vocab_size)) hold a NaN or an infinity: no
+    token can be chosen from them (an argmax would silently say id 0). The message names the
+    first parameter that is not finite, or says that every one is. One small reduction on the
+    logits' device and one read back, at the prompt only.
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> model = GPT2.init(GPT2Config(vocab_size=20, block_size=8, n_layer=1, n_head=2,
+    ...                              n_embd=8), seed=0)
+    >>> model.params["h.0.mlp.c_fc.weight"].data[0, :3] = float("nan")
+    >>> logits = model.forward_cached(tensor([[1, 2]]), model.new_cache(1, 8))
+    >>> check_finite_logits(model, logits, "generate")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ModelError: generate: the model's logits for the prompt hold NaN or inf, so no token can be chosen: its parameter h.0.mlp.c_fc.weight holds 3 NaN of 256 values (a damaged checkpoint, or weights from a training run that diverged)
+    """
+    a = logits.data if isinstance(logits, Tensor) else logits
+    a = a[..., :model.config.vocab_size]
+    with np.errstate(invalid="ignore"):
+        if np.isfinite(float((a * 0).sum())):   # inf * 0 and NaN * 0 are NaN
+            return
+    from ..diagnose import _bad_values
+    for name, p in model.params.items():
+        bad = _bad_values(p)
+        if bad:
+            why = (f"its parameter {name} holds {bad} (a damaged checkpoint, or weights from a "
+                   f"training run that diverged)")
+            break
+    else:
+        why = ("every parameter is finite, so an activation overflowed on the way (weights far "
+               "larger than a trained model's?)")
+    raise ModelError(f"{who}: the model's logits for the prompt hold NaN or inf, so no token "
+                     f"can be chosen: {why}")
 
 
 def _same_memory(a: list, b: list) -> bool:

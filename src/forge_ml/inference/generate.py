@@ -97,7 +97,7 @@ import numpy as np
 from ..errors import ConfigError, ShapeError
 from ..sampling import sample_row
 from ..tensor import Tensor, tensor
-from .decode import held_decoder
+from .decode import check_finite_logits, held_decoder
 
 FINISH_REASONS = ("stop_token", "stop_string", "max_new_tokens", "context_full")
 
@@ -530,6 +530,7 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
     t0 = min(lengths)
     prefill = np.array([p[:t0] for p in rows], dtype=np.int64)                   # (B, t0)
     logits = model.forward_cached(tensor(prefill, device=dev), cache, last_only=True)
+    check_finite_logits(model, logits, "generate")
     pos = t0                                        # the position whose token is chosen next
     first = last = None
     if choice.on_device and t0 == max(lengths):
