@@ -448,3 +448,20 @@ def test_an_engine_refuses_a_model_whose_weights_hold_nan(device):
         BatchEngine(m.to(device), slots=2)
     with BatchEngine(make_model().to(device), slots=2) as engine:     # a healthy one serves
         assert len(list(engine.submit([1, 2], SamplingParams(max_tokens=3)))) == 3
+
+
+def test_stats_leave_out_requests_whose_clients_left(model):
+    """/health's counts: three requests queued behind a long one, then cancelled (their clients
+    gone), were still counted as waiting until the loop reached them (a QA report)."""
+    with slow_down(BatchEngine(model, slots=1), 0.02) as engine:
+        long = engine.submit([1, 2], SamplingParams(max_tokens=20))
+        deadline = time.time() + 10
+        while engine.stats()["running"] == 0 and time.time() < deadline:
+            time.sleep(0.001)                       # the long request has its slot
+        queued = [engine.submit([3], SamplingParams(max_tokens=20)) for _ in range(3)]
+        assert engine.stats()["waiting"] == 3
+        for s in queued:
+            s.cancel()
+        assert engine.stats()["waiting"] == 0 and engine.stats()["running"] == 1
+        long.cancel()
+        assert engine.stats()["running"] == 0

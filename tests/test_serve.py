@@ -179,6 +179,18 @@ def test_usage_in_the_stream(http):
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
 
+def test_usage_in_every_chunk_with_continuous_usage_stats(http):
+    # vLLM's stream_options.continuous_usage_stats, accepted and ignored before (a QA report):
+    # the request's counts so far in every chunk, then the final usage chunk as without it
+    chunks = sse(http, prompt="abc", max_tokens=3, n=2, seed=1,
+                 stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert [c["usage"]["completion_tokens"] for c in chunks[:-1]] == [1, 2, 3, 4, 5, 6]
+    assert all(c["usage"]["prompt_tokens"] == 3 and c["usage"]["total_tokens"] ==
+               3 + c["usage"]["completion_tokens"] for c in chunks)
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+
+
 def test_stop_strings_cut_the_text(client, http):
     kw = dict(model="tiny", prompt="once upon", max_tokens=40, temperature=0)
     full = client.completions.create(**kw).choices[0].text
@@ -321,6 +333,13 @@ BAD = [
     ({"prompt": "ab", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"prompt": "ab", "best_of": 3}, 400, "best_of"),
     ({"prompt": "ab", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "ab", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options"),                          # usage in every chunk of no usage asked for
+    ({"prompt": "ab", "stream": True,              # accepted and ignored: any value passed
+      "stream_options": {"include_usage": True, "continuous_usage_stats": "garbage"}}, 400,
+     "stream_options.continuous_usage_stats"),
+    (b'{"prompt": "A", "max_tokens": 1, "\\ud800": 1}', 400, None),   # a 500 and a traceback
+    (b'{"prompt": "A\\udc00b", "max_tokens": 1}', 400, None),        # (the key: param unencodable)
     ({"prompt": "ab", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "ab " * 10_000}, 413, None),
 ]
@@ -560,6 +579,14 @@ def test_a_gpt2_tokenizer_server_streams_whole_characters():
                 assert "".join(got["logprobs"]["tokens"]) == want
             sent = complete(h, prompt=[tok.eot_token], echo=True, **kw)["choices"][0]["text"]
             assert sent == "<|endoftext|>" + want
+            # max_tokens the whole context: said of the token the client did not send (it read
+            # "the prompt's 1 tokens plus max_tokens 32 exceed ...": a QA report)
+            r = h.post("/v1/completions", json=dict(kw, prompt="", max_tokens=32))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+            assert r.json()["error"]["message"] == (
+                "an empty prompt starts a new document from 1 token of the tokenizer's "
+                "('<|endoftext|>'), so max_tokens 32 is past the context of 32 tokens; ask for "
+                "at most 31")
             prompt = tok.encode("Hello 🦜")
             kw = dict(model="gpt2-tiny", prompt=prompt, max_tokens=20, temperature=1.0, seed=3,
                       echo=True, ignore_eos=True)
@@ -902,3 +929,70 @@ def test_a_tokenizer_that_is_not_byte_level_streams_its_spaces():
     d = Detokenizer(tok, prompt)
     text = "".join(d.feed(t) for t in ids) + d.flush()
     assert text == tok.decode(prompt + ids)[len(tok.decode(prompt)):] and text.count(" ") >= 4
+
+
+def test_a_second_ctrl_c_ends_requests_with_openai_errors_not_a_cut(tmp_path):
+    """A second Ctrl-C during the grace period is uvicorn's "quit now": requests in flight got
+    a plain-text 500, a stream cut without an error event or [DONE], and tracebacks in the log
+    (a QA report). Now they end at once as the grace period's end ends them: a 503 with
+    OpenAI's error body, an error event and [DONE]; exit 130, no traceback."""
+    import signal
+    from forge_ml.checkpoint import save_checkpoint
+
+    cfg = GPT2Config(vocab_size=len(CHARS), block_size=1024, n_layer=4, n_head=4, n_embd=256)
+    save_checkpoint(tmp_path / "ckpt", GPT2.init(cfg).state_dict(),
+                    {"config": cfg.to_dict(), "tokenizer": {"kind": "char", "chars": CHARS},
+                     "step": 1})
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "forge_ml.serve.cli", "--ckpt",
+                             str(tmp_path / "ckpt"), "--port", str(port), "--slots", "2",
+                             "--shutdown-timeout", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    got = {}
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.time() < deadline, "the server did not come up"
+                time.sleep(0.1)
+        body = dict(model="ckpt", prompt="a", max_tokens=1000, temperature=0)
+        first = threading.Event()
+
+        def streamed():
+            with httpx.stream("POST", url + "/v1/completions", json=dict(body, stream=True),
+                              timeout=60) as r:
+                got["stream"] = []
+                for ln in r.iter_lines():
+                    if ln:
+                        got["stream"].append(ln)
+                        first.set()
+
+        def whole():
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            got["whole"] = (r.status_code, r.headers.get("content-type"), r.text)
+
+        threads = [threading.Thread(target=streamed), threading.Thread(target=whole)]
+        for t in threads:
+            t.start()
+        assert first.wait(30)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(30)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    status, ctype, text = got["whole"]
+    assert status == 503 and ctype.startswith("application/json"), (status, text)
+    assert "stopped at once" in json.loads(text)["error"]["message"]
+    lines = got["stream"]
+    assert lines[-1] == "data: [DONE]" and "stopped at once" in lines[-2], lines[-3:]
+    assert len(lines) < 900                      # cut, not run to the end
+    assert proc.returncode in (130, -2) and "Traceback" not in out, out

@@ -349,10 +349,12 @@ class BatchEngine:
         return stream
 
     def stats(self) -> dict:
-        """``{"slots", "running", "waiting", "steps"}`` right now."""
+        """``{"slots", "running", "waiting", "steps"}`` right now (a request whose stream was
+        cancelled, a client that left, is in neither: the loop drops it at its next turn)."""
         with self._cond:
-            return {"slots": self.slots, "running": sum(r is not None for r in self._active),
-                    "waiting": len(self._pending), "steps": self.steps}
+            return {"slots": self.slots,
+                    "running": sum(r is not None and not r.stream.cancelled for r in self._active),
+                    "waiting": sum(not s.cancelled for s in self._pending), "steps": self.steps}
 
     @property
     def running(self) -> bool:

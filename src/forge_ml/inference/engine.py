@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..errors import ConfigError
+from ..errors import ConfigError, plural
 
 MAX_LOGPROBS = 20
 
@@ -171,9 +171,11 @@ def check_prompt(prompt_ids, params: SamplingParams, vocab_size: int, max_len: i
         raise RequestError(f"the prompt has {len(ids)} tokens, longer than the context of "
                            f"{max_len} tokens", "prompt", "context_length_exceeded")
     if len(ids) + params.max_tokens > max_len:
-        raise RequestError(f"the prompt's {len(ids)} tokens plus max_tokens {params.max_tokens} "
-                           f"exceed the context of {max_len} tokens; ask for at most "
-                           f"{max_len - len(ids)} new tokens", "max_tokens", "context_length_exceeded")
+        raise RequestError(f"the prompt's {len(ids)} {plural(len(ids), 'token')} plus max_tokens "
+                           f"{params.max_tokens} exceed the context of {max_len} tokens; ask for "
+                           f"at most {max_len - len(ids)} {plural(max_len - len(ids), 'new token')}",
+                           "max_tokens",
+                           "context_length_exceeded")
     bad = [t for t in params.stop_tokens if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"stop token {bad[0]} is out of range; ids must be in "

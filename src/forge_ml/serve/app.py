@@ -53,7 +53,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import ConfigError, TokenizerError
+from ..errors import ConfigError, TokenizerError, plural
 from ..inference.batch import BatchEngine
 from ..tokenizer import TextStream
 from ..inference.engine import EngineClosedError, RequestError, SamplingParams, TokenOut
@@ -282,11 +282,18 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
             if len(body) > max_body_bytes:
                 raise APIError(f"the request body is over {max_body_bytes} bytes", status=413)
         try:
-            return json.loads(body, parse_constant=_no_constant)
+            data = json.loads(body, parse_constant=_no_constant)
+            if b"\\u" in body:    # a lone surrogate escape (\ud800) decodes to no character
+                json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(f"the request body is not valid Unicode text: it holds a lone UTF-16 "
+                           f"surrogate ({e.object[e.start]!r}), which is half of a character "
+                           f"escape") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(f"the request body is not valid JSON: {e}") from None
         except RecursionError:     # a body nested thousands deep: a 400, not a 500 and a traceback
             raise APIError("the request body is nested too deeply to be a completions request") from None
+        return data
 
     def prompt_ids(prompt) -> list:
         """The prompt's token ids; an empty prompt is the tokenizer's start of a new document
@@ -329,6 +336,14 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                                        f"{engine.max_len} tokens: no room for a completion",
                                        param="prompt", code="context_length_exceeded")
                     max_tokens = min(DEFAULT_MAX_TOKENS, engine.max_len - len(ids))
+                elif len(req.prompt[i]) == 0 and len(ids) + max_tokens > engine.max_len:
+                    # said of the tokens the client sent none of (the engine counts them)
+                    raise APIError(f"an empty prompt starts a new document from "
+                                   f"{len(ids)} {plural(len(ids), 'token')} of the tokenizer's "
+                                   f"({tokenizer.decode(ids)!r}), so max_tokens {max_tokens} is "
+                                   f"past the context of {engine.max_len} tokens; ask for at most "
+                                   f"{engine.max_len - len(ids)}", param="max_tokens",
+                                   code="context_length_exceeded")
                 for j in range(req.n):
                     params = SamplingParams(
                         max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
@@ -387,8 +402,10 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
         queue: asyncio.Queue = asyncio.Queue()
 
         def chunk(c, text, lp, finish):
+            usage = (usage_body(n_prompt, sum(c.n_tokens for c in choices))
+                     if req.continuous_usage else req.include_usage)
             body = chunk_body(cid, created, model_id, choice_body(c.index, text, lp, finish),
-                              usage=req.include_usage)
+                              usage=usage)
             return f"data: {_json(body)}\n\n"
 
         async def run(c: _Choice):

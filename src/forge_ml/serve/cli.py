@@ -209,22 +209,36 @@ class _Server:
     """uvicorn's server, which on SIGTERM or Ctrl-C also ends the requests still running a
     moment before its own grace period does (``engine.close``): each gets OpenAI's error body
     (a 503, or an error event and ``[DONE]`` in a stream) where uvicorn's cut gave a plain-text
-    500, a truncated stream and a traceback a request."""
+    500, a truncated stream and a traceback a request. A second Ctrl-C (uvicorn's "quit now")
+    ends them so at once, and uvicorn's forced exit follows a second later for connections
+    that are still open (a client that does not read)."""
 
     def __new__(cls, config, engine):
         import threading
 
         import uvicorn
 
+        def later(seconds, fn, *args, **kwargs):
+            timer = threading.Timer(seconds, fn, args, kwargs)
+            timer.daemon = True
+            timer.start()
+
         class Server(uvicorn.Server):
+            forcing = False
+
             def handle_exit(self, sig, frame):
                 if not self.should_exit:
                     grace = config.timeout_graceful_shutdown or 0.0
-                    timer = threading.Timer(max(0.0, grace - min(1.0, grace / 2)), engine.close,
-                                            kwargs={"reason": "the server is shutting down; this request "
-                                                              "was cut before it finished"})
-                    timer.daemon = True
-                    timer.start()
+                    later(max(0.0, grace - min(1.0, grace / 2)), engine.close,
+                          reason="the server is shutting down; this request was cut before it finished")
+                elif not self.forcing:
+                    # the requests' error bodies first (the engine's loop is not waited for: this
+                    # runs on the event loop that sends them), then uvicorn's force_exit
+                    self.forcing = True
+                    engine.close(timeout=0, reason="the server was stopped at once (a second "
+                                                   "signal); this request was cut before it finished")
+                    later(1.0, super().handle_exit, sig, frame)
+                    return
                 super().handle_exit(sig, frame)
 
         return Server(config)

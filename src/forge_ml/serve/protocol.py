@@ -75,6 +75,7 @@ class CompletionRequest:
     echo: bool = False
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -219,9 +220,15 @@ def parse_completion(body) -> CompletionRequest:
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
-            raise APIError(f"stream_options must be an object with include_usage, got {opts!r:.60}",
-                           param="stream_options")
+            raise APIError(f"stream_options must be an object with include_usage (and "
+                           f"continuous_usage_stats), got {opts!r:.60}", param="stream_options")
         req.include_usage = _bool("stream_options.include_usage", opts.get("include_usage", False))
+        req.continuous_usage = _bool("stream_options.continuous_usage_stats",
+                                     opts.get("continuous_usage_stats", False))
+        if req.continuous_usage and not req.include_usage:
+            raise APIError("stream_options.continuous_usage_stats puts the usage in every chunk of "
+                           "the usage asked for: add \"include_usage\": true",
+                           param="stream_options")
         if not req.stream:
             raise APIError("stream_options is only allowed with \"stream\": true",
                            param="stream_options")
@@ -250,13 +257,14 @@ def choice_body(index: int, text: str, logprobs: Optional[dict], finish: Optiona
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def chunk_body(id: str, created: int, model: str, choice: dict, usage: bool = False) -> dict:
-    """One server-sent chunk with one choice (``usage`` True adds ``"usage": null``, as
-    OpenAI does when the client asked for usage in the stream)."""
+def chunk_body(id: str, created: int, model: str, choice: dict, usage=False) -> dict:
+    """One server-sent chunk with one choice. ``usage``: True adds ``"usage": null``, as OpenAI
+    does when the client asked for usage in the stream; a ``usage_body`` dict adds it (vLLM's
+    ``continuous_usage_stats``: the request's counts so far in every chunk); False, nothing."""
     out = {"id": id, "object": "text_completion", "created": created, "model": model,
            "choices": [choice]}
-    if usage:
-        out["usage"] = None
+    if usage is not False:
+        out["usage"] = None if usage is True else usage
     return out
 
 
