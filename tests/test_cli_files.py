@@ -144,6 +144,16 @@ def test_convert_writes_a_new_or_empty_folder_and_replaces_its_own_export_with_f
     fails(capsys, ["convert", "--to-hf", "run", "--out", "new/hf", "--force"], "not empty", "README.md",
           "--force replaces only an earlier Hugging Face export: a folder of its files alone")
     assert tree(run.parent) == before
+    # refused with --force for what they are (both said "a folder of its files alone", which
+    # each was: a QA report): a run's own checkpoint, and a link to an earlier conversion
+    os.symlink("ck", "cklink")
+    before = tree(run.parent)
+    fails(capsys, ["convert", "--from-hf", "new/hf", "--out", "run/ckpt", "--force"],
+          "it is a training run's checkpoint (its optimizer state and data position), not an "
+          "earlier forge-ml checkpoint")
+    fails(capsys, ["convert", "--from-hf", "new/hf", "--out", "cklink", "--force"],
+          "it is a symbolic link (to ck)", "give the folder itself")
+    assert tree(run.parent) == before
 
 
 # -- convert: full disk, read-only filesystem ----------------------------------------------------

@@ -2158,3 +2158,37 @@ def test_a_file_or_folder_in_the_way_of_the_runs_own_is_named(workdir, capsys):
         assert _snapshot("e") == before
     os.rmdir("e/log.jsonl")
     assert main(["train", "--out", "e", "--resume", "--max-steps", "3"]) == 0
+
+
+def test_resume_refuses_a_corpus_size_and_reads_lr_from_a_config_file(workdir, capsys):
+    """From a QA run: `--resume --corpus-bytes N` trained on the old corpus without a word and
+    recorded N, so a resume that prepared the data again failed on characters the run never
+    saw; `lr` from `--config FILE` on resume fell through to TrainConfig's "--min-lr ... (or
+    leave it out: --lr / 10)", where the min_lr is the checkpoint's, not the user's."""
+    small = ["--corpus-bytes", "20000"]
+    assert main(["train", "--out", "r", *TINY, "--max-steps", "2", *small]) == 0
+    capsys.readouterr()
+    _fails(capsys, ["train", "--out", "r", "--resume", "--max-steps", "3", "--corpus-bytes", "40000"],
+           "--corpus-bytes 40000: the run in r trains on 20000 bytes of the default corpus",
+           "drop --corpus-bytes")
+    Path("big.json").write_text('{"corpus_bytes": 40000}')
+    _fails(capsys, ["train", "--out", "r", "--resume", "--max-steps", "3", "--config", "big.json"],
+           "corpus_bytes (in big.json) 40000", "drop it from big.json")
+    state = json.loads(Path("r/ckpt/state.json").read_text())
+    assert state["meta"]["train_config"]["corpus_bytes"] == 20000      # nothing recorded
+    # the same size, given again, is the run's: it resumes (and prepares the data again alike)
+    shutil.rmtree("r/data")
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "3", *small]) == 0
+    Path("lr.json").write_text('{"lr": 0.00005}')
+    _fails(capsys, ["train", "--out", "r", "--resume", "--max-steps", "4", "--config", "lr.json"],
+           "lr (in lr.json) 5e-05: the run in r has min_lr", "recorded in its checkpoint",
+           "give --min-lr too")
+
+
+def test_log_interval_0_prints_the_first_steps_line_as_documented(workdir, capsys):
+    # --help and the error of a negative value said "0: only the first step's line"; none came
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "4",
+                 "--log-interval", "0"]) == 0
+    steps = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")
+             and "loss" in ln and "val" not in ln]
+    assert len(steps) == 1 and steps[0].startswith("step      1/4"), steps

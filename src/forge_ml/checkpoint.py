@@ -476,8 +476,16 @@ def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str 
                 if not force:
                     raise CheckpointError(f"{out} holds an earlier {what}; add --force to replace it")
             else:
-                why = (f"; --force replaces only an earlier {what}: a folder of its files alone (a file "
-                       f"of yours beside them keeps it)" if force and is_own is not None else "")
+                why = ""
+                if force and is_own is not None:
+                    why = (f"; --force replaces only an earlier {what}: a folder of its files alone (a "
+                           f"file of yours beside them keeps it)")
+                    if path.is_symlink():   # the link would be replaced, not the folder it names
+                        why = (f"; it is a symbolic link (to {os.readlink(path)}), and --force replaces "
+                               f"a folder only where it is: give the folder itself")
+                    elif is_checkpoint_dir(path):   # of another kind: a run's, say
+                        why = (f"; it is {_kind_said(path)}, not an earlier {what}, and --force "
+                               f"replaces only that")
                 raise CheckpointError(f"{out} is not empty (it holds {_listing(names)}); write into a "
                                       f"new or empty folder{why}")
     return Path(os.path.abspath(out))
@@ -587,6 +595,17 @@ def read_meta(dir) -> dict | None:
     """
     meta = (read_state(dir) or {}).get("meta")
     return meta if isinstance(meta, dict) else None
+
+
+def _kind_said(path) -> str:
+    """A forge-ml checkpoint folder's kind in words (``meta["kind"]``)."""
+    try:
+        kind = (json.loads((Path(path) / STATE_FILE).read_bytes()).get("meta") or {}).get("kind")
+    except (OSError, ValueError, AttributeError):
+        kind = None
+    return {"forge-ml-train": "a training run's checkpoint (its optimizer state and data position)",
+            "forge-ml-model": "a forge-ml model (from forge-ml convert)"}.get(
+                kind, "a forge-ml checkpoint of another kind")
 
 
 def is_checkpoint_dir(path, kind: str | None = None) -> bool:

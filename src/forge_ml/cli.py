@@ -464,23 +464,40 @@ def _cmd_train(args) -> int:
     if "val_fraction" in from_file and values.get("data") and Path(values["data"]).is_dir():
         raise ConfigError(f"val_fraction (in {args.config}) splits a text file; the data folder {values['data']} "
                           f"holds its train and val shards already (drop val_fraction from the file)")
+    # what the user set for this call, on the command line or in --config's file, and how to
+    # name it: a resumed run's own values are the checkpoint's, not the user's
+    given = dict(from_file, **explicit)
+
+    def said(k):
+        return f"--{k.replace('_', '-')}" if k in explicit else f"{k} (in {args.config})"
+
+    def drop(k):
+        return f"drop --{k.replace('_', '-')}" if k in explicit else f"drop it from {args.config}"
+
     was_min = (meta or {}).get("train_config", {}).get("min_lr")
-    if (meta is not None and "lr" in explicit and values.get("min_lr") == was_min and isinstance(was_min, (int, float))
+    if (meta is not None and "lr" in given and values.get("min_lr") == was_min and isinstance(was_min, (int, float))
             and isinstance(values.get("lr"), (int, float)) and was_min > values["lr"]):
-        raise ConfigError(f"--lr {values['lr']:g}: the run in {out_dir} has min_lr {was_min:g} (recorded in its "
-                          f"checkpoint), above the new lr, so the cosine would raise the rate as it goes; give "
+        raise ConfigError(f"{said('lr')} {values['lr']:g}: the run in {out_dir} has min_lr {was_min:g} (recorded in "
+                          f"its checkpoint), above the new lr, so the cosine would raise the rate as it goes; give "
                           f"--min-lr too (e.g. --min-lr {values['lr'] / 10:g})")
     cfg = TrainConfig.from_dict(values)
     if meta is not None:
         was = meta["train_config"].get("tokenizer")
-        if "tokenizer" in explicit and was and explicit["tokenizer"] != was:
-            raise ConfigError(f"--tokenizer {explicit['tokenizer']}: the run in {out_dir} was trained with the "
-                              f"{was} tokenizer, which a resumed run keeps; drop --tokenizer")
+        if "tokenizer" in given and was and given["tokenizer"] != was:
+            raise ConfigError(f"{said('tokenizer')} {given['tokenizer']}: the run in {out_dir} was trained with "
+                              f"the {was} tokenizer, which a resumed run keeps; {drop('tokenizer')}")
         was = meta["train_config"].get("val_fraction")
-        if "val_fraction" in explicit and was is not None and explicit["val_fraction"] != was:
-            raise ConfigError(f"--val-fraction {explicit['val_fraction']:g}: the run in {out_dir} split its "
-                              f"text with --val-fraction {was:g}, and a resumed run keeps its shards; drop "
-                              f"--val-fraction")
+        if "val_fraction" in given and was is not None and given["val_fraction"] != was:
+            raise ConfigError(f"{said('val_fraction')} {given['val_fraction']:g}: the run in {out_dir} split its "
+                              f"text with --val-fraction {was:g}, and a resumed run keeps its shards; {drop('val_fraction')}")
+        was = meta["train_config"].get("corpus_bytes")
+        if ("corpus_bytes" in given and not meta["train_config"].get("data") and was is not None
+                and given["corpus_bytes"] != was):
+            # it was recorded and not used: the run goes on over its shards of the corpus it
+            # took, and a resume that prepares them again takes the recorded size
+            raise ConfigError(f"{said('corpus_bytes')} {given['corpus_bytes']}: the run in {out_dir} trains on "
+                              f"{was} bytes of the default corpus, whose tokens a resumed run keeps; "
+                              f"{drop('corpus_bytes')} (another size is another run: --out NEW_FOLDER)")
     try:
         if comm is not None:
             from .distributed.trainer import DistributedTrainer

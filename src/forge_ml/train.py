@@ -1829,7 +1829,7 @@ class Trainer:
                     self._bar.update(1)
                     self._bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
                                           refresh=False)
-                elif cfg.log_interval and (s % cfg.log_interval == 0 or s == first + 1):
+                elif s == first + 1 or (cfg.log_interval and s % cfg.log_interval == 0):
                     self._say(f"step {s:>6}/{until}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
                               f"norm {rec['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s  "
                               f"{rec['dt_ms']:.0f} ms/step")
