@@ -443,8 +443,8 @@ def test_an_engine_refuses_a_model_whose_weights_hold_nan(device):
     _cuda_or_cpu(device)
     m = make_model()
     m.params["h.0.ln_2.bias"].data[5] = np.nan
-    with pytest.raises(ModelError, match=r"BatchEngine \(a first step on token 0\): the model's "
-                                         r"logits .* its parameter h.0.ln_2.bias holds 1 NaN of 16"):
+    with pytest.raises(ModelError, match=r"BatchEngine: the model's logits for a first step on "
+                                         r"token 0 .* its parameter h.0.ln_2.bias holds 1 NaN of 16"):
         BatchEngine(m.to(device), slots=2)
     with BatchEngine(make_model().to(device), slots=2) as engine:     # a healthy one serves
         assert len(list(engine.submit([1, 2], SamplingParams(max_tokens=3)))) == 3
@@ -453,8 +453,8 @@ def test_an_engine_refuses_a_model_whose_weights_hold_nan(device):
 def test_stats_leave_out_requests_whose_clients_left(model):
     """/health's counts: three requests queued behind a long one, then cancelled (their clients
     gone), were still counted as waiting until the loop reached them (a QA report)."""
-    with slow_down(BatchEngine(model, slots=1), 0.02) as engine:
-        long = engine.submit([1, 2], SamplingParams(max_tokens=20))
+    with slow_down(BatchEngine(model, slots=1), 0.1) as engine:
+        long = engine.submit([1, 2], SamplingParams(max_tokens=20))   # 2 s: 20 steps of 0.1
         deadline = time.time() + 10
         while engine.stats()["running"] == 0 and time.time() < deadline:
             time.sleep(0.001)                       # the long request has its slot

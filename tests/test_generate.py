@@ -586,14 +586,17 @@ def _cuda_or_cpu(device):
         cuda_or_skip()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda),
+                                    pytest.param("cuda-bf16", marks=pytest.mark.cuda)])
 def test_weights_with_nan_or_inf_are_named_not_generated_from(device):
     """A model whose weights hold NaN gave id 0 at every step, greedy or sampled (the argmax of
     NaN logits), on both backends, where transformers' sampling raises (a library user's
     report): now generate and beam_search refuse it at the prompt, naming the parameter."""
     from forge_ml.errors import ModelError
     from forge_ml.inference import beam_search
-    _cuda_or_cpu(device)
+    _cuda_or_cpu(device.split("-")[0])
+    dtype = "bfloat16" if device.endswith("bf16") else None
+    device = device.split("-")[0]
     for name, value, what in (("h.1.attn.c_proj.weight", np.nan, "holds 3 NaN of 256 values"),
                               ("ln_f.bias", np.inf, "holds 3 inf of 16 values")):
         m = make_model()
@@ -601,7 +604,7 @@ def test_weights_with_nan_or_inf_are_named_not_generated_from(device):
         if m.params[name].data.ndim == 2:
             m.params[name].data[:, :] = 0.0
             m.params[name].data[0, :3] = value
-        m = m.to(device)
+        m = m.to(device, dtype=dtype)
         needle = f"the model's logits for the prompt hold NaN or inf, so no token can be chosen: " \
                  f"its parameter {name} {what}"
         for kw in (dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(logprobs=2)):
@@ -616,6 +619,6 @@ def test_weights_with_nan_or_inf_are_named_not_generated_from(device):
     m = make_model()
     m.params["ln_f.weight"].data[:] = 3e38
     with pytest.raises(ModelError, match="every parameter is finite, so an activation overflowed"):
-        list(generate(m.to(device), [1, 2, 3], max_new_tokens=2, temperature=0))
+        list(generate(m.to(device, dtype=dtype), [1, 2, 3], max_new_tokens=2, temperature=0))
     # and a healthy model still generates on the device the check reads from
-    assert len(list(generate(make_model().to(device), [1, 2, 3], max_new_tokens=4))) == 4
+    assert len(list(generate(make_model().to(device, dtype=dtype), [1, 2, 3], max_new_tokens=4))) == 4

@@ -340,6 +340,8 @@ BAD = [
      "stream_options.continuous_usage_stats"),
     (b'{"prompt": "A", "max_tokens": 1, "\\ud800": 1}', 400, None),   # a 500 and a traceback
     (b'{"prompt": "A\\udc00b", "max_tokens": 1}', 400, None),        # (the key: param unencodable)
+    (b'{"prompt": "A", "max_tokens": 1, "\xed\xa0\x80": 1}', 400, None),  # one as UTF-8 bytes
+    ('{"prompt": "A", "max_tokens": 1}'.encode("utf-16"), 400, None),      # not UTF-8 (RFC 8259)
     ({"prompt": "ab", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "ab " * 10_000}, 413, None),
 ]
@@ -472,11 +474,14 @@ def slow_server(tok):
 
 
 def wait_idle(eng, timeout=5.0):
+    """Whether the engine's loop has freed every slot and queue place within ``timeout``
+    (its own lists: ``stats()`` leaves out cancelled requests at once, before the loop
+    frees their slots, so it cannot tell a slot that leaks)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        st = eng.stats()
-        if st["running"] == 0 and st["waiting"] == 0:
-            return True
+        with eng._cond:
+            if all(r is None for r in eng._active) and not eng._pending:
+                return True
         time.sleep(0.01)
     return False
 
@@ -980,6 +985,9 @@ def test_a_second_ctrl_c_ends_requests_with_openai_errors_not_a_cut(tmp_path):
         for t in threads:
             t.start()
         assert first.wait(30)
+        while httpx.get(url + "/health", timeout=5).json()["running"] < 2:   # both admitted
+            assert time.time() < deadline + 60, "the requests did not start"
+            time.sleep(0.02)
         proc.send_signal(signal.SIGINT)
         time.sleep(0.3)
         proc.send_signal(signal.SIGINT)

@@ -480,7 +480,7 @@ def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str 
                 if force and is_own is not None:
                     why = (f"; --force replaces only an earlier {what}: a folder of its files alone (a "
                            f"file of yours beside them keeps it)")
-                    if path.is_symlink():   # the link would be replaced, not the folder it names
+                    if path.is_symlink() and is_own(path.resolve()):   # the link would go, not its folder
                         why = (f"; it is a symbolic link (to {os.readlink(path)}), and --force replaces "
                                f"a folder only where it is: give the folder itself")
                     elif is_checkpoint_dir(path):   # of another kind: a run's, say
@@ -602,6 +602,8 @@ def _kind_said(path) -> str:
     try:
         kind = (json.loads((Path(path) / STATE_FILE).read_bytes()).get("meta") or {}).get("kind")
     except (OSError, ValueError, AttributeError):
+        kind = None
+    if not isinstance(kind, str):       # a hand-edited state.json: a list is no dict key
         kind = None
     return {"forge-ml-train": "a training run's checkpoint (its optimizer state and data position)",
             "forge-ml-model": "a forge-ml model (from forge-ml convert)"}.get(

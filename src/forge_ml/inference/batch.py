@@ -318,7 +318,7 @@ class BatchEngine:
         # one step on token 0 (every slot idle: each is rewritten when a request takes it):
         # a model whose logits are NaN or inf is refused here, not served as id 0 at every step
         check_finite_logits(model, self._step(np.zeros(slots, np.int64), np.zeros(slots, np.int32))[:1],
-                            "BatchEngine (a first step on token 0)")
+                            "BatchEngine", "a first step on token 0 (its check of the model)")
         self._cond = threading.Condition()
         self._pending: collections.deque = collections.deque()
         self._active: list = [None] * slots

@@ -481,9 +481,10 @@ def _int_array(where: str, what: str, values) -> np.ndarray:
     return a.astype(np.int64).reshape(-1)
 
 
-def check_finite_logits(model, logits, who: str) -> None:
+def check_finite_logits(model, logits, who: str, what: str = "the prompt") -> None:
     """Raise a ModelError when the first ``vocab_size`` logits of a prompt's forward pass
-    (``logits``: a Tensor or array (B, ..., padded_vocab_size)) hold a NaN or an infinity: no
+    (``logits``: a Tensor or array (B, ..., padded_vocab_size); ``what`` names the input in the
+    message) hold a NaN or an infinity: no
     token can be chosen from them (an argmax would silently say id 0). The message names the
     first parameter that is not finite, or says that every one is. One small reduction on the
     logits' device and one read back, at the prompt only.
@@ -498,8 +499,11 @@ def check_finite_logits(model, logits, who: str) -> None:
     ...
     forge_ml.errors.ModelError: generate: the model's logits for the prompt hold NaN or inf, so no token can be chosen: its parameter h.0.mlp.c_fc.weight holds 3 NaN of 256 values (a damaged checkpoint, or weights from a training run that diverged)
     """
-    a = logits.data if isinstance(logits, Tensor) else logits
-    a = a[..., :model.config.vocab_size]
+    if isinstance(logits, Tensor):
+        if logits.dtype.name not in ("float32", "float64"):   # bf16: through forge-ml's cast,
+            logits = logits.to("float32")                      # not CuPy's bf16 arithmetic
+        logits = logits.data
+    a = logits[..., :model.config.vocab_size]
     with np.errstate(invalid="ignore"):
         if np.isfinite(float((a * 0).sum())):   # inf * 0 and NaN * 0 are NaN
             return
@@ -513,7 +517,7 @@ def check_finite_logits(model, logits, who: str) -> None:
     else:
         why = ("every parameter is finite, so an activation overflowed on the way (weights far "
                "larger than a trained model's?)")
-    raise ModelError(f"{who}: the model's logits for the prompt hold NaN or inf, so no token "
+    raise ModelError(f"{who}: the model's logits for {what} hold NaN or inf, so no token "
                      f"can be chosen: {why}")
 
 

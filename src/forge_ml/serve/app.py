@@ -282,14 +282,18 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
             if len(body) > max_body_bytes:
                 raise APIError(f"the request body is over {max_body_bytes} bytes", status=413)
         try:
-            data = json.loads(body, parse_constant=_no_constant)
-            if b"\\u" in body:    # a lone surrogate escape (\ud800) decodes to no character
+            # UTF-8 strictly (RFC 8259; a surrogate's bytes are refused here), then JSON
+            text = bytes(body).decode("utf-8-sig")
+            data = json.loads(text, parse_constant=_no_constant)
+            if "\\u" in text:     # a lone surrogate escape (\ud800) decodes to no character
                 json.dumps(data, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as e:
             raise APIError(f"the request body is not valid Unicode text: it holds a lone UTF-16 "
                            f"surrogate ({e.object[e.start]!r}), which is half of a character "
                            f"escape") from None
-        except (ValueError, UnicodeDecodeError) as e:
+        except UnicodeDecodeError as e:
+            raise APIError(f"the request body is not UTF-8 text (JSON over HTTP is UTF-8): {e}") from None
+        except ValueError as e:
             raise APIError(f"the request body is not valid JSON: {e}") from None
         except RecursionError:     # a body nested thousands deep: a 400, not a 500 and a traceback
             raise APIError("the request body is nested too deeply to be a completions request") from None

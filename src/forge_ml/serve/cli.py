@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import errno
 import ipaddress
+import signal
 import sys
 from pathlib import Path
 
@@ -211,7 +212,8 @@ class _Server:
     (a 503, or an error event and ``[DONE]`` in a stream) where uvicorn's cut gave a plain-text
     500, a truncated stream and a traceback a request. A second Ctrl-C (uvicorn's "quit now")
     ends them so at once, and uvicorn's forced exit follows a second later for connections
-    that are still open (a client that does not read)."""
+    that are still open (a client that does not read); a second SIGTERM changes nothing, as in
+    uvicorn (a supervisor may send it twice)."""
 
     def __new__(cls, config, engine):
         import threading
@@ -231,7 +233,7 @@ class _Server:
                     grace = config.timeout_graceful_shutdown or 0.0
                     later(max(0.0, grace - min(1.0, grace / 2)), engine.close,
                           reason="the server is shutting down; this request was cut before it finished")
-                elif not self.forcing:
+                elif sig == signal.SIGINT and not self.forcing:   # as uvicorn: SIGINT only
                     # the requests' error bodies first (the engine's loop is not waited for: this
                     # runs on the event loop that sends them), then uvicorn's force_exit
                     self.forcing = True
