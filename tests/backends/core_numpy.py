@@ -159,7 +159,7 @@ def logsumexp(x, causal, off):
 def split_heads(qkv, n_head):
     *lead, t, c3 = qkv.shape
     x = qkv.reshape(*lead, t, 3, n_head, c3 // (3 * n_head))
-    return tuple(np.ascontiguousarray(np.swapaxes(x[..., w, :, :], -3, -2)) for w in range(3))
+    return tuple(np.swapaxes(x[..., w, :, :], -3, -2).copy() for w in range(3))
 
 
 def unsplit_head(dy, which):
@@ -171,12 +171,12 @@ def unsplit_head(dy, which):
 
 def merge_heads(x):
     *lead, h, t, hs = x.shape
-    return np.ascontiguousarray(np.swapaxes(x, -3, -2)).reshape(*lead, t, h * hs)
+    return np.swapaxes(x, -3, -2).copy().reshape(*lead, t, h * hs)
 
 
 def unmerge_heads(dy, h):
     *lead, t, c = dy.shape
-    return np.ascontiguousarray(np.swapaxes(dy.reshape(*lead, t, h, c // h), -3, -2))
+    return np.swapaxes(dy.reshape(*lead, t, h, c // h), -3, -2).copy()
 
 
 def embedding(ids, wte, wpe, pos):

@@ -371,6 +371,30 @@ def test_heads(bk, dt, rs):
     exact(host(bk, bk.unmerge_heads(dev(bk, y), 3)), ref.unmerge_heads(y, 3), "unmerge_heads")
 
 
+@pytest.mark.parametrize("shape_of", ["one head", "one position", "both"])
+def test_heads_give_arrays_of_their_own(bk, dt, rs, shape_of):
+    """split_heads, merge_heads and unmerge_heads return arrays of their own at every shape:
+    with one head or one position the CPU's permutation was no copy in NumPy, so a write into
+    the output (kv_append, assign) changed the input unseen (no version bump, a tape's saved
+    tensor changed: a library user's report)."""
+    H, T = {"one head": (1, 5), "one position": (3, 1), "both": (1, 1)}[shape_of]
+    qkv = r(rs, 2, T, 3 * 4 * H, dt=dt)
+    x = dev(bk, qkv)
+    for part in bk.split_heads(x, H):
+        bk.assign(part, np.full(part.shape, 7.0))
+    exact(host(bk, x), qkv, "split_heads' input after writing its outputs")
+    y = r(rs, 2, H, T, 4, dt=dt)
+    yd = dev(bk, y)
+    merged = bk.merge_heads(yd)
+    bk.assign(merged, np.full(merged.shape, 7.0))
+    exact(host(bk, yd), y, "merge_heads' input after writing its output")
+    z = r(rs, 2, T, 4 * H, dt=dt)
+    zd = dev(bk, z)
+    heads = bk.unmerge_heads(zd, H)
+    bk.assign(heads, np.full(heads.shape, 7.0))
+    exact(host(bk, zd), z, "unmerge_heads' input after writing its output")
+
+
 def test_embedding(bk, dt, rs):
     """wte[ids] + wpe[pos + t] (one correctly rounded addition): at a host position, at a device
     position, and at one position per row with T > 1 (each token of row b at pos[b] + t; a row

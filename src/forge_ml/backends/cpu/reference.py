@@ -416,12 +416,16 @@ def logsumexp(x, causal, off):
 # heads: (..., T, 3C) <-> 3 x (..., H, T, hs), and (..., H, T, hs) <-> (..., T, C)
 # ---------------------------------------------------------------------------------------------
 
+# The three permutations below copy with np.array (always a copy), not np.ascontiguousarray:
+# with one head or one position the permuted view is contiguous already, and the output would
+# be the input's memory, which a write into it (kv_append, assign) changed unseen.
+
 def split_heads(qkv, n_head):
-    """(..., T, 3C) -> q, k, v, each a contiguous (..., H, T, hs)."""
+    """(..., T, 3C) -> q, k, v, each a contiguous (..., H, T, hs) of its own."""
     *lead, t, c3 = qkv.shape
     hs = c3 // (3 * n_head)
     x = qkv.reshape(*lead, t, 3, n_head, hs)  # (..., T, 3, H, hs)
-    return tuple(np.ascontiguousarray(x[..., which, :, :].swapaxes(-3, -2))  # (..., H, T, hs)
+    return tuple(np.array(x[..., which, :, :].swapaxes(-3, -2), order="C")  # (..., H, T, hs)
                  for which in range(3))
 
 
@@ -436,13 +440,13 @@ def unsplit_head(dy, which):
 def merge_heads(x):
     """(..., H, T, hs) -> (..., T, H*hs)."""
     *lead, h, t, hs = x.shape
-    return np.ascontiguousarray(x.swapaxes(-3, -2)).reshape(*lead, t, h * hs)
+    return np.array(x.swapaxes(-3, -2), order="C").reshape(*lead, t, h * hs)
 
 
 def unmerge_heads(dy, h):
     """(..., T, C) -> (..., H, T, hs)."""
     *lead, t, c = dy.shape
-    return np.ascontiguousarray(dy.reshape(*lead, t, h, c // h).swapaxes(-3, -2))
+    return np.array(dy.reshape(*lead, t, h, c // h).swapaxes(-3, -2), order="C")
 
 
 # ---------------------------------------------------------------------------------------------
