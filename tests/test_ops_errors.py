@@ -352,3 +352,187 @@ def test_a_big_endian_float64_array_stays_float64():
     for t in (fm.tensor(a), fm.from_numpy(a)):
         assert t.dtype == fm.float64 and t.numpy().tolist() == a.tolist()
     assert fm.tensor(np.array([0.5], np.float16)).dtype == fm.float32
+
+
+def _elsewhere(arr):
+    """A tensor that says it lives on cuda:0 (its memory is NumPy's): the ops' device checks
+    come before any read, so a CPU-only run can test them."""
+    from forge_ml.device import Device
+    from forge_ml.tensor import Tensor
+    return Tensor(np.asarray(arr), Device("cuda", 0))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_attention_qkv_dropout_over_no_tokens_is_empty_as_without_dropout(dtype):
+    """T = 0 with dropout was a NumPy 'zero-size array to reduction' ValueError (forward,
+    backward and GPT-2's forward), where attention_qkv returns empty outputs."""
+    from forge_ml.models import GPT2, GPT2Config
+    qkv = fm.zeros((2, 0, 6), dtype)
+    y, lse = ops.attention_qkv_dropout(qkv, 1, 0.1, 1)
+    y0, lse0 = ops.attention_qkv(qkv, 1)
+    assert (y.shape, y.dtype, lse.shape, lse.dtype) == (y0.shape, y0.dtype, lse0.shape, lse0.dtype)
+    dqkv = ops.attention_qkv_dropout_bwd(qkv, y, lse, fm.zeros((2, 0, 2), dtype), 1, 0.1, 1)
+    assert dqkv.shape == (2, 0, 6) and dqkv.dtype == qkv.dtype
+    with pytest.raises(fm.ShapeError, match="p must be"):        # still checked at T = 0
+        ops.attention_qkv_dropout(qkv, 1, 1.5, 1)
+    t = fm.Tape()
+    q = t.leaf(qkv)
+    out = t.attention_qkv(q, n_head=1, p=0.1, seed=3)
+    assert out.shape == (2, 0, 2) and t.backward(out, fm.zeros((2, 0, 2), dtype))[q.id].shape == (2, 0, 6)
+    m = GPT2.init(GPT2Config(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8, dropout=0.1))
+    assert m.forward(fm.Tape(), fm.zeros((2, 0), "int64"))[0].shape == (0, 11)
+    y, lse = ops.attention_qkv_dropout(fm.tensor(np.ones((1, 3, 6), dtype)), 1, 0.5, 7)   # T > 0
+    assert y.shape == (1, 3, 2) and lse.dtype.name == ("float64" if dtype == "float64" else "float32")
+
+
+def test_attention_backwards_check_lse_dtype_type_and_device():
+    """lse was checked for its shape only: an int64 lse was taken, a NumPy array was an
+    AttributeError ('memoryview' object has no attribute 'dtype'), the device was unchecked."""
+    o = f32(1, 2, 3)
+    with pytest.raises(fm.DTypeError, match="attention_bwd: lse must be float32 .*got int64"):
+        ops.attention_bwd(o, o, o, o, fm.tensor([[1, 1]]), o)
+    with pytest.raises(fm.DTypeError, match="attention_bwd: lse must be float32 .*got float64"):
+        ops.attention_bwd(o, o, o, o, fm.tensor(np.ones((1, 2))), o)
+    with pytest.raises(fm.DTypeError, match="attention_bwd: lse must be a forge_ml Tensor, got ndarray"):
+        ops.attention_bwd(o, o, o, o, np.ones((1, 2)), o)
+    with pytest.raises(fm.DeviceError, match="attention_bwd: q is on cpu but lse is on cuda:0"):
+        ops.attention_bwd(o, o, o, o, _elsewhere(np.ones((1, 2), np.float32)), o)
+    with pytest.raises(fm.ShapeError, match="lse must be"):
+        ops.attention_bwd(o, o, o, o, f32(1, 3), o)
+    out, lse = ops.attention(o, o, o)
+    assert ops.attention_bwd(o, o, o, out, lse, o)[0].shape == (1, 2, 3)
+    q64 = fm.tensor(np.ones((1, 2, 3)))
+    out64, lse64 = ops.attention(q64, q64, q64)
+    assert lse64.dtype == fm.float64 and ops.attention_bwd(q64, q64, q64, out64, lse64, q64)[0].shape == (1, 2, 3)
+
+    qkv = fm.tensor(np.random.default_rng(0).standard_normal((1, 3, 6)).astype(np.float32))
+    y, lse = ops.attention_qkv(qkv, 1)
+    dy = f32(1, 3, 2)
+    calls = {"attention_qkv_bwd": lambda l: ops.attention_qkv_bwd(qkv, y, l, dy, 1),
+             "attention_qkv_bwd_sums": lambda l: ops.attention_qkv_bwd(qkv, y, l, dy, 1, sums=True),
+             "attention_qkv_dropout_bwd": lambda l: ops.attention_qkv_dropout_bwd(qkv, y, l, dy, 1, 0.5, 7)}
+    for name, call in calls.items():
+        op = name.replace("_sums", "")
+        with pytest.raises(fm.DTypeError, match=f"{op}: lse must be float32 .*got int64"):
+            call(fm.tensor(np.ones((1, 1, 3), np.int64)))
+        with pytest.raises(fm.DTypeError, match=f"{op}: lse must be a forge_ml Tensor, got ndarray"):
+            call(np.ones((1, 1, 3), np.float32))
+        with pytest.raises(fm.DeviceError, match=f"{op}: qkv is on cpu but lse is on cuda:0"):
+            call(_elsewhere(np.ones((1, 1, 3), np.float32)))
+        got = call(lse)                                           # the forward's lse still works
+        assert (got[0] if isinstance(got, tuple) else got).shape == (1, 3, 6)
+
+
+def test_unsplit_head_refuses_a_bool_and_takes_a_numpy_int():
+    """True passed `which in (0, 1, 2)` (True == 1) and became a NumPy broadcast ValueError."""
+    with pytest.raises(fm.ShapeError, match="unsplit_head: which must be 0, 1 or 2, got True"):
+        ops.unsplit_head(f32(1, 2, 2), True)
+    with pytest.raises(fm.ShapeError, match="which must be 0, 1 or 2, got 1.0"):
+        ops.unsplit_head(f32(1, 2, 2), 1.0)
+    assert ops.unsplit_head(f32(1, 2, 2), np.int64(1)).numpy().tolist() == \
+        ops.unsplit_head(f32(1, 2, 2), 1).numpy().tolist()
+
+
+def test_linear_ln_must_be_a_pair():
+    """ln=(gamma,) was a bare 'not enough values to unpack' ValueError."""
+    x, w = f32(2, 2), f32(2, 3)
+    with pytest.raises(fm.ShapeError, match=r"linear: ln must be None or \(gamma, beta\), got a tuple of 1"):
+        ops.linear(x, w, ln=(f32(2),))
+    with pytest.raises(fm.ShapeError, match=r"linear: ln must be None or \(gamma, beta\), got Tensor"):
+        ops.linear(x, w, ln=f32(2))
+    with pytest.raises(fm.DTypeError, match="linear: gamma must be a forge_ml Tensor"):
+        ops.linear(x, w, ln=(np.ones(2, np.float32), f32(2)))
+    assert ops.linear(x, w, ln=(f32(2), fm.zeros((2,)))).shape == (2, 3)
+    assert ops.linear(x, w, ln=[f32(2), fm.zeros((2,))]).shape == (2, 3)
+
+
+def test_take_columns_of_a_0d_tensor_is_a_shape_error():
+    """A 0-d x was an IndexError (tuple index out of range)."""
+    with pytest.raises(fm.ShapeError, match=r"take_columns: x must have rank >= 1, got shape \(\)"):
+        ops.take_columns(fm.tensor(1.0), 1)
+    assert ops.take_columns(f32(4), 2).shape == (2,)
+
+
+def test_cross_entropy_bwd_dloss_is_checked_as_scale_s():
+    """dloss=None was a TypeError from float(), and dloss="1" was taken as 1.0 where
+    scale(x, "2") is a DTypeError."""
+    logits, t = f32(2, 3), i64(0, 0)
+    for bad, shown in ((None, "NoneType None"), ("1", "str '1'"), ([1.0], "list")):
+        with pytest.raises(fm.DTypeError,
+                           match=f"cross_entropy_bwd: dloss must be a number or a one-element Tensor, got {shown}"):
+            ops.cross_entropy_bwd(logits, t, bad)
+    with pytest.raises(fm.DTypeError, match="scale: s must be a number or a one-element Tensor, got str '2'"):
+        ops.scale(f32(2), "2")
+    want = ops.cross_entropy_bwd(logits, t, 2.0).numpy()
+    for ok in (2, np.float32(2.0), fm.tensor(2.0), fm.tensor([2.0])):
+        assert np.allclose(ops.cross_entropy_bwd(logits, t, ok).numpy(), want)
+    assert ops.scale(f32(2), np.float64(3.0)).numpy().tolist() == [3.0, 3.0]
+
+
+def test_adamw_hyperparameters_must_be_numbers():
+    """lr="a" was a bare ValueError from float(); "0.1" was taken as 0.1."""
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1)
+    for name, bad in (("lr", "a"), ("lr", "0.1"), ("beta1", None), ("weight_decay", "0"),
+                      ("grad_scale", "1")):
+        with pytest.raises(fm.ConfigError, match=f"adamw_update: {name} must be a number"):
+            ops.adamw_update(f32(2), f32(2), fm.zeros((2,)), fm.zeros((2,)), **{**kw, name: bad})
+    mkw = dict(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, steps=[1])
+    with pytest.raises(fm.ConfigError, match="adamw_update_many: lr must be a number"):
+        ops.adamw_update_many([f32(2)], [f32(2)], [fm.zeros((2,))], [fm.zeros((2,))],
+                              weight_decays=[0.0], **{**mkw, "lr": "a"})
+    with pytest.raises(fm.ConfigError, match=r"adamw_update_many: weight_decays\[0\] must be a number"):
+        ops.adamw_update_many([f32(2)], [f32(2)], [fm.zeros((2,))], [fm.zeros((2,))],
+                              weight_decays=["x"], **mkw)
+    p = f32(2)
+    ops.adamw_update(p, f32(2), fm.zeros((2,)), fm.zeros((2,)), **{**kw, "lr": np.float32(0.5)})
+    assert np.allclose(p.numpy(), 0.5)
+
+
+def test_layernorm_bwd_refuses_a_negative_eps_as_the_forward():
+    """The backward gave NaN silently for eps = -1 where the forward refuses it."""
+    x, g, dy = fm.tensor(np.array([[1.0, 2.0, 4.0]], np.float32)), f32(3), f32(1, 3)
+    for kw in ({}, {"sums": True}, {"add": f32(1, 3)}):
+        with pytest.raises(fm.ConfigError, match="layernorm_bwd: eps must be >= 0, got -1.0"):
+            ops.layernorm_bwd(x, g, dy, eps=-1.0, **kw)
+    with pytest.raises(fm.ConfigError, match="layernorm: eps must be >= 0, got -1.0"):
+        ops.layernorm(x, g, f32(3), eps=-1.0)
+    with pytest.raises(fm.ConfigError, match="linear: eps must be >= 0, got -1.0"):
+        ops.linear(x, f32(3, 2), ln=(g, f32(3)), eps=-1.0)
+    assert all(np.isfinite(t.numpy()).all() for t in ops.layernorm_bwd(x, g, dy, eps=0.0))
+
+
+def test_linear_refuses_an_integer_bias_as_matmul():
+    """An int64 bias went through linear where matmul refuses it with a DTypeError."""
+    x, w = f32(2, 2), f32(2, 3)
+    with pytest.raises(fm.DTypeError, match="matmul: bias must be a float tensor, got int64"):
+        ops.matmul(x, w, fm.tensor([1, 2, 3]))
+    with pytest.raises(fm.DTypeError, match="linear: bias must be a float tensor, got int64"):
+        ops.linear(x, w, fm.tensor([1, 2, 3]))
+    with pytest.raises(fm.DTypeError, match="linear: residual must be a float tensor, got int64"):
+        ops.linear(x, w, residual=fm.tensor(np.ones((2, 3), np.int64)))
+    assert ops.linear(x, w, fm.tensor([1.0, 2.0, 3.0])).numpy()[0].tolist() == [3.0, 4.0, 5.0]
+
+
+def test_a_scalar_tensor_on_another_device_is_a_device_error():
+    """dloss and s on another device raised ShapeError ('must be one value on cpu'); the
+    device is what is wrong. A tensor of several values stays a ShapeError."""
+    one = _elsewhere(np.array(2.0, np.float32))
+    with pytest.raises(fm.DeviceError, match=r"cross_entropy_bwd: dloss must be one value on cpu, got \(\) on cuda:0"):
+        ops.cross_entropy_bwd(f32(2, 3), i64(0, 0), one)
+    with pytest.raises(fm.DeviceError, match=r"scale: s must be one value on cpu, got \(\) on cuda:0"):
+        ops.scale(f32(2), one)
+    with pytest.raises(fm.ShapeError, match="scale: s must be one value on cpu"):
+        ops.scale(f32(2), f32(2))
+    with pytest.raises(fm.ShapeError, match="cross_entropy_bwd: dloss must be one value on cpu"):
+        ops.cross_entropy_bwd(f32(2, 3), i64(0, 0), f32(2))
+
+
+def test_clip_grad_norm_refuses_integer_gradients_as_sumsq():
+    """Integer gradients were summed by clip_grad_norm where ops.sumsq refuses ints."""
+    from forge_ml.optim import clip_grad_norm
+    with pytest.raises(fm.DTypeError, match="sumsq: x must be a float tensor"):
+        ops.sumsq(fm.tensor([1, 2]))
+    with pytest.raises(fm.DTypeError, match="clip_grad_norm: gradient 'g' must be a float tensor, got int64"):
+        clip_grad_norm({"f": f32(2), "g": fm.tensor([1, 2])}, 1.0)
+    norm, scale = clip_grad_norm({"f": fm.tensor(np.array([3.0, 4.0], np.float32)), "n": None}, 1.0)
+    assert norm == 5.0 and abs(scale - 0.2) < 1e-6

@@ -97,9 +97,23 @@ def _shape_eq(op, na, a, nb, b):
 
 
 def _one_value(op, name, t, device):
-    """``t`` holds one value and lives on ``device`` (a scalar read where it is)."""
+    """``t`` holds one value and lives on ``device`` (a scalar read where it is): a ShapeError
+    for another number of values, else a DeviceError for another device."""
     if t.numel != 1 or t.device != device:
-        raise ShapeError(f"{op}: {name} must be one value on {device}, got {t.shape} on {t.device}")
+        kind = ShapeError if t.numel != 1 else DeviceError
+        raise kind(f"{op}: {name} must be one value on {device}, got {t.shape} on {t.device}")
+
+
+def _scalar(op, name, s, device):
+    """A scale factor: a one-element Tensor on ``device`` (returned as it is, read there), or a
+    number (a NumPy one too) as a float; a string, None or other object is a DTypeError."""
+    if isinstance(s, Tensor):
+        _one_value(op, name, s, device)
+        return s
+    if isinstance(s, (str, bytes)) or not hasattr(s, "__float__"):
+        raise DTypeError(f"{op}: {name} must be a number or a one-element Tensor, got "
+                         f"{type(s).__name__} {s!r:.40}")
+    return float(s)
 
 
 def _wrap(x, arr):
@@ -115,6 +129,28 @@ def _empty(x, shape, dtype=None) -> Tensor:
 def _stats_dtype(x) -> str:
     """The dtype of a row statistic (``lse``) of x: float64 for float64, else float32."""
     return "float64" if x.dtype == _dt.float64 else "float32"
+
+
+def _lse_check(op, lse, q, qname, shape):
+    """The ``lse`` an attention backward is given: a Tensor on ``q``'s device, of the dtype the
+    forward wrote (``_stats_dtype(q)``), of ``shape``."""
+    _tensor(op, "lse", lse)
+    if lse.device != q.device:
+        raise DeviceError(f"{op}: {qname} is on {q.device} but lse is on {lse.device}; "
+                          "move them to one device with .to()")
+    if lse.dtype.name != _stats_dtype(q):
+        raise DTypeError(f"{op}: lse must be {_stats_dtype(q)} (the forward's, for {qname} "
+                         f"{q.dtype.name}), got {lse.dtype.name}")
+    if lse.shape != shape:
+        raise ShapeError(f"{op}: lse must be {shape}, got {lse.shape}")
+
+
+def _ln_eps(op, eps) -> float:
+    """A layernorm's ``eps`` as a float: a number >= 0 (a negative one makes var + eps
+    negative: NaN, silently)."""
+    if not _num(op, "eps", eps) >= 0.0:
+        raise ConfigError(f"{op}: eps must be >= 0, got {eps}")
+    return float(eps)
 
 
 # -- matmul ------------------------------------------------------------------------------
@@ -191,18 +227,26 @@ def linear(x, w, bias=None, *, act=None, residual=None, ln=None, eps=1e-5) -> Te
     """
     op = "linear"
     _float(op, "x", x), _float(op, "w", w)
+    if bias is not None:
+        _float(op, "bias", bias)
+    if residual is not None:
+        _float(op, "residual", residual)
+    if ln is not None and not (isinstance(ln, (tuple, list)) and len(ln) == 2):
+        got = (f"a {type(ln).__name__} of {len(ln)}" if isinstance(ln, (tuple, list))
+               else type(ln).__name__)
+        raise ShapeError(f"{op}: ln must be None or (gamma, beta), got {got}")
     gamma, beta = (None, None) if ln is None else ln
+    if ln is not None:
+        _ln_check(op, x, gamma, beta)
     bk = _same(op, x=x, w=w, bias=bias, residual=residual, gamma=gamma, beta=beta)
     n = _layer_check(op, x, w, bias)
     if residual is not None and residual.shape != (x.shape[0], n):
         raise ShapeError(f"{op}: residual must be {(x.shape[0], n)}, got {residual.shape}")
     if act not in (None, "gelu"):
         raise ShapeError(f"{op}: act must be None or 'gelu', got {act!r}")
-    if ln is not None:
-        _ln_check(op, x, gamma, beta)
     return _wrap(x, bk.linear(x.data, w.data, None if bias is None else bias.data, act,
                               None if residual is None else residual.data,
-                              None if ln is None else (gamma.data, beta.data, _num("linear", "eps", eps))))
+                              None if ln is None else (gamma.data, beta.data, _ln_eps(op, eps))))
 
 
 def matmul_gelu(x, w, bias) -> Tuple[Tensor, Tensor]:
@@ -393,9 +437,7 @@ def layernorm(x, gamma, beta, eps=1e-5) -> Tensor:
     bk = _same("layernorm", x=x, gamma=gamma, beta=beta)
     if x.numel == 0:
         return _empty(x, x.shape)
-    if not _num("layernorm", "eps", eps) >= 0.0:   # a negative eps makes var + eps negative: NaN, silently
-        raise ConfigError(f"layernorm: eps must be >= 0, got {eps}")
-    return _wrap(x, bk.layernorm(x.data, gamma.data, beta.data, _num("layernorm", "eps", eps)))
+    return _wrap(x, bk.layernorm(x.data, gamma.data, beta.data, _ln_eps("layernorm", eps)))
 
 
 def layernorm_bwd(x, gamma, dy, eps=1e-5, add=None, sums=False):
@@ -427,14 +469,15 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5, add=None, sums=False):
     if x.numel == 0:
         c = x.shape[-1:]
         return (_empty(x, x.shape), _empty(x, c), _empty(x, c)) + ((_empty(x, c),) if sums else ())
+    eps = _ln_eps("layernorm_bwd", eps)    # as the forward's: a negative eps gave NaN, silently
     if sums:
-        dx, dg, db, ds = bk.layernorm_bwd_sums(x.data, gamma.data, dy.data, _num("layernorm_bwd", "eps", eps),
+        dx, dg, db, ds = bk.layernorm_bwd_sums(x.data, gamma.data, dy.data, eps,
                                                None if add is None else add.data)
         return _wrap(x, dx), _wrap(x, dg), _wrap(x, db), _wrap(x, ds)
     if add is None:
-        dx, dg, db = bk.layernorm_bwd(x.data, gamma.data, dy.data, _num("layernorm_bwd", "eps", eps))
+        dx, dg, db = bk.layernorm_bwd(x.data, gamma.data, dy.data, eps)
     else:
-        dx, dg, db = bk.layernorm_bwd_add(x.data, gamma.data, dy.data, _num("layernorm_bwd", "eps", eps), add.data)
+        dx, dg, db = bk.layernorm_bwd_add(x.data, gamma.data, dy.data, eps, add.data)
     return _wrap(x, dx), _wrap(x, dg), _wrap(x, db)
 
 
@@ -508,7 +551,8 @@ def unsplit_head(dy, which) -> Tensor:
     """
     _float("unsplit_head", "dy", dy)
     _rank("unsplit_head", "dy", dy, 3)
-    if which not in (0, 1, 2):
+    which = _as_int(which)
+    if type(which) is not int or which not in (0, 1, 2):   # True == 1: a bool is no index
         raise ShapeError(f"unsplit_head: which must be 0, 1 or 2, got {which!r}")
     return _wrap(dy, backend_of(dy.device).unsplit_head(dy.data, which))
 
@@ -591,8 +635,7 @@ def attention_bwd(q, k, v, out, lse, dout, scale=None):
     bk = _same("attention_bwd", q=q, k=k, v=v, out=out, dout=dout)
     _shape_eq("attention_bwd", "q", q, "out", out)
     _shape_eq("attention_bwd", "q", q, "dout", dout)
-    if lse.shape != q.shape[:-1]:
-        raise ShapeError(f"attention_bwd: lse must be {q.shape[:-1]}, got {lse.shape}")
+    _lse_check("attention_bwd", lse, q, "q", q.shape[:-1])
     if q.numel == 0:                   # as attention's forward: nothing to compute
         return _empty(q, q.shape), _empty(q, q.shape), _empty(q, q.shape)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _num("attention_bwd", "scale", scale)
@@ -673,8 +716,7 @@ def _qkv_bwd_check(op, qkv, y, lse, dy, n_head, scale):
     if y.shape != (B, T, c3 // 3):
         raise ShapeError(f"{op}: y must be {(B, T, c3 // 3)}, got {y.shape}")
     _shape_eq(op, "y", y, "dy", dy)
-    if lse.shape != (B, n_head, T):
-        raise ShapeError(f"{op}: lse must be {(B, n_head, T)}, got {lse.shape}")
+    _lse_check(op, lse, qkv, "qkv", (B, n_head, T))
     return (1.0 / math.sqrt(hs) if scale is None else _num("attention_qkv_bwd", "scale", scale)), bk
 
 
@@ -696,6 +738,9 @@ def attention_qkv_dropout(qkv, n_head, p, seed, scale=None):
     hs = _qkv_check(op, qkv, n_head)
     bk = backend_of(qkv.device)
     p, seed = _dropout_args(op, p, seed, qkv.device, bk)
+    if qkv.numel == 0:                 # as attention_qkv's: nothing to attend over
+        B, T, c3 = qkv.shape
+        return _empty(qkv, (B, T, c3 // 3)), _empty(qkv, (B, n_head, T), _stats_dtype(qkv))
     scale = 1.0 / math.sqrt(hs) if scale is None else _num("attention_qkv_dropout", "scale", scale)
     y, lse = bk.attention_qkv_dropout(qkv.data, n_head, scale, p, seed)
     return _wrap(qkv, y), _wrap(qkv, lse)
@@ -715,6 +760,8 @@ def attention_qkv_dropout_bwd(qkv, y, lse, dy, n_head, p, seed, scale=None) -> T
     op = "attention_qkv_dropout_bwd"
     scale, bk = _qkv_bwd_check(op, qkv, y, lse, dy, n_head, scale)
     p, seed = _dropout_args(op, p, seed, qkv.device, bk)
+    if qkv.numel == 0:                 # as attention_qkv_bwd's: nothing to compute
+        return _empty(qkv, qkv.shape)
     return _wrap(qkv, bk.attention_qkv_dropout_bwd(qkv.data, y.data, lse.data, dy.data, n_head,
                                                    scale, p, seed))
 
@@ -983,6 +1030,7 @@ def take_columns(x, n) -> Tensor:
     (1, 3)
     """
     _tensor("take_columns", "x", x)
+    _rank("take_columns", "x", x, 1)
     n = _as_int(n)
     if type(n) is not int or not 0 < n <= x.shape[-1]:
         raise ShapeError(f"take_columns: n must be in 1..{x.shape[-1]}, got {n!r}")
@@ -1251,8 +1299,8 @@ def cross_entropy_bwd(logits, targets, dloss=1.0, vocab_size=None) -> Tensor:
     """
     v = _ce_check("cross_entropy_bwd", logits, targets, vocab_size)
     bk = backend_of(logits.device)
+    dloss = _scalar("cross_entropy_bwd", "dloss", dloss, logits.device)
     if isinstance(dloss, Tensor):
-        _one_value("cross_entropy_bwd", "dloss", dloss, logits.device)
         if not bk.host_memory:   # the kernel reads it where it is: no wait for the forward
             return _wrap(logits, bk.cross_entropy_bwd(logits.data, targets._data, dloss.data, v))
         dloss = dloss.item()
@@ -1298,13 +1346,8 @@ def scale(x, s) -> Tensor:
     """
     _float("scale", "x", x)
     bk = backend_of(x.device)
-    if isinstance(s, Tensor):
-        _one_value("scale", "s", s, x.device)
-        return _wrap(x, bk.scale(x.data, s.data))
-    if isinstance(s, (str, bytes)) or not hasattr(s, "__float__"):
-        raise DTypeError(f"scale: s must be a number or a one-element Tensor, got "
-                         f"{type(s).__name__} {s!r:.40}")
-    return _wrap(x, bk.scale(x.data, float(s)))
+    s = _scalar("scale", "s", s, x.device)
+    return _wrap(x, bk.scale(x.data, s.data if isinstance(s, Tensor) else s))
 
 
 # -- optimizer step --------------------------------------------------------------------
@@ -1346,8 +1389,10 @@ def adamw_update(p, g, m, v, *, lr=None, beta1, beta2, eps, weight_decay, step=N
             step = int(step)
         else:
             _graph_member(bk, "adamw_update_at")(
-                p._prepare_write(), g.data, m._prepare_write(), v._prepare_write(), float(beta1),
-                float(beta2), _num("adamw_update", "eps", eps), float(weight_decay), scalars.data, lowp)
+                p._prepare_write(), g.data, m._prepare_write(), v._prepare_write(),
+                _num("adamw_update", "beta1", beta1), _num("adamw_update", "beta2", beta2),
+                _num("adamw_update", "eps", eps), _num("adamw_update", "weight_decay", weight_decay),
+                scalars.data, lowp)
             return
     if lr is None:
         raise ConfigError("adamw_update: expected lr and step (host values) or scalars (a device "
@@ -1356,8 +1401,10 @@ def adamw_update(p, g, m, v, *, lr=None, beta1, beta2, eps, weight_decay, step=N
     if type(step) is not int or step < 1:
         raise ShapeError(f"adamw_update: step must be an int >= 1, got {step!r}")
     bk.adamw_update(p._prepare_write(), g.data, m._prepare_write(), v._prepare_write(),
-                    float(lr), float(beta1), float(beta2), _num("adamw_update", "eps", eps), float(weight_decay),
-                    step, float(grad_scale), lowp)
+                    _num("adamw_update", "lr", lr), _num("adamw_update", "beta1", beta1),
+                    _num("adamw_update", "beta2", beta2), _num("adamw_update", "eps", eps),
+                    _num("adamw_update", "weight_decay", weight_decay), step,
+                    _num("adamw_update", "grad_scale", grad_scale), lowp)
 
 
 def _adamw_check(op, p, g, m, v, p_lowp=None):
@@ -1426,10 +1473,12 @@ def adamw_update_many(ps, gs, ms, vs, *, lr=None, beta1, beta2, eps, weight_deca
         st = _as_int(st)
         if type(st) is not int or st < 1:
             raise ShapeError(f"adamw_update_many: steps must be ints >= 1, got {st!r}")
+    op = "adamw_update_many"
     many([p._prepare_write() for p in ps], [g.data for g in gs],
-         [m._prepare_write() for m in ms], [v._prepare_write() for v in vs], float(lr),
-         float(beta1), float(beta2), _num("adamw_update_many", "eps", eps), [float(w) for w in weight_decays], list(steps),
-         float(grad_scale))
+         [m._prepare_write() for m in ms], [v._prepare_write() for v in vs], _num(op, "lr", lr),
+         _num(op, "beta1", beta1), _num(op, "beta2", beta2), _num(op, "eps", eps),
+         [_num(op, f"weight_decays[{i}]", w) for i, w in enumerate(weight_decays)], list(steps),
+         _num(op, "grad_scale", grad_scale))
 
 def _adamw_many_at(bk, ps, gs, ms, vs, beta1, beta2, eps, weight_decays, p_lowps, scalars):
     """``adamw_update_many`` with ``scalars``: the backend's ``adamw_update_many_at`` where it
@@ -1446,9 +1495,11 @@ def _adamw_many_at(bk, ps, gs, ms, vs, beta1, beta2, eps, weight_decays, p_lowps
         if _adamw_check("adamw_update_many", p, g, m, v, lp) is not bk:
             raise DeviceError(f"adamw_update_many: parameters on {ps[0].device} and {p.device}; "
                               "one device per call")
+    op = "adamw_update_many"
     many([p._prepare_write() for p in ps], [g.data for g in gs],
-         [m._prepare_write() for m in ms], [v._prepare_write() for v in vs], float(beta1),
-         float(beta2), _num("adamw_update_many", "eps", eps), [float(w) for w in weight_decays], scalars.data,
+         [m._prepare_write() for m in ms], [v._prepare_write() for v in vs], _num(op, "beta1", beta1),
+         _num(op, "beta2", beta2), _num(op, "eps", eps),
+         [_num(op, f"weight_decays[{i}]", w) for i, w in enumerate(weight_decays)], scalars.data,
          None if p_lowps is None else [lp._prepare_write() for lp in lows])
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import dtype as _dt
 from . import ops
-from .errors import ConfigError, ShapeError
+from .errors import ConfigError, DTypeError, ShapeError
 from .tensor import Tensor, backend_of, tensor, zeros
 
 
@@ -440,6 +440,10 @@ def clip_grad_norm(grads: dict, max_norm: float, grad_scale: float = 1.0) -> tup
     if bad is not None:
         raise ConfigError(f"clip_grad_norm: gradient {bad!r} is a {type(grads[bad]).__name__}; expected a "
                           f"forge_ml Tensor (fm.tensor(array))")
+    ints = next((k for k, g in grads.items() if g is not None and not g.dtype.is_float), None)
+    if ints is not None:   # as ops.sumsq refuses them (the C kernel's sum took them silently)
+        raise DTypeError(f"clip_grad_norm: gradient {ints!r} must be a float tensor, got "
+                         f"{grads[ints].dtype.name}")
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or math.isnan(max_norm):
         raise ConfigError(f"clip_grad_norm: max_norm must be a number (<= 0: no clipping), got {max_norm!r}")
     return ops.clip_from_sumsq(_total_sumsq(grads), max_norm, grad_scale)
