@@ -40,7 +40,9 @@ PROG = "forge-ml"
 _TRAIN_HELP = {
     "data": "text file to train on (prepared into OUT/data), a folder from `forge-ml prepare`, or a folder "
             "of llm.c token shards (its sorted *train*.bin and *val*.bin; GPT-2 ids unless a tokenizer.json "
-            "is beside them); default: the Python standard library's source",
+            "is beside them; shards named exactly train.bin and val.bin are taken for a prepare folder, "
+            "which needs its tokenizer.json or --tokenizer gpt2); default: the Python standard library's "
+            "source",
     "tokenizer": "tokenizer for a text file: char or gpt2 (default: the --init-from source's; a data "
                  "folder's own: its tokenizer.json, else GPT-2 for llm.c shards, where char is refused; "
                  "else char)",
@@ -82,7 +84,7 @@ _TRAIN_HELP = {
               "divides by warmup + 1)",
     "lr_decay_steps": "step where the cosine ends (0: max-steps; fix it to extend a run by --resume "
                       "--max-steps as one longer run would have trained)",
-    "grad_clip": "max global gradient norm (0: off)", "eval_interval": "steps between val evals (0: off)",
+    "grad_clip": "max global gradient norm (0: off)", "eval_interval": "steps between val evals (0: only the final evaluation)",
     "sample_interval": "steps between samples (0: off)", "checkpoint_interval": "steps between checkpoints (0: only at the end)",
     "out_dir": "run folder for checkpoints, log.jsonl and loss.png",
     "keep_best": "also keep the model of the lowest val loss so far in OUT/best (a model checkpoint: "
@@ -217,8 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--min-p", type=float, metavar="P", default=None,
                    help="drop tokens less likely than P times the most likely one (0..1)")
     s.add_argument("--repetition-penalty", type=float, metavar="R", default=1.0,
-                   help="divide the logits of tokens already in the context by R (> 1 discourages "
-                        "repeats; 1 is off, the default)")
+                   help="penalise tokens already in the context: a positive logit is divided by R, a "
+                        "negative one multiplied by R (transformers' rule; > 1 discourages repeats; 1 "
+                        "is off, the default)")
     s.add_argument("--logprobs", type=int, metavar="N", default=None,
                    help="after the text, each token's log-probability and the N most likely alternatives "
                         "(of the distribution drawn from: at --temperature and --repetition-penalty, "

@@ -131,8 +131,8 @@ _SWITCHES = (
            "glibc malloc thresholds raised at CPU backend start-up so activations reuse freed "
            "memory (tuned), or left alone (default)", ("tuned", "default")),
     Switch("FORGE_CACHE_DIR", "",
-           "where built C kernels and sm_90a CUDA kernels are kept (default: "
-           "$XDG_CACHE_HOME/forge-ml, ~/.cache/forge-ml)"),
+           "where built C kernels, sm_90a CUDA kernels and the tuned cuBLASLt algorithms "
+           "(gemm/lt_algos.json) are kept (default: $XDG_CACHE_HOME/forge-ml, ~/.cache/forge-ml)"),
     Switch("FORGE_API_KEY", "",
            "the key `forge-ml serve` requires as `Authorization: Bearer KEY` (as --api-key)"),
 )

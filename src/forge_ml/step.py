@@ -194,7 +194,20 @@ class TrainStep:
         they reach the device as that step ends, with no wait on the host, and ``submit`` of
         the same ``batches`` object, seeds and lr then writes nothing. The values are those of
         the step after a taken one: a step in flight that is not taken drops the preload (its
-        ``submit`` then writes the values itself)."""
+        ``submit`` then writes the values itself).
+
+        >>> import numpy as np
+        >>> from forge_ml.models import GPT2, GPT2Config
+        >>> from forge_ml.optim import AdamW
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=8))
+        >>> step = TrainStep(model, AdamW(model.params, lr=1e-2), batch=2, block=4)
+        >>> ids = np.arange(8).reshape(2, 4) % 10
+        >>> first = step.submit([(ids, (ids + 1) % 10)], seeds=[0], lr=1e-2)
+        >>> nxt = [(ids[::-1].copy(), ids)]
+        >>> step.preload(nxt, seeds=[1], lr=1e-2)       # while the first runs
+        >>> first.result().taken, step.submit(nxt, seeds=[1], lr=1e-2).result().taken
+        (True, True)
+        """
         arrays = self._arrays(batches, seeds)
         if self.opt.scalars is None:
             self.opt.prepare(lr, grad_scale=1.0 / self.accum)
@@ -231,7 +244,19 @@ class TrainStep:
         ``accum`` pairs of host ``(ids, targets)`` arrays, ``seeds`` the micro-batches' dropout
         seeds (``train.dropout_seed``). The host is free while the step runs (the trainer draws
         the next batches then); ``result()`` of what comes back waits and reads the step. A
-        step still unread when the next is submitted is read first (its optimizer count)."""
+        step still unread when the next is submitted is read first (its optimizer count).
+
+        >>> import numpy as np
+        >>> from forge_ml.models import GPT2, GPT2Config
+        >>> from forge_ml.optim import AdamW
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=8))
+        >>> step = TrainStep(model, AdamW(model.params, lr=1e-2), batch=2, block=4)
+        >>> ids = np.arange(8).reshape(2, 4) % 10
+        >>> pending = step.submit([(ids, (ids + 1) % 10)], seeds=[0], lr=1e-2)
+        >>> r = pending.result()                         # the host was free until here
+        >>> r.taken, len(r.losses)
+        (True, 1)
+        """
         if self._pending is not None:
             self._pending.result()
         pre, self._preloaded = self._preloaded, None

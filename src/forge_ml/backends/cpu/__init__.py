@@ -1,7 +1,8 @@
 """The CPU backend: the module the registry (``backends/__init__.py``) loads for ``cpu``.
 
-The rooms: ``reference.py`` holds a NumPy kernel for every op of the contract (the
-reference, and the fallback); the C files hold fused float32 loops, 1.3x to 4x faster than
+The rooms: ``reference.py`` holds NumPy kernels for the core ops and some fused ones (the
+reference, and the fallback; the product ops are defined here over ``gemm.c`` and fall back
+to ``compose.py``'s composed forms, as the ops with no kernel of their own do); the C files hold fused float32 loops, 1.3x to 4x faster than
 chains of ufuncs on the nanoGPT CPU model's shapes, sharing one thread pool (``pool.c``):
 the matrix products with their bias, residual and GELU (``gemm.c``), attention forward and
 backward, also on GPT-2's fused qkv rows (``attention.c``), and gelu, layernorm,
@@ -10,7 +11,7 @@ builds, caches and loads them as one library. This module decides, op by op, whi
 runs: the C kernel when the library is loaded (``FORGE_CPU_KERNELS``: auto, numpy, c) and
 every array it reads is a non-empty C-contiguous float32 array; otherwise, or when the kernel
 declines (its scratch allocation failed, an argument it does not take), the reference. That
-decision is ``_fused``, written once; every other op is the reference's own function.
+decision is ``_fused``, written once; every other core op is the reference's own function.
 
 Capabilities: no bfloat16, no graphs, arrays in host memory. ``start()`` is the start-up step
 the registry runs once at load (glibc malloc tuning, ``FORGE_CPU_MALLOC``).
