@@ -546,10 +546,13 @@ def test_added_token_details_match_transformers(tmp_path, case):
 
 @pytest.mark.parametrize("config, fast, cls, want", [
     (None, True, "GPT2Tokenizer", [15496, 995]), (True, False, "PreTrainedTokenizerFast", [15496, 995]),
-    (False, True, "PreTrainedTokenizerFast", [18435, 995]), (True, False, "GPT2Tokenizer", [18435, 995])])
+    (False, True, "PreTrainedTokenizerFast", [18435, 995]), (True, False, "GPT2Tokenizer", [18435, 995]),
+    ("no file", True, None, [15496, 995]), (None, True, "no class", [15496, 995])])
 def test_conflicting_prefix_space_settings_are_read_as_transformers_reads_them(tmp_path, config, fast, cls, want):
     """tokenizer_config.json's add_prefix_space rules for GPT-2's tokenizer class, tokenizer.json's
-    pre-tokenizer for PreTrainedTokenizerFast (forge-ml took the config's first in every case)."""
+    pre-tokenizer for PreTrainedTokenizerFast (forge-ml took the config's first in every case).
+    With no tokenizer_config.json, transformers takes GPT-2's class (from config.json) and its
+    default, no prefix space (forge-ml took tokenizer.json's: other ids, a QA report)."""
     from forge_ml.inference import load_model
 
     folder, _ = _hf_tokenizer_folder(tmp_path, "p", lambda t: t.add_special_tokens({"pad_token": "<|pad|>"}))
@@ -558,7 +561,11 @@ def test_conflicting_prefix_space_settings_are_read_as_transformers_reads_them(t
     if config is not None:
         cfg["add_prefix_space"] = config
     cfg["tokenizer_class"] = cls
+    if cls == "no class":
+        del cfg["tokenizer_class"]
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if config == "no file":
+        (folder / "tokenizer_config.json").unlink()
     spec = json.loads((folder / "tokenizer.json").read_text())
     spec["pre_tokenizer"]["add_prefix_space"] = fast
     (folder / "tokenizer.json").write_text(json.dumps(spec))

@@ -198,14 +198,18 @@ def _hf_prefix_space(d: Path) -> bool:
     """A Hugging Face GPT-2 tokenizer's ``add_prefix_space``, read as transformers reads it:
     a ``tokenizer_config.json`` whose ``tokenizer_class`` is GPT-2's passes its own setting on
     (False when it has none) over ``tokenizer.json``'s; another class (``PreTrainedTokenizerFast``)
-    takes ``tokenizer.json``'s ByteLevel pre-tokenizer's. It was not read: such a folder's text
-    got GPT-2's plain ids ("Hello" 15496 where HF gives " Hello" 18435)."""
+    takes ``tokenizer.json``'s ByteLevel pre-tokenizer's; with no ``tokenizer_config.json``, or
+    one that names no class, the class is GPT-2's (``config.json``'s model type), whose default
+    is False. It was not read:
+    such a folder's text got GPT-2's plain ids ("Hello" 15496 where HF gives " Hello" 18435)."""
     specs = {}
     for name in ("tokenizer_config.json", "tokenizer.json"):
         spec = _tokenizer_file(d / name)
         specs[name] = spec if isinstance(spec, dict) else None
     cfg, fast = specs["tokenizer_config.json"], specs["tokenizer.json"]
-    if cfg is not None and (fast is None or cfg.get("tokenizer_class") in HF_GPT2_CLASSES):
+    if cfg is None:
+        return False
+    if fast is None or cfg.get("tokenizer_class") in (None, *HF_GPT2_CLASSES):   # none: GPT-2's
         return cfg.get("add_prefix_space") is True
     if fast is not None:
         pre = fast.get("pre_tokenizer")
