@@ -667,3 +667,30 @@ def test_an_unreadable_file_says_permission_denied(saved, monkeypatch, name):
     denied_open(monkeypatch, name)
     with pytest.raises(CheckpointError, match=rf"{name}: cannot read it: Permission denied"):
         load_hf_gpt2(saved[0])
+
+
+def test_a_gpt2_folder_s_own_eos_ids_end_generation_and_are_exported(tmp_path):
+    """A GPT-2-vocabulary folder whose generation config ends on more ids than 50256 ("." too)
+    ran on past them: GPT-2's tokenizer stopped on 50256 alone, and an export wrote 50256 back
+    (a QA report; a folder's own tokenizer honoured its eos ids already)."""
+    from forge_ml.cli import main
+    from forge_ml.inference import load_model
+
+    cfg = dict(vocab_size=50257, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    params = {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()}
+    gen, plain = tmp_path / "gen", tmp_path / "plain"
+    for d in (gen, plain):
+        save_hf_gpt2(d, cfg, params, tokenizer={"kind": "gpt2"})
+    (gen / "generation_config.json").write_text(json.dumps({"eos_token_id": [50256, 13]}))
+    conf = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps(dict(conf, eos_token_id=13)))
+    assert load_model(gen)[1].stop_tokens == (50256, 13)
+    assert load_model(plain)[1].stop_tokens == (13,)
+    assert load_model(tmp_path / "gen")[2]["tokenizer"]["eos_token_id"] == [50256, 13]
+    assert main(["convert", "--from-hf", str(gen), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "ck"), "--out", str(tmp_path / "back")]) == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == [50256, 13]
+    assert load_model(tmp_path / "back")[1].stop_tokens == (50256, 13)
+    # GPT-2's own (50256 alone, as an int or a list) keeps the plain tokenizer dict
+    (gen / "generation_config.json").write_text(json.dumps({"eos_token_id": [50256]}))
+    assert load_model(gen)[2]["tokenizer"] == {"kind": "gpt2"}

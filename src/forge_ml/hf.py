@@ -455,7 +455,8 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
     written as the files ``AutoTokenizer.from_pretrained`` reads (``transformers_tokenizer_files``),
     and one that is not GPT-2's also goes to ``forge_ml_tokenizer.json`` (transformers ignores
     it; forge-ml reads it). A Hugging Face tokenizer (kind "hf") gives ``config.json`` its
-    ``eos_token_id`` and ``bos_token_id`` (else GPT-2's 50256 where the vocabulary holds it).
+    ``eos_token_id`` and ``bos_token_id``, GPT-2's the ``eos_token_id`` it was read with (else
+    GPT-2's 50256 where the vocabulary holds it).
 
     The directory is replaced atomically as a whole, and only when it is new, empty, or an
     earlier export (``is_hf_export``); anything else is a CheckpointError and is left alone.
@@ -513,7 +514,7 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
                               f"got {type(tokenizer).__name__}")
     # a Hugging Face tokenizer's end of text and start (what generate stops on and starts from)
     special_ids = {k: tokenizer[k] for k in ("bos_token_id", "eos_token_id")
-                   if tokenizer is not None and tokenizer.get("kind") == "hf" and k in tokenizer}
+                   if tokenizer is not None and tokenizer.get("kind") in ("hf", "gpt2") and k in tokenizer}
     hf_config = {
         "activation_function": "gelu_new",
         "architectures": ["GPT2LMHeadModel"],

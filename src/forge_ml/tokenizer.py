@@ -426,20 +426,32 @@ class GPT2Tokenizer:
 
     >>> GPT2Tokenizer(add_prefix_space=True).encode("Hello world")
     [18435, 995]
+
+    ``eos_token_id``: the ids generation stops on, where a Hugging Face model's generation
+    config names others than 50256 (an int or a list, transformers' form); default 50256.
+
+    >>> GPT2Tokenizer(eos_token_id=[50256, 13]).stop_tokens
+    (50256, 13)
     """
 
     kind = "gpt2"
     eot_token = GPT2_EOT_ID
-    stop_tokens = (GPT2_EOT_ID,)   # the ids generation stops on
 
     def __init__(self, data_dir: str | Path | None = None, added: dict | None = None,
-                 add_prefix_space: bool = False, roles: dict | None = None):
+                 add_prefix_space: bool = False, roles: dict | None = None, eos_token_id=None):
         if not isinstance(add_prefix_space, bool):
             raise TokenizerError(f"GPT2Tokenizer: add_prefix_space must be True or False, got {add_prefix_space!r:.40}")
         self.add_prefix_space = add_prefix_space
         self.data_dir = Path(data_dir) if data_dir is not None else gpt2_data_dir()
         self._enc = _gpt2_encoding(str(self.data_dir.resolve()))
         self.added = _check_added(added)
+        n = GPT2_VOCAB_SIZE + sum(r["id"] >= GPT2_VOCAB_SIZE for r in self.added.values())
+        stops = [GPT2_EOT_ID] if eos_token_id is None else eos_token_id
+        stops = stops if isinstance(stops, list) else [stops]
+        if not stops or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in stops):
+            raise TokenizerError(f"GPT2Tokenizer: eos_token_id must be an id or a list of ids in 0..{n - 1}, "
+                                 f"got {eos_token_id!r:.80}")
+        self.stop_tokens = tuple(stops)   # the ids generation stops on
         # the special-token roles transformers gives added tokens (``{"pad_token": "<|pad|>"}``):
         # kept, so that an export names them again
         roles = dict(roles or {})
@@ -589,9 +601,11 @@ class GPT2Tokenizer:
         {'kind': 'gpt2'}
         """
         added = {c: (r["id"] if not any(r[f] for f in _ADDED_FLAGS) else dict(r)) for c, r in self.added.items()}
+        eos = list(self.stop_tokens)
         return {"kind": "gpt2", **({"added": added} if added else {}),
                 **({"add_prefix_space": True} if self.add_prefix_space else {}),
-                **({"roles": dict(self.roles)} if self.roles else {})}
+                **({"roles": dict(self.roles)} if self.roles else {}),
+                **({"eos_token_id": eos[0] if len(eos) == 1 else eos} if eos != [GPT2_EOT_ID] else {})}
 
     def __repr__(self) -> str:
         return f"GPT2Tokenizer(vocab_size={self.vocab_size})"
@@ -970,7 +984,7 @@ def tokenizer_from_dict(d: dict):
         return CharTokenizer.from_dict(d)
     if kind == "gpt2":
         return GPT2Tokenizer(added=d.get("added"), add_prefix_space=d.get("add_prefix_space", False),
-                             roles=d.get("roles"))
+                             roles=d.get("roles"), eos_token_id=d.get("eos_token_id"))
     if kind == "hf":
         return HFTokenizer.from_dict(d)
     raise TokenizerError(f"unknown tokenizer kind {kind!r}; expected 'char', 'gpt2' or 'hf'")

@@ -171,6 +171,10 @@ def _hf_tokenizer(hf_dir) -> tuple:
         d["add_prefix_space"] = True
     try:
         tok = tokenizer_from_dict(d)
+        eos = _hf_eos(Path(hf_dir), tok.vocab_size)
+        if eos and tuple(eos) != tok.stop_tokens:   # (GPT-2's 50256 alone is the default)
+            d["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+            tok = tokenizer_from_dict(d)
     except TokenizerError as e:
         raise CheckpointError(f"{hf_dir}: its tokenizer cannot be read: {e}") from None
     return d, tok
@@ -192,6 +196,25 @@ def _tokenizer_file(f: Path):
         return json.loads(f.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
+
+
+def _hf_eos(d: Path, n: int) -> list:
+    """The ids a Hugging Face model's ``generate`` stops on: ``generation_config.json``'s
+    ``eos_token_id``, else ``config.json``'s (an int or a list), those below ``n`` (an id past
+    the vocabulary is never generated); [] where neither names one. With GPT-2's vocabulary
+    only 50256 was taken: a model whose generation config adds "." (13) ran on past it.
+
+    >>> import tempfile, json
+    >>> d = Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text(json.dumps({"eos_token_id": 13}))
+    >>> _hf_eos(d, 50257), _hf_eos(Path(tempfile.mkdtemp()), 50257)
+    ([13], [])
+    """
+    from ..tokenizer import _hf_ids
+    for name in ("generation_config.json", "config.json"):
+        conf = _tokenizer_file(d / name)
+        if isinstance(conf, dict) and conf.get("eos_token_id") is not None:
+            return [i for i in _hf_ids(conf["eos_token_id"]) if i < n]
+    return []
 
 
 def _hf_prefix_space(d: Path) -> bool:
