@@ -108,6 +108,14 @@ class TrainStep:
     >>> r = step.run([(ids, (ids + 1) % 10)], seeds=[0], lr=1e-2)
     >>> len(r.losses), r.taken, step.mode
     (1, True, 'eager')
+
+    ``submit`` queues a step without waiting, and ``preload`` the next one's values behind it:
+
+    >>> pending = step.submit([(ids, (ids + 1) % 10)], seeds=[1], lr=1e-2)
+    >>> nxt = [(ids[::-1].copy(), ids)]
+    >>> step.preload(nxt, seeds=[2], lr=1e-2)       # while the step runs
+    >>> pending.result().taken, step.submit(nxt, seeds=[2], lr=1e-2).result().taken
+    (True, True)
     """
 
     def __init__(self, model, opt: AdamW, batch: int, block: int, accum: int = 1,
@@ -194,19 +202,7 @@ class TrainStep:
         they reach the device as that step ends, with no wait on the host, and ``submit`` of
         the same ``batches`` object, seeds and lr then writes nothing. The values are those of
         the step after a taken one: a step in flight that is not taken drops the preload (its
-        ``submit`` then writes the values itself).
-
-        >>> import numpy as np
-        >>> from forge_ml.models import GPT2, GPT2Config
-        >>> from forge_ml.optim import AdamW
-        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=8))
-        >>> step = TrainStep(model, AdamW(model.params, lr=1e-2), batch=2, block=4)
-        >>> ids = np.arange(8).reshape(2, 4) % 10
-        >>> first = step.submit([(ids, (ids + 1) % 10)], seeds=[0], lr=1e-2)
-        >>> nxt = [(ids[::-1].copy(), ids)]
-        >>> step.preload(nxt, seeds=[1], lr=1e-2)       # while the first runs
-        >>> first.result().taken, step.submit(nxt, seeds=[1], lr=1e-2).result().taken
-        (True, True)
+        ``submit`` then writes the values itself). Example: the class docstring's.
         """
         arrays = self._arrays(batches, seeds)
         if self.opt.scalars is None:
@@ -245,17 +241,7 @@ class TrainStep:
         seeds (``train.dropout_seed``). The host is free while the step runs (the trainer draws
         the next batches then); ``result()`` of what comes back waits and reads the step. A
         step still unread when the next is submitted is read first (its optimizer count).
-
-        >>> import numpy as np
-        >>> from forge_ml.models import GPT2, GPT2Config
-        >>> from forge_ml.optim import AdamW
-        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=8))
-        >>> step = TrainStep(model, AdamW(model.params, lr=1e-2), batch=2, block=4)
-        >>> ids = np.arange(8).reshape(2, 4) % 10
-        >>> pending = step.submit([(ids, (ids + 1) % 10)], seeds=[0], lr=1e-2)
-        >>> r = pending.result()                         # the host was free until here
-        >>> r.taken, len(r.losses)
-        (True, 1)
+        Example: the class docstring's.
         """
         if self._pending is not None:
             self._pending.result()
