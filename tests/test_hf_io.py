@@ -694,3 +694,22 @@ def test_a_gpt2_folder_s_own_eos_ids_end_generation_and_are_exported(tmp_path):
     # GPT-2's own (50256 alone, as an int or a list) keeps the plain tokenizer dict
     (gen / "generation_config.json").write_text(json.dumps({"eos_token_id": [50256]}))
     assert load_model(gen)[2]["tokenizer"] == {"kind": "gpt2"}
+
+
+@pytest.mark.parametrize("eos, stop_id, shown", [([50256, 13], 13, "."), ([50256, 13], 50256, "")])
+def test_a_stop_token_that_is_not_special_is_part_of_the_text(tmp_path, capsys, eos, stop_id, shown):
+    """With a "." (13) among the eos ids, transformers' pipeline and vLLM keep the "." that
+    ends the text (only special tokens are left out); forge-ml sample left every stop token
+    out: "Hi" where they give "Hi.". <|endoftext|> stays out."""
+    from forge_ml.cli import main
+
+    cfg = dict(vocab_size=50257, block_size=16, n_layer=1, n_head=1, n_embd=4, tied_head=False)
+    params = {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()}
+    params["ln_f.bias"][:] = 1.0                       # every position's output: ones
+    params["lm_head.weight"][stop_id] = 1.0            # greedy: stop_id at every step
+    save_hf_gpt2(tmp_path / "m", cfg, params, tokenizer={"kind": "gpt2", "eos_token_id": eos})
+    for argv in ([], ["--num-beams", "2"], ["--logprobs", "1"]):
+        assert main(["sample", "--ckpt", str(tmp_path / "m"), "--prompt", "Hi", "--temperature", "0",
+                     "--max-new-tokens", "4", *argv]) == 0
+        out = capsys.readouterr().out
+        assert out.splitlines()[0] == "Hi" + shown, (argv, out)

@@ -1004,3 +1004,35 @@ def test_a_second_ctrl_c_ends_requests_with_openai_errors_not_a_cut(tmp_path):
     assert lines[-1] == "data: [DONE]" and "stopped at once" in lines[-2], lines[-3:]
     assert len(lines) < 900                      # cut, not run to the end
     assert proc.returncode in (130, -2) and "Traceback" not in out, out
+
+
+def test_a_stop_token_that_is_not_special_is_in_the_completion(tmp_path):
+    """vLLM's rule: the text holds a stop token unless it is special. With "." (13) among the
+    model's eos ids the completion ended before it ("Hi" where vLLM gives "Hi."); an
+    <|endoftext|> stays out."""
+    from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
+    from forge_ml.inference import load_model
+
+    cfg = dict(vocab_size=50257, block_size=16, n_layer=1, n_head=1, n_embd=4, tied_head=False)
+    got = {}
+    for stop_id in (13, 50256):
+        params = {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()}
+        params["ln_f.bias"][:] = 1.0
+        params["lm_head.weight"][stop_id] = 1.0        # greedy: stop_id at once
+        save_hf_gpt2(tmp_path / str(stop_id), cfg, params,
+                     tokenizer={"kind": "gpt2", "eos_token_id": [50256, 13]})
+        model, tok, _ = load_model(tmp_path / str(stop_id))
+        eng = BatchEngine(model, tok, slots=2)
+        srv = Server(create_app(eng, "m"))
+        try:
+            with httpx.Client(base_url=srv.url, timeout=60) as h:
+                whole = complete(h, model="m", prompt="Hi", max_tokens=4, temperature=0, logprobs=1)
+                chunks = sse(h, model="m", prompt="Hi", max_tokens=4, temperature=0)
+        finally:
+            srv.stop()
+            eng.close()
+        choice = whole["choices"][0]
+        assert choice["finish_reason"] == "stop" and whole["usage"]["completion_tokens"] == 1
+        assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+        got[stop_id] = (choice["text"], choice["logprobs"]["tokens"])
+    assert got == {13: (".", ["."]), 50256: ("", [])}

@@ -747,7 +747,7 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int, head: str) -> None:
         for step in steps:
             for e in step:
                 events.append(e)
-                if e.token not in stop:
+                if e.token not in stop or not tok.is_special(e.token):
                     out.write(detok(e.token))
                     out.flush()
         out.write(detok.flush() + "\n")
@@ -763,10 +763,12 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int, head: str) -> None:
     out.write(head + args.prompt)
     out.flush()
     for t in tokens:
+        if t in stop and tok.is_special(t):
+            break
+        out.write(detok(t))     # a stop token that is not special (a ".") is text, as in transformers
+        out.flush()
         if t in stop:
             break
-        out.write(detok(t))
-        out.flush()
     out.write(detok.flush() + "\n")
     out.flush()
 
@@ -780,7 +782,7 @@ def _sample_beams(args, model, tok, ids, stop, out) -> int:
                                early_stopping=early, eos_token_id=list(stop) or None,
                                num_return_sequences=args.num_return_sequences)
     for i, (seq, score) in enumerate(zip(seqs, scores)):
-        text = tok.decode([t for t in seq if t not in stop and t < tok.vocab_size])
+        text = tok.decode([t for t in seq if (t not in stop or not tok.is_special(t)) and t < tok.vocab_size])
         if len(seqs) > 1:
             out.write(f"--- sequence {i + 1} of {len(seqs)}, score {score:.4f} ---\n")
         out.write(args.prompt + text + "\n")

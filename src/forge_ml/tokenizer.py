@@ -209,6 +209,14 @@ class CharTokenizer:
         """
         return self.encode("\n") if "\n" in self.chars else [0]
 
+    def is_special(self, token_id: int) -> bool:
+        """Whether the id is a special token (one whose text is not shown): none here.
+
+        >>> CharTokenizer("ab").is_special(0)
+        False
+        """
+        return False
+
     def to_dict(self) -> dict:
         """JSON-able description: ``{"kind": "char", "chars": ...}``.
 
@@ -468,6 +476,7 @@ class GPT2Tokenizer:
         # transformers splits the special added tokens out first, then the others in what is
         # left; with allowed_special, <|endoftext|> joins the special ones
         special = [(c, r) for c, r in self.added.items() if r["special"]]
+        self._special_ids = frozenset(r["id"] for _, r in special)
         plain = [(c, r) for c, r in self.added.items() if not r["special"]]
         eot = (GPT2_EOT, {"id": GPT2_EOT_ID, "lstrip": False, "rstrip": False, "single_word": False, "special": True})
         self._stages = {allow: [(pat, toks) for toks in ((special + [eot]) if allow else special, plain)
@@ -593,6 +602,17 @@ class GPT2Tokenizer:
         [50256]
         """
         return [self.eot_token]
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether the id is a special token: ``<|endoftext|>`` or an added token marked special
+        (transformers leaves their text out with ``skip_special_tokens``; a stop token that is
+        not special, a "." ending generation, is part of the text).
+
+        >>> tok = GPT2Tokenizer(added={"<|pad|>": 50257})
+        >>> tok.is_special(50256), tok.is_special(13), tok.is_special(50257)
+        (True, False, False)
+        """
+        return token_id == GPT2_EOT_ID or token_id in self._special_ids
 
     def to_dict(self) -> dict:
         """JSON-able description: ``{"kind": "gpt2"}``.
@@ -819,6 +839,7 @@ class HFTokenizer:
         dec = spec["tokenizer"].get("decoder")
         self._byte_level = isinstance(dec, dict) and dec.get("type") == "ByteLevel"
         self._token_bytes = None
+        self._special_ids = None
 
     @property
     def vocab_size(self) -> int:
@@ -923,6 +944,14 @@ class HFTokenizer:
             raise TokenizerError("HFTokenizer: the model names no bos or eos token to start an empty prompt "
                                  "from; give a prompt")
         return [self.bos_token]
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether the id is one of the tokenizer's added tokens marked special (its bos, eos,
+        pad, ...): text transformers leaves out with ``skip_special_tokens``."""
+        if self._special_ids is None:
+            self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items()
+                                          if t.special)
+        return token_id in self._special_ids
 
     def to_dict(self) -> dict:
         """JSON-able description: ``{"kind": "hf", "tokenizer": <tokenizer.json>, ...}``."""

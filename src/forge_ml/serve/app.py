@@ -137,6 +137,7 @@ class _Choice:
         self.stop = StopText(req.stop)
         # the ids that end the choice with no text (an int: the one end-of-text id)
         self.stop_ids = (stop_ids,) if isinstance(stop_ids, int) else tuple(stop_ids or ())
+        self.is_special = getattr(tokenizer, "is_special", lambda token_id: True)
         self.want_logprobs = req.logprobs is not None
         # text_offset counts characters from the start of the prompt, as OpenAI's API does,
         # echo or not (it counted from the completion's start without echo)
@@ -192,7 +193,8 @@ class _Choice:
         self.n_tokens += 1
         lp = logprobs_body() if self.want_logprobs else None
         text, stopped = "", False
-        if out.token not in self.stop_ids or out.finish != "stop":
+        # an end-of-text token is no text; a stop id that is not special (a "."), as vLLM has it
+        if out.token not in self.stop_ids or out.finish != "stop" or not self.is_special(out.token):
             if lp is not None:
                 self._logprob_part(lp, out.token, out.logprob, out.top_logprobs, self.offset)
             piece = self.detok.feed(out.token)
