@@ -198,9 +198,9 @@ def test_stop_string_ends_the_row_and_generate_text_cuts_it(model):
     assert steps[-1][0].finish == "stop_string"
     assert generate_text(model, tok, prompt, max_new_tokens=12, temperature=0,
                          stop_strings=[stop]) == text[:cut]
-    stop_id = tok.encode(text[2])[0]
+    stop_id = tok.encode(text[2])[0]      # no special token: the text keeps it (as vLLM)
     assert generate_text(model, tok, prompt, max_new_tokens=12, temperature=0,
-                         stop_tokens=[stop_id]) == text[: text.index(text[2])]
+                         stop_tokens=[stop_id]) == text[: text.index(text[2]) + 1]
 
 
 def test_max_new_tokens_and_context_full(model):
@@ -622,3 +622,20 @@ def test_weights_with_nan_or_inf_are_named_not_generated_from(device):
         list(generate(m.to(device, dtype=dtype), [1, 2, 3], max_new_tokens=2, temperature=0))
     # and a healthy model still generates on the device the check reads from
     assert len(list(generate(make_model().to(device, dtype=dtype), [1, 2, 3], max_new_tokens=4))) == 4
+
+
+def test_generate_text_keeps_a_stop_token_that_is_not_special(model):
+    # as forge-ml sample and serve (and transformers' pipeline, vLLM): a special stop token
+    # (<|endoftext|>) is no text, another one is; a char tokenizer has no special tokens
+    tok = CharTokenizer("abcdefghijklmnopqrstuvw")
+    full = list(generate(model, tok.encode("abc"), max_new_tokens=10, temperature=0))
+    stop = full[3]
+    text = generate_text(model, tok, "abc", max_new_tokens=10, temperature=0, stop_tokens=[stop])
+    assert text == tok.decode(full[:full.index(stop) + 1])
+
+    class Special(CharTokenizer):
+        def is_special(self, token_id):
+            return token_id == stop
+    special = Special("abcdefghijklmnopqrstuvw")
+    assert generate_text(model, special, "abc", max_new_tokens=10, temperature=0,
+                         stop_tokens=[stop]) == tok.decode(full[:full.index(stop)])

@@ -612,7 +612,9 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kwa
 
     ``kwargs`` are ``generate``'s (temperature, top_k, top_p, min_p, repetition_penalty,
     seed, stop_tokens, stop_strings; not logprobs, which need the batch form). The text is
-    cut before a stop string, and a final stop token is left out.
+    cut before a stop string, and a final stop token is left out where it is a special token
+    (the tokenizer's ``is_special``: ``<|endoftext|>``); another (a ".") is part of the text,
+    as in transformers' text-generation pipeline and vLLM.
 
     >>> from forge_ml.tokenizer import CharTokenizer
     >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
@@ -630,7 +632,7 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kwa
     stop_tokens, stop_strings = _stop_args(kwargs.get("stop_tokens"), kwargs.get("stop_strings"))
     kwargs["tokenizer"] = tokenizer
     out = list(generate(model, ids, max_new_tokens, **kwargs))
-    if out and out[-1] in stop_tokens:
+    if out and out[-1] in stop_tokens and getattr(tokenizer, "is_special", lambda t: True)(out[-1]):
         out = out[:-1]
     text = tokenizer.decode(out)
     cuts = [text.find(s) for s in stop_strings if s in text]
