@@ -713,3 +713,28 @@ def test_a_stop_token_that_is_not_special_is_part_of_the_text(tmp_path, capsys, 
                      "--max-new-tokens", "4", *argv]) == 0
         out = capsys.readouterr().out
         assert out.splitlines()[0] == "Hi" + shown, (argv, out)
+
+
+def test_a_folder_with_its_own_eos_ids_fine_tunes_and_evaluates_gpt2_data(tmp_path, monkeypatch):
+    """The eos ids are no part of which ids a text gets: a GPT-2 data folder (prepared without
+    them) is the tokenizer of a folder that names [50256, 13] (it was refused, "another
+    tokenizer ... (gpt2, 50257 ids) than hf's (gpt2, 50257 ids)": a review's find). A
+    generation_config.json that cannot be read falls back to config.json, as transformers."""
+    from forge_ml.cli import main
+    from forge_ml.inference import load_model
+
+    monkeypatch.chdir(tmp_path)
+    cfg = dict(vocab_size=50257, block_size=16, n_layer=1, n_head=1, n_embd=4)
+    save_hf_gpt2("hf", cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"eos_token_id": [50256, 13]}))
+    (tmp_path / "t.txt").write_text("Hello world. " * 400)
+    assert main(["prepare", "t.txt", "--out", "data", "--tokenizer", "gpt2"]) == 0
+    assert main(["eval", "--ckpt", "hf", "--data", "data"]) == 0
+    assert main(["train", "--data", "data", "--init-from", "hf", "--out", "ft", "--max-steps", "2",
+                 "--batch-size", "2", "--eval-iters", "1", "--eval-interval", "0", "--sample-interval", "0",
+                 "--no-progress", "--final-eval-windows", "2"]) == 0
+    assert main(["train", "--out", "ft", "--resume", "--max-steps", "3", "--no-progress"]) == 0
+    (tmp_path / "hf" / "generation_config.json").write_text("{not json")
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(conf, eos_token_id=13)))
+    assert load_model("hf")[1].stop_tokens == (13,)

@@ -442,6 +442,8 @@ def test_linear_ln_must_be_a_pair():
         ops.linear(x, w, ln=f32(2))
     with pytest.raises(fm.DTypeError, match="linear: gamma must be a forge_ml Tensor"):
         ops.linear(x, w, ln=(np.ones(2, np.float32), f32(2)))
+    with pytest.raises(fm.DTypeError, match="linear: beta must be a forge_ml Tensor"):
+        ops.linear(x, w, ln=(f32(2), None))          # (an AttributeError: a review's find)
     assert ops.linear(x, w, ln=(f32(2), fm.zeros((2,)))).shape == (2, 3)
     assert ops.linear(x, w, ln=[f32(2), fm.zeros((2,))]).shape == (2, 3)
 

@@ -907,7 +907,7 @@ def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, model_vocab: int,
     it) were made with another tokenizer than the checkpoint's: ``tokenizer_file``, or (None:
     llm.c's shards) GPT-2's. Ids that fit the model's vocabulary would otherwise be read as
     other tokens and give a wrong loss."""
-    from .tokenizer import tokenizer_from_dict
+    from .tokenizer import same_ids, tokenizer_from_dict
 
     what = what or f"the shards in {folder}"
     # the way out: a text file, unless the checkpoint's tokenizer does not fit its model either
@@ -926,7 +926,7 @@ def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, model_vocab: int,
         theirs = tokenizer_from_dict(json.loads(tokenizer_file.read_text(encoding="utf-8")))
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{tokenizer_file}: not a tokenizer file ({e}); prepare the data again") from None
-    if theirs.to_dict() != tok.to_dict():
+    if not same_ids(theirs.to_dict(), tok.to_dict()):
         raise DataError(f"{what}: made with another tokenizer ({tokenizer_file}: "
                         f"{theirs.kind}, {theirs.vocab_size} {plural(theirs.vocab_size, 'id')}) than "
                         f"{ckpt}'s ({tok.kind}, "

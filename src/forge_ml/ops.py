@@ -237,6 +237,7 @@ def linear(x, w, bias=None, *, act=None, residual=None, ln=None, eps=1e-5) -> Te
         raise ShapeError(f"{op}: ln must be None or (gamma, beta), got {got}")
     gamma, beta = (None, None) if ln is None else ln
     if ln is not None:
+        _float(op, "beta", beta)     # (_ln_check takes no beta as none: linear's ln has one)
         _ln_check(op, x, gamma, beta)
     bk = _same(op, x=x, w=w, bias=bias, residual=residual, gamma=gamma, beta=beta)
     n = _layer_check(op, x, w, bias)

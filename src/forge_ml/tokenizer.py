@@ -437,9 +437,11 @@ class GPT2Tokenizer:
 
     ``eos_token_id``: the ids generation stops on, where a Hugging Face model's generation
     config names others than 50256 (an int or a list, transformers' form); default 50256.
+    ``eot_token`` stays 50256 whatever they are: the document separator an empty prompt
+    starts from.
 
-    >>> GPT2Tokenizer(eos_token_id=[50256, 13]).stop_tokens
-    (50256, 13)
+    >>> GPT2Tokenizer(eos_token_id=[50256, 13]).stop_tokens, GPT2Tokenizer(eos_token_id=(13,)).stop_tokens
+    ((50256, 13), (13,))
     """
 
     kind = "gpt2"
@@ -455,7 +457,7 @@ class GPT2Tokenizer:
         self.added = _check_added(added)
         n = GPT2_VOCAB_SIZE + sum(r["id"] >= GPT2_VOCAB_SIZE for r in self.added.values())
         stops = [GPT2_EOT_ID] if eos_token_id is None else eos_token_id
-        stops = stops if isinstance(stops, list) else [stops]
+        stops = list(stops) if isinstance(stops, (list, tuple)) else [stops]
         if not stops or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in stops):
             raise TokenizerError(f"GPT2Tokenizer: eos_token_id must be an id or a list of ids in 0..{n - 1}, "
                                  f"got {eos_token_id!r:.80}")
@@ -998,6 +1000,22 @@ class TextStream:
 
 # ---------------------------------------------------------------------------------------------
 # Factories
+
+
+def same_ids(a, b) -> bool:
+    """Whether two tokenizer dicts (``to_dict()``) give the same ids for the same text: equal,
+    the ids generation stops on aside (a Hugging Face GPT-2 folder's ``eos_token_id`` list
+    names the same ids as GPT-2's tokenizer of a data folder prepared without it).
+
+    >>> same_ids({"kind": "gpt2", "eos_token_id": [50256, 13]}, {"kind": "gpt2"})
+    True
+    >>> same_ids({"kind": "gpt2", "add_prefix_space": True}, {"kind": "gpt2"})
+    False
+    """
+    def ids_part(d):
+        return {k: v for k, v in d.items() if k != "eos_token_id"} if isinstance(d, dict) and \
+            d.get("kind") == "gpt2" else d
+    return ids_part(a) == ids_part(b)
 
 
 def tokenizer_from_dict(d: dict):

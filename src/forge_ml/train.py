@@ -90,7 +90,7 @@ from .runs import (ENDING_SIGNALS, LOCK_NAME, RunError, RunLock, cannot_write,  
                    remove_trash, replace_file, stray_temps, take_signals, trash_folders)
 from .step import TrainStep
 from .tensor import device_has, device_numerics, release_cached, synchronize, tensor
-from .tokenizer import load_tokenizer, prompt_ids, tokenizer_from_dict
+from .tokenizer import load_tokenizer, prompt_ids, same_ids, tokenizer_from_dict
 
 DATA_NAME = "data"          # <out_dir>/data: shards prepared from a text file
 DATA_FILES = ("train.bin", "val.bin", "tokenizer.json")
@@ -1004,7 +1004,7 @@ class Trainer:
                 raise ConfigError(f"--tokenizer {cfg.tokenizer}: data folder {d} holds token ids of its own "
                                   f"tokenizer ({sf.tokenizer}: {tok.kind}), which the run trains with; drop "
                                   f"--tokenizer, or give the text file to tokenize it with {cfg.tokenizer}")
-            if src_tok is not None and tok.to_dict() != src_tok.to_dict():
+            if src_tok is not None and not same_ids(tok.to_dict(), src_tok.to_dict()):
                 raise DataError(f"{d}/tokenizer.json is not the tokenizer of --init-from {cfg.init_from} "
                                 f"({src_tok.kind}); give a text file, which is tokenized with the source's tokenizer")
             return tok
@@ -1220,7 +1220,7 @@ class Trainer:
             if getattr(saved, k) != getattr(want, k):
                 raise CheckpointError(f"{self.ckpt_dir} holds another architecture: its {k} is "
                                       f"{getattr(saved, k)}, this run asks for {getattr(want, k)}")
-        if meta.get("tokenizer") and meta["tokenizer"] != self.tokenizer.to_dict():
+        if meta.get("tokenizer") and not same_ids(meta["tokenizer"], self.tokenizer.to_dict()):
             whose = (f"{self.shards.tokenizer}" if self.shards.tokenizer is not None else
                      f"GPT-2's, which {self.data_dir} (no tokenizer.json) is read with")
             raise CheckpointError(f"{self.ckpt_dir} was trained with another tokenizer "

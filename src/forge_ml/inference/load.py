@@ -211,7 +211,10 @@ def _hf_eos(d: Path, n: int) -> list:
     """
     from ..tokenizer import _hf_ids
     for name in ("generation_config.json", "config.json"):
-        conf = _tokenizer_file(d / name)
+        try:
+            conf = _tokenizer_file(d / name)
+        except CheckpointError:     # unreadable: transformers goes on to config.json too
+            continue
         if isinstance(conf, dict) and conf.get("eos_token_id") is not None:
             return [i for i in _hf_ids(conf["eos_token_id"]) if i < n]
     return []
