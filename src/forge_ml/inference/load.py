@@ -202,7 +202,9 @@ def _hf_eos(d: Path, n: int) -> list:
     """The ids a Hugging Face model's ``generate`` stops on: ``generation_config.json``'s
     ``eos_token_id``, else ``config.json``'s (an int or a list), those below ``n`` (an id past
     the vocabulary is never generated); [] where neither names one. With GPT-2's vocabulary
-    only 50256 was taken: a model whose generation config adds "." (13) ran on past it.
+    only 50256 was taken: a model whose generation config adds "." (13) ran on past it. (A
+    ``generation_config.json`` that names none, or null, falls back to ``config.json``'s, as a
+    folder's own tokenizer does here; transformers 5.25 stops on none then.)
 
     >>> import tempfile, json
     >>> d = Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text(json.dumps({"eos_token_id": 13}))
