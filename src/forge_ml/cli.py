@@ -395,7 +395,7 @@ def _cmd_check(args) -> int:
 def _cmd_train(args) -> int:
     from .runs import RunLock
     from .train import (CKPT_NAME, DATA_NAME, FINAL_VAL_KINDS, LOG_NAME, PLOT_NAME, Interrupted, TrainConfig,
-                        Trainer, no_checkpoint)
+                        Trainer, no_checkpoint, train_flag)
 
     comm = None
     if args.gpus < 0:
@@ -472,10 +472,10 @@ def _cmd_train(args) -> int:
     given = dict(from_file, **explicit)
 
     def said(k):
-        return f"--{k.replace('_', '-')}" if k in explicit else f"{k} (in {args.config})"
+        return train_flag(k) if k in explicit else f"{k} (in {args.config})"
 
     def drop(k):
-        return f"drop --{k.replace('_', '-')}" if k in explicit else f"drop it from {args.config}"
+        return f"drop {train_flag(k)}" if k in explicit else f"drop it from {args.config}"
 
     was_min = (meta or {}).get("train_config", {}).get("min_lr")
     if (meta is not None and "lr" in given and values.get("min_lr") == was_min and isinstance(was_min, (int, float))
@@ -733,6 +733,7 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int, head: str) -> None:
     """One sample of ``sample``: ``head``, the prompt, the tokens as they come (and the
     log-probabilities)."""
     from .inference import stream_tokens
+    from .tokenizer import hides_stop
     block = model.config.block_size
     detok = _Detok(tok, ids)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
@@ -747,7 +748,7 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int, head: str) -> None:
         for step in steps:
             for e in step:
                 events.append(e)
-                if e.token not in stop or not tok.is_special(e.token):
+                if not hides_stop(tok, e.token, stop):
                     out.write(detok(e.token))
                     out.flush()
         out.write(detok.flush() + "\n")
@@ -763,7 +764,7 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int, head: str) -> None:
     out.write(head + args.prompt)
     out.flush()
     for t in tokens:
-        if t in stop and tok.is_special(t):
+        if hides_stop(tok, t, stop):
             break
         out.write(detok(t))     # a stop token that is not special (a ".") is text, as in transformers
         out.flush()
@@ -776,13 +777,14 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int, head: str) -> None:
 def _sample_beams(args, model, tok, ids, stop, out) -> int:
     """``sample --num-beams``: the best sequences of a beam search, each with its score."""
     from .inference import beam_search
+    from .tokenizer import hides_stop
     early = {"false": False, "true": True, "never": "never"}[args.early_stopping]
     n_new = min(args.max_new_tokens, model.config.block_size - len(ids))
     seqs, scores = beam_search(model, ids, n_new, args.num_beams, length_penalty=args.length_penalty,
                                early_stopping=early, eos_token_id=list(stop) or None,
                                num_return_sequences=args.num_return_sequences)
     for i, (seq, score) in enumerate(zip(seqs, scores)):
-        text = tok.decode([t for t in seq if (t not in stop or not tok.is_special(t)) and t < tok.vocab_size])
+        text = tok.decode([t for t in seq if not hides_stop(tok, t, stop) and t < tok.vocab_size])
         if len(seqs) > 1:
             out.write(f"--- sequence {i + 1} of {len(seqs)}, score {score:.4f} ---\n")
         out.write(args.prompt + text + "\n")

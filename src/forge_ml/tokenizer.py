@@ -455,13 +455,6 @@ class GPT2Tokenizer:
         self.data_dir = Path(data_dir) if data_dir is not None else gpt2_data_dir()
         self._enc = _gpt2_encoding(str(self.data_dir.resolve()))
         self.added = _check_added(added)
-        n = GPT2_VOCAB_SIZE + sum(r["id"] >= GPT2_VOCAB_SIZE for r in self.added.values())
-        stops = [GPT2_EOT_ID] if eos_token_id is None else eos_token_id
-        stops = list(stops) if isinstance(stops, (list, tuple)) else [stops]
-        if not stops or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in stops):
-            raise TokenizerError(f"GPT2Tokenizer: eos_token_id must be an id or a list of ids in 0..{n - 1}, "
-                                 f"got {eos_token_id!r:.80}")
-        self.stop_tokens = tuple(stops)   # the ids generation stops on
         # the special-token roles transformers gives added tokens (``{"pad_token": "<|pad|>"}``):
         # kept, so that an export names them again
         roles = dict(roles or {})
@@ -475,6 +468,13 @@ class GPT2Tokenizer:
                                  f"'additional_special_tokens') to added tokens' texts, got {roles!r:.80}")
         self.roles = roles
         self._added_text = {r["id"]: c.encode("utf-8") for c, r in self.added.items() if r["id"] >= GPT2_VOCAB_SIZE}
+        n = self.vocab_size
+        stops = [GPT2_EOT_ID] if eos_token_id is None else eos_token_id
+        stops = list(stops) if isinstance(stops, (list, tuple)) else [stops]
+        if not stops or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in stops):
+            raise TokenizerError(f"GPT2Tokenizer: eos_token_id must be an id or a list of ids in 0..{n - 1}, "
+                                 f"got {eos_token_id!r:.80}")
+        self.stop_tokens = tuple(stops)   # the ids generation stops on
         # transformers splits the special added tokens out first, then the others in what is
         # left; with allowed_special, <|endoftext|> joins the special ones
         special = [(c, r) for c, r in self.added.items() if r["special"]]
@@ -627,7 +627,7 @@ class GPT2Tokenizer:
         return {"kind": "gpt2", **({"added": added} if added else {}),
                 **({"add_prefix_space": True} if self.add_prefix_space else {}),
                 **({"roles": dict(self.roles)} if self.roles else {}),
-                **({"eos_token_id": eos[0] if len(eos) == 1 else eos} if eos != [GPT2_EOT_ID] else {})}
+                **({"eos_token_id": _id_form(eos)} if eos != [GPT2_EOT_ID] else {})}
 
     def __repr__(self) -> str:
         return f"GPT2Tokenizer(vocab_size={self.vocab_size})"
@@ -666,6 +666,39 @@ def _hf_ids(v) -> list:
     """An ``eos_token_id`` / ``bos_token_id`` of a config: an int, a list of them, or None."""
     v = v if isinstance(v, list) else [v]
     return [i for i in v if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+
+
+def _config_ids(key: str, configs, n: int):
+    """The ids ``key`` (``eos_token_id``, ``bos_token_id``) names in the first of ``configs``
+    (a Hugging Face folder's generation config, then its model config: transformers' order)
+    that names it, those below ``n`` (an id past the vocabulary is never generated); None
+    where none names it.
+
+    >>> _config_ids("eos_token_id", [None, {"eos_token_id": [50256, 13, 60000]}], 50257)
+    [50256, 13]
+    """
+    for conf in configs:
+        if isinstance(conf, dict) and conf.get(key) is not None:
+            return [i for i in _hf_ids(conf[key]) if i < n]
+    return None
+
+
+def _id_form(ids: list):
+    """A list of ids in transformers' config form: one id alone, several as a list."""
+    return ids[0] if len(ids) == 1 else ids
+
+
+def hides_stop(tokenizer, token: int, stop_tokens) -> bool:
+    """Whether ``token`` ends generation and is left out of the text: a stop token that is a
+    special token (``<|endoftext|>``; a tokenizer without ``is_special`` counts every stop
+    token so). A stop token that is not special (a ".") is part of the text, as in
+    transformers' text-generation pipeline and vLLM.
+
+    >>> tok = GPT2Tokenizer()
+    >>> hides_stop(tok, 50256, (50256, 13)), hides_stop(tok, 13, (50256, 13)), hides_stop(tok, 5, ())
+    (True, False, False)
+    """
+    return token in stop_tokens and getattr(tokenizer, "is_special", lambda t: True)(token)
 
 
 def _clean_up_tokenization(text: str) -> str:
@@ -773,16 +806,11 @@ def hf_tokenizer_spec(tokenizer_json: dict, tokenizer_config: dict | None = None
     out = {"kind": "hf", "tokenizer": json.loads(tok.to_str())}
     n = _hf_vocab_size(tok)
     for key, role in (("eos_token_id", "eos_token"), ("bos_token_id", "bos_token")):
-        ids = None
-        for conf in (generation_config, model_config):
-            if isinstance(conf, dict) and conf.get(key) is not None:
-                ids = _hf_ids(conf[key])
-                break
+        ids = _config_ids(key, (generation_config, model_config), n)
         if ids is None:
-            ids = _hf_ids(token_id(role))
-        ids = [i for i in ids if i < n]     # an id past the vocabulary is never generated
+            ids = [i for i in _hf_ids(token_id(role)) if i < n]
         if ids:
-            out[key] = ids[0] if len(ids) == 1 else ids
+            out[key] = _id_form(ids)
     if roles:
         out["roles"] = roles
     if clean:
@@ -841,7 +869,7 @@ class HFTokenizer:
         dec = spec["tokenizer"].get("decoder")
         self._byte_level = isinstance(dec, dict) and dec.get("type") == "ByteLevel"
         self._token_bytes = None
-        self._special_ids = None
+        self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     @property
     def vocab_size(self) -> int:
@@ -950,9 +978,6 @@ class HFTokenizer:
     def is_special(self, token_id: int) -> bool:
         """Whether the id is one of the tokenizer's added tokens marked special (its bos, eos,
         pad, ...): text transformers leaves out with ``skip_special_tokens``."""
-        if self._special_ids is None:
-            self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items()
-                                          if t.special)
         return token_id in self._special_ids
 
     def to_dict(self) -> dict:

@@ -97,6 +97,7 @@ import numpy as np
 from ..errors import ConfigError, ShapeError
 from ..sampling import sample_row
 from ..tensor import Tensor, tensor
+from ..tokenizer import hides_stop
 from .decode import check_finite_logits, held_decoder
 
 FINISH_REASONS = ("stop_token", "stop_string", "max_new_tokens", "context_full")
@@ -530,10 +531,10 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
     t0 = min(lengths)
     prefill = np.array([p[:t0] for p in rows], dtype=np.int64)                   # (B, t0)
     logits = model.forward_cached(tensor(prefill, device=dev), cache, last_only=True)
-    check_finite_logits(model, logits, "generate")
     pos = t0                                        # the position whose token is chosen next
     first = last = None
     if choice.on_device and t0 == max(lengths):
+        check_finite_logits(model, logits, "generate")        # on the device: one number back
         # every row chooses its first token at t0 and nothing is reported: choose them on the
         # device from the prefill's logits (the rule and the Philox position are the chain's)
         if choice.greedy_on_device:
@@ -542,6 +543,7 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
             first = step.choose(logits, pos, [choice.knobs()] * B, keys, seen_marks())
     else:
         last = logits.numpy()[:, -1, :V]                                          # (B, V)
+        check_finite_logits(model, last, "generate")          # (read back already)
 
     def take(r, tok, logprob=None, top=None):
         """Row r's token at position pos: record it, decide whether the row finishes."""
@@ -632,7 +634,7 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kwa
     stop_tokens, stop_strings = _stop_args(kwargs.get("stop_tokens"), kwargs.get("stop_strings"))
     kwargs["tokenizer"] = tokenizer
     out = list(generate(model, ids, max_new_tokens, **kwargs))
-    if out and out[-1] in stop_tokens and getattr(tokenizer, "is_special", lambda t: True)(out[-1]):
+    if out and hides_stop(tokenizer, out[-1], stop_tokens):
         out = out[:-1]
     text = tokenizer.decode(out)
     cuts = [text.find(s) for s in stop_strings if s in text]

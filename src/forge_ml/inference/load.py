@@ -16,7 +16,7 @@ from ..checkpoint import load_checkpoint, unpack_tensors
 from ..errors import CheckpointError, ConfigError, TokenizerError
 from ..hf import HF_TOKENIZER_FILE  # a non-GPT-2 tokenizer kept in an exported HF folder
 from ..models.gpt2 import GPT2, GPT2Config
-from ..tokenizer import HF_GPT2_CLASSES, tokenizer_from_dict
+from ..tokenizer import HF_GPT2_CLASSES, _id_form, tokenizer_from_dict
 
 CKPT_NAME = "ckpt"          # <run>/ckpt: a run's latest checkpoint
 
@@ -173,7 +173,7 @@ def _hf_tokenizer(hf_dir) -> tuple:
         tok = tokenizer_from_dict(d)
         eos = _hf_eos(Path(hf_dir), tok.vocab_size)
         if eos and tuple(eos) != tok.stop_tokens:   # (GPT-2's 50256 alone is the default)
-            d["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+            d["eos_token_id"] = _id_form(eos)
             tok = tokenizer_from_dict(d)
     except TokenizerError as e:
         raise CheckpointError(f"{hf_dir}: its tokenizer cannot be read: {e}") from None
@@ -211,15 +211,14 @@ def _hf_eos(d: Path, n: int) -> list:
     >>> _hf_eos(d, 50257), _hf_eos(Path(tempfile.mkdtemp()), 50257)
     ([13], [])
     """
-    from ..tokenizer import _hf_ids
-    for name in ("generation_config.json", "config.json"):
+    from ..tokenizer import _config_ids
+
+    def read(name):
         try:
-            conf = _tokenizer_file(d / name)
+            return _tokenizer_file(d / name)
         except CheckpointError:     # unreadable: transformers goes on to config.json too
-            continue
-        if isinstance(conf, dict) and conf.get("eos_token_id") is not None:
-            return [i for i in _hf_ids(conf["eos_token_id"]) if i < n]
-    return []
+            return None
+    return _config_ids("eos_token_id", [read("generation_config.json"), read("config.json")], n) or []
 
 
 def _hf_prefix_space(d: Path) -> bool:

@@ -55,7 +55,7 @@ from starlette.routing import Route
 
 from ..errors import ConfigError, TokenizerError, plural
 from ..inference.batch import BatchEngine
-from ..tokenizer import TextStream
+from ..tokenizer import TextStream, hides_stop
 from ..inference.engine import EngineClosedError, RequestError, SamplingParams, TokenOut
 from .protocol import (APIError, CompletionRequest, chunk_body, choice_body, completion_body,
                        error_body, logprobs_body, models_body, parse_completion, usage_body)
@@ -137,7 +137,7 @@ class _Choice:
         self.stop = StopText(req.stop)
         # the ids that end the choice with no text (an int: the one end-of-text id)
         self.stop_ids = (stop_ids,) if isinstance(stop_ids, int) else tuple(stop_ids or ())
-        self.is_special = getattr(tokenizer, "is_special", lambda token_id: True)
+        self.tokenizer = tokenizer
         self.want_logprobs = req.logprobs is not None
         # text_offset counts characters from the start of the prompt, as OpenAI's API does,
         # echo or not (it counted from the completion's start without echo)
@@ -194,7 +194,7 @@ class _Choice:
         lp = logprobs_body() if self.want_logprobs else None
         text, stopped = "", False
         # an end-of-text token is no text; a stop id that is not special (a "."), as vLLM has it
-        if out.token not in self.stop_ids or out.finish != "stop" or not self.is_special(out.token):
+        if out.finish != "stop" or not hides_stop(self.tokenizer, out.token, self.stop_ids):
             if lp is not None:
                 self._logprob_part(lp, out.token, out.logprob, out.top_logprobs, self.offset)
             piece = self.detok.feed(out.token)
@@ -408,7 +408,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
         queue: asyncio.Queue = asyncio.Queue()
 
         def chunk(c, text, lp, finish):
-            usage = (usage_body(n_prompt, sum(c.n_tokens for c in choices))
+            usage = (usage_body(n_prompt, sum(ch.n_tokens for ch in choices))
                      if req.continuous_usage else req.include_usage)
             body = chunk_body(cid, created, model_id, choice_body(c.index, text, lp, finish),
                               usage=usage)
