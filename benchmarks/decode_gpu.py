@@ -140,7 +140,7 @@ def trace_module():
     return mod
 
 
-_TRACE_KINDS = ("layer_attn", "layer_mlp", "decode_head")
+_TRACE_KINDS = tuple(_TRACE_PHASES)   # kernel kinds in dl_trace_out's order
 
 
 def trace_phases(marks, blocks, L):

@@ -599,10 +599,7 @@ def read_meta(dir) -> dict | None:
 
 def _kind_said(path) -> str:
     """A forge-ml checkpoint folder's kind in words (``meta["kind"]``)."""
-    try:
-        kind = (json.loads((Path(path) / STATE_FILE).read_bytes()).get("meta") or {}).get("kind")
-    except (OSError, ValueError, AttributeError):
-        kind = None
+    kind = (read_meta(path) or {}).get("kind")
     if not isinstance(kind, str):       # a hand-edited state.json: a list is no dict key
         kind = None
     return {"forge-ml-train": "a training run's checkpoint (its optimizer state and data position)",

@@ -25,6 +25,7 @@ state goes into checkpoints, so a resumed run sees exactly the batches it would 
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import math
 import mmap
@@ -345,8 +346,7 @@ _MAGIC = ((b"\x7fELF", "a program (ELF)", _TEXT), (b"MZ", "a Windows program", _
           (b"BZh", "bzip2-compressed", "decompress it first: bzip2 -dc {path} > {out}", True),
           (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first: xz -dc {path} > {out}"),
           (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: zstd -dc {path} > {out}"),
-          (b"%PDF-1", "a PDF", "extract its text first (e.g. pdftotext {path} {out})"),
-          (b"%PDF-2", "a PDF", "extract its text first (e.g. pdftotext {path} {out})"),
+          (b"%PDF-", "a PDF", "extract its text first (e.g. pdftotext {path} {out})"),
           (b"\x89PNG", "a PNG image", _TEXT), (b"\xff\xd8\xff", "a JPEG image", _TEXT),
           (b"\x93NUMPY", "a NumPy array (.npy)",
            "give a UTF-8 text file (token ids are written as shards with forge_ml.data.write_shard)"))
@@ -767,10 +767,9 @@ class DataLoader:
                 )
         # each batch through _windows: one gather a shard and one size check a shard touched
         # (window by window, the size check was an fstat a window)
-        starts = [(np.arange(k * B, (k + 1) * B, dtype=np.int64) % n_windows) * T for k in range(int(n))]
-        if rest:
-            starts.append(np.arange(n * B, n * B + rest, dtype=np.int64) * T)
-        for wins in starts:
+        starts = ((np.arange(k * B, (k + 1) * B, dtype=np.int64) % n_windows) * T for k in range(int(n)))
+        tail_starts = [np.arange(n * B, n * B + rest, dtype=np.int64) * T] if rest else []
+        for wins in itertools.chain(starts, tail_starts):
             buf = self._windows(wins, T + 1)   # (B, T+1), in the shard's dtype
             yield buf[:, :-1].astype(np.int64), buf[:, 1:].astype(np.int64)   # as next_batch
 

@@ -145,6 +145,12 @@ def _lse_check(op, lse, q, qname, shape):
         raise ShapeError(f"{op}: lse must be {shape}, got {lse.shape}")
 
 
+def _qkv_empty(qkv, n_head):
+    """An attention over fused qkv rows of no tokens (or no rows): empty ``y`` and ``lse``."""
+    B, T, c3 = qkv.shape
+    return _empty(qkv, (B, T, c3 // 3)), _empty(qkv, (B, n_head, T), _stats_dtype(qkv))
+
+
 def _ln_eps(op, eps) -> float:
     """A layernorm's ``eps`` as a float: a number >= 0 (a negative one makes var + eps
     negative: NaN, silently)."""
@@ -673,8 +679,7 @@ def attention_qkv(qkv, n_head, scale=None):
     hs = _qkv_check("attention_qkv", qkv, n_head)
     bk = backend_of(qkv.device)
     if qkv.numel == 0:
-        B, T, c3 = qkv.shape
-        return _empty(qkv, (B, T, c3 // 3)), _empty(qkv, (B, n_head, T), _stats_dtype(qkv))
+        return _qkv_empty(qkv, n_head)
     scale = 1.0 / math.sqrt(hs) if scale is None else _num("attention_qkv", "scale", scale)
     y, lse = bk.attention_qkv(qkv.data, n_head, scale)
     return _wrap(qkv, y), _wrap(qkv, lse)
@@ -740,8 +745,7 @@ def attention_qkv_dropout(qkv, n_head, p, seed, scale=None):
     bk = backend_of(qkv.device)
     p, seed = _dropout_args(op, p, seed, qkv.device, bk)
     if qkv.numel == 0:                 # as attention_qkv's: nothing to attend over
-        B, T, c3 = qkv.shape
-        return _empty(qkv, (B, T, c3 // 3)), _empty(qkv, (B, n_head, T), _stats_dtype(qkv))
+        return _qkv_empty(qkv, n_head)
     scale = 1.0 / math.sqrt(hs) if scale is None else _num("attention_qkv_dropout", "scale", scale)
     y, lse = bk.attention_qkv_dropout(qkv.data, n_head, scale, p, seed)
     return _wrap(qkv, y), _wrap(qkv, lse)
