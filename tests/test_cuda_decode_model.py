@@ -2,7 +2,8 @@
 FORGE_FUSED_DECODE=on) and as two kernels a layer (decode_layers.cu; =layers), every test in
 both modes: logits against a float64 forward of the same weights at every position (float32
 and bf16), the keys and values it writes, its greedy choice against argmax of its logits, the
-captured chain against the op-by-op one, and the cases it leaves to the op-by-op step."""
+captured chain against the op-by-op one, and the cases it leaves to the op-by-op step; the
+layers step at 2-4 rows against each row alone."""
 import numpy as np
 import pytest
 
@@ -162,10 +163,12 @@ def test_fused_chain_agrees_with_the_op_by_op_chain_at_gpt2_size():
 
 
 def test_what_the_fused_step_leaves_to_the_op_by_op_step():
+    from forge_ml.backends.cuda import decoder
     from forge_ml.inference.decode import DecodeStep
     gpu = GPT2.init(CFG, seed=1).to("cuda")
     assert DecodeStep(gpu, gpu.new_cache(1, 64)).fused
-    assert not DecodeStep(gpu, gpu.new_cache(2, 64)).fused            # two rows
+    rows = 2 if flags.get("FORGE_FUSED_DECODE") == "on" else decoder.ROWS + 1
+    assert not DecodeStep(gpu, gpu.new_cache(rows, 64)).fused         # more rows than it takes
     small = GPT2.init(GPT2Config(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=64),
                       seed=1).to("cuda")
     assert not DecodeStep(small, small.new_cache(1, 16)).fused        # head size 32
@@ -178,9 +181,13 @@ def test_what_the_fused_step_leaves_to_the_op_by_op_step():
     with pytest.raises(fm.errors.DTypeError, match="ids must be int32"):
         gpu.decode_step_fused(fm.zeros((1, 1), "int64", "cuda"), fm.zeros((1,), "int32", "cuda"),
                               cache, fm.zeros((1, 1024), "float32", "cuda"))
-    with pytest.raises(fm.errors.ShapeError, match="logits must be float32 with 1024"):
+    with pytest.raises(fm.errors.ShapeError, match="logits must be float32 with 1 x 1024"):
         gpu.decode_step_fused(fm.zeros((1, 1), "int32", "cuda"), fm.zeros((1,), "int32", "cuda"),
                               cache, fm.zeros((1, 1000), "float32", "cuda"))
+    if flags.get("FORGE_FUSED_DECODE") == "layers" and DecodeStep(gpu, gpu.new_cache(2, 64)).fused:
+        with pytest.raises(fm.errors.ShapeError, match="ids must hold 2 element"):
+            gpu.decode_step_fused(fm.zeros((1, 1), "int32", "cuda"), fm.zeros((1,), "int32", "cuda"),
+                                  gpu.new_cache(2, 64), fm.zeros((2, 1024), "float32", "cuda"))
     assert not ops.decode_gpt2_ok(fm.zeros((10, 64)), 1, fm.zeros((1, 1, 8, 64)))
 
 
@@ -225,3 +232,87 @@ def test_layers_step_takes_and_matches_at_every_gpt2_width(dtype, C, fused_on):
         assert worst < 5e-5 and worst_op < 5e-5, (worst, worst_op)
     else:   # two paths rounding at different places: a wrong layout is off by O(1)
         assert worst < 1.5 * worst_op, (worst, worst_op)
+
+
+def _hopper_layers_or_skip(fused_on):
+    from forge_ml.backends.cuda import runtime
+    if fused_on != "layers":
+        pytest.skip("decode_layers.cu")
+    if runtime._cc_major(runtime._dev()) != 9 or not runtime._launcher_ex():
+        pytest.skip("the layers step is for Hopper GPUs")
+
+
+def test_layers_step_takes_rows_where_they_fit(fused_on):
+    """At 2-4 rows (decoder.ROWS) the layers step runs where layer_mlp's blocks for every row
+    fit in two rounds: GPT-2 124M in bf16 up to 4 rows, in float32 up to 2; medium (bf16, one
+    block an SM) up to 2; never past ROWS."""
+    from forge_ml.backends.cuda import decoder, runtime
+    _hopper_layers_or_skip(fused_on)
+    if runtime._sm_count(runtime._dev()) != 132:
+        pytest.skip("the figures are an H100's or H200's (132 SMs)")
+    bf, f32 = runtime.BF16, runtime.F32
+    assert decoder.ROWS == 4
+    assert [decoder._layers_ok(bf, 768, b) for b in range(1, 7)] == [True] * 4 + [False] * 2
+    assert [decoder._layers_ok(f32, 768, b) for b in range(1, 5)] == [True] * 2 + [False] * 2
+    assert [decoder._layers_ok(bf, 1024, b) for b in range(1, 4)] == [True, True, False]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("B", [2, 3, 4])
+def test_layers_step_rows_are_each_row_alone_bit_for_bit(dtype, B, fused_on):
+    """decode_layers.cu at B rows (every row at one position, a grid row of blocks for each in
+    every kernel): each row's logits, the keys and values it writes and its greedy chain
+    (eager and replayed from a graph) are the bits the row gives alone at batch 1; and the
+    rows' logits are within the float64 forward's bounds as the kernel-per-op step's at B
+    rows are."""
+    from forge_ml.inference.decode import DecodeStep
+    _hopper_layers_or_skip(fused_on)
+    cpu = _varied(GPT2.init(CFG, seed=14), 8)
+    gpu = cpu.to("cuda", dtype=dtype)
+    T, n = 30, 24
+    toks = np.random.default_rng(7 + B).integers(0, CFG.vocab_size, (B, T))
+
+    def run(rows, fused=True):
+        """Every token of rows' sequences fed through the step from position 0, then a greedy
+        chain of n from the last: (logits (T, b, V), chain (n, b), the cache)."""
+        with flags.override(FORGE_FUSED_DECODE="layers" if fused else "off"):
+            cache = gpu.new_cache(len(rows), 256)
+            step = DecodeStep(gpu, cache, graph=False)
+            assert step.fused == fused
+            logits = np.stack([step(toks[rows, t], t) for t in range(T)])
+            chain = np.stack(list(step.greedy(toks[rows, -1], T, n)))
+        return logits, chain, cache
+
+    rows = list(range(B))
+    logits, chain, cache = run(rows)
+    for b in rows:
+        lb, cb, c1 = run([b])
+        np.testing.assert_array_equal(logits[:, b], lb[:, 0], err_msg=f"row {b}'s logits")
+        np.testing.assert_array_equal(chain[:, b], cb[:, 0], err_msg=f"row {b}'s chain")
+        for i in range(CFG.n_layer):
+            np.testing.assert_array_equal(cache.k[i].numpy()[b], c1.k[i].numpy()[0])
+            np.testing.assert_array_equal(cache.v[i].numpy()[b], c1.v[i].numpy()[0])
+    assert len({tuple(chain[:, b]) for b in rows}) > 1        # the rows differ
+    # replayed from a graph (the chain's choices and one position for every row)
+    with flags.override(FORGE_FUSED_DECODE="layers"):
+        gcache = gpu.new_cache(B, 256)
+        gstep = DecodeStep(gpu, gcache)
+    assert gstep.fused
+    for t in range(T):
+        gstep(toks[:, t], t)
+    g = np.stack(list(gstep.greedy(toks[:, -1], T, n, chunk=8)))
+    assert ("greedy", 8) in gstep._graphs and gcache.pos == T + n
+    np.testing.assert_array_equal(g, chain)
+    # against float64, as the kernel-per-op step at B rows
+    op_logits = run(rows, fused=False)[0]
+    for b in rows:
+        want = f64_logits(cpu, toks[b], dtype)
+        worst = max(rel(logits[t, b], want[t]) for t in range(T))
+        worst_op = max(rel(op_logits[t, b], want[t]) for t in range(T))
+        if dtype == "float32":
+            assert worst < 5e-5 and worst_op < 5e-5, (b, worst, worst_op)
+        else:
+            # two paths rounding at different places (1.53 seen at 2 rows on an H100, where
+            # each row's bits are its batch-1 bits, above); a wrong row is off by O(1)
+            assert worst < 2 * worst_op, (b, worst, worst_op)
+

@@ -899,8 +899,9 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale=None) -> Tensor:
 def decode_gpt2_ok(wte, n_head: int, k_cache) -> bool:
     """Whether ``decode_gpt2`` runs GPT-2's decoding step for a model whose token embedding is
     ``wte (Vp, C)`` with ``n_head`` heads and a KV cache layer shaped like ``k_cache``: the
-    backend has the fused step (CUDA), one row, float32 or bf16, head size 64 (every GPT-2
-    size), and the FORGE_FUSED_DECODE switch on.
+    backend has the fused step (CUDA), float32 or bf16, head size 64 (every GPT-2 size), a
+    batch it takes (one row; up to four with FORGE_FUSED_DECODE=layers, where they are the
+    faster), and the FORGE_FUSED_DECODE switch on.
 
     >>> import forge_ml as fm
     >>> decode_gpt2_ok(fm.zeros((10, 64)), 1, fm.zeros((1, 1, 8, 64)))   # the CPU has none
@@ -914,17 +915,18 @@ def decode_gpt2_ok(wte, n_head: int, k_cache) -> bool:
 
 def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, vocab_size, logits,
                 out=None, row=None, greedy=False) -> None:
-    """GPT-2's whole decoding step for one row as one backend call, where ``decode_gpt2_ok``
-    says so (CUDA: one kernel for every layer and the LM head): writes ``logits (1, Vp)``
-    (float32) for token ``ids`` (int32, one element) at position ``pos`` (int32, one
-    element on the device, read by the kernel, so the step captures into a graph), and the
-    token's keys and values at that row of each layer's cache. ``layers``: each layer's 12
-    tensors in ``models.gpt2.Layer``'s order; ``caches``: each layer's ``(k, v)``, ``(1, H,
-    Tmax, 64)``; ``lnf``: the final layernorm's ``(gamma, beta)``; ``head (Vp, C)``: the LM
-    head. ``greedy``: then also ``greedy_next``'s work on those logits: ``ids = argmax(logits[0,
-    :vocab_size])`` (also into ``out``, row ``row`` of a ``(k, 1)`` buffer) and ``pos += 1``.
-    Equal to ``GPT2.decode_step`` within float32 rounding (the residual stream stays in
-    float32 between layers here).
+    """GPT-2's whole decoding step for B rows as one backend call, where ``decode_gpt2_ok``
+    says so (CUDA: a few kernels for every layer and the LM head): writes ``logits (B, Vp)``
+    (float32) for the tokens ``ids`` (int32, B elements) at position ``pos`` (int32, one
+    element on the device, the same for every row, read by the kernels, so the step captures
+    into a graph), and each token's keys and values at that position of its row of each
+    layer's cache. ``layers``: each layer's 12 tensors in ``models.gpt2.Layer``'s order;
+    ``caches``: each layer's ``(k, v)``, ``(B, H, Tmax, 64)``; ``lnf``: the final
+    layernorm's ``(gamma, beta)``; ``head (Vp, C)``: the LM head. ``greedy``: then also
+    ``greedy_next``'s work on those logits: ``ids[b] = argmax(logits[b, :vocab_size])`` (also
+    into ``out``, row ``row`` of a ``(k, B)`` buffer) and ``pos += 1``. Equal to
+    ``GPT2.decode_step`` within float32 rounding (the residual stream stays in float32
+    between layers here).
 
     Example (on a GPU; ``inference.decode.DecodeStep`` makes this call)::
 
@@ -950,17 +952,18 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
     for name, t in (("ids", ids), ("pos", pos)) + ((("out", out),) if out is not None else ()):
         if t.dtype is not _dt.int32:
             raise DTypeError(f"{op}: {name} must be int32, got {t.dtype.name}")
-    if ids.numel != 1 or pos.numel != 1:
-        raise ShapeError(f"{op}: one row: ids and pos must hold one element, got {ids.shape} "
-                         f"and {pos.shape}")
+    B = caches[0][0].shape[0]
+    if ids.numel != B or pos.numel != 1:
+        raise ShapeError(f"{op}: the cache has {B} row(s): ids must hold {B} element(s) and pos "
+                         f"one, got {ids.shape} and {pos.shape}")
     Vp = head.shape[0]
-    if logits.dtype is not _dt.float32 or logits.numel != Vp:
-        raise ShapeError(f"{op}: logits must be float32 with {Vp} elements, got "
+    if logits.dtype is not _dt.float32 or logits.numel != B * Vp:
+        raise ShapeError(f"{op}: logits must be float32 with {B} x {Vp} elements, got "
                          f"{logits.dtype.name} {logits.shape}")
     vocab_size = _as_int(vocab_size)
     if type(vocab_size) is not int or not 0 < vocab_size <= Vp:
         raise ShapeError(f"{op}: vocab_size must be in 1..{Vp}, got {vocab_size!r}")
-    dst = None if out is None else _choice_out(op, out, row, 1)
+    dst = None if out is None else _choice_out(op, out, row, B)
     backend_of(wte.device).decode_gpt2(
         ids._prepare_write(), pos._prepare_write(), wte.data, wpe.data,
         [t.data for t in lnf], head.data, [[t.data for t in lw] for lw in layers],

@@ -304,7 +304,7 @@ p_lowps=None)`` and ``sumsq_total(xs)`` (0-d: the sum over every array) are the 
 step whose values live in device memory, where each launch costs (``ops.adamw_update_many``
 with ``scalars``, ``ops.sumsq_total``);
 ``decode_gpt2(...)`` and ``decode_gpt2_ok(dtype, n_embd, n_head, cache_len, batch)``: GPT-2's
-whole decoding step for one row as one call (``ops.decode_gpt2``; elsewhere
+whole decoding step for a few rows as one call (``ops.decode_gpt2``; elsewhere
 ``GPT2.decode_step`` runs it op by op); ``numerics()``: a dict of what decides the backend's
 arithmetic besides an op's inputs (the CPU's kernels, a GPU's name, the switches that pick
 kernels), which training checkpoints record so that a resume under others is said

@@ -154,7 +154,7 @@ class DecodeStep:
         self._graphs = {}      # "logits", "rows": one step; ("greedy", k): k steps + choices
         self._hist = {}        # k -> the (k, B) int32 tensor of a k-step chain's tokens
         self._warm = False     # some step ran op by op: every kernel is compiled and loaded
-        # one row on a device with GPT-2's step as one kernel: that kernel, at the step's
+        # a batch the device runs GPT-2's step for in a few kernels: those, at the step's
         # position buffer (``rows`` keeps the op-by-op step: its positions may be outside)
         self.fused = hasattr(model, "fused_decode_ok") and model.fused_decode_ok(cache)
         if self.fused:

@@ -631,8 +631,8 @@ class GPT2:
 
     def fused_decode_ok(self, cache) -> bool:
         """Whether ``decode_step_fused`` runs for this model and ``cache``: the device has
-        GPT-2's decoding step as one kernel (``ops.decode_gpt2_ok``: CUDA, one row, float32 or
-        bf16).
+        GPT-2's decoding step in a few kernels for the cache's batch (``ops.decode_gpt2_ok``:
+        CUDA, float32 or bf16, one row, or up to four on a Hopper GPU).
 
         >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=64)
         >>> model = GPT2.init(cfg)
@@ -643,9 +643,9 @@ class GPT2:
 
     def decode_step_fused(self, ids: Tensor, pos: Tensor, cache, logits: Tensor, out=None,
                           row=None, greedy: bool = False) -> None:
-        """``decode_step`` for one row as one kernel (``ops.decode_gpt2``), where
-        ``fused_decode_ok``: writes the float32 ``logits (1, Vp)`` of token ``ids`` at the
-        device position ``pos`` and the token's keys and values into ``cache``; with
+        """``decode_step`` in a few kernels (``ops.decode_gpt2``), where ``fused_decode_ok``:
+        writes the float32 ``logits (B, Vp)`` of the tokens ``ids (B, 1)`` at the device
+        position ``pos`` (one for every row) and their keys and values into ``cache``; with
         ``greedy`` also ``ops.greedy_next``'s choice (``ids``, ``out[row]``, ``pos += 1``).
 
         Example (on a GPU)::

@@ -1,8 +1,12 @@
 // launched from backends/cuda/decoder.py
-// decode_layers.cu: GPT-2's decoding step for one row (batch 1) in two kernels a layer and one
-// for the head (FORGE_FUSED_DECODE=layers), 2 L + 1 kernels where the kernel-per-op step has
-// 5 L + 3. At batch 1 every kernel of the step waits on latency, not on bandwidth (about 5 us
-// each for a few MB of weights), so the step's time follows the number of dependent stages.
+// decode_layers.cu: GPT-2's decoding step for a few rows (batch 1 to 4) in two kernels a layer
+// and one for the head (FORGE_FUSED_DECODE=layers), 2 L + 1 kernels where the kernel-per-op
+// step has 5 L + 3. Row b of the batch is blockIdx.y = b of every kernel: the rows' blocks
+// run side by side, each with its own copy of the weights in shared memory (the later rows'
+// loads mostly from L2), its own workspace rows, cache rows and token; every row is at the
+// one position posp[0]. At batch 1 every kernel of the step waits on latency, not on
+// bandwidth (about 5 us each for a few MB of weights), so the step's time follows the number
+// of dependent stages.
 //
 // Every block loads its weights into shared memory (cp.async) before it waits for the previous
 // kernel (programmatic dependent launch, common.cuh's pdl_wait): they arrive under that
@@ -251,6 +255,16 @@ __device__ void layer_attn_impl(const int* ids, const int* posp, const T* wte, c
     constexpr int VEC = Vec16<T>::N;
     extern __shared__ __align__(16) unsigned char dl_raw[];
     const AttnSm L = dl_attn_shared<T>(C);
+    {   // this block's row of the batch: its token, cache rows and workspace rows
+        const int row = blockIdx.y, nh = gridDim.x / DL_P;
+        ids += row;
+        kc += (long long)row * nh * Tmax * DL_HS;
+        vc += (long long)row * nh * Tmax * DL_HS;
+        xres += (long long)row * C;
+        partB += (long long)row * SB * C;
+        xa += (long long)row * C;
+        partA += (long long)row * nh * C;
+    }
     T* wq = reinterpret_cast<T*>(dl_raw + L.wq);
     T* wp = reinterpret_cast<T*>(dl_raw + L.wp);
     T* kn = reinterpret_cast<T*>(dl_raw + L.kn);
@@ -578,6 +592,13 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
                                const T* g2, const T* b2, const T* Wfc, const T* bfc,
                                const T* Wfc2, float* xb, float* partB, int C, float eps) {
     constexpr int VEC = Vec16<T>::N, NH = 4 * VEC, PER = 16 / (int)sizeof(T);
+    {   // this block's row of the batch: its workspace rows
+        const int row = blockIdx.y;
+        xa += (long long)row * C;
+        partA += (long long)row * H * C;
+        xb += (long long)row * C;
+        partB += (long long)row * (gridDim.x / DL_P) * C;
+    }
     extern __shared__ __align__(16) unsigned char dl_raw[];
     const MlpSm L = dl_mlp_shared<T>(C);
     T* wf = reinterpret_cast<T*>(dl_raw + L.wf);
@@ -718,6 +739,10 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
                                  int Vp, int V, float eps, int greedy, int* ids, int* posp,
                                  int* hist, float* argp, unsigned* counter) {
     constexpr int NT = DL_HEAD_WARPS * 32;
+    // this block's row of the batch (the greedy choice's rows below)
+    xb += (long long)blockIdx.y * C;
+    partB += (long long)blockIdx.y * SB * C;
+    logits += (long long)blockIdx.y * Vp;
     __shared__ float xs[DL_CMAX];
     __shared__ __align__(16) T vs[3 * DL_CMAX];   // the MLP's projection bias, LN_f's weight, bias
     __shared__ float sh[32], sv[32];
@@ -754,6 +779,12 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
         dl_trace_out(2);
         return;
     }
+    // the row's (best, index) slots, its counter; counter[gridDim.y] counts the rows whose
+    // choice is made (the last one moves the position)
+    const int row = blockIdx.y;
+    unsigned* rows_done = counter + gridDim.y;
+    argp += 2LL * row * gridDim.x;
+    counter += row;
     block_argmax(best, bi, sv, si);
     if (tid == 0) {
         __stcg(argp + 2 * blockIdx.x, best);
@@ -775,11 +806,18 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
                     best, bi);
     block_argmax(best, bi, sv, si);
     if (tid == 0) {
-        const int pos = __ldcg(posp);
-        ids[0] = bi;
-        hist[0] = bi;
-        posp[0] = pos + 1;
+        ids[row] = bi;
+        hist[row] = bi;
         *counter = 0u;
+        if (gridDim.y == 1) {
+            posp[0] = __ldcg(posp) + 1;
+        } else {                           // moved once, by the last row to choose
+            __threadfence();
+            if (atomicAdd(rows_done, 1u) == gridDim.y - 1) {
+                posp[0] = __ldcg(posp) + 1;
+                *rows_done = 0u;
+            }
+        }
     }
     dl_mark(7);
     dl_trace_out(2);

@@ -1,7 +1,7 @@
-"""GPT-2's whole decoding step for one row as one kernel (decode_model.cu) or as two kernels a
-layer (decode_layers.cu): ``decode_gpt2`` (the FORGE_FUSED_DECODE switch: layers, the two a
-layer, the default on a Hopper GPU (compute capability 9); on, the one kernel, experimental;
-off, neither: the kernel-per-op step).
+"""GPT-2's whole decoding step for one row as one kernel (decode_model.cu) or for one to four
+rows as two kernels a layer (decode_layers.cu): ``decode_gpt2`` (the FORGE_FUSED_DECODE
+switch: layers, the two a layer, the default on a Hopper GPU (compute capability 9); on, the
+one kernel, experimental; off, neither: the kernel-per-op step).
 
 The grid is one block per SM, resident for the whole step; the stages (per layer: LN1 and
 qkv, attention, projection, LN2 and fc, the MLP's projection; then LN_f, the LM head and the
@@ -17,7 +17,9 @@ blocks a head: LN1, the head's q, k and v, its attention, its rows of the projec
 ``layer_mlp`` (LN2, the MLP in column slices, clusters of 8 summing their partial rows), then
 ``decode_head`` (LN_f, the logits, the greedy argmax); 2 L + 1 kernels with programmatic
 dependent launch, each loading its weights into shared memory before it waits. No grid
-barrier: no residency condition.
+barrier: no residency condition. A batch of B rows (all at one position) runs B copies of
+each kernel's grid side by side (grid y = the row), where ``_layers_ok`` finds them faster
+than the kernel-per-op step.
 
 Limits of the experimental path: the grid barrier needs every block resident at once, which
 one block per SM gives on a GPU the process has to itself (an MPS client limited to part of
@@ -51,19 +53,20 @@ _GEO = ("C", "H", "L", "V", "VP", "TMAX", "SPLITS",
 
 
 def decode_gpt2_ok(dtype: str, C: int, H: int, Tmax: int, batch: int) -> bool:
-    """Whether ``decode_gpt2`` takes this model and cache: one row, float32 or bf16, head size
-    64, n_embd a multiple of 8 up to 1,600, an attention split of at most 1,024 keys, and
-    the FORGE_FUSED_DECODE switch not off: ``layers`` (the default; a Hopper GPU, compute
-    capability 9, n_embd a multiple of 64) or ``on`` (the one-kernel step, experimental)."""
+    """Whether ``decode_gpt2`` takes this model and cache: float32 or bf16, head size 64,
+    n_embd a multiple of 8 up to 1,600, and the FORGE_FUSED_DECODE switch not off: ``layers``
+    (the default; a Hopper GPU, compute capability 9, n_embd a multiple of 64, a batch of
+    ``batch`` rows where ``_layers_ok`` says so) or ``on`` (the one-kernel step,
+    experimental: one row, an attention split of at most 1,024 keys)."""
     dt = _DTYPES.get(getattr(dtype, "name", dtype))
     mode = flags.get("FORGE_FUSED_DECODE")
-    if mode == "off" or batch != 1 or dt not in _VEC:
+    if mode == "off" or dt not in _VEC or batch < 1:
         return False
     if C % H or C // H != _HS or C % 8 or C > _CMAX or 4 * C > _KMAX:
         return False
     if mode == "layers":
-        return _layers_ok(dt, C)
-    return -(-Tmax // _splits(H)) <= _KEYS
+        return _layers_ok(dt, C, batch)
+    return batch == 1 and -(-Tmax // _splits(H)) <= _KEYS
 
 
 def _splits(H: int) -> int:
@@ -128,16 +131,18 @@ def last_plan():
 @_guarded
 def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, vocab_size, logits,
                 out=None, greedy=False):
-    """GPT-2's decoding step for one row in one kernel: ``logits (1, Vp)`` float32 for token
-    ``ids[0]`` at position ``pos[0]`` (int32 device arrays), the token's keys and values
-    written at that row of ``caches`` (per layer (k, v), (1, H, Tmax, 64)). ``layers``: per
-    layer the 12 tensors of ``models.gpt2.Layer`` in its order; ``lnf``: (gamma, beta).
-    ``greedy``: then also ``ids[0] = argmax(logits[0, :vocab_size])`` (also into ``out``, one
-    int32 element, when given) and ``pos[0] += 1``, as ``greedy_next``."""
+    """GPT-2's decoding step for B rows (the caches' batch; one kernel for one row with
+    FORGE_FUSED_DECODE=on, 2 L + 1 with layers): ``logits (B, Vp)`` float32 for the tokens
+    ``ids (B,)`` at the one position ``pos[0]`` (int32 device arrays), each token's keys and
+    values written at that position of its row of ``caches`` (per layer (k, v), (B, H, Tmax,
+    64)). ``layers``: per layer the 12 tensors of ``models.gpt2.Layer`` in its order; ``lnf``:
+    (gamma, beta). ``greedy``: then also ``ids[b] = argmax(logits[b, :vocab_size])`` (also into
+    ``out``, B int32 elements, when given) and ``pos[0] += 1``, as ``greedy_next``."""
     dt = wte.dtype
     C, H, L = wte.shape[1], int(n_head), len(layers)
     Vp, Tmax = head.shape[0], caches[0][0].shape[2]
-    if not decode_gpt2_ok(dt, C, H, Tmax, caches[0][0].shape[0]):
+    B = caches[0][0].shape[0]
+    if not decode_gpt2_ok(dt, C, H, Tmax, B):
         raise ShapeError("decode_gpt2: this model or cache is not one the fused step takes "
                          "(see decode_gpt2_ok)")
     ptrs = []
@@ -149,7 +154,7 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
     for lw, (k, v) in zip(layers, caches):
         ptrs.extend(int(t.data.ptr) for t in lw)
         ptrs.extend((int(k.data.ptr), int(v.data.ptr)))
-    key = (_dev(), str(dt), C, H, L, int(vocab_size), Vp, Tmax, tuple(ptrs))
+    key = (_dev(), str(dt), C, H, L, int(vocab_size), Vp, Tmax, B, tuple(ptrs))
     if flags.get("FORGE_FUSED_DECODE") == "layers":
         _decode_layers(key, ids, pos, wte, wpe, lnf, head, layers, caches, H, eps,
                        int(vocab_size), logits, ids if out is None else out, greedy)
@@ -218,47 +223,56 @@ def _mlp_shared(dt, C: int) -> int:
     return (2 * C * nh + 3 * C + nh) * item + 4 * (C + (_DL_THREADS // 32) * nh + nh + C + 32)
 
 
-def _mlp_waves(dt, C: int, sms: int, sm_shared: int, reserved: int = 1024) -> int:
+def _mlp_waves(dt, C: int, sms: int, sm_shared: int, reserved: int = 1024, rows: int = 1) -> int:
     """Rounds in which a GPU of ``sms`` SMs, each with ``sm_shared`` bytes of shared memory,
-    runs ``layer_mlp``'s C / VEC blocks: each SM holds as many blocks as its shared memory
-    takes (a block's dynamic bytes and the ``reserved`` bytes CUDA keeps a block), at most 2
-    (a block's 256 threads take 124 registers each: 31,744 of an SM's 65,536).
+    runs ``layer_mlp``'s C / VEC blocks for each of ``rows`` rows of the batch: each SM holds
+    as many blocks as its shared memory takes (a block's dynamic bytes and the ``reserved``
+    bytes CUDA keeps a block), at most 2 (a block's 256 threads take 128 registers each:
+    32,768 of an SM's 65,536).
 
     >>> [_mlp_waves(F32, C, 132, 233472) for C in (768, 1024, 1280)]
     [1, 2, 3]
+    >>> [_mlp_waves(BF16, 768, 132, 233472, rows=b) for b in (1, 2, 3, 4, 5, 6)] if BF16 else 0
+    [1, 1, 2, 2, 2, 3]
     """
     per_sm = min(2, sm_shared // (_mlp_shared(dt, C) + reserved))
-    return -(-(C // _VEC[dt]) // (sms * per_sm)) if per_sm else 1 << 30
+    return -(-(rows * (C // _VEC[dt])) // (sms * per_sm)) if per_sm else 1 << 30
 
 
-_rounds: dict = {}   # (device, dtype, C) -> _mlp_waves on that device
+ROWS = 4              # the most rows decode_layers.cu takes (benchmarks may raise it)
+_ok: dict = {}        # (device, dtype, C, rows) -> _layers_ok's answer there
 
 
-def _layers_ok(dt, C: int) -> bool:
-    """Whether decode_layers.cu takes n_embd ``C`` (``decode_gpt2_ok`` has checked the rest: C =
-    64 H, at most 1,600): a Hopper GPU (compute capability 9.x: thread-block clusters,
-    ``_launcher_ex``, and the GPUs its tests and timings ran on), both kernels' shared
-    memory within the device's, and ``layer_mlp``'s blocks in at most two rounds
-    (``_mlp_waves``): a block of a later round loads its weights after the kernel before has
-    ended, where the first round's load under it. Batch-1 greedy ``generate()``, 16 -> 1,024
-    tokens on an H100 (2026-12-06), layers step against the kernel-per-op step, tok/s: bf16
-    124M 4,491 / 2,248, medium 1,764 / 932, large 863 / 528, XL 417 / 322 (one or two rounds);
-    float32 medium 934 / 899 (two rounds), large 445 / 492 (three rounds), and XL (four
-    rounds, in a variant that fit its shared memory) 234 / 270. A kernel file that does not
-    compile here is a no (``runtime._takes``; the failure is kept, not compiled again on the
-    next step): the kernel-per-op step runs (it is the default path, so it must not fail
-    where the step it replaces works)."""
+def _layers_ok(dt, C: int, rows: int = 1) -> bool:
+    """Whether decode_layers.cu takes n_embd ``C`` and a batch of ``rows`` (``decode_gpt2_ok``
+    has checked the rest: C = 64 H, at most 1,600): a Hopper GPU (compute capability 9.x:
+    thread-block clusters, ``_launcher_ex``, and the GPUs its tests and timings ran on), both
+    kernels' shared memory within the device's, at most ``ROWS`` rows, and ``layer_mlp``'s
+    blocks (C / VEC a row) in at most two rounds (``_mlp_waves``): a block of a later round
+    loads its weights after the kernel before has ended, where the first round's load under
+    it. Batch-1 greedy ``generate()``, 16 -> 1,024 tokens on an H100 (2026-12-06), layers step
+    against the kernel-per-op step, tok/s: bf16 124M 4,491 / 2,248, medium 1,764 / 932, large
+    863 / 528, XL 417 / 322 (one or two rounds); float32 medium 934 / 899 (two rounds), large
+    445 / 492 (three rounds), and XL (four rounds, in a variant that fit its shared memory)
+    234 / 270. A kernel file that does not compile here is a no (``runtime._takes``; the
+    failure is kept, not compiled again on the next step): the kernel-per-op step runs (it is
+    the default path, so it must not fail where the step it replaces works). The answer is
+    kept per device, dtype, width and rows (asked before every step run outside a graph)."""
     dev = _dev()
-    if _cc_major(dev) != 9 or not _launcher_ex():
+    key = (dev, np.dtype(dt), C, int(rows), ROWS)
+    ok = _ok.get(key)
+    if ok is None:
+        ok = _ok[key] = _layers_ask(dev, dt, C, int(rows))
+    return ok
+
+
+def _layers_ask(dev, dt, C: int, rows: int) -> bool:
+    """``_layers_ok``'s answer, worked out."""
+    if _cc_major(dev) != 9 or not _launcher_ex() or not 1 <= rows <= ROWS:
         return False
-    key = (dev, np.dtype(dt), C)
-    rounds = _rounds.get(key)
-    if rounds is None:      # (asked before every step run outside a graph: kept)
-        props = cupy.cuda.runtime.getDeviceProperties(dev)
-        rounds = _rounds[key] = _mlp_waves(
-            dt, C, int(props["multiProcessorCount"]), int(props["sharedMemPerMultiprocessor"]),
-            int(props.get("reservedSharedMemPerBlock", 1024)))
-    if rounds > 2:
+    props = cupy.cuda.runtime.getDeviceProperties(dev)
+    if _mlp_waves(dt, C, int(props["multiProcessorCount"]), int(props["sharedMemPerMultiprocessor"]),
+                  int(props.get("reservedSharedMemPerBlock", 1024)), rows) > 2:
         return False
     sfx = _SFX[np.dtype(dt)]
     return (_takes("decode_layers", f"layer_attn_{sfx}", _attn_shared(dt, C))
@@ -266,20 +280,22 @@ def _layers_ok(dt, C: int) -> bool:
 
 
 class _LayersPlan:
-    """The float32 workspace of one model's two-kernels-a-layer step: x after the attention
-    (xa) and after the MLP (xb), each head's partial projection row (partA, H x C), each MLP
-    cluster's partial row (partB), the head kernel's per-block argmax and its counter."""
+    """The float32 workspace of one model's two-kernels-a-layer step, for each of its B rows:
+    x after the attention (xa) and after the MLP (xb), each head's partial projection row
+    (partA, H x C), each MLP cluster's partial row (partB), the head kernel's per-block argmax
+    and its counter; and one counter more, of the rows whose greedy choice is made."""
 
-    def __init__(self, dt, C: int, H: int, Vp: int):
-        self.grid_mlp = C // _VEC[dt]                 # blocks of layer_mlp
+    def __init__(self, dt, C: int, H: int, Vp: int, B: int = 1):
+        self.grid_mlp = C // _VEC[dt]                 # blocks of layer_mlp, a row
         self.SB = self.grid_mlp // _DL_P              # its clusters: partB's rows
         self.grid_head = _head_grid(Vp, _sm_count(_dev()))
-        self.xa = cupy.zeros(C, F32)
-        self.xb = cupy.zeros(C, F32)
-        self.partA = cupy.zeros((H, C), F32)
-        self.partB = cupy.zeros((self.SB, C), F32)
-        self.argp = cupy.zeros(2 * self.grid_head, F32)
-        self.counter = cupy.zeros(1, np.uint32)
+        self.B = B
+        self.xa = cupy.zeros((B, C), F32)
+        self.xb = cupy.zeros((B, C), F32)
+        self.partA = cupy.zeros((B, H, C), F32)
+        self.partB = cupy.zeros((B, self.SB, C), F32)
+        self.argp = cupy.zeros((B, 2 * self.grid_head), F32)
+        self.counter = cupy.zeros(B + 1, np.uint32)
         self.attn_shared, self.mlp_shared = _attn_shared(dt, C), _mlp_shared(dt, C)
 
 
@@ -288,8 +304,9 @@ _layer_plans: dict = {}
 
 def _decode_layers(key, ids, pos, wte, wpe, lnf, head, layers, caches, H, eps, V, logits, hist,
                    greedy):
-    """``decode_gpt2`` as 2 L + 1 kernels (decode_layers.cu); ``key`` names the plan (the
-    model's shapes and addresses, as the one-kernel step's)."""
+    """``decode_gpt2`` as 2 L + 1 kernels (decode_layers.cu), each with a row of blocks for
+    each of the cache's rows; ``key`` names the plan (the model's shapes, rows and addresses,
+    as the one-kernel step's)."""
     dt = wte.dtype
     C, Vp, Tmax = wte.shape[1], head.shape[0], caches[0][0].shape[2]
     if any(p % 16 for p in key[-1] + (int(head.data.ptr),)):   # cp.async, 16-byte loads
@@ -300,21 +317,21 @@ def _decode_layers(key, ids, pos, wte, wpe, lnf, head, layers, caches, H, eps, V
         if cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
             raise ShapeError("decode_gpt2: the first call for a model must run outside a graph "
                              "capture (it makes the step's workspace)")
-        plan = _layer_plans[key] = _LayersPlan(dt, C, H, Vp)
+        plan = _layer_plans[key] = _LayersPlan(dt, C, H, Vp, caches[0][0].shape[0])
     sfx, epsf = _float_sfx(wte), np.float32(eps)
     for i, (lw, (kc, vc)) in enumerate(zip(layers, caches)):
         g1, b1, wqkv, bqkv, wproj, bproj, g2, b2, wfc, bfc, wfc2, bfc2 = lw
         bprev = layers[i - 1][11] if i else bfc2      # the MLP bias x' still lacks (unused at 0)
-        _launch("decode_layers", f"layer_attn_{sfx}", (H * _DL_P,), _DL_THREADS,
+        _launch("decode_layers", f"layer_attn_{sfx}", (H * _DL_P, plan.B), _DL_THREADS,
                 (ids, pos, wte, wpe, _i32(1 if i == 0 else 0), plan.xb, bprev, plan.partB,
                  _i32(plan.SB), g1, b1, wqkv, bqkv, wproj, kc, vc, plan.xa, plan.partA, _i32(C),
                  _i32(Tmax), epsf), shared=plan.attn_shared, pdl=True,
                 writes=(kc, vc, plan.xa, plan.partA), cluster=(_DL_P, 1, 1))
-        _launch("decode_layers", f"layer_mlp_{sfx}", (plan.grid_mlp,), _DL_THREADS,
+        _launch("decode_layers", f"layer_mlp_{sfx}", (plan.grid_mlp, plan.B), _DL_THREADS,
                 (plan.xa, bproj, plan.partA, _i32(H), g2, b2, wfc, bfc, wfc2, plan.xb, plan.partB,
                  _i32(C), epsf), shared=plan.mlp_shared, pdl=True, writes=(plan.xb, plan.partB),
                 cluster=(_DL_P, 1, 1))
-    _launch("decode_layers", f"decode_head_{sfx}", (plan.grid_head,), _DL_HEAD_THREADS,
+    _launch("decode_layers", f"decode_head_{sfx}", (plan.grid_head, plan.B), _DL_HEAD_THREADS,
             (plan.xb, layers[-1][11], plan.partB, _i32(plan.SB), lnf[0], lnf[1], head, logits,
              _i32(C), _i32(Vp), _i32(V), epsf, _i32(1 if greedy else 0), ids, pos, hist,
              plan.argp, plan.counter), pdl=True,
