@@ -7,6 +7,7 @@ same run.
                                       [--paths forge,perop,fused,layers,nograph,hf]
                                       [--sampling [--batch 64]
                                       [--modes greedy,top-k,top-p,min-p,penalty]]
+                                      [--rows 1,2,3,4,6,8 [--rows-modes greedy,top-p]]
 
 tokens/s counts new tokens over the end-to-end time (prefill and the CUDA-graph capture
 included), best of a few runs; by default over a whole generation from a 16-token prompt to
@@ -19,6 +20,13 @@ before the graph existed); perop: FORGE_FUSED_DECODE=off, the kernel-per-op step
 default before 2026-12-06). ``--paths forge`` times the default path alone, and
 ``--sampling --modes greedy`` greedy at batch 1 and ``--batch`` alone (an A/B between trees of
 the code in seconds a run: scripts/ab_trees.sh).
+
+``--rows B1,B2,...`` times small batches instead (B different prompts of --prompt-len tokens,
+one position for all): for each batch and each of --rows-modes, the default path, the layers
+step forced (decoder.ROWS raised past its rule) and the kernel-per-op step, in turn over
+--repeats rounds (each timed run after an untimed one on a fresh cache; best of each),
+generated tokens/s over all rows; the rule in backends/cuda/decoder.py (_layers_ok) is set
+from this table.
 """
 from __future__ import annotations
 
@@ -55,6 +63,11 @@ def main(argv=None):
                          "kernel-per-op step), "
                          "fused (one kernel a step), layers (two kernels a layer), nograph (op by "
                          "op), hf (transformers)")
+    ap.add_argument("--rows", default=None,
+                    help="comma-separated small batches: time the layers step against the "
+                         "kernel-per-op step at each (see the docstring); nothing else is timed")
+    ap.add_argument("--rows-modes", default="greedy,top-p",
+                    help="the modes --rows times: greedy, top-p (temperature 0.8 + top-p 0.9)")
     a = ap.parse_args(argv)
     paths = set(a.paths.split(","))
     if not paths <= {"forge", "perop", "fused", "layers", "nograph", "hf"} or "forge" not in paths:
@@ -74,6 +87,8 @@ def main(argv=None):
     cpu_model = GPT2.init(cfg, seed=0)
     model = cpu_model.to("cuda", dtype="bfloat16" if a.dtype == "bf16" else None)
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, a.prompt_len)]
+    if a.rows:
+        return time_rows(a, model, cfg)
 
     def run_forge(graph=True, fused=None):   # fused None: the switch as the user has it
         cp.cuda.Device().synchronize()
@@ -177,6 +192,59 @@ def main(argv=None):
               f"garbage collections during its {a.repeats} runs)")
         for name, t in times.items():
             print(f"  {name:30s} {B * n / t:10.1f} tok/s   {times['greedy'] / t:5.2f}   ({full[name]})")
+
+
+def time_rows(a, model, cfg):
+    """--rows: small batches, the default path against the layers step forced and the
+    kernel-per-op step (see the module's docstring)."""
+    import cupy as cp
+
+    from forge_ml import flags
+    from forge_ml.backends.cuda import decoder
+    from forge_ml.inference import generate
+
+    kinds = {"greedy": dict(temperature=0), "top-p": dict(temperature=0.8, top_p=0.9)}
+    modes = a.rows_modes.split(",")
+    if not set(modes) <= set(kinds):
+        raise SystemExit(f"--rows-modes takes {', '.join(kinds)}; got {a.rows_modes!r}")
+    batches = [int(b) for b in a.rows.split(",")]
+    rng = np.random.default_rng(1)
+    n, rule = a.new_tokens, decoder.ROWS
+    print(f"{a.model}, {a.dtype}: small batches, prompt {a.prompt_len}, {n} new tokens a row; "
+          f"generated tok/s over all rows, best of {a.repeats} (decoder.ROWS = {rule})")
+    print(f"{'batch':>5} {'mode':>7} {'default':>10} {'layers':>10} {'per op':>10} "
+          f"{'default/perop':>13}  default path")
+    for B in batches:
+        prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, a.prompt_len)] for _ in range(B)]
+        for mode in modes:
+            def run(path, kw=kinds[mode]):
+                over = {"FORGE_FUSED_DECODE": "off"} if path == "perop" else {}
+                decoder.ROWS = max(batches) if path == "layers" else rule
+                try:
+                    with flags.override(**over):
+                        cp.cuda.Device().synchronize()
+                        t0 = time.perf_counter()
+                        out = list(generate(model, prompts, max_new_tokens=n, seed=1, **kw))
+                        cp.cuda.Device().synchronize()
+                        return time.perf_counter() - t0, out
+                finally:
+                    decoder.ROWS = rule
+            best = {}
+            for _ in range(a.repeats):
+                for path in ("default", "layers", "perop"):
+                    # generate keeps one (cache, step) pair, made for the path that ran last
+                    # (whether its step is the layers one is decided when it is made): a fresh
+                    # pair and its graphs for each path, made by an untimed run
+                    model._decoder_kept = None
+                    run(path)
+                    gc.collect()
+                    best[path] = min(best.get(path, float("inf")), run(path)[0])
+            took = decoder._layers_ok(model.params["wte.weight"].data.dtype, cfg.n_embd, B)
+            tok = {k: B * n / t for k, t in best.items()}
+            print(f"{B:>5} {mode:>7} {tok['default']:>10.1f} {tok['layers']:>10.1f} "
+                  f"{tok['perop']:>10.1f} "
+                  f"{tok['default'] / tok['perop']:>13.3f}  "
+                  f"{'layers' if took else 'per op'}", flush=True)
 
 
 if __name__ == "__main__":
