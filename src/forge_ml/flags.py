@@ -93,10 +93,11 @@ _SWITCHES = (
            "warpgroups on each k and v tile (half the k and v reads; the dq kernel with "
            "FORGE_WGMMA_BWD_SHARED qd or both)", ("64", "128")),
     Switch("FORGE_FUSED_DECODE", "layers",
-           "GPT-2's batch-1 decoding step on a GPU with thread-block clusters (Hopper): two CUDA "
-           "kernels a layer and one for the head (layers, the default: 4,501 against 2,212 "
-           "tok/s in bf16 on an H100), the kernel-per-op step (off), or the experimental "
-           "whole step as one kernel (on, not faster than off)", ("on", "off", "layers")),
+           "GPT-2's decoding step for 1-4 rows on a GPU with thread-block clusters (Hopper): two "
+           "CUDA kernels a layer and one for the head (layers, the default: 4,501 against 2,212 "
+           "tok/s in bf16 on an H100 at one row), the kernel-per-op step (off), or the "
+           "experimental whole step for one row as one kernel (on, not faster than off)",
+           ("on", "off", "layers")),
     Switch("FORGE_GEMV", "on",
            "few-row products (decoding) on forge-ml's cluster gemv kernel on Hopper (off: cuBLAS)",
            ("on", "off")),
