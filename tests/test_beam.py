@@ -184,6 +184,35 @@ def test_beam_search_arguments_are_checked(pair):
             beam_search(ours, [1, 2], **args)
     with pytest.raises(TypeError, match="beam_search"):
         generate(ours, [1, 2], num_beams=2)
+    for kw in (dict(early_stopping=1), dict(early_stopping=0), dict(length_penalty=True)):
+        with pytest.raises(ConfigError):   # (1 ran as False: the search asks `is True`)
+            beam_search(ours, [1, 2], 4, 2, **kw)
+    with pytest.raises(TypeError, match="beam_search: model must be a forge-ml language model"):
+        beam_search(None, [1, 2], 4, 2)
+
+
+def test_numpy_knobs_are_python_values(pair, eos):
+    """NumPy's bool and float32 are taken as Python's: np.True_ stops early as True does (it
+    ran as False), and a float32 length penalty leaves the scores Python floats (they came
+    back float32, the ranking in float32)."""
+    ours, _ = pair
+    want = beam_search(ours, PROMPT, NEW, 4, 2.0, True, eos, 4)
+    assert beam_search(ours, PROMPT, NEW, 4, 2.0, np.True_, eos, 4) == want
+    assert want != beam_search(ours, PROMPT, NEW, 4, 2.0, False, eos, 4)   # the case bites
+    seqs, scores = beam_search(ours, PROMPT, NEW, 4, np.float32(0.5), False, eos, 4)
+    assert all(type(x) is float for x in scores)
+    assert (seqs, scores) == beam_search(ours, PROMPT, NEW, 4, 0.5, False, eos, 4)
+
+
+def test_a_nan_past_the_prompt_is_refused_at_its_step(pair):
+    """A weight that only a later position reads (a row of wpe) gives NaN logits there: beam
+    search says so with a ModelError at that step (its scores came back NaN)."""
+    ours, _ = pair
+    bad = GPT2(ours.config, {k: fm.tensor(v.numpy().copy()) for k, v in ours.params.items()})
+    bad.params["wpe.weight"].data[7, :] = np.inf
+    assert beam_search(bad, PROMPT, 2, 2)[0]        # positions 0-6: fine
+    with pytest.raises(fm.ModelError, match="position 7 hold NaN or inf.*wpe.weight holds 32 inf"):
+        beam_search(bad, PROMPT, NEW, 2)
 
 
 @pytest.mark.cuda

@@ -639,3 +639,38 @@ def test_generate_text_keeps_a_stop_token_that_is_not_special(model):
     special = Special("abcdefghijklmnopqrstuvw")
     assert generate_text(model, special, "abc", max_new_tokens=10, temperature=0,
                          stop_tokens=[stop]) == tok.decode(full[:full.index(stop)])
+
+
+def test_one_row_helpers_and_the_model_are_checked():
+    """next_token_probs and token_logprobs take one row (V,): a (B, V) array became one
+    distribution over B x V ids; generate, stream_tokens and beam_search name a model that is
+    not one (they failed with "'NoneType' object has no attribute 'config'")."""
+    import forge_ml.inference as g
+    from forge_ml.errors import ShapeError
+    from forge_ml.inference.engine import RequestError, SamplingParams
+    two = np.log([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
+    for call in (lambda: g.next_token_probs(two, temperature=0), lambda: g.token_logprobs(two),
+                 lambda: g.next_token_probs(np.float64(1.0))):
+        with pytest.raises(ShapeError, match="one row of logits"):
+            call()
+    assert g.next_token_probs(two[1], temperature=0).tolist() == [0.0, 0.0, 1.0]
+    for call, who in ((lambda: generate(None, [1], 2), "generate"),
+                      (lambda: g.stream_tokens("gpt2", [1], 2), "stream_tokens"),
+                      (lambda: g.beam_search(None, [1], 2, 2), "beam_search")):
+        with pytest.raises(TypeError, match=f"^{who}: model must be a forge-ml language model"):
+            call()
+    with pytest.raises(RequestError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=float("inf"))       # (it said "a number >= 0")
+
+
+def test_a_nan_past_the_prompt_is_refused_where_logits_come_to_the_host(model):
+    """A weight row only a later position reads (wpe's) gives NaN logits there: generate with
+    logprobs (whose logits come to the host every step) raises a ModelError naming it at that
+    step; it yielded id 0 with NaN log-probabilities."""
+    bad = GPT2(model.config, {k: fm.tensor(v.numpy().copy()) for k, v in model.params.items()})
+    bad.params["wpe.weight"].data[6, :] = np.nan
+    steps = generate(bad, [[1, 2, 3], [4, 5, 6]], 8, temperature=0, logprobs=1)
+    for _ in range(4):                  # the tokens of positions 3-6 (fed at 2-5)
+        assert all(np.isfinite(e.logprob) for e in next(steps))
+    with pytest.raises(fm.ModelError, match="position 6 hold NaN or inf.*wpe.weight holds"):
+        next(steps)

@@ -56,7 +56,7 @@ import numpy as np
 from .. import ops
 from ..errors import ConfigError, ShapeError
 from ..tensor import Tensor, tensor
-from .decode import DecodeStep, KVCache, check_finite_logits
+from .decode import DecodeStep, KVCache, check_finite_logits, model_check
 
 
 def _greedy(model, prompt, max_new_tokens, length_penalty, eos) -> tuple[list, list]:
@@ -84,7 +84,10 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
 
 
 def _check(model, prompt, max_new_tokens, num_beams, length_penalty, early_stopping, eos,
-           num_return_sequences):
+           num_return_sequences) -> tuple:
+    """Refuse what beam_search cannot take; returns ``(length_penalty, early_stopping)`` as
+    Python's float and bool (or "never"): a NumPy float32 penalty made the scores float32, a
+    NumPy bool ``early_stopping`` ran as False (the search asks ``is True``)."""
     cfg = model.config
     if len(prompt) == 0:
         raise ShapeError("beam_search: the prompt is empty; give at least one token")
@@ -106,10 +109,12 @@ def _check(model, prompt, max_new_tokens, num_beams, length_penalty, early_stopp
         raise ConfigError(f"beam_search: each step keeps {k} candidates (max(2, 1 + end ids) x "
                           f"num_beams), more than the vocabulary's {cfg.vocab_size} tokens; "
                           f"use fewer beams")
-    if not (isinstance(length_penalty, numbers.Real) and np.isfinite(length_penalty)):
+    if not (isinstance(length_penalty, numbers.Real) and not isinstance(length_penalty, bool)
+            and np.isfinite(length_penalty)):
         raise ConfigError(f"beam_search: length_penalty must be a finite number, got "
                           f"{length_penalty!r}")
-    if early_stopping not in (True, False, "never"):
+    if not (isinstance(early_stopping, (bool, np.bool_)) or (isinstance(early_stopping, str)
+                                                             and early_stopping == "never")):
         raise ConfigError(f"beam_search: early_stopping must be True, False or 'never', got "
                           f"{early_stopping!r}")
     bad = [t for t in eos if not 0 <= t < cfg.vocab_size]
@@ -119,6 +124,8 @@ def _check(model, prompt, max_new_tokens, num_beams, length_penalty, early_stopp
     if not _is_int(num_return_sequences) or not 1 <= num_return_sequences <= num_beams:
         raise ConfigError(f"beam_search: num_return_sequences must be an int in "
                           f"1..num_beams ({num_beams}), got {num_return_sequences!r}")
+    return float(length_penalty), early_stopping if isinstance(early_stopping, str) else bool(
+        early_stopping)
 
 
 def _reorder(cache: KVCache, src: np.ndarray) -> None:
@@ -149,6 +156,7 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
     >>> len(seqs), len(seqs[0]), scores[0] <= 0
     (1, 3, True)
     """
+    model_check("beam_search", model)
     if isinstance(prompt_ids, Tensor):   # as generate takes one
         prompt_ids = prompt_ids.numpy()
     if isinstance(prompt_ids, np.ndarray) and prompt_ids.ndim == 1:
@@ -168,8 +176,9 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
     else:
         raise ConfigError(f"beam_search: eos_token_id must be None, an int or a list of ints, "
                           f"got {eos_token_id!r}")
-    _check(model, prompt, max_new_tokens, num_beams, length_penalty, early_stopping, eos,
-           num_return_sequences)
+    length_penalty, early_stopping = _check(model, prompt, max_new_tokens, num_beams,
+                                            length_penalty, early_stopping, eos,
+                                            num_return_sequences)
     if num_beams == 1:   # transformers' generate(num_beams=1) is greedy search, not one beam
         return _greedy(model, prompt, max_new_tokens, length_penalty, eos)
 
@@ -229,6 +238,7 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
             if any(a is not b for a, b in zip(now, memory)):
                 step, memory = DecodeStep(model, cache), now   # a graph would hold the old memory
         logits = step(tok[keep], L + t)                            # (B, V)
+        check_finite_logits(model, logits, "beam_search", f"the tokens at position {L + t}")
 
     best = finished[:num_return_sequences]
     return [toks for _, toks in best], [s for s, _ in best]

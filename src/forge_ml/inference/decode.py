@@ -481,6 +481,21 @@ def _int_array(where: str, what: str, values) -> np.ndarray:
     return a.astype(np.int64).reshape(-1)
 
 
+def model_check(who: str, model) -> None:
+    """Refuse what is not a forge-ml language model (``generate(None, ...)`` failed deep inside
+    with "'NoneType' object has no attribute 'config'").
+
+    >>> model_check("generate", None)
+    Traceback (most recent call last):
+    ...
+    TypeError: generate: model must be a forge-ml language model (forge_ml.models.GPT2, e.g. from forge_ml.load), got NoneType
+    """
+    if not (hasattr(model, "config") and hasattr(model, "forward_cached")
+            and hasattr(model, "new_cache")):
+        raise TypeError(f"{who}: model must be a forge-ml language model (forge_ml.models.GPT2, "
+                        f"e.g. from forge_ml.load), got {type(model).__name__}")
+
+
 def check_finite_logits(model, logits, who: str, what: str = "the prompt") -> None:
     """Raise a ModelError when the first ``vocab_size`` logits of a prompt's forward pass
     (``logits``: a Tensor or array (B, ..., padded_vocab_size); ``what`` names the input in the

@@ -16,7 +16,7 @@ True
 >>> SamplingParams(temperature=-1)
 Traceback (most recent call last):
 ...
-forge_ml.inference.engine.RequestError: temperature must be a number >= 0 (0 is greedy), got -1
+forge_ml.inference.engine.RequestError: temperature must be a finite number >= 0 (0 is greedy), got -1
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ class SamplingParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
             bad("max_tokens", "an int >= 0")
         if not _is_num(self.temperature) or self.temperature < 0:
-            bad("temperature", "a number >= 0 (0 is greedy)")
+            bad("temperature", "a finite number >= 0 (0 is greedy)")
         if not _is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an int >= 0 (0 is off)")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
@@ -108,7 +108,7 @@ class SamplingParams:
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "a number in [0, 1]")
         if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "a number > 0 (1 is none)")
+            bad("repetition_penalty", "a finite number > 0 (1 is none)")
         if not _is_int(self.seed) or self.seed < 0:
             bad("seed", "an int >= 0")
         for name in ("logprobs", "prompt_logprobs"):

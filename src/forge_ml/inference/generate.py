@@ -98,7 +98,7 @@ from ..errors import ConfigError, ShapeError
 from ..sampling import sample_row
 from ..tensor import Tensor, tensor
 from ..tokenizer import hides_stop
-from .decode import check_finite_logits, held_decoder
+from .decode import check_finite_logits, held_decoder, model_check
 
 FINISH_REASONS = ("stop_token", "stop_string", "max_new_tokens", "context_full")
 
@@ -138,7 +138,10 @@ def apply_repetition_penalty(logits, penalty: float, context) -> np.ndarray:
     >>> apply_repetition_penalty(np.array([2.0, -1.0, 3.0]), 2.0, [0, 1, 1]).tolist()
     [1.0, -2.0, 3.0]
     """
-    z = np.array(logits, dtype=np.float64).reshape(-1)  # (V,), a copy
+    z = np.array(logits, dtype=np.float64)  # (V,), a copy
+    if z.ndim != 1 or z.shape[0] == 0:      # (B, V) flattened would be one distribution
+        raise ShapeError(f"expected one row of logits (V,), got shape {z.shape}; give each "
+                         f"row on its own")
     if penalty == 1.0 or len(context) == 0:
         return z
     ids = np.unique(np.asarray(context, dtype=np.int64))
@@ -418,6 +421,7 @@ def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1
                         "forge_ml.inference.beam.beam_search")
     if kw:
         raise TypeError(f"generate: unexpected keyword arguments {sorted(kw)}")
+    model_check("generate", model)
     rows, single = _as_prompts(prompts)
     stop_tokens, stop_strings = _stop_args(stop_tokens, stop_strings)
     _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
@@ -606,6 +610,9 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
                 chain.close()
             raise AssertionError("generate: the device chain ended with open rows")  # unreachable
         last = step(feed[:, 0], pos)                                              # (B, V)
+        # (the host path reads every step's logits back: a NaN arising past the prompt, from a
+        # weight row only a later position reads, is said here rather than chosen as id 0)
+        check_finite_logits(model, last, "generate", f"the tokens at position {pos}")
         pos += 1
 
 
@@ -655,6 +662,7 @@ def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, to
     10
     """
     stop_tokens, _ = _stop_args(stop_tokens, ())     # one id too, as generate takes it
+    model_check("stream_tokens", model)
     block = model.config.block_size
     prompts, single = _as_prompts(ids)
     if not single:
