@@ -224,6 +224,9 @@ def test_sample_refuses_a_hf_folder_whose_vocabulary_is_not_its_tokenizers(workd
     for argv in ([], ["--prompt", "!"], ["--prompt", "!", "--num-beams", "2"]):
         _fails(capsys, ["sample", "--ckpt", "small", "--max-new-tokens", "3", *argv],
                "the model has 97 tokens but its tokenizer (gpt2) has 50257")
+    _fails(capsys, ["convert", "--from-hf", "small", "--out", "small_fm"],   # says why, as sample
+           "the model has 97 tokens but its tokenizer (gpt2) has 50257",
+           "without a tokenizer of its own is read with GPT-2's")
     # eval of a text file tokenized with that tokenizer: it printed a loss over the wrong ids
     # whenever every id of the text happened to be below 97 (a fine-tuning user's report)
     Path("letters.txt").write_text("!\"#$%&'()*+,-./" * 20)
@@ -422,6 +425,13 @@ def test_sample_generation_options(trained, capsys):
     model, tok, _ = load_model("run")
     seqs, _ = beam_search(model, tok.encode("to be"), 6, 3, num_return_sequences=2)
     assert ("to be" + tok.decode(seqs[0])) in out
+    # no new tokens: the prompt, as without beams (it failed naming beam_search's max_new_tokens);
+    # too many beams for the vocabulary: named as the option, with the most it takes
+    assert main(base[:5] + ["--max-new-tokens", "0", "--num-beams", "2"]) == 0
+    assert capsys.readouterr().out == "to be\n"
+    V = model.config.vocab_size
+    _fails(capsys, base + ["--num-beams", "1000"], "--num-beams 1000", f"{V} tokens",
+           f"give at most {V // 2}")
 
 
 def test_sample_logprobs_and_beams_say_when_the_context_cuts_them_short(trained, capsys):

@@ -389,3 +389,33 @@ def test_the_tokenizer_fit_message_names_the_tokenizer_it_read(hfdir):
     assert "GPT-2's" not in str(e.value) and "(hf)" in str(e.value)
     with pytest.raises(ConfigError, match="without a tokenizer of its own is read with GPT-2's"):
         check_tokenizer_fits(model, tokenizer_from_dict({"kind": "gpt2"}), "m")
+
+
+def test_a_char_models_export_without_forge_mls_record_keeps_its_ids(tmp_path, capsys):
+    """A char model converted to a Hugging Face folder that then lost forge_ml_tokenizer.json
+    (re-saved by transformers, or taken from the Hub) reads its tokenizer.json: the same ids,
+    so eval takes the char run's own shards (refused as "made with another tokenizer"), and a
+    character outside the alphabet is named as the char tokenizer names it (it was the
+    tokenizers library's "Missing [UNK] token")."""
+    from forge_ml.inference import load_model
+    from forge_ml.tokenizer import same_ids
+    (tmp_path / "t.txt").write_text(CORPUS, encoding="utf-8")
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    assert main(["train", "--data", str(tmp_path / "t.txt"), "--tokenizer", "char", "--out", str(run),
+                 "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+                 "--max-steps", "2", "--batch-size", "2", "--eval-interval", "0", "--sample-interval", "0",
+                 "--log-interval", "0", "--final-eval-windows", "2"]) == 0
+    assert main(["convert", "--to-hf", str(run), "--out", str(hf)]) == 0
+    (hf / "forge_ml_tokenizer.json").unlink()
+    _, tok, meta = load_model(str(hf))
+    _, ctok, cmeta = load_model(str(run))
+    assert tok.kind == "hf" and ctok.kind == "char"
+    assert same_ids(meta["tokenizer"], cmeta["tokenizer"])
+    assert tok.encode(CORPUS) == ctok.encode(CORPUS)
+    other = dict(cmeta["tokenizer"], chars=cmeta["tokenizer"]["chars"][::-1])
+    assert not same_ids(meta["tokenizer"], other)       # another alphabet's order: other ids
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(hf), "--data", str(run / "data")]) == 0
+    assert "loss" in capsys.readouterr().out
+    with pytest.raises(TokenizerError, match="character 'Q' at position 1 is not in the vocabulary"):
+        tok.encode("aQ")                                 # (no Q in the corpus)

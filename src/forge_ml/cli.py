@@ -780,6 +780,16 @@ def _sample_beams(args, model, tok, ids, stop, out) -> int:
     from .tokenizer import hides_stop
     early = {"false": False, "true": True, "never": "never"}[args.early_stopping]
     n_new = min(args.max_new_tokens, model.config.block_size - len(ids))
+    per_beam = max(2, 1 + len(stop))        # candidates a step keeps for each beam
+    if args.num_beams * per_beam > model.config.vocab_size:
+        raise ConfigError(f"--num-beams {args.num_beams}: beam search keeps "
+                          f"{args.num_beams * per_beam} candidates each step ({per_beam} a beam), "
+                          f"more than the model's {model.config.vocab_size} tokens; give at most "
+                          f"{model.config.vocab_size // per_beam}")
+    if n_new < 1:       # nothing to search: the prompt, as a sample of 0 new tokens prints it
+        out.write(args.prompt + "\n")
+        out.flush()
+        return 0
     seqs, scores = beam_search(model, ids, n_new, args.num_beams, length_penalty=args.length_penalty,
                                early_stopping=early, eos_token_id=list(stop) or None,
                                num_return_sequences=args.num_return_sequences)
@@ -969,7 +979,7 @@ def _cmd_convert(args) -> int:
     from .errors import CheckpointError
     from .hf import (HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, is_hf_export, load_hf_dropout,
                      load_hf_gpt2, save_hf_gpt2)
-    from .inference.load import _hf_tokenizer_built, load_model, resolve_checkpoint
+    from .inference.load import _hf_tokenizer_built, check_tokenizer_fits, load_model, resolve_checkpoint
 
     # Every check before any work: the output folder is new, empty, or (with --force) an
     # earlier conversion of the same kind, and never the folder read from.
@@ -988,10 +998,7 @@ def _cmd_convert(args) -> int:
                          force=args.force, what="forge-ml checkpoint")
         config, params = load_hf_gpt2(src)
         tok_dict, tok = _hf_tokenizer_built(src)
-        if tok.vocab_size > config["vocab_size"]:   # as sample, serve and train refuse it (later)
-            raise ConfigError(f"--from-hf {src}: the model has {config['vocab_size']} "
-                              f"{plural(config['vocab_size'], 'token')} but its tokenizer "
-                              f"({tok.kind}) has {tok.vocab_size}; the ids would not be the model's")
+        check_tokenizer_fits(config["vocab_size"], tok, f"--from-hf {src}")   # as sample and serve
         # HF's four dropout rates as given (the config holds forge-ml's one): the export's
         meta = {"kind": "forge-ml-model", "config": config, "tokenizer": tok_dict,
                 "source": str(src.resolve()), "hf_dropout": load_hf_dropout(src)}

@@ -397,7 +397,7 @@ def transformers_tokenizer_files(tokenizer: dict, vocab_size: int, block_size: i
     >>> transformers_tokenizer_files({"kind": "gpt2"}, 65, 8)
     {}
     """
-    from .tokenizer import GPT2_EOT, tokenizer_from_dict
+    from .tokenizer import _CHAR_SPLIT, GPT2_EOT, tokenizer_from_dict
 
     tok = tokenizer_from_dict(tokenizer)
     if tok.vocab_size > int(vocab_size):
@@ -421,8 +421,7 @@ def transformers_tokenizer_files(tokenizer: dict, vocab_size: int, block_size: i
             "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
             "normalizer": None,
             # every character its own piece (\s\S: newlines too), looked up whole
-            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"},
-                              "behavior": "Isolated", "invert": False},
+            "pre_tokenizer": json.loads(json.dumps(_CHAR_SPLIT)),
             "post_processor": None,
             "decoder": {"type": "Fuse"},  # pieces joined with nothing between them
             "model": {"type": "WordLevel", "vocab": {c: i for i, c in enumerate(tok.chars)},

@@ -882,7 +882,16 @@ class HFTokenizer:
         try:
             return self._tok.encode(text).ids
         except Exception as e:   # a lone surrogate, which Rust's strings cannot hold
-            raise TokenizerError(f"HFTokenizer.encode: the tokenizers library cannot encode the text ({str(e)[:120]})") from None
+            msg = str(e)
+            if "Missing [UNK]" in msg:   # a piece its vocabulary lacks, and no unknown token
+                at = next((i for i, c in enumerate(text) if self._tok.token_to_id(c) is None), None)
+                if at is not None and _char_alphabet(self._spec) is not None:
+                    raise TokenizerError(f"character {text[at]!r} at position {at} is not in the "
+                                         f"vocabulary of {self._n} characters") from None
+                raise TokenizerError("HFTokenizer.encode: the text holds a piece the tokenizer's "
+                                     "vocabulary lacks, and it has no unknown token to give "
+                                     f"instead ({msg[:120]})") from None
+            raise TokenizerError(f"HFTokenizer.encode: the tokenizers library cannot encode the text ({msg[:120]})") from None
 
     def _chunkable(self) -> bool:
         """Whether a text split before a line that starts with a non-space character encodes as
@@ -1030,17 +1039,59 @@ class TextStream:
 def same_ids(a, b) -> bool:
     """Whether two tokenizer dicts (``to_dict()``) give the same ids for the same text: equal,
     the ids generation stops on aside (a Hugging Face GPT-2 folder's ``eos_token_id`` list
-    names the same ids as GPT-2's tokenizer of a data folder prepared without it).
+    names the same ids as GPT-2's tokenizer of a data folder prepared without it); a char
+    tokenizer and the Hugging Face tokenizer.json a conversion writes for it (read back from
+    a folder that lost forge-ml's own record of it) compare by their alphabets.
 
     >>> same_ids({"kind": "gpt2", "eos_token_id": [50256, 13]}, {"kind": "gpt2"})
     True
     >>> same_ids({"kind": "gpt2", "add_prefix_space": True}, {"kind": "gpt2"})
     False
     """
+    ca, cb = _char_alphabet(a), _char_alphabet(b)
+    if ca is not None and cb is not None:
+        return ca == cb
+
     def ids_part(d):
         return {k: v for k, v in d.items() if k != "eos_token_id"} if isinstance(d, dict) and \
             d.get("kind") == "gpt2" else d
     return ids_part(a) == ids_part(b)
+
+
+_CHAR_SPLIT = {"type": "Split", "pattern": {"Regex": "[\\s\\S]"}, "behavior": "Isolated",
+               "invert": False}   # every character its own piece (hf.py's export of a char tokenizer)
+
+
+def _char_alphabet(d):
+    """The characters, in id order, of a tokenizer dict that gives a char tokenizer's ids: a
+    char dict's own, or a Hugging Face tokenizer.json of the form hf.py writes for one (a
+    WordLevel vocabulary of single characters, ids 0..n-1, every character its own piece, no
+    normalizer, nothing added); else None.
+
+    >>> _char_alphabet({"kind": "char", "chars": "ab"})
+    'ab'
+    >>> j = {"model": {"type": "WordLevel", "vocab": {"b": 1, "a": 0}}, "pre_tokenizer": _CHAR_SPLIT,
+    ...      "normalizer": None, "post_processor": None, "added_tokens": []}
+    >>> _char_alphabet({"kind": "hf", "tokenizer": j}), _char_alphabet({"kind": "gpt2"})
+    ('ab', None)
+    """
+    if not isinstance(d, dict):
+        return None
+    if d.get("kind") == "char":
+        return d.get("chars")
+    j = d.get("tokenizer") if d.get("kind") == "hf" else None
+    if not isinstance(j, dict):
+        return None
+    m = j.get("model") if isinstance(j.get("model"), dict) else {}
+    vocab = m.get("vocab")
+    if (m.get("type") != "WordLevel" or not isinstance(vocab, dict) or j.get("pre_tokenizer") != _CHAR_SPLIT
+            or j.get("normalizer") is not None or j.get("post_processor") is not None
+            or j.get("added_tokens")):
+        return None
+    if any(not isinstance(c, str) or len(c) != 1 for c in vocab) or \
+            sorted(vocab.values()) != list(range(len(vocab))):
+        return None
+    return "".join(sorted(vocab, key=vocab.get))
 
 
 def tokenizer_from_dict(d: dict):

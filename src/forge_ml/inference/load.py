@@ -109,11 +109,11 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
 
 
 def check_tokenizer_fits(model, tok, where) -> None:
-    """A ConfigError when ``tok`` has more ids than ``model``'s vocabulary: its ids would not be
-    the model's (a Hugging Face folder without a tokenizer of its own is read with GPT-2's, so
-    a model with a smaller vocabulary gets one that does not fit; the message says so for a
-    gpt2 tokenizer). What ``forge-ml
-    sample`` and ``forge-ml serve`` check before they turn text into ids.
+    """A ConfigError when ``tok`` has more ids than ``model``'s vocabulary (``model``: a model,
+    or its vocabulary size): its ids would not be the model's (a Hugging Face folder without a
+    tokenizer of its own is read with GPT-2's, so a model with a smaller vocabulary gets one
+    that does not fit; the message says so for a gpt2 tokenizer). What ``forge-ml sample``,
+    ``serve`` and ``convert --from-hf`` check before they turn text into ids or keep them.
 
     >>> from forge_ml.tokenizer import tokenizer_from_dict
     >>> model = GPT2.init(GPT2Config(vocab_size=4, block_size=8, n_layer=1, n_head=1, n_embd=8))
@@ -123,10 +123,11 @@ def check_tokenizer_fits(model, tok, where) -> None:
     ...
     forge_ml.errors.ConfigError: m: the model has 4 tokens but its tokenizer (gpt2) has 50257; ...
     """
-    if tok.vocab_size > model.config.vocab_size:
+    n = model if isinstance(model, int) else model.config.vocab_size
+    if tok.vocab_size > n:
         why = (" (a Hugging Face folder without a tokenizer of its own is read with GPT-2's)" if tok.kind == "gpt2"
                else "")
-        raise ConfigError(f"{where}: the model has {model.config.vocab_size} tokens but its tokenizer "
+        raise ConfigError(f"{where}: the model has {n} tokens but its tokenizer "
                           f"({tok.kind}) has {tok.vocab_size}; the ids would not be the model's{why}")
 
 
