@@ -186,7 +186,7 @@ def layers_trace(cp, mod, step, L, reps):
     count = cp.ndarray((3 * nb,), cp.uint32, mod.get_global("dl_trace_count"))
     buf = cp.ndarray((3, nb, runs, nmarks), cp.uint64, mod.get_global("dl_trace_buf"))
     plan = list(decoder._layer_plans.values())[-1]
-    blocks = (decoder._DL_P * plan.partA.shape[0], plan.grid_mlp, plan.grid_head)
+    blocks = (decoder._DL_P * plan.partA.shape[1], plan.grid_mlp, plan.grid_head)   # (B, H, C)
     acc, step_ns = None, 0.0
     for _ in range(reps):
         count.fill(0)
@@ -229,7 +229,8 @@ def main(argv=None):
     ap.add_argument("--fused", default="off", choices=["off", "on", "layers"],
                     help="the step's timings (replay, call, chain) with FORGE_FUSED_DECODE at this "
                          "value: on, one kernel (decode_model.cu); layers, two a layer "
-                         "(decode_layers.cu); batch 1 only")
+                         "(decode_layers.cu); on takes batch 1, layers 1-4 rows where "
+                         "decoder._layers_ok says so")
     ap.add_argument("--trace", action="store_true",
                     help="with --fused layers: each phase of the layers step's kernels, from "
                          "decode_layers.cu built with its marks (DL_TRACE)")

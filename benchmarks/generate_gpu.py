@@ -23,7 +23,9 @@ the code in seconds a run: scripts/ab_trees.sh).
 
 ``--rows B1,B2,...`` times small batches instead (B different prompts of --prompt-len tokens,
 one position for all): for each batch and each of --rows-modes, the default path, the layers
-step forced (decoder.ROWS raised past its rule) and the kernel-per-op step, in turn over
+step forced (decoder.ROWS raised past its rule; _layers_ok's rounds limit still holds, so
+where it says no the forced column is the kernel-per-op step) and the kernel-per-op step, in
+turn over
 --repeats rounds (each timed run after an untimed one on a fresh cache; best of each),
 generated tokens/s over all rows; the rule in backends/cuda/decoder.py (_layers_ok) is set
 from this table.

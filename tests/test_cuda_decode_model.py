@@ -203,10 +203,7 @@ def test_layers_step_takes_and_matches_at_every_gpt2_width(dtype, C, fused_on):
     against 270)."""
     from forge_ml.backends.cuda import decoder, runtime
     from forge_ml.inference.decode import DecodeStep
-    if fused_on != "layers":
-        pytest.skip("decode_layers.cu")
-    if runtime._cc_major(runtime._dev()) != 9 or not runtime._launcher_ex():
-        pytest.skip("the layers step is for Hopper GPUs")
+    _hopper_layers_or_skip(fused_on)
     dt = runtime.F32 if dtype == "float32" else runtime.BF16
     takes = decoder._layers_ok(dt, C)
     if runtime._sm_count(runtime._dev()) == 132:

@@ -642,18 +642,20 @@ def test_generate_text_keeps_a_stop_token_that_is_not_special(model):
 
 
 def test_one_row_helpers_and_the_model_are_checked():
-    """next_token_probs and token_logprobs take one row (V,): a (B, V) array became one
-    distribution over B x V ids; generate, stream_tokens and beam_search name a model that is
-    not one (they failed with "'NoneType' object has no attribute 'config'")."""
+    """next_token_probs and token_logprobs take one row ((V,), or (1, V)): a (B, V) array
+    became one distribution over B x V ids; generate, stream_tokens and beam_search name a
+    model that is not one (they failed with "'NoneType' object has no attribute 'config'")."""
     import forge_ml.inference as g
     from forge_ml.errors import ShapeError
     from forge_ml.inference.engine import RequestError, SamplingParams
     two = np.log([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
     for call in (lambda: g.next_token_probs(two, temperature=0), lambda: g.token_logprobs(two),
                  lambda: g.next_token_probs(np.float64(1.0))):
-        with pytest.raises(ShapeError, match="one row of logits"):
+        with pytest.raises(ShapeError, match="^(next_token_probs|token_logprobs): expected one row"):
             call()
     assert g.next_token_probs(two[1], temperature=0).tolist() == [0.0, 0.0, 1.0]
+    assert g.next_token_probs(two[1:], temperature=0).tolist() == [0.0, 0.0, 1.0]   # (1, V)
+    np.testing.assert_array_equal(g.token_logprobs(two[:1]), g.token_logprobs(two[0]))
     for call, who in ((lambda: generate(None, [1], 2), "generate"),
                       (lambda: g.stream_tokens("gpt2", [1], 2), "stream_tokens"),
                       (lambda: g.beam_search(None, [1], 2, 2), "beam_search")):

@@ -777,10 +777,11 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int, head: str) -> None:
 def _sample_beams(args, model, tok, ids, stop, out) -> int:
     """``sample --num-beams``: the best sequences of a beam search, each with its score."""
     from .inference import beam_search
+    from .inference.beam import candidates_per_beam
     from .tokenizer import hides_stop
     early = {"false": False, "true": True, "never": "never"}[args.early_stopping]
     n_new = min(args.max_new_tokens, model.config.block_size - len(ids))
-    per_beam = max(2, 1 + len(stop))        # candidates a step keeps for each beam
+    per_beam = candidates_per_beam(len(stop))
     if args.num_beams * per_beam > model.config.vocab_size:
         raise ConfigError(f"--num-beams {args.num_beams}: beam search keeps "
                           f"{args.num_beams * per_beam} candidates each step ({per_beam} a beam), "

@@ -31,6 +31,7 @@ import followed by an export writes the rates it read.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -421,7 +422,7 @@ def transformers_tokenizer_files(tokenizer: dict, vocab_size: int, block_size: i
             "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
             "normalizer": None,
             # every character its own piece (\s\S: newlines too), looked up whole
-            "pre_tokenizer": json.loads(json.dumps(_CHAR_SPLIT)),
+            "pre_tokenizer": copy.deepcopy(_CHAR_SPLIT),
             "post_processor": None,
             "decoder": {"type": "Fuse"},  # pieces joined with nothing between them
             "model": {"type": "WordLevel", "vocab": {c: i for i, c in enumerate(tok.chars)},

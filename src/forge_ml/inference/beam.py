@@ -76,6 +76,17 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def candidates_per_beam(n_eos: int) -> int:
+    """Candidates a step keeps for each beam with ``n_eos`` end-of-sequence ids:
+    max(2, 1 + n_eos), transformers' ``beams_to_keep``; the step keeps this times num_beams,
+    which the vocabulary must hold.
+
+    >>> candidates_per_beam(0), candidates_per_beam(2)
+    (2, 3)
+    """
+    return max(2, 1 + n_eos)
+
+
 def _log_softmax(z: np.ndarray) -> np.ndarray:
     """Row-wise log-softmax of ``z (B, V)`` in float64."""
     z = z.astype(np.float64)
@@ -104,7 +115,7 @@ def _check(model, prompt, max_new_tokens, num_beams, length_penalty, early_stopp
                          f"(block_size)")
     if not _is_int(num_beams) or num_beams < 1:
         raise ConfigError(f"beam_search: num_beams must be an int >= 1, got {num_beams!r}")
-    k = max(2, 1 + len(eos)) * num_beams
+    k = candidates_per_beam(len(eos)) * num_beams
     if k > cfg.vocab_size:
         raise ConfigError(f"beam_search: each step keeps {k} candidates (max(2, 1 + end ids) x "
                           f"num_beams), more than the vocabulary's {cfg.vocab_size} tokens; "
@@ -184,7 +195,7 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
 
     cfg = model.config
     V, B, L = cfg.vocab_size, num_beams, len(prompt)
-    K = max(2, 1 + len(eos)) * B          # candidates kept per step (transformers' beams_to_keep)
+    K = candidates_per_beam(len(eos)) * B          # candidates kept per step
     eos_ids = np.array(eos, np.int64)
 
     # Every beam row starts as the prompt; the last new token is never fed back.

@@ -497,12 +497,12 @@ def model_check(who: str, model) -> None:
 
 
 def check_finite_logits(model, logits, who: str, what: str = "the prompt") -> None:
-    """Raise a ModelError when the first ``vocab_size`` logits of a prompt's forward pass
-    (``logits``: a Tensor or array (B, ..., padded_vocab_size); ``what`` names the input in the
-    message) hold a NaN or an infinity: no
-    token can be chosen from them (an argmax would silently say id 0). The message names the
-    first parameter that is not finite, or says that every one is. One small reduction on the
-    logits' device and one read back, at the prompt only.
+    """Raise a ModelError when the first ``vocab_size`` logits of a forward pass (the prompt's,
+    or a step's where they come to the host anyway; ``logits``: a Tensor or array (B, ...,
+    padded_vocab_size); ``what`` names the input in the message) hold a NaN or an infinity:
+    no token can be chosen from them (an argmax would silently say id 0). The message names
+    the first parameter that is not finite, or says that every one is. One small reduction on
+    the logits' device and one number read back.
 
     >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
     >>> model = GPT2.init(GPT2Config(vocab_size=20, block_size=8, n_layer=1, n_head=2,

@@ -130,18 +130,22 @@ class TokenEvent:
 # -- choosing the next token ---------------------------------------------------------------
 
 
-def apply_repetition_penalty(logits, penalty: float, context) -> np.ndarray:
-    """``logits`` (float64 copy) with the CTRL repetition penalty on every id in ``context``:
-    a positive logit divided by ``penalty``, a negative one multiplied (transformers'
-    ``RepetitionPenaltyLogitsProcessor``). An id counts once however often it occurs.
+def apply_repetition_penalty(logits, penalty: float, context,
+                             who: str = "apply_repetition_penalty") -> np.ndarray:
+    """``logits`` (float64 copy, one row: ``(V,)``, or ``(1, V)`` read as it) with the CTRL
+    repetition penalty on every id in ``context``: a positive logit divided by ``penalty``, a
+    negative one multiplied (transformers' ``RepetitionPenaltyLogitsProcessor``). An id counts
+    once however often it occurs.
 
     >>> apply_repetition_penalty(np.array([2.0, -1.0, 3.0]), 2.0, [0, 1, 1]).tolist()
     [1.0, -2.0, 3.0]
     """
-    z = np.array(logits, dtype=np.float64)  # (V,), a copy
+    z = np.array(logits, dtype=np.float64)  # a copy
+    if z.size and z.ndim > 1 and all(n == 1 for n in z.shape[:-1]):
+        z = z.reshape(-1)                   # one row with leading axes of 1: (1, V)
     if z.ndim != 1 or z.shape[0] == 0:      # (B, V) flattened would be one distribution
-        raise ShapeError(f"expected one row of logits (V,), got shape {z.shape}; give each "
-                         f"row on its own")
+        raise ShapeError(f"{who}: expected one row of logits (V,) or (1, V), got shape "
+                         f"{z.shape}; give each row on its own")
     if penalty == 1.0 or len(context) == 0:
         return z
     ids = np.unique(np.asarray(context, dtype=np.int64))
@@ -163,7 +167,8 @@ def token_logprobs(logits, temperature: float = 1.0, *, repetition_penalty: floa
     [0.5, 0.25, 0.25]
     """
     _check_choice("token_logprobs", temperature, repetition_penalty=repetition_penalty)
-    return _log_softmax(apply_repetition_penalty(logits, repetition_penalty, context), temperature)
+    return _log_softmax(apply_repetition_penalty(logits, repetition_penalty, context,
+                                                 "token_logprobs"), temperature)
 
 
 def _log_softmax(z, temperature: float) -> np.ndarray:
@@ -217,7 +222,7 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = No
     [0.0, 1.0]
     """
     _check_choice("next_token_probs", temperature, top_k, top_p, min_p, repetition_penalty)
-    z = apply_repetition_penalty(logits, repetition_penalty, context)  # (V,)
+    z = apply_repetition_penalty(logits, repetition_penalty, context, "next_token_probs")  # (V,)
     v = z.shape[0]
     probs = np.zeros(v, np.float64)
     if temperature == 0:

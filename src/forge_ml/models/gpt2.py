@@ -632,7 +632,7 @@ class GPT2:
     def fused_decode_ok(self, cache) -> bool:
         """Whether ``decode_step_fused`` runs for this model and ``cache``: the device has
         GPT-2's decoding step in a few kernels for the cache's batch (``ops.decode_gpt2_ok``:
-        CUDA, float32 or bf16, one row, or up to four on a Hopper GPU).
+        CUDA, float32 or bf16; 1-4 rows on a Hopper GPU with the layers step, the default).
 
         >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=64)
         >>> model = GPT2.init(cfg)

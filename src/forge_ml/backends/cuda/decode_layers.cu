@@ -31,8 +31,8 @@
 //     b), rounded; their rows of the MLP's projection -> a partial row of C, each eighth of it
 //     stored into the cluster's block that sums it -> partB[cluster].
 //   head: x'' = x' + bias + partB's rows; LN_f; the logits (float32, every padded column);
-//     with `greedy`, the argmax (NumPy's ties) over the blocks by the last block to finish:
-//     ids[0], hist[0], pos[0] += 1.
+//     with `greedy`, the argmax (NumPy's ties) over the row's blocks by its last block to
+//     finish: ids[row], hist[row]; pos[0] += 1 by the last row's (a counter of rows done).
 #include "common.cuh"
 
 #define DL_THREADS 256

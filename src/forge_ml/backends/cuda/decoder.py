@@ -240,7 +240,7 @@ def _mlp_waves(dt, C: int, sms: int, sm_shared: int, reserved: int = 1024, rows:
 
 
 ROWS = 4              # the most rows decode_layers.cu takes (benchmarks may raise it)
-_ok: dict = {}        # (device, dtype, C, rows) -> _layers_ok's answer there
+_ok: dict = {}        # (device, dtype, C, rows, ROWS) -> _layers_ok's answer there
 
 
 def _layers_ok(dt, C: int, rows: int = 1) -> bool:
