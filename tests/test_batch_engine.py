@@ -450,6 +450,33 @@ def test_an_engine_refuses_a_model_whose_weights_hold_nan(device):
         assert len(list(engine.submit([1, 2], SamplingParams(max_tokens=3)))) == 3
 
 
+def test_nan_logits_past_the_prompt_end_that_request_in_an_error():
+    """A weight row only a later position reads (wpe's row 6): the engine's first step passes,
+    and a request reaching position 6 was served a token chosen from NaN logits (a garbage id,
+    every step after). choose_tokens now gives None for such a row; the engine ends that
+    request with a ModelError naming the weight, frees its slot, and serves the others."""
+    from forge_ml.errors import ModelError
+    logits = np.log(np.array([[0.5, 0.3, 0.2], [0.1, np.nan, 0.8], [0.2, np.inf, 0.1]]))
+    for p in (SamplingParams(temperature=0), SamplingParams(top_p=0.9, logprobs=1)):
+        got = choose_tokens(logits, [p] * 3, [[], [], []], [0.5] * 3)
+        assert got[1] == got[2] == (None, None, ())
+        assert got[0][0] in (0, 1, 2)
+    m = make_model()
+    m.params["wpe.weight"].data[6, :] = np.nan
+    with BatchEngine(m, slots=2) as engine:
+        long = engine.submit([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+        short = engine.submit([4, 5], SamplingParams(max_tokens=3, temperature=0.7))
+        got = []
+        with pytest.raises(ModelError, match=r"BatchEngine: the model's logits for this request's "
+                                             r"token at position 6 .* wpe.weight holds 16 NaN"):
+            for t in long:
+                got.append(t.token)
+        assert len(got) == 4                         # positions 3-6 fed from 2-5: fine
+        assert len(list(short)) == 3 and engine.running
+        again = engine.submit([7], SamplingParams(max_tokens=2, temperature=0))
+        assert len(list(again)) == 2
+
+
 def test_stats_leave_out_requests_whose_clients_left(model):
     """/health's counts: three requests queued behind a long one, then cancelled (their clients
     gone), were still counted as waiting until the loop reached them (a QA report)."""

@@ -473,6 +473,37 @@ def slow_server(tok):
     eng.close()
 
 
+def test_nan_logits_past_the_prompt_are_a_500_naming_the_weight(tok, caplog):
+    """A model whose wpe row 8 is NaN passes the engine's first step; a completion reaching
+    position 8 was served garbage ids. Now: a 500 JSON error naming the weight (whole or
+    streamed: an error event, then [DONE]), no traceback logged, and the server goes on."""
+    cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=1, n_embd=16)
+    m = make_model(cfg, seed=3)
+    m.params["wpe.weight"].data[8, :] = np.nan
+    eng = BatchEngine(m, tok, slots=2)
+    s = Server(create_app(eng, "nan"))
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as h:
+            body = {"model": "nan", "prompt": "abc", "max_tokens": 10, "temperature": 0}
+            r = h.post("/v1/completions", json=body)
+            assert r.status_code == 500, r.text
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and "wpe.weight holds 16 NaN" in err["message"]
+            assert "position 8" in err["message"]
+            with h.stream("POST", "/v1/completions", json=dict(body, stream=True)) as st:
+                lines = [ln for ln in st.iter_lines() if ln]
+            assert lines[-1] == "data: [DONE]"
+            events = [json.loads(ln[6:]) for ln in lines[:-1]]
+            assert "wpe.weight" in events[-1]["error"]["message"]
+            assert all("choices" in e for e in events[:-1]) and len(events) == 1 + 6   # 3-8
+            ok = h.post("/v1/completions", json=dict(body, max_tokens=4))   # positions 3-6
+            assert ok.status_code == 200 and len(tok.encode(ok.json()["choices"][0]["text"])) == 4
+        assert not [r for r in caplog.records if r.exc_info]
+    finally:
+        s.stop()
+        eng.close()
+
+
 def wait_idle(eng, timeout=5.0):
     """Whether the engine's loop has freed every slot and queue place within ``timeout``
     (its own lists: ``stats()`` leaves out cancelled requests at once, before the loop

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ModelError
 from ..tensor import device_has
 from .decode import check_finite_logits
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
@@ -83,7 +83,8 @@ def choose_tokens(logits, params: Sequence[SamplingParams], seen: Sequence, u) -
     the float32 logits would overflow gives the limit (at a vanishing temperature, the argmax:
     other tokens' log-probabilities are -inf). In float32 (running sums in float64); the passes
     over the whole vocabulary run for all rows at once, and each row's result depends on its
-    own inputs only.
+    own inputs only. A row whose logits hold NaN or inf gets ``(None, None, ())``: no token
+    can be chosen (seen free: the greedy choice's logit, or the softmax's sum, is not finite).
 
     >>> logits = np.log(np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
     >>> ps = [SamplingParams(top_p=0.6), SamplingParams(temperature=0, logprobs=1)]
@@ -126,6 +127,9 @@ def choose_tokens(logits, params: Sequence[SamplingParams], seen: Sequence, u) -
         total = e.sum(axis=1).astype(np.float64)                # (S,), pairwise sums
     out = []
     for r, p in enumerate(params):
+        if not np.isfinite(z[r, int(np.argmax(z[r]))] if p.greedy else total[row_of[r]]):
+            out.append((None, None, ()))      # NaN or inf in the row's logits
+            continue
         if p.greedy:
             tok = int(np.argmax(z[r]))
         else:
@@ -453,6 +457,14 @@ class BatchEngine:
         seen = [list(rq.seen) if rq.seen is not None else () for rq in reqs]
         u = [rq.gen.random() if not rq.params.greedy else 0.0 for rq in reqs]
         for s, rq, (tok, lp, top) in zip(rows, reqs, choose_tokens(logits[rows], params, seen, u)):
+            if tok is None:     # NaN or inf logits past the prompt: the request ends in an error
+                try:            # (check_finite_logits names the weight, or says all are finite)
+                    check_finite_logits(self.model, logits[s:s + 1], "BatchEngine",
+                                        f"this request's token at position {rq.fed - 1}")
+                except ModelError as e:
+                    rq.stream._push(e)
+                self._finish(s, rq, None)
+                continue
             rq.generated.append(tok)
             if rq.seen is not None:
                 rq.seen.add(tok)

@@ -53,7 +53,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import ConfigError, TokenizerError, plural
+from ..errors import ConfigError, ModelError, TokenizerError, plural
 from ..inference.batch import BatchEngine
 from ..tokenizer import TextStream, hides_stop
 from ..inference.engine import EngineClosedError, RequestError, SamplingParams, TokenOut
@@ -421,6 +421,9 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
             except EngineClosedError as e:
                 err = APIError(str(e), status=503, type="server_error")
                 await queue.put(f"data: {_json(error_body(err))}\n\n")
+            except ModelError as e:            # NaN or inf logits past the prompt: said as it is
+                err = APIError(str(e), status=500, type="server_error")
+                await queue.put(f"data: {_json(error_body(err))}\n\n")
             except Exception as e:             # said, not passed off as a finished choice
                 log.exception("forge-ml serve: a streamed choice failed")
                 err = APIError(f"internal server error: {type(e).__name__}", status=500,
@@ -491,6 +494,11 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                  request.url.path)
         return Response(status_code=400)
 
+    async def on_model_error(request: Request, e: ModelError) -> Response:
+        # a request whose logits turned NaN or inf past its prompt (the model's fault, said
+        # with the weight to blame, not an internal error with a traceback)
+        return _error_response(APIError(str(e), status=500, type="server_error"))
+
     async def on_server_error(request: Request, e: Exception) -> Response:
         log.exception("forge-ml serve: internal error on %s", request.url.path)
         return _error_response(APIError(f"internal server error: {type(e).__name__}",
@@ -503,7 +511,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     middleware = [Middleware(_APIKey, key=api_key)] if api_key else []
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
         APIError: on_api_error, RequestError: on_request_error, HTTPException: on_http_error,
-        ClientDisconnect: on_client_gone, Exception: on_server_error})
+        ClientDisconnect: on_client_gone, ModelError: on_model_error, Exception: on_server_error})
 
 
 def _no_constant(name: str):
