@@ -127,12 +127,11 @@ def choose_tokens(logits, params: Sequence[SamplingParams], seen: Sequence, u) -
         total = e.sum(axis=1).astype(np.float64)                # (S,), pairwise sums
     out = []
     for r, p in enumerate(params):
-        if not np.isfinite(z[r, int(np.argmax(z[r]))] if p.greedy else total[row_of[r]]):
+        tok = int(np.argmax(z[r])) if p.greedy else None
+        if not np.isfinite(z[r, tok] if p.greedy else total[row_of[r]]):
             out.append((None, None, ()))      # NaN or inf in the row's logits
             continue
-        if p.greedy:
-            tok = int(np.argmax(z[r]))
-        else:
+        if not p.greedy:
             i = row_of[r]
             kept = _cut(e[i], total[i], p.top_k, p.top_p, p.min_p)
             if kept is None:
