@@ -185,6 +185,33 @@ def test_a_loaded_hugging_face_folder_has_no_dropout(tmp_path):
         resid_pdrop=0.1, embd_pdrop=0.2, attn_pdrop=0.3, summary_first_dropout=0.1)
 
 
+def test_reorder_and_upcast_attn_survives_a_round_trip(tmp_path):
+    """A folder with reorder_and_upcast_attn true (transformers upcasts the attention scores in
+    half precision; float32 computes alike): convert --from-hf then --to-hf, and convert --to-hf
+    of the folder itself, write it back true (an export wrote false), with the same logits."""
+    from forge_ml.cli import main
+
+    model = hf_model(reorder_and_upcast_attn=True, vocab_size=50257, n_embd=8, n_layer=1)
+    model.save_pretrained(tmp_path / "given", safe_serialization=True)   # GPT-2's vocabulary
+    assert main(["convert", "--from-hf", str(tmp_path / "given"), "--out", str(tmp_path / "fm")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "fm"), "--out", str(tmp_path / "back")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "given"), "--out", str(tmp_path / "back2")]) == 0
+    ids = torch.tensor([[1, 5, 9, 2]])
+    for d in ("back", "back2"):
+        assert transformers.GPT2Config.from_pretrained(tmp_path / d).reorder_and_upcast_attn is True
+        again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / d).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+    plain = hf_model()
+    plain.save_pretrained(tmp_path / "plain", safe_serialization=True)
+    assert main(["convert", "--to-hf", str(tmp_path / "plain"), "--out", str(tmp_path / "p2")]) == 0
+    assert transformers.GPT2Config.from_pretrained(tmp_path / "p2").reorder_and_upcast_attn is False
+    cfg = {"vocab_size": 5, "block_size": 4, "n_layer": 1, "n_head": 1, "n_embd": 2}
+    zeros = {k: np.zeros(sh, np.float32) for k, sh in gpt2_param_shapes(cfg).items()}
+    with pytest.raises(CheckpointError, match="hf_flags must be a dict"):
+        save_hf_gpt2(tmp_path / "x", cfg, zeros, hf_flags={"reorder_and_upcast_attn": "yes"})
+
+
 def test_written_files_look_like_save_pretrained(saved, tmp_path):
     d, _ = saved
     config, params = load_hf_gpt2(d)

@@ -979,7 +979,7 @@ def _cmd_convert(args) -> int:
     from .checkpoint import check_output_dir, is_checkpoint_dir, save_checkpoint
     from .errors import CheckpointError
     from .hf import (HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, is_hf_export, load_hf_dropout,
-                     load_hf_gpt2, save_hf_gpt2)
+                     load_hf_flags, load_hf_gpt2, save_hf_gpt2)
     from .inference.load import _hf_tokenizer_built, check_tokenizer_fits, load_model, resolve_checkpoint
 
     # Every check before any work: the output folder is new, empty, or (with --force) an
@@ -1002,7 +1002,8 @@ def _cmd_convert(args) -> int:
         check_tokenizer_fits(config["vocab_size"], tok, f"--from-hf {src}")   # as sample and serve
         # HF's four dropout rates as given (the config holds forge-ml's one): the export's
         meta = {"kind": "forge-ml-model", "config": config, "tokenizer": tok_dict,
-                "source": str(src.resolve()), "hf_dropout": load_hf_dropout(src)}
+                "source": str(src.resolve()), "hf_dropout": load_hf_dropout(src),
+                "hf_flags": load_hf_flags(src)}
         save_checkpoint(args.out, params, meta)
         print(f"imported {len(params)} tensors ({config['n_layer']} {plural(config['n_layer'], 'layer')}, "
               f"{config['n_embd']} channels) "
@@ -1016,7 +1017,7 @@ def _cmd_convert(args) -> int:
     # Face folder, HF's four rates
     config = dict(model.config.to_dict(), dropout=meta["config"].get("dropout", 0.0))
     save_hf_gpt2(args.out, config, model.state_dict(), tokenizer=tok.to_dict(),
-                 dropout_rates=meta.get("hf_dropout"))
+                 dropout_rates=meta.get("hf_dropout"), hf_flags=meta.get("hf_flags"))
     tok_files = [f for f in TRANSFORMERS_TOKENIZER_FILES if (Path(args.out) / f).is_file()]
     print(f"exported {args.to_hf} -> {args.out} (config.json + model.safetensors"
           + (f" + {HF_TOKENIZER_FILE}: a {tok.kind} tokenizer, not GPT-2's" if tok.kind != "gpt2" else "")

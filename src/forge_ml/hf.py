@@ -243,6 +243,27 @@ def load_hf_dropout(dir) -> dict:
     return _dropout_rates(_read_json(path), path)
 
 
+HF_FLAGS = ("reorder_and_upcast_attn",)   # kept as given: float32 runs them alike
+
+
+def load_hf_flags(dir) -> dict:
+    """The switches of a Hugging Face GPT-2 folder's config.json that change nothing forge-ml
+    computes but change transformers' numerics in half precision (``HF_FLAGS``:
+    ``reorder_and_upcast_attn``, the attention's scores upcast to float32), as given (False
+    where absent): what ``save_hf_gpt2(..., hf_flags=)`` writes back, so a round trip keeps
+    them (an export wrote false).
+
+    >>> import tempfile, os, json
+    >>> d = tempfile.mkdtemp()
+    >>> _ = open(os.path.join(d, "config.json"), "w").write(json.dumps({"reorder_and_upcast_attn": True}))
+    >>> load_hf_flags(d)
+    {'reorder_and_upcast_attn': True}
+    """
+    path = Path(dir) / CONFIG_FILE
+    hf = _read_json(path)
+    return {k: bool(hf.get(k, False)) for k in HF_FLAGS}
+
+
 def _forge_config(hf: dict, path: Path, padded_vocab: int | None) -> dict:
     """forge-ml GPT2Config fields from an HF config, refusing features forge-ml lacks."""
     model_type = hf.get("model_type")
@@ -447,7 +468,7 @@ def transformers_tokenizer_files(tokenizer: dict, vocab_size: int, block_size: i
 
 
 def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
-                 dropout_rates: dict | None = None) -> None:
+                 dropout_rates: dict | None = None, hf_flags: dict | None = None) -> None:
     """Write ``params`` (forge-ml names, NumPy arrays) as a directory that transformers'
     ``GPT2LMHeadModel.from_pretrained`` loads: ``config.json`` and ``model.safetensors`` with
     the ``transformer.`` prefix, as transformers' own ``save_pretrained`` writes it, and the
@@ -467,7 +488,8 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
     rates written: ``dropout_rates`` where given (HF's names, ``DROPOUT_KEYS``, as
     ``load_hf_dropout`` read them; a key it lacks as below), else ``config``'s dropout as
     ``resid_pdrop``, ``embd_pdrop`` and ``attn_pdrop``, and transformers' default 0.1 as
-    ``summary_first_dropout``.
+    ``summary_first_dropout``. ``hf_flags``: ``HF_FLAGS``' values as ``load_hf_flags`` read
+    them (false where not given).
 
     >>> import tempfile, os, numpy as np
     >>> cfg = {"vocab_size": 5, "block_size": 4, "n_layer": 1, "n_head": 1, "n_embd": 2}
@@ -509,6 +531,10 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
                               f"got {dropout_rates!r}")
     rates = _dropout_rates(dict({"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout},
                                 **(dropout_rates or {})), "save_hf_gpt2")
+    if hf_flags is not None and (not isinstance(hf_flags, dict) or not set(hf_flags) <= set(HF_FLAGS)
+                                 or not all(isinstance(v, bool) for v in hf_flags.values())):
+        raise CheckpointError(f"save_hf_gpt2: hf_flags must be a dict of {', '.join(HF_FLAGS)} "
+                              f"(true or false), got {hf_flags!r}")
     if tokenizer is not None and not isinstance(tokenizer, dict):
         raise CheckpointError(f"save_hf_gpt2: tokenizer must be a dict (a tokenizer's to_dict()), "
                               f"got {type(tokenizer).__name__}")
@@ -530,7 +556,7 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
         "n_inner": None,
         "n_layer": int(config["n_layer"]),
         "n_positions": int(config["block_size"]),
-        "reorder_and_upcast_attn": False,
+        "reorder_and_upcast_attn": bool((hf_flags or {}).get("reorder_and_upcast_attn", False)),
         "resid_pdrop": rates["resid_pdrop"],
         "scale_attn_by_inverse_layer_idx": False,
         "scale_attn_weights": True,

@@ -67,7 +67,8 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
     tokenizer, else its own ``tokenizer.json`` where that is not GPT-2's, else GPT-2's, which
     may have more ids than the model: ``check_tokenizer_fits`` says so before text is turned
     into ids; ``hf_tokenizer_dict``). The model has no dropout (``meta["config"]`` keeps the
-    rate recorded, and ``meta["hf_dropout"]`` a Hugging Face folder's four). ``dtype="bfloat16"``
+    rate recorded, and ``meta["hf_dropout"]`` a Hugging Face folder's four, ``meta["hf_flags"]``
+    its switches that only half precision reads, ``hf.load_hf_flags``). ``dtype="bfloat16"``
     gives a bf16 model on the GPU (weights rounded once at load). ``tokenizer=False``: a Hugging Face folder whose
     tokenizer forge-ml cannot read gives None for it instead of an error (token ids alone: eval
     of a shard).
@@ -93,11 +94,11 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
         model = GPT2.from_state_dict(cfg, params, device=device, dtype=dtype)
         tok = tokenizer_from_dict(meta.get("tokenizer") or {"kind": "gpt2"})
         return model, tok, meta
-    from ..hf import load_hf_dropout, load_hf_gpt2
+    from ..hf import load_hf_dropout, load_hf_flags, load_hf_gpt2
     config, params = load_hf_gpt2(p)
     # no dropout in the model, as for a checkpoint; the folder's rates are the meta's (convert)
     cfg = GPT2Config.from_dict(config)
-    meta = {"config": cfg.to_dict(), "hf_dropout": load_hf_dropout(p)}
+    meta = {"config": cfg.to_dict(), "hf_dropout": load_hf_dropout(p), "hf_flags": load_hf_flags(p)}
     model = GPT2.from_state_dict(dataclasses.replace(cfg, dropout=0.0), params, device=device, dtype=dtype)
     try:
         tok, built = _hf_tokenizer_built(p)
