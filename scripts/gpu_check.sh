@@ -172,6 +172,9 @@ if want generate; then
   echo "== generation (benchmarks/generate_gpu.py: greedy vs HF, then every sampling mode)"
   timeout "${GEN_TIMEOUT:-200}" "$PY" benchmarks/generate_gpu.py 2>&1 | tee "$LOG/bench_generate.log"
   timeout "${GEN_TIMEOUT:-300}" "$PY" benchmarks/generate_gpu.py --dtype bf16 --sampling 2>&1 | tee -a "$LOG/bench_generate.log"
+  # small batches: the layers step at 1-4 rows against the kernel-per-op step (and 5 forced)
+  timeout "${GEN_TIMEOUT:-200}" "$PY" benchmarks/generate_gpu.py --dtype bf16 --rows 1,2,3,4,5 \
+      --rows-modes greedy --repeats 2 2>&1 | tee -a "$LOG/bench_generate.log"
   timeout 60 "$PY" benchmarks/sampling_cuda.py 2>&1 | tee -a "$LOG/bench_generate.log"
 fi
 if want decode; then
@@ -210,7 +213,7 @@ want ab && { echo "A/B:"; cat "$LOG/bench_ab.log"; }
 want profile && { echo "profile:"; grep -E "^(forge-ml|torch.compile|== )" "$LOG/bench_profile.log"; }
 want wgmma && { echo "wgmma: kernel tests exit $wgmma_rc, the flash suites with the switch off and with FORGE_WGMMA_BWD_SHARED=none FORGE_WGMMA_ROWS=64 exit $wgmma_off_rc"; \
   tail -n 1 "$LOG/wgmma_tests.log" "$LOG/wgmma_off_tests.log" "$LOG/wgmma_bwd_regs_tests.log"; grep -E "wgmma|^ *B=" "$LOG/bench_wgmma.log"; }
-want generate && { echo "generation:"; grep -E '^(forge|transformers|ratio|bandwidth|batch|  |flat|peaked)' "$LOG/bench_generate.log"; }
+want generate && { echo "generation:"; grep -E '^(forge|transformers|ratio|bandwidth|batch|  |flat|peaked| +[0-9]+ +greedy)' "$LOG/bench_generate.log"; }
 want decode && { echo "decoding step:"; grep -E '^GPT-2|graph replay|DecodeStep call|greedy chain' "$LOG/bench_decode.log"; }
 want serve && { echo "serve: exit $serve_rc"; grep -vE '^\{' "$LOG/bench_serve.log" | tail -n 14; }
 want cli && { echo "check:"; cat "$LOG/check.log"; }
