@@ -553,6 +553,14 @@ def test_the_data_api_refuses_plain_mistakes_in_words(tmp_path):
         with pytest.raises(DataError, match="batch_size must be a whole number"):
             DataLoader(tmp_path / "g.bin", batch_size=bad, block_size=1)
     assert DataLoader(tmp_path / "g.bin", batch_size=np.int64(1), block_size=1).B == 1
+    for bad in (-1, 1.7, "3", True):   # -1 a NumPy ValueError, 1.7 silently seed 1
+        with pytest.raises(DataError, match="seed must be a whole number >= 0"):
+            DataLoader(tmp_path / "g.bin", batch_size=1, block_size=1, seed=bad)
+    dl = DataLoader(tmp_path / "g.bin", batch_size=1, block_size=1)
+    for bad in (-1, 0, 1.5, True):      # -1 and 0 gave nothing, 1.5 one batch
+        with pytest.raises(DataError, match="eval_batches: n must be a whole number >= 1"):
+            list(dl.eval_batches(bad))
+    assert len(list(dl.eval_batches(np.int64(2)))) == 2
 
 
 def test_decoding_checks_every_id_at_numpys_speed():

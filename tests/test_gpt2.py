@@ -242,6 +242,33 @@ def test_config_unknown_key_and_bad_values():
     cfg = GPT2Config.from_dict(dict(TINY))
     assert GPT2Config.from_dict(cfg.to_dict()) == cfg
     assert GPT2Config().padded_vocab_size == 50304
+    # (a library QA: a string dropout was a TypeError, tied_head="no" built a tied model)
+    with pytest.raises(ConfigError, match="dropout must be a number in"):
+        GPT2Config(dropout="0.1")
+    with pytest.raises(ConfigError, match="tied_head must be True or False, got 'no'"):
+        GPT2Config(tied_head="no")
+    assert GPT2Config(tied_head=np.bool_(False)).tied_head is False
+
+
+def test_the_model_api_names_its_bad_arguments():
+    """(a library QA) GPT2.init with a dict config or a negative or fractional seed, loss
+    without targets, logits of 0-d or 3-d ids: each a ConfigError or ShapeError in one line
+    (they were an AttributeError or NumPy's, deep inside); .to() to the model's own device and
+    dtype shares its tensors, as its docstring now says."""
+    cfg = GPT2Config.from_dict(dict(TINY))
+    with pytest.raises(ConfigError, match="config must be a GPT2Config .* got dict"):
+        GPT2.init(cfg.to_dict())
+    for seed in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="seed must be an int >= 0"):
+            GPT2.init(cfg, seed=seed)
+    model = GPT2.init(cfg, seed=np.int64(3))
+    with pytest.raises(ShapeError, match="GPT2.loss: targets are required"):
+        model.loss(fm.tensor([[1, 2]]), None)
+    for ids in (np.array(3), np.zeros((1, 2, 3), np.int64)):
+        with pytest.raises(ShapeError, match=r"GPT2.logits: ids must be \(T,\) or \(B, T\)"):
+            model.logits(fm.tensor(ids))
+    assert model.to("cpu").params["wte.weight"] is model.params["wte.weight"]
+    assert model.to(dtype="float64").params["wte.weight"] is not model.params["wte.weight"]
 
 
 def test_sequence_longer_than_context_is_a_shape_error():

@@ -988,6 +988,23 @@ def test_a_fine_tune_resumed_from_python_keeps_the_sources_context(workdir):
     assert load_checkpoint(Path("ft") / "ckpt")[1]["train_config"]["block_size"] == 24
 
 
+def test_a_library_resume_keeps_the_runs_split_or_says_why_not(workdir):
+    """Trainer(..., resume=True) with another val_fraction (or, on the default corpus, another
+    corpus_bytes) trained on the run's own split and recorded the new value, falsely (a library
+    QA; the CLI refused it): now a ConfigError naming the run's value; the same value resumes."""
+    Trainer(_cfg("r", max_steps=2, val_fraction=0.2), log=None).train()
+    with pytest.raises(ConfigError, match="val_fraction=0.1: the run in r made its split with "
+                                          "val_fraction=0.2"):
+        Trainer(_cfg("r", max_steps=4), resume=True, log=None)
+    t = Trainer(_cfg("r", max_steps=4, val_fraction=0.2), resume=True, log=None)
+    assert t.train()["step"] == 4
+    t.close()
+    assert load_checkpoint(Path("r") / "ckpt")[1]["train_config"]["val_fraction"] == 0.2
+    Trainer(_cfg("d", data="", max_steps=1, corpus_bytes=20_000), log=None).train()
+    with pytest.raises(ConfigError, match="corpus_bytes=30000: .* made its split with corpus_bytes=20000"):
+        Trainer(_cfg("d", data="", max_steps=2, corpus_bytes=30_000), resume=True, log=None)
+
+
 def test_init_from_a_hugging_face_folder(workdir, capsys):
     from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
     cfg = {"vocab_size": 50257, "block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 8}

@@ -653,6 +653,8 @@ class DataLoader:
             raise DataError(
                 f"DataLoader: batch_size and block_size must be >= 1, got {batch_size} and {block_size}"
             )
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise DataError(f"DataLoader: seed must be a whole number >= 0, got {seed!r}")  # (1.7 was 1)
         self.B = int(batch_size)
         self.T = int(block_size)
         self.seed = int(seed)
@@ -754,6 +756,9 @@ class DataLoader:
         [5, 5, 2]
         """
         B, T = self.B, self.T
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
+            raise DataError(f"eval_batches: n must be a whole number >= 1 (None: every batch), "
+                            f"got {n!r}")   # (-1 and 0 gave nothing, 1.5 one batch)
         n_windows = (self.n_tokens - 1) // T
         rest = 0
         if n is None:

@@ -300,7 +300,8 @@ def cosine_lr(step: int, max_lr: float, warmup: int, max_steps: int, min_lr: flo
     """Learning rate at 0-based ``step``: linear warmup to ``max_lr`` over ``warmup`` steps
     (``max_lr * (step + 1) / warmup``, llm.c's form, so step 0 already moves), then a cosine
     from ``max_lr`` down to ``min_lr`` at ``max_steps``, and ``min_lr`` after that
-    (SGDR, Loshchilov & Hutter 2017, without restarts).
+    (SGDR, Loshchilov & Hutter 2017, without restarts). A warmup longer than ``max_steps``
+    runs to its end (no cosine), then ``min_lr``: the warmup comes first.
 
     >>> cosine_lr(0, 1.0, 10, 110, 0.1), cosine_lr(9, 1.0, 10, 110, 0.1)
     (0.1, 1.0)

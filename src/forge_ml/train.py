@@ -694,6 +694,18 @@ class Trainer:
                                   f"tokens in {self.out_dir / DATA_NAME} a resumed run keeps; drop --data "
                                   f"{cfg.data}, or train on the new text in a new run: --init-from "
                                   f"{self.out_dir} --data {cfg.data} --out NEW_FOLDER")
+            # the split the run made (and the default corpus's size) are in its data folder: a
+            # resume keeps them, so another value would only be recorded, falsely (the CLI
+            # refused it; a library resume took it in silence)
+            tc = meta.get("train_config") or {}
+            for key in ("val_fraction",) + (() if cfg.data else ("corpus_bytes",)):
+                was, now = tc.get(key), getattr(cfg, key)
+                if own and was is not None and was != now:
+                    flag = "--" + key.replace("_", "-")
+                    raise ConfigError(f"{flag} {now}: the run in {self.out_dir} made its split with {flag} "
+                                      f"{was}, and {self.out_dir / DATA_NAME} holds it, which a resumed run "
+                                      f"keeps; give {flag} {was} (another split: a new run, --init-from "
+                                      f"{self.out_dir} --out NEW_FOLDER)")
         else:
             held = self._run_files()
             if held and not overwrite:

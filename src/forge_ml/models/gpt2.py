@@ -78,8 +78,12 @@ class GPT2Config:
         if self.n_embd % self.n_head:
             raise ConfigError(f"GPT2Config: n_embd {self.n_embd} must be divisible by "
                               f"n_head {self.n_head}")
-        if not (0.0 <= self.dropout < 1.0):
-            raise ConfigError(f"GPT2Config: dropout must be in [0, 1), got {self.dropout}")
+        d = self.dropout    # (a string "0.1" met `<=` as a TypeError)
+        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not (0.0 <= d < 1.0):
+            raise ConfigError(f"GPT2Config: dropout must be a number in [0, 1), got {d!r}")
+        if not isinstance(self.tied_head, (bool, np.bool_)):   # "no" built a tied model
+            raise ConfigError(f"GPT2Config: tied_head must be True or False, got {self.tied_head!r}")
+        self.tied_head = bool(self.tied_head)
         eps = self.layernorm_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 <= eps < math.inf):
             raise ConfigError(f"GPT2Config: layernorm_eps must be a number >= 0, got {eps!r}")
@@ -140,8 +144,14 @@ def param_shapes(cfg: GPT2Config) -> dict:
 def init_params(cfg: GPT2Config, seed: int = 0) -> dict:
     """GPT-2's initialisation as NumPy float32: weights N(0, 0.02), residual projections
     (``c_proj``) N(0, 0.02 / sqrt(2 n_layer)), biases 0, layer-norm gains 1; padded vocab rows 0.
-    Deterministic in ``seed`` (the GPT-2 paper, section 2.3; nanoGPT and llm.c do the same)."""
-    rng = np.random.Generator(np.random.PCG64(seed))
+    Deterministic in ``seed`` (an int >= 0; the GPT-2 paper, section 2.3; nanoGPT and llm.c do
+    the same)."""
+    if not isinstance(cfg, GPT2Config):   # a dict met cfg.n_embd as an AttributeError
+        raise ConfigError(f"init_params: config must be a GPT2Config (GPT2Config.from_dict(d) for "
+                          f"a dict), got {type(cfg).__name__}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError(f"init_params: seed must be an int >= 0, got {seed!r}")
+    rng = np.random.Generator(np.random.PCG64(int(seed)))
     out = {}
     for name, shape in param_shapes(cfg).items():
         if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name == "ln_f.weight":
@@ -271,7 +281,8 @@ class GPT2:
                             for k in param_shapes(config)})
 
     def state_dict(self) -> dict:
-        """Name -> NumPy float32 copy of every parameter."""
+        """Name -> a NumPy copy of every parameter, in the model's dtype (float32, or float64;
+        a bfloat16 model's as float32, NumPy having no bfloat16)."""
         return {k: v.numpy() for k, v in self.params.items()}
 
     @property
@@ -284,7 +295,11 @@ class GPT2:
         return self.params["wte.weight"].dtype
 
     def to(self, device=None, dtype=None) -> "GPT2":
-        """A copy on another device and/or in another dtype (``"bfloat16"`` on the GPU).
+        """The model on another device and/or in another dtype (``"bfloat16"`` on the GPU):
+        each tensor copied where its device or dtype changes, else the same tensor, as torch's
+        ``Tensor.to`` (``model.to()``, or to its own device and dtype, shares the weights:
+        training one trains both; ``GPT2(cfg, {k: v.clone() for k, v in model.params.items()})``
+        is a copy).
 
         >>> cfg = GPT2Config(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4)
         >>> GPT2.init(cfg).to("cpu", dtype="float64").dtype
@@ -478,6 +493,9 @@ class GPT2:
         >>> GPT2.init(cfg).loss(tensor([[1, 2]]), tensor([[2, 3]])).shape
         ()
         """
+        if targets is None:   # (forward gives logits and no loss then)
+            raise ShapeError("GPT2.loss: targets are required (each position's next token: the "
+                             "ids shifted by one); for logits use GPT2.logits")
         kw.setdefault("fused_loss", flags.on("FORGE_FUSED_LOSS"))
         return self.forward(Tape(grad=False), ids, targets, train=False, **kw)[1].t
 
@@ -493,6 +511,8 @@ class GPT2:
         ((1, 3, 10), True)
         """
         self._ids_tensor("GPT2.logits", ids)
+        if ids.ndim not in (1, 2):
+            raise ShapeError(f"GPT2.logits: ids must be (T,) or (B, T), got shape {ids.shape}")
         if ids.ndim == 1:
             ids = ids.reshape(1, -1)
         B, T = ids.shape
