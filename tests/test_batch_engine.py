@@ -457,10 +457,12 @@ def test_nan_logits_past_the_prompt_end_that_request_in_an_error():
     request with a ModelError naming the weight, frees its slot, and serves the others."""
     from forge_ml.errors import ModelError
     logits = np.log(np.array([[0.5, 0.3, 0.2], [0.1, np.nan, 0.8], [0.2, np.inf, 0.1]]))
-    for p in (SamplingParams(temperature=0), SamplingParams(top_p=0.9, logprobs=1)):
-        got = choose_tokens(logits, [p] * 3, [[], [], []], [0.5] * 3)
+    for p, want in ((SamplingParams(temperature=0), 0), (SamplingParams(top_p=0.9, logprobs=1), 0),
+                    (SamplingParams(top_p=0.9), 2)):
+        u = 0.3 if want == 0 else 0.95          # the draw: the first id whose running sum passes u
+        got = choose_tokens(logits, [p] * 3, [[], [], []], [u] * 3)
         assert got[1] == got[2] == (None, None, ())
-        assert got[0][0] in (0, 1, 2)
+        assert got[0][0] == want
     m = make_model()
     m.params["wpe.weight"].data[6, :] = np.nan
     with BatchEngine(m, slots=2) as engine:
@@ -475,6 +477,11 @@ def test_nan_logits_past_the_prompt_end_that_request_in_an_error():
         assert len(list(short)) == 3 and engine.running
         again = engine.submit([7], SamplingParams(max_tokens=2, temperature=0))
         assert len(list(again)) == 2
+        # a prompt scored past position 6 (max_tokens 0): its NaN scores were served as they came
+        scored = engine.submit(list(range(1, 10)), SamplingParams(max_tokens=0, prompt_logprobs=1))
+        with pytest.raises(ModelError, match="position 6 .* wpe.weight holds 16 NaN"):
+            list(scored)
+        assert len(list(engine.submit([1, 2], SamplingParams(max_tokens=2)))) == 2
 
 
 def test_stats_leave_out_requests_whose_clients_left(model):

@@ -993,15 +993,23 @@ def test_a_library_resume_keeps_the_runs_split_or_says_why_not(workdir):
     corpus_bytes) trained on the run's own split and recorded the new value, falsely (a library
     QA; the CLI refused it): now a ConfigError naming the run's value; the same value resumes."""
     Trainer(_cfg("r", max_steps=2, val_fraction=0.2), log=None).train()
-    with pytest.raises(ConfigError, match="val_fraction=0.1: the run in r made its split with "
+    with pytest.raises(ConfigError, match="val_fraction=0.1: the run in r split its tokens with "
                                           "val_fraction=0.2"):
         Trainer(_cfg("r", max_steps=4), resume=True, log=None)
+    # (a text-file run ignores corpus_bytes, resumed without --data: no refusal of it)
+    t = Trainer(_cfg("r", max_steps=3, data="", val_fraction=0.2, corpus_bytes=20_000), resume=True,
+                log=None)
+    assert t.train()["step"] == 3
+    t.close()
     t = Trainer(_cfg("r", max_steps=4, val_fraction=0.2), resume=True, log=None)
     assert t.train()["step"] == 4
     t.close()
     assert load_checkpoint(Path("r") / "ckpt")[1]["train_config"]["val_fraction"] == 0.2
+    t = Trainer(_cfg("r", max_steps=5, data=str(Path("r") / "data")), resume=True, log=None)
+    assert t.train()["step"] == 5        # (a folder of shards has no split: no refusal)
+    t.close()
     Trainer(_cfg("d", data="", max_steps=1, corpus_bytes=20_000), log=None).train()
-    with pytest.raises(ConfigError, match="corpus_bytes=30000: .* made its split with corpus_bytes=20000"):
+    with pytest.raises(ConfigError, match="corpus_bytes=30000: .* default corpus of corpus_bytes=20000"):
         Trainer(_cfg("d", data="", max_steps=2, corpus_bytes=30_000), resume=True, log=None)
 
 

@@ -978,8 +978,8 @@ def _kept_by_a_run(folder) -> bool:
 def _cmd_convert(args) -> int:
     from .checkpoint import check_output_dir, is_checkpoint_dir, save_checkpoint
     from .errors import CheckpointError
-    from .hf import (HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, is_hf_export, load_hf_dropout,
-                     load_hf_flags, load_hf_gpt2, save_hf_gpt2)
+    from .hf import (HF_FLAGS, HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, is_hf_export,
+                     load_hf_dropout, load_hf_flags, load_hf_gpt2, save_hf_gpt2)
     from .inference.load import _hf_tokenizer_built, check_tokenizer_fits, load_model, resolve_checkpoint
 
     # Every check before any work: the output folder is new, empty, or (with --force) an
@@ -1017,7 +1017,8 @@ def _cmd_convert(args) -> int:
     # Face folder, HF's four rates
     config = dict(model.config.to_dict(), dropout=meta["config"].get("dropout", 0.0))
     save_hf_gpt2(args.out, config, model.state_dict(), tokenizer=tok.to_dict(),
-                 dropout_rates=meta.get("hf_dropout"), hf_flags=meta.get("hf_flags"))
+                 dropout_rates=meta.get("hf_dropout"),
+                 hf_flags={k: v for k, v in (meta.get("hf_flags") or {}).items() if k in HF_FLAGS})
     tok_files = [f for f in TRANSFORMERS_TOKENIZER_FILES if (Path(args.out) / f).is_file()]
     print(f"exported {args.to_hf} -> {args.out} (config.json + model.safetensors"
           + (f" + {HF_TOKENIZER_FILE}: a {tok.kind} tokenizer, not GPT-2's" if tok.kind != "gpt2" else "")

@@ -698,13 +698,18 @@ class Trainer:
             # resume keeps them, so another value would only be recorded, falsely (the CLI
             # refused it; a library resume took it in silence)
             tc = meta.get("train_config") or {}
-            for key in ("val_fraction",) + (() if cfg.data else ("corpus_bytes",)):
+            keys = []
+            if own and not (cfg.data and Path(cfg.data).is_dir()):   # a shard folder has no split
+                keys.append(("val_fraction", "split its tokens with"))
+                if (self.out_dir / DATA_NAME / CORPUS_NAME).is_file():   # the default corpus: its size
+                    keys.append(("corpus_bytes", "was trained on a default corpus of"))
+            for key, did in keys:
                 was, now = tc.get(key), getattr(cfg, key)
-                if own and was is not None and was != now:
+                if was is not None and was != now:
                     flag = "--" + key.replace("_", "-")
-                    raise ConfigError(f"{flag} {now}: the run in {self.out_dir} made its split with {flag} "
-                                      f"{was}, and {self.out_dir / DATA_NAME} holds it, which a resumed run "
-                                      f"keeps; give {flag} {was} (another split: a new run, --init-from "
+                    raise ConfigError(f"{flag} {now}: the run in {self.out_dir} {did} {flag} {was}, whose "
+                                      f"tokens {self.out_dir / DATA_NAME} holds, which a resumed run keeps; "
+                                      f"give {flag} {was} (other tokens: a new run, --init-from "
                                       f"{self.out_dir} --out NEW_FOLDER)")
         else:
             held = self._run_files()

@@ -122,7 +122,8 @@ def choose_tokens(logits, params: Sequence[SamplingParams], seen: Sequence, u) -
     row_of = {r: i for i, r in enumerate(soft)}
     if soft:
         zs = z[soft]                                            # (S, V), a copy
-        zs -= zs.max(axis=1, keepdims=True)                     # the top logit is 0
+        with np.errstate(invalid="ignore"):                     # (a NaN row: given None below)
+            zs -= zs.max(axis=1, keepdims=True)                 # the top logit is 0
         e = np.exp(zs)                                          # unnormalised, the top is 1
         total = e.sum(axis=1).astype(np.float64)                # (S,), pairwise sums
     out = []
@@ -443,8 +444,11 @@ class BatchEngine:
             n = len(rq.prompt)
             if rq.fed < n:                                       # still inside the prompt
                 if rq.params.prompt_logprobs is not None:
-                    rq.stream.prompt_logprobs.append(
-                        _logprob_of(logits[s], rq.prompt[rq.fed], rq.params.prompt_logprobs))
+                    scored = _logprob_of(logits[s], rq.prompt[rq.fed], rq.params.prompt_logprobs)
+                    if not np.isfinite(scored[0]):   # NaN or inf logits: no score to give
+                        self._fail(s, rq, logits)
+                        continue
+                    rq.stream.prompt_logprobs.append(scored)
                     if rq.params.max_tokens == 0 and rq.fed == n - 1:
                         self._finish(s, rq, None)               # the prompt is scored
                 continue
@@ -457,12 +461,7 @@ class BatchEngine:
         u = [rq.gen.random() if not rq.params.greedy else 0.0 for rq in reqs]
         for s, rq, (tok, lp, top) in zip(rows, reqs, choose_tokens(logits[rows], params, seen, u)):
             if tok is None:     # NaN or inf logits past the prompt: the request ends in an error
-                try:            # (check_finite_logits names the weight, or says all are finite)
-                    check_finite_logits(self.model, logits[s:s + 1], "BatchEngine",
-                                        f"this request's token at position {rq.fed - 1}")
-                except ModelError as e:
-                    rq.stream._push(e)
-                self._finish(s, rq, None)
+                self._fail(s, rq, logits)
                 continue
             rq.generated.append(tok)
             if rq.seen is not None:
@@ -476,6 +475,20 @@ class BatchEngine:
             rq.stream._push(TokenOut(tok, lp, top, finish))
             if finish is not None:
                 self._finish(s, rq, finish)
+
+    def _fail(self, s: int, rq: _Request, logits) -> None:
+        """End slot ``s``'s request with a ModelError: its logits (row ``s`` of ``logits``, for
+        the token it was fed at position ``rq.fed - 1``) hold NaN or inf, so no token or score
+        can be given; the message names the weight to blame (``check_finite_logits``)."""
+        what = f"this request's token at position {rq.fed - 1}"
+        try:
+            check_finite_logits(self.model, logits[s:s + 1], "BatchEngine", what)
+            err = ModelError(f"BatchEngine: the model's logits for {what} could not be used "
+                             f"(no token could be chosen from them)")
+        except ModelError as e:
+            err = e
+        rq.stream._push(err)
+        self._finish(s, rq, None)
 
     def _finish(self, s: int, rq: _Request, finish: Optional[str]) -> None:
         if finish is None:

@@ -418,11 +418,9 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
             try:
                 async for text, lp, finish in _events(c, req):
                     await queue.put(chunk(c, text, lp, finish))
-            except EngineClosedError as e:
-                err = APIError(str(e), status=503, type="server_error")
-                await queue.put(f"data: {_json(error_body(err))}\n\n")
-            except ModelError as e:            # NaN or inf logits past the prompt: said as it is
-                err = APIError(str(e), status=500, type="server_error")
+            except (EngineClosedError, ModelError) as e:   # closed; or NaN logits, said as it is
+                err = APIError(str(e), status=503 if isinstance(e, EngineClosedError) else 500,
+                               type="server_error")
                 await queue.put(f"data: {_json(error_body(err))}\n\n")
             except Exception as e:             # said, not passed off as a finished choice
                 log.exception("forge-ml serve: a streamed choice failed")
