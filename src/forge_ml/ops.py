@@ -40,9 +40,20 @@ def _as_int(x):
 
 def _num(op, name, v) -> float:
     """``v`` as a float: a real number (a NumPy one too), not a bool or a string."""
+    if type(v) is float:        # the usual case, on every optimizer step: no isinstance walk
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise ConfigError(f"{op}: {name} must be a number, got {v!r:.40}")
     return float(v)
+
+
+def _nums(op, name, vs) -> list:
+    """``_num`` of each of ``vs``, the name ``name[i]`` formatted only for a bad one."""
+    out = [v if type(v) is float else None for v in vs]
+    for i, v in enumerate(out):
+        if v is None:
+            out[i] = _num(op, f"{name}[{i}]", vs[i])
+    return out
 
 
 def _tensor(op, name, x):
@@ -154,9 +165,10 @@ def _qkv_empty(qkv, n_head):
 def _ln_eps(op, eps) -> float:
     """A layernorm's ``eps`` as a float: a number >= 0 (a negative one makes var + eps
     negative: NaN, silently)."""
-    if not _num(op, "eps", eps) >= 0.0:
+    v = _num(op, "eps", eps)
+    if not v >= 0.0:
         raise ConfigError(f"{op}: eps must be >= 0, got {eps}")
-    return float(eps)
+    return v
 
 
 # -- matmul ------------------------------------------------------------------------------
@@ -243,7 +255,8 @@ def linear(x, w, bias=None, *, act=None, residual=None, ln=None, eps=1e-5) -> Te
         raise ShapeError(f"{op}: ln must be None or (gamma, beta), got {got}")
     gamma, beta = (None, None) if ln is None else ln
     if ln is not None:
-        _float(op, "beta", beta)     # (_ln_check takes no beta as none: linear's ln has one)
+        if beta is None:             # (_ln_check takes no beta as none: linear's ln has one)
+            _tensor(op, "beta", beta)
         _ln_check(op, x, gamma, beta)
     bk = _same(op, x=x, w=w, bias=bias, residual=residual, gamma=gamma, beta=beta)
     n = _layer_check(op, x, w, bias)
@@ -1485,7 +1498,7 @@ def adamw_update_many(ps, gs, ms, vs, *, lr=None, beta1, beta2, eps, weight_deca
     many([p._prepare_write() for p in ps], [g.data for g in gs],
          [m._prepare_write() for m in ms], [v._prepare_write() for v in vs], _num(op, "lr", lr),
          _num(op, "beta1", beta1), _num(op, "beta2", beta2), _num(op, "eps", eps),
-         [_num(op, f"weight_decays[{i}]", w) for i, w in enumerate(weight_decays)], list(steps),
+         _nums(op, "weight_decays", list(weight_decays)), list(steps),
          _num(op, "grad_scale", grad_scale))
 
 def _adamw_many_at(bk, ps, gs, ms, vs, beta1, beta2, eps, weight_decays, p_lowps, scalars):
@@ -1507,7 +1520,7 @@ def _adamw_many_at(bk, ps, gs, ms, vs, beta1, beta2, eps, weight_decays, p_lowps
     many([p._prepare_write() for p in ps], [g.data for g in gs],
          [m._prepare_write() for m in ms], [v._prepare_write() for v in vs], _num(op, "beta1", beta1),
          _num(op, "beta2", beta2), _num(op, "eps", eps),
-         [_num(op, f"weight_decays[{i}]", w) for i, w in enumerate(weight_decays)], scalars.data,
+         _nums(op, "weight_decays", list(weight_decays)), scalars.data,
          None if p_lowps is None else [lp._prepare_write() for lp in lows])
 
 
