@@ -978,8 +978,8 @@ def _kept_by_a_run(folder) -> bool:
 def _cmd_convert(args) -> int:
     from .checkpoint import check_output_dir, is_checkpoint_dir, save_checkpoint
     from .errors import CheckpointError
-    from .hf import (HF_FLAGS, HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, is_hf_export,
-                     load_hf_dropout, load_hf_flags, load_hf_gpt2, save_hf_gpt2)
+    from .hf import (HF_FLAGS, HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, hf_meta,
+                     is_hf_export, load_hf_gpt2, save_hf_gpt2)
     from .inference.load import _hf_tokenizer_built, check_tokenizer_fits, load_model, resolve_checkpoint
 
     # Every check before any work: the output folder is new, empty, or (with --force) an
@@ -1002,8 +1002,7 @@ def _cmd_convert(args) -> int:
         check_tokenizer_fits(config["vocab_size"], tok, f"--from-hf {src}")   # as sample and serve
         # HF's four dropout rates as given (the config holds forge-ml's one): the export's
         meta = {"kind": "forge-ml-model", "config": config, "tokenizer": tok_dict,
-                "source": str(src.resolve()), "hf_dropout": load_hf_dropout(src),
-                "hf_flags": load_hf_flags(src)}
+                "source": str(src.resolve()), **hf_meta(src)}
         save_checkpoint(args.out, params, meta)
         print(f"imported {len(params)} tensors ({config['n_layer']} {plural(config['n_layer'], 'layer')}, "
               f"{config['n_embd']} channels) "

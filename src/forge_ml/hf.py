@@ -259,9 +259,20 @@ def load_hf_flags(dir) -> dict:
     >>> load_hf_flags(d)
     {'reorder_and_upcast_attn': True}
     """
+    return _flags(_read_json(Path(dir) / CONFIG_FILE))
+
+
+def _flags(hf: dict) -> dict:
+    return {k: bool(hf.get(k, False)) for k in HF_FLAGS}
+
+
+def hf_meta(dir) -> dict:
+    """What a checkpoint's meta keeps of a Hugging Face folder's config.json for an export
+    to write back, from one read of it: ``{"hf_dropout": load_hf_dropout's, "hf_flags":
+    load_hf_flags'}``."""
     path = Path(dir) / CONFIG_FILE
     hf = _read_json(path)
-    return {k: bool(hf.get(k, False)) for k in HF_FLAGS}
+    return {"hf_dropout": _dropout_rates(hf, path), "hf_flags": _flags(hf)}
 
 
 def _forge_config(hf: dict, path: Path, padded_vocab: int | None) -> dict:

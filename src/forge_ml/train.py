@@ -644,7 +644,8 @@ class Trainer:
                 raise RunError(f"{self.ckpt_dir} holds a model only (no optimizer state or data position, as "
                                f"`forge-ml convert` writes), so there is no run to resume; start a new run "
                                f"from it with --init-from {self.ckpt_dir} --out NEW_FOLDER")
-            was_src = (meta.get("train_config") or {}).get("init_from") or ""
+            tc = meta.get("train_config") or {}   # the run's settings as recorded
+            was_src = tc.get("init_from") or ""
             if cfg.init_from and not _same_path(str(cfg.init_from), str(was_src)):
                 # the checkpoint's weights go on; another source would only be recorded
                 raise ConfigError(f"--init-from {cfg.init_from}: the run in {self.out_dir} "
@@ -664,7 +665,7 @@ class Trainer:
                                   f"{was_b} sequences, and its data position counts them; a resumed run keeps "
                                   f"--batch-size {was_b} (--grad-accum changes the batch of a step)")
             if cfg.block_size is None:   # an init_from run resumed: the context it was trained with
-                was = (meta.get("train_config") or {}).get("block_size")
+                was = tc.get("block_size")
                 cfg.block_size = was if isinstance(was, int) and was >= 1 else \
                     (meta.get("config") or {}).get("block_size", DEFAULT_BLOCK)
             was_t = meta["data"].get("block_size") if isinstance(meta["data"], dict) else None
@@ -672,13 +673,13 @@ class Trainer:
                 raise ConfigError(f"--block-size {cfg.block_size}: the run in {self.out_dir} was trained on windows "
                                   f"of {was_t} tokens, which a resumed run keeps (its data position counts them); "
                                   f"drop --block-size")
-            was = (meta.get("train_config") or {}).get("tokenizer")
+            was = tc.get("tokenizer")
             if cfg.tokenizer is None:
                 cfg.tokenizer = was
             if was and was != cfg.tokenizer and not (cfg.data and Path(cfg.data).is_dir()):
                 raise ConfigError(f"the run in {self.out_dir} was trained with the {was} tokenizer; a resumed "
                                   f"run keeps it (drop --tokenizer {cfg.tokenizer}, or start a new run elsewhere)")
-            was = (meta.get("train_config") or {}).get("data", "")
+            was = tc.get("data", "")
             own = all((self.out_dir / DATA_NAME / f).is_file() for f in DATA_FILES)
             if not own and cfg.data and cfg.data == was and not os.path.exists(cfg.data):
                 # the run's own --data, named relative to the folder it was started from
@@ -697,7 +698,6 @@ class Trainer:
             # the split the run made (and the default corpus's size) are in its data folder: a
             # resume keeps them, so another value would only be recorded, falsely (the CLI
             # refused it; a library resume took it in silence)
-            tc = meta.get("train_config") or {}
             keys = []
             if own and not (cfg.data and Path(cfg.data).is_dir()):   # a shard folder has no split
                 keys.append(("val_fraction", "split its tokens with"))
@@ -706,7 +706,7 @@ class Trainer:
             for key, did in keys:
                 was, now = tc.get(key), getattr(cfg, key)
                 if was is not None and was != now:
-                    flag = "--" + key.replace("_", "-")
+                    flag = train_flag(key)
                     raise ConfigError(f"{flag} {now}: the run in {self.out_dir} {did} {flag} {was}, whose "
                                       f"tokens {self.out_dir / DATA_NAME} holds, which a resumed run keeps; "
                                       f"give {flag} {was} (other tokens: a new run, --init-from "

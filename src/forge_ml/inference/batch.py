@@ -37,9 +37,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, ModelError
+from ..errors import ConfigError
 from ..tensor import device_has
-from .decode import check_finite_logits
+from .decode import check_finite_logits, nonfinite_error
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
                      _is_int, check_prompt)
 
@@ -446,7 +446,7 @@ class BatchEngine:
                 if rq.params.prompt_logprobs is not None:
                     scored = _logprob_of(logits[s], rq.prompt[rq.fed], rq.params.prompt_logprobs)
                     if not np.isfinite(scored[0]):   # NaN or inf logits: no score to give
-                        self._fail(s, rq, logits)
+                        self._fail(s, rq)
                         continue
                     rq.stream.prompt_logprobs.append(scored)
                     if rq.params.max_tokens == 0 and rq.fed == n - 1:
@@ -461,7 +461,7 @@ class BatchEngine:
         u = [rq.gen.random() if not rq.params.greedy else 0.0 for rq in reqs]
         for s, rq, (tok, lp, top) in zip(rows, reqs, choose_tokens(logits[rows], params, seen, u)):
             if tok is None:     # NaN or inf logits past the prompt: the request ends in an error
-                self._fail(s, rq, logits)
+                self._fail(s, rq)
                 continue
             rq.generated.append(tok)
             if rq.seen is not None:
@@ -476,18 +476,12 @@ class BatchEngine:
             if finish is not None:
                 self._finish(s, rq, finish)
 
-    def _fail(self, s: int, rq: _Request, logits) -> None:
-        """End slot ``s``'s request with a ModelError: its logits (row ``s`` of ``logits``, for
-        the token it was fed at position ``rq.fed - 1``) hold NaN or inf, so no token or score
-        can be given; the message names the weight to blame (``check_finite_logits``)."""
-        what = f"this request's token at position {rq.fed - 1}"
-        try:
-            check_finite_logits(self.model, logits[s:s + 1], "BatchEngine", what)
-            err = ModelError(f"BatchEngine: the model's logits for {what} could not be used "
-                             f"(no token could be chosen from them)")
-        except ModelError as e:
-            err = e
-        rq.stream._push(err)
+    def _fail(self, s: int, rq: _Request) -> None:
+        """End slot ``s``'s request with a ModelError: its logits (for the token it was fed at
+        position ``rq.fed - 1``) hold NaN or inf, so no token or score can be given; the message
+        names the weight to blame (``nonfinite_error``)."""
+        rq.stream._push(nonfinite_error(self.model, "BatchEngine",
+                                        f"this request's token at position {rq.fed - 1}"))
         self._finish(s, rq, None)
 
     def _finish(self, s: int, rq: _Request, finish: Optional[str]) -> None:

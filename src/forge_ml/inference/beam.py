@@ -48,7 +48,6 @@ knows its sequences only at the end.
 """
 from __future__ import annotations
 
-import numbers
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -57,6 +56,7 @@ from .. import ops
 from ..errors import ConfigError, ShapeError
 from ..tensor import Tensor, tensor
 from .decode import DecodeStep, KVCache, check_finite_logits, model_check
+from .engine import _is_int, _is_num
 
 
 def _greedy(model, prompt, max_new_tokens, length_penalty, eos) -> tuple[list, list]:
@@ -70,10 +70,6 @@ def _greedy(model, prompt, max_new_tokens, length_penalty, eos) -> tuple[list, l
               for e in step]
     tokens = [e.token for e in events]
     return [tokens], [sum(e.logprob for e in events) / len(tokens) ** length_penalty]
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def candidates_per_beam(n_eos: int) -> int:
@@ -120,8 +116,7 @@ def _check(model, prompt, max_new_tokens, num_beams, length_penalty, early_stopp
         raise ConfigError(f"beam_search: each step keeps {k} candidates (max(2, 1 + end ids) x "
                           f"num_beams), more than the vocabulary's {cfg.vocab_size} tokens; "
                           f"use fewer beams")
-    if not (isinstance(length_penalty, numbers.Real) and not isinstance(length_penalty, bool)
-            and np.isfinite(length_penalty)):
+    if not _is_num(length_penalty):
         raise ConfigError(f"beam_search: length_penalty must be a finite number, got "
                           f"{length_penalty!r}")
     if not (isinstance(early_stopping, (bool, np.bool_)) or (isinstance(early_stopping, str)

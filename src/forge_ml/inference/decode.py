@@ -519,9 +519,19 @@ def check_finite_logits(model, logits, who: str, what: str = "the prompt") -> No
             logits = logits.to("float32")                      # not CuPy's bf16 arithmetic
         logits = logits.data
     a = logits[..., :model.config.vocab_size]
-    with np.errstate(invalid="ignore"):
-        if np.isfinite(float((a * 0).sum())):   # inf * 0 and NaN * 0 are NaN
+    if isinstance(a, np.ndarray):   # on the host (every step of a host path): no copy
+        if np.isfinite(a.max()) and np.isfinite(a.min()):   # (NaN propagates through both)
             return
+    else:                           # on a device: one reduction, one number read back
+        with np.errstate(invalid="ignore"):
+            if np.isfinite(float((a * 0).sum())):   # inf * 0 and NaN * 0 are NaN
+                return
+    raise nonfinite_error(model, who, what)
+
+
+def nonfinite_error(model, who: str, what: str) -> ModelError:
+    """The ModelError for logits of ``what`` that hold NaN or inf: it names the first parameter
+    that is not finite, or says that every one is (``check_finite_logits``'s message)."""
     from ..diagnose import _bad_values
     for name, p in model.params.items():
         bad = _bad_values(p)
@@ -532,8 +542,8 @@ def check_finite_logits(model, logits, who: str, what: str = "the prompt") -> No
     else:
         why = ("every parameter is finite, so an activation overflowed on the way (weights far "
                "larger than a trained model's?)")
-    raise ModelError(f"{who}: the model's logits for {what} hold NaN or inf, so no token "
-                     f"can be chosen: {why}")
+    return ModelError(f"{who}: the model's logits for {what} hold NaN or inf, so no token "
+                      f"can be chosen: {why}")
 
 
 def _same_memory(a: list, b: list) -> bool:

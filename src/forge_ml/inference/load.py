@@ -94,11 +94,11 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
         model = GPT2.from_state_dict(cfg, params, device=device, dtype=dtype)
         tok = tokenizer_from_dict(meta.get("tokenizer") or {"kind": "gpt2"})
         return model, tok, meta
-    from ..hf import load_hf_dropout, load_hf_flags, load_hf_gpt2
+    from ..hf import hf_meta, load_hf_gpt2
     config, params = load_hf_gpt2(p)
     # no dropout in the model, as for a checkpoint; the folder's rates are the meta's (convert)
     cfg = GPT2Config.from_dict(config)
-    meta = {"config": cfg.to_dict(), "hf_dropout": load_hf_dropout(p), "hf_flags": load_hf_flags(p)}
+    meta = {"config": cfg.to_dict(), **hf_meta(p)}
     model = GPT2.from_state_dict(dataclasses.replace(cfg, dropout=0.0), params, device=device, dtype=dtype)
     try:
         tok, built = _hf_tokenizer_built(p)
@@ -240,12 +240,11 @@ def _hf_prefix_space(d: Path) -> bool:
         return False
     if fast is None or cfg.get("tokenizer_class") in (None, *HF_GPT2_CLASSES):   # none: GPT-2's
         return cfg.get("add_prefix_space") is True
-    if fast is not None:
-        pre = fast.get("pre_tokenizer")
-        steps = pre.get("pretokenizers", []) if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
-        for p in steps:
-            if isinstance(p, dict) and p.get("type") == "ByteLevel":
-                return bool(p.get("add_prefix_space", False))
+    pre = fast.get("pre_tokenizer")
+    steps = pre.get("pretokenizers", []) if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    for p in steps:
+        if isinstance(p, dict) and p.get("type") == "ByteLevel":
+            return bool(p.get("add_prefix_space", False))
     return False
 
 

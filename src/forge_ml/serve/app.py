@@ -72,6 +72,13 @@ def _json(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
+def _server_error(e: Exception) -> APIError:
+    """The OpenAI error of a request the server could not finish: its engine closed (503), or
+    its logits turned NaN or inf (a ModelError naming the weight, 500)."""
+    return APIError(str(e), status=503 if isinstance(e, EngineClosedError) else 500,
+                    type="server_error")
+
+
 def _error_response(e: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return JSONResponse(error_body(e), status_code=e.status, headers=headers)
@@ -419,9 +426,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                 async for text, lp, finish in _events(c, req):
                     await queue.put(chunk(c, text, lp, finish))
             except (EngineClosedError, ModelError) as e:   # closed; or NaN logits, said as it is
-                err = APIError(str(e), status=503 if isinstance(e, EngineClosedError) else 500,
-                               type="server_error")
-                await queue.put(f"data: {_json(error_body(err))}\n\n")
+                await queue.put(f"data: {_json(error_body(_server_error(e)))}\n\n")
             except Exception as e:             # said, not passed off as a finished choice
                 log.exception("forge-ml serve: a streamed choice failed")
                 err = APIError(f"internal server error: {type(e).__name__}", status=500,
@@ -470,7 +475,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
 
     async def on_request_error(request: Request, e: RequestError) -> Response:
         if isinstance(e, EngineClosedError):
-            return _error_response(APIError(str(e), status=503, type="server_error"))
+            return _error_response(_server_error(e))
         return _error_response(APIError(str(e), param=e.param, code=e.code))
 
     async def on_http_error(request: Request, e: HTTPException) -> Response:
@@ -495,7 +500,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     async def on_model_error(request: Request, e: ModelError) -> Response:
         # a request whose logits turned NaN or inf past its prompt (the model's fault, said
         # with the weight to blame, not an internal error with a traceback)
-        return _error_response(APIError(str(e), status=500, type="server_error"))
+        return _error_response(_server_error(e))
 
     async def on_server_error(request: Request, e: Exception) -> Response:
         log.exception("forge-ml serve: internal error on %s", request.url.path)
