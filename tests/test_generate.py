@@ -344,6 +344,20 @@ def test_greedy_with_repetition_penalty_equals_a_no_cache_reference(model):
         greedy_penalised_reference(model, prompt, 14, 1.5)
 
 
+@pytest.mark.parametrize("penalty", [1e-300, 1e-40, 1e40, 1e300])
+def test_a_penalty_past_float32_samples_on_the_device_as_on_the_host(model, penalty):
+    """generate took repetition_penalty=1e-300 (its check: > 0) and then failed in the device
+    chain's knobs ("repetition_penalty 0.0; expected > 0"), float32 rounding it to 0. The
+    knobs hold it to [1e-30, 1e30], which changes no draw: the chain (no logprobs) gives the
+    host path's tokens (logprobs on, the penalty applied in float64)."""
+    prompt = [3, 1, 4, 1, 5]
+    for temperature in (0.8, 1e-40, 0.0):
+        kw = dict(max_new_tokens=8, temperature=temperature, repetition_penalty=penalty, seed=4)
+        chained = list(generate(model, prompt, **kw))
+        host = [s[0].token for s in generate(model, [prompt], logprobs=1, **kw)]
+        assert chained == host, temperature
+
+
 def test_repetition_penalty_counts_prompt_and_generated_tokens():
     z = np.array([2.0, -1.0, 0.5, 3.0])
     np.testing.assert_allclose(apply_repetition_penalty(z, 2.0, [3, 1, 3]), [2.0, -2.0, 0.5, 1.5])

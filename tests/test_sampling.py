@@ -90,3 +90,39 @@ def test_min_p_above_one_keeps_the_top_token():
     ops.sample_next(fm.tensor(z[None]), 5, ids, p, fm.tensor(np.array([[1.0, 0, 1, 2.0, 1]], np.float32)),
                     fm.tensor(np.array([[3, 4]], np.int32)), seen)
     assert int(ids.numpy()[0]) in (1, 3) and int(seen.numpy().sum()) == 1
+
+
+def test_the_draw_in_blocks_is_the_running_sum_over_the_whole_row():
+    """``choose_from_weights`` finds the drawn id over block sums, then inside its block, and
+    takes its word from ``rng.philox_first_word``: the same id as one running sum over the
+    whole row with NumPy's Philox, at every cut, across block edges and vocabulary sizes."""
+    import math
+    from forge_ml import rng
+    from forge_ml.sampling import choose_from_weights
+
+    def reference(w, knobs, key, position):
+        _, k, ptop, pmin, _ = (float(np.float32(v)) for v in knobs)
+        k, V, floor = int(k), w.shape[0], 0
+        if 0 < k < V:
+            floor = int(np.sort(w)[::-1][k - 1])
+        if 0 < ptop < 1:
+            top = np.sort(w[w >= floor].astype(np.uint64))[::-1]
+            need = math.ceil(float(np.float32(ptop)) * int(top.sum()))
+            floor = max(floor, int(top[int(np.searchsorted(np.cumsum(top), need))]))
+        if pmin > 0:
+            floor = max(floor, math.ceil(min(pmin, 1.0) * (1 << 24)))
+        cum = np.cumsum(np.where(w >= floor, w, 0).astype(np.uint64))
+        word = int(rng.philox4x32_10([position, 0, 0, 0], key)[0, 0])
+        return int(np.searchsorted(cum, np.uint64((int(cum[-1]) * word) >> 32), side="right"))
+
+    r = np.random.default_rng(5)
+    for trial in range(1500):
+        V = int(r.choice([1, 3, 1023, 1024, 1025, 2048, 5000, 50257]))
+        z = (r.standard_normal(V) * r.choice([0.3, 3.0, 12.0])).astype(np.float32)
+        w = (np.exp(z - z.max()) * np.float32(1 << 24)).astype(np.uint32)
+        knobs = [1.0, float(r.choice([0, 1, 5, 40])), float(r.choice([1.0, 0.9, 0.3])),
+                 float(r.choice([0.0, 0.05])), 1.0]
+        key = (int(r.integers(0, 2**32)), int(r.integers(0, 2**32)))
+        pos = int(r.integers(0, 2**32))
+        assert choose_from_weights(w, knobs, key, pos) == reference(w, knobs, key, pos), (V, knobs)
+        assert rng.philox_first_word(pos, key) == int(rng.philox4x32_10([pos, 0, 0, 0], key)[0, 0])

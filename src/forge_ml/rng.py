@@ -50,6 +50,25 @@ def philox4x32_10(counter, key) -> np.ndarray:
     return np.stack(c).astype(np.uint32)
 
 
+def philox_first_word(c0: int, key) -> int:
+    """``philox4x32_10([c0, 0, 0, 0], key)[0, 0]`` in plain Python integers: one draw without
+    NumPy's per-call cost (a sampled token's word, every step of every row on the host).
+
+    >>> philox_first_word(0, [0, 0]) == int(philox4x32_10([0, 0, 0, 0], [0, 0])[0, 0])
+    True
+    """
+    m0, m1, mask = int(PHILOX_M0), int(PHILOX_M1), 0xFFFFFFFF
+    x0, x1, x2, x3 = int(c0) & mask, 0, 0, 0
+    k0, k1 = int(key[0]) & mask, int(key[1]) & mask
+    for r in range(10):
+        if r:
+            k0 = (k0 + PHILOX_W0) & mask
+            k1 = (k1 + PHILOX_W1) & mask
+        p0, p1 = m0 * x0, m1 * x2
+        x0, x1, x2, x3 = (p1 >> 32) ^ x1 ^ k0, p1 & mask, (p0 >> 32) ^ x3 ^ k1, p0 & mask
+    return x0
+
+
 def seed_key(seed: int) -> tuple[int, int]:
     """The Philox key of a (up to 64-bit, non-negative) seed."""
     seed = int(seed)

@@ -21,6 +21,24 @@ SAMPLE_KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 """The columns of ``sample_next``'s ``knobs`` (B, 5) float32: 0 / 0 / 1 / 0 / 1 turn each off."""
 
 _W_ONE = 1 << 24   # the integer weight of the most likely token
+_DRAW_BLOCK = 1024  # the draw's running sum goes over blocks of this many ids first
+_PENALTY_RANGE = (1e-30, 1e30)
+
+
+def knobs_row(temperature, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> list:
+    """The row of ``sample_next``'s float32 knobs for these settings (None or 0 turn a cut
+    off). A repetition penalty is held to [1e-30, 1e30]: past that, float32 would round it to
+    0 or infinity, while within it the penalised logits of any model are already as far from
+    the others as they get (a penalty beyond changes no draw).
+
+    >>> knobs_row(0.7, top_k=40)
+    [0.7, 40, 1.0, 0.0, 1.0]
+    >>> knobs_row(1.0, repetition_penalty=1e-300)[4]
+    1e-30
+    """
+    lo, hi = _PENALTY_RANGE
+    return [temperature, top_k or 0, 1.0 if top_p is None else top_p, min_p or 0.0,
+            min(max(repetition_penalty, lo), hi)]
 
 
 def sample_row(z, knobs, key, position, seen=None) -> int:
@@ -89,8 +107,15 @@ def choose_from_weights(w, knobs, key, position) -> int:
         floor = max(floor, int(top[int(np.searchsorted(np.cumsum(top), need, side="left"))]))
     if pmin > 0:   # at most 1: the most likely token (weight 2^24) is always kept
         floor = max(floor, math.ceil(min(float(pmin), 1.0) * _W_ONE))
-    mass = np.where(w >= floor, w, 0).astype(np.uint64)
-    cum = np.cumsum(mass)
-    word = int(rng.philox4x32_10([int(position), 0, 0, 0], key)[0, 0])
-    target = (int(cum[-1]) * word) >> 32
-    return int(np.searchsorted(cum, np.uint64(target), side="right"))
+    mass = np.where(w >= floor, w, 0) if floor else w
+    word = rng.philox_first_word(int(position), key)
+    # the first id whose running mass exceeds the target: over blocks' sums first, then
+    # inside the block (integers: the same id as one running sum over the whole row)
+    starts = np.arange(0, V, _DRAW_BLOCK)
+    sums = np.cumsum(np.add.reduceat(mass, starts, dtype=np.uint64))
+    target = (int(sums[-1]) * word) >> 32
+    b = int(np.searchsorted(sums, np.uint64(target), side="right"))
+    lo = b * _DRAW_BLOCK
+    cum = np.cumsum(mass[lo:lo + _DRAW_BLOCK], dtype=np.uint64)
+    before = int(sums[b - 1]) if b else 0
+    return lo + int(np.searchsorted(cum, np.uint64(target - before), side="right"))

@@ -95,7 +95,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError, ShapeError
-from ..sampling import sample_row
+from ..sampling import knobs_row, sample_row
 from ..tensor import Tensor, tensor
 from ..tokenizer import hides_stop
 from .decode import check_finite_logits, held_decoder, model_check
@@ -465,8 +465,8 @@ class _Choice:
 
     def knobs(self) -> list:
         """The row of ``ops.sample_next``'s knobs (temperature, top_k, top_p, min_p, penalty)."""
-        return [self.temperature, self.top_k or 0, 1.0 if self.top_p is None else self.top_p,
-                self.min_p or 0.0, self.repetition_penalty]
+        return knobs_row(self.temperature, self.top_k, self.top_p, self.min_p,
+                         self.repetition_penalty)
 
     def __call__(self, logits, context, key, position) -> tuple:
         """``(token, logprob, top_logprobs)`` for one row; the last two None without logprobs.
@@ -477,9 +477,10 @@ class _Choice:
             knobs[4] = 1.0                                 # the penalty is applied already
             with np.errstate(over="ignore"):
                 z32 = np.asarray(z, np.float32)
-            if (np.isinf(z32) & np.isfinite(z)).any():
+            if (np.isposinf(z32) & np.isfinite(z)).any():
                 # a penalty past float32's range: the float64 logits are this far apart, so
-                # all the mass is on their argmax (float32 would tie the overflowed ones)
+                # all the mass is on their argmax (float32 would tie the overflowed ones); one
+                # overflowed to -inf weighs 0, as it does in float64, and is drawn as it is
                 tok = int(np.argmax(z))
             else:
                 tok = sample_row(z32, knobs, key, position)
