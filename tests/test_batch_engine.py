@@ -1,8 +1,8 @@
-"""BatchEngine tests: the sampler against a straightforward per-row reference (tokens,
-log-probabilities, the distribution it draws from), and the engine against a no-cache
-reference loop: requests joining and leaving at different steps, queueing for slots,
-cancelling, stop tokens, prompt scoring, errors at submit, the per-row step's fallback, and a
-loop that fails."""
+"""BatchEngine tests: the engine against a no-cache reference loop that draws by
+``sampling.sample_row`` (the rule the engine's device choice implements) and against
+``generate`` itself; log-probabilities against a straightforward reference; requests joining
+and leaving at different steps, queueing for slots, cancelling, stop tokens, prompt scoring,
+errors at submit, NaN logits, and a loop that fails."""
 import asyncio
 import threading
 import time
@@ -12,9 +12,9 @@ import pytest
 
 import forge_ml as fm
 from forge_ml.errors import ConfigError
-from forge_ml.inference import batch as batch_mod
 from forge_ml import sampling
-from forge_ml.inference.batch import BatchEngine, choose_tokens
+from forge_ml.inference.batch import BatchEngine, knobs_of, token_logprobs_of
+from forge_ml.inference.generate import generate, row_key
 from forge_ml.inference.engine import (EngineClosedError, RequestError, SamplingParams,
                                        TokenOut)
 
@@ -63,28 +63,24 @@ def ref_probs(logits, p: SamplingParams, seen=()):
     return w / w.sum(), lps
 
 
-def ref_choose(logits, p: SamplingParams, seen, u):
-    w, lps = ref_probs(logits, p, seen)
-    if p.greedy:
-        z = np.array(logits, dtype=np.float64)
-        for t in set(seen):
-            z[t] = z[t] / p.repetition_penalty if z[t] > 0 else z[t] * p.repetition_penalty
-        tok = int(np.argmax(z))
-    else:
-        cdf = np.cumsum(w)
-        tok = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+def ref_choose(logits, p: SamplingParams, seen, position):
+    """The request's token at ``position`` (the engine's draw: ``sample_row`` with the
+    request's key at that position), and the reference log-probabilities and top ids."""
+    _, lps = ref_probs(logits, p, seen)
+    marks = np.zeros(len(logits), bool)
+    marks[list(seen)] = True
+    tok = sampling.sample_row(np.asarray(logits, np.float32), knobs_of(p), row_key(p.seed, 0),
+                              position, marks if p.repetition_penalty != 1 else None)
     top = sorted(range(len(lps)), key=lambda i: (-lps[i], i))[:p.logprobs or 0]
     return tok, lps, top
 
 
 def ref_generate(model, prompt, p: SamplingParams, stop_len=None):
     """A request alone, without a KV cache: the full forward over the sequence each step."""
-    gen = np.random.Generator(np.random.PCG64(np.random.SeedSequence([p.seed, 0])))
     seq, out = list(prompt), []
     for _ in range(p.max_tokens):
         logits = model.logits(fm.tensor([seq])).numpy()[0, -1]
-        u = 0.0 if p.greedy else gen.random()
-        tok, _, _ = ref_choose(logits, p, seq if p.repetition_penalty != 1 else (), u)
+        tok, _, _ = ref_choose(logits, p, seq if p.repetition_penalty != 1 else (), len(seq))
         out.append(tok)
         seq.append(tok)
         if tok in p.stop_tokens:
@@ -92,7 +88,7 @@ def ref_generate(model, prompt, p: SamplingParams, stop_len=None):
     return out
 
 
-# -- the sampler ---------------------------------------------------------------------------
+# -- the log-probabilities -------------------------------------------------------------------
 
 
 def random_params(rng, i):
@@ -102,29 +98,23 @@ def random_params(rng, i):
         top_p=float(rng.choice([1.0, 0.9, 0.5, 0.05])),
         min_p=float(rng.choice([0.0, 0.05, 0.3])),
         repetition_penalty=float(rng.choice([1.0, 1.3, 0.8])),
-        logprobs=[None, 0, 3][i % 3])
+        logprobs=[0, 3, 7][i % 3])
 
 
-def test_choose_tokens_matches_the_reference():
+def test_token_logprobs_match_the_reference():
     rng = np.random.default_rng(0)
     V = 40
-    for trial in range(30):
-        B = 7
-        logits = (rng.standard_normal((B, V)) * 3).astype(np.float32)
-        logits[0, 5] = logits[0, 9] = logits[0].max() + 1        # a tie for the argmax
-        params = [random_params(rng, trial * B + r) for r in range(B)]
-        seen = [rng.integers(0, V, rng.integers(0, 12)).tolist() for _ in range(B)]
-        u = rng.random(B)
-        got = choose_tokens(logits, params, seen, u)
-        for r in range(B):
-            tok, lps, top = ref_choose(logits[r], params[r], seen[r], u[r])
-            assert got[r][0] == tok, (trial, r, params[r])
-            if params[r].logprobs is None:
-                assert got[r][1] is None and got[r][2] == ()
-            else:
-                assert got[r][1] == pytest.approx(lps[tok], abs=1e-5)
-                assert [t for t, _ in got[r][2]] == top
-                assert [lp for _, lp in got[r][2]] == pytest.approx([lps[t] for t in top], abs=1e-5)
+    for trial in range(100):
+        logits = (rng.standard_normal(V) * 3).astype(np.float32)
+        logits[5] = logits[9] = logits.max() + 1        # a tie at the top
+        p = random_params(rng, trial)
+        seen = rng.integers(0, V, rng.integers(0, 12)).tolist()
+        tok = int(rng.integers(0, V))
+        lp, top = token_logprobs_of(logits, p, set(seen), tok)
+        _, lps, want = ref_choose(logits, p, seen, 0)
+        assert lp == pytest.approx(lps[tok], abs=1e-6), (trial, p)
+        assert [t for t, _ in top] == want
+        assert [x for _, x in top] == pytest.approx([lps[t] for t in want], abs=1e-6)
 
 
 EXTREME = [dict(temperature=1e-40), dict(temperature=1e-46), dict(temperature=5e-324),
@@ -134,88 +124,20 @@ EXTREME = [dict(temperature=1e-40), dict(temperature=1e-46), dict(temperature=5e
 
 
 @pytest.mark.parametrize("kw", EXTREME, ids=range(len(EXTREME)))
-def test_temperatures_and_penalties_that_overflow_float32_give_the_limit_not_nan(kw):
+def test_temperatures_and_penalties_that_overflow_float32_give_the_limit_not_nan(model, kw):
     """A temperature or repetition penalty so far from 1 that ``z / T`` or ``z / penalty``
-    overflows float32 still draws from the limit distribution (the argmax of the penalised
-    logits as T goes to 0, uniform as T grows), with no NaN log-probability."""
-    rng = np.random.default_rng(2)
-    V = 30
-    logits = (rng.standard_normal((5, V)) * 3).astype(np.float32)
-    seen = [rng.integers(0, V, 8).tolist() for _ in range(5)]
-    u = rng.random(5)
-    params = [SamplingParams(logprobs=4, **kw)] * 5
-    got = choose_tokens(logits, params, seen, u)
-    for r, (tok, lp, top) in enumerate(got):
-        z = logits[r].astype(np.float64)
-        pen = params[r].repetition_penalty
-        for t in set(seen[r]):
-            z[t] = z[t] / pen if z[t] > 0 else z[t] * pen
-        if params[r].temperature > 1e100:
-            assert tok == int(u[r] * V) and lp == pytest.approx(-np.log(V))
-        elif params[r].temperature < 1e-30:
-            assert tok == int(np.argmax(z)) and lp == 0.0
-        else:       # temperature 1: the penalised softmax, seen tokens at its extremes
-            w = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
-            assert tok == int(np.searchsorted(np.cumsum(w), u[r], side="right"))
-            assert lp == pytest.approx(np.log(w[tok]), abs=1e-5)
-        assert not np.isnan(lp) and all(not np.isnan(v) for _, v in top)
-        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
-
-
-def test_greedy_takes_the_lowest_id_on_ties_and_top_k_one_is_greedy():
-    logits = np.array([[0.0, 2.0, 2.0, 1.0]] * 2)
-    ps = [SamplingParams(temperature=0), SamplingParams(top_k=1)]
-    assert [t for t, _, _ in choose_tokens(logits, ps, [(), ()], [0.0, 0.999])] == [1, 2]
-    logits = np.array([[0.0, 2.0, 3.0, 1.0]])        # no tie: top-k 1 is the argmax
-    assert choose_tokens(logits, [SamplingParams(top_k=1)], [()], [0.999])[0][0] == 2
-
-
-@pytest.mark.parametrize("cut", [dict(top_k=3), dict(top_p=0.5), dict(top_k=2, top_p=0.05)])
-def test_the_cuts_keep_every_token_tied_at_the_cut_as_generate_does(cut):
-    """99 tokens tied just under the top: top-k 3 keeps all 100 (transformers' TopKLogitsWarper
-    and ``sampling.sample_row`` do), and a nucleus ending inside the tie keeps the whole tie;
-    uniforms over [0, 1) reach every kept token, the server drew only ids 0, 2 and 3 before."""
-    V = 120
-    logits = np.full(V, -30.0, np.float32)
-    logits[0], logits[2:101] = 1.0, 0.0
-    p = SamplingParams(**cut)
-    toks = {choose_tokens(logits[None], [p], [()], [x])[0][0] for x in (np.arange(4000) + 0.5) / 4000}
-    knobs = [1.0, p.top_k, p.top_p, p.min_p, 1.0]
-    want = {sampling.sample_row(logits, knobs, (5, s), 0) for s in range(3000)}
-    assert toks == want == {0, *range(2, 101)}
-
-
-def test_the_draw_follows_the_cut_distribution():
-    """Uniforms on a fine grid draw each token in proportion to its probability (to 1/N)."""
-    logits = np.log(np.array([0.3, 0.05, 0.2, 0.01, 0.15, 0.12, 0.1, 0.07]))
-    for p in [SamplingParams(), SamplingParams(temperature=0.7, top_k=5),
-              SamplingParams(top_p=0.8, min_p=0.2), SamplingParams(temperature=2.0, top_p=0.9)]:
-        N = 4000
-        u = (np.arange(N) + 0.5) / N
-        toks = [choose_tokens(logits[None], [p], [()], [x])[0][0] for x in u]
-        freq = np.bincount(toks, minlength=8) / N
-        want, _ = ref_probs(logits, p)
-        assert np.abs(freq - want).max() <= 1.0 / N + 1e-12, (p, freq, want)
-
-
-def test_cuts_that_reach_past_the_first_candidates_and_a_large_vocabulary():
-    """A few likely tokens over a long tail 10 below them: top-k, top-p and the top
-    log-probabilities must widen their search past the first threshold; and a vocabulary
-    large enough for the draw to go through block sums."""
-    rng = np.random.default_rng(1)
-    V = 9000
-    tail = np.full(V, -10.0) + rng.standard_normal(V) * 0.5
-    tail[[7, 100, 2000, 4000, 8999]] = 0.0                   # five tied at the top
-    flat = rng.standard_normal(V) * 2
-    for logits in (tail, flat):
-        for p in [SamplingParams(top_k=50, logprobs=20), SamplingParams(top_p=0.999),
-                  SamplingParams(temperature=0.5, top_p=0.7, min_p=0.001),
-                  SamplingParams(top_k=3, top_p=0.5), SamplingParams(logprobs=7)]:
-            for x in rng.random(4):
-                tok, lps, top = ref_choose(logits, p, (), x)
-                got = choose_tokens(logits[None], [p], [()], [x])[0]
-                assert got[0] == tok, p
-                assert [t for t, _ in got[2]] == top
+    overflows float32: the engine's tokens are the limit's (the penalised argmax as T goes to
+    0, ``sample_row``'s rule), and no log-probability is NaN."""
+    p = SamplingParams(max_tokens=6, logprobs=4, seed=3, **kw)
+    prompt = [3, 1, 4]
+    with BatchEngine(model, slots=2) as engine:
+        outs = list(engine.submit(prompt, p))
+    assert [t.token for t in outs] == ref_generate(model, prompt, p)
+    for t in outs:
+        assert not np.isnan(t.logprob) and all(not np.isnan(v) for _, v in t.top_logprobs)
+        assert [v for _, v in t.top_logprobs] == sorted((v for _, v in t.top_logprobs), reverse=True)
+        if p.temperature < 1e-30:
+            assert t.logprob == 0.0 and t.token == t.top_logprobs[0][0]
 
 
 # -- the engine ----------------------------------------------------------------------------
@@ -240,9 +162,9 @@ def slow_down(engine, seconds=0.005):
     """Make every step of ``engine`` take ``seconds`` more, so a test can act mid-request."""
     step = engine._step
 
-    def slow(tokens, positions):
+    def slow(*args):
         time.sleep(seconds)
-        return step(tokens, positions)
+        return step(*args)
 
     engine._step = slow
     return engine
@@ -273,12 +195,46 @@ def test_tokens_do_not_depend_on_the_batch(model, expected, slots):
     assert got == expected
 
 
-def test_the_fallback_step_gives_the_same_tokens(model, expected, monkeypatch):
-    monkeypatch.setattr(batch_mod, "row_step", None)
-    with BatchEngine(model, slots=4) as engine:
-        assert engine._step.__qualname__.startswith("_row_step_fallback")
-        got = [tokens_of(engine.submit(pr, p)) for pr, p in REQUESTS[:3]]
-    assert got == expected[:3]
+@pytest.mark.parametrize("i", range(len(REQUESTS)))
+def test_a_request_draws_what_generate_draws_for_its_prompt_and_seed(model, expected, i):
+    """The engine's rule and random numbers are generate's: a request gives the tokens
+    ``generate`` gives for its prompt, settings and seed (a server's answer is the library's)."""
+    prompt, p = REQUESTS[i]
+    want = list(generate(model, prompt, max_new_tokens=p.max_tokens, temperature=p.temperature,
+                         top_k=p.top_k or None, top_p=p.top_p if p.top_p < 1 else None,
+                         min_p=p.min_p or None, repetition_penalty=p.repetition_penalty,
+                         seed=p.seed))
+    assert want == expected[i]
+    with BatchEngine(model, slots=3) as engine:
+        assert tokens_of(engine.submit(prompt, p)) == want
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_requests_draw_what_generate_draws_there(expected):
+    """On the GPU the engine chooses with the sampling kernel (only tokens come back): every
+    request, sampled, cut, penalised or greedy, joining at different steps with logprobs on
+    some, gives the tokens generate gives on the GPU for its prompt and seed, and the CPU
+    engine's (the float32 logits agree to rounding; these draws are far from any tie)."""
+    from test_generate import _cuda_or_cpu
+    _cuda_or_cpu("cuda")
+    gpu = make_model().to("cuda")
+    want = [list(generate(gpu, pr, max_new_tokens=p.max_tokens, temperature=p.temperature,
+                          top_k=p.top_k or None, top_p=p.top_p if p.top_p < 1 else None,
+                          min_p=p.min_p or None, repetition_penalty=p.repetition_penalty,
+                          seed=p.seed)) for pr, p in REQUESTS]
+    assert want == expected
+    with BatchEngine(gpu, slots=4) as engine:
+        streams = []
+        for i, (pr, p) in enumerate(REQUESTS):
+            if i % 2:
+                p = SamplingParams(**{**p.__dict__, "logprobs": 2})
+            streams.append(engine.submit(pr, p))
+            time.sleep(0.005 * (i % 3))
+        outs = [list(s) for s in streams]
+        assert any(k[0] == "rows_choose" for k in engine._decode._graphs)   # a graph replays
+    assert [[t.token for t in o] for o in outs] == want
+    for i, o in enumerate(outs):
+        assert all((t.logprob is not None) == bool(i % 2) for t in o)
 
 
 def test_logprobs_and_a_stop_token(model):
@@ -400,7 +356,7 @@ def test_a_prompt_given_as_an_iterator_array_or_tensor(model):
 
 def test_a_failing_step_ends_the_streams_with_its_error(model):
     engine = BatchEngine(model, slots=2)
-    def broken(tokens, positions):
+    def broken(*args):
         raise RuntimeError("device lost")
     engine._step = broken
     s = engine.submit([1], SamplingParams())
@@ -453,16 +409,9 @@ def test_an_engine_refuses_a_model_whose_weights_hold_nan(device):
 def test_nan_logits_past_the_prompt_end_that_request_in_an_error():
     """A weight row only a later position reads (wpe's row 6): the engine's first step passes,
     and a request reaching position 6 was served a token chosen from NaN logits (a garbage id,
-    every step after). choose_tokens now gives None for such a row; the engine ends that
-    request with a ModelError naming the weight, frees its slot, and serves the others."""
+    every step after). The engine now ends that request with a ModelError naming the weight,
+    frees its slot, and serves the others."""
     from forge_ml.errors import ModelError
-    logits = np.log(np.array([[0.5, 0.3, 0.2], [0.1, np.nan, 0.8], [0.2, np.inf, 0.1]]))
-    for p, want in ((SamplingParams(temperature=0), 0), (SamplingParams(top_p=0.9, logprobs=1), 0),
-                    (SamplingParams(top_p=0.9), 2)):
-        u = 0.3 if want == 0 else 0.95          # the draw: the first id whose running sum passes u
-        got = choose_tokens(logits, [p] * 3, [[], [], []], [u] * 3)
-        assert got[1] == got[2] == (None, None, ())
-        assert got[0][0] == want
     m = make_model()
     m.params["wpe.weight"].data[6, :] = np.nan
     with BatchEngine(m, slots=2) as engine:

@@ -227,6 +227,19 @@ def test_n_choices_and_seeds(client):
     assert [c.text for c in seeded] == [alone[0]] * 2
 
 
+def test_a_seeded_completion_is_the_text_generate_gives(client, engine, tok):
+    """The server draws what the library draws: a seeded completion (temperature, top-p,
+    top-k, a penalty) is the text of ``generate`` on the served model with that seed."""
+    from forge_ml.inference.generate import generate
+    for seed, kw in ((5, dict(temperature=0.9, top_p=0.8)), (6, dict(temperature=1.3)),
+                     (7, dict(temperature=0.7, top_k=3, repetition_penalty=1.3))):
+        extra = {k: kw[k] for k in ("top_k", "repetition_penalty") if k in kw}
+        r = client.completions.create(model="tiny", prompt="a cat", max_tokens=12, seed=seed,
+                                      extra_body=extra, **{k: v for k, v in kw.items() if k not in extra})
+        want = generate(engine.model, tok.encode("a cat"), max_new_tokens=12, seed=seed, **kw)
+        assert r.choices[0].text == tok.decode(list(want)), (seed, kw)
+
+
 def test_prompt_forms(client, tok):
     kw = dict(model="tiny", max_tokens=4, temperature=0)
     one = {p: client.completions.create(prompt=p, **kw).choices[0].text for p in ("ab", "cd")}
@@ -462,9 +475,9 @@ def slow_server(tok):
     eng = BatchEngine(make_model(cfg, seed=3), tok, slots=2)
     step = eng._step
 
-    def slow(tokens, positions):
+    def slow(*args):
         time.sleep(0.03)
-        return step(tokens, positions)
+        return step(*args)
 
     eng._step = slow
     s = Server(create_app(eng, "slow"))

@@ -2,9 +2,8 @@
 top-p, min-p, repetition penalty, and a Philox draw at the row's position). The CPU runs it
 as it is (``backends.compose.sample_next`` through the host), the GPU's kernel
 (``backends/cuda/sample.cu``) bit for bit, and ``inference.generate`` for the tokens it
-chooses on the host. (The server's engine, ``inference.batch``, still draws on the host with
-its own vectorised sampler: the same cuts in the same order, ties at each cut kept as here,
-in floating point rather than integer weights, its own random stream per request; moving it onto this rule and the device is the next step for serving speed.)
+chooses on the host, and the server's engine (``inference.batch``) through ``sample_next``
+on the model's device, with generate's key for a request's seed.
 
 >>> SAMPLE_KNOBS
 ('temperature', 'top_k', 'top_p', 'min_p', 'repetition_penalty')

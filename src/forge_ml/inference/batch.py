@@ -1,23 +1,27 @@
 """Continuous batching: ``BatchEngine`` runs many requests through one decode step.
 
 A background thread owns the model and a step over ``slots`` rows, each row with its own
-KV-cache rows and its own position (``decode.row_step``). Every step feeds each busy slot one
-token at that slot's position: the next prompt token while the request is still inside its
-prompt (the prompt is prefilled one token per step, as ``generate`` does for ragged batches),
-else its last chosen token. Each slot past its prompt then chooses its next token from its
-row of logits with its own ``SamplingParams`` (``choose_tokens``, on the host), and the
+KV-cache rows and its own position (``DecodeStep.rows_choose``). Every step feeds each busy
+slot one token at that slot's position: the next prompt token while the request is still
+inside its prompt (the prompt is prefilled one token per step, as ``generate`` does for ragged
+batches), else its last chosen token. Each slot past its prompt then gets its next token,
+chosen on the device with its own ``SamplingParams`` by the one sampling rule of every
+decoding path (``forge_ml.sampling.sample_row``: ``ops.sample_next``), so only the tokens come
+back to the host, and the logits only for a request that asks for log-probabilities. The
 request's ``Stream`` gets a ``TokenOut``. A request finishes on a stop token, ``max_tokens``
 or a full context, and frees its slot at once; a cancelled one frees it at the next step. A
 new request takes a free slot at the next step, starting at position 0 (the slot's old cache
 rows are overwritten before they are read). Idle slots are fed a dummy token at position 0
-and their logits are ignored: that writes only their own row 0, which the next request of
+and their choices are ignored: that writes only their own row 0, which the next request of
 the slot writes again at its first step, before any step reads it.
 
-Per request reproducible: a request draws its uniforms from its own generator, seeded with
-``(seed, 0)``, and a row's logits depend on the other rows only through rounding (a product
-over more rows may sum in another order: its log-probabilities move by about 1e-6), so a
-request gives the same tokens whatever else shares the batch, except where two tokens' scores
-tie within that rounding. Alone, or with the same company, it is exact.
+Per request reproducible, and the same draws as ``generate``: a request draws with the Philox
+key ``generate.row_key(seed, 0)`` at the position of each token it chooses, as
+``generate(model, prompt, seed=seed)`` draws for one prompt, so alone (or with any company) it
+gives the tokens generate gives for its prompt and settings, except where two tokens' scores
+tie within rounding: the per-row step's logits equal generate's up to rounding, and a row's
+logits depend on the other rows only through rounding (a product over more rows may sum in
+another order).
 
 >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
 >>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))
@@ -33,227 +37,50 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
+from .. import ops
 from ..errors import ConfigError
+from ..sampling import knobs_row
 from ..tensor import device_has
-from .decode import check_finite_logits, nonfinite_error
+from .decode import DecodeStep, KVCache, nonfinite_error
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
                      _is_int, check_prompt)
+from .generate import _log_softmax, _top_logprobs, apply_repetition_penalty, row_key
 
-try:
-    from .decode import row_step
-except ImportError:   # an older tree without the per-row step: see _row_step_fallback
-    row_step = None
-
-__all__ = ["BatchEngine", "choose_tokens", "SamplingParams", "TokenOut", "Stream",
-           "RequestError", "EngineClosedError"]
+__all__ = ["BatchEngine", "SamplingParams", "TokenOut", "Stream", "RequestError",
+           "EngineClosedError"]
 
 log = logging.getLogger("forge_ml.inference")
 
-# -- choosing the next token -----------------------------------------------------------------
-
-# Cuts look for their tokens among those within these distances of the top logit first (one
-# comparison pass over the vocabulary), wider only when those are not enough: the tokens
-# at or above any threshold are the head of the sorted order, ties included, so the result
-# is the one a full sort gives.
-_WIDTHS = (8.0, 16.0, 32.0)
-_W_THRESHOLDS = tuple(float(np.float32(np.exp(-d))) for d in _WIDTHS)   # on exp(z - max z)
-_DRAW_BLOCK = 1024
-_F32_MAX = float(np.finfo(np.float32).max)
-_PEN_RANGE = (1e-30, 1e30)
+_GREEDY = (0.0, 0.0, 1.0, 0.0, 1.0)   # an idle slot's knobs: the argmax, the cheapest choice
 
 
-def choose_tokens(logits, params: Sequence[SamplingParams], seen: Sequence, u) -> list:
-    """One token per row: ``[(token, logprob or None, top), ...]``, ``top`` the
-    ``((id, logprob), ...)`` of the ``params[r].logprobs`` most likely tokens.
+def knobs_of(p: SamplingParams) -> list:
+    """A request's row of ``ops.sample_next``'s knobs (``forge_ml.sampling.knobs_row``).
 
-    ``logits``: ``(B, V)``; ``seen[r]``: the ids row ``r`` has seen (prompt and generated,
-    for the repetition penalty); ``u[r]``: a uniform in [0, 1) (unused on greedy rows). Per
-    row, in this order: the repetition penalty (a seen token's positive logit divided by it,
-    a negative one multiplied), the temperature (0: the argmax, lowest id on ties), the
-    log-softmax (the log-probabilities returned), then top-k (the k most likely, and every
-    token tied with the k-th), top-p (the smallest most likely set whose probability,
-    renormalised after top-k, reaches p, at least one token, and every token tied with its
-    least likely), min-p (drop tokens less likely than min_p times the most likely), and the
-    draw (the cuts keep ties as ``sampling.sample_row`` and transformers' warpers do): the first token whose cumulative kept
-    probability exceeds ``u`` times their sum. A temperature or penalty so far from 1 that
-    the float32 logits would overflow gives the limit (at a vanishing temperature, the argmax:
-    other tokens' log-probabilities are -inf). In float32 (running sums in float64); the passes
-    over the whole vocabulary run for all rows at once, and each row's result depends on its
-    own inputs only. A row whose logits hold NaN or inf gets ``(None, None, ())``: no token
-    can be chosen (seen free: the greedy choice's logit, or the softmax's sum, is not finite).
-
-    >>> logits = np.log(np.array([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
-    >>> ps = [SamplingParams(top_p=0.6), SamplingParams(temperature=0, logprobs=1)]
-    >>> [(t, None if lp is None else round(lp, 3), len(top))
-    ...  for t, lp, top in choose_tokens(logits, ps, [[], []], [0.99, 0.0])]
-    [(1, None, 0), (2, -0.223, 1)]
+    >>> knobs_of(SamplingParams(temperature=0.7, top_k=40))
+    [0.7, 40, 1.0, 0.0, 1.0]
     """
-    z = np.asarray(logits, dtype=np.float32)                  # (B, V)
-    if z.ndim != 2 or len(params) != z.shape[0]:
-        raise ConfigError(f"choose_tokens: expected logits (B, V) with one SamplingParams per "
-                          f"row, got {z.shape} and {len(params)}")
-    penalised = [r for r, p in enumerate(params) if p.repetition_penalty != 1.0 and len(seen[r])]
-    with np.errstate(over="ignore"):        # a temperature past float32's range: inf, uniform
-        temp = np.array([p.temperature if p.temperature > 0 else 1.0 for p in params], np.float32)
-    if penalised or (temp != 1.0).any():
-        z = z.copy()
-    for r in penalised:
-        # a penalty past 1e30 (or under 1e-30) changes no draw in float32, but would overflow
-        pen = np.float32(min(max(params[r].repetition_penalty, _PEN_RANGE[0]), _PEN_RANGE[1]))
-        idx = np.unique(np.asarray(seen[r], dtype=np.int64))
-        v = z[r, idx]
-        with np.errstate(over="ignore"):
-            z[r, idx] = np.clip(np.where(v > 0, v / pen, v * pen), -_F32_MAX, _F32_MAX)
-    if (temp != 1.0).any():
-        # a temperature so low that z / T overflows float32: (z - max z) / T in float64 for
-        # that row, the same distribution with its top at 0 and no inf - inf
-        low = {r: (z[r].astype(np.float64), params[r].temperature) for r in np.flatnonzero(temp < 1)
-               if float(np.abs(z[r]).max()) >= float(temp[r]) * (_F32_MAX / 2)}
-        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-            z /= temp[:, None]
-            for r, (zr, t) in low.items():
-                z[r] = (zr - zr.max()) / t
-    # the softmax, only for the rows that sample or report log-probabilities
-    soft = [r for r, p in enumerate(params) if not p.greedy or p.logprobs is not None]
-    row_of = {r: i for i, r in enumerate(soft)}
-    if soft:
-        zs = z[soft]                                            # (S, V), a copy
-        with np.errstate(invalid="ignore"):                     # (a NaN row: given None below)
-            zs -= zs.max(axis=1, keepdims=True)                 # the top logit is 0
-        e = np.exp(zs)                                          # unnormalised, the top is 1
-        total = e.sum(axis=1).astype(np.float64)                # (S,), pairwise sums
-    out = []
-    for r, p in enumerate(params):
-        tok = int(np.argmax(z[r])) if p.greedy else None
-        if not np.isfinite(z[r, tok] if p.greedy else total[row_of[r]]):
-            out.append((None, None, ()))      # NaN or inf in the row's logits
-            continue
-        if not p.greedy:
-            i = row_of[r]
-            kept = _cut(e[i], total[i], p.top_k, p.top_p, p.min_p)
-            if kept is None:
-                tok = _draw(e[i], float(u[r]))
-            else:
-                tok = int(kept[_draw(e[i][kept], float(u[r]))])
-        lp, top = None, ()
-        if p.logprobs is not None:
-            i = row_of[r]
-            lse = np.log(total[i])
-            lp = float(zs[i, tok] - lse)
-            top = tuple((int(t), float(zs[i, t] - lse)) for t in _top_ids(zs[i], p.logprobs))
-        out.append((tok, lp, top))
-    return out
+    return knobs_row(p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)
 
 
-def _head(v: np.ndarray, thresholds, enough) -> np.ndarray:
-    """Ascending ids of the ``v >= t`` for the first threshold ``t`` where ``enough(ids)``,
-    else every id."""
-    for t in thresholds:
-        ids = np.flatnonzero(v >= t)
-        if enough(ids):
-            return ids
-    return np.arange(v.shape[0])
+def token_logprobs_of(row: np.ndarray, p: SamplingParams, seen, token: int) -> tuple:
+    """``(logprob, top)`` of ``token`` under the request's log-softmax of its logits ``row``
+    (V,): after its repetition penalty over ``seen`` (the ids it has seen) and its
+    temperature, before the cuts (``generate.token_logprobs``); ``top``: its ``p.logprobs``
+    most likely ``((id, logprob), ...)``, most likely first, ties by lower id.
 
-
-def _cut(w: np.ndarray, total: float, top_k: int, top_p: float, min_p: float):
-    """The ids (ascending) that top-k, top-p and min-p keep of the unnormalised
-    probabilities ``w`` (largest 1.0, sum ``total``), or None when they keep every id."""
-    V = w.shape[0]
-    kept = None
-    if 0 < top_k < V:
-        kept = _at_least_kth(w, top_k, _W_THRESHOLDS)
-        total = float(w[kept].sum(dtype=np.float64))
-    if top_p < 1.0:
-        # the nucleus: the shortest head of the ids sorted by probability whose probability
-        # reaches top_p, and every id tied with its last
-        cand = kept if kept is not None else _head(
-            w, _W_THRESHOLDS, lambda ids: w[ids].sum(dtype=np.float64) >= top_p * total)
-        order = cand[np.argsort(-w[cand], kind="stable")]
-        cum = np.cumsum(w[order], dtype=np.float64) / total
-        n_keep = min(int(np.searchsorted(cum, top_p, side="left")) + 1, len(order))
-        kept = cand[w[cand] >= w[order[n_keep - 1]]]            # ascending, as cand
-    if min_p > 0.0:
-        # the most likely token (w = 1) survives every cut, so min_p times it is min_p
-        kept = np.flatnonzero(w >= min_p) if kept is None else kept[w[kept] >= min_p]
-    return kept
-
-
-def _draw(w: np.ndarray, u: float) -> int:
-    """The first index whose cumulative weight exceeds ``u`` times the sum of ``w``: over
-    block sums first, then inside the block (a cumulative sum over a whole large vocabulary
-    is the slowest pass of all)."""
-    n = w.shape[0]
-    if n <= 4 * _DRAW_BLOCK:
-        cdf = np.cumsum(w, dtype=np.float64)
-        return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), n - 1)
-    sums = np.add.reduceat(w, np.arange(0, n, _DRAW_BLOCK))     # (blocks,), pairwise sums
-    csum = np.cumsum(sums, dtype=np.float64)
-    x = u * csum[-1]
-    b = min(int(np.searchsorted(csum, x, side="right")), len(sums) - 1)
-    lo = b * _DRAW_BLOCK
-    block = w[lo:lo + _DRAW_BLOCK]
-    cdf = np.cumsum(block, dtype=np.float64) + (csum[b - 1] if b else 0.0)
-    j = int(np.searchsorted(cdf, x, side="right"))
-    if j >= block.shape[0]:        # rounding put x past the block's end: its last token
-        j = int(np.flatnonzero(block)[-1])
-    return lo + j
-
-
-def _top_ids(lps: np.ndarray, n: int) -> np.ndarray:
-    """Ids of the ``n`` largest of ``lps`` (log-probabilities), largest first, ties by
-    lower id."""
-    n = min(n, lps.shape[0])
-    if n == 0:
-        return np.zeros(0, np.int64)
-    top = float(lps.max())
-    ids = _largest(lps, n, [top - d for d in _WIDTHS])
-    return ids[np.argsort(-lps[ids], kind="stable")]
-
-
-def _at_least_kth(v: np.ndarray, k: int, thresholds) -> np.ndarray:
-    """Ascending ids of the ``v`` at least the ``k``-th largest: the k largest and every id
-    tied with the k-th (``_head`` first)."""
-    ids = _head(v, thresholds, lambda ids: len(ids) >= k)
-    vals = v[ids]
-    return ids[vals >= np.partition(vals, len(ids) - k)[len(ids) - k]]
-
-
-def _largest(v: np.ndarray, k: int, thresholds) -> np.ndarray:
-    """Ascending ids of the ``k`` largest of ``v``, ties by lower id (``_head`` first)."""
-    ids = _head(v, thresholds, lambda ids: len(ids) >= k)
-    vals = v[ids]
-    kth = np.partition(vals, len(ids) - k)[len(ids) - k]        # the k-th largest
-    above = ids[vals > kth]
-    ties = ids[vals == kth][: k - len(above)]                   # lowest ids first
-    return np.union1d(above, ties)
-
-
-# -- the step ------------------------------------------------------------------------------
-
-
-def _row_step_fallback(model, batch: int, max_len: int):
-    """``decode.row_step``'s contract on ``model.forward_cached``, one row at a time, each
-    slot with a one-row cache whose ``pos`` is set to the row's position before its token."""
-    from ..tensor import tensor
-
-    caches = [model.new_cache(1, max_len) for _ in range(batch)]
-    V, dev = model.config.vocab_size, model.device
-
-    def step(tokens, positions) -> np.ndarray:
-        out = np.full((batch, V), np.nan, np.float32)
-        for b in range(batch):
-            pos = int(positions[b])
-            if 0 <= pos < max_len:
-                caches[b].pos = pos
-                logits = model.forward_cached(tensor([[int(tokens[b])]], device=dev), caches[b])
-                out[b] = logits.numpy()[0, -1, :V]
-        return out
-
-    return step, caches
+    >>> lp, top = token_logprobs_of(np.log(np.array([0.5, 0.3, 0.2], np.float32)),
+    ...                             SamplingParams(logprobs=1), (), 1)
+    >>> round(lp, 3), [(t, round(x, 3)) for t, x in top]
+    (-1.204, [(0, -0.693)])
+    """
+    z = apply_repetition_penalty(row, p.repetition_penalty, list(seen))
+    logp = _log_softmax(z, p.temperature)
+    return float(logp[token]), _top_logprobs(logp, p.logprobs or 0)
 
 
 class _Request:
@@ -263,10 +90,13 @@ class _Request:
         self.stream = stream
         self.prompt = stream.prompt
         self.params = p = stream.params
-        self.gen = np.random.Generator(np.random.PCG64(np.random.SeedSequence([p.seed, 0])))
+        self.knobs = knobs_of(p)
+        self.key = row_key(p.seed, 0)   # generate's key for one prompt with this seed
         self.fed = 0                    # tokens fed so far: the next one goes at this position
         self.generated: list = []
         self.seen = set(self.prompt) if p.repetition_penalty != 1.0 else None
+        self.marked = False             # its penalty's marks are on the device
+        self.choosing = False           # its slot's knobs are its own (else greedy's)
         self.stop = frozenset(p.stop_tokens)
 
     def next_token(self) -> int:
@@ -317,12 +147,17 @@ class BatchEngine:
         n_tok = getattr(tokenizer, "vocab_size", None)
         if isinstance(n_tok, int) and 0 < n_tok < cfg.vocab_size:
             self.vocab_size = n_tok     # the model's ids past the tokenizer's are no tokens
-        make = row_step if row_step is not None else _row_step_fallback
-        self._step, self._cache = make(model, batch=slots, max_len=max_len)
+        self._decode = DecodeStep(model, KVCache.empty(model, slots, max_len))
+        self._step = self._decode.rows_choose
+        self._knobs = np.tile(np.array(_GREEDY, np.float32), (slots, 1))   # per slot
+        self._keys = np.zeros((slots, 2), np.int64)
+        self._marks = None              # (slots, Vp) int32: the penalty's seen ids, per slot
         # one step on token 0 (every slot idle: each is rewritten when a request takes it):
         # a model whose logits are NaN or inf is refused here, not served as id 0 at every step
-        check_finite_logits(model, self._step(np.zeros(slots, np.int64), np.zeros(slots, np.int32))[:1],
-                            "BatchEngine", "a first step on token 0 (its check of the model)")
+        _, finite, _ = self._step(np.zeros(slots, np.int64), np.zeros(slots, np.int32),
+                                  self._knobs, self._keys, None, self.vocab_size)
+        if not finite[0]:
+            raise nonfinite_error(model, "BatchEngine", "a first step on token 0 (its check of the model)")
         self._cond = threading.Condition()
         self._pending: collections.deque = collections.deque()
         self._active: list = [None] * slots
@@ -392,6 +227,7 @@ class BatchEngine:
         for s, rq in enumerate(self._active):
             if rq is not None and rq.stream.cancelled:
                 self._active[s] = None
+                self._knobs[s] = _GREEDY
         for s in range(self.slots):
             if self._active[s] is not None:
                 continue
@@ -399,7 +235,8 @@ class BatchEngine:
                 self._pending.popleft()
             if not self._pending:
                 break
-            self._active[s] = _Request(self._pending.popleft())
+            self._active[s] = rq = _Request(self._pending.popleft())
+            self._keys[s] = rq.key
 
     def _run(self) -> None:
         try:
@@ -430,13 +267,28 @@ class BatchEngine:
         S = self.slots
         tokens = np.zeros(S, np.int64)
         positions = np.zeros(S, np.int32)   # idle: token 0 at position 0 (see the docstring)
+        upload = False
         for s, rq in enumerate(batch):
-            if rq is not None:
-                tokens[s] = rq.next_token()
-                positions[s] = rq.fed
-        logits = self._step(tokens, positions)[:, :self.vocab_size]   # (S, V) float32
+            if rq is None:
+                continue
+            tokens[s] = rq.next_token()
+            positions[s] = rq.fed
+            choosing = rq.fed + 1 >= len(rq.prompt)
+            if choosing != rq.choosing:   # a row inside its prompt takes the cheapest choice
+                self._knobs[s] = rq.knobs if choosing else _GREEDY
+                rq.choosing = choosing
+            if rq.seen is not None and not rq.marked and choosing:
+                # it chooses its first token at this step: its marks are its prompt's (the
+                # device marked its prefill steps' ignored choices; those go here)
+                if self._marks is None:
+                    self._marks = np.zeros((S, self.model.config.padded_vocab_size), np.int32)
+                self._marks[s] = 0
+                self._marks[s, rq.prompt] = 1
+                rq.marked = upload = True
+        toks, finite, logits = self._step(tokens, positions, self._knobs, self._keys,
+                                          self._marks if upload else None, self.vocab_size)
         self.steps += 1
-        rows = []
+        rows = _HostRows(logits, self.vocab_size)
         for s, rq in enumerate(batch):
             if rq is None or rq.stream.cancelled:
                 continue
@@ -444,28 +296,25 @@ class BatchEngine:
             n = len(rq.prompt)
             if rq.fed < n:                                       # still inside the prompt
                 if rq.params.prompt_logprobs is not None:
-                    scored = _logprob_of(logits[s], rq.prompt[rq.fed], rq.params.prompt_logprobs)
-                    if not np.isfinite(scored[0]):   # NaN or inf logits: no score to give
+                    if not finite[s]:        # NaN or inf logits: no score to give
                         self._fail(s, rq)
                         continue
+                    scored = _logprob_of(rows[s], rq.prompt[rq.fed], rq.params.prompt_logprobs)
                     rq.stream.prompt_logprobs.append(scored)
                     if rq.params.max_tokens == 0 and rq.fed == n - 1:
                         self._finish(s, rq, None)               # the prompt is scored
                 continue
-            rows.append(s)
-        if not rows:
-            return
-        reqs = [batch[s] for s in rows]
-        params = [rq.params for rq in reqs]
-        seen = [list(rq.seen) if rq.seen is not None else () for rq in reqs]
-        u = [rq.gen.random() if not rq.params.greedy else 0.0 for rq in reqs]
-        for s, rq, (tok, lp, top) in zip(rows, reqs, choose_tokens(logits[rows], params, seen, u)):
-            if tok is None:     # NaN or inf logits past the prompt: the request ends in an error
+            if not finite[s]:   # NaN or inf logits past the prompt: the request ends in an error
                 self._fail(s, rq)
                 continue
+            tok = int(toks[s])
+            lp, top = None, ()
+            if rq.params.logprobs is not None:
+                lp, top = token_logprobs_of(rows[s], rq.params, rq.seen or (), tok)
             rq.generated.append(tok)
             if rq.seen is not None:
                 rq.seen.add(tok)
+                self._marks[s, tok] = 1      # as the device marked it
             finish = None
             if tok in rq.stop:
                 finish = "stop"
@@ -490,11 +339,31 @@ class BatchEngine:
         with self._cond:
             if self._active[s] is rq:
                 self._active[s] = None
+                self._knobs[s] = _GREEDY
+
+
+class _HostRows:
+    """Rows of a step's device logits, each read back when first asked for (the whole
+    logits at once past a quarter of the rows): ``rows[s]`` is row ``s``'s first
+    ``vocab_size`` logits, float32 (V,)."""
+
+    def __init__(self, logits, vocab_size: int):
+        self.logits, self.vocab_size, self.got, self.all = logits, vocab_size, {}, None
+
+    def __getitem__(self, s: int) -> np.ndarray:
+        if self.all is not None:
+            return self.all[s]
+        if s not in self.got:
+            B, Vp = self.logits.shape
+            if len(self.got) + 1 > max(1, B // 4):
+                self.all = self.logits.numpy()[:, :self.vocab_size]
+                return self.all[s]
+            row = ops.take_rows(self.logits.reshape(1, B, Vp), s)       # (1, Vp), a copy
+            self.got[s] = row.numpy()[0, :self.vocab_size]
+        return self.got[s]
 
 
 def _logprob_of(row: np.ndarray, token: int, n: int) -> tuple:
     """``(logprob of token, top-n ((id, logprob), ...))`` under ``softmax(row)``."""
-    z = row.astype(np.float64)
-    z -= z.max()
-    lps = z - np.log(np.exp(z).sum())
-    return float(lps[token]), tuple((int(t), float(lps[t])) for t in _top_ids(lps, n))
+    lps = _log_softmax(np.asarray(row, np.float64), 1.0)
+    return float(lps[token]), _top_logprobs(lps, n)

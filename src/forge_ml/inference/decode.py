@@ -151,6 +151,7 @@ class DecodeStep:
         self.graph = bool(graph_) and graph.available(dev)
         self._knobs = self._keys = None   # sample(): (B, 5) knobs and (B, 2) keys
         self._seen = self._seen_buf = None  # sample(): the penalty's seen tokens (B, Vp)
+        self._choice = None    # rows_choose(): the (B,) int32 tokens chosen on the device
         self._graphs = {}      # "logits", "rows": one step; ("greedy", k): k steps + choices
         self._hist = {}        # k -> the (k, B) int32 tensor of a k-step chain's tokens
         self._warm = False     # some step ran op by op: every kernel is compiled and loaded
@@ -213,6 +214,66 @@ class DecodeStep:
         ops.assign(self._row_pos, positions.astype(np.int32))
         out = self._run("rows", lambda: self._logits(self._row_pos))
         return out.numpy()[:, :self.model.config.vocab_size]
+
+    def rows_choose(self, tokens, positions, knobs, keys, seen=None, vocab_size=None) -> tuple:
+        """``rows``' step with every row's next token chosen on the device
+        (``ops.sample_next``, ``forge_ml.sampling.sample_row``'s rule): row ``b`` feeds
+        ``tokens[b]`` at ``positions[b]`` and draws with ``knobs[b]`` and the Philox key
+        ``keys[b]`` at counter ``positions[b] + 1``, the position of the token chosen, so a row
+        draws what ``generate`` draws at that position with that key. ``seen``: None (no
+        penalty anywhere), or the (B, Vp) int32 host marks of the tokens each row's penalty
+        applies to, uploaded when given (the device's marks also get each row's chosen token,
+        so give them again only where they change otherwise); ``vocab_size``: the ids that may
+        be chosen (default the model's). Returns ``(tokens, finite, logits)``: the (B,) int64
+        choices, a (B,) bool array (False for a row whose logits hold NaN or inf: its token
+        means nothing) and the step's float32 logits (B, Vp) Tensor, valid until the next step
+        (for the rows whose log-probabilities are asked: ``logits_row``). A graph where the
+        backend has them; what comes back is the B tokens and one number (the logits' sum of
+        squares), unless that number is not finite.
+
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> step = DecodeStep(model, model.new_cache(2, 8))
+        >>> toks, ok, _ = step.rows_choose([1, 2], [0, 3], [[0, 0, 1, 0, 1]] * 2, [[1, 2]] * 2)
+        >>> toks.shape, ok.tolist()
+        ((2,), [True, True])
+        """
+        B = self.cache.batch
+        cfg = self.model.config
+        V = cfg.vocab_size if vocab_size is None else int(vocab_size)
+        tokens = self._checked_tokens(tokens)
+        positions = _int_array("DecodeStep.rows_choose", "positions", positions)
+        if positions.shape != (B,):
+            raise ShapeError(f"DecodeStep.rows_choose: expected {B} positions, got {positions.shape[0]}")
+        cap = self.cache.capacity
+        positions = np.where((positions >= 0) & (positions < cap), positions, cap)  # out: NaN
+        if self._choice is None:
+            self._choice = zeros((B,), "int32", self.device)
+        self._sampling_inputs(knobs, keys, None)
+        if seen is not None:
+            marks = np.asarray(seen)
+            if marks.shape != (B, cfg.padded_vocab_size):
+                raise ShapeError(f"DecodeStep.rows_choose: seen must be ({B}, "
+                                 f"{cfg.padded_vocab_size}) marks, got {marks.shape}")
+            if self._seen_buf is None:
+                self._seen_buf = zeros((B, cfg.padded_vocab_size), "int32", self.device)
+            ops.assign(self._seen_buf, marks)
+        ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
+        ops.assign(self._row_pos, positions.astype(np.int32))
+        penalty = self._seen_buf is not None and bool((np.asarray(knobs, np.float32).reshape(B, 5)[:, 4] != 1).any())
+
+        def work():
+            logits = self._logits(self._row_pos)
+            ops.sample_next(logits, V, self._ids, self._row_pos, self._knobs, self._keys,
+                            self._seen_buf if penalty else None, out=self._choice)
+            return logits, ops.sumsq(logits)
+
+        logits, sumsq = self._run(("rows_choose", V, penalty), work)
+        toks = self._choice.numpy().astype(np.int64)
+        finite = np.ones(B, bool)
+        if not np.isfinite(sumsq.item()):     # rare: find the rows (a sum may overflow too)
+            finite = np.isfinite(logits.numpy()[:, :cfg.vocab_size]).all(axis=1)
+        return toks, finite, logits
 
     def _run(self, key, work):
         """``work()``'s device work: replayed from the graph kept under ``key``, or captured
