@@ -209,6 +209,42 @@ def test_a_request_draws_what_generate_draws_for_its_prompt_and_seed(model, expe
         assert tokens_of(engine.submit(prompt, p)) == want
 
 
+def test_requests_of_every_kind_reusing_few_slots_draw_what_generate_draws(model):
+    """Penalised and plain, sampled and greedy, with log-probabilities or not, prompts of 1 to
+    5 tokens: 24 requests through 2 slots (each slot reused by requests of both kinds, so a
+    penalty's marks must be its own request's) give generate's tokens."""
+    rng = np.random.default_rng(4)
+    reqs = []
+    for i in range(24):
+        p = SamplingParams(max_tokens=int(rng.integers(1, 7)),
+                           temperature=float(rng.choice([0.0, 0.8, 1.5])),
+                           top_k=int(rng.choice([0, 3])), top_p=float(rng.choice([1.0, 0.7])),
+                           repetition_penalty=float(rng.choice([1.0, 1.6, 0.5])), seed=i,
+                           logprobs=None if i % 3 else 1)
+        reqs.append((rng.integers(0, 23, int(rng.integers(1, 6))).tolist(), p))
+    with BatchEngine(model, slots=2) as engine:
+        streams = [engine.submit(pr, p) for pr, p in reqs]
+        got = [tokens_of(s) for s in streams]
+    for (pr, p), toks in zip(reqs, got):
+        want = generate(model, pr, max_new_tokens=p.max_tokens, temperature=p.temperature,
+                        top_k=p.top_k or None, top_p=p.top_p if p.top_p < 1 else None,
+                        repetition_penalty=p.repetition_penalty, seed=p.seed)
+        assert toks == list(want), (pr, p)
+
+
+def test_a_huge_top_k_is_no_cut_and_stops_nothing(model):
+    """top_k=10**40 (any HTTP client may send it) was float32's infinity in the knobs: the host
+    draw raised OverflowError in the loop thread and every request in flight ended with it.
+    A top_k past any vocabulary keeps every token: the request draws as with top_k off."""
+    with BatchEngine(model, slots=2) as engine:
+        other = engine.submit([1, 2], SamplingParams(max_tokens=6, temperature=0))
+        huge = engine.submit([3], SamplingParams(max_tokens=6, top_k=10**40, seed=5))
+        got = tokens_of(huge)
+        assert got == tokens_of(engine.submit([3], SamplingParams(max_tokens=6, seed=5)))
+        assert got == list(generate(model, [3], max_new_tokens=6, top_k=10**40, seed=5))   # (raised too)
+        assert len(tokens_of(other)) == 6 and engine.running
+
+
 @pytest.mark.cuda
 def test_on_the_gpu_requests_draw_what_generate_draws_there(expected):
     """On the GPU the engine chooses with the sampling kernel (only tokens come back): every

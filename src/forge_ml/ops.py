@@ -986,30 +986,40 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
         ids._storage.id_range = (0, vocab_size - 1)
 
 
-def assign(dst, values) -> None:
+def assign(dst, values, row=None) -> None:
     """In place: ``dst[...] = values`` (a NumPy array, a nested list or a Tensor of ``dst``'s
-    shape, cast to ``dst``'s dtype; a Tensor's values go through the host). Fills the fixed
-    input buffers of a captured step; copy-on-write.
+    shape, cast to ``dst``'s dtype; a Tensor's values go through the host), or with ``row``
+    only ``dst[row] = values`` (one row of a buffer of 2 or more axes, the rest untouched).
+    Fills the fixed input buffers of a captured step; copy-on-write.
 
     >>> import forge_ml as fm
     >>> t = fm.zeros((2,), "int32"); fm.ops.assign(t, [3, 4]); t.numpy().tolist()
     [3, 4]
     >>> fm.ops.assign(t, fm.tensor([5, 6])); t.numpy().tolist()
     [5, 6]
+    >>> m = fm.zeros((2, 3), "int32"); fm.ops.assign(m, [1, 2, 3], row=1); m.numpy().tolist()
+    [[0, 0, 0], [1, 2, 3]]
     """
     _tensor("assign", "dst", dst)
     if isinstance(values, Tensor):   # np.asarray of a Tensor is a 0-d object array
         values = values.numpy()
     arr = np.asarray(values)
-    if arr.shape != dst.shape:
-        raise ShapeError(f"assign: dst is {dst.shape} but the values are {arr.shape}")
+    if row is not None:
+        row = _as_int(row)
+        if dst.ndim < 2 or type(row) is not int or not 0 <= row < dst.shape[0]:
+            raise ShapeError(f"assign: row {row!r} is not a row of dst {dst.shape}")
+    want = dst.shape if row is None else dst.shape[1:]
+    if arr.shape != want:
+        raise ShapeError(f"assign: dst{'' if row is None else f' row {row}'} is {want} but the "
+                         f"values are {arr.shape}")
     if dst.dtype in _dt.INTS and arr.size:
         # as tensor(...) refuses them: a value past the dtype's range wrapped silently, and
         # the range cached for check_ids was the one before the cast
         _check_fits(arr, dst.dtype, "assign")
     bk = backend_of(dst.device)
-    bk.assign(dst._prepare_write(), arr)
-    if dst.dtype in _dt.INTS and arr.size:
+    data = dst._prepare_write()
+    bk.assign(data if row is None else data[row], arr)
+    if row is None and dst.dtype in _dt.INTS and arr.size:
         kept = arr if arr.dtype == np.dtype(dst.dtype.name) else arr.astype(dst.dtype.name)
         dst._storage.id_range = (int(kept.min()), int(kept.max()))
 

@@ -26,18 +26,30 @@ _PENALTY_RANGE = (1e-30, 1e30)
 
 def knobs_row(temperature, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> list:
     """The row of ``sample_next``'s float32 knobs for these settings (None or 0 turn a cut
-    off). A repetition penalty is held to [1e-30, 1e30]: past that, float32 would round it to
-    0 or infinity, while within it the penalised logits of any model are already as far from
-    the others as they get (a penalty beyond changes no draw).
+    off). A top_k of 2^24 or more is off too (it keeps every id of any vocabulary float32
+    can count, and 10**40 would be float32's infinity). A repetition penalty is held to
+    [1e-30, 1e30] (``penalty_knob``).
 
     >>> knobs_row(0.7, top_k=40)
     [0.7, 40, 1.0, 0.0, 1.0]
-    >>> knobs_row(1.0, repetition_penalty=1e-300)[4]
-    1e-30
+    >>> knobs_row(1.0, top_k=10**40, repetition_penalty=1e-300)
+    [1.0, 0, 1.0, 0.0, 1e-30]
+    """
+    top_k = top_k or 0
+    return [temperature, top_k if top_k < _W_ONE else 0, 1.0 if top_p is None else top_p,
+            min_p or 0.0, penalty_knob(repetition_penalty)]
+
+
+def penalty_knob(repetition_penalty: float) -> float:
+    """The repetition penalty every sampling path applies: held to [1e-30, 1e30], where
+    float32 still holds it (past that it rounds to 0 or infinity) and the penalised logits of
+    any model are already far from every other.
+
+    >>> penalty_knob(1e300), penalty_knob(1.2)
+    (1e+30, 1.2)
     """
     lo, hi = _PENALTY_RANGE
-    return [temperature, top_k or 0, 1.0 if top_p is None else top_p, min_p or 0.0,
-            min(max(repetition_penalty, lo), hi)]
+    return min(max(repetition_penalty, lo), hi)
 
 
 def sample_row(z, knobs, key, position, seen=None) -> int:

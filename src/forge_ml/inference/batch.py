@@ -7,7 +7,8 @@ inside its prompt (the prompt is prefilled one token per step, as ``generate`` d
 batches), else its last chosen token. Each slot past its prompt then gets its next token,
 chosen on the device with its own ``SamplingParams`` by the one sampling rule of every
 decoding path (``forge_ml.sampling.sample_row``: ``ops.sample_next``), so only the tokens come
-back to the host, and the logits only for a request that asks for log-probabilities. The
+back to the host, and a row's logits only for a request that asks for log-probabilities or
+scores its prompt. The
 request's ``Stream`` gets a ``TokenOut``. A request finishes on a stop token, ``max_tokens``
 or a full context, and frees its slot at once; a cancelled one frees it at the next step. A
 new request takes a free slot at the next step, starting at position 0 (the slot's old cache
@@ -18,7 +19,8 @@ the slot writes again at its first step, before any step reads it.
 Per request reproducible, and the same draws as ``generate``: a request draws with the Philox
 key ``generate.row_key(seed, 0)`` at the position of each token it chooses, as
 ``generate(model, prompt, seed=seed)`` draws for one prompt, so alone (or with any company) it
-gives the tokens generate gives for its prompt and settings, except where two tokens' scores
+gives the tokens generate gives for its prompt and settings (where the tokenizer's vocabulary
+is the model's: the engine never chooses an id past the tokenizer's), except where two tokens' scores
 tie within rounding: the per-row step's logits equal generate's up to rounding, and a row's
 logits depend on the other rows only through rounding (a product over more rows may sum in
 another order).
@@ -43,7 +45,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import ConfigError
-from ..sampling import knobs_row
+from ..sampling import knobs_row, penalty_knob
 from ..tensor import device_has
 from .decode import DecodeStep, KVCache, nonfinite_error
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
@@ -78,7 +80,7 @@ def token_logprobs_of(row: np.ndarray, p: SamplingParams, seen, token: int) -> t
     >>> round(lp, 3), [(t, round(x, 3)) for t, x in top]
     (-1.204, [(0, -0.693)])
     """
-    z = apply_repetition_penalty(row, p.repetition_penalty, list(seen))
+    z = apply_repetition_penalty(row, penalty_knob(p.repetition_penalty), list(seen))
     logp = _log_softmax(z, p.temperature)
     return float(logp[token]), _top_logprobs(logp, p.logprobs or 0)
 
@@ -151,7 +153,6 @@ class BatchEngine:
         self._step = self._decode.rows_choose
         self._knobs = np.tile(np.array(_GREEDY, np.float32), (slots, 1))   # per slot
         self._keys = np.zeros((slots, 2), np.int64)
-        self._marks = None              # (slots, Vp) int32: the penalty's seen ids, per slot
         # one step on token 0 (every slot idle: each is rewritten when a request takes it):
         # a model whose logits are NaN or inf is refused here, not served as id 0 at every step
         _, finite, _ = self._step(np.zeros(slots, np.int64), np.zeros(slots, np.int32),
@@ -267,7 +268,7 @@ class BatchEngine:
         S = self.slots
         tokens = np.zeros(S, np.int64)
         positions = np.zeros(S, np.int32)   # idle: token 0 at position 0 (see the docstring)
-        upload = False
+        marks = {}    # the rows whose penalty's marks are set at this step
         for s, rq in enumerate(batch):
             if rq is None:
                 continue
@@ -280,13 +281,10 @@ class BatchEngine:
             if rq.seen is not None and not rq.marked and choosing:
                 # it chooses its first token at this step: its marks are its prompt's (the
                 # device marked its prefill steps' ignored choices; those go here)
-                if self._marks is None:
-                    self._marks = np.zeros((S, self.model.config.padded_vocab_size), np.int32)
-                self._marks[s] = 0
-                self._marks[s, rq.prompt] = 1
-                rq.marked = upload = True
-        toks, finite, logits = self._step(tokens, positions, self._knobs, self._keys,
-                                          self._marks if upload else None, self.vocab_size)
+                marks[s] = rq.prompt
+                rq.marked = True
+        toks, finite, logits = self._step(tokens, positions, self._knobs, self._keys, marks,
+                                          self.vocab_size)
         self.steps += 1
         rows = _HostRows(logits, self.vocab_size)
         for s, rq in enumerate(batch):
@@ -314,7 +312,6 @@ class BatchEngine:
             rq.generated.append(tok)
             if rq.seen is not None:
                 rq.seen.add(tok)
-                self._marks[s, tok] = 1      # as the device marked it
             finish = None
             if tok in rq.stop:
                 finish = "stop"

@@ -98,13 +98,14 @@ def _check_knobs(knobs: np.ndarray) -> None:
     """
     k = np.asarray(knobs, np.float64).reshape(-1, 5)
     t, top_k, top_p, min_p, pen = k.T          # NaN fails every comparison below
-    with np.errstate(invalid="ignore"):
-        ok = np.stack([t >= 0, (top_k >= 0) & (top_k == np.floor(top_k)), (top_p >= 0) & (top_p <= 1),
-                       min_p >= 0, pen > 0], axis=1)
+    with np.errstate(invalid="ignore"):        # (an infinite temperature: uniform, the limit)
+        ok = np.stack([t >= 0, (top_k >= 0) & (top_k == np.floor(top_k)) & np.isfinite(top_k),
+                       (top_p >= 0) & (top_p <= 1), (min_p >= 0) & np.isfinite(min_p),
+                       (pen > 0) & np.isfinite(pen)], axis=1)
     if not ok.all():
         r, c = (int(i) for i in np.argwhere(~ok)[0])   # the first, row by row
-        want = (">= 0 (0: greedy)", "a whole number >= 0 (0: off)", "in [0, 1] (0 or 1: off)", ">= 0 (0: off)",
-                "> 0 (1: off)")[c]
+        want = (">= 0 (0: greedy)", "a finite whole number >= 0 (0: off)", "in [0, 1] (0 or 1: off)",
+                "finite and >= 0 (0: off)", "finite and > 0 (1: off)")[c]
         raise ConfigError(f"DecodeStep: knobs row {r} has {SAMPLE_KNOBS[c]} {float(k[r, c])!r}; expected {want}")
 
 
@@ -215,21 +216,22 @@ class DecodeStep:
         out = self._run("rows", lambda: self._logits(self._row_pos))
         return out.numpy()[:, :self.model.config.vocab_size]
 
-    def rows_choose(self, tokens, positions, knobs, keys, seen=None, vocab_size=None) -> tuple:
+    def rows_choose(self, tokens, positions, knobs, keys, marks=None, vocab_size=None) -> tuple:
         """``rows``' step with every row's next token chosen on the device
         (``ops.sample_next``, ``forge_ml.sampling.sample_row``'s rule): row ``b`` feeds
         ``tokens[b]`` at ``positions[b]`` and draws with ``knobs[b]`` and the Philox key
         ``keys[b]`` at counter ``positions[b] + 1``, the position of the token chosen, so a row
-        draws what ``generate`` draws at that position with that key. ``seen``: None (no
-        penalty anywhere), or the (B, Vp) int32 host marks of the tokens each row's penalty
-        applies to, uploaded when given (the device's marks also get each row's chosen token,
-        so give them again only where they change otherwise); ``vocab_size``: the ids that may
-        be chosen (default the model's). Returns ``(tokens, finite, logits)``: the (B,) int64
-        choices, a (B,) bool array (False for a row whose logits hold NaN or inf: its token
-        means nothing) and the step's float32 logits (B, Vp) Tensor, valid until the next step
-        (for the rows whose log-probabilities are asked: ``logits_row``). A graph where the
-        backend has them; what comes back is the B tokens and one number (the logits' sum of
-        squares), unless that number is not finite.
+        draws what ``generate`` draws at that position with that key. The repetition penalty
+        applies to a row's marks on the device, which every step adds the row's chosen token
+        to: ``marks`` (``{row: ids}``) sets those rows' marks to exactly these ids first (a
+        row's prompt when it starts choosing; rows never given marks have none).
+        ``vocab_size``: the ids that may be chosen (default the model's). Returns ``(tokens,
+        finite, logits)``: the (B,) int64 choices, a (B,) bool array (False for a row whose
+        logits hold NaN or inf: its token means nothing) and the step's float32 logits (B, Vp)
+        Tensor, valid until the next step (a row of it for log-probabilities:
+        ``ops.take_rows(logits.reshape(1, B, Vp), b)``). A graph where the backend has them;
+        what comes back is the B tokens and one number (the logits' sum of squares), and the
+        logits too only when that number is not finite.
 
         >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
         >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
@@ -250,14 +252,18 @@ class DecodeStep:
         if self._choice is None:
             self._choice = zeros((B,), "int32", self.device)
         self._sampling_inputs(knobs, keys, None)
-        if seen is not None:
-            marks = np.asarray(seen)
-            if marks.shape != (B, cfg.padded_vocab_size):
-                raise ShapeError(f"DecodeStep.rows_choose: seen must be ({B}, "
-                                 f"{cfg.padded_vocab_size}) marks, got {marks.shape}")
+        Vp = cfg.padded_vocab_size
+        for b, ids in (marks or {}).items():
+            ids = _int_array("DecodeStep.rows_choose", "marked ids", ids)
+            if not (_is_int(b) and 0 <= b < B) or (ids.size and not 0 <= ids.min() <= ids.max() < Vp):
+                raise ShapeError(f"DecodeStep.rows_choose: marks must map rows 0..{B - 1} to ids in "
+                                 f"0..{Vp - 1}, got row {b!r} with ids {ids.min() if ids.size else ''}"
+                                 f"..{ids.max() if ids.size else ''}")
             if self._seen_buf is None:
-                self._seen_buf = zeros((B, cfg.padded_vocab_size), "int32", self.device)
-            ops.assign(self._seen_buf, marks)
+                self._seen_buf = zeros((B, Vp), "int32", self.device)
+            row = np.zeros(Vp, np.int32)
+            row[ids] = 1
+            ops.assign(self._seen_buf, row, row=int(b))
         ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
         ops.assign(self._row_pos, positions.astype(np.int32))
         penalty = self._seen_buf is not None and bool((np.asarray(knobs, np.float32).reshape(B, 5)[:, 4] != 1).any())
@@ -268,7 +274,8 @@ class DecodeStep:
                             self._seen_buf if penalty else None, out=self._choice)
             return logits, ops.sumsq(logits)
 
-        logits, sumsq = self._run(("rows_choose", V, penalty), work)
+        with np.errstate(over="ignore", invalid="ignore"):   # (the host's sums: said below)
+            logits, sumsq = self._run(("rows_choose", V, penalty), work)
         toks = self._choice.numpy().astype(np.int64)
         finite = np.ones(B, bool)
         if not np.isfinite(sumsq.item()):     # rare: find the rows (a sum may overflow too)

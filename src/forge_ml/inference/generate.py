@@ -95,7 +95,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError, ShapeError
-from ..sampling import knobs_row, sample_row
+from ..sampling import knobs_row, penalty_knob, sample_row
 from ..tensor import Tensor, tensor
 from ..tokenizer import hides_stop
 from .decode import check_finite_logits, held_decoder, model_check
@@ -471,7 +471,8 @@ class _Choice:
     def __call__(self, logits, context, key, position) -> tuple:
         """``(token, logprob, top_logprobs)`` for one row; the last two None without logprobs.
         ``key``, ``position``: the row's Philox key and the position being chosen."""
-        z = apply_repetition_penalty(logits, self.repetition_penalty, context)  # (V,)
+        # the penalty as the device chain holds it (the same draws at any temperature)
+        z = apply_repetition_penalty(logits, penalty_knob(self.repetition_penalty), context)  # (V,)
         if self.temperature > 0:
             knobs = self.knobs()
             knobs[4] = 1.0                                 # the penalty is applied already
