@@ -421,29 +421,40 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                               usage=usage)
             return f"data: {_json(body)}\n\n"
 
-        async def run(c: _Choice):
+        async def chunks(c: _Choice):
+            """The SSE chunks of one choice; a failure ends them with an error chunk."""
             try:
                 async for text, lp, finish in _events(c, req):
-                    await queue.put(chunk(c, text, lp, finish))
+                    yield chunk(c, text, lp, finish)
             except (EngineClosedError, ModelError) as e:   # closed; or NaN logits, said as it is
-                await queue.put(f"data: {_json(error_body(_server_error(e)))}\n\n")
+                yield f"data: {_json(error_body(_server_error(e)))}\n\n"
             except Exception as e:             # said, not passed off as a finished choice
                 log.exception("forge-ml serve: a streamed choice failed")
                 err = APIError(f"internal server error: {type(e).__name__}", status=500,
                                type="server_error")
-                await queue.put(f"data: {_json(error_body(err))}\n\n")
+                yield f"data: {_json(error_body(err))}\n\n"
+
+        async def run(c: _Choice):
+            try:
+                async for item in chunks(c):
+                    await queue.put(item)
             finally:
                 await queue.put(None)
 
-        tasks = [asyncio.ensure_future(run(c)) for c in choices]
+        tasks = []
         try:
-            left = len(tasks)
-            while left:
-                item = await queue.get()
-                if item is None:
-                    left -= 1
-                else:
+            if len(choices) == 1:     # one choice (most requests): its chunks as they come,
+                async for item in chunks(choices[0]):   # without a task and a queue a token
                     yield item
+            else:
+                tasks = [asyncio.ensure_future(run(c)) for c in choices]
+                left = len(tasks)
+                while left:
+                    item = await queue.get()
+                    if item is None:
+                        left -= 1
+                    else:
+                        yield item
             if req.include_usage:
                 usage = usage_body(n_prompt, sum(c.n_tokens for c in choices))
                 body = completion_body(cid, created, model_id, [], usage)
