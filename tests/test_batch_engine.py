@@ -335,35 +335,6 @@ def test_async_iteration(model, expected):
         assert asyncio.run(main(engine)) == expected
 
 
-def test_a_steps_tokens_wake_each_event_loop_once(model):
-    """Every token pushed to an async consumer woke its event loop with its own
-    call_soon_threadsafe (a write to the loop's wake-up pipe: 64 a step under load, in the
-    server's one process); a step's wake-ups now go to each loop in one call."""
-    async def main(engine):
-        loop = asyncio.get_running_loop()
-        calls = []
-        real = loop.call_soon_threadsafe
-
-        def counted(callback, *args, **kw):
-            calls.append(callback)
-            return real(callback, *args, **kw)
-
-        loop.call_soon_threadsafe = counted
-
-        async def one(i):
-            return [t.token async for t in engine.submit([i + 1], SamplingParams(max_tokens=6, temperature=0))]
-
-        before = engine.steps
-        outs = await asyncio.gather(*(one(i) for i in range(4)))
-        return outs, len(calls), engine.steps - before
-
-    with BatchEngine(model, slots=4) as engine:
-        outs, n_calls, steps = asyncio.run(main(engine))
-        alone = [tokens_of(engine.submit([i + 1], SamplingParams(max_tokens=6, temperature=0))) for i in range(4)]
-    assert outs == alone
-    assert n_calls <= steps < 24, (n_calls, steps)   # 24 tokens (was a call each)
-
-
 @pytest.mark.parametrize("prompt, kw, param", [
     ([1] * 25, {}, "prompt"),                                 # longer than the context
     ([1] * 20, {"max_tokens": 5}, "max_tokens"),              # 20 + 5 > 24

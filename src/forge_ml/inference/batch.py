@@ -49,7 +49,7 @@ from ..sampling import knobs_row, penalty_knob
 from ..tensor import device_has
 from .decode import DecodeStep, KVCache, nonfinite_error
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
-                     _is_int, check_prompt, wake_all)
+                     _is_int, check_prompt)
 from .generate import _log_softmax, _top_logprobs, apply_repetition_penalty, row_key
 
 __all__ = ["BatchEngine", "SamplingParams", "TokenOut", "Stream", "RequestError",
@@ -287,14 +287,6 @@ class BatchEngine:
                                           self.vocab_size)
         self.steps += 1
         rows = _HostRows(logits, self.vocab_size)
-        wakes: dict = {}    # the async consumers to wake, once a loop after the step
-        try:
-            self._deliver(batch, toks, finite, rows, wakes)
-        finally:
-            wake_all(wakes)
-
-    def _deliver(self, batch: list, toks, finite, rows, wakes: dict) -> None:
-        """A step's tokens (and prompt scores) to each busy slot's stream."""
         for s, rq in enumerate(batch):
             if rq is None or rq.stream.cancelled:
                 continue
@@ -326,7 +318,7 @@ class BatchEngine:
             elif (len(rq.generated) >= rq.params.max_tokens
                   or len(rq.prompt) + len(rq.generated) >= self.max_len):
                 finish = "length"
-            rq.stream._push(TokenOut(tok, lp, top, finish), wakes)
+            rq.stream._push(TokenOut(tok, lp, top, finish))
             if finish is not None:
                 self._finish(s, rq, finish)
 

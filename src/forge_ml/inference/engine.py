@@ -55,22 +55,6 @@ def _is_num(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def wake_all(wakes: dict) -> None:
-    """Set the asyncio Events of ``wakes`` (``{loop: [event, ...]}``, from ``Stream._push``)
-    from another thread: one ``call_soon_threadsafe`` a loop (each call writes to the loop's
-    wake-up pipe; a step of 64 streams made 64 of them)."""
-    for loop, events in wakes.items():
-        try:
-            loop.call_soon_threadsafe(_set_events, events)
-        except RuntimeError:   # the consumer's loop is closed: nobody is listening
-            pass
-
-
-def _set_events(events) -> None:
-    for event in events:
-        event.set()
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request chooses its tokens (OpenAI's completion fields, plus the usual extras).
@@ -231,20 +215,18 @@ class Stream:
         self._on_cancel = on_cancel
 
     # -- the producer side (the engine's thread) ------------------------------------------
-    def _push(self, item, wakes: Optional[dict] = None) -> None:
+    def _push(self, item) -> None:
         """Queue a TokenOut (one with ``finish`` ends the stream) or an exception to raise
-        in the consumer (it ends the stream too). ``wakes``: a dict that collects an async
-        consumer's wake-up instead of sending it now (``wake_all`` sends a step's together:
-        one call into each event loop, not one a token)."""
+        in the consumer (it ends the stream too)."""
         finish = item.finish if isinstance(item, TokenOut) else None
         ends = finish is not None or isinstance(item, BaseException)
-        self._append(item, ends, finish, wakes)
+        self._append(item, ends, finish)
 
     def _end(self, finish: str) -> None:
         """End the stream with no further token (``max_tokens`` 0, a scored prompt)."""
         self._append(_END, True, finish)
 
-    def _append(self, item, ends: bool, finish: Optional[str], wakes: Optional[dict] = None) -> None:
+    def _append(self, item, ends: bool, finish: Optional[str]) -> None:
         with self._cond:
             if self._ended:
                 return
@@ -254,15 +236,16 @@ class Stream:
             self._items.append(item)
             self._cond.notify_all()
             waker = self._waker
-        if wakes is None:
-            self._wake_async(waker)
-        elif waker is not None:
-            wakes.setdefault(waker[0], []).append(waker[1])
+        self._wake_async(waker)
 
     @staticmethod
     def _wake_async(waker) -> None:
         if waker is not None:
-            wake_all({waker[0]: [waker[1]]})
+            loop, event = waker
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:   # the consumer's loop is closed: nobody is listening
+                pass
 
     @property
     def done(self) -> bool:

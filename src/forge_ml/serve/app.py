@@ -421,40 +421,29 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                               usage=usage)
             return f"data: {_json(body)}\n\n"
 
-        async def chunks(c: _Choice):
-            """The SSE chunks of one choice; a failure ends them with an error chunk."""
+        async def run(c: _Choice):
             try:
                 async for text, lp, finish in _events(c, req):
-                    yield chunk(c, text, lp, finish)
+                    await queue.put(chunk(c, text, lp, finish))
             except (EngineClosedError, ModelError) as e:   # closed; or NaN logits, said as it is
-                yield f"data: {_json(error_body(_server_error(e)))}\n\n"
+                await queue.put(f"data: {_json(error_body(_server_error(e)))}\n\n")
             except Exception as e:             # said, not passed off as a finished choice
                 log.exception("forge-ml serve: a streamed choice failed")
                 err = APIError(f"internal server error: {type(e).__name__}", status=500,
                                type="server_error")
-                yield f"data: {_json(error_body(err))}\n\n"
-
-        async def run(c: _Choice):
-            try:
-                async for item in chunks(c):
-                    await queue.put(item)
+                await queue.put(f"data: {_json(error_body(err))}\n\n")
             finally:
                 await queue.put(None)
 
-        tasks = []
+        tasks = [asyncio.ensure_future(run(c)) for c in choices]
         try:
-            if len(choices) == 1:     # one choice (most requests): its chunks as they come,
-                async for item in chunks(choices[0]):   # without a task and a queue a token
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                else:
                     yield item
-            else:
-                tasks = [asyncio.ensure_future(run(c)) for c in choices]
-                left = len(tasks)
-                while left:
-                    item = await queue.get()
-                    if item is None:
-                        left -= 1
-                    else:
-                        yield item
             if req.include_usage:
                 usage = usage_body(n_prompt, sum(c.n_tokens for c in choices))
                 body = completion_body(cid, created, model_id, [], usage)
