@@ -2217,3 +2217,31 @@ def test_log_interval_0_prints_the_first_steps_line_as_documented(workdir, capsy
     steps = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")
              and "loss" in ln and "val" not in ln]
     assert len(steps) == 1 and steps[0].startswith("step      1/4"), steps
+
+
+def test_a_resume_with_other_optimisation_settings_says_so(workdir, capsys):
+    """A resume trains on with the settings it is given, which may differ from the run's: a
+    longer --max-steps moves the cosine's end (the learning rate jumps up at the resumed step),
+    a library resume with TrainConfig's default lr drops a run's own. Neither was said; the
+    resume now notes each changed setting and the learning rate's jump. The same settings say
+    nothing."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "4", "--warmup", "1"]) == 0
+    shutil.copytree("r", "r2")
+    capsys.readouterr()
+    assert main(["train", "--out", "r", "--resume", "--max-steps", "8", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    note = next(line for line in out.splitlines() if line.startswith("note: this resume changes"))
+    assert "max_steps 4 -> 8" in note and "the learning rate at step 4 goes from" in note
+    assert "lr " not in note.replace("learning rate", "")          # only max_steps changed
+    # the library: a Trainer resumed with another lr (and the run's lr otherwise kept)
+    was = load_checkpoint(Path("r2") / "ckpt")[1]["train_config"]
+    lines = []
+    cfg = TrainConfig.from_dict(dict(was, out_dir="r2", lr=was["lr"] * 2, min_lr=was["min_lr"],
+                                     progress=False))
+    Trainer(cfg, resume=True, log=lines.append)
+    assert any(f"lr {was['lr']:g} -> {was['lr'] * 2:g}" in str(x) for x in lines), lines
+    # the run's own settings: no note
+    shutil.copytree("r2", "r3", ignore=shutil.ignore_patterns("*.lock"))
+    same = []
+    Trainer(TrainConfig.from_dict(dict(was, out_dir="r3", progress=False)), resume=True, log=same.append)
+    assert not any("this resume changes" in str(x) for x in same), same

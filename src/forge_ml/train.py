@@ -425,6 +425,18 @@ def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int =
 
 # Errors speak forge-ml train's flags where the command line runs (errors.CLI_WORDS), else
 # the library's names (TrainConfig's fields, Trainer's arguments), which a notebook user typed.
+def _num_differs(a, b) -> bool:
+    """Whether two recorded numbers differ (an int and its float are the same number).
+
+    >>> _num_differs(1e-3, 0.001), _num_differs(2000, 2000.0), _num_differs(0.1, 0.2)
+    (False, False, True)
+    """
+    try:
+        return float(a) != float(b)
+    except (TypeError, ValueError):
+        return a != b
+
+
 _FLAG_WORDS = {"--resume": "resume=True", "--overwrite": "overwrite=True"}
 TRAIN_FLAGS = {"out_dir": "--out"}   # forge-ml train's flags named otherwise than their field
 
@@ -1263,6 +1275,7 @@ class Trainer:
         if rng.get("seed", self.cfg.seed) != self.cfg.seed:
             raise CheckpointError(f"{self.ckpt_dir} was trained with seed {rng['seed']}, this run asks for "
                                   f"{self.cfg.seed}; resume with the same seed")
+        self._note_changed_settings(meta.get("train_config"))
         changed = numerics_changed(meta.get("numerics"), self._numerics)
         if changed:
             self._say(f"note: this resume computes with other kernels than the run so far ({'; '.join(changed)}); "
@@ -1314,6 +1327,32 @@ class Trainer:
         del acc, grads
 
     # -- output helpers ---------------------------------------------------------------------
+    def _note_changed_settings(self, was: Optional[dict]) -> None:
+        """A resume whose optimisation settings differ from the run's recorded ones trains on
+        with the new ones (the CLI's flags, or a Trainer's config); say which, and where the
+        learning rate jumps at this step (a longer --max-steps moves the cosine's end)."""
+        if not isinstance(was, dict):
+            return
+        cfg = self.cfg
+        keys = ("lr", "min_lr", "warmup", "lr_decay_steps", "max_steps", "weight_decay", "beta1",
+                "beta2", "grad_clip", "dropout")
+        changed = [k for k in keys if k in was and was[k] is not None and _num_differs(was[k], getattr(cfg, k))]
+        if not changed:
+            return
+        try:
+            lr, warmup = float(was.get("lr", cfg.lr)), int(was.get("warmup", cfg.warmup))
+            end = int(was.get("lr_decay_steps") or was.get("max_steps") or cfg.decay_steps)
+            low = was.get("min_lr")
+            before = cosine_lr(self.step, lr, warmup, end, lr / 10 if low is None else float(low))
+        except (TypeError, ValueError):
+            before = None
+        now = cosine_lr(self.step, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr)
+        moved = ", ".join(f"{k} {was[k]:g} -> {getattr(cfg, k):g}" for k in changed)
+        jump = ("" if before is None or not _num_differs(before, now) else
+                f"; the learning rate at step {self.step} goes from {before:.2e} to {now:.2e}")
+        self._say(f"note: this resume changes {moved} from the run's recorded settings; it trains on "
+                  f"with the new ones{jump}")
+
     def _say(self, msg: str, verbatim: bool = False, library_only: bool = False) -> None:
         """A line to the log function; the trainer's own words (not ``verbatim``: a sample is
         the model's text) in the library's names where no command line runs. ``library_only``:
