@@ -204,15 +204,7 @@ class DecodeStep:
         >>> bool(np.isnan(DecodeStep(model, model.new_cache(2, 4)).rows([1, 2], [0, 9])[1]).all())
         True
         """
-        B = self.cache.batch
-        tokens = self._checked_tokens(tokens)
-        positions = _int_array("DecodeStep.rows", "positions", positions)
-        if positions.shape != (B,):
-            raise ShapeError(f"DecodeStep.rows: expected {B} positions, got {positions.shape[0]}")
-        cap = self.cache.capacity
-        positions = np.where((positions >= 0) & (positions < cap), positions, cap)  # out: NaN
-        ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
-        ops.assign(self._row_pos, positions.astype(np.int32))
+        self._row_inputs("DecodeStep.rows", tokens, positions)
         out = self._run("rows", lambda: self._logits(self._row_pos))
         return out.numpy()[:, :self.model.config.vocab_size]
 
@@ -243,12 +235,7 @@ class DecodeStep:
         B = self.cache.batch
         cfg = self.model.config
         V = cfg.vocab_size if vocab_size is None else int(vocab_size)
-        tokens = self._checked_tokens(tokens)
-        positions = _int_array("DecodeStep.rows_choose", "positions", positions)
-        if positions.shape != (B,):
-            raise ShapeError(f"DecodeStep.rows_choose: expected {B} positions, got {positions.shape[0]}")
-        cap = self.cache.capacity
-        positions = np.where((positions >= 0) & (positions < cap), positions, cap)  # out: NaN
+        self._row_inputs("DecodeStep.rows_choose", tokens, positions)
         if self._choice is None:
             self._choice = zeros((B,), "int32", self.device)
         self._sampling_inputs(knobs, keys, None)
@@ -264,8 +251,6 @@ class DecodeStep:
             row = np.zeros(Vp, np.int32)
             row[ids] = 1
             ops.assign(self._seen_buf, row, row=int(b))
-        ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
-        ops.assign(self._row_pos, positions.astype(np.int32))
         penalty = self._seen_buf is not None and bool((np.asarray(knobs, np.float32).reshape(B, 5)[:, 4] != 1).any())
 
         def work():
@@ -281,6 +266,19 @@ class DecodeStep:
         if not np.isfinite(sumsq.item()):     # rare: find the rows (a sum may overflow too)
             finite = np.isfinite(logits.numpy()[:, :cfg.vocab_size]).all(axis=1)
         return toks, finite, logits
+
+    def _row_inputs(self, who: str, tokens, positions) -> None:
+        """Check a per-row step's tokens and positions and write them into the step's
+        buffers; a position outside the cache becomes the capacity (that row's logits: NaN)."""
+        B = self.cache.batch
+        tokens = self._checked_tokens(tokens)
+        positions = _int_array(who, "positions", positions)
+        if positions.shape != (B,):
+            raise ShapeError(f"{who}: expected {B} positions, got {positions.shape[0]}")
+        cap = self.cache.capacity
+        positions = np.where((positions >= 0) & (positions < cap), positions, cap)  # out: NaN
+        ops.assign(self._ids, tokens.astype(np.int32).reshape(B, 1))
+        ops.assign(self._row_pos, positions.astype(np.int32))
 
     def _run(self, key, work):
         """``work()``'s device work: replayed from the graph kept under ``key``, or captured
