@@ -240,6 +240,22 @@ def test_a_seeded_completion_is_the_text_generate_gives(client, engine, tok):
         assert r.choices[0].text == tok.decode(list(want)), (seed, kw)
 
 
+@pytest.mark.parametrize("prompt, says", [
+    ([[]], "its list 0 holds an empty list"),
+    ([[1, 2], [3, 1.5]], "its list 1 holds 1.5, not a token id"),
+    ([1.5], "must hold integers; got 1.5"),
+    ([True], "must hold integers; got True"),
+    ([1, "a"], "a list mixing these"),
+])
+def test_a_bad_prompt_list_is_named_as_it_is(http, prompt, says):
+    """[[]], [1.5] and [true] were all refused as "a list mixing other items", though nothing
+    was mixed: the message now says which item fits no form and why."""
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and says in err["message"], err
+
+
 def test_prompt_forms(client, tok):
     kw = dict(model="tiny", max_tokens=4, temperature=0)
     one = {p: client.completions.create(prompt=p, **kw).choices[0].text for p in ("ab", "cd")}
