@@ -120,7 +120,7 @@ def test_token_logprobs_match_the_reference():
 EXTREME = [dict(temperature=1e-40), dict(temperature=1e-46), dict(temperature=5e-324),
            dict(repetition_penalty=1e-300), dict(repetition_penalty=1e300),
            dict(temperature=1e-40, repetition_penalty=1e-40),
-           dict(temperature=1e-300, repetition_penalty=1e300), dict(temperature=1e300)]
+           dict(temperature=1e-300, repetition_penalty=1e300), dict(temperature=3e38)]
 
 
 @pytest.mark.parametrize("kw", EXTREME, ids=range(len(EXTREME)))
@@ -484,3 +484,30 @@ def test_stats_leave_out_requests_whose_clients_left(model):
         assert engine.stats()["waiting"] == 0 and engine.stats()["running"] == 1
         long.cancel()
         assert engine.stats()["running"] == 0
+
+
+def test_numpy_scalars_and_range_limits_in_requests(model):
+    """SamplingParams(logprobs=np.uint8(3)) overflowed in the top-n cut inside the loop thread
+    and stopped the engine for every request; max_tokens=np.uint8(250) passed the context check
+    by wrapping; seed=2**64 drew as seed 0 and temperature=1e300 was float32's infinity in the
+    knobs (generate refuses both); BatchEngine(None) failed on .config; a tokenizer whose
+    vocab_size is a NumPy integer was not taken as the vocabulary."""
+    p = SamplingParams(max_tokens=np.uint8(3), logprobs=np.uint8(3), top_k=np.int8(5), seed=np.uint64(4))
+    assert type(p.logprobs) is int and type(p.max_tokens) is int and type(p.seed) is int
+    with BatchEngine(model, slots=2) as engine:
+        outs = list(engine.submit([1, 2], p))
+        assert len(outs) == 3 and all(len(t.top_logprobs) == 3 for t in outs) and engine.running
+        with pytest.raises(RequestError) as e:
+            engine.submit(list(range(10)), SamplingParams(max_tokens=np.uint8(250)))
+        assert e.value.param == "max_tokens"
+    for kw, name in (({"seed": 2**64}, "seed"), ({"temperature": 1e300}, "temperature")):
+        with pytest.raises(RequestError) as e:
+            SamplingParams(**kw)
+        assert e.value.param == name
+    with pytest.raises(TypeError, match="BatchEngine: model must be a forge-ml language model"):
+        BatchEngine(None)
+
+    class Tok:
+        vocab_size = np.int64(5)
+    with BatchEngine(model, Tok(), slots=1) as engine:
+        assert engine.vocab_size == 5 and type(engine.vocab_size) is int

@@ -231,3 +231,14 @@ def test_beam_search_on_the_gpu_equals_the_cpu(pair, eos):
             got, scores = beam_search(gpu, PROMPT, NEW, nb, lp, es, eos, nb)
             assert got == want
             np.testing.assert_allclose(scores, want_scores, rtol=1e-4, atol=1e-5)
+
+
+def test_one_beam_on_nan_logits_names_beam_search():
+    """num_beams=1 runs greedy search through generate, whose NaN error named "generate:"."""
+    from forge_ml.errors import ModelError
+    from forge_ml.inference.beam import beam_search
+    from test_generate import make_model
+    m = make_model()
+    m.params["wpe.weight"].data[3, :] = np.nan
+    with pytest.raises(ModelError, match=r"^beam_search: the model's logits"):
+        beam_search(m, [1, 2], max_new_tokens=4, num_beams=1)

@@ -627,7 +627,7 @@ def test_weights_with_nan_or_inf_are_named_not_generated_from(device):
                 list(generate(m, prompts, max_new_tokens=4, **kw))
         with pytest.raises(ModelError, match=re.escape("beam_search: " + needle)):
             beam_search(m, [1, 2, 3], max_new_tokens=4, num_beams=2)
-        with pytest.raises(ModelError, match=re.escape("generate: " + needle)):
+        with pytest.raises(ModelError, match=re.escape("beam_search: " + needle)):   # (said generate:)
             beam_search(m, [1, 2, 3], max_new_tokens=4, num_beams=1)
     # finite weights whose logits overflow: said as such, not blamed on a parameter
     m = make_model()
@@ -690,3 +690,38 @@ def test_a_nan_past_the_prompt_is_refused_where_logits_come_to_the_host(model):
         assert all(np.isfinite(e.logprob) for e in next(steps))
     with pytest.raises(fm.ModelError, match="position 6 hold NaN or inf.*wpe.weight holds"):
         next(steps)
+
+
+def test_logprobs_change_no_token_of_a_penalised_row():
+    """With logprobs the host applied the repetition penalty in float64 (1.3 exactly), the
+    chain in float32 (float32(1.3)): about half the penalised logits came out an ulp apart,
+    and a near-tie flipped (a QA report: [6, 5, 5, 5] against [5, 5, 5, 5]). The host now
+    draws by sample_row itself."""
+    from forge_ml.models.gpt2 import GPT2Config
+    cfg = GPT2Config(vocab_size=37, block_size=24, n_layer=1, n_head=1, n_embd=16)
+    sd = GPT2.init(cfg, seed=0).state_dict()
+    sd["wte.weight"][5] *= 40
+    sd["wte.weight"][6] = sd["wte.weight"][5] / np.float32(1.3)
+    m = GPT2.from_state_dict(cfg, sd)
+    for kw in (dict(temperature=0, repetition_penalty=1.3), dict(temperature=1e-6, repetition_penalty=1.3, seed=2)):
+        chained = list(generate(m, [5], 4, **kw))
+        host = [e.token for s in generate(m, [[5]], 4, logprobs=1, **kw) for e in s]
+        assert host == chained, kw
+
+
+def test_numpy_scalars_are_taken_as_their_numbers(model):
+    """np.uint8(250) new tokens after a 10-token prompt wrapped to 4 in the cache's size (a
+    ShapeError about 3 rows); np.uint8 logprobs overflowed in the top-n cut; np.int8 top_k in
+    next_token_probs; np.float16('inf') passed the temperature bound (compared in float16)."""
+    prompt = list(range(10))
+    a = list(generate(model, prompt, np.uint8(250), temperature=0))
+    assert a == list(generate(model, prompt, 250, temperature=0))
+    steps = list(generate(model, [[1, 2]], np.int8(3), logprobs=np.uint8(3), top_k=np.int16(5), seed=np.uint8(7)))
+    assert all(len(e.top_logprobs) == 3 for s in steps for e in s)
+    z = np.linspace(0, 1, 300)
+    assert np.count_nonzero(next_token_probs(z, top_k=np.int8(3))) == 3
+    with pytest.raises(ConfigError, match="temperature"):
+        list(generate(model, [1], 2, temperature=np.float16("inf")))
+    # a top_p below float32's least value is that value, not 0 ("off"): one token, as 1e-45
+    tiny = {tuple(generate(model, [1], 3, top_p=1e-46, seed=s)) for s in range(6)}
+    assert tiny == {tuple(generate(model, [1], 3, top_p=1e-45, seed=0))}

@@ -1096,3 +1096,11 @@ def test_a_stop_token_that_is_not_special_is_in_the_completion(tmp_path):
         assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
         got[stop_id] = (choice["text"], choice["logprobs"]["tokens"])
     assert got == {13: (".", ["."]), 50256: ("", [])}
+
+
+def test_seed_plus_choice_index_wraps_at_two_to_the_64(client):
+    """Choice j draws with seed + j: for seed -1 (2**64 - 1 unsigned) choice 1 is seed 0's,
+    kept in the engine's [0, 2**64) (the engine now refuses 2**64, which drew as 0)."""
+    kw = dict(model="tiny", prompt="a cat", max_tokens=8, temperature=1.0)
+    r = client.completions.create(n=2, seed=-1, **kw)
+    assert r.choices[1].text == client.completions.create(seed=0, **kw).choices[0].text

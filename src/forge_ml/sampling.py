@@ -22,13 +22,15 @@ SAMPLE_KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 _W_ONE = 1 << 24   # the integer weight of the most likely token
 _DRAW_BLOCK = 1024  # the draw's running sum goes over blocks of this many ids first
 _PENALTY_RANGE = (1e-30, 1e30)
+_F32_TINY = float(np.finfo(np.float32).smallest_subnormal)   # the least top_p float32 keeps
 
 
 def knobs_row(temperature, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> list:
     """The row of ``sample_next``'s float32 knobs for these settings (None or 0 turn a cut
     off). A top_k of 2^24 or more is off too (it keeps every id of any vocabulary float32
-    can count, and 10**40 would be float32's infinity). A repetition penalty is held to
-    [1e-30, 1e30] (``penalty_knob``).
+    can count, and 10**40 would be float32's infinity); a top_p below float32's least
+    positive value is that value (1e-46 rounded to 0, which is off). A repetition penalty is
+    held to [1e-30, 1e30] (``penalty_knob``).
 
     >>> knobs_row(0.7, top_k=40)
     [0.7, 40, 1.0, 0.0, 1.0]
@@ -36,6 +38,8 @@ def knobs_row(temperature, top_k=None, top_p=None, min_p=None, repetition_penalt
     [1.0, 0, 1.0, 0.0, 1e-30]
     """
     top_k = top_k or 0
+    if top_p is not None and 0 < top_p < _F32_TINY:   # float32 would round it to 0, "off"
+        top_p = _F32_TINY
     return [temperature, top_k if top_k < _W_ONE else 0, 1.0 if top_p is None else top_p,
             min_p or 0.0, penalty_knob(repetition_penalty)]
 

@@ -47,7 +47,7 @@ from .. import ops
 from ..errors import ConfigError
 from ..sampling import knobs_row, penalty_knob
 from ..tensor import device_has
-from .decode import DecodeStep, KVCache, nonfinite_error
+from .decode import DecodeStep, KVCache, model_check, nonfinite_error
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
                      _is_int, check_prompt)
 from .generate import _log_softmax, _top_logprobs, apply_repetition_penalty, row_key
@@ -133,6 +133,7 @@ class BatchEngine:
 
     def __init__(self, model, tokenizer=None, slots: Optional[int] = None,
                  max_len: Optional[int] = None):
+        model_check("BatchEngine", model)
         cfg = model.config
         if slots is None:
             slots = 8 if device_has(model.device, "host_memory") else 64
@@ -147,8 +148,8 @@ class BatchEngine:
         self.model, self.tokenizer = model, tokenizer
         self.slots, self.max_len, self.vocab_size = slots, max_len, cfg.vocab_size
         n_tok = getattr(tokenizer, "vocab_size", None)
-        if isinstance(n_tok, int) and 0 < n_tok < cfg.vocab_size:
-            self.vocab_size = n_tok     # the model's ids past the tokenizer's are no tokens
+        if _is_int(n_tok) and 0 < n_tok < cfg.vocab_size:
+            self.vocab_size = int(n_tok)   # the model's ids past the tokenizer's are no tokens
         self._decode = DecodeStep(model, KVCache.empty(model, slots, max_len))
         self._step = self._decode.rows_choose
         self._knobs = np.tile(np.array(_GREEDY, np.float32), (slots, 1))   # per slot

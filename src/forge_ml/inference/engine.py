@@ -16,7 +16,7 @@ True
 >>> SamplingParams(temperature=-1)
 Traceback (most recent call last):
 ...
-forge_ml.inference.engine.RequestError: temperature must be a finite number >= 0 (0 is greedy), got -1
+forge_ml.inference.engine.RequestError: temperature must be a finite number >= 0 (0 is greedy) within float32's range (3.4e38), got -1
 """
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ def _is_int(x) -> bool:
 
 def _is_num(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+_F32_MAX = 3.4028234663852886e38   # float32's largest: the sampling kernel's knobs are float32
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,8 @@ class SamplingParams:
             object.__setattr__(self, "stop_tokens", tuple(self.stop_tokens))
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
             bad("max_tokens", "an int >= 0")
-        if not _is_num(self.temperature) or self.temperature < 0:
-            bad("temperature", "a finite number >= 0 (0 is greedy)")
+        if not _is_num(self.temperature) or not 0 <= float(self.temperature) <= _F32_MAX:
+            bad("temperature", "a finite number >= 0 (0 is greedy) within float32's range (3.4e38)")
         if not _is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an int >= 0 (0 is off)")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
@@ -109,14 +112,23 @@ class SamplingParams:
             bad("min_p", "a number in [0, 1]")
         if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad("repetition_penalty", "a finite number > 0 (1 is none)")
-        if not _is_int(self.seed) or self.seed < 0:
-            bad("seed", "an int >= 0")
+        if not _is_int(self.seed) or not 0 <= self.seed < 1 << 64:   # (2**64 drew as seed 0)
+            bad("seed", "an int in [0, 2**64)")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 bad(name, f"None or an int in 0..{MAX_LOGPROBS}")
         if not isinstance(self.stop_tokens, tuple) or not all(_is_int(t) for t in self.stop_tokens):
             bad("stop_tokens", "a tuple or list of token ids")
+        # NumPy scalars as Python numbers (an np.uint8 logprobs overflowed in the top-n cut,
+        # inside the engine's loop, and stopped it)
+        for name in ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, int(v))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 
     @property
     def greedy(self) -> bool:

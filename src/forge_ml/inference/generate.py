@@ -167,7 +167,7 @@ def token_logprobs(logits, temperature: float = 1.0, *, repetition_penalty: floa
     [0.5, 0.25, 0.25]
     """
     _check_choice("token_logprobs", temperature, repetition_penalty=repetition_penalty)
-    return _log_softmax(apply_repetition_penalty(logits, repetition_penalty, context,
+    return _log_softmax(apply_repetition_penalty(logits, penalty_knob(repetition_penalty), context,
                                                  "token_logprobs"), temperature)
 
 
@@ -222,6 +222,7 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = No
     [0.0, 1.0]
     """
     _check_choice("next_token_probs", temperature, top_k, top_p, min_p, repetition_penalty)
+    top_k = _int_or_none(top_k)    # (an np.int8 top_k overflowed in v - top_k)
     z = apply_repetition_penalty(logits, repetition_penalty, context, "next_token_probs")  # (V,)
     v = z.shape[0]
     probs = np.zeros(v, np.float64)
@@ -337,7 +338,8 @@ def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetiti
     ...
     forge_ml.errors.ConfigError: f: temperature must be >= 0 (0 = greedy) and finite in float32 (at most 3.403e+38), got -1
     """
-    if not (_is_real(temperature) and 0 <= temperature <= _T_MAX):
+    if not (_is_real(temperature) and 0 <= float(temperature) <= _T_MAX):   # (np.float16's inf:
+        # compared in float16, _T_MAX was inf too)
         raise ConfigError(f"{who}: temperature must be >= 0 (0 = greedy) and finite in float32 "
                           f"(at most {_T_MAX:.4g}), got {temperature!r}")
     if top_k is not None and (not _is_int(top_k) or top_k < 0):
@@ -352,6 +354,14 @@ def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetiti
     if not (_is_real(rp) and 0 < rp < float("inf")):
         raise ConfigError(f"{who}: repetition_penalty must be a number > 0 (1 = off, > 1 "
                           f"discourages repeats), got {repetition_penalty!r}")
+
+
+def _int_or_none(v):
+    return None if v is None else int(v)
+
+
+def _float_or_none(v):
+    return None if v is None else float(v)
 
 
 def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
@@ -431,8 +441,11 @@ def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1
     stop_tokens, stop_strings = _stop_args(stop_tokens, stop_strings)
     _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, stop_strings,
                 tokenizer, min_p, repetition_penalty, logprobs, single, stop_tokens=stop_tokens)
-    choice = _Choice(float(temperature), top_k, top_p, min_p, float(repetition_penalty),
-                     logprobs)
+    # NumPy scalars as Python numbers from here on (np.uint8(250) + 10 prompt tokens wrapped
+    # to 4 in the cache's size; an np.uint8 logprobs overflowed in the top-n cut)
+    max_new_tokens, seed = int(max_new_tokens), int(seed)
+    choice = _Choice(float(temperature), _int_or_none(top_k), _float_or_none(top_p),
+                     _float_or_none(min_p), float(repetition_penalty), _int_or_none(logprobs))
     steps = _steps(model, rows, max_new_tokens, choice, seed, frozenset(stop_tokens),
                    stop_strings, tokenizer)
     if single:
@@ -471,24 +484,18 @@ class _Choice:
     def __call__(self, logits, context, key, position) -> tuple:
         """``(token, logprob, top_logprobs)`` for one row; the last two None without logprobs.
         ``key``, ``position``: the row's Philox key and the position being chosen."""
-        # the penalty as the device chain holds it (the same draws at any temperature)
-        z = apply_repetition_penalty(logits, penalty_knob(self.repetition_penalty), context)  # (V,)
-        if self.temperature > 0:
-            knobs = self.knobs()
-            knobs[4] = 1.0                                 # the penalty is applied already
-            with np.errstate(over="ignore"):
-                z32 = np.asarray(z, np.float32)
-            if (np.isposinf(z32) & np.isfinite(z)).any():
-                # a penalty past float32's range: the float64 logits are this far apart, so
-                # all the mass is on their argmax (float32 would tie the overflowed ones); one
-                # overflowed to -inf weighs 0, as it does in float64, and is drawn as it is
-                tok = int(np.argmax(z))
-            else:
-                tok = sample_row(z32, knobs, key, position)
-        else:
-            tok = int(np.argmax(z))
+        # the choice by the device chain's rule itself (sample_row: the penalty applied in
+        # float32, as the sampling kernel applies it), so logprobs change no token
+        z32 = np.asarray(logits, np.float32).reshape(-1)                      # (V,)
+        seen = None
+        if self.repetition_penalty != 1.0 and len(context):
+            seen = np.zeros(z32.shape[0], bool)
+            ids = np.asarray(context, np.int64)
+            seen[ids[(ids >= 0) & (ids < seen.shape[0])]] = True
+        tok = sample_row(z32, self.knobs(), key, position, seen)
         if self.logprobs is None:
             return tok, None, None
+        z = apply_repetition_penalty(logits, penalty_knob(self.repetition_penalty), context)
         logp = _log_softmax(z, self.temperature)          # z is penalised already
         return tok, float(logp[tok]), _top_logprobs(logp, self.logprobs)
 
@@ -681,7 +688,7 @@ def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, to
     # every argument checked now, at the call (a generator would say it at the first next())
     _check_args(model, [ctx], max_new_tokens, temperature, top_k, top_p, seed, (), None, min_p,
                 repetition_penalty, who="stream_tokens", stop_tokens=stop_tokens)
-    return _stream(model, ctx, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, min_p,
+    return _stream(model, ctx, int(max_new_tokens), temperature, top_k, top_p, int(seed), stop_tokens, min_p,
                    repetition_penalty)
 
 

@@ -363,7 +363,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                         top_p=req.top_p, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
                         # no seed: every choice its own draw (one base a request gave the same
                         # prompt twice in a list the same text); a seed: seed + j, as documented
-                        seed=secrets.randbits(62) if base is None else base + j,
+                        seed=secrets.randbits(62) if base is None else (base + j) % (1 << 64),
                         logprobs=req.logprobs, stop_tokens=stop_tokens,
                         prompt_logprobs=req.logprobs if req.echo else None)
                     stream = engine.submit(ids, params)
