@@ -725,3 +725,21 @@ def test_numpy_scalars_are_taken_as_their_numbers(model):
     # a top_p below float32's least value is that value, not 0 ("off"): one token, as 1e-45
     tiny = {tuple(generate(model, [1], 3, top_p=1e-46, seed=s)) for s in range(6)}
     assert tiny == {tuple(generate(model, [1], 3, top_p=1e-45, seed=0))}
+
+
+def test_the_one_row_helpers_take_a_tensor_one_id_and_refuse_fractional_ids(model):
+    """next_token_probs(model output as a Tensor) failed in float(); context=np.int64(1) had no
+    len(); context=[1.5] penalised id 1 in silence; generate(stop_tokens=np.array(5)) failed
+    iterating a 0-d array."""
+    z = np.array([1.0, 2.0, 3.0], np.float32)
+    np.testing.assert_allclose(next_token_probs(fm.tensor(z)), next_token_probs(z))
+    np.testing.assert_allclose(next_token_probs(z, repetition_penalty=2.0, context=np.int64(1)),
+                               next_token_probs(z, repetition_penalty=2.0, context=[1]))
+    with pytest.raises(ConfigError, match=r"next_token_probs: context must hold token ids"):
+        next_token_probs(z, repetition_penalty=2.0, context=[1.5])
+    for bad in ([np.inf, 1.0], [-np.inf, -np.inf], [np.nan, 1.0]):   # gave [nan, nan]
+        with pytest.raises(ConfigError, match="give no distribution"):
+            next_token_probs(np.array(bad))
+    np.testing.assert_allclose(next_token_probs(np.array([-np.inf, 0.0])), [0.0, 1.0])
+    a = list(generate(model, [1, 2], 6, temperature=0, stop_tokens=np.array(5)))
+    assert a == list(generate(model, [1, 2], 6, temperature=0, stop_tokens=5))

@@ -140,15 +140,22 @@ def apply_repetition_penalty(logits, penalty: float, context,
     >>> apply_repetition_penalty(np.array([2.0, -1.0, 3.0]), 2.0, [0, 1, 1]).tolist()
     [1.0, -2.0, 3.0]
     """
+    if isinstance(logits, Tensor):          # the model's own output (float() of it failed)
+        logits = logits.numpy()
     z = np.array(logits, dtype=np.float64)  # a copy
     if z.size and z.ndim > 1 and all(n == 1 for n in z.shape[:-1]):
         z = z.reshape(-1)                   # one row with leading axes of 1: (1, V)
     if z.ndim != 1 or z.shape[0] == 0:      # (B, V) flattened would be one distribution
         raise ShapeError(f"{who}: expected one row of logits (V,) or (1, V), got shape "
                          f"{z.shape}; give each row on its own")
-    if penalty == 1.0 or len(context) == 0:
+    if _is_int(context) or (isinstance(context, np.ndarray) and context.ndim == 0):
+        context = [int(context)]            # one id (np.int64(1) had no len())
+    ctx = np.asarray(list(context) if not isinstance(context, np.ndarray) else context)
+    if ctx.size and ctx.dtype.kind not in "iu":   # [1.5] penalised id 1 in silence
+        raise ConfigError(f"{who}: context must hold token ids (integers), got {context!r:.60}")
+    if penalty == 1.0 or ctx.size == 0:
         return z
-    ids = np.unique(np.asarray(context, dtype=np.int64))
+    ids = np.unique(ctx.astype(np.int64))
     if ids.size and ids[0] < 0:   # NumPy would take -1 for the last id
         raise ConfigError(f"apply_repetition_penalty: token id {int(ids[0])} in the context is negative")
     ids = ids[ids < z.shape[0]]                       # ids past the logits cannot be chosen
@@ -224,6 +231,9 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = No
     _check_choice("next_token_probs", temperature, top_k, top_p, min_p, repetition_penalty)
     top_k = _int_or_none(top_k)    # (an np.int8 top_k overflowed in v - top_k)
     z = apply_repetition_penalty(logits, repetition_penalty, context, "next_token_probs")  # (V,)
+    if np.isnan(z).any() or not np.isfinite(z.max()):   # (-inf alone is a masked token)
+        raise ConfigError(f"next_token_probs: the logits hold NaN or +inf, or are all -inf, so "
+                          f"they give no distribution (got max {z.max()!r})")
     v = z.shape[0]
     probs = np.zeros(v, np.float64)
     if temperature == 0:
@@ -306,6 +316,8 @@ def _stop_args(stop_tokens, stop_strings) -> tuple[tuple, tuple]:
         stop_tokens = ()
     elif _is_int(stop_tokens):
         stop_tokens = (stop_tokens,)
+    elif isinstance(stop_tokens, np.ndarray) and stop_tokens.ndim == 0:   # np.array(5): one id
+        stop_tokens = (stop_tokens.item(),)
     if not isinstance(stop_tokens, (str, bytes)) and isinstance(stop_tokens, Iterable):
         stop_tokens = list(stop_tokens)                  # once: it may be an iterator
     if not isinstance(stop_tokens, list) or not all(_is_int(t) for t in stop_tokens):
