@@ -348,14 +348,17 @@ def test_greedy_with_repetition_penalty_equals_a_no_cache_reference(model):
 def test_a_penalty_past_float32_samples_on_the_device_as_on_the_host(model, penalty):
     """generate took repetition_penalty=1e-300 (its check: > 0) and then failed in the device
     chain's knobs ("repetition_penalty 0.0; expected > 0"), float32 rounding it to 0. The
-    knobs hold it to [1e-30, 1e30], which changes no draw: the chain (no logprobs) gives the
-    host path's tokens (logprobs on, the penalty applied in float64)."""
+    knobs hold it to [1e-30, 1e30]: the chain (no logprobs) gives the host path's tokens
+    (logprobs on), and greedy, the argmax of the logits penalised in float64 with the penalty
+    as given (a reference the clamp could break)."""
     prompt = [3, 1, 4, 1, 5]
     for temperature in (0.8, 1e-40, 0.0):
         kw = dict(max_new_tokens=8, temperature=temperature, repetition_penalty=penalty, seed=4)
         chained = list(generate(model, prompt, **kw))
         host = [s[0].token for s in generate(model, [prompt], logprobs=1, **kw)]
         assert chained == host, temperature
+        if temperature == 0.0:
+            assert chained == greedy_penalised_reference(model, prompt, 8, penalty)
 
 
 def test_repetition_penalty_counts_prompt_and_generated_tokens():
@@ -741,5 +744,18 @@ def test_the_one_row_helpers_take_a_tensor_one_id_and_refuse_fractional_ids(mode
         with pytest.raises(ConfigError, match="give no distribution"):
             next_token_probs(np.array(bad))
     np.testing.assert_allclose(next_token_probs(np.array([-np.inf, 0.0])), [0.0, 1.0])
+    for bad in ([np.inf, 1.0], [np.nan, 1.0]):
+        with pytest.raises(ConfigError, match="token_logprobs: the logits hold NaN"):
+            token_logprobs(np.array(bad))
+    # an extreme penalty is held as the knobs hold it: a distribution, not "logits hold +inf"
+    p = next_token_probs(np.array([1e10, 1.0]), repetition_penalty=1e-300, context=[0])
+    assert p.tolist() == [1.0, 0.0]
+    # whole numbers as floats are ids, as before; an id past the logits (even past int64) is
+    # ignored, not wrapped to a negative one
+    np.testing.assert_allclose(next_token_probs(z, repetition_penalty=2.0, context=np.array([0.0, 1.0])),
+                               next_token_probs(z, repetition_penalty=2.0, context=[0, 1]))
+    np.testing.assert_allclose(next_token_probs(z, repetition_penalty=2.0,
+                                                context=np.array([2**63 + 5, 1], np.uint64)),
+                               next_token_probs(z, repetition_penalty=2.0, context=[1]))
     a = list(generate(model, [1, 2], 6, temperature=0, stop_tokens=np.array(5)))
     assert a == list(generate(model, [1, 2], 6, temperature=0, stop_tokens=5))

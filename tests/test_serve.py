@@ -241,7 +241,7 @@ def test_a_seeded_completion_is_the_text_generate_gives(client, engine, tok):
 
 
 @pytest.mark.parametrize("prompt, says", [
-    ([[]], "its list 0 holds an empty list"),
+    ([[]], "its list 0 is empty"),
     ([[1, 2], [3, 1.5]], "its list 1 holds 1.5, not a token id"),
     ([1.5], "must hold integers; got 1.5"),
     ([True], "must hold integers; got True"),

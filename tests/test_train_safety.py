@@ -2240,6 +2240,14 @@ def test_a_resume_with_other_optimisation_settings_says_so(workdir, capsys):
                                      progress=False))
     Trainer(cfg, resume=True, log=lines.append)
     assert any(f"lr {was['lr']:g} -> {was['lr'] * 2:g}" in str(x) for x in lines), lines
+    # a damaged record ("abc" for a number) is no reason to stop a resume: not noted
+    shutil.copytree("r2", "r4", ignore=shutil.ignore_patterns("*.lock"))
+    tensors, meta = load_checkpoint(Path("r4/ckpt"))
+    meta["train_config"]["weight_decay"] = "abc"
+    save_checkpoint(Path("r4/ckpt"), tensors, meta)
+    damaged = []
+    Trainer(TrainConfig.from_dict(dict(was, out_dir="r4", progress=False)), resume=True, log=damaged.append)
+    assert not any("this resume changes" in str(x) for x in damaged), damaged
     # the run's own settings: no note
     shutil.copytree("r2", "r3", ignore=shutil.ignore_patterns("*.lock"))
     same = []

@@ -23,6 +23,7 @@ _W_ONE = 1 << 24   # the integer weight of the most likely token
 _DRAW_BLOCK = 1024  # the draw's running sum goes over blocks of this many ids first
 _PENALTY_RANGE = (1e-30, 1e30)
 _F32_TINY = float(np.finfo(np.float32).smallest_subnormal)   # the least top_p float32 keeps
+F32_MAX = float(np.finfo(np.float32).max)   # the largest temperature a float32 knob holds
 
 
 def knobs_row(temperature, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> list:

@@ -425,6 +425,11 @@ def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int =
 
 # Errors speak forge-ml train's flags where the command line runs (errors.CLI_WORDS), else
 # the library's names (TrainConfig's fields, Trainer's arguments), which a notebook user typed.
+def _is_number(v) -> bool:
+    """A recorded setting that is a number (a damaged state.json's "abc" is not noted)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _num_differs(a, b) -> bool:
     """Whether two recorded numbers differ (an int and its float are the same number).
 
@@ -1336,7 +1341,7 @@ class Trainer:
         cfg = self.cfg
         keys = ("lr", "min_lr", "warmup", "lr_decay_steps", "max_steps", "weight_decay", "beta1",
                 "beta2", "grad_clip", "dropout")
-        changed = [k for k in keys if k in was and was[k] is not None and _num_differs(was[k], getattr(cfg, k))]
+        changed = [k for k in keys if _is_number(was.get(k)) and _num_differs(was[k], getattr(cfg, k))]
         if not changed:
             return
         try:

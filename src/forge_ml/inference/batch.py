@@ -45,12 +45,12 @@ import numpy as np
 
 from .. import ops
 from ..errors import ConfigError
-from ..sampling import knobs_row, penalty_knob
+from ..sampling import knobs_row
 from ..tensor import device_has
 from .decode import DecodeStep, KVCache, model_check, nonfinite_error
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
                      _is_int, check_prompt)
-from .generate import _log_softmax, _top_logprobs, apply_repetition_penalty, row_key
+from .generate import _log_softmax, _top_logprobs, penalised_logprobs, row_key
 
 __all__ = ["BatchEngine", "SamplingParams", "TokenOut", "Stream", "RequestError",
            "EngineClosedError"]
@@ -80,8 +80,7 @@ def token_logprobs_of(row: np.ndarray, p: SamplingParams, seen, token: int) -> t
     >>> round(lp, 3), [(t, round(x, 3)) for t, x in top]
     (-1.204, [(0, -0.693)])
     """
-    z = apply_repetition_penalty(row, penalty_knob(p.repetition_penalty), list(seen))
-    logp = _log_softmax(z, p.temperature)
+    logp = penalised_logprobs(row, p.temperature, p.repetition_penalty, list(seen), "BatchEngine")
     return float(logp[token]), _top_logprobs(logp, p.logprobs or 0)
 
 

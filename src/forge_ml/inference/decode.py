@@ -214,9 +214,12 @@ class DecodeStep:
         ``tokens[b]`` at ``positions[b]`` and draws with ``knobs[b]`` and the Philox key
         ``keys[b]`` at counter ``positions[b] + 1``, the position of the token chosen, so a row
         draws what ``generate`` draws at that position with that key. The repetition penalty
-        applies to a row's marks on the device, which every step adds the row's chosen token
-        to: ``marks`` (``{row: ids}``) sets those rows' marks to exactly these ids first (a
-        row's prompt when it starts choosing; rows never given marks have none).
+        applies to a row's marks on the device, which a step adds the row's chosen token to
+        when some row of it has a penalty (a step with none leaves every mark as it is):
+        ``marks`` (``{row: ids}``) sets those rows' marks to exactly these ids first (a
+        row's prompt when it starts choosing; rows never given marks have none). A row that
+        keeps its penalty from its first choice on (as the engine's requests do) has exactly
+        its prompt and its chosen tokens marked.
         ``vocab_size``: the ids that may be chosen (default the model's). Returns ``(tokens,
         finite, logits)``: the (B,) int64 choices, a (B,) bool array (False for a row whose
         logits hold NaN or inf: its token means nothing) and the step's float32 logits (B, Vp)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import ConfigError, plural
+from ..sampling import F32_MAX
 
 MAX_LOGPROBS = 20
 
@@ -53,9 +54,6 @@ def _is_int(x) -> bool:
 
 def _is_num(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-
-_F32_MAX = 3.4028234663852886e38   # float32's largest: the sampling kernel's knobs are float32
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,7 @@ class SamplingParams:
             object.__setattr__(self, "stop_tokens", tuple(self.stop_tokens))
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
             bad("max_tokens", "an int >= 0")
-        if not _is_num(self.temperature) or not 0 <= float(self.temperature) <= _F32_MAX:
+        if not _is_num(self.temperature) or not 0 <= float(self.temperature) <= F32_MAX:
             bad("temperature", "a finite number >= 0 (0 is greedy) within float32's range (3.4e38)")
         if not _is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an int >= 0 (0 is off)")

@@ -95,7 +95,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError, ShapeError
-from ..sampling import knobs_row, penalty_knob, sample_row
+from ..sampling import F32_MAX, knobs_row, penalty_knob, sample_row
 from ..tensor import Tensor, tensor
 from ..tokenizer import hides_stop
 from .decode import check_finite_logits, held_decoder, model_check
@@ -150,11 +150,14 @@ def apply_repetition_penalty(logits, penalty: float, context,
                          f"{z.shape}; give each row on its own")
     if _is_int(context) or (isinstance(context, np.ndarray) and context.ndim == 0):
         context = [int(context)]            # one id (np.int64(1) had no len())
-    ctx = np.asarray(list(context) if not isinstance(context, np.ndarray) else context)
-    if ctx.size and ctx.dtype.kind not in "iu":   # [1.5] penalised id 1 in silence
+    ctx = np.asarray(list(context) if not isinstance(context, np.ndarray) else context).reshape(-1)
+    if ctx.size and (ctx.dtype.kind not in "iuf" or (ctx.dtype.kind == "f" and not
+                                                     np.all(ctx == np.floor(ctx)))):
+        # [1.5] penalised id 1 in silence (whole numbers as floats are ids, as before)
         raise ConfigError(f"{who}: context must hold token ids (integers), got {context!r:.60}")
     if penalty == 1.0 or ctx.size == 0:
         return z
+    ctx = ctx[ctx < z.shape[0]]                       # ids past the logits cannot be chosen
     ids = np.unique(ctx.astype(np.int64))
     if ids.size and ids[0] < 0:   # NumPy would take -1 for the last id
         raise ConfigError(f"apply_repetition_penalty: token id {int(ids[0])} in the context is negative")
@@ -174,8 +177,24 @@ def token_logprobs(logits, temperature: float = 1.0, *, repetition_penalty: floa
     [0.5, 0.25, 0.25]
     """
     _check_choice("token_logprobs", temperature, repetition_penalty=repetition_penalty)
-    return _log_softmax(apply_repetition_penalty(logits, penalty_knob(repetition_penalty), context,
-                                                 "token_logprobs"), temperature)
+    return penalised_logprobs(logits, temperature, repetition_penalty, context, "token_logprobs")
+
+
+def penalised_logprobs(logits, temperature, repetition_penalty, context=(),
+                       who: str = "token_logprobs") -> np.ndarray:
+    """``token_logprobs`` of knobs checked already: every path's log-probabilities (generate's,
+    the server's), the penalty held as the sampling knobs hold it (``penalty_knob``). Logits
+    with NaN or +inf, or no finite value, are a ConfigError naming ``who``."""
+    _distribution_or_raise(logits, who)
+    return _log_softmax(apply_repetition_penalty(logits, penalty_knob(repetition_penalty),
+                                                 context, who), temperature)
+
+
+def _distribution_or_raise(logits, who: str) -> None:
+    z = logits.numpy() if isinstance(logits, Tensor) else np.asarray(logits, np.float64)
+    if z.size and (np.isnan(z).any() or not np.isfinite(z.max())):   # (-inf alone: masked)
+        raise ConfigError(f"{who}: the logits hold NaN or +inf, or are all -inf, so they give no "
+                          f"distribution (got max {float(z.max())!r})")
 
 
 def _log_softmax(z, temperature: float) -> np.ndarray:
@@ -230,10 +249,9 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = No
     """
     _check_choice("next_token_probs", temperature, top_k, top_p, min_p, repetition_penalty)
     top_k = _int_or_none(top_k)    # (an np.int8 top_k overflowed in v - top_k)
-    z = apply_repetition_penalty(logits, repetition_penalty, context, "next_token_probs")  # (V,)
-    if np.isnan(z).any() or not np.isfinite(z.max()):   # (-inf alone is a masked token)
-        raise ConfigError(f"next_token_probs: the logits hold NaN or +inf, or are all -inf, so "
-                          f"they give no distribution (got max {z.max()!r})")
+    _distribution_or_raise(logits, "next_token_probs")
+    z = apply_repetition_penalty(logits, penalty_knob(repetition_penalty), context,
+                                 "next_token_probs")  # (V,)
     v = z.shape[0]
     probs = np.zeros(v, np.float64)
     if temperature == 0:
@@ -335,7 +353,7 @@ def _stop_args(stop_tokens, stop_strings) -> tuple[tuple, tuple]:
     return tuple(int(t) for t in stop_tokens), tuple(stop_strings)
 
 
-_T_MAX = float(np.finfo(np.float32).max)   # the knobs reach the device as float32
+_T_MAX = F32_MAX   # the knobs reach the device as float32
 
 
 def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
@@ -507,8 +525,8 @@ class _Choice:
         tok = sample_row(z32, self.knobs(), key, position, seen)
         if self.logprobs is None:
             return tok, None, None
-        z = apply_repetition_penalty(logits, penalty_knob(self.repetition_penalty), context)
-        logp = _log_softmax(z, self.temperature)          # z is penalised already
+        logp = penalised_logprobs(logits, self.temperature, self.repetition_penalty, context,
+                                  "generate")
         return tok, float(logp[tok]), _top_logprobs(logp, self.logprobs)
 
 

@@ -138,10 +138,10 @@ def _prompt(v) -> list:
     # say what is wrong with the first item that fits no form
     if all(isinstance(p, list) for p in v):
         i = next(i for i, p in enumerate(v) if not (p and all(_is_int(t) for t in p)))
-        what = ("an empty list" if not v[i] else
-                f"{next(t for t in v[i] if not _is_int(t))!r:.30}, not a token id (an integer)")
-        raise APIError(f"prompt must be a list of non-empty lists of token ids; its list {i} holds "
-                       f"{what}", param="prompt")
+        what = ("is empty" if not v[i] else
+                f"holds {next(t for t in v[i] if not _is_int(t))!r:.30}, not a token id (an integer)")
+        raise APIError(f"prompt must be a list of non-empty lists of token ids; its list {i} {what}",
+                       param="prompt")
     if not any(isinstance(p, (str, list)) for p in v):
         bad = next(t for t in v if not _is_int(t))
         raise APIError(f"prompt as a list of token ids must hold integers; got {bad!r:.30} in "
