@@ -439,11 +439,18 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
         try:
             left = len(tasks)
             while left:
-                item = await queue.get()
-                if item is None:
-                    left -= 1
-                else:
-                    yield item
+                # the chunks waiting go out in one write; then the loop runs once before the
+                # next (asyncio.sleep(0)), so a client that left is seen after one write, not
+                # after a burst of them (asyncio logged "socket.send() raised exception." for
+                # each write past the fifth to a closed connection)
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                left -= items.count(None)
+                out = "".join(x for x in items if x is not None)
+                if out:
+                    yield out
+                    await asyncio.sleep(0)
             if req.include_usage:
                 usage = usage_body(n_prompt, sum(c.n_tokens for c in choices))
                 body = completion_body(cid, created, model_id, [], usage)
