@@ -423,25 +423,13 @@ def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int =
 # The trainer
 
 
-# Errors speak forge-ml train's flags where the command line runs (errors.CLI_WORDS), else
-# the library's names (TrainConfig's fields, Trainer's arguments), which a notebook user typed.
 def _is_number(v) -> bool:
     """A recorded setting that is a number (a damaged state.json's "abc" is not noted)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _num_differs(a, b) -> bool:
-    """Whether two recorded numbers differ (an int and its float are the same number).
-
-    >>> _num_differs(1e-3, 0.001), _num_differs(2000, 2000.0), _num_differs(0.1, 0.2)
-    (False, False, True)
-    """
-    try:
-        return float(a) != float(b)
-    except (TypeError, ValueError):
-        return a != b
-
-
+# Errors speak forge-ml train's flags where the command line runs (errors.CLI_WORDS), else
+# the library's names (TrainConfig's fields, Trainer's arguments), which a notebook user typed.
 _FLAG_WORDS = {"--resume": "resume=True", "--overwrite": "overwrite=True"}
 TRAIN_FLAGS = {"out_dir": "--out"}   # forge-ml train's flags named otherwise than their field
 
@@ -1341,19 +1329,20 @@ class Trainer:
         cfg = self.cfg
         keys = ("lr", "min_lr", "warmup", "lr_decay_steps", "max_steps", "weight_decay", "beta1",
                 "beta2", "grad_clip", "dropout")
-        changed = [k for k in keys if _is_number(was.get(k)) and _num_differs(was[k], getattr(cfg, k))]
+        changed = [k for k in keys if _is_number(was.get(k)) and float(was[k]) != float(getattr(cfg, k))]
         if not changed:
             return
+        # the run's schedule: this config with the recorded schedule settings, TrainConfig's
+        # own rules deriving the rest (min_lr lr / 10 where none was recorded, the cosine's end)
+        sched = {k: was[k] for k in ("lr", "warmup", "lr_decay_steps", "max_steps") if _is_number(was.get(k))}
         try:
-            lr, warmup = float(was.get("lr", cfg.lr)), int(was.get("warmup", cfg.warmup))
-            end = int(was.get("lr_decay_steps") or was.get("max_steps") or cfg.decay_steps)
-            low = was.get("min_lr")
-            before = cosine_lr(self.step, lr, warmup, end, lr / 10 if low is None else float(low))
-        except (TypeError, ValueError):
+            old = dataclasses.replace(cfg, **sched, min_lr=was["min_lr"] if _is_number(was.get("min_lr")) else None)
+            before = cosine_lr(self.step, old.lr, old.warmup, old.decay_steps, old.min_lr)
+        except ConfigError:
             before = None
         now = cosine_lr(self.step, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr)
         moved = ", ".join(f"{k} {was[k]:g} -> {getattr(cfg, k):g}" for k in changed)
-        jump = ("" if before is None or not _num_differs(before, now) else
+        jump = ("" if before is None or before == now else
                 f"; the learning rate at step {self.step} goes from {before:.2e} to {now:.2e}")
         self._say(f"note: this resume changes {moved} from the run's recorded settings; it trains on "
                   f"with the new ones{jump}")

@@ -50,14 +50,14 @@ from ..tensor import device_has
 from .decode import DecodeStep, KVCache, model_check, nonfinite_error
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
                      _is_int, check_prompt)
-from .generate import _log_softmax, _top_logprobs, penalised_logprobs, row_key
+from .generate import _top_logprobs, penalised_logprobs, row_key
 
 __all__ = ["BatchEngine", "SamplingParams", "TokenOut", "Stream", "RequestError",
            "EngineClosedError"]
 
 log = logging.getLogger("forge_ml.inference")
 
-_GREEDY = (0.0, 0.0, 1.0, 0.0, 1.0)   # an idle slot's knobs: the argmax, the cheapest choice
+_GREEDY = knobs_row(0.0)   # an idle slot's knobs: the argmax, the cheapest choice
 
 
 def knobs_of(p: SamplingParams) -> list:
@@ -362,5 +362,5 @@ class _HostRows:
 
 def _logprob_of(row: np.ndarray, token: int, n: int) -> tuple:
     """``(logprob of token, top-n ((id, logprob), ...))`` under ``softmax(row)``."""
-    lps = _log_softmax(np.asarray(row, np.float64), 1.0)
+    lps = penalised_logprobs(row, 1.0, 1.0, (), "BatchEngine")
     return float(lps[token]), _top_logprobs(lps, n)

@@ -151,6 +151,7 @@ class DecodeStep:
             graph_ = flags.on("FORGE_CUDA_GRAPH")
         self.graph = bool(graph_) and graph.available(dev)
         self._knobs = self._keys = None   # sample(): (B, 5) knobs and (B, 2) keys
+        self._sent = None      # the host values last written into them
         self._seen = self._seen_buf = None  # sample(): the penalty's seen tokens (B, Vp)
         self._choice = None    # rows_choose(): the (B,) int32 tokens chosen on the device
         self._graphs = {}      # "logits", "rows": one step; ("greedy", k): k steps + choices
@@ -399,13 +400,18 @@ class DecodeStep:
             raise ShapeError(f"DecodeStep: seen must be ({B}, {V}) bool marks (None: no "
                              f"penalty), got {np.shape(seen)}")
         knobs = knobs.reshape(B, 5)
-        _check_knobs(knobs)
         keys = (keys.reshape(B, 2) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
         if self._knobs is None:
             self._knobs = zeros((B, 5), "float32", self.device)
             self._keys = zeros((B, 2), "int32", self.device)
-        ops.assign(self._knobs, knobs)
-        ops.assign(self._keys, keys)
+        # the device's copies are written only here: the same values (the engine's every step
+        # until a request comes or goes) need no check and no copy
+        if self._sent is None or not (np.array_equal(knobs, self._sent[0])
+                                      and np.array_equal(keys, self._sent[1])):
+            _check_knobs(knobs)
+            ops.assign(self._knobs, knobs)
+            ops.assign(self._keys, keys)
+            self._sent = (knobs.copy(), keys.copy())
         if seen is None:
             self._seen = None
         else:

@@ -161,7 +161,6 @@ def apply_repetition_penalty(logits, penalty: float, context,
     ids = np.unique(ctx.astype(np.int64))
     if ids.size and ids[0] < 0:   # NumPy would take -1 for the last id
         raise ConfigError(f"apply_repetition_penalty: token id {int(ids[0])} in the context is negative")
-    ids = ids[ids < z.shape[0]]                       # ids past the logits cannot be chosen
     seen = z[ids]
     z[ids] = np.where(seen < 0, seen * penalty, seen / penalty)
     return z
@@ -353,9 +352,6 @@ def _stop_args(stop_tokens, stop_strings) -> tuple[tuple, tuple]:
     return tuple(int(t) for t in stop_tokens), tuple(stop_strings)
 
 
-_T_MAX = F32_MAX   # the knobs reach the device as float32
-
-
 def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetition_penalty=1.0) -> None:
     """The next-token knobs as generate, next_token_probs and token_logprobs take them: a
     ConfigError naming ``who`` and the knob otherwise (a negative temperature inverted the
@@ -368,10 +364,11 @@ def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetiti
     ...
     forge_ml.errors.ConfigError: f: temperature must be >= 0 (0 = greedy) and finite in float32 (at most 3.403e+38), got -1
     """
-    if not (_is_real(temperature) and 0 <= float(temperature) <= _T_MAX):   # (np.float16's inf:
-        # compared in float16, _T_MAX was inf too)
+    # (float(): np.float16's inf compared in float16, where the bound was inf too; the knobs
+    # reach the device as float32)
+    if not (_is_real(temperature) and 0 <= float(temperature) <= F32_MAX):
         raise ConfigError(f"{who}: temperature must be >= 0 (0 = greedy) and finite in float32 "
-                          f"(at most {_T_MAX:.4g}), got {temperature!r}")
+                          f"(at most {F32_MAX:.4g}), got {temperature!r}")
     if top_k is not None and (not _is_int(top_k) or top_k < 0):
         raise ConfigError(f"{who}: top_k must be None or an int >= 0 (None and 0 are off), got "
                           f"{top_k!r}")
@@ -518,10 +515,9 @@ class _Choice:
         # float32, as the sampling kernel applies it), so logprobs change no token
         z32 = np.asarray(logits, np.float32).reshape(-1)                      # (V,)
         seen = None
-        if self.repetition_penalty != 1.0 and len(context):
+        if self.repetition_penalty != 1.0 and len(context):   # (generate's ids: all in range)
             seen = np.zeros(z32.shape[0], bool)
-            ids = np.asarray(context, np.int64)
-            seen[ids[(ids >= 0) & (ids < seen.shape[0])]] = True
+            seen[np.asarray(context, np.int64)] = True
         tok = sample_row(z32, self.knobs(), key, position, seen)
         if self.logprobs is None:
             return tok, None, None
