@@ -53,7 +53,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from .. import ops
-from ..errors import ConfigError, ModelError, ShapeError
+from ..errors import ConfigError, ShapeError
 from ..tensor import Tensor, tensor
 from .decode import DecodeStep, KVCache, check_finite_logits, model_check
 from .engine import _is_int, _is_num
@@ -64,15 +64,11 @@ def _greedy(model, prompt, max_new_tokens, length_penalty, eos) -> tuple[list, l
     runs ``num_beams=1`` (to the first end-of-sequence id, included, or ``max_new_tokens``;
     ``early_stopping`` has nothing to stop), scored as a hypothesis: its summed
     log-probability over its length ** ``length_penalty``."""
-    from .generate import generate
-    try:
-        events = [e for step in generate(model, [prompt], max_new_tokens=max_new_tokens,
-                                         temperature=0, logprobs=0, stop_tokens=eos)
-                  for e in step]
-    except ModelError as e:   # NaN logits: said as beam_search's, which the user called
-        msg = str(e)
-        raise ModelError("beam_search" + msg[len("generate"):] if msg.startswith("generate:")
-                         else msg) from None
+    from .generate import _Choice, _steps
+    greedy = _Choice(0.0, None, None, None, 1.0, 0)   # the argmax, with its log-probability
+    events = [e for step in _steps(model, [list(prompt)], max_new_tokens, greedy, 0, frozenset(eos),
+                                   (), None, who="beam_search")
+              for e in step]
     tokens = [e.token for e in events]
     return [tokens], [sum(e.logprob for e in events) / len(tokens) ** length_penalty]
 

@@ -542,7 +542,8 @@ def row_key(seed: int, row: int) -> tuple:
     return z & 0xFFFFFFFF, z >> 32
 
 
-def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokenizer):
+def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokenizer,
+           who: str = "generate"):
     """The loop behind ``generate``: yields one non-empty list of TokenEvents per step."""
     cfg = model.config
     B, V = len(rows), cfg.vocab_size
@@ -578,7 +579,7 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
     pos = t0                                        # the position whose token is chosen next
     first = last = None
     if choice.on_device and t0 == max(lengths):
-        check_finite_logits(model, logits, "generate")        # on the device: one number back
+        check_finite_logits(model, logits, who)        # on the device: one number back
         # every row chooses its first token at t0 and nothing is reported: choose them on the
         # device from the prefill's logits (the rule and the Philox position are the chain's)
         if choice.greedy_on_device:
@@ -587,7 +588,7 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
             first = step.choose(logits, pos, [choice.knobs()] * B, keys, seen_marks())
     else:
         last = logits.numpy()[:, -1, :V]                                          # (B, V)
-        check_finite_logits(model, last, "generate")          # (read back already)
+        check_finite_logits(model, last, who)          # (read back already)
 
     def take(r, tok, logprob=None, top=None):
         """Row r's token at position pos: record it, decide whether the row finishes."""
@@ -652,7 +653,7 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
         last = step(feed[:, 0], pos)                                              # (B, V)
         # (the host path reads every step's logits back: a NaN arising past the prompt, from a
         # weight row only a later position reads, is said here rather than chosen as id 0)
-        check_finite_logits(model, last, "generate", f"the tokens at position {pos}")
+        check_finite_logits(model, last, who, f"the tokens at position {pos}")
         pos += 1
 
 
