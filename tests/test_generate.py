@@ -641,6 +641,33 @@ def test_weights_with_nan_or_inf_are_named_not_generated_from(device):
     assert len(list(generate(make_model().to(device, dtype=dtype), [1, 2, 3], max_new_tokens=4))) == 4
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda),
+                                    pytest.param("cuda-bf16", marks=pytest.mark.cuda)])
+def test_a_nan_that_arises_past_the_prompt_stops_generate_where_it_arises(device):
+    """A NaN read first at a later position (here a row of the position embedding) made the
+    device's chain (the argmax and the sampler on the GPU, no logits read back) go on from the
+    NaN's id in silence; the host path said it. Now both raise at that position, naming the
+    parameter, after the tokens before it (the same as a healthy model's)."""
+    from forge_ml.errors import ModelError
+    _cuda_or_cpu(device.split("-")[0])
+    dtype = "bfloat16" if device.endswith("bf16") else None
+    device = device.split("-")[0]
+    healthy = make_model()
+    sick = make_model()
+    sick.params["wpe.weight"].data[6, :] = np.nan          # read by the token fed at position 6
+    healthy, sick = healthy.to(device, dtype=dtype), sick.to(device, dtype=dtype)
+    needle = ("generate: the model's logits for the tokens at position 6 hold NaN or inf, so no "
+              "token can be chosen: its parameter wpe.weight holds 16 NaN")
+    for kw in (dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=3),
+               dict(temperature=0.8, repetition_penalty=1.3, seed=3)):
+        want = list(generate(healthy, [1, 2, 3], max_new_tokens=12, **kw))[:4]   # positions 3-6
+        got = []
+        with pytest.raises(ModelError, match=re.escape(needle)):
+            for t in generate(sick, [1, 2, 3], max_new_tokens=12, **kw):
+                got.append(t)
+        assert got == want, kw
+
+
 def test_generate_text_keeps_a_stop_token_that_is_not_special(model):
     # as forge-ml sample and serve (and transformers' pipeline, vLLM): a special stop token
     # (<|endoftext|>) is no text, another one is; a char tokenizer has no special tokens

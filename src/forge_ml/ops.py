@@ -1104,6 +1104,9 @@ def greedy_next(logits, vocab_size, ids, pos, out=None, row=None) -> None:
     ``ids (B, 1)``; also written to ``out`` (int32; row ``row`` of a ``(k, B)`` buffer when
     ``row`` is given); then every element of the int32 position ``pos`` (1 or B elements)
     goes up by one. Nothing comes back to the host: captured in a graph, greedy steps chain.
+    A row whose largest logit is not finite (a NaN, which numpy.argmax takes first, +inf, or
+    every logit -inf) has no token to give: ``out`` gets -1 for it (the host's sign to stop),
+    ``ids`` its argmax (an id the next step can read).
 
     >>> import numpy as np, forge_ml as fm
     >>> ids, pos = fm.zeros((1, 1), "int32"), fm.zeros((1,), "int32")
@@ -1145,6 +1148,7 @@ def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None, 
     on every backend). ``seen`` (int32 (B, Vp) or None) marks the tokens the
     penalty applies to and gets the chosen one. The token goes to ``ids`` (and ``out``, row
     ``row`` of a (k, B) buffer when given); then ``pos`` (1 or B elements) goes up by one.
+    A row whose largest penalised logit is not finite gets -1 in ``out``, as ``greedy_next``.
 
     >>> import numpy as np, forge_ml as fm
     >>> ids, pos = fm.zeros((1, 1), "int32"), fm.zeros((1,), "int32")

@@ -57,6 +57,25 @@ def penalty_knob(repetition_penalty: float) -> float:
     return min(max(repetition_penalty, lo), hi)
 
 
+def penalised(z, knobs, seen=None) -> np.ndarray:
+    """Step 1 of ``sample_row``: the float32 logits ``z (V,)`` (a copy) with the repetition
+    penalty of ``knobs`` applied to the tokens ``seen`` marks. A row whose largest penalised
+    logit is not finite (a NaN, +inf, or every logit -inf) has no token to choose: the device's
+    choice marks it -1 (``ops.sample_next``'s ``out``).
+
+    >>> import numpy as np
+    >>> penalised(np.array([2.0, -2.0, 1.0], np.float32), [1.0, 0, 1, 0, 2.0], [1, 1, 0]).tolist()
+    [1.0, -4.0, 1.0]
+    """
+    z = np.array(z, dtype=np.float32).reshape(-1)
+    pen = np.float32(np.asarray(knobs, np.float32).reshape(5)[4])
+    if seen is not None and pen != np.float32(1):
+        s = np.asarray(seen).reshape(-1)[:z.shape[0]].astype(bool)
+        with np.errstate(over="ignore", under="ignore", divide="ignore"):
+            z[s] = np.where(z[s] > 0, z[s] / pen, z[s] * pen).astype(np.float32)
+    return z
+
+
 def sample_row(z, knobs, key, position, seen=None) -> int:
     """One token from the float32 logits ``z (V,)`` of one row: the sampling rule every
     backend implements bit for bit (sums in integers, so no order of addition matters).
@@ -79,13 +98,8 @@ def sample_row(z, knobs, key, position, seen=None) -> int:
     >>> sample_row(np.array([0.0, 5.0, 1.0], np.float32), [1.0, 1, 1, 0, 1], (1, 2), 7)
     1
     """
-    z = np.array(z, dtype=np.float32).reshape(-1)
-    temp, _, _, _, pen = (np.float32(v) for v in np.asarray(knobs, np.float32).reshape(5))
-    V = z.shape[0]
-    if seen is not None and pen != np.float32(1):
-        s = np.asarray(seen).reshape(-1)[:V].astype(bool)
-        with np.errstate(over="ignore", under="ignore", divide="ignore"):
-            z[s] = np.where(z[s] > 0, z[s] / pen, z[s] * pen).astype(np.float32)
+    z = penalised(z, knobs, seen)
+    temp = np.float32(np.asarray(knobs, np.float32).reshape(5)[0])
     with np.errstate(over="ignore", divide="ignore"):
         inv_t = np.float32(1) / temp if temp > 0 else np.float32(0)
     m = z.max()                     # NaN when any logit is NaN

@@ -807,6 +807,50 @@ def test_greedy_next(bk, rs):
         assert host(bk, pos).tolist() == [5], how
 
 
+def _lost_rows(rs):
+    """Logits (6, 20) whose rows 1-3 have no finite largest value (a NaN past the argmax, a
+    +inf, every logit -inf) and rows 0, 4, 5 do (row 4 holds one -inf: it is never chosen,
+    and row 5 a large finite value); and the rows' expected argmax (a NaN first)."""
+    logits = r(rs, 6, 20, dt="float32")
+    logits[1, 9] = np.nan
+    logits[2, 3] = np.inf
+    logits[3, :] = -np.inf
+    logits[4, 2] = -np.inf
+    logits[5, 6] = 3e38
+    return logits, np.array([np.argmax(logits[0]), 9, 3, 0, np.argmax(logits[4]), 6])
+
+
+def test_greedy_next_marks_a_row_with_no_finite_largest_logit(bk, rs):
+    """A row of NaN or inf logits has no token: out gets -1 there (generate's device chain
+    stops on it rather than going on from id 0, or from the NaN's id, in silence), while ids
+    get the argmax, an id the next step can read."""
+    logits, want = _lost_rows(rs)
+    for how, fn in both(bk, "greedy_next"):
+        ids, out = dev(bk, np.zeros(6, np.int32)), dev(bk, np.zeros(6, np.int32))
+        fn(dev(bk, logits), 20, ids, dev(bk, np.array([0], np.int32)), out)
+        assert host(bk, ids).tolist() == want.tolist(), how
+        assert host(bk, out).tolist() == [want[0], -1, -1, -1, want[4], 6], how
+
+
+def test_sample_next_marks_a_row_with_no_finite_largest_logit(bk, rs):
+    """sample_next's sign as greedy_next's, sampled or not; the penalty's logits are the ones
+    judged (row 0's largest logit overflows float32 once divided by a penalty of 1e-30)."""
+    logits, want = _lost_rows(rs)
+    logits[0, 5] = 1e9
+    knobs = np.array([[1.0, 0, 1, 0, 1e-30]] + [[t, 0, 0.9, 0, 1] for t in (0.8, 0.0, 1.0, 0.7, 1.5)],
+                     np.float32)
+    seen = np.zeros((6, 20), np.int32)
+    seen[0, 5] = 1
+    for how, fn in both(bk, "sample_next"):
+        ids, out = dev(bk, np.zeros(6, np.int32)), dev(bk, np.zeros(6, np.int32))
+        fn(dev(bk, logits), 20, ids, dev(bk, np.arange(6, dtype=np.int32)), dev(bk, knobs),
+           dev(bk, np.ones((6, 2), np.int32)), dev(bk, seen), out)
+        got, marks = host(bk, ids).astype(int), host(bk, out).astype(int)
+        assert got[:4].tolist() == [5, 9, 3, 0], how          # the argmax where no draw is made
+        assert 0 <= got[4] < 20 and logits[4, got[4]] > -np.inf and got[5] == 6, how
+        assert marks.tolist() == [-1, -1, -1, -1, got[4], 6], how
+
+
 @pytest.mark.parametrize("V,Vp", [(50, 64), (50257, 50304)])
 def test_sample_next_follows_the_sampling_rule(bk, rs, V, Vp):
     """Every backend's sampled choice is forge_ml.sampling.sample_row's, row by row (the

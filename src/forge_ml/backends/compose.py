@@ -252,12 +252,14 @@ def _stack_rows(bk, top, row):
 
 def greedy_next(bk, logits, vocab_size, ids, pos, out=None):
     """``ids = argmax(logits[:, :vocab_size])`` (NumPy's ties: the lowest id), also into
-    ``out``, then ``pos += 1``: through the host (to_host, assign)."""
+    ``out`` (-1 there for a row whose largest logit is not finite), then ``pos += 1``:
+    through the host (to_host, assign)."""
     host = np.asarray(bk.to_host(logits))[:, :vocab_size]
     choice = np.argmax(host, axis=1).astype(np.int32)
+    if out is not None:   # -1: a row with no finite largest logit (a NaN comes first)
+        lost = ~np.isfinite(host[np.arange(host.shape[0]), choice])
+        bk.assign(out, np.where(lost, -1, choice).astype(np.int32).reshape(out.shape))
     bk.assign(ids, choice.reshape(ids.shape))
-    if out is not None:
-        bk.assign(out, choice.reshape(out.shape))
     bk.assign(pos, (np.asarray(bk.to_host(pos)) + 1).astype(np.int32).reshape(pos.shape))
 
 
@@ -266,11 +268,11 @@ def greedy_next(bk, logits, vocab_size, ids, pos, out=None):
 
 def sample_next(bk, logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None):
     """A decoding step's sampled choice (``forge_ml.sampling.sample_row`` per row), through the host: ``ids``
-    (and ``out``) get the tokens, ``seen[b, token] = 1`` where given, every element of ``pos``
+    (and ``out``, -1 there for a row whose largest penalised logit is not finite) get the tokens, ``seen[b, token] = 1`` where given, every element of ``pos``
     goes up by one. ``knobs`` (B, 5) float32 (``SAMPLE_KNOBS``), ``keys`` (B, 2) int32 Philox
     keys (uint32 bits), ``pos`` one int32 element or one per row: the position fed, so the
     Philox counter, the position of the token chosen, is ``pos + 1``."""
-    from ..sampling import sample_row
+    from ..sampling import penalised, sample_row
     host = np.asarray(bk.to_host(logits), np.float32)
     B = host.shape[0]
     kn = np.asarray(bk.to_host(knobs), np.float32).reshape(B, 5)
@@ -280,9 +282,11 @@ def sample_next(bk, logits, vocab_size, ids, pos, knobs, keys, seen=None, out=No
     toks = np.array([sample_row(host[b, :vocab_size], kn[b], (int(ky[b, 0]), int(ky[b, 1])),
                                 int(p[0] if p.size == 1 else p[b]) + 1,  # the token's position
                                 None if sn is None else sn[b]) for b in range(B)], np.int32)
+    if out is not None:   # -1: a row whose largest penalised logit is not finite
+        lost = [not np.isfinite(penalised(host[b, :vocab_size], kn[b],
+                                          None if sn is None else sn[b]).max()) for b in range(B)]
+        bk.assign(out, np.where(lost, -1, toks).astype(np.int32).reshape(out.shape))
     bk.assign(ids, toks.reshape(ids.shape))
-    if out is not None:
-        bk.assign(out, toks.reshape(out.shape))
     if sn is not None:
         sn = sn.copy()
         sn[np.arange(B), toks] = 1

@@ -247,13 +247,15 @@ class FusedKernels(Protocol):
         """One decoding step: keys and values written at row ``pos``, ``y (B, C)``."""
 
     def greedy_next(self, logits, vocab_size: int, ids, pos, out=None) -> None:
-        """``ids = argmax(logits[:, :V])`` (also into ``out``), then ``pos += 1``."""
+        """``ids = argmax(logits[:, :V])`` (also into ``out``, -1 there for a row whose largest
+        logit is not finite), then ``pos += 1``."""
 
     def sample_next(self, logits, vocab_size: int, ids, pos, knobs, keys, seen=None,
                     out=None) -> None:
         """A sampled choice per row (``forge_ml.sampling.sample_row``'s rule: temperature, top-k,
         top-p, min-p, repetition penalty, a Philox draw at the row's position), into ``ids``
-        (and ``out``); ``seen[b, token] = 1``; then ``pos += 1``."""
+        (and ``out``, -1 there for a row whose largest penalised logit is not finite);
+        ``seen[b, token] = 1``; then ``pos += 1``."""
 
 
 @runtime_checkable

@@ -223,11 +223,12 @@ class DecodeStep:
         its prompt and its chosen tokens marked.
         ``vocab_size``: the ids that may be chosen (default the model's). Returns ``(tokens,
         finite, logits)``: the (B,) int64 choices, a (B,) bool array (False for a row whose
-        logits hold NaN or inf: its token means nothing) and the step's float32 logits (B, Vp)
+        logits have no finite largest value, a NaN or an infinity: its token, -1, means
+        nothing) and the step's float32 logits (B, Vp)
         Tensor, valid until the next step (a row of it for log-probabilities:
         ``ops.take_rows(logits.reshape(1, B, Vp), b)``). A graph where the backend has them;
-        what comes back is the B tokens and one number (the logits' sum of squares), and the
-        logits too only when that number is not finite.
+        what comes back is the B tokens (-1 for a row whose largest logit, after its penalty,
+        is not finite: ``ops.sample_next``'s sign).
 
         >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
         >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
@@ -261,15 +262,11 @@ class DecodeStep:
             logits = self._logits(self._row_pos)
             ops.sample_next(logits, V, self._ids, self._row_pos, self._knobs, self._keys,
                             self._seen_buf if penalty else None, out=self._choice)
-            return logits, ops.sumsq(logits)
+            return logits
 
-        with np.errstate(over="ignore", invalid="ignore"):   # (the host's sums: said below)
-            logits, sumsq = self._run(("rows_choose", V, penalty), work)
+        logits = self._run(("rows_choose", V, penalty), work)
         toks = self._choice.numpy().astype(np.int64)
-        finite = np.ones(B, bool)
-        if not np.isfinite(sumsq.item()):     # rare: find the rows (a sum may overflow too)
-            finite = np.isfinite(logits.numpy()[:, :cfg.vocab_size]).all(axis=1)
-        return toks, finite, logits
+        return toks, toks >= 0, logits
 
     def _row_inputs(self, who: str, tokens, positions) -> None:
         """Check a per-row step's tokens and positions and write them into the step's
@@ -346,7 +343,8 @@ class DecodeStep:
         """Yield ``n`` greedy steps with the host out of the loop: the first feeds ``tokens``
         at ``pos``, each next one feeds the previous step's choice at the next position; each
         yield is the (B,) int32 array of every row's argmax token (lowest id on ties, as
-        ``np.argmax``). The choice is made on the device, ``chunk`` steps at a time (with
+        ``np.argmax``; -1 for a row whose logits have no finite largest value, a NaN or an
+        infinity: no token, and a sign for the caller to stop). The choice is made on the device, ``chunk`` steps at a time (with
         graphs one replay of ``chunk`` x (step + argmax) and one copy of their tokens back;
         default 8 with graphs, else 1), and at least ``lookahead`` steps are queued ahead, so
         the host reads tokens while the device computes the next ones. Closing the generator
@@ -369,7 +367,8 @@ class DecodeStep:
         ``forge_ml.sampling.SAMPLE_KNOBS``) and Philox key ``keys[b]`` (two uint32 words), the
         counter being the position of the token chosen, so the tokens are those
         ``forge_ml.sampling.sample_row`` gives on the host. ``seen`` (B, vocab_size) bool: the tokens
-        the repetition penalty applies to (None: no penalty anywhere).
+        the repetition penalty applies to (None: no penalty anywhere). A row whose largest
+        penalised logit is not finite yields -1, as in ``greedy``.
 
         >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
         >>> from forge_ml import tensor

@@ -98,7 +98,7 @@ from ..errors import ConfigError, ShapeError
 from ..sampling import F32_MAX, knobs_row, penalty_knob, sample_row
 from ..tensor import Tensor, tensor
 from ..tokenizer import hides_stop
-from .decode import check_finite_logits, held_decoder, model_check
+from .decode import check_finite_logits, held_decoder, model_check, nonfinite_error
 
 FINISH_REASONS = ("stop_token", "stop_string", "max_new_tokens", "context_full")
 
@@ -641,6 +641,10 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
                 chain = step.sample(feed[:, 0], pos, n, [choice.knobs()] * B, keys, seen_marks())
             try:
                 for toks in chain:
+                    if any(toks[r] < 0 for r in range(B) if not done[r]):
+                        # the device's sign that a row's logits have no finite largest value
+                        # (a NaN from a weight row only this position reads, an overflow)
+                        raise nonfinite_error(model, who, f"the tokens at position {pos}")
                     pos += 1
                     events = [take(r, int(toks[r])) for r in range(B) if not done[r]]
                     if events:

@@ -820,9 +820,13 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale):
 
 def greedy_next(logits, vocab_size, ids, pos, out=None):
     """In place: ``ids[b] = argmax(logits[b, :vocab_size])`` (and ``out[b]`` too, when
-    given), then ``pos += 1``: the shared position, or each row's (pos of B elements)."""
-    ids.reshape(-1)[...] = np.argmax(logits[:, :vocab_size], axis=1)
+    given: -1 there for a row whose largest logit, a NaN first, is not finite), then ``pos +=
+    1``: the shared position, or each row's (pos of B elements)."""
+    rows = logits[:, :vocab_size]
+    choice = np.argmax(rows, axis=1)
     if out is not None:
-        out.reshape(-1)[...] = ids.reshape(-1)
+        lost = ~np.isfinite(rows[np.arange(rows.shape[0]), choice])
+        out.reshape(-1)[...] = np.where(lost, -1, choice)
+    ids.reshape(-1)[...] = choice
     pos += 1
 

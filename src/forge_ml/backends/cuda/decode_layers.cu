@@ -32,7 +32,8 @@
 //     stored into the cluster's block that sums it -> partB[cluster].
 //   head: x'' = x' + bias + partB's rows; LN_f; the logits (float32, every padded column);
 //     with `greedy`, the argmax (NumPy's ties) over the row's blocks by its last block to
-//     finish: ids[row], hist[row]; pos[0] += 1 by the last row's (a counter of rows done).
+//     finish: ids[row], hist[row] (-1 there for a row with no finite largest logit, as
+//     greedy.cu); pos[0] += 1 by the last row's (a counter of rows done).
 #include "common.cuh"
 
 #define DL_THREADS 256
@@ -806,8 +807,8 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
                     best, bi);
     block_argmax(best, bi, sv, si);
     if (tid == 0) {
-        ids[row] = bi;
-        hist[row] = bi;
+        hist[row] = isfinite(best) ? bi : -1;   // -1: no finite largest logit (greedy.cu)
+        ids[row] = bi;                          // after hist, which may be ids
         *counter = 0u;
         if (gridDim.y == 1) {
             posp[0] = __ldcg(posp) + 1;

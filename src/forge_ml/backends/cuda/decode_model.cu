@@ -501,8 +501,8 @@ __device__ void decode_model_impl(const int* g, const unsigned long long* tab, c
         argmax_take(__ldcg(argp + 2 * b), __ldcg(reinterpret_cast<const int*>(argp) + 2 * b + 1), best, bi);
     block_argmax(best, bi, sm.shv, sm.shi);
     if (tid == 0) {
-        ids[0] = bi;
-        hist[0] = bi;
+        hist[0] = isfinite(best) ? bi : -1;   // -1: no finite largest logit (greedy.cu)
+        ids[0] = bi;                          // after hist, which may be ids
         posp[0] = pos + 1;
     }
 #undef LP

@@ -137,7 +137,8 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
     values written at that position of its row of ``caches`` (per layer (k, v), (B, H, Tmax,
     64)). ``layers``: per layer the 12 tensors of ``models.gpt2.Layer`` in its order; ``lnf``:
     (gamma, beta). ``greedy``: then also ``ids[b] = argmax(logits[b, :vocab_size])`` (also into
-    ``out``, B int32 elements, when given) and ``pos[0] += 1``, as ``greedy_next``."""
+    ``out``, B int32 elements, when given: -1 there for a row whose largest logit is not
+    finite) and ``pos[0] += 1``, as ``greedy_next``."""
     dt = wte.dtype
     C, H, L = wte.shape[1], int(n_head), len(layers)
     Vp, Tmax = head.shape[0], caches[0][0].shape[2]

@@ -26,8 +26,8 @@ from .runtime import F32, _guarded, _i32, _launch, _launcher_ex, _set_max_shared
 def greedy_next(logits, vocab_size, ids, pos, out=None):
     """In place: ``ids[b] = argmax(logits[b, :vocab_size])`` (numpy.argmax's ties and NaNs)
     for float32 logits (B, Vp), also written to ``out`` (B int32, e.g. a row of a chain's
-    token buffer) when given, then ``pos += 1`` (every element: one shared position, or one
-    per row) (greedy.cu)."""
+    token buffer; -1 for a row whose largest logit is not finite) when given, then ``pos +=
+    1`` (every element: one shared position, or one per row) (greedy.cu)."""
     if logits.dtype != F32 or logits.ndim != 2 or ids.size != logits.shape[0]:
         raise ShapeError(f"greedy_next: float32 logits (B, Vp) and B ids expected, got "
                          f"{logits.dtype} {logits.shape} and {ids.size} ids")
@@ -86,7 +86,8 @@ def _sample_kernel(vocab_size):
 def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None):
     """In place: ``ids[b]`` = row b's sampled token (sample.cu; ``forge_ml.sampling.sample_row``'s rule)
     for float32 logits (B, Vp), ``knobs`` (B, 5) float32, ``keys`` (B, 2) int32, ``seen``
-    (B, Vp) int32 or None; also into ``out`` when given; ``seen[b, token] = 1``; then ``pos``
+    (B, Vp) int32 or None; also into ``out`` when given (-1 for a row whose largest
+    penalised logit is not finite); ``seen[b, token] = 1``; then ``pos``
     (one element, or one per row) goes up by one."""
     if logits.dtype != F32 or logits.ndim != 2 or ids.size != logits.shape[0]:
         raise ShapeError(f"sample_next: float32 logits (B, Vp) and B ids expected, got "
