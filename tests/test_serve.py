@@ -373,7 +373,37 @@ BAD = [
     ('{"prompt": "A", "max_tokens": 1}'.encode("utf-16"), 400, None),      # not UTF-8 (RFC 8259)
     ({"prompt": "ab", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "ab " * 10_000}, 413, None),
+    (b'{"prompt": "ab", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),   # said Python's hint
+    ({"prompt": ["ab"] * 257}, 400, "prompt"),                 # too many prompts: named n
 ]
+
+
+def test_a_megabyte_of_whitespace_is_a_prompt_too_long_not_a_500():
+    """~1 MB of whitespace made tiktoken's pattern overflow its stack (a Rust panic, which no
+    `except Exception` catches): a plain-text 500 and a traceback for one request. The server
+    now knows such a prompt is too long from its length (a GPT-2 token covers at most 128
+    characters), and the tokenizer says its failure as a TokenizerError."""
+    from forge_ml.errors import TokenizerError
+    from forge_ml.tokenizer import GPT2Tokenizer
+    gpt2 = GPT2Tokenizer()
+    with pytest.raises(TokenizerError, match="tiktoken cannot split this text of 1,000,000 characters"):
+        gpt2.encode(" " * 1_000_000)
+    with pytest.raises(TokenizerError, match="tiktoken cannot split"):
+        gpt2.encode_array("\n" * 2_000_000)
+    cfg = GPT2Config(vocab_size=gpt2.vocab_size, block_size=32, n_layer=1, n_head=1, n_embd=8)
+    with BatchEngine(make_model(cfg, seed=1), gpt2, slots=1) as eng:
+        s = Server(create_app(eng, "g"))
+        try:
+            with httpx.Client(base_url=s.url, timeout=30) as c:
+                for prompt, says in ((" " * 1_000_000, "1,000,000 characters are more than 32 tokens"),
+                                     (" " * 1_000, "the prompt has 1000 tokens")):
+                    r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                    assert r.status_code == 400, r.text
+                    err = r.json()["error"]
+                    assert err["code"] == "context_length_exceeded" and says in err["message"], err
+                assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        finally:
+            s.stop()
 
 
 @pytest.mark.parametrize("body, status, param", BAD, ids=range(len(BAD)))

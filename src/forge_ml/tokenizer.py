@@ -147,6 +147,8 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(self.chars)
 
+    max_token_chars = 1   # the most characters one token covers (a server's length check)
+
     def encode(self, text: str) -> list[int]:
         """Ids of the characters of ``text``.
 
@@ -454,6 +456,7 @@ class GPT2Tokenizer:
         self.add_prefix_space = add_prefix_space
         self.data_dir = Path(data_dir) if data_dir is not None else gpt2_data_dir()
         self._enc = _gpt2_encoding(str(self.data_dir.resolve()))
+        self._max_chars = None
         self.added = _check_added(added)
         # the special-token roles transformers gives added tokens (``{"pad_token": "<|pad|>"}``):
         # kept, so that an export names them again
@@ -488,6 +491,34 @@ class GPT2Tokenizer:
     @property
     def vocab_size(self) -> int:
         return GPT2_VOCAB_SIZE + len(self._added_text)
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token covers (its bytes bound them): a text of more than
+        ``n * max_token_chars`` characters has more than n tokens, known without encoding it.
+
+        >>> GPT2Tokenizer().max_token_chars
+        128
+        """
+        if self._max_chars is None:
+            self._max_chars = max([len(self._enc.decode_single_token_bytes(i)) for i in range(GPT2_VOCAB_SIZE)]
+                                  + [len(c) for c in self.added])
+        return self._max_chars
+
+    def _tiktoken(self, fn, text: str):
+        """``fn(text)`` (tiktoken), its failure a TokenizerError: its pattern's backtracking
+        overflows its stack on a run of some 800,000 whitespace characters (a Rust panic,
+        which Python's ``except Exception`` does not catch, or a ValueError)."""
+        try:
+            return fn(text)
+        except BaseException as e:
+            if not (type(e).__name__ == "PanicException"
+                    or (isinstance(e, ValueError) and "regex" in str(e).lower())):
+                raise
+            raise TokenizerError(f"GPT2Tokenizer.encode: tiktoken cannot split this text of "
+                                 f"{len(text):,} characters ({str(e).strip()[:120]}); its pattern "
+                                 f"overflows on a run of hundreds of thousands of whitespace "
+                                 f"characters: split such a text first") from None
 
     def encode(self, text: str, allowed_special=False) -> list[int]:
         """BPE ids of ``text``; see the class docstring for ``allowed_special``.
@@ -527,11 +558,13 @@ class GPT2Tokenizer:
             raise TokenizerError(f"GPT2Tokenizer.encode: expected a str, got {type(text).__name__}")
         if self.added or self.add_prefix_space:
             return np.asarray(self.encode(text), np.uint32)
+        def to_numpy(t):
+            return self._enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=())
         try:
-            a = self._enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+            a = self._tiktoken(to_numpy, text)
         except UnicodeEncodeError:    # a lone surrogate: U+FFFD, as encode (tiktoken's) takes it
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-            a = self._enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+            a = self._tiktoken(to_numpy, text)
         return a.astype(np.uint32, copy=False)
 
     def _pieces(self, text: str, bpe, allow_eot: bool) -> list[int]:
@@ -545,7 +578,7 @@ class GPT2Tokenizer:
 
         def split(piece: str, stage: int) -> None:
             if stage == len(self._stages[allow_eot]):
-                out.extend(bpe(piece))
+                out.extend(self._tiktoken(bpe, piece))
                 return
             pat, toks = self._stages[allow_eot][stage]
             at = 0

@@ -274,6 +274,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
         raise ConfigError("create_app: the engine needs a tokenizer (BatchEngine(model, "
                           "tokenizer)) to serve text")
     max_prompt = engine.max_len if max_prompt_tokens is None else max_prompt_tokens
+    token_chars = getattr(tokenizer, "max_token_chars", None)   # None: no length check first
     # the ids generation stops on (an hf tokenizer may have several), and those an empty
     # prompt starts from: a new document, from <|endoftext|> (gpt2) or the bos token (hf)
     stop_ids = tuple(getattr(tokenizer, "stop_tokens", ()))
@@ -303,6 +304,9 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
         except UnicodeDecodeError as e:
             raise APIError(f"the request body is not UTF-8 text (JSON over HTTP is UTF-8): {e}") from None
         except ValueError as e:
+            if "integer string conversion" in str(e):   # (Python's hint is no help to a client)
+                raise APIError("the request body holds an integer of more than 4,300 digits, "
+                               "past any field's range") from None
             raise APIError(f"the request body is not valid JSON: {e}") from None
         except RecursionError:     # a body nested thousands deep: a 400, not a 500 and a traceback
             raise APIError("the request body is nested too deeply to be a completions request") from None
@@ -312,6 +316,13 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
         """The prompt's token ids; an empty prompt is the tokenizer's start of a new document
         (``[eot]``, or an hf tokenizer's bos: ``empty_prompt()``; see ``hidden``)."""
         if isinstance(prompt, str):
+            if token_chars and len(prompt) > max_prompt * token_chars:
+                # more tokens than the server takes, known without encoding it (a tokenizer
+                # may fail on, or take long over, a text of megabytes)
+                raise APIError(f"the prompt's {len(prompt):,} characters are more than {max_prompt} "
+                               f"tokens of this model's tokenizer hold (each covers at most "
+                               f"{token_chars}); this server takes at most {max_prompt} tokens",
+                               param="prompt", code="context_length_exceeded")
             try:
                 ids = tokenizer.encode(prompt)
             except TokenizerError as e:

@@ -251,7 +251,8 @@ def parse_completion(body) -> CompletionRequest:
                        f"it draws, got {best_of!r:.60}", param="best_of")
     if len(req.prompt) * req.n > MAX_CHOICES:
         raise APIError(f"{len(req.prompt)} prompts x n={req.n} is {len(req.prompt) * req.n} "
-                       f"choices; at most {MAX_CHOICES} per request", param="n")
+                       f"choices; at most {MAX_CHOICES} per request",
+                       param="n" if req.n > 1 else "prompt")
     return req
 
 
