@@ -232,6 +232,46 @@ def test_requests_of_every_kind_reusing_few_slots_draw_what_generate_draws(model
         assert toks == list(want), (pr, p)
 
 
+def test_a_prompt_is_prefilled_in_one_pass_alone_or_when_long(model, expected):
+    """A prompt went through the steps one token a step (a 1,000-token prompt: 1,000 steps
+    before its first token). Now a request alone, or one whose prompt has at least
+    prefill_min tokens, has its prompt but the last token prefilled in one forward pass into
+    its slot's cache rows: its first token comes at its first step, and it draws what
+    generate draws (generate prefills its prompt so too); shorter prompts among busy slots,
+    and prompts being scored, still step through."""
+    for i, (prompt, p) in enumerate(REQUESTS):          # each alone: prefilled, one step a token
+        with BatchEngine(model, slots=2) as engine:
+            assert tokens_of(engine.submit(prompt, p)) == expected[i], i
+            assert engine.steps == p.max_tokens and engine.prefills == (len(prompt) > 1), i
+    long_prompt = [int(t) for t in np.random.default_rng(0).integers(0, 23, 15)]
+    kinds = [SamplingParams(max_tokens=5, temperature=0),
+             SamplingParams(max_tokens=5, temperature=0.9, top_p=0.8, seed=4),
+             SamplingParams(max_tokens=5, temperature=0.7, repetition_penalty=1.7, seed=5)]
+    with slow_down(BatchEngine(model, slots=3, prefill_min=10), 0.002) as engine:
+        busy = engine.submit([1, 2, 3], SamplingParams(max_tokens=17, temperature=0))
+        while engine.steps < 2:
+            time.sleep(0.001)
+        streams = [engine.submit(long_prompt, p) for p in kinds[:2]]    # joins busy slots
+        got = [tokens_of(s) for s in streams]
+        assert tokens_of(busy) == list(generate(model, [1, 2, 3], max_new_tokens=17, temperature=0))
+        assert engine.prefills == 3                    # busy's own (alone at its start), 2 long
+        start = engine.steps
+        other = engine.submit([4, 5], SamplingParams(max_tokens=20, temperature=0))   # alone: 4
+        while engine.steps < start + 3:
+            time.sleep(0.001)
+        short = engine.submit([7, 8, 9], kinds[2])     # 2 tokens to prefill < 10: steps through
+        scored = engine.submit(long_prompt, SamplingParams(max_tokens=2, prompt_logprobs=1))
+        got.append(tokens_of(short))
+        assert len(scored.prompt_logprobs if list(scored) else ()) == len(long_prompt) - 1
+        assert len(list(other)) == 20 and engine.prefills == 4
+    for p, toks, pr in zip(kinds, got, (long_prompt, long_prompt, [7, 8, 9])):
+        assert toks == list(generate(model, pr, max_new_tokens=5, temperature=p.temperature,
+                                     top_p=p.top_p if p.top_p < 1 else None,
+                                     repetition_penalty=p.repetition_penalty, seed=p.seed)), p
+    with pytest.raises(ConfigError, match="prefill_min must be an int >= 1, got 0"):
+        BatchEngine(model, prefill_min=0)
+
+
 def test_a_huge_top_k_is_no_cut_and_stops_nothing(model):
     """top_k=10**40 (any HTTP client may send it) was float32's infinity in the knobs: the host
     draw raised OverflowError in the loop thread and every request in flight ended with it.

@@ -46,7 +46,7 @@ import numpy as np
 from .. import ops
 from ..errors import ConfigError
 from ..sampling import knobs_row
-from ..tensor import device_has
+from ..tensor import device_has, tensor
 from .decode import DecodeStep, KVCache, model_check, nonfinite_error
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
                      _is_int, check_prompt)
@@ -112,9 +112,13 @@ class BatchEngine:
     ``model``: a ``GPT2`` (on cpu or cuda); ``tokenizer``: kept for the server (the engine
     works in token ids, but neither takes nor chooses an id past the tokenizer's vocabulary,
     as a model whose vocabulary was padded past it has); ``slots``: rows per step (default 64
-    on a device with its own memory (a GPU), 8 on host memory); ``max_len``: the context a request may fill, prompt and new tokens
-    together (default and at most the model's ``block_size``). ``submit`` checks a request and queues it; ``close()`` stops
-    the thread and ends every open stream with ``EngineClosedError``.
+    on a device with its own memory (a GPU), 8 on host memory); ``max_len``: the context a
+    request may fill, prompt and new tokens together (default and at most the model's
+    ``block_size``); ``prefill_min``: the prompt length (tokens) from which a request's prompt
+    is prefilled in one forward pass even while other slots are busy (default 64; a request
+    alone is always prefilled so; requests that score their prompt, ``prompt_logprobs``, step
+    through it). ``submit`` checks a request and queues it; ``close()`` stops the thread and
+    ends every open stream with ``EngineClosedError``.
 
     >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
     >>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))
@@ -131,7 +135,7 @@ class BatchEngine:
     """
 
     def __init__(self, model, tokenizer=None, slots: Optional[int] = None,
-                 max_len: Optional[int] = None):
+                 max_len: Optional[int] = None, prefill_min: int = 64):
         model_check("BatchEngine", model)
         cfg = model.config
         if slots is None:
@@ -143,7 +147,9 @@ class BatchEngine:
         if not (_is_int(max_len) and 1 <= max_len <= cfg.block_size):
             raise ConfigError(f"BatchEngine: max_len must be an int in 1..{cfg.block_size} "
                               f"(the model's block_size), got {max_len!r}")
-        slots, max_len = int(slots), int(max_len)
+        if not (_is_int(prefill_min) and prefill_min >= 1):
+            raise ConfigError(f"BatchEngine: prefill_min must be an int >= 1, got {prefill_min!r}")
+        slots, max_len, self.prefill_min = int(slots), int(max_len), int(prefill_min)
         self.model, self.tokenizer = model, tokenizer
         self.slots, self.max_len, self.vocab_size = slots, max_len, cfg.vocab_size
         n_tok = getattr(tokenizer, "vocab_size", None)
@@ -165,6 +171,7 @@ class BatchEngine:
         self._closed = False
         self._error: Optional[str] = None
         self.steps = 0                  # decode steps run so far
+        self.prefills = 0               # prompts prefilled in one forward pass
         self._thread = threading.Thread(target=self._run, name="forge-ml-batch", daemon=True)
         self._thread.start()
 
@@ -264,7 +271,23 @@ class BatchEngine:
             for st in streams:
                 st._push(EngineClosedError(self._error or "the engine was closed"))
 
+    def _prefill(self, batch: list) -> None:
+        """Prefill the prompts of the requests new in this step's ``batch`` that are due (see
+        the module docstring), each in one forward pass into its slot's cache rows."""
+        alone = sum(rq is not None for rq in batch) == 1
+        for s, rq in enumerate(batch):
+            if (rq is None or rq.fed or rq.params.prompt_logprobs is not None
+                    or rq.stream.cancelled):
+                continue
+            n = len(rq.prompt) - 1          # the last prompt token is the step's to feed
+            if n >= 1 and (alone or n >= self.prefill_min):
+                ids = tensor(np.array([rq.prompt[:n]], np.int64), device=self.model.device)
+                self.model.forward_cached(ids, self._decode.cache.row(s), last_only=True)
+                rq.fed = n
+                self.prefills += 1
+
     def _step_once(self, batch: list) -> None:
+        self._prefill(batch)
         S = self.slots
         tokens = np.zeros(S, np.int64)
         positions = np.zeros(S, np.int32)   # idle: token 0 at position 0 (see the docstring)

@@ -73,6 +73,25 @@ class KVCache:
         mk = lambda: [zeros(shape, ref.dtype, ref.device) for _ in range(cfg.n_layer)]  # noqa: E731
         return cls(mk(), mk(), 0)
 
+    def row(self, b: int) -> "KVCache":
+        """Row ``b`` as a one-row cache over this cache's own memory, at position 0: a forward
+        pass into it (``model.forward_cached``) writes row ``b``'s keys and values in place,
+        so one request's prompt is prefilled into a batch's cache (``BatchEngine``).
+
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> cache = KVCache.empty(model, 3)
+        >>> _ = model.forward_cached(tensor([[1, 2]]), cache.row(1))
+        >>> [bool(np.any(cache.k[0].numpy()[b])) for b in range(3)]
+        [False, True, False]
+        """
+        if not (_is_int(b) and 0 <= b < self.batch):
+            raise ShapeError(f"KVCache.row: row must be in 0..{self.batch - 1}, got {b!r}")
+        # a tensor of its own over the rows' memory (not a reshape view: one of those would be
+        # copied on its first write, and the prefill would land in the copy)
+        view = lambda t: Tensor(t._data[int(b):int(b) + 1], t.device)   # noqa: E731
+        return KVCache([view(t) for t in self.k], [view(t) for t in self.v], 0)
+
     @property
     def capacity(self) -> int:
         """The most positions a row holds (``max_len``)."""
