@@ -944,6 +944,10 @@ def test_serve_names_its_flags_for_bad_slots_and_max_len(tmp_path):
         run(p.parse_args(["--ckpt", str(tmp_path / "ckpt"), "--slots", "0"]))
     with pytest.raises(ConfigError, match=r"^--max-len must be in 1\.\.32 \(the model's context\), got 100"):
         run(p.parse_args(["--ckpt", str(tmp_path / "ckpt"), "--max-len", "100"]))
+    # `--api-key "$KEY"` with KEY unset served every client, in silence (a QA report)
+    for empty in ("", "  "):
+        with pytest.raises(ConfigError, match=r"^--api-key is empty; give the key clients must send"):
+            run(p.parse_args(["--ckpt", str(tmp_path / "ckpt"), "--api-key", empty]))
 
 
 # -- a Hugging Face tokenizer (kind "hf") ----------------------------------------------------

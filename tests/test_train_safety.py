@@ -1887,9 +1887,11 @@ def test_a_hangup_or_a_closed_stdout_stops_the_run_with_a_checkpoint(workdir):
     env = dict(os.environ, PYTHONPATH=SRC, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
     args = [sys.executable, "-m", "forge_ml", "train", "--data", "t.txt", *TINY, "--max-steps", "100000",
             "--log-interval", "1", "--checkpoint-interval", "50"]
-    for how, status in (("hup", 129), ("pipe", 141)):
+    # "both": `train 2>&1 | head`, the stop's message going to the closed pipe too, exited 0
+    for how, status in (("hup", 129), ("pipe", 141), ("both", 141)):
         run = f"run_{how}"
-        p = subprocess.Popen(args + ["--out", run], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p = subprocess.Popen(args + ["--out", run], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT if how == "both" else subprocess.PIPE)
         seen = 0
         for line in p.stdout:
             seen += line.startswith(b"step")
@@ -1900,11 +1902,41 @@ def test_a_hangup_or_a_closed_stdout_stops_the_run_with_a_checkpoint(workdir):
             p.stdout.read()
         else:
             p.stdout.close()         # the reader goes away, as `| head` does
-        err = p.stderr.read().decode()
+        err = p.stderr.read().decode() if how != "both" else ""
         assert p.wait(timeout=120) == status, err
         step = load_checkpoint(Path(run) / "ckpt")[1]["step"]
         assert step >= 8 and max(r["step"] for r in read_log(Path(run) / "log.jsonl")[0]) == step
-        assert "Traceback" not in err and "--resume" in err
+        assert "Traceback" not in err and ("--resume" in err or how == "both")
+
+
+def test_overwrite_removes_only_what_a_run_wrote(workdir):
+    """A QA report: a user's own log.jsonl was called "a run" and --overwrite deleted it; with
+    one, --overwrite also replaced a user's loss.png (the plot check was skipped for a folder
+    "holding a run"), and shards a user prepared into OUT/data were removed as a run's. Each is
+    now refused, with or without --overwrite, and left as it was."""
+    from forge_ml.errors import ForgeError
+    png = b"\x89PNG\r\n\x1a\n" + b"not forge-ml's" * 10
+    Path("u1").mkdir()
+    Path("u1/log.jsonl").write_text('{"event": "deploy"}\n')
+    for over in (False, True):
+        with pytest.raises(ForgeError, match=r"u1/log.jsonl is not a log that forge-ml wrote"):
+            Trainer(_cfg("u1"), overwrite=over)
+    assert Path("u1/log.jsonl").read_text() == '{"event": "deploy"}\n'
+    Trainer(_cfg("u2")).train()                       # a run, then a user's picture over its plot
+    Path("u2/loss.png").write_bytes(png)
+    with pytest.raises(ForgeError, match=r"u2/loss.png is not a loss curve that forge-ml drew"):
+        Trainer(_cfg("u2"), overwrite=True)
+    assert Path("u2/loss.png").read_bytes() == png and Path("u2/ckpt").is_dir()
+    Trainer(_cfg("u3")).train()                       # a run's own data is removed with it ...
+    Path("u3/loss.png").unlink()
+    Trainer(_cfg("u3", max_steps=2), overwrite=True).train()
+    from forge_ml.cli import main
+    assert main(["prepare", "t.txt", "--out", "u4/data"]) == 0   # ... a user's prepared data is not
+    before = sorted(p.name for p in Path("u4/data").iterdir())
+    for over in (False, True):
+        with pytest.raises(ForgeError, match=r"u4/data holds data and u4 no run .* (--data |data=)u4/data"):
+            Trainer(_cfg("u4"), overwrite=over)
+    assert sorted(p.name for p in Path("u4/data").iterdir()) == before
 
 
 def test_a_stdout_that_cannot_encode_the_text_does_not_end_the_run(workdir):

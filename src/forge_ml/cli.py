@@ -530,17 +530,20 @@ def _cmd_train(args) -> int:
         trainer.train()
     except Interrupted as e:
         if e.saved:
-            print(f"{PROG}: stopped by {signal.Signals(e.signum).name} at step {e.step}; checkpoint of "
-                  f"step {e.step} saved in {trainer.ckpt_dir}; continue with: {PROG} train --out "
-                  f"{cfg.out_dir} --resume", file=sys.stderr)
+            say = (f"{PROG}: stopped by {signal.Signals(e.signum).name} at step {e.step}; checkpoint of "
+                   f"step {e.step} saved in {trainer.ckpt_dir}; continue with: {PROG} train --out "
+                   f"{cfg.out_dir} --resume")
         elif e.reason:
             go_on = (f"; continue from the kept one with: {PROG} train --out {cfg.out_dir} --resume"
                      if trainer.last_ckpt_step is not None else "")
-            print(f"{PROG}: stopped by {signal.Signals(e.signum).name} at step {e.step}; its checkpoint "
-                  f"could not be saved: {e.reason}{go_on}", file=sys.stderr)
+            say = (f"{PROG}: stopped by {signal.Signals(e.signum).name} at step {e.step}; its checkpoint "
+                   f"could not be saved: {e.reason}{go_on}")
         else:
-            print(f"{PROG}: stopped by {signal.Signals(e.signum).name}; the last checkpoint in {cfg.out_dir} is kept",
-                  file=sys.stderr)
+            say = f"{PROG}: stopped by {signal.Signals(e.signum).name}; the last checkpoint in {cfg.out_dir} is kept"
+        try:
+            print(say, file=sys.stderr)
+        except OSError:   # stderr is the closed pipe too (`train 2>&1 | head`): the status says it
+            pass
         return e.exit_status
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted at step {trainer.step}; resume with: {PROG} train --out {cfg.out_dir} --resume",

@@ -297,22 +297,43 @@ def holds_run(folder) -> bool:
     True
     """
     folder = Path(folder)
-    try:
-        with open(folder / LOCK_NAME, "rb") as f:
-            if _LOCK_LINE.match(f.read(400).decode("utf-8", "replace")):
-                return True
-    except OSError:
-        pass
-    try:
-        with open(folder / "log.jsonl", "rb") as f:
-            first = json.loads(f.readline(4096).decode("utf-8", "replace"))
-        if isinstance(first, dict) and isinstance(first.get("step"), int):
-            return True
-    except (OSError, ValueError):
-        pass
+    if trainer_locked(folder) or run_log(folder / "log.jsonl", empty=False):
+        return True
     try:
         return is_checkpoint_dir(folder / "ckpt", "forge-ml-train")
     except OSError:
+        return False
+
+
+def trainer_locked(folder) -> bool:
+    """Whether ``folder`` has a trainer's lock file (a trainer used it; the lock may be free)."""
+    try:
+        with open(Path(folder) / LOCK_NAME, "rb") as f:
+            return bool(_LOCK_LINE.match(f.read(400).decode("utf-8", "replace")))
+    except OSError:
+        return False
+
+
+def run_log(path, empty: bool = True) -> bool:
+    """Whether the file ``path`` is a run's log: its first line a record with an integer step
+    (an empty file too, with ``empty``: a run stopped before its first record). Another file of
+    that name is a user's, which no trainer may count as a run's (nor remove).
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> _ = (d / "a").write_text('{"event": "deploy"}\\n'); _ = (d / "b").write_text('{"step": 0}\\n')
+    >>> run_log(d / "a"), run_log(d / "b"), run_log(d / "c")
+    (False, True, False)
+    """
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(4096)
+        if not line.strip():
+            return empty and not line
+        first = json.loads(line.decode("utf-8", "replace"))
+        return isinstance(first, dict) and isinstance(first.get("step"), int) \
+            and not isinstance(first.get("step"), bool)
+    except (OSError, ValueError):
         return False
 
 

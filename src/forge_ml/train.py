@@ -87,7 +87,8 @@ from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
 from .optim import AdamW, accumulate, clip_grad_norm, cosine_lr
 from .runs import (ENDING_SIGNALS, LOCK_NAME, RunError, RunLock, cannot_write,  # noqa: F401 (LOCK_NAME: the old import path)
                    give_back_signals, holds_run, read_log, remove_stray_temps, remove_together,
-                   remove_trash, replace_file, stray_temps, take_signals, trash_folders)
+                   remove_trash, replace_file, run_log, stray_temps, take_signals, trainer_locked,
+                   trash_folders)
 from .step import TrainStep
 from .tensor import device_has, device_numerics, release_cached, synchronize, tensor
 from .tokenizer import load_tokenizer, prompt_ids, same_ids, tokenizer_from_dict
@@ -589,6 +590,7 @@ class Trainer:
             raise RunError(f"--out {cfg.out_dir} is inside the run in {nest[0]} (its {nest[1]}/ folder, which "
                            f"that run writes and replaces); choose a folder outside it")
         self.lock = RunLock(self.out_dir)
+        self._trainer_was_here = trainer_locked(self.out_dir)   # (before this one's lock)
         # SIGTERM and SIGHUP (where they would end the process) do here what a Ctrl-C does:
         # they raise, and what the setup wrote (the shards' temporary files, the lock, the
         # folder it made) is taken back; a kill left them, the lock file too
@@ -770,7 +772,7 @@ class Trainer:
                     self.best_val = self._best_before(theirs, ckpt[1].get("step"))
         if resume:
             self._check_best_reached(step)
-        self._check_plot_target(held=resume or bool(held))
+        self._check_plot_target(held=resume)   # (--overwrite removes only a plot of forge-ml's)
 
         # -- from here on, files are written ------------------------------------------------------
         # what a kill midway through a write left (.log.jsonl.XXXXXXXX.tmp, the plot's, the
@@ -820,8 +822,9 @@ class Trainer:
                            f"away or choose another --out")
 
     def _check_plot_target(self, held: bool) -> None:
-        """A ``loss.png`` in a folder that holds no run is a user's file: refused rather than
-        replaced at the end of the run (one this trainer drew says so in its PNG text)."""
+        """A ``loss.png`` that forge-ml did not draw (its PNG text says so) is a user's file:
+        refused rather than replaced at the end of the run or removed by --overwrite; ``held``:
+        a resumed run's folder, whose plot is its own."""
         path = self.out_dir / PLOT_NAME
         if held or not (path.exists() or path.is_symlink()):
             return
@@ -856,12 +859,21 @@ class Trainer:
             held.append(CKPT_NAME + "/")     # (a user's file or folder there is refused as such)
         if is_checkpoint_dir(out / BEST_NAME, "forge-ml-model"):
             held.append(BEST_NAME + "/")
-        if self.log_path.exists():
+        if self.log_path.exists() or self.log_path.is_symlink():
+            if not run_log(self.log_path):   # a user's file: never a run's, never removed
+                raise RunError(f"{self.log_path} is not a log that forge-ml wrote (its first line is no "
+                               f"step's record), and a run writes its own there; move it away or choose "
+                               f"another --out")
             held.append(LOG_NAME)
         d = out / DATA_NAME
         given = self.cfg.data and Path(self.cfg.data).is_dir() and Path(self.cfg.data).resolve() == d.resolve()
         # (what a killed write left, .train.bin.XXXXXXXX.tmp, is no run's data)
         if d.is_dir() and not given and set(d.iterdir()) - set(stray_temps(d, DATA_FILES + (CORPUS_NAME,))):
+            if not held and not self._trainer_was_here:
+                # shards with no run beside them and no trainer ever here: a user's prepared
+                # data (forge-ml prepare --out there), which --overwrite removed
+                raise RunError(f"{d} holds data and {out} no run (no checkpoint, log or trainer's lock); "
+                               f"train on it with --data {d}, or move it away or choose another --out")
             held.append(DATA_NAME + "/")
         return held
 

@@ -107,6 +107,10 @@ def run(args) -> int:
         raise ConfigError(f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}")
     if args.slots is not None and args.slots < 1:
         raise ConfigError(f"--slots must be >= 1 (requests decoded together), got {args.slots}")
+    if args.api_key is not None and not args.api_key.strip():
+        # `--api-key "$KEY"` with KEY unset: the server would take every request, in silence
+        raise ConfigError("--api-key is empty; give the key clients must send (or leave the "
+                          "option out to serve without one)")
     api_key = args.api_key or flags.get("FORGE_API_KEY") or None
     with contextlib.ExitStack() as held:   # the sockets close however this ends
         socks = _listen_sockets(args.host, args.port)   # before the model loads: a busy port fails fast
