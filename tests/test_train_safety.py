@@ -1939,6 +1939,20 @@ def test_overwrite_removes_only_what_a_run_wrote(workdir):
     assert sorted(p.name for p in Path("u4/data").iterdir()) == before
 
 
+def test_prepare_force_does_not_replace_a_running_runs_data(workdir, capsys):
+    """prepare --force into a run's data/ while its trainer held the run replaced the shards
+    under it (its resume was then refused); --val-fraction 1.5 was said as val_fraction."""
+    t = Trainer(_cfg("r"))                                   # holds r until closed
+    before = Path("r/data/train.bin").read_bytes()
+    line = _fails(capsys, ["prepare", "t.txt", "--out", "r/data", "--force"], "r")
+    assert "in use" in line or "running" in line, line
+    assert Path("r/data/train.bin").read_bytes() == before
+    t.close()
+    assert main(["prepare", "t.txt", "--out", "r/data", "--force"]) == 0   # a run at rest: --force goes
+    _fails(capsys, ["prepare", "t.txt", "--out", "p", "--val-fraction", "1.5"],
+           "--val-fraction must be a number in (0, 1), got 1.5")
+
+
 def test_a_stdout_that_cannot_encode_the_text_does_not_end_the_run(workdir):
     """PYTHONIOENCODING=ascii (or a POSIX locale) and a sample with non-ASCII text: a
     UnicodeEncodeError ended the run at its first sample, before any checkpoint."""

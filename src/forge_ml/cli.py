@@ -951,6 +951,8 @@ def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, model_vocab: int,
 
 def _cmd_prepare(args) -> int:
     from .data import prepare
+    from .runs import RunLock, trainer_locked
+    from .train import DATA_NAME
 
     if not args.out.strip():
         raise DataError(f"--out is empty ({args.out!r}); give the folder for train.bin, val.bin and "
@@ -959,7 +961,14 @@ def _cmd_prepare(args) -> int:
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a folder; expected a folder for train.bin, val.bin "
                         f"and tokenizer.json")
+    if not 0.0 < args.val_fraction < 1.0:   # (prepare() says its parameter's name)
+        raise DataError(f"--val-fraction must be a number in (0, 1), got {args.val_fraction}")
     held = [f for f in ("train.bin", "val.bin", "tokenizer.json") if (out / f).exists()]
+    if held and out.name == DATA_NAME and trainer_locked(out.parent):
+        # a run's own data: even --force may not replace it under a trainer using it
+        probe = RunLock(out.parent)
+        probe.acquire()            # raises, naming the trainer, while one holds the run
+        probe.release(undo=True)
     if held and not args.force:
         run = " (the prepared data of the run in " + str(out.parent) + ")" \
             if out.name == "data" and (out.parent / "log.jsonl").exists() else ""
