@@ -570,6 +570,11 @@ def test_val_fraction_with_a_data_folder_is_refused(trained, capsys):
     _fails(capsys, ["train", "--data", "data", "--out", "r2", "--val-fraction", "0.3", *TINY],
            "--val-fraction splits a text file", "data")
     assert not (trained / "r2").exists()
+    # --corpus-bytes sizes the default corpus only: with --data it was dropped in silence
+    for data in ("data", "data/../t.txt"):
+        _fails(capsys, ["train", "--data", data, "--out", "r2", "--corpus-bytes", "5000", *TINY],
+               "--corpus-bytes sizes the default corpus, which a run with --data does not read")
+    assert not (trained / "r2").exists()
 
 
 def test_sample_prompt_file_and_num_samples(trained, capsys):

@@ -425,6 +425,9 @@ def _cmd_train(args) -> int:
     if "val_fraction" in explicit and explicit.get("data") and Path(explicit["data"]).is_dir():
         raise ConfigError(f"--val-fraction splits a text file; the data folder {explicit['data']} holds its "
                           f"train and val shards already (drop --val-fraction, or give the text file)")
+    if "corpus_bytes" in explicit and explicit.get("data"):   # (it was dropped in silence)
+        raise ConfigError(f"--corpus-bytes sizes the default corpus, which a run with --data does not "
+                          f"read; drop --corpus-bytes (or --data {explicit['data']})")
     values: dict = {}
     from_file = _read_json_config(args.config) if args.config else {}
     # the run folder: the flag's, else the config file's (a --resume --config FILE resumed
