@@ -206,6 +206,11 @@ def test_eval_data_unreadable_or_missing(run, capsys, monkeypatch):
     fails(capsys, ["eval", "--ckpt", "run", "--data", "run/data/val.bin"], "val.bin", "Permission denied")
     denied_open(monkeypatch, "t.txt")
     fails(capsys, ["eval", "--ckpt", "run", "--data", "t.txt"], "t.txt", "Permission denied")
+    # a character the run's tokenizer lacks: said with the file and the checkpoint
+    with open("om.txt", "w", encoding="utf-8") as f:
+        f.write("to be or not to be \u03a9 " * 20)
+    fails(capsys, ["eval", "--ckpt", "run", "--data", "om.txt"],
+          "--data om.txt cannot be tokenized with run's tokenizer", "'\u03a9'")
 
 
 def test_sample_missing_checkpoint(run, capsys):

@@ -873,7 +873,11 @@ def _cmd_eval(args) -> int:
         except OSError as e:
             raise DataError(f"--data {path}: cannot read it: {e.strerror or e}") from None
         from .data import encode_array
-        ids = encode_array(tok, text)
+        from .errors import TokenizerError
+        try:
+            ids = encode_array(tok, text)
+        except TokenizerError as e:   # (it named neither the file nor the checkpoint)
+            raise DataError(f"--data {path} cannot be tokenized with {args.ckpt}'s tokenizer: {e}") from None
         tmp = tempfile.TemporaryDirectory()
         path = Path(tmp.name) / "eval.bin"
         write_shard(path, ids)
