@@ -2283,7 +2283,7 @@ def test_a_resume_with_other_optimisation_settings_says_so(workdir, capsys):
     was = load_checkpoint(Path("r2") / "ckpt")[1]["train_config"]
     lines = []
     cfg = TrainConfig.from_dict(dict(was, out_dir="r2", lr=was["lr"] * 2, min_lr=was["min_lr"],
-                                     progress=False))
+                                     max_steps=6, progress=False))
     Trainer(cfg, resume=True, log=lines.append)
     assert any(f"lr {was['lr']:g} -> {was['lr'] * 2:g}" in str(x) for x in lines), lines
     # a damaged record ("abc" for a number) is no reason to stop a resume: not noted
@@ -2299,3 +2299,8 @@ def test_a_resume_with_other_optimisation_settings_says_so(workdir, capsys):
     same = []
     Trainer(TrainConfig.from_dict(dict(was, out_dir="r3", progress=False)), resume=True, log=same.append)
     assert not any("this resume changes" in str(x) for x in same), same
+    # a finished run given another lr: refused as finished, with no note of a change before it
+    capsys.readouterr()
+    assert main(["train", "--out", "r3", "--resume", "--lr", "0.5", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert "is finished" in err and "this resume changes" not in out + err, (out, err)

@@ -1336,8 +1336,8 @@ class Trainer:
         """A resume whose optimisation settings differ from the run's recorded ones trains on
         with the new ones (the CLI's flags, or a Trainer's config); say which, and where the
         learning rate jumps at this step (a longer --max-steps moves the cosine's end)."""
-        if not isinstance(was, dict):
-            return
+        if not isinstance(was, dict) or self.step >= self.cfg.max_steps:
+            return   # (a finished run trains no step: refused, or only its end finished)
         cfg = self.cfg
         keys = ("lr", "min_lr", "warmup", "lr_decay_steps", "max_steps", "weight_decay", "beta1",
                 "beta2", "grad_clip", "dropout")
