@@ -675,3 +675,22 @@ def test_sample_from_weights_with_nan_says_which_not_id_0(workdir, capsys):
         assert err.count("\n") == 1 and "Traceback" not in err, err
         assert "the model's logits for the prompt hold NaN or inf" in err
         assert "h.0.mlp.c_proj.weight holds 1 NaN of 256 values" in err
+
+
+def test_a_warning_is_one_line_of_the_command(monkeypatch, capsys):
+    """A warning during a command (an unwritable kernel cache, say) was Python's: the source
+    file, a line number and the line of code, read as a traceback (a QA report)."""
+    import warnings
+    import forge_ml.cli as cli_mod
+
+    def warns(argv):
+        warnings.warn("forge-ml: the kernel cache /x cannot be written", RuntimeWarning)
+        return 0
+    before = warnings.showwarning
+    monkeypatch.setattr(cli_mod, "_main", warns)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["check"]) == 0
+    err = capsys.readouterr().err
+    assert err == "forge-ml: warning: the kernel cache /x cannot be written\n", err
+    assert warnings.showwarning is before

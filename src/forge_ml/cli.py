@@ -1187,11 +1187,27 @@ def main(argv=None) -> int:
     >>> main(["bench", "--steps", "0"])
     2
     """
+    import warnings
+    shown = warnings.showwarning
+    warnings.showwarning = _show_warning   # one line, not Python's path and source line
     try:
         return _main(argv)
     except KeyboardInterrupt:   # before the command runs (its own handler says more there)
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = shown
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as the command line says it: ``forge-ml: warning: ...`` on one line (Python's
+    default showed the file, the line number and the line of code, like a traceback)."""
+    msg = str(message)
+    msg = msg[len(PROG) + 2:] if msg.startswith(PROG + ": ") else msg
+    try:
+        print(f"{PROG}: warning: {msg}", file=file if file is not None else sys.stderr)
+    except (OSError, ValueError):   # a closed stderr: the warning is lost, not the command
+        pass
 
 
 def _unrecognized(parser, cmd, extra, argv) -> None:
