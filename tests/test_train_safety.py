@@ -783,7 +783,7 @@ def test_a_full_disk_while_preparing_the_data_leaves_nothing_to_refuse_the_next_
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(*a, **kw)
 
-    argv = ["train", *data, "--corpus-bytes", "20000", "--out", "r", *TINY, "--max-steps", "1"]
+    argv = ["train", *(data or ["--corpus-bytes", "20000"]), "--out", "r", *TINY, "--max-steps", "1"]
     with monkeypatch.context() as m:
         m.setattr(data_mod.tempfile, "mkstemp", mkstemp)
         _fails(capsys, argv, "cannot write", "train.bin", "No space left on device")
