@@ -677,20 +677,27 @@ def test_sample_from_weights_with_nan_says_which_not_id_0(workdir, capsys):
         assert "h.0.mlp.c_proj.weight holds 1 NaN of 256 values" in err
 
 
-def test_a_warning_is_one_line_of_the_command(monkeypatch, capsys):
+def test_a_warning_is_one_line_of_the_command(monkeypatch):
     """A warning during a command (an unwritable kernel cache, say) was Python's: the source
-    file, a line number and the line of code, read as a traceback (a QA report)."""
+    file, a line number and the line of code, read as a traceback (a QA report). The command
+    formats it on one line; recording warnings (catch_warnings, pytest.warns) is as before."""
     import warnings
     import forge_ml.cli as cli_mod
+    import forge_ml.backends.cpu.native as native
+    said = []
 
     def warns(argv):
+        said.append(warnings.formatwarning("forge-ml: the kernel cache /x cannot be written",
+                                           RuntimeWarning, native.__file__, 353))
+        said.append(warnings.formatwarning("deprecated", DeprecationWarning, "/elsewhere/lib.py", 1))
         warnings.warn("forge-ml: the kernel cache /x cannot be written", RuntimeWarning)
         return 0
-    before = warnings.showwarning
+    before = warnings.formatwarning
     monkeypatch.setattr(cli_mod, "_main", warns)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert main(["check"]) == 0
-    err = capsys.readouterr().err
-    assert err == "forge-ml: warning: the kernel cache /x cannot be written\n", err
-    assert warnings.showwarning is before
+    assert said == ["forge-ml: warning: the kernel cache /x cannot be written\n",
+                    "forge-ml: warning: DeprecationWarning: deprecated\n"]
+    assert [str(w.message) for w in seen] == ["forge-ml: the kernel cache /x cannot be written"]
+    assert warnings.formatwarning is before

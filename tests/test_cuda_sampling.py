@@ -105,7 +105,11 @@ def test_staged_and_fallback_choose_the_same_tokens(be, monkeypatch, V, Vp, pena
                 if x is not None:
                     np.testing.assert_array_equal(x, y, err_msg=f"cluster {what}, trial {trial}")
         got = staged[0].astype(np.int64)
-        assert (got < V).all() and (staged[1] == staged[0]).all()
+        # out: the token, or -1 where the row's logit at its (penalised) argmax is not finite
+        lost = [not np.isfinite(logits[b, int(np.argmax(_penalised(logits[b, :V], KNOBS[b],
+                                                                     None if seen is None else seen[b, :V])))])
+                for b in range(B)]
+        assert (got < V).all() and (staged[1] == np.where(lost, -1, staged[0])).all()
         for b in range(B):
             at = int(pos[b if npos == "rows" else 0]) + 1
             key = tuple(int(k) for k in keys[b].view(np.uint32))

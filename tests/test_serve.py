@@ -386,10 +386,22 @@ def test_a_megabyte_of_whitespace_is_a_prompt_too_long_not_a_500():
     from forge_ml.errors import TokenizerError
     from forge_ml.tokenizer import GPT2Tokenizer
     gpt2 = GPT2Tokenizer()
+
+    class PanicException(BaseException):   # pyo3's, as tiktoken raises it (not an Exception)
+        pass
+
+    class Overflowing:                     # tiktoken's two failures, whatever its build does
+        def encode_ordinary(self, text):
+            raise PanicException("called `Result::unwrap()` on an `Err` value: StackOverflow")
+
+        def encode_to_numpy(self, text, **kw):
+            raise ValueError("Regex error while tokenizing: Max stack size exceeded")
+    broken = GPT2Tokenizer()
+    broken._enc = Overflowing()
     with pytest.raises(TokenizerError, match="tiktoken cannot split this text of 1,000,000 characters"):
-        gpt2.encode(" " * 1_000_000)
+        broken.encode(" " * 1_000_000)
     with pytest.raises(TokenizerError, match="tiktoken cannot split"):
-        gpt2.encode_array("\n" * 2_000_000)
+        broken.encode_array("\n" * 2_000_000)
     cfg = GPT2Config(vocab_size=gpt2.vocab_size, block_size=32, n_layer=1, n_head=1, n_embd=8)
     with BatchEngine(make_model(cfg, seed=1), gpt2, slots=1) as eng:
         s = Server(create_app(eng, "g"))
@@ -416,7 +428,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_goes_on(http, body, statu
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == "invalid_request_error" and err["param"] == param
-    assert len(err["message"]) > 10
+    assert len(err["message"]) > 10 and "sys.set_int_max_str_digits" not in err["message"]
     assert http.get("/health").json()["status"] == "ok"
     assert complete(http, prompt="ab", max_tokens=2)["usage"]["completion_tokens"] == 2
     if body in ({"prompt": "a" * 65}, {"prompt": "ab", "max_tokens": 63}):

@@ -1937,6 +1937,19 @@ def test_overwrite_removes_only_what_a_run_wrote(workdir):
         with pytest.raises(ForgeError, match=r"u4/data holds data and u4 no run .* (--data |data=)u4/data"):
             Trainer(_cfg("u4"), overwrite=over)
     assert sorted(p.name for p in Path("u4/data").iterdir()) == before
+    # (review) a run's own things stay the run's: data a setup wrote before it failed, a log
+    # torn by a full disk beside its checkpoint, a plot an older forge-ml drew (no mark)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(train_mod.GPT2, "init", classmethod(lambda *a, **k: (_ for _ in ()).throw(MemoryError("x"))))
+        with pytest.raises(MemoryError):
+            Trainer(_cfg("u5"))
+    with pytest.raises(ForgeError, match="u5 holds a run"):
+        Trainer(_cfg("u5"))
+    Trainer(_cfg("u5", max_steps=2), overwrite=True).train()
+    Path("u3/log.jsonl").write_text('{"step": 1, "loss": 3.')        # torn
+    Path("u3/loss.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"Software\x00Matplotlib version3.9")
+    Trainer(_cfg("u3", max_steps=2), overwrite=True).train()
+    assert b"forge-ml train" in Path("u3/loss.png").read_bytes() or not Path("u3/loss.png").exists()
 
 
 def test_prepare_force_does_not_replace_a_running_runs_data(workdir, capsys):

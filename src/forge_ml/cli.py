@@ -1188,26 +1188,28 @@ def main(argv=None) -> int:
     2
     """
     import warnings
-    shown = warnings.showwarning
-    warnings.showwarning = _show_warning   # one line, not Python's path and source line
+    formatted = warnings.formatwarning
+    warnings.formatwarning = _format_warning   # one line, not Python's path and source line
     try:
         return _main(argv)
     except KeyboardInterrupt:   # before the command runs (its own handler says more there)
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
     finally:
-        warnings.showwarning = shown
+        warnings.formatwarning = formatted
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+def _format_warning(message, category, filename, lineno, line=None) -> str:
     """A warning as the command line says it: ``forge-ml: warning: ...`` on one line (Python's
-    default showed the file, the line number and the line of code, like a traceback)."""
+    default showed the file, the line number and the line of code, like a traceback); one of
+    another library's keeps its category. Recording (``catch_warnings(record=True)``) is as
+    before."""
     msg = str(message)
-    msg = msg[len(PROG) + 2:] if msg.startswith(PROG + ": ") else msg
-    try:
-        print(f"{PROG}: warning: {msg}", file=file if file is not None else sys.stderr)
-    except (OSError, ValueError):   # a closed stderr: the warning is lost, not the command
-        pass
+    if msg.startswith(PROG + ": "):
+        return f"{PROG}: warning: {msg[len(PROG) + 2:]}\n"
+    mod = getattr(sys.modules.get(__name__.split(".")[0]), "__file__", "") or ""
+    ours = filename.startswith(os.path.dirname(mod)) if mod else False
+    return f"{PROG}: warning: {msg}\n" if ours else f"{PROG}: warning: {category.__name__}: {msg}\n"
 
 
 def _unrecognized(parser, cmd, extra, argv) -> None:

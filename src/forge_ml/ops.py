@@ -1148,7 +1148,9 @@ def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None, 
     on every backend). ``seen`` (int32 (B, Vp) or None) marks the tokens the
     penalty applies to and gets the chosen one. The token goes to ``ids`` (and ``out``, row
     ``row`` of a (k, B) buffer when given); then ``pos`` (1 or B elements) goes up by one.
-    A row whose largest penalised logit is not finite gets -1 in ``out``, as ``greedy_next``.
+    A row whose logit at its (penalised) argmax is not finite gets -1 in ``out``, as
+    ``greedy_next`` (a penalty that only overflows finite logits takes the argmax, as
+    ``forge_ml.sampling.sample_row`` does).
 
     >>> import numpy as np, forge_ml as fm
     >>> ids, pos = fm.zeros((1, 1), "int32"), fm.zeros((1,), "int32")

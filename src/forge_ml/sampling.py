@@ -59,9 +59,10 @@ def penalty_knob(repetition_penalty: float) -> float:
 
 def penalised(z, knobs, seen=None) -> np.ndarray:
     """Step 1 of ``sample_row``: the float32 logits ``z (V,)`` (a copy) with the repetition
-    penalty of ``knobs`` applied to the tokens ``seen`` marks. A row whose largest penalised
-    logit is not finite (a NaN, +inf, or every logit -inf) has no token to choose: the device's
-    choice marks it -1 (``ops.sample_next``'s ``out``).
+    penalty of ``knobs`` applied to the tokens ``seen`` marks. A row whose logit at the argmax
+    of these is not finite (a NaN, +inf, or every logit -inf) has no token to choose: the
+    device's choice marks it -1 (``ops.sample_next``'s ``out``); a penalty that overflows
+    finite logits is step 2's argmax.
 
     >>> import numpy as np
     >>> penalised(np.array([2.0, -2.0, 1.0], np.float32), [1.0, 0, 1, 0, 2.0], [1, 1, 0]).tolist()

@@ -493,13 +493,16 @@ class GPT2Tokenizer:
         return GPT2_VOCAB_SIZE + len(self._added_text)
 
     @property
-    def max_token_chars(self) -> int:
+    def max_token_chars(self):
         """The most characters one token covers (its bytes bound them): a text of more than
         ``n * max_token_chars`` characters has more than n tokens, known without encoding it.
+        None where an added token strips the whitespace beside it (it covers any amount).
 
-        >>> GPT2Tokenizer().max_token_chars
-        128
+        >>> GPT2Tokenizer().max_token_chars, GPT2Tokenizer(added={"<p>": {"id": 50257, "lstrip": True}}).max_token_chars
+        (128, None)
         """
+        if any(r["lstrip"] or r["rstrip"] for r in self.added.values()):
+            return None
         if self._max_chars is None:
             self._max_chars = max([len(self._enc.decode_single_token_bytes(i)) for i in range(GPT2_VOCAB_SIZE)]
                                   + [len(c) for c in self.added])

@@ -772,7 +772,7 @@ class Trainer:
                     self.best_val = self._best_before(theirs, ckpt[1].get("step"))
         if resume:
             self._check_best_reached(step)
-        self._check_plot_target(held=resume)   # (--overwrite removes only a plot of forge-ml's)
+        self._check_plot_target(held=resume or bool(held))   # (--overwrite: only forge-ml's plot)
 
         # -- from here on, files are written ------------------------------------------------------
         # what a kill midway through a write left (.log.jsonl.XXXXXXXX.tmp, the plot's, the
@@ -785,6 +785,7 @@ class Trainer:
             self._clear_run()
         if write_data is not None:
             write_data()
+            self.lock._made = []   # a trainer's data: its lock file stays, whatever follows
 
         # -- model and optimizer ------------------------------------------------------------
         if ckpt is not None:
@@ -824,15 +825,18 @@ class Trainer:
     def _check_plot_target(self, held: bool) -> None:
         """A ``loss.png`` that forge-ml did not draw (its PNG text says so) is a user's file:
         refused rather than replaced at the end of the run or removed by --overwrite; ``held``:
-        a resumed run's folder, whose plot is its own."""
+        a run's folder, where a plot with matplotlib's text alone (an older forge-ml's) counts
+        as the run's."""
         path = self.out_dir / PLOT_NAME
-        if held or not (path.exists() or path.is_symlink()):
+        if not (path.exists() or path.is_symlink()):
             return
         try:
             with open(path, "rb") as f:
-                ours = _PLOT_MARK in f.read(4096)
+                head = f.read(4096)
         except OSError:
-            ours = False
+            head = b""
+        # (beside a run, a plot with matplotlib's own text: a curve an older forge-ml drew)
+        ours = _PLOT_MARK in head or (held and b"Matplotlib" in head)
         if not ours:
             raise RunError(f"{path} is not a loss curve that forge-ml drew, and a run draws its own there; "
                            f"move it away or choose another --out")
@@ -860,7 +864,9 @@ class Trainer:
         if is_checkpoint_dir(out / BEST_NAME, "forge-ml-model"):
             held.append(BEST_NAME + "/")
         if self.log_path.exists() or self.log_path.is_symlink():
-            if not run_log(self.log_path):   # a user's file: never a run's, never removed
+            # a user's file: never a run's, never removed (a run's log torn by a full disk or a
+            # kill still has the run's checkpoint or a trainer's lock beside it)
+            if not (run_log(self.log_path) or held or self._trainer_was_here):
                 raise RunError(f"{self.log_path} is not a log that forge-ml wrote (its first line is no "
                                f"step's record), and a run writes its own there; move it away or choose "
                                f"another --out")

@@ -833,8 +833,8 @@ def test_greedy_next_marks_a_row_with_no_finite_largest_logit(bk, rs):
 
 
 def test_sample_next_marks_a_row_with_no_finite_largest_logit(bk, rs):
-    """sample_next's sign as greedy_next's, sampled or not; the penalty's logits are the ones
-    judged (row 0's largest logit overflows float32 once divided by a penalty of 1e-30)."""
+    """sample_next's sign as greedy_next's, sampled or not; a penalty that overflows a finite
+    logit (row 0's 1e9 divided by 1e-30) is no lost row: the argmax, as sample_row takes it."""
     logits, want = _lost_rows(rs)
     logits[0, 5] = 1e9
     knobs = np.array([[1.0, 0, 1, 0, 1e-30]] + [[t, 0, 0.9, 0, 1] for t in (0.8, 0.0, 1.0, 0.7, 1.5)],
@@ -848,7 +848,7 @@ def test_sample_next_marks_a_row_with_no_finite_largest_logit(bk, rs):
         got, marks = host(bk, ids).astype(int), host(bk, out).astype(int)
         assert got[:4].tolist() == [5, 9, 3, 0], how          # the argmax where no draw is made
         assert 0 <= got[4] < 20 and logits[4, got[4]] > -np.inf and got[5] == 6, how
-        assert marks.tolist() == [-1, -1, -1, -1, got[4], 6], how
+        assert marks.tolist() == [5, -1, -1, -1, got[4], 6], how
 
 
 @pytest.mark.parametrize("V,Vp", [(50, 64), (50257, 50304)])

@@ -268,7 +268,7 @@ def greedy_next(bk, logits, vocab_size, ids, pos, out=None):
 
 def sample_next(bk, logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None):
     """A decoding step's sampled choice (``forge_ml.sampling.sample_row`` per row), through the host: ``ids``
-    (and ``out``, -1 there for a row whose largest penalised logit is not finite) get the tokens, ``seen[b, token] = 1`` where given, every element of ``pos``
+    (and ``out``, -1 there for a row whose logit at its argmax is not finite) get the tokens, ``seen[b, token] = 1`` where given, every element of ``pos``
     goes up by one. ``knobs`` (B, 5) float32 (``SAMPLE_KNOBS``), ``keys`` (B, 2) int32 Philox
     keys (uint32 bits), ``pos`` one int32 element or one per row: the position fed, so the
     Philox counter, the position of the token chosen, is ``pos + 1``."""
@@ -282,9 +282,10 @@ def sample_next(bk, logits, vocab_size, ids, pos, knobs, keys, seen=None, out=No
     toks = np.array([sample_row(host[b, :vocab_size], kn[b], (int(ky[b, 0]), int(ky[b, 1])),
                                 int(p[0] if p.size == 1 else p[b]) + 1,  # the token's position
                                 None if sn is None else sn[b]) for b in range(B)], np.int32)
-    if out is not None:   # -1: a row whose largest penalised logit is not finite
-        lost = [not np.isfinite(penalised(host[b, :vocab_size], kn[b],
-                                          None if sn is None else sn[b]).max()) for b in range(B)]
+    if out is not None:   # -1: a row whose logit at its (penalised) argmax is not finite
+        lost = [not np.isfinite(host[b, int(np.argmax(penalised(host[b, :vocab_size], kn[b],
+                                                                 None if sn is None else sn[b])))])
+                for b in range(B)]
         bk.assign(out, np.where(lost, -1, toks).astype(np.int32).reshape(out.shape))
     bk.assign(ids, toks.reshape(ids.shape))
     if sn is not None:

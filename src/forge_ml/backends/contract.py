@@ -254,7 +254,7 @@ class FusedKernels(Protocol):
                     out=None) -> None:
         """A sampled choice per row (``forge_ml.sampling.sample_row``'s rule: temperature, top-k,
         top-p, min-p, repetition penalty, a Philox draw at the row's position), into ``ids``
-        (and ``out``, -1 there for a row whose largest penalised logit is not finite);
+        (and ``out``, -1 there for a row whose logit at its argmax is not finite);
         ``seen[b, token] = 1``; then ``pos += 1``."""
 
 

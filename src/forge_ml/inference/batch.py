@@ -3,8 +3,12 @@
 A background thread owns the model and a step over ``slots`` rows, each row with its own
 KV-cache rows and its own position (``DecodeStep.rows_choose``). Every step feeds each busy
 slot one token at that slot's position: the next prompt token while the request is still
-inside its prompt (the prompt is prefilled one token per step, as ``generate`` does for ragged
-batches), else its last chosen token. Each slot past its prompt then gets its next token,
+inside its prompt, else its last chosen token. A prompt of at least ``prefill_min`` tokens is
+first prefilled in one forward pass into its slot's cache rows (all but its last token, which
+the step feeds and chooses after), so its first token comes after one pass, not one step a
+token; a shorter prompt rides the steps a token at a time (which costs the other slots
+nothing). The path depends on the prompt alone, never on the load, so a request gives the
+same tokens alone or among others. Each slot past its prompt then gets its next token,
 chosen on the device with its own ``SamplingParams`` by the one sampling rule of every
 decoding path (``forge_ml.sampling.sample_row``: ``ops.sample_next``), so only the tokens come
 back to the host, and a row's logits only for a request that asks for log-probabilities or
@@ -115,9 +119,8 @@ class BatchEngine:
     on a device with its own memory (a GPU), 8 on host memory); ``max_len``: the context a
     request may fill, prompt and new tokens together (default and at most the model's
     ``block_size``); ``prefill_min``: the prompt length (tokens) from which a request's prompt
-    is prefilled in one forward pass even while other slots are busy (default 64; a request
-    alone is always prefilled so; requests that score their prompt, ``prompt_logprobs``, step
-    through it). ``submit`` checks a request and queues it; ``close()`` stops the thread and
+    is prefilled in one forward pass (default 64; requests that score their prompt,
+    ``prompt_logprobs``, step through it). ``submit`` checks a request and queues it; ``close()`` stops the thread and
     ends every open stream with ``EngineClosedError``.
 
     >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
@@ -272,15 +275,14 @@ class BatchEngine:
                 st._push(EngineClosedError(self._error or "the engine was closed"))
 
     def _prefill(self, batch: list) -> None:
-        """Prefill the prompts of the requests new in this step's ``batch`` that are due (see
-        the module docstring), each in one forward pass into its slot's cache rows."""
-        alone = sum(rq is not None for rq in batch) == 1
+        """Prefill the prompts of at least ``prefill_min`` tokens of the requests new in this
+        step's ``batch``, each in one forward pass into its slot's cache rows."""
         for s, rq in enumerate(batch):
             if (rq is None or rq.fed or rq.params.prompt_logprobs is not None
                     or rq.stream.cancelled):
                 continue
             n = len(rq.prompt) - 1          # the last prompt token is the step's to feed
-            if n >= 1 and (alone or n >= self.prefill_min):
+            if n >= max(1, self.prefill_min - 1):   # a prompt of prefill_min tokens or more
                 ids = tensor(np.array([rq.prompt[:n]], np.int64), device=self.model.device)
                 self.model.forward_cached(ids, self._decode.cache.row(s), last_only=True)
                 rq.fed = n

@@ -246,8 +246,8 @@ class DecodeStep:
         nothing) and the step's float32 logits (B, Vp)
         Tensor, valid until the next step (a row of it for log-probabilities:
         ``ops.take_rows(logits.reshape(1, B, Vp), b)``). A graph where the backend has them;
-        what comes back is the B tokens (-1 for a row whose largest logit, after its penalty,
-        is not finite: ``ops.sample_next``'s sign).
+        what comes back is the B tokens (-1 for a row whose logit at its argmax is not
+        finite: ``ops.sample_next``'s sign).
 
         >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
         >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
@@ -387,7 +387,7 @@ class DecodeStep:
         counter being the position of the token chosen, so the tokens are those
         ``forge_ml.sampling.sample_row`` gives on the host. ``seen`` (B, vocab_size) bool: the tokens
         the repetition penalty applies to (None: no penalty anywhere). A row whose largest
-        penalised logit is not finite yields -1, as in ``greedy``.
+        logit at its argmax is not finite yields -1, as in ``greedy``.
 
         >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
         >>> from forge_ml import tensor

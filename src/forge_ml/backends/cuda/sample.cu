@@ -17,8 +17,9 @@
 // All sums are integers, so the choice does not depend on the order threads add in.
 // Then ids[b] = out[b] = the token, seen[b, token] = 1, and the position goes up by one
 // (a position shared by several rows: by sample_advance_pos, after every row has read it). A
-// row whose largest penalised logit is not finite (a NaN, +inf, or every logit -inf: no token
-// can be chosen from it) gets its argmax in ids (an id the next step can read) and -1 in out.
+// row whose logit at its argmax is not finite (a NaN, +inf, or every logit -inf: no token can
+// be chosen from it) gets that argmax in ids (an id the next step can read) and -1 in out; a
+// penalty that only overflows finite logits is the argmax's fallback below, not a lost row.
 // seen: int32 (B, Vp), 1 where the row has seen the token (the penalty's context).
 //
 // Three kernels run the same passes with the same arithmetic and the same integer sums, so
@@ -581,7 +582,7 @@ FORGE_D void sample_row(const float* logits, int V, int Vp, const float* knobs,
         }
     }
     if (t == 0 && token >= 0) {
-        out[b] = isfinite(best) ? token : -1;   // -1: the host's sign that the row is lost
+        out[b] = isfinite(row.z[bi]) ? token : -1;   // -1: the host's sign the row is lost
         ids[b] = token;                         // after out, which may be ids
         if (has_seen) seen[(long long)b * Vp + token] = 1;
     }

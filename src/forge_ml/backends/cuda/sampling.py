@@ -86,8 +86,8 @@ def _sample_kernel(vocab_size):
 def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None):
     """In place: ``ids[b]`` = row b's sampled token (sample.cu; ``forge_ml.sampling.sample_row``'s rule)
     for float32 logits (B, Vp), ``knobs`` (B, 5) float32, ``keys`` (B, 2) int32, ``seen``
-    (B, Vp) int32 or None; also into ``out`` when given (-1 for a row whose largest
-    penalised logit is not finite); ``seen[b, token] = 1``; then ``pos``
+    (B, Vp) int32 or None; also into ``out`` when given (-1 for a row whose logit at its
+    argmax is not finite); ``seen[b, token] = 1``; then ``pos``
     (one element, or one per row) goes up by one."""
     if logits.dtype != F32 or logits.ndim != 2 or ids.size != logits.shape[0]:
         raise ShapeError(f"sample_next: float32 logits (B, Vp) and B ids expected, got "
