@@ -160,13 +160,13 @@ def expected(model):
 
 def slow_down(engine, seconds=0.005):
     """Make every step of ``engine`` take ``seconds`` more, so a test can act mid-request."""
-    step = engine._step
+    launch = engine._launch
 
     def slow(*args):
         time.sleep(seconds)
-        return step(*args)
+        return launch(*args)
 
-    engine._step = slow
+    engine._launch = slow
     return engine
 
 
@@ -431,7 +431,7 @@ def test_a_failing_step_ends_the_streams_with_its_error(model):
     engine = BatchEngine(model, slots=2)
     def broken(*args):
         raise RuntimeError("device lost")
-    engine._step = broken
+    engine._launch = broken
     s = engine.submit([1], SamplingParams())
     with pytest.raises(EngineClosedError, match="device lost"):
         list(s)

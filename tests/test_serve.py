@@ -531,13 +531,13 @@ def slow_server(tok):
     client leaves."""
     cfg = GPT2Config(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=1, n_embd=16)
     eng = BatchEngine(make_model(cfg, seed=3), tok, slots=2)
-    step = eng._step
+    launch = eng._launch
 
     def slow(*args):
         time.sleep(0.03)
-        return step(*args)
+        return launch(*args)
 
-    eng._step = slow
+    eng._launch = slow
     s = Server(create_app(eng, "slow"))
     yield s, eng
     s.stop()

@@ -159,13 +159,14 @@ class BatchEngine:
         if _is_int(n_tok) and 0 < n_tok < cfg.vocab_size:
             self.vocab_size = int(n_tok)   # the model's ids past the tokenizer's are no tokens
         self._decode = DecodeStep(model, KVCache.empty(model, slots, max_len))
-        self._step = self._decode.rows_choose
+        self._launch, self._collect = self._decode.rows_launch, self._decode.rows_collect
         self._knobs = np.tile(np.array(_GREEDY, np.float32), (slots, 1))   # per slot
         self._keys = np.zeros((slots, 2), np.int64)
         # one step on token 0 (every slot idle: each is rewritten when a request takes it):
         # a model whose logits are NaN or inf is refused here, not served as id 0 at every step
-        _, finite, _ = self._step(np.zeros(slots, np.int64), np.zeros(slots, np.int32),
-                                  self._knobs, self._keys, None, self.vocab_size)
+        self._launch(np.zeros(slots, np.int64), np.zeros(slots, np.int32), self._knobs,
+                     self._keys, None, self.vocab_size)
+        _, finite, _ = self._collect()
         if not finite[0]:
             raise nonfinite_error(model, "BatchEngine", "a first step on token 0 (its check of the model)")
         self._cond = threading.Condition()
@@ -251,16 +252,26 @@ class BatchEngine:
 
     def _run(self) -> None:
         try:
+            flight = None    # the slots' requests of the step on the device, or None
             while True:
                 with self._cond:
                     self._admit()
-                    while not self._closed and not any(self._active):
+                    while flight is None and not self._closed and not any(self._active):
                         self._cond.wait()
                         self._admit()
                     if self._closed:
                         break
-                    batch = list(self._active)
-                self._step_once(batch)
+                if flight is None:
+                    flight = self._launch_step()
+                outs = self._collect_step(flight)
+                # the next step goes to the device before this one's tokens go to their
+                # streams: the streams' locks and wake-ups run while the device computes
+                with self._cond:
+                    self._admit()
+                    go = not self._closed and any(self._active)
+                flight = self._launch_step() if go else None
+                for stream, item in outs:
+                    stream._push(item)
         except Exception as e:   # a failing step must not leave clients waiting forever
             log.exception("BatchEngine: the decode loop failed")
             self._error = f"the engine stopped after an error: {type(e).__name__}: {e}"
@@ -288,7 +299,11 @@ class BatchEngine:
                 rq.fed = n
                 self.prefills += 1
 
-    def _step_once(self, batch: list) -> None:
+    def _launch_step(self) -> list:
+        """Queue a step for the busy slots (each fed its next token at its position, the new
+        ones' prompts prefilled first where due); returns the slots' requests (None: idle) as
+        they were at the launch."""
+        batch = list(self._active)
         self._prefill(batch)
         S = self.slots
         tokens = np.zeros(S, np.int64)
@@ -308,10 +323,18 @@ class BatchEngine:
                 # device marked its prefill steps' ignored choices; those go here)
                 marks[s] = rq.prompt
                 rq.marked = True
-        toks, finite, logits = self._step(tokens, positions, self._knobs, self._keys, marks,
-                                          self.vocab_size)
+        self._launch(tokens, positions, self._knobs, self._keys, marks, self.vocab_size)
+        return batch
+
+    def _collect_step(self, batch: list) -> list:
+        """The launched step's results for its slots' requests: their state moves on, the
+        finished ones free their slots; returns the ``(stream, TokenOut)`` pairs to push.
+        Everything that reads the step's logits (log-probabilities, prompt scores) is done
+        here, before the next launch overwrites them."""
+        toks, finite, logits = self._collect()
         self.steps += 1
         rows = _HostRows(logits, self.vocab_size)
+        outs = []
         for s, rq in enumerate(batch):
             if rq is None or rq.stream.cancelled:
                 continue
@@ -343,9 +366,10 @@ class BatchEngine:
             elif (len(rq.generated) >= rq.params.max_tokens
                   or len(rq.prompt) + len(rq.generated) >= self.max_len):
                 finish = "length"
-            rq.stream._push(TokenOut(tok, lp, top, finish))
+            outs.append((rq.stream, TokenOut(tok, lp, top, finish)))
             if finish is not None:
                 self._finish(s, rq, finish)
+        return outs
 
     def _fail(self, s: int, rq: _Request) -> None:
         """End slot ``s``'s request with a ModelError: its logits (for the token it was fed at

@@ -173,6 +173,7 @@ class DecodeStep:
         self._sent = None      # the host values last written into them
         self._seen = self._seen_buf = None  # sample(): the penalty's seen tokens (B, Vp)
         self._choice = None    # rows_choose(): the (B,) int32 tokens chosen on the device
+        self._in_flight = None  # rows_launch(): the queued step's logits
         self._graphs = {}      # "logits", "rows": one step; ("greedy", k): k steps + choices
         self._hist = {}        # k -> the (k, B) int32 tensor of a k-step chain's tokens
         self._warm = False     # some step ran op by op: every kernel is compiled and loaded
@@ -256,6 +257,13 @@ class DecodeStep:
         >>> toks.shape, ok.tolist()
         ((2,), [True, True])
         """
+        self.rows_launch(tokens, positions, knobs, keys, marks, vocab_size)
+        return self.rows_collect()
+
+    def rows_launch(self, tokens, positions, knobs, keys, marks=None, vocab_size=None) -> None:
+        """``rows_choose``'s step queued on the device without waiting for it (the arguments
+        are ``rows_choose``'s): the host may work while the device computes; then
+        ``rows_collect()`` gives its result, before the next launch."""
         B = self.cache.batch
         cfg = self.model.config
         V = cfg.vocab_size if vocab_size is None else int(vocab_size)
@@ -283,9 +291,13 @@ class DecodeStep:
                             self._seen_buf if penalty else None, out=self._choice)
             return logits
 
-        logits = self._run(("rows_choose", V, penalty), work)
+        self._in_flight = self._run(("rows_choose", V, penalty), work)
+
+    def rows_collect(self) -> tuple:
+        """The ``(tokens, finite, logits)`` of the step ``rows_launch`` queued (waiting for
+        it), as ``rows_choose`` returns them."""
         toks = self._choice.numpy().astype(np.int64)
-        return toks, toks >= 0, logits
+        return toks, toks >= 0, self._in_flight
 
     def _row_inputs(self, who: str, tokens, positions) -> None:
         """Check a per-row step's tokens and positions and write them into the step's
