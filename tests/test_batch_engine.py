@@ -269,6 +269,26 @@ def test_a_long_prompt_is_prefilled_in_one_pass(model, expected):
         BatchEngine(model, prefill_min=0)
 
 
+def test_a_prefill_that_fails_ends_its_request_not_the_engine():
+    """(review) A long prompt's prefill out of memory stopped the engine and every request in
+    it; it now ends that request with the error and the engine goes on."""
+    m = make_model()
+    with slow_down(BatchEngine(m, slots=2, prefill_min=5), 0.002) as engine:
+        other = engine.submit([1, 2], SamplingParams(max_tokens=10, temperature=0))
+        real = m.forward_cached
+
+        def oom(ids, cache, **kw):
+            raise MemoryError("out of memory (the test's)")
+        m.forward_cached = oom
+        try:
+            with pytest.raises(MemoryError, match="the test's"):
+                list(engine.submit(list(range(1, 9)), SamplingParams(max_tokens=3)))
+        finally:
+            m.forward_cached = real
+        assert len(list(other)) == 10 and engine.running
+        assert len(list(engine.submit(list(range(1, 9)), SamplingParams(max_tokens=3)))) == 3
+
+
 def test_a_huge_top_k_is_no_cut_and_stops_nothing(model):
     """top_k=10**40 (any HTTP client may send it) was float32's infinity in the knobs: the host
     draw raised OverflowError in the loop thread and every request in flight ended with it.

@@ -295,7 +295,15 @@ class BatchEngine:
             n = len(rq.prompt) - 1          # the last prompt token is the step's to feed
             if n >= max(1, self.prefill_min - 1):   # a prompt of prefill_min tokens or more
                 ids = tensor(np.array([rq.prompt[:n]], np.int64), device=self.model.device)
-                self.model.forward_cached(ids, self._decode.cache.row(s), last_only=True)
+                try:
+                    self.model.forward_cached(ids, self._decode.cache.row(s), last_only=True)
+                except Exception as e:   # (out of memory for a long prompt): this request's
+                    log.warning("BatchEngine: a prompt's prefill failed: %s: %s",  # error,
+                                type(e).__name__, e)                              # not the engine's
+                    rq.stream._push(e)
+                    self._finish(s, rq, None)
+                    batch[s] = None
+                    continue
                 rq.fed = n
                 self.prefills += 1
 
