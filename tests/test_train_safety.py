@@ -2317,3 +2317,17 @@ def test_a_resume_with_other_optimisation_settings_says_so(workdir, capsys):
     assert main(["train", "--out", "r3", "--resume", "--lr", "0.5", "--no-progress"]) == 2
     out, err = capsys.readouterr()
     assert "is finished" in err and "this resume changes" not in out + err, (out, err)
+
+
+def test_eval_iters_past_the_val_set_is_noted(workdir):
+    """--eval-iters 100000 on a val set of a few batches was logged as "an estimate on 100000
+    val batches" while it read the same windows over and over (a QA report): noted, with the
+    count that reads every batch once; a count within the val set says nothing."""
+    for iters, noted in ((50, True), (1, False)):
+        lines = []
+        Trainer(_cfg(f"e{iters}", eval_interval=2, eval_iters=iters), log=lines.append).train()
+        said = [str(x) for x in lines if "--eval-iters" in str(x) or "eval_iters" in str(x)]
+        assert bool(said) == noted, said
+        if noted:
+            assert "more than the 7 batches the val set holds" in said[0], said
+            assert "reads it 7.1 times over" in said[0] and "7 reads every batch once" in said[0], said

@@ -1873,6 +1873,13 @@ class Trainer:
             self._say(f"note: --warmup {cfg.warmup} is longer than the run's {cfg.max_steps} steps: the learning "
                       f"rate climbs to {peak:.2e}, never to --lr {cfg.lr:g} (give a shorter --warmup, e.g. "
                       f"--warmup {max(1, cfg.max_steps // 10)})")
+        vl = self.val_loader
+        held = ((vl.n_tokens - 1) // vl.T) // vl.B   # the val set's whole batches
+        if cfg.eval_interval and self.step == 0 and 0 < held < cfg.eval_iters:
+            # (eval_batches wraps to the start: the same windows read again, unevenly)
+            self._say(f"note: --eval-iters {cfg.eval_iters} is more than the {held} batches the val set "
+                      f"holds; each estimate reads it {cfg.eval_iters / held:.1f} times over "
+                      f"(--eval-iters {held} reads every batch once)")
         self._bar = self._make_bar(until)
         first = self.step
         mine = len(self.losses)   # where this call's losses begin
