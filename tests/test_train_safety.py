@@ -1922,6 +1922,10 @@ def test_overwrite_removes_only_what_a_run_wrote(workdir):
         with pytest.raises(ForgeError, match=r"u1/log.jsonl is not a log that forge-ml wrote"):
             Trainer(_cfg("u1"), overwrite=over)
     assert Path("u1/log.jsonl").read_text() == '{"event": "deploy"}\n'
+    Path("u1/train.lock").write_text("my notes\n")        # (review) rewritten before the refusal
+    with pytest.raises(ForgeError, match=r"u1/train.lock is not a lock file that forge-ml wrote"):
+        Trainer(_cfg("u1"), overwrite=True)
+    assert Path("u1/train.lock").read_text() == "my notes\n"
     Trainer(_cfg("u2")).train()                       # a run, then a user's picture over its plot
     Path("u2/loss.png").write_bytes(png)
     with pytest.raises(ForgeError, match=r"u2/loss.png is not a loss curve that forge-ml drew"):

@@ -958,7 +958,7 @@ def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, model_vocab: int,
 
 def _cmd_prepare(args) -> int:
     from .data import prepare
-    from .runs import RunLock, trainer_locked
+    from .runs import RunLock, run_log, trainer_locked
     from .train import DATA_NAME
 
     if not args.out.strip():
@@ -978,7 +978,7 @@ def _cmd_prepare(args) -> int:
         probe.release(undo=True)
     if held and not args.force:
         run = " (the prepared data of the run in " + str(out.parent) + ")" \
-            if out.name == "data" and (out.parent / "log.jsonl").exists() else ""
+            if out.name == DATA_NAME and run_log(out.parent / "log.jsonl") else ""
         raise DataError(f"{out} already holds {', '.join(held)}{run}; give another --out, or "
                         f"--force to replace them")
     info = prepare(args.text, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction)

@@ -314,6 +314,16 @@ def trainer_locked(folder) -> bool:
         return False
 
 
+def _torn_log(path) -> bool:
+    """A log whose first line a kill or a full disk cut: a record's beginning, no end."""
+    try:
+        with open(path, "rb") as f:
+            line = f.readline(4096)
+    except OSError:
+        return False
+    return line.startswith(b'{"step": ') and not line.endswith(b"\n")
+
+
 def run_log(path, empty: bool = True) -> bool:
     """Whether the file ``path`` is a run's log: its first line a record with an integer step
     (an empty file too, with ``empty``: a run stopped before its first record). Another file of
@@ -444,8 +454,10 @@ class RunLock:
             was = "?"
         # a user's file of that name, in a folder that holds no run (a run's own lock file,
         # zero-filled by a power loss, is the run's: it is rewritten)
-        # (any trace of a run: looser than holds_run, which reads the files)
-        run_here = any((self.folder / n).exists() for n in ("log.jsonl", "ckpt", "ckpt.old"))
+        # (a run's log, torn or not, or its checkpoint: looser than holds_run; a user's
+        # log.jsonl beside a user's train.lock is no run, and the lock file is not rewritten)
+        run_here = (run_log(self.folder / "log.jsonl") or _torn_log(self.folder / "log.jsonl")
+                    or any((self.folder / n).exists() for n in ("ckpt", "ckpt.old")))
         if was.strip("\x00 \n\t") and not _LOCK_LINE.match(was) and not run_here:
             f.close()
             self.release(undo=True)
