@@ -13,7 +13,8 @@ chosen on the device with its own ``SamplingParams`` by the one sampling rule of
 decoding path (``forge_ml.sampling.sample_row``: ``ops.sample_next``), so only the tokens come
 back to the host, and a row's logits only for a request that asks for log-probabilities or
 scores its prompt. The
-request's ``Stream`` gets a ``TokenOut``. A request finishes on a stop token, ``max_tokens``
+request's ``Stream`` gets a ``TokenOut``, after the next step is on its way to the device (the
+streams' locks and wake-ups run while the device computes). A request finishes on a stop token, ``max_tokens``
 or a full context, and frees its slot at once; a cancelled one frees it at the next step. A
 new request takes a free slot at the next step, starting at position 0 (the slot's old cache
 rows are overwritten before they are read). Idle slots are fed a dummy token at position 0
