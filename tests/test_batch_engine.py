@@ -568,3 +568,32 @@ def test_numpy_scalars_and_range_limits_in_requests(model):
         vocab_size = np.int64(5)
     with BatchEngine(model, Tok(), slots=1) as engine:
         assert engine.vocab_size == 5 and type(engine.vocab_size) is int
+
+
+def test_a_finished_stream_iterated_again_ends_at_once(model):
+    """A QA report: list(stream) a second time (a notebook cell run again) waited forever for
+    events that never come. A second iteration of a finished stream ends at once (a failed
+    one raises its error again), in a thread and in an event loop."""
+    from forge_ml.inference.engine import Stream
+    with BatchEngine(model, slots=2) as engine:
+        s = engine.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))
+        zero = engine.submit([1, 2], SamplingParams(max_tokens=0))
+        first = [t.token for t in s]
+        done = threading.Event()
+        again = []
+
+        def twice():
+            again.extend([[t.token for t in s], list(zero), list(zero)])
+            done.set()
+        threading.Thread(target=twice, daemon=True).start()
+        assert done.wait(10), "a second iteration of a finished stream blocked"
+        assert len(first) == 3 and again == [[], [], []]
+
+        async def consume():
+            return [t async for t in s]
+        assert asyncio.run(asyncio.wait_for(consume(), 10)) == []
+    failed = Stream([1], SamplingParams())
+    failed._push(RuntimeError("device lost"))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="device lost"):
+            list(failed)

@@ -786,3 +786,21 @@ def test_the_one_row_helpers_take_a_tensor_one_id_and_refuse_fractional_ids(mode
                                next_token_probs(z, repetition_penalty=2.0, context=[1]))
     a = list(generate(model, [1, 2], 6, temperature=0, stop_tokens=np.array(5)))
     assert a == list(generate(model, [1, 2], 6, temperature=0, stop_tokens=5))
+
+
+def test_the_first_argument_of_each_entry_point_is_checked(model, tmp_path):
+    """A QA report: Trainer(None), load_model(None) and generate_text(model, None, ...) failed
+    deep inside ('NoneType' object has no attribute ...), and the model check pointed at a
+    forge_ml.load that does not exist."""
+    from forge_ml.errors import ConfigError
+    from forge_ml.inference import generate_text, load_model
+    from forge_ml.train import Trainer
+    for call, says in ((lambda: Trainer(None), "Trainer: config must be a TrainConfig or a dict"),
+                       (lambda: Trainer(str(tmp_path / "cfg.json")), "got str"),
+                       (lambda: load_model(None), "load_model: path must be a checkpoint"),
+                       (lambda: generate_text(model, None, "ab", 3), "generate_text: tokenizer must be"),
+                       (lambda: generate_text(CharTokenizer("ab"), model, "ab", 3), "generate_text: tokenizer")):
+        with pytest.raises((ConfigError, TypeError), match=says):
+            call()
+    with pytest.raises(TypeError, match=r"forge_ml\.inference\.load_model\), got NoneType"):
+        list(generate(None, [1], 2))

@@ -536,6 +536,9 @@ class Trainer:
                  overwrite: bool = False):
         if isinstance(config, dict):
             config = TrainConfig.from_dict(config)
+        if not isinstance(config, TrainConfig):   # (None gave 'NoneType' has no attribute 'device')
+            raise ConfigError(f"Trainer: config must be a TrainConfig or a dict of its fields "
+                              f"(a JSON file: TrainConfig.from_dict(json.load(f))), got {type(config).__name__}")
         cfg = self.cfg = config
         flags.check_environment()   # a bad FORGE_* value fails here, not after the run
         if log is not None and not callable(log):   # before data/ is written, not after

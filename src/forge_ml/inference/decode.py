@@ -593,12 +593,12 @@ def model_check(who: str, model) -> None:
     >>> model_check("generate", None)
     Traceback (most recent call last):
     ...
-    TypeError: generate: model must be a forge-ml language model (forge_ml.models.GPT2, e.g. from forge_ml.load), got NoneType
+    TypeError: generate: model must be a forge-ml language model (forge_ml.models.GPT2, e.g. from forge_ml.inference.load_model), got NoneType
     """
     if not (hasattr(model, "config") and hasattr(model, "forward_cached")
             and hasattr(model, "new_cache")):
         raise TypeError(f"{who}: model must be a forge-ml language model (forge_ml.models.GPT2, "
-                        f"e.g. from forge_ml.load), got {type(model).__name__}")
+                        f"e.g. from forge_ml.inference.load_model), got {type(model).__name__}")
 
 
 def check_finite_logits(model, logits, who: str, what: str = "the prompt") -> None:

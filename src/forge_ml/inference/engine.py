@@ -222,6 +222,7 @@ class Stream:
         self._cond = threading.Condition()
         self._waker = None                # (loop, asyncio.Event) of an async consumer
         self._ended = False
+        self._failed = None               # the error an iteration raised (a later one, again)
         self._on_cancel = on_cancel
 
     # -- the producer side (the engine's thread) ------------------------------------------
@@ -290,13 +291,26 @@ class Stream:
         if item is _END:
             return None
         if isinstance(item, BaseException):
+            self._failed = item   # raised again by a later iteration
             raise item
         return item
+
+    def _over(self) -> bool:
+        """Under the lock, with nothing left to read: whether the stream has ended (its end
+        was read by an earlier iteration: a second one ends at once, or raises its error
+        again, rather than waiting for events that will never come)."""
+        if not self._ended:
+            return False
+        if self._failed is not None:
+            raise self._failed
+        return True
 
     def __iter__(self):
         while True:
             with self._cond:
                 while not self._items:
+                    if self._over():
+                        return
                     self._cond.wait()
                 item = self._items.popleft()
             out = self._take(item)
@@ -315,6 +329,8 @@ class Stream:
             with self._cond:
                 item = self._items.popleft() if self._items else None
                 if item is None:
+                    if self._over():
+                        return
                     event.clear()
             if item is None:
                 await event.wait()

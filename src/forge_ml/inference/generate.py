@@ -682,6 +682,9 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kwa
         raise ConfigError("generate_text returns text alone; for log-probabilities call "
                           "generate(model, [tokenizer.encode(prompt)], ..., logprobs=n), whose "
                           "TokenEvents carry them")
+    if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
+        raise ConfigError(f"generate_text: tokenizer must be a forge-ml tokenizer (with encode and "
+                          f"decode: load_model's second value), got {type(tokenizer).__name__}")
     ids = tokenizer.encode(prompt)
     stop_tokens, stop_strings = _stop_args(kwargs.get("stop_tokens"), kwargs.get("stop_strings"))
     kwargs["tokenizer"] = tokenizer

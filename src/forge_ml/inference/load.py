@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from ..checkpoint import load_checkpoint, unpack_tensors
@@ -83,6 +84,9 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
     >>> tok.vocab_size, meta["step"]
     (4, 1)
     """
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        raise ConfigError(f"load_model: path must be a checkpoint, run or Hugging Face folder "
+                          f"(a str or a Path), got {path!r:.60}")
     p = resolve_checkpoint(path)
     if (p / "state.json").is_file() or not p.exists():  # not there: the ``.old`` state
         tensors, meta = load_checkpoint(p)
