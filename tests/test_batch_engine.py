@@ -414,7 +414,8 @@ def test_bad_requests_are_refused_at_submit(model, prompt, kw, param):
 @pytest.mark.parametrize("kw", [{"temperature": -0.5}, {"top_p": 1.5}, {"top_k": -1},
                                 {"max_tokens": -1}, {"max_tokens": 2.0}, {"logprobs": 21},
                                 {"min_p": 2.0}, {"repetition_penalty": 0}, {"seed": -3},
-                                {"temperature": float("nan")}])
+                                {"temperature": float("nan")}, {"stop_tokens": "7"},
+                                {"stop_tokens": [1.5]}, {"stop_tokens": np.zeros((2, 2), int)}])
 def test_bad_sampling_params(kw):
     with pytest.raises(RequestError) as e:
         SamplingParams(**kw)
@@ -597,3 +598,11 @@ def test_a_finished_stream_iterated_again_ends_at_once(model):
     for _ in range(2):
         with pytest.raises(RuntimeError, match="device lost"):
             list(failed)
+
+
+def test_stop_tokens_take_generates_forms():
+    """(library QA) generate(stop_tokens=1) and an array of ids were taken where
+    SamplingParams refused them: every form generate takes is a tuple here."""
+    for given, want in ((1, (1,)), (np.int64(3), (3,)), (np.array(5), (5,)), ([1, 2], (1, 2)),
+                        (np.array([1, 2]), (1, 2)), ((4,), (4,))):
+        assert SamplingParams(stop_tokens=given).stop_tokens == want, given

@@ -29,6 +29,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 from ..errors import ConfigError, plural
 from ..sampling import F32_MAX
 
@@ -66,7 +68,7 @@ class SamplingParams:
     by it, a negative one multiplied); logprobs None returns no log-probabilities, n >= 0
     returns the chosen token's and the n most likely tokens' log-probabilities (after the
     temperature, before the cuts; at temperature 0, of the logits as they are);
-    stop_tokens (a tuple or list of ids) end the request when drawn (the token is returned with
+    stop_tokens (an id, or a tuple, list or array of ids) end the request when drawn (the token is returned with
     finish "stop").
     ``prompt_logprobs`` (None or n >= 0) also scores the prompt: ``Stream.prompt_logprobs``
     gets, for each prompt token after the first, its log-probability and the n most likely
@@ -96,8 +98,12 @@ class SamplingParams:
 
         if self.top_k is None:          # generate's "off": 0 here
             object.__setattr__(self, "top_k", 0)
-        if isinstance(self.stop_tokens, list):   # generate takes a list: a tuple here
-            object.__setattr__(self, "stop_tokens", tuple(self.stop_tokens))
+        # generate's forms: one id (an int, a 0-d array), a list or an array of ids: a tuple here
+        st = self.stop_tokens
+        if _is_int(st) or (isinstance(st, np.ndarray) and st.ndim == 0):
+            object.__setattr__(self, "stop_tokens", (st.item() if isinstance(st, np.ndarray) else st,))
+        elif isinstance(st, list) or (isinstance(st, np.ndarray) and st.ndim == 1):
+            object.__setattr__(self, "stop_tokens", tuple(st.tolist() if isinstance(st, np.ndarray) else st))
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
             bad("max_tokens", "an int >= 0")
         if not _is_num(self.temperature) or not 0 <= float(self.temperature) <= F32_MAX:
@@ -117,7 +123,7 @@ class SamplingParams:
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 bad(name, f"None or an int in 0..{MAX_LOGPROBS}")
         if not isinstance(self.stop_tokens, tuple) or not all(_is_int(t) for t in self.stop_tokens):
-            bad("stop_tokens", "a tuple or list of token ids")
+            bad("stop_tokens", "a token id or a tuple, list or array of token ids")
         # NumPy scalars as Python numbers (an np.uint8 logprobs overflowed in the top-n cut,
         # inside the engine's loop, and stopped it)
         for name in ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
