@@ -1207,8 +1207,7 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
     msg = str(message)
     if msg.startswith(PROG + ": "):
         return f"{PROG}: warning: {msg[len(PROG) + 2:]}\n"
-    mod = getattr(sys.modules.get(__name__.split(".")[0]), "__file__", "") or ""
-    ours = filename.startswith(os.path.dirname(mod)) if mod else False
+    ours = filename.startswith(os.path.dirname(os.path.abspath(__file__)))   # the package's
     return f"{PROG}: warning: {msg}\n" if ours else f"{PROG}: warning: {category.__name__}: {msg}\n"
 
 

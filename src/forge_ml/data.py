@@ -741,6 +741,18 @@ class DataLoader:
     def __next__(self):
         return self.next_batch()
 
+    @property
+    def windows(self) -> int:
+        """The non-overlapping windows of ``T`` tokens (with their targets) the shards hold:
+        ``eval_batches``' windows.
+
+        >>> import tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "s.bin"); write_shard(p, range(50))
+        >>> DataLoader(p, 2, 4).windows
+        12
+        """
+        return (self.n_tokens - 1) // self.T
+
     def eval_batches(self, n: int | None = None, *, tail: bool = False):
         """Yield ``n`` fixed batches of sequential, non-overlapping windows, the same on every
         call and independent of the random stream. Window ``k`` covers tokens ``[kT, kT + T]``.
@@ -759,7 +771,7 @@ class DataLoader:
         if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
             raise DataError(f"eval_batches: n must be a whole number >= 1 (None: every batch), "
                             f"got {n!r}")   # (-1 and 0 gave nothing, 1.5 one batch)
-        n_windows = (self.n_tokens - 1) // T
+        n_windows = self.windows
         rest = 0
         if n is None:
             n = n_windows // B

@@ -314,20 +314,11 @@ def trainer_locked(folder) -> bool:
         return False
 
 
-def _torn_log(path) -> bool:
-    """A log whose first line a kill or a full disk cut: a record's beginning, no end."""
-    try:
-        with open(path, "rb") as f:
-            line = f.readline(4096)
-    except OSError:
-        return False
-    return line.startswith(b'{"step": ') and not line.endswith(b"\n")
-
-
 def run_log(path, empty: bool = True) -> bool:
-    """Whether the file ``path`` is a run's log: its first line a record with an integer step
-    (an empty file too, with ``empty``: a run stopped before its first record). Another file of
-    that name is a user's, which no trainer may count as a run's (nor remove).
+    """Whether the file ``path`` is a run's log: its first line a record with an integer step,
+    or a step's record a kill or a full disk cut short (an empty file too, with ``empty``: a
+    run stopped before its first record). Another file of that name is a user's, which no
+    trainer may count as a run's (nor remove).
 
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp())
@@ -340,6 +331,8 @@ def run_log(path, empty: bool = True) -> bool:
             line = f.readline(4096)
         if not line.strip():
             return empty and not line
+        if line.startswith(b'{"step": ') and not line.endswith(b"\n"):
+            return True                       # torn: a record's beginning, no end
         first = json.loads(line.decode("utf-8", "replace"))
         return isinstance(first, dict) and isinstance(first.get("step"), int) \
             and not isinstance(first.get("step"), bool)
@@ -456,7 +449,7 @@ class RunLock:
         # zero-filled by a power loss, is the run's: it is rewritten)
         # (a run's log, torn or not, or its checkpoint: looser than holds_run; a user's
         # log.jsonl beside a user's train.lock is no run, and the lock file is not rewritten)
-        run_here = (run_log(self.folder / "log.jsonl") or _torn_log(self.folder / "log.jsonl")
+        run_here = (run_log(self.folder / "log.jsonl")
                     or any((self.folder / n).exists() for n in ("ckpt", "ckpt.old")))
         if was.strip("\x00 \n\t") and not _LOCK_LINE.match(was) and not run_here:
             f.close()

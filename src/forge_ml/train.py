@@ -1877,7 +1877,7 @@ class Trainer:
                       f"rate climbs to {peak:.2e}, never to --lr {cfg.lr:g} (give a shorter --warmup, e.g. "
                       f"--warmup {max(1, cfg.max_steps // 10)})")
         vl = self.val_loader
-        held = ((vl.n_tokens - 1) // vl.T) // vl.B   # the val set's whole batches
+        held = vl.windows // vl.B   # the val set's whole batches
         if cfg.eval_interval and self.step == 0 and 0 < held < cfg.eval_iters:
             # (eval_batches wraps to the start: the same windows read again, unevenly)
             self._say(f"note: --eval-iters {cfg.eval_iters} is more than the {held} batches the val set "

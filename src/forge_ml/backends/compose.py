@@ -279,13 +279,13 @@ def sample_next(bk, logits, vocab_size, ids, pos, knobs, keys, seen=None, out=No
     ky = np.asarray(bk.to_host(keys)).astype(np.int64).reshape(B, 2) & 0xFFFFFFFF
     p = np.asarray(bk.to_host(pos)).reshape(-1).astype(np.int64)
     sn = None if seen is None else np.asarray(bk.to_host(seen)).reshape(B, -1)
-    toks = np.array([sample_row(host[b, :vocab_size], kn[b], (int(ky[b, 0]), int(ky[b, 1])),
-                                int(p[0] if p.size == 1 else p[b]) + 1,  # the token's position
-                                None if sn is None else sn[b]) for b in range(B)], np.int32)
+    # each row penalised once: sample_row on those logits (no marks: no second penalty)
+    pz = [penalised(host[b, :vocab_size], kn[b], None if sn is None else sn[b]) for b in range(B)]
+    toks = np.array([sample_row(pz[b], kn[b], (int(ky[b, 0]), int(ky[b, 1])),
+                                int(p[0] if p.size == 1 else p[b]) + 1)  # the token's position
+                     for b in range(B)], np.int32)
     if out is not None:   # -1: a row whose logit at its (penalised) argmax is not finite
-        lost = [not np.isfinite(host[b, int(np.argmax(penalised(host[b, :vocab_size], kn[b],
-                                                                 None if sn is None else sn[b])))])
-                for b in range(B)]
+        lost = [not np.isfinite(host[b, int(np.argmax(pz[b]))]) for b in range(B)]
         bk.assign(out, np.where(lost, -1, toks).astype(np.int32).reshape(out.shape))
     bk.assign(ids, toks.reshape(ids.shape))
     if sn is not None:

@@ -243,7 +243,7 @@ class DecodeStep:
         its prompt and its chosen tokens marked.
         ``vocab_size``: the ids that may be chosen (default the model's). Returns ``(tokens,
         finite, logits)``: the (B,) int64 choices, a (B,) bool array (False for a row whose
-        logits have no finite largest value, a NaN or an infinity: its token, -1, means
+        logit at its argmax is not finite, a NaN or an infinity: its token, -1, means
         nothing) and the step's float32 logits (B, Vp)
         Tensor, valid until the next step (a row of it for log-probabilities:
         ``ops.take_rows(logits.reshape(1, B, Vp), b)``). A graph where the backend has them;
@@ -374,7 +374,7 @@ class DecodeStep:
         """Yield ``n`` greedy steps with the host out of the loop: the first feeds ``tokens``
         at ``pos``, each next one feeds the previous step's choice at the next position; each
         yield is the (B,) int32 array of every row's argmax token (lowest id on ties, as
-        ``np.argmax``; -1 for a row whose logits have no finite largest value, a NaN or an
+        ``np.argmax``; -1 for a row whose logit at its argmax is not finite, a NaN or an
         infinity: no token, and a sign for the caller to stop). The choice is made on the device, ``chunk`` steps at a time (with
         graphs one replay of ``chunk`` x (step + argmax) and one copy of their tokens back;
         default 8 with graphs, else 1), and at least ``lookahead`` steps are queued ahead, so
@@ -398,7 +398,7 @@ class DecodeStep:
         ``forge_ml.sampling.SAMPLE_KNOBS``) and Philox key ``keys[b]`` (two uint32 words), the
         counter being the position of the token chosen, so the tokens are those
         ``forge_ml.sampling.sample_row`` gives on the host. ``seen`` (B, vocab_size) bool: the tokens
-        the repetition penalty applies to (None: no penalty anywhere). A row whose largest
+        the repetition penalty applies to (None: no penalty anywhere). A row whose
         logit at its argmax is not finite yields -1, as in ``greedy``.
 
         >>> from forge_ml.models.gpt2 import GPT2, GPT2Config

@@ -642,7 +642,7 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
             try:
                 for toks in chain:
                     if any(toks[r] < 0 for r in range(B) if not done[r]):
-                        # the device's sign that a row's logits have no finite largest value
+                        # the device's sign that a row's logit at its argmax is not finite
                         # (a NaN from a weight row only this position reads, an overflow)
                         raise nonfinite_error(model, who, f"the tokens at position {pos}")
                     pos += 1
