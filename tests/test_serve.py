@@ -720,6 +720,75 @@ def test_a_gpt2_tokenizer_server_streams_whole_characters():
         eng.close()
 
 
+def greedy_gpt2(token: int) -> GPT2:
+    """A model of GPT-2's vocabulary whose greedy choice is ``token`` at every step."""
+    cfg = GPT2Config(vocab_size=50257, block_size=16, n_layer=1, n_head=1, n_embd=4,
+                     tied_head=False)
+    params = {k: np.zeros(s, np.float32) for k, s in param_shapes(cfg).items()}
+    params["ln_f.bias"][:] = 1.0
+    params["lm_head.weight"][token] = 1.0
+    return GPT2(cfg, {k: fm.tensor(v) for k, v in params.items()})
+
+
+def test_text_offset_gives_a_broken_character_to_the_tokens_that_began_it():
+    """A prompt (as ids) that ends in half of "é" (GPT-2's byte token 0xc3), echoed with
+    logprobs: the U+FFFD that half character becomes once the next token does not complete it
+    was counted in the first generated token's span (text_offset [0, 5, 5, 7, 8] for
+    "Hello\\ufffd!!!": text[5:5] for the half, "\\ufffd!" for the "!"), where without echo the
+    completion's offsets start past it. The offsets now index the returned text so that each
+    token's span is the text it made, echoed or generated, whole or streamed; a token that
+    completes a character still owns the whole character."""
+    tok = GPT2Tokenizer()
+    half = next(i for i in range(256) if tok.decode_bytes([i]) == b"\xc3")
+    rest = next(i for i in range(256) if tok.decode_bytes([i]) == b"\xa9")   # "é" = c3 a9
+    (bang,) = tok.encode("!")
+    prompt = tok.encode("Hello") + [half]
+
+    def spans(text, offsets):
+        return [text[a:b] for a, b in zip(offsets, offsets[1:] + [len(text)])]
+
+    for token, text, offsets, own in (
+            (bang, "Hello\ufffd!!!", [0, 5, 6, 7, 8], ["Hello", "\ufffd", "!", "!", "!"]),
+            # the first 0xa9 completes "é" (the half is then no text of its own); the others
+            # are a lone byte each
+            (rest, "Helloé\ufffd\ufffd", [0, 5, 5, 6, 7], ["Hello", "", "é", "\ufffd", "\ufffd"])):
+        eng = BatchEngine(greedy_gpt2(token), tok, slots=2)
+        srv = Server(create_app(eng, "g"))
+        try:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=60)
+            kw = dict(model="g", prompt=prompt, max_tokens=3, temperature=0, logprobs=1)
+            c = client.completions.create(echo=True, **kw).choices[0]
+            assert c.text == text
+            assert c.logprobs.tokens[:2] == ["Hello", "bytes:\\xc3"]
+            assert c.logprobs.text_offset == offsets
+            assert spans(c.text, c.logprobs.text_offset) == own
+            with httpx.Client(base_url=srv.url, timeout=60) as h:
+                chunks = [ch["choices"][0] for ch in sse(h, echo=True, **kw)]
+                # the prompt's scores alone (max_tokens 0): its broken end is its own
+                scored = complete(h, **dict(kw, max_tokens=0, echo=True))["choices"][0]
+            assert "".join(ch["text"] for ch in chunks) == text
+            assert [o for ch in chunks for o in ch["logprobs"]["text_offset"]] == offsets
+            assert scored["text"] == "Hello\ufffd" and scored["logprobs"]["text_offset"] == [0, 5]
+            if token == bang:
+                # without echo the offsets count from the prompt's start, "Hello\ufffd", the same
+                plain = client.completions.create(**kw).choices[0]
+                assert plain.text == "!!!" and plain.logprobs.text_offset == offsets[2:]
+        finally:
+            srv.stop()
+            eng.close()
+    # a broken character inside the prompt is its tokens' too, as at its end
+    eng = BatchEngine(greedy_gpt2(bang), tok, slots=2)
+    srv = Server(create_app(eng, "g"))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as h:
+            c = complete(h, model="g", prompt=prompt + [bang], max_tokens=1, temperature=0,
+                         logprobs=0, echo=True)["choices"][0]
+    finally:
+        srv.stop()
+        eng.close()
+    assert c["text"] == "Hello\ufffd!!" and c["logprobs"]["text_offset"] == [0, 5, 6, 7]
+
+
 # -- the command ---------------------------------------------------------------------------
 
 
@@ -924,6 +993,37 @@ def test_serve_parser_defaults():
         ["--ckpt", "x", "--shutdown-timeout", "-1"])
     with pytest.raises(ConfigError, match="--shutdown-timeout must be a number of seconds >= 0"):
         run(bad)
+
+
+def test_serve_refuses_a_forge_api_key_set_but_empty(tmp_path, capsys, monkeypatch):
+    """`--api-key ''` is refused, but FORGE_API_KEY="" (an `export FORGE_API_KEY=$KEY` with KEY
+    unset) served every client with no key, in silence. Set but empty or blank, it is refused
+    the same way, in one line, before the model loads (exit 2, no traceback); unset, it still
+    means no key, and an --api-key given is the key whatever the variable holds."""
+    from forge_ml.serve.cli import main
+
+    missing = str(tmp_path / "no_such_ckpt")
+    for empty in ("", "  ", "\t"):
+        monkeypatch.setenv("FORGE_API_KEY", empty)
+        assert main(["--ckpt", missing, "--port", "0"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == ["forge-ml serve: error: FORGE_API_KEY is set but empty; expected the key "
+                       "clients must send (unset the variable to serve without one)"], err
+        # --api-key is the key: the variable is not read
+        assert main(["--ckpt", missing, "--port", "0", "--api-key", "k"]) == 2
+        assert "checkpoint not found" in capsys.readouterr().err
+    monkeypatch.delenv("FORGE_API_KEY")
+    assert main(["--ckpt", missing, "--port", "0"]) == 2          # past the key: the model
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint not found" in err[0], err
+    # the command itself, as a shell runs it
+    out = subprocess.run([sys.executable, "-m", "forge_ml.serve.cli", "--ckpt", missing,
+                          "--port", "0"], env=dict(os.environ, FORGE_API_KEY=""),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "forge-ml serve: error: FORGE_API_KEY is set but empty; expected the key clients must "
+        "send (unset the variable to serve without one)"], out.stderr
 
 
 def test_serve_refuses_a_model_whose_vocabulary_is_not_its_tokenizers(tmp_path):

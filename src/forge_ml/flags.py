@@ -165,6 +165,19 @@ def get(name: str) -> str:
     return v
 
 
+def given(name: str) -> bool:
+    """Whether switch ``name`` is set at all: by an override, or in the environment even when
+    empty (``get`` gives the default for both unset and empty; ``forge-ml serve`` refuses a
+    ``FORGE_API_KEY`` set but empty, where an unset one means no key).
+
+    >>> with override(FORGE_API_KEY=""):
+    ...     given("FORGE_API_KEY")
+    True
+    """
+    _switch(name)
+    return any(name in layer for layer in _overrides) or name in os.environ
+
+
 def check_environment(warn: bool = True) -> None:
     """Read and check every switch now: a value outside a switch's list is a ConfigError before
     any work starts, not when (or whether) a code path first asks for it. ``forge-ml`` calls

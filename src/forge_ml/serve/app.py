@@ -16,7 +16,11 @@ adds no text until the character is whole), and text that could begin a ``stop``
 held back until it is known not to, so neither a broken character nor part of a stop string
 ever reaches the client. A choice ends with finish "stop" on a stop string (its text cut
 before it) or the tokenizer's end-of-text token (not in the text; ``ignore_eos`` turns that
-off), else "length".
+off), else "length". ``logprobs.text_offset`` is each token's character offset in the prompt's
+text followed by the completion's (the returned text, with echo), as OpenAI's API has it:
+from one offset to the next is the text that token made. A character cut across byte tokens
+is the text of the token that completes it; one left broken (U+FFFD, a prompt that ends in
+half a character, say) is that of the tokens that began it, not of the token after them.
 
 Safe by default: with ``api_key`` every request needs ``Authorization: Bearer KEY`` (else
 401); request bodies over ``max_body_bytes`` get 413 and prompts over ``max_prompt_tokens``
@@ -38,6 +42,7 @@ tokens get 400; every refusal has OpenAI's error body and the server keeps servi
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import logging
@@ -87,8 +92,35 @@ def _error_response(e: APIError) -> JSONResponse:
 # -- text ------------------------------------------------------------------------------------
 
 
-# token ids to text, one token at a time (shared with forge-ml sample)
-Detokenizer = TextStream
+class Detokenizer(TextStream):
+    """Token ids to text, one token at a time (``TextStream``, shared with forge-ml sample),
+    saying too where each token's own text begins in what it adds: a byte token that does not
+    go on with the character the tokens before it began ends that character first, as U+FFFD,
+    which is their text, not the new token's (``text_offset``).
+
+    >>> from forge_ml.tokenizer import GPT2Tokenizer
+    >>> tok = GPT2Tokenizer()
+    >>> half = next(i for i in range(256) if tok.decode_bytes([i]) == b"\\xc3")
+    >>> d = Detokenizer(tok)
+    >>> d.feed_split(half), d.feed_split(tok.encode("!")[0])
+    (('', 0), ('\ufffd!', 1))
+    """
+
+    def feed_split(self, token: int) -> tuple:
+        """``(text, lead)``: what ``feed(token)`` gives, and how many of its first characters
+        (0 or 1) end a character the tokens before began: the U+FFFD of bytes held back that
+        ``token`` does not continue. A token that completes a character owns all of it."""
+        held = self._dec.getstate()[0] if self._bytes else b""
+        text = self.feed(token)
+        if held and text:
+            # the held bytes are a valid start of a character: the token's first byte either
+            # goes on with it, or the decoder has just replaced them, on their own
+            try:
+                codecs.getincrementaldecoder("utf-8")().decode(
+                    held + self.tokenizer.decode_bytes([token])[:1])
+            except UnicodeDecodeError:
+                return text, 1
+        return text, 0
 
 
 class StopText:
@@ -187,10 +219,10 @@ class _Choice:
         for i, t in enumerate(prompt):
             if i < self.hidden:
                 continue
+            text, lead = self.detok.feed_split(t)
             if lp is not None:
                 logprob, top = (None, None) if i == 0 else scores[i - 1]
-                self._logprob_part(lp, t, logprob, top, self.offset)
-            text = self.detok.feed(t)
+                self._logprob_part(lp, t, logprob, top, self.offset + lead)
             parts.append(text)
             self.offset += len(text)
         return "".join(parts), lp
@@ -202,9 +234,11 @@ class _Choice:
         text, stopped = "", False
         # an end-of-text token is no text; a stop id that is not special (a "."), as vLLM has it
         if out.finish != "stop" or not hides_stop(self.tokenizer, out.token, self.stop_ids):
+            # lead: a character the tokens before began (the echoed prompt's broken end, say)
+            # that this token ends as U+FFFD is theirs; the token's own text begins after it
+            piece, lead = self.detok.feed_split(out.token)
             if lp is not None:
-                self._logprob_part(lp, out.token, out.logprob, out.top_logprobs, self.offset)
-            piece = self.detok.feed(out.token)
+                self._logprob_part(lp, out.token, out.logprob, out.top_logprobs, self.offset + lead)
             self.offset += len(piece)
             text, stopped = self.stop.feed(piece)
         if stopped:

@@ -3,7 +3,10 @@
 ``add_parser(subparsers)`` adds the subcommand to ``forge-ml``'s parser and ``run(args)``
 runs it; ``python -m forge_ml.serve.cli ...`` runs it alone. The server listens on
 127.0.0.1 unless ``--host`` says otherwise; ``--api-key`` (or the environment variable
-``FORGE_API_KEY``) makes every request carry ``Authorization: Bearer KEY``.
+``FORGE_API_KEY``) makes every request carry ``Authorization: Bearer KEY``. An empty key is
+refused, not taken as none: ``--api-key ''``, or ``FORGE_API_KEY`` set but empty or blank
+(``"$KEY"`` with KEY unset); only an unset ``FORGE_API_KEY`` and no ``--api-key`` serve
+without one.
 
 >>> import argparse
 >>> sub = argparse.ArgumentParser().add_subparsers()
@@ -72,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' (default: $FORGE_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' (default: $FORGE_API_KEY, else none; "
+                        "an empty key, given or in FORGE_API_KEY, is refused)")
     p.add_argument("--slots", type=int, default=None, metavar="N",
                    help="requests decoded together (default 64 on cuda, 8 on cpu)")
     p.add_argument("--max-len", type=int, default=None, metavar="N",
@@ -112,6 +116,10 @@ def run(args) -> int:
         raise ConfigError("--api-key is empty; give the key clients must send (or leave the "
                           "option out to serve without one)")
     api_key = args.api_key or flags.get("FORGE_API_KEY") or None
+    if api_key is None and flags.given("FORGE_API_KEY"):   # (get: "" for unset and empty alike)
+        # `export FORGE_API_KEY=$KEY` with KEY unset: the same silence as `--api-key ""`
+        raise ConfigError("FORGE_API_KEY is set but empty; expected the key clients must send "
+                          "(unset the variable to serve without one)")
     with contextlib.ExitStack() as held:   # the sockets close however this ends
         socks = _listen_sockets(args.host, args.port)   # before the model loads: a busy port fails fast
         for sock in socks:
