@@ -565,6 +565,73 @@ def test_prepare_refuses_to_replace_shards_without_force(workdir, capsys):
     assert (workdir / "other.txt").read_text() == "abc " * 400
 
 
+def test_prepare_force_refuses_a_running_trainers_data_after_its_lock_file_is_deleted(workdir, capsys):
+    """`prepare --force` into a run's data/ is refused while that run's trainer runs, but the
+    guard read the lock FILE: a user who deleted train.lock (it stays after a run and looks
+    stale) let --force replace the shards under the running trainer. The guard now probes the
+    folder's own flock too, which the trainer (RunLock, in another process here) holds."""
+    import os
+    assert main(["train", "--data", "t.txt", "--out", "run", "--max-steps", "1", *TINY]) == 0
+    (workdir / "other.txt").write_text("abc " * 400)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    code = ("import sys, time\n"
+            f"sys.path.insert(0, {src!r})\n"
+            "from forge_ml.runs import RunLock\n"
+            "lock = RunLock('run'); lock.acquire()      # what a Trainer does for its run folder\n"
+            "print('locked', flush=True)\n"
+            "time.sleep(60)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        data = sorted((p.name, p.read_bytes()) for p in (workdir / "run" / "data").iterdir())
+        capsys.readouterr()
+        _fails(capsys, ["prepare", "other.txt", "--out", "run/data", "--force"], "run/data is the data of the "
+               "run in run, whose trainer is running", f"pid {holder.pid} ", "even --force")
+        os.unlink("run/train.lock")
+        for argv in (["--force"], []):
+            _fails(capsys, ["prepare", "other.txt", "--out", "run/data", *argv], "whose trainer is running "
+                   "(holder unknown)", "even --force")
+        assert sorted((p.name, p.read_bytes()) for p in (workdir / "run" / "data").iterdir()) == data
+        assert not (workdir / "run" / "train.lock").exists()      # the probe made no lock file
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["prepare", "other.txt", "--out", "run/data", "--force"]) == 0   # the trainer is gone
+    assert not (workdir / "run" / "train.lock").exists()
+
+
+def test_train_step_past_max_steps_is_refused_and_says_how_to_train_on(workdir, capsys):
+    """``Trainer.train_step()`` called past max_steps trained on in silence (past the end of
+    the learning-rate schedule), logged those steps and saved a checkpoint that a resume with
+    the run's own --max-steps then refused ("at step N already"). Now a TrainingError that
+    changes nothing and says how to train on; a resume with a larger --max-steps does."""
+    from forge_ml.errors import TrainingError
+    from forge_ml.train import TrainConfig, Trainer
+    assert main(["train", "--data", "t.txt", "--out", "run", "--max-steps", "2", *TINY]) == 0
+    capsys.readouterr()
+    t = Trainer(TrainConfig.from_dict(_run_config("run")),
+                log=None, resume=True)
+    try:
+        log = (workdir / "run" / "log.jsonl").read_bytes()
+        w = t.model.params["wpe.weight"].numpy().copy()
+        for _ in range(2):   # the refusal changes nothing: a second call says the same
+            with pytest.raises(TrainingError, match=r"the run in run is at step 2, its max_steps \(2\).*"
+                                                    r"max_steps=N.*forge-ml train --out run --resume --max-steps N"):
+                t.train_step()
+        assert t.step == 2 and t.opt.steps == 2
+        np.testing.assert_array_equal(t.model.params["wpe.weight"].numpy(), w)
+    finally:
+        t.close()
+    assert (workdir / "run" / "log.jsonl").read_bytes() == log
+    assert main(["train", "--out", "run", "--resume", "--max-steps", "3", "--no-progress"]) == 0
+
+
+def _run_config(run) -> dict:
+    """The TrainConfig a run's checkpoint was trained with (its ``train_config``)."""
+    from forge_ml.checkpoint import read_meta
+    return read_meta(Path(run) / "ckpt")["train_config"]
+
+
 def test_val_fraction_with_a_data_folder_is_refused(trained, capsys):
     """--val-fraction was silently ignored for a folder (its shards are split already)."""
     _fails(capsys, ["train", "--data", "data", "--out", "r2", "--val-fraction", "0.3", *TINY],

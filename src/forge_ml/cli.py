@@ -958,7 +958,7 @@ def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, model_vocab: int,
 
 def _cmd_prepare(args) -> int:
     from .data import prepare
-    from .runs import RunLock, run_log, trainer_locked
+    from .runs import RunError, run_log, running_trainer
     from .train import DATA_NAME
 
     if not args.out.strip():
@@ -971,11 +971,14 @@ def _cmd_prepare(args) -> int:
     if not 0.0 < args.val_fraction < 1.0:   # (prepare() says its parameter's name)
         raise DataError(f"--val-fraction must be a number in (0, 1), got {args.val_fraction}")
     held = [f for f in ("train.bin", "val.bin", "tokenizer.json") if (out / f).exists()]
-    if held and out.name == DATA_NAME and trainer_locked(out.parent):
-        # a run's own data: even --force may not replace it under a trainer using it
-        probe = RunLock(out.parent)
-        probe.acquire()            # raises, naming the trainer, while one holds the run
-        probe.release(undo=True)
+    # a run's own data: even --force may not replace it under a trainer using it. The probe
+    # reads the trainer's flocks, not its lock file: a user may have deleted train.lock (it
+    # stays after a run and looks stale) while the trainer runs
+    holder = running_trainer(out.parent) if held and out.name == DATA_NAME else None
+    if holder:
+        raise RunError(f"{out} is the data of the run in {out.parent}, whose trainer is running ({holder}); "
+                       f"even --force does not replace a running trainer's data: wait for it to finish or "
+                       f"stop it, or give another --out")
     if held and not args.force:
         run = " (the prepared data of the run in " + str(out.parent) + ")" \
             if out.name == DATA_NAME and run_log(out.parent / "log.jsonl") else ""

@@ -314,6 +314,57 @@ def trainer_locked(folder) -> bool:
         return False
 
 
+def running_trainer(folder) -> str | None:
+    """Who holds ``folder``'s trainer lock now (``RunLock``'s): the holder's line from its lock
+    file, ``"holder unknown"`` where that file is gone, or None while no trainer holds it.
+    Both flocks are probed, the folder's own and the lock file's: a user who deleted the lock
+    file under a running trainer leaves the folder's (and a filesystem that cannot lock a
+    folder, as NFS, leaves the file's). Creates and writes nothing. None where ``fcntl`` is
+    missing (Windows: RunLock locks nothing there either).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); a = RunLock(d); a.acquire(); os.unlink(os.path.join(d, LOCK_NAME))
+    >>> running_trainer(d)
+    'holder unknown'
+    >>> a.release(); print(running_trainer(d))
+    None
+    """
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    folder = Path(folder)
+
+    def held(path) -> bool:
+        try:   # O_NONBLOCK: a FIFO of that name does not hang the probe
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:        # gone, or not ours to open: no trainer's lock to see there
+            return False
+        try:
+            # shared: it conflicts with a trainer's exclusive flock (and wants only a
+            # descriptor open for reading, also where NFS turns flock into a byte-range lock)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:   # EBADF etc.: a filesystem that cannot tell (the other probe may)
+            return e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
+        finally:
+            os.close(fd)       # closing drops the probe's own flock, if it got one
+        return False
+
+    if not (held(folder) or held(folder / LOCK_NAME)):
+        return None
+    return _holder(folder / LOCK_NAME) or "holder unknown"
+
+
+def _holder(path) -> str:
+    """The holder's line from the lock file ``path`` ("pid N on HOST since TIME"), or ""."""
+    try:
+        with open(path, "rb") as f:
+            line = f.read(400).decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return (line.strip().splitlines() or [""])[0]
+
+
 def run_log(path, empty: bool = True) -> bool:
     """Whether the file ``path`` is a run's log: its first line a record with an integer step,
     or a step's record a kill or a full disk cut short (an empty file too, with ``empty``: a
@@ -418,11 +469,7 @@ class RunLock:
 
     def _in_use(self) -> RunError:
         """The error for a folder another trainer holds, naming the holder its lock file names."""
-        holder = ""
-        try:
-            holder = (self.path.read_text(errors="replace")[:400].strip().splitlines() or [""])[0]
-        except OSError:
-            pass
+        holder = _holder(self.path)
         mine = holder.startswith(f"pid {os.getpid()} ")
         return RunError(f"{self.folder} is in use by another trainer ({holder or 'holder unknown'}); "
                         + ("it is a Trainer of this process: close() it, or make Trainers with "
