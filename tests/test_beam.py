@@ -174,7 +174,7 @@ def test_beam_search_arguments_are_checked(pair):
         beam_search(ours, [1, 53], 4, 2)
     with pytest.raises(ShapeError, match="context of 32"):
         beam_search(ours, [1] * 30, 3, 2)
-    bad = [dict(max_new_tokens=0), dict(num_beams=0), dict(num_beams=27),
+    bad = [dict(max_new_tokens=-1), dict(max_new_tokens=1.5), dict(num_beams=0), dict(num_beams=27),
            dict(length_penalty=float("nan")), dict(early_stopping="sometimes"),
            dict(eos_token_id=99), dict(eos_token_id="x"), dict(num_return_sequences=3)]
     for kw in bad:
@@ -189,6 +189,33 @@ def test_beam_search_arguments_are_checked(pair):
             beam_search(ours, [1, 2], 4, 2, **kw)
     with pytest.raises(TypeError, match="beam_search: model must be a forge-ml language model"):
         beam_search(None, [1, 2], 4, 2)
+
+
+def test_no_new_tokens_is_the_empty_continuation(pair, eos):
+    """max_new_tokens=0 was a ConfigError, while generate(..., max_new_tokens=0) yields no token.
+    Now the search ends before it starts: ``num_return_sequences`` empty continuations, each
+    scored 0.0 (an empty continuation's log-probability is log 1 = 0, and 0 stays 0 over any
+    length normalisation), for greedy and beams alike; the other arguments are still checked,
+    and a negative count is refused saying what it takes."""
+    ours, _ = pair
+    assert list(generate(ours, PROMPT, max_new_tokens=0)) == []
+    for num_beams, n_return, penalty, stop in ((1, 1, 1.0, None), (2, 1, 1.0, eos), (4, 3, 2.0, None),
+                                               (4, 4, -1.0, eos), (2, 2, 0.0, None)):
+        seqs, scores = beam_search(ours, PROMPT, 0, num_beams, penalty, eos_token_id=stop,
+                                   num_return_sequences=n_return)
+        assert (seqs, scores) == ([[]] * n_return, [0.0] * n_return)
+        assert all(type(s) is float for s in scores)
+    seqs, _ = beam_search(ours, PROMPT, np.int64(0), 2, num_return_sequences=2)
+    assert seqs == [[], []] and seqs[0] is not seqs[1]          # a list each, not one shared
+    assert beam_search(ours, [1] * 32, 0, 2) == ([[]], [0.0])   # a prompt that fills the context
+    with pytest.raises(ConfigError, match=r"^beam_search: max_new_tokens must be an int >= 0, got -1$"):
+        beam_search(ours, PROMPT, -1, 2)
+    with pytest.raises(ShapeError, match="context of 32"):
+        beam_search(ours, [1] * 33, 0, 2)
+    with pytest.raises(ConfigError, match="num_beams"):
+        beam_search(ours, PROMPT, 0, 0)
+    with pytest.raises(ConfigError, match="num_return_sequences"):
+        beam_search(ours, PROMPT, 0, 2, num_return_sequences=3)
 
 
 def test_numpy_knobs_are_python_values(pair, eos):

@@ -709,6 +709,24 @@ def test_one_row_helpers_and_the_model_are_checked():
         SamplingParams(temperature=float("inf"))       # (it said "a number >= 0")
 
 
+def test_a_model_that_is_not_one_is_a_forge_error_that_is_still_a_type_error():
+    """model_check raised a plain TypeError, the one user error of the package that
+    ``except ForgeError`` missed; now a ModelTypeError: a ForgeError, and still a TypeError
+    for code that catches that, from generate, stream_tokens, beam_search and BatchEngine."""
+    import forge_ml.inference as g
+    from forge_ml.errors import ForgeError, ModelTypeError
+    from forge_ml.inference.batch import BatchEngine
+    for call, who in ((lambda: generate(None, [1], 2), "generate"),
+                      (lambda: g.stream_tokens("gpt2", [1], 2), "stream_tokens"),
+                      (lambda: g.beam_search(object(), [1], 2, 2), "beam_search"),
+                      (lambda: BatchEngine(None), "BatchEngine")):
+        with pytest.raises(ForgeError, match=f"^{who}: model must be a forge-ml language model") as e:
+            call()
+        assert type(e.value) is ModelTypeError and isinstance(e.value, TypeError)
+        assert not isinstance(e.value, ValueError)   # not a ModelError: nothing ran
+    assert issubclass(ModelTypeError, fm.ForgeError)
+
+
 def test_a_nan_past_the_prompt_is_refused_where_logits_come_to_the_host(model):
     """A weight row only a later position reads (wpe's) gives NaN logits there: generate with
     logprobs (whose logits come to the host every step) raises a ModelError naming it at that

@@ -229,6 +229,35 @@ def test_written_files_look_like_save_pretrained(saved, tmp_path):
         assert ours[key] == theirs[key], key
 
 
+def test_an_export_writes_every_key_of_transformers_gpt2config(saved, tmp_path):
+    """An import then an export dropped summary_type, summary_use_proj, summary_activation,
+    summary_proj_to_labels (the settings of GPT2DoubleHeadsModel's summary head, which forge-ml
+    has no weights for) and add_cross_attention (which the import refuses true): config.json
+    now has every key of transformers' GPT2Config, those with transformers' defaults (what
+    transformers reads where a key is absent, so the model loads the same), and every key
+    save_pretrained writes but its version mark. The weights are the same bytes."""
+    d, model = saved
+    config, params = load_hf_gpt2(d)
+    save_hf_gpt2(tmp_path / "x", config, params)
+    ours = json.loads((tmp_path / "x" / "config.json").read_text())
+    defaults = transformers.GPT2Config().to_dict()
+    gpt2_keys = set(defaults) - set(transformers.PretrainedConfig().to_dict())
+    assert gpt2_keys <= set(ours), sorted(gpt2_keys - set(ours))
+    heads = ("summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
+             "summary_first_dropout", "add_cross_attention", "pad_token_id")
+    assert {k: ours[k] for k in heads} == {k: defaults[k] for k in heads}
+    written = set(json.loads((d / "config.json").read_text())) - {"transformers_version"}
+    assert written <= set(ours), sorted(written - set(ours))
+    theirs = transformers.GPT2Config.from_pretrained(tmp_path / "x")
+    assert {k: getattr(theirs, k) for k in heads} == {k: defaults[k] for k in heads}
+    save_hf_gpt2(tmp_path / "y", config, params)
+    assert (tmp_path / "x" / "model.safetensors").read_bytes() == (tmp_path / "y" / "model.safetensors").read_bytes()
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "x").eval()
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
 def test_untied_head(tmp_path):
     model = hf_model(tie=False, seed=1)
     d = tmp_path / "untied"

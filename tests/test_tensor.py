@@ -251,3 +251,59 @@ def test_integer_edges_and_float_truncation_are_kept():
     assert fm.tensor(np.array([2 ** 31 - 1, -2 ** 31]), dtype="int32").numpy().tolist() == [2 ** 31 - 1, -2 ** 31]
     assert fm.tensor(np.array([2 ** 63 - 1]), dtype="int64").numpy().tolist() == [2 ** 63 - 1]
     assert fm.tensor(np.array([3.7, -2.2]), dtype="int32").numpy().tolist() == [3, -2]   # as torch
+
+
+def test_numpy_reads_a_cpu_tensor_through_the_array_protocol():
+    """np.asarray(t) gave a 0-d object array holding the Tensor (it had no ``__array__``), so
+    np.testing, np.stack and friends saw one opaque object. Now NumPy 2's protocol: the data
+    as it is (a read-only view: writes go through ops, copy-on-write), a copy where a dtype or
+    ``copy=True`` asks for one, and a ValueError where ``copy=False`` cannot be kept."""
+    t = fm.tensor([[1.0, 2.0], [3.0, 4.0]])
+    a = np.asarray(t)
+    assert a.dtype == np.float32 and a.shape == (2, 2) and a.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert np.shares_memory(a, t.memory()) and not a.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        a[0, 0] = 9.0                                   # the tensor stays as the ops left it
+    assert np.shares_memory(np.asarray(t, dtype=np.float32), t.memory())
+    assert np.shares_memory(np.array(t, copy=False), t.memory())
+    c = np.array(t)                                     # np.array copies by default
+    assert not np.shares_memory(c, t.memory()) and c.flags.writeable and c.tolist() == a.tolist()
+    c[0, 0] = 9.0
+    assert t.numpy()[0, 0] == 1.0
+    d = np.asarray(t, dtype=np.float64)
+    assert d.dtype == np.float64 and d.tolist() == a.tolist() and d.flags.writeable
+    with pytest.raises(ValueError, match="copy"):
+        np.array(t, dtype=np.float64, copy=False)
+    ids = fm.tensor([3, 1, 4])
+    assert np.asarray(ids).dtype == np.int64 and np.asarray(ids).tolist() == [3, 1, 4]
+    assert np.asarray(fm.tensor(2.5)).shape == () and float(np.asarray(fm.tensor(2.5))) == 2.5
+    assert np.asarray(t.reshape(4)).tolist() == [1.0, 2.0, 3.0, 4.0]
+    np.testing.assert_array_equal(t, [[1.0, 2.0], [3.0, 4.0]])
+    assert np.stack([t, t]).shape == (2, 2, 2)
+
+
+def test_numpy_refuses_a_tensor_in_device_memory_and_names_the_host_copy(monkeypatch):
+    """A tensor whose memory is not the host's is not converted silently (a device wait and a
+    copy behind an np.asarray): a TypeError, as PyTorch's, that names t.numpy() and t.to('cpu')."""
+    import importlib
+    import types
+    tensor_mod = importlib.import_module("forge_ml.tensor")   # (fm.tensor is the function)
+    dev = fm.Device("cuda", 0)
+    fake = types.SimpleNamespace(host_memory=False, select=None)   # no GPU needed
+    monkeypatch.setitem(tensor_mod._BACKENDS, dev, fake)
+    t = fm.Tensor(np.zeros(2, np.float32), dev)
+    for convert in (np.asarray, np.array, lambda x: np.asarray(x, dtype=np.float64)):
+        with pytest.raises(TypeError, match=r"can't convert a cuda:0 tensor to NumPy implicitly.*"
+                                            r"t\.numpy\(\).*t\.to\('cpu'\)"):
+            convert(t)
+
+
+def test_numpy_reads_a_bfloat16_tensor_as_float32_as_numpy_does():
+    """``Tensor.numpy()`` gives bfloat16 as float32 (NumPy has no bfloat16); so does the array
+    protocol, as a copy (copy=False cannot hold)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    t = fm.Tensor(np.array([1.5, -2.0], ml_dtypes.bfloat16), fm.Device("cpu"))
+    a = np.asarray(t)
+    assert a.dtype == np.float32 and a.tolist() == [1.5, -2.0]
+    with pytest.raises(ValueError, match="copy"):
+        np.array(t, copy=False)

@@ -99,6 +99,20 @@ def test_loss_decreases_on_a_tiny_text(text_file, tmp_path):
     assert summary["val_loss"] < math.log(t.tokenizer.vocab_size) - 1.0
 
 
+def test_sample_names_itself_for_a_bad_seed(text_file, tmp_path):
+    """Trainer.sample(seed=None) said "stream_tokens: seed must be an int in [0, 2**64), got
+    None", naming a function the caller never called; the message is Trainer.sample's now,
+    with what it takes and what came. A NumPy integer seed is a seed."""
+    t = Trainer(_cfg(text_file, tmp_path / "r", max_steps=1), log=None)
+    for bad in (None, -1, 1 << 64, 2.5, "3", True):
+        with pytest.raises(ConfigError) as e:
+            t.sample(n_tokens=2, seed=bad)
+        assert str(e.value) == f"Trainer.sample: seed must be an int in [0, 2**64), got {bad!r}"
+    with pytest.raises(ConfigError, match=r"^Trainer\.sample: n_tokens must be an integer >= 0, got -1$"):
+        t.sample(n_tokens=-1)
+    assert t.sample(n_tokens=5, seed=np.uint64(3)) == t.sample(n_tokens=5, seed=3)
+
+
 def test_log_plot_and_checkpoint_contents(text_file, tmp_path):
     out = tmp_path / "r"
     t = Trainer(_cfg(text_file, out, max_steps=4, eval_interval=2, sample_interval=2, sample_tokens=10), log=None)

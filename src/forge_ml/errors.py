@@ -156,6 +156,19 @@ class ModelError(ForgeError, ValueError):
     """
 
 
+class ModelTypeError(ForgeError, TypeError):
+    """What was given as a model is not a forge-ml language model (None, a name, another
+    library's model). A TypeError too, as Python's own for an argument of the wrong type, so
+    ``except TypeError`` catches it; not a ModelError, which is about a model that is one.
+
+    >>> from forge_ml.inference.generate import generate
+    >>> generate("gpt2", [1, 2])
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ModelTypeError: generate: model must be a forge-ml language model (forge_ml.models.GPT2, e.g. from forge_ml.inference.load_model), got str
+    """
+
+
 class TrainingError(ForgeError, RuntimeError):
     """Training cannot go on, e.g. the loss became NaN or inf.
 

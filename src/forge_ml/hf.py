@@ -62,6 +62,15 @@ EXPORT_MARK = "forge_ml_version"
 DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout")
 HF_DEFAULT_DROPOUT = 0.1
 
+# transformers' GPT2Config's settings that forge-ml's model holds nothing of, with its
+# defaults: GPT2DoubleHeadsModel's summary head (its dropout rate is in DROPOUT_KEYS),
+# cross-attention (an import refuses it true) and the padding id. GPT2LMHeadModel reads none of
+# them, and neither the model config nor a checkpoint's meta keeps them from an import, so an
+# export writes these defaults (what transformers takes where a key is absent: the model
+# loads the same): its config.json has every key of GPT2Config, as save_pretrained's has.
+HF_GPT2_DEFAULTS = {"add_cross_attention": False, "pad_token_id": None, "summary_activation": None,
+                    "summary_proj_to_labels": True, "summary_type": "cls_index", "summary_use_proj": True}
+
 # Non-parameter buffers that older GPT-2 checkpoints carry: the causal mask and its fill value.
 _BUFFER_RE = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 
@@ -500,7 +509,9 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
     ``load_hf_dropout`` read them; a key it lacks as below), else ``config``'s dropout as
     ``resid_pdrop``, ``embd_pdrop`` and ``attn_pdrop``, and transformers' default 0.1 as
     ``summary_first_dropout``. ``hf_flags``: ``HF_FLAGS``' values as ``load_hf_flags`` read
-    them (false where not given).
+    them (false where not given). The other keys of transformers' GPT2Config that forge-ml has
+    no use for get transformers' defaults (``HF_GPT2_DEFAULTS``: the summary head's settings,
+    ``add_cross_attention``, ``pad_token_id``), so that config.json has every key of GPT2Config.
 
     >>> import tempfile, os, numpy as np
     >>> cfg = {"vocab_size": 5, "block_size": 4, "n_layer": 1, "n_head": 1, "n_embd": 2}
@@ -508,6 +519,9 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
     >>> save_hf_gpt2(d, cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
     >>> sorted(os.listdir(d))
     ['config.json', 'model.safetensors']
+    >>> written = json.load(open(os.path.join(d, "config.json")))
+    >>> written["summary_type"], written["add_cross_attention"], written["pad_token_id"]
+    ('cls_index', False, None)
     """
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         config = dataclasses.asdict(config)
@@ -576,6 +590,7 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
         "dtype": "float32",
         "use_cache": True,
         "vocab_size": V,
+        **HF_GPT2_DEFAULTS,
         EXPORT_MARK: _forge_version(),
     }
     tok_files = {} if tokenizer is None else transformers_tokenizer_files(tokenizer, V, config["block_size"])

@@ -198,6 +198,50 @@ class Tensor:
         """
         return backend_of(self._device).to_host(self._data)
 
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """NumPy's array protocol (NumPy 2's form): ``np.asarray(t)`` and ``np.array(t)`` of a
+        tensor in host memory (``cpu``). Without a dtype or a copy asked for, the result is a
+        read-only view of the tensor's memory: no copy, and no write that would go past the
+        ops' copy-on-write (an in-place op on the tensor later shows through it; ``t.numpy()``
+        is a copy of the values now). ``dtype`` other than the tensor's, or ``copy=True``,
+        gives a copy of its own; ``copy=False`` where a copy is needed is a ValueError, as
+        NumPy's protocol says. bfloat16 comes back as float32 (a copy), as ``numpy()`` gives it.
+
+        A tensor in device memory (``cuda``) is a TypeError, as in PyTorch: a silent device wait
+        and copy behind an ``np.asarray``; ``t.numpy()`` or ``t.to("cpu")`` makes the copy.
+
+        >>> t = tensor([[1.0, 2.0]])
+        >>> a = np.asarray(t)
+        >>> a, np.shares_memory(a, t.memory()), a.flags.writeable
+        (array([[1., 2.]], dtype=float32), True, False)
+        >>> np.asarray(t, dtype=np.float64).dtype, np.array(t).flags.writeable
+        (dtype('float64'), True)
+        >>> np.array(t, dtype=np.float64, copy=False)
+        Traceback (most recent call last):
+        ...
+        ValueError: Tensor.__array__: a float32 tensor as float64 needs a copy, and copy=False was given
+        """
+        if not backend_of(self._device).host_memory:
+            raise TypeError(f"can't convert a {self._device} tensor to NumPy implicitly (its memory "
+                            f"is on the device); use t.numpy() for a host copy, or t.to('cpu')")
+        a = self._data
+        if dtype is not None:
+            want = np.dtype(dtype)
+        else:   # bfloat16 as numpy() gives it: NumPy has no bfloat16 of its own
+            want = np.dtype(np.float32) if self._dtype.name == "bfloat16" else a.dtype
+        if want == a.dtype:
+            if copy:
+                return a.copy()
+            view = a.view()
+            # read-only: a write through it would change the tensor and every view unseen
+            # (copy-on-write, the id range cache); np.array(t) copies, and that copy is writable
+            view.flags.writeable = False
+            return view
+        if copy is False:
+            raise ValueError(f"Tensor.__array__: a {self._dtype.name} tensor as {want} needs a "
+                             f"copy, and copy=False was given")
+        return a.astype(want)
+
     def item(self) -> float:
         """The value of a one-element tensor as a Python number.
 

@@ -1469,8 +1469,13 @@ class Trainer:
         update itself is never interrupted by ``train()``'s signal handlers. Through the
         captured step (a GPU) the loader has then drawn the next step's batches already;
         ``save()`` and the end of ``train()`` give them back, so a checkpoint's data position
-        is this step's."""
+        is this step's. Past ``max_steps`` it raises TrainingError and changes nothing."""
         cfg, step = self.cfg, self.step
+        if step >= cfg.max_steps:   # (it trained on in silence, into a checkpoint the run's own max_steps refuses)
+            raise TrainingError(f"the run in {self.out_dir} is at step {step}, its max_steps ({cfg.max_steps}), where "
+                                f"its learning-rate schedule ends; to train on, resume it with a larger max_steps: "
+                                f"Trainer(TrainConfig(..., max_steps=N), resume=True), or `forge-ml train --out "
+                                f"{self.out_dir} --resume --max-steps N`")
         t0 = time.perf_counter()
         lr = cosine_lr(step, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr)
         fast = self._fast_step()
@@ -1673,8 +1678,13 @@ class Trainer:
         return total / windows, windows
 
     def sample(self, n_tokens: Optional[int] = None, prompt: Optional[str] = None, seed: int = 0) -> str:
-        """Text the model writes after ``prompt`` (default: the config's, or a newline)."""
-        n_tokens = self.cfg.sample_tokens if n_tokens is None else _count("sample", "n_tokens", n_tokens)
+        """Text the model writes after ``prompt`` (default: the config's, or a newline), drawn
+        with ``seed`` (an int in [0, 2**64); the same seed, the same text)."""
+        # checked here, in this method's name: stream_tokens' own check named stream_tokens,
+        # which the caller never called
+        seed = _seed("Trainer.sample", seed)
+        n_tokens = self.cfg.sample_tokens if n_tokens is None else _count("Trainer.sample", "n_tokens",
+                                                                          n_tokens)
         prompt = self.cfg.sample_prompt if prompt is None else prompt
         tok = self.tokenizer
         ids = prompt_ids(tok, prompt)
@@ -2119,6 +2129,20 @@ def _count(what: str, name: str, v) -> int:
     """
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
         raise ConfigError(f"{what}: {name} must be an integer >= 0, got {v!r:.40}")
+    return int(v)
+
+
+def _seed(what: str, v) -> int:
+    """``v`` as a sampling seed (an int in [0, 2**64), as generate keeps, a NumPy integer
+    included), else a ConfigError in ``what``'s name.
+
+    >>> _seed("Trainer.sample", None)
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: Trainer.sample: seed must be an int in [0, 2**64), got None
+    """
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < 1 << 64:
+        raise ConfigError(f"{what}: seed must be an int in [0, 2**64), got {v!r:.40}")
     return int(v)
 
 

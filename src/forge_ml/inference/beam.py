@@ -103,8 +103,8 @@ def _check(model, prompt, max_new_tokens, num_beams, length_penalty, early_stopp
     if bad:
         raise ShapeError(f"beam_search: token id {bad[0]} in the prompt is out of range; ids "
                          f"must be in 0..{cfg.vocab_size - 1}")
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ConfigError(f"beam_search: max_new_tokens must be an int >= 1, got "
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:   # 0: nothing to search, as generate
+        raise ConfigError(f"beam_search: max_new_tokens must be an int >= 0, got "
                           f"{max_new_tokens!r}")
     if len(prompt) + max_new_tokens > cfg.block_size:
         raise ShapeError(f"beam_search: a prompt of {len(prompt)} tokens plus {max_new_tokens} "
@@ -157,11 +157,18 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
     ``num_beams`` hypotheses are finished) or "never", as in transformers.
     ``length_penalty > 0`` favours longer sequences, ``< 0`` shorter ones.
 
+    ``max_new_tokens=0`` generates nothing, as ``generate`` then yields nothing: the result is
+    ``num_return_sequences`` empty continuations, each scored 0.0 (an empty continuation's
+    log-probability is log 1 = 0; the formula's 0 / 0 ** length_penalty is taken as that 0,
+    for every length penalty), and the model does not run.
+
     >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
     >>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))
     >>> seqs, scores = beam_search(model, [4, 2], max_new_tokens=3, num_beams=1)
     >>> len(seqs), len(seqs[0]), scores[0] <= 0
     (1, 3, True)
+    >>> beam_search(model, [4, 2], max_new_tokens=0, num_beams=2, num_return_sequences=2)
+    ([[], []], [0.0, 0.0])
     """
     model_check("beam_search", model)
     if isinstance(prompt_ids, Tensor):   # as generate takes one
@@ -186,6 +193,8 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
     length_penalty, early_stopping = _check(model, prompt, max_new_tokens, num_beams,
                                             length_penalty, early_stopping, eos,
                                             num_return_sequences)
+    if max_new_tokens == 0:   # finished before the first step: the prompt is the whole text
+        return [[] for _ in range(num_return_sequences)], [0.0] * num_return_sequences
     if num_beams == 1:   # transformers' generate(num_beams=1) is greedy search, not one beam
         return _greedy(model, prompt, max_new_tokens, length_penalty, eos)
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import flags, graph, ops
 from ..sampling import SAMPLE_KNOBS
-from ..errors import ConfigError, DTypeError, ModelError, ShapeError
+from ..errors import ConfigError, DTypeError, ModelError, ModelTypeError, ShapeError
 from ..tensor import Tensor, host_buffer, tensor, zeros
 
 
@@ -588,17 +588,18 @@ def _int_array(where: str, what: str, values) -> np.ndarray:
 
 def model_check(who: str, model) -> None:
     """Refuse what is not a forge-ml language model (``generate(None, ...)`` failed deep inside
-    with "'NoneType' object has no attribute 'config'").
+    with "'NoneType' object has no attribute 'config'"): a ModelTypeError, which is a ForgeError
+    as every user error of the package, and still the TypeError it was.
 
     >>> model_check("generate", None)
     Traceback (most recent call last):
     ...
-    TypeError: generate: model must be a forge-ml language model (forge_ml.models.GPT2, e.g. from forge_ml.inference.load_model), got NoneType
+    forge_ml.errors.ModelTypeError: generate: model must be a forge-ml language model (forge_ml.models.GPT2, e.g. from forge_ml.inference.load_model), got NoneType
     """
     if not (hasattr(model, "config") and hasattr(model, "forward_cached")
             and hasattr(model, "new_cache")):
-        raise TypeError(f"{who}: model must be a forge-ml language model (forge_ml.models.GPT2, "
-                        f"e.g. from forge_ml.inference.load_model), got {type(model).__name__}")
+        raise ModelTypeError(f"{who}: model must be a forge-ml language model (forge_ml.models.GPT2, "
+                             f"e.g. from forge_ml.inference.load_model), got {type(model).__name__}")
 
 
 def check_finite_logits(model, logits, who: str, what: str = "the prompt") -> None:
