@@ -269,6 +269,48 @@ def test_a_long_prompt_is_prefilled_in_one_pass(model, expected):
         BatchEngine(model, prefill_min=0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_padded_prefill_draws_what_generate_draws(device):
+    """On a GPU a prefill is replayed from a graph per padded length (the next power of two
+    from 64, at most max_len) into a one-row cache and copied into the slot's rows: prompts
+    of three lengths (three padded lengths, the last the capacity), one length twice (its
+    graph replayed with other ids), greedy, sampled and penalised, each give generate's
+    tokens. On the CPU the same padded path runs op by op (forced: the CPU prefills unpadded)."""
+    from forge_ml.models.gpt2 import GPT2Config
+    from test_generate import _cuda_or_cpu
+    _cuda_or_cpu(device)
+    m = make_model(GPT2Config(vocab_size=23, padded_vocab_size=32, block_size=160, n_layer=2,
+                              n_head=2, n_embd=16)).to(device)
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, 23, n)] for n in (30, 70, 71, 150)]
+    kinds = [SamplingParams(max_tokens=6, temperature=0),
+             SamplingParams(max_tokens=6, temperature=0.9, top_p=0.8, seed=4),
+             SamplingParams(max_tokens=6, temperature=0),
+             SamplingParams(max_tokens=6, temperature=0.7, repetition_penalty=1.7, seed=5)]
+    with BatchEngine(m, slots=3, prefill_min=16) as engine:
+        engine._padded = True
+        got = []
+        for pr, p in zip(prompts, kinds):
+            got.append(tokens_of(engine.submit(pr, p)))
+            # the slot's keys and values of the prompt's positions are an unpadded pass's (row
+            # 0 aside: idle slots step there)
+            n = len(pr) - 1
+            ref = m.new_cache(1)
+            m.forward_cached(fm.tensor([pr[:n]], device=device), ref)
+            for mine, want in ((engine._decode.cache.k, ref.k), (engine._decode.cache.v, ref.v)):
+                for a, b in zip(mine, want):
+                    a, b = a.numpy()[:, :, 1:n], b.numpy()[0, :, 1:n]
+                    assert min(np.abs(a[s] - b).max() for s in range(3)) < 1e-4, len(pr)
+        assert engine.prefills == 4
+        assert sorted(engine._prefill_at) == [64, 128, 160]   # 29 -> 64, 69 and 70 -> 128, 149 -> 160
+        assert all((pre.graph is not None) == (device == "cuda")
+                   for pre in engine._prefill_at.values())
+    for pr, p, toks in zip(prompts, kinds, got):
+        assert toks == list(generate(m, pr, max_new_tokens=6, temperature=p.temperature,
+                                     top_p=p.top_p if p.top_p < 1 else None,
+                                     repetition_penalty=p.repetition_penalty, seed=p.seed)), len(pr)
+
+
 def test_a_prefill_that_fails_ends_its_request_not_the_engine():
     """(review) A long prompt's prefill out of memory stopped the engine and every request in
     it; it now ends that request with the error and the engine goes on."""

@@ -7,7 +7,11 @@ inside its prompt, else its last chosen token. A prompt of at least ``prefill_mi
 first prefilled in one forward pass into its slot's cache rows (all but its last token, which
 the step feeds and chooses after), so its first token comes after one pass, not one step a
 token; a shorter prompt rides the steps a token at a time (which costs the other slots
-nothing). The path depends on the prompt alone, never on the load, so a request gives the
+nothing). On a device with graphs (a GPU) that pass is replayed from a graph captured once per
+padded length (the next power of two, 64 to ``max_len``: the prompt's last real token repeated
+after it, whose keys and values no step reads before it writes its own there) into a one-row
+cache, and copied into the slot's rows: a launch and a copy a layer, where op by op the host's
+launches held the engine ~10 ms for a 511-token prompt. The path depends on the prompt alone, never on the load, so a request gives the
 same tokens alone or among others. Each slot past its prompt then gets its next token,
 chosen on the device with its own ``SamplingParams`` by the one sampling rule of every
 decoding path (``forge_ml.sampling.sample_row``: ``ops.sample_next``), so only the tokens come
@@ -48,8 +52,8 @@ from typing import Optional
 
 import numpy as np
 
-from .. import ops
-from ..errors import ConfigError
+from .. import flags, graph, ops
+from ..errors import CaptureError, ConfigError
 from ..sampling import knobs_row
 from ..tensor import device_has, tensor
 from .decode import DecodeStep, KVCache, model_check, nonfinite_error
@@ -63,6 +67,48 @@ __all__ = ["BatchEngine", "SamplingParams", "TokenOut", "Stream", "RequestError"
 log = logging.getLogger("forge_ml.inference")
 
 _GREEDY = knobs_row(0.0)   # an idle slot's knobs: the argmax, the cheapest choice
+
+
+def prefill_length(n: int, cap: int) -> int:
+    """The padded length a prefill of ``n`` tokens runs at on a device with graphs: the next
+    power of two, at least 64 and at most ``cap`` (the slots' capacity), so that a few graphs
+    serve every prompt length.
+
+    >>> prefill_length(63, 1024), prefill_length(64, 1024), prefill_length(65, 1024), prefill_length(700, 1000)
+    (64, 64, 128, 1000)
+    """
+    return min(int(cap), max(64, 1 << (int(n) - 1).bit_length()))
+
+
+class _Prefill:
+    """The prefill of one padded length ``L``: its ids buffer (1, L), its one-row cache of L
+    positions, and the graph that replays ``forward_cached`` from one into the other (None:
+    op by op, where the device has no graphs or the capture failed)."""
+
+    def __init__(self, model, L: int, padded: np.ndarray, captured: bool):
+        self.model = model
+        self.ids = tensor(padded, device=model.device)
+        self.cache = KVCache.empty(model, 1, L)
+        self.graph = None
+        if captured:   # the real run (compiling every kernel) then the capture, in its memory
+            try:   # (the real run's own failure, out of memory say, is the request's error)
+                self.graph = graph.capture(model.device, self._work, run_first=True)
+            except CaptureError as e:   # after the real run: this prefill is done
+                log.warning("BatchEngine: a prefill's graph capture failed (%s); prefills run "
+                            "op by op", e)
+        else:
+            self._work()
+
+    def _work(self):
+        self.cache.pos = 0
+        return self.model.forward_cached(self.ids, self.cache, last_only=True)
+
+    def run(self, padded: np.ndarray) -> None:
+        ops.assign(self.ids, padded)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._work()
 
 
 def knobs_of(p: SamplingParams) -> list:
@@ -177,6 +223,11 @@ class BatchEngine:
         self._error: Optional[str] = None
         self.steps = 0                  # decode steps run so far
         self.prefills = 0               # prompts prefilled in one forward pass
+        # prefills by padded length, replayed from graphs where the device has them (the
+        # tests force the padded path on the CPU through _padded)
+        self._graphed = graph.available(model.device) and flags.on("FORGE_CUDA_GRAPH")
+        self._padded = self._graphed
+        self._prefill_at: dict = {}     # padded length -> _Prefill
         self._thread = threading.Thread(target=self._run, name="forge-ml-batch", daemon=True)
         self._thread.start()
 
@@ -295,9 +346,8 @@ class BatchEngine:
                 continue
             n = len(rq.prompt) - 1          # the last prompt token is the step's to feed
             if n >= max(1, self.prefill_min - 1):   # a prompt of prefill_min tokens or more
-                ids = tensor(np.array([rq.prompt[:n]], np.int64), device=self.model.device)
                 try:
-                    self.model.forward_cached(ids, self._decode.cache.row(s), last_only=True)
+                    self._prefill_one(s, rq.prompt[:n])
                 except Exception as e:   # (out of memory for a long prompt): this request's
                     log.warning("BatchEngine: a prompt's prefill failed: %s: %s",  # error,
                                 type(e).__name__, e)                              # not the engine's
@@ -307,6 +357,32 @@ class BatchEngine:
                     continue
                 rq.fed = n
                 self.prefills += 1
+
+    def _prefill_one(self, s: int, ids: list) -> None:
+        """``ids`` (a prompt but its last token) into slot ``s``'s cache rows: by one forward
+        pass op by op, or (``_padded``) padded to ``prefill_length`` into that length's
+        one-row cache, replayed from its graph where there is one, then copied into the slot's
+        rows (every padded position: those past the prompt are written by the slot's steps
+        before any step reads them)."""
+        row = self._decode.cache.row(s)
+        if not self._padded:
+            self.model.forward_cached(tensor(np.array([ids], np.int64), device=self.model.device),
+                                      row, last_only=True)
+            return
+        n = len(ids)
+        L = prefill_length(n, self.max_len)
+        padded = np.full((1, L), ids[-1], np.int64)
+        padded[0, :n] = ids
+        pre = self._prefill_at.get(L)
+        if pre is None:   # its first run is this prefill
+            pre = _Prefill(self.model, L, padded, self._graphed)
+            if pre.graph is None:
+                self._graphed = False   # (a failed capture: not tried again at other lengths)
+            self._prefill_at[L] = pre
+        else:
+            pre.run(padded)
+        for dst, src in zip(row.k + row.v, pre.cache.k + pre.cache.v):
+            ops.kv_append(dst, src, 0)
 
     def _launch_step(self) -> list:
         """Queue a step for the busy slots (each fed its next token at its position, the new
