@@ -487,6 +487,30 @@ def test_closing_rank_zero_without_training_releases_the_workers(tmp_path):
     assert launch.threads(3, rank, timeout=20) == ["closed", {"step": 0, "losses": []}, {"step": 0, "losses": []}]
 
 
+def test_a_step_past_max_steps_is_refused_before_any_rank_steps(tmp_path):
+    """Trainer.train_step past max_steps trained on in silence; the data-parallel step did
+    too. It raises on rank 0 before a worker is sent the step, and closing releases them."""
+    run = str(tmp_path / "r")
+    cfg = _cfg(tmp_path, out_dir=run, max_steps=2, lr_decay_steps=2)
+    launch.threads(2, lambda c: dp_train(cfg, c, log=None))
+
+    def rank(comm):
+        if comm.rank:
+            return dtrainer.Worker(comm).run()
+        t = dtrainer.DistributedTrainer(cfg, comm, resume=True, log=None)
+        try:
+            with pytest.raises(TrainingError, match=r"at step 2, its max_steps \(2\).*--max-steps N"):
+                t.train_step()
+            return t.step
+        finally:
+            t.close()
+
+    got = launch.threads(2, rank, timeout=20)
+    assert got[0] == 2 and got[1]["losses"] == []
+    log = [json.loads(line) for line in open(os.path.join(run, "log.jsonl"))]
+    assert [r["step"] for r in log if "loss" in r] == [1, 2]
+
+
 def test_out_of_place_all_reduce_and_broadcast_leave_x_alone():
     def rank(comm):
         r = comm.rank

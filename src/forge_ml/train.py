@@ -1471,11 +1471,7 @@ class Trainer:
         ``save()`` and the end of ``train()`` give them back, so a checkpoint's data position
         is this step's. Past ``max_steps`` it raises TrainingError and changes nothing."""
         cfg, step = self.cfg, self.step
-        if step >= cfg.max_steps:   # (it trained on in silence, into a checkpoint the run's own max_steps refuses)
-            raise TrainingError(f"the run in {self.out_dir} is at step {step}, its max_steps ({cfg.max_steps}), where "
-                                f"its learning-rate schedule ends; to train on, resume it with a larger max_steps: "
-                                f"Trainer(TrainConfig(..., max_steps=N), resume=True), or `forge-ml train --out "
-                                f"{self.out_dir} --resume --max-steps N`")
+        self._within_max_steps()
         t0 = time.perf_counter()
         lr = cosine_lr(step, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr)
         fast = self._fast_step()
@@ -1676,6 +1672,16 @@ class Trainer:
             if max_windows is not None and windows >= max_windows:
                 break
         return total / windows, windows
+
+    def _within_max_steps(self) -> None:
+        """Refuse a step past ``max_steps``: it trained on in silence, into a checkpoint the
+        run's own max_steps then refused (``train_step``, the data-parallel one too)."""
+        if self.step >= self.cfg.max_steps:
+            raise TrainingError(f"the run in {self.out_dir} is at step {self.step}, its max_steps "
+                                f"({self.cfg.max_steps}), where its learning-rate schedule ends; to "
+                                f"train on, resume it with a larger max_steps: Trainer(TrainConfig(..., "
+                                f"max_steps=N), resume=True), or `forge-ml train --out {self.out_dir} "
+                                f"--resume --max-steps N`")
 
     def sample(self, n_tokens: Optional[int] = None, prompt: Optional[str] = None, seed: int = 0) -> str:
         """Text the model writes after ``prompt`` (default: the config's, or a newline), drawn

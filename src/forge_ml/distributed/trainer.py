@@ -143,6 +143,7 @@ class DistributedTrainer(Trainer):
         counts every rank's tokens). A step is never given up half-way (every rank is inside
         it): a signal stops the run after it."""
         cfg, step = self.cfg, self.step
+        self._within_max_steps()   # (before any rank is sent the step)
         t0 = time.perf_counter()
         self._send({"cmd": "step", "step": step})
         self._phase = "update"      # Trainer's signal handler never interrupts this phase
