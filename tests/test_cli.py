@@ -204,6 +204,85 @@ def test_convert_both_ways(trained, capsys):
     assert outs[0] == outs[1] == outs[2]
 
 
+def test_convert_keeps_what_another_convert_wrote_into_its_out_meanwhile(trained, capsys, monkeypatch):
+    """(QA) Two converts into one new --out both found it new; the slower replaced the other's
+    finished export without --force. Without --force the folder must still be new or empty
+    when the write's lock is taken; with --force it replaces it."""
+    import forge_ml.inference.load as load
+    from forge_ml.hf import save_hf_gpt2
+    real = load.load_model
+
+    def other_writes_first(*a, **kw):   # the other process finishes while this one reads
+        model, tok, meta = real(*a, **kw)
+        save_hf_gpt2("hf", model.config.to_dict(), model.state_dict(), tokenizer=tok.to_dict())
+        return model, tok, meta
+    monkeypatch.setattr(load, "load_model", other_writes_first)
+    _fails(capsys, ["convert", "--to-hf", "run", "--out", "hf"],
+           "now holds a Hugging Face export another process wrote", "add --force")
+    theirs = {p.name: p.read_bytes() for p in Path("hf").iterdir()}   # kept whole
+    assert "model.safetensors" in theirs and not Path("hf.tmp").exists()
+    assert main(["convert", "--to-hf", "run", "--out", "hf", "--force"]) == 0   # --force replaces
+    monkeypatch.setattr(load, "load_model", real)
+    # the same for an import (a forge-ml checkpoint written meanwhile)
+    from forge_ml import hf as hfmod
+    real_load = hfmod.load_hf_gpt2
+
+    def other_imports_first(src):
+        config, params = real_load(src)
+        from forge_ml.checkpoint import save_checkpoint
+        save_checkpoint("ck", params, {"kind": "forge-ml-model", "config": config})
+        return config, params
+    monkeypatch.setattr(hfmod, "load_hf_gpt2", other_imports_first)
+    _fails(capsys, ["convert", "--from-hf", "hf", "--out", "ck"],
+           "now holds a checkpoint another process wrote", "add --force")
+    assert "tokenizer" not in json.loads(Path("ck/state.json").read_text())["meta"]
+
+
+def test_convert_into_a_mount_point_says_so_before_any_work(trained, capsys, monkeypatch):
+    """(QA) An empty mount point (a Docker volume) failed after the work with 'Device or
+    resource busy': the folder swap cannot rename a mount point. Refused first, naming a way."""
+    import os.path
+    Path("vol").mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.path.basename(str(p)) == "vol" or real(p))
+    for argv in (["convert", "--to-hf", "run", "--out", "vol"], ["convert", "--from-hf", "hf0", "--out", "vol"]):
+        if argv[1] == "--from-hf":
+            monkeypatch.setattr(os.path, "ismount", real)
+            assert main(["convert", "--to-hf", "run", "--out", "hf0"]) == 0
+            monkeypatch.setattr(os.path, "ismount", lambda p: os.path.basename(str(p)) == "vol" or real(p))
+        _fails(capsys, argv, "vol: it is a mount point", "give a folder inside it", "vol/model")
+    assert os.listdir("vol") == []
+
+
+def test_sample_with_stdout_closed_or_its_reader_gone(trained):
+    """(QA) `sample >&-` ended in a traceback (sys.stdout is None); `sample | head` exited 0
+    where `train | head` exits 141. Closed: the text goes nowhere, as print's does, exit 0;
+    the reader gone: 141, one status for every command."""
+    import os
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    cmd = [sys.executable, "-m", "forge_ml", "sample", "--ckpt", "run", "--max-new-tokens", "20"]
+    for extra in ([], ["--logprobs", "2"], ["--num-beams", "2"]):
+        done = subprocess.run(cmd + extra, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                              text=True, timeout=120, preexec_fn=lambda: os.close(1))
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (extra, done.stderr)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    p.stdout.close()         # the reader goes away before the first token, as `| head -c 0`
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err, err
+
+
+def test_eval_refuses_a_model_whose_loss_is_not_a_number(trained, capsys):
+    """(QA) A checkpoint with NaN weights printed 'loss nan  perplexity nan' and exited 0
+    (sample refused it). eval says the loss is not one a model gives and names the weight."""
+    from forge_ml.checkpoint import load_checkpoint, save_checkpoint
+    tensors, meta = load_checkpoint("run/ckpt")
+    tensors["h.0.ln_1.weight"][2] = np.nan
+    save_checkpoint("bad", {k: v for k, v in tensors.items() if not k.startswith("opt.")},
+                    {**meta, "kind": "forge-ml-model"})
+    _fails(capsys, ["eval", "--ckpt", "bad", "--data", "t.txt"], "the loss over t.txt is nan",
+           "its parameter h.0.ln_1.weight holds 1 NaN")
+
+
 def test_sample_from_a_gpt2_vocab_hf_folder(workdir, capsys):
     from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
     cfg = {"vocab_size": 50257, "block_size": 16, "n_layer": 1, "n_head": 1, "n_embd": 8}

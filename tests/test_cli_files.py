@@ -222,6 +222,7 @@ def test_sample_missing_checkpoint(run, capsys):
 
 @pytest.mark.parametrize("opt,needle", [
     (["--temperature", "-0.5"], "--temperature"), (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "1e308"], "--temperature must be a number >= 0 (0 is greedy) and at most 3.4e38"),
     (["--top-k", "-1"], "--top-k"), (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
     (["--max-new-tokens", "-1"], "--max-new-tokens"), (["--seed", "-3"], "--seed"),
     (["--prompt", "to be ZZ"], "'Z'"),

@@ -363,8 +363,17 @@ def _write_lock(path: Path, what: str):
         os.close(fd)
 
 
+def _refuse_mount(path: Path, out, what: str) -> None:
+    """A mount point (an empty Docker volume, a mounted disk) cannot be renamed aside, as the
+    swap needs: say so before any work, not as "Device or resource busy" after it."""
+    if path.is_dir() and os.path.ismount(path):
+        raise CheckpointError(f"cannot write {out}: it is a mount point, and forge-ml swaps the "
+                              f"{what} in as a whole folder (a rename that a mount point refuses); "
+                              f"give a folder inside it, e.g. {os.path.join(str(out), 'model')}")
+
+
 @contextlib.contextmanager
-def atomic_directory(path, files=None, marker=None, what: str = "folder"):
+def atomic_directory(path, files=None, marker=None, what: str = "folder", replace: bool = True):
     """Yield an empty temporary directory next to ``path``; when the block ends normally it
     replaces ``path`` as a whole (see the module docstring), and when it raises, ``path`` is
     left as it was and the temporary directory is removed.
@@ -374,7 +383,9 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder"):
     link to such a folder replaces the folder it links to (the link stays).
     Anything else raises a CheckpointError before anything is written. An OSError (a full
     disk, a read-only filesystem, a permission) becomes a one-line CheckpointError that names
-    the file and the cause; ``path`` is then unchanged.
+    the file and the cause; ``path`` is then unchanged. ``replace=False``: ``path`` must still
+    be new or empty when the swap's lock is taken (a command without ``--force`` that found it
+    so: another process may have written it since).
 
     >>> import tempfile, os
     >>> d = os.path.join(tempfile.mkdtemp(), "out")
@@ -395,6 +406,7 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder"):
     if not path.name:
         raise CheckpointError(f"cannot write {path}: expected a path to a folder, not the filesystem root")
     files = None if files is None else frozenset(files)
+    _refuse_mount(path, path, what)
     tmp, old = _side_paths(path)
     made = False
     try:
@@ -406,6 +418,12 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder"):
             # scratch removed on failure is this writer's own
             try:
                 _check_replaceable(path, files, marker, what)
+                if not replace and ((path.is_dir() and _entries(path))
+                                    or (not path.exists() and old.is_dir())):
+                    # checked new or empty before the work (check_output_dir); another writer
+                    # finished into it meanwhile: theirs stays, as it would have without the race
+                    raise CheckpointError(f"{path} now holds a {what} another process wrote while "
+                                          f"this one worked; add --force to replace it")
                 _recover(path, files, marker)
                 if tmp.exists():
                     shutil.rmtree(tmp)  # left by a save that crashed before its swap (checked: ours)
@@ -462,6 +480,7 @@ def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str 
     if is_inside(os.getcwd(), real):
         raise CheckpointError(f"refusing to write {out}: it is or holds the current folder; "
                               f"write into a new or empty folder")
+    _refuse_mount(path, out, what)
     _, old = _side_paths(path)
     if not (path.exists() or path.is_symlink()) and old.is_dir() and not old.is_symlink():
         # a save that died between its two renames: <out>.old is what <out> holds, and the
@@ -632,12 +651,13 @@ def is_checkpoint_dir(path, kind: str | None = None) -> bool:
     return kind is None or (isinstance(state.get("meta"), dict) and state["meta"].get("kind") == kind)
 
 
-def save_checkpoint(dir, tensors: dict, meta: dict) -> None:
+def save_checkpoint(dir, tensors: dict, meta: dict, replace: bool = True) -> None:
     """Write ``tensors`` (name -> NumPy array) and ``meta`` (JSON-able) as a checkpoint in
     ``dir``, replacing any previous one there atomically.
 
     ``dir`` must be new, empty, or a checkpoint (``is_checkpoint_dir``): a folder holding
-    anything else is never replaced (CheckpointError). A full disk or a read-only
+    anything else is never replaced (CheckpointError); with ``replace=False`` not a
+    checkpoint either (``forge-ml convert`` without ``--force``). A full disk or a read-only
     filesystem raises a one-line CheckpointError and keeps the previous checkpoint.
 
     >>> import tempfile, os, numpy as np
@@ -654,7 +674,7 @@ def save_checkpoint(dir, tensors: dict, meta: dict) -> None:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"save_checkpoint: meta is not JSON-able: {e}") from None
 
-    with atomic_directory(dir, CHECKPOINT_FILES, is_checkpoint_dir, "checkpoint") as tmp:
+    with atomic_directory(dir, CHECKPOINT_FILES, is_checkpoint_dir, "checkpoint", replace) as tmp:
         model_path = tmp / MODEL_FILE
         write_safetensors(model_path, arrays, {"format": "np", "forge_ml_format_version": str(FORMAT_VERSION)})
         state = {

@@ -644,8 +644,10 @@ def _check_sample_args(args) -> None:
                           "use --num-return-sequences for its best sequences")
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if not args.temperature >= 0 or math.isinf(args.temperature):  # NaN fails >= too
-        raise ConfigError(f"--temperature must be a number >= 0 (0 is greedy), got {args.temperature}")
+    # NaN fails >= too; past float32 (1e308) the library refused it in stream_tokens' name
+    if not 0 <= args.temperature <= 3.4028234663852886e38:
+        raise ConfigError(f"--temperature must be a number >= 0 (0 is greedy) and at most 3.4e38 "
+                          f"(float32's largest), got {args.temperature}")
     if args.top_k is not None and args.top_k < 0:
         raise ConfigError(f"--top-k must be >= 0 (0 is off), got {args.top_k}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
@@ -717,7 +719,7 @@ def _cmd_sample(args) -> int:
               f"{plural(block, 'token')} holds {block - len(ids)} new {plural(block - len(ids), 'token')} "
               f"after the prompt's {len(ids)}, not the "
               f"{args.max_new_tokens} asked", file=sys.stderr, flush=True)
-    out = sys.stdout
+    out = sys.stdout if sys.stdout is not None else open(os.devnull, "w")   # `>&-`: print's silence
     if args.num_beams is not None:
         return _sample_beams(args, model, tok, ids, stop, out)
     for i in range(args.num_samples):
@@ -910,6 +912,11 @@ def _cmd_eval(args) -> int:
     finally:
         if tmp is not None:
             tmp.cleanup()
+    if not math.isfinite(loss):   # (it printed "loss nan" and exited 0; sample refuses such a model)
+        from .errors import ModelError
+        from .inference.decode import nonfinite_cause
+        raise ModelError(f"the loss over {args.data} is {loss}, not a loss a model gives: "
+                         f"{nonfinite_cause(model)}")
     where = "" if shards is None else f" of {len(shards)} val {plural(len(shards), 'shard')} in {path}"
     print(f"loss {loss:.4f}  perplexity {math.exp(min(loss, 700)):.3f}  "
           f"({windows * T:,} {plural(windows * T, 'token')}{where}: "
@@ -1025,7 +1032,7 @@ def _cmd_convert(args) -> int:
         # HF's four dropout rates as given (the config holds forge-ml's one): the export's
         meta = {"kind": "forge-ml-model", "config": config, "tokenizer": tok_dict,
                 "source": str(src.resolve()), **hf_meta(src)}
-        save_checkpoint(args.out, params, meta)
+        save_checkpoint(args.out, params, meta, replace=args.force)
         print(f"imported {len(params)} tensors ({config['n_layer']} {plural(config['n_layer'], 'layer')}, "
               f"{config['n_embd']} channels) "
               f"from {args.from_hf} -> {args.out}")
@@ -1039,7 +1046,8 @@ def _cmd_convert(args) -> int:
     config = dict(model.config.to_dict(), dropout=meta["config"].get("dropout", 0.0))
     save_hf_gpt2(args.out, config, model.state_dict(), tokenizer=tok.to_dict(),
                  dropout_rates=meta.get("hf_dropout"),
-                 hf_flags={k: v for k, v in (meta.get("hf_flags") or {}).items() if k in HF_FLAGS})
+                 hf_flags={k: v for k, v in (meta.get("hf_flags") or {}).items() if k in HF_FLAGS},
+                 replace=args.force)
     tok_files = [f for f in TRANSFORMERS_TOKENIZER_FILES if (Path(args.out) / f).is_file()]
     print(f"exported {args.to_hf} -> {args.out} (config.json + model.safetensors"
           + (f" + {HF_TOKENIZER_FILE}: a {tok.kind} tokenizer, not GPT-2's" if tok.kind != "gpt2" else "")
@@ -1184,7 +1192,7 @@ def _unprefixed(e: Exception, cmd: str) -> str:
 def main(argv=None) -> int:
     """Run the ``forge-ml`` command line; returns the exit status (0 ok, 1 training failure,
     2 bad input or a file that cannot be written, 130 / 143 / 129 stopped by SIGINT / SIGTERM /
-    SIGHUP, 141 a trainer whose stdout's reader went away). The
+    SIGHUP, 141 a command whose stdout's reader went away). The
     BLAS thread count is set first (``forge_ml.blas.limit_default``).
 
     >>> main(["bench", "--steps", "0"])
@@ -1284,12 +1292,12 @@ def _main(argv) -> int:
         print(f"{PROG} {args.cmd}: error: out of memory: {e or 'the host could not allocate more'}; use a "
               f"smaller --batch-size, --block-size or model", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # `forge-ml sample ... | head`
+    except BrokenPipeError:  # `forge-ml sample ... | head`: the status of SIGPIPE, as train's
         try:
             sys.stdout = open(os.devnull, "w")
         except OSError:
             pass
-        return 0
+        return 141
     except OSError as e:  # a full disk, a read-only filesystem, ...: one line, no traceback
         code = errno.errorcode.get(e.errno, "") if e.errno else ""
         where = f": {e.filename}" if e.filename else ""

@@ -488,7 +488,8 @@ def transformers_tokenizer_files(tokenizer: dict, vocab_size: int, block_size: i
 
 
 def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
-                 dropout_rates: dict | None = None, hf_flags: dict | None = None) -> None:
+                 dropout_rates: dict | None = None, hf_flags: dict | None = None,
+                 replace: bool = True) -> None:
     """Write ``params`` (forge-ml names, NumPy arrays) as a directory that transformers'
     ``GPT2LMHeadModel.from_pretrained`` loads: ``config.json`` and ``model.safetensors`` with
     the ``transformer.`` prefix, as transformers' own ``save_pretrained`` writes it, and the
@@ -508,7 +509,8 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
     rates written: ``dropout_rates`` where given (HF's names, ``DROPOUT_KEYS``, as
     ``load_hf_dropout`` read them; a key it lacks as below), else ``config``'s dropout as
     ``resid_pdrop``, ``embd_pdrop`` and ``attn_pdrop``, and transformers' default 0.1 as
-    ``summary_first_dropout``. ``hf_flags``: ``HF_FLAGS``' values as ``load_hf_flags`` read
+    ``summary_first_dropout``. ``replace=False``: ``dir`` must be new or empty when written
+    (an earlier export there is not replaced). ``hf_flags``: ``HF_FLAGS``' values as ``load_hf_flags`` read
     them (false where not given). The other keys of transformers' GPT2Config that forge-ml has
     no use for get transformers' defaults (``HF_GPT2_DEFAULTS``: the summary head's settings,
     ``add_cross_attention``, ``pad_token_id``), so that config.json has every key of GPT2Config.
@@ -594,7 +596,7 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
         EXPORT_MARK: _forge_version(),
     }
     tok_files = {} if tokenizer is None else transformers_tokenizer_files(tokenizer, V, config["block_size"])
-    with atomic_directory(dir, EXPORT_FILES, _has_export_mark, "Hugging Face export") as tmp:
+    with atomic_directory(dir, EXPORT_FILES, _has_export_mark, "Hugging Face export", replace) as tmp:
         # The metadata save_pretrained writes; transformers 4.x refuses a file whose "format"
         # names no framework it knows.
         write_safetensors(tmp / WEIGHTS_FILE, tensors, {"format": "pt"})

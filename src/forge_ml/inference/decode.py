@@ -635,21 +635,31 @@ def check_finite_logits(model, logits, who: str, what: str = "the prompt") -> No
     raise nonfinite_error(model, who, what)
 
 
-def nonfinite_error(model, who: str, what: str) -> ModelError:
-    """The ModelError for logits of ``what`` that hold NaN or inf: it names the first parameter
-    that is not finite, or says that every one is (``check_finite_logits``'s message)."""
+def nonfinite_cause(model) -> str:
+    """Why a model's output is not finite, said for an error: the first parameter that holds
+    NaN or inf, or that every one is finite (an activation overflowed).
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> m = GPT2.init(GPT2Config(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4))
+    >>> m.params["ln_f.bias"].data[1] = float("nan")
+    >>> nonfinite_cause(m)
+    'its parameter ln_f.bias holds 1 NaN of 4 values (a damaged checkpoint, or weights from a training run that diverged)'
+    """
     from ..diagnose import _bad_values
     for name, p in model.params.items():
         bad = _bad_values(p)
         if bad:
-            why = (f"its parameter {name} holds {bad} (a damaged checkpoint, or weights from a "
-                   f"training run that diverged)")
-            break
-    else:
-        why = ("every parameter is finite, so an activation overflowed on the way (weights far "
-               "larger than a trained model's?)")
+            return (f"its parameter {name} holds {bad} (a damaged checkpoint, or weights from a "
+                    f"training run that diverged)")
+    return ("every parameter is finite, so an activation overflowed on the way (weights far "
+            "larger than a trained model's?)")
+
+
+def nonfinite_error(model, who: str, what: str) -> ModelError:
+    """The ModelError for logits of ``what`` that hold NaN or inf: it names the first parameter
+    that is not finite, or says that every one is (``check_finite_logits``'s message)."""
     return ModelError(f"{who}: the model's logits for {what} hold NaN or inf, so no token "
-                      f"can be chosen: {why}")
+                      f"can be chosen: {nonfinite_cause(model)}")
 
 
 def _same_memory(a: list, b: list) -> bool:
