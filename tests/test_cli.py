@@ -283,6 +283,33 @@ def test_eval_refuses_a_model_whose_loss_is_not_a_number(trained, capsys):
            "its parameter h.0.ln_1.weight holds 1 NaN")
 
 
+def test_sample_reads_its_prompt_from_standard_input_or_a_pipe(trained):
+    """(QA) `echo ROMEO: | forge-ml sample --prompt-file -` said 'text file not found: -', and
+    `--prompt-file <(echo ...)` 'a directory or special file'. '-' reads standard input, a
+    pipe is read to its end; both give the prompt a file with the same text gives."""
+    import os
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    Path("p.txt").write_text("to be or")
+    base = [sys.executable, "-m", "forge_ml", "sample", "--ckpt", "run", "--max-new-tokens", "6",
+            "--temperature", "0"]
+    want = subprocess.run(base + ["--prompt-file", "p.txt"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert want.returncode == 0 and want.stdout.startswith("to be or"), want.stderr
+    piped = subprocess.run(base + ["--prompt-file", "-"], input="to be or", capture_output=True,
+                           text=True, env=env, timeout=120)
+    assert (piped.returncode, piped.stdout) == (0, want.stdout), piped.stderr
+    os.mkfifo("fifo")
+    writer = subprocess.Popen(["sh", "-c", "printf 'to be or' > fifo"])
+    fifo = subprocess.run(base + ["--prompt-file", "fifo"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    writer.wait(timeout=30)
+    assert (fifo.returncode, fifo.stdout) == (0, want.stdout), fifo.stderr
+    bad = subprocess.run(base + ["--prompt-file", "-"], input=b"\xff\xfe to", capture_output=True,
+                         env=env, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.decode().strip() == (
+        "forge-ml sample: error: --prompt-file standard input: not UTF-8 text (byte 0: b'\\xff')")
+
+
 def test_sample_from_a_gpt2_vocab_hf_folder(workdir, capsys):
     from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
     cfg = {"vocab_size": 50257, "block_size": 16, "n_layer": 1, "n_head": 1, "n_embd": 8}

@@ -208,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ckpt", required=True, help="checkpoint folder, run folder or HF GPT-2 folder")
     s.add_argument("--prompt", default="", help="text to continue (default: a newline / end-of-text)")
     s.add_argument("--prompt-file", metavar="PATH", default=None,
-                   help="read the prompt from a UTF-8 text file, as it is (nanoGPT's start='FILE:...')")
+                   help="read the prompt from a UTF-8 text file, as it is (nanoGPT's start='FILE:...'); "
+                        "'-' reads standard input, and a pipe (<(cmd), /dev/stdin) is read as one")
     s.add_argument("--num-samples", type=int, metavar="N", default=1,
                    help="N samples, the i-th drawn with --seed + i, each after a '---' line when N > 1 "
                         "(default 1)")
@@ -630,13 +631,41 @@ class _Detok:
         return self.text.flush()
 
 
+def _prompt_text(path: str) -> str:
+    """``--prompt-file``'s text: a file through ``data.load_text``; ``-``, or a pipe (``<(cmd)``,
+    ``/dev/stdin`` fed by one), read to its end (load_text refuses what is not a regular file:
+    a training corpus is read more than once)."""
+    import stat
+    from .data import load_text
+    if path != "-":
+        try:
+            piped = stat.S_ISFIFO(os.stat(path).st_mode)
+        except OSError:
+            piped = False
+        if not piped:
+            return load_text(path)
+    try:
+        if path == "-":
+            raw = sys.stdin.buffer.read() if sys.stdin is not None else b""
+        else:
+            with open(path, "rb") as f:
+                raw = f.read()
+    except OSError as e:
+        raise DataError(f"--prompt-file {path}: cannot read it: {e.strerror or e}") from None
+    where = "standard input" if path == "-" else path
+    try:
+        return raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise DataError(f"--prompt-file {where}: not UTF-8 text (byte {e.start}: "
+                        f"{raw[e.start:e.start + 1]!r})") from None
+
+
 def _check_sample_args(args) -> None:
     """``sample``'s options, checked before any work (and before the prompt is printed)."""
     if args.prompt_file is not None:
         if args.prompt:
             raise ConfigError("give --prompt or --prompt-file, not both")
-        from .data import load_text
-        args.prompt = load_text(args.prompt_file)
+        args.prompt = _prompt_text(args.prompt_file)
     if args.num_samples < 1:
         raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.num_samples > 1 and args.num_beams is not None:
