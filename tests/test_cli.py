@@ -398,6 +398,26 @@ def test_bench_scripts_import_their_sibling_modules(workdir, capsys):
     sys.modules.pop("helper_mod", None)
 
 
+def test_bench_of_a_script_leaves_the_thread_variables_to_it(workdir, capsys, monkeypatch):
+    """(QA) `forge-ml bench train_cpu` ran torch with one thread where `python
+    benchmarks/train_cpu.py` gave it two: the CLI had set OMP_NUM_THREADS (and the other BLAS
+    variables) for itself before the script imported torch. A script runs as `python SCRIPT`."""
+    import os
+    from forge_ml import blas
+    for v in blas.THREAD_VARS:
+        monkeypatch.delenv(v, raising=False)
+    Path("benchmarks").mkdir()
+    Path("benchmarks/env_probe.py").write_text(
+        "import os\nprint('seen', [v for v in %r if v in os.environ])\n" % (blas.THREAD_VARS,))
+    before = blas.get_threads()
+    try:
+        assert main(["bench", "env_probe"]) == 0
+        assert "seen []" in capsys.readouterr().out
+    finally:
+        blas.set_threads(before or 1)
+    assert not any(v in os.environ for v in blas.THREAD_VARS)
+
+
 def test_bench_chooses_the_cpu_threads_as_train_does(monkeypatch, capsys):
     """Where forge-ml sets the count, the built-in bench runs the trainer's ThreadTuner on its
     untimed first steps and times the count it chose (it had timed half the cores)."""

@@ -217,7 +217,11 @@ def test_training_into_a_run_without_resume_touches_nothing(workdir, capsys):
     _fails(capsys, ["train", "--out", "r", "--max-steps", "1"], "holds a run")
     Path("only").mkdir()
     Path("only/log.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
-    _fails(capsys, ["train", "--data", "t.txt", "--out", "only", *TINY], "only holds a run (log.jsonl)")
+    # (QA) no checkpoint: --resume is no way out (it then said "no checkpoint"), not offered
+    line = _fails(capsys, ["train", "--data", "t.txt", "--out", "only", *TINY],
+                  "only holds a run stopped before its first checkpoint (log.jsonl), so there is "
+                  "nothing to resume; add --overwrite")
+    assert "--resume" not in line
     assert _snapshot("r") == before
     # --overwrite starts over: a new log, new data, a new checkpoint
     Path("u.txt").write_text("abcd efgh\n" * 200)

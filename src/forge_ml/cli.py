@@ -703,7 +703,7 @@ def _check_sample_args(args) -> None:
                           f"got {args.num_return_sequences}")
     if args.num_beams is None and (args.length_penalty != 1.0 or args.early_stopping != "false"):
         given = "--length-penalty" if args.length_penalty != 1.0 else "--early-stopping"
-        raise ConfigError(f"{given} applies to beam search; add --num-beams K (it was ignored)")
+        raise ConfigError(f"{given} applies to beam search; add --num-beams K")
     if args.num_beams is not None and args.logprobs is not None:
         raise ConfigError("--logprobs reports sampled or greedy tokens; beam search (--num-beams) "
                           "scores whole sequences: use one or the other")
@@ -1299,7 +1299,8 @@ def _main(argv) -> int:
         for name, near in flags.unreported_misspellings():
             print(f"{PROG}: warning: {name} is not a forge-ml switch and is ignored; did you mean {near}?",
                   file=sys.stderr)
-        _blas.limit_default()
+        if not (args.cmd == "bench" and args.name):   # a benchmark script sets its own threads
+            _blas.limit_default()   # and its peer's (torch read OMP_NUM_THREADS set here: 1 thread)
         words = CLI_WORDS.set(True)   # the trainer's errors name this command's flags
         try:
             return _COMMANDS[args.cmd](args)

@@ -724,6 +724,11 @@ class Trainer:
         else:
             held = self._run_files()
             if held and not overwrite:
+                if CKPT_NAME + "/" not in held:   # stopped before its first checkpoint: --resume
+                    # then refused it ("no checkpoint"): a way that was none
+                    raise RunError(f"{self.out_dir} holds a run stopped before its first checkpoint "
+                                   f"({', '.join(held)}), so there is nothing to resume; add --overwrite to "
+                                   f"start it over (which replaces it), or choose another --out")
                 raise RunError(f"{self.out_dir} holds a run ({', '.join(held)}); add --resume to continue it "
                                f"or --overwrite to start over (which replaces it)")
             if cfg.init_from and overwrite and self._cleared_by_overwrite(cfg.init_from):
@@ -1889,7 +1894,7 @@ class Trainer:
         if cfg.lr > 0 and cfg.warmup > cfg.max_steps and self.step == 0:
             # the ramp (lr (s + 1) / warmup at step s) is cut off by the run's end
             peak = cosine_lr(cfg.max_steps - 1, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr)
-            self._say(f"note: --warmup {cfg.warmup} is longer than the run's {cfg.max_steps} steps: the learning "
+            self._say(f"note: --warmup {cfg.warmup} is longer than the run's {cfg.max_steps} {plural(cfg.max_steps, 'step')}: the learning "
                       f"rate climbs to {peak:.2e}, never to --lr {cfg.lr:g} (give a shorter --warmup, e.g. "
                       f"--warmup {max(1, cfg.max_steps // 10)})")
         vl = self.val_loader
