@@ -480,14 +480,20 @@ def test_unknown_routes_and_methods(http):
 def test_api_key(locked):
     with httpx.Client(base_url=locked.url, timeout=30) as h:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-            for path in ("/health", "/v1/models"):
+            for path in ("/v1/models", "/v1/models/tiny"):
                 r = h.get(path, headers=headers)
                 assert r.status_code == 401
                 assert r.json()["error"]["code"] == "invalid_api_key"
+            # (README QA) a load balancer's probe has no key, as vLLM's /health takes none:
+            # it learns whether the engine runs, and nothing else
+            r = h.get("/health", headers=headers)
+            assert r.status_code == 200 and r.json() == {"status": "ok"}
         r = h.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1})
         assert r.status_code == 401
+        assert h.post("/health").status_code == 401      # only GET is open
         ok = {"Authorization": f"Bearer {KEY}"}
-        assert h.get("/health", headers=ok).status_code == 200
+        r = h.get("/health", headers=ok)
+        assert r.status_code == 200 and r.json()["model"] == "tiny" and "running" in r.json()
     bad = openai.OpenAI(base_url=locked.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model="tiny", prompt="ab", max_tokens=1)

@@ -23,7 +23,7 @@ is the text of the token that completes it; one left broken (U+FFFD, a prompt th
 half a character, say) is that of the tokens that began it, not of the token after them.
 
 Safe by default: with ``api_key`` every request needs ``Authorization: Bearer KEY`` (else
-401); request bodies over ``max_body_bytes`` get 413 and prompts over ``max_prompt_tokens``
+401), but ``GET /health``, which without the key says only whether the engine runs; request bodies over ``max_body_bytes`` get 413 and prompts over ``max_prompt_tokens``
 tokens get 400; every refusal has OpenAI's error body and the server keeps serving.
 
 >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
@@ -281,7 +281,9 @@ def _merge_logprobs(parts: list) -> Optional[dict]:
 
 
 class _APIKey:
-    """ASGI middleware: every HTTP request must carry ``Authorization: Bearer <key>``."""
+    """ASGI middleware: every HTTP request must carry ``Authorization: Bearer <key>``, except
+    ``GET /health`` (a load balancer's probe has no key, as vLLM's /health takes none): it is
+    answered without the engine's figures there (``scope["state"]["keyed"]`` says which)."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key.encode()
@@ -290,7 +292,9 @@ class _APIKey:
         if scope["type"] == "http":
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, given = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
+            keyed = scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key)
+            scope.setdefault("state", {})["keyed"] = keyed
+            if not keyed and (scope.get("path"), scope.get("method")) != ("/health", "GET"):
                 e = APIError("a valid API key is required: send the header 'Authorization: "
                              "Bearer <key>'", status=401, code="invalid_api_key")
                 await _error_response(e)(scope, receive, send)
@@ -519,7 +523,9 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
 
     async def health(request: Request) -> Response:
         ok = engine.running
-        body = {"status": "ok" if ok else "stopped", "model": model_id, **engine.stats()}
+        body = {"status": "ok" if ok else "stopped"}
+        if getattr(request.state, "keyed", True):   # (no key asked, or the key given)
+            body.update(model=model_id, **engine.stats())
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def on_api_error(request: Request, e: APIError) -> Response:
