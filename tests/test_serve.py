@@ -910,7 +910,8 @@ def test_forge_ml_serve_command(tmp_path):
             except httpx.TransportError:
                 assert time.time() < deadline, "the server did not come up"
                 time.sleep(0.1)
-        assert r.status_code == 401
+        assert r.status_code == 200 and r.json() == {"status": "ok"}    # a probe: no key, no figures
+        assert httpx.get(url + "/v1/models", timeout=5).status_code == 401   # the key is asked
         c = openai.OpenAI(base_url=url + "/v1", api_key="k1", max_retries=0)
         out = c.completions.create(model="ckpt", prompt="abc", max_tokens=4, temperature=0)
         assert len(out.choices[0].text) == 4
