@@ -839,7 +839,10 @@ def test_decode_attention_one_pass_and_two_pass_head_sizes(be, rs, dtype, hs, Tm
     run, want_y, want_k, want_v = _decode_attention_case(be, rs, dtype, 2, 3, hs, Tmax, pos,
                                                          scale)
     y, kc, vc = run()
-    check(f"decode_attention hs={hs} Tmax={Tmax} pos={pos}", host(be, y), want_y, TOL[dtype])
+    # a score's rounding grows with its size, scale * q.k ~ scale * sqrt(hs) here, and the
+    # softmax passes it on: 1.01e-5 at hs 256, scale 2 in float32 for one random draw (2026-12-06)
+    tol = TOL[dtype] * max(1.0, scale * math.sqrt(hs) / 8)
+    check(f"decode_attention hs={hs} Tmax={Tmax} pos={pos}", host(be, y), want_y, tol)
     check("decode_attention k_cache", host(be, kc), want_k, 0.0)
     check("decode_attention v_cache", host(be, vc), want_v, 0.0)
     again, _, _ = run()
