@@ -311,6 +311,38 @@ def test_a_padded_prefill_draws_what_generate_draws(device):
                                      repetition_penalty=p.repetition_penalty, seed=p.seed)), len(pr)
 
 
+def test_a_prefill_whose_capture_fails_goes_on_op_by_op_unpadded(monkeypatch, caplog):
+    """(review) A failed capture left the padding on: every later prefill ran op by op at its
+    padded length, more work than the unpadded pass. The prefill that failed to capture is
+    done (its real run), the engine warns once, and later prefills go straight into the
+    slot's rows; every request draws what generate draws."""
+    import logging
+    from forge_ml import graph
+    from forge_ml.errors import CaptureError
+    from forge_ml.models.gpt2 import GPT2Config
+    m = make_model(GPT2Config(vocab_size=23, padded_vocab_size=32, block_size=160, n_layer=2,
+                              n_head=2, n_embd=16))
+    tries = []
+
+    def capture(device, fn, run_first=False):   # the real run, then the capture fails
+        tries.append(1)
+        fn()
+        raise CaptureError("the test's capture failure", first=None)
+    monkeypatch.setattr(graph, "capture", capture)
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, 23, n)] for n in (70, 30, 100)]
+    p = SamplingParams(max_tokens=5, temperature=0)
+    with caplog.at_level(logging.WARNING, logger="forge_ml.inference"):
+        with BatchEngine(m, slots=2, prefill_min=16) as engine:
+            engine._graphed = engine._padded = True       # as on a GPU
+            got = [tokens_of(engine.submit(pr, p)) for pr in prompts]
+            assert engine.prefills == 3 and len(tries) == 1
+            assert not engine._padded and engine._prefill_at == {}
+    assert sum("graph capture failed" in r.message for r in caplog.records) == 1
+    for pr, toks in zip(prompts, got):
+        assert toks == list(generate(m, pr, max_new_tokens=5, temperature=0)), len(pr)
+
+
 def test_a_prefill_that_fails_ends_its_request_not_the_engine():
     """(review) A long prompt's prefill out of memory stopped the engine and every request in
     it; it now ends that request with the error and the engine goes on."""

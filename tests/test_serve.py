@@ -488,6 +488,7 @@ def test_api_key(locked):
             # it learns whether the engine runs, and nothing else
             r = h.get("/health", headers=headers)
             assert r.status_code == 200 and r.json() == {"status": "ok"}
+            assert h.head("/health", headers=headers).status_code == 200   # probes that send HEAD
         r = h.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1})
         assert r.status_code == 401
         assert h.post("/health").status_code == 401      # only GET is open

@@ -279,6 +279,11 @@ def test_numpy_reads_a_cpu_tensor_through_the_array_protocol():
     assert np.asarray(fm.tensor(2.5)).shape == () and float(np.asarray(fm.tensor(2.5))) == 2.5
     assert np.asarray(t.reshape(4)).tolist() == [1.0, 2.0, 3.0, 4.0]
     np.testing.assert_array_equal(t, [[1.0, 2.0], [3.0, 4.0]])
+    # (review) NumPy's operators and ufuncs still refuse a Tensor, as on every device: with
+    # __array__ alone, t * np.float32(2) became a plain ndarray on the CPU only
+    for f in (lambda: t * np.float32(2), lambda: np.float64(1) + t, lambda: np.add(t, 1)):
+        with pytest.raises(TypeError):
+            f()
     assert np.stack([t, t]).shape == (2, 2, 2)
 
 

@@ -11,8 +11,8 @@ from .autograd import Tape, TVar
 from .device import Device
 from .dtype import bfloat16, float32, float64, int32, int64
 from .errors import (CheckpointError, CompileError, ConfigError, DataError, DeviceError,
-                     DTypeError, ForgeError, ModelError, OutOfMemoryError, ShapeError,
-                     TapeError, TokenizerError, TrainingError)
+                     DTypeError, ForgeError, ModelError, ModelTypeError, OutOfMemoryError,
+                     ShapeError, TapeError, TokenizerError, TrainingError)
 from .tensor import Tensor, from_numpy, full, ones_like, tensor, zeros
 
 __version__ = "0.1.0"
@@ -22,5 +22,5 @@ __all__ = [
     "ops", "rng", "dtype", "float32", "float64", "bfloat16", "int32", "int64",
     "ForgeError", "ShapeError", "DTypeError", "DeviceError", "OutOfMemoryError",
     "CompileError", "ConfigError", "CheckpointError", "DataError", "TokenizerError",
-    "TapeError", "TrainingError", "ModelError", "__version__",
+    "TapeError", "TrainingError", "ModelError", "ModelTypeError", "__version__",
 ]

@@ -480,7 +480,7 @@ def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str 
     if is_inside(os.getcwd(), real):
         raise CheckpointError(f"refusing to write {out}: it is or holds the current folder; "
                               f"write into a new or empty folder")
-    _refuse_mount(path, out, what)
+    _refuse_mount(real, out, what)   # (a link to a mount point: the swap would meet it resolved)
     _, old = _side_paths(path)
     if not (path.exists() or path.is_symlink()) and old.is_dir() and not old.is_symlink():
         # a save that died between its two renames: <out>.old is what <out> holds, and the

@@ -64,6 +64,9 @@ class Tensor:
     """
 
     __slots__ = ("_data", "_device", "_dtype", "_storage", "_version", "__weakref__")
+    # NumPy's operators and ufuncs refuse a Tensor (``t * np.float32(2)`` stays the TypeError it
+    # was on every device), though ``np.asarray`` reads one through ``__array__``
+    __array_ufunc__ = None
 
     def __init__(self, data, device: Device, _views=None):
         if type(data) is np.ndarray and not (data.flags.c_contiguous and data.dtype.isnative):

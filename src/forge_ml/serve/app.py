@@ -282,7 +282,7 @@ def _merge_logprobs(parts: list) -> Optional[dict]:
 
 class _APIKey:
     """ASGI middleware: every HTTP request must carry ``Authorization: Bearer <key>``, except
-    ``GET /health`` (a load balancer's probe has no key, as vLLM's /health takes none): it is
+    ``GET /health`` (and HEAD: a load balancer's probe has no key, as vLLM's /health takes none): it is
     answered without the engine's figures there (``scope["state"]["keyed"]`` says which)."""
 
     def __init__(self, app, key: str):
@@ -294,7 +294,8 @@ class _APIKey:
             scheme, _, given = auth.partition(b" ")
             keyed = scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key)
             scope.setdefault("state", {})["keyed"] = keyed
-            if not keyed and (scope.get("path"), scope.get("method")) != ("/health", "GET"):
+            if not keyed and not (scope.get("path") == "/health"
+                                  and scope.get("method") in ("GET", "HEAD")):
                 e = APIError("a valid API key is required: send the header 'Authorization: "
                              "Bearer <key>'", status=401, code="invalid_api_key")
                 await _error_response(e)(scope, receive, send)
