@@ -307,11 +307,7 @@ def holds_run(folder) -> bool:
 
 def trainer_locked(folder) -> bool:
     """Whether ``folder`` has a trainer's lock file (a trainer used it; the lock may be free)."""
-    try:
-        with open(Path(folder) / LOCK_NAME, "rb") as f:
-            return bool(_LOCK_LINE.match(f.read(400).decode("utf-8", "replace")))
-    except OSError:
-        return False
+    return bool(_LOCK_LINE.match(_holder(Path(folder) / LOCK_NAME)))
 
 
 def running_trainer(folder) -> str | None:

@@ -1063,6 +1063,30 @@ class TextStream:
             return self._dec.decode(self.tokenizer.decode_bytes([token]))
         return self.tokenizer.decode([token])
 
+    def feed_split(self, token: int) -> tuple:
+        """``(text, lead)``: what ``feed(token)`` gives, and how many of its first characters
+        (0 or 1) end a character the tokens before began: the U+FFFD of bytes held back that
+        ``token`` does not continue, which is their text, not the new token's (the server's
+        ``text_offset``). A token that completes a character owns all of it.
+
+        >>> tok = GPT2Tokenizer()
+        >>> half = next(i for i in range(256) if tok.decode_bytes([i]) == b"\\xc3")
+        >>> d = TextStream(tok)
+        >>> d.feed_split(half), d.feed_split(tok.encode("!")[0])
+        (('', 0), ('\ufffd!', 1))
+        """
+        held = self._dec.getstate()[0] if self._bytes else b""
+        text = self.feed(token)
+        if held and text:
+            # the held bytes are a valid start of a character: the token's first byte either
+            # goes on with it, or the decoder has just replaced them, on their own
+            try:
+                codecs.getincrementaldecoder("utf-8")().decode(
+                    held + self.tokenizer.decode_bytes([token])[:1])
+            except UnicodeDecodeError:
+                return text, 1
+        return text, 0
+
     def flush(self) -> str:
         """The text of an unfinished character at the end (as U+FFFD), else ''."""
         return self._dec.decode(b"", final=True) if self._bytes else ""

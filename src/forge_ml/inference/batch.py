@@ -12,14 +12,14 @@ padded length (the next power of two, 64 to ``max_len``: the prompt's last real 
 after it, whose keys and values no step reads before it writes its own there) into a one-row
 cache, and copied into the slot's rows: a launch and a copy a layer, where op by op the host's
 launches held the engine ~8 ms a prompt (GPT-2 124M, an H100). The path depends on the prompt
-alone, never on the load, so a request gives the same tokens alone or among others. Each slot past its prompt then gets its next token,
-chosen on the device with its own ``SamplingParams`` by the one sampling rule of every
-decoding path (``forge_ml.sampling.sample_row``: ``ops.sample_next``), so only the tokens come
-back to the host, and a row's logits only for a request that asks for log-probabilities or
-scores its prompt. The
-request's ``Stream`` gets a ``TokenOut``, after the next step is on its way to the device (the
-streams' locks and wake-ups run while the device computes). A request finishes on a stop token, ``max_tokens``
-or a full context, and frees its slot at once; a cancelled one frees it at the next step. A
+alone, never on the load, so a request gives the same tokens alone or among others. Each slot
+past its prompt then gets its next token, chosen on the device with its own
+``SamplingParams`` by the one sampling rule of every decoding path
+(``forge_ml.sampling.sample_row``: ``ops.sample_next``), so only the tokens come back to the
+host, and a row's logits only for a request that asks for log-probabilities or scores its
+prompt. The request's ``Stream`` gets a ``TokenOut``, after the next step is on its way to
+the device (the streams' locks and wake-ups run while the device computes). A request
+finishes on a stop token, ``max_tokens`` or a full context, and frees its slot at once; a cancelled one frees it at the next step. A
 new request takes a free slot at the next step, starting at position 0 (the slot's old cache
 rows are overwritten before they are read). Idle slots are fed a dummy token at position 0
 and their choices are ignored: that writes only their own row 0, which the next request of

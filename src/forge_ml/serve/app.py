@@ -42,7 +42,6 @@ tokens get 400; every refusal has OpenAI's error body and the server keeps servi
 from __future__ import annotations
 
 import asyncio
-import codecs
 import hmac
 import json
 import logging
@@ -92,35 +91,8 @@ def _error_response(e: APIError) -> JSONResponse:
 # -- text ------------------------------------------------------------------------------------
 
 
-class Detokenizer(TextStream):
-    """Token ids to text, one token at a time (``TextStream``, shared with forge-ml sample),
-    saying too where each token's own text begins in what it adds: a byte token that does not
-    go on with the character the tokens before it began ends that character first, as U+FFFD,
-    which is their text, not the new token's (``text_offset``).
-
-    >>> from forge_ml.tokenizer import GPT2Tokenizer
-    >>> tok = GPT2Tokenizer()
-    >>> half = next(i for i in range(256) if tok.decode_bytes([i]) == b"\\xc3")
-    >>> d = Detokenizer(tok)
-    >>> d.feed_split(half), d.feed_split(tok.encode("!")[0])
-    (('', 0), ('\ufffd!', 1))
-    """
-
-    def feed_split(self, token: int) -> tuple:
-        """``(text, lead)``: what ``feed(token)`` gives, and how many of its first characters
-        (0 or 1) end a character the tokens before began: the U+FFFD of bytes held back that
-        ``token`` does not continue. A token that completes a character owns all of it."""
-        held = self._dec.getstate()[0] if self._bytes else b""
-        text = self.feed(token)
-        if held and text:
-            # the held bytes are a valid start of a character: the token's first byte either
-            # goes on with it, or the decoder has just replaced them, on their own
-            try:
-                codecs.getincrementaldecoder("utf-8")().decode(
-                    held + self.tokenizer.decode_bytes([token])[:1])
-            except UnicodeDecodeError:
-                return text, 1
-        return text, 0
+# token ids to text, one token at a time (shared with forge-ml sample; feed_split for text_offset)
+Detokenizer = TextStream
 
 
 class StopText:
