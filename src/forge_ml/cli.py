@@ -422,6 +422,16 @@ def _cmd_train(args) -> int:
         # 0 is one bucket per parameter (Buckets' meaning; the GPU suite's torchrun run uses it)
         raise ConfigError(f"--bucket-mb must be a size in MB >= 0 (0: one bucket per "
                           f"parameter), got {args.bucket_mb}")
+    dp_note = None   # said once the run is set up (an error before it stays the one line)
+    if comm is None and (args.zero != 0 or args.bucket_mb != 25.0):   # (25.0: the parser's default)
+        # one process has no gradients to all-reduce or state to shard: the flags did nothing,
+        # in silence. A note, not a refusal: a single-process run with --bucket-mb 0 is taken
+        # (tests/test_train_safety.py), as the same command line under torchrun
+        what = ([f"--zero {args.zero}"] if args.zero != 0 else []) \
+            + ([f"--bucket-mb {args.bucket_mb:g}"] if args.bucket_mb != 25.0 else [])
+        dp_note = (f"{PROG}: note: {' and '.join(what)} {'apply' if len(what) > 1 else 'applies'} only to "
+                   f"data-parallel training over N processes (--gpus N, or a torchrun or mpirun launch); this "
+                   f"run is one process, where {'they do' if len(what) > 1 else 'it does'} nothing")
 
     if "val_fraction" in explicit and explicit.get("data") and Path(explicit["data"]).is_dir():
         raise ConfigError(f"--val-fraction splits a text file; the data folder {explicit['data']} holds its "
@@ -516,6 +526,8 @@ def _cmd_train(args) -> int:
         print(f"{PROG}: stopped by {signal.Signals(e.signum).name} during setup, before the first step; "
               f"the same command starts it again", file=sys.stderr)
         return e.exit_status
+    if dp_note:
+        print(dp_note, file=sys.stderr)
     # a signal during the final evaluation, or after it (the final sample), or a crash before
     # the loss curve was drawn: the resume finishes what is left
     no_plot = not (Path(out_dir) / PLOT_NAME).is_file() and importlib.util.find_spec("matplotlib") is not None

@@ -40,7 +40,7 @@ import numpy as np
 
 from .checkpoint import safe_target, user_umask
 from .runs import cannot_write
-from .errors import DataError, plural
+from .errors import CLI_WORDS, DataError, plural
 
 SHARD_MAGIC = 20240520
 LLAMA3_MAGIC = 20240801   # llm.c's llama-3 shards (uint32 tokens), which forge-ml does not read
@@ -444,8 +444,68 @@ def prepare(text_path, out_dir, tokenizer="char", val_fraction: float = 0.1) -> 
     if not text:
         raise DataError(f"prepare: {text_path} is empty")
     tok = load_tokenizer(tokenizer, text=text)
-    train, val = split_tokens(encode_array(tok, text), val_fraction, f"prepare: {text_path}")
+    train, val = split_tokens(encode_array(tok, text), val_fraction, f"prepare: {text_path}",
+                              fraction=_fraction_word())
+    _check_windows(len(train), len(val), val_fraction, f"prepare: {text_path}")   # before any write
     return write_prepared(out_dir, train, val, tok)
+
+
+def _fraction_word() -> str:
+    """``val_fraction`` as errors name it: ``--val-fraction`` where the command line runs."""
+    return "--val-fraction" if CLI_WORDS.get() else "val_fraction"
+
+
+MIN_SPLIT_TOKENS = 2   # a window of 1 token and its next-token target: what eval and training read
+
+
+def _check_windows(n_train: int, n_val: int, val_fraction: float, source: str) -> None:
+    """A DataError when the train or val part of a split holds fewer than ``MIN_SPLIT_TOKENS``
+    tokens (eval and a run's evaluation refused such a val.bin later), saying what the part
+    got, what is needed and the ``val_fraction`` that gives it.
+
+    >>> _check_windows(18, 1, 0.1, "prepare: t.txt")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.DataError: prepare: t.txt gives 19 tokens; with val_fraction 0.1 the val split gets 1 token, \
+but evaluation needs at least 2 (a window of 1 token and its next-token target); give a larger val_fraction \
+(at least 0.106) or more text
+    """
+    need, n, fr = MIN_SPLIT_TOKENS, n_train + n_val, _fraction_word()
+    if n_train >= need and n_val >= need:
+        return
+    head = f"{source} gives {n:,} {plural(n, 'token')}; with {fr} {val_fraction:g} "
+    why = f"at least {need} (a window of 1 token and its next-token target)"
+    if n < 2 * need:
+        raise DataError(head + f"the split gets {n_train} train and {n_val} val {plural(n_val, 'token')}, but each "
+                        f"needs {why}; give more text (at least {2 * need} tokens)")
+    if n_val < need:   # the smallest fraction (3 digits, rounded up) whose floor gives ``need``
+        f = math.ceil(need / n * 1000) / 1000
+        while math.floor(round(n * f, 6)) < need:
+            f += 0.001
+        raise DataError(head + f"the val split gets {n_val} {plural(n_val, 'token')}, but evaluation needs "
+                        f"{why}; give a larger {fr} (at least {f:.3g}) or more text")
+    f = math.floor((n - need) / n * 1000) / 1000   # the largest that leaves ``need`` for train
+    raise DataError(head + f"the train split gets {n_train} {plural(n_train, 'token')}, but training needs "
+                    f"{why}; give a smaller {fr} (at most {f:.3g}) or more text")
+
+
+def file_fingerprint(path, chunk: int = 1 << 20) -> dict:
+    """``{"size", "sha256"}`` of the file ``path`` (its bytes, read in chunks: a few hundred MB
+    take a second or two), which a run records of the text it was prepared from, so that a
+    resume can say when that text has changed since.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "t.txt"); _ = open(p, "w").write("ab")
+    >>> file_fingerprint(p)["size"], file_fingerprint(p)["sha256"][:12]
+    (2, 'fb8e20fc2e4c')
+    """
+    import hashlib
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+            size += len(block)
+    return {"size": size, "sha256": h.hexdigest()}
 
 
 def encode_array(tok, text: str) -> np.ndarray:

@@ -75,8 +75,8 @@ from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older s
 from .checkpoint import (check_architecture, check_checkpoint_target, is_checkpoint_dir, is_inside,
                          load_checkpoint, pack_tensors, read_meta, read_state, save_checkpoint,
                          unpack_tensors)
-from .data import (DataLoader, ShardFolder, default_corpus, encode_array, is_shard_file, load_text, read_shard,
-                   shard_folder, split_tokens, write_prepared)
+from .data import (DataLoader, ShardFolder, default_corpus, encode_array, file_fingerprint, is_shard_file,
+                   load_text, read_shard, shard_folder, split_tokens, write_prepared)
 from .diagnose import CheckingTape
 from .device import Device
 from .errors import (CLI_WORDS, CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
@@ -586,6 +586,10 @@ class Trainer:
         self._save_failed = False   # the last save raised (the after-error save does not retry it)
         self._pipe_closed = False   # stdout's reader went away (_say)
         self.tokens_sha256 = None   # their digest (tokens_digest), recorded in the checkpoints
+        # the text file the run was prepared from: {"path", "size", "sha256"} (file_fingerprint),
+        # recorded in the checkpoints; a resume says when the file has changed since
+        self.data_file: Optional[dict] = None
+        self._log_reached: Optional[int] = None   # the last step the log recorded (resume)
         self.run_id = None          # the run's identity, kept across resumes (its best/ is its own)
         self._said_eager = False
         nest = _enclosing_run(self.out_dir)
@@ -753,6 +757,7 @@ class Trainer:
         if ckpt is not None and write_data is None:
             self._check_same_shards(ckpt[1])
         self._check_same_tokens(ckpt[1] if ckpt is not None else None, tokens)
+        self._check_text_file(ckpt[1] if ckpt is not None else None)
         if cfg.sample_prompt:
             try:
                 self.tokenizer.encode(cfg.sample_prompt)
@@ -1114,6 +1119,40 @@ class Trainer:
                         f"text or {self.data_dir} back as they were, or start a new run from this one: "
                         f"--init-from {self.out_dir} --data TEXT --out NEW_FOLDER")
 
+    def _check_text_file(self, meta: Optional[dict]) -> None:
+        """The fingerprint of the text file a run is prepared from (``data_file``): taken when
+        the run starts, carried on by its resumes; a resume whose text file (the same path, or
+        the --data given) is no longer the bytes recorded is warned about, as it trains on the
+        tokens prepared then. A run that recorded none (an older forge-ml's) is not checked."""
+        cfg = self.cfg
+        text = bool(cfg.data) and not Path(cfg.data).is_dir() and Path(cfg.data).is_file()
+        if meta is None:   # a new run: the text it prepares now
+            if text:
+                try:
+                    self.data_file = {"path": str(cfg.data), **file_fingerprint(cfg.data)}
+                except OSError:   # (it was read a moment ago: the run goes on, unrecorded)
+                    self.data_file = None
+            return
+        was = meta.get("data_file")
+        if not (isinstance(was, dict) and isinstance(was.get("size"), int) and isinstance(was.get("sha256"), str)):
+            return
+        self.data_file = was   # the text the run started from, whatever a resume finds now
+        if not text:
+            return
+        try:
+            size = os.path.getsize(cfg.data)
+            now = {"size": size, "sha256": None} if size != was["size"] else file_fingerprint(cfg.data)
+        except OSError:
+            return
+        if now["size"] == was["size"] and now["sha256"] == was["sha256"]:
+            return
+        how = (f"{was['size']:,} -> {now['size']:,} bytes" if now["size"] != was["size"]
+               else "the same size, other bytes")
+        self._say(f"warning: {cfg.data} has changed since the run in {self.out_dir} was prepared from it ({how}); "
+                  f"the resumed run goes on with the tokens prepared then, in {self.data_dir}; to train on the "
+                  f"new text, start a new run from this one: --init-from {self.out_dir} --data {cfg.data} "
+                  f"--out NEW_FOLDER")
+
     def _check_length(self, n: int, what: str) -> None:
         T = self.cfg.block_size
         if n < T + 1:
@@ -1184,6 +1223,11 @@ class Trainer:
         frac = f"the last {cfg.val_fraction:g} of {len(train) + len(val):,} tokens"
         self._check_length(len(train), f"the train part of {what} (all but {frac})")
         self._check_length(len(val), f"the val part of {what} ({frac}; see --val-fraction)")
+        if given is None and cfg.tokenizer is None and tok.kind == "char" and cfg.model.startswith("gpt2"):
+            # a GPT-2 preset over a char vocabulary, without a word: the default tokenizer is char
+            self._say(f"note: --model {cfg.model} with no --tokenizer: {what} is tokenized by characters (char "
+                      f"tokenizer, {tok.vocab_size} tokens in the vocabulary), not with GPT-2's BPE; add "
+                      f"--tokenizer gpt2 for GPT-2's 50,257 tokens")
 
         def write():
             # what this write makes is taken back when it fails (a full disk), so that the
@@ -1300,6 +1344,15 @@ class Trainer:
             self._say(f"note: this resume computes with other kernels than the run so far ({'; '.join(changed)}); "
                       f"it goes on from step {self.step}, but not bit for bit as the uninterrupted run would")
         kept = self._truncate_log(self.step)
+        went = self._log_reached
+        if self.step < self.cfg.max_steps or (went is not None and went > self.step):
+            # a kill (or a crash) after the checkpoint: the steps the log holds past it are
+            # trained again, and the log's records of them are dropped
+            n = went - self.step if went is not None and went > self.step else 0
+            self._say(f"resuming the run in {self.out_dir} from its checkpoint of step {self.step}"
+                      + (f"; its log had gone on to step {went}, so the {n} {plural(n, 'step')} after the "
+                         f"checkpoint (lost when the run stopped) {'are' if n > 1 else 'is'} trained again"
+                         if n else ""))
         # a signal during the periodic evaluation of this step stopped it before its record:
         # the resumed run evaluates first (the same windows), so that its log has every record
         # an uninterrupted run's has
@@ -1418,6 +1471,7 @@ class Trainer:
         except OSError as e:
             self._say(f"warning: cannot read {self.log_path} ({e.strerror or e}); it is left as it is")
             return None
+        self._log_reached = max((r["step"] for r in records), default=None)
         if bad:
             self._say(f"warning: {self.log_path}: dropped {len(bad)} damaged line(s) (line "
                       f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''}); the log is a record "
@@ -1739,6 +1793,7 @@ class Trainer:
             "data_dir": str(self.data_dir.resolve()),
             "shards": self.shard_names,
             "tokens_sha256": self.tokens_sha256,
+            "data_file": self.data_file,
             "run_id": self.run_id,
             "rng": {"seed": cfg.seed, "dropout_seed": "splitmix64(seed, step, micro_step)",
                     "next_step": self.step},
