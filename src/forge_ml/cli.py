@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N samples, the i-th drawn with --seed + i, each after a '---' line when N > 1 "
                         "(default 1)")
     s.add_argument("--max-new-tokens", type=int, metavar="N", default=200, help="tokens to generate (default 200)")
-    s.add_argument("--temperature", type=float, metavar="T", default=0.8, help="0 is greedy (default 0.8)")
+    s.add_argument("--temperature", type=float, metavar="T", default=None,   # None: not given (0.8)
+                   help="0 is greedy (default 0.8)")
     s.add_argument("--top-k", type=int, metavar="K", default=None, help="sample among the k most likely tokens (0: all, as without it)")
     s.add_argument("--top-p", type=float, metavar="P", default=None, help="nucleus sampling probability")
     s.add_argument("--min-p", type=float, metavar="P", default=None,
@@ -228,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(of the distribution drawn from: at --temperature and --repetition-penalty, "
                         "before top-k, top-p and min-p)")
     s.add_argument("--num-beams", type=int, metavar="K", default=None,
-                   help="beam search with K beams (deterministic; ignores temperature, top-k, top-p, min-p; "
-                        "no repetition penalty)")
+                   help="beam search with K beams (deterministic: refuses the sampling flags "
+                        "--temperature, --top-k, --top-p, --min-p and --repetition-penalty but at their "
+                        "off values, --temperature 0 being greedy)")
     s.add_argument("--length-penalty", type=float, metavar="L", default=1.0,
                    help="with --num-beams: scores are divided by length**L (> 0 favours longer sequences; "
                         "default 1.0)")
@@ -789,6 +791,7 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int, head: str) -> None:
               min_p=args.min_p, repetition_penalty=args.repetition_penalty)
     if args.logprobs is not None:    # the batch form reports them; no sliding window past the context
         from .inference import generate
+        from .inference.engine import shown_logprob
         n_new = min(args.max_new_tokens, block - len(ids))
         events = []
         steps = _started(generate(model, [ids], n_new, stop_tokens=stop, logprobs=args.logprobs, **kw))
@@ -805,8 +808,10 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int, head: str) -> None:
         out.write(f"--- log-probabilities: token, its log-probability{most} ---\n")
         for e in events:
             text = lambda i: tok.decode([i]) if i < tok.vocab_size else f"<id {i}>"   # noqa: E731
-            alts = " | ".join(f"{text(i)!r} {lp:.3f}" for i, lp in (e.top_logprobs or ()))
-            out.write(f"{text(e.token)!r:>16} {e.logprob:9.3f}" + (f"   {alts}" if alts else "") + "\n")
+            # as the server writes them: at a vanishing temperature the tokens not chosen are
+            # -1e30 or -inf, said -9999 as OpenAI does
+            alts = " | ".join(f"{text(i)!r} {shown_logprob(lp):.3f}" for i, lp in (e.top_logprobs or ()))
+            out.write(f"{text(e.token)!r:>16} {shown_logprob(e.logprob):9.3f}" + (f"   {alts}" if alts else "") + "\n")
         out.flush()
         return
     tokens = _started(stream_tokens(model, ids, args.max_new_tokens, stop_tokens=stop, **kw))
@@ -1068,6 +1073,7 @@ def _cmd_convert(args) -> int:
         check_output_dir(args.out, reads=[src], is_own=lambda d: is_checkpoint_dir(d, kind="forge-ml-model"),
                          force=args.force, what="forge-ml checkpoint")
         config, params = load_hf_gpt2(src)
+        _warn_nonfinite(params, f"--from-hf {src}")
         tok_dict, tok = _hf_tokenizer_built(src)
         check_tokenizer_fits(config["vocab_size"], tok, f"--from-hf {src}")   # as sample and serve
         # HF's four dropout rates as given (the config holds forge-ml's one): the export's
@@ -1085,7 +1091,9 @@ def _cmd_convert(args) -> int:
     # the recorded dropout rate (load_model's model has none) and, from an import or a Hugging
     # Face folder, HF's four rates
     config = dict(model.config.to_dict(), dropout=meta["config"].get("dropout", 0.0))
-    save_hf_gpt2(args.out, config, model.state_dict(), tokenizer=tok.to_dict(),
+    state = model.state_dict()
+    _warn_nonfinite(state, args.to_hf)
+    save_hf_gpt2(args.out, config, state, tokenizer=tok.to_dict(),
                  dropout_rates=meta.get("hf_dropout"),
                  hf_flags={k: v for k, v in (meta.get("hf_flags") or {}).items() if k in HF_FLAGS},
                  replace=args.force)

@@ -37,6 +37,17 @@ from ..sampling import F32_MAX
 MAX_LOGPROBS = 20
 
 
+def shown_logprob(lp: Optional[float]) -> Optional[float]:
+    """A log-probability as the server's JSON and ``forge-ml sample --logprobs`` show it: one
+    under -9999 (-inf, a token the sampling made impossible, or -1e30 at a vanishing
+    temperature) becomes -9999.0, the value OpenAI's API gives such tokens.
+
+    >>> shown_logprob(float("-inf")), shown_logprob(-1e30), shown_logprob(-1.5), shown_logprob(None)
+    (-9999.0, -9999.0, -1.5, None)
+    """
+    return lp if lp is None or lp > -9999.0 else -9999.0
+
+
 class RequestError(ConfigError):
     """A request the engine refuses: a field out of range, a prompt that does not fit the
     context or the vocabulary. ``param`` names the field (OpenAI's error ``param``)."""

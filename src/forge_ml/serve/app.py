@@ -60,7 +60,7 @@ from starlette.routing import Route
 from ..errors import ConfigError, ModelError, TokenizerError, plural
 from ..inference.batch import BatchEngine
 from ..tokenizer import TextStream, hides_stop
-from ..inference.engine import EngineClosedError, RequestError, SamplingParams, TokenOut
+from ..inference.engine import EngineClosedError, RequestError, SamplingParams, TokenOut, shown_logprob
 from .protocol import (APIError, CompletionRequest, chunk_body, choice_body, completion_body,
                        error_body, logprobs_body, models_body, parse_completion, usage_body)
 
@@ -170,13 +170,13 @@ class _Choice:
         return self.tokenizer.decode([t])
 
     def _logprob_part(self, lp: dict, tok: int, logprob, top, offset: int) -> None:
-        logprob = _json_logprob(logprob)
+        logprob = shown_logprob(logprob)
         lp["tokens"].append(self._token_str(tok))
         lp["token_logprobs"].append(logprob)
         if top is None:
             lp["top_logprobs"].append(None)
         else:
-            d = {self._token_str(t): _json_logprob(v) for t, v in top}
+            d = {self._token_str(t): shown_logprob(v) for t, v in top}
             if logprob is not None:
                 d.setdefault(self._token_str(tok), logprob)
             lp["top_logprobs"].append(d)
@@ -226,16 +226,6 @@ class _Choice:
         """What is held back at the end: an unfinished character, a partial stop string."""
         tail, _ = self.stop.feed(self.detok.flush())
         return tail + self.stop.flush()
-
-
-def _json_logprob(lp: Optional[float]) -> Optional[float]:
-    """A log-probability JSON can carry: -inf (a token the sampling made impossible, as at a
-    vanishing temperature) becomes -9999.0, the value OpenAI's API gives such tokens.
-
-    >>> _json_logprob(float("-inf")), _json_logprob(-1.5), _json_logprob(None)
-    (-9999.0, -1.5, None)
-    """
-    return lp if lp is None or lp > -9999.0 else -9999.0
 
 
 def _merge_logprobs(parts: list) -> Optional[dict]:
