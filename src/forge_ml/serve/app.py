@@ -24,7 +24,12 @@ half a character, say) is that of the tokens that began it, not of the token aft
 
 Safe by default: with ``api_key`` every request needs ``Authorization: Bearer KEY`` (else
 401), but ``GET /health``, which without the key says only whether the engine runs; request bodies over ``max_body_bytes`` get 413 and prompts over ``max_prompt_tokens``
-tokens get 400; every refusal has OpenAI's error body and the server keeps serving.
+tokens get 400; a body sent as another type than JSON (``application/json`` or a ``+json``
+type, parameters such as ``; charset=utf-8`` allowed) gets 415: a web page can POST text/plain
+or a form to a server on localhost without the browser asking first (curl's ``-d`` sends a
+form's type: add ``-H 'Content-Type: application/json'``). A body without the header is read
+as JSON, as FastAPI (vLLM's server) reads it: ``requests.post(url, data=json.dumps(...))``
+sends none. Every refusal has OpenAI's error body and the server keeps serving.
 
 >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
 >>> from forge_ml.tokenizer import CharTokenizer
@@ -283,6 +288,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     started = int(time.time())
 
     async def read_json(request: Request):
+        _check_json_type(request.headers.get("content-type"))
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
             raise APIError(f"the request body is {size} bytes; at most {max_body_bytes}",
@@ -536,6 +542,35 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
         APIError: on_api_error, RequestError: on_request_error, HTTPException: on_http_error,
         ClientDisconnect: on_client_gone, ModelError: on_model_error, Exception: on_server_error})
+
+
+def _check_json_type(value: Optional[str]) -> None:
+    """An APIError (415) unless ``value``, a request's Content-Type, is JSON's:
+    ``application/json`` or ``application/...+json`` in any case, its parameters allowed but a
+    charset other than UTF-8 (JSON over HTTP is UTF-8, RFC 8259); no header (None) is taken as
+    JSON, as FastAPI takes it.
+
+    >>> _check_json_type("Application/JSON; charset=UTF-8"), _check_json_type(None)
+    (None, None)
+    >>> _check_json_type("text/plain")
+    Traceback (most recent call last):
+    ...
+    forge_ml.serve.protocol.APIError: the request body must be JSON sent with the header 'Content-Type: application/json'; got Content-Type 'text/plain'
+    """
+    if value is None:
+        return
+    media, _, params = value.partition(";")
+    media = media.strip().lower()
+    if not (media == "application/json" or media.startswith("application/") and media.endswith("+json")):
+        got = f"Content-Type {value.strip()[:80]!r}" if value.strip() else "an empty Content-Type"
+        raise APIError(f"the request body must be JSON sent with the header 'Content-Type: "
+                       f"application/json'; got {got}", status=415)
+    for param in params.split(";"):
+        name, _, v = param.partition("=")
+        charset = v.strip().strip('"').lower()
+        if name.strip().lower() == "charset" and charset not in ("utf-8", "utf8"):
+            raise APIError(f"the request body must be UTF-8 JSON (RFC 8259); got Content-Type "
+                           f"{value.strip()[:80]!r}", status=415)
 
 
 def _no_constant(name: str):
