@@ -238,6 +238,39 @@ def test_convert_keeps_what_another_convert_wrote_into_its_out_meanwhile(trained
     assert "tokenizer" not in json.loads(Path("ck/state.json").read_text())["meta"]
 
 
+def test_convert_warns_of_weights_that_are_not_finite(trained, capsys, monkeypatch):
+    """(QA) convert copied NaN weights without a word; sample, eval and serve then refused the
+    model. Converted as they are (a diverged run's weights may be wanted), with a warning that
+    names the tensors, both ways."""
+    import forge_ml.inference.load as load
+    from forge_ml import hf as hfmod
+    real = load.load_model
+
+    def damaged(*a, **kw):
+        model, tok, meta = real(*a, **kw)
+        model.params["h.0.attn.c_attn.weight"].data[0, :3] = np.nan
+        return model, tok, meta
+    monkeypatch.setattr(load, "load_model", damaged)
+    assert main(["convert", "--to-hf", "run", "--out", "hf"]) == 0
+    err = capsys.readouterr().err
+    assert "forge-ml: warning: run: 1 tensor of" in err and "h.0.attn.c_attn.weight: 3 NaN of" in err
+    assert "converted as they are" in err and (Path("hf") / "model.safetensors").is_file()
+    monkeypatch.setattr(load, "load_model", real)
+    real_load = hfmod.load_hf_gpt2
+
+    def damaged_hf(src):
+        config, params = real_load(src)
+        params["ln_f.bias"][1] = np.inf
+        return config, params
+    monkeypatch.setattr(hfmod, "load_hf_gpt2", damaged_hf)
+    assert main(["convert", "--from-hf", "hf", "--out", "ck"]) == 0
+    err = capsys.readouterr().err
+    assert "--from-hf hf: 2 tensors of" in err and "ln_f.bias: 1 inf of" in err
+    monkeypatch.setattr(hfmod, "load_hf_gpt2", real_load)
+    assert main(["convert", "--to-hf", "run", "--out", "hf2"]) == 0   # finite weights: no word
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_convert_into_a_mount_point_says_so_before_any_work(trained, capsys, monkeypatch):
     """(QA) An empty mount point (a Docker volume) failed after the work with 'Device or
     resource busy': the folder swap cannot rename a mount point. Refused first, naming a way."""

@@ -27,6 +27,7 @@ import runpy
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -687,6 +688,9 @@ def _check_sample_args(args) -> None:
                           "use --num-return-sequences for its best sequences")
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    temperature_given = args.temperature is not None     # (beam search refuses one given)
+    if not temperature_given:
+        args.temperature = 0.8
     # NaN fails >= too; past float32 (1e308) the library refused it in stream_tokens' name
     if not 0 <= args.temperature <= 3.4028234663852886e38:
         raise ConfigError(f"--temperature must be a number >= 0 (0 is greedy) and at most 3.4e38 "
@@ -725,6 +729,18 @@ def _check_sample_args(args) -> None:
         raise ConfigError(f"--repetition-penalty applies to sampled or greedy tokens; beam search "
                           f"(--num-beams) does not take it: drop one or the other, got "
                           f"--repetition-penalty {args.repetition_penalty}")
+    # beam search draws nothing (transformers' num_beams without do_sample): a sampling flag it
+    # would ignore is refused, as --repetition-penalty is; each flag's off value is taken
+    sampling = [(flag, v) for flag, v, off in (
+        ("--temperature", args.temperature if temperature_given else None, 0), ("--top-k", args.top_k, 0),
+        ("--top-p", args.top_p, 1), ("--min-p", args.min_p, 0)) if v is not None and v != off]
+    if args.num_beams is not None and sampling:
+        names = " and ".join(flag for flag, _ in sampling)
+        one = len(sampling) == 1
+        raise ConfigError(f"{names} {'applies' if one else 'apply'} to sampled tokens; beam search (--num-beams) "
+                          f"is deterministic and does not take {'it' if one else 'them'}: drop "
+                          f"{'one or the other' if one else 'them or --num-beams'}, got "
+                          + " ".join(f"{flag} {v}" for flag, v in sampling))
 
 
 def _cmd_sample(args) -> int:
@@ -1107,6 +1123,21 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _warn_nonfinite(params: dict, source) -> None:
+    """convert's warning for weights that hold NaN or inf: they are converted as they are (a
+    diverged run's weights may be wanted for a look), but sample, eval and serve refuse the
+    model's output, so the user hears it now, not from the next tool."""
+    from .diagnose import _bad_values
+    bad = [(name, b) for name, b in ((n, _bad_values(a)) for n, a in params.items()) if b]
+    if bad:
+        listed = "; ".join(f"{n}: {b}" for n, b in bad[:3]) + (
+            f"; and {len(bad) - 3} {plural(len(bad) - 3, 'tensor')} more" if len(bad) > 3 else "")
+        warnings.warn(f"{source}: {len(bad)} {plural(len(bad), 'tensor')} of {len(params)} hold "
+                      f"NaN or inf ({listed}); converted as they are, but sample, eval and serve "
+                      f"will refuse this model's output (weights of a run that diverged, or a "
+                      f"damaged file?)", stacklevel=2)
+
+
 def _bench_dirs() -> list:
     here = Path(__file__).resolve()
     return [Path.cwd() / "benchmarks", here.parents[2] / "benchmarks"]
@@ -1247,7 +1278,6 @@ def main(argv=None) -> int:
     >>> main(["bench", "--steps", "0"])
     2
     """
-    import warnings
     formatted = warnings.formatwarning
     warnings.formatwarning = _format_warning   # one line, not Python's path and source line
     try:

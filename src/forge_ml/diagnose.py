@@ -23,9 +23,13 @@ _CHECKED_OPS = ("add", "matmul", "matmul_gelu", "matmul_add", "mlp", "gelu", "la
 
 
 def _bad_values(t) -> Optional[str]:
-    """None when every value of Tensor ``t`` is finite, else what is wrong, e.g. "3 NaN and 1 inf
-    of 64 values"."""
-    a = np.asarray(t.numpy(), dtype=np.float64)
+    """None when every value of Tensor (or NumPy array) ``t`` is finite, else what is wrong,
+    e.g. "3 NaN and 1 inf of 64 values".
+
+    >>> _bad_values(np.array([1.0, np.nan, np.inf, -np.inf])), _bad_values(np.ones(3))
+    ('1 NaN and 2 inf of 4 values', None)
+    """
+    a = np.asarray(t if isinstance(t, np.ndarray) else t.numpy(), dtype=np.float64)
     if np.isfinite(a).all():
         return None
     n_nan, n_inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
