@@ -12,30 +12,10 @@ from forge_ml.data import prepare
 from forge_ml.errors import DataError
 from forge_ml.train import TrainConfig, Trainer
 
-TEXT = ("to be or not to be that is the question\n" * 120)
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
-        "--eval-iters", "2", "--eval-interval", "0", "--sample-interval", "0", "--no-progress"]
+import test_cli
+from test_cli import TEXT, TINY, _fails
 
-
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "t.txt").write_text(TEXT)
-    return tmp_path
-
-
-def _fails(capsys, argv, *needles):
-    """``main(argv)`` exits 2 with one line on stderr containing every needle."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
-
+workdir = test_cli.workdir   # a fixture: a folder with t.txt, the current directory
 
 def _meta(run) -> dict:
     return json.loads((run / "ckpt" / "state.json").read_text())["meta"]
