@@ -313,3 +313,35 @@ def test_layers_step_rows_are_each_row_alone_bit_for_bit(dtype, B, fused_on):
             # each row's bits are its batch-1 bits, above); a wrong row is off by O(1)
             assert worst < 2 * worst_op, (b, worst, worst_op)
 
+
+
+def test_a_steps_plan_goes_with_its_cache(fused_on):
+    """A plan (the step's device workspace, or its address table) was kept for ever, one for
+    every cache decoded into. It lives while an array it was used with does: a second cache
+    object over the same memory shares it, and it goes with the last of them."""
+    import gc
+    from forge_ml.backends.cuda import decoder
+    plans = decoder._layer_plans if fused_on == "layers" else decoder._plans
+    gpu = GPT2.init(CFG, seed=1).to("cuda", dtype="bfloat16")
+    cache = gpu.new_cache(1, 64)
+    if not gpu.fused_decode_ok(cache):
+        pytest.skip("the fused step does not take this model here")
+
+    def step(c):
+        gpu.decode_step_fused(fm.zeros((1, 1), "int32", "cuda"), fm.zeros((1,), "int32", "cuda"),
+                              c, fm.zeros((1, 1024), "float32", "cuda"))
+    before = set(plans)
+    step(cache)
+    made = set(plans) - before
+    assert len(made) == 1
+    twin = type(cache)([fm.Tensor(t._data[:], t.device) for t in cache.k],   # views
+                       [fm.Tensor(t._data[:], t.device) for t in cache.v], 0)
+    step(twin)                                    # other objects, the same memory: one plan
+    assert set(plans) - before == made
+    del cache
+    gc.collect()
+    assert made <= set(plans)                     # the twin still uses it
+    del twin
+    gc.collect()
+    assert not made & set(plans)
+

@@ -29,6 +29,8 @@ captured step keeps reading its workspace.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ... import flags
@@ -123,6 +125,33 @@ class _Plan:
 _plans: dict = {}
 
 
+def _plan_for(plans: dict, key, make, cache):
+    """``plans[key]`` (made by ``make()`` where missing), kept for as long as some array object
+    it was used with as ``cache`` (the step's first key cache, whose address is in ``key``)
+    lives; when the last of them goes, so does the plan and the device memory it holds. A
+    step's plan was kept for ever, one for every cache a process decoded into (a new
+    ``generate()`` cache may come at a new address each time). A graph that replays the step
+    keeps its cache, so it never outlives the plan it reads. An array without weak references
+    keeps its plan for ever, as before."""
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = make()
+        plan.users = set()
+    if id(cache) not in plan.users:
+        plan.users.add(id(cache))
+        try:
+            weakref.finalize(cache, _let_go, plans, key, plan, id(cache))
+        except TypeError:   # no weak references: a user that never leaves
+            pass
+    return plan
+
+
+def _let_go(plans: dict, key, plan, user: int) -> None:
+    plan.users.discard(user)
+    if not plan.users and plans.get(key) is plan:
+        del plans[key]
+
+
 def last_plan():
     """The plan made last (for benchmarks: its ``times``, ``stages``, ``splits``)."""
     return list(_plans.values())[-1] if _plans else None
@@ -160,12 +189,12 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
         _decode_layers(key, ids, pos, wte, wpe, lnf, head, layers, caches, H, eps,
                        int(vocab_size), logits, ids if out is None else out, greedy)
         return
-    plan = _plans.get(key)
-    if plan is None:
-        if cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
-            raise ShapeError("decode_gpt2: the first call for a model must run outside a graph "
-                             "capture (it uploads the step's address table)")
-        plan = _plans[key] = _Plan(dt, C, H, L, int(vocab_size), Vp, Tmax, ptrs)
+    if key not in _plans and cupy.cuda.runtime.streamIsCapturing(
+            cupy.cuda.get_current_stream().ptr):
+        raise ShapeError("decode_gpt2: the first call for a model must run outside a graph "
+                         "capture (it uploads the step's address table)")
+    plan = _plan_for(_plans, key, lambda: _Plan(dt, C, H, L, int(vocab_size), Vp, Tmax, ptrs),
+                     caches[0][0])
     if TIMING and plan.times is None:
         plan.times = cupy.zeros((plan.grid, _BARS, 2), np.uint64)
     times = plan.times if TIMING else np.uint64(0)
@@ -313,12 +342,12 @@ def _decode_layers(key, ids, pos, wte, wpe, lnf, head, layers, caches, H, eps, V
     if any(p % 16 for p in key[-1] + (int(head.data.ptr),)):   # cp.async, 16-byte loads
         raise ShapeError("decode_gpt2: FORGE_FUSED_DECODE=layers needs every weight and cache "
                          "on a 16-byte boundary; one is not (a view into a larger array?)")
-    plan = _layer_plans.get(key)
-    if plan is None:
-        if cupy.cuda.runtime.streamIsCapturing(cupy.cuda.get_current_stream().ptr):
-            raise ShapeError("decode_gpt2: the first call for a model must run outside a graph "
-                             "capture (it makes the step's workspace)")
-        plan = _layer_plans[key] = _LayersPlan(dt, C, H, Vp, caches[0][0].shape[0])
+    if key not in _layer_plans and cupy.cuda.runtime.streamIsCapturing(
+            cupy.cuda.get_current_stream().ptr):
+        raise ShapeError("decode_gpt2: the first call for a model must run outside a graph "
+                         "capture (it makes the step's workspace)")
+    plan = _plan_for(_layer_plans, key, lambda: _LayersPlan(dt, C, H, Vp, caches[0][0].shape[0]),
+                     caches[0][0])
     sfx, epsf = _float_sfx(wte), np.float32(eps)
     for i, (lw, (kc, vc)) in enumerate(zip(layers, caches)):
         g1, b1, wqkv, bqkv, wproj, bproj, g2, b2, wfc, bfc, wfc2, bfc2 = lw
