@@ -251,9 +251,10 @@ def test_convert_warns_of_weights_that_are_not_finite(trained, capsys, monkeypat
         model.params["h.0.attn.c_attn.weight"].data[0, :3] = np.nan
         return model, tok, meta
     monkeypatch.setattr(load, "load_model", damaged)
-    assert main(["convert", "--to-hf", "run", "--out", "hf"]) == 0
-    err = capsys.readouterr().err
-    assert "forge-ml: warning: run: 1 tensor of" in err and "h.0.attn.c_attn.weight: 3 NaN of" in err
+    with pytest.warns(UserWarning, match="NaN or inf") as said:   # (forge-ml: warning: ... on stderr)
+        assert main(["convert", "--to-hf", "run", "--out", "hf"]) == 0
+    err = " ".join(str(w.message) for w in said)
+    assert "run: 1 tensor of" in err and "h.0.attn.c_attn.weight: 3 NaN of" in err
     assert "converted as they are" in err and (Path("hf") / "model.safetensors").is_file()
     monkeypatch.setattr(load, "load_model", real)
     real_load = hfmod.load_hf_gpt2
@@ -263,12 +264,16 @@ def test_convert_warns_of_weights_that_are_not_finite(trained, capsys, monkeypat
         params["ln_f.bias"][1] = np.inf
         return config, params
     monkeypatch.setattr(hfmod, "load_hf_gpt2", damaged_hf)
-    assert main(["convert", "--from-hf", "hf", "--out", "ck"]) == 0
-    err = capsys.readouterr().err
+    with pytest.warns(UserWarning, match="NaN or inf") as said:
+        assert main(["convert", "--from-hf", "hf", "--out", "ck"]) == 0
+    err = " ".join(str(w.message) for w in said)
     assert "--from-hf hf: 2 tensors of" in err and "ln_f.bias: 1 inf of" in err
     monkeypatch.setattr(hfmod, "load_hf_gpt2", real_load)
-    assert main(["convert", "--to-hf", "run", "--out", "hf2"]) == 0   # finite weights: no word
-    assert "warning" not in capsys.readouterr().err
+    import warnings
+    with warnings.catch_warnings(record=True) as said:   # finite weights: no word
+        warnings.simplefilter("always")
+        assert main(["convert", "--to-hf", "run", "--out", "hf2"]) == 0
+    assert not [w for w in said if "NaN or inf" in str(w.message)]
 
 
 def test_convert_into_a_mount_point_says_so_before_any_work(trained, capsys, monkeypatch):
