@@ -1,4 +1,5 @@
 """The forge-ml command line, end to end in a temporary folder, through ``main([...])``."""
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -44,6 +45,19 @@ def _fails(capsys, argv, *needles):
     for n in needles:
         assert n in lines[0], lines[0]
     return lines[0]
+
+
+@contextlib.contextmanager
+def holding(code: str):
+    """A Python process running ``code``, which prints "locked" once it holds its lock (a run's,
+    as a trainer in another process does); yields it once it has, and kills it after."""
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.mark.parametrize("cmd", SUBCOMMANDS)
@@ -744,9 +758,7 @@ def test_prepare_force_refuses_a_running_trainers_data_after_its_lock_file_is_de
             "lock = RunLock('run'); lock.acquire()      # what a Trainer does for its run folder\n"
             "print('locked', flush=True)\n"
             "time.sleep(60)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with holding(code) as holder:
         data = sorted((p.name, p.read_bytes()) for p in (workdir / "run" / "data").iterdir())
         capsys.readouterr()
         _fails(capsys, ["prepare", "other.txt", "--out", "run/data", "--force"], "run/data is the data of the "
@@ -757,9 +769,6 @@ def test_prepare_force_refuses_a_running_trainers_data_after_its_lock_file_is_de
                    "(holder unknown)", "even --force")
         assert sorted((p.name, p.read_bytes()) for p in (workdir / "run" / "data").iterdir()) == data
         assert not (workdir / "run" / "train.lock").exists()      # the probe made no lock file
-    finally:
-        holder.kill()
-        holder.wait()
     assert main(["prepare", "other.txt", "--out", "run/data", "--force"]) == 0   # the trainer is gone
     assert not (workdir / "run" / "train.lock").exists()
 

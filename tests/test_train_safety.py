@@ -24,7 +24,7 @@ from forge_ml.data import DataLoader
 from forge_ml.errors import ConfigError, OutOfMemoryError, TrainingError
 from forge_ml.runs import RunLock
 from forge_ml.train import Interrupted, RunError, TrainConfig, Trainer, read_log, search_batch_size
-from test_cli import _fails  # main(argv) exits 2 with one line, no traceback
+from test_cli import _fails, holding  # _fails: main(argv) exits 2 with one line, no traceback
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TEXT = "to be or not to be that is the question\n" * 120
@@ -528,14 +528,9 @@ def test_a_dead_trainers_lock_is_not_stale(workdir, capsys):
             "os.write(fd, b'pid %d on elsewhere since then\\n' % os.getpid())\n"
             "print('locked', flush=True)\n"
             "time.sleep(60)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with holding(code) as holder:
         _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY], f"pid {holder.pid} on elsewhere")
         assert sorted(os.listdir("r")) == ["train.lock"]
-    finally:
-        holder.kill()
-        holder.wait()
     assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1"]) == 0
 
 

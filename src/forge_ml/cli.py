@@ -426,12 +426,13 @@ def _cmd_train(args) -> int:
         raise ConfigError(f"--bucket-mb must be a size in MB >= 0 (0: one bucket per "
                           f"parameter), got {args.bucket_mb}")
     dp_note = None   # said once the run is set up (an error before it stays the one line)
-    if comm is None and (args.zero != 0 or args.bucket_mb != 25.0):   # (25.0: the parser's default)
+    # the data-parallel flags away from the parser's defaults (0, 25.0)
+    what = ([f"--zero {args.zero}"] if args.zero != 0 else []) \
+        + ([f"--bucket-mb {args.bucket_mb:g}"] if args.bucket_mb != 25.0 else [])
+    if comm is None and what:
         # one process has no gradients to all-reduce or state to shard: the flags did nothing,
         # in silence. A note, not a refusal: a single-process run with --bucket-mb 0 is taken
         # (tests/test_train_safety.py), as the same command line under torchrun
-        what = ([f"--zero {args.zero}"] if args.zero != 0 else []) \
-            + ([f"--bucket-mb {args.bucket_mb:g}"] if args.bucket_mb != 25.0 else [])
         dp_note = (f"{PROG}: note: {' and '.join(what)} {'apply' if len(what) > 1 else 'applies'} only to "
                    f"data-parallel training over N processes (--gpus N, or a torchrun or mpirun launch); this "
                    f"run is one process, where {'they do' if len(what) > 1 else 'it does'} nothing")

@@ -29,7 +29,7 @@ def _bad_values(t) -> Optional[str]:
     >>> _bad_values(np.array([1.0, np.nan, np.inf, -np.inf])), _bad_values(np.ones(3))
     ('1 NaN and 2 inf of 4 values', None)
     """
-    a = np.asarray(t if isinstance(t, np.ndarray) else t.numpy(), dtype=np.float64)
+    a = t if isinstance(t, np.ndarray) else np.asarray(t.numpy())   # (no float64 copy of a big weight)
     if np.isfinite(a).all():
         return None
     n_nan, n_inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())

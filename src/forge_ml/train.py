@@ -589,7 +589,6 @@ class Trainer:
         # the text file the run was prepared from: {"path", "size", "sha256"} (file_fingerprint),
         # recorded in the checkpoints; a resume says when the file has changed since
         self.data_file: Optional[dict] = None
-        self._log_reached: Optional[int] = None   # the last step the log recorded (resume)
         self.run_id = None          # the run's identity, kept across resumes (its best/ is its own)
         self._said_eager = False
         nest = _enclosing_run(self.out_dir)
@@ -1125,7 +1124,7 @@ class Trainer:
         the --data given) is no longer the bytes recorded is warned about, as it trains on the
         tokens prepared then. A run that recorded none (an older forge-ml's) is not checked."""
         cfg = self.cfg
-        text = bool(cfg.data) and not Path(cfg.data).is_dir() and Path(cfg.data).is_file()
+        text = bool(cfg.data) and Path(cfg.data).is_file()
         if meta is None:   # a new run: the text it prepares now
             if text:
                 try:
@@ -1343,8 +1342,7 @@ class Trainer:
         if changed:
             self._say(f"note: this resume computes with other kernels than the run so far ({'; '.join(changed)}); "
                       f"it goes on from step {self.step}, but not bit for bit as the uninterrupted run would")
-        kept = self._truncate_log(self.step)
-        went = self._log_reached
+        kept, went = self._truncate_log(self.step)
         if self.step < self.cfg.max_steps or (went is not None and went > self.step):
             # a kill (or a crash) after the checkpoint: the steps the log holds past it are
             # trained again, and the log's records of them are dropped
@@ -1460,30 +1458,30 @@ class Trainer:
             return f"no checkpoint was saved yet in {self.ckpt_dir}"
         return f"the last good checkpoint, {self.ckpt_dir} (step {self.last_ckpt_step}), is kept"
 
-    def _truncate_log(self, step: int) -> Optional[list]:
+    def _truncate_log(self, step: int) -> tuple:
         """Drop log records past ``step`` (from a run that went on after its last checkpoint)
         and damaged lines (one warning); the log is rewritten atomically. Returns the records
-        kept (None when there is no log to read)."""
+        kept and the last step the log had reached (None, None when there is no log to read)."""
         if not self.log_path.is_file():
-            return None
+            return None, None
         try:
             records, bad = read_log(self.log_path)
         except OSError as e:
             self._say(f"warning: cannot read {self.log_path} ({e.strerror or e}); it is left as it is")
-            return None
-        self._log_reached = max((r["step"] for r in records), default=None)
+            return None, None
+        reached = max((r["step"] for r in records), default=None)
         if bad:
             self._say(f"warning: {self.log_path}: dropped {len(bad)} damaged line(s) (line "
                       f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''}); the log is a record "
                       f"only, training goes on from the checkpoint")
         keep = [r for r in records if r["step"] <= step]
         if not bad and len(keep) == len(records):
-            return keep
+            return keep, reached
         try:
             replace_file(self.log_path, "".join(json.dumps(r) + "\n" for r in keep))
         except OSError as e:
             raise RunError(cannot_write(self.log_path, e, self._kept())) from None
-        return keep
+        return keep, reached
 
     def _write_log(self, record: dict, later: bool = False) -> None:
         """Append ``record`` to log.jsonl. A failed write (a full disk) raises a RunError and
