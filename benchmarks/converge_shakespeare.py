@@ -65,6 +65,8 @@ def main():
     args = ap.parse_args()
 
     if not Path(args.data).is_file():
+        if args.data != str(DEFAULT_TEXT):   # a file the user named: an error, not a skip
+            ap.error(f"--data {args.data}: not a file (expected tinyshakespeare.txt)")
         print(f"skipped: {args.data} not found (expected ../shared/data/tinyshakespeare.txt next to the repo)")
         return 0
 

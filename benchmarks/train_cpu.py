@@ -123,6 +123,9 @@ def main():
                          "text file (char tokens; tinyshakespeare gives the 65-token vocabulary), "
                          "its BLAS threads chosen by the run's ThreadTuner")
     args = ap.parse_args()
+    for flag, v, least in (("--rounds", args.rounds, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 0)):
+        if v < least:
+            ap.error(f"{flag} must be >= {least}, got {v}")
 
     import torch
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -417,6 +417,24 @@ def test_bench_name_takes_the_arguments_after_it(workdir, capsys):
            "after it")
 
 
+def test_bench_shows_a_scripts_exit_message_and_hides_shared_modules(workdir, capsys):
+    """(QA) A benchmark's sys.exit("message") gave status 1 and printed nothing (python SCRIPT
+    prints it); a module the benchmarks import (torch_gpt2.py) was listed and ran nothing with
+    status 0."""
+    (workdir / "benchmarks").mkdir()
+    (workdir / "benchmarks" / "says_why.py").write_text(
+        "import sys\nif __name__ == '__main__':\n    sys.exit('--data: /x is not a file')\n")
+    (workdir / "benchmarks" / "shared_peer.py").write_text(
+        '"""A peer model."""\nimport math\nK = 2\n\n\ndef peer():\n    return math.pi\n')
+    assert main(["bench", "says_why"]) == 1
+    assert "--data: /x is not a file" in capsys.readouterr().err
+    assert main(["bench", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert "says_why" in listed and "shared_peer" not in listed
+    _fails(capsys, ["bench", "shared_peer"], "shared_peer.py is a module the benchmarks import",
+           "not a benchmark")
+
+
 def test_an_unknown_flag_is_said_by_its_subcommand_with_the_nearest_flag(capsys):
     """From a QA run: forge-ml train --reusme said "forge-ml: error: unrecognized arguments:
     --reusme", naming neither the subcommand nor the flag meant."""
@@ -441,7 +459,7 @@ def test_bench_scripts_import_their_sibling_modules(workdir, capsys):
     (workdir / "benchmarks").mkdir()
     (workdir / "benchmarks" / "helper_mod.py").write_text("VALUE = 41\n")
     (workdir / "benchmarks" / "uses_helper.py").write_text("import helper_mod\nprint('got', helper_mod.VALUE + 1)\n")
-    (workdir / "benchmarks" / "needs_cupy.py").write_text("import cupy_is_not_here_module as cupy\n")
+    (workdir / "benchmarks" / "needs_cupy.py").write_text("import cupy_is_not_here_module as cupy\nprint(cupy)\n")
     before = list(sys.path)
     assert main(["bench", "uses_helper"]) == 0
     assert "got 42" in capsys.readouterr().out and sys.path == before

@@ -3,6 +3,7 @@ or cannot be written: `convert` writes only a new or empty folder, or (with --fo
 earlier output, never the folder it reads; a full disk, a read-only filesystem, a permission
 or a bad option is one line on stderr and exit status 2, with nothing touched."""
 import errno
+import json
 import os
 import shutil
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from forge_ml.checkpoint import save_checkpoint
 from forge_ml.cli import main
-from forge_ml.data import write_shard
+from forge_ml.data import read_shard, write_shard
 from forge_ml.models.gpt2 import GPT2, GPT2Config
 
 CHARS = "\n abehinorstqu"
@@ -320,3 +321,33 @@ def test_eval_of_a_loose_shard_takes_a_hf_folder_whose_tokenizer_is_not_gpt2s(tm
     assert losses[0] == losses[1].replace(str(tmp_path / "own"), str(tmp_path / "plain")), losses
     assert main(["eval", "--ckpt", str(tmp_path / "own"), "--data", str(tmp_path / "t.txt")]) == 2
     assert "not GPT-2's" in capsys.readouterr().err
+
+
+def test_eval_of_val_shards_whose_last_is_shorter_than_a_window(run, capsys):
+    """(QA) A val folder of two shards, the last holding fewer tokens than one window, was
+    refused ("block_size=16 needs at least 17"), though windows run across shards: it gives the
+    loss of the same tokens in one shard."""
+    ids = read_shard(run / "data" / "val.bin")
+    os.makedirs("two")
+    write_shard("two/x_val_000.bin", ids[:-9])
+    write_shard("two/x_val_001.bin", ids[-9:])
+    with open("two/tokenizer.json", "w") as f:    # the run's tokenizer, as prepare writes it
+        json.dump({"kind": "char", "chars": CHARS}, f)
+    assert main(["eval", "--ckpt", "run", "--data", "run/data/val.bin"]) == 0
+    one = capsys.readouterr().out
+    assert main(["eval", "--ckpt", "run", "--data", "two"]) == 0
+    two = capsys.readouterr().out
+    assert one.split("(")[0] == two.split("(")[0] and "of 2 val shards" in two
+
+
+def test_eval_names_the_device_refused_and_reads_a_damaged_run_config(run, capsys):
+    """(QA) --device cpu:1 was refused as "device cpu: ..."; a state.json whose train_config was
+    not an object (hand-edited) gave a traceback."""
+    fails(capsys, ["eval", "--ckpt", "run", "--data", "run/data/val.bin", "--device", "cpu:1"],
+          "device cpu:1:", "one device, cpu:0")
+    p = run / "ckpt" / "state.json"
+    state = json.loads(p.read_text())
+    state["meta"]["train_config"] = ["x"]
+    p.write_text(json.dumps(state))
+    assert main(["eval", "--ckpt", "run", "--data", "run/data/val.bin"]) == 0
+    assert "loss " in capsys.readouterr().out

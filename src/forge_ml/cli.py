@@ -914,7 +914,8 @@ def _cmd_eval(args) -> int:
     cfg = model.config
     # a run's own windows (a fine-tune may train on fewer tokens than the model's context), so
     # that eval of its checkpoint gives the run's final val loss
-    trained_t = (((meta or {}).get("train_config") or {}).get("block_size")
+    run_cfg = (meta or {}).get("train_config")
+    trained_t = ((run_cfg.get("block_size") if isinstance(run_cfg, dict) else None)
                  or (meta or {}).get("train_block_size"))   # a run's ckpt/, or its best/
     window = args.block_size or (trained_t if isinstance(trained_t, int) and 0 < trained_t < cfg.block_size
                                  else cfg.block_size)
@@ -1144,19 +1145,38 @@ def _bench_dirs() -> list:
     return [Path.cwd() / "benchmarks", here.parents[2] / "benchmarks"]
 
 
+def _runnable(path: Path) -> bool:
+    """Whether the benchmarks' file ``path`` runs something: a statement at its top level other
+    than imports, definitions, assignments and its docstring (an ``if __name__ == "__main__"``
+    block, a call). A module the benchmarks share (torch_gpt2.py) only defines: not listed, and
+    refused by name. A file that cannot be read or parsed counts as one (running it says why)."""
+    import ast
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return True
+    quiet = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+             ast.Assign, ast.AnnAssign)
+    return any(not isinstance(n, quiet) and not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+                                                  and isinstance(n.value.value, str))
+               for n in tree.body)
+
+
 def _cmd_bench(args) -> int:
     found = {}
     for d in _bench_dirs():
         if d.is_dir():
             for f in sorted(d.glob("*.py")):
                 found.setdefault(f.stem, f)
+    shared = {name for name, f in found.items() if not _runnable(f)}   # e.g. torch_gpt2.py
     where = " nor ".join(str(d) for d in _bench_dirs())
     none_found = (f"no benchmarks folder: neither {where} exists (the benchmarks come with a "
                   f"clone of forge-ml's repository, not with the installed package: run "
                   f"forge-ml bench from the clone)")
     if args.list:
         for name, f in found.items():
-            print(f"{name:<28} {f}")
+            if name not in shared:
+                print(f"{name:<28} {f}")
         if not found:
             print(none_found)
         return 0
@@ -1165,7 +1185,11 @@ def _cmd_bench(args) -> int:
         if not found:
             raise ConfigError(f"unknown benchmark {args.name!r}: {none_found}")
         if name not in found:
-            raise ConfigError(f"unknown benchmark {args.name!r}; available: {', '.join(found)}")
+            raise ConfigError(f"unknown benchmark {args.name!r}; available: "
+                              f"{', '.join(n for n in found if n not in shared)}")
+        if name in shared:
+            raise ConfigError(f"{found[name]} is a module the benchmarks import, not a benchmark (it "
+                              f"runs nothing); forge-ml bench --list lists the benchmarks")
         mine = [o for o, v in (("--steps", args.steps), ("--device", args.device)) if v is not None]
         if mine:
             raise ConfigError(f"{' and '.join(mine)} before {name} set the built-in timing, which "
@@ -1177,12 +1201,15 @@ def _cmd_bench(args) -> int:
         try:
             runpy.run_path(str(found[name]), run_name="__main__")
         except SystemExit as e:    # the script's sys.exit, or its --help: its status
-            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if e.code is None or isinstance(e.code, int):
+                return e.code or 0
+            print(e.code, file=sys.stderr)   # sys.exit("message"): shown, status 1, as Python does
+            return 1
         except ModuleNotFoundError as e:
             missing = (e.name or str(e)).split(".")[0]
             if missing == "forge_ml":
                 raise
-            extra = ("CuPy comes with the cuda12 extra: pip install -e '.[cuda12]'" if missing == "cupy" else
+            extra = ("CuPy comes with the cuda extra: pip install -e '.[cuda]' (CUDA 13; '.[cuda12]' for CUDA 12)" if missing == "cupy" else
                      "the benchmarks' peers come with the test extra: pip install -e '.[test]'")
             raise ConfigError(f"benchmark {name} needs the Python module {missing!r}, which is not "
                               f"installed; install it ({extra})") from None

@@ -138,5 +138,5 @@ def get(device) -> Backend:
     if b.select is not None:
         b.select(device.index)
     elif device.index != 0:
-        raise DeviceError(f"device {device}: the {device.type} backend has one device, {device.type}:0")
+        raise DeviceError(f"device {device.type}:{device.index}: the {device.type} backend has one device, {device.type}:0")
     return b
