@@ -206,7 +206,15 @@ class AdamW:
         """The update of every parameter with the values in ``scalars`` (``prepare``'s, the
         factor perhaps rewritten by ``ops.clip_scale``): launches only, nothing read back, so
         it can be captured. Call ``advance()`` once the step is known to have been taken.
-        Every parameter needs a gradient."""
+        Every parameter needs a gradient.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> p = {"w": fm.tensor(np.zeros((1, 1), np.float32))}
+        >>> opt = AdamW(p, lr=0.5)
+        >>> opt.update({"w": fm.tensor(np.full((1, 1), 3.0, np.float32))}, opt.prepare())
+        >>> round(p["w"].item(), 4), opt.steps       # updated; not counted until advance()
+        (-0.5, 0)
+        """
         self._known(grads, "update")
         b1, b2 = self.betas
         names = list(self.params)
@@ -221,7 +229,13 @@ class AdamW:
             p_lowps=None if self._lowp is None else [self._lowp[n] for n in names])
 
     def advance(self) -> None:
-        """Count a step taken through ``update`` (the host's step counters)."""
+        """Count a step taken through ``update`` (the host's step counters).
+
+        >>> import forge_ml as fm
+        >>> opt = AdamW({"w": fm.zeros((2, 2))}); opt.update({"w": fm.zeros((2, 2))}, opt.prepare())
+        >>> opt.advance(); opt.steps, opt.param_steps
+        (1, {'w': 1})
+        """
         self.steps += 1
         for k in self.param_steps:
             self.param_steps[k] += 1

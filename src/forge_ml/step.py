@@ -54,7 +54,17 @@ from .tensor import host_buffer, zeros
 
 class StepResult(NamedTuple):
     """What one step gives back: each micro-batch's loss, the gradient norm (of the averaged
-    gradients, before clipping) and whether the update was taken."""
+    gradients, before clipping) and whether the update was taken.
+
+    >>> import numpy as np
+    >>> from forge_ml.models import GPT2, GPT2Config
+    >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+    >>> step = TrainStep(model, AdamW(model.params, lr=1e-2), batch=2, block=4)
+    >>> ids = np.arange(8).reshape(2, 4) % 10
+    >>> r = step.run([(ids, (ids + 1) % 10)], seeds=[0], lr=1e-2)
+    >>> [round(x, 1) for x in r.losses], round(r.norm, 2), r.taken     # loss ~ ln(10) at init
+    ([2.3], 1.25, True)
+    """
     losses: List[float]
     norm: float
     taken: bool
@@ -63,7 +73,17 @@ class StepResult(NamedTuple):
 class PendingStep:
     """A step queued on the device by ``TrainStep.submit``. ``result()`` waits for it, once:
     the losses and the step's norm and verdict were queued to host memory behind the step, so
-    that is one wait for all of them. ``TrainStep.submit`` reads a step nobody read first."""
+    that is one wait for all of them. ``TrainStep.submit`` reads a step nobody read first.
+
+    >>> import numpy as np
+    >>> from forge_ml.models import GPT2, GPT2Config
+    >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+    >>> step = TrainStep(model, AdamW(model.params, lr=1e-2), batch=2, block=4)
+    >>> ids = np.arange(8).reshape(2, 4) % 10
+    >>> pending = step.submit([(ids, (ids + 1) % 10)], seeds=[0], lr=1e-2)
+    >>> type(pending).__name__, pending.result() is pending.result()     # read once, kept
+    ('PendingStep', True)
+    """
 
     def __init__(self, owner: "TrainStep", losses, copies):
         self._owner, self._losses, self._copies = owner, losses, copies
@@ -71,7 +91,18 @@ class PendingStep:
 
     def result(self) -> StepResult:
         """Wait for the step and read it: the ``StepResult``. A step taken counts in the
-        optimizer's step counters from then on (``AdamW.advance``)."""
+        optimizer's step counters from then on (``AdamW.advance``).
+
+        >>> import numpy as np
+        >>> from forge_ml.models import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> opt = AdamW(model.params, lr=1e-2)
+        >>> step = TrainStep(model, opt, batch=2, block=4)
+        >>> ids = np.arange(8).reshape(2, 4) % 10
+        >>> pending = step.submit([(ids, (ids + 1) % 10)], seeds=[0], lr=1e-2)
+        >>> opt.steps, pending.result().taken, opt.steps
+        (0, True, 1)
+        """
         if self._result is None:
             for c in self._copies:
                 if c is not None:
@@ -286,7 +317,19 @@ class TrainStep:
     def release(self) -> None:
         """Drop the captured graph and give its memory back (before evaluation or sampling,
         which run op by op: they would otherwise hold a second copy beside the graph's). The
-        next run captures again after one real run."""
+        next run captures again after one real run. (On the CPU, never a graph: nothing to drop.)
+
+        >>> import numpy as np
+        >>> from forge_ml.models import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> step = TrainStep(model, AdamW(model.params, lr=1e-2), batch=2, block=4, graph=True)
+        >>> ids = np.arange(8).reshape(2, 4) % 10
+        >>> step.run([(ids, (ids + 1) % 10)], seeds=[0], lr=1e-2).taken
+        True
+        >>> step.release()                  # e.g. before evaluating; the next run captures anew
+        >>> step.run([(ids, (ids + 1) % 10)], seeds=[1], lr=1e-2).taken, step.why_eager
+        (True, 'the cpu backend cannot capture graphs')
+        """
         if self._pending is not None:   # a step still running reads the graph's memory
             self._pending.result()
         if self._graph is not None:

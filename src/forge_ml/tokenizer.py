@@ -818,6 +818,12 @@ def hf_tokenizer_spec(tokenizer_json: dict, tokenizer_config: dict | None = None
     The end of text (``eos_token_id``, what ``generate`` stops on) and the start of an empty
     prompt (``bos_token_id``): ``generation_config.json``'s, else ``config.json``'s, else the
     tokenizer's eos/bos token. A TokenizerError names ``where`` when the file cannot be read.
+
+    Example (needs the ``tokenizers`` package):
+        j = {"model": {"type": "WordLevel", "vocab": {"hi": 0, "there": 1, "</s>": 2}, "unk_token": "</s>"},
+             "pre_tokenizer": {"type": "WhitespaceSplit"}}   # a tokenizer.json, parsed
+        spec = hf_tokenizer_spec(j, {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"})
+        spec["kind"], spec["eos_token_id"], spec["roles"]   # ('hf', 2, {'eos_token': '</s>'})
     """
     tk = _tokenizers()
     if not isinstance(tokenizer_json, dict):
@@ -935,6 +941,13 @@ class HFTokenizer:
     a checkpoint or a token shard folder rebuilds it without the folder it came from.
     ``eot_token``: the end-of-text id that generation stops on (None where the model has
     none); ``bos_token``: the id an empty prompt starts from.
+
+    Example (needs the ``tokenizers`` package; the methods' examples use this ``tok``):
+        j = {"model": {"type": "WordLevel", "vocab": {"hi": 0, "there": 1, "</s>": 2}, "unk_token": "</s>"},
+             "pre_tokenizer": {"type": "WhitespaceSplit"}}   # a tokenizer.json, parsed
+        tok = HFTokenizer(hf_tokenizer_spec(j, {"tokenizer_class": "PreTrainedTokenizerFast",
+                                                "eos_token": "</s>"}))
+        tok, tok.eot_token, tok.bos_token           # (HFTokenizer(vocab_size=3), 2, 2)
     """
 
     kind = "hf"
@@ -982,7 +995,11 @@ class HFTokenizer:
         return self._n
 
     def encode(self, text: str) -> list[int]:
-        """The ids transformers' ``tokenizer(text)["input_ids"]`` gives."""
+        """The ids transformers' ``tokenizer(text)["input_ids"]`` gives.
+
+        Example (``tok``: the class example's):
+            tok.encode("hi there </s>")                # [0, 1, 2]
+        """
         if not isinstance(text, str):
             raise TokenizerError(f"HFTokenizer.encode: expected a str, got {type(text).__name__}")
         try:
@@ -1015,7 +1032,11 @@ class HFTokenizer:
         """``encode(text)`` as a uint32 array; a long text of a plain byte-level BPE is cut
         into pieces of about ``chunk`` characters at newlines between two non-space characters
         (where its pre-tokenizer cuts anyway), which the library encodes in parallel, without
-        offsets (3.3 MB of text in a 300-token BPE: 1.8 s on 2 cores, where pieces of 1 MB took 3.0 s)."""
+        offsets (3.3 MB of text in a 300-token BPE: 1.8 s on 2 cores, where pieces of 1 MB took 3.0 s).
+
+        Example (``tok``: the class example's):
+            tok.encode_array("there hi")               # array([1, 0], dtype=uint32)
+        """
         if not isinstance(text, str):
             raise TokenizerError(f"HFTokenizer.encode: expected a str, got {type(text).__name__}")
         if len(text) <= chunk or not self._chunkable():
@@ -1046,13 +1067,21 @@ class HFTokenizer:
         return _id_list(ids, self._n, "HFTokenizer", hint=" (ids from a padded vocabulary are not tokens)")
 
     def decode(self, ids) -> str:
-        """The text transformers' ``tokenizer.decode(ids)`` gives (special tokens kept)."""
+        """The text transformers' ``tokenizer.decode(ids)`` gives (special tokens kept).
+
+        Example (``tok``: the class example's, which has no decoder: pieces joined by spaces):
+            tok.decode([0, 1, 2])                      # 'hi there </s>'
+        """
         text = self._tok.decode(self._check_ids(ids), skip_special_tokens=False)
         return _clean_up_tokenization(text) if self._clean else text
 
     def decode_bytes(self, ids) -> bytes:
         """The bytes of ``ids`` for streaming (a character may be cut between two tokens):
-        a byte-level tokenizer's token bytes, as its decoder takes them; another's text."""
+        a byte-level tokenizer's token bytes, as its decoder takes them; another's text.
+
+        Example (``tok``: the class example's, not byte-level: its text's UTF-8):
+            tok.decode_bytes([0, 1])                   # b'hi there'
+        """
         ids = self._check_ids(ids)
         if not self._byte_level:
             return self.decode(ids).encode("utf-8")
@@ -1071,7 +1100,12 @@ class HFTokenizer:
         """A function that takes the next id and gives the text it adds to ``decode(prefix +
         ids so far)`` (``tokenizers``' ``DecodeStream``), for a tokenizer that is not
         byte-level (Metaspace, WordPiece: a token decoded alone loses the space before it);
-        None for a byte-level one, whose ``decode_bytes`` streams exactly."""
+        None for a byte-level one, whose ``decode_bytes`` streams exactly.
+
+        Example (``tok``: the class example's, not byte-level):
+            step = tok.decode_stream([0])              # after "hi"
+            step(1), step(2)                           # (' there', ' </s>')
+        """
         if self._byte_level:
             return None
         ids = self._check_ids(prefix)
@@ -1084,7 +1118,11 @@ class HFTokenizer:
         return step
 
     def empty_prompt(self) -> list[int]:
-        """The ids an empty prompt starts from: the bos token (``generate``'s start), else eos."""
+        """The ids an empty prompt starts from: the bos token (``generate``'s start), else eos.
+
+        Example (``tok``: the class example's, whose eos </s> stands in for a bos):
+            tok.empty_prompt()                         # [2]
+        """
         if self.bos_token is None:
             raise TokenizerError("HFTokenizer: the model names no bos or eos token to start an empty prompt "
                                  "from; give a prompt")
@@ -1092,15 +1130,28 @@ class HFTokenizer:
 
     def is_special(self, token_id: int) -> bool:
         """Whether the id is one of the tokenizer's added tokens marked special (its bos, eos,
-        pad, ...): text transformers leaves out with ``skip_special_tokens``."""
+        pad, ...): text transformers leaves out with ``skip_special_tokens``.
+
+        Example (``tok``: the class example's):
+            tok.is_special(2), tok.is_special(0)       # (True, False): </s>, "hi"
+        """
         return token_id in self._special_ids
 
     def to_dict(self) -> dict:
-        """JSON-able description: ``{"kind": "hf", "tokenizer": <tokenizer.json>, ...}``."""
+        """JSON-able description: ``{"kind": "hf", "tokenizer": <tokenizer.json>, ...}``.
+
+        Example (``tok``: the class example's):
+            sorted(tok.to_dict())      # ['eos_token_id', 'kind', 'roles', 'tokenizer']
+        """
         return self._spec
 
     @classmethod
     def from_dict(cls, d: dict) -> "HFTokenizer":
+        """Rebuild a tokenizer from its ``to_dict()`` (read back from JSON too).
+
+        Example (``tok``: the class example's):
+            HFTokenizer.from_dict(json.loads(json.dumps(tok.to_dict()))).encode("there hi")   # [1, 0]
+        """
         return cls(d)
 
     def __repr__(self) -> str:
@@ -1127,6 +1178,13 @@ class TextStream:
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token: int) -> str:
+        """The text ``token`` adds: '' while it leaves a character unfinished.
+
+        >>> tok = GPT2Tokenizer()
+        >>> d = TextStream(tok)
+        >>> [d.feed(t) for t in tok.encode("Hi 🦜")]
+        ['Hi', ' ', '', '🦜']
+        """
         if self._step is not None:
             return self._step(token)
         if self._bytes:

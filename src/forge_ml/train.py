@@ -1526,7 +1526,18 @@ class Trainer:
         update itself is never interrupted by ``train()``'s signal handlers. Through the
         captured step (a GPU) the loader has then drawn the next step's batches already;
         ``save()`` and the end of ``train()`` give them back, so a checkpoint's data position
-        is this step's. Past ``max_steps`` it raises TrainingError and changes nothing."""
+        is this step's. Past ``max_steps`` it raises TrainingError and changes nothing.
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp(); p = os.path.join(d, "t.txt"); _ = open(p, "w").write("ab\\n" * 500)
+        >>> t = Trainer(TrainConfig(data=p, out_dir=d, n_layer=1, n_head=1, n_embd=8, block_size=8, max_steps=2,
+        ...                         eval_interval=0, sample_interval=0, progress=False), log=None)
+        >>> rec = t.train_step(); rec["step"], t.step, rec["lr"]     # lr: the first warmup step's
+        (1, 1, 1e-05)
+        >>> sorted(rec)
+        ['dt_ms', 'grad_norm', 'loss', 'lr', 'step', 'time', 'tokens_per_s']
+        >>> t.close()
+        """
         cfg, step = self.cfg, self.step
         self._within_max_steps()
         t0 = time.perf_counter()
@@ -1701,7 +1712,16 @@ class Trainer:
     def evaluate(self, iters: Optional[int] = None) -> float:
         """Mean loss over the first ``iters`` validation batches (no dropout): an estimate,
         the same windows at every call, so comparable across a run and across a resume.
-        ``iters`` must be an int >= 1 (a ConfigError otherwise)."""
+        ``iters`` must be an int >= 1 (a ConfigError otherwise).
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp(); p = os.path.join(d, "t.txt"); _ = open(p, "w").write("ab\\n" * 500)
+        >>> t = Trainer(TrainConfig(data=p, out_dir=d, n_layer=1, n_head=1, n_embd=8, block_size=8, max_steps=2,
+        ...                         eval_interval=0, sample_interval=0, progress=False), log=None)
+        >>> round(t.evaluate(2), 1), t.evaluate(2) == t.evaluate(2)     # untrained: ~ln(3), 3 characters
+        (1.1, True)
+        >>> t.close()
+        """
         iters = self.cfg.eval_iters if iters is None else iters
         if isinstance(iters, bool) or not isinstance(iters, (int, np.integer)) or iters < 1:
             raise ConfigError(f"Trainer.evaluate: iters must be an int >= 1 (validation batches), got {iters!r}")
@@ -1714,7 +1734,18 @@ class Trainer:
         """``(mean loss, windows)`` over every window of ``block_size`` tokens of the validation
         shards (no dropout): the figure ``forge-ml eval`` gives for them; with ``max_windows``,
         over the first ``max_windows`` windows only (in order, the same at every call), an int
-        >= 1 (a ConfigError otherwise)."""
+        >= 1 (a ConfigError otherwise).
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp(); p = os.path.join(d, "t.txt"); _ = open(p, "w").write("ab\\n" * 500)
+        >>> t = Trainer(TrainConfig(data=p, out_dir=d, n_layer=1, n_head=1, n_embd=8, block_size=8, max_steps=2,
+        ...                         eval_interval=0, sample_interval=0, progress=False), log=None)
+        >>> loss, windows = t.evaluate_full(); round(loss, 1), windows
+        (1.1, 18)
+        >>> t.evaluate_full(max_windows=3)[1]
+        3
+        >>> t.close()
+        """
         if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(
                 max_windows, (int, np.integer)) or max_windows < 1):
             raise ConfigError(f"Trainer.evaluate_full: max_windows must be None (every window) or an int >= 1, "
@@ -1742,7 +1773,17 @@ class Trainer:
 
     def sample(self, n_tokens: Optional[int] = None, prompt: Optional[str] = None, seed: int = 0) -> str:
         """Text the model writes after ``prompt`` (default: the config's, or a newline), drawn
-        with ``seed`` (an int in [0, 2**64); the same seed, the same text)."""
+        with ``seed`` (an int in [0, 2**64); the same seed, the same text).
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp(); p = os.path.join(d, "t.txt"); _ = open(p, "w").write("ab\\n" * 500)
+        >>> t = Trainer(TrainConfig(data=p, out_dir=d, n_layer=1, n_head=1, n_embd=8, block_size=8, max_steps=2,
+        ...                         eval_interval=0, sample_interval=0, progress=False), log=None)
+        >>> text = t.sample(5, prompt="ab", seed=1)
+        >>> text[:2], len(text), set(text) <= set("ab\\n"), text == t.sample(5, prompt="ab", seed=1)
+        ('ab', 7, True, True)
+        >>> t.close()
+        """
         # checked here, in this method's name: stream_tokens' own check named stream_tokens,
         # which the caller never called
         seed = _seed("Trainer.sample", seed)
@@ -1760,7 +1801,17 @@ class Trainer:
     def save(self) -> Path:
         """Write the checkpoint of the current step to ``<out_dir>/ckpt`` (atomically). A
         failed write (full disk, read-only folder) keeps the previous checkpoint and raises a
-        one-line CheckpointError that says so."""
+        one-line CheckpointError that says so.
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp(); p = os.path.join(d, "t.txt"); _ = open(p, "w").write("ab\\n" * 500)
+        >>> t = Trainer(TrainConfig(data=p, out_dir=d, n_layer=1, n_head=1, n_embd=8, block_size=8, max_steps=2,
+        ...                         eval_interval=0, sample_interval=0, progress=False), log=None)
+        >>> _ = t.train_step(); path = t.save()
+        >>> path.name, sorted(os.listdir(path))
+        ('ckpt', ['model.safetensors', 'state.json'])
+        >>> t.close()
+        """
         self._refuse_if_torn("and is not saved")
         held = self.lock.held
         self._hold_folder()    # never beside another Trainer of the folder
@@ -1906,6 +1957,16 @@ class Trainer:
         boundary with a checkpoint of that step and raise ``Interrupted``; one that the process
         ignores when this starts (nohup's SIGHUP) stays ignored. The run folder is released
         when this returns or raises.
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp(); p = os.path.join(d, "t.txt"); _ = open(p, "w").write("ab\\n" * 500)
+        >>> t = Trainer(TrainConfig(data=p, out_dir=d, n_layer=1, n_head=1, n_embd=8, block_size=8, max_steps=2,
+        ...                         eval_interval=0, sample_interval=0, progress=False), log=None)
+        >>> t.train(until=1)["step"]
+        1
+        >>> s = t.train(); s["step"], s["val_kind"], len(s["losses"]), os.path.isdir(s["checkpoint"])
+        (2, 'full', 1, True)
+        >>> t.close()
         """
         if until is not None:
             until = _count("train", "until", until)   # not after taking the folder
@@ -2143,7 +2204,17 @@ class Trainer:
 
     def plot(self) -> Optional[Path]:
         """Draw ``loss.png`` (train loss per step, val loss points) from the log; returns its
-        path, or None when matplotlib is missing or the file cannot be written (a warning)."""
+        path, or None when matplotlib is missing or the file cannot be written (a warning).
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp(); p = os.path.join(d, "t.txt"); _ = open(p, "w").write("ab\\n" * 500)
+        >>> t = Trainer(TrainConfig(data=p, out_dir=d, n_layer=1, n_head=1, n_embd=8, block_size=8, max_steps=2,
+        ...                         eval_interval=0, sample_interval=0, progress=False), log=None)
+        >>> _ = t.train(); path = t.plot()     # (train() drew it too; this redraws it from the log)
+        >>> path.name, path.read_bytes()[1:4]
+        ('loss.png', b'PNG')
+        >>> t.close()
+        """
         try:   # a Figure on its own canvas: pyplot's backend (a notebook's inline one) untouched
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure

@@ -103,7 +103,12 @@ class Buckets:
         self.shard_size = shard
 
     def chunk(self, b: Bucket, rank: int) -> tuple:
-        """Rank ``rank``'s flat range of bucket ``b``."""
+        """Rank ``rank``'s flat range of bucket ``b``.
+
+        >>> b = Buckets({"w": (100,)}, world_size=2)        # one bucket, padded to 128
+        >>> [b.chunk(b.buckets[0], r) for r in (0, 1)]
+        [(0, 64), (64, 128)]
+        """
         return b.lo + rank * b.chunk, b.lo + (rank + 1) * b.chunk
 
     def segments(self, rank: int) -> list:
@@ -147,13 +152,26 @@ class FlatBuffer:
         self.size = int(n)
 
     def window(self, lo: int, hi: int, shape=None) -> Tensor:
-        """A Tensor over elements ``[lo, hi)``, reshaped to ``shape``."""
+        """A Tensor over elements ``[lo, hi)``, reshaped to ``shape``.
+
+        >>> f = FlatBuffer(6, "float32", "cpu")
+        >>> w = f.window(2, 6, (2, 2))
+        >>> f.fill(3.0); w.shape, w.numpy().tolist()          # the buffer's memory: filled too
+        ((2, 2), [[3.0, 3.0], [3.0, 3.0]])
+        """
         a = self.data[lo:hi]
         return Tensor(a if shape is None else a.reshape(shape), self.device)
 
     def put(self, lo: int, t: Tensor, start: int = 0, stop=None, add: bool = False) -> None:
         """Write elements ``[start, stop)`` of the flattened Tensor ``t`` (cast to the buffer's
-        dtype) at ``lo``; ``add=True`` adds them instead (float buffers)."""
+        dtype) at ``lo``; ``add=True`` adds them instead (float buffers).
+
+        >>> import forge_ml as fm
+        >>> f = FlatBuffer(4, "float32", "cpu")
+        >>> f.put(1, fm.tensor([1.0, 2.0, 3.0]), start=1); f.put(0, fm.tensor([5.0]), add=True)
+        >>> f.host(0, 4).tolist()
+        [5.0, 2.0, 3.0, 0.0]
+        """
         if t.dtype != self.dtype:
             t = t.to(self.dtype.name)
         src = t.data.reshape(-1)[start:stop]
@@ -166,9 +184,20 @@ class FlatBuffer:
             dst[...] = src
 
     def fill(self, value: float = 0.0) -> None:
-        """Set every element to ``value``."""
+        """Set every element to ``value``.
+
+        >>> f = FlatBuffer(3, "float64", "cpu")
+        >>> f.fill(0.5); f.host(0, 3).tolist()
+        [0.5, 0.5, 0.5]
+        """
         self.data.fill(value)
 
     def host(self, lo: int, hi: int) -> np.ndarray:
-        """Elements ``[lo, hi)`` as a NumPy array (a host copy; waits for the device)."""
+        """Elements ``[lo, hi)`` as a NumPy array (a host copy; waits for the device).
+
+        >>> f = FlatBuffer(4, "int32", "cpu"); f.fill(7)
+        >>> h = f.host(1, 3); h[0] = 0                         # the copy, not the buffer
+        >>> h.tolist(), h.dtype, f.host(0, 4).tolist()
+        ([0, 7], dtype('int32'), [7, 7, 7, 7])
+        """
         return self.window(lo, hi).numpy()

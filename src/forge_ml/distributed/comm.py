@@ -46,11 +46,25 @@ OPS = ("sum", "avg")
 
 class CommError(ForgeError, RuntimeError):
     """A collective failed: a peer rank failed or was aborted, the ranks called different
-    collectives, or NCCL reported an error."""
+    collectives, or NCCL reported an error.
+
+    >>> g = ThreadGroup(2)
+    >>> g.abort(1, "out of memory")           # rank 1 failed: rank 0's next collective says so
+    >>> g.communicator(0).barrier()
+    Traceback (most recent call last):
+    ...
+    forge_ml.distributed.comm.CommError: barrier on rank 0: the group was ended by rank 1: out of memory
+    """
 
 
 class CommTimeout(CommError, TimeoutError):
-    """A collective did not complete within the communicator's timeout (a peer hung or died)."""
+    """A collective did not complete within the communicator's timeout (a peer hung or died).
+
+    >>> ThreadGroup(2, timeout=0.05).communicator(0).barrier()     # rank 1 never comes
+    Traceback (most recent call last):
+    ...
+    forge_ml.distributed.comm.CommTimeout: barrier timed out after 0.05 s on rank 0: rank(s) 1 never reached it (hung or died)
+    """
 
 
 def _check_op(what: str, op: str) -> None:
@@ -87,39 +101,85 @@ class Communicator:
     def all_reduce(self, x, op: str = "sum", out=None):
         """``x`` becomes the sum (``op="sum"``) or the mean (``"avg"``) of every rank's ``x``
         (in place); with ``out`` (as many elements of ``x``'s dtype), ``out`` becomes it and
-        ``x`` is only read. Returns ``x`` (or ``out``)."""
+        ``x`` is only read. Returns ``x`` (or ``out``).
+
+        >>> import numpy as np; from forge_ml.distributed import launch
+        >>> launch.threads(2, lambda c: c.all_reduce(np.full(2, c.rank + 1.0), "avg").tolist())
+        [[1.5, 1.5], [1.5, 1.5]]
+        """
         raise NotImplementedError
 
     def reduce_scatter(self, x, out, op: str = "sum"):
         """``x`` holds ``world_size * out.size`` elements; ``out`` becomes chunk ``rank`` of the
         sum (or mean) of every rank's ``x``. ``out`` may be that chunk of ``x`` itself.
-        Returns ``out``."""
+        Returns ``out``.
+
+        >>> import numpy as np; from forge_ml.distributed import launch
+        >>> launch.threads(2, lambda c: c.reduce_scatter(np.arange(4.0), np.zeros(2)).tolist())
+        [[0.0, 2.0], [4.0, 6.0]]
+        """
         raise NotImplementedError
 
     def all_gather(self, x, out):
         """``out`` (``world_size * x.size`` elements) becomes every rank's ``x``, in rank
-        order. ``x`` may be chunk ``rank`` of ``out`` itself. Returns ``out``."""
+        order. ``x`` may be chunk ``rank`` of ``out`` itself. Returns ``out``.
+
+        >>> import numpy as np; from forge_ml.distributed import launch
+        >>> launch.threads(2, lambda c: c.all_gather(np.full(2, c.rank), np.zeros(4, int)).tolist())
+        [[0, 0, 1, 1], [0, 0, 1, 1]]
+        """
         raise NotImplementedError
 
     def broadcast(self, x, root: int = 0, out=None):
         """Every rank's ``x`` becomes ``root``'s (in place); with ``out`` (as many elements of
         ``x``'s dtype), every rank's ``out`` becomes ``root``'s ``x`` and ``x`` is only read
-        on ``root``. Returns ``x`` (or ``out``)."""
+        on ``root``. Returns ``x`` (or ``out``).
+
+        >>> import numpy as np; from forge_ml.distributed import launch
+        >>> launch.threads(2, lambda c: c.broadcast(np.array([c.rank + 5]), root=1).tolist())
+        [[6], [6]]
+        """
         raise NotImplementedError
 
     def barrier(self) -> None:
-        """Return when every rank has called it."""
+        """Return when every rank has called it.
+
+        >>> from forge_ml.distributed import launch
+        >>> launch.threads(2, lambda c: c.barrier())
+        [None, None]
+        """
         raise NotImplementedError
 
     def synchronize(self) -> None:
         """Wait until the collectives queued so far have completed (raises CommTimeout after
-        ``timeout`` seconds). A no-op for communicators whose collectives are synchronous."""
+        ``timeout`` seconds). A no-op for communicators whose collectives are synchronous.
+
+        >>> import numpy as np; from forge_ml.distributed import launch
+        >>> def fn(c):
+        ...     x = np.ones(1); c.all_reduce(x); c.synchronize()    # then the host reads x
+        ...     return x.tolist()
+        >>> launch.threads(2, fn)
+        [[2.0], [2.0]]
+        """
 
     def abort(self, reason: str = "") -> None:
-        """End the group: the other ranks' collectives fail instead of waiting."""
+        """End the group: the other ranks' collectives fail instead of waiting.
+
+        >>> g = ThreadGroup(2)
+        >>> g.communicator(1).abort("disk full")
+        >>> g.communicator(0).barrier()
+        Traceback (most recent call last):
+        ...
+        forge_ml.distributed.comm.CommError: barrier on rank 0: the group was ended by rank 1: disk full
+        """
 
     def close(self) -> None:
-        """Release the communicator's resources."""
+        """Release the communicator's resources (a thread communicator holds none).
+
+        >>> comm = ThreadGroup(1).communicator(0)
+        >>> comm.close(); comm.rank, comm.world_size
+        (0, 1)
+        """
 
     # -- helpers built on the collectives --------------------------------------------------
     def _from_host(self, a: np.ndarray):
@@ -189,11 +249,25 @@ class ThreadGroup:
         self._failed = None           # (rank, reason, timed out) of the first failure
 
     def communicator(self, rank: int) -> "ThreadCommunicator":
-        """The communicator of thread rank ``rank``."""
+        """The communicator of thread rank ``rank``.
+
+        >>> c = ThreadGroup(2).communicator(1)
+        >>> type(c).__name__, c.rank, c.world_size
+        ('ThreadCommunicator', 1, 2)
+        """
         return ThreadCommunicator(self, rank)
 
     def abort(self, rank: int, reason: str) -> None:
-        """Rank ``rank`` failed: every rank's current and next collective raises CommError."""
+        """Rank ``rank`` failed: every rank's current and next collective raises CommError.
+
+        >>> import numpy as np
+        >>> g = ThreadGroup(2)
+        >>> g.abort(0, "loss is NaN")
+        >>> g.communicator(1).all_reduce(np.ones(2))
+        Traceback (most recent call last):
+        ...
+        forge_ml.distributed.comm.CommError: all_reduce on rank 1: the group was ended by rank 0: loss is NaN
+        """
         with self._cond:
             if self._failed is None:
                 self._failed = (int(rank), str(reason), False)
@@ -420,12 +494,16 @@ class NcclCommunicator(Communicator):
     after ``timeout`` seconds, aborts the communicator (``ncclCommAbort``) and raises
     CommTimeout. A world of one is a real NCCL communicator too (its collectives are copies).
 
-    Usually built by ``launch.init_process_group()``; by hand, in each of ``n`` processes::
+    Usually built by ``launch.init_process_group()``; by hand, in each of ``n`` processes (it
+    needs GPUs and one process per rank, so no doctest):
 
+    Example:
+        import cupy
         from cupy.cuda import nccl
         uid = nccl.get_unique_id()                 # on rank 0, then shared with the others
         comm = NcclCommunicator(rank, n, uid, device=f"cuda:{rank}")
-        comm.all_reduce(grads); comm.synchronize()
+        x = cupy.ones(4, cupy.float32)             # on cuda:rank, current once comm is built
+        comm.all_reduce(x); comm.synchronize()     # x is n everywhere, on every rank
     """
 
     def __init__(self, rank: int, world_size: int, unique_id, device=None, timeout: float = 1800.0):

@@ -122,7 +122,20 @@ class DataParallel:
         gradients summed across ranks. Returns ``(loss, norm, scale)``, the same on every
         rank: the mean loss over every rank's micro-batches, the global gradient norm of
         their mean, and the ``grad_scale`` for ``update`` (the mean's 1/n times the clip
-        factor of ``optim.clip_grad_norm``; ``max_norm <= 0`` does not clip). Collective."""
+        factor of ``optim.clip_grad_norm``; ``max_norm <= 0`` does not clip). Collective.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> from forge_ml.distributed import launch
+        >>> def fn(comm):
+        ...     model = GPT2.init(GPT2Config(vocab_size=11, block_size=4, n_layer=1, n_head=1, n_embd=8), seed=0)
+        ...     dp = DataParallel(comm, model, AdamW(model.params, lr=1e-2))
+        ...     ids = fm.tensor(np.arange(4).reshape(1, 4) + comm.rank)   # each rank: its own batch
+        ...     return dp.gradients([(ids, ids, 0)])
+        >>> (loss_a, norm_a, scale_a), (loss_b, norm_b, scale_b) = launch.threads(2, fn)
+        >>> loss_a == loss_b, norm_a == norm_b, scale_a             # 1 / (2 micro-batches in all)
+        (True, True, 0.5)
+        """
         n_local, loss_sum = 0, 0.0
         for x, y, seed in batches:
             loss, grads = self.model.loss_and_grads(x, y, dropout_seed=seed)
@@ -146,7 +159,22 @@ class DataParallel:
         return loss_total / n_total, norm, scale
 
     def update(self, lr: float, scale: float) -> None:
-        """The AdamW step with ``grad_scale=scale`` (from ``gradients``). Collective."""
+        """The AdamW step with ``grad_scale=scale`` (from ``gradients``). Collective.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> from forge_ml.distributed import launch
+        >>> def fn(comm):
+        ...     model = GPT2.init(GPT2Config(vocab_size=11, block_size=4, n_layer=1, n_head=1, n_embd=8), seed=0)
+        ...     dp = DataParallel(comm, model, AdamW(model.params, lr=1e-2), zero=1)
+        ...     ids = fm.tensor(np.arange(4).reshape(1, 4) + comm.rank)
+        ...     w0 = model.params["wte.weight"].numpy()
+        ...     dp.update(1e-2, dp.gradients([(ids, ids, 0)])[2])
+        ...     return w0, model.params["wte.weight"].numpy()
+        >>> (w0, a), (_, b) = launch.threads(2, fn)
+        >>> np.array_equal(a, b), np.array_equal(a, w0)              # one step, the same on every rank
+        (True, False)
+        """
         if self.zero == 0:
             self.opt.step(self.grad_views, lr=lr, grad_scale=scale)
         else:
@@ -156,7 +184,18 @@ class DataParallel:
     def gather_state(self, root: int = 0):
         """Collective: ``{"params": name -> float32 master (NumPy), "optimizer":
         AdamW.state_dict()}`` on rank ``root`` (what a checkpoint stores, whatever the number
-        of ranks or the ZeRO stage), None on the others."""
+        of ranks or the ZeRO stage), None on the others.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> from forge_ml.distributed import launch
+        >>> def fn(comm):
+        ...     model = GPT2.init(GPT2Config(vocab_size=11, block_size=4, n_layer=1, n_head=1, n_embd=8), seed=0)
+        ...     return DataParallel(comm, model, AdamW(model.params, lr=1e-2), zero=1).gather_state(root=1)
+        >>> a, b = launch.threads(2, fn)
+        >>> a, b["params"]["wte.weight"].shape, b["optimizer"]["step"]
+        (None, (11, 8), 0)
+        """
         if self.zero == 1:
             return self.opt.gather_state(root)
         if self.comm.rank != root:

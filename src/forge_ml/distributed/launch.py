@@ -298,9 +298,11 @@ def init_process_group(timeout: float = 1800.0, environ=None) -> Communicator:
     store already holds the port), or through mpi4py's broadcast under mpirun. A single
     process gets a communicator of one.
 
-    Needs CuPy with NCCL; without it a DeviceError says so (nothing here runs on the CPU).
-    On a GPU machine, in each process that ``spawn``, torchrun or mpirun started::
+    Needs CuPy with NCCL; without it a DeviceError says so (nothing here runs on the CPU, so
+    no doctest). On a GPU machine, in each process that ``spawn``, torchrun or mpirun started:
 
+    Example:
+        import numpy as np, forge_ml as fm
         comm = init_process_group()               # rank 1 of 8: NcclCommunicator on cuda:1
         x = fm.tensor(np.ones(4, np.float32), device=comm.device)
         comm.all_reduce(x); comm.synchronize()    # x is 8.0 everywhere, on every rank

@@ -89,13 +89,35 @@ class ZeroAdamW:
 
     def grad_sumsq(self) -> float:
         """The sum of squares of this rank's shard of the (reduced) gradients, in float64 on
-        the host (``optim.grad_sumsq`` over the segments; one device sync)."""
+        the host (``optim.grad_sumsq`` over the segments; one device sync).
+
+        >>> import numpy as np, forge_ml as fm
+        >>> from forge_ml.distributed import launch
+        >>> def fn(comm):
+        ...     b = Buckets({"w": (4,)}, comm.world_size)          # w lies in rank 0's chunk
+        ...     g = FlatBuffer(b.size, "float32", "cpu"); g.put(0, fm.tensor([1.0, 2.0, 3.0, 4.0]))
+        ...     return ZeroAdamW(AdamW({"w": fm.tensor(np.ones(4, np.float32))}), comm, b, g).grad_sumsq()
+        >>> launch.threads(2, fn)                                  # rank 1's chunk: padding only
+        [30.0, 0.0]
+        """
         host, dev = grad_sumsq({i: w[1] for i, w in enumerate(self._windows)})
         return host + (0.0 if dev is None else dev.item())
 
     def step(self, lr=None, grad_scale: float = 1.0) -> None:
         """Update this rank's shard from the reduce-scattered gradients (times ``grad_scale``),
-        then all-gather the parameters bucket by bucket. Every rank must call it."""
+        then all-gather the parameters bucket by bucket. Every rank must call it.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> from forge_ml.distributed import launch
+        >>> def fn(comm):
+        ...     b = Buckets({"w": (4,)}, comm.world_size)          # w lies in rank 0's chunk
+        ...     g = FlatBuffer(b.size, "float32", "cpu"); g.put(0, fm.tensor([1.0, 2.0, 3.0, 4.0]))
+        ...     w = {"w": fm.tensor(np.ones(4, np.float32))}
+        ...     ZeroAdamW(AdamW(w, lr=0.1), comm, b, g).step(lr=0.5)   # Adam's first step: lr * sign(g)
+        ...     return w["w"].numpy().round(4).tolist()
+        >>> launch.threads(2, fn)                                  # rank 1 got rank 0's update
+        [[0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]]
+        """
         lr = self.lr if lr is None else float(lr)
         self.steps += 1
         for k in self.param_steps:        # data parallelism gives every parameter a gradient
@@ -113,7 +135,20 @@ class ZeroAdamW:
         """Collective: the whole optimizer state on rank ``root`` as ``{"params": name ->
         float32 master (NumPy), "optimizer": AdamW.state_dict()-format dict}``; None on the
         other ranks. One all-gather per bucket and sharded tensor, through one bucket-sized
-        buffer."""
+        buffer.
+
+        >>> import numpy as np, forge_ml as fm
+        >>> from forge_ml.distributed import launch
+        >>> def fn(comm):
+        ...     b = Buckets({"w": (4,)}, comm.world_size)          # w lies in rank 0's chunk
+        ...     g = FlatBuffer(b.size, "float32", "cpu"); g.put(0, fm.tensor([1.0, 2.0, 3.0, 4.0]))
+        ...     z = ZeroAdamW(AdamW({"w": fm.tensor(np.ones(4, np.float32))}, lr=0.5), comm, b, g)
+        ...     z.step()
+        ...     s = z.gather_state(root=0)
+        ...     return s and (s["params"]["w"].round(4).tolist(), s["optimizer"]["step"])
+        >>> launch.threads(2, fn)
+        [([0.5, 0.5, 0.5, 0.5], 1), None]
+        """
         comm, bk = self.comm, self.buckets
         is_root = comm.rank == root
         out = {"m": {}, "v": {}, "params": {}}

@@ -235,7 +235,20 @@ class BatchEngine:
     def submit(self, prompt_ids, params: SamplingParams = SamplingParams()) -> Stream:
         """Queue a request; returns its ``Stream``. Raises ``RequestError`` (naming the
         field) for a prompt that does not fit the vocabulary or, with ``max_tokens``, the
-        context, and ``EngineClosedError`` once the engine is closed."""
+        context, and ``EngineClosedError`` once the engine is closed.
+
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))
+        >>> with BatchEngine(model, slots=2) as engine:
+        ...     out = list(engine.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0)))
+        ...     try:
+        ...         engine.submit([11])           # ids are 0..10
+        ...     except RequestError as e:
+        ...         print(e.param)
+        prompt
+        >>> len(out), out[-1].finish
+        (3, 'length')
+        """
         if not isinstance(params, SamplingParams):
             raise RequestError(f"submit: params must be SamplingParams, got "
                                f"{type(params).__name__}", "params")
@@ -253,7 +266,15 @@ class BatchEngine:
 
     def stats(self) -> dict:
         """``{"slots", "running", "waiting", "steps"}`` right now (a request whose stream was
-        cancelled, a client that left, is in neither: the loop drops it at its next turn)."""
+        cancelled, a client that left, is in neither: the loop drops it at its next turn).
+
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))
+        >>> with BatchEngine(model, slots=2) as engine:
+        ...     _ = list(engine.submit([1], SamplingParams(max_tokens=2)))   # 2 steps
+        ...     engine.stats()
+        {'slots': 2, 'running': 0, 'waiting': 0, 'steps': 2}
+        """
         with self._cond:
             return {"slots": self.slots,
                     "running": sum(r is not None and not r.stream.cancelled for r in self._active),
@@ -266,7 +287,15 @@ class BatchEngine:
 
     def close(self, timeout: float = 10.0, reason: Optional[str] = None) -> None:
         """Stop the loop (after the step in flight) and end every open stream (with an
-        EngineClosedError that says ``reason``, when given)."""
+        EngineClosedError that says ``reason``, when given).
+
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=11, block_size=16, n_layer=1, n_head=1, n_embd=8))
+        >>> engine = BatchEngine(model, slots=1)
+        >>> engine.close(reason="shutting down")
+        >>> engine.running, engine.stats()["running"]
+        (False, 0)
+        """
         with self._cond:
             if reason is not None and self._error is None:
                 self._error = reason

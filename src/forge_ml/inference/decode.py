@@ -263,7 +263,16 @@ class DecodeStep:
     def rows_launch(self, tokens, positions, knobs, keys, marks=None, vocab_size=None) -> None:
         """``rows_choose``'s step queued on the device without waiting for it (the arguments
         are ``rows_choose``'s): the host may work while the device computes; then
-        ``rows_collect()`` gives its result, before the next launch."""
+        ``rows_collect()`` gives its result, before the next launch.
+
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> step = DecodeStep(model, model.new_cache(2, 8))
+        >>> step.rows_launch([1, 2], [0, 3], [[0, 0, 1, 0, 1]] * 2, [[1, 2]] * 2)   # greedy rows
+        >>> toks, ok, logits = step.rows_collect()
+        >>> toks.tolist() == logits.numpy().argmax(1).tolist(), ok.tolist()
+        (True, [True, True])
+        """
         B = self.cache.batch
         cfg = self.model.config
         V = cfg.vocab_size if vocab_size is None else int(vocab_size)
@@ -295,7 +304,16 @@ class DecodeStep:
 
     def rows_collect(self) -> tuple:
         """The ``(tokens, finite, logits)`` of the step ``rows_launch`` queued (waiting for
-        it), as ``rows_choose`` returns them."""
+        it), as ``rows_choose`` returns them.
+
+        >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+        >>> model = GPT2.init(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+        >>> step = DecodeStep(model, model.new_cache(2, 8))
+        >>> step.rows_launch([1, 2], [0, 0], [[0.8, 0, 1, 0, 1]] * 2, [[1, 2], [3, 4]])
+        >>> toks, ok, logits = step.rows_collect()
+        >>> toks.shape, toks.dtype, ok.tolist(), logits.shape
+        ((2,), dtype('int64'), [True, True], (2, 10))
+        """
         toks = self._choice.numpy().astype(np.int64)
         return toks, toks >= 0, self._in_flight
 

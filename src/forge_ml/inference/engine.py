@@ -50,7 +50,14 @@ def shown_logprob(lp: Optional[float]) -> Optional[float]:
 
 class RequestError(ConfigError):
     """A request the engine refuses: a field out of range, a prompt that does not fit the
-    context or the vocabulary. ``param`` names the field (OpenAI's error ``param``)."""
+    context or the vocabulary. ``param`` names the field (OpenAI's error ``param``).
+
+    >>> try:
+    ...     SamplingParams(max_tokens=-1)
+    ... except RequestError as e:
+    ...     print(e.param, "|", e)
+    max_tokens | max_tokens must be an int >= 0, got -1
+    """
 
     def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
@@ -58,7 +65,18 @@ class RequestError(ConfigError):
 
 
 class EngineClosedError(RequestError):
-    """The engine was closed (or its loop failed) before or while serving the request."""
+    """The engine was closed (or its loop failed) before or while serving the request.
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> from forge_ml.inference.batch import BatchEngine
+    >>> engine = BatchEngine(GPT2.init(GPT2Config(vocab_size=5, block_size=32, n_layer=1, n_head=1, n_embd=4)))
+    >>> engine.close(reason="the server is shutting down")
+    >>> try:
+    ...     engine.submit([1])
+    ... except EngineClosedError as e:
+    ...     print(e, "|", isinstance(e, RequestError))
+    the server is shutting down | True
+    """
 
 
 def _is_int(x) -> bool:
@@ -154,7 +172,11 @@ class SamplingParams:
 class TokenOut:
     """One generated token of one request: its id, its log-probability (when asked), the
     top log-probabilities as ``((id, logprob), ...)`` most likely first (when asked), and
-    ``finish`` (None, "stop" or "length") on the request's last token."""
+    ``finish`` (None, "stop" or "length") on the request's last token.
+
+    >>> TokenOut(7, logprob=-0.25, top_logprobs=((7, -0.25), (3, -1.5)), finish="stop")
+    TokenOut(token=7, logprob=-0.25, top_logprobs=((7, -0.25), (3, -1.5)), finish='stop')
+    """
 
     token: int
     logprob: Optional[float] = None

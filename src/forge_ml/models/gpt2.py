@@ -99,6 +99,12 @@ class GPT2Config:
         return cls(**d)
 
     def to_dict(self) -> dict:
+        """Every field as a plain dict (what checkpoints store); ``from_dict`` reads it back.
+
+        >>> cfg = GPT2Config(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8)
+        >>> cfg.to_dict()["padded_vocab_size"], GPT2Config.from_dict(cfg.to_dict()) == cfg
+        (11, True)
+        """
         return dataclasses.asdict(self)
 
     @property
@@ -191,6 +197,13 @@ class Layer(NamedTuple):
 
     @classmethod
     def of(cls, params: dict, i: int) -> "Layer":
+        """Block ``i``'s parameters from ``params`` (keys ``h.{i}.…``), by role.
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4)
+        >>> L = Layer.of(GPT2.init(cfg).params, 0)
+        >>> L.qkv_w.shape, L.out_b.shape
+        ((4, 12), (4,))
+        """
         p = f"h.{i}."
         return cls(*(params[p + k] for k in _LAYER_KEYS))
 
@@ -273,7 +286,14 @@ class GPT2:
     @classmethod
     def from_state_dict(cls, config: GPT2Config, state: dict, device="cpu", dtype="float32") -> "GPT2":
         """A model from NumPy arrays (or forge-ml tensors, as ``params`` holds them); names and
-        shapes must match the config exactly."""
+        shapes must match the config exactly.
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+        >>> state = GPT2.init(cfg, seed=1).state_dict()
+        >>> model = GPT2.from_state_dict(cfg, state)
+        >>> bool(np.array_equal(model.params["wpe.weight"].numpy(), state["wpe.weight"]))
+        True
+        """
         from ..checkpoint import check_architecture
         state = {k: v.numpy() if isinstance(v, Tensor) else v for k, v in state.items()}
         check_architecture(param_shapes(config), state)
@@ -282,7 +302,13 @@ class GPT2:
 
     def state_dict(self) -> dict:
         """Name -> a NumPy copy of every parameter, in the model's dtype (float32, or float64;
-        a bfloat16 model's as float32, NumPy having no bfloat16)."""
+        a bfloat16 model's as float32, NumPy having no bfloat16).
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+        >>> sd = GPT2.init(cfg).state_dict()
+        >>> len(sd), sd["wte.weight"].shape, sd["wte.weight"].dtype
+        (16, (10, 4), dtype('float32'))
+        """
         return {k: v.numpy() for k, v in self.params.items()}
 
     @property
@@ -313,7 +339,12 @@ class GPT2:
         return GPT2(self.config, dict(params))
 
     def num_params(self) -> int:
-        """Parameter count (padded vocab rows included)."""
+        """Parameter count (padded vocab rows included).
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+        >>> GPT2.init(cfg).num_params()
+        324
+        """
         return sum(v.numel for v in self.params.values())
 
     @staticmethod
@@ -463,7 +494,14 @@ class GPT2:
         return logits, tape.cross_entropy(logits, targets.reshape(B * T), cfg.vocab_size), leaves
 
     def loss_and_grads(self, ids: Tensor, targets: Tensor, **kw):
-        """One forward and backward: ``(loss as float, {name: grad Tensor})``."""
+        """One forward and backward: ``(loss as float, {name: grad Tensor})`` (``grads``, with
+        the one wait that reads the loss).
+
+        >>> cfg = GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4)
+        >>> loss, g = GPT2.init(cfg).loss_and_grads(tensor([[1, 2]]), tensor([[2, 3]]))
+        >>> type(loss).__name__, round(loss, 1), g["wte.weight"].shape     # ~ ln(10) at init
+        ('float', 2.3, (10, 4))
+        """
         loss, grads = self.grads(ids, targets, **kw)
         return loss.item(), grads
 

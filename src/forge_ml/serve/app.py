@@ -274,7 +274,20 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_prompt_tokens: Optional[int] = None) -> Starlette:
     """The app serving ``engine`` as the model ``model_id`` (see the module docstring).
-    ``max_prompt_tokens`` defaults to the engine's context (``engine.max_len``)."""
+    ``max_prompt_tokens`` defaults to the engine's context (``engine.max_len``).
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> from forge_ml.tokenizer import CharTokenizer
+    >>> from starlette.testclient import TestClient
+    >>> engine = BatchEngine(GPT2.init(GPT2Config(vocab_size=3, block_size=8, n_layer=1, n_head=1, n_embd=4)),
+    ...                      CharTokenizer("ab "), slots=1)
+    >>> with TestClient(create_app(engine, "tiny", api_key="k")) as client:
+    ...     no_key = client.get("/v1/models").status_code
+    ...     models = client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
+    >>> no_key, [(m["id"], m["max_model_len"]) for m in models["data"]]
+    (401, [('tiny', 8)])
+    >>> engine.close()
+    """
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ConfigError("create_app: the engine needs a tokenizer (BatchEngine(model, "
