@@ -37,7 +37,11 @@ _chosen_here = False     # limit_default set the count (the user set none)
 
 
 def cores() -> int:
-    """The cores this process may run on."""
+    """The cores this process may run on.
+
+    >>> cores() >= 1 and default_threads() == default_threads(cores())
+    True
+    """
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
@@ -45,7 +49,11 @@ def cores() -> int:
 
 def default_threads(n_cores: Optional[int] = None) -> int:
     """The count ``forge-ml`` starts with where the user set none: half the cores, at most
-    8, at least 1 (room for a neighbour; ``ThreadTuner`` may take more)."""
+    8, at least 1 (room for a neighbour; ``ThreadTuner`` may take more).
+
+    >>> default_threads(1), default_threads(4), default_threads(32), default_threads() <= 8
+    (1, 2, 8, True)
+    """
     n_cores = cores() if n_cores is None else n_cores
     return max(1, min(MAX_THREADS, n_cores // 2))
 
@@ -95,7 +103,13 @@ def set_threads(n: int) -> bool:
 
 
 def openblas_set_threads(n: int) -> bool:
-    """``openblas_set_num_threads(n)`` in every OpenBLAS already loaded; whether one took it."""
+    """``openblas_set_num_threads(n)`` in every OpenBLAS already loaded; whether one took it.
+    (The example sets the count it reads, so the test session's count stays as it was.)
+
+    >>> n = openblas_threads()
+    >>> openblas_set_threads(n) if n else True
+    True
+    """
     took = False
     for lib in _openblas_libs():
         fn = _symbol(lib, "openblas_set_num_threads")
@@ -107,7 +121,11 @@ def openblas_set_threads(n: int) -> bool:
 
 def get_threads() -> Optional[int]:
     """The CPU backend's thread count (``set_threads``): the C kernels' pool where it runs
-    the products, else the first OpenBLAS's count; None where there is neither."""
+    the products, else the first OpenBLAS's count; None where there is neither.
+
+    >>> n = get_threads(); n is None or n >= 1
+    True
+    """
     from .backends.cpu import native
     if native.owns_products():
         return native.threads()
@@ -115,7 +133,11 @@ def get_threads() -> Optional[int]:
 
 
 def openblas_threads() -> Optional[int]:
-    """The thread count of the first OpenBLAS loaded, or None where there is none."""
+    """The thread count of the first OpenBLAS loaded, or None where there is none.
+
+    >>> n = openblas_threads(); n is None or n >= 1
+    True
+    """
     for lib in _openblas_libs():
         fn = _symbol(lib, "openblas_get_num_threads")
         if fn is not None:
@@ -127,7 +149,11 @@ def openblas_threads() -> Optional[int]:
 def sgemm() -> Optional[tuple]:
     """``(sgemm address, sgemv address, ilp64)`` of the first loaded OpenBLAS's
     ``cblas_sgemm`` and ``cblas_sgemv`` (ilp64: their integer arguments are 64-bit, as in
-    NumPy's wheels), or None where there is no such pair."""
+    NumPy's wheels), or None where there is no such pair.
+
+    >>> s = sgemm(); s is None or (len(s), isinstance(s[2], bool)) == (3, True)
+    True
+    """
     for lib in _openblas_libs():
         for prefix, suffix in (("scipy_", "64_"), ("", "64_"), ("scipy_", ""), ("", "")):
             fns = [getattr(lib, f"{prefix}cblas_{name}{suffix}", None) for name in ("sgemm", "sgemv")]
@@ -161,7 +187,14 @@ def limit_default() -> Optional[int]:
     yet loaded (and child processes); NumPy's OpenBLAS, loaded with the package, is told
     through ``set_threads``. Afterwards ``tunable()`` is true where a tuner can change it.
     A count the user set is applied as it is (``MKL_NUM_THREADS`` alone too, which NumPy's
-    OpenBLAS does not read), and no tuner runs."""
+    OpenBLAS does not read), and no tuner runs.
+    (Not a doctest: it sets the environment and the thread count for the rest of the process.)
+
+    Example:
+
+        n = limit_default()      # in a CLI command's start, before any work
+        assert n is None or n == default_threads()
+    """
     global _chosen_here
     asked = user_threads()
     if asked is not None:
@@ -178,7 +211,11 @@ def limit_default() -> Optional[int]:
 def tunable() -> bool:
     """Whether a ``ThreadTuner`` may choose the count: ``limit_default`` chose it (the user set
     none), the FORGE_BLAS_TUNE switch is on, and a loaded OpenBLAS takes a new count (whether
-    there are two counts to choose from is ``candidates()``'s to say)."""
+    there are two counts to choose from is ``candidates()``'s to say).
+
+    >>> tunable() and get_threads() is None     # a tunable count is one that can be read
+    False
+    """
     return _chosen_here and flags.on("FORGE_BLAS_TUNE") and get_threads() is not None
 
 
@@ -195,7 +232,11 @@ def candidates(n_cores: Optional[int] = None) -> list:
 def tuner(**kw) -> Optional["ThreadTuner"]:
     """A ``ThreadTuner`` over ``candidates()`` (``kw`` goes to it) where ``tunable()`` and there
     are two counts to try; else None. What ``forge-ml train`` and ``forge-ml bench`` run on the
-    CPU."""
+    CPU.
+
+    >>> (tuner() is None) == (not tunable() or len(candidates()) < 2)
+    True
+    """
     if not tunable():
         return None
     counts = candidates()
@@ -241,11 +282,25 @@ class ThreadTuner:
         self._times = {c: [] for c in self.counts}
 
     def before_step(self) -> None:
+        """Set the count the next step is to try (only while trying counts).
+
+        >>> told = []; t = ThreadTuner([1, 2], set_threads=told.append, skip=0)
+        >>> t.before_step(); t.threads, told
+        (1, [1])
+        """
         if self._skip == 0 and self._queue and self.threads != self._queue[0]:
             self.threads = self._queue[0]
             self._set(self.threads)
 
     def after_step(self, seconds: float) -> Optional[str]:
+        """Note the step's time in ``seconds``; the log's line when this step decided the count.
+
+        >>> t = ThreadTuner([1, 2], set_threads=lambda n: None, skip=0, trials=1)
+        >>> t.before_step(); print(t.after_step(0.05))
+        None
+        >>> t.before_step(); t.after_step(0.03)
+        'BLAS threads: 2 (median step 30 ms; 1 thread: 50 ms)'
+        """
         if self._skip > 0:
             self._skip -= 1
             return None

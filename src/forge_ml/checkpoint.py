@@ -64,7 +64,12 @@ _ALLOWED_KINDS = "fiub"  # float, signed int, unsigned int, bool: what safetenso
 
 def user_umask() -> int:
     """The process's file-creation mask (read by setting it and putting it back): the mode
-    a file written through a temporary name gets is ``0o666 & ~user_umask()``."""
+    a file written through a temporary name gets is ``0o666 & ~user_umask()``.
+
+    >>> old = os.umask(0o027)
+    >>> oct(user_umask()), oct(os.umask(old))     # read, and left as it was
+    ('0o27', '0o27')
+    """
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -110,7 +115,18 @@ def _file_kind(mode: int) -> str:
 
 def write_safetensors(path, arrays: dict, metadata: dict) -> None:
     """``safetensors.numpy.save_file``, with a write failure raised as the OSError it is
-    (safetensors wraps ENOSPC and friends in its own SafetensorError)."""
+    (safetensors wraps ENOSPC and friends in its own SafetensorError).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); p = os.path.join(d, "w.safetensors")
+    >>> write_safetensors(p, {"w": np.arange(3, dtype=np.float32)}, {"step": "1"})
+    >>> from safetensors.numpy import load_file; load_file(p)["w"].tolist()
+    [0.0, 1.0, 2.0]
+    >>> write_safetensors(os.path.join(d, "no", "w.safetensors"), {}, {})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: [Errno 2] No such file or directory: '...w.safetensors'
+    """
     from safetensors.numpy import save_file
 
     try:
@@ -306,7 +322,16 @@ def flock_file(path: Path, mode: int = 0o666, follow: bool = True):
     exclusive flock, or None while another holds it. The file locked is the one at ``path``
     when this returns (a holder that removes its lock file on release leaves the next locker
     an unlinked one: it opens the path again). ``follow=False`` opens no link. Other failures
-    (of the open, or of flock itself) raise their OSError; POSIX only (fcntl)."""
+    (of the open, or of flock itself) raise their OSError; POSIX only (fcntl).
+
+    >>> import tempfile
+    >>> p = os.path.join(tempfile.mkdtemp(), "a.lock"); fd = flock_file(p)
+    >>> flock_file(p) is None          # held: another descriptor does not get it
+    True
+    >>> os.close(fd); fd = flock_file(p); fd is not None
+    True
+    >>> os.close(fd)
+    """
     import fcntl
     flags = os.O_RDWR | os.O_CREAT | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
     while True:

@@ -53,7 +53,11 @@ _TOKEN_DTYPE = np.dtype("<u2")
 class DataWriteError(DataError, OSError):
     """A shard or tokenizer file could not be written (full disk, read-only or forbidden
     folder): a DataError whose message names the file and the cause, and an OSError whose
-    ``errno`` is the cause's."""
+    ``errno`` is the cause's: ``except DataError`` and ``except OSError`` both catch it.
+
+    >>> issubclass(DataWriteError, DataError), issubclass(DataWriteError, OSError)
+    (True, True)
+    """
 
 
 def _atomic_write_bytes(path: Path, chunks) -> None:
@@ -555,7 +559,14 @@ def write_prepared(out_dir, train, val, tok) -> dict:
     """Write the token ids ``train`` and ``val`` as ``train.bin`` and ``val.bin`` and ``tok`` as
     ``tokenizer.json`` in ``out_dir``; returns what ``prepare`` returns. The three are written
     together (``_atomic_write_files``): a failed write keeps the earlier set as it was, never
-    a new ``train.bin`` beside an old ``tokenizer.json``."""
+    a new ``train.bin`` beside an old ``tokenizer.json``.
+
+    >>> import tempfile, os
+    >>> from forge_ml.tokenizer import CharTokenizer
+    >>> d = tempfile.mkdtemp(); r = write_prepared(d, [0, 1, 1], [1, 0], CharTokenizer("ab"))
+    >>> r["train_tokens"], r["val_tokens"], r["tokenizer"], sorted(os.listdir(d))
+    (3, 2, 'char', ['tokenizer.json', 'train.bin', 'val.bin'])
+    """
     if tok.vocab_size > 65536:
         raise DataError(
             f"prepare: the tokenizer has {tok.vocab_size} ids but shards hold uint16 (at most 65536)"
@@ -587,7 +598,14 @@ TOKENIZER_FILE = "tokenizer.json"
 class ShardFolder:
     """The shards of a data folder (``shard_folder``): ``train`` and ``val`` (sorted paths),
     ``tokenizer`` (``folder/tokenizer.json``, or None: the shards hold GPT-2 ids, as llm.c's
-    do) and ``prepared`` (the folder is ``prepare``'s train.bin, val.bin and tokenizer.json)."""
+    do) and ``prepared`` (the folder is ``prepare``'s train.bin, val.bin and tokenizer.json).
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp(); write_shard(os.path.join(d, "a_train.bin"), [1, 2])
+    >>> write_shard(os.path.join(d, "a_val.bin"), [3])
+    >>> f = shard_folder(d); [p.name for p in f.train], f.tokenizer, f.prepared
+    (['a_train.bin'], None, False)
+    """
     folder: Path
     train: list
     val: list
@@ -766,7 +784,14 @@ class DataLoader:
         return out
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
-        """The next random batch ``(x, y)``, each int64 of shape (B, T)."""
+        """The next random batch ``(x, y)``, each int64 of shape (B, T).
+
+        >>> import tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "s.bin"); write_shard(p, range(100))
+        >>> dl = DataLoader(p, batch_size=2, block_size=3); x, y = dl.next_batch()
+        >>> x.dtype, (y - x).tolist(), dl.batches_drawn     # token i + 1 follows token i
+        (dtype('int64'), [[1, 1, 1], [1, 1, 1]], 1)
+        """
         B, T = self.B, self.T
         offsets = self._rng.integers(0, self.n_tokens - T, size=B)  # start + T + 1 <= N
         buf = self._windows(offsets, T + 1)                            # (B, T+1)
@@ -849,7 +874,15 @@ class DataLoader:
             yield buf[:, :-1].astype(np.int64), buf[:, 1:].astype(np.int64)   # as next_batch
 
     def state_dict(self) -> dict:
-        """JSON-able position of the random stream (big ints stored as decimal strings)."""
+        """JSON-able position of the random stream (big ints stored as decimal strings).
+
+        >>> import tempfile, os, json
+        >>> p = os.path.join(tempfile.mkdtemp(), "s.bin"); write_shard(p, range(100))
+        >>> s = DataLoader(p, 2, 3, seed=5).state_dict(); s["seed"], s["batches_drawn"]
+        (5, 0)
+        >>> s["bit_generator"]["bit_generator"], json.loads(json.dumps(s)) == s
+        ('PCG64', True)
+        """
         return {
             "kind": "random_windows",
             "seed": self.seed,
@@ -861,7 +894,15 @@ class DataLoader:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a ``state_dict()``: the following batches equal those the saved loader drew."""
+        """Restore a ``state_dict()``: the following batches equal those the saved loader drew.
+
+        >>> import tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "s.bin"); write_shard(p, range(100))
+        >>> a = DataLoader(p, 2, 3, seed=1); _ = a.next_batch()
+        >>> b = DataLoader(p, 2, 3, seed=9); b.load_state_dict(a.state_dict())
+        >>> bool((a.next_batch()[0] == b.next_batch()[0]).all()), b.batches_drawn
+        (True, 2)
+        """
         if not isinstance(state, dict) or "bit_generator" not in state:
             raise DataError(f"DataLoader.load_state_dict: expected a dict from state_dict(), got {state!r:.200}")
         for key, mine in (("batch_size", self.B), ("block_size", self.T), ("n_tokens", self.n_tokens)):

@@ -60,7 +60,15 @@ def _where(op: str, params: list) -> str:
 class CheckingTape(Tape):
     """A Tape that checks the output of every op it records (forward) and every gradient each
     backward rule returns (backward), and keeps in ``found`` a line about the first value
-    that is not finite. ``names``: id(Tensor) -> parameter name, to name leaves and layers."""
+    that is not finite. ``names``: id(Tensor) -> parameter name, to name leaves and layers.
+
+    >>> import forge_ml as fm
+    >>> x, w = fm.tensor([[1e30]]), fm.tensor([[1e30]])
+    >>> tape = CheckingTape({id(w): "h.0.mlp.c_fc.weight"})
+    >>> _ = tape.matmul(tape.leaf(x), tape.leaf(w)); print(tape.found)  # doctest: +NORMALIZE_WHITESPACE
+    forward: matmul in layer 0 (h.0.mlp.c_fc.weight) produced 1 inf of 1 values in its output
+    (1, 1), from finite inputs
+    """
 
     def __init__(self, names: dict):
         super().__init__()
@@ -130,7 +138,10 @@ def _checked_op(op: str):
                                   + f" produced {bad} in its output {tuple(v.t.shape)}, from finite inputs")
         return out
 
-    method.__name__ = op
+    method.__name__, method.__qualname__ = op, f"CheckingTape.{op}"
+    method.__doc__ = (f"``Tape.{op}`` (its example there), its outputs and its backward's "
+                      f"gradients checked for NaN and inf: the first bad one is named in ``found`` "
+                      f"(CheckingTape's example).")
     return method
 
 

@@ -37,7 +37,12 @@ _OFF = ("0", "off", "false", "no")
 @dataclass(frozen=True)
 class Switch:
     """One ``FORGE_*`` switch: ``choices`` lists its values (None: any string, e.g. a path);
-    ``aliases`` maps an older spelling to its value; ``meaning`` is the line the README shows."""
+    ``aliases`` maps an older spelling to its value; ``meaning`` is the line the README shows.
+
+    >>> sw = SWITCHES["FORGE_ATTENTION"]
+    >>> sw.default, sw.choices, sw.aliases
+    ('flash', ('flash', 'composed'), (('v1', 'composed'),))
+    """
 
     name: str
     default: str
@@ -46,6 +51,16 @@ class Switch:
     aliases: tuple = ()
 
     def parse(self, raw: str) -> str:
+        """The value ``raw`` (an environment string) names: 1/0, true/false, yes/no as on/off,
+        an alias as its value; one outside ``choices`` is a ConfigError.
+
+        >>> SWITCHES["FORGE_PDL"].parse(" Yes "), SWITCHES["FORGE_ATTENTION"].parse("V1")
+        ('on', 'composed')
+        >>> SWITCHES["FORGE_ATTENTION"].parse("fast")
+        Traceback (most recent call last):
+        ...
+        forge_ml.errors.ConfigError: FORGE_ATTENTION='fast' is not one of flash|composed
+        """
         v = raw.strip().lower() if self.choices is not None else raw.strip()
         if self.choices is None:
             return v
@@ -199,7 +214,16 @@ def check_environment(warn: bool = True) -> None:
 
 def unreported_misspellings() -> list:
     """``misspelled()``'s pairs not yet reported in this process, marked reported: each typo
-    is said once, by the command line or by the first Trainer."""
+    is said once, by the command line or by the first Trainer.
+
+    >>> before, os.environ["FORGE_PDLL"] = set(_reported), "on"     # a typo of FORGE_PDL
+    >>> try:
+    ...     said = [unreported_misspellings() for _ in range(2)]
+    ... finally:
+    ...     del os.environ["FORGE_PDLL"]; _reported.intersection_update(before)
+    >>> [("FORGE_PDLL", "FORGE_PDL") in pairs for pairs in said]
+    [True, False]
+    """
     with _lock:
         new = [(n, near) for n, near in misspelled() if n not in _reported]
         _reported.update(n for n, _ in new)

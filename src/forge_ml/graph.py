@@ -15,7 +15,11 @@ from .tensor import Tensor, backend_of
 
 
 def available(device) -> bool:
-    """Whether ``device``'s backend can capture graphs."""
+    """Whether ``device``'s backend can capture graphs (CUDA's can; the CPU's cannot).
+
+    >>> available("cpu")
+    False
+    """
     return bool(backend_of(Device.parse(device)).graphs)
 
 
@@ -24,19 +28,32 @@ class Graph:
     the function returned during the capture, which every replay rewrites in place. Every
     tensor the captured work touched keeps its memory (the inputs it read: write new values
     into them with ``ops.assign`` before a replay). ``first``: with ``capture(run_first=True)``,
-    what the function's real run before the capture returned."""
+    what the function's real run before the capture returned.
+
+    Example (a CUDA GPU; ``x`` a cuda Tensor, as in ``capture``'s example):
+        g = capture("cuda", lambda: fm.ops.add(x, x), run_first=True)
+        g.replay()    # g.first: the real run's x + x; g.outputs: rewritten by each replay
+    """
 
     def __init__(self, captured, outputs, first=None):
         self._captured, self.outputs, self.first = captured, outputs, first
 
     def replay(self) -> None:
-        """Run the captured work again, ordered with the device's other work."""
+        """Run the captured work again, ordered with the device's other work.
+
+        Example (a CUDA GPU; ``g`` from ``capture``):
+            fm.ops.assign(x, [3.0, 4.0]); g.replay()    # g.outputs: x + x of the new x
+        """
         self._captured.replay()
 
     def release(self) -> None:
         """Give the graph's memory back to the device now (not when the collector finds the
         last reference); the graph cannot be replayed after. Tensors still in use keep
-        theirs."""
+        theirs.
+
+        Example (a CUDA GPU; ``g`` from ``capture``):
+            y = g.outputs.numpy(); g.release()    # read what it needs first, then free it
+        """
         release = getattr(self._captured, "release", None)
         if release is not None:
             release()
@@ -49,6 +66,19 @@ def capture(device, fn, run_first: bool = False) -> Graph:
     run once for real just before the capture, its memory then reused by the graph (a
     training step's first step: no second copy of its activations). A capture that fails
     after that run raises ``errors.CaptureError`` carrying the run's outputs (``first``).
+    A backend without graphs (the CPU's) is a DeviceError.
+
+    >>> capture("cpu", lambda: None)
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.DeviceError: graph capture: the cpu backend cannot capture graphs
+
+    Example (a CUDA GPU):
+        import forge_ml as fm
+        x = fm.tensor([1.0, 2.0], device="cuda")
+        g = capture("cuda", lambda: fm.ops.add(x, x), run_first=True)
+        fm.ops.assign(x, [3.0, 4.0]); g.replay()
+        g.outputs.numpy().tolist()    # [6.0, 8.0]
     """
     dev = Device.parse(device)
     bk = backend_of(dev)

@@ -278,7 +278,15 @@ def _flags(hf: dict) -> dict:
 def hf_meta(dir) -> dict:
     """What a checkpoint's meta keeps of a Hugging Face folder's config.json for an export
     to write back, from one read of it: ``{"hf_dropout": load_hf_dropout's, "hf_flags":
-    load_hf_flags'}``."""
+    load_hf_flags'}``.
+
+    >>> import json, tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     _ = Path(d, "config.json").write_text(json.dumps({"embd_pdrop": 0.0}))
+    ...     meta = hf_meta(d)
+    >>> meta["hf_dropout"]["embd_pdrop"], meta["hf_dropout"]["resid_pdrop"], meta["hf_flags"]
+    (0.0, 0.1, {'reorder_and_upcast_attn': False})
+    """
     path = Path(dir) / CONFIG_FILE
     hf = _read_json(path)
     return {"hf_dropout": _dropout_rates(hf, path), "hf_flags": _flags(hf)}

@@ -33,6 +33,11 @@ def philox4x32_10(counter, key) -> np.ndarray:
 
     ``counter``: 4 words, each a scalar or an array (broadcast together); ``key``: 2 words
     (Python ints). Returns a (4, N) uint32 array (N = 1 for scalar counters).
+
+    >>> philox4x32_10([0, 0, 0, 0], [0, 0]).ravel().tolist()    # Random123's known answer
+    [1713891541, 3781805453, 3159862348, 2600524760]
+    >>> philox4x32_10([[0, 1, 2], 0, 0, 0], [7, 0]).shape
+    (4, 3)
     """
     c = [np.atleast_1d(np.asarray(w, dtype=np.uint64)) & MASK32 for w in counter]
     c = list(np.broadcast_arrays(*c))
@@ -70,7 +75,11 @@ def philox_first_word(c0: int, key) -> int:
 
 
 def seed_key(seed: int) -> tuple[int, int]:
-    """The Philox key of a (up to 64-bit, non-negative) seed."""
+    """The Philox key of a (up to 64-bit, non-negative) seed.
+
+    >>> seed_key(7), seed_key(2**32 + 5)
+    ((7, 0), (5, 1))
+    """
     seed = int(seed)
     if seed < 0 or seed >= 1 << 64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
@@ -78,7 +87,13 @@ def seed_key(seed: int) -> tuple[int, int]:
 
 
 def uniform(seed: int, n: int, offset: int = 0) -> np.ndarray:
-    """float32 uniforms in [0, 1) for element indices ``offset … offset+n-1`` of stream ``seed``."""
+    """float32 uniforms in [0, 1) for element indices ``offset … offset+n-1`` of stream ``seed``.
+
+    >>> uniform(7, 4).tolist()
+    [0.9545971155166626, 0.7501521706581116, 0.11417734622955322, 0.08565783500671387]
+    >>> uniform(7, 3, offset=1).tolist() == uniform(7, 4)[1:].tolist()
+    True
+    """
     if n <= 0:
         return np.zeros(0, np.float32)
     first, last = offset // 4, (offset + n - 1) // 4
@@ -92,12 +107,20 @@ def uniform(seed: int, n: int, offset: int = 0) -> np.ndarray:
 
 
 def dropout_keep(seed: int, n: int, p: float) -> np.ndarray:
-    """Boolean keep-mask of ``n`` elements for dropout rate ``p`` (True = kept)."""
+    """Boolean keep-mask of ``n`` elements for dropout rate ``p`` (True = kept).
+
+    >>> dropout_keep(7, 4, 0.5).tolist(), bool(dropout_keep(7, 4, 0.0).all())
+    ([True, True, False, False], True)
+    """
     return uniform(seed, n) >= np.float32(p)
 
 
 def dropout_scale(p: float) -> np.float32:
-    """The inverted-dropout scale 1/(1-p), rounded once to float32 (the same on every backend)."""
+    """The inverted-dropout scale 1/(1-p), rounded once to float32 (the same on every backend).
+
+    >>> float(dropout_scale(0.5)), dropout_scale(0.1).dtype, float(dropout_scale(0.1))
+    (2.0, dtype('float32'), 1.1111111640930176)
+    """
     return np.float32(1.0 / (1.0 - p))
 
 

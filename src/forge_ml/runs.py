@@ -33,7 +33,11 @@ _TRASH = re.compile(re.escape(TRASH_PREFIX) + "[a-z0-9_]{8}" + re.escape(TRASH_S
 
 class RunError(ForgeError):
     """The run folder cannot be used as asked: another trainer holds it, it holds a run and
-    neither resume nor overwrite was asked, or a file in it cannot be written."""
+    neither resume nor overwrite was asked, or a file in it cannot be written.
+
+    >>> isinstance(RunError("runs/a is in use by another trainer"), ForgeError)
+    True
+    """
 
 
 def cannot_write(path, e: OSError, after: str = "") -> str:
@@ -69,7 +73,15 @@ def stray_temps(folder, names) -> list:
 
 
 def remove_stray_temps(folder, names) -> None:
-    """Remove ``stray_temps(folder, names)`` (what a kill midway through a write left)."""
+    """Remove ``stray_temps(folder, names)`` (what a kill midway through a write left).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> for n in (".log.jsonl.k3_9abzq.tmp", "log.jsonl"):
+    ...     _ = open(os.path.join(d, n), "w").write("")
+    >>> remove_stray_temps(d, ["log.jsonl"]); os.listdir(d)
+    ['log.jsonl']
+    """
     for p in stray_temps(folder, names):
         try:
             p.unlink()
@@ -86,7 +98,15 @@ def take_signals(handler, signums, default_only: bool = False) -> dict:
     KeyboardInterrupt elsewhere is handled as one); returns the handlers it replaced, for
     ``give_back_signals``. A signal the process inherited as ignored stays ignored (nohup's
     SIGHUP, the SIGINT of a non-interactive shell's background job), as Python leaves an
-    ignored SIGINT; ``default_only``: so does one with a handler of its own."""
+    ignored SIGINT; ``default_only``: so does one with a handler of its own.
+
+    >>> def note(signum, frame): pass
+    >>> old = take_signals(note, (signal.SIGTERM,))
+    >>> signal.getsignal(signal.SIGTERM) is note, list(old) == [signal.SIGTERM]
+    (True, True)
+    >>> give_back_signals(old); signal.getsignal(signal.SIGTERM) is note
+    False
+    """
     old = {}
     if threading.current_thread() is not threading.main_thread():
         return old
@@ -102,7 +122,13 @@ def take_signals(handler, signums, default_only: bool = False) -> dict:
 
 
 def give_back_signals(old: dict) -> None:
-    """The handlers ``take_signals`` replaced, put back."""
+    """The handlers ``take_signals`` replaced, put back.
+
+    >>> was = signal.getsignal(signal.SIGTERM)
+    >>> give_back_signals(take_signals(lambda signum, frame: None, (signal.SIGTERM,)))
+    >>> signal.getsignal(signal.SIGTERM) is was
+    True
+    """
     for s, h in old.items():
         signal.signal(s, h)
 
@@ -226,7 +252,13 @@ def trash_folders(folder) -> list:
 
 
 def remove_trash(folder) -> None:
-    """Remove ``trash_folders(folder)``: files that a stopped ``remove_together`` was removing."""
+    """Remove ``trash_folders(folder)``: files that a stopped ``remove_together`` was removing.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); os.makedirs(os.path.join(d, ".overwrite.k3_9abzq.tmp", "ckpt"))
+    >>> remove_trash(d); os.listdir(d)
+    []
+    """
     for t in trash_folders(folder):
         with signals_held():
             shutil.rmtree(t, ignore_errors=True)
@@ -234,7 +266,13 @@ def remove_trash(folder) -> None:
 
 def replace_file(path: Path, text) -> None:
     """Write ``text`` (str, or bytes) to a temporary file beside ``path`` and rename it over
-    ``path`` (with the user's umask): a crash or a full disk leaves the old file or the new one."""
+    ``path`` (with the user's umask): a crash or a full disk leaves the old file or the new one.
+
+    >>> import tempfile
+    >>> p = Path(tempfile.mkdtemp()) / "state.json"; replace_file(p, '{"step": 1}')
+    >>> replace_file(p, b'{"step": 2}'); p.read_text(), os.listdir(p.parent)
+    ('{"step": 2}', ['state.json'])
+    """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         if hasattr(os, "fchmod"):
@@ -306,7 +344,13 @@ def holds_run(folder) -> bool:
 
 
 def trainer_locked(folder) -> bool:
-    """Whether ``folder`` has a trainer's lock file (a trainer used it; the lock may be free)."""
+    """Whether ``folder`` has a trainer's lock file (a trainer used it; the lock may be free).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); lock = RunLock(d); lock.acquire(); lock.release()
+    >>> trainer_locked(d), trainer_locked(tempfile.mkdtemp())
+    (True, False)
+    """
     return bool(_LOCK_LINE.match(_holder(Path(folder) / LOCK_NAME)))
 
 
@@ -415,9 +459,27 @@ class RunLock:
 
     @property
     def held(self) -> bool:
+        """Whether this lock holds its folder now.
+
+        >>> import tempfile
+        >>> lock = RunLock(tempfile.mkdtemp()); lock.acquire(); lock.held
+        True
+        >>> lock.release(); lock.held
+        False
+        """
         return self._f is not None
 
     def acquire(self) -> None:
+        """Take the lock: make the folder (and its parents) if missing, flock it and the lock
+        file, and write the holder's line there; a RunError where another trainer holds it or
+        the folder cannot be used. Taking a lock already held does nothing.
+
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp(); lock = RunLock(d); lock.acquire(); lock.acquire()
+        >>> open(lock.path).read().startswith(f"pid {os.getpid()} on ")
+        True
+        >>> lock.release()
+        """
         if self._f is not None:
             return
         try:
@@ -525,7 +587,13 @@ class RunLock:
     def release(self, undo: bool = False) -> None:
         """Drop the lock. ``undo``: also remove the lock file and the folders that
         ``acquire`` created, when nothing else was written there (a run that failed its
-        checks leaves no trace)."""
+        checks leaves no trace).
+
+        >>> import tempfile
+        >>> d = os.path.join(tempfile.mkdtemp(), "run"); lock = RunLock(d); lock.acquire()
+        >>> lock.release(undo=True); lock.held, os.path.exists(d)
+        (False, False)
+        """
         if undo and self._made:
             for p in self._made:  # the lock file first (still held), then the folders, innermost first
                 try:

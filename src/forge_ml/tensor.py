@@ -29,7 +29,12 @@ _BACKENDS: dict = {}
 
 def backend_of(device: Device):
     """The (cached) backend of a device (``forge_ml.backends.Backend``), with the device made
-    current where its type has several."""
+    current where its type has several.
+
+    >>> bk = backend_of(Device("cpu"))
+    >>> bk.name, bk.graphs, backend_of(Device("cpu")) is bk
+    ('cpu', False, True)
+    """
     b = _BACKENDS.get(device)
     if b is None:
         b = _BACKENDS[device] = _backend(device)

@@ -90,7 +90,15 @@ class GPT2Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPT2Config":
-        """Build from a dict; an unknown key is a ConfigError."""
+        """Build from a dict; an unknown key is a ConfigError.
+
+        >>> GPT2Config.from_dict({"n_layer": 1, "n_head": 2, "n_embd": 8}).head_size
+        4
+        >>> GPT2Config.from_dict({"n_layers": 1})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        forge_ml.errors.ConfigError: GPT2Config: unknown key 'n_layers'; known keys: block_size, ...
+        """
         known = {f.name for f in dataclasses.fields(cls)}
         for k in d:
             if k not in known:
@@ -151,7 +159,15 @@ def init_params(cfg: GPT2Config, seed: int = 0) -> dict:
     """GPT-2's initialisation as NumPy float32: weights N(0, 0.02), residual projections
     (``c_proj``) N(0, 0.02 / sqrt(2 n_layer)), biases 0, layer-norm gains 1; padded vocab rows 0.
     Deterministic in ``seed`` (an int >= 0; the GPT-2 paper, section 2.3; nanoGPT and llm.c do
-    the same)."""
+    the same).
+
+    >>> cfg = GPT2Config(vocab_size=100, padded_vocab_size=128, block_size=4, n_layer=1, n_head=1, n_embd=4)
+    >>> p = init_params(cfg, seed=1)
+    >>> p["wte.weight"].shape, not p["wte.weight"][100:].any(), p["h.0.ln_1.weight"].tolist()
+    ((128, 4), True, [1.0, 1.0, 1.0, 1.0])
+    >>> np.array_equal(p["wte.weight"], init_params(cfg, seed=1)["wte.weight"])
+    True
+    """
     if not isinstance(cfg, GPT2Config):   # a dict met cfg.n_embd as an AttributeError
         raise ConfigError(f"init_params: config must be a GPT2Config (GPT2Config.from_dict(d) for "
                           f"a dict), got {type(cfg).__name__}")
@@ -214,7 +230,13 @@ _LAYER_KEYS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bi
 
 
 def layers(params: dict, cfg: "GPT2Config") -> list:
-    """The ``Layer`` views of every block of ``params`` (a dict of Tensors or of TVars)."""
+    """The ``Layer`` views of every block of ``params`` (a dict of Tensors or of TVars).
+
+    >>> cfg = GPT2Config(vocab_size=10, block_size=4, n_layer=2, n_head=1, n_embd=4)
+    >>> params = GPT2.init(cfg).params
+    >>> [L.qkv_w is params[f"h.{i}.attn.c_attn.weight"] for i, L in enumerate(layers(params, cfg))]
+    [True, True]
+    """
     return [Layer.of(params, i) for i in range(cfg.n_layer)]
 
 
