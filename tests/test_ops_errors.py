@@ -1,6 +1,8 @@
 """Bad input at the op boundary: every op names what it expected and what came, as a
 ShapeError, DTypeError or DeviceError, never an opaque NumPy error. Property tests draw
 random invalid shapes."""
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -538,3 +540,42 @@ def test_clip_grad_norm_refuses_integer_gradients_as_sumsq():
         clip_grad_norm({"f": f32(2), "g": fm.tensor([1, 2])}, 1.0)
     norm, scale = clip_grad_norm({"f": fm.tensor(np.array([3.0, 4.0], np.float32)), "n": None}, 1.0)
     assert norm == 5.0 and abs(scale - 0.2) < 1e-6
+
+
+def test_qa_core_api_bad_inputs_get_the_libraries_errors():
+    """(QA of the core API, session 31) each of these escaped as NumPy's or Python's own error
+    from inside the library, or named the wrong cause; now a ForgeError saying what came."""
+    from forge_ml.errors import ConfigError, DTypeError, ShapeError
+    z = fm.zeros
+    cases = [
+        (lambda: ops.sample_next(z((1, 3)), 3, z((1, 1), "int32"), z((1,), "int32"),
+                                 np.zeros((1, 5), np.float32), z((1, 2), "int32")),
+         DTypeError, "knobs must be a forge_ml Tensor, got ndarray"),
+        (lambda: ops.softmax_bwd(fm.tensor(1.0), fm.tensor(1.0)), ShapeError, "rank >= 1"),
+        (lambda: ops.decode_attention(z((1, 0)), z((1, 2, 4, 0)), z((1, 2, 4, 0)), 0, 2),
+         ShapeError, "head size of 0"),
+        (lambda: ops.linear(z((2, 0)), z((0, 4)), ln=(z((0,)), z((0,)))), ShapeError, "0 channels"),
+        (lambda: ops.embedding(fm.tensor([[1]]), z((5, 4)), z((6, 4)), pos=1.0), ShapeError,
+         "pos must be an int, got float 1.0"),
+        (lambda: ops.kv_append(z((3, 2)), z((1, 2)), 1.0), ShapeError, "pos must be an int"),
+        (lambda: ops.decode_attention(z((1, 6)), z((1, 2, 4, 1)), z((1, 2, 4, 1)), 0, "2"),
+         ShapeError, "n_head must be an int, got str '2'"),
+        (lambda: ops.attention_qkv(z((1, 3, 12)), "2"), ShapeError, "n_head must be an int"),
+        (lambda: ops.cross_entropy(z((2, 0)), fm.tensor([0, 0])), ShapeError, "has no columns"),
+        (lambda: ops.clip_scale(fm.tensor(np.array(4.0, np.float32)), z((6,), "float64"), None),
+         ConfigError, "max_norm must be a number, got None"),
+        (lambda: ops.greedy_next(z((1, 3)), 3, z((1, 1), "int32"), z((1,), "int32"),
+                                 out=z((2, 1), "int32"), row=1.0), ShapeError, "row must be an int"),
+        (lambda: ops.assign(z((1,)), ["a"]), DTypeError, "expected numbers of one shape"),
+        (lambda: ops.assign(z((2,)), [[1.0], [2.0, 3.0]]), DTypeError, "expected numbers of one shape"),
+        (lambda: fm.full((2,), "a"), DTypeError, "value must be a number, got str 'a'"),
+        (lambda: fm.tensor([fm.tensor(1.0), fm.tensor(2.0)]), DTypeError, "expected numbers of one shape"),
+        (lambda: ops.adamw_update_many([z((2,))], [z((2,))], [z((2,))], [z((2,))], lr=0.1, beta1=0.9,
+                                       beta2=0.95, eps=1e-8, weight_decays=0.1, steps=[1]),
+         ConfigError, "weight_decays must be a list"),
+    ]
+    for f, err, said in cases:
+        with pytest.raises(err, match=re.escape(said)):
+            f()
+    # Tensor(data, "cpu") (a device as a string) works as Tensor(data, Device) does
+    assert ops.gelu(fm.Tensor(np.zeros(2, np.float32), "cpu")).numpy().tolist() == [0.0, 0.0]

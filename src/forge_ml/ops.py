@@ -38,6 +38,15 @@ def _as_int(x):
     return x
 
 
+def _whole(op, name, v) -> int:
+    """``v`` as an int (a NumPy integer too), else a ShapeError that names its type: a position
+    of 1.0 or a head count of "2" was refused as not fitting, by a value that fits."""
+    v = _as_int(v)
+    if type(v) is not int:
+        raise ShapeError(f"{op}: {name} must be an int, got {type(v).__name__} {v!r}")
+    return v
+
+
 def _num(op, name, v) -> float:
     """``v`` as a float: a real number (a NumPy one too), not a bool or a string."""
     if type(v) is float:        # the usual case, on every optimizer step: no isinstance walk
@@ -258,6 +267,9 @@ def linear(x, w, bias=None, *, act=None, residual=None, ln=None, eps=1e-5) -> Te
         if beta is None:             # (_ln_check takes no beta as none: linear's ln has one)
             _tensor(op, "beta", beta)
         _ln_check(op, x, gamma, beta)
+        if x.ndim and x.shape[-1] == 0:
+            raise ShapeError(f"{op}: a layernorm over x {x.shape}'s 0 channels has no mean: expected "
+                             f"at least one channel with ln")
     bk = _same(op, x=x, w=w, bias=bias, residual=residual, gamma=gamma, beta=beta)
     n = _layer_check(op, x, w, bias)
     if residual is not None and residual.shape != (x.shape[0], n):
@@ -533,6 +545,7 @@ def softmax_bwd(y, dy) -> Tensor:
     """
     _float("softmax_bwd", "y", y), _float("softmax_bwd", "dy", dy)
     bk = _same("softmax_bwd", y=y, dy=dy)
+    _rank("softmax_bwd", "y", y, 1)
     _shape_eq("softmax_bwd", "y", y, "dy", dy)
     return _wrap(y, bk.softmax_bwd(y.data, dy.data))
 
@@ -667,8 +680,8 @@ def _qkv_check(op, qkv, n_head):
     _float(op, "qkv", qkv)
     _rank(op, "qkv", qkv, 3, 3)
     c3 = qkv.shape[-1]
-    n_head = _as_int(n_head)
-    if type(n_head) is not int or n_head <= 0 or c3 % (3 * n_head) or c3 == 0:
+    n_head = _whole(op, "n_head", n_head)
+    if n_head <= 0 or c3 % (3 * n_head) or c3 == 0:
         raise ShapeError(f"{op}: qkv's last dim {c3} is not 3 * n_head ({n_head}) * head size "
                          "(a head size of at least 1)")
     return c3 // (3 * n_head)
@@ -817,9 +830,10 @@ def embedding(ids, wte, wpe, pos=0) -> Tensor:
     ``pos``: an int, or a device position (see ``decode_attention``): an int32 tensor on the
     same device, read by the kernel, so that a captured decoding step replays at the next
     position; one element shared by every row, or one per row of ``ids (B, T)`` (rows at
-    different positions: continuous batching). A device position past the table raises where
+    different positions: continuous batching). One device position past the table raises where
     memory is the host's (the CPU), and gives NaN rows on a device (checking it there would
-    wait for the device).
+    wait for the device); per-row positions past it give NaN rows on every backend, as
+    ``decode_attention``'s.
 
     >>> import numpy as np, forge_ml as fm
     >>> wte = fm.tensor(np.array([[1.0], [2.0], [3.0]], np.float32))
@@ -836,9 +850,8 @@ def embedding(ids, wte, wpe, pos=0) -> Tensor:
         raise ShapeError(f"embedding: wte is {wte.shape} but wpe is {wpe.shape}; channels must agree")
     t = ids.shape[-1]
     rows = ids.shape[0] if ids.ndim == 2 else 1
-    at = _device_pos("embedding", pos, wte, rows) if isinstance(pos, Tensor) else pos
-    at = _as_int(at)
-    if type(at) is not int or at < 0 or at + t > wpe.shape[0]:
+    at = _device_pos("embedding", pos, wte, rows) if isinstance(pos, Tensor) else _whole("embedding", "pos", pos)
+    if at < 0 or at + t > wpe.shape[0]:
         raise ShapeError(f"embedding: positions {at}..{at + t - 1} do not fit the "
                          f"{wpe.shape[0]} rows of wpe (context length {wpe.shape[0]})")
     _check_ids("embedding", ids, wte.shape[0])
@@ -894,14 +907,15 @@ def decode_attention(qkv, k_cache, v_cache, pos, n_head, scale=None) -> Tensor:
     _rank(op, "k_cache", k_cache, 4, 4)
     _shape_eq(op, "k_cache", k_cache, "v_cache", v_cache)
     B, H, tmax, hs = k_cache.shape
-    if H != n_head:
+    if H != _whole(op, "n_head", n_head):
         raise ShapeError(f"{op}: the caches have {H} heads but n_head is {n_head}")
+    if hs == 0:
+        raise ShapeError(f"{op}: the caches {k_cache.shape} have a head size of 0 (at least 1)")
     if qkv.shape != (B, 3 * H * hs):
         raise ShapeError(f"{op}: qkv must be (B, 3C) = {(B, 3 * H * hs)} for caches "
                          f"{k_cache.shape}, got {qkv.shape}")
-    at = _device_pos(op, pos, qkv, B) if isinstance(pos, Tensor) else pos
-    at = _as_int(at)
-    if type(at) is not int or not 0 <= at < tmax:
+    at = _device_pos(op, pos, qkv, B) if isinstance(pos, Tensor) else _whole(op, "pos", pos)
+    if not 0 <= at < tmax:
         raise ShapeError(f"{op}: position {at} does not fit a cache of {tmax} rows")
     scale = 1.0 / math.sqrt(hs) if scale is None else _num("decode_attention", "scale", scale)
     y = bk.decode_attention(qkv.data, k_cache._prepare_write(), v_cache._prepare_write(),
@@ -1003,7 +1017,13 @@ def assign(dst, values, row=None) -> None:
     _tensor("assign", "dst", dst)
     if isinstance(values, Tensor):   # np.asarray of a Tensor is a 0-d object array
         values = values.numpy()
-    arr = np.asarray(values)
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError, OverflowError):   # ragged lists, a list of Tensors
+        arr = None
+    if arr is None or arr.dtype.kind not in "fiub":
+        raise DTypeError(f"assign: expected numbers of one shape (an array, a nested list or a "
+                         f"Tensor), got {str(values):.60}")
     if row is not None:
         row = _as_int(row)
         if dst.ndim < 2 or type(row) is not int or not 0 <= row < dst.shape[0]:
@@ -1090,6 +1110,7 @@ def _choice_out(op, out, row, B):
         return None
     dst = out._prepare_write()
     if row is not None:
+        row = _whole(op, "row", row)
         if not (out.ndim == 2 and out.shape[1] == B and 0 <= row < out.shape[0]):
             raise ShapeError(f"{op}: row {row} of out {out.shape} is not a row of {B} ids")
         return dst[row]
@@ -1164,6 +1185,7 @@ def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None, 
     _float(op, "logits", logits)
     _rank(op, "logits", logits, 2, 2)
     B, vp = logits.shape
+    _tensor(op, "knobs", knobs)
     if logits.dtype is not _dt.float32 or knobs.dtype is not _dt.float32:
         raise DTypeError(f"{op}: logits and knobs must be float32, got {logits.dtype.name} and "
                          f"{knobs.dtype.name}")
@@ -1233,8 +1255,8 @@ def kv_append(cache, new, pos) -> None:
         raise ShapeError(f"kv_append: new {new.shape} does not match cache {cache.shape} "
                          "outside the row axis")
     tn, tmax = new.shape[-2], cache.shape[-2]
-    pos = _as_int(pos)
-    if type(pos) is not int or pos < 0 or pos + tn > tmax:
+    pos = _whole("kv_append", "pos", pos)
+    if pos < 0 or pos + tn > tmax:
         raise ShapeError(f"kv_append: rows {pos}..{pos + tn - 1} do not fit a cache of {tmax} rows")
     bk.kv_append(cache._prepare_write(), new.data, pos)
 
@@ -1302,6 +1324,8 @@ def _ce_targets(op, name, shape, vp, targets, vocab_size):
     if n == 0:
         raise ShapeError(f"{op}: {name} {shape} has no rows; the mean loss of an empty batch is "
                          "undefined: expected at least one row")
+    if vp == 0:
+        raise ShapeError(f"{op}: {name} {shape} has no columns: expected at least one logit a row")
     v = vp if vocab_size is None else vocab_size
     v = _as_int(v)
     if type(v) is not int or not (0 < v <= vp):
@@ -1481,6 +1505,11 @@ def adamw_update_many(ps, gs, ms, vs, *, lr=None, beta1, beta2, eps, weight_deca
     >>> [round(float(p.numpy()[0]), 4) for p in ps]
     [-0.5, -0.5]
     """
+    for name, seq in (("ps", ps), ("gs", gs), ("ms", ms), ("vs", vs), ("weight_decays", weight_decays),
+                      ("steps", steps), ("p_lowps", p_lowps)):
+        if seq is not None and not isinstance(seq, (list, tuple)):
+            raise ConfigError(f"adamw_update_many: {name} must be a list (one entry a parameter), "
+                              f"got {type(seq).__name__}")
     k = len(ps)
     if scalars is None and (lr is None or steps is None):
         raise ConfigError("adamw_update_many: expected lr and steps (host values) or scalars "
@@ -1555,6 +1584,7 @@ def clip_scale(sumsq, scalars, max_norm: float, grad_scale: float = 1.0, check=N
     [0.2, 5.0]
     """
     _float("clip_scale", "sumsq", sumsq)
+    max_norm, grad_scale = _num("clip_scale", "max_norm", max_norm), _num("clip_scale", "grad_scale", grad_scale)
     if sumsq.numel != 1:
         raise ShapeError(f"clip_scale: sumsq must hold one value, got {sumsq.shape}")
     bk = backend_of(sumsq.device)

@@ -81,6 +81,8 @@ class Tensor:
             data = np.require(data, data.dtype.newbyteorder("="), "C")   # 0-d stays 0-d
         # Every live tensor sharing this memory (the tensor and its reshape views) is counted
         # in one _Storage; __del__ uncounts it. (A WeakSet per tensor cost ~3 us each.)
+        if type(device) is not Device:   # Tensor(data, "cpu"): parsed here, not failed in an op later
+            device = Device.parse(device)
         storage = _views if _views is not None else _Storage()
         storage.live += 1
         self._storage = storage
@@ -369,9 +371,9 @@ def tensor(data, dtype=None, device="cpu") -> Tensor:
     else:
         try:
             a = np.asarray(data)
-        except (OverflowError, ValueError):
+        except (OverflowError, ValueError, TypeError):   # (TypeError: a list of Tensors)
             a = None
-        if a is None or a.dtype == object:     # e.g. a Python int past 64 bits, ragged lists
+        if a is None or a.dtype.kind not in "fiub":  # a Python int past 64 bits, ragged lists, strings
             raise DTypeError(f"tensor: expected numbers of one shape (ints within 64 bits), got "
                              f"{str(data):.60}")
         if dtype is None and a.dtype.kind == "f":
@@ -463,6 +465,8 @@ def full(shape, value, dtype="float32", device="cpu") -> Tensor:
     [3.0, 3.0]
     """
     dt = _dt.get(dtype)
+    if not isinstance(value, numbers.Number) or isinstance(value, complex):
+        raise DTypeError(f"full: value must be a number, got {type(value).__name__} {value!r:.40}")
     # an integer dtype: the value as NumPy reads it, so that tensor() checks it (NaN, range)
     host = np.full(_shape("full", shape), value, dtype=np.float32 if dt.name == "bfloat16" else
                    dt.name if dt.is_float else None)
