@@ -539,3 +539,21 @@ def test_weights_stored_as_integers_are_refused_by_name(tmp_path):
     save_checkpoint(tmp_path / "c", state, {"config": cfg.to_dict(), "tokenizer": {"kind": "char", "chars": "abc\n"}})
     with pytest.raises(CheckpointError, match=r"1 not floating point: wte.weight \(int32\)"):
         load_model(tmp_path / "c")
+
+
+def test_save_and_load_refuse_what_would_not_load_or_is_no_path(tmp_path):
+    """(QA of the Python API) a tensor named __metadata__ (safetensors' header key) replaced a
+    good checkpoint with one that could not be read; None as the folder was Python's TypeError;
+    a meta whose config is not an object was a ValueError from dict()."""
+    from forge_ml.inference import load_model
+    d = tmp_path / "c"
+    save_checkpoint(d, {"w": np.ones(3, np.float32)}, {"v": 1})
+    with pytest.raises(CheckpointError, match="__metadata__ is safetensors' reserved header name"):
+        save_checkpoint(d, {"__metadata__": np.ones(3, np.float32)}, {"v": 2})
+    assert load_checkpoint(d)[1] == {"v": 1}                        # the good one kept
+    for call in (lambda: load_checkpoint(None), lambda: save_checkpoint(None, {}, {})):
+        with pytest.raises(CheckpointError, match="must be a path .*got NoneType"):
+            call()
+    save_checkpoint(d, {"w": np.ones(3, np.float32)}, {"config": "x"})
+    with pytest.raises(CheckpointError, match="no model 'config' .*got str"):
+        load_model(d)

@@ -145,3 +145,22 @@ def test_gpt2_preset_on_a_text_file_says_it_gets_the_char_tokenizer(workdir, cap
     Trainer(TrainConfig(model="gpt2", data="t.txt", out_dir="r3", n_layer=1, n_head=2, n_embd=16, block_size=16,
                         batch_size=4, max_steps=1), log=said.append).close()
     assert any("model=gpt2 with no tokenizer" in s and "add tokenizer=gpt2" in s for s in said), said
+
+
+def test_a_config_changed_after_it_was_built_is_checked_again(workdir):
+    """(QA of the Python API) TrainConfig checks ran once, when it was built: tc.lr = 1e-5 after
+    kept min_lr at the old lr / 10 (the rate climbed from 1e-5 toward 1e-4), and
+    tc.max_steps = "3" wrote data/ before a TypeError. The Trainer checks a copy again."""
+    tc = TrainConfig(data="t.txt", out_dir="run", n_layer=1, n_head=1, n_embd=8, block_size=8,
+                     batch_size=2, max_steps=4, warmup=1, eval_interval=0, sample_interval=0,
+                     progress=False)
+    tc.lr = 1e-5
+    t = Trainer(tc, log=None)
+    assert t.cfg.min_lr == pytest.approx(1e-6) and tc.min_lr == pytest.approx(1e-4)
+    lrs = [t.train_step()["lr"] for _ in range(4)]
+    t.close()
+    assert max(lrs) <= 1e-5 and lrs[-1] < lrs[1]
+    tc.max_steps, tc.out_dir = "3", "run2"
+    with pytest.raises(Exception, match="max_steps") as e:
+        Trainer(tc, log=None)
+    assert type(e.value).__name__ == "ConfigError" and not (workdir / "run2").exists()

@@ -590,6 +590,13 @@ def unpack_tensors(tensors: dict) -> tuple[dict, dict, dict]:
 # Save / load
 
 
+def _check_path(op: str, dir) -> None:
+    """A folder path (str or os.PathLike), not empty (None gave Python's TypeError)."""
+    if not isinstance(dir, (str, os.PathLike)) or not str(dir).strip():
+        raise CheckpointError(f"{op}: the checkpoint folder must be a path (str or Path), got "
+                              f"{type(dir).__name__} {dir!r:.40}")
+
+
 def _check_tensors(tensors: dict) -> dict:
     if not isinstance(tensors, dict):
         raise CheckpointError(f"save_checkpoint: tensors must be a dict name -> np.ndarray, got {type(tensors).__name__}")
@@ -597,6 +604,9 @@ def _check_tensors(tensors: dict) -> dict:
     for name, a in tensors.items():
         if not isinstance(name, str):
             raise CheckpointError(f"save_checkpoint: tensor names must be str, got {name!r}")
+        if name == "__metadata__":   # safetensors' own header key: the file would not load
+            raise CheckpointError("save_checkpoint: __metadata__ is safetensors' reserved header "
+                                  "name, not a tensor name; rename the tensor")
         if not isinstance(a, np.ndarray):
             raise CheckpointError(
                 f"save_checkpoint: {name} is a {type(a).__name__}; expected a NumPy array "
@@ -691,6 +701,7 @@ def save_checkpoint(dir, tensors: dict, meta: dict, replace: bool = True) -> Non
     >>> sorted(os.listdir(d))
     ['model.safetensors', 'state.json']
     """
+    _check_path("save_checkpoint", dir)
     arrays = _check_tensors(tensors)
     if not isinstance(meta, dict):
         raise CheckpointError(f"save_checkpoint: meta must be a dict, got {type(meta).__name__}")
@@ -717,6 +728,7 @@ def save_checkpoint(dir, tensors: dict, meta: dict, replace: bool = True) -> Non
 
 
 def _resolve_dir(dir) -> Path:
+    _check_path("load_checkpoint", dir)
     path = Path(os.path.realpath(dir)) if Path(dir).is_symlink() else Path(dir)
     if path.is_dir():
         return path

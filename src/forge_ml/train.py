@@ -539,7 +539,10 @@ class Trainer:
         if not isinstance(config, TrainConfig):   # (None gave 'NoneType' has no attribute 'device')
             raise ConfigError(f"Trainer: config must be a TrainConfig or a dict of its fields "
                               f"(a JSON file: TrainConfig.from_dict(json.load(f))), got {type(config).__name__}")
-        cfg = self.cfg = config
+        # a copy, checked again: a field set after the config was built (tc.lr = 1e-5) is
+        # checked as one given to it, and what was worked out from others (min_lr: lr / 10)
+        # is worked out again; the trainer's own settings stay off the caller's object
+        cfg = self.cfg = dataclasses.replace(config)
         flags.check_environment()   # a bad FORGE_* value fails here, not after the run
         if log is not None and not callable(log):   # before data/ is written, not after
             raise ConfigError(f"Trainer: log must be a function of one line (print, a list's "

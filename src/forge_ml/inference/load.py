@@ -90,9 +90,10 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
     p = resolve_checkpoint(path)
     if (p / "state.json").is_file() or not p.exists():  # not there: the ``.old`` state
         tensors, meta = load_checkpoint(p)
-        if "config" not in meta:
-            raise CheckpointError(f"{p}: the checkpoint's meta has no model 'config'; not a "
-                                  "forge-ml model checkpoint")
+        if not isinstance(meta.get("config"), dict):
+            raise CheckpointError(f"{p}: the checkpoint's meta has no model 'config' (an object of "
+                                  f"GPT2Config's fields), got {type(meta.get('config')).__name__}; not "
+                                  f"a forge-ml model checkpoint, or a damaged one")
         cfg = GPT2Config.from_dict(dict(meta["config"], dropout=0.0))
         params, _, _ = unpack_tensors(tensors)
         model = GPT2.from_state_dict(cfg, params, device=device, dtype=dtype)
