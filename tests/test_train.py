@@ -39,6 +39,12 @@ def _params(trainer):
 def test_config_rejects_unknown_keys_and_bad_values():
     with pytest.raises(ConfigError, match="unknown key 'batchsize'.*batch_size"):
         TrainConfig.from_dict({"batchsize": 4})
+    # (QA) as keywords too: the dataclass's "unexpected keyword argument" TypeError before
+    from forge_ml.models import GPT2Config
+    with pytest.raises(ConfigError, match=r"TrainConfig: unknown key 'lrr' \(did you mean 'lr'\?\)"):
+        TrainConfig(lrr=1e-3)
+    with pytest.raises(ConfigError, match=r"GPT2Config: unknown key 'n_layers' \(did you mean 'n_layer'\?\)"):
+        GPT2Config(n_layers=2)
     with pytest.raises(ConfigError, match="max_steps must be int"):
         TrainConfig(max_steps="ten")
     with pytest.raises(ConfigError, match="dropout"):

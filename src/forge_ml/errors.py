@@ -185,3 +185,23 @@ def plural(n: int, noun: str, nouns: Optional[str] = None) -> str:
     '1 token, 3 batches, 0 windows'
     """
     return noun if n == 1 else (nouns if nouns is not None else noun + "s")
+
+
+def check_fields(owner: str, known, given) -> None:
+    """A ConfigError for the first of ``given`` (a config's keys or keyword arguments) that is
+    not one of ``known`` (its fields), naming the nearest known one, else listing them: where
+    a dataclass raises ``TypeError: unexpected keyword argument``.
+
+    >>> check_fields("TrainConfig", ["lr", "max_steps"], ["lr"])
+    >>> check_fields("TrainConfig", ["lr", "max_steps"], ["max_step"])
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: TrainConfig: unknown key 'max_step' (did you mean 'max_steps'?)
+    """
+    known = list(known)
+    for k in given:
+        if k not in known:
+            import difflib
+            near = difflib.get_close_matches(str(k), known, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else f"; known keys: {', '.join(sorted(known))}"
+            raise ConfigError(f"{owner}: unknown key {k!r}{hint}")

@@ -80,7 +80,7 @@ from .data import (DataLoader, ShardFolder, default_corpus, encode_array, file_f
 from .diagnose import CheckingTape
 from .device import Device
 from .errors import (CLI_WORDS, CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
-                     TokenizerError, TrainingError, plural)
+                     TokenizerError, TrainingError, check_fields, plural)
 from .inference.generate import stream_tokens
 from .inference.load import CKPT_NAME
 from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
@@ -205,6 +205,12 @@ class TrainConfig:
     checkpoint_interval: int = 500   # 0: only at the end
     keep_best: bool = False          # also keep the model of the lowest val loss in <out_dir>/best
 
+    def __new__(cls, *args, **kwargs):
+        # an unknown keyword (TrainConfig(lrr=...)) is a ConfigError naming the nearest field,
+        # as from_dict's, where the dataclass's __init__ raised a bare TypeError
+        check_fields("TrainConfig", (f.name for f in dataclasses.fields(cls)), kwargs)
+        return super().__new__(cls)
+
     def __post_init__(self):
         for name in ("min_lr", "block_size"):   # worked out from others before (dataclasses.replace
             if isinstance(getattr(self, name), (_DerivedFloat, _DerivedInt)):   # passes it on): again
@@ -282,14 +288,7 @@ class TrainConfig:
         >>> TrainConfig.from_dict({"lr": 3e-4}).lr
         0.0003
         """
-        known = [f.name for f in dataclasses.fields(cls)]
-        for k in d:
-            if k not in known:
-                import difflib
-                near = difflib.get_close_matches(k, known, n=1)
-                hint = f" (did you mean {near[0]!r}?)" if near else f"; known keys: {', '.join(known)}"
-                raise ConfigError(f"TrainConfig: unknown key {k!r}{hint}")
-        return cls(**d)
+        return cls(**d)   # (an unknown key: __new__'s ConfigError)
 
     def to_dict(self) -> dict:
         """All settings as a JSON-able dict (what checkpoints store).

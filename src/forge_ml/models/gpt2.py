@@ -31,7 +31,7 @@ import numpy as np
 from .. import flags, ops, rng
 from ..autograd import Tape
 from ..device import Device
-from ..errors import ConfigError, DeviceError, DTypeError, ShapeError
+from ..errors import ConfigError, DeviceError, DTypeError, ShapeError, check_fields
 from ..tensor import Tensor, tensor
 
 
@@ -57,6 +57,12 @@ class GPT2Config:
     dropout: float = 0.0
     tied_head: bool = True
     layernorm_eps: float = 1e-5
+
+    def __new__(cls, *args, **kwargs):
+        # an unknown keyword (GPT2Config(n_layers=2)) is a ConfigError naming the nearest
+        # field, as from_dict's, where the dataclass's __init__ raised a bare TypeError
+        check_fields("GPT2Config", (f.name for f in dataclasses.fields(cls)), kwargs)
+        return super().__new__(cls)
 
     def __post_init__(self):
         for k in ("vocab_size", "padded_vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -97,14 +103,9 @@ class GPT2Config:
         >>> GPT2Config.from_dict({"n_layers": 1})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        forge_ml.errors.ConfigError: GPT2Config: unknown key 'n_layers'; known keys: block_size, ...
+        forge_ml.errors.ConfigError: GPT2Config: unknown key 'n_layers' (did you mean 'n_layer'?)
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        for k in d:
-            if k not in known:
-                raise ConfigError(f"GPT2Config: unknown key {k!r}; known keys: "
-                                  f"{', '.join(sorted(known))}")
-        return cls(**d)
+        return cls(**d)   # (an unknown key: __new__'s ConfigError)
 
     def to_dict(self) -> dict:
         """Every field as a plain dict (what checkpoints store); ``from_dict`` reads it back.
