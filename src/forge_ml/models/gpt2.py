@@ -45,7 +45,7 @@ class GPT2Config:
     >>> GPT2Config.from_dict({"n_layr": 2})
     Traceback (most recent call last):
     ...
-    forge_ml.errors.ConfigError: GPT2Config: unknown key 'n_layr'; known keys: block_size, dropout, layernorm_eps, n_embd, n_head, n_layer, padded_vocab_size, tied_head, vocab_size
+    forge_ml.errors.ConfigError: GPT2Config: unknown key 'n_layr' (did you mean 'n_layer'?)
     """
 
     vocab_size: int = 50257
