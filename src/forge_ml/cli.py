@@ -1168,14 +1168,13 @@ def _cmd_bench(args) -> int:
         if d.is_dir():
             for f in sorted(d.glob("*.py")):
                 found.setdefault(f.stem, f)
-    shared = {name for name, f in found.items() if not _runnable(f)}   # e.g. torch_gpt2.py
     where = " nor ".join(str(d) for d in _bench_dirs())
     none_found = (f"no benchmarks folder: neither {where} exists (the benchmarks come with a "
                   f"clone of forge-ml's repository, not with the installed package: run "
                   f"forge-ml bench from the clone)")
     if args.list:
         for name, f in found.items():
-            if name not in shared:
+            if _runnable(f):   # (not a module the benchmarks share, e.g. torch_gpt2.py)
                 print(f"{name:<28} {f}")
         if not found:
             print(none_found)
@@ -1186,8 +1185,8 @@ def _cmd_bench(args) -> int:
             raise ConfigError(f"unknown benchmark {args.name!r}: {none_found}")
         if name not in found:
             raise ConfigError(f"unknown benchmark {args.name!r}; available: "
-                              f"{', '.join(n for n in found if n not in shared)}")
-        if name in shared:
+                              f"{', '.join(n for n, f in found.items() if _runnable(f))}")
+        if not _runnable(found[name]):
             raise ConfigError(f"{found[name]} is a module the benchmarks import, not a benchmark (it "
                               f"runs nothing); forge-ml bench --list lists the benchmarks")
         mine = [o for o, v in (("--steps", args.steps), ("--device", args.device)) if v is not None]

@@ -739,14 +739,13 @@ class DataLoader:
         self.paths = _expand_paths(path_or_paths)
         self.shards = [read_shard(p) for p in self.paths]
         lengths = np.array([len(s) for s in self.shards], dtype=np.int64)
-        n = int(lengths.sum())
+        self._starts = np.concatenate([[0], np.cumsum(lengths)])  # shard i covers [starts[i], starts[i+1])
+        self.n_tokens = n = int(self._starts[-1])
         if n < self.T + 1:   # (over all the shards: a window may run across a boundary)
             what = (f"token shard {self.paths[0]} holds" if len(self.paths) == 1 else
                     f"the {len(self.paths)} token shards {self.paths[0]} ... {self.paths[-1]} hold")
             raise DataError(f"{what} {n} {plural(n, 'token')}; block_size={self.T} needs at least "
                             f"{self.T + 1} (one window plus its next-token target)")
-        self._starts = np.concatenate([[0], np.cumsum(lengths)])  # shard i covers [starts[i], starts[i+1])
-        self.n_tokens = int(self._starts[-1])
         self.batches_drawn = 0
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
 
