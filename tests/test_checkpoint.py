@@ -391,6 +391,42 @@ def test_a_save_never_replaces_a_folder_it_did_not_write(tmp_path, monkeypatch):
     assert tree(tmp_path) == before
 
 
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root deletes from read-only folders")
+@pytest.mark.parametrize("which", ["ckpt", "ckpt.tmp"])
+def test_a_read_only_checkpoint_folder_is_refused_before_the_swap(tmp_path, which):
+    # before: the swap put the new checkpoint in place, failed to delete the old one (quietly)
+    # and left it as ckpt.tmp, where the next save failed naming ckpt
+    d = tmp_path / "ckpt"
+    save_checkpoint(d, make_tensors(0), make_meta(1))
+    if which == "ckpt.tmp":
+        (tmp_path / which).mkdir()
+        (tmp_path / which / "model.safetensors").write_bytes(b"")
+    os.chmod(tmp_path / which, 0o555)
+    try:
+        before = tree(tmp_path)
+        with pytest.raises(CheckpointError, match=rf"{which} is read-only \(dr-xr-xr-x\).*chmod u\+w"):
+            save_checkpoint(d, make_tensors(1), make_meta(2))
+        assert tree(tmp_path) == before
+    finally:
+        os.chmod(tmp_path / which, 0o755)
+    save_checkpoint(d, make_tensors(1), make_meta(2))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_folder_the_process_cannot_delete_from_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    # the read-only case as the check sees it, for a root run (root deletes from any folder)
+    d = tmp_path / "ckpt"
+    save_checkpoint(d, make_tensors(0), make_meta(1))
+    real = os.access
+    monkeypatch.setattr(ck.os, "access", lambda p, mode, **kw: False if Path(p) == d else real(p, mode, **kw))
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointError, match=r"ckpt is read-only .*nothing was written"):
+        save_checkpoint(d, make_tensors(1), make_meta(2))
+    with pytest.raises(CheckpointError, match=r"ckpt is read-only"):
+        ck.check_checkpoint_target(d)
+    assert tree(tmp_path) == before
+
+
 @pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symbolic links")
 def test_a_checkpoint_moved_to_another_disk_and_linked_back_is_replaced_there(tmp_path):
     (tmp_path / "big").mkdir()

@@ -266,8 +266,21 @@ def _swap_in(tmp: Path, path: Path) -> None:
         _discard(old, tmp)
 
 
+def _check_deletable(d: Path, path: Path, what: str) -> None:
+    """Refuse a folder whose files this process cannot delete (a read-only folder): the swap
+    would put the new output in place and then fail to delete the old one, silently leaving
+    it as ``<path>.tmp``, where the next write would fail."""
+    if d.is_dir() and _entries(d) and not os.access(d, os.W_OK | os.X_OK):
+        mode = stat.filemode(d.stat().st_mode)
+        raise CheckpointError(
+            f"{d} is read-only ({mode}): forge-ml deletes it when it replaces the {what} at "
+            f"{path}, which a read-only folder refuses; make it writable (chmod u+w {d}) or "
+            f"write to another path; nothing was written")
+
+
 def _check_replaceable(path: Path, files, marker, what: str) -> None:
-    """Refuse, before anything is written, to replace what this writer did not write."""
+    """Refuse, before anything is written, to replace what this writer did not write, or
+    what it could not delete once replaced."""
     tmp, old = _side_paths(path)
     if path.exists() or path.is_symlink():
         if not path.is_dir():
@@ -278,6 +291,7 @@ def _check_replaceable(path: Path, files, marker, what: str) -> None:
             raise CheckpointError(
                 f"{path} is not empty and is not a {what} that forge-ml wrote (it holds "
                 f"{_listing(names)}); refusing to replace it: write into a new or empty folder")
+        _check_deletable(path, path, what)
     for side, complete in ((tmp, False), (old, True)):
         if side.exists() or side.is_symlink():
             names = _entries(side) if side.is_dir() else ["?"]
@@ -288,6 +302,7 @@ def _check_replaceable(path: Path, files, marker, what: str) -> None:
                     f"{side} is in the way: forge-ml keeps the {what} it writes to {path.name} "
                     f"there while swapping it in, but it holds {_listing(names)}, which forge-ml "
                     f"did not write; move it away")
+            _check_deletable(side, path, what)
 
 
 def check_checkpoint_target(path, kind: str | None = None) -> None:
