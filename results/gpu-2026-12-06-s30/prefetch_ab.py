@@ -25,13 +25,13 @@ for dtype, modes in [d for d in (("float32", ("off", "auto")), ("bfloat16", ("of
             np.float32 if dtype == "float32" else decoder.BF16, cfg.n_embd, cfg.n_head,
             type("P", (), {"B": 1, "grid_mlp": cfg.n_embd // (4 if dtype == "float32" else 8)})()), flush=True)
         for _ in range(2):
-            toks[m] = [e.token for e in generate(models[m], prompt, max_new_tokens=1008, temperature=0)]
+            toks[m] = list(generate(models[m], prompt, max_new_tokens=1008, temperature=0))
     for r in range(rounds):
         for m in (modes if r % 2 == 0 else modes[::-1]):
             decoder.PREFETCH = m
             cp.cuda.Device().synchronize()
             t0 = time.perf_counter()
-            out = [e.token for e in generate(models[m], prompt, max_new_tokens=1008, temperature=0)]
+            out = list(generate(models[m], prompt, max_new_tokens=1008, temperature=0))
             cp.cuda.Device().synchronize()
             res[m].append(1008 / (time.perf_counter() - t0))
             assert out == toks[modes[0]], f"{dtype} {m}: tokens differ"
