@@ -323,7 +323,7 @@ def test_prepare_errors(tmp_path):
     src.write_text("ab", encoding="utf-8")
     with pytest.raises(DataError, match="val_fraction"):
         prepare(src, tmp_path / "o", val_fraction=1.0)
-    with pytest.raises(DataError, match="at least 1 each"):
+    with pytest.raises(DataError, match="the split gets 2 train and 0 val tokens, but each needs at least 2"):
         prepare(src, tmp_path / "o", val_fraction=0.1)
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(DataError, match="empty"):
@@ -580,3 +580,79 @@ def test_decoding_checks_every_id_at_numpys_speed():
     assert c.decode(np.array([2, 0, 1], np.int8)) == "cab"
     with pytest.raises(TokenizerError, match="id 3 at position 0 is out of range; expected 0 <= id < vocab_size=3"):
         c.decode([3])
+
+
+def test_a_prepared_set_cut_between_two_renames_is_never_taken_as_whole(tmp_path, monkeypatch):
+    """Ctrl-C (or a kill) landing between the renames of ``prepare --force`` left a new
+    train.bin beside the old val.bin and the old tokenizer.json: a folder taken as prepared,
+    whose char ids a GPT-2 tokenizer read in silence. The tokenizer.json now goes first and
+    comes last: the cut folder lacks it, and readers refuse it."""
+    from forge_ml.tokenizer import GPT2Tokenizer
+    d = tmp_path / "p"
+    data.write_prepared(d, [1, 2, 3, 4], [5, 6], GPT2Tokenizer())
+    real, renamed = os.replace, []
+
+    def cut(src, dst):
+        real(src, dst)
+        renamed.append(dst)
+        if len(renamed) == 1:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(os, "replace", cut)
+    with pytest.raises(KeyboardInterrupt):
+        data.write_prepared(d, [0, 1, 0, 1], [1, 0], CharTokenizer("ab"))
+    assert sorted(os.listdir(d)) == ["train.bin", "val.bin"]   # no tokenizer.json, no temporary file
+    assert not data.shard_folder(d).prepared
+
+
+def test_prepare_into_a_folder_under_a_file_says_so_before_tokenizing(tmp_path):
+    """``prepare(text, "afile/sub")`` was a bare NotADirectoryError (the CLI: "Not a directory
+    (ENOTDIR): afile/sub"), after the whole text had been tokenized."""
+    p = tmp_path / "t.txt"
+    p.write_text("abcd" * 50)
+    (tmp_path / "afile").write_text("x")
+    for out in ("afile/sub", "afile/sub/deeper"):
+        with pytest.raises(DataError, match=r"out_dir '.*afile/sub.*' cannot be made: .*afile is a file, not a "
+                                            r"folder; expected the folder"):
+            prepare(p, tmp_path / out)
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_prepare_of_a_tiny_split_says_the_real_minimum(tmp_path):
+    """A split that gave val no token said "expected at least 1 each" (split_tokens' check
+    ran first) where evaluation needs 2 and named no fraction that works; 0.9999999 was
+    said as "val_fraction 1"."""
+    p = tmp_path / "t.txt"
+    p.write_text("abc")
+    with pytest.raises(DataError, match="the split gets 3 train and 0 val tokens, but each needs at least 2"):
+        prepare(p, tmp_path / "o", val_fraction=0.25)
+    p.write_text("abcd" * 50)
+    with pytest.raises(DataError, match=r"with val_fraction 0\.001 the val split gets 0 tokens, .*at least 0\.01"):
+        prepare(p, tmp_path / "o", val_fraction=0.001)
+    with pytest.raises(DataError, match=r"with val_fraction 0\.9999999 the train split gets 1 token, .*at most 0\.99\)"):
+        prepare(p, tmp_path / "o", val_fraction=0.9999999)
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_damaged_loader_state_is_a_data_error(tmp_path):
+    """A checkpoint's loader state with a bit_generator that is not a dict, or a count that is
+    not a number, was an AttributeError or ValueError traceback on ``train --resume``."""
+    p = shard(tmp_path, range(100))
+    good = DataLoader(p, 2, 4).state_dict()
+    for bad, needle in (({**good, "bit_generator": 5}, "expected a dict from state_dict"),
+                        ({**good, "batches_drawn": "x"}, "batches_drawn must be a whole number >= 0, got 'x'"),
+                        ({**good, "batch_size": "two"}, "batch_size must be a whole number"),
+                        ({**good, "seed": -1}, "seed must be a whole number")):
+        with pytest.raises(DataError, match=needle):
+            DataLoader(p, 2, 4).load_state_dict(bad)
+    dl = DataLoader(p, 2, 4)
+    dl.load_state_dict(json.loads(json.dumps(good)))   # the JSON form still loads
+    assert dl.batches_drawn == 0
+
+
+def test_write_shard_of_something_that_is_not_a_sequence_says_so(tmp_path):
+    """``write_shard(path, None)`` and ``write_shard(path, 5)`` were a bare TypeError, a str
+    "must be 1-D, got shape ()"."""
+    for bad, kind in ((None, "NoneType"), (5, "int"), ("abc", "str")):
+        with pytest.raises(DataError, match=f"tokens must be a 1-D sequence of integer ids, got {kind} of shape"):
+            write_shard(tmp_path / "s.bin", bad)
+    assert not (tmp_path / "s.bin").exists()

@@ -81,7 +81,10 @@ def _atomic_write_files(files) -> None:
     """``_atomic_write_bytes`` for several files that belong together (``files``: pairs of a
     path and its chunks): every file is written to its temporary name first, and only when
     all are written are they renamed into place, so a full disk leaves the old set whole
-    rather than new files beside old ones.
+    rather than new files beside old ones. The last file of the set (``write_prepared``'s
+    tokenizer.json, which makes a folder a prepared one) is removed before the first rename
+    and renamed into place last: a kill or Ctrl-C between two renames leaves new shards
+    without it (a folder that readers refuse), never beside the old tokenizer.
 
     >>> import tempfile, os
     >>> d = tempfile.mkdtemp()
@@ -105,6 +108,8 @@ def _atomic_write_files(files) -> None:
                     f.write(c)
                 f.flush()
                 os.fsync(f.fileno())
+        if len(done) > 1 and done[-1][1].exists():
+            done[-1][1].unlink()
         for tmp, path in done:
             fresh = not path.exists()
             os.replace(tmp, path)
@@ -148,11 +153,12 @@ def write_shard(path, tokens) -> None:
 def _shard_bytes(path, tokens) -> list:
     """The header and the tokens of a shard, as the chunks ``write_shard`` writes (``path``
     names the file in errors)."""
-    if not hasattr(tokens, "__len__"):       # a generator or another iterable of ids
+    if not hasattr(tokens, "__len__") and hasattr(tokens, "__iter__"):   # a generator of ids
         tokens = list(tokens)
     arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise DataError(f"write_shard: tokens must be 1-D, got shape {arr.shape} for {path}")
+    if arr.ndim != 1:   # (None or 5 was a TypeError from list())
+        raise DataError(f"write_shard: tokens must be a 1-D sequence of integer ids, got "
+                        f"{type(tokens).__name__} of shape {arr.shape} for {path}")
     if arr.size >= 2**31:   # the header's count is an int32 (llm.c asserts the same)
         raise DataError(f"write_shard: {arr.size:,} tokens do not fit one shard (its header counts "
                         f"them in an int32: fewer than 2,147,483,648); split them over several "
@@ -444,13 +450,19 @@ def prepare(text_path, out_dir, tokenizer="char", val_fraction: float = 0.1) -> 
     if not str(out_dir).strip() or (out.exists() and not out.is_dir()):
         what = "is empty" if not str(out_dir).strip() else "exists and is not a folder"
         raise DataError(f"prepare: out_dir {str(out_dir)!r} {what}; expected the folder to write the shards in")
+    above = next((p for p in out.parents if p.exists()), None)   # the folder that out would be made in
+    if above is not None and not above.is_dir():
+        name = "--out" if CLI_WORDS.get() else "out_dir"
+        raise DataError(f"prepare: {name} {str(out_dir)!r} cannot be made: {above} is a file, not a folder; "
+                        f"expected the folder to write the shards in")
     text = load_text(text_path)
     if not text:
         raise DataError(f"prepare: {text_path} is empty")
     tok = load_tokenizer(tokenizer, text=text)
-    train, val = split_tokens(encode_array(tok, text), val_fraction, f"prepare: {text_path}",
-                              fraction=_fraction_word())
-    _check_windows(len(train), len(val), val_fraction, f"prepare: {text_path}")   # before any write
+    ids = encode_array(tok, text)
+    n_val = _val_count(len(ids), val_fraction)   # (checked before split_tokens, whose minimum is 1)
+    _check_windows(len(ids) - n_val, n_val, val_fraction, f"prepare: {text_path}")   # before any write
+    train, val = split_tokens(ids, val_fraction, f"prepare: {text_path}", fraction=_fraction_word())
     return write_prepared(out_dir, train, val, tok)
 
 
@@ -477,7 +489,7 @@ but evaluation needs at least 2 (a window of 1 token and its next-token target);
     need, n, fr = MIN_SPLIT_TOKENS, n_train + n_val, _fraction_word()
     if n_train >= need and n_val >= need:
         return
-    head = f"{source} gives {n:,} {plural(n, 'token')}; with {fr} {val_fraction:g} "
+    head = f"{source} gives {n:,} {plural(n, 'token')}; with {fr} {val_fraction:.15g} "
     why = f"at least {need} (a window of 1 token and its next-token target)"
     if n < 2 * need:
         raise DataError(head + f"the split gets {n_train} train and {n_val} val {plural(n_val, 'token')}, but each "
@@ -529,6 +541,17 @@ def _check_val_fraction(v, who: str) -> None:
         raise DataError(f"{who}: val_fraction must be a number in (0, 1), got {v!r}")
 
 
+def _val_count(n: int, val_fraction: float) -> int:
+    """How many of ``n`` tokens ``split_tokens`` gives to val: the floor of ``n * val_fraction``,
+    where the float product may land just under a whole number (100 * 0.29 =
+    28.999999999999996 gave 28 val tokens, not 29).
+
+    >>> _val_count(100, 0.29), _val_count(19, 0.1)
+    (29, 1)
+    """
+    return math.floor(round(n * val_fraction, 6))
+
+
 def split_tokens(ids, val_fraction: float, source="the text", fraction="val_fraction") -> tuple:
     """``(train, val)``: ``ids`` (an integer array keeps its dtype, anything else becomes
     int64), the last ``val_fraction`` of them for validation;
@@ -543,13 +566,11 @@ def split_tokens(ids, val_fraction: float, source="the text", fraction="val_frac
     if ids.dtype.kind not in "iu" or ids.dtype == np.uint64:   # an integer array keeps its width
         ids = np.asarray(ids, dtype=np.int64)
     n = ids.size
-    # the floor of n * val_fraction, where the float product may land just under a whole number
-    # (100 * 0.29 = 28.999999999999996 gave 28 val tokens, not 29)
-    n_val = math.floor(round(n * val_fraction, 6))
+    n_val = _val_count(n, val_fraction)
     n_train = n - n_val
     if n_val < 1 or n_train < 1:
         raise DataError(
-            f"{source} gives {n} {plural(n, 'token')}; with {fraction} {val_fraction:g} that leaves "
+            f"{source} gives {n:,} {plural(n, 'token')}; with {fraction} {val_fraction:.15g} that leaves "
             f"{n_train} for train and {n_val} for val; expected at least 1 each"
         )
     return ids[:n_train], ids[n_train:]
@@ -572,7 +593,12 @@ def write_prepared(out_dir, train, val, tok) -> dict:
             f"prepare: the tokenizer has {tok.vocab_size} ids but shards hold uint16 (at most 65536)"
         )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        err = DataWriteError(cannot_write(out, e))
+        err.errno = e.errno
+        raise err from None
     _atomic_write_files([(out / "train.bin", _shard_bytes(out / "train.bin", train)),
                          (out / "val.bin", _shard_bytes(out / "val.bin", val)),
                          (out / "tokenizer.json", [json.dumps(tok.to_dict(), indent=1).encode("utf-8")])])
@@ -902,8 +928,12 @@ class DataLoader:
         >>> bool((a.next_batch()[0] == b.next_batch()[0]).all()), b.batches_drawn
         (True, 2)
         """
-        if not isinstance(state, dict) or "bit_generator" not in state:
+        if not isinstance(state, dict) or not isinstance(state.get("bit_generator"), dict):
             raise DataError(f"DataLoader.load_state_dict: expected a dict from state_dict(), got {state!r:.200}")
+        for key in ("batch_size", "block_size", "n_tokens", "seed", "batches_drawn"):
+            v = state.get(key)   # (a checkpoint's state.json edited or damaged: "x" was a ValueError)
+            if v is not None and (isinstance(v, bool) or not str(v).isdecimal()):
+                raise DataError(f"DataLoader.load_state_dict: {key} must be a whole number >= 0, got {v!r:.40}")
         for key, mine in (("batch_size", self.B), ("block_size", self.T), ("n_tokens", self.n_tokens)):
             theirs = state.get(key)
             if theirs is not None and int(theirs) != mine:
