@@ -273,3 +273,12 @@ def test_encode_array_is_encode_in_a_compact_array(kind):
     if kind == "char":
         with pytest.raises(TokenizerError, match="character '\u03a9' at position 3 is not in the vocabulary"):
             tok.encode_array("To \u03a9", chunk=2)
+
+
+def test_gpt2_roles_that_are_not_a_dict_are_a_tokenizer_error():
+    """A tokenizer.json of ``{"kind": "gpt2", "roles": 5}`` was a TypeError traceback from
+    ``forge-ml train --data FOLDER`` (dict(5))."""
+    for bad in (5, [1], "pad_token"):
+        with pytest.raises(TokenizerError, match="roles must be a dict of names like 'pad_token'"):
+            tokenizer_from_dict({"kind": "gpt2", "roles": bad})
+    assert tokenizer_from_dict({"kind": "gpt2", "roles": {}}).roles == {}

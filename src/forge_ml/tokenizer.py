@@ -491,6 +491,9 @@ class GPT2Tokenizer:
         self.added = _check_added(added)
         # the special-token roles transformers gives added tokens (``{"pad_token": "<|pad|>"}``):
         # kept, so that an export names them again
+        if roles is not None and not isinstance(roles, dict):   # (5 was a TypeError from dict())
+            raise TokenizerError(f"GPT2Tokenizer: roles must be a dict of names like 'pad_token' to added "
+                                 f"tokens' texts, got {roles!r:.80}")
         roles = dict(roles or {})
 
         def role_ok(k, v) -> bool:
