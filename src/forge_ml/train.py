@@ -1043,7 +1043,7 @@ class Trainer:
             ids_max = int(np.max(read_shard(p), initial=0))
             if ids_max >= tok.vocab_size:
                 raise DataError(f"{p} holds token {ids_max} but the tokenizer ({whose}) has "
-                                f"{tok.vocab_size} ids; the shards and {whose} disagree")
+                                f"{tok.vocab_size} {plural(tok.vocab_size, 'id')}; the shards and {whose} disagree")
         return counts["train"], counts["val"]
 
     def _folder_tokenizer(self, sf: ShardFolder, src_tok, resume: bool = False):
