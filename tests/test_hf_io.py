@@ -87,6 +87,13 @@ def test_default_padding_follows_gpt2config(saved):
         load_hf_gpt2(saved[0], padded_vocab=64)
 
 
+@pytest.mark.parametrize("padded", ["128", 128.5, True])
+def test_a_padded_vocab_that_is_not_an_int_is_refused(saved, padded):
+    """ "128" was a ValueError of int(), 128.5 padded to 128 and True to 1 (said as "1 is smaller")."""
+    with pytest.raises(CheckpointError, match=re.escape(f"padded_vocab: expected an int (or None), got {padded!r}")):
+        load_hf_gpt2(saved[0], padded_vocab=padded)
+
+
 def test_save_reloads_in_transformers_exactly(saved, tmp_path):
     d, model = saved
     config, params = load_hf_gpt2(d, padded_vocab=128)
@@ -298,6 +305,21 @@ def test_a_tied_config_with_another_stored_head_is_refused(saved, tmp_path):
                 load_hf_gpt2(out)
 
 
+def test_a_tied_model_saved_with_safetensors_save_model_keeps_its_embedding(saved, tmp_path):
+    """safetensors.torch.save_model writes a tied pair under its first name, lm_head.weight, and
+    no wte: transformers loads it (wte is the head); it was refused as "missing: wte.weight"."""
+    from safetensors.torch import save_model
+
+    d, model = saved
+    out = tmp_path / "save_model"
+    out.mkdir()
+    (out / "config.json").write_text((d / "config.json").read_text())
+    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config, params = load_hf_gpt2(out)
+    np.testing.assert_array_equal(params["wte.weight"], hf_state(model)["transformer.wte.weight"])
+    assert config["tied_head"] and "lm_head.weight" not in params
+
+
 def test_old_style_keys_without_prefix_and_buffers(saved, tmp_path):
     """Checkpoints like the original openai-community/gpt2 upload: no "transformer." prefix,
     attn.bias / attn.masked_bias buffers, lm_head stored though tied, float16 weights."""
@@ -363,6 +385,25 @@ def test_unsupported_gpt2_variants(saved, tmp_path, over, match):
         load_hf_gpt2(bad)
 
 
+def test_transformers_other_names_of_the_sizes_are_read_as_it_reads_them(saved, tmp_path):
+    """GPT2Config's attribute_map: num_attention_heads beside n_head is the head count
+    transformers runs; it was ignored (another head count, other logits, no word said)."""
+    d, model = saved
+    cfg = json.loads((d / "config.json").read_text())
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    (alias / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    (alias / "config.json").write_text(json.dumps(dict(cfg, num_attention_heads=4)))
+    with pytest.raises(CheckpointError, match=r"n_head=2 but num_attention_heads=4 .*expected one value"):
+        load_hf_gpt2(alias)
+    renamed = {k: v for k, v in cfg.items() if k not in ("n_embd", "n_head", "n_layer", "n_positions")}
+    (alias / "config.json").write_text(json.dumps(dict(renamed, hidden_size=32, num_attention_heads=4,
+                                                       num_hidden_layers=2, max_position_embeddings=64)))
+    config, _ = load_hf_gpt2(alias)    # only the other names: transformers' 4 heads
+    assert (config["n_embd"], config["n_head"], config["n_layer"], config["block_size"]) == (32, 4, 2, 64)
+    assert transformers.GPT2LMHeadModel.from_pretrained(alias).config.n_head == 4
+
+
 @pytest.mark.parametrize("over,match", [
     ({"layer_norm_epsilon": None}, "positive number 'layer_norm_epsilon', got None"),
     ({"layer_norm_epsilon": "1e-5"}, "positive number 'layer_norm_epsilon', got '1e-5'"),
@@ -395,6 +436,21 @@ def test_a_forge_ml_checkpoint_given_as_a_hugging_face_folder_points_to_to_hf(tm
     for d in (tmp_path / "run", tmp_path / "run" / "ckpt"):
         with pytest.raises(CheckpointError, match=rf"{d} is a forge-ml checkpoint .* convert --to-hf {d} "):
             load_hf_gpt2(d)
+
+
+def test_a_run_folder_with_a_config_json_of_the_users_is_still_a_run(tmp_path):
+    """A config.json of the user's (their settings) beside ckpt/ made sample, serve and convert
+    --to-hf read the run as a Hugging Face folder: "model_type is None"."""
+    from forge_ml.inference.load import load_model, resolve_checkpoint
+    cfg = dict(vocab_size=4, padded_vocab_size=4, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    params = {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()}
+    save_checkpoint(tmp_path / "run" / "ckpt", params, {"config": cfg, "tokenizer": {"kind": "char", "chars": "abcd"}})
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"lr": 1e-3}))
+    assert resolve_checkpoint(tmp_path / "run") == tmp_path / "run" / "ckpt"
+    assert load_model(tmp_path / "run")[0].config.n_embd == 4
+    (tmp_path / "hf").mkdir()          # a Hugging Face folder without weights: said so, as before
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert resolve_checkpoint(tmp_path / "hf") == tmp_path / "hf"
 
 
 def test_shape_mismatch_and_missing_files(saved, tmp_path):
@@ -436,6 +492,25 @@ def test_pytorch_pickle_weights_name_the_way_to_safetensors(saved, tmp_path, nam
         load_hf_gpt2(d)
 
 
+def test_sharded_weights_load_and_a_bad_index_is_a_clear_error(saved, tmp_path):
+    """save_pretrained's shards (model.safetensors.index.json) load as the one file does; an
+    index naming a shard by a number was a TypeError traceback from convert."""
+    d, model = saved
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    config, params = load_hf_gpt2(sharded)
+    want = load_hf_gpt2(d)[1]
+    assert set(params) == set(want) and all(np.array_equal(params[k], want[k]) for k in want)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    for shard in (5, None, ""):
+        bad = dict(index, weight_map=dict(index["weight_map"], **{"transformer.wte.weight": shard}))
+        (sharded / "model.safetensors.index.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=re.escape(f"a safetensors file for each tensor, got {shard!r} "
+                                                            f"for 'transformer.wte.weight'")):
+            load_hf_gpt2(sharded)
+
+
 def test_save_rejects_wrong_params(saved, tmp_path):
     config, params = load_hf_gpt2(saved[0], padded_vocab=128)
     broken = dict(params)
@@ -446,6 +521,33 @@ def test_save_rejects_wrong_params(saved, tmp_path):
     assert not (tmp_path / "x").exists()
     with pytest.raises(CheckpointError, match="lacks"):
         save_hf_gpt2(tmp_path / "x", {"vocab_size": 100}, params)
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"n_head": 3}, "n_embd 4 must be divisible by n_head 3"),
+    ({"n_head": 0}, "n_head must be a positive int, got 0"),
+    ({"vocab_size": 0, "padded_vocab_size": 10}, "vocab_size must be a positive int, got 0"),
+    ({"n_layer": 1.5}, "n_layer must be a positive int, got 1.5"),
+    ({"tied_head": "false"}, "tied_head must be True or False, got 'false'"),
+    ({"dropout": "x"}, "dropout must be a number in [0, 1), got 'x'"),
+    ("complex", "wte.weight has dtype complex64; expected floating point"),
+    ("list", "params must be a dict of NumPy arrays, got list"),
+])
+def test_save_refuses_a_config_or_params_nothing_would_load(tmp_path, over, match):
+    """n_head 3 of n_embd 4 (or 0, or a vocabulary of 0) wrote a folder that neither transformers
+    nor load_hf_gpt2 loads; "false" wrote a tied model, 1.5 layers one, complex weights lost
+    their imaginary part, a list was an AttributeError."""
+    cfg = {"vocab_size": 10, "block_size": 8, "n_layer": 1, "n_head": 2, "n_embd": 4}
+    params = {k: np.ones(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()}
+    if over == "complex":
+        params["wte.weight"] = params["wte.weight"] + 1j
+    elif over == "list":
+        params = list(params.values())
+    else:
+        cfg = dict(cfg, **over)
+    with pytest.raises(CheckpointError, match=re.escape(match)):
+        save_hf_gpt2(tmp_path / "x", cfg, params)
+    assert not (tmp_path / "x").exists()
 
 
 def test_save_accepts_gpt2config_dataclass(saved, tmp_path):

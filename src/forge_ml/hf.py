@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import numbers
 import re
 from pathlib import Path
 
@@ -73,6 +74,10 @@ HF_GPT2_DEFAULTS = {"add_cross_attention": False, "pad_token_id": None, "summary
 
 # Non-parameter buffers that older GPT-2 checkpoints carry: the causal mask and its fill value.
 _BUFFER_RE = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
+
+# transformers' GPT2Config.attribute_map: a config.json may give a setting under either name.
+_HF_ALIASES = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
+               "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}
 
 # Activations that are GPT-2's tanh-approximated GELU under another name in transformers.
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -200,6 +205,10 @@ def _weight_files(d: Path) -> list[Path]:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: missing key 'weight_map'")
+        bad = next(((k, f) for k, f in weight_map.items() if not isinstance(f, str) or not f), None)
+        if bad is not None:   # (a number was a TypeError traceback from convert)
+            raise CheckpointError(f"{index}: expected 'weight_map' to name a safetensors file for each "
+                                  f"tensor, got {bad[1]!r} for {bad[0]!r}")
         return [d / f for f in sorted(set(weight_map.values()))]
     hint = ""
     found = [f for f in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (d / f).is_file()]
@@ -300,6 +309,12 @@ def _forge_config(hf: dict, path: Path, padded_vocab: int | None) -> dict:
             f"{path}: unknown architecture: model_type is {model_type!r} (architectures "
             f"{hf.get('architectures')}); expected 'gpt2'"
         )
+    for alias, key in _HF_ALIASES.items():
+        if alias in hf:   # a num_attention_heads beside n_head was ignored: other heads than transformers'
+            if key in hf and hf[key] != hf[alias]:
+                raise CheckpointError(f"{path}: {key}={hf[key]!r} but {alias}={hf[alias]!r} (the same setting in "
+                                      f"transformers, which takes {alias}'s); expected one value")
+            hf = dict(hf, **{key: hf[alias]})
     for key in ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size"):
         if not isinstance(hf.get(key), int) or isinstance(hf[key], bool) or hf[key] < 1:
             raise CheckpointError(f"{path}: expected a positive integer {key!r}, got {hf.get(key)!r}")
@@ -328,6 +343,9 @@ def _forge_config(hf: dict, path: Path, padded_vocab: int | None) -> dict:
     if unsupported:
         raise CheckpointError(f"{path}: GPT-2 variant forge-ml cannot run: " + "; ".join(unsupported))
     V = hf["vocab_size"]
+    if padded_vocab is not None and (isinstance(padded_vocab, bool)
+                                     or not isinstance(padded_vocab, numbers.Integral)):   # "x": a ValueError
+        raise CheckpointError(f"padded_vocab: expected an int (or None), got {padded_vocab!r}")
     Vp = default_padded_vocab(V) if padded_vocab is None else int(padded_vocab)
     if Vp < V:
         raise CheckpointError(f"padded_vocab={Vp} is smaller than the checkpoint's vocab_size={V}")
@@ -349,7 +367,8 @@ def load_hf_gpt2(dir, padded_vocab: int | None = None) -> tuple[dict, dict]:
     (float32 arrays, ``wte`` zero-padded to ``padded_vocab`` rows, by default
     ``default_padded_vocab(vocab_size)``, e.g. 50257 -> 50304).
 
-    With tied embeddings the head is ``wte``; a stored ``lm_head.weight`` equal to it is dropped,
+    With tied embeddings the head is ``wte``; a stored ``lm_head.weight`` equal to it is dropped
+    (one stored without ``wte``, as safetensors' ``save_model`` keeps a tied pair, is ``wte``),
     and one that differs is refused (transformers 4 ties the two and keeps ``wte``, 5 unties
     them and keeps the stored head: no single reading is the model's).
 
@@ -379,6 +398,8 @@ def load_hf_gpt2(dir, padded_vocab: int | None = None) -> tuple[dict, dict]:
                                   f"hold an lm_head.weight that differs from wte; transformers 4 would use wte "
                                   f"and transformers 5 the stored head, so the model is not one thing: set "
                                   f"tie_word_embeddings to false to keep the stored head, or drop lm_head.weight")
+        if wte is None and head is not None:   # safetensors' save_model keeps the tied pair's first name
+            raw["wte.weight"] = head
     unpadded = dict(config, padded_vocab_size=config["vocab_size"])
     try:
         check_architecture(gpt2_param_shapes(unpadded), raw, ignore_prefixes=())
@@ -540,15 +561,26 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
     missing = [k for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd") if k not in config]
     if missing:
         raise CheckpointError(f"save_hf_gpt2: config lacks {missing}")
+    from .errors import ConfigError
+    from .models.gpt2 import GPT2Config
+    try:   # GPT2Config's checks: n_head 3 of n_embd 4, a vocab_size 0, wrote a folder nothing loads
+        GPT2Config.from_dict({f.name: config[f.name] for f in dataclasses.fields(GPT2Config)
+                              if config.get(f.name) is not None})
+    except ConfigError as e:
+        raise CheckpointError(f"save_hf_gpt2: {e}") from None
     V = int(config["vocab_size"])
     Vp = int(config.get("padded_vocab_size") or V)
     tied = bool(config.get("tied_head", True))
     if Vp < V:
         raise CheckpointError(f"save_hf_gpt2: padded_vocab_size={Vp} is smaller than vocab_size={V}")
     shapes = gpt2_param_shapes(dict(config, padded_vocab_size=Vp, tied_head=tied))
+    if not isinstance(params, dict):
+        raise CheckpointError(f"save_hf_gpt2: params must be a dict of NumPy arrays, got {type(params).__name__}")
     for name, a in params.items():
         if not isinstance(a, np.ndarray):
             raise CheckpointError(f"save_hf_gpt2: {name} is a {type(a).__name__}; expected a NumPy array")
+        if a.dtype.kind not in "fiub":   # (integers: check_architecture lists them) complex lost its imaginary part
+            raise CheckpointError(f"save_hf_gpt2: {name} has dtype {a.dtype}; expected floating point")
     check_architecture(shapes, params, ignore_prefixes=())
 
     tensors = {}

@@ -39,14 +39,17 @@ def resolve_checkpoint(path) -> Path:
     ('ckpt', 'ckpt')
     """
     p = Path(path)
-    if (p / "state.json").is_file() or (p / "config.json").is_file():
+    hf_weights = any((p / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
+    if (p / "state.json").is_file() or ((p / "config.json").is_file() and hf_weights):
         return p
     if p.name and not p.exists() and (_old(p) / "state.json").is_file():
         return p                   # load_checkpoint recovers the previous one from <p>.old
     if (p / CKPT_NAME / "state.json").is_file():
-        return p / CKPT_NAME
+        return p / CKPT_NAME       # (a config.json of the user's beside it was read as a Hugging Face folder)
     if (p / (CKPT_NAME + ".old") / "state.json").is_file():
         return p / CKPT_NAME       # load_checkpoint recovers the previous one from ckpt.old
+    if (p / "config.json").is_file():
+        return p                   # a Hugging Face folder without weights: load_hf_gpt2 says so
     if not p.exists():
         raise CheckpointError(f"checkpoint not found: {p} does not exist")
     for d in (p, p / CKPT_NAME):
