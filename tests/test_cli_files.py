@@ -119,6 +119,31 @@ def test_convert_from_hf_never_writes_into_its_source(run, capsys):
     assert tree(run.parent) == before
 
 
+def test_convert_never_writes_inside_the_model_folder_it_reads(run, capsys):
+    """`--to-hf run --out run/ckpt/exp` was accepted, and the run's next save refused its own
+    checkpoint folder (a folder it did not write inside it); `--from-hf hf --out hf/sub`
+    likewise. Beside the checkpoint, inside the run folder, stays allowed."""
+    assert main(["convert", "--to-hf", "run", "--out", "hf"]) == 0
+    capsys.readouterr()
+    before = tree(run.parent)
+    fails(capsys, ["convert", "--to-hf", "run", "--out", "run/ckpt/exp"], "run/ckpt/exp: it is inside",
+          "the model folder this command reads")
+    fails(capsys, ["convert", "--from-hf", "hf", "--out", "hf/sub"], "hf/sub: it is inside")
+    assert tree(run.parent) == before
+    assert main(["convert", "--to-hf", "run", "--out", "run/exp"]) == 0
+
+
+@pytest.mark.parametrize("argv", [["--from-hf", "", "--out", "o"], ["--to-hf", "", "--out", "o"],
+                                  ["--to-hf", "run", "--out", " "]])
+def test_convert_with_an_empty_path_says_which(run, capsys, argv):
+    """`--from-hf ''` took the --to-hf branch with None: a TypeError traceback; `--to-hf ''`
+    named ".", `--out ''` "refusing to write : ..."."""
+    flag = argv[0] if argv[1].strip() == "" else "--out"
+    before = tree(run.parent)
+    fails(capsys, ["convert", *argv], f"{flag} is empty; expected a folder")
+    assert tree(run.parent) == before
+
+
 def test_convert_writes_a_new_or_empty_folder_and_replaces_its_own_export_with_force(run, capsys):
     (run.parent / "empty").mkdir()
     assert main(["convert", "--to-hf", "run", "--out", "empty"]) == 0

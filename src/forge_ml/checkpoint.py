@@ -494,12 +494,15 @@ def is_inside(path, folder) -> bool:
     return p == f or f in p.parents
 
 
-def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str = "output") -> Path:
+def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str = "output",
+                     within=()) -> Path:
     """The rule of every command that writes a folder, checked before any work: ``out`` may be
     new or an empty folder; a folder that ``is_own`` recognises as this command's earlier
     ``what`` is replaced only with ``force``; anything else, and the folder the command reads
-    from (``reads``), a folder holding it, or one holding the current folder, is refused with
-    a one-line CheckpointError. Returns ``out`` as an absolute Path.
+    from (``reads``), a folder holding it, a folder inside one of ``within`` (the model
+    folders it reads: a folder of someone else's inside one makes their next save refuse it),
+    or one holding the current folder, is refused with a one-line CheckpointError. Returns
+    ``out`` as an absolute Path.
 
     >>> import tempfile, os
     >>> run = tempfile.mkdtemp(); _ = open(os.path.join(run, "log.jsonl"), "w").write("{}")
@@ -517,6 +520,10 @@ def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str 
             rel = (f"is {src}, the folder this command reads from" if Path(os.path.realpath(src)) == real
                    else f"holds {src}, which this command reads from")
             raise CheckpointError(f"refusing to write {out}: it {rel}; write into a new or empty folder")
+    for src in within:
+        if is_inside(real, src):
+            raise CheckpointError(f"refusing to write {out}: it is inside {src}, the model folder this "
+                                  f"command reads from; write into a new or empty folder elsewhere")
     if is_inside(os.getcwd(), real):
         raise CheckpointError(f"refusing to write {out}: it is or holds the current folder; "
                               f"write into a new or empty folder")

@@ -1076,8 +1076,11 @@ def _cmd_convert(args) -> int:
     from .inference.load import _hf_tokenizer_built, check_tokenizer_fits, load_model, resolve_checkpoint
 
     # Every check before any work: the output folder is new, empty, or (with --force) an
-    # earlier conversion of the same kind, and never the folder read from.
-    if args.from_hf:
+    # earlier conversion of the same kind, and never the folder read from nor inside it.
+    for flag, v in (("--from-hf", args.from_hf), ("--to-hf", args.to_hf), ("--out", args.out)):
+        if v is not None and not str(v).strip():   # ('' took the --to-hf branch: a traceback)
+            raise CheckpointError(f"{flag} is empty; expected a folder")
+    if args.from_hf is not None:
         src = Path(args.from_hf)
         if not src.is_dir():
             raise CheckpointError(f"Hugging Face model directory not found: {src}"
@@ -1089,7 +1092,7 @@ def _cmd_convert(args) -> int:
                                   f"--force replaces only an earlier conversion: write into a new or "
                                   f"empty folder")
         check_output_dir(args.out, reads=[src], is_own=lambda d: is_checkpoint_dir(d, kind="forge-ml-model"),
-                         force=args.force, what="forge-ml checkpoint")
+                         force=args.force, what="forge-ml checkpoint", within=[src])
         config, params = load_hf_gpt2(src)
         _warn_nonfinite(params, f"--from-hf {src}")
         tok_dict, tok = _hf_tokenizer_built(src)
@@ -1104,7 +1107,7 @@ def _cmd_convert(args) -> int:
         return 0
     ckpt = Path(os.path.abspath(resolve_checkpoint(args.to_hf)))
     check_output_dir(args.out, reads=[args.to_hf, ckpt, ckpt.with_name(ckpt.name + ".old")],
-                     is_own=is_hf_export, force=args.force, what="Hugging Face export")
+                     is_own=is_hf_export, force=args.force, what="Hugging Face export", within=[ckpt])
     model, tok, meta = load_model(args.to_hf)
     # the recorded dropout rate (load_model's model has none) and, from an import or a Hugging
     # Face folder, HF's four rates
