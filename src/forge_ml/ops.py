@@ -25,7 +25,7 @@ from . import dtype as _dt
 from . import rng as _rng
 from .backends import compose as _compose
 from .errors import ConfigError, DeviceError, DTypeError, ShapeError
-from .tensor import Tensor, _check_fits, backend_of
+from .tensor import Tensor, _check_fits, _numbers_array, backend_of
 
 # -- boundary checks -------------------------------------------------------------------
 
@@ -1017,13 +1017,7 @@ def assign(dst, values, row=None) -> None:
     _tensor("assign", "dst", dst)
     if isinstance(values, Tensor):   # np.asarray of a Tensor is a 0-d object array
         values = values.numpy()
-    try:
-        arr = np.asarray(values)
-    except (ValueError, TypeError, OverflowError):   # ragged lists, a list of Tensors
-        arr = None
-    if arr is None or arr.dtype.kind not in "fiub":
-        raise DTypeError(f"assign: expected numbers of one shape (an array, a nested list or a "
-                         f"Tensor), got {str(values):.60}")
+    arr = _numbers_array(values, "assign", "numbers of one shape (an array, a nested list or a Tensor)")
     if row is not None:
         row = _as_int(row)
         if dst.ndim < 2 or type(row) is not int or not 0 <= row < dst.shape[0]:

@@ -343,6 +343,27 @@ def _default_dtype(a: np.ndarray, given) -> _dt.DType:
     raise DTypeError(f"tensor: cannot make a tensor from data of dtype {a.dtype}")
 
 
+def _numbers_array(values, op: str, expected: str) -> np.ndarray:
+    """``values`` (a nested list, a number, an array) as a NumPy array of numbers, else a
+    DTypeError that says ``op`` expected ``expected``: a ragged list, a list of Tensors, strings
+    or a Python int past 64 bits.
+
+    >>> _numbers_array([[1, 2], [3, 4]], "tensor", "numbers").shape
+    (2, 2)
+    >>> _numbers_array([[1], [2, 3]], "tensor", "numbers of one shape")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.DTypeError: tensor: expected numbers of one shape, got [[1], [2, 3]]
+    """
+    try:
+        a = np.asarray(values)
+    except (OverflowError, ValueError, TypeError):   # (TypeError: a list of Tensors)
+        a = None
+    if a is None or a.dtype.kind not in "fiub":
+        raise DTypeError(f"{op}: expected {expected}, got {str(values):.60}")
+    return a
+
+
 def tensor(data, dtype=None, device="cpu") -> Tensor:
     """A new tensor holding a copy of ``data`` (a list, a number or an array).
 
@@ -369,13 +390,7 @@ def tensor(data, dtype=None, device="cpu") -> Tensor:
         a = data
         dt = _default_dtype(a, dtype)
     else:
-        try:
-            a = np.asarray(data)
-        except (OverflowError, ValueError, TypeError):   # (TypeError: a list of Tensors)
-            a = None
-        if a is None or a.dtype.kind not in "fiub":  # a Python int past 64 bits, ragged lists, strings
-            raise DTypeError(f"tensor: expected numbers of one shape (ints within 64 bits), got "
-                             f"{str(data):.60}")
+        a = _numbers_array(data, "tensor", "numbers of one shape (ints within 64 bits)")
         if dtype is None and a.dtype.kind == "f":
             dt = _dt.float32
         elif dtype is None and a.dtype.kind in "iub":

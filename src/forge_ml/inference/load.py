@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..checkpoint import load_checkpoint, unpack_tensors
 from ..errors import CheckpointError, ConfigError, TokenizerError
-from ..hf import HF_TOKENIZER_FILE  # a non-GPT-2 tokenizer kept in an exported HF folder
+from ..hf import HF_TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE  # (HF_TOKENIZER_FILE: a non-GPT-2 tokenizer kept in an exported HF folder)
 from ..models.gpt2 import GPT2, GPT2Config
 from ..tokenizer import HF_GPT2_CLASSES, _id_form, tokenizer_from_dict
 
@@ -39,7 +39,7 @@ def resolve_checkpoint(path) -> Path:
     ('ckpt', 'ckpt')
     """
     p = Path(path)
-    hf_weights = any((p / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
+    hf_weights = any((p / f).is_file() for f in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE))
     if (p / "state.json").is_file() or ((p / "config.json").is_file() and hf_weights):
         return p
     if p.name and not p.exists() and (_old(p) / "state.json").is_file():
