@@ -231,3 +231,83 @@ def test_the_sm_90a_build_is_kept_on_disk_and_a_damaged_copy_is_rebuilt(be, tmp_
         assert run(runtime.compile_for_arch(src, "probe_twice.cu", "sm_90a")) == [0, 2, 4, 6]
         assert kept[0].read_bytes() != b"not a cubin"           # rebuilt and replaced
         assert not list((tmp_path / "cuda").glob("*.tmp"))
+
+
+# ---- the backward in one kernel (FORGE_WGMMA_BWD=fused) --------------------------------------
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_wgmma_fused_backward_vs_reference_and_split_kernels(be, rs, shape):
+    """dq, dk, dv from flash_bwd_fused_wgmma_bf16_h64 (after flash_bwd_dsum_bf16_h64): within
+    the tolerance of float64 and of the mma.sync kernels on every shape (ragged lengths, a
+    KV-cache offset, a single query); dk and dv with the bits of the split kernels that hold k
+    and v in shared memory (the same products in the same order, D with the dq kernel's
+    arithmetic); dq, summed over key blocks in another order, within rounding of theirs."""
+    qs, ks = SHAPES[shape]
+    scale = 1.0 / math.sqrt(HS)
+    q, k, v, dout = (bf16_values(rs, qs), bf16_values(rs, ks), bf16_values(rs, ks),
+                     bf16_values(rs, qs))
+    rdq, rdk, rdv = ref_attention(q, k, v, dout, scale)[2:]
+    dq_, dk_, dv_, ddo = dev(be, q), dev(be, k), dev(be, v), dev(be, dout)
+    out, lse = be.attention(dq_, dk_, dv_, scale)
+    got = be._attention_bwd_flash_hopper(dq_, dk_, dv_, out, lse, ddo, scale, fused=True)
+    split = be._attention_bwd_flash_hopper(dq_, dk_, dv_, out, lse, ddo, scale, qd_shared=True,
+                                           kv_shared=True, rows=128)
+    want = be.attention_bwd(dq_, dk_, dv_, out, lse, ddo, scale)   # flash_attention.cu's
+    for name, g, ref, w, sp in zip(("dq", "dk", "dv"), got, (rdq, rdk, rdv), want, split):
+        assert g.shape == ref.shape and str(g.dtype) == "bfloat16"
+        check(f"fused {name}", host(be, g), ref, TOL)
+        check(f"fused {name} vs mma.sync", host(be, g), host(be, w), TOL)
+        check(f"fused {name} vs split", host(be, g), host(be, sp), TOL)
+    for name, g, sp in zip(("dk", "dv"), got[1:], split[1:]):
+        assert host(be, g).tobytes() == host(be, sp).tobytes(), f"fused {name}: not the split bits"
+
+
+@pytest.mark.parametrize("B,T,H", [(2, 1024, 12), (1, 77, 4), (3, 130, 2), (4, 2048, 12)])
+def test_wgmma_fused_backward_on_fused_rows_same_bits_every_run(be, rs, B, T, H):
+    """GPT-2's (B, T, 3C) rows: the fused kernel's dqkv against the split kernels', the same
+    bytes on every run (dq's shares are added in one order whichever blocks run first; T=2048
+    at B=4 gives 1,536 blocks that wait on each other across several waves), and the dk and dv
+    thirds equal to the split kernels'."""
+    C = H * HS
+    scale = 1.0 / math.sqrt(HS)
+    qkv, dy = dev(be, bf16_values(rs, (B, T, 3 * C))), dev(be, bf16_values(rs, (B, T, C)))
+    y, lse = be.attention_qkv(qkv, H, scale)
+    got = host(be, be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, fused=True))
+    split = host(be, be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, True, True, 128))
+    want = host(be, be.attention_qkv_bwd(qkv, y, lse, dy, H, scale))
+    check("fused dqkv vs mma.sync", got, want, TOL)
+    check("fused dq vs split", got[..., :C], split[..., :C], TOL)
+    assert got[..., C:].tobytes() == split[..., C:].tobytes()
+    for _ in range(3):
+        again = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, fused=True)
+        assert host(be, again).tobytes() == got.tobytes()
+
+
+@pytest.mark.parametrize("B,T,H", [(2, 1024, 12), (3, 77, 4), (1, 64, 2)])
+def test_wgmma_fused_backward_column_sums(be, rs, B, T, H):
+    """With sums the fused kernel sums the dq (key block 0, as it writes each query block),
+    dk and dv it writes: dqkv keeps its bits, the sums are those of the dqkv written within
+    bf16's rounding, and the switch sends attention_qkv_bwd_sums there."""
+    C = H * HS
+    scale = 1.0 / math.sqrt(HS)
+    qkv, dy = dev(be, bf16_values(rs, (B, T, 3 * C))), dev(be, bf16_values(rs, (B, T, C)))
+    y, lse = be.attention_qkv(qkv, H, scale)
+    plain = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, fused=True)
+    dqkv, sums = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, sums=True, fused=True)
+    assert host(be, dqkv).tobytes() == host(be, plain).tobytes()
+    d = host(be, dqkv).astype(np.float64).reshape(-1, 3 * C)
+    want, got = d.sum(axis=0), host(be, sums).astype(np.float64)
+    err = np.abs(got - want)
+    bound = np.abs(want) * 2.0 ** -8 + 1e-5 * np.abs(d).sum(axis=0)
+    assert np.all(err <= bound), (f"column sums: worst {err.max():.3g} at column "
+                                  f"{int(np.argmax(err - bound))}")
+    with flags.override(FORGE_WGMMA_ATTENTION="on", FORGE_WGMMA_BWD="fused"):
+        d2, s2 = be.attention_qkv_bwd_sums(qkv, y, lse, dy, H, scale)
+        q, k, v = (dev(be, bf16_values(rs, (1, 2, 130, HS))) for _ in range(3))
+        out, lse2 = be.attention(q, k, v)
+        grads = be.attention_bwd(q, k, v, out, lse2, q)
+    assert host(be, d2).tobytes() == host(be, dqkv).tobytes()
+    assert host(be, s2).tobytes() == host(be, sums).tobytes()
+    direct = be._attention_bwd_flash_hopper(q, k, v, out, lse2, q, fused=True)
+    for a, b in zip(grads, direct):
+        assert host(be, a).tobytes() == host(be, b).tobytes()
