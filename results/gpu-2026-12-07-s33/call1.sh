@@ -23,3 +23,14 @@ FORGE_WGMMA_BWD=fused timeout 150 python3 -m pytest -q -x -n 4 -p no:cacheprovid
 echo "step/model tests with fused rc=$? ($((SECONDS - t0)) s)"; tail -2 "$OUT/fused_step_model_tests.log"
 SECTIONS=tests TEST_WORKERS=8 TEST_TIMEOUT=200 OUT="$OUT/suite" bash scripts/gpu_check.sh > "$OUT/suite.log" 2>&1
 grep -E "passed|failed|error" "$OUT/suite.log" | tail -3; echo "($((SECONDS - t0)) s)"
+# with the time left: issue 10's B=32 row against torch.compile (fused as the A/B chose it is
+# not assumed: the default), issue 11's batch-1 bf16 row with transformers
+if [ $((SECONDS - t0)) -lt 430 ]; then
+  timeout 100 python3 benchmarks/train_e2e.py --data .data/tinyshakespeare.txt --rows gpt2-b32 \
+      --peers forge,compile --steps 20 --json "$OUT/e2e_compile.json" > "$OUT/e2e_compile.log" 2>&1
+  tail -3 "$OUT/e2e_compile.log"; echo "($((SECONDS - t0)) s)"
+fi
+if [ $((SECONDS - t0)) -lt 520 ]; then
+  timeout 70 python3 benchmarks/generate_gpu.py --dtype bf16 --paths forge,hf --repeats 2 2>&1 \
+      | tr '\r' '\n' | grep -v "Loading weights" > "$OUT/generate_bf16.log"; tail -4 "$OUT/generate_bf16.log"
+fi
