@@ -19,8 +19,8 @@ torch (causal FLOPs: 2 products of B H T^2 hs / 2 multiply-adds forward, 5 in th
 and the ratios flash/torch, v1/torch and v1/flash (above 1: flash is faster than v1). On
 compute capability 9.0 "flash" is flash_attention.cu's mma.sync kernels (the switch held off)
 and more lines per batch time flash_hopper.cu's wgmma forward (64 and 128 query rows a block)
-and backward (its kernel variants, the backward in one kernel among them; the backend's flash
-path there by default) beside them (and torch's forward).
+and backward (its kernel variants; the backend's flash path there by default) beside them (and
+torch's forward).
 """
 from __future__ import annotations
 
@@ -168,17 +168,15 @@ def main(argv=None) -> int:
                         want = be.attention_bwd(q, k, v, o, lse, dout, scale)
                         # the kernels' variants: operands in registers or shared memory (dq's q
                         # and dout, dk/dv's k and v), and 64 or 128 query rows a dq block
-                        # (and the backward in one kernel, FORGE_WGMMA_BWD=fused)
-                        for qd, kv, r, fz, label in ((False, False, 64, False, "registers"),
-                                                     (True, False, 64, False, "q,dout shared"),
-                                                     (False, True, 64, False, "k,v shared"),
-                                                     (True, True, 64, False, "both shared"),
-                                                     (True, True, 128, False, "both, dq r128"),
-                                                     (False, False, 64, True, "one kernel")):
+                        for qd, kv, r, label in ((False, False, 64, "registers"),
+                                                 (True, False, 64, "q,dout shared"),
+                                                 (False, True, 64, "k,v shared"),
+                                                 (True, True, 64, "both shared"),
+                                                 (True, True, 128, "both, dq r128")):
                             def bwd():
                                 return be._attention_bwd_flash_hopper(
                                     q, k, v, o, lse, dout, scale, qd_shared=qd, kv_shared=kv,
-                                    rows=r, fused=fz)
+                                    rows=r)
                             errs = [rel_err(x, y) for x, y in zip(bwd(), want)]
                             sb = time_cupy(cupy, bwd, args.reps, args.warmup)
                             print(f"  B={B:3d} bwd      wgmma {label:14s} {sb:8.3f} ms  mma.sync "

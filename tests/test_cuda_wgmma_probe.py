@@ -106,15 +106,3 @@ def test_wgmma_a_in_registers_b_mn_major_transposed(module):
     (a, av), (b, bv) = _bf16(rs, (64, 64)), _bf16(rs, (64, 64))
     want = av @ bv
     _check(module, "probe_rs", a, b, want, _kernel_strides("MN"), [(1024, 1024, 2048), (16, 1024, 1024)])
-
-
-def test_wgmma_a_and_b_mn_major_both_transposed(module):
-    """The one-kernel backward's dq share, dS k: A stored as its transpose (the block's dS^T
-    tile, row k holding A's 64 m-values), B MN-major (k's rows), both read transposed."""
-    import cupy
-    rs = np.random.default_rng(3)
-    (a, av), (b, bv) = _bf16(rs, (64, 64)), _bf16(rs, (64, 64))
-    at = cupy.ascontiguousarray(a.reshape(64, 64).T)   # row k holds A's column k
-    want = av @ bv
-    _check(module, "probe_tt", at, b, want, _kernel_strides("MN"),
-           [(1024, 1024, 2048), (16, 1024, 1024)])

@@ -16,7 +16,7 @@ True
 >>> flags.get("FORGE_NOPE")
 Traceback (most recent call last):
 ...
-forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BIAS_SUMS, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_GEMM, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_CUDA_LINEINFO, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMM_TUNE, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD, FORGE_WGMMA_BWD_SHARED, FORGE_WGMMA_ROWS
+forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BIAS_SUMS, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_GEMM, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_CUDA_LINEINFO, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMM_TUNE, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD_SHARED, FORGE_WGMMA_ROWS
 """
 from __future__ import annotations
 
@@ -103,10 +103,6 @@ _SWITCHES = (
            "the wgmma attention backward's kernels that read their block's own operands from "
            "shared memory (more blocks an SM, the same bits): dq's q and dout (qd), dk/dv's k "
            "and v (kv), both, or none (the register kernels)", ("none", "qd", "kv", "both")),
-    Switch("FORGE_WGMMA_BWD", "split",
-           "the wgmma attention backward as two kernels (split: dq, then dk and dv) or one "
-           "(fused: dk, dv and each tile pair's share of dq, the shares added in a fixed order, "
-           "so the same bits every run)", ("split", "fused")),
     Switch("FORGE_WGMMA_ROWS", "128",
            "query rows a block of the wgmma attention's forward and dq kernels: 128 runs two "
            "warpgroups on each k and v tile (half the k and v reads; the dq kernel with "

@@ -12,9 +12,6 @@
 //   probe_rs  C = A B, A (64 x 64) from registers in mma.sync's A-fragment layout, B (64 x 64,
 //             row k holds the 64 n-values: the v of p v) MN-major in shared memory, swizzled,
 //             read transposed (imm-trans-b = 1)
-//   probe_tt  C = A B, A stored transposed (row k holds A's 64 m-values: the one-kernel
-//             backward's dS^T tile read as dS) and B MN-major, both in shared memory, swizzled,
-//             both read transposed (imm-trans-a = imm-trans-b = 1)
 //
 // Shared-memory layout (128-byte swizzle): a 64-row tile of 128-byte rows; the 16-byte chunk
 // c of row r sits at chunk c ^ (r % 8) of that row; the tile starts on a 1024-byte boundary.
@@ -27,7 +24,7 @@
 #include "common.cuh"
 
 // The test pastes flash_hopper.cu's helpers in place of the next line (wg_desc, wg_fence,
-// wg_commit, wg_wait0, fence_async_smem, wg_mma_ss, wg_mma_rs_t, wg_mma_ss_tt, wg_load_tile).
+// wg_commit, wg_wait0, fence_async_smem, wg_mma_ss, wg_mma_rs_t, wg_load_tile).
 // WGMMA_HELPERS
 
 // rows of a (64 x 64) bf16 row-major matrix into a swizzled shared tile, plain stores
@@ -131,23 +128,4 @@ extern "C" __global__ void __launch_bounds__(128)
     probe_rs(const bf16* A, const bf16* B, float* C, unsigned lbo, unsigned sbo,
              unsigned k_step_bytes) {
     probe_reg_a<true>(A, B, C, lbo, sbo, k_step_bytes);
-}
-
-extern "C" __global__ void __launch_bounds__(128)
-    probe_tt(const bf16* At, const bf16* B, float* C, unsigned lbo, unsigned sbo,
-             unsigned k_step_bytes) {
-    __shared__ __align__(1024) bf16 sA[64 * 64];
-    __shared__ __align__(1024) bf16 sB[64 * 64];
-    const int tid = threadIdx.x;
-    wg_store_tile(sA, At, tid, 128);
-    float d[32];
-    probe_start(sB, B, d);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-        wg_mma_ss_tt(d, wg_desc(reinterpret_cast<char*>(sA) + kk * k_step_bytes, lbo, sbo),
-                     wg_desc(reinterpret_cast<char*>(sB) + kk * k_step_bytes, lbo, sbo));
-    wg_commit();
-    wg_wait0();
-    wg_store_acc(C, d, tid >> 5, tid & 31);
 }

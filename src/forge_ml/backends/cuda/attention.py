@@ -197,19 +197,13 @@ _DKDV_KVS_SMEM = 6 * 64 * 64 * 2 + 4 * 64 * 4 + 1024
 # T=4096 B=8 went 0.805 -> 0.758 ms (at T=1024 B=32 0.296 -> 0.311); the trainer +2.6% tok/s
 # at T=4096 and +1.2% at T=1024 B=32. The dq one's eight 8 KiB tiles and 1 KiB to align them.
 _DQ_R128_SMEM = 8 * 64 * 64 * 2 + 1024
-# The backward in one kernel (FORGE_WGMMA_BWD=fused; flash_hopper.cu's
-# flash_bwd_fused_wgmma_bf16_h64): the dk/dv kernel with k and v shared that also makes dq,
-# each tile pair's share of it added in float32 in a fixed order, after a small kernel for D.
-# Its dynamic shared memory: seven 8 KiB tiles, lse and D rows, 512 floats for the column
-# sums, the ticket, and 1 KiB to align the tiles.
-_FUSED_SMEM = 7 * 64 * 64 * 2 + 4 * 64 * 4 + 512 * 4 + 16 + 1024
 
 
-def _hopper_bwd(qd_shared=False, kv_shared=False, rows=64, fused=False):
+def _hopper_bwd(qd_shared=False, kv_shared=False, rows=64):
     """The ``hopper`` value asking ``_fa_fwd`` / ``_fa_bwd`` for given kernels whatever the
-    switches say: the set of the shared-operand ones asked for, the rows a block ("r64" or
-    "r128"), and "fused" for the backward in one kernel."""
-    names = {n for n, on in (("qd", qd_shared), ("kv", kv_shared), ("fused", fused)) if on}
+    switches say: the set of the shared-operand ones asked for and the rows a block ("r64" or
+    "r128")."""
+    names = {n for n, on in (("qd", qd_shared), ("kv", kv_shared)) if on}
     return frozenset(names | {f"r{int(rows)}"})
 
 
@@ -218,8 +212,7 @@ def _hopper_opts(hopper):
     (``_hopper_bwd``), else what FORGE_WGMMA_BWD_SHARED and FORGE_WGMMA_ROWS say."""
     if isinstance(hopper, frozenset):
         return hopper
-    fused = {"fused"} if flags.get("FORGE_WGMMA_BWD") == "fused" else set()
-    return _BWD_SHARED[flags.get("FORGE_WGMMA_BWD_SHARED")] | fused | {
+    return _BWD_SHARED[flags.get("FORGE_WGMMA_BWD_SHARED")] | {
         "r" + flags.get("FORGE_WGMMA_ROWS")}
 
 
@@ -242,10 +235,6 @@ def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop
             sums_kv = (flat[C:], flat[2 * C:], _i32(part.shape[1]))
         dq_args, kv_args = head_q + sums_q + tail, head_kv + sums_kv + tail
         shared = _hopper_opts(hopper)
-        if "fused" in shared and Tk >= Tq:
-            _fa_bwd_fused(q, k, v, out, dout, lse, D, dq, dk, dv, Tq, Tk, bh, tail,
-                          (sums_q[0],) + sums_kv)
-            return
         if "qd" in shared and "r128" in shared:   # 128 rows: the shared-operand kernel only
             name = "flash_bwd_dq_wgmma_qds_r128_bf16_h64"
             if not _set_max_shared("flash_hopper", name, _DQ_R128_SMEM):
@@ -273,26 +262,6 @@ def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop
                 _flash_grid(bh, Tq), _FLASH_THREADS, dq_args + extra)
         _launch("flash_attention", _flash_kernel("flash_bwd_dkdv_bf16_h64", drop is not None),
                 _flash_grid(bh, Tk), _FLASH_THREADS, kv_args + extra)
-
-
-def _fa_bwd_fused(q, k, v, out, dout, lse, D, dq, dk, dv, Tq, Tk, bh, tail, sums):
-    """The wgmma backward in one kernel (``_FUSED_SMEM``'s note): D by flash_bwd_dsum_bf16_h64,
-    then flash_bwd_fused_wgmma_bf16_h64 over a zeroed ticket and counts (one a query block of
-    each head) and a float32 (BH, ceil(Tq / 64) 64, 64) sum of dq. ``sums``: ``(part_q,
-    part_k, part_v, part_ld)`` as ``_fa_bwd`` builds them. Tk >= Tq: key block 0 then sees
-    every query block."""
-    nqb, nkb = -(-Tq // 64), -(-Tk // 64)
-    name = "flash_bwd_fused_wgmma_bf16_h64"
-    if not _set_max_shared("flash_hopper", name, _FUSED_SMEM):
-        raise ShapeError(f"{name} needs {_FUSED_SMEM} bytes of shared memory a block")
-    _launch("flash_hopper", "flash_bwd_dsum_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS,
-            (out, dout, D) + tail)
-    acc = _empty((bh, nqb * 64, 64), F32)
-    sync = _empty((1 + bh * nqb,), np.int32)
-    sync.data.memset_async(0, sync.nbytes)
-    _launch("flash_hopper", name, (bh * nkb,), _FLASH_THREADS,
-            (q, k, v, dout, lse, D, dq, dk, dv, acc, sync) + tuple(sums) + tail,
-            shared=_FUSED_SMEM)
 
 
 def _wgmma(drop=None, hopper=None):
@@ -351,30 +320,29 @@ def _qkv_flash_fwd_hopper(qkv, n_head, scale, rows=None):
 
 
 def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None, qd_shared=False,
-                                kv_shared=False, rows=64, fused=False):
+                                kv_shared=False, rows=64):
     """``_attention_flash_hopper``'s backward: ``(dq, dk, dv)``, whatever the switches say;
     ``qd_shared`` / ``kv_shared``: the dq kernel with q and dout in shared memory / the dk/dv
     kernel with k and v there (false: their operands in registers); ``rows`` 128: the dq
-    kernel of 128 rows a block (with ``qd_shared``); ``fused``: the backward in one kernel
-    (where Tk >= Tq; the options before it then do not apply)."""
+    kernel of 128 rows a block (with ``qd_shared``)."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     out, dout = _like(_c(out), q.dtype), _like(_c(dout), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
     _hopper_check(_flash_wanted(q, k, v, out, dout), "backward")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _attention_bwd_flash(q, k, v, out, _like(_c(lse), F32), dout, scale, Tq, Tk,
-                                hopper=_hopper_bwd(qd_shared, kv_shared, rows, fused))
+                                hopper=_hopper_bwd(qd_shared, kv_shared, rows))
 
 
 def _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale, qd_shared=False, kv_shared=False,
-                          rows=64, sums=False, fused=False):
+                          rows=64, sums=False):
     """``attention_qkv_bwd`` (``(dqkv, its column sums)`` with ``sums``) on the wgmma kernels
     ``_attention_bwd_flash_hopper``'s options name, whatever the switches say."""
     qkv = _c(qkv)
     y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
     _hopper_check(_qkv_flash_ok(qkv, n_head, y, dy), "backward")
     return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale,
-                          hopper=_hopper_bwd(qd_shared, kv_shared, rows, fused), sums=sums)
+                          hopper=_hopper_bwd(qd_shared, kv_shared, rows), sums=sums)
 
 
 def _qkv_flash_ok(qkv, n_head, *others) -> bool:

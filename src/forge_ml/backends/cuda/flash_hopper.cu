@@ -99,15 +99,6 @@ FORGE_D void wg_mma_rs(float (&d)[32], const unsigned (&a)[4], unsigned long lon
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-// d (64 x 64, f32) += A B, A and B both MN-major shared tiles (A's rows are its k: the dS^T
-// tile read as dS), read transposed.
-FORGE_D void wg_mma_ss_tt(float (&d)[32], unsigned long long da, unsigned long long db) {
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WG_REGS32
-                 ", %32, %33, 1, 1, 1, 1, 1;\n"
-                 : WG_D32(d)
-                 : "l"(da), "l"(db));
-}
-
 // Rows r0..r0+63 of an (n, 64) bf16 matrix with row stride ld into a swizzled shared tile;
 // rows >= n become zeros. 512 chunks of 16 bytes, 512 / NT a thread of the NT (thread tid).
 template <int NT = 128>
@@ -389,29 +380,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) flash_fwd_wgmma_r128_bf16_h
 // twice over: K-major for q k^T and dout v^T, MN-major (transposed) for dS k, P^T dout and
 // dS^T q.
 
-// D = rowsum(dout * out) of this thread's rows w0 + g and w0 + g + 8 (every lane of the quad
-// gets them), from dout's A fragments df of the warp's 16 rows and out read at the same
-// positions. The dq kernel's and flash_bwd_dsum_bf16_h64's: the same bits in both.
-FORGE_D void wg_dsum(const unsigned (&df)[4][4], const bf16* O, int w0, int Tq, int g, int t,
-                     int o_ld, float& d_lo, float& d_hi) {
-    unsigned of[4][4];
-    load_a_frags(of, O, w0, Tq, g, t, o_ld);
-    d_lo = 0.f;
-    d_hi = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-#pragma unroll
-        for (int r = 0; r < 4; r += 2) {
-            d_lo += bf16_lo(of[ks][r]) * bf16_lo(df[ks][r]) +
-                    bf16_hi(of[ks][r]) * bf16_hi(df[ks][r]);
-            d_hi += bf16_lo(of[ks][r + 1]) * bf16_lo(df[ks][r + 1]) +
-                    bf16_hi(of[ks][r + 1]) * bf16_hi(df[ks][r + 1]);
-        }
-    }
-    d_lo = quad_sum(d_lo);
-    d_hi = quad_sum(d_hi);
-}
-
 // Block (bh, query rows q0..q0+63), latest rows first; warp w owns rows q0+16w..+15. Writes
 // D = rowsum(dout * out) for its rows (the dk/dv kernel, launched next, reads it) and dq.
 // QD_SHARED = false: q and dout are A fragments in registers; true: shared tiles sQ, sO (the
@@ -464,8 +432,23 @@ FORGE_D void dq_block(DQ_PARAMS, bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64],
     unsigned qf[4][4], df[4][4];
     if constexpr (!QD_SHARED) load_a_frags(qf, q + qb_, w0, Tq, g, t, q_ld);
     load_a_frags(df, dout + ob, w0, Tq, g, t, o_ld);  // for D; with QD_SHARED not kept
-    float d_lo, d_hi;
-    wg_dsum(df, out + ob, w0, Tq, g, t, o_ld, d_lo, d_hi);
+    float d_lo = 0.f, d_hi = 0.f;
+    {
+        unsigned of[4][4];  // out at the same positions as df: D is a dot product of the two
+        load_a_frags(of, out + ob, w0, Tq, g, t, o_ld);
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+            for (int r = 0; r < 4; r += 2) {
+                d_lo += bf16_lo(of[ks][r]) * bf16_lo(df[ks][r]) +
+                        bf16_hi(of[ks][r]) * bf16_hi(df[ks][r]);
+                d_hi += bf16_lo(of[ks][r + 1]) * bf16_lo(df[ks][r + 1]) +
+                        bf16_hi(of[ks][r + 1]) * bf16_hi(df[ks][r + 1]);
+            }
+        }
+    }
+    d_lo = quad_sum(d_lo);
+    d_hi = quad_sum(d_hi);
     float l2_lo = 0.f, l2_hi = 0.f;  // lse in log2 units
     {
         const float* L = lse + bh * Tq;
@@ -709,251 +692,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) flash_bwd_dkdv_wgmma_kvs_bf
     Rows& sL = *reinterpret_cast<Rows*>(dkdv_smem + 3 * sizeof(Tiles));
     Rows& sD = *reinterpret_cast<Rows*>(dkdv_smem + 3 * sizeof(Tiles) + sizeof(Rows));
     dkdv_block<true>(DKDV_ARGS, sQ, sO, sL, sD, sK, sV);
-}
-
-// ---- the backward in one kernel (attention.py: FORGE_WGMMA_BWD=fused) ----------------------
-// The dk/dv kernel above (k and v shared) that also makes dq, after FlashAttention-2 and -3:
-// each tile pair's dS goes through shared memory (the block holds its transpose) to a fifth
-// product, the pair's share of dq, dS k, over the pair's 64 query rows. The shares of one
-// query block are added in float32 in global memory (dq_acc) in a fixed order, so dq has the
-// same bits on every run: the query block's last key block (its diagonal) stores its share,
-// each key block below it adds its own once the one above has (a count per query block,
-// which thread 0 waits on with acquire loads), and key block 0, last, adds its share in
-// registers and writes dq in bf16 (and dq's column sums). So no dq kernel, whose S and dP
-// products repeated the dk/dv kernel's; D = rowsum(dout * out) comes from
-// flash_bwd_dsum_bf16_h64, launched before, with the dq kernel's arithmetic (dk and dv keep
-// the split kernels' bits; dq is summed in another order, within rounding of theirs).
-// A block takes its (bh, key block) from a ticket counter (sync[0]), each head's key blocks
-// from the last to the first, and waits only on blocks of earlier tickets, which are running
-// or done: no wait outlasts the blocks it waits on, whatever order the hardware starts blocks
-// in. And since a head's blocks start together, key block kb + 1 has added its share of query
-// block qb an iteration before key block kb needs it (iteration i of key block kb is query
-// block kb + i below the diagonal), so the waits are short. Tk >= Tq only (attention.py):
-// then key block 0 sees every query block.
-// dq_acc: float32 (BH, ceil(Tq / 64) 64, 64); sync: 1 + BH ceil(Tq / 64) zeros.
-#define FUSED_PARAMS                                                                             \
-    const bf16 *__restrict__ q, const bf16 *__restrict__ k, const bf16 *__restrict__ v,          \
-        const bf16 *__restrict__ dout, const float *__restrict__ lse,                            \
-        const float *__restrict__ Dsum, bf16 *__restrict__ dq, bf16 *__restrict__ dk,            \
-        bf16 *__restrict__ dv, float *__restrict__ dq_acc, int *__restrict__ sync,               \
-        float *__restrict__ part_q, float *__restrict__ part_k, float *__restrict__ part_v,      \
-        int part_ld, WG_SHAPE_PARAMS
-
-// D for the one-kernel backward: block (bh, rows 64 y..), warp w rows 64 y + 16 w..+15, as
-// the dq kernel computes it.
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_dsum_bf16_h64(
-    const bf16* __restrict__ out, const bf16* __restrict__ dout, float* __restrict__ Dsum,
-    WG_SHAPE_PARAMS) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const long long bh = blockIdx.x;
-    const int w0 = (int)blockIdx.y * 64 + 16 * warp;
-    const long long ob = head_base(bh, H, o_sb, o_sh);
-    unsigned df[4][4];
-    load_a_frags(df, dout + ob, w0, Tq, g, t, o_ld);
-    float d_lo, d_hi;
-    wg_dsum(df, out + ob, w0, Tq, g, t, o_ld, d_lo, d_hi);
-    float* D = Dsum + bh * Tq;
-    if (t == 0) {
-        if (w0 + g < Tq) D[w0 + g] = d_lo;
-        if (w0 + g + 8 < Tq) D[w0 + g + 8] = d_hi;
-    }
-}
-
-FORGE_D void wg_ss4_tt(float (&d)[32], unsigned long long da, unsigned long long db) {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-        wg_mma_ss_tt(d, da + (kk * WG_MN_STEP >> 4), db + (kk * WG_MN_STEP >> 4));
-}
-
-FORGE_D int ld_acquire_gpu(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-FORGE_D void red_add_f32x2(float* p, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
-}
-
-// dynamic shared memory: sQ[2], sO[2], sK, sV, sS (8 KiB tiles), sL[2][64], sD[2][64],
-// 512 floats for the column sums (dk's and dv's, one after the other, each its own 256), the
-// ticket; 1 KiB to align the tiles (attention.py's _FUSED_SMEM)
-extern "C" __global__ void __launch_bounds__(128, 3) flash_bwd_fused_wgmma_bf16_h64(FUSED_PARAMS) {
-    extern __shared__ unsigned char fz_smem_raw[];
-    unsigned char* fz = fz_smem_raw + ((1024 - (smem_u32(fz_smem_raw) & 1023)) & 1023);
-    typedef bf16 Tiles[2][64 * 64];
-    typedef float Rows[2][64];
-    Tiles& sQ = *reinterpret_cast<Tiles*>(fz);
-    Tiles& sO = *reinterpret_cast<Tiles*>(fz + sizeof(Tiles));
-    bf16* sK = reinterpret_cast<bf16*>(fz + 2 * sizeof(Tiles));
-    bf16* sV = sK + 64 * 64;
-    bf16* sS = sV + 64 * 64;  // dS^T of the tile pair: row = key, 64 queries
-    Rows& sL = *reinterpret_cast<Rows*>(fz + 2 * sizeof(Tiles) + 3 * 8192);
-    Rows& sD = *reinterpret_cast<Rows*>(fz + 2 * sizeof(Tiles) + 3 * 8192 + sizeof(Rows));
-    float* red = reinterpret_cast<float*>(fz + 2 * sizeof(Tiles) + 3 * 8192 + 2 * sizeof(Rows));
-    int* ticket = reinterpret_cast<int*>(red + 512);
-
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int nkb = (Tk + 63) / 64, nqb = (Tq + 63) / 64;
-    if (tid == 0) *ticket = atomicAdd(sync, 1);
-    __syncthreads();
-    const int job = *ticket;
-    const long long bh = job / nkb;
-    const int kb = nkb - 1 - (job - (int)bh * nkb);
-    const int k0 = kb * 64;
-    const int off = Tk - Tq;
-    const bf16* Q = q + head_base(bh, H, q_sb, q_sh);
-    const bf16* dO = dout + head_base(bh, H, o_sb, o_sh);
-    const long long kvb = head_base(bh, H, kv_sb, kv_sh);
-    const float* L = lse + bh * Tq;
-    const float* D = Dsum + bh * Tq;
-    const float sl2 = scale * FORGE_LOG2E;
-    const int w0 = k0 + 16 * warp;
-    const int j_lo = w0 + g, j_hi = j_lo + 8;
-    const int qb0 = max(0, k0 - off) / 64;
-    int* count = sync + 1 + bh * nqb;
-    float* accb = dq_acc + bh * (long long)nqb * 4096;
-
-    auto stage = [&](int qb, int buf) {
-        const int r0 = qb * 64;
-        wg_load_tile(sQ[buf], Q, r0, Tq, tid, q_ld);
-        wg_load_tile(sO[buf], dO, r0, Tq, tid, o_ld);
-        cp_async_commit();
-        if (tid < 64) {
-            const int i = r0 + tid;
-            sL[buf][tid] = (i < Tq) ? L[i] * FORGE_LOG2E : 0.f;
-            sD[buf][tid] = (i < Tq) ? D[i] : 0.f;
-        }
-    };
-    stage(qb0, 0);
-    wg_load_tile(sK, k + kvb, k0, Tk, tid, kv_ld);
-    wg_load_tile(sV, v + kvb, k0, Tk, tid, kv_ld);
-    cp_async_commit();
-
-    float dka[32], dva[32];
-    wg_zero(dka);
-    wg_zero(dva);
-    char* sSb = reinterpret_cast<char*>(sS);
-    const int rl = 16 * warp + g;  // this thread's key rows rl, rl + 8 of the tile pair
-
-    for (int qb = qb0; qb < nqb; ++qb) {
-        const int buf = (qb - qb0) & 1;
-        if (qb + 1 < nqb) {
-            stage(qb + 1, buf ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        fence_async_smem();
-        __syncthreads();
-
-        float p[32], ds[32];
-        wg_zero(p);
-        wg_zero(ds);
-        wg_fence();
-        wg_ss4(p, wg_desc(sK, WG_K_LBO, WG_K_SBO), wg_desc(sQ[buf], WG_K_LBO, WG_K_SBO));
-        wg_ss4(ds, wg_desc(sV, WG_K_LBO, WG_K_SBO), wg_desc(sO[buf], WG_K_LBO, WG_K_SBO));
-        wg_commit();
-        wg_wait0();
-
-        const int q0 = qb * 64;
-        const bool edge = w0 + 15 > q0 + off || q0 + 64 > Tq;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = 8 * nt + 2 * t + (e & 1);
-                const int i = q0 + c;
-                const int j = (e < 2) ? j_lo : j_hi;
-                const bool masked = edge && (j > i + off || i >= Tq);
-                const int x = 4 * nt + e;
-                const float pe = masked ? 0.f : wg_exp2(fmaf(p[x], sl2, -sL[buf][c]));
-                p[x] = pe;
-                ds[x] = pe * (ds[x] - sD[buf][c]);
-            }
-        unsigned pa[4][4], da[4][4];
-        wg_pack_a(pa, p);
-        wg_pack_a(da, ds);
-        // dS^T into sS, rows rl and rl + 8, the 128-byte swizzle (rl & 7 == (rl + 8) & 7)
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const int c0 = ((2 * kk) ^ (rl & 7)) << 4, c1 = ((2 * kk + 1) ^ (rl & 7)) << 4;
-            *reinterpret_cast<unsigned*>(sSb + rl * 128 + c0 + 4 * t) = da[kk][0];
-            *reinterpret_cast<unsigned*>(sSb + (rl + 8) * 128 + c0 + 4 * t) = da[kk][1];
-            *reinterpret_cast<unsigned*>(sSb + rl * 128 + c1 + 4 * t) = da[kk][2];
-            *reinterpret_cast<unsigned*>(sSb + (rl + 8) * 128 + c1 + 4 * t) = da[kk][3];
-        }
-        fence_async_smem();
-        __syncthreads();
-        float dqa[32];
-        wg_zero(dqa);
-        wg_fence();
-        wg_rs4_t(dva, pa, wg_desc(sO[buf], WG_MN_LBO, WG_MN_SBO));  // dv += P^T dout
-        wg_rs4_t(dka, da, wg_desc(sQ[buf], WG_MN_LBO, WG_MN_SBO));  // dk += dS^T q
-        wg_ss4_tt(dqa, wg_desc(sS, WG_MN_LBO, WG_MN_SBO), wg_desc(sK, WG_MN_LBO, WG_MN_SBO));  // dS k
-        wg_commit();
-        wg_wait0();
-
-        // this pair's share of dq: rows q0 + rl (elements 4nt, 4nt+1) and q0 + rl + 8, columns
-        // 8nt + 2t, +1, in the order of the key blocks from the diagonal down
-        const int kmax = min(nkb - 1, (q0 + 63 + off) / 64);
-        float* lo = accb + (long long)(q0 + rl) * 64 + 2 * t;
-        float* hi = lo + 8 * 64;
-        if (kb < kmax) {
-            if (tid == 0)
-                while (ld_acquire_gpu(count + qb) < kmax - kb) {
-                }
-            __syncthreads();
-        }
-        if (kb == 0) {
-            if (kmax > 0) {
-#pragma unroll
-                for (int nt = 0; nt < 8; ++nt) {
-                    const float2 a = __ldcg(reinterpret_cast<const float2*>(lo + 8 * nt));
-                    const float2 b = __ldcg(reinterpret_cast<const float2*>(hi + 8 * nt));
-                    dqa[4 * nt] = a.x + dqa[4 * nt];
-                    dqa[4 * nt + 1] = a.y + dqa[4 * nt + 1];
-                    dqa[4 * nt + 2] = b.x + dqa[4 * nt + 2];
-                    dqa[4 * nt + 3] = b.y + dqa[4 * nt + 3];
-                }
-            }
-            wg_store_rows(dq + head_base(bh, H, q_sb, q_sh), dqa, q0 + rl, Tq, scale, scale, t,
-                          q_ld);
-            if (part_ld > 0) {
-                const int b = (int)bh / H, h = (int)bh - b * H;
-                wg_colsum_rows(part_q + ((long long)b * nqb + qb) * part_ld + 64 * h, true, red,
-                               dqa, q0 + rl, Tq, scale, t, warp, lane, tid);
-            }
-        } else {
-            if (kb == kmax) {
-#pragma unroll
-                for (int nt = 0; nt < 8; ++nt) {
-                    __stcg(reinterpret_cast<float2*>(lo + 8 * nt), make_float2(dqa[4 * nt], dqa[4 * nt + 1]));
-                    __stcg(reinterpret_cast<float2*>(hi + 8 * nt), make_float2(dqa[4 * nt + 2], dqa[4 * nt + 3]));
-                }
-            } else {
-#pragma unroll
-                for (int nt = 0; nt < 8; ++nt) {
-                    red_add_f32x2(lo + 8 * nt, dqa[4 * nt], dqa[4 * nt + 1]);
-                    red_add_f32x2(hi + 8 * nt, dqa[4 * nt + 2], dqa[4 * nt + 3]);
-                }
-            }
-            __syncthreads();  // every thread's share issued
-            if (tid == 0) {
-                __threadfence();
-                atomicAdd(count + qb, 1);
-            }
-        }
-        __syncthreads();
-    }
-    wg_store_rows(dk + kvb, dka, j_lo, Tk, scale, scale, t, kv_ld);
-    wg_store_rows(dv + kvb, dva, j_lo, Tk, 1.f, 1.f, t, kv_ld);
-    if (part_ld > 0) {
-        const int b = (int)bh / H, h = (int)bh - b * H;
-        const long long at = ((long long)b * ((Tk + 63) / 64) + k0 / 64) * part_ld + 64 * h;
-        wg_colsum_rows(part_k + at, true, red, dka, j_lo, Tk, scale, t, warp, lane, tid);
-        wg_colsum_rows(part_v + at, true, red + 256, dva, j_lo, Tk, 1.f, t, warp, lane, tid);
-    }
 }
 
 #endif  // sm_90a
