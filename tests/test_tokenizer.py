@@ -275,6 +275,23 @@ def test_encode_array_is_encode_in_a_compact_array(kind):
             tok.encode_array("To \u03a9", chunk=2)
 
 
+def test_a_tokenizer_dict_with_a_key_its_kind_does_not_know_is_refused_not_dropped():
+    """A hand-edited tokenizer.json with a misspelt key ({"kind": "gpt2", "eos_token": 5}, meant
+    as eos_token_id) ran with GPT-2's default stop token in silence; the "hf" kind refused such
+    keys, "char" and "gpt2" dropped them. Every key their to_dict writes still loads."""
+    with pytest.raises(TokenizerError, match=r"gpt2 tokenizer dict: unknown keys \['eos_token'\]"):
+        tokenizer_from_dict({"kind": "gpt2", "eos_token": 5})
+    with pytest.raises(TokenizerError, match=r"char tokenizer dict: unknown keys \['char'\]; "
+                                             r"expected \['chars', 'kind'\]"):
+        tokenizer_from_dict({"kind": "char", "chars": "ab", "char": "abc"})
+    full = GPT2Tokenizer(added={"<|pad|>": 50257}, add_prefix_space=True,
+                         roles={"pad_token": "<|pad|>"}, eos_token_id=[50256, 50257])
+    d = json.loads(json.dumps(full.to_dict()))
+    assert sorted(d) == sorted(tk._GPT2_KEYS)
+    again = tokenizer_from_dict(d)
+    assert again.to_dict() == full.to_dict()
+
+
 def test_gpt2_roles_that_are_not_a_dict_are_a_tokenizer_error():
     """A tokenizer.json of ``{"kind": "gpt2", "roles": 5}`` was a TypeError traceback from
     ``forge-ml train --data FOLDER`` (dict(5))."""

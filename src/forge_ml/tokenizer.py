@@ -269,6 +269,7 @@ class CharTokenizer:
             raise TokenizerError(f"CharTokenizer.from_dict: expected {{'kind': 'char', 'chars': ...}}, got {d!r:.200}")
         if "chars" not in d:
             raise TokenizerError("CharTokenizer.from_dict: the dict has no 'chars' key")
+        _known_keys("char", d, ("kind", "chars"))
         return cls(d["chars"])
 
     def __repr__(self) -> str:
@@ -1285,6 +1286,25 @@ def _char_alphabet(d):
     return "".join(sorted(vocab, key=vocab.get))
 
 
+# the keys GPT2Tokenizer.to_dict writes (every version of it): tokenizer_from_dict takes these
+_GPT2_KEYS = ("kind", "added", "add_prefix_space", "roles", "eos_token_id")
+
+
+def _known_keys(kind: str, d: dict, known) -> None:
+    """A tokenizer dict of ``kind`` holds only the keys its ``to_dict`` writes: a key it does
+    not know (a typo in a hand-edited tokenizer.json, or a newer forge-ml's setting) is refused
+    rather than dropped, as the "hf" kind's are.
+
+    >>> _known_keys("char", {"kind": "char", "chars": "ab", "unk": "?"}, ("kind", "chars"))
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.TokenizerError: char tokenizer dict: unknown keys ['unk']; expected ['chars', 'kind']
+    """
+    extra = sorted(str(k) for k in d if k not in known)
+    if extra:
+        raise TokenizerError(f"{kind} tokenizer dict: unknown keys {extra}; expected {sorted(known)}")
+
+
 def tokenizer_from_dict(d: dict):
     """Rebuild a tokenizer from its ``to_dict()``.
 
@@ -1297,6 +1317,7 @@ def tokenizer_from_dict(d: dict):
     if kind == "char":
         return CharTokenizer.from_dict(d)
     if kind == "gpt2":
+        _known_keys("gpt2", d, _GPT2_KEYS)
         return GPT2Tokenizer(added=d.get("added"), add_prefix_space=d.get("add_prefix_space", False),
                              roles=d.get("roles"), eos_token_id=d.get("eos_token_id"))
     if kind == "hf":
