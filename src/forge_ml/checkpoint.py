@@ -612,9 +612,19 @@ def unpack_tensors(tensors: dict) -> tuple[dict, dict, dict]:
 # Save / load
 
 
+def is_path(v) -> bool:
+    """Whether ``v`` can name a folder: a str or os.PathLike, not empty or blank (None, a
+    number or '' met Python's TypeError or the current folder further in).
+
+    >>> is_path("runs/a"), is_path(Path("ckpt")), is_path(""), is_path(None)
+    (True, True, False, False)
+    """
+    return isinstance(v, (str, os.PathLike)) and bool(str(v).strip())
+
+
 def _check_path(op: str, dir) -> None:
-    """A folder path (str or os.PathLike), not empty (None gave Python's TypeError)."""
-    if not isinstance(dir, (str, os.PathLike)) or not str(dir).strip():
+    """A folder path (``is_path``), else a CheckpointError naming ``op``."""
+    if not is_path(dir):
         raise CheckpointError(f"{op}: the checkpoint folder must be a path (str or Path), got "
                               f"{type(dir).__name__} {dir!r:.40}")
 

@@ -59,6 +59,17 @@ class DataWriteError(DataError, OSError):
     (True, True)
     """
 
+    @classmethod
+    def of(cls, path, e: OSError) -> "DataWriteError":
+        """The error for ``e``, raised writing ``path``: its message names both, its errno is e's.
+
+        >>> DataWriteError.of("out/train.bin", PermissionError(13, "Permission denied")).errno
+        13
+        """
+        err = cls(cannot_write(path, e))
+        err.errno = e.errno
+        return err
+
 
 def _atomic_write_bytes(path: Path, chunks) -> None:
     """Write ``chunks`` (bytes-like objects) to a temporary file next to ``path``, fsync it and
@@ -129,9 +140,7 @@ def _atomic_write_files(files) -> None:
             except OSError:
                 pass
         if isinstance(e, OSError):
-            err = DataWriteError(cannot_write(path, e))
-            err.errno = e.errno
-            raise err from e
+            raise DataWriteError.of(path, e) from e
         raise
 
 
@@ -596,9 +605,7 @@ def write_prepared(out_dir, train, val, tok) -> dict:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        err = DataWriteError(cannot_write(out, e))
-        err.errno = e.errno
-        raise err from None
+        raise DataWriteError.of(out, e) from None
     _atomic_write_files([(out / "train.bin", _shard_bytes(out / "train.bin", train)),
                          (out / "val.bin", _shard_bytes(out / "val.bin", val)),
                          (out / "tokenizer.json", [json.dumps(tok.to_dict(), indent=1).encode("utf-8")])])

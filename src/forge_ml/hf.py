@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import atomic_directory, check_architecture, is_own_output, write_safetensors
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -561,8 +561,7 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
     missing = [k for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd") if k not in config]
     if missing:
         raise CheckpointError(f"save_hf_gpt2: config lacks {missing}")
-    from .errors import ConfigError
-    from .models.gpt2 import GPT2Config
+    from .models.gpt2 import GPT2Config   # (the model's module, only when saving)
     try:   # GPT2Config's checks: n_head 3 of n_embd 4, a vocab_size 0, wrote a folder nothing loads
         GPT2Config.from_dict({f.name: config[f.name] for f in dataclasses.fields(GPT2Config)
                               if config.get(f.name) is not None})

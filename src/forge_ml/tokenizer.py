@@ -129,6 +129,21 @@ def _token_ids(ids, who: str):
         yield pos, int(i)
 
 
+def _known_keys(owner: str, d: dict, known) -> None:
+    """A tokenizer dict holds only the keys its kind's ``to_dict`` writes: a key it does not
+    know (a typo in a hand-edited tokenizer.json, or a newer forge-ml's setting) is refused,
+    naming ``owner``, rather than dropped (every kind: char, gpt2, hf).
+
+    >>> _known_keys("char tokenizer dict", {"kind": "char", "chars": "ab", "unk": "?"}, ("kind", "chars"))
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.TokenizerError: char tokenizer dict: unknown keys ['unk']; expected ['chars', 'kind']
+    """
+    extra = sorted(str(k) for k in d if k not in known)
+    if extra:
+        raise TokenizerError(f"{owner}: unknown keys {extra}; expected {sorted(known)}")
+
+
 class CharTokenizer:
     """One id per character of a fixed alphabet; ids follow the order of ``chars``.
 
@@ -269,7 +284,7 @@ class CharTokenizer:
             raise TokenizerError(f"CharTokenizer.from_dict: expected {{'kind': 'char', 'chars': ...}}, got {d!r:.200}")
         if "chars" not in d:
             raise TokenizerError("CharTokenizer.from_dict: the dict has no 'chars' key")
-        _known_keys("char", d, ("kind", "chars"))
+        _known_keys("char tokenizer dict", d, ("kind", "chars"))
         return cls(d["chars"])
 
     def __repr__(self) -> str:
@@ -960,10 +975,8 @@ class HFTokenizer:
         if not isinstance(spec, dict) or spec.get("kind") != "hf" or not isinstance(spec.get("tokenizer"), dict):
             raise TokenizerError(f"HFTokenizer: expected {{'kind': 'hf', 'tokenizer': <tokenizer.json>, ...}}, "
                                  f"got {spec!r:.120}")
-        known = {"kind", "tokenizer", "eos_token_id", "bos_token_id", "roles", "clean_up_tokenization_spaces",
-                 "split_special_tokens"}
-        if set(spec) - known:
-            raise TokenizerError(f"HFTokenizer: unknown keys {sorted(set(spec) - known)}; expected {sorted(known)}")
+        _known_keys("HFTokenizer", spec, ("kind", "tokenizer", "eos_token_id", "bos_token_id", "roles",
+                                          "clean_up_tokenization_spaces", "split_special_tokens"))
         tk = _tokenizers()       # (the library runs every encode: its absence said here)
         text = json.dumps(spec["tokenizer"])
         built = spec.built if isinstance(spec, _HFSpec) else None
@@ -1290,21 +1303,6 @@ def _char_alphabet(d):
 _GPT2_KEYS = ("kind", "added", "add_prefix_space", "roles", "eos_token_id")
 
 
-def _known_keys(kind: str, d: dict, known) -> None:
-    """A tokenizer dict of ``kind`` holds only the keys its ``to_dict`` writes: a key it does
-    not know (a typo in a hand-edited tokenizer.json, or a newer forge-ml's setting) is refused
-    rather than dropped, as the "hf" kind's are.
-
-    >>> _known_keys("char", {"kind": "char", "chars": "ab", "unk": "?"}, ("kind", "chars"))
-    Traceback (most recent call last):
-    ...
-    forge_ml.errors.TokenizerError: char tokenizer dict: unknown keys ['unk']; expected ['chars', 'kind']
-    """
-    extra = sorted(str(k) for k in d if k not in known)
-    if extra:
-        raise TokenizerError(f"{kind} tokenizer dict: unknown keys {extra}; expected {sorted(known)}")
-
-
 def tokenizer_from_dict(d: dict):
     """Rebuild a tokenizer from its ``to_dict()``.
 
@@ -1317,7 +1315,7 @@ def tokenizer_from_dict(d: dict):
     if kind == "char":
         return CharTokenizer.from_dict(d)
     if kind == "gpt2":
-        _known_keys("gpt2", d, _GPT2_KEYS)
+        _known_keys("gpt2 tokenizer dict", d, _GPT2_KEYS)
         return GPT2Tokenizer(added=d.get("added"), add_prefix_space=d.get("add_prefix_space", False),
                              roles=d.get("roles"), eos_token_id=d.get("eos_token_id"))
     if kind == "hf":

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import os  # (the doctests use it)
 from pathlib import Path
 
-from ..checkpoint import load_checkpoint, unpack_tensors
+from ..checkpoint import is_path, load_checkpoint, unpack_tensors
 from ..errors import CheckpointError, ConfigError, TokenizerError
 from ..hf import HF_TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE  # (HF_TOKENIZER_FILE: a non-GPT-2 tokenizer kept in an exported HF folder)
 from ..models.gpt2 import GPT2, GPT2Config
@@ -87,7 +87,7 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
     >>> tok.vocab_size, meta["step"]
     (4, 1)
     """
-    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+    if not is_path(path):
         raise ConfigError(f"load_model: path must be a checkpoint, run or Hugging Face folder "
                           f"(a str or a Path), got {path!r:.60}")
     p = resolve_checkpoint(path)
