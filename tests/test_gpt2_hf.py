@@ -1,6 +1,8 @@
 """Peer test: forge-ml's GPT-2 against Hugging Face transformers on the same random weights
 (float32, CPU): logits, loss, every parameter gradient, greedy generation with the KV cache,
 and the export back to a directory transformers loads."""
+import json
+
 import numpy as np
 import pytest
 
@@ -122,3 +124,32 @@ def test_export_reloads_in_transformers(pair, tmp_path):
         np.testing.assert_array_equal(back(ids).logits.numpy(), theirs(ids).logits.numpy())
     for name, p in theirs.state_dict().items():
         assert torch.equal(back.state_dict()[name], p), name
+
+
+def test_a_layer_norm_epsilon_of_zero_imports_runs_and_exports(tmp_path):
+    """transformers runs a GPT-2 whose config.json says layer_norm_epsilon 0 (its LayerNorm
+    takes eps=0), and GPT2Config takes layernorm_eps 0; the import refused it as not positive.
+    The logits match transformers' at eps 0 (not at the default 1e-5: the layer norms' inputs
+    here have a tiny variance, so the two differ), and an export writes 0 back."""
+    torch.manual_seed(5)
+    hcfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=V, n_positions=16,
+                                   layer_norm_epsilon=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                   attn_pdrop=0.0)
+    theirs = transformers.GPT2LMHeadModel(hcfg).float().eval()
+    with torch.no_grad():   # embeddings of a tiny spread: eps 1e-5 would move every layer norm
+        theirs.transformer.wte.weight.normal_(0.0, 3e-3)
+        theirs.transformer.wpe.weight.normal_(0.0, 3e-3)
+    theirs.save_pretrained(tmp_path / "hf")
+    cfg_dict, params = hf.load_hf_gpt2(tmp_path / "hf")
+    assert cfg_dict["layernorm_eps"] == 0.0
+    ours = GPT2.from_state_dict(GPT2Config.from_dict(cfg_dict), params)
+    ids = ids_batch((2, 8), seed=6)
+    with torch.no_grad():
+        want = theirs(torch.from_numpy(ids)).logits.numpy()
+    got = ours.logits(fm.tensor(ids)).numpy()[..., :V]
+    assert_close(got, want, 1e-4, "logits at eps 0")
+    default = GPT2.from_state_dict(GPT2Config.from_dict(dict(cfg_dict, layernorm_eps=1e-5)), params)
+    far = np.abs(default.logits(fm.tensor(ids)).numpy()[..., :V] - want).max()
+    assert far > 1e-2 * np.abs(want).max()     # the check above can tell the two apart
+    hf.save_hf_gpt2(tmp_path / "out", ours.config.to_dict(), ours.state_dict())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["layer_norm_epsilon"] == 0.0

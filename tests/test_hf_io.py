@@ -405,9 +405,10 @@ def test_transformers_other_names_of_the_sizes_are_read_as_it_reads_them(saved, 
 
 
 @pytest.mark.parametrize("over,match", [
-    ({"layer_norm_epsilon": None}, "positive number 'layer_norm_epsilon', got None"),
-    ({"layer_norm_epsilon": "1e-5"}, "positive number 'layer_norm_epsilon', got '1e-5'"),
-    ({"layer_norm_epsilon": -1e-5}, "positive number 'layer_norm_epsilon', got -1e-05"),
+    ({"layer_norm_epsilon": None}, "number >= 0 for 'layer_norm_epsilon', got None"),
+    ({"layer_norm_epsilon": "1e-5"}, "number >= 0 for 'layer_norm_epsilon', got '1e-5'"),
+    ({"layer_norm_epsilon": float("nan")}, "number >= 0 for 'layer_norm_epsilon', got nan"),
+    ({"layer_norm_epsilon": -1e-5}, "number >= 0 for 'layer_norm_epsilon', got -1e-05"),
     ({"tie_word_embeddings": "false"}, "true or false for 'tie_word_embeddings', got 'false'"),
     ({"scale_attn_weights": None}, "true or false for 'scale_attn_weights', got None"),
     ({"n_layer": True}, "positive integer 'n_layer', got True"),

@@ -323,8 +323,8 @@ def _forge_config(hf: dict, path: Path, padded_vocab: int | None) -> dict:
         if key in hf and not isinstance(hf[key], bool):  # a string "false" would read as true
             raise CheckpointError(f"{path}: expected true or false for {key!r}, got {hf[key]!r}")
     eps = hf.get("layer_norm_epsilon", 1e-5)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
-        raise CheckpointError(f"{path}: expected a positive number 'layer_norm_epsilon', got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise CheckpointError(f"{path}: expected a number >= 0 for 'layer_norm_epsilon', got {eps!r}")
     C, H = hf["n_embd"], hf["n_head"]
     if C % H:
         raise CheckpointError(f"{path}: n_embd={C} is not divisible by n_head={H}")
