@@ -21,7 +21,10 @@ passing its wait (programmatic dependent launch's hand-over); the per-op table i
 per head (the choice ``_decode_split`` makes is marked), with the cache bytes it reads.
 
     python benchmarks/decode_gpu.py [--dtype float32|bf16] [--pos 200] [--batch 1] [--stages]
-                                    [--splits] [--fused off|on|layers] [--trace]
+                                    [--splits] [--fused off|on|layers] [--trace] [--roof]
+
+``--roof`` adds the device's read bandwidth over the LM head's bytes (a plain sum and a copy of
+an array of its shape and dtype), the bound for the head's logit rows.
 
 ``--fused on`` or ``layers`` times the step's rows (the replay, a call, the greedy chain) with
 the step as one kernel or as two kernels a layer (``decode_layers.cu``).
@@ -216,6 +219,22 @@ def layers_trace(cp, mod, step, L, reps):
           f"{step_ns / reps / 1e3:.1f} us")
 
 
+def head_roof(cp, head, reps):
+    """Print the read bandwidth of a plain sum (CUB's reduction, reading each byte once) and a
+    copy over an array of the LM head's shape and dtype: what the head's logit rows (the same
+    bytes, read once a token) could reach on this device."""
+    x = cp.asarray(head._data)
+    if x.dtype.itemsize == 2:          # bf16 (ml_dtypes, no arithmetic in CuPy): its 2-byte words
+        x = x.view(cp.uint16)
+    y = cp.empty_like(x)
+    nbytes = x.nbytes
+    sum_ms = events_ms(cp, lambda: x.sum(dtype=cp.float32), reps)
+    copy_ms = events_ms(cp, lambda: cp.copyto(y, x), reps)
+    print(f"the LM head's bytes ({nbytes / 1e6:.1f} MB, {x.dtype}): a sum reads them in "
+          f"{sum_ms * 1e3:.1f} us ({nbytes / sum_ms / 1e9:.2f} TB/s); a copy in "
+          f"{copy_ms * 1e3:.1f} us ({nbytes / copy_ms / 1e9:.2f} TB/s read, as much written)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bf16"])
@@ -234,6 +253,10 @@ def main(argv=None):
     ap.add_argument("--trace", action="store_true",
                     help="with --fused layers: each phase of the layers step's kernels, from "
                          "decode_layers.cu built with its marks (DL_TRACE)")
+    ap.add_argument("--roof", action="store_true",
+                    help="also the device's read bandwidth over the LM head's bytes: a plain "
+                         "sum and a copy of an array of the head's size and dtype (the bound "
+                         "the head kernel's logit rows are measured against)")
     a = ap.parse_args(argv)
     if a.trace and (a.fused != "layers" or a.batch != 1):
         ap.error("--trace times the layers step: give --fused layers (batch 1)")
@@ -305,6 +328,8 @@ def main(argv=None):
           f"FORGE_FUSED_DECODE={a.fused}")
     for name, ms in rows:
         print(f"  {ms * 1e3:9.1f} us  {name}")
+    if a.roof:
+        head_roof(cp, P["wte.weight"], a.reps)
     if traced is not None:
         return   # the phases only (the per-op rows would time the marked build)
 

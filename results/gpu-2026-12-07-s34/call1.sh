@@ -40,7 +40,7 @@ if [ $((SECONDS - t0)) -lt $((L - 140)) ]; then
 fi
 if [ $((SECONDS - t0)) -lt $((L - 100)) ]; then
   # where the bf16 batch-1 token's time goes on this machine (the last trace is an H100's)
-  PYTHONPATH=$PWD/src timeout 40 python3 benchmarks/decode_gpu.py --dtype bf16 --pos 1000 --fused layers --trace 2>&1 | tail -22
+  PYTHONPATH=$PWD/src timeout 40 python3 benchmarks/decode_gpu.py --dtype bf16 --pos 1000 --fused layers --trace --roof 2>&1 | tail -23
   echo "($((SECONDS - t0)) s)"
 fi
 if [ $((SECONDS - t0)) -lt $((L - 60)) ]; then
