@@ -10,12 +10,10 @@
 # Few files under $OUT (the device tool returns a limited count): figures are printed.
 set -u
 OUT=${OUT:-/tmp/s34c1}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/forge_site .whl/serve/*.whl >/dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 t0=$SECONDS
-L=${LIMIT:-540}   # the call's own budget in seconds (a shorter call: LIMIT=400)
-B=/tmp/dk; rm -rf $B; mkdir -p $B; cp -r src tests benchmarks scripts README.md pyproject.toml conftest.py $B/
-(cd $B && git apply "$OLDPWD/results/gpu-2026-12-07-s33/s33-dkdv128.diff") && echo "branch applied"
+L=${LIMIT:-540}   # the call's own budget in seconds (a shorter call: LIMIT=400; about 150: the tests and one trainer run)
+B=/tmp/dk; . results/gpu-2026-12-07-s34/branch.sh
 export PYTHONPATH=$B/src:/tmp/forge_site
 (cd $B && timeout $((L < 300 ? L / 2 : 150)) python3 -m pytest -q -x -p no:cacheprovider -n 4 tests/test_cuda_flash_hopper.py \
     -k "dkdv_128" > /tmp/dkdv_tests.log 2>&1; echo "dkdv tests rc=$?"; tail -2 /tmp/dkdv_tests.log)

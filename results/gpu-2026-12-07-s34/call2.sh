@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The second call on the same warm machine (after next_call.sh of s33; carry .whl and .data):
+# The second call on the same warm machine (after call1.sh; carry .whl and .data):
 #   bash results/gpu-2026-12-07-s34/call2.sh
 # The dk/dv kernel of 128 keys a block (s33-dkdv128.diff) as the default would run it:
 # FORGE_WGMMA_DKDV=r128h exported on a copy of the tree with the diff applied,
@@ -8,9 +8,7 @@
 # 2. the trainer's other rows (B=16, T=4096 B=8, medium B=16) with r64 and r128h alternated.
 set -u
 OUT=${OUT:-/tmp/call2}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --target /tmp/forge_site .whl/serve/*.whl >/dev/null 2>&1
-B=/tmp/dk2; rm -rf $B; mkdir -p $B; cp -r src tests benchmarks scripts README.md pyproject.toml conftest.py $B/
-(cd $B && git apply "$OLDPWD/results/gpu-2026-12-07-s33/s33-dkdv128.diff") && echo "branch applied"
+B=/tmp/dk2; . results/gpu-2026-12-07-s34/branch.sh
 t0=$SECONDS
 export FORGE_WGMMA_DKDV=r128h
 (cd $B && PYTHONPATH=$B/src:/tmp/forge_site timeout 200 python3 -m pytest -q -p no:cacheprovider \
