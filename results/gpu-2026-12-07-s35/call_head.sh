@@ -15,3 +15,6 @@ decoder.HEAD_PREFETCH['bf16'] = $r; print('HEAD_PREFETCH bf16 =', $r); import de
 decode_gpu.main(['--dtype', 'bf16', '--pos', '1000', '--fused', 'layers', '--trace'] + (['--roof'] if $r else []))" 2>&1 | grep -v "^ *$" | tail -24
 done
 echo "($((SECONDS - t0)) s)"
+# batch 64's step on this machine: where its time goes (the op-by-op step's kernels)
+timeout 60 python3 benchmarks/decode_gpu.py --dtype bf16 --batch 64 --pos 512 2>&1 | grep -v "^ *$" | tail -30
+echo "($((SECONDS - t0)) s)"
