@@ -5,5 +5,6 @@
 # allows), then the head prefetch's tests, A/B and traces on main (call_head.sh, ~150 s).
 set -u
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-LIMIT=${LIMIT:-370} bash results/gpu-2026-12-07-s34/call1.sh 2>&1 | grep -v "^NVIDIA\|^ *$"
+LIMIT=${LIMIT:-300} bash results/gpu-2026-12-07-s34/call1.sh 2>&1 | grep -v "^NVIDIA\|^ *$"
+bash results/gpu-2026-12-07-s35/call_rows.sh
 bash results/gpu-2026-12-07-s35/call_head.sh

@@ -434,6 +434,32 @@ FORGE_D uint4 pack8_bf16(const float (&w)[8]) {
     return make_uint4(pack_bf16x2(w[0], w[1]), pack_bf16x2(w[2], w[3]), pack_bf16x2(w[4], w[5]),
                       pack_bf16x2(w[6], w[7]));
 }
+
+// ldmatrix and mma.sync bf16 (flash_attention.cu, gemm_rows.cu)
+// Four 8 x 8 bf16 matrices from shared memory: lane 8m + r gives the address of row r of
+// matrix m; register m of lane l receives matrix m's (row l/4, columns 2(l%4)..+1), or with
+// .trans its (rows 2(l%4)..+1, column l/4).
+FORGE_D void ldsm_x4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+FORGE_D void ldsm_x4_t(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// d += a (16 x 16) b (16 x 8), bf16 products summed in float32.
+FORGE_D void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 #endif
 
 // The row walk of the 16-byte column-sum kernels (gelu.cu's gelu_bwd_colsum8_bf16, reduce.cu's
