@@ -588,11 +588,17 @@ FORGE_D double ld_cluster(const double* p, unsigned rank) {
 }
 
 // st_cluster(p, r, v): v stored at the shared-memory address of p in block r of the cluster
-// (seen there after a cluster barrier: its arrive releases the store); st_cluster4 four floats
-// at a 16-byte aligned p.
+// (seen there after a cluster barrier: its arrive releases the store); st_cluster2 two floats
+// at an 8-byte aligned p, st_cluster4 four at a 16-byte aligned p.
 FORGE_D void st_cluster(float* p, unsigned rank, float v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_addr(p, rank)), "f"(v) : "memory");
+#endif
+}
+FORGE_D void st_cluster2(float* p, unsigned rank, float a, float b) {   // 8-byte aligned p
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(cluster_addr(p, rank)), "f"(a),
+                 "f"(b) : "memory");
 #endif
 }
 FORGE_D void st_cluster4(float* p, unsigned rank, float a, float b, float c, float d) {

@@ -17,15 +17,20 @@
 //      the wait (pdl_wait, common.cuh), so they stream while the previous kernel ends; `early`
 //      = 0 (W, the bias or gamma may be what the previous kernel wrote) waits first.
 //   2. x's slice (64 x kc, zeros past M and K). With LN: each block's per-row (mean, M2) over
-//      its slice, merged over the cluster's S slices in rank order (Chan's update: the same
-//      bits on every run), then the slice normalised in place and rounded to bf16.
+//      its slice, stored into every block of the cluster (st.shared::cluster: a store does not
+//      wait, a load from another block would), one cluster barrier, and each block merges the
+//      S slices' in rank order (Chan's update: the same bits on every run); then the slice
+//      normalised in place and rounded to bf16.
 //   3. mma.sync m16n8k16 (bf16 in, float32 sums): warp w's 16 rows x 64 columns; A through
 //      ldmatrix, B through ldmatrix.trans from the row-major slice. Padded row strides put the
 //      8 rows of each ldmatrix on distinct 16-byte bank groups.
-//   4. The block's partial tile in shared memory; cluster barrier; block s finishes columns
-//      [s 64 / S, (s + 1) 64 / S) of the tile: the S partials (distributed shared memory, in
-//      rank order), alpha, the bias, GELU, the residual, rounded once to bf16. A last barrier
-//      keeps each block's shared memory alive until read.
+//   4. Block s finishes `share` columns of the tile (a multiple of 8: [s share, (s + 1)
+//      share)): every block stores its partial sums of those columns straight into that
+//      block's receiving slots (recv[source][row][column], a region no other step uses, so
+//      the stores need not wait for its products); one cluster barrier; the block adds its S
+//      slots in rank order, then alpha, the bias, GELU, the residual, rounded once to bf16.
+//      (A cluster arrive at the start and its wait before the first remote store make sure
+//      every block of the cluster runs before another writes into it.)
 #include "common.cuh"
 
 #define GR_M 64                // rows at most
@@ -33,14 +38,15 @@
 #define GR_WARPS 4
 #define GR_THREADS (GR_WARPS * 32)
 #define GR_WLD (GR_NT + 8)     // W slice row stride, bf16 (144 bytes: 16 x an odd number)
-#define GR_PLD (GR_NT + 4)     // partial tile row stride, float
+#define GR_CLUSTER 8           // blocks of a cluster at most
 #define GR_EPF 8               // epilogue passes whose bias and residual are loaded early
 
-// Dynamic shared bytes for a slice of kc rows (linear.py's _rows_shared: the same sum).
-FORGE_HD int gr_shared(int kc) {
-    const int ops = GR_M * (kc + 8) * 2 + kc * GR_WLD * 2 + 2 * kc * 2;
-    const int part = GR_M * GR_PLD * 4;
-    return ops > part ? ops : part;
+// Columns of the tile each block finishes (a multiple of 8) and the dynamic shared bytes for
+// slices of kc rows: x's and W's slices, gamma and beta, the receiving slots (linear.py's
+// _rows_share and _rows_shared: the same sums).
+FORGE_HD int gr_share(int S) { return ((GR_NT + S - 1) / S + 7) / 8 * 8; }
+FORGE_HD int gr_shared(int kc, int S) {
+    return GR_M * (kc + 8) * 2 + kc * GR_WLD * 2 + 2 * kc * 2 + S * GR_M * gr_share(S) * 4;
 }
 
 extern "C" __global__ void __launch_bounds__(GR_THREADS)
@@ -49,19 +55,20 @@ extern "C" __global__ void __launch_bounds__(GR_THREADS)
                    int has_res, int act, bf16* y, int M, int K, int N, int kc, float alpha,
                    int early) {
     extern __shared__ __align__(16) unsigned char gr_smem[];
-    __shared__ float2 slice_stat[GR_M];   // this slice's (mean, M2) of each row
-    __shared__ float2 row_stat[GR_M];     // the whole row's (mean, rstd)
+    __shared__ float2 stat_in[GR_CLUSTER][GR_M];   // each slice's (mean, M2) of each row
+    __shared__ float2 row_stat[GR_M];              // the whole row's (mean, rstd)
     const int xld = kc + 8;               // x slice row stride, bf16 (16 x an odd number bytes)
+    const int S = gridDim.y, s = blockIdx.y, share = gr_share(S);
     bf16* xs = reinterpret_cast<bf16*>(gr_smem);   // [GR_M][xld]
     bf16* ws = xs + GR_M * xld;                     // [kc][GR_WLD]
     bf16* gb = ws + kc * GR_WLD;                    // gamma, beta of the slice: [2][kc]
-    float* part = reinterpret_cast<float*>(gr_smem);   // [GR_M][GR_PLD], after the products
+    float* recv = reinterpret_cast<float*>(gb + 2 * kc);   // [S][GR_M][share]
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int S = gridDim.y, s = blockIdx.y;
     const int k0 = s * kc, kn = max(0, min(K, k0 + kc) - k0);   // kn: a multiple of 8
     const int n0 = blockIdx.x * GR_NT;
     // the columns this block finishes in step 4: [c0, c0 + cw) of the tile
-    const int share = (GR_NT + S - 1) / S, c0 = s * share, cw = max(0, min(GR_NT, c0 + share) - c0);
+    const int c0 = s * share, cw = max(0, min(GR_NT, c0 + share) - c0);
+    if (S > 1) cluster_arrive();   // this block runs; its wait comes before the first remote store
 
     // 1. W's slice, gamma and beta, the bias of the finished columns
     if (!early) pdl_wait();
@@ -105,6 +112,7 @@ extern "C" __global__ void __launch_bounds__(GR_THREADS)
     }
     cp_async_wait<0>();
     __syncthreads();
+    if (S > 1) cluster_wait();   // every block of the cluster runs: remote stores may start
     if (has_ln) {
         // the slice's (mean, M2) of each row: a group of 8 lanes per row, 16-byte reads
         const int grp = lane >> 3, gl = lane & 7, nc = kn / 8;
@@ -128,25 +136,26 @@ extern "C" __global__ void __launch_bounds__(GR_THREADS)
             }
 #pragma unroll
             for (int o = 1; o < 8; o <<= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
-            if (gl == 0) slice_stat[r] = make_float2(mean, q);
+            if (gl == 0) {   // into slot s of every block of the cluster (this one's too)
+                if (S > 1) {
+                    for (int to = 0; to < S; ++to)
+                        st_cluster2(reinterpret_cast<float*>(&stat_in[s][r]), (unsigned)to, mean, q);
+                } else {
+                    stat_in[0][r] = make_float2(mean, q);
+                }
+            }
         }
         if (S > 1) cluster_sync(); else __syncthreads();
         // the whole row's: Chan's merge of the S slices in rank order
         if (tid < M) {
             float mean = 0.f;
-            for (int r = 0; r < S; ++r) {
-                const int nr = max(0, min(K, (r + 1) * kc) - r * kc);
-                const float* p = reinterpret_cast<const float*>(&slice_stat[tid]);
-                mean += float(nr) * (S > 1 ? ld_cluster(p, (unsigned)r) : p[0]);
-            }
+            for (int r = 0; r < S; ++r)
+                mean += float(max(0, min(K, (r + 1) * kc) - r * kc)) * stat_in[r][tid].x;
             mean /= float(K);
             float m2 = 0.f;
             for (int r = 0; r < S; ++r) {
-                const int nr = max(0, min(K, (r + 1) * kc) - r * kc);
-                const float* p = reinterpret_cast<const float*>(&slice_stat[tid]);
-                const float mr = S > 1 ? ld_cluster(p, (unsigned)r) : p[0];
-                const float qr = S > 1 ? ld_cluster(p + 1, (unsigned)r) : p[1];
-                m2 += qr + float(nr) * (mr - mean) * (mr - mean);
+                const float2 st = stat_in[r][tid];
+                m2 += st.y + float(max(0, min(K, (r + 1) * kc) - r * kc)) * (st.x - mean) * (st.x - mean);
             }
             row_stat[tid] = make_float2(mean, 1.f / sqrtf(m2 / float(K) + eps));
         }
@@ -191,29 +200,31 @@ extern "C" __global__ void __launch_bounds__(GR_THREADS)
             }
         }
     }
-    __syncthreads();   // every warp is done with xs and ws: the partial tile takes their place
+    // 4. each 8-column group's partial sums into the receiving slots of the block that
+    // finishes it (slot s: this block's), then one barrier
     if (wr < M) {
         const int g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int j = 0; j < GR_NT / 8; ++j) {
-            float* p = part + (wr + g) * GR_PLD + j * 8 + 2 * t;
-            p[0] = acc[j][0];
-            p[1] = acc[j][1];
-            p[8 * GR_PLD] = acc[j][2];
-            p[8 * GR_PLD + 1] = acc[j][3];
+            const int to = (j * 8) / share, c = j * 8 - to * share + 2 * t;
+            float* p = recv + ((long long)s * GR_M + wr + g) * share + c;
+            if (S > 1) {
+                st_cluster2(p, (unsigned)to, acc[j][0], acc[j][1]);
+                st_cluster2(p + 8 * share, (unsigned)to, acc[j][2], acc[j][3]);
+            } else {
+                p[0] = acc[j][0];
+                p[1] = acc[j][1];
+                p[8 * share] = acc[j][2];
+                p[8 * share + 1] = acc[j][3];
+            }
         }
     }
-    // 4. the cluster's S partial tiles; block s finishes its share of the columns
     if (S > 1) cluster_sync(); else __syncthreads();
     auto finish = [&](int i, float bias_v, float res_v) {
-        const int m = i / cw, c = c0 + (i - m * cw), n = n0 + c;
+        const int m = i / cw, c = i - m * cw, n = n0 + c0 + c;
         if (n >= N) return;
         float a = 0.f;
-        if (S > 1) {
-            for (int r = 0; r < S; ++r) a += ld_cluster(part + m * GR_PLD + c, (unsigned)r);
-        } else {
-            a = part[m * GR_PLD + c];
-        }
+        for (int r = 0; r < S; ++r) a += recv[((long long)r * GR_M + m) * share + c];
         a *= alpha;
         if (has_bias) a += bias_v;
         if (act == 1) a = gelu_f(a);
@@ -231,5 +242,4 @@ extern "C" __global__ void __launch_bounds__(GR_THREADS)
         finish(i, has_bias && in ? ldf(bias[n]) : 0.f,
                has_res && in ? ldf(res[(long long)m * N + n]) : 0.f);
     }
-    if (S > 1) cluster_sync();   // no block leaves while another may still read its partials
 }

@@ -79,27 +79,37 @@ def _gemv(a, b, bias, alpha, M, K, N, act=0, residual=None, ln=None):
 
 _GR_M, _GR_NT, _GR_CLUSTER = 64, 64, 8   # gemm_rows.cu: GR_M, GR_NT; cluster blocks at most
 _GR_THREADS = 128                        # GR_WARPS * 32
-_GR_SHARED_MAX = 200 * 1024              # a slice's operands at most (the SM has 227 KB)
+_GR_SHARED_MAX = 216 * 1024              # dynamic shared bytes at most (the SM has 227 KB)
 
 
 def _rows_ok(x, w, M, K, N) -> bool:
     """Whether x (M, K) @ W (K, N) goes to gemm_rows.cu: bf16, more rows than gemv.cu takes
     and at most 64 (a decoding step's batch), K and N multiples of 8, x and W on 16-byte
-    boundaries, on a Hopper GPU (thread-block clusters) (the FORGE_GEMM_ROWS switch off turns
-    it off)."""
+    boundaries, on a Hopper GPU (thread-block clusters) (the FORGE_GEMM_ROWS switch on)."""
     return (BF16 is not None and x.dtype == BF16 and w.dtype == BF16 and _GEMV_M < M <= _GR_M
             and K % 8 == 0 and N % 8 == 0 and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
             and flags.on("FORGE_GEMM_ROWS") and _launcher_ex())
 
 
-def _rows_shared(kc: int) -> int:
-    """Dynamic shared bytes of gemm_rows.cu for slices of ``kc`` rows (its gr_shared: x's and
-    W's slices with padded rows, gamma and beta; or the float32 partial tile, if larger).
+def _rows_share(S: int) -> int:
+    """Columns of a tile each of a cluster's S blocks finishes (gemm_rows.cu's gr_share: a
+    multiple of 8, so an 8-column group of the products has one owner).
 
-    >>> _rows_shared(192), _rows_shared(16)
-    (54016, 17408)
+    >>> [_rows_share(S) for S in range(1, 9)]
+    [64, 32, 24, 16, 16, 16, 16, 8]
     """
-    return max(_GR_M * (kc + 8) * 2 + kc * (_GR_NT + 8) * 2 + 2 * kc * 2, _GR_M * (_GR_NT + 4) * 4)
+    return -(-(-(-_GR_NT // S)) // 8) * 8
+
+
+def _rows_shared(kc: int, S: int) -> int:
+    """Dynamic shared bytes of gemm_rows.cu for S slices of ``kc`` rows (its gr_shared: x's
+    and W's slices with padded rows, gamma and beta, and the float32 receiving slots).
+
+    >>> _rows_shared(192, 4), _rows_shared(384, 8)
+    (70400, 123392)
+    """
+    return (_GR_M * (kc + 8) * 2 + kc * (_GR_NT + 8) * 2 + 2 * kc * 2
+            + S * _GR_M * _rows_share(S) * 4)
 
 
 def _rows_shape(K: int, N: int, sms: int):
@@ -113,8 +123,9 @@ def _rows_shape(K: int, N: int, sms: int):
     tiles = -(-N // _GR_NT)
     for S in range(max(1, min(_GR_CLUSTER, round(sms / tiles), -(-K // 16))), _GR_CLUSTER + 1):
         kc = -(-K // (16 * S)) * 16
-        if _rows_shared(kc) <= _GR_SHARED_MAX:
-            return tiles, -(-K // kc), kc
+        S = -(-K // kc)
+        if _rows_shared(kc, S) <= _GR_SHARED_MAX:
+            return tiles, S, kc
     return None
 
 
@@ -122,9 +133,11 @@ def _gemm_rows(x, w, bias, alpha, M, K, N, act=0, residual=None, ln=None):
     """``act(alpha LN(x) @ w + bias) + residual`` through gemm_rows.cu, or None where its
     shape does not fit (the caller's cuBLASLt path runs instead)."""
     shape = _rows_shape(K, N, _sm_count(_dev()))
-    if shape is None or not _takes("gemm_rows", "gemm_rows_bf16", _rows_shared(shape[2])):
+    if shape is None:
         return None
     tiles, slices, kc = shape
+    if not _takes("gemm_rows", "gemm_rows_bf16", _rows_shared(kc, slices)):
+        return None
     bias = None if bias is None else _like(_c(bias), x.dtype)
     residual = None if residual is None else _like(_c(residual), x.dtype)
     if (bias is not None and bias.size != N) or (residual is not None
@@ -148,7 +161,7 @@ def _gemm_rows(x, w, bias, alpha, M, K, N, act=0, residual=None, ln=None):
              out if bias is None else bias, _i32(bias is not None),
              out if residual is None else residual, _i32(residual is not None), _i32(act), out,
              _i32(M), _i32(K), _i32(N), _i32(kc), np.float32(alpha), _i32(early)),
-            shared=_rows_shared(kc), pdl=early, writes=(out,), cluster=(1, slices, 1))
+            shared=_rows_shared(kc, slices), pdl=early, writes=(out,), cluster=(1, slices, 1))
     return out
 
 
