@@ -137,9 +137,9 @@ extern "C" __global__ void __launch_bounds__(GR_THREADS)
 #pragma unroll
             for (int o = 1; o < 8; o <<= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
             if (gl == 0) {   // into slot s of every block of the cluster (this one's too)
+                float* slot = reinterpret_cast<float*>(&stat_in[s][r]);
                 if (S > 1) {
-                    for (int to = 0; to < S; ++to)
-                        st_cluster2(reinterpret_cast<float*>(&stat_in[s][r]), (unsigned)to, mean, q);
+                    for (int to = 0; to < S; ++to) st_cluster2(slot, (unsigned)to, mean, q);
                 } else {
                     stat_in[0][r] = make_float2(mean, q);
                 }
@@ -155,7 +155,8 @@ extern "C" __global__ void __launch_bounds__(GR_THREADS)
             float m2 = 0.f;
             for (int r = 0; r < S; ++r) {
                 const float2 st = stat_in[r][tid];
-                m2 += st.y + float(max(0, min(K, (r + 1) * kc) - r * kc)) * (st.x - mean) * (st.x - mean);
+                const float d = st.x - mean;
+                m2 += st.y + float(max(0, min(K, (r + 1) * kc) - r * kc)) * d * d;
             }
             row_stat[tid] = make_float2(mean, 1.f / sqrtf(m2 / float(K) + eps));
         }
