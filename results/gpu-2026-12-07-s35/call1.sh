@@ -7,5 +7,6 @@ set -u
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 bash results/gpu-2026-12-07-s35/call_head.sh
 bash results/gpu-2026-12-07-s35/call_rows.sh
-echo "== s34 call1 with LIMIT=$((565 - SECONDS))"
-LIMIT=$((565 - SECONDS)) bash results/gpu-2026-12-07-s34/call1.sh 2>&1 | grep -v "^NVIDIA\|^ *$"
+TOTAL=${TOTAL:-565}
+echo "== s34 call1 with LIMIT=$((TOTAL - SECONDS))"
+[ $((TOTAL - SECONDS)) -gt 100 ] && LIMIT=$((TOTAL - SECONDS)) bash results/gpu-2026-12-07-s34/call1.sh 2>&1 | grep -v "^NVIDIA\|^ *$"
