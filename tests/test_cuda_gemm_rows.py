@@ -95,8 +95,9 @@ def test_linear_matches_float64(be, rs, calls, M, K, N, act, res, ln):
 
 
 def test_the_rows_it_takes(be, rs, calls):
-    """64 rows and 5 take the kernel; 4 rows (gemv.cu), 65 rows and float32 do not, and the
-    FORGE_GEMM_ROWS switch off sends 64 rows to cuBLASLt: the same values within bf16's."""
+    """64 rows and 5 take the kernel; 4 rows (gemv.cu), 65 rows, float32 and a layernorm weight
+    off a 16-byte boundary do not, and the FORGE_GEMM_ROWS switch off sends 64 rows to
+    cuBLASLt: the same values within bf16's."""
     from forge_ml import flags
     w, b = bf(rs, (256, 128), 0.1), bf(rs, (128,))
     for M, takes in ((64, True), (5, True), (4, False), (65, False)):
@@ -109,6 +110,14 @@ def test_the_rows_it_takes(be, rs, calls):
     be.linear(be.from_host(x[:64], "float32"), be.from_host(w, "float32"),
               be.from_host(b, "float32"), None, None, None)
     assert calls == []
+    calls.clear()   # a layernorm weight off a 16-byte boundary: cuBLASLt's path, the same values
+    x, g = bf(rs, (64, 256)), bf(rs, (257,), 0.1, 1.0)
+    dg = dev(be, g)
+    got = host(be, be.linear(dev(be, x), dev(be, w), dev(be, b), None, None,
+                             (dg[1:], dg[:256], 1e-5)))
+    assert calls == [False]
+    check("gamma at an odd address", got, _want(x, w, b, None, None, (g[1:], g[:256])), TOL)
+    calls.clear()
     x = bf(rs, (64, 256))
     with flags.override(FORGE_GEMM_ROWS=False):
         off = host(be, be.linear(dev(be, x), dev(be, w), dev(be, b), "gelu", None, None))

@@ -98,7 +98,8 @@ def _rows_share(S: int) -> int:
     >>> [_rows_share(S) for S in range(1, 9)]
     [64, 32, 24, 16, 16, 16, 16, 8]
     """
-    return -(-(-(-_GR_NT // S)) // 8) * 8
+    per = -(-_GR_NT // S)
+    return -(-per // 8) * 8
 
 
 def _rows_shared(kc: int, S: int) -> int:
@@ -121,11 +122,11 @@ def _rows_shape(K: int, N: int, sms: int):
     ([(36, 4, 192), (12, 8, 96), (48, 3, 256)], (12, 8, 384))
     """
     tiles = -(-N // _GR_NT)
-    for S in range(max(1, min(_GR_CLUSTER, round(sms / tiles), -(-K // 16))), _GR_CLUSTER + 1):
-        kc = -(-K // (16 * S)) * 16
-        S = -(-K // kc)
-        if _rows_shared(kc, S) <= _GR_SHARED_MAX:
-            return tiles, S, kc
+    for want in range(max(1, min(_GR_CLUSTER, round(sms / tiles), -(-K // 16))), _GR_CLUSTER + 1):
+        kc = -(-K // (16 * want)) * 16
+        slices = -(-K // kc)   # want or fewer: every slice has rows
+        if _rows_shared(kc, slices) <= _GR_SHARED_MAX:
+            return tiles, slices, kc
     return None
 
 
@@ -150,6 +151,8 @@ def _gemm_rows(x, w, bias, alpha, M, K, N, act=0, residual=None, ln=None):
         if ln[0].size != K or ln[1].size != K:
             raise ShapeError(f"linear: layernorm weight {ln[0].shape} and bias {ln[1].shape} "
                              f"do not fit rows of {K}")
+        if ln[0].data.ptr % 16 or ln[1].data.ptr % 16:   # 16-byte copies of their slices
+            return None
     # W, the bias, gamma or beta written by the kernel before: wait before loading them, and a
     # plain launch (as gemv.cu)
     early = not any(_pdl_wrote(t) for t in (w, bias) + (() if ln is None else ln[:2])
