@@ -114,6 +114,18 @@ template <typename A> FORGE_D A gelu_f(A v) {
     return A(0.5) * v * (A(1) + fm_tanh(k0 * (v + k1 * v * v * v)));
 }
 
+// A linear layer's epilogue on its float32 sum a: act(alpha a + bias) + residual (act 0 none,
+// 1 GELU; a flag off leaves its term out), rounded once to T (gemv.cu, gemm_rows.cu).
+template <typename T>
+FORGE_D T linear_epilogue(float a, float alpha, int has_bias, float bias_v, int act, int has_res,
+                          float res_v) {
+    a *= alpha;
+    if (has_bias) a += bias_v;
+    if (act == 1) a = gelu_f(a);
+    if (has_res) a += res_v;
+    return To<T>::from(a);
+}
+
 // Sum over the 32 lanes of a warp; every lane gets the total (butterfly order, deterministic).
 template <typename A> FORGE_D A warp_sum(A v) {
 #pragma unroll

@@ -226,11 +226,8 @@ extern "C" __global__ void __launch_bounds__(GR_THREADS)
         if (n >= N) return;
         float a = 0.f;
         for (int r = 0; r < S; ++r) a += recv[((long long)r * GR_M + m) * share + c];
-        a *= alpha;
-        if (has_bias) a += bias_v;
-        if (act == 1) a = gelu_f(a);
-        if (has_res) a += res_v;
-        y[(long long)m * N + n] = To<bf16>::from(a);
+        y[(long long)m * N + n] =
+            linear_epilogue<bf16>(a, alpha, has_bias, bias_v, act, has_res, res_v);
     };
 #pragma unroll
     for (int j = 0; j < GR_EPF; ++j) {   // the passes whose bias and residual came early
