@@ -323,6 +323,32 @@ def test_sample_with_stdout_closed_or_its_reader_gone(trained):
     assert p.wait(timeout=120) == 141 and "Traceback" not in err, err
 
 
+def test_a_broken_pipe_other_than_stdouts_is_an_error_line(capsys, monkeypatch):
+    """(QA) Every BrokenPipeError ended a command with status 141 and no word, as `| head`
+    does; one from another pipe or socket (standard output's reader still there) is an error
+    line with status 2. With standard output's reader gone it is still 141."""
+    import errno
+    import os
+    from forge_ml import cli
+
+    def broken(args):
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+    monkeypatch.setitem(cli._COMMANDS, "check", broken)
+    r, w = os.pipe()
+    out = os.fdopen(w, "w")
+    monkeypatch.setattr(sys, "__stdout__", out)
+    try:
+        assert not cli._stdout_reader_gone()            # the reader is there
+        _fails(capsys, ["check"], "error: Broken pipe (EPIPE)")
+        os.close(r)
+        assert cli._stdout_reader_gone()
+        monkeypatch.setattr(sys, "stdout", sys.stdout)  # the handler replaces it: put it back
+        assert main(["check"]) == 141
+        assert capsys.readouterr().err == ""
+    finally:
+        out.close()
+
+
 def test_eval_refuses_a_model_whose_loss_is_not_a_number(trained, capsys):
     """(QA) A checkpoint with NaN weights printed 'loss nan  perplexity nan' and exited 0
     (sample refused it). eval says the loss is not one a model gives and names the weight."""

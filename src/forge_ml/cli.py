@@ -1299,6 +1299,39 @@ def _unprefixed(e: Exception, cmd: str) -> str:
     return msg[len(cmd) + 2:] if msg.startswith(cmd + ": ") else msg
 
 
+def _os_error(cmd: str, e: OSError) -> int:
+    """An OSError (a full disk, a read-only filesystem, a pipe that closed) as one line on
+    stderr, its errno's name and file where it has them; status 2."""
+    code = errno.errorcode.get(e.errno, "") if e.errno else ""
+    where = f": {e.filename}" if e.filename else ""
+    print(f"{PROG} {cmd}: error: {e.strerror or e}" + (f" ({code})" if code else "") + where,
+          file=sys.stderr)
+    return 2
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader has gone (its write end polls as an
+    error or a hang-up): the BrokenPipeError of `| head`, as against one from another pipe or
+    socket. Where poll cannot say (no poll, no descriptor), True: the status of SIGPIPE.
+
+    >>> import os, sys
+    >>> r, w = os.pipe(); os.close(r)
+    >>> saved = sys.__stdout__
+    >>> sys.__stdout__ = os.fdopen(w, "w")
+    >>> _stdout_reader_gone()
+    True
+    >>> sys.__stdout__.close(); sys.__stdout__ = saved
+    """
+    try:
+        import select
+        fd = sys.__stdout__.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (AttributeError, ValueError, OSError):
+        return True
+
+
 def main(argv=None) -> int:
     """Run the ``forge-ml`` command line; returns the exit status (0 ok, 1 training failure,
     2 bad input or a file that cannot be written, 130 / 143 / 129 stopped by SIGINT / SIGTERM /
@@ -1402,15 +1435,13 @@ def _main(argv) -> int:
         print(f"{PROG} {args.cmd}: error: out of memory: {e or 'the host could not allocate more'}; use a "
               f"smaller --batch-size, --block-size or model", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # `forge-ml sample ... | head`: the status of SIGPIPE, as train's
-        try:
+    except BrokenPipeError as e:
+        if not _stdout_reader_gone():   # another pipe or socket: an error like any other
+            return _os_error(args.cmd, e)
+        try:   # `forge-ml sample ... | head`: the status of SIGPIPE, as train's
             sys.stdout = open(os.devnull, "w")
         except OSError:
             pass
         return 141
     except OSError as e:  # a full disk, a read-only filesystem, ...: one line, no traceback
-        code = errno.errorcode.get(e.errno, "") if e.errno else ""
-        where = f": {e.filename}" if e.filename else ""
-        print(f"{PROG} {args.cmd}: error: {e.strerror or e}" + (f" ({code})" if code else "") + where,
-              file=sys.stderr)
-        return 2
+        return _os_error(args.cmd, e)
