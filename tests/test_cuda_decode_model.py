@@ -145,8 +145,7 @@ def test_layers_head_prefetch_changes_no_bit(dtype, fused_on, monkeypatch):
     """decoder.HEAD_PREFETCH (the head's first rows asked of L2 before its wait) is a hint:
     the logits and the greedy chain of the graph-replayed step are the same bits with none, a
     few, all eight and more rows than a warp has, at one row and at two."""
-    if fused_on != "layers":
-        pytest.skip("decode_layers.cu's head kernel")
+    _hopper_layers_or_skip(fused_on)
     from forge_ml.backends.cuda import decoder
     from forge_ml.inference.decode import DecodeStep
     gpu = _varied(GPT2.init(CFG, seed=17), 5).to("cuda", dtype=dtype)
