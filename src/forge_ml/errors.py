@@ -205,3 +205,24 @@ def check_fields(owner: str, known, given) -> None:
             near = difflib.get_close_matches(str(k), known, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else f"; known keys: {', '.join(sorted(known))}"
             raise ConfigError(f"{owner}: unknown key {k!r}{hint}")
+
+
+class KnownFields:
+    """A dataclass's base whose constructor refuses an unknown keyword with ``check_fields``'s
+    ConfigError naming the nearest field (as ``from_dict``'s), where the dataclass's
+    ``__init__`` raised a bare TypeError (GPT2Config, TrainConfig).
+
+    >>> import dataclasses
+    >>> @dataclasses.dataclass
+    ... class Cfg(KnownFields):
+    ...     n_layer: int = 2
+    >>> Cfg(n_layers=3)
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: Cfg: unknown key 'n_layers' (did you mean 'n_layer'?)
+    """
+
+    def __new__(cls, *args, **kwargs):
+        import dataclasses
+        check_fields(cls.__name__, (f.name for f in dataclasses.fields(cls)), kwargs)
+        return super().__new__(cls)

@@ -80,7 +80,7 @@ from .data import (DataLoader, ShardFolder, default_corpus, encode_array, file_f
 from .diagnose import CheckingTape
 from .device import Device
 from .errors import (CLI_WORDS, CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
-                     TokenizerError, TrainingError, check_fields, plural)
+                     KnownFields, TokenizerError, TrainingError, plural)
 from .inference.generate import stream_tokens
 from .inference.load import CKPT_NAME
 from .models.gpt2 import GPT2, GPT2Config, PRESETS, param_shapes
@@ -136,7 +136,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(KnownFields):
     """Every setting of a training run, with its default. Build from a dict with
     ``from_dict`` (an unknown key is a ConfigError).
 
@@ -204,12 +204,6 @@ class TrainConfig:
     out_dir: str = "runs/default"
     checkpoint_interval: int = 500   # 0: only at the end
     keep_best: bool = False          # also keep the model of the lowest val loss in <out_dir>/best
-
-    def __new__(cls, *args, **kwargs):
-        # an unknown keyword (TrainConfig(lrr=...)) is a ConfigError naming the nearest field,
-        # as from_dict's, where the dataclass's __init__ raised a bare TypeError
-        check_fields("TrainConfig", (f.name for f in dataclasses.fields(cls)), kwargs)
-        return super().__new__(cls)
 
     def __post_init__(self):
         for name in ("min_lr", "block_size"):   # worked out from others before (dataclasses.replace

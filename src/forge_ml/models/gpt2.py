@@ -31,12 +31,12 @@ import numpy as np
 from .. import flags, ops, rng
 from ..autograd import Tape
 from ..device import Device
-from ..errors import ConfigError, DeviceError, DTypeError, ShapeError, check_fields
+from ..errors import ConfigError, DeviceError, DTypeError, KnownFields, ShapeError
 from ..tensor import Tensor, tensor
 
 
 @dataclass
-class GPT2Config:
+class GPT2Config(KnownFields):
     """GPT-2 hyper-parameters. ``padded_vocab_size`` 0 means: ``vocab_size`` rounded up to a
     multiple of 128 when the vocab is large (50257 -> 50304), else ``vocab_size`` itself.
 
@@ -57,12 +57,6 @@ class GPT2Config:
     dropout: float = 0.0
     tied_head: bool = True
     layernorm_eps: float = 1e-5
-
-    def __new__(cls, *args, **kwargs):
-        # an unknown keyword (GPT2Config(n_layers=2)) is a ConfigError naming the nearest
-        # field, as from_dict's, where the dataclass's __init__ raised a bare TypeError
-        check_fields("GPT2Config", (f.name for f in dataclasses.fields(cls)), kwargs)
-        return super().__new__(cls)
 
     def __post_init__(self):
         for k in ("vocab_size", "padded_vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
