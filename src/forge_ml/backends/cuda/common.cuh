@@ -705,6 +705,28 @@ FORGE_D float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// (D_lo, D_hi) = rowsum(dout * out) of this thread's rows r0 + g and r0 + g + 8 (every lane of
+// the quad gets them): dout's A fragments df of the warp's 16 rows against out (row stride ld,
+// rows >= n zero) read at the same positions. The backward's dq kernels (flash_attention.cu,
+// flash_hopper.cu): the same bits in both.
+FORGE_D float2 frag_dsum(const unsigned (&df)[4][4], const bf16* out, int r0, int n, int g,
+                         int t, int ld) {
+    float d_lo = 0.f, d_hi = 0.f;
+    unsigned of[4][4];
+    load_a_frags(of, out, r0, n, g, t, ld);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+        for (int r = 0; r < 4; r += 2) {
+            d_lo += bf16_lo(of[ks][r]) * bf16_lo(df[ks][r]) +
+                    bf16_hi(of[ks][r]) * bf16_hi(df[ks][r]);
+            d_hi += bf16_lo(of[ks][r + 1]) * bf16_lo(df[ks][r + 1]) +
+                    bf16_hi(of[ks][r + 1]) * bf16_hi(df[ks][r + 1]);
+        }
+    }
+    return make_float2(quad_sum(d_lo), quad_sum(d_hi));
+}
+
 // Grid-stride loop over [0, n) with 64-bit indices.
 #define FORGE_FOR(i, n)                                                          \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \

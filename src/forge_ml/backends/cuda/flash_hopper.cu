@@ -432,23 +432,8 @@ FORGE_D void dq_block(DQ_PARAMS, bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64],
     unsigned qf[4][4], df[4][4];
     if constexpr (!QD_SHARED) load_a_frags(qf, q + qb_, w0, Tq, g, t, q_ld);
     load_a_frags(df, dout + ob, w0, Tq, g, t, o_ld);  // for D; with QD_SHARED not kept
-    float d_lo = 0.f, d_hi = 0.f;
-    {
-        unsigned of[4][4];  // out at the same positions as df: D is a dot product of the two
-        load_a_frags(of, out + ob, w0, Tq, g, t, o_ld);
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-#pragma unroll
-            for (int r = 0; r < 4; r += 2) {
-                d_lo += bf16_lo(of[ks][r]) * bf16_lo(df[ks][r]) +
-                        bf16_hi(of[ks][r]) * bf16_hi(df[ks][r]);
-                d_hi += bf16_lo(of[ks][r + 1]) * bf16_lo(df[ks][r + 1]) +
-                        bf16_hi(of[ks][r + 1]) * bf16_hi(df[ks][r + 1]);
-            }
-        }
-    }
-    d_lo = quad_sum(d_lo);
-    d_hi = quad_sum(d_hi);
+    const float2 dsum = frag_dsum(df, out + ob, w0, Tq, g, t, o_ld);
+    const float d_lo = dsum.x, d_hi = dsum.y;
     float l2_lo = 0.f, l2_hi = 0.f;  // lse in log2 units
     {
         const float* L = lse + bh * Tq;
