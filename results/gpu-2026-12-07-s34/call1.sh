@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 34, call 1 (carry .whl and .data; at most ~560 s): the dk/dv kernel of 128 keys a block
-# (s33-dkdv128.diff, compile-checked last session) on a copy of the tree:
+# (its diff, applied by branch.sh; compile-checked) on a copy of the tree:
 # 1. its 26 tests; the backward's timings at B=32;
 # 2. the trainer at B=32 with r64 (main's kernel) / r128h / r128 alternated (forge-ml only);
 #    expected: r128h takes the dk/dv kernel ~0.46 -> ~0.38 ms a layer, ~+1.5% tok/s; r128 slower;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The second call on the same warm machine (after call1.sh; carry .whl and .data):
 #   bash results/gpu-2026-12-07-s34/call2.sh
-# The dk/dv kernel of 128 keys a block (s33-dkdv128.diff) as the default would run it:
+# The dk/dv kernel of 128 keys a block (applied by branch.sh) as the default would run it:
 # FORGE_WGMMA_DKDV=r128h exported on a copy of the tree with the diff applied,
 # 1. flash_hopper.cu's whole test file and the probe (each as gpu_check's wgmma section runs them),
 #    and the flash / model / step tests;
