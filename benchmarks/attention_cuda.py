@@ -168,18 +168,22 @@ def main(argv=None) -> int:
                         want = be.attention_bwd(q, k, v, o, lse, dout, scale)
                         # the kernels' variants: operands in registers or shared memory (dq's q
                         # and dout, dk/dv's k and v), and 64 or 128 query rows a dq block
-                        for qd, kv, r, label in ((False, False, 64, "registers"),
-                                                 (True, False, 64, "q,dout shared"),
-                                                 (False, True, 64, "k,v shared"),
-                                                 (True, True, 64, "both shared"),
-                                                 (True, True, 128, "both, dq r128")):
+                        # (and the dk/dv kernel of 128 keys a block, FORGE_WGMMA_DKDV)
+                        for qd, kv, r, dkdv, label in (
+                                (False, False, 64, "r64", "registers"),
+                                (True, False, 64, "r64", "q,dout shared"),
+                                (False, True, 64, "r64", "k,v shared"),
+                                (True, True, 64, "r64", "both shared"),
+                                (True, True, 128, "r64", "both, dq r128"),
+                                (True, True, 128, "r128", "dq r128, dkdv r128"),
+                                (True, True, 128, "r128h", "dq r128, dkdv r128h")):
                             def bwd():
                                 return be._attention_bwd_flash_hopper(
                                     q, k, v, o, lse, dout, scale, qd_shared=qd, kv_shared=kv,
-                                    rows=r)
+                                    rows=r, dkdv=dkdv)
                             errs = [rel_err(x, y) for x, y in zip(bwd(), want)]
                             sb = time_cupy(cupy, bwd, args.reps, args.warmup)
-                            print(f"  B={B:3d} bwd      wgmma {label:14s} {sb:8.3f} ms  mma.sync "
+                            print(f"  B={B:3d} bwd      wgmma {label:20s} {sb:8.3f} ms  mma.sync "
                                   f"{mb:8.3f} ms  (dq, dk, dv vs mma.sync {errs[0]:.1e} "
                                   f"{errs[1]:.1e} {errs[2]:.1e})", flush=True)
                     except Exception as e:

@@ -231,3 +231,64 @@ def test_the_sm_90a_build_is_kept_on_disk_and_a_damaged_copy_is_rebuilt(be, tmp_
         assert run(runtime.compile_for_arch(src, "probe_twice.cu", "sm_90a")) == [0, 2, 4, 6]
         assert kept[0].read_bytes() != b"not a cubin"           # rebuilt and replaced
         assert not list((tmp_path / "cuda").glob("*.tmp"))
+
+
+# ---- the dk/dv kernel for 128 keys a block (FORGE_WGMMA_DKDV r128, r128h) ----------------------
+
+WIDE = ["r128", "r128h"]
+
+
+@pytest.mark.parametrize("dkdv", WIDE)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_wgmma_dkdv_128_keys_vs_reference_and_64_key_kernel(be, rs, shape, dkdv):
+    """dk and dv from two warpgroups on each q and dout tile (r128h: the scores in halves of 32
+    queries) within the tolerance of float64 and of the one-warpgroup kernel on every shape (a
+    last block whose second warpgroup starts past Tk, a KV-cache offset, single rows); dq comes
+    from the same dq kernel, so its bytes are the default's."""
+    qs, ks = SHAPES[shape]
+    scale = 1.0 / math.sqrt(HS)
+    q, k, v, dout = (bf16_values(rs, qs), bf16_values(rs, ks), bf16_values(rs, ks),
+                     bf16_values(rs, qs))
+    rdq, rdk, rdv = ref_attention(q, k, v, dout, scale)[2:]
+    dq_, dk_, dv_, ddo = dev(be, q), dev(be, k), dev(be, v), dev(be, dout)
+    out, lse = be.attention(dq_, dk_, dv_, scale)
+    got = be._attention_bwd_flash_hopper(dq_, dk_, dv_, out, lse, ddo, scale, qd_shared=True,
+                                         kv_shared=True, rows=128, dkdv=dkdv)
+    base = be._attention_bwd_flash_hopper(dq_, dk_, dv_, out, lse, ddo, scale, qd_shared=True,
+                                          kv_shared=True, rows=128)
+    for name, g, ref, b in zip(("dq", "dk", "dv"), got, (rdq, rdk, rdv), base):
+        assert g.shape == ref.shape and str(g.dtype) == "bfloat16"
+        check(f"{dkdv} {name}", host(be, g), ref, TOL)
+        check(f"{dkdv} {name} vs 64 keys", host(be, g), host(be, b), TOL)
+    assert host(be, got[0]).tobytes() == host(be, base[0]).tobytes()
+
+
+@pytest.mark.parametrize("dkdv", WIDE)
+@pytest.mark.parametrize("B,T,H", [(2, 1024, 12), (3, 77, 4), (1, 64, 2), (2, 200, 3)])
+def test_wgmma_dkdv_128_keys_on_fused_rows_sums_and_same_bits(be, rs, B, T, H, dkdv):
+    """GPT-2's fused rows with the column sums: dqkv within the tolerance of the one-warpgroup
+    kernel's, the same bytes on every run and with or without sums, and the sums those of the
+    dqkv written (a second warpgroup past the last key writes no row of them)."""
+    C = H * HS
+    scale = 1.0 / math.sqrt(HS)
+    qkv, dy = dev(be, bf16_values(rs, (B, T, 3 * C))), dev(be, bf16_values(rs, (B, T, C)))
+    y, lse = be.attention_qkv(qkv, H, scale)
+    base = host(be, be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, True, True, 128))
+    dqkv, sums = be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, True, True, 128, sums=True,
+                                          dkdv=dkdv)
+    got = host(be, dqkv)
+    check(f"{dkdv} dqkv vs 64 keys", got, base, TOL)
+    for again in (be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, True, True, 128,
+                                           dkdv=dkdv),
+                  be._qkv_flash_bwd_hopper(qkv, y, lse, dy, H, scale, True, True, 128,
+                                           sums=True, dkdv=dkdv)[0]):
+        assert host(be, again).tobytes() == got.tobytes()
+    d = got.astype(np.float64).reshape(-1, 3 * C)
+    want, s = d.sum(axis=0), host(be, sums).astype(np.float64)
+    err = np.abs(s - want)
+    bound = np.abs(want) * 2.0 ** -8 + 1e-5 * np.abs(d).sum(axis=0)
+    assert np.all(err <= bound), (f"column sums: worst {err.max():.3g} at column "
+                                  f"{int(np.argmax(err - bound))}")
+    with flags.override(FORGE_WGMMA_ATTENTION="on", FORGE_WGMMA_DKDV=dkdv):
+        d2 = be.attention_qkv_bwd(qkv, y, lse, dy, H, scale)
+    assert host(be, d2).tobytes() == got.tobytes()

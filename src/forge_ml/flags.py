@@ -16,7 +16,7 @@ True
 >>> flags.get("FORGE_NOPE")
 Traceback (most recent call last):
 ...
-forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BIAS_SUMS, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_GEMM, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_CUDA_LINEINFO, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMM_ROWS, FORGE_GEMM_TUNE, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD_SHARED, FORGE_WGMMA_ROWS
+forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BIAS_SUMS, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_GEMM, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_CUDA_LINEINFO, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMM_ROWS, FORGE_GEMM_TUNE, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD_SHARED, FORGE_WGMMA_DKDV, FORGE_WGMMA_ROWS
 """
 from __future__ import annotations
 
@@ -103,6 +103,10 @@ _SWITCHES = (
            "the wgmma attention backward's kernels that read their block's own operands from "
            "shared memory (more blocks an SM, the same bits): dq's q and dout (qd), dk/dv's k "
            "and v (kv), both, or none (the register kernels)", ("none", "qd", "kv", "both")),
+    Switch("FORGE_WGMMA_DKDV", "r128h",
+           "keys a block of the wgmma attention's dk/dv kernel with k and v shared: 64 (one "
+           "warpgroup), or 128 (two warpgroups on each q and dout tile; r128h: its scores in "
+           "halves, two blocks an SM)", ("r64", "r128", "r128h")),
     Switch("FORGE_WGMMA_ROWS", "128",
            "query rows a block of the wgmma attention's forward and dq kernels: 128 runs two "
            "warpgroups on each k and v tile (half the k and v reads; the dq kernel with "

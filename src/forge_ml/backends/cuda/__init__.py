@@ -68,7 +68,8 @@ from .sampling import greedy_next, sample_next
 
 # the switches that pick a training step's kernels (or the order of their sums)
 _NUMERIC_SWITCHES = ("FORGE_ATTENTION", "FORGE_FUSED_LOSS", "FORGE_TRAIN_GRAPH",
-                     "FORGE_WGMMA_ATTENTION", "FORGE_WGMMA_BWD_SHARED", "FORGE_WGMMA_ROWS",
+                     "FORGE_WGMMA_ATTENTION", "FORGE_WGMMA_BWD_SHARED", "FORGE_WGMMA_DKDV",
+                     "FORGE_WGMMA_ROWS",
                      "FORGE_CUBLASLT", "FORGE_GEMM_TUNE", "FORGE_BIAS_SUMS")
 
 

@@ -197,14 +197,24 @@ _DKDV_KVS_SMEM = 6 * 64 * 64 * 2 + 4 * 64 * 4 + 1024
 # T=4096 B=8 went 0.805 -> 0.758 ms (at T=1024 B=32 0.296 -> 0.311); the trainer +2.6% tok/s
 # at T=4096 and +1.2% at T=1024 B=32. The dq one's eight 8 KiB tiles and 1 KiB to align them.
 _DQ_R128_SMEM = 8 * 64 * 64 * 2 + 1024
+# The dk/dv kernel (k and v shared) for 128 keys a block, two warpgroups reading each q and
+# dout tile once (FORGE_WGMMA_DKDV): r128 with the whole score tile (195 registers, one block
+# an SM), r128h with it in halves of 32 queries (127 registers, two blocks an SM). Their
+# dynamic shared memory: eight 8 KiB tiles, lse and D rows, 1 KiB to align. Measured on an
+# H100 (thirty-sixth session, B=32 T=1024): the backward with the dq kernel of 128 rows 0.731
+# ms (r64), 0.836 (r128), 0.698 (r128h); the trainer +0.9% tok/s with r128h, the default.
+_DKDV_R128_SMEM = 8 * 64 * 64 * 2 + 4 * 64 * 4 + 1024
+_DKDV_WIDE = {"r128": "flash_bwd_dkdv_wgmma_kvs_r128_bf16_h64",
+              "r128h": "flash_bwd_dkdv_wgmma_kvs_r128h_bf16_h64"}
 
 
-def _hopper_bwd(qd_shared=False, kv_shared=False, rows=64):
+def _hopper_bwd(qd_shared=False, kv_shared=False, rows=64, dkdv="r64"):
     """The ``hopper`` value asking ``_fa_fwd`` / ``_fa_bwd`` for given kernels whatever the
-    switches say: the set of the shared-operand ones asked for and the rows a block ("r64" or
-    "r128")."""
+    switches say: the set of the shared-operand ones asked for, the rows a block ("r64" or
+    "r128") and the dk/dv kernel's keys a block ("dkdv-r64", "dkdv-r128", "dkdv-r128h"; the
+    wider ones with ``kv_shared``)."""
     names = {n for n, on in (("qd", qd_shared), ("kv", kv_shared)) if on}
-    return frozenset(names | {f"r{int(rows)}"})
+    return frozenset(names | {f"r{int(rows)}", f"dkdv-{dkdv}"})
 
 
 def _hopper_opts(hopper):
@@ -213,7 +223,7 @@ def _hopper_opts(hopper):
     if isinstance(hopper, frozenset):
         return hopper
     return _BWD_SHARED[flags.get("FORGE_WGMMA_BWD_SHARED")] | {
-        "r" + flags.get("FORGE_WGMMA_ROWS")}
+        "r" + flags.get("FORGE_WGMMA_ROWS"), "dkdv-" + flags.get("FORGE_WGMMA_DKDV")}
 
 
 def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop, hopper,
@@ -244,7 +254,13 @@ def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop
         else:
             _launch("flash_hopper", "flash_bwd_dq_wgmma_qds_bf16_h64" if "qd" in shared else
                     "flash_bwd_dq_wgmma_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS, dq_args)
-        if "kv" in shared:
+        wide = next((_DKDV_WIDE[o[5:]] for o in shared if o[5:] in _DKDV_WIDE), None)
+        if "kv" in shared and wide:
+            if not _set_max_shared("flash_hopper", wide, _DKDV_R128_SMEM):
+                raise ShapeError(f"{wide} needs {_DKDV_R128_SMEM} bytes of shared memory a block")
+            _launch("flash_hopper", wide, _rows_grid(bh, Tk, 128), 2 * _FLASH_THREADS, kv_args,
+                    shared=_DKDV_R128_SMEM)
+        elif "kv" in shared:
             name = "flash_bwd_dkdv_wgmma_kvs_bf16_h64"
             if not _set_max_shared("flash_hopper", name, _DKDV_KVS_SMEM):
                 raise ShapeError(f"{name} needs {_DKDV_KVS_SMEM} bytes of shared memory a block")
@@ -320,29 +336,30 @@ def _qkv_flash_fwd_hopper(qkv, n_head, scale, rows=None):
 
 
 def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None, qd_shared=False,
-                                kv_shared=False, rows=64):
+                                kv_shared=False, rows=64, dkdv="r64"):
     """``_attention_flash_hopper``'s backward: ``(dq, dk, dv)``, whatever the switches say;
     ``qd_shared`` / ``kv_shared``: the dq kernel with q and dout in shared memory / the dk/dv
     kernel with k and v there (false: their operands in registers); ``rows`` 128: the dq
-    kernel of 128 rows a block (with ``qd_shared``)."""
+    kernel of 128 rows a block (with ``qd_shared``); ``dkdv`` "r128" / "r128h": the dk/dv
+    kernel of 128 keys a block (with ``kv_shared``; ``_DKDV_WIDE``)."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     out, dout = _like(_c(out), q.dtype), _like(_c(dout), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
     _hopper_check(_flash_wanted(q, k, v, out, dout), "backward")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _attention_bwd_flash(q, k, v, out, _like(_c(lse), F32), dout, scale, Tq, Tk,
-                                hopper=_hopper_bwd(qd_shared, kv_shared, rows))
+                                hopper=_hopper_bwd(qd_shared, kv_shared, rows, dkdv))
 
 
 def _qkv_flash_bwd_hopper(qkv, y, lse, dy, n_head, scale, qd_shared=False, kv_shared=False,
-                          rows=64, sums=False):
+                          rows=64, sums=False, dkdv="r64"):
     """``attention_qkv_bwd`` (``(dqkv, its column sums)`` with ``sums``) on the wgmma kernels
     ``_attention_bwd_flash_hopper``'s options name, whatever the switches say."""
     qkv = _c(qkv)
     y, dy = _like(_c(y), qkv.dtype), _like(_c(dy), qkv.dtype)
     _hopper_check(_qkv_flash_ok(qkv, n_head, y, dy), "backward")
     return _qkv_flash_bwd(qkv, y, lse, dy, n_head, scale,
-                          hopper=_hopper_bwd(qd_shared, kv_shared, rows), sums=sums)
+                          hopper=_hopper_bwd(qd_shared, kv_shared, rows, dkdv), sums=sums)
 
 
 def _qkv_flash_ok(qkv, n_head, *others) -> bool:

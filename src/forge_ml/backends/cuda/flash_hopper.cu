@@ -679,4 +679,206 @@ extern "C" __global__ void __launch_bounds__(128, 3) flash_bwd_dkdv_wgmma_kvs_bf
     dkdv_block<true>(DKDV_ARGS, sQ, sO, sL, sD, sK, sV);
 }
 
+// ---- dk/dv with two warpgroups a block of 128 keys (attention.py: FORGE_WGMMA_DKDV) ---------
+// dkdv_block's kernel with k and v shared, for keys k0..k0+127: warpgroup wg owns keys
+// k0 + 64 wg..+63 (its own k and v tiles) and both read each q and dout tile, loaded once for
+// the two (half the tile loads a key row costs, as the dq kernel's 128 rows do for k and v).
+// HALF: each 64-query tile's scores in two halves of 32 queries (m64n32 products), so the
+// scores and dP take 32 registers instead of 64 and the kernel fits 128 a thread: two blocks
+// an SM (four warpgroups, against the one-warpgroup kernel's three). The same products in the
+// same order of k steps per output element, so dk and dv are expected to keep its bits.
+
+#define WG_D16(d)                                                                              \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+        "+f"(d[14]), "+f"(d[15])
+#define WG_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+
+// d (64 x 32, f32) += A B^T, A and B K-major shared tiles (B's 32 rows from its descriptor)
+FORGE_D void wg_mma_ss_n32(float (&d)[16], unsigned long long da, unsigned long long db) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " WG_REGS16
+                 ", %16, %17, 1, 1, 1, 0, 0;\n"
+                 : WG_D16(d)
+                 : "l"(da), "l"(db));
+}
+
+FORGE_D void wg_ss4_n32(float (&d)[16], unsigned long long da, unsigned long long db) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+        wg_mma_ss_n32(d, da + (kk * WG_K_STEP >> 4), db + (kk * WG_K_STEP >> 4));
+}
+
+// a 64 x 32 accumulator as the A operand of two 16-wide k steps (wg_pack_a's packing)
+FORGE_D void wg_pack_a2(unsigned (&a)[2][4], const float (&p)[16]) {
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+        a[kk][0] = pack_bf16x2(p[8 * kk], p[8 * kk + 1]);
+        a[kk][1] = pack_bf16x2(p[8 * kk + 2], p[8 * kk + 3]);
+        a[kk][2] = pack_bf16x2(p[8 * kk + 4], p[8 * kk + 5]);
+        a[kk][3] = pack_bf16x2(p[8 * kk + 6], p[8 * kk + 7]);
+    }
+}
+
+// P and dS of a warpgroup's 64 keys (rows j_lo, j_hi of this thread) against the queries
+// q0 + c0 + (8 nt + 2t + e & 1) of one score tile of NTILE columns, in place (dkdv_block's
+// arithmetic, element by element)
+template <int NTILE>
+FORGE_D void dkdv_p_ds(float* p, float* ds, int q0, int c0, int j_lo, int j_hi, int w0, int off,
+                       int Tq, int t, float sl2, const float* sLb, const float* sDb) {
+    const bool edge = w0 + 15 > q0 + c0 + off || q0 + c0 + NTILE > Tq;
+#pragma unroll
+    for (int nt = 0; nt < NTILE / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int c = c0 + 8 * nt + 2 * t + (e & 1);
+            const int i = q0 + c;
+            const int j = (e < 2) ? j_lo : j_hi;
+            const bool masked = edge && (j > i + off || i >= Tq);
+            const int x = 4 * nt + e;
+            const float pe = masked ? 0.f : wg_exp2(fmaf(p[x], sl2, -sLb[c]));
+            p[x] = pe;
+            ds[x] = pe * (ds[x] - sDb[c]);
+        }
+}
+
+template <bool HALF>
+FORGE_D void dkdv2_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64],
+                         float (&sL)[2][64], float (&sD)[2][64], bf16* sK, bf16* sV) {
+    constexpr int NT = 256;
+    const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
+    const int warp = wtid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const long long bh = blockIdx.x;
+    const int kblk = (int)blockIdx.y * 128;
+    const int k0 = kblk + 64 * wg;  // this warpgroup's keys
+    const int off = Tk - Tq;
+    const bf16* Q = q + head_base(bh, H, q_sb, q_sh);
+    const bf16* dO = dout + head_base(bh, H, o_sb, o_sh);
+    const long long kvb = head_base(bh, H, kv_sb, kv_sh);
+    const float* L = lse + bh * Tq;
+    const float* D = Dsum + bh * Tq;
+    const float sl2 = scale * FORGE_LOG2E;
+    const int w0 = k0 + 16 * warp;
+    const int j_lo = w0 + g, j_hi = j_lo + 8;
+    const int qb0 = max(0, kblk - off) / 64;  // the block's first query block (warpgroup 0's)
+    const int qbw = max(0, k0 - off) / 64;    // this warpgroup's
+    const int nqb = (Tq + 63) / 64;
+    sK += 64 * 64 * wg;
+    sV += 64 * 64 * wg;
+
+    auto stage = [&](int qb, int buf) {
+        const int r0 = qb * 64;
+        wg_load_tile<NT>(sQ[buf], Q, r0, Tq, tid, q_ld);
+        wg_load_tile<NT>(sO[buf], dO, r0, Tq, tid, o_ld);
+        cp_async_commit();
+        if (tid < 64) {
+            const int i = r0 + tid;
+            sL[buf][tid] = (i < Tq) ? L[i] * FORGE_LOG2E : 0.f;
+            sD[buf][tid] = (i < Tq) ? D[i] : 0.f;
+        }
+    };
+    stage(qb0, 0);
+    wg_load_tile(sK, k + kvb, k0, Tk, wtid, kv_ld);  // rows past Tk: zeros
+    wg_load_tile(sV, v + kvb, k0, Tk, wtid, kv_ld);
+    cp_async_commit();
+
+    float dka[32], dva[32];
+    wg_zero(dka);
+    wg_zero(dva);
+    const unsigned long long dK = wg_desc(sK, WG_K_LBO, WG_K_SBO);
+    const unsigned long long dV = wg_desc(sV, WG_K_LBO, WG_K_SBO);
+
+    for (int qb = qb0; qb < nqb; ++qb) {
+        const int buf = (qb - qb0) & 1;
+        if (qb + 1 < nqb) {
+            stage(qb + 1, buf ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        fence_async_smem();
+        __syncthreads();
+        const int q0 = qb * 64;
+        if (qb >= qbw) {  // (warpgroup-uniform) a tile wholly before this warpgroup's keys: none
+            const unsigned long long dQk = wg_desc(sQ[buf], WG_K_LBO, WG_K_SBO);
+            const unsigned long long dOk = wg_desc(sO[buf], WG_K_LBO, WG_K_SBO);
+            const unsigned long long dQm = wg_desc(sQ[buf], WG_MN_LBO, WG_MN_SBO);
+            const unsigned long long dOm = wg_desc(sO[buf], WG_MN_LBO, WG_MN_SBO);
+            if constexpr (HALF) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float p[16], ds[16];
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) p[i] = ds[i] = 0.f;
+                    wg_fence();  // the queries 32h..: B's rows start 32 h rows (4 KiB h) on
+                    wg_ss4_n32(p, dK, dQk + (h * 4096 >> 4));   // S^T = k q^T
+                    wg_ss4_n32(ds, dV, dOk + (h * 4096 >> 4));  // dP^T = v dout^T
+                    wg_commit();
+                    wg_wait0();
+                    dkdv_p_ds<32>(p, ds, q0, 32 * h, j_lo, j_hi, w0, off, Tq, t, sl2, sL[buf],
+                                  sD[buf]);
+                    unsigned pa[2][4], da[2][4];
+                    wg_pack_a2(pa, p);
+                    wg_pack_a2(da, ds);
+                    wg_fence();
+#pragma unroll
+                    for (int kk = 0; kk < 2; ++kk)  // k steps 2h, 2h + 1 of the 64 queries
+                        wg_mma_rs_t(dva, pa[kk], dOm + ((2 * h + kk) * WG_MN_STEP >> 4));
+#pragma unroll
+                    for (int kk = 0; kk < 2; ++kk)
+                        wg_mma_rs_t(dka, da[kk], dQm + ((2 * h + kk) * WG_MN_STEP >> 4));
+                    wg_commit();
+                    wg_wait0();
+                }
+            } else {
+                float p[32], ds[32];
+                wg_zero(p);
+                wg_zero(ds);
+                wg_fence();
+                wg_ss4(p, dK, dQk);
+                wg_ss4(ds, dV, dOk);
+                wg_commit();
+                wg_wait0();
+                dkdv_p_ds<64>(p, ds, q0, 0, j_lo, j_hi, w0, off, Tq, t, sl2, sL[buf], sD[buf]);
+                unsigned pa[4][4], da[4][4];
+                wg_pack_a(pa, p);
+                wg_pack_a(da, ds);
+                wg_fence();
+                wg_rs4_t(dva, pa, dOm);  // dv += P^T dout
+                wg_rs4_t(dka, da, dQm);  // dk += dS^T q
+                wg_commit();
+                wg_wait0();
+            }
+        }
+        __syncthreads();
+    }
+    wg_store_rows(dk + kvb, dka, j_lo, Tk, scale, scale, t, kv_ld);
+    wg_store_rows(dv + kvb, dva, j_lo, Tk, 1.f, 1.f, t, kv_ld);
+    if (part_ld > 0) {  // the q and dout tiles are no longer read (the loop's last __syncthreads)
+        const int b = (int)bh / H, h = (int)bh - b * H;
+        const long long at = ((long long)b * ((Tk + 63) / 64) + k0 / 64) * part_ld + 64 * h;
+        float* red = reinterpret_cast<float*>(sQ[0]) + 512 * wg;
+        wg_colsum_rows(part_k + at, k0 < Tk, red, dka, j_lo, Tk, scale, t, warp, lane, wtid);
+        wg_colsum_rows(part_v + at, k0 < Tk, red + 256, dva, j_lo, Tk, 1.f, t, warp, lane, wtid);
+    }
+}
+
+// dynamic shared memory (attention.py's _DKDV_R128_SMEM): sQ[2], sO[2], sK[2], sV[2] (8 KiB
+// tiles; the k and v tiles one a warpgroup), sL[2][64], sD[2][64], and 1 KiB to align
+#define DKDV2_KERNEL(NAME, HALF, MINB)                                                          \
+    extern "C" __global__ void __launch_bounds__(256, MINB) NAME(DKDV_PARAMS) {                 \
+        extern __shared__ unsigned char d2_smem_raw[];                                          \
+        unsigned char* d2 = d2_smem_raw + ((1024 - (smem_u32(d2_smem_raw) & 1023)) & 1023);     \
+        typedef bf16 Tiles[2][64 * 64];                                                         \
+        typedef float Rows[2][64];                                                              \
+        Tiles& sQ = *reinterpret_cast<Tiles*>(d2);                                              \
+        Tiles& sO = *reinterpret_cast<Tiles*>(d2 + sizeof(Tiles));                              \
+        bf16* sK = reinterpret_cast<bf16*>(d2 + 2 * sizeof(Tiles));                             \
+        bf16* sV = reinterpret_cast<bf16*>(d2 + 3 * sizeof(Tiles));                             \
+        Rows& sL = *reinterpret_cast<Rows*>(d2 + 4 * sizeof(Tiles));                            \
+        Rows& sD = *reinterpret_cast<Rows*>(d2 + 4 * sizeof(Tiles) + sizeof(Rows));             \
+        dkdv2_block<HALF>(DKDV_ARGS, sQ, sO, sL, sD, sK, sV);                                   \
+    }
+DKDV2_KERNEL(flash_bwd_dkdv_wgmma_kvs_r128_bf16_h64, false, 1)
+DKDV2_KERNEL(flash_bwd_dkdv_wgmma_kvs_r128h_bf16_h64, true, 2)
+
 #endif  // sm_90a
