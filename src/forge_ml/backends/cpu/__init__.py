@@ -39,6 +39,7 @@ from ... import rng as _rng
 from .. import compose as _compose
 from . import native as _native
 from . import reference
+from .native import ptr as _ptr
 from .reference import (add, assign, cast, copy, decode_attention, embedding, from_host,
                         from_host_async, greedy_next, kv_append, logsumexp, merge_heads,
                         pinned_empty, softmax, softmax_bwd, split_heads, sum_rows, synchronize,
@@ -154,7 +155,7 @@ def _ok(status, result):
 
 @_fused(reference.sumsq, "x")
 def sumsq(lib, x):
-    return np.asarray(lib.sumsq_f32(x.ctypes.data, x.size), dtype=x.dtype)
+    return np.asarray(lib.sumsq_f32(_ptr(x), x.size), dtype=x.dtype)
 
 
 @_fused(reference.dropout, "x")
@@ -163,28 +164,28 @@ def dropout(lib, x, p, seed):
         return reference.dropout(x, p, seed)           # a copy
     y = np.empty_like(x)
     pf, scale, k0, k1 = _drop_args(p, seed)
-    lib.dropout_f32(x.ctypes.data, y.ctypes.data, x.size, k0, k1, pf, scale)
+    lib.dropout_f32(_ptr(x), _ptr(y), x.size, k0, k1, pf, scale)
     return y
 
 
 @_fused(reference.gelu, "x")
 def gelu(lib, x):
     y = np.empty_like(x)
-    lib.gelu_f32(x.ctypes.data, y.ctypes.data, x.size)
+    lib.gelu_f32(_ptr(x), _ptr(y), x.size)
     return y
 
 
 @_fused(reference.gelu_bwd, "x", "dy")
 def gelu_bwd(lib, x, dy):
     dx = np.empty_like(x)
-    lib.gelu_bwd_f32(x.ctypes.data, dy.ctypes.data, dx.ctypes.data, x.size)
+    lib.gelu_bwd_f32(_ptr(x), _ptr(dy), _ptr(dx), x.size)
     return dx
 
 
 @_fused(reference.layernorm, "x", "gamma", "beta")
 def layernorm(lib, x, gamma, beta, eps):
     y, c = np.empty_like(x), x.shape[-1]
-    lib.layernorm_f32(x.ctypes.data, gamma.ctypes.data, beta.ctypes.data, y.ctypes.data,
+    lib.layernorm_f32(_ptr(x), _ptr(gamma), _ptr(beta), _ptr(y),
                       x.size // c, c, eps)
     return y
 
@@ -203,9 +204,9 @@ def _layernorm_bwd(lib, x, gamma, dy, eps, add):
     """The C kernel, ``add`` (or None) added to dx in its last pass over each row."""
     c = x.shape[-1]
     dx, dgamma, dbeta = np.empty_like(x), np.empty(c, np.float32), np.empty(c, np.float32)
-    return _ok(lib.layernorm_bwd_f32(x.ctypes.data, gamma.ctypes.data, dy.ctypes.data,
-                                     None if add is None else add.ctypes.data, dx.ctypes.data,
-                                     dgamma.ctypes.data, dbeta.ctypes.data, x.size // c, c, eps),
+    return _ok(lib.layernorm_bwd_f32(_ptr(x), _ptr(gamma), _ptr(dy),
+                                     None if add is None else _ptr(add), _ptr(dx),
+                                     _ptr(dgamma), _ptr(dbeta), x.size // c, c, eps),
                (dx, dgamma, dbeta))
 
 
@@ -213,17 +214,17 @@ def _layernorm_bwd(lib, x, gamma, dy, eps, add):
 def attention(lib, q, k, v, scale):
     t, hs = q.shape[-2:]
     out, lse = np.empty_like(q), np.empty(q.shape[:-1], np.float32)  # (..., H, T, hs), (..., H, T)
-    return _ok(lib.attention_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data, out.ctypes.data,
-                                 lse.ctypes.data, q.size // (t * hs), t, hs, scale), (out, lse))
+    return _ok(lib.attention_f32(_ptr(q), _ptr(k), _ptr(v), _ptr(out),
+                                 _ptr(lse), q.size // (t * hs), t, hs, scale), (out, lse))
 
 
 @_fused(reference.attention_bwd, "q", "k", "v", "out", "lse", "dout")
 def attention_bwd(lib, q, k, v, out, lse, dout, scale):
     t, hs = q.shape[-2:]
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    return _ok(lib.attention_bwd_f32(q.ctypes.data, k.ctypes.data, v.ctypes.data,
-                                     out.ctypes.data, lse.ctypes.data, dout.ctypes.data,
-                                     dq.ctypes.data, dk.ctypes.data, dv.ctypes.data,
+    return _ok(lib.attention_bwd_f32(_ptr(q), _ptr(k), _ptr(v),
+                                     _ptr(out), _ptr(lse), _ptr(dout),
+                                     _ptr(dq), _ptr(dk), _ptr(dv),
                                      q.size // (t * hs), t, hs, scale), (dq, dk, dv))
 
 
@@ -238,7 +239,7 @@ def attention_qkv(lib, qkv, n_head, scale):
     B, T, C3 = qkv.shape
     y = np.empty((B, T, C3 // 3), np.float32)       # heads read in place, y written merged
     lse = np.empty((B, n_head, T), np.float32)
-    return _ok(lib.attention_qkv_f32(qkv.ctypes.data, y.ctypes.data, lse.ctypes.data, B, T,
+    return _ok(lib.attention_qkv_f32(_ptr(qkv), _ptr(y), _ptr(lse), B, T,
                                      n_head, C3 // (3 * n_head), scale), (y, lse))
 
 
@@ -246,8 +247,8 @@ def attention_qkv(lib, qkv, n_head, scale):
 def attention_qkv_bwd(lib, qkv, y, lse, dy, n_head, scale):
     B, T, C3 = qkv.shape
     dqkv = np.empty_like(qkv)                       # dq, dk, dv written into their thirds
-    return _ok(lib.attention_qkv_bwd_f32(qkv.ctypes.data, y.ctypes.data, lse.ctypes.data,
-                                         dy.ctypes.data, dqkv.ctypes.data, B, T, n_head,
+    return _ok(lib.attention_qkv_bwd_f32(_ptr(qkv), _ptr(y), _ptr(lse),
+                                         _ptr(dy), _ptr(dqkv), B, T, n_head,
                                          C3 // (3 * n_head), scale), dqkv)
 
 
@@ -278,7 +279,7 @@ def attention_qkv_dropout(lib, qkv, n_head, scale, p, seed):
     B, T, C3 = qkv.shape
     y = np.empty((B, T, C3 // 3), np.float32)
     lse = np.empty((B, n_head, T), np.float32)
-    return _ok(lib.attention_qkv_dropout_f32(qkv.ctypes.data, y.ctypes.data, lse.ctypes.data, B,
+    return _ok(lib.attention_qkv_dropout_f32(_ptr(qkv), _ptr(y), _ptr(lse), B,
                                              T, n_head, C3 // (3 * n_head), scale,
                                              *_drop_args(p, seed)), (y, lse))
 
@@ -287,8 +288,8 @@ def attention_qkv_dropout(lib, qkv, n_head, scale, p, seed):
 def attention_qkv_dropout_bwd(lib, qkv, y, lse, dy, n_head, scale, p, seed):
     B, T, C3 = qkv.shape
     dqkv = np.empty_like(qkv)
-    return _ok(lib.attention_qkv_dropout_bwd_f32(qkv.ctypes.data, y.ctypes.data, lse.ctypes.data,
-                                                 dy.ctypes.data, dqkv.ctypes.data, B, T, n_head,
+    return _ok(lib.attention_qkv_dropout_bwd_f32(_ptr(qkv), _ptr(y), _ptr(lse),
+                                                 _ptr(dy), _ptr(dqkv), B, T, n_head,
                                                  C3 // (3 * n_head), scale, *_drop_args(p, seed)),
                  dqkv)
 
@@ -308,9 +309,9 @@ def _xent(lib, logits, targets, vocab_size, scale, row_loss, dl):
     t = _targets(targets, n)
     if t is None or not 0 < v <= vp:
         return -1
-    return lib.xent_f32(logits.ctypes.data, t.ctypes.data, n, vp, v, scale,
-                        None if row_loss is None else row_loss.ctypes.data,
-                        None if dl is None else dl.ctypes.data)
+    return lib.xent_f32(_ptr(logits), _ptr(t), n, vp, v, scale,
+                        None if row_loss is None else _ptr(row_loss),
+                        None if dl is None else _ptr(dl))
 
 
 @_fused(reference.cross_entropy, "logits")
@@ -338,7 +339,7 @@ def scatter_add_rows(lib, dst, ids, src):
     t = _targets(ids, np.asarray(ids).size)
     if dst.ndim != 2 or t is None or src.size != t.size * c:
         return _DECLINED
-    status = lib.scatter_add_rows_f32(dst.ctypes.data, dst.shape[0], t.ctypes.data, src.ctypes.data,
+    status = lib.scatter_add_rows_f32(_ptr(dst), dst.shape[0], _ptr(t), _ptr(src),
                                       t.size, c)
     return None if status == 0 else _DECLINED
 
@@ -348,7 +349,7 @@ def adamw_update(lib, p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, gra
                  p_lowp=None):
     if p_lowp is not None:
         return _DECLINED                             # the reference says why it is refused
-    lib.adamw_f32(p.ctypes.data, g.ctypes.data, m.ctypes.data, v.ctypes.data, p.size,
+    lib.adamw_f32(_ptr(p), _ptr(g), _ptr(m), _ptr(v), p.size,
                   *_adamw_moments(beta1, beta2, grad_scale), *_adamw_folded(lr, beta1, beta2, eps, step),
                   1.0 - lr * weight_decay, lr != 0.0)
     return None
@@ -377,7 +378,7 @@ _PTRS: dict = {}   # "pmv": (weak references to the arrays, their pointer and si
 
 def _pointers(arrays):
     """int64 arrays of the arrays' addresses and sizes."""
-    return (np.fromiter((a.ctypes.data for a in arrays), np.int64, len(arrays)),
+    return (np.fromiter((_ptr(a) for a in arrays), np.int64, len(arrays)),
             np.fromiter((a.size for a in arrays), np.int64, len(arrays)))
 
 
@@ -411,9 +412,9 @@ def adamw_update_many(ps, gs, ms, vs, lr, beta1, beta2, eps, weight_decays, step
     a = np.array([folded[st][0] for st in steps], np.float32)
     c = np.array([folded[st][1] for st in steps], np.float32)
     decay = np.array([1.0 - lr * wd for wd in weight_decays], np.float32)
-    lib.adamw_many_f32(len(ps), P.ctypes.data, G.ctypes.data, M.ctypes.data, V.ctypes.data,
-                       N.ctypes.data, *_adamw_moments(beta1, beta2, grad_scale), a.ctypes.data,
-                       c.ctypes.data, decay.ctypes.data, lr != 0.0)
+    lib.adamw_many_f32(len(ps), _ptr(P), _ptr(G), _ptr(M), _ptr(V),
+                       _ptr(N), *_adamw_moments(beta1, beta2, grad_scale), _ptr(a),
+                       _ptr(c), _ptr(decay), lr != 0.0)
 
 
 def sumsq_many(xs):
@@ -425,7 +426,7 @@ def sumsq_many(xs):
                         np.float64 if any(x.dtype == np.float64 for x in xs) else np.float32)
     ptrs, sizes = _pointers(xs)
     out = np.empty(len(xs), np.float32)
-    lib.sumsq_many_f32(len(xs), ptrs.ctypes.data, sizes.ctypes.data, out.ctypes.data)
+    lib.sumsq_many_f32(len(xs), _ptr(ptrs), _ptr(sizes), _ptr(out))
     return out
 
 
@@ -458,10 +459,10 @@ def _gemm(lib, a, b, trans_a=False, trans_b=False, alpha=1.0, bias=None, res=Non
             or any(x.shape != (m, n) for x in (res, aux) if x is not None)):
         return _DECLINED
     out = np.empty((m, n), np.float32)
-    ptr = lambda x: None if x is None else x.ctypes.data    # noqa: E731
-    status = lib.gemm_f32(int(trans_a), int(trans_b), m, n, k, alpha, a.ctypes.data, a.shape[1],
-                          b.ctypes.data, b.shape[1], ptr(bias), ptr(res), _EPI[epi], ptr(aux),
-                          out.ctypes.data, n)
+    ptr = lambda x: None if x is None else _ptr(x)    # noqa: E731
+    status = lib.gemm_f32(int(trans_a), int(trans_b), m, n, k, alpha, _ptr(a), a.shape[1],
+                          _ptr(b), b.shape[1], ptr(bias), ptr(res), _EPI[epi], ptr(aux),
+                          _ptr(out), n)
     return _ok(status, out)
 
 
