@@ -140,38 +140,6 @@ def test_layers_head_gives_the_same_bits_for_any_grid(dtype, fused_on, monkeypat
     assert np.isfinite(want[0]).all() and len(set(want[1].ravel().tolist())) > 1
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_layers_head_prefetch_changes_no_bit(dtype, fused_on, monkeypatch):
-    """decoder.HEAD_PREFETCH (the head's first rows asked of L2 before its wait) is a hint:
-    the logits and the greedy chain of the graph-replayed step are the same bits with none, a
-    few, all eight and more rows than a warp has, at one row and at two."""
-    _hopper_layers_or_skip(fused_on)
-    from forge_ml.backends.cuda import decoder
-    from forge_ml.inference.decode import DecodeStep
-    gpu = _varied(GPT2.init(CFG, seed=17), 5).to("cuda", dtype=dtype)
-    sfx = "f32" if dtype == "float32" else "bf16"
-
-    def run(rows, B):
-        monkeypatch.setitem(decoder.HEAD_PREFETCH, sfx, rows)
-        ids = np.random.default_rng(B).integers(0, CFG.vocab_size, (B, 8))
-        cache = gpu.new_cache(B, 256)
-        gpu.forward_cached(fm.tensor(ids, device="cuda"), cache)
-        step = DecodeStep(gpu, cache)           # a graph captured with this HEAD_PREFETCH
-        assert step.fused
-        tok = ids[:, -1]
-        logits = np.stack([step(tok, t) for t in range(8, 24)])
-        chain = np.stack(list(step.greedy(tok, 24, 30)))
-        return logits, chain
-
-    for B in (1, 2):
-        want = run(0, B)
-        assert np.isfinite(want[0]).all() and len(set(want[1].ravel().tolist())) > 1
-        for rows in (3, 8, 1000):
-            got = run(rows, B)
-            np.testing.assert_array_equal(got[0], want[0], err_msg=f"logits, {rows} rows, B={B}")
-            np.testing.assert_array_equal(got[1], want[1], err_msg=f"greedy, {rows} rows, B={B}")
-
-
 def test_fused_chain_agrees_with_the_op_by_op_chain_at_gpt2_size():
     # GPT-2 124M's shapes (12 heads: 11 attention splits on an H200), float32, past 900
     from forge_ml.inference.decode import DecodeStep

@@ -731,22 +731,6 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
 }
 
 // ------------------------------------------------------------------------------------------
-// The first `rows` of the rows lm_head_rows gives this warp first (its warp number's ROWS
-// rows, contiguous), asked of L2 before the head's wait: the head's weights do not depend on
-// the layers, so DRAM starts on them while the last layer_mlp runs and the head gathers x''
-// and takes LN_f (decoder.HEAD_PREFETCH; a hint only: no value changes).
-template <typename T>
-__device__ void dl_head_prefetch(const T* head, int C, int Vp, int rows) {
-    const int lane = threadIdx.x & 31;
-    const long long n0 = (long long)(blockIdx.x * DL_HEAD_WARPS + (threadIdx.x >> 5)) * DL_HEAD_ROWS;
-    if (n0 >= Vp) return;
-    const char* p = reinterpret_cast<const char*>(head + n0 * C);
-    const long long bytes = (long long)min((long long)rows, Vp - n0) * C * sizeof(T);
-    for (long long o = lane * 128LL; o < bytes; o += 32 * 128LL)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-}
-
-// ------------------------------------------------------------------------------------------
 // head: LN_f of x'' and the logits (a warp per DL_HEAD_ROWS rows at a time), then with
 // `greedy` the argmax by the last block to finish (each block's (best, index) in argp, a
 // counter that the last block resets to 0). decoder.py's _head_grid sizes the grid.
@@ -754,7 +738,7 @@ template <typename T>
 __device__ void decode_head_impl(const float* xb, const T* bias, const float* partB, int SB,
                                  const T* gf, const T* bf, const T* head, float* logits, int C,
                                  int Vp, int V, float eps, int greedy, int* ids, int* posp,
-                                 int* hist, float* argp, unsigned* counter, int pf_rows) {
+                                 int* hist, float* argp, unsigned* counter) {
     constexpr int NT = DL_HEAD_WARPS * 32;
     // this block's row of the batch (the greedy choice's rows below)
     xb += (long long)blockIdx.y * C;
@@ -769,7 +753,6 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
     dl_mark(0);
     dl_stage3<T, NT>(vs, bias, gf, bf, C);   // weights: before the wait
     cp_async_commit();
-    if (pf_rows > 0 && blockIdx.y == 0) dl_head_prefetch(head, C, Vp, min(pf_rows, DL_HEAD_ROWS));
     dl_mark(1);
     pdl_wait();
     dl_mark(2);
@@ -861,9 +844,9 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
         decode_head_##S(const float* xb, const T* bias, const float* partB, int SB,           \
                         const T* gf, const T* bf, const T* head, float* logits, int C,         \
                         int Vp, int V, float eps, int greedy, int* ids, int* posp, int* hist,  \
-                        float* argp, unsigned* counter, int pf_rows) {                         \
+                        float* argp, unsigned* counter) {                                      \
         decode_head_impl<T>(xb, bias, partB, SB, gf, bf, head, logits, C, Vp, V, eps, greedy, \
-                            ids, posp, hist, argp, counter, pf_rows);                          \
+                            ids, posp, hist, argp, counter);                                   \
     }
 FORGE_DECODE_LAYERS(float, f32)
 FORGE_DECODE_LAYERS(bf16, bf16)

@@ -209,12 +209,6 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
 _DL_THREADS, _DL_P, _DL_HEAD_THREADS = 256, 8, 512
 _DL_HEAD_BLOCK_ROWS = (_DL_HEAD_THREADS // 32) * 8   # decode_layers.cu: DL_HEAD_WARPS x DL_HEAD_ROWS
 
-HEAD_PREFETCH = {"f32": 0, "bf16": 0}
-"""Rows of its first eight that each warp of ``decode_head`` asks L2 for before its wait (0-8;
-0: none), by the weights' type: the head's weights do not depend on the layers, so their DRAM
-reads can start while the last layer runs. A hint: no logit changes. Read when a step is
-launched (a captured graph keeps the value it was captured with)."""
-
 
 def _head_grid(Vp: int, sms: int) -> int:
     """Blocks of ``decode_head``: as many rounds of rows as two blocks an SM take, dealt out so
@@ -370,5 +364,5 @@ def _decode_layers(key, ids, pos, wte, wpe, lnf, head, layers, caches, H, eps, V
     _launch("decode_layers", f"decode_head_{sfx}", (plan.grid_head, plan.B), _DL_HEAD_THREADS,
             (plan.xb, layers[-1][11], plan.partB, _i32(plan.SB), lnf[0], lnf[1], head, logits,
              _i32(C), _i32(Vp), _i32(V), epsf, _i32(1 if greedy else 0), ids, pos, hist,
-             plan.argp, plan.counter, _i32(HEAD_PREFETCH[sfx])), pdl=True,
+             plan.argp, plan.counter), pdl=True,
             writes=(logits, ids, pos, hist, plan.argp, plan.counter))
