@@ -115,7 +115,7 @@ template <typename A> FORGE_D A gelu_f(A v) {
 }
 
 // A linear layer's epilogue on its float32 sum a: act(alpha a + bias) + residual (act 0 none,
-// 1 GELU; a flag off leaves its term out), rounded once to T (gemv.cu, gemm_rows.cu).
+// 1 GELU; a flag off leaves its term out), rounded once to T (gemv.cu).
 template <typename T>
 FORGE_D T linear_epilogue(float a, float alpha, int has_bias, float bias_v, int act, int has_res,
                           float res_v) {
@@ -447,7 +447,7 @@ FORGE_D uint4 pack8_bf16(const float (&w)[8]) {
                       pack_bf16x2(w[6], w[7]));
 }
 
-// ldmatrix and mma.sync bf16 (flash_attention.cu, gemm_rows.cu)
+// ldmatrix and mma.sync bf16 (flash_attention.cu)
 // Four 8 x 8 bf16 matrices from shared memory: lane 8m + r gives the address of row r of
 // matrix m; register m of lane l receives matrix m's (row l/4, columns 2(l%4)..+1), or with
 // .trans its (rows 2(l%4)..+1, column l/4).
@@ -600,17 +600,11 @@ FORGE_D double ld_cluster(const double* p, unsigned rank) {
 }
 
 // st_cluster(p, r, v): v stored at the shared-memory address of p in block r of the cluster
-// (seen there after a cluster barrier: its arrive releases the store); st_cluster2 two floats
-// at an 8-byte aligned p, st_cluster4 four at a 16-byte aligned p.
+// (seen there after a cluster barrier: its arrive releases the store); st_cluster4 four floats
+// at a 16-byte aligned p.
 FORGE_D void st_cluster(float* p, unsigned rank, float v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_addr(p, rank)), "f"(v) : "memory");
-#endif
-}
-FORGE_D void st_cluster2(float* p, unsigned rank, float a, float b) {   // 8-byte aligned p
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("st.shared::cluster.v2.f32 [%0], {%1, %2};" ::"r"(cluster_addr(p, rank)), "f"(a),
-                 "f"(b) : "memory");
 #endif
 }
 FORGE_D void st_cluster4(float* p, unsigned rank, float a, float b, float c, float d) {

@@ -5,9 +5,8 @@ with the bias, GELU and the residual in its epilogue), and for training ``matmul
 input written beside its output) and ``weight_grads`` (the bias gradient summed by the weight
 gradient's product). For a few rows (a decoding step) on Hopper ``matmul`` and ``linear`` go to
 gemv.cu instead: one kernel per layer, a thread-block cluster of K slices per column tile,
-with the layernorm prologue and the bias, GELU and residual epilogue fused (``_gemv``); and
-``linear`` for a batch of up to 64 rows (bf16) to gemm_rows.cu, the same plan on the tensor
-cores (``_gemm_rows``). Kernels: gemv.cu, gemm_rows.cu.
+with the layernorm prologue and the bias, GELU and residual epilogue fused (``_gemv``).
+Kernels: gemv.cu.
 """
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ from .cublas import _matmul_into
 from .cublaslt import lt_matmul
 from .memory import _c, _like
 from .rows import gelu_bwd_colsum, sum_rows
-from .runtime import (BF16, F32, _THREADS, _dev, _empty, _float_sfx, _grid, _guarded, _i32,
-                      _i64, _launch, _launcher_ex, _package, _pdl_wrote, _sm_count, _takes)
+from .runtime import (BF16, F32, _THREADS, _empty, _float_sfx, _grid, _guarded, _i32, _i64,
+                      _launch, _launcher_ex, _package, _pdl_wrote)
 
 
 _GEMV_M = 4          # gemv.cu: GEMV_M
@@ -77,97 +76,6 @@ def _gemv(a, b, bias, alpha, M, K, N, act=0, residual=None, ln=None):
     return out
 
 
-_GR_M, _GR_NT, _GR_CLUSTER = 64, 64, 8   # gemm_rows.cu: GR_M, GR_NT; cluster blocks at most
-_GR_THREADS = 128                        # GR_WARPS * 32
-_GR_SHARED_MAX = 216 * 1024              # dynamic shared bytes at most (the SM has 227 KB)
-
-
-def _rows_ok(x, w, M, K, N) -> bool:
-    """Whether x (M, K) @ W (K, N) goes to gemm_rows.cu: bf16, more rows than gemv.cu takes
-    and at most 64 (a decoding step's batch), K and N multiples of 8, x and W on 16-byte
-    boundaries, on a Hopper GPU (thread-block clusters) (the FORGE_GEMM_ROWS switch on)."""
-    return (BF16 is not None and x.dtype == BF16 and w.dtype == BF16 and _GEMV_M < M <= _GR_M
-            and K % 8 == 0 and N % 8 == 0 and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0
-            and flags.on("FORGE_GEMM_ROWS") and _launcher_ex())
-
-
-def _rows_share(S: int) -> int:
-    """Columns of a tile each of a cluster's S blocks finishes (gemm_rows.cu's gr_share: a
-    multiple of 8, so an 8-column group of the products has one owner).
-
-    >>> [_rows_share(S) for S in range(1, 9)]
-    [64, 32, 24, 16, 16, 16, 16, 8]
-    """
-    per = -(-_GR_NT // S)
-    return -(-per // 8) * 8
-
-
-def _rows_shared(kc: int, S: int) -> int:
-    """Dynamic shared bytes of gemm_rows.cu for S slices of ``kc`` rows (its gr_shared: x's
-    and W's slices with padded rows, gamma and beta, and the float32 receiving slots).
-
-    >>> _rows_shared(192, 4), _rows_shared(384, 8)
-    (70400, 123392)
-    """
-    return (_GR_M * (kc + 8) * 2 + kc * (_GR_NT + 8) * 2 + 2 * kc * 2
-            + S * _GR_M * _rows_share(S) * 4)
-
-
-def _rows_shape(K: int, N: int, sms: int):
-    """(column tiles, K slices = cluster size, rows per slice) of a gemm_rows product: about
-    one block an SM (tiles x slices), at most 8 slices, each a multiple of 16 rows; more slices
-    where one's operands would not fit shared memory; None where even 8 do not.
-
-    >>> [_rows_shape(768, n, 132) for n in (2304, 768, 3072)], _rows_shape(3072, 768, 132)
-    ([(36, 4, 192), (12, 8, 96), (48, 3, 256)], (12, 8, 384))
-    """
-    tiles = -(-N // _GR_NT)
-    for want in range(max(1, min(_GR_CLUSTER, round(sms / tiles), -(-K // 16))), _GR_CLUSTER + 1):
-        kc = -(-K // (16 * want)) * 16
-        slices = -(-K // kc)   # want or fewer: every slice has rows
-        if _rows_shared(kc, slices) <= _GR_SHARED_MAX:
-            return tiles, slices, kc
-    return None
-
-
-def _gemm_rows(x, w, bias, alpha, M, K, N, act=0, residual=None, ln=None):
-    """``act(alpha LN(x) @ w + bias) + residual`` through gemm_rows.cu, or None where its
-    shape does not fit (the caller's cuBLASLt path runs instead)."""
-    shape = _rows_shape(K, N, _sm_count(_dev()))
-    if shape is None:
-        return None
-    tiles, slices, kc = shape
-    if not _takes("gemm_rows", "gemm_rows_bf16", _rows_shared(kc, slices)):
-        return None
-    bias = None if bias is None else _like(_c(bias), x.dtype)
-    residual = None if residual is None else _like(_c(residual), x.dtype)
-    if (bias is not None and bias.size != N) or (residual is not None
-                                                 and residual.shape != (M, N)):
-        raise ShapeError(f"linear: bias {None if bias is None else bias.shape} and residual "
-                         f"{None if residual is None else residual.shape} do not fit an "
-                         f"output of {(M, N)}")
-    if ln is not None:
-        ln = (_like(_c(ln[0]), x.dtype), _like(_c(ln[1]), x.dtype), float(ln[2]))
-        if ln[0].size != K or ln[1].size != K:
-            raise ShapeError(f"linear: layernorm weight {ln[0].shape} and bias {ln[1].shape} "
-                             f"do not fit rows of {K}")
-        if ln[0].data.ptr % 16 or ln[1].data.ptr % 16:   # 16-byte copies of their slices
-            return None
-    # W, the bias, gamma or beta written by the kernel before: wait before loading them, and a
-    # plain launch (as gemv.cu)
-    early = not any(_pdl_wrote(t) for t in (w, bias) + (() if ln is None else ln[:2])
-                    if t is not None)
-    out = _empty((M, N), x.dtype)
-    gamma, beta, eps = (w, w, 0.0) if ln is None else ln
-    _launch("gemm_rows", "gemm_rows_bf16", (tiles, slices), _GR_THREADS,
-            (x, w, gamma, beta, _i32(ln is not None), np.float32(eps),
-             out if bias is None else bias, _i32(bias is not None),
-             out if residual is None else residual, _i32(residual is not None), _i32(act), out,
-             _i32(M), _i32(K), _i32(N), _i32(kc), np.float32(alpha), _i32(early)),
-            shared=_rows_shared(kc, slices), pdl=early, writes=(out,), cluster=(1, slices, 1))
-    return out
-
-
 _ACTS = {None: 0, "gelu": 1}
 
 
@@ -186,10 +94,6 @@ def linear(x, w, bias, act, residual, ln=None):
         if ln is not None:
             ln = (_like(_c(ln[0]), x.dtype), _like(_c(ln[1]), x.dtype), float(ln[2]))
         return _gemv(x, w, bias, 1.0, M, K, N, _ACTS[act], residual, ln)
-    if _rows_ok(x, w, M, K, N):
-        out = _gemm_rows(x, w, bias, 1.0, M, K, N, _ACTS[act], residual, ln)
-        if out is not None:
-            return out
     if act is None or (bias is not None and residual is None):
         # cuBLASLt: D = act(x @ w + bias) [+ residual as C]; GELU applies after C is added,
         # so GELU with a residual stays composed
