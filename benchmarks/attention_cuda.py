@@ -175,7 +175,6 @@ def main(argv=None) -> int:
                                 (False, True, 64, "r64", "k,v shared"),
                                 (True, True, 64, "r64", "both shared"),
                                 (True, True, 128, "r64", "both, dq r128"),
-                                (True, True, 128, "r128", "dq r128, dkdv r128"),
                                 (True, True, 128, "r128h", "dq r128, dkdv r128h")):
                             def bwd():
                                 return be._attention_bwd_flash_hopper(

@@ -105,8 +105,8 @@ _SWITCHES = (
            "and v (kv), both, or none (the register kernels)", ("none", "qd", "kv", "both")),
     Switch("FORGE_WGMMA_DKDV", "r128h",
            "keys a block of the wgmma attention's dk/dv kernel with k and v shared: 64 (one "
-           "warpgroup), or 128 (two warpgroups on each q and dout tile; r128h: its scores in "
-           "halves, two blocks an SM)", ("r64", "r128", "r128h")),
+           "warpgroup), or 128 (r128h: two warpgroups on each q and dout tile, its scores in "
+           "halves, two blocks an SM)", ("r64", "r128h")),
     Switch("FORGE_WGMMA_ROWS", "128",
            "query rows a block of the wgmma attention's forward and dq kernels: 128 runs two "
            "warpgroups on each k and v tile (half the k and v reads; the dq kernel with "

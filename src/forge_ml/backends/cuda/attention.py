@@ -198,20 +198,19 @@ _DKDV_KVS_SMEM = 6 * 64 * 64 * 2 + 4 * 64 * 4 + 1024
 # at T=4096 and +1.2% at T=1024 B=32. The dq one's eight 8 KiB tiles and 1 KiB to align them.
 _DQ_R128_SMEM = 8 * 64 * 64 * 2 + 1024
 # The dk/dv kernel (k and v shared) for 128 keys a block, two warpgroups reading each q and
-# dout tile once (FORGE_WGMMA_DKDV): r128 with the whole score tile (195 registers, one block
-# an SM), r128h with it in halves of 32 queries (127 registers, two blocks an SM). Their
-# dynamic shared memory: eight 8 KiB tiles, lse and D rows, 1 KiB to align. Measured on an
-# H100 (thirty-sixth session, B=32 T=1024): the backward with the dq kernel of 128 rows 0.731
-# ms (r64), 0.836 (r128), 0.698 (r128h); the trainer +0.9% tok/s with r128h, the default.
+# dout tile once, the scores in halves of 32 queries (127 registers, two blocks an SM;
+# FORGE_WGMMA_DKDV=r128h). Its dynamic shared memory: eight 8 KiB tiles, lse and D rows, 1 KiB
+# to align. Measured on an H100 (thirty-sixth session, B=32 T=1024): the backward with the dq
+# kernel of 128 rows 0.731 ms (r64), 0.698 (r128h; 0.836 with the whole score tile, 195
+# registers and one block an SM, since taken out); the trainer +0.9% tok/s: the default.
 _DKDV_R128_SMEM = 8 * 64 * 64 * 2 + 4 * 64 * 4 + 1024
-_DKDV_WIDE = {"r128": "flash_bwd_dkdv_wgmma_kvs_r128_bf16_h64",
-              "r128h": "flash_bwd_dkdv_wgmma_kvs_r128h_bf16_h64"}
+_DKDV_WIDE = {"r128h": "flash_bwd_dkdv_wgmma_kvs_r128h_bf16_h64"}
 
 
 def _hopper_bwd(qd_shared=False, kv_shared=False, rows=64, dkdv="r64"):
     """The ``hopper`` value asking ``_fa_fwd`` / ``_fa_bwd`` for given kernels whatever the
     switches say: the set of the shared-operand ones asked for, the rows a block ("r64" or
-    "r128") and the dk/dv kernel's keys a block ("dkdv-r64", "dkdv-r128", "dkdv-r128h"; the
+    "r128") and the dk/dv kernel's keys a block ("dkdv-r64", "dkdv-r128h"; the
     wider ones with ``kv_shared``)."""
     names = {n for n, on in (("qd", qd_shared), ("kv", kv_shared)) if on}
     return frozenset(names | {f"r{int(rows)}", f"dkdv-{dkdv}"})
@@ -340,7 +339,7 @@ def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None, qd_shared=F
     """``_attention_flash_hopper``'s backward: ``(dq, dk, dv)``, whatever the switches say;
     ``qd_shared`` / ``kv_shared``: the dq kernel with q and dout in shared memory / the dk/dv
     kernel with k and v there (false: their operands in registers); ``rows`` 128: the dq
-    kernel of 128 rows a block (with ``qd_shared``); ``dkdv`` "r128" / "r128h": the dk/dv
+    kernel of 128 rows a block (with ``qd_shared``); ``dkdv`` "r128h": the dk/dv
     kernel of 128 keys a block (with ``kv_shared``; ``_DKDV_WIDE``)."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     out, dout = _like(_c(out), q.dtype), _like(_c(dout), q.dtype)

@@ -683,10 +683,12 @@ extern "C" __global__ void __launch_bounds__(128, 3) flash_bwd_dkdv_wgmma_kvs_bf
 // dkdv_block's kernel with k and v shared, for keys k0..k0+127: warpgroup wg owns keys
 // k0 + 64 wg..+63 (its own k and v tiles) and both read each q and dout tile, loaded once for
 // the two (half the tile loads a key row costs, as the dq kernel's 128 rows do for k and v).
-// HALF: each 64-query tile's scores in two halves of 32 queries (m64n32 products), so the
-// scores and dP take 32 registers instead of 64 and the kernel fits 128 a thread: two blocks
-// an SM (four warpgroups, against the one-warpgroup kernel's three). The same products in the
-// same order of k steps per output element, so dk and dv are expected to keep its bits.
+// Each 64-query tile's scores in two halves of 32 queries (m64n32 products), so the scores
+// and dP take 32 registers instead of 64 and the kernel fits 128 a thread: two blocks an SM
+// (four warpgroups, against the one-warpgroup kernel's three). The same products in the same
+// order of k steps per output element, so dk and dv keep its bits. (With the whole 64-query
+// score tile, 195 registers and one block an SM, it was slower than the 64-key kernel: the
+// backward at B=32 T=1024 0.836 ms against 0.731, and 0.698 in halves; H100, session 36.)
 
 #define WG_D16(d)                                                                              \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
@@ -741,7 +743,6 @@ FORGE_D void dkdv_p_ds(float* p, float* ds, int q0, int c0, int j_lo, int j_hi, 
         }
 }
 
-template <bool HALF>
 FORGE_D void dkdv2_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64],
                          float (&sL)[2][64], float (&sD)[2][64], bf16* sK, bf16* sV) {
     constexpr int NT = 256;
@@ -803,48 +804,28 @@ FORGE_D void dkdv2_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 *
             const unsigned long long dOk = wg_desc(sO[buf], WG_K_LBO, WG_K_SBO);
             const unsigned long long dQm = wg_desc(sQ[buf], WG_MN_LBO, WG_MN_SBO);
             const unsigned long long dOm = wg_desc(sO[buf], WG_MN_LBO, WG_MN_SBO);
-            if constexpr (HALF) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    float p[16], ds[16];
+            for (int h = 0; h < 2; ++h) {
+                float p[16], ds[16];
 #pragma unroll
-                    for (int i = 0; i < 16; ++i) p[i] = ds[i] = 0.f;
-                    wg_fence();  // the queries 32h..: B's rows start 32 h rows (4 KiB h) on
-                    wg_ss4_n32(p, dK, dQk + (h * 4096 >> 4));   // S^T = k q^T
-                    wg_ss4_n32(ds, dV, dOk + (h * 4096 >> 4));  // dP^T = v dout^T
-                    wg_commit();
-                    wg_wait0();
-                    dkdv_p_ds<32>(p, ds, q0, 32 * h, j_lo, j_hi, w0, off, Tq, t, sl2, sL[buf],
-                                  sD[buf]);
-                    unsigned pa[2][4], da[2][4];
-                    wg_pack_a2(pa, p);
-                    wg_pack_a2(da, ds);
-                    wg_fence();
-#pragma unroll
-                    for (int kk = 0; kk < 2; ++kk)  // k steps 2h, 2h + 1 of the 64 queries
-                        wg_mma_rs_t(dva, pa[kk], dOm + ((2 * h + kk) * WG_MN_STEP >> 4));
-#pragma unroll
-                    for (int kk = 0; kk < 2; ++kk)
-                        wg_mma_rs_t(dka, da[kk], dQm + ((2 * h + kk) * WG_MN_STEP >> 4));
-                    wg_commit();
-                    wg_wait0();
-                }
-            } else {
-                float p[32], ds[32];
-                wg_zero(p);
-                wg_zero(ds);
-                wg_fence();
-                wg_ss4(p, dK, dQk);
-                wg_ss4(ds, dV, dOk);
+                for (int i = 0; i < 16; ++i) p[i] = ds[i] = 0.f;
+                wg_fence();  // the queries 32h..: B's rows start 32 h rows (4 KiB h) on
+                wg_ss4_n32(p, dK, dQk + (h * 4096 >> 4));   // S^T = k q^T
+                wg_ss4_n32(ds, dV, dOk + (h * 4096 >> 4));  // dP^T = v dout^T
                 wg_commit();
                 wg_wait0();
-                dkdv_p_ds<64>(p, ds, q0, 0, j_lo, j_hi, w0, off, Tq, t, sl2, sL[buf], sD[buf]);
-                unsigned pa[4][4], da[4][4];
-                wg_pack_a(pa, p);
-                wg_pack_a(da, ds);
+                dkdv_p_ds<32>(p, ds, q0, 32 * h, j_lo, j_hi, w0, off, Tq, t, sl2, sL[buf],
+                              sD[buf]);
+                unsigned pa[2][4], da[2][4];
+                wg_pack_a2(pa, p);
+                wg_pack_a2(da, ds);
                 wg_fence();
-                wg_rs4_t(dva, pa, dOm);  // dv += P^T dout
-                wg_rs4_t(dka, da, dQm);  // dk += dS^T q
+#pragma unroll
+                for (int kk = 0; kk < 2; ++kk)  // k steps 2h, 2h + 1 of the 64 queries
+                    wg_mma_rs_t(dva, pa[kk], dOm + ((2 * h + kk) * WG_MN_STEP >> 4));
+#pragma unroll
+                for (int kk = 0; kk < 2; ++kk)
+                    wg_mma_rs_t(dka, da[kk], dQm + ((2 * h + kk) * WG_MN_STEP >> 4));
                 wg_commit();
                 wg_wait0();
             }
@@ -864,21 +845,19 @@ FORGE_D void dkdv2_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 *
 
 // dynamic shared memory (attention.py's _DKDV_R128_SMEM): sQ[2], sO[2], sK[2], sV[2] (8 KiB
 // tiles; the k and v tiles one a warpgroup), sL[2][64], sD[2][64], and 1 KiB to align
-#define DKDV2_KERNEL(NAME, HALF, MINB)                                                          \
-    extern "C" __global__ void __launch_bounds__(256, MINB) NAME(DKDV_PARAMS) {                 \
-        extern __shared__ unsigned char d2_smem_raw[];                                          \
-        unsigned char* d2 = d2_smem_raw + ((1024 - (smem_u32(d2_smem_raw) & 1023)) & 1023);     \
-        typedef bf16 Tiles[2][64 * 64];                                                         \
-        typedef float Rows[2][64];                                                              \
-        Tiles& sQ = *reinterpret_cast<Tiles*>(d2);                                              \
-        Tiles& sO = *reinterpret_cast<Tiles*>(d2 + sizeof(Tiles));                              \
-        bf16* sK = reinterpret_cast<bf16*>(d2 + 2 * sizeof(Tiles));                             \
-        bf16* sV = reinterpret_cast<bf16*>(d2 + 3 * sizeof(Tiles));                             \
-        Rows& sL = *reinterpret_cast<Rows*>(d2 + 4 * sizeof(Tiles));                            \
-        Rows& sD = *reinterpret_cast<Rows*>(d2 + 4 * sizeof(Tiles) + sizeof(Rows));             \
-        dkdv2_block<HALF>(DKDV_ARGS, sQ, sO, sL, sD, sK, sV);                                   \
-    }
-DKDV2_KERNEL(flash_bwd_dkdv_wgmma_kvs_r128_bf16_h64, false, 1)
-DKDV2_KERNEL(flash_bwd_dkdv_wgmma_kvs_r128h_bf16_h64, true, 2)
+extern "C" __global__ void __launch_bounds__(256, 2)
+    flash_bwd_dkdv_wgmma_kvs_r128h_bf16_h64(DKDV_PARAMS) {
+    extern __shared__ unsigned char d2_smem_raw[];
+    unsigned char* d2 = d2_smem_raw + ((1024 - (smem_u32(d2_smem_raw) & 1023)) & 1023);
+    typedef bf16 Tiles[2][64 * 64];
+    typedef float Rows[2][64];
+    Tiles& sQ = *reinterpret_cast<Tiles*>(d2);
+    Tiles& sO = *reinterpret_cast<Tiles*>(d2 + sizeof(Tiles));
+    bf16* sK = reinterpret_cast<bf16*>(d2 + 2 * sizeof(Tiles));
+    bf16* sV = reinterpret_cast<bf16*>(d2 + 3 * sizeof(Tiles));
+    Rows& sL = *reinterpret_cast<Rows*>(d2 + 4 * sizeof(Tiles));
+    Rows& sD = *reinterpret_cast<Rows*>(d2 + 4 * sizeof(Tiles) + sizeof(Rows));
+    dkdv2_block(DKDV_ARGS, sQ, sO, sL, sD, sK, sV);
+}
 
 #endif  // sm_90a
