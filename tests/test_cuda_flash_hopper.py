@@ -105,19 +105,25 @@ SHARED = [(False, False, 64), (False, True, 64), (True, False, 64), (True, True,
           (True, False, 128), (True, True, 128)]
 
 
+def _backward_case(be, rs, shape, scale):
+    """A backward test's inputs for SHAPES[shape]: the float64 reference's (dq, dk, dv), the
+    device's q, k, v, dout, and the mma.sync forward's out and lse."""
+    qs, ks = SHAPES[shape]
+    q, k, v, dout = (bf16_values(rs, qs), bf16_values(rs, ks), bf16_values(rs, ks),
+                     bf16_values(rs, qs))
+    ref = ref_attention(q, k, v, dout, scale)[2:]
+    on = (dev(be, q), dev(be, k), dev(be, v), dev(be, dout))
+    return ref, on, be.attention(on[0], on[1], on[2], scale)
+
+
 @pytest.mark.parametrize("qd_shared,kv_shared,rows", SHARED)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_wgmma_backward_vs_reference_and_mma_sync_kernels(be, rs, shape, qd_shared, kv_shared,
                                                           rows):
     """dq, dk, dv from the wgmma kernels, given the mma.sync forward's out and lse (so a wrong
     forward cannot hide a right backward, or the other way round)."""
-    qs, ks = SHAPES[shape]
     scale = 1.0 / math.sqrt(HS)
-    q, k, v, dout = (bf16_values(rs, qs), bf16_values(rs, ks), bf16_values(rs, ks),
-                     bf16_values(rs, qs))
-    rdq, rdk, rdv = ref_attention(q, k, v, dout, scale)[2:]
-    dq_, dk_, dv_, ddo = dev(be, q), dev(be, k), dev(be, v), dev(be, dout)
-    out, lse = be.attention(dq_, dk_, dv_, scale)
+    (rdq, rdk, rdv), (dq_, dk_, dv_, ddo), (out, lse) = _backward_case(be, rs, shape, scale)
     got = be._attention_bwd_flash_hopper(dq_, dk_, dv_, out, lse, ddo, scale,
                                          qd_shared=qd_shared, kv_shared=kv_shared, rows=rows)
     want = be.attention_bwd(dq_, dk_, dv_, out, lse, ddo, scale)   # flash_attention.cu's
@@ -245,13 +251,8 @@ def test_wgmma_dkdv_128_keys_vs_reference_and_64_key_kernel(be, rs, shape, dkdv)
     queries) within the tolerance of float64 and of the one-warpgroup kernel on every shape (a
     last block whose second warpgroup starts past Tk, a KV-cache offset, single rows); dq comes
     from the same dq kernel, so its bytes are the default's."""
-    qs, ks = SHAPES[shape]
     scale = 1.0 / math.sqrt(HS)
-    q, k, v, dout = (bf16_values(rs, qs), bf16_values(rs, ks), bf16_values(rs, ks),
-                     bf16_values(rs, qs))
-    rdq, rdk, rdv = ref_attention(q, k, v, dout, scale)[2:]
-    dq_, dk_, dv_, ddo = dev(be, q), dev(be, k), dev(be, v), dev(be, dout)
-    out, lse = be.attention(dq_, dk_, dv_, scale)
+    (rdq, rdk, rdv), (dq_, dk_, dv_, ddo), (out, lse) = _backward_case(be, rs, shape, scale)
     got = be._attention_bwd_flash_hopper(dq_, dk_, dv_, out, lse, ddo, scale, qd_shared=True,
                                          kv_shared=True, rows=128, dkdv=dkdv)
     base = be._attention_bwd_flash_hopper(dq_, dk_, dv_, out, lse, ddo, scale, qd_shared=True,
