@@ -546,6 +546,28 @@ extern "C" __global__ void __launch_bounds__(256, 2)
         float *__restrict__ part_k, float *__restrict__ part_v, int part_ld, WG_SHAPE_PARAMS
 #define DKDV_ARGS q, k, v, dout, lse, Dsum, dk, dv, part_k, part_v, part_ld, WG_SHAPE_ARGS
 
+// P and dS of a warpgroup's 64 keys (rows j_lo, j_hi of this thread) against the queries
+// q0 + c0 + (8 nt + 2t + e & 1) of one score tile of NTILE columns, in place; masked where
+// some (key, query) of the warp has j > i + off, or the queries run past Tq
+template <int NTILE>
+FORGE_D void dkdv_p_ds(float* p, float* ds, int q0, int c0, int j_lo, int j_hi, int w0, int off,
+                       int Tq, int t, float sl2, const float* sLb, const float* sDb) {
+    const bool edge = w0 + 15 > q0 + c0 + off || q0 + c0 + NTILE > Tq;
+#pragma unroll
+    for (int nt = 0; nt < NTILE / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int c = c0 + 8 * nt + 2 * t + (e & 1);
+            const int i = q0 + c;
+            const int j = (e < 2) ? j_lo : j_hi;
+            const bool masked = edge && (j > i + off || i >= Tq);
+            const int x = 4 * nt + e;
+            const float pe = masked ? 0.f : wg_exp2(fmaf(p[x], sl2, -sLb[c]));
+            p[x] = pe;
+            ds[x] = pe * (ds[x] - sDb[c]);
+        }
+}
+
 template <bool KV_SHARED>
 FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64],
                         float (&sL)[2][64], float (&sD)[2][64], bf16* sK, bf16* sV) {
@@ -615,22 +637,7 @@ FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 
         wg_commit();
         wg_wait0();
 
-        const int q0 = qb * 64;
-        // mask where some (key, query) of this warp has j > i + off, or queries run past Tq
-        const bool edge = w0 + 15 > q0 + off || q0 + 64 > Tq;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = 8 * nt + 2 * t + (e & 1);  // query column in the block
-                const int i = q0 + c;
-                const int j = (e < 2) ? j_lo : j_hi;
-                const bool masked = edge && (j > i + off || i >= Tq);
-                const int x = 4 * nt + e;
-                const float pe = masked ? 0.f : wg_exp2(fmaf(p[x], sl2, -sL[buf][c]));
-                p[x] = pe;
-                ds[x] = pe * (ds[x] - sD[buf][c]);
-            }
+        dkdv_p_ds<64>(p, ds, qb * 64, 0, j_lo, j_hi, w0, off, Tq, t, sl2, sL[buf], sD[buf]);
         unsigned pa[4][4], da[4][4];
         wg_pack_a(pa, p);
         wg_pack_a(da, ds);
@@ -719,28 +726,6 @@ FORGE_D void wg_pack_a2(unsigned (&a)[2][4], const float (&p)[16]) {
         a[kk][2] = pack_bf16x2(p[8 * kk + 4], p[8 * kk + 5]);
         a[kk][3] = pack_bf16x2(p[8 * kk + 6], p[8 * kk + 7]);
     }
-}
-
-// P and dS of a warpgroup's 64 keys (rows j_lo, j_hi of this thread) against the queries
-// q0 + c0 + (8 nt + 2t + e & 1) of one score tile of NTILE columns, in place (dkdv_block's
-// arithmetic, element by element)
-template <int NTILE>
-FORGE_D void dkdv_p_ds(float* p, float* ds, int q0, int c0, int j_lo, int j_hi, int w0, int off,
-                       int Tq, int t, float sl2, const float* sLb, const float* sDb) {
-    const bool edge = w0 + 15 > q0 + c0 + off || q0 + c0 + NTILE > Tq;
-#pragma unroll
-    for (int nt = 0; nt < NTILE / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int c = c0 + 8 * nt + 2 * t + (e & 1);
-            const int i = q0 + c;
-            const int j = (e < 2) ? j_lo : j_hi;
-            const bool masked = edge && (j > i + off || i >= Tq);
-            const int x = 4 * nt + e;
-            const float pe = masked ? 0.f : wg_exp2(fmaf(p[x], sl2, -sLb[c]));
-            p[x] = pe;
-            ds[x] = pe * (ds[x] - sDb[c]);
-        }
 }
 
 FORGE_D void dkdv2_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64],
