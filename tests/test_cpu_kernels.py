@@ -244,6 +244,26 @@ def test_layernorm_vs_reference(path, shape):
     assert dx.shape == x.shape and dgamma.shape == dbeta.shape == (c,)
 
 
+@pytest.mark.parametrize("shape", [(1, 5), (17, 7), (3, 40, 128), (768, 128)])
+@pytest.mark.parametrize("with_add", [False, True])
+def test_layernorm_bwd_sums_are_dx_row_sums(path, shape, with_add):
+    """layernorm_bwd_sums: the backward's dx, dgamma, dbeta as layernorm_bwd(_add) gives them,
+    and sum_rows(dx) against float64 (on the C path summed into the row blocks' sums as each
+    row is written; rows not a multiple of its 16-row blocks included)."""
+    c = shape[-1]
+    x, gamma, dy = randn(shape, 1, scale=2.0) + 0.5, randn((c,), 2), randn(shape, 3)
+    add = randn(shape, 4) if with_add else None
+    dx, dgamma, dbeta, sums = cpu.layernorm_bwd_sums(x, gamma, dy, 1e-5, add)
+    want = (cpu.layernorm_bwd(x, gamma, dy, 1e-5) if add is None
+            else cpu.layernorm_bwd_add(x, gamma, dy, 1e-5, add))
+    for got, w in zip((dx, dgamma, dbeta), want):
+        np.testing.assert_array_equal(got, w)
+    assert sums.dtype == np.float32 and sums.shape == (c,)
+    d64 = dx.astype(np.float64).reshape(-1, c)
+    err = np.abs(sums - d64.sum(axis=0))
+    assert np.all(err <= 1e-6 * np.abs(d64).sum(axis=0) + 1e-12), err.max()
+
+
 def test_layernorm_bwd_many_rows_accumulates_accurately(path):
     """dgamma and dbeta sum 65,536 rows. The rows repeat one block of 16, so every block's
     partial sums are equal and a float32 running sum over the 4,096 blocks rounds the same way
@@ -339,6 +359,13 @@ def test_attention_qkv_vs_reference(path, B, T, H, hs):
     grads = ref.attention_bwd(q, k, v, _heads(dy, H), scale)
     want = np.concatenate([g.transpose(0, 2, 1, 3).reshape(B, T, C) for g in grads], axis=-1)
     close(dqkv, want)
+    # with its row sums (the C kernel: each head's columns summed as it finishes them)
+    dqkv2, sums = cpu.attention_qkv_bwd_sums(qkv, y, lse, dy, H, scale)
+    np.testing.assert_array_equal(dqkv2, dqkv)
+    d64 = dqkv.astype(np.float64).reshape(-1, 3 * C)
+    assert sums.dtype == np.float32 and sums.shape == (3 * C,)
+    np.testing.assert_allclose(sums, d64.sum(axis=0), rtol=0,
+                               atol=1e-6 * np.abs(d64).sum(axis=0).max())
 
 
 @pytest.mark.parametrize("B,T,H,hs", [(2, 5, 2, 4), (1, 64, 3, 16), (2, 67, 2, 24), (1, 130, 2, 64)])

@@ -61,9 +61,9 @@ __all__ = ["NAME", "BF16", "GRAPHS", "HOST_MEMORY", "start", "reference",
            "kv_append", "dropout", "cross_entropy", "cross_entropy_bwd", "adamw_update",
            # fused kernels
            "attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
-           "attention_qkv_dropout", "attention_qkv_dropout_bwd", "linear",
-           "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add",
-           "decode_attention", "greedy_next",
+           "attention_qkv_bwd_sums", "attention_qkv_dropout", "attention_qkv_dropout_bwd",
+           "linear", "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add",
+           "layernorm_bwd_sums", "decode_attention", "greedy_next",
            "linear_cross_entropy", "scale",
            # optional: the optimizer's step in one call; what decides the arithmetic
            "adamw_update_many", "sumsq_many", "numerics"]
@@ -200,14 +200,31 @@ def layernorm_bwd_add(lib, x, gamma, dy, eps, add):
     return _layernorm_bwd(lib, x, gamma, dy, eps, add)
 
 
-def _layernorm_bwd(lib, x, gamma, dy, eps, add):
-    """The C kernel, ``add`` (or None) added to dx in its last pass over each row."""
+def _layernorm_bwd(lib, x, gamma, dy, eps, add, sums=False):
+    """The C kernel, ``add`` (or None) added to dx in its last pass over each row; with
+    ``sums``, dx's column sums too (summed as dgamma and dbeta are, in the same pass)."""
     c = x.shape[-1]
     dx, dgamma, dbeta = np.empty_like(x), np.empty(c, np.float32), np.empty(c, np.float32)
+    s = np.empty(c, np.float32) if sums else None
     return _ok(lib.layernorm_bwd_f32(_ptr(x), _ptr(gamma), _ptr(dy),
                                      None if add is None else _ptr(add), _ptr(dx),
-                                     _ptr(dgamma), _ptr(dbeta), x.size // c, c, eps),
-               (dx, dgamma, dbeta))
+                                     _ptr(dgamma), _ptr(dbeta), None if s is None else _ptr(s),
+                                     x.size // c, c, eps),
+               (dx, dgamma, dbeta) + ((s,) if sums else ()))
+
+
+def layernorm_bwd_sums(x, gamma, dy, eps, add=None):
+    """``(dx, dgamma, dbeta, sum_rows(dx))`` (dx with ``add`` added where it is not None): the C
+    kernel sums each dx row into its block's column sums while the row is in cache (a
+    separate ``sum_rows`` read dx again from memory: ~40 us a call at nanoGPT's CPU size, 8 a
+    step); else ``compose``'s backward, then ``sum_rows``."""
+    lib = _native.lib()
+    arrays = (x, gamma, dy) + (() if add is None else (add,))
+    if lib is not None and _native.f32(*arrays) and all(a.size for a in arrays):
+        out = _layernorm_bwd(lib, x, gamma, dy, eps, add, sums=True)
+        if out is not _DECLINED:
+            return out
+    return _compose.layernorm_bwd_sums(sys.modules[__name__], x, gamma, dy, eps, add)
 
 
 @_fused(reference.attention, "q", "k", "v")
@@ -250,6 +267,23 @@ def attention_qkv_bwd(lib, qkv, y, lse, dy, n_head, scale):
     return _ok(lib.attention_qkv_bwd_f32(_ptr(qkv), _ptr(y), _ptr(lse),
                                          _ptr(dy), _ptr(dqkv), B, T, n_head,
                                          C3 // (3 * n_head), scale), dqkv)
+
+
+def attention_qkv_bwd_sums(qkv, y, lse, dy, n_head, scale):
+    """``(dqkv, sum_rows(dqkv))``: the C backward, each head adding its columns of dqkv over
+    its rows as it finishes them (a separate ``sum_rows`` read dqkv again: ~50 us a layer at
+    nanoGPT's CPU size); else ``compose``'s backward, then ``sum_rows``."""
+    lib = _native.lib()
+    if lib is not None and _native.f32(qkv, y, lse, dy) and qkv.size:
+        B, T, C3 = qkv.shape
+        dqkv, sums = np.empty_like(qkv), np.empty(C3, np.float32)
+        status = lib.attention_qkv_bwd_sums_f32(_ptr(qkv), _ptr(y), _ptr(lse), _ptr(dy),
+                                                _ptr(dqkv), _ptr(sums), B, T, n_head,
+                                                C3 // (3 * n_head), scale)
+        if status == 0:
+            return dqkv, sums
+    return _compose.attention_qkv_bwd_sums(sys.modules[__name__], qkv, y, lse, dy, n_head,
+                                           scale)
 
 
 def _attention_qkv_dropout_composed(qkv, n_head, scale, p, seed):

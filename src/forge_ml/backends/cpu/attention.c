@@ -519,7 +519,9 @@ static void attention_bwd_head(const float* q, long lq, const float* k, const fl
    (BH, T, hs) arrays (fused == 0: q, k, v, out, dout and the gradients; lse (BH, T)) or
    GPT-2's fused rows (fused == 1: qkv (B, T, 3C) in q, head h of q, k, v at channels h*hs,
    C + h*hs, 2C + h*hs, dqkv likewise in dq; y, dy (B, T, C) in out / o and dout; lse
-   (B, H, T)). Each thread allocates its own scratch. */
+   (B, H, T)). Each thread allocates its own scratch. part (fused backward, or NULL): (B, 3C)
+   doubles, row b the column sums of batch row b's dqkv rows, each head adding its own
+   columns after its backward (the rows still in cache). */
 typedef struct {
     const float *q, *k, *v, *out, *lse, *dout;     /* fused: q is qkv, out is y, dout is dy */
     float *o, *lse_out, *dq, *dk, *dv;            /* fused: dq is dqkv */
@@ -528,6 +530,7 @@ typedef struct {
     float scale;
     const drop_t* drop;
     int failed;
+    double* part;
 } attn_ctx;
 
 static void attention_task(void* vctx, work_t* w) {
@@ -563,6 +566,15 @@ static void attention_task(void* vctx, work_t* w) {
                 float* dv = a->fused ? dq + 2 * c : a->dv + iq;
                 attention_bwd_head(q, lq, k, v, lq, a->out + io, a->dout + io, lo, a->lse + bh * t,
                                    dq, dk, dv, t, hs, a->scale, scratch, dp);
+                for (long third = 0; a->part && third < 3; ++third) {   /* dq, dk, dv */
+                    double* RESTRICT ps = a->part + b * 3 * c + third * c + h * hs;
+                    const float* g = dq + third * c;
+                    for (long i = 0; i < t; ++i) {
+                        const float* RESTRICT gi = g + i * lq;
+#pragma omp simd
+                        for (long e = 0; e < hs; ++e) ps[e] += (double)gi[e];
+                    }
+                }
             } else {
                 attention_head(q, lq, k, lq, v, lq, a->o + io, lo, a->lse_out + bh * t, t, hs,
                                a->scale, scratch, dp);
@@ -604,9 +616,9 @@ static int attention_qkv_run(const float* RESTRICT qkv, float* RESTRICT y, float
 static int attention_qkv_bwd_run(const float* RESTRICT qkv, const float* RESTRICT y,
                                  const float* RESTRICT lse, const float* RESTRICT dy,
                                  float* RESTRICT dqkv, long nb, long t, long nh, long hs,
-                                 float scale, const drop_t* drop) {
+                                 float scale, const drop_t* drop, double* part) {
     attn_ctx a = {qkv, NULL, NULL, y, lse, dy, NULL, NULL, dqkv, NULL, NULL, nh, t, hs, 1, 1,
-                  scale, drop, 0};
+                  scale, drop, 0, part};
     pool_run(attention_task, &a, nb * nh, 1);
     return a.failed ? -1 : 0;
 }
@@ -619,7 +631,28 @@ int attention_qkv_f32(const float* RESTRICT qkv, float* RESTRICT y, float* RESTR
 int attention_qkv_bwd_f32(const float* RESTRICT qkv, const float* RESTRICT y,
                           const float* RESTRICT lse, const float* RESTRICT dy,
                           float* RESTRICT dqkv, long nb, long t, long nh, long hs, float scale) {
-    return attention_qkv_bwd_run(qkv, y, lse, dy, dqkv, nb, t, nh, hs, scale, NULL);
+    return attention_qkv_bwd_run(qkv, y, lse, dy, dqkv, nb, t, nh, hs, scale, NULL, NULL);
+}
+
+/* attention_qkv_bwd_f32, and sums = sum_rows(dqkv) (3C): the bias gradient of the layer whose
+   output qkv is. Each head adds its columns over its rows in double into its batch row's
+   part; the batch rows are then added in order, so no bit depends on the thread count. */
+int attention_qkv_bwd_sums_f32(const float* RESTRICT qkv, const float* RESTRICT y,
+                               const float* RESTRICT lse, const float* RESTRICT dy,
+                               float* RESTRICT dqkv, float* RESTRICT sums, long nb, long t,
+                               long nh, long hs, float scale) {
+    const long c3 = 3 * nh * hs;
+    double* part = calloc((size_t)(nb * c3), sizeof(double));
+    if (!part) return -1;
+    const int status = attention_qkv_bwd_run(qkv, y, lse, dy, dqkv, nb, t, nh, hs, scale, NULL,
+                                             part);
+    for (long j = 0; status == 0 && j < c3; ++j) {
+        double s = 0.0;
+        for (long b = 0; b < nb; ++b) s += part[b * c3 + j];
+        sums[j] = (float)s;
+    }
+    free(part);
+    return status;
 }
 
 int attention_qkv_dropout_f32(const float* RESTRICT qkv, float* RESTRICT y, float* RESTRICT lse,
@@ -634,6 +667,6 @@ int attention_qkv_dropout_bwd_f32(const float* RESTRICT qkv, const float* RESTRI
                                   float* RESTRICT dqkv, long nb, long t, long nh, long hs,
                                   float scale, float p, float p_scale, uint32_t k0, uint32_t k1) {
     const drop_t d = {0, k0, k1, p, p_scale};
-    return attention_qkv_bwd_run(qkv, y, lse, dy, dqkv, nb, t, nh, hs, scale, &d);
+    return attention_qkv_bwd_run(qkv, y, lse, dy, dqkv, nb, t, nh, hs, scale, &d, NULL);
 }
 

@@ -111,6 +111,8 @@ typedef struct {
     float *y, *partial;             /* forward: y; backward: dx, and per-block dgamma, dbeta */
     long rows, c;
     float eps;
+    long nsum;                      /* backward: the sums a block keeps, 2 (dgamma, dbeta) or 3
+                                       (and dx's column sums) */
 } ln_ctx;
 
 static void layernorm_task(void* vctx, work_t* w) {
@@ -131,7 +133,7 @@ static void layernorm_task(void* vctx, work_t* w) {
 void layernorm_f32(const float* RESTRICT x, const float* RESTRICT gamma,
                    const float* RESTRICT beta, float* RESTRICT y, long rows, long c,
                    float eps) {
-    ln_ctx a = {x, gamma, beta, NULL, NULL, y, NULL, rows, c, eps};
+    ln_ctx a = {x, gamma, beta, NULL, NULL, y, NULL, rows, c, eps, 0};
     pool_run(layernorm_task, &a, rows, rows_grain(c));
 }
 
@@ -146,8 +148,9 @@ static void layernorm_bwd_task(void* vctx, work_t* w) {
     long b0, b1;
     while (work_take(w, &b0, &b1))
         for (long blk = b0; blk < b1; ++blk) {
-            float* RESTRICT fg = a->partial + blk * 2 * c;      /* this block's dgamma */
-            float* RESTRICT fb = fg + c;                        /* and dbeta */
+            float* RESTRICT fg = a->partial + blk * a->nsum * c;  /* this block's dgamma */
+            float* RESTRICT fb = fg + c;                          /* and dbeta */
+            float* RESTRICT fs = a->nsum == 3 ? fb + c : NULL;    /* and dx's sums */
             const long r_end = (blk + 1) * LN_BLOCK < a->rows ? (blk + 1) * LN_BLOCK : a->rows;
             for (long r = blk * LN_BLOCK; r < r_end; ++r) {
                 const float* xr = a->x + r * c;
@@ -182,34 +185,41 @@ static void layernorm_bwd_task(void* vctx, work_t* w) {
                         dxr[j] = rstd * (dyr[j] * gamma[j] - mg - xhat * mgx);
                     }
                 }
+                if (fs) {       /* the row just written, while it is in L1 */
+#pragma omp simd
+                    for (long j = 0; j < c; ++j) fs[j] += dxr[j];
+                }
             }
         }
 }
 
-/* Returns 0, or -1 when the block sums cannot be allocated. */
+/* sums, where not NULL, gets dx's column sums (sum_rows(dx), the bias gradient of the linear
+   layer whose output x is), summed as dgamma and dbeta are. Returns 0, or -1 when the block
+   sums cannot be allocated. */
 int layernorm_bwd_f32(const float* RESTRICT x, const float* RESTRICT gamma,
                       const float* RESTRICT dy, const float* RESTRICT add, float* RESTRICT dx,
-                      float* RESTRICT dgamma, float* RESTRICT dbeta, long rows, long c,
-                      float eps) {
-    const long blocks = (rows + LN_BLOCK - 1) / LN_BLOCK;
-    double* acc = calloc((size_t)(2 * c), sizeof(double));             /* dgamma, then dbeta */
-    float* partial = calloc((size_t)(blocks * 2 * c), sizeof(float));  /* per block, the same */
+                      float* RESTRICT dgamma, float* RESTRICT dbeta, float* RESTRICT sums,
+                      long rows, long c, float eps) {
+    const long blocks = (rows + LN_BLOCK - 1) / LN_BLOCK, nsum = sums ? 3 : 2;
+    double* acc = calloc((size_t)(nsum * c), sizeof(double));     /* dgamma, dbeta[, sums] */
+    float* partial = calloc((size_t)(blocks * nsum * c), sizeof(float));   /* per block */
     if (!acc || !partial) {
         free(acc);
         free(partial);
         return -1;
     }
-    ln_ctx a = {x, gamma, NULL, dy, add, dx, partial, rows, c, eps};
+    ln_ctx a = {x, gamma, NULL, dy, add, dx, partial, rows, c, eps, nsum};
     const long grain = rows_grain(c) / LN_BLOCK > 1 ? rows_grain(c) / LN_BLOCK : 1;
     pool_run(layernorm_bwd_task, &a, blocks, grain);
     for (long blk = 0; blk < blocks; ++blk) {
-        const float* RESTRICT fg = partial + blk * 2 * c;
+        const float* RESTRICT fg = partial + blk * nsum * c;
 #pragma omp simd
-        for (long j = 0; j < 2 * c; ++j) acc[j] += fg[j];
+        for (long j = 0; j < nsum * c; ++j) acc[j] += fg[j];
     }
     for (long j = 0; j < c; ++j) {
         dgamma[j] = (float)acc[j];
         dbeta[j] = (float)acc[c + j];
+        if (sums) sums[j] = (float)acc[2 * c + j];
     }
     free(acc);
     free(partial);

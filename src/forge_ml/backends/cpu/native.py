@@ -67,11 +67,12 @@ _SIGNATURES = {
     "gelu_f32": (None, [_p, _p, _c_long]),
     "gelu_bwd_f32": (None, [_p, _p, _p, _c_long]),
     "layernorm_f32": (None, [_p, _p, _p, _p, _c_long, _c_long, _c_float]),
-    "layernorm_bwd_f32": (_c_int, [_p, _p, _p, _p, _p, _p, _p, _c_long, _c_long, _c_float]),
+    "layernorm_bwd_f32": (_c_int, [_p] * 8 + [_c_long, _c_long, _c_float]),
     "attention_f32": (_c_int, [_p, _p, _p, _p, _p, _c_long, _c_long, _c_long, _c_float]),
     "attention_bwd_f32": (_c_int, [_p] * 9 + [_c_long, _c_long, _c_long, _c_float]),
     "attention_qkv_f32": (_c_int, [_p] * 3 + [_c_long] * 4 + [_c_float]),
     "attention_qkv_bwd_f32": (_c_int, [_p] * 5 + [_c_long] * 4 + [_c_float]),
+    "attention_qkv_bwd_sums_f32": (_c_int, [_p] * 6 + [_c_long] * 4 + [_c_float]),
     "attention_qkv_dropout_f32": (_c_int, [_p] * 3 + [_c_long] * 4 + [_c_float] * 3
                                   + [ctypes.c_uint32] * 2),
     "attention_qkv_dropout_bwd_f32": (_c_int, [_p] * 5 + [_c_long] * 4 + [_c_float] * 3
