@@ -128,8 +128,9 @@ def test_linear_with_residual_and_gelu_epilogues(shape):
 
 
 @needs_pool_gemm
-def test_matmul_gelu_and_its_backward_on_the_pool():
-    rows, k, n = 70, 48, 96
+@pytest.mark.parametrize("rows", [70, 300])   # the pool's blocks of columns, then of rows
+def test_matmul_gelu_and_its_backward_on_the_pool(rows):
+    k, n = 48, 96
     x, w, bias = randn((rows, k), 1), randn((k, n), 2, 0.3), randn((n,), 3)
     got = on_threads(lambda: cpu.matmul_gelu(x, w, bias))
     same_bits(got)
@@ -145,6 +146,9 @@ def test_matmul_gelu_and_its_backward_on_the_pool():
     want = ref.gelu_bwd(pre, ref.matmul(dy, w2, trans_b=True))
     np.testing.assert_allclose(dpre, want, rtol=3e-5, atol=3e-5)
     np.testing.assert_allclose(dsum, want.sum(0), rtol=1e-4, atol=1e-4)
+    # the column sums are dpre's own, summed in double as each block is written
+    d64 = dpre.astype(np.float64)
+    assert np.all(np.abs(dsum - d64.sum(0)) <= 1e-6 * np.abs(d64).sum(0) + 1e-12)
 
 
 # ============================================================================== every threaded kernel

@@ -478,11 +478,12 @@ _EPI = {None: 0, "gelu": 1, "dgelu": 2}
 
 
 def _gemm(lib, a, b, trans_a=False, trans_b=False, alpha=1.0, bias=None, res=None, epi=None,
-          aux=None):
+          aux=None, sums=None):
     """``alpha op(a) op(b) (+ res + bias)`` on the kernels' pool (``gemm_f32``), with its
     epilogue (``epi`` "gelu": gelu of the result into ``aux``; "dgelu": the result becomes
-    ``gelu_bwd(aux, result)``): the (M, N) result, or _DECLINED where the arrays do not suit
-    (not 2-D float32 C-contiguous, an empty dimension, a bias or residual of another shape)."""
+    ``gelu_bwd(aux, result)``) and, into ``sums`` (N,) where given, the result's column sums:
+    the (M, N) result, or _DECLINED where the arrays do not suit (not 2-D float32
+    C-contiguous, an empty dimension, a bias or residual of another shape)."""
     if a.ndim != 2 or b.ndim != 2:
         return _DECLINED
     m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
@@ -496,7 +497,7 @@ def _gemm(lib, a, b, trans_a=False, trans_b=False, alpha=1.0, bias=None, res=Non
     ptr = lambda x: None if x is None else _ptr(x)    # noqa: E731
     status = lib.gemm_f32(int(trans_a), int(trans_b), m, n, k, alpha, _ptr(a), a.shape[1],
                           _ptr(b), b.shape[1], ptr(bias), ptr(res), _EPI[epi], ptr(aux),
-                          _ptr(out), n)
+                          _ptr(out), n, ptr(sums))
     return _ok(status, out)
 
 
@@ -555,14 +556,15 @@ def matmul_gelu(x, w, bias):
 
 def matmul_dgelu(dy, w, pre):
     """``(gelu_bwd(pre, dy @ w^T), its row sums)``: one product on the kernels' pool with GELU's
-    backward applied to each block of rows as it is written (``gemm_f32``), then the column
-    sums; else BLAS, the GELU kernel, the column sums (``compose``)."""
+    backward applied to each block of rows as it is written and the block's column sums taken
+    while it is in cache (``gemm_f32``); else BLAS, the GELU kernel, the column sums
+    (``compose``)."""
     lib = _gemm_lib()
     if lib is not None and pre.flags.c_contiguous:
-        dpre = _gemm(lib, _rows(dy), w, trans_b=True, epi="dgelu", aux=_rows(pre))
+        sums = np.empty(w.shape[0], np.float32)
+        dpre = _gemm(lib, _rows(dy), w, trans_b=True, epi="dgelu", aux=_rows(pre), sums=sums)
         if dpre is not _DECLINED:
-            dpre = dpre.reshape(pre.shape)
-            return dpre, sum_rows(dpre)
+            return dpre.reshape(pre.shape), sums
     return _compose.matmul_dgelu(sys.modules[__name__], dy, w, pre)
 
 

@@ -17,7 +17,11 @@
         adds its bias: no extra pass over C;
      the epilogue, on the block while it is in cache: EPI_GELU writes gelu(C) to `aux`
         (C keeps GELU's input); EPI_DGELU turns C into gelu_bwd(aux, C) (aux is GELU's
-        input; C was the gradient at GELU's output).
+        input; C was the gradient at GELU's output);
+     with `sums` (not NULL), the block's column sums of the C it wrote, in double, into its
+        own row of partial sums; gemm_f32 adds the rows in block order into sums[n] (the bias
+        gradient beside matmul_dgelu's product, read while in cache: no bit depends on the
+        thread count).
 */
 #include "cpu_kernels.h"
 
@@ -55,6 +59,7 @@ typedef struct {
     float alpha;
     const float *a, *b, *bias, *res;
     float *c, *aux;
+    double* part;                         /* with sums: a row of n per block of rows, or one */
 } gemm_ctx;
 
 /* C[r0:r1, c0:c1] (+ its prologue and epilogue). */
@@ -102,6 +107,14 @@ static void gemm_block(const gemm_ctx* g, long r0, long r1, long c0, long c1) {
             float* cr = c + r * ldc;
             gelu_bwd_span(g->aux + (r0 + r) * n + c0, cr, cr, cols);
         }
+    if (g->part) {
+        double* RESTRICT ps = g->part + (g->by_rows ? r0 / g->block * n : 0) + c0;
+        for (long r = 0; r < rows; ++r) {
+            const float* RESTRICT cr = c + r * ldc;
+#pragma omp simd
+            for (long j = 0; j < cols; ++j) ps[j] += (double)cr[j];
+        }
+    }
 }
 
 static void gemm_task(void* vctx, work_t* w) {
@@ -117,19 +130,29 @@ static void gemm_task(void* vctx, work_t* w) {
 }
 
 /* C (m x n, row stride ldc) = alpha op(A) op(B) [+ res + bias], then the epilogue (above);
-   op(A) is m x k, op(B) k x n; res and aux are (m x n) contiguous. Returns -1 when no BLAS
-   was given. */
+   op(A) is m x k, op(B) k x n; res and aux are (m x n) contiguous; sums (n, or NULL): C's
+   column sums. Returns -1 when no BLAS was given, -2 when the partial sums cannot be
+   allocated. */
 int gemm_f32(int ta, int tb, long m, long n, long k, float alpha, const float* a, long lda,
              const float* b, long ldb, const float* bias, const float* res, int epi, float* aux,
-             float* c, long ldc) {
+             float* c, long ldc, float* sums) {
     if (!sgemm_ptr) return -1;
     const int by_rows = m >= GEMM_ROWS_MIN && m >= n;
     const long extent = by_rows ? m : n;
     long block = ((extent + gemm_blocks - 1) / gemm_blocks + 15) / 16 * 16;
     if (block < 16) block = 16;
+    const long items = (extent + block - 1) / block, rows_of_part = by_rows ? items : 1;
+    double* part = NULL;
+    if (sums && !(part = calloc((size_t)(rows_of_part * n), sizeof(double)))) return -2;
     gemm_ctx g = {ta, tb, epi, by_rows, m, n, k, lda, ldb, ldc, block, alpha, a, b, bias, res, c,
-                  aux};
-    pool_run(gemm_task, &g, (extent + block - 1) / block, 1);
+                  aux, part};
+    pool_run(gemm_task, &g, items, 1);
+    for (long j = 0; part && j < n; ++j) {
+        double s = 0.0;
+        for (long i = 0; i < rows_of_part; ++i) s += part[i * n + j];
+        sums[j] = (float)s;
+    }
+    free(part);
     return 0;
 }
 

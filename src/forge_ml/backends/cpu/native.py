@@ -88,7 +88,7 @@ _SIGNATURES = {
     "forge_set_blas": (None, [_p, _p, _c_int]),
     "forge_set_gemm_blocks": (None, [_c_long]),
     "gemm_f32": (_c_int, [_c_int, _c_int, _c_long, _c_long, _c_long, _c_float, _p, _c_long, _p,
-                          _c_long, _p, _p, _c_int, _p, _p, _c_long]),
+                          _c_long, _p, _p, _c_int, _p, _p, _c_long, _p]),
     "forge_get_threads": (_c_int, []),
 }
 
