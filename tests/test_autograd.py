@@ -573,7 +573,10 @@ def test_gpt2_gradients_with_the_layernorm_bias_sums_equal_the_layers_own():
     """A GPT-2 block stack on the tape with FORGE_BIAS_SUMS on (the layernorm backwards sum
     the projections' bias gradients, the attention backward c_attn's) gives every gradient the
     switch-off tape gives, and the sums were handed to the layers (3 a layer: c_attn through
-    the reshape to (B, T, 3C), attention's projection and the MLP's)."""
+    the reshape to (B, T, 3C), attention's projection and the MLP's). Those three biases'
+    gradients are the same sums taken in another order (the CPU's C kernels add rows in double
+    as they write them; sum_rows is one float32 product): equal within float32's rounding of
+    the sum; every other gradient is the same bits."""
     import forge_ml.ops as fops
     from forge_ml import flags
     from forge_ml.models import GPT2, GPT2Config
@@ -599,7 +602,11 @@ def test_gpt2_gradients_with_the_layernorm_bias_sums_equal_the_layers_own():
     finally:
         fops.weight_grads = real
     for k in on:
-        np.testing.assert_array_equal(on[k].numpy(), off[k].numpy(), err_msg=k)
+        a, b = on[k].numpy(), off[k].numpy()
+        if k.endswith(("c_attn.bias", "c_proj.bias")):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=k)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=k)
 
 
 @pytest.mark.parametrize("shape,through", [((2, 2, 6), True), ((2, 12), False)])

@@ -614,7 +614,8 @@ def _nan_dgamma(out):
 
 
 @pytest.mark.parametrize("name, wrong, needle", [
-    ("attention_qkv_bwd", lambda dqkv: dqkv * np.float32(1.01), "e-02 (h."),     # 1% off
+    ("attention_qkv_bwd_sums", lambda out: (out[0] * np.float32(1.01), out[1]),  # 1% off
+     "e-02 (h."),
     ("layernorm_bwd_add", _nan_dgamma, "error inf (h."),           # a NaN in one gradient
 ])
 def test_check_fails_on_a_wrong_kernel(monkeypatch, capsys, name, wrong, needle):

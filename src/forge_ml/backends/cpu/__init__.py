@@ -100,11 +100,13 @@ def start() -> None:
 
 def numerics() -> dict:
     """What decides this backend's arithmetic besides an op's inputs: the kernels that run (the
-    C kernels, or NumPy's where they do not build or FORGE_CPU_KERNELS=numpy) and how float32
-    products are shared out (FORGE_CPU_GEMM). Training checkpoints record it."""
+    C kernels, or NumPy's where they do not build or FORGE_CPU_KERNELS=numpy), how float32
+    products are shared out (FORGE_CPU_GEMM) and who sums the bias gradients (FORGE_BIAS_SUMS).
+    Training checkpoints record it."""
     return {"cpu_kernels": "c" if _native.lib() is not None else "numpy",
             "numpy": np.__version__,   # its OpenBLAS runs the float32 products
-            "FORGE_CPU_GEMM": flags.get("FORGE_CPU_GEMM")}
+            "FORGE_CPU_GEMM": flags.get("FORGE_CPU_GEMM"),
+            "FORGE_BIAS_SUMS": flags.get("FORGE_BIAS_SUMS")}   # C kernels sum in double
 
 
 # ---------------------------------------------------------------------------------------------
