@@ -159,6 +159,9 @@ def cases(B, T, C, H, V):
         ("layernorm_bwd (T,C)", lambda: cpu.layernorm_bwd(x, gamma, dx, 1e-5),
          lambda: torch.ops.aten.native_layer_norm_backward(
              tdx, tx, [C], t_mean, t_rstd, tgamma, tbeta, [True, True, True])),
+        ("layernorm_bwd_sums (T,C)", lambda: cpu.layernorm_bwd_sums(x, gamma, dx, 1e-5),
+         lambda: torch.ops.aten.native_layer_norm_backward(
+             tdx, tx, [C], t_mean, t_rstd, tgamma, tbeta, [True, True, True])[0].sum(0)),
         ("softmax causal (H,T,T)", lambda: cpu.softmax(scores, True, 0),
          lambda: torch.softmax(tscores.masked_fill(causal, float("-inf")), -1)),
         ("softmax_bwd (H,T,T)", lambda: cpu.softmax_bwd(y_soft, dscores),
