@@ -619,8 +619,8 @@ def _linear_cross_entropy_pool(lib, x, w, targets, vocab_size, grad, rows):
         return _DECLINED
     scale = float(np.float32(1.0 / n))            # dloss = 1, the mean over all n rows
     total = 0.0
-    dx = np.empty_like(x) if grad else None
-    dw = np.zeros_like(w) if grad else None
+    dx = np.empty_like(x) if grad and rows < n else None
+    dw = np.zeros_like(w) if grad and rows < n else None
     for r0 in range(0, n, rows):
         xc = x[r0:r0 + rows]
         logits = _gemm(lib, xc, w, trans_b=True)                        # (rows, Vp)
@@ -633,8 +633,11 @@ def _linear_cross_entropy_pool(lib, x, w, targets, vocab_size, grad, rows):
             dx_c, dw_c = _gemm(lib, logits, w), _gemm(lib, logits, xc, trans_a=True)
             if dx_c is _DECLINED or dw_c is _DECLINED:
                 return _DECLINED
-            dx[r0:r0 + rows] = dx_c
-            dw += dw_c
+            if rows >= n:                   # one chunk: its products are the whole gradients
+                dx, dw = dx_c, dw_c
+            else:
+                dx[r0:r0 + rows] = dx_c
+                dw += dw_c
     return np.asarray(total / n, x.dtype), dx, dw
 
 
