@@ -603,13 +603,22 @@ int attention_bwd_f32(const float* RESTRICT q, const float* RESTRICT k, const fl
     return a.failed ? -1 : 0;
 }
 
+/* Heads a thread takes at once in the fused layout: a batch row's nh heads together where
+   there are batch rows enough for every thread (two each), else one. A row's heads interleave
+   in memory (head h's q, k, v and their gradients are hs floats of every 3C-float row), and
+   heads of one row taken by two cores ran a third slower (at nanoGPT's CPU size, 2 threads,
+   forward + backward 415 -> 283-310 us with whole rows), likely as each core's prefetchers
+   pull the lines beside its own, which the other core reads and writes. Each head's
+   arithmetic is the same either way. */
+static long fused_grain(long nb, long nh) { return nb >= 2L * forge_get_threads() ? nh : 1; }
+
 /* GPT-2's fused rows (above). The _dropout_ forms apply dropout at rate p (scale 1/(1-p),
    Philox key (k0, k1)) to the probabilities, the mask of forge_ml.rng over (B, H, T, T). */
 static int attention_qkv_run(const float* RESTRICT qkv, float* RESTRICT y, float* RESTRICT lse,
                              long nb, long t, long nh, long hs, float scale, const drop_t* drop) {
     attn_ctx a = {qkv, NULL, NULL, NULL, NULL, NULL, y, lse, NULL, NULL, NULL, nh, t, hs, 1, 0,
                   scale, drop, 0};
-    pool_run(attention_task, &a, nb * nh, 1);
+    pool_run(attention_task, &a, nb * nh, fused_grain(nb, nh));
     return a.failed ? -1 : 0;
 }
 
@@ -619,7 +628,7 @@ static int attention_qkv_bwd_run(const float* RESTRICT qkv, const float* RESTRIC
                                  float scale, const drop_t* drop, double* part) {
     attn_ctx a = {qkv, NULL, NULL, y, lse, dy, NULL, NULL, dqkv, NULL, NULL, nh, t, hs, 1, 1,
                   scale, drop, 0, part};
-    pool_run(attention_task, &a, nb * nh, 1);
+    pool_run(attention_task, &a, nb * nh, fused_grain(nb, nh));
     return a.failed ? -1 : 0;
 }
 

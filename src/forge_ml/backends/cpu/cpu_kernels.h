@@ -50,6 +50,9 @@ INTERNAL void pool_run(task_fn fn, void* ctx, long count, long grain);
 /* Whether workers spin between jobs (gemm.c turns it on when the pool runs the products). */
 INTERNAL void pool_spin_between_jobs(int on);
 
+/* The pool's thread count (the caller included; exported for native.py too). */
+int forge_get_threads(void);
+
 /* A task's failure (its scratch could not be allocated): the kernel returns -1 and the
    reference runs instead. */
 static inline void task_failed(int* flag) { __atomic_store_n(flag, 1, __ATOMIC_RELAXED); }
