@@ -9,12 +9,8 @@ OUT=${OUT:-/tmp/ncu}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$SECONDS
 M=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size,launch__registers_per_thread,lts__t_sector_hit_rate.pct
-run() {   # $1 label, $2 kernel regex, $3 count
-  timeout 100 ncu --clock-control none -k "regex:$2" -c "$3" --metrics "$M" --csv \
-      python3 benchmarks/decode_gpu.py --dtype bf16 --batch 64 --pos 512 --reps 3 \
-      > "$OUT/$1.csv" 2> "$OUT/$1.err"
-  echo "== $1 rc=$? ($((SECONDS - t0)) s)"
-  python3 - "$OUT/$1.csv" <<'PY'
+summarize() {   # $1 a csv of ncu --csv --metrics: a line of metrics for each kernel launch
+  python3 - "$1" <<'PY'
 import csv, sys, collections
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 if not rows:
@@ -28,7 +24,17 @@ for (i, k), ms in by.items():
     print(i, k); print("   ", "; ".join(ms))
 PY
 }
+run() {   # $1 label, $2 kernel regex, $3 count: the kernel-per-op step at batch 64 under ncu
+  timeout 100 ncu --clock-control none -k "regex:$2" -c "$3" --metrics "$M" --csv \
+      python3 benchmarks/decode_gpu.py --dtype bf16 --batch 64 --pos 512 --reps 3 \
+      > "$OUT/$1.csv" 2> "$OUT/$1.err"
+  echo "== $1 rc=$? ($((SECONDS - t0)) s)"
+  summarize "$OUT/$1.csv"
+}
 run attention decode_attention 2
-run products "gemm|nvjet|xmma|sm90" 6
+echo "== the step's own products (step_products.py: ln + c_attn, c_proj + res, ln + c_fc + gelu, c_proj + res)"
+timeout 100 ncu --clock-control none -k "regex:nvjet|gemm|layernorm|xmma|sm90" -c 8 --metrics "$M" --csv \
+    python3 results/gpu-2026-12-07-s36/step_products.py --reps 1 > "$OUT/step.csv" 2> "$OUT/step.err"
+echo "rc=$? ($((SECONDS - t0)) s)"; summarize "$OUT/step.csv"
 timeout 60 python3 benchmarks/decode_gpu.py --dtype bf16 --batch 64 --pos 512 --splits --reps 50 2>&1 | grep -v "^ *$" | tail -12
 echo "($((SECONDS - t0)) s)"
