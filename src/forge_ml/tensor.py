@@ -145,9 +145,11 @@ class Tensor:
         """
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in shape):
-            raise ShapeError(f"reshape: sizes must be whole numbers, got {shape} for a tensor of shape {self.shape}")
-        shape = tuple(int(s) for s in shape)
+        if not all(type(s) is int for s in shape):   # (the ops' plain ints skip the ABC checks)
+            if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in shape):
+                raise ShapeError(f"reshape: sizes must be whole numbers, got {shape} for a tensor "
+                                 f"of shape {self.shape}")
+            shape = tuple(int(s) for s in shape)
         n = self.numel
         if shape.count(-1) > 1 or any(s < -1 for s in shape):
             raise ShapeError(f"reshape: bad shape {shape} for a tensor of shape {self.shape}")
