@@ -114,18 +114,6 @@ template <typename A> FORGE_D A gelu_f(A v) {
     return A(0.5) * v * (A(1) + fm_tanh(k0 * (v + k1 * v * v * v)));
 }
 
-// A linear layer's epilogue on its float32 sum a: act(alpha a + bias) + residual (act 0 none,
-// 1 GELU; a flag off leaves its term out), rounded once to T (gemv.cu).
-template <typename T>
-FORGE_D T linear_epilogue(float a, float alpha, int has_bias, float bias_v, int act, int has_res,
-                          float res_v) {
-    a *= alpha;
-    if (has_bias) a += bias_v;
-    if (act == 1) a = gelu_f(a);
-    if (has_res) a += res_v;
-    return To<T>::from(a);
-}
-
 // Sum over the 32 lanes of a warp; every lane gets the total (butterfly order, deterministic).
 template <typename A> FORGE_D A warp_sum(A v) {
 #pragma unroll
@@ -445,32 +433,6 @@ FORGE_D unsigned pack_bf16x2(float lo, float hi) {
 FORGE_D uint4 pack8_bf16(const float (&w)[8]) {
     return make_uint4(pack_bf16x2(w[0], w[1]), pack_bf16x2(w[2], w[3]), pack_bf16x2(w[4], w[5]),
                       pack_bf16x2(w[6], w[7]));
-}
-
-// ldmatrix and mma.sync bf16 (flash_attention.cu)
-// Four 8 x 8 bf16 matrices from shared memory: lane 8m + r gives the address of row r of
-// matrix m; register m of lane l receives matrix m's (row l/4, columns 2(l%4)..+1), or with
-// .trans its (rows 2(l%4)..+1, column l/4).
-FORGE_D void ldsm_x4(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-FORGE_D void ldsm_x4_t(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-// d += a (16 x 16) b (16 x 8), bf16 products summed in float32.
-FORGE_D void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 #endif
 

@@ -54,7 +54,32 @@
 #define FA_THREADS 128  // 4 warps, 16 rows each
 #define FA_LN2 0.6931471805599453f
 
-// ---- PTX wrappers: ldsm_x4, ldsm_x4_t, mma_bf16, cp.async and cvt.rn.bf16x2 in common.cuh
+// ---- PTX wrappers (sm_80+: ldmatrix, mma.sync bf16; cp.async, cvt.rn.bf16x2 in common.cuh)
+
+// Four 8 x 8 bf16 matrices from shared memory: lane 8m + r gives the address of row r of
+// matrix m; register m of lane l receives matrix m's (row l/4, columns 2(l%4)..+1), or with
+// .trans its (rows 2(l%4)..+1, column l/4).
+FORGE_D void ldsm_x4(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+FORGE_D void ldsm_x4_t(unsigned (&r)[4], unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// d += a (16 x 16) b (16 x 8), bf16 products summed in float32.
+FORGE_D void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 
 // ---- tiles and fragments ------------------------------------------------------------------

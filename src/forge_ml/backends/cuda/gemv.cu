@@ -209,8 +209,11 @@ __device__ void gemv_impl(const T* x, const T* W, const T* gamma, const T* beta,
         } else {
             a = bpart[m][c];
         }
-        y[(long long)m * N + n] =
-            linear_epilogue<T>(a, alpha, has_bias, bias_v, act, has_res, res_v);
+        a *= alpha;
+        if (has_bias) a += bias_v;
+        if (act == 1) a = gelu_f(a);
+        if (has_res) a += res_v;
+        y[(long long)m * N + n] = To<T>::from(a);
     };
 #pragma unroll
     for (int j = 0; j < GEMV_EPF; ++j) {   // the passes whose bias and residual came early
