@@ -215,18 +215,19 @@ def _layernorm_bwd(lib, x, gamma, dy, eps, add, sums=False):
                (dx, dgamma, dbeta) + ((s,) if sums else ()))
 
 
-def layernorm_bwd_sums(x, gamma, dy, eps, add=None):
-    """``(dx, dgamma, dbeta, sum_rows(dx))`` (dx with ``add`` added where it is not None): the C
-    kernel sums each dx row into its block's column sums while the row is in cache (a
-    separate ``sum_rows`` read dx again from memory: ~40 us a call at nanoGPT's CPU size, 8 a
-    step); else ``compose``'s backward, then ``sum_rows``."""
-    lib = _native.lib()
-    arrays = (x, gamma, dy) + (() if add is None else (add,))
-    if lib is not None and _native.f32(*arrays) and all(a.size for a in arrays):
-        out = _layernorm_bwd(lib, x, gamma, dy, eps, add, sums=True)
-        if out is not _DECLINED:
-            return out
+def _layernorm_bwd_sums_composed(x, gamma, dy, eps, add=None):
+    """``(dx, dgamma, dbeta, sum_rows(dx))``, dx with ``add`` added where it is not None:
+    ``layernorm_bwd(_add)``, then ``sum_rows`` (``compose.layernorm_bwd_sums``)."""
     return _compose.layernorm_bwd_sums(sys.modules[__name__], x, gamma, dy, eps, add)
+
+
+@_fused(_layernorm_bwd_sums_composed, "x", "gamma", "dy")
+def layernorm_bwd_sums(lib, x, gamma, dy, eps, add=None):
+    # the C kernel adds each dx row into its block's column sums while the row is in cache (a
+    # separate sum_rows read dx again: ~40 us a call at nanoGPT's CPU size, 8 a step)
+    if add is not None and not (_native.f32(add) and add.size):
+        return _DECLINED
+    return _layernorm_bwd(lib, x, gamma, dy, eps, add, sums=True)
 
 
 @_fused(reference.attention, "q", "k", "v")
@@ -271,21 +272,22 @@ def attention_qkv_bwd(lib, qkv, y, lse, dy, n_head, scale):
                                          C3 // (3 * n_head), scale), dqkv)
 
 
-def attention_qkv_bwd_sums(qkv, y, lse, dy, n_head, scale):
-    """``(dqkv, sum_rows(dqkv))``: the C backward, each head adding its columns of dqkv over
-    its rows as it finishes them (a separate ``sum_rows`` read dqkv again: ~50 us a layer at
-    nanoGPT's CPU size); else ``compose``'s backward, then ``sum_rows``."""
-    lib = _native.lib()
-    if lib is not None and _native.f32(qkv, y, lse, dy) and qkv.size:
-        B, T, C3 = qkv.shape
-        dqkv, sums = np.empty_like(qkv), np.empty(C3, np.float32)
-        status = lib.attention_qkv_bwd_sums_f32(_ptr(qkv), _ptr(y), _ptr(lse), _ptr(dy),
-                                                _ptr(dqkv), _ptr(sums), B, T, n_head,
-                                                C3 // (3 * n_head), scale)
-        if status == 0:
-            return dqkv, sums
+def _attention_qkv_bwd_sums_composed(qkv, y, lse, dy, n_head, scale):
+    """``(dqkv, sum_rows(dqkv))``: ``attention_qkv_bwd``, then ``sum_rows``
+    (``compose.attention_qkv_bwd_sums``)."""
     return _compose.attention_qkv_bwd_sums(sys.modules[__name__], qkv, y, lse, dy, n_head,
                                            scale)
+
+
+@_fused(_attention_qkv_bwd_sums_composed, "qkv", "y", "lse", "dy")
+def attention_qkv_bwd_sums(lib, qkv, y, lse, dy, n_head, scale):
+    # each head adds its columns of dqkv over its rows as it finishes them (a separate
+    # sum_rows read dqkv again: ~50 us a layer at nanoGPT's CPU size)
+    B, T, C3 = qkv.shape
+    dqkv, sums = np.empty_like(qkv), np.empty(C3, np.float32)
+    return _ok(lib.attention_qkv_bwd_sums_f32(_ptr(qkv), _ptr(y), _ptr(lse), _ptr(dy),
+                                              _ptr(dqkv), _ptr(sums), B, T, n_head,
+                                              C3 // (3 * n_head), scale), (dqkv, sums))
 
 
 def _attention_qkv_dropout_composed(qkv, n_head, scale, p, seed):
