@@ -87,6 +87,61 @@ def test_matmul_on_the_pool_vs_float64(m, k, n, trans_a, trans_b):
                                    rtol=2e-5, atol=2e-5 * np.sqrt(k))
 
 
+@pytest.fixture
+def own_product(pool_gemm):
+    """gemm.c's own AVX-512 product switched on (a function: ``own(False)`` gives the blocks
+    to OpenBLAS's sgemm), restored after the test."""
+    if not native.own_product():
+        pytest.skip("gemm.c's own product is not in this build (no AVX-512, or "
+                    "FORGE_CPU_GEMM=pool-openblas)")
+    lib = native.lib()
+    yield lambda on: lib.forge_gemm_own(int(on))
+    lib.forge_gemm_own(1)
+
+
+# tiles of 12 x 32, panels of 256 values of k, 1,024 columns at a time, A packed for a last
+# tile of fewer rows (with A transposed the blocks are sgemm's either way)
+OWN_SHAPES = [(12, 256, 32), (13, 257, 33), (2, 5, 1), (25, 513, 1030), (520, 40, 70),
+              (130, 31, 600), (11, 600, 17)]
+
+
+@pytest.mark.parametrize("m,k,n", OWN_SHAPES)
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True),
+                                             (True, True)])
+def test_own_product_at_its_tile_panel_and_block_edges(own_product, m, k, n, trans_a, trans_b):
+    a = randn((k, m) if trans_a else (m, k), 1)
+    b = randn((n, k) if trans_b else (k, n), 2)
+    bias, res = randn((n,), 3), randn((m, n), 4)
+    lib = cpu._gemm_lib()
+    want64 = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b).astype(np.float64)
+    tol = dict(rtol=2e-5, atol=2e-5 * np.sqrt(k))
+    cases = {"plain": (dict(), want64),
+             "alpha, bias and residual": (dict(alpha=0.5, bias=bias, res=res),
+                                          0.5 * want64 + bias + res)}
+    for name, (kw, want) in cases.items():
+        got = on_threads(lambda: cpu._gemm(lib, a, b, trans_a, trans_b, **kw))
+        same_bits(got)
+        np.testing.assert_allclose(got[0], want, err_msg=name, **tol)
+        own_product(False)
+        theirs = cpu._gemm(lib, a, b, trans_a, trans_b, **kw)
+        own_product(True)
+        np.testing.assert_allclose(got[0], theirs, err_msg=name, **tol)
+
+
+def test_own_product_keeps_non_finite_values_where_they_belong(own_product):
+    """A NaN or inf in A or B reaches exactly the results it feeds (the zero rows and
+    columns a tile is padded with never reach C), and C's uninitialised memory is never read
+    where nothing is added to it."""
+    a, b = randn((13, 40), 1), randn((40, 33), 2)
+    a[5, 7], b[3, 32] = np.nan, np.inf
+    got = cpu._gemm(cpu._gemm_lib(), a, b)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=2e-5, atol=1e-4)
+
+
 @needs_pool_gemm
 def test_matmul_rows_of_a_batch_and_what_the_pool_declines(monkeypatch):
     a, b = randn((2, 7, 5), 1), randn((5, 3), 2)

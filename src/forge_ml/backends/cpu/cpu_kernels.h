@@ -2,7 +2,7 @@
    attention.c and kernels.c together into one library (behind backends/cpu/__init__.py):
 
      pool.c       the thread pool every larger kernel shares its items among
-     gemm.c       float32 matrix products on the pool (OpenBLAS, one block each)
+     gemm.c       float32 matrix products on the pool (own AVX-512 tiles or OpenBLAS)
      attention.c  causal attention, one head at a time, forward and backward
      kernels.c    gelu, layernorm, cross-entropy, scatter_add_rows, AdamW, sumsq, dropout
 

@@ -87,6 +87,7 @@ _SIGNATURES = {
     "scatter_add_rows_f32": (_c_int, [_p, _c_long, _p, _p, _c_long, _c_long]),
     "forge_set_blas": (None, [_p, _p, _c_int]),
     "forge_set_gemm_blocks": (None, [_c_long]),
+    "forge_gemm_own": (_c_int, [_c_int]),
     "gemm_f32": (_c_int, [_c_int, _c_int, _c_long, _c_long, _c_long, _c_float, _p, _c_long, _p,
                           _c_long, _p, _p, _c_int, _p, _p, _c_long, _p]),
     "forge_get_threads": (_c_int, []),
@@ -100,7 +101,8 @@ class NativeKernelError(ForgeError):
 _lock = threading.Lock()
 _state = {"lib": None, "tried": False, "why": None,   # one load attempt per process
           "threads": None,                               # set_threads before the load
-          "products": False}                             # gemm_f32 has an sgemm
+          "products": False,                             # gemm_f32 has an sgemm
+          "own": False}                                  # ... and takes gemm.c's own product
 
 
 def mode() -> str:
@@ -160,16 +162,26 @@ bit)."""
 
 def _take_products(cdll) -> None:
     """Give the library OpenBLAS's ``cblas_sgemm`` and ``cblas_sgemv`` (``gemm_f32`` calls them
-    on the pool's threads, one block of C each), unless ``FORGE_CPU_GEMM=openblas``. Two pools of
+    on the pool's threads, one block of C each), unless ``FORGE_CPU_GEMM=openblas``; with
+    ``pool`` (the default) blocks of several rows take gemm.c's own AVX-512 product where the
+    library has it, with ``pool-openblas`` always the sgemm. Two pools of
     threads on one small machine fight: OpenBLAS's idle threads spin for a while after each
     product and, on a 2-core VM, took the core the kernels' second thread was woken on (the
     attention's backward gained nothing from a second thread until OpenBLAS's had none)."""
     from ... import blas
-    found = blas.sgemm() if flags.get("FORGE_CPU_GEMM") == "pool" else None
+    choice = flags.get("FORGE_CPU_GEMM")
+    found = blas.sgemm() if choice in ("pool", "pool-openblas") else None
     if found is not None:
         cdll.forge_set_blas(*found)
         cdll.forge_set_gemm_blocks(min(GEMM_BLOCKS_MAX, blas.cores()))
         _state["products"] = True
+        _state["own"] = bool(cdll.forge_gemm_own(int(choice == "pool")))
+
+
+def own_product() -> bool:
+    """Whether ``gemm_f32``'s blocks take gemm.c's own AVX-512 product rather than OpenBLAS's
+    sgemm (``FORGE_CPU_GEMM=pool`` on a library built for AVX-512)."""
+    return owns_products() and _state["own"]
 
 
 def owns_products() -> bool:
