@@ -33,6 +33,10 @@ def use(n):
     for cache in (runtime._functions, runtime._shared_room):
         for k in [k for k in cache if k[1] == "decode_layers"]:
             del cache[k]
+    for name in ("layer_attn_bf16", "layer_attn_f32", "layer_mlp_bf16", "layer_mlp_f32"):
+        runtime._set_max_shared("decode_layers", name, 0)   # the new build's functions opt in
+        runtime._set_max_shared("decode_layers", name,       # to all the room there is
+                                runtime._shared_room[(dev, "decode_layers", name)][0])
     decoder._DL_HEAD_THREADS = warps * 32
     decoder._DL_HEAD_BLOCK_ROWS = warps * rows
 
