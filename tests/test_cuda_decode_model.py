@@ -132,7 +132,7 @@ def test_layers_head_gives_the_same_bits_for_any_grid(dtype, fused_on, monkeypat
         assert next(iter(decoder._layer_plans.values())).grid_head == grid
         return logits, chain
 
-    want = run(decoder._head_grid(CFG.padded_vocab_size, 132))   # 8: one round a warp
+    want = run(decoder._head_grid(CFG.padded_vocab_size, 132))   # 16: one round a warp
     for grid in (1, 5, 9, 264):
         got = run(grid)
         np.testing.assert_array_equal(got[0], want[0], err_msg=f"logits, grid {grid}")

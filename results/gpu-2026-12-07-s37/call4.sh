@@ -5,4 +5,4 @@
 set -u
 nvidia-smi --query-gpu=name --format=csv,noheader
 export PYTHONPATH=$PWD/src
-timeout 400 python3 results/gpu-2026-12-07-s37/head_ab.py 3 main w8r8u2 w8r4u6 w8r8 2>&1 | grep -v "^ *$" | tail -12
+timeout 400 python3 results/gpu-2026-12-07-s37/head_ab.py 3 ${VARIANTS:-main w8r8u2 w8r4u6 w8r8} 2>&1 | grep -v "^ *$" | tail -12

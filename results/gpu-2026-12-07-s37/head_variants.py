@@ -16,6 +16,7 @@ BOUNDS = "__launch_bounds__(DL_HEAD_WARPS * 32, 2)"
 VARIANTS = {   # name: (warps a block, rows a warp, unroll of the column loop (0: none), blocks an SM
                #        the launch bounds ask registers for)
     "main": (16, 8, 0, 2), "w8r8u2": (8, 8, 2, 2), "w8r4u6": (8, 4, 6, 2), "w8r8": (8, 8, 0, 2),
+    "w4r8": (4, 8, 0, 2), "w8r16": (8, 16, 0, 2), "w8r8b3": (8, 8, 0, 3), "w16r8b1": (16, 8, 0, 1),
 }
 # ptxas (NVRTC 12.9, sm_90): main 64 registers (float32 8 bytes of spills), w8r8u2 128 and none,
 # w8r4u6 128 and 16 bytes, w8r8 -; w8r8u3 and (16 warps, 8 rows, unroll 3, 1 block an SM)

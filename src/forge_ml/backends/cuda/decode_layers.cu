@@ -41,7 +41,8 @@
 #define DL_P 8          // blocks of a cluster
 #define DL_HS 64        // head size
 #define DL_XPT 8        // x values a thread holds (C <= DL_XPT * DL_THREADS)
-#define DL_HEAD_WARPS 16
+#define DL_HEAD_WARPS 8  // with __launch_bounds__(256, 2): 128 registers a thread; 16 warps
+                         // (64 registers, float32 spilling) were 2-3% slower a token
 #define DL_HEAD_ROWS 8  // LM head rows a warp has in flight
 #define DL_KU 4         // keys a lane group of the attention has in flight
 #define DL_MR (4 + DL_HS)   // a block's (m, l, 2 unused, 64 outputs) in layer_attn's mr

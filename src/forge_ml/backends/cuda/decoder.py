@@ -206,18 +206,20 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
 
 # ---- FORGE_FUSED_DECODE=layers: decode_layers.cu ----------------------------------------------
 
-_DL_THREADS, _DL_P, _DL_HEAD_THREADS = 256, 8, 512
+_DL_THREADS, _DL_P, _DL_HEAD_THREADS = 256, 8, 256
 _DL_HEAD_BLOCK_ROWS = (_DL_HEAD_THREADS // 32) * 8   # decode_layers.cu: DL_HEAD_WARPS x DL_HEAD_ROWS
 
 
 def _head_grid(Vp: int, sms: int) -> int:
     """Blocks of ``decode_head``: as many rounds of rows as two blocks an SM take, dealt out so
-    that every warp has that many (the fewest blocks for them). At GPT-2's 50,304 rows, 197
-    blocks of two rounds each, where 264 (two an SM) left half the warps a second round:
-    +0.5 to +3% on batch-1 greedy ``generate()``, bf16 and float32 (H100, 2026-12-06).
+    that every warp has that many (the fewest blocks for them). At GPT-2's 50,304 rows, 262
+    blocks of 8 warps, three rounds each (with 16 warps a block, 197 blocks of two rounds,
+    where 264 had left half the warps a second round: +0.5 to +3% on batch-1 greedy
+    ``generate()``, bf16 and float32, H100, 2026-12-06; 8 warps a block with 128 registers a
+    thread: +1.4 to +2.7% more, session 37).
 
     >>> _head_grid(50304, 132), _head_grid(1024, 132)
-    (197, 8)
+    (262, 16)
     """
     rounds = -(-Vp // (2 * sms * _DL_HEAD_BLOCK_ROWS))
     return -(-Vp // (rounds * _DL_HEAD_BLOCK_ROWS))
