@@ -683,6 +683,30 @@ FORGE_D float2 frag_dsum(const unsigned (&df)[4][4], const bf16* out, int r0, in
     return make_float2(quad_sum(d_lo), quad_sum(d_hi));
 }
 
+// The dq kernels' start on a lane's rows r_lo = w0 + g and r_hi = r_lo + 8 (flash_attention.cu,
+// flash_hopper.cu): D = rowsum(dout * out) of each (frag_dsum), written to Dsum by the quad's
+// lane t == 0 for the dk/dv kernel after, and each row's lse in log2 units (0 past Tq).
+FORGE_D void dq_rows_d_lse(const unsigned (&df)[4][4], const bf16* out, const float* lse,
+                           float* Dsum, long long bh, int w0, int Tq, int g, int t, int o_ld,
+                           float& d_lo, float& d_hi, float& l2_lo, float& l2_hi) {
+    const float2 dsum = frag_dsum(df, out, w0, Tq, g, t, o_ld);
+    const int r_lo = w0 + g, r_hi = r_lo + 8;
+    d_lo = dsum.x;
+    d_hi = dsum.y;
+    l2_lo = 0.f;
+    l2_hi = 0.f;
+    const float* L = lse + bh * Tq;
+    float* D = Dsum + bh * Tq;
+    if (r_lo < Tq) {
+        l2_lo = L[r_lo] * FORGE_LOG2E;
+        if (t == 0) D[r_lo] = d_lo;
+    }
+    if (r_hi < Tq) {
+        l2_hi = L[r_hi] * FORGE_LOG2E;
+        if (t == 0) D[r_hi] = d_hi;
+    }
+}
+
 // Grid-stride loop over [0, n) with 64-bit indices.
 #define FORGE_FOR(i, n)                                                          \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \

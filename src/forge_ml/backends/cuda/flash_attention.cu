@@ -459,21 +459,8 @@ __global__ void __launch_bounds__(FA_THREADS)
     unsigned qf[4][4], df[4][4];
     load_a_frags(qf, q + qb_, w0, Tq, g, t, q_ld);
     load_a_frags(df, dout + ob, w0, Tq, g, t, o_ld);
-    const float2 dsum = frag_dsum(df, out + ob, w0, Tq, g, t, o_ld);
-    const float d_lo = dsum.x, d_hi = dsum.y;
-    float l2_lo = 0.f, l2_hi = 0.f;  // lse in log2 units
-    {
-        const float* L = lse + bh * Tq;
-        float* D = Dsum + bh * Tq;
-        if (r_lo < Tq) {
-            l2_lo = L[r_lo] * FORGE_LOG2E;
-            if (t == 0) D[r_lo] = d_lo;
-        }
-        if (r_hi < Tq) {
-            l2_hi = L[r_hi] * FORGE_LOG2E;
-            if (t == 0) D[r_hi] = d_hi;
-        }
-    }
+    float d_lo, d_hi, l2_lo, l2_hi;  // D and lse (log2 units) of rows r_lo, r_hi
+    dq_rows_d_lse(df, out + ob, lse, Dsum, bh, w0, Tq, g, t, o_ld, d_lo, d_hi, l2_lo, l2_hi);
 
     float acc[8][4];
     zero_acc(acc);

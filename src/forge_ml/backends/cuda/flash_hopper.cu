@@ -432,21 +432,8 @@ FORGE_D void dq_block(DQ_PARAMS, bf16 (&sK)[2][64 * 64], bf16 (&sV)[2][64 * 64],
     unsigned qf[4][4], df[4][4];
     if constexpr (!QD_SHARED) load_a_frags(qf, q + qb_, w0, Tq, g, t, q_ld);
     load_a_frags(df, dout + ob, w0, Tq, g, t, o_ld);  // for D; with QD_SHARED not kept
-    const float2 dsum = frag_dsum(df, out + ob, w0, Tq, g, t, o_ld);
-    const float d_lo = dsum.x, d_hi = dsum.y;
-    float l2_lo = 0.f, l2_hi = 0.f;  // lse in log2 units
-    {
-        const float* L = lse + bh * Tq;
-        float* D = Dsum + bh * Tq;
-        if (r_lo < Tq) {
-            l2_lo = L[r_lo] * FORGE_LOG2E;
-            if (t == 0) D[r_lo] = d_lo;
-        }
-        if (r_hi < Tq) {
-            l2_hi = L[r_hi] * FORGE_LOG2E;
-            if (t == 0) D[r_hi] = d_hi;
-        }
-    }
+    float d_lo, d_hi, l2_lo, l2_hi;  // D and lse (log2 units) of rows r_lo, r_hi
+    dq_rows_d_lse(df, out + ob, lse, Dsum, bh, w0, Tq, g, t, o_ld, d_lo, d_hi, l2_lo, l2_hi);
 
     float acc[32];
     wg_zero(acc);
@@ -568,6 +555,41 @@ FORGE_D void dkdv_p_ds(float* p, float* ds, int q0, int c0, int j_lo, int j_hi, 
         }
 }
 
+// Query tile qb (64 rows from 64 qb) of q and dout into buffer buf of sQ and sO (cp.async, a
+// group of its own), with its rows' lse (log2 units) and D, 0 past Tq: the dk/dv kernels'
+// double buffer, NT threads sharing the loads.
+template <int NT = 128>
+FORGE_D void dkdv_stage(bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64], float (&sL)[2][64],
+                        float (&sD)[2][64], const bf16* Q, const bf16* dO, const float* L,
+                        const float* D, int qb, int buf, int Tq, int tid, int q_ld, int o_ld) {
+    const int r0 = qb * 64;
+    wg_load_tile<NT>(sQ[buf], Q, r0, Tq, tid, q_ld);
+    wg_load_tile<NT>(sO[buf], dO, r0, Tq, tid, o_ld);
+    cp_async_commit();
+    if (tid < 64) {
+        const int i = r0 + tid;
+        sL[buf][tid] = (i < Tq) ? L[i] * FORGE_LOG2E : 0.f;
+        sD[buf][tid] = (i < Tq) ? D[i] : 0.f;
+    }
+}
+
+// The end of a warpgroup's 64 keys from k0 (a lane's rows j_lo, j_lo + 8 of its warp): dk
+// (times scale) and dv stored, and with part_ld > 0 their column sums into part_k and part_v
+// (red: 512 floats of shared memory no longer read; valid: the keys start before Tk; wtid:
+// the thread's index in its warpgroup).
+FORGE_D void dkdv_finish(DKDV_PARAMS, const float (&dka)[32], const float (&dva)[32],
+                         long long bh, long long kvb, int k0, int j_lo, int t, int warp,
+                         int lane, int wtid, float* red, bool valid) {
+    wg_store_rows(dk + kvb, dka, j_lo, Tk, scale, scale, t, kv_ld);
+    wg_store_rows(dv + kvb, dva, j_lo, Tk, 1.f, 1.f, t, kv_ld);
+    if (part_ld > 0) {  // the q and dout tiles are no longer read (the loop's last __syncthreads)
+        const int b = (int)bh / H, h = (int)bh - b * H;
+        const long long at = ((long long)b * ((Tk + 63) / 64) + k0 / 64) * part_ld + 64 * h;
+        wg_colsum_rows(part_k + at, valid, red, dka, j_lo, Tk, scale, t, warp, lane, wtid);
+        wg_colsum_rows(part_v + at, valid, red + 256, dva, j_lo, Tk, 1.f, t, warp, lane, wtid);
+    }
+}
+
 template <bool KV_SHARED>
 FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64],
                         float (&sL)[2][64], float (&sD)[2][64], bf16* sK, bf16* sV) {
@@ -587,15 +609,7 @@ FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 
     const int nqb = (Tq + 63) / 64;
 
     auto stage = [&](int qb, int buf) {
-        const int r0 = qb * 64;
-        wg_load_tile(sQ[buf], Q, r0, Tq, tid, q_ld);
-        wg_load_tile(sO[buf], dO, r0, Tq, tid, o_ld);
-        cp_async_commit();
-        if (tid < 64) {
-            const int i = r0 + tid;
-            sL[buf][tid] = (i < Tq) ? L[i] * FORGE_LOG2E : 0.f;
-            sD[buf][tid] = (i < Tq) ? D[i] : 0.f;
-        }
+        dkdv_stage(sQ, sO, sL, sD, Q, dO, L, D, qb, buf, Tq, tid, q_ld, o_ld);
     };
     stage(qb0, 0);
 
@@ -648,15 +662,8 @@ FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 
         wg_wait0();
         __syncthreads();
     }
-    wg_store_rows(dk + kvb, dka, j_lo, Tk, scale, scale, t, kv_ld);
-    wg_store_rows(dv + kvb, dva, j_lo, Tk, 1.f, 1.f, t, kv_ld);
-    if (part_ld > 0) {  // the q and dout tiles are no longer read (the loop's last __syncthreads)
-        const int b = (int)bh / H, h = (int)bh - b * H;
-        const long long at = ((long long)b * ((Tk + 63) / 64) + k0 / 64) * part_ld + 64 * h;
-        float* red = reinterpret_cast<float*>(sQ[0]);
-        wg_colsum_rows(part_k + at, true, red, dka, j_lo, Tk, scale, t, warp, lane, tid);
-        wg_colsum_rows(part_v + at, true, red + 256, dva, j_lo, Tk, 1.f, t, warp, lane, tid);
-    }
+    dkdv_finish(DKDV_ARGS, dka, dva, bh, kvb, k0, j_lo, t, warp, lane, tid,
+                reinterpret_cast<float*>(sQ[0]), true);
 }
 
 extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wgmma_bf16_h64(DKDV_PARAMS) {
@@ -752,15 +759,7 @@ FORGE_D void dkdv2_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 *
     sV += 64 * 64 * wg;
 
     auto stage = [&](int qb, int buf) {
-        const int r0 = qb * 64;
-        wg_load_tile<NT>(sQ[buf], Q, r0, Tq, tid, q_ld);
-        wg_load_tile<NT>(sO[buf], dO, r0, Tq, tid, o_ld);
-        cp_async_commit();
-        if (tid < 64) {
-            const int i = r0 + tid;
-            sL[buf][tid] = (i < Tq) ? L[i] * FORGE_LOG2E : 0.f;
-            sD[buf][tid] = (i < Tq) ? D[i] : 0.f;
-        }
+        dkdv_stage<NT>(sQ, sO, sL, sD, Q, dO, L, D, qb, buf, Tq, tid, q_ld, o_ld);
     };
     stage(qb0, 0);
     wg_load_tile(sK, k + kvb, k0, Tk, wtid, kv_ld);  // rows past Tk: zeros
@@ -817,15 +816,8 @@ FORGE_D void dkdv2_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 *
         }
         __syncthreads();
     }
-    wg_store_rows(dk + kvb, dka, j_lo, Tk, scale, scale, t, kv_ld);
-    wg_store_rows(dv + kvb, dva, j_lo, Tk, 1.f, 1.f, t, kv_ld);
-    if (part_ld > 0) {  // the q and dout tiles are no longer read (the loop's last __syncthreads)
-        const int b = (int)bh / H, h = (int)bh - b * H;
-        const long long at = ((long long)b * ((Tk + 63) / 64) + k0 / 64) * part_ld + 64 * h;
-        float* red = reinterpret_cast<float*>(sQ[0]) + 512 * wg;
-        wg_colsum_rows(part_k + at, k0 < Tk, red, dka, j_lo, Tk, scale, t, warp, lane, wtid);
-        wg_colsum_rows(part_v + at, k0 < Tk, red + 256, dva, j_lo, Tk, 1.f, t, warp, lane, wtid);
-    }
+    dkdv_finish(DKDV_ARGS, dka, dva, bh, kvb, k0, j_lo, t, warp, lane, wtid,
+                reinterpret_cast<float*>(sQ[0]) + 512 * wg, k0 < Tk);
 }
 
 // dynamic shared memory (attention.py's _DKDV_R128_SMEM): sQ[2], sO[2], sK[2], sV[2] (8 KiB
