@@ -48,13 +48,13 @@ def timed(fn, reps):
     return statistics.median(ts)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="char", choices=sorted(PRESETS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=40)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     lib = cpu._gemm_lib()
     if lib is None or not native.own_product():
         raise SystemExit("gemm.c's own product is not in this build (it needs the C kernels, "

@@ -13,6 +13,7 @@ driving both the pool and OpenBLAS.
 from __future__ import annotations
 
 import multiprocessing
+import re
 import threading
 
 import numpy as np
@@ -140,6 +141,21 @@ def test_own_product_keeps_non_finite_values_where_they_belong(own_product):
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=2e-5, atol=1e-4)
+
+
+def test_gemm_benchmark_runs_every_product_of_the_step(own_product, capsys):
+    """benchmarks/gemm_cpu.py (one round, one repetition): a line for each of the nanoGPT CPU
+    step's 15 products with both kernels' errors against float64 small, and the total."""
+    from _scripts import load
+    load("benchmarks/gemm_cpu.py").main(["--rounds", "1", "--reps", "1", "--threads", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [ln for ln in lines if re.search(r" \d+x\d+x\d+ ", ln)]
+    assert len(rows) == 15, lines
+    for ln in rows:
+        errs = [float(e) for e in ln.split()[-3::2]]
+        assert all(e < 1e-3 for e in errs), ln
+    assert lines[-1].startswith("all (one of each)")
+    assert native.own_product()   # the benchmark leaves the own kernel on
 
 
 @needs_pool_gemm
