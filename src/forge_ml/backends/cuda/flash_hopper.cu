@@ -573,6 +573,27 @@ FORGE_D void dkdv_stage(bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64], float (&
     }
 }
 
+// Iteration qb of the dk/dv kernels' walk over the query tiles from qb0 (double-buffered, as
+// wg_next_kv's over k and v): tile qb + 1 staged into the other buffer while this one is
+// used, then this one waited for and made visible to wgmma and to every thread. Returns the
+// buffer tile qb is in.
+template <int NT = 128>
+FORGE_D int dkdv_next_q(bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64], float (&sL)[2][64],
+                        float (&sD)[2][64], const bf16* Q, const bf16* dO, const float* L,
+                        const float* D, int qb, int qb0, int nqb, int Tq, int tid, int q_ld,
+                        int o_ld) {
+    const int buf = (qb - qb0) & 1;
+    if (qb + 1 < nqb) {
+        dkdv_stage<NT>(sQ, sO, sL, sD, Q, dO, L, D, qb + 1, buf ^ 1, Tq, tid, q_ld, o_ld);
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    fence_async_smem();
+    __syncthreads();
+    return buf;
+}
+
 // The end of a warpgroup's 64 keys from k0 (a lane's rows j_lo, j_lo + 8 of its warp): dk
 // (times scale) and dv stored, and with part_ld > 0 their column sums into part_k and part_v
 // (red: 512 floats of shared memory no longer read; valid: the keys start before Tk; wtid:
@@ -608,10 +629,7 @@ FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 
     const int qb0 = max(0, k0 - off) / 64;  // the first query that sees key k0
     const int nqb = (Tq + 63) / 64;
 
-    auto stage = [&](int qb, int buf) {
-        dkdv_stage(sQ, sO, sL, sD, Q, dO, L, D, qb, buf, Tq, tid, q_ld, o_ld);
-    };
-    stage(qb0, 0);
+    dkdv_stage(sQ, sO, sL, sD, Q, dO, L, D, qb0, 0, Tq, tid, q_ld, o_ld);
 
     unsigned kf[4][4], vf[4][4];
     if constexpr (KV_SHARED) {  // waited for with the first q / dout tiles
@@ -627,15 +645,7 @@ FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 
     wg_zero(dva);
 
     for (int qb = qb0; qb < nqb; ++qb) {
-        const int buf = (qb - qb0) & 1;
-        if (qb + 1 < nqb) {
-            stage(qb + 1, buf ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        fence_async_smem();
-        __syncthreads();
+        const int buf = dkdv_next_q(sQ, sO, sL, sD, Q, dO, L, D, qb, qb0, nqb, Tq, tid, q_ld, o_ld);
 
         float p[32], ds[32];
         wg_zero(p);
@@ -758,10 +768,7 @@ FORGE_D void dkdv2_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 *
     sK += 64 * 64 * wg;
     sV += 64 * 64 * wg;
 
-    auto stage = [&](int qb, int buf) {
-        dkdv_stage<NT>(sQ, sO, sL, sD, Q, dO, L, D, qb, buf, Tq, tid, q_ld, o_ld);
-    };
-    stage(qb0, 0);
+    dkdv_stage<NT>(sQ, sO, sL, sD, Q, dO, L, D, qb0, 0, Tq, tid, q_ld, o_ld);
     wg_load_tile(sK, k + kvb, k0, Tk, wtid, kv_ld);  // rows past Tk: zeros
     wg_load_tile(sV, v + kvb, k0, Tk, wtid, kv_ld);
     cp_async_commit();
@@ -773,15 +780,8 @@ FORGE_D void dkdv2_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 *
     const unsigned long long dV = wg_desc(sV, WG_K_LBO, WG_K_SBO);
 
     for (int qb = qb0; qb < nqb; ++qb) {
-        const int buf = (qb - qb0) & 1;
-        if (qb + 1 < nqb) {
-            stage(qb + 1, buf ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        fence_async_smem();
-        __syncthreads();
+        const int buf =
+            dkdv_next_q<NT>(sQ, sO, sL, sD, Q, dO, L, D, qb, qb0, nqb, Tq, tid, q_ld, o_ld);
         const int q0 = qb * 64;
         if (qb >= qbw) {  // (warpgroup-uniform) a tile wholly before this warpgroup's keys: none
             const unsigned long long dQk = wg_desc(sQ[buf], WG_K_LBO, WG_K_SBO);
