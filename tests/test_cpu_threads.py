@@ -101,9 +101,11 @@ def own_product(pool_gemm):
 
 
 # tiles of 12 x 32, panels of 256 values of k, 1,024 columns at a time, A packed for a last
-# tile of fewer rows (with A transposed the blocks are sgemm's either way)
-OWN_SHAPES = [(12, 256, 32), (13, 257, 33), (2, 5, 1), (25, 513, 1030), (520, 40, 70),
-              (130, 31, 600), (11, 600, 17)]
+# tile of fewer rows; blocks of at least 64 rows (blocks of rows: m >= 64 x the blocks, up to
+# 16 cores; blocks of columns: m rows each, B not transposed), beside sgemm's either side of
+# that line (63 and 64 rows); with A transposed the blocks are sgemm's either way
+OWN_SHAPES = [(1030, 257, 33), (1100, 600, 17), (64, 300, 2100), (130, 31, 600), (63, 40, 70),
+              (64, 40, 70), (13, 257, 33), (2, 5, 1)]
 
 
 @pytest.mark.parametrize("m,k,n", OWN_SHAPES)

@@ -24,17 +24,18 @@
         gradient beside matmul_dgelu's product, read while in cache: no bit depends on the
         thread count).
    Where the library is built for AVX-512 (-march=native on such a CPU), a block's product is
-   forge's own (gk_gemm below, unless forge_gemm_own(0)): OpenBLAS's sgemm reached 137-151
+   forge's own where it is the faster (gk_gemm below, GK_ROWS_MIN; unless forge_gemm_own(0)):
+   OpenBLAS's sgemm reached 137-151
    GFLOP/s a core on the nanoGPT CPU step's blocks (384 x 512 x 128, 128 x 256 x 768, ...)
    where MKL reaches 186-227. Tiles of 12 x 32 of C in 24 registers, A's 12 values of a k
    broadcast straight from A as stored (packed only for a last tile of fewer rows), op(B)
    packed into panels of 32 columns, 256 values of k (GK_KC) and up to 1,024 columns (GK_NC)
-   at a time in a buffer of the thread's own: 1.09-1.18x OpenBLAS on the step's products
-   (benchmarks/gemm_cpu.py), 1.02-1.06x on GPT-2 124M's. Products with A transposed (the
-   weight gradients x^T dy) stay with sgemm: strided reads of A's columns came out 0.94-1.03x
-   OpenBLAS, packed or not. Each C
-   value is summed over k in order, FMA by FMA, in a fixed order of k blocks: its bits depend
-   on neither the thread count nor the block it is in. sgemv still takes a single row.
+   at a time in a buffer of the thread's own (1 MB, kept while the thread lives): 1.06-1.18x
+   OpenBLAS on the step's products (benchmarks/gemm_cpu.py), 1.01-1.05x on GPT-2 124M's.
+   Products with A transposed (the weight gradients x^T dy) stay with sgemm: strided reads of
+   A's columns came out 0.94-1.03x OpenBLAS, packed or not. Each C value is summed over k in
+   order, FMA by FMA, in a fixed order of k blocks: its bits depend on neither the thread
+   count nor the block it is in. sgemv still takes a single row.
 */
 #include "cpu_kernels.h"
 #if defined(__AVX512F__)
@@ -70,12 +71,18 @@ void forge_set_gemm_blocks(long blocks) { gemm_blocks = blocks < 1 ? 1 : blocks;
 #define GK_NR 32        /* its columns: two 16-float registers */
 #define GK_KC 256       /* values of k a panel of op(B) holds */
 #define GK_NC 1024      /* columns of op(B) packed at a time */
+/* Blocks it takes: at least GK_ROWS_MIN rows (each packed value of op(B) serves them all;
+   with 2-63 rows, a decoding step's few rows, it ran 1.1-1.9x OpenBLAS's time), and op(B)
+   transposed only in blocks of rows (there each thread packs its op(B) once for hundreds of
+   rows; a block of columns of B^T, as an LM head's 50,304, packs a transpose per block and
+   ran 1.02-1.26x OpenBLAS's time) */
+#define GK_ROWS_MIN 64
 static int gemm_own = 1;
 
 /* C[0:rows, 0:cols] (+)= alpha * sum over k < kc of op(A)[r][k] * Bp[k][0:32], op(A)[r][k] at
    a[r * rs + k * cs], Bp packed (kc rows of 32 floats, zero past the block's last column);
    `add`: C's values are added to (else only written). Always inlined, so that each of the
-   three callers below has its strides' constant part folded in. */
+   two callers below has its strides' constant part folded in. */
 static inline __attribute__((always_inline)) void gk_tile(long kc, const float* RESTRICT a,
         long rs, long cs, const float* RESTRICT bp, float* c, long ldc, int rows, int cols,
         float alpha, int add) {
@@ -251,8 +258,8 @@ static void gemm_block(const gemm_ctx* g, long r0, long r1, long c0, long c1) {
                                     (int)inc, beta, c, 1);
     }
 #if defined(__AVX512F__)
-    else if (gemm_own && !g->ta && g->k > 0 && gk_gemm(g->tb, rows, cols, g->k, g->alpha, a,
-                                                       g->lda, b, g->ldb, beta, c, ldc) == 0) {
+    else if (gemm_own && !g->ta && rows >= GK_ROWS_MIN && (g->by_rows || !g->tb) && g->k > 0 &&
+             gk_gemm(g->tb, rows, cols, g->k, g->alpha, a, g->lda, b, g->ldb, beta, c, ldc) == 0) {
     }
 #endif
     else if (sgemm_ilp64) {
