@@ -144,10 +144,10 @@ _SWITCHES = (
            "CPU kernels: the fused C kernels if they build (auto), NumPy only (numpy), or the "
            "C kernels or an error (c)", ("auto", "numpy", "c")),
     Switch("FORGE_CPU_GEMM", "pool",
-           "CPU float32 matrix products: on the C kernels' thread pool, a block of rows each, "
-           "by forge-ml's own AVX-512 kernel where the CPU has AVX-512 (else OpenBLAS) (pool), "
-           "by one single-threaded OpenBLAS call per block (pool-openblas), or by OpenBLAS's own "
-           "threads (openblas)",
+           "CPU float32 matrix products: on the C kernels' thread pool, a block of C each, by "
+           "forge-ml's own kernel where the CPU has AVX-512 (blocks of 64 rows or more; else "
+           "OpenBLAS) (pool), by one single-threaded OpenBLAS call per block (pool-openblas), or "
+           "by OpenBLAS's own threads (openblas)",
            ("pool", "pool-openblas", "openblas")),
     Switch("FORGE_CPU_MALLOC", "tuned",
            "glibc malloc thresholds raised at CPU backend start-up so activations reuse freed "

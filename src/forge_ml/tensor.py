@@ -529,7 +529,7 @@ def device_numerics(device) -> dict:
     pick kernels). Two runs with the same values compute the same bits.
 
     >>> sorted(device_numerics("cpu"))
-    ['FORGE_BIAS_SUMS', 'FORGE_CPU_GEMM', 'cpu_kernels', 'device', 'numpy']
+    ['FORGE_BIAS_SUMS', 'FORGE_CPU_GEMM', 'cpu_kernels', 'device', 'gemm', 'numpy']
     """
     dev = Device.parse(device)
     bk = backend_of(dev)

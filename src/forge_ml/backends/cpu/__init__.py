@@ -101,11 +101,17 @@ def start() -> None:
 def numerics() -> dict:
     """What decides this backend's arithmetic besides an op's inputs: the kernels that run (the
     C kernels, or NumPy's where they do not build or FORGE_CPU_KERNELS=numpy), how float32
-    products are shared out (FORGE_CPU_GEMM) and who sums the bias gradients (FORGE_BIAS_SUMS).
-    Training checkpoints record it."""
+    products are shared out (FORGE_CPU_GEMM) and by which kernel (``gemm``: gemm.c's own
+    AVX-512 tiles, which the library has where the CPU has AVX-512, or OpenBLAS's), and who
+    sums the bias gradients (FORGE_BIAS_SUMS). Training checkpoints record it.
+
+    >>> sorted(numerics())
+    ['FORGE_BIAS_SUMS', 'FORGE_CPU_GEMM', 'cpu_kernels', 'gemm', 'numpy']
+    """
     return {"cpu_kernels": "c" if _native.lib() is not None else "numpy",
             "numpy": np.__version__,   # its OpenBLAS runs the float32 products
             "FORGE_CPU_GEMM": flags.get("FORGE_CPU_GEMM"),
+            "gemm": "forge-avx512" if _native.own_product() else "openblas",
             "FORGE_BIAS_SUMS": flags.get("FORGE_BIAS_SUMS")}   # C kernels sum in double
 
 

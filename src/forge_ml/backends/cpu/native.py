@@ -163,8 +163,8 @@ bit)."""
 def _take_products(cdll) -> None:
     """Give the library OpenBLAS's ``cblas_sgemm`` and ``cblas_sgemv`` (``gemm_f32`` calls them
     on the pool's threads, one block of C each), unless ``FORGE_CPU_GEMM=openblas``; with
-    ``pool`` (the default) blocks of several rows take gemm.c's own AVX-512 product where the
-    library has it, with ``pool-openblas`` always the sgemm. Two pools of
+    ``pool`` (the default) blocks of 64 rows or more take gemm.c's own AVX-512 product where
+    the library has it, with ``pool-openblas`` always the sgemm. Two pools of
     threads on one small machine fight: OpenBLAS's idle threads spin for a while after each
     product and, on a 2-core VM, took the core the kernels' second thread was woken on (the
     attention's backward gained nothing from a second thread until OpenBLAS's had none)."""
@@ -179,8 +179,12 @@ def _take_products(cdll) -> None:
 
 
 def own_product() -> bool:
-    """Whether ``gemm_f32``'s blocks take gemm.c's own AVX-512 product rather than OpenBLAS's
-    sgemm (``FORGE_CPU_GEMM=pool`` on a library built for AVX-512)."""
+    """Whether ``gemm_f32``'s blocks of 64 rows or more take gemm.c's own AVX-512 product
+    rather than OpenBLAS's sgemm (``FORGE_CPU_GEMM=pool`` on a library built for AVX-512).
+
+    >>> own_product() in (True, False)
+    True
+    """
     return owns_products() and _state["own"]
 
 
