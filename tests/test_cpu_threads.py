@@ -13,7 +13,10 @@ driving both the pool and OpenBLAS.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import re
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -129,6 +132,31 @@ def test_own_product_at_its_tile_panel_and_block_edges(own_product, m, k, n, tra
         theirs = cpu._gemm(lib, a, b, trans_a, trans_b, **kw)
         own_product(True)
         np.testing.assert_allclose(got[0], theirs, err_msg=name, **tol)
+
+
+@pytest.mark.parametrize("choice", ["pool", "pool-openblas", "openblas"])
+def test_cpu_gemm_switch_picks_who_runs_the_products(choice, tmp_path):
+    """FORGE_CPU_GEMM, read when the library loads (a fresh process each): the pool runs the
+    products with gemm.c's own kernel where the build has it (pool), with OpenBLAS's sgemm
+    (pool-openblas), or leaves them to OpenBLAS's threads (openblas); the numerics say which
+    kernel, and a product's result is within float32 rounding of float64 either way."""
+    code = ("import numpy as np; from forge_ml.backends import cpu; "
+            "from forge_ml.backends.cpu import native; "
+            "a = np.random.default_rng(1).standard_normal((200, 70)).astype(np.float32); "
+            "b = np.random.default_rng(2).standard_normal((70, 90)).astype(np.float32); "
+            "e = np.abs(cpu.matmul(a, b) - a.astype(np.float64) @ b).max(); "
+            "print(native.owns_products(), native.own_product(), cpu.numerics()['gemm'], e < 1e-4)")
+    env = dict(os.environ, FORGE_CPU_GEMM=choice, FORGE_CPU_KERNELS="c")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    owns, own, kernel, close = r.stdout.split()
+    assert close == "True"
+    assert owns == str(choice != "openblas")
+    if choice != "pool":
+        assert own == "False" and kernel == "openblas"
+    else:   # the own kernel where this machine's build has AVX-512
+        assert (own, kernel) in (("True", "forge-avx512"), ("False", "openblas"))
 
 
 def test_own_product_keeps_non_finite_values_where_they_belong(own_product):
