@@ -39,6 +39,7 @@ from ... import rng as _rng
 from .. import compose as _compose
 from . import native as _native
 from . import reference
+from .native import optr as _optr
 from .native import ptr as _ptr
 from .reference import (add, assign, cast, copy, decode_attention, embedding, from_host,
                         from_host_async, greedy_next, kv_append, logsumexp, merge_heads,
@@ -215,8 +216,8 @@ def _layernorm_bwd(lib, x, gamma, dy, eps, add, sums=False):
     dx, dgamma, dbeta = np.empty_like(x), np.empty(c, np.float32), np.empty(c, np.float32)
     s = np.empty(c, np.float32) if sums else None
     return _ok(lib.layernorm_bwd_f32(_ptr(x), _ptr(gamma), _ptr(dy),
-                                     None if add is None else _ptr(add), _ptr(dx),
-                                     _ptr(dgamma), _ptr(dbeta), None if s is None else _ptr(s),
+                                     _optr(add), _ptr(dx),
+                                     _ptr(dgamma), _ptr(dbeta), _optr(s),
                                      x.size // c, c, eps),
                (dx, dgamma, dbeta) + ((s,) if sums else ()))
 
@@ -354,8 +355,8 @@ def _xent(lib, logits, targets, vocab_size, scale, row_loss, dl):
     if t is None or not 0 < v <= vp:
         return -1
     return lib.xent_f32(_ptr(logits), _ptr(t), n, vp, v, scale,
-                        None if row_loss is None else _ptr(row_loss),
-                        None if dl is None else _ptr(dl))
+                        _optr(row_loss),
+                        _optr(dl))
 
 
 @_fused(reference.cross_entropy, "logits")
@@ -504,10 +505,9 @@ def _gemm(lib, a, b, trans_a=False, trans_b=False, alpha=1.0, bias=None, res=Non
             or any(x.shape != (m, n) for x in (res, aux) if x is not None)):
         return _DECLINED
     out = np.empty((m, n), np.float32)
-    ptr = lambda x: None if x is None else _ptr(x)    # noqa: E731
     status = lib.gemm_f32(int(trans_a), int(trans_b), m, n, k, alpha, _ptr(a), a.shape[1],
-                          _ptr(b), b.shape[1], ptr(bias), ptr(res), _EPI[epi], ptr(aux),
-                          _ptr(out), n, ptr(sums))
+                          _ptr(b), b.shape[1], _optr(bias), _optr(res), _EPI[epi], _optr(aux),
+                          _ptr(out), n, _optr(sums))
     return _ok(status, out)
 
 

@@ -200,11 +200,12 @@ static int gk_gemm(int tb, long rows, long cols, long k, float alpha, const floa
 }
 #endif
 
-/* Whether blocks of more than one row take forge's own product (gk_gemm) rather than the
-   BLAS's sgemm: `want` where the library is built with AVX-512, else 0. Returns the choice. */
+/* Whether blocks of GK_ROWS_MIN rows or more take forge's own product (gk_gemm) rather than
+   the BLAS's sgemm: `want` where the library is built with AVX-512, else 0 (want < 0: the
+   choice as it stands, unchanged). Returns the choice. */
 int forge_gemm_own(int want) {
 #if defined(__AVX512F__)
-    gemm_own = want != 0;
+    if (want >= 0) gemm_own = want != 0;
     return gemm_own;
 #else
     (void)want;

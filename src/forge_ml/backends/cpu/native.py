@@ -101,8 +101,7 @@ class NativeKernelError(ForgeError):
 _lock = threading.Lock()
 _state = {"lib": None, "tried": False, "why": None,   # one load attempt per process
           "threads": None,                               # set_threads before the load
-          "products": False,                             # gemm_f32 has an sgemm
-          "own": False}                                  # ... and takes gemm.c's own product
+          "products": False}                             # gemm_f32 has an sgemm
 
 
 def mode() -> str:
@@ -175,7 +174,7 @@ def _take_products(cdll) -> None:
         cdll.forge_set_blas(*found)
         cdll.forge_set_gemm_blocks(min(GEMM_BLOCKS_MAX, blas.cores()))
         _state["products"] = True
-        _state["own"] = bool(cdll.forge_gemm_own(int(choice == "pool")))
+        cdll.forge_gemm_own(int(choice == "pool"))
 
 
 def own_product() -> bool:
@@ -185,7 +184,7 @@ def own_product() -> bool:
     >>> own_product() in (True, False)
     True
     """
-    return owns_products() and _state["own"]
+    return owns_products() and bool(_state["lib"].forge_gemm_own(-1))   # -1: asks, sets nothing
 
 
 def owns_products() -> bool:
@@ -430,3 +429,12 @@ def ptr(a) -> int:
         return _addressof(_from_buffer(a))
     except (TypeError, ValueError, BufferError):
         return a.ctypes.data
+
+
+def optr(a):
+    """``ptr(a)``, or None (a NULL pointer) for an optional array that is not given.
+
+    >>> optr(None) is None
+    True
+    """
+    return None if a is None else ptr(a)
