@@ -154,8 +154,8 @@ static inline float hmax(vf v) {
    and 2^n comes in by vscalefps, not by building the exponent bits: 15 instead of 25
    operations, the exp pass 1.5x faster; the same value for n in exp_f32's range. */
 static inline vf exp_v(vf x) {
-    const vf lo = vbcast(-87.3365447504f), hi = vbcast(88.3762626647949f);
-    const vf magic = vbcast(12582912.0f);
+    const vf lo = vbcast(EXP_LO), hi = vbcast(EXP_HI);
+    const vf magic = vbcast(EXP_MAGIC);
 #if defined(__AVX512F__)
     x = _mm512_max_ps(lo, x);                        /* lo > x ? lo : x */
     x = _mm512_min_ps(hi, x);                        /* hi < x ? hi : x */
@@ -163,16 +163,16 @@ static inline vf exp_v(vf x) {
     x = vsel(x < lo, lo, x);
     x = vsel(hi < x, hi, x);
 #endif
-    const vf t = x * vbcast(1.44269504088896341f) + magic;
+    const vf t = x * vbcast(EXP_LOG2E) + magic;
     const vf n = t - magic;
-    vf r = x - n * vbcast(0.693359375f);
-    r = r - n * vbcast(-2.12194440e-4f);
-    vf p = vbcast(1.9875691500e-4f);
-    p = p * r + vbcast(1.3981999507e-3f);
-    p = p * r + vbcast(8.3334519073e-3f);
-    p = p * r + vbcast(4.1665795894e-2f);
-    p = p * r + vbcast(1.6666665459e-1f);
-    p = p * r + vbcast(5.0000001201e-1f);
+    vf r = x - n * vbcast(EXP_LN2_HI);
+    r = r - n * vbcast(EXP_LN2_LO);
+    vf p = vbcast(EXP_P0);
+    p = p * r + vbcast(EXP_P1);
+    p = p * r + vbcast(EXP_P2);
+    p = p * r + vbcast(EXP_P3);
+    p = p * r + vbcast(EXP_P4);
+    p = p * r + vbcast(EXP_P5);
     p = p * r * r + r + vbcast(1.0f);
 #if defined(__AVX512F__)
     return _mm512_scalef_ps(p, n);

@@ -78,23 +78,38 @@ static inline v8f bcast8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
    1.2e-38 instead of 0 and far right 2.4e38 instead of inf; NaN stays NaN (the clamps are
    max/min that pass a NaN x). n = round(x / ln2) by the 1.5 * 2^23 trick (round to
    nearest, the FPU's default mode), which needs no SSE4.1 round instruction. */
+/* exp_f32's constants, which attention.c's vector exp_v shares: the clamps, 1.5 * 2^23 (bits
+   0x4B400000, for round(x / ln2)), 1 / ln2, ln2 in two parts, the polynomial's coefficients */
+#define EXP_LO -87.3365447504f
+#define EXP_HI 88.3762626647949f
+#define EXP_MAGIC 12582912.0f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
 static inline float exp_f32(float x) {
-    const float magic = 12582912.0f;                 /* 1.5 * 2^23, bits 0x4B400000 */
-    x = x < -87.3365447504f ? -87.3365447504f : x;
-    x = 88.3762626647949f < x ? 88.3762626647949f : x;
-    const float t = x * 1.44269504088896341f + magic;   /* magic + round(x / ln2) */
+    const float magic = EXP_MAGIC;
+    x = x < EXP_LO ? EXP_LO : x;
+    x = EXP_HI < x ? EXP_HI : x;
+    const float t = x * EXP_LOG2E + magic;           /* magic + round(x / ln2) */
     const float n = t - magic;
     uint32_t ni;                                     /* unsigned: a NaN's bits wrap, not overflow */
     memcpy(&ni, &t, sizeof ni);
     ni -= 0x4B400000u;                               /* round(x / ln2) as an int */
-    float r = x - n * 0.693359375f;                  /* ln2_hi: n * ln2_hi is exact */
-    r = r - n * -2.12194440e-4f;                     /* ln2_lo */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float r = x - n * EXP_LN2_HI;                    /* ln2_hi: n * ln2_hi is exact */
+    r = r - n * EXP_LN2_LO;
+    float p = EXP_P0;
+    p = p * r + EXP_P1;
+    p = p * r + EXP_P2;
+    p = p * r + EXP_P3;
+    p = p * r + EXP_P4;
+    p = p * r + EXP_P5;
     p = p * r * r + r + 1.0f;
     const uint32_t bits = (ni + 127u) << 23;         /* 2^n, n in -126..127 */
     float scale;
@@ -110,8 +125,8 @@ static inline float exp_f32(float x) {
    far left gelu = -0 and gelu' = 0, far right gelu' = 1. The clamped E, times x or w, gave
    gelu(-3e38) = -1.2, gelu'(-1e13) = -0.9 and gelu'(1e13) = 3.5 (the NumPy kernels take the
    same limits). */
-#define GELU_EXP_HI 88.3762626647949f   /* exp_f32's clamps */
-#define GELU_EXP_LO -87.3365447504f
+#define GELU_EXP_HI EXP_HI   /* exp_f32's clamps */
+#define GELU_EXP_LO EXP_LO
 #define GELU_K 0.7978845608028654f   /* sqrt(2/pi) */
 #define GELU_C 0.044715f
 #define ELEMS_GRAIN 16384            /* elements per pool item in elementwise kernels */
