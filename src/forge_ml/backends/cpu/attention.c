@@ -655,11 +655,7 @@ int attention_qkv_bwd_sums_f32(const float* RESTRICT qkv, const float* RESTRICT 
     if (!part) return -1;
     const int status = attention_qkv_bwd_run(qkv, y, lse, dy, dqkv, nb, t, nh, hs, scale, NULL,
                                              part);
-    for (long j = 0; status == 0 && j < c3; ++j) {
-        double s = 0.0;
-        for (long b = 0; b < nb; ++b) s += part[b * c3 + j];
-        sums[j] = (float)s;
-    }
+    if (status == 0) sum_parts(part, nb, c3, sums);
     free(part);
     return status;
 }

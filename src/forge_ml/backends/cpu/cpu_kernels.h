@@ -57,6 +57,17 @@ int forge_get_threads(void);
    reference runs instead. */
 static inline void task_failed(int* flag) { __atomic_store_n(flag, 1, __ATOMIC_RELAXED); }
 
+/* out[j] = the sum over i < rows of part[i * n + j], in order of i, in double: the column sums
+   a kernel's items kept one row of `part` each (gemm.c's blocks, attention.c's batch rows),
+   added so that no bit depends on which thread filled which row. */
+static inline void sum_parts(const double* RESTRICT part, long rows, long n, float* RESTRICT out) {
+    for (long j = 0; j < n; ++j) {
+        double s = 0.0;
+        for (long i = 0; i < rows; ++i) s += part[i * n + j];
+        out[j] = (float)s;
+    }
+}
+
 /* ---- 8-float vectors and exp ------------------------------------------------------------- */
 /* 8-float vectors (GCC/Clang vector extension; two SSE registers where AVX is absent) */
 typedef float v8f __attribute__((vector_size(32)));

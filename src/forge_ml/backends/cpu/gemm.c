@@ -317,11 +317,7 @@ int gemm_f32(int ta, int tb, long m, long n, long k, float alpha, const float* a
     gemm_ctx g = {ta, tb, epi, by_rows, m, n, k, lda, ldb, ldc, block, alpha, a, b, bias, res, c,
                   aux, part};
     pool_run(gemm_task, &g, items, 1);
-    for (long j = 0; part && j < n; ++j) {
-        double s = 0.0;
-        for (long i = 0; i < rows_of_part; ++i) s += part[i * n + j];
-        sums[j] = (float)s;
-    }
+    if (part) sum_parts(part, rows_of_part, n, sums);
     free(part);
     return 0;
 }
