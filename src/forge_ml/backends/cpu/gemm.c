@@ -1,17 +1,17 @@
-/* gemm.c: matrix products on the pool's threads: C = alpha op(A) op(B) (+ P), row-major, a
-   block of C each, by gemm.c's own AVX-512 product (below) or one single-threaded BLAS call
-   (forge_set_blas gives the BLAS, and native.py keeps that BLAS at one thread of its own).
-   Blocks: one per core the process may use (at most 16; forge_set_gemm_blocks, set once at
-   load), never per thread: BLAS may take another code path, and another rounding, for another
-   block shape, so blocks sized by the thread count changed bits (a 100-row product on 1 and 2 threads), and the ThreadTuner's choice of
+/* gemm.c: matrix products on the pool's threads: C = alpha op(A) op(B) (+ P), row-major, a block of
+   C each, by gemm.c's own AVX-512 product (below) or one single-threaded BLAS call (forge_set_blas
+   gives the BLAS, and native.py keeps that BLAS at one thread of its own). Blocks: one per core the
+   process may use (at most 16; forge_set_gemm_blocks, set once at load), never per thread: BLAS may
+   take another code path, and another rounding, for another block shape, so blocks sized by the
+   thread count changed bits (a 100-row product on 1 and 2 threads), and the ThreadTuner's choice of
    count must change none. Blocks of rows where m >= GEMM_ROWS_MIN and m >= n; else blocks of
-   columns (a decoding step's single row; a weight gradient's C x N with N > C): sgemv for
-   one row (sgemm would pack all of op(B) for it), sgemm for a few. Each block of rows packs
-   all of op(B) (k x n) and each block of columns all of op(A) (m x k): the split is along the
-   longer side of C, so the operand every block repacks is the smaller one (the nanoGPT CPU
-   step's dW = x^T dy of 128 x 512 and 128 x 384, k 768: 10-11% faster by columns, the step
-   ~0.9 ms of 24). More blocks than cores cost: the nanoGPT CPU step took 4% longer with 4
-   blocks than with 2 on a 2-core VM, 6% with 8. Per block:
+   columns (a decoding step's single row; a weight gradient's C x N with N > C): sgemv for one row
+   (sgemm would pack all of op(B) for it), sgemm for a few. Each block of rows packs all of op(B) (k
+   x n) and each block of columns all of op(A) (m x k): the split is along the longer side of C, so
+   the operand every block repacks is the smaller one (the nanoGPT CPU step's dW = x^T dy of 128 x
+   512 and 128 x 384, k 768: 10-11% faster by columns, the step ~0.9 ms of 24). More blocks than
+   cores cost: the nanoGPT CPU step took 4% longer with 4 blocks than with 2 on a 2-core VM, 6% with
+   8. Per block:
      P, the prologue: with `bias` and/or `res` (not NULL) C's block is first set to
         res + bias (either alone) and the product is added to it (beta 1), as torch's addmm
         adds its bias: no extra pass over C;
@@ -24,16 +24,16 @@
         thread count).
    Where the library is built for AVX-512 (-march=native on such a CPU), a block's product is
    forge's own where it is the faster (gk_gemm below, GK_ROWS_MIN; unless forge_gemm_own(0)):
-   OpenBLAS's sgemm reached 137-151 GFLOP/s a core on the nanoGPT CPU step's blocks (384 x
-   512 x 128, 128 x 256 x 768, ...) where MKL reaches 186-227. Tiles of 12 x 32 of C in 24 registers, A's 12 values of a k
-   broadcast straight from A as stored (packed only for a last tile of fewer rows), op(B)
-   packed into panels of 32 columns, 256 values of k (GK_KC) and up to 1,024 columns (GK_NC)
+   OpenBLAS's sgemm reached 137-151 GFLOP/s a core on the nanoGPT CPU step's blocks (384 x 512 x
+   128, 128 x 256 x 768, ...) where MKL reaches 186-227. Tiles of 12 x 32 of C in 24 registers, A's
+   12 values of a k broadcast straight from A as stored (packed only for a last tile of fewer rows),
+   op(B) packed into panels of 32 columns, 256 values of k (GK_KC) and up to 1,024 columns (GK_NC)
    at a time in a buffer of the thread's own (1 MB, kept while the thread lives): 1.06-1.18x
-   OpenBLAS on the step's products (benchmarks/gemm_cpu.py), 1.01-1.05x on GPT-2 124M's.
-   Products with A transposed (the weight gradients x^T dy) stay with sgemm: strided reads of
-   A's columns came out 0.94-1.03x OpenBLAS, packed or not. Each C value is summed over k in
-   order, FMA by FMA, in a fixed order of k blocks: its bits depend on neither the thread
-   count nor the block it is in. sgemv still takes a single row.
+   OpenBLAS on the step's products (benchmarks/gemm_cpu.py), 1.01-1.05x on GPT-2 124M's. Products
+   with A transposed (the weight gradients x^T dy) stay with sgemm: strided reads of A's columns
+   came out 0.94-1.03x OpenBLAS, packed or not. Each C value is summed over k in order, FMA by FMA,
+   in a fixed order of k blocks: its bits depend on neither the thread count nor the block it is in.
+   sgemv still takes a single row.
 */
 #include "cpu_kernels.h"
 #if defined(__AVX512F__)
