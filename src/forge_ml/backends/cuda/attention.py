@@ -204,7 +204,7 @@ _DQ_R128_SMEM = 8 * 64 * 64 * 2 + 1024
 # kernel of 128 rows 0.731 ms (r64), 0.698 (r128h; 0.836 with the whole score tile, 195
 # registers and one block an SM, since taken out); the trainer +0.9% tok/s: the default.
 _DKDV_R128_SMEM = 8 * 64 * 64 * 2 + 4 * 64 * 4 + 1024
-_DKDV_WIDE = {"r128h": "flash_bwd_dkdv_wgmma_kvs_r128h_bf16_h64"}
+_DKDV_R128H = "flash_bwd_dkdv_wgmma_kvs_r128h_bf16_h64"
 
 
 def _hopper_bwd(qd_shared=False, kv_shared=False, rows=64, dkdv="r64"):
@@ -253,12 +253,12 @@ def _fa_bwd(q, k, v, out, dout, lse, dq, dk, dv, Tq, Tk, scale, bh, layout, drop
         else:
             _launch("flash_hopper", "flash_bwd_dq_wgmma_qds_bf16_h64" if "qd" in shared else
                     "flash_bwd_dq_wgmma_bf16_h64", _flash_grid(bh, Tq), _FLASH_THREADS, dq_args)
-        wide = next((_DKDV_WIDE[o[5:]] for o in shared if o[5:] in _DKDV_WIDE), None)
-        if "kv" in shared and wide:
-            if not _set_max_shared("flash_hopper", wide, _DKDV_R128_SMEM):
-                raise ShapeError(f"{wide} needs {_DKDV_R128_SMEM} bytes of shared memory a block")
-            _launch("flash_hopper", wide, _rows_grid(bh, Tk, 128), 2 * _FLASH_THREADS, kv_args,
-                    shared=_DKDV_R128_SMEM)
+        if "kv" in shared and "dkdv-r128h" in shared:
+            if not _set_max_shared("flash_hopper", _DKDV_R128H, _DKDV_R128_SMEM):
+                raise ShapeError(f"{_DKDV_R128H} needs {_DKDV_R128_SMEM} bytes of shared memory "
+                                 "a block")
+            _launch("flash_hopper", _DKDV_R128H, _rows_grid(bh, Tk, 128), 2 * _FLASH_THREADS,
+                    kv_args, shared=_DKDV_R128_SMEM)
         elif "kv" in shared:
             name = "flash_bwd_dkdv_wgmma_kvs_bf16_h64"
             if not _set_max_shared("flash_hopper", name, _DKDV_KVS_SMEM):
@@ -340,7 +340,7 @@ def _attention_bwd_flash_hopper(q, k, v, out, lse, dout, scale=None, qd_shared=F
     ``qd_shared`` / ``kv_shared``: the dq kernel with q and dout in shared memory / the dk/dv
     kernel with k and v there (false: their operands in registers); ``rows`` 128: the dq
     kernel of 128 rows a block (with ``qd_shared``); ``dkdv`` "r128h": the dk/dv
-    kernel of 128 keys a block (with ``kv_shared``; ``_DKDV_WIDE``)."""
+    kernel of 128 keys a block (with ``kv_shared``; ``_DKDV_R128H``)."""
     q, k, v = _c(q), _like(_c(k), q.dtype), _like(_c(v), q.dtype)
     out, dout = _like(_c(out), q.dtype), _like(_c(dout), q.dtype)
     Tq, Tk = _attn_shapes(q, k, v)
