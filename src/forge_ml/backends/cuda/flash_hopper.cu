@@ -555,21 +555,38 @@ FORGE_D void dkdv_p_ds(float* p, float* ds, int q0, int c0, int j_lo, int j_hi, 
         }
 }
 
-// Query tile qb (64 rows from 64 qb) of q and dout into buffer buf of sQ and sO (cp.async, a
-// group of its own), with its rows' lse (log2 units) and D, 0 past Tq: the dk/dv kernels'
-// double buffer, NT threads sharing the loads.
+// What the dk/dv kernels walk over: one (batch, head)'s q, dout, lse and D rows, and the
+// shared buffers they are staged into (two of each, for the query tile in use and the next).
+struct QWalk {
+    bf16 (*sQ)[64 * 64];
+    bf16 (*sO)[64 * 64];   // dout
+    float (*sL)[64];       // lse * log2(e), 0 past Tq
+    float (*sD)[64];       // D, 0 past Tq
+    const bf16 *Q, *dO;
+    const float *L, *D;
+    int Tq, q_ld, o_ld;
+};
+
+FORGE_D QWalk q_walk(DKDV_PARAMS, long long bh, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64],
+                     float (&sL)[2][64], float (&sD)[2][64]) {
+    return QWalk{sQ, sO, sL, sD, q + head_base(bh, H, q_sb, q_sh),
+                 dout + head_base(bh, H, o_sb, o_sh), lse + bh * Tq, Dsum + bh * Tq, Tq, q_ld,
+                 o_ld};
+}
+
+// Query tile qb (64 rows from 64 qb) of q and dout into buffer buf of the walk's tiles
+// (cp.async, a group of its own), with its rows' lse (log2 units) and D, 0 past Tq: the dk/dv
+// kernels' double buffer, NT threads sharing the loads.
 template <int NT = 128>
-FORGE_D void dkdv_stage(bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64], float (&sL)[2][64],
-                        float (&sD)[2][64], const bf16* Q, const bf16* dO, const float* L,
-                        const float* D, int qb, int buf, int Tq, int tid, int q_ld, int o_ld) {
+FORGE_D void dkdv_stage(const QWalk& w, int qb, int buf, int tid) {
     const int r0 = qb * 64;
-    wg_load_tile<NT>(sQ[buf], Q, r0, Tq, tid, q_ld);
-    wg_load_tile<NT>(sO[buf], dO, r0, Tq, tid, o_ld);
+    wg_load_tile<NT>(w.sQ[buf], w.Q, r0, w.Tq, tid, w.q_ld);
+    wg_load_tile<NT>(w.sO[buf], w.dO, r0, w.Tq, tid, w.o_ld);
     cp_async_commit();
     if (tid < 64) {
         const int i = r0 + tid;
-        sL[buf][tid] = (i < Tq) ? L[i] * FORGE_LOG2E : 0.f;
-        sD[buf][tid] = (i < Tq) ? D[i] : 0.f;
+        w.sL[buf][tid] = (i < w.Tq) ? w.L[i] * FORGE_LOG2E : 0.f;
+        w.sD[buf][tid] = (i < w.Tq) ? w.D[i] : 0.f;
     }
 }
 
@@ -578,13 +595,10 @@ FORGE_D void dkdv_stage(bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64], float (&
 // used, then this one waited for and made visible to wgmma and to every thread. Returns the
 // buffer tile qb is in.
 template <int NT = 128>
-FORGE_D int dkdv_next_q(bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 64], float (&sL)[2][64],
-                        float (&sD)[2][64], const bf16* Q, const bf16* dO, const float* L,
-                        const float* D, int qb, int qb0, int nqb, int Tq, int tid, int q_ld,
-                        int o_ld) {
+FORGE_D int dkdv_next_q(const QWalk& w, int qb, int qb0, int nqb, int tid) {
     const int buf = (qb - qb0) & 1;
     if (qb + 1 < nqb) {
-        dkdv_stage<NT>(sQ, sO, sL, sD, Q, dO, L, D, qb + 1, buf ^ 1, Tq, tid, q_ld, o_ld);
+        dkdv_stage<NT>(w, qb + 1, buf ^ 1, tid);
         cp_async_wait<1>();
     } else {
         cp_async_wait<0>();
@@ -618,18 +632,15 @@ FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 
     const long long bh = blockIdx.x;
     const int k0 = (int)blockIdx.y * 64;
     const int off = Tk - Tq;
-    const bf16* Q = q + head_base(bh, H, q_sb, q_sh);
-    const bf16* dO = dout + head_base(bh, H, o_sb, o_sh);
+    const QWalk qw = q_walk(DKDV_ARGS, bh, sQ, sO, sL, sD);
     const long long kvb = head_base(bh, H, kv_sb, kv_sh);
-    const float* L = lse + bh * Tq;
-    const float* D = Dsum + bh * Tq;
     const float sl2 = scale * FORGE_LOG2E;
     const int w0 = k0 + 16 * warp;
     const int j_lo = w0 + g, j_hi = j_lo + 8;
     const int qb0 = max(0, k0 - off) / 64;  // the first query that sees key k0
     const int nqb = (Tq + 63) / 64;
 
-    dkdv_stage(sQ, sO, sL, sD, Q, dO, L, D, qb0, 0, Tq, tid, q_ld, o_ld);
+    dkdv_stage(qw, qb0, 0, tid);
 
     unsigned kf[4][4], vf[4][4];
     if constexpr (KV_SHARED) {  // waited for with the first q / dout tiles
@@ -645,7 +656,7 @@ FORGE_D void dkdv_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 * 
     wg_zero(dva);
 
     for (int qb = qb0; qb < nqb; ++qb) {
-        const int buf = dkdv_next_q(sQ, sO, sL, sD, Q, dO, L, D, qb, qb0, nqb, Tq, tid, q_ld, o_ld);
+        const int buf = dkdv_next_q(qw, qb, qb0, nqb, tid);
 
         float p[32], ds[32];
         wg_zero(p);
@@ -754,11 +765,8 @@ FORGE_D void dkdv2_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 *
     const int kblk = (int)blockIdx.y * 128;
     const int k0 = kblk + 64 * wg;  // this warpgroup's keys
     const int off = Tk - Tq;
-    const bf16* Q = q + head_base(bh, H, q_sb, q_sh);
-    const bf16* dO = dout + head_base(bh, H, o_sb, o_sh);
+    const QWalk qw = q_walk(DKDV_ARGS, bh, sQ, sO, sL, sD);
     const long long kvb = head_base(bh, H, kv_sb, kv_sh);
-    const float* L = lse + bh * Tq;
-    const float* D = Dsum + bh * Tq;
     const float sl2 = scale * FORGE_LOG2E;
     const int w0 = k0 + 16 * warp;
     const int j_lo = w0 + g, j_hi = j_lo + 8;
@@ -768,7 +776,7 @@ FORGE_D void dkdv2_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 *
     sK += 64 * 64 * wg;
     sV += 64 * 64 * wg;
 
-    dkdv_stage<NT>(sQ, sO, sL, sD, Q, dO, L, D, qb0, 0, Tq, tid, q_ld, o_ld);
+    dkdv_stage<NT>(qw, qb0, 0, tid);
     wg_load_tile(sK, k + kvb, k0, Tk, wtid, kv_ld);  // rows past Tk: zeros
     wg_load_tile(sV, v + kvb, k0, Tk, wtid, kv_ld);
     cp_async_commit();
@@ -780,8 +788,7 @@ FORGE_D void dkdv2_block(DKDV_PARAMS, bf16 (&sQ)[2][64 * 64], bf16 (&sO)[2][64 *
     const unsigned long long dV = wg_desc(sV, WG_K_LBO, WG_K_SBO);
 
     for (int qb = qb0; qb < nqb; ++qb) {
-        const int buf =
-            dkdv_next_q<NT>(sQ, sO, sL, sD, Q, dO, L, D, qb, qb0, nqb, Tq, tid, q_ld, o_ld);
+        const int buf = dkdv_next_q<NT>(qw, qb, qb0, nqb, tid);
         const int q0 = qb * 64;
         if (qb >= qbw) {  // (warpgroup-uniform) a tile wholly before this warpgroup's keys: none
             const unsigned long long dQk = wg_desc(sQ[buf], WG_K_LBO, WG_K_SBO);
