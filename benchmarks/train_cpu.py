@@ -207,7 +207,9 @@ def main():
           f"(torch threads {torch.get_num_threads()}), torch {torch.__version__}, numpy {np.__version__}")
     print(f"first-step loss: forge-ml {losses['forge-ml'][0]:.5f}  torch {losses['torch'][0]:.5f}  "
           f"(ln V = {math.log(V):.5f}); after {len(losses['torch'])} steps: "
-          f"forge-ml {losses['forge-ml'][-1]:.4f}  torch {losses['torch'][-1]:.4f}")
+          f"forge-ml {losses['forge-ml'][-1]:.4f}  torch {losses['torch'][-1]:.4f}"
+          + ("  (not comparable: the Trainer reads the text's batches, torch uniform random "
+             "tokens of the same shape)" if args.trainer else ""))
     print(f"forge-ml : median {f_ms:8.2f} ms/step  ({B * T / f_ms * 1e3:,.0f} tokens/s)  over {len(times['forge-ml'])} steps")
     print(f"torch    : median {t_ms:8.2f} ms/step  ({B * T / t_ms * 1e3:,.0f} tokens/s)  over {len(times['torch'])} steps")
     print(f"ratio forge-ml / torch = {f_ms / t_ms:.3f}  ({'forge-ml faster or equal' if f_ms <= t_ms else 'forge-ml slower'})")
