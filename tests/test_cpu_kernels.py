@@ -222,6 +222,21 @@ def test_gelu_far_out_takes_the_limits(path, dtype):
     np.testing.assert_array_equal(dx, np.concatenate([np.zeros(n), dy[n:]]).astype(dtype))
 
 
+def test_gelu_bwd_at_the_clamps(path):
+    """Around x = -10.046 and 10.001, where -2u crosses exp_f32's clamps (the C loop works an x
+    past them as 0, whose subnormal E or s made x86 7x slower, before it takes the limit):
+    every value against the reference, both sides of both clamps, and the product's dgelu
+    epilogue (the same loop on each block) equal to the op. Treating an x short of a clamp as
+    past it gives gelu' 0.5 there instead of about 0 or 1."""
+    x = np.concatenate([np.linspace(-10.2, -9.9, 30000), np.linspace(9.85, 10.15, 30000)])
+    x = x.astype(np.float32).reshape(-1, 3)
+    dy = randn(x.shape, 5)
+    dx = cpu.gelu_bwd(x, dy)
+    close(dx, ref.gelu_bwd(x, dy))
+    dpre, _ = cpu.matmul_dgelu(dy, np.eye(3, dtype=np.float32), x)   # dy @ I^T = dy exactly
+    np.testing.assert_array_equal(dpre, dx)
+
+
 def test_gelu_nan_propagates(path):
     x = np.array([1.0, np.nan, -2.0], np.float32)
     assert np.isnan(cpu.gelu(x)).tolist() == [False, True, False]
