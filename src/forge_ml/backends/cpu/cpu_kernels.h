@@ -137,9 +137,8 @@ static inline float exp_f32(float x) { return exp_f32_from(x, EXP_LO); }
      gelu(x) = x s,   gelu'(x) = s (1 + (1 - s) w),  1 - s = E s,  w = x (2k + 6kc x^2).
    Past exp_f32's clamps (-2u outside [-87.3, 88.4]: x below -10.05 or above 10.0) the limits
    are taken: far left gelu = -0 and gelu' = 0, far right gelu' = 1. The clamped E, times x or
-   w, gave
-   gelu(-3e38) = -1.2, gelu'(-1e13) = -0.9 and gelu'(1e13) = 3.5 (the NumPy kernels take the
-   same limits). */
+   w, gave gelu(-3e38) = -1.2, gelu'(-1e13) = -0.9 and gelu'(1e13) = 3.5 (the NumPy kernels
+   take the same limits). */
 #define GELU_EXP_HI EXP_HI   /* exp_f32's clamps */
 #define GELU_EXP_LO EXP_LO
 #define GELU_K 0.7978845608028654f   /* sqrt(2/pi) */
@@ -161,8 +160,8 @@ static inline void gelu_span(const float* RESTRICT x, float* RESTRICT y, long n)
    clamp (0.996 * 2^-126 there), and x86 takes a slow microcode path for each operation on
    one: the dgelu epilogue of a block whose GELU inputs were all 12 took 3.1 ms instead of 0.4.
    No bit changes: with E at 2^-115 or less and |w| under 2^12 until gelu' is set to its limit
-   1, s = 1 / (1 + E) and 1 + E s w are 1 either way. (Far left, E = 2.4e38 makes s subnormal,
-   but no slower: dividing into one costs nothing extra there.) */
+   1, s = 1 / (1 + E) and 1 + E s w are 1 either way. (Far left, s = 1 / (1 + 2.4e38) is
+   subnormal too, but measured no slower.) */
 #define GELU_BWD_E_LO -80.0f
 static inline void gelu_bwd_span(const float* RESTRICT x, const float* dy, float* dx, long n) {
 #pragma omp simd
