@@ -5,9 +5,10 @@
 #   git apply results/gpu-2026-12-07-s38/fwd-pipelined.diff
 #   run: bash results/gpu-2026-12-07-s38/call4.sh   (carry .whl, .data, .scratch/base; ~180 s)
 # The change: the wgmma forward pipelined (tile kb + 1's scores and softmax while tile kb's
-# p v runs; one block barrier a tile instead of two; ptxas: 118 registers for the r128 kernel,
-# 124 for the 64-row one, no spill, no wgmma serialization). Expected: the forward 0.335 ->
-# about 0.29-0.30 ms a layer at B=32 (torch's cuDNN 0.284), the B=32 trainer +0.6-1.0%.
+# p v runs; one block barrier a tile instead of two; ptxas: 118 registers for the r128 kernel
+# (109 before), 107 for the 64-row one (120), no spill, no wgmma serialization). Expected: the
+# forward 0.335 -> about 0.29-0.30 ms a layer at B=32 (torch's cuDNN 0.284), the B=32 trainer
+# +0.6-1.0%.
 # 1. the flash, attention and training-step tests on Hopper;
 # 2. the bits: fwd_bits.py saves out and lse for 8 shapes x 64/128 rows from both trees and
 #    compares them byte for byte (the same operations per element in the same order);
