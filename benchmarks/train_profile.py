@@ -15,8 +15,9 @@ For each side, in its own process:
   graph one by one): their kernel table, and the GPU's idle time between kernels, summed by
   the pair of kernels around each gap (what the graph loses beyond its kernels' time).
 - ``compile``: the PyTorch peer of ``train_e2e.py`` under ``torch.compile``, the same batches.
-Printed: the GPU kernel time a step, and the kernels by their time a step (name, ms, calls a
-step). The graph's kernels are the op-by-op step's: the two profiles differ only in launch
+Printed: the GPU kernel time a step, the kernels by their time a step (name, ms, calls a
+step), and those times summed by kind (``KINDS``: the attention's backward and forward, the
+products, cross-entropy, layernorm, the optimizer, other), as RESULTS.md's tables read them. The graph's kernels are the op-by-op step's: the two profiles differ only in launch
 gaps.
 """
 from __future__ import annotations
@@ -35,8 +36,34 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+# The kinds of kernel a training step's time is read by, first match wins: a name part that
+# marks each (forge-ml's kernels, cuBLAS(Lt)'s, cuDNN's and Inductor's); the rest is "other".
+KINDS = (("attention backward", ("flash_bwd", "bprop", "dot_do_o", "convert_dq")),
+         ("attention forward", ("flash_fwd", "fprop")),
+         ("products", ("nvjet", "xmma", "gemm", "splitkreduce", "cutlass")),
+         ("cross-entropy", ("cross_entropy", "softmax", "nll_loss")),
+         ("layernorm", ("layernorm", "layer_norm")),
+         ("optimizer", ("adamw", "multi_tensor_apply")))
+
+
+def by_kind(times: dict) -> dict:
+    """``{name: ms a step}`` summed into ``KINDS`` (and "other"), in KINDS' order.
+
+    >>> by_kind({"flash_fwd_x": 1.0, "nvjet_a": 2.0, "memset": 0.5, "triton_gelu": 0.25})
+    {'attention backward': 0.0, 'attention forward': 1.0, 'products': 2.0, 'cross-entropy': 0.0, \
+'layernorm': 0.0, 'optimizer': 0.0, 'other': 0.75}
+    """
+    out = {kind: 0.0 for kind, _ in KINDS}
+    out["other"] = 0.0
+    for name, ms in times.items():
+        low = name.lower()
+        kind = next((k for k, parts in KINDS if any(p in low for p in parts)), "other")
+        out[kind] += ms
+    return out
+
+
 def kernel_table(prof, steps: int, top: int, tag: str) -> None:
-    """The CUDA activities of ``prof`` summed by name, per step, largest first."""
+    """The CUDA activities of ``prof`` summed by name, per step, largest first, then by kind."""
     import torch
     agg = collections.defaultdict(lambda: [0.0, 0])
     for ev in prof.events():
@@ -47,6 +74,9 @@ def kernel_table(prof, steps: int, top: int, tag: str) -> None:
     print(f"== {tag}: GPU kernel time {total / 1000:.2f} ms a step, {len(agg)} kernel names")
     for name, (us, n) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"{us / steps / 1000:8.3f} ms {n / steps:6.1f}x  {name[:140]}")
+    kinds = by_kind({name: us / steps / 1000 for name, (us, _) in agg.items()})
+    print(f"== {tag}, by kind (ms a step): "
+          + ", ".join(f"{kind} {ms:.2f}" for kind, ms in kinds.items()))
 
 
 def gap_table(prof, steps: int, top: int, tag: str) -> None:
