@@ -17,8 +17,8 @@ For each side, in its own process:
 - ``compile``: the PyTorch peer of ``train_e2e.py`` under ``torch.compile``, the same batches.
 Printed: the GPU kernel time a step, the kernels by their time a step (name, ms, calls a
 step), and those times summed by kind (``KINDS``: the attention's backward and forward, the
-products, cross-entropy, layernorm, the optimizer, other), as RESULTS.md's tables read them. The graph's kernels are the op-by-op step's: the two profiles differ only in launch
-gaps.
+products, cross-entropy, layernorm, the optimizer, other), as RESULTS.md's tables read them.
+The graph's kernels are the op-by-op step's: the two profiles differ only in launch gaps.
 """
 from __future__ import annotations
 
