@@ -354,9 +354,7 @@ def _xent(lib, logits, targets, vocab_size, scale, row_loss, dl):
     t = _targets(targets, n)
     if t is None or not 0 < v <= vp:
         return -1
-    return lib.xent_f32(_ptr(logits), _ptr(t), n, vp, v, scale,
-                        _optr(row_loss),
-                        _optr(dl))
+    return lib.xent_f32(_ptr(logits), _ptr(t), n, vp, v, scale, _optr(row_loss), _optr(dl))
 
 
 @_fused(reference.cross_entropy, "logits")

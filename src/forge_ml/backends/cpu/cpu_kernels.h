@@ -82,13 +82,6 @@ static inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof v); }
 
 static inline v8f bcast8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
-/* exp(x) in float32 without a libm call, so that loops around it vectorise: Cephes' expf
-   (S. Moshier): x = n ln2 + r with ln2 split in two (n ln2_hi exact), |r| <= ln2/2, e^r by
-   a degree-6 polynomial, 2^n built in the exponent bits. About 1 ulp (max 1.4e-7 relative)
-   on [-87.3, 88.3]; x is clamped to that range first, so far left it gives e^-87.3 =
-   1.2e-38 instead of 0 and far right 2.4e38 instead of inf; NaN stays NaN (the clamps are
-   max/min that pass a NaN x). n = round(x / ln2) by the 1.5 * 2^23 trick (round to
-   nearest, the FPU's default mode), which needs no SSE4.1 round instruction. */
 /* exp_f32's constants, which attention.c's vector exp_v shares: the clamps, 1.5 * 2^23 (bits
    0x4B400000, for round(x / ln2)), 1 / ln2, ln2 in two parts, the polynomial's coefficients */
 #define EXP_LO -87.3365447504f
@@ -104,7 +97,14 @@ static inline v8f bcast8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 #define EXP_P4 1.6666665459e-1f
 #define EXP_P5 5.0000001201e-1f
 
-/* exp_f32 with x clamped at `lo` (>= EXP_LO) instead of EXP_LO: gelu_bwd_span's E */
+/* exp(x) in float32 without a libm call, so that loops around it vectorise: Cephes' expf
+   (S. Moshier): x = n ln2 + r with ln2 split in two (n ln2_hi exact), |r| <= ln2/2, e^r by
+   a degree-6 polynomial, 2^n built in the exponent bits. About 1 ulp (max 1.4e-7 relative)
+   on [-87.3, 88.3]; x is clamped to that range first, so far left it gives e^-87.3 =
+   1.2e-38 instead of 0 and far right 2.4e38 instead of inf; NaN stays NaN (the clamps are
+   max/min that pass a NaN x). n = round(x / ln2) by the 1.5 * 2^23 trick (round to
+   nearest, the FPU's default mode), which needs no SSE4.1 round instruction. exp_f32 (below)
+   clamps at EXP_LO; exp_f32_from at a `lo` of the caller's (>= EXP_LO: gelu_bwd_span's E). */
 static inline float exp_f32_from(float x, float lo) {
     const float magic = EXP_MAGIC;
     x = x < lo ? lo : x;
@@ -139,8 +139,6 @@ static inline float exp_f32(float x) { return exp_f32_from(x, EXP_LO); }
    are taken: far left gelu = -0 and gelu' = 0, far right gelu' = 1. The clamped E, times x or
    w, gave gelu(-3e38) = -1.2, gelu'(-1e13) = -0.9 and gelu'(1e13) = 3.5 (the NumPy kernels
    take the same limits). */
-#define GELU_EXP_HI EXP_HI   /* exp_f32's clamps */
-#define GELU_EXP_LO EXP_LO
 #define GELU_K 0.7978845608028654f   /* sqrt(2/pi) */
 #define GELU_C 0.044715f
 #define ELEMS_GRAIN 16384            /* elements per pool item in elementwise kernels */
@@ -151,7 +149,7 @@ static inline void gelu_span(const float* RESTRICT x, float* RESTRICT y, long n)
         float v = x[i];
         const float m2u = v * (-2.0f * GELU_K - 2.0f * GELU_K * GELU_C * v * v);   /* -2u */
         const float g = v / (1.0f + exp_f32(m2u));
-        y[i] = m2u >= GELU_EXP_HI ? v * 0.0f : g;       /* far left: -0 (NaN at -inf) */
+        y[i] = m2u >= EXP_HI ? v * 0.0f : g;            /* far left: -0 (NaN at -inf) */
     }
 }
 
@@ -172,8 +170,8 @@ static inline void gelu_bwd_span(const float* RESTRICT x, const float* dy, float
         float s = 1.0f / (1.0f + e);
         float w = v * (2.0f * GELU_K + 6.0f * GELU_K * GELU_C * v2);
         float g = s * (1.0f + e * s * w);
-        g = m2u >= GELU_EXP_HI ? 0.0f : g;              /* the limits past the clamps; */
-        g = m2u <= GELU_EXP_LO ? 1.0f : g;              /* NaN x: neither, g is NaN */
+        g = m2u >= EXP_HI ? 0.0f : g;                   /* the limits past the clamps; */
+        g = m2u <= EXP_LO ? 1.0f : g;                   /* NaN x: neither, g is NaN */
         dx[i] = dy[i] * g;
     }
 }
