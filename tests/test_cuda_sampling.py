@@ -214,7 +214,7 @@ def test_cuts_and_draw_are_exact_on_the_kernels_weights(be, monkeypatch, V, Vp, 
         key = tuple(int(x) for x in keys[b].view(np.uint32))
         want = choose_from_weights(w[b], kn, key, int(pos[b]) + 1)
         assert int(ids[b]) == want, (shape, kn, int(ids[b]), want)
-    assert (out == ids).all() and (p == pos + 1).all() and (s[np.arange(B), ids] == 1).all()
+    assert (out == ids).all() and (p == pos + 1).all() and (s[np.arange(B), ids] == seen[np.arange(B), ids] + 2).all()
 
 
 @pytest.mark.parametrize("staged", [True, False, "cluster"])
@@ -259,7 +259,7 @@ def test_a_vocabulary_too_large_for_shared_memory_falls_back(be, monkeypatch):
     want = [sample_row(logits[b, :V], knobs[b], tuple(int(k) for k in keys[b].view(np.uint32)),
                        int(pos[b]) + 1, seen[b, :V]) for b in range(B)]
     assert int((ids.astype(np.int64) == np.array(want)).sum()) >= B - 1, (ids, want)
-    assert (p == pos + 1).all() and (s[np.arange(B), ids] == 1).all()
+    assert (p == pos + 1).all() and (s[np.arange(B), ids] == seen[np.arange(B), ids] + 2).all()
     # and exactly, on the kernel's own weights
     import cupy
     w = cupy.asnumpy(sampling._sample_weights(cupy.asarray(logits), V,
@@ -306,3 +306,41 @@ def test_a_batch_of_one_samples_with_a_cluster_and_chooses_the_one_block_token(b
         for what, x, y in zip(("ids", "out", "pos", "seen"), got, one):
             np.testing.assert_array_equal(x, y, err_msg=f"{what}, knobs {kn}")
         assert int(got[2][0]) == int(pos[0]) + 1
+
+
+def test_penalize_logits_at_gpt2s_vocabulary_then_the_sampled_choice(be):
+    """OpenAI's adjustments at GPT-2's vocabulary and a server's batch of 64 rows: the kernel's
+    bits are forge_ml.sampling.adjusted's, and sample_next on the adjusted rows chooses what
+    sample_row chooses on them (the chain generate and the engine run)."""
+    import cupy
+    from forge_ml.sampling import adjusted, sample_row
+    V, Vp, B = 50257, 50304, 64
+    rs = np.random.default_rng(12)
+    logits = (rs.standard_normal((B, Vp)) * 3).astype(np.float32)
+    seen = ((rs.random((B, Vp)) < 0.05) + 2 * rs.integers(0, 4, (B, Vp)) *
+            (rs.random((B, Vp)) < 0.02)).astype(np.int32)
+    pen = rs.uniform(-2, 2, (B, 2)).astype(np.float32)
+    pen[::7] = 0.0
+    bias = (rs.uniform(-100, 100, (B, Vp)) * (rs.random((B, Vp)) < 0.01)).astype(np.float32)
+    knobs = np.array([[1.0, 40, 0.9, 0, 1.2]] * B, np.float32)
+    keys = rs.integers(0, 1 << 32, (B, 2)).astype(np.uint32).view(np.int32)
+    pos = rs.integers(0, 1000, B).astype(np.int32)
+    for b_ in (None, bias):
+        z = cupy.asarray(logits)
+        be.penalize_logits(z, V, cupy.asarray(seen), cupy.asarray(pen),
+                           None if b_ is None else cupy.asarray(b_))
+        want = np.stack([adjusted(logits[b, :V], seen[b], pen[b, 0], pen[b, 1],
+                                  None if b_ is None else b_[b]) for b in range(B)])
+        got = cupy.asnumpy(z)
+        assert got[:, :V].tobytes() == want.tobytes()
+        assert (got[:, V:] == logits[:, V:]).all()
+        ids, out, p, s = (cupy.zeros(B, np.int32), cupy.zeros(B, np.int32), cupy.asarray(pos),
+                          cupy.asarray(seen))
+        be.sample_next(z, V, ids, p, cupy.asarray(knobs), cupy.asarray(keys), s, out)
+        toks = cupy.asnumpy(ids).astype(np.int64)
+        host = [sample_row(want[b], knobs[b], tuple(int(k) for k in keys[b].view(np.uint32)),
+                           int(pos[b]) + 1, seen[b, :V]) for b in range(B)]
+        assert int((toks == np.array(host)).sum()) >= B - 1, (toks, host)
+        marked = seen.copy()
+        marked[np.arange(B), toks] += 2
+        assert (cupy.asnumpy(s) == marked).all()

@@ -1161,7 +1161,8 @@ def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None, 
     (int32 (B, 2)) and the position of the token it chooses, ``pos + 1`` (``pos`` is the
     position fed; the Philox counter: the same seed at the same position draws the same token
     on every backend). ``seen`` (int32 (B, Vp) or None) marks the tokens the
-    penalty applies to and gets the chosen one. The token goes to ``ids`` (and ``out``, row
+    penalty applies to (where not 0: ``forge_ml.sampling.seen_row``'s marks) and gets 2 added
+    at the chosen one (``penalize_logits`` reads the count). The token goes to ``ids`` (and ``out``, row
     ``row`` of a (k, B) buffer when given); then ``pos`` (1 or B elements) goes up by one.
     A row whose logit at its (penalised) argmax is not finite gets -1 in ``out``, as
     ``greedy_next`` (a penalty that only overflows finite logits takes the argmax, as
@@ -1206,6 +1207,47 @@ def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None, 
     bk.sample_next(logits.data, vocab_size, ids._prepare_write(), pos._prepare_write(),
                    knobs.data, keys.data, None if seen is None else seen._prepare_write(), dst)
     ids._storage.id_range = (0, vocab_size - 1)
+
+
+def penalize_logits(logits, vocab_size, seen, penalties, bias=None) -> None:
+    """OpenAI's presence and frequency penalties and logit bias, in place, before a sampled
+    choice (``sample_next``): the first ``vocab_size`` logits of each row of float32 ``logits
+    (B, Vp)`` get ``bias[b]`` added (float32 ``(B, Vp)``, or None), then ``frequency * c``
+    and, where ``c > 0``, ``presence`` taken away, where ``penalties[b] = (presence,
+    frequency)`` (float32 ``(B, 2)``) and ``c = seen[b] >> 1`` (int32 ``(B, Vp)``: the times
+    the row generated the id, ``forge_ml.sampling.seen_row``'s marks, which ``sample_next``
+    keeps). Each operation is rounded to float32 on its own, as
+    ``forge_ml.sampling.adjusted`` does it, so every backend gives the same bits.
+
+    >>> import numpy as np, forge_ml as fm
+    >>> z = fm.tensor(np.zeros((1, 4), np.float32))
+    >>> seen = fm.tensor(np.array([[0, 1, 2, 6]], np.int32))   # id 2 once, id 3 three times
+    >>> penalize_logits(z, 4, seen, fm.tensor(np.array([[0.5, 0.25]], np.float32)))
+    >>> z.numpy().tolist()
+    [[0.0, 0.0, -0.75, -1.25]]
+    """
+    op = "penalize_logits"
+    _float(op, "logits", logits)
+    _rank(op, "logits", logits, 2, 2)
+    B, vp = logits.shape
+    named = (("logits", logits, _dt.float32, (B, vp)), ("seen", seen, _dt.int32, (B, vp)),
+             ("penalties", penalties, _dt.float32, (B, 2)))
+    if bias is not None:
+        named += (("bias", bias, _dt.float32, (B, vp)),)
+    for name, t, dt, shape in named:
+        _tensor(op, name, t)
+        if t.dtype is not dt:
+            raise DTypeError(f"{op}: {name} must be {dt.name}, got {t.dtype.name}")
+        if t.device != logits.device:
+            raise DeviceError(f"{op}: logits are on {logits.device} but {name} is on {t.device}")
+        if t.shape != shape:
+            raise ShapeError(f"{op}: for logits {(B, vp)}, {name} must be {shape}, got {t.shape}")
+    vocab_size = _as_int(vocab_size)
+    if type(vocab_size) is not int or not 0 < vocab_size <= vp:
+        raise ShapeError(f"{op}: vocab_size must be in 1..{vp}, got {vocab_size!r}")
+    bk = backend_of(logits.device)
+    bk.penalize_logits(logits._prepare_write(), vocab_size, seen.data, penalties.data,
+                       None if bias is None else bias.data)
 
 
 def scatter_add_rows(dst, ids, src) -> None:

@@ -1,5 +1,7 @@
 """The sampling rule of a decoding step, written once: ``sample_row`` (temperature, top-k,
-top-p, min-p, repetition penalty, and a Philox draw at the row's position). The CPU runs it
+top-p, min-p, repetition penalty, and a Philox draw at the row's position), after
+``adjusted`` where a row has OpenAI's presence or frequency penalty or a logit bias. The CPU
+runs it
 as it is (``backends.compose.sample_next`` through the host), the GPU's kernel
 (``backends/cuda/sample.cu``) bit for bit, and ``inference.generate`` for the tokens it
 chooses on the host, and the server's engine (``inference.batch``) through ``sample_next``
@@ -74,6 +76,48 @@ def penalised(z, knobs, seen=None) -> np.ndarray:
         s = np.asarray(seen).reshape(-1)[:z.shape[0]].astype(bool)
         with np.errstate(over="ignore", under="ignore", divide="ignore"):
             z[s] = np.where(z[s] > 0, z[s] / pen, z[s] * pen).astype(np.float32)
+    return z
+
+
+def seen_row(context, generated, size: int) -> np.ndarray:
+    """A row's marks (int32 ``(size,)``) as every sampling path keeps them: bit 0 set for an
+    id of ``context`` (the prompt), plus 2 for each time the row generated the id. The
+    repetition penalty applies where a mark is not 0 (the prompt and the tokens generated);
+    presence and frequency penalties read the count, ``mark >> 1`` (generated tokens only, as
+    OpenAI's and vLLM's). The sampling kernels add 2 at the token they choose.
+
+    >>> seen_row([0, 2], [2, 3, 3], 5).tolist()
+    [1, 0, 3, 4, 0]
+    """
+    marks = np.zeros(int(size), np.int32)
+    marks[np.asarray(list(context), np.int64)] = 1
+    np.add.at(marks, np.asarray(list(generated), np.int64), 2)
+    return marks
+
+
+def adjusted(z, seen, presence: float = 0.0, frequency: float = 0.0, bias=None) -> np.ndarray:
+    """OpenAI's logit adjustments of one row, before ``sample_row``: the float32 logits ``z
+    (V,)`` (a copy) plus ``bias`` (float32 ``(V,)`` or None: OpenAI's ``logit_bias`` as a
+    dense row), then ``frequency * c`` and, where ``c > 0``, ``presence`` taken away, ``c`` the
+    times the row generated the id (``seen >> 1``, ``seen_row``'s marks). Each operation is
+    rounded to float32 on its own (no fused multiply-add), as the device's
+    ``penalize_logits`` does it; the repetition penalty comes after, in ``sample_row``.
+
+    >>> z = np.array([1.0, 1.0, 1.0], np.float32)
+    >>> adjusted(z, seen_row([0], [1, 1], 3), presence=0.5, frequency=0.25).tolist()
+    [1.0, 0.0, 1.0]
+    >>> adjusted(z, None, bias=np.array([0, -100, 5], np.float32)).tolist()
+    [1.0, -99.0, 6.0]
+    """
+    z = np.array(z, dtype=np.float32).reshape(-1)
+    V = z.shape[0]
+    with np.errstate(over="ignore", invalid="ignore"):
+        if bias is not None:
+            z = (z + np.asarray(bias, np.float32).reshape(-1)[:V]).astype(np.float32)
+        if seen is not None and (presence or frequency):
+            c = (np.asarray(seen, np.int32).reshape(-1)[:V] >> 1)
+            z = (z - np.float32(frequency) * c.astype(np.float32)).astype(np.float32)
+            z = np.where(c > 0, z - np.float32(presence), z).astype(np.float32)
     return z
 
 

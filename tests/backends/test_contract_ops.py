@@ -879,9 +879,49 @@ def test_sample_next_follows_the_sampling_rule(bk, rs, V, Vp):
         assert (np.asarray(bk.to_host(out)).astype(np.int64) == got).all()
         assert (np.asarray(bk.to_host(p)) == pos + 1).all()
         s_host = np.asarray(bk.to_host(s))
-        assert (s_host[np.arange(B), got] == 1).all()
+        marked = seen.copy()
+        marked[np.arange(B), got] += 2     # the chosen id counted (sampling.seen_row's marks)
+        assert (s_host == marked).all()
     # the composed default is the rule; a kernel may differ in expf's last bit, rarely
     assert agree == total if bk.name != "cuda" else agree >= total - 1, (agree, total)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_penalize_logits(bk, rs, with_bias):
+    """OpenAI's presence and frequency penalties and logit bias: every backend's bits are
+    forge_ml.sampling.adjusted's (each operation rounded on its own), within float32's
+    rounding of the float64 formula z + bias - frequency c - presence [c > 0]; the padded
+    columns and a row with neither penalty nor bias are left as they were; -inf and NaN go
+    through as they are."""
+    from forge_ml.sampling import adjusted
+    B, V, Vp = 5, 300, 320
+    logits = (rs.standard_normal((B, Vp)) * 4).astype(np.float32)
+    logits[1, 7], logits[2, 8] = -np.inf, np.nan
+    seen = (rs.integers(0, 2, (B, Vp)) + 2 * rs.integers(0, 5, (B, Vp)) * (rs.random((B, Vp)) < 0.3)).astype(np.int32)
+    pen = np.array([[0.5, 0.25], [-1.5, 2.0], [2.0, -0.7], [0.0, 0.0], [1e-3, 1.9]], np.float32)
+    bias = (rs.uniform(-100, 100, (B, Vp)) * (rs.random((B, Vp)) < 0.05)).astype(np.float32)
+    if not with_bias:
+        bias = None
+    want = logits.copy()
+    for b in range(B):
+        want[b, :V] = adjusted(logits[b, :V], seen[b], pen[b, 0], pen[b, 1],
+                               None if bias is None else bias[b])
+    c = (seen >> 1).astype(np.float64)
+    f64 = (logits.astype(np.float64) + (0 if bias is None else bias.astype(np.float64))
+           - pen[:, 1:2].astype(np.float64) * c - pen[:, 0:1].astype(np.float64) * (c > 0))
+    scale = (np.abs(logits) + (0 if bias is None else np.abs(bias)) + np.abs(pen[:, 1:2]) * c
+             + np.abs(pen[:, 0:1])).astype(np.float64)
+    ok = np.isfinite(f64[:, :V])
+    assert np.all(np.abs(want[:, :V][ok] - f64[:, :V][ok]) <= 4 * 2.0 ** -24 * scale[:, :V][ok])
+    assert np.isneginf(want[1, 7]) and np.isnan(want[2, 8])
+    if bias is None:
+        assert (want[3] == logits[3]).all()          # neither penalty: the row as it was
+    for how, fn in both(bk, "penalize_logits"):
+        z = dev(bk, logits)
+        fn(z, V, dev(bk, seen), dev(bk, pen), None if bias is None else dev(bk, bias))
+        got = np.asarray(bk.to_host(z), np.float32)
+        assert got[:, :V].tobytes() == want[:, :V].tobytes(), how
+        assert (got[:, V:] == logits[:, V:]).all(), how   # the padding untouched
 
 
 # -- the op boundary of the fused dropout attention ------------------------------------------------

@@ -266,6 +266,24 @@ def greedy_next(bk, logits, vocab_size, ids, pos, out=None):
 
 # -- sampling: forge_ml.sampling's rule through the host (the GPU runs cuda/sample.cu) -----------
 
+def penalize_logits(bk, logits, vocab_size, seen, penalties, bias=None):
+    """OpenAI's logit adjustments in place (``forge_ml.sampling.adjusted`` per row), through
+    the host: the first ``vocab_size`` logits of each row of float32 ``logits (B, Vp)`` get
+    ``bias`` (float32 ``(B, Vp)`` or None) added, then ``frequency * (seen >> 1)`` and, where
+    that count is above 0, ``presence`` taken away (``penalties (B, 2)``: presence,
+    frequency)."""
+    from ..sampling import adjusted
+    host = np.array(bk.to_host(logits), np.float32)
+    B = host.shape[0]
+    sn = np.asarray(bk.to_host(seen)).reshape(B, -1)
+    pen = np.asarray(bk.to_host(penalties), np.float32).reshape(B, 2)
+    bs = None if bias is None else np.asarray(bk.to_host(bias), np.float32).reshape(B, -1)
+    for b in range(B):
+        host[b, :vocab_size] = adjusted(host[b, :vocab_size], sn[b], pen[b, 0], pen[b, 1],
+                                        None if bs is None else bs[b])
+    bk.assign(logits, host)
+
+
 def sample_next(bk, logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None):
     """A decoding step's sampled choice (``forge_ml.sampling.sample_row`` per row), through the host: ``ids``
     (and ``out``, -1 there for a row whose logit at its argmax is not finite) get the tokens, ``seen[b, token] = 1`` where given, every element of ``pos``
@@ -290,6 +308,6 @@ def sample_next(bk, logits, vocab_size, ids, pos, knobs, keys, seen=None, out=No
     bk.assign(ids, toks.reshape(ids.shape))
     if sn is not None:
         sn = sn.copy()
-        sn[np.arange(B), toks] = 1
+        sn[np.arange(B), toks] += 2   # (a row's token once: B distinct (row, id) pairs)
         bk.assign(seen, sn.astype(np.int32).reshape(seen.shape))
     bk.assign(pos, (p + 1).astype(np.int32).reshape(pos.shape))

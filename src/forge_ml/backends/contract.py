@@ -255,7 +255,15 @@ class FusedKernels(Protocol):
         """A sampled choice per row (``forge_ml.sampling.sample_row``'s rule: temperature, top-k,
         top-p, min-p, repetition penalty, a Philox draw at the row's position), into ``ids``
         (and ``out``, -1 there for a row whose logit at its argmax is not finite);
-        ``seen[b, token] = 1``; then ``pos += 1``."""
+        ``seen[b, token] += 2`` (``forge_ml.sampling.seen_row``'s marks); then ``pos += 1``."""
+
+    def penalize_logits(self, logits, vocab_size: int, seen, penalties, bias=None) -> None:
+        """In place, the first ``vocab_size`` logits of each row (float32 ``(B, Vp)``):
+        ``forge_ml.sampling.adjusted``'s OpenAI adjustments, ``z + bias`` (float32 ``(B, Vp)``
+        or None), then ``frequency * c`` and, where ``c > 0``, ``presence`` taken away, with
+        ``penalties[b] = (presence, frequency)`` (float32 ``(B, 2)``) and ``c = seen >> 1``
+        (int32 ``(B, Vp)``: the times the row generated the id); each operation rounded to
+        float32 on its own."""
 
 
 @runtime_checkable
@@ -281,7 +289,7 @@ FUSED = ("attention", "attention_bwd", "attention_qkv", "attention_qkv_bwd",
          "attention_qkv_bwd_sums", "attention_qkv_dropout", "attention_qkv_dropout_bwd",
          "linear", "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add",
          "layernorm_bwd_sums", "linear_cross_entropy", "scale", "decode_attention",
-         "greedy_next", "sample_next")
+         "greedy_next", "sample_next", "penalize_logits")
 CAPABILITIES = {"bf16": False, "graphs": False, "host_memory": False}
 """Capability -> the value a backend that does not declare it is taken to have."""
 GRAPH = ("dropout_at", "adamw_update_at", "clip_scale")

@@ -23,7 +23,8 @@ The rooms, each a module beside the ``.cu`` files it launches:
   cross_entropy.cu): sum_rows, sumsq, layernorm, softmax, logsumexp, cross_entropy;
   ``layout`` (heads.cu, embedding.cu): the head permutations, embedding, scatter_add_rows;
   ``attention`` (attention.cu, flash_attention.cu): flash and composed attention, the KV
-  cache, decode_attention; ``sampling`` (greedy.cu, sample.cu): greedy_next, sample_next;
+  cache, decode_attention; ``sampling`` (greedy.cu, sample.cu): greedy_next, sample_next,
+  penalize_logits;
   ``decoder`` (decode_model.cu, decode_layers.cu): GPT-2's batch-1 decoding step as one kernel
   or two a layer,
   decode_gpt2.
@@ -64,7 +65,7 @@ from .rows import (cross_entropy, cross_entropy_bwd, layernorm, layernorm_bwd, l
                    logsumexp, softmax, softmax_bwd, sum_rows, sumsq)
 from .runtime import (_pdl_wrote, compile_source, device_name, kernel_source, select,
                       synchronize, use_device)
-from .sampling import greedy_next, sample_next
+from .sampling import greedy_next, penalize_logits, sample_next
 
 # the switches that pick a training step's kernels (or the order of their sums)
 _NUMERIC_SWITCHES = ("FORGE_ATTENTION", "FORGE_FUSED_LOSS", "FORGE_TRAIN_GRAPH",
@@ -104,7 +105,7 @@ __all__ = [  # what the package holds: the contract's functions and a few more
     "attention_qkv_bwd", "attention_qkv_bwd_sums", "attention_qkv_dropout",
     "attention_qkv_dropout_bwd", "linear",
     "matmul_gelu", "matmul_dgelu", "weight_grads", "layernorm_bwd_add", "layernorm_bwd_sums",
-    "decode_attention", "greedy_next", "sample_next",
+    "decode_attention", "greedy_next", "sample_next", "penalize_logits",
     "linear_cross_entropy", "scale",
     "dropout_at", "adamw_update_at", "clip_scale", "decode_gpt2", "decode_gpt2_ok",
     "adamw_update_many_at", "sumsq_total", "numerics",

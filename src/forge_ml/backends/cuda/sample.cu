@@ -15,12 +15,14 @@
 //           over the kept mass `total`; the token is the first id whose running kept mass
 //           passes target.
 // All sums are integers, so the choice does not depend on the order threads add in.
-// Then ids[b] = out[b] = the token, seen[b, token] = 1, and the position goes up by one
+// Then ids[b] = out[b] = the token, seen[b, token] += 2, and the position goes up by one
 // (a position shared by several rows: by sample_advance_pos, after every row has read it). A
 // row whose logit at its argmax is not finite (a NaN, +inf, or every logit -inf: no token can
 // be chosen from it) gets that argmax in ids (an id the next step can read) and -1 in out; a
 // penalty that only overflows finite logits is the argmax's fallback below, not a lost row.
-// seen: int32 (B, Vp), 1 where the row has seen the token (the penalty's context).
+// seen: int32 (B, Vp), not 0 where the row has seen the token (the penalty's context): bit 0
+// for the prompt's ids, plus 2 for each time the row chose the id (sampling.seen_row), whose
+// count penalize_logits_f32 reads.
 //
 // Three kernels run the same passes with the same arithmetic and the same integer sums, so
 // they choose the same token:
@@ -584,7 +586,7 @@ FORGE_D void sample_row(const float* logits, int V, int Vp, const float* knobs,
     if (t == 0 && token >= 0) {
         out[b] = isfinite(row.z[bi]) ? token : -1;   // -1: the host's sign the row is lost
         ids[b] = token;                         // after out, which may be ids
-        if (has_seen) seen[(long long)b * Vp + token] = 1;
+        if (has_seen) seen[(long long)b * Vp + token] += 2;
     }
     team.done();
     // the position: a row's own (npos B) here; a shared one (npos 1) here only when this
@@ -678,4 +680,28 @@ extern "C" __global__ void sample_weights_f32(const float* logits, int V, int Vp
     row.inv_t = sampled ? 1.0f / temp : 1.0f;
     for (int j = threadIdx.x; j < V; j += blockDim.x)
         w[(long long)b * V + j] = sampled ? row.weight(j) : 0u;
+}
+
+// OpenAI's logit adjustments before a sampled choice (sampling.adjusted, ops.penalize_logits),
+// in place over the first V logits of row b = blockIdx.y, one a thread: z + bias (has_bias),
+// then frequency * c and, where c > 0, presence taken away, c = seen >> 1 (the times the row
+// chose the id) and pen[b] = (presence, frequency). Each operation rounded on its own (no
+// fused multiply-add), as NumPy's float32 arithmetic, so the host's choice matches.
+extern "C" __global__ void penalize_logits_f32(float* logits, int V, int Vp, const int* seen,
+                                               const float* pen, const float* bias,
+                                               int has_bias) {
+    pdl_wait();   // the logits (and seen) come from the kernels before
+    pdl_launch_dependents();
+    const int b = blockIdx.y, j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= V) return;
+    const long long at = (long long)b * Vp + j;
+    float z = logits[at];
+    if (has_bias) z = __fadd_rn(z, bias[at]);
+    const float presence = pen[2 * b], frequency = pen[2 * b + 1];
+    if (presence != 0.0f || frequency != 0.0f) {
+        const int c = seen[at] >> 1;
+        z = __fsub_rn(z, __fmul_rn(frequency, (float)c));
+        if (c > 0) z = __fsub_rn(z, presence);
+    }
+    logits[at] = z;
 }

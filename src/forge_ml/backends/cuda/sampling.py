@@ -2,7 +2,8 @@
 ``sample_next``, a sampled choice (temperature, top-k, top-p, min-p, repetition penalty: the
 rule of ``forge_ml.sampling.sample_row``), each written into the next step's ids (and a
 chain's token buffer) with the position advanced, so that captured steps chain without the
-host. Kernels: greedy.cu, sample.cu (the row staged in shared memory where it fits,
+host; ``penalize_logits``, OpenAI's presence and frequency penalties and logit bias applied
+to the logits before ``sample_next`` (``forge_ml.sampling.adjusted``, one element a thread). Kernels: greedy.cu, sample.cu (the row staged in shared memory where it fits,
 ``sample_next_smem_f32``; else ``sample_next_f32``, every pass over global memory;
 ``sample_next_cluster_f32``, a thread-block cluster of 8 blocks a row, each with an eighth of
 it staged, for batches of up to 16 rows on Hopper; ``sample_advance_pos``, a position shared
@@ -132,3 +133,32 @@ def _sample_weights(logits, vocab_size, knobs, seen=None):
             (_c(logits), _i32(vocab_size), _i32(Vp), _c(knobs), w if seen is None else _c(seen),
              _i32(seen is not None), w))
     return w
+
+
+_PENALIZE_THREADS = 256
+
+
+@_guarded
+def penalize_logits(logits, vocab_size, seen, penalties, bias=None):
+    """In place: the first ``vocab_size`` of each row of float32 ``logits (B, Vp)`` get
+    ``bias`` (float32 ``(B, Vp)`` or None) added, then ``frequency * (seen >> 1)`` and, where
+    that count is above 0, ``presence`` taken away (``penalties`` float32 ``(B, 2)``: presence,
+    frequency; ``seen`` int32 ``(B, Vp)``), each operation rounded on its own
+    (``sample.cu``'s ``penalize_logits_f32``, ``forge_ml.sampling.adjusted``'s bits)."""
+    if logits.dtype != F32 or logits.ndim != 2:
+        raise ShapeError(f"penalize_logits: float32 logits (B, Vp) expected, got {logits.dtype} "
+                         f"{logits.shape}")
+    B, Vp = logits.shape
+    if seen.shape != (B, Vp) or penalties.shape != (B, 2) or penalties.dtype != F32 or (
+            bias is not None and (bias.shape != (B, Vp) or bias.dtype != F32)):
+        raise ShapeError(f"penalize_logits: seen ({B}, {Vp}), float32 penalties ({B}, 2) and "
+                         f"bias ({B}, {Vp}) or None expected, got {seen.shape}, "
+                         f"{penalties.dtype} {penalties.shape} and "
+                         f"{None if bias is None else (bias.dtype, bias.shape)}")
+    if B == 0 or vocab_size <= 0:
+        return
+    grid = (-(-int(vocab_size) // _PENALIZE_THREADS), B)
+    _launch("sample", "penalize_logits_f32", grid, _PENALIZE_THREADS,
+            (logits, _i32(vocab_size), _i32(Vp), _c(seen), _c(penalties),
+             logits if bias is None else _c(bias), _i32(bias is not None)),
+            pdl=True, writes=(logits,))
