@@ -822,3 +822,84 @@ def test_the_first_argument_of_each_entry_point_is_checked(model, tmp_path):
             call()
     with pytest.raises(TypeError, match=r"forge_ml\.inference\.load_model\), got NoneType"):
         list(generate(None, [1], 2))
+
+
+# -- OpenAI's presence and frequency penalties and logit bias --------------------------------
+
+def greedy_adjusted_reference(model, prompt, n, presence=0.0, frequency=0.0, bias=None):
+    """Greedy decoding with OpenAI's adjustments in float64 over the whole sequence, without a
+    cache: z + bias - frequency * count - presence * [count > 0], the counts over the tokens
+    generated (not the prompt's)."""
+    seq, out = list(prompt), []
+    for _ in range(n):
+        z = model.logits(fm.tensor([seq])).numpy()[0, -1].astype(np.float64)
+        count = np.bincount(np.array(out, np.int64), minlength=z.shape[0]).astype(np.float64)
+        for i, b in (bias or {}).items():
+            z[i] += b
+        z = z - frequency * count - presence * (count > 0)
+        tok = int(np.argmax(z))
+        out.append(tok)
+        seq.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("kw", [dict(presence=1.5), dict(frequency=0.9),
+                                dict(presence=-2.0, frequency=0.3),
+                                dict(bias={4: 3.0, 7: -100.0}),
+                                dict(presence=0.7, frequency=1.1, bias={2: 1.5})])
+def test_greedy_with_openai_adjustments_equals_a_no_cache_reference(model, kw):
+    """generate's greedy tokens under presence_penalty, frequency_penalty and logit_bias are
+    the argmax of the float64 formula over a full forward each step (the device chain's path:
+    ops.penalize_logits, then sample_next, which counts each chosen id), and differ from plain
+    greedy: the reference counts generated tokens only."""
+    prompt = [3, 1, 4, 1, 5]
+    plain = list(generate(model, prompt, max_new_tokens=14, temperature=0))
+    got = list(generate(model, prompt, max_new_tokens=14, temperature=0,
+                        presence_penalty=kw.get("presence", 0.0),
+                        frequency_penalty=kw.get("frequency", 0.0),
+                        logit_bias=kw.get("bias")))
+    assert got == greedy_adjusted_reference(model, prompt, 14, **kw)
+    assert got != plain
+
+
+def test_openai_adjustments_on_the_chain_equal_the_host_path_and_set_the_logprobs(model):
+    """With logprobs the tokens are chosen on the host (sampling.adjusted, then sample_row),
+    without them on the device's chain (ops.penalize_logits, then sample_next): the same
+    tokens, sampled, in a batch of prompts of two lengths; the logprobs are those of the
+    adjusted distribution (a logit bias of -100 leaves an id with about e^-100 of the mass)."""
+    prompts = [[4, 2], [1, 2, 3, 4, 5]]
+    kw = dict(max_new_tokens=10, temperature=0.9, top_p=0.95, seed=3, presence_penalty=0.6,
+              frequency_penalty=0.4, repetition_penalty=1.2, logit_bias={0: -100, 5: 2.5})
+    plain = [[(e.row, e.token) for e in s] for s in generate(model, prompts, **kw)]
+    steps = list(generate(model, prompts, logprobs=CFG.vocab_size, **kw))
+    assert [[(e.row, e.token) for e in s] for s in steps] == plain
+    events = [e for s in steps for e in s]
+    assert all(e.token != 0 for e in events)
+    assert all(dict(e.top_logprobs)[0] < -80 for e in events)
+    other = [[(e.row, e.token) for e in s] for s in generate(model, prompts, **{**kw, "logit_bias": None})]
+    assert other != plain
+
+
+def test_frequency_penalty_counts_repeats_and_presence_does_not():
+    """A model whose greedy output repeats one id: a frequency penalty pushes it down a bit
+    more each time it comes (it comes back until its count outweighs the gap), a presence
+    penalty of the same size once. Checked on sampling.adjusted itself."""
+    from forge_ml.sampling import adjusted, seen_row
+    z = np.array([2.0, 0.0, 0.0], np.float32)
+    marks = seen_row([1], [0, 0, 0], 3)                      # id 0 generated three times
+    np.testing.assert_array_equal(adjusted(z, marks, frequency=0.5), [0.5, 0.0, 0.0])
+    np.testing.assert_array_equal(adjusted(z, marks, presence=0.5), [1.5, 0.0, 0.0])
+    np.testing.assert_array_equal(adjusted(z, marks), z)      # the prompt's id 1: no count
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(presence_penalty=2.5), "presence_penalty must be a number in \\[-2, 2\\]"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty must be"),
+    (dict(presence_penalty="1"), "presence_penalty must be"),
+    (dict(logit_bias={23: 1.0}), "logit_bias has token id 23; the ids are 0..22"),
+    (dict(logit_bias={1: 101}), "logit_bias\\[1\\] must be a number in \\[-100, 100\\]"),
+    (dict(logit_bias={1.5: 1}), "logit_bias keys must be token ids"),
+    (dict(logit_bias=[1, 2]), "logit_bias must be a mapping")])
+def test_bad_openai_adjustments_are_config_errors_at_the_call(model, bad, match):
+    with pytest.raises(ConfigError, match=match):
+        generate(model, [1, 2], max_new_tokens=2, **bad)

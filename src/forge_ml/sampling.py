@@ -121,6 +121,67 @@ def adjusted(z, seen, presence: float = 0.0, frequency: float = 0.0, bias=None) 
     return z
 
 
+PENALTY_LIMIT = 2.0     # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+BIAS_LIMIT = 100.0     # and for a logit_bias value: [-100, 100]
+
+
+def openai_penalty(name: str, value, who: str, error=None) -> float:
+    """A presence or frequency penalty checked as OpenAI's API takes it: a number in [-2, 2]
+    (0 is off); else ``error`` (default ConfigError) naming ``who`` and the field.
+
+    >>> openai_penalty("presence_penalty", 0.5, "generate")
+    0.5
+    >>> openai_penalty("frequency_penalty", 3, "generate")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: generate: frequency_penalty must be a number in [-2, 2] (0 is off), got 3
+    """
+    from .errors import ConfigError
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not (ok and -PENALTY_LIMIT <= float(value) <= PENALTY_LIMIT):
+        raise (error or ConfigError)(f"{who}: {name} must be a number in [-2, 2] (0 is off), "
+                                     f"got {value!r}")
+    return float(value)
+
+
+def logit_bias_row(logit_bias, vocab_size: int, who: str, error=None):
+    """OpenAI's ``logit_bias`` (a mapping of token id to a bias in [-100, 100], added to the
+    id's logit before sampling; ids as ints or as the strings of ints a JSON object has) as a
+    dense float32 row ``(vocab_size,)``, or None for None or an empty mapping; anything else
+    is ``error`` (default ConfigError) naming ``who`` and what was expected.
+
+    >>> logit_bias_row({"2": -100, 0: 5}, 4, "generate").tolist()
+    [5.0, 0.0, -100.0, 0.0]
+    >>> logit_bias_row({7: 1}, 4, "generate")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: generate: logit_bias has token id 7; the ids are 0..3
+    """
+    from .errors import ConfigError
+    err = error or ConfigError
+    if logit_bias is None:
+        return None
+    if not hasattr(logit_bias, "items"):
+        raise err(f"{who}: logit_bias must be a mapping of token id to bias, got "
+                  f"{type(logit_bias).__name__}")
+    row = np.zeros(int(vocab_size), np.float32)
+    for key, value in logit_bias.items():
+        tid = key
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            tid = int(key)
+        if not isinstance(tid, (int, np.integer)) or isinstance(tid, bool):
+            raise err(f"{who}: logit_bias keys must be token ids (ints, or their strings), got "
+                      f"{key!r}")
+        if not 0 <= int(tid) < vocab_size:
+            raise err(f"{who}: logit_bias has token id {int(tid)}; the ids are 0..{vocab_size - 1}")
+        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+        if not (ok and -BIAS_LIMIT <= float(value) <= BIAS_LIMIT):
+            raise err(f"{who}: logit_bias[{int(tid)}] must be a number in [-100, 100], got "
+                      f"{value!r}")
+        row[int(tid)] = float(value)
+    return row if len(logit_bias) else None
+
+
 def sample_row(z, knobs, key, position, seen=None) -> int:
     """One token from the float32 logits ``z (V,)`` of one row: the sampling rule every
     backend implements bit for bit (sums in integers, so no order of addition matters).

@@ -172,6 +172,10 @@ class DecodeStep:
         self._knobs = self._keys = None   # sample(): (B, 5) knobs and (B, 2) keys
         self._sent = None      # the host values last written into them
         self._seen = self._seen_buf = None  # sample(): the penalty's seen tokens (B, Vp)
+        self._pen = None       # (B, 2) presence and frequency penalties (ops.penalize_logits)
+        self._bias = None      # (B, Vp) float32 logit bias rows
+        self._adjust = None    # sample() / choose(): (penalties, bias or None) or None
+        self._biased = set()   # rows_launch(): the rows whose logit bias is not all 0
         self._choice = None    # rows_choose(): the (B,) int32 tokens chosen on the device
         self._in_flight = None  # rows_launch(): the queued step's logits
         self._graphs = {}      # "logits", "rows": one step; ("greedy", k): k steps + choices
@@ -229,7 +233,8 @@ class DecodeStep:
         out = self._run("rows", lambda: self._logits(self._row_pos))
         return out.numpy()[:, :self.model.config.vocab_size]
 
-    def rows_choose(self, tokens, positions, knobs, keys, marks=None, vocab_size=None) -> tuple:
+    def rows_choose(self, tokens, positions, knobs, keys, marks=None, vocab_size=None,
+                    penalties=None, bias=None) -> tuple:
         """``rows``' step with every row's next token chosen on the device
         (``ops.sample_next``, ``forge_ml.sampling.sample_row``'s rule): row ``b`` feeds
         ``tokens[b]`` at ``positions[b]`` and draws with ``knobs[b]`` and the Philox key
@@ -241,7 +246,11 @@ class DecodeStep:
         row's prompt when it starts choosing; rows never given marks have none). A row that
         keeps its penalty from its first choice on (as the engine's requests do) has exactly
         its prompt and its chosen tokens marked.
-        ``vocab_size``: the ids that may be chosen (default the model's). Returns ``(tokens,
+        ``vocab_size``: the ids that may be chosen (default the model's). ``penalties``
+        ((B, 2): each row's OpenAI presence and frequency penalty, over the times the row chose
+        each id since its marks were set) and ``bias`` (``{row: (vocab_size,) float32 logit
+        bias, or None for none}``, kept for the row until changed) adjust the logits first
+        (``ops.penalize_logits``); the logits returned carry them. Returns ``(tokens,
         finite, logits)``: the (B,) int64 choices, a (B,) bool array (False for a row whose
         logit at its argmax is not finite, a NaN or an infinity: its token, -1, means
         nothing) and the step's float32 logits (B, Vp)
@@ -257,10 +266,11 @@ class DecodeStep:
         >>> toks.shape, ok.tolist()
         ((2,), [True, True])
         """
-        self.rows_launch(tokens, positions, knobs, keys, marks, vocab_size)
+        self.rows_launch(tokens, positions, knobs, keys, marks, vocab_size, penalties, bias)
         return self.rows_collect()
 
-    def rows_launch(self, tokens, positions, knobs, keys, marks=None, vocab_size=None) -> None:
+    def rows_launch(self, tokens, positions, knobs, keys, marks=None, vocab_size=None,
+                    penalties=None, bias=None) -> None:
         """``rows_choose``'s step queued on the device without waiting for it (the arguments
         are ``rows_choose``'s): the host may work while the device computes; then
         ``rows_collect()`` gives its result, before the next launch.
@@ -292,15 +302,67 @@ class DecodeStep:
             row = np.zeros(Vp, np.int32)
             row[ids] = 1
             ops.assign(self._seen_buf, row, row=int(b))
-        penalty = self._seen_buf is not None and bool((np.asarray(knobs, np.float32).reshape(B, 5)[:, 4] != 1).any())
+        adjusting = self._row_adjust("DecodeStep.rows_choose", penalties, bias)
+        penalty = adjusting or (self._seen_buf is not None and bool(
+            (np.asarray(knobs, np.float32).reshape(B, 5)[:, 4] != 1).any()))
+        biased = bool(self._biased)
 
         def work():
             logits = self._logits(self._row_pos)
+            if adjusting:
+                ops.penalize_logits(logits, V, self._seen_buf, self._pen,
+                                    self._bias if biased else None)
             ops.sample_next(logits, V, self._ids, self._row_pos, self._knobs, self._keys,
                             self._seen_buf if penalty else None, out=self._choice)
             return logits
 
-        self._in_flight = self._run(("rows_choose", V, penalty), work)
+        self._in_flight = self._run(("rows_choose", V, penalty, adjusting, biased), work)
+
+    def _row_adjust(self, who: str, penalties, bias) -> bool:
+        """``rows_launch``'s penalties and logit-bias updates into the step's buffers; returns
+        whether this step adjusts its logits (some row has a penalty or a bias)."""
+        B = self.cache.batch
+        Vp = self.model.config.padded_vocab_size
+        for b, row in (bias or {}).items():
+            if not (_is_int(b) and 0 <= b < B):
+                raise ShapeError(f"{who}: bias must map rows 0..{B - 1} to logit-bias rows, "
+                                 f"got row {b!r}")
+            if row is None:
+                if b in self._biased:
+                    ops.assign(self._bias, np.zeros(Vp, np.float32), row=int(b))
+                    self._biased.discard(b)
+                continue
+            row = np.asarray(row, np.float32).reshape(-1)
+            if row.shape[0] > Vp or not np.isfinite(row).all():
+                raise ShapeError(f"{who}: row {b}'s logit bias must be at most {Vp} finite "
+                                 f"values, got {row.shape[0]}")
+            full = np.zeros(Vp, np.float32)
+            full[:row.shape[0]] = row
+            self._bias_buffers()
+            ops.assign(self._bias, full, row=int(b))
+            self._biased.add(int(b))
+        if penalties is not None:
+            pen = np.asarray(penalties, np.float32)
+            if pen.shape != (B, 2) or not np.isfinite(pen).all():
+                raise ShapeError(f"{who}: penalties must be ({B}, 2) finite (presence, "
+                                 f"frequency) rows, got {pen.shape}")
+            self._bias_buffers()
+            ops.assign(self._pen, pen)
+            on = bool(pen.any())
+        else:
+            on = False
+            if self._pen is not None and self._biased:
+                ops.assign(self._pen, np.zeros((B, 2), np.float32))
+        if (on or self._biased) and self._seen_buf is None:
+            self._seen_buf = zeros((B, Vp), "int32", self.device)
+        return on or bool(self._biased)
+
+    def _bias_buffers(self) -> None:
+        """The penalties' and the logit bias's device buffers, made at their first use."""
+        if self._pen is None:
+            B, Vp = self.cache.batch, self.model.config.padded_vocab_size
+            self._pen = zeros((B, 2), "float32", self.device)
+            self._bias = zeros((B, Vp), "float32", self.device)
 
     def rows_collect(self) -> tuple:
         """The ``(tokens, finite, logits)`` of the step ``rows_launch`` queued (waiting for
@@ -384,8 +446,11 @@ class DecodeStep:
         hist = self._hist[k]
         V = self.model.config.vocab_size
         for i in range(k):
-            ops.sample_next(self._logits(self._pos), V, self._ids, self._pos, self._knobs,
-                            self._keys, self._seen, out=hist, row=i)
+            logits = self._logits(self._pos)
+            if self._adjust is not None:
+                ops.penalize_logits(logits, V, self._seen, *self._adjust)
+            ops.sample_next(logits, V, self._ids, self._pos, self._knobs, self._keys,
+                            self._seen, out=hist, row=i)
         return hist
 
     def greedy(self, tokens, pos: int, n: int, lookahead: int = 4, chunk: Optional[int] = None):
@@ -410,13 +475,18 @@ class DecodeStep:
         return self._chain("greedy", self._greedy_work, tokens, pos, n, lookahead, chunk)
 
     def sample(self, tokens, pos: int, n: int, knobs, keys, seen=None, lookahead: int = 4,
-               chunk: Optional[int] = None):
+               chunk: Optional[int] = None, penalties=None, bias=None):
         """``greedy``'s chain with a sampled choice on the device (``ops.sample_next``): row b
         samples with ``knobs[b]`` (temperature, top_k, top_p, min_p, repetition_penalty; see
         ``forge_ml.sampling.SAMPLE_KNOBS``) and Philox key ``keys[b]`` (two uint32 words), the
         counter being the position of the token chosen, so the tokens are those
-        ``forge_ml.sampling.sample_row`` gives on the host. ``seen`` (B, vocab_size) bool: the tokens
-        the repetition penalty applies to (None: no penalty anywhere). A row whose
+        ``forge_ml.sampling.sample_row`` gives on the host. ``seen`` (B, vocab_size): the tokens
+        the repetition penalty applies to (None: no penalty anywhere), as bool marks or as
+        ``forge_ml.sampling.seen_row``'s int marks (bit 0 the prompt's ids, plus 2 a time a
+        row generated the id: the chain adds each chosen one). ``penalties`` ((B, 2), each
+        row's OpenAI presence and frequency penalty, over those counts) and ``bias`` ((B,
+        vocab_size) float32 logit bias) adjust each step's logits before the choice
+        (``ops.penalize_logits``, ``forge_ml.sampling.adjusted``). A row whose
         logit at its argmax is not finite yields -1, as in ``greedy``.
 
         >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
@@ -428,12 +498,16 @@ class DecodeStep:
         >>> len(toks), cache.pos
         (3, 5)
         """
-        self._sampling_inputs(knobs, keys, seen)
-        kind = "sample" if seen is None else "sample_seen"   # graphs differ in their arguments
+        self._sampling_inputs(knobs, keys, seen, penalties, bias)
+        # graphs differ in their arguments
+        kind = "sample" if self._seen is None else "sample_seen"
+        if self._adjust is not None:
+            kind += "_adjusted" if self._adjust[1] is None else "_biased"
         return self._chain(kind, self._sample_work, tokens, pos, n, lookahead, chunk)
 
-    def _sampling_inputs(self, knobs, keys, seen) -> None:
-        """Write ``sample``'s knobs, keys and seen-token marks into the step's device buffers."""
+    def _sampling_inputs(self, knobs, keys, seen, penalties=None, bias=None) -> None:
+        """Write ``sample``'s knobs, keys, seen-token marks, penalties and logit bias into the
+        step's device buffers (with penalties or a bias and no marks: none seen)."""
         B = self.cache.batch
         V = self.model.config.vocab_size
         knobs = np.asarray(knobs, np.float32)
@@ -445,8 +519,21 @@ class DecodeStep:
             raise ShapeError(f"DecodeStep: keys must be ({B}, 2), two uint32 words per cache "
                              f"row, got {keys.shape}")
         if seen is not None and np.shape(seen) != (B, V):
-            raise ShapeError(f"DecodeStep: seen must be ({B}, {V}) bool marks (None: no "
+            raise ShapeError(f"DecodeStep: seen must be ({B}, {V}) marks (None: no "
                              f"penalty), got {np.shape(seen)}")
+        if penalties is not None:
+            penalties = np.asarray(penalties, np.float32)
+            if penalties.shape != (B, 2) or not np.isfinite(penalties).all():
+                raise ShapeError(f"DecodeStep: penalties must be ({B}, 2) finite (presence, "
+                                 f"frequency) rows, got {penalties.shape}")
+        if bias is not None:
+            bias = np.asarray(bias, np.float32)
+            if bias.shape != (B, V) or not np.isfinite(bias).all():
+                raise ShapeError(f"DecodeStep: bias must be ({B}, {V}) finite logit biases, "
+                                 f"got {bias.shape}")
+        adjust = (penalties is not None and bool(penalties.any())) or bias is not None
+        if adjust and seen is None:
+            seen = np.zeros((B, V), np.int32)
         knobs = knobs.reshape(B, 5)
         keys = (keys.reshape(B, 2) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
         if self._knobs is None:
@@ -465,16 +552,30 @@ class DecodeStep:
         else:
             Vp = self.model.config.padded_vocab_size
             full = np.zeros((B, Vp), np.int32)
-            full[:, :self.model.config.vocab_size] = np.asarray(seen, bool)
+            seen = np.asarray(seen)
+            full[:, :V] = seen if seen.dtype.kind in "iu" else seen.astype(bool)
             if self._seen_buf is None:
                 self._seen_buf = zeros((B, Vp), "int32", self.device)
             ops.assign(self._seen_buf, full)
             self._seen = self._seen_buf
+        self._adjust = None
+        if adjust:
+            Vp = self.model.config.padded_vocab_size
+            self._bias_buffers()
+            ops.assign(self._pen, np.zeros((B, 2), np.float32) if penalties is None else penalties)
+            if bias is not None:
+                full = np.zeros((B, Vp), np.float32)
+                full[:, :V] = bias
+                ops.assign(self._bias, full)
+                self._biased = set(range(B))   # (rows_launch's rows: all rewritten)
+            self._adjust = (self._pen, None if bias is None else self._bias)
 
-    def choose(self, logits, pos: int, knobs=None, keys=None, seen=None) -> np.ndarray:
+    def choose(self, logits, pos: int, knobs=None, keys=None, seen=None, penalties=None,
+               bias=None) -> np.ndarray:
         """Every row's token for position ``pos`` chosen on the device from ``logits (B, Vp)``
         (a prefill's last logits): the argmax when ``knobs`` is None, else ``sample``'s rule
-        with these ``knobs``, ``keys`` and ``seen``. Only the B tokens come back, not the
+        with these ``knobs``, ``keys``, ``seen``, ``penalties`` and ``bias`` (``logits``
+        then carry the adjustments). Only the B tokens come back, not the
         logits, so a batch's first tokens cost one small copy.
 
         >>> import numpy as np, forge_ml as fm
@@ -497,7 +598,9 @@ class DecodeStep:
         if knobs is None:
             ops.greedy_next(logits, V, ids, fed)
         else:
-            self._sampling_inputs(knobs, keys, seen)
+            self._sampling_inputs(knobs, keys, seen, penalties, bias)
+            if self._adjust is not None:
+                ops.penalize_logits(logits, V, self._seen, *self._adjust)
             ops.sample_next(logits, V, ids, fed, self._knobs, self._keys, self._seen)
         return ids.numpy().reshape(B).astype(np.int64)
 

@@ -35,6 +35,11 @@ padded columns are never sampled), in transformers' order (``GenerationMixin.
 _get_logits_processor`` with ``do_sample``: the processors, then the warpers temperature,
 top-k, top-p, min-p):
 
+0. OpenAI's adjustments, where given (``forge_ml.sampling.adjusted``): ``logit_bias`` ({id:
+   bias in [-100, 100]}) added to the logits, then ``frequency_penalty`` times the number of
+   times the row generated each id so far and ``presence_penalty`` once for each id it
+   generated taken away (each in [-2, 2]; the prompt's ids are not counted, as in OpenAI's
+   API and vLLM).
 1. ``repetition_penalty`` (CTRL, Keskar et al. 2019; transformers'
    ``RepetitionPenaltyLogitsProcessor``): the logit of every id present in the row's context
    so far (its prompt and its generated tokens) is divided by the penalty when positive and
@@ -95,7 +100,8 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError, ShapeError
-from ..sampling import F32_MAX, knobs_row, penalty_knob, sample_row
+from ..sampling import (F32_MAX, adjusted, knobs_row, logit_bias_row, openai_penalty,
+                        penalty_knob, sample_row, seen_row)
 from ..tensor import Tensor, tensor
 from ..tokenizer import hides_stop
 from .decode import check_finite_logits, held_decoder, model_check, nonfinite_error
@@ -434,12 +440,17 @@ def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, st
 def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
              stop_tokens=(), stop_strings=(), tokenizer=None, min_p: Optional[float] = None,
-             repetition_penalty: float = 1.0, logprobs: Optional[int] = None, **kw) -> Iterator:
+             repetition_penalty: float = 1.0, logprobs: Optional[int] = None,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias=None,
+             **kw) -> Iterator:
     """Stream new tokens for one prompt (yields ints) or a batch (yields, per step, a list
     of ``TokenEvent``); see the module docstring for the rules.
 
     ``min_p``: None or in [0, 1]; ``repetition_penalty``: > 0, 1 is off; ``logprobs``: None
     (off) or how many top tokens each TokenEvent reports (0..vocab_size; batch form only).
+    ``presence_penalty``, ``frequency_penalty`` (in [-2, 2], 0 is off) and ``logit_bias``
+    ({token id: bias in [-100, 100]}) are OpenAI's: every row gets them, on the device as on
+    the host (``forge_ml.sampling.adjusted``), before the repetition penalty.
 
     ``prompts``: a list of ids, or a list of lists of ids (lengths may differ). Arguments are
     checked at the call,
@@ -471,8 +482,12 @@ def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1
     # NumPy scalars as Python numbers from here on (np.uint8(250) + 10 prompt tokens wrapped
     # to 4 in the cache's size; an np.uint8 logprobs overflowed in the top-n cut)
     max_new_tokens, seed = int(max_new_tokens), int(seed)
+    presence = openai_penalty("presence_penalty", presence_penalty, "generate")
+    frequency = openai_penalty("frequency_penalty", frequency_penalty, "generate")
+    bias = logit_bias_row(logit_bias, model.config.vocab_size, "generate")
     choice = _Choice(float(temperature), _int_or_none(top_k), _float_or_none(top_p),
-                     _float_or_none(min_p), float(repetition_penalty), _int_or_none(logprobs))
+                     _float_or_none(min_p), float(repetition_penalty), _int_or_none(logprobs),
+                     presence, frequency, None if bias is None else tuple(bias.tolist()))
     steps = _steps(model, rows, max_new_tokens, choice, seed, frozenset(stop_tokens),
                    stop_strings, tokenizer)
     if single:
@@ -490,12 +505,26 @@ class _Choice:
     min_p: Optional[float]
     repetition_penalty: float
     logprobs: Optional[int]
+    presence: float = 0.0
+    frequency: float = 0.0
+    bias: Optional[tuple] = None    # the dense logit-bias row (vocab_size floats), or None
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether OpenAI's adjustments change the logits (``forge_ml.sampling.adjusted``)."""
+        return bool(self.presence or self.frequency) or self.bias is not None
+
+    @property
+    def marks(self) -> bool:
+        """Whether the choice reads the row's marks (its context or its counts)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence or self.frequency)
 
     @property
     def greedy_on_device(self) -> bool:
         """Whether the device's argmax chain (``DecodeStep.greedy``) can pick the tokens:
         greedy on the raw logits, with nothing for the host to report."""
-        return self.temperature == 0 and self.repetition_penalty == 1.0 and self.logprobs is None
+        return (self.temperature == 0 and self.repetition_penalty == 1.0 and not self.adjusts
+                and self.logprobs is None)
 
     @property
     def on_device(self) -> bool:
@@ -508,21 +537,32 @@ class _Choice:
         return knobs_row(self.temperature, self.top_k, self.top_p, self.min_p,
                          self.repetition_penalty)
 
-    def __call__(self, logits, context, key, position) -> tuple:
+    def penalties(self, B: int):
+        """The (B, 2) presence and frequency rows of ``DecodeStep``'s adjustments, or None."""
+        return [[self.presence, self.frequency]] * B if self.presence or self.frequency else None
+
+    def biases(self, B: int):
+        """The (B, vocab_size) logit-bias rows of ``DecodeStep``'s adjustments, or None."""
+        return None if self.bias is None else np.tile(np.array(self.bias, np.float32), (B, 1))
+
+    def __call__(self, logits, prompt, generated, key, position) -> tuple:
         """``(token, logprob, top_logprobs)`` for one row; the last two None without logprobs.
-        ``key``, ``position``: the row's Philox key and the position being chosen."""
-        # the choice by the device chain's rule itself (sample_row: the penalty applied in
-        # float32, as the sampling kernel applies it), so logprobs change no token
+        ``prompt``, ``generated``: the row's ids so far; ``key``, ``position``: the row's
+        Philox key and the position being chosen."""
+        # the choice by the device chain's rule itself (adjusted, then sample_row: the
+        # penalties applied in float32, as the kernels apply them), so logprobs change no token
         z32 = np.asarray(logits, np.float32).reshape(-1)                      # (V,)
-        seen = None
-        if self.repetition_penalty != 1.0 and len(context):   # (generate's ids: all in range)
-            seen = np.zeros(z32.shape[0], bool)
-            seen[np.asarray(context, np.int64)] = True
-        tok = sample_row(z32, self.knobs(), key, position, seen)
+        seen = seen_row(prompt, generated, z32.shape[0]) if self.marks else None
+        if self.adjusts:
+            z32 = adjusted(z32, seen, self.presence, self.frequency,
+                           None if self.bias is None else np.array(self.bias, np.float32))
+        tok = sample_row(z32, self.knobs(), key, position,
+                         seen if self.repetition_penalty != 1.0 else None)
         if self.logprobs is None:
             return tok, None, None
-        logp = penalised_logprobs(logits, self.temperature, self.repetition_penalty, context,
-                                  "generate")
+        context = list(prompt) + list(generated) if self.repetition_penalty != 1.0 else ()
+        logp = penalised_logprobs(z32 if self.adjusts else logits, self.temperature,
+                                  self.repetition_penalty, context, "generate")
         return tok, float(logp[tok]), _top_logprobs(logp, self.logprobs)
 
 
@@ -564,14 +604,11 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
     cache, step, held = held_decoder(model, B, capacity)
 
     def seen_marks():
-        """The repetition penalty's tokens per row on the device (prompt and generated so far),
-        (B, V) bool; None without a penalty."""
-        if choice.repetition_penalty == 1.0:
+        """Each row's marks for the device (``forge_ml.sampling.seen_row``: its prompt's ids
+        and how often it generated each id), (B, V) int32; None where no choice reads them."""
+        if not choice.marks:
             return None
-        seen = np.zeros((B, V), bool)
-        for r in range(B):
-            seen[r, rows[r] + generated[r]] = True
-        return seen
+        return np.stack([seen_row(rows[r], generated[r], V) for r in range(B)])
 
     t0 = min(lengths)
     prefill = np.array([p[:t0] for p in rows], dtype=np.int64)                   # (B, t0)
@@ -585,7 +622,8 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
         if choice.greedy_on_device:
             first = step.choose(logits, pos)
         else:
-            first = step.choose(logits, pos, [choice.knobs()] * B, keys, seen_marks())
+            first = step.choose(logits, pos, [choice.knobs()] * B, keys, seen_marks(),
+                                choice.penalties(B), choice.biases(B))
     else:
         last = logits.numpy()[:, -1, :V]                                          # (B, V)
         check_finite_logits(model, last, who)          # (read back already)
@@ -617,9 +655,8 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
             if first is not None:                   # chosen on the device after the prefill
                 tok, logprob, top = int(first[r]), None, None
             else:
-                # the penalty's context: the whole prompt and the tokens generated so far
-                context = rows[r] + generated[r] if choice.repetition_penalty != 1.0 else ()
-                tok, logprob, top = choice(last[r], context, keys[r], pos)
+                # the penalties' context: the whole prompt and the tokens generated so far
+                tok, logprob, top = choice(last[r], rows[r], generated[r], keys[r], pos)
             events.append(take(r, tok, logprob, top))
             feed[r, 0] = tok
         first = None
@@ -638,7 +675,8 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
             if choice.greedy_on_device:
                 chain = step.greedy(feed[:, 0], pos, n)
             else:
-                chain = step.sample(feed[:, 0], pos, n, [choice.knobs()] * B, keys, seen_marks())
+                chain = step.sample(feed[:, 0], pos, n, [choice.knobs()] * B, keys, seen_marks(),
+                                    penalties=choice.penalties(B), bias=choice.biases(B))
             try:
                 for toks in chain:
                     if any(toks[r] < 0 for r in range(B) if not done[r]):
