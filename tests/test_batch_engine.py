@@ -476,6 +476,7 @@ def test_async_iteration(model, expected):
     (None, {}, "prompt"),                                     # not a list (was a TypeError)
     (5, {}, "prompt"),
     ([1], {"stop_tokens": (99,)}, "stop_tokens"),
+    ([1], {"logit_bias": {23: 1.0}}, "logit_bias"),           # id out of the vocabulary
 ])
 def test_bad_requests_are_refused_at_submit(model, prompt, kw, param):
     with BatchEngine(model, slots=1) as engine:
@@ -489,7 +490,10 @@ def test_bad_requests_are_refused_at_submit(model, prompt, kw, param):
                                 {"max_tokens": -1}, {"max_tokens": 2.0}, {"logprobs": 21},
                                 {"min_p": 2.0}, {"repetition_penalty": 0}, {"seed": -3},
                                 {"temperature": float("nan")}, {"stop_tokens": "7"},
-                                {"stop_tokens": [1.5]}, {"stop_tokens": np.zeros((2, 2), int)}])
+                                {"stop_tokens": [1.5]}, {"stop_tokens": np.zeros((2, 2), int)},
+                                {"presence_penalty": 2.5}, {"frequency_penalty": -3},
+                                {"frequency_penalty": float("nan")}, {"logit_bias": {1: 200}},
+                                {"logit_bias": {"a": 1}}, {"logit_bias": [1, 2]}])
 def test_bad_sampling_params(kw):
     with pytest.raises(RequestError) as e:
         SamplingParams(**kw)
@@ -680,3 +684,74 @@ def test_stop_tokens_take_generates_forms():
     for given, want in ((1, (1,)), (np.int64(3), (3,)), (np.array(5), (5,)), ([1, 2], (1, 2)),
                         (np.array([1, 2]), (1, 2)), ((4,), (4,))):
         assert SamplingParams(stop_tokens=given).stop_tokens == want, given
+
+
+def _openai_requests(rng, n):
+    """Requests with OpenAI's adjustments or without, sampled or greedy, some with logprobs."""
+    reqs = []
+    for i in range(n):
+        bias = None if i % 3 == 1 else {int(rng.integers(0, 23)): float(rng.choice([-100, 4.0])),
+                                        int(rng.integers(0, 23)): 1.5}
+        p = SamplingParams(max_tokens=int(rng.integers(2, 8)),
+                           temperature=float(rng.choice([0.0, 0.9])), seed=i,
+                           presence_penalty=float(rng.choice([0.0, 1.2, -0.5])),
+                           frequency_penalty=float(rng.choice([0.0, 0.8])),
+                           repetition_penalty=float(rng.choice([1.0, 1.3])),
+                           logit_bias=bias if i % 2 else None, logprobs=None if i % 4 else 2)
+        reqs.append((rng.integers(0, 23, int(rng.integers(1, 6))).tolist(), p))
+    return reqs
+
+
+def _generate_as(model, prompt, p):
+    return list(generate(model, prompt, max_new_tokens=p.max_tokens, temperature=p.temperature,
+                         repetition_penalty=p.repetition_penalty, seed=p.seed,
+                         presence_penalty=p.presence_penalty,
+                         frequency_penalty=p.frequency_penalty,
+                         logit_bias=dict(p.logit_bias) if p.logit_bias else None))
+
+
+def test_openai_adjustments_draw_what_generate_draws_through_reused_slots(model):
+    """presence_penalty, frequency_penalty and logit_bias in the engine: 20 requests of every
+    mix through 2 slots (a slot's bias row and counts must be its own request's, cleared for
+    the next) give generate's tokens; a logit_bias of -100 is never drawn and the logprobs
+    report the adjusted distribution."""
+    reqs = _openai_requests(np.random.default_rng(9), 20)
+    with BatchEngine(model, slots=2) as engine:
+        outs = [list(engine.submit(pr, p)) for pr, p in reqs[:2]]    # one at a time first
+        streams = [engine.submit(pr, p) for pr, p in reqs[2:]]
+        outs += [list(st) for st in streams]
+    for (pr, p), o in zip(reqs, outs):
+        assert [t.token for t in o] == _generate_as(model, pr, p), (pr, p)
+        banned = {t for t, b in p.logit_bias or () if b == -100}
+        assert not banned & {t.token for t in o}
+        if p.logprobs is not None and banned:
+            assert all(t.logprob > -50 for t in o)
+
+
+def test_a_logit_bias_leaves_the_prompt_scores_alone(model):
+    """prompt_logprobs are the model's plain distribution: a request's logit bias and penalties
+    start with its first chosen token."""
+    prompt = [4, 8, 15, 16, 2]
+    kw = dict(max_tokens=2, prompt_logprobs=1)
+    with BatchEngine(model, slots=1) as engine:
+        plain = engine.submit(prompt, SamplingParams(**kw))
+        list(plain)
+        biased = engine.submit(prompt, SamplingParams(**kw, logit_bias={3: 100.0},
+                                                      frequency_penalty=2.0))
+        toks = [t.token for t in biased]
+    assert biased.prompt_logprobs == plain.prompt_logprobs
+    assert toks == [3, 3]
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_openai_adjustments_draw_what_generate_draws(model):
+    """The same on the GPU: penalize_logits in the engine's graphs, the CPU's tokens."""
+    from test_generate import _cuda_or_cpu
+    _cuda_or_cpu("cuda")
+    gpu = make_model().to("cuda")
+    reqs = _openai_requests(np.random.default_rng(9), 20)
+    with BatchEngine(gpu, slots=4) as engine:
+        outs = [list(s) for s in [engine.submit(pr, p) for pr, p in reqs]]
+        assert any(k[0] == "rows_choose" and k[3] for k in engine._decode._graphs)
+    for (pr, p), o in zip(reqs, outs):
+        assert [t.token for t in o] == _generate_as(gpu, pr, p) == _generate_as(model, pr, p)

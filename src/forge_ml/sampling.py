@@ -127,7 +127,8 @@ BIAS_LIMIT = 100.0     # and for a logit_bias value: [-100, 100]
 
 def openai_penalty(name: str, value, who: str, error=None) -> float:
     """A presence or frequency penalty checked as OpenAI's API takes it: a number in [-2, 2]
-    (0 is off); else ``error`` (default ConfigError) naming ``who`` and the field.
+    (0 is off); else ``error`` (default ConfigError; called with the message) naming ``who``
+    (None: no name) and the field.
 
     >>> openai_penalty("presence_penalty", 0.5, "generate")
     0.5
@@ -139,8 +140,8 @@ def openai_penalty(name: str, value, who: str, error=None) -> float:
     from .errors import ConfigError
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
     if not (ok and -PENALTY_LIMIT <= float(value) <= PENALTY_LIMIT):
-        raise (error or ConfigError)(f"{who}: {name} must be a number in [-2, 2] (0 is off), "
-                                     f"got {value!r}")
+        raise (error or ConfigError)(f"{who + ': ' if who else ''}{name} must be a number in "
+                                     f"[-2, 2] (0 is off), got {value!r}")
     return float(value)
 
 
@@ -148,7 +149,9 @@ def logit_bias_row(logit_bias, vocab_size: int, who: str, error=None):
     """OpenAI's ``logit_bias`` (a mapping of token id to a bias in [-100, 100], added to the
     id's logit before sampling; ids as ints or as the strings of ints a JSON object has) as a
     dense float32 row ``(vocab_size,)``, or None for None or an empty mapping; anything else
-    is ``error`` (default ConfigError) naming ``who`` and what was expected.
+    is ``error`` (default ConfigError; called with the message) naming ``who`` (None: no name)
+    and what was expected. ``vocab_size`` None checks the keys and values alone and returns
+    the mapping as sorted ``(id, bias)`` pairs.
 
     >>> logit_bias_row({"2": -100, 0: 5}, 4, "generate").tolist()
     [5.0, 0.0, -100.0, 0.0]
@@ -159,27 +162,35 @@ def logit_bias_row(logit_bias, vocab_size: int, who: str, error=None):
     """
     from .errors import ConfigError
     err = error or ConfigError
+    at = f"{who}: " if who else ""
     if logit_bias is None:
         return None
     if not hasattr(logit_bias, "items"):
-        raise err(f"{who}: logit_bias must be a mapping of token id to bias, got "
+        raise err(f"{at}logit_bias must be a mapping of token id to bias, got "
                   f"{type(logit_bias).__name__}")
-    row = np.zeros(int(vocab_size), np.float32)
+    pairs = {}
     for key, value in logit_bias.items():
         tid = key
         if isinstance(key, str) and key.strip().lstrip("-").isdigit():
             tid = int(key)
         if not isinstance(tid, (int, np.integer)) or isinstance(tid, bool):
-            raise err(f"{who}: logit_bias keys must be token ids (ints, or their strings), got "
+            raise err(f"{at}logit_bias keys must be token ids (ints, or their strings), got "
                       f"{key!r}")
-        if not 0 <= int(tid) < vocab_size:
-            raise err(f"{who}: logit_bias has token id {int(tid)}; the ids are 0..{vocab_size - 1}")
+        if not 0 <= int(tid) < (vocab_size if vocab_size is not None else 1 << 62):
+            raise err(f"{at}logit_bias has token id {int(tid)}; the ids are 0.."
+                      f"{vocab_size - 1 if vocab_size is not None else 'up'}")
         ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
         if not (ok and -BIAS_LIMIT <= float(value) <= BIAS_LIMIT):
-            raise err(f"{who}: logit_bias[{int(tid)}] must be a number in [-100, 100], got "
+            raise err(f"{at}logit_bias[{int(tid)}] must be a number in [-100, 100], got "
                       f"{value!r}")
-        row[int(tid)] = float(value)
-    return row if len(logit_bias) else None
+        pairs[int(tid)] = float(value)
+    if vocab_size is None:
+        return tuple(sorted(pairs.items()))
+    if not pairs:
+        return None
+    row = np.zeros(int(vocab_size), np.float32)
+    row[list(pairs)] = list(pairs.values())
+    return row
 
 
 def sample_row(z, knobs, key, position, seen=None) -> int:

@@ -146,7 +146,9 @@ class _Request:
         self.key = row_key(p.seed, 0)   # generate's key for one prompt with this seed
         self.fed = 0                    # tokens fed so far: the next one goes at this position
         self.generated: list = []
-        self.seen = set(self.prompt) if p.repetition_penalty != 1.0 else None
+        marks = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        self.seen = set(self.prompt) if marks else None
+        self.penalties = (p.presence_penalty, p.frequency_penalty)
         self.marked = False             # its penalty's marks are on the device
         self.choosing = False           # its slot's knobs are its own (else greedy's)
         self.stop = frozenset(p.stop_tokens)
@@ -209,6 +211,12 @@ class BatchEngine:
         self._launch, self._collect = self._decode.rows_launch, self._decode.rows_collect
         self._knobs = np.tile(np.array(_GREEDY, np.float32), (slots, 1))   # per slot
         self._keys = np.zeros((slots, 2), np.int64)
+        # OpenAI's adjustments per slot (0 and no bias while a slot is idle or in its prompt):
+        # presence and frequency penalties, the slots whose logit-bias row is set on the
+        # device, and the rows to write at the next launch ({slot: row or None})
+        self._pen = np.zeros((slots, 2), np.float32)
+        self._biased: set = set()
+        self._bias_next: dict = {}
         # one step on token 0 (every slot idle: each is rewritten when a request takes it):
         # a model whose logits are NaN or inf is refused here, not served as id 0 at every step
         self._launch(np.zeros(slots, np.int64), np.zeros(slots, np.int32), self._knobs,
@@ -319,8 +327,7 @@ class BatchEngine:
         """Under the lock: free the slots of cancelled requests, fill free slots in order."""
         for s, rq in enumerate(self._active):
             if rq is not None and rq.stream.cancelled:
-                self._active[s] = None
-                self._knobs[s] = _GREEDY
+                self._free(s)
         for s in range(self.slots):
             if self._active[s] is not None:
                 continue
@@ -436,13 +443,33 @@ class BatchEngine:
             if choosing != rq.choosing:   # a row inside its prompt takes the cheapest choice
                 self._knobs[s] = rq.knobs if choosing else _GREEDY
                 rq.choosing = choosing
+                self._pen[s] = rq.penalties if choosing else (0.0, 0.0)
+                if choosing and rq.params.logit_bias:
+                    row = np.zeros(self.vocab_size, np.float32)
+                    ids, values = zip(*rq.params.logit_bias)
+                    row[list(ids)] = values
+                    self._bias_next[s] = row
             if rq.seen is not None and not rq.marked and choosing:
                 # it chooses its first token at this step: its marks are its prompt's (the
                 # device marked its prefill steps' ignored choices; those go here)
                 marks[s] = rq.prompt
                 rq.marked = True
-        self._launch(tokens, positions, self._knobs, self._keys, marks, self.vocab_size)
+        adjusting = bool(self._pen.any() or self._biased or self._bias_next)
+        bias, self._bias_next = self._bias_next, {}
+        for s, row in bias.items():
+            (self._biased.add if row is not None else self._biased.discard)(s)
+        self._launch(tokens, positions, self._knobs, self._keys, marks, self.vocab_size,
+                     self._pen if adjusting else None, bias)
         return batch
+
+    def _free(self, s: int) -> None:
+        """Slot ``s`` idle again: greedy knobs, no penalties, its logit bias cleared at the next
+        launch."""
+        self._active[s] = None
+        self._knobs[s] = _GREEDY
+        self._pen[s] = 0.0
+        if s in self._biased or s in self._bias_next:
+            self._bias_next[s] = None
 
     def _collect_step(self, batch: list) -> list:
         """The launched step's results for its slots' requests: their state moves on, the
@@ -502,8 +529,7 @@ class BatchEngine:
             rq.stream._end("length")
         with self._cond:
             if self._active[s] is rq:
-                self._active[s] = None
-                self._knobs[s] = _GREEDY
+                self._free(s)
 
 
 class _HostRows:

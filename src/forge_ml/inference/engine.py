@@ -32,7 +32,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ConfigError, plural
-from ..sampling import F32_MAX
+from ..sampling import F32_MAX, logit_bias_row, openai_penalty
 
 MAX_LOGPROBS = 20
 
@@ -99,6 +99,11 @@ class SamplingParams:
     temperature, before the cuts; at temperature 0, of the logits as they are);
     stop_tokens (an id, or a tuple, list or array of ids) end the request when drawn (the token is returned with
     finish "stop").
+    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], 0 is off) and ``logit_bias``
+    ({token id: bias in [-100, 100]}, kept as sorted ``(id, bias)`` pairs) are OpenAI's, as
+    ``generate`` takes them (``forge_ml.sampling.adjusted``: counted over the request's
+    generated tokens, before the repetition penalty; the log-probabilities are those of the
+    adjusted distribution).
     ``prompt_logprobs`` (None or n >= 0) also scores the prompt: ``Stream.prompt_logprobs``
     gets, for each prompt token after the first, its log-probability and the n most likely
     tokens' under the model's plain distribution (temperature 1, no penalty); with it,
@@ -120,6 +125,9 @@ class SamplingParams:
     logprobs: Optional[int] = None
     stop_tokens: tuple = ()
     prompt_logprobs: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[tuple] = None
 
     def __post_init__(self):
         def bad(name, want):
@@ -153,6 +161,14 @@ class SamplingParams:
                 bad(name, f"None or an int in 0..{MAX_LOGPROBS}")
         if not isinstance(self.stop_tokens, tuple) or not all(_is_int(t) for t in self.stop_tokens):
             bad("stop_tokens", "a token id or a tuple, list or array of token ids")
+        for name in ("presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, openai_penalty(
+                name, getattr(self, name), None, lambda m, n=name: RequestError(m, n)))
+        lb = self.logit_bias
+        if isinstance(lb, tuple):   # its own form, (id, bias) pairs
+            lb = dict(lb) if all(isinstance(x, tuple) and len(x) == 2 for x in lb) else lb
+        object.__setattr__(self, "logit_bias", logit_bias_row(
+            lb, None, None, lambda m: RequestError(m, "logit_bias")) or None)
         # NumPy scalars as Python numbers (an np.uint8 logprobs overflowed in the top-n cut,
         # inside the engine's loop, and stopped it)
         for name in ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
@@ -229,6 +245,10 @@ def check_prompt(prompt_ids, params: SamplingParams, vocab_size: int, max_len: i
     if bad:
         raise RequestError(f"stop token {bad[0]} is out of range; ids must be in "
                            f"0..{vocab_size - 1}", "stop_tokens")
+    bad = [t for t, _ in params.logit_bias or () if not t < vocab_size]
+    if bad:
+        raise RequestError(f"logit_bias has token id {bad[0]}; the ids are 0..{vocab_size - 1}",
+                           "logit_bias")
     return ids
 
 
