@@ -147,6 +147,30 @@ def test_whole_response_with_the_openai_client(client, engine, tok):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 10, 15)
 
 
+def test_openai_penalties_and_logit_bias_through_the_openai_client(client, engine, tok):
+    """presence_penalty, frequency_penalty and logit_bias as the openai client sends them
+    (logit_bias's keys are strings in JSON): the engine's tokens for those settings and seed;
+    a bias of 100 on one id makes every token that id, -100 on the greedy text's first
+    token keeps it out."""
+    kw = dict(model="tiny", prompt="hello", max_tokens=12, temperature=0.9, seed=5)
+    adj = dict(presence_penalty=1.1, frequency_penalty=0.7, logit_bias={"3": 2.0, "5": -1.0})
+    r = client.completions.create(**kw, **adj)
+    want = engine_tokens(engine, tok, "hello", max_tokens=12, temperature=0.9, seed=5,
+                         presence_penalty=1.1, frequency_penalty=0.7,
+                         logit_bias={3: 2.0, 5: -1.0})
+    assert r.choices[0].text == tok.decode(want)
+    assert r.choices[0].text != client.completions.create(**kw).choices[0].text
+    only = client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0,
+                                     logit_bias={str(tok.encode("z")[0]): 100})
+    assert only.choices[0].text == "zzzzzz"
+    greedy = client.completions.create(model="tiny", prompt="hello", max_tokens=6,
+                                       temperature=0).choices[0].text
+    banned = tok.encode(greedy[0])[0]
+    out = client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0,
+                                    logit_bias={str(banned): -100}).choices[0].text
+    assert greedy[0] not in out
+
+
 def test_max_tokens_defaults_to_16_or_what_the_context_leaves(http):
     assert complete(http, prompt="ab")["usage"]["completion_tokens"] == 16
     r = complete(http, prompt="a" * 60)
@@ -359,7 +383,11 @@ BAD = [
     ({"prompt": "ab", "stop": ""}, 400, "stop"),
     ({"prompt": "ab", "seed": 1 << 63}, 400, "seed"),            # past OpenAI's int64
     ({"prompt": "ab", "seed": 1 << 64}, 400, "seed"),
-    ({"prompt": "ab", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "ab", "presence_penalty": 2.5}, 400, "presence_penalty"),   # past OpenAI's
+    ({"prompt": "ab", "frequency_penalty": -2.01}, 400, "frequency_penalty"),
+    ({"prompt": "ab", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    ({"prompt": "ab", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"prompt": "ab", "logit_bias": {"99": 1}}, 400, "logit_bias"),        # no such token
     ({"prompt": "ab", "best_of": 3}, 400, "best_of"),
     ({"prompt": "ab", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "ab", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,

@@ -392,6 +392,8 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
                     params = SamplingParams(
                         max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
                         top_p=req.top_p, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                        presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
                         # no seed: every choice its own draw (one base a request gave the same
                         # prompt twice in a list the same text); a seed: seed + j, as documented
                         seed=secrets.randbits(62) if base is None else (base + j) % (1 << 64),

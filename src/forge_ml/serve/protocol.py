@@ -3,9 +3,10 @@ list and error bodies.
 
 ``parse_completion`` turns a decoded JSON body into a ``CompletionRequest`` or raises
 ``APIError`` (HTTP status, message, ``param``): an unknown field, a field of the wrong type
-or out of range, a malformed prompt. OpenAI fields this server cannot honour (``best_of``
-other than ``n``, penalties other than 0, a ``logit_bias``, a ``suffix``) are refused the
-same way rather than ignored. Extra fields, as vLLM takes them: ``top_k`` (0 or -1 off),
+or out of range, a malformed prompt. ``presence_penalty`` and ``frequency_penalty`` (in
+[-2, 2]) and ``logit_bias`` (an object of token ids, as strings, to biases in [-100, 100])
+are OpenAI's (``forge_ml.sampling.adjusted``). OpenAI fields this server cannot honour
+(``best_of`` other than ``n``, a ``suffix``) are refused the same way rather than ignored. Extra fields, as vLLM takes them: ``top_k`` (0 or -1 off),
 ``min_p``, ``repetition_penalty``, ``ignore_eos``.
 
 >>> r = parse_completion({"model": "m", "prompt": "Hi", "max_tokens": 5, "stop": "\\n"})
@@ -80,6 +81,9 @@ class CompletionRequest:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[tuple] = None    # sorted (token id, bias) pairs
 
 
 def _out_of_range(name, got: str, lo=None, hi=None, lo_open=False) -> APIError:
@@ -195,14 +199,22 @@ _FIELDS = {
     "ignore_eos": lambda v: _bool("ignore_eos", v),
     "user": lambda v: v if isinstance(v, str) else _raise_type("user", "a string", v),
     "best_of": None,
-    "presence_penalty": lambda v: _zero_or_none("presence_penalty", v, "only 0", "number"),
-    "frequency_penalty": lambda v: _zero_or_none("frequency_penalty", v, "only 0; "
-                                                 "see repetition_penalty", "number"),
-    "logit_bias": lambda v: _zero_or_none("logit_bias", v, "only empty", "object"),
+    "presence_penalty": lambda v: _num("presence_penalty", v, lo=-2, hi=2),   # OpenAI's range
+    "frequency_penalty": lambda v: _num("frequency_penalty", v, lo=-2, hi=2),
+    "logit_bias": lambda v: _logit_bias(v),
     "suffix": lambda v: _zero_or_none("suffix", v, "no insertion", "string"),
 }
-_ONLY_CHECKED = {"user", "presence_penalty", "frequency_penalty", "logit_bias", "suffix",
-                 "stream_options", "best_of"}
+_ONLY_CHECKED = {"user", "suffix", "stream_options", "best_of"}
+
+
+def _logit_bias(v):
+    """OpenAI's ``logit_bias``: a JSON object of token ids (strings of ints) to numbers in
+    [-100, 100], as sorted ``(id, bias)`` pairs (None when empty); whether each id is one of
+    the model's is the engine's check (``check_prompt``)."""
+    from ..sampling import logit_bias_row
+    if not isinstance(v, dict):
+        _raise_type("logit_bias", "an object of token ids to biases", v)
+    return logit_bias_row(v, None, None, lambda m: APIError(m, param="logit_bias")) or None
 
 
 def _raise_type(name, want, v):
