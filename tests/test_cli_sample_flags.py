@@ -68,3 +68,35 @@ def test_logprobs_at_a_vanishing_temperature_are_clamped_as_the_server_does(trai
             for e in events]
     assert printed == want
     assert min(v for row in printed for v in row) == -9999.0     # the clamp was exercised
+
+
+def test_openai_penalties_and_logit_bias_flags(trained, capsys):
+    """--presence-penalty, --frequency-penalty and --logit-bias reach generate: the printed
+    text is generate's with the same settings (greedy), a bias of 100 on one id makes every
+    new token that id, and the flags are refused with beam search and out of OpenAI's ranges."""
+    from forge_ml.inference import generate, load_model
+    model, tok, _ = load_model("run")
+    z = tok.vocab_size - 1
+    assert main(BASE + ["--temperature", "0", "--logit-bias", f"{z}:100"]) == 0
+    assert capsys.readouterr().out.startswith("to be" + tok.decode([z]) * 4)
+    argv = ["--temperature", "0", "--presence-penalty", "1.5", "--frequency-penalty", "0.5",
+            "--logit-bias", f"{tok.encode('e')[0]}:-3"]
+    assert main(BASE + argv) == 0
+    out = capsys.readouterr().out
+    want = list(generate(model, tok.encode("to be"), 4, temperature=0, presence_penalty=1.5,
+                         frequency_penalty=0.5, logit_bias={tok.encode("e")[0]: -3},
+                         stop_tokens=tuple(tok.stop_tokens)))
+    assert out.startswith("to be" + tok.decode(want))
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--presence-penalty", "2.5"], "--presence-penalty must be a number in [-2, 2]"),
+    (["--frequency-penalty", "-3"], "--frequency-penalty must be a number in [-2, 2]"),
+    (["--logit-bias", "5"], "--logit-bias must be ID:BIAS"),
+    (["--logit-bias", "a:1"], "--logit-bias must be ID:BIAS"),
+    (["--logit-bias", "3:500"], "must be a number in [-100, 100]"),
+    (["--logit-bias", "99999:1"], "logit_bias has token id 99999"),
+    (["--num-beams", "2", "--frequency-penalty", "0.5"], "beam search (--num-beams) does not take it"),
+])
+def test_bad_openai_flags_are_refused(trained, capsys, argv, says):
+    _fails(capsys, BASE + argv, says)

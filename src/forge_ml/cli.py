@@ -29,7 +29,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from . import blas as _blas
 from . import flags
@@ -203,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  forge-ml sample --ckpt ~/gpt2 --prompt 'Hello, I am' --top-k 40 --seed 1\n"
                "  forge-ml sample --ckpt ~/gpt2 --prompt 'The' --temperature 0.9 --min-p 0.05 "
                "--repetition-penalty 1.2 --logprobs 3\n"
+               "  forge-ml sample --ckpt ~/gpt2 --prompt 'The' --frequency-penalty 0.5 "
+               "--logit-bias 50256:-100\n"
                "  forge-ml sample --ckpt ~/gpt2 --prompt 'The' --num-beams 4 --num-return-sequences 2 "
                "--max-new-tokens 30\n"
                "  forge-ml sample --ckpt runs/default --prompt-file prompt.txt --num-samples 3")
@@ -225,10 +227,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="penalise tokens already in the context: a positive logit is divided by R, a "
                         "negative one multiplied by R (transformers' rule; > 1 discourages repeats; 1 "
                         "is off, the default)")
+    s.add_argument("--presence-penalty", type=float, metavar="P", default=0.0,
+                   help="OpenAI's presence penalty: P is taken from the logit of every token generated "
+                        "at least once so far (-2..2; > 0 favours new tokens; 0, the default, is off)")
+    s.add_argument("--frequency-penalty", type=float, metavar="F", default=0.0,
+                   help="OpenAI's frequency penalty: F times the number of times a token was generated so "
+                        "far is taken from its logit (-2..2; 0, the default, is off)")
+    s.add_argument("--logit-bias", metavar="ID:BIAS", action="append", default=None,
+                   help="OpenAI's logit bias: add BIAS (-100..100) to token ID's logit before sampling "
+                        "(100 all but forces it, -100 all but bans it); repeat for more tokens")
     s.add_argument("--logprobs", type=int, metavar="N", default=None,
                    help="after the text, each token's log-probability and the N most likely alternatives "
-                        "(of the distribution drawn from: at --temperature and --repetition-penalty, "
-                        "before top-k, top-p and min-p)")
+                        "(of the distribution drawn from: at --temperature, --repetition-penalty and the "
+                        "OpenAI penalties and bias, before top-k, top-p and min-p)")
     s.add_argument("--num-beams", type=int, metavar="K", default=None,
                    help="beam search with K beams (deterministic: refuses the sampling flags "
                         "--temperature, --top-k, --top-p, --min-p and --repetition-penalty but at their "
@@ -726,6 +737,18 @@ def _check_sample_args(args) -> None:
     if args.num_beams is not None and args.logprobs is not None:
         raise ConfigError("--logprobs reports sampled or greedy tokens; beam search (--num-beams) "
                           "scores whole sequences: use one or the other")
+    from .sampling import openai_penalty
+    for flag, name in (("--presence-penalty", "presence_penalty"),
+                       ("--frequency-penalty", "frequency_penalty")):
+        openai_penalty(flag, getattr(args, name), None)
+    args.logit_bias_map = _logit_bias_flags(args.logit_bias)
+    adjusting = [f for f, on in (("--presence-penalty", args.presence_penalty),
+                                 ("--frequency-penalty", args.frequency_penalty),
+                                 ("--logit-bias", args.logit_bias)) if on]
+    if args.num_beams is not None and adjusting:
+        raise ConfigError(f"{' and '.join(adjusting)} {'applies' if len(adjusting) == 1 else 'apply'} "
+                          f"to sampled or greedy tokens; beam search (--num-beams) does not take "
+                          f"{'it' if len(adjusting) == 1 else 'them'}: drop one or the other")
     if args.num_beams is not None and args.repetition_penalty != 1.0:
         raise ConfigError(f"--repetition-penalty applies to sampled or greedy tokens; beam search "
                           f"(--num-beams) does not take it: drop one or the other, got "
@@ -744,6 +767,30 @@ def _check_sample_args(args) -> None:
                           + " ".join(f"{flag} {v}" for flag, v in sampling))
 
 
+def _logit_bias_flags(values) -> Optional[dict]:
+    """``--logit-bias ID:BIAS`` flags (repeated) as ``{id: bias}``; a malformed one is a
+    ConfigError saying the form (the range and the ids are checked with the model).
+
+    >>> _logit_bias_flags(["50256:-100", "11:2.5"])
+    {50256: -100.0, 11: 2.5}
+    """
+    if not values:
+        return None
+    out = {}
+    for v in values:
+        tid, sep, bias = v.partition(":")
+        try:
+            out[int(tid)] = float(bias)
+        except ValueError:
+            raise ConfigError(f"--logit-bias must be ID:BIAS (a token id and a number, e.g. "
+                              f"50256:-100), got {v!r}") from None
+        if not sep:
+            raise ConfigError(f"--logit-bias must be ID:BIAS, got {v!r}")
+    from .sampling import logit_bias_row
+    logit_bias_row(out, None, "--logit-bias")   # the range; the ids with the model
+    return out
+
+
 def _cmd_sample(args) -> int:
     from .errors import ShapeError
     from .inference import load_model
@@ -754,6 +801,8 @@ def _cmd_sample(args) -> int:
     dtype = "bfloat16" if args.dtype in ("bf16", "bfloat16") else "float32"
     model, tok, _ = load_model(args.ckpt, device=args.device, dtype=dtype)
     check_tokenizer_fits(model, tok, args.ckpt)
+    from .sampling import logit_bias_row
+    logit_bias_row(args.logit_bias_map, model.config.vocab_size, "--logit-bias")
     ids = prompt_ids(tok, args.prompt)
     block = model.config.block_size
     what = "--num-beams" if args.num_beams is not None else "--logprobs"   # (with no sliding window)
@@ -805,7 +854,9 @@ def _sample_one(args, model, tok, ids, stop, out, seed: int, head: str) -> None:
     block = model.config.block_size
     detok = _Detok(tok, ids)
     kw = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
-              min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+              min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+              logit_bias=args.logit_bias_map)
     if args.logprobs is not None:    # the batch form reports them; no sliding window past the context
         from .inference import generate
         from .inference.engine import shown_logprob

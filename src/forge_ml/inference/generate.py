@@ -735,11 +735,13 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kwa
 
 
 def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, top_p=None,
-                  seed=0, stop_tokens=(), min_p=None, repetition_penalty=1.0):
+                  seed=0, stop_tokens=(), min_p=None, repetition_penalty=1.0,
+                  presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None):
     """Yield up to ``max_new_tokens`` sampled ids after ``ids`` through ``generate``; once the
     context is full, generation goes on from the last ``block_size // 2`` tokens (a sliding
     window, recomputed), so a sample may be longer than the context. The repetition
-    penalty's context is then the window. A prompt longer than the context starts from its
+    penalty's context is then the window, and the presence and frequency penalties count the
+    tokens generated since the window began. A prompt longer than the context starts from its
     last ``block_size`` tokens (``generate`` refuses it).
 
     >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
@@ -760,12 +762,18 @@ def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, to
     # every argument checked now, at the call (a generator would say it at the first next())
     _check_args(model, [ctx], max_new_tokens, temperature, top_k, top_p, seed, (), None, min_p,
                 repetition_penalty, who="stream_tokens", stop_tokens=stop_tokens)
+    adjust = dict(presence_penalty=openai_penalty("presence_penalty", presence_penalty,
+                                                  "stream_tokens"),
+                  frequency_penalty=openai_penalty("frequency_penalty", frequency_penalty,
+                                                   "stream_tokens"),
+                  logit_bias=logit_bias)
+    logit_bias_row(logit_bias, model.config.vocab_size, "stream_tokens")
     return _stream(model, ctx, int(max_new_tokens), temperature, top_k, top_p, int(seed), stop_tokens, min_p,
-                   repetition_penalty)
+                   repetition_penalty, adjust)
 
 
 def _stream(model, ctx, max_new_tokens, temperature, top_k, top_p, seed, stop_tokens, min_p,
-            repetition_penalty):
+            repetition_penalty, adjust):
     """stream_tokens' generator, its arguments checked."""
     block = model.config.block_size
     made, chunk = 0, 0
@@ -775,7 +783,7 @@ def _stream(model, ctx, max_new_tokens, temperature, top_k, top_p, seed, stop_to
         # each window its own stream, seed + chunk kept in generate's [0, 2**64)
         for t in generate(model, ctx, max_new_tokens - made, temperature=temperature, top_k=top_k,
                           top_p=top_p, seed=(seed + chunk) % (1 << 64), stop_tokens=stop_tokens,
-                          min_p=min_p, repetition_penalty=repetition_penalty):
+                          min_p=min_p, repetition_penalty=repetition_penalty, **adjust):
             yield t
             made += 1
             ctx.append(t)
