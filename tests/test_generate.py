@@ -481,7 +481,10 @@ def test_new_options_on_the_gpu_equal_the_cpu(model):
     prompts = [[3, 1, 4, 1, 5], [9, 2]]
     for kw in (dict(temperature=0, repetition_penalty=1.5, logprobs=3),
                dict(temperature=0, logprobs=2),
-               dict(temperature=0.8, top_k=8, min_p=0.05, repetition_penalty=1.3, logprobs=1)):
+               dict(temperature=0.8, top_k=8, min_p=0.05, repetition_penalty=1.3, logprobs=1),
+               dict(temperature=0.8, presence_penalty=0.9, frequency_penalty=0.6,
+                    logit_bias={4: 2.0, 9: -100}, logprobs=2),
+               dict(temperature=0, frequency_penalty=1.2, logprobs=1)):
         want = [e for s in generate(model, prompts, max_new_tokens=12, seed=4, **kw) for e in s]
         for _ in range(2):                  # the second call replays the captured step
             got = [e for s in generate(gpu, prompts, max_new_tokens=12, seed=4, **kw) for e in s]
@@ -489,6 +492,10 @@ def test_new_options_on_the_gpu_equal_the_cpu(model):
                 [(e.row, e.token, e.finish) for e in want]
             np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in want],
                                        atol=1e-4)
+            # and chained on the device (no logprobs: the sampling kernels, penalize_logits)
+            chained = [e for s in generate(gpu, prompts, max_new_tokens=12, seed=4,
+                                           **{**kw, "logprobs": None}) for e in s]
+            assert [(e.row, e.token) for e in chained] == [(e.row, e.token) for e in want]
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=1e-40), dict(temperature=1.0, repetition_penalty=1e-40),
