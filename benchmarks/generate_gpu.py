@@ -6,7 +6,7 @@ same run.
                                       [--new-tokens 1008] [--prompt-len 16] [--dtype float32|bf16]
                                       [--paths forge,perop,fused,layers,nograph,hf]
                                       [--sampling [--batch 64]
-                                      [--modes greedy,top-k,top-p,min-p,penalty]]
+                                      [--modes greedy,top-k,top-p,min-p,penalty,openai]]
                                       [--rows 1,2,3,4,6,8 [--rows-modes greedy,top-p]]
 
 tokens/s counts new tokens over the end-to-end time (prefill and the CUDA-graph capture
@@ -58,7 +58,7 @@ def main(argv=None):
     ap.add_argument("--sampling", action="store_true",
                     help="also time every sampling mode against greedy at batch 1 and --batch")
     ap.add_argument("--batch", type=int, default=64, help="the larger batch of --sampling")
-    ap.add_argument("--modes", default="greedy,top-k,top-p,min-p,penalty",
+    ap.add_argument("--modes", default="greedy,top-k,top-p,min-p,penalty,openai",
                     help="the sampling modes --sampling times (greedy always)")
     ap.add_argument("--paths", default="forge,perop,fused,nograph,hf",
                     help="what is timed: forge (the default path: layers where it runs), perop (the "
@@ -162,7 +162,11 @@ def main(argv=None):
              "top-k": ("temperature 0.8 + top-k 40", dict(temperature=0.8, top_k=40)),
              "top-p": ("temperature 0.8 + top-p 0.9", dict(temperature=0.8, top_p=0.9)),
              "min-p": ("min-p 0.05", dict(temperature=1.0, min_p=0.05)),
-             "penalty": ("repetition penalty 1.2", dict(temperature=0.8, repetition_penalty=1.2))}
+             "penalty": ("repetition penalty 1.2", dict(temperature=0.8, repetition_penalty=1.2)),
+             # OpenAI's: the server's requests with penalties and a bias (ops.penalize_logits)
+             "openai": ("presence 0.5 + frequency 0.5 + bias", dict(
+                 temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5,
+                 logit_bias={50256 % cfg.vocab_size: -100}))}
     asked = set(a.modes.split(",")) | {"greedy"}
     if not asked <= set(every):
         raise SystemExit(f"--modes takes {', '.join(every)}; got {a.modes!r}")
