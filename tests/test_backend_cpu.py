@@ -62,9 +62,10 @@ def test_capabilities_and_contract():
     from forge_ml.backends import load
     bk = load("cpu")
     assert all(callable(getattr(bk, n)) for n in contract.FUSED)
-    # the sampling rule runs through the host (compose's default is the rule itself); the
-    # layernorm and attention backwards' C kernels sum their gradient's rows as they write them
-    assert bk.composed == ["sample_next"]
+    # the sampling rule and OpenAI's adjustments run through the host (compose's defaults are
+    # sampling.sample_row and sampling.adjusted themselves); the layernorm and attention
+    # backwards' C kernels sum their gradient's rows as they write them
+    assert bk.composed == ["sample_next", "penalize_logits"]
     assert cpu.synchronize() is None
 
 
