@@ -241,8 +241,8 @@ class DecodeStep:
         ``keys[b]`` at counter ``positions[b] + 1``, the position of the token chosen, so a row
         draws what ``generate`` draws at that position with that key. The repetition penalty
         applies to a row's marks on the device, which a step adds the row's chosen token to
-        when some row of it has a penalty (a step with none leaves every mark as it is):
-        ``marks`` (``{row: ids}``) sets those rows' marks to exactly these ids first (a
+        when some row of it has a penalty or an adjustment (below; a step with none leaves
+        every mark as it is): ``marks`` (``{row: ids}``) sets those rows' marks to exactly these ids first (a
         row's prompt when it starts choosing; rows never given marks have none). A row that
         keeps its penalty from its first choice on (as the engine's requests do) has exactly
         its prompt and its chosen tokens marked.
