@@ -96,7 +96,8 @@ def test_openai_penalties_and_logit_bias_flags(trained, capsys):
     (["--logit-bias", "a:1"], "--logit-bias must be ID:BIAS"),
     (["--logit-bias", "3:500"], "must be a number in [-100, 100]"),
     (["--logit-bias", "99999:1"], "logit_bias has token id 99999"),
-    (["--num-beams", "2", "--frequency-penalty", "0.5"], "beam search (--num-beams) does not take it"),
+    (["--num-beams", "2", "--frequency-penalty", "0.5"],
+     "beam search (--num-beams) does not take it"),
 ])
 def test_bad_openai_flags_are_refused(trained, capsys, argv, says):
     _fails(capsys, BASE + argv, says)

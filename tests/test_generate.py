@@ -883,7 +883,8 @@ def test_openai_adjustments_on_the_chain_equal_the_host_path_and_set_the_logprob
     events = [e for s in steps for e in s]
     assert all(e.token != 0 for e in events)
     assert all(dict(e.top_logprobs)[0] < -80 for e in events)
-    other = [[(e.row, e.token) for e in s] for s in generate(model, prompts, **{**kw, "logit_bias": None})]
+    other = [[(e.row, e.token) for e in s]
+             for s in generate(model, prompts, **{**kw, "logit_bias": None})]
     assert other != plain
 
 

@@ -228,18 +228,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "negative one multiplied by R (transformers' rule; > 1 discourages repeats; 1 "
                         "is off, the default)")
     s.add_argument("--presence-penalty", type=float, metavar="P", default=0.0,
-                   help="OpenAI's presence penalty: P is taken from the logit of every token generated "
-                        "at least once so far (-2..2; > 0 favours new tokens; 0, the default, is off)")
+                   help="OpenAI's presence penalty: P is taken from the logit of every token "
+                        "generated at least once so far (-2..2; > 0 favours new tokens; 0, the "
+                        "default, is off)")
     s.add_argument("--frequency-penalty", type=float, metavar="F", default=0.0,
-                   help="OpenAI's frequency penalty: F times the number of times a token was generated so "
-                        "far is taken from its logit (-2..2; 0, the default, is off)")
+                   help="OpenAI's frequency penalty: F times the number of times a token was "
+                        "generated so far is taken from its logit (-2..2; 0, the default, is off)")
     s.add_argument("--logit-bias", metavar="ID:BIAS", action="append", default=None,
-                   help="OpenAI's logit bias: add BIAS (-100..100) to token ID's logit before sampling "
-                        "(100 all but forces it, -100 all but bans it); repeat for more tokens")
+                   help="OpenAI's logit bias: add BIAS (-100..100) to token ID's logit before "
+                        "sampling (100 all but forces it, -100 all but bans it); repeat for more "
+                        "tokens")
     s.add_argument("--logprobs", type=int, metavar="N", default=None,
-                   help="after the text, each token's log-probability and the N most likely alternatives "
-                        "(of the distribution drawn from: at --temperature, --repetition-penalty and the "
-                        "OpenAI penalties and bias, before top-k, top-p and min-p)")
+                   help="after the text, each token's log-probability and the N most likely "
+                        "alternatives (of the distribution drawn from: at --temperature, "
+                        "--repetition-penalty and the OpenAI penalties and bias, before top-k, "
+                        "top-p and min-p)")
     s.add_argument("--num-beams", type=int, metavar="K", default=None,
                    help="beam search with K beams (deterministic: refuses the sampling flags "
                         "--temperature, --top-k, --top-p, --min-p and --repetition-penalty but at their "
@@ -746,9 +749,10 @@ def _check_sample_args(args) -> None:
                                  ("--frequency-penalty", args.frequency_penalty),
                                  ("--logit-bias", args.logit_bias)) if on]
     if args.num_beams is not None and adjusting:
-        raise ConfigError(f"{' and '.join(adjusting)} {'applies' if len(adjusting) == 1 else 'apply'} "
-                          f"to sampled or greedy tokens; beam search (--num-beams) does not take "
-                          f"{'it' if len(adjusting) == 1 else 'them'}: drop one or the other")
+        one = len(adjusting) == 1
+        raise ConfigError(f"{' and '.join(adjusting)} {'applies' if one else 'apply'} to sampled "
+                          f"or greedy tokens; beam search (--num-beams) does not take "
+                          f"{'it' if one else 'them'}: drop one or the other")
     if args.num_beams is not None and args.repetition_penalty != 1.0:
         raise ConfigError(f"--repetition-penalty applies to sampled or greedy tokens; beam search "
                           f"(--num-beams) does not take it: drop one or the other, got "

@@ -1160,9 +1160,9 @@ def sample_next(logits, vocab_size, ids, pos, knobs, keys, seen=None, out=None, 
     top_p, min_p, repetition_penalty; 0, 0, 1, 0, 1 turn each off), its Philox key ``keys[b]``
     (int32 (B, 2)) and the position of the token it chooses, ``pos + 1`` (``pos`` is the
     position fed; the Philox counter: the same seed at the same position draws the same token
-    on every backend). ``seen`` (int32 (B, Vp) or None) marks the tokens the
-    penalty applies to (where not 0: ``forge_ml.sampling.seen_row``'s marks) and gets 2 added
-    at the chosen one (``penalize_logits`` reads the count). The token goes to ``ids`` (and ``out``, row
+    on every backend). ``seen`` (int32 (B, Vp) or None) marks the tokens the penalty applies
+    to (where not 0: ``forge_ml.sampling.seen_row``'s marks) and gets 2 added at the chosen
+    one (``penalize_logits`` reads the count). The token goes to ``ids`` (and ``out``, row
     ``row`` of a (k, B) buffer when given); then ``pos`` (1 or B elements) goes up by one.
     A row whose logit at its (penalised) argmax is not finite gets -1 in ``out``, as
     ``greedy_next`` (a penalty that only overflows finite logits takes the argmax, as

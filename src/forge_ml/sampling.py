@@ -13,6 +13,7 @@ on the model's device, with generate's key for a request's seed.
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 
@@ -132,13 +133,13 @@ def openai_penalty(name: str, value, who: str, error=None) -> float:
 
     >>> openai_penalty("presence_penalty", 0.5, "generate")
     0.5
-    >>> openai_penalty("frequency_penalty", 3, "generate")
+    >>> openai_penalty("frequency_penalty", 3, "generate")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    forge_ml.errors.ConfigError: generate: frequency_penalty must be a number in [-2, 2] (0 is off), got 3
+    forge_ml.errors.ConfigError: generate: frequency_penalty must be a number in [-2, 2] ..., got 3
     """
     from .errors import ConfigError
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    ok = isinstance(value, (numbers.Real, np.integer)) and not isinstance(value, bool)
     if not (ok and -PENALTY_LIMIT <= float(value) <= PENALTY_LIMIT):
         raise (error or ConfigError)(f"{who + ': ' if who else ''}{name} must be a number in "
                                      f"[-2, 2] (0 is off), got {value!r}")
@@ -179,7 +180,7 @@ def logit_bias_row(logit_bias, vocab_size: int, who: str, error=None):
         if not 0 <= int(tid) < (vocab_size if vocab_size is not None else 1 << 62):
             raise err(f"{at}logit_bias has token id {int(tid)}; the ids are 0.."
                       f"{vocab_size - 1 if vocab_size is not None else 'up'}")
-        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+        ok = isinstance(value, (numbers.Real, np.integer)) and not isinstance(value, bool)
         if not (ok and -BIAS_LIMIT <= float(value) <= BIAS_LIMIT):
             raise err(f"{at}logit_bias[{int(tid)}] must be a number in [-100, 100], got "
                       f"{value!r}")

@@ -897,7 +897,8 @@ def test_penalize_logits(bk, rs, with_bias):
     B, V, Vp = 5, 300, 320
     logits = (rs.standard_normal((B, Vp)) * 4).astype(np.float32)
     logits[1, 7], logits[2, 8] = -np.inf, np.nan
-    seen = (rs.integers(0, 2, (B, Vp)) + 2 * rs.integers(0, 5, (B, Vp)) * (rs.random((B, Vp)) < 0.3)).astype(np.int32)
+    counts = rs.integers(0, 5, (B, Vp)) * (rs.random((B, Vp)) < 0.3)
+    seen = (rs.integers(0, 2, (B, Vp)) + 2 * counts).astype(np.int32)
     pen = np.array([[0.5, 0.25], [-1.5, 2.0], [2.0, -0.7], [0.0, 0.0], [1e-3, 1.9]], np.float32)
     bias = (rs.uniform(-100, 100, (B, Vp)) * (rs.random((B, Vp)) < 0.05)).astype(np.float32)
     if not with_bias:

@@ -242,10 +242,10 @@ class DecodeStep:
         draws what ``generate`` draws at that position with that key. The repetition penalty
         applies to a row's marks on the device, which a step adds the row's chosen token to
         when some row of it has a penalty or an adjustment (below; a step with none leaves
-        every mark as it is): ``marks`` (``{row: ids}``) sets those rows' marks to exactly these ids first (a
-        row's prompt when it starts choosing; rows never given marks have none). A row that
-        keeps its penalty from its first choice on (as the engine's requests do) has exactly
-        its prompt and its chosen tokens marked.
+        every mark as it is): ``marks`` (``{row: ids}``) sets those rows' marks to exactly
+        these ids first (a row's prompt when it starts choosing; rows never given marks have
+        none). A row that keeps its penalty from its first choice on (as the engine's requests
+        do) has exactly its prompt and its chosen tokens marked.
         ``vocab_size``: the ids that may be chosen (default the model's). ``penalties``
         ((B, 2): each row's OpenAI presence and frequency penalty, over the times the row chose
         each id since its marks were set) and ``bias`` (``{row: (vocab_size,) float32 logit

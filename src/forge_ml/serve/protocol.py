@@ -6,8 +6,9 @@ list and error bodies.
 or out of range, a malformed prompt. ``presence_penalty`` and ``frequency_penalty`` (in
 [-2, 2]) and ``logit_bias`` (an object of token ids, as strings, to biases in [-100, 100])
 are OpenAI's (``forge_ml.sampling.adjusted``). OpenAI fields this server cannot honour
-(``best_of`` other than ``n``, a ``suffix``) are refused the same way rather than ignored. Extra fields, as vLLM takes them: ``top_k`` (0 or -1 off),
-``min_p``, ``repetition_penalty``, ``ignore_eos``.
+(``best_of`` other than ``n``, a ``suffix``) are refused the same way rather than ignored.
+Extra fields, as vLLM takes them: ``top_k`` (0 or -1 off), ``min_p``, ``repetition_penalty``,
+``ignore_eos``.
 
 >>> r = parse_completion({"model": "m", "prompt": "Hi", "max_tokens": 5, "stop": "\\n"})
 >>> r.prompt, r.max_tokens, r.stop, r.temperature

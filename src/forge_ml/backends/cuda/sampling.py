@@ -3,7 +3,8 @@
 rule of ``forge_ml.sampling.sample_row``), each written into the next step's ids (and a
 chain's token buffer) with the position advanced, so that captured steps chain without the
 host; ``penalize_logits``, OpenAI's presence and frequency penalties and logit bias applied
-to the logits before ``sample_next`` (``forge_ml.sampling.adjusted``, one element a thread). Kernels: greedy.cu, sample.cu (the row staged in shared memory where it fits,
+to the logits before ``sample_next`` (``forge_ml.sampling.adjusted``, one element a thread).
+Kernels: greedy.cu, sample.cu (the row staged in shared memory where it fits,
 ``sample_next_smem_f32``; else ``sample_next_f32``, every pass over global memory;
 ``sample_next_cluster_f32``, a thread-block cluster of 8 blocks a row, each with an eighth of
 it staged, for batches of up to 16 rows on Hopper; ``sample_advance_pos``, a position shared
