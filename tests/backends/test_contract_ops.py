@@ -921,7 +921,9 @@ def test_penalize_logits(bk, rs, with_bias):
         z = dev(bk, logits)
         fn(z, V, dev(bk, seen), dev(bk, pen), None if bias is None else dev(bk, bias))
         got = np.asarray(bk.to_host(z), np.float32)
-        assert got[:, :V].tobytes() == want[:, :V].tobytes(), how
+        nan = np.isnan(want[:, :V])        # (a GPU's NaN has its own payload: NaN is enough)
+        assert (np.isnan(got[:, :V]) == nan).all(), how
+        assert got[:, :V][~nan].tobytes() == want[:, :V][~nan].tobytes(), how
         assert (got[:, V:] == logits[:, V:]).all(), how   # the padding untouched
 
 
