@@ -94,7 +94,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
@@ -487,7 +487,7 @@ def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1
     bias = logit_bias_row(logit_bias, model.config.vocab_size, "generate")
     choice = _Choice(float(temperature), _int_or_none(top_k), _float_or_none(top_p),
                      _float_or_none(min_p), float(repetition_penalty), _int_or_none(logprobs),
-                     presence, frequency, None if bias is None else tuple(bias.tolist()))
+                     presence, frequency, bias)
     steps = _steps(model, rows, max_new_tokens, choice, seed, frozenset(stop_tokens),
                    stop_strings, tokenizer)
     if single:
@@ -507,7 +507,8 @@ class _Choice:
     logprobs: Optional[int]
     presence: float = 0.0
     frequency: float = 0.0
-    bias: Optional[tuple] = None    # the dense logit-bias row (vocab_size floats), or None
+    # the dense logit-bias row (float32 (vocab_size,), read only), or None
+    bias: Optional[np.ndarray] = field(default=None, compare=False)
 
     @property
     def adjusts(self) -> bool:
@@ -543,7 +544,7 @@ class _Choice:
 
     def biases(self, B: int):
         """The (B, vocab_size) logit-bias rows of ``DecodeStep``'s adjustments, or None."""
-        return None if self.bias is None else np.tile(np.array(self.bias, np.float32), (B, 1))
+        return None if self.bias is None else np.tile(self.bias, (B, 1))
 
     def __call__(self, logits, prompt, generated, key, position) -> tuple:
         """``(token, logprob, top_logprobs)`` for one row; the last two None without logprobs.
@@ -554,8 +555,7 @@ class _Choice:
         z32 = np.asarray(logits, np.float32).reshape(-1)                      # (V,)
         seen = seen_row(prompt, generated, z32.shape[0]) if self.marks else None
         if self.adjusts:
-            z32 = adjusted(z32, seen, self.presence, self.frequency,
-                           None if self.bias is None else np.array(self.bias, np.float32))
+            z32 = adjusted(z32, seen, self.presence, self.frequency, self.bias)
         tok = sample_row(z32, self.knobs(), key, position,
                          seen if self.repetition_penalty != 1.0 else None)
         if self.logprobs is None:
