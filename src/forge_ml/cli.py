@@ -245,8 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "top-p and min-p)")
     s.add_argument("--num-beams", type=int, metavar="K", default=None,
                    help="beam search with K beams (deterministic: refuses the sampling flags "
-                        "--temperature, --top-k, --top-p, --min-p and --repetition-penalty but at their "
-                        "off values, --temperature 0 being greedy)")
+                        "--temperature, --top-k, --top-p, --min-p, --repetition-penalty and the "
+                        "OpenAI penalties and bias but at their off values, --temperature 0 "
+                        "being greedy)")
     s.add_argument("--length-penalty", type=float, metavar="L", default=1.0,
                    help="with --num-beams: scores are divided by length**L (> 0 favours longer sequences; "
                         "default 1.0)")
