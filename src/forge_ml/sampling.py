@@ -126,6 +126,11 @@ PENALTY_LIMIT = 2.0     # OpenAI's range for presence_penalty and frequency_pena
 BIAS_LIMIT = 100.0     # and for a logit_bias value: [-100, 100]
 
 
+def _is_real(value) -> bool:
+    """A real number (NumPy's too), not a bool."""
+    return isinstance(value, (numbers.Real, np.integer)) and not isinstance(value, bool)
+
+
 def openai_penalty(name: str, value, who: str, error=None) -> float:
     """A presence or frequency penalty checked as OpenAI's API takes it: a number in [-2, 2]
     (0 is off); else ``error`` (default ConfigError; called with the message) naming ``who``
@@ -139,8 +144,7 @@ def openai_penalty(name: str, value, who: str, error=None) -> float:
     forge_ml.errors.ConfigError: generate: frequency_penalty must be a number in [-2, 2] ..., got 3
     """
     from .errors import ConfigError
-    ok = isinstance(value, (numbers.Real, np.integer)) and not isinstance(value, bool)
-    if not (ok and -PENALTY_LIMIT <= float(value) <= PENALTY_LIMIT):
+    if not (_is_real(value) and -PENALTY_LIMIT <= float(value) <= PENALTY_LIMIT):
         raise (error or ConfigError)(f"{who + ': ' if who else ''}{name} must be a number in "
                                      f"[-2, 2] (0 is off), got {value!r}")
     return float(value)
@@ -180,8 +184,7 @@ def logit_bias_row(logit_bias, vocab_size: int, who: str, error=None):
         if not 0 <= int(tid) < (vocab_size if vocab_size is not None else 1 << 62):
             raise err(f"{at}logit_bias has token id {int(tid)}; the ids are 0.."
                       f"{vocab_size - 1 if vocab_size is not None else 'up'}")
-        ok = isinstance(value, (numbers.Real, np.integer)) and not isinstance(value, bool)
-        if not (ok and -BIAS_LIMIT <= float(value) <= BIAS_LIMIT):
+        if not (_is_real(value) and -BIAS_LIMIT <= float(value) <= BIAS_LIMIT):
             raise err(f"{at}logit_bias[{int(tid)}] must be a number in [-100, 100], got "
                       f"{value!r}")
         pairs[int(tid)] = float(value)

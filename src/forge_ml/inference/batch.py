@@ -54,7 +54,7 @@ import numpy as np
 
 from .. import flags, graph, ops
 from ..errors import CaptureError, ConfigError
-from ..sampling import knobs_row
+from ..sampling import knobs_row, logit_bias_row
 from ..tensor import device_has, tensor
 from .decode import DecodeStep, KVCache, model_check, nonfinite_error
 from .engine import (EngineClosedError, RequestError, SamplingParams, Stream, TokenOut,
@@ -212,10 +212,9 @@ class BatchEngine:
         self._knobs = np.tile(np.array(_GREEDY, np.float32), (slots, 1))   # per slot
         self._keys = np.zeros((slots, 2), np.int64)
         # OpenAI's adjustments per slot (0 and no bias while a slot is idle or in its prompt):
-        # presence and frequency penalties, the slots whose logit-bias row is set on the
-        # device, and the rows to write at the next launch ({slot: row or None})
+        # presence and frequency penalties, and the logit-bias rows to write at the next
+        # launch ({slot: row, or None to clear it}; the step keeps which rows it holds)
         self._pen = np.zeros((slots, 2), np.float32)
-        self._biased: set = set()
         self._bias_next: dict = {}
         # one step on token 0 (every slot idle: each is rewritten when a request takes it):
         # a model whose logits are NaN or inf is refused here, not served as id 0 at every step
@@ -444,22 +443,17 @@ class BatchEngine:
                 self._knobs[s] = rq.knobs if choosing else _GREEDY
                 rq.choosing = choosing
                 self._pen[s] = rq.penalties if choosing else (0.0, 0.0)
-                if choosing and rq.params.logit_bias:
-                    row = np.zeros(self.vocab_size, np.float32)
-                    ids, values = zip(*rq.params.logit_bias)
-                    row[list(ids)] = values
-                    self._bias_next[s] = row
+                if choosing and rq.params.logit_bias:   # (its ids checked at submit)
+                    self._bias_next[s] = logit_bias_row(dict(rq.params.logit_bias),
+                                                        self.vocab_size, "BatchEngine")
             if rq.seen is not None and not rq.marked and choosing:
                 # it chooses its first token at this step: its marks are its prompt's (the
                 # device marked its prefill steps' ignored choices; those go here)
                 marks[s] = rq.prompt
                 rq.marked = True
-        adjusting = bool(self._pen.any() or self._biased or self._bias_next)
         bias, self._bias_next = self._bias_next, {}
-        for s, row in bias.items():
-            (self._biased.add if row is not None else self._biased.discard)(s)
         self._launch(tokens, positions, self._knobs, self._keys, marks, self.vocab_size,
-                     self._pen if adjusting else None, bias)
+                     self._pen if self._pen.any() else None, bias)
         return batch
 
     def _free(self, s: int) -> None:
@@ -468,8 +462,7 @@ class BatchEngine:
         self._active[s] = None
         self._knobs[s] = _GREEDY
         self._pen[s] = 0.0
-        if s in self._biased or s in self._bias_next:
-            self._bias_next[s] = None
+        self._bias_next[s] = None   # (a row the step holds no bias for: nothing to do)
 
     def _collect_step(self, batch: list) -> list:
         """The launched step's results for its slots' requests: their state moves on, the

@@ -173,6 +173,7 @@ class DecodeStep:
         self._sent = None      # the host values last written into them
         self._seen = self._seen_buf = None  # sample(): the penalty's seen tokens (B, Vp)
         self._pen = None       # (B, 2) presence and frequency penalties (ops.penalize_logits)
+        self._pen_sent = None  # the host values last written into it
         self._bias = None      # (B, Vp) float32 logit bias rows
         self._adjust = None    # sample() / choose(): (penalties, bias or None) or None
         self._biased = set()   # rows_launch(): the rows whose logit bias is not all 0
@@ -341,21 +342,22 @@ class DecodeStep:
             self._bias_buffers()
             ops.assign(self._bias, full, row=int(b))
             self._biased.add(int(b))
-        if penalties is not None:
-            pen = np.asarray(penalties, np.float32)
-            if pen.shape != (B, 2) or not np.isfinite(pen).all():
-                raise ShapeError(f"{who}: penalties must be ({B}, 2) finite (presence, "
-                                 f"frequency) rows, got {pen.shape}")
-            self._bias_buffers()
-            ops.assign(self._pen, pen)
-            on = bool(pen.any())
-        else:
-            on = False
-            if self._pen is not None and self._biased:
-                ops.assign(self._pen, np.zeros((B, 2), np.float32))
+        on = self._put_penalties(_checked_penalties(who, penalties, B))
         if (on or self._biased) and self._seen_buf is None:
             self._seen_buf = zeros((B, Vp), "int32", self.device)
         return on or bool(self._biased)
+
+    def _put_penalties(self, pen: np.ndarray) -> bool:
+        """Checked (B, 2) penalties into the device's buffer, copied only where they differ
+        from the values last written (the engine's every step while its requests stay) and
+        never while all of them are 0 and none were written; returns whether any is not 0."""
+        on = bool(pen.any())
+        if (on or self._pen is not None) and (self._pen_sent is None
+                                              or not np.array_equal(pen, self._pen_sent)):
+            self._bias_buffers()
+            ops.assign(self._pen, pen)
+            self._pen_sent = pen.copy()
+        return on
 
     def _bias_buffers(self) -> None:
         """The penalties' and the logit bias's device buffers, made at their first use."""
@@ -521,17 +523,13 @@ class DecodeStep:
         if seen is not None and np.shape(seen) != (B, V):
             raise ShapeError(f"DecodeStep: seen must be ({B}, {V}) marks (None: no "
                              f"penalty), got {np.shape(seen)}")
-        if penalties is not None:
-            penalties = np.asarray(penalties, np.float32)
-            if penalties.shape != (B, 2) or not np.isfinite(penalties).all():
-                raise ShapeError(f"DecodeStep: penalties must be ({B}, 2) finite (presence, "
-                                 f"frequency) rows, got {penalties.shape}")
+        penalties = _checked_penalties("DecodeStep", penalties, B)
         if bias is not None:
             bias = np.asarray(bias, np.float32)
             if bias.shape != (B, V) or not np.isfinite(bias).all():
                 raise ShapeError(f"DecodeStep: bias must be ({B}, {V}) finite logit biases, "
                                  f"got {bias.shape}")
-        adjust = (penalties is not None and bool(penalties.any())) or bias is not None
+        adjust = bool(penalties.any()) or bias is not None
         if adjust and seen is None:
             seen = np.zeros((B, V), np.int32)
         knobs = knobs.reshape(B, 5)
@@ -562,7 +560,7 @@ class DecodeStep:
         if adjust:
             Vp = self.model.config.padded_vocab_size
             self._bias_buffers()
-            ops.assign(self._pen, np.zeros((B, 2), np.float32) if penalties is None else penalties)
+            self._put_penalties(penalties)
             if bias is not None:
                 full = np.zeros((B, Vp), np.float32)
                 full[:, :V] = bias
@@ -680,6 +678,18 @@ class DecodeStep:
             raise ShapeError(f"DecodeStep: token ids must be in 0..{V - 1}, got "
                              f"{int(tokens.min())}..{int(tokens.max())}")
         return tokens
+
+
+def _checked_penalties(who: str, penalties, B: int) -> np.ndarray:
+    """``penalties`` ((B, 2) finite presence and frequency rows, or None for all 0) as
+    float32; anything else is a ShapeError naming ``who``."""
+    if penalties is None:
+        return np.zeros((B, 2), np.float32)
+    pen = np.asarray(penalties, np.float32)
+    if pen.shape != (B, 2) or not np.isfinite(pen).all():
+        raise ShapeError(f"{who}: penalties must be ({B}, 2) finite (presence, frequency) "
+                         f"rows, got {pen.shape}")
+    return pen
 
 
 def _is_int(x) -> bool:
