@@ -312,3 +312,45 @@ def test_numpy_reads_a_bfloat16_tensor_as_float32_as_numpy_does():
     assert a.dtype == np.float32 and a.tolist() == [1.5, -2.0]
     with pytest.raises(ValueError, match="copy"):
         np.array(t, copy=False)
+
+
+def test_dtype_none_is_the_default_or_an_error_never_float64():
+    """``dtype=None`` went through np.dtype(None), which is float64: zeros and full gave float64
+    tensors and ``t.to(None)`` turned int64 ids into float64. Now the factories take None as
+    their default (float32) and ``to`` and ``dtype.get`` refuse it."""
+    assert fm.zeros((2,), dtype=None).dtype == fm.float32
+    assert fm.full((2,), 1.0, dtype=None).dtype == fm.float32
+    with pytest.raises(fm.DTypeError, match="expected a dtype .* got None"):
+        fm.dtype.get(None)
+    ids = fm.tensor([1, 2])
+    with pytest.raises(fm.DeviceError, match="expected a device .* or a dtype .* got None"):
+        ids.to(None)
+    assert ids.dtype == fm.int64
+
+
+def test_a_host_allocation_too_large_is_an_out_of_memory_error_saying_what_was_asked():
+    """NumPy's own MemoryError (and its ValueError for a size past the address space) came out
+    of the CPU backend raw; it is forge-ml's OutOfMemoryError now, still a MemoryError, naming
+    the op, NumPy's account of the size and the host's free memory."""
+    cases = [("zeros", lambda: fm.zeros((10 ** 6, 10 ** 6)), "3.64 TiB"),
+             ("zeros", lambda: fm.zeros((2 ** 62, 4)), "array is too big"),
+             ("full", lambda: fm.full((10 ** 6, 10 ** 6), 1.0), "3.64 TiB")]
+    for op, make, said in cases:
+        with pytest.raises(fm.OutOfMemoryError) as e:
+            make()
+        assert isinstance(e.value, MemoryError)
+        assert str(e.value).startswith(f"out of host memory: {op} ") and said in str(e.value)
+        assert "free" in str(e.value)
+    # a kernel's own output: the backend's function is guarded, not only the factories
+    from forge_ml.backends import load
+    with pytest.raises(fm.OutOfMemoryError, match="out of host memory: matmul "):
+        load("cpu").matmul(np.zeros((1, 1), np.float32), np.lib.stride_tricks.as_strided(
+            np.zeros(1, np.float32), (1, 10 ** 12), (0, 0)))
+
+
+def test_ones_like_names_what_it_was_given():
+    with pytest.raises(fm.DTypeError, match="ones_like: expected a forge_ml Tensor, got list"):
+        fm.ones_like([1, 2])
+    from forge_ml.models import GPT2Config
+    with pytest.raises(fm.ConfigError, match="from_dict: expected a dict .* got NoneType"):
+        GPT2Config.from_dict(None)

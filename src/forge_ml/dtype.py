@@ -46,13 +46,16 @@ INTS = (int32, int64)
 
 
 def get(d) -> DType:
-    """Turn a DType, a name ("float32", "bf16") or a NumPy dtype into a DType.
+    """Turn a DType, a name ("float32", "bf16") or a NumPy dtype into a DType; None is an
+    error (NumPy would read it as float64).
 
     >>> get("bf16").name
     'bfloat16'
     """
     if isinstance(d, DType):
         return d
+    if d is None:   # np.dtype(None) is float64: never a silent choice
+        raise DTypeError(f"expected a dtype (one of {sorted(ALL)}), got None")
     if isinstance(d, str):
         name = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32",
                 "fp64": "float64", "f64": "float64"}.get(d, d)

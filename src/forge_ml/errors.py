@@ -81,6 +81,34 @@ class OutOfMemoryError(DeviceError, MemoryError):
     """
 
 
+def host_out_of_memory(op: str, e: BaseException) -> Optional[OutOfMemoryError]:
+    """The OutOfMemoryError for NumPy's failed host allocation ``e`` in ``op`` (its
+    MemoryError, or the ValueError of a size past the address space), saying what was asked
+    and how much memory is free; None where ``e`` is not such a failure.
+
+    >>> import numpy as np
+    >>> try:
+    ...     np.zeros((2 ** 62, 4))
+    ... except ValueError as e:
+    ...     print(str(host_out_of_memory("zeros", e))[:44])
+    out of host memory: zeros asked for an array
+    """
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    too_big = ("array is too big", "Maximum allowed size")   # NumPy's words for past the space
+    if not (isinstance(e, MemoryError) or isinstance(e, ValueError) and msg.startswith(too_big)):
+        return None
+    if isinstance(e, OutOfMemoryError):
+        return e
+    try:
+        import os
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        room = f"{free / 2 ** 30:,.1f} GiB of the host's memory are free"
+    except (ValueError, OSError, AttributeError):
+        room = "the free amount is unknown"
+    return OutOfMemoryError(f"out of host memory: {op} asked for an array NumPy could not allocate "
+                            f"({msg}); {room}. Use a smaller batch, sequence length or model")
+
+
 class CompileError(DeviceError):
     """A CUDA kernel failed to compile; the message carries the NVRTC log.
 

@@ -22,7 +22,7 @@ import numpy as np
 from . import dtype as _dt
 from .backends import get as _backend
 from .device import Device
-from .errors import DeviceError, DTypeError, ShapeError
+from .errors import DeviceError, DTypeError, ShapeError, host_out_of_memory
 
 _BACKENDS: dict = {}
 
@@ -180,8 +180,9 @@ class Tensor:
         from .backends import names
         is_device = isinstance(target, Device) or (
             isinstance(target, str) and target.strip().lower().split(":")[0] in names())
-        if isinstance(target, str) and not is_device:
-            if target not in _dt.ALL and target not in ("bf16", "fp32", "f32", "fp64", "f64"):
+        if target is None or (isinstance(target, str) and not is_device):
+            aliases = ("bf16", "fp32", "f32", "fp64", "f64")
+            if target is None or (target not in _dt.ALL and target not in aliases):
                 raise DeviceError(f"to: expected a device ({', '.join(names())}, 'cuda:N') or a "
                                   f"dtype ({', '.join(sorted(_dt.ALL))}), got {target!r}")
         if not is_device:
@@ -424,14 +425,15 @@ def from_numpy(a: np.ndarray, device="cpu") -> Tensor:
 
 
 def zeros(shape, dtype="float32", device="cpu") -> Tensor:
-    """A tensor of zeros.
+    """A tensor of zeros (``dtype=None``: float32, the default).
 
-    >>> float(zeros((2, 3)).numpy().sum())
-    0.0
+    >>> float(zeros((2, 3)).numpy().sum()), zeros((1,), dtype=None).dtype
+    (0.0, forge_ml.float32)
     """
     shape = _shape("zeros", shape)
     dev = Device.parse(device)
-    return Tensor(backend_of(dev).zeros(shape, _dt.get(dtype).name), dev)
+    dt = _dt.float32 if dtype is None else _dt.get(dtype)
+    return Tensor(backend_of(dev).zeros(shape, dt.name), dev)
 
 
 def _shape(op: str, shape) -> tuple:
@@ -476,17 +478,23 @@ def _check_fits(a: np.ndarray, dt, what: str) -> None:
 
 
 def full(shape, value, dtype="float32", device="cpu") -> Tensor:
-    """A tensor filled with ``value``.
+    """A tensor filled with ``value`` (``dtype=None``: float32, the default).
 
     >>> full((2,), 3.0).numpy().tolist()
     [3.0, 3.0]
     """
-    dt = _dt.get(dtype)
+    dt = _dt.float32 if dtype is None else _dt.get(dtype)
     if not isinstance(value, numbers.Number) or isinstance(value, complex):
         raise DTypeError(f"full: value must be a number, got {type(value).__name__} {value!r:.40}")
     # an integer dtype: the value as NumPy reads it, so that tensor() checks it (NaN, range)
-    host = np.full(_shape("full", shape), value, dtype=np.float32 if dt.name == "bfloat16" else
-                   dt.name if dt.is_float else None)
+    try:
+        host = np.full(_shape("full", shape), value, dtype=np.float32 if dt.name == "bfloat16"
+                       else dt.name if dt.is_float else None)
+    except (MemoryError, ValueError) as e:
+        oom = host_out_of_memory("full", e)
+        if oom is None:
+            raise
+        raise oom from None
     return tensor(host, dtype=dt, device=device)
 
 
@@ -496,6 +504,9 @@ def ones_like(t: Tensor) -> Tensor:
     >>> ones_like(zeros((2,), "float64")).numpy().tolist(), ones_like(zeros((1,))).dtype
     ([1.0, 1.0], forge_ml.float32)
     """
+    if not isinstance(t, Tensor):
+        raise DTypeError(f"ones_like: expected a forge_ml Tensor, got {type(t).__name__} "
+                         "(fm.tensor(x) makes one)")
     return full(t.shape, 1.0, t.dtype, t.device)
 
 

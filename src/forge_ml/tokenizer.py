@@ -458,7 +458,10 @@ class GPT2Tokenizer:
 
     ``encode(text)`` treats the literal string ``"<|endoftext|>"`` as ordinary text, so a corpus
     that happens to quote it cannot inject document boundaries; pass ``allowed_special=True``
-    (or ``{"<|endoftext|>"}``) to turn it into the special token 50256.
+    (or ``{"<|endoftext|>"}``) to turn it into the special token 50256. A lone surrogate
+    (a str that is not valid Unicode, such as ``"\\ud83d"``) has no UTF-8 bytes: it is
+    encoded as U+FFFD, the replacement character, as tiktoken's GPT-2 encoding takes it (a
+    round trip gives "\\ufffd" there).
 
     >>> tok = GPT2Tokenizer()
     >>> tok.encode("Hello world")

@@ -23,7 +23,7 @@ import functools
 import importlib
 from typing import Callable, Dict
 
-from ..errors import DeviceError
+from ..errors import DeviceError, host_out_of_memory
 from . import compose, contract
 
 _LOADERS: Dict[str, Callable] = {}
@@ -57,6 +57,11 @@ class Backend:
             setattr(self, cap, bool(getattr(module, cap.upper(), default)))
         for n in contract.OPTIONAL + contract.GRAPH:
             setattr(self, n, getattr(module, n, None))
+        if self.host_memory:   # NumPy's failed allocations: forge_ml's OutOfMemoryError
+            for n in contract.MEMORY + contract.CORE + contract.FUSED + contract.OPTIONAL:
+                fn = getattr(self, n, None)
+                if callable(fn):
+                    setattr(self, n, _host_guarded(n, fn))
         if self.graphs and not callable(self.capture_graph):
             raise DeviceError(f"backend {name!r} says it captures graphs but has no capture_graph")
         lacking = [n for n in contract.GRAPH if not callable(getattr(self, n))]
@@ -69,6 +74,21 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<forge-ml backend {self.name!r}>"
+
+
+def _host_guarded(op: str, fn: Callable) -> Callable:
+    """``fn`` with NumPy's out-of-memory failures raised as OutOfMemoryError (which is still a
+    MemoryError) saying what was asked and what is free."""
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (MemoryError, ValueError) as e:
+            oom = host_out_of_memory(op, e)
+            if oom is None or oom is e:
+                raise
+            raise oom from None
+    return guarded
 
 
 def register(name: str, loader: Callable) -> None:

@@ -23,6 +23,7 @@ import dataclasses
 import math
 import numbers
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -99,6 +100,9 @@ class GPT2Config(KnownFields):
         ...
         forge_ml.errors.ConfigError: GPT2Config: unknown key 'n_layers' (did you mean 'n_layer'?)
         """
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"GPT2Config.from_dict: expected a dict of its fields, got "
+                              f"{type(d).__name__}")
         return cls(**d)   # (an unknown key: __new__'s ConfigError)
 
     def to_dict(self) -> dict:
