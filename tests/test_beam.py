@@ -269,3 +269,21 @@ def test_one_beam_on_nan_logits_names_beam_search():
     m.params["wpe.weight"].data[3, :] = np.nan
     with pytest.raises(ModelError, match=r"^beam_search: the model's logits"):
         beam_search(m, [1, 2], max_new_tokens=4, num_beams=1)
+
+
+def test_length_penalties_past_floats_range_score_instead_of_crashing(pair, eos):
+    """``generated_length ** length_penalty`` overflowed (OverflowError at 400) or underflowed
+    to 0 (ZeroDivisionError at -400 with early stopping): `forge-ml sample --num-beams 2
+    --length-penalty 400` ended in a traceback. The quotient is now taken at its limit: -0.0
+    past the top, -inf under the bottom; the search runs to an answer of the asked size."""
+    assert beam._normalised(-3.0, 5, 1.0) == -3.0 / 5
+    assert beam._normalised(-3.0, 5, 2.5) == -3.0 / 5 ** 2.5       # transformers' formula
+    assert str(beam._normalised(-3.0, 5, 1e308)) == "-0.0"
+    assert beam._normalised(-3.0, 5, -1e308) == -np.inf
+    assert beam._normalised(0.0, 5, -1e308) == 0.0
+    ours, _ = pair
+    for lp, early in ((400.0, False), (-400.0, True), (1e308, "never"), (-1e308, False)):
+        seqs, scores = beam_search(ours, PROMPT, 6, 2, length_penalty=lp,
+                                   early_stopping=early, eos_token_id=eos, num_return_sequences=2)
+        assert len(seqs) == 2 and all(s for s in seqs), (lp, early)
+        assert all(s <= 0 for s in scores) and scores == sorted(scores, reverse=True)

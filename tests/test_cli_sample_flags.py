@@ -96,6 +96,10 @@ def test_openai_penalties_and_logit_bias_flags(trained, capsys):
     (["--logit-bias", "a:1"], "--logit-bias must be ID:BIAS"),
     (["--logit-bias", "3:500"], "must be a number in [-100, 100]"),
     (["--logit-bias", "99999:1"], "logit_bias has token id 99999"),
+    (["--logit-bias=-1:1"], "token id -1; token ids are 0 or more"),
+    (["--logit-bias", "1_0:1"], "--logit-bias must be ID:BIAS"),     # int() reads it as 10
+    (["--logit-bias", "\u0663:1"], "--logit-bias must be ID:BIAS"),   # an Arabic-Indic 3
+    (["--logit-bias", "5:1", "--logit-bias", "5:-1"], "gives token 5 twice"),
     (["--num-beams", "2", "--frequency-penalty", "0.5"],
      "beam search (--num-beams) does not take it"),
 ])

@@ -525,8 +525,11 @@ def test_prompts_as_integer_tensors():
     assert batch == want
     with pytest.raises(ShapeError, match="one prompt"):
         list(stream_tokens(model, [[1, 2], [3, 4]], 2))
-    with pytest.raises(ShapeError, match="prompts must be"):
+    with pytest.raises(ShapeError, match="token ids .*got a float32 Tensor"):
         list(generate(model, fm.tensor([1.0, 2.0]), max_new_tokens=2))
+    # stream_tokens' errors name stream_tokens (its empty prompt said "generate:")
+    with pytest.raises(ShapeError, match="^stream_tokens: the prompt is empty"):
+        list(stream_tokens(model, [], 2))
 
 
 def test_numpy_integer_max_new_tokens(model):

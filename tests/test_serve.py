@@ -403,6 +403,15 @@ BAD = [
     ({"prompt": "ab " * 10_000}, 413, None),
     (b'{"prompt": "ab", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),   # said Python's hint
     ({"prompt": ["ab"] * 257}, 400, "prompt"),                 # too many prompts: named n
+    # 500s of a QA pass: keys that passed a digit test but not int() ...
+    ({"prompt": "ab", "max_tokens": 1, "logit_bias": {"--5": 1}}, 400, "logit_bias"),
+    ({"prompt": "ab", "max_tokens": 1, "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
+    ({"prompt": "ab", "max_tokens": 1, "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),
+    # ... and integers past float's range in the number fields (OverflowError)
+    ({"prompt": "ab", "max_tokens": 1, "temperature": 10 ** 400}, 400, "temperature"),
+    ({"prompt": "ab", "max_tokens": 1, "top_p": -10 ** 400}, 400, "top_p"),
+    ({"prompt": "ab", "max_tokens": 1, "presence_penalty": 10 ** 400}, 400, "presence_penalty"),
+    ({"prompt": "ab", "max_tokens": 1, "logit_bias": {"3": 10 ** 400}}, 400, "logit_bias"),
 ]
 
 

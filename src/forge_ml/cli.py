@@ -781,17 +781,22 @@ def _logit_bias_flags(values) -> Optional[dict]:
     """
     if not values:
         return None
+    from .sampling import logit_bias_row, token_id_key
     out = {}
     for v in values:
-        tid, sep, bias = v.partition(":")
+        key, sep, bias = v.partition(":")
+        tid = token_id_key(key)
         try:
-            out[int(tid)] = float(bias)
+            if tid is None or not sep:
+                raise ValueError
+            out_bias = float(bias)
         except ValueError:
             raise ConfigError(f"--logit-bias must be ID:BIAS (a token id and a number, e.g. "
                               f"50256:-100), got {v!r}") from None
-        if not sep:
-            raise ConfigError(f"--logit-bias must be ID:BIAS, got {v!r}")
-    from .sampling import logit_bias_row
+        if tid in out:
+            raise ConfigError(f"--logit-bias gives token {tid} twice ({out[tid]:g} and "
+                              f"{out_bias:g}); give each id once")
+        out[tid] = out_bias
     logit_bias_row(out, None, "--logit-bias")   # the range; the ids with the model
     return out
 

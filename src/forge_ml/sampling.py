@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
+from typing import Optional
 
 import numpy as np
 
@@ -124,11 +126,33 @@ def adjusted(z, seen, presence: float = 0.0, frequency: float = 0.0, bias=None) 
 
 PENALTY_LIMIT = 2.0     # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 BIAS_LIMIT = 100.0     # and for a logit_bias value: [-100, 100]
+_DECIMAL = re.compile(r"-?[0-9]+")   # a logit_bias key's string form (ASCII digits only)
 
 
-def _is_real(value) -> bool:
-    """A real number (NumPy's too), not a bool."""
-    return isinstance(value, (numbers.Real, np.integer)) and not isinstance(value, bool)
+def is_real(value) -> bool:
+    """A real number (NumPy's too) that a float holds, not a bool and not a NaN; infinities
+    pass (each knob's range says). An int past float's range is not one: ``float()`` and
+    ``math.isfinite`` raise OverflowError on it, so each check of a knob's range starts here.
+
+    >>> is_real(0.5), is_real(np.int64(3)), is_real(True), is_real(float("nan")), is_real(10 ** 400)
+    (True, True, False, False, False)
+    """
+    if not isinstance(value, (numbers.Real, np.integer)) or isinstance(value, (bool, np.bool_)):
+        return False
+    try:
+        v = float(value)
+    except OverflowError:
+        return False
+    return v == v
+
+
+def is_finite(value) -> bool:
+    """``is_real`` and finite.
+
+    >>> is_finite(1e308), is_finite(float("inf")), is_finite("1")
+    (True, False, False)
+    """
+    return is_real(value) and math.isfinite(float(value))
 
 
 def openai_penalty(name: str, value, who: str, error=None) -> float:
@@ -144,10 +168,25 @@ def openai_penalty(name: str, value, who: str, error=None) -> float:
     forge_ml.errors.ConfigError: generate: frequency_penalty must be a number in [-2, 2] ..., got 3
     """
     from .errors import ConfigError
-    if not (_is_real(value) and -PENALTY_LIMIT <= float(value) <= PENALTY_LIMIT):
+    if not (is_real(value) and -PENALTY_LIMIT <= float(value) <= PENALTY_LIMIT):
         raise (error or ConfigError)(f"{who + ': ' if who else ''}{name} must be a number in "
                                      f"[-2, 2] (0 is off), got {value!r}")
     return float(value)
+
+
+def token_id_key(key) -> Optional[int]:
+    """A logit-bias key as a token id: an int (NumPy's too, not a bool) or its decimal string
+    in ASCII digits, as OpenAI's JSON keys are ("50256", "-3": negative ids are the range
+    check's to refuse); None for anything else (" 5", "1_0", "²", 40 digits).
+
+    >>> token_id_key("50256"), token_id_key(7), token_id_key("--5"), token_id_key(True)
+    (50256, 7, None, None)
+    """
+    if isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
+        return int(key)
+    if isinstance(key, str) and len(key) <= 20 and _DECIMAL.fullmatch(key):
+        return int(key)
+    return None
 
 
 def logit_bias_row(logit_bias, vocab_size: int, who: str, error=None):
@@ -175,16 +214,15 @@ def logit_bias_row(logit_bias, vocab_size: int, who: str, error=None):
                   f"{type(logit_bias).__name__}")
     pairs = {}
     for key, value in logit_bias.items():
-        tid = key
-        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
-            tid = int(key)
-        if not isinstance(tid, (int, np.integer)) or isinstance(tid, bool):
-            raise err(f"{at}logit_bias keys must be token ids (ints, or their strings), got "
-                      f"{key!r}")
-        if not 0 <= int(tid) < (vocab_size if vocab_size is not None else 1 << 62):
-            raise err(f"{at}logit_bias has token id {int(tid)}; the ids are 0.."
-                      f"{vocab_size - 1 if vocab_size is not None else 'up'}")
-        if not (_is_real(value) and -BIAS_LIMIT <= float(value) <= BIAS_LIMIT):
+        tid = token_id_key(key)
+        if tid is None:
+            raise err(f"{at}logit_bias keys must be token ids (ints, or their strings of ASCII "
+                      f"digits), got {key!r:.60}")
+        if tid < 0:
+            raise err(f"{at}logit_bias has token id {tid}; token ids are 0 or more")
+        if vocab_size is not None and tid >= vocab_size:
+            raise err(f"{at}logit_bias has token id {tid}; the ids are 0..{vocab_size - 1}")
+        if not (is_real(value) and -BIAS_LIMIT <= float(value) <= BIAS_LIMIT):
             raise err(f"{at}logit_bias[{int(tid)}] must be a number in [-100, 100], got "
                       f"{value!r}")
         pairs[int(tid)] = float(value)

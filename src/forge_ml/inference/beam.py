@@ -54,9 +54,27 @@ import numpy as np
 
 from .. import ops
 from ..errors import ConfigError, ShapeError
+from ..sampling import is_finite
 from ..tensor import Tensor, tensor
 from .decode import DecodeStep, KVCache, check_finite_logits, model_check
-from .engine import _is_int, _is_num
+from .engine import _is_int
+
+
+def _normalised(score: float, length: int, length_penalty: float) -> float:
+    """``score / length ** length_penalty``, transformers' formula, where Python's float power
+    would raise: a power past float's range is inf (the quotient -0.0 for a negative score),
+    one under it 0 (the quotient -inf, or 0 for the empty score log 1 = 0).
+
+    >>> _normalised(-2.0, 4, 1.0), _normalised(-2.0, 4, 400.0), _normalised(-2.0, 4, -600.0)
+    (-0.5, -0.0, -inf)
+    """
+    try:
+        d = float(length) ** length_penalty
+    except OverflowError:
+        d = float("inf")
+    if d == 0.0:
+        return float("-inf") if score < 0 else 0.0
+    return score / d
 
 
 def _greedy(model, prompt, max_new_tokens, length_penalty, eos) -> tuple[list, list]:
@@ -70,7 +88,7 @@ def _greedy(model, prompt, max_new_tokens, length_penalty, eos) -> tuple[list, l
                                    (), None, who="beam_search")
               for e in step]
     tokens = [e.token for e in events]
-    return [tokens], [sum(e.logprob for e in events) / len(tokens) ** length_penalty]
+    return [tokens], [_normalised(sum(e.logprob for e in events), len(tokens), length_penalty)]
 
 
 def candidates_per_beam(n_eos: int) -> int:
@@ -117,7 +135,7 @@ def _check(model, prompt, max_new_tokens, num_beams, length_penalty, early_stopp
         raise ConfigError(f"beam_search: each step keeps {k} candidates (max(2, 1 + end ids) x "
                           f"num_beams), more than the vocabulary's {cfg.vocab_size} tokens; "
                           f"use fewer beams")
-    if not _is_num(length_penalty):
+    if not is_finite(length_penalty):
         raise ConfigError(f"beam_search: length_penalty must be a finite number, got "
                           f"{length_penalty!r}")
     if not (isinstance(early_stopping, (bool, np.bool_)) or (isinstance(early_stopping, str)
@@ -226,7 +244,7 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
 
         # Only the first num_beams candidates may finish; the rest only back up the running set.
         for i in np.flatnonzero(hits[:B]):
-            finished.append((float(score[i]) / gen_len ** length_penalty,
+            finished.append((_normalised(float(score[i]), gen_len, length_penalty),
                              running[beam[i]] + [int(tok[i])]))
         finished.sort(key=lambda h: -h[0])         # stable: earlier hypotheses first on ties
         del finished[B:]
@@ -244,7 +262,7 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
             # the best length a running beam may reach: its own, or the longest for "never"
             never = early_stopping == "never" and length_penalty > 0
             best_len = max_new_tokens if never else gen_len
-            if run_scores[0] / best_len ** length_penalty <= finished[-1][0]:
+            if _normalised(float(run_scores[0]), best_len, length_penalty) <= finished[-1][0]:
                 break                              # no running beam can beat the finished ones
 
         # (at the first step every row still holds the prompt alone)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import collections.abc
-import math
 import numbers
 import threading
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from typing import Optional
 import numpy as np
 
 from ..errors import ConfigError, plural
-from ..sampling import F32_MAX, logit_bias_row, openai_penalty
+from ..sampling import F32_MAX, is_finite, logit_bias_row, openai_penalty
 
 MAX_LOGPROBS = 20
 
@@ -81,10 +80,6 @@ class EngineClosedError(RequestError):
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -143,15 +138,15 @@ class SamplingParams:
             object.__setattr__(self, "stop_tokens", tuple(st.tolist() if isinstance(st, np.ndarray) else st))
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
             bad("max_tokens", "an int >= 0")
-        if not _is_num(self.temperature) or not 0 <= float(self.temperature) <= F32_MAX:
+        if not is_finite(self.temperature) or not 0 <= float(self.temperature) <= F32_MAX:
             bad("temperature", "a finite number >= 0 (0 is greedy) within float32's range (3.4e38)")
         if not _is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an int >= 0 (0 is off)")
-        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_finite(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "a number in (0, 1]")
-        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_finite(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "a number in [0, 1]")
-        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not is_finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad("repetition_penalty", "a finite number > 0 (1 is none)")
         if not _is_int(self.seed) or not 0 <= self.seed < 1 << 64:   # (2**64 drew as seed 0)
             bad("seed", "an int in [0, 2**64)")

@@ -100,7 +100,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError, ShapeError
-from ..sampling import (F32_MAX, adjusted, knobs_row, logit_bias_row, openai_penalty,
+from ..sampling import (F32_MAX, adjusted, is_real, knobs_row, logit_bias_row, openai_penalty,
                         penalty_knob, sample_row, seen_row)
 from ..tensor import Tensor, tensor
 from ..tokenizer import hides_stop
@@ -291,23 +291,22 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _is_real(x) -> bool:
-    """A real number, not a bool or a NaN (infinities pass: each knob's range says)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == x
-
-
-def _as_prompts(prompts) -> tuple[list, bool]:
+def _as_prompts(prompts, who: str = "generate") -> tuple[list, bool]:
     """``(list of prompts as lists of ints, single)``; ``single`` when one prompt was given
-    (a list, a NumPy array or an integer Tensor: 1-d for one prompt, 2-d for a batch)."""
-    if isinstance(prompts, Tensor) and not prompts.dtype.is_float:
+    (a list, a NumPy array or an integer Tensor: 1-d for one prompt, 2-d for a batch).
+    ``who`` names the caller in the errors."""
+    if isinstance(prompts, Tensor):
+        if prompts.dtype.is_float:
+            raise ShapeError(f"{who}: prompts must be token ids (an int32 or int64 Tensor), got a "
+                             f"{prompts.dtype.name} Tensor")
         prompts = prompts.numpy()
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist()
     if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
-        raise ShapeError(f"generate: prompts must be a list of token ids or a list of such "
+        raise ShapeError(f"{who}: prompts must be a list of token ids or a list of such "
                          f"lists, got {type(prompts).__name__}")
     if len(prompts) == 0:
-        raise ShapeError("generate: the prompt is empty; give at least one token "
+        raise ShapeError(f"{who}: the prompt is empty; give at least one token "
                          "(e.g. the end-of-text token to start from nothing)")
     if all(_is_int(t) for t in prompts):
         return [[int(t) for t in prompts]], True
@@ -316,9 +315,9 @@ def _as_prompts(prompts) -> tuple[list, bool]:
         if isinstance(p, np.ndarray):
             p = p.tolist()
         if not isinstance(p, Sequence) or not all(_is_int(t) for t in p):
-            raise ShapeError(f"generate: prompt {r} must be a list of int token ids, got {p!r:.80}")
+            raise ShapeError(f"{who}: prompt {r} must be a list of int token ids, got {p!r:.80}")
         if len(p) == 0:
-            raise ShapeError(f"generate: prompt {r} is empty; give at least one token "
+            raise ShapeError(f"{who}: prompt {r} is empty; give at least one token "
                              "(e.g. the end-of-text token to start from nothing)")
         rows.append([int(t) for t in p])
     return rows, False
@@ -372,19 +371,19 @@ def _check_choice(who, temperature, top_k=None, top_p=None, min_p=None, repetiti
     """
     # (float(): np.float16's inf compared in float16, where the bound was inf too; the knobs
     # reach the device as float32)
-    if not (_is_real(temperature) and 0 <= float(temperature) <= F32_MAX):
+    if not (is_real(temperature) and 0 <= float(temperature) <= F32_MAX):
         raise ConfigError(f"{who}: temperature must be >= 0 (0 = greedy) and finite in float32 "
                           f"(at most {F32_MAX:.4g}), got {temperature!r}")
     if top_k is not None and (not _is_int(top_k) or top_k < 0):
         raise ConfigError(f"{who}: top_k must be None or an int >= 0 (None and 0 are off), got "
                           f"{top_k!r}")
-    if top_p is not None and not (_is_real(top_p) and 0 < top_p <= 1):
+    if top_p is not None and not (is_real(top_p) and 0 < top_p <= 1):
         raise ConfigError(f"{who}: top_p must be None or in (0, 1], got {top_p!r}")
-    if min_p is not None and not (_is_real(min_p) and 0 <= min_p <= 1):
+    if min_p is not None and not (is_real(min_p) and 0 <= min_p <= 1):
         raise ConfigError(f"{who}: min_p must be None or in [0, 1] (a fraction of the most "
                           f"likely token's probability), got {min_p!r}")
     rp = repetition_penalty
-    if not (_is_real(rp) and 0 < rp < float("inf")):
+    if not (is_real(rp) and 0 < rp < float("inf")):
         raise ConfigError(f"{who}: repetition_penalty must be a number > 0 (1 = off, > 1 "
                           f"discourages repeats), got {repetition_penalty!r}")
 
@@ -752,7 +751,7 @@ def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, to
     stop_tokens, _ = _stop_args(stop_tokens, ())     # one id too, as generate takes it
     model_check("stream_tokens", model)
     block = model.config.block_size
-    prompts, single = _as_prompts(ids)
+    prompts, single = _as_prompts(ids, "stream_tokens")
     if not single:
         raise ShapeError(f"stream_tokens: expected one prompt (a list of token ids), got {len(prompts)}")
     if block < 2:   # the window of the context kept would fill it: nothing could be generated

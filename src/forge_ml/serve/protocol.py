@@ -22,12 +22,12 @@ forge_ml.serve.protocol.APIError: unknown field 'max_token'; known fields: best_
 """
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 from ..inference.engine import MAX_LOGPROBS
+from ..sampling import is_finite
 
 MAX_N = 128          # choices per prompt
 MAX_CHOICES = 256    # choices per request (prompts x n)
@@ -51,10 +51,6 @@ def error_body(e: APIError) -> dict:
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -96,7 +92,7 @@ def _out_of_range(name, got: str, lo=None, hi=None, lo_open=False) -> APIError:
 
 def _num(name, v, lo=None, lo_open=False, hi=None):
     """A finite number within the bounds given; the error names all of them."""
-    if not _is_num(v):
+    if not is_finite(v):
         raise APIError(f"{name} must be a number, got {v!r:.60}", param=name)
     if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
         raise _out_of_range(name, repr(v), lo, hi, lo_open)
