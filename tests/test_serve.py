@@ -199,6 +199,9 @@ def test_streamed_response_matches_the_whole_one(client, http):
 def test_usage_in_the_stream(http):
     chunks = sse(http, prompt="abc", max_tokens=3, stream_options={"include_usage": True})
     assert all(c["usage"] is None for c in chunks[:-1])
+    # a null option is its default, as a null top-level field is (it was a 400)
+    plain = sse(http, prompt="abc", max_tokens=3, stream_options={"include_usage": None})
+    assert len(plain) == 3 and all(c.get("usage") is None for c in plain)
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
 
@@ -373,10 +376,8 @@ BAD = [
     ({"prompt": "ab", "max_tokens": 63}, 400, "max_tokens"),
     ({"prompt": "AB"}, 400, "prompt"),                       # not in the char vocabulary
     ({"prompt": [1, 99]}, 400, "prompt"),                    # id out of the vocabulary
-    ({"prompt": ""}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [1, "a"]}, 400, "prompt"),
-    ({}, 400, "prompt"),
     ({"prompt": "ab", "n": 0}, 400, "n"),
     ({"prompt": "ab", "top_p": 0}, 400, "top_p"),
     ({"prompt": "ab", "logprobs": 50}, 400, "logprobs"),
@@ -707,6 +708,20 @@ def test_byte_tokens_never_stream_a_broken_character():
     assert len(events) == len(ids) and events[-1][2] == "stop"
 
 
+def test_an_empty_prompt_on_a_char_model_starts_from_its_newline_as_the_cli_does(http, tok):
+    """A char model's server refused an empty prompt (no <|endoftext|>), where OpenAI's API
+    takes it and ``forge-ml sample --prompt ''`` starts from a newline (``prompt_ids``): the
+    server now starts it there too, neither echoed nor counted in text_offset."""
+    kw = dict(max_tokens=5, temperature=0)
+    want = complete(http, prompt="\n", **kw)["choices"][0]["text"]
+    assert complete(http, prompt="", **kw)["choices"][0]["text"] == want
+    assert complete(http, **kw)["choices"][0]["text"] == want
+    got = complete(http, prompt="", echo=True, logprobs=1, **kw)
+    assert got["choices"][0]["text"] == want
+    assert got["choices"][0]["logprobs"]["text_offset"][0] == 0
+    assert got["usage"]["prompt_tokens"] == 1
+
+
 def test_a_gpt2_tokenizer_server_streams_whole_characters():
     tok = GPT2Tokenizer()
     cfg = GPT2Config(vocab_size=50257, block_size=32, n_layer=1, n_head=1, n_embd=16)
@@ -715,7 +730,7 @@ def test_a_gpt2_tokenizer_server_streams_whole_characters():
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as h:
             # no prompt, or an empty one: a new document, from <|endoftext|>, as OpenAI's API
-            # documents (a char tokenizer, with no such token, refuses it: the bad-input test)
+            # documents (a char tokenizer starts from its newline: the test after this one)
             kw = dict(model="gpt2-tiny", max_tokens=6, temperature=0, ignore_eos=True)
             want = complete(h, prompt=[tok.eot_token], **kw)["choices"][0]["text"]
             assert want and complete(h, **kw)["choices"][0]["text"] == want
@@ -1105,6 +1120,9 @@ def test_serve_names_its_flags_for_bad_slots_and_max_len(tmp_path):
     for empty in ("", "  "):
         with pytest.raises(ConfigError, match=r"^--api-key is empty; give the key clients must send"):
             run(p.parse_args(["--ckpt", str(tmp_path / "ckpt"), "--api-key", empty]))
+        # `--model-name ""` served the folder's name, in silence (a QA report)
+        with pytest.raises(ConfigError, match=r"^--model-name is empty; give the id clients ask"):
+            run(p.parse_args(["--ckpt", str(tmp_path / "ckpt"), "--model-name", empty]))
 
 
 # -- a Hugging Face tokenizer (kind "hf") ----------------------------------------------------

@@ -7,8 +7,10 @@ one ``data: {json}`` chunk per token, the last one of each choice with its
 ``data: [DONE]``). Every choice of a request is one engine request; with a ``seed``,
 choice ``j`` of each prompt draws with ``seed + j`` (a prompt gives the text it gives alone
 with that seed, unless scores tie within rounding: see ``inference.batch``), and without one
-every choice draws its own. An empty prompt starts a new document from ``<|endoftext|>``
-(counted in ``usage.prompt_tokens``, but neither echoed nor counted in ``text_offset``). A client that
+every choice draws its own. An empty prompt starts a new document from the tokenizer's
+``empty_prompt()`` (``<|endoftext|>``, an hf tokenizer's bos, a char model's newline, as
+``forge-ml sample --prompt ''`` starts; counted in ``usage.prompt_tokens``, but neither echoed
+nor counted in ``text_offset``). A client that
 disconnects cancels its requests, which frees their slots.
 
 Text: tokens are decoded incrementally (a GPT-2 byte token that splits a UTF-8 character
@@ -295,9 +297,10 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     max_prompt = engine.max_len if max_prompt_tokens is None else max_prompt_tokens
     token_chars = getattr(tokenizer, "max_token_chars", None)   # None: no length check first
     # the ids generation stops on (an hf tokenizer may have several), and those an empty
-    # prompt starts from: a new document, from <|endoftext|> (gpt2) or the bos token (hf)
+    # prompt starts from: a new document, from <|endoftext|> (gpt2), the bos token (hf) or a
+    # newline (char: the CLI's empty prompt too, tokenizer.prompt_ids)
     stop_ids = tuple(getattr(tokenizer, "stop_tokens", ()))
-    new_document = getattr(tokenizer, "kind", None) in ("gpt2", "hf") and hasattr(tokenizer, "empty_prompt")
+    new_document = hasattr(tokenizer, "empty_prompt")
     started = int(time.time())
 
     async def read_json(request: Request):
@@ -334,7 +337,8 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
 
     def prompt_ids(prompt) -> list:
         """The prompt's token ids; an empty prompt is the tokenizer's start of a new document
-        (``[eot]``, or an hf tokenizer's bos: ``empty_prompt()``; see ``hidden``)."""
+        (``empty_prompt()``: ``[eot]``, an hf tokenizer's bos, a char model's newline; see
+        ``hidden``)."""
         if isinstance(prompt, str):
             if token_chars and len(prompt) > max_prompt * token_chars:
                 # more tokens than the server takes, known without encoding it (a tokenizer
@@ -356,7 +360,7 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
             # OpenAI's empty prompt: the model writes as from the start of a new document
             if not new_document:
                 raise APIError("the prompt is empty, and this model's tokenizer has no "
-                               "<|endoftext|> to start a new document from; give at least "
+                               "start of a new document (empty_prompt); give at least "
                                "one token", param="prompt")
             try:
                 return tokenizer.empty_prompt()

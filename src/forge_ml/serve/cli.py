@@ -115,6 +115,10 @@ def run(args) -> int:
         # `--api-key "$KEY"` with KEY unset: the server would take every request, in silence
         raise ConfigError("--api-key is empty; give the key clients must send (or leave the "
                           "option out to serve without one)")
+    if args.model_name is not None and not args.model_name.strip():
+        # (it was taken as "not given": the folder's name served, in silence)
+        raise ConfigError("--model-name is empty; give the id clients ask for (or leave the "
+                          "option out for the checkpoint folder's name)")
     api_key = args.api_key or flags.get("FORGE_API_KEY") or None
     if api_key is None and flags.given("FORGE_API_KEY"):   # (get: "" for unset and empty alike)
         # `export FORGE_API_KEY=$KEY` with KEY unset: the same silence as `--api-key ""`

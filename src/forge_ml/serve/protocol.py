@@ -116,6 +116,10 @@ def _seed(v):
     return int(v)
 
 
+def _or(v, default):
+    return default if v is None else v
+
+
 def _bool(name, v):
     if not isinstance(v, bool):
         raise APIError(f"{name} must be true or false, got {v!r:.60}", param=name)
@@ -227,7 +231,8 @@ def parse_completion(body) -> CompletionRequest:
     if unknown:
         raise APIError(f"unknown field {unknown[0]!r}; known fields: {', '.join(sorted(_FIELDS))}",
                        param=unknown[0])
-    # no prompt: OpenAI's default, a new document (the server starts it from <|endoftext|>)
+    # no prompt: OpenAI's default, a new document (the server starts it from the tokenizer's
+    # empty_prompt(): <|endoftext|>, a bos token, a char model's newline)
     kw = {"prompt": [""]}
     for name, value in body.items():
         if value is None:
@@ -242,9 +247,11 @@ def parse_completion(body) -> CompletionRequest:
         if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
             raise APIError(f"stream_options must be an object with include_usage (and "
                            f"continuous_usage_stats), got {opts!r:.60}", param="stream_options")
-        req.include_usage = _bool("stream_options.include_usage", opts.get("include_usage", False))
+        # (null: the default, as a null top-level field is)
+        req.include_usage = _bool("stream_options.include_usage",
+                                  _or(opts.get("include_usage"), False))
         req.continuous_usage = _bool("stream_options.continuous_usage_stats",
-                                     opts.get("continuous_usage_stats", False))
+                                     _or(opts.get("continuous_usage_stats"), False))
         if req.continuous_usage and not req.include_usage:
             raise APIError("stream_options.continuous_usage_stats puts the usage in every chunk of "
                            "the usage asked for: add \"include_usage\": true",
