@@ -643,3 +643,18 @@ def test_bias_sums_pass_a_reshape_only_when_it_keeps_the_last_axis(shape, throug
         fops.weight_grads = real
     for x, y in zip(on, off):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_a_swept_tape_refuses_to_record_where_the_op_is_called():
+    """After backward, an op (or a leaf) on the tape was recorded as a node no sweep could
+    reach, and only a second backward said the tape was swept; the op itself says it now.
+    Reading gradients (tape.grad) still works."""
+    t = Tape()
+    x = t.leaf(fm.tensor([0.5, -1.0]))
+    y = t.gelu(x)
+    t.backward(y, fm.tensor([1.0, 2.0]))
+    g = t.grad(x).numpy().copy()
+    for record in (lambda: t.gelu(x), lambda: t.add(x, y), lambda: t.leaf(fm.zeros((2,)))):
+        with pytest.raises(fm.TapeError, match="already swept by backward; record a new forward"):
+            record()
+    assert np.array_equal(t.grad(x).numpy(), g) and len(t) == 2

@@ -129,6 +129,9 @@ class Tape:
         """
         if not isinstance(t, Tensor):
             raise TapeError(f"leaf: expected a Tensor, got {type(t).__name__}")
+        if self._swept:
+            raise TapeError("leaf: this tape was already swept by backward; record a new "
+                            "forward on a new Tape")
         self._nodes.append(None)
         return TVar(len(self._nodes) - 1, t, self._key)
 
@@ -141,6 +144,9 @@ class Tape:
         rule is ``f(dy, sums=s)``, ``s`` None or ``sum_rows(dy)`` already made by the
         layernorm backward that wrote dy (a linear layer's bias gradient; see
         ``layernorm``)."""
+        if self._swept:   # (a node recorded now could never be swept: refused where it is made)
+            raise TapeError("this tape was already swept by backward; record a new forward on "
+                            "a new Tape")
         self._nodes.append(f if self.records else None)
         node = len(self._nodes) - 1
         if into is not None and self.records:
