@@ -912,8 +912,8 @@ def test_nanogpt_token_files_are_not_read_as_text(workdir, capsys):
     ids.tofile("ids.dat")
     for name in ("train.bin", "ids.dat"):
         _fails(capsys, ["train", "--data", name, "--out", "r", *TINY, "--max-steps", "1"],
-               f"{name} holds token ids, not text", "write_shard")
-        _fails(capsys, ["prepare", name, "--out", "d"], "holds token ids, not text")
+               f"{name} holds binary data, not text", "token ids?", "write_shard")
+        _fails(capsys, ["prepare", name, "--out", "d"], "holds binary data, not text")
     assert not Path("r").exists() and not Path("d").exists()
 
 

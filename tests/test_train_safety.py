@@ -2334,3 +2334,41 @@ def test_eval_iters_past_the_val_set_is_noted(workdir):
         if noted:
             assert "more than the 7 batches the val set holds" in said[0], said
             assert "reads it 7.1 times over" in said[0] and "7 reads every batch once" in said[0], said
+
+
+def test_a_cpu_batch_past_the_hosts_free_memory_is_refused_before_anything_is_written(
+        workdir, monkeypatch, capsys):
+    """--batch-size 300000 on the CPU ran 53 s and was killed by the kernel (exit 137, no word:
+    Linux hands out the arrays, then kills the process as they fill). The step's memory is
+    estimated first (``host_step_bytes``) and a batch that cannot fit the free memory is a
+    one-line error; the run folder is not made. A batch that fits runs."""
+    cfg_args = ["train", "--data", "t.txt", "--out", "big", "--max-steps", "1"] + TINY
+    monkeypatch.setattr(train_mod, "host_available_bytes", lambda: 64 << 20)   # 64 MiB free
+    line = _fails(capsys, cfg_args[:-len(TINY)] + [a if a != "4" else "4000" for a in TINY],
+                  "--batch-size 4000 x --block-size 16: a training step on the CPU would hold about",
+                  "more than the 0.1 GiB this machine has free", "--total-batch-size")
+    assert "GiB" in line and not (workdir / "big").exists()
+    assert main(cfg_args) == 0                # batch 4 fits the same 64 MiB
+    # the estimate, against what the measurements behind it gave (peak RSS 2.5-4.6 GB)
+    from forge_ml.models import GPT2Config
+    cfg = GPT2Config(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    assert 4.3e9 < train_mod.host_step_bytes(cfg, 2000, 64) < 5.2e9       # measured 4.69e9
+    monkeypatch.setattr(train_mod, "host_available_bytes", lambda: None)   # unknown: no check
+    assert main(["train", "--data", "t.txt", "--out", "other", "--max-steps", "1"] + TINY) == 0
+
+
+def test_init_from_weights_holding_nan_is_refused_before_any_step(workdir, capsys):
+    """A source whose weights hold NaN trained to step 1, then said the loss was NaN and to
+    lower --lr; the weights are read first now (as convert warns of them), a one-line error
+    naming the tensors, and no run folder is made."""
+    assert main(["train", "--data", "t.txt", "--out", "base", *TINY, "--max-steps", "1"]) == 0
+    state, meta = load_checkpoint(Path("base") / "ckpt")
+    name = next(k for k in state if k.endswith("attn.c_proj.weight"))
+    state[name] = state[name].copy()
+    state[name][0, :3] = [np.nan, np.inf, np.nan]
+    save_checkpoint(Path("bad") / "ckpt", state, meta)
+    capsys.readouterr()
+    _fails(capsys, ["train", "--init-from", "bad", "--data", "t.txt", "--out", "ft", "--max-steps", "1",
+                    "--no-progress"],
+           "--init-from bad: 1 of its", "weight tensors hold NaN or inf", "2 NaN and 1 inf")
+    assert not Path("ft").exists()

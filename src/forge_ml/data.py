@@ -344,9 +344,10 @@ def load_text(path) -> str:
         # nanoGPT's prepare.py writes raw uint16 ids (no header): as UTF-8 they often decode,
         # and a run trained on their bytes as characters, in silence
         _refuse_binary(path, raw[start:start + 4096])   # a program, an archive: said as such
-        raise DataError(f"{path} holds token ids, not text ({nul:,} NUL {plural(nul, 'byte')}); nanoGPT's "
-                        f"train.bin and val.bin are raw uint16 ids without llm.c's header: write them as shards "
-                        f"with forge_ml.data.write_shard (the README shows how), or give the text file")
+        raise DataError(f"{path} holds binary data, not text ({nul:,} NUL {plural(nul, 'byte')}): token "
+                        f"ids? nanoGPT's train.bin and val.bin are raw uint16 ids without llm.c's header: "
+                        f"write them as shards with forge_ml.data.write_shard (the README shows how), or "
+                        f"give the text file")
     try:
         return str(memoryview(raw)[start:], "utf-8")
     except UnicodeDecodeError as e:
