@@ -65,7 +65,7 @@ def _normalised(score: float, length: int, length_penalty: float) -> float:
     would raise: a power past float's range is inf (the quotient -0.0 for a negative score),
     one under it 0 (the quotient -inf, or 0 for the empty score log 1 = 0).
 
-    >>> _normalised(-2.0, 4, 1.0), _normalised(-2.0, 4, 400.0), _normalised(-2.0, 4, -600.0)
+    >>> _normalised(-2.0, 4, 1.0), _normalised(-2.0, 4, 600.0), _normalised(-2.0, 4, -600.0)
     (-0.5, -0.0, -inf)
     """
     try:
