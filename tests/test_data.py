@@ -656,3 +656,15 @@ def test_write_shard_of_something_that_is_not_a_sequence_says_so(tmp_path):
         with pytest.raises(DataError, match=f"tokens must be a 1-D sequence of integer ids, got {kind} of shape"):
             write_shard(tmp_path / "s.bin", bad)
     assert not (tmp_path / "s.bin").exists()
+
+
+def test_loader_and_read_shard_name_a_wrong_path_argument(tmp_path):
+    """DataLoader(5, ...) gave "'int' object is not iterable"; read_shard of a folder said the
+    shard was not found, of a path that exists."""
+    for bad in (5, None, [1, 2]):
+        with pytest.raises(DataError, match="expected a shard path, a glob pattern or a list"):
+            DataLoader(bad, 2, 4)
+    with pytest.raises(DataError, match="is a folder, not a token shard .*train"):
+        read_shard(tmp_path)
+    with pytest.raises(DataError, match="is a folder, not a token shard"):
+        DataLoader(str(tmp_path), 2, 4)

@@ -111,6 +111,26 @@ def test_load_state_dict_rejects_mismatched_moments():
         opt.load_state_dict({"m": {}, "v": {}})
 
 
+def test_load_state_dict_checks_everything_before_it_loads_anything():
+    """A bad step count came after the moments were replaced (a bare ValueError from int(),
+    the optimizer left half loaded), and None gave an AttributeError from deep inside."""
+    opt = AdamW({"w": fm.tensor(np.ones((2, 2), np.float32))})
+    good = opt.state_dict()
+    m_before = opt.m["w"].numpy().copy()
+    with pytest.raises(ConfigError, match="expected a dict from state_dict"):
+        opt.load_state_dict(None)
+    bad_moments = {"w": np.full((2, 2), 7.0, np.float32)}
+    for bad, says in ((dict(good, m=bad_moments, step="x"), "step must be a step count"),
+                      (dict(good, m=bad_moments, step=-1), "step must be a step count"),
+                      (dict(good, m=bad_moments, param_steps={"w": 1.5}), "param_steps\\['w'\\]"),
+                      (dict(good, m=bad_moments, param_steps=[3]), "param_steps must be a dict")):
+        with pytest.raises(ConfigError, match=says):
+            opt.load_state_dict(bad)
+        assert np.array_equal(opt.m["w"].numpy(), m_before) and opt.steps == good["step"]
+    opt.load_state_dict(dict(good, m=bad_moments, step=np.int64(4)))   # NumPy's int: a count
+    assert opt.steps == 4 and opt.m["w"].numpy()[0, 0] == 7.0
+
+
 def test_bad_hyper_parameters():
     with pytest.raises(ConfigError, match="betas"):
         AdamW({"w": fm.zeros((2, 2))}, betas=(0.9, 1.0))

@@ -2372,3 +2372,55 @@ def test_init_from_weights_holding_nan_is_refused_before_any_step(workdir, capsy
                     "--no-progress"],
            "--init-from bad: 1 of its", "weight tensors hold NaN or inf", "2 NaN and 1 inf")
     assert not Path("ft").exists()
+
+
+def test_resume_and_overwrite_must_be_bools_a_string_removed_the_run(workdir):
+    """Trainer(..., overwrite="False") (a string from a YAML file or the environment) took the
+    string as true and removed the finished run's checkpoint and log when it was built;
+    resume="False" resumed. Both are checked as bools now, before anything is touched."""
+    c = dict(data="t.txt", out_dir="ow", n_layer=1, n_head=2, n_embd=16, block_size=16,
+             batch_size=4, max_steps=2, eval_interval=0, sample_interval=0, progress=False)
+    Trainer(TrainConfig(**c), log=None).train()
+    before = sorted(os.listdir("ow"))
+    for kw in ({"overwrite": "False"}, {"resume": "False"}, {"overwrite": 1}, {"resume": None}):
+        with pytest.raises(ConfigError, match=f"Trainer: {next(iter(kw))} must be True or False"):
+            Trainer(TrainConfig(**c), log=None, **kw)
+    assert sorted(os.listdir("ow")) == before and "ckpt" in before
+    Trainer(TrainConfig(**c), log=None, overwrite=np.bool_(True)).close()   # NumPy's bool: a bool
+
+
+def test_a_log_callable_that_fails_as_the_data_is_prepared_leaves_the_run_its_data(workdir):
+    """The "prepared ..." line was said inside the data write, before the folder became the
+    run's: a log callable raising there (or a Ctrl-C from it) left data/ without the
+    trainer's lock, and the same call was then refused as a folder of someone's data ("holds
+    data and no run"). Now the line comes once the data is the run's, as after any failure
+    past the data's write: the run stopped before its first checkpoint, and overwrite=True
+    starts it over."""
+    c = dict(data="t.txt", out_dir="lg", n_layer=1, n_head=2, n_embd=16, block_size=16,
+             batch_size=4, max_steps=1, eval_interval=0, sample_interval=0, progress=False)
+
+    def failing(line):
+        if line.startswith("prepared"):
+            raise ValueError("the notebook's widget went away")
+    with pytest.raises(ValueError, match="widget"):
+        Trainer(TrainConfig(**c), log=failing)
+    assert (workdir / "lg" / "data" / "train.bin").exists()
+    with pytest.raises(RunError, match="stopped before its first checkpoint .*overwrite=True"):
+        Trainer(TrainConfig(**c), log=None)
+    assert Trainer(TrainConfig(**c), log=None, overwrite=True).train()["step"] == 1
+
+
+def test_an_update_adamw_refuses_before_any_change_is_not_a_torn_step(workdir):
+    """A NaN lr set on the Trainer's config after it was built: AdamW refuses the update before
+    its first change, but the trainer marked the model half updated and refused every later
+    train(). The step is given up instead (its batches drawn again), and the run goes on to
+    the losses of a run that never met the refusal."""
+    c = dict(data="t.txt", n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4,
+             max_steps=3, eval_interval=0, sample_interval=0, progress=False)
+    plain = Trainer(TrainConfig(out_dir="a", **c), log=None).train()
+    t = Trainer(TrainConfig(out_dir="b", **c), log=None)
+    lr, t.cfg.lr = t.cfg.lr, float("nan")
+    with pytest.raises(ConfigError, match="AdamW.step: lr must be a finite number"):
+        t.train_step()
+    t.cfg.lr = lr
+    assert t.train()["losses"] == plain["losses"]

@@ -197,6 +197,9 @@ def read_shard(path) -> np.ndarray:
     (dtype('uint16'), 2)
     """
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a folder, not a token shard (a .bin file); give the shards in "
+                        f"it, e.g. {path / '*train*.bin'}")
     if not path.is_file():
         raise DataError(f"token shard not found: {path}")
     size = path.stat().st_size
@@ -714,7 +717,11 @@ def _expand_paths(path_or_paths) -> list[Path]:
                 raise DataError(f"no token shards match the pattern {s}")
             return [Path(p) for p in found]
         return [Path(s)]
-    paths = [Path(p) for p in path_or_paths]
+    try:
+        paths = [Path(p) for p in path_or_paths]
+    except TypeError:   # (5, None, a list of ints: "'int' object is not iterable" from inside)
+        raise DataError(f"DataLoader: expected a shard path, a glob pattern or a list of paths, "
+                        f"got {path_or_paths!r:.60}") from None
     if not paths:
         raise DataError("DataLoader: expected at least one shard path, got an empty list")
     return paths

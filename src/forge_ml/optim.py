@@ -260,8 +260,21 @@ class AdamW:
         >>> a.load_state_dict(s); a.steps, a.param_steps["w"]
         (5, 5)
         """
-        _hyper("AdamW.load_state_dict", state.get("lr", self.lr), state.get("betas", self.betas),
-               state.get("eps", self.eps), state.get("weight_decay", self.weight_decay))
+        where = "AdamW.load_state_dict"
+        if not isinstance(state, dict):   # (None: an AttributeError from deep inside)
+            raise ConfigError(f"{where}: expected a dict from state_dict(), got "
+                              f"{type(state).__name__}")
+        hyper = _hyper(where, state.get("lr", self.lr), state.get("betas", self.betas),
+                       state.get("eps", self.eps), state.get("weight_decay", self.weight_decay))
+        # every check before anything is assigned: a bad step count came after the moments
+        # were replaced, leaving the optimizer half loaded
+        steps = _count_value(where, "step", state.get("step", 0))
+        saved_steps = state.get("param_steps") or {}
+        if not isinstance(saved_steps, dict):
+            raise ConfigError(f"{where}: param_steps must be a dict of parameter names to step "
+                              f"counts, got {type(saved_steps).__name__}")
+        param_steps = {k: _count_value(where, f"param_steps[{k!r}]", saved_steps.get(k, steps))
+                       for k in self.params}
         for key in ("m", "v"):
             saved = state.get(key)
             if not isinstance(saved, dict):
@@ -280,12 +293,19 @@ class AdamW:
                   for k, p in self.params.items()}
         self.v = {k: tensor(np.asarray(state["v"][k]), dtype=p.dtype, device=p.device)
                   for k, p in self.params.items()}
-        self.steps = int(state.get("step", 0))
-        saved_steps = state.get("param_steps") or {}
-        self.param_steps = {k: int(saved_steps.get(k, self.steps)) for k in self.params}
-        self.lr, self.betas, self.eps, self.weight_decay = _hyper(
-            "AdamW.load_state_dict", state.get("lr", self.lr), state.get("betas", self.betas),
-            state.get("eps", self.eps), state.get("weight_decay", self.weight_decay))
+        self.steps, self.param_steps = steps, param_steps
+        self.lr, self.betas, self.eps, self.weight_decay = hyper
+
+
+def _count_value(where: str, name: str, v) -> int:
+    """A saved step count: an int >= 0 (NumPy's too; not a bool), else a ConfigError.
+
+    >>> _count_value("load", "step", np.int64(3))
+    3
+    """
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0:
+        return int(v)
+    raise ConfigError(f"{where}: {name} must be a step count (an int >= 0), got {v!r:.40}")
 
 
 def _finite(x) -> bool:

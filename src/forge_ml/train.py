@@ -574,6 +574,12 @@ class Trainer:
         # is worked out again; the trainer's own settings stay off the caller's object
         cfg = self.cfg = dataclasses.replace(config)
         flags.check_environment()   # a bad FORGE_* value fails here, not after the run
+        for name, v in (("resume", resume), ("overwrite", overwrite)):
+            # (overwrite="False", a string from a YAML file or the environment, removed the run)
+            if not isinstance(v, (bool, np.bool_)):
+                raise ConfigError(f"Trainer: {name} must be True or False, got {type(v).__name__} "
+                                  f"{v!r:.40}")
+        resume, overwrite = bool(resume), bool(overwrite)
         if log is not None and not callable(log):   # before data/ is written, not after
             raise ConfigError(f"Trainer: log must be a function of one line (print, a list's "
                               f"append) or None, got {type(log).__name__} {log!r:.40}")
@@ -830,8 +836,9 @@ class Trainer:
         if not resume and overwrite:
             self._clear_run()
         if write_data is not None:
-            write_data()
+            prepared = write_data()
             self.lock._made = []   # a trainer's data: its lock file stays, whatever follows
+            self._say(prepared)
 
         # -- model and optimizer ------------------------------------------------------------
         if ckpt is not None:
@@ -1289,8 +1296,11 @@ class Trainer:
                     except OSError:
                         pass
                 raise
-            self._say(f"prepared {src}: {info['train_tokens']:,} train + {info['val_tokens']:,} val tokens, "
-                      f"{info['vocab_size']} {info['tokenizer']} tokens in the vocabulary -> {d}")
+            # said by the caller once the folder is the run's: a log callable that raises here
+            # left data/ without the trainer's lock, and the same call was then refused
+            return (f"prepared {src}: {info['train_tokens']:,} train + {info['val_tokens']:,} val "
+                    f"tokens, {info['vocab_size']} {info['tokenizer']} tokens in the vocabulary "
+                    f"-> {d}")
 
         return (ShardFolder(d, [d / "train.bin"], [d / "val.bin"], d / "tokenizer.json", True), tok, write,
                 ([train], [val]))
@@ -1629,11 +1639,18 @@ class Trainer:
         finally:
             self._phase = None
         self._phase = "update"
+        opt_steps = self.opt.steps
         try:
             self.opt.step(acc, lr=lr, grad_scale=scale)
             self.step += 1
         except BaseException:
-            self._torn = True    # some tensors updated, others not: nothing may be saved
+            # some tensors updated, others not: nothing may be saved; unless AdamW refused
+            # before its first change (its own checks of lr and grad_scale: a NaN lr set on
+            # the config after it was built), which leaves its count of steps as it was
+            if self.opt.steps != opt_steps:
+                self._torn = True
+            else:   # the step is given up, as one that fails before its update
+                self.train_loader.load_state_dict(loader_state)
             raise
         finally:
             self._phase = None
