@@ -9,6 +9,7 @@ what it expected and what it got, e.g.
 True
 """
 import contextvars
+import os
 from typing import Optional
 
 CLI_WORDS = contextvars.ContextVar("forge_ml_cli_words", default=False)
@@ -100,7 +101,6 @@ def host_out_of_memory(op: str, e: BaseException) -> Optional[OutOfMemoryError]:
     if isinstance(e, OutOfMemoryError):
         return e
     try:
-        import os
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         room = f"{free / 2 ** 30:,.1f} GiB of the host's memory are free"
     except (ValueError, OSError, AttributeError):
