@@ -579,3 +579,27 @@ def test_qa_core_api_bad_inputs_get_the_libraries_errors():
             f()
     # Tensor(data, "cpu") (a device as a string) works as Tensor(data, Device) does
     assert ops.gelu(fm.Tensor(np.zeros(2, np.float32), "cpu")).numpy().tolist() == [0.0, 0.0]
+
+
+def test_zero_width_gradients_are_empty_not_numpys_reshape_error():
+    """An (M, 0) gradient (a linear layer of 0 outputs, an MLP of hidden size 0) went through
+    ``reshape(-1, 0)``, which NumPy cannot infer: "cannot reshape array of size 0 into shape
+    (0)" from weight_grads, matmul_dgelu, scatter_add_rows and the tape. They are empty."""
+    dw, db = fm.ops.weight_grads(fm.zeros((3, 4)), fm.zeros((3, 0)))
+    assert dw.shape == (4, 0) and db.shape == (0,)
+    dpre, dbf = fm.ops.matmul_dgelu(fm.zeros((3, 5)), fm.zeros((0, 5)), fm.zeros((3, 0)))
+    assert dpre.shape == (3, 0) and dbf.shape == (0,)
+    dst = fm.zeros((3, 0))
+    fm.ops.scatter_add_rows(dst, fm.tensor([1, 2]), fm.zeros((2, 0)))   # (in place)
+    assert dst.shape == (3, 0)
+    t = fm.Tape()
+    x = t.leaf(fm.tensor(np.ones((3, 4), np.float32)))
+    w, b = t.leaf(fm.zeros((4, 0))), t.leaf(fm.zeros((0,)))
+    g = t.backward(t.matmul(x, w, b), fm.zeros((3, 0)))
+    assert g[x.id].numpy().tolist() == [[0.0] * 4] * 3 and g[w.id].shape == (4, 0)
+
+
+def test_layernorm_names_a_missing_beta():
+    """layernorm(x, gamma, None) raised AttributeError ('NoneType' has no attribute 'data')."""
+    with pytest.raises(fm.DTypeError, match="layernorm: beta must be a forge_ml Tensor, got None"):
+        fm.ops.layernorm(fm.zeros((2, 4)), fm.ones_like(fm.zeros((4,))), None)

@@ -264,9 +264,7 @@ def linear(x, w, bias=None, *, act=None, residual=None, ln=None, eps=1e-5) -> Te
         raise ShapeError(f"{op}: ln must be None or (gamma, beta), got {got}")
     gamma, beta = (None, None) if ln is None else ln
     if ln is not None:
-        if beta is None:             # (_ln_check takes no beta as none: linear's ln has one)
-            _tensor(op, "beta", beta)
-        _ln_check(op, x, gamma, beta)
+        _ln_check(op, x, gamma, beta, has_beta=True)
         if x.ndim and x.shape[-1] == 0:
             raise ShapeError(f"{op}: a layernorm over x {x.shape}'s 0 channels has no mean: expected "
                              f"at least one channel with ln")
@@ -446,9 +444,10 @@ def gelu_bwd(x, dy) -> Tensor:
 # -- layernorm -------------------------------------------------------------------------
 
 
-def _ln_check(op, x, gamma, beta=None):
+def _ln_check(op, x, gamma, beta=None, has_beta: bool = False):
+    """x, gamma and (``has_beta``: it is the op's operand, not left out) beta checked."""
     _float(op, "x", x), _float(op, "gamma", gamma)
-    if beta is not None:
+    if beta is not None or has_beta:
         _float(op, "beta", beta)
     _rank(op, "x", x, 1)
     c = x.shape[-1]
@@ -465,7 +464,7 @@ def layernorm(x, gamma, beta, eps=1e-5) -> Tensor:
     >>> y.numpy().tolist()
     [[-1.0, 1.5]]
     """
-    _ln_check("layernorm", x, gamma, beta)
+    _ln_check("layernorm", x, gamma, beta, has_beta=True)
     bk = _same("layernorm", x=x, gamma=gamma, beta=beta)
     if x.numel == 0:
         return _empty(x, x.shape)

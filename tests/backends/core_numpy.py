@@ -112,15 +112,22 @@ def gelu_bwd(x, dy):
     return (dy * d).astype(x.dtype)
 
 
+def _var(x, mu):
+    """The rows' variance; one past the type's range is NaN (the contract's layernorm rule)."""
+    with np.errstate(over="ignore"):
+        var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return np.where(np.isinf(var), np.nan, var)
+
+
 def layernorm(x, gamma, beta, eps):
     mu = x.mean(-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    var = _var(x, mu)
     return ((x - mu) / np.sqrt(var + eps) * gamma + beta).astype(x.dtype)
 
 
 def layernorm_bwd(x, gamma, dy, eps):
     mu = x.mean(-1, keepdims=True)
-    rstd = 1.0 / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps)
+    rstd = 1.0 / np.sqrt(_var(x, mu) + eps)
     xhat = (x - mu) * rstd
     g = gamma * dy
     dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))

@@ -291,6 +291,30 @@ def test_layernorm(bk, dt, rs, shape):
         close(host(bk, gv), wv, dt, f"layernorm_bwd {name}", bv)
 
 
+def test_layernorm_rows_whose_variance_overflows_are_nan_on_every_backend(bk, dt, rs):
+    """A row whose sum of squared deviations passes the type's range (|x - mean| past ~1e19 /
+    sqrt(C) in float32) has no variance: rstd = 1 / sqrt(inf) was 0, so every output was beta
+    and every gradient 0, in silence (and the CPU's two paths differed past that: NumPy NaN,
+    the C kernel beta). Such a row is NaN now, forward and backward, on every backend (bf16
+    storage too, where the GPU has it); the other rows keep their values."""
+    c = 80
+    huge = {"float32": 1e20, "float64": 1e160}[dt]
+    x = rs.standard_normal((3, c)).astype(dt)
+    x[1] *= huge                                   # finite in dt; its squares are not
+    g, b, dy = r(rs, c, dt=dt), r(rs, c, dt=dt), r(rs, 3, c, dt=dt)
+    y = host(bk, bk.layernorm(dev(bk, x), dev(bk, g), dev(bk, b), 1e-5))
+    assert np.isnan(y[1]).all(), y[1][:4]
+    keep = [0, 2]
+    close(y[keep], ref.layernorm(x[keep], g, b, 1e-5), dt, "layernorm, the other rows",
+          eb.layernorm(x[keep], g, b, 1e-5))
+    dx = host(bk, bk.layernorm_bwd(dev(bk, x), dev(bk, g), dev(bk, dy), 1e-5)[0])
+    assert np.isnan(dx[1]).all() and np.isfinite(dx[keep]).all()
+    if dt == "float32" and getattr(bk, "bf16", False):   # the GPU's bf16 kernels (vec path)
+        yb = host(bk, bk.layernorm(dev(bk, x, "bfloat16"), dev(bk, g, "bfloat16"),
+                                   dev(bk, b, "bfloat16"), 1e-5))
+        assert np.isnan(yb[1]).all() and np.isfinite(yb[keep]).all()
+
+
 def test_layernorm_bwd_many_rows_accumulates_accurately(bk, dt, rs):
     """dgamma over 65,536 rows: a block of 16 rows repeated 4,096 times, so every block's
     partial sums are equal and a float32 running sum over the blocks rounds the same way at

@@ -114,7 +114,9 @@ class CoreKernels(Protocol):
         """``dy * gelu'(x)``."""
 
     def layernorm(self, x, gamma, beta, eps: float) -> Array:
-        """Layer norm over the last axis."""
+        """Layer norm over the last axis; a row whose variance passes the accumulation type's
+        range (inf, or inf - inf) gives NaN, not beta (1 / sqrt(inf) would be 0), and so does
+        its backward."""
 
     def layernorm_bwd(self, x, gamma, dy, eps: float) -> Tuple[Array, Array, Array]:
         """``(dx, dgamma, dbeta)``."""

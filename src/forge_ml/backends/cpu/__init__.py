@@ -515,13 +515,13 @@ def matmul(lib, a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows
         return _DECLINED
     if a.ndim == 2:
         return _gemm(lib, a, b, trans_a, trans_b, alpha, bias)
-    out = _gemm(lib, a.reshape(-1, a.shape[-1]), b, False, trans_b, alpha, bias)
+    out = _gemm(lib, reference._rows(a), b, False, trans_b, alpha, bias)
     return out if out is _DECLINED else out.reshape(*a.shape[:-1], out.shape[-1])
 
 
 def _rows(x):
     """x as 2-D rows (a view of a C-contiguous array), or x itself when it is not one."""
-    return x.reshape(-1, x.shape[-1]) if x.ndim > 2 and x.flags.c_contiguous else x
+    return reference._rows(x) if x.ndim > 2 and x.flags.c_contiguous else x
 
 
 def linear(x, w, bias, act, residual, ln=None):

@@ -103,7 +103,9 @@ static inline void row_stats(const float* RESTRICT xr, long c, float eps, float*
     const float cd = sd / (float)c;
     const float var = ss / (float)c - cd * cd;
     *mean_out = m0 + cd;
-    *rstd_out = 1.0f / sqrtf((var > 0.0f ? var : 0.0f) + eps);
+    /* a variance past float's range (inf, or inf - inf) is none: NaN, so the row's output is
+       NaN rather than beta (1 / sqrt(inf) is 0); common.cuh's ln_correct, the reference */
+    *rstd_out = var < INFINITY ? 1.0f / sqrtf((var > 0.0f ? var : 0.0f) + eps) : NAN;
 }
 
 typedef struct {

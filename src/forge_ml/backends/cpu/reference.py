@@ -110,6 +110,16 @@ def from_host_async(dst, src):
 # matmul (its backward is matmul again, with trans_a / trans_b)
 # ---------------------------------------------------------------------------------------------
 
+def _rows(x: np.ndarray) -> np.ndarray:
+    """``x`` as its 2-D rows ``(R, x.shape[-1])``; ``reshape(-1, 0)`` cannot infer R for a
+    zero-width ``x`` (an op on an (M, 0) gradient raised NumPy's ValueError).
+
+    >>> _rows(np.zeros((2, 3, 0))).shape
+    (6, 0)
+    """
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
 def matmul(a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows=None):
     """``alpha * op(a) @ op(b) + bias``; 2-D x 2-D or batched (equal leading dims).
 
@@ -122,7 +132,7 @@ def matmul(a, b, bias=None, trans_a=False, trans_b=False, alpha=1.0, b_rows=None
         b = b.swapaxes(-1, -2)
     if b.ndim == 2 and a.ndim > 2 and not trans_a:
         # (..., M, K) @ (K, N): one GEMM over all rows rather than one per leading index.
-        out = np.matmul(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
+        out = np.matmul(_rows(a), b).reshape(*a.shape[:-1], b.shape[-1])
     else:
         out = np.matmul(a.swapaxes(-1, -2) if trans_a else a, b)  # (..., M, N)
     if alpha != 1.0:
@@ -146,7 +156,7 @@ def _ones(n: int, dtype_str: str) -> np.ndarray:
 
 def _row_sums(x):
     """Sums over the last axis: (..., n) -> (...)."""
-    rows = x.reshape(-1, x.shape[-1])                         # (R, n)
+    rows = _rows(x)                                           # (R, n)
     return np.matmul(rows, _ones(x.shape[-1], x.dtype.str)).reshape(x.shape[:-1])
 
 
@@ -157,7 +167,7 @@ def add(a, b):
 
 def sum_rows(x):
     """Sum over every axis but the last: (..., C) -> (C,), the bias gradient."""
-    rows = x.reshape(-1, x.shape[-1])                         # (R, C)
+    rows = _rows(x)                                           # (R, C)
     return np.matmul(_ones(rows.shape[0], x.dtype.str), rows)
 
 
@@ -273,7 +283,12 @@ def _centred(x):
     """``(x - mean, sum of its squares)`` over the last axis, ``(..., C)`` and ``(..., 1)``: the
     corrected two-pass form (Chan, Golub and LeVeque): ``m0`` the plain mean, then the mean of
     ``d = x - m0`` added back, so that m0's rounding error leaves neither the mean nor the
-    variance (a constant row is centred to exact zeros: its layernorm is beta)."""
+    variance (a constant row is centred to exact zeros: its layernorm is beta). A sum of
+    squares that overflows is NaN.
+
+    >>> _centred(np.array([[1.0, 3.0], [3e20, -3e20]], np.float32))[1].ravel().tolist()
+    [2.0, nan]
+    """
     c = x.shape[-1]
     f = x.dtype.type
     m0 = _row_sums(x)[..., None]                              # (..., 1)
@@ -284,6 +299,10 @@ def _centred(x):
     ss = np.vecdot(d, d)[..., None]                           # (..., 1)
     ss -= f(c) * cd * cd                                      # sum (d - cd)^2
     np.maximum(ss, f(0), out=ss)
+    # a sum of squares past the float type's range (rows of |x - mean| past ~1e19 / sqrt(C)
+    # in float32) is no variance: NaN, so the row's output is NaN, not beta (1 / sqrt(inf)
+    # is 0: every output was beta, in silence), as the C and CUDA kernels' ln rule
+    ss[np.isinf(ss)] = np.nan
     m0 += cd                                                  # the mean, rounded once
     np.subtract(x, m0, out=d)                                 # x - mean, rounded once (as the C kernel)
     return d, ss
@@ -320,7 +339,7 @@ def layernorm_bwd(x, gamma, dy, eps):
     """
     f = x.dtype.type
     c = x.shape[-1]
-    xs, dys = x.reshape(-1, c), dy.reshape(-1, c)                # (R, C)
+    xs, dys = _rows(x), _rows(dy)                                # (R, C)
     xc, rstd = _centred(xs)                                      # (R, C) x - mean; (R, 1)
     rstd /= f(c)
     rstd += f(eps)
@@ -610,7 +629,7 @@ def scatter_add_rows(dst, ids, src):
     flat_ids = ids.reshape(-1)                                      # (N,)
     if flat_ids.size == 0:
         return
-    rows = src.reshape(-1, src.shape[-1])                           # (N, C)
+    rows = _rows(src)                                               # (N, C)
     order = np.argsort(flat_ids, kind="stable")
     sorted_ids = flat_ids[order]
     bounds = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1], True])  # (U+1,)

@@ -145,7 +145,9 @@ template <typename A> FORGE_D void ln_correct(A m0, A sd, A ss, int C, A eps, A&
     const A cd = sd / A(C);
     const A var = ss / A(C) - cd * cd;
     mean = m0 + cd;
-    rstd = A(1) / fm_sqrt((var > A(0) ? var : A(0)) + eps);
+    // a variance past A's range (inf, or inf - inf: rows of |x - mean| past ~1e19 / sqrt(C) in
+    // float32) is none: NaN, so the row's output is NaN, not beta (1 / sqrt(inf) is 0)
+    rstd = var < -neg_inf<A>() ? A(1) / fm_sqrt((var > A(0) ? var : A(0)) + eps) : quiet_nan<A>();
 }
 
 // numpy.argmax's order: whether (v, i) beats (best, bi). A NaN beats every number (the lowest

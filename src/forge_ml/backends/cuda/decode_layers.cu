@@ -117,7 +117,8 @@ FORGE_D void dl_stats(const float (&x)[DL_XPT], int C, float eps, float sum, flo
             const float d = x[i] - mean;
             v += d * d;
         }
-    rstd = 1.f / sqrtf(dl_block_sum(v, sh) / float(C) + eps);
+    const float var = dl_block_sum(v, sh) / float(C);
+    rstd = var < -neg_inf<float>() ? 1.f / sqrtf(var + eps) : quiet_nan<float>();  // ln_correct's
 }
 
 // xs[c] = base[c] + bias[c] + the sum over s < S of P[s][c], for every c < C, in shared
@@ -769,7 +770,8 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
         const float d = xs[c] - mean;
         v += d * d;
     }
-    const float rstd = 1.f / sqrtf(dl_block_sum<DL_HEAD_WARPS>(v, sh + DL_HEAD_WARPS) / float(C) + eps);
+    const float var = dl_block_sum<DL_HEAD_WARPS>(v, sh + DL_HEAD_WARPS) / float(C);
+    const float rstd = var < -neg_inf<float>() ? 1.f / sqrtf(var + eps) : quiet_nan<float>();
     for (int c = tid; c < C; c += NT) xs[c] = (xs[c] - mean) * rstd * ldf(vs[C + c]) + ldf(vs[2 * C + c]);
     __syncthreads();
     dl_mark(4);

@@ -244,7 +244,7 @@ __device__ void layernorm_xs(DmShared& sm, const T* gamma, const T* beta, int C,
         v += d * d;
     }
     const float var = block_sum(v, sm.sh) / float(C);
-    const float rstd = 1.f / sqrtf(var + eps);
+    const float rstd = var < -neg_inf<float>() ? 1.f / sqrtf(var + eps) : quiet_nan<float>();
     for (int c = threadIdx.x; c < C; c += DM_THREADS)
         sm.xs[c] = (sm.xv[c] - mean) * rstd * ldf(gamma[c]) + ldf(beta[c]);
     __syncthreads();
