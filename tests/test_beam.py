@@ -287,3 +287,14 @@ def test_length_penalties_past_floats_range_score_instead_of_crashing(pair, eos)
                                    early_stopping=early, eos_token_id=eos, num_return_sequences=2)
         assert len(seqs) == 2 and all(s for s in seqs), (lp, early)
         assert all(s <= 0 for s in scores) and scores == sorted(scores, reverse=True)
+
+
+def test_one_beam_is_greedy_even_where_the_vocabulary_is_smaller_than_two_candidates():
+    """num_beams=1 runs greedy search, which keeps no candidates, but the check that each step
+    keeps at most a vocabulary of candidates refused it at vocabularies of 1 (and 2 with two
+    end ids), advising fewer beams than one."""
+    m1 = GPT2.init(GPT2Config(vocab_size=1, block_size=8, n_layer=1, n_head=1, n_embd=4))
+    seqs, scores = beam_search(m1, [0], 3, num_beams=1)
+    assert seqs == [[0, 0, 0]] and scores[0] == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ConfigError, match="use fewer beams"):
+        beam_search(m1, [0], 3, num_beams=2)

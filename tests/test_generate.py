@@ -914,3 +914,15 @@ def test_frequency_penalty_counts_repeats_and_presence_does_not():
 def test_bad_openai_adjustments_are_config_errors_at_the_call(model, bad, match):
     with pytest.raises(ConfigError, match=match):
         generate(model, [1, 2], max_new_tokens=2, **bad)
+
+
+def test_generate_names_a_float_array_prompt_and_a_tokenizer_without_decode():
+    """A float NumPy prompt was read as a batch of one-token rows ("prompt 0 must be a list of
+    int token ids, got 1.0"); a tokenizer without decode passed the checks and raised an
+    AttributeError at the first stop check (a QA pass)."""
+    model = GPT2.init(GPT2Config(vocab_size=50, block_size=16, n_layer=1, n_head=1, n_embd=8))
+    with pytest.raises(ShapeError, match="prompts must be token ids .*got a float64 array"):
+        list(generate(model, np.array([1.0, 2.0]), max_new_tokens=2))
+    with pytest.raises(ConfigError, match="tokenizer must be a forge-ml tokenizer .*got object"):
+        list(generate(model, [1, 2], 3, stop_strings=["x"], tokenizer=object()))
+    assert len(list(generate(model, np.array([1, 2]), 2, temperature=0))) == 2   # ints: ids

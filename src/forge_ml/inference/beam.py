@@ -131,7 +131,7 @@ def _check(model, prompt, max_new_tokens, num_beams, length_penalty, early_stopp
     if not _is_int(num_beams) or num_beams < 1:
         raise ConfigError(f"beam_search: num_beams must be an int >= 1, got {num_beams!r}")
     k = candidates_per_beam(len(eos)) * num_beams
-    if k > cfg.vocab_size:
+    if k > cfg.vocab_size and num_beams > 1:   # (one beam is greedy search: no candidates)
         raise ConfigError(f"beam_search: each step keeps {k} candidates (max(2, 1 + end ids) x "
                           f"num_beams), more than the vocabulary's {cfg.vocab_size} tokens; "
                           f"use fewer beams")

@@ -301,6 +301,9 @@ def _as_prompts(prompts, who: str = "generate") -> tuple[list, bool]:
                              f"{prompts.dtype.name} Tensor")
         prompts = prompts.numpy()
     if isinstance(prompts, np.ndarray):
+        if prompts.dtype.kind not in "iuO":   # (a float array was read as a batch of rows)
+            raise ShapeError(f"{who}: prompts must be token ids (an integer array), got a "
+                             f"{prompts.dtype} array")
         prompts = prompts.tolist()
     if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
         raise ShapeError(f"{who}: prompts must be a list of token ids or a list of such "
@@ -417,6 +420,10 @@ def _check_args(model, rows, max_new_tokens, temperature, top_k, top_p, seed, st
     if stop_strings and tokenizer is None:
         raise ConfigError(f"{who}: stop_strings need a tokenizer to decode the generated text; "
                           "pass tokenizer=")
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        # (an object without decode reached the first stop check: an AttributeError there)
+        raise ConfigError(f"{who}: tokenizer must be a forge-ml tokenizer (with decode: "
+                          f"load_model's second value), got {type(tokenizer).__name__}")
     if logprobs is not None:
         if not _is_int(logprobs) or not 0 <= logprobs <= cfg.vocab_size:
             raise ConfigError(f"{who}: logprobs must be None or an int in 0.."
