@@ -204,7 +204,8 @@ class DecodeStep:
         if pos > self.cache.pos:
             raise ShapeError(f"{who}: position {pos} is past the cache's {self.cache.pos} filled rows, so "
                              f"it would attend over rows that hold nothing; feed the positions in order "
-                             f"(the prompt first: model.forward_cached, or a step a token from position 0)")
+                             f"(the prompt first: model.forward_cached, or a step a token from "
+                             f"position 0)")
 
     def __call__(self, tokens, pos: int) -> np.ndarray:
         B = self.cache.batch
