@@ -603,3 +603,13 @@ def test_layernorm_names_a_missing_beta():
     """layernorm(x, gamma, None) raised AttributeError ('NoneType' has no attribute 'data')."""
     with pytest.raises(fm.DTypeError, match="layernorm: beta must be a forge_ml Tensor, got None"):
         fm.ops.layernorm(fm.zeros((2, 4)), fm.ones_like(fm.zeros((4,))), None)
+
+
+def test_dropout_p_that_rounds_to_one_in_float32_is_refused():
+    """The kernels take p as float32: p within 6e-8 of 1 passed the p < 1 check and became 1
+    there, every element dropped (the output all 0) with the scale 1 / (1 - p) about 1e11."""
+    x = fm.tensor(np.ones((4, 4), np.float32))
+    p = float(np.nextafter(1.0, 0.0))                        # < 1 in double, 1 in float32
+    with pytest.raises(fm.ShapeError, match="p must be in \\[0, 1\\) as a float32"):
+        fm.ops.dropout(x, p, 0)
+    assert fm.ops.dropout(x, 0.5, 0).shape == (4, 4)

@@ -800,8 +800,10 @@ def _dropout_args(op, p, seed, device, bk):
     """``(p, seed)`` of a dropout op as backends take them: ``p`` a float in [0, 1); the seed an
     int, or for a ``SeedAt`` ``(base array, site)``, except where arrays are host memory: there
     the base is read now and the seed is ``rng.mix(base[0], site)``."""
-    if not (0.0 <= _num("dropout", "p", p) < 1.0):
-        raise ShapeError(f"{op}: p must be in [0, 1), got {p}")
+    if not (0.0 <= _num("dropout", "p", p) < 1.0) or np.float32(p) >= 1.0:
+        # (the kernels take p as float32: a p within 6e-8 of 1 is 1 there, every element
+        # dropped and the rest scaled by 1 / (1 - p), about 1e11)
+        raise ShapeError(f"{op}: p must be in [0, 1) as a float32, got {p}")
     if isinstance(seed, SeedAt):
         base, site = seed
         if not isinstance(base, Tensor) or base.dtype != _dt.int64 or base.numel != 1:
