@@ -530,7 +530,7 @@ def test_save_rejects_wrong_params(saved, tmp_path):
     ({"vocab_size": 0, "padded_vocab_size": 10}, "vocab_size must be a positive int, got 0"),
     ({"n_layer": 1.5}, "n_layer must be a positive int, got 1.5"),
     ({"tied_head": "false"}, "tied_head must be True or False, got 'false'"),
-    ({"dropout": "x"}, "dropout must be a number in [0, 1), got 'x'"),
+    ({"dropout": "x"}, "dropout must be a number in [0, 1) (as a float32), got 'x'"),
     ("complex", "wte.weight has dtype complex64; expected floating point"),
     ("list", "params must be a dict of NumPy arrays, got list"),
 ])

@@ -613,3 +613,17 @@ def test_dropout_p_that_rounds_to_one_in_float32_is_refused():
     with pytest.raises(fm.ShapeError, match="p must be in \\[0, 1\\) as a float32"):
         fm.ops.dropout(x, p, 0)
     assert fm.ops.dropout(x, 0.5, 0).shape == (4, 4)
+
+
+def test_configs_refuse_a_dropout_that_is_one_in_float32():
+    """TrainConfig and GPT2Config took dropout=0.99999999 (1 in float32, the kernels' type):
+    the run prepared its data and took its folder's lock before the first step's dropout op
+    refused it (a review's finding). Both configs refuse it now."""
+    from forge_ml.models import GPT2Config
+    from forge_ml.train import TrainConfig
+    says = "dropout must be a number in \\[0, 1\\) \\(as a float32\\)"
+    with pytest.raises(fm.ConfigError, match=says):
+        GPT2Config(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4, dropout=0.99999999)
+    with pytest.raises(fm.ConfigError, match="dropout must be in \\[0, 1\\) \\(as a float32\\)"):
+        TrainConfig(dropout=0.99999999)
+    assert TrainConfig(dropout=0.5).dropout == 0.5

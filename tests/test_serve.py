@@ -1120,9 +1120,16 @@ def test_serve_names_its_flags_for_bad_slots_and_max_len(tmp_path):
     for empty in ("", "  "):
         with pytest.raises(ConfigError, match=r"^--api-key is empty; give the key clients must send"):
             run(p.parse_args(["--ckpt", str(tmp_path / "ckpt"), "--api-key", empty]))
-        # `--model-name ""` served the folder's name, in silence (a QA report)
-        with pytest.raises(ConfigError, match=r"^--model-name is empty; give the id clients ask"):
-            run(p.parse_args(["--ckpt", str(tmp_path / "ckpt"), "--model-name", empty]))
+        # `--model-name ""` served the folder's name, in silence (a QA report); were the check
+        # gone, run() would go on to serve: the sockets fail the test instead of blocking it
+        import forge_ml.serve.cli as serve_cli
+
+        def no_serving(*a, **k):
+            raise AssertionError("--model-name \"\" reached the server's sockets")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(serve_cli, "_listen_sockets", no_serving)
+            with pytest.raises(ConfigError, match=r"^--model-name is empty; give the id"):
+                run(p.parse_args(["--ckpt", str(tmp_path / "ckpt"), "--model-name", empty]))
 
 
 # -- a Hugging Face tokenizer (kind "hf") ----------------------------------------------------

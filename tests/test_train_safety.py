@@ -2349,12 +2349,31 @@ def test_a_cpu_batch_past_the_hosts_free_memory_is_refused_before_anything_is_wr
                   "more than the 0.1 GiB this machine has free", "--total-batch-size")
     assert "GiB" in line and not (workdir / "big").exists()
     assert main(cfg_args) == 0                # batch 4 fits the same 64 MiB
-    # the estimate, against what the measurements behind it gave (peak RSS 2.5-4.6 GB)
-    from forge_ml.models import GPT2Config
-    cfg = GPT2Config(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
-    assert 4.3e9 < train_mod.host_step_bytes(cfg, 2000, 64) < 5.2e9       # measured 4.69e9
+    from forge_ml import flags
+    with flags.override(FORGE_HOST_MEMORY_CHECK="off"):   # the user's word over the estimate
+        assert main(["train", "--data", "t.txt", "--out", "off", "--max-steps", "1"]
+                    + [a if a != "4" else "40" for a in TINY]) == 0
     monkeypatch.setattr(train_mod, "host_available_bytes", lambda: None)   # unknown: no check
     assert main(["train", "--data", "t.txt", "--out", "other", "--max-steps", "1"] + TINY) == 0
+
+
+@pytest.mark.parametrize("layers,width,vocab,block,batch,peak_gb", [
+    (2, 32, 65, 32, 20000, 3.12),     # forge-ml train's peak RSS on the CPU, 2026-12-07
+    (4, 128, 65, 64, 2000, 4.58),
+    (2, 64, 50257, 64, 128, 0.34),    # GPT-2's vocabulary: the LM head's loss in chunks
+    (2, 512, 65, 256, 16, 0.43),
+])
+def test_the_host_memory_estimate_against_measured_peaks(layers, width, vocab, block, batch,
+                                                         peak_gb):
+    """``host_step_bytes`` against peaks measured with /usr/bin/time: within 12% below them
+    where the tokens dominate (less the process's own ~0.15 GB), and never more than 0.25 GB
+    above them. It charged every token the logits and their gradient, 2 x the vocabulary: a
+    GPT-2-vocabulary batch that peaks at 0.3 GB was refused as 3.2 GB (a review's finding);
+    the CPU's linear_cross_entropy holds one chunk of logits at a time."""
+    from forge_ml.models import GPT2Config
+    cfg = GPT2Config(vocab_size=vocab, block_size=block, n_layer=layers, n_head=2, n_embd=width)
+    est = train_mod.host_step_bytes(cfg, batch, block) / 1e9
+    assert est <= peak_gb + 0.25 and est >= 0.88 * peak_gb - 0.15, (est, peak_gb)
 
 
 def test_init_from_weights_holding_nan_is_refused_before_any_step(workdir, capsys):

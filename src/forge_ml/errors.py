@@ -9,7 +9,6 @@ what it expected and what it got, e.g.
 True
 """
 import contextvars
-import os
 from typing import Optional
 
 CLI_WORDS = contextvars.ContextVar("forge_ml_cli_words", default=False)
@@ -82,6 +81,23 @@ class OutOfMemoryError(DeviceError, MemoryError):
     """
 
 
+def host_available_bytes() -> Optional[int]:
+    """The memory the host can give without swapping (Linux's MemAvailable, which counts the
+    page cache it can drop, where MemFree does not), or None where it is not known.
+
+    >>> host_available_bytes() is None or host_available_bytes() > 0
+    True
+    """
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def host_out_of_memory(op: str, e: BaseException) -> Optional[OutOfMemoryError]:
     """The OutOfMemoryError for NumPy's failed host allocation ``e`` in ``op`` (its
     MemoryError, or the ValueError of a size past the address space), saying what was asked
@@ -100,11 +116,9 @@ def host_out_of_memory(op: str, e: BaseException) -> Optional[OutOfMemoryError]:
         return None
     if isinstance(e, OutOfMemoryError):
         return e
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        room = f"{free / 2 ** 30:,.1f} GiB of the host's memory are free"
-    except (ValueError, OSError, AttributeError):
-        room = "the free amount is unknown"
+    free = host_available_bytes()
+    room = ("the free amount is unknown" if free is None else
+            f"{free / 2 ** 30:,.1f} GiB of the host's memory are free")
     return OutOfMemoryError(f"out of host memory: {op} asked for an array NumPy could not allocate "
                             f"({msg}); {room}. Use a smaller batch, sequence length or model")
 

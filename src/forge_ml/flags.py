@@ -16,7 +16,7 @@ True
 >>> flags.get("FORGE_NOPE")
 Traceback (most recent call last):
 ...
-forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BIAS_SUMS, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_GEMM, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_CUDA_LINEINFO, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMM_TUNE, FORGE_GEMV, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD_SHARED, FORGE_WGMMA_DKDV, FORGE_WGMMA_ROWS
+forge_ml.errors.ConfigError: unknown switch 'FORGE_NOPE'; known: FORGE_API_KEY, FORGE_ATTENTION, FORGE_BIAS_SUMS, FORGE_BLAS_TUNE, FORGE_CACHE_DIR, FORGE_CPU_GEMM, FORGE_CPU_KERNELS, FORGE_CPU_MALLOC, FORGE_CUBLASLT, FORGE_CUDA_GRAPH, FORGE_CUDA_LINEINFO, FORGE_FUSED_DECODE, FORGE_FUSED_LOSS, FORGE_GEMM_TUNE, FORGE_GEMV, FORGE_HOST_MEMORY_CHECK, FORGE_PDL, FORGE_TRAIN_GRAPH, FORGE_WGMMA_ATTENTION, FORGE_WGMMA_BWD_SHARED, FORGE_WGMMA_DKDV, FORGE_WGMMA_ROWS
 """
 from __future__ import annotations
 
@@ -153,6 +153,10 @@ _SWITCHES = (
     Switch("FORGE_CPU_MALLOC", "tuned",
            "glibc malloc thresholds raised at CPU backend start-up so activations reuse freed "
            "memory (tuned), or left alone (default)", ("tuned", "default")),
+    Switch("FORGE_HOST_MEMORY_CHECK", "on",
+           "forge-ml train on the CPU refuses, before anything is written, a batch whose "
+           "step's estimated memory is more than the host has free (on), or trusts it (off)",
+           ("on", "off")),
     Switch("FORGE_CACHE_DIR", "",
            "where built C kernels, sm_90a CUDA kernels and the tuned cuBLASLt algorithms "
            "(gemm/lt_algos.json) are kept (default: $XDG_CACHE_HOME/forge-ml, ~/.cache/forge-ml)"),

@@ -726,6 +726,30 @@ def test_linear(bk, dt, rs, act, res, ln, mkn):
         close(host(bk, got), want, dt, f"linear ({how})", bound)
 
 
+@pytest.mark.parametrize("M", [3, 40])
+def test_linear_with_ln_a_row_whose_variance_overflows_is_nan(bk, dt, rs, M):
+    """linear(x, w, ln=...) folds the layernorm into the product (on Hopper, few rows: the
+    cluster gemv's own statistics, which kept 1 / sqrt(inf) = 0 after the other layernorms
+    took the NaN rule): the overflowing row is NaN, the others as the reference."""
+    K, N = 64, 32
+    x, w, b = r(rs, M, K, dt=dt), r(rs, K, N, dt=dt), r(rs, N, dt=dt)
+    x[1] *= {"float32": 1e20, "float64": 1e160}[dt]
+    g, beta = r(rs, K, dt=dt), r(rs, K, dt=dt)
+    keep = [i for i in range(M) if i != 1]
+    want = ref.matmul(ref.layernorm(x[keep], g, beta, 1e-5), w, b)
+    dts = [dt] + (["bfloat16"] if dt == "float32" and getattr(bk, "bf16", False) else [])
+    for d in dts:
+        got = host(bk, bk.linear(dev(bk, x, d), dev(bk, w, d), dev(bk, b, d), None, None,
+                                 (dev(bk, g, d), dev(bk, beta, d), 1e-5)))
+        assert np.isnan(got[1]).all(), (d, got[1][:4])
+        if d == dt:
+            close(got[keep], want, dt, "linear with ln, the other rows",
+                  eb.matmul(ref.layernorm(x[keep], g, beta, 1e-5), w, b)
+                  + eb.layernorm(x[keep], g, beta, 1e-5) @ np.abs(w))
+        else:
+            assert np.isfinite(got[keep]).all()
+
+
 @pytest.mark.parametrize("M,K,N", [(3, 16, 8), (40, 24, 32)])
 def test_matmul_gelu(bk, dt, rs, M, K, N):
     x, w, b = r(rs, M, K, dt=dt), r(rs, K, N, dt=dt, scale=0.3), r(rs, N, dt=dt)

@@ -80,8 +80,10 @@ class GPT2Config(KnownFields):
             raise ConfigError(f"GPT2Config: n_embd {self.n_embd} must be divisible by "
                               f"n_head {self.n_head}")
         d = self.dropout    # (a string "0.1" met `<=` as a TypeError)
-        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not (0.0 <= d < 1.0):
-            raise ConfigError(f"GPT2Config: dropout must be a number in [0, 1), got {d!r}")
+        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not (0.0 <= d < 1.0) \
+                or np.float32(d) >= 1.0:   # (the kernels' p is float32: 1 - 1e-9 is 1 there)
+            raise ConfigError(f"GPT2Config: dropout must be a number in [0, 1) (as a float32), "
+                              f"got {d!r}")
         if not isinstance(self.tied_head, (bool, np.bool_)):   # "no" built a tied model
             raise ConfigError(f"GPT2Config: tied_head must be True or False, got {self.tied_head!r}")
         self.tied_head = bool(self.tied_head)

@@ -134,7 +134,8 @@ __device__ void gemv_impl(const T* x, const T* W, const T* gamma, const T* beta,
             const float var = block_sum(v, sh) / float(K);
             if (tid == 0) {
                 stat[0][m] = mean;
-                stat[1][m] = 1.f / sqrtf(var + eps);
+                // ln_correct's rule: a variance past float's range is NaN, not 1/sqrt(inf) = 0
+                stat[1][m] = var < -neg_inf<float>() ? 1.f / sqrtf(var + eps) : quiet_nan<float>();
             }
         }
         __syncthreads();
