@@ -2370,7 +2370,11 @@ def test_the_host_memory_estimate_against_measured_peaks(layers, width, vocab, b
     above them. It charged every token the logits and their gradient, 2 x the vocabulary: a
     GPT-2-vocabulary batch that peaks at 0.3 GB was refused as 3.2 GB (a review's finding);
     the CPU's linear_cross_entropy holds one chunk of logits at a time."""
+    import inspect
+    from forge_ml.backends.cpu import LCE_CHUNK_BYTES
     from forge_ml.models import GPT2Config
+    default = inspect.signature(train_mod.host_step_bytes).parameters["logits_chunk_bytes"]
+    assert default.default == LCE_CHUNK_BYTES      # (train.py imports no backend)
     cfg = GPT2Config(vocab_size=vocab, block_size=block, n_layer=layers, n_head=2, n_embd=width)
     est = train_mod.host_step_bytes(cfg, batch, block) / 1e9
     assert est <= peak_gb + 0.25 and est >= 0.88 * peak_gb - 0.15, (est, peak_gb)

@@ -416,11 +416,13 @@ def search_batch_size(trial: Callable[[int], None], total: int = 0, limit: int =
     return cands[lo]
 
 
-def host_step_bytes(config: GPT2Config, batch_size: int, block_size: int) -> int:
+def host_step_bytes(config: GPT2Config, batch_size: int, block_size: int,
+                    logits_chunk_bytes: int = 1 << 26) -> int:
     """About the bytes a float32 training step on the CPU holds at its peak: per token, the
     activations the tape keeps (about 14 x n_embd floats a layer and 6 x n_embd outside
     them); one chunk of the LM head's logits and their gradient (the CPU's
-    ``linear_cross_entropy`` never holds more: ``LCE_CHUNK_BYTES``); per parameter, its
+    ``linear_cross_entropy`` never holds more: ``logits_chunk_bytes``, its
+    ``LCE_CHUNK_BYTES``, which a test holds equal); per parameter, its
     value, gradient and AdamW's two moments. Fitted to the peak RSS of ``forge-ml train`` on
     the CPU backend (2026-12-07), where the tokens dominate: 2 layers x 32 channels x 640K
     tokens and 4 x 128 x 128K, within 3% of it; it overstates small steps (a 4,096-token
@@ -430,10 +432,9 @@ def host_step_bytes(config: GPT2Config, batch_size: int, block_size: int) -> int
     >>> round(host_step_bytes(cfg, 20000, 32) / 2 ** 30, 2)
     2.72
     """
-    from .backends.cpu import LCE_CHUNK_BYTES
     c, v, tokens = config.n_embd, config.padded_vocab_size, batch_size * block_size
     activations = 4 * tokens * (14 * config.n_layer * c + 6 * c)
-    logits = 2 * min(4 * tokens * v, LCE_CHUNK_BYTES)
+    logits = 2 * min(4 * tokens * v, logits_chunk_bytes)
     params = config.n_layer * 12 * c * c + (v + config.block_size) * c
     return activations + logits + 16 * params
 
