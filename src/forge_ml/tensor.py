@@ -21,8 +21,9 @@ import numpy as np
 
 from . import dtype as _dt
 from .backends import get as _backend
+from .backends import host_guarded
 from .device import Device
-from .errors import DeviceError, DTypeError, ShapeError, host_out_of_memory
+from .errors import DeviceError, DTypeError, ShapeError
 
 _BACKENDS: dict = {}
 
@@ -487,14 +488,9 @@ def full(shape, value, dtype="float32", device="cpu") -> Tensor:
     if not isinstance(value, numbers.Number) or isinstance(value, complex):
         raise DTypeError(f"full: value must be a number, got {type(value).__name__} {value!r:.40}")
     # an integer dtype: the value as NumPy reads it, so that tensor() checks it (NaN, range)
-    try:
-        host = np.full(_shape("full", shape), value, dtype=np.float32 if dt.name == "bfloat16"
-                       else dt.name if dt.is_float else None)
-    except (MemoryError, ValueError) as e:
-        oom = host_out_of_memory("full", e)
-        if oom is None:
-            raise
-        raise oom from None
+    host = host_guarded("full", np.full)(_shape("full", shape), value, dtype=np.float32
+                                         if dt.name == "bfloat16" else dt.name if dt.is_float
+                                         else None)
     return tensor(host, dtype=dt, device=device)
 
 

@@ -61,7 +61,7 @@ class Backend:
             for n in contract.MEMORY + contract.CORE + contract.FUSED + contract.OPTIONAL:
                 fn = getattr(self, n, None)
                 if callable(fn):
-                    setattr(self, n, _host_guarded(n, fn))
+                    setattr(self, n, host_guarded(n, fn))
         if self.graphs and not callable(self.capture_graph):
             raise DeviceError(f"backend {name!r} says it captures graphs but has no capture_graph")
         lacking = [n for n in contract.GRAPH if not callable(getattr(self, n))]
@@ -76,9 +76,10 @@ class Backend:
         return f"<forge-ml backend {self.name!r}>"
 
 
-def _host_guarded(op: str, fn: Callable) -> Callable:
+def host_guarded(op: str, fn: Callable) -> Callable:
     """``fn`` with NumPy's out-of-memory failures raised as OutOfMemoryError (which is still a
-    MemoryError) saying what was asked and what is free."""
+    MemoryError) saying what was asked (as ``op``) and what is free: every function of a
+    host-memory backend, and ``tensor.full``'s host array."""
     @functools.wraps(fn)
     def guarded(*args, **kwargs):
         try:
