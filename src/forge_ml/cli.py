@@ -1193,12 +1193,10 @@ def _warn_nonfinite(params: dict, source) -> None:
     """convert's warning for weights that hold NaN or inf: they are converted as they are (a
     diverged run's weights may be wanted for a look), but sample, eval and serve refuse the
     model's output, so the user hears it now, not from the next tool."""
-    from .diagnose import _bad_values
-    bad = [(name, b) for name, b in ((n, _bad_values(a)) for n, a in params.items()) if b]
-    if bad:
-        listed = "; ".join(f"{n}: {b}" for n, b in bad[:3]) + (
-            f"; and {len(bad) - 3} {plural(len(bad) - 3, 'tensor')} more" if len(bad) > 3 else "")
-        warnings.warn(f"{source}: {len(bad)} {plural(len(bad), 'tensor')} of {len(params)} hold "
+    from .diagnose import nonfinite_params
+    n_bad, listed = nonfinite_params(params)
+    if n_bad:
+        warnings.warn(f"{source}: {n_bad} {plural(n_bad, 'tensor')} of {len(params)} hold "
                       f"NaN or inf ({listed}); converted as they are, but sample, eval and serve "
                       f"will refuse this model's output (weights of a run that diverged, or a "
                       f"damaged file?)", stacklevel=2)

@@ -37,6 +37,21 @@ def _bad_values(t) -> Optional[str]:
     return " and ".join(p for p in parts if p) + f" of {a.size} values"
 
 
+def nonfinite_params(params: dict) -> tuple:
+    """``(n, listed)``: how many of the tensors in ``params`` (name -> Tensor or array) hold
+    NaN or inf, and the first three said with ``_bad_values`` (and how many more), for the
+    errors and warnings about weights that cannot be trained or run from.
+
+    >>> nonfinite_params({"a": np.ones(2), "b": np.array([np.nan, 1.0])})
+    (1, 'b: 1 NaN of 2 values')
+    """
+    bad = [(n, b) for n, b in ((n, _bad_values(t)) for n, t in params.items()) if b]
+    listed = "; ".join(f"{n}: {b}" for n, b in bad[:3])
+    if len(bad) > 3:
+        listed += f"; and {len(bad) - 3} {'tensor' if len(bad) == 4 else 'tensors'} more"
+    return len(bad), listed
+
+
 def _where(op: str, params: list) -> str:
     """The part of GPT-2 an op belongs to, from the parameters it used (an op without any
     belongs where the last op with some did: the loss after the LM head's product, the

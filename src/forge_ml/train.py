@@ -1017,11 +1017,10 @@ class Trainer:
         cfg = self.cfg
         model, tok, meta = load_model(cfg.init_from, device=self.device)
         check_tokenizer_fits(model, tok, f"--init-from {cfg.init_from}")  # before any data is prepared
-        from .diagnose import _bad_values
-        bad = [(n, b) for n, b in ((n, _bad_values(t)) for n, t in model.params.items()) if b]
-        if bad:   # (the first step's loss was NaN, and its advice was a lower --lr)
-            listed = "; ".join(f"{n}: {b}" for n, b in bad[:3])
-            raise ModelError(f"--init-from {cfg.init_from}: {len(bad)} of its {len(model.params)} "
+        from .diagnose import nonfinite_params
+        n_bad, listed = nonfinite_params(model.params)
+        if n_bad:   # (the first step's loss was NaN, and its advice was a lower --lr)
+            raise ModelError(f"--init-from {cfg.init_from}: {n_bad} of its {len(model.params)} "
                              f"weight tensors hold NaN or inf ({listed}); a fine-tune would start "
                              f"from them (weights of a run that diverged, or a damaged file?)")
         src = model.config
