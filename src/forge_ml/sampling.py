@@ -129,6 +129,15 @@ BIAS_LIMIT = 100.0     # and for a logit_bias value: [-100, 100]
 _DECIMAL = re.compile(r"-?[0-9]+")   # a logit_bias key's string form (ASCII digits only)
 
 
+def is_int(value) -> bool:
+    """An integer (NumPy's too), not a bool: a count, a token id, a seed as the API takes it.
+
+    >>> is_int(3), is_int(np.int64(3)), is_int(True), is_int(3.0)
+    (True, True, False, False)
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def is_real(value) -> bool:
     """A real number (NumPy's too) that a float holds, not a bool and not a NaN; infinities
     pass (each knob's range says). An int past float's range is not one: ``float()`` and

@@ -92,7 +92,6 @@ A row finishes (``TokenEvent.finish`` says why) after
 """
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
@@ -100,8 +99,8 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError, ShapeError
-from ..sampling import (F32_MAX, adjusted, is_real, knobs_row, logit_bias_row, openai_penalty,
-                        penalty_knob, sample_row, seen_row)
+from ..sampling import (F32_MAX, adjusted, is_int as _is_int, is_real, knobs_row,
+                        logit_bias_row, openai_penalty, penalty_knob, sample_row, seen_row)
 from ..tensor import Tensor, tensor
 from ..tokenizer import hides_stop
 from .decode import check_finite_logits, held_decoder, model_check, nonfinite_error
@@ -285,10 +284,6 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = No
 
 
 # -- argument checks -----------------------------------------------------------------------
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _as_prompts(prompts, who: str = "generate") -> tuple[list, bool]:

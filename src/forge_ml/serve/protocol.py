@@ -22,12 +22,11 @@ forge_ml.serve.protocol.APIError: unknown field 'max_token'; known fields: best_
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Optional
 
 from ..inference.engine import MAX_LOGPROBS
-from ..sampling import is_finite
+from ..sampling import is_finite, is_int as _is_int
 
 MAX_N = 128          # choices per prompt
 MAX_CHOICES = 256    # choices per request (prompts x n)
@@ -47,10 +46,6 @@ class APIError(Exception):
 def error_body(e: APIError) -> dict:
     """``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass
