@@ -708,6 +708,36 @@ def test_byte_tokens_never_stream_a_broken_character():
     assert len(events) == len(ids) and events[-1][2] == "stop"
 
 
+def test_ignore_eos_leaves_the_end_of_text_token_out_of_the_text():
+    """With ignore_eos the choice goes on past <|endoftext|>, which is then no text where it
+    comes (vLLM's skip_special_tokens; it was the literal "<|endoftext|>" in the text), its
+    log-probability listed at the text's offset; streamed or not, the same text."""
+    from forge_ml.serve.app import _Choice, _events
+
+    tok = GPT2Tokenizer()
+    before, after = tok.encode("Hi"), tok.encode(" there")
+    for stream_it in (False, True):
+        req = parse_completion({"prompt": "a", "logprobs": 1, "ignore_eos": True,
+                                "stream": stream_it})
+        stream = Stream([64], SamplingParams())
+        for i, t in enumerate(before + [tok.eot_token] + after):
+            stream._push(TokenOut(t, logprob=-0.5 - i, top_logprobs=((t, -0.5 - i),),
+                                  finish="length" if i == len(before + after) else None))
+
+        async def run():
+            return [x async for x in _events(_Choice(0, stream, tok, req, tok.eot_token), req)]
+
+        events = asyncio.run(run())
+        assert "".join(t for t, _, _ in events) == "Hi there"
+        assert events[-1][2] == "length"
+        lp = [p for _, p, _ in events if p is not None]
+        tokens = [x for p in lp for x in p["tokens"]]
+        offsets = [x for p in lp for x in p["text_offset"]]
+        assert tokens == ["Hi", "<|endoftext|>", " there"]
+        assert offsets == [1, 3, 3]          # from the prompt's start ("a"), as OpenAI's API
+        assert [x for p in lp for x in p["token_logprobs"]] == [-0.5, -1.5, -2.5]
+
+
 def test_an_empty_prompt_on_a_char_model_starts_from_its_newline_as_the_cli_does(http, tok):
     """A char model's server refused an empty prompt (no <|endoftext|>), where OpenAI's API
     takes it and ``forge-ml sample --prompt ''`` starts from a newline (``prompt_ids``): the

@@ -18,7 +18,8 @@ adds no text until the character is whole), and text that could begin a ``stop``
 held back until it is known not to, so neither a broken character nor part of a stop string
 ever reaches the client. A choice ends with finish "stop" on a stop string (its text cut
 before it) or the tokenizer's end-of-text token (not in the text; ``ignore_eos`` turns that
-off), else "length". ``logprobs.text_offset`` is each token's character offset in the prompt's
+off, and the token is then no text where it comes, as vLLM's ``skip_special_tokens``; its
+log-probability is listed), else "length". ``logprobs.text_offset`` is each token's character offset in the prompt's
 text followed by the completion's (the returned text, with echo), as OpenAI's API has it:
 from one offset to the next is the text that token made. A character cut across byte tokens
 is the text of the token that completes it; one left broken (U+FFFD, a prompt that ends in
@@ -212,7 +213,14 @@ class _Choice:
         lp = logprobs_body() if self.want_logprobs else None
         text, stopped = "", False
         # an end-of-text token is no text; a stop id that is not special (a "."), as vLLM has it
-        if out.finish != "stop" or not hides_stop(self.tokenizer, out.token, self.stop_ids):
+        if out.finish == "stop" and hides_stop(self.tokenizer, out.token, self.stop_ids):
+            pass
+        elif getattr(self.tokenizer, "is_special", lambda t: False)(out.token):
+            # a special token inside the completion (ignore_eos's <|endoftext|>): no text, as
+            # vLLM's skip_special_tokens has it; its log-probability at the text's offset
+            if lp is not None:
+                self._logprob_part(lp, out.token, out.logprob, out.top_logprobs, self.offset)
+        else:
             # lead: a character the tokens before began (the echoed prompt's broken end, say)
             # that this token ends as U+FFFD is theirs; the token's own text begins after it
             piece, lead = self.detok.feed_split(out.token)
