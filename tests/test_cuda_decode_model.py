@@ -108,31 +108,44 @@ def test_fused_greedy_chain_is_argmax_of_its_logits_and_replays_bit_for_bit(dtyp
         np.testing.assert_array_equal(caches[0].k[i].numpy(), caches[1].k[i].numpy())
 
 
+@pytest.mark.parametrize("width,padded", [(128, 1024), (384, 1002)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_layers_head_gives_the_same_bits_for_any_grid(dtype, fused_on, monkeypatch):
+def test_layers_head_gives_the_same_bits_for_any_grid(dtype, width, padded, fused_on,
+                                                      monkeypatch):
     """decode_layers.cu's head: its grid (how the vocabulary's rows are dealt out: one round or
-    many, every warp busy or not) changes no bit of the logits or of the greedy chain."""
+    many, every warp busy or not) changes no bit of the logits or of the greedy chain; in
+    float32 (the rows streamed through shared memory) with slots of 4 rows (n_embd 128) and of
+    2 (384), the last group short of its rows (1,002 padded rows: 250 groups of 4 and one of
+    2); in bf16, 8 rows a warp at a time."""
     if fused_on != "layers":
         pytest.skip("decode_layers.cu's head kernel")
     from forge_ml.backends.cuda import decoder
     from forge_ml.inference.decode import DecodeStep
-    gpu = _varied(GPT2.init(CFG, seed=13), 7).to("cuda", dtype=dtype)
-    ids = np.random.default_rng(5).integers(0, CFG.vocab_size, (1, 8))
+    cfg = GPT2Config(vocab_size=1000, padded_vocab_size=padded, block_size=256, n_layer=2,
+                     n_head=width // 64, n_embd=width)
+    gpu = _varied(GPT2.init(cfg, seed=13), 7).to("cuda", dtype=dtype)
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 8))
+    assert decoder._head_rows(gpu.params["wte.weight"].data.dtype, width) == (
+        8 if dtype == "bfloat16" else 2 if width == 384 else 4)
+
+    rule = decoder._head_grid
 
     def run(grid):
         monkeypatch.setattr(decoder, "_layer_plans", {})     # a plan made with this grid
-        monkeypatch.setattr(decoder, "_head_grid", lambda Vp, sms: grid)
+        monkeypatch.setattr(decoder, "_head_grid",
+                            lambda groups, resident: grid or rule(groups, resident))
         cache = gpu.new_cache(1, 256)
         gpu.forward_cached(fm.tensor(ids, device="cuda"), cache)
         step = DecodeStep(gpu, cache, graph=False)
         assert step.fused
-        logits = np.stack([step(np.array([t % CFG.vocab_size]), t) for t in range(8, 40)])
+        logits = np.stack([step(np.array([t % cfg.vocab_size]), t) for t in range(8, 40)])
         chain = np.stack(list(step.greedy([3], 40, 30)))
         assert len(decoder._layer_plans) == 1
-        assert next(iter(decoder._layer_plans.values())).grid_head == grid
+        plan = next(iter(decoder._layer_plans.values()))
+        assert grid is None or plan.grid_head == grid
         return logits, chain
 
-    want = run(decoder._head_grid(CFG.padded_vocab_size, 132))   # 16: one round a warp
+    want = run(None)   # the rule's grid: one round a warp at this vocabulary
     for grid in (1, 5, 9, 264):
         got = run(grid)
         np.testing.assert_array_equal(got[0], want[0], err_msg=f"logits, grid {grid}")

@@ -43,7 +43,8 @@
 #define DL_XPT 8        // x values a thread holds (C <= DL_XPT * DL_THREADS)
 #define DL_HEAD_WARPS 8  // with __launch_bounds__(256, 2): 128 registers a thread; 16 warps
                          // (64 registers, float32 spilling) were 2-3% slower a token
-#define DL_HEAD_ROWS 8  // LM head rows a warp has in flight
+#define DL_HEAD_SLOTS 3  // the LM head's slots a warp streams its rows through (dl_head_*)
+#define DL_HEAD_ROWS 8   // bf16: LM head rows a warp has in flight (no slots)
 #define DL_KU 4         // keys a lane group of the attention has in flight
 #define DL_MR (4 + DL_HS)   // a block's (m, l, 2 unused, 64 outputs) in layer_attn's mr
 #define DL_CMAX 1600
@@ -733,15 +734,113 @@ __device__ void layer_mlp_impl(const float* xa, const T* bproj, const float* par
 }
 
 // ------------------------------------------------------------------------------------------
-// head: LN_f of x'' and the logits (a warp per DL_HEAD_ROWS rows at a time), then with
-// `greedy` the argmax by the last block to finish (each block's (best, index) in argp, a
-// counter that the last block resets to 0). decoder.py's _head_grid sizes the grid.
+// head: LN_f of x'' and the logits, then with `greedy` the argmax by the last block to finish
+// (each block's (best, index) in argp, a counter that the last block resets to 0).
+// decoder.py's _head_grid sizes the grid, _head_rows and _head_shared the slots.
+//
+// float32 (DL_HEAD_STREAM): the head's rows (154 MB at GPT-2's vocabulary, three times L2)
+// stream through shared memory: warp w of the grid (gw of nw) owns the groups of G rows q =
+// gw, gw + nw, ... and copies each into one of its DL_HEAD_SLOTS slots (cp.async, one commit
+// group a slot), DL_HEAD_SLOTS groups ahead of the one it reduces; its first DL_HEAD_SLOTS
+// groups are asked for before the wait, under the last layer's kernel (the weights are no
+// kernel's output). lm_head_rows (bf16) loads 8 rows into registers a warp, reduces them and
+// only then asks for the next 8: 4 KB a warp in flight, a quarter of a float32 row each. The
+// sums are lm_head_rows's (lane l adds columns VEC i .. VEC i + VEC - 1 for i = l, l + 32, ...
+// in order, then the warp's sum): the same arithmetic either way. Batch-1 greedy generate() (H100,
+// 2026-12-07, three rounds against lm_head_rows): float32 +2.6%, +1.3%, +1.8%; bf16 -0.7%,
+// -0.2%, -2.4% (the head's rows 4 us faster in the trace, the last layer's kernel and the
+// release slower by as much under the early copies), so bf16 keeps lm_head_rows.
+template <typename T> constexpr bool DL_HEAD_STREAM = sizeof(T) == 4;
+
+// The copy of group q (rows q G .. q G + G - 1, those below Vp) into `slot`, by the warp's 32
+// lanes, 16 bytes a copy. The caller commits.
+template <typename T>
+FORGE_D void dl_head_fetch(T* slot, const T* head, int q, int G, int C, int Vp, int lane) {
+    const int r0 = q * G, rows = min(G, Vp - r0);
+    if (rows <= 0) return;
+    const int n16 = rows * C * (int)sizeof(T) / 16;
+    const char* src = reinterpret_cast<const char*>(head + (long long)r0 * C);
+    for (int c = lane; c < n16; c += 32)
+        cp_async16(smem_u32(reinterpret_cast<char*>(slot) + 16 * c), src + 16 * c, true);
+}
+
+// The warp's slots: DL_HEAD_SLOTS of G C elements each, after the slots of the warps before
+// it in the block's dynamic shared memory.
+template <typename T> FORGE_D T* dl_head_slots(unsigned char* raw, int G, int C) {
+    return reinterpret_cast<T*>(raw) + (long long)(threadIdx.x >> 5) * DL_HEAD_SLOTS * G * C;
+}
+
+// Before the wait: the warp's first DL_HEAD_SLOTS groups, a commit group each (empty where the
+// warp has fewer groups: every thread's count of groups stays the loop's).
+template <typename T>
+FORGE_D void dl_head_prefetch(unsigned char* raw, const T* head, int G, int C, int Vp) {
+    const int lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int nw = gridDim.x * (blockDim.x >> 5);
+    T* slots = dl_head_slots<T>(raw, G, C);
+#pragma unroll
+    for (int k = 0; k < DL_HEAD_SLOTS; ++k) {
+        dl_head_fetch(slots + k * G * C, head, gw + k * nw, G, C, Vp, lane);
+        cp_async_commit();
+    }
+}
+
+// The logits of the warp's groups (xs: LN_f(x''), C floats in shared memory), each group
+// reduced once its slot has arrived, the group DL_HEAD_SLOTS ahead then asked for into that
+// slot; logits[n] and the lane-0 argmax as lm_head_rows (the same sums). G <= 4.
+template <typename T>
+FORGE_D void dl_head_rows(unsigned char* raw, const float* xs, const T* head, int G, int C,
+                          int Vp, int V, float* logits, float& best, int& bi) {
+    constexpr int VEC = Vec16<T>::N;
+    const int lane = threadIdx.x & 31, nv = C / VEC;
+    const int gw = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int nw = gridDim.x * (blockDim.x >> 5), ng = (Vp + G - 1) / G;
+    T* slots = dl_head_slots<T>(raw, G, C);
+    for (int k = 0, q = gw; q < ng; ++k, q += nw) {
+        T* slot = slots + (k % DL_HEAD_SLOTS) * G * C;
+        cp_async_wait<DL_HEAD_SLOTS - 1>();   // group q's copies, this lane's
+        __syncwarp();                         // and every lane's
+        float a[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] = 0.f;
+        for (int i = lane; i < nv; i += 32) {
+            uint4 w16[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+                if (r < G) w16[r] = *reinterpret_cast<const uint4*>(slot + r * C + i * VEC);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                if (r < G) {
+                    float w[VEC];
+                    Vec16<T>::widen(w16[r], w);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) a[r] += xs[i * VEC + e] * w[e];
+                }
+            }
+        }
+        __syncwarp();   // every lane is done with the slot before it is refilled
+        dl_head_fetch(slot, head, q + DL_HEAD_SLOTS * nw, G, C, Vp, lane);
+        cp_async_commit();
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            if (r < G) {
+                const float v = warp_sum(a[r]);
+                const int n = q * G + r;
+                if (lane == 0 && n < Vp) {
+                    __stcg(logits + n, v);
+                    if (n < V) argmax_take(v, n, best, bi);
+                }
+            }
+        }
+    }
+}
 template <typename T>
 __device__ void decode_head_impl(const float* xb, const T* bias, const float* partB, int SB,
                                  const T* gf, const T* bf, const T* head, float* logits, int C,
                                  int Vp, int V, float eps, int greedy, int* ids, int* posp,
-                                 int* hist, float* argp, unsigned* counter) {
+                                 int* hist, float* argp, unsigned* counter, int G) {
     constexpr int NT = DL_HEAD_WARPS * 32;
+    extern __shared__ __align__(16) unsigned char dl_raw[];   // the warps' slots
     // this block's row of the batch (the greedy choice's rows below)
     xb += (long long)blockIdx.y * C;
     partB += (long long)blockIdx.y * SB * C;
@@ -755,11 +854,13 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
     dl_mark(0);
     dl_stage3<T, NT>(vs, bias, gf, bf, C);   // weights: before the wait
     cp_async_commit();
+    if constexpr (DL_HEAD_STREAM<T>) dl_head_prefetch<T>(dl_raw, head, G, C, Vp);
     dl_mark(1);
     pdl_wait();
     dl_mark(2);
     pdl_launch_dependents();
-    cp_async_wait<0>();
+    if constexpr (DL_HEAD_STREAM<T>) cp_async_wait<DL_HEAD_SLOTS>();   // the vectors, not rows
+    else cp_async_wait<0>();
     __syncthreads();
     // the mean from the gather's own sums; their barrier publishes xs
     const float mean =
@@ -777,7 +878,10 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
     dl_mark(4);
     float best = neg_inf<float>();
     int bi = 0x7fffffff;
-    lm_head_rows<T, DL_HEAD_ROWS, DL_HEAD_WARPS>(xs, head, C, Vp, V, logits, best, bi);
+    if constexpr (DL_HEAD_STREAM<T>)
+        dl_head_rows<T>(dl_raw, xs, head, G, C, Vp, V, logits, best, bi);
+    else
+        lm_head_rows<T, DL_HEAD_ROWS, DL_HEAD_WARPS>(xs, head, C, Vp, V, logits, best, bi);
     dl_mark(5);
     if (!greedy) {
         dl_trace_out(2);
@@ -847,9 +951,9 @@ __device__ void decode_head_impl(const float* xb, const T* bias, const float* pa
         decode_head_##S(const float* xb, const T* bias, const float* partB, int SB,           \
                         const T* gf, const T* bf, const T* head, float* logits, int C,         \
                         int Vp, int V, float eps, int greedy, int* ids, int* posp, int* hist,  \
-                        float* argp, unsigned* counter) {                                      \
+                        float* argp, unsigned* counter, int G) {                               \
         decode_head_impl<T>(xb, bias, partB, SB, gf, bf, head, logits, C, Vp, V, eps, greedy, \
-                            ids, posp, hist, argp, counter);                                   \
+                            ids, posp, hist, argp, counter, G);                                \
     }
 FORGE_DECODE_LAYERS(float, f32)
 FORGE_DECODE_LAYERS(bf16, bf16)

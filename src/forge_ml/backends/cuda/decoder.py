@@ -207,22 +207,73 @@ def decode_gpt2(ids, pos, wte, wpe, lnf, head, layers, caches, n_head, eps, voca
 # ---- FORGE_FUSED_DECODE=layers: decode_layers.cu ----------------------------------------------
 
 _DL_THREADS, _DL_P, _DL_HEAD_THREADS = 256, 8, 256
-_DL_HEAD_BLOCK_ROWS = (_DL_HEAD_THREADS // 32) * 8   # decode_layers.cu: DL_HEAD_WARPS x DL_HEAD_ROWS
+_DL_HEAD_SLOTS = 3    # decode_layers.cu's DL_HEAD_SLOTS: a head warp's slots (float32)
+_DL_CMAX = 1600       # decode_layers.cu's DL_CMAX: the widest n_embd
 
 
-def _head_grid(Vp: int, sms: int) -> int:
-    """Blocks of ``decode_head``: as many rounds of rows as two blocks an SM take, dealt out so
-    that every warp has that many (the fewest blocks for them). At GPT-2's 50,304 rows, 262
-    blocks of 8 warps, three rounds each (with 16 warps a block, 197 blocks of two rounds,
-    where 264 had left half the warps a second round: +0.5 to +3% on batch-1 greedy
-    ``generate()``, bf16 and float32, H100, 2026-12-06; 8 warps a block with 128 registers a
-    thread: +1.4 to +2.7% more, session 37).
+def _head_stream(dt) -> bool:
+    """Whether ``decode_head`` streams the LM head's rows through shared memory (float32; bf16
+    loads 8 rows a warp into registers: decode_layers.cu's DL_HEAD_STREAM says why)."""
+    return np.dtype(dt).itemsize == 4
 
-    >>> _head_grid(50304, 132), _head_grid(1024, 132)
-    (262, 16)
+
+def _head_rows(dt, C: int) -> int:
+    """Rows of the LM head a warp of ``decode_head`` takes at a time: float32, those of a slot
+    (its G), as many as fit about 3 KB (up to 4), one where a row is longer; bf16, 8
+    (DL_HEAD_ROWS).
+
+    >>> [_head_rows(F32, C) for C in (64, 256, 768, 1600)]
+    [4, 2, 1, 1]
     """
-    rounds = -(-Vp // (2 * sms * _DL_HEAD_BLOCK_ROWS))
-    return -(-Vp // (rounds * _DL_HEAD_BLOCK_ROWS))
+    if not _head_stream(dt):
+        return 8
+    rb = C * np.dtype(dt).itemsize
+    return 4 if 4 * rb <= 3200 else 2 if 2 * rb <= 3200 else 1
+
+
+def _head_shared(dt, C: int) -> int:
+    """Dynamic shared bytes of ``decode_head``: every warp's slots (float32; bf16 none).
+
+    >>> _head_shared(F32, 768), _head_shared(F32, 1600)
+    (73728, 153600)
+    """
+    if not _head_stream(dt):
+        return 0
+    warps = _DL_HEAD_THREADS // 32
+    return warps * _DL_HEAD_SLOTS * _head_rows(dt, C) * C * np.dtype(dt).itemsize
+
+
+def _head_static(dt) -> int:
+    """``decode_head``'s static shared bytes (at most): xs, vs and the small arrays."""
+    return 4 * _DL_CMAX + 3 * _DL_CMAX * np.dtype(dt).itemsize + 4 * (32 + 32 + 32 + 1)
+
+
+def _head_blocks(dt, C: int, sm_shared: int, reserved: int = 1024) -> int:
+    """Blocks of ``decode_head`` an SM holds: its shared memory's share, at most 2 (256
+    threads of 128 registers a block).
+
+    >>> _head_blocks(F32, 768, 233472), _head_blocks(F32, 1600, 233472)
+    (2, 1)
+    """
+    return max(1, min(2, sm_shared // (_head_shared(dt, C) + _head_static(dt) + reserved)))
+
+
+def _head_grid(groups: int, resident: int) -> int:
+    """Blocks of ``decode_head`` for ``groups`` groups of rows (the vocabulary's padded rows
+    in groups of ``_head_rows``) where the GPU holds ``resident`` blocks at once: as many
+    rounds of groups as those blocks' warps take, dealt out so that every warp has that many
+    (the fewest blocks for them). At GPT-2's 50,304 rows on an H100 (264 blocks at once):
+    bf16 (8 rows a warp at a time), 262 blocks of 3 rounds; float32 (G 1), 262 of 24. Sized
+    so since 2026-12-06: 16 warps a block, 197 blocks of two rounds, where 264 had left half
+    the warps a second round: +0.5 to +3% on batch-1 greedy ``generate()``, bf16 and float32,
+    H100; 8 warps a block with 128 registers a thread: +1.4 to +2.7% more, session 37.
+
+    >>> _head_grid(6288, 264), _head_grid(50304, 264), _head_grid(16, 264)
+    (262, 262, 2)
+    """
+    warps = _DL_HEAD_THREADS // 32
+    rounds = -(-groups // (resident * warps))
+    return -(-groups // (rounds * warps))
 
 
 def _attn_shared(dt, C: int) -> int:
@@ -308,7 +359,8 @@ def _layers_ask(dev, dt, C: int, rows: int) -> bool:
         return False
     sfx = _SFX[np.dtype(dt)]
     return (_takes("decode_layers", f"layer_attn_{sfx}", _attn_shared(dt, C))
-            and _takes("decode_layers", f"layer_mlp_{sfx}", _mlp_shared(dt, C)))
+            and _takes("decode_layers", f"layer_mlp_{sfx}", _mlp_shared(dt, C))
+            and _takes("decode_layers", f"decode_head_{sfx}", _head_shared(dt, C)))
 
 
 class _LayersPlan:
@@ -320,7 +372,13 @@ class _LayersPlan:
     def __init__(self, dt, C: int, H: int, Vp: int, B: int = 1):
         self.grid_mlp = C // _VEC[dt]                 # blocks of layer_mlp, a row
         self.SB = self.grid_mlp // _DL_P              # its clusters: partB's rows
-        self.grid_head = _head_grid(Vp, _sm_count(_dev()))
+        props = cupy.cuda.runtime.getDeviceProperties(_dev())
+        self.head_rows = _head_rows(dt, C)
+        self.head_shared = _head_shared(dt, C)
+        resident = _sm_count(_dev()) * _head_blocks(
+            dt, C, int(props["sharedMemPerMultiprocessor"]),
+            int(props.get("reservedSharedMemPerBlock", 1024)))
+        self.grid_head = _head_grid(-(-Vp // self.head_rows), resident)
         self.B = B
         self.xa = cupy.zeros((B, C), F32)
         self.xb = cupy.zeros((B, C), F32)
@@ -366,5 +424,5 @@ def _decode_layers(key, ids, pos, wte, wpe, lnf, head, layers, caches, H, eps, V
     _launch("decode_layers", f"decode_head_{sfx}", (plan.grid_head, plan.B), _DL_HEAD_THREADS,
             (plan.xb, layers[-1][11], plan.partB, _i32(plan.SB), lnf[0], lnf[1], head, logits,
              _i32(C), _i32(Vp), _i32(V), epsf, _i32(1 if greedy else 0), ids, pos, hist,
-             plan.argp, plan.counter), pdl=True,
+             plan.argp, plan.counter, _i32(plan.head_rows)), shared=plan.head_shared, pdl=True,
             writes=(logits, ids, pos, hist, plan.argp, plan.counter))
