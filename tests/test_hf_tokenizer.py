@@ -122,6 +122,10 @@ def test_long_text_is_encoded_in_parallel_pieces_with_the_same_ids(hfdir):
     assert tok._chunkable()
     assert tok.encode_array(text, chunk=500).tolist() == whole     # dozens of pieces
     assert encode_array(tok, text).dtype == np.uint32
+    # a negative chunk looped for ever, its pieces growing (a QA report)
+    for bad in (-5, 0, None):
+        with pytest.raises(TokenizerError, match="chunk must be an int of at least 1"):
+            tok.encode_array(text, chunk=bad)
 
 
 def test_a_folder_of_vocab_json_and_merges_txt_matches_transformers(hfdir, tmp_path):

@@ -147,6 +147,11 @@ def test_gpt2_special_token_handling(gpt2):
         gpt2.encode(text, allowed_special="<|pad|>")
     with pytest.raises(TokenizerError, match="unknown special"):
         gpt2.encode(text, allowed_special={"<|pad|>"})
+    # an empty set allows none, as tiktoken's (it turned <|endoftext|> into 50256, a QA report)
+    for none in (set(), frozenset(), [], ()):
+        assert gpt2.encode(text, allowed_special=none) == plain
+    with pytest.raises(TokenizerError, match="allowed_special holds list"):
+        gpt2.encode(text, allowed_special=[["<|endoftext|>"]])     # was an unhashable TypeError
 
 
 @pytest.mark.parametrize("bad", [50257, 50303, 10**6, -1])
@@ -273,6 +278,10 @@ def test_encode_array_is_encode_in_a_compact_array(kind):
     if kind == "char":
         with pytest.raises(TokenizerError, match="character '\u03a9' at position 3 is not in the vocabulary"):
             tok.encode_array("To \u03a9", chunk=2)
+        # chunk -1 gave an array the loop never filled (garbage ids); 0 a ValueError
+        for bad in (-1, 0, 2.5, True):
+            with pytest.raises(TokenizerError, match="chunk must be an int of at least 1"):
+                tok.encode_array("To be", chunk=bad)
 
 
 def test_a_tokenizer_dict_with_a_key_its_kind_does_not_know_is_refused_not_dropped():

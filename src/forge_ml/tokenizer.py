@@ -129,6 +129,21 @@ def _token_ids(ids, who: str):
         yield pos, int(i)
 
 
+def _chunk(chunk, who: str) -> int:
+    """``encode_array``'s chunk: an int of at least 1 (a negative one read memory the array
+    never filled, or never ended).
+
+    >>> _chunk(0, "CharTokenizer.encode_array")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.TokenizerError: CharTokenizer.encode_array: chunk must be an int of at least 1 (characters a piece), got 0
+    """
+    if not (isinstance(chunk, (int, np.integer)) and not isinstance(chunk, bool) and chunk >= 1):
+        raise TokenizerError(f"{who}: chunk must be an int of at least 1 (characters a piece), "
+                             f"got {chunk!r:.40}")
+    return int(chunk)
+
+
 def _known_keys(owner: str, d: dict, known) -> None:
     """A tokenizer dict holds only the keys its kind's ``to_dict`` writes: a key it does not
     know (a typo in a hand-edited tokenizer.json, or a newer forge-ml's setting) is refused,
@@ -227,6 +242,7 @@ class CharTokenizer:
         """
         if not isinstance(text, str):
             raise TokenizerError(f"CharTokenizer.encode: expected a str, got {type(text).__name__}")
+        chunk = _chunk(chunk, "CharTokenizer.encode_array")
         out = np.empty(len(text), self._code_ids.dtype)
         last = len(self._codes) - 1
         for i in range(0, len(text), chunk):
@@ -458,10 +474,10 @@ class GPT2Tokenizer:
 
     ``encode(text)`` treats the literal string ``"<|endoftext|>"`` as ordinary text, so a corpus
     that happens to quote it cannot inject document boundaries; pass ``allowed_special=True``
-    (or ``{"<|endoftext|>"}``) to turn it into the special token 50256. A lone surrogate
-    (a str that is not valid Unicode, such as ``"\\ud83d"``) has no UTF-8 bytes: it is
-    encoded as U+FFFD, the replacement character, as tiktoken's GPT-2 encoding takes it (a
-    round trip gives "\\ufffd" there).
+    (or ``{"<|endoftext|>"}``; an empty set allows none, as tiktoken's) to turn it into the
+    special token 50256. A lone surrogate (a str that is not valid Unicode, such as
+    ``"\\ud83d"``) has no UTF-8 bytes: it is encoded as U+FFFD, the replacement character, as
+    tiktoken's GPT-2 encoding takes it (a round trip gives "\\ufffd" there).
 
     >>> tok = GPT2Tokenizer()
     >>> tok.encode("Hello world")
@@ -609,13 +625,21 @@ class GPT2Tokenizer:
                                  f"name or a set of names, got {allowed_special!r:.40}")
         else:
             # a str is one token's name, not a set of characters
-            allowed = {allowed_special} if isinstance(allowed_special, str) else set(allowed_special)
+            names = [allowed_special] if isinstance(allowed_special, str) else list(allowed_special)
+            bad = next((n for n in names if not isinstance(n, str)), None)
+            if bad is not None:
+                raise TokenizerError(f"GPT2Tokenizer.encode: allowed_special holds "
+                                     f"{type(bad).__name__} {bad!r:.40}; expected special "
+                                     f"tokens' names (str)")
+            allowed = set(names)
             unknown = allowed - {GPT2_EOT}
             if unknown:
                 raise TokenizerError(
                     f"GPT2Tokenizer.encode: unknown special tokens {sorted(unknown)}; "
                     f"GPT-2 has only {GPT2_EOT!r}"
                 )
+            if not allowed:    # an empty set allows none (tiktoken's allowed_special=set())
+                return self._pieces(text, self._enc.encode_ordinary, False)
         return self._pieces(text, self._enc.encode_ordinary, True)
 
     def encode_array(self, text: str) -> np.ndarray:
@@ -1059,6 +1083,7 @@ class HFTokenizer:
         """
         if not isinstance(text, str):
             raise TokenizerError(f"HFTokenizer.encode: expected a str, got {type(text).__name__}")
+        chunk = _chunk(chunk, "HFTokenizer.encode_array")
         if len(text) <= chunk or not self._chunkable():
             return np.asarray(self.encode(text), np.uint32)
         try:
