@@ -386,6 +386,12 @@ def test_sample_reads_its_prompt_from_standard_input_or_a_pipe(trained):
                          env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.decode().strip() == (
         "forge-ml sample: error: --prompt-file standard input: not UTF-8 text (byte 0: b'\\xff')")
+    # the same bytes in --prompt's argument: the model was given U+FFFD for them, in silence
+    bad = subprocess.run([os.fsencode(a) for a in base] + [b"--prompt", b"to\xff be"],
+                         capture_output=True, env=env, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == b"" and bad.stderr.decode().strip() == (
+        "forge-ml sample: error: --prompt: not UTF-8 text (byte 2: b'\\xff'); give the prompt "
+        "in UTF-8, or its file with --prompt-file")
 
 
 def test_sample_from_a_gpt2_vocab_hf_folder(workdir, capsys):

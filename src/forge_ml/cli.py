@@ -697,6 +697,18 @@ def _check_sample_args(args) -> None:
         if args.prompt:
             raise ConfigError("give --prompt or --prompt-file, not both")
         args.prompt = _prompt_text(args.prompt_file)
+    elif args.prompt and any("\udc80" <= c <= "\udcff" for c in args.prompt):
+        # bytes of the argument that are not UTF-8 (Python keeps them as U+DC80-U+DCFF): the
+        # model would be given U+FFFD in their place, in silence
+        try:
+            raw = args.prompt.encode("utf-8", "surrogateescape")
+            raw.decode("utf-8")
+        except UnicodeEncodeError:
+            pass                  # other lone surrogates (main() called from Python): encode's
+        except UnicodeDecodeError as e:
+            raise DataError(f"--prompt: not UTF-8 text (byte {e.start}: "
+                            f"{raw[e.start:e.start + 1]!r}); give the prompt in UTF-8, or its "
+                            f"file with --prompt-file") from None
     if args.num_samples < 1:
         raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.num_samples > 1 and args.num_beams is not None:
