@@ -757,8 +757,15 @@ def test_a_folder_whose_tokenizer_is_not_gpt2s_is_read_with_its_tokenizer_json_o
     (d / "vocab.json").write_text(json.dumps(dict(gpt2, **{"<pad>": 50257})))
     assert hf_tokenizer_dict(d) == {"kind": "gpt2"}
     (d / "vocab.json").unlink()
-    (d / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": gpt2, "merges": []}}))
+    merges = [ln for ln in (gpt2_data_dir() / "vocab.bpe").read_text(encoding="utf-8").split("\n")
+              if ln.strip() and not ln.startswith("#version")]
+    (d / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": gpt2,
+                                                            "merges": merges}}))
     assert hf_tokenizer_dict(d) == {"kind": "gpt2"}
+    # GPT-2's vocabulary without its merges is not GPT-2's tokenizer (letters, not words)
+    (d / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": gpt2,
+                                                            "merges": []}}))
+    assert hf_tokenizer_dict(d)["kind"] == "hf"
     other = dict(gpt2, **{"Hello": gpt2["world"], "world": gpt2["Hello"]})  # two ids swapped
     (d / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": other, "merges": []}}))
     # its own tokenizer.json is read with the tokenizers library (tests/test_hf_tokenizer.py)

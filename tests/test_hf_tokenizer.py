@@ -111,6 +111,63 @@ def test_encode_and_decode_match_transformers(hfdir, tmp_path, name):
     assert tok.eot_token == 0 and tok.to_dict() == spec
 
 
+def _gpt2_tokenizer_json() -> dict:
+    """GPT-2's tokenizer.json as transformers writes it (vocabulary and merges forge-ml's)."""
+    from forge_ml.tokenizer import gpt2_data_dir
+    gpt2 = json.loads((gpt2_data_dir() / "encoder.json").read_text(encoding="utf-8"))
+    merges = [ln.split(" ") for ln in (gpt2_data_dir() / "vocab.bpe").read_text(encoding="utf-8").split("\n")
+              if ln.strip() and not ln.startswith("#version")]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return {"version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [{"id": 50256, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": True, "special": True}],
+            "normalizer": None, "pre_tokenizer": byte_level,
+            "post_processor": {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+                               "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                                        {"Sequence": {"id": "B", "type_id": 1}}], "special_tokens": {}},
+            "decoder": dict(byte_level, add_prefix_space=True),
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                      "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": gpt2, "merges": merges}}
+
+
+BOS_TEMPLATE = {"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                           {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [50256],
+                                                     "tokens": ["<|endoftext|>"]}}}
+
+
+@pytest.mark.parametrize("cls", ["PreTrainedTokenizerFast", "GPT2Tokenizer"])
+@pytest.mark.parametrize("change,kind", [
+    ({}, {"PreTrainedTokenizerFast": "gpt2", "GPT2Tokenizer": "gpt2"}),
+    ({"normalizer": {"type": "Lowercase"}}, {"PreTrainedTokenizerFast": "hf", "GPT2Tokenizer": "gpt2"}),
+    ({"normalizer": {"type": "NFKC"}}, {"PreTrainedTokenizerFast": "hf", "GPT2Tokenizer": "gpt2"}),
+    ({"post_processor": BOS_TEMPLATE}, {"PreTrainedTokenizerFast": "hf", "GPT2Tokenizer": "hf"}),
+])
+def test_a_gpt2_vocabulary_tokenizer_json_is_read_as_transformers_reads_it(tmp_path, change, kind, cls):
+    """A tokenizer.json of GPT-2's vocabulary was read as GPT-2's whatever else it held: a
+    lowercasing or NFKC normalizer, a post-processor putting <|endoftext|> before every text
+    (a QA report: other ids than transformers', in silence). Now the folder's own tokenizer
+    ("hf") where transformers runs the file as written (a generic class), and GPT-2's where it
+    builds GPT-2's pipeline and keeps only the vocabulary, merges and post-processor (GPT-2's
+    class): the same ids as AutoTokenizer either way."""
+    from forge_ml.inference.load import hf_tokenizer_dict
+    from forge_ml.tokenizer import tokenizer_from_dict
+
+    d = tmp_path / "tok"
+    d.mkdir()
+    (d / "tokenizer.json").write_text(json.dumps(dict(_gpt2_tokenizer_json(), **change)))
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": cls, "add_prefix_space": False,
+                                                         "eos_token": "<|endoftext|>"}))
+    spec = hf_tokenizer_dict(d)
+    assert spec["kind"] == kind[cls]
+    ours, theirs = tokenizer_from_dict(spec), transformers.AutoTokenizer.from_pretrained(d)
+    for text in ["Hello World", "ﬁne ① ＡＢＣ café", "  two  spaces\n", ""]:
+        assert ours.encode(text) == theirs(text)["input_ids"], text
+
+
 def test_long_text_is_encoded_in_parallel_pieces_with_the_same_ids(hfdir):
     from forge_ml.data import encode_array
     from forge_ml.inference.load import hf_tokenizer_dict

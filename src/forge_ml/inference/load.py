@@ -315,18 +315,20 @@ def _hf_added_tokens(d: Path) -> tuple:
 
 
 def _not_gpt2_file(d: Path):
-    """``(file, its parsed JSON)`` of the folder's tokenizer file (``vocab.json``, else
-    ``tokenizer.json``) whose ids are not GPT-2's, or None where the first one found holds
-    GPT-2's ids (tokens added after GPT-2's 50257 allowed) or there is none: a GPT-2 model
-    trained with another vocabulary (another language's BPE) read with GPT-2's tokenizer would
-    give wrong text.
+    """``(file, its parsed JSON)`` of the folder's tokenizer file (``tokenizer.json``, else
+    ``vocab.json``: transformers' ``AutoTokenizer`` reads the first) that does not tokenize
+    as GPT-2's, or None where it does (tokens added after GPT-2's 50257 allowed) or there is
+    none: a GPT-2 model trained with another vocabulary (another language's BPE) read with
+    GPT-2's tokenizer would give wrong text. A ``tokenizer.json`` of GPT-2's vocabulary whose
+    pipeline adds to GPT-2's (``_gpt2_pipeline_differs``) is the folder's own too: it was read
+    as GPT-2's, its lowercasing or its <|endoftext|> before every text left out in silence.
 
     >>> import tempfile, json, os
     >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "vocab.json"), "w").write('{"a": 0}')
     >>> _not_gpt2_file(Path(d))[0].name, _not_gpt2_file(Path(tempfile.mkdtemp()))
     ('vocab.json', None)
     """
-    for name in ("vocab.json", "tokenizer.json"):
+    for name in ("tokenizer.json", "vocab.json"):
         f = d / name
         spec = _tokenizer_file(f)
         if spec is None:
@@ -338,7 +340,65 @@ def _not_gpt2_file(d: Path):
         from ..tokenizer import gpt2_data_dir
         gpt2 = json.loads((gpt2_data_dir() / "encoder.json").read_text(encoding="utf-8"))
         ok = isinstance(vocab, dict) and all(vocab.get(t) == i for t, i in gpt2.items())
+        if ok and name == "tokenizer.json":
+            cfg = _tokenizer_file(d / "tokenizer_config.json")
+            cls = cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
+            ok = _gpt2_pipeline_differs(spec, cls in (None, *HF_GPT2_CLASSES)) is None
         return None if ok else (f, spec)
+    return None
+
+
+def _gpt2_merges() -> list:
+    """GPT-2's merges, as ``(left, right)`` pairs in order."""
+    from ..tokenizer import gpt2_data_dir
+    lines = (gpt2_data_dir() / "vocab.bpe").read_text(encoding="utf-8").split("\n")
+    return [tuple(ln.split(" ")) for ln in lines if ln.strip() and not ln.startswith("#version")]
+
+
+def _gpt2_pipeline_differs(spec: dict, gpt2_class: bool):
+    """Why a ``tokenizer.json`` of GPT-2's vocabulary does not tokenize as GPT-2's does, or
+    None where it does. ``gpt2_class``: the folder's ``tokenizer_class`` is GPT-2's (or none:
+    a GPT-2 model's), whose transformers class builds GPT-2's normalizer, pre-tokenizer and
+    decoder itself and keeps only the file's vocabulary, merges and post-processor (transformers
+    5.25: a lowercasing normalizer is left out there, an <|endoftext|> before the text kept);
+    another class (``PreTrainedTokenizerFast``) runs the whole file as written.
+
+    >>> _gpt2_pipeline_differs({"model": {"type": "WordPiece"}}, True)
+    'not a BPE model'
+    """
+    post = spec.get("post_processor")
+    if isinstance(post, dict):
+        if post.get("type") == "TemplateProcessing":
+            if post.get("single") != [{"Sequence": {"id": "A", "type_id": 0}}]:
+                return "a post-processor that adds tokens"
+        elif post.get("type") != "ByteLevel":
+            return f"post-processor {post.get('type')}"
+    elif post is not None:
+        return "post-processor"
+    model = spec.get("model")
+    if not isinstance(model, dict) or model.get("type", "BPE") != "BPE":
+        return "not a BPE model"
+    if (model.get("dropout") not in (None, 0, 0.0) or model.get("byte_fallback")
+            or model.get("continuing_subword_prefix") not in (None, "")
+            or model.get("end_of_word_suffix") not in (None, "")):
+        return "BPE options"
+    merges = model.get("merges")
+    pairs = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) if isinstance(m, list) else m
+             for m in (merges if isinstance(merges, list) else [None])]
+    if pairs != _gpt2_merges():
+        return "merges"
+    if gpt2_class:
+        return None
+    norm = spec.get("normalizer")
+    if norm is not None:
+        return f"normalizer {norm.get('type') if isinstance(norm, dict) else norm!r:.20}"
+    pre = spec.get("pre_tokenizer")
+    if not (isinstance(pre, dict) and pre.get("type") == "ByteLevel"
+            and pre.get("use_regex", True)):
+        return "pre-tokenizer"
+    dec = spec.get("decoder")
+    if dec is not None and not (isinstance(dec, dict) and dec.get("type") == "ByteLevel"):
+        return "decoder"
     return None
 
 
