@@ -168,6 +168,32 @@ def test_a_gpt2_vocabulary_tokenizer_json_is_read_as_transformers_reads_it(tmp_p
         assert ours.encode(text) == theirs(text)["input_ids"], text
 
 
+def test_streamed_text_is_decodes_text_with_its_clean_up_of_spaces():
+    """A tokenizer with transformers' clean_up_tokenization_spaces (" ," -> ",", " 'm" -> "'m")
+    streamed its raw text (TextStream: forge-ml sample, serve): "i ' m ok , ok" where decode
+    and transformers give "i'm ok, ok" (a QA report). The stream now holds back what the
+    clean-up may still change: its pieces add up to decode's text, token by token, over random
+    sequences of the words and marks the clean-up joins."""
+    from forge_ml.tokenizer import HFTokenizer, TextStream, hf_tokenizer_spec
+
+    words = ["i", "'", "m", "ok", ",", ".", "?", "!", "n't", "s", "ve", "re", "'s", "y", "x", "n", "t"]
+    vocab = {w: i for i, w in enumerate(words + ["[UNK]"])}
+    spec = {"model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+            "pre_tokenizer": {"type": "BertPreTokenizer"},
+            "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": False}}
+    tok = HFTokenizer(hf_tokenizer_spec(spec, {"tokenizer_class": "PreTrainedTokenizerFast",
+                                               "clean_up_tokenization_spaces": True}))
+    ids = tok.encode("i'm ok , ok")
+    stream = TextStream(tok)
+    assert "".join(stream.feed(i) for i in ids) + stream.flush() == tok.decode(ids) == "i'm ok, ok"
+    rng = np.random.default_rng(0)
+    for _ in range(1000):
+        ids = rng.integers(0, len(words), rng.integers(1, 16)).tolist()
+        stream = TextStream(tok)
+        pieces = [stream.feed(i) for i in ids] + [stream.flush()]
+        assert "".join(pieces) == tok.decode(ids), [words[i] for i in ids]
+
+
 def test_long_text_is_encoded_in_parallel_pieces_with_the_same_ids(hfdir):
     from forge_ml.data import encode_array
     from forge_ml.inference.load import hf_tokenizer_dict

@@ -308,3 +308,23 @@ def test_gpt2_roles_that_are_not_a_dict_are_a_tokenizer_error():
         with pytest.raises(TokenizerError, match="roles must be a dict of names like 'pad_token'"):
             tokenizer_from_dict({"kind": "gpt2", "roles": bad})
     assert tokenizer_from_dict({"kind": "gpt2", "roles": {}}).roles == {}
+
+
+def test_the_clean_up_of_spaces_streamed_in_pieces_is_the_whole_texts():
+    """TextStream's hold-back for transformers' clean_up_tokenization_spaces: the text cleaned
+    piece by piece (each piece's final part given out at _clean_up_cut, the rest held) is the
+    whole text cleaned at once, for random texts of the characters its patterns are made of,
+    cut into random pieces (" n" then " ' t" is "n't": the ' pattern goes first)."""
+    from forge_ml.tokenizer import _clean_up_cut, _clean_up_tokenization as clean
+
+    rng = np.random.default_rng(0)
+    alphabet = list(" 'ntmsver.,?!x")
+    for _ in range(20000):
+        text = "".join(rng.choice(alphabet, rng.integers(1, 14)))
+        held, out, i = "", "", 0
+        while i < len(text):
+            k = int(rng.integers(1, 4))
+            pending, i = held + text[i:i + k], i + k
+            cut = _clean_up_cut(pending)
+            out, held = out + clean(pending[:cut]), pending[cut:]
+        assert out + clean(held) == clean(text), text

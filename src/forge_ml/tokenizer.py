@@ -830,16 +830,49 @@ def hides_stop(tokenizer, token: int, stop_tokens) -> bool:
     return token in stop_tokens and getattr(tokenizer, "is_special", lambda t: True)(token)
 
 
+_CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
 def _clean_up_tokenization(text: str) -> str:
     """transformers' ``clean_up_tokenization`` (the spaces before punctuation and contractions).
 
     >>> _clean_up_tokenization("a , b . I 'm")
     "a, b. I'm"
     """
-    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                 (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for a, b in _CLEAN_UP:
         text = text.replace(a, b)
     return text
+
+
+def _clean_up_cut(text: str) -> int:
+    """Where a text that more may follow can be cut so that ``_clean_up_tokenization`` of the
+    part before the cut is final, whatever follows: before a tail that could begin one of its
+    patterns (every one begins with a space), before any pattern that would cross the cut, and
+    before the spaces the part would end with (what a later replacement leaves can meet them:
+    "y  ' " + "s" cleans to "y's").
+
+    >>> _clean_up_cut("a , b"), _clean_up_cut("a '"), _clean_up_cut("y  ' ")
+    (5, 1, 1)
+    """
+    cut = len(text)
+    for k in range(min(len(text), max(len(a) for a, _ in _CLEAN_UP) - 1), 0, -1):
+        if any(a.startswith(text[-k:]) for a, _ in _CLEAN_UP):
+            cut = len(text) - k
+            break
+    moved = cut < len(text)
+    while moved:
+        moved = False
+        for a, _ in _CLEAN_UP:
+            i = text.find(a, max(0, cut - len(a) + 1))
+            if i != -1 and i < cut < i + len(a):
+                cut, moved = i, True
+        # nor a space among the last three characters: " n" + " ' t" cleans to "n't", its
+        # " ' " taken out first making a " n't"
+        j = text.rfind(" ", max(0, cut - 3), cut)
+        if j != -1:
+            cut, moved = j, True
+    return cut
 
 
 def hf_tokenizer_spec(tokenizer_json: dict, tokenizer_config: dict | None = None, model_config: dict | None = None,
@@ -1221,6 +1254,18 @@ class TextStream:
         self._step = tokenizer.decode_stream(prefix) if hasattr(tokenizer, "decode_stream") else None
         self._bytes = self._step is None and hasattr(tokenizer, "decode_bytes")
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # a tokenizer that cleans up its text (transformers' clean_up_tokenization_spaces: " ,"
+        # -> ","): the raw text not given out yet, held until what follows cannot change it
+        # (streamed text was the raw text: "i ' m ok , ok" where decode gave "i'm ok, ok")
+        self._clean = getattr(tokenizer, "_clean", False) is True
+        self._held = ""
+
+    def _raw(self, token: int) -> str:
+        if self._step is not None:
+            return self._step(token)
+        if self._bytes:
+            return self._dec.decode(self.tokenizer.decode_bytes([token]))
+        return self.tokenizer.decode([token])
 
     def feed(self, token: int) -> str:
         """The text ``token`` adds: '' while it leaves a character unfinished.
@@ -1230,11 +1275,13 @@ class TextStream:
         >>> [d.feed(t) for t in tok.encode("Hi 🦜")]
         ['Hi', ' ', '', '🦜']
         """
-        if self._step is not None:
-            return self._step(token)
-        if self._bytes:
-            return self._dec.decode(self.tokenizer.decode_bytes([token]))
-        return self.tokenizer.decode([token])
+        text = self._raw(token)
+        if not self._clean:
+            return text
+        text = self._held + text
+        cut = _clean_up_cut(text)
+        self._held = text[cut:]
+        return _clean_up_tokenization(text[:cut])
 
     def feed_split(self, token: int) -> tuple:
         """``(text, lead)``: what ``feed(token)`` gives, and how many of its first characters
@@ -1261,8 +1308,12 @@ class TextStream:
         return text, 0
 
     def flush(self) -> str:
-        """The text of an unfinished character at the end (as U+FFFD), else ''."""
-        return self._dec.decode(b"", final=True) if self._bytes else ""
+        """The text of an unfinished character at the end (as U+FFFD), and text held back for
+        the clean-up; else ''."""
+        text = self._dec.decode(b"", final=True) if self._bytes else ""
+        if self._clean:
+            text, self._held = _clean_up_tokenization(self._held + text), ""
+        return text
 
 
 # ---------------------------------------------------------------------------------------------
