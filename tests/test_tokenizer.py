@@ -328,3 +328,34 @@ def test_the_clean_up_of_spaces_streamed_in_pieces_is_the_whole_texts():
             cut = _clean_up_cut(pending)
             out, held = out + clean(pending[:cut]), pending[cut:]
         assert out + clean(held) == clean(text), text
+
+
+def test_a_malformed_gpt2_vocabulary_folder_is_refused_by_name(tmp_path):
+    """GPT2Tokenizer(data_dir=...) over broken files raised AttributeError, KeyError, TypeError,
+    ValueError, or a Rust panic with a backtrace (a duplicate id; not an Exception) (a QA
+    report): each is a TokenizerError naming the file and what is wrong."""
+    import json
+
+    from forge_ml.errors import TokenizerError
+    from forge_ml.tokenizer import GPT2Tokenizer, gpt2_data_dir
+
+    enc = json.loads((gpt2_data_dir() / "encoder.json").read_text(encoding="utf-8"))
+    bpe = (gpt2_data_dir() / "vocab.bpe").read_text(encoding="utf-8")
+    first = next(iter(enc))
+    moved = dict(enc)
+    del moved["!"]
+    moved["\u20acuro"] = enc["!"]
+    lines = bpe.split("\n")
+    lines[1] = "nospace"
+    cases = [(list(enc), bpe, "holds a JSON list"),
+             (moved, bpe, "not written in GPT-2's byte alphabet"),
+             (dict(enc, the="262"), bpe, "has id '262'"),
+             (dict(enc, **{first: enc[first] + 1}), bpe, "two tokens one id"),
+             (enc, "\n".join(lines), "expected two tokens and one space")]
+    for i, (e, b, match) in enumerate(cases):
+        d = tmp_path / str(i)
+        d.mkdir()
+        (d / "encoder.json").write_text(json.dumps(e), encoding="utf-8")
+        (d / "vocab.bpe").write_text(b, encoding="utf-8")
+        with pytest.raises(TokenizerError, match=match):
+            GPT2Tokenizer(data_dir=d)

@@ -375,24 +375,42 @@ def _gpt2_encoding(data_dir: str):
         merges = (d / "vocab.bpe").read_text(encoding="utf-8").split("\n")
     except (OSError, ValueError) as e:
         raise TokenizerError(f"GPT-2 tokenizer: cannot read the vocabulary in {d}: {e}") from None
+    enc_file = d / "encoder.json"
+    if not isinstance(encoder, dict):
+        raise TokenizerError(f"GPT-2 tokenizer: {enc_file} holds a JSON "
+                             f"{type(encoder).__name__}; expected an object of token -> id")
     if len(encoder) != GPT2_VOCAB_SIZE or encoder.get(GPT2_EOT) != GPT2_EOT_ID:
         raise TokenizerError(
-            f"GPT-2 tokenizer: {d / 'encoder.json'} has {len(encoder)} entries and "
+            f"GPT-2 tokenizer: {enc_file} has {len(encoder)} entries and "
             f"{GPT2_EOT}={encoder.get(GPT2_EOT)}; expected {GPT2_VOCAB_SIZE} and {GPT2_EOT_ID}"
         )
     unicode_to_byte = _gpt2_unicode_to_byte()
     ranks: dict[bytes, int] = {}
     for token, idx in encoder.items():
+        if not (type(idx) is int and 0 <= idx < GPT2_VOCAB_SIZE):
+            raise TokenizerError(f"GPT-2 tokenizer: {enc_file}: token {token!r:.40} has id "
+                                 f"{idx!r:.20}; expected an int in [0, {GPT2_VOCAB_SIZE})")
         if token == GPT2_EOT:
             continue
+        bad = next((c for c in token if c not in unicode_to_byte), None)
+        if bad is not None or not token:
+            raise TokenizerError(f"GPT-2 tokenizer: {enc_file}: token {token!r:.40} is not "
+                                 f"written in GPT-2's byte alphabet ({bad!r} is no byte's)")
         ranks[bytes(unicode_to_byte[c] for c in token)] = idx
+    if len(set(ranks.values())) != len(ranks) or len(ranks) != GPT2_VOCAB_SIZE - 1:
+        raise TokenizerError(f"GPT-2 tokenizer: {enc_file} gives two tokens one id, or one "
+                             f"token's bytes two ids; expected {GPT2_VOCAB_SIZE} distinct ids")
     # tiktoken merges the adjacent pair whose concatenation has the lowest rank. That equals
     # GPT-2's merge order only because merge k of vocab.bpe produced token 256 + k; check it.
     body = [ln for ln in merges if ln and not ln.startswith("#version")]
     if len(body) != GPT2_VOCAB_SIZE - 257:
         raise TokenizerError(f"GPT-2 tokenizer: {d / 'vocab.bpe'} has {len(body)} merges; expected 50000")
     for k in (0, len(body) // 2, len(body) - 1):
-        a, b = body[k].split(" ")
+        pair = body[k].split(" ")
+        if len(pair) != 2:
+            raise TokenizerError(f"GPT-2 tokenizer: merge {k} of {d / 'vocab.bpe'} is "
+                                 f"{body[k]!r:.40}; expected two tokens and one space")
+        a, b = pair
         if encoder.get(a + b) != 256 + k:
             raise TokenizerError(
                 f"GPT-2 tokenizer: merge {k} of vocab.bpe ({a!r} + {b!r}) should be token {256 + k} "
