@@ -171,6 +171,22 @@ def test_decode_refuses_what_is_not_integer_ids(gpt2, bad):
     assert gpt2.decode(np.array([15496, 995], np.uint16)) == "Hello world"   # a shard's ids
 
 
+@pytest.mark.parametrize("bad,match", [(np.array(15496), r"1-D array of token ids, got one of shape \(\)"),
+                                       (np.array([[1, 2]]), r"shape \(1, 2\)"),
+                                       ({1, 2}, "in order"), ({1: 2}, "in order")])
+def test_decode_refuses_ids_of_no_order_or_shape(gpt2, bad, match):
+    """A 0-d array was NumPy's TypeError; a set or a dict decoded in its iteration order."""
+    with pytest.raises(TokenizerError, match=match):
+        gpt2.decode(bad)
+
+
+def test_decode_takes_a_torch_tensor_of_ids(gpt2):
+    """transformers' ids come as torch tensors: it said 'id tensor(15496) ... is not an integer'."""
+    torch = pytest.importorskip("torch")
+    assert gpt2.decode(torch.tensor([15496, 995])) == "Hello world"
+    assert CharTokenizer("ab").decode(torch.tensor([1, 0])) == "ba"
+
+
 def test_gpt2_split_character_decodes_with_replacement(gpt2):
     ids = gpt2.encode("🎉")
     assert len(ids) > 1  # a 4-byte character spans several tokens

@@ -90,6 +90,8 @@ def _id_list(ids, n: int, who: str, bound: str = "", hint: str = "") -> list:
     per-id check of ``_token_ids`` with its message for the first bad one."""
     if isinstance(ids, Tensor):   # a forge-ml tensor of ids (generate's and the ops' own kind)
         ids = ids.numpy()
+    elif type(ids).__module__.split(".")[0] == "torch" and hasattr(ids, "tolist"):
+        ids = ids.tolist()        # a torch tensor (transformers' ids); a 0-d one is an int
     # (a list of exactly ints: True is an int to NumPy, not a token id)
     if isinstance(ids, np.ndarray) or isinstance(ids, (list, tuple)) and set(map(type, ids)) <= {int}:
         try:
@@ -122,6 +124,12 @@ def _token_ids(ids, who: str):
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise TokenizerError(f"{who}: expected an iterable of integer token ids (a list or a 1-D "
                              f"array), got {type(ids).__name__}")
+    if isinstance(ids, np.ndarray) and ids.ndim != 1:
+        raise TokenizerError(f"{who}: expected a 1-D array of token ids, got one of shape "
+                             f"{ids.shape}")
+    if isinstance(ids, (set, frozenset, dict)):
+        raise TokenizerError(f"{who}: expected token ids in order (a list or a 1-D array), got a "
+                             f"{type(ids).__name__}, which has none")
     for pos, i in enumerate(ids):
         if not isinstance(i, numbers.Integral) or isinstance(i, bool):
             raise TokenizerError(f"{who}: id {i!r:.40} at position {pos} is not an integer; "
