@@ -775,6 +775,11 @@ def test_a_folder_whose_tokenizer_is_not_gpt2s_is_read_with_its_tokenizer_json_o
     (d / "vocab.json").write_text(json.dumps(other))
     with pytest.raises(CheckpointError, match=r"vocab\.json: this model's tokenizer is not GPT-2's"):
         hf_tokenizer_dict(d)
+    # with a merges.txt beside it, the message said there was none: the class is why
+    (d / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    with pytest.raises(CheckpointError, match="names the class 'PreTrainedTokenizerFast'"):
+        hf_tokenizer_dict(d)
     shutil.rmtree(d)
 
 

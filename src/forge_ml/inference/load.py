@@ -430,14 +430,17 @@ def _hf_own_tokenizer(d: Path, own: Path, own_json=None) -> dict:
     where = d / "tokenizer.json"
     if spec is None:
         vocab, merges = read(d / "vocab.json"), d / "merges.txt"
-        if not (isinstance(vocab, dict) and merges.is_file()) or cfg.get("tokenizer_class") not in (
-                None, *HF_GPT2_CLASSES):
+        cls = cfg.get("tokenizer_class")
+        if not (isinstance(vocab, dict) and merges.is_file()) or cls not in (None, *HF_GPT2_CLASSES):
             n = len(vocab) if isinstance(vocab, (dict, list)) else "?"
+            why = (f"no tokenizer.json to read it from, and its tokenizer_config.json names the "
+                   f"class {cls!r:.40}: vocab.json and merges.txt are read as GPT-2's class only"
+                   if isinstance(vocab, dict) and merges.is_file() else
+                   "no tokenizer.json (nor a GPT-2 style merges.txt beside vocab.json) to read it from")
             raise CheckpointError(
                 f"{own}: this model's tokenizer is not GPT-2's ({n} tokens, not GPT-2's ids for the same tokens), "
-                f"and the folder has no tokenizer.json (nor a GPT-2 style merges.txt beside vocab.json) to read "
-                f"it from; add the tokenizer files the model was trained with (transformers writes them: "
-                f"AutoTokenizer.from_pretrained(...).save_pretrained(\"{d}\"))")
+                f"and the folder has {why}; add the tokenizer files the model was trained with "
+                f"(transformers writes them: AutoTokenizer.from_pretrained(...).save_pretrained(\"{d}\"))")
         try:
             lines = merges.read_text(encoding="utf-8").split("\n")
         except (OSError, UnicodeDecodeError) as e:
