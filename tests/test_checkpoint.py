@@ -344,6 +344,7 @@ def test_hard_crash_between_renames_is_recovered(tmp_path):
     d = tmp_path / "ckpt"
     save_checkpoint(d, make_tensors(0), make_meta(1))
     os.rename(d, tmp_path / "ckpt.old")
+    (tmp_path / ".ckpt.swap").touch()   # the save's marker: its write was underway
     (tmp_path / "ckpt.tmp").mkdir()  # a half-written temp dir
     (tmp_path / "ckpt.tmp" / "model.safetensors").write_bytes(b"\x00" * 10)
     _, meta = load_checkpoint(d)
@@ -470,10 +471,33 @@ def test_an_unreadable_state_json_is_not_called_someone_elses_folder(tmp_path, m
 def test_a_users_folder_named_like_the_temporary_one_is_kept(tmp_path):
     (tmp_path / "ckpt.tmp").mkdir()
     (tmp_path / "ckpt.tmp" / "thesis.tex").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"ckpt\.tmp is in the way.*not one forge-ml left"):
+        save_checkpoint(tmp_path / "ckpt", make_tensors(), make_meta())
+    (tmp_path / ".ckpt.swap").touch()   # even where a write was underway: not its files
     with pytest.raises(CheckpointError, match=r"ckpt\.tmp is in the way.*thesis\.tex"):
         save_checkpoint(tmp_path / "ckpt", make_tensors(), make_meta())
     assert (tmp_path / "ckpt.tmp" / "thesis.tex").read_text() == "mine"
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("how", ["copy", "move"])
+def test_a_users_backup_named_like_the_old_copy_is_never_deleted_or_loaded(tmp_path, how):
+    """A QA report: `cp -r ckpt ckpt.old` (or `mv`) as a backup was deleted by the next save as
+    a stale old copy (or put back, or loaded, where ckpt was missing): only a write's marker
+    (.ckpt.swap, there while one is underway) makes <dir>.old forge-ml's. Now the save is
+    refused, naming it, and the backup is neither loaded nor touched."""
+    import shutil
+    d = tmp_path / "ckpt"
+    save_checkpoint(d, make_tensors(0), make_meta(1))
+    (shutil.copytree if how == "copy" else os.rename)(d, tmp_path / "ckpt.old")
+    before = sorted(os.listdir(tmp_path / "ckpt.old"))
+    if how == "move":
+        with pytest.raises(CheckpointError, match="checkpoint not found"):
+            load_checkpoint(d)
+    with pytest.raises(CheckpointError, match=r"ckpt\.old is in the way.*not one forge-ml left"):
+        save_checkpoint(d, make_tensors(1), make_meta(2))
+    assert sorted(os.listdir(tmp_path / "ckpt.old")) == before
+    assert load_checkpoint(tmp_path / "ckpt.old")[1]["step"] == 1
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EDQUOT])

@@ -262,6 +262,7 @@ def test_sample_finds_a_checkpoint_in_the_half_renamed_state(run, capsys):
     """A save killed between its two renames leaves ckpt.old and no ckpt; `--resume` recovers
     from that, and so does sample, given the run or the checkpoint path."""
     os.rename(run / "ckpt", run / "ckpt.old")
+    (run / ".ckpt.swap").touch()        # the killed save's marker
     for ckpt in ("run", "run/ckpt"):
         assert main(["sample", "--ckpt", ckpt, "--prompt", "to", "--max-new-tokens", "5", "--seed", "1"]) == 0
     a, b = capsys.readouterr().out.splitlines()

@@ -1331,10 +1331,12 @@ def test_a_killed_saves_temporary_file_in_ckpt_tmp_blocks_nothing(workdir):
     argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--checkpoint-interval", "2"]
     assert main(argv + ["--max-steps", "2"]) == 0
     Path("r/ckpt.tmp").mkdir()
+    Path("r/.ckpt.swap").touch()          # the killed save's marker
     Path("r/ckpt.tmp/.tmpugYTss").write_bytes(os.urandom(300))
     assert main(argv + ["--max-steps", "4", "--resume"]) == 0
     assert load_checkpoint("r/ckpt")[1]["step"] == 4 and not Path("r/ckpt.tmp").exists()
     Path("r/ckpt.tmp").mkdir()
+    Path("r/.ckpt.swap").touch()
     Path("r/ckpt.tmp/.tmpA1b2C3").write_bytes(b"x")
     assert main(argv + ["--max-steps", "2", "--overwrite"]) == 0
     assert load_checkpoint("r/ckpt")[1]["step"] == 2

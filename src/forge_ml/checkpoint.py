@@ -188,6 +188,45 @@ def _side_paths(path: Path) -> tuple[Path, Path]:
     return path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
 
 
+def _hidden_name(path: Path, suffix: str) -> Path:
+    """``.<name><suffix>`` beside ``path`` (hashed where the name would pass 255 bytes)."""
+    name = f".{path.name}{suffix}"
+    if len(name.encode()) > 255:
+        name = f".{hashlib.sha256(path.name.encode()).hexdigest()[:32]}{suffix}"
+    return path.with_name(name)
+
+
+def _swap_marker(path: Path) -> Path:
+    """``.<name>.swap`` beside ``path``: there while a write of ``path`` is underway, from
+    before its ``<path>.tmp`` is made until its old output is deleted. Only then are
+    ``<path>.tmp`` and ``<path>.old`` forge-ml's own scratch: a user's ``cp -r ckpt ckpt.old``
+    backup was deleted by the next save as a stale old copy, and loaded when ``ckpt`` was
+    missing."""
+    return _hidden_name(path, ".swap")
+
+
+def interrupted_swap(path) -> Path | None:
+    """``<path>.old`` where a write of ``path`` died between its two renames (its marker is
+    there, ``path`` is not, ``<path>.old`` is a folder): the last complete output, which the
+    next write puts back and ``load_checkpoint`` reads; else None.
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp(); os.mkdir(os.path.join(d, "ckpt.old"))
+    >>> interrupted_swap(os.path.join(d, "ckpt"))       # a user's folder: no write underway
+    >>> _ = open(os.path.join(d, ".ckpt.swap"), "w").close()
+    >>> interrupted_swap(os.path.join(d, "ckpt")).name
+    'ckpt.old'
+    """
+    path = Path(path)
+    if not path.name:
+        return None
+    _, old = _side_paths(path)
+    if (not os.path.lexists(path) and old.is_dir() and not old.is_symlink()
+            and _swap_marker(path).is_file()):
+        return old
+    return None
+
+
 def _entries(d: Path) -> list[str]:
     try:
         return sorted(os.listdir(d))
@@ -234,8 +273,8 @@ def is_own_output(path, files, marker=None) -> bool:
 def _recover(path: Path, files=None, marker=None) -> None:
     """If a save died between its two renames, ``<dir>`` is missing and ``<dir>.old`` is the
     last complete output: put it back (only when it is one of this writer's)."""
-    _, old = _side_paths(path)
-    if not path.exists() and old.is_dir() and is_own_output(old, files, marker):
+    old = interrupted_swap(path)
+    if old is not None and is_own_output(old, files, marker):
         os.rename(old, path)
 
 
@@ -292,11 +331,17 @@ def _check_replaceable(path: Path, files, marker, what: str) -> None:
                 f"{path} is not empty and is not a {what} that forge-ml wrote (it holds "
                 f"{_listing(names)}); refusing to replace it: write into a new or empty folder")
         _check_deletable(path, path, what)
+    swapping = _swap_marker(path).is_file()
     for side, complete in ((tmp, False), (old, True)):
         if side.exists() or side.is_symlink():
             names = _entries(side) if side.is_dir() else ["?"]
             ours = _only_files(side, files, scratch=not complete) and (
                 not complete or marker is None or marker(side))
+            if not swapping and (names or not side.is_dir() or side.is_symlink()):
+                raise CheckpointError(
+                    f"{side} is in the way: forge-ml keeps the {what} it writes to {path.name} "
+                    f"there while swapping it in, and it is not one forge-ml left (no write of "
+                    f"{path.name} was underway); move it away or rename it")
             if names and not ours:
                 raise CheckpointError(
                     f"{side} is in the way: forge-ml keeps the {what} it writes to {path.name} "
@@ -469,6 +514,9 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder", replac
                     shutil.rmtree(tmp)  # left by a save that crashed before its swap (checked: ours)
                 if os.path.lexists(old):
                     _discard(old, tmp)  # stale: ``path`` exists (``_recover`` ran), so ``old`` is outdated
+                swap = _swap_marker(path)
+                swap.touch()            # from here to the end, <path>.tmp and .old are this write's
+                _fsync_path(path.parent, directory=True)
                 tmp.mkdir()
                 made = True
                 yield tmp
@@ -476,9 +524,13 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder", replac
                     _fsync_path(f)
                 _fsync_path(tmp, directory=True)
                 _swap_in(tmp, path)
+                swap.unlink()
             except BaseException:
                 if made:
                     shutil.rmtree(tmp, ignore_errors=True)
+                if not os.path.lexists(tmp) and not os.path.lexists(old):
+                    with contextlib.suppress(OSError):
+                        _swap_marker(path).unlink()
                 raise
     except OSError as e:
         raise _write_error(path, e) from None
@@ -528,8 +580,8 @@ def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str 
         raise CheckpointError(f"refusing to write {out}: it is or holds the current folder; "
                               f"write into a new or empty folder")
     _refuse_mount(real, out, what)   # (a link to a mount point: the swap would meet it resolved)
-    _, old = _side_paths(path)
-    if not (path.exists() or path.is_symlink()) and old.is_dir() and not old.is_symlink():
+    old = interrupted_swap(path)
+    if old is not None:
         # a save that died between its two renames: <out>.old is what <out> holds, and the
         # next write puts it back first (a run's checkpoint or kept model was replaced so)
         path = old
@@ -764,8 +816,8 @@ def _resolve_dir(dir) -> Path:
     path = Path(os.path.realpath(dir)) if Path(dir).is_symlink() else Path(dir)
     if path.is_dir():
         return path
-    _, old = _side_paths(path)
-    if old.is_dir() and (old / STATE_FILE).is_file():
+    old = interrupted_swap(path)
+    if old is not None and (old / STATE_FILE).is_file():
         return old  # a save died between its renames; this is the last complete checkpoint
     if path.exists():
         raise CheckpointError(f"checkpoint {path} is not a directory")

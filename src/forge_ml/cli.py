@@ -467,11 +467,11 @@ def _cmd_train(args) -> int:
         raise ConfigError(f"--out is empty ({out_dir!r}); give the run folder (e.g. --out runs/mine)")
     meta = None
     if args.resume:
-        from .checkpoint import load_checkpoint
+        from .checkpoint import interrupted_swap, load_checkpoint
         if "init_from" in explicit:
             raise ConfigError("--init-from starts a new run and --resume continues one; give one of them")
         ckpt = Path(out_dir) / CKPT_NAME
-        if not ckpt.exists() and not ckpt.with_name(CKPT_NAME + ".old").is_dir():
+        if not ckpt.exists() and interrupted_swap(ckpt) is None:
             if (Path(out_dir) / "state.json").is_file() or (Path(out_dir) / "config.json").is_file():
                 raise ConfigError(f"{out_dir} is a model (a checkpoint or a Hugging Face folder), not a run folder; "
                                   f"fine-tune it in a new run with --init-from {out_dir} --out NEW_FOLDER")
@@ -1142,7 +1142,7 @@ def _kept_by_a_run(folder) -> bool:
 
 
 def _cmd_convert(args) -> int:
-    from .checkpoint import check_output_dir, is_checkpoint_dir, save_checkpoint
+    from .checkpoint import check_output_dir, interrupted_swap, is_checkpoint_dir, save_checkpoint
     from .errors import CheckpointError
     from .hf import (HF_FLAGS, HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, hf_meta,
                      is_hf_export, load_hf_gpt2, save_hf_gpt2)
@@ -1160,7 +1160,8 @@ def _cmd_convert(args) -> int:
                                   if not src.exists() else f"--from-hf {src}: expected a folder")
         # never a run's checkpoint, nor the model a run kept with --keep-best (a run id in it)
         if any(is_checkpoint_dir(d, kind="forge-ml-model") and _kept_by_a_run(d)
-               for d in (args.out, str(args.out).rstrip("/\\") + ".old")):
+               for d in (args.out, interrupted_swap(os.path.abspath(args.out)))
+               if d is not None):
             raise CheckpointError(f"{args.out} holds the model a training run kept (--keep-best); "
                                   f"--force replaces only an earlier conversion: write into a new or "
                                   f"empty folder")
@@ -1179,7 +1180,8 @@ def _cmd_convert(args) -> int:
               f"from {args.from_hf} -> {args.out}")
         return 0
     ckpt = Path(os.path.abspath(resolve_checkpoint(args.to_hf)))
-    check_output_dir(args.out, reads=[args.to_hf, ckpt, ckpt.with_name(ckpt.name + ".old")],
+    reads = [args.to_hf, ckpt] + [p for p in [interrupted_swap(ckpt)] if p is not None]
+    check_output_dir(args.out, reads=reads,
                      is_own=is_hf_export, force=args.force, what="Hugging Face export", within=[ckpt])
     model, tok, meta = load_model(args.to_hf)
     # the recorded dropout rate (load_model's model has none) and, from an import or a Hugging

@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from .checkpoint import flock_file, is_checkpoint_dir, user_umask
+from .checkpoint import flock_file, interrupted_swap, is_checkpoint_dir, user_umask
 from .errors import ForgeError
 
 LOCK_NAME = "train.lock"    # <out_dir>/train.lock: held (flock) by the trainer using the folder
@@ -555,7 +555,8 @@ class RunLock:
         # (a run's log, torn or not, or its checkpoint: looser than holds_run; a user's
         # log.jsonl beside a user's train.lock is no run, and the lock file is not rewritten)
         run_here = (run_log(self.folder / "log.jsonl")
-                    or any((self.folder / n).exists() for n in ("ckpt", "ckpt.old")))
+                    or (self.folder / "ckpt").exists()
+                    or interrupted_swap(self.folder / "ckpt") is not None)
         if was.strip("\x00 \n\t") and not _LOCK_LINE.match(was) and not run_here:
             f.close()
             self.release(undo=True)

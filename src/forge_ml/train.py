@@ -72,9 +72,9 @@ import numpy as np
 from . import flags
 from . import blas as _blas
 from .autograd import Tape  # noqa: F401 (forge_ml.train.Tape: tests and older scripts import it here)
-from .checkpoint import (check_architecture, check_checkpoint_target, is_checkpoint_dir, is_inside,
-                         load_checkpoint, pack_tensors, read_meta, read_state, save_checkpoint,
-                         unpack_tensors)
+from .checkpoint import (check_architecture, check_checkpoint_target, interrupted_swap,
+                         is_checkpoint_dir, is_inside, load_checkpoint, pack_tensors, read_meta,
+                         read_state, save_checkpoint, unpack_tensors)
 from .data import (DataLoader, ShardFolder, default_corpus, encode_array, file_fingerprint, is_shard_file,
                    load_text, read_shard, shard_folder, split_tokens, write_prepared)
 from .diagnose import CheckingTape
@@ -677,7 +677,8 @@ class Trainer:
         held = []
         self._check_in_the_way()
         if resume:
-            if not (self.ckpt_dir / "state.json").is_file() and not self.ckpt_dir.with_name(CKPT_NAME + ".old").is_dir():
+            if (not (self.ckpt_dir / "state.json").is_file()
+                    and interrupted_swap(self.ckpt_dir) is None):
                 raise CheckpointError(no_checkpoint(self.out_dir, self._run_files()))
             ckpt = load_checkpoint(self.ckpt_dir)
             meta = ckpt[1]
@@ -900,8 +901,9 @@ class Trainer:
         """What of a run the folder holds: ``ckpt/``, ``log.jsonl``, ``data/``."""
         out = self.out_dir
         held = []
-        ck = [out / CKPT_NAME, out / (CKPT_NAME + ".old")]
-        if any(is_checkpoint_dir(p) or p.is_dir() and (p / "state.json").exists() for p in ck):
+        ck = [out / CKPT_NAME, interrupted_swap(out / CKPT_NAME)]
+        if any(p is not None and (is_checkpoint_dir(p) or p.is_dir()
+                                  and (p / "state.json").exists()) for p in ck):
             held.append(CKPT_NAME + "/")     # (a user's file or folder there is refused as such)
         if is_checkpoint_dir(out / BEST_NAME, "forge-ml-model"):
             held.append(BEST_NAME + "/")

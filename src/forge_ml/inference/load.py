@@ -13,17 +13,13 @@ import json
 import os  # (the doctests use it)
 from pathlib import Path
 
-from ..checkpoint import is_path, load_checkpoint, unpack_tensors
+from ..checkpoint import interrupted_swap, is_path, load_checkpoint, unpack_tensors
 from ..errors import CheckpointError, ConfigError, TokenizerError
 from ..hf import HF_TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE  # (HF_TOKENIZER_FILE: a non-GPT-2 tokenizer kept in an exported HF folder)
 from ..models.gpt2 import GPT2, GPT2Config
 from ..tokenizer import HF_GPT2_CLASSES, _id_form, tokenizer_from_dict
 
 CKPT_NAME = "ckpt"          # <run>/ckpt: a run's latest checkpoint
-
-
-def _old(p: Path) -> Path:
-    return p.with_name(p.name + ".old")
 
 
 def resolve_checkpoint(path) -> Path:
@@ -35,6 +31,7 @@ def resolve_checkpoint(path) -> Path:
     >>> import tempfile, os, numpy as np
     >>> from forge_ml.checkpoint import save_checkpoint
     >>> run = tempfile.mkdtemp(); save_checkpoint(os.path.join(run, "ckpt.old"), {}, {})
+    >>> _ = open(os.path.join(run, ".ckpt.swap"), "w").close()     # ckpt's save died midway
     >>> resolve_checkpoint(run).name, resolve_checkpoint(os.path.join(run, "ckpt")).name
     ('ckpt', 'ckpt')
     """
@@ -42,11 +39,11 @@ def resolve_checkpoint(path) -> Path:
     hf_weights = any((p / f).is_file() for f in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE))
     if (p / "state.json").is_file() or ((p / "config.json").is_file() and hf_weights):
         return p
-    if p.name and not p.exists() and (_old(p) / "state.json").is_file():
+    if (old := interrupted_swap(p)) is not None and (old / "state.json").is_file():
         return p                   # load_checkpoint recovers the previous one from <p>.old
     if (p / CKPT_NAME / "state.json").is_file():
         return p / CKPT_NAME       # (a config.json of the user's beside it was read as a Hugging Face folder)
-    if (p / (CKPT_NAME + ".old") / "state.json").is_file():
+    if (old := interrupted_swap(p / CKPT_NAME)) is not None and (old / "state.json").is_file():
         return p / CKPT_NAME       # load_checkpoint recovers the previous one from ckpt.old
     if (p / "config.json").is_file():
         return p                   # a Hugging Face folder without weights: load_hf_gpt2 says so
