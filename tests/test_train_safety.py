@@ -2449,3 +2449,30 @@ def test_an_update_adamw_refuses_before_any_change_is_not_a_torn_step(workdir):
         t.train_step()
     t.cfg.lr = lr
     assert t.train()["losses"] == plain["losses"]
+
+
+@pytest.mark.parametrize("path,value,needle", [
+    (("model_file", "bytes"), "59280", "model_file.bytes is '59280'; expected an int >= 0"),
+    (("meta",), [1], "meta is [1]; expected an object"),
+    (("meta", "tokenizer"), [1], "meta.tokenizer is [1]; expected an object"),
+    (("meta", "rng"), "x", "meta.rng is 'x'; expected an object"),
+    (("meta", "optimizer"), "x", "meta.optimizer is 'x'; expected an object"),
+])
+def test_a_damaged_state_json_is_one_line_on_resume_not_a_traceback(workdir, capsys, path, value,
+                                                                    needle):
+    """A QA report: a field of state.json of the wrong type (a string for the model file's
+    size, a list for meta or its tokenizer, a string for rng or the optimizer) was a TypeError
+    or AttributeError traceback from `train --resume` and `sample`."""
+    import json
+    argv = ["train", "--data", "t.txt", "--out", "r", *TINY, "--checkpoint-interval", "2"]
+    assert main(argv + ["--max-steps", "2"]) == 0
+    capsys.readouterr()
+    state = json.loads(Path("r/ckpt/state.json").read_text())
+    at = state
+    for k in path[:-1]:
+        at = at[k]
+    at[path[-1]] = value
+    Path("r/ckpt/state.json").write_text(json.dumps(state))
+    assert main(argv + ["--max-steps", "4", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and needle in err and len(err.strip().splitlines()) == 1, err

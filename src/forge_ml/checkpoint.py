@@ -900,6 +900,13 @@ def _load_once(path: Path) -> tuple[dict, dict]:
     want_bytes = _require(info, "bytes", state_path)
     want_sha = _require(info, "sha256", state_path)
     meta = _require(state, "meta", state_path)
+    for key, v, ok, want in (("model_file.bytes", want_bytes, type(want_bytes) is int and want_bytes >= 0,
+                              "an int >= 0"),
+                             ("model_file.sha256", want_sha, isinstance(want_sha, str), "a hex string"),
+                             ("meta", meta, isinstance(meta, dict), "an object")):
+        if not ok:
+            raise CheckpointError(f"{state_path}: {key} is {v!r:.40}; expected {want}: the file "
+                                  f"was altered or damaged")
 
     if not model_path.is_file():
         raise CheckpointError(f"{model_path} is missing; {state_path} expects it ({want_bytes} bytes)")

@@ -686,6 +686,12 @@ class Trainer:
                 raise RunError(f"{self.ckpt_dir} holds a model only (no optimizer state or data position, as "
                                f"`forge-ml convert` writes), so there is no run to resume; start a new run "
                                f"from it with --init-from {self.ckpt_dir} --out NEW_FOLDER")
+            for key in ("optimizer", "data", "rng", "tokenizer", "train_config", "config"):
+                if key in meta and not isinstance(meta[key], dict) and (
+                        meta[key] is not None or key in ("optimizer", "data", "config")):
+                    raise CheckpointError(f"{self.ckpt_dir}/state.json: meta.{key} is "
+                                          f"{meta[key]!r:.40}; expected an object: the file was "
+                                          f"altered or damaged")
             tc = meta.get("train_config") or {}   # the run's settings as recorded
             was_src = tc.get("init_from") or ""
             if cfg.init_from and not _same_path(str(cfg.init_from), str(was_src)):
