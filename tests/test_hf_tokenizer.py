@@ -194,6 +194,41 @@ def test_streamed_text_is_decodes_text_with_its_clean_up_of_spaces():
         assert "".join(pieces) == tok.decode(ids), [words[i] for i in ids]
 
 
+@pytest.mark.parametrize("merges", ["all", "half"])
+def test_gpt2s_vocab_json_with_other_merges_is_read_with_them(tmp_path, merges):
+    """GPT-2's vocab.json beside a merges.txt that is not GPT-2's (its first 20,000 merges)
+    was read as GPT-2's tokenizer, with forge-ml's own merges (a QA report: other ids than
+    transformers', in silence); a merges.txt of garbage was taken too, where transformers
+    refuses it. The folder's merges now decide, as in transformers."""
+    from forge_ml.inference.load import hf_tokenizer_dict
+    from forge_ml.tokenizer import gpt2_data_dir, tokenizer_from_dict
+
+    lines = (gpt2_data_dir() / "vocab.bpe").read_text(encoding="utf-8").split("\n")
+    d = tmp_path / "tok"
+    d.mkdir()
+    shutil.copy(gpt2_data_dir() / "encoder.json", d / "vocab.json")
+    (d / "merges.txt").write_text("\n".join(lines) if merges == "all" else "\n".join(lines[:20001]) + "\n")
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    spec = hf_tokenizer_dict(d)
+    assert spec["kind"] == ("gpt2" if merges == "all" else "hf")
+    text = "ROMEO: Hello there, General Kenobi!"
+    assert tokenizer_from_dict(spec).encode(text) == \
+        transformers.AutoTokenizer.from_pretrained(d)(text)["input_ids"]
+    (d / "merges.txt").write_text("garbage\n")
+    with pytest.raises(CheckpointError, match="merges.txt"):
+        hf_tokenizer_dict(d)
+
+
+def test_an_added_tokens_decoder_that_is_no_object_is_refused_by_name(tmp_path):
+    """"added_tokens_decoder": [1, 2] was an AttributeError traceback from sample and convert."""
+    from forge_ml.inference.load import hf_tokenizer_dict
+    d = tmp_path / "tok"
+    d.mkdir()
+    (d / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": [1, 2]}))
+    with pytest.raises(CheckpointError, match="added_tokens_decoder is a JSON list"):
+        hf_tokenizer_dict(d)
+
+
 def test_long_text_is_encoded_in_parallel_pieces_with_the_same_ids(hfdir):
     from forge_ml.data import encode_array
     from forge_ml.inference.load import hf_tokenizer_dict

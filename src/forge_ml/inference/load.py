@@ -294,7 +294,12 @@ def _hf_added_tokens(d: Path) -> tuple:
                 if isinstance(t, dict):
                     take(t.get("content"), t.get("id"), t)
         elif name == "tokenizer_config.json":
-            for i, t in (spec.get("added_tokens_decoder") or {}).items():
+            dec = spec.get("added_tokens_decoder") or {}
+            if not isinstance(dec, dict):
+                raise CheckpointError(f"{d / name}: added_tokens_decoder is a JSON "
+                                      f"{type(dec).__name__}; expected an object of id -> token "
+                                      f"(as transformers writes it)")
+            for i, t in dec.items():
                 if isinstance(t, dict) and str(i).isdecimal():     # "²".isdigit(), and int() fails
                     take(t.get("content"), int(i), t)
             for k, v in spec.items():   # an empty text is no added token: _role_text's None
@@ -341,6 +346,15 @@ def _not_gpt2_file(d: Path):
             cfg = _tokenizer_file(d / "tokenizer_config.json")
             cls = cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
             ok = _gpt2_pipeline_differs(spec, cls in (None, *HF_GPT2_CLASSES)) is None
+        elif ok and (d / "merges.txt").is_file():
+            # GPT-2's vocabulary with other merges (fewer, another order, garbage) is not GPT-2's
+            # tokenizer: transformers reads the folder's merges (or refuses them)
+            try:
+                lines = (d / "merges.txt").read_text(encoding="utf-8").split("\n")
+            except (OSError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{d / 'merges.txt'}: unreadable tokenizer file ({e})") from None
+            ok = [tuple(ln.split(" ")) for ln in lines
+                  if ln.strip() and not ln.startswith("#version")] == _gpt2_merges()
         return None if ok else (f, spec)
     return None
 
