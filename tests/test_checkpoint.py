@@ -387,7 +387,7 @@ def test_a_save_never_replaces_a_folder_it_did_not_write(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"run is not empty .*ckpt, data, log\.jsonl"):
         save_checkpoint(run, make_tensors(1), make_meta(2))
     monkeypatch.chdir(run)
-    with pytest.raises(CheckpointError, match="is not empty"):
+    with pytest.raises(CheckpointError, match="is or holds the current folder"):
         save_checkpoint(".", make_tensors(1), make_meta(2))   # a ValueError traceback before
     assert tree(tmp_path) == before
 
@@ -617,3 +617,19 @@ def test_save_and_load_refuse_what_would_not_load_or_is_no_path(tmp_path):
     save_checkpoint(d, {"w": np.ones(3, np.float32)}, {"config": "x"})
     with pytest.raises(CheckpointError, match="no model 'config' .*got str"):
         load_model(d)
+
+
+def test_a_save_to_the_current_folder_or_a_parent_is_refused(tmp_path, monkeypatch):
+    """A QA report: save_checkpoint(".") (and save_hf_gpt2("")) swapped the process's current
+    folder away: os.getcwd() then raised FileNotFoundError."""
+    from forge_ml.hf import gpt2_param_shapes, save_hf_gpt2
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for p in (".", str(work), "..", str(tmp_path)):
+        with pytest.raises(CheckpointError, match="is or holds the current folder"):
+            save_checkpoint(p, make_tensors(), make_meta())
+    cfg = dict(vocab_size=8, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    with pytest.raises(CheckpointError, match="is or holds the current folder"):
+        save_hf_gpt2("", cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
+    assert os.getcwd() == str(work) and os.listdir(work) == []

@@ -490,6 +490,10 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder", replac
         path = Path(os.path.realpath(path))  # moved elsewhere (another disk) and linked back: replaced there
     if not path.name:
         raise CheckpointError(f"cannot write {path}: expected a path to a folder, not the filesystem root")
+    if is_inside(os.getcwd(), path):
+        # the swap renames the folder aside: this process's current folder would be gone
+        raise CheckpointError(f"refusing to write {path}: it is or holds the current folder; "
+                              f"write into a new or empty folder")
     files = None if files is None else frozenset(files)
     _refuse_mount(path, path, what)
     tmp, old = _side_paths(path)
