@@ -633,3 +633,30 @@ def test_a_save_to_the_current_folder_or_a_parent_is_refused(tmp_path, monkeypat
     with pytest.raises(CheckpointError, match="is or holds the current folder"):
         save_hf_gpt2("", cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
     assert os.getcwd() == str(work) and os.listdir(work) == []
+
+
+def test_a_replaced_folder_keeps_its_mode(tmp_path):
+    """A QA report: the swap put a new folder in place of the old one (an empty one given as
+    --out, or an earlier output), its mode (a setgid bit, a group's access) lost."""
+    import stat
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    os.chmod(d, 0o2750)
+    save_checkpoint(d, make_tensors(0), make_meta(1))
+    assert stat.S_IMODE(d.stat().st_mode) == 0o2750
+    os.chmod(d, 0o700)
+    save_checkpoint(d, make_tensors(1), make_meta(2))
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700 and load_checkpoint(d)[1]["step"] == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes anywhere")
+def test_an_empty_read_only_folder_is_refused_not_replaced(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    os.chmod(d, 0o555)
+    try:
+        with pytest.raises(CheckpointError, match=r"ro is read-only \(dr-xr-xr-x\)"):
+            save_checkpoint(d, make_tensors(), make_meta())
+        assert d.is_dir() and os.listdir(d) == []
+    finally:
+        os.chmod(d, 0o755)

@@ -293,6 +293,12 @@ def _swap_in(tmp: Path, path: Path) -> None:
     _, old = _side_paths(path)
     had_old = path.exists()
     if had_old:
+        st = path.stat()
+        # the folder's mode (a setgid bit, a group's write) and group go on to the new one
+        with contextlib.suppress(OSError):
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))
+        with contextlib.suppress(OSError):
+            os.chown(tmp, -1, st.st_gid)
         os.rename(path, old)
     try:
         os.rename(tmp, path)
@@ -330,6 +336,11 @@ def _check_replaceable(path: Path, files, marker, what: str) -> None:
             raise CheckpointError(
                 f"{path} is not empty and is not a {what} that forge-ml wrote (it holds "
                 f"{_listing(names)}); refusing to replace it: write into a new or empty folder")
+        if not names and not os.access(path, os.W_OK | os.X_OK):
+            # (the swap would put a new, writable folder in its place: its mode lost)
+            mode = stat.filemode(path.stat().st_mode)
+            raise CheckpointError(f"{path} is read-only ({mode}); make it writable (chmod u+w "
+                                  f"{path}) or write to another path; nothing was written")
         _check_deletable(path, path, what)
     swapping = _swap_marker(path).is_file()
     for side, complete in ((tmp, False), (old, True)):
