@@ -108,6 +108,36 @@ def test_convert_never_writes_the_current_folder(run, capsys, monkeypatch):
     assert os.listdir(".") == []
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_sigterm_during_convert_leaves_the_output_as_it_was(run, capsys, monkeypatch, first):
+    """A QA report: SIGTERM midway through convert ended the process where it was, leaving
+    <out>.tmp (sometimes holding a whole model) and the lock, without a word. It now ends as
+    Ctrl-C does: the output as it was (none, or the earlier conversion), nothing beside it,
+    exit 143 with one line."""
+    import signal
+    import threading
+
+    import forge_ml.hf as hf
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")   # (the SIGTERM would end the runner)
+    if not first:
+        assert main(["convert", "--to-hf", "run", "--out", "hf"]) == 0
+    capsys.readouterr()
+    before = tree(run.parent)
+    real = hf.write_safetensors
+
+    def killed(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+    monkeypatch.setattr(hf, "write_safetensors", killed)
+    argv = ["convert", "--to-hf", "run", "--out", "hf"] + ([] if first else ["--force"])
+    assert main(argv) == 143
+    err = capsys.readouterr().err.strip()
+    assert err == "forge-ml convert: stopped by SIGTERM; hf is as it was", err
+    assert tree(run.parent) == before
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_convert_from_hf_never_writes_into_its_source(run, capsys):
     assert main(["convert", "--to-hf", "run", "--out", "hf"]) == 0
     capsys.readouterr()

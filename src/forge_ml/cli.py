@@ -1141,7 +1141,34 @@ def _kept_by_a_run(folder) -> bool:
     return bool((read_meta(folder) or {}).get("run_id"))
 
 
+class _Ending(BaseException):
+    """SIGTERM or SIGHUP while ``convert`` writes: raised where the process is, so that the
+    write's clean-up runs (its scratch folder and lock removed, the output as it was)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _cmd_convert(args) -> int:
+    """``convert``, with SIGTERM and SIGHUP ending it as Ctrl-C does: the output as it was,
+    nothing left beside it (they killed it midway, leaving ``<out>.tmp`` and the lock)."""
+    from .runs import ENDING_SIGNALS, give_back_signals, take_signals
+
+    def end(signum, frame):
+        raise _Ending(signum)
+    old = take_signals(end, ENDING_SIGNALS)
+    try:
+        return _convert(args)
+    except _Ending as e:
+        print(f"{PROG} convert: stopped by {signal.Signals(e.signum).name}; {args.out} is as it "
+              f"was", file=sys.stderr)
+        return 128 + int(e.signum)
+    finally:
+        give_back_signals(old)
+
+
+def _convert(args) -> int:
     from .checkpoint import check_output_dir, interrupted_swap, is_checkpoint_dir, save_checkpoint
     from .errors import CheckpointError
     from .hf import (HF_FLAGS, HF_TOKENIZER_FILE, TRANSFORMERS_TOKENIZER_FILES, hf_meta,
