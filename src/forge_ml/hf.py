@@ -400,6 +400,13 @@ def load_hf_gpt2(dir, padded_vocab: int | None = None) -> tuple[dict, dict]:
                                   f"tie_word_embeddings to false to keep the stored head, or drop lm_head.weight")
         if wte is None and head is not None:   # safetensors' save_model keeps the tied pair's first name
             raw["wte.weight"] = head
+    # the layers the weights hold, before a table of the config's (n_layer 10**8 took minutes
+    # and gigabytes to list its missing tensors)
+    held = {int(m.group(1)) for k in raw if (m := re.match(r"h\.(\d+)\.", k))}
+    if config["n_layer"] > len(held) + 1:
+        raise CheckpointError(f"{d}: weights do not match {CONFIG_FILE}: it says n_layer "
+                              f"{config['n_layer']:,}, the weights hold {len(held)} "
+                              f"{'layer' if len(held) == 1 else 'layers'}")
     unpadded = dict(config, padded_vocab_size=config["vocab_size"])
     try:
         check_architecture(gpt2_param_shapes(unpadded), raw, ignore_prefixes=())
