@@ -926,3 +926,19 @@ def test_a_config_of_far_more_layers_than_the_weights_is_refused_at_once(tmp_pat
     with pytest.raises(CheckpointError, match="it says n_layer 100,000,000, the weights hold 1 layer"):
         load_hf_gpt2(d)
     assert time.perf_counter() - t0 < 30     # (minutes before)
+
+
+@pytest.mark.parametrize("eos", ["x", -1, True, 50256.0, [7, "a"]])
+def test_an_eos_token_id_that_is_no_id_is_said_not_dropped_in_silence(tmp_path, eos):
+    """A QA report: config.json's eos_token_id "x", -1, true or 50256.0 converted and sampled
+    without a word, and generation then never stopped on it."""
+    from forge_ml.inference.load import hf_tokenizer_dict
+    cfg = dict(vocab_size=50257, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    d = tmp_path / "hf"
+    save_hf_gpt2(d, cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
+    spec = json.loads((d / "config.json").read_text())
+    spec["eos_token_id"] = eos
+    (d / "config.json").write_text(json.dumps(spec))
+    with pytest.warns(UserWarning, match="eos_token_id .* which is no token id"):
+        got = hf_tokenizer_dict(d)
+    assert got.get("eos_token_id") in (None, 7)

@@ -834,7 +834,16 @@ def _config_ids(key: str, configs, n: int):
     """
     for conf in configs:
         if isinstance(conf, dict) and conf.get(key) is not None:
-            return [i for i in _hf_ids(conf[key]) if i < n]
+            raw = conf[key] if isinstance(conf[key], list) else [conf[key]]
+            good = _hf_ids(raw)
+            if len(good) != len(raw):
+                # ("x", -1, true, 50256.0: transformers stops on none of them either)
+                bad = next(v for v in raw if v not in good or isinstance(v, bool))
+                import warnings
+                warnings.warn(f"forge-ml: the model's {key} {conf[key]!r:.60} holds {bad!r:.20}, "
+                              f"which is no token id (an int >= 0): left out, so generation does not "
+                              f"stop on it", stacklevel=2)
+            return [i for i in good if i < n]
     return None
 
 
