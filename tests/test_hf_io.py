@@ -942,3 +942,15 @@ def test_an_eos_token_id_that_is_no_id_is_said_not_dropped_in_silence(tmp_path, 
     with pytest.warns(UserWarning, match="eos_token_id .* which is no token id"):
         got = hf_tokenizer_dict(d)
     assert got.get("eos_token_id") in (None, 7)
+
+
+def test_the_hf_functions_refuse_what_is_no_path_or_config_by_name():
+    """A QA report: None or an int as the folder was Python's TypeError from inside (load and
+    save, the dropout reader, is_hf_export), and a config without vocab_size a KeyError."""
+    from forge_ml.hf import is_hf_export, load_hf_dropout
+    for call in (lambda: load_hf_gpt2(None), lambda: save_hf_gpt2(5, {}, {}),
+                 lambda: load_hf_dropout(None), lambda: is_hf_export(None)):
+        with pytest.raises(CheckpointError, match="must be a path"):
+            call()
+    with pytest.raises(CheckpointError, match="the config lacks vocab_size"):
+        gpt2_param_shapes({"n_embd": 4})

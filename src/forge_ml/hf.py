@@ -40,7 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import atomic_directory, check_architecture, is_own_output, write_safetensors
+from .checkpoint import (_check_path, atomic_directory, check_architecture, is_own_output,
+                         write_safetensors)
 from .errors import CheckpointError, ConfigError
 
 CONFIG_FILE = "config.json"
@@ -103,6 +104,13 @@ def gpt2_param_shapes(config: dict) -> dict:
     >>> s["wte.weight"], s["h.0.attn.c_attn.weight"], len(s)
     ((50304, 768), (768, 2304), 148)
     """
+    if not isinstance(config, dict):
+        raise CheckpointError(f"gpt2_param_shapes: expected a config dict, got "
+                              f"{type(config).__name__}")
+    missing = [k for k in ("vocab_size", "block_size", "n_layer", "n_embd") if k not in config]
+    if missing:
+        raise CheckpointError(f"gpt2_param_shapes: the config lacks {', '.join(missing)} (forge-ml's "
+                              f"GPT2Config fields)")
     C = int(config["n_embd"])
     Vp = int(config.get("padded_vocab_size") or config["vocab_size"])
     shapes = {"wte.weight": (Vp, C), "wpe.weight": (int(config["block_size"]), C)}
@@ -257,6 +265,7 @@ def load_hf_dropout(dir) -> dict:
     >>> load_hf_dropout(d)["attn_pdrop"], load_hf_dropout(d)["resid_pdrop"]
     (0.25, 0.1)
     """
+    _check_path("load_hf_dropout", dir)
     path = Path(dir) / CONFIG_FILE
     return _dropout_rates(_read_json(path), path)
 
@@ -379,6 +388,7 @@ def load_hf_gpt2(dir, padded_vocab: int | None = None) -> tuple[dict, dict]:
     >>> load_hf_gpt2(d)[0]["padded_vocab_size"], load_hf_gpt2(d, padded_vocab=64)[0]["padded_vocab_size"]
     (5, 64)
     """
+    _check_path("load_hf_gpt2", dir)
     d = Path(dir)
     if not d.is_dir():
         raise CheckpointError(f"Hugging Face model directory not found: {d}")
@@ -444,6 +454,7 @@ def is_hf_export(dir) -> bool:
     >>> is_hf_export(d), is_hf_export(os.path.dirname(d))
     (True, False)
     """
+    _check_path("is_hf_export", dir)
     return is_own_output(dir, EXPORT_FILES, _has_export_mark)
 
 
@@ -561,6 +572,7 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
     >>> written["summary_type"], written["add_cross_attention"], written["pad_token_id"]
     ('cls_index', False, None)
     """
+    _check_path("save_hf_gpt2", dir)
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         config = dataclasses.asdict(config)
     if not isinstance(config, dict):
