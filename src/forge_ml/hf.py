@@ -342,7 +342,8 @@ def _forge_config(hf: dict, path: Path, padded_vocab: int | None) -> dict:
     if act not in _GELU_TANH:
         unsupported.append(f"activation_function={act!r} (forge-ml has GPT-2's tanh GELU, 'gelu_new')")
     if hf.get("n_inner") not in (None, 4 * C):
-        unsupported.append(f"n_inner={hf['n_inner']} (forge-ml's MLP is 4 * n_embd = {4 * C})")
+        unsupported.append(f"n_inner={hf['n_inner']!r} (forge-ml's MLP is 4 * n_embd = {4 * C}, "
+                           f"an int or null)")
     if not hf.get("scale_attn_weights", True):
         unsupported.append("scale_attn_weights=false")
     if hf.get("scale_attn_by_inverse_layer_idx", False):

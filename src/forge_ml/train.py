@@ -1358,8 +1358,8 @@ class Trainer:
         for k in _SIZES:
             for flag, asked in ((train_flag(k), getattr(self.cfg, k)), (model_flag, preset.get(k))):
                 if asked and have.get(k) is not None and asked != have[k]:
-                    raise ConfigError(f"{flag}: the run in {self.out_dir} {verb} a model with {k} {have[k]}, "
-                                      f"not {asked} (another architecture), which a resumed run keeps; drop "
+                    raise ConfigError(f"{flag}: the run in {self.out_dir} {verb} a model with {k} {have[k]!r}, "
+                                      f"not {asked!r} (another architecture), which a resumed run keeps; drop "
                                       f"{flag.split()[0]}")
 
     def _restore_model(self, ckpt, want: GPT2Config) -> GPT2:
