@@ -660,3 +660,12 @@ def test_an_empty_read_only_folder_is_refused_not_replaced(tmp_path):
         assert d.is_dir() and os.listdir(d) == []
     finally:
         os.chmod(d, 0o755)
+
+
+def test_a_path_through_a_file_is_named(tmp_path):
+    """A QA report: --out afile/sub (afile a file) said "File exists (.../afile)"."""
+    (tmp_path / "afile").write_text("mine")
+    for p in ("afile/sub", "afile/sub/deeper"):
+        with pytest.raises(CheckpointError, match=r"afile is a file, not a folder"):
+            save_checkpoint(tmp_path / p, make_tensors(), make_meta())
+    assert (tmp_path / "afile").read_text() == "mine"

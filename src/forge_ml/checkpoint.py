@@ -512,7 +512,15 @@ def atomic_directory(path, files=None, marker=None, what: str = "folder", replac
     try:
         # (where the parent is new, nothing is at the path or beside it: the check below
         # refuses nothing that this mkdir made)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            # a file where a folder of the path should be: name it ("File exists" said nothing)
+            above = next((p for p in path.parents if os.path.lexists(p) and not p.is_dir()), None)
+            if above is None:
+                raise
+            raise CheckpointError(f"cannot write {path}: {above} is a file, not a folder; "
+                                  f"give a path through folders") from None
         with _write_lock(path, what):
             # under the lock: no other writer is midway through a swap at this path, and the
             # scratch removed on failure is this writer's own
