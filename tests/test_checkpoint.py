@@ -630,8 +630,11 @@ def test_a_save_to_the_current_folder_or_a_parent_is_refused(tmp_path, monkeypat
         with pytest.raises(CheckpointError, match="is or holds the current folder"):
             save_checkpoint(p, make_tensors(), make_meta())
     cfg = dict(vocab_size=8, block_size=8, n_layer=1, n_head=1, n_embd=4)
+    params = {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()}
+    with pytest.raises(CheckpointError, match="must be a path"):       # "" is none
+        save_hf_gpt2("", cfg, params)
     with pytest.raises(CheckpointError, match="is or holds the current folder"):
-        save_hf_gpt2("", cfg, {k: np.zeros(s, np.float32) for k, s in gpt2_param_shapes(cfg).items()})
+        save_hf_gpt2(".", cfg, params)
     assert os.getcwd() == str(work) and os.listdir(work) == []
 
 
