@@ -17,7 +17,10 @@ target, then the old checkpoint is renamed to ``<dir>.old``, the new one renamed
 and the old one renamed to ``<dir>.tmp`` and deleted (a crash midway through that deletion
 leaves scratch that the next save removes). A crash at any point leaves either the previous checkpoint or the
 new one complete; if it struck between the two renames, ``load_checkpoint`` (and the next
-``save_checkpoint``) picks up ``<dir>.old``. A save replaces only a checkpoint: a folder
+``save_checkpoint``) picks up ``<dir>.old``. ``<dir>.tmp`` and ``<dir>.old`` are forge-ml's
+only while the marker ``.<dir>.swap`` says a write is underway (from before ``<dir>.tmp`` is
+made until the old copy is gone): a user's folder of either name is refused, never deleted
+or loaded. A save replaces only a checkpoint: a folder
 that holds anything else (a run folder, a user's notes) is refused before anything is
 written, and a full disk or read-only filesystem is a one-line CheckpointError that keeps
 the previous checkpoint.
