@@ -138,6 +138,14 @@ def test_sigterm_during_convert_leaves_the_output_as_it_was(run, capsys, monkeyp
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_convert_to_a_dangling_link_says_so(run, capsys):
+    """It said "dang exists and is not a folder"."""
+    os.symlink("nowhere/at/all", "dang")
+    fails(capsys, ["convert", "--to-hf", "run", "--out", "dang"], "dang is a link to nothing",
+          "nowhere/at/all")
+    assert os.path.islink("dang") and not os.path.exists("dang")
+
+
 def test_convert_from_hf_never_writes_into_its_source(run, capsys):
     assert main(["convert", "--to-hf", "run", "--out", "hf"]) == 0
     capsys.readouterr()

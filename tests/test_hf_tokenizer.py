@@ -541,3 +541,13 @@ def test_a_char_models_export_without_forge_mls_record_keeps_its_ids(tmp_path, c
     assert "loss" in capsys.readouterr().out
     with pytest.raises(TokenizerError, match="character 'Q' at position 1 is not in the vocabulary"):
         tok.encode("aQ")                                 # (no Q in the corpus)
+
+
+def test_a_lone_surrogate_is_named_where_it_is():
+    """It said "the tokenizers library cannot encode the text (TextInputSequence must be str)"."""
+    from forge_ml.tokenizer import HFTokenizer, hf_tokenizer_spec
+    spec = {"model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "[UNK]": 2}, "unk_token": "[UNK]"},
+            "pre_tokenizer": {"type": "Whitespace"}}
+    tok = HFTokenizer(hf_tokenizer_spec(spec, {"tokenizer_class": "PreTrainedTokenizerFast"}))
+    with pytest.raises(TokenizerError, match=r"lone surrogate \('\\ud800'\) at character 1"):
+        tok.encode("a\ud800b")

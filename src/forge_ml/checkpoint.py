@@ -612,6 +612,9 @@ def check_output_dir(out, reads=(), is_own=None, force: bool = False, what: str 
         # next write puts it back first (a run's checkpoint or kept model was replaced so)
         path = old
     if path.exists() or path.is_symlink():
+        if path.is_symlink() and not path.exists():
+            raise CheckpointError(f"{out} is a link to nothing ({os.readlink(path)}); expected a new "
+                                  f"or empty folder (remove the link, or make its target)")
         if not path.is_dir():
             raise CheckpointError(f"{out} exists and is not a folder; expected a new or empty folder")
         names = _entries(path)

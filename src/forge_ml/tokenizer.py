@@ -1126,6 +1126,11 @@ class HFTokenizer:
                 raise TokenizerError("HFTokenizer.encode: the text holds a piece the tokenizer's "
                                      "vocabulary lacks, and it has no unknown token to give "
                                      f"instead ({msg[:120]})") from None
+            at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+            if at is not None:
+                raise TokenizerError(f"HFTokenizer.encode: the text holds a lone surrogate "
+                                     f"({text[at]!r}) at character {at}: not Unicode text, which "
+                                     f"the tokenizers library takes only") from None
             raise TokenizerError(f"HFTokenizer.encode: the tokenizers library cannot encode the text ({msg[:120]})") from None
 
     def _chunkable(self) -> bool:
