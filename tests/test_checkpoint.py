@@ -672,3 +672,12 @@ def test_a_path_through_a_file_is_named(tmp_path):
         with pytest.raises(CheckpointError, match=r"afile is a file, not a folder"):
             save_checkpoint(tmp_path / p, make_tensors(), make_meta())
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_name_near_the_length_limit_is_saved_and_replaced(tmp_path):
+    """A QA report: a 252-character folder name failed with "File name too long" naming its
+    .old path, which the user never gave; the swap's names beside it are hashed there."""
+    d = tmp_path / ("a" * 252)
+    save_checkpoint(d, make_tensors(0), make_meta(1))
+    save_checkpoint(d, make_tensors(1), make_meta(2))
+    assert load_checkpoint(d)[1]["step"] == 2 and os.listdir(tmp_path) == [d.name]

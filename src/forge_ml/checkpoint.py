@@ -188,6 +188,11 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
 
 
 def _side_paths(path: Path) -> tuple[Path, Path]:
+    """``(<path>.tmp, <path>.old)``; for a name within 4 bytes of the 255 a name may have,
+    hidden names of its hash (a 252-character --out failed with "File name too long" naming
+    a ``.old`` path the user never gave)."""
+    if len((path.name + ".tmp").encode()) > 255:
+        return _hidden_name(path, ".tmp"), _hidden_name(path, ".old")
     return path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
 
 
