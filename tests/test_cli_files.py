@@ -415,3 +415,14 @@ def test_eval_names_the_device_refused_and_reads_a_damaged_run_config(run, capsy
     p.write_text(json.dumps(state))
     assert main(["eval", "--ckpt", "run", "--data", "run/data/val.bin"]) == 0
     assert "loss " in capsys.readouterr().out
+
+
+def test_a_checkpoints_unreadable_tokenizer_is_said_with_the_checkpoint(run, capsys):
+    """A QA report: meta.tokenizer {"kind": "char"} failed with "CharTokenizer.from_dict: the
+    dict has no 'chars' key", naming neither the checkpoint nor its state.json."""
+    p = run / "ckpt" / "state.json"
+    state = json.loads(p.read_text())
+    state["meta"]["tokenizer"] = {"kind": "char"}
+    p.write_text(json.dumps(state))
+    fails(capsys, ["sample", "--ckpt", "run", "--max-new-tokens", "2"],
+          "ckpt: the tokenizer its state.json records cannot be read", "chars")

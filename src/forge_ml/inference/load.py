@@ -97,7 +97,11 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
         cfg = GPT2Config.from_dict(dict(meta["config"], dropout=0.0))
         params, _, _ = unpack_tensors(tensors)
         model = GPT2.from_state_dict(cfg, params, device=device, dtype=dtype)
-        tok = tokenizer_from_dict(meta.get("tokenizer") or {"kind": "gpt2"})
+        try:
+            tok = tokenizer_from_dict(meta.get("tokenizer") or {"kind": "gpt2"})
+        except TokenizerError as e:   # (it named no file: "the dict has no 'chars' key")
+            raise CheckpointError(f"{p}: the tokenizer its state.json records cannot be read: "
+                                  f"{e}") from None
         return model, tok, meta
     from ..hf import hf_meta, load_hf_gpt2
     config, params = load_hf_gpt2(p)
