@@ -446,10 +446,7 @@ def _write_lock(path: Path, what: str):
     except ImportError:
         yield
         return
-    name = f".{path.name}.lock"
-    if len(name.encode()) > 255:     # a folder name near the limit: a hashed lock name
-        name = f".{hashlib.sha256(path.name.encode()).hexdigest()[:32]}.lock"
-    lock = path.with_name(name)
+    lock = _hidden_name(path, ".lock")   # (hashed for a folder name near the limit)
     deadline = time.monotonic() + WRITE_LOCK_WAIT
     # follow=False: a link planted at the lock's name is not followed (it made its target)
     while (fd := flock_file(lock, 0o644, follow=False)) is None:

@@ -16,6 +16,7 @@ from typing import Optional
 import numpy as np
 
 from .autograd import Tape, TVar
+from .errors import plural
 
 _CHECKED_OPS = ("add", "matmul", "matmul_gelu", "matmul_add", "mlp", "gelu", "layernorm",
                 "softmax", "split_heads", "merge_heads", "reshape", "attention", "attention_qkv",
@@ -48,7 +49,7 @@ def nonfinite_params(params: dict) -> tuple:
     bad = [(n, b) for n, b in ((n, _bad_values(t)) for n, t in params.items()) if b]
     listed = "; ".join(f"{n}: {b}" for n, b in bad[:3])
     if len(bad) > 3:
-        listed += f"; and {len(bad) - 3} {'tensor' if len(bad) == 4 else 'tensors'} more"
+        listed += f"; and {len(bad) - 3} {plural(len(bad) - 3, 'tensor')} more"
     return len(bad), listed
 
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from .checkpoint import (_check_path, atomic_directory, check_architecture, is_own_output,
                          write_safetensors)
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, plural
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -417,7 +417,7 @@ def load_hf_gpt2(dir, padded_vocab: int | None = None) -> tuple[dict, dict]:
     if config["n_layer"] > len(held) + 1:
         raise CheckpointError(f"{d}: weights do not match {CONFIG_FILE}: it says n_layer "
                               f"{config['n_layer']:,}, the weights hold {len(held)} "
-                              f"{'layer' if len(held) == 1 else 'layers'}")
+                              f"{plural(len(held), 'layer')}")
     unpadded = dict(config, padded_vocab_size=config["vocab_size"])
     try:
         check_architecture(gpt2_param_shapes(unpadded), raw, ignore_prefixes=())

@@ -9,6 +9,7 @@ forge_ml.errors.CheckpointError: checkpoint not found: runs/none does not exist
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os  # (the doctests use it)
 from pathlib import Path
@@ -353,21 +354,26 @@ def _not_gpt2_file(d: Path):
         elif ok and (d / "merges.txt").is_file():
             # GPT-2's vocabulary with other merges (fewer, another order, garbage) is not GPT-2's
             # tokenizer: transformers reads the folder's merges (or refuses them)
-            try:
-                lines = (d / "merges.txt").read_text(encoding="utf-8").split("\n")
-            except (OSError, UnicodeDecodeError) as e:
-                raise CheckpointError(f"{d / 'merges.txt'}: unreadable tokenizer file ({e})") from None
-            ok = [tuple(ln.split(" ")) for ln in lines
-                  if ln.strip() and not ln.startswith("#version")] == _gpt2_merges()
+            ok = [tuple(m.split(" ")) for m in _merge_lines(d / "merges.txt")] == _gpt2_merges()
         return None if ok else (f, spec)
     return None
 
 
+def _merge_lines(f: Path) -> list:
+    """The merges of a BPE merges file (``merges.txt``, GPT-2's ``vocab.bpe``): its lines but
+    the ``#version`` one and blank ones; a CheckpointError names a file that cannot be read."""
+    try:
+        lines = f.read_text(encoding="utf-8").split("\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f}: unreadable tokenizer file ({e})") from None
+    return [ln for ln in lines if ln.strip() and not ln.startswith("#version")]
+
+
+@functools.lru_cache(maxsize=1)
 def _gpt2_merges() -> list:
-    """GPT-2's merges, as ``(left, right)`` pairs in order."""
+    """GPT-2's merges, as ``(left, right)`` pairs in order (read once)."""
     from ..tokenizer import gpt2_data_dir
-    lines = (gpt2_data_dir() / "vocab.bpe").read_text(encoding="utf-8").split("\n")
-    return [tuple(ln.split(" ")) for ln in lines if ln.strip() and not ln.startswith("#version")]
+    return [tuple(m.split(" ")) for m in _merge_lines(gpt2_data_dir() / "vocab.bpe")]
 
 
 def _gpt2_pipeline_differs(spec: dict, gpt2_class: bool):
@@ -456,10 +462,7 @@ def _hf_own_tokenizer(d: Path, own: Path, own_json=None) -> dict:
                 f"{own}: this model's tokenizer is not GPT-2's ({n} tokens, not GPT-2's ids for the same tokens), "
                 f"and the folder has {why}; add the tokenizer files the model was trained with "
                 f"(transformers writes them: AutoTokenizer.from_pretrained(...).save_pretrained(\"{d}\"))")
-        try:
-            lines = merges.read_text(encoding="utf-8").split("\n")
-        except (OSError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{merges}: unreadable tokenizer file ({e})") from None
+        lines = _merge_lines(merges)
         extra = _tokenizer_file(d / "added_tokens.json")
         added = [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
                   "normalized": True, "special": False}
@@ -467,7 +470,7 @@ def _hf_own_tokenizer(d: Path, own: Path, own_json=None) -> dict:
         spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
                 "pre_tokenizer": None, "post_processor": None, "decoder": None,
                 "model": {"type": "BPE", "vocab": vocab,
-                          "merges": [ln for ln in lines if ln.strip() and not ln.startswith("#version")]}}
+                          "merges": lines}}
         where = merges
     try:
         return hf_tokenizer_spec(spec, cfg, _tokenizer_file(d / "config.json"),
