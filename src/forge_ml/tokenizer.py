@@ -24,6 +24,7 @@ import importlib.util
 import json
 import numbers
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -839,7 +840,6 @@ def _config_ids(key: str, configs, n: int):
             if len(good) != len(raw):
                 # ("x", -1, true, 50256.0: transformers stops on none of them either)
                 bad = next(v for v in raw if v not in good or isinstance(v, bool))
-                import warnings
                 warnings.warn(f"forge-ml: the model's {key} {conf[key]!r:.60} holds {bad!r:.20}, "
                               f"which is no token id (an int >= 0): left out, so generation does not "
                               f"stop on it", stacklevel=2)
