@@ -132,7 +132,7 @@ def test_many_in_a_graph_whose_table_is_built_while_capturing(be):
     a.prepare(lr=1e-3)
     work()                       # compiles every kernel (and takes a step)
     a.advance()
-    many._tables.clear()
+    many._clear_tables()
     graph = be.capture_graph(work)
     assert any(v[3] for v in many._tables.values())   # made while capturing: kept for good
     # b catches up with a's first step op by op
@@ -155,13 +155,35 @@ def test_many_in_a_graph_whose_table_is_built_while_capturing(be):
     graph.release()
 
 
+def test_clearing_the_tables_waits_for_their_copies(be):
+    """many._clear_tables, the tests' way to empty the cache, waits for the tables' copies: a
+    table's host buffer goes back to CuPy's pinned pool, whose next allocation of its size
+    takes it at once, so a copy still queued behind other work would read the next table's
+    rows (the GPU suite's cudaErrorIllegalAddress of 2026-12-07, under eight workers: the
+    test above emptied the cache with the op-by-op step's copies still queued, and the
+    capture's tables took their buffers)."""
+    import cupy
+    from forge_ml.backends.cuda import many
+    spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long n) {
+        const long long t0 = clock64();
+        while (clock64() - t0 < n) {}
+    }''', "spin")
+    rows = [(11, 12, 13), (21, 22, 23), (31, 32, 33)]
+    many._clear_tables()
+    spin((1,), (1,), (np.int64(100_000_000),))   # the stream busy for about 50 ms
+    dev = many._table(rows)                       # its copy queued behind the spin
+    many._clear_tables()
+    many._table([(-1, -2, -3)] * 3)               # a table of the same size
+    assert dev.get().tolist() == [list(r) for r in rows]
+
+
 def test_a_table_a_graph_uses_is_never_evicted(be):
     """A table made op by op and then used by a capture is kept for good, however many other
     tables come after it (the graph reads it at every replay)."""
     from forge_ml.backends.cuda import many
     r = np.random.default_rng(10)
     xs = [fm.tensor(r.standard_normal(n).astype(np.float32), device="cuda") for n in (5, 70000)]
-    many._tables.clear()
+    many._clear_tables()
     ops.sumsq_total(xs)                               # made op by op
     graph = be.capture_graph(lambda: ops.sumsq_total(xs))
     assert len(many._tables) == 1 and all(v[3] for v in many._tables.values())

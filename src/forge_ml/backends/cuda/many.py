@@ -66,6 +66,16 @@ def _table(rows: list) -> "cupy.ndarray":
     return dev
 
 
+def _clear_tables() -> None:
+    """Empty the table cache (for tests), once the device is done with every table: a
+    table's host buffer goes back to CuPy's pinned pool, whose next allocation of its size
+    takes it at once, so a copy still queued behind other work would read the next table's
+    rows (``_table`` waits for a table's copy before it evicts one for the same reason). A
+    table a graph still replays must not be dropped: only for tests whose graphs are gone."""
+    cupy.cuda.Device().synchronize()
+    _tables.clear()
+
+
 def _grid_of(sizes) -> tuple:
     """Each tensor's first chunk (the tables' ``chunk0``) and the number of chunks."""
     first, total = [], 0
