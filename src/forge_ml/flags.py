@@ -154,8 +154,9 @@ _SWITCHES = (
            "glibc malloc thresholds raised at CPU backend start-up so activations reuse freed "
            "memory (tuned), or left alone (default)", ("tuned", "default")),
     Switch("FORGE_HOST_MEMORY_CHECK", "on",
-           "forge-ml train on the CPU refuses, before anything is written, a batch whose "
-           "step's estimated memory is more than the host has free (on), or trusts it (off)",
+           "on the CPU, forge-ml train refuses a batch whose step's estimated memory is more "
+           "than the host has free, before anything is written, and forge-ml serve (a "
+           "BatchEngine) such --slots, before any is allocated (on); or trusts them (off)",
            ("on", "off")),
     Switch("FORGE_CACHE_DIR", "",
            "where built C kernels, sm_90a CUDA kernels and the tuned cuBLASLt algorithms "

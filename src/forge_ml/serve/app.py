@@ -298,6 +298,13 @@ def create_app(engine: BatchEngine, model_id: str, api_key: Optional[str] = None
     (401, [('tiny', 8)])
     >>> engine.close()
     """
+    if api_key is not None and api_key != api_key.strip():
+        # a key with spaces or a newline around it (a pasted key, "$(cat key)" of a CRLF file)
+        # matched no client: a header's value arrives without them (HTTP strips them)
+        if not api_key.strip():
+            raise ConfigError("create_app: api_key is blank; give the key clients must send "
+                              "(None serves without one)")
+        api_key = api_key.strip()
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ConfigError("create_app: the engine needs a tokenizer (BatchEngine(model, "

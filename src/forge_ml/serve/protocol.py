@@ -213,6 +213,20 @@ def _logit_bias(v):
     return logit_bias_row(v, None, None, lambda m: APIError(m, param="logit_bias")) or None
 
 
+def _json_kind(v) -> str:
+    """What a decoded JSON value is, in JSON's words (Python's said "NoneType" of a ``null``
+    body and "list" of an array).
+
+    >>> _json_kind(None), _json_kind([1]), _json_kind(True), _json_kind(2.5), _json_kind("x")
+    ('null', 'an array', 'true', 'a number (2.5)', 'a string')
+    """
+    if v is None or isinstance(v, bool):
+        return {None: "null", True: "true", False: "false"}[v]
+    if isinstance(v, (int, float)):
+        return f"a number ({v!r:.30})"
+    return {list: "an array", str: "a string", dict: "an object"}.get(type(v), type(v).__name__)
+
+
 def _raise_type(name, want, v):
     raise APIError(f"{name} must be {want}, got {v!r:.60}", param=name)
 
@@ -221,7 +235,7 @@ def parse_completion(body) -> CompletionRequest:
     """Check a decoded ``/v1/completions`` body; see the module docstring. A field given as
     JSON ``null`` takes its default, as OpenAI's API does."""
     if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise APIError(f"the request body must be a JSON object, got {_json_kind(body)}")
     unknown = sorted(k for k in body if k not in _FIELDS)
     if unknown:
         raise APIError(f"unknown field {unknown[0]!r}; known fields: {', '.join(sorted(_FIELDS))}",
