@@ -271,7 +271,7 @@ def test_a_seeded_completion_is_the_text_generate_gives(client, engine, tok):
     ([[]], "its list 0 is empty"),
     ([[1, 2], [3, 1.5]], "its list 1 holds 1.5, not a token id"),
     ([1.5], "must hold integers; got 1.5"),
-    ([True], "must hold integers; got True"),
+    ([True], "must hold integers; got true"),
     ([1, "a"], "a list mixing these"),
 ])
 def test_a_bad_prompt_list_is_named_as_it_is(http, prompt, says):

@@ -2,8 +2,8 @@
 mends of what it found. ``--slots`` past the host's memory is refused at start-up (the server
 took all the machine's free memory for 40 s and was killed, exit 137, without a word); an API
 key given with spaces or a newline around it is the key clients send (none could match it);
-a request body that is JSON but not an object is named in JSON's words ("got NoneType" for a
-``null``)."""
+a request body that is JSON but not an object, and a field's value, are named in JSON's words
+("got NoneType" for a ``null``, "got True" for ``true``)."""
 import json
 
 import pytest
@@ -135,3 +135,23 @@ def test_a_body_that_is_not_an_object_is_named_in_jsons_words(engine, body, said
         ok = client.post("/v1/completions", content=json.dumps({"prompt": "ab", "max_tokens": 1}))
         assert ok.status_code == 200
 
+
+
+# -- 4. a field's value named in JSON's words --------------------------------------------------
+
+
+@pytest.mark.parametrize("body, said", [
+    ('{"prompt": "a", "max_tokens": true}', "max_tokens must be an integer, got true"),
+    ('{"prompt": "a", "stop": ["a", null]}',
+     'stop must be a non-empty string or a list of them, got ["a", null]'),
+    ('{"prompt": "a", "echo": "yes"}', 'echo must be true or false, got "yes"'),
+    ('{"prompt": "a", "temperature": null, "top_p": [1]}', "top_p must be a number, got [1]"),
+])
+def test_a_fields_value_is_named_in_jsons_words(engine, body, said):
+    """The client wrote JSON: ``true``, ``null`` and ``"yes"`` as it sent them (the messages
+    said Python's ``True``, ``None`` and ``'yes'``)."""
+    with TestClient(create_app(engine, "tiny")) as client:
+        r = client.post("/v1/completions", content=body.encode(),
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == said

@@ -22,6 +22,7 @@ forge_ml.serve.protocol.APIError: unknown field 'max_token'; known fields: best_
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -88,7 +89,7 @@ def _out_of_range(name, got: str, lo=None, hi=None, lo_open=False) -> APIError:
 def _num(name, v, lo=None, lo_open=False, hi=None):
     """A finite number within the bounds given; the error names all of them."""
     if not is_finite(v):
-        raise APIError(f"{name} must be a number, got {v!r:.60}", param=name)
+        raise APIError(f"{name} must be a number, got {_shown(v)}", param=name)
     if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
         raise _out_of_range(name, repr(v), lo, hi, lo_open)
     return float(v)
@@ -97,7 +98,7 @@ def _num(name, v, lo=None, lo_open=False, hi=None):
 def _int(name, v, lo=None, hi=None):
     """An integer within the bounds given; the error names all of them."""
     if not _is_int(v):
-        raise APIError(f"{name} must be an integer, got {v!r:.60}", param=name)
+        raise APIError(f"{name} must be an integer, got {_shown(v)}", param=name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise _out_of_range(name, str(v), lo, hi)
     return int(v)
@@ -107,7 +108,7 @@ def _seed(v):
     """OpenAI's int64: a negative seed is its unsigned twin (``% 2**64``), so none aliases."""
     if not _is_int(v) or not -(1 << 63) <= v < 1 << 63:
         raise APIError(f"seed must be an integer in [-2**63, 2**63) (OpenAI's int64), got "
-                       f"{v!r:.60}", param="seed")
+                       f"{_shown(v)}", param="seed")
     return int(v)
 
 
@@ -117,7 +118,7 @@ def _or(v, default):
 
 def _bool(name, v):
     if not isinstance(v, bool):
-        raise APIError(f"{name} must be true or false, got {v!r:.60}", param=name)
+        raise APIError(f"{name} must be true or false, got {_shown(v)}", param=name)
     return v
 
 
@@ -128,7 +129,7 @@ def _prompt(v) -> list:
         return [v]
     if not isinstance(v, list) or not v:
         raise APIError("prompt must be a string, a list of strings, a list of token ids or a "
-                       f"list of lists of token ids (not empty), got {v!r:.60}", param="prompt")
+                       f"list of lists of token ids (not empty), got {_shown(v)}", param="prompt")
     if all(isinstance(p, str) for p in v):
         return list(v)
     if all(_is_int(t) for t in v):
@@ -139,15 +140,15 @@ def _prompt(v) -> list:
     if all(isinstance(p, list) for p in v):
         i = next(i for i, p in enumerate(v) if not (p and all(_is_int(t) for t in p)))
         what = ("is empty" if not v[i] else
-                f"holds {next(t for t in v[i] if not _is_int(t))!r:.30}, not a token id (an integer)")
+                f"holds {_shown(next(t for t in v[i] if not _is_int(t)), 30)}, not a token id (an integer)")
         raise APIError(f"prompt must be a list of non-empty lists of token ids; its list {i} {what}",
                        param="prompt")
     if not any(isinstance(p, (str, list)) for p in v):
         bad = next(t for t in v if not _is_int(t))
-        raise APIError(f"prompt as a list of token ids must hold integers; got {bad!r:.30} in "
-                       f"{v!r:.60}", param="prompt")
+        raise APIError(f"prompt as a list of token ids must hold integers; got {_shown(bad, 30)} in "
+                       f"{_shown(v)}", param="prompt")
     raise APIError("prompt must be a string, a list of strings, a list of token ids or a list "
-                   f"of non-empty lists of token ids; got a list mixing these: {v!r:.60}",
+                   f"of non-empty lists of token ids; got a list mixing these: {_shown(v)}",
                    param="prompt")
 
 
@@ -156,7 +157,7 @@ def _stop(v) -> tuple:
         return ()
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise APIError(f"stop must be a non-empty string or a list of them, got {v!r:.60}",
+        raise APIError(f"stop must be a non-empty string or a list of them, got {_shown(v)}",
                        param="stop")
     if len(stops) > MAX_STOPS:
         raise APIError(f"stop has {len(stops)} strings; at most {MAX_STOPS}", param="stop")
@@ -172,7 +173,7 @@ def _zero_or_none(name, v, what, kind):
         _raise_type(name, f"a{'n' if kind[0] == 'o' else ''} {kind}", v)
     if v is None or v == 0 or v == {} or v == "":
         return
-    raise APIError(f"{name} is not supported by this server ({what}); got {v!r:.60}", param=name)
+    raise APIError(f"{name} is not supported by this server ({what}); got {_shown(v)}", param=name)
 
 
 # field -> check(value) -> value for CompletionRequest (None for fields only checked)
@@ -213,6 +214,24 @@ def _logit_bias(v):
     return logit_bias_row(v, None, None, lambda m: APIError(m, param="logit_bias")) or None
 
 
+def _shown(v, width: int = 60) -> str:
+    """A value of the request as JSON writes it (``true``, ``null``, ``["a", null]``), cut to
+    ``width`` characters: the client sent JSON, so an error names its values so (Python's
+    ``True`` and ``['a', None]`` before). A lone surrogate (from a library caller: the server
+    refuses such bodies) is shown escaped, as the response's UTF-8 can carry no other form.
+
+    >>> _shown(True), _shown(["a", None]), _shown({"k": 1.5}), _shown("x" * 70, 8)
+    ('true', '["a", null]', '{"k": 1.5}', '"xxxxxxx')
+    >>> _shown("\\udc80é")
+    '"\\\\udc80é"'
+    """
+    try:
+        text = json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):   # not from JSON (a library caller's object)
+        text = repr(v)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")[:width]
+
+
 def _json_kind(v) -> str:
     """What a decoded JSON value is, in JSON's words (Python's said "NoneType" of a ``null``
     body and "list" of an array).
@@ -228,7 +247,7 @@ def _json_kind(v) -> str:
 
 
 def _raise_type(name, want, v):
-    raise APIError(f"{name} must be {want}, got {v!r:.60}", param=name)
+    raise APIError(f"{name} must be {want}, got {_shown(v)}", param=name)
 
 
 def parse_completion(body) -> CompletionRequest:
@@ -255,7 +274,7 @@ def parse_completion(body) -> CompletionRequest:
     if opts is not None:
         if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
             raise APIError(f"stream_options must be an object with include_usage (and "
-                           f"continuous_usage_stats), got {opts!r:.60}", param="stream_options")
+                           f"continuous_usage_stats), got {_shown(opts)}", param="stream_options")
         # (null: the default, as a null top-level field is)
         req.include_usage = _bool("stream_options.include_usage",
                                   _or(opts.get("include_usage"), False))
@@ -273,7 +292,7 @@ def parse_completion(body) -> CompletionRequest:
         _int("best_of", best_of, lo=1, hi=MAX_N)
     if best_of is not None and best_of != req.n:
         raise APIError(f"best_of must equal n ({req.n}) here; this server returns every choice "
-                       f"it draws, got {best_of!r:.60}", param="best_of")
+                       f"it draws, got {_shown(best_of)}", param="best_of")
     if len(req.prompt) * req.n > MAX_CHOICES:
         raise APIError(f"{len(req.prompt)} prompts x n={req.n} is {len(req.prompt) * req.n} "
                        f"choices; at most {MAX_CHOICES} per request",
