@@ -271,6 +271,39 @@ def test_a_vocabulary_too_large_for_shared_memory_falls_back(be, monkeypatch):
         assert int(ids[b]) == choose_from_weights(w[b], knobs[b], key, int(pos[b]) + 1), b
 
 
+def test_top_p_past_32_bits_of_low_sums_in_one_bin_is_exact(be, monkeypatch):
+    """A pass by mass adds each weight's bits below the digit into a 32-bit word a bin, with
+    carries only where one block's part could pass 2^32 (more than 65,537 ids: the fallback's
+    whole rows). Rows of 100,000 ids whose weights nearly all sit in the first pass's bin 1
+    (65,536 <= w < 131,072) with large low bits, about 5.7e9 of them: a lost carry puts top-p's
+    cut in another digit and keeps other tokens; the token is the host's on the kernel's own
+    weights, for every row's key."""
+    import cupy
+    from forge_ml.backends.cuda import sampling
+    V, Vp, B = 100_000, 100_032, 12
+    assert sampling._sample_kernel(V) == ("sample_next_f32", 0)
+    rs = np.random.default_rng(11)
+    j = np.arange(Vp)
+    # w = 2^24 exp(z / T) at T 0.8: z -3.886 gives w near 130,400; a spread of 0.1 keeps every
+    # weight above 115,000 (bin 1), the first token 2^24
+    z = (-3.886 - 1e-4 * (j % 1000)).astype(np.float32)
+    z[0] = 0.0
+    logits = np.stack([np.roll(z, int(rs.integers(0, V))) for _ in range(B)])
+    logits[:, V:] = 1e30
+    knobs = np.array([[0.8, 0, p, 0, 1] for p in np.linspace(0.3, 0.97, B)], np.float32)
+    keys = rs.integers(0, 1 << 32, (B, 2)).astype(np.uint32).view(np.int32)
+    pos = rs.integers(0, 1000, B).astype(np.int32)
+    w = cupy.asnumpy(sampling._sample_weights(cupy.asarray(logits), V, cupy.asarray(knobs),
+                                              cupy.asarray(np.zeros((B, Vp), np.int32))))
+    big = (w[:, :V] >= 65536) & (w[:, :V] < 131072)
+    assert (big.sum(1) == V - 1).all()
+    assert ((w[:, :V] & 0xFFFF) * big).sum(1).min() > 1 << 32   # one bin's low bits past 2^32
+    ids, out, p, s = _sample(be, logits, V, knobs, keys, pos, None, False, monkeypatch)
+    for b in range(B):
+        key = tuple(int(x) for x in keys[b].view(np.uint32))
+        assert int(ids[b]) == choose_from_weights(w[b], knobs[b], key, int(pos[b]) + 1), b
+
+
 def test_a_batch_of_one_samples_with_a_cluster_and_chooses_the_one_block_token(be, monkeypatch):
     """Batch 1 (generate's default) goes to the cluster kernel by default on Hopper; with one
     position for the row, the cluster advances it itself (no sample_advance_pos), and every
