@@ -412,6 +412,7 @@ def _cmd_check(args) -> int:
 
 
 def _cmd_train(args) -> int:
+    from .device import Device
     from .runs import RunLock
     from .train import (CKPT_NAME, DATA_NAME, FINAL_VAL_KINDS, LOG_NAME, PLOT_NAME, Interrupted, TrainConfig,
                         Trainer, no_checkpoint, train_flag)
@@ -419,9 +420,27 @@ def _cmd_train(args) -> int:
     comm = None
     if args.gpus < 0:
         raise ConfigError(f"--gpus must be >= 0, got {args.gpus}")
+    env = None
     if args.gpus or os.environ.get("WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
         from .distributed import launch
         env = launch.process_env()
+        world = os.environ.get("WORLD_SIZE", "").strip()
+        if env.launcher == "single" and world not in ("", "1"):
+            # (it ran one process, in silence: NCCL on cuda:0 of a world of 1)
+            raise ConfigError(f"WORLD_SIZE is {world} but RANK is not set: a launch of several "
+                              f"processes sets both (torchrun, or forge-ml train --gpus N)")
+    if env is not None and (args.gpus or env.launcher != "single"):
+        if args.device is not None and Device.parse(args.device).type != "cuda":
+            # the ranks train on cuda:LOCAL_RANK: --device cpu was replaced by a GPU in silence
+            # (or, without CuPy, refused as a missing NCCL)
+            how, out = ((f"--gpus {args.gpus}", f"drop --device, or drop --gpus to train one "
+                         f"process on {args.device}") if args.gpus else
+                        (f"this {env.launcher} launch", "drop --device"))
+            raise ConfigError(f"--device {args.device}: {how} trains on GPUs, one process each "
+                              f"(NCCL, cuda:LOCAL_RANK); {out}")
+    elif env is not None:
+        env = None   # WORLD_SIZE=1 and no launcher: one process, on --device (no NCCL)
+    if env is not None:
         if args.gpus > 1 and env.launcher == "single":   # start the N processes here
             launch.preflight(args.gpus)
             return launch.spawn(args.gpus, [sys.executable, "-m", "forge_ml", *sys.argv[1:]])
@@ -491,6 +510,11 @@ def _cmd_train(args) -> int:
         values.update(meta.get("train_config", {}))
     values.update(from_file)
     values.update(explicit)
+    if meta is not None and "grad_accum" in explicit and "total_batch_size" not in from_file \
+            and "total_batch_size" not in explicit:
+        # the run's recorded total_batch_size only set its grad_accum: a --grad-accum on resume
+        # replaces both (it was refused as not matching a --total-batch-size nobody gave)
+        values["total_batch_size"] = 0
     b = values.get("batch_size", TrainConfig.batch_size)
     if "grad_accum" in explicit and values.get("total_batch_size") and isinstance(b, int) \
             and explicit["grad_accum"] * b != values["total_batch_size"]:

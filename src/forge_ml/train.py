@@ -1470,8 +1470,10 @@ class Trainer:
         if not isinstance(was, dict) or self.step >= self.cfg.max_steps:
             return   # (a finished run trains no step: refused, or only its end finished)
         cfg = self.cfg
+        # grad_accum too: another one changes the batch of every step (--grad-accum or
+        # --total-batch-size on resume), which went on unsaid
         keys = ("lr", "min_lr", "warmup", "lr_decay_steps", "max_steps", "weight_decay", "beta1",
-                "beta2", "grad_clip", "dropout")
+                "beta2", "grad_clip", "dropout", "grad_accum")
         changed = [k for k in keys if _is_number(was.get(k)) and float(was[k]) != float(getattr(cfg, k))]
         if not changed:
             return
@@ -2091,6 +2093,15 @@ class Trainer:
             self._say(f"note: --eval-iters {cfg.eval_iters} is more than the {held} batches the val set "
                       f"holds; each estimate reads it {cfg.eval_iters / held:.1f} times over "
                       f"(--eval-iters {held} reads every batch once)")
+        elif cfg.eval_interval and self.step == 0 and held == 0:
+            # fewer windows than one batch: every batch is those windows again (it was logged
+            # as "an estimate on 20 val batches" with no word of it)
+            n = vl.windows
+            self._say(f"note: the val set holds {n} {plural(n, 'window')} of {vl.T} tokens, "
+                      f"fewer than one batch of {vl.B}; each estimate of --eval-iters "
+                      f"{cfg.eval_iters} reads {'it' if n == 1 else 'them'} "
+                      f"{cfg.eval_iters * vl.B / n:.1f} times over (more val text, a larger "
+                      f"--val-fraction, gives it more)")
         self._bar = self._make_bar(until)
         first = self.step
         mine = len(self.losses)   # where this call's losses begin
