@@ -413,6 +413,7 @@ def _cmd_check(args) -> int:
 
 def _cmd_train(args) -> int:
     from .device import Device
+    from .tensor import device_has
     from .runs import RunLock
     from .train import (CKPT_NAME, DATA_NAME, FINAL_VAL_KINDS, LOG_NAME, PLOT_NAME, Interrupted, TrainConfig,
                         Trainer, no_checkpoint, train_flag)
@@ -430,7 +431,7 @@ def _cmd_train(args) -> int:
             raise ConfigError(f"WORLD_SIZE is {world} but RANK is not set: a launch of several "
                               f"processes sets both (torchrun, or forge-ml train --gpus N)")
     if env is not None and (args.gpus or env.launcher != "single"):
-        if args.device is not None and Device.parse(args.device).type != "cuda":
+        if args.device is not None and device_has(Device.parse(args.device), "host_memory"):
             # the ranks train on cuda:LOCAL_RANK: --device cpu was replaced by a GPU in silence
             # (or, without CuPy, refused as a missing NCCL)
             how, out = ((f"--gpus {args.gpus}", f"drop --device, or drop --gpus to train one "
