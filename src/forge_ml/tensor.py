@@ -335,6 +335,19 @@ class Tensor:
             raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
 
+    def __bool__(self) -> bool:
+        """The truth of a one-element tensor's value, as in PyTorch and NumPy; any other size
+        is a ShapeError. (Without it Python asked ``__len__``: ``if fm.tensor([0.0])`` was
+        True, ``if fm.tensor(0.0)`` a TypeError about ``len()``.)
+
+        >>> bool(tensor([0.0])), bool(tensor(2.5))
+        (False, True)
+        """
+        if self.numel != 1:
+            raise ShapeError(f"bool: the truth of a tensor of shape {self.shape} is ambiguous: "
+                             f"expected one element, got {self.numel}")
+        return bool(self.item())
+
 
 def _default_dtype(a: np.ndarray, given) -> _dt.DType:
     if given is not None:
