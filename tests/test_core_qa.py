@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import forge_ml as fm
-from forge_ml.errors import ShapeError
+from forge_ml.errors import DTypeError, ShapeError
+from forge_ml.optim import AdamW
 
 
 def test_a_tensor_truth_is_its_one_value_and_otherwise_refused():
@@ -16,3 +17,28 @@ def test_a_tensor_truth_is_its_one_value_and_otherwise_refused():
     for shape in ((2,), (0, 3), (2, 2)):
         with pytest.raises(ShapeError, match=r"ambiguous: expected one element, got"):
             bool(fm.zeros(shape))
+
+
+@pytest.mark.parametrize("bad, error, said", [
+    (fm.zeros((4,)), ShapeError, "g is (4,) but p is (3,)"),
+    (fm.tensor(np.zeros(3, np.int64)), DTypeError, "g must be a float tensor, got int64"),
+    (np.zeros(3, np.float32), TypeError, "ndarray"),
+])
+def test_a_refused_adamw_step_names_the_parameter_and_changes_nothing(bad, error, said):
+    """A gradient that does not fit its parameter was refused only after AdamW.step had
+    counted the step (every later bias correction shifted by one), by a message that named no
+    parameter (g is (4,) but p is (3,)); update() likewise."""
+    params = {"a": fm.tensor(np.ones((2, 2), np.float32)), "b": fm.tensor(np.ones(3, np.float32))}
+    opt = AdamW(params, lr=0.1)
+    good = fm.tensor(np.full((2, 2), 0.5, np.float32))
+    with pytest.raises(error) as e:
+        opt.step({"a": good, "b": bad})
+    assert "the gradient of 'b'" in str(e.value) and said in str(e.value), str(e.value)
+    assert opt.steps == 0 and opt.param_steps == {"a": 0, "b": 0}
+    assert (params["a"].numpy() == 1).all() and (opt.m["a"].numpy() == 0).all()
+    with pytest.raises(error, match="AdamW.update, the gradient of 'b'"):
+        opt.update({"a": good, "b": bad}, opt.prepare())
+    assert (params["a"].numpy() == 1).all() and opt.steps == 0
+    # the same step with a fitting gradient takes the first step
+    opt.step({"a": good, "b": fm.zeros((3,))})
+    assert opt.steps == 1 and opt.param_steps == {"a": 1, "b": 1}
