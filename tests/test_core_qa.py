@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import forge_ml as fm
-from forge_ml.errors import DTypeError, ShapeError
+from forge_ml.errors import ConfigError, DTypeError, ShapeError
 from forge_ml.optim import AdamW
 
 
@@ -42,3 +42,26 @@ def test_a_refused_adamw_step_names_the_parameter_and_changes_nothing(bad, error
     # the same step with a fitting gradient takes the first step
     opt.step({"a": good, "b": fm.zeros((3,))})
     assert opt.steps == 1 and opt.param_steps == {"a": 1, "b": 1}
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: fm.ops.matmul(x, x, trans_a="no"),
+    lambda x: fm.ops.matmul(x, x, trans_b=1),
+    lambda x: fm.ops.softmax(x, causal="false"),
+    lambda x: fm.ops.layernorm_bwd(x, fm.full((2,), 1.0), x, sums="yes"),
+])
+def test_a_switch_takes_a_bool_only(call):
+    """``trans_a="no"`` transposed (any non-empty string is true), and ``trans_b=1`` was taken
+    as True; a switch is True or False (a NumPy bool too), else a ConfigError naming it."""
+    x = fm.tensor(np.arange(4, dtype=np.float32).reshape(2, 2))
+    with pytest.raises(ConfigError, match="must be True or False, got"):
+        call(x)
+    assert fm.ops.matmul(x, x, trans_a=np.True_).numpy().tolist() == (x.numpy().T @ x.numpy()).tolist()
+
+
+def test_a_scale_factor_is_no_bool():
+    """``ops.scale(x, True)`` scaled by 1 (a bool is an int to Python): a DTypeError now, as a
+    string was."""
+    with pytest.raises(DTypeError, match="must be a number or a one-element Tensor, got bool"):
+        fm.ops.scale(fm.full((2,), 1.0), True)
+    assert fm.ops.scale(fm.full((2,), 1.0), np.float32(2)).numpy().tolist() == [2.0, 2.0]

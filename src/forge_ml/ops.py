@@ -124,13 +124,26 @@ def _one_value(op, name, t, device):
         raise kind(f"{op}: {name} must be one value on {device}, got {t.shape} on {t.device}")
 
 
+def _flag(op, name, v) -> bool:
+    """A switch: a bool (a NumPy one too), not a string or a number (``trans_a="no"`` was a
+    transpose: any non-empty string is true).
+
+    >>> _flag("matmul", "trans_a", np.True_)
+    True
+    """
+    if not isinstance(v, (bool, np.bool_)):
+        raise ConfigError(f"{op}: {name} must be True or False, got {type(v).__name__} "
+                          f"{v!r:.40}")
+    return bool(v)
+
+
 def _scalar(op, name, s, device):
     """A scale factor: a one-element Tensor on ``device`` (returned as it is, read there), or a
     number (a NumPy one too) as a float; a string, None or other object is a DTypeError."""
     if isinstance(s, Tensor):
         _one_value(op, name, s, device)
         return s
-    if isinstance(s, (str, bytes)) or not hasattr(s, "__float__"):
+    if isinstance(s, (str, bytes, bool, np.bool_)) or not hasattr(s, "__float__"):
         raise DTypeError(f"{op}: {name} must be a number or a one-element Tensor, got "
                          f"{type(s).__name__} {s!r:.40}")
     return float(s)
@@ -193,6 +206,7 @@ def matmul(a, b, bias=None, *, trans_a=False, trans_b=False, alpha=1.0, b_rows=N
     [[2.0, 0.0], [0.0, 2.0]]
     """
     _float("matmul", "a", a), _float("matmul", "b", b)
+    trans_a, trans_b = _flag("matmul", "trans_a", trans_a), _flag("matmul", "trans_b", trans_b)
     if bias is not None:
         _float("matmul", "bias", bias)
     bk = _same("matmul", a=a, b=b, bias=bias)
@@ -492,6 +506,7 @@ def layernorm_bwd(x, gamma, dy, eps=1e-5, add=None, sums=False):
     """
     _ln_check("layernorm_bwd", x, gamma)
     _float("layernorm_bwd", "dy", dy)
+    sums = _flag("layernorm_bwd", "sums", sums)
     bk = _same("layernorm_bwd", x=x, gamma=gamma, dy=dy, add=add)
     _shape_eq("layernorm_bwd", "x", x, "dy", dy)
     if add is not None:
@@ -524,6 +539,7 @@ def softmax(x, causal=False, off=0) -> Tensor:
     [[1.0, 0.0], [0.5, 0.5]]
     """
     _float("softmax", "x", x)
+    causal = _flag("softmax", "causal", causal)
     _rank("softmax", "x", x, 2 if causal else 1)
     off = _as_int(off)
     if type(off) is not int or off < 0:
@@ -729,7 +745,7 @@ def attention_qkv_bwd(qkv, y, lse, dy, n_head, scale=None, sums=False):
     """
     op = "attention_qkv_bwd"
     scale, bk = _qkv_bwd_check(op, qkv, y, lse, dy, n_head, scale)
-    if sums:
+    if _flag(op, "sums", sums):
         if qkv.numel == 0:
             return _empty(qkv, qkv.shape), _empty(qkv, qkv.shape[-1:])
         dqkv, s = bk.attention_qkv_bwd_sums(qkv.data, y.data, lse.data, dy.data, n_head, scale)
@@ -1423,6 +1439,7 @@ def linear_cross_entropy(x, w, targets, vocab_size=None, *, grad=True):
     """
     op = "linear_cross_entropy"
     _float(op, "x", x), _float(op, "w", w), _int(op, "targets", targets)
+    grad = _flag(op, "grad", grad)
     bk = _same(op, x=x, w=w, targets=targets)
     _rank(op, "x", x, 2, 2), _rank(op, "w", w, 2, 2)
     if w.shape[1] != x.shape[1]:
