@@ -963,8 +963,14 @@ def _sample_beams(args, model, tok, ids, stop, out) -> int:
     seqs, scores = beam_search(model, ids, n_new, args.num_beams, length_penalty=args.length_penalty,
                                early_stopping=early, eos_token_id=list(stop) or None,
                                num_return_sequences=args.num_return_sequences)
+    said = False    # the note on an id past the tokenizer, once
     for i, (seq, score) in enumerate(zip(seqs, scores)):
-        text = tok.decode([t for t in seq if not hides_stop(tok, t, stop) and t < tok.vocab_size])
+        # the text decode gives after the prompt's, as a sample prints it (decoded alone, a
+        # Metaspace tokenizer's first "▁is" lost its space: "Hello worldis")
+        detok = _Detok(tok, ids)
+        detok.said = said
+        text = "".join(detok(t) for t in seq if not hides_stop(tok, t, stop)) + detok.flush()
+        said = detok.said
         if len(seqs) > 1:
             out.write(f"--- sequence {i + 1} of {len(seqs)}, score {score:.4f} ---\n")
         out.write(args.prompt + text + "\n")

@@ -75,8 +75,10 @@ whole sequences at the end, so it has no tokens to stream.
 
 A row finishes (``TokenEvent.finish`` says why) after
     - a token in ``stop_tokens`` ("stop_token"; the stop token is yielded),
-    - a token that completes one of ``stop_strings`` in the row's generated text
-      ("stop_string"; needs ``tokenizer``; that token is yielded),
+    - a token that completes one of ``stop_strings`` in the row's generated text, the text
+      ``decode(prompt + generated)`` adds to ``decode(prompt)`` (``text_after``: a Metaspace
+      tokenizer's leading space included) ("stop_string"; needs ``tokenizer``; that token is
+      yielded),
     - ``max_new_tokens`` tokens ("max_new_tokens"),
     - a full context: a row's prompt plus its generated tokens never exceed ``block_size``
       positions, so a prompt of ``n`` tokens gets at most ``block_size - n`` new ones
@@ -629,13 +631,16 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
         last = logits.numpy()[:, -1, :V]                                          # (B, V)
         check_finite_logits(model, last, who)          # (read back already)
 
+    heads: dict = {}        # each row's decoded prompt, for text_after
+
     def take(r, tok, logprob=None, top=None):
         """Row r's token at position pos: record it, decide whether the row finishes."""
         generated[r].append(tok)
         finish = None
         if tok in stop_tokens:
             finish = "stop_token"
-        elif stop_strings and any(s in tokenizer.decode(generated[r]) for s in stop_strings):
+        elif stop_strings and any(s in text_after(tokenizer, rows[r], generated[r], heads, r)
+                                  for s in stop_strings):
             finish = "stop_string"
         elif len(generated[r]) == max_new:
             finish = "max_new_tokens"
@@ -704,9 +709,11 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kwa
     """The text generated after ``prompt`` (the prompt itself is not included).
 
     ``kwargs`` are ``generate``'s (temperature, top_k, top_p, min_p, repetition_penalty,
-    seed, stop_tokens, stop_strings; not logprobs, which need the batch form). The text is
-    cut before a stop string, and a final stop token is left out where it is a special token
-    (the tokenizer's ``is_special``: ``<|endoftext|>``); another (a ".") is part of the text,
+    seed, stop_tokens, stop_strings; not logprobs, which need the batch form). An empty
+    prompt starts from ``tokenizer.empty_prompt()``, as ``forge-ml sample`` does. The text is
+    what ``decode(prompt + new tokens)`` adds to the prompt's text (``text_after``), cut
+    before a stop string; a final stop token is left out where it is a special token (the
+    tokenizer's ``is_special``: ``<|endoftext|>``); another (a ".") is part of the text,
     as in transformers' text-generation pipeline and vLLM.
 
     >>> from forge_ml.tokenizer import CharTokenizer
@@ -724,15 +731,48 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kwa
     if not (callable(getattr(tokenizer, "encode", None)) and callable(getattr(tokenizer, "decode", None))):
         raise ConfigError(f"generate_text: tokenizer must be a forge-ml tokenizer (with encode and "
                           f"decode: load_model's second value), got {type(tokenizer).__name__}")
-    ids = tokenizer.encode(prompt)
+    if prompt == "" and callable(getattr(tokenizer, "empty_prompt", None)):
+        # nothing to encode: start where forge-ml sample starts (a newline, end-of-text, or an
+        # hf tokenizer's bos, as transformers' generate), not with generate's "empty" error
+        ids = tokenizer.empty_prompt()
+    else:
+        ids = tokenizer.encode(prompt)
     stop_tokens, stop_strings = _stop_args(kwargs.get("stop_tokens"), kwargs.get("stop_strings"))
     kwargs["tokenizer"] = tokenizer
     out = list(generate(model, ids, max_new_tokens, **kwargs))
     if out and hides_stop(tokenizer, out[-1], stop_tokens):
         out = out[:-1]
-    text = tokenizer.decode(out)
+    text = text_after(tokenizer, ids, out)
     cuts = [text.find(s) for s in stop_strings if s in text]
     return text[:min(cuts)] if cuts else text
+
+
+def text_after(tokenizer, prompt, ids, heads=None, key=None) -> str:
+    """The text ``ids`` add after ``prompt``: ``decode(prompt + ids)`` past ``decode(prompt)``,
+    as ``forge-ml sample`` and the server print it (``tokenizer.TextStream``). ``decode(ids)``
+    alone is another text where a token's text depends on what precedes it: a Metaspace
+    tokenizer's "▁is" is " is" after a word but "is" first (generate_text lost the space, and
+    a stop string " is" was never found). Where ``decode(prompt)`` is no prefix of the whole
+    (a prompt ending in half a character), ``decode(ids)``. An id past the tokenizer (an
+    embedding row of a vocabulary padded past it, nanoGPT's 50304) has no text, as
+    transformers decodes it and ``forge-ml sample`` prints it (decode raised on it, mid-run).
+    ``heads``: a dict caching the decoded prompt under ``key``.
+
+    >>> from forge_ml.tokenizer import CharTokenizer
+    >>> text_after(CharTokenizer("abc"), [0, 1], [2, 0])
+    'ca'
+    """
+    if heads is None or key not in heads:
+        head = tokenizer.decode(list(prompt))
+        if heads is not None:
+            heads[key] = head
+    else:
+        head = heads[key]
+    n = getattr(tokenizer, "vocab_size", None)
+    if isinstance(n, int):
+        ids = [t for t in ids if t < n]
+    full = tokenizer.decode(list(prompt) + list(ids))
+    return full[len(head):] if full.startswith(head) else tokenizer.decode(list(ids))
 
 
 def stream_tokens(model, ids, max_new_tokens, *, temperature=0.8, top_k=None, top_p=None,
