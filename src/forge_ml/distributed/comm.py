@@ -375,9 +375,11 @@ class ThreadCommunicator(Communicator):
         _check_op("reduce_scatter", op)
         a, o = self._arr("reduce_scatter", x, False), self._arr("reduce_scatter", out, False)
         n, r, c = self.world_size, self.rank, o.size
-        if a.size != n * c:
-            raise ShapeError(f"reduce_scatter: x has {a.size} elements but out has {c}; x must have "
-                             f"world_size x out.size = {n * c}")
+        if a.size != n * c or a.dtype != o.dtype:
+            # (as NCCL's: a float sum written into an int out was truncated in silence here only)
+            raise ShapeError(f"reduce_scatter: x is {a.size} x {a.dtype}, out {c} x {o.dtype}; "
+                             f"x must have world_size x out.size = {n * c} elements of out's "
+                             f"dtype")
 
         def chunk(parts):
             acc = np.array(parts[0].reshape(-1)[r * c:(r + 1) * c], copy=True)
@@ -395,9 +397,12 @@ class ThreadCommunicator(Communicator):
     def all_gather(self, x, out):
         a, o = self._arr("all_gather", x, False), self._arr("all_gather", out, False)
         n = self.world_size
-        if o.size != n * a.size:
-            raise ShapeError(f"all_gather: out has {o.size} elements but x has {a.size}; out must have "
-                             f"world_size x x.size = {n * a.size}")
+        if o.size != n * a.size or a.dtype != o.dtype:
+            # (NCCL moves the bytes: another dtype of as many bytes would come out reinterpreted,
+            # and here it was cast in silence)
+            raise ShapeError(f"all_gather: out is {o.size} x {o.dtype}, x {a.size} x {a.dtype}; "
+                             f"out must have world_size x x.size = {n * a.size} elements of "
+                             f"x's dtype")
         whole = self.group._collective(self.rank, "all_gather", ("all_gather", a.size, a.dtype.str), a,
                                        lambda parts: np.concatenate([p.reshape(-1) for p in parts]))
         self._arr("all_gather", out, True)[...] = whole.reshape(o.shape)

@@ -29,13 +29,49 @@ the data position a checkpoint stores do not depend on the number of ranks.
 """
 from __future__ import annotations
 
+import json
+import math
 
-from ..errors import ConfigError, DeviceError, TrainingError
+from .. import ops
+from ..errors import ConfigError, DeviceError, ShapeError, TrainingError
 from ..ops import clip_from_sumsq
-from ..optim import AdamW, clip_grad_norm
+from ..optim import AdamW, clip_grad_norm, counters
 from .buckets import Buckets, FlatBuffer
 from .comm import Communicator
 from .zero import ZeroAdamW
+
+
+def _run_difference(mine: dict, ref: dict, rank: int) -> str:
+    """The first way ``mine`` (rank ``rank``'s summary from ``DataParallel._check_same_run``)
+    differs from rank 0's ``ref``, in words; "" when it does not.
+
+    >>> _run_difference({"zero": 1, "sumsq": [2.0]}, {"zero": 0, "sumsq": [2.0]}, 3)
+    'zero is 1 on rank 3, 0 on rank 0'
+    """
+    def says(what, a, b) -> str:
+        return f"{what} is {str(a)[:100]} on rank {rank}, {str(b)[:100]} on rank 0"
+
+    for key in ("parameters", "model", "bf16", "zero", "bucket_mb"):
+        a, b = mine.get(key), ref.get(key)
+        if a == b:
+            continue
+        if key == "parameters":
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if i is None:
+                return says("the number of parameters", len(a), len(b))
+            return says(f"parameter {i + 1} (name, shape, dtype)", a[i], b[i])
+        if key == "model":
+            a, b = a or {}, b or {}
+            k = next(k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+            return says(f"the model config's {k}", a.get(k), b.get(k))
+        return says(key, a, b)
+    for key, b in ref["optimizer"].items():
+        if mine["optimizer"].get(key) != b:
+            return says(f"AdamW's {key}", mine["optimizer"].get(key), b)
+    for (name, _, _), a, b in zip(mine["parameters"], mine["sumsq"], ref["sumsq"]):
+        if not math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-30):    # NaN differs too
+            return says(f"the sum of squares of parameter {name}", f"{a:.7g}", f"{b:.7g}")
+    return ""
 
 
 def rank_batches(loader, n: int, rank: int, world_size: int) -> list:
@@ -91,11 +127,44 @@ class DataParallel:
             raise DeviceError(f"DataParallel: the parameters are on {first.device} but the communicator "
                               f"moves data on {comm.device}")
         self.comm, self.model, self.zero = comm, model, zero
+        if comm.world_size > 1:
+            self._check_same_run(opt, zero, bucket_mb)
         shapes = {k: p.shape for k, p in masters.items()}
         self.buckets = Buckets(shapes, comm.world_size, bucket_mb, itemsize=first.dtype.itemsize)
         self.grads = FlatBuffer(self.buckets.size, first.dtype, first.device)   # float32 (float64) sums
         self.grad_views = {k: self.grads.window(lo, hi, shapes[k]) for k, (lo, hi) in self.buckets.offsets.items()}
         self.opt = ZeroAdamW(opt, comm, self.buckets, self.grads) if zero == 1 else opt
+
+    def _check_same_run(self, opt: AdamW, zero: int, bucket_mb: float) -> None:
+        """Collective: every rank holds what rank 0 holds (parameter names, shapes and dtype,
+        a sum of squares of each parameter, AdamW's hyper-parameters and step counts, ``zero``
+        and ``bucket_mb``), or every rank raises the same ConfigError naming the first rank
+        that differs and how. Ranks built from different seeds (or checkpoints, or learning
+        rates) would otherwise train apart in silence with ``zero=0``, and with ``zero=1``
+        stitch one model from every rank's shard of its own. (Weights are checked, not
+        broadcast from rank 0 as torch's DDP does: a bf16 run's compute copies come from them.)
+        """
+        comm = self.comm
+        mine = {"parameters": [[k, list(p.shape), p.dtype.name] for k, p in opt.params.items()],
+                "zero": zero, "bucket_mb": bucket_mb, "bf16": opt.lowp is not None,
+                "optimizer": counters(opt),
+                "sumsq": [float(ops.sumsq(p).item()) for p in opt.params.values()]}
+        config = getattr(self.model, "config", None)
+        if hasattr(config, "to_dict"):          # GPT2Config: n_head or dropout change no shape
+            mine["model"] = config.to_dict()
+        mine = json.loads(json.dumps(mine))          # as rank 0's comes: tuples are lists
+        ref = comm.broadcast_object(mine, root=0)
+        why = "" if comm.rank == 0 else _run_difference(mine, ref, comm.rank)
+        flags = [0.0] * comm.world_size
+        flags[comm.rank] = 1.0 if why else 0.0
+        bad = [r for r, f in enumerate(comm.all_reduce_floats(flags)) if f]
+        if bad:
+            why = comm.broadcast_object(why if comm.rank == bad[0] else None, root=bad[0])
+            more = f" (and rank(s) {', '.join(map(str, bad[1:]))})" if bad[1:] else ""
+            raise ConfigError(f"data parallel: rank {bad[0]}{more} was not built like rank 0: "
+                              f"{why}; every rank must build the model and its AdamW from the same "
+                              f"config, weights (seed or checkpoint) and optimizer state, with the "
+                              f"same zero and bucket_mb")
 
     def _accumulate(self, grads: dict, first: bool) -> None:
         for name, (lo, _) in self.buckets.offsets.items():
@@ -103,7 +172,15 @@ class DataParallel:
             if g is None:
                 raise TrainingError(f"data parallel: parameter {name} got no gradient; every parameter must "
                                     f"take part in the loss (its bucket would hold stale values)")
+            if tuple(g.shape) != self.buckets.shapes[name]:
+                # (a larger one was written over its neighbours' gradients in the flat buffer)
+                raise ShapeError(f"data parallel: the gradient of {name} has shape "
+                                 f"{tuple(g.shape)}, the parameter {self.buckets.shapes[name]}")
             self.grads.put(lo, g, add=not first)
+        unknown = [k for k in grads if k not in self.buckets.offsets]
+        if unknown:   # (AdamW.step refuses them: a renamed gradient left its parameter unchanged)
+            raise ConfigError(f"data parallel: gradients for {len(unknown)} name(s) that are not "
+                              f"parameters of the optimizer: {sorted(map(str, unknown))[:5]}")
 
     def _reduce(self) -> None:
         """One collective per bucket, in bucket order (the same on every rank)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import socket
 import socketserver
@@ -44,7 +45,8 @@ def threads(n: int, fn: Callable, *, timeout: float = 60.0) -> list:
     one ``ThreadGroup``: the in-process stand-in for ``n`` GPUs. Returns the results in rank
     order. A rank that raises ends the group: the others' collectives raise a CommError that
     names it (at once, not at the timeout), and its own exception is raised here once every
-    thread has ended.
+    thread has ended (a thread still running ``timeout`` seconds after the group failed is
+    left behind, hung, and the failure raised all the same).
 
     >>> threads(3, lambda comm: comm.rank * 10)
     [0, 10, 20]
@@ -72,9 +74,23 @@ def threads(n: int, fn: Callable, *, timeout: float = 60.0) -> list:
     ts = [threading.Thread(target=run, args=(r,), name=f"forge-rank-{r}", daemon=True) for r in range(n)]
     for t in ts:
         t.start()
-    for t in ts:
-        t.join()
+    # Once the group has failed, the ranks still running get one more timeout to end (each
+    # ends at its next collective); a rank hung outside any collective (a deadlock, a loop)
+    # never would, and joining it would hang the caller the timeouts are there to spare.
+    # It is left behind (a daemon thread) and the group's failure raised.
+    failed_at = None
+    live = ts
+    while live:
+        live[0].join(0.02)
+        live = [t for t in live if t.is_alive()]
+        if live and group._failed is not None:
+            failed_at = time.monotonic() if failed_at is None else failed_at
+            if time.monotonic() - failed_at > group.timeout:
+                break
     failed = [e for e in errors if e is not None]
+    if live and not failed:    # (the rank that recorded the failure has not raised it yet)
+        who, reason, timed_out = group._failed
+        failed = [(CommTimeout if timed_out else CommError)(reason)]
     if failed:
         # the first failure that is not just another rank reporting it
         first = next((e for e in failed if not isinstance(e, CommError)), None)
@@ -260,10 +276,13 @@ def process_env(environ=None) -> ProcessEnv:
     env = os.environ if environ is None else environ
 
     def num(name: str, value) -> int:
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+        # decimal digits only: int() also took "1_0" (10) and non-ASCII digits, a typo trained
+        # as another rank
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if not isinstance(value, str) or not re.fullmatch(r"\s*[-+]?[0-9]+\s*", value):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        return int(value)
 
     if "RANK" in env:
         need = ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -288,6 +307,16 @@ def process_env(environ=None) -> ProcessEnv:
     if world < 1 or not 0 <= rank < world or local < 0:
         raise ConfigError(f"rank {rank} of world size {world} (local rank {local}) is not a valid position; "
                           f"expected 0 <= rank < world size")
+    if launcher == "torchrun" and world > 1:
+        # the rendezvous: rank 0 serves at MASTER_PORT, the others connect to MASTER_ADDR. A port
+        # out of range failed rank 0 with a traceback and left the others retrying until their
+        # timeout (30 minutes); port 0 is a different free port on rank 0, unknown to the others
+        if not 0 < port < 65536:
+            raise ConfigError(f"MASTER_PORT must be a TCP port in 1..65535 (the same on every "
+                              f"rank), got {env['MASTER_PORT']!r}")
+        if not addr.strip():
+            raise ConfigError("MASTER_ADDR is empty; expected rank 0's host name or address "
+                              "(the same on every rank)")
     return ProcessEnv(rank, world, local, addr, port, launcher)
 
 

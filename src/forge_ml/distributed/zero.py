@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .. import ops
 from ..errors import ConfigError
-from ..optim import AdamW, counters, grad_sumsq
+from ..optim import AdamW, _step_value, counters, grad_sumsq
 from .buckets import Buckets, FlatBuffer
 from .comm import Communicator
 
@@ -118,7 +118,10 @@ class ZeroAdamW:
         >>> launch.threads(2, fn)                                  # rank 1 got rank 0's update
         [[0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]]
         """
-        lr = self.lr if lr is None else float(lr)
+        # checked before anything is counted or written, as AdamW.step checks them: a NaN or
+        # infinite lr or factor would write NaN into every rank's shard, then every parameter
+        lr = self.lr if lr is None else _step_value("step", "lr", lr)
+        grad_scale = _step_value("step", "grad_scale", grad_scale, signed=True)
         self.steps += 1
         for k in self.param_steps:        # data parallelism gives every parameter a gradient
             self.param_steps[k] += 1
