@@ -80,8 +80,24 @@ def test_a_stray_world_size_does_not_make_a_cpu_run_distributed(workdir, capsys,
     capsys.readouterr()
     monkeypatch.setenv("WORLD_SIZE", "4")
     _fails(capsys, ["train", "--data", "t.txt", "--out", "r4", *TINY, "--max-steps", "2"],
-           "WORLD_SIZE is 4 but RANK is not set")
+           "WORLD_SIZE is 4 but no rank is set")
     assert not Path("r4").exists()
+
+
+@pytest.mark.parametrize("env, said", [
+    ({"RANK": "1", "WORLD_SIZE": "", "MASTER_ADDR": "h", "MASTER_PORT": "29500"},
+     "WORLD_SIZE must be an integer, got ''"),
+    ({"RANK": "1"}, "RANK is set, so torchrun's variables are expected"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE is 2 but no rank is set"),
+])
+def test_a_partial_launch_is_refused_not_trained_as_one_process(workdir, capsys, monkeypatch,
+                                                               env, said):
+    """RANK with an empty WORLD_SIZE, RANK alone, or mpirun's size without its rank trained one
+    process and wrote the run, in silence: the CLI looked at WORLD_SIZE only."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "1"], said)
+    assert not Path("r").exists()
 
 
 def test_gpus_with_device_cpu_is_refused(workdir, capsys, monkeypatch):

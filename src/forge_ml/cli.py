@@ -411,6 +411,11 @@ def _cmd_check(args) -> int:
     return 0 if bad == 0 else 1
 
 
+# the launchers' variables, each rank's before its world's size: torchrun's, Open MPI's, PMI's
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK",
+                "PMI_SIZE")
+
+
 def _cmd_train(args) -> int:
     from .device import Device
     from .tensor import device_has
@@ -422,14 +427,18 @@ def _cmd_train(args) -> int:
     if args.gpus < 0:
         raise ConfigError(f"--gpus must be >= 0, got {args.gpus}")
     env = None
-    if args.gpus or os.environ.get("WORLD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE"):
+    # any launcher variable, even empty: process_env says what is wrong with a partial set
+    # (RANK=1 with an empty WORLD_SIZE, or RANK alone, trained one process in silence)
+    if args.gpus or any(k in os.environ for k in _LAUNCH_VARS):
         from .distributed import launch
         env = launch.process_env()
-        world = os.environ.get("WORLD_SIZE", "").strip()
-        if env.launcher == "single" and world not in ("", "1"):
-            # (it ran one process, in silence: NCCL on cuda:0 of a world of 1)
-            raise ConfigError(f"WORLD_SIZE is {world} but RANK is not set: a launch of several "
-                              f"processes sets both (torchrun, or forge-ml train --gpus N)")
+        sizes = [(k, os.environ.get(k, "").strip()) for k in _LAUNCH_VARS[1::2]]
+        big = [(k, v) for k, v in sizes if v not in ("", "1")]
+        if env.launcher == "single" and big:
+            # (it ran one process, in silence: NCCL on cuda:0 of a world of 1, or no NCCL)
+            raise ConfigError(f"{big[0][0]} is {big[0][1]} but no rank is set (RANK, "
+                              f"OMPI_COMM_WORLD_RANK or PMI_RANK): a launch of several processes "
+                              f"sets both (torchrun, mpirun, or forge-ml train --gpus N)")
     if env is not None and (args.gpus or env.launcher != "single"):
         if args.device is not None and device_has(Device.parse(args.device), "host_memory"):
             # the ranks train on cuda:LOCAL_RANK: --device cpu was replaced by a GPU in silence
