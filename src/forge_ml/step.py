@@ -298,7 +298,7 @@ class TrainStep:
     def run(self, batches: Sequence, seeds: Sequence[int], lr: float) -> StepResult:
         """One step, waited for: ``submit(batches, seeds, lr).result()``. ``taken`` False: a
         loss or the norm was not finite and nothing was updated (the optimizer's step count
-        too)."""
+        too). Example: the class docstring's."""
         return self.submit(batches, seeds, lr).result()
 
     def _capture(self):
