@@ -990,7 +990,7 @@ def _sample_beams(args, model, tok, ids, stop, out) -> int:
 def _cmd_eval(args) -> int:
     import numpy as np
 
-    from .data import DataLoader, is_shard_file, load_text, read_shard, shard_folder, write_shard
+    from .data import DataLoader, is_shard_file, load_text, read_shard, shard_folder
     from .inference import load_model
     from .tensor import tensor
 
@@ -1041,10 +1041,8 @@ def _cmd_eval(args) -> int:
         # loose shard with none beside it is taken as it is: only its ids' range is checked)
         _check_shards_tokenizer(path.parent, path.parent / "tokenizer.json", tok, args.ckpt,
                                 cfg.vocab_size, what=f"the shard {path}")
-    tmp = None
+    ids = None
     if shards is None and not shard:  # a text file: tokenize it with the checkpoint's tokenizer
-        import tempfile
-
         from .inference.load import check_tokenizer_fits
         check_tokenizer_fits(model, tok, args.ckpt)   # as sample and serve do: else a loss over wrong ids
         try:
@@ -1057,38 +1055,37 @@ def _cmd_eval(args) -> int:
             ids = encode_array(tok, text)
         except TokenizerError as e:   # (it named neither the file nor the checkpoint)
             raise DataError(f"--data {path} cannot be tokenized with {args.ckpt}'s tokenizer: {e}") from None
-        tmp = tempfile.TemporaryDirectory()
-        path = Path(tmp.name) / "eval.bin"
-        write_shard(path, ids)
-    try:
-        paths = shards if shards is not None else [path]
-        n_tokens = sum(len(read_shard(p)) for p in paths)
-        if n_tokens < 2:
-            raise DataError(f"{args.data} holds {n_tokens} {plural(n_tokens, 'token')}; evaluation needs at least 2")
-        for p in paths:
-            hi = int(np.max(read_shard(p), initial=0))
-            if hi >= cfg.vocab_size:
-                raise DataError(f"{p if shards is not None else args.data} holds token {hi} but the model's "
-                                f"vocabulary has {cfg.vocab_size} {plural(cfg.vocab_size, 'token')}; the shard "
-                                f"was made with another tokenizer")
-        T = min(window, n_tokens - 1)
-        B = max(1, min(args.batch_size, (n_tokens - 1) // T))
-        loader = DataLoader(paths, B, T)
-        if args.max_batches is None or args.max_batches > (n_tokens - 1) // T // B:
-            # every window: those past the last whole batch come as a smaller one (a cap past
-            # the whole batches changes nothing)
-            batches = loader.eval_batches(tail=True)
-        else:
-            batches = loader.eval_batches(args.max_batches)
-        total, windows, n, t0 = 0.0, 0, 0, time.perf_counter()
-        for x, y in batches:  # a batch's loss is the mean over its windows
-            total += model.loss(tensor(x, device=args.device), tensor(y, device=args.device)).item() * len(x)
-            windows += len(x)
-            n += 1
-        loss = total / windows
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    # a text's ids stay in memory (no temporary shard: they need not fit a shard's uint16)
+    paths = shards if shards is not None else [path]
+    arrays = [ids] if ids is not None else [read_shard(p) for p in paths]
+    n_tokens = sum(len(a) for a in arrays)
+    if n_tokens < 2:
+        raise DataError(f"{args.data} holds {n_tokens} {plural(n_tokens, 'token')}; evaluation "
+                        f"needs at least 2")
+    for p, a in zip(paths, arrays):
+        hi = int(np.max(a, initial=0))
+        if hi >= cfg.vocab_size:
+            v = cfg.vocab_size
+            raise DataError(f"{p if shards is not None else args.data} holds token {hi} but the "
+                            f"model's vocabulary has {v} {plural(v, 'token')}; the shard was made "
+                            f"with another tokenizer")
+    T = min(window, n_tokens - 1)
+    B = max(1, min(args.batch_size, (n_tokens - 1) // T))
+    loader = (DataLoader(paths, B, T) if ids is None else
+              DataLoader.from_tokens(ids, B, T, name=str(args.data)))
+    if args.max_batches is None or args.max_batches > (n_tokens - 1) // T // B:
+        # every window: those past the last whole batch come as a smaller one (a cap past
+        # the whole batches changes nothing)
+        batches = loader.eval_batches(tail=True)
+    else:
+        batches = loader.eval_batches(args.max_batches)
+    total, windows, n, t0 = 0.0, 0, 0, time.perf_counter()
+    for x, y in batches:  # a batch's loss is the mean over its windows
+        b = len(x)
+        total += model.loss(tensor(x, device=args.device), tensor(y, device=args.device)).item() * b
+        windows += b
+        n += 1
+    loss = total / windows
     if not math.isfinite(loss):   # (it printed "loss nan" and exited 0; sample refuses such a model)
         from .errors import ModelError
         from .inference.decode import nonfinite_cause

@@ -711,7 +711,9 @@ def shard_folder(folder, need=("train", "val")) -> ShardFolder:
 def _expand_paths(path_or_paths) -> list[Path]:
     if isinstance(path_or_paths, (str, os.PathLike)):
         s = os.fspath(path_or_paths)
-        if any(ch in s for ch in "*?["):
+        # a file whose name holds one of glob's characters (runs/lr[3e-4]/data/val.bin) is
+        # that file, not a pattern that matches other names or none
+        if any(ch in s for ch in "*?[") and not os.path.exists(s):
             found = sorted(glob.glob(s))
             if not found:
                 raise DataError(f"no token shards match the pattern {s}")
@@ -765,6 +767,32 @@ class DataLoader:
     """
 
     def __init__(self, path_or_paths, batch_size: int, block_size: int, seed: int = 0):
+        self._sizes(batch_size, block_size, seed)
+        paths = _expand_paths(path_or_paths)
+        self._use([read_shard(p) for p in paths], paths)
+
+    @classmethod
+    def from_tokens(cls, tokens, batch_size: int, block_size: int, seed: int = 0,
+                    name: str = "the tokens") -> "DataLoader":
+        """A loader over ``tokens``, a 1-D array of ids >= 0 held in memory, instead of shard
+        files: ``forge-ml eval``'s text file, whose ids need no temporary shard (nor fit one's
+        uint16: a tokenizer of more than 65,536 ids); ``name`` stands for the data in errors.
+
+        >>> dl = DataLoader.from_tokens(np.arange(70_000, 70_050), 2, 4)
+        >>> [x[0].tolist() for x, y in dl.eval_batches(1)], dl.windows
+        ([[70000, 70001, 70002, 70003]], 12)
+        """
+        self = cls.__new__(cls)
+        self._sizes(batch_size, block_size, seed)
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0)):
+            raise DataError(f"DataLoader.from_tokens: expected a 1-D sequence of integer ids >= 0, "
+                            f"got {arr.dtype} of shape {arr.shape} for {name}")
+        self._use([arr], [Path(name)], what=f"{name} holds")
+        return self
+
+    def _sizes(self, batch_size, block_size, seed) -> None:
+        """Check and keep ``B``, ``T`` and the seed."""
         for name, v in (("batch_size", batch_size), ("block_size", block_size)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise DataError(f"DataLoader: {name} must be a whole number, got {v!r}")
@@ -777,14 +805,17 @@ class DataLoader:
         self.B = int(batch_size)
         self.T = int(block_size)
         self.seed = int(seed)
-        self.paths = _expand_paths(path_or_paths)
-        self.shards = [read_shard(p) for p in self.paths]
+
+    def _use(self, shards: list, paths: list, what: Optional[str] = None) -> None:
+        """Read windows from ``shards`` (token arrays; ``paths`` names them), joined end to end."""
+        self.paths, self.shards = paths, shards
         lengths = np.array([len(s) for s in self.shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(lengths)])  # shard i covers [starts[i], starts[i+1])
         self.n_tokens = n = int(self._starts[-1])
         if n < self.T + 1:   # (over all the shards: a window may run across a boundary)
-            what = (f"token shard {self.paths[0]} holds" if len(self.paths) == 1 else
-                    f"the {len(self.paths)} token shards {self.paths[0]} ... {self.paths[-1]} hold")
+            first, last, k = self.paths[0], self.paths[-1], len(self.paths)
+            what = what or (f"token shard {first} holds" if k == 1 else
+                            f"the {k} token shards {first} ... {last} hold")
             raise DataError(f"{what} {n} {plural(n, 'token')}; block_size={self.T} needs at least "
                             f"{self.T + 1} (one window plus its next-token target)")
         self.batches_drawn = 0

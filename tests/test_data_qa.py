@@ -1,0 +1,60 @@
+"""QA of the data and evaluation path as nanoGPT's and llm.c's users meet it: `forge-ml eval`'s
+loss against a direct float64 computation, the loader's paths, and what the commands say."""
+import numpy as np
+
+from forge_ml.checkpoint import save_checkpoint
+from forge_ml.cli import main
+from forge_ml.data import DataLoader, write_shard
+from forge_ml.inference import load_model
+from forge_ml.models.gpt2 import GPT2, GPT2Config
+from forge_ml.tensor import tensor
+
+
+def reference_loss(ckpt, ids, T: int) -> float:
+    """The mean next-token loss of the checkpoint over the whole windows of ``T`` of ``ids``,
+    from its logits in float64 (a log-softmax of our own, not the loss op eval uses)."""
+    model = load_model(str(ckpt), tokenizer=False)[0].to(dtype="float64")
+    ids = np.asarray(ids, np.int64)
+    n = (len(ids) - 1) // T
+    x = ids[:n * T].reshape(n, T)
+    y = ids[1:n * T + 1].reshape(n, T)
+    logits = np.asarray(model.logits(tensor(x)).numpy(), np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return float(-np.take_along_axis(logp, y[..., None], -1).mean())
+
+
+def printed_loss(capsys) -> float:
+    out = capsys.readouterr().out
+    assert out.startswith("loss "), out
+    return float(out.split()[1])
+
+
+def test_eval_of_a_text_whose_tokenizer_has_more_ids_than_a_shard_holds(tmp_path, capsys):
+    """(QA) eval tokenized a text file into a temporary uint16 shard: a checkpoint whose
+    tokenizer has more than 65,536 ids (a large char alphabet; a Hugging Face vocabulary) failed
+    with "write_shard: token 67951 ... for /tmp/tmpXXXX/eval.bin", a file the user never named.
+    The ids stay in memory now, and the loss is the float64 one."""
+    chars = "".join(chr(c) for c in range(0x10000, 0x10000 + 66_000))   # (past the surrogates)
+    cfg = GPT2Config(vocab_size=len(chars), block_size=16, n_layer=1, n_head=1, n_embd=8)
+    save_checkpoint(tmp_path / "big", GPT2.init(cfg, seed=0).state_dict(),
+                    {"kind": "forge-ml-train", "config": cfg.to_dict(),
+                     "tokenizer": {"kind": "char", "chars": chars}, "step": 1})
+    text = (chars[-40:] + chars[:30]) * 2            # ids past 65,535 and below it
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    assert main(["eval", "--ckpt", str(tmp_path / "big"), "--data", str(tmp_path / "t.txt")]) == 0
+    ids = load_model(str(tmp_path / "big"))[1].encode(text)
+    assert max(ids) >= 65536 and ids[-1] == 29
+    assert abs(printed_loss(capsys) - reference_loss(tmp_path / "big", ids, 16)) < 1e-4
+
+
+def test_a_loader_path_whose_name_holds_glob_characters_is_that_file(tmp_path):
+    """(QA) DataLoader("runs/lr[3e-4]/data/val.bin", ...) took the path for a glob pattern:
+    "no token shards match the pattern", though the file was there."""
+    d = tmp_path / "lr[3e-4]"
+    write_shard(d / "val.bin", range(100))
+    write_shard(tmp_path / "lr3" / "val.bin", range(500, 600))   # what the pattern matches
+    dl = DataLoader(str(d / "val.bin"), 2, 4)
+    assert dl.n_tokens == 100 and int(next(dl.eval_batches(1))[0][0, 0]) == 0
+    pattern = DataLoader(str(tmp_path / "lr[0-9]" / "val.bin"), 2, 4)   # a pattern still is one
+    assert pattern.n_tokens == 100 and int(next(pattern.eval_batches(1))[0][0, 0]) == 500
