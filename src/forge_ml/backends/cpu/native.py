@@ -19,10 +19,11 @@ flags; a library cached under any of the flag sets is looked for before anything
 It is written to a private temporary name and renamed into place (mode 0755, so that a cache
 shared by several users serves them all), so concurrent processes (``pytest -n 2``) never load
 a half-written file; that library is the only file a build leaves. Where the cache cannot be
-written (a read-only home), or holds a library this user can neither read nor replace (another
-user's), the library is built in a temporary folder for this process alone, removed at exit,
-with one warning. A cached library that does not load (truncated, overwritten) is deleted and
-built again, once; only if that fails too does NumPy run, with one warning.
+written (a read-only home, a full disk), or holds a library this user can neither read nor
+replace (another user's, a damaged one in a read-only cache), the library is built in a
+temporary folder for this process alone, removed at exit, with one warning. A cached library
+that does not load (truncated, overwritten) is deleted and built again, once; only if that
+fails too does NumPy run, with one warning.
 
 >>> from forge_ml.backends.cpu import native
 >>> native.mode() in ("auto", "numpy", "c")
@@ -222,7 +223,8 @@ def _open():
     """Build (or find) the library and load it. A cached library that is cut short or does
     not load (OSError; AttributeError for a kernel it lacks) is deleted and built again,
     once; a second failure propagates. One this user may not read, or not replace (another
-    user's, in a shared cache), is built again for this process alone."""
+    user's in a shared cache, one in a read-only cache, a folder at its name), is built again
+    for this process alone."""
     path, cached = build()
     if cached:
         loaded = False
@@ -237,7 +239,7 @@ def _open():
             pass
         try:
             path.unlink(missing_ok=True)  # another process may have removed it first
-        except PermissionError:
+        except OSError:   # not ours to remove: another user's, a read-only cache, a folder
             return _bind(ctypes.CDLL(str(build(private=True)[0])))
         path, _ = build()
         if loaded:
@@ -333,7 +335,9 @@ def _cpu_flags() -> str:
 
 
 def _run(cmd):
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    # errors="replace": a compiler's messages in another encoding than Python's (a Latin-1
+    # locale, a file name's bytes) were a UnicodeDecodeError from the first kernel call
+    return subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=120)
 
 
 def build(private: bool = False) -> tuple:
@@ -366,9 +370,11 @@ def build(private: bool = False) -> tuple:
                                 f"temporary folder ({e}); set FORGE_CACHE_DIR to a writable "
                                 f"folder") from None
     atexit.register(shutil.rmtree, tmp_dir, ignore_errors=True)
+    # stacklevel 6 (build < _open < _load < lib < op): the line that called the op (7 was
+    # the line above it: 'sys:1' from a script)
     warnings.warn(f"forge-ml: the kernel cache {out_dir} cannot be written ({why}); the C CPU "
                   f"kernels are built for this process only (set FORGE_CACHE_DIR to a writable "
-                  f"folder to keep them)", RuntimeWarning, stacklevel=7)
+                  f"folder to keep them)", RuntimeWarning, stacklevel=6)
     return _build_in(Path(tmp_dir), argv, version, source)
 
 
@@ -397,10 +403,22 @@ def _build_in(out_dir: Path, argv: list, version: str, source: bytes) -> tuple:
                 os.replace(tmp, path)
                 return path, False
             last_err = (res.stderr or res.stdout).strip()[-2000:]
+            _room_for_a_library(tmp)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     raise NativeKernelError(f"{shlex.join(argv)} could not compile {', '.join(p.name for p in SOURCES)}:\n{last_err}")
+
+
+def _room_for_a_library(tmp: str) -> None:
+    """After a failed compile into the cache, whether the cache's disk took the output: an
+    OSError (ENOSPC, EDQUOT) where 1 MiB (the library is ~90 KB) cannot be written into the
+    temporary file ``tmp``, so that ``build`` builds for this process alone. A full disk made
+    the linker fail at every flag set, and NumPy ran behind a compiler error."""
+    with open(tmp, "wb") as f:
+        f.write(bytes(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def f32(*arrays) -> bool:
