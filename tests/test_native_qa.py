@@ -152,3 +152,15 @@ def test_a_damaged_library_in_a_read_only_cache_is_built_for_the_process(tmp_pat
     assert r.stdout.startswith("lib None"), r.stdout
     assert r.stderr.count("RuntimeWarning") == 1 and "cannot be written" in r.stderr
     assert so.stat().st_size == 4096                      # the read-only cache as it was
+
+
+def test_a_compiler_that_writes_nothing_caches_nothing(tmp_path):
+    """A "compiler" that exits 0 and writes no library (CC=true) left an empty kernels-*.so in
+    the cache, and every later start fell back to NumPy with a "file too short" warning. Now
+    it is a failed build: NumPy with one warning that says so, and nothing cached."""
+    cache = tmp_path / "c"
+    r = _fresh(_GELU_CHECK, CC=_script(tmp_path / "silent-cc", "exit 0").as_posix(),
+               FORGE_CACHE_DIR=str(cache))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.startswith("numpy") and "wrote no library" in r.stdout, r.stdout
+    assert not [p for p in cache.rglob("*.so")], sorted(cache.rglob("*"))

@@ -398,11 +398,14 @@ def _build_in(out_dir: Path, argv: list, version: str, source: bytes) -> tuple:
         os.close(fd)
         try:
             res = _run([*argv, *cflags, "-o", tmp, *map(str, SOURCES), "-lm"])
-            if res.returncode == 0:
+            # a "compiler" that exits 0 and writes nothing (CC=true) is a failure: its empty
+            # file, cached, made every later start fall back to NumPy ("file too short")
+            if res.returncode == 0 and os.path.getsize(tmp) > 0:
                 os.chmod(tmp, 0o755)     # mkstemp's 0600: other users of a shared cache
                 os.replace(tmp, path)
                 return path, False
-            last_err = (res.stderr or res.stdout).strip()[-2000:]
+            last_err = ((res.stderr or res.stdout).strip()[-2000:] if res.returncode else
+                        f"it exited 0 but wrote no library to {tmp}")
             _room_for_a_library(tmp)
         finally:
             if os.path.exists(tmp):
