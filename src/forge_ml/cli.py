@@ -146,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a GPT (default: a small char model on the stdlib source)",
         formatter_class=_fmt(),
         description="Train a GPT-2 class model. With no argument: a small character-level GPT on the "
-                    "Python standard library's own source, 1-2.5 minutes on a 2-core CPU, samples printed as it "
-                    "learns, checkpoints in ./runs/default. Every TrainConfig key is a flag.",
+                    "Python standard library's own source, 1-2.5 minutes on a 2-core CPU, samples "
+                    "printed as it learns, checkpoints in ./runs/default. Every TrainConfig key is a "
+                    "flag.",
         epilog="examples:\n"
                "  forge-ml train\n"
                "  forge-ml train --data shakespeare.txt --out runs/shakespeare --max-steps 2000\n"

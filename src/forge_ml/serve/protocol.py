@@ -139,14 +139,15 @@ def _prompt(v) -> list:
     # say what is wrong with the first item that fits no form
     if all(isinstance(p, list) for p in v):
         i = next(i for i, p in enumerate(v) if not (p and all(_is_int(t) for t in p)))
+        bad = next((t for t in v[i] if not _is_int(t)), None)
         what = ("is empty" if not v[i] else
-                f"holds {_shown(next(t for t in v[i] if not _is_int(t)), 30)}, not a token id (an integer)")
+                f"holds {_shown(bad, 30)}, not a token id (an integer)")
         raise APIError(f"prompt must be a list of non-empty lists of token ids; its list {i} {what}",
                        param="prompt")
     if not any(isinstance(p, (str, list)) for p in v):
         bad = next(t for t in v if not _is_int(t))
-        raise APIError(f"prompt as a list of token ids must hold integers; got {_shown(bad, 30)} in "
-                       f"{_shown(v)}", param="prompt")
+        raise APIError(f"prompt as a list of token ids must hold integers; got "
+                       f"{_shown(bad, 30)} in {_shown(v)}", param="prompt")
     raise APIError("prompt must be a string, a list of strings, a list of token ids or a list "
                    f"of non-empty lists of token ids; got a list mixing these: {_shown(v)}",
                    param="prompt")
