@@ -58,3 +58,24 @@ def test_a_loader_path_whose_name_holds_glob_characters_is_that_file(tmp_path):
     assert dl.n_tokens == 100 and int(next(dl.eval_batches(1))[0][0, 0]) == 0
     pattern = DataLoader(str(tmp_path / "lr[0-9]" / "val.bin"), 2, 4)   # a pattern still is one
     assert pattern.n_tokens == 100 and int(next(pattern.eval_batches(1))[0][0, 0]) == 500
+
+
+def test_eval_says_when_a_tenth_or_more_of_the_data_is_short_of_a_window(tmp_path, capsys):
+    """eval scores whole windows: 95 tokens in windows of 32 score 64 targets, and the last 30
+    (a third of the data) went unsaid; the line now says so, and the loss is the whole
+    windows' float64 one. A tail under a tenth of the data stays unmentioned."""
+    chars = "abcdefghij"
+    cfg = GPT2Config(vocab_size=len(chars), block_size=32, n_layer=1, n_head=1, n_embd=8)
+    save_checkpoint(tmp_path / "c", GPT2.init(cfg, seed=1).state_dict(),
+                    {"config": cfg.to_dict(), "tokenizer": {"kind": "char", "chars": chars},
+                     "step": 1})
+    rs = np.random.default_rng(2)
+    for n, said in ((95, "; the last 30 tokens, short of a window of 32, are not scored (32% of "
+                         "the data)"), (330, "")):
+        ids = rs.integers(0, len(chars), n)
+        write_shard(tmp_path / f"v{n}.bin", ids)
+        assert main(["eval", "--ckpt", str(tmp_path / "c"), "--data",
+                     str(tmp_path / f"v{n}.bin")]) == 0
+        out = capsys.readouterr().out
+        assert out.rstrip("\n").endswith(said) and ("not scored" in out) == bool(said), out
+        assert abs(float(out.split()[1]) - reference_loss(tmp_path / "c", ids, 32)) < 1e-4

@@ -1074,7 +1074,8 @@ def _cmd_eval(args) -> int:
     B = max(1, min(args.batch_size, (n_tokens - 1) // T))
     loader = (DataLoader(paths, B, T) if ids is None else
               DataLoader.from_tokens(ids, B, T, name=str(args.data)))
-    if args.max_batches is None or args.max_batches > (n_tokens - 1) // T // B:
+    batches_capped = not (args.max_batches is None or args.max_batches > (n_tokens - 1) // T // B)
+    if not batches_capped:
         # every window: those past the last whole batch come as a smaller one (a cap past
         # the whole batches changes nothing)
         batches = loader.eval_batches(tail=True)
@@ -1103,8 +1104,26 @@ def _cmd_eval(args) -> int:
                 else f"{window} {plural(window, 'token')}")
              + f": the data holds {n_tokens:,} {plural(n_tokens, 'token')}, so this loss is not comparable "
                f"with a run's val loss"
-             if T < window else ""))
+             if T < window else "")
+          + _unscored(n_tokens, windows * T, T, capped=batches_capped))
     return 0
+
+
+def _unscored(n_tokens: int, scored: int, T: int, capped: bool) -> str:
+    """eval's word on the targets no window reaches: the tail after the last whole window
+    (every window holds T targets; the first token is never one), said where it is a tenth of
+    the data or more (a file just short of two windows lost half its tokens unsaid).
+
+    >>> _unscored(63, 32, 32, False)
+    '; the last 30 tokens, short of a window of 32, are not scored (48% of the data)'
+    >>> _unscored(6000, 5984, 32, False), _unscored(63, 32, 32, True)
+    ('', '')
+    """
+    left = n_tokens - 1 - scored
+    if capped or left <= 0 or left * 10 < n_tokens:
+        return ""
+    return (f"; the last {left:,} {plural(left, 'token')}, short of a window of {T}, are not "
+            f"scored ({left / n_tokens:.0%} of the data)")
 
 
 def _check_shards_tokenizer(folder, tokenizer_file, tok, ckpt, model_vocab: int, what=None) -> None:
