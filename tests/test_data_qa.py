@@ -79,3 +79,19 @@ def test_eval_says_when_a_tenth_or_more_of_the_data_is_short_of_a_window(tmp_pat
         out = capsys.readouterr().out
         assert out.rstrip("\n").endswith(said) and ("not scored" in out) == bool(said), out
         assert abs(float(out.split()[1]) - reference_loss(tmp_path / "c", ids, 32)) < 1e-4
+
+
+def test_a_shard_path_that_is_a_pipe_is_named_so(tmp_path):
+    """read_shard said "token shard not found" of a FIFO that exists (DataLoader, eval)."""
+    import os
+
+    import pytest
+
+    from forge_ml.data import read_shard
+    from forge_ml.errors import DataError
+    fifo = tmp_path / "val.bin"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match="is a special file \\(a pipe or a device\\)"):
+        read_shard(fifo)
+    with pytest.raises(DataError, match="token shard not found"):
+        read_shard(tmp_path / "none.bin")

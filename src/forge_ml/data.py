@@ -200,8 +200,11 @@ def read_shard(path) -> np.ndarray:
     if path.is_dir():
         raise DataError(f"{path} is a folder, not a token shard (a .bin file); give the shards in "
                         f"it, e.g. {path / '*train*.bin'}")
-    if not path.is_file():
+    if not path.exists():
         raise DataError(f"token shard not found: {path}")
+    if not path.is_file():   # (a FIFO or a device was "not found")
+        raise DataError(f"expected a token shard (a .bin file), but {path} is a special file "
+                        f"(a pipe or a device): a shard is read by memory-mapping a file")
     size = path.stat().st_size
     if size < HEADER_BYTES:
         raise DataError(
