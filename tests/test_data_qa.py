@@ -95,3 +95,15 @@ def test_a_shard_path_that_is_a_pipe_is_named_so(tmp_path):
         read_shard(fifo)
     with pytest.raises(DataError, match="token shard not found"):
         read_shard(tmp_path / "none.bin")
+
+
+def test_eval_batches_refuses_a_tail_with_a_count(tmp_path):
+    """eval_batches(n, tail=True) gave n whole batches and no smaller last one, in silence."""
+    import pytest
+
+    from forge_ml.errors import DataError
+    write_shard(tmp_path / "s.bin", range(50))
+    dl = DataLoader(tmp_path / "s.bin", 5, 4)
+    with pytest.raises(DataError, match="tail=True covers every window and takes n=None; got n=2"):
+        list(dl.eval_batches(2, tail=True))
+    assert [len(x) for x, _ in dl.eval_batches(2)] == [5, 5]

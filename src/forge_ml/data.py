@@ -928,6 +928,9 @@ class DataLoader:
         if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
             raise DataError(f"eval_batches: n must be a whole number >= 1 (None: every batch), "
                             f"got {n!r}")   # (-1 and 0 gave nothing, 1.5 one batch)
+        if n is not None and tail:   # (it was ignored: n batches, no smaller last one)
+            raise DataError(f"eval_batches: tail=True covers every window and takes n=None; got "
+                            f"n={n}")
         n_windows = self.windows
         rest = 0
         if n is None:
