@@ -216,7 +216,11 @@ def check_prompt(prompt_ids, params: SamplingParams, vocab_size: int, max_len: i
         prompt_ids = prompt_ids.tolist()            # a NumPy array of ids
     if isinstance(prompt_ids, collections.abc.Iterator):
         prompt_ids = list(prompt_ids)               # once: iterating it spends it
-    if (isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, collections.abc.Iterable)
+    # a 0-d array (iterating it raised a TypeError), and a set or a dict, whose order is not
+    # the prompt's (a set's ids were fed sorted, a dict's keys in silence)
+    if (isinstance(prompt_ids, (str, bytes, collections.abc.Set, collections.abc.Mapping))
+            or getattr(prompt_ids, "ndim", 1) == 0
+            or not isinstance(prompt_ids, collections.abc.Iterable)
             or not all(_is_int(t) for t in prompt_ids)):
         raise RequestError(f"the prompt must be a list of int token ids, got {prompt_ids!r:.80}",
                            "prompt")

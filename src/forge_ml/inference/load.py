@@ -14,10 +14,11 @@ import json
 import os  # (the doctests use it)
 from pathlib import Path
 
-from ..checkpoint import interrupted_swap, is_path, load_checkpoint, unpack_tensors
+from ..checkpoint import (check_architecture, interrupted_swap, is_path, load_checkpoint,
+                          unpack_tensors)
 from ..errors import CheckpointError, ConfigError, TokenizerError
 from ..hf import HF_TOKENIZER_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE  # (HF_TOKENIZER_FILE: a non-GPT-2 tokenizer kept in an exported HF folder)
-from ..models.gpt2 import GPT2, GPT2Config
+from ..models.gpt2 import GPT2, GPT2Config, param_shapes
 from ..tokenizer import HF_GPT2_CLASSES, _id_form, tokenizer_from_dict
 
 CKPT_NAME = "ckpt"          # <run>/ckpt: a run's latest checkpoint
@@ -72,8 +73,9 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
     rate recorded, and ``meta["hf_dropout"]`` a Hugging Face folder's four, ``meta["hf_flags"]``
     its switches that only half precision reads, ``hf.load_hf_flags``). ``dtype="bfloat16"``
     gives a bf16 model on the GPU (weights rounded once at load). ``tokenizer=False``: a Hugging Face folder whose
-    tokenizer forge-ml cannot read gives None for it instead of an error (token ids alone: eval
-    of a shard).
+    tokenizer forge-ml cannot read, or a checkpoint whose recorded tokenizer cannot be read,
+    gives None for it instead of an error (token ids alone: eval of a shard). A checkpoint whose
+    recorded config is not valid or does not fit its weights is a CheckpointError naming it.
 
     >>> import tempfile, numpy as np
     >>> from forge_ml.checkpoint import save_checkpoint
@@ -95,12 +97,25 @@ def load_model(path, device="cpu", dtype="float32", tokenizer=True):
             raise CheckpointError(f"{p}: the checkpoint's meta has no model 'config' (an object of "
                                   f"GPT2Config's fields), got {type(meta.get('config')).__name__}; not "
                                   f"a forge-ml model checkpoint, or a damaged one")
-        cfg = GPT2Config.from_dict(dict(meta["config"], dropout=0.0))
+        # a damaged record is the checkpoint's error, naming it (these named no file: "GPT2Config:
+        # n_embd 16 must be divisible by n_head 3", "checkpoint does not fit the model: ...")
+        try:
+            cfg = GPT2Config.from_dict(dict(meta["config"], dropout=0.0))
+        except ConfigError as e:
+            raise CheckpointError(f"{p}: the model config its state.json records is not valid: "
+                                  f"{e}") from None
         params, _, _ = unpack_tensors(tensors)
+        try:
+            check_architecture(param_shapes(cfg), params)
+        except CheckpointError as e:
+            raise CheckpointError(f"{p}: its weights do not match the model config its state.json "
+                                  f"records: {e}") from None
         model = GPT2.from_state_dict(cfg, params, device=device, dtype=dtype)
         try:
             tok = tokenizer_from_dict(meta.get("tokenizer") or {"kind": "gpt2"})
         except TokenizerError as e:   # (it named no file: "the dict has no 'chars' key")
+            if not tokenizer:         # token ids alone, as for a Hugging Face folder
+                return model, None, dict(meta, tokenizer=None)
             raise CheckpointError(f"{p}: the tokenizer its state.json records cannot be read: "
                                   f"{e}") from None
         return model, tok, meta
