@@ -98,6 +98,32 @@ def host_available_bytes() -> Optional[int]:
     return None
 
 
+def check_host_memory(who: str, doing: str, need: int, advice) -> None:
+    """Refuse, before it is allocated, work whose host memory ``need`` (bytes, an estimate a
+    little above the peak) is more than the host has free: Linux hands the arrays out and then
+    kills the process as they fill (exit 137, without a word). A ConfigError naming ``who``,
+    what it was ``doing``, both amounts and ``advice`` (what to lower: a string, or a function
+    of the free bytes); nothing where the free amount is unknown or FORGE_HOST_MEMORY_CHECK is
+    off (where the estimate is wrong).
+
+    >>> check_host_memory("f", "a tiny thing", 1, "use less")
+    >>> check_host_memory("f", "x", 2 ** 70, "use less")
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: f: x would hold about ... GiB on the CPU, more than the ...
+    """
+    free = host_available_bytes()
+    if free is None or need <= free:
+        return
+    from . import flags   # (flags imports this module)
+    if flags.get("FORGE_HOST_MEMORY_CHECK") == "off":
+        return
+    said = advice(free) if callable(advice) else advice
+    raise ConfigError(f"{who}: {doing} would hold about {need / 2 ** 30:,.1f} GiB on the CPU, "
+                      f"more than the {free / 2 ** 30:,.1f} GiB this machine has free; {said}, "
+                      f"or FORGE_HOST_MEMORY_CHECK=off where the estimate is wrong")
+
+
 def host_out_of_memory(op: str, e: BaseException) -> Optional[OutOfMemoryError]:
     """The OutOfMemoryError for NumPy's failed host allocation ``e`` in ``op`` (its
     MemoryError, or the ValueError of a size past the address space), saying what was asked

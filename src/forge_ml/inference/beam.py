@@ -52,11 +52,11 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .. import ops
+from .. import errors, ops
 from ..errors import ConfigError, ShapeError
 from ..sampling import is_finite
-from ..tensor import Tensor, tensor
-from .decode import DecodeStep, KVCache, check_finite_logits, model_check
+from ..tensor import Tensor, device_has, tensor
+from .decode import DecodeStep, KVCache, check_finite_logits, host_decode_bytes, model_check
 from .engine import _is_int
 
 
@@ -153,6 +153,28 @@ def _check(model, prompt, max_new_tokens, num_beams, length_penalty, early_stopp
         early_stopping)
 
 
+def _check_host_memory(model, n_prompt: int, max_new: int, beams: int) -> None:
+    """On the CPU, refuse beams whose cache, prefill and scores cannot fit the host's free
+    memory, before any of it is allocated: Linux hands the arrays out and then kills the
+    process as they fill (exit 137, without a word). Each beam holds a cache row, a prefill
+    of the prompt, and eleven float32 rows' worth of the vocabulary (its logits, their float64
+    log-softmax, the scores over every beam's candidates and their order: 7 to 9 measured, 20
+    to 1,000 beams of 50,304 ids); a reorder copies one layer."""
+    if not device_has(model.device, "host_memory"):
+        return
+    cfg, itemsize = model.config, max(4, model.params["wte.weight"].dtype.itemsize)
+    capacity = n_prompt + max_new - 1
+    need = (host_decode_bytes(cfg, beams, n_prompt, capacity, 11, itemsize)
+            + 2 * beams * capacity * cfg.n_embd * itemsize)
+
+    def advice(free: int) -> str:
+        fit = free // max(1, need // beams)
+        head = f"use at most about {fit:,} beams (--num-beams), " if beams > 1 and fit else "use "
+        return head + "a shorter prompt or a smaller max_new_tokens (--max-new-tokens)"
+    errors.check_host_memory("beam_search", f"{beams:,} beams of a prompt of {n_prompt:,} tokens "
+                             f"and {max_new:,} new ones", need, advice)
+
+
 def _reorder(cache: KVCache, src: np.ndarray) -> None:
     """Row ``b`` of every layer's keys and values becomes row ``src[b]``, in place (the
     tensors keep their memory unless shared; the caller checks)."""
@@ -213,6 +235,7 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
                                             num_return_sequences)
     if max_new_tokens == 0:   # finished before the first step: the prompt is the whole text
         return [[] for _ in range(num_return_sequences)], [0.0] * num_return_sequences
+    _check_host_memory(model, len(prompt), max_new_tokens, num_beams)
     if num_beams == 1:   # transformers' generate(num_beams=1) is greedy search, not one beam
         return _greedy(model, prompt, max_new_tokens, length_penalty, eos)
 

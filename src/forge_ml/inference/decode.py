@@ -22,10 +22,10 @@ from typing import Optional
 
 import numpy as np
 
-from .. import flags, graph, ops
+from .. import errors, flags, graph, ops
 from ..sampling import SAMPLE_KNOBS
 from ..errors import ConfigError, DTypeError, ModelError, ModelTypeError, ShapeError
-from ..tensor import Tensor, host_buffer, tensor, zeros
+from ..tensor import Tensor, device_has, host_buffer, tensor, zeros
 
 
 @dataclass
@@ -69,6 +69,12 @@ class KVCache:
             raise ShapeError(f"new_cache: batch must be a positive int, got {batch!r}")
         batch, max_len = int(batch), int(max_len)
         ref = model.params["wte.weight"]
+        if device_has(ref.device, "host_memory"):   # (generate and beam_search said it first)
+            need = 2 * cfg.n_layer * batch * max_len * cfg.n_embd * ref.dtype.itemsize
+            errors.check_host_memory(
+                "new_cache", f"a KV cache of {batch:,} rows x {max_len:,} positions", need,
+                lambda free: f"use at most about {free // max(1, need // batch):,} rows or a "
+                             f"shorter max_len")
         shape = (batch, cfg.n_head, max_len, cfg.head_size)
         mk = lambda: [zeros(shape, ref.dtype, ref.device) for _ in range(cfg.n_layer)]  # noqa: E731
         return cls(mk(), mk(), 0)
@@ -101,6 +107,30 @@ class KVCache:
     def batch(self) -> int:
         """The number of rows."""
         return self.k[0].shape[0]
+
+
+def host_decode_bytes(config, batch: int, prefill: int, capacity: int, vocab_rows: int = 5,
+                      itemsize: int = 4) -> int:
+    """About the bytes a decoding run on the CPU holds at its peak, its model aside: the KV
+    cache (``batch`` rows of ``capacity`` positions, two ``n_embd`` vectors a layer and a
+    position), the prefill of ``prefill`` positions a row (per token about 16 ``n_embd``
+    values of a layer's activations and 2.5 rows of its attention over the prefill, the
+    scores and their softmax, of every head), and ``vocab_rows`` float32 rows of the padded
+    vocabulary a row (a step's logits, their host copy, and what the choice keeps: marks,
+    biases, log-probabilities). ``itemsize``: the model's dtype's. Fitted to the peak RSS of
+    generate and beam_search on the CPU backend (2026-12-08): 512 rows of 50,304 ids,
+    64 x 1,000 prompt tokens over 4 heads, 256 x 200 of 256 channels; within 25% above it.
+
+    >>> from forge_ml.models.gpt2 import GPT2Config
+    >>> cfg = GPT2Config(vocab_size=65, block_size=1024, n_layer=2, n_head=4, n_embd=64)
+    >>> round(host_decode_bytes(cfg, 64, 1000, 1003) / 2 ** 30, 2)
+    2.69
+    """
+    c, v = config.n_embd, config.padded_vocab_size
+    batch, prefill, capacity = int(batch), int(prefill), int(capacity)
+    cache = 2 * config.n_layer * batch * capacity * c * itemsize
+    activations = batch * prefill * (16 * c + 5 * config.n_head * prefill // 2) * itemsize
+    return cache + activations + 4 * vocab_rows * batch * v
 
 
 def _check_knobs(knobs: np.ndarray) -> None:

@@ -100,12 +100,14 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from .. import errors
 from ..errors import ConfigError, ShapeError
 from ..sampling import (F32_MAX, adjusted, is_int as _is_int, is_real, knobs_row,
                         logit_bias_row, openai_penalty, penalty_knob, sample_row, seen_row)
-from ..tensor import Tensor, tensor
+from ..tensor import Tensor, device_has, tensor
 from ..tokenizer import hides_stop
-from .decode import check_finite_logits, held_decoder, model_check, nonfinite_error
+from .decode import (check_finite_logits, held_decoder, host_decode_bytes, model_check,
+                     nonfinite_error)
 
 FINISH_REASONS = ("stop_token", "stop_string", "max_new_tokens", "context_full")
 
@@ -491,11 +493,38 @@ def generate(model, prompts, max_new_tokens: int = 64, *, temperature: float = 1
     choice = _Choice(float(temperature), _int_or_none(top_k), _float_or_none(top_p),
                      _float_or_none(min_p), float(repetition_penalty), _int_or_none(logprobs),
                      presence, frequency, bias)
+    _check_host_memory(model, rows, max_new_tokens, choice)
     steps = _steps(model, rows, max_new_tokens, choice, seed, frozenset(stop_tokens),
                    stop_strings, tokenizer)
     if single:
         return (ev.token for events in steps for ev in events)
     return steps
+
+
+def _check_host_memory(model, rows, max_new: int, choice: "_Choice") -> None:
+    """On the CPU, refuse a batch whose cache, prefill and logits cannot fit the host's free
+    memory, at the call, before any of it is allocated: Linux hands the arrays out and then
+    kills the process as they fill (exit 137, without a word). ``_steps``' sizes: the rows'
+    shared prefill of the shortest prompt, a cache to the longest plus ``max_new - 1``."""
+    cfg, lengths = model.config, [len(p) for p in rows]
+    if max_new == 0 or min(lengths) >= cfg.block_size or \
+            not device_has(model.device, "host_memory"):
+        return                          # nothing to generate (_steps allocates nothing)
+    B, longest = len(rows), max(lengths)
+    capacity = min(cfg.block_size, longest + max_new - 1)
+    # the marks and biases of penalties and logit_bias: six more rows of the vocabulary
+    vocab_rows = 11 if choice.marks or choice.adjusts else 5
+    need = host_decode_bytes(cfg, B, min(lengths), capacity, vocab_rows,
+                             max(4, model.params["wte.weight"].dtype.itemsize))
+    what = (f"{B:,} prompts of up to {longest:,} tokens" if B > 1 else
+            f"a prompt of {longest:,} tokens") + f" and {max_new:,} new ones"
+
+    def advice(free: int) -> str:
+        fit = free // max(1, need // B)
+        head = f"give at most about {fit:,} prompts at a time, " if B > 1 and fit else "use "
+        return (head + ("shorter prompts" if B > 1 else "a shorter prompt")
+                + " or a smaller max_new_tokens (--max-new-tokens)")
+    errors.check_host_memory("generate", what, need, advice)
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,13 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from .. import dtype as _dtype
 from .. import flags, ops, rng
 from ..autograd import Tape
 from ..device import Device
-from ..errors import ConfigError, DeviceError, DTypeError, KnownFields, ShapeError
-from ..tensor import Tensor, tensor
+from ..errors import (ConfigError, DeviceError, DTypeError, ForgeError, KnownFields,
+                      ShapeError, check_host_memory)
+from ..tensor import Tensor, device_has, tensor
 
 
 @dataclass
@@ -156,6 +158,31 @@ def param_shapes(cfg: GPT2Config) -> dict:
     return shapes
 
 
+def config_params(cfg: GPT2Config) -> int:
+    """The parameter count of a model of ``cfg`` (``GPT2.num_params``'s, padded vocabulary rows
+    included), from the sizes alone: nothing is built.
+
+    >>> config_params(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
+    324
+    """
+    c, vp = cfg.n_embd, cfg.padded_vocab_size
+    head = 0 if cfg.tied_head else vp * c
+    return (vp + cfg.block_size) * c + cfg.n_layer * (12 * c * c + 13 * c) + 2 * c + head
+
+
+def _check_init_memory(who: str, cfg: GPT2Config, itemsize: int = 0) -> None:
+    """Refuse, before any is drawn, weights that cannot fit the host's free memory: Linux hands
+    the arrays out and then kills the process as they fill (exit 137, without a word). Held at
+    once: ``init_params``' float32 arrays, the model's copy of them (``itemsize`` bytes a
+    value; 0 where it is not on the host), and a temporary of the largest (the embedding)."""
+    n = config_params(cfg)
+    need = (4 + itemsize) * n + 4 * max(cfg.padded_vocab_size, cfg.block_size) * cfg.n_embd
+    check_host_memory(
+        who, f"a model of {n:,} parameters (n_layer {cfg.n_layer}, n_embd {cfg.n_embd}, "
+             f"padded_vocab_size {cfg.padded_vocab_size:,}, block_size {cfg.block_size:,})",
+        need, "use a smaller n_layer, n_embd, vocab_size or block_size")
+
+
 def init_params(cfg: GPT2Config, seed: int = 0) -> dict:
     """GPT-2's initialisation as NumPy float32: weights N(0, 0.02), residual projections
     (``c_proj``) N(0, 0.02 / sqrt(2 n_layer)), biases 0, layer-norm gains 1; padded vocab rows 0.
@@ -174,6 +201,7 @@ def init_params(cfg: GPT2Config, seed: int = 0) -> dict:
                           f"a dict), got {type(cfg).__name__}")
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"init_params: seed must be an int >= 0, got {seed!r}")
+    _check_init_memory("init_params", cfg)
     rng = np.random.Generator(np.random.PCG64(int(seed)))
     out = {}
     for name, shape in param_shapes(cfg).items():
@@ -303,6 +331,13 @@ class GPT2:
         >>> GPT2.init(GPT2Config(vocab_size=10, block_size=4, n_layer=1, n_head=1, n_embd=4)).device
         Device('cpu')
         """
+        if isinstance(config, GPT2Config):   # (init_params refuses anything else)
+            try:   # the model's copy is host memory too on the CPU
+                itemsize = (_dtype.get(dtype).itemsize if device_has(device, "host_memory")
+                            else 0)
+            except ForgeError:   # (an unknown dtype or device: tensor() says which)
+                itemsize = 4
+            _check_init_memory("GPT2.init", config, itemsize)
         host = init_params(config, seed)
         return cls(config, {k: tensor(v, dtype=dtype, device=device) for k, v in host.items()})
 
