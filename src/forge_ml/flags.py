@@ -154,9 +154,10 @@ _SWITCHES = (
            "glibc malloc thresholds raised at CPU backend start-up so activations reuse freed "
            "memory (tuned), or left alone (default)", ("tuned", "default")),
     Switch("FORGE_HOST_MEMORY_CHECK", "on",
-           "on the CPU, forge-ml train refuses a batch whose step's estimated memory is more "
-           "than the host has free, before anything is written, and forge-ml serve (a "
-           "BatchEngine) such --slots, before any is allocated (on); or trusts them (off)",
+           "on the CPU, work whose estimated memory is more than the host has free is "
+           "refused before it is allocated (on): forge-ml train's batch (before anything is "
+           "written), serve's --slots, generate's and beam search's batches, GPT2.init's "
+           "config, a KV cache; or trusted (off)",
            ("on", "off")),
     Switch("FORGE_CACHE_DIR", "",
            "where built C kernels, sm_90a CUDA kernels and the tuned cuBLASLt algorithms "

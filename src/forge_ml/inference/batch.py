@@ -552,15 +552,11 @@ def _check_host_memory(model, slots: int, max_len: int) -> None:
     without a word, taking the machine's free memory with it)."""
     if not device_has(model.device, "host_memory"):
         return
-    need, free = host_engine_bytes(model.config, slots, max_len), errors.host_available_bytes()
-    if free is None or need <= free or flags.get("FORGE_HOST_MEMORY_CHECK") == "off":
-        return
-    fit = max(0, free // max(1, need // slots))
-    raise ConfigError(f"BatchEngine: {slots:,} slots x a context of {max_len:,} tokens would "
-                      f"hold about {need / 2 ** 30:,.1f} GiB on the CPU (KV cache, logits), more "
-                      f"than the {free / 2 ** 30:,.1f} GiB this machine has free; use at most "
-                      f"about {fit:,} slots (forge-ml serve --slots) or a shorter context "
-                      f"(--max-len), or FORGE_HOST_MEMORY_CHECK=off where the estimate is wrong")
+    need = host_engine_bytes(model.config, slots, max_len)
+    errors.check_host_memory(
+        "BatchEngine", f"{slots:,} slots x a context of {max_len:,} tokens", need,
+        lambda free: f"use at most about {max(0, free // max(1, need // slots)):,} slots "
+                     f"(forge-ml serve --slots) or a shorter context (--max-len)")
 
 
 class _HostRows:
