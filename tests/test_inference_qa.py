@@ -79,3 +79,27 @@ def test_the_engine_refuses_such_a_prompt_and_serves_the_next():
         out = [t.token for t in engine.submit(np.array([4, 2]), SamplingParams(max_tokens=2))]
         again = [t.token for t in engine.submit(iter([4, 2]), SamplingParams(max_tokens=2))]
         assert len(out) == 2 and out == again and engine.running
+
+
+def test_decode_step_choose_takes_a_prefills_last_logits_only():
+    """DecodeStep.choose reshaped whatever came to (B, -1): a prefill's whole (1, T, Vp) output
+    chose from position 0's logits, in silence; (1, Vp) given to a 2-row step split the row in
+    two. Both are a ShapeError naming the shapes; the last position's logits choose as before."""
+    import numpy as np
+
+    import forge_ml as fm
+    from forge_ml.errors import ShapeError
+    from forge_ml.inference.decode import DecodeStep
+    from test_generate import make_model
+    m = make_model()
+    c = m.new_cache(1, 24)
+    step = DecodeStep(m, c)
+    full = m.forward_cached(fm.tensor([[3, 1, 4]]), c)
+    with pytest.raises(ShapeError, match=r"logits must be \(1, Vp\) or \(1, 1, Vp\)"):
+        step.choose(full, 3)
+    last = full.numpy()[:, -1:, :]
+    want = int(np.argmax(last[0, 0, :m.config.vocab_size]))
+    assert step.choose(fm.tensor(last), 3).tolist() == [want]
+    two = DecodeStep(m, m.new_cache(2, 24))
+    with pytest.raises(ShapeError, match=r"got \(1, "):
+        two.choose(fm.tensor(last[0]), 3)

@@ -619,6 +619,14 @@ class DecodeStep:
         if not (_is_int(pos) and pos >= 1):
             raise ShapeError(f"DecodeStep.choose: pos must be an int >= 1 (the position whose "
                              f"token is chosen), got {pos!r}")
+        shape = tuple(getattr(logits, "shape", ()))
+        if not (len(shape) in (2, 3) and shape[0] == B and shape[1:-1] in ((), (1,))
+                and shape[-1] >= V):
+            # (it reshaped whatever came to (B, -1): a prefill's whole (B, T, Vp) output chose
+            # from position 0's logits, a row too few split one row in two)
+            raise ShapeError(f"DecodeStep.choose: logits must be ({B}, Vp) or ({B}, 1, Vp) "
+                             f"with Vp >= the vocabulary's {V} (a prefill's last position: "
+                             f"forward_cached(..., last_only=True)), got {shape}")
         logits = logits.reshape(B, -1)
         if logits.dtype.name != "float32":
             logits = logits.to("float32")
