@@ -184,26 +184,22 @@ def test_new_cache_refuses_rows_that_cannot_fit(one_gib_free, monkeypatch):
 
 
 _MEASURE = r"""
-import json, resource, sys
+import json, sys, tracemalloc
 from forge_ml.models.gpt2 import GPT2, GPT2Config
 from forge_ml.inference.generate import generate
 from forge_ml.inference.beam import beam_search
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
 kind, cfg, B, T, new = json.loads(sys.argv[1])
 model = GPT2.init(GPT2Config(**cfg))
 list(generate(model, [[1, 2]], 2, temperature=0))    # kernels and code paths warm
-base = rss()
+tracemalloc.start()          # the arrays' peak (NumPy's too): what the estimates count
 if kind == "generate":
     for _ in generate(model, [[(r + t) % 60 for t in range(T)] for r in range(B)], new,
                       temperature=0):
         pass
 else:
     beam_search(model, [t % 60 for t in range(T)], new, B, early_stopping="never")
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
+print(tracemalloc.get_traced_memory()[1])
 """
 
 
@@ -214,7 +210,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
     # the prefill's attention dominates
     ("generate", dict(vocab_size=65, block_size=512, n_layer=1, n_head=2, n_embd=32), 16, 500, 2),
 ])
-def test_the_estimates_cover_a_real_runs_peak_within_three_times_it(kind, cfg, B, T, new):
+def test_the_estimates_cover_a_real_runs_peak_within_twice_it(kind, cfg, B, T, new):
     real = int(subprocess.run([sys.executable, "-c", _MEASURE,
                                json.dumps([kind, cfg, B, T, new])],
                               capture_output=True, text=True, check=True).stdout)
@@ -223,8 +219,7 @@ def test_the_estimates_cover_a_real_runs_peak_within_three_times_it(kind, cfg, B
         est = host_decode_bytes(c, B, T, T + new - 1)
     else:
         est = host_decode_bytes(c, B, T, T + new - 1, 11) + 2 * B * (T + new - 1) * c.n_embd * 4
-    assert real > 40e6, real         # the run itself, not the noise of the process
-    # (alone the runs peak 94, 179 and 74 MB, under each estimate; beside another busy process,
-    # as under pytest -n 2, the first peaked at 267 MB once: the allocator's arenas of busy
-    # threads, a fixed cost the check's sizes, gigabytes, make small, allowed here)
-    assert real - (256 << 20) <= est <= 3 * real, (real, est)
+    assert real > 20e6, real         # the run itself, not the noise of the process
+    # (the traced peak, not the process's RSS: that counts the allocator's arenas and the
+    # libraries' own buffers, 1 GB more in a fresh clone under pytest -n 2 than alone)
+    assert real <= est <= 2 * real, (real, est)
