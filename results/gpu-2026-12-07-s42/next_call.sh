@@ -2,6 +2,7 @@
 # For the next session's first call (carry .whl; about 200 s on an H100): the GPU suite on main
 # after the forty-second session's CPU-side mends that GPU paths also run (Tensor.__bool__,
 # AdamW's gradient checks before a step, ops' bool switches, generate's text_after,
+# DecodeStep.choose's shape check, load_model's config check,
 # DataParallel's check that every rank was built alike: its NCCL form needs two GPUs,
 # tests/test_cuda_distributed.py on nvidia-h100-x2), then batch-1 greedy in float32 and bf16.
 set -u
