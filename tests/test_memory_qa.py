@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import forge_ml.errors
@@ -223,3 +224,29 @@ def test_the_estimates_cover_a_real_runs_peak_within_twice_it(kind, cfg, B, T, n
     # (the traced peak, not the process's RSS: that counts the allocator's arenas and the
     # libraries' own buffers, 1 GB more in a fresh clone under pytest -n 2 than alone)
     assert real <= est <= 2 * real, (real, est)
+
+
+def test_eval_refuses_a_batch_whose_forward_cannot_fit(one_gib_free, monkeypatch, tmp_path,
+                                                       capsys):
+    """forge-ml eval ran a --batch-size of windows through the model at once, however many:
+    100,000 windows of 1,024 tokens asked for terabytes. Refused before the forward, in one
+    line; a batch that fits runs."""
+    from forge_ml.checkpoint import save_checkpoint
+    from forge_ml.cli import main
+    from forge_ml.data import write_shard
+    chars = "abcdefgh"
+    cfg = GPT2Config(vocab_size=len(chars), block_size=256, n_layer=1, n_head=1, n_embd=64)
+    save_checkpoint(tmp_path / "c", GPT2.init(cfg).state_dict(),
+                    {"config": cfg.to_dict(), "tokenizer": {"kind": "char", "chars": chars},
+                     "step": 1})
+    write_shard(tmp_path / "v.bin", np.arange(2_000_000) % len(chars))
+    monkeypatch.setattr(GPT2, "loss", _raise)
+    rc = main(["eval", "--ckpt", str(tmp_path / "c"), "--data", str(tmp_path / "v.bin"),
+               "--batch-size", "5000"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "forge-ml eval: batches of 5,000 windows of 256 tokens would hold about" in err
+    assert "(--batch-size)" in err and "FORGE_HOST_MEMORY_CHECK=off" in err
+    with pytest.raises(_Allocated):
+        main(["eval", "--ckpt", str(tmp_path / "c"), "--data", str(tmp_path / "v.bin"),
+              "--batch-size", "8"])

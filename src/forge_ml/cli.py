@@ -1072,6 +1072,7 @@ def _cmd_eval(args) -> int:
                             f"with another tokenizer")
     T = min(window, n_tokens - 1)
     B = max(1, min(args.batch_size, (n_tokens - 1) // T))
+    _check_eval_memory(model, B, T)
     loader = (DataLoader(paths, B, T) if ids is None else
               DataLoader.from_tokens(ids, B, T, name=str(args.data)))
     batches_capped = not (args.max_batches is None or args.max_batches > (n_tokens - 1) // T // B)
@@ -1107,6 +1108,25 @@ def _cmd_eval(args) -> int:
              if T < window else "")
           + _unscored(n_tokens, windows * T, T, capped=batches_capped))
     return 0
+
+
+def _check_eval_memory(model, B: int, T: int) -> None:
+    """On the CPU, refuse a --batch-size whose forward pass cannot fit the host's free memory,
+    before it runs (a batch of B x T tokens goes through the model at once: Linux would hand
+    the arrays out and then kill the process, exit 137, without a word). Per token about 16
+    n_embd floats of a layer's activations and a row of its attention scores, and the LM
+    head's two chunks of logits (the CPU's linear_cross_entropy, train.host_step_bytes's):
+    1.1-1.6x the traced peaks of forward passes of 2K-33K tokens (2026-12-07)."""
+    from .errors import check_host_memory
+    from .tensor import device_has
+    if not device_has(model.device, "host_memory"):
+        return
+    cfg, tokens = model.config, B * T
+    need = (4 * tokens * (16 * cfg.n_embd + cfg.n_head * T)
+            + 2 * min(4 * tokens * cfg.padded_vocab_size, 1 << 26))
+    check_host_memory(
+        "forge-ml eval", f"batches of {B:,} windows of {T:,} tokens", need,
+        lambda free: f"use at most about {max(1, free * B // need):,} (--batch-size)")
 
 
 def _unscored(n_tokens: int, scored: int, T: int, capped: bool) -> str:
