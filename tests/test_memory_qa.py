@@ -250,3 +250,21 @@ def test_eval_refuses_a_batch_whose_forward_cannot_fit(one_gib_free, monkeypatch
     with pytest.raises(_Allocated):
         main(["eval", "--ckpt", str(tmp_path / "c"), "--data", str(tmp_path / "v.bin"),
               "--batch-size", "8"])
+
+
+def test_prepare_refuses_a_text_whose_tokenizing_cannot_fit(monkeypatch, tmp_path):
+    """prepare read a text of many gigabytes and its ids (about 9x its size at the peak) until
+    Linux killed it without a word. Refused before the text is read; a text that fits is
+    prepared."""
+    from forge_ml import data
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be\n" * 10_000)          # 190 KB
+    monkeypatch.setattr(forge_ml.errors, "host_available_bytes", lambda: 1 << 20)   # 1 MiB free
+    monkeypatch.setattr(data, "load_text", _raise)
+    with pytest.raises(ConfigError, match=r"^prepare: tokenizing .*t\.txt \(0 MiB of text\) "
+                                          r"would hold about .* split the text into smaller"):
+        data.prepare(text, tmp_path / "out")
+    assert data.PREPARE_BYTES_PER_TEXT_BYTE * text.stat().st_size > 1 << 20
+    monkeypatch.setattr(forge_ml.errors, "host_available_bytes", lambda: 1 << 30)
+    with pytest.raises(_Allocated):
+        data.prepare(text, tmp_path / "out")
