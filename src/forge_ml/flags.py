@@ -156,8 +156,8 @@ _SWITCHES = (
     Switch("FORGE_HOST_MEMORY_CHECK", "on",
            "on the CPU, work whose estimated memory is more than the host has free is "
            "refused before it is allocated (on): forge-ml train's batch (before anything is "
-           "written), serve's --slots, eval's --batch-size, generate's and beam search's "
-           "batches, GPT2.init's config, a KV cache; or trusted (off)",
+           "written), serve's --slots, eval's --batch-size, prepare's text, generate's and "
+           "beam search's batches, GPT2.init's config, a KV cache; or trusted (off)",
            ("on", "off")),
     Switch("FORGE_CACHE_DIR", "",
            "where built C kernels, sm_90a CUDA kernels and the tuned cuBLASLt algorithms "
