@@ -660,7 +660,14 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
         last = logits.numpy()[:, -1, :V]                                          # (B, V)
         check_finite_logits(model, last, who)          # (read back already)
 
-    heads: dict = {}        # each row's decoded prompt, for text_after
+    heads: dict = {}        # each row's decoded prompt tail, for text_after
+
+    def stopped(r) -> bool:
+        """Whether row r's text holds a stop string: decoded once a token (not once a stop
+        string), after the prompt's last _PROMPT_CONTEXT tokens, not the whole prompt (what a
+        token's text depends on; a long prompt was decoded again at every token)."""
+        text = text_after(tokenizer, rows[r][-_PROMPT_CONTEXT:], generated[r], heads, r)
+        return any(s in text for s in stop_strings)
 
     def take(r, tok, logprob=None, top=None):
         """Row r's token at position pos: record it, decide whether the row finishes."""
@@ -668,8 +675,7 @@ def _steps(model, rows, max_new, choice, seed, stop_tokens, stop_strings, tokeni
         finish = None
         if tok in stop_tokens:
             finish = "stop_token"
-        elif stop_strings and any(s in text_after(tokenizer, rows[r], generated[r], heads, r)
-                                  for s in stop_strings):
+        elif stop_strings and stopped(r):
             finish = "stop_string"
         elif len(generated[r]) == max_new:
             finish = "max_new_tokens"
@@ -774,6 +780,11 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kwa
     text = text_after(tokenizer, ids, out)
     cuts = [text.find(s) for s in stop_strings if s in text]
     return text[:min(cuts)] if cuts else text
+
+
+# the prompt tokens before the new ones that their text can depend on: a UTF-8 character's
+# bytes (4 at most, a byte a token at least), a Metaspace word's start (the token before)
+_PROMPT_CONTEXT = 8
 
 
 def text_after(tokenizer, prompt, ids, heads=None, key=None) -> str:
