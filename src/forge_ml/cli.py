@@ -418,7 +418,6 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_S
 
 
 def _cmd_train(args) -> int:
-    from .device import Device
     from .tensor import device_has
     from .runs import RunLock
     from .train import (CKPT_NAME, DATA_NAME, FINAL_VAL_KINDS, LOG_NAME, PLOT_NAME, Interrupted, TrainConfig,
@@ -441,7 +440,7 @@ def _cmd_train(args) -> int:
                               f"OMPI_COMM_WORLD_RANK or PMI_RANK): a launch of several processes "
                               f"sets both (torchrun, mpirun, or forge-ml train --gpus N)")
     if env is not None and (args.gpus or env.launcher != "single"):
-        if args.device is not None and device_has(Device.parse(args.device), "host_memory"):
+        if args.device is not None and device_has(args.device, "host_memory"):
             # the ranks train on cuda:LOCAL_RANK: --device cpu was replaced by a GPU in silence
             # (or, without CuPy, refused as a missing NCCL)
             how, out = ((f"--gpus {args.gpus}", f"drop --device, or drop --gpus to train one "
