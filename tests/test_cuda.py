@@ -1158,3 +1158,40 @@ def test_no_gpu_gives_device_error():
     from forge_ml.backends import get
     with pytest.raises(DeviceError):
         get(Device("cuda", 0))
+
+
+@cuda
+def test_host_copies_keep_their_host_arrays_until_they_run(be):
+    """A pinned host array handed to ``Tensor.copy_from_host`` or ``copy_to_host`` and dropped
+    at once stays alive until its copy has run: dropped early, it would go back to CuPy's
+    pinned pool, whose next allocation of its size takes it at once, so a queued copy would
+    read the next array's values (or write into it)."""
+    import gc
+    import cupy
+    import forge_ml as fm
+    spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long n) {
+        const long long t0 = clock64();
+        while (clock64() - t0 < n) {}
+    }''', "spin")
+    n = 4096
+    t = fm.zeros((n,), "float32", device="cuda")
+    spin((1,), (1,), (np.int64(100_000_000),))   # the stream busy for about 50 ms
+    src = fm.host_buffer((n,), "float32", "cuda")
+    src[:] = 1.0
+    t.copy_from_host(src)                          # queued behind the spin
+    del src
+    gc.collect()
+    other = fm.host_buffer((n,), "float32", "cuda")   # the same size: the dropped block, if free
+    other[:] = 2.0
+    assert np.all(t.numpy() == 1.0)
+
+    u = fm.full((n,), 3.0, "float32", "cuda")
+    spin((1,), (1,), (np.int64(100_000_000),))
+    out = fm.host_buffer((n,), "float32", "cuda")
+    handle = u.copy_to_host(out)                   # queued behind the spin, then dropped
+    del out, handle
+    gc.collect()
+    mine = fm.host_buffer((n,), "float32", "cuda")
+    mine[:] = 4.0
+    cupy.cuda.Device().synchronize()
+    assert np.all(mine == 4.0) and np.all(other == 2.0)

@@ -8,6 +8,7 @@ argument helpers every room uses: ``_c`` (C-contiguous), ``_like`` (in a given d
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -113,15 +114,40 @@ def assign(dst, values):
 def from_host_async(dst, src):
     """Queue a copy of the host array ``src`` (pinned, ``dst``'s size and dtype) into ``dst``
     on the current stream: it runs after the work queued before it, and the host returns at
-    once (``src`` must stay as it is until the copy has run)."""
+    once (``src`` must stay as it is until the copy has run; it is kept alive until then,
+    so a caller may drop it at once)."""
     if not dst.flags.c_contiguous or dst.dtype == BF16:
         raise ShapeError("from_host_async: dst must be C-contiguous and not bfloat16")
     if src.nbytes != dst.nbytes or src.dtype != dst.dtype:
         raise ShapeError(f"from_host_async: {src.dtype} {src.shape} into {dst.dtype} {dst.shape}")
     if dst.nbytes:
+        stream = cupy.cuda.get_current_stream()
         cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, dst.nbytes,
-                                      cupy.cuda.runtime.memcpyHostToDevice,
-                                      cupy.cuda.get_current_stream().ptr)
+                                      cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        _keep_until_done(stream, src)
+
+
+# Host arrays of copies queued and maybe not run yet, with the event after each copy. A
+# pinned array dropped by its caller goes back to CuPy's pinned pool, whose next allocation
+# of its size takes it at once: a copy still queued would then read (or write) another
+# array's memory. Each entry keeps its array until its event is done.
+_in_flight: collections.deque = collections.deque()
+
+
+def _keep_until_done(stream, host, event=None):
+    """Keep ``host`` alive until the work queued on ``stream`` so far has run (``event``, or
+    a new one recorded now); returns the event, or None while ``stream`` is capturing a graph
+    (the graph reads ``host`` at every replay: its owner keeps it). Entries already done are
+    dropped, oldest first (not while capturing: querying an event then is an error)."""
+    if stream.is_capturing():
+        return None
+    while _in_flight and _in_flight[0][0].done:
+        _in_flight.popleft()
+    if event is None:
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+    _in_flight.append((event, host))
+    return event
 
 
 class _Copy:
@@ -151,7 +177,8 @@ def pinned_empty(shape, dtype):
 @_guarded
 def to_host_async(array, out):
     """Queue a copy of ``array`` into the host array ``out`` (pinned, same size and dtype) on
-    the current stream; returns a handle whose ``synchronize()`` waits for it."""
+    the current stream; returns a handle whose ``synchronize()`` waits for it (``out`` is
+    kept alive until the copy has run, so the device never writes memory given back)."""
     array = _c(array)
     if out.nbytes != array.nbytes or out.dtype != array.dtype:
         raise ShapeError(f"to_host_async: {array.dtype} {array.shape} into {out.dtype} {out.shape}")
@@ -160,4 +187,5 @@ def to_host_async(array, out):
                                   cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
     event = cupy.cuda.Event(block=False, disable_timing=True)
     event.record(stream)
+    _keep_until_done(stream, out, event)
     return _Copy(event)
