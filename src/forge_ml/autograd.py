@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from . import flags, ops
-from .errors import ShapeError, TapeError
+from .errors import DTypeError, ShapeError, TapeError
 from .tensor import Tensor, ones_like, zeros
 
 
@@ -107,7 +107,8 @@ class Tape:
         self._swept = False
         self.grads: list[Optional[Tensor]] = []
         self._key = object()  # what this tape's TVars carry: identity, no reference to the tape
-        self.records = bool(grad)
+        # a switch, as the ops' flags: Tape(grad="no") recorded (any non-empty string is true)
+        self.records = ops._flag("Tape", "grad", grad)
         self._unit_seed = []  # [backward's default seed (ones)], for rules that skip a "* 1"
         self._into: dict[int, int] = {}   # node -> the parent whose gradient its rule takes in
         # nodes whose rule takes ``sums=`` (sum_rows of its dy where a layernorm backward made
@@ -597,7 +598,8 @@ class Tape:
         (4, 3)
         """
         self._check(x, w)
-        grad = grad and self.records
+        # checked here: ``"no" and True`` is True, which the op's own check would pass
+        grad = ops._flag("linear_cross_entropy", "grad", grad) and self.records
         loss, dx, dw = ops.linear_cross_entropy(x.t, w.t, targets, vocab_size, grad=grad)
         ix, iw = x.id, w.id
         sx, sw = _Saved(x.t, "linear_cross_entropy"), _Saved(w.t, "linear_cross_entropy")
@@ -642,6 +644,9 @@ class Tape:
                             "sweep; record the forward on a Tape() to get gradients")
         if self._swept:
             raise TapeError("backward: this tape was already swept; record a new forward")
+        if not root.t.dtype.is_float:   # (its default seed was integer ones, its "gradient")
+            raise DTypeError(f"backward: root is {root.t.dtype.name} {root.t.shape}: expected a "
+                             "float value; an integer one has no gradient")
         if seed_grad is None:
             seed_grad = ones_like(root.t)
             self._unit_seed.append(seed_grad)
@@ -657,6 +662,19 @@ class Tape:
             raise TapeError(f"backward: seed_grad is {seed_grad.dtype.name} on {seed_grad.device} "
                             f"but root is {root.t.dtype.name} on {root.t.device}; they must agree")
         self._swept = True
+        try:
+            grads = self._sweep(root, seed_grad)
+        finally:
+            # the tape is swept once: every rule left (nodes above root, a branch the root does
+            # not use, the rest after an error) can never run; drop them and what they saved
+            self._nodes = [None] * len(self._nodes)
+            self._into.clear()
+            self._sums.clear()
+        self.grads = grads
+        return grads
+
+    def _sweep(self, root: TVar, seed_grad: Tensor) -> list:
+        """``backward``'s reverse sweep from ``root`` (checked) seeded with ``seed_grad``."""
         grads: list[Optional[Tensor]] = [None] * len(self._nodes)
         grads[root.id] = seed_grad
         for i in range(root.id, -1, -1):
@@ -684,10 +702,6 @@ class Tape:
                 else:
                     grads[pid] = ops.add(acc, g)
                     self._sums.pop(pid, None)   # sums of the old gradient: no longer its own (frees it)
-        # nodes above root were never reached; drop their closures too
-        for i in range(root.id + 1, len(self._nodes)):
-            self._nodes[i] = None
-        self.grads = grads
         return grads
 
     def grad(self, v: TVar) -> Optional[Tensor]:
