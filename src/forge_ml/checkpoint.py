@@ -727,8 +727,10 @@ def _check_tensors(tensors: dict) -> dict:
                 f"save_checkpoint: {name} is a {type(a).__name__}; expected a NumPy array "
                 f"(convert Tensors with .numpy())"
             )
-        if a.dtype.kind not in _ALLOWED_KINDS:
-            raise CheckpointError(f"save_checkpoint: {name} has dtype {a.dtype}; expected a float, int or bool array")
+        if a.dtype.kind not in _ALLOWED_KINDS or a.dtype.itemsize > 8:
+            # (float128: safetensors' error named the scratch folder <dir>.tmp)
+            raise CheckpointError(f"save_checkpoint: {name} has dtype {a.dtype}; expected a float "
+                                  f"(16, 32 or 64 bits), int or bool array")
         # np.require keeps a 0-d array 0-d (ascontiguousarray made it (1,), and the model that
         # wrote the checkpoint then refused it)
         out[name] = np.require(a, requirements="C")

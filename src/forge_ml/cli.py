@@ -1291,10 +1291,14 @@ def _convert(args) -> int:
     # Face folder, HF's four rates
     config = dict(model.config.to_dict(), dropout=meta["config"].get("dropout", 0.0))
     state = model.state_dict()
+    flags = meta.get("hf_flags") or {}
+    if not isinstance(flags, dict):   # (a hand-edited state.json: a list was an AttributeError)
+        raise CheckpointError(f"{ckpt / 'state.json'}: expected meta 'hf_flags' to be an object of "
+                              f"{', '.join(HF_FLAGS)} (true or false), got {flags!r:.60}")
     _warn_nonfinite(state, args.to_hf)
     save_hf_gpt2(args.out, config, state, tokenizer=tok.to_dict(),
                  dropout_rates=meta.get("hf_dropout"),
-                 hf_flags={k: v for k, v in (meta.get("hf_flags") or {}).items() if k in HF_FLAGS},
+                 hf_flags={k: v for k, v in flags.items() if k in HF_FLAGS},
                  replace=args.force)
     tok_files = [f for f in TRANSFORMERS_TOKENIZER_FILES if (Path(args.out) / f).is_file()]
     print(f"exported {args.to_hf} -> {args.out} (config.json + model.safetensors"

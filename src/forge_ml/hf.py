@@ -286,11 +286,18 @@ def load_hf_flags(dir) -> dict:
     >>> load_hf_flags(d)
     {'reorder_and_upcast_attn': True}
     """
-    return _flags(_read_json(Path(dir) / CONFIG_FILE))
+    _check_path("load_hf_flags", dir)
+    path = Path(dir) / CONFIG_FILE
+    return _flags(_read_json(path), path)
 
 
-def _flags(hf: dict) -> dict:
-    return {k: bool(hf.get(k, False)) for k in HF_FLAGS}
+def _flags(hf: dict, where) -> dict:
+    """``HF_FLAGS``' values in ``hf`` (False where absent); one that is not true or false is a
+    CheckpointError naming ``where`` (a string "false" was read as true)."""
+    for k in HF_FLAGS:
+        if k in hf and not isinstance(hf[k], bool):
+            raise CheckpointError(f"{where}: expected true or false for {k!r}, got {hf[k]!r}")
+    return {k: hf.get(k, False) for k in HF_FLAGS}
 
 
 def hf_meta(dir) -> dict:
@@ -305,9 +312,10 @@ def hf_meta(dir) -> dict:
     >>> meta["hf_dropout"]["embd_pdrop"], meta["hf_dropout"]["resid_pdrop"], meta["hf_flags"]
     (0.0, 0.1, {'reorder_and_upcast_attn': False})
     """
+    _check_path("hf_meta", dir)
     path = Path(dir) / CONFIG_FILE
     hf = _read_json(path)
-    return {"hf_dropout": _dropout_rates(hf, path), "hf_flags": _flags(hf)}
+    return {"hf_dropout": _dropout_rates(hf, path), "hf_flags": _flags(hf, path)}
 
 
 def _forge_config(hf: dict, path: Path, padded_vocab: int | None) -> dict:
@@ -553,9 +561,10 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
 
     ``config`` is a dict or dataclass with forge-ml's GPT2Config fields (``vocab_size``,
     ``block_size``, ``n_layer``, ``n_head``, ``n_embd``; optional ``padded_vocab_size``,
-    ``tied_head``, ``layernorm_eps``, ``dropout``); other fields are ignored. The dropout
-    rates written: ``dropout_rates`` where given (HF's names, ``DROPOUT_KEYS``, as
-    ``load_hf_dropout`` read them; a key it lacks as below), else ``config``'s dropout as
+    ``tied_head``, ``layernorm_eps``, ``dropout``; a field of None is one not given); other
+    fields are ignored. The dropout rates written: ``dropout_rates`` where given (HF's names,
+    ``DROPOUT_KEYS``, as ``load_hf_dropout`` read them; a key it lacks as below), else
+    ``config``'s dropout as
     ``resid_pdrop``, ``embd_pdrop`` and ``attn_pdrop``, and transformers' default 0.1 as
     ``summary_first_dropout``. ``replace=False``: ``dir`` must be new or empty when written
     (an earlier export there is not replaced). ``hf_flags``: ``HF_FLAGS``' values as ``load_hf_flags`` read
@@ -578,9 +587,12 @@ def save_hf_gpt2(dir, config, params: dict, tokenizer: dict | None = None,
         config = dataclasses.asdict(config)
     if not isinstance(config, dict):
         raise CheckpointError(f"save_hf_gpt2: config must be a dict or a dataclass, got {type(config).__name__}")
+    # None: a field not given, as for padded_vocab_size (a dropout or layernorm_eps of None was
+    # float()'s TypeError, a tied_head of None an untied head, a vocab_size of None int()'s)
+    config = {k: v for k, v in config.items() if v is not None}
     missing = [k for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd") if k not in config]
     if missing:
-        raise CheckpointError(f"save_hf_gpt2: config lacks {missing}")
+        raise CheckpointError(f"save_hf_gpt2: config lacks {missing} (or gives None)")
     from .models.gpt2 import GPT2Config   # (the model's module, only when saving)
     try:   # GPT2Config's checks: n_head 3 of n_embd 4, a vocab_size 0, wrote a folder nothing loads
         GPT2Config.from_dict({f.name: config[f.name] for f in dataclasses.fields(GPT2Config)
