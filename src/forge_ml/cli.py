@@ -462,6 +462,23 @@ def _cmd_train(args) -> int:
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     explicit = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    # an empty path (`--data "$DATA"` with the variable unset) is TrainConfig's "not given":
+    # the run trained on the default corpus, from scratch, or without the file, in silence
+    for k, unset in (("data", "the default corpus (the Python standard library's source)"),
+                     ("init_from", "a new model from scratch"), ("config", "no config file")):
+        v = explicit.get(k, args.config if k == "config" else None)
+        if v is not None and not v.strip():
+            flag = "--config" if k == "config" else train_flag(k)
+            raise ConfigError(f"{flag} is empty ({v!r}); give a path, or leave {flag} out for "
+                              f"{unset}")
+    sp = explicit.get("sample_prompt")
+    if sp and any("\udc80" <= c <= "\udcff" for c in sp):
+        # UTF-8 bytes read under an ASCII locale (as sample's --prompt): its text, not the
+        # surrogates a char vocabulary refused (and GPT-2's tokenizer encoded as U+FFFD)
+        try:
+            explicit["sample_prompt"] = sp.encode("utf-8", "surrogateescape").decode("utf-8")
+        except UnicodeError:
+            pass              # not UTF-8: the trainer says it cannot encode it
     for k in ("n_layer", "n_head", "n_embd"):     # 0 is TrainConfig's "not given": not a size
         if explicit.get(k) is not None and explicit[k] < 1:
             raise ConfigError(f"--{k.replace('_', '-')} must be >= 1, got {explicit[k]}")
@@ -736,7 +753,9 @@ def _check_sample_args(args) -> None:
         # model would be given U+FFFD in their place, in silence
         try:
             raw = args.prompt.encode("utf-8", "surrogateescape")
-            raw.decode("utf-8")
+            # valid UTF-8 read under an ASCII locale: its text (the surrogates went to the
+            # model as U+FFFD, or were refused as characters outside a char vocabulary)
+            args.prompt = raw.decode("utf-8")
         except UnicodeEncodeError:
             pass                  # other lone surrogates (main() called from Python): encode's
         except UnicodeDecodeError as e:
@@ -763,6 +782,9 @@ def _check_sample_args(args) -> None:
         raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
     if not 0 <= args.seed < 1 << 64:
         raise ConfigError(f"--seed must be in [0, 2**64), got {args.seed}")
+    if args.num_samples > 1 << 64:     # no seed fits (the advice was a negative --seed)
+        raise ConfigError(f"--num-samples must be at most 2**64 (one seed each, in [0, 2**64)), "
+                          f"got {args.num_samples}")
     if args.seed + args.num_samples - 1 >= 1 << 64:       # sample i draws with seed + i
         raise ConfigError(f"--seed {args.seed} with --num-samples {args.num_samples} would draw with "
                           f"seeds up to {args.seed + args.num_samples - 1}; seeds must be in "
@@ -781,6 +803,8 @@ def _check_sample_args(args) -> None:
     if args.num_return_sequences < 1 or args.num_return_sequences > (args.num_beams or 1):
         raise ConfigError(f"--num-return-sequences must be in 1..--num-beams ({args.num_beams or 1}), "
                           f"got {args.num_return_sequences}")
+    if not math.isfinite(args.length_penalty):   # (beam_search's "length_penalty", after the load)
+        raise ConfigError(f"--length-penalty must be a finite number, got {args.length_penalty}")
     if args.num_beams is None and (args.length_penalty != 1.0 or args.early_stopping != "false"):
         given = "--length-penalty" if args.length_penalty != 1.0 else "--early-stopping"
         raise ConfigError(f"{given} applies to beam search; add --num-beams K")
@@ -847,19 +871,36 @@ def _logit_bias_flags(values) -> Optional[dict]:
     return out
 
 
+def _check_ckpt_arg(ckpt: str) -> None:
+    """``--ckpt`` of sample and eval: a ConfigError for an empty one (``--ckpt "$CKPT"`` with
+    the variable unset), which load_model refused in its own name.
+
+    >>> _check_ckpt_arg("runs/my")
+    """
+    if not ckpt.strip():
+        raise ConfigError(f"--ckpt is empty ({ckpt!r}); give a checkpoint folder, a run folder "
+                          f"or a Hugging Face GPT-2 folder (e.g. --ckpt runs/default)")
+
+
 def _cmd_sample(args) -> int:
-    from .errors import ShapeError
+    from .errors import ShapeError, TokenizerError
     from .inference import load_model
     from .inference.load import check_tokenizer_fits
     from .tokenizer import prompt_ids
 
+    _check_ckpt_arg(args.ckpt)
     _check_sample_args(args)
     dtype = "bfloat16" if args.dtype in ("bf16", "bfloat16") else "float32"
     model, tok, _ = load_model(args.ckpt, device=args.device, dtype=dtype)
     check_tokenizer_fits(model, tok, args.ckpt)
     from .sampling import logit_bias_row
     logit_bias_row(args.logit_bias_map, model.config.vocab_size, "--logit-bias")
-    ids = prompt_ids(tok, args.prompt)
+    try:
+        ids = prompt_ids(tok, args.prompt)
+    except TokenizerError as e:   # (it named neither the flag nor the checkpoint)
+        where = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file}"
+        raise TokenizerError(f"{where} cannot be tokenized with {args.ckpt}'s tokenizer: "
+                             f"{e}") from None
     block = model.config.block_size
     what = "--num-beams" if args.num_beams is not None else "--logprobs"   # (with no sliding window)
     if len(ids) > block:
@@ -994,6 +1035,7 @@ def _cmd_eval(args) -> int:
     from .inference import load_model
     from .tensor import tensor
 
+    _check_ckpt_arg(args.ckpt)
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_batches is not None and args.max_batches < 1:
