@@ -131,7 +131,19 @@ def test_bucket_size_does_not_change_the_step(shard, zero):
                 # ZeRO-1 sums each shard's squares first, so the layout may move the norm's last bit
                 assert n1 == n0 if zero == 0 else abs(n1 - n0) <= 1e-15 * n0
             for k in params:
-                np.testing.assert_allclose(params[k], ref_params[k], rtol=0, atol=0 if zero == 0 else 1e-15)
+                got, want = params[k], ref_params[k]
+                if zero and k.endswith("attn.c_attn.bias"):
+                    # the key bias's gradient is zero in exact arithmetic (softmax ignores a
+                    # shift of every score): its rounding noise, which a last bit of the norm
+                    # (and so of every weight after the first step) changes as a whole, is all
+                    # AdamW steps it by (eps-bound: lr * noise / eps, about 1e-14 on the AVX2 VM of
+                    # 2026-12-07, where the noise was not zero; it failed 1e-15 there): checked
+                    # apart, to 1e-12.
+                    C = got.shape[0] // 3
+                    key = slice(C, 2 * C)
+                    np.testing.assert_allclose(got[key], want[key], rtol=0, atol=1e-12)
+                    got, want = np.delete(got, key), np.delete(want, key)
+                np.testing.assert_allclose(got, want, rtol=0, atol=0 if zero == 0 else 1e-15)
 
 
 def test_gathered_state_is_the_single_rank_optimizer_state(shard):
