@@ -286,6 +286,7 @@ class AdamW:
                               f"counts, got {type(saved_steps).__name__}")
         param_steps = {k: _count_value(where, f"param_steps[{k!r}]", saved_steps.get(k, steps))
                        for k in self.params}
+        moments = {}
         for key in ("m", "v"):
             saved = state.get(key)
             if not isinstance(saved, dict):
@@ -296,16 +297,46 @@ class AdamW:
                 raise ConfigError(f"AdamW.load_state_dict: moments {key!r} do not match the parameters "
                                   f"(missing {missing[:5]}, unexpected {extra[:5]})")
             for name, p in self.params.items():
-                a = np.asarray(saved[name])
-                if tuple(a.shape) != p.shape:
-                    raise ShapeError(f"AdamW.load_state_dict: {key}[{name}] is {tuple(a.shape)} but "
-                                     f"the parameter is {p.shape}")
-        self.m = {k: tensor(np.asarray(state["m"][k]), dtype=p.dtype, device=p.device)
+                moments[key, name] = _moment(where, key, name, saved[name], p.shape)
+        # every moment read and checked before one is assigned: a bad v (strings, None) came
+        # after the m were replaced, and None, NaN or a negative v made every weight NaN at
+        # the next step
+        self.m = {k: tensor(moments["m", k], dtype=p.dtype, device=p.device)
                   for k, p in self.params.items()}
-        self.v = {k: tensor(np.asarray(state["v"][k]), dtype=p.dtype, device=p.device)
+        self.v = {k: tensor(moments["v", k], dtype=p.dtype, device=p.device)
                   for k, p in self.params.items()}
         self.steps, self.param_steps = steps, param_steps
         self.lr, self.betas, self.eps, self.weight_decay = hyper
+
+
+def _moment(where: str, key: str, name, value, shape: tuple) -> np.ndarray:
+    """A saved moment ``key[name]`` as a host array (its own dtype) of the parameter's
+    ``shape``, of finite numbers, none negative in ``v`` (squared gradients); else a
+    ShapeError or ConfigError naming it (a NaN or negative moment, or None, turned its
+    weights into NaN at the next step).
+
+    >>> _moment("load", "v", "w", [[1.0, -2.0]], (1, 2))
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: load: v[w] must hold finite numbers >= 0, got -2.0 in it
+    """
+    if isinstance(value, Tensor):
+        value = value.numpy()
+    try:
+        a = np.asarray(value)
+    except (TypeError, ValueError, RuntimeError):
+        a = None
+    if a is None or a.dtype.kind not in "fiub":
+        what = type(value).__name__ + ("" if a is None else f" (dtype {a.dtype})")
+        raise ConfigError(f"{where}: {key}[{name}] must be an array of numbers, got {what}")
+    if tuple(a.shape) != shape:
+        raise ShapeError(f"{where}: {key}[{name}] is {tuple(a.shape)} but the parameter is "
+                         f"{shape}")
+    bad = ~np.isfinite(a) | ((a < 0) if key == "v" else False)
+    if bad.any():
+        want = "finite numbers >= 0" if key == "v" else "finite numbers"
+        raise ConfigError(f"{where}: {key}[{name}] must hold {want}, got {a[bad].flat[0]} in it")
+    return a
 
 
 def _count_value(where: str, name: str, v) -> int:
@@ -352,7 +383,16 @@ def cosine_lr(step: int, max_lr: float, warmup: int, max_steps: int, min_lr: flo
     (0.1, 1.0)
     >>> round(cosine_lr(60, 1.0, 10, 110, 0.1), 4), cosine_lr(500, 1.0, 10, 110, 0.1)
     (0.55, 0.1)
+
+    A negative or fractional step count, or a negative or non-finite rate, is a ConfigError
+    (a negative warmup moved the cosine; a step before 0 gave a negative rate).
     """
+    for name, v in (("step", step), ("warmup", warmup), ("max_steps", max_steps)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise ConfigError(f"cosine_lr: {name} must be an int >= 0, got {v!r:.40}")
+    for name, v in (("max_lr", max_lr), ("min_lr", min_lr)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
+            raise ConfigError(f"cosine_lr: {name} must be a finite number >= 0, got {v!r:.40}")
     if step < warmup:
         return max_lr * (step + 1) / warmup
     if step >= max_steps or max_steps <= warmup:
@@ -441,6 +481,7 @@ def grad_norm(grads: dict, grad_scale: float = 1.0) -> float:
     >>> grad_norm({"a": fm.tensor(np.array([3.0], np.float32)), "b": fm.tensor(np.array([4.0], np.float32))})
     5.0
     """
+    _check_grads("grad_norm", grads, grad_scale)   # (a list, NumPy arrays: AttributeErrors)
     return ops.clip_from_sumsq(_total_sumsq(grads), 0.0, grad_scale)[0]
 
 
@@ -468,6 +509,25 @@ def clip_on_device(grads: dict, max_norm: float, scalars: Tensor, grad_scale: fl
     ops.clip_scale(dev, scalars, max_norm, grad_scale, check)
 
 
+def _check_grads(who: str, grads, grad_scale) -> None:
+    """``grads`` a dict of name -> float Tensor (or None) and ``grad_scale`` a finite number,
+    else a ConfigError or DTypeError naming ``who`` and what came."""
+    if not isinstance(grads, dict):
+        raise ConfigError(f"{who}: expected a dict of name -> gradient Tensor, got "
+                          f"{type(grads).__name__}")
+    bad = next((k for k, g in grads.items() if g is not None and not isinstance(g, Tensor)), None)
+    if bad is not None:
+        raise ConfigError(f"{who}: gradient {bad!r} is a {type(grads[bad]).__name__}; expected a "
+                          f"forge_ml Tensor (fm.tensor(array))")
+    ints = next((k for k, g in grads.items() if g is not None and not g.dtype.is_float), None)
+    if ints is not None:   # as ops.sumsq refuses them (the C kernel's sum took them silently)
+        raise DTypeError(f"{who}: gradient {ints!r} must be a float tensor, got "
+                         f"{grads[ints].dtype.name}")
+    if (isinstance(grad_scale, bool) or not isinstance(grad_scale, numbers.Real)
+            or not math.isfinite(grad_scale)):   # ("x" met float() as a bare ValueError)
+        raise ConfigError(f"{who}: grad_scale must be a finite number, got {grad_scale!r:.40}")
+
+
 def clip_grad_norm(grads: dict, max_norm: float, grad_scale: float = 1.0) -> tuple:
     """Global-norm clipping without touching the gradients: returns ``(total_norm, scale)``
     where ``total_norm`` is the norm of ``grad_scale * g`` and ``scale`` is the factor to hand
@@ -480,16 +540,7 @@ def clip_grad_norm(grads: dict, max_norm: float, grad_scale: float = 1.0) -> tup
     >>> norm, round(scale, 6)
     (5.0, 0.2)
     """
-    if not isinstance(grads, dict):
-        raise ConfigError(f"clip_grad_norm: expected a dict of name -> gradient Tensor, got {type(grads).__name__}")
-    bad = next((k for k, g in grads.items() if g is not None and not isinstance(g, Tensor)), None)
-    if bad is not None:
-        raise ConfigError(f"clip_grad_norm: gradient {bad!r} is a {type(grads[bad]).__name__}; expected a "
-                          f"forge_ml Tensor (fm.tensor(array))")
-    ints = next((k for k, g in grads.items() if g is not None and not g.dtype.is_float), None)
-    if ints is not None:   # as ops.sumsq refuses them (the C kernel's sum took them silently)
-        raise DTypeError(f"clip_grad_norm: gradient {ints!r} must be a float tensor, got "
-                         f"{grads[ints].dtype.name}")
+    _check_grads("clip_grad_norm", grads, grad_scale)
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or math.isnan(max_norm):
         raise ConfigError(f"clip_grad_norm: max_norm must be a number (<= 0: no clipping), got {max_norm!r}")
     return ops.clip_from_sumsq(_total_sumsq(grads), max_norm, grad_scale)

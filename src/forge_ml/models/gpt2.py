@@ -34,7 +34,7 @@ from .. import flags, ops, rng
 from ..autograd import Tape
 from ..device import Device
 from ..errors import (ConfigError, DeviceError, DTypeError, ForgeError, KnownFields,
-                      ShapeError, check_host_memory)
+                      ShapeError, TapeError, check_host_memory)
 from ..tensor import Tensor, device_has, tensor
 
 
@@ -86,12 +86,17 @@ class GPT2Config(KnownFields):
                 or np.float32(d) >= 1.0:   # (the kernels' p is float32: 1 - 1e-9 is 1 there)
             raise ConfigError(f"GPT2Config: dropout must be a number in [0, 1) (as a float32), "
                               f"got {d!r}")
+        if not isinstance(d, (int, float)):   # a NumPy float32: to_dict() was no JSON then
+            self.dropout = float(d)
         if not isinstance(self.tied_head, (bool, np.bool_)):   # "no" built a tied model
             raise ConfigError(f"GPT2Config: tied_head must be True or False, got {self.tied_head!r}")
         self.tied_head = bool(self.tied_head)
-        eps = self.layernorm_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 <= eps < math.inf):
+        eps = self.layernorm_eps   # (a NumPy float32 as the float it is, as dropout)
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) \
+                or not (0.0 <= eps < math.inf):
             raise ConfigError(f"GPT2Config: layernorm_eps must be a number >= 0, got {eps!r}")
+        if not isinstance(eps, (int, float)):
+            self.layernorm_eps = float(eps)
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPT2Config":
@@ -133,12 +138,27 @@ PRESETS = {
 }
 
 
+def _check_config(who: str, cfg) -> None:
+    """``cfg`` must be a GPT2Config: a dict (a checkpoint's "config") or None met
+    ``cfg.n_embd`` as an AttributeError.
+
+    >>> _check_config("GPT2", {"n_layer": 1})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    forge_ml.errors.ConfigError: GPT2: config must be a GPT2Config ... got dict
+    """
+    if not isinstance(cfg, GPT2Config):
+        raise ConfigError(f"{who}: config must be a GPT2Config (GPT2Config.from_dict(d) for a "
+                          f"dict), got {type(cfg).__name__}")
+
+
 def param_shapes(cfg: GPT2Config) -> dict:
     """Name -> shape of every parameter, in a fixed order.
 
     >>> list(param_shapes(GPT2Config(n_layer=1)))[:3]
     ['wte.weight', 'wpe.weight', 'h.0.ln_1.weight']
     """
+    _check_config("param_shapes", cfg)
     c, vp = cfg.n_embd, cfg.padded_vocab_size
     shapes = {"wte.weight": (vp, c), "wpe.weight": (cfg.block_size, c)}
     for i in range(cfg.n_layer):
@@ -165,6 +185,7 @@ def config_params(cfg: GPT2Config) -> int:
     >>> config_params(GPT2Config(vocab_size=10, block_size=8, n_layer=1, n_head=1, n_embd=4))
     324
     """
+    _check_config("config_params", cfg)
     c, vp = cfg.n_embd, cfg.padded_vocab_size
     head = 0 if cfg.tied_head else vp * c
     return (vp + cfg.block_size) * c + cfg.n_layer * (12 * c * c + 13 * c) + 2 * c + head
@@ -305,6 +326,7 @@ class GPT2:
     def __post_init__(self):
         # a params dict missing a name (or of another size) failed at the first forward, deep
         # inside, with a KeyError or a shape error of some op
+        _check_config("GPT2", self.config)
         if not isinstance(self.params, dict):
             raise ConfigError(f"GPT2: params must be a dict of name -> Tensor, got {type(self.params).__name__}")
         bad = next((k for k, v in self.params.items() if not isinstance(v, Tensor)), None)
@@ -353,7 +375,15 @@ class GPT2:
         True
         """
         from ..checkpoint import check_architecture
+        _check_config("GPT2.from_state_dict", config)
+        if not isinstance(state, Mapping):   # (None: an AttributeError on .items())
+            raise ConfigError(f"GPT2.from_state_dict: state must be a dict of name -> array "
+                              f"(model.state_dict()), got {type(state).__name__}")
         state = {k: v.numpy() if isinstance(v, Tensor) else v for k, v in state.items()}
+        bad = next((k for k, v in state.items() if not hasattr(v, "shape")), None)
+        if bad is not None:   # (a list met int() deep in the shape check as a TypeError)
+            raise ConfigError(f"GPT2.from_state_dict: {bad!r} is a {type(state[bad]).__name__}; "
+                              f"expected a NumPy array or a forge_ml Tensor")
         check_architecture(param_shapes(config), state)
         return cls(config, {k: tensor(np.asarray(state[k]), dtype=dtype, device=device)
                             for k in param_shapes(config)})
@@ -487,6 +517,16 @@ class GPT2:
         """
         _params_kw("GPT2.forward", kw)
         cfg = self.config
+        if not isinstance(tape, Tape):   # (None: an AttributeError on .leaf)
+            raise TapeError(f"GPT2.forward: tape must be a forge_ml Tape (fm.Tape()), got "
+                            f"{type(tape).__name__}")
+        train = ops._flag("GPT2.forward", "train", train)   # "no" was true: dropout on
+        if not isinstance(dropout_seed, Tensor) and (
+                isinstance(dropout_seed, bool) or not isinstance(dropout_seed, numbers.Integral)):
+            # 1.5 was seed 1 (1.9 too), None and "a" a TypeError or ValueError from rng.mix
+            raise ConfigError(f"GPT2.forward: dropout_seed must be an int (or a one-element int64 "
+                              f"Tensor: ops.SeedAt), got {type(dropout_seed).__name__} "
+                              f"{dropout_seed!r:.40}")
         self._ids_tensor("GPT2.forward", ids)   # loss and grads come here with a list too
         if targets is not None:
             self._ids_tensor("GPT2.forward (targets)", targets)
