@@ -2435,19 +2435,22 @@ def test_a_log_callable_that_fails_as_the_data_is_prepared_leaves_the_run_its_da
     assert Trainer(TrainConfig(**c), log=None, overwrite=True).train()["step"] == 1
 
 
-def test_an_update_adamw_refuses_before_any_change_is_not_a_torn_step(workdir):
-    """A NaN lr set on the Trainer's config after it was built: AdamW refuses the update before
-    its first change, but the trainer marked the model half updated and refused every later
-    train(). The step is given up instead (its batches drawn again), and the run goes on to
-    the losses of a run that never met the refusal."""
+def test_an_update_adamw_refuses_before_any_change_is_not_a_torn_step(workdir, monkeypatch):
+    """A NaN learning rate reaching AdamW (a schedule gone wrong after the Trainer was built;
+    ``cosine_lr`` itself refuses a NaN rate now, so the schedule is replaced): AdamW refuses
+    the update before its first change, but the trainer marked the model half updated and
+    refused every later train(). The step is given up instead (its batches drawn again), and
+    the run goes on to the losses of a run that never met the refusal."""
+    import forge_ml.train as train_mod
     c = dict(data="t.txt", n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4,
              max_steps=3, eval_interval=0, sample_interval=0, progress=False)
     plain = Trainer(TrainConfig(out_dir="a", **c), log=None).train()
     t = Trainer(TrainConfig(out_dir="b", **c), log=None)
-    lr, t.cfg.lr = t.cfg.lr, float("nan")
+    schedule = train_mod.cosine_lr
+    monkeypatch.setattr(train_mod, "cosine_lr", lambda *a: float("nan"))
     with pytest.raises(ConfigError, match="AdamW.step: lr must be a finite number"):
         t.train_step()
-    t.cfg.lr = lr
+    monkeypatch.setattr(train_mod, "cosine_lr", schedule)
     assert t.train()["losses"] == plain["losses"]
 
 
