@@ -8,6 +8,8 @@ from forge_ml.checkpoint import save_checkpoint
 from forge_ml.cli import main
 from forge_ml.models.gpt2 import GPT2, GPT2Config
 
+from test_cli import _fails   # main(argv): status 2, one line on stderr, no traceback
+
 
 @pytest.fixture
 def ckpt(tmp_path, monkeypatch):
@@ -19,19 +21,6 @@ def ckpt(tmp_path, monkeypatch):
                     {"kind": "forge-ml-model", "config": cfg.to_dict(),
                      "tokenizer": {"kind": "char", "chars": "ab\u00e9\n"}})
     return "ck"
-
-
-def _fails(capsys, argv, *needles):
-    """``main(argv)`` exits 2 with one line on stderr holding every needle, no traceback."""
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.mark.parametrize("argv, flag", [
