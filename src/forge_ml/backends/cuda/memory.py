@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 
 import numpy as np
 
@@ -132,6 +133,7 @@ def from_host_async(dst, src):
 # of its size takes it at once: a copy still queued would then read (or write) another
 # array's memory. Each entry keeps its array until its event is done.
 _in_flight: collections.deque = collections.deque()
+_in_flight_lock = threading.Lock()   # (the server's threads may copy at once)
 
 
 def _keep_until_done(stream, host, event=None):
@@ -141,12 +143,13 @@ def _keep_until_done(stream, host, event=None):
     dropped, oldest first (not while capturing: querying an event then is an error)."""
     if stream.is_capturing():
         return None
-    while _in_flight and _in_flight[0][0].done:
-        _in_flight.popleft()
     if event is None:
         event = cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
-    _in_flight.append((event, host))
+    with _in_flight_lock:
+        while _in_flight and _in_flight[0][0].done:
+            _in_flight.popleft()
+        _in_flight.append((event, host))
     return event
 
 
