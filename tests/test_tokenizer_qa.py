@@ -79,6 +79,25 @@ def test_added_tokens_with_strip_flags_match_transformers(case):
         assert tok.encode(s) == hf(s)["input_ids"], s
 
 
+OVERLAP_CASES = [
+    [("<p>", {"single_word": True}), ("p>", {})],
+    [("ab", {"single_word": True}), ("b", {})],
+    [("aa", {"single_word": True}), ("a", {"lstrip": True})],
+]
+
+
+@pytest.mark.parametrize("case", range(len(OVERLAP_CASES)))
+def test_a_single_word_token_beside_a_word_leaves_its_text_as_text(case):
+    """From a review: a single_word match beside a word character is dropped by the tokenizers
+    library and its text stays text; the search went on inside it, so a shorter token there
+    matched ("a<p>" with "<p>" single_word and "p>": [64, 27, 50258], transformers' [64, 27,
+    79, 29])."""
+    hf, added = _peer(OVERLAP_CASES[case])
+    tok = GPT2Tokenizer(added=added)
+    for s in _texts(10 + case, 300, ["<p>", "p>", "<", "ab", "b", "aa", "a", " ", "\n", "x", "."], 8):
+        assert tok.encode(s) == hf(s)["input_ids"], s
+
+
 def test_lstrip_added_token_is_linear_on_long_whitespace_runs():
     """A token that takes the whitespace before it was matched by a regex whose ``\\s*`` was
     tried from every character of a run: 20,000 spaces took 2.7 s, 40,000 8 s (quadratic)."""

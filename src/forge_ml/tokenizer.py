@@ -479,26 +479,35 @@ def _check_added(added) -> dict:
 
 def _added_pattern(tokens: list):
     """One regex over the added tokens' texts ``[(content, record), ...]``: the leftmost match,
-    the longest text there (transformers' rule); the match's text is the token's. ``single_word``
-    matches only a text with no word character beside it; the whitespace ``lstrip``/``rstrip``
-    take is added after, as the tokenizers library does (``_strip_span``). Every alternative
-    begins with its text (its checks after it), so that the regex engine skips the characters
-    that begin none (a group each, or a lookbehind first, tried every one of 500 tokens at
-    every character: 200 s for 1 MB of text).
+    the longest text there (transformers' rule); the match's text is the token's. The text
+    alone: ``single_word`` is checked on the match (``_single_word_ok``), and the whitespace
+    ``lstrip``/``rstrip`` take is added after, as the tokenizers library does
+    (``_strip_span``). Plain texts let the regex engine skip the characters that begin none (a
+    group each, or a lookbehind first, tried every one of 500 tokens at every character: 200 s
+    for 1 MB of text).
 
-    >>> pat = _added_pattern([("<a>", {"single_word": True}), ("b", {"single_word": False})])
-    >>> pat.findall("x<a> <a>, b")
-    ['<a>', 'b']
+    >>> _added_pattern([("<a>", {}), ("a", {})]).findall("x<a> a")
+    ['<a>', 'a']
     """
     if not tokens:
         return None
-    alts = []
-    for c, r in sorted(tokens, key=lambda t: -len(t[0])):
-        body = re.escape(c)
-        if r["single_word"]:    # (no word character before the text, nor after it)
-            body = body + r"(?<!\w" + re.escape(c) + r")(?!\w)"
-        alts.append(body)
-    return re.compile("|".join(alts))
+    return re.compile("|".join(re.escape(c) for c, _ in sorted(tokens, key=lambda t: -len(t[0]))))
+
+
+_WORD_CHAR = re.compile(r"\w")
+
+
+def _single_word_ok(piece: str, m) -> bool:
+    """Whether the match ``m`` in ``piece`` has no word character beside it (a ``single_word``
+    token's condition; where it fails, the tokenizers library drops the match and its text
+    stays text: a shorter token inside it is not looked for).
+
+    >>> _single_word_ok("a<p>", re.search("<p>", "a<p>")), _single_word_ok(" <p>.", re.search("<p>", " <p>."))
+    (False, True)
+    """
+    start, end = m.span()
+    return not ((start and _WORD_CHAR.match(piece, start - 1))
+                or (end < len(piece) and _WORD_CHAR.match(piece, end)))
 
 
 _WHITE_CHARS = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200b))) + \
@@ -731,14 +740,17 @@ class GPT2Tokenizer:
                 out.extend(self._tiktoken(bpe, piece))
                 return
             pat, toks = self._stages[allow_eot][stage]
-            at = 0
-            while (m := pat.search(piece, at)) is not None:
+            at = pos = 0    # the end of the last token taken; where the next search starts
+            while (m := pat.search(piece, pos)) is not None:
                 rec = toks[m.group()]
+                pos = m.end()
+                if rec["single_word"] and not _single_word_ok(piece, m):
+                    continue     # dropped: its text stays text, tokens inside it unsought
                 start, end = _strip_span(piece, m, rec, at)
                 if start > at:
                     split(piece[at:start], stage + 1)
                 out.append(rec["id"])
-                at = end
+                at = pos = end
             if at < len(piece):
                 split(piece[at:], stage + 1)
 
