@@ -83,18 +83,24 @@ OVERLAP_CASES = [
     [("<p>", {"single_word": True}), ("p>", {})],
     [("ab", {"single_word": True}), ("b", {})],
     [("aa", {"single_word": True}), ("a", {"lstrip": True})],
+    # tokens inside the space an rstrip takes
+    [("<p>", {"rstrip": True}), (" <q>", {})],
+    [("<p>", {"rstrip": True}), (" ", {})],
+    [("<p>", {"rstrip": True, "lstrip": True}), (" <q>", {"lstrip": True})],
 ]
+OVERLAP_ALPHABET = ["<p>", "p>", "<", "ab", "b", "aa", "a", " ", "  ", "\n", "x", ".", "<q>", " <q>"]
 
 
 @pytest.mark.parametrize("case", range(len(OVERLAP_CASES)))
-def test_a_single_word_token_beside_a_word_leaves_its_text_as_text(case):
+def test_added_tokens_that_overlap_match_transformers(case):
     """From a review: a single_word match beside a word character is dropped by the tokenizers
     library and its text stays text; the search went on inside it, so a shorter token there
     matched ("a<p>" with "<p>" single_word and "p>": [64, 27, 50258], transformers' [64, 27,
-    79, 29])."""
+    79, 29]). And the next token is sought from the end of a token's text, not of the space its
+    rstrip takes ("<p> <q>" with "<p>" rstrip and " <q>": transformers' [50257, 50258])."""
     hf, added = _peer(OVERLAP_CASES[case])
     tok = GPT2Tokenizer(added=added)
-    for s in _texts(10 + case, 300, ["<p>", "p>", "<", "ab", "b", "aa", "a", " ", "\n", "x", "."], 8):
+    for s in _texts(10 + case, 300, OVERLAP_ALPHABET, 8):
         assert tok.encode(s) == hf(s)["input_ids"], s
 
 

@@ -746,11 +746,14 @@ class GPT2Tokenizer:
                 pos = m.end()
                 if rec["single_word"] and not _single_word_ok(piece, m):
                     continue     # dropped: its text stays text, tokens inside it unsought
+                # the next token is sought from the end of this one's text, not of the space
+                # its rstrip takes: one found in that space ends the rstrip (tokenizers' order)
+                at = min(at, m.start())
                 start, end = _strip_span(piece, m, rec, at)
                 if start > at:
                     split(piece[at:start], stage + 1)
                 out.append(rec["id"])
-                at = pos = end
+                at = end
             if at < len(piece):
                 split(piece[at:], stage + 1)
 
