@@ -264,15 +264,17 @@ def remove_trash(folder) -> None:
             shutil.rmtree(t, ignore_errors=True)
 
 
-def replace_file(path: Path, text) -> None:
-    """Write ``text`` (str, or bytes) to a temporary file beside ``path`` and rename it over
-    ``path`` (with the user's umask): a crash or a full disk leaves the old file or the new one.
+def replace_file(path, text) -> None:
+    """Write ``text`` (str, or bytes) to a temporary file beside ``path`` (a Path or str) and
+    rename it over ``path`` (with the user's umask): a crash or a full disk leaves the old file
+    or the new one.
 
     >>> import tempfile
     >>> p = Path(tempfile.mkdtemp()) / "state.json"; replace_file(p, '{"step": 1}')
     >>> replace_file(p, b'{"step": 2}'); p.read_text(), os.listdir(p.parent)
     ('{"step": 2}', ['state.json'])
     """
+    path = Path(path)   # (a str path gave AttributeError: 'str' object has no attribute 'name')
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         if hasattr(os, "fchmod"):

@@ -619,6 +619,7 @@ class Trainer:
         self.data_file: Optional[dict] = None
         self.run_id = None          # the run's identity, kept across resumes (its best/ is its own)
         self._said_eager = False
+        self._prepared = None       # what the lock made, once the setup prepared data/
         nest = _enclosing_run(self.out_dir)
         if nest is not None:   # before the folder is made: that run replaces its ckpt/ as it saves
             raise RunError(f"--out {cfg.out_dir} is inside the run in {nest[0]} (its {nest[1]}/ folder, which "
@@ -633,7 +634,9 @@ class Trainer:
             self.lock.acquire()
             try:
                 self._setup(resume, overwrite)
-            except BaseException:
+            except BaseException as e:
+                if isinstance(e, KeyboardInterrupt):   # (Interrupted too)
+                    self._take_back_data()
                 self.lock.release(undo=True)
                 raise
             self.lock._made = []  # the folder is the run's now
@@ -644,6 +647,20 @@ class Trainer:
     def close(self) -> None:
         """Release the run folder (``train()`` does when it returns)."""
         self.lock.release()
+
+    def _take_back_data(self) -> None:
+        """A stop during the setup, after it prepared ``data/``: those files go (all or none),
+        and the lock file and folders made for them with the lock's undo, so the same command
+        starts the run again (data/ and the lock left behind made it refused as a run stopped
+        before its first checkpoint). A second stop as they go leaves them, with the lock."""
+        if self._prepared is None:
+            return
+        d = self.out_dir / DATA_NAME
+        try:
+            remove_together(self.out_dir, dirs=[(d, DATA_FILES + (CORPUS_NAME,))])
+        except BaseException:   # (a second Ctrl-C, an OSError: the files are put back)
+            return
+        self.lock._made, self._prepared = self._prepared, None
 
     def _hold_folder(self) -> None:
         """Take the run folder again (train() or save() after it was released), refusing when
@@ -832,8 +849,12 @@ class Trainer:
         if not resume and overwrite:
             self._clear_run()
         if write_data is not None:
+            made = self.lock._made
             prepared = write_data()
-            self.lock._made = []   # a trainer's data: its lock file stays, whatever follows
+            # a stop (Ctrl-C, SIGTERM) before a new run's setup ends takes this data back, with
+            # the lock file and folder made for it (_take_back_data): the same command starts again
+            self._prepared = None if resume else made
+            self.lock._made = []   # a trainer's data: its lock file stays after an error
             self._say(prepared)
 
         # -- model and optimizer ------------------------------------------------------------
