@@ -132,3 +132,12 @@ def test_a_val_set_smaller_than_one_batch_is_noted(workdir, capsys):
     # a val set of whole batches says nothing of it
     assert main(args + ["--batch-size", "2", "--block-size", "8", "--out", "r2"]) == 0
     assert "fewer than one batch" not in capsys.readouterr().out
+
+
+def test_a_run_of_zero_steps_evaluates_and_saves(workdir, capsys):
+    """``--max-steps 0`` (evaluate the initial model, save it): the warmup note asked the
+    schedule for step -1, which ``cosine_lr`` refuses since it checks its counts."""
+    assert main(["train", "--data", "t.txt", "--out", "r", *TINY, "--max-steps", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "done: step 0" in out and "warmup" not in out
+    assert (workdir / "r" / "ckpt").is_dir()

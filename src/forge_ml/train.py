@@ -2101,7 +2101,7 @@ class Trainer:
                   f"{self.train_loader.n_tokens:,} train tokens; device {self.device}" + blas_note
                   + f", {cfg.dtype}; batch {cfg.batch_size} x {cfg.grad_accum}; steps {self.step} -> {until}; "
                   f"out {self.out_dir}")
-        if cfg.lr > 0 and cfg.warmup > cfg.max_steps and self.step == 0:
+        if cfg.lr > 0 and cfg.warmup > cfg.max_steps > 0 and self.step == 0:
             # the ramp (lr (s + 1) / warmup at step s) is cut off by the run's end
             peak = cosine_lr(cfg.max_steps - 1, cfg.lr, cfg.warmup, cfg.decay_steps, cfg.min_lr)
             self._say(f"note: --warmup {cfg.warmup} is longer than the run's {cfg.max_steps} {plural(cfg.max_steps, 'step')}: the learning "
