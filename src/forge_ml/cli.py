@@ -464,20 +464,17 @@ def _cmd_train(args) -> int:
     explicit = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     # an empty path (`--data "$DATA"` with the variable unset) is TrainConfig's "not given":
     # the run trained on the default corpus, from scratch, or without the file, in silence
-    for k, unset in (("data", "the default corpus (the Python standard library's source)"),
-                     ("init_from", "a new model from scratch"), ("config", "no config file")):
-        v = explicit.get(k, args.config if k == "config" else None)
+    for flag, v, unset in (
+            ("--data", explicit.get("data"), "the default corpus (the Python standard library's source)"),
+            ("--init-from", explicit.get("init_from"), "a new model from scratch"),
+            ("--config", args.config, "no config file")):
         if v is not None and not v.strip():
-            flag = "--config" if k == "config" else train_flag(k)
             raise ConfigError(f"{flag} is empty ({v!r}); give a path, or leave {flag} out for "
                               f"{unset}")
-    sp = explicit.get("sample_prompt")
-    if sp and any("\udc80" <= c <= "\udcff" for c in sp):
-        # UTF-8 bytes read under an ASCII locale (as sample's --prompt): its text, not the
-        # surrogates a char vocabulary refused (and GPT-2's tokenizer encoded as U+FFFD)
+    if explicit.get("sample_prompt"):
         try:
-            explicit["sample_prompt"] = sp.encode("utf-8", "surrogateescape").decode("utf-8")
-        except UnicodeError:
+            explicit["sample_prompt"] = _argv_text(explicit["sample_prompt"])
+        except UnicodeDecodeError:
             pass              # not UTF-8: the trainer says it cannot encode it
     for k in ("n_layer", "n_head", "n_embd"):     # 0 is TrainConfig's "not given": not a size
         if explicit.get(k) is not None and explicit[k] < 1:
@@ -742,26 +739,37 @@ def _prompt_text(path: str) -> str:
                         f"{raw[e.start:e.start + 1]!r})") from None
 
 
+def _argv_text(value: str) -> str:
+    """A command-line argument's text: the bytes Python kept as U+DC80-U+DCFF (argv read under
+    an ASCII locale) decoded as UTF-8 (they went to the model as U+FFFD, or were refused by a
+    char vocabulary); a UnicodeDecodeError where they are not UTF-8. Other lone surrogates
+    (``main()`` called from Python) stay as they are.
+
+    >>> _argv_text("H\\udcc3\\udca9"), _argv_text("plain")
+    ('Hé', 'plain')
+    """
+    if not any("\udc80" <= c <= "\udcff" for c in value):
+        return value
+    try:
+        raw = value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return value
+    return raw.decode("utf-8")
+
+
 def _check_sample_args(args) -> None:
     """``sample``'s options, checked before any work (and before the prompt is printed)."""
     if args.prompt_file is not None:
         if args.prompt:
             raise ConfigError("give --prompt or --prompt-file, not both")
         args.prompt = _prompt_text(args.prompt_file)
-    elif args.prompt and any("\udc80" <= c <= "\udcff" for c in args.prompt):
-        # bytes of the argument that are not UTF-8 (Python keeps them as U+DC80-U+DCFF): the
-        # model would be given U+FFFD in their place, in silence
+    elif args.prompt:
         try:
-            raw = args.prompt.encode("utf-8", "surrogateescape")
-            # valid UTF-8 read under an ASCII locale: its text (the surrogates went to the
-            # model as U+FFFD, or were refused as characters outside a char vocabulary)
-            args.prompt = raw.decode("utf-8")
-        except UnicodeEncodeError:
-            pass                  # other lone surrogates (main() called from Python): encode's
-        except UnicodeDecodeError as e:
+            args.prompt = _argv_text(args.prompt)
+        except UnicodeDecodeError as e:   # the model would be given U+FFFD in their place
             raise DataError(f"--prompt: not UTF-8 text (byte {e.start}: "
-                            f"{raw[e.start:e.start + 1]!r}); give the prompt in UTF-8, or its "
-                            f"file with --prompt-file") from None
+                            f"{e.object[e.start:e.start + 1]!r}); give the prompt in UTF-8, or "
+                            f"its file with --prompt-file") from None
     if args.num_samples < 1:
         raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.num_samples > 1 and args.num_beams is not None:
