@@ -1540,7 +1540,7 @@ def _adamw_check(op, p, g, m, v, p_lowp=None):
 
 
 def adamw_update_many(ps, gs, ms, vs, *, lr=None, beta1, beta2, eps, weight_decays, steps=None,
-                      grad_scale=1.0, p_lowps=None, scalars=None, labels=None) -> None:
+                      grad_scale=1.0, p_lowps=None, scalars=None) -> None:
     """``adamw_update`` for several parameters, each with its own weight decay and 1-based
     step (an optimizer's step over a whole model): one backend call where the backend has
     ``adamw_update_many`` (the CPU's C kernel), else one ``adamw_update`` each (always with
@@ -1549,9 +1549,6 @@ def adamw_update_many(ps, gs, ms, vs, *, lr=None, beta1, beta2, eps, weight_deca
     ``scalars`` (``STEP_SCALARS``, as ``adamw_update``'s) replaces ``lr``, ``steps`` and
     ``grad_scale``: one launch over every parameter where the backend has
     ``adamw_update_many_at`` (the GPU's table of the tensors), else ``adamw_update`` each.
-
-    Every parameter is checked before any is written; ``labels`` (one a parameter) name them
-    in the errors (``AdamW.step``'s: "AdamW.step, the gradient of 'w'").
 
     >>> import numpy as np, forge_ml as fm
     >>> ps = [fm.tensor(np.zeros(2, np.float32)) for _ in range(2)]
@@ -1573,19 +1570,13 @@ def adamw_update_many(ps, gs, ms, vs, *, lr=None, beta1, beta2, eps, weight_deca
                           "(STEP_SCALARS in device memory); got neither")
     nsteps = k if scalars is not None and steps is None else len(steps)
     if not len(gs) == len(ms) == len(vs) == len(weight_decays) == nsteps == k or (
-            p_lowps is not None and len(p_lowps) != k) or (labels is not None and len(labels) != k):
+            p_lowps is not None and len(p_lowps) != k):
         raise ShapeError(f"adamw_update_many: {k} parameters but {len(gs)} gradients, {len(ms)} "
                          f"and {len(vs)} moments, {len(weight_decays)} weight decays, "
                          f"{nsteps} steps" + ("" if p_lowps is None else f" and {len(p_lowps)} bf16 copies"))
     if k == 0:
         return
     bk = backend_of(ps[0].device)
-    lows = [None] * k if p_lowps is None else list(p_lowps)
-    for i, (p, g, m, v, lp) in enumerate(zip(ps, gs, ms, vs, lows)):   # before any write
-        if _adamw_check("adamw_update_many" if labels is None else labels[i], p, g, m, v,
-                        lp) is not bk:
-            raise DeviceError(f"adamw_update_many: parameters on {ps[0].device} and {p.device}; "
-                              "one device per call")
     if scalars is not None:
         _adamw_many_at(bk, ps, gs, ms, vs, beta1, beta2, eps, weight_decays, p_lowps, scalars)
         return
@@ -1595,7 +1586,10 @@ def adamw_update_many(ps, gs, ms, vs, *, lr=None, beta1, beta2, eps, weight_deca
             adamw_update(p, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
                          step=st, grad_scale=grad_scale, p_lowp=None if p_lowps is None else p_lowps[i])
         return
-    for st in steps:
+    for p, g, m, v, st in zip(ps, gs, ms, vs, steps):
+        if _adamw_check("adamw_update_many", p, g, m, v) is not bk:
+            raise DeviceError(f"adamw_update_many: parameters on {ps[0].device} and {p.device}; "
+                              "one device per call")
         st = _as_int(st)
         if type(st) is not int or st < 1:
             raise ShapeError(f"adamw_update_many: steps must be ints >= 1, got {st!r}")
@@ -1616,7 +1610,11 @@ def _adamw_many_at(bk, ps, gs, ms, vs, beta1, beta2, eps, weight_decays, p_lowps
             adamw_update(p, g, m, v, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
                          scalars=scalars, p_lowp=lp)
         return
-    _step_scalars("adamw_update_many", scalars, ps[0].device)   # (the tensors: the caller's check)
+    _step_scalars("adamw_update_many", scalars, ps[0].device)
+    for p, g, m, v, lp in zip(ps, gs, ms, vs, lows):
+        if _adamw_check("adamw_update_many", p, g, m, v, lp) is not bk:
+            raise DeviceError(f"adamw_update_many: parameters on {ps[0].device} and {p.device}; "
+                              "one device per call")
     op = "adamw_update_many"
     many([p._prepare_write() for p in ps], [g.data for g in gs],
          [m._prepare_write() for m in ms], [v._prepare_write() for v in vs], _num(op, "beta1", beta1),

@@ -134,11 +134,14 @@ class AdamW:
                               f"parameters of this optimizer: {sorted(map(str, unknown))[:5]}; "
                               f"parameters are e.g. {list(self.params)[:5]}")
 
-    @staticmethod
-    def _labels(names: list, what: str) -> list:
-        """The names ``adamw_update_many`` gives each parameter's errors (it checks every one
-        before it writes any; a refused step is not counted): the parameter named."""
-        return [f"AdamW.{what}, the gradient of {n!r}" for n in names]
+    def _fit(self, grads: dict, names: list, what: str) -> None:
+        """Every gradient of ``names`` fits its parameter (a float tensor of its shape, on its
+        device), checked before anything is counted or written: a refused step counted a step
+        (every later bias correction shifted), and the one-parameter-at-a-time path updated
+        the parameters before the bad one. The error names the parameter."""
+        for n in names:
+            ops._adamw_check(f"AdamW.{what}, the gradient of {n!r}", self.params[n], grads[n],
+                             self.m[n], self.v[n], None if self._lowp is None else self._lowp[n])
 
     def step(self, grads: dict, lr: Optional[float] = None, grad_scale: float = 1.0) -> None:
         """One update of every parameter that has a gradient (a None gradient skips its
@@ -156,17 +159,17 @@ class AdamW:
         lr = self.lr if lr is None else _step_value("step", "lr", lr)
         grad_scale = _step_value("step", "grad_scale", grad_scale, signed=True)
         names = [n for n in self.params if grads.get(n) is not None]
+        self._fit(grads, names, "step")
+        self.steps += 1
         b1, b2 = self.betas
+        for name in names:
+            self.param_steps[name] += 1
         ops.adamw_update_many(
             [self.params[n] for n in names], [grads[n] for n in names], [self.m[n] for n in names],
             [self.v[n] for n in names], lr=lr, beta1=b1, beta2=b2, eps=self.eps,
             weight_decays=[self._weight_decay(n) for n in names],
-            steps=[self.param_steps[n] + 1 for n in names], grad_scale=float(grad_scale),
-            p_lowps=None if self._lowp is None else [self._lowp[n] for n in names],
-            labels=self._labels(names, "step"))
-        self.steps += 1   # counted once the update was taken (a refused one changed nothing)
-        for name in names:
-            self.param_steps[name] += 1
+            steps=[self.param_steps[n] for n in names], grad_scale=float(grad_scale),
+            p_lowps=None if self._lowp is None else [self._lowp[n] for n in names])
 
     # -- a step whose values live in device memory (a captured graph replays it) ------------
     def prepare(self, lr: Optional[float] = None, grad_scale: float = 1.0) -> Tensor:
@@ -229,12 +232,12 @@ class AdamW:
             if grads.get(name) is None:
                 raise ConfigError(f"AdamW.update: no gradient for {name}; a captured step updates "
                                   "every parameter (use step())")
+        self._fit(grads, names, "update")
         ops.adamw_update_many(
             [self.params[n] for n in names], [grads[n] for n in names], [self.m[n] for n in names],
             [self.v[n] for n in names], beta1=b1, beta2=b2, eps=self.eps,
             weight_decays=[self._weight_decay(n) for n in names], scalars=scalars,
-            p_lowps=None if self._lowp is None else [self._lowp[n] for n in names],
-            labels=self._labels(names, "update"))
+            p_lowps=None if self._lowp is None else [self._lowp[n] for n in names])
 
     def advance(self) -> None:
         """Count a step taken through ``update`` (the host's step counters).
