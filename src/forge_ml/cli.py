@@ -1254,7 +1254,22 @@ def _cmd_prepare(args) -> int:
             if out.name == DATA_NAME and run_log(out.parent / "log.jsonl") else ""
         raise DataError(f"{out} already holds {', '.join(held)}{run}; give another --out, or "
                         f"--force to replace them")
-    info = prepare(args.text, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction)
+    from .runs import ENDING_SIGNALS, give_back_signals, take_signals
+
+    def end(signum, frame):
+        raise _Ending(signum)
+    # SIGTERM and SIGHUP end it as Ctrl-C does: the shards' temporary files are removed (a
+    # kill midway through the write left them in OUT, each as large as its shard)
+    old = take_signals(end, ENDING_SIGNALS)
+    try:
+        info = prepare(args.text, args.out, tokenizer=args.tokenizer,
+                       val_fraction=args.val_fraction)
+    except _Ending as e:
+        print(f"{PROG} prepare: stopped by {signal.Signals(e.signum).name} before it finished; "
+              f"run it again to prepare {args.out}", file=sys.stderr)
+        return 128 + int(e.signum)
+    finally:
+        give_back_signals(old)
     print(f"{info['train_tokens']:,} train tokens -> {info['train_path']}")
     print(f"{info['val_tokens']:,} val tokens -> {info['val_path']}")
     print(f"{info['tokenizer']} tokenizer, vocabulary {info['vocab_size']:,} -> {info['tokenizer_path']}")

@@ -466,9 +466,16 @@ def prepare(text_path, out_dir, tokenizer="char", val_fraction: float = 0.1) -> 
     if not str(out_dir).strip() or (out.exists() and not out.is_dir()):
         what = "is empty" if not str(out_dir).strip() else "exists and is not a folder"
         raise DataError(f"prepare: out_dir {str(out_dir)!r} {what}; expected the folder to write the shards in")
+    name = "--out" if CLI_WORDS.get() else "out_dir"
+    # a link to nothing (a folder on a disk not mounted) in the way: said before tokenizing,
+    # where mkdir's "cannot write data: File exists (EEXIST)" came after it
+    dangling = next((p for p in (out, *out.parents) if p.is_symlink() and not p.exists()), None)
+    if dangling is not None:
+        raise DataError(f"prepare: {name} {str(out_dir)!r} cannot be made: {dangling} is a link "
+                        f"to {os.readlink(dangling)}, which does not exist; expected the folder to "
+                        f"write the shards in (make the link's target, or give another folder)")
     above = next((p for p in out.parents if p.exists()), None)   # the folder that out would be made in
     if above is not None and not above.is_dir():
-        name = "--out" if CLI_WORDS.get() else "out_dir"
         raise DataError(f"prepare: {name} {str(out_dir)!r} cannot be made: {above} is a file, not a folder; "
                         f"expected the folder to write the shards in")
     _check_prepare_memory(text_path)
@@ -476,11 +483,29 @@ def prepare(text_path, out_dir, tokenizer="char", val_fraction: float = 0.1) -> 
     if not text:
         raise DataError(f"prepare: {text_path} is empty")
     tok = load_tokenizer(tokenizer, text=text)
+    _check_shard_vocab(tok, f"prepare: {text_path}")   # before tokenizing it all
     ids = encode_array(tok, text)
     n_val = _val_count(len(ids), val_fraction)   # (checked before split_tokens, whose minimum is 1)
     _check_windows(len(ids) - n_val, n_val, val_fraction, f"prepare: {text_path}")   # before any write
     train, val = split_tokens(ids, val_fraction, f"prepare: {text_path}", fraction=_fraction_word())
     return write_prepared(out_dir, train, val, tok)
+
+
+def _check_shard_vocab(tok, source: str) -> None:
+    """A DataError naming ``source`` when ``tok`` has more ids than a shard's uint16 holds (a
+    char alphabet of more than 65,536 characters), with the way out: GPT-2's BPE.
+
+    >>> from forge_ml.tokenizer import CharTokenizer
+    >>> _check_shard_vocab(CharTokenizer("ab"), "prepare: t.txt")
+    """
+    n = tok.vocab_size
+    if n <= 65536:
+        return
+    each = " (one a character of the text)" if tok.kind == "char" else ""
+    flag = "--tokenizer gpt2" if CLI_WORDS.get() else "tokenizer='gpt2'"
+    way = f"; tokenize it with GPT-2's BPE ({flag}) instead" if tok.kind == "char" else ""
+    raise DataError(f"{source}: the {tok.kind} tokenizer has {n:,} ids{each}, but a shard holds "
+                    f"uint16 ids: at most 65,536{way}")
 
 
 PREPARE_BYTES_PER_TEXT_BYTE = 10   # prepare's peak memory over its text's size (see below)
@@ -624,11 +649,8 @@ def write_prepared(out_dir, train, val, tok) -> dict:
     >>> r["train_tokens"], r["val_tokens"], r["tokenizer"], sorted(os.listdir(d))
     (3, 2, 'char', ['tokenizer.json', 'train.bin', 'val.bin'])
     """
-    if tok.vocab_size > 65536:
-        raise DataError(
-            f"prepare: the tokenizer has {tok.vocab_size} ids but shards hold uint16 (at most 65536)"
-        )
     out = Path(out_dir)
+    _check_shard_vocab(tok, f"the shards for {out}")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -811,6 +833,10 @@ class DataLoader:
         if arr.ndim != 1 or (arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0)):
             raise DataError(f"DataLoader.from_tokens: expected a 1-D sequence of integer ids >= 0, "
                             f"got {arr.dtype} of shape {arr.shape} for {name}")
+        if arr.size and arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+            # (the batches' int64 turned it into a negative id, in silence)
+            raise DataError(f"DataLoader.from_tokens: expected ids below 2**63 (the batches are "
+                            f"int64), got id {int(arr.max())} for {name}")
         self._use([arr], [Path(name)], what=f"{name} holds")
         return self
 
