@@ -219,6 +219,8 @@ def beam_search(model, prompt_ids, max_new_tokens: int, num_beams: int,
         raise ShapeError(f"beam_search: prompt_ids must be a list of int token ids, got "
                          f"{prompt_ids!r:.80}")
     prompt = [int(t) for t in prompt_ids]
+    if isinstance(eos_token_id, np.ndarray) and eos_token_id.ndim == 0:
+        eos_token_id = eos_token_id.item()   # np.array(5): one id, as generate's stop_tokens
     if eos_token_id is None:
         eos = ()
     elif _is_int(eos_token_id):

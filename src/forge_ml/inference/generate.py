@@ -144,11 +144,16 @@ def apply_repetition_penalty(logits, penalty: float, context,
     """``logits`` (float64 copy, one row: ``(V,)``, or ``(1, V)`` read as it) with the CTRL
     repetition penalty on every id in ``context``: a positive logit divided by ``penalty``, a
     negative one multiplied (transformers' ``RepetitionPenaltyLogitsProcessor``). An id counts
-    once however often it occurs.
+    once however often it occurs. ``penalty``: a finite number > 0 (1 is off), else a
+    ConfigError naming ``who``.
 
     >>> apply_repetition_penalty(np.array([2.0, -1.0, 3.0]), 2.0, [0, 1, 1]).tolist()
     [1.0, -2.0, 3.0]
     """
+    if not (is_real(penalty) and 0 < float(penalty) < float("inf")):
+        # (0 gave inf logits, a negative penalty swapped the signs, NaN NaNs: all in silence)
+        raise ConfigError(f"{who}: the repetition penalty must be a finite number > 0 (1 is "
+                          f"off, > 1 discourages repeats), got {penalty!r}")
     if isinstance(logits, Tensor):          # the model's own output (float() of it failed)
         logits = logits.numpy()
     z = np.array(logits, dtype=np.float64)  # a copy
@@ -169,7 +174,8 @@ def apply_repetition_penalty(logits, penalty: float, context,
     ctx = ctx[ctx < z.shape[0]]                       # ids past the logits cannot be chosen
     ids = np.unique(ctx.astype(np.int64))
     if ids.size and ids[0] < 0:   # NumPy would take -1 for the last id
-        raise ConfigError(f"apply_repetition_penalty: token id {int(ids[0])} in the context is negative")
+        raise ConfigError(f"{who}: token id {int(ids[0])} in the context is negative; token "
+                          f"ids are 0 or more")
     seen = z[ids]
     z[ids] = np.where(seen < 0, seen * penalty, seen / penalty)
     return z
@@ -265,7 +271,8 @@ def next_token_probs(logits, temperature: float = 1.0, top_k: Optional[int] = No
     if temperature == 0:
         probs[int(np.argmax(z))] = 1.0
         return probs
-    z = z / temperature
+    with np.errstate(over="ignore"):    # the max first: a vanishing temperature gives -inf,
+        z = (z - z.max()) / temperature  # not inf - inf = NaN (token_logprobs' order)
     keep = np.ones(v, bool)
     if top_k and top_k < v:                              # None and 0: off
         kth = np.partition(z, v - top_k)[v - top_k]      # the k-th largest logit
