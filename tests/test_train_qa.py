@@ -141,3 +141,19 @@ def test_a_run_of_zero_steps_evaluates_and_saves(workdir, capsys):
     out = capsys.readouterr().out
     assert "done: step 0" in out and "warmup" not in out
     assert (workdir / "r" / "ckpt").is_dir()
+
+
+def test_train_on_a_text_too_short_to_split_says_what_each_part_needs(tmp_path, capsys):
+    """(QA, forty-fourth session) `forge-ml train --data` on a 4-character text said "expected
+    at least 1 each" (split_tokens' floor) where each part needs 2 tokens (a window and its
+    target) and prepare said so; train says what prepare says now, with the way out."""
+    from forge_ml.cli import main
+    text = tmp_path / "t.txt"
+    text.write_text("abcd", encoding="utf-8")
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(text), "--device", "cpu", "--max-steps", "1",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "evaluation needs at least 2" in err and "--val-fraction (at least 0.5)" in err, err
+    assert "at least 1 each" not in err
+    assert not (out / "log.jsonl").exists()
