@@ -163,3 +163,96 @@ def _checked_op(op: str):
 
 for _op in _CHECKED_OPS:
     setattr(CheckingTape, _op, _checked_op(_op))
+
+
+def gpt2_loss_numpy(cfg, params: dict, ids, targets) -> float:
+    """GPT-2's mean next-token cross-entropy for ``ids`` and ``targets`` ``(B, T)``, written
+    out in float64 NumPy without any forge-ml op: the independent reference that
+    ``forge-ml check`` holds forge-ml's own float64 model to (its float64 run shares the
+    NumPy kernels with a CPU that has no C kernels, so it cannot be its own reference).
+    ``params``: name -> array, as ``GPT2.state_dict()``; ``cfg``: its ``GPT2Config``.
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> from forge_ml import tensor
+    >>> cfg = GPT2Config(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    >>> m = GPT2.init(cfg, seed=0, dtype="float64")
+    >>> x, y = np.array([[1, 2, 3]]), np.array([[2, 3, 4]])
+    >>> got = gpt2_loss_numpy(cfg, m.state_dict(), x, y)
+    >>> bool(abs(got - m.loss_and_grads(tensor(x), tensor(y))[0]) < 1e-12)
+    True
+    """
+    w = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    x, y = np.asarray(ids), np.asarray(targets)
+    B, T = x.shape
+    C, H = cfg.n_embd, cfg.n_head
+
+    def ln(a, p):
+        d = a - a.mean(-1, keepdims=True)
+        rstd = 1.0 / np.sqrt((d * d).mean(-1, keepdims=True) + cfg.layernorm_eps)
+        return d * rstd * w[p + ".weight"] + w[p + ".bias"]
+
+    def lin(a, p):
+        return a @ w[p + ".weight"] + w[p + ".bias"]
+
+    def heads(a):
+        return a.reshape(B, T, H, C // H).transpose(0, 2, 1, 3)
+
+    h = w["wte.weight"][x] + w["wpe.weight"][:T]
+    masked = np.triu(np.ones((T, T), bool), 1)
+    for i in range(cfg.n_layer):
+        p = f"h.{i}."
+        q, k, v = (heads(a) for a in np.split(lin(ln(h, p + "ln_1"), p + "attn.c_attn"), 3, -1))
+        s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(C // H)
+        s[..., masked] = -np.inf
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        h = h + lin((s @ v).transpose(0, 2, 1, 3).reshape(B, T, C), p + "attn.c_proj")
+        u = lin(ln(h, p + "ln_2"), p + "mlp.c_fc")
+        u = 0.5 * u * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (u + 0.044715 * u ** 3)))
+        h = h + lin(u, p + "mlp.c_proj")
+    head = w["wte.weight"] if cfg.tied_head else w["lm_head.weight"]
+    z = (ln(h, "ln_f") @ head.T)[..., :cfg.vocab_size]
+    m = z.max(-1, keepdims=True)
+    lse = np.log(np.exp(z - m).sum(-1)) + m[..., 0]
+    return float((lse - np.take_along_axis(z, y[..., None], -1)[..., 0]).mean())
+
+
+def check_reference(cfg, params: dict, ids, targets, loss: float, grads: dict,
+                    seed: int = 0) -> Optional[str]:
+    """None when forge-ml's float64 ``loss`` and ``grads`` (name -> array) for ``params``
+    agree with ``gpt2_loss_numpy`` (the loss within 1e-9, relative) and each gradient with
+    central differences of it along a random direction (within 1e-5 of the gradient's norm);
+    else a line naming what disagrees, and by how much.
+
+    >>> from forge_ml.models.gpt2 import GPT2, GPT2Config
+    >>> from forge_ml import tensor
+    >>> cfg = GPT2Config(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    >>> m = GPT2.init(cfg, seed=0, dtype="float64")
+    >>> x, y = np.array([[1, 2, 3]]), np.array([[2, 3, 4]])
+    >>> loss, g = m.loss_and_grads(tensor(x), tensor(y))
+    >>> g = {k: t.numpy() for k, t in g.items()}
+    >>> check_reference(cfg, m.state_dict(), x, y, loss, g) is None
+    True
+    >>> g["h.0.mlp.c_fc.bias"] *= 1.01
+    >>> print(check_reference(cfg, m.state_dict(), x, y, loss, g))  # doctest: +ELLIPSIS
+    the gradient of h.0.mlp.c_fc.bias is off from central differences of ... by ...e-03 ...
+    """
+    w = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    want = gpt2_loss_numpy(cfg, w, ids, targets)
+    if not abs(loss - want) <= 1e-9 * abs(want):     # (False for a NaN)
+        return (f"the float64 loss {loss:.9f} is not plain NumPy's GPT-2 loss {want:.9f} "
+                f"(a forward op computes something else)")
+    rs = np.random.default_rng(seed)
+    for k in sorted(grads):
+        g = np.asarray(grads[k], np.float64)
+        d = rs.standard_normal(g.shape)
+        t = 1e-4 * max(float(np.abs(w[k]).max()), 1.0) / max(float(np.abs(d).max()), 1.0)
+        plus = gpt2_loss_numpy(cfg, {**w, k: w[k] + t * d}, ids, targets)
+        minus = gpt2_loss_numpy(cfg, {**w, k: w[k] - t * d}, ids, targets)
+        fd, an = (plus - minus) / (2 * t), float((g * d).sum())
+        err = abs(fd - an) / max(float(np.sqrt((g * g).sum())), 1e-12)
+        if not err <= 1e-5:
+            return (f"the gradient of {k} is off from central differences of plain NumPy's "
+                    f"GPT-2 loss by {err:.1e} of its norm (along a random direction: "
+                    f"{an:.6e} against {fd:.6e}; a backward op computes something else)")
+    return None

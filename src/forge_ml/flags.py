@@ -72,7 +72,7 @@ class Switch:
         v = dict(self.aliases).get(v, v)
         if v not in self.choices:
             raise ConfigError(f"{self.name}={raw!r} is not one of {'|'.join(self.choices)}"
-                              + (" (or 1/0)" if self.choices == ("on", "off") else ""))
+                              + (" (or 1/0)" if {"on", "off"} <= set(self.choices) else ""))
         return v
 
 
@@ -354,7 +354,8 @@ def _switch(name: str) -> Switch:
 def override(**values):
     """Set switches for the duration of a ``with`` block (tests, benchmarks).
 
-    Values are checked like the environment's; booleans become on/off.
+    Values are checked like the environment's; booleans become on/off. None is an error
+    (its text "None" would pass as a path or a key).
 
     >>> with override(FORGE_GEMV=False):
     ...     on("FORGE_GEMV")
@@ -363,6 +364,9 @@ def override(**values):
     layer = {}
     for name, v in values.items():
         sw = _switch(name)
+        if v is None:
+            want = "|".join(sw.choices) if sw.choices else "a string"
+            raise ConfigError(f"flags.override: {name}=None; expected {want}")
         if isinstance(v, bool):
             v = "on" if v else "off"
         layer[name] = sw.parse(str(v))
