@@ -1,4 +1,4 @@
-// launched from backends/cuda/pointwise.py
+// launched from backends/cuda/pointwise.py (gelu_fwd/bwd) and rows.py (gelu_bwd_colsum*)
 // gelu.cu: GPT-2's GELU, tanh approximation (Hendrycks & Gimpel 2016, eq. in section 2):
 //   y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
 //   dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
