@@ -15,6 +15,7 @@ usage: forge-ml prepare ...
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import importlib.util
@@ -1264,22 +1265,16 @@ def _cmd_prepare(args) -> int:
             if out.name == DATA_NAME and run_log(out.parent / "log.jsonl") else ""
         raise DataError(f"{out} already holds {', '.join(held)}{run}; give another --out, or "
                         f"--force to replace them")
-    from .runs import ENDING_SIGNALS, give_back_signals, take_signals
-
-    def end(signum, frame):
-        raise _Ending(signum)
     # SIGTERM and SIGHUP end it as Ctrl-C does: the shards' temporary files are removed (a
     # kill midway through the write left them in OUT, each as large as its shard)
-    old = take_signals(end, ENDING_SIGNALS)
     try:
-        info = prepare(args.text, args.out, tokenizer=args.tokenizer,
-                       val_fraction=args.val_fraction)
+        with _ending_signals():
+            info = prepare(args.text, args.out, tokenizer=args.tokenizer,
+                           val_fraction=args.val_fraction)
     except _Ending as e:
         print(f"{PROG} prepare: stopped by {signal.Signals(e.signum).name} before it finished; "
               f"run it again to prepare {args.out}", file=sys.stderr)
         return 128 + int(e.signum)
-    finally:
-        give_back_signals(old)
     print(f"{info['train_tokens']:,} train tokens -> {info['train_path']}")
     print(f"{info['val_tokens']:,} val tokens -> {info['val_path']}")
     print(f"{info['tokenizer']} tokenizer, vocabulary {info['vocab_size']:,} -> {info['tokenizer_path']}")
@@ -1301,22 +1296,31 @@ class _Ending(BaseException):
         self.signum = signum
 
 
-def _cmd_convert(args) -> int:
-    """``convert``, with SIGTERM and SIGHUP ending it as Ctrl-C does: the output as it was,
-    nothing left beside it (they killed it midway, leaving ``<out>.tmp`` and the lock)."""
+@contextlib.contextmanager
+def _ending_signals():
+    """SIGTERM and SIGHUP raise ``_Ending`` inside the block (the handlers before are back
+    after it), so that a write's clean-up runs as under Ctrl-C."""
     from .runs import ENDING_SIGNALS, give_back_signals, take_signals
 
     def end(signum, frame):
         raise _Ending(signum)
     old = take_signals(end, ENDING_SIGNALS)
     try:
-        return _convert(args)
+        yield
+    finally:
+        give_back_signals(old)
+
+
+def _cmd_convert(args) -> int:
+    """``convert``, with SIGTERM and SIGHUP ending it as Ctrl-C does: the output as it was,
+    nothing left beside it (they killed it midway, leaving ``<out>.tmp`` and the lock)."""
+    try:
+        with _ending_signals():
+            return _convert(args)
     except _Ending as e:
         print(f"{PROG} convert: stopped by {signal.Signals(e.signum).name}; {args.out} is as it "
               f"was", file=sys.stderr)
         return 128 + int(e.signum)
-    finally:
-        give_back_signals(old)
 
 
 def _convert(args) -> int:
