@@ -632,7 +632,8 @@ def test_overwrite_with_data_too_short_keeps_the_earlier_run(workdir, capsys):
     _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--overwrite", "--block-size", "5000"],
            "train part of t.txt", "--block-size 5000")
     Path("three.txt").write_text("abc")
-    _fails(capsys, ["train", "--data", "three.txt", "--out", "r", *TINY, "--overwrite"], "0 for val")
+    _fails(capsys, ["train", "--data", "three.txt", "--out", "r", *TINY, "--overwrite"],
+           "3 train and 0 val tokens, but each needs at least 2")
     Path("empty.txt").write_text("")
     _fails(capsys, ["train", "--data", "empty.txt", "--out", "r", *TINY, "--overwrite"], "empty.txt is empty")
     _fails(capsys, ["train", "--data", "t.txt", "--out", "r", *TINY, "--overwrite", "--seed", "-1"],
@@ -2185,7 +2186,7 @@ def test_sizes_and_a_short_text_name_the_flags(workdir, capsys):
            "--n-embd 128 (the default) must be divisible by --n-head 3")
     Path("tiny.txt").write_text("abcd")
     line = _fails(capsys, ["train", "--data", "tiny.txt", "--out", "r2", *TINY, "--max-steps", "1"],
-                  "tiny.txt gives 4 tokens; with --val-fraction 0.1 that leaves 4 for train and 0")
+                  "tiny.txt gives 4 tokens; with --val-fraction 0.1 the val split gets 0 tokens")
     assert "prepare" not in line and "val_fraction" not in line, line
     with pytest.raises(ConfigError, match="^n_embd 16 must be divisible by n_head 3"):
         Trainer(TrainConfig(data="t.txt", out_dir="r3", n_layer=1, n_head=3, n_embd=16, block_size=16,
