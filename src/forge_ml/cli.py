@@ -397,8 +397,8 @@ def _cmd_check(args) -> int:
     # the float64 run is itself held to plain NumPy (it shares the NumPy kernels a CPU without
     # the C kernels runs in float32: wrong there, it agreed with itself)
     wrong = check_reference(cfg, state, x, y, l64, {k: g.numpy() for k, g in g64.items()})
-    bad = wrong is not None
-    if wrong:
+    bad = int(wrong is not None)
+    if wrong is not None:
         print(f"float64  FAIL {wrong}")
     devices = args.device or ["cpu", "cuda"]
     for dev in devices:

@@ -484,11 +484,8 @@ def prepare(text_path, out_dir, tokenizer="char", val_fraction: float = 0.1) -> 
         raise DataError(f"prepare: {text_path} is empty")
     tok = load_tokenizer(tokenizer, text=text)
     _check_shard_vocab(tok, f"prepare: {text_path}")   # before tokenizing it all
-    ids = encode_array(tok, text)
-    n_val = _val_count(len(ids), val_fraction)   # (checked before split_tokens, whose minimum is 1)
-    _check_windows(len(ids) - n_val, n_val, val_fraction, f"prepare: {text_path}")   # before any write
-    train, val = split_tokens(ids, val_fraction, f"prepare: {text_path}", fraction=_fraction_word())
-    return write_prepared(out_dir, train, val, tok)
+    train, val = split_windows(encode_array(tok, text), val_fraction, f"prepare: {text_path}")
+    return write_prepared(out_dir, train, val, tok)   # (the split checked before any write)
 
 
 def _check_shard_vocab(tok, source: str) -> None:
@@ -533,6 +530,20 @@ def _fraction_word() -> str:
 
 
 MIN_SPLIT_TOKENS = 2   # a window of 1 token and its next-token target: what eval and training read
+
+
+def split_windows(ids, val_fraction: float, source: str) -> tuple:
+    """``split_tokens``' ``(train, val)`` for training and evaluation: each part first held to
+    ``MIN_SPLIT_TOKENS`` (a DataError naming ``source`` says what each part got, what it needs
+    and the ``val_fraction`` that gives it; ``split_tokens`` alone asks only 1 token each).
+
+    >>> [len(a) for a in split_windows(range(20), 0.1, "t.txt")]
+    [18, 2]
+    """
+    ids = np.asarray(ids)
+    n_val = _val_count(ids.size, val_fraction)
+    _check_windows(ids.size - n_val, n_val, val_fraction, source)
+    return split_tokens(ids, val_fraction, source, fraction=_fraction_word())
 
 
 def _check_windows(n_train: int, n_val: int, val_fraction: float, source: str) -> None:

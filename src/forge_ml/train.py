@@ -76,8 +76,7 @@ from .checkpoint import (check_architecture, check_checkpoint_target, interrupte
                          is_checkpoint_dir, is_inside, load_checkpoint, pack_tensors, read_meta,
                          read_state, save_checkpoint, unpack_tensors)
 from .data import (DataLoader, ShardFolder, default_corpus, encode_array, file_fingerprint, is_shard_file,
-                   load_text, read_shard, shard_folder, split_tokens, write_prepared,
-                   _check_windows, _val_count)
+                   load_text, read_shard, shard_folder, split_windows, write_prepared)
 from .diagnose import CheckingTape
 from .device import Device
 from .errors import (CLI_WORDS, CheckpointError, ConfigError, DataError, ForgeError, OutOfMemoryError,
@@ -1283,10 +1282,7 @@ class Trainer:
                 raise DataError(f"{src if cfg.data else 'the default corpus'} holds {len(extra)} character(s) that the "
                                 f"char tokenizer of {whose} lacks ({''.join(extra[:20])!r}); "
                                 f"fine-tune on text written with its characters")
-        ids = encode_array(tok, text)
-        n_val = _val_count(len(ids), cfg.val_fraction)   # the need of each part, as prepare says it
-        _check_windows(len(ids) - n_val, n_val, cfg.val_fraction, what)
-        train, val = split_tokens(ids, cfg.val_fraction, what, fraction=_field_word("val_fraction"))
+        train, val = split_windows(encode_array(tok, text), cfg.val_fraction, what)   # as prepare
         frac = f"the last {cfg.val_fraction:g} of {len(train) + len(val):,} tokens"
         self._check_length(len(train), f"the train part of {what} (all but {frac})")
         self._check_length(len(val), f"the val part of {what} ({frac}; see --val-fraction)")
